@@ -1,0 +1,86 @@
+"""`jaxinfer` command line: generate, serve, convert, memory."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from jaxinfer.errors import JaxinferError
+
+DESCRIPTION = """\
+jaxinfer: LLM inference in JAX with Pallas GPU kernels.
+
+Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, convert
+Hugging Face checkpoints to orbax, or size the KV cache for a model and accelerator."""
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a Hugging Face model directory to an orbax checkpoint",
+                       description="Write an orbax checkpoint of HF_DIR's weights (plus its config and "
+                                   "tokenizer files) to OUT_DIR. jaxinfer loads OUT_DIR like HF_DIR.")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the converted model")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the stored weights (default: %(default)s)")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import shutil
+
+    import jax.numpy as jnp
+
+    from jaxinfer.config import load_config
+    from jaxinfer.weights import load_params, save_orbax
+
+    cfg = load_config(args.hf_dir)
+    params = load_params(args.hf_dir, cfg, getattr(jnp, args.dtype), load_format="safetensors")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(args.hf_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    path = save_orbax(params, out)
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"], help="default: %(default)s")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from jaxinfer import cli_generate
+    cli_generate.add_parser(sub)
+    try:
+        from jaxinfer import cli_serve
+        cli_serve.add_parser(sub)
+    except ImportError:  # the server package is optional for offline use
+        pass
+    _add_convert(sub)
+    from jaxinfer import cli_memory
+    cli_memory.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except JaxinferError as e:
+        print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # invalid flag values found after parsing (e.g. sampling parameters)
+        print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

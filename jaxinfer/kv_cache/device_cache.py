@@ -1,0 +1,40 @@
+"""The device-side KV cache: per layer one K and one V array in the head-major paged layout
+[num_kv_heads, num_blocks, block_size, head_dim] (see pallas_kernels/reference.py for why)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+# Per layer (k_cache, v_cache); a tuple so it is a pytree that jit can donate.
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
+                      dtype: jnp.dtype = jnp.bfloat16) -> KVCache:
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+
+# The cache is donated, so XLA updates the copied blocks in place instead of copying the cache.
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy whole blocks src[i] -> dst[i] in every layer's K and V (copy-on-write after a fork).
+
+    src, dst: int32[N], from KVCacheManager.take_pending_copies(); pad both to a fixed N (a bucket)
+    with dst = -1, which is skipped, to avoid one compilation per count. Destinations must be
+    distinct. All reads happen before all writes (a gather, then a scatter), so a block that is
+    both a destination and a source in one call is read with its old content."""
+    num_blocks = kv_cache[0][0].shape[1]
+    dst = jnp.where(dst < 0, num_blocks, dst)  # out of range -> dropped by the scatter
+    src = jnp.clip(src, 0, num_blocks - 1)
+
+    def copy(cache: jax.Array) -> jax.Array:
+        return cache.at[:, dst].set(cache[:, src], mode="drop")
+
+    return tuple((copy(k), copy(v)) for k, v in kv_cache)

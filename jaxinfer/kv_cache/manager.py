@@ -1,0 +1,283 @@
+"""KVCacheManager: per-request block tables over the block pool, with prefix caching and forks.
+
+This is the whole host-side API the scheduler and runner use (shaped like vLLM V1's
+``KVCacheManager``). A request's life:
+
+    n = mgr.get_computed_blocks(rid, prompt)    # cached whole-block prefix, now held by rid
+    if not mgr.allocate_slots(rid, len(prompt) - n):
+        mgr.free(rid)                           # not admitted this step: give the prefix back
+    ...                                         # runner: mgr.take_pending_copies(), then
+    ...                                         # block tables from mgr.get_block_ids(rid)
+    mgr.cache_blocks(rid, tokens, num_computed) # after the step: newly full blocks -> cache
+    mgr.allocate_slots(rid, 1)                  # each decode step; False -> preempt someone
+    mgr.fork(rid, child)                        # parallel sampling: share every block
+    mgr.free(rid)                               # finished / aborted / preempted
+
+Invariants (checked by tests/test_kv_manager_properties.py): a request holds exactly
+``ceil(num_tokens / block_size)`` distinct blocks; a block's reference count equals the number of
+request tables that hold it; free + used == num_blocks; every holder of a cached block holds its
+whole cached prefix (so eviction can go leaf first, see prefix_cache.py).
+
+Block 0 is not reserved: every block id in [0, num_blocks) can be handed out. Padding tokens use
+slot -1 and padding block-table entries are never read (pallas_kernels/metadata.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Sequence
+
+from jaxinfer.kv_cache.block_pool import BlockPool
+from jaxinfer.kv_cache.prefix_cache import PrefixCache, _Node
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Monotonic counters for metrics, in tokens like vLLM's ``prefix_cache_queries/hits``."""
+    requests: int = 0  # get_computed_blocks calls with caching on
+    queries: int = 0   # prompt tokens looked up
+    hits: int = 0      # of those, tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class _RequestBlocks:
+    __slots__ = ("block_ids", "num_tokens", "num_cached_blocks", "cache_node")
+
+    def __init__(self, block_ids: list[int], num_tokens: int, num_cached_blocks: int, cache_node):
+        self.block_ids = block_ids            # physical blocks, logical order
+        self.num_tokens = num_tokens          # tokens with a slot (computed or scheduled)
+        self.num_cached_blocks = num_cached_blocks  # leading blocks registered in the prefix cache
+        self.cache_node = cache_node          # tree node of the last of those (root if none)
+
+
+class KVCacheManager:
+    """Block tables for every live request over one pool of ``num_blocks`` blocks.
+
+    Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.stats = PrefixCacheStats()
+        self._requests: dict[Hashable, _RequestBlocks] = {}
+        # Pending copy-on-write device copies, dst block -> src block (see take_pending_copies).
+        self._pending_copies: dict[int, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can still get (free list + evictable cached blocks)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction (0..1) of blocks held by live requests; evictable cached blocks count as free."""
+        return self.pool.usage
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (held or evictable)."""
+        return self.prefix_cache.num_cached_blocks if self.prefix_cache else 0
+
+    def has_request(self, request_id: Hashable) -> bool:
+        return request_id in self._requests
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Tokens of the request that have a KV slot (cached prefix + everything allocated)."""
+        return self._requests[request_id].num_tokens
+
+    def get_block_ids(self, request_id: Hashable) -> list[int]:
+        """The request's physical block ids in logical order, for the runner's block table.
+
+        Returns the manager's own list: read it, do not mutate or keep it. Re-read it every step
+        after allocate_slots / cache_blocks: allocation appends, copy-on-write replaces the last
+        id, and cache_blocks may swap a full block for an identical cached one (deduplication)."""
+        return self._requests[request_id].block_ids
+
+    # ---- admission -----------------------------------------------------------------------
+    def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Register a new request and give it the longest cached whole-block prefix of its tokens.
+
+        The matched blocks are referenced by the request right away (they cannot be evicted under
+        it); call allocate_slots for the remaining tokens next, and free(request_id) if the request
+        is not admitted after all. At least one token is always left to compute, so the step that
+        follows yields logits (a fully cached prompt recomputes its last block's tokens from the
+        last block boundary before its final token).
+
+        Returns the number of tokens whose KV is already cached: a multiple of block_size, always
+        < len(token_ids); 0 when prefix caching is off. Counts one query of len(token_ids) tokens
+        and the hits in ``stats``. Raises ValueError if the request already holds blocks."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already registered with the KV cache "
+                             f"manager; free() it before matching its prefix again")
+        cache = self.prefix_cache
+        if cache is None:
+            self._requests[request_id] = _RequestBlocks([], 0, 0, None)
+            return 0
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        blocks, node = cache.match(token_ids, max_blocks)
+        incref = self.pool.incref
+        for b in blocks:
+            incref(b)
+        num_computed = len(blocks) * self.block_size
+        self._requests[request_id] = _RequestBlocks(blocks, num_computed, len(blocks), node)
+        self.stats.requests += 1
+        self.stats.queries += len(token_ids)
+        self.stats.hits += num_computed
+        return num_computed
+
+    # ---- growth --------------------------------------------------------------------------
+    def allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
+        """Give the request slots for ``num_new_tokens`` more tokens (a prefill chunk or a decode).
+
+        Allocates blocks on demand as tokens cross block boundaries. If the request's last block
+        is partly filled and shared with a fork, it is first copied into a fresh block
+        (copy-on-write) and the (src, dst) device copy is queued for take_pending_copies.
+
+        Returns True on success. Returns False, having changed nothing, when the pool has too few
+        free + evictable blocks: the scheduler then preempts (free()s) a request and retries.
+        An unknown request id is registered with an empty table (no prefix match)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
+        req = self._requests.get(request_id)
+        if req is None:
+            req = _RequestBlocks([], 0, 0, self.prefix_cache.root if self.prefix_cache else None)
+            self._requests[request_id] = req
+        if num_new_tokens == 0:
+            return True
+        bs = self.block_size
+        blocks = req.block_ids
+        old_tokens = req.num_tokens
+        new_tokens = old_tokens + num_new_tokens
+        num_new_blocks = (new_tokens + bs - 1) // bs - len(blocks)
+        pool = self.pool
+        copy_on_write = old_tokens % bs != 0 and pool.ref_counts[blocks[-1]] > 1
+        if num_new_blocks + copy_on_write > pool.num_free_blocks:
+            if old_tokens == 0 and not blocks:
+                del self._requests[request_id]  # leave no trace of a request we registered here
+            return False
+        if copy_on_write:
+            src = blocks[-1]
+            (dst,) = pool.allocate(1)
+            pool.decref(src)  # still held by the fork that shares it (count was > 1)
+            blocks[-1] = dst
+            # If src is itself waiting to be filled by a copy, copy from that copy's source: all
+            # copies of a step read the cache before any writes (see device_cache.copy_blocks).
+            self._pending_copies[dst] = self._pending_copies.get(src, src)
+        if num_new_blocks > 0:
+            blocks.extend(pool.allocate(num_new_blocks))
+        req.num_tokens = new_tokens
+        return True
+
+    def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int],
+                     num_computed_tokens: int) -> int:
+        """Insert the request's newly *computed* full blocks into the prefix cache.
+
+        Call after each step with the request's token ids (prompt + output) and how many of them
+        now have their KV written. Only full blocks among the first ``num_computed_tokens`` are
+        inserted, each keyed by its tokens under its predecessor (so the key covers the whole
+        prefix). If an identical block is already cached (two requests computed the same prefix
+        concurrently), the request switches to the cached block and its own copy is released, so
+        the duplicate does not stay resident. Returns the number of blocks newly registered or
+        deduplicated; a no-op (0) when caching is off or no block filled up since the last call."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        req = self._requests[request_id]
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        first = req.num_cached_blocks
+        if num_full <= first:
+            return 0
+        if num_computed_tokens > req.num_tokens or num_computed_tokens > len(token_ids):
+            raise ValueError(
+                f"cache_blocks({request_id!r}): num_computed_tokens={num_computed_tokens} exceeds "
+                f"the request's {req.num_tokens} allocated tokens or its {len(token_ids)} token ids")
+        blocks, pool, node = req.block_ids, self.pool, req.cache_node
+        for i in range(first, num_full):
+            own = blocks[i]
+            node = cache.insert(node, tuple(token_ids[i * bs:(i + 1) * bs]), own)
+            if node.block_id != own:  # identical block already cached: share it, drop ours
+                pool.incref(node.block_id)
+                blocks[i] = node.block_id
+                self._release(own)
+        req.num_cached_blocks = num_full
+        req.cache_node = node
+        return num_full - first
+
+    # ---- sharing and release -------------------------------------------------------------
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (reference counts +1, no copy).
+
+        Needs no free block, so it always succeeds. The first append by either side into the
+        shared partly-filled last block copies that one block (see allocate_slots)."""
+        if child_id in self._requests:
+            raise ValueError(f"fork: child request {child_id!r} already exists")
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"fork: unknown parent request {parent_id!r}")
+        incref = self.pool.incref
+        for b in parent.block_ids:
+            incref(b)
+        self._requests[child_id] = _RequestBlocks(list(parent.block_ids), parent.num_tokens,
+                                                  parent.num_cached_blocks, parent.cache_node)
+
+    def free(self, request_id: Hashable) -> bool:
+        """Release all the request's blocks (finished, aborted or preempted).
+
+        Blocks whose count reaches 0 return to the free list, or to the evictable set if cached;
+        they are released last block first so cached leaves become evictable before their
+        parents. Idempotent: returns False for an unknown (or already freed) request."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        release = self._release
+        for b in reversed(req.block_ids):
+            release(b)
+        return True
+
+    def _release(self, block_id: int) -> None:
+        self.pool.decref(block_id)
+        # A block freed before its pending copy ran will be reallocated: the copy must not land.
+        if self._pending_copies and self.pool.ref_counts[block_id] == 0:
+            self._pending_copies.pop(block_id, None)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write (src, dst) block copies queued since the last call, and clear them.
+
+        The runner performs them (device_cache.copy_blocks) at the start of the next step,
+        before that step writes any KV. Destinations are distinct; a source may repeat."""
+        copies = [(src, dst) for dst, src in self._pending_copies.items()]
+        self._pending_copies.clear()
+        return copies
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (e.g. after loading new weights). Unreferenced cached blocks
+        go back to the free list (returned: how many); blocks held by live requests stay theirs,
+        uncached, and their later full blocks are cached afresh by cache_blocks."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        freed = cache.clear()
+        for req in self._requests.values():
+            req.num_cached_blocks = 0
+            req.cache_node = cache.root
+        return freed
+
+    # ---- introspection for tests ---------------------------------------------------------
+    def request_ids(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def cache_node_of(self, block_id: int) -> _Node | None:
+        return self.prefix_cache.node_of(block_id) if self.prefix_cache else None

@@ -1,0 +1,128 @@
+"""Memory planner: how many KV-cache blocks fit on the device.
+
+    kv budget  = gpu_memory_utilization × device memory − weight bytes − activation peak
+    num_blocks = floor(kv budget / bytes per block)
+    bytes per block = block_size × 2 × num_layers × num_kv_heads × head_dim × dtype bytes
+
+"Device memory" is what JAX's allocator may use (``memory_stats()['bytes_limit']``). With JAX's
+default preallocation that is 75% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), so the engine's GPU
+entry point should raise that fraction (e.g. to 0.95) before JAX starts if it wants most of the
+card. The activation peak is measured, not guessed: compile the step for the largest bucket and
+pass ``activation_peak_bytes(compiled)``; the KV cache is donated to the step, so its size does not
+change that figure and a small cache can be used for the measurement. ``--num-blocks`` skips all
+of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+from jaxinfer.kv_cache.cache_config import CacheConfig, resolve_kv_cache_dtype
+
+GIB = 1 << 30
+
+
+class MemoryPlanError(JaxinferError):
+    """The KV cache cannot be sized: device memory unknown (CPU) or too small for one block."""
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """KV bytes one token occupies across the model: 2 (K and V) × L × H_kv × d_k × bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: jnp.dtype) -> int:
+    return block_size * kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                           jnp.dtype(kv_dtype).itemsize)
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes held by all arrays of a pytree (e.g. the model parameters)."""
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
+
+
+def activation_peak_bytes(compiled: Any) -> int:
+    """Device memory a compiled step needs beyond its inputs, from ``compiled.memory_analysis()``.
+
+    temp (scratch) + generated code + outputs that do not alias a donated input (the KV cache is
+    donated and aliased, so only the sampled tokens and logprobs count)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise MemoryPlanError("this backend reports no memory analysis for compiled code; "
+                              "pass --num-blocks")
+    fresh_outputs = max(0, stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    return int(stats.temp_size_in_bytes + stats.generated_code_size_in_bytes + fresh_outputs)
+
+
+def device_memory_bytes(device: jax.Device | None = None) -> int:
+    """Bytes JAX's allocator may use on the device. CPU reports none: MemoryPlanError."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise MemoryPlanError(f"device {device} ({device.platform}) does not report its memory, so "
+                              f"the KV cache cannot be sized automatically; pass --num-blocks")
+    return int(stats["bytes_limit"])
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    kv_dtype: jnp.dtype
+    bytes_per_block: int
+    # The budget behind num_blocks; None where --num-blocks overrode the planner.
+    device_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    weight_bytes: int | None = None
+    activation_bytes: int | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        """One log line: the figures behind the number of blocks."""
+        head = (f"KV cache: {self.num_blocks} blocks × {self.block_size} tokens = {self.max_tokens} "
+                f"tokens, {self.kv_bytes / GIB:.2f} GiB ({jnp.dtype(self.kv_dtype).name})")
+        if self.device_bytes is None:
+            return head + " (--num-blocks)"
+        return (head + f" = {self.gpu_memory_utilization:g} × {self.device_bytes / GIB:.2f} GiB device"
+                f" − {self.weight_bytes / GIB:.2f} GiB weights"
+                f" − {self.activation_bytes / GIB:.2f} GiB activations")
+
+
+def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
+                  activation_bytes: int = 0, device_bytes: int | None = None,
+                  model_dtype: str | None = None) -> KVCachePlan:
+    """Number of blocks for this model and cache config (see the module docstring for the formula).
+
+    ``device_bytes`` defaults to device_memory_bytes(); ``model_dtype`` (for --kv-cache-dtype auto)
+    defaults to the config's dtype. Raises MemoryPlanError naming the flags to change when not
+    even one block fits."""
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
+    block_bytes = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
+    if cache.num_blocks is not None:
+        return KVCachePlan(cache.num_blocks, cache.block_size, kv_dtype, block_bytes)
+    if device_bytes is None:
+        device_bytes = device_memory_bytes()
+    budget = int(cache.gpu_memory_utilization * device_bytes) - weight_bytes - activation_bytes
+    num_blocks = budget // block_bytes if budget > 0 else 0
+    if num_blocks < 1:
+        raise MemoryPlanError(
+            f"no room for the KV cache: {cache.gpu_memory_utilization:g} × "
+            f"{device_bytes / GIB:.2f} GiB (--gpu-memory-utilization × device) − "
+            f"{weight_bytes / GIB:.2f} GiB weights − {activation_bytes / GIB:.2f} GiB activations "
+            f"= {budget / GIB:.2f} GiB < one {block_bytes}-byte block; raise "
+            f"--gpu-memory-utilization, shrink the largest step bucket, or set --num-blocks")
+    return KVCachePlan(int(num_blocks), cache.block_size, kv_dtype, block_bytes, device_bytes,
+                       cache.gpu_memory_utilization, weight_bytes, activation_bytes)

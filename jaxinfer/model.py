@@ -1,0 +1,228 @@
+"""The transformer: one functional Flax (linen) model for every supported family.
+
+`forward` is a pure function of (params, token ids, positions, KV cache, attention metadata) that
+returns (logits, updated KV cache), so the engine jits it with the cache donated. Family differences
+(biases, q/k norm, tied embeddings, MoE layers) are `ModelConfig` fields.
+
+Shapes: T tokens of a flat (ragged) batch; H hidden; Hq / Hkv heads; D head_dim; E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig, rope_inv_freq
+from jaxinfer.kv_cache.device_cache import KVCache
+from pallas_kernels.backend import REFERENCE, AttentionBackend
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.reference import causal_attention_reference
+
+Params = dict
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., D/2] in float32 for the given positions."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF's non-interleaved layout). x: [..., heads, D]; cos/sin: [..., D/2]."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    backend: AttentionBackend
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv=None, md=None):
+        """Paged path: x [T, H] with kv=(k_cache, v_cache) and md. Dense path (training):
+        x [B, L, H] with kv=None, causal within each row."""
+        cfg = self.cfg
+        d = cfg.head_dim
+        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
+        q = dense(cfg.num_heads * d, use_bias=cfg.qkv_bias, name="q_proj")(x)
+        k = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="k_proj")(x)
+        v = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="v_proj")(x)
+        q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
+        k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
+        v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scale = d ** -0.5
+        if kv is None:
+            out = causal_attention_reference(q, k, v, scale=scale)
+            new_kv = None
+        else:
+            k_cache, v_cache = self.backend.write_kv(*kv, k, v, md.slot_mapping)
+            out = self.backend(q, k_cache, v_cache, md, scale=scale)
+            new_kv = (k_cache, v_cache)
+        out = out.reshape(*x.shape[:-1], cfg.num_heads * d)
+        return dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out), new_kv
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    cfg: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        dense = functools.partial(nn.Dense, use_bias=self.cfg.mlp_bias, dtype=self.dtype,
+                                  param_dtype=self.dtype)
+        f = self.cfg.intermediate_size
+        h = nn.silu(dense(f, name="gate_proj")(x)) * dense(f, name="up_proj")(x)
+        return dense(self.cfg.hidden_size, name="down_proj")(h)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts. Tokens are sorted by expert and run through grouped matmuls
+    (`jax.lax.ragged_dot`), so each expert computes only the tokens routed to it."""
+    cfg: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        e, k, f, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        lead = x.shape[:-1]
+        x = x.reshape(-1, h)
+        init = nn.initializers.lecun_normal()
+        router = self.param("router", init, (h, e), self.dtype)
+        w_gate = self.param("w_gate", init, (e, h, f), self.dtype)
+        w_up = self.param("w_up", init, (e, h, f), self.dtype)
+        w_down = self.param("w_down", init, (e, f, h), self.dtype)
+
+        logits = jnp.dot(x, router, preferred_element_type=jnp.float32)  # [T, E]
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, k)  # [T, k]
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        flat = experts.reshape(-1)  # [T*k]
+        order = jnp.argsort(flat, stable=True)
+        xs = x[order // k]  # tokens grouped by expert
+        group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        act = nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
+        ys = jax.lax.ragged_dot(act.astype(self.dtype), w_down, group_sizes)  # [T*k, H]
+        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, k, h)
+        out = jnp.einsum("tkh,tk->th", ys.astype(jnp.float32), weights).astype(x.dtype)
+        return out.reshape(*lead, h)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    backend: AttentionBackend
+    dtype: jnp.dtype
+    moe: bool
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv=None, md=None):
+        norm = functools.partial(RMSNorm, self.cfg.rms_norm_eps, self.dtype)
+        attn_out, new_kv = Attention(self.cfg, self.backend, self.dtype, name="attn")(
+            norm(name="input_norm")(x), cos, sin, kv, md)
+        x = x + attn_out
+        mlp = MoE(self.cfg, self.dtype, name="moe") if self.moe else MLP(self.cfg, self.dtype, name="mlp")
+        return x + mlp(norm(name="post_attn_norm")(x)), new_kv
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    backend: AttentionBackend = REFERENCE
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, token_ids, positions, kv_cache=None, md=None, logits_indices=None):
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
+                         name="embed")
+        x = embed(token_ids)
+        cos, sin = rope_tables(cfg, positions)
+        new_cache = []
+        for i in range(cfg.num_layers):
+            kv = None if kv_cache is None else kv_cache[i]
+            with jax.named_scope(f"layer_{i}"):
+                x, layer_kv = DecoderLayer(cfg, self.backend, self.dtype, cfg.layer_is_moe(i),
+                                           name=f"layers_{i}")(x, cos, sin, kv, md)
+            new_cache.append(layer_kv)
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        if cfg.tie_word_embeddings:
+            logits = jnp.dot(x, embed.embedding.T, preferred_element_type=jnp.float32)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                              name="lm_head")(x).astype(jnp.float32)
+        return logits, (None if kv_cache is None else tuple(new_cache))
+
+
+def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+            kv_cache: KVCache, md: AttentionMetadata, backend: AttentionBackend = REFERENCE,
+            logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """One step over a flat ragged batch. token_ids, positions: int32[T]. Returns float32 logits for
+    every token (or only at `logits_indices`) and the updated cache."""
+    dtype = params["embed"]["embedding"].dtype
+    model = Transformer(cfg, backend, dtype)
+    return model.apply({"params": params}, token_ids, positions, kv_cache, md, logits_indices)
+
+
+def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Dense causal forward without a cache, for training: tokens int32[B, L] -> logits [B, L, V]."""
+    dtype = params["embed"]["embedding"].dtype
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = Transformer(cfg, REFERENCE, dtype).apply({"params": params}, tokens, positions)
+    return logits
+
+
+def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
+    """The parameter pytree's shapes and dtypes, derived from the modules themselves."""
+    model = Transformer(cfg, REFERENCE, dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+    """Random weights of the real shapes (normal(std); norms at 1), made on the default device leaf by
+    leaf so an 8B model never needs host memory (`--load-format dummy`)."""
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(rng, len(leaves))
+
+    def make(path, leaf, key):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return jnp.ones(leaf.shape, leaf.dtype)
+        if "bias" in name:
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        return _normal(key, leaf.shape, leaf.dtype, std)
+
+    return jax.tree_util.tree_unflatten(treedef, [make(p, l, k) for (p, l), k in zip(leaves, keys)])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal(key, shape, dtype, std):
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)

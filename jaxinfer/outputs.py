@@ -1,0 +1,43 @@
+"""What the engine hands back for a request: per-choice text and token deltas, finish reasons, usage.
+
+These are the streaming units of `LLMEngine.step()` and `AsyncEngine.generate()` (see
+/work/notes/engine_contract.md); `LLM.generate` returns the final RequestOutput of each prompt, whose
+`outputs` then hold every choice in index order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the `logprobs` most likely alternatives (id, logprob), best first
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int                      # choice index (0..n-1)
+    text: str                       # all text generated so far (stop strings removed unless included)
+    token_ids: list[int]            # all generated ids so far
+    new_text: str                   # text since the previous RequestOutput of this choice
+    new_token_ids: list[int]        # ids since the previous RequestOutput of this choice
+    new_logprobs: list[TokenLogprob] | None  # one per new token when logprobs was requested
+    finish_reason: str | None       # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None   # the stop token id or stop string that ended it, if any
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # only the choices that changed since the previous output
+    finished: bool                   # True once every choice has finished
+    num_prompt_tokens: int
+    num_generated_tokens: int        # usage so far (all choices)

@@ -1,0 +1,142 @@
+"""Token sampling inside the jitted step: one row of logits per sequence, each with its own parameters.
+
+Per row: penalties (repetition / presence / frequency, vLLM's definitions) -> `min_tokens` ban of the
+stop ids -> greedy (temperature 0) or temperature + top-k / top-p / min-p filtering + Gumbel-max
+sampling. Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM's
+default `raw_logprobs`.
+
+Reproducibility: a row's random noise comes from `fold_in(fold_in(key(0), seed), output_position)`,
+drawn in vocabulary order, so a seeded request samples the same tokens whatever else is in the batch,
+whichever compiled variant runs it and however many decode steps run per host call.
+
+Compiled variants (static `SamplerVariant`): the base variant is argmax(logits / T + gumbel), cheap;
+`advanced` adds the vocabulary sort that top-k / top-p / min-p need plus logprobs; `penalties` adds the
+[S, V] token-count scatter. The runner picks the cheapest variant that serves every row of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.sampling_params import MAX_LOGPROBS
+
+NEG_INF = -jnp.inf
+
+
+class SamplerVariant(NamedTuple):
+    advanced: bool = False   # top-k / top-p / min-p and logprobs
+    penalties: bool = False  # repetition / presence / frequency penalties
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingTensors:
+    """Per-row sampling inputs, padded to the step's sequence bucket S (padding rows are greedy)."""
+    temperature: jax.Array   # f32[S]; 0 = greedy
+    top_k: jax.Array         # i32[S]; 0 = off
+    top_p: jax.Array         # f32[S]; 1 = off
+    min_p: jax.Array         # f32[S]; 0 = off
+    seed: jax.Array          # u32[S]
+    out_pos: jax.Array       # i32[S]: index of the token being sampled among the row's outputs
+    min_tokens: jax.Array    # i32[S]: stop_ids are banned while out_pos < min_tokens
+    stop_ids: jax.Array      # i32[S, K]: EOS (unless ignore_eos) + stop_token_ids; -1 = none
+    # Penalty inputs (None unless SamplerVariant.penalties).
+    repetition_penalty: jax.Array | None = None  # f32[S]
+    presence_penalty: jax.Array | None = None    # f32[S]
+    frequency_penalty: jax.Array | None = None   # f32[S]
+    history: jax.Array | None = None             # i32[S, L]: prompt then output ids; -1 = none
+    prompt_len: jax.Array | None = None          # i32[S]: how many leading history ids are prompt
+
+
+class SamplerOutput(NamedTuple):
+    tokens: jax.Array              # i32[S]
+    logprob: jax.Array | None      # f32[S]: raw logprob of the sampled token (advanced only)
+    top_ids: jax.Array | None      # i32[S, MAX_LOGPROBS] (advanced only)
+    top_logprobs: jax.Array | None  # f32[S, MAX_LOGPROBS] (advanced only)
+
+
+def token_counts(history: jax.Array, prompt_len: jax.Array, vocab_size: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(output-token counts i32[S, V], seen-anywhere mask bool[S, V]) from padded histories."""
+    s, length = history.shape
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], history.shape)
+    ids = jnp.where(history < 0, vocab_size, history)  # padding -> dropped
+    is_output = jnp.arange(length)[None, :] >= prompt_len[:, None]
+    counts = jnp.zeros((s, vocab_size), jnp.int32).at[rows, ids].add(
+        is_output.astype(jnp.int32), mode="drop")
+    seen = jnp.zeros((s, vocab_size), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    return counts, seen
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, seen: jax.Array,
+                    t: SamplingTensors) -> jax.Array:
+    """vLLM's penalties: repetition divides positive / multiplies negative logits of every token seen
+    in prompt or output; frequency subtracts count * f; presence subtracts p once per output token."""
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - t.frequency_penalty[:, None] * counts
+    return logits - t.presence_penalty[:, None] * (counts > 0)
+
+
+def ban_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """min_tokens: a row still short of its minimum cannot sample EOS or a stop token id."""
+    s, v = logits.shape
+    banned = (t.out_pos < t.min_tokens)[:, None] & (t.stop_ids >= 0)
+    ids = jnp.where(banned, t.stop_ids, v)  # not banned -> out of range -> dropped
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
+    return logits.at[rows, ids].set(NEG_INF, mode="drop")
+
+
+def row_gumbel(seed: jax.Array, out_pos: jax.Array, vocab_size: int) -> jax.Array:
+    """Gumbel noise f32[S, V] in vocabulary order, a function of (seed, output position) only."""
+    def one(sd, pos):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), sd), pos)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+    return jax.vmap(one)(seed, out_pos)
+
+
+def truncation_cutoff(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """The smallest logit each row keeps after top-k, top-p and min-p (f32[S, 1])."""
+    v = scaled.shape[-1]
+    sorted_logits = -jnp.sort(-scaled, axis=-1)  # descending
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = jnp.ones_like(sorted_logits, dtype=jnp.bool_)
+    k = t.top_k[:, None]
+    keep &= (k <= 0) | (rank < k)
+    # top-p: keep a token while the mass before it is below p (so the first token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < t.top_p[:, None]
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    # keep is a prefix of the sorted order, so the cutoff is the last kept sorted logit.
+    last_kept = jnp.sum(keep, axis=-1, keepdims=True) - 1
+    return jnp.take_along_axis(sorted_logits, last_kept, axis=-1)
+
+
+def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
+    """logits f32[S, V] -> sampled tokens (and raw logprobs in the advanced variant)."""
+    v = logits.shape[-1]
+    raw = logits
+    if variant.penalties:
+        counts, seen = token_counts(t.history, t.prompt_len, v)
+        logits = apply_penalties(logits, counts, seen, t)
+    logits = ban_stop_ids(logits, t)
+    greedy = t.temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+    if variant.advanced:
+        cutoff = truncation_cutoff(scaled, t)
+        scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
+    noise = row_gumbel(t.seed, t.out_pos, v)
+    sampled = jnp.argmax(scaled + noise, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    if not variant.advanced:
+        return SamplerOutput(tokens, None, None, None)
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, v))
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

@@ -1,0 +1,115 @@
+"""Per-request sampling parameters, with vLLM's names and defaults, and their validation.
+
+`validate` runs before anything is scheduled (the engine calls it on add), so a bad value is an
+`InvalidRequestError` naming the field and value, never a failure inside the jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxinfer.errors import InvalidRequestError
+
+# Most alternatives per token `logprobs` may ask for (OpenAI's top_logprobs limit). The sampler
+# always computes this many, so one compiled variant serves every request.
+MAX_LOGPROBS = 20
+# Most distinct stop token ids (stop_token_ids plus the EOS ids) a request may have: the jitted step
+# checks them from a fixed-width array.
+MAX_STOP_TOKEN_IDS = 32
+# Most choices per request (each one is a sequence holding KV blocks).
+MAX_N = 64
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until the context (max_model_len) is full
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token; 0 = only the sampled token's logprob
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # Accept a single stop string (OpenAI allows `stop: "###"`).
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def uses_truncation(self) -> bool:
+        """top-k / top-p / min-p filtering (needs the sorted vocabulary in the sampler)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError(param=<field>) for the first invalid field."""
+
+        def bad(field: str, why: str):
+            raise InvalidRequestError(f"{field}={getattr(self, field)!r}: {why}", param=field)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer from 1 to {MAX_N}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not is_num(value) or not -2 <= value <= 2:
+                bad(field, "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None: until the context is full)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if (not isinstance(self.stop_token_ids, list)
+                or not all(is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids)):
+            bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+        if len(set(self.stop_token_ids)) > MAX_STOP_TOKEN_IDS - 4:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - 4} distinct ids are supported")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS} (or None)")
+        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be true or false")

@@ -1,0 +1,252 @@
+"""Weights: Hugging Face safetensors checkpoints (single or sharded), orbax checkpoints, and random
+("dummy") weights of the real shapes, all into the param pytree of `jaxinfer.model`.
+
+HF stores linear weights as [out, in]; Flax Dense kernels are [in, out], so they are transposed on
+load and on save. MoE experts are stacked into [E, in, out] arrays for grouped matmuls; both the
+per-expert hub layout (`experts.{e}.w1` / `experts.{e}.gate_proj`) and the fused layout newer
+transformers versions write (`experts.gate_up_proj`, `experts.down_proj`) are read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.model import Params, init_params, param_shapes
+
+LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
+ORBAX_SUBDIR = "orbax"
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+# Param-path components that are spelled differently in HF tensor names.
+_HF_MODULE = {"attn": "self_attn", "input_norm": "input_layernorm",
+              "post_attn_norm": "post_attention_layernorm", "kernel": "weight", "embedding": "weight"}
+# Per-expert names: group 1 layer, group 2 expert, group 3 projection.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
+                 "w2": "w_down", "down_proj": "w_down"}
+_MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+# Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
+_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"'{index}' is not a valid safetensors index: {e}") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no model.safetensors (or sharded *.safetensors with an index) in '{model_dir}'")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"'{f}' is listed in the safetensors index but missing")
+    return files
+
+
+def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.ndarray, Path]]:
+    """(name, array, file) for every tensor, reading one file at a time behind a progress bar."""
+    handles = []
+    for path in files:
+        try:
+            handles.append((path, safe_open(str(path), framework="np")))
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read '{path}': {e}") from None
+    total = sum(len(h.keys()) for _, h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, handle in handles:
+            with handle as f:
+                for name in f.keys():
+                    st_dtype = f.get_slice(name).get_dtype()
+                    if st_dtype not in _DTYPES:
+                        raise CheckpointError(f"'{path.name}': tensor '{name}' has dtype {st_dtype}; "
+                                              f"supported: {', '.join(_DTYPES)}")
+                    yield name, f.get_tensor(name), path
+                    bar.update()
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _flat_paths(shapes: Params) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
+    return {tuple(k.key for k in p): leaf for p, leaf in flat}
+
+
+def _moe_prefix(cfg: ModelConfig, layer: str) -> str:
+    return f"model.layers.{layer}." + ("block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp")
+
+
+def hf_name(key: tuple[str, ...], cfg: ModelConfig) -> str:
+    """HF tensor name of a (non-expert) param path, e.g. ('layers_0','attn','q_proj','kernel') ->
+    'model.layers.0.self_attn.q_proj.weight'."""
+    if key == ("embed", "embedding"):
+        return "model.embed_tokens.weight"
+    if key == ("final_norm", "weight"):
+        return "model.norm.weight"
+    if key == ("lm_head", "kernel"):
+        return "lm_head.weight"
+    layer = key[0].removeprefix("layers_")
+    if key[1:] == ("moe", "router"):
+        return _moe_prefix(cfg, layer) + ".gate.weight"
+    return ".".join([f"model.layers.{layer}", *(_HF_MODULE.get(k, k) for k in key[1:])])
+
+
+def _canonical(name: str) -> str:
+    """Mixtral's hub layout says block_sparse_moe where transformers 5's fused layout says mlp."""
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def _from_hf(key: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
+    """HF stores linear weights [out, in]; Flax kernels (and our router) are [in, out]."""
+    return arr.T if key[-1] in ("kernel", "router") else arr
+
+
+def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16,
+                     progress: bool = True) -> Params:
+    model_dir = Path(model_dir)
+    expected = _flat_paths(param_shapes(cfg, dtype))
+    by_name = {_canonical(hf_name(k, cfg)): k for k in expected
+               if not (k[1:2] == ("moe",) and k[2] != "router")}
+    host: dict[tuple[str, ...], np.ndarray] = {}
+    experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
+    for name, arr, path in _iter_tensors(_safetensors_files(model_dir), progress):
+        if _IGNORED.fullmatch(name):
+            continue
+        if m := _EXPERT.fullmatch(name):
+            layer, e, proj = m.groups()
+            key = (f"layers_{layer}", "moe", _EXPERT_PARAM[proj])
+            experts.setdefault(key, {})[int(e)] = arr.T
+            continue
+        if m := _FUSED.fullmatch(name):
+            layer, kind = m.groups()
+            if kind == "down_proj":  # [E, H, F] -> [E, F, H]
+                host[(f"layers_{layer}", "moe", "w_down")] = arr.transpose(0, 2, 1)
+            else:  # [E, 2F, H] -> gate, up as [E, H, F]
+                gate, up = np.split(arr, 2, axis=1)
+                host[(f"layers_{layer}", "moe", "w_gate")] = gate.transpose(0, 2, 1)
+                host[(f"layers_{layer}", "moe", "w_up")] = up.transpose(0, 2, 1)
+            continue
+        key = by_name.get(_canonical(name))
+        if key is None:
+            raise CheckpointError(f"'{path.name}': unexpected tensor '{name}' (shape {list(arr.shape)}) "
+                                  f"for a {cfg.architecture} with this config.json")
+        host[key] = _from_hf(key, arr)
+    for key, by_index in experts.items():
+        missing = sorted(set(range(cfg.num_experts)) - set(by_index))
+        if missing:
+            raise CheckpointError(f"'{model_dir}': {key[0]} is missing experts {missing[:8]} "
+                                  f"of {'/'.join(key[1:])}")
+        host[key] = np.stack([by_index[e] for e in range(cfg.num_experts)])
+    return _to_params(host, expected, dtype, str(model_dir), cfg)
+
+
+def _to_params(host: dict, expected: dict, dtype, source: str, cfg: ModelConfig) -> Params:
+    if cfg.tie_word_embeddings:
+        host.pop(("lm_head", "kernel"), None)  # some tied checkpoints still store a copy
+    missing = [k for k in expected if k not in host]
+    if missing:
+        names = ", ".join("/".join(k) for k in missing[:5])
+        raise CheckpointError(f"'{source}': {len(missing)} parameter(s) missing, e.g. {names}")
+    params: dict = {}
+    for key, arr in host.items():
+        want = expected.get(key)
+        if want is None:
+            raise CheckpointError(f"'{source}': unexpected parameter {'/'.join(key)}")
+        if tuple(arr.shape) != tuple(want.shape):
+            raise CheckpointError(f"'{source}': parameter {'/'.join(key)} has shape {list(arr.shape)}, "
+                                  f"the config implies {list(want.shape)}")
+        _set(params, key, jnp.asarray(arr, dtype=dtype))
+    return params
+
+
+def _hf_items(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Params as HF (name, [out, in] array) pairs, MoE experts in the hub's per-expert layout."""
+    for key, leaf in _flat_paths(params).items():
+        arr = np.asarray(jax.device_get(leaf))
+        if key[1:2] == ("moe",) and key[2] != "router":
+            layer = key[0].removeprefix("layers_")
+            proj = (_MIXTRAL_PROJ[key[2]] if cfg.architecture == "MixtralForCausalLM"
+                    else key[2].removeprefix("w_") + "_proj")
+            for e in range(arr.shape[0]):
+                yield f"{_moe_prefix(cfg, layer)}.experts.{e}.{proj}.weight", np.ascontiguousarray(arr[e].T)
+        else:
+            yield hf_name(key, cfg), np.ascontiguousarray(_from_hf(key, arr))
+
+
+def save_safetensors(params: Params, cfg: ModelConfig, out_dir: str | Path,
+                     filename: str = "model.safetensors") -> Path:
+    """Write params under HF tensor names (the hub's per-expert layout for MoE)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = dict(_hf_items(params, cfg))
+    save_file(tensors, str(out / filename), metadata={"format": "pt"})
+    return out / filename
+
+
+def save_orbax(params: Params, out_dir: str | Path) -> Path:
+    import orbax.checkpoint as ocp
+
+    path = Path(out_dir).resolve() / ORBAX_SUBDIR
+    if path.exists():
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, params)
+    return path
+
+
+def load_orbax(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
+    import orbax.checkpoint as ocp
+
+    path = Path(model_dir).resolve() / ORBAX_SUBDIR
+    if not path.is_dir():
+        raise CheckpointError(f"no orbax checkpoint at '{path}'")
+    target = param_shapes(cfg, dtype)
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            return ckpt.restore(path, target)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"orbax checkpoint '{path}' does not match the config: {e}") from None
+
+
+def load_params(model_dir: str | Path | None, cfg: ModelConfig, dtype=jnp.bfloat16,
+                load_format: str = "auto", progress: bool = True, seed: int = 0) -> Params:
+    """Load weights in the given format; `auto` prefers safetensors, then orbax."""
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"--load-format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return init_params(cfg, jax.random.key(seed), dtype)
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory '{model_dir}' does not exist")
+    if load_format == "auto":
+        has_orbax = (model_dir / ORBAX_SUBDIR).is_dir()
+        has_st = any(model_dir.glob("*.safetensors"))
+        load_format = "safetensors" if has_st or not has_orbax else "orbax"
+    if load_format == "orbax":
+        return load_orbax(model_dir, cfg, dtype)
+    return load_safetensors(model_dir, cfg, dtype, progress)

@@ -1,0 +1,108 @@
+"""What the two paged-decode kernels (Mosaic GPU and Triton-lowered Pallas) share: input checks,
+the flash-decoding split plan, and the combine step that merges per-split partial results.
+
+Both kernels work on "items": one (sequence, kv head, context split). An item streams the pages
+[split * pages_per_split, (split + 1) * pages_per_split) of its sequence (clipped to the sequence
+length) and emits, for each of the G query heads of its kv head, an unnormalised fp32 output
+row `o`, the running max `m` (natural-log units) and the softmax denominator `l`. `combine_splits`
+merges the splits; an item with no tokens emits m = NEG_INF, l = 0, o = 0 and so contributes nothing,
+which is also how `seq_lens == 0` rows come out as zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import NEG_INF
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    num_seqs: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    max_blocks: int  # M: block-table width
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> DecodeShape:
+    """Validate the decode signature's arrays; the error names the offending argument."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_kv_heads, num_blocks, block_size, "
+                         f"head_dim]; got {k_cache.shape} and {v_cache.shape}")
+    s, hq, d = q.shape
+    hkv, _, bs, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head_dim of q ({d}) != head_dim of k_cache ({dk})")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    if block_tables.ndim != 2 or block_tables.shape[0] != s:
+        raise ValueError(f"block_tables must be [num_seqs={s}, max_blocks], got {block_tables.shape}")
+    if seq_lens.shape != (s,):
+        raise ValueError(f"seq_lens must be [num_seqs={s}], got {seq_lens.shape}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(seq_lens.dtype,
+                                                                               jnp.integer):
+        raise ValueError(f"block_tables ({block_tables.dtype}) and seq_lens ({seq_lens.dtype}) "
+                         "must be integer arrays")
+    return DecodeShape(s, hq, hkv, d, bs, block_tables.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    num_splits: int
+    pages_per_split: int  # a multiple of pages_per_step
+
+    @property
+    def padded_blocks(self) -> int:
+        return self.num_splits * self.pages_per_split
+
+
+def plan_splits(shape: DecodeShape, *, pages_per_step: int, target_items: int) -> SplitPlan:
+    """Split each sequence's context so that there are about `target_items` (sequence, kv head,
+    split) items: enough independent work to fill every SM when batch x kv_heads alone is too small
+    (flash-decoding). Splits are whole steps of `pages_per_step` pages, and never more than the
+    block table can feed."""
+    base = shape.num_seqs * shape.num_kv_heads
+    max_splits = max(1, math.ceil(shape.max_blocks / pages_per_step))
+    splits = min(max_splits, max(1, math.ceil(target_items / base)))
+    steps_per_split = math.ceil(math.ceil(shape.max_blocks / pages_per_step) / splits)
+    pages_per_split = steps_per_split * pages_per_step
+    splits = math.ceil(shape.max_blocks / pages_per_split)
+    return SplitPlan(splits, pages_per_split)
+
+
+def pad_block_tables(block_tables: jax.Array, plan: SplitPlan) -> jax.Array:
+    """Pad the table's width to splits * pages_per_split with block 0 (a valid id; the tokens it
+    would cover are past seq_lens and masked), so every split reads a full-width slice."""
+    pad = plan.padded_blocks - block_tables.shape[1]
+    bt = block_tables.astype(jnp.int32)
+    return jnp.pad(bt, ((0, 0), (0, pad))) if pad else bt
+
+
+def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array, shape: DecodeShape,
+                   dtype) -> jax.Array:
+    """o: [S, Hkv, C, Gp, D] unnormalised fp32; m, l: [S, Hkv, C, Gp] (Gp >= G rows, extra rows
+    are padding). Returns the attention output [S, Hq, D] in `dtype`."""
+    g = shape.group
+    o, m, l = o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]
+    m_max = m.max(axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)  # empty splits have m = NEG_INF: weight 0 unless every split is empty
+    num = (w[..., None] * o).sum(axis=2)
+    den = (w * l).sum(axis=2)
+    out = num / jnp.maximum(den, 1e-30)[..., None]  # den == 0 only for empty rows, where num == 0
+    return out.reshape(shape.num_seqs, shape.num_q_heads, shape.head_dim).astype(dtype)
+
+
+__all__ = ["NEG_INF", "DecodeShape", "SplitPlan", "check_decode_inputs", "plan_splits",
+           "pad_block_tables", "combine_splits"]

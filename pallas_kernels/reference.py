@@ -1,0 +1,120 @@
+"""Pure-jnp attention over the paged KV cache: the CPU path and the oracle every kernel is tested against.
+
+KV cache layout (one array for K and one for V per layer), head-major:
+
+    k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]
+
+so one (kv head, block) page is a contiguous [block_size, head_dim] tile, which is what a decode
+kernel streams. A token's flat slot is block_id * block_size + offset.
+
+Shapes used below: T tokens, S sequences, Hq query heads, Hkv KV heads (G = Hq // Hkv query heads
+share each KV head), D head_dim, M max blocks per sequence, B block size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so fully masked rows give 0 instead of NaN
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V [T, Hkv, D] into their slots; slots < 0 are dropped (padding tokens).
+
+    With the caches donated to the enclosing jit, XLA performs the scatter in place."""
+    hkv, nb, bs, d = k_cache.shape
+    num_slots = nb * bs
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+
+    def put(cache, new):
+        flat = cache.reshape(hkv, num_slots, d)
+        flat = flat.at[:, slots].set(new.astype(cache.dtype).swapaxes(0, 1), mode="drop")
+        return flat.reshape(hkv, nb, bs, d)
+
+    return put(k_cache, k), put(v_cache, v)
+
+
+def gather_context(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """[Hkv, NB, B, D] paged cache -> [S, M*B, Hkv, D] contiguous per-sequence context."""
+    hkv, _, bs, d = cache.shape
+    s, m = block_tables.shape
+    ctx = cache[:, block_tables]  # [Hkv, S, M, B, D]
+    return ctx.reshape(hkv, s, m * bs, d).transpose(1, 2, 0, 3)
+
+
+def _softcap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    return scores if not softcap else softcap * jnp.tanh(scores / softcap)
+
+
+def paged_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           block_tables: jax.Array, seq_lens: jax.Array, *, scale: float,
+                           softcap: float | None = None) -> jax.Array:
+    """One query token per sequence. q: [S, Hq, D] -> [S, Hq, D]; seq_lens == 0 gives zeros."""
+    s, hq, d = q.shape
+    hkv = k_cache.shape[0]
+    k = gather_context(k_cache, block_tables).astype(jnp.float32)  # [S, L, Hkv, D]
+    v = gather_context(v_cache, block_tables).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(s, hkv, hq // hkv, d)
+    scores = _softcap(jnp.einsum("skgd,slkd->skgl", qg, k) * scale, softcap)
+    valid = jnp.arange(k.shape[1])[None, :] < seq_lens[:, None]  # [S, L]
+    scores = jnp.where(valid[:, None, None, :], scores, NEG_INF)
+    p = jnp.exp(scores - scores.max(-1, keepdims=True))
+    p = jnp.where(valid[:, None, None, :], p, 0.0)
+    out = jnp.einsum("skgl,slkd->skgd", p, v) / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    return out.reshape(s, hq, d).astype(q.dtype)
+
+
+def token_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
+                    num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """For each token: its sequence index (S for padding tokens) and its position in the context."""
+    t = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(query_start_loc[1:], t, side="right")  # first s with end > t
+    s = seq_lens.shape[0]
+    safe = jnp.minimum(seq, s - 1)
+    q_len = query_start_loc[safe + 1] - query_start_loc[safe]
+    pos = seq_lens[safe] - q_len + (t - query_start_loc[safe])
+    return jnp.where(seq < s, seq, s), pos
+
+
+def ragged_prefill_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                             query_start_loc: jax.Array, seq_lens: jax.Array,
+                             block_tables: jax.Array, *, scale: float,
+                             softcap: float | None = None) -> jax.Array:
+    """Ragged causal attention: sequence s owns tokens query_start_loc[s]:query_start_loc[s+1]; they
+    are the last tokens of its context of seq_lens[s] tokens (earlier ones are already cached).
+    q: [T, Hq, D] -> [T, Hq, D]; tokens that belong to no sequence give zeros."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[0]
+    k = gather_context(k_cache, block_tables).astype(jnp.float32)  # [S, L, Hkv, D]
+    v = gather_context(v_cache, block_tables).astype(jnp.float32)
+    seq, pos = token_positions(query_start_loc, seq_lens, t)
+    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
+    scores = _softcap(jnp.einsum("tkgd,slkd->tkgsl", qg, k) * scale, softcap)
+    key_pos = jnp.arange(k.shape[1])
+    valid = ((seq[:, None, None] == jnp.arange(k.shape[0])[None, :, None])
+             & (key_pos[None, None, :] <= pos[:, None, None])
+             & (key_pos[None, None, :] < seq_lens[None, :, None]))  # [T, S, L]
+    mask = valid[:, None, None]
+    scores = jnp.where(mask, scores, NEG_INF)
+    m = scores.max(axis=(-2, -1), keepdims=True)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    out = jnp.einsum("tkgsl,slkd->tkgd", p, v) / jnp.maximum(p.sum(axis=(-2, -1))[..., None], 1e-30)
+    return out.reshape(t, hq, d).astype(q.dtype)
+
+
+def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                               softcap: float | None = None, causal: bool = True) -> jax.Array:
+    """Dense batched attention without a cache (training and kernel tests).
+    q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]."""
+    b, l, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, l, hkv, hq // hkv, d)
+    scores = _softcap(jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)) * scale, softcap)
+    if causal:
+        mask = jnp.tril(jnp.ones((l, l), dtype=bool))
+        scores = jnp.where(mask, scores, NEG_INF)
+    p = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+    return out.reshape(b, l, hq, d).astype(q.dtype)

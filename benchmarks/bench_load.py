@@ -1,0 +1,67 @@
+"""Checkpoint load time: HF safetensors vs orbax restore for the same weights.
+
+Makes a model of a real shape with random weights (default: Qwen2.5-0.5B's config), saves it both
+ways, then times `load_params` for each (median of --repeats, after one untimed load so both read
+from the page cache). Usage: python benchmarks/bench_load.py [--preset qwen2.5-0.5b|llama-3-8b]
+"""
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import config_from_dict
+from jaxinfer.weights import load_params, save_orbax, save_safetensors
+
+PRESETS = {
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True),
+    "llama-3-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args()
+    raw = PRESETS[args.preset]
+    cfg = config_from_dict(raw)
+    params = load_params(None, cfg, jnp.bfloat16, load_format="dummy")
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(raw))
+        save_safetensors(params, cfg, d)
+        save_orbax(params, d)
+        del params
+        results = {}
+        for fmt in ("safetensors", "orbax"):
+            times = []
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                p = load_params(d, cfg, jnp.bfloat16, load_format=fmt, progress=False)
+                jax.block_until_ready(p)
+                if i:
+                    times.append(time.perf_counter() - t0)
+                del p
+            results[fmt] = statistics.median(times)
+    out = dict(preset=args.preset, params=cfg.num_params(), bytes=nbytes, device=str(jax.devices()[0]),
+               seconds=results, gb_per_s={k: nbytes / v / 1e9 for k, v in results.items()})
+    print(f"{args.preset}: {cfg.num_params() / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB bf16 on {jax.devices()[0]}")
+    for fmt, sec in results.items():
+        print(f"  {fmt:12s} {sec:6.2f} s  {nbytes / sec / 1e9:5.2f} GB/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -52,7 +52,7 @@ def parse_size(text: str, flag: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ConfigError(f"{flag} '{text}' is not a size (examples: 16060522496, 16GB, 14.9GiB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 def parse_accelerator(text: str, bandwidth_tbs: float | None, tflops: float | None) -> Accelerator:
@@ -197,7 +197,7 @@ def format_report(r: dict) -> str:
         lines.append(
             f"roofline: ridge point {rf['ridge_point']:.0f} FLOP/B, so decode is {rf['bound']}-bound "
             f"(each step reads all weights and all {r['batch']} KV caches to make {r['batch']} "
-            f"tokens): ≥ {rf['min_step_seconds'] * 1e3:.2f} ms/step, ≤ "
+            f"tokens): ≥ {rf['min_step_seconds'] * 1e3:.3g} ms/step, ≤ "
             f"{rf['max_tokens_per_second']:.0f} tokens/s")
     else:
         lines.append("roofline: pass --bandwidth and --tflops (or a named accelerator) for the ridge point")

@@ -11,7 +11,8 @@ whichever compiled variant runs it and however many decode steps run per host ca
 
 Compiled variants (static `SamplerVariant`): the base variant is argmax(logits / T + gumbel), cheap;
 `advanced` adds the vocabulary sort that top-k / top-p / min-p need plus logprobs; `penalties` adds the
-[S, V] token-count scatter. The runner picks the cheapest variant that serves every row of the batch.
+[S, V] token-count scatter. The engine compiles two: BASE_SAMPLER and FULL_SAMPLER (both extras), and
+picks the base one whenever no row of the batch needs more.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ NEG_INF = -jnp.inf
 class SamplerVariant(NamedTuple):
     advanced: bool = False   # top-k / top-p / min-p and logprobs
     penalties: bool = False  # repetition / presence / frequency penalties
+
+
+BASE_SAMPLER = SamplerVariant(False, False)
+FULL_SAMPLER = SamplerVariant(True, True)
 
 
 @jax.tree_util.register_dataclass

@@ -239,33 +239,39 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
-            def load(step, slot):
-                if kv_mode == "contiguous":  # kv_ref holds the first key's flat row // 8
-                    rows = (pl.ds(kv_ref_idx * 8 + step * BLOCK_KV, BLOCK_KV), kv_head)
-                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-                    return
+            def page_ids(step):
+                if kv_mode == "contiguous":
+                    return None
                 # Pages past the end of the block table are clamped to its last entry (a valid
                 # page; those keys lie past ctx_len and are masked).
                 first = step * pages_per_tile
-                ids = [bt_ref[kv_ref_idx, jnp.minimum(first + i, max_pages - 1)]
-                       for i in range(pages_per_tile)]
-                for i, pid in enumerate(ids):
-                    plgpu.copy_gmem_to_smem(k_ref.at[kv_head, pid],
-                                            k_smem.at[slot, pl.ds(i * page, page)], k_bar.at[slot])
-                for i, pid in enumerate(ids):
-                    plgpu.copy_gmem_to_smem(v_ref.at[kv_head, pid],
-                                            v_smem.at[slot, pl.ds(i * page, page)], v_bar.at[slot])
+                return [bt_ref[kv_ref_idx, jnp.minimum(first + i, max_pages - 1)]
+                        for i in range(pages_per_tile)]
+
+            def load(src_ref, dst_smem, bar, step, slot, ids):
+                if kv_mode == "contiguous":  # kv_ref holds the first key's flat row // 8
+                    rows = (pl.ds(kv_ref_idx * 8 + step * BLOCK_KV, BLOCK_KV), kv_head)
+                    plgpu.copy_gmem_to_smem(src_ref.at[rows], dst_smem.at[slot], bar.at[slot])
+                    return
+                for i, pid in enumerate(ids):  # one TMA copy per page, all on the slot's barrier
+                    plgpu.copy_gmem_to_smem(src_ref.at[kv_head, pid],
+                                            dst_smem.at[slot, pl.ds(i * page, page)], bar.at[slot])
 
             for s in range(STAGES):
-                pl.when(s < cta_steps)(functools.partial(load, s, s))
+                @pl.when(s < cta_steps)
+                def _(s=s):
+                    ids = page_ids(s)
+                    load(k_ref, k_smem, k_bar, s, s, ids)
+                    load(v_ref, v_smem, v_bar, s, s, ids)
 
             @pl.loop(STAGES, jnp.maximum(cta_steps, STAGES))
             def _(step):
                 slot = lax.rem(step, jnp.int32(STAGES))
+                ids = page_ids(step)  # block-table reads overlap the wait for a free slot
                 plgpu.barrier_wait(k_free.at[slot])
+                load(k_ref, k_smem, k_bar, step, slot, ids)
                 plgpu.barrier_wait(v_free.at[slot])
-                load(step, slot)
+                load(v_ref, v_smem, v_bar, step, slot, ids)
 
     def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))

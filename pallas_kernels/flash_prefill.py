@@ -7,7 +7,8 @@ Public entry points (both Mosaic GPU, Hopper only; `flash_mgpu.py` holds the ker
     block table. Tokens past query_start_loc[-1] get zeros.
   - `flash_attention(q[B,L,Hq,D], k[B,L,Hkv,D], v, *, causal, scale, softcap)`: dense attention,
     the same kernel with K/V read from contiguous memory (benchmarks, training-shaped inputs).
-  - `flash_prefill_triton` (Triton-lowered `pallas_call`, portable) lives in `flash_triton.py`.
+  - `flash_prefill_triton`: the same ragged paged prefill as a Triton-lowered `pallas_call`
+    (`flash_triton.py`), the portable path for non-Hopper CUDA GPUs.
 
 Work decomposition: the flat token axis is cut into *query tiles* of TILE_Q = 128 rows that never
 cross a sequence boundary, described by an int32 table built here with a few jnp ops (cheap, on the
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import flash_mgpu
 from pallas_kernels.flash_mgpu import BLOCK_KV, TILE_Q
-from pallas_kernels.flash_triton import flash_prefill_triton  # noqa: F401  (public re-export)
+from pallas_kernels import flash_triton
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -83,9 +84,10 @@ def _check_softcap(softcap: float | None) -> None:
         raise ValueError(f"softcap={softcap} must be positive (or None/0 for no soft-cap)")
 
 
-def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                           scale: float, softcap: float | None = None, interpret: bool = False):
-    """`flash_prefill_mosaic` with the CPU interpreter switch (tests)."""
+def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, softcap,
+                   extra_rows: int):
+    """Validate the prefill arguments; pad q's token axis to a multiple of 8 plus `extra_rows` and
+    build the tile table. Returns (padded q, tiles)."""
     t, _, d = q.shape
     hkv, _, block_size, dk = k_cache.shape
     _check_q(q, hkv, "q")
@@ -104,13 +106,23 @@ def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     # Mosaic GPU's tiled TMA views the token axis in 8-row tiles: pad T to a multiple of 8 (engine
     # buckets normally are, so this costs nothing there).
     tp = -(-t // 8) * 8
-    qp = jnp.pad(q, ((0, tp - t), (0, 0), (0, 0))) if tp != t else q
     tiles = tile_table(qsl[:-1], qsl[1:] - qsl[:-1], seq_lens, jnp.arange(s, dtype=jnp.int32), tp,
                        causal=True)
+    tp += extra_rows
+    qp = jnp.pad(q, ((0, tp - t), (0, 0), (0, 0))) if tp != t else q
+    return qp, tiles
+
+
+def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
+                           scale: float, softcap: float | None = None, interpret: bool = False):
+    """`flash_prefill_mosaic` with the CPU interpreter switch."""
+    t = q.shape[0]
+    qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                               softcap, extra_rows=0)
     out = flash_mgpu.mosaic_attention(qp, k_cache, v_cache, tiles, block_tables.astype(jnp.int32),
                                       kv_mode="paged", causal=True, scale=scale, softcap=softcap,
                                       interpret=interpret)
-    return out[:t] if tp != t else out
+    return out[:t] if out.shape[0] != t else out
 
 
 def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
@@ -118,6 +130,19 @@ def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
     """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D]."""
     return ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                   scale=scale, softcap=softcap)
+
+
+def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
+                         scale: float, softcap: float | None = None, interpret: bool = False):
+    """The same ragged causal prefill as a Triton-lowered pallas_call (portable; CPU-interpretable).
+    q is padded by one tile of rows so every tile's block of rows lies inside the array."""
+    t = q.shape[0]
+    qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                               softcap, extra_rows=TILE_Q)
+    out = flash_triton.triton_paged_attention(qp, k_cache, v_cache, tiles,
+                                              block_tables.astype(jnp.int32), scale=scale,
+                                              softcap=softcap, interpret=interpret)
+    return out[:t]
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,

@@ -68,18 +68,23 @@ class SplitPlan:
         return self.num_splits * self.pages_per_split
 
 
-def plan_splits(shape: DecodeShape, *, pages_per_step: int, target_items: int) -> SplitPlan:
-    """Split each sequence's context so that there are about `target_items` (sequence, kv head,
-    split) items: enough independent work to fill every SM when batch x kv_heads alone is too small
-    (flash-decoding). Splits are whole steps of `pages_per_step` pages, and never more than the
-    block table can feed."""
+def plan_splits(shape: DecodeShape, *, pages_per_step: int, workers: int) -> SplitPlan:
+    """Split each sequence's context (flash-decoding) so that the (sequence, kv head, split) items
+    keep `workers` concurrent workers (persistent CTAs, or resident programs) evenly busy.
+
+    Cost model for full-length sequences: the busiest worker runs ceil(items / workers) items of
+    (steps per split + 1) steps each, the +1 standing for an item's fixed cost (q load, output
+    store, its share of the combine). The smallest-cost split count wins; ties go to fewer splits.
+    Splits are whole steps of `pages_per_step` pages."""
     base = shape.num_seqs * shape.num_kv_heads
-    max_splits = max(1, math.ceil(shape.max_blocks / pages_per_step))
-    splits = min(max_splits, max(1, math.ceil(target_items / base)))
-    steps_per_split = math.ceil(math.ceil(shape.max_blocks / pages_per_step) / splits)
-    pages_per_split = steps_per_split * pages_per_step
-    splits = math.ceil(shape.max_blocks / pages_per_split)
-    return SplitPlan(splits, pages_per_split)
+    total_steps = max(1, math.ceil(shape.max_blocks / pages_per_step))
+
+    def cost(splits):
+        return math.ceil(base * splits / workers) * (math.ceil(total_steps / splits) + 1)
+
+    splits = min(range(1, total_steps + 1), key=lambda c: (cost(c), c))
+    pages_per_split = math.ceil(total_steps / splits) * pages_per_step
+    return SplitPlan(math.ceil(shape.max_blocks / pages_per_split), pages_per_split)
 
 
 def pad_block_tables(block_tables: jax.Array, plan: SplitPlan) -> jax.Array:

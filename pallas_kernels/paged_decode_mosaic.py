@@ -38,14 +38,16 @@ from pallas_kernels.paged_decode_common import (NEG_INF, DecodeShape, check_deco
 _WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
+_SMEM_BUDGET = 227 * 1024 - 4096  # 227 KiB per block, less what Mosaic adds (barriers, alignment)
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
     tokens_per_step: int = 64  # K/V tokens per pipeline slot: a multiple of 64 (wgmma N tiling)
-    stages: int = 4  # slots in the shared-memory ring; even (see module docstring)
+    stages: int | None = None  # slots in the ring; even (see module docstring); default: as
+    # many as fit in shared memory
     num_ctas: int | None = None  # persistent CTAs; default: one per SM
-    target_items: int | None = None  # split contexts until about this many items; default 2/CTA
+    split_workers: int | None = None  # workers the split plan balances over; default: num_ctas
 
 
 def _num_sms() -> int:
@@ -91,15 +93,17 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
                 g = g0 + j
                 slot = lax.rem(g, stages)
                 page0 = first + j * pages_per_step
+                # Block ids are read before waiting for the slot, so their load latency overlaps
+                # the wait. Pages past the sequence's last one re-read its last page (masked
+                # later): every copy reads real, finite data and the barrier count stays fixed.
+                blocks = [bt_ref[seq, jnp.minimum(page0 + i, num_pages - 1)]
+                          for i in range(pages_per_step)]
 
                 def load(cache_ref, smem, ready, free):
                     @pl.when(g >= stages)
                     def _():
                         plgpu.barrier_wait(free.at[slot])
-                    for i in range(pages_per_step):
-                        # Pages past the sequence's last one re-read its last page (masked later)
-                        # so every copy reads real, finite data and the barrier count is fixed.
-                        block = bt_ref[seq, jnp.minimum(page0 + i, num_pages - 1)]
+                    for i, block in enumerate(blocks):
                         plgpu.copy_gmem_to_smem(cache_ref.at[head, block],
                                                 smem.at[slot, pl.ds(i * bs, bs)], ready.at[slot])
 
@@ -229,14 +233,22 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
     if bs % 8 or config.tokens_per_step % bs or config.tokens_per_step % 64:
         raise ValueError(f"block_size ({bs}) must be a multiple of 8 dividing tokens_per_step "
                          f"({config.tokens_per_step}), itself a multiple of 64")
-    if config.stages < 2 or config.stages % 2:
-        raise ValueError(f"stages ({config.stages}) must be even and >= 2")
+    elem_bytes = jnp.dtype(dtype).itemsize
+    stage_bytes = 2 * config.tokens_per_step * d * elem_bytes  # K and V
+    fixed_bytes = _NUM_CONSUMERS * _WGMMA_ROWS * (d * elem_bytes + 8)  # q/o tiles, m, l
+    if interpret:
+        fixed_bytes += _NUM_CONSUMERS * _WGMMA_ROWS * config.tokens_per_step * elem_bytes
+    stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
+    if stages < 2 or stages % 2:
+        raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
+                         f"{(_SMEM_BUDGET - fixed_bytes) // stage_bytes} stages of "
+                         f"{config.tokens_per_step} tokens at head_dim {d})")
     if g > _WGMMA_ROWS:
         raise ValueError(f"num_q_heads / num_kv_heads ({g}) must be <= {_WGMMA_ROWS}")
     pages_per_step = config.tokens_per_step // bs
     num_ctas = config.num_ctas or _num_sms()
     plan = plan_splits(shape, pages_per_step=pages_per_step,
-                       target_items=config.target_items or 2 * num_ctas)
+                       workers=config.split_workers or num_ctas)
     bt = pad_block_tables(block_tables, plan)
     gp = max(8, -(-g // 8) * 8)  # TMA rows of q / o: a whole 8-row tile
     qg = q.astype(dtype).reshape(shape.num_seqs, shape.num_kv_heads, g, d)
@@ -246,14 +258,13 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
     parts = plan.num_splits * _NUM_CONSUMERS
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
 
-    elem_bytes = jnp.dtype(dtype).itemsize
     swizzle = 128
     kv_transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                      plgpu.SwizzleTransform(swizzle))
     tokens = config.tokens_per_step
     kernel = functools.partial(
         _decode_kernel, shape=shape, gp=gp, num_splits=plan.num_splits,
-        pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=config.stages,
+        pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap)
     o, m, l = plgpu.kernel(
         kernel,
@@ -264,13 +275,13 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
             plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, d), dtype, transforms=kv_transforms),
             plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS), jnp.float32),
             plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS), jnp.float32),
-            plgpu.SMEM((config.stages, tokens, d), dtype, transforms=kv_transforms),
-            plgpu.SMEM((config.stages, tokens, d), dtype, transforms=kv_transforms),
+            plgpu.SMEM((stages, tokens, d), dtype, transforms=kv_transforms),
+            plgpu.SMEM((stages, tokens, d), dtype, transforms=kv_transforms),
             plgpu.Barrier(num_barriers=_NUM_CONSUMERS),
-            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=config.stages),
-            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=config.stages),
-            plgpu.Barrier(num_barriers=config.stages),
-            plgpu.Barrier(num_barriers=config.stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
             (plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=kv_transforms)
              if interpret else None),
         ),

@@ -25,6 +25,10 @@ from pallas_kernels.paged_decode_common import (NEG_INF, check_decode_inputs, co
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 
 
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float,
                    softcap: float | None, block_size: int, pages_per_step: int,
                    pages_per_split: int):
@@ -65,12 +69,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
 
 def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
                                    softcap: float | None = None, pages_per_step: int | None = None,
-                                   target_programs: int = 1024, num_warps: int = 4,
+                                   workers: int | None = None, num_warps: int = 4,
                                    num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """`paged_decode_triton` with its tuning knobs exposed (benchmarks, CPU tests in interpret mode).
 
-    pages_per_step: pages per inner step (default: 128 tokens' worth); target_programs: split the
-    context until (sequences x kv heads x splits) reaches about this many programs."""
+    pages_per_step: pages per inner step (default: 128 tokens' worth); workers: programs the GPU
+    runs at once, for the split plan (default: 4 per SM)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     if pages_per_step is None:
@@ -80,7 +84,7 @@ def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, 
                          f"({pages_per_step * bs}) must be powers of two (Triton block shapes)")
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim ({d}) must be a power of two >= 16 for the Triton kernel")
-    plan = plan_splits(shape, pages_per_step=pages_per_step, target_items=target_programs)
+    plan = plan_splits(shape, pages_per_step=pages_per_step, workers=workers or 4 * _num_sms())
     bt = pad_block_tables(block_tables, plan).reshape(shape.num_seqs, plan.num_splits,
                                                       plan.pages_per_split)
     gp = max(_MIN_DOT_ROWS, 1 << math.ceil(math.log2(g)))

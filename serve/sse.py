@@ -4,8 +4,14 @@ stream ends with `data: [DONE]\\n\\n`. JSON is compact and keeps non-ASCII text 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import AsyncGenerator
 
 from aiohttp import web
+
+from serve.errors import APIError, as_api_error, error_body
+
+logger = logging.getLogger(__name__)
 
 
 def encode_event(payload: dict) -> bytes:
@@ -39,3 +45,31 @@ class SSEWriter:
         await self.response.write(DONE_EVENT)
         await self.response.write_eof()
         return self.response
+
+
+async def stream_chunks(request: web.Request, chunks: AsyncGenerator[dict, None]) -> web.StreamResponse:
+    """Send every chunk as an event, then [DONE]. An error raised after the stream began cannot be a
+    status code any more: it goes out as a `data: {"error": ...}` event followed by [DONE], as in
+    vLLM. A client that went away ends the stream quietly (the caller aborts its engine requests)."""
+    sse = SSEWriter(request)
+    await sse.start()
+    try:
+        async for chunk in chunks:
+            await sse.send(chunk)
+    except ConnectionResetError:
+        return sse.response
+    except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+        api_error = as_api_error(exc)
+        if api_error is None:
+            logger.exception("error while streaming %s", request.path)
+            api_error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+        try:
+            await sse.send(error_body(api_error.status, api_error.message, api_error.param))
+        except ConnectionResetError:
+            return sse.response
+    finally:
+        await chunks.aclose()
+    try:
+        return await sse.finish()
+    except ConnectionResetError:
+        return sse.response

@@ -38,7 +38,7 @@ class ManagerMachine(RuleBasedStateMachine):
             inner = pool.on_evict
 
             def on_evict(b):
-                if pool.ref_counts[b] != 1:  # allocate sets 1 just before calling on_evict
+                if pool.ref_counts[b] != 0:
                     self.evicted_referenced.append(b)
                 inner(b)
             pool.on_evict = on_evict

@@ -61,10 +61,6 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
-    def num_evictable_blocks(self) -> int:
-        return len(self._evictable)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
@@ -134,9 +130,7 @@ class BlockPool:
         self._cached[block_id] = True
 
     def uncache(self, block_id: int) -> None:
-        """Forget that the block is cached; if unreferenced it moves to the free list."""
-        if not self._cached[block_id]:
-            return
+        """Forget that the (cached) block is cached; if unreferenced it moves to the free list."""
         self._cached[block_id] = False
         if self.ref_counts[block_id] == 0:
             del self._evictable[block_id]

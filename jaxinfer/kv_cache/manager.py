@@ -25,10 +25,14 @@ slot -1 and padding block-table entries are never read (pallas_kernels/metadata.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Hashable, Sequence
 
 from jaxinfer.kv_cache.block_pool import BlockPool
 from jaxinfer.kv_cache.prefix_cache import PrefixCache, _Node
+
+# num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
+_NEVER_CACHE = sys.maxsize
 
 
 @dataclasses.dataclass
@@ -44,13 +48,17 @@ class PrefixCacheStats:
 
 
 class _RequestBlocks:
-    __slots__ = ("block_ids", "num_tokens", "num_cached_blocks", "cache_node")
+    __slots__ = ("block_ids", "num_tokens", "num_cached_blocks", "cache_node", "family")
 
-    def __init__(self, block_ids: list[int], num_tokens: int, num_cached_blocks: int, cache_node):
+    def __init__(self, block_ids: list[int], num_tokens: int, num_cached_blocks: int, cache_node,
+                 family: set[_RequestBlocks] | None = None):
         self.block_ids = block_ids            # physical blocks, logical order
         self.num_tokens = num_tokens          # tokens with a slot (computed or scheduled)
         self.num_cached_blocks = num_cached_blocks  # leading blocks registered in the prefix cache
         self.cache_node = cache_node          # tree node of the last of those (root if none)
+        # Live requests related by fork (shared set), None if never forked: the only other
+        # holders of this request's uncached blocks, which a dedup must update too.
+        self.family = family
 
 
 class KVCacheManager:
@@ -151,7 +159,8 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
         req = self._requests.get(request_id)
-        if req is None:
+        registered_here = req is None
+        if registered_here:
             req = _RequestBlocks([], 0, 0, self.prefix_cache.root if self.prefix_cache else None)
             self._requests[request_id] = req
         if num_new_tokens == 0:
@@ -163,9 +172,12 @@ class KVCacheManager:
         num_new_blocks = (new_tokens + bs - 1) // bs - len(blocks)
         pool = self.pool
         copy_on_write = old_tokens % bs != 0 and pool.ref_counts[blocks[-1]] > 1
+        if num_new_blocks == 0 and not copy_on_write:  # the common decode step: room in place
+            req.num_tokens = new_tokens
+            return True
         if num_new_blocks + copy_on_write > pool.num_free_blocks:
-            if old_tokens == 0 and not blocks:
-                del self._requests[request_id]  # leave no trace of a request we registered here
+            if registered_here:
+                del self._requests[request_id]  # leave no trace of a request we registered
             return False
         if copy_on_write:
             src = blocks[-1]
@@ -188,9 +200,11 @@ class KVCacheManager:
         now have their KV written. Only full blocks among the first ``num_computed_tokens`` are
         inserted, each keyed by its tokens under its predecessor (so the key covers the whole
         prefix). If an identical block is already cached (two requests computed the same prefix
-        concurrently), the request switches to the cached block and its own copy is released, so
-        the duplicate does not stay resident. Returns the number of blocks newly registered or
-        deduplicated; a no-op (0) when caching is off or no block filled up since the last call."""
+        concurrently), the request -- and every fork sharing its copy -- switches to the cached
+        block and the copy is released, so the duplicate does not stay resident.
+
+        Returns the number of blocks newly registered or deduplicated; 0 (a no-op) when caching
+        is off, after reset_prefix_cache, or when no block filled up since the last call."""
         cache = self.prefix_cache
         if cache is None:
             return 0
@@ -208,10 +222,15 @@ class KVCacheManager:
         for i in range(first, num_full):
             own = blocks[i]
             node = cache.insert(node, tuple(token_ids[i * bs:(i + 1) * bs]), own)
-            if node.block_id != own:  # identical block already cached: share it, drop ours
-                pool.incref(node.block_id)
-                blocks[i] = node.block_id
-                self._release(own)
+            if node.block_id != own:
+                # Identical block already cached: share it, drop ours. Every holder of `own` (an
+                # uncached block, so shared only by forks) switches, which keeps "a holder of a
+                # cached block holds its whole cached prefix" true for the blocks inserted next.
+                for holder in req.family or (req,):
+                    if len(holder.block_ids) > i and holder.block_ids[i] == own:
+                        pool.incref(node.block_id)
+                        holder.block_ids[i] = node.block_id
+                        self._release(own)
         req.num_cached_blocks = num_full
         req.cache_node = node
         return num_full - first
@@ -230,8 +249,12 @@ class KVCacheManager:
         incref = self.pool.incref
         for b in parent.block_ids:
             incref(b)
-        self._requests[child_id] = _RequestBlocks(list(parent.block_ids), parent.num_tokens,
-                                                  parent.num_cached_blocks, parent.cache_node)
+        if parent.family is None:
+            parent.family = {parent}
+        child = _RequestBlocks(list(parent.block_ids), parent.num_tokens, parent.num_cached_blocks,
+                               parent.cache_node, parent.family)
+        parent.family.add(child)
+        self._requests[child_id] = child
 
     def free(self, request_id: Hashable) -> bool:
         """Release all the request's blocks (finished, aborted or preempted).
@@ -242,6 +265,8 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if req.family is not None:
+            req.family.discard(req)
         release = self._release
         for b in reversed(req.block_ids):
             release(b)
@@ -264,15 +289,16 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (e.g. after loading new weights). Unreferenced cached blocks
-        go back to the free list (returned: how many); blocks held by live requests stay theirs,
-        uncached, and their later full blocks are cached afresh by cache_blocks."""
+        go back to the free list (returned: how many). Blocks held by live requests stay theirs,
+        uncached; those requests insert nothing more (unrelated requests may now share uncached
+        blocks, which the new tree could not keep consistent), requests admitted later do."""
         cache = self.prefix_cache
         if cache is None:
             return 0
         freed = cache.clear()
         for req in self._requests.values():
-            req.num_cached_blocks = 0
-            req.cache_node = cache.root
+            req.num_cached_blocks = _NEVER_CACHE
+            req.cache_node = None
         return freed
 
     # ---- introspection for tests ---------------------------------------------------------

@@ -1,0 +1,344 @@
+"""Online serving benchmark for any OpenAI-compatible server (jaxinfer serve, vLLM, ...), after vLLM's
+`vllm bench serve`: an aiohttp client streams requests from a random or ShareGPT-format dataset at a
+Poisson `--request-rate` and/or under a `--max-concurrency` cap, and prints vLLM's result block
+(throughput; mean/median/p99 TTFT, TPOT, ITL). `--sweep-concurrency 1,4,16` runs one benchmark per
+concurrency and plots throughput and latency against it (`--plot`, needs matplotlib).
+
+    jaxinfer serve --port 8000 &
+    python benchmarks/bench_serving.py --port 8000 --dataset-name random --num-prompts 200 \\
+        --random-input-len 128 --random-output-len 64 --max-concurrency 16 --save-result out.json
+
+Definitions (as in vLLM): TTFT = request sent -> first token; ITL = time between successive streamed
+chunks; TPOT = (latency - TTFT) / (output tokens - 1). Output token counts come from the server's
+`usage` (stream_options.include_usage), not from re-tokenizing the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    prompt: str | list[int]  # text, or token ids (completions only: exact prompt lengths)
+    prompt_len: int
+    output_len: int
+
+
+@dataclasses.dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    start: float = 0.0
+
+
+def load_tokenizer(path: str):
+    sys.path.insert(0, str(REPO_ROOT))
+    from jaxinfer.tokenizer import Tokenizer
+    return Tokenizer.from_dir(path)
+
+
+def random_requests(tokenizer, n: int, input_len: int, output_len: int, range_ratio: float,
+                    rng: np.random.Generator, as_text: bool) -> list[BenchRequest]:
+    """Prompts of random token ids (lengths uniform in len*(1 +- range_ratio)), special tokens excluded."""
+    special = set(tokenizer.eos_token_ids) | ({tokenizer.bos_token_id} - {None})
+    vocab = np.array([t for t in range(tokenizer.vocab_size) if t not in special])
+    out = []
+    for _ in range(n):
+        lo, hi = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+        plen = int(rng.integers(lo, hi + 1))
+        olo, ohi = max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio))
+        olen = int(rng.integers(olo, ohi + 1))
+        ids = rng.choice(vocab, size=plen).tolist()
+        if as_text:
+            text = tokenizer.decode(ids)
+            out.append(BenchRequest(text, len(tokenizer.encode(text)), olen))
+        else:
+            out.append(BenchRequest(ids, plen, olen))
+    return out
+
+
+def sharegpt_requests(tokenizer, path: str, n: int, max_model_len: int, fixed_output_len: int | None,
+                      rng: random.Random) -> list[BenchRequest]:
+    """ShareGPT JSON: [{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}].
+    The first turn is the prompt, the reply's length the output length; pairs that are too short or do
+    not fit the context are skipped, as in vLLM."""
+    data = json.loads(Path(path).read_text())
+    convs = [d["conversations"] for d in data if len(d.get("conversations", [])) >= 2]
+    rng.shuffle(convs)
+    out = []
+    for conv in convs:
+        prompt, reply = conv[0]["value"], conv[1]["value"]
+        plen = len(tokenizer.encode(prompt))
+        olen = fixed_output_len or len(tokenizer.encode(reply))
+        if plen < 4 or olen < 4 or plen + olen > max_model_len:
+            continue
+        out.append(BenchRequest(prompt, plen, olen))
+        if len(out) == n:
+            break
+    if len(out) < n:
+        print(f"warning: only {len(out)} usable conversations in {path} (asked for {n})", file=sys.stderr)
+    return out
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, model: str, chat: bool,
+                       req: BenchRequest, ignore_eos: bool) -> RequestResult:
+    body = {"model": model, "max_tokens": req.output_len, "stream": True, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    result = RequestResult(prompt_len=req.prompt_len)
+    start = result.start = time.perf_counter()
+    last = start
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result
+            buffer = b""
+            async for data in resp.content.iter_any():
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if not event.startswith(b"data: "):
+                        continue
+                    payload = event[len(b"data: "):]
+                    if payload == b"[DONE]":
+                        continue
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        result.error = chunk["error"].get("message", "error event")
+                        return result
+                    if chunk.get("usage"):  # the server's own counts (chat adds the template)
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                        result.prompt_len = chunk["usage"]["prompt_tokens"]
+                    choices = chunk.get("choices") or []
+                    text = (choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")) \
+                        if choices else None
+                    if text:
+                        now = time.perf_counter()
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+        result.latency = time.perf_counter() - start
+        result.success = result.ttft > 0.0
+        if not result.success:
+            result.error = "no tokens streamed"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_benchmark(url: str, model: str, chat: bool, requests: list[BenchRequest], request_rate: float,
+                        max_concurrency: int | None, ignore_eos: bool, seed: int) -> tuple[list[RequestResult], float]:
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def one(req: BenchRequest) -> RequestResult:
+            if limit is None:
+                return await send_request(session, url, model, chat, req, ignore_eos)
+            async with limit:
+                return await send_request(session, url, model, chat, req, ignore_eos)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for req in requests:
+            tasks.append(asyncio.create_task(one(req)))
+            if request_rate != float("inf"):  # Poisson arrivals: exponential gaps
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def summarize(results: list[RequestResult], duration: float, request_rate: float,
+              max_concurrency: int | None) -> dict:
+    ok = [r for r in results if r.success]
+    ms = lambda xs, f: float(f(xs)) * 1000 if len(xs) else 0.0  # noqa: E731
+    ttfts = [r.ttft for r in ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    e2el = [r.latency for r in ok]
+    in_tok = sum(r.prompt_len for r in ok)
+    out_tok = sum(r.output_tokens for r in ok)
+    p99 = lambda xs: np.percentile(xs, 99)  # noqa: E731
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+        "max_concurrency": max_concurrency, "request_rate": request_rate, "duration": duration,
+        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
+        "total_token_throughput": (in_tok + out_tok) / duration,
+        "mean_ttft_ms": ms(ttfts, np.mean), "median_ttft_ms": ms(ttfts, np.median), "p99_ttft_ms": ms(ttfts, p99),
+        "mean_tpot_ms": ms(tpots, np.mean), "median_tpot_ms": ms(tpots, np.median), "p99_tpot_ms": ms(tpots, p99),
+        "mean_itl_ms": ms(itls, np.mean), "median_itl_ms": ms(itls, np.median), "p99_itl_ms": ms(itls, p99),
+        "mean_e2el_ms": ms(e2el, np.mean), "median_e2el_ms": ms(e2el, np.median), "p99_e2el_ms": ms(e2el, p99),
+    }
+
+
+def print_result(m: dict) -> None:
+    """vLLM's result block, line for line."""
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    print("{:<40} {:<10}".format("Successful requests:", m["completed"]))
+    print("{:<40} {:<10}".format("Failed requests:", m["failed"]))
+    if m["max_concurrency"] is not None:
+        print("{:<40} {:<10}".format("Maximum request concurrency:", m["max_concurrency"]))
+    if m["request_rate"] != float("inf"):
+        print("{:<40} {:<10.2f}".format("Request rate configured (RPS):", m["request_rate"]))
+    print("{:<40} {:<10.2f}".format("Benchmark duration (s):", m["duration"]))
+    print("{:<40} {:<10}".format("Total input tokens:", m["total_input_tokens"]))
+    print("{:<40} {:<10}".format("Total generated tokens:", m["total_output_tokens"]))
+    print("{:<40} {:<10.2f}".format("Request throughput (req/s):", m["request_throughput"]))
+    print("{:<40} {:<10.2f}".format("Output token throughput (tok/s):", m["output_throughput"]))
+    print("{:<40} {:<10.2f}".format("Total Token throughput (tok/s):", m["total_token_throughput"]))
+    for title, key, name in (("Time to First Token", "ttft", "TTFT"),
+                             ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+                             ("Inter-token Latency", "itl", "ITL")):
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        for stat in ("mean", "median", "p99"):
+            label = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
+            print("{:<40} {:<10.2f}".format(f"{label} {name} (ms):", m[f"{stat}_{key}_ms"]))
+    print("=" * 50)
+    for err in m["errors"]:
+        print(f"error: {err}")
+
+
+def plot_sweep(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = [r["max_concurrency"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(conc, [r["output_throughput"] for r in rows], "o-", label="output tok/s")
+    ax1.plot(conc, [r["total_token_throughput"] for r in rows], "s--", label="total tok/s")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("max concurrency")
+    ax1.set_ylabel("tokens / s")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    for key, label in (("median_ttft_ms", "median TTFT"), ("median_tpot_ms", "median TPOT"),
+                       ("p99_itl_ms", "p99 ITL")):
+        ax2.plot(conc, [r[key] for r in rows], "o-", label=label)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("max concurrency")
+    ax2.set_ylabel("ms")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+async def fetch_model_info(base_url: str, headers: dict) -> tuple[str, int | None]:
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.get(f"{base_url}/v1/models") as resp:
+            resp.raise_for_status()
+            card = (await resp.json())["data"][0]
+    return card["id"], card.get("max_model_len")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--tokenizer", default=str(REPO_ROOT / "checkpoints" / "demo-target"),
+                   help="directory with tokenizer.json, to build prompts and count their tokens")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="override the replies' lengths")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default: inf = all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--sweep-concurrency", default=None,
+                   help="comma-separated concurrencies: one benchmark each, plus a plot")
+    p.add_argument("--plot", default="serving_sweep.png", help="PNG path for --sweep-concurrency")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: generate exactly the requested lengths)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-result", action="store_true", help="write the metrics as JSON")
+    p.add_argument("--result-filename", default=None, help="JSON path (default: serving-<time>.json)")
+    args = p.parse_args(argv)
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        p.error("--dataset-name sharegpt needs --dataset-path")
+    if args.request_rate <= 0:
+        p.error(f"--request-rate must be > 0, got {args.request_rate}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    served, max_model_len = asyncio.run(fetch_model_info(base_url, headers))
+    model = args.model or served
+    chat = args.endpoint == "/v1/chat/completions"
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.dataset_name == "random":
+        requests = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, np.random.default_rng(args.seed), as_text=chat)
+    else:
+        requests = sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, max_model_len or 1 << 30,
+                                     args.sharegpt_output_len, random.Random(args.seed))
+    url = base_url + args.endpoint
+    concurrencies = ([int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency
+                     else [args.max_concurrency])
+    rows = []
+    for conc in concurrencies:
+        print(f"model={model} endpoint={args.endpoint} prompts={len(requests)} "
+              f"request_rate={args.request_rate} max_concurrency={conc}")
+        results, duration = asyncio.run(run_benchmark(url, model, chat, requests, args.request_rate, conc,
+                                                      args.ignore_eos, args.seed))
+        metrics = summarize(results, duration, args.request_rate, conc)
+        print_result(metrics)
+        rows.append(metrics)
+    if args.save_result:
+        out = args.result_filename or f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        meta = {"model": model, "endpoint": args.endpoint, "dataset": args.dataset_name,
+                "num_prompts": len(requests), "random_input_len": args.random_input_len,
+                "random_output_len": args.random_output_len, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        Path(out).write_text(json.dumps({**meta, "results": rows} if len(rows) > 1 else {**meta, **rows[0]},
+                                        indent=2, default=str))
+        print(f"wrote {out}")
+    if args.sweep_concurrency:
+        plot_sweep(rows, args.plot, f"{model} {args.endpoint}: random {args.random_input_len} in / "
+                                    f"{args.random_output_len} out" if args.dataset_name == "random"
+                   else f"{model} {args.endpoint}: ShareGPT")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

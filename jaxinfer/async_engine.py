@@ -1,0 +1,176 @@
+"""AsyncEngine: the LLMEngine behind one background loop, with a per-request async stream of
+RequestOutputs for the server (contract: /work/notes/engine_contract.md).
+
+The engine is not thread-safe, so every engine call (add_request, abort, step) happens on one
+dedicated worker thread; the asyncio side only enqueues commands and reads per-request queues. The
+event loop therefore never blocks on a step, and a step never races an add or an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from jaxinfer.engine import LLMEngine
+from jaxinfer.engine_args import EngineArgs
+from jaxinfer.errors import JaxinferError
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(JaxinferError):
+    """The background loop died; `__cause__` is the original exception."""
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs | None = None, *, engine: LLMEngine | None = None):
+        """Load the model and tokenizer (no compilation yet), or wrap a ready `engine`."""
+        if engine is None:
+            args = args or EngineArgs()
+            warm = args.warmup
+            args.warmup = False  # compiled in start(), off the event loop
+            engine = LLMEngine.from_engine_args(args)
+            args.warmup = warm
+        self.engine = engine
+        self.args = engine.args
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.cfg
+        self.max_model_len = engine.max_model_len
+        self.model_name = engine.model_name
+        self.metrics = engine.metrics
+        self.kv_cache_manager = engine.kv_manager
+        self.num_total_blocks = engine.num_total_blocks
+        self.is_ready = False
+        self.errored: BaseException | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Compile every step bucket (in a thread) and start the background loop."""
+        if self.args.warmup:
+            await asyncio.to_thread(self.engine.warmup, False)
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
+        self._thread.start()
+        self.is_ready = True
+
+    async def shutdown(self, grace_s: float = 0) -> None:
+        """Let in-flight requests finish for up to grace_s seconds, abort the rest, stop the loop."""
+        self.is_ready = False
+        if self._thread is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._streams and loop.time() < deadline and self.errored is None:
+            await asyncio.sleep(0.01)
+        for rid in list(self._streams):
+            await self.abort(rid)
+        self._stop.set()
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    # ---- requests -----------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Validation errors (InvalidRequestError) raise on the first
+        __anext__; leaving the iteration early (break, cancellation) aborts the request and frees
+        its KV blocks."""
+        return self._generate(prompt, params, request_id, priority)
+
+    async def _generate(self, prompt, params, request_id, priority):
+        if self.errored is not None:
+            raise EngineDeadError("the engine loop has died") from self.errored
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        added: asyncio.Future = loop.create_future()
+
+        def add():
+            try:
+                self.engine.add_request(request_id, prompt, params, priority)
+            except BaseException as e:  # reported to the caller, the loop goes on
+                loop.call_soon_threadsafe(_settle, added, e)
+                return
+            self._streams[request_id] = (loop, stream)
+            loop.call_soon_threadsafe(_settle, added, None)
+
+        self._submit(add)
+        await added  # raises the validation error, before any output
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine loop has died") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort_now(request_id, notify=False))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort_now(request_id, notify=True))
+
+    # ---- the worker thread --------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _abort_now(self, request_id: str, notify: bool) -> None:
+        out = self.engine.abort(request_id)
+        entry = self._streams.pop(request_id, None)
+        if notify and entry is not None and out is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, out)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        self._commands.get_nowait()()
+                    except queue.Empty:
+                        break
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                for out in engine.step():
+                    entry = self._streams.get(out.request_id)
+                    if entry is None:
+                        continue
+                    loop, stream = entry
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    loop.call_soon_threadsafe(stream.put_nowait, out)
+        except BaseException as e:  # surface it to every stream and to the server's health check
+            log.exception("engine loop died")
+            self.errored = e
+            self.is_ready = False
+            for loop, stream in self._streams.values():
+                loop.call_soon_threadsafe(stream.put_nowait, e)
+            self._streams.clear()
+
+
+def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

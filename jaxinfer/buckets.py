@@ -1,0 +1,64 @@
+"""Compile buckets: the few padded shapes every step is rounded up to, so the number of compilations
+is fixed at start-up (and tested) instead of growing with the workload.
+
+- pure-decode steps: S sequences of one token, S in `decode_buckets` (T == S, all decode attention);
+- mixed steps (any prefill chunk): T tokens in `token_buckets`, with S = min(T, max_num_seqs)
+  sequence rows (a step never has more sequences than tokens); every sequence, decodes included, goes
+  through the ragged (prefill) attention path, so no third bucket dimension (the decode count) is
+  needed — vLLM V1's unified ragged attention makes the same trade;
+- copy-on-write block copies: padded to `copy_buckets`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def _powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    token_buckets: tuple[int, ...]
+    decode_buckets: tuple[int, ...]
+    copy_buckets: tuple[int, ...]
+    max_num_seqs: int
+
+    @classmethod
+    def make(cls, max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
+             min_seqs: int = 8) -> "Buckets":
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be >= "
+                             f"--max-num-seqs ({max_num_seqs})")
+        tokens = _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+        seqs = _powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs)
+        copies = _powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs, factor=4)
+        return cls(tuple(tokens), tuple(seqs), tuple(copies), max_num_seqs)
+
+    @staticmethod
+    def _fit(buckets: tuple[int, ...], n: int, what: str) -> int:
+        i = bisect.bisect_left(buckets, n)
+        if i == len(buckets):
+            raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
+        return buckets[i]
+
+    def decode_shape(self, num_seqs: int) -> int:
+        return self._fit(self.decode_buckets, num_seqs, "decode sequences")
+
+    def mixed_shape(self, num_tokens: int) -> tuple[int, int]:
+        t = self._fit(self.token_buckets, num_tokens, "step tokens")
+        return t, min(t, self.max_num_seqs)
+
+    def copy_shape(self, num_copies: int) -> int:
+        return self._fit(self.copy_buckets, num_copies, "block copies")
+
+    @property
+    def num_step_shapes(self) -> int:
+        return len(self.token_buckets) + len(self.decode_buckets)

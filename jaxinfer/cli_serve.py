@@ -1,0 +1,30 @@
+"""`jaxinfer serve`: the OpenAI-compatible HTTP server (serve/) over an AsyncEngine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from jaxinfer.engine_args import EngineArgs
+    from serve.app import add_server_args
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+                                   "/v1/chat/completions (streaming via SSE), /v1/models, /health, /metrics, "
+                                   "/tokenize, /detokenize, /version.")
+    EngineArgs.add_cli_args(p)
+    add_server_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxinfer.async_engine import AsyncEngine
+    from jaxinfer.engine_args import EngineArgs
+    from serve.app import check_server_args, serve_until_signal
+
+    check_server_args(args)
+    engine = AsyncEngine(EngineArgs.from_cli_args(args))
+    asyncio.run(serve_until_signal(engine, args))
+    return 0

@@ -1,0 +1,339 @@
+"""LLMEngine (add_request / abort / step) and the offline `LLM(model=...).generate(...)` API.
+
+One `step()`:
+
+    1. schedule step N+1 (scheduler.py): decodes, prefill chunks, admissions, preemption;
+    2. build its padded arrays and dispatch it (runner.py) -- JAX returns at once;
+    3. only now wait for step N's sampled tokens and process them (output_processor.py):
+       detokenize, stop checks, free finished sequences' blocks, prefix-cache insertion.
+
+So the host's scheduling and input building for step N+1 overlap the device running step N; a decode
+whose input token is step N's sample reads it from a device array (no host round trip). A sequence
+that finished at step N was still scheduled in step N+1: that one token is discarded. The engine
+falls back to processing step N first when N ran an on-device decode loop (the host must know how
+many tokens it produced) or a penalty request needs its full token history on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig, load_config
+from jaxinfer.engine_args import EngineArgs
+from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.kv_cache import KVCacheManager, MemoryPlanError, plan_kv_cache, tree_nbytes
+from jaxinfer.kv_cache.cache_config import resolve_kv_cache_dtype
+from jaxinfer.metrics import EngineMetrics
+from jaxinfer.output_processor import OutputProcessor, make_request_output
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.request import Request, Sequence, SeqStatus
+from jaxinfer.runner import ModelRunner, StepHandle
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.scheduler import Scheduler
+from jaxinfer.stop_checker import OutputText
+from jaxinfer.tokenizer import Tokenizer
+from pallas_kernels.backend import get_backend
+
+log = logging.getLogger(__name__)
+
+_JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+class EngineStats:
+    """Host-side timing of the step loop (for benchmarks and the device-idle gap)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.host_s = 0.0          # schedule + build + dispatch, summed
+        self.idle_dispatches = 0   # overlapped dispatches that found the previous step finished
+        self.sync_gaps = 0         # steps dispatched after waiting for the previous one's tokens
+        self.sync_gap_s = 0.0      # ... and the device idle time between the two, summed
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1e3 * self.host_s / max(self.steps, 1)
+
+    @property
+    def sync_gap_ms(self) -> float:
+        return 1e3 * self.sync_gap_s / max(self.sync_gaps, 1)
+
+
+class LLMEngine:
+    def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
+                 *, num_blocks: int, metrics: EngineMetrics | None = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.args = args
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {cfg.max_position_embeddings}")
+        self.model_name = args.model_name
+        self.metrics = metrics or EngineMetrics(self.model_name)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
+        self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.num_total_blocks = num_blocks
+        self.scheduler = Scheduler(
+            self.kv_manager, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
+            decode_steps_per_call=args.decode_steps_per_call, make_choice=self._make_choice)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(
+            jax.tree_util.tree_leaves(params)[0].dtype).name)
+        self.runner = ModelRunner(
+            cfg, params, get_backend(args.attention_backend), self.kv_manager,
+            num_blocks=num_blocks, block_size=args.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call)
+        self.outputs = OutputProcessor(self.scheduler, self.metrics, self.max_model_len,
+                                       self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(args.seed)
+        self._inflight: StepHandle | None = None
+        self._profiling_left = args.profile_steps if args.profile_dir else 0
+        self.stats = EngineStats()
+        self._preempt_seen = 0
+
+    # ---- construction from flags ------------------------------------------------------------
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, metrics: EngineMetrics | None = None) -> "LLMEngine":
+        from jaxinfer.weights import load_params
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        cfg = load_config(args.model)
+        tokenizer = Tokenizer.from_dir(args.model) if (
+            __import__("pathlib").Path(args.model) / "tokenizer.json").is_file() else None
+        dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
+        params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed)
+        num_blocks = cls.plan_num_blocks(cfg, args, params)
+        engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics)
+        if args.warmup:
+            engine.warmup()
+        return engine
+
+    @staticmethod
+    def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params) -> int:
+        """--num-blocks, else the memory planner; on a CPU (which reports no memory size) enough
+        blocks for max_num_seqs full-length sequences, at most 4096."""
+        max_len = args.max_model_len or cfg.max_position_embeddings
+        try:
+            plan = plan_kv_cache(cfg, args.cache_config(), weight_bytes=tree_nbytes(params),
+                                 activation_bytes=0, model_dtype=jnp.dtype(
+                                     jax.tree_util.tree_leaves(params)[0].dtype).name)
+        except MemoryPlanError:
+            if jax.devices()[0].platform != "cpu":
+                raise
+            blocks = min(4096, args.max_num_seqs * math.ceil(max_len / args.block_size))
+            log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
+            return blocks
+        log.info(plan.describe())
+        return plan.num_blocks
+
+    def warmup(self, progress: bool = True) -> float:
+        seconds = self.runner.warmup(progress)
+        log.info("compiled %d step shapes in %.1f s", len(self.runner.warmup_shapes()), seconds)
+        return seconds
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. Raises InvalidRequestError (nothing is queued)."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
+                                      param="request_id")
+        params.validate(self.cfg.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none",
+                                      param="stop")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer; pass token ids",
+                                          param="prompt")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary "
+                                      f"[0, {self.cfg.vocab_size})", param="prompt")
+        n = len(prompt_ids)
+        if n >= self.max_model_len or (params.max_tokens is not None
+                                       and n + params.max_tokens > self.max_model_len):
+            raise InvalidRequestError(
+                f"prompt of {n} tokens + max_tokens={params.max_tokens} exceeds the context "
+                f"length max_model_len={self.max_model_len}",
+                param="prompt" if n >= self.max_model_len else "max_tokens")
+        seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
+        req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time)
+        self.requests[request_id] = req
+        if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
+            for i in range(params.n):
+                self.scheduler.add(self._make_choice(req, i, 0))
+        else:
+            req.prompt_seq = Sequence(f"{request_id}#prompt", req, -1, prompt_ids[:-1])
+            self.scheduler.add(req.prompt_seq)
+        return req
+
+    def _make_choice(self, req: Request, index: int, num_computed: int) -> Sequence:
+        seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids),
+                       num_computed)
+        p = req.params
+        seq.output = OutputText(self.tokenizer, req.prompt_token_ids, p.stop,
+                                p.include_stop_str_in_output, p.skip_special_tokens)
+        req.choices[index] = seq
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its final output (reason "abort"),
+        or None if the request is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.prompt_seq is not None and req.prompt_seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(req.prompt_seq)
+        for i, seq in enumerate(req.choices):
+            if seq is None:  # an n > 1 choice not forked yet: report it aborted too
+                seq = self._make_choice(req, i, 0)
+                seq.status = SeqStatus.FINISHED
+                self.outputs.finish(seq, "abort", None)
+            elif seq.status is not SeqStatus.FINISHED:
+                self.outputs.finish(seq, "abort", None)
+        return make_request_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._inflight is not None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def _must_process_first(self) -> bool:
+        h = self._inflight
+        if h is None:
+            return False
+        if not self.args.async_scheduling or h.is_loop:
+            return True
+        return any(s.request.params.uses_penalties and s.num_pending
+                   for s in self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch one step; return the outputs of the previous one (or of this one,
+        when the step cannot be overlapped)."""
+        touched: list[Request] = []
+        processed_first = self._must_process_first()
+        if processed_first:
+            touched += self._process(self._inflight)
+            ready_time = self._inflight.ready_time
+            self._inflight = None
+        self._maybe_profile()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        handle = None
+        if sched:
+            if self._inflight is not None and self._inflight.is_ready():
+                self.stats.idle_dispatches += 1  # overlapped, but the device got there first
+            handle = self.runner.execute(sched)
+            self.stats.steps += 1
+            self.stats.host_s += handle.dispatch_time - t0
+            if processed_first:  # the device sat idle from the previous result to this dispatch
+                self.stats.sync_gaps += 1
+                self.stats.sync_gap_s += handle.dispatch_time - ready_time
+        if self._inflight is not None:
+            touched += self._process(self._inflight)
+        self._inflight = handle
+        self._update_gauges()
+        return self._collect(touched)
+
+    def _process(self, handle: StepHandle) -> list[Request]:
+        return self.outputs.process(handle)
+
+    def _collect(self, touched: list[Request]) -> list[RequestOutput]:
+        outs, seen = [], set()
+        for req in touched:
+            if req.request_id in seen:
+                continue
+            seen.add(req.request_id)
+            out = make_request_output(req)
+            if out.outputs:
+                outs.append(out)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outs
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.num_requests_running.set(len({s.request.request_id for s in self.scheduler.running}))
+        m.num_requests_waiting.set(self.scheduler.num_waiting)
+        m.kv_cache_usage_perc.set(self.kv_manager.usage)
+        st = self.kv_manager.stats
+        m.update_prefix_cache(st.queries, st.hits)
+        new_preempt = self.scheduler.num_preemptions - self._preempt_seen
+        if new_preempt:
+            m.num_preemptions.inc(new_preempt)
+        self._preempt_seen = self.scheduler.num_preemptions
+
+    def _maybe_profile(self) -> None:
+        if not self._profiling_left:
+            return
+        if self._profiling_left == self.args.profile_steps:
+            jax.profiler.start_trace(self.args.profile_dir)
+        self._profiling_left -= 1
+        if self._profiling_left == 0:
+            jax.block_until_ready(self.runner.kv_cache)
+            jax.profiler.stop_trace()
+            log.info("wrote a profiler trace of %d steps to %s", self.args.profile_steps,
+                     self.args.profile_dir)
+
+    def run_to_completion(self) -> Iterable[RequestOutput]:
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+
+class LLM:
+    """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
+        if engine is None:
+            args = EngineArgs(**({"model": model} if model else {}), **kwargs)
+            engine = LLMEngine.from_engine_args(args)
+        self.engine = engine
+        self._counter = 0
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); returns one final RequestOutput per prompt,
+        in prompt order, with every choice's full text and token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts",
+                                      param="sampling_params")
+        ids, reqs = [], {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            reqs[rid] = self.engine.add_request(rid, prompt, p, priority[i] if priority else 0)
+            ids.append(rid)
+        from tqdm import tqdm
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
+        for out in self.engine.run_to_completion():
+            if out.finished and out.request_id in reqs:
+                bar.update(1)
+        bar.close()
+        return [make_request_output(reqs[rid], full=True) for rid in ids]
+
+
+__all__ = ["LLMEngine", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,124 @@
+"""Engine settings and their command-line flags (`jaxinfer generate`, `jaxinfer serve`, benchmarks).
+
+`EngineArgs.add_cli_args(parser)` registers every flag; `EngineArgs.from_cli_args(ns)` reads them
+back. The KV-cache flags are the cache package's own (`add_cache_arguments`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.kv_cache import CacheConfig, add_cache_arguments
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = str(REPO / "checkpoints" / "demo-target")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxinfer", "jax_compilation_cache")
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: the checkpoint's dtype (config.json torch_dtype)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int = 512
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    warmup: bool = True
+    decode_steps_per_call: int = 1
+    compilation_cache_dir: str | None = dataclasses.field(
+        default_factory=default_compilation_cache_dir)  # "" or None: no persistent cache
+    profile_dir: str | None = None
+    profile_steps: int = 5
+    seed: int = 0
+    served_model_name: str | None = None
+    # Schedule step N+1 before waiting for step N's tokens (host/device overlap).
+    async_scheduling: bool = True
+
+    def __post_init__(self):
+        def check(ok: bool, flag: str, value, why: str):
+            if not ok:
+                raise ConfigError(f"--{flag} {value!r}: {why}")
+
+        check(self.dtype in DTYPES, "dtype", self.dtype, f"choose from {', '.join(DTYPES)}")
+        check(self.max_num_seqs >= 1, "max-num-seqs", self.max_num_seqs, "must be >= 1")
+        check(self.max_num_batched_tokens >= self.max_num_seqs, "max-num-batched-tokens",
+              self.max_num_batched_tokens, f"must be >= --max-num-seqs ({self.max_num_seqs})")
+        check(self.long_prefill_chunk >= 1, "long-prefill-chunk", self.long_prefill_chunk,
+              "must be >= 1")
+        check(self.decode_steps_per_call >= 1, "decode-steps-per-call",
+              self.decode_steps_per_call, "must be >= 1")
+        check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
+              self.max_model_len, "must be >= 2")
+        self.cache_config()  # validates the KV-cache flags
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        from pallas_kernels.backend import available_backends
+        from jaxinfer.weights import LOAD_FORMATS
+        d = EngineArgs.__dataclass_fields__
+        g = parser.add_argument_group("model")
+        g.add_argument("--model", default=DEFAULT_MODEL,
+                       help="HF-format model directory (default: the bundled demo model)")
+        g.add_argument("--served-model-name", default=None,
+                       help="model name in the API and metrics (default: the directory name)")
+        g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS))
+        g.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="weight/activation dtype (default: the checkpoint's)")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's maximum)")
+        g.add_argument("--seed", type=int, default=0,
+                       help="seed of the generator that seeds requests without their own seed")
+        add_cache_arguments(parser)
+        s = parser.add_argument_group("scheduler and runner")
+        s.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
+                       help="most sequences in one step")
+        s.add_argument("--max-num-batched-tokens", type=int,
+                       default=d["max_num_batched_tokens"].default,
+                       help="token budget of one step (decodes + prefill chunks)")
+        s.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"].default,
+                       help="most prompt tokens of one sequence per step (chunked prefill)")
+        s.add_argument("--attention-backend", default="auto", choices=available_backends())
+        s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="do not compile every step bucket at start-up")
+        s.add_argument("--decode-steps-per-call", type=int, default=1,
+                       help="decode steps run on the device per host round trip when no prefill "
+                            "is waiting (on-device loop; stops early when a sequence finishes)")
+        s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                       help="wait for each step's tokens before scheduling the next")
+        s.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
+                       help="persistent JAX compilation cache ('' disables)")
+        s.add_argument("--profile-dir", default=None,
+                       help="write a jax.profiler trace of --profile-steps steps here")
+        s.add_argument("--profile-steps", type=int, default=5)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})

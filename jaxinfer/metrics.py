@@ -1,0 +1,71 @@
+"""Engine metrics in Prometheus form (vLLM's names with the `jaxinfer:` prefix), label `model_name`.
+
+Each `EngineMetrics` owns its own `CollectorRegistry` (several engines in one test process must not
+collide); the server exposes `prometheus_client.generate_latest(engine.metrics.registry)`.
+`REGISTRY` is the registry of the process's default engine: an engine built without one passed
+uses a fresh registry, so pass `REGISTRY` explicitly to publish there.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                          0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        label = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, label, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("jaxinfer:num_requests_running", "Requests running")
+        self.num_requests_waiting = gauge("jaxinfer:num_requests_waiting", "Requests waiting")
+        self.kv_cache_usage_perc = gauge("jaxinfer:kv_cache_usage_perc",
+                                         "Fraction of KV-cache blocks held by requests (0..1)")
+        self.prefix_cache_queries = counter("jaxinfer:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("jaxinfer:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("jaxinfer:num_preemptions", "Preemptions (by recompute)")
+        self.prompt_tokens = counter("jaxinfer:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("jaxinfer:generation_tokens", "Generated tokens")
+        self._success = Counter("jaxinfer:request_success", "Finished requests by reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.time_to_first_token = histogram("jaxinfer:time_to_first_token_seconds",
+                                             "Time to first token", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("jaxinfer:inter_token_latency_seconds",
+                                             "Time between tokens of a request",
+                                             _TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("jaxinfer:e2e_request_latency_seconds",
+                                             "Arrival to finish", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram("jaxinfer:request_queue_time_seconds",
+                                            "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self._prefix_seen = (0, 0)
+
+    def request_success(self, finished_reason: str) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()
+
+    def update_prefix_cache(self, queries: int, hits: int) -> None:
+        """Feed the manager's monotonic counters; only the increase since the last call is added."""
+        q0, h0 = self._prefix_seen
+        if queries > q0:
+            self.prefix_cache_queries.inc(queries - q0)
+        if hits > h0:
+            self.prefix_cache_hits.inc(hits - h0)
+        self._prefix_seen = (queries, hits)

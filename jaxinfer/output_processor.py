@@ -1,0 +1,129 @@
+"""Turn a finished step's sampled tokens into sequence state, finish decisions and RequestOutputs.
+
+Runs on the host after `StepHandle.result()`. For each emitting row: append the token(s), detokenize,
+check (in this order) stop token ids / EOS, stop strings, max_tokens and the context limit; a
+finished sequence's blocks are freed at once (`Scheduler.finish`). Full KV blocks are registered in
+the prefix cache as they fill.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jaxinfer.metrics import EngineMetrics
+from jaxinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from jaxinfer.request import Request, Sequence, SeqStatus
+from jaxinfer.runner import StepHandle
+from jaxinfer.scheduler import Scheduler
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, metrics: EngineMetrics, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def process(self, handle: StepHandle) -> list[Request]:
+        """Apply a step's results; returns the requests that have something new to report."""
+        res = handle.result()
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        steps = res.tokens.shape[0]
+        for r, entry in enumerate(handle.sched.scheduled):
+            seq = entry.seq
+            if seq.status is SeqStatus.FINISHED:  # aborted, or finished while this step ran
+                continue
+            if entry.emits:
+                for j in range(steps):
+                    if j == 0:
+                        seq.num_pending -= 1
+                    else:  # on-device loop: the previous token was this iteration's input
+                        seq.num_computed += 1
+                    lp = None
+                    if res.logprob is not None and seq.request.params.logprobs is not None:
+                        k = seq.request.params.logprobs
+                        lp = TokenLogprob(int(res.tokens[j, r]), float(res.logprob[j, r]),
+                                          list(zip(res.top_ids[j, r, :k].tolist(),
+                                                   res.top_logprobs[j, r, :k].tolist())))
+                    self._append(seq, int(res.tokens[j, r]), lp, now)
+                    touched[seq.request.request_id] = seq.request
+                    if seq.status is SeqStatus.FINISHED:
+                        break
+            if seq.status is not SeqStatus.FINISHED and self.kv.has_request(seq.seq_id):
+                self.kv.cache_blocks(seq.seq_id, seq.token_ids,
+                                     min(seq.num_computed, len(seq.token_ids)))
+        return list(touched.values())
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        req = seq.request
+        params = req.params
+        seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
+        if logprob is not None:
+            seq.new_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.metrics.inter_token_latency.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        n_out = seq.num_output_tokens
+        past_min = n_out > params.min_tokens  # this token's output index >= min_tokens
+        if token in req.stop_id_set and past_min:
+            if params.include_stop_str_in_output:
+                seq.output.add_token(token, check_stop=False)
+            reason = None if token in self.eos_token_ids and token not in params.stop_token_ids \
+                else token
+            self.finish(seq, "stop", reason)
+            return
+        stop_str = seq.output.add_token(token, check_stop=past_min)
+        if stop_str is not None:
+            self.finish(seq, "stop", stop_str)
+        elif (seq.max_output is not None and n_out >= seq.max_output) \
+                or len(seq.token_ids) >= self.max_model_len:
+            self.finish(seq, "length", None)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq.output is not None:
+            seq.output.finish()
+        self.scheduler.finish(seq)
+        req = seq.request
+        if req.finished:
+            now = time.monotonic()
+            self.metrics.e2e_request_latency.observe(now - req.arrival_time)
+            if req.first_scheduled_time is not None:
+                self.metrics.request_queue_time.observe(req.first_scheduled_time - req.arrival_time)
+            self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+            self.metrics.request_success(reason)
+
+
+def make_request_output(req: Request, full: bool = False) -> RequestOutput:
+    """The request's output since its previous one (`full`: every choice, whole text)."""
+    outs = []
+    for i, seq in enumerate(req.choices):
+        if seq is None:
+            if full:
+                outs.append(CompletionOutput(i, "", [], "", [], None, None, None))
+            continue
+        if not full and not seq.new_token_ids and seq.finish_reason is None:
+            continue
+        if not full and seq.finish_reported and not seq.new_token_ids:
+            continue
+        new_text = seq.output.take_new_text()
+        outs.append(CompletionOutput(
+            index=i, text=seq.output.emitted_text, token_ids=seq.token_ids[seq.prompt_len:],
+            new_text=new_text, new_token_ids=seq.new_token_ids,
+            new_logprobs=seq.new_logprobs if req.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        seq.new_token_ids = []
+        seq.new_logprobs = []
+        if seq.finish_reason is not None:
+            seq.finish_reported = True
+    return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
+                         req.num_prompt_tokens, req.num_generated_tokens())

@@ -1,0 +1,141 @@
+"""Request and sequence state on the host.
+
+A `Request` is what a client asked for: one prompt, one `SamplingParams`, `n` choices. A `Sequence`
+is what the scheduler schedules and the KV-cache manager holds blocks for. With n == 1 the request
+has one sequence covering prompt and output. With n > 1 a *prompt sequence* first computes the
+prompt's KV except its last token; then n *choice sequences* are forked from its blocks (shared, ref
+counted) and each computes the last prompt token itself, so each samples its own first token and
+copy-on-write clones only the shared, partly filled last block.
+
+Token accounting of a sequence (`pending` = sampled on the device, not yet seen by the host, when the
+engine schedules one step ahead):
+
+    token_ids (known)  |  pending  ->  num_tokens = len(token_ids) + num_pending
+    num_computed: tokens whose KV is written or scheduled to be written
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxinfer.outputs import TokenLogprob
+from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxinfer.stop_checker import OutputText
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, eos_token_ids: tuple[int, ...], priority: int = 0,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed  # params.seed, or one drawn from the engine's generator
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        stop = [] if params.ignore_eos else list(eos_token_ids)
+        stop += [t for t in params.stop_token_ids if t not in stop]
+        # EOS ids + stop_token_ids, fixed width for the jitted step (validated to fit).
+        self.stop_ids_row = np.full(MAX_STOP_TOKEN_IDS, -1, np.int32)
+        self.stop_ids_row[:len(stop)] = stop[:MAX_STOP_TOKEN_IDS]
+        self.stop_id_set = frozenset(stop)
+        # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
+        self.choices: list[Sequence | None] = [None] * params.n
+        self.prompt_seq: Sequence | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(c is not None and c.status is SeqStatus.FINISHED for c in self.choices)
+
+    def num_generated_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices if c is not None)
+
+
+class Sequence:
+    """One schedulable unit: a choice of a request, or (n > 1) the shared prompt computation."""
+
+    def __init__(self, seq_id: str, request: Request, index: int, token_ids: list[int],
+                 num_computed: int = 0):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index  # choice index; -1 for an n > 1 prompt sequence
+        self.token_ids = token_ids
+        self.prompt_len = request.num_prompt_tokens if index >= 0 else len(token_ids)
+        self.num_pending = 0
+        self.num_computed = num_computed
+        self.status = SeqStatus.WAITING
+        self.slot = -1  # row of the device's last-sampled-token array while running
+        self.admit_order = -1
+        self.num_preemptions = 0
+        params = request.params
+        # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
+        self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)
+        self.max_output = params.max_tokens  # None: until the context is full
+        self.output: OutputText | None = None  # set by the engine for choice sequences
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.finish_reported = False  # a RequestOutput carried the finish reason
+        # Since the previous RequestOutput:
+        self.new_token_ids: list[int] = []
+        self.new_logprobs: list[TokenLogprob] = []
+
+    @property
+    def is_prompt_seq(self) -> bool:
+        return self.index < 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0 if self.is_prompt_seq else len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def at_output_limit(self, max_model_len: int) -> bool:
+        """True when the tokens known or in flight already reach max_tokens or the context, so the
+        sequence must not be scheduled again (it finishes when its last token is processed)."""
+        if self.is_prompt_seq:
+            return False
+        n_out = self.num_tokens - self.prompt_len
+        return (self.max_output is not None and n_out >= self.max_output) or \
+            self.num_tokens >= max_model_len
+
+    def loop_steps_allowed(self, max_model_len: int) -> int:
+        """Decode iterations a scheduled decode (its in-flight token counted) may run on the device:
+        the first samples the in-flight token, each later one adds a token within the limits."""
+        room = max_model_len - self.num_tokens
+        if self.max_output is not None:
+            room = min(room, self.max_output - (self.num_tokens - self.prompt_len))
+        return 1 + max(room, 0)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, pending={self.num_pending})")

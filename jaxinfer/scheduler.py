@@ -1,0 +1,256 @@
+"""The iteration-level scheduler: which sequences run in the next step, and how many tokens each.
+
+Every step (vLLM V1's policy, chunked prefill always on):
+1. running sequences with one token to compute (decodes) first, in priority then admission order;
+   if the KV pool cannot give one a slot, the running sequence with the lowest priority, most
+   recently admitted, is preempted by recompute (blocks freed, requeued at the front);
+2. then running sequences part-way through their prompt (chunked prefill), up to
+   `long_prefill_chunk` tokens each, within the step's token budget (`max_num_batched_tokens`);
+3. then, if nothing was preempted, waiting sequences are admitted FCFS (lower `priority` value
+   first when priorities are given) while the budget, `max_num_seqs` and free blocks (after the
+   prefix-cache match) allow.
+
+The scheduler never looks at token *values*, so the engine can schedule step N+1 while step N's
+sampled tokens are still on the device (see engine.py). Sequences whose known + in-flight tokens
+already reach their limit are not scheduled again: they finish when their last token is processed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Callable
+
+from jaxinfer.kv_cache import KVCacheManager
+from jaxinfer.request import Request, Sequence, SeqStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int        # num_computed before this step: position of the first new token
+    num_tokens: int   # new tokens computed this step
+    emits: bool       # its sampled token is kept (the step reaches the end of its known tokens)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledSeq]   # exactly one new token each
+    prefills: list[ScheduledSeq]  # several new tokens each
+    preempted: list[Sequence]
+    # > 1: run this many decode steps on the device in one call (pure-decode steps only).
+    decode_steps: int = 1
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, long_prefill_chunk: int, max_model_len: int,
+                 decode_steps_per_call: int = 1,
+                 make_choice: Callable[[Request, int, int], Sequence] | None = None):
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_chunk = long_prefill_chunk
+        self.max_model_len = max_model_len
+        self.decode_steps_per_call = decode_steps_per_call
+        # Builds choice `index` of a request (n > 1 fork), given the tokens already computed.
+        self.make_choice = make_choice
+        # Heap of (priority, order, seq); order < 0 for preempted sequences puts them in front.
+        self._waiting: list[tuple[int, int, Sequence]] = []
+        self._num_waiting = 0
+        self._front = itertools.count(-1, -1)
+        self._back = itertools.count()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._admit_counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queues ---------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _slot_cost(self, seq: Sequence) -> int:
+        # An n > 1 prompt sequence reserves room for all the choices it will fork into.
+        return seq.request.params.n if seq.is_prompt_seq else 1
+
+    @property
+    def num_slots_reserved(self) -> int:
+        return sum(self._slot_cost(s) for s in self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.request.priority, next(self._back), seq))
+        self._num_waiting += 1
+
+    def _requeue_front(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.request.priority, next(self._front), seq))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        # Finished (aborted) entries are dropped lazily.
+        while self._waiting and self._waiting[0][2].status is not SeqStatus.WAITING:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][2] if self._waiting else None
+
+    def finish(self, seq: Sequence) -> None:
+        """Finished or aborted: free the blocks and the slot now (the same step)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release_slot(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self._num_waiting -= 1
+        seq.status = SeqStatus.FINISHED
+        self.kv.free(seq.seq_id)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
+        self.running.remove(seq)
+        self._release_slot(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue_front(seq)
+
+    def _grow(self, seq: Sequence, target_tokens: int) -> bool:
+        """Make sure `seq` has KV slots for its first `target_tokens` tokens."""
+        need = target_tokens - (self.kv.num_tokens(seq.seq_id) if self.kv.has_request(seq.seq_id)
+                                else 0)
+        return need <= 0 or self.kv.allocate_slots(seq.seq_id, need)
+
+    # ---- n > 1: fork the choices once the shared prompt part is scheduled -------------------
+    def _fork_ready_prompts(self) -> None:
+        for p in [s for s in self.running if s.is_prompt_seq and s.num_to_compute == 0]:
+            request = p.request
+            self.running.remove(p)
+            p.status = SeqStatus.FINISHED
+            for i in range(request.params.n):
+                child = self.make_choice(request, i, p.num_computed)
+                self.kv.fork(p.seq_id, child.seq_id)
+                self._start_running(child)
+            self.kv.free(p.seq_id)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        seq.admit_order = next(self._admit_counter)
+        if not seq.is_prompt_seq:
+            seq.slot = self._free_slots.pop()
+        self.running.append(seq)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._fork_ready_prompts()
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        scheduled_ids: set[int] = set()
+        limit = self.max_model_len
+        order = sorted(self.running, key=lambda s: (s.request.priority, s.admit_order))
+
+        # 1. decodes (one token to compute), never starved by prefills.
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.num_to_compute != 1 \
+                    or seq.at_output_limit(limit):
+                continue
+            while not self._grow(seq, seq.num_computed + 1):
+                victim = max((s for s in self.running if id(s) not in scheduled_ids),
+                             key=lambda s: (s.request.priority, s.admit_order))
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                decodes.append(self._chunk(seq, 1))
+                scheduled_ids.add(id(seq))
+                budget -= 1
+
+        # 2. running prefills (chunked); no preemption for them: they wait for blocks instead.
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or id(seq) in scheduled_ids \
+                    or seq.num_to_compute <= 1 or seq.num_pending:
+                continue
+            n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
+            if self._grow(seq, seq.num_computed + n):
+                prefills.append(self._chunk(seq, n))
+                scheduled_ids.add(id(seq))
+                budget -= n
+
+        # 3. admissions, FCFS / priority, only when nothing had to be preempted.
+        while not preempted and budget > 0:
+            seq = self._peek_waiting()
+            if seq is None or seq.num_pending:  # a preempted seq whose last token is in flight
+                break
+            if self.num_slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
+                break
+            if not self.kv.has_request(seq.seq_id):
+                seq.num_computed = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
+            n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
+            if not self._grow(seq, seq.num_computed + n):
+                self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
+                seq.num_computed = 0
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            self._start_running(seq)
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = time.monotonic()
+            entry = self._chunk(seq, n)
+            (decodes if n == 1 else prefills).append(entry)
+            scheduled_ids.add(id(seq))
+            budget -= n
+
+        out = SchedulerOutput(decodes, prefills, preempted)
+        if self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting:
+            out.decode_steps = self._reserve_decode_loop(decodes)
+        return out
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed
+        seq.num_computed += n
+        emits = not seq.is_prompt_seq and seq.num_computed == seq.num_tokens
+        if emits:
+            seq.num_pending += 1  # sampled on the device; the host sees it when the step is processed
+        return ScheduledSeq(seq, start, n, emits)
+
+    def _reserve_decode_loop(self, decodes: list[ScheduledSeq]) -> int:
+        """Reserve KV slots for up to decode_steps_per_call tokens per sequence (each capped at what
+        its limits still allow); the device loop stops at the first finished sequence anyway.
+        Returns the number of steps, 1 if the pool cannot reserve them or a sequence needs the host
+        every token (penalties read the token history, which the loop does not rebuild)."""
+        k = self.decode_steps_per_call
+        if any(d.seq.request.params.uses_penalties or not d.emits for d in decodes):
+            return 1
+        for d in decodes:
+            steps = min(k, d.seq.loop_steps_allowed(self.max_model_len))
+            if not self._grow(d.seq, d.start + steps):
+                return 1
+        return k  # num_computed covers the first token; later ones are counted as they arrive

@@ -1,0 +1,147 @@
+"""The aiohttp application: routes, middlewares, engine start-up and graceful shutdown.
+
+Lifecycle: the socket is bound first and the engine warms up (compiles) in the background, so
+`/health` answers 503 until it is ready. On SIGINT/SIGTERM the server stops accepting connections,
+gives in-flight requests `--shutdown-grace` seconds to finish, aborts the rest (their streams end with
+`finish_reason: "abort"` and `[DONE]`), and returns so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from serve import chat, completions, info
+from serve.auth import make_auth_middleware
+from serve.choices import now
+from serve.engine_requests import Lifecycle
+from serve.errors import error_middleware
+from serve.http_metrics import ServerMetrics, get_metrics, make_metrics_middleware
+
+logger = logging.getLogger(__name__)
+
+# A 128k-token prompt sent as JSON token ids is about 1 MB; leave room for batches of them.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_WAITING = 1024
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on every API route")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                        help="answer 503 + Retry-After while this many requests wait (default: %(default)s)")
+    parser.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are "
+                             "aborted (default: %(default)s)")
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    for name in ("max_request_bytes", "max_waiting"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+async def _start_engine(app: web.Application) -> None:
+    engine = app["engine"]
+    if engine.is_ready:  # started by the caller (tests share one warmed-up engine)
+        return
+    task = asyncio.create_task(engine.start(), name="engine-start")
+    task.add_done_callback(_log_start_failure)
+    app["lifecycle"].engine_start = task
+
+
+def _log_start_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine failed to start: %r", task.exception())
+
+
+async def _stop_engine(app: web.Application) -> None:
+    """on_shutdown: runs after the listening sockets closed, before aiohttp waits for handlers."""
+    life = app["lifecycle"]
+    life.shutting_down = True
+    start = life.engine_start
+    if start is not None and not start.done():
+        start.cancel()
+    if app["owns_engine"]:
+        await app["engine"].shutdown(grace_s=app["shutdown_grace"])
+
+
+def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> web.Application:
+    """The application for `engine`. With owns_engine=False the caller starts and shuts the engine
+    down itself (several apps over one engine, as in tests)."""
+    server_metrics = ServerMetrics(engine.model_name)
+    middlewares = [make_metrics_middleware(server_metrics), error_middleware]
+    if args.api_key:
+        middlewares.append(make_auth_middleware(args.api_key))
+    app = web.Application(client_max_size=args.max_request_bytes, middlewares=middlewares)
+    app["engine"] = engine
+    app["server_metrics"] = server_metrics
+    app["max_waiting"] = args.max_waiting
+    app["max_request_bytes"] = args.max_request_bytes
+    app["shutdown_grace"] = args.shutdown_grace
+    app["owns_engine"] = owns_engine
+    app["lifecycle"] = Lifecycle()
+    app["created"] = now()
+    app.router.add_post("/v1/completions", completions.create_completion)
+    app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    app.router.add_get("/v1/models", info.list_models)
+    app.router.add_get("/health", info.health)
+    app.router.add_get("/ping", info.health)
+    app.router.add_get("/version", info.get_version)
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_post("/tokenize", info.tokenize)
+    app.router.add_post("/detokenize", info.detokenize)
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_stop_engine)
+    return app
+
+
+class Server:
+    """The app bound to a socket. `handler_cancellation` makes aiohttp cancel a handler whose client
+    disconnected, which is what aborts its engine requests mid-prefill or mid-decode."""
+
+    def __init__(self, app: web.Application, host: str, port: int, shutdown_grace: float):
+        self.app = app
+        self.host, self.port = host, port
+        self._runner = web.AppRunner(app, handler_cancellation=True,
+                                     shutdown_timeout=shutdown_grace + 5.0)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
+        logger.warning("serving %s on http://%s:%d (OpenAI API under /v1)",
+                       self.app["engine"].model_name, self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
+        await self._runner.cleanup()
+
+
+async def serve_until_signal(engine, args: argparse.Namespace) -> None:
+    server = Server(create_app(engine, args), args.host, args.port, args.shutdown_grace)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.warning("shutting down: finishing in-flight requests (up to %.0f s)", args.shutdown_grace)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C interrupts the grace period
+        loop.remove_signal_handler(sig)
+    await server.stop()

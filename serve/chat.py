@@ -1,0 +1,105 @@
+"""POST /v1/chat/completions: `chat.completion` objects and `chat.completion.chunk` streams in vLLM's
+wire format. The first chunk of each choice carries the assistant role (sent once the first token is
+ready), `finish_reason` appears exactly once per choice, in its last chunk."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from aiohttp import web
+
+from jaxinfer.outputs import TokenLogprob
+from serve.choices import UsageCounter, collect_choices, new_response_id, now, safe_logprob, token_text
+from serve.engine_requests import RequestGroup, check_capacity
+from serve.protocol import GenerationRequest, parse_generation, read_json_body
+from serve.sse import stream_chunks
+
+ROLE = "assistant"
+
+
+def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    text = token_text(tokenizer, token_id)
+    return {"token": text, "logprob": safe_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, logprobs: list[TokenLogprob], top_logprobs: int) -> dict:
+    content = []
+    for lp in logprobs:
+        entry = _logprob_entry(tokenizer, lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [_logprob_entry(tokenizer, tid, v) for tid, v in lp.top[:top_logprobs]]
+        content.append(entry)
+    return {"content": content}
+
+
+def echo_prefix(body_messages: list[dict] | None, req: GenerationRequest) -> str:
+    """vLLM's chat `echo`: the reply is prefixed with the last message when it is the assistant's
+    own (a partial answer the model continues)."""
+    if req.echo and body_messages and isinstance(body_messages[-1], dict) \
+            and body_messages[-1].get("role") == ROLE and isinstance(body_messages[-1].get("content"), str):
+        return body_messages[-1]["content"]
+    return ""
+
+
+async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix: str, response_id: str,
+                    created: int) -> dict:
+    usage = UsageCounter(req.prompts)
+    choices = []
+    for idx, _, state in await collect_choices(group, req.params.n, usage):
+        logprobs = None
+        if req.top_logprobs is not None:
+            logprobs = chat_logprobs(engine.tokenizer, state.logprobs, req.top_logprobs)
+        choices.append({"index": idx, "message": {"role": ROLE, "content": prefix + state.text, "tool_calls": []},
+                        "logprobs": logprobs, "finish_reason": state.finish_reason,
+                        "stop_reason": state.stop_reason})
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": engine.model_name,
+            "choices": choices, "usage": usage.as_dict(), "prompt_logprobs": None}
+
+
+async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefix: str, response_id: str,
+                      created: int) -> AsyncGenerator[dict, None]:
+    usage = UsageCounter(req.prompts)
+    started: set[int] = set()  # choices whose role chunk went out
+
+    def chunk(choice: dict) -> dict:
+        out = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+               "model": engine.model_name, "choices": [choice]}
+        if req.continuous_usage:
+            out["usage"] = usage.as_dict()
+        return out
+
+    async for _, out in group.outputs():
+        usage.update(0, out)
+        for c in out.outputs:
+            text = c.new_text
+            if c.index not in started:
+                started.add(c.index)
+                yield chunk({"index": c.index, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+                text = prefix + text
+            if not text and c.finish_reason is None and req.top_logprobs is None:
+                continue  # a token whose text is held back (half a UTF-8 character): nothing to say yet
+            logprobs = None
+            if req.top_logprobs is not None:
+                logprobs = chat_logprobs(engine.tokenizer, c.new_logprobs or [], req.top_logprobs)
+            choice = {"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            yield chunk(choice)
+    if req.include_usage:
+        yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
+               "model": engine.model_name, "choices": [], "usage": usage.as_dict()}
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    engine = request.app["engine"]
+    body = await read_json_body(request)
+    req = parse_generation(body, engine, chat=True)
+    prefix = echo_prefix(body.get("messages"), req)
+    check_capacity(request.app)
+    response_id, created = new_response_id("chatcmpl"), now()
+    async with RequestGroup(engine, response_id, req.prompts, req.params) as group:
+        await group.start()
+        if req.stream:
+            return await stream_chunks(request, chat_chunks(engine, group, req, prefix, response_id, created))
+        return web.json_response(await full_chat(engine, group, req, prefix, response_id, created))

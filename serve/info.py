@@ -1,0 +1,76 @@
+"""Probes and descriptions: GET /health, /ping, /version, /v1/models; POST /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from aiohttp import web
+
+from serve.engine_requests import engine_unavailable
+from serve.errors import APIError, bad_request, error_response
+from serve.protocol import (TOKENIZE_FIELDS, bool_field, check_model, check_token_ids, log_unknown_fields,
+                            normalize_messages, read_json_body)
+
+
+def package_version() -> str:
+    try:
+        return version("jaxinfer")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 once the engine loop runs and is warmed up; 503 while it starts or after it died."""
+    if (error := engine_unavailable(request.app)) is not None:
+        return error_response(error.status, error.message, headers=error.headers)
+    return web.Response(status=200)
+
+
+async def get_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": package_version()})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app["engine"]
+    card = {"id": engine.model_name, "object": "model", "created": request.app["created"],
+            "owned_by": "jaxinfer", "root": engine.model_name, "parent": None,
+            "max_model_len": engine.max_model_len, "permission": []}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+    engine = request.app["engine"]
+    body = await read_json_body(request)
+    log_unknown_fields(body, TOKENIZE_FIELDS, "/tokenize")
+    check_model(body, engine.model_name)
+    tok = engine.tokenizer
+    if "messages" in body:
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        text = tok.apply_chat_template(normalize_messages(body["messages"]),
+                                       add_generation_prompt=bool_field(body, "add_generation_prompt", True),
+                                       **kwargs)
+        # The template already holds the special tokens, as for chat requests.
+        ids = tok.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))
+    elif isinstance(body.get("prompt"), str):
+        ids = tok.encode(body["prompt"], add_special_tokens=bool_field(body, "add_special_tokens", True))
+    else:
+        raise bad_request("tokenize needs a string 'prompt' or a list of chat 'messages'", "prompt")
+    result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+    if bool_field(body, "return_token_strs", False):
+        result["token_strs"] = [tok.id_to_token(t) for t in ids]
+    return web.json_response(result)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine = request.app["engine"]
+    body = await read_json_body(request)
+    log_unknown_fields(body, frozenset({"model", "tokens"}), "/detokenize")
+    check_model(body, engine.model_name)
+    ids = body.get("tokens")
+    if not isinstance(ids, list):
+        raise APIError(400, "detokenize needs 'tokens': a list of token ids", "tokens")
+    check_token_ids(ids, engine.model_config.vocab_size, "tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(ids)})

@@ -1,0 +1,252 @@
+"""Request parsing and validation: JSON body -> prompt token ids + SamplingParams, with vLLM's field
+names. Everything a client can get wrong is checked here, before any engine request exists, so every
+mistake is a 400 naming the field; unknown fields are ignored with a log line, as vLLM does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from serve.errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+# Fields passed straight to SamplingParams (its `validate` names the field in any error). A JSON null
+# means "the default", as in vLLM.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
+                   "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "user",
+                                              "logprobs", "echo"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                               "chat_template_kwargs", "tools", "tool_choice", "response_format",
+                               "logit_bias"}
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "chat_template_kwargs", "return_token_strs"})
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """A validated /v1/completions or /v1/chat/completions request."""
+    prompts: list[list[int]]          # token ids, one engine request per prompt
+    prompt_texts: list[str]           # the prompts as text (for `echo`)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool               # stream_options.include_usage: a final usage-only chunk
+    continuous_usage: bool            # stream_options.continuous_usage_stats: usage in every chunk
+    echo: bool
+    top_logprobs: int | None          # alternatives to report per token; None = no logprobs
+
+
+async def read_json_body(request: web.Request) -> dict[str, Any]:
+    if request.content_type != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got '{request.content_type or 'none'}'")
+    raw = await request.read()  # aiohttp raises 413 past client_max_size (--max-request-bytes)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        logger.warning("%s: ignoring unknown request fields %s", endpoint, unknown)
+
+
+def check_model(body: dict, served_name: str) -> None:
+    """`model` is an identifier compared with the served name, never used as a path."""
+    model = body.get("model")
+    if model is not None and model != served_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name}={value!r}: must be true or false", name)
+    return value
+
+
+def check_token_ids(ids: list, vocab_size: int, field: str) -> list[int]:
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise bad_request(f"{field}: token id {t!r} is outside the vocabulary [0, {vocab_size})", field)
+    return ids
+
+
+def parse_prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, a list of strings, a list of token ids, a list of
+    token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value):
+            return [value]
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(isinstance(p, list) for p in value):
+            for p in value:
+                if not p or not all(_is_int(t) for t in p):
+                    raise bad_request("prompt: every token-id list must be a non-empty list of integers",
+                                      "prompt")
+            return list(value)
+    if value is None:
+        raise bad_request("prompt is required", "prompt")
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                      f"token-id lists (got {type(value).__name__}{' (empty)' if value == [] else ''})",
+                      "prompt")
+
+
+def normalize_messages(value: Any) -> list[dict]:
+    """Chat messages for the template: content given as a list of parts is joined to one string
+    (text parts only; this server serves text models)."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content: only parts of type 'text' are supported",
+                                      "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string, a list of text parts or null",
+                              "messages")
+        out.append({**msg, "content": content if content is not None else ""})
+    return out
+
+
+def _top_logprobs(body: dict, chat: bool) -> int | None:
+    if chat:  # chat: logprobs is a bool, top_logprobs the number of alternatives
+        want = bool_field(body, "logprobs", False)
+        top = body.get("top_logprobs")
+        if top is not None and not want:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        if not want:
+            return None
+        top = 0 if top is None else top
+        field = "top_logprobs"
+    else:
+        top = body.get("logprobs")
+        if top is None:
+            return None
+        field = "logprobs"
+    if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"{field}={top!r}: must be an integer from 0 to {MAX_LOGPROBS}", field)
+    return top
+
+
+def _reject_unsupported(body: dict) -> None:
+    """Fields we accept by name but cannot honour: refusing beats silently ignoring them."""
+    if body.get("tools"):
+        raise bad_request("tools are not supported by this server", "tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad_request("tool_choice is not supported by this server", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+
+
+def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int) -> SamplingParams:
+    kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
+    params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
+    return params
+
+
+def check_context_length(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt is empty (0 tokens)", "prompt")
+        if max_tokens is None:
+            if len(ids) >= max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                    f"has {len(ids)} tokens, leaving no room for a completion.", "prompt")
+        elif len(ids) + max_tokens > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or completion.", "max_tokens")
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, False
+    if not stream:
+        raise bad_request("stream_options can only be set when stream=true", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    return (bool_field(opts, "include_usage", False),
+            bool_field(opts, "continuous_usage_stats", False))
+
+
+def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
+    """Validate a completions (chat=False) or chat (chat=True) body against the served model."""
+    log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                       "/v1/chat/completions" if chat else "/v1/completions")
+    check_model(body, engine.model_name)
+    tokenizer, vocab_size = engine.tokenizer, engine.model_config.vocab_size
+    stream = bool_field(body, "stream", False)
+    include_usage, continuous_usage = _stream_options(body, stream)
+    echo = bool_field(body, "echo", False)
+    top_logprobs = _top_logprobs(body, chat)
+    if chat:
+        _reject_unsupported(body)
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        reserved = {"messages", "add_generation_prompt"} & set(kwargs)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        text = tokenizer.apply_chat_template(
+            normalize_messages(body.get("messages")),
+            add_generation_prompt=bool_field(body, "add_generation_prompt", True), **kwargs)
+        # The template already holds BOS and the other special tokens, as in vLLM.
+        prompts, texts = [tokenizer.encode(text, add_special_tokens=False)], [text]
+        # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        add_special = bool_field(body, "add_special_tokens", True)
+        prompts, texts = [], []
+        for p in parse_prompts(body.get("prompt")):
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt is empty", "prompt")
+                prompts.append(tokenizer.encode(p, add_special_tokens=add_special))
+                texts.append(p)
+            else:
+                prompts.append(check_token_ids(p, vocab_size, "prompt"))
+                texts.append(tokenizer.decode(p, skip_special_tokens=False))
+        max_tokens = body.get("max_tokens", 16)
+        if echo and top_logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+    params = sampling_params(body, max_tokens=max_tokens, top_logprobs=top_logprobs, vocab_size=vocab_size)
+    check_context_length(prompts, params.max_tokens, engine.max_model_len)
+    return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
+                             top_logprobs)

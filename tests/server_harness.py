@@ -1,0 +1,103 @@
+"""Test harness for the server: a tiny random-weight llama (the HF-parity fixture's weights) with a
+byte-level BPE tokenizer trained in-process, served by the real AsyncEngine + aiohttp app on its own
+event loop in a background thread. Tests talk to it over loopback, as any client would."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CORPUS = ("The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot who "
+          "liked to count numbers: one two three four five six seven eight nine ten. Hello world! "
+          "Serving language models over HTTP with streaming responses and paged attention caches.")
+
+
+def make_tiny_model_dir(out: Path) -> Path:
+    """The fixture llama (vocab 384, bos/eos/pad 383/382/381, 256 positions) plus a tokenizer whose
+    ids line up with it: 381 learned tokens, then <pad>, <|im_end|> (EOS), <s>."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(FIXTURE / name, out / name)
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=381, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS] * 10, trainer)
+    tok.add_special_tokens(["<pad>", "<|im_end|>", "<s>"])
+    assert tok.token_to_id("<|im_end|>") == 382, "tokenizer ids must line up with the model's EOS"
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(**overrides) -> argparse.Namespace:
+    from serve.app import DEFAULT_MAX_REQUEST_BYTES
+    ns = dict(host="127.0.0.1", port=0, api_key=None, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES,
+              max_waiting=1024, shutdown_grace=1.0)
+    ns.update(overrides)
+    return argparse.Namespace(**ns)
+
+
+class ServerThread:
+    """One engine, several apps over it (each its own port and flags), on a private event loop."""
+
+    def __init__(self, engine_args, app_args: dict[str, argparse.Namespace]):
+        self.engine_args = engine_args
+        self.app_args = app_args
+        self.loop = asyncio.new_event_loop()
+        self.urls: dict[str, str] = {}
+        self.engine = None
+        self._servers = []
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self.call(self._start(), timeout=600)
+        return self
+
+    def call(self, coro, timeout: float = 60):
+        """Run a coroutine on the server's loop (e.g. to read engine state without racing it)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> None:
+        from jaxinfer.async_engine import AsyncEngine
+        from serve.app import Server, create_app
+        self.engine = AsyncEngine(self.engine_args)
+        await self.engine.start()
+        for name, args in self.app_args.items():
+            server = Server(create_app(self.engine, args, owns_engine=False), args.host, args.port,
+                            args.shutdown_grace)
+            await server.start()
+            self._servers.append(server)
+            self.urls[name] = f"http://127.0.0.1:{server.port}"
+
+    async def _stop(self) -> None:
+        for server in self._servers:
+            await server.stop()
+        await self.engine.shutdown()
+
+    def stop(self) -> None:
+        try:
+            self.call(self._stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)

@@ -1,0 +1,154 @@
+"""Flash prefill attention: CPU tests.
+
+What runs where:
+  - The tile table (how a ragged batch is cut into query tiles) is checked against a brute-force
+    enumeration here.
+  - The Triton-lowered kernel (`flash_prefill_triton`) runs in the Pallas interpreter here, on random
+    ragged batches against the float32 reference: lengths 1 .. a few blocks and not multiples of the
+    block size, prefixes already in the cache, GQA 1/4/8, head_dim 64/128, pages of 16 and 32,
+    soft-cap, padding tokens (must come out zero). It shares the tile table with the Mosaic kernel.
+  - The Mosaic GPU kernel (`flash_prefill_mosaic`, `flash_attention`) cannot run on CPU: jax 0.11.2's
+    Mosaic GPU interpreter fails inside its wgmma emulation on this kernel (an accumulator looked up
+    as another buffer), so here it is only *lowered* for CUDA (Pallas -> Mosaic GPU MLIR, which
+    catches layout, tiling and TMA-alignment errors) for every supported dtype / head_dim / page
+    size. Its numerics are checked on the H200 by `benchmarks/bench_prefill.py` (same random ragged
+    batches plus real sizes, and the greedy-output check of a small model); results are recorded
+    in benchmarks/RESULTS.md.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import flash_prefill as fp
+from pallas_kernels import reference
+from pallas_kernels.flash_mgpu import TILE_Q
+
+
+def _paged_batch(rng, *, hq, hkv, d, block_size, q_lens, prefixes, dtype=jnp.bfloat16, extra=0):
+    s = len(q_lens)
+    ctx = [a + b for a, b in zip(q_lens, prefixes)]
+    m = max(-(-c // block_size) for c in ctx) + 1
+    nb = s * m + 3
+    tables = rng.permutation(nb)[: s * m].reshape(s, m).astype(np.int32)
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+    k_cache = jax.random.normal(ks[0], (hkv, nb, block_size, d), dtype)
+    v_cache = jax.random.normal(ks[1], (hkv, nb, block_size, d), dtype)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jax.random.normal(ks[2], (int(qsl[-1]) + extra, hq, d), dtype)
+    return q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(ctx, jnp.int32), jnp.asarray(tables)
+
+
+def _rel(out, ref):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------------------ tile table
+@pytest.mark.parametrize("seed", range(4))
+def test_tile_table_covers_every_token_once(seed):
+    rng = np.random.default_rng(seed)
+    s = int(rng.integers(1, 7))
+    q_lens = rng.integers(0, 300, s)
+    prefixes = rng.integers(0, 500, s)
+    pad = int(rng.integers(0, 20))
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+    t = int(q_lens.sum()) + pad
+    table = np.asarray(fp.tile_table(jnp.asarray(starts), jnp.asarray(q_lens),
+                                     jnp.asarray(q_lens + prefixes), jnp.arange(s), t, causal=True))
+    owner = np.full(t, -1)
+    for row8, lead, n, q_pos0, ctx, kv in table:
+        if n == 0:
+            continue
+        row0 = row8 * 8
+        assert 0 <= lead < 8 and lead + n <= TILE_Q
+        rows = np.arange(row0 + lead, row0 + lead + n)
+        assert (owner[rows] == -1).all(), "a token is covered twice"
+        owner[rows] = kv if ctx > 0 else s  # the padding pseudo-sequence has no keys
+        if ctx > 0:
+            # context position of row0 + lead is that token's position
+            seq_start, seq_len = starts[kv], q_lens[kv]
+            assert q_pos0 + lead == ctx - seq_len + (row0 + lead - seq_start)
+    expected = np.repeat(np.arange(s), q_lens)
+    assert (owner[: len(expected)] == expected).all()
+    assert (owner[len(expected):] == s).all()
+    # Longest-first order: the causal work per tile never increases along the table.
+    used = table[table[:, 2] > 0]
+    work = np.minimum(used[:, 4], used[:, 3] + TILE_Q)
+    assert (np.diff(work) <= 0).all()
+
+
+# --------------------------------------------------------------------- Triton kernel, interpreted
+TRITON_CASES = [  # hq, hkv, d, block_size, q_lens, prefixes, padding tokens, softcap
+    (4, 4, 64, 16, [1, 37, 130], [0, 20, 45], 6, None),     # GQA 1
+    (8, 2, 128, 32, [200, 5], [0, 300], 0, None),           # GQA 4, d 128
+    (8, 1, 64, 16, [65, 1, 17], [127, 3, 0], 3, 30.0),      # GQA 8, soft-cap
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_prefill_matches_reference(case):
+    hq, hkv, d, bs, q_lens, prefixes, extra, cap = case
+    args = _paged_batch(np.random.default_rng(hq * d + bs), hq=hq, hkv=hkv, d=d, block_size=bs,
+                        q_lens=q_lens, prefixes=prefixes, extra=extra)
+    out = fp.flash_prefill_triton(*args, scale=d ** -0.5, softcap=cap, interpret=True)
+    ref = reference.ragged_prefill_reference(*args, scale=d ** -0.5, softcap=cap)
+    used = sum(q_lens)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert _rel(out[:used], ref[:used]) < 1e-2  # bf16 operands
+    assert not np.asarray(out[used:]).any(), "padding tokens must give zeros"
+
+
+def test_triton_prefill_float16_is_tight():
+    args = _paged_batch(np.random.default_rng(5), hq=4, hkv=2, d=64, block_size=32, q_lens=[40, 9],
+                        prefixes=[70, 0], dtype=jnp.float16)
+    out = fp.flash_prefill_triton(*args, scale=0.125, interpret=True)
+    ref = reference.ragged_prefill_reference(*args, scale=0.125)
+    assert _rel(out, ref) < 2e-3
+
+
+# ------------------------------------------------------------------ Mosaic GPU kernel, lowering
+def _lower_for_cuda(fn, *avals):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype,d,block_size,softcap", [
+    (jnp.bfloat16, 128, 16, None), (jnp.float16, 64, 32, 50.0)])
+def test_mosaic_paged_prefill_lowers_for_cuda(dtype, d, block_size, softcap):
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    cache = jax.ShapeDtypeStruct((2, 40, block_size, d), dtype)
+    text = _lower_for_cuda(
+        functools.partial(fp.flash_prefill_mosaic, scale=0.1, softcap=softcap),
+        jax.ShapeDtypeStruct((300, 8, d), dtype), cache, cache, i32(4), i32(3), i32(3, 9))
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mosaic_dense_attention_lowers_for_cuda(causal):
+    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+    text = _lower_for_cuda(functools.partial(fp.flash_attention, causal=causal), q, kv, kv)
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------- bad input
+def test_bad_inputs_name_the_field():
+    args = list(_paged_batch(np.random.default_rng(0), hq=4, hkv=2, d=64, block_size=16,
+                             q_lens=[3], prefixes=[0]))
+    with pytest.raises(ValueError, match="dtype"):
+        fp.flash_prefill_mosaic(args[0].astype(jnp.float32), *args[1:], scale=1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        q = jnp.zeros((3, 4, 96), jnp.bfloat16)
+        fp.flash_attention(q[None], jnp.zeros((1, 3, 2, 96), jnp.bfloat16),
+                           jnp.zeros((1, 3, 2, 96), jnp.bfloat16))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        fp.flash_prefill_triton(jnp.zeros((3, 3, 64), jnp.bfloat16), *args[1:], scale=1.0)
+    with pytest.raises(ValueError, match="block_size"):
+        cache = jnp.zeros((2, 4, 24, 64), jnp.bfloat16)
+        fp.flash_prefill_mosaic(args[0], cache, cache, *args[3:], scale=1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        fp.flash_prefill_mosaic(*args, scale=1.0, softcap=-1.0)

@@ -1,0 +1,81 @@
+"""`jaxinfer memory` (jaxinfer.cli_memory.run) against figures computed by hand."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxinfer import cli_memory
+from jaxinfer.errors import ConfigError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+LLAMA8B_FLAGS = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--heads", "32",
+                 "--weight-bytes", "16.06GB"]
+
+
+def memory(argv, capsys):
+    parser = argparse.ArgumentParser()
+    cli_memory.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["memory", *argv])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    return json.loads(out) if "--json" in argv else out
+
+
+def test_llama_8b_on_h200_by_hand(capsys):
+    r = memory([*LLAMA8B_FLAGS, "--seq-len", "4096", "--batch", "64", "--json"], capsys)
+    assert r["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131072
+    assert r["kv_bytes_per_block"] == 2 * 2**20
+    assert r["kv_bytes_per_sequence"] == 512 * 2**20
+    assert r["kv_bytes_per_batch"] == 32 * 2**30
+    # 0.9 × 141e9 − 16.06e9 = 110.84e9 bytes next to the weights
+    assert r["kv_budget_bytes"] == 110_840_000_000
+    assert r["tokens_fit"] == 845_642  # 110.84e9 // 131072
+    assert r["blocks_fit"] == 52_852 and r["sequences_fit"] == 206 and r["batch_fits"]
+    rf = r["decode_roofline"]
+    # 64 × (2 × 8.03e9 weight FLOPs + 4 × 32 layers × 32 heads × 128 × 4096 attention FLOPs)
+    assert rf["flops_per_step"] == 64 * (16_060_000_000 + 2_147_483_648)
+    assert rf["bytes_per_step"] == 16_060_000_000 + 64 * 4096 * 131072
+    assert rf["arithmetic_intensity"] == pytest.approx(23.11, abs=0.01)
+    assert rf["ridge_point"] == pytest.approx(989 / 4.8)
+    assert rf["bound"] == "memory"
+    assert rf["min_step_seconds"] == pytest.approx(50_419_738_368 / 4.8e12)
+
+
+def test_fp8_cache_and_custom_memory(capsys):
+    r = memory([*LLAMA8B_FLAGS, "--kv-cache-dtype", "fp8", "--accelerator-memory", "80",
+                "--bandwidth", "2", "--tflops", "300", "--gpu-memory-utilization", "0.5", "--json"],
+               capsys)
+    assert r["kv_bytes_per_token"] == 65536
+    assert r["kv_budget_bytes"] == 40 * 2**30 - 16_060_000_000
+    assert r["decode_roofline"]["ridge_point"] == pytest.approx(150.0)
+
+
+def test_model_directory_moe_counts_only_routed_experts(capsys):
+    r = memory(["--model", str(FIXTURES / "mixtral"), "--seq-len", "100", "--batch", "2",
+                "--json"], capsys)
+    m = r["model"]
+    assert r["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # float32 checkpoint
+    assert m["weight_bytes"] == 148_288 * 4
+    assert m["active_params"] == 148_288 - 2 * (4 - 2) * 3 * 64 * 48  # 2 of 4 experts run
+
+
+def test_text_report_explains_the_roofline(capsys):
+    out = memory(LLAMA8B_FLAGS, capsys)
+    assert "KV per token:    131072 B = 2 × 32 × 8 × 128 × 2 B" in out
+    assert "memory-bound" in out and "ridge point 206 FLOP/B" in out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kv-heads", "8", "--head-dim", "128"], "--layers"),
+    ([*LLAMA8B_FLAGS, "--accelerator-memory", "tpu9000"], "--accelerator-memory"),
+    (["--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--weight-bytes", "lots"],
+     "--weight-bytes"),
+    (["--model", "x", "--layers", "2"], "--layers"),
+    ([*LLAMA8B_FLAGS, "--seq-len", "0"], "--seq-len"),
+    (["--layers", "2", "--kv-heads", "3", "--head-dim", "8", "--heads", "4"], "--heads"),
+])
+def test_errors_name_the_bad_flag(argv, flag, capsys):
+    with pytest.raises(ConfigError, match=flag):
+        memory(argv, capsys)

@@ -1,0 +1,135 @@
+"""Paged decode kernels against the float32 jnp oracle, on CPU in Pallas interpret mode.
+
+Interpret mode starts every output and every shared-memory buffer as NaN ("poisoned"), so an output
+element the kernel forgets to write, or a page it reads before its copy landed, shows up as NaN.
+
+What runs here and what does not:
+- `paged_decode_triton`: the whole kernel (`pallas_call(interpret=True)`).
+- `paged_decode_mosaic`: the whole kernel under `plgpu.kernel(interpret=InterpretGPUParams())` —
+  persistent item loop, producer/consumer barriers, block-table TMA page copies, masking, both
+  wgmmas, the combine — except one detail GPU interpret mode cannot simulate in jax 0.11.2: the
+  P @ V wgmma with P in registers (and `run_state` accumulators). In interpret mode P goes through
+  shared memory instead (`_accumulate_pv`). The register path, Mosaic's compilation and real-size
+  shapes are checked on the H200 by `benchmarks/gpu_check_decode.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic_configured,
+                                         paged_decode_triton_configured)
+from pallas_kernels.paged_decode_common import DecodeShape, plan_splits
+from pallas_kernels.reference import paged_decode_reference
+
+
+def make_case(seed, *, batch, hq, hkv, d, page, max_blocks, dtype=jnp.bfloat16):
+    """Random q/K/V, a shuffled block table over a pool with spare blocks, and lengths that cover
+    empty sequences, one token, exact page multiples, partial last pages and the full table."""
+    rng = np.random.default_rng(seed)
+    num_blocks = batch * max_blocks + 3
+    q = jnp.asarray(rng.standard_normal((batch, hq, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((hkv, num_blocks, page, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((hkv, num_blocks, page, d)), dtype)
+    bt = rng.permutation(num_blocks)[: batch * max_blocks].reshape(batch, max_blocks)
+    cap = max_blocks * page
+    special = [0, 1, page, cap, page + 1, cap - 1]
+    lens = np.array([special[i] if i < len(special) else rng.integers(0, cap + 1)
+                     for i in range(batch)])
+    rng.shuffle(lens)
+    # Block-table entries past a sequence's last block are 0, as the engine pads them.
+    used = -(-lens // page)
+    bt = np.where(np.arange(max_blocks)[None, :] < used[:, None], bt, 0)
+    return q, k, v, jnp.asarray(bt, jnp.int32), jnp.asarray(lens, jnp.int32)
+
+
+def check(out, q, k, v, bt, lens, *, scale, softcap):
+    ref = paged_decode_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                 v.astype(jnp.float32), bt, lens, scale=scale, softcap=softcap)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
+    assert (out[np.asarray(lens) == 0] == 0).all(), "seq_lens == 0 rows must be exactly zero"
+    # bf16 inputs, fp32 accumulation, bf16 output: error is the output's rounding (2^-9 relative).
+    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+    rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert rel < 1e-2, rel
+
+
+# (seed, batch, hq, hkv, d, page, max_blocks, softcap): GQA 1/4/8, d 64/128, page 16/32, batch 1..33.
+CASES = [
+    (0, 1, 2, 2, 64, 16, 3, None),
+    (1, 6, 8, 2, 64, 32, 3, None),
+    (2, 33, 8, 1, 64, 16, 2, None),
+    (3, 4, 16, 2, 128, 16, 4, 30.0),
+    (4, 7, 4, 1, 128, 32, 2, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
+def test_triton_interpret_matches_reference(case):
+    seed, batch, hq, hkv, d, page, max_blocks, softcap = case
+    q, k, v, bt, lens = make_case(seed, batch=batch, hq=hq, hkv=hkv, d=d, page=page,
+                                  max_blocks=max_blocks)
+    scale = d ** -0.5
+    # Two pages per step and few programs, so several steps and several splits per sequence run.
+    out = paged_decode_triton_configured(q, k, v, bt, lens, scale=scale, softcap=softcap,
+                                         pages_per_step=1, workers=3 * batch * hkv,
+                                         interpret=True)
+    check(out, q, k, v, bt, lens, scale=scale, softcap=softcap)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
+def test_mosaic_interpret_matches_reference(case):
+    seed, batch, hq, hkv, d, page, max_blocks, softcap = case
+    q, k, v, bt, lens = make_case(seed, batch=batch, hq=hq, hkv=hkv, d=d, page=page,
+                                  max_blocks=max_blocks)
+    scale = d ** -0.5
+    # Two persistent CTAs over several items each, 2 splits per sequence, 64-token steps: items
+    # change mid-ring, both consumer warpgroups get steps, pages past a sequence's end get masked.
+    cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2,
+                             split_workers=3 * batch * hkv)
+    out = paged_decode_mosaic_configured(q, k, v, bt, lens, scale=scale, softcap=softcap,
+                                         config=cfg, interpret=True)
+    check(out, q, k, v, bt, lens, scale=scale, softcap=softcap)
+
+
+def test_split_plan_covers_the_block_table_and_fills_the_workers():
+    # (seqs, kv heads, block-table width, pages per step, workers) -> allowed split counts
+    for s, hkv, m, pps, workers, allowed in [
+            (1, 8, 2048, 4, 132, range(9, 17)),  # batch 1 x 32k: split until ~132 items
+            (64, 8, 256, 4, 132, [1]),  # batch 64 x 4k: 512 items already fill 132 CTAs
+            (8, 8, 256, 4, 132, [2]),  # 64 items: 2 splits give 128 items, one wave
+            (3, 2, 5, 2, 100, [3]),  # 3 steps per sequence: one step per split
+            (1, 1, 1, 8, 1000, [1])]:
+        shape = DecodeShape(s, hkv * 4, hkv, 128, 16, m)
+        plan = plan_splits(shape, pages_per_step=pps, workers=workers)
+        assert plan.pages_per_split % pps == 0
+        assert plan.padded_blocks >= m > plan.padded_blocks - plan.pages_per_split
+        assert plan.num_splits in allowed, (s, hkv, m, plan)
+
+
+def test_bad_inputs_name_the_field():
+    q, k, v, bt, lens = make_case(0, batch=2, hq=4, hkv=2, d=64, page=16, max_blocks=2)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        paged_decode_triton_configured(q[:, :3], k, v, bt, lens, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_triton_configured(q, k, v, bt, lens[:1], scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_mosaic_configured(q[..., :32], k, v, bt, lens, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="stages"):
+        paged_decode_mosaic_configured(q, k, v, bt, lens, scale=1.0, interpret=True,
+                                       config=MosaicDecodeConfig(stages=3))
+
+
+def test_public_functions_have_the_backend_signature():
+    import inspect
+    from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
+    from pallas_kernels.reference import paged_decode_reference as ref
+    for fn in (paged_decode_mosaic, paged_decode_triton):
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref).parameters)
+

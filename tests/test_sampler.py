@@ -1,0 +1,150 @@
+"""The in-jit sampler: each filter against a numpy reading of its definition, seeded reproducibility
+whatever the batch, logprobs against the model's raw distribution."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplingTensors, sample
+from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from test_engine_support import make_engine, prompt_ids, run_all
+
+V = 12
+
+
+def tensors(s: int, **overrides) -> SamplingTensors:
+    base = dict(temperature=np.ones(s, np.float32), top_k=np.zeros(s, np.int32),
+                top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
+                seed=np.arange(s, dtype=np.uint32), out_pos=np.zeros(s, np.int32),
+                min_tokens=np.zeros(s, np.int32),
+                stop_ids=np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32),
+                repetition_penalty=np.ones(s, np.float32), presence_penalty=np.zeros(s, np.float32),
+                frequency_penalty=np.zeros(s, np.float32), history=np.full((s, 8), -1, np.int32),
+                prompt_len=np.zeros(s, np.int32))
+    base.update(overrides)
+    return SamplingTensors(**{k: jnp.asarray(v) for k, v in base.items()})
+
+
+def draw(logits: np.ndarray, n: int, variant=FULL_SAMPLER, **kw) -> np.ndarray:
+    """n samples of one row of logits: rows share the logits, differ by seed."""
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, logits.shape[-1]))
+    kw = {k: np.broadcast_to(np.asarray(v), (n,) + np.asarray(v).shape[1:]).copy()
+          for k, v in kw.items()}
+    return np.asarray(jax.jit(sample, static_argnums=2)(rows, tensors(n, **kw), variant).tokens)
+
+
+LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5, -2.0, -2.5, -3.0, -3.5], np.float32)
+
+
+def test_greedy_is_argmax_and_unseeded_noise_is_ignored():
+    toks = draw(LOGITS[::-1], 16, BASE_SAMPLER, temperature=np.zeros(1, np.float32))
+    assert (toks == V - 1).all()
+
+
+def test_temperature_sampling_follows_softmax():
+    n = 4000
+    toks = draw(LOGITS, n, BASE_SAMPLER, temperature=np.full(1, 0.8, np.float32))
+    freq = np.bincount(toks, minlength=V) / n
+    p = np.exp(LOGITS / 0.8) / np.exp(LOGITS / 0.8).sum()
+    assert np.abs(freq - p).max() < 0.03
+
+
+_P = np.exp(LOGITS) / np.exp(LOGITS).sum()
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("top_k", 3, {0, 1, 2}),
+    # the smallest set whose mass reaches top_p: p0 < top_p <= p0 + p1 keeps tokens 0 and 1
+    ("top_p", _P[0] + _P[1] / 2, {0, 1}),
+    ("top_p", _P[0] / 2, {0}),
+    ("min_p", 0.5, {0, 1}),            # p1/p0 = e^-0.5 = .61 >= .5, p2/p0 = .37 < .5
+])
+def test_truncation_keeps_only_the_allowed_tokens(field, value, allowed):
+    dtype = np.int32 if field == "top_k" else np.float32
+    toks = draw(LOGITS, 2000, **{field: np.full(1, value, dtype)})
+    assert set(toks.tolist()) == allowed
+
+
+def test_penalties_follow_vllm_definitions():
+    logits = np.array([[1.0, -1.0, 2.0, 0.5]], np.float32)
+    hist = np.array([[0, 1, 2, 2, -1, -1, -1, -1]], np.int32)  # prompt [0, 1]; output [2, 2]
+    from jaxinfer.sampler import apply_penalties, token_counts
+    t = tensors(1, repetition_penalty=np.full(1, 2.0, np.float32),
+                presence_penalty=np.full(1, 0.5, np.float32),
+                frequency_penalty=np.full(1, 0.25, np.float32), history=hist,
+                prompt_len=np.full(1, 2, np.int32))
+    counts, seen = token_counts(t.history, t.prompt_len, 4)
+    out = np.asarray(apply_penalties(jnp.asarray(logits), counts, seen, t))
+    want = np.array([[1.0 / 2, -1.0 * 2, 2.0 / 2 - 0.25 * 2 - 0.5, 0.5]], np.float32)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_min_tokens_bans_stop_ids_until_reached():
+    stop = np.full((1, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    stop[0, 0] = 0
+    greedy = dict(temperature=np.zeros(1, np.float32), stop_ids=stop,
+                  min_tokens=np.full(1, 3, np.int32))
+    assert (draw(LOGITS, 4, BASE_SAMPLER, out_pos=np.full(1, 2, np.int32), **greedy) == 1).all()
+    assert (draw(LOGITS, 4, BASE_SAMPLER, out_pos=np.full(1, 3, np.int32), **greedy) == 0).all()
+
+
+@pytest.mark.parametrize("params,param", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(stop_token_ids=[10_000]), "stop_token_ids"), (dict(stop=[""]), "stop"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(seed=1.5), "seed"), (dict(temperature=float("nan")), "temperature"),
+])
+def test_validation_names_the_field(params, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**params).validate(vocab_size=100)
+    assert e.value.param == param and param in str(e.value)
+
+
+# ---- engine level -------------------------------------------------------------------------------
+
+def _seeded(engine, others: int, other_params: SamplingParams) -> list[int]:
+    engine.add_request("target", prompt_ids(1, 6), SamplingParams(temperature=0.9, seed=1234,
+                                                                  max_tokens=12, ignore_eos=True))
+    for i in range(others):
+        engine.add_request(f"o{i}", prompt_ids(50 + i, 3 + i), other_params)
+    return run_all(engine)["target"][0][0]
+
+
+def test_seeded_sampling_is_reproducible_across_batches():
+    alone = _seeded(make_engine(), 0, SamplingParams())
+    mixed = _seeded(make_engine(), 5, SamplingParams(temperature=1.0, top_p=0.8, max_tokens=20,
+                                                     logprobs=2))  # full sampler variant
+    looped = _seeded(make_engine(decode_steps_per_call=3), 2, SamplingParams(max_tokens=4))
+    assert alone == mixed == looped
+    other_seed = make_engine()
+    other_seed.add_request("t", prompt_ids(1, 6), SamplingParams(temperature=0.9, seed=99,
+                                                                 max_tokens=12, ignore_eos=True))
+    assert run_all(other_seed)["t"][0][0] != alone
+
+
+def test_logprobs_are_the_raw_model_logprobs():
+    from test_engine_greedy import _dense_logits, MAX_LEN
+    engine = make_engine()
+    prompt = prompt_ids(3, 7)
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                   ignore_eos=True))
+    lps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            lps += out.outputs[0].new_logprobs
+    toks = [lp.token_id for lp in lps]
+    buf = np.zeros((1, MAX_LEN), np.int32)
+    seq = prompt + toks
+    buf[0, :len(seq)] = seq
+    ref = jax.nn.log_softmax(_dense_logits()(jnp.asarray(buf))[0], axis=-1)
+    for i, lp in enumerate(lps):
+        row = np.asarray(ref[len(prompt) - 1 + i])
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
+        assert [t for t, _ in lp.top] == list(np.argsort(-row)[:3])
+        assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely

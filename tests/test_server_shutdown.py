@@ -1,0 +1,64 @@
+"""`jaxinfer serve` as a process: SIGTERM stops accepting, ends in-flight streams cleanly (a final
+chunk with a finish_reason, then [DONE]) within the grace period, and the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from server_harness import free_port, make_tiny_model_dir
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"server exited early: {proc.communicate()[1][-3000:]}"
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError("server did not become healthy")
+
+
+def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "model")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64", "--no-warmup",
+         "--compilation-cache-dir", "", "--attention-backend", "reference", "--shutdown-grace", "0.5"],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        async def scenario():
+            await wait_healthy(url, proc, timeout=120)
+            body = {"prompt": "Hello", "max_tokens": 240, "stream": True, "ignore_eos": True}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    first = await r.content.readuntil(b"\n\n")
+                    proc.send_signal(signal.SIGTERM)
+                    rest = await r.read()
+            return first + rest
+
+        raw = asyncio.run(scenario())
+        events = raw.split(b"\n\n")
+        assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+        last = json.loads(events[-3][len(b"data: "):])
+        assert last["choices"][0]["finish_reason"] in ("abort", "length")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -8,8 +8,8 @@ concurrency and plots throughput and latency against it (`--plot`, needs matplot
     python benchmarks/bench_serving.py --port 8000 --dataset-name random --num-prompts 200 \\
         --random-input-len 128 --random-output-len 64 --max-concurrency 16 --save-result out.json
 
-Definitions (as in vLLM): TTFT = request sent -> first token; ITL = time between successive streamed
-chunks; TPOT = (latency - TTFT) / (output tokens - 1). Output token counts come from the server's
+Definitions (as in vLLM's client): TTFT = request sent -> first chunk with choices; ITL = time between
+successive chunks with choices; TPOT = (latency - TTFT) / (output tokens - 1). Output token counts come from the server's
 `usage` (stream_options.include_usage), not from re-tokenizing the text.
 """
 
@@ -131,17 +131,16 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, cha
                     if chunk.get("usage"):  # the server's own counts (chat adds the template)
                         result.output_tokens = chunk["usage"]["completion_tokens"]
                         result.prompt_len = chunk["usage"]["prompt_tokens"]
-                    choices = chunk.get("choices") or []
-                    text = (choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")) \
-                        if choices else None
-                    if text:
+                    # As vLLM's client: every chunk with choices is a token event (the chat role
+                    # chunk included, which servers send once the first token exists).
+                    if chunk.get("choices"):
                         now = time.perf_counter()
                         if result.ttft == 0.0:
                             result.ttft = now - start
                         else:
                             result.itl.append(now - last)
                         last = now
-        result.latency = time.perf_counter() - start
+        result.latency = last - start  # to the last token, not to [DONE] (as vLLM)
         result.success = result.ttft > 0.0
         if not result.success:
             result.error = "no tokens streamed"
@@ -235,7 +234,9 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot(conc, [r["output_throughput"] for r in rows], "o-", label="output tok/s")
     ax1.plot(conc, [r["total_token_throughput"] for r in rows], "s--", label="total tok/s")
-    ax1.set_xscale("log", base=2)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
     ax1.set_xlabel("max concurrency")
     ax1.set_ylabel("tokens / s")
     ax1.legend()
@@ -243,7 +244,6 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     for key, label in (("median_ttft_ms", "median TTFT"), ("median_tpot_ms", "median TPOT"),
                        ("p99_itl_ms", "p99 ITL")):
         ax2.plot(conc, [r[key] for r in rows], "o-", label=label)
-    ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("max concurrency")
     ax2.set_ylabel("ms")

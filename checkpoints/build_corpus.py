@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     text = split["heldout"][first]
     args.sample_out.write_text(text[:text.rfind("\n", 0, HELDOUT_SAMPLE_BYTES) + 1])
     total_bytes = sum(n_bytes.values())
-    print(f"{len(files) - len(rejected)} files ({len(rejected)} rejected as invalid Python), {total_bytes / 1e6:.2f} MB -> train {tokens['train'].size:,} tokens "
+    print(f"{len(files) - len(rejected)} files ({len(rejected)} rejected as invalid Python), "
+          f"{total_bytes / 1e6:.2f} MB -> train {tokens['train'].size:,} tokens "
           f"({len(names['train'])} files), held-out {tokens['heldout'].size:,} tokens "
           f"({len(names['heldout'])} files); {total_bytes / sum(t.size for t in tokens.values()):.2f} "
           f"bytes/token; written to {args.out}")

@@ -1,8 +1,8 @@
 """Measure the bundled demo models on the CPU with jaxinfer's own loader and model code.
 
-1. Held-out perplexity of target and draft on the first `--ppl-windows` windows of the held-out
-   stream (build/demo_corpus/heldout.npy), as a check of the loaded bf16 weights against the
-   training run's eval.
+1. Held-out perplexity of target and draft on `--ppl-windows` windows spread evenly over the
+   windows the training run evaluated on (build/demo_corpus/heldout.npy), as a check of the loaded
+   bf16 weights against the training run's eval.
 2. Draft agreement: the target greedy-decodes `--gen-tokens` tokens after each of `--prompts`
    held-out prompts; the draft's argmax on every prefix of that greedy sequence is compared with the
    target's token. Reported: the fraction of the target's greedy tokens the draft predicts, and the
@@ -37,7 +37,10 @@ from jaxinfer.weights import load_params  # noqa: E402
 
 TARGET_DIR = REPO / "checkpoints" / "demo-target"
 DRAFT_DIR = REPO / "checkpoints" / "demo-draft"
-GOLDEN_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n")
+# Prompts end without whitespace: the tokenizer merges a newline with the indentation after it, so
+# a prompt ending in "\n" asks for a token split the model never saw in training.
+GOLDEN_PROMPTS = ('class Stack:\n    """A last-in, first-out stack."""\n\n    def push(self, item):',
+                  "import os\nimport sys\n\n\ndef main():")
 GOLDEN_TOKENS = 24
 SPEC_K = (1, 2, 3, 4, 5)
 
@@ -117,8 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     seq_len = models["target"][0].max_position_embeddings
     result: dict = {"backend": jax.default_backend(), "dtype": "float32 (bf16 weights upcast)"}
 
-    n = min(args.ppl_windows, (heldout.size - 1) // seq_len)
-    windows = heldout[np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]]
+    train_log = json.loads((args.target / "training_log.json").read_text())
+    eval_windows = min(train_log["hparams"]["eval_windows"], (heldout.size - 1) // seq_len)
+    picked = np.linspace(0, eval_windows - 1, min(args.ppl_windows, eval_windows)).astype(int)
+    windows = heldout[picked[:, None] * seq_len + np.arange(seq_len + 1)[None, :]]
+    n = len(windows)
     for name, (cfg, params) in models.items():
         t0 = time.perf_counter()
         result[f"{name}_params"] = cfg.num_params()

@@ -20,6 +20,7 @@ import logging
 import math
 import random
 import time
+from pathlib import Path
 from typing import Iterable
 
 import jax
@@ -28,13 +29,13 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig, load_config
 from jaxinfer.engine_args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError
-from jaxinfer.kv_cache import KVCacheManager, MemoryPlanError, plan_kv_cache, tree_nbytes
+from jaxinfer.kv_cache import KVCacheManager, plan_kv_cache, tree_nbytes
 from jaxinfer.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.output_processor import OutputProcessor, make_request_output
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.request import Request, Sequence, SeqStatus
-from jaxinfer.runner import ModelRunner, StepHandle
+from jaxinfer.runner import ModelRunner, StepHandle, step_activation_bytes
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.stop_checker import OutputText
@@ -108,8 +109,9 @@ class LLMEngine:
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         cfg = load_config(args.model)
-        tokenizer = Tokenizer.from_dir(args.model) if (
-            __import__("pathlib").Path(args.model) / "tokenizer.json").is_file() else None
+        # A checkpoint without tokenizer.json (e.g. a test fixture) serves token ids only.
+        has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
+        tokenizer = Tokenizer.from_dir(args.model) if has_tokenizer else None
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
         params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed)
         num_blocks = cls.plan_num_blocks(cfg, args, params)
@@ -120,19 +122,25 @@ class LLMEngine:
 
     @staticmethod
     def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params) -> int:
-        """--num-blocks, else the memory planner; on a CPU (which reports no memory size) enough
-        blocks for max_num_seqs full-length sequences, at most 4096."""
+        """--num-blocks, else the memory planner (device memory x utilization - weights - the
+        largest step's activations); a CPU reports no memory size: there, enough blocks for
+        max_num_seqs full-length sequences, at most 4096."""
         max_len = args.max_model_len or cfg.max_position_embeddings
-        try:
-            plan = plan_kv_cache(cfg, args.cache_config(), weight_bytes=tree_nbytes(params),
-                                 activation_bytes=0, model_dtype=jnp.dtype(
-                                     jax.tree_util.tree_leaves(params)[0].dtype).name)
-        except MemoryPlanError:
-            if jax.devices()[0].platform != "cpu":
-                raise
+        cache = args.cache_config()
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if jax.devices()[0].platform == "cpu":
             blocks = min(4096, args.max_num_seqs * math.ceil(max_len / args.block_size))
             log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
             return blocks
+        model_dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+        activations = step_activation_bytes(
+            cfg, params, get_backend(args.attention_backend),
+            kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype),
+            block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens)
+        plan = plan_kv_cache(cfg, cache, weight_bytes=tree_nbytes(params),
+                             activation_bytes=activations, model_dtype=model_dtype)
         log.info(plan.describe())
         return plan.num_blocks
 

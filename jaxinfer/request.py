@@ -59,6 +59,9 @@ class Request:
         self.stop_ids_row = np.full(MAX_STOP_TOKEN_IDS, -1, np.int32)
         self.stop_ids_row[:len(stop)] = stop[:MAX_STOP_TOKEN_IDS]
         self.stop_id_set = frozenset(stop)
+        # Top-k/top-p/min-p, logprobs or penalties: needs the full sampler variant.
+        self.needs_full_sampler = (params.uses_truncation or params.logprobs is not None
+                                   or params.uses_penalties)
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
@@ -95,6 +98,9 @@ class Sequence:
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
         self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)
         self.max_output = params.max_tokens  # None: until the context is full
+        # The sampler's per-row constants (see step_inputs.sampling_tensors).
+        self.sampling_row = (params.temperature, max(params.top_k, 0), params.top_p, params.min_p,
+                             self.seed, params.min_tokens, self.prompt_len)
         self.output: OutputText | None = None  # set by the engine for choice sequences
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -76,6 +76,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._admit_counter = itertools.count()
+        self._slots_reserved = 0  # sum of _slot_cost over running sequences
+        self._priorities_used = False
         self.num_preemptions = 0
 
     # ---- queues ---------------------------------------------------------------------------
@@ -93,9 +95,10 @@ class Scheduler:
 
     @property
     def num_slots_reserved(self) -> int:
-        return sum(self._slot_cost(s) for s in self.running)
+        return self._slots_reserved
 
     def add(self, seq: Sequence) -> None:
+        self._priorities_used |= seq.request.priority != 0
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.request.priority, next(self._back), seq))
         self._num_waiting += 1
@@ -114,12 +117,16 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Finished or aborted: free the blocks and the slot now (the same step)."""
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-            self._release_slot(seq)
+            self._stop_running(seq)
         elif seq.status is SeqStatus.WAITING:
             self._num_waiting -= 1
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.seq_id)
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._slots_reserved -= self._slot_cost(seq)
+        self._release_slot(seq)
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -128,8 +135,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
-        self.running.remove(seq)
-        self._release_slot(seq)
+        self._stop_running(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -146,7 +152,7 @@ class Scheduler:
     def _fork_ready_prompts(self) -> None:
         for p in [s for s in self.running if s.is_prompt_seq and s.num_to_compute == 0]:
             request = p.request
-            self.running.remove(p)
+            self._stop_running(p)
             p.status = SeqStatus.FINISHED
             for i in range(request.params.n):
                 child = self.make_choice(request, i, p.num_computed)
@@ -160,6 +166,7 @@ class Scheduler:
         if not seq.is_prompt_seq:
             seq.slot = self._free_slots.pop()
         self.running.append(seq)
+        self._slots_reserved += self._slot_cost(seq)
 
     # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -170,33 +177,40 @@ class Scheduler:
         preempted: list[Sequence] = []
         scheduled_ids: set[int] = set()
         limit = self.max_model_len
-        order = sorted(self.running, key=lambda s: (s.request.priority, s.admit_order))
+        kv = self.kv
+        order = (sorted(self.running, key=lambda s: (s.request.priority, s.admit_order))
+                 if self._priorities_used else list(self.running))
 
         # 1. decodes (one token to compute), never starved by prefills.
+        prefill_candidates = []
         for seq in order:
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING or seq.num_to_compute != 1 \
-                    or seq.at_output_limit(limit):
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            while not self._grow(seq, seq.num_computed + 1):
+            todo = len(seq.token_ids) + seq.num_pending - seq.num_computed
+            if todo != 1:
+                if todo > 1 and not seq.num_pending:
+                    prefill_candidates.append(seq)
+                continue
+            if budget == 0 or seq.at_output_limit(limit):
+                continue
+            need = seq.num_computed + 1 - kv.num_tokens(seq.seq_id)
+            while need > 0 and not kv.allocate_slots(seq.seq_id, need):
                 victim = max((s for s in self.running if id(s) not in scheduled_ids),
                              key=lambda s: (s.request.priority, s.admit_order))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
-            else:
+            if seq.status is SeqStatus.RUNNING:
                 decodes.append(self._chunk(seq, 1))
                 scheduled_ids.add(id(seq))
                 budget -= 1
 
         # 2. running prefills (chunked); no preemption for them: they wait for blocks instead.
-        for seq in order:
+        for seq in prefill_candidates:
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or id(seq) in scheduled_ids \
-                    or seq.num_to_compute <= 1 or seq.num_pending:
+            if seq.status is not SeqStatus.RUNNING:
                 continue
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if self._grow(seq, seq.num_computed + n):

@@ -9,6 +9,7 @@ row in the device array of last sampled tokens, so the host never waits for it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -35,97 +36,108 @@ class StepBatch:
 def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
     """The base variant unless some row needs top-k/top-p/min-p, logprobs or penalties; then the full
     one (both extras together: two compiled variants per shape instead of four)."""
-    for r in rows:
-        p = r.seq.request.params
-        if p.uses_truncation or p.logprobs is not None or p.uses_penalties:
-            return FULL_SAMPLER
-    return BASE_SAMPLER
+    return FULL_SAMPLER if any(r.seq.request.needs_full_sampler for r in rows) else BASE_SAMPLER
 
 
 def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
-                     num_seqs: int, kv: KVCacheManager, block_size: int, max_blocks: int,
+                     num_seqs: int, kv: KVCacheManager | None, block_size: int, max_blocks: int,
                      max_model_len: int, variant: SamplerVariant) -> StepBatch:
     """rows: decodes first. num_decode_rows: the static decode count (T == S == num_decode_rows for
-    a pure-decode bucket, 0 for a mixed step). Returns numpy arrays (the caller device_puts)."""
-    n = len(rows)
-    i32 = np.int32
-    token_ids = np.zeros(num_tokens, i32)
-    input_slot = np.full(num_tokens, -1, i32)
-    positions = np.zeros(num_tokens, i32)
-    token_row = np.full(num_tokens, -1, i32)
-    qsl = np.zeros(num_seqs + 1, i32)
-    seq_lens = np.zeros(num_seqs, i32)
-    block_tables = np.zeros((num_seqs, max_blocks), i32)
-    logits_indices = np.zeros(num_seqs, i32)
-    emit_slot = np.full(num_seqs, -1, i32)
+    a pure-decode bucket, 0 for a mixed step). Returns numpy arrays (the caller device_puts).
 
-    t = 0
-    for r, entry in enumerate(rows):
+    The per-row work is plain list appends; every array is then made by a few vectorized numpy
+    operations (this runs every step: 256 rows must cost well under a millisecond)."""
+    i32 = np.int32
+    n = len(rows)
+    toks: list[int] = []
+    in_slot: list[int] = []
+    pos: list[int] = []
+    q_lens: list[int] = []
+    ends: list[int] = []
+    emit: list[int] = []
+    tables: list[list[int]] = []
+    for entry in rows:
         seq, start, k = entry.seq, entry.start, entry.num_tokens
-        ids = kv.get_block_ids(seq.seq_id)
-        block_tables[r, :len(ids)] = ids
+        tables.append(kv.get_block_ids(seq.seq_id))
         end = start + k
-        known = len(seq.token_ids)
-        if end <= known:
-            token_ids[t:t + k] = seq.token_ids[start:end]
-        else:  # a decode of the token the in-flight step is sampling
-            input_slot[t] = seq.slot
-        positions[t:t + k] = range(start, end)
-        token_row[t:t + k] = r
-        seq_lens[r] = end
-        t += k
-        qsl[r + 1] = t
-        logits_indices[r] = t - 1
-        if entry.emits:
-            emit_slot[r] = seq.slot
+        if k == 1:
+            pos.append(start)
+            if start < len(seq.token_ids):
+                toks.append(seq.token_ids[start])
+                in_slot.append(-1)
+            else:  # a decode of the token the in-flight step is sampling
+                toks.append(0)
+                in_slot.append(seq.slot)
+        else:
+            toks.extend(seq.token_ids[start:end])
+            in_slot.extend([-1] * k)
+            pos.extend(range(start, end))
+        q_lens.append(k)
+        ends.append(end)
+        emit.append(seq.slot if entry.emits else -1)
+    t = len(toks)
+
+    def padded(values: list[int], size: int, fill: int) -> np.ndarray:
+        out = np.full(size, fill, i32)
+        out[:len(values)] = values
+        return out
+
+    token_ids = padded(toks, num_tokens, 0)
+    input_slot = padded(in_slot, num_tokens, -1)
+    positions = padded(pos, num_tokens, 0)
+    seq_lens = padded(ends, num_seqs, 0)
+    emit_slot = padded(emit, num_seqs, -1)
+    qsl = np.zeros(num_seqs + 1, i32)
+    np.cumsum(q_lens, out=qsl[1:n + 1])
     if num_decode_rows:  # pure-decode bucket: padding rows are one-token decodes too
         qsl[n + 1:] = np.arange(n + 1, num_seqs + 1)
     else:
         qsl[n + 1:] = t
-    real = token_row >= 0
-    rows_idx = np.where(real, token_row, 0)
-    blk = block_tables[rows_idx, positions // block_size]
-    slot_mapping = np.where(real, blk * block_size + positions % block_size, -1).astype(i32)
+    logits_indices = np.zeros(num_seqs, i32)
+    logits_indices[:n] = qsl[1:n + 1] - 1
+    block_tables = np.zeros((num_seqs, max_blocks), i32)
+    if n:
+        counts = np.fromiter(map(len, tables), i32, n)
+        flat = np.fromiter(itertools.chain.from_iterable(tables), i32, int(counts.sum()))
+        table_row = np.repeat(np.arange(n), counts)
+        table_col = np.arange(flat.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        block_tables[table_row, table_col] = flat
+    token_row = np.repeat(np.arange(n), q_lens)
+    blk = block_tables[token_row, positions[:t] // block_size]
+    slot_mapping = np.full(num_tokens, -1, i32)
+    slot_mapping[:t] = blk * block_size + positions[:t] % block_size
     md = AttentionMetadata(slot_mapping, qsl, seq_lens, block_tables, num_decodes=num_decode_rows)
-    sampling = sampling_tensors(rows, num_seqs, max_model_len, variant)
+    sampling = sampling_tensors(rows, seq_lens, num_seqs, max_model_len, variant)
     return StepBatch(token_ids, input_slot, positions, md, logits_indices, emit_slot, sampling)
 
 
-def sampling_tensors(rows: list[ScheduledSeq], num_seqs: int, max_model_len: int,
-                     variant: SamplerVariant) -> SamplingTensors:
+def sampling_tensors(rows: list[ScheduledSeq], seq_lens: np.ndarray, num_seqs: int,
+                     max_model_len: int, variant: SamplerVariant) -> SamplingTensors:
     n = len(rows)
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    min_p = np.zeros(num_seqs, np.float32)
-    seed = np.zeros(num_seqs, np.uint32)
-    out_pos = np.zeros(num_seqs, np.int32)
-    min_tokens = np.zeros(num_seqs, np.int32)
+    # Per-sequence constants, cached on the sequence: temperature, top_k, top_p, min_p, seed,
+    # min_tokens, prompt_len (float64 holds each exactly).
+    consts = np.zeros((num_seqs, 7), np.float64)
+    consts[:, 2] = 1.0  # top_p of padding rows
     stop_ids = np.full((num_seqs, MAX_STOP_TOKEN_IDS), -1, np.int32)
-    for r, entry in enumerate(rows):
-        seq = entry.seq
-        p = seq.request.params
-        temperature[r] = p.temperature
-        top_k[r] = max(p.top_k, 0)
-        top_p[r] = p.top_p
-        min_p[r] = p.min_p
-        seed[r] = seq.seed
-        out_pos[r] = entry.start + entry.num_tokens - seq.prompt_len
-        min_tokens[r] = p.min_tokens
-        stop_ids[r] = seq.request.stop_ids_row
-    t = SamplingTensors(temperature, top_k, top_p, min_p, seed, out_pos, min_tokens, stop_ids)
+    if n:
+        consts[:n] = [entry.seq.sampling_row for entry in rows]
+        stop_ids[:n] = [entry.seq.request.stop_ids_row for entry in rows]
+    out_pos = np.maximum(seq_lens - consts[:, 6].astype(np.int32), 0).astype(np.int32)
+    t = SamplingTensors(consts[:, 0].astype(np.float32), consts[:, 1].astype(np.int32),
+                        consts[:, 2].astype(np.float32), consts[:, 3].astype(np.float32),
+                        consts[:, 4].astype(np.uint32), out_pos, consts[:, 5].astype(np.int32),
+                        stop_ids)
     if variant.penalties:
         rep = np.ones(num_seqs, np.float32)
         pres = np.zeros(num_seqs, np.float32)
         freq = np.zeros(num_seqs, np.float32)
         history = np.full((num_seqs, max_model_len), -1, np.int32)
-        prompt_len = np.zeros(num_seqs, np.int32)
-        for r, entry in enumerate(rows[:n]):
+        for r, entry in enumerate(rows):
             seq = entry.seq
             p = seq.request.params
             rep[r], pres[r], freq[r] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             history[r, :len(seq.token_ids)] = seq.token_ids
-            prompt_len[r] = seq.prompt_len
         t = dataclasses.replace(t, repetition_penalty=rep, presence_penalty=pres,
-                                frequency_penalty=freq, history=history, prompt_len=prompt_len)
+                                frequency_penalty=freq, history=history,
+                                prompt_len=consts[:, 6].astype(np.int32))
     return t

@@ -1,8 +1,8 @@
 """FlashAttention-3-style forward kernel for Hopper in Mosaic GPU: TMA + wgmma + warp specialisation.
 
 One kernel serves both the dense and the ragged/paged entry points of `flash_prefill.py`: it works on
-*query tiles* described by a small int32 table (built on the device by `flash_prefill.tile_table`), so a tile
-never crosses a sequence boundary and the grid is static whatever the batch looks like.
+*query tiles* described by a small int32 table (built on the device by `flash_prefill.tile_table`),
+so a tile never crosses a sequence boundary and the grid is static whatever the batch looks like.
 
 CTA layout (FA3): three warpgroups.
   - wg 0 and wg 1 ("consumers") each own BLOCK_Q = 64 query rows of the tile (128 rows per CTA) and
@@ -11,6 +11,8 @@ CTA layout (FA3): three warpgroups.
     slots, waiting on the consumers' "consumed" barriers before reusing a slot.
   A "schedule barrier" shared by the two consumers makes them take turns on the tensor cores, so one
   warpgroup's softmax overlaps the other's matmuls (FA3's ping-pong).
+  (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while PV_{n-1}
+  runs -- was tried and measured 27% slower here; see docs/ARCHITECTURE.md.)
 
 K/V sources (static `kv_mode`):
   - "contiguous": k, v are [N, Hkv, D] token-major (the dense entry point flattens [B, L, Hkv, D]);
@@ -27,6 +29,8 @@ kv_ref (contiguous: flat row of the sequence's first key // 8; paged: row of blo
 Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half (the
 ragged end of a sequence) goes out of an unswizzled buffer as predicated 8-row and 1-row TMA stores,
 so no CTA ever writes a row of another sequence.
+
+No CPU interpretation: jax 0.11.2's Mosaic GPU interpreter cannot run this kernel (see the tests).
 """
 
 from __future__ import annotations
@@ -47,31 +51,11 @@ STAGES = 2            # K/V shared-memory ring depth
 LOG2E = math.log2(math.e)
 
 
-def _pv_accumulate(acc, p16, v_smem, while_in_flight, interpret: bool):
-    """acc += p16 @ v on the tensor cores; `while_in_flight()` runs after the wgmma is issued and
-    before it is awaited (the consumer waits for its next K tile there).
-
-    On the GPU the running accumulator is handed to wgmma directly (no extra registers). The CPU
-    interpreter of jax 0.11.2 cannot run `run_state` over a wgmma accumulator, so there the product
-    goes into a fresh scoped accumulator and is added in registers: the same arithmetic."""
-    if not interpret:
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem)
-            while_in_flight()
-        return pl.run_state(body)(plgpu.ACC.init(acc))
-
-    def scoped(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem)
-        while_in_flight()
-        return acc_ref[...]
-    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
-
-
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
-                     softcap: float | None, interpret: bool = False):
-    """q: [T, Hq, D]; k, v: see module doc; tiles: int32[NT, 6]; block_tables: int32[S, M] (paged)
-    or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers are left unwritten
-    (the caller's tile table covers every row)."""
+                     softcap: float | None):
+    """q: [T, Hq, D] (T a multiple of 8); k, v: see module doc; tiles: int32[NT, 6]; block_tables:
+    int32[S, M] (paged) or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers
+    are left unwritten (the caller's tile table covers every row it reads back)."""
     t, hq, d = q.shape
     dtype = q.dtype
     if kv_mode == "paged":
@@ -87,7 +71,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         raise ValueError(f"kv_mode={kv_mode!r}")
     group = hq // hkv
     num_tiles = tiles.shape[0]
-    s2_scale = scale * LOG2E  # logits in log2 units, so exp2 (one FMA + ex2) replaces exp
+    # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
+    # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
+    if softcap:
+        log2_factor = softcap * LOG2E
+    else:
+        log2_factor = scale * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
         (qo_smem2, o_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
@@ -111,104 +100,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-        @pl.when((n_rows > 0) & (wg < 2))
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            qo_smem = qo_smem2.at[wg]
-            q_pos_first = q_pos0 + wg * BLOCK_Q
-            # Rows [lo, hi) of this warpgroup's 64 belong to the tile's sequence.
-            lo = jnp.clip(lead - wg * BLOCK_Q, 0, BLOCK_Q)
-            hi = jnp.clip(lead + n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
-            steps = num_steps(q_pos_first + BLOCK_Q - 1)
-            # Steps whose every key is visible to every row of this warpgroup need no mask.
-            full_steps = lax.div(ctx_len, jnp.int32(BLOCK_KV))
-            if causal:
-                full_steps = jnp.minimum(full_steps, lax.div(q_pos_first + 1, jnp.int32(BLOCK_KV)))
-            full_steps = jnp.minimum(full_steps, steps)
+        def slot_of(j):
+            return lax.rem(j, jnp.int32(STAGES))
 
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 + wg * BLOCK_Q, BLOCK_Q), head], qo_smem,
-                                    q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-            @pl.when(steps > 0)
-            def _():
-                plgpu.barrier_wait(k_bar.at[0])
-
-            pl.when(wg == 1)(schedule_barrier)
-
-            def kv_step(j, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = lax.rem(j, jnp.int32(STAGES))
-
-                def qk_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                    schedule_barrier()
-                    return acc_ref[...]
-                qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-
-                if softcap:
-                    s2 = jnp.tanh(qk * (scale / softcap)) * (softcap * LOG2E)
-                else:
-                    s2 = qk * s2_scale
-                if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, s2.shape, 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, s2.shape, 1, layout=plgpu.Layout.WGMMA)
-                    kpos = cols + j * BLOCK_KV
-                    visible = kpos < ctx_len
-                    if causal:
-                        visible = visible & (kpos <= rows + q_pos_first)
-                    s2 = jnp.where(visible, s2, -jnp.inf)
-
-                m_new = jnp.maximum(m_i, s2.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, s2.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                # Pin the softmax before the barrier so the compiler does not sink it into the
-                # other warpgroup's matmul turn (same ordering trick as jax's attention_mgpu).
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                plgpu.barrier_arrive(sched)      # softmax done: the other wg may issue its QK
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)        # our turn on the tensor cores again
-
-                def wait_next_k():
-                    nxt = j + 1
-                    @pl.when(nxt < steps)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(STAGES))])
-                acc = _pv_accumulate(acc, p16, v_smem.at[slot], wait_next_k, interpret)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
-
-            def drain_step(j, _):
-                # This warpgroup is done but the producer still streams the other one's K/V: free
-                # the slots and keep the ping-pong turns in step.
-                slot = lax.rem(j, jnp.int32(STAGES))
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-                schedule_barrier()
-                schedule_barrier()
-
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-            carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True), carry)
-            lax.fori_loop(steps, cta_steps, drain_step, None)
-            acc, m_i, l_i = carry
-            pl.when(wg == 0)(schedule_barrier)
-
-            # Rows with no visible key (the padding pseudo-sequence) have l = 0 and acc = 0 -> 0.
-            inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
-            out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-            out_row = row0 + wg * BLOCK_Q
-
+        def store_output(out, qo_smem, lo, hi, out_row):
             @pl.when((lo == 0) & (hi == BLOCK_Q))
             def _full():
                 qo_smem[...] = out
@@ -234,9 +129,118 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                             commit_group=r == BLOCK_Q - 1)
             plgpu.wait_smem_to_gmem(0)
 
+        @pl.when((n_rows > 0) & (wg < 2))
+        def _consumer():
+            plgpu.set_max_registers(240, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            q_pos_first = q_pos0 + wg * BLOCK_Q
+            # Rows [lo, hi) of this warpgroup's 64 belong to the tile's sequence.
+            lo = jnp.clip(lead - wg * BLOCK_Q, 0, BLOCK_Q)
+            hi = jnp.clip(lead + n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
+            out_row = row0 + wg * BLOCK_Q
+            # Both consumers have steps >= 1 unless the tile has no keys (padding pseudo-sequence).
+            steps = num_steps(q_pos_first + BLOCK_Q - 1)
+            # Steps whose every key is visible to every row of this warpgroup need no mask.
+            full_steps = lax.div(ctx_len, jnp.int32(BLOCK_KV))
+            if causal:
+                full_steps = jnp.minimum(full_steps, lax.div(q_pos_first + 1, jnp.int32(BLOCK_KV)))
+            full_steps = jnp.minimum(full_steps, steps)
+
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(out_row, BLOCK_Q), head], qo_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            def online_softmax(s, m_i, j, masked):
+                """Raw scores of step j -> (p, new row max, rescale factor for older terms)."""
+                if softcap:
+                    s = jnp.tanh(s * (scale / softcap))
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    kpos = cols + j * BLOCK_KV
+                    visible = kpos < ctx_len
+                    if causal:
+                        visible = visible & (kpos <= rows + q_pos_first)
+                    s = jnp.where(visible, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1) * log2_factor)
+                p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                return p, m_new, jnp.exp2(m_i - m_new)
+
+            def rows_scale(x, r):
+                return x * lax.broadcast_in_dim(r, x.shape, [0])
+
+            m_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
+                                       plgpu.Layout.WGMMA.reduce(1))
+            l_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                       plgpu.Layout.WGMMA.reduce(1))
+            acc_init = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
+                                         plgpu.Layout.WGMMA)
+
+            def drain_step(j, _):
+                # This warpgroup is done but the producer still streams the other one's K/V: free
+                # the slots and keep the ping-pong turns in step (two rendezvous per step).
+                plgpu.barrier_arrive(k_free.at[slot_of(j)])
+                plgpu.barrier_arrive(v_free.at[slot_of(j)])
+                schedule_barrier()
+                schedule_barrier()
+
+            def finish(acc, l_i):
+                lax.fori_loop(steps, cta_steps, drain_step, None)
+                pl.when(wg == 0)(schedule_barrier)
+                inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
+                store_output(rows_scale(acc, inv_l).astype(dtype), qo_smem, lo, hi, out_row)
+
+            def kv_loop():
+                """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
+                plgpu.barrier_wait(k_bar.at[0])
+                pl.when(wg == 1)(schedule_barrier)
+
+                def kv_step(j, carry, masked: bool):
+                    acc, m_i, l_i = carry
+                    slot = slot_of(j)
+
+                    def qk_scope(acc_ref):
+                        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                        schedule_barrier()
+                        return acc_ref[...]
+                    s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, m_new, alpha = online_softmax(s, m_i, j, masked)
+                    acc = rows_scale(acc, alpha)
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    # Pin the softmax before the barrier so the compiler does not sink it into the
+                    # other warpgroup's matmul turn (same ordering trick as jax's attention_mgpu).
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    plgpu.barrier_arrive(sched)      # softmax done: the other wg may issue
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)        # our turn on the tensor cores again
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        nxt = j + 1
+
+                        @pl.when(nxt < steps)  # wait for the next K while PV runs
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[slot_of(nxt)])
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i
+
+                carry = (acc_init, m_init, l_init)
+                carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+                carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True), carry)
+                acc, _, l_i = carry
+                finish(acc, l_i)
+
+            pl.when(steps > 0)(kv_loop)
+
+            @pl.when(steps == 0)
+            def _no_keys():  # padding rows: zeros
+                store_output(acc_init.astype(dtype), qo_smem, lo, hi, out_row)
+
         @pl.when((n_rows > 0) & (wg == 2))
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(24, action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
             def page_ids(step):
@@ -266,7 +270,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             @pl.loop(STAGES, jnp.maximum(cta_steps, STAGES))
             def _(step):
-                slot = lax.rem(step, jnp.int32(STAGES))
+                slot = slot_of(step)
                 ids = page_ids(step)  # block-table reads overlap the wait for a free slot
                 plgpu.barrier_wait(k_free.at[slot])
                 load(k_ref, k_smem, k_bar, step, slot, ids)
@@ -297,5 +301,4 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, tiles, block_tables)

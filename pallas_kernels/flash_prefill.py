@@ -113,23 +113,15 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     return qp, tiles
 
 
-def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                           scale: float, softcap: float | None = None, interpret: bool = False):
-    """`flash_prefill_mosaic` with the CPU interpreter switch."""
+def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
+                         scale: float, softcap: float | None = None):
+    """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D]."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                softcap, extra_rows=0)
     out = flash_mgpu.mosaic_attention(qp, k_cache, v_cache, tiles, block_tables.astype(jnp.int32),
-                                      kv_mode="paged", causal=True, scale=scale, softcap=softcap,
-                                      interpret=interpret)
+                                      kv_mode="paged", causal=True, scale=scale, softcap=softcap)
     return out[:t] if out.shape[0] != t else out
-
-
-def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                         scale: float, softcap: float | None = None):
-    """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D]."""
-    return ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                  scale=scale, softcap=softcap)
 
 
 def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
@@ -146,7 +138,7 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                    softcap: float | None = None, interpret: bool = False):
+                    softcap: float | None = None):
     """Dense attention. q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. Any L (the ragged
     end of the last query/key tile is masked); GQA maps each query head to its KV head in the
     kernel's index arithmetic, K/V are never repeated."""
@@ -171,5 +163,5 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,
-        softcap=softcap, interpret=interpret)
+        softcap=softcap)
     return out.reshape(b, lp, hq, d)[:, :l]

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_decode_common import (NEG_INF, DecodeShape, check_decode_inputs,
-                                                combine_splits, pad_block_tables, plan_splits)
+                                                combine_splits, plan_splits)
 
 _WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
@@ -218,11 +218,12 @@ def _accumulate_pv(acc, p16, v_tile, p_smem):
     return acc + pl.run_scoped(pv_fn, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                                   softcap: float | None = None,
-                                   config: MosaicDecodeConfig = MosaicDecodeConfig(),
-                                   interpret: bool = False) -> jax.Array:
-    """`paged_decode_mosaic` with its tuning knobs exposed (benchmarks, tests)."""
+def mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
+                           softcap: float | None = None,
+                           config: MosaicDecodeConfig = MosaicDecodeConfig(),
+                           interpret: bool = False):
+    """The kernel alone: per-part outputs (o [S, Hkv, parts, Gp, D] normalised within the part, in
+    the cache dtype; m [S, Hkv, parts, 64] in log2 units; l likewise) before the combine."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     dtype = k_cache.dtype
@@ -249,7 +250,8 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
     num_ctas = config.num_ctas or _num_sms()
     plan = plan_splits(shape, pages_per_step=pages_per_step,
                        workers=config.split_workers or num_ctas)
-    bt = pad_block_tables(block_tables, plan)
+    # No padding of the block table: the producer never indexes past a sequence's last page.
+    bt = block_tables.astype(jnp.int32)
     gp = max(8, -(-g // 8) * 8)  # TMA rows of q / o: a whole 8-row tile
     qg = q.astype(dtype).reshape(shape.num_seqs, shape.num_kv_heads, g, d)
     if gp != g:
@@ -292,9 +294,20 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(seq_lens.astype(jnp.int32), bt, qg, k_cache, v_cache)
-    # The kernel's o is normalised per part and its m is in log2 units (exp2 softmax); the
-    # combine takes unnormalised fp32 o and natural-log m.
-    o = o.astype(jnp.float32) * l[..., :gp, None]
+    return o, m, l
+
+
+def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
+                                   softcap: float | None = None,
+                                   config: MosaicDecodeConfig = MosaicDecodeConfig(),
+                                   interpret: bool = False) -> jax.Array:
+    """`paged_decode_mosaic` with its tuning knobs exposed (benchmarks, tests)."""
+    shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    o, m, l = mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                     softcap=softcap, config=config, interpret=interpret)
+    # Each part's o is normalised and its m is in log2 units (exp2 softmax); the combine takes
+    # unnormalised fp32 o and natural-log m.
+    o = o.astype(jnp.float32) * l[..., : o.shape[3], None]
     return combine_splits(o, m * math.log(2.0), l, shape, q.dtype)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from aiohttp import web
@@ -31,18 +32,21 @@ DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on every API route")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest request body accepted; larger ones get 413 (default: %(default)s)")
-    parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                        help="answer 503 + Retry-After while this many requests wait (default: %(default)s)")
-    parser.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are "
-                             "aborted (default: %(default)s)")
+    g = parser.add_argument_group("HTTP server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    # The environment variable keeps the key out of `ps` output, as VLLM_API_KEY does for vLLM.
+    g.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on every API route "
+                        "(default: $JAXINFER_API_KEY; unset = no authentication)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="answer 503 + Retry-After while this many requests wait (default: %(default)s)")
+    g.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are "
+                        "aborted (default: %(default)s)")
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -141,7 +145,7 @@ async def serve_until_signal(engine, args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.warning("shutting down: finishing in-flight requests (up to %.0f s)", args.shutdown_grace)
+    logger.warning("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C interrupts the grace period
         loop.remove_signal_handler(sig)
     await server.stop()

@@ -48,9 +48,9 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         logprobs = None
         if req.top_logprobs is not None:
             logprobs = chat_logprobs(engine.tokenizer, state.logprobs, req.top_logprobs)
-        choices.append({"index": idx, "message": {"role": ROLE, "content": prefix + state.text, "tool_calls": []},
-                        "logprobs": logprobs, "finish_reason": state.finish_reason,
-                        "stop_reason": state.stop_reason})
+        message = {"role": ROLE, "content": prefix + state.text, "tool_calls": []}
+        choices.append({"index": idx, "message": message, "logprobs": logprobs,
+                        "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": engine.model_name,
             "choices": choices, "usage": usage.as_dict(), "prompt_logprobs": None}
 

@@ -59,7 +59,7 @@ def as_api_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), getattr(exc, "param", None))
+        return APIError(400, str(exc), exc.param)
     if isinstance(exc, TokenizerError):  # e.g. a chat template that rejects the messages
         return APIError(400, str(exc), "messages")
     return None

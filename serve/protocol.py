@@ -126,7 +126,8 @@ def normalize_messages(value: Any) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
                     raise bad_request(f"messages[{i}].content: only parts of type 'text' are supported",
                                       "messages")
                 texts.append(part["text"])
@@ -171,7 +172,8 @@ def _reject_unsupported(body: dict) -> None:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
-def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
@@ -230,7 +232,9 @@ def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
         # The template already holds BOS and the other special tokens, as in vLLM.
         prompts, texts = [tokenizer.encode(text, add_special_tokens=False)], [text]
         # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
     else:
         add_special = bool_field(body, "add_special_tokens", True)
         prompts, texts = [], []

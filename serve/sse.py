@@ -52,8 +52,8 @@ async def stream_chunks(request: web.Request, chunks: AsyncGenerator[dict, None]
     status code any more: it goes out as a `data: {"error": ...}` event followed by [DONE], as in
     vLLM. A client that went away ends the stream quietly (the caller aborts its engine requests)."""
     sse = SSEWriter(request)
-    await sse.start()
     try:
+        await sse.start()
         async for chunk in chunks:
             await sse.send(chunk)
     except ConnectionResetError:

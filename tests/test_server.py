@@ -26,9 +26,12 @@ NO_EOS = {"ignore_eos": True}  # random weights may sample EOS; fixed lengths ke
 def server(tmp_path_factory):
     from jaxinfer.engine_args import EngineArgs
     model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    # Small batches keep the CPU compile count low (shapes compile lazily, warm-up off); 64 concurrent
+    # streams then also exercise the waiting queue.
     engine_args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
-                             max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=1024, max_num_seqs=64,
-                             max_num_batched_tokens=512, compilation_cache_dir="", attention_backend="reference")
+                             max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=256, max_num_seqs=16,
+                             max_num_batched_tokens=64, compilation_cache_dir="", attention_backend="reference",
+                             warmup=False)
     st = ServerThread(engine_args, {
         "main": server_args(),
         # Strict flags on a second port over the same engine: auth, a small body limit, no queue.
@@ -60,6 +63,30 @@ def wait_pool_free(server, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+# ---- metrics helpers -----------------------------------------------------------------------------
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    async def get():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                return await r.text()
+    samples = {}
+    for family in text_string_to_metric_families(asyncio.run(get())):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == v2
+                                                                        for k, v2 in labels.items()))
+
+
+def metric_delta(before, after, name: str, **labels) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
 # ---- the official openai client ------------------------------------------------------------------
 
 def test_completion_basic_n2_and_multi_prompt(client, server):
@@ -80,6 +107,16 @@ def test_completion_basic_n2_and_multi_prompt(client, server):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.prompt_tokens == len(tok.encode("one two")) + len(tok.encode("three four"))
     assert r.usage.completion_tokens == 12
+
+
+def test_echo_and_unknown_fields(client, caplog):
+    with caplog.at_level("WARNING", logger="serve.protocol"):
+        r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True, temperature=0,
+                                      extra_body={**NO_EOS, "frobnicate": 1})
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, temperature=0,
+                                      extra_body=NO_EOS)
+    assert r.choices[0].text == "Hello world" + plain.choices[0].text
+    assert "frobnicate" in caplog.text  # ignored, with a log line
 
 
 def test_stop_string(client):
@@ -275,11 +312,17 @@ def test_disconnects_under_load_free_everything(server):
                 t.cancel()
             return await asyncio.gather(*tasks, return_exceptions=True)
 
+    before = scrape(server.urls["main"])
     results = asyncio.run(main())
     errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
     assert not errors, errors[:3]
     assert sum(r is not None and not isinstance(r, BaseException) for r in results) == 64 - len(quitters)
-    wait_pool_free(server)
+    # Freed by aborts, at once: a quitter's 200 tokens could not have run to the end in this time.
+    wait_pool_free(server, timeout=3.0)
+    after = scrape(server.urls["main"])
+    assert metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="abort") == len(quitters)
+    assert metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="length") == 64 - len(quitters)
+    assert metric(after, "jaxinfer:http_requests_total", status="500") == 0
 
 
 def test_client_timeouts_then_new_request_is_fast(server, client):
@@ -300,11 +343,15 @@ def test_client_timeouts_then_new_request_is_fast(server, client):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             return await asyncio.gather(*(one(i, session) for i in range(200)))
 
+    before = scrape(server.urls["main"])
     assert asyncio.run(main()) == ["timeout"] * 200
     t0 = time.monotonic()
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body=NO_EOS)
     assert time.monotonic() - t0 < 5.0 and r.usage.completion_tokens == 4
-    wait_pool_free(server)
+    wait_pool_free(server, timeout=3.0)
+    after = scrape(server.urls["main"])
+    # Every timed-out request was aborted (waiting ones included), none ran on to its 200 tokens.
+    assert metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="abort") == 200
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------
@@ -423,25 +470,32 @@ def test_auth_body_limit_and_overload(server):
     check_error_shape(out["overloaded"][1], 503)
 
 
+# ---- the benchmark client ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_bench_serving_client(server, capsys, chat):
+    """benchmarks/bench_serving.py parses this server's streams: every request succeeds, the token
+    counts come from usage, and vLLM's result block is printed."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_serving
+
+    requests = bench_serving.random_requests(server.engine.tokenizer, 6, 8, 4, 0.0, np.random.default_rng(0),
+                                             as_text=chat)
+    url = server.urls["main"] + ("/v1/chat/completions" if chat else "/v1/completions")
+    results, duration = asyncio.run(bench_serving.run_benchmark(url, MODEL, chat, requests, float("inf"), 2,
+                                                                ignore_eos=True, seed=0))
+    metrics = bench_serving.summarize(results, duration, float("inf"), 2)
+    assert metrics["completed"] == 6 and metrics["failed"] == 0, metrics["errors"]
+    assert metrics["total_output_tokens"] == 24 and metrics["mean_ttft_ms"] > 0 and metrics["mean_itl_ms"] > 0
+    bench_serving.print_result(metrics)
+    assert "============ Serving Benchmark Result ============" in capsys.readouterr().out
+
+
 # ---- metrics -------------------------------------------------------------------------------------
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    async def get():
-        async with aiohttp.ClientSession() as s:
-            async with s.get(url + "/metrics") as r:
-                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-                return await r.text()
-    samples = {}
-    for family in text_string_to_metric_families(asyncio.run(get())):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def metric(samples, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == v2
-                                                                        for k, v2 in labels.items()))
-
 
 def test_metrics_count_what_was_sent(server, client):
     wait_pool_free(server)
@@ -453,7 +507,7 @@ def test_metrics_count_what_was_sent(server, client):
     after = scrape(server.urls["main"])
 
     def delta(name, **labels):
-        return metric(after, name, **labels) - metric(before, name, **labels)
+        return metric_delta(before, after, name, **labels)
 
     assert delta("jaxinfer:request_success_total", finished_reason="length") == 3
     assert delta("jaxinfer:prompt_tokens_total") == 9

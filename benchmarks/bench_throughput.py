@@ -1,0 +1,147 @@
+"""Offline throughput, shaped like vLLM's benchmark_throughput, plus the engine's host overhead.
+
+    python benchmarks/bench_throughput.py --model DIR --input-len 128 --output-len 128 --num-prompts 64
+    python benchmarks/bench_throughput.py --host-overhead --num-seqs 256
+
+Throughput: N random-token prompts of --input-len tokens, each generating exactly --output-len tokens
+(ignore_eos), through `LLM.generate`; prints `Throughput: X requests/s, Y total tokens/s, Z output
+tokens/s` as vLLM does, after a warm-up (compilation is not timed).
+
+Host overhead: the host-side work of one steady-state decode step for --num-seqs running sequences,
+i.e. `Scheduler.schedule()` + `ModelRunner.build()` (the padded step arrays), with no device work;
+target <= 1 ms for 256 sequences. Reported as the median over --steps steps; also the output
+processing (append + stop checks + detokenization) per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxinfer.engine import LLM, LLMEngine  # noqa: E402
+from jaxinfer.engine_args import EngineArgs  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+
+
+def throughput(args: argparse.Namespace) -> dict:
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = LLMEngine.from_engine_args(engine_args)
+    llm = LLM(engine=engine)
+    rng = np.random.default_rng(0)
+    vocab = engine.cfg.vocab_size
+    prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                            ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    engine.stats.__init__()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    st = engine.stats
+    result = dict(elapsed_time=elapsed, num_requests=len(outs), total_num_tokens=n_in + n_out,
+                  num_output_tokens=n_out, requests_per_second=len(outs) / elapsed,
+                  tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
+                  steps=st.steps, host_ms_per_step=st.host_ms_per_step,
+                  overlapped_dispatches_device_already_idle=st.idle_dispatches,
+                  sync_gap_ms=st.sync_gap_ms, platform=jax.devices()[0].platform)
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+          f"{result['tokens_per_second']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {n_in}")
+    print(f"Total num output tokens:  {n_out}")
+    print(f"Engine steps: {st.steps}, host (schedule + build + dispatch) {st.host_ms_per_step:.3f} "
+          f"ms/step, overlapped dispatches that found the device idle: {st.idle_dispatches}")
+    return result
+
+
+def host_overhead(args: argparse.Namespace) -> dict:
+    """Steady-state decode of --num-seqs sequences with the device taken out of the loop."""
+    from jaxinfer.config import config_from_dict
+    from jaxinfer.model import init_params
+    cfg = config_from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "float32"})
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    n, block = args.num_seqs, 16
+    max_len = args.input_len + args.steps + 256  # room for the tokens decoded while admitting
+    num_blocks = n * (-(-max_len // block)) + 8
+    eargs = EngineArgs(model="synthetic", max_model_len=max_len, block_size=block,
+                       num_blocks=num_blocks, max_num_seqs=n, max_num_batched_tokens=max(2048, n),
+                       compilation_cache_dir=None, warmup=False, dtype="float32")
+    engine = LLMEngine(cfg, params, None, eargs, num_blocks=num_blocks)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
+                           SamplingParams(temperature=0.8, max_tokens=None,
+                                          ignore_eos=True))
+    sched_ms, build_ms, process_ms = [], [], []
+    scheduler, runner, outputs = engine.scheduler, engine.runner, engine.outputs
+    # Admit and "prefill" everyone without the device: schedule until every sequence decodes.
+    while engine.num_waiting or any(s.num_to_compute > 1 for s in scheduler.running):
+        sched = scheduler.schedule()
+        for entry in sched.scheduled:
+            if entry.emits:
+                entry.seq.num_pending -= 1
+                entry.seq.token_ids.append(7)
+    fake = np.full(n, 7, np.int32)
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        sched = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner.build(sched)
+        t2 = time.perf_counter()
+        for r, entry in enumerate(sched.scheduled):  # what OutputProcessor does per token
+            seq = entry.seq
+            seq.num_pending -= 1
+            outputs._append(seq, int(fake[r]), None, t2)
+            assert seq.finish_reason is None, (seq, seq.finish_reason)
+            engine.kv_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+        t3 = time.perf_counter()
+        assert len(sched.decodes) == n
+        sched_ms.append(1e3 * (t1 - t0))
+        build_ms.append(1e3 * (t2 - t1))
+        process_ms.append(1e3 * (t3 - t2))
+    med = statistics.median
+    result = dict(num_seqs=n, steps=args.steps, schedule_ms=med(sched_ms), build_ms=med(build_ms),
+                  schedule_plus_build_ms=med([a + b for a, b in zip(sched_ms, build_ms)]),
+                  process_outputs_ms=med(process_ms))
+    print(f"host overhead per decode step, {n} sequences (median of {args.steps}): "
+          f"schedule {result['schedule_ms']:.3f} ms + build inputs {result['build_ms']:.3f} ms = "
+          f"{result['schedule_plus_build_ms']:.3f} ms; output processing "
+          f"{result['process_outputs_ms']:.3f} ms")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--host-overhead", action="store_true",
+                   help="measure scheduler + input building per decode step instead")
+    p.add_argument("--num-seqs", type=int, default=256, help="(--host-overhead) running sequences")
+    p.add_argument("--steps", type=int, default=50, help="(--host-overhead) steps to time")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args()
+    result = host_overhead(args) if args.host_overhead else throughput(args)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from jaxinfer import cli_generate, cli_memory, cli_serve
 from jaxinfer.errors import JaxinferError
 
 DESCRIPTION = """\
@@ -53,15 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"], help="default: %(default)s")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from jaxinfer import cli_generate
     cli_generate.add_parser(sub)
-    try:
-        from jaxinfer import cli_serve
-        cli_serve.add_parser(sub)
-    except ImportError:  # the server package is optional for offline use
-        pass
+    cli_serve.add_parser(sub)
     _add_convert(sub)
-    from jaxinfer import cli_memory
     cli_memory.add_parser(sub)
     return parser
 

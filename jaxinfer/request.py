@@ -93,6 +93,8 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.slot = -1  # row of the device's last-sampled-token array while running
         self.admit_order = -1
+        self.scheduled_in = -1  # the scheduler step that last scheduled it
+        self.token_limit = 1 << 62  # set when it starts running (set_token_limit)
         self.num_preemptions = 0
         params = request.params
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
@@ -125,14 +127,15 @@ class Sequence:
     def num_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
 
-    def at_output_limit(self, max_model_len: int) -> bool:
-        """True when the tokens known or in flight already reach max_tokens or the context, so the
-        sequence must not be scheduled again (it finishes when its last token is processed)."""
+    def set_token_limit(self, max_model_len: int) -> None:
+        """`token_limit`: once the tokens known or in flight reach it (max_tokens or the context),
+        the sequence is not scheduled again; it finishes when its last token is processed."""
         if self.is_prompt_seq:
-            return False
-        n_out = self.num_tokens - self.prompt_len
-        return (self.max_output is not None and n_out >= self.max_output) or \
-            self.num_tokens >= max_model_len
+            self.token_limit = 1 << 62
+        elif self.max_output is None:
+            self.token_limit = max_model_len
+        else:
+            self.token_limit = min(self.prompt_len + self.max_output, max_model_len)
 
     def loop_steps_allowed(self, max_model_len: int) -> int:
         """Decode iterations a scheduled decode (its in-flight token counted) may run on the device:

@@ -27,7 +27,7 @@ from jaxinfer.kv_cache import KVCacheManager
 from jaxinfer.request import Request, Sequence, SeqStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int        # num_computed before this step: position of the first new token
@@ -78,6 +78,7 @@ class Scheduler:
         self._admit_counter = itertools.count()
         self._slots_reserved = 0  # sum of _slot_cost over running sequences
         self._priorities_used = False
+        self._step_counter = 0
         self.num_preemptions = 0
 
     # ---- queues ---------------------------------------------------------------------------
@@ -161,6 +162,7 @@ class Scheduler:
             self.kv.free(p.seq_id)
 
     def _start_running(self, seq: Sequence) -> None:
+        seq.set_token_limit(self.max_model_len)
         seq.status = SeqStatus.RUNNING
         seq.admit_order = next(self._admit_counter)
         if not seq.is_prompt_seq:
@@ -175,35 +177,41 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
-        scheduled_ids: set[int] = set()
-        limit = self.max_model_len
         kv = self.kv
         order = (sorted(self.running, key=lambda s: (s.request.priority, s.admit_order))
                  if self._priorities_used else list(self.running))
 
-        # 1. decodes (one token to compute), never starved by prefills.
+        # 1. decodes (one token to compute), never starved by prefills. (The hot loop: 256
+        # sequences every step, so it is written out instead of calling helpers.)
+        self._step_counter += 1
+        step = self._step_counter
         prefill_candidates = []
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            todo = len(seq.token_ids) + seq.num_pending - seq.num_computed
-            if todo != 1:
-                if todo > 1 and not seq.num_pending:
+            num_tokens = len(seq.token_ids) + seq.num_pending
+            start = seq.num_computed
+            if num_tokens - start != 1:
+                if num_tokens - start > 1 and not seq.num_pending:
                     prefill_candidates.append(seq)
                 continue
-            if budget == 0 or seq.at_output_limit(limit):
+            if budget == 0 or num_tokens >= seq.token_limit:
                 continue
-            need = seq.num_computed + 1 - kv.num_tokens(seq.seq_id)
+            need = start + 1 - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):
-                victim = max((s for s in self.running if id(s) not in scheduled_ids),
+                victim = max((s for s in self.running if s.scheduled_in != step),
                              key=lambda s: (s.request.priority, s.admit_order))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                decodes.append(self._chunk(seq, 1))
-                scheduled_ids.add(id(seq))
+                seq.num_computed = start + 1
+                emits = seq.index >= 0
+                if emits:
+                    seq.num_pending += 1
+                decodes.append(ScheduledSeq(seq, start, 1, emits))
+                seq.scheduled_in = step
                 budget -= 1
 
         # 2. running prefills (chunked); no preemption for them: they wait for blocks instead.
@@ -215,7 +223,7 @@ class Scheduler:
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if self._grow(seq, seq.num_computed + n):
                 prefills.append(self._chunk(seq, n))
-                scheduled_ids.add(id(seq))
+                seq.scheduled_in = step
                 budget -= n
 
         # 3. admissions, FCFS / priority, only when nothing had to be preempted.
@@ -239,7 +247,7 @@ class Scheduler:
                 seq.request.first_scheduled_time = time.monotonic()
             entry = self._chunk(seq, n)
             (decodes if n == 1 else prefills).append(entry)
-            scheduled_ids.add(id(seq))
+            seq.scheduled_in = step
             budget -= n
 
         out = SchedulerOutput(decodes, prefills, preempted)

@@ -140,12 +140,14 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            while not self._stop.is_set():
-                while True:
+            while True:
+                while True:  # commands first: shutdown's aborts are queued before the stop flag
                     try:
                         self._commands.get_nowait()()
                     except queue.Empty:
                         break
+                if self._stop.is_set():
+                    break
                 if not engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()

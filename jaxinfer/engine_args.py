@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from pathlib import Path
 
+from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.kv_cache import CacheConfig, add_cache_arguments
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = str(REPO / "checkpoints" / "demo-target")
+DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxinfer", "jax_compilation_cache")
+    return str(paths.user_cache_dir() / "jax_compilation_cache")
 
 
 @dataclasses.dataclass

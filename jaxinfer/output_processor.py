@@ -32,6 +32,8 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         steps = res.tokens.shape[0]
+        tokens = res.tokens.tolist()
+        num_new_tokens = 0
         for r, entry in enumerate(handle.sched.scheduled):
             seq = entry.seq
             if seq.status is SeqStatus.FINISHED:  # aborted, or finished while this step ran
@@ -45,16 +47,18 @@ class OutputProcessor:
                     lp = None
                     if res.logprob is not None and seq.request.params.logprobs is not None:
                         k = seq.request.params.logprobs
-                        lp = TokenLogprob(int(res.tokens[j, r]), float(res.logprob[j, r]),
+                        lp = TokenLogprob(tokens[j][r], float(res.logprob[j, r]),
                                           list(zip(res.top_ids[j, r, :k].tolist(),
                                                    res.top_logprobs[j, r, :k].tolist())))
-                    self._append(seq, int(res.tokens[j, r]), lp, now)
+                    self._append(seq, tokens[j][r], lp, now)
+                    num_new_tokens += 1
                     touched[seq.request.request_id] = seq.request
                     if seq.status is SeqStatus.FINISHED:
                         break
             if seq.status is not SeqStatus.FINISHED and self.kv.has_request(seq.seq_id):
                 self.kv.cache_blocks(seq.seq_id, seq.token_ids,
                                      min(seq.num_computed, len(seq.token_ids)))
+        self.metrics.generation_tokens.inc(num_new_tokens)
         return list(touched.values())
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
@@ -70,7 +74,6 @@ class OutputProcessor:
         elif req.last_token_time is not None:
             self.metrics.inter_token_latency.observe(now - req.last_token_time)
         req.last_token_time = now
-        self.metrics.generation_tokens.inc()
         n_out = seq.num_output_tokens
         past_min = n_out > params.min_tokens  # this token's output index >= min_tokens
         if token in req.stop_id_set and past_min:

@@ -29,7 +29,7 @@ from jaxinfer.kv_cache import KVCacheManager, allocate_kv_cache, copy_blocks
 from jaxinfer.model import forward
 from jaxinfer.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant, sample
 from jaxinfer.scheduler import SchedulerOutput
-from jaxinfer.step_inputs import StepBatch, build_step_batch, sampler_variant
+from jaxinfer.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -133,7 +133,8 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
-    batch = build_step_batch([], 0, t, s, None, block_size, max_blocks, max_model_len, FULL_SAMPLER)
+    batch = build_step_batch([], 0, t, s, None, SamplingTable(max_num_seqs), block_size, max_blocks,
+                             max_model_len, FULL_SAMPLER)
     one_block = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, block_size, cfg.head_dim), kv_dtype)
     kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32)
@@ -197,6 +198,7 @@ class ModelRunner:
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype)
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32)
+        self.sampling_table = SamplingTable(max_num_seqs)
         self._step_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size)
         self.num_dispatches = 0
 
@@ -229,7 +231,8 @@ class ModelRunner:
                 continue
             ns = size if kind != "mixed" else self.buckets.mixed_shape(size)[1]
             batch = build_step_batch([], size if kind != "mixed" else 0, size, ns, self.kv,
-                                     self.block_size, self.max_blocks, self.max_model_len, variant)
+                                     self.sampling_table, self.block_size, self.max_blocks,
+                                     self.max_model_len, variant)
             if kind == "loop":
                 allowed = jnp.zeros(ns, jnp.int32)
                 self.kv_cache, self.last_tokens, out, _ = self._loop_fn(
@@ -261,8 +264,8 @@ class ModelRunner:
             nd = 0
         else:
             t = s = nd = self.buckets.decode_shape(len(rows))
-        batch = build_step_batch(rows, nd, t, s, self.kv, self.block_size, self.max_blocks,
-                                 self.max_model_len, variant)
+        batch = build_step_batch(rows, nd, t, s, self.kv, self.sampling_table, self.block_size,
+                                 self.max_blocks, self.max_model_len, variant)
         return batch, variant, sched.decode_steps > 1 and not sched.prefills
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:

@@ -33,6 +33,30 @@ class StepBatch:
     sampling: SamplingTensors
 
 
+class SamplingTable:
+    """Each sequence row's sampling constants (temperature, top_k, top_p, min_p, seed, min_tokens,
+    prompt_len) and stop ids, kept on the host by slot and written once per sequence, so a step
+    gathers them with one numpy index instead of converting 256 Python tuples. The extra last row
+    holds padding defaults (also used by n > 1 prompt sequences, which have no slot and no sample)."""
+
+    def __init__(self, num_slots: int):
+        self.pad = num_slots
+        self.consts = np.zeros((num_slots + 1, 7), np.float64)  # float64 holds each value exactly
+        self.consts[:, 2] = 1.0  # top_p off
+        self.stop_ids = np.full((num_slots + 1, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        self._owner: list[object] = [None] * num_slots
+
+    def row_of(self, seq) -> int:
+        slot = seq.slot
+        if slot < 0:
+            return self.pad
+        if self._owner[slot] is not seq:  # a new occupant of this slot
+            self._owner[slot] = seq
+            self.consts[slot] = seq.sampling_row
+            self.stop_ids[slot] = seq.request.stop_ids_row
+        return slot
+
+
 def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
     """The base variant unless some row needs top-k/top-p/min-p, logprobs or penalties; then the full
     one (both extras together: two compiled variants per shape instead of four)."""
@@ -40,8 +64,9 @@ def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
 
 
 def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
-                     num_seqs: int, kv: KVCacheManager | None, block_size: int, max_blocks: int,
-                     max_model_len: int, variant: SamplerVariant) -> StepBatch:
+                     num_seqs: int, kv: KVCacheManager | None, table: SamplingTable,
+                     block_size: int, max_blocks: int, max_model_len: int,
+                     variant: SamplerVariant) -> StepBatch:
     """rows: decodes first. num_decode_rows: the static decode count (T == S == num_decode_rows for
     a pure-decode bucket, 0 for a mixed step). Returns numpy arrays (the caller device_puts).
 
@@ -56,9 +81,12 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     ends: list[int] = []
     emit: list[int] = []
     tables: list[list[int]] = []
+    table_rows: list[int] = []
+    row_of = table.row_of
     for entry in rows:
         seq, start, k = entry.seq, entry.start, entry.num_tokens
         tables.append(kv.get_block_ids(seq.seq_id))
+        table_rows.append(row_of(seq))
         end = start + k
         if k == 1:
             pos.append(start)
@@ -107,26 +135,21 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     slot_mapping = np.full(num_tokens, -1, i32)
     slot_mapping[:t] = blk * block_size + positions[:t] % block_size
     md = AttentionMetadata(slot_mapping, qsl, seq_lens, block_tables, num_decodes=num_decode_rows)
-    sampling = sampling_tensors(rows, seq_lens, num_seqs, max_model_len, variant)
+    sampling = sampling_tensors(rows, padded(table_rows, num_seqs, table.pad), seq_lens, table,
+                                max_model_len, variant)
     return StepBatch(token_ids, input_slot, positions, md, logits_indices, emit_slot, sampling)
 
 
-def sampling_tensors(rows: list[ScheduledSeq], seq_lens: np.ndarray, num_seqs: int,
-                     max_model_len: int, variant: SamplerVariant) -> SamplingTensors:
-    n = len(rows)
-    # Per-sequence constants, cached on the sequence: temperature, top_k, top_p, min_p, seed,
-    # min_tokens, prompt_len (float64 holds each exactly).
-    consts = np.zeros((num_seqs, 7), np.float64)
-    consts[:, 2] = 1.0  # top_p of padding rows
-    stop_ids = np.full((num_seqs, MAX_STOP_TOKEN_IDS), -1, np.int32)
-    if n:
-        consts[:n] = [entry.seq.sampling_row for entry in rows]
-        stop_ids[:n] = [entry.seq.request.stop_ids_row for entry in rows]
+def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens: np.ndarray,
+                     table: SamplingTable, max_model_len: int,
+                     variant: SamplerVariant) -> SamplingTensors:
+    num_seqs = table_rows.shape[0]
+    consts = table.consts[table_rows]
     out_pos = np.maximum(seq_lens - consts[:, 6].astype(np.int32), 0).astype(np.int32)
     t = SamplingTensors(consts[:, 0].astype(np.float32), consts[:, 1].astype(np.int32),
                         consts[:, 2].astype(np.float32), consts[:, 3].astype(np.float32),
                         consts[:, 4].astype(np.uint32), out_pos, consts[:, 5].astype(np.int32),
-                        stop_ids)
+                        table.stop_ids[table_rows])
     if variant.penalties:
         rep = np.ones(num_seqs, np.float32)
         pres = np.zeros(num_seqs, np.float32)

@@ -14,9 +14,9 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   in step). Each keeps its own online softmax, so one item yields two partial results that the
   flash-decoding combine (`combine_splits`, XLA) merges together with any context splits.
 - The G query heads of a kv head are the first rows of a 64-row wgmma tile (wgmma's M is 64), so
-  S = Q K^T is [64, tokens] and O += P V is [64, D]; rows past G are zero and discarded. The
-  tensor cores do 64/G times the useful work, which at these sizes still fits under the memory
-  time of a step (see docs/ARCHITECTURE.md, "Kernels: paged decode").
+  S = Q K^T is [64, tokens] and O += P V is [64, D]; rows past G carry no query and are
+  discarded. The tensor cores do 64/G times the useful work, which at these sizes still fits under
+  the memory time of a step (see docs/ARCHITECTURE.md, "Kernels: paged decode").
 - Softmax runs in the log2 domain (exp2 with the scale folded in), accumulation is fp32.
 """
 
@@ -69,7 +69,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
     my_items = pl.cdiv(num_items - cta, num_ctas)
 
     def item_info(it):
-        """-> (seq, kv head, split, length, first page, number of steps) of this CTA's it-th item."""
+        """-> (seq, kv head, split, length, first page, pages in the sequence, steps) of this
+        CTA's it-th item."""
         w = cta + it * num_ctas
         seq = w // (hkv * num_splits)
         head = (w // num_splits) % hkv

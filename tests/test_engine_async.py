@@ -13,6 +13,9 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine, prompt_ids
 
+# A step whose KV cache could not be donated would copy the whole cache every step.
+pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -43,16 +46,32 @@ def test_streams_validation_abort_and_shutdown():
         with pytest.raises(InvalidRequestError) as e:
             await collect(engine, [], SamplingParams(), "bad")
         assert e.value.param == "prompt"
-        # Leaving the stream early aborts the request and frees its blocks.
-        agen = engine.generate(prompt_ids(9, 6), SamplingParams(max_tokens=50, **GREEDY), "leave")
-        async for _ in agen:
+        # Leaving the stream early (break, or cancelling the consuming task) aborts the request
+        # and frees its blocks.
+        async for _ in engine.generate(prompt_ids(9, 6), SamplingParams(max_tokens=50, **GREEDY),
+                                       "leave"):
             break
-        await agen.aclose()
-        for _ in range(100):
-            if engine.kv_cache_manager.num_free_blocks == engine.num_total_blocks:
+        started = asyncio.Event()
+        seen = []
+
+        async def consume():
+            async for out in engine.generate(prompt_ids(8, 6),
+                                             SamplingParams(max_tokens=50, **GREEDY), "cancel"):
+                seen.append(out)
+                started.set()
+                await asyncio.sleep(10)  # a slow client
+
+        consumer = asyncio.create_task(consume())
+        await started.wait()
+        consumer.cancel()
+        for _ in range(200):
+            if engine.kv_cache_manager.num_free_blocks == engine.num_total_blocks \
+                    and not engine.engine.requests:
                 break
             await asyncio.sleep(0.02)
         assert engine.kv_cache_manager.num_free_blocks == engine.num_total_blocks
+        assert not engine.engine.requests
+        assert len(seen) == 1 and not seen[0].finished
         # Shutdown without grace aborts what is still running: its stream ends with "abort".
         long = asyncio.create_task(collect(engine, prompt_ids(10, 4),
                                            SamplingParams(max_tokens=60, **GREEDY), "long"))

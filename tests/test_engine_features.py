@@ -15,6 +15,9 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import MAX_LEN, make_engine, prompt_ids, run_all, tiny_tokenizer
 
+# A step whose KV cache could not be donated would copy the whole cache every step.
+pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -104,12 +107,15 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything():
     engine = make_engine(long_prefill_chunk=3)
     engine.add_request("prefill", prompt_ids(41, 30), SamplingParams(max_tokens=10, **GREEDY))
     engine.add_request("decode", prompt_ids(42, 3), SamplingParams(max_tokens=40, **GREEDY))
+    engine.add_request("fork", prompt_ids(43, 20), SamplingParams(n=3, max_tokens=10, **GREEDY))
     engine.step()
     engine.step()
     prefill_seq = engine.requests["prefill"].choices[0]
     assert 0 < prefill_seq.num_computed < 30  # still in its prompt
     out = engine.abort("prefill")
     assert out.finished and out.outputs[0].finish_reason == "abort"
+    out = engine.abort("fork")  # its shared prompt part is still being computed: no choice yet
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
     for _ in range(4):
         engine.step()
     assert engine.requests["decode"].choices[0].num_output_tokens > 0

@@ -107,9 +107,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_settle, added, None)
 
         self._submit(add)
-        await added  # raises the validation error, before any output
         finished = False
         try:
+            await added  # raises the validation error, before any output
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -119,8 +119,12 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
+            # Also reached when cancelled while the add was still queued: the abort command runs
+            # after it (commands run in order), so the request never runs unobserved.
+            # Only the stream registered by this call is aborted: a rejected duplicate request_id
+            # must not abort the request that owns it.
             if not finished:
-                self._submit(lambda: self._abort_now(request_id, notify=False))
+                self._submit(lambda: self._abort_now(request_id, notify=False, only=stream))
 
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort_now(request_id, notify=True))
@@ -130,9 +134,12 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _abort_now(self, request_id: str, notify: bool) -> None:
+    def _abort_now(self, request_id: str, notify: bool, only: asyncio.Queue | None = None) -> None:
+        entry = self._streams.get(request_id)
+        if only is not None and (entry is None or entry[1] is not only):
+            return
         out = self.engine.abort(request_id)
-        entry = self._streams.pop(request_id, None)
+        self._streams.pop(request_id, None)
         if notify and entry is not None and out is not None:
             loop, stream = entry
             loop.call_soon_threadsafe(stream.put_nowait, out)

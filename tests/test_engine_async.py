@@ -46,6 +46,15 @@ def test_streams_validation_abort_and_shutdown():
         with pytest.raises(InvalidRequestError) as e:
             await collect(engine, [], SamplingParams(), "bad")
         assert e.value.param == "prompt"
+        # A duplicate request_id is rejected and does not disturb the request that owns it.
+        owner = asyncio.create_task(collect(engine, prompt_ids(7, 4),
+                                            SamplingParams(max_tokens=55, **GREEDY), "dup"))
+        await asyncio.sleep(0.01)
+        with pytest.raises(InvalidRequestError) as e:
+            await collect(engine, prompt_ids(7, 4), SamplingParams(max_tokens=3), "dup")
+        assert e.value.param == "request_id"
+        _, ids, last = await owner
+        assert last.outputs[0].finish_reason == "length" and len(ids) == 55
         # Leaving the stream early (break, or cancelling the consuming task) aborts the request
         # and frees its blocks.
         async for _ in engine.generate(prompt_ids(9, 6), SamplingParams(max_tokens=50, **GREEDY),

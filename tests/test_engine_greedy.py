@@ -108,3 +108,45 @@ def test_preemption_under_a_tiny_pool():
     assert run_staggered(engine, arrivals_per_step=16) == expected()
     assert engine.scheduler.num_preemptions > 0
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_schedule_with_aborts_forks_and_preemption(seed):
+    """Random arrivals, aborts, n in {1, 2}, small chunks and a small pool (so preemption and COW
+    happen), with and without the decode loop: every request that was not aborted gets exactly the
+    oracle's greedy tokens (each choice of an n = 2 request too), and nothing leaks."""
+    rng = np.random.default_rng(seed)
+    engine = make_engine(num_blocks=20, long_prefill_chunk=int(rng.integers(2, 9)),
+                         decode_steps_per_call=int(rng.choice([1, 3])))
+    todo = list(range(len(WORKLOAD)))
+    rng.shuffle(todo)
+    live, aborted, got, num_choices = set(), set(), {}, {}
+    step = 0
+    while todo or engine.has_unfinished_requests():
+        if todo and rng.random() < 0.7:
+            i = todo.pop()
+            p, m = WORKLOAD[i]
+            n = int(rng.choice([1, 2]))
+            engine.add_request(f"r{i}", p, SamplingParams(n=n, max_tokens=m, **GREEDY))
+            live.add(f"r{i}")
+            num_choices[f"r{i}"] = n
+        if live and rng.random() < 0.08:
+            rid = sorted(live)[int(rng.integers(len(live)))]
+            engine.abort(rid)
+            live.discard(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            assert out.request_id not in aborted
+            for c in out.outputs:
+                got.setdefault(out.request_id, {})[c.index] = c.token_ids
+            if out.finished:
+                live.discard(out.request_id)
+        step += 1
+        assert step < 2000
+    assert set(got) | aborted == set(num_choices)
+    for rid in set(num_choices) - aborted:
+        want = expected()[int(rid[1:])]
+        assert sorted(got[rid]) == list(range(num_choices[rid])), rid
+        assert all(toks == want for toks in got[rid].values()), rid
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_free(engine)

@@ -151,3 +151,42 @@ def test_logprobs_are_the_raw_model_logprobs():
         assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
         assert [t for t, _ in lp.top] == list(np.argsort(-row)[:3])
         assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely
+
+
+def _mixed_params(i: int, max_tokens: int) -> SamplingParams:
+    kinds = [dict(temperature=0.9), dict(temperature=0.7, top_p=0.8),
+             dict(temperature=1.0, top_k=5, logprobs=2),
+             dict(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.3),
+             dict(temperature=0.0)]
+    return SamplingParams(n=1 + i % 2, max_tokens=max_tokens, seed=1000 + i,
+                          stop=["ab"] if i % 3 == 0 else [], **kinds[i % len(kinds)])
+
+
+def test_seeded_outputs_do_not_depend_on_the_schedule():
+    """Each request run alone vs. all of them under random schedules (arrivals, chunk sizes, a pool
+    small enough to preempt, decode loop on/off, overlap on/off): identical tokens, text and finish
+    reasons for every choice, with top-p/top-k/penalties/logprobs/stop strings/n = 2 in the mix."""
+    from test_engine_greedy import WORKLOAD
+    solo = {}
+    for i, (prompt, m) in enumerate(WORKLOAD):
+        engine = make_engine()
+        engine.add_request("x", prompt, _mixed_params(i, m))
+        solo[i] = run_all(engine)["x"]
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        engine = make_engine(num_blocks=24, long_prefill_chunk=int(rng.integers(2, 9)),
+                             decode_steps_per_call=int(rng.choice([1, 3])),
+                             async_scheduling=bool(seed % 2))
+        todo = list(range(len(WORKLOAD)))
+        rng.shuffle(todo)
+        got: dict = {}
+        while todo or engine.has_unfinished_requests():
+            if todo and rng.random() < 0.7:
+                i = todo.pop()
+                engine.add_request(f"r{i}", WORKLOAD[i][0], _mixed_params(i, WORKLOAD[i][1]))
+            for out in engine.step():
+                for c in out.outputs:
+                    got.setdefault(int(out.request_id[1:]), {})[c.index] = (
+                        c.token_ids, c.text, c.finish_reason)
+        assert got == solo
+        assert engine.kv_manager.num_free_blocks == engine.num_total_blocks

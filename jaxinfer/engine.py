@@ -16,6 +16,7 @@ many tokens it produced) or a penalty request needs its full token history on th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -66,6 +67,18 @@ class EngineStats:
         return 1e3 * self.sync_gap_s / max(self.sync_gaps, 1)
 
 
+def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
+                num_computed: int) -> Sequence:
+    """Choice `index` of `req` as a sequence over the whole prompt, `num_computed` tokens of which
+    already have KV (a fork of the n > 1 prompt sequence), with its output text state."""
+    seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids), num_computed)
+    p = req.params
+    seq.output = OutputText(tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                            p.skip_special_tokens)
+    req.choices[index] = seq
+    return seq
+
+
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None):
@@ -85,7 +98,8 @@ class LLMEngine:
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
-            decode_steps_per_call=args.decode_steps_per_call, make_choice=self._make_choice)
+            decode_steps_per_call=args.decode_steps_per_call,
+            make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(
             jax.tree_util.tree_leaves(params)[0].dtype).name)
         self.runner = ModelRunner(
@@ -185,20 +199,11 @@ class LLMEngine:
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
-                self.scheduler.add(self._make_choice(req, i, 0))
+                self.scheduler.add(make_choice(self.tokenizer, req, i, 0))
         else:
             req.prompt_seq = Sequence(f"{request_id}#prompt", req, -1, prompt_ids[:-1])
             self.scheduler.add(req.prompt_seq)
         return req
-
-    def _make_choice(self, req: Request, index: int, num_computed: int) -> Sequence:
-        seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids),
-                       num_computed)
-        p = req.params
-        seq.output = OutputText(self.tokenizer, req.prompt_token_ids, p.stop,
-                                p.include_stop_str_in_output, p.skip_special_tokens)
-        req.choices[index] = seq
-        return seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Returns its final output (reason "abort"),
@@ -210,12 +215,14 @@ class LLMEngine:
             self.scheduler.finish(req.prompt_seq)
         for i, seq in enumerate(req.choices):
             if seq is None:  # an n > 1 choice not forked yet: report it aborted too
-                seq = self._make_choice(req, i, 0)
+                seq = make_choice(self.tokenizer, req, i, 0)
                 seq.status = SeqStatus.FINISHED
                 self.outputs.finish(seq, "abort", None)
             elif seq.status is not SeqStatus.FINISHED:
                 self.outputs.finish(seq, "abort", None)
-        return make_request_output(req)
+        out = make_request_output(req)
+        req.detach()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -276,6 +283,7 @@ class LLMEngine:
                 outs.append(out)
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                req.detach()
         return outs
 
     def _update_gauges(self) -> None:

@@ -77,6 +77,14 @@ class Request:
     def num_generated_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices if c is not None)
 
+    def detach(self) -> None:
+        """Drop the sequences' references back to this finished request, so request and sequences
+        are freed by reference counting: a server would otherwise leave one reference cycle per
+        request to the cyclic garbage collector, whose full passes pause the process."""
+        for seq in (self.prompt_seq, *self.choices):
+            if seq is not None:
+                seq.request = None
+
 
 class Sequence:
     """One schedulable unit: a choice of a request, or (n > 1) the shared prompt computation."""

@@ -226,7 +226,7 @@ class ModelRunner:
         for kind, size, variant in tqdm(shapes, desc="compiling step buckets", disable=not progress,
                                         unit="shape"):
             if kind == "copy":
-                idx = jnp.full(size, -1, jnp.int32)
+                idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
                 self.kv_cache = copy_blocks(self.kv_cache, idx, idx)
                 continue
             ns = size if kind != "mixed" else self.buckets.mixed_shape(size)[1]
@@ -234,7 +234,7 @@ class ModelRunner:
                                      self.sampling_table, self.block_size, self.max_blocks,
                                      self.max_model_len, variant)
             if kind == "loop":
-                allowed = jnp.zeros(ns, jnp.int32)
+                allowed = np.zeros(ns, np.int32)
                 self.kv_cache, self.last_tokens, out, _ = self._loop_fn(
                     self.params, self.kv_cache, self.last_tokens, batch, allowed,
                     variant=variant, num_steps=self.decode_steps_per_call)

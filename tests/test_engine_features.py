@@ -159,12 +159,16 @@ def test_llm_generate_text_and_token_prompts():
 
 
 def test_mixed_workload_compiles_nothing_beyond_warmup_and_donates_the_cache():
-    engine = make_engine(decode_steps_per_call=3, long_prefill_chunk=5)
+    # A pool size no other test uses: every warm-up shape is a fresh compilation.
+    engine = make_engine(num_blocks=96, decode_steps_per_call=3, long_prefill_chunk=5)
+    prompts = [prompt_ids(60 + i, 2 + 3 * i) for i in range(12)]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*[Dd]onat.*")
+        before_warmup = engine.runner.num_compilations()
         engine.warmup(progress=False)
-        prompts = [prompt_ids(60 + i, 2 + 3 * i) for i in range(12)]
         compiled = engine.runner.num_compilations()
+        # The bound: (token + decode + loop buckets) x 2 sampler variants + copy buckets.
+        assert compiled - before_warmup == len(engine.runner.warmup_shapes()) == 9
         kv_before = engine.runner.kv_cache[0][0]
         kinds = [SamplingParams(max_tokens=9, **GREEDY),
                  SamplingParams(temperature=0.8, max_tokens=7, seed=3),

@@ -57,7 +57,7 @@ class AsyncEngine:
     async def start(self) -> None:
         """Compile every step bucket (in a thread) and start the background loop."""
         if self.args.warmup:
-            await asyncio.to_thread(self.engine.warmup, False)
+            await asyncio.to_thread(self.engine.warmup, True)
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()
         self.is_ready = True

@@ -1,99 +1,91 @@
-"""`jaxinfer generate`: complete a prompt from the command line (one sequence over the paged cache)."""
+"""`jaxinfer generate`: complete one prompt (streamed to stdout) or a file of prompts (batched)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.paths import DEFAULT_MODEL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete a prompt and print the text",
-                       description="Complete PROMPT with a model and stream the text to stdout.")
-    p.add_argument("--model", default=str(DEFAULT_MODEL),
-                   help="HF model directory (default: the bundled demo model)")
-    p.add_argument("--prompt", required=True, help="text to complete")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 = greedy (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "orbax", "dummy"],
-                   help="weights to load; 'dummy' = random weights of the real shapes")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="weight and activation dtype (default: %(default)s)")
-    p.add_argument("--attention-backend", default="auto",
-                   help="auto | reference | mosaic | triton (default: auto)")
-    p.add_argument("--block-size", type=int, default=16, choices=[16, 32], help="KV cache page size")
+    from jaxinfer.engine_args import EngineArgs
+
+    p = sub.add_parser(
+        "generate", help="complete a prompt, or a file of prompts, and print the text",
+        description="Complete --prompt (streamed as it is generated) or every line of --prompts-file "
+                    "(batched through the engine's continuous-batching scheduler).",
+        epilog="example: jaxinfer generate --prompt 'def fibonacci(n):' --max-tokens 48")
+    src = p.add_argument_group("prompts (one of)")
+    src.add_argument("--prompt", help="text to complete")
+    src.add_argument("--prompts-file", type=Path,
+                     help="a file with one prompt per line, or a .jsonl file of {\"prompt\": ...} objects")
+    smp = p.add_argument_group("sampling")
+    smp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    smp.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy (default: %(default)s)")
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    smp.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
 
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise JaxinferError("give exactly one of --prompt or --prompts-file")
+    if args.prompt is not None:
+        return [args.prompt]
+    path = args.prompts_file
+    if not path.is_file():
+        raise JaxinferError(f"--prompts-file '{path}' does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        try:
+            return [json.loads(line)["prompt"] for line in lines]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise JaxinferError(f"--prompts-file '{path}': each line must be a JSON object with a "
+                                f"'prompt' field ({e})") from None
+    if not lines:
+        raise JaxinferError(f"--prompts-file '{path}' has no prompts")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
-    import jax
-    import jax.numpy as jnp
+    from jaxinfer.engine import LLMEngine
+    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.sampling_params import SamplingParams
 
-    from jaxinfer.config import load_config
-    from jaxinfer.kv_cache.device_cache import allocate_kv_cache
-    from jaxinfer.model import forward
-    from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
-    from jaxinfer.weights import load_params
-    from pallas_kernels.backend import get_backend
-    from pallas_kernels.metadata import AttentionMetadata
-
-    if args.max_tokens < 1:
-        raise JaxinferError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        raise JaxinferError(f"--temperature must be >= 0, got {args.temperature}")
-    cfg = load_config(args.model)
-    tok = Tokenizer.from_dir(args.model)
-    params = load_params(args.model, cfg, getattr(jnp, args.dtype), args.load_format)
-    backend = get_backend(args.attention_backend)
-    prompt = tok.encode(args.prompt)
-    if not prompt:
-        raise JaxinferError("--prompt is empty after tokenization")
-    total = len(prompt) + args.max_tokens
-    if total > cfg.max_position_embeddings:
-        raise JaxinferError(f"prompt ({len(prompt)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
-                            f"model's context of {cfg.max_position_embeddings} tokens")
-    bs = args.block_size
-    num_blocks = -(-total // bs)
-    table = jnp.arange(num_blocks, dtype=jnp.int32)[None]
-    cache = allocate_kv_cache(cfg, num_blocks, bs, getattr(jnp, args.dtype))
-    step = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv_cache",))
-    key = jax.random.key(args.seed)
-
-    def pick(logits, i):
-        if args.temperature == 0:
-            return int(jnp.argmax(logits))
-        return int(jax.random.categorical(jax.random.fold_in(key, i), logits / args.temperature))
-
-    n = len(prompt)
-    md = AttentionMetadata(jnp.arange(n, dtype=jnp.int32), jnp.array([0, n], jnp.int32),
-                           jnp.array([n], jnp.int32), table)
+    prompts = _read_prompts(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, stop=args.stop, seed=args.seed)
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    rids = [f"cli-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts):
+        engine.add_request(rid, prompt, params)  # validates before anything runs
+    stream = len(prompts) == 1
+    texts = {rid: "" for rid in rids}
+    generated = 0
     t0 = time.perf_counter()
-    logits, cache = step(params, cfg, jnp.asarray(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                         cache, md, backend, jnp.array([n - 1]))
-    detok = IncrementalDetokenizer(tok, prompt)
-    sys.stdout.write(args.prompt)
-    generated = []
-    for i in range(args.max_tokens):
-        token = pick(logits[0], i)
-        generated.append(token)
-        if token in tok.eos_token_ids:
-            break
-        sys.stdout.write(detok.add(token))
-        sys.stdout.flush()
-        pos = n + i
-        if i + 1 == args.max_tokens:
-            break
-        md = AttentionMetadata(jnp.array([pos], jnp.int32), jnp.array([0, 1], jnp.int32),
-                               jnp.array([pos + 1], jnp.int32), table, num_decodes=1)
-        logits, cache = step(params, cfg, jnp.array([token], jnp.int32), jnp.array([pos], jnp.int32),
-                             cache, md, backend)
+    if stream:
+        sys.stdout.write(prompts[0])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for choice in out.outputs:
+                generated += len(choice.new_token_ids)
+                texts[out.request_id] += choice.new_text
+                if stream:
+                    sys.stdout.write(choice.new_text)
+                    sys.stdout.flush()
     elapsed = time.perf_counter() - t0
-    sys.stdout.write("\n")
-    print(f"[{len(generated)} tokens in {elapsed:.2f} s, {len(generated) / elapsed:.1f} tok/s, "
-          f"backend={backend.name}, device={jax.devices()[0].platform}]", file=sys.stderr)
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for rid, prompt in zip(rids, prompts):
+            print(json.dumps({"prompt": prompt, "text": texts[rid]}, ensure_ascii=False))
+    print(f"[{len(prompts)} prompt(s), {generated} tokens in {elapsed:.2f} s "
+          f"({generated / max(elapsed, 1e-9):.1f} tok/s)]", file=sys.stderr)
     return 0

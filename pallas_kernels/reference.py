@@ -48,22 +48,41 @@ def _softcap(scores: jax.Array, softcap: float | None) -> jax.Array:
     return scores if not softcap else softcap * jnp.tanh(scores / softcap)
 
 
+# Queries are processed this many at a time, so the gathered context (chunk x L x Hkv x D) stays
+# small even when a step holds thousands of tokens of hundreds of sequences.
+QUERY_CHUNK = 32
+
+
+def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
+                 last_pos: jax.Array, *, scale: float, softcap: float | None) -> jax.Array:
+    """Each query row attends to its own sequence's context positions 0..last_pos (inclusive;
+    last_pos < 0 = no keys, output 0). q: [N, Hq, D]; tables: [N, M] block table of each row's
+    sequence; last_pos: [N]. Rows are processed QUERY_CHUNK at a time."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[0]
+
+    def one(row):
+        qi, table, last = row
+        k = gather_context(k_cache, table[None])[0].astype(jnp.float32)  # [L, Hkv, D]
+        v = gather_context(v_cache, table[None])[0].astype(jnp.float32)
+        qg = qi.astype(jnp.float32).reshape(hkv, hq // hkv, d)
+        scores = _softcap(jnp.einsum("kgd,lkd->kgl", qg, k) * scale, softcap)
+        valid = jnp.arange(k.shape[0]) <= last
+        scores = jnp.where(valid, scores, NEG_INF)
+        p = jnp.where(valid, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+        out = jnp.einsum("kgl,lkd->kgd", p, v) / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+        return out.reshape(hq, d)
+
+    out = jax.lax.map(one, (q, tables, last_pos), batch_size=min(QUERY_CHUNK, max(n, 1)))
+    return out.astype(q.dtype)
+
+
 def paged_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, scale: float,
                            softcap: float | None = None) -> jax.Array:
-    """One query token per sequence. q: [S, Hq, D] -> [S, Hq, D]; seq_lens == 0 gives zeros."""
-    s, hq, d = q.shape
-    hkv = k_cache.shape[0]
-    k = gather_context(k_cache, block_tables).astype(jnp.float32)  # [S, L, Hkv, D]
-    v = gather_context(v_cache, block_tables).astype(jnp.float32)
-    qg = q.astype(jnp.float32).reshape(s, hkv, hq // hkv, d)
-    scores = _softcap(jnp.einsum("skgd,slkd->skgl", qg, k) * scale, softcap)
-    valid = jnp.arange(k.shape[1])[None, :] < seq_lens[:, None]  # [S, L]
-    scores = jnp.where(valid[:, None, None, :], scores, NEG_INF)
-    p = jnp.exp(scores - scores.max(-1, keepdims=True))
-    p = jnp.where(valid[:, None, None, :], p, 0.0)
-    out = jnp.einsum("skgl,slkd->skgd", p, v) / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-    return out.reshape(s, hq, d).astype(q.dtype)
+    """One query token per sequence (the last of its context). q: [S, Hq, D] -> [S, Hq, D];
+    seq_lens == 0 gives zeros."""
+    return _attend_rows(q, k_cache, v_cache, block_tables, seq_lens - 1, scale=scale, softcap=softcap)
 
 
 def token_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
@@ -85,23 +104,11 @@ def ragged_prefill_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     """Ragged causal attention: sequence s owns tokens query_start_loc[s]:query_start_loc[s+1]; they
     are the last tokens of its context of seq_lens[s] tokens (earlier ones are already cached).
     q: [T, Hq, D] -> [T, Hq, D]; tokens that belong to no sequence give zeros."""
-    t, hq, d = q.shape
-    hkv = k_cache.shape[0]
-    k = gather_context(k_cache, block_tables).astype(jnp.float32)  # [S, L, Hkv, D]
-    v = gather_context(v_cache, block_tables).astype(jnp.float32)
-    seq, pos = token_positions(query_start_loc, seq_lens, t)
-    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
-    scores = _softcap(jnp.einsum("tkgd,slkd->tkgsl", qg, k) * scale, softcap)
-    key_pos = jnp.arange(k.shape[1])
-    valid = ((seq[:, None, None] == jnp.arange(k.shape[0])[None, :, None])
-             & (key_pos[None, None, :] <= pos[:, None, None])
-             & (key_pos[None, None, :] < seq_lens[None, :, None]))  # [T, S, L]
-    mask = valid[:, None, None]
-    scores = jnp.where(mask, scores, NEG_INF)
-    m = scores.max(axis=(-2, -1), keepdims=True)
-    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    out = jnp.einsum("tkgsl,slkd->tkgd", p, v) / jnp.maximum(p.sum(axis=(-2, -1))[..., None], 1e-30)
-    return out.reshape(t, hq, d).astype(q.dtype)
+    seq, pos = token_positions(query_start_loc, seq_lens, q.shape[0])
+    owned = seq < seq_lens.shape[0]
+    tables = block_tables[jnp.minimum(seq, seq_lens.shape[0] - 1)]
+    return _attend_rows(q, k_cache, v_cache, tables, jnp.where(owned, pos, -1), scale=scale,
+                        softcap=softcap)
 
 
 def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     for prompt in GOLDEN_PROMPTS:
         ids = tok.encode(prompt)
         entry = {"prompt": prompt, "prompt_ids": ids}
-        for name, (cfg, params) in models.items():
+        for name, (_, params) in models.items():
             out, gaps = greedy(fns[name], params, np.asarray([ids]), GOLDEN_TOKENS)
             new = out[0, len(ids):].tolist()
             entry[name] = {"ids": new, "text": tok.decode(new), "min_logit_gap": float(gaps.min())}

@@ -13,7 +13,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,9 @@
 """Test harness for the server: a tiny random-weight llama (the HF-parity fixture's weights) with a
 byte-level BPE tokenizer trained in-process, served by the real AsyncEngine + aiohttp app on its own
-event loop in a background thread. Tests talk to it over loopback, as any client would."""
+event loop in a background thread. Tests talk to it over loopback, as any client would.
+
+`start_shared_server` builds the one server that test_server_api.py and test_server_faults.py share
+(the session-scoped `server` fixture in conftest.py); the helpers below read its KV pool and /metrics."""
 
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import json
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -21,6 +27,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 CORPUS = ("The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot who "
           "liked to count numbers: one two three four five six seven eight nine ten. Hello world! "
           "Serving language models over HTTP with streaming responses and paged attention caches.")
+
+# The shared test server's flags.
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 256
+API_KEY = "sk-test-key"
+NO_EOS = {"ignore_eos": True}  # random weights may sample EOS; fixed lengths keep counts exact
 
 
 def make_tiny_model_dir(out: Path) -> Path:
@@ -101,3 +113,61 @@ class ServerThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+
+
+def start_shared_server(model_dir: Path) -> ServerThread:
+    """The tiny model served twice over one engine: "main" with default flags, "strict" with auth, a
+    small body limit and no waiting queue."""
+    from jaxinfer.engine_args import EngineArgs
+    make_tiny_model_dir(model_dir)
+    # Small batches keep the CPU compile count low (shapes compile lazily, warm-up off); 64 concurrent
+    # streams then also exercise the waiting queue.
+    engine_args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
+                             max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=256, max_num_seqs=16,
+                             max_num_batched_tokens=64, compilation_cache_dir="", attention_backend="reference",
+                             warmup=False)
+    return ServerThread(engine_args, {
+        "main": server_args(),
+        "strict": server_args(api_key=API_KEY, max_request_bytes=2048, max_waiting=0),
+    }).start()
+
+
+# ---- reading the server's state ------------------------------------------------------------------
+
+def kv_pool_state(server: ServerThread) -> tuple[int, int, list]:
+    async def read():
+        m = server.engine.kv_cache_manager
+        return m.num_free_blocks, m.num_blocks, m.request_ids()
+    return server.call(read())
+
+
+def wait_pool_free(server: ServerThread, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        free, total, live = kv_pool_state(server)
+        if free == total and not live:
+            return
+        assert time.monotonic() < deadline, f"KV pool not freed: {free}/{total} free, live requests {live}"
+        time.sleep(0.05)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    async def get():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                return await r.text()
+    samples = {}
+    for family in text_string_to_metric_families(asyncio.run(get())):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == v2
+                                                                        for k, v2 in labels.items()))
+
+
+def metric_delta(before, after, name: str, **labels) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)

@@ -70,32 +70,34 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
-def test_triton_interpret_matches_reference(case):
+def run_case(case, kernel):
+    """A CASES row's inputs through `kernel(q, k, v, bt, lens, scale=, softcap=, workers=)`, checked
+    against the oracle; workers (programs / split items to aim for) = 3 x sequences x kv heads."""
     seed, batch, hq, hkv, d, page, max_blocks, softcap = case
     q, k, v, bt, lens = make_case(seed, batch=batch, hq=hq, hkv=hkv, d=d, page=page,
                                   max_blocks=max_blocks)
     scale = d ** -0.5
-    # Two pages per step and few programs, so several steps and several splits per sequence run.
-    out = paged_decode_triton_configured(q, k, v, bt, lens, scale=scale, softcap=softcap,
-                                         pages_per_step=1, workers=3 * batch * hkv,
-                                         interpret=True)
+    out = kernel(q, k, v, bt, lens, scale=scale, softcap=softcap, workers=3 * batch * hkv)
     check(out, q, k, v, bt, lens, scale=scale, softcap=softcap)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
+def test_triton_interpret_matches_reference(case):
+    # One page per step and few programs, so several steps and several splits per sequence run.
+    def kernel(*args, workers, **kwargs):
+        return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1, workers=workers,
+                                              interpret=True)
+    run_case(case, kernel)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_mosaic_interpret_matches_reference(case):
-    seed, batch, hq, hkv, d, page, max_blocks, softcap = case
-    q, k, v, bt, lens = make_case(seed, batch=batch, hq=hq, hkv=hkv, d=d, page=page,
-                                  max_blocks=max_blocks)
-    scale = d ** -0.5
     # Two persistent CTAs over several items each, 2 splits per sequence, 64-token steps: items
     # change mid-ring, both consumer warpgroups get steps, pages past a sequence's end get masked.
-    cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2,
-                             split_workers=3 * batch * hkv)
-    out = paged_decode_mosaic_configured(q, k, v, bt, lens, scale=scale, softcap=softcap,
-                                         config=cfg, interpret=True)
-    check(out, q, k, v, bt, lens, scale=scale, softcap=softcap)
+    def kernel(*args, workers, **kwargs):
+        cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, split_workers=workers)
+        return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
+    run_case(case, kernel)
 
 
 def test_split_plan_covers_the_block_table_and_fills_the_workers():

@@ -58,7 +58,3 @@ class Buckets:
 
     def copy_shape(self, num_copies: int) -> int:
         return self._fit(self.copy_buckets, num_copies, "block copies")
-
-    @property
-    def num_step_shapes(self) -> int:
-        return len(self.token_buckets) + len(self.decode_buckets)

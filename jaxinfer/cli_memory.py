@@ -57,6 +57,9 @@ def parse_size(text: str, flag: str) -> int:
 
 def parse_accelerator(text: str, bandwidth_tbs: float | None, tflops: float | None) -> Accelerator:
     """A named accelerator, or a memory size in GiB (roofline then needs --bandwidth/--tflops)."""
+    for flag, value in (("--bandwidth", bandwidth_tbs), ("--tflops", tflops)):
+        if value is not None and not value > 0:  # (also NaN)
+            raise ConfigError(f"{flag} must be > 0; got {value}")
     base = ACCELERATORS.get(text.lower())
     if base is None:
         try:
@@ -68,8 +71,8 @@ def parse_accelerator(text: str, bandwidth_tbs: float | None, tflops: float | No
             raise ConfigError(f"--accelerator-memory must be > 0 GiB; got {text}")
         base = Accelerator(f"{gib:g} GiB", int(gib * GIB), 0.0, 0.0)
     return dataclasses.replace(
-        base, bandwidth=bandwidth_tbs * 1e12 if bandwidth_tbs else base.bandwidth,
-        bf16_flops=tflops * 1e12 if tflops else base.bf16_flops)
+        base, bandwidth=bandwidth_tbs * 1e12 if bandwidth_tbs is not None else base.bandwidth,
+        bf16_flops=tflops * 1e12 if tflops is not None else base.bf16_flops)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxinfer.async_engine import AsyncEngine
     from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.errors import ConfigError
     from serve.app import check_server_args, serve_until_signal
 
     check_server_args(args)
     engine = AsyncEngine(EngineArgs.from_cli_args(args))
+    if engine.tokenizer is None:  # every API route takes or returns text
+        raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: the server needs "
+                          f"one (token-id-only models can be run with the offline LLM API)")
     asyncio.run(serve_until_signal(engine, args))
     return 0

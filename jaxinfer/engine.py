@@ -67,6 +67,11 @@ class EngineStats:
         return 1e3 * self.sync_gap_s / max(self.sync_gaps, 1)
 
 
+def params_dtype_name(params) -> str:
+    """The weights' dtype ("bfloat16", ...): the model dtype the KV cache follows by default."""
+    return jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+
+
 def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
                 num_computed: int) -> Sequence:
     """Choice `index` of `req` as a sequence over the whole prompt, `num_computed` tokens of which
@@ -89,6 +94,14 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {cfg.max_position_embeddings}")
+        # A sequence may grow to max_model_len tokens; in a smaller pool it would wait forever for
+        # blocks that no other sequence can free.
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache ({num_blocks} blocks x {args.block_size} tokens = "
+                f"{num_blocks * args.block_size} tokens) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len} tokens: raise --num-blocks (or --gpu-memory-utilization) or "
+                f"lower --max-model-len")
         self.model_name = args.model_name
         self.metrics = metrics or EngineMetrics(self.model_name)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
@@ -100,8 +113,7 @@ class LLMEngine:
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=args.decode_steps_per_call,
             make_choice=functools.partial(make_choice, tokenizer))
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(
-            jax.tree_util.tree_leaves(params)[0].dtype).name)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.runner = ModelRunner(
             cfg, params, get_backend(args.attention_backend), self.kv_manager,
             num_blocks=num_blocks, block_size=args.block_size, max_model_len=self.max_model_len,
@@ -147,7 +159,7 @@ class LLMEngine:
             blocks = min(4096, args.max_num_seqs * math.ceil(max_len / args.block_size))
             log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
             return blocks
-        model_dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+        model_dtype = params_dtype_name(params)
         activations = step_activation_bytes(
             cfg, params, get_backend(args.attention_backend),
             kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype),
@@ -171,6 +183,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         params.validate(self.cfg.vocab_size)
+        if params.n > self.args.max_num_seqs:  # the choices decode side by side, one slot each
+            raise InvalidRequestError(f"n={params.n} exceeds --max-num-seqs {self.args.max_num_seqs}",
+                                      param="n")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none",
                                       param="stop")
@@ -247,7 +262,7 @@ class LLMEngine:
         touched: list[Request] = []
         processed_first = self._must_process_first()
         if processed_first:
-            touched += self._process(self._inflight)
+            touched += self.outputs.process(self._inflight)
             ready_time = self._inflight.ready_time
             self._inflight = None
         self._maybe_profile()
@@ -264,13 +279,10 @@ class LLMEngine:
                 self.stats.sync_gaps += 1
                 self.stats.sync_gap_s += handle.dispatch_time - ready_time
         if self._inflight is not None:
-            touched += self._process(self._inflight)
+            touched += self.outputs.process(self._inflight)
         self._inflight = handle
         self._update_gauges()
         return self._collect(touched)
-
-    def _process(self, handle: StepHandle) -> list[Request]:
-        return self.outputs.process(handle)
 
     def _collect(self, touched: list[Request]) -> list[RequestOutput]:
         outs, seen = [], set()

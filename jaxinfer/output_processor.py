@@ -114,10 +114,8 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
             if full:
                 outs.append(CompletionOutput(i, "", [], "", [], None, None, None))
             continue
-        if not full and not seq.new_token_ids and seq.finish_reason is None:
-            continue
-        if not full and seq.finish_reported and not seq.new_token_ids:
-            continue
+        if not full and not seq.new_token_ids and (seq.finish_reason is None or seq.finish_reported):
+            continue  # nothing new since the previous output
         new_text = seq.output.take_new_text()
         outs.append(CompletionOutput(
             index=i, text=seq.output.emitted_text, token_ids=seq.token_ids[seq.prompt_len:],

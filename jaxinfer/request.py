@@ -17,7 +17,6 @@ engine schedules one step ahead):
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -36,9 +35,6 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-_arrival_counter = itertools.count()
-
-
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, eos_token_ids: tuple[int, ...], priority: int = 0,
@@ -49,7 +45,6 @@ class Request:
         self.seed = seed  # params.seed, or one drawn from the engine's generator
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.arrival_order = next(_arrival_counter)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -103,7 +98,6 @@ class Sequence:
         self.admit_order = -1
         self.scheduled_in = -1  # the scheduler step that last scheduled it
         self.token_limit = 1 << 62  # set when it starts running (set_token_limit)
-        self.num_preemptions = 0
         params = request.params
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
         self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)
@@ -145,13 +139,10 @@ class Sequence:
         else:
             self.token_limit = min(self.prompt_len + self.max_output, max_model_len)
 
-    def loop_steps_allowed(self, max_model_len: int) -> int:
+    def loop_steps_allowed(self) -> int:
         """Decode iterations a scheduled decode (its in-flight token counted) may run on the device:
-        the first samples the in-flight token, each later one adds a token within the limits."""
-        room = max_model_len - self.num_tokens
-        if self.max_output is not None:
-            room = min(room, self.max_output - (self.num_tokens - self.prompt_len))
-        return 1 + max(room, 0)
+        the first samples the in-flight token, each later one adds a token within `token_limit`."""
+        return 1 + max(self.token_limit - self.num_tokens, 0)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -276,7 +276,7 @@ class ModelRunner:
         if is_loop:
             allowed = np.zeros(batch.md.num_seqs, np.int32)
             for r, entry in enumerate(sched.decodes):
-                allowed[r] = entry.seq.loop_steps_allowed(self.max_model_len)
+                allowed[r] = entry.seq.loop_steps_allowed()
             self.kv_cache, self.last_tokens, out, n = self._loop_fn(
                 self.params, self.kv_cache, self.last_tokens, batch, allowed, variant=variant,
                 num_steps=sched.decode_steps)

@@ -5,7 +5,9 @@ Every step (vLLM V1's policy, chunked prefill always on):
    if the KV pool cannot give one a slot, the running sequence with the lowest priority, most
    recently admitted, is preempted by recompute (blocks freed, requeued at the front);
 2. then running sequences part-way through their prompt (chunked prefill), up to
-   `long_prefill_chunk` tokens each, within the step's token budget (`max_num_batched_tokens`);
+   `long_prefill_chunk` tokens each, within the step's token budget (`max_num_batched_tokens`); one
+   that cannot get blocks waits, unless no sequence at all could be scheduled: then the most
+   recently admitted running sequence is preempted, so prefills never wait for each other forever;
 3. then, if nothing was preempted, waiting sequences are admitted FCFS (lower `priority` value
    first when priorities are given) while the budget, `max_num_seqs` and free blocks (after the
    prefix-cache match) allow.
@@ -94,10 +96,6 @@ class Scheduler:
         # An n > 1 prompt sequence reserves room for all the choices it will fork into.
         return seq.request.params.n if seq.is_prompt_seq else 1
 
-    @property
-    def num_slots_reserved(self) -> int:
-        return self._slots_reserved
-
     def add(self, seq: Sequence) -> None:
         self._priorities_used |= seq.request.priority != 0
         seq.status = SeqStatus.WAITING
@@ -139,7 +137,6 @@ class Scheduler:
         self._stop_running(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue_front(seq)
 
@@ -214,7 +211,8 @@ class Scheduler:
                 seq.scheduled_in = step
                 budget -= 1
 
-        # 2. running prefills (chunked); no preemption for them: they wait for blocks instead.
+        # 2. running prefills (chunked); they wait for blocks instead of preempting (but see below).
+        prefill_stalled = False
         for seq in prefill_candidates:
             if budget == 0:
                 break
@@ -225,13 +223,24 @@ class Scheduler:
                 prefills.append(self._chunk(seq, n))
                 seq.scheduled_in = step
                 budget -= n
+            else:
+                prefill_stalled = True
+        # Prefills alone can fill the pool part-way through their prompts and then wait for each
+        # other forever: when nothing at all could run and no token in flight may still finish a
+        # sequence, preempt the most recently admitted one so the older ones advance (the pool
+        # holds one max_model_len sequence: see LLMEngine).
+        if (prefill_stalled and not decodes and not prefills
+                and not any(s.num_pending for s in self.running)):
+            victim = max(self.running, key=lambda s: (s.request.priority, s.admit_order))
+            self._preempt(victim)
+            preempted.append(victim)
 
         # 3. admissions, FCFS / priority, only when nothing had to be preempted.
         while not preempted and budget > 0:
             seq = self._peek_waiting()
             if seq is None or seq.num_pending:  # a preempted seq whose last token is in flight
                 break
-            if self.num_slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
+            if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
                 break
             if not self.kv.has_request(seq.seq_id):
                 seq.num_computed = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
@@ -272,7 +281,7 @@ class Scheduler:
         if any(d.seq.request.params.uses_penalties or not d.emits for d in decodes):
             return 1
         for d in decodes:
-            steps = min(k, d.seq.loop_steps_allowed(self.max_model_len))
+            steps = min(k, d.seq.loop_steps_allowed())
             if not self._grow(d.seq, d.start + steps):
                 return 1
         return k  # num_computed covers the first token; later ones are counted as they arrive

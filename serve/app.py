@@ -17,6 +17,8 @@ import signal
 from aiohttp import web
 
 from serve import chat, completions, info
+from serve.app_keys import (CREATED, ENGINE, LIFECYCLE, MAX_REQUEST_BYTES, MAX_WAITING, OWNS_ENGINE,
+                             SERVER_METRICS, SHUTDOWN_GRACE)
 from serve.auth import make_auth_middleware
 from serve.choices import now
 from serve.engine_requests import Lifecycle
@@ -60,12 +62,12 @@ def check_server_args(args: argparse.Namespace) -> None:
 
 
 async def _start_engine(app: web.Application) -> None:
-    engine = app["engine"]
+    engine = app[ENGINE]
     if engine.is_ready:  # started by the caller (tests share one warmed-up engine)
         return
     task = asyncio.create_task(engine.start(), name="engine-start")
     task.add_done_callback(_log_start_failure)
-    app["lifecycle"].engine_start = task
+    app[LIFECYCLE].engine_start = task
 
 
 def _log_start_failure(task: asyncio.Task) -> None:
@@ -75,13 +77,13 @@ def _log_start_failure(task: asyncio.Task) -> None:
 
 async def _stop_engine(app: web.Application) -> None:
     """on_shutdown: runs after the listening sockets closed, before aiohttp waits for handlers."""
-    life = app["lifecycle"]
+    life = app[LIFECYCLE]
     life.shutting_down = True
     start = life.engine_start
     if start is not None and not start.done():
         start.cancel()
-    if app["owns_engine"]:
-        await app["engine"].shutdown(grace_s=app["shutdown_grace"])
+    if app[OWNS_ENGINE]:
+        await app[ENGINE].shutdown(grace_s=app[SHUTDOWN_GRACE])
 
 
 def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> web.Application:
@@ -92,14 +94,14 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     if args.api_key:
         middlewares.append(make_auth_middleware(args.api_key))
     app = web.Application(client_max_size=args.max_request_bytes, middlewares=middlewares)
-    app["engine"] = engine
-    app["server_metrics"] = server_metrics
-    app["max_waiting"] = args.max_waiting
-    app["max_request_bytes"] = args.max_request_bytes
-    app["shutdown_grace"] = args.shutdown_grace
-    app["owns_engine"] = owns_engine
-    app["lifecycle"] = Lifecycle()
-    app["created"] = now()
+    app[ENGINE] = engine
+    app[SERVER_METRICS] = server_metrics
+    app[MAX_WAITING] = args.max_waiting
+    app[MAX_REQUEST_BYTES] = args.max_request_bytes
+    app[SHUTDOWN_GRACE] = args.shutdown_grace
+    app[OWNS_ENGINE] = owns_engine
+    app[LIFECYCLE] = Lifecycle()
+    app[CREATED] = now()
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/models", info.list_models)
@@ -130,7 +132,7 @@ class Server:
         await site.start()
         self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
         logger.warning("serving %s on http://%s:%d (OpenAI API under /v1)",
-                       self.app["engine"].model_name, self.host, self.port)
+                       self.app[ENGINE].model_name, self.host, self.port)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 
 from jaxinfer.outputs import TokenLogprob
+from serve.app_keys import ENGINE
 from serve.choices import UsageCounter, collect_choices, new_response_id, now, safe_logprob, token_text
 from serve.engine_requests import RequestGroup, check_capacity
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
@@ -92,7 +93,7 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    engine = request.app["engine"]
+    engine = request.app[ENGINE]
     body = await read_json_body(request)
     req = parse_generation(body, engine, chat=True)
     prefix = echo_prefix(body.get("messages"), req)

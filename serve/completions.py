@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 
 from jaxinfer.outputs import TokenLogprob
+from serve.app_keys import ENGINE
 from serve.choices import (UsageCounter, choice_index, collect_choices, new_response_id, now,
                            safe_logprob, token_text)
 from serve.engine_requests import RequestGroup, check_capacity
@@ -80,7 +81,7 @@ async def completion_chunks(engine, group: RequestGroup, req: GenerationRequest,
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    engine = request.app["engine"]
+    engine = request.app[ENGINE]
     req = parse_generation(await read_json_body(request), engine, chat=False)
     check_capacity(request.app)
     response_id, created = new_response_id("cmpl"), now()

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from serve.app_keys import ENGINE, LIFECYCLE, MAX_WAITING
 from serve.errors import APIError
 
 
@@ -28,7 +29,7 @@ class Lifecycle:
 
 def engine_unavailable(app) -> APIError | None:
     """Why the engine cannot take requests right now (a 503), or None when it can."""
-    engine, life = app["engine"], app["lifecycle"]
+    engine, life = app[ENGINE], app[LIFECYCLE]
     start = life.engine_start
     if start is not None and start.done() and not start.cancelled() and start.exception() is not None:
         return APIError(503, f"the engine failed to start: {start.exception()!r}")
@@ -46,7 +47,7 @@ def check_capacity(app) -> None:
     """Refuse new work while the engine cannot take it (503, so clients and balancers retry)."""
     if (error := engine_unavailable(app)) is not None:
         raise error
-    engine, max_waiting = app["engine"], app["max_waiting"]
+    engine, max_waiting = app[ENGINE], app[MAX_WAITING]
     if engine.num_waiting >= max_waiting:
         raise APIError(503, f"server overloaded: {engine.num_waiting} requests are already waiting "
                             f"(--max-waiting {max_waiting}); retry later", headers={"Retry-After": "1"})

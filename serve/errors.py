@@ -11,6 +11,7 @@ from http import HTTPStatus
 from aiohttp import web
 
 from jaxinfer.errors import InvalidRequestError, TokenizerError
+from serve.app_keys import MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise
         if exc.status == 413:  # aiohttp's client_max_size check while reading the body
             message = (f"request body is larger than the server's limit of "
-                       f"{request.app['max_request_bytes']} bytes (--max-request-bytes)")
+                       f"{request.app[MAX_REQUEST_BYTES]} bytes (--max-request-bytes)")
         elif exc.status == 404:
             message = f"no route {request.method} {request.path}"
         elif exc.status == 405:

@@ -8,6 +8,8 @@ import asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from serve.app_keys import ENGINE, SERVER_METRICS
+
 # nginx's code for "client closed the connection before the response was complete".
 CLIENT_CLOSED = 499
 
@@ -46,6 +48,6 @@ def make_metrics_middleware(metrics: ServerMetrics):
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app["engine"].metrics.registry)
-    body += generate_latest(request.app["server_metrics"].registry)
+    body = generate_latest(request.app[ENGINE].metrics.registry)
+    body += generate_latest(request.app[SERVER_METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -6,10 +6,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 from aiohttp import web
 
+from serve.app_keys import CREATED, ENGINE
 from serve.engine_requests import engine_unavailable
 from serve.errors import APIError, bad_request, error_response
 from serve.protocol import (TOKENIZE_FIELDS, bool_field, check_model, check_token_ids, log_unknown_fields,
-                            normalize_messages, read_json_body)
+                            read_json_body, render_chat)
 
 
 def package_version() -> str:
@@ -31,8 +32,8 @@ async def get_version(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    engine = request.app["engine"]
-    card = {"id": engine.model_name, "object": "model", "created": request.app["created"],
+    engine = request.app[ENGINE]
+    card = {"id": engine.model_name, "object": "model", "created": request.app[CREATED],
             "owned_by": "jaxinfer", "root": engine.model_name, "parent": None,
             "max_model_len": engine.max_model_len, "permission": []}
     return web.json_response({"object": "list", "data": [card]})
@@ -40,18 +41,13 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
-    engine = request.app["engine"]
+    engine = request.app[ENGINE]
     body = await read_json_body(request)
     log_unknown_fields(body, TOKENIZE_FIELDS, "/tokenize")
     check_model(body, engine.model_name)
     tok = engine.tokenizer
     if "messages" in body:
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-        text = tok.apply_chat_template(normalize_messages(body["messages"]),
-                                       add_generation_prompt=bool_field(body, "add_generation_prompt", True),
-                                       **kwargs)
+        text = render_chat(tok, body)
         # The template already holds the special tokens, as for chat requests.
         ids = tok.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))
     elif isinstance(body.get("prompt"), str):
@@ -65,7 +61,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    engine = request.app["engine"]
+    engine = request.app[ENGINE]
     body = await read_json_body(request)
     log_unknown_fields(body, frozenset({"model", "tokens"}), "/detokenize")
     check_model(body, engine.model_name)

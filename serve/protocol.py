@@ -139,6 +139,20 @@ def normalize_messages(value: Any) -> list[dict]:
     return out
 
 
+def render_chat(tokenizer, body: dict) -> str:
+    """The body's `messages` through the chat template, with its `add_generation_prompt` (default
+    true) and `chat_template_kwargs` (extra template variables, never the two set here)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = {"messages", "add_generation_prompt"} & set(kwargs)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+    return tokenizer.apply_chat_template(normalize_messages(body.get("messages")),
+                                         add_generation_prompt=bool_field(body, "add_generation_prompt", True),
+                                         **kwargs)
+
+
 def _top_logprobs(body: dict, chat: bool) -> int | None:
     if chat:  # chat: logprobs is a bool, top_logprobs the number of alternatives
         want = bool_field(body, "logprobs", False)
@@ -220,15 +234,7 @@ def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
     top_logprobs = _top_logprobs(body, chat)
     if chat:
         _reject_unsupported(body)
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-        reserved = {"messages", "add_generation_prompt"} & set(kwargs)
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
-        text = tokenizer.apply_chat_template(
-            normalize_messages(body.get("messages")),
-            add_generation_prompt=bool_field(body, "add_generation_prompt", True), **kwargs)
+        text = render_chat(tokenizer, body)
         # The template already holds BOS and the other special tokens, as in vLLM.
         prompts, texts = [tokenizer.encode(text, add_special_tokens=False)], [text]
         # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.

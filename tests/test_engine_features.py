@@ -13,17 +13,13 @@ import pytest
 from jaxinfer.engine import LLM
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
-from test_engine_support import MAX_LEN, make_engine, prompt_ids, run_all, tiny_tokenizer
+from test_engine_support import (MAX_LEN, assert_all_free, make_engine, prompt_ids, run_all,
+                                 tiny_tokenizer)
 
 # A step whose KV cache could not be donated would copy the whole cache every step.
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def assert_all_free(engine):
-    assert engine.kv_manager.num_free_blocks == engine.num_total_blocks
-    assert not engine.scheduler.running and engine.num_waiting == 0
 
 
 def test_n3_choices_share_the_prompt_blocks():
@@ -184,6 +180,18 @@ def test_mixed_workload_compiles_nothing_beyond_warmup_and_donates_the_cache():
     assert engine.runner.num_compilations() > compiled
     assert kv_before.is_deleted()  # donated: the step reused its buffer instead of copying
     assert_all_free(engine)
+
+
+def test_requests_and_pools_that_could_never_run_are_refused():
+    # n choices decode side by side: more than --max-num-seqs would wait forever for slots.
+    engine = make_engine(max_num_seqs=4)
+    with pytest.raises(InvalidRequestError, match="max-num-seqs") as e:
+        engine.add_request("r", prompt_ids(1, 6), SamplingParams(n=5))
+    assert e.value.param == "n" and not engine.has_unfinished_requests()
+    # A pool smaller than one max_model_len sequence (64 tokens) would stall it forever.
+    from jaxinfer.errors import ConfigError
+    with pytest.raises(ConfigError, match="num-blocks"):
+        make_engine(num_blocks=15)
 
 
 def test_engine_args_cli_round_trip_and_errors():

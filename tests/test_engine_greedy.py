@@ -14,7 +14,7 @@ import pytest
 
 from jaxinfer.model import train_forward
 from jaxinfer.sampling_params import SamplingParams
-from test_engine_support import MAX_LEN, make_engine, prompt_ids, run_all, tiny_model
+from test_engine_support import MAX_LEN, assert_all_free, make_engine, prompt_ids, run_all, tiny_model
 
 # A step whose KV cache could not be donated would copy the whole cache every step.
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
@@ -62,11 +62,6 @@ def run_staggered(engine, arrivals_per_step: int = 3) -> list[list[int]]:
     return [results[f"r{i}"] for i in range(len(WORKLOAD))]
 
 
-def assert_all_free(engine):
-    assert engine.kv_manager.num_free_blocks == engine.num_total_blocks
-    assert not engine.scheduler.running and engine.num_waiting == 0
-
-
 def test_one_by_one_matches_oracle():
     engine = make_engine()
     for i, (p, m) in enumerate(WORKLOAD[:6]):
@@ -106,6 +101,26 @@ def test_preemption_under_a_tiny_pool():
     # 24 blocks of 4 tokens for 16 requests of up to 41 tokens: admission and decode growth run out.
     engine = make_engine(num_blocks=24)
     assert run_staggered(engine, arrivals_per_step=16) == expected()
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_free(engine)
+
+
+def test_prefills_that_fill_the_pool_do_not_wait_for_each_other_forever():
+    # 16 blocks of 4 tokens hold one 64-token sequence. Three 56-token prompts, 4-token chunks and
+    # 8 tokens a step: the prefills fill the pool part-way through their prompts, nothing decodes.
+    engine = make_engine(num_blocks=16, max_num_batched_tokens=8, long_prefill_chunk=4)
+    prompts = [prompt_ids(200 + i, 56) for i in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4, **GREEDY))
+    got = {}
+    for _ in range(500):
+        for out in engine.step():
+            for c in out.outputs:
+                got[out.request_id] = c.token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "the prefills wait for each other's blocks"
+    assert got == {f"r{i}": oracle(p, 4) for i, p in enumerate(prompts)}
     assert engine.scheduler.num_preemptions > 0
     assert_all_free(engine)
 

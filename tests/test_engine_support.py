@@ -81,6 +81,12 @@ def run_all(engine: LLMEngine) -> dict:
     return results
 
 
+def assert_all_free(engine: LLMEngine) -> None:
+    """Nothing leaked: every KV block is free, nothing runs or waits."""
+    assert engine.kv_manager.num_free_blocks == engine.num_total_blocks
+    assert not engine.scheduler.running and engine.num_waiting == 0
+
+
 def test_tiny_tokenizer_round_trip():
     tok = tiny_tokenizer()
     text = "abcd ## stop e x"

@@ -74,6 +74,8 @@ def test_text_report_explains_the_roofline(capsys):
      "--weight-bytes"),
     (["--model", "x", "--layers", "2"], "--layers"),
     ([*LLAMA8B_FLAGS, "--seq-len", "0"], "--seq-len"),
+    ([*LLAMA8B_FLAGS, "--bandwidth", "-1"], "--bandwidth"),
+    ([*LLAMA8B_FLAGS, "--tflops", "0"], "--tflops"),
     (["--layers", "2", "--kv-heads", "3", "--head-dim", "8", "--heads", "4"], "--heads"),
 ])
 def test_errors_name_the_bad_flag(argv, flag, capsys):

@@ -143,6 +143,9 @@ BAD_INPUTS = [
      None, 400, "tools"),
     ("/detokenize", {"tokens": [-1]}, None, 400, "tokens"),
     ("/tokenize", {}, None, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                   "chat_template_kwargs": {"add_generation_prompt": False}}, None, 400, "chat_template_kwargs"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, None, 400, "n"),  # more than --max-num-seqs 16
 ]
 
 

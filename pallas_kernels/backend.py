@@ -15,6 +15,7 @@ machine is fine, but compiling it is not), so adding a kernel touches this file 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable
 
@@ -35,17 +36,25 @@ class AttentionBackend:
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None) -> jax.Array:
         """Attention for every token of the step: decode tokens first, then the ragged prefill part."""
-        nd = md.num_decodes
-        t = q.shape[0]
-        parts = []
-        if nd:
-            parts.append(self.decode(q[:nd], k_cache, v_cache, md.block_tables[:nd],
-                                     md.seq_lens[:nd], scale=scale, softcap=softcap))
-        if t > nd:
-            qsl = md.query_start_loc[nd:] - nd
-            parts.append(self.prefill(q[nd:], k_cache, v_cache, qsl, md.seq_lens[nd:],
-                                      md.block_tables[nd:], scale=scale, softcap=softcap))
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        return _attend(self, q, k_cache, v_cache, md, scale=scale, softcap=softcap)
+
+
+# A nested jit: every layer calls attention with the same shapes, so the kernels are traced and
+# lowered once per step shape instead of once per layer (Mosaic GPU kernels are lowered in Python,
+# which is a large part of a step's compile time; XLA inlines the call, so nothing changes at run time).
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("scale", "softcap"))
+def _attend(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, *, scale, softcap):
+    nd = md.num_decodes
+    t = q.shape[0]
+    parts = []
+    if nd:
+        parts.append(backend.decode(q[:nd], k_cache, v_cache, md.block_tables[:nd],
+                                    md.seq_lens[:nd], scale=scale, softcap=softcap))
+    if t > nd:
+        qsl = md.query_start_loc[nd:] - nd
+        parts.append(backend.prefill(q[nd:], k_cache, v_cache, qsl, md.seq_lens[nd:],
+                                     md.block_tables[nd:], scale=scale, softcap=softcap))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 REFERENCE = AttentionBackend("reference", reference.paged_decode_reference,

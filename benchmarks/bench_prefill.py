@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pallas_kernels import flash_mgpu, reference  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402
+from pallas_kernels.testing import random_paged_batch  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -65,21 +66,6 @@ def _normal(key, shape, dtype):
 
 
 # ----------------------------------------------------------------------------------- correctness
-def random_paged_batch(rng, *, hq, hkv, d, block_size, q_lens, prefixes, dtype, extra_tokens=0):
-    """Random ragged batch over a shuffled paged cache. Returns the prefill arguments."""
-    s = len(q_lens)
-    ctx = [a + b for a, b in zip(q_lens, prefixes)]
-    m = max(-(-c // block_size) for c in ctx) + 1
-    nb = s * m + 5
-    tables = rng.permutation(nb)[: s * m].reshape(s, m).astype(np.int32)
-    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
-    k_cache = _normal(ks[0], (hkv, nb, block_size, d), dtype)
-    v_cache = _normal(ks[1], (hkv, nb, block_size, d), dtype)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = _normal(ks[2], (int(qsl[-1]) + extra_tokens, hq, d), dtype)
-    return (q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(ctx, jnp.int32), jnp.asarray(tables))
-
-
 def check_dense(results):
     cases = [  # (B, L, Hq, Hkv, D, causal, dtype, softcap)
         (2, 1024, 8, 2, 128, True, jnp.bfloat16, None),

@@ -26,20 +26,11 @@ import pytest
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import reference
 from pallas_kernels.flash_mgpu import TILE_Q
+from pallas_kernels.testing import random_paged_batch
 
 
-def _paged_batch(rng, *, hq, hkv, d, block_size, q_lens, prefixes, dtype=jnp.bfloat16, extra=0):
-    s = len(q_lens)
-    ctx = [a + b for a, b in zip(q_lens, prefixes)]
-    m = max(-(-c // block_size) for c in ctx) + 1
-    nb = s * m + 3
-    tables = rng.permutation(nb)[: s * m].reshape(s, m).astype(np.int32)
-    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
-    k_cache = jax.random.normal(ks[0], (hkv, nb, block_size, d), dtype)
-    v_cache = jax.random.normal(ks[1], (hkv, nb, block_size, d), dtype)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = jax.random.normal(ks[2], (int(qsl[-1]) + extra, hq, d), dtype)
-    return q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(ctx, jnp.int32), jnp.asarray(tables)
+def _paged_batch(rng, *, extra=0, **kwargs):
+    return random_paged_batch(rng, extra_tokens=extra, spare_blocks=3, **kwargs)
 
 
 def _rel(out, ref):

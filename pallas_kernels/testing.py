@@ -1,0 +1,31 @@
+"""Random inputs for the kernels' tests and benchmarks (one generator, so both exercise the same
+kind of batch)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def random_paged_batch(rng: np.random.Generator, *, hq: int, hkv: int, d: int, block_size: int,
+                       q_lens: list[int], prefixes: list[int], dtype=jnp.bfloat16,
+                       extra_tokens: int = 0, spare_blocks: int = 5) -> tuple:
+    """A ragged prefill batch over a shuffled paged cache: sequence s has prefixes[s] tokens already
+    cached and q_lens[s] new ones; `extra_tokens` padding tokens follow the last sequence.
+    Returns the prefill arguments (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)."""
+    s = len(q_lens)
+    ctx = [a + b for a, b in zip(q_lens, prefixes)]
+    m = max(-(-c // block_size) for c in ctx) + 1
+    nb = s * m + spare_blocks
+    tables = rng.permutation(nb)[: s * m].reshape(s, m).astype(np.int32)
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+
+    def normal(key, shape):
+        return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+    k_cache = normal(ks[0], (hkv, nb, block_size, d))
+    v_cache = normal(ks[1], (hkv, nb, block_size, d))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = normal(ks[2], (int(qsl[-1]) + extra_tokens, hq, d))
+    return q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(ctx, jnp.int32), jnp.asarray(tables)

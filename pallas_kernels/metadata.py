@@ -38,7 +38,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]

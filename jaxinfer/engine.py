@@ -172,7 +172,9 @@ class LLMEngine:
 
     def warmup(self, progress: bool = True) -> float:
         seconds = self.runner.warmup(progress)
-        log.info("compiled %d step shapes in %.1f s", len(self.runner.warmup_shapes()), seconds)
+        slowest = sorted(self.runner.warmup_seconds.items(), key=lambda kv: -kv[1])[:3]
+        log.info("compiled %d step shapes in %.1f s (slowest: %s)", len(self.runner.warmup_seconds),
+                 seconds, ", ".join(f"{name} {s:.1f} s" for name, s in slowest))
         return seconds
 
     # ---- requests -----------------------------------------------------------------------------

@@ -201,6 +201,7 @@ class ModelRunner:
         self.sampling_table = SamplingTable(max_num_seqs)
         self._step_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size)
         self.num_dispatches = 0
+        self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
 
     # ---- compilation ------------------------------------------------------------------------
     @staticmethod
@@ -219,15 +220,19 @@ class ModelRunner:
         return shapes
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (each call runs on all-padding inputs: no KV is written)."""
+        """Compile every bucket (each call runs on all-padding inputs: no KV is written). Returns the
+        total seconds; `self.warmup_seconds` keeps each shape's ("decode 64 base": s)."""
         from tqdm import tqdm
         t0 = time.perf_counter()
         shapes = self.warmup_shapes()
+        self.warmup_seconds = {}
         for kind, size, variant in tqdm(shapes, desc="compiling step buckets", disable=not progress,
                                         unit="shape"):
+            t_shape = time.perf_counter()
             if kind == "copy":
                 idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
                 self.kv_cache = copy_blocks(self.kv_cache, idx, idx)
+                self.warmup_seconds[f"copy {size}"] = time.perf_counter() - t_shape
                 continue
             ns = size if kind != "mixed" else self.buckets.mixed_shape(size)[1]
             batch = build_step_batch([], size if kind != "mixed" else 0, size, ns, self.kv,
@@ -242,6 +247,8 @@ class ModelRunner:
                 self.kv_cache, self.last_tokens, out = self._step_fn(
                     self.params, self.kv_cache, self.last_tokens, batch, variant=variant)
             jax.block_until_ready(out)
+            label = "full" if variant.advanced else "base"
+            self.warmup_seconds[f"{kind} {size} {label}"] = time.perf_counter() - t_shape
         return time.perf_counter() - t0
 
     # ---- steps ------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ class AttentionBackend:
     decode: Callable
     prefill: Callable
     write_kv: Callable = reference.write_kv
+    # Mixed steps (a static num_decodes of 0: any prefill chunk in the step) send their leading
+    # one-token sequences to `decode` too, found on the device. Worth it for kernels: the prefill
+    # kernel gives each such row a whole query tile per *query* head (Hq/Hkv times the K/V reads of
+    # the decode kernel, and a 128-row matmul for one row). The reference gains nothing from it.
+    split_mixed_steps: bool = False
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None) -> jax.Array:
@@ -46,6 +51,8 @@ class AttentionBackend:
 def _attend(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, *, scale, softcap):
     nd = md.num_decodes
     t = q.shape[0]
+    if nd == 0 and backend.split_mixed_steps and md.num_seqs:
+        return _attend_mixed(backend, q, k_cache, v_cache, md, scale=scale, softcap=softcap)
     parts = []
     if nd:
         parts.append(backend.decode(q[:nd], k_cache, v_cache, md.block_tables[:nd],
@@ -55,6 +62,26 @@ def _attend(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadat
         parts.append(backend.prefill(q[nd:], k_cache, v_cache, qsl, md.seq_lens[nd:],
                                      md.block_tables[nd:], scale=scale, softcap=softcap))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+def _attend_mixed(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, *,
+                  scale, softcap):
+    """A mixed step whose decode count is only known on the device: the leading run of one-token
+    sequences (the scheduler puts decodes first; a one-token prefill chunk there is the same
+    attention) goes to `decode`, every later sequence to `prefill`. Both kernels run on static
+    shapes: `decode` sees all S rows with the others' lengths set to 0 (empty work items), `prefill`
+    sees the decode sequences as empty ones starting where the first prefill token is."""
+    s = md.num_seqs
+    qsl = md.query_start_loc
+    one_token = (qsl[1:] - qsl[:-1]) == 1
+    num_decodes = jnp.sum(jnp.cumprod(one_token.astype(jnp.int32)))
+    is_decode = jnp.arange(s) < num_decodes  # sequence i < num_decodes owns token i
+    decoded = backend.decode(q[:s], k_cache, v_cache, md.block_tables,
+                             jnp.where(is_decode, md.seq_lens, 0), scale=scale, softcap=softcap)
+    prefilled = backend.prefill(q, k_cache, v_cache, jnp.maximum(qsl, num_decodes), md.seq_lens,
+                                md.block_tables, scale=scale, softcap=softcap)
+    head = jnp.where(is_decode[:, None, None], decoded, prefilled[:s])
+    return jnp.concatenate([head, prefilled[s:]], axis=0)
 
 
 REFERENCE = AttentionBackend("reference", reference.paged_decode_reference,

@@ -8,5 +8,7 @@ from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.flash_prefill import flash_prefill_mosaic, flash_prefill_triton
 from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
 
-MOSAIC = AttentionBackend("mosaic", decode=paged_decode_mosaic, prefill=flash_prefill_mosaic)
-TRITON = AttentionBackend("triton", decode=paged_decode_triton, prefill=flash_prefill_triton)
+MOSAIC = AttentionBackend("mosaic", decode=paged_decode_mosaic, prefill=flash_prefill_mosaic,
+                          split_mixed_steps=True)
+TRITON = AttentionBackend("triton", decode=paged_decode_triton, prefill=flash_prefill_triton,
+                          split_mixed_steps=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -27,7 +28,8 @@ from jaxinfer.buckets import Buckets
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCacheManager, allocate_kv_cache, copy_blocks
 from jaxinfer.model import forward
-from jaxinfer.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant, sample
+from jaxinfer.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant,
+                             SamplingTensors, sample)
 from jaxinfer.scheduler import SchedulerOutput
 from jaxinfer.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from pallas_kernels.backend import AttentionBackend
@@ -38,19 +40,28 @@ log = logging.getLogger(__name__)
 WARMUP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
 
 
-def _step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
-          backend: AttentionBackend, variant: SamplerVariant):
+def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
+                  backend: AttentionBackend):
+    """The model part of a step: -> (logits of the sampled rows [S, V], updated KV cache)."""
     scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
     with jax.named_scope(scope):
         pending = last_tokens[jnp.maximum(batch.input_slot, 0)]
         ids = jnp.where(batch.input_slot >= 0, pending, batch.token_ids)
         logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
                                    batch.logits_indices)
+    return logits, kv_cache
+
+
+def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
+                 variant: SamplerVariant):
+    """The sampling part of a step, a jit of its own: its shapes depend only on the sequence bucket,
+    so the forward (which holds the attention kernels, the costly part to compile) is compiled once
+    per step bucket rather than once per sampler variant."""
     with jax.named_scope("sample"):
-        out = sample(logits, batch.sampling, variant)
-    dst = jnp.where(batch.emit_slot >= 0, batch.emit_slot, last_tokens.shape[0])
+        out = sample(logits, sampling, variant)
+    dst = jnp.where(emit_slot >= 0, emit_slot, last_tokens.shape[0])
     last_tokens = last_tokens.at[dst].set(out.tokens, mode="drop")
-    return kv_cache, last_tokens, out
+    return last_tokens, out
 
 
 def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
@@ -114,13 +125,15 @@ jax.monitoring.register_event_duration_secs_listener(_count_compilation)
 
 @functools.lru_cache(maxsize=None)
 def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int):
-    """The jitted step and decode loop of a model, shared by every runner of that model in the
-    process (so engines built one after another, e.g. in tests, reuse each other's compilations)."""
-    step = jax.jit(functools.partial(_step, cfg=cfg, backend=backend),
-                   static_argnames=("variant",), donate_argnums=(1, 2))
+    """The jitted forward, sampler and decode loop of a model, shared by every runner of that model
+    in the process (so engines built one after another, e.g. in tests, reuse each other's
+    compilations). The KV cache (forward, loop) and the last-token array (sampler, loop) are donated."""
+    forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
+                           donate_argnums=(1,))
+    sample_step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,))
     loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
-    return step, loop
+    return forward_step, sample_step, loop
 
 
 def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
@@ -128,7 +141,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                           max_num_batched_tokens: int) -> int:
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner),
     from compiling that step against a one-block cache of the same layout: a step's activations
-    do not depend on the number of blocks. Costs one compilation."""
+    do not depend on the number of blocks. Costs two compilations."""
     from jaxinfer.kv_cache import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
@@ -138,8 +151,26 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     one_block = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, block_size, cfg.head_dim), kv_dtype)
     kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32)
-    step, _ = _jitted_fns(cfg, backend, block_size)
-    return activation_peak_bytes(step.lower(params, kv, last, batch, variant=FULL_SAMPLER).compile())
+    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size)
+    logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
+    return (activation_peak_bytes(forward_step.lower(params, kv, last,
+                                                     _model_inputs(batch)).compile())
+            + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
+                                                      variant=FULL_SAMPLER).compile()))
+
+
+def _forward_key(batch: StepBatch) -> tuple[int, int, int]:
+    return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
+
+
+def _model_inputs(batch: StepBatch) -> StepBatch:
+    """The batch without its sampling tensors, whose pytree differs per sampler variant: the
+    forward neither needs them nor should be compiled once per variant."""
+    return dataclasses.replace(batch, sampling=None)
+
+
+def _label(variant: SamplerVariant | None) -> str:
+    return "" if variant is None else ("full" if variant.advanced else "base")
 
 
 @dataclasses.dataclass
@@ -199,7 +230,11 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype)
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32)
         self.sampling_table = SamplingTable(max_num_seqs)
-        self._step_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size)
+        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size)
+        # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
+        # (sequences, sampler variant) at num_steps == decode_steps_per_call.
+        self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
 
@@ -210,45 +245,93 @@ class ModelRunner:
         before and after a workload."""
         return _compilations[0]
 
-    def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant]]:
+    def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
+        """Every compilation warm-up makes (and the most a workload can cause): the forward of each
+        step bucket, the sampler of each sequence bucket x variant, the decode loop of each decode
+        bucket x variant when it is on, and the block copy of each copy bucket."""
         b = self.buckets
-        shapes = [("mixed", t, v) for v in WARMUP_VARIANTS for t in b.token_buckets]
-        shapes += [("decode", s, v) for v in WARMUP_VARIANTS for s in b.decode_buckets]
+        shapes: list[tuple[str, int, SamplerVariant | None]] = []
+        shapes += [("mixed", t, None) for t in b.token_buckets]
+        shapes += [("decode", s, None) for s in b.decode_buckets]
+        seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets} | set(b.decode_buckets))
+        shapes += [("sample", s, v) for v in WARMUP_VARIANTS for s in seq_buckets]
         if self.decode_steps_per_call > 1:
             shapes += [("loop", s, v) for v in WARMUP_VARIANTS for s in b.decode_buckets]
-        shapes += [("copy", c, SamplerVariant()) for c in b.copy_buckets]
+        shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (each call runs on all-padding inputs: no KV is written). Returns the
-        total seconds; `self.warmup_seconds` keeps each shape's ("decode 64 base": s)."""
+    def _padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
+        """An all-padding batch of a bucket (running it writes no KV)."""
+        if kind == "mixed":
+            t, s, nd = size, self.buckets.mixed_shape(size)[1], 0
+        else:
+            t = s = nd = size
+        return build_step_batch([], nd, t, s, self.kv, self.sampling_table, self.block_size,
+                                self.max_blocks, self.max_model_len, variant)
+
+    def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
+        """Compile every shape of `warmup_shapes`. Returns the total seconds; `warmup_seconds` keeps
+        each shape's compile time ("mixed 512": s).
+
+        The forwards and decode loops hold the attention kernels and take most of the time (seconds
+        each with Mosaic GPU kernels): they are lowered here one after another (Python) and compiled
+        on a thread pool (XLA releases the GIL), and the compiled executables are what `execute`
+        then calls. The cheap rest (samplers, block copies) compiles by running once."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         from tqdm import tqdm
         t0 = time.perf_counter()
         shapes = self.warmup_shapes()
         self.warmup_seconds = {}
-        for kind, size, variant in tqdm(shapes, desc="compiling step buckets", disable=not progress,
-                                        unit="shape"):
-            t_shape = time.perf_counter()
+        bar = tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress,
+                   unit="shape")
+
+        def compile_timed(name, lowered):
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            return name, compiled, time.perf_counter() - start
+
+        workers = max_workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {}
+            for kind, size, variant in shapes:
+                if kind in ("mixed", "decode"):
+                    batch = self._padding_batch(kind, size, BASE_SAMPLER)
+                    lowered = self._forward_fn.lower(self.params, self.kv_cache, self.last_tokens,
+                                                     _model_inputs(batch))
+                    futures[pool.submit(compile_timed, f"{kind} {size}", lowered)] = \
+                        _forward_key(batch)
+                elif kind == "loop":
+                    batch = self._padding_batch("decode", size, variant)
+                    allowed = np.zeros(size, np.int32)
+                    lowered = self._loop_fn.lower(self.params, self.kv_cache, self.last_tokens,
+                                                  batch, allowed, variant=variant,
+                                                  num_steps=self.decode_steps_per_call)
+                    futures[pool.submit(compile_timed, f"loop {size} {_label(variant)}",
+                                        lowered)] = (size, variant)
+            for future in as_completed(futures):
+                name, compiled, seconds = future.result()
+                key = futures[future]
+                (self._loop_exe if name.startswith("loop") else self._forward_exe)[key] = compiled
+                self.warmup_seconds[name] = seconds
+                bar.update()
+        for kind, size, variant in shapes:
+            start = time.perf_counter()
             if kind == "copy":
                 idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
                 self.kv_cache = copy_blocks(self.kv_cache, idx, idx)
-                self.warmup_seconds[f"copy {size}"] = time.perf_counter() - t_shape
-                continue
-            ns = size if kind != "mixed" else self.buckets.mixed_shape(size)[1]
-            batch = build_step_batch([], size if kind != "mixed" else 0, size, ns, self.kv,
-                                     self.sampling_table, self.block_size, self.max_blocks,
-                                     self.max_model_len, variant)
-            if kind == "loop":
-                allowed = np.zeros(ns, np.int32)
-                self.kv_cache, self.last_tokens, out, _ = self._loop_fn(
-                    self.params, self.kv_cache, self.last_tokens, batch, allowed,
-                    variant=variant, num_steps=self.decode_steps_per_call)
+            elif kind == "sample":
+                batch = self._padding_batch("decode", size, variant)
+                logits = np.zeros((size, self.cfg.vocab_size), np.float32)  # no compile of its own
+                self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
+                                                        batch.emit_slot, variant=variant)
+                jax.block_until_ready(out)
             else:
-                self.kv_cache, self.last_tokens, out = self._step_fn(
-                    self.params, self.kv_cache, self.last_tokens, batch, variant=variant)
-            jax.block_until_ready(out)
-            label = "full" if variant.advanced else "base"
-            self.warmup_seconds[f"{kind} {size} {label}"] = time.perf_counter() - t_shape
+                continue
+            self.warmup_seconds[f"{kind} {size} {_label(variant)}".rstrip()] = \
+                time.perf_counter() - start
+            bar.update()
+        bar.close()
         return time.perf_counter() - t0
 
     # ---- steps ------------------------------------------------------------------------------
@@ -284,10 +367,22 @@ class ModelRunner:
             allowed = np.zeros(batch.md.num_seqs, np.int32)
             for r, entry in enumerate(sched.decodes):
                 allowed[r] = entry.seq.loop_steps_allowed()
-            self.kv_cache, self.last_tokens, out, n = self._loop_fn(
-                self.params, self.kv_cache, self.last_tokens, batch, allowed, variant=variant,
-                num_steps=sched.decode_steps)
+            # A loop always runs decode_steps_per_call steps (the scheduler's `decode_steps`).
+            exe = self._loop_exe.get((batch.md.num_seqs, variant))
+            args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
+            self.kv_cache, self.last_tokens, out, n = (
+                exe(*args) if exe is not None else
+                self._loop_fn(*args, variant=variant, num_steps=sched.decode_steps))
             return StepHandle(sched, out, n, time.perf_counter(), True)
-        self.kv_cache, self.last_tokens, out = self._step_fn(
-            self.params, self.kv_cache, self.last_tokens, batch, variant=variant)
+        out = self._run_step(batch, variant)
         return StepHandle(sched, out, 1, time.perf_counter(), False)
+
+    def _run_step(self, batch: StepBatch, variant: SamplerVariant) -> SamplerOutput:
+        """Forward (the warm-up's compiled executable of this bucket, else the jit) then sampling;
+        both only dispatch. Updates the KV cache and the last-token array in place (donated)."""
+        forward_step = self._forward_exe.get(_forward_key(batch), self._forward_fn)
+        logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
+                                             _model_inputs(batch))
+        self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
+                                                batch.emit_slot, variant=variant)
+        return out

@@ -155,7 +155,6 @@ def test_llm_generate_text_and_token_prompts():
 
 
 def test_mixed_workload_compiles_nothing_beyond_warmup_and_donates_the_cache():
-    # A pool size no other test uses: every warm-up shape is a fresh compilation.
     engine = make_engine(num_blocks=96, decode_steps_per_call=3, long_prefill_chunk=5)
     prompts = [prompt_ids(60 + i, 2 + 3 * i) for i in range(12)]
     with warnings.catch_warnings():
@@ -163,8 +162,12 @@ def test_mixed_workload_compiles_nothing_beyond_warmup_and_donates_the_cache():
         before_warmup = engine.runner.num_compilations()
         engine.warmup(progress=False)
         compiled = engine.runner.num_compilations()
-        # The bound: (token + decode + loop buckets) x 2 sampler variants + copy buckets.
-        assert compiled - before_warmup == len(engine.runner.warmup_shapes()) == 9
+        # The bound: forward per step bucket, sampler and loop per sequence bucket x 2 variants,
+        # block copy per copy bucket. Forwards and loops see the pool size, which no other test
+        # uses, so they are fresh compilations; a sampler may come from an earlier test.
+        shapes = engine.runner.warmup_shapes()
+        fresh = [s for s in shapes if s[0] in ("mixed", "decode", "loop")]
+        assert len(fresh) <= compiled - before_warmup <= len(shapes) == 8
         kv_before = engine.runner.kv_cache[0][0]
         kinds = [SamplingParams(max_tokens=9, **GREEDY),
                  SamplingParams(temperature=0.8, max_tokens=7, seed=3),

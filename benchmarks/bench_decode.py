@@ -2,12 +2,16 @@
 on a gathered contiguous cache, and the HBM read ceiling measured in the same run.
 
     python3 benchmarks/bench_decode.py [--batches 1,8,64,256] [--contexts 512,4096,32768]
-                                       [--variants mosaic,triton] [--json PATH]
+                                       [--shapes BxCTX,...] [--variants mosaic,triton] [--json PATH]
 
 Figure of merit: TB/s of KV read = (K + V bytes of every sequence's context) / kernel time, and its
-share of the read ceiling (a sum over 8 GiB of bf16, measured here). Timing: R calls inside one jit
-(no host round trip between them), several repetitions, the median per call. When one call's KV
-bytes fit in L2 the R calls read R disjoint page sets, so no call is served from the 60 MB L2.
+share of the read ceiling (a sum over 8 GiB of bf16, measured here). Timing: CHAIN calls inside one
+jit (no host round trip between them), that jit queued many times, the median per call over several
+repetitions. When one call's KV bytes fit in L2, successive calls cycle through disjoint page sets
+(256 MiB in all, or MAX_SETS sets: 134 MB at batch 1 x 512), so no call is served from the 60 MB
+L2; one jit holds only CHAIN kernel instances whatever the number of sets, which keeps compile time
+(and the device call) short. CHAIN = 4 makes the smallest shapes (a few MB) partly host-launch-bound:
+compare them side by side only.
 Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kernels.py` calls
 `run_grid`.
 """
@@ -16,24 +20,28 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
 import time
 import warnings
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic_configured,
-                                         paged_decode_triton_configured)
-from pallas_kernels.paged_decode_mosaic import mosaic_decode_partials
+from pallas_kernels.paged_decode import (
+    MosaicDecodeConfig,
+    paged_decode_mosaic_configured,
+    paged_decode_triton_configured,
+)
+from pallas_kernels.paged_decode_mosaic import mosaic_decode_call, num_sms
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_FLUSH_BYTES = 256 * 2**20  # read this much per measurement at least, so L2 (60 MB) can't serve it
 MAX_SETS = 64
+CHAIN = 4  # kernel calls chained inside one jit
 
 
 def warm_up_gpu(seconds: float = 1.5) -> None:
@@ -86,8 +94,10 @@ def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D,
     pages = ctx // page
     kv_bytes = 2 * batch * ctx * hkv * d * 2
     sets = int(min(MAX_SETS, max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes))))
-    if kv_bytes * 4 <= 20e9:
-        sets = max(sets, 4)
+    if kv_bytes * CHAIN <= 20e9:
+        sets = max(sets, CHAIN)
+    if sets > CHAIN:
+        sets = -(-sets // CHAIN) * CHAIN  # whole groups of CHAIN
     num_blocks = sets * batch * pages
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (batch, hq, d), jnp.bfloat16)
@@ -98,35 +108,42 @@ def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D,
     return dict(q=q, k=k, v=v, bts=bts, lens=lens, kv_bytes=kv_bytes, sets=sets)
 
 
+def _table_groups(case) -> itertools.cycle:
+    """The case's block tables in groups of CHAIN ([CHAIN, B, pages] each), cycled: successive jit
+    calls read successive groups."""
+    sets, bts = case["sets"], case["bts"]
+    idx = [i % sets for i in range(max(sets, CHAIN))]
+    return itertools.cycle([bts[jnp.asarray(idx[i:i + CHAIN])]
+                            for i in range(0, len(idx), CHAIN)])
+
+
 def time_paged(fn, case) -> float:
-    """Seconds per call of fn(q, k, v, block_table, lens). One jit holds `sets` calls (>= 4), each
-    on its own page set, each call's q being the previous call's output (a chain: no call can be
-    merged with another or skipped, and the output stays a realistic attention output)."""
-    sets = case["sets"]
-    r = max(sets, 4)
+    """Seconds per call of fn(q, k, v, block_table, lens). One jit chains CHAIN calls, each on its
+    own page set where there are several, each call's q being the previous call's output (no call
+    can be merged with another or skipped, and the output stays a realistic attention output)."""
 
     @jax.jit
     def many(q, k, v, bts, lens):
-        for i in range(r):
-            q = fn(q, k, v, bts[i % sets], lens).astype(q.dtype)
+        for i in range(CHAIN):
+            q = fn(q, k, v, bts[i], lens).astype(q.dtype)
         return q
 
-    k, v, bts, lens = case["k"], case["v"], case["bts"], case["lens"]
-    return _queued_time(lambda q: many(q, k, v, bts, lens), case["q"]) / r
+    k, v, lens, groups = case["k"], case["v"], case["lens"], _table_groups(case)
+    return _queued_time(lambda q: many(q, k, v, next(groups), lens), case["q"]) / CHAIN
 
 
 def time_mosaic_kernel_only(case, scale: float) -> float:
-    """The Mosaic kernel without the XLA work around it (q padding, the split combine): one call
-    per page set (all distinct, so none can be merged), queued."""
-    sets = case["sets"]
-    fn = functools.partial(mosaic_decode_partials, scale=scale)
+    """The Mosaic kernel without the XLA work around it (the split combine, when there are several
+    splits): CHAIN independent calls per jit on distinct page sets (none can be merged), queued.
+    Not chained, so back-to-back kernels may overlap their launch: a lower bound."""
+    fn = functools.partial(mosaic_decode_call, scale=scale)
 
     @jax.jit
     def many(q, k, v, bts, lens):
-        return [fn(q, k, v, bts[i], lens) for i in range(sets)]
+        return [fn(q, k, v, bts[i], lens)[0] for i in range(CHAIN)]
 
-    args = (case["q"], case["k"], case["v"], case["bts"], case["lens"])
-    return _queued_time(lambda _: many(*args), None) / sets
+    q, k, v, lens, groups = case["q"], case["k"], case["v"], case["lens"], _table_groups(case)
+    return _queued_time(lambda _: many(q, k, v, next(groups), lens), None) / CHAIN
 
 
 def our_variants(scale: float) -> dict:
@@ -177,8 +194,9 @@ def time_xla_contiguous(case, scale: float) -> float:
 
 
 def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"), log=print,
-             on_row=None) -> dict:
-    """Time every (batch, context) shape; returns a JSON-able dict with the ceiling and rows.
+             on_row=None, shapes=None) -> dict:
+    """Time every (batch, context) shape (or the (batch, context) pairs of `shapes`, in that
+    order); returns a JSON-able dict with the ceiling and rows.
     The ceiling is measured before and after the grid; rows use the higher of the two.
     `on_row(result)` is called after each shape (e.g. to save partial results)."""
     scale = D ** -0.5
@@ -190,35 +208,36 @@ def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"),
     # A variant runs if its name or its family (the part before "_") is listed.
     fns = {n: f for n, f in {**our_variants(scale), **bundled_variants(scale)}.items()
            if n in variants or n.split("_")[0] in variants}
-    for batch in batches:
-        for ctx in contexts:
-            kv_gb = 2 * batch * ctx * HKV * D * 2 / 1e9
-            if kv_gb > 40:
-                log(f"skip B{batch} ctx{ctx}: {kv_gb:.0f} GB of KV")
-                continue
-            case = make_paged_case(batch, ctx)
-            row = {"batch": batch, "ctx": ctx, "kv_bytes": case["kv_bytes"], "sets": case["sets"],
-                   "kernels": {}}
-            timers = {name: functools.partial(time_paged, fn, case) for name, fn in fns.items()}
-            if "diag" in variants and case["sets"] >= 4:
-                timers["mosaic_kernel_only"] = functools.partial(time_mosaic_kernel_only, case,
-                                                                 scale)
-            if "xla" in variants and kv_gb <= 8:
-                timers["xla_contiguous"] = functools.partial(time_xla_contiguous, case, scale)
-            for name, timer in timers.items():
-                try:
-                    t = timer()
-                    row["kernels"][name] = {"us": t * 1e6, "TBps": tbps(case["kv_bytes"], t)}
-                except Exception as e:  # a variant that fails at a shape is reported, not fatal
-                    row["kernels"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            for rec in row["kernels"].values():
-                if "TBps" in rec:
-                    rec["pct_ceiling"] = 100 * rec["TBps"] / ceiling
-            result["rows"].append(row)
-            log(format_row(row))
-            del case
-            if on_row:
-                on_row(result)
+    for batch, ctx in shapes or [(b, c) for b in batches for c in contexts]:
+        kv_gb = 2 * batch * ctx * HKV * D * 2 / 1e9
+        if kv_gb > 40:
+            log(f"skip B{batch} ctx{ctx}: {kv_gb:.0f} GB of KV")
+            continue
+        case = make_paged_case(batch, ctx)
+        row = {"batch": batch, "ctx": ctx, "kv_bytes": case["kv_bytes"], "sets": case["sets"],
+               "kernels": {}}
+        timers = {name: functools.partial(time_paged, fn, case) for name, fn in fns.items()}
+        # The kernel alone differs from the whole call only where the plan splits contexts
+        # (batch x kv heads below one item per SM): there the XLA combine follows it.
+        if "diag" in variants and batch * HKV < num_sms():
+            timers["mosaic_kernel_only"] = functools.partial(time_mosaic_kernel_only, case,
+                                                             scale)
+        if "xla" in variants and kv_gb <= 8:
+            timers["xla_contiguous"] = functools.partial(time_xla_contiguous, case, scale)
+        for name, timer in timers.items():
+            try:
+                t = timer()
+                row["kernels"][name] = {"us": t * 1e6, "TBps": tbps(case["kv_bytes"], t)}
+            except Exception as e:  # a variant that fails at a shape is reported, not fatal
+                row["kernels"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        for rec in row["kernels"].values():
+            if "TBps" in rec:
+                rec["pct_ceiling"] = 100 * rec["TBps"] / ceiling
+        result["rows"].append(row)
+        log(format_row(row))
+        del case
+        if on_row:
+            on_row(result)
     after = read_ceiling_tbps()
     log(f"read ceiling after the grid {after:.2f} TB/s")
     result["read_ceiling_after_TBps"] = after
@@ -269,6 +288,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="512,4096,32768")
+    ap.add_argument("--shapes", default=None,
+                    help="BxCTX pairs in the order to run, e.g. 64x4096,1x32768 (overrides "
+                         "--batches/--contexts)")
     ap.add_argument("--variants", default="mosaic,triton,bundled,xla,diag",
                     help="diag: also the Mosaic kernel alone, without the XLA ops around it")
     ap.add_argument("--json", default=None, help="output path (default: $OUT/bench_decode.json)")
@@ -282,8 +304,10 @@ def main(argv=None):
             with open(path, "w") as fh:
                 json.dump(result, fh, indent=1)
 
+    shapes = ([tuple(int(x) for x in p.split("x")) for p in args.shapes.split(",")]
+              if args.shapes else None)
     result = run_grid(ints(args.batches), ints(args.contexts), tuple(args.variants.split(",")),
-                      log=lambda s: print(s, flush=True), on_row=save)
+                      log=lambda s: print(s, flush=True), on_row=save, shapes=shapes)
     save(result)
     print(table(result))
 

@@ -29,8 +29,9 @@ def main() -> None:
     decode = prefill = None
     if args.only in (None, "decode"):
         batches, contexts = ((1, 64), (4096, 32768)) if args.quick else ((1, 8, 64, 256), (512, 4096, 32768))
-        decode = bench_decode.run_grid(batches, contexts)
-        (out / "bench_decode.json").write_text(json.dumps(decode, indent=1))
+        save = lambda result: (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
+        decode = bench_decode.run_grid(batches, contexts, on_row=save)  # saved after every shape
+        save(decode)
     if args.only in (None, "prefill"):
         prefill = bench_prefill.run(str(out), skip_model=True, quick=args.quick)
     if decode:

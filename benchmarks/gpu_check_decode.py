@@ -9,6 +9,7 @@
 
     python3 benchmarks/gpu_check_decode.py        # JSON to $OUT/gpu_check_decode.json if $OUT set
     CHECKS=greedy,write_kv python3 benchmarks/gpu_check_decode.py    # a subset
+    KERNELS=mosaic,mosaic_t128 python3 benchmarks/gpu_check_decode.py  # correctness of a subset
 """
 
 from __future__ import annotations
@@ -65,13 +66,14 @@ def random_case(seed, batch, hq, hkv, d, page, max_blocks):
 
 def check_correctness(log) -> dict:
     out = {}
+    names = [n for n in os.environ.get("KERNELS", ",".join(KERNELS)).split(",") if n]
     for i, (b, hq, hkv, d, page, mb, cap) in enumerate(CASES):
         q, k, v, bt, lens = random_case(i, b, hq, hkv, d, page, mb)
         scale = d ** -0.5
         ref = jax.jit(functools.partial(reference.paged_decode_reference, scale=scale,
                                         softcap=cap))(q.astype(jnp.float32), k, v, bt, lens)
         ref = np.asarray(ref)
-        for name, fn in KERNELS.items():
+        for name, fn in [(n, KERNELS[n]) for n in names]:
             key = f"B{b}_hq{hq}_hkv{hkv}_d{d}_p{page}_M{mb}_cap{cap}/{name}"
             try:
                 poison = jnp.full((b, hq, d), jnp.nan, jnp.bfloat16)  # freed just before the run

@@ -3,20 +3,31 @@ block table, a warp-specialised pipeline several stages deep, and wgmma for both
 
 Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
 - The kernel is persistent: one CTA per SM, each walking a static round-robin list of items
-  (sequence, kv head, context split). A producer warpgroup streams K and V pages for item after
-  item into a ring of `stages` shared-memory slots, so loads for the next item are in flight while
-  the current one finishes: HBM never sees the per-item prologue/epilogue bubble.
+  (sequence, kv head, context split). A producer warpgroup streams, item after item, the item's q
+  rows into one of two q tiles and its K and V pages into a ring of `stages` shared-memory slots,
+  so the next item's q and pages are in flight while the current one finishes: HBM never sees a
+  per-item prologue/epilogue bubble, and no consumer waits for a q load of its own.
 - One slot holds `pages_per_step` whole pages (P * block_size = 64 or 128 tokens); each page is one
   TMA copy of a contiguous [block_size, D] tile (4 KiB at page 16), which is what the head-major
   cache layout buys. All P copies of a slot arrive on one barrier (num_arrivals = P).
 - Two consumer warpgroups take alternating slots (even slots: warpgroup 0, odd: warpgroup 1; the
   number of stages is even so each warpgroup always owns the same barriers and their phases stay
-  in step). Each keeps its own online softmax, so one item yields two partial results that the
-  flash-decoding combine (`combine_splits`, XLA) merges together with any context splits.
-- The G query heads of a kv head are the first rows of a 64-row wgmma tile (wgmma's M is 64), so
-  S = Q K^T is [64, tokens] and O += P V is [64, D]; rows past G carry no query and are
-  discarded. The tensor cores do 64/G times the useful work, which at these sizes still fits under
-  the memory time of a step (see docs/ARCHITECTURE.md, "Kernels: paged decode").
+  in step). Each keeps its own online softmax; at the end of an item warpgroup 1 hands its state
+  to warpgroup 0 through shared memory, and warpgroup 0 merges the two and stores one normalised
+  result. With one split per sequence (batch x kv heads fills the GPU) that is the final output,
+  written straight into [S * Hq, D] with no XLA op before or after the kernel; with several splits
+  the kernel stores normalised fp32 parts and their log-sum-exp, and one small XLA combine
+  (`_combine_parts`) merges them.
+- q is read unpadded where it can be: the G query heads of a kv head are rows [base, base + G)
+  of q viewed as [S * Hq, D] (a free reshape), and the producer copies the aligned 8-row TMA tile
+  that holds them (TMA into a tiled shared-memory buffer needs a tile-aligned start); rows of
+  other heads in it only produce rows that are never stored, and `r0 = base % 8` is where the
+  item's rows sit. That works when G divides 8 or 8 divides G, and S * Hq is a multiple of 8;
+  other shapes get q padded to [S, Hkv, Gp, D] (one small XLA op) and r0 = 0.
+- The G query heads are the first rows of a 64-row wgmma tile (wgmma's M is 64), so S = Q K^T is
+  [64, tokens] and O += P V is [64, D]. The tensor cores do 64/G times the useful work, which at
+  these sizes still fits under the memory time of a step (see docs/ARCHITECTURE.md, "Kernels:
+  paged decode").
 - Softmax runs in the log2 domain (exp2 with the scale folded in), accumulation is fp32.
 """
 
@@ -28,12 +39,17 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_decode_common import (NEG_INF, DecodeShape, check_decode_inputs,
-                                                combine_splits, plan_splits)
+from pallas_kernels.paged_decode_common import (
+    NEG_INF,
+    DecodeShape,
+    check_decode_inputs,
+    plan_splits,
+)
 
 _WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
@@ -50,23 +66,41 @@ class MosaicDecodeConfig:
     split_workers: int | None = None  # workers the split plan balances over; default: num_ctas
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on an H200): one persistent CTA each."""
     dev = jax.devices()[0]
     return int(getattr(dev, "core_count", 0) or 132)
 
 
-def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, qo_smem,
-                   m_smem, l_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, p_smem,
-                   *, shape: DecodeShape, gp: int, num_splits: int, pages_per_split: int,
-                   pages_per_step: int, stages: int, num_ctas: int, scale: float,
-                   softcap: float | None):
-    bs, d = shape.block_size, shape.head_dim
+def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
+                   q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
+                   stages: int, num_ctas: int, scale: float, softcap: float | None,
+                   interpret: bool):
+    if num_splits == 1:
+        (o_ref, q_smem, k_smem, v_smem, x_smem, vec_smem, y_smem, q_bar, q_free, k_bar, v_bar,
+         k_free, v_free, x_full, x_free, *p_smem) = refs
+        lse_ref = lse_smem = None
+    else:
+        (o_ref, lse_ref, q_smem, k_smem, v_smem, x_smem, vec_smem, lse_smem, q_bar, q_free, k_bar,
+         v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
+        y_smem = None
+    p_smem = p_smem[0] if interpret else None
+    bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
     num_items = shape.num_seqs * hkv * num_splits
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     my_items = pl.cdiv(num_items - cta, num_ctas)
+
+    def q_rows(seq, head):
+        """-> (first row of the item's q tile in q_ref, first output row, the item's first row
+        in the tile)."""
+        item = seq * hkv + head
+        base = item * g
+        if q_padded:
+            return item * gp, base, 0
+        return pl.multiple_of(base - lax.rem(base, 8), 8), base, lax.rem(base, 8)
 
     def item_info(it):
         """-> (seq, kv head, split, length, first page, pages in the sequence, steps) of this
@@ -88,11 +122,19 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
 
         def item_body(it, g0):
             seq, head, _, _, first, num_pages, steps = item_info(it)
+            qb = lax.rem(it, 2)
+
+            @pl.when(it >= 2)
+            def _():
+                plgpu.barrier_wait(q_free.at[qb])
+            start, _, _ = q_rows(seq, head)
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
+                                    q_bar.at[qb])
 
             @pl.loop(0, steps)
             def _step(j):
-                g = g0 + j
-                slot = lax.rem(g, stages)
+                gs = g0 + j
+                slot = lax.rem(gs, stages)
                 page0 = first + j * pages_per_step
                 # Block ids are read before waiting for the slot, so their load latency overlaps
                 # the wait. Pages past the sequence's last one re-read its last page (masked
@@ -101,7 +143,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
                           for i in range(pages_per_step)]
 
                 def load(cache_ref, smem, ready, free):
-                    @pl.when(g >= stages)
+                    @pl.when(gs >= stages)
                     def _():
                         plgpu.barrier_wait(free.at[slot])
                     for i, block in enumerate(blocks):
@@ -114,31 +156,29 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
             return g0 + steps
 
         total_steps = lax.fori_loop(0, my_items, item_body, jnp.int32(0))
-        # Drain: wait for the consumers to free the last fill of every slot, so no barrier phase
-        # is left unobserved when the kernel ends (GPU interpret mode checks this).
+        # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
+        # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
         for i in range(stages):
             @pl.when(total_steps > i)
             def _():
                 plgpu.barrier_wait(k_free.at[i])
                 plgpu.barrier_wait(v_free.at[i])
+        for i in range(2):
+            @pl.when(my_items > i)
+            def _():
+                plgpu.barrier_wait(q_free.at[i])
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        # One [64, D] buffer per warpgroup holds q during an item and its output after it. Rows
-        # >= G start at zero and later hold finite leftovers of earlier outputs: wgmma rows are
-        # independent, so they only produce rows that are never stored.
-        my_qo = qo_smem.at[wg]
-        my_m, my_l = m_smem.at[wg], l_smem.at[wg]
-        my_qo[...] = jnp.zeros((_WGMMA_ROWS, d), qo_smem.dtype)
-        plgpu.commit_smem()
         logit_scale = scale * (1.0 if softcap else _LOG2E)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def item_body(it, g0):
             seq, head, split, length, first, _, steps = item_info(it)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's output left smem
-            plgpu.copy_gmem_to_smem(q_ref.at[seq, head], my_qo.at[pl.ds(0, gp)], q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
+            qb = lax.rem(it, 2)
+            q_tile = q_smem.at[qb]
+            plgpu.barrier_wait(q_bar.at[qb])
             # This warpgroup owns the steps whose global slot parity equals its index.
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
@@ -150,7 +190,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
                 plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, my_qo, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
@@ -177,26 +217,61 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q
 
             init = (
                 plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), NEG_INF, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1)),
-                plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), NEG_INF, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), row_layout),
             )
             acc, m_i, l_i = lax.fori_loop(0, my_steps, step, init)
-            # Normalised output in the cache dtype (the final output's precision); empty rows
-            # (l == 0) have acc == 0 and give 0.
-            norm = 1.0 / jnp.maximum(l_i, 1e-30)
-            my_qo[...] = (acc * lax.broadcast_in_dim(norm, acc.shape, [0])).astype(qo_smem.dtype)
-            my_m[...] = m_i
-            my_l[...] = l_i
-            plgpu.commit_smem()
-            part = split * _NUM_CONSUMERS + wg
-            plgpu.copy_smem_to_gmem(my_qo.at[pl.ds(0, gp)], o_ref.at[seq, head, part])
-            plgpu.copy_smem_to_gmem(my_m, m_ref.at[seq, head, part])
-            plgpu.copy_smem_to_gmem(my_l, l_ref.at[seq, head, part])
+            plgpu.barrier_arrive(q_free.at[qb])
+            _, base, r0 = q_rows(seq, head)
+
+            @pl.when(wg == 1)
+            def _hand_over():  # warpgroup 1's softmax state -> warpgroup 0, via x_smem
+                @pl.when(it > 0)
+                def _():
+                    plgpu.barrier_wait(x_free.at[0])
+                x_smem[...] = acc
+                vec_smem.at[0][...] = m_i
+                vec_smem.at[1][...] = l_i
+                plgpu.barrier_arrive(x_full.at[0])
+
+            @pl.when(wg == 0)
+            def _merge_and_store():
+                plgpu.barrier_wait(x_full.at[0])
+                acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+                m1 = plgpu.load(vec_smem.at[0], layout=row_layout, optimized=False)
+                l1 = plgpu.load(vec_smem.at[1], layout=row_layout, optimized=False)
+                # NEG_INF is finite, so two empty states give weights 1 and 0 / 0 never happens.
+                m = jnp.maximum(m_i, m1)
+                a0, a1 = jnp.exp2(m_i - m), jnp.exp2(m1 - m)
+                col = lambda v: lax.broadcast_in_dim(v, acc.shape, [0])
+                l = l_i * a0 + l1 * a1
+                # Empty rows (l == 0) have acc == 0 and come out as 0.
+                out = (acc * col(a0) + acc1 * col(a1)) * col(1.0 / jnp.maximum(l, 1e-30))
+                if num_splits == 1:
+                    plgpu.barrier_arrive(x_free.at[0])  # acc1 is in registers: x_smem is free
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's output left
+                    y_smem[...] = out.astype(y_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(y_smem.at[pl.ds(r0, g)], o_ref.at[pl.ds(base, g)])
+                else:
+                    # Log-sum-exp of the part (log2 units); empty parts get NEG_INF: weight 0.
+                    lse = jnp.where(l > 0, m + jnp.log2(jnp.maximum(l, 1e-30)), NEG_INF)
+                    x_smem[...] = out
+                    lse_smem[...] = lse
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(x_smem.at[pl.ds(r0, g)],
+                                            o_ref.at[split, pl.ds(base, g)])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq * hkv + head])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(x_free.at[0])
+
             return g0 + steps
 
         lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+
+        @pl.when(wg == 1)
+        def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
+            plgpu.barrier_wait(x_free.at[0])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -219,12 +294,22 @@ def _accumulate_pv(acc, p16, v_tile, p_smem):
     return acc + pl.run_scoped(pv_fn, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                           softcap: float | None = None,
-                           config: MosaicDecodeConfig = MosaicDecodeConfig(),
-                           interpret: bool = False):
-    """The kernel alone: per-part outputs (o [S, Hkv, parts, Gp, D] normalised within the part, in
-    the cache dtype; m [S, Hkv, parts, 64] in log2 units; l likewise) before the combine."""
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """What `mosaic_decode_call` decided: the split plan and the q tile geometry."""
+    shape: DecodeShape
+    num_splits: int
+    q_padded: bool  # q passed as [S * Hkv * Gp, D] (else [S * Hq, D], tiles at r0 = base % 8)
+
+
+def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
+                       softcap: float | None = None,
+                       config: MosaicDecodeConfig = MosaicDecodeConfig(),
+                       interpret: bool = False):
+    """The kernel alone. Returns (outputs, launch): with one split per sequence outputs is
+    (o [S * Hq, D] in the cache dtype, final); with several, (o [splits, S * Hq, D] fp32, each part
+    normalised, lse [splits, S * Hkv, 64] fp32 in log2 units, row r0 + i of an item's 64 being its
+    query head i) for `_combine_parts`."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     dtype = k_cache.dtype
@@ -235,9 +320,17 @@ def mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     if bs % 8 or config.tokens_per_step % bs or config.tokens_per_step % 64:
         raise ValueError(f"block_size ({bs}) must be a multiple of 8 dividing tokens_per_step "
                          f"({config.tokens_per_step}), itself a multiple of 64")
+    if g > _WGMMA_ROWS:
+        raise ValueError(f"num_q_heads / num_kv_heads ({g}) must be <= {_WGMMA_ROWS}")
+    pages_per_step = config.tokens_per_step // bs
+    num_ctas = config.num_ctas or num_sms()
+    plan = plan_splits(shape, pages_per_step=pages_per_step,
+                       workers=config.split_workers or num_ctas)
     elem_bytes = jnp.dtype(dtype).itemsize
     stage_bytes = 2 * config.tokens_per_step * d * elem_bytes  # K and V
-    fixed_bytes = _NUM_CONSUMERS * _WGMMA_ROWS * (d * elem_bytes + 8)  # q/o tiles, m, l
+    # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
+    fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
+                   + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
     if interpret:
         fixed_bytes += _NUM_CONSUMERS * _WGMMA_ROWS * config.tokens_per_step * elem_bytes
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
@@ -245,48 +338,49 @@ def mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
                          f"{(_SMEM_BUDGET - fixed_bytes) // stage_bytes} stages of "
                          f"{config.tokens_per_step} tokens at head_dim {d})")
-    if g > _WGMMA_ROWS:
-        raise ValueError(f"num_q_heads / num_kv_heads ({g}) must be <= {_WGMMA_ROWS}")
-    pages_per_step = config.tokens_per_step // bs
-    num_ctas = config.num_ctas or _num_sms()
-    plan = plan_splits(shape, pages_per_step=pages_per_step,
-                       workers=config.split_workers or num_ctas)
-    # No padding of the block table: the producer never indexes past a sequence's last page.
-    bt = block_tables.astype(jnp.int32)
-    gp = max(8, -(-g // 8) * 8)  # TMA rows of q / o: a whole 8-row tile
-    qg = q.astype(dtype).reshape(shape.num_seqs, shape.num_kv_heads, g, d)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    s, hkv = shape.num_seqs, shape.num_kv_heads
-    parts = plan.num_splits * _NUM_CONSUMERS
+    s, hkv, hq = shape.num_seqs, shape.num_kv_heads, shape.num_q_heads
+    gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
+    q_padded = not ((8 % g == 0 or g % 8 == 0) and (s * hq) % 8 == 0)
+    q2 = q.astype(dtype).reshape(s * hkv, g, d)
+    if q_padded:
+        q2 = jnp.pad(q2, ((0, 0), (0, gp - g), (0, 0)))
+    q2 = q2.reshape(-1, d)
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
-
     swizzle = 128
-    kv_transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
-                     plgpu.SwizzleTransform(swizzle))
+    transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
+                  plgpu.SwizzleTransform(swizzle))
     tokens = config.tokens_per_step
+    if plan.num_splits == 1:
+        out_type = (jax.ShapeDtypeStruct((s * hq, d), dtype),)
+        out_scratch = (plgpu.SMEM((_WGMMA_ROWS, d), dtype),)  # final output tile
+    else:
+        out_type = (jax.ShapeDtypeStruct((plan.num_splits, s * hq, d), jnp.float32),
+                    jax.ShapeDtypeStruct((plan.num_splits, s * hkv, _WGMMA_ROWS), jnp.float32))
+        out_scratch = (plgpu.SMEM((_WGMMA_ROWS,), jnp.float32),)  # lse row
     kernel = functools.partial(
-        _decode_kernel, shape=shape, gp=gp, num_splits=plan.num_splits,
+        _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
-        num_ctas=num_ctas, scale=scale, softcap=softcap)
-    o, m, l = plgpu.kernel(
+        num_ctas=num_ctas, scale=scale, softcap=softcap, interpret=interpret)
+    outs = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((s, hkv, parts, gp, d), dtype),
-                  jax.ShapeDtypeStruct((s, hkv, parts, _WGMMA_ROWS), jnp.float32),
-                  jax.ShapeDtypeStruct((s, hkv, parts, _WGMMA_ROWS), jnp.float32)),
+        out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, d), dtype, transforms=kv_transforms),
-            plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS), jnp.float32),
-            plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS), jnp.float32),
-            plgpu.SMEM((stages, tokens, d), dtype, transforms=kv_transforms),
-            plgpu.SMEM((stages, tokens, d), dtype, transforms=kv_transforms),
-            plgpu.Barrier(num_barriers=_NUM_CONSUMERS),
+            plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms),  # q tiles
+            plgpu.SMEM((stages, tokens, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, tokens, d), dtype, transforms=transforms),
+            plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32),  # hand-over; fp32 part when split
+            plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
+            *out_scratch,
+            plgpu.Barrier(num_barriers=2),  # q tile filled
+            plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            (plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=kv_transforms)
-             if interpret else None),
+            plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
+            plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
+            *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
+              if interpret else []),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),
@@ -294,8 +388,22 @@ def mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(seq_lens.astype(jnp.int32), bt, qg, k_cache, v_cache)
-    return o, m, l
+    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return tuple(outs), _Launch(shape, plan.num_splits, q_padded)
+
+
+def _combine_parts(o, lse, launch: _Launch) -> jax.Array:
+    """Merge the normalised per-split parts: weights softmax(lse) over the splits. The rows of
+    each item's lse that belong to its query heads are picked with a static index."""
+    shape = launch.shape
+    g, hkv = shape.group, shape.num_kv_heads
+    rows = np.arange(shape.num_seqs * shape.num_q_heads)
+    r0 = 0 if launch.q_padded else ((rows // g) * g) % 8  # as in the kernel
+    idx = (rows // g) * _WGMMA_ROWS + r0 + rows % g
+    lse = lse.reshape(launch.num_splits, shape.num_seqs * hkv * _WGMMA_ROWS)[:, idx]
+    w = jnp.exp2(lse - lse.max(axis=0, keepdims=True))  # an all-empty row: every weight 1, o 0
+    return (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[:, None]
 
 
 def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
@@ -303,13 +411,10 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
                                    config: MosaicDecodeConfig = MosaicDecodeConfig(),
                                    interpret: bool = False) -> jax.Array:
     """`paged_decode_mosaic` with its tuning knobs exposed (benchmarks, tests)."""
-    shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
-    o, m, l = mosaic_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                     softcap=softcap, config=config, interpret=interpret)
-    # Each part's o is normalised and its m is in log2 units (exp2 softmax); the combine takes
-    # unnormalised fp32 o and natural-log m.
-    o = o.astype(jnp.float32) * l[..., : o.shape[3], None]
-    return combine_splits(o, m * math.log(2.0), l, shape, q.dtype)
+    outs, launch = mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                      softcap=softcap, config=config, interpret=interpret)
+    out = outs[0] if launch.num_splits == 1 else _combine_parts(*outs, launch)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,

@@ -6,11 +6,13 @@ element the kernel forgets to write, or a page it reads before its copy landed, 
 What runs here and what does not:
 - `paged_decode_triton`: the whole kernel (`pallas_call(interpret=True)`).
 - `paged_decode_mosaic`: the whole kernel under `plgpu.kernel(interpret=InterpretGPUParams())` —
-  persistent item loop, producer/consumer barriers, block-table TMA page copies, masking, both
-  wgmmas, the combine — except one detail GPU interpret mode cannot simulate in jax 0.11.2: the
-  P @ V wgmma with P in registers (and `run_state` accumulators). In interpret mode P goes through
-  shared memory instead (`_accumulate_pv`). The register path, Mosaic's compilation and real-size
-  shapes are checked on the H200 by `benchmarks/gpu_check_decode.py`.
+  persistent item loop, producer/consumer barriers, the producer's q tile copies, block-table TMA
+  page copies, masking, both wgmmas, the in-kernel merge of the two consumer warpgroups, the final
+  output store (one split) and the fp32 parts + log-sum-exp combine (several splits) — except one
+  detail GPU interpret mode cannot simulate in jax 0.11.2: the P @ V wgmma with P in registers
+  (and `run_state` accumulators). In interpret mode P goes through shared memory instead
+  (`_accumulate_pv`). The register path, Mosaic's compilation and real-size shapes are checked on
+  the H200 by `benchmarks/gpu_check_decode.py`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ CASES = [
     (2, 33, 8, 1, 64, 16, 2, None),
     (3, 4, 16, 2, 128, 16, 4, 30.0),
     (4, 7, 4, 1, 128, 32, 2, None),
+    # Several 64-token steps per sequence, so the Mosaic kernel's plan has several splits (its
+    # fp32-part + log-sum-exp path); S * Hq a multiple of 8 (q read unpadded, G = 1/4/8 heads at
+    # row r0 = base % 8 of their tile) or not (q padded).
+    (5, 3, 8, 2, 128, 16, 12, None),
+    (6, 2, 16, 2, 64, 32, 6, 20.0),
+    (7, 3, 4, 4, 64, 16, 9, None),
+    (8, 2, 8, 8, 64, 16, 9, None),
 ]
 
 
@@ -98,6 +107,17 @@ def test_mosaic_interpret_matches_reference(case):
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, split_workers=workers)
         return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, kernel)
+
+
+def test_cases_cover_the_mosaic_kernels_one_and_several_split_paths():
+    # The Mosaic kernel writes the final output itself with one split per sequence and fp32 parts
+    # for `_combine_parts` with several: CASES must run both under the test's worker count.
+    splits = set()
+    for seed, batch, hq, hkv, d, page, max_blocks, _ in CASES:
+        shape = DecodeShape(batch, hq, hkv, d, page, max_blocks)
+        splits.add(plan_splits(shape, pages_per_step=64 // page,
+                               workers=3 * batch * hkv).num_splits > 1)
+    assert splits == {False, True}
 
 
 def test_split_plan_covers_the_block_table_and_fills_the_workers():

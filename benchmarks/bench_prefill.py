@@ -2,6 +2,7 @@
 greedy-output check of a small random model.
 
     python3 benchmarks/bench_prefill.py [--skip-model] [--quick]     # JSON -> $OUT/bench_prefill.json
+    python3 benchmarks/bench_prefill.py --sweep lazy8,persist_q2 [--check persist_q2] [--tag T]
 
 Sections (each isolated: a failure is recorded and the rest still runs):
   correctness  Mosaic GPU dense (causal / not, bf16 / f16, d 64 / 128, GQA, ragged L, soft-cap),
@@ -12,6 +13,11 @@ Sections (each isolated: a failure is recorded and the rest still runs):
                paged chunk: 8 sequences x 512 new tokens over 8192 cached (page 16 and 32), ours
                Mosaic paged, Mosaic over contiguous K/V (the cost of paging), Triton paged.
   model        greedy tokens of a small random model: flash prefill backend vs the reference one.
+--sweep times the named kernel configurations of SWEEP (flash_mgpu.KernelConfig; "all" = every one)
+beside cuDNN / attention_mgpu only (every output compared with cuDNN's), runs the small correctness
+cases for the --check ones, and skips Triton, XLA and the model: each configuration compiles its
+own kernels, so a call stays short. --tag names the JSON (bench_prefill_T.json), so several sweeps
+can run as separate processes of one call (a hang in one loses only its own results).
 TF/s counts only visible (unmasked) query-key pairs: 4 * D * Hq * pairs (causal ~ half the square).
 `run(out_dir)` is what benchmarks/bench_kernels.py calls.
 """
@@ -34,9 +40,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pallas_kernels import flash_mgpu, reference  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402
+from pallas_kernels.flash_mgpu import KernelConfig  # noqa: E402
 from pallas_kernels.testing import random_paged_batch  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+DENSE_SHAPES = [(1, 8192, True), (2, 4096, True), (2, 4096, False)]  # (B, L, causal)
+
+# Kernel configurations compared side by side by --sweep (None = the entry point's default).
+SWEEP = {
+    "default": None,
+    "grid_kv128_s2": KernelConfig(),  # the configuration before the sweep of 2026-11-29
+    "lazy8": KernelConfig(rescale_threshold=8.0),
+    "s3_lazy8": KernelConfig(stages=3, rescale_threshold=8.0),
+    "kv192_lazy8": KernelConfig(block_kv=192, rescale_threshold=8.0),
+    "persist_q2": KernelConfig(persistent=True, q_buffers=2),
+    "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
+    "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
+    "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
+                                          consumer_registers=232, producer_registers=40),
+}
 
 
 def bench(f, *args, reps: int = 5, inner: int = 10) -> float:
@@ -66,7 +88,8 @@ def _normal(key, shape, dtype):
 
 
 # ----------------------------------------------------------------------------------- correctness
-def check_dense(results):
+def check_dense(results, configs=None, small_only=False):
+    configs = configs or {"default": None}
     cases = [  # (B, L, Hq, Hkv, D, causal, dtype, softcap)
         (2, 1024, 8, 2, 128, True, jnp.bfloat16, None),
         (2, 1000, 8, 8, 64, True, jnp.float16, None),
@@ -75,19 +98,24 @@ def check_dense(results):
         (1, 8192, HQ, HKV, D, True, jnp.bfloat16, None),
         (2, 4096, HQ, HKV, D, False, jnp.bfloat16, None),
     ]
+    if small_only:  # a sweep: the real-size cases are covered by the timing's check
+        cases = [c for c in cases if c[1] < 4096]
     for i, (b, l, hq, hkv, d, causal, dt, cap) in enumerate(cases):
-        name = f"dense_B{b}_L{l}_Hq{hq}_Hkv{hkv}_d{d}_{'causal' if causal else 'full'}_{jnp.dtype(dt).name}" + (f"_cap{cap}" if cap else "")
-        try:
-            ks = jax.random.split(jax.random.key(100 + i), 3)
-            q, k, v = (_normal(ks[0], (b, l, hq, d), dt), _normal(ks[1], (b, l, hkv, d), dt),
-                       _normal(ks[2], (b, l, hkv, d), dt))
-            ref = jax.jit(functools.partial(reference.causal_attention_reference, scale=d ** -0.5,
-                                            softcap=cap, causal=causal))(q, k, v)
-            f = jax.jit(functools.partial(fp.flash_attention, causal=causal, scale=d ** -0.5, softcap=cap))
-            results[name] = {"rel_err": rel_err(f(q, k, v), ref)}
-        except Exception as e:  # noqa: BLE001 - record and go on
-            results[name] = {"error": "".join(traceback.format_exception_only(type(e), e))[-800:]}
-        print(name, results[name], flush=True)
+        base = f"dense_B{b}_L{l}_Hq{hq}_Hkv{hkv}_d{d}_{'causal' if causal else 'full'}_{jnp.dtype(dt).name}" + (f"_cap{cap}" if cap else "")
+        ks = jax.random.split(jax.random.key(100 + i), 3)
+        q, k, v = (_normal(ks[0], (b, l, hq, d), dt), _normal(ks[1], (b, l, hkv, d), dt),
+                   _normal(ks[2], (b, l, hkv, d), dt))
+        ref = jax.jit(functools.partial(reference.causal_attention_reference, scale=d ** -0.5,
+                                        softcap=cap, causal=causal))(q, k, v)
+        for cname, cfg in configs.items():
+            name = base if cname == "default" else f"{base}_{cname}"
+            try:
+                f = jax.jit(functools.partial(fp.flash_attention, causal=causal, scale=d ** -0.5,
+                                              softcap=cap, config=cfg))
+                results[name] = {"rel_err": rel_err(f(q, k, v), ref)}
+            except Exception as e:  # noqa: BLE001 - record and go on
+                results[name] = {"error": "".join(traceback.format_exception_only(type(e), e))[-800:]}
+            print(name, results[name], flush=True)
 
 
 PAGED_CASES = [  # (Hq, Hkv, D, block, q_lens, prefixes, extra padding tokens, softcap)
@@ -99,19 +127,23 @@ PAGED_CASES = [  # (Hq, Hkv, D, block, q_lens, prefixes, extra padding tokens, s
 ]
 
 
-def check_paged(results, which):
+def check_paged(results, which, configs=None):
+    """which: "triton" and/or Mosaic configuration names of `configs` (None: the default)."""
+    configs = configs or {}
     rng = np.random.default_rng(7)
     for i, (hq, hkv, d, bs, ql, pre, extra, cap) in enumerate(PAGED_CASES):
         for dt in (jnp.bfloat16,) if i != 1 else (jnp.bfloat16, jnp.float16):
             args = random_paged_batch(rng, hq=hq, hkv=hkv, d=d, block_size=bs, q_lens=ql,
                                       prefixes=pre, dtype=dt, extra_tokens=extra)
+            ref = jax.jit(functools.partial(reference.ragged_prefill_reference,
+                                            scale=d ** -0.5, softcap=cap))(*args)
             for impl in which:
-                name = f"paged_{impl}_Hq{hq}_Hkv{hkv}_d{d}_bs{bs}_S{len(ql)}_{jnp.dtype(dt).name}" + (f"_cap{cap}" if cap else "")
+                label = {"default": "mosaic", "triton": "triton"}.get(impl, f"mosaic_{impl}")
+                name = f"paged_{label}_Hq{hq}_Hkv{hkv}_d{d}_bs{bs}_S{len(ql)}_{jnp.dtype(dt).name}" + (f"_cap{cap}" if cap else "")
                 try:
-                    fn = fp.flash_prefill_mosaic if impl == "mosaic" else fp.flash_prefill_triton
+                    fn = fp.flash_prefill_triton if impl == "triton" else functools.partial(
+                        fp.flash_prefill_mosaic, config=configs.get(impl))
                     out = jax.jit(functools.partial(fn, scale=d ** -0.5, softcap=cap))(*args)
-                    ref = jax.jit(functools.partial(reference.ragged_prefill_reference,
-                                                    scale=d ** -0.5, softcap=cap))(*args)
                     t_used = int(args[3][-1])
                     results[name] = {"rel_err": rel_err(out[:t_used], ref[:t_used]),
                                      "padding_max_abs": float(jnp.abs(out[t_used:].astype(jnp.float32)).max()) if extra else 0.0}
@@ -126,11 +158,11 @@ def dense_flops(b, l, causal):
     return 4 * D * HQ * b * pairs
 
 
-def time_dense(results, quick=False):
+def time_dense(results, quick=False, sweep=()):
     from jax.experimental.pallas.ops.gpu import attention as tri_mha
     from jax.experimental.pallas.ops.gpu import attention_mgpu as am
 
-    shapes = [(1, 8192, True), (2, 4096, True), (2, 4096, False)]
+    shapes = DENSE_SHAPES
     sm = D ** -0.5
     for b, l, causal in shapes:
         key = f"dense_B{b}_S{l}_{'causal' if causal else 'noncausal'}"
@@ -153,24 +185,34 @@ def time_dense(results, quick=False):
         }
         if quick:
             impls = {k: impls[k] for k in ("ours_mosaic_bf16", "cudnn_bf16")}
+        if sweep:
+            impls = {k: impls[k] for k in ("cudnn_bf16", "jax_attention_mgpu_f16")}
+            for cname in sweep:
+                cfg = SWEEP[cname]
+                impls[f"ours_{cname}"] = (jnp.bfloat16, functools.partial(
+                    lambda q, k, v, cfg: fp.flash_attention(q, k, v, causal=causal, scale=sm,
+                                                            config=cfg), cfg=cfg))
         ref = {}
         for name, (dt, f) in impls.items():
             try:
                 fj = jax.jit(f)
                 args = inputs[dt]
-                out = fj(*args)
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fj(*args))
+                first = time.perf_counter() - t0
                 if dt not in ref:  # cuDNN in the same dtype is the check (f32 reference too big)
                     ref[dt] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                         q, k, v, scale=sm, is_causal=causal, implementation="cudnn"))(*args)
                 t = bench(fj, *args)
                 row[name] = {"ms": round(t * 1e3, 3), "TFLOPs": round(fl / t / 1e12, 1),
-                             "rel_err_vs_cudnn": round(rel_err(out, ref[dt]), 5)}
+                             "rel_err_vs_cudnn": round(rel_err(out, ref[dt]), 5),
+                             "first_call_s": round(first, 1)}
             except Exception as e:  # noqa: BLE001
                 row[name] = {"error": "".join(traceback.format_exception_only(type(e), e))[-500:]}
             print(key, name, row[name], flush=True)
 
 
-def time_paged(results, quick=False):
+def time_paged(results, quick=False, sweep=()):
     s, new, cached = 8, 512, 8192
     ctx = new + cached
     fl = 4 * D * HQ * s * (new * cached + new * (new + 1) / 2)
@@ -190,14 +232,17 @@ def time_paged(results, quick=False):
                               q.shape[0], causal=True)
         contiguous = lambda q, k, v, tiles: flash_mgpu.mosaic_attention(
             q, k, v, tiles, jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=True,
-            scale=sm, softcap=None)
+            scale=sm, softcap=None, config=fp.PAGED_CONFIG)
         impls = {
             "ours_mosaic_paged": (fp.flash_prefill_mosaic, args),
             "ours_mosaic_contiguous_kv": (contiguous, (q, k_flat, v_flat, tiles)),
             "ours_triton_paged": (fp.flash_prefill_triton, args),
         }
-        if quick or bs != 16:
+        if quick or sweep or bs != 16:
             impls.pop("ours_triton_paged")
+        if sweep:
+            impls = {f"ours_mosaic_paged_{cname}": (functools.partial(
+                fp.flash_prefill_mosaic, config=SWEEP[cname]), args) for cname in sweep}
         ref = None
         for name, (f, a) in impls.items():
             try:
@@ -274,15 +319,33 @@ def model_greedy(results):
     print("model_greedy", results["model_greedy"], flush=True)
 
 
-def run(out_dir: str | None = None, *, skip_model: bool = False, quick: bool = False) -> dict:
+def run(out_dir: str | None = None, *, skip_model: bool = False, quick: bool = False,
+        sweep: tuple[str, ...] = (), sweep_paged: tuple[str, ...] | None = None,
+        check: tuple[str, ...] = (), tag: str = "") -> dict:
     results = {"jax": jax.__version__, "device": str(jax.devices()[0]), "correctness": {},
-               "timing": {}}
-    sections = [
-        ("dense", lambda: check_dense(results["correctness"])),
-        ("paged", lambda: check_paged(results["correctness"], ("mosaic", "triton"))),
-        ("time_dense", lambda: time_dense(results["timing"], quick)),
-        ("time_paged", lambda: time_paged(results["timing"], quick)),
-    ]
+               "timing": {}, "defaults": {"dense": {str(c): str(v) for c, v in fp.DENSE_CONFIGS.items()},
+                                          "paged": str(fp.PAGED_CONFIG)}}
+    if sweep:
+        sweep_paged = sweep if sweep_paged is None else sweep_paged
+        unknown = [c for c in (*sweep, *sweep_paged, *check) if c not in SWEEP]
+        if unknown:
+            raise ValueError(f"unknown configurations {unknown}; SWEEP has {list(SWEEP)}")
+        results["sweep"] = {k: str(SWEEP[k]) for k in sweep}
+        checked = {k: SWEEP[k] for k in check}
+        sections = [  # timing first: the part a short call must not lose
+            ("time_dense", lambda: time_dense(results["timing"], sweep=sweep)),
+            ("dense", lambda: check_dense(results["correctness"], checked, small_only=True) if checked else None),
+            ("paged", lambda: check_paged(results["correctness"], check, checked) if check else None),
+            ("time_paged", lambda: time_paged(results["timing"], sweep=sweep_paged)),
+        ]
+        skip_model = True
+    else:
+        sections = [
+            ("dense", lambda: check_dense(results["correctness"])),
+            ("paged", lambda: check_paged(results["correctness"], ("default", "triton"))),
+            ("time_dense", lambda: time_dense(results["timing"], quick)),
+            ("time_paged", lambda: time_paged(results["timing"], quick)),
+        ]
     if not skip_model:
         sections.append(("model", lambda: model_greedy(results)))
     out_dir = out_dir or os.environ.get("OUT", "/tmp")
@@ -294,7 +357,7 @@ def run(out_dir: str | None = None, *, skip_model: bool = False, quick: bool = F
             results[f"{name}_error"] = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-1500:]
             print(name, "FAILED", results[f"{name}_error"], flush=True)
         results[f"{name}_wall_s"] = round(time.time() - t0, 1)
-        with open(os.path.join(out_dir, "bench_prefill.json"), "w") as f:  # partial results survive
+        with open(os.path.join(out_dir, f"bench_prefill{'_' + tag if tag else ''}.json"), "w") as f:
             json.dump(results, f, indent=1)
     print_table(results)
     return results
@@ -319,5 +382,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--quick", action="store_true", help="ours vs cuDNN only")
+    ap.add_argument("--sweep", default="", help="comma list of SWEEP configurations to time, or all")
+    ap.add_argument("--sweep-paged", help="comma list for the paged chunk (default: --sweep's)")
+    ap.add_argument("--check", default="", help="comma list of SWEEP configurations to check")
+    ap.add_argument("--tag", default="", help="JSON name suffix")
     ns = ap.parse_args()
-    run(skip_model=ns.skip_model, quick=ns.quick)
+    names = lambda x: tuple(SWEEP) if x == "all" else tuple(c for c in x.split(",") if c)
+    run(skip_model=ns.skip_model, quick=ns.quick, sweep=names(ns.sweep),
+        sweep_paged=None if ns.sweep_paged is None else names(ns.sweep_paged),
+        check=names(ns.check), tag=ns.tag)

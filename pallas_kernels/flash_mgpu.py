@@ -3,22 +3,34 @@
 One kernel serves both the dense and the ragged/paged entry points of `flash_prefill.py`: it works on
 *query tiles* described by a small int32 table (built on the device by `flash_prefill.tile_table`),
 so a tile never crosses a sequence boundary and the grid is static whatever the batch looks like.
+A *work item* is one (query tile, query head) pair; items are numbered tile-major (heads inner, so
+the heads sharing a KV head run side by side and share its K/V in L2).
 
 CTA layout (FA3): three warpgroups.
   - wg 0 and wg 1 ("consumers") each own BLOCK_Q = 64 query rows of the tile (128 rows per CTA) and
     run QK^T -> online softmax -> PV with wgmma, accumulating in registers (f32).
-  - wg 2 ("producer") only issues TMA copies of K and V tiles into a ring of STAGES shared-memory
+  - wg 2 ("producer") only issues TMA copies of K and V tiles into a ring of `stages` shared-memory
     slots, waiting on the consumers' "consumed" barriers before reusing a slot.
   A "schedule barrier" shared by the two consumers makes them take turns on the tensor cores, so one
   warpgroup's softmax overlaps the other's matmuls (FA3's ping-pong).
   (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while PV_{n-1}
   runs -- was tried and measured 27% slower here; see docs/ARCHITECTURE.md.)
 
+Grid (static `KernelConfig.persistent`):
+  - one CTA per work item, or
+  - persistent: one CTA per SM looping over items in a snake order (round r takes items
+    r*G .. r*G+G-1, alternately forwards and backwards, so with the table sorted longest-first every
+    CTA gets about the same causal work). The K/V ring runs on across items -- the producer fills
+    the next item's K/V while the consumers finish the current one -- and with `q_buffers=2` each
+    consumer prefetches its next item's Q before writing out the current output.
+  The K/V step counter is global across a CTA's items, so ring slots and barrier phases simply
+  continue from one item to the next.
+
 K/V sources (static `kv_mode`):
   - "contiguous": k, v are [N, Hkv, D] token-major (the dense entry point flattens [B, L, Hkv, D]);
-    a K tile is one strided TMA copy of rows kv_base + j*BLOCK_KV ... (out-of-range rows read as 0).
-  - "paged": k, v are the cache [Hkv, num_blocks, block_size, D]; a K tile of BLOCK_KV tokens is
-    BLOCK_KV / block_size page copies, each into its row slice of the SMEM tile, all arriving on one
+    a K tile is one strided TMA copy of rows kv_base + j*block_kv ... (out-of-range rows read as 0).
+  - "paged": k, v are the cache [Hkv, num_blocks, block_size, D]; a K tile of block_kv tokens is
+    block_kv / block_size page copies, each into its row slice of the SMEM tile, all arriving on one
     barrier (its arrival count is the number of pages). Page ids come from block_tables in GMEM.
 
 Tile table row (int32[6], built by `flash_prefill.tile_table`): row0 // 8 (first flat token of the
@@ -27,127 +39,239 @@ tile; 0 = empty tile, skip), q_pos0 (context position of row 0), ctx_len (keys t
 kv_ref (contiguous: flat row of the sequence's first key // 8; paged: row of block_tables).
 
 Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half (the
-ragged end of a sequence) goes out of an unswizzled buffer as predicated 8-row and 1-row TMA stores,
-so no CTA ever writes a row of another sequence.
+ragged end of a sequence) goes out as predicated 8-row and 1-row TMA stores from an unswizzled view
+of the same shared memory (a RefUnion: Q is dead by then), so no CTA ever writes a row of another
+sequence and the ragged path costs no SMEM that a K/V stage could use.
 
 No CPU interpretation: jax 0.11.2's Mosaic GPU interpreter cannot run this kernel (see the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, scf, vector
 
 BLOCK_Q = 64          # query rows per consumer warpgroup (wgmma M = 64)
 TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
-BLOCK_KV = 128        # keys per pipeline step
-STAGES = 2            # K/V shared-memory ring depth
 LOG2E = math.log2(math.e)
+SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
+REGISTER_FILE = 65536    # 32-bit registers per SM (one CTA of 3 warpgroups fills it)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tuning knobs; every distinct value compiles its own kernel.
+
+    block_kv: keys per pipeline step (a multiple of 64; paged K/V also needs block_size | block_kv).
+    stages: depth of the K/V shared-memory ring.
+    persistent: one CTA per SM looping over work items (else one CTA per item).
+    q_buffers: 2 = double-buffered Q/O so a persistent consumer prefetches its next item's Q.
+    consumer_registers / producer_registers: setmaxnreg split (per thread).
+    rescale_threshold: 0 = rescale the accumulator whenever a row max grows (FA2/FA3); t > 0 =
+      FA4's lazy rescaling: keep the stale max until a row's max grows by more than t (log2 units,
+      so p <= 2^t) and skip the accumulator multiply in every thread whose rows kept theirs. Exact
+      after the final 1/l, since acc and l always refer to the same max."""
+    block_kv: int = 128
+    stages: int = 2
+    persistent: bool = False
+    q_buffers: int = 1
+    consumer_registers: int = 240
+    producer_registers: int = 24
+    rescale_threshold: float = 0.0
+
+    def __post_init__(self):
+        if self.block_kv <= 0 or self.block_kv % 64:  # PV's K dimension fills 128-byte swizzle rows
+            raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be at least 2")
+        if not 0 <= self.rescale_threshold <= 64:
+            raise ValueError(f"rescale_threshold={self.rescale_threshold} must lie in [0, 64]")
+        if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and not self.persistent):
+            raise ValueError(f"q_buffers={self.q_buffers}: 1, or 2 with persistent=True")
+        if 128 * (2 * self.consumer_registers + self.producer_registers) > REGISTER_FILE:
+            raise ValueError(f"consumer_registers={self.consumer_registers} / producer_registers="
+                             f"{self.producer_registers} overflow the {REGISTER_FILE}-register file")
+
+    def smem_bytes(self, d: int, itemsize: int) -> int:
+        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize
+
+
+class WorkItem(NamedTuple):
+    head: jax.Array
+    row0: jax.Array
+    lead: jax.Array
+    n_rows: jax.Array   # 0: nothing to do (empty table row, or past the last item)
+    q_pos0: jax.Array
+    ctx_len: jax.Array
+    kv_ref: jax.Array
+
+
+def _rows_scale_where_needed(acc, alpha):
+    """acc * alpha[:, None], with the multiply skipped (a per-thread branch) in every thread whose
+    rows all have alpha == 1. Mosaic GPU has no per-thread control flow above this level."""
+    wgmma = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma.reduce(1)),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma))
+    def scale(_, acc, alpha):
+        one = arith.constant(ir.F32Type.get(), 1.0)
+        need = None
+        for reg in alpha.registers.flat:
+            for i in range(ir.VectorType(reg.type).shape[0]):
+                ne = arith.cmpf(arith.CmpFPredicate.UNE, vector.extract(reg, [], [i]), one)
+                need = ne if need is None else arith.ori(need, ne)
+        regs = list(acc.registers.flat)
+        branch = scf.IfOp(need, [r.type for r in regs], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+            scf.yield_(list(scaled.registers.flat))
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(regs)
+        new = np.empty(acc.registers.shape, dtype=object)
+        new.flat[:] = list(branch.results)
+        return mgpu.FragmentedArray(_registers=new, _layout=acc.layout, _is_signed=None)
+
+    return scale(acc, alpha)
+
+
+def num_sms() -> int:
+    """SMs of the default GPU (the persistent grid size); 132 (H100/H200) when tracing elsewhere."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
-                     softcap: float | None):
+                     softcap: float | None, config: KernelConfig = KernelConfig()):
     """q: [T, Hq, D] (T a multiple of 8); k, v: see module doc; tiles: int32[NT, 6]; block_tables:
     int32[S, M] (paged) or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers
     are left unwritten (the caller's tile table covers every row it reads back)."""
     t, hq, d = q.shape
     dtype = q.dtype
+    cfg = config
+    bkv, stages, q_buffers = cfg.block_kv, cfg.stages, cfg.q_buffers
     if kv_mode == "paged":
         hkv, _, page, _ = k.shape
-        if BLOCK_KV % page:
-            raise ValueError(f"block_size={page} must divide {BLOCK_KV}")
-        pages_per_tile = BLOCK_KV // page
+        if bkv % page:
+            raise ValueError(f"block_size={page} must divide block_kv={bkv}")
+        pages_per_tile = bkv // page
         max_pages = block_tables.shape[1]
     elif kv_mode == "contiguous":
         hkv = k.shape[1]
         pages_per_tile = 1
     else:
         raise ValueError(f"kv_mode={kv_mode!r}")
+    if cfg.smem_bytes(d, jnp.dtype(dtype).itemsize) > SMEM_LIMIT:
+        raise ValueError(f"{cfg} needs {cfg.smem_bytes(d, jnp.dtype(dtype).itemsize)} bytes of "
+                         f"shared memory at head_dim={d}; the limit is {SMEM_LIMIT}")
     group = hq // hkv
-    num_tiles = tiles.shape[0]
+    num_items = hq * tiles.shape[0]
+    num_ctas = min(num_items, num_sms()) if cfg.persistent else num_items
+    rounds = -(-num_items // num_ctas)
     # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
     # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
-    if softcap:
-        log2_factor = softcap * LOG2E
-    else:
-        log2_factor = scale * LOG2E
+    log2_factor = (softcap if softcap else scale) * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
-        (qo_smem2, o_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-        head = lax.axis_index("heads")
-        tile = lax.axis_index("tiles")
+        (qo_union, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+        qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
+        cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
-        row0 = tiles_ref[tile, 0] * 8  # written as a product so Mosaic sees 8-row alignment
-        lead = tiles_ref[tile, 1]
-        n_rows = tiles_ref[tile, 2]
-        q_pos0 = tiles_ref[tile, 3]
-        ctx_len = tiles_ref[tile, 4]
-        kv_ref_idx = tiles_ref[tile, 5]
 
-        def num_steps(last_row_pos):  # K/V steps needed by rows up to context position last_row_pos
-            kv_end = jnp.minimum(ctx_len, last_row_pos + 1) if causal else ctx_len
-            return lax.div(kv_end + (BLOCK_KV - 1), jnp.int32(BLOCK_KV))
+        def item(r) -> WorkItem:
+            """This CTA's r-th work item (n_rows = 0 past the last one)."""
+            pos = cta
+            if cfg.persistent:
+                pos = jnp.where(lax.rem(r, 2) == 0, cta, num_ctas - 1 - cta)
+            idx = r * num_ctas + pos
+            valid = idx < num_items
+            idx = jnp.minimum(idx, num_items - 1)
+            tile, head = lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq))
+            return WorkItem(head=head,
+                            row0=tiles_ref[tile, 0] * 8,  # a product: Mosaic sees 8-row alignment
+                            lead=tiles_ref[tile, 1],
+                            n_rows=jnp.where(valid, tiles_ref[tile, 2], 0),
+                            q_pos0=tiles_ref[tile, 3], ctx_len=tiles_ref[tile, 4],
+                            kv_ref=tiles_ref[tile, 5])
 
-        cta_steps = num_steps(q_pos0 + TILE_Q - 1)  # the producer feeds the later half's needs
+        def num_steps(it, last_row_pos):  # K/V steps needed by rows up to context position
+            kv_end = jnp.minimum(it.ctx_len, last_row_pos + 1) if causal else it.ctx_len
+            return lax.div(kv_end + (bkv - 1), jnp.int32(bkv))
+
+        def item_steps(it):  # steps the producer streams for the item (the later half's needs)
+            return jnp.where(it.n_rows > 0, num_steps(it, it.q_pos0 + TILE_Q - 1), 0)
+
+        def over_items(body):
+            """Runs body(r, step_base) for this CTA's items, carrying the global K/V step count."""
+            if rounds == 1:
+                body(jnp.int32(0), jnp.int32(0))
+                return
+            lax.fori_loop(0, rounds, lambda r, g: g + body(r, g), jnp.int32(0))
 
         def schedule_barrier():
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-        def slot_of(j):
-            return lax.rem(j, jnp.int32(STAGES))
+        def slot_of(g):
+            return lax.rem(g, jnp.int32(stages))
 
-        def store_output(out, qo_smem, lo, hi, out_row):
+        def store_output(it, out, qo_smem, o_smem, lo, hi, out_row):
             @pl.when((lo == 0) & (hi == BLOCK_Q))
             def _full():
                 qo_smem[...] = out
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(out_row, BLOCK_Q), head])
+                plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(out_row, BLOCK_Q), it.head])
 
             @pl.when((lo < hi) & ((lo > 0) | (hi < BLOCK_Q)))
             def _partial():
                 # TMA boxes and SMEM offsets are static: 8-row groups that lie inside [lo, hi),
                 # then the remaining single rows, each copy predicated.
-                o_smem = o_smem2.at[wg]
                 o_smem[...] = out
                 plgpu.commit_smem()
                 for r in range(0, BLOCK_Q, 8):
                     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 8)],
-                                            out_ref.at[pl.ds(out_row + r, 8), head],
+                                            out_ref.at[pl.ds(out_row + r, 8), it.head],
                                             predicate=(lo <= r) & (r + 8 <= hi), commit_group=False)
                 for r in range(BLOCK_Q):
                     g = r - r % 8
                     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)],
-                                            out_ref.at[pl.ds(out_row + r, 1), head],
+                                            out_ref.at[pl.ds(out_row + r, 1), it.head],
                                             predicate=(lo <= r) & (r < hi) & ((g < lo) | (g + 8 > hi)),
                                             commit_group=r == BLOCK_Q - 1)
-            plgpu.wait_smem_to_gmem(0)
 
-        @pl.when((n_rows > 0) & (wg < 2))
-        def _consumer():
-            plgpu.set_max_registers(240, action="increase")
-            qo_smem = qo_smem2.at[wg]
-            q_pos_first = q_pos0 + wg * BLOCK_Q
+        def load_q(it, b):
+            # The buffer's previous output must have left SMEM before Q overwrites it.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(it.row0 + wg * BLOCK_Q, BLOCK_Q), it.head],
+                                    qo_all.at[b, wg], q_bar.at[b * 2 + wg])
+
+        def consume_item(it, g0, b, prefetch_next):
+            qo_smem, o_smem = qo_all.at[b, wg], o_all.at[b, wg]
+            q_pos_first = it.q_pos0 + wg * BLOCK_Q
             # Rows [lo, hi) of this warpgroup's 64 belong to the tile's sequence.
-            lo = jnp.clip(lead - wg * BLOCK_Q, 0, BLOCK_Q)
-            hi = jnp.clip(lead + n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
-            out_row = row0 + wg * BLOCK_Q
+            lo = jnp.clip(it.lead - wg * BLOCK_Q, 0, BLOCK_Q)
+            hi = jnp.clip(it.lead + it.n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
+            out_row = it.row0 + wg * BLOCK_Q
+            cta_steps = item_steps(it)
             # Both consumers have steps >= 1 unless the tile has no keys (padding pseudo-sequence).
-            steps = num_steps(q_pos_first + BLOCK_Q - 1)
+            steps = num_steps(it, q_pos_first + BLOCK_Q - 1)
             # Steps whose every key is visible to every row of this warpgroup need no mask.
-            full_steps = lax.div(ctx_len, jnp.int32(BLOCK_KV))
+            full_steps = lax.div(it.ctx_len, jnp.int32(bkv))
             if causal:
-                full_steps = jnp.minimum(full_steps, lax.div(q_pos_first + 1, jnp.int32(BLOCK_KV)))
+                full_steps = jnp.minimum(full_steps, lax.div(q_pos_first + 1, jnp.int32(bkv)))
             full_steps = jnp.minimum(full_steps, steps)
-
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(out_row, BLOCK_Q), head], qo_smem, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[b * 2 + wg])
 
             def online_softmax(s, m_i, j, masked):
                 """Raw scores of step j -> (p, new row max, rescale factor for older terms)."""
@@ -156,12 +280,14 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    kpos = cols + j * BLOCK_KV
-                    visible = kpos < ctx_len
+                    kpos = cols + j * bkv
+                    visible = kpos < it.ctx_len
                     if causal:
                         visible = visible & (kpos <= rows + q_pos_first)
                     s = jnp.where(visible, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1) * log2_factor)
+                if cfg.rescale_threshold:  # keep the stale max unless it grew a lot (NaN: keep)
+                    m_new = jnp.where(m_new - m_i > cfg.rescale_threshold, m_new, m_i)
                 p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 return p, m_new, jnp.exp2(m_i - m_new)
 
@@ -178,34 +304,39 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             def drain_step(j, _):
                 # This warpgroup is done but the producer still streams the other one's K/V: free
                 # the slots and keep the ping-pong turns in step (two rendezvous per step).
-                plgpu.barrier_arrive(k_free.at[slot_of(j)])
-                plgpu.barrier_arrive(v_free.at[slot_of(j)])
+                plgpu.barrier_arrive(k_free.at[slot_of(g0 + j)])
+                plgpu.barrier_arrive(v_free.at[slot_of(g0 + j)])
                 schedule_barrier()
                 schedule_barrier()
 
             def finish(acc, l_i):
                 lax.fori_loop(steps, cta_steps, drain_step, None)
                 pl.when(wg == 0)(schedule_barrier)
+                prefetch_next()
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
-                store_output(rows_scale(acc, inv_l).astype(dtype), qo_smem, lo, hi, out_row)
+                store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
+                             out_row)
 
             def kv_loop():
                 """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
-                plgpu.barrier_wait(k_bar.at[0])
+                plgpu.barrier_wait(k_bar.at[slot_of(g0)])
                 pl.when(wg == 1)(schedule_barrier)
 
                 def kv_step(j, carry, masked: bool):
                     acc, m_i, l_i = carry
-                    slot = slot_of(j)
+                    slot = slot_of(g0 + j)
 
                     def qk_scope(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                         schedule_barrier()
                         return acc_ref[...]
-                    s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+                    s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = online_softmax(s, m_i, j, masked)
-                    acc = rows_scale(acc, alpha)
+                    if cfg.rescale_threshold:
+                        acc = _rows_scale_where_needed(acc, alpha)
+                    else:
+                        acc = rows_scale(acc, alpha)
                     l_i = l_i * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
                     # Pin the softmax before the barrier so the compiler does not sink it into the
@@ -215,13 +346,14 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     plgpu.barrier_wait(v_bar.at[slot])
                     plgpu.barrier_wait(sched)        # our turn on the tensor cores again
 
+                    has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
+
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        nxt = j + 1
 
-                        @pl.when(nxt < steps)  # wait for the next K while PV runs
+                        @pl.when(has_next)  # wait for the next K while PV runs
                         def _():
-                            plgpu.barrier_wait(k_bar.at[slot_of(nxt)])
+                            plgpu.barrier_wait(k_bar.at[next_slot])
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
@@ -236,68 +368,94 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             @pl.when(steps == 0)
             def _no_keys():  # padding rows: zeros
-                store_output(acc_init.astype(dtype), qo_smem, lo, hi, out_row)
+                prefetch_next()
+                store_output(it, acc_init.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
 
-        @pl.when((n_rows > 0) & (wg == 2))
-        def _producer():
-            plgpu.set_max_registers(24, action="decrease")
-            kv_head = lax.div(head, jnp.int32(group))
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(cfg.consumer_registers, action="increase")
 
-            def page_ids(step):
-                if kv_mode == "contiguous":
-                    return None
-                # Pages past the end of the block table are clamped to its last entry (a valid
-                # page; those keys lie past ctx_len and are masked).
-                first = step * pages_per_tile
-                return [bt_ref[kv_ref_idx, jnp.minimum(first + i, max_pages - 1)]
-                        for i in range(pages_per_tile)]
-
-            def load(src_ref, dst_smem, bar, step, slot, ids):
-                if kv_mode == "contiguous":  # kv_ref holds the first key's flat row // 8
-                    rows = (pl.ds(kv_ref_idx * 8 + step * BLOCK_KV, BLOCK_KV), kv_head)
-                    plgpu.copy_gmem_to_smem(src_ref.at[rows], dst_smem.at[slot], bar.at[slot])
+            def prefetch(r):  # q_buffers == 2: issue the Q load of this CTA's item r into buffer r % 2
+                if q_buffers == 1:
                     return
-                for i, pid in enumerate(ids):  # one TMA copy per page, all on the slot's barrier
-                    plgpu.copy_gmem_to_smem(src_ref.at[kv_head, pid],
-                                            dst_smem.at[slot, pl.ds(i * page, page)], bar.at[slot])
+                nxt = item(r)
+                pl.when(nxt.n_rows > 0)(lambda: load_q(nxt, lax.rem(r, 2)))
 
-            for s in range(STAGES):
-                @pl.when(s < cta_steps)
-                def _(s=s):
-                    ids = page_ids(s)
-                    load(k_ref, k_smem, k_bar, s, s, ids)
-                    load(v_ref, v_smem, v_bar, s, s, ids)
+            prefetch(jnp.int32(0))
 
-            @pl.loop(STAGES, jnp.maximum(cta_steps, STAGES))
-            def _(step):
-                slot = slot_of(step)
-                ids = page_ids(step)  # block-table reads overlap the wait for a free slot
-                plgpu.barrier_wait(k_free.at[slot])
-                load(k_ref, k_smem, k_bar, step, slot, ids)
-                plgpu.barrier_wait(v_free.at[slot])
-                load(v_ref, v_smem, v_bar, step, slot, ids)
+            def consumer_round(r, g0):
+                it = item(r)
+                b = lax.rem(r, 2) if q_buffers == 2 else 0
+                if q_buffers == 1:
+                    pl.when(it.n_rows > 0)(lambda: load_q(it, b))
+                pl.when(it.n_rows > 0)(lambda: consume_item(it, g0, b, lambda: prefetch(r + 1)))
+                pl.when(it.n_rows == 0)(lambda: prefetch(r + 1))
+                return item_steps(it)
+
+            over_items(consumer_round)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+
+            def producer_round(r, g0):
+                it = item(r)
+                kv_head = lax.div(it.head, jnp.int32(group))
+
+                def page_ids(step):
+                    if kv_mode == "contiguous":
+                        return None
+                    # Pages past the end of the block table are clamped to its last entry (a valid
+                    # page; those keys lie past ctx_len and are masked).
+                    first = step * pages_per_tile
+                    return [bt_ref[it.kv_ref, jnp.minimum(first + i, max_pages - 1)]
+                            for i in range(pages_per_tile)]
+
+                def load(src_ref, dst_smem, bar, step, slot, ids):
+                    if kv_mode == "contiguous":  # kv_ref holds the first key's flat row // 8
+                        rows = (pl.ds(it.kv_ref * 8 + step * bkv, bkv), kv_head)
+                        plgpu.copy_gmem_to_smem(src_ref.at[rows], dst_smem.at[slot], bar.at[slot])
+                        return
+                    for i, pid in enumerate(ids):  # one TMA copy per page, all on the slot's barrier
+                        plgpu.copy_gmem_to_smem(src_ref.at[kv_head, pid],
+                                                dst_smem.at[slot, pl.ds(i * page, page)],
+                                                bar.at[slot])
+
+                @pl.loop(0, item_steps(it))
+                def _(step):
+                    g = g0 + step
+                    slot = slot_of(g)
+                    ids = page_ids(step)  # block-table reads overlap the wait for a free slot
+                    pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                    load(k_ref, k_smem, k_bar, step, slot, ids)
+                    pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                    load(v_ref, v_smem, v_bar, step, slot, ids)
+                return item_steps(it)
+
+            over_items(producer_round)
 
     def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
         swizzle = plgpu.SwizzleTransform(128)
+        qo = plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
         smem = (
-            plgpu.SMEM((2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle)),   # Q, then O
-            plgpu.SMEM((2, BLOCK_Q, d), dtype),                                 # ragged O
-            plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
+            plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
         )
-        loaded = (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=STAGES),
-                  plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=STAGES),
-                  plgpu.Barrier(num_barriers=2))
-        freed = (plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),) * 2
+        loaded = (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+                  plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+                  plgpu.Barrier(num_barriers=2 * q_buffers))
+        freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
         pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),
                       smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((t, hq, d), dtype),
-        grid=(hq, num_tiles),
-        grid_names=("heads", "tiles"),
+        grid=(num_ctas,),
+        grid_names=("ctas",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

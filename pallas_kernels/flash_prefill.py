@@ -12,8 +12,8 @@ Public entry points (both Mosaic GPU, Hopper only; `flash_mgpu.py` holds the ker
 
 Work decomposition: the flat token axis is cut into *query tiles* of TILE_Q = 128 rows that never
 cross a sequence boundary, described by an int32 table built here with a few jnp ops (cheap, on the
-device, inside the caller's jit). The grid is (Hq, NT) with the static bound
-NT = cdiv(T + 7(S+1), TILE_Q) + S + 1 (each sequence wastes at most one partial tile and < 8
+device, inside the caller's jit). The kernel's work is Hq x NT (tile, head) items with the static
+bound NT = cdiv(T + 7(S+1), TILE_Q) + S + 1 (each sequence wastes at most one partial tile and < 8
 alignment rows; the +1 is the tail of padding tokens, a pseudo-sequence with no keys whose rows
 come out as zeros). Tiles are
 ordered by decreasing number of K/V steps so the longest causal tiles start first (less tail).
@@ -25,11 +25,18 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import flash_mgpu
-from pallas_kernels.flash_mgpu import BLOCK_KV, TILE_Q
+from pallas_kernels.flash_mgpu import TILE_Q, KernelConfig
 from pallas_kernels import flash_triton
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
+
+# The default kernel configuration per use, from the H200 sweep in benchmarks/RESULTS.md ("Flash
+# prefill attention"): a persistent grid with Q prefetch and lazy rescaling won on every shape;
+# 3 K/V stages and 192-key blocks lost. Paged K/V needs block_size | block_kv (128 keys here).
+BEST_CONFIG = KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0)
+PAGED_CONFIG = BEST_CONFIG
+DENSE_CONFIGS = {True: BEST_CONFIG, False: BEST_CONFIG}  # by `causal`
 
 
 def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref: jax.Array,
@@ -85,7 +92,7 @@ def _check_softcap(softcap: float | None) -> None:
 
 
 def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, softcap,
-                   extra_rows: int):
+                   extra_rows: int, block_kv: int):
     """Validate the prefill arguments; pad q's token axis to a multiple of 8 plus `extra_rows` and
     build the tile table. Returns (padded q, tiles)."""
     t, _, d = q.shape
@@ -96,8 +103,8 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} do not match q {q.shape}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} must equal q.dtype {q.dtype}")
-    if BLOCK_KV % block_size:
-        raise ValueError(f"block_size={block_size} must divide {BLOCK_KV}")
+    if block_kv % block_size:
+        raise ValueError(f"block_size={block_size} must divide the kernel's block_kv={block_kv}")
     s = seq_lens.shape[0]
     if query_start_loc.shape != (s + 1,) or block_tables.shape[0] != s:
         raise ValueError(f"query_start_loc {query_start_loc.shape}, seq_lens {seq_lens.shape}, "
@@ -114,13 +121,17 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
 
 
 def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                         scale: float, softcap: float | None = None):
-    """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D]."""
+                         scale: float, softcap: float | None = None,
+                         config: KernelConfig | None = None):
+    """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D].
+    `config` overrides the kernel's tuning (benchmarks); None = PAGED_CONFIG."""
+    config = config or PAGED_CONFIG
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               softcap, extra_rows=0)
+                               softcap, extra_rows=0, block_kv=config.block_kv)
     out = flash_mgpu.mosaic_attention(qp, k_cache, v_cache, tiles, block_tables.astype(jnp.int32),
-                                      kv_mode="paged", causal=True, scale=scale, softcap=softcap)
+                                      kv_mode="paged", causal=True, scale=scale, softcap=softcap,
+                                      config=config)
     return out[:t] if out.shape[0] != t else out
 
 
@@ -130,7 +141,7 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
     q is padded by one tile of rows so every tile's block of rows lies inside the array."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               softcap, extra_rows=TILE_Q)
+                               softcap, extra_rows=TILE_Q, block_kv=PAGED_CONFIG.block_kv)
     out = flash_triton.triton_paged_attention(qp, k_cache, v_cache, tiles,
                                               block_tables.astype(jnp.int32), scale=scale,
                                               softcap=softcap, interpret=interpret)
@@ -138,10 +149,11 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                    softcap: float | None = None):
+                    softcap: float | None = None, config: KernelConfig | None = None):
     """Dense attention. q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. Any L (the ragged
     end of the last query/key tile is masked); GQA maps each query head to its KV head in the
-    kernel's index arithmetic, K/V are never repeated."""
+    kernel's index arithmetic, K/V are never repeated. `config` overrides the kernel's tuning
+    (benchmarks); None = DENSE_CONFIGS[causal]."""
     b, l, hq, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, l) or k.shape[3] != d:
         raise ValueError(f"k {k.shape} / v {v.shape} must be [B={b}, L={l}, Hkv, D={d}]")
@@ -163,5 +175,5 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,
-        softcap=softcap)
+        softcap=softcap, config=config or DENSE_CONFIGS[causal])
     return out.reshape(b, lp, hq, d)[:, :l]

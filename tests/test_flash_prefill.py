@@ -11,7 +11,8 @@ What runs where:
     Mosaic GPU interpreter fails inside its wgmma emulation on this kernel (an accumulator looked up
     as another buffer), so here it is only *lowered* for CUDA (Pallas -> Mosaic GPU MLIR, which
     catches layout, tiling and TMA-alignment errors) for every supported dtype / head_dim / page
-    size. Its numerics are checked on the H200 by `benchmarks/bench_prefill.py` (same random ragged
+    size and for the kernel configurations in use (persistent grid, lazy rescaling, K/V blocks).
+    Its numerics are checked on the H200 by `benchmarks/bench_prefill.py` (same random ragged
     batches plus real sizes, and the greedy-output check of a small model); results are recorded
     in benchmarks/RESULTS.md.
 """
@@ -25,7 +26,7 @@ import pytest
 
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import reference
-from pallas_kernels.flash_mgpu import TILE_Q
+from pallas_kernels.flash_mgpu import TILE_Q, KernelConfig
 from pallas_kernels.testing import random_paged_batch
 
 
@@ -124,6 +125,40 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
     kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     text = _lower_for_cuda(functools.partial(fp.flash_attention, causal=causal), q, kv, kv)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("config", [
+    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
+    KernelConfig(block_kv=192, stages=2, rescale_threshold=8.0),
+    KernelConfig(persistent=True, stages=3)], ids=str)
+def test_mosaic_kernel_configs_lower_for_cuda(config):
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    cache = jax.ShapeDtypeStruct((2, 40, 32, 64), jnp.bfloat16)
+    text = _lower_for_cuda(functools.partial(fp.flash_prefill_mosaic, scale=0.1, config=config),
+                           jax.ShapeDtypeStruct((300, 8, 64), jnp.bfloat16), cache, cache, i32(4),
+                           i32(3), i32(3, 9))
+    assert "mosaic_gpu" in text
+
+
+def test_kernel_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="block_kv"):
+        KernelConfig(block_kv=100)
+    with pytest.raises(ValueError, match="stages"):
+        KernelConfig(stages=1)
+    with pytest.raises(ValueError, match="q_buffers"):
+        KernelConfig(q_buffers=2)  # double-buffered Q only pays off in the persistent loop
+    with pytest.raises(ValueError, match="registers"):
+        KernelConfig(consumer_registers=256, producer_registers=40)
+    with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 192 keys do not fit
+        q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+        jax.jit(functools.partial(fp.flash_attention, config=KernelConfig(block_kv=192, stages=4))
+                ).trace(q, kv, kv)
+    with pytest.raises(ValueError, match="block_size"):  # paged: pages must tile a K/V block
+        cache = jnp.zeros((1, 4, 128, 64), jnp.bfloat16)
+        fp.flash_prefill_mosaic(jnp.zeros((8, 1, 64), jnp.bfloat16), cache, cache,
+                                jnp.array([0, 8]), jnp.array([8]), jnp.zeros((1, 4), jnp.int32),
+                                scale=1.0, config=KernelConfig(block_kv=192))
 
 
 # ------------------------------------------------------------------------------- bad input

@@ -232,7 +232,7 @@ def time_paged(results, quick=False, sweep=()):
                               q.shape[0], causal=True)
         contiguous = lambda q, k, v, tiles: flash_mgpu.mosaic_attention(
             q, k, v, tiles, jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=True,
-            scale=sm, softcap=None, config=fp.PAGED_CONFIG)
+            scale=sm, softcap=None, config=fp.DEFAULT_CONFIG)
         impls = {
             "ours_mosaic_paged": (fp.flash_prefill_mosaic, args),
             "ours_mosaic_contiguous_kv": (contiguous, (q, k_flat, v_flat, tiles)),
@@ -323,8 +323,7 @@ def run(out_dir: str | None = None, *, skip_model: bool = False, quick: bool = F
         sweep: tuple[str, ...] = (), sweep_paged: tuple[str, ...] | None = None,
         check: tuple[str, ...] = (), tag: str = "") -> dict:
     results = {"jax": jax.__version__, "device": str(jax.devices()[0]), "correctness": {},
-               "timing": {}, "defaults": {"dense": {str(c): str(v) for c, v in fp.DENSE_CONFIGS.items()},
-                                          "paged": str(fp.PAGED_CONFIG)}}
+               "timing": {}, "default_config": str(fp.DEFAULT_CONFIG)}
     if sweep:
         sweep_paged = sweep if sweep_paged is None else sweep_paged
         unknown = [c for c in (*sweep, *sweep_paged, *check) if c not in SWEEP]

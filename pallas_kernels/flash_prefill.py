@@ -31,12 +31,10 @@ from pallas_kernels import flash_triton
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 
-# The default kernel configuration per use, from the H200 sweep in benchmarks/RESULTS.md ("Flash
-# prefill attention"): a persistent grid with Q prefetch and lazy rescaling won on every shape;
-# 3 K/V stages and 192-key blocks lost. Paged K/V needs block_size | block_kv (128 keys here).
-BEST_CONFIG = KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0)
-PAGED_CONFIG = BEST_CONFIG
-DENSE_CONFIGS = {True: BEST_CONFIG, False: BEST_CONFIG}  # by `causal`
+# The default kernel configuration, from the H200 sweep in benchmarks/RESULTS.md ("Flash prefill
+# attention"): a persistent grid with Q prefetch and lazy rescaling won on every shape, dense
+# (causal or not) and paged; 3 K/V stages and 192-key blocks lost. Paged K/V needs block_size | block_kv (128 keys here).
+DEFAULT_CONFIG = KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0)
 
 
 def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref: jax.Array,
@@ -124,8 +122,8 @@ def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
                          scale: float, softcap: float | None = None,
                          config: KernelConfig | None = None):
     """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D].
-    `config` overrides the kernel's tuning (benchmarks); None = PAGED_CONFIG."""
-    config = config or PAGED_CONFIG
+    `config` overrides the kernel's tuning (benchmarks); None = DEFAULT_CONFIG."""
+    config = config or DEFAULT_CONFIG
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                softcap, extra_rows=0, block_kv=config.block_kv)
@@ -141,7 +139,7 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
     q is padded by one tile of rows so every tile's block of rows lies inside the array."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               softcap, extra_rows=TILE_Q, block_kv=PAGED_CONFIG.block_kv)
+                               softcap, extra_rows=TILE_Q, block_kv=DEFAULT_CONFIG.block_kv)
     out = flash_triton.triton_paged_attention(qp, k_cache, v_cache, tiles,
                                               block_tables.astype(jnp.int32), scale=scale,
                                               softcap=softcap, interpret=interpret)
@@ -153,7 +151,7 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     """Dense attention. q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. Any L (the ragged
     end of the last query/key tile is masked); GQA maps each query head to its KV head in the
     kernel's index arithmetic, K/V are never repeated. `config` overrides the kernel's tuning
-    (benchmarks); None = DENSE_CONFIGS[causal]."""
+    (benchmarks); None = DEFAULT_CONFIG."""
     b, l, hq, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, l) or k.shape[3] != d:
         raise ValueError(f"k {k.shape} / v {v.shape} must be [B={b}, L={l}, Hkv, D={d}]")
@@ -175,5 +173,5 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,
-        softcap=softcap, config=config or DENSE_CONFIGS[causal])
+        softcap=softcap, config=config or DEFAULT_CONFIG)
     return out.reshape(b, lp, hq, d)[:, :l]

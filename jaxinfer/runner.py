@@ -300,7 +300,7 @@ class ModelRunner:
                     lowered = self._forward_fn.lower(self.params, self.kv_cache, self.last_tokens,
                                                      _model_inputs(batch))
                     futures[pool.submit(compile_timed, f"{kind} {size}", lowered)] = \
-                        _forward_key(batch)
+                        (self._forward_exe, _forward_key(batch))
                 elif kind == "loop":
                     batch = self._padding_batch("decode", size, variant)
                     allowed = np.zeros(size, np.int32)
@@ -308,11 +308,11 @@ class ModelRunner:
                                                   batch, allowed, variant=variant,
                                                   num_steps=self.decode_steps_per_call)
                     futures[pool.submit(compile_timed, f"loop {size} {_label(variant)}",
-                                        lowered)] = (size, variant)
-            for future in as_completed(futures):
+                                        lowered)] = (self._loop_exe, (size, variant))
+            for future in as_completed(futures):  # future -> (executable table, its key)
                 name, compiled, seconds = future.result()
-                key = futures[future]
-                (self._loop_exe if name.startswith("loop") else self._forward_exe)[key] = compiled
+                table, key = futures[future]
+                table[key] = compiled
                 self.warmup_seconds[name] = seconds
                 bar.update()
         for kind, size, variant in shapes:

@@ -19,6 +19,7 @@ Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kerne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -132,11 +133,11 @@ def time_paged(fn, case) -> float:
     return _queued_time(lambda q: many(q, k, v, next(groups), lens), case["q"]) / CHAIN
 
 
-def time_mosaic_kernel_only(case, scale: float) -> float:
+def time_mosaic_kernel_only(case, scale: float, config=MosaicDecodeConfig()) -> float:
     """The Mosaic kernel without the XLA work around it (the split combine, when there are several
     splits): CHAIN independent calls per jit on distinct page sets (none can be merged), queued.
     Not chained, so back-to-back kernels may overlap their launch: a lower bound."""
-    fn = functools.partial(mosaic_decode_call, scale=scale)
+    fn = functools.partial(mosaic_decode_call, scale=scale, config=config)
 
     @jax.jit
     def many(q, k, v, bts, lens):
@@ -146,11 +147,36 @@ def time_mosaic_kernel_only(case, scale: float) -> float:
     return _queued_time(lambda _: many(q, k, v, next(groups), lens), None) / CHAIN
 
 
-def our_variants(scale: float) -> dict:
-    """name -> fn(q, k, v, bt, lens) for the kernels of this repo in their benchmarked configs."""
-    return {"mosaic": functools.partial(paged_decode_mosaic_configured, scale=scale,
-                                        config=MosaicDecodeConfig()),
-            "triton": functools.partial(paged_decode_triton_configured, scale=scale)}
+def mosaic_config(name: str) -> MosaicDecodeConfig:
+    """A variant name's Mosaic config: "mosaic" is the default, and ":"-separated options change
+    it: "s<N>" forces N context splits, "la<N>" reads block ids N steps ahead, "pdl" / "nopdl"
+    turn programmatic dependent launch on / off, "t<N>" takes N tokens per step; e.g.
+    "mosaic:s1:pdl"."""
+    fields = {}
+    for opt in name.split(":")[1:]:
+        for prefix, field in (("s", "num_splits"), ("la", "bt_lookahead"),
+                              ("t", "tokens_per_step")):
+            if opt.startswith(prefix) and opt[len(prefix):].isdigit():
+                fields[field] = int(opt[len(prefix):])
+                break
+        else:
+            if opt not in ("pdl", "nopdl"):
+                raise ValueError(f"unknown option {opt!r} in variant {name!r}")
+            fields["pdl"] = opt == "pdl"
+    return dataclasses.replace(MosaicDecodeConfig(), **fields)
+
+
+def our_variants(scale: float, names=()) -> dict:
+    """name -> fn(q, k, v, bt, lens) for the kernels of this repo in their benchmarked configs,
+    plus the Mosaic variants named in `names` (see `mosaic_config`)."""
+    out = {"mosaic": functools.partial(paged_decode_mosaic_configured, scale=scale,
+                                       config=MosaicDecodeConfig()),
+           "triton": functools.partial(paged_decode_triton_configured, scale=scale)}
+    for name in names:
+        if name.startswith("mosaic:"):
+            out[name] = functools.partial(paged_decode_mosaic_configured, scale=scale,
+                                          config=mosaic_config(name))
+    return out
 
 
 def bundled_variants(scale: float) -> dict:
@@ -206,7 +232,7 @@ def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"),
     result = {"jax": jax.__version__, "device": str(jax.devices()[0]), "read_ceiling_TBps": ceiling,
               "shape": dict(hq=HQ, hkv=HKV, d=D, page=PAGE, dtype="bfloat16"), "rows": []}
     # A variant runs if its name or its family (the part before "_") is listed.
-    fns = {n: f for n, f in {**our_variants(scale), **bundled_variants(scale)}.items()
+    fns = {n: f for n, f in {**our_variants(scale, variants), **bundled_variants(scale)}.items()
            if n in variants or n.split("_")[0] in variants}
     for batch, ctx in shapes or [(b, c) for b in batches for c in contexts]:
         kv_gb = 2 * batch * ctx * HKV * D * 2 / 1e9
@@ -285,6 +311,7 @@ def table(result) -> str:
 
 
 def main(argv=None):
+    global CHAIN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="512,4096,32768")
@@ -293,8 +320,10 @@ def main(argv=None):
                          "--batches/--contexts)")
     ap.add_argument("--variants", default="mosaic,triton,bundled,xla,diag",
                     help="diag: also the Mosaic kernel alone, without the XLA ops around it")
+    ap.add_argument("--chain", type=int, default=CHAIN, help="kernel calls chained in one jit")
     ap.add_argument("--json", default=None, help="output path (default: $OUT/bench_decode.json)")
     args = ap.parse_args(argv)
+    CHAIN = args.chain
     ints = lambda s: [int(x) for x in s.split(",") if x]
     path = args.json or (os.path.join(os.environ["OUT"], "bench_decode.json")
                          if os.environ.get("OUT") else None)

@@ -68,21 +68,33 @@ class SplitPlan:
         return self.num_splits * self.pages_per_split
 
 
-def plan_splits(shape: DecodeShape, *, pages_per_step: int, workers: int) -> SplitPlan:
+# What one extra XLA op (the split combine: a launch plus a short read) costs, in pipeline steps
+# of one item; measured on the H200 (benchmarks/RESULTS.md, "Paged decode attention").
+COMBINE_COST_STEPS = 4
+
+
+def plan_splits(shape: DecodeShape, *, pages_per_step: int, workers: int,
+                combine_cost_steps: int = COMBINE_COST_STEPS,
+                num_splits: int | None = None) -> SplitPlan:
     """Split each sequence's context (flash-decoding) so that the (sequence, kv head, split) items
     keep `workers` concurrent workers (persistent CTAs, or resident programs) evenly busy.
 
     Cost model for full-length sequences: the busiest worker runs ceil(items / workers) items of
     (steps per split + 1) steps each, the +1 standing for an item's fixed cost (q load, output
-    store, its share of the combine). The smallest-cost split count wins; ties go to fewer splits.
-    Splits are whole steps of `pages_per_step` pages."""
+    store); more than one split adds the combine, `combine_cost_steps`. The smallest-cost split
+    count wins; ties go to fewer splits. Splits are whole steps of `pages_per_step` pages.
+    `num_splits` forces a split count instead (benchmarks)."""
     base = shape.num_seqs * shape.num_kv_heads
     total_steps = max(1, math.ceil(shape.max_blocks / pages_per_step))
 
     def cost(splits):
-        return math.ceil(base * splits / workers) * (math.ceil(total_steps / splits) + 1)
+        return (math.ceil(base * splits / workers) * (math.ceil(total_steps / splits) + 1)
+                + (combine_cost_steps if splits > 1 else 0))
 
-    splits = min(range(1, total_steps + 1), key=lambda c: (cost(c), c))
+    if num_splits is None:
+        splits = min(range(1, total_steps + 1), key=lambda c: (cost(c), c))
+    else:
+        splits = max(1, min(num_splits, total_steps))
     pages_per_split = math.ceil(total_steps / splits) * pages_per_step
     return SplitPlan(math.ceil(shape.max_blocks / pages_per_split), pages_per_split)
 

@@ -64,6 +64,10 @@ class MosaicDecodeConfig:
     # many as fit in shared memory
     num_ctas: int | None = None  # persistent CTAs; default: one per SM
     split_workers: int | None = None  # workers the split plan balances over; default: num_ctas
+    num_splits: int | None = None  # force this many context splits (benchmarks); default: planned
+    bt_lookahead: int = 0  # the producer reads block ids this many steps ahead (0: just in time)
+    pdl: bool = False  # programmatic dependent launch: the kernel's launch and set-up overlap the
+    # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`
 
 
 def num_sms() -> int:
@@ -75,7 +79,7 @@ def num_sms() -> int:
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   interpret: bool):
+                   bt_lookahead: int, pdl: bool, interpret: bool):
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, x_smem, vec_smem, y_smem, q_bar, q_free, k_bar, v_bar,
          k_free, v_free, x_full, x_free, *p_smem) = refs
@@ -92,6 +96,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     my_items = pl.cdiv(num_items - cta, num_ctas)
+    if pdl:
+        plgpu.griddepcontrol_wait()  # q and the cache may come from the kernel just before
 
     def q_rows(seq, head):
         """-> (first row of the item's q tile in q_ref, first output row, the item's first row
@@ -131,16 +137,24 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
                                     q_bar.at[qb])
 
-            @pl.loop(0, steps)
-            def _step(j):
+            def block_ids(j):
+                """Block ids of step j's pages. Pages past the sequence's last one re-read its
+                last page (masked later): every copy reads real, finite data and the barrier
+                count stays fixed. Clamped at 0 for empty items read ahead."""
+                page0 = first + j * pages_per_step
+                return tuple(bt_ref[seq, jnp.maximum(jnp.minimum(page0 + i, num_pages - 1), 0)]
+                             for i in range(pages_per_step))
+
+            def step(j, ahead):
                 gs = g0 + j
                 slot = lax.rem(gs, stages)
-                page0 = first + j * pages_per_step
-                # Block ids are read before waiting for the slot, so their load latency overlaps
-                # the wait. Pages past the sequence's last one re-read its last page (masked
-                # later): every copy reads real, finite data and the barrier count stays fixed.
-                blocks = [bt_ref[seq, jnp.minimum(page0 + i, num_pages - 1)]
-                          for i in range(pages_per_step)]
+                # Block ids are read before waiting for the slot (and, with a lookahead, that
+                # many steps early), so their load latency overlaps the wait and earlier copies.
+                if bt_lookahead:
+                    blocks, ahead = ahead[:pages_per_step], (
+                        *ahead[pages_per_step:], *block_ids(j + bt_lookahead))
+                else:
+                    blocks = block_ids(j)
 
                 def load(cache_ref, smem, ready, free):
                     @pl.when(gs >= stages)
@@ -152,7 +166,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
                 load(k_ref, k_smem, k_bar, k_free)
                 load(v_ref, v_smem, v_bar, v_free)
+                return ahead
 
+            ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
+            lax.fori_loop(0, steps, step, ahead)
             return g0 + steps
 
         total_steps = lax.fori_loop(0, my_items, item_body, jnp.int32(0))
@@ -325,7 +342,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     pages_per_step = config.tokens_per_step // bs
     num_ctas = config.num_ctas or num_sms()
     plan = plan_splits(shape, pages_per_step=pages_per_step,
-                       workers=config.split_workers or num_ctas)
+                       workers=config.split_workers or num_ctas, num_splits=config.num_splits)
     elem_bytes = jnp.dtype(dtype).itemsize
     stage_bytes = 2 * config.tokens_per_step * d * elem_bytes  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
@@ -360,7 +377,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     kernel = functools.partial(
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
-        num_ctas=num_ctas, scale=scale, softcap=softcap, interpret=interpret)
+        num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
+        pdl=config.pdl and not interpret, interpret=interpret)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,

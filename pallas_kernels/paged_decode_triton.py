@@ -84,7 +84,9 @@ def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, 
                          f"({pages_per_step * bs}) must be powers of two (Triton block shapes)")
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim ({d}) must be a power of two >= 16 for the Triton kernel")
-    plan = plan_splits(shape, pages_per_step=pages_per_step, workers=workers or 4 * _num_sms())
+    # This path combines even one split (combine_splits normalises), so splitting adds no op.
+    plan = plan_splits(shape, pages_per_step=pages_per_step, workers=workers or 4 * _num_sms(),
+                       combine_cost_steps=0)
     bt = pad_block_tables(block_tables, plan).reshape(shape.num_seqs, plan.num_splits,
                                                       plan.pages_per_split)
     gp = max(_MIN_DOT_ROWS, 1 << math.ceil(math.log2(g)))

@@ -79,21 +79,30 @@ CASES = [
 ]
 
 
+def mosaic_splits(case) -> int:
+    """Context splits for the Mosaic test: 2 where a sequence spans several 64-token steps (the
+    fp32-part + log-sum-exp path), else 1 (the kernel writes the final output)."""
+    *_, page, max_blocks, _ = case
+    return 2 if max_blocks * page > 64 else 1
+
+
 def run_case(case, kernel):
-    """A CASES row's inputs through `kernel(q, k, v, bt, lens, scale=, softcap=, workers=)`, checked
-    against the oracle; workers (programs / split items to aim for) = 3 x sequences x kv heads."""
+    """A CASES row's inputs through `kernel(q, k, v, bt, lens, scale=, softcap=, workers=,
+    splits=)`, checked against the oracle; workers (programs to aim for) = 3 x sequences x kv
+    heads, splits = `mosaic_splits(case)`."""
     seed, batch, hq, hkv, d, page, max_blocks, softcap = case
     q, k, v, bt, lens = make_case(seed, batch=batch, hq=hq, hkv=hkv, d=d, page=page,
                                   max_blocks=max_blocks)
     scale = d ** -0.5
-    out = kernel(q, k, v, bt, lens, scale=scale, softcap=softcap, workers=3 * batch * hkv)
+    out = kernel(q, k, v, bt, lens, scale=scale, softcap=softcap, workers=3 * batch * hkv,
+                 splits=mosaic_splits(case))
     check(out, q, k, v, bt, lens, scale=scale, softcap=softcap)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_triton_interpret_matches_reference(case):
     # One page per step and few programs, so several steps and several splits per sequence run.
-    def kernel(*args, workers, **kwargs):
+    def kernel(*args, workers, splits, **kwargs):
         return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1, workers=workers,
                                               interpret=True)
     run_case(case, kernel)
@@ -101,23 +110,18 @@ def test_triton_interpret_matches_reference(case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_mosaic_interpret_matches_reference(case):
-    # Two persistent CTAs over several items each, 2 splits per sequence, 64-token steps: items
-    # change mid-ring, both consumer warpgroups get steps, pages past a sequence's end get masked.
-    def kernel(*args, workers, **kwargs):
-        cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, split_workers=workers)
+    # Two persistent CTAs over several items each, 64-token steps: items change mid-ring, both
+    # consumer warpgroups get steps, pages past a sequence's end get masked.
+    def kernel(*args, workers, splits, **kwargs):
+        cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits)
         return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, kernel)
 
 
 def test_cases_cover_the_mosaic_kernels_one_and_several_split_paths():
     # The Mosaic kernel writes the final output itself with one split per sequence and fp32 parts
-    # for `_combine_parts` with several: CASES must run both under the test's worker count.
-    splits = set()
-    for seed, batch, hq, hkv, d, page, max_blocks, _ in CASES:
-        shape = DecodeShape(batch, hq, hkv, d, page, max_blocks)
-        splits.add(plan_splits(shape, pages_per_step=64 // page,
-                               workers=3 * batch * hkv).num_splits > 1)
-    assert splits == {False, True}
+    # for `_combine_parts` with several: CASES must run both.
+    assert {mosaic_splits(case) for case in CASES} == {1, 2}
 
 
 def test_split_plan_covers_the_block_table_and_fills_the_workers():
@@ -126,7 +130,7 @@ def test_split_plan_covers_the_block_table_and_fills_the_workers():
             (1, 8, 2048, 4, 132, range(9, 17)),  # batch 1 x 32k: split until ~132 items
             (64, 8, 256, 4, 132, [1]),  # batch 64 x 4k: 512 items already fill 132 CTAs
             (8, 8, 256, 4, 132, [2]),  # 64 items: 2 splits give 128 items, one wave
-            (3, 2, 5, 2, 100, [3]),  # 3 steps per sequence: one step per split
+            (3, 2, 50, 2, 100, [13]),  # 25 steps per sequence: 13 splits of 2 steps, one wave
             (1, 1, 1, 8, 1000, [1])]:
         shape = DecodeShape(s, hkv * 4, hkv, 128, 16, m)
         plan = plan_splits(shape, pages_per_step=pps, workers=workers)
@@ -155,3 +159,25 @@ def test_public_functions_have_the_backend_signature():
     for fn in (paged_decode_mosaic, paged_decode_triton):
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref).parameters)
 
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[8]],
+                         ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
+def test_mosaic_interpret_block_id_lookahead_and_forced_splits(case):
+    # The producer reading block ids 3 steps ahead (past the end of short items, where the read
+    # is clamped to a valid page) and a forced split count (some splits empty or partial).
+    def kernel(*args, workers, splits, **kwargs):
+        del workers, splits
+        cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=3,
+                                 bt_lookahead=3, pdl=True)
+        return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
+    run_case(case, kernel)
+
+
+def test_split_plan_charges_the_combine():
+    # A context that one wave of unsplit items covers in a few steps is not split (the combine's
+    # launch would cost more than the split saves); a long one is.
+    shape = DecodeShape(8, 32, 8, 128, 16, 32)  # batch 8 x 512 tokens, 8 steps per sequence
+    assert plan_splits(shape, pages_per_step=4, workers=132).num_splits == 1
+    assert plan_splits(shape, pages_per_step=4, workers=132, combine_cost_steps=0).num_splits == 2
+    assert plan_splits(shape, pages_per_step=4, workers=132, num_splits=4).num_splits == 4

@@ -68,27 +68,34 @@ class SplitPlan:
         return self.num_splits * self.pages_per_split
 
 
-# What one extra XLA op (the split combine: a launch plus a short read) costs, in pipeline steps
-# of one item; measured on the H200 (benchmarks/RESULTS.md, "Paged decode attention").
-COMBINE_COST_STEPS = 4
+# What one extra XLA op (the split combine) costs, in pipeline steps of one item at full load
+# (~0.9 us on the H200): its launch, mostly. Measured on the H200 with small contexts, where an
+# extra kernel per call costs ~8 us (benchmarks/RESULTS.md, "Paged decode attention").
+COMBINE_COST_STEPS = 8
+# How much faster than its fair share of HBM bandwidth one worker streams when few are busy
+# (H200: ~42 GB/s per SM against 4.55 TB/s / 132 SMs = 34.5).
+WORKER_SPEEDUP = 1.2
 
 
 def plan_splits(shape: DecodeShape, *, pages_per_step: int, workers: int,
-                combine_cost_steps: int = COMBINE_COST_STEPS,
+                combine_cost_steps: float = COMBINE_COST_STEPS,
                 num_splits: int | None = None) -> SplitPlan:
     """Split each sequence's context (flash-decoding) so that the (sequence, kv head, split) items
     keep `workers` concurrent workers (persistent CTAs, or resident programs) evenly busy.
 
-    Cost model for full-length sequences: the busiest worker runs ceil(items / workers) items of
-    (steps per split + 1) steps each, the +1 standing for an item's fixed cost (q load, output
-    store); more than one split adds the combine, `combine_cost_steps`. The smallest-cost split
-    count wins; ties go to fewer splits. Splits are whole steps of `pages_per_step` pages.
-    `num_splits` forces a split count instead (benchmarks)."""
+    Cost model for full-length sequences, in steps at full load: the busiest worker runs
+    ceil(items / workers) items of (steps per split) steps plus 1 (an item's fixed cost: q load,
+    output store); a step takes busy / workers of a full-load step (HBM bandwidth is shared) but
+    no less than 1 / WORKER_SPEEDUP; more than one split adds the combine, `combine_cost_steps`.
+    The smallest-cost split count wins; ties go to fewer splits. Splits are whole steps of
+    `pages_per_step` pages. `num_splits` forces a split count instead (benchmarks)."""
     base = shape.num_seqs * shape.num_kv_heads
     total_steps = max(1, math.ceil(shape.max_blocks / pages_per_step))
 
     def cost(splits):
-        return (math.ceil(base * splits / workers) * (math.ceil(total_steps / splits) + 1)
+        items = base * splits
+        step = max(min(items, workers) / workers, 1 / WORKER_SPEEDUP)
+        return (math.ceil(items / workers) * (math.ceil(total_steps / splits) * step + 1)
                 + (combine_cost_steps if splits > 1 else 0))
 
     if num_splits is None:

@@ -65,8 +65,8 @@ class MosaicDecodeConfig:
     num_ctas: int | None = None  # persistent CTAs; default: one per SM
     split_workers: int | None = None  # workers the split plan balances over; default: num_ctas
     num_splits: int | None = None  # force this many context splits (benchmarks); default: planned
-    bt_lookahead: int = 0  # the producer reads block ids this many steps ahead (0: just in time)
-    pdl: bool = False  # programmatic dependent launch: the kernel's launch and set-up overlap the
+    bt_lookahead: int = 2  # the producer reads block ids this many steps ahead (0: just in time)
+    pdl: bool = True  # programmatic dependent launch: the kernel's launch and set-up overlap the
     # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`
 
 
@@ -145,6 +145,20 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 return tuple(bt_ref[seq, jnp.maximum(jnp.minimum(page0 + i, num_pages - 1), 0)]
                              for i in range(pages_per_step))
 
+            last_page = jnp.maximum(num_pages - 1, 0)
+            last_id = bt_ref[seq, last_page] if bt_lookahead else None
+
+            def block_ids_early(j):
+                """`block_ids` with table reads that do not wait for the sequence length: each
+                entry is read at its column (clamped to the table), and only the choice between
+                it and the last page's id depends on the length, so the table and length loads
+                are in flight together."""
+                page0 = first + j * pages_per_step
+                return tuple(jnp.where(page0 + i <= last_page,
+                                       bt_ref[seq, jnp.minimum(page0 + i, shape.max_blocks - 1)],
+                                       last_id)
+                             for i in range(pages_per_step))
+
             def step(j, ahead):
                 gs = g0 + j
                 slot = lax.rem(gs, stages)
@@ -152,7 +166,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 # many steps early), so their load latency overlaps the wait and earlier copies.
                 if bt_lookahead:
                     blocks, ahead = ahead[:pages_per_step], (
-                        *ahead[pages_per_step:], *block_ids(j + bt_lookahead))
+                        *ahead[pages_per_step:], *block_ids_early(j + bt_lookahead))
                 else:
                     blocks = block_ids(j)
 
@@ -168,7 +182,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 load(v_ref, v_smem, v_bar, v_free)
                 return ahead
 
-            ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
+            ahead = sum((block_ids_early(j) for j in range(bt_lookahead)), ())
             lax.fori_loop(0, steps, step, ahead)
             return g0 + steps
 

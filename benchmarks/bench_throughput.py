@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from jaxinfer.engine import LLM, LLMEngine  # noqa: E402
 from jaxinfer.engine_args import EngineArgs  # noqa: E402
+from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -138,7 +139,10 @@ def main() -> None:
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
     args = p.parse_args()
-    result = host_overhead(args) if args.host_overhead else throughput(args)
+    try:
+        result = host_overhead(args) if args.host_overhead else throughput(args)
+    except (JaxinferError, ValueError) as e:  # a bad flag or model directory: say which, no trace
+        p.exit(2, f"{p.prog}: error: {e}\n")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
 

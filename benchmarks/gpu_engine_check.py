@@ -2,7 +2,7 @@
 and offline throughput at a real model size.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_engine_check.py [--sections ...]
-        [--deadline-s 540]
+        [--deadline-s 540] [--backend mosaic|triton|reference]
 
 Sections (each in its own process, so one that crashes or runs out of time keeps the others'
 figures; they share one fresh persistent compilation cache, so later sections reuse what earlier
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,18 +118,29 @@ def run_section(name: str, cache_dir: str) -> None:
 
 # ---- the driver ------------------------------------------------------------------------------
 def child(argv: list[str], timeout: float) -> tuple[str, str, int | None]:
+    """Run a section; past `timeout` it gets SIGABRT first, so faulthandler (on in the child)
+    prints every thread's Python stack into stderr — where a hung step waits is then on record."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        return proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        def text(b):
-            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        return text(e.stdout), text(e.stderr) + f"\n[timed out after {timeout:.0f} s]", None
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return stdout, stderr, proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        stderr = "\n".join(l for l in stderr.splitlines() if "/s]" not in l)  # no progress bars
+        return stdout, stderr + f"\n[timed out after {timeout:.0f} s]", None
 
 
-def throughput_argv(model: str, extra: list[str], json_path: Path, cache_dir: str) -> list[str]:
+def throughput_argv(model: str, extra: list[str], json_path: Path, cache_dir: str,
+                    backend: str = "mosaic") -> list[str]:
     return [sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--model", model,
-            "--attention-backend", "mosaic", "--dtype", "bfloat16", "--temperature", "0",
+            "--attention-backend", backend, "--dtype", "bfloat16", "--temperature", "0",
             "--compilation-cache-dir", cache_dir, "--output-json", str(json_path), *extra]
 
 
@@ -136,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="warmup,parity,llama8b,demo")
     ap.add_argument("--deadline-s", type=float, default=540.0)
+    ap.add_argument("--backend", default="mosaic",
+                    help="attention backend of the throughput sections (llama8b, demo)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -154,10 +168,11 @@ def main() -> None:
         "llama8b": (throughput_argv(str(llama_dir), [
             "--load-format", "dummy", "--num-prompts", "64", "--input-len", "512", "--output-len",
             "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len",
-            "2048", "--gpu-memory-utilization", "0.85"], work / "llama8b.json", cache_dir), 300),
+            "2048", "--gpu-memory-utilization", "0.85"], work / "llama8b.json", cache_dir,
+            args.backend), 300),
         "demo": (throughput_argv(str(ROOT / "checkpoints" / "demo-target"), [
             "--num-prompts", "256", "--input-len", "256", "--output-len", "256",
-            "--num-blocks", "16384"], work / "demo.json", cache_dir), 150),
+            "--num-blocks", "16384"], work / "demo.json", cache_dir, args.backend), 150),
     }
     results: dict = {}
     dest = OUT / "gpu_engine_check.json"

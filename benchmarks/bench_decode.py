@@ -10,8 +10,9 @@ jit (no host round trip between them), that jit queued many times, the median pe
 repetitions. When one call's KV bytes fit in L2, successive calls cycle through disjoint page sets
 (256 MiB in all, or MAX_SETS sets: 134 MB at batch 1 x 512), so no call is served from the 60 MB
 L2; one jit holds only CHAIN kernel instances whatever the number of sets, which keeps compile time
-(and the device call) short. CHAIN = 4 makes the smallest shapes (a few MB) partly host-launch-bound:
-compare them side by side only.
+(and the device call) short. Shapes under SMALL_KV_BYTES chain SMALL_CHAIN = 16 calls instead: with 4,
+one jit call of a few MB holds about as much GPU work as jax's dispatch costs on the host, and the
+figures swing by several µs between runs. `--chain N` forces one length for every shape.
 Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kernels.py` calls
 `run_grid`.
 """
@@ -43,6 +44,8 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_FLUSH_BYTES = 256 * 2**20  # read this much per measurement at least, so L2 (60 MB) can't serve it
 MAX_SETS = 64
 CHAIN = 4  # kernel calls chained inside one jit
+SMALL_CHAIN, SMALL_KV_BYTES = 16, 64e6  # ... and for shapes whose KV is under 64 MB
+FORCED_CHAIN = None  # --chain
 
 
 def warm_up_gpu(seconds: float = 1.5) -> None:
@@ -94,11 +97,12 @@ def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D,
     all sequences hold exactly `ctx` tokens."""
     pages = ctx // page
     kv_bytes = 2 * batch * ctx * hkv * d * 2
+    chain = FORCED_CHAIN or (SMALL_CHAIN if kv_bytes < SMALL_KV_BYTES else CHAIN)
     sets = int(min(MAX_SETS, max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes))))
-    if kv_bytes * CHAIN <= 20e9:
-        sets = max(sets, CHAIN)
-    if sets > CHAIN:
-        sets = -(-sets // CHAIN) * CHAIN  # whole groups of CHAIN
+    if kv_bytes * chain <= 20e9:
+        sets = max(sets, chain)
+    if sets > chain:
+        sets = -(-sets // chain) * chain  # whole groups of chain
     num_blocks = sets * batch * pages
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (batch, hq, d), jnp.bfloat16)
@@ -106,45 +110,50 @@ def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D,
     v = jax.random.normal(ks[2], (hkv, num_blocks, page, d), jnp.bfloat16)
     bts = jax.random.permutation(ks[3], num_blocks).astype(jnp.int32).reshape(sets, batch, pages)
     lens = jnp.full((batch,), ctx, jnp.int32)
-    return dict(q=q, k=k, v=v, bts=bts, lens=lens, kv_bytes=kv_bytes, sets=sets)
+    return dict(q=q, k=k, v=v, bts=bts, lens=lens, kv_bytes=kv_bytes, sets=sets, chain=chain)
 
 
 def _table_groups(case) -> itertools.cycle:
-    """The case's block tables in groups of CHAIN ([CHAIN, B, pages] each), cycled: successive jit
-    calls read successive groups."""
-    sets, bts = case["sets"], case["bts"]
-    idx = [i % sets for i in range(max(sets, CHAIN))]
-    return itertools.cycle([bts[jnp.asarray(idx[i:i + CHAIN])]
-                            for i in range(0, len(idx), CHAIN)])
+    """The case's block tables in groups of its chain length ([chain, B, pages] each), cycled:
+    successive jit calls read successive groups."""
+    sets, bts, chain = case["sets"], case["bts"], case["chain"]
+    idx = [i % sets for i in range(max(sets, chain))]
+    return itertools.cycle([bts[jnp.asarray(idx[i:i + chain])]
+                            for i in range(0, len(idx), chain)])
 
 
 def time_paged(fn, case) -> float:
-    """Seconds per call of fn(q, k, v, block_table, lens). One jit chains CHAIN calls, each on its
-    own page set where there are several, each call's q being the previous call's output (no call
-    can be merged with another or skipped, and the output stays a realistic attention output)."""
+    """Seconds per call of fn(q, k, v, block_table, lens). One jit chains the case's chain of
+    calls, each on its own page set where there are several, each call's q being the previous
+    call's output (no call can be merged with another or skipped, and the output stays a realistic
+    attention output)."""
+    chain = case["chain"]
 
     @jax.jit
     def many(q, k, v, bts, lens):
-        for i in range(CHAIN):
+        for i in range(chain):
             q = fn(q, k, v, bts[i], lens).astype(q.dtype)
         return q
 
     k, v, lens, groups = case["k"], case["v"], case["lens"], _table_groups(case)
-    return _queued_time(lambda q: many(q, k, v, next(groups), lens), case["q"]) / CHAIN
+    return _queued_time(lambda q: many(q, k, v, next(groups), lens), case["q"]) / chain
 
 
 def time_mosaic_kernel_only(case, scale: float, config=MosaicDecodeConfig()) -> float:
     """The Mosaic kernel without the XLA work around it (the split combine, when there are several
-    splits): CHAIN independent calls per jit on distinct page sets (none can be merged), queued.
+    splits): the case's chain of independent calls per jit on distinct page sets (none can be
+    merged), queued.
     Not chained, so back-to-back kernels may overlap their launch: a lower bound."""
     fn = functools.partial(mosaic_decode_call, scale=scale, config=config)
 
+    chain = case["chain"]
+
     @jax.jit
     def many(q, k, v, bts, lens):
-        return [fn(q, k, v, bts[i], lens)[0] for i in range(CHAIN)]
+        return [fn(q, k, v, bts[i], lens)[0] for i in range(chain)]
 
     q, k, v, lens, groups = case["q"], case["k"], case["v"], case["lens"], _table_groups(case)
-    return _queued_time(lambda _: many(q, k, v, next(groups), lens), None) / CHAIN
+    return _queued_time(lambda _: many(q, k, v, next(groups), lens), None) / chain
 
 
 def mosaic_config(name: str) -> MosaicDecodeConfig:
@@ -311,7 +320,7 @@ def table(result) -> str:
 
 
 def main(argv=None):
-    global CHAIN
+    global FORCED_CHAIN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="512,4096,32768")
@@ -320,10 +329,12 @@ def main(argv=None):
                          "--batches/--contexts)")
     ap.add_argument("--variants", default="mosaic,triton,bundled,xla,diag",
                     help="diag: also the Mosaic kernel alone, without the XLA ops around it")
-    ap.add_argument("--chain", type=int, default=CHAIN, help="kernel calls chained in one jit")
+    ap.add_argument("--chain", type=int, default=None,
+                    help=f"kernel calls chained in one jit (default: {CHAIN}, {SMALL_CHAIN} for "
+                         f"shapes under {SMALL_KV_BYTES / 1e6:.0f} MB of KV)")
     ap.add_argument("--json", default=None, help="output path (default: $OUT/bench_decode.json)")
     args = ap.parse_args(argv)
-    CHAIN = args.chain
+    FORCED_CHAIN = args.chain
     ints = lambda s: [int(x) for x in s.split(",") if x]
     path = args.json or (os.path.join(os.environ["OUT"], "bench_decode.json")
                          if os.environ.get("OUT") else None)

@@ -29,6 +29,9 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   these sizes still fits under the memory time of a step (see docs/ARCHITECTURE.md, "Kernels:
   paged decode").
 - Softmax runs in the log2 domain (exp2 with the scale folded in), accumulation is fp32.
+- The kernel waits on `griddepcontrol.wait` before reading anything (programmatic dependent
+  launch: its launch and set-up overlap the previous kernel's tail), and the producer reads block
+  ids `bt_lookahead` steps ahead without waiting for the sequence length.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ _WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
 _SMEM_BUDGET = 227 * 1024 - 4096  # 227 KiB per block, less what Mosaic adds (barriers, alignment)
+_PROFILE_EVENTS = 128  # profiler events per warpgroup (16 bytes of shared memory each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,21 @@ class MosaicDecodeConfig:
     bt_lookahead: int = 2  # the producer reads block ids this many steps ahead (0: just in time)
     pdl: bool = True  # programmatic dependent launch: the kernel's launch and set-up overlap the
     # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`
+    profile_dir: str = ""  # write each call's per-warpgroup timeline (Mosaic GPU's profiler, a
+    # Perfetto JSON) here; see benchmarks/profile_decode.py
+
+
+def _scoped(name: str):
+    """Decorator: the function is traced inside `jax.named_scope(name)`, a range in the
+    per-warpgroup timeline that Mosaic GPU's profiler records when `MosaicDecodeConfig.profile_dir`
+    is set (free otherwise)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return wrapped
+    return decorate
 
 
 def num_sms() -> int:
@@ -189,7 +205,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             lax.fori_loop(0, steps, step, ahead)
             return g0 + steps
 
-        total_steps = lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+        total_steps = lax.fori_loop(0, my_items, _scoped("producer_item")(item_body),
+                                    jnp.int32(0))
         # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
         # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
         for i in range(stages):
@@ -212,7 +229,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             seq, head, split, length, first, _, steps = item_info(it)
             qb = lax.rem(it, 2)
             q_tile = q_smem.at[qb]
-            plgpu.barrier_wait(q_bar.at[qb])
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(q_bar.at[qb])
             # This warpgroup owns the steps whose global slot parity equals its index.
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
@@ -254,11 +272,13 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), NEG_INF, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), row_layout),
             )
-            acc, m_i, l_i = lax.fori_loop(0, my_steps, step, init)
+            with jax.named_scope("kv_steps"):
+                acc, m_i, l_i = lax.fori_loop(0, my_steps, step, init)
             plgpu.barrier_arrive(q_free.at[qb])
             _, base, r0 = q_rows(seq, head)
 
             @pl.when(wg == 1)
+            @_scoped("hand_over")
             def _hand_over():  # warpgroup 1's softmax state -> warpgroup 0, via x_smem
                 @pl.when(it > 0)
                 def _():
@@ -269,6 +289,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 plgpu.barrier_arrive(x_full.at[0])
 
             @pl.when(wg == 0)
+            @_scoped("merge_store")
             def _merge_and_store():
                 plgpu.barrier_wait(x_full.at[0])
                 acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA, optimized=False)
@@ -365,6 +386,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
                    + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
+    if config.profile_dir:
+        fixed_bytes += (_NUM_CONSUMERS + 1) * _PROFILE_EVENTS * 16
     if interpret:
         fixed_bytes += _NUM_CONSUMERS * _WGMMA_ROWS * config.tokens_per_step * elem_bytes
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
@@ -421,7 +444,10 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         grid_names=("cta",),
         num_threads=_NUM_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **(dict(profile_space=_PROFILE_EVENTS, profile_dir=config.profile_dir,
+                                      profile_bounds_check=True)
+                                 if config.profile_dir and not interpret else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)

@@ -1,0 +1,131 @@
+"""Where a paged-decode call's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
+
+    PYTHONPATH=. python3 benchmarks/profile_decode.py [--shapes 1x32768,64x4096] [--variants mosaic]
+
+For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
+once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
+warpgroup of every CTA records global-timer stamps at the kernel's named ranges (producer_item,
+wait_q, kv_steps, hand_over, merge_store). From that trace this prints, per shape: the kernel's
+span (first stamp to last, over all CTAs), how far apart the CTAs start and finish, when the first
+consumer starts streaming (the end of its q wait), and each range's mean and max length. The
+profiler's own stores cost a few cycles per stamp; the XLA combine (several splits) and the launch
+before the first stamp are outside the trace. Traces (Perfetto JSON) and a summary JSON go under
+$OUT/decode_profiles (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+
+from benchmarks.bench_decode import D, make_paged_case, mosaic_config  # noqa: E402
+from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
+
+WARPGROUPS = 3  # two consumers, then the producer
+
+
+def summarize(events: list[dict]) -> dict:
+    """Perfetto events of one call (ph B/E, ts in µs, tid = 1 + 3 * cta + warpgroup) -> figures."""
+    open_at: dict[tuple[int, str], list[float]] = defaultdict(list)
+    spans: dict[str, list[float]] = defaultdict(list)
+    first_stream: list[float] = []
+    cta_first: dict[int, float] = {}
+    cta_last: dict[int, float] = {}
+    for e in sorted(events, key=lambda e: (e["tid"], e["ts"], e["ph"] == "B")):
+        cta, wg = divmod(e["tid"] - 1, WARPGROUPS)
+        cta_first[cta] = min(cta_first.get(cta, e["ts"]), e["ts"])
+        cta_last[cta] = max(cta_last.get(cta, e["ts"]), e["ts"])
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_at[key].append(e["ts"])
+        elif open_at[key]:
+            start = open_at[key].pop()
+            spans[e["name"]].append(e["ts"] - start)
+            if e["name"] == "wait_q" and wg < WARPGROUPS - 1:
+                first_stream.append(e["ts"])
+    if not cta_first:
+        return {"error": "empty trace"}
+    t0 = min(cta_first.values())
+    firsts = np.array(list(cta_first.values())) - t0
+    lasts = np.array(list(cta_last.values())) - t0
+    return {
+        "ctas": len(cta_first),
+        "span_us": float(lasts.max()),
+        "cta_start_spread_us": float(firsts.max() - firsts.min()),
+        "cta_finish_min_us": float(lasts.min()),
+        "cta_finish_median_us": float(np.median(lasts)),
+        "first_q_ready_us": float(min(first_stream) - t0) if first_stream else None,
+        "ranges_us": {name: {"n": len(v), "mean": float(np.mean(v)), "max": float(np.max(v))}
+                      for name, v in sorted(spans.items())},
+    }
+
+
+def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
+    case = make_paged_case(batch, ctx)
+    config = mosaic_config(variant)
+    trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    args = (case["q"], case["k"], case["v"], case["bts"][0], case["lens"])
+    call = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5)
+    jax.block_until_ready(jax.jit(functools.partial(call, config=config))(*args))
+    profiled = jax.jit(functools.partial(
+        call, config=dataclasses.replace(config, profile_dir=str(trace_dir))))
+    jax.block_until_ready(profiled(*args))
+    jax.effects_barrier()  # the trace is written by a host callback
+    traces = sorted(glob.glob(str(trace_dir / "*-trace.json")))
+    if not traces:
+        return {"error": f"no trace written under {trace_dir}"}
+    with open(traces[-1]) as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    result = summarize([e for e in events if e.get("ph") in ("B", "E")])
+    result.update(batch=batch, ctx=ctx, variant=variant, trace=traces[-1])
+    return result
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1x32768,8x32768,64x4096")
+    ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_profiles"))
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, ctx = (int(x) for x in shape.split("x"))
+        for variant in args.variants.split(","):
+            row = profile_shape(batch, ctx, variant, out_dir)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    (out_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+    print("\n| shape | variant | CTAs | span µs | CTA start spread | CTA finish min / median / max "
+          "| first q ready | kv_steps mean / max | merge_store mean |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r.get('batch')}x{r.get('ctx')} | {r.get('variant')} | {r['error']} |")
+            continue
+        kv = r["ranges_us"].get("kv_steps", {})
+        ms = r["ranges_us"].get("merge_store", {})
+        print(f"| {r['batch']}x{r['ctx']} | {r['variant']} | {r['ctas']} | {r['span_us']:.1f} | "
+              f"{r['cta_start_spread_us']:.1f} | {r['cta_finish_min_us']:.1f} / "
+              f"{r['cta_finish_median_us']:.1f} / {r['span_us']:.1f} | "
+              f"{r['first_q_ready_us'] or 0:.1f} | {kv.get('mean', 0):.1f} / {kv.get('max', 0):.1f} | "
+              f"{ms.get('mean', 0):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,8 @@
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
 warpgroup of every CTA records global-timer stamps at the kernel's named ranges (producer_item,
-wait_q, kv_steps, hand_over, merge_store). From that trace this prints, per shape: the kernel's
+wait_q, kv_steps, hand_over, merge_store; SM cycles within a warpgroup, converted to µs at the
+maximum SM clock). From that trace this prints, per shape: the kernel's
 span (first stamp to last, over all CTAs), how far apart the CTAs start and finish, when the first
 consumer starts streaming (the end of its q wait), and each range's mean and max length. The
 profiler's own stores cost a few cycles per stamp; the XLA combine (several splits) and the launch
@@ -21,6 +22,7 @@ import functools
 import glob
 import json
 import os
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -35,6 +37,27 @@ from benchmarks.bench_decode import D, make_paged_case, mosaic_config  # noqa: E
 from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
 
 WARPGROUPS = 3  # two consumers, then the producer
+
+
+def sm_clock_ghz() -> float:
+    """The GPU's maximum SM clock (nvidia-smi), at which a busy H200 runs; 1.98 if unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        return float(out.stdout.split()[0]) / 1e3
+    except (OSError, ValueError, IndexError):
+        return 1.98
+
+
+def to_microseconds(events: list[dict], clock_ghz: float) -> list[dict]:
+    """Mosaic's dump writes ts = (global timer at a trace's start, ns + SM cycles since its first
+    stamp) / 1e3: the first stamp of each trace (one warpgroup of one CTA) is a global time in µs,
+    the others add kilocycles. Convert those to µs at `clock_ghz`."""
+    first: dict[int, float] = {}
+    for e in events:
+        first[e["tid"]] = min(first.get(e["tid"], e["ts"]), e["ts"])
+    return [{**e, "ts": first[e["tid"]] + (e["ts"] - first[e["tid"]]) / clock_ghz}
+            for e in events]
 
 
 def summarize(events: list[dict]) -> dict:
@@ -91,8 +114,9 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
     with open(traces[-1]) as fh:
         data = json.load(fh)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    result = summarize([e for e in events if e.get("ph") in ("B", "E")])
-    result.update(batch=batch, ctx=ctx, variant=variant, trace=traces[-1])
+    clock = sm_clock_ghz()
+    result = summarize(to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock))
+    result.update(batch=batch, ctx=ctx, variant=variant, trace=traces[-1], sm_clock_ghz=clock)
     return result
 
 

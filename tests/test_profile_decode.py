@@ -1,0 +1,50 @@
+"""`benchmarks/profile_decode.py` reads the traces Mosaic GPU's profiler writes: here a trace is
+made by the profiler's own `ProfilerSpec.dump` from a synthetic buffer (2 CTAs x 3 warpgroups)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+
+from jax.experimental.mosaic.gpu import profiler
+
+from benchmarks.profile_decode import summarize, to_microseconds
+
+
+def synthetic_trace(clock_ghz: float) -> list[dict]:
+    spec = profiler.ProfilerSpec(64 * 4, dump_path="/tmp",
+                                 trace_scope=profiler.ThreadSubset.WARPGROUP)
+    for name in ("wait_q", "kv_steps", "merge_store", "producer_item"):
+        spec.intern_name(name)
+    buf = np.zeros((2, 3, spec.entries_per_warpgroup), np.uint32)
+    cycles_per_us = int(clock_ghz * 1000)
+    for cta in range(2):
+        for wg in range(3):
+            buf[cta, wg, 0] = 1_000_000 + 500 * cta  # global timer (ns) at the trace's start
+            buf[cta, wg, 1] = cta                    # SM id
+            ranges = ([("wait_q", 1), ("kv_steps", 30), ("merge_store", 2)] if wg < 2
+                      else [("producer_item", 28)])
+            stamps, t = [], 100
+            for name, us in ranges:  # `us` microseconds each, 12 cycles apart (a stamp's cost)
+                tag = spec.interned_names[name]
+                stamps += [tag, t, tag | profiler.ProfilerSpec.EXIT, t + us * cycles_per_us]
+                t += us * cycles_per_us + 12
+            buf[cta, wg, 2] = len(stamps)
+            buf[cta, wg, 3:3 + len(stamps)] = stamps
+    f = io.StringIO()
+    spec.dump(buf.reshape(-1), f, grid=(2, 1, 1), block=(384, 1, 1))
+    return [e for e in json.loads(f.getvalue())["traceEvents"] if e.get("ph") in ("B", "E")]
+
+
+def test_summary_of_a_profiler_trace_in_microseconds():
+    r = summarize(to_microseconds(synthetic_trace(1.5), 1.5))
+    assert r["ctas"] == 2
+    np.testing.assert_allclose(r["cta_start_spread_us"], 0.5, atol=0.01)
+    np.testing.assert_allclose(r["span_us"], 33.5, atol=0.05)  # 33 µs per CTA, CTA 1 starts 0.5 later
+    np.testing.assert_allclose(r["first_q_ready_us"], 1.0, atol=0.05)
+    kv = r["ranges_us"]["kv_steps"]
+    assert kv["n"] == 4
+    np.testing.assert_allclose([kv["mean"], kv["max"]], [30, 30], atol=0.05)
+    assert r["ranges_us"]["producer_item"]["n"] == 2

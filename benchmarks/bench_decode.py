@@ -139,12 +139,12 @@ def time_paged(fn, case) -> float:
     return _queued_time(lambda q: many(q, k, v, next(groups), lens), case["q"]) / chain
 
 
-def time_mosaic_kernel_only(case, scale: float, config=MosaicDecodeConfig()) -> float:
+def time_mosaic_kernel_only(case, scale: float) -> float:
     """The Mosaic kernel without the XLA work around it (the split combine, when there are several
     splits): the case's chain of independent calls per jit on distinct page sets (none can be
     merged), queued.
     Not chained, so back-to-back kernels may overlap their launch: a lower bound."""
-    fn = functools.partial(mosaic_decode_call, scale=scale, config=config)
+    fn = functools.partial(mosaic_decode_call, scale=scale)
 
     chain = case["chain"]
 

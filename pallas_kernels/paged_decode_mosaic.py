@@ -156,22 +156,15 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
                                     q_bar.at[qb])
 
+            last_page = jnp.maximum(num_pages - 1, 0)
+            last_id = bt_ref[seq, last_page]
+
             def block_ids(j):
                 """Block ids of step j's pages. Pages past the sequence's last one re-read its
                 last page (masked later): every copy reads real, finite data and the barrier
-                count stays fixed. Clamped at 0 for empty items read ahead."""
-                page0 = first + j * pages_per_step
-                return tuple(bt_ref[seq, jnp.maximum(jnp.minimum(page0 + i, num_pages - 1), 0)]
-                             for i in range(pages_per_step))
-
-            last_page = jnp.maximum(num_pages - 1, 0)
-            last_id = bt_ref[seq, last_page] if bt_lookahead else None
-
-            def block_ids_early(j):
-                """`block_ids` with table reads that do not wait for the sequence length: each
-                entry is read at its column (clamped to the table), and only the choice between
-                it and the last page's id depends on the length, so the table and length loads
-                are in flight together."""
+                count stays fixed. Each entry is read at its column (clamped to the table), and
+                only the choice between it and the last page's id depends on the length, so the
+                table and length loads are in flight together."""
                 page0 = first + j * pages_per_step
                 return tuple(jnp.where(page0 + i <= last_page,
                                        bt_ref[seq, jnp.minimum(page0 + i, shape.max_blocks - 1)],
@@ -185,7 +178,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 # many steps early), so their load latency overlaps the wait and earlier copies.
                 if bt_lookahead:
                     blocks, ahead = ahead[:pages_per_step], (
-                        *ahead[pages_per_step:], *block_ids_early(j + bt_lookahead))
+                        *ahead[pages_per_step:], *block_ids(j + bt_lookahead))
                 else:
                     blocks = block_ids(j)
 
@@ -201,7 +194,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 load(v_ref, v_smem, v_bar, v_free)
                 return ahead
 
-            ahead = sum((block_ids_early(j) for j in range(bt_lookahead)), ())
+            ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
             lax.fori_loop(0, steps, step, ahead)
             return g0 + steps
 
@@ -386,7 +379,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
                    + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
-    if config.profile_dir:
+    profiling = bool(config.profile_dir) and not interpret
+    if profiling:
         fixed_bytes += (_NUM_CONSUMERS + 1) * _PROFILE_EVENTS * 16
     if interpret:
         fixed_bytes += _NUM_CONSUMERS * _WGMMA_ROWS * config.tokens_per_step * elem_bytes
@@ -447,7 +441,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         compiler_params=plgpu.CompilerParams(
             approx_math=True, **(dict(profile_space=_PROFILE_EVENTS, profile_dir=config.profile_dir,
                                       profile_bounds_check=True)
-                                 if config.profile_dir and not interpret else {})),
+                                 if profiling else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)

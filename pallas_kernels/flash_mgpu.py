@@ -43,7 +43,9 @@ ragged end of a sequence) goes out as predicated 8-row and 1-row TMA stores from
 of the same shared memory (a RefUnion: Q is dead by then), so no CTA ever writes a row of another
 sequence and the ragged path costs no SMEM that a K/V stage could use.
 
-No CPU interpretation: jax 0.11.2's Mosaic GPU interpreter cannot run this kernel (see the tests).
+CPU tests run it in Mosaic GPU's interpreter (`interpret=True`), which also checks that every
+thread observes every phase of each barrier it waits on; three parts change there (no register A
+operand of wgmma, no barrier wait inside a wgmma scope, no `inline_mgpu`), see `mosaic_attention`.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class KernelConfig:
     block_kv: keys per pipeline step (a multiple of 64; paged K/V also needs block_size | block_kv).
     stages: depth of the K/V shared-memory ring.
     persistent: one CTA per SM looping over work items (else one CTA per item).
+    num_ctas: the persistent grid's size instead of one CTA per SM (tests use a few, so every CTA
+      runs several items and the K/V ring and barrier phases carry across them).
     q_buffers: 2 = double-buffered Q/O so a persistent consumer prefetches its next item's Q.
     consumer_registers / producer_registers: setmaxnreg split (per thread).
     rescale_threshold: 0 = rescale the accumulator whenever a row max grows (FA2/FA3); t > 0 =
@@ -86,6 +90,7 @@ class KernelConfig:
     block_kv: int = 128
     stages: int = 2
     persistent: bool = False
+    num_ctas: int | None = None
     q_buffers: int = 1
     consumer_registers: int = 240
     producer_registers: int = 24
@@ -98,6 +103,8 @@ class KernelConfig:
             raise ValueError(f"stages={self.stages} must be at least 2")
         if not 0 <= self.rescale_threshold <= 64:
             raise ValueError(f"rescale_threshold={self.rescale_threshold} must lie in [0, 64]")
+        if self.num_ctas is not None and (self.num_ctas < 1 or not self.persistent):
+            raise ValueError(f"num_ctas={self.num_ctas}: a positive grid size, with persistent=True")
         if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and not self.persistent):
             raise ValueError(f"q_buffers={self.q_buffers}: 1, or 2 with persistent=True")
         if 128 * (2 * self.consumer_registers + self.producer_registers) > REGISTER_FILE:
@@ -153,10 +160,16 @@ def num_sms() -> int:
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
-                     softcap: float | None, config: KernelConfig = KernelConfig()):
+                     softcap: float | None, config: KernelConfig = KernelConfig(),
+                     interpret: bool = False):
     """q: [T, Hq, D] (T a multiple of 8); k, v: see module doc; tiles: int32[NT, 6]; block_tables:
     int32[S, M] (paged) or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers
-    are left unwritten (the caller's tile table covers every row it reads back)."""
+    are left unwritten (the caller's tile table covers every row it reads back).
+
+    interpret: run in Mosaic GPU's interpreter (CPU tests). It checks every barrier's phase
+    accounting, but supports no register A operand of wgmma, no barrier wait inside a wgmma scope and
+    no `inline_mgpu`; there P goes through shared memory, the next-K wait follows PV instead of
+    overlapping it, and lazy rescaling multiplies every row (the same math)."""
     t, hq, d = q.shape
     dtype = q.dtype
     cfg = config
@@ -177,14 +190,14 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                          f"shared memory at head_dim={d}; the limit is {SMEM_LIMIT}")
     group = hq // hkv
     num_items = hq * tiles.shape[0]
-    num_ctas = min(num_items, num_sms()) if cfg.persistent else num_items
+    num_ctas = min(num_items, cfg.num_ctas or num_sms()) if cfg.persistent else num_items
     rounds = -(-num_items // num_ctas)
     # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
     # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
     log2_factor = (softcap if softcap else scale) * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
-        (qo_union, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -213,11 +226,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             return jnp.where(it.n_rows > 0, num_steps(it, it.q_pos0 + TILE_Q - 1), 0)
 
         def over_items(body):
-            """Runs body(r, step_base) for this CTA's items, carrying the global K/V step count."""
+            """Runs body(r, step_base) for this CTA's items, carrying the global K/V step count;
+            returns the CTA's total."""
             if rounds == 1:
-                body(jnp.int32(0), jnp.int32(0))
-                return
-            lax.fori_loop(0, rounds, lambda r, g: g + body(r, g), jnp.int32(0))
+                return body(jnp.int32(0), jnp.int32(0))
+            return lax.fori_loop(0, rounds, lambda r, g: g + body(r, g), jnp.int32(0))
 
         def schedule_barrier():
             plgpu.barrier_arrive(sched)
@@ -239,16 +252,20 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # then the remaining single rows, each copy predicated.
                 o_smem[...] = out
                 plgpu.commit_smem()
+
+                def copy_rows(r, n, predicate, commit_group):
+                    src, dst = o_smem.at[pl.ds(r, n)], out_ref.at[pl.ds(out_row + r, n), it.head]
+                    if interpret:  # the interpreter has no predicated copies
+                        pl.when(predicate)(lambda: plgpu.copy_smem_to_gmem(src, dst))
+                    else:
+                        plgpu.copy_smem_to_gmem(src, dst, predicate=predicate,
+                                                commit_group=commit_group)
                 for r in range(0, BLOCK_Q, 8):
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 8)],
-                                            out_ref.at[pl.ds(out_row + r, 8), it.head],
-                                            predicate=(lo <= r) & (r + 8 <= hi), commit_group=False)
+                    copy_rows(r, 8, (lo <= r) & (r + 8 <= hi), False)
                 for r in range(BLOCK_Q):
                     g = r - r % 8
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)],
-                                            out_ref.at[pl.ds(out_row + r, 1), it.head],
-                                            predicate=(lo <= r) & (r < hi) & ((g < lo) | (g + 8 > hi)),
-                                            commit_group=r == BLOCK_Q - 1)
+                    copy_rows(r, 1, (lo <= r) & (r < hi) & ((g < lo) | (g + 8 > hi)),
+                              r == BLOCK_Q - 1)
 
         def load_q(it, b):
             # The buffer's previous output must have left SMEM before Q overwrites it.
@@ -303,9 +320,17 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             def drain_step(j, _):
                 # This warpgroup is done but the producer still streams the other one's K/V: free
-                # the slots and keep the ping-pong turns in step (two rendezvous per step).
-                plgpu.barrier_arrive(k_free.at[slot_of(g0 + j)])
-                plgpu.barrier_arrive(v_free.at[slot_of(g0 + j)])
+                # the slots and keep the ping-pong turns in step (two rendezvous per step). The
+                # waits on the slot's loads are needed although the data is not: every thread
+                # tracks each barrier's phase parity itself, one flip per wait, so a skipped phase
+                # would leave this warpgroup's parity one behind for the rest of the CTA's items
+                # (a later wait then passes before its data lands, or waits on a phase that never
+                # comes: the engine hang of benchmarks/RESULTS.md).
+                slot = slot_of(g0 + j)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
                 schedule_barrier()
 
@@ -328,12 +353,15 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
                     def qk_scope(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                        schedule_barrier()
+                        if not interpret:
+                            schedule_barrier()
                         return acc_ref[...]
                     s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
+                    if interpret:
+                        schedule_barrier()
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha = online_softmax(s, m_i, j, masked)
-                    if cfg.rescale_threshold:
+                    if cfg.rescale_threshold and not interpret:
                         acc = _rows_scale_where_needed(acc, alpha)
                     else:
                         acc = rows_scale(acc, alpha)
@@ -348,13 +376,24 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
                     has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
 
+                    def wait_next_k():
+                        pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
+
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_k()  # while PV runs
 
-                        @pl.when(has_next)  # wait for the next K while PV runs
-                        def _():
-                            plgpu.barrier_wait(k_bar.at[next_slot])
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    if interpret:
+                        p_smem[0].at[wg][...] = p16
+                        plgpu.commit_smem()
+
+                        def pv_product(acc_ref):
+                            plgpu.wgmma(acc_ref, p_smem[0].at[wg], v_smem.at[slot])
+                            return acc_ref[...]
+                        acc = acc + pl.run_scoped(pv_product, plgpu.ACC((BLOCK_Q, d), jnp.float32))
+                        wait_next_k()
+                    else:
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -433,7 +472,16 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     load(v_ref, v_smem, v_bar, step, slot, ids)
                 return item_steps(it)
 
-            over_items(producer_round)
+            total = over_items(producer_round)
+
+            # Observe the consumers' last release of each slot (the phases a further load would
+            # wait for), so every barrier phase is seen by its waiter before the kernel ends: the
+            # GPU interpreter checks it, and the K/V ring is then provably idle at exit.
+            @pl.loop(total, total + stages)
+            def _(g):
+                slot = slot_of(g)
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
 
     def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
@@ -443,6 +491,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
+            # interpret mode: each consumer's P tile (on the GPU P stays in registers)
+            *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
+              if interpret else []),
         )
         loaded = (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
                   plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
@@ -459,4 +510,5 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, tiles, block_tables)

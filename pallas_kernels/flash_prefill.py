@@ -120,16 +120,17 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
 
 def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
                          scale: float, softcap: float | None = None,
-                         config: KernelConfig | None = None):
+                         config: KernelConfig | None = None, interpret: bool = False):
     """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D].
-    `config` overrides the kernel's tuning (benchmarks); None = DEFAULT_CONFIG."""
+    `config` overrides the kernel's tuning (benchmarks); None = DEFAULT_CONFIG. `interpret`: Mosaic
+    GPU's interpreter (CPU tests; see `flash_mgpu.mosaic_attention`)."""
     config = config or DEFAULT_CONFIG
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                softcap, extra_rows=0, block_kv=config.block_kv)
     out = flash_mgpu.mosaic_attention(qp, k_cache, v_cache, tiles, block_tables.astype(jnp.int32),
                                       kv_mode="paged", causal=True, scale=scale, softcap=softcap,
-                                      config=config)
+                                      config=config, interpret=interpret)
     return out[:t] if out.shape[0] != t else out
 
 
@@ -147,11 +148,12 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                    softcap: float | None = None, config: KernelConfig | None = None):
+                    softcap: float | None = None, config: KernelConfig | None = None,
+                    interpret: bool = False):
     """Dense attention. q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. Any L (the ragged
     end of the last query/key tile is masked); GQA maps each query head to its KV head in the
     kernel's index arithmetic, K/V are never repeated. `config` overrides the kernel's tuning
-    (benchmarks); None = DEFAULT_CONFIG."""
+    (benchmarks); None = DEFAULT_CONFIG. `interpret`: as in `flash_prefill_mosaic`."""
     b, l, hq, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, l) or k.shape[3] != d:
         raise ValueError(f"k {k.shape} / v {v.shape} must be [B={b}, L={l}, Hkv, D={d}]")
@@ -173,5 +175,5 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,
-        softcap=softcap, config=config or DEFAULT_CONFIG)
+        softcap=softcap, config=config or DEFAULT_CONFIG, interpret=interpret)
     return out.reshape(b, lp, hq, d)[:, :l]

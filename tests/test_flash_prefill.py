@@ -7,16 +7,18 @@ What runs where:
     ragged batches against the float32 reference: lengths 1 .. a few blocks and not multiples of the
     block size, prefixes already in the cache, GQA 1/4/8, head_dim 64/128, pages of 16 and 32,
     soft-cap, padding tokens (must come out zero). It shares the tile table with the Mosaic kernel.
-  - The Mosaic GPU kernel (`flash_prefill_mosaic`, `flash_attention`) cannot run on CPU: jax 0.11.2's
-    Mosaic GPU interpreter fails inside its wgmma emulation on this kernel (an accumulator looked up
-    as another buffer), so here it is only *lowered* for CUDA (Pallas -> Mosaic GPU MLIR, which
-    catches layout, tiling and TMA-alignment errors) for every supported dtype / head_dim / page
-    size and for the kernel configurations in use (persistent grid, lazy rescaling, K/V blocks).
-    Its numerics are checked on the H200 by `benchmarks/bench_prefill.py` (same random ragged
-    batches plus real sizes, and the greedy-output check of a small model); results are recorded
-    in benchmarks/RESULTS.md.
+  - The Mosaic GPU kernel (`flash_prefill_mosaic`, `flash_attention`) runs in Mosaic GPU's
+    interpreter on small ragged and dense batches, with persistent grids of 2-3 CTAs so the K/V ring
+    and barrier phases carry across items; the interpreter checks every barrier's phase accounting
+    (a skipped phase is an error, not a silent race or a GPU hang). Three parts of the kernel differ
+    there (P through shared memory, the next-K wait after PV, no `inline_mgpu`; see
+    `flash_mgpu.mosaic_attention`), so the kernel is also *lowered* for CUDA here (Pallas -> Mosaic
+    GPU MLIR: layout, tiling and TMA-alignment errors) for every supported dtype / head_dim / page
+    size and for the configurations in use. The GPU-only parts and real sizes are checked on the
+    H200 by `benchmarks/bench_prefill.py`; results are recorded in benchmarks/RESULTS.md.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -101,6 +103,46 @@ def test_triton_prefill_float16_is_tight():
     out = fp.flash_prefill_triton(*args, scale=0.125, interpret=True)
     ref = reference.ragged_prefill_reference(*args, scale=0.125)
     assert _rel(out, ref) < 2e-3
+
+
+# --------------------------------------------------------------- Mosaic GPU kernel, interpreted
+# Few CTAs in a persistent grid, so each runs several (tile, head) items and the K/V ring and every
+# barrier's phases carry across items, as in the engine (hundreds of items on 132 SMs). Prefixes at
+# context positions that are not multiples of 128 give tiles where warpgroup 0 needs fewer K/V steps
+# than warpgroup 1 and drains the rest -- the path that once skipped barrier phases and hung the
+# engine on the H200; the interpreter rejects any phase a waiting thread does not observe.
+MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softcap, config)
+    (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, None,
+     dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)),
+    (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
+    (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}")
+def test_mosaic_prefill_interpreted_matches_reference(case):
+    hq, hkv, d, bs, q_lens, prefixes, extra, cap, config = case
+    args = _paged_batch(np.random.default_rng(hq + d), hq=hq, hkv=hkv, d=d, block_size=bs,
+                        q_lens=q_lens, prefixes=prefixes, extra=extra)
+    q = jnp.full_like(args[0], jnp.nan)  # poison: rows past the batch must come out as zeros
+    q = q.at[:sum(q_lens)].set(args[0][:sum(q_lens)])
+    out = fp.flash_prefill_mosaic(q, *args[1:], scale=d ** -0.5, softcap=cap, config=config,
+                                  interpret=True)
+    ref = reference.ragged_prefill_reference(*args, scale=d ** -0.5, softcap=cap)
+    t = sum(q_lens)
+    assert _rel(out[:t], ref[:t]) < 1e-2
+    assert not np.asarray(out[t:]).any()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mosaic_dense_attention_interpreted_matches_reference(causal):
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (2, 140, 2, 64), jnp.float32).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, 140, 1, 64), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
+    config = dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)
+    out = fp.flash_attention(q, k, v, causal=causal, config=config, interpret=True)
+    ref = reference.causal_attention_reference(q, k, v, scale=64 ** -0.5, causal=causal)
+    assert _rel(out, ref) < 1e-2
 
 
 # ------------------------------------------------------------------ Mosaic GPU kernel, lowering

@@ -1,7 +1,7 @@
 """The engine with both Mosaic GPU kernels, run in Mosaic GPU's interpreter on CPU, gives the
 reference backend's greedy tokens on a workload shaped like the one that once hung the H200: chunked
-prefills that continue at context positions off a 128-key boundary, decodes mixed into the same
-steps, and persistent grids of two CTAs so each runs several work items and barrier phases carry
+and prefix-cached prefills that start at context positions off a 128-key boundary, decodes mixed
+into the same steps, and persistent grids of two CTAs so each runs several work items and barrier phases carry
 across them (the interpreter rejects any phase a waiting thread does not observe).
 
 Slow by CPU-test standards (the interpreter runs each kernel call in Python, ~1-5 s), so the model

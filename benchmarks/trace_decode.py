@@ -1,0 +1,123 @@
+"""The device timeline of chained paged-decode calls, from jax's profiler (CUPTI): every kernel of a
+call, its duration and the idle gap before it, so the time a call spends outside the decode kernel
+(the split combine, launch gaps) is measured rather than inferred.
+
+    PYTHONPATH=. python3 benchmarks/trace_decode.py [--shapes 1x32768,8x32768] [--variants mosaic]
+
+For each shape (Hq 32 / Hkv 8 / d 128 / page 16, full context, the same chained jit as
+`bench_decode.py`: each call's q is the previous call's output, page sets cycled past L2) the jit
+runs once to compile and warm up, then 3 times under `jax.profiler.trace`. From the GPU plane of the
+trace it prints, per kernel name, how often it ran per call, its mean duration and the mean idle gap
+before it, and the mean period of one call; `--out` keeps the trace (default $OUT/decode_traces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+
+from benchmarks.bench_decode import D, _table_groups, make_paged_case, mosaic_config  # noqa: E402
+from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
+
+RUNS = 3
+
+
+def device_events(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, end_ns) of every event on the first GPU plane's stream lines, by start."""
+    from jax._src.lib import _profile_data
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    data = _profile_data.ProfileData.from_file(path)
+    plane = next((p for p in data.planes if p.name.startswith("/device:GPU:")), None)
+    if plane is None:
+        raise RuntimeError(f"no GPU plane in {path}: planes {[p.name for p in data.planes]}")
+    events = [(e.name, e.start_ns, e.end_ns) for line in plane.lines
+              if "stream" in line.name.lower() for e in line.events]
+    if not events:
+        raise RuntimeError(f"no stream events on {plane.name}: lines {[l.name for l in plane.lines]}")
+    return sorted(events, key=lambda e: e[1])
+
+
+def summarize(events: list[tuple[str, int, int]], calls: int) -> dict:
+    """Per kernel name: runs per call, mean µs, mean idle gap before it (µs); the period per call
+    over the middle run (the first and last may include host-side start and end)."""
+    per_run = len(events) // RUNS
+    if per_run == 0:
+        return {"error": "no device events"}
+    middle = events[per_run:2 * per_run]
+    stats: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"dur": [], "gap": []})
+    prev_end = None
+    for name, start, end in middle:
+        entry = stats[name[:60]]
+        entry["dur"].append((end - start) / 1e3)
+        if prev_end is not None:
+            entry["gap"].append(max(0, start - prev_end) / 1e3)
+        prev_end = end if prev_end is None else max(prev_end, end)
+    period = (middle[-1][2] - middle[0][1]) / 1e3 / calls
+    return {
+        "period_us": period,
+        "kernels": {name: {"per_call": len(v["dur"]) / calls, "mean_us": float(np.mean(v["dur"])),
+                           "gap_before_us": float(np.mean(v["gap"])) if v["gap"] else 0.0}
+                    for name, v in stats.items()},
+    }
+
+
+def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
+    case = make_paged_case(batch, ctx)
+    fn = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5,
+                           config=mosaic_config(variant))
+    chain = case["chain"]
+
+    @jax.jit
+    def many(q, k, v, bts, lens):
+        for i in range(chain):
+            q = fn(q, k, v, bts[i], lens).astype(q.dtype)
+        return q
+
+    k, v, lens, groups = case["k"], case["v"], case["lens"], _table_groups(case)
+    q = jax.block_until_ready(many(case["q"], k, v, next(groups), lens))
+    trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(RUNS):
+            q = many(q, k, v, next(groups), lens)
+        jax.block_until_ready(q)
+    return {"batch": batch, "ctx": ctx, "variant": variant, "chain": chain,
+            **summarize(device_events(str(trace_dir)), chain)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1x32768,8x32768")
+    ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_traces"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for shape in args.shapes.split(","):
+        batch, ctx = (int(x) for x in shape.split("x"))
+        for variant in args.variants.split(","):
+            results.append(trace_shape(batch, ctx, variant, out_dir))
+            print(json.dumps(results[-1]), flush=True)
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        print(f"\n{r['batch']}x{r['ctx']} {r['variant']}: {r.get('period_us', 0):.1f} µs per call "
+              f"({r['chain']} calls chained)")
+        print("| kernel | per call | mean µs | idle gap before, µs |\n|---|---|---|---|")
+        for name, k in r.get("kernels", {}).items():
+            print(f"| {name} | {k['per_call']:.2f} | {k['mean_us']:.2f} | {k['gap_before_us']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -122,11 +122,11 @@ def _table_groups(case) -> itertools.cycle:
                             for i in range(0, len(idx), chain)])
 
 
-def time_paged(fn, case) -> float:
-    """Seconds per call of fn(q, k, v, block_table, lens). One jit chains the case's chain of
-    calls, each on its own page set where there are several, each call's q being the previous
-    call's output (no call can be merged with another or skipped, and the output stays a realistic
-    attention output)."""
+def chained_calls(fn, case):
+    """q -> q after the case's chain of fn(q, k, v, block_table, lens) calls in one jit, each on
+    its own page set where there are several (the next group of tables at every use), each call's
+    q being the previous call's output: no call can be merged with another or skipped, and the
+    output stays a realistic attention output."""
     chain = case["chain"]
 
     @jax.jit
@@ -136,7 +136,12 @@ def time_paged(fn, case) -> float:
         return q
 
     k, v, lens, groups = case["k"], case["v"], case["lens"], _table_groups(case)
-    return _queued_time(lambda q: many(q, k, v, next(groups), lens), case["q"]) / chain
+    return lambda q: many(q, k, v, next(groups), lens)
+
+
+def time_paged(fn, case) -> float:
+    """Seconds per call of fn(q, k, v, block_table, lens), chained (`chained_calls`) and queued."""
+    return _queued_time(chained_calls(fn, case), case["q"]) / case["chain"]
 
 
 def time_mosaic_kernel_only(case, scale: float) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from benchmarks.bench_decode import D, _table_groups, make_paged_case, mosaic_config  # noqa: E402
+from benchmarks.bench_decode import D, chained_calls, make_paged_case, mosaic_config  # noqa: E402
 from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
 
 RUNS = 3
@@ -77,20 +77,12 @@ def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
     case = make_paged_case(batch, ctx)
     fn = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5,
                            config=mosaic_config(variant))
-    chain = case["chain"]
-
-    @jax.jit
-    def many(q, k, v, bts, lens):
-        for i in range(chain):
-            q = fn(q, k, v, bts[i], lens).astype(q.dtype)
-        return q
-
-    k, v, lens, groups = case["k"], case["v"], case["lens"], _table_groups(case)
-    q = jax.block_until_ready(many(case["q"], k, v, next(groups), lens))
+    chain, call = case["chain"], chained_calls(fn, case)
+    q = jax.block_until_ready(call(case["q"]))
     trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
     with jax.profiler.trace(str(trace_dir)):
         for _ in range(RUNS):
-            q = many(q, k, v, next(groups), lens)
+            q = call(q)
         jax.block_until_ready(q)
     return {"batch": batch, "ctx": ctx, "variant": variant, "chain": chain,
             **summarize(device_events(str(trace_dir)), chain)}

@@ -38,7 +38,8 @@ from pallas_kernels.paged_decode import (
     paged_decode_mosaic_configured,
     paged_decode_triton_configured,
 )
-from pallas_kernels.paged_decode_mosaic import mosaic_decode_call, num_sms
+from pallas_kernels.device_info import num_sms
+from pallas_kernels.paged_decode_mosaic import mosaic_decode_call
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_FLUSH_BYTES = 256 * 2**20  # read this much per measurement at least, so L2 (60 MB) can't serve it

@@ -65,6 +65,8 @@ from jax import lax
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, scf, vector
 
+from pallas_kernels.device_info import num_sms
+
 BLOCK_Q = 64          # query rows per consumer warpgroup (wgmma M = 64)
 TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
 LOG2E = math.log2(math.e)
@@ -151,12 +153,6 @@ def _rows_scale_where_needed(acc, alpha):
         return mgpu.FragmentedArray(_registers=new, _layout=acc.layout, _is_signed=None)
 
     return scale(acc, alpha)
-
-
-def num_sms() -> int:
-    """SMs of the default GPU (the persistent grid size); 132 (H100/H200) when tracing elsewhere."""
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,

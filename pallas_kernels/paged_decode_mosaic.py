@@ -47,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.device_info import num_sms
 from pallas_kernels.paged_decode_common import (
     NEG_INF,
     DecodeShape,
@@ -87,12 +88,6 @@ def _scoped(name: str):
                 return fn(*args, **kwargs)
         return wrapped
     return decorate
-
-
-def num_sms() -> int:
-    """Streaming multiprocessors of the first device (132 on an H200): one persistent CTA each."""
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132)
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,

@@ -19,14 +19,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from pallas_kernels.device_info import num_sms
 from pallas_kernels.paged_decode_common import (NEG_INF, check_decode_inputs, combine_splits,
                                                 pad_block_tables, plan_splits)
 
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
-
-
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float,
@@ -85,7 +82,7 @@ def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, 
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim ({d}) must be a power of two >= 16 for the Triton kernel")
     # This path combines even one split (combine_splits normalises), so splitting adds no op.
-    plan = plan_splits(shape, pages_per_step=pages_per_step, workers=workers or 4 * _num_sms(),
+    plan = plan_splits(shape, pages_per_step=pages_per_step, workers=workers or 4 * num_sms(),
                        combine_cost_steps=0)
     bt = pad_block_tables(block_tables, plan).reshape(shape.num_seqs, plan.num_splits,
                                                       plan.pages_per_split)

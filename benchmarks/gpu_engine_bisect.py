@@ -34,10 +34,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 VARIANTS = ("reference", "mosaic", "mosaic_nopdl", "decode_only", "prefill_only")
-LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-len", "512",
-                    "--output-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens",
-                    "2048", "--max-model-len", "2048", "--gpu-memory-utilization", "0.85",
-                    "--dtype", "bfloat16", "--temperature", "0"]
 
 
 def register_variant(name: str) -> str:
@@ -123,10 +119,10 @@ def main() -> None:
                     register_variant(args.run_variant)]
         return bench_throughput.main()
 
-    from gpu_engine_check import child
+    from gpu_engine_check import LLAMA8B_WORKLOAD, child
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-bisect-"))
-    flags = rest or LLAMA8B_WORKLOAD
+    flags = rest or [*LLAMA8B_WORKLOAD, "--dtype", "bfloat16", "--temperature", "0"]
     variants = [(spec, *parse_variant(spec)) for spec in args.variants.split(",")]
     summary, planned_blocks = {}, None
     for spec, name, overrides in variants:

@@ -45,6 +45,11 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
 
+# The llama8b section's bench_throughput workload (gpu_engine_bisect.py runs the same one).
+LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-len", "512",
+                    "--output-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens",
+                    "2048", "--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]
+
 
 # ---- sections that run inside a child process ------------------------------------------------
 def section_warmup(cache_dir: str) -> dict:
@@ -165,11 +170,8 @@ def main() -> None:
     plans = {
         "warmup": ([sys.executable, __file__, "--run-section", "warmup", "--cache-dir", cache_dir], 240),
         "parity": ([sys.executable, __file__, "--run-section", "parity", "--cache-dir", cache_dir], 150),
-        "llama8b": (throughput_argv(str(llama_dir), [
-            "--load-format", "dummy", "--num-prompts", "64", "--input-len", "512", "--output-len",
-            "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len",
-            "2048", "--gpu-memory-utilization", "0.85"], work / "llama8b.json", cache_dir,
-            args.backend), 300),
+        "llama8b": (throughput_argv(str(llama_dir), LLAMA8B_WORKLOAD, work / "llama8b.json",
+                                    cache_dir, args.backend), 300),
         "demo": (throughput_argv(str(ROOT / "checkpoints" / "demo-target"), [
             "--num-prompts", "256", "--input-len", "256", "--output-len", "256",
             "--num-blocks", "16384"], work / "demo.json", cache_dir, args.backend), 150),

@@ -66,6 +66,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, scf, vector
 
 from pallas_kernels.device_info import num_sms
+from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
 
 BLOCK_Q = 64          # query rows per consumer warpgroup (wgmma M = 64)
 TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
@@ -372,24 +373,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
                     has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
 
-                    def wait_next_k():
+                    def wait_next_k():  # while PV runs (interpret mode: after it)
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
 
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        wait_next_k()  # while PV runs
-
-                    if interpret:
-                        p_smem[0].at[wg][...] = p16
-                        plgpu.commit_smem()
-
-                        def pv_product(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem[0].at[wg], v_smem.at[slot])
-                            return acc_ref[...]
-                        acc = acc + pl.run_scoped(pv_product, plgpu.ACC((BLOCK_Q, d), jnp.float32))
-                        wait_next_k()
-                    else:
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                                        p_smem[0].at[wg] if interpret else None, wait_next_k)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -468,16 +456,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     load(v_ref, v_smem, v_bar, step, slot, ids)
                 return item_steps(it)
 
-            total = over_items(producer_round)
-
-            # Observe the consumers' last release of each slot (the phases a further load would
-            # wait for), so every barrier phase is seen by its waiter before the kernel ends: the
-            # GPU interpreter checks it, and the K/V ring is then provably idle at exit.
-            @pl.loop(total, total + stages)
-            def _(g):
-                slot = slot_of(g)
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+            observe_last_releases(over_items(producer_round), stages, k_free, v_free)
 
     def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))

@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.device_info import num_sms
+from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
 from pallas_kernels.paged_decode_common import (
     NEG_INF,
     DecodeShape,
@@ -197,15 +198,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                                     jnp.int32(0))
         # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
         # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
-        for i in range(stages):
-            @pl.when(total_steps > i)
-            def _():
-                plgpu.barrier_wait(k_free.at[i])
-                plgpu.barrier_wait(v_free.at[i])
-        for i in range(2):
-            @pl.when(my_items > i)
-            def _():
-                plgpu.barrier_wait(q_free.at[i])
+        observe_last_releases(total_steps, stages, k_free, v_free)
+        observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
@@ -250,8 +244,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 p16 = p.astype(v_smem.dtype)
                 plgpu.barrier_wait(v_bar.at[slot])
 
-                acc = _accumulate_pv(acc, p16, v_smem.at[slot],
-                                     None if p_smem is None else p_smem.at[wg])
+                acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                                    None if p_smem is None else p_smem.at[wg])
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -316,25 +310,6 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
             plgpu.barrier_wait(x_free.at[0])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _accumulate_pv(acc, p16, v_tile, p_smem):
-    """acc + P @ V. On the GPU P stays in registers (wgmma's A operand may live there). GPU
-    interpret mode (CPU tests) supports neither register operands nor `run_state`, so there P goes
-    through shared memory and the product is added to acc afterwards: same math, other plumbing."""
-    if p_smem is None:
-        def pv_fn(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_tile)
-
-        return pl.run_state(pv_fn)(plgpu.ACC.init(acc))
-    p_smem[...] = p16
-    plgpu.commit_smem()
-
-    def pv_fn(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_tile)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(pv_fn, plgpu.ACC(acc.shape, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,8 @@ What runs here and what does not:
   output store (one split) and the fp32 parts + log-sum-exp combine (several splits) — except one
   detail GPU interpret mode cannot simulate in jax 0.11.2: the P @ V wgmma with P in registers
   (and `run_state` accumulators). In interpret mode P goes through shared memory instead
-  (`_accumulate_pv`). The register path, Mosaic's compilation and real-size shapes are checked on
-  the H200 by `benchmarks/gpu_check_decode.py`.
+  (`mgpu_common.accumulate_pv`). The register path, Mosaic's compilation and real-size shapes are
+  checked on the H200 by `benchmarks/gpu_check_decode.py`.
 """
 
 from __future__ import annotations

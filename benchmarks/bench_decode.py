@@ -165,8 +165,8 @@ def time_mosaic_kernel_only(case, scale: float) -> float:
 def mosaic_config(name: str) -> MosaicDecodeConfig:
     """A variant name's Mosaic config: "mosaic" is the default, and ":"-separated options change
     it: "s<N>" forces N context splits, "la<N>" reads block ids N steps ahead, "pdl" / "nopdl"
-    turn programmatic dependent launch on / off, "t<N>" takes N tokens per step; e.g.
-    "mosaic:s1:pdl"."""
+    turn programmatic dependent launch on / off, "t<N>" takes N tokens per step, "xlac" merges
+    splits in XLA instead of the combine kernel; e.g. "mosaic:s1:pdl"."""
     fields = {}
     for opt in name.split(":")[1:]:
         for prefix, field in (("s", "num_splits"), ("la", "bt_lookahead"),
@@ -175,9 +175,12 @@ def mosaic_config(name: str) -> MosaicDecodeConfig:
                 fields[field] = int(opt[len(prefix):])
                 break
         else:
-            if opt not in ("pdl", "nopdl"):
+            if opt == "xlac":
+                fields["combine_kernel"] = False
+            elif opt in ("pdl", "nopdl"):
+                fields["pdl"] = opt == "pdl"
+            else:
                 raise ValueError(f"unknown option {opt!r} in variant {name!r}")
-            fields["pdl"] = opt == "pdl"
     return dataclasses.replace(MosaicDecodeConfig(), **fields)
 
 

@@ -39,6 +39,8 @@ KERNELS = {
                                         config=MosaicDecodeConfig(pdl=True, bt_lookahead=2)),
     "mosaic_s1": functools.partial(paged_decode_mosaic_configured,
                                    config=MosaicDecodeConfig(num_splits=1)),
+    "mosaic_xla_combine": functools.partial(paged_decode_mosaic_configured,
+                                            config=MosaicDecodeConfig(combine_kernel=False)),
     "triton": paged_decode_triton,
 }
 

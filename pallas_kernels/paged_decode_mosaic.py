@@ -16,8 +16,9 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   to warpgroup 0 through shared memory, and warpgroup 0 merges the two and stores one normalised
   result. With one split per sequence (batch x kv heads fills the GPU) that is the final output,
   written straight into [S * Hq, D] with no XLA op before or after the kernel; with several splits
-  the kernel stores normalised fp32 parts and their log-sum-exp, and one small XLA combine
-  (`_combine_parts`) merges them.
+  the kernel stores normalised fp32 parts and their log-sum-exp, and one small combine kernel
+  (`split_combine_mosaic`, launched early through PDL) merges them; `_combine_parts` is the same
+  merge in XLA (`MosaicDecodeConfig.combine_kernel=False`).
 - q is read unpadded where it can be: the G query heads of a kv head are rows [base, base + G)
   of q viewed as [S * Hq, D] (a free reshape), and the producer copies the aligned 8-row TMA tile
   that holds them (TMA into a tiled shared-memory buffer needs a tile-aligned start); rows of
@@ -55,6 +56,7 @@ from pallas_kernels.paged_decode_common import (
     check_decode_inputs,
     plan_splits,
 )
+from pallas_kernels.split_combine_mosaic import combine_split_parts
 
 _WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
@@ -73,7 +75,9 @@ class MosaicDecodeConfig:
     num_splits: int | None = None  # force this many context splits (benchmarks); default: planned
     bt_lookahead: int = 2  # the producer reads block ids this many steps ahead (0: just in time)
     pdl: bool = True  # programmatic dependent launch: the kernel's launch and set-up overlap the
-    # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`
+    # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`; with
+    # splits, the combine kernel's launch overlaps this one
+    combine_kernel: bool = True  # merge splits with split_combine_mosaic (else XLA: 3 kernels)
     profile_dir: str = ""  # write each call's per-warpgroup timeline (Mosaic GPU's profiler, a
     # Perfetto JSON) here; see benchmarks/profile_decode.py
 
@@ -113,6 +117,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     my_items = pl.cdiv(num_items - cta, num_ctas)
     if pdl:
         plgpu.griddepcontrol_wait()  # q and the cache may come from the kernel just before
+        if num_splits > 1:
+            # Let the combine kernel launch now: its CTAs take the SMs this grid leaves idle or
+            # frees, and wait (griddepcontrol.wait) until every part here is written.
+            plgpu.griddepcontrol_launch_dependents()
 
     def q_rows(seq, head):
         """-> (first row of the item's q tile in q_ref, first output row, the item's first row
@@ -438,7 +446,13 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
     """`paged_decode_mosaic` with its tuning knobs exposed (benchmarks, tests)."""
     outs, launch = mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                       softcap=softcap, config=config, interpret=interpret)
-    out = outs[0] if launch.num_splits == 1 else _combine_parts(*outs, launch)
+    if launch.num_splits == 1:
+        out = outs[0]
+    elif config.combine_kernel:
+        out = combine_split_parts(*outs, group=launch.shape.group, q_padded=launch.q_padded,
+                                  dtype=k_cache.dtype, pdl=config.pdl, interpret=interpret)
+    else:
+        out = _combine_parts(*outs, launch)
     return out.reshape(q.shape).astype(q.dtype)
 
 

@@ -8,7 +8,8 @@ What runs here and what does not:
 - `paged_decode_mosaic`: the whole kernel under `plgpu.kernel(interpret=InterpretGPUParams())` —
   persistent item loop, producer/consumer barriers, the producer's q tile copies, block-table TMA
   page copies, masking, both wgmmas, the in-kernel merge of the two consumer warpgroups, the final
-  output store (one split) and the fp32 parts + log-sum-exp combine (several splits) — except one
+  output store (one split) and the fp32 parts + log-sum-exp merged by the combine kernel
+  (several splits; `tests/test_split_combine.py` tests it alone) — except one
   detail GPU interpret mode cannot simulate in jax 0.11.2: the P @ V wgmma with P in registers
   (and `run_state` accumulators). In interpret mode P goes through shared memory instead
   (`mgpu_common.accumulate_pv`). The register path, Mosaic's compilation and real-size shapes are
@@ -120,7 +121,7 @@ def test_mosaic_interpret_matches_reference(case):
 
 def test_cases_cover_the_mosaic_kernels_one_and_several_split_paths():
     # The Mosaic kernel writes the final output itself with one split per sequence and fp32 parts
-    # for `_combine_parts` with several: CASES must run both.
+    # for the combine kernel with several: CASES must run both.
     assert {mosaic_splits(case) for case in CASES} == {1, 2}
 
 
@@ -161,15 +162,18 @@ def test_public_functions_have_the_backend_signature():
 
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[8]],
-                         ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
-def test_mosaic_interpret_block_id_lookahead_and_forced_splits(case):
+@pytest.mark.parametrize("case,combine_kernel", [(CASES[1], True), (CASES[5], False),
+                                                 (CASES[8], True)],
+                         ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6])
+                         if isinstance(c, tuple) else f"combine_kernel={c}")
+def test_mosaic_interpret_block_id_lookahead_and_forced_splits(case, combine_kernel):
     # The producer reading block ids 3 steps ahead (past the end of short items, where the read
-    # is clamped to a valid page) and a forced split count (some splits empty or partial).
+    # is clamped to a valid page) and a forced split count (some splits empty or partial), merged
+    # by the combine kernel or by XLA (`_combine_parts`).
     def kernel(*args, workers, splits, **kwargs):
         del workers, splits
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=3,
-                                 bt_lookahead=3, pdl=True)
+                                 bt_lookahead=3, pdl=True, combine_kernel=combine_kernel)
         return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, kernel)
 

@@ -1,0 +1,96 @@
+"""The flash-decoding combine as one Mosaic GPU kernel: merges the Mosaic decode kernel's
+normalised per-split parts into the attention output.
+
+Why a kernel and not XLA: the same math in XLA is three kernels on the H200 (max, exp2, sums over
+the splits; 4.5 us at batch 1 x 32768 with 16 splits, docs/ARCHITECTURE.md), and every one of them
+is launched only when the one before has finished. This is one kernel, launched with programmatic
+dependent launch: the decode kernel triggers its dependents when it starts, so this kernel's launch
+and set-up overlap the decode kernel, and `griddepcontrol.wait` holds it until the decode kernel's
+parts are complete and visible.
+
+Layout: each CTA is one warpgroup and owns `rows_per_cta` consecutive output rows (query heads),
+as one flat strided vector of rows_per_cta * D elements (1 row at D >= 128, 2 at D = 64: a
+warpgroup vector needs a multiple of 128 elements). Its weights are scalars: every thread reads
+the C log-sum-exps of its rows (scalar loads; the same addresses for all threads, so they broadcast)
+and computes exp2(lse - max), then loads the C part rows and sums. Everything it reads was just
+written by the decode kernel and sits in L2."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_WARPGROUP = 128
+
+
+def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int, rows: int, head_dim: int,
+                    group: int, lse_width: int, q_padded: bool, rows_per_cta: int, pdl: bool):
+    d, g = head_dim, group
+    n = rows_per_cta * d
+    layout = plgpu.Layout.WG_STRIDED((n,), vec_size=n // _WARPGROUP)
+    first = lax.axis_index("cta") * rows_per_cta
+    if pdl:
+        plgpu.griddepcontrol_wait()  # the parts come from the decode kernel just before
+
+    def weights(row):
+        """-> the row's C split weights exp2(lse_c - max), and their sum."""
+        row = jnp.minimum(row, rows - 1)  # the padding row (odd rows at D = 64) reads the last
+        item, i = row // g, lax.rem(row, g)
+        r0 = 0 if q_padded else lax.rem(item * g, 8)  # where the decode kernel put the item's rows
+        idx = item * lse_width + r0 + i
+        lse = [lse_ref[c, idx] for c in range(num_splits)]
+        m = functools.reduce(jnp.maximum, lse)  # an all-empty row: every weight 1, parts 0
+        w = [jnp.exp2(x - m) for x in lse]
+        return w, functools.reduce(lax.add, w)
+
+    per_row = [weights(first + r) for r in range(rows_per_cta)]
+    if rows_per_cta == 1:
+        (w, total), = per_row
+        scale = w
+        inv = 1.0 / total
+    else:  # per-element weights: element e belongs to row e // d of the CTA's rows
+        row_of = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout) // d
+
+        def pick(values):
+            out = values[0]
+            for r in range(1, rows_per_cta):
+                out = jnp.where(row_of == r, values[r], out)
+            return out
+        scale = [pick([per_row[r][0][c] for r in range(rows_per_cta)]) for c in range(num_splits)]
+        inv = pick([1.0 / t for _, t in per_row])
+    acc = None
+    for c in range(num_splits):
+        part = plgpu.load(o_ref.at[c, pl.ds(first * d, n)], layout=layout)
+        acc = part * scale[c] if acc is None else acc + part * scale[c]
+    out_ref[pl.ds(first * d, n)] = (acc * inv).astype(out_ref.dtype)
+
+
+def combine_split_parts(o, lse, *, group: int, q_padded: bool, dtype, pdl: bool = True,
+                        interpret: bool = False) -> jax.Array:
+    """o: [C, R, D] fp32 normalised parts (R = S * Hq rows); lse: [C, items, W] fp32 log2-domain
+    log-sum-exps, the rows of item k's query heads at k * W + r0 + i (r0 as in the decode
+    kernel). Returns [R, D] in `dtype`."""
+    c, rows, d = o.shape
+    rows_per_cta = max(1, _WARPGROUP // d)
+    if (rows_per_cta * d) % _WARPGROUP:
+        raise ValueError(f"head_dim ({d}) must be 64 or a multiple of 128 for the combine kernel")
+    padded = -(-rows // rows_per_cta) * rows_per_cta
+    if padded != rows:  # odd rows at D = 64: one garbage row, computed and sliced off
+        o = jnp.pad(o, ((0, 0), (0, padded - rows), (0, 0)))
+    kernel = functools.partial(
+        _combine_kernel, num_splits=c, rows=rows, head_dim=d, group=group, lse_width=lse.shape[-1],
+        q_padded=q_padded, rows_per_cta=rows_per_cta, pdl=pdl and not interpret)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((padded * d,), dtype),
+        grid=(padded // rows_per_cta,),
+        grid_names=("cta",),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(lse.reshape(c, -1), o.reshape(c, padded * d))
+    return out.reshape(padded, d)[:rows]

@@ -7,7 +7,7 @@ call, its duration and the idle gap before it, so the time a call spends outside
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, full context, the same chained jit as
 `bench_decode.py`: each call's q is the previous call's output, page sets cycled past L2) the jit
 runs once to compile and warm up, then 3 times under `jax.profiler.trace`. From the GPU plane of the
-trace it prints, per kernel name, how often it ran per call, its mean duration and the mean idle gap
+trace it prints, per kernel of a call (in launch order), its mean duration and the mean signed gap
 before it, and the mean period of one call; `--out` keeps the trace (default $OUT/decode_traces).
 """
 
@@ -50,24 +50,26 @@ def device_events(trace_dir: str) -> list[tuple[str, int, int]]:
 
 
 def summarize(events: list[tuple[str, int, int]], calls: int) -> dict:
-    """Per kernel name: runs per call, mean µs, mean idle gap before it (µs); the period per call
-    over the middle run (the first and last may include host-side start and end)."""
+    """Per kernel of a call, in launch order ("<position>:<name>", as two kernels may share a
+    name): mean µs, and the mean signed gap from the previous kernel's end to its start (µs;
+    negative = it started before the previous one ended, e.g. launched early through PDL); the
+    period per call over the middle run (the first and last may include host-side start and
+    end)."""
     per_run = len(events) // RUNS
-    if per_run == 0:
-        return {"error": "no device events"}
+    if per_run == 0 or per_run % calls:
+        return {"error": f"{len(events)} device events do not split into {RUNS} x {calls} calls"}
     middle = events[per_run:2 * per_run]
+    per_call = per_run // calls
     stats: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"dur": [], "gap": []})
-    prev_end = None
-    for name, start, end in middle:
-        entry = stats[name[:60]]
+    for i, (name, start, end) in enumerate(middle):
+        entry = stats[f"{i % per_call}:{name[:60]}"]
         entry["dur"].append((end - start) / 1e3)
-        if prev_end is not None:
-            entry["gap"].append(max(0, start - prev_end) / 1e3)
-        prev_end = end if prev_end is None else max(prev_end, end)
+        if i:
+            entry["gap"].append((start - middle[i - 1][2]) / 1e3)
     period = (middle[-1][2] - middle[0][1]) / 1e3 / calls
     return {
         "period_us": period,
-        "kernels": {name: {"per_call": len(v["dur"]) / calls, "mean_us": float(np.mean(v["dur"])),
+        "kernels": {name: {"mean_us": float(np.mean(v["dur"])),
                            "gap_before_us": float(np.mean(v["gap"])) if v["gap"] else 0.0}
                     for name, v in stats.items()},
     }
@@ -106,9 +108,9 @@ def main() -> None:
     for r in results:
         print(f"\n{r['batch']}x{r['ctx']} {r['variant']}: {r.get('period_us', 0):.1f} µs per call "
               f"({r['chain']} calls chained)")
-        print("| kernel | per call | mean µs | idle gap before, µs |\n|---|---|---|---|")
+        print("| position:kernel | mean µs | gap before, µs (< 0: overlap) |\n|---|---|---|")
         for name, k in r.get("kernels", {}).items():
-            print(f"| {name} | {k['per_call']:.2f} | {k['mean_us']:.2f} | {k['gap_before_us']:.2f} |")
+            print(f"| {name} | {k['mean_us']:.2f} | {k['gap_before_us']:.2f} |")
 
 
 if __name__ == "__main__":

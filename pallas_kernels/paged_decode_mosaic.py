@@ -414,6 +414,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         ),
         grid=(num_ctas,),
         grid_names=("cta",),
+        kernel_name="paged_decode",  # what profiles show
         num_threads=_NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(

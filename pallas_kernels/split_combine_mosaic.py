@@ -90,6 +90,7 @@ def combine_split_parts(o, lse, *, group: int, q_padded: bool, dtype, pdl: bool 
         out_type=jax.ShapeDtypeStruct((padded * d,), dtype),
         grid=(padded // rows_per_cta,),
         grid_names=("cta",),
+        kernel_name="split_combine",  # what profiles show
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(lse.reshape(c, -1), o.reshape(c, padded * d))

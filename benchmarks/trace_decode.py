@@ -3,6 +3,7 @@ call, its duration and the idle gap before it, so the time a call spends outside
 (the split combine, launch gaps) is measured rather than inferred.
 
     PYTHONPATH=. python3 benchmarks/trace_decode.py [--shapes 1x32768,8x32768] [--variants mosaic]
+                                                    [--lens 64]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, full context, the same chained jit as
 `bench_decode.py`: each call's q is the previous call's output, page sets cycled past L2) the jit
@@ -75,18 +76,21 @@ def summarize(events: list[tuple[str, int, int]], calls: int) -> dict:
     }
 
 
-def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
+def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path,
+                lens: int | None = None) -> dict:
     case = make_paged_case(batch, ctx)
+    if lens is not None:  # the ctx shape's grid and split plan, but only `lens` tokens to stream
+        case["lens"] = jax.numpy.full((batch,), lens, jax.numpy.int32)
     fn = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5,
                            config=mosaic_config(variant))
     chain, call = case["chain"], chained_calls(fn, case)
     q = jax.block_until_ready(call(case["q"]))
-    trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
+    trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}_len{lens or ctx}"
     with jax.profiler.trace(str(trace_dir)):
         for _ in range(RUNS):
             q = call(q)
         jax.block_until_ready(q)
-    return {"batch": batch, "ctx": ctx, "variant": variant, "chain": chain,
+    return {"batch": batch, "ctx": ctx, "lens": lens or ctx, "variant": variant, "chain": chain,
             **summarize(device_events(str(trace_dir)), chain)}
 
 
@@ -94,6 +98,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768,8x32768")
     ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
+    ap.add_argument("--lens", type=int, default=None,
+                    help="sequence length (default: the full context): with a short one, the call "
+                         "keeps the context's grid and split plan, so its time is the fixed cost")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_traces"))
@@ -102,11 +109,12 @@ def main() -> None:
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         for variant in args.variants.split(","):
-            results.append(trace_shape(batch, ctx, variant, out_dir))
+            results.append(trace_shape(batch, ctx, variant, out_dir, args.lens))
             print(json.dumps(results[-1]), flush=True)
     (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
     for r in results:
-        print(f"\n{r['batch']}x{r['ctx']} {r['variant']}: {r.get('period_us', 0):.1f} µs per call "
+        print(f"\n{r['batch']}x{r['ctx']} (lens {r['lens']}) {r['variant']}: "
+              f"{r.get('period_us', 0):.1f} µs per call "
               f"({r['chain']} calls chained)")
         print("| position:kernel | mean µs | gap before, µs (< 0: overlap) |\n|---|---|---|")
         for name, k in r.get("kernels", {}).items():

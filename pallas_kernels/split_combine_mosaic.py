@@ -37,21 +37,28 @@ def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int, rows: int, head
     if pdl:
         plgpu.griddepcontrol_wait()  # the parts come from the decode kernel just before
 
-    def weights(row):
-        """-> the row's C split weights exp2(lse_c - max), and their sum."""
+    def lse_of(row):
+        """The row's C split log-sum-exps (scalar loads)."""
         row = jnp.minimum(row, rows - 1)  # the padding row (odd rows at D = 64) reads the last
         item, i = row // g, lax.rem(row, g)
         r0 = 0 if q_padded else lax.rem(item * g, 8)  # where the decode kernel put the item's rows
         idx = item * lse_width + r0 + i
-        lse = [lse_ref[c, idx] for c in range(num_splits)]
+        return [lse_ref[c, idx] for c in range(num_splits)]
+
+    # Every load is issued before any arithmetic, so the CTA pays one L2 round trip, not two.
+    lses = [lse_of(first + r) for r in range(rows_per_cta)]
+    parts = [plgpu.load(o_ref.at[c, pl.ds(first * d, n)], layout=layout)
+             for c in range(num_splits)]
+
+    def weights(lse):
+        """-> the C split weights exp2(lse_c - max), and their sum."""
         m = functools.reduce(jnp.maximum, lse)  # an all-empty row: every weight 1, parts 0
         w = [jnp.exp2(x - m) for x in lse]
         return w, functools.reduce(lax.add, w)
 
-    per_row = [weights(first + r) for r in range(rows_per_cta)]
+    per_row = [weights(lse) for lse in lses]
     if rows_per_cta == 1:
-        (w, total), = per_row
-        scale = w
+        (scale, total), = per_row
         inv = 1.0 / total
     else:  # per-element weights: element e belongs to row e // d of the CTA's rows
         row_of = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout) // d
@@ -63,10 +70,7 @@ def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int, rows: int, head
             return out
         scale = [pick([per_row[r][0][c] for r in range(rows_per_cta)]) for c in range(num_splits)]
         inv = pick([1.0 / t for _, t in per_row])
-    acc = None
-    for c in range(num_splits):
-        part = plgpu.load(o_ref.at[c, pl.ds(first * d, n)], layout=layout)
-        acc = part * scale[c] if acc is None else acc + part * scale[c]
+    acc = functools.reduce(lax.add, [part * w for part, w in zip(parts, scale)])
     out_ref[pl.ds(first * d, n)] = (acc * inv).astype(out_ref.dtype)
 
 

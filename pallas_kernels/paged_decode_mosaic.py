@@ -100,12 +100,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool):
     if num_splits == 1:
-        (o_ref, q_smem, k_smem, v_smem, x_smem, vec_smem, y_smem, q_bar, q_free, k_bar, v_bar,
-         k_free, v_free, x_full, x_free, *p_smem) = refs
+        (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
+         k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         lse_ref = lse_smem = None
     else:
-        (o_ref, lse_ref, q_smem, k_smem, v_smem, x_smem, vec_smem, lse_smem, q_bar, q_free, k_bar,
-         v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
+        (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
+         q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         y_smem = None
     p_smem = p_smem[0] if interpret else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
@@ -282,7 +282,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             @_scoped("merge_store")
             def _merge_and_store():
                 plgpu.barrier_wait(x_full.at[0])
-                acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+                acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
                 m1 = plgpu.load(vec_smem.at[0], layout=row_layout, optimized=False)
                 l1 = plgpu.load(vec_smem.at[1], layout=row_layout, optimized=False)
                 # NEG_INF is finite, so two empty states give weights 1 and 0 / 0 never happens.
@@ -301,10 +301,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 else:
                     # Log-sum-exp of the part (log2 units); empty parts get NEG_INF: weight 0.
                     lse = jnp.where(l > 0, m + jnp.log2(jnp.maximum(l, 1e-30)), NEG_INF)
-                    x_smem[...] = out
+                    # The unswizzled view of the hand-over tile (acc1 is in registers; the store
+                    # waits for the warpgroup's reads): a TMA source may start at any row r0.
+                    x_plain[...] = out
                     lse_smem[...] = lse
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(x_smem.at[pl.ds(r0, g)],
+                    plgpu.copy_smem_to_gmem(x_plain.at[pl.ds(r0, g)],
                                             o_ref.at[split, pl.ds(base, g)])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq * hkv + head])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -378,6 +380,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
+    f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
     tokens = config.tokens_per_step
     if plan.num_splits == 1:
         out_type = (jax.ShapeDtypeStruct((s * hq, d), dtype),)
@@ -398,7 +401,10 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms),  # q tiles
             plgpu.SMEM((stages, tokens, d), dtype, transforms=transforms),
             plgpu.SMEM((stages, tokens, d), dtype, transforms=transforms),
-            plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32),  # hand-over; fp32 part when split
+            # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
+            # conflicts; its unswizzled view stages the fp32 part when split.
+            plgpu.RefUnion(plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
+                           plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32)),
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
             *out_scratch,
             plgpu.Barrier(num_barriers=2),  # q tile filled

@@ -262,7 +262,7 @@ def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"),
                "kernels": {}}
         timers = {name: functools.partial(time_paged, fn, case) for name, fn in fns.items()}
         # The kernel alone differs from the whole call only where the plan splits contexts
-        # (batch x kv heads below one item per SM): there the XLA combine follows it.
+        # (batch x kv heads below one item per SM): there the split-combine kernel follows it.
         if "diag" in variants and batch * HKV < num_sms():
             timers["mosaic_kernel_only"] = functools.partial(time_mosaic_kernel_only, case,
                                                              scale)

@@ -9,7 +9,7 @@ wait_q, kv_steps, hand_over, merge_store; SM cycles within a warpgroup, converte
 maximum SM clock). From that trace this prints, per shape: the kernel's
 span (first stamp to last, over all CTAs), how far apart the CTAs start and finish, when the first
 consumer starts streaming (the end of its q wait), and each range's mean and max length. The
-profiler's own stores cost a few cycles per stamp; the XLA combine (several splits) and the launch
+profiler's own stores cost a few cycles per stamp; the split-combine kernel (several splits) and the launch
 before the first stamp are outside the trace. Traces (Perfetto JSON) and a summary JSON go under
 $OUT/decode_profiles (or --out).
 """

@@ -3,10 +3,11 @@ the flash-decoding split plan, and the combine step that merges per-split partia
 
 Both kernels work on "items": one (sequence, kv head, context split). An item streams the pages
 [split * pages_per_split, (split + 1) * pages_per_split) of its sequence (clipped to the sequence
-length) and emits, for each of the G query heads of its kv head, an unnormalised fp32 output
-row `o`, the running max `m` (natural-log units) and the softmax denominator `l`. `combine_splits`
-merges the splits; an item with no tokens emits m = NEG_INF, l = 0, o = 0 and so contributes nothing,
-which is also how `seq_lens == 0` rows come out as zeros.
+length). The Triton kernel emits, for each of the G query heads of its kv head, an unnormalised
+fp32 output row `o`, the running max `m` (natural-log units) and the softmax denominator `l`, and
+`combine_splits` merges the splits; an item with no tokens emits m = NEG_INF, l = 0, o = 0 and so
+contributes nothing, which is also how `seq_lens == 0` rows come out as zeros. (The Mosaic kernel
+emits normalised parts with their log-sum-exp; `split_combine_mosaic` merges those.)
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ class SplitPlan:
         return self.num_splits * self.pages_per_split
 
 
-# What one extra XLA op (the split combine) costs, in pipeline steps of one item at full load
-# (~0.9 us on the H200): its launch, mostly. Measured on the H200 with small contexts, where an
-# extra kernel per call costs ~8 us (benchmarks/RESULTS.md, "Paged decode attention").
+# What splitting costs beyond the split items themselves (the combine kernel, the parts' stores),
+# in pipeline steps of one item at full load (~0.9 us on the H200). First measured with the XLA
+# combine (an extra ~8 us per call at small contexts); with the one-kernel Mosaic combine (1.3-1.7
+# us on the device) forcing splits at batch 1 x 512 still costs more than it saves (10.2 us per call
+# unsplit, 11.3 with 2 splits, 10.5 with 4), so the charge stays (benchmarks/RESULTS.md, "Paged
+# decode attention").
 COMBINE_COST_STEPS = 8
 # How much faster than its fair share of HBM bandwidth one worker streams when few are busy
 # (H200: ~42 GB/s per SM against 4.55 TB/s / 132 SMs = 34.5).

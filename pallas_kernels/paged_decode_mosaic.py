@@ -17,7 +17,7 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   result. With one split per sequence (batch x kv heads fills the GPU) that is the final output,
   written straight into [S * Hq, D] with no XLA op before or after the kernel; with several splits
   the kernel stores normalised fp32 parts and their log-sum-exp, and one small combine kernel
-  (`split_combine_mosaic`, launched early through PDL) merges them; `_combine_parts` is the same
+  (`split_combine_mosaic`, which PDL may launch early) merges them; `_combine_parts` is the same
   merge in XLA (`MosaicDecodeConfig.combine_kernel=False`).
 - q is read unpadded where it can be: the G query heads of a kv head are rows [base, base + G)
   of q viewed as [S * Hq, D] (a free reshape), and the producer copies the aligned 8-row TMA tile
@@ -337,7 +337,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     """The kernel alone. Returns (outputs, launch): with one split per sequence outputs is
     (o [S * Hq, D] in the cache dtype, final); with several, (o [splits, S * Hq, D] fp32, each part
     normalised, lse [splits, S * Hkv, 64] fp32 in log2 units, row r0 + i of an item's 64 being its
-    query head i) for `_combine_parts`."""
+    query head i) for `split_combine_mosaic.combine_split_parts` (or `_combine_parts`)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     dtype = k_cache.dtype

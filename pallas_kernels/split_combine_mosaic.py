@@ -2,22 +2,23 @@
 normalised per-split parts into the attention output.
 
 Why a kernel and not XLA: the same math in XLA is three kernels on the H200 (max, exp2, sums over
-the splits; 4.5 us at batch 1 x 32768 with 16 splits, docs/ARCHITECTURE.md), and every one of them
-is launched only when the one before has finished. This is one kernel, launched with programmatic
-dependent launch: the decode kernel triggers its dependents when it starts, so this kernel's launch
-and set-up overlap the decode kernel, and `griddepcontrol.wait` holds it until the decode kernel's
-parts are complete and visible.
+the splits; 4.5 us at batch 1 x 32768 with 16 splits); this one takes 1.3-1.7 us
+(docs/ARCHITECTURE.md, "Kernels: paged decode"). It waits on `griddepcontrol.wait` and the decode
+kernel triggers its dependents when it starts, so where programmatic dependent launch is honoured
+its launch overlaps the decode kernel (inside XLA's command buffers it is not, and the graph
+launches it back to back instead).
 
 Layout: each CTA is one warpgroup and owns `rows_per_cta` consecutive output rows (query heads),
-as one flat strided vector of rows_per_cta * D elements (1 row at D >= 128, 2 at D = 64: a
-warpgroup vector needs a multiple of 128 elements). Its weights are scalars: every thread reads
-the C log-sum-exps of its rows (scalar loads; the same addresses for all threads, so they broadcast)
-and computes exp2(lse - max), then loads the C part rows and sums. Everything it reads was just
-written by the decode kernel and sits in L2."""
+as one flat strided vector of rows_per_cta * D elements (1 row at D = 128 or 256, 2 at D = 64 or
+192: a warpgroup vector needs a multiple of 128 elements). Its weights are scalars: every thread
+reads the C log-sum-exps of its rows (scalar loads; the same addresses for all threads, so they
+broadcast) and computes exp2(lse - max); the C part rows are loaded in the same burst. Everything
+it reads was just written by the decode kernel and sits in L2."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +33,16 @@ def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int, rows: int, head
                     group: int, lse_width: int, q_padded: bool, rows_per_cta: int, pdl: bool):
     d, g = head_dim, group
     n = rows_per_cta * d
-    layout = plgpu.Layout.WG_STRIDED((n,), vec_size=n // _WARPGROUP)
+    per_thread = n // _WARPGROUP
+    vec = math.gcd(per_thread, 4)  # contiguous elements per access: up to 16 bytes, dividing it
+    layout = plgpu.Layout.WG_STRIDED((n,), vec_size=vec)
     first = lax.axis_index("cta") * rows_per_cta
     if pdl:
         plgpu.griddepcontrol_wait()  # the parts come from the decode kernel just before
 
     def lse_of(row):
         """The row's C split log-sum-exps (scalar loads)."""
-        row = jnp.minimum(row, rows - 1)  # the padding row (odd rows at D = 64) reads the last
+        row = jnp.minimum(row, rows - 1)  # padding rows read the last row's log-sum-exps
         item, i = row // g, lax.rem(row, g)
         r0 = 0 if q_padded else lax.rem(item * g, 8)  # where the decode kernel put the item's rows
         idx = item * lse_width + r0 + i
@@ -80,11 +83,9 @@ def combine_split_parts(o, lse, *, group: int, q_padded: bool, dtype, pdl: bool 
     log-sum-exps, the rows of item k's query heads at k * W + r0 + i (r0 as in the decode
     kernel). Returns [R, D] in `dtype`."""
     c, rows, d = o.shape
-    rows_per_cta = max(1, _WARPGROUP // d)
-    if (rows_per_cta * d) % _WARPGROUP:
-        raise ValueError(f"head_dim ({d}) must be 64 or a multiple of 128 for the combine kernel")
+    rows_per_cta = _WARPGROUP // math.gcd(d, _WARPGROUP)  # fewest rows filling whole warpgroups
     padded = -(-rows // rows_per_cta) * rows_per_cta
-    if padded != rows:  # odd rows at D = 64: one garbage row, computed and sliced off
+    if padded != rows:  # e.g. odd rows at D = 64: garbage rows, computed and sliced off
         o = jnp.pad(o, ((0, 0), (0, padded - rows), (0, 0)))
     kernel = functools.partial(
         _combine_kernel, num_splits=c, rows=rows, head_dim=d, group=group, lse_width=lse.shape[-1],

@@ -132,8 +132,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         return pl.multiple_of(base - lax.rem(base, 8), 8), base, lax.rem(base, 8)
 
     def item_info(it):
-        """-> (seq, kv head, split, length, first page, pages in the sequence, steps) of this
-        CTA's it-th item."""
+        """-> (seq, kv head, split, length, first page, steps) of this CTA's it-th item."""
         w = cta + it * num_ctas
         seq = w // (hkv * num_splits)
         head = (w // num_splits) % hkv
@@ -143,14 +142,14 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         first = split * pages_per_split
         last = jnp.minimum(num_pages, first + pages_per_split)
         steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
-        return seq, head, split, length, first, num_pages, steps
+        return seq, head, split, length, first, steps
 
     @pl.when(wg == _NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
         def item_body(it, g0):
-            seq, head, _, _, first, num_pages, steps = item_info(it)
+            seq, head, _, _, first, steps = item_info(it)
             qb = lax.rem(it, 2)
 
             @pl.when(it >= 2)
@@ -160,19 +159,14 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
                                     q_bar.at[qb])
 
-            last_page = jnp.maximum(num_pages - 1, 0)
-            last_id = bt_ref[seq, last_page]
-
             def block_ids(j):
-                """Block ids of step j's pages. Pages past the sequence's last one re-read its
-                last page (masked later): every copy reads real, finite data and the barrier
-                count stays fixed. Each entry is read at its column (clamped to the table), and
-                only the choice between it and the last page's id depends on the length, so the
-                table and length loads are in flight together."""
+                """Block ids of step j's pages, each read at its column (clamped to the table).
+                Columns past the sequence's last page hold the table's padding, a valid block id
+                (metadata.py), and their tokens are masked: reading them keeps the barrier count
+                fixed, and no read waits for the sequence length, so the first copy waits for
+                one global round trip (the table), not two (the length, then the table)."""
                 page0 = first + j * pages_per_step
-                return tuple(jnp.where(page0 + i <= last_page,
-                                       bt_ref[seq, jnp.minimum(page0 + i, shape.max_blocks - 1)],
-                                       last_id)
+                return tuple(bt_ref[seq, jnp.minimum(page0 + i, shape.max_blocks - 1)]
                              for i in range(pages_per_step))
 
             def step(j, ahead):
@@ -216,7 +210,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def item_body(it, g0):
-            seq, head, split, length, first, _, steps = item_info(it)
+            seq, head, split, length, first, steps = item_info(it)
             qb = lax.rem(it, 2)
             q_tile = q_smem.at[qb]
             with jax.named_scope("wait_q"):

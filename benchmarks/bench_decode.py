@@ -151,7 +151,6 @@ def time_mosaic_kernel_only(case, scale: float) -> float:
     merged), queued.
     Not chained, so back-to-back kernels may overlap their launch: a lower bound."""
     fn = functools.partial(mosaic_decode_call, scale=scale)
-
     chain = case["chain"]
 
     @jax.jit

@@ -35,8 +35,6 @@ KERNELS = {
     "mosaic": paged_decode_mosaic,
     "mosaic_t128": functools.partial(paged_decode_mosaic_configured,
                                      config=MosaicDecodeConfig(tokens_per_step=128)),
-    "mosaic_pdl_la2": functools.partial(paged_decode_mosaic_configured,
-                                        config=MosaicDecodeConfig(pdl=True, bt_lookahead=2)),
     "mosaic_s1": functools.partial(paged_decode_mosaic_configured,
                                    config=MosaicDecodeConfig(num_splits=1)),
     "mosaic_xla_combine": functools.partial(paged_decode_mosaic_configured,

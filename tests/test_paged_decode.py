@@ -161,14 +161,13 @@ def test_public_functions_have_the_backend_signature():
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref).parameters)
 
 
-
 @pytest.mark.parametrize("case,combine_kernel", [(CASES[1], True), (CASES[5], False),
                                                  (CASES[8], True)],
                          ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6])
                          if isinstance(c, tuple) else f"combine_kernel={c}")
 def test_mosaic_interpret_block_id_lookahead_and_forced_splits(case, combine_kernel):
-    # The producer reading block ids 3 steps ahead (past the end of short items, where the read
-    # is clamped to a valid page) and a forced split count (some splits empty or partial), merged
+    # The producer reading block ids 3 steps ahead (past the end of short items, where it reads
+    # the table's padding or its last column) and a forced split count (some splits empty or partial), merged
     # by the combine kernel or by XLA (`_combine_parts`).
     def kernel(*args, workers, splits, **kwargs):
         del workers, splits

@@ -12,7 +12,10 @@ repetitions. When one call's KV bytes fit in L2, successive calls cycle through 
 L2; one jit holds only CHAIN kernel instances whatever the number of sets, which keeps compile time
 (and the device call) short. Shapes under SMALL_KV_BYTES chain SMALL_CHAIN = 16 calls instead: with 4,
 one jit call of a few MB holds about as much GPU work as jax's dispatch costs on the host, and the
-figures swing by several µs between runs. `--chain N` forces one length for every shape.
+figures swing by several µs between runs. `--chain N` forces one length for every shape. Each jit call also pays one XLA executable launch
+(~6 µs on the H200), a quarter of which lands in every per-call figure of a 4-call chain; the
+"marginal" variant reports the Mosaic call's cost inside a larger program instead, as the slope
+between chains of 2 and 6 calls (`time_marginal`).
 Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kernels.py` calls
 `run_grid`.
 """
@@ -47,6 +50,7 @@ MAX_SETS = 64
 CHAIN = 4  # kernel calls chained inside one jit
 SMALL_CHAIN, SMALL_KV_BYTES = 16, 64e6  # ... and for shapes whose KV is under 64 MB
 FORCED_CHAIN = None  # --chain
+MARGINAL_CHAINS = (2, 6)  # chain lengths whose difference gives the per-call time in a program
 
 
 def warm_up_gpu(seconds: float = 1.5) -> None:
@@ -92,13 +96,14 @@ def _queued_time(call, state, *, min_seconds: float = 0.03, reps: int = 5) -> fl
     return float(np.median(ts))
 
 
-def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D, page=PAGE):
+def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D, page=PAGE,
+                    chain: int | None = None):
     """q, K/V pools and `sets` block tables over disjoint shuffled page sets: enough sets that one
     timed jit call reads >= L2_FLUSH_BYTES, and at least 4 where memory allows (distinct calls);
-    all sequences hold exactly `ctx` tokens."""
+    all sequences hold exactly `ctx` tokens. `chain` overrides the chain length."""
     pages = ctx // page
     kv_bytes = 2 * batch * ctx * hkv * d * 2
-    chain = FORCED_CHAIN or (SMALL_CHAIN if kv_bytes < SMALL_KV_BYTES else CHAIN)
+    chain = chain or FORCED_CHAIN or (SMALL_CHAIN if kv_bytes < SMALL_KV_BYTES else CHAIN)
     sets = int(min(MAX_SETS, max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes))))
     if kv_bytes * chain <= 20e9:
         sets = max(sets, chain)
@@ -143,6 +148,21 @@ def chained_calls(fn, case):
 def time_paged(fn, case) -> float:
     """Seconds per call of fn(q, k, v, block_table, lens), chained (`chained_calls`) and queued."""
     return _queued_time(chained_calls(fn, case), case["q"]) / case["chain"]
+
+
+def time_marginal(fn, batch: int, ctx: int, chains=MARGINAL_CHAINS) -> float:
+    """Seconds one more chained call of fn adds to a jit call: (T(hi) - T(lo)) / (hi - lo), with
+    T(n) the seconds per jit call of a chain of n calls (`time_paged` on a case of that chain).
+    The XLA executable launch that every jit call pays once (~6 us on the H200, a quarter of it in
+    each per-call figure of a 4-call chain) cancels out: this is what a call costs inside a larger
+    jitted program, such as an engine step with one attention call per layer."""
+    lo, hi = chains
+    t = {}
+    for n in chains:
+        case = make_paged_case(batch, ctx, chain=n)
+        t[n] = time_paged(fn, case) * n
+        del case
+    return (t[hi] - t[lo]) / (hi - lo)
 
 
 def time_mosaic_kernel_only(case, scale: float) -> float:
@@ -265,6 +285,9 @@ def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"),
         if "diag" in variants and batch * HKV < num_sms():
             timers["mosaic_kernel_only"] = functools.partial(time_mosaic_kernel_only, case,
                                                              scale)
+        if "marginal" in variants and case["kv_bytes"] * MARGINAL_CHAINS[1] <= 20e9:
+            timers["mosaic_marginal"] = functools.partial(time_marginal, our_variants(scale)["mosaic"],
+                                                          batch, ctx)
         if "xla" in variants and kv_gb <= 8:
             timers["xla_contiguous"] = functools.partial(time_xla_contiguous, case, scale)
         for name, timer in timers.items():
@@ -308,9 +331,10 @@ def format_row(row) -> str:
 
 def table(result) -> str:
     """Markdown table: our Mosaic kernel, the best of each other family, per shape."""
-    lines = ["| batch | ctx | KV MB | Mosaic µs | TB/s | % ceiling | kernel alone µs "
-             "| bundled best µs | TB/s | XLA contiguous µs | TB/s | our Triton µs | TB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | ctx | KV MB | Mosaic µs | TB/s | % ceiling | in a program µs | % ceiling "
+             "| kernel alone µs | bundled best µs | TB/s | XLA contiguous µs | TB/s "
+             "| our Triton µs | TB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         ours = row["kernels"].get("mosaic")
         _, bun = _best(row, "bundled")
@@ -318,9 +342,11 @@ def table(result) -> str:
         xla = row["kernels"].get("xla_contiguous", {})
         f = lambda r, k, fmt: (fmt.format(r[k]) if r and k in r else "–")
         alone = row["kernels"].get("mosaic_kernel_only")
+        marginal = row["kernels"].get("mosaic_marginal")
         lines.append(f"| {row['batch']} | {row['ctx']} | {row['kv_bytes'] / 1e6:.0f} | "
                      f"{f(ours, 'us', '{:.1f}')} | {f(ours, 'TBps', '{:.2f}')} | "
-                     f"{f(ours, 'pct_ceiling', '{:.0f}%')} | {f(alone, 'us', '{:.1f}')} | "
+                     f"{f(ours, 'pct_ceiling', '{:.0f}%')} | {f(marginal, 'us', '{:.1f}')} | "
+                     f"{f(marginal, 'pct_ceiling', '{:.0f}%')} | {f(alone, 'us', '{:.1f}')} | "
                      f"{f(bun, 'us', '{:.1f}')} | {f(bun, 'TBps', '{:.2f}')} | "
                      f"{f(xla, 'us', '{:.1f}')} | {f(xla, 'TBps', '{:.2f}')} | "
                      f"{f(tri, 'us', '{:.1f}')} | {f(tri, 'TBps', '{:.2f}')} |")
@@ -335,8 +361,10 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None,
                     help="BxCTX pairs in the order to run, e.g. 64x4096,1x32768 (overrides "
                          "--batches/--contexts)")
-    ap.add_argument("--variants", default="mosaic,triton,bundled,xla,diag",
-                    help="diag: also the Mosaic kernel alone, without the XLA ops around it")
+    ap.add_argument("--variants", default="mosaic,triton,bundled,xla,diag,marginal",
+                    help="diag: also the Mosaic kernel alone, without the XLA ops around it; "
+                         "marginal: also the Mosaic call's cost inside a larger program "
+                         "(time_marginal)")
     ap.add_argument("--chain", type=int, default=None,
                     help=f"kernel calls chained in one jit (default: {CHAIN}, {SMALL_CHAIN} for "
                          f"shapes under {SMALL_KV_BYTES / 1e6:.0f} MB of KV)")

@@ -73,6 +73,7 @@ TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
 LOG2E = math.log2(math.e)
 SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
 REGISTER_FILE = 65536    # 32-bit registers per SM (one CTA of 3 warpgroups fills it)
+PROFILE_EVENTS = 256     # profiler events per warpgroup when profiling (16 bytes of SMEM each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +99,21 @@ class KernelConfig:
     consumer_registers: int = 240
     producer_registers: int = 24
     rescale_threshold: float = 0.0
+    turns: str = "token"
+    profile_dir: str = ""
+
+    # turns: how the two consumers take turns on the tensor cores (FA3's ping-pong).
+    #   "token": a warpgroup holds the turn while it issues PV_j and QK_{j+1}, hands it over, and
+    #   starts softmax_{j+1} as soon as its QK is done (FA3's scheduler barriers);
+    #   "rendezvous": one barrier both consumers meet at twice per step (after QK issue, after
+    #   softmax), so a warpgroup's softmax also waits for the other's to end.
+    # profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
+    #   wait_v_turn, pv; producer: wait_free) here (Mosaic GPU's profiler; benchmarks/
+    #   profile_prefill.py reads it).
 
     def __post_init__(self):
+        if self.turns not in ("token", "rendezvous"):
+            raise ValueError(f"turns={self.turns!r}: 'token' or 'rendezvous'")
         if self.block_kv <= 0 or self.block_kv % 64:  # PV's K dimension fills 128-byte swizzle rows
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
         if self.stages < 2:
@@ -115,7 +129,8 @@ class KernelConfig:
                              f"{self.producer_registers} overflow the {REGISTER_FILE}-register file")
 
     def smem_bytes(self, d: int, itemsize: int) -> int:
-        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize
+        profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
+        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
 
 
 class WorkItem(NamedTuple):
@@ -194,7 +209,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     log2_factor = (softcap if softcap else scale) * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
-        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -229,9 +244,19 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 return body(jnp.int32(0), jnp.int32(0))
             return lax.fori_loop(0, rounds, lambda r, g: g + body(r, g), jnp.int32(0))
 
-        def schedule_barrier():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        # Turns on the tensor cores (see KernelConfig.turns). "token": turn[w] completes a phase
+        # when the other consumer hands the turn to warpgroup w.
+        def take_turn():
+            plgpu.barrier_wait(turn.at[wg])
+
+        def pass_turn():
+            plgpu.barrier_arrive(turn.at[1 - wg])
+
+        def schedule_barrier():  # "rendezvous": both consumers meet (turn has 2 arrivals)
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        token = cfg.turns == "token"
 
         def slot_of(g):
             return lax.rem(g, jnp.int32(stages))
@@ -328,12 +353,19 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                schedule_barrier()
-                schedule_barrier()
+                if token:  # one turn per step, passed straight on
+                    take_turn()
+                    pass_turn()
+                else:
+                    schedule_barrier()
+                    schedule_barrier()
 
             def finish(acc, l_i):
+                if token:
+                    pass_turn()  # after the last PV
                 lax.fori_loop(steps, cta_steps, drain_step, None)
-                pl.when(wg == 0)(schedule_barrier)
+                if not token:
+                    pl.when(wg == 0)(schedule_barrier)
                 prefetch_next()
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
                 store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
@@ -342,7 +374,16 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             def kv_loop():
                 """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
                 plgpu.barrier_wait(k_bar.at[slot_of(g0)])
-                pl.when(wg == 1)(schedule_barrier)
+                if token:
+                    take_turn()
+                else:
+                    pl.when(wg == 1)(schedule_barrier)
+
+                def after_qk_issue():
+                    if token:
+                        pass_turn()
+                    else:
+                        schedule_barrier()
 
                 def kv_step(j, carry, masked: bool):
                     acc, m_i, l_i = carry
@@ -351,33 +392,41 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     def qk_scope(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                         if not interpret:
-                            schedule_barrier()
+                            after_qk_issue()
                         return acc_ref[...]
-                    s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
                     if interpret:
-                        schedule_barrier()
+                        after_qk_issue()
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, m_new, alpha = online_softmax(s, m_i, j, masked)
-                    if cfg.rescale_threshold and not interpret:
-                        acc = _rows_scale_where_needed(acc, alpha)
-                    else:
-                        acc = rows_scale(acc, alpha)
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    p16 = p.astype(dtype)
-                    # Pin the softmax before the barrier so the compiler does not sink it into the
-                    # other warpgroup's matmul turn (same ordering trick as jax's attention_mgpu).
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                    plgpu.barrier_arrive(sched)      # softmax done: the other wg may issue
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_wait(sched)        # our turn on the tensor cores again
+                    with jax.named_scope("softmax"):
+                        p, m_new, alpha = online_softmax(s, m_i, j, masked)
+                        if cfg.rescale_threshold and not interpret:
+                            acc = _rows_scale_where_needed(acc, alpha)
+                        else:
+                            acc = rows_scale(acc, alpha)
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        p16 = p.astype(dtype)
+                        # Pin the softmax before the barrier so the compiler does not sink it into
+                        # the other warpgroup's matmul turn (as jax's attention_mgpu does).
+                        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    with jax.named_scope("wait_v_turn"):
+                        if token:
+                            plgpu.barrier_wait(v_bar.at[slot])
+                            take_turn()
+                        else:
+                            plgpu.barrier_arrive(turn)   # softmax done: the other wg may issue
+                            plgpu.barrier_wait(v_bar.at[slot])
+                            plgpu.barrier_wait(turn)     # our turn on the tensor cores again
 
                     has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
 
                     def wait_next_k():  # while PV runs (interpret mode: after it)
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
 
-                    acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                                        p_smem[0].at[wg] if interpret else None, wait_next_k)
+                    with jax.named_scope("pv"):
+                        acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                                            p_smem[0].at[wg] if interpret else None, wait_next_k)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -397,6 +446,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+            if token:  # warpgroup 0 takes the first turn
+                pl.when(wg == 1)(pass_turn)
 
             def prefetch(r):  # q_buffers == 2: issue the Q load of this CTA's item r into buffer r % 2
                 if q_buffers == 1:
@@ -416,6 +467,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 return item_steps(it)
 
             over_items(consumer_round)
+            if token:  # observe warpgroup 1's last hand-over (interpret mode checks every phase)
+                pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -450,9 +503,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     g = g0 + step
                     slot = slot_of(g)
                     ids = page_ids(step)  # block-table reads overlap the wait for a free slot
-                    pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                    with jax.named_scope("wait_free"):
+                        pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
                     load(k_ref, k_smem, k_bar, step, slot, ids)
-                    pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                    with jax.named_scope("wait_free"):
+                        pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                     load(v_ref, v_smem, v_bar, step, slot, ids)
                 return item_steps(it)
 
@@ -474,8 +529,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                   plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
                   plgpu.Barrier(num_barriers=2 * q_buffers))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+        turn = (plgpu.Barrier(num_barriers=2) if cfg.turns == "token"
+                else plgpu.Barrier(num_arrivals=2))
         pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),
-                      smem, loaded, freed, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+                      smem, loaded, freed, turn, collective_axes="wg")
 
     return plgpu.kernel(
         entry,
@@ -484,6 +541,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         grid_names=("ctas",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="flash_attention",  # what profiles show
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **(dict(profile_space=PROFILE_EVENTS, profile_dir=cfg.profile_dir,
+                                      profile_bounds_check=True)
+                                 if cfg.profile_dir and not interpret else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, tiles, block_tables)

@@ -1,0 +1,27 @@
+"""benchmarks/bench_decode.py's per-call cost inside a program (the timing itself needs the H200)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import bench_decode  # noqa: E402
+
+
+def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
+    # A jit call of a chain of n calls takes 6 us of launch + 40 us per call.
+    def fake_time_paged(fn, case):
+        return (6e-6 + 40e-6 * case["chain"]) / case["chain"]
+
+    monkeypatch.setattr(bench_decode, "time_paged", fake_time_paged)
+    t = bench_decode.time_marginal(None, 1, 64)
+    assert t == pytest.approx(40e-6)
+    # ... where the per-call figure of a 4-call chain carries a quarter of the launch.
+    assert fake_time_paged(None, {"chain": 4}) == pytest.approx(41.5e-6)
+
+
+def test_paged_case_takes_the_chain_it_is_given():
+    case = bench_decode.make_paged_case(1, 64, hq=4, hkv=1, d=64, chain=6)
+    assert case["chain"] == 6 and case["sets"] % 6 == 0

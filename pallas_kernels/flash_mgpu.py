@@ -100,6 +100,7 @@ class KernelConfig:
     producer_registers: int = 24
     rescale_threshold: float = 0.0
     turns: str = "token"
+    overlap: bool = False
     profile_dir: str = ""
 
     # turns: how the two consumers take turns on the tensor cores (FA3's ping-pong).
@@ -107,6 +108,8 @@ class KernelConfig:
     #   starts softmax_{j+1} as soon as its QK is done (FA3's scheduler barriers);
     #   "rendezvous": one barrier both consumers meet at twice per step (after QK issue, after
     #   softmax), so a warpgroup's softmax also waits for the other's to end.
+    # overlap: FA3's intra-warpgroup overlap (softmax_j runs while PV_{j-1} does); needs
+    #   turns="token"; GPU only (interpret mode runs the plain loop, see mosaic_attention).
     # profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
     #   wait_v_turn, pv; producer: wait_free) here (Mosaic GPU's profiler; benchmarks/
     #   profile_prefill.py reads it).
@@ -114,6 +117,8 @@ class KernelConfig:
     def __post_init__(self):
         if self.turns not in ("token", "rendezvous"):
             raise ValueError(f"turns={self.turns!r}: 'token' or 'rendezvous'")
+        if self.overlap and self.turns != "token":
+            raise ValueError("overlap=True needs turns='token'")
         if self.block_kv <= 0 or self.block_kv % 64:  # PV's K dimension fills 128-byte swizzle rows
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
         if self.stages < 2:
@@ -436,7 +441,77 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 acc, _, l_i = carry
                 finish(acc, l_i)
 
-            pl.when(steps > 0)(kv_loop)
+            def rescale(acc, alpha):
+                if cfg.rescale_threshold and not interpret:
+                    return _rows_scale_where_needed(acc, alpha)
+                return rows_scale(acc, alpha)
+
+            def kv_loop_overlap():
+                """FA3's intra-warpgroup overlap: in one turn the warpgroup issues QK_j and
+                PV_{j-1}, then runs softmax_j while PV_{j-1} is still on the tensor cores, so its
+                own chain per step is QK + softmax rather than QK + softmax + PV."""
+                first = slot_of(g0)
+                plgpu.barrier_wait(k_bar.at[first])
+                take_turn()
+
+                def qk_first(s_ref):
+                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[first].transpose((1, 0)))
+                    pass_turn()
+                    return s_ref[...]
+                s = pl.run_scoped(qk_first, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[first])
+                p, m0, _ = online_softmax(s, m_init, 0, True)  # the mask is a no-op if all visible
+                carry = (acc_init, m0, p.sum(axis=1), p.astype(dtype))
+
+                def kv_step(j, carry, masked: bool):
+                    acc, m_i, l_i, p16 = carry
+                    slot, prev = slot_of(g0 + j), slot_of(g0 + j - 1)
+                    with jax.named_scope("wait_v_turn"):
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        plgpu.barrier_wait(v_bar.at[prev])
+                        take_turn()
+
+                    def body(refs):
+                        acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+                        p_prev = p_ref[...]
+
+                        def qk(s_ref):
+                            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+                            pass_turn()
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK_j only
+                        with jax.named_scope("qk"):
+                            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        with jax.named_scope("softmax"):
+                            p, m_new, alpha = online_softmax(s, m_ref[...], j, masked)
+                            l_ref[...] = l_ref[...] * alpha + p.sum(axis=1)
+                            p_ref[...] = p.astype(dtype)
+                            m_ref[...] = m_new
+                            alpha_ref[...] = alpha
+
+                    with jax.named_scope("pv"):  # the whole turn, until PV_{j-1} is done
+                        acc, p16, m_new, l_i, alpha = pl.run_state(body)(
+                            (plgpu.ACC.init(acc), p16, m_i, l_i, m_i))
+                    plgpu.barrier_arrive(v_free.at[prev])
+                    with jax.named_scope("rescale"):
+                        acc = rescale(acc, alpha)
+                    return acc, m_new, l_i, p16
+
+                unmasked_end = jnp.maximum(full_steps, 1)
+                carry = lax.fori_loop(1, unmasked_end, functools.partial(kv_step, masked=False),
+                                      carry)
+                carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
+                                      carry)
+                acc, _, l_i, p16 = carry
+                last = slot_of(g0 + steps - 1)
+                plgpu.barrier_wait(v_bar.at[last])
+                take_turn()
+                acc = accumulate_pv(acc, p16, v_smem.at[last])
+                plgpu.barrier_arrive(v_free.at[last])
+                finish(acc, l_i)
+
+            pl.when(steps > 0)(kv_loop_overlap if cfg.overlap and not interpret else kv_loop)
 
             @pl.when(steps == 0)
             def _no_keys():  # padding rows: zeros

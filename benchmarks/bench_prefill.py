@@ -25,7 +25,6 @@ TF/s counts only visible (unmasked) query-key pairs: 4 * D * Hq * pairs (causal 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -57,9 +56,6 @@ SWEEP = {
     "persist_q2": KernelConfig(persistent=True, q_buffers=2),
     "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
-    "rendezvous": dataclasses.replace(fp.DEFAULT_CONFIG, turns="rendezvous"),
-    "overlap": dataclasses.replace(fp.DEFAULT_CONFIG, overlap=True),
-    "overlap_eager": dataclasses.replace(fp.DEFAULT_CONFIG, overlap=True, rescale_threshold=0.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
 }

@@ -1,6 +1,6 @@
 """Where a flash-prefill step's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 benchmarks/profile_prefill.py [--configs default,rendezvous] [--causal]
+    PYTHONPATH=. python3 benchmarks/profile_prefill.py [--configs default,lazy8] [--causal]
 
 Dense attention at B1 S2048 Hq 8 / Hkv 2 / d 128 (bf16): 16 query tiles x 8 heads = 128 items, one
 per CTA, each streaming 16 K/V steps -- every CTA busy at once, as in a large call, but few enough
@@ -9,8 +9,6 @@ SWEEP names) runs once unprofiled and once with `KernelConfig.profile_dir` set; 
 each named range's mean and max per occurrence in µs (at the maximum SM clock):
   consumers: qk (issue QK, hand the turn over, wait for S), softmax, wait_v_turn (V landed and
   the turn back), pv (PV, with the next K's wait inside); producer: wait_free (a slot released).
-  With KernelConfig.overlap, pv is the whole turn (QK_j and PV_{j-1} issued, qk and softmax nested
-  inside it, until PV_{j-1} is done) and rescale the accumulator's rescaling after it.
 A step of one consumer is qk + softmax + wait_v_turn + pv; with the tensor cores never idle, two
 consumers' steps take 4 matmuls of 64 x 128 x 128 (~0.6 µs at the dense bf16 peak).
 Traces and summary.json go under $OUT/prefill_profiles (or --out).
@@ -71,7 +69,7 @@ def main(argv=None) -> None:
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "prefill_profiles"))
     rows = [profile_config(name, args.causal, out_dir) for name in args.configs.split(",")]
     (out_dir / "summary.json").write_text(json.dumps(rows, indent=1))
-    names = ("qk", "softmax", "wait_v_turn", "pv", "rescale", "wait_free")
+    names = ("qk", "softmax", "wait_v_turn", "pv", "wait_free")
     print("\n| config | span µs | " + " | ".join(f"{n} mean / max µs" for n in names) + " |")
     print("|---|---|" + "---|" * len(names))
     for r in rows:

@@ -11,10 +11,13 @@ CTA layout (FA3): three warpgroups.
     run QK^T -> online softmax -> PV with wgmma, accumulating in registers (f32).
   - wg 2 ("producer") only issues TMA copies of K and V tiles into a ring of `stages` shared-memory
     slots, waiting on the consumers' "consumed" barriers before reusing a slot.
-  A "schedule barrier" shared by the two consumers makes them take turns on the tensor cores, so one
-  warpgroup's softmax overlaps the other's matmuls (FA3's ping-pong).
-  (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while PV_{n-1}
-  runs -- was tried and measured 27% slower here; see docs/ARCHITECTURE.md.)
+  The two consumers take turns on the tensor cores (FA3's ping-pong), handing a token over through
+  two barriers: a warpgroup holds the turn while it issues PV_j and QK_{j+1}, passes it on, and
+  starts softmax_{j+1} as soon as its own QK is done, so one warpgroup's softmax overlaps the other's
+  matmuls. (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while
+  PV_{n-1} runs -- was tried twice and measured slower or no faster; see docs/ARCHITECTURE.md.)
+  `KernelConfig.profile_dir` records each step's ranges (qk, softmax, wait_v_turn, pv, wait_free)
+  with Mosaic GPU's profiler; benchmarks/profile_prefill.py summarises them.
 
 Grid (static `KernelConfig.persistent`):
   - one CTA per work item, or
@@ -90,7 +93,10 @@ class KernelConfig:
     rescale_threshold: 0 = rescale the accumulator whenever a row max grows (FA2/FA3); t > 0 =
       FA4's lazy rescaling: keep the stale max until a row's max grows by more than t (log2 units,
       so p <= 2^t) and skip the accumulator multiply in every thread whose rows kept theirs. Exact
-      after the final 1/l, since acc and l always refer to the same max."""
+      after the final 1/l, since acc and l always refer to the same max.
+    profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
+      wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
+      benchmarks/profile_prefill.py)."""
     block_kv: int = 128
     stages: int = 2
     persistent: bool = False
@@ -99,26 +105,9 @@ class KernelConfig:
     consumer_registers: int = 240
     producer_registers: int = 24
     rescale_threshold: float = 0.0
-    turns: str = "token"
-    overlap: bool = False
     profile_dir: str = ""
 
-    # turns: how the two consumers take turns on the tensor cores (FA3's ping-pong).
-    #   "token": a warpgroup holds the turn while it issues PV_j and QK_{j+1}, hands it over, and
-    #   starts softmax_{j+1} as soon as its QK is done (FA3's scheduler barriers);
-    #   "rendezvous": one barrier both consumers meet at twice per step (after QK issue, after
-    #   softmax), so a warpgroup's softmax also waits for the other's to end.
-    # overlap: FA3's intra-warpgroup overlap (softmax_j runs while PV_{j-1} does); needs
-    #   turns="token"; GPU only (interpret mode runs the plain loop, see mosaic_attention).
-    # profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
-    #   wait_v_turn, pv; producer: wait_free) here (Mosaic GPU's profiler; benchmarks/
-    #   profile_prefill.py reads it).
-
     def __post_init__(self):
-        if self.turns not in ("token", "rendezvous"):
-            raise ValueError(f"turns={self.turns!r}: 'token' or 'rendezvous'")
-        if self.overlap and self.turns != "token":
-            raise ValueError("overlap=True needs turns='token'")
         if self.block_kv <= 0 or self.block_kv % 64:  # PV's K dimension fills 128-byte swizzle rows
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
         if self.stages < 2:
@@ -249,19 +238,13 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 return body(jnp.int32(0), jnp.int32(0))
             return lax.fori_loop(0, rounds, lambda r, g: g + body(r, g), jnp.int32(0))
 
-        # Turns on the tensor cores (see KernelConfig.turns). "token": turn[w] completes a phase
-        # when the other consumer hands the turn to warpgroup w.
+        # The consumers' turns on the tensor cores: turn[w] completes a phase when the other
+        # consumer hands the turn to warpgroup w (FA3's scheduler barriers).
         def take_turn():
             plgpu.barrier_wait(turn.at[wg])
 
         def pass_turn():
             plgpu.barrier_arrive(turn.at[1 - wg])
-
-        def schedule_barrier():  # "rendezvous": both consumers meet (turn has 2 arrivals)
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
-
-        token = cfg.turns == "token"
 
         def slot_of(g):
             return lax.rem(g, jnp.int32(stages))
@@ -347,7 +330,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             def drain_step(j, _):
                 # This warpgroup is done but the producer still streams the other one's K/V: free
-                # the slots and keep the ping-pong turns in step (two rendezvous per step). The
+                # the slots and keep the turns in step (one turn per step, passed straight on). The
                 # waits on the slot's loads are needed although the data is not: every thread
                 # tracks each barrier's phase parity itself, one flip per wait, so a skipped phase
                 # would leave this warpgroup's parity one behind for the rest of the CTA's items
@@ -358,19 +341,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                if token:  # one turn per step, passed straight on
-                    take_turn()
-                    pass_turn()
-                else:
-                    schedule_barrier()
-                    schedule_barrier()
+                take_turn()
+                pass_turn()
 
             def finish(acc, l_i):
-                if token:
-                    pass_turn()  # after the last PV
+                pass_turn()  # after the last PV
                 lax.fori_loop(steps, cta_steps, drain_step, None)
-                if not token:
-                    pl.when(wg == 0)(schedule_barrier)
                 prefetch_next()
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
                 store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
@@ -379,16 +355,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             def kv_loop():
                 """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
                 plgpu.barrier_wait(k_bar.at[slot_of(g0)])
-                if token:
-                    take_turn()
-                else:
-                    pl.when(wg == 1)(schedule_barrier)
-
-                def after_qk_issue():
-                    if token:
-                        pass_turn()
-                    else:
-                        schedule_barrier()
+                take_turn()
 
                 def kv_step(j, carry, masked: bool):
                     acc, m_i, l_i = carry
@@ -397,12 +364,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     def qk_scope(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                         if not interpret:
-                            after_qk_issue()
+                            pass_turn()  # QK_j is issued: the other consumer's turn
                         return acc_ref[...]
                     with jax.named_scope("qk"):
                         s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
                     if interpret:
-                        after_qk_issue()
+                        pass_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax"):
                         p, m_new, alpha = online_softmax(s, m_i, j, masked)
@@ -416,13 +383,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         # the other warpgroup's matmul turn (as jax's attention_mgpu does).
                         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                     with jax.named_scope("wait_v_turn"):
-                        if token:
-                            plgpu.barrier_wait(v_bar.at[slot])
-                            take_turn()
-                        else:
-                            plgpu.barrier_arrive(turn)   # softmax done: the other wg may issue
-                            plgpu.barrier_wait(v_bar.at[slot])
-                            plgpu.barrier_wait(turn)     # our turn on the tensor cores again
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        take_turn()  # PV_j and QK_{j+1} are issued in one turn
 
                     has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
 
@@ -441,77 +403,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 acc, _, l_i = carry
                 finish(acc, l_i)
 
-            def rescale(acc, alpha):
-                if cfg.rescale_threshold and not interpret:
-                    return _rows_scale_where_needed(acc, alpha)
-                return rows_scale(acc, alpha)
-
-            def kv_loop_overlap():
-                """FA3's intra-warpgroup overlap: in one turn the warpgroup issues QK_j and
-                PV_{j-1}, then runs softmax_j while PV_{j-1} is still on the tensor cores, so its
-                own chain per step is QK + softmax rather than QK + softmax + PV."""
-                first = slot_of(g0)
-                plgpu.barrier_wait(k_bar.at[first])
-                take_turn()
-
-                def qk_first(s_ref):
-                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[first].transpose((1, 0)))
-                    pass_turn()
-                    return s_ref[...]
-                s = pl.run_scoped(qk_first, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[first])
-                p, m0, _ = online_softmax(s, m_init, 0, True)  # the mask is a no-op if all visible
-                carry = (acc_init, m0, p.sum(axis=1), p.astype(dtype))
-
-                def kv_step(j, carry, masked: bool):
-                    acc, m_i, l_i, p16 = carry
-                    slot, prev = slot_of(g0 + j), slot_of(g0 + j - 1)
-                    with jax.named_scope("wait_v_turn"):
-                        plgpu.barrier_wait(k_bar.at[slot])
-                        plgpu.barrier_wait(v_bar.at[prev])
-                        take_turn()
-
-                    def body(refs):
-                        acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-                        p_prev = p_ref[...]
-
-                        def qk(s_ref):
-                            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                            plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
-                            pass_turn()
-                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK_j only
-                        with jax.named_scope("qk"):
-                            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        with jax.named_scope("softmax"):
-                            p, m_new, alpha = online_softmax(s, m_ref[...], j, masked)
-                            l_ref[...] = l_ref[...] * alpha + p.sum(axis=1)
-                            p_ref[...] = p.astype(dtype)
-                            m_ref[...] = m_new
-                            alpha_ref[...] = alpha
-
-                    with jax.named_scope("pv"):  # the whole turn, until PV_{j-1} is done
-                        acc, p16, m_new, l_i, alpha = pl.run_state(body)(
-                            (plgpu.ACC.init(acc), p16, m_i, l_i, m_i))
-                    plgpu.barrier_arrive(v_free.at[prev])
-                    with jax.named_scope("rescale"):
-                        acc = rescale(acc, alpha)
-                    return acc, m_new, l_i, p16
-
-                unmasked_end = jnp.maximum(full_steps, 1)
-                carry = lax.fori_loop(1, unmasked_end, functools.partial(kv_step, masked=False),
-                                      carry)
-                carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
-                                      carry)
-                acc, _, l_i, p16 = carry
-                last = slot_of(g0 + steps - 1)
-                plgpu.barrier_wait(v_bar.at[last])
-                take_turn()
-                acc = accumulate_pv(acc, p16, v_smem.at[last])
-                plgpu.barrier_arrive(v_free.at[last])
-                finish(acc, l_i)
-
-            pl.when(steps > 0)(kv_loop_overlap if cfg.overlap and not interpret else kv_loop)
+            pl.when(steps > 0)(kv_loop)
 
             @pl.when(steps == 0)
             def _no_keys():  # padding rows: zeros
@@ -521,8 +413,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-            if token:  # warpgroup 0 takes the first turn
-                pl.when(wg == 1)(pass_turn)
+            pl.when(wg == 1)(pass_turn)  # warpgroup 0 takes the first turn
 
             def prefetch(r):  # q_buffers == 2: issue the Q load of this CTA's item r into buffer r % 2
                 if q_buffers == 1:
@@ -542,8 +433,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 return item_steps(it)
 
             over_items(consumer_round)
-            if token:  # observe warpgroup 1's last hand-over (interpret mode checks every phase)
-                pl.when(wg == 0)(take_turn)
+            # Observe warpgroup 1's last hand-over (interpret mode checks every phase).
+            pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -604,8 +495,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                   plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
                   plgpu.Barrier(num_barriers=2 * q_buffers))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-        turn = (plgpu.Barrier(num_barriers=2) if cfg.turns == "token"
-                else plgpu.Barrier(num_arrivals=2))
+        turn = plgpu.Barrier(num_barriers=2)
         pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),
                       smem, loaded, freed, turn, collective_axes="wg")
 

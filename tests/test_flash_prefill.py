@@ -115,7 +115,7 @@ MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softc
     (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, None,
      dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)),
     (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
-    (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig(turns="rendezvous")),
+    (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
 ]
 
 

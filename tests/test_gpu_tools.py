@@ -1,4 +1,5 @@
-"""benchmarks/bench_decode.py's per-call cost inside a program (the timing itself needs the H200)."""
+"""The GPU benchmark tools' host-side parts: bench_decode's per-call cost inside a program, dump_kernels'
+ptxas report (the timing and compiling themselves need the H200)."""
 
 import sys
 from pathlib import Path
@@ -25,3 +26,15 @@ def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
 def test_paged_case_takes_the_chain_it_is_given():
     case = bench_decode.make_paged_case(1, 64, hq=4, hkv=1, d=64, chain=6)
     assert case["chain"] == 6 and case["sets"] % 6 == 0
+
+
+def test_dump_kernels_reports_registers_and_spills(tmp_path):
+    from benchmarks.dump_kernels import ptxas_reports
+    (tmp_path / "flash_attention_0.ptxas").write_text(
+        "ptxas warning : Registers are spilled to local memory in function 'k', 8 bytes spill "
+        "stores, 8 bytes spill loads\nptxas info    : Compile time = 1 ms\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n")
+    (tmp_path / "flash_attention_0.ptx").write_text("// not a report")
+    [line] = ptxas_reports(tmp_path)
+    assert line.startswith("flash_attention_0: ptxas warning") and "Used 168 registers" in line
+    assert "Compile time" not in line

@@ -16,8 +16,6 @@ CTA layout (FA3): three warpgroups.
   starts softmax_{j+1} as soon as its own QK is done, so one warpgroup's softmax overlaps the other's
   matmuls. (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while
   PV_{n-1} runs -- was tried twice and measured slower or no faster; see docs/ARCHITECTURE.md.)
-  `KernelConfig.profile_dir` records each step's ranges (qk, softmax, wait_v_turn, pv, wait_free)
-  with Mosaic GPU's profiler; benchmarks/profile_prefill.py summarises them.
 
 Grid (static `KernelConfig.persistent`):
   - one CTA per work item, or

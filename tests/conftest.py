@@ -8,7 +8,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Mosaic GPU's interpreter runs each warpgroup as a thread whose program is a chain of blocking
 # callbacks (barrier waits). XLA CPU's concurrency-optimized scheduler deadlocks it: a flash-prefill
-# kernel whose consumers rendezvous every step hung on a 1-2 core machine (CI has 2), inside a jit
+# kernel whose consumers synchronise every step hung on a 1-2 core machine (CI has 2), inside a jit
 # or even eagerly on one core, and ran with this scheduler off. It only orders CPU programs.
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS"), "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))

@@ -107,7 +107,14 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
     profiled = jax.jit(functools.partial(
         call, config=dataclasses.replace(config, profile_dir=str(trace_dir))))
     jax.block_until_ready(profiled(*args))
-    jax.effects_barrier()  # the trace is written by a host callback
+    return {**read_trace(trace_dir), "batch": batch, "ctx": ctx, "variant": variant}
+
+
+def read_trace(trace_dir: Path) -> dict:
+    """`summarize` of the newest Mosaic GPU profile under trace_dir (written by a host callback of
+    a profiled call just made), with the trace's path and the SM clock used; {"error": ...} if the
+    call wrote none."""
+    jax.effects_barrier()
     traces = sorted(glob.glob(str(trace_dir / "*-trace.json")))
     if not traces:
         return {"error": f"no trace written under {trace_dir}"}
@@ -116,8 +123,7 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
     events = data["traceEvents"] if isinstance(data, dict) else data
     clock = sm_clock_ghz()
     result = summarize(to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock))
-    result.update(batch=batch, ctx=ctx, variant=variant, trace=traces[-1], sm_clock_ghz=clock)
-    return result
+    return {**result, "trace": traces[-1], "sm_clock_ghz": clock}
 
 
 def main(argv=None) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.bench_prefill import SWEEP  # noqa: E402
-from benchmarks.profile_decode import sm_clock_ghz, summarize, to_microseconds  # noqa: E402
+from benchmarks.profile_decode import read_trace  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402
 
 B, L, HQ, HKV, D = 1, 2048, 8, 2, 128
@@ -47,17 +46,7 @@ def profile_config(name: str, causal: bool, out_dir: Path) -> dict:
     for cfg in (config, dataclasses.replace(config, profile_dir=str(trace_dir))):
         jax.block_until_ready(jax.jit(lambda q, k, v, cfg=cfg: fp.flash_attention(
             q, k, v, causal=causal, config=cfg))(q, k, v))
-    jax.effects_barrier()  # the trace is written by a host callback
-    traces = sorted(glob.glob(str(trace_dir / "*-trace.json")))
-    if not traces:
-        return {"config": name, "error": f"no trace written under {trace_dir}"}
-    with open(traces[-1]) as fh:
-        data = json.load(fh)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    clock = sm_clock_ghz()
-    result = summarize(to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock))
-    result.update(config=name, causal=causal, trace=traces[-1], sm_clock_ghz=clock)
-    return result
+    return {**read_trace(trace_dir), "config": name, "causal": causal}
 
 
 def main(argv=None) -> None:

@@ -48,3 +48,13 @@ def test_summary_of_a_profiler_trace_in_microseconds():
     assert kv["n"] == 4
     np.testing.assert_allclose([kv["mean"], kv["max"]], [30, 30], atol=0.05)
     assert r["ranges_us"]["producer_item"]["n"] == 2
+
+
+def test_read_trace_summarises_the_newest_trace_file(tmp_path, monkeypatch):
+    from benchmarks import profile_decode
+    monkeypatch.setattr(profile_decode, "sm_clock_ghz", lambda: 1.5)
+    assert "error" in profile_decode.read_trace(tmp_path)
+    (tmp_path / "k-1-trace.json").write_text(json.dumps({"traceEvents": synthetic_trace(1.5)}))
+    r = profile_decode.read_trace(tmp_path)
+    assert r["ctas"] == 2 and r["sm_clock_ghz"] == 1.5 and r["trace"].endswith("k-1-trace.json")
+    np.testing.assert_allclose(r["span_us"], 33.5, atol=0.05)

@@ -1,6 +1,7 @@
 """Compile our Mosaic GPU kernels with Mosaic's dump flags and print what ptxas made of each (H200).
 
-    PYTHONPATH=. python3 benchmarks/dump_kernels.py [--kernels prefill,decode] [--dir DIR]
+    PYTHONPATH=. python3 benchmarks/dump_kernels.py [--kernels prefill,decode]
+        [--prefill-configs default,spec] [--dir DIR]
 
 Mosaic GPU reads MOSAIC_GPU_DUMP_PTX / MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_TO when it compiles a
 kernel (in XLA's compile, so on the GPU machine). This script sets them, compiles and runs each
@@ -21,16 +22,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def compile_prefill() -> None:
+def compile_prefill(config_name: str = "default") -> None:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.bench_prefill import SWEEP
     from pallas_kernels import flash_prefill as fp
+    config = SWEEP[config_name] or fp.DEFAULT_CONFIG
     b, l, hq, hkv, d = 2, 4096, 32, 8, 128
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (b, l, hq, d), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (b, l, hkv, d), jnp.bfloat16) for kk in ks[1:])
-    jax.block_until_ready(jax.jit(lambda q, k, v: fp.flash_attention(q, k, v, causal=False))(q, k, v))
+    jax.block_until_ready(jax.jit(lambda q, k, v: fp.flash_attention(q, k, v, causal=False,
+                                                                    config=config))(q, k, v))
 
 
 def compile_decode() -> None:
@@ -57,16 +61,28 @@ def ptxas_reports(dump_dir: Path) -> list[str]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="prefill,decode")
+    ap.add_argument("--prefill-configs", default="default",
+                    help="comma list of bench_prefill SWEEP names; each dumps into its own folder")
     ap.add_argument("--dir", default=None, help="dump directory")
     args = ap.parse_args(argv)
-    dump_dir = Path(args.dir or os.path.join(os.environ.get("OUT", "/tmp"), "mosaic_dump"))
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(MOSAIC_GPU_DUMP_TO=str(dump_dir), MOSAIC_GPU_DUMP_PTX="1",
+    root = Path(args.dir or os.path.join(os.environ.get("OUT", "/tmp"), "mosaic_dump"))
+    jobs = [(f"decode", compile_decode)] if "decode" in args.kernels.split(",") else []
+    if "prefill" in args.kernels.split(","):
+        jobs += [(f"prefill_{c}", lambda c=c: compile_prefill(c))
+                 for c in args.prefill_configs.split(",")]
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.update(MOSAIC_GPU_DUMP_TO=str(root), MOSAIC_GPU_DUMP_PTX="1",
                       MOSAIC_GPU_DUMP_PTXAS="1")
-    compilers = {"prefill": compile_prefill, "decode": compile_decode}
-    for name in args.kernels.split(","):
-        compilers[name]()
-    print("\n".join(ptxas_reports(dump_dir)))
+    for name, compile_kernel in jobs:
+        compile_kernel()
+        # What this compile dumped moves to its own folder (the names Mosaic gives do not say
+        # which configuration a kernel came from).
+        dump_dir = root / name
+        dump_dir.mkdir()
+        for path in root.iterdir():
+            if path.is_file():
+                path.rename(dump_dir / path.name)
+        print("\n".join(f"{name} {line}" for line in ptxas_reports(dump_dir)), flush=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ SWEEP = {
     "spec_qkpv": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, qk_with_pv=True),
     "all3": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, qk_with_pv=True,
                                 thread_row_sums=True),
+    **{f"poly{n}": dataclasses.replace(fp.DEFAULT_CONFIG, exp2_poly_blocks=n) for n in (1, 2, 4, 8)},
+    "spec_poly2": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, exp2_poly_blocks=2),
+    "spec_poly4": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, exp2_poly_blocks=4),
 }
 
 

@@ -94,6 +94,8 @@ class KernelConfig:
       redo them (softmax_mgpu.exp2_where_max_moved).
     qk_with_pv: issue QK_{j+1} right behind PV_j in the same turn and wait for both at once, so the
       tensor cores go from one to the other without the warpgroup's round trip in between.
+    exp2_poly_blocks: of every 16 8-column blocks of a step's scores, how many take their exp2
+      as a polynomial on the FMA pipe instead of MUFU (0, 1, 2, 4 or 8; softmax_mgpu.exp2_mixed).
     thread_row_sums: keep each thread's partial row sums of P until the item ends (one quad
       reduction per item instead of two shuffle rounds per step).
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
@@ -113,6 +115,7 @@ class KernelConfig:
     speculative_exp: bool = False
     qk_with_pv: bool = False
     thread_row_sums: bool = False
+    exp2_poly_blocks: int = 0
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -122,6 +125,8 @@ class KernelConfig:
             raise ValueError(f"stages={self.stages} must be at least 2")
         if not 0 <= self.rescale_threshold <= 64:
             raise ValueError(f"rescale_threshold={self.rescale_threshold} must lie in [0, 64]")
+        if self.exp2_poly_blocks not in (0, 1, 2, 4, 8):
+            raise ValueError(f"exp2_poly_blocks={self.exp2_poly_blocks}: 0, 1, 2, 4 or 8 of 16")
         if self.speculative_exp and not self.rescale_threshold:
             raise ValueError("speculative_exp needs rescale_threshold > 0 (it bets on a kept max)")
         if self.num_ctas is not None and (self.num_ctas < 1 or not self.persistent):
@@ -286,6 +291,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             speculative = cfg.speculative_exp and gpu
             partial_sums = cfg.thread_row_sums and gpu
 
+            def exp2_scores(x):
+                if cfg.exp2_poly_blocks and gpu:
+                    return softmax_mgpu.exp2_mixed(x, cfg.exp2_poly_blocks)
+                return jnp.exp2(x)
+
             def softmax_step(s, carry, j, masked):
                 """Raw scores of step j -> (P in the input dtype, (acc rescaled, m, l))."""
                 acc, m_i, l_i = carry
@@ -304,10 +314,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     m_new = jnp.where(m_new - m_i > cfg.rescale_threshold, m_new, m_i)
                 alpha = jnp.exp2(m_i - m_new)
                 if speculative:
-                    p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
+                    p = exp2_scores(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
                     p, acc = softmax_mgpu.exp2_where_max_moved(s, p, acc, m_i, m_new, log2_factor)
                 else:
-                    p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    p = exp2_scores(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     if cfg.rescale_threshold and gpu:
                         acc = softmax_mgpu.rows_scale_where_needed(acc, alpha)
                     else:

@@ -132,3 +132,50 @@ def quad_sums(partial):
         return mgpu.FragmentedArray(_registers=out, _layout=partial.layout, _is_signed=None)
 
     return reduce(partial)
+
+
+# exp2 on the FMA pipe (FlashAttention-4's trick): 2^x = 2^round(x) * 2^f, f in [-0.5, 0.5], with
+# 2^f a degree-3 polynomial (relative error 1.4e-4 in f32, far below P's bf16 rounding) and
+# 2^round(x) added straight into the exponent bits. round(x) comes from the 1.5 * 2^23 trick:
+# x + 1.5 * 2^23 holds round(x) in its low mantissa bits.
+_EXP2_POLY = (0.9999281167984009, 0.6932609677314758, 0.24261054396629333, 0.05517132207751274)
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23
+_EXP2_MIN = -126.0  # below this 2^x is denormal, where the exponent-bit add would wrap
+
+
+def _exp2_poly_reg(x: ir.Value) -> ir.Value:
+    """exp2 of a vector<N x f32> register with FMA-pipe instructions only."""
+    vec = ir.VectorType(x.type)
+    i32_vec = ir.VectorType.get(vec.shape, ir.IntegerType.get_signless(32))
+    const = lambda v: arith.constant(vec, ir.DenseElementsAttr.get_splat(
+        vec, ir.FloatAttr.get(ir.F32Type.get(), v)))
+    x = arith.maxnumf(x, const(_EXP2_MIN))  # also maps -inf (masked keys) to ~1e-38
+    t = arith.addf(x, const(_ROUND_MAGIC))  # no fast-math flags: (x + M) - M must round
+    f = arith.subf(x, arith.subf(t, const(_ROUND_MAGIC)))
+    c0, c1, c2, c3 = (const(c) for c in _EXP2_POLY)
+    fma = lambda a, b, c: arith.addf(arith.mulf(a, b, fastmath=arith.FastMathFlags.contract), c,
+                                     fastmath=arith.FastMathFlags.contract)
+    p = fma(fma(fma(c3, f, c2), f, c1), f, c0)
+    shift = arith.constant(i32_vec, ir.DenseElementsAttr.get_splat(
+        i32_vec, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 23)))
+    bits = arith.addi(arith.bitcast(i32_vec, p), arith.shli(arith.bitcast(i32_vec, t), shift))
+    return arith.bitcast(vec, bits)
+
+
+def exp2_mixed(x, poly_blocks: int):
+    """exp2(x) for a [64, N] WGMMA-layout score tile, with `poly_blocks` of every 16 8-column blocks
+    computed by `_exp2_poly_reg` on the FMA pipe and the rest by MUFU's ex2.approx: the MUFU pipe
+    (16 exp2 per clock per SM) is what a softmax step waits on most, while the FMA pipe idles."""
+    @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=_f32(x.shape, WGMMA))
+    def mixed(_, x):
+        mufu = x.exp2(approx=True)  # the registers not taken below are dead code for LLVM
+        regs = mufu.registers.copy()
+        assert regs.ndim == 9 and regs.shape[1] == x.shape[1] // 8, regs.shape
+        for b in range(regs.shape[1]):
+            if b % (16 // poly_blocks) == 0:  # spread evenly along the row
+                for idx in np.ndindex(regs.shape[:1] + (1,) + regs.shape[2:]):
+                    at = (idx[0], b, *idx[2:])
+                    regs[at] = _exp2_poly_reg(x.registers[at])
+        return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
+
+    return mixed(x)

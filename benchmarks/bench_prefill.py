@@ -25,7 +25,6 @@ TF/s counts only visible (unmasked) query-key pairs: 4 * D * Hq * pairs (causal 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -59,16 +58,6 @@ SWEEP = {
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
-    # the softmax-chain options of the seventh session, on top of the default
-    "spec": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True),
-    "qkpv": dataclasses.replace(fp.DEFAULT_CONFIG, qk_with_pv=True),
-    "rowsum": dataclasses.replace(fp.DEFAULT_CONFIG, thread_row_sums=True),
-    "spec_qkpv": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, qk_with_pv=True),
-    "all3": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, qk_with_pv=True,
-                                thread_row_sums=True),
-    **{f"poly{n}": dataclasses.replace(fp.DEFAULT_CONFIG, exp2_poly_blocks=n) for n in (1, 2, 4, 8)},
-    "spec_poly2": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, exp2_poly_blocks=2),
-    "spec_poly4": dataclasses.replace(fp.DEFAULT_CONFIG, speculative_exp=True, exp2_poly_blocks=4),
 }
 
 

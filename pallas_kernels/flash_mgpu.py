@@ -57,12 +57,15 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, scf, vector
 
-from pallas_kernels import softmax_mgpu
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
 
@@ -89,21 +92,9 @@ class KernelConfig:
       FA4's lazy rescaling: keep the stale max until a row's max grows by more than t (log2 units,
       so p <= 2^t) and skip the accumulator multiply in every thread whose rows kept theirs. Exact
       after the final 1/l, since acc and l always refer to the same max.
-    speculative_exp: (needs rescale_threshold > 0) take step j's exp2s against the previous row
-      max, so they do not wait for the step's max reduction; threads with a row whose max moved
-      redo them (softmax_mgpu.exp2_where_max_moved).
-    qk_with_pv: issue QK_{j+1} right behind PV_j in the same turn and wait for both at once, so the
-      tensor cores go from one to the other without the warpgroup's round trip in between.
-    exp2_poly_blocks: of every 16 8-column blocks of a step's scores, how many take their exp2
-      as a polynomial on the FMA pipe instead of MUFU (0, 1, 2, 4 or 8; softmax_mgpu.exp2_mixed).
-    thread_row_sums: keep each thread's partial row sums of P until the item ends (one quad
-      reduction per item instead of two shuffle rounds per step).
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
-      benchmarks/profile_prefill.py).
-
-    The three register-level options change nothing in interpret mode (no inline_mgpu there; the
-    same math runs in plain jnp), except qk_with_pv's barrier order, which the interpreter checks."""
+      benchmarks/profile_prefill.py)."""
     block_kv: int = 128
     stages: int = 2
     persistent: bool = False
@@ -112,10 +103,6 @@ class KernelConfig:
     consumer_registers: int = 240
     producer_registers: int = 24
     rescale_threshold: float = 0.0
-    speculative_exp: bool = False
-    qk_with_pv: bool = False
-    thread_row_sums: bool = False
-    exp2_poly_blocks: int = 0
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -125,10 +112,6 @@ class KernelConfig:
             raise ValueError(f"stages={self.stages} must be at least 2")
         if not 0 <= self.rescale_threshold <= 64:
             raise ValueError(f"rescale_threshold={self.rescale_threshold} must lie in [0, 64]")
-        if self.exp2_poly_blocks not in (0, 1, 2, 4, 8):
-            raise ValueError(f"exp2_poly_blocks={self.exp2_poly_blocks}: 0, 1, 2, 4 or 8 of 16")
-        if self.speculative_exp and not self.rescale_threshold:
-            raise ValueError("speculative_exp needs rescale_threshold > 0 (it bets on a kept max)")
         if self.num_ctas is not None and (self.num_ctas < 1 or not self.persistent):
             raise ValueError(f"num_ctas={self.num_ctas}: a positive grid size, with persistent=True")
         if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and not self.persistent):
@@ -150,6 +133,34 @@ class WorkItem(NamedTuple):
     q_pos0: jax.Array
     ctx_len: jax.Array
     kv_ref: jax.Array
+
+
+def _rows_scale_where_needed(acc, alpha):
+    """acc * alpha[:, None], with the multiply skipped (a per-thread branch) in every thread whose
+    rows all have alpha == 1. Mosaic GPU has no per-thread control flow above this level."""
+    wgmma = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma.reduce(1)),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma))
+    def scale(_, acc, alpha):
+        one = arith.constant(ir.F32Type.get(), 1.0)
+        need = None
+        for reg in alpha.registers.flat:
+            for i in range(ir.VectorType(reg.type).shape[0]):
+                ne = arith.cmpf(arith.CmpFPredicate.UNE, vector.extract(reg, [], [i]), one)
+                need = ne if need is None else arith.ori(need, ne)
+        regs = list(acc.registers.flat)
+        branch = scf.IfOp(need, [r.type for r in regs], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+            scf.yield_(list(scaled.registers.flat))
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(regs)
+        new = np.empty(acc.registers.shape, dtype=object)
+        new.flat[:] = list(branch.results)
+        return mgpu.FragmentedArray(_registers=new, _layout=acc.layout, _is_signed=None)
+
+    return scale(acc, alpha)
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
@@ -287,18 +298,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             full_steps = jnp.minimum(full_steps, steps)
             plgpu.barrier_wait(q_bar.at[b * 2 + wg])
 
-            gpu = not interpret  # the register-level options need inline_mgpu (GPU only)
-            speculative = cfg.speculative_exp and gpu
-            partial_sums = cfg.thread_row_sums and gpu
-
-            def exp2_scores(x):
-                if cfg.exp2_poly_blocks and gpu:
-                    return softmax_mgpu.exp2_mixed(x, cfg.exp2_poly_blocks)
-                return jnp.exp2(x)
-
-            def softmax_step(s, carry, j, masked):
-                """Raw scores of step j -> (P in the input dtype, (acc rescaled, m, l))."""
-                acc, m_i, l_i = carry
+            def online_softmax(s, m_i, j, masked):
+                """Raw scores of step j -> (p, new row max, rescale factor for older terms)."""
                 if softcap:
                     s = jnp.tanh(s * (scale / softcap))
                 if masked:
@@ -312,23 +313,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 m_new = jnp.maximum(m_i, s.max(axis=1) * log2_factor)
                 if cfg.rescale_threshold:  # keep the stale max unless it grew a lot (NaN: keep)
                     m_new = jnp.where(m_new - m_i > cfg.rescale_threshold, m_new, m_i)
-                alpha = jnp.exp2(m_i - m_new)
-                if speculative:
-                    p = exp2_scores(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
-                    p, acc = softmax_mgpu.exp2_where_max_moved(s, p, acc, m_i, m_new, log2_factor)
-                else:
-                    p = exp2_scores(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    if cfg.rescale_threshold and gpu:
-                        acc = softmax_mgpu.rows_scale_where_needed(acc, alpha)
-                    else:
-                        acc = rows_scale(acc, alpha)
-                row_sums = softmax_mgpu.thread_row_sums(p) if partial_sums else p.sum(axis=1)
-                l_i = l_i * alpha + row_sums
-                p16 = p.astype(dtype)
-                # Pin the softmax before the barrier so the compiler does not sink it into the
-                # other warpgroup's matmul turn (as jax's attention_mgpu does).
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                return p16, (acc, m_new, l_i)
+                p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                return p, m_new, jnp.exp2(m_i - m_new)
 
             def rows_scale(x, r):
                 return x * lax.broadcast_in_dim(r, x.shape, [0])
@@ -360,100 +346,60 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pass_turn()  # after the last PV
                 lax.fori_loop(steps, cta_steps, drain_step, None)
                 prefetch_next()
-                if partial_sums:
-                    l_i = softmax_mgpu.quad_sums(l_i)
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
                 store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
                              out_row)
 
-            def qk(slot):
-                """S = Q K^T of the slot's keys; the turn passes once QK is issued."""
-                def qk_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                    if gpu:
-                        pass_turn()
-                    return acc_ref[...]
-                with jax.named_scope("qk"):
-                    s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
-                if interpret:
-                    pass_turn()
-                plgpu.barrier_arrive(k_free.at[slot])
-                return s
-
-            def softmax_then_take_turn(s, carry, j, masked):
-                slot = slot_of(g0 + j)
-                with jax.named_scope("softmax"):
-                    p16, carry = softmax_step(s, carry, j, masked)
-                with jax.named_scope("wait_v_turn"):
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    take_turn()  # PV_j and QK_{j+1} are issued in one turn
-                return p16, carry
-
-            def pv(acc, p16, j, during=None):
-                slot = slot_of(g0 + j)
-                with jax.named_scope("pv"):
-                    acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                                        p_smem[0].at[wg] if interpret else None, during)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc
-
-            def kv_step(j, carry, masked: bool):
-                """QK_j, softmax_j, PV_j (the wait for K_{j+1} overlapping PV_j)."""
-                p16, (acc, m_i, l_i) = softmax_then_take_turn(qk(slot_of(g0 + j)), carry, j, masked)
-                has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
-                acc = pv(acc, p16, j, lambda: pl.when(has_next)(
-                    lambda: plgpu.barrier_wait(k_bar.at[next_slot])))
-                return acc, m_i, l_i
-
-            def kv_step_qk_ahead(j, carry, masked: bool):
-                """S_j in hand: softmax_j, then PV_j and QK_{j+1} issued back to back, one wait."""
-                s, carry = carry[0], carry[1:]
-                p16, (acc, m_i, l_i) = softmax_then_take_turn(s, carry, j, masked)
-                slot, next_slot = slot_of(g0 + j), slot_of(g0 + j + 1)
-                if interpret:  # no register A operand, no wait inside a wgmma scope
-                    acc = pv(acc, p16, j)
-                    plgpu.barrier_wait(k_bar.at[next_slot])
-                    return (qk(next_slot), acc, m_i, l_i)
-
-                def pv_qk(refs):
-                    acc_ref, s_ref = refs
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    plgpu.barrier_wait(k_bar.at[next_slot])
-                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[next_slot].transpose((1, 0)))
-                    pass_turn()
-                s_zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, bkv), jnp.float32),
-                                           plgpu.Layout.WGMMA)
-                with jax.named_scope("pv_qk"):
-                    acc, s = pl.run_state(pv_qk)((plgpu.ACC.init(acc), plgpu.ACC.init(s_zero)))
-                plgpu.barrier_arrive(v_free.at[slot])
-                plgpu.barrier_arrive(k_free.at[next_slot])
-                return (s, acc, m_i, l_i)
-
             def kv_loop():
-                """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate.
-                Steps below full_steps need no mask."""
+                """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
                 plgpu.barrier_wait(k_bar.at[slot_of(g0)])
                 take_turn()
+
+                def kv_step(j, carry, masked: bool):
+                    acc, m_i, l_i = carry
+                    slot = slot_of(g0 + j)
+
+                    def qk_scope(acc_ref):
+                        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                        if not interpret:
+                            pass_turn()  # QK_j is issued: the other consumer's turn
+                        return acc_ref[...]
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
+                    if interpret:
+                        pass_turn()
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    with jax.named_scope("softmax"):
+                        p, m_new, alpha = online_softmax(s, m_i, j, masked)
+                        if cfg.rescale_threshold and not interpret:
+                            acc = _rows_scale_where_needed(acc, alpha)
+                        else:
+                            acc = rows_scale(acc, alpha)
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        p16 = p.astype(dtype)
+                        # Pin the softmax before the barrier so the compiler does not sink it into
+                        # the other warpgroup's matmul turn (as jax's attention_mgpu does).
+                        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    with jax.named_scope("wait_v_turn"):
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        take_turn()  # PV_j and QK_{j+1} are issued in one turn
+
+                    has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
+
+                    def wait_next_k():  # while PV runs (interpret mode: after it)
+                        pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
+
+                    with jax.named_scope("pv"):
+                        acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                                            p_smem[0].at[wg] if interpret else None, wait_next_k)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i
+
                 carry = (acc_init, m_init, l_init)
-                if not cfg.qk_with_pv:
-                    carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False),
-                                          carry)
-                    carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True),
-                                          carry)
-                    acc, _, l_i = carry
-                    finish(acc, l_i)
-                    return
-                # The last step has no QK to issue: it runs on its own, always masked (a no-op
-                # on a step every key of which is visible).
-                carry = (qk(slot_of(g0)), *carry)
-                unmasked = jnp.minimum(full_steps, steps - 1)
-                carry = lax.fori_loop(0, unmasked,
-                                      functools.partial(kv_step_qk_ahead, masked=False), carry)
-                carry = lax.fori_loop(unmasked, steps - 1,
-                                      functools.partial(kv_step_qk_ahead, masked=True), carry)
-                s, carry = carry[0], carry[1:]
-                p16, (acc, _, l_i) = softmax_then_take_turn(s, carry, steps - 1, True)
-                finish(pv(acc, p16, steps - 1), l_i)
+                carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+                carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True), carry)
+                acc, _, l_i = carry
+                finish(acc, l_i)
 
             pl.when(steps > 0)(kv_loop)
 

@@ -116,15 +116,10 @@ MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softc
      dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)),
     (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
     (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
-    # QK_{j+1} issued behind PV_j: its own barrier order, with drains (the register-level options
-    # beside it are GPU-only and run as plain jnp here; the lowering tests below cover their code)
-    (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, 20.0,
-     dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2, qk_with_pv=True, speculative_exp=True,
-                         thread_row_sums=True)),
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}" + ("_qk_with_pv" * c[8].qk_with_pv))
+@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}")
 def test_mosaic_prefill_interpreted_matches_reference(case):
     hq, hkv, d, bs, q_lens, prefixes, extra, cap, config = case
     args = _paged_batch(np.random.default_rng(hq + d), hq=hq, hkv=hkv, d=d, block_size=bs,
@@ -139,12 +134,12 @@ def test_mosaic_prefill_interpreted_matches_reference(case):
     assert not np.asarray(out[t:]).any()
 
 
-@pytest.mark.parametrize("causal,qk_with_pv", [(True, False), (False, False), (True, True)])
-def test_mosaic_dense_attention_interpreted_matches_reference(causal, qk_with_pv):
+@pytest.mark.parametrize("causal", [True, False])
+def test_mosaic_dense_attention_interpreted_matches_reference(causal):
     ks = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(ks[0], (2, 140, 2, 64), jnp.float32).astype(jnp.bfloat16)
     k, v = (jax.random.normal(kk, (2, 140, 1, 64), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
-    config = dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2, qk_with_pv=qk_with_pv)
+    config = dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)
     out = fp.flash_attention(q, k, v, causal=causal, config=config, interpret=True)
     ref = reference.causal_attention_reference(q, k, v, scale=64 ** -0.5, causal=causal)
     assert _rel(out, ref) < 1e-2
@@ -177,9 +172,7 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
 @pytest.mark.parametrize("config", [
     KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
     KernelConfig(block_kv=192, stages=2, rescale_threshold=8.0),
-    KernelConfig(persistent=True, stages=3),
-    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, speculative_exp=True,
-                 qk_with_pv=True, thread_row_sums=True)], ids=str)
+    KernelConfig(persistent=True, stages=3)], ids=str)
 def test_mosaic_kernel_configs_lower_for_cuda(config):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     cache = jax.ShapeDtypeStruct((2, 40, 32, 64), jnp.bfloat16)
@@ -196,8 +189,6 @@ def test_kernel_config_rejects_bad_values():
         KernelConfig(stages=1)
     with pytest.raises(ValueError, match="q_buffers"):
         KernelConfig(q_buffers=2)  # double-buffered Q only pays off in the persistent loop
-    with pytest.raises(ValueError, match="speculative_exp"):  # it bets on a kept (stale) max
-        KernelConfig(speculative_exp=True)
     with pytest.raises(ValueError, match="registers"):
         KernelConfig(consumer_registers=256, producer_registers=40)
     with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 192 keys do not fit

@@ -131,8 +131,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
          item_smem, claim_smem, q_bar, q_free, k_bar, v_bar, k_free, v_free, x_full, x_free,
          *extra) = refs
         y_smem = None
-    p_smem = extra.pop(0) if interpret else None
-    counter_ref = extra.pop(0) if dynamic else None
+    p_smem = extra[0] if interpret else None
+    # The claim counter: one int32 for the whole grid (a block-scoped scratch semaphore would
+    # give each CTA its own), zeroed by Pallas before every call.
+    counter_ref = pl.get_global(plgpu.SemaphoreType.REGULAR((1,))) if dynamic else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -473,8 +475,6 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
             *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
-            # The claim counter: GMEM scratch, zeroed by Pallas before every call.
-            *([plgpu.SemaphoreType.REGULAR((1,))] if dynamic else []),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),

@@ -185,20 +185,17 @@ def mosaic_config(name: str) -> MosaicDecodeConfig:
     """A variant name's Mosaic config: "mosaic" is the default, and ":"-separated options change
     it: "s<N>" forces N context splits, "la<N>" reads block ids N steps ahead, "pdl" / "nopdl"
     turn programmatic dependent launch on / off, "t<N>" takes N tokens per step, "xlac" merges
-    splits in XLA instead of the combine kernel, "dyn" claims items dynamically, "w<N>" plans
-    splits for N workers; e.g. "mosaic:s1:pdl", "mosaic:dyn:s64"."""
+    splits in XLA instead of the combine kernel; e.g. "mosaic:s1:pdl"."""
     fields = {}
     for opt in name.split(":")[1:]:
         for prefix, field in (("s", "num_splits"), ("la", "bt_lookahead"),
-                              ("t", "tokens_per_step"), ("w", "split_workers")):
+                              ("t", "tokens_per_step")):
             if opt.startswith(prefix) and opt[len(prefix):].isdigit():
                 fields[field] = int(opt[len(prefix):])
                 break
         else:
             if opt == "xlac":
                 fields["combine_kernel"] = False
-            elif opt == "dyn":
-                fields["dynamic"] = True
             elif opt in ("pdl", "nopdl"):
                 fields["pdl"] = opt == "pdl"
             else:

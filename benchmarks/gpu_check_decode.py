@@ -39,10 +39,6 @@ KERNELS = {
                                    config=MosaicDecodeConfig(num_splits=1)),
     "mosaic_xla_combine": functools.partial(paged_decode_mosaic_configured,
                                             config=MosaicDecodeConfig(combine_kernel=False)),
-    "mosaic_dyn": functools.partial(paged_decode_mosaic_configured,
-                                    config=MosaicDecodeConfig(dynamic=True)),
-    "mosaic_dyn_s64": functools.partial(paged_decode_mosaic_configured,
-                                        config=MosaicDecodeConfig(dynamic=True, num_splits=64)),
     "triton": paged_decode_triton,
 }
 

@@ -46,10 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
@@ -81,8 +78,6 @@ class MosaicDecodeConfig:
     # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`; with
     # splits, the combine kernel's launch overlaps this one
     combine_kernel: bool = True  # merge splits with split_combine_mosaic (else XLA: 3 kernels)
-    dynamic: bool = False  # CTAs claim their items after the first from a global counter (an
-    # atomic add), so a CTA that streams faster takes more: the finish spread between SMs shrinks
     profile_dir: str = ""  # write each call's per-warpgroup timeline (Mosaic GPU's profiler, a
     # Perfetto JSON) here; see benchmarks/profile_decode.py
 
@@ -100,47 +95,26 @@ def _scoped(name: str):
     return decorate
 
 
-def claim_item(counter_ref, claim_smem) -> None:
-    """Atomically add 1 to the GMEM counter from one thread of the warpgroup and leave the old
-    value in claim_smem[0] for every thread (Pallas has atomic adds, but none that returns the old
-    value). The barrier before the store keeps it from overwriting a claim a lagging warp of the
-    warpgroup has not read yet; the one after publishes it."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def claim(_, counter, slot):
-        i32 = ir.IntegerType.get_signless(32)
-        mgpu_utils.warpgroup_barrier()
-        with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.WARPGROUP):
-            old = llvm.atomicrmw(llvm.AtomicBinOp.add, mgpu_utils.memref_ptr(counter),
-                                 arith.constant(i32, 1), llvm.AtomicOrdering.monotonic)
-            memref.store(old, slot, [arith.constant(ir.IndexType.get(), 0)])
-        mgpu_utils.warpgroup_barrier()
-
-    claim(counter_ref, claim_smem)
-
-
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, dynamic: bool, interpret: bool):
+                   bt_lookahead: int, pdl: bool, interpret: bool):
     if num_splits == 1:
-        (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, item_smem,
-         claim_smem, q_bar, q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *extra) = refs
+        (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
+         k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         lse_ref = lse_smem = None
     else:
-        (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem,
-         item_smem, claim_smem, q_bar, q_free, k_bar, v_bar, k_free, v_free, x_full, x_free,
-         *extra) = refs
+        (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
+         q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         y_smem = None
-    p_smem = extra[0] if interpret else None
-    # The claim counter: one int32 for the whole grid (a block-scoped scratch semaphore would
-    # give each CTA its own), zeroed by Pallas before every call.
-    counter_ref = pl.get_global(plgpu.SemaphoreType.REGULAR((1,))) if dynamic else None
+    p_smem = p_smem[0] if interpret else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
     num_items = shape.num_seqs * hkv * num_splits
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
+    my_items = pl.cdiv(num_items - cta, num_ctas)
     if pdl:
         plgpu.griddepcontrol_wait()  # q and the cache may come from the kernel just before
         if num_splits > 1:
@@ -157,8 +131,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             return item * gp, base, 0
         return pl.multiple_of(base - lax.rem(base, 8), 8), base, lax.rem(base, 8)
 
-    def item_info(w):
-        """-> (seq, kv head, split, length, first page, steps) of item w."""
+    def item_info(it):
+        """-> (seq, kv head, split, length, first page, steps) of this CTA's it-th item."""
+        w = cta + it * num_ctas
         seq = w // (hkv * num_splits)
         head = (w // num_splits) % hkv
         split = w % num_splits
@@ -173,40 +148,16 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def next_item(it):
-            """The item this CTA takes after its it-th: the next in a static round robin, or
-            (dynamic) the next unclaimed one, num_ctas + a global counter's old value."""
-            if counter_ref is None:
-                return cta + (it + 1) * num_ctas
-            claim_item(counter_ref, claim_smem)
-            return num_ctas + claim_smem[0]
-
-        def publish(it, w):
-            """Hand item w to the consumers through q tile it % 2: its id in item_smem, its q rows
-            in the tile, both behind q_bar. w >= num_items (no q) tells them to stop."""
+        def item_body(it, g0):
+            seq, head, _, _, first, steps = item_info(it)
             qb = lax.rem(it, 2)
 
             @pl.when(it >= 2)
             def _():
                 plgpu.barrier_wait(q_free.at[qb])
-            item_smem[qb] = w
-
-            @pl.when(w < num_items)
-            def _():
-                seq, head, _, _, _, _ = item_info(w)
-                start, _, _ = q_rows(seq, head)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
-                                        q_bar.at[qb])
-
-            @pl.when(w >= num_items)
-            def _():
-                plgpu.barrier_arrive(q_bar.at[qb])
-
-        def item_body(carry):
-            it, w, g0 = carry
-            seq, head, _, _, first, steps = item_info(w)
-            nxt = next_item(it)  # the claim's round trip overlaps the copies still in flight
-            publish(it, w)
+            start, _, _ = q_rows(seq, head)
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
+                                    q_bar.at[qb])
 
             def block_ids(j):
                 """Block ids of step j's pages, each read at its column (clamped to the table).
@@ -243,18 +194,14 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
             ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
             lax.fori_loop(0, steps, step, ahead)
-            return it + 1, nxt, g0 + steps
+            return g0 + steps
 
-        # Every CTA has a first item (num_ctas <= num_items).
-        items, _, total_steps = lax.while_loop(
-            lambda carry: carry[1] < num_items, _scoped("producer_item")(item_body),
-            (jnp.int32(0), cta, jnp.int32(0)))
-        publish(items, jnp.int32(num_items))  # the end (it observed item items-2's q release)
-        # Drain: wait for the consumers to free the last fill of every slot and of the last q
-        # tile, so no barrier phase is left unobserved when the kernel ends (GPU interpret mode
-        # checks this).
+        total_steps = lax.fori_loop(0, my_items, _scoped("producer_item")(item_body),
+                                    jnp.int32(0))
+        # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
+        # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
         observe_last_releases(total_steps, stages, k_free, v_free)
-        plgpu.barrier_wait(q_free.at[lax.rem(items - 1, 2)])
+        observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
@@ -262,17 +209,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         logit_scale = scale * (1.0 if softcap else _LOG2E)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        def read_item(it):
-            """The id of the CTA's it-th item (num_items or more: no more), once its q landed."""
-            with jax.named_scope("wait_q"):
-                plgpu.barrier_wait(q_bar.at[lax.rem(it, 2)])
-            return item_smem[lax.rem(it, 2)]
-
-        def item_body(carry):
-            it, w, g0 = carry
-            seq, head, split, length, first, steps = item_info(w)
+        def item_body(it, g0):
+            seq, head, split, length, first, steps = item_info(it)
             qb = lax.rem(it, 2)
             q_tile = q_smem.at[qb]
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(q_bar.at[qb])
             # This warpgroup owns the steps whose global slot parity equals its index.
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
@@ -364,10 +306,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     plgpu.barrier_arrive(x_free.at[0])
 
-            return it + 1, read_item(it + 1), g0 + steps
+            return g0 + steps
 
-        lax.while_loop(lambda carry: carry[1] < num_items, item_body,
-                       (jnp.int32(0), read_item(0), jnp.int32(0)))
+        lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
         @pl.when(wg == 1)
         def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
@@ -430,9 +371,6 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         q2 = jnp.pad(q2, ((0, 0), (0, gp - g), (0, 0)))
     q2 = q2.reshape(-1, d)
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
-    # The interpreter has no inline_mgpu (the atomic claim): it runs the same hand-over protocol
-    # with the static round robin.
-    dynamic = config.dynamic and not interpret
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
@@ -449,7 +387,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
-        pdl=config.pdl and not interpret, dynamic=dynamic, interpret=interpret)
+        pdl=config.pdl and not interpret, interpret=interpret)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -463,8 +401,6 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
                            plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32)),
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
             *out_scratch,
-            plgpu.SMEM((2,), jnp.int32),  # the item id behind each q tile
-            plgpu.SMEM((1,), jnp.int32),  # the producer's last claim (dynamic)
             plgpu.Barrier(num_barriers=2),  # q tile filled
             plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),

@@ -18,12 +18,9 @@ What runs here and what does not:
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic_configured,
@@ -187,18 +184,3 @@ def test_split_plan_charges_the_combine():
     assert plan_splits(shape, pages_per_step=4, workers=132).num_splits == 1
     assert plan_splits(shape, pages_per_step=4, workers=132, combine_cost_steps=0).num_splits == 2
     assert plan_splits(shape, pages_per_step=4, workers=132, num_splits=4).num_splits == 4
-
-
-@pytest.mark.parametrize("splits", [1, 4])
-def test_mosaic_dynamic_claims_lower_for_cuda(splits):
-    # The atomic claim is inline Mosaic GPU code, which the interpreter cannot run (there the
-    # dynamic config runs the same hand-over protocol with static claims, as every interpret test
-    # above does); lowering for CUDA traces it. The H200 checks cover its results.
-    cfg = MosaicDecodeConfig(dynamic=True, num_splits=splits)
-    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((8, 300, 16, 128), jnp.bfloat16)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    text = jax.jit(functools.partial(paged_decode_mosaic_configured, scale=0.1, config=cfg)).trace(
-        q, cache, cache, i32(4, 64), i32(4)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-

@@ -25,6 +25,7 @@ TF/s counts only visible (unmasked) query-key pairs: 4 * D * Hq * pairs (causal 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -58,6 +59,9 @@ SWEEP = {
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
+    "rowsum_tc": dataclasses.replace(fp.DEFAULT_CONFIG, tensor_row_sums=True),
+    "rowsum_tc_lazy4": dataclasses.replace(fp.DEFAULT_CONFIG, tensor_row_sums=True,
+                                           rescale_threshold=4.0),
 }
 
 

@@ -75,6 +75,7 @@ LOG2E = math.log2(math.e)
 SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
 REGISTER_FILE = 65536    # 32-bit registers per SM (one CTA of 3 warpgroups fills it)
 PROFILE_EVENTS = 256     # profiler events per warpgroup when profiling (16 bytes of SMEM each)
+ONES_COLS = 16           # columns of the ones tile of tensor_row_sums (wgmma N >= 16 at 32-byte swizzle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,9 @@ class KernelConfig:
       FA4's lazy rescaling: keep the stale max until a row's max grows by more than t (log2 units,
       so p <= 2^t) and skip the accumulator multiply in every thread whose rows kept theirs. Exact
       after the final 1/l, since acc and l always refer to the same max.
+    tensor_row_sums: P's row sums as a wgmma, P @ ones[block_kv, 16] into a [64, 16] accumulator
+      beside O (every column the sum), instead of 64 adds and two shuffle rounds per thread and
+      step; the sums are of P as rounded for PV.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -103,6 +107,7 @@ class KernelConfig:
     consumer_registers: int = 240
     producer_registers: int = 24
     rescale_threshold: float = 0.0
+    tensor_row_sums: bool = False
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -122,7 +127,9 @@ class KernelConfig:
 
     def smem_bytes(self, d: int, itemsize: int) -> int:
         profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
-        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
+        ones = self.block_kv * ONES_COLS * itemsize if self.tensor_row_sums else 0
+        return ((self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
+                + ones)
 
 
 class WorkItem(NamedTuple):
@@ -201,7 +208,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     log2_factor = (softcap if softcap else scale) * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
-        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
+        (qo_union, k_smem, v_smem, *extra), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
+        ones_smem = extra.pop(0) if cfg.tensor_row_sums else None
+        p_smem = extra
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -321,8 +330,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             m_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
                                        plgpu.Layout.WGMMA.reduce(1))
-            l_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
-                                       plgpu.Layout.WGMMA.reduce(1))
+            if cfg.tensor_row_sums:  # [64, ONES_COLS], every column the row sum
+                l_init = plgpu.layout_cast(jnp.full((BLOCK_Q, ONES_COLS), 0.0, jnp.float32),
+                                           plgpu.Layout.WGMMA)
+            else:
+                l_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                           plgpu.Layout.WGMMA.reduce(1))
             acc_init = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
                                          plgpu.Layout.WGMMA)
 
@@ -346,6 +359,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pass_turn()  # after the last PV
                 lax.fori_loop(steps, cta_steps, drain_step, None)
                 prefetch_next()
+                if cfg.tensor_row_sums:
+                    l_i = l_i.max(axis=1)  # the columns are equal: max is exact
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
                 store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
                              out_row)
@@ -375,7 +390,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                             acc = _rows_scale_where_needed(acc, alpha)
                         else:
                             acc = rows_scale(acc, alpha)
-                        l_i = l_i * alpha + p.sum(axis=1)
+                        if not cfg.tensor_row_sums:
+                            l_i = l_i * alpha + p.sum(axis=1)
+                        elif cfg.rescale_threshold and not interpret:
+                            l_i = _rows_scale_where_needed(l_i, alpha)
+                        else:
+                            l_i = rows_scale(l_i, alpha)
                         p16 = p.astype(dtype)
                         # Pin the softmax before the barrier so the compiler does not sink it into
                         # the other warpgroup's matmul turn (as jax's attention_mgpu does).
@@ -390,8 +410,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
 
                     with jax.named_scope("pv"):
-                        acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                                            p_smem[0].at[wg] if interpret else None, wait_next_k)
+                        p_buf = p_smem[0].at[wg] if interpret else None
+                        if cfg.tensor_row_sums:
+                            acc, l_i = accumulate_pv((acc, l_i), p16, (v_smem.at[slot], ones_smem),
+                                                     p_buf, wait_next_k)
+                        else:
+                            acc = accumulate_pv(acc, p16, v_smem.at[slot], p_buf, wait_next_k)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -411,6 +435,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+            if cfg.tensor_row_sums:
+                # Both consumers write the same ones (benign), each before its own first read.
+                ones_smem[...] = jnp.ones(ones_smem.shape, dtype)
+                plgpu.commit_smem()
             pl.when(wg == 1)(pass_turn)  # warpgroup 0 takes the first turn
 
             def prefetch(r):  # q_buffers == 2: issue the Q load of this CTA's item r into buffer r % 2
@@ -485,6 +513,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
+            *([plgpu.SMEM((bkv, ONES_COLS), dtype, transforms=(
+                plgpu.TilingTransform((8, ONES_COLS)), plgpu.SwizzleTransform(32)))]
+              if cfg.tensor_row_sums else []),
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
             *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
               if interpret else []),

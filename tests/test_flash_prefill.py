@@ -116,10 +116,14 @@ MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softc
      dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)),
     (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
     (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
+    # P's row sums as a product with a ones tile, rescaled with O
+    (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, 20.0,
+     dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2, tensor_row_sums=True)),
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}")
+@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}"
+                         + ("_tensor_row_sums" * c[8].tensor_row_sums))
 def test_mosaic_prefill_interpreted_matches_reference(case):
     hq, hkv, d, bs, q_lens, prefixes, extra, cap, config = case
     args = _paged_batch(np.random.default_rng(hq + d), hq=hq, hkv=hkv, d=d, block_size=bs,
@@ -172,7 +176,9 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
 @pytest.mark.parametrize("config", [
     KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
     KernelConfig(block_kv=192, stages=2, rescale_threshold=8.0),
-    KernelConfig(persistent=True, stages=3)], ids=str)
+    KernelConfig(persistent=True, stages=3),
+    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, tensor_row_sums=True)],
+    ids=str)
 def test_mosaic_kernel_configs_lower_for_cuda(config):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     cache = jax.ShapeDtypeStruct((2, 40, 32, 64), jnp.bfloat16)

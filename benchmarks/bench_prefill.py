@@ -59,9 +59,7 @@ SWEEP = {
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
-    "rowsum_tc": dataclasses.replace(fp.DEFAULT_CONFIG, tensor_row_sums=True),
-    "rowsum_tc_lazy4": dataclasses.replace(fp.DEFAULT_CONFIG, tensor_row_sums=True,
-                                           rescale_threshold=4.0),
+    "stale_max": dataclasses.replace(fp.DEFAULT_CONFIG, stale_max_exp=True),
 }
 
 

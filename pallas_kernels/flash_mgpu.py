@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, scf, vector
+from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
@@ -75,7 +75,9 @@ LOG2E = math.log2(math.e)
 SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
 REGISTER_FILE = 65536    # 32-bit registers per SM (one CTA of 3 warpgroups fills it)
 PROFILE_EVENTS = 256     # profiler events per warpgroup when profiling (16 bytes of SMEM each)
-ONES_COLS = 16           # columns of the ones tile of tensor_row_sums (wgmma N >= 16 at 32-byte swizzle)
+# stale_max_exp: a row sum of P at most this, against a kept max, means every p is too, far from
+# fp32's range; a row whose max grew by at most the rescale threshold t has sums <= 2^t * block_kv.
+STALE_SUM_BOUND = 2.0 ** 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +95,10 @@ class KernelConfig:
       FA4's lazy rescaling: keep the stale max until a row's max grows by more than t (log2 units,
       so p <= 2^t) and skip the accumulator multiply in every thread whose rows kept theirs. Exact
       after the final 1/l, since acc and l always refer to the same max.
-    tensor_row_sums: P's row sums as a wgmma, P @ ones[block_kv, 16] into a [64, 16] accumulator
-      beside O (every column the sum), instead of 64 adds and two shuffle rounds per thread and
-      step; the sums are of P as rounded for PV.
+    stale_max_exp: (needs rescale_threshold > 0) skip the row max: take the step's exp2s against
+      the kept (stale) max and check their row sums instead; a warp with a row sum past
+      STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true max
+      (`_redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs the plain path.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -107,7 +110,7 @@ class KernelConfig:
     consumer_registers: int = 240
     producer_registers: int = 24
     rescale_threshold: float = 0.0
-    tensor_row_sums: bool = False
+    stale_max_exp: bool = False
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -117,6 +120,8 @@ class KernelConfig:
             raise ValueError(f"stages={self.stages} must be at least 2")
         if not 0 <= self.rescale_threshold <= 64:
             raise ValueError(f"rescale_threshold={self.rescale_threshold} must lie in [0, 64]")
+        if self.stale_max_exp and not self.rescale_threshold:
+            raise ValueError("stale_max_exp needs rescale_threshold > 0 (it keeps a stale max)")
         if self.num_ctas is not None and (self.num_ctas < 1 or not self.persistent):
             raise ValueError(f"num_ctas={self.num_ctas}: a positive grid size, with persistent=True")
         if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and not self.persistent):
@@ -127,9 +132,7 @@ class KernelConfig:
 
     def smem_bytes(self, d: int, itemsize: int) -> int:
         profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
-        ones = self.block_kv * ONES_COLS * itemsize if self.tensor_row_sums else 0
-        return ((self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
-                + ones)
+        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
 
 
 class WorkItem(NamedTuple):
@@ -142,32 +145,86 @@ class WorkItem(NamedTuple):
     kv_ref: jax.Array
 
 
+def _branch(cond, then_fn, arrays):
+    """Per-thread `then_fn()` if cond else `arrays` (FragmentedArrays; then_fn returns the same
+    layouts): an scf.if over their registers. Mosaic GPU has no per-thread control flow above
+    this level."""
+    regs = [r for a in arrays for r in a.registers.flat]
+    branch = scf.IfOp(cond, [r.type for r in regs], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        scf.yield_([r for a in then_fn() for r in a.registers.flat])
+    with ir.InsertionPoint(branch.else_block):
+        scf.yield_(regs)
+    results, out = list(branch.results), []
+    for a in arrays:
+        new = np.empty(a.registers.shape, dtype=object)
+        new.flat[:] = results[:a.registers.size]
+        results = results[a.registers.size:]
+        out.append(mgpu.FragmentedArray(_registers=new, _layout=a.layout, _is_signed=None))
+    return out
+
+
+def _any_scalar(row, predicate):
+    """i1: predicate(x) for some element x of this thread's registers of `row`."""
+    out = None
+    for reg in row.registers.flat:
+        for i in range(ir.VectorType(reg.type).shape[0]):
+            hit = predicate(vector.extract(reg, [], [i]))
+            out = hit if out is None else arith.ori(out, hit)
+    return out
+
+
 def _rows_scale_where_needed(acc, alpha):
     """acc * alpha[:, None], with the multiply skipped (a per-thread branch) in every thread whose
-    rows all have alpha == 1. Mosaic GPU has no per-thread control flow above this level."""
+    rows all have alpha == 1."""
     wgmma = plgpu.Layout.WGMMA
 
     @plgpu.inline_mgpu(arg_types=(wgmma, wgmma.reduce(1)),
                        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma))
     def scale(_, acc, alpha):
         one = arith.constant(ir.F32Type.get(), 1.0)
-        need = None
-        for reg in alpha.registers.flat:
-            for i in range(ir.VectorType(reg.type).shape[0]):
-                ne = arith.cmpf(arith.CmpFPredicate.UNE, vector.extract(reg, [], [i]), one)
-                need = ne if need is None else arith.ori(need, ne)
-        regs = list(acc.registers.flat)
-        branch = scf.IfOp(need, [r.type for r in regs], has_else=True)
-        with ir.InsertionPoint(branch.then_block):
-            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
-            scf.yield_(list(scaled.registers.flat))
-        with ir.InsertionPoint(branch.else_block):
-            scf.yield_(regs)
-        new = np.empty(acc.registers.shape, dtype=object)
-        new.flat[:] = list(branch.results)
-        return mgpu.FragmentedArray(_registers=new, _layout=acc.layout, _is_signed=None)
+        need = _any_scalar(alpha, lambda x: arith.cmpf(arith.CmpFPredicate.UNE, x, one))
+        [acc] = _branch(need, lambda: [acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)],
+                        [acc])
+        return acc
 
     return scale(acc, alpha)
+
+
+def _redo_where_sums_overflow(s, p, acc, m_i, l_i, row_sum, factor: float, threshold: float):
+    """stale_max_exp's check: p = exp2(s * factor - m_i) was taken against the kept max without
+    the step's row max. Where every row sum is at most STALE_SUM_BOUND, (p, acc, m_i, l_i +
+    row_sum) is the online softmax's step exactly (a kept max, no rescale). A warp with a larger,
+    inf or NaN sum (the first step, or a max that jumped) redoes the step as the plain path would:
+    the row max, the lazy threshold, rescaled acc and l, p against the new max. The branch is
+    warp-uniform (a vote), since the redo's row reductions shuffle across lanes."""
+    wgmma = plgpu.Layout.WGMMA
+    row = wgmma.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, wgmma, row, row, row),
+                       return_type=(plgpu.ShapeDtypeStruct(s.shape, jnp.float32, layout=wgmma),
+                                    plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma),
+                                    plgpu.ShapeDtypeStruct(m_i.shape, jnp.float32, layout=row),
+                                    plgpu.ShapeDtypeStruct(l_i.shape, jnp.float32, layout=row)))
+    def fix(_, s, p, acc, m_i, l_i, row_sum):
+        bound = arith.constant(ir.F32Type.get(), STALE_SUM_BOUND)
+        # Ordered <=: false for NaN, so NaN sums redo too.
+        bad = _any_scalar(row_sum, lambda x: arith.xori(
+            arith.cmpf(arith.CmpFPredicate.OLE, x, bound),
+            arith.constant(ir.IntegerType.get_signless(1), 1)))
+        bad = nvvm.vote_sync(arith.constant(ir.IntegerType.get_signless(32), -1), bad, "any")
+
+        def redo():
+            rows = lambda v, like: v.broadcast_in_dim(like.shape, (0,), like.layout)
+            m_new = m_i.max(s.reduce("max", 1) * factor)
+            m_new = ((m_new - m_i) > threshold).select(m_new, m_i)  # NaN: keep
+            alpha = (m_i - m_new).exp2(approx=True)
+            p_new = (s * factor - rows(m_new, s)).exp2(approx=True)
+            return p_new, acc * rows(alpha, acc), m_new, l_i * alpha + p_new.reduce("add", 1)
+
+        return tuple(_branch(bad, redo, [p, acc, m_i, l_i + row_sum]))
+
+    return fix(s, p, acc, m_i, l_i, row_sum)
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
@@ -208,9 +265,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     log2_factor = (softcap if softcap else scale) * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
-        (qo_union, k_smem, v_smem, *extra), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
-        ones_smem = extra.pop(0) if cfg.tensor_row_sums else None
-        p_smem = extra
+        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -307,8 +362,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             full_steps = jnp.minimum(full_steps, steps)
             plgpu.barrier_wait(q_bar.at[b * 2 + wg])
 
-            def online_softmax(s, m_i, j, masked):
-                """Raw scores of step j -> (p, new row max, rescale factor for older terms)."""
+            def visible_scores(s, j, masked):
+                """Raw scores of step j -> soft-capped, -inf where the key is not visible."""
                 if softcap:
                     s = jnp.tanh(s * (scale / softcap))
                 if masked:
@@ -319,6 +374,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     if causal:
                         visible = visible & (kpos <= rows + q_pos_first)
                     s = jnp.where(visible, s, -jnp.inf)
+                return s
+
+            def online_softmax(s, m_i, j, masked):
+                """Raw scores of step j -> (p, new row max, rescale factor for older terms)."""
+                s = visible_scores(s, j, masked)
                 m_new = jnp.maximum(m_i, s.max(axis=1) * log2_factor)
                 if cfg.rescale_threshold:  # keep the stale max unless it grew a lot (NaN: keep)
                     m_new = jnp.where(m_new - m_i > cfg.rescale_threshold, m_new, m_i)
@@ -330,12 +390,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             m_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
                                        plgpu.Layout.WGMMA.reduce(1))
-            if cfg.tensor_row_sums:  # [64, ONES_COLS], every column the row sum
-                l_init = plgpu.layout_cast(jnp.full((BLOCK_Q, ONES_COLS), 0.0, jnp.float32),
-                                           plgpu.Layout.WGMMA)
-            else:
-                l_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
-                                           plgpu.Layout.WGMMA.reduce(1))
+            l_init = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                       plgpu.Layout.WGMMA.reduce(1))
             acc_init = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
                                          plgpu.Layout.WGMMA)
 
@@ -359,8 +415,6 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pass_turn()  # after the last PV
                 lax.fori_loop(steps, cta_steps, drain_step, None)
                 prefetch_next()
-                if cfg.tensor_row_sums:
-                    l_i = l_i.max(axis=1)  # the columns are equal: max is exact
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
                 store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
                              out_row)
@@ -385,17 +439,19 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         pass_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax"):
-                        p, m_new, alpha = online_softmax(s, m_i, j, masked)
-                        if cfg.rescale_threshold and not interpret:
-                            acc = _rows_scale_where_needed(acc, alpha)
+                        if cfg.stale_max_exp and not interpret:
+                            s = visible_scores(s, j, masked)
+                            p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
+                            p, acc, m_new, l_i = _redo_where_sums_overflow(
+                                s, p, acc, m_i, l_i, p.sum(axis=1), log2_factor,
+                                cfg.rescale_threshold)
                         else:
-                            acc = rows_scale(acc, alpha)
-                        if not cfg.tensor_row_sums:
+                            p, m_new, alpha = online_softmax(s, m_i, j, masked)
+                            if cfg.rescale_threshold and not interpret:
+                                acc = _rows_scale_where_needed(acc, alpha)
+                            else:
+                                acc = rows_scale(acc, alpha)
                             l_i = l_i * alpha + p.sum(axis=1)
-                        elif cfg.rescale_threshold and not interpret:
-                            l_i = _rows_scale_where_needed(l_i, alpha)
-                        else:
-                            l_i = rows_scale(l_i, alpha)
                         p16 = p.astype(dtype)
                         # Pin the softmax before the barrier so the compiler does not sink it into
                         # the other warpgroup's matmul turn (as jax's attention_mgpu does).
@@ -410,12 +466,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
 
                     with jax.named_scope("pv"):
-                        p_buf = p_smem[0].at[wg] if interpret else None
-                        if cfg.tensor_row_sums:
-                            acc, l_i = accumulate_pv((acc, l_i), p16, (v_smem.at[slot], ones_smem),
-                                                     p_buf, wait_next_k)
-                        else:
-                            acc = accumulate_pv(acc, p16, v_smem.at[slot], p_buf, wait_next_k)
+                        acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                                            p_smem[0].at[wg] if interpret else None, wait_next_k)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -435,10 +487,6 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-            if cfg.tensor_row_sums:
-                # Both consumers write the same ones (benign), each before its own first read.
-                ones_smem[...] = jnp.ones(ones_smem.shape, dtype)
-                plgpu.commit_smem()
             pl.when(wg == 1)(pass_turn)  # warpgroup 0 takes the first turn
 
             def prefetch(r):  # q_buffers == 2: issue the Q load of this CTA's item r into buffer r % 2
@@ -513,9 +561,6 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
-            *([plgpu.SMEM((bkv, ONES_COLS), dtype, transforms=(
-                plgpu.TilingTransform((8, ONES_COLS)), plgpu.SwizzleTransform(32)))]
-              if cfg.tensor_row_sums else []),
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
             *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
               if interpret else []),

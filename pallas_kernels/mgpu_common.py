@@ -17,31 +17,25 @@ def accumulate_pv(acc, p16, v_tile, p_smem=None, during: Callable[[], None] | No
     `during` runs inside the wgmma scope, overlapping the matmul. GPU interpret mode (CPU tests)
     supports neither register operands, nor `run_state`, nor barrier waits inside a wgmma scope,
     so there P goes through `p_smem`, the product is added to acc afterwards and `during` follows
-    it: same math and barrier order, other plumbing. `acc` and `v_tile` may be tuples: several
-    products of the same P, issued back to back (e.g. P @ ones for the row sums)."""
-    single = not isinstance(acc, tuple)
-    accs, tiles = ((acc,), (v_tile,)) if single else (acc, v_tile)
+    it: same math and barrier order, other plumbing."""
     if p_smem is None:
-        def pv_fn(acc_refs):
-            for acc_ref, tile in zip(acc_refs, tiles):
-                plgpu.wgmma(acc_ref, p16, tile)
+        def pv_fn(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_tile)
             if during is not None:
                 during()
 
-        out = pl.run_state(pv_fn)(tuple(plgpu.ACC.init(a) for a in accs))
-    else:
-        p_smem[...] = p16
-        plgpu.commit_smem()
-        out = []
-        for a, tile in zip(accs, tiles):
-            def pv_scoped(acc_ref, tile=tile):
-                plgpu.wgmma(acc_ref, p_smem, tile)
-                return acc_ref[...]
+        return pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+    p_smem[...] = p16
+    plgpu.commit_smem()
 
-            out.append(a + pl.run_scoped(pv_scoped, plgpu.ACC(a.shape, jnp.float32)))
-        if during is not None:
-            during()
-    return out[0] if single else tuple(out)
+    def pv_scoped(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_tile)
+        return acc_ref[...]
+
+    acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
+    if during is not None:
+        during()
+    return acc
 
 
 def observe_last_releases(total_steps, stages: int, *free_barriers) -> None:

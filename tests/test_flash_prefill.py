@@ -116,14 +116,10 @@ MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softc
      dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)),
     (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
     (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
-    # P's row sums as a product with a ones tile, rescaled with O
-    (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, 20.0,
-     dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2, tensor_row_sums=True)),
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}"
-                         + ("_tensor_row_sums" * c[8].tensor_row_sums))
+@pytest.mark.parametrize("case", MOSAIC_INTERPRET_CASES, ids=lambda c: f"Hq{c[0]}_Hkv{c[1]}_d{c[2]}")
 def test_mosaic_prefill_interpreted_matches_reference(case):
     hq, hkv, d, bs, q_lens, prefixes, extra, cap, config = case
     args = _paged_batch(np.random.default_rng(hq + d), hq=hq, hkv=hkv, d=d, block_size=bs,
@@ -177,7 +173,7 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
     KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
     KernelConfig(block_kv=192, stages=2, rescale_threshold=8.0),
     KernelConfig(persistent=True, stages=3),
-    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, tensor_row_sums=True)],
+    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True)],
     ids=str)
 def test_mosaic_kernel_configs_lower_for_cuda(config):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -195,6 +191,8 @@ def test_kernel_config_rejects_bad_values():
         KernelConfig(stages=1)
     with pytest.raises(ValueError, match="q_buffers"):
         KernelConfig(q_buffers=2)  # double-buffered Q only pays off in the persistent loop
+    with pytest.raises(ValueError, match="stale_max_exp"):  # it keeps a stale max
+        KernelConfig(stale_max_exp=True)
     with pytest.raises(ValueError, match="registers"):
         KernelConfig(consumer_registers=256, producer_registers=40)
     with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 192 keys do not fit

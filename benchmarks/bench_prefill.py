@@ -25,7 +25,6 @@ TF/s counts only visible (unmasked) query-key pairs: 4 * D * Hq * pairs (causal 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -55,11 +54,11 @@ SWEEP = {
     "s3_lazy8": KernelConfig(stages=3, rescale_threshold=8.0),
     "kv192_lazy8": KernelConfig(block_kv=192, rescale_threshold=8.0),
     "persist_q2": KernelConfig(persistent=True, q_buffers=2),
+    # the default until the seventh session (the row max computed at every step)
     "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
-    "stale_max": dataclasses.replace(fp.DEFAULT_CONFIG, stale_max_exp=True),
 }
 
 

@@ -57,17 +57,14 @@ import math
 from typing import NamedTuple
 
 import jax
-import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
+from pallas_kernels.softmax_mgpu import redo_where_sums_overflow, rows_scale_where_needed
 
 BLOCK_Q = 64          # query rows per consumer warpgroup (wgmma M = 64)
 TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
@@ -75,9 +72,6 @@ LOG2E = math.log2(math.e)
 SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
 REGISTER_FILE = 65536    # 32-bit registers per SM (one CTA of 3 warpgroups fills it)
 PROFILE_EVENTS = 256     # profiler events per warpgroup when profiling (16 bytes of SMEM each)
-# stale_max_exp: a row sum of P at most this, against a kept max, means every p is too, far from
-# fp32's range; a row whose max grew by at most the rescale threshold t has sums <= 2^t * block_kv.
-STALE_SUM_BOUND = 2.0 ** 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +91,9 @@ class KernelConfig:
       after the final 1/l, since acc and l always refer to the same max.
     stale_max_exp: (needs rescale_threshold > 0) skip the row max: take the step's exp2s against
       the kept (stale) max and check their row sums instead; a warp with a row sum past
-      STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true max
-      (`_redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs the plain path.
+      softmax_mgpu.STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true
+      max (`softmax_mgpu.redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs
+      the plain path.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -143,88 +138,6 @@ class WorkItem(NamedTuple):
     q_pos0: jax.Array
     ctx_len: jax.Array
     kv_ref: jax.Array
-
-
-def _branch(cond, then_fn, arrays):
-    """Per-thread `then_fn()` if cond else `arrays` (FragmentedArrays; then_fn returns the same
-    layouts): an scf.if over their registers. Mosaic GPU has no per-thread control flow above
-    this level."""
-    regs = [r for a in arrays for r in a.registers.flat]
-    branch = scf.IfOp(cond, [r.type for r in regs], has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-        scf.yield_([r for a in then_fn() for r in a.registers.flat])
-    with ir.InsertionPoint(branch.else_block):
-        scf.yield_(regs)
-    results, out = list(branch.results), []
-    for a in arrays:
-        new = np.empty(a.registers.shape, dtype=object)
-        new.flat[:] = results[:a.registers.size]
-        results = results[a.registers.size:]
-        out.append(mgpu.FragmentedArray(_registers=new, _layout=a.layout, _is_signed=None))
-    return out
-
-
-def _any_scalar(row, predicate):
-    """i1: predicate(x) for some element x of this thread's registers of `row`."""
-    out = None
-    for reg in row.registers.flat:
-        for i in range(ir.VectorType(reg.type).shape[0]):
-            hit = predicate(vector.extract(reg, [], [i]))
-            out = hit if out is None else arith.ori(out, hit)
-    return out
-
-
-def _rows_scale_where_needed(acc, alpha):
-    """acc * alpha[:, None], with the multiply skipped (a per-thread branch) in every thread whose
-    rows all have alpha == 1."""
-    wgmma = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma.reduce(1)),
-                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma))
-    def scale(_, acc, alpha):
-        one = arith.constant(ir.F32Type.get(), 1.0)
-        need = _any_scalar(alpha, lambda x: arith.cmpf(arith.CmpFPredicate.UNE, x, one))
-        [acc] = _branch(need, lambda: [acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)],
-                        [acc])
-        return acc
-
-    return scale(acc, alpha)
-
-
-def _redo_where_sums_overflow(s, p, acc, m_i, l_i, row_sum, factor: float, threshold: float):
-    """stale_max_exp's check: p = exp2(s * factor - m_i) was taken against the kept max without
-    the step's row max. Where every row sum is at most STALE_SUM_BOUND, (p, acc, m_i, l_i +
-    row_sum) is the online softmax's step exactly (a kept max, no rescale). A warp with a larger,
-    inf or NaN sum (the first step, or a max that jumped) redoes the step as the plain path would:
-    the row max, the lazy threshold, rescaled acc and l, p against the new max. The branch is
-    warp-uniform (a vote), since the redo's row reductions shuffle across lanes."""
-    wgmma = plgpu.Layout.WGMMA
-    row = wgmma.reduce(1)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, wgmma, row, row, row),
-                       return_type=(plgpu.ShapeDtypeStruct(s.shape, jnp.float32, layout=wgmma),
-                                    plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma),
-                                    plgpu.ShapeDtypeStruct(m_i.shape, jnp.float32, layout=row),
-                                    plgpu.ShapeDtypeStruct(l_i.shape, jnp.float32, layout=row)))
-    def fix(_, s, p, acc, m_i, l_i, row_sum):
-        bound = arith.constant(ir.F32Type.get(), STALE_SUM_BOUND)
-        # Ordered <=: false for NaN, so NaN sums redo too.
-        bad = _any_scalar(row_sum, lambda x: arith.xori(
-            arith.cmpf(arith.CmpFPredicate.OLE, x, bound),
-            arith.constant(ir.IntegerType.get_signless(1), 1)))
-        bad = nvvm.vote_sync(arith.constant(ir.IntegerType.get_signless(32), -1), bad, "any")
-
-        def redo():
-            rows = lambda v, like: v.broadcast_in_dim(like.shape, (0,), like.layout)
-            m_new = m_i.max(s.reduce("max", 1) * factor)
-            m_new = ((m_new - m_i) > threshold).select(m_new, m_i)  # NaN: keep
-            alpha = (m_i - m_new).exp2(approx=True)
-            p_new = (s * factor - rows(m_new, s)).exp2(approx=True)
-            return p_new, acc * rows(alpha, acc), m_new, l_i * alpha + p_new.reduce("add", 1)
-
-        return tuple(_branch(bad, redo, [p, acc, m_i, l_i + row_sum]))
-
-    return fix(s, p, acc, m_i, l_i, row_sum)
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
@@ -442,13 +355,13 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         if cfg.stale_max_exp and not interpret:
                             s = visible_scores(s, j, masked)
                             p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
-                            p, acc, m_new, l_i = _redo_where_sums_overflow(
+                            p, acc, m_new, l_i = redo_where_sums_overflow(
                                 s, p, acc, m_i, l_i, p.sum(axis=1), log2_factor,
                                 cfg.rescale_threshold)
                         else:
                             p, m_new, alpha = online_softmax(s, m_i, j, masked)
                             if cfg.rescale_threshold and not interpret:
-                                acc = _rows_scale_where_needed(acc, alpha)
+                                acc = rows_scale_where_needed(acc, alpha)
                             else:
                                 acc = rows_scale(acc, alpha)
                             l_i = l_i * alpha + p.sum(axis=1)

@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None, help="dump directory")
     args = ap.parse_args(argv)
     root = Path(args.dir or os.path.join(os.environ.get("OUT", "/tmp"), "mosaic_dump"))
-    jobs = [(f"decode", compile_decode)] if "decode" in args.kernels.split(",") else []
+    jobs = [("decode", compile_decode)] if "decode" in args.kernels.split(",") else []
     if "prefill" in args.kernels.split(","):
         jobs += [(f"prefill_{c}", lambda c=c: compile_prefill(c))
                  for c in args.prefill_configs.split(",")]
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         # What this compile dumped moves to its own folder (the names Mosaic gives do not say
         # which configuration a kernel came from).
         dump_dir = root / name
-        dump_dir.mkdir()
+        dump_dir.mkdir(exist_ok=True)
         for path in root.iterdir():
             if path.is_file():
                 path.rename(dump_dir / path.name)

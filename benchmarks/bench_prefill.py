@@ -91,21 +91,27 @@ def _normal(key, shape, dtype):
 # ----------------------------------------------------------------------------------- correctness
 def check_dense(results, configs=None, small_only=False):
     configs = configs or {"default": None}
-    cases = [  # (B, L, Hq, Hkv, D, causal, dtype, softcap)
-        (2, 1024, 8, 2, 128, True, jnp.bfloat16, None),
-        (2, 1000, 8, 8, 64, True, jnp.float16, None),
-        (1, 777, 4, 1, 128, False, jnp.bfloat16, None),
-        (1, 513, 8, 1, 64, True, jnp.bfloat16, 30.0),
-        (1, 8192, HQ, HKV, D, True, jnp.bfloat16, None),
-        (2, 4096, HQ, HKV, D, False, jnp.bfloat16, None),
+    cases = [  # (B, L, Hq, Hkv, D, causal, dtype, softcap, q gain)
+        (2, 1024, 8, 2, 128, True, jnp.bfloat16, None, 1.0),
+        (2, 1000, 8, 8, 64, True, jnp.float16, None, 1.0),
+        (1, 777, 4, 1, 128, False, jnp.bfloat16, None, 1.0),
+        (1, 513, 8, 1, 64, True, jnp.bfloat16, 30.0, 1.0),
+        # Wide logits (std ~12): row maxima jump by more than the lazy threshold mid-item, so
+        # the rescale and the stale-max redo run on steps other than an item's first.
+        (1, 900, 4, 1, 128, True, jnp.bfloat16, None, 12.0),
+        (2, 700, 8, 2, 64, False, jnp.float16, None, 12.0),
+        (1, 8192, HQ, HKV, D, True, jnp.bfloat16, None, 1.0),
+        (2, 4096, HQ, HKV, D, False, jnp.bfloat16, None, 1.0),
     ]
     if small_only:  # a sweep: the real-size cases are covered by the timing's check
         cases = [c for c in cases if c[1] < 4096]
-    for i, (b, l, hq, hkv, d, causal, dt, cap) in enumerate(cases):
-        base = f"dense_B{b}_L{l}_Hq{hq}_Hkv{hkv}_d{d}_{'causal' if causal else 'full'}_{jnp.dtype(dt).name}" + (f"_cap{cap}" if cap else "")
+    for i, (b, l, hq, hkv, d, causal, dt, cap, gain) in enumerate(cases):
+        base = (f"dense_B{b}_L{l}_Hq{hq}_Hkv{hkv}_d{d}_{'causal' if causal else 'full'}_"
+                f"{jnp.dtype(dt).name}" + (f"_cap{cap}" if cap else "")
+                + (f"_gain{gain:g}" if gain != 1 else ""))
         ks = jax.random.split(jax.random.key(100 + i), 3)
-        q, k, v = (_normal(ks[0], (b, l, hq, d), dt), _normal(ks[1], (b, l, hkv, d), dt),
-                   _normal(ks[2], (b, l, hkv, d), dt))
+        q, k, v = ((gain * _normal(ks[0], (b, l, hq, d), jnp.float32)).astype(dt),
+                   _normal(ks[1], (b, l, hkv, d), dt), _normal(ks[2], (b, l, hkv, d), dt))
         ref = jax.jit(functools.partial(reference.causal_attention_reference, scale=d ** -0.5,
                                         softcap=cap, causal=causal))(q, k, v)
         for cname, cfg in configs.items():

@@ -15,7 +15,8 @@ one jit call of a few MB holds about as much GPU work as jax's dispatch costs on
 figures swing by several µs between runs. `--chain N` forces one length for every shape. Each jit call also pays one XLA executable launch
 (~6 µs on the H200), a quarter of which lands in every per-call figure of a 4-call chain; the
 "marginal" variant reports the Mosaic call's cost inside a larger program instead, as the slope
-between chains of 2 and 6 calls (`time_marginal`).
+between chains of 2 and 6 calls (`time_marginal`), and the "device" variant its time per call on
+the device timeline (`time_device`: CUPTI through jax's profiler, as `trace_decode.py`).
 Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kernels.py` calls
 `run_grid`.
 """
@@ -29,8 +30,11 @@ import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +169,21 @@ def time_marginal(fn, batch: int, ctx: int, chains=MARGINAL_CHAINS) -> float:
     return (t[hi] - t[lo]) / (hi - lo)
 
 
+def time_device(batch: int, ctx: int) -> float:
+    """Seconds per chained call of the default Mosaic kernel on the device timeline (CUPTI, via
+    `trace_decode.trace_shape`): its kernels and the gaps between them, without the host-side
+    queueing or the per-jit XLA executable launch that the queued figures carry."""
+    from benchmarks import trace_decode  # it imports this module
+    trace_dir = Path(tempfile.mkdtemp(prefix="decode_trace_"))
+    try:
+        out = trace_decode.trace_shape(batch, ctx, "mosaic", trace_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    return out["period_us"] * 1e-6
+
+
 def time_mosaic_kernel_only(case, scale: float) -> float:
     """The Mosaic kernel without the XLA work around it (the split combine, when there are several
     splits): the case's chain of independent calls per jit on distinct page sets (none can be
@@ -288,6 +307,8 @@ def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"),
         if "marginal" in variants and case["kv_bytes"] * MARGINAL_CHAINS[1] <= 20e9:
             timers["mosaic_marginal"] = functools.partial(time_marginal, our_variants(scale)["mosaic"],
                                                           batch, ctx)
+        if "device" in variants:
+            timers["mosaic_device"] = functools.partial(time_device, batch, ctx)
         if "xla" in variants and kv_gb <= 8:
             timers["xla_contiguous"] = functools.partial(time_xla_contiguous, case, scale)
         for name, timer in timers.items():
@@ -332,9 +353,9 @@ def format_row(row) -> str:
 def table(result) -> str:
     """Markdown table: our Mosaic kernel, the best of each other family, per shape."""
     lines = ["| batch | ctx | KV MB | Mosaic µs | TB/s | % ceiling | in a program µs | % ceiling "
-             "| kernel alone µs | bundled best µs | TB/s | XLA contiguous µs | TB/s "
-             "| our Triton µs | TB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| device µs | % ceiling | kernel alone µs | bundled best µs | TB/s "
+             "| XLA contiguous µs | TB/s | our Triton µs | TB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         ours = row["kernels"].get("mosaic")
         _, bun = _best(row, "bundled")
@@ -343,10 +364,12 @@ def table(result) -> str:
         f = lambda r, k, fmt: (fmt.format(r[k]) if r and k in r else "–")
         alone = row["kernels"].get("mosaic_kernel_only")
         marginal = row["kernels"].get("mosaic_marginal")
+        device = row["kernels"].get("mosaic_device")
         lines.append(f"| {row['batch']} | {row['ctx']} | {row['kv_bytes'] / 1e6:.0f} | "
                      f"{f(ours, 'us', '{:.1f}')} | {f(ours, 'TBps', '{:.2f}')} | "
                      f"{f(ours, 'pct_ceiling', '{:.0f}%')} | {f(marginal, 'us', '{:.1f}')} | "
-                     f"{f(marginal, 'pct_ceiling', '{:.0f}%')} | {f(alone, 'us', '{:.1f}')} | "
+                     f"{f(marginal, 'pct_ceiling', '{:.0f}%')} | {f(device, 'us', '{:.1f}')} | "
+                     f"{f(device, 'pct_ceiling', '{:.0f}%')} | {f(alone, 'us', '{:.1f}')} | "
                      f"{f(bun, 'us', '{:.1f}')} | {f(bun, 'TBps', '{:.2f}')} | "
                      f"{f(xla, 'us', '{:.1f}')} | {f(xla, 'TBps', '{:.2f}')} | "
                      f"{f(tri, 'us', '{:.1f}')} | {f(tri, 'TBps', '{:.2f}')} |")
@@ -364,7 +387,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="mosaic,triton,bundled,xla,diag",
                     help="diag: also the Mosaic kernel alone, without the XLA ops around it; "
                          "marginal: also the Mosaic call's cost inside a larger program "
-                         "(time_marginal; compiles chains of 2 and 6 calls per shape)")
+                         "(time_marginal; compiles chains of 2 and 6 calls per shape); "
+                         "device: also its time per call on the device timeline (CUPTI)")
     ap.add_argument("--chain", type=int, default=None,
                     help=f"kernel calls chained in one jit (default: {CHAIN}, {SMALL_CHAIN} for "
                          f"shapes under {SMALL_KV_BYTES / 1e6:.0f} MB of KV)")

@@ -23,6 +23,23 @@ def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
     assert fake_time_paged(None, {"chain": 4}) == pytest.approx(41.5e-6)
 
 
+def test_device_time_is_the_traced_period_per_call(monkeypatch):
+    from benchmarks import trace_decode
+    seen = {}
+
+    def fake_trace_shape(batch, ctx, variant, out_dir):
+        seen.update(batch=batch, ctx=ctx, variant=variant, out_dir=out_dir)
+        assert out_dir.is_dir()
+        return {"period_us": 38.8, "chain": 4}
+
+    monkeypatch.setattr(trace_decode, "trace_shape", fake_trace_shape)
+    assert bench_decode.time_device(1, 32768) == pytest.approx(38.8e-6)
+    assert seen["variant"] == "mosaic" and not seen["out_dir"].exists()  # the trace is removed
+    monkeypatch.setattr(trace_decode, "trace_shape", lambda *a: {"error": "3 events"})
+    with pytest.raises(RuntimeError, match="3 events"):
+        bench_decode.time_device(1, 32768)
+
+
 def test_paged_case_takes_the_chain_it_is_given():
     case = bench_decode.make_paged_case(1, 64, hq=4, hkv=1, d=64, chain=6)
     assert case["chain"] == 6 and case["sets"] % 6 == 0

@@ -83,10 +83,8 @@ def redo_where_sums_overflow(s, p, acc, m_i, l_i, row_sum, factor: float, thresh
                                     plgpu.ShapeDtypeStruct(l_i.shape, jnp.float32, layout=row)))
     def fix(_, s, p, acc, m_i, l_i, row_sum):
         bound = arith.constant(ir.F32Type.get(), STALE_SUM_BOUND)
-        # Ordered <=: false for NaN, so NaN sums redo too.
-        bad = _any_scalar(row_sum, lambda x: arith.xori(
-            arith.cmpf(arith.CmpFPredicate.OLE, x, bound),
-            arith.constant(ir.IntegerType.get_signless(1), 1)))
+        # Unordered >: true for NaN too, so NaN sums redo.
+        bad = _any_scalar(row_sum, lambda x: arith.cmpf(arith.CmpFPredicate.UGT, x, bound))
         bad = nvvm.vote_sync(arith.constant(ir.IntegerType.get_signless(32), -1), bad, "any")
 
         def redo():

@@ -94,6 +94,9 @@ class KernelConfig:
       softmax_mgpu.STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true
       max (`softmax_mgpu.redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs
       the plain path.
+    peel_first_step: run each item's first K/V step on its own, on the plain path without the
+      accumulator rescale (acc is zero, the max starts at -inf), so stale_max_exp's speculative
+      exps, which the first step always redoes, are not taken there.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -106,6 +109,7 @@ class KernelConfig:
     producer_registers: int = 24
     rescale_threshold: float = 0.0
     stale_max_exp: bool = False
+    peel_first_step: bool = False
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -337,7 +341,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 plgpu.barrier_wait(k_bar.at[slot_of(g0)])
                 take_turn()
 
-                def kv_step(j, carry, masked: bool):
+                def kv_step(j, carry, masked, first: bool = False):
                     acc, m_i, l_i = carry
                     slot = slot_of(g0 + j)
 
@@ -352,7 +356,15 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         pass_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax"):
-                        if cfg.stale_max_exp and not interpret:
+                        if first:  # the plain path, from m = -inf: acc is still zero
+                            def first_softmax(masked):
+                                def softmax(s):
+                                    p, m_new, _ = online_softmax(s, m_i, j, masked)
+                                    return p, m_new, p.sum(axis=1)
+                                return softmax
+                            p, m_new, l_i = lax.cond(masked, first_softmax(True),
+                                                     first_softmax(False), s)
+                        elif cfg.stale_max_exp and not interpret:
                             s = visible_scores(s, j, masked)
                             p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
                             p, acc, m_new, l_i = redo_where_sums_overflow(
@@ -385,8 +397,15 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     return acc, m_new, l_i
 
                 carry = (acc_init, m_init, l_init)
-                carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-                carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True), carry)
+                first = 0
+                if cfg.peel_first_step:  # steps >= 1 here
+                    carry = kv_step(0, carry, full_steps == 0, first=True)
+                    first = 1
+                unmasked_end = jnp.maximum(full_steps, first)
+                carry = lax.fori_loop(first, unmasked_end, functools.partial(kv_step, masked=False),
+                                      carry)
+                carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
+                                      carry)
                 acc, _, l_i = carry
                 finish(acc, l_i)
 

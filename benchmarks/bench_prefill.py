@@ -56,26 +56,31 @@ SWEEP = {
     "persist_q2": KernelConfig(persistent=True, q_buffers=2),
     # the default until the seventh session (the row max computed at every step)
     "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
-    "stale_peel": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
-                               stale_max_exp=True, peel_first_step=True),
+    # the default of the seventh session (the stale-max step; every item's first step redone)
+    "stale": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True),
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
 }
 
 
-def bench(f, *args, reps: int = 5, inner: int = 10) -> float:
-    """Median seconds per call: `inner` back-to-back calls per sample, after warm-up."""
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    ts = []
+def bench_interleaved(calls: dict, reps: int = 7, inner: int = 10) -> dict:
+    """name -> median seconds per call of calls[name] = (f, args): `inner` back-to-back calls per
+    sample, after warm-up. The samples of all names are interleaved (one of each per rep), so
+    clock and thermal drift during the run falls on every implementation alike and their ratios
+    hold even when the absolute figures move."""
+    for f, args in calls.values():
+        for _ in range(2):
+            jax.block_until_ready(f(*args))
+    ts = {name: [] for name in calls}
     for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / inner)
-    return float(np.median(ts))
+        for name, (f, args) in calls.items():
+            t = time.perf_counter()
+            for _ in range(inner):
+                out = f(*args)
+            jax.block_until_ready(out)
+            ts[name].append((time.perf_counter() - t) / inner)
+    return {name: float(np.median(v)) for name, v in ts.items()}
 
 
 def rel_err(out, ref) -> float:
@@ -201,7 +206,7 @@ def time_dense(results, quick=False, sweep=()):
                 impls[f"ours_{cname}"] = (jnp.bfloat16, functools.partial(
                     lambda q, k, v, cfg: fp.flash_attention(q, k, v, causal=causal, scale=sm,
                                                             config=cfg), cfg=cfg))
-        ref = {}
+        ref, ready = {}, {}
         for name, (dt, f) in impls.items():
             try:
                 fj = jax.jit(f)
@@ -212,13 +217,12 @@ def time_dense(results, quick=False, sweep=()):
                 if dt not in ref:  # cuDNN in the same dtype is the check (f32 reference too big)
                     ref[dt] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                         q, k, v, scale=sm, is_causal=causal, implementation="cudnn"))(*args)
-                t = bench(fj, *args)
-                row[name] = {"ms": round(t * 1e3, 3), "TFLOPs": round(fl / t / 1e12, 1),
-                             "rel_err_vs_cudnn": round(rel_err(out, ref[dt]), 5),
+                row[name] = {"rel_err_vs_cudnn": round(rel_err(out, ref[dt]), 5),
                              "first_call_s": round(first, 1)}
+                ready[name] = (fj, args)
             except Exception as e:  # noqa: BLE001
                 row[name] = {"error": "".join(traceback.format_exception_only(type(e), e))[-500:]}
-            print(key, name, row[name], flush=True)
+        _record_times(key, row, ready, fl)
 
 
 def time_paged(results, quick=False, sweep=()):
@@ -252,19 +256,26 @@ def time_paged(results, quick=False, sweep=()):
         if sweep:
             impls = {f"ours_mosaic_paged_{cname}": (functools.partial(
                 fp.flash_prefill_mosaic, config=SWEEP[cname]), args) for cname in sweep}
-        ref = None
+        ref, ready = None, {}
         for name, (f, a) in impls.items():
             try:
                 fj = jax.jit(functools.partial(f, scale=sm, softcap=None)) if f is not contiguous else jax.jit(f)
                 out = fj(*a)
                 if ref is None:
                     ref = out
-                t = bench(fj, *a)
-                row[name] = {"ms": round(t * 1e3, 3), "TFLOPs": round(fl / t / 1e12, 1),
-                             "rel_diff_vs_mosaic_paged": round(rel_err(out, ref), 5)}
+                row[name] = {"rel_diff_vs_mosaic_paged": round(rel_err(out, ref), 5)}
+                ready[name] = (fj, a)
             except Exception as e:  # noqa: BLE001
                 row[name] = {"error": "".join(traceback.format_exception_only(type(e), e))[-500:]}
-            print(key, name, row[name], flush=True)
+        _record_times(key, row, ready, fl)
+
+
+def _record_times(key, row, ready, flops):
+    """Times the compiled calls of one shape side by side (interleaved) into row[name]."""
+    for name, t in bench_interleaved(ready).items():
+        row[name] = {"ms": round(t * 1e3, 3), "TFLOPs": round(flops / t / 1e12, 1), **row[name]}
+    for name in row:
+        print(key, name, row[name], flush=True)
 
 
 # ------------------------------------------------------------------------------- model greedy

@@ -4,6 +4,7 @@ ptxas report (the timing and compiling themselves need the H200)."""
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,3 +56,20 @@ def test_dump_kernels_reports_registers_and_spills(tmp_path):
     [line] = ptxas_reports(tmp_path)
     assert line.startswith("flash_attention_0: ptxas warning") and "Used 168 registers" in line
     assert "Compile time" not in line
+
+
+def test_prefill_timing_interleaves_the_implementations():
+    from benchmarks import bench_prefill
+    log = []
+
+    def call(name):
+        def f():
+            log.append(name)
+            return jnp.zeros(())
+        return f
+
+    times = bench_prefill.bench_interleaved({"ours": (call("ours"), ()),
+                                             "cudnn": (call("cudnn"), ())}, reps=3, inner=2)
+    assert set(times) == {"ours", "cudnn"} and all(t > 0 for t in times.values())
+    warm = ["ours"] * 2 + ["cudnn"] * 2
+    assert log == warm + (["ours"] * 2 + ["cudnn"] * 2) * 3  # one sample of each per rep

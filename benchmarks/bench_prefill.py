@@ -56,8 +56,6 @@ SWEEP = {
     "persist_q2": KernelConfig(persistent=True, q_buffers=2),
     # the default until the seventh session (the row max computed at every step)
     "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
-    # the default of the seventh session (the stale-max step; every item's first step redone)
-    "stale": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True),
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),

@@ -94,9 +94,6 @@ class KernelConfig:
       softmax_mgpu.STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true
       max (`softmax_mgpu.redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs
       the plain path.
-    peel_first_step: run each item's first K/V step on its own, on the plain path without the
-      accumulator rescale (acc is zero, the max starts at -inf), so stale_max_exp's speculative
-      exps, which the first step always redoes, are not taken there.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -109,7 +106,6 @@ class KernelConfig:
     producer_registers: int = 24
     rescale_threshold: float = 0.0
     stale_max_exp: bool = False
-    peel_first_step: bool = False
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -342,6 +338,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 take_turn()
 
                 def kv_step(j, carry, masked, first: bool = False):
+                    """masked: a Python bool, or for the first step a traced one (a lax.cond
+                    picks the masked or unmasked softmax)."""
                     acc, m_i, l_i = carry
                     slot = slot_of(g0 + j)
 
@@ -396,13 +394,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
-                carry = (acc_init, m_init, l_init)
-                first = 0
-                if cfg.peel_first_step:  # steps >= 1 here
-                    carry = kv_step(0, carry, full_steps == 0, first=True)
-                    first = 1
-                unmasked_end = jnp.maximum(full_steps, first)
-                carry = lax.fori_loop(first, unmasked_end, functools.partial(kv_step, masked=False),
+                # The first step (steps >= 1 here) runs on its own: on the plain path from
+                # m = -inf with no rescale of the zero accumulator, since the stale-max step
+                # would take its exps against -inf only to redo them.
+                carry = kv_step(0, (acc_init, m_init, l_init), full_steps == 0, first=True)
+                unmasked_end = jnp.maximum(full_steps, 1)
+                carry = lax.fori_loop(1, unmasked_end, functools.partial(kv_step, masked=False),
                                       carry)
                 carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
                                       carry)

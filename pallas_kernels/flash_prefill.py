@@ -37,7 +37,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # against the kept max, checked by the row sums) gained 2-10% (seventh session). Paged K/V needs
 # block_size | block_kv (128 keys here).
 DEFAULT_CONFIG = KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
-                              stale_max_exp=True, peel_first_step=True)
+                              stale_max_exp=True)
 
 
 def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref: jax.Array,

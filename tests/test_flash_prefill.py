@@ -117,7 +117,7 @@ MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softc
     (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
     (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
     (4, 2, 64, 16, [100, 7], [0, 200], 2, None,
-     KernelConfig(persistent=True, num_ctas=2, rescale_threshold=8.0, peel_first_step=True)),
+     KernelConfig(persistent=True, num_ctas=2, rescale_threshold=8.0)),
 ]
 
 
@@ -176,9 +176,7 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
     KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
     KernelConfig(block_kv=192, stages=2, rescale_threshold=8.0),
     KernelConfig(persistent=True, stages=3),
-    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True),
-    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True,
-                 peel_first_step=True)],
+    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True)],
     ids=str)
 def test_mosaic_kernel_configs_lower_for_cuda(config):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)

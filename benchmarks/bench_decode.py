@@ -361,9 +361,12 @@ def table(result) -> str:
         _, bun = _best(row, "bundled")
         _, tri = _best(row, "triton")
         xla = row["kernels"].get("xla_contiguous", {})
-        f = lambda r, k, fmt: (fmt.format(r[k]) if r and k in r else "–")
+        f = lambda r, k, fmt: ((fmt.format(r[k]) if isinstance(r[k], float) else r[k])
+                               if r and k in r else "–")
         alone = row["kernels"].get("mosaic_kernel_only")
         marginal = row["kernels"].get("mosaic_marginal")
+        if marginal and marginal.get("us", 1) <= 0:  # a launch-bound shape: the slope is noise
+            marginal = {"us": "noise", "pct_ceiling": "noise"}
         device = row["kernels"].get("mosaic_device")
         lines.append(f"| {row['batch']} | {row['ctx']} | {row['kv_bytes'] / 1e6:.0f} | "
                      f"{f(ours, 'us', '{:.1f}')} | {f(ours, 'TBps', '{:.2f}')} | "

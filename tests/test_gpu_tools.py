@@ -73,3 +73,11 @@ def test_prefill_timing_interleaves_the_implementations():
     assert set(times) == {"ours", "cudnn"} and all(t > 0 for t in times.values())
     warm = ["ours"] * 2 + ["cudnn"] * 2
     assert log == warm + (["ours"] * 2 + ["cudnn"] * 2) * 3  # one sample of each per rep
+
+
+def test_decode_table_marks_a_negative_slope_as_noise():
+    row = {"batch": 1, "ctx": 4096, "kv_bytes": 17e6, "kernels": {
+        "mosaic": {"us": 10.9, "TBps": 1.54, "pct_ceiling": 34.0},
+        "mosaic_marginal": {"us": -0.4, "TBps": -40.0, "pct_ceiling": -1014.0}}}
+    line = bench_decode.table({"rows": [row]}).splitlines()[-1]
+    assert "| 10.9 | 1.54 | 34% | noise | noise |" in line and "-1014" not in line

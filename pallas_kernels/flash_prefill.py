@@ -65,7 +65,9 @@ def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref
     ends = jnp.cumsum(n_tiles)
     num = -(-(num_tokens + 7 * (s + 1)) // TILE_Q) + s + 1  # >= sum(n_tiles) for any batch
     i = jnp.arange(num, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), s)
+    # compare_all: one fused compare, not the default scan's while loop (on the GPU a device ->
+    # host round trip per iteration, in every prefill call).
+    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), s)
     k = i - (ends[seq] - n_tiles[seq])                      # tile index within its sequence
     row0 = start[seq] - lead[seq] + k * TILE_Q
     tile_lead = jnp.where(k == 0, lead[seq], 0)
@@ -172,9 +174,10 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if lp != l:
         pad = ((0, 0), (0, lp - l), (0, 0), (0, 0))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    starts = jnp.arange(b, dtype=jnp.int32) * lp
-    lens = jnp.full((b,), l, jnp.int32)
-    tiles = tile_table(starts, lens, lens, starts // 8, b * lp, causal=causal)
+    with jax.ensure_compile_time_eval():  # static shapes: the table is a constant of the program
+        starts = jnp.arange(b, dtype=jnp.int32) * lp
+        lens = jnp.full((b,), l, jnp.int32)
+        tiles = tile_table(starts, lens, lens, starts // 8, b * lp, causal=causal)
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,

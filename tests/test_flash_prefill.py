@@ -162,6 +162,9 @@ def test_mosaic_paged_prefill_lowers_for_cuda(dtype, d, block_size, softcap):
         functools.partial(fp.flash_prefill_mosaic, scale=0.1, softcap=softcap),
         jax.ShapeDtypeStruct((300, 8, d), dtype), cache, cache, i32(4), i32(3), i32(3, 9))
     assert "mosaic_gpu" in text
+    # The tile table's search is one fused compare: no while loop (a device -> host round trip
+    # per iteration on the GPU) in any prefill call.
+    assert "stablehlo.while" not in text
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -170,6 +173,9 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
     kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
     text = _lower_for_cuda(functools.partial(fp.flash_attention, causal=causal), q, kv, kv)
     assert "mosaic_gpu" in text
+    # Dense shapes are static: the tile table is a constant, no device op builds it.
+    for op in ("stablehlo.sort", "stablehlo.while", "stablehlo.gather", "stablehlo.iota"):
+        assert op not in text, op
 
 
 @pytest.mark.parametrize("config", [

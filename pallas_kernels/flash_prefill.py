@@ -65,8 +65,8 @@ def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref
     ends = jnp.cumsum(n_tiles)
     num = -(-(num_tokens + 7 * (s + 1)) // TILE_Q) + s + 1  # >= sum(n_tiles) for any batch
     i = jnp.arange(num, dtype=jnp.int32)
-    # compare_all: one fused compare, not the default scan's while loop (on the GPU a device ->
-    # host round trip per iteration, in every prefill call).
+    # compare_all: one fused compare, not the default scan's while loop (XLA's GPU while loop reads
+    # its predicate back to the host each iteration unless it runs as a CUDA-graph conditional).
     seq = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), s)
     k = i - (ends[seq] - n_tiles[seq])                      # tile index within its sequence
     row0 = start[seq] - lead[seq] + k * TILE_Q

@@ -29,3 +29,29 @@ def test_summary_tells_same_named_kernels_apart_and_shows_overlap():
     out = summarize(chained([("k", 0, 30_000), ("k", 25_000, 32_000)], 33_000), calls=2)
     assert out["kernels"]["0:k"] == {"mean_us": 30.0, "gap_before_us": 1.0}
     assert out["kernels"]["1:k"] == {"mean_us": 7.0, "gap_before_us": -5.0}
+
+
+def test_prefill_timeline_row_separates_the_attention_kernel():
+    from benchmarks.trace_prefill import timeline_row
+    # Each call: two 2 µs table ops, 1 µs idle, a 900 µs attention kernel, 1 µs idle.
+    call = [("fusion", 0, 2_000), ("sort", 2_000, 4_000), ("flash_attention", 5_000, 905_000)]
+    row = timeline_row(chained(call, 906_000, calls=4), calls=4, flops=540e12 * 900e-6)
+    assert row["main_kernel"] == "2:flash_attention" and row["main_kernel_us"] == 900.0
+    assert row["other_kernels_us"] == 4.0
+    assert abs(row["TFLOPs_kernel"] - 540.0) < 1e-9
+    assert row["TFLOPs_call"] < row["TFLOPs_kernel"]
+
+
+def test_prefill_trace_implementations_lower_for_cuda():
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.trace_prefill import implementations
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    args = (jax.ShapeDtypeStruct((2, 256, 32, 128), bf16),
+            *[jax.ShapeDtypeStruct((2, 256, 8, 128), bf16)] * 2,
+            jax.ShapeDtypeStruct((2,), i32), jax.ShapeDtypeStruct((2,), i32))
+    texts = {name: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+             for name, fn in implementations(2, 256, causal=False).items() if name != "cudnn"}
+    assert all("mosaic_gpu" in t for t in texts.values())
+    # The A/B variant builds its table on the device; the default entry has it as a constant.
+    assert "stablehlo.sort" in texts["ours_table_on_device"] and "stablehlo.sort" not in texts["ours"]

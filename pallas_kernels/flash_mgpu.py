@@ -65,6 +65,7 @@ from jax import lax
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
 from pallas_kernels.softmax_mgpu import redo_where_sums_overflow, rows_scale_where_needed
+from pallas_kernels.tail_split import NEG_LSE, merge_tail, plan_tail
 
 BLOCK_Q = 64          # query rows per consumer warpgroup (wgmma M = 64)
 TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
@@ -94,6 +95,9 @@ class KernelConfig:
       softmax_mgpu.STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true
       max (`softmax_mgpu.redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs
       the plain path.
+    tail_split: (persistent, non-causal, dense: `real_tiles` given) cut the items of the last,
+      partial round into up to this many parts along K/V, merged after the kernel
+      (`tail_split.py`); 1 = off.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -106,6 +110,7 @@ class KernelConfig:
     producer_registers: int = 24
     rescale_threshold: float = 0.0
     stale_max_exp: bool = False
+    tail_split: int = 1
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -119,6 +124,8 @@ class KernelConfig:
             raise ValueError("stale_max_exp needs rescale_threshold > 0 (it keeps a stale max)")
         if self.num_ctas is not None and (self.num_ctas < 1 or not self.persistent):
             raise ValueError(f"num_ctas={self.num_ctas}: a positive grid size, with persistent=True")
+        if self.tail_split < 1 or (self.tail_split > 1 and not self.persistent):
+            raise ValueError(f"tail_split={self.tail_split}: 1, or more with persistent=True")
         if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and not self.persistent):
             raise ValueError(f"q_buffers={self.q_buffers}: 1, or 2 with persistent=True")
         if 128 * (2 * self.consumer_registers + self.producer_registers) > REGISTER_FILE:
@@ -127,10 +134,14 @@ class KernelConfig:
 
     def smem_bytes(self, d: int, itemsize: int) -> int:
         profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
-        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
+        lse = 2 * BLOCK_Q * 4  # the split parts' log-sum-exp rows
+        return ((self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + lse
+                + profile)
 
 
 class WorkItem(NamedTuple):
+    part: jax.Array     # -1: the whole item; else its K/V part (tail_split), written to unit
+    unit: jax.Array
     head: jax.Array
     row0: jax.Array
     lead: jax.Array
@@ -142,10 +153,14 @@ class WorkItem(NamedTuple):
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
                      softcap: float | None, config: KernelConfig = KernelConfig(),
-                     interpret: bool = False):
+                     real_tiles: int | None = None, interpret: bool = False):
     """q: [T, Hq, D] (T a multiple of 8); k, v: see module doc; tiles: int32[NT, 6]; block_tables:
     int32[S, M] (paged) or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers
     are left unwritten (the caller's tile table covers every row it reads back).
+
+    real_tiles: where the caller knows it statically (dense shapes), the number of the table's
+    tiles that have rows (the rest, sorted last, are empty); `config.tail_split` needs it to find
+    the last round of real work.
 
     interpret: run in Mosaic GPU's interpreter (CPU tests). It checks every barrier's phase
     accounting, but supports no register A operand of wgmma, no barrier wait inside a wgmma scope and
@@ -172,13 +187,18 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     group = hq // hkv
     num_items = hq * tiles.shape[0]
     num_ctas = min(num_items, cfg.num_ctas or num_sms()) if cfg.persistent else num_items
-    rounds = -(-num_items // num_ctas)
+    tail = None
+    if cfg.persistent and not causal and real_tiles is not None:
+        tail = plan_tail(hq * real_tiles, num_ctas, cfg.tail_split)  # items past it are empty
+    rounds = tail.full_rounds + tail.rounds if tail else -(-num_items // num_ctas)
     # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
     # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
     log2_factor = (softcap if softcap else scale) * LOG2E
 
-    def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
-        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
+    def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_refs, scoped):
+        out_ref, *parts_refs = out_refs
+        (qo_union, k_smem, v_smem, lse_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), \
+            turn = scoped
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -190,9 +210,17 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pos = jnp.where(lax.rem(r, 2) == 0, cta, num_ctas - 1 - cta)
             idx = r * num_ctas + pos
             valid = idx < num_items
+            part = unit = jnp.int32(-1)
+            if tail:  # the split rounds deal out units (item, part) in order
+                in_tail = r >= tail.full_rounds
+                u = (r - tail.full_rounds) * num_ctas + cta
+                idx = jnp.where(in_tail, tail.first_item + lax.div(u, jnp.int32(tail.parts)), idx)
+                valid = jnp.where(in_tail, u < tail.units, valid)
+                part = jnp.where(in_tail, lax.rem(u, jnp.int32(tail.parts)), -1)
+                unit = jnp.where(in_tail, u, -1)
             idx = jnp.minimum(idx, num_items - 1)
             tile, head = lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq))
-            return WorkItem(head=head,
+            return WorkItem(part=part, unit=unit, head=head,
                             row0=tiles_ref[tile, 0] * 8,  # a product: Mosaic sees 8-row alignment
                             lead=tiles_ref[tile, 1],
                             n_rows=jnp.where(valid, tiles_ref[tile, 2], 0),
@@ -203,8 +231,18 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             kv_end = jnp.minimum(it.ctx_len, last_row_pos + 1) if causal else it.ctx_len
             return lax.div(kv_end + (bkv - 1), jnp.int32(bkv))
 
-        def item_steps(it):  # steps the producer streams for the item (the later half's needs)
-            return jnp.where(it.n_rows > 0, num_steps(it, it.q_pos0 + TILE_Q - 1), 0)
+        def step_range(it):
+            """K/V steps [first, end) the item streams (the later half's needs), or its part's."""
+            n = num_steps(it, it.q_pos0 + TILE_Q - 1)
+            if not tail:
+                return jnp.int32(0), n
+            p, whole = jnp.maximum(it.part, 0), it.part < 0
+            return (jnp.where(whole, 0, lax.div(p * n, jnp.int32(tail.parts))),
+                    jnp.where(whole, n, lax.div((p + 1) * n, jnp.int32(tail.parts))))
+
+        def item_steps(it):  # steps the producer streams for the item
+            first, end = step_range(it)
+            return jnp.where(it.n_rows > 0, end - first, 0)
 
         def over_items(body):
             """Runs body(r, step_base) for this CTA's items, carrying the global K/V step count;
@@ -252,6 +290,24 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     copy_rows(r, 1, (lo <= r) & (r < hi) & ((g < lo) | (g + 8 > hi)),
                               r == BLOCK_Q - 1)
 
+        def store_part(it, out, m_i, l_i, qo_smem):
+            """A part's normalised output as hi + lo tiles of `dtype` and its log-sum-exp (log2
+            units; NEG_LSE where it saw no keys), into unit it.unit of the workspace."""
+            parts_o_ref, parts_lse_ref = parts_refs
+            rows = pl.ds(wg * BLOCK_Q, BLOCK_Q)
+            hi_part = out.astype(dtype)
+            lo_part = (out - hi_part.astype(jnp.float32)).astype(dtype)
+            lse_smem.at[wg][...] = jnp.where(l_i > 0, m_i + jnp.log2(jnp.maximum(l_i, 1e-30)),
+                                             NEG_LSE)
+            qo_smem[...] = hi_part
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], parts_lse_ref.at[it.unit, rows])
+            plgpu.copy_smem_to_gmem(qo_smem, parts_o_ref.at[it.unit, 0, rows])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            qo_smem[...] = lo_part
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, parts_o_ref.at[it.unit, 1, rows])
+
         def load_q(it, b):
             # The buffer's previous output must have left SMEM before Q overwrites it.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -266,8 +322,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             hi = jnp.clip(it.lead + it.n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
             out_row = it.row0 + wg * BLOCK_Q
             cta_steps = item_steps(it)
-            # Both consumers have steps >= 1 unless the tile has no keys (padding pseudo-sequence).
-            steps = num_steps(it, q_pos_first + BLOCK_Q - 1)
+            # This warpgroup runs steps [first, steps): >= 1 of them unless the tile has no keys
+            # (padding pseudo-sequence) or a part has none. Causal rows of warpgroup 0 may stop
+            # earlier than the tile's (it then drains the rest).
+            first, steps = step_range(it)
+            if causal:
+                steps = num_steps(it, q_pos_first + BLOCK_Q - 1)
             # Steps whose every key is visible to every row of this warpgroup need no mask.
             full_steps = lax.div(it.ctx_len, jnp.int32(bkv))
             if causal:
@@ -316,7 +376,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # would leave this warpgroup's parity one behind for the rest of the CTA's items
                 # (a later wait then passes before its data lands, or waits on a phase that never
                 # comes: the engine hang of benchmarks/RESULTS.md).
-                slot = slot_of(g0 + j)
+                slot = slot_of(g0 + j)  # j counts from the item's first step
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -324,24 +384,30 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 take_turn()
                 pass_turn()
 
-            def finish(acc, l_i):
+            def store(acc, m_i, l_i):
+                out = rows_scale(acc, 1.0 / jnp.maximum(l_i, 1e-30))
+                whole = lambda: store_output(it, out.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
+                if not tail:
+                    return whole()
+                pl.when(it.part < 0)(whole)
+                pl.when(it.part >= 0)(lambda: store_part(it, out, m_i, l_i, qo_smem))
+
+            def finish(acc, m_i, l_i):
                 pass_turn()  # after the last PV
-                lax.fori_loop(steps, cta_steps, drain_step, None)
+                lax.fori_loop(steps - first, cta_steps, drain_step, None)
                 prefetch_next()
-                inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
-                store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
-                             out_row)
+                store(acc, m_i, l_i)
 
             def kv_loop():
                 """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
                 plgpu.barrier_wait(k_bar.at[slot_of(g0)])
                 take_turn()
 
-                def kv_step(j, carry, masked, first: bool = False):
+                def kv_step(j, carry, masked, peeled: bool = False):
                     """masked: a Python bool, or for the first step a traced one (a lax.cond
                     picks the masked or unmasked softmax)."""
                     acc, m_i, l_i = carry
-                    slot = slot_of(g0 + j)
+                    slot = slot_of(g0 + j - first)
 
                     def qk_scope(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -354,7 +420,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         pass_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax"):
-                        if first:  # the plain path, from m = -inf: acc is still zero
+                        if peeled:  # the plain path, from m = -inf: acc is still zero
                             def first_softmax(masked):
                                 def softmax(s):
                                     p, m_new, _ = online_softmax(s, m_i, j, masked)
@@ -383,7 +449,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         plgpu.barrier_wait(v_bar.at[slot])
                         take_turn()  # PV_j and QK_{j+1} are issued in one turn
 
-                    has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
+                    has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1 - first)
 
                     def wait_next_k():  # while PV runs (interpret mode: after it)
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
@@ -397,21 +463,20 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # The first step (steps >= 1 here) runs on its own: on the plain path from
                 # m = -inf with no rescale of the zero accumulator, since the stale-max step
                 # would take its exps against -inf only to redo them.
-                carry = kv_step(0, (acc_init, m_init, l_init), full_steps == 0, first=True)
-                unmasked_end = jnp.maximum(full_steps, 1)
-                carry = lax.fori_loop(1, unmasked_end, functools.partial(kv_step, masked=False),
-                                      carry)
+                carry = kv_step(first, (acc_init, m_init, l_init), full_steps <= first, peeled=True)
+                unmasked_end = jnp.maximum(full_steps, first + 1)
+                carry = lax.fori_loop(first + 1, unmasked_end,
+                                      functools.partial(kv_step, masked=False), carry)
                 carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
                                       carry)
-                acc, _, l_i = carry
-                finish(acc, l_i)
+                finish(*carry)
 
-            pl.when(steps > 0)(kv_loop)
+            pl.when(steps > first)(kv_loop)
 
-            @pl.when(steps == 0)
-            def _no_keys():  # padding rows: zeros
+            @pl.when(steps <= first)
+            def _no_keys():  # padding rows: zeros; a part without keys: weight 0
                 prefetch_next()
-                store_output(it, acc_init.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
+                store(acc_init, m_init, l_init)
 
         @pl.when(wg < 2)
         def _consumer():
@@ -467,9 +532,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                                 dst_smem.at[slot, pl.ds(i * page, page)],
                                                 bar.at[slot])
 
+                first, _ = step_range(it)
+
                 @pl.loop(0, item_steps(it))
-                def _(step):
-                    g = g0 + step
+                def _(i):
+                    g, step = g0 + i, first + i
                     slot = slot_of(g)
                     ids = page_ids(step)  # block-table reads overlap the wait for a free slot
                     with jax.named_scope("wait_free"):
@@ -482,7 +549,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             observe_last_releases(over_items(producer_round), stages, k_free, v_free)
 
-    def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
+    def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, *out_refs):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
         swizzle = plgpu.SwizzleTransform(128)
         qo = plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
@@ -490,6 +557,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((2, BLOCK_Q), jnp.float32),  # tail_split: each consumer's part lse row
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
             *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
               if interpret else []),
@@ -499,12 +567,16 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                   plgpu.Barrier(num_barriers=2 * q_buffers))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_barriers=2)
-        pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),
+        pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_refs, s),
                       smem, loaded, freed, turn, collective_axes="wg")
 
-    return plgpu.kernel(
+    out_type = (jax.ShapeDtypeStruct((t, hq, d), dtype),)
+    if tail:  # the parts' workspace: hi and lo output tiles, log-sum-exp rows
+        out_type += (jax.ShapeDtypeStruct((tail.units, 2, TILE_Q, d), dtype),
+                     jax.ShapeDtypeStruct((tail.units, TILE_Q), jnp.float32))
+    outs = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((t, hq, d), dtype),
+        out_type=out_type,
         grid=(num_ctas,),
         grid_names=("ctas",),
         num_threads=3,
@@ -516,3 +588,4 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                  if cfg.profile_dir and not interpret else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, tiles, block_tables)
+    return merge_tail(*outs, tiles, tail, hq) if tail else outs[0]

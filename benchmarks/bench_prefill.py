@@ -13,7 +13,7 @@ Sections (each isolated: a failure is recorded and the rest still runs):
                paged chunk: 8 sequences x 512 new tokens over 8192 cached (page 16 and 32), ours
                Mosaic paged, Mosaic over contiguous K/V (the cost of paging), Triton paged.
   model        greedy tokens of a small random model: flash prefill backend vs the reference one.
---sweep times the named kernel configurations of SWEEP (flash_mgpu.KernelConfig; "all" = every one)
+--sweep times the named kernel configurations of SWEEP (flash_config.KernelConfig; "all" = every one)
 beside cuDNN / attention_mgpu only (every output compared with cuDNN's), runs the small correctness
 cases for the --check ones, and skips Triton, XLA and the model: each configuration compiles its
 own kernels, so a call stays short. --tag names the JSON (bench_prefill_T.json), so several sweeps
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pallas_kernels import flash_mgpu, reference  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402
-from pallas_kernels.flash_mgpu import KernelConfig  # noqa: E402
+from pallas_kernels.flash_config import KernelConfig  # noqa: E402
 from pallas_kernels.testing import random_paged_batch  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

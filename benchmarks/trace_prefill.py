@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.bench_prefill import D, HKV, HQ, dense_flops  # noqa: E402
+from benchmarks.bench_prefill import HKV, HQ, D, dense_flops  # noqa: E402
 from benchmarks.trace_decode import RUNS, device_events, summarize  # noqa: E402
 from pallas_kernels import flash_mgpu  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402

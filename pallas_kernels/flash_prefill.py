@@ -24,9 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import flash_mgpu
-from pallas_kernels.flash_mgpu import TILE_Q, KernelConfig
-from pallas_kernels import flash_triton
+from pallas_kernels import flash_mgpu, flash_triton
+from pallas_kernels.flash_config import TILE_Q, KernelConfig
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 NEG_LSE = -1e30  # the log-sum-exp of a part with no keys: weight 0 (finite, so no inf - inf)
@@ -50,6 +51,25 @@ def plan_tail(num_items: int, num_ctas: int, max_parts: int) -> TailPlan | None:
     if parts == 1:
         return None
     return TailPlan(full, full * num_ctas, tail, parts, -(-tail * parts // num_ctas))
+
+
+def store_part(out, m_i, l_i, o_smem, lse_smem, parts_o_ref, parts_lse_ref, unit, rows) -> None:
+    """In the kernel, one consumer warpgroup's rows of a part: its normalised output `out` [64, D]
+    (fp32) as hi + lo tiles of o_smem's dtype through o_smem (its swizzled Q/O buffer: Q is dead),
+    and its log-sum-exp (log2 units, from the running max m_i and sum l_i; NEG_LSE where it saw
+    no keys) through lse_smem [64], into parts_o_ref[unit, 0 / 1, rows] and
+    parts_lse_ref[unit, rows]."""
+    hi = out.astype(o_smem.dtype)
+    lo = (out - hi.astype(jnp.float32)).astype(o_smem.dtype)
+    lse_smem[...] = jnp.where(l_i > 0, m_i + jnp.log2(jnp.maximum(l_i, 1e-30)), NEG_LSE)
+    o_smem[...] = hi
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, parts_lse_ref.at[unit, rows])
+    plgpu.copy_smem_to_gmem(o_smem, parts_o_ref.at[unit, 0, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # hi has left o_smem
+    o_smem[...] = lo
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, parts_o_ref.at[unit, 1, rows])
 
 
 def merge_tail(out: jax.Array, parts_o: jax.Array, parts_lse: jax.Array, tiles: jax.Array,

@@ -28,7 +28,7 @@ import pytest
 
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import reference
-from pallas_kernels.flash_mgpu import TILE_Q, KernelConfig
+from pallas_kernels.flash_config import TILE_Q, KernelConfig
 from pallas_kernels.testing import random_paged_batch
 
 

@@ -45,6 +45,7 @@ def test_prefill_timeline_row_separates_the_attention_kernel():
 def test_prefill_trace_implementations_lower_for_cuda():
     import jax
     import jax.numpy as jnp
+
     from benchmarks.trace_prefill import implementations
     bf16, i32 = jnp.bfloat16, jnp.int32
     args = (jax.ShapeDtypeStruct((2, 256, 32, 128), bf16),

@@ -298,8 +298,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pass_turn()
 
             def store(acc, m_i, l_i):
+                """The normalised output: the item's rows, or a part's (tail_split)."""
                 out = rows_scale(acc, 1.0 / jnp.maximum(l_i, 1e-30))
-                whole = lambda: store_output(it, out.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
+
+                def whole():
+                    store_output(it, out.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
+
                 if not tail:
                     return whole()
                 pl.when(it.part < 0)(whole)

@@ -128,8 +128,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_refs, scoped):
         out_ref, *parts_refs = out_refs
-        (qo_union, k_smem, v_smem, lse_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), \
-            turn = scoped
+        (qo_union, k_smem, v_smem, *extra), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
+        lse_smem = extra.pop(0) if tail else None  # then, in interpret mode, the P tiles
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -297,9 +297,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 take_turn()
                 pass_turn()
 
-            def store(acc, m_i, l_i):
-                """The normalised output: the item's rows, or a part's (tail_split)."""
-                out = rows_scale(acc, 1.0 / jnp.maximum(l_i, 1e-30))
+            def store(out, m_i, l_i):
+                """The normalised output (f32): the item's rows, or a part's (tail_split)."""
 
                 def whole():
                     store_output(it, out.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
@@ -315,7 +314,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pass_turn()  # after the last PV
                 lax.fori_loop(steps - first, cta_steps, drain_step, None)
                 prefetch_next()
-                store(acc, m_i, l_i)
+                store(rows_scale(acc, 1.0 / jnp.maximum(l_i, 1e-30)), m_i, l_i)
 
             def kv_loop():
                 """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
@@ -375,7 +374,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
                     with jax.named_scope("pv"):
                         acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                                            p_smem[0].at[wg] if interpret else None, wait_next_k)
+                                            extra[0].at[wg] if interpret else None, wait_next_k)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -476,7 +475,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((2, BLOCK_Q), jnp.float32),  # tail_split: each consumer's part lse row
+            # tail_split: each consumer's part lse row
+            *([plgpu.SMEM((2, BLOCK_Q), jnp.float32)] if tail else []),
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
             *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
               if interpret else []),

@@ -81,3 +81,22 @@ def test_decode_table_marks_a_negative_slope_as_noise():
         "mosaic_marginal": {"us": -0.4, "TBps": -40.0, "pct_ceiling": -1014.0}}}
     line = bench_decode.table({"rows": [row]}).splitlines()[-1]
     assert "| 10.9 | 1.54 | 34% | noise | noise |" in line and "-1014" not in line
+
+
+def test_mosaic_ir_prints_each_kernel_normalised():
+    import functools
+    import re
+
+    import jax
+
+    from benchmarks import mosaic_ir
+    from pallas_kernels import flash_prefill as fp
+    assert (mosaic_ir.normalise('%12 = "a.b"(%arg3, %7#1) : (i32) -> i32 loc("x"(#loc1))')
+            == '%v = "a.b"(%v, %v) : (i32) -> i32')
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.bfloat16)
+    lowered = jax.jit(functools.partial(fp.flash_attention, causal=True)).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",))
+    [text] = mosaic_ir.mosaic_modules(lowered)
+    assert "mbarrier" in text and "wgmma" in text
+    assert re.search(r"%\d", text) is None and "loc(" not in text

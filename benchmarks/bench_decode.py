@@ -14,9 +14,10 @@ L2; one jit holds only CHAIN kernel instances whatever the number of sets, which
 one jit call of a few MB holds about as much GPU work as jax's dispatch costs on the host, and the
 figures swing by several µs between runs. `--chain N` forces one length for every shape. Each
 jit call also pays one XLA executable launch (~6 µs on the H200), a quarter of which lands in
-every per-call figure of a 4-call chain; the "marginal" variant reports the Mosaic call's cost inside a larger program instead, as the slope
-between chains of 2 and 6 calls (`time_marginal`), and the "device" variant its time per call on
-the device timeline (`time_device`: CUPTI through jax's profiler, as `trace_decode.py`).
+every per-call figure of a 4-call chain; the "marginal" variant reports the Mosaic call's cost
+inside a larger program instead, as the slope between chains of 2 and 6 calls (`time_marginal`),
+and the "device" variant its time per call on the device timeline (`time_device`: CUPTI through
+jax's profiler, as `trace_decode.py`).
 Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kernels.py` calls
 `run_grid`.
 """

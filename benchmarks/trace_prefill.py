@@ -105,8 +105,8 @@ def main() -> None:
         l, causal = int(rest[:-1]), rest[-1] == "c"
         results[shape] = trace_shape(int(b), l, causal, args.calls, out_dir)
     (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
-    print("\n| shape | implementation | call µs | TF/s | attention kernel µs | TF/s | other kernels µs |"
-          "\n|---|---|---|---|---|---|---|")
+    print("\n| shape | implementation | call µs | TF/s | attention kernel µs | TF/s "
+          "| other kernels µs |\n|---|---|---|---|---|---|---|")
     for shape, rows in results.items():
         for name, r in rows.items():
             if "error" in r:

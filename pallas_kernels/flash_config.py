@@ -72,6 +72,6 @@ class KernelConfig:
 
     def smem_bytes(self, d: int, itemsize: int) -> int:
         profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
-        lse = 2 * BLOCK_Q * 4  # the split parts' log-sum-exp rows
+        lse = 2 * BLOCK_Q * 4 if self.tail_split > 1 else 0  # the split parts' lse rows
         return ((self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + lse
                 + profile)

@@ -1,7 +1,7 @@
 """FlashAttention-3-style forward kernel for Hopper in Mosaic GPU: TMA + wgmma + warp specialisation.
 
 One kernel serves both the dense and the ragged/paged entry points of `flash_prefill.py`: it works on
-*query tiles* described by a small int32 table (built on the device by `flash_prefill.tile_table`),
+*query tiles* described by a small int32 table (built by `flash_prefill.tile_table`),
 so a tile never crosses a sequence boundary and the grid is static whatever the batch looks like.
 A *work item* is one (query tile, query head) pair; items are numbered tile-major (heads inner, so
 the heads sharing a KV head run side by side and share its K/V in L2).
@@ -42,7 +42,8 @@ kv_ref (contiguous: flat row of the sequence's first key // 8; paged: row of blo
 Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half (the
 ragged end of a sequence) goes out as predicated 8-row and 1-row TMA stores from an unswizzled view
 of the same shared memory (a RefUnion: Q is dead by then), so no CTA ever writes a row of another
-sequence and the ragged path costs no SMEM that a K/V stage could use.
+sequence and the ragged path costs no SMEM that a K/V stage could use. With
+`KernelConfig.tail_split`, the last round's parts go to a workspace instead (`tail_split.py`).
 
 CPU tests run it in Mosaic GPU's interpreter (`interpret=True`), which also checks that every
 thread observes every phase of each barrier it waits on; three parts change there (no register A
@@ -71,8 +72,7 @@ LOG2E = math.log2(math.e)
 
 
 class WorkItem(NamedTuple):
-    part: jax.Array     # -1: the whole item; else its K/V part (tail_split), written to unit
-    unit: jax.Array
+    unit: jax.Array     # -1: the whole item; else its tail_split unit (part = unit % parts)
     head: jax.Array
     row0: jax.Array
     lead: jax.Array
@@ -141,17 +141,16 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pos = jnp.where(lax.rem(r, 2) == 0, cta, num_ctas - 1 - cta)
             idx = r * num_ctas + pos
             valid = idx < num_items
-            part = unit = jnp.int32(-1)
+            unit = jnp.int32(-1)
             if tail:  # the split rounds deal out units (item, part) in order
                 in_tail = r >= tail.full_rounds
                 u = (r - tail.full_rounds) * num_ctas + cta
                 idx = jnp.where(in_tail, tail.first_item + lax.div(u, jnp.int32(tail.parts)), idx)
                 valid = jnp.where(in_tail, u < tail.units, valid)
-                part = jnp.where(in_tail, lax.rem(u, jnp.int32(tail.parts)), -1)
                 unit = jnp.where(in_tail, u, -1)
             idx = jnp.minimum(idx, num_items - 1)
             tile, head = lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq))
-            return WorkItem(part=part, unit=unit, head=head,
+            return WorkItem(unit=unit, head=head,
                             row0=tiles_ref[tile, 0] * 8,  # a product: Mosaic sees 8-row alignment
                             lead=tiles_ref[tile, 1],
                             n_rows=jnp.where(valid, tiles_ref[tile, 2], 0),
@@ -167,7 +166,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             n = num_steps(it, it.q_pos0 + TILE_Q - 1)
             if not tail:
                 return jnp.int32(0), n
-            p, whole = jnp.maximum(it.part, 0), it.part < 0
+            p, whole = lax.rem(jnp.maximum(it.unit, 0), jnp.int32(tail.parts)), it.unit < 0
             return (jnp.where(whole, 0, lax.div(p * n, jnp.int32(tail.parts))),
                     jnp.where(whole, n, lax.div((p + 1) * n, jnp.int32(tail.parts))))
 
@@ -305,8 +304,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
                 if not tail:
                     return whole()
-                pl.when(it.part < 0)(whole)
-                pl.when(it.part >= 0)(lambda: store_part(
+                pl.when(it.unit < 0)(whole)
+                pl.when(it.unit >= 0)(lambda: store_part(
                     out, m_i, l_i, qo_smem, lse_smem.at[wg], *parts_refs, it.unit,
                     pl.ds(wg * BLOCK_Q, BLOCK_Q)))
 

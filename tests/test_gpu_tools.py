@@ -83,6 +83,16 @@ def test_decode_table_marks_a_negative_slope_as_noise():
     assert "| 10.9 | 1.54 | 34% | noise | noise |" in line and "-1014" not in line
 
 
+def test_same_size_read_anchor_times_its_chain_and_shows_in_the_table():
+    case = {"chain": 2, "sets": 3, "kv_bytes": 2 * 4096}
+    assert bench_decode.time_read_same_size(case) > 0
+    row = {"batch": 1, "ctx": 32768, "kv_bytes": 134e6, "kernels": {
+        "mosaic": {"us": 41.0, "TBps": 3.27, "pct_ceiling": 72.0},
+        "read_same_size": {"us": 35.0, "TBps": 3.83, "pct_ceiling": 84.6}}}
+    line = bench_decode.table({"rows": [row]}).splitlines()[-1]
+    assert "| 35.0 | 85% |" in line
+
+
 def test_mosaic_ir_prints_each_kernel_normalised():
     import functools
     import re

@@ -56,9 +56,6 @@ SWEEP = {
     "persist_q2": KernelConfig(persistent=True, q_buffers=2),
     # the default until the seventh session (the row max computed at every step)
     "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
-    # the last partial round of non-causal items split in up to 3 parts along K/V (tail_split.py)
-    "tail3": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True,
-                          tail_split=3),
     "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
     "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
                                           consumer_registers=232, producer_registers=40),
@@ -108,8 +105,6 @@ def check_dense(results, configs=None, small_only=False):
         # the rescale and the stale-max redo run on steps other than an item's first.
         (1, 900, 4, 1, 128, True, jnp.bfloat16, None, 12.0),
         (2, 700, 8, 2, 64, False, jnp.float16, None, 12.0),
-        # 288 items on 132 SMs: a partial third round, which tail_split cuts into parts.
-        (1, 2200, 16, 2, 128, False, jnp.bfloat16, None, 1.0),
         (1, 8192, HQ, HKV, D, True, jnp.bfloat16, None, 1.0),
         (2, 4096, HQ, HKV, D, False, jnp.bfloat16, None, 1.0),
     ]

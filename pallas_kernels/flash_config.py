@@ -33,9 +33,6 @@ class KernelConfig:
       softmax_mgpu.STALE_SUM_BOUND (or inf / NaN: the first step) redoes the step with the true
       max (`softmax_mgpu.redo_where_sums_overflow`). GPU only (inline_mgpu); interpret mode runs
       the plain path.
-    tail_split: (persistent, non-causal, dense: `real_tiles` given) cut the items of the last,
-      partial round into up to this many parts along K/V, merged after the kernel
-      (`tail_split.py`); 1 = off.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
       benchmarks/profile_prefill.py)."""
@@ -48,7 +45,6 @@ class KernelConfig:
     producer_registers: int = 24
     rescale_threshold: float = 0.0
     stale_max_exp: bool = False
-    tail_split: int = 1
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -62,8 +58,6 @@ class KernelConfig:
             raise ValueError("stale_max_exp needs rescale_threshold > 0 (it keeps a stale max)")
         if self.num_ctas is not None and (self.num_ctas < 1 or not self.persistent):
             raise ValueError(f"num_ctas={self.num_ctas}: a positive grid size, with persistent=True")
-        if self.tail_split < 1 or (self.tail_split > 1 and not self.persistent):
-            raise ValueError(f"tail_split={self.tail_split}: 1, or more with persistent=True")
         if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and not self.persistent):
             raise ValueError(f"q_buffers={self.q_buffers}: 1, or 2 with persistent=True")
         if 128 * (2 * self.consumer_registers + self.producer_registers) > REGISTER_FILE:
@@ -72,6 +66,4 @@ class KernelConfig:
 
     def smem_bytes(self, d: int, itemsize: int) -> int:
         profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
-        lse = 2 * BLOCK_Q * 4 if self.tail_split > 1 else 0  # the split parts' lse rows
-        return ((self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + lse
-                + profile)
+        return (self.q_buffers * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile

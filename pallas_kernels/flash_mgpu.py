@@ -42,8 +42,7 @@ kv_ref (contiguous: flat row of the sequence's first key // 8; paged: row of blo
 Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half (the
 ragged end of a sequence) goes out as predicated 8-row and 1-row TMA stores from an unswizzled view
 of the same shared memory (a RefUnion: Q is dead by then), so no CTA ever writes a row of another
-sequence and the ragged path costs no SMEM that a K/V stage could use. With
-`KernelConfig.tail_split`, the last round's parts go to a workspace instead (`tail_split.py`).
+sequence and the ragged path costs no SMEM that a K/V stage could use.
 
 CPU tests run it in Mosaic GPU's interpreter (`interpret=True`), which also checks that every
 thread observes every phase of each barrier it waits on; three parts change there (no register A
@@ -66,13 +65,11 @@ from pallas_kernels.device_info import num_sms
 from pallas_kernels.flash_config import BLOCK_Q, PROFILE_EVENTS, SMEM_LIMIT, TILE_Q, KernelConfig
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
 from pallas_kernels.softmax_mgpu import redo_where_sums_overflow, rows_scale_where_needed
-from pallas_kernels.tail_split import merge_tail, plan_tail, store_part
 
 LOG2E = math.log2(math.e)
 
 
 class WorkItem(NamedTuple):
-    unit: jax.Array     # -1: the whole item; else its tail_split unit (part = unit % parts)
     head: jax.Array
     row0: jax.Array
     lead: jax.Array
@@ -84,14 +81,10 @@ class WorkItem(NamedTuple):
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
                      softcap: float | None, config: KernelConfig = KernelConfig(),
-                     real_tiles: int | None = None, interpret: bool = False):
+                     interpret: bool = False):
     """q: [T, Hq, D] (T a multiple of 8); k, v: see module doc; tiles: int32[NT, 6]; block_tables:
     int32[S, M] (paged) or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers
     are left unwritten (the caller's tile table covers every row it reads back).
-
-    real_tiles: where the caller knows it statically (dense shapes), the number of the table's
-    tiles that have rows (the rest, sorted last, are empty); `config.tail_split` needs it to find
-    the last round of real work.
 
     interpret: run in Mosaic GPU's interpreter (CPU tests). It checks every barrier's phase
     accounting, but supports no register A operand of wgmma, no barrier wait inside a wgmma scope and
@@ -118,18 +111,13 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     group = hq // hkv
     num_items = hq * tiles.shape[0]
     num_ctas = min(num_items, cfg.num_ctas or num_sms()) if cfg.persistent else num_items
-    tail = None
-    if cfg.persistent and not causal and real_tiles is not None:
-        tail = plan_tail(hq * real_tiles, num_ctas, cfg.tail_split)  # items past it are empty
-    rounds = tail.full_rounds + tail.rounds if tail else -(-num_items // num_ctas)
+    rounds = -(-num_items // num_ctas)
     # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
     # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
     log2_factor = (softcap if softcap else scale) * LOG2E
 
-    def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_refs, scoped):
-        out_ref, *parts_refs = out_refs
-        (qo_union, k_smem, v_smem, *extra), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
-        lse_smem = extra.pop(0) if tail else None  # then, in interpret mode, the P tiles
+    def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
+        (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -141,16 +129,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 pos = jnp.where(lax.rem(r, 2) == 0, cta, num_ctas - 1 - cta)
             idx = r * num_ctas + pos
             valid = idx < num_items
-            unit = jnp.int32(-1)
-            if tail:  # the split rounds deal out units (item, part) in order
-                in_tail = r >= tail.full_rounds
-                u = (r - tail.full_rounds) * num_ctas + cta
-                idx = jnp.where(in_tail, tail.first_item + lax.div(u, jnp.int32(tail.parts)), idx)
-                valid = jnp.where(in_tail, u < tail.units, valid)
-                unit = jnp.where(in_tail, u, -1)
             idx = jnp.minimum(idx, num_items - 1)
             tile, head = lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq))
-            return WorkItem(unit=unit, head=head,
+            return WorkItem(head=head,
                             row0=tiles_ref[tile, 0] * 8,  # a product: Mosaic sees 8-row alignment
                             lead=tiles_ref[tile, 1],
                             n_rows=jnp.where(valid, tiles_ref[tile, 2], 0),
@@ -161,18 +142,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             kv_end = jnp.minimum(it.ctx_len, last_row_pos + 1) if causal else it.ctx_len
             return lax.div(kv_end + (bkv - 1), jnp.int32(bkv))
 
-        def step_range(it):
-            """K/V steps [first, end) the item streams (the later half's needs), or its part's."""
+        def item_steps(it):  # steps the producer streams for the item (the later half's needs)
             n = num_steps(it, it.q_pos0 + TILE_Q - 1)
-            if not tail:
-                return jnp.int32(0), n
-            p, whole = lax.rem(jnp.maximum(it.unit, 0), jnp.int32(tail.parts)), it.unit < 0
-            return (jnp.where(whole, 0, lax.div(p * n, jnp.int32(tail.parts))),
-                    jnp.where(whole, n, lax.div((p + 1) * n, jnp.int32(tail.parts))))
-
-        def item_steps(it):  # steps the producer streams for the item
-            first, end = step_range(it)
-            return jnp.where(it.n_rows > 0, end - first, 0)
+            return jnp.where(it.n_rows > 0, n, 0)
 
         def over_items(body):
             """Runs body(r, step_base) for this CTA's items, carrying the global K/V step count;
@@ -234,12 +206,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             hi = jnp.clip(it.lead + it.n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
             out_row = it.row0 + wg * BLOCK_Q
             cta_steps = item_steps(it)
-            # This warpgroup runs steps [first, steps): >= 1 of them unless the tile has no keys
-            # (padding pseudo-sequence) or a part has none. Causal rows of warpgroup 0 may stop
-            # earlier than the tile's (it then drains the rest).
-            first, steps = step_range(it)
-            if causal:
-                steps = num_steps(it, q_pos_first + BLOCK_Q - 1)
+            # Both consumers have steps >= 1 unless the tile has no keys (padding pseudo-sequence);
+            # causal rows of warpgroup 0 may stop earlier than the tile's (it then drains the rest).
+            steps = num_steps(it, q_pos_first + BLOCK_Q - 1)
             # Steps whose every key is visible to every row of this warpgroup need no mask.
             full_steps = lax.div(it.ctx_len, jnp.int32(bkv))
             if causal:
@@ -288,7 +257,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # would leave this warpgroup's parity one behind for the rest of the CTA's items
                 # (a later wait then passes before its data lands, or waits on a phase that never
                 # comes: the engine hang of benchmarks/RESULTS.md).
-                slot = slot_of(g0 + j)  # j counts from the item's first step
+                slot = slot_of(g0 + j)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -296,24 +265,13 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 take_turn()
                 pass_turn()
 
-            def store(out, m_i, l_i):
-                """The normalised output (f32): the item's rows, or a part's (tail_split)."""
-
-                def whole():
-                    store_output(it, out.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
-
-                if not tail:
-                    return whole()
-                pl.when(it.unit < 0)(whole)
-                pl.when(it.unit >= 0)(lambda: store_part(
-                    out, m_i, l_i, qo_smem, lse_smem.at[wg], *parts_refs, it.unit,
-                    pl.ds(wg * BLOCK_Q, BLOCK_Q)))
-
-            def finish(acc, m_i, l_i):
+            def finish(acc, l_i):
                 pass_turn()  # after the last PV
-                lax.fori_loop(steps - first, cta_steps, drain_step, None)
+                lax.fori_loop(steps, cta_steps, drain_step, None)
                 prefetch_next()
-                store(rows_scale(acc, 1.0 / jnp.maximum(l_i, 1e-30)), m_i, l_i)
+                inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
+                store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
+                             out_row)
 
             def kv_loop():
                 """QK_j, softmax_j, PV_j in order within the warpgroup; the two consumers alternate."""
@@ -324,7 +282,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     """masked: a Python bool, or for the first step a traced one (a lax.cond
                     picks the masked or unmasked softmax)."""
                     acc, m_i, l_i = carry
-                    slot = slot_of(g0 + j - first)
+                    slot = slot_of(g0 + j)
 
                     def qk_scope(acc_ref):
                         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -366,34 +324,35 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         plgpu.barrier_wait(v_bar.at[slot])
                         take_turn()  # PV_j and QK_{j+1} are issued in one turn
 
-                    has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1 - first)
+                    has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
 
                     def wait_next_k():  # while PV runs (interpret mode: after it)
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
 
                     with jax.named_scope("pv"):
                         acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                                            extra[0].at[wg] if interpret else None, wait_next_k)
+                                            p_smem[0].at[wg] if interpret else None, wait_next_k)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
                 # The first step (steps >= 1 here) runs on its own: on the plain path from
                 # m = -inf with no rescale of the zero accumulator, since the stale-max step
                 # would take its exps against -inf only to redo them.
-                carry = kv_step(first, (acc_init, m_init, l_init), full_steps <= first, peeled=True)
-                unmasked_end = jnp.maximum(full_steps, first + 1)
-                carry = lax.fori_loop(first + 1, unmasked_end,
-                                      functools.partial(kv_step, masked=False), carry)
+                carry = kv_step(0, (acc_init, m_init, l_init), full_steps <= 0, peeled=True)
+                unmasked_end = jnp.maximum(full_steps, 1)
+                carry = lax.fori_loop(1, unmasked_end, functools.partial(kv_step, masked=False),
+                                      carry)
                 carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
                                       carry)
-                finish(*carry)
+                acc, _, l_i = carry
+                finish(acc, l_i)
 
-            pl.when(steps > first)(kv_loop)
+            pl.when(steps > 0)(kv_loop)
 
-            @pl.when(steps <= first)
-            def _no_keys():  # padding rows: zeros; a part without keys: weight 0
+            @pl.when(steps <= 0)
+            def _no_keys():  # padding rows: zeros
                 prefetch_next()
-                store(acc_init, m_init, l_init)
+                store_output(it, acc_init.astype(dtype), qo_smem, o_smem, lo, hi, out_row)
 
         @pl.when(wg < 2)
         def _consumer():
@@ -449,11 +408,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                                 dst_smem.at[slot, pl.ds(i * page, page)],
                                                 bar.at[slot])
 
-                first, _ = step_range(it)
-
                 @pl.loop(0, item_steps(it))
-                def _(i):
-                    g, step = g0 + i, first + i
+                def _(step):
+                    g = g0 + step
                     slot = slot_of(g)
                     ids = page_ids(step)  # block-table reads overlap the wait for a free slot
                     with jax.named_scope("wait_free"):
@@ -466,7 +423,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             observe_last_releases(over_items(producer_round), stages, k_free, v_free)
 
-    def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, *out_refs):
+    def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
         swizzle = plgpu.SwizzleTransform(128)
         qo = plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
@@ -474,8 +431,6 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
-            # tail_split: each consumer's part lse row
-            *([plgpu.SMEM((2, BLOCK_Q), jnp.float32)] if tail else []),
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
             *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
               if interpret else []),
@@ -485,16 +440,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                   plgpu.Barrier(num_barriers=2 * q_buffers))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_barriers=2)
-        pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_refs, s),
+        pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),
                       smem, loaded, freed, turn, collective_axes="wg")
 
-    out_type = (jax.ShapeDtypeStruct((t, hq, d), dtype),)
-    if tail:  # the parts' workspace: hi and lo output tiles, log-sum-exp rows
-        out_type += (jax.ShapeDtypeStruct((tail.units, 2, TILE_Q, d), dtype),
-                     jax.ShapeDtypeStruct((tail.units, TILE_Q), jnp.float32))
-    outs = plgpu.kernel(
+    return plgpu.kernel(
         entry,
-        out_type=out_type,
+        out_type=jax.ShapeDtypeStruct((t, hq, d), dtype),
         grid=(num_ctas,),
         grid_names=("ctas",),
         num_threads=3,
@@ -506,4 +457,3 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                  if cfg.profile_dir and not interpret else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, tiles, block_tables)
-    return merge_tail(*outs, tiles, tail, hq) if tail else outs[0]

@@ -180,6 +180,5 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,
-        softcap=softcap, config=config or DEFAULT_CONFIG, real_tiles=b * -(-lp // TILE_Q),
-        interpret=interpret)
+        softcap=softcap, config=config or DEFAULT_CONFIG, interpret=interpret)
     return out.reshape(b, lp, hq, d)[:, :l]

@@ -148,34 +148,6 @@ def test_mosaic_dense_attention_interpreted_matches_reference(causal, gain):
     assert _rel(out, ref) < 1e-2
 
 
-def test_tail_plan_splits_only_a_partial_last_round():
-    from pallas_kernels.tail_split import TailPlan, plan_tail
-    # B2 S4096 non-causal on the H200: 68 items in the 16th round, 3 parts -> 204 units, 2 rounds.
-    assert plan_tail(2048, 132, 4) == TailPlan(15, 1980, 68, 3, 2)
-    assert plan_tail(2048, 132, 1) is None        # off
-    assert plan_tail(264, 132, 4) is None         # no partial round
-    assert plan_tail(100, 132, 4) is None         # no full round: the grid is the items
-    assert plan_tail(12, 5, 4) == TailPlan(2, 10, 2, 2, 1)  # ties go to fewer parts
-    assert plan_tail(133, 132, 8) == TailPlan(1, 132, 1, 8, 1)
-
-
-@pytest.mark.parametrize("l,hq,hkv,num_ctas,block_kv", [
-    (300, 4, 1, 5, 128),   # 12 items: 2 full rounds, 2 items in 2 parts of 3 steps ([0,1), [1,3))
-    (100, 8, 2, 3, 64),    # 8 items: 2 full rounds, 2 items in 3 parts of 2 steps (one empty)
-])
-def test_mosaic_tail_split_interpreted_matches_reference(l, hq, hkv, num_ctas, block_kv):
-    from pallas_kernels.tail_split import plan_tail
-    ks = jax.random.split(jax.random.key(l), 3)
-    q = jax.random.normal(ks[0], (1, l, hq, 64), jnp.float32).astype(jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (1, l, hkv, 64), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
-    config = dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=num_ctas, tail_split=4,
-                                 block_kv=block_kv)
-    assert plan_tail(hq * -(-l // 128), num_ctas, 4) is not None  # the case does split
-    out = fp.flash_attention(q, k, v, causal=False, config=config, interpret=True)
-    ref = reference.causal_attention_reference(q, k, v, scale=64 ** -0.5, causal=False)
-    assert _rel(out, ref) < 1e-2
-
-
 # ------------------------------------------------------------------ Mosaic GPU kernel, lowering
 def _lower_for_cuda(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
@@ -221,23 +193,11 @@ def test_mosaic_kernel_configs_lower_for_cuda(config):
     assert "mosaic_gpu" in text
 
 
-def test_mosaic_tail_split_lowers_for_cuda():
-    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
-    # 48 items on 5 CTAs: 9 full rounds, 3 items in 3 parts.
-    config = dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=5, tail_split=4)
-    text = _lower_for_cuda(functools.partial(fp.flash_attention, causal=False, config=config),
-                           q, kv, kv)
-    assert "mosaic_gpu" in text and "stablehlo.scatter" in text  # the parts' merge
-
-
 def test_kernel_config_rejects_bad_values():
     with pytest.raises(ValueError, match="block_kv"):
         KernelConfig(block_kv=100)
     with pytest.raises(ValueError, match="stages"):
         KernelConfig(stages=1)
-    with pytest.raises(ValueError, match="tail_split"):
-        KernelConfig(tail_split=3)  # needs the persistent grid's rounds
     with pytest.raises(ValueError, match="q_buffers"):
         KernelConfig(q_buffers=2)  # double-buffered Q only pays off in the persistent loop
     with pytest.raises(ValueError, match="stale_max_exp"):  # it keeps a stale max

@@ -125,13 +125,17 @@ def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D,
     return dict(q=q, k=k, v=v, bts=bts, lens=lens, kv_bytes=kv_bytes, sets=sets, chain=chain)
 
 
-def _table_groups(case) -> itertools.cycle:
-    """The case's block tables in groups of its chain length ([chain, B, pages] each), cycled:
-    successive jit calls read successive groups."""
-    sets, bts, chain = case["sets"], case["bts"], case["chain"]
+def _set_groups(case) -> list[jax.Array]:
+    """The case's page-set indices in groups of its chain length (int32[chain] each): one group
+    per jit call, so successive calls read successive groups."""
+    sets, chain = case["sets"], case["chain"]
     idx = [i % sets for i in range(max(sets, chain))]
-    return itertools.cycle([bts[jnp.asarray(idx[i:i + chain])]
-                            for i in range(0, len(idx), chain)])
+    return [jnp.asarray(idx[i:i + chain], jnp.int32) for i in range(0, len(idx), chain)]
+
+
+def _table_groups(case) -> itertools.cycle:
+    """The case's block tables in groups of its chain length ([chain, B, pages] each), cycled."""
+    return itertools.cycle([case["bts"][g] for g in _set_groups(case)])
 
 
 def chained_calls(fn, case):
@@ -192,9 +196,8 @@ def time_read_same_size(case) -> float:
     buffers exactly as the attention calls are (`chained_calls`). It carries the same per-call
     launch, first round trip and tail as any one-kernel read of that many bytes, which the 8 GiB
     ceiling amortises away."""
-    chain, sets = case["chain"], min(case["sets"], MAX_SETS)
-    n = case["kv_bytes"] // 2
-    xs = jax.random.normal(jax.random.key(3), (sets, n), jnp.bfloat16)
+    chain, n = case["chain"], case["kv_bytes"] // 2
+    xs = jax.random.normal(jax.random.key(3), (case["sets"], n), jnp.bfloat16)
 
     @jax.jit
     def many(s, xs, idx):
@@ -205,8 +208,7 @@ def time_read_same_size(case) -> float:
             s = jnp.sum(x * (s * 0 + 1).astype(x.dtype), dtype=jnp.float32)
         return s
 
-    groups = itertools.cycle([jnp.asarray([(i + j) % sets for j in range(chain)], jnp.int32)
-                              for i in range(0, max(sets, chain), chain)])
+    groups = itertools.cycle(_set_groups(case))
     return _queued_time(lambda s: many(s, xs, next(groups)), jnp.float32(1)) / chain
 
 

@@ -20,7 +20,7 @@ from collections import deque
 
 import numpy as np
 
-from jaxinfer.kv_cache import KVCacheManager
+from jaxinfer.core.kv_cache import KVCacheManager
 
 SYSTEM_PROMPT = list(range(1000, 1256))  # 256 tokens = 16 blocks of 16, shared by every request
 

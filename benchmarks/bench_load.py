@@ -15,8 +15,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import config_from_dict
-from jaxinfer.weights import load_params, save_orbax, save_safetensors
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.weights import load_params, save_orbax, save_safetensors
 
 PRESETS = {
     "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,

@@ -278,9 +278,9 @@ def _record_times(key, row, ready, flops):
 
 # ------------------------------------------------------------------------------- model greedy
 def model_greedy(results):
-    from jaxinfer.config import config_from_dict
-    from jaxinfer.kv_cache.device_cache import allocate_kv_cache
-    from jaxinfer.model import forward, init_params
+    from jaxinfer.model.config import config_from_dict
+    from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+    from jaxinfer.model.transformer import forward, init_params
     from pallas_kernels.backend import REFERENCE, AttentionBackend
     from pallas_kernels.metadata import AttentionMetadata
 

@@ -51,7 +51,7 @@ class RequestResult:
 
 def load_tokenizer(path: str):
     sys.path.insert(0, str(REPO_ROOT))
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.model.tokenizer import Tokenizer
     return Tokenizer.from_dir(path)
 
 

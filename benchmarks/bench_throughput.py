@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxinfer.engine import LLM, LLMEngine  # noqa: E402
-from jaxinfer.engine_args import EngineArgs  # noqa: E402
+from jaxinfer.engine.llm_engine import LLM, LLMEngine  # noqa: E402
+from jaxinfer.engine.args import EngineArgs  # noqa: E402
 from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
@@ -69,8 +69,8 @@ def throughput(args: argparse.Namespace) -> dict:
 
 def host_overhead(args: argparse.Namespace) -> dict:
     """Steady-state decode of --num-seqs sequences with the device taken out of the loop."""
-    from jaxinfer.config import config_from_dict
-    from jaxinfer.model import init_params
+    from jaxinfer.model.config import config_from_dict
+    from jaxinfer.model.transformer import init_params
     cfg = config_from_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -143,9 +143,9 @@ def greedy_model_check(log, kernel_name="mosaic", steps=24) -> dict:
     backend. Reports whether the free-running greedy tokens are equal, and, teacher-forced on the
     reference's tokens, the top-1 agreement and the largest logit difference (so a flip at a
     near-tie is told apart from a wrong kernel)."""
-    from jaxinfer.config import config_from_dict
-    from jaxinfer.kv_cache.device_cache import allocate_kv_cache
-    from jaxinfer.model import forward, init_params
+    from jaxinfer.model.config import config_from_dict
+    from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+    from jaxinfer.model.transformer import forward, init_params
 
     cfg = config_from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 512,
                             "hidden_size": 256, "intermediate_size": 512,

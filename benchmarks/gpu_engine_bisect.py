@@ -61,7 +61,7 @@ def register_variant(name: str) -> str:
 def log_steps() -> None:
     """Prints one `STEP` line per dispatched step to stderr (decode rows; prefill rows as
     start+new tokens), so a stalled run shows which step the device never finished."""
-    from jaxinfer.runner import ModelRunner
+    from jaxinfer.worker.runner import ModelRunner
     execute = ModelRunner.execute
 
     def logged(self, sched):

@@ -55,8 +55,8 @@ LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-le
 def section_warmup(cache_dir: str) -> dict:
     import jax
 
-    from jaxinfer.engine import LLMEngine
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.engine.args import EngineArgs
 
     phases: dict[str, float] = {}
 
@@ -82,8 +82,8 @@ def section_parity(cache_dir: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.engine import LLM
-    from jaxinfer.model import train_forward
+    from jaxinfer.engine.llm_engine import LLM
+    from jaxinfer.model.transformer import train_forward
     from jaxinfer.sampling_params import SamplingParams
 
     text = (ROOT / "checkpoints" / "heldout_sample.txt").read_text()

@@ -30,10 +30,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from jaxinfer.config import load_config  # noqa: E402
-from jaxinfer.model import train_forward  # noqa: E402
-from jaxinfer.tokenizer import Tokenizer  # noqa: E402
-from jaxinfer.weights import load_params  # noqa: E402
+from jaxinfer.model.config import load_config  # noqa: E402
+from jaxinfer.model.transformer import train_forward  # noqa: E402
+from jaxinfer.model.tokenizer import Tokenizer  # noqa: E402
+from jaxinfer.model.weights import load_params  # noqa: E402
 
 TARGET_DIR = REPO / "checkpoints" / "demo-target"
 DRAFT_DIR = REPO / "checkpoints" / "demo-draft"

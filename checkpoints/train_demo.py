@@ -46,9 +46,9 @@ from tqdm.auto import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing the package
 
-from jaxinfer.config import config_from_dict  # noqa: E402
-from jaxinfer.model import init_params, train_forward  # noqa: E402
-from jaxinfer.weights import save_safetensors  # noqa: E402
+from jaxinfer.model.config import config_from_dict  # noqa: E402
+from jaxinfer.model.transformer import init_params, train_forward  # noqa: E402
+from jaxinfer.model.weights import save_safetensors  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # Steps TIMED_FROM_STEP..PLAN_AT_STEP are timed to fix the schedule's length. Not earlier: batches

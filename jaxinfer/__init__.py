@@ -1,0 +1,10 @@
+"""jaxinfer: an LLM inference engine in JAX with Pallas GPU kernels.
+
+The offline API in one import: `from jaxinfer import LLM, SamplingParams`.
+"""
+from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.engine.llm_engine import LLM, LLMEngine
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from jaxinfer.async_engine import AsyncEngine
+    from jaxinfer.engine.async_engine import AsyncEngine
     from serve.engine_requests import Lifecycle
     from serve.http_metrics import ServerMetrics
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
-from jaxinfer.outputs import TokenLogprob
+from jaxinfer.engine.outputs import TokenLogprob
 from serve.app_keys import ENGINE
 from serve.choices import UsageCounter, collect_choices, new_response_id, now, safe_logprob, token_text
 from serve.engine_requests import RequestGroup, check_capacity

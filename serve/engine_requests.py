@@ -14,7 +14,7 @@ import dataclasses
 import inspect
 from collections.abc import AsyncIterator
 
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from serve.app_keys import ENGINE, LIFECYCLE, MAX_WAITING
 from serve.errors import APIError

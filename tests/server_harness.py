@@ -91,7 +91,7 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        from jaxinfer.async_engine import AsyncEngine
+        from jaxinfer.engine.async_engine import AsyncEngine
         from serve.app import Server, create_app
         self.engine = AsyncEngine(self.engine_args)
         await self.engine.start()
@@ -118,7 +118,7 @@ class ServerThread:
 def start_shared_server(model_dir: Path) -> ServerThread:
     """The tiny model served twice over one engine: "main" with default flags, "strict" with auth, a
     small body limit and no waiting queue."""
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.args import EngineArgs
     make_tiny_model_dir(model_dir)
     # Small batches keep the CPU compile count low (shapes compile lazily, warm-up off); 64 concurrent
     # streams then also exercise the waiting queue.

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.cli import build_parser, main
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.cli.main import build_parser, main
+from jaxinfer.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo-target"

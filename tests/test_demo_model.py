@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import load_config
-from jaxinfer.model import train_forward
-from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.weights import load_params
+from jaxinfer.model.config import load_config
+from jaxinfer.model.transformer import train_forward
+from jaxinfer.model.tokenizer import Tokenizer
+from jaxinfer.model.weights import load_params
 
 REPO = Path(__file__).resolve().parent.parent
 CKPT = REPO / "checkpoints"
@@ -109,7 +109,7 @@ def test_training_script_toy_run_lowers_the_loss(tmp_path, tokenizer):
     for f in train_demo.TOKENIZER_FILES:
         shutil.copyfile(MODELS["target"] / f, data / "tokenizer" / f)
     eot = train_demo.ENDOFTEXT_ID
-    texts = [p.read_text() for p in sorted((REPO / "jaxinfer").glob("*.py"))]
+    texts = [p.read_text() for p in sorted((REPO / "jaxinfer").rglob("*.py"))]
     train = [t for text in texts for t in (*tokenizer.encode(text), eot)]
     np.save(data / "train.npy", np.asarray(train, np.uint16))
     np.save(data / "heldout.npy", np.asarray(tokenizer.encode((CKPT / "heldout_sample.txt").read_text()),

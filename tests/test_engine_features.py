@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.engine import LLM
+from jaxinfer.engine.llm_engine import LLM
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import (MAX_LEN, assert_all_free, make_engine, prompt_ids, run_all,
@@ -199,7 +199,7 @@ def test_requests_and_pools_that_could_never_run_are_refused():
 
 def test_engine_args_cli_round_trip_and_errors():
     import argparse
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.args import EngineArgs
     from jaxinfer.errors import ConfigError
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     ns = parser.parse_args(["--model", "m", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.model import train_forward
+from jaxinfer.model.transformer import train_forward
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import MAX_LEN, assert_all_free, make_engine, prompt_ids, run_all, tiny_model
 

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.config import config_from_dict
-from jaxinfer.engine import LLMEngine
-from jaxinfer.engine_args import EngineArgs
-from jaxinfer.model import init_params
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.model.transformer import init_params
 from jaxinfer.sampling_params import SamplingParams
 from pallas_kernels import backend as attention_backends
 from pallas_kernels.flash_prefill import DEFAULT_CONFIG, flash_prefill_mosaic

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from jaxinfer.config import config_from_dict
-from jaxinfer.engine import LLMEngine
-from jaxinfer.engine_args import EngineArgs
-from jaxinfer.model import init_params
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.model.transformer import init_params
+from jaxinfer.model.tokenizer import Tokenizer
 
 CHARS = "abcdefghijklmnopqrstuvwxyz #.!"
 MERGES = [("#", "#"), ("a", "b"), ("c", "d"), ("e", " "), ("s", "t"), ("o", "p")]

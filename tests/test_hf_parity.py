@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import load_config
-from jaxinfer.kv_cache.device_cache import allocate_kv_cache
-from jaxinfer.model import forward
-from jaxinfer.weights import load_params
+from jaxinfer.model.config import load_config
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.model.transformer import forward
+from jaxinfer.model.weights import load_params
 from pallas_kernels.backend import REFERENCE
 from pallas_kernels.metadata import AttentionMetadata
 

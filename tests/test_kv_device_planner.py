@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.model.config import ModelConfig, RopeConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import (CacheConfig, KVCacheManager, MemoryPlanError, activation_peak_bytes,
+from jaxinfer.core.kv_cache import (CacheConfig, KVCacheManager, MemoryPlanError, activation_peak_bytes,
                                add_cache_arguments, allocate_kv_cache, copy_blocks,
                                device_memory_bytes, kv_bytes_per_token, plan_kv_cache, tree_nbytes)
 

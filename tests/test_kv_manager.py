@@ -3,7 +3,7 @@ out-of-blocks behaviour, deduplication, reset, and the disabled cache."""
 
 import pytest
 
-from jaxinfer.kv_cache import BlockPool, KVCacheManager, OutOfBlocksError
+from jaxinfer.core.kv_cache import BlockPool, KVCacheManager, OutOfBlocksError
 
 BS = 4
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from jaxinfer.kv_cache import KVCacheManager
+from jaxinfer.core.kv_cache import KVCacheManager
 
 # Two token values make shared prefixes (and so cache hits, duplicates and evictions) common.
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=14)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplingTensors, sample
+from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplingTensors, sample
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from test_engine_support import make_engine, prompt_ids, run_all
 
@@ -75,7 +75,7 @@ def test_truncation_keeps_only_the_allowed_tokens(field, value, allowed):
 def test_penalties_follow_vllm_definitions():
     logits = np.array([[1.0, -1.0, 2.0, 0.5]], np.float32)
     hist = np.array([[0, 1, 2, 2, -1, -1, -1, -1]], np.int32)  # prompt [0, 1]; output [2, 2]
-    from jaxinfer.sampler import apply_penalties, token_counts
+    from jaxinfer.worker.sampler import apply_penalties, token_counts
     t = tensors(1, repetition_penalty=np.full(1, 2.0, np.float32),
                 presence_penalty=np.full(1, 0.5, np.float32),
                 frequency_penalty=np.full(1, 0.25, np.float32), history=hist,

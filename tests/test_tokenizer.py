@@ -7,7 +7,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxinfer.errors import TokenizerError
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["Hello, world! def f(x): return x", "naïve café — 日本語のテキスト", "emoji 🎉🚀 and 👩‍👩‍👧 family",
          "中文字符和English混合", "   leading spaces\nnew\tlines"]

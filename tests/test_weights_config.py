@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxinfer.cli import main
-from jaxinfer.config import config_from_dict, load_config, rope_inv_freq
+from jaxinfer.cli.main import main
+from jaxinfer.model.config import config_from_dict, load_config, rope_inv_freq
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.weights import load_params
+from jaxinfer.model.weights import load_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 
 # Per layer (k_cache, v_cache); a tuple so it is a pytree that jit can donate.
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from jaxinfer import cli_generate, cli_memory, cli_serve
+from jaxinfer.cli import generate as cli_generate, memory as cli_memory, serve as cli_serve
 from jaxinfer.errors import JaxinferError
 
 DESCRIPTION = """\
@@ -33,8 +33,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from jaxinfer.config import load_config
-    from jaxinfer.weights import load_params, save_orbax
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.weights import load_params, save_orbax
 
     cfg = load_config(args.hf_dir)
     params = load_params(args.hf_dir, cfg, getattr(jnp, args.dtype), load_format="safetensors")

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.kv_cache.cache_config import CacheConfig, resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.cache_config import CacheConfig, resolve_kv_cache_dtype
 
 GIB = 1 << 30
 

@@ -14,10 +14,10 @@ import itertools
 import jax
 import numpy as np
 
-from jaxinfer.kv_cache import KVCacheManager
-from jaxinfer.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerVariant, SamplingTensors
+from jaxinfer.core.kv_cache import KVCacheManager
+from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerVariant, SamplingTensors
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
-from jaxinfer.scheduler import ScheduledSeq
+from jaxinfer.core.scheduler import ScheduledSeq
 from pallas_kernels.metadata import AttentionMetadata
 
 

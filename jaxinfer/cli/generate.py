@@ -12,7 +12,7 @@ from jaxinfer.errors import JaxinferError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.args import EngineArgs
 
     p = sub.add_parser(
         "generate", help="complete a prompt, or a file of prompts, and print the text",
@@ -55,8 +55,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxinfer.engine import LLMEngine
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.engine.args import EngineArgs
     from jaxinfer.sampling_params import SamplingParams
 
     prompts = _read_prompts(args)

@@ -17,8 +17,8 @@ import re
 import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from jaxinfer.kv_cache.planner import GIB, kv_bytes_per_token
+from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.planner import GIB, kv_bytes_per_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         if given:
             raise ConfigError(f"{given[0]} cannot be combined with --model (the model's "
                               f"config.json defines it)")
-        from jaxinfer.config import load_config
+        from jaxinfer.model.config import load_config
         cfg = load_config(args.model)
         dtype = args.dtype or cfg.dtype
         nbytes = _dtype_bytes(dtype, "--dtype" if args.dtype else f"{args.model}/config.json torch_dtype")

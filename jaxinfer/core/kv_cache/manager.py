@@ -28,8 +28,8 @@ import dataclasses
 import sys
 from typing import Hashable, Sequence
 
-from jaxinfer.kv_cache.block_pool import BlockPool
-from jaxinfer.kv_cache.prefix_cache import PrefixCache, _Node
+from jaxinfer.core.kv_cache.block_pool import BlockPool
+from jaxinfer.core.kv_cache.prefix_cache import PrefixCache, _Node
 
 # num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
 _NEVER_CACHE = sys.maxsize

@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.buckets import Buckets
-from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KVCacheManager, allocate_kv_cache, copy_blocks
-from jaxinfer.model import forward
-from jaxinfer.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant,
+from jaxinfer.worker.buckets import Buckets
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.core.kv_cache import KVCacheManager, allocate_kv_cache, copy_blocks
+from jaxinfer.model.transformer import forward
+from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant,
                              SamplingTensors, sample)
-from jaxinfer.scheduler import SchedulerOutput
-from jaxinfer.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
+from jaxinfer.core.scheduler import SchedulerOutput
+from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -142,7 +142,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner),
     from compiling that step against a one-block cache of the same layout: a step's activations
     do not depend on the number of blocks. Costs two compilations."""
-    from jaxinfer.kv_cache import activation_peak_bytes
+    from jaxinfer.core.kv_cache import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)

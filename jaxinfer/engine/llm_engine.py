@@ -27,20 +27,20 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig, load_config
-from jaxinfer.engine_args import EngineArgs
+from jaxinfer.model.config import ModelConfig, load_config
+from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError
-from jaxinfer.kv_cache import KVCacheManager, plan_kv_cache, tree_nbytes
-from jaxinfer.kv_cache.cache_config import resolve_kv_cache_dtype
-from jaxinfer.metrics import EngineMetrics
-from jaxinfer.output_processor import OutputProcessor, make_request_output
-from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.request import Request, Sequence, SeqStatus
-from jaxinfer.runner import ModelRunner, StepHandle, step_activation_bytes
+from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache, tree_nbytes
+from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
+from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
+from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_bytes
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.scheduler import Scheduler
-from jaxinfer.stop_checker import OutputText
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.model.tokenizer import Tokenizer
 from pallas_kernels.backend import get_backend
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class LLMEngine:
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
     def from_engine_args(cls, args: EngineArgs, metrics: EngineMetrics | None = None) -> "LLMEngine":
-        from jaxinfer.weights import load_params
+        from jaxinfer.model.weights import load_params
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         cfg = load_config(args.model)

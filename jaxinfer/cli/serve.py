@@ -7,7 +7,7 @@ import asyncio
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.args import EngineArgs
     from serve.app import add_server_args
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxinfer.async_engine import AsyncEngine
-    from jaxinfer.engine_args import EngineArgs
+    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.engine.args import EngineArgs
     from jaxinfer.errors import ConfigError
     from serve.app import check_server_args, serve_until_signal
 

@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig, rope_inv_freq
-from jaxinfer.kv_cache.device_cache import KVCache
+from jaxinfer.model.config import ModelConfig, rope_inv_freq
+from jaxinfer.core.kv_cache.device_cache import KVCache
 from pallas_kernels.backend import REFERENCE, AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import causal_attention_reference

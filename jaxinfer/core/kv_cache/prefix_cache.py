@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxinfer.kv_cache.block_pool import BlockPool
+from jaxinfer.core.kv_cache.block_pool import BlockPool
 
 
 class _Node:

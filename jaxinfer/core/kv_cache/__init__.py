@@ -6,11 +6,11 @@ matching, forks with copy-on-write; the scheduler's API). Device side: ``device_
 (``allocate_kv_cache``, ``copy_blocks``). Sizing: ``cache_config`` (flags) and ``planner``.
 """
 
-from jaxinfer.kv_cache.block_pool import BlockPool, OutOfBlocksError
-from jaxinfer.kv_cache.cache_config import CacheConfig, add_cache_arguments, resolve_kv_cache_dtype
-from jaxinfer.kv_cache.device_cache import KVCache, allocate_kv_cache, copy_blocks
-from jaxinfer.kv_cache.manager import KVCacheManager, PrefixCacheStats
-from jaxinfer.kv_cache.planner import (KVCachePlan, MemoryPlanError, activation_peak_bytes,
+from jaxinfer.core.kv_cache.block_pool import BlockPool, OutOfBlocksError
+from jaxinfer.core.kv_cache.cache_config import CacheConfig, add_cache_arguments, resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.device_cache import KVCache, allocate_kv_cache, copy_blocks
+from jaxinfer.core.kv_cache.manager import KVCacheManager, PrefixCacheStats
+from jaxinfer.core.kv_cache.planner import (KVCachePlan, MemoryPlanError, activation_peak_bytes,
                                        device_memory_bytes, kv_bytes_per_token, plan_kv_cache,
                                        tree_nbytes)
 

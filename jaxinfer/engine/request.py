@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.outputs import TokenLogprob
+from jaxinfer.engine.outputs import TokenLogprob
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.stop_checker import OutputText
+    from jaxinfer.engine.stop_checker import OutputText
 
 
 class SeqStatus(enum.Enum):

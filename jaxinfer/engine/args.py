@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jaxinfer import paths
 from jaxinfer.errors import ConfigError
-from jaxinfer.kv_cache import CacheConfig, add_cache_arguments
+from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -78,7 +78,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         from pallas_kernels.backend import available_backends
-        from jaxinfer.weights import LOAD_FORMATS
+        from jaxinfer.model.weights import LOAD_FORMATS
         d = EngineArgs.__dataclass_fields__
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=DEFAULT_MODEL,

@@ -25,8 +25,8 @@ import itertools
 import time
 from typing import Callable
 
-from jaxinfer.kv_cache import KVCacheManager
-from jaxinfer.request import Request, Sequence, SeqStatus
+from jaxinfer.core.kv_cache import KVCacheManager
+from jaxinfer.engine.request import Request, Sequence, SeqStatus
 
 
 @dataclasses.dataclass(slots=True)

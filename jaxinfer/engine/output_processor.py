@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
-from jaxinfer.metrics import EngineMetrics
-from jaxinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from jaxinfer.request import Request, Sequence, SeqStatus
-from jaxinfer.runner import StepHandle
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.worker.runner import StepHandle
+from jaxinfer.core.scheduler import Scheduler
 
 
 class OutputProcessor:

@@ -14,10 +14,10 @@ import queue
 import threading
 from typing import AsyncIterator, Callable
 
-from jaxinfer.engine import LLMEngine
-from jaxinfer.engine_args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ the start of a stop string, that tail is held back until the next tokens decide 
 
 from __future__ import annotations
 
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputText:

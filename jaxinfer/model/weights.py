@@ -1,5 +1,5 @@
 """Weights: Hugging Face safetensors checkpoints (single or sharded), orbax checkpoints, and random
-("dummy") weights of the real shapes, all into the param pytree of `jaxinfer.model`.
+("dummy") weights of the real shapes, all into the param pytree of `jaxinfer.model.transformer`.
 
 HF stores linear weights as [out, in]; Flax Dense kernels are [in, out], so they are transposed on
 load and on save. MoE experts are stacked into [E, in, out] arrays for grouped matmuls; both the
@@ -23,9 +23,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.model import Params, init_params, param_shapes
+from jaxinfer.model.transformer import Params, init_params, param_shapes
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 ORBAX_SUBDIR = "orbax"

@@ -34,6 +34,7 @@ from pallas_kernels.testing import random_paged_batch
 
 HQ, HKV, D = 32, 8, 128
 DENSE_SHAPES = [(1, 8192, True), (2, 4096, True), (2, 4096, False)]  # (B, L, causal)
+CUDNN = {jnp.bfloat16: "cudnn_bf16", jnp.float16: "cudnn_f16"}  # each dtype's check
 
 
 def bench_interleaved(calls: dict, reps: int = 7, inner: int = 10) -> dict:
@@ -121,7 +122,7 @@ def time_dense(results: dict, quick: bool = False) -> None:
                 out = jax.block_until_ready(fj(*args))
                 first = time.perf_counter() - t0
                 if dt not in ref:  # cuDNN in the same dtype is the check (f32 reference too big)
-                    ref[dt] = jax.jit(impls[f"cudnn_{jnp.dtype(dt).name}"][1])(*args)
+                    ref[dt] = jax.jit(impls[CUDNN[dt]][1])(*args)
                 row[name] = {"rel_err_vs_cudnn": round(rel_err(out, ref[dt]), 5),
                              "first_call_s": round(first, 1)}
                 ready[name] = (fj, args)

@@ -71,7 +71,7 @@ def read_ceiling_tbps() -> float:
     queued back to back."""
     x = jax.random.normal(jax.random.key(0), (4 * 1024**3,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    t = _queued_time(lambda _: f(x), None, min_seconds=0.05)
+    t = _queued_time(lambda _, x=x: f(x), None, min_seconds=0.05)
     del x
     return tbps(8 * 1024**3, t)
 
@@ -280,7 +280,7 @@ def time_xla_contiguous(case, scale: float) -> float:
                                              implementation="xla")[:, 0]
         return q
 
-    t = _queued_time(lambda q: many(q, ks, vs), case["q"]) / r
+    t = _queued_time(lambda q, ks=ks, vs=vs: many(q, ks, vs), case["q"]) / r
     del ks, vs
     return t
 
@@ -424,7 +424,7 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=None,
                     help=f"kernel calls chained in one jit (default: {CHAIN}, {SMALL_CHAIN} for "
                          f"shapes under {SMALL_KV_BYTES / 1e6:.0f} MB of KV)")
-    results_io.add_save_arg(ap)
+    results_io.add_save_arg(ap, "paged_decode_<gpu>")
     args = ap.parse_args(argv)
     FORCED_CHAIN = args.chain
     ints = lambda s: [int(x) for x in s.split(",") if x]
@@ -436,7 +436,7 @@ def main(argv=None):
 
     def save(result):  # after every shape, so a run cut short keeps what it measured
         if args.save:
-            results_io.save(args.save, f"paged_decode_{results_io.device_slug()}",
+            results_io.save(args.save, args.name or f"paged_decode_{results_io.device_slug()}",
                             config=config, metrics=metrics(result))
 
     result = run_grid(ints(args.batches), ints(args.contexts), tuple(args.variants.split(",")),

@@ -224,13 +224,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="ours vs cuDNN only")
     ap.add_argument("--shapes", default="dense,paged", help="comma list of dense, paged")
-    results_io.add_save_arg(ap)
+    results_io.add_save_arg(ap, "flash_prefill_<gpu>")
     args = ap.parse_args(argv)
     shapes = tuple(args.shapes.split(","))
     timing = run(shapes, args.quick)
     print_table(timing)
     if args.save:
-        results_io.save(args.save, f"flash_prefill_{results_io.device_slug()}",
+        results_io.save(args.save, args.name or f"flash_prefill_{results_io.device_slug()}",
                         config={"hq": HQ, "hkv": HKV, "d": D, "dtype": "bfloat16",
                                 "shapes": list(shapes), "quick": args.quick,
                                 "default_config": str(fp.DEFAULT_CONFIG)},

@@ -4,10 +4,11 @@ A record is `{name, date, commit, machine, command, config, metrics}`; anchors a
 measured in the same run go inside `metrics` beside the figures they anchor. Only the latest run
 per name is kept in the tree (git keeps the history). A benchmark uses it in two lines:
 
-    results_io.add_save_arg(parser)                      # --save [DIR]
+    results_io.add_save_arg(parser, "soak_<gpu>")        # --save [DIR], --name NAME
     ...
     if args.save:
-        results_io.save(args.save, "paged_decode_h200", config={...}, metrics={...})
+        name = args.name or f"soak_{results_io.device_slug()}"
+        results_io.save(args.save, name, config={...}, metrics={...})
 
 `commit` comes from `git rev-parse` (with "+dirty" when the tree has uncommitted changes), or from
 $BENCH_COMMIT where the benchmark runs from a copy without git (the GPU machine).
@@ -109,8 +110,12 @@ def load(name: str, directory: str | Path | None = None) -> dict:
     return json.loads((Path(directory or RESULTS_DIR) / f"{name}.json").read_text())
 
 
-def add_save_arg(parser) -> None:
-    """--save [DIR]: write this run's record to DIR/<name>.json (default benchmarks/results)."""
+def add_save_arg(parser, default_name: str = "") -> None:
+    """--save [DIR]: write this run's record to DIR/<name>.json (default benchmarks/results);
+    --name NAME: the record's name instead of the benchmark's default (`args.name`)."""
     parser.add_argument("--save", nargs="?", const=str(RESULTS_DIR), default=None, metavar="DIR",
                         help="write the run's JSON record to DIR/<name>.json "
                              "(default: benchmarks/results)")
+    parser.add_argument("--name", default=None,
+                        help="the record's name" + (f" (default: {default_name})" if default_name
+                                                    else ""))

@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS"), "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))
 
-import jax  # noqa: E402
+import jax  # noqa: E402 - after JAX_PLATFORMS and XLA_FLAGS are set
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-gpu install goldens bench-cpu clean
+.PHONY: serve test test-gpu lint install goldens clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || "$$(scripts/find_python.sh)" -m venv $(VENV)
@@ -17,9 +17,17 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/jaxinfer serve
 
-## The CPU test suite (what CI runs).
+## The CPU test suite (what CI runs). Tests marked `gpu` (tests/gpu/) are skipped on a CPU.
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --timeout 900 -p no:cacheprovider
+
+## The GPU checks (tests/gpu/: the kernels at real sizes, engine parity); needs a CUDA GPU and '.[gpu]'.
+test-gpu: $(STAMP)
+	JAX_PLATFORMS=cuda $(PY) -m pytest tests/gpu -m gpu --timeout 900 -p no:cacheprovider
+
+## ruff (configured in pyproject.toml), installed by the test extra; CI runs it before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 ## Regenerate the HF-parity fixtures (needs torch + transformers in a separate Python 3.11 venv).
 goldens:

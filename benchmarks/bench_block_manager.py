@@ -6,13 +6,12 @@ admitted by prefix match on a shared system prompt (512-token prompts), 2 forks 
 their first appends copy-on-write) and 4 finished requests freed, so the batch stays at 256.
 Reports the median and p99 wall time over many steps, and the median CPU time, in µs.
 
-    python benchmarks/bench_block_manager.py [--steps 3000] [--json out.json]
+    python benchmarks/bench_block_manager.py [--steps 3000] [--save [DIR]]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -20,6 +19,7 @@ from collections import deque
 
 import numpy as np
 
+from benchmarks import results_io
 from jaxinfer.core.kv_cache import KVCacheManager
 
 SYSTEM_PROMPT = list(range(1000, 1256))  # 256 tokens = 16 blocks of 16, shared by every request
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the figures to this file")
+    results_io.add_save_arg(ap, "kv_manager_block<N>")
     args = ap.parse_args()
 
     w = Workload(args.running, args.num_blocks, args.block_size, args.seed,
@@ -120,9 +120,11 @@ def main() -> None:
           f"mean {result['mean_us']:.0f} µs   (CPU time: median {result['median_cpu_us']:.0f} µs)   "
           f"over {args.steps} steps")
     print(f"  prefix hit rate {stats.hit_rate:.1%}, pool usage {w.mgr.usage:.1%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    if args.save:
+        config = {k: v for k, v in vars(args).items() if k not in ("save", "name")}
+        metrics = {k: v for k, v in result.items() if k not in config}
+        results_io.save(args.save, args.name or f"kv_manager_block{args.block_size}", config=config,
+                        metrics=metrics)
 
 
 if __name__ == "__main__":

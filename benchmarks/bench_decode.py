@@ -2,7 +2,7 @@
 on a gathered contiguous cache, and the HBM read ceiling measured in the same run.
 
     python3 benchmarks/bench_decode.py [--batches 1,8,64,256] [--contexts 512,4096,32768]
-                                       [--shapes BxCTX,...] [--variants mosaic,triton] [--json PATH]
+                                       [--shapes BxCTX,...] [--variants mosaic,triton] [--save [DIR]]
 
 Figure of merit: TB/s of KV read = (K + V bytes of every sequence's context) / kernel time, and its
 share of the read ceiling (a sum over 8 GiB of bf16, measured here). Timing: CHAIN calls inside one
@@ -15,11 +15,12 @@ one jit call of a few MB holds about as much GPU work as jax's dispatch costs on
 figures swing by several µs between runs. `--chain N` forces one length for every shape. Each
 jit call also pays one XLA executable launch (~6 µs on the H200), a quarter of which lands in
 every per-call figure of a 4-call chain; the "marginal" variant reports the Mosaic call's cost
-inside a larger program instead, as the slope between chains of 2 and 6 calls (`time_marginal`),
-and the "device" variant its time per call on the device timeline (`time_device`: CUPTI through
-jax's profiler, as `trace_decode.py`).
-Writes JSON to $OUT/bench_decode.json when $OUT is set (or --json). `bench_kernels.py` calls
-`run_grid`.
+inside a larger program instead, as the slope between chains of 2 and 6 calls (`time_marginal`);
+tools/trace_decode.py gives the device timeline of the same chains.
+`--save` writes the record paged_decode_<gpu>.json (`results_io`): per shape
+`decode_b{B}x{CTX}_us`, `_tbps` and `_frac_of_hbm` for the default Mosaic kernel, every other
+variant as `decode_b{B}x{CTX}_<variant>_tbps`, and the read ceiling as `hbm_read_tbps`.
+`bench_kernels.py` calls `run_grid`.
 """
 
 from __future__ import annotations
@@ -28,20 +29,16 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import math
-import os
-import shutil
-import tempfile
 import time
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks import results_io
 from pallas_kernels.paged_decode import (
     MosaicDecodeConfig,
     paged_decode_mosaic_configured,
@@ -74,7 +71,7 @@ def read_ceiling_tbps() -> float:
     queued back to back."""
     x = jax.random.normal(jax.random.key(0), (4 * 1024**3,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    t = _queued_time(lambda _: f(x), None, min_seconds=0.05)
+    t = _queued_time(lambda _, x=x: f(x), None, min_seconds=0.05)
     del x
     return tbps(8 * 1024**3, t)
 
@@ -173,21 +170,6 @@ def time_marginal(fn, batch: int, ctx: int, chains=MARGINAL_CHAINS) -> float:
         t[n] = time_paged(fn, case) * n
         del case
     return (t[hi] - t[lo]) / (hi - lo)
-
-
-def time_device(batch: int, ctx: int) -> float:
-    """Seconds per chained call of the default Mosaic kernel on the device timeline (CUPTI, via
-    `trace_decode.trace_shape`): its kernels and the gaps between them, without the host-side
-    queueing or the per-jit XLA executable launch that the queued figures carry."""
-    from benchmarks import trace_decode  # it imports this module
-    trace_dir = Path(tempfile.mkdtemp(prefix="decode_trace_"))
-    try:
-        out = trace_decode.trace_shape(batch, ctx, "mosaic", trace_dir)
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-    if "error" in out:
-        raise RuntimeError(out["error"])
-    return out["period_us"] * 1e-6
 
 
 def time_read_same_size(case) -> float:
@@ -298,7 +280,7 @@ def time_xla_contiguous(case, scale: float) -> float:
                                              implementation="xla")[:, 0]
         return q
 
-    t = _queued_time(lambda q: many(q, ks, vs), case["q"]) / r
+    t = _queued_time(lambda q, ks=ks, vs=vs: many(q, ks, vs), case["q"]) / r
     del ks, vs
     return t
 
@@ -335,8 +317,6 @@ def run_grid(batches, contexts, variants=("mosaic", "triton", "bundled", "xla"),
         if "marginal" in variants and case["kv_bytes"] * MARGINAL_CHAINS[1] <= 20e9:
             timers["mosaic_marginal"] = functools.partial(time_marginal, our_variants(scale)["mosaic"],
                                                           batch, ctx)
-        if "device" in variants:
-            timers["mosaic_device"] = functools.partial(time_device, batch, ctx)
         if "read" in variants:
             timers["read_same_size"] = functools.partial(time_read_same_size, case)
         if "xla" in variants and kv_gb <= 8:
@@ -383,9 +363,9 @@ def format_row(row) -> str:
 def table(result) -> str:
     """Markdown table: our Mosaic kernel, the best of each other family, per shape."""
     lines = ["| batch | ctx | KV MB | Mosaic µs | TB/s | % ceiling | in a program µs | % ceiling "
-             "| device µs | % ceiling | same-size read µs | % ceiling | kernel alone µs "
+             "| same-size read µs | % ceiling | kernel alone µs "
              "| bundled best µs | TB/s | XLA contiguous µs | TB/s | our Triton µs | TB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         ours = row["kernels"].get("mosaic")
         _, bun = _best(row, "bundled")
@@ -397,18 +377,35 @@ def table(result) -> str:
         marginal = row["kernels"].get("mosaic_marginal")
         if marginal and marginal.get("us", 1) <= 0:  # a launch-bound shape: the slope is noise
             marginal = {"us": "noise", "pct_ceiling": "noise"}
-        device = row["kernels"].get("mosaic_device")
         read = row["kernels"].get("read_same_size")
         lines.append(f"| {row['batch']} | {row['ctx']} | {row['kv_bytes'] / 1e6:.0f} | "
                      f"{f(ours, 'us', '{:.1f}')} | {f(ours, 'TBps', '{:.2f}')} | "
                      f"{f(ours, 'pct_ceiling', '{:.0f}%')} | {f(marginal, 'us', '{:.1f}')} | "
-                     f"{f(marginal, 'pct_ceiling', '{:.0f}%')} | {f(device, 'us', '{:.1f}')} | "
-                     f"{f(device, 'pct_ceiling', '{:.0f}%')} | {f(read, 'us', '{:.1f}')} | "
+                     f"{f(marginal, 'pct_ceiling', '{:.0f}%')} | {f(read, 'us', '{:.1f}')} | "
                      f"{f(read, 'pct_ceiling', '{:.0f}%')} | {f(alone, 'us', '{:.1f}')} | "
                      f"{f(bun, 'us', '{:.1f}')} | {f(bun, 'TBps', '{:.2f}')} | "
                      f"{f(xla, 'us', '{:.1f}')} | {f(xla, 'TBps', '{:.2f}')} | "
                      f"{f(tri, 'us', '{:.1f}')} | {f(tri, 'TBps', '{:.2f}')} |")
     return "\n".join(lines)
+
+
+def metrics(result) -> dict:
+    """The record's flat metrics (see the module docstring)."""
+    out = {"hbm_read_tbps": round(result["read_ceiling_TBps"], 3)}
+    if "read_ceiling_after_TBps" in result:
+        out["hbm_read_after_tbps"] = round(result["read_ceiling_after_TBps"], 3)
+    for row in result["rows"]:
+        key = f"decode_b{row['batch']}x{row['ctx']}"
+        for name, rec in row["kernels"].items():
+            if "TBps" not in rec:
+                out[f"{key}_{name}_error"] = rec.get("error", "")[:200]
+                continue
+            prefix = key if name == "mosaic" else f"{key}_{name}"
+            out[f"{prefix}_us"] = round(rec["us"], 2)
+            out[f"{prefix}_tbps"] = round(rec["TBps"], 3)
+            if name in ("mosaic", "read_same_size"):
+                out[f"{prefix}_frac_of_hbm"] = round(rec["pct_ceiling"] / 100, 4)
+    return out
 
 
 def main(argv=None):
@@ -423,29 +420,30 @@ def main(argv=None):
                     help="diag: also the Mosaic kernel alone, without the XLA ops around it; "
                          "marginal: also the Mosaic call's cost inside a larger program "
                          "(time_marginal; compiles chains of 2 and 6 calls per shape); "
-                         "device: also its time per call on the device timeline (CUPTI); "
                          "read: also a plain read of the same bytes, chained the same way")
     ap.add_argument("--chain", type=int, default=None,
                     help=f"kernel calls chained in one jit (default: {CHAIN}, {SMALL_CHAIN} for "
                          f"shapes under {SMALL_KV_BYTES / 1e6:.0f} MB of KV)")
-    ap.add_argument("--json", default=None, help="output path (default: $OUT/bench_decode.json)")
+    results_io.add_save_arg(ap, "paged_decode_<gpu>")
     args = ap.parse_args(argv)
     FORCED_CHAIN = args.chain
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    path = args.json or (os.path.join(os.environ["OUT"], "bench_decode.json")
-                         if os.environ.get("OUT") else None)
-
-    def save(result):
-        if path:
-            with open(path, "w") as fh:
-                json.dump(result, fh, indent=1)
-
     shapes = ([tuple(int(x) for x in p.split("x")) for p in args.shapes.split(",")]
               if args.shapes else None)
+    config = {"hq": HQ, "hkv": HKV, "d": D, "page": PAGE, "dtype": "bfloat16",
+              "shapes": args.shapes or f"{args.batches} x {args.contexts}",
+              "variants": args.variants, "chain": args.chain or "default"}
+
+    def save(result):  # after every shape, so a run cut short keeps what it measured
+        if args.save:
+            results_io.save(args.save, args.name or f"paged_decode_{results_io.device_slug()}",
+                            config=config, metrics=metrics(result))
+
     result = run_grid(ints(args.batches), ints(args.contexts), tuple(args.variants.split(",")),
                       log=lambda s: print(s, flush=True), on_row=save, shapes=shapes)
     save(result)
     print(table(result))
+    return result
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from benchmarks import results_io
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.weights import load_params, save_orbax, save_safetensors
 
@@ -32,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", help="write results here")
+    results_io.add_save_arg(ap, "load_<preset>_<device>")
     args = ap.parse_args()
     raw = PRESETS[args.preset]
     cfg = config_from_dict(raw)
@@ -56,11 +57,16 @@ def main() -> None:
             results[fmt] = statistics.median(times)
     out = dict(preset=args.preset, params=cfg.num_params(), bytes=nbytes, device=str(jax.devices()[0]),
                seconds=results, gb_per_s={k: nbytes / v / 1e9 for k, v in results.items()})
-    print(f"{args.preset}: {cfg.num_params() / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB bf16 on {jax.devices()[0]}")
+    print(f"{args.preset}: {cfg.num_params() / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB bf16 on "
+          f"{jax.devices()[0]}")
     for fmt, sec in results.items():
         print(f"  {fmt:12s} {sec:6.2f} s  {nbytes / sec / 1e9:5.2f} GB/s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    if args.save:
+        metrics = {f"{fmt}_s": round(sec, 3) for fmt, sec in results.items()}
+        metrics.update({f"{fmt}_gb_per_s": round(nbytes / sec / 1e9, 3) for fmt, sec in results.items()})
+        results_io.save(args.save, args.name or f"load_{args.preset}_{results_io.device_slug()}",
+                        config={"preset": args.preset, "repeats": args.repeats, "params": out["params"],
+                                "bytes": nbytes}, metrics=metrics)
 
 
 if __name__ == "__main__":

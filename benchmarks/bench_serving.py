@@ -6,11 +6,11 @@ concurrency and plots throughput and latency against it (`--plot`, needs matplot
 
     jaxinfer serve --port 8000 &
     python benchmarks/bench_serving.py --port 8000 --dataset-name random --num-prompts 200 \\
-        --random-input-len 128 --random-output-len 64 --max-concurrency 16 --save-result out.json
+        --random-input-len 128 --random-output-len 64 --max-concurrency 16 --save --name serving_cpu
 
 Definitions (as in vLLM's client): TTFT = request sent -> first chunk with choices; ITL = time between
-successive chunks with choices; TPOT = (latency - TTFT) / (output tokens - 1). Output token counts come from the server's
-`usage` (stream_options.include_usage), not from re-tokenizing the text.
+successive chunks with choices; TPOT = (latency - TTFT) / (output tokens - 1). Output token counts
+come from the server's `usage` (stream_options.include_usage), not from re-tokenizing the text.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from benchmarks import results_io
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +52,6 @@ class RequestResult:
 
 
 def load_tokenizer(path: str):
-    sys.path.insert(0, str(REPO_ROOT))
     from jaxinfer.model.tokenizer import Tokenizer
     return Tokenizer.from_dir(path)
 
@@ -149,8 +150,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, cha
     return result
 
 
-async def run_benchmark(url: str, model: str, chat: bool, requests: list[BenchRequest], request_rate: float,
-                        max_concurrency: int | None, ignore_eos: bool, seed: int) -> tuple[list[RequestResult], float]:
+async def run_benchmark(url: str, model: str, chat: bool, requests: list[BenchRequest],
+                        request_rate: float, max_concurrency: int | None, ignore_eos: bool,
+                        seed: int) -> tuple[list[RequestResult], float]:
     rng = np.random.default_rng(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -176,14 +178,14 @@ async def run_benchmark(url: str, model: str, chat: bool, requests: list[BenchRe
 def summarize(results: list[RequestResult], duration: float, request_rate: float,
               max_concurrency: int | None) -> dict:
     ok = [r for r in results if r.success]
-    ms = lambda xs, f: float(f(xs)) * 1000 if len(xs) else 0.0  # noqa: E731
+    ms = lambda xs, f: float(f(xs)) * 1000 if len(xs) else 0.0
     ttfts = [r.ttft for r in ok]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itls = [x for r in ok for x in r.itl]
     e2el = [r.latency for r in ok]
     in_tok = sum(r.prompt_len for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
-    p99 = lambda xs: np.percentile(xs, 99)  # noqa: E731
+    p99 = lambda xs: np.percentile(xs, 99)
     return {
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.success})[:5],
@@ -191,11 +193,21 @@ def summarize(results: list[RequestResult], duration: float, request_rate: float
         "total_input_tokens": in_tok, "total_output_tokens": out_tok,
         "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
         "total_token_throughput": (in_tok + out_tok) / duration,
-        "mean_ttft_ms": ms(ttfts, np.mean), "median_ttft_ms": ms(ttfts, np.median), "p99_ttft_ms": ms(ttfts, p99),
-        "mean_tpot_ms": ms(tpots, np.mean), "median_tpot_ms": ms(tpots, np.median), "p99_tpot_ms": ms(tpots, p99),
-        "mean_itl_ms": ms(itls, np.mean), "median_itl_ms": ms(itls, np.median), "p99_itl_ms": ms(itls, p99),
-        "mean_e2el_ms": ms(e2el, np.mean), "median_e2el_ms": ms(e2el, np.median), "p99_e2el_ms": ms(e2el, p99),
+        **{f"{stat}_{name}_ms": ms(xs, f) for name, xs in (("ttft", ttfts), ("tpot", tpots),
+                                                           ("itl", itls), ("e2el", e2el))
+           for stat, f in (("mean", np.mean), ("median", np.median), ("p99", p99))},
     }
+
+
+def sweep_metrics(rows: list[dict]) -> dict:
+    """The record's flat metrics: each concurrency's figures as `c<N>_<figure>` ("c_inf" for no
+    limit), leaving out the error strings."""
+    out = {}
+    for m in rows:
+        conc = "inf" if m["max_concurrency"] is None else m["max_concurrency"]
+        out.update({f"c{conc}_{k}": (round(v, 3) if isinstance(v, float) else v)
+                    for k, v in m.items() if k not in ("errors", "max_concurrency", "request_rate")})
+    return out
 
 
 def print_result(m: dict) -> None:
@@ -268,7 +280,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--tokenizer", default=str(REPO_ROOT / "checkpoints" / "demo-target"),
                    help="directory with tokenizer.json, to build prompts and count their tokens")
@@ -289,8 +302,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: generate exactly the requested lengths)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-result", action="store_true", help="write the metrics as JSON")
-    p.add_argument("--result-filename", default=None, help="JSON path (default: serving-<time>.json)")
+    results_io.add_save_arg(p, "serving")
     args = p.parse_args(argv)
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         p.error("--dataset-name sharegpt needs --dataset-path")
@@ -325,14 +337,12 @@ def main(argv=None) -> int:
         metrics = summarize(results, duration, args.request_rate, conc)
         print_result(metrics)
         rows.append(metrics)
-    if args.save_result:
-        out = args.result_filename or f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        meta = {"model": model, "endpoint": args.endpoint, "dataset": args.dataset_name,
-                "num_prompts": len(requests), "random_input_len": args.random_input_len,
-                "random_output_len": args.random_output_len, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        Path(out).write_text(json.dumps({**meta, "results": rows} if len(rows) > 1 else {**meta, **rows[0]},
-                                        indent=2, default=str))
-        print(f"wrote {out}")
+    if args.save:
+        config = {"model": model, "endpoint": args.endpoint, "dataset": args.dataset_name,
+                  "num_prompts": len(requests), "random_input_len": args.random_input_len,
+                  "random_output_len": args.random_output_len, "request_rate": args.request_rate,
+                  "base_url": base_url}
+        results_io.save(args.save, args.name or "serving", config=config, metrics=sweep_metrics(rows))
     if args.sweep_concurrency:
         plot_sweep(rows, args.plot, f"{model} {args.endpoint}: random {args.random_input_len} in / "
                                     f"{args.random_output_len} out" if args.dataset_name == "random"

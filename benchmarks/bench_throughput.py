@@ -18,20 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxinfer.engine.llm_engine import LLM, LLMEngine  # noqa: E402
-from jaxinfer.engine.args import EngineArgs  # noqa: E402
-from jaxinfer.errors import JaxinferError  # noqa: E402
-from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from benchmarks import results_io
+from jaxinfer.engine.llm_engine import LLM, LLMEngine
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling_params import SamplingParams
 
 
 def throughput(args: argparse.Namespace) -> dict:
@@ -136,7 +135,8 @@ def main() -> None:
                    help="measure scheduler + input building per decode step instead")
     p.add_argument("--num-seqs", type=int, default=256, help="(--host-overhead) running sequences")
     p.add_argument("--steps", type=int, default=50, help="(--host-overhead) steps to time")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="the raw result dict (bench_engine_gpu reads it)")
+    results_io.add_save_arg(p, "throughput_<model>_<device> or host_overhead_<device>")
     EngineArgs.add_cli_args(p)
     args = p.parse_args()
     try:
@@ -145,6 +145,13 @@ def main() -> None:
         p.exit(2, f"{p.prog}: error: {e}\n")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
+    if args.save:
+        slug = results_io.device_slug()
+        default = (f"host_overhead_{slug}" if args.host_overhead
+                   else f"throughput_{Path(args.model).name}_{slug}")
+        config = {k: v for k, v in vars(args).items() if k not in ("save", "name", "output_json")}
+        metrics = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+        results_io.save(args.save, args.name or default, config=config, metrics=metrics)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -27,13 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from jaxinfer.model.config import load_config
+from jaxinfer.model.tokenizer import Tokenizer
+from jaxinfer.model.transformer import train_forward
+from jaxinfer.model.weights import load_params
 
-from jaxinfer.model.config import load_config  # noqa: E402
-from jaxinfer.model.transformer import train_forward  # noqa: E402
-from jaxinfer.model.tokenizer import Tokenizer  # noqa: E402
-from jaxinfer.model.weights import load_params  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 TARGET_DIR = REPO / "checkpoints" / "demo-target"
 DRAFT_DIR = REPO / "checkpoints" / "demo-draft"

@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -43,12 +42,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing the package
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.transformer import init_params, train_forward
+from jaxinfer.model.weights import save_safetensors
 
-from jaxinfer.model.config import config_from_dict  # noqa: E402
-from jaxinfer.model.transformer import init_params, train_forward  # noqa: E402
-from jaxinfer.model.weights import save_safetensors  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # Steps TIMED_FROM_STEP..PLAN_AT_STEP are timed to fix the schedule's length. Not earlier: batches
@@ -122,7 +120,7 @@ def heldout_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> np.nd
 def make_optimizer(weight_decay: float):
     def build(learning_rate):
         # No decay on norms (1-D weights): decaying them toward 0 fights the normalisation.
-        decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+        decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
         return optax.chain(optax.clip_by_global_norm(1.0),
                            optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay,
                                        mask=decay_mask))

@@ -148,9 +148,9 @@ def render_chat(tokenizer, body: dict) -> str:
     reserved = {"messages", "add_generation_prompt"} & set(kwargs)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
-    return tokenizer.apply_chat_template(normalize_messages(body.get("messages")),
-                                         add_generation_prompt=bool_field(body, "add_generation_prompt", True),
-                                         **kwargs)
+    return tokenizer.apply_chat_template(
+        normalize_messages(body.get("messages")),
+        add_generation_prompt=bool_field(body, "add_generation_prompt", True), **kwargs)
 
 
 def _top_logprobs(body: dict, chat: bool) -> int | None:

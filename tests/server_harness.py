@@ -51,7 +51,8 @@ def make_tiny_model_dir(out: Path) -> Path:
     assert tok.token_to_id("<|im_end|>") == 382, "tokenizer ids must line up with the model's EOS"
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
+        {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False,
+         "chat_template": CHAT_TEMPLATE}))
     return out
 
 
@@ -124,8 +125,8 @@ def start_shared_server(model_dir: Path) -> ServerThread:
     # streams then also exercise the waiting queue.
     engine_args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
                              max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=256, max_num_seqs=16,
-                             max_num_batched_tokens=64, compilation_cache_dir="", attention_backend="reference",
-                             warmup=False)
+                             max_num_batched_tokens=64, compilation_cache_dir="",
+                             attention_backend="reference", warmup=False)
     return ServerThread(engine_args, {
         "main": server_args(),
         "strict": server_args(api_key=API_KEY, max_request_bytes=2048, max_waiting=0),

@@ -34,10 +34,13 @@ def test_generate_prompts_file_prints_one_json_line_per_prompt(tmp_path, capsys)
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--max-tokens", "3"], "give exactly one of --prompt or --prompts-file"),
-    (["generate", "--prompts-file", "/nonexistent/p.txt"], "--prompts-file '/nonexistent/p.txt' does not exist"),
-    (["generate", "--prompt", "x", "--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
+    (["generate", "--prompts-file", "/nonexistent/p.txt"],
+     "--prompts-file '/nonexistent/p.txt' does not exist"),
+    (["generate", "--prompt", "x", "--model", "/nonexistent/model"],
+     "model directory '/nonexistent/model' does not exist"),
     (["generate", "--prompt", "x", "--temperature", "-1", *FAST], "temperature=-1.0"),
-    (["serve", "--model", str(ROOT / "tests" / "fixtures" / "models" / "llama"), *FAST], "has no tokenizer.json"),
+    (["serve", "--model", str(ROOT / "tests" / "fixtures" / "models" / "llama"), *FAST],
+     "has no tokenizer.json"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(argv) == 2

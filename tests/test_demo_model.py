@@ -2,7 +2,6 @@
 jaxinfer's loader, reproduce their committed greedy continuations, keep their held-out perplexity,
 and the training script that made them still trains (toy scale)."""
 
-import importlib.util
 import json
 import math
 import shutil
@@ -92,18 +91,11 @@ def test_heldout_perplexity_below_bound(model, tokenizer):
     assert ppl < PPL_BOUND[name], f"{name}: held-out perplexity {ppl:.3f} >= bound {PPL_BOUND[name]}"
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, CKPT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_training_script_toy_run_lowers_the_loss(tmp_path, tokenizer):
     """A few steps of checkpoints/train_demo.py at toy scale on a small corpus made of this
     repository's own source: the held-out loss falls well below its start (ln 4096 = 8.3), and
     the output directory loads like any HF checkpoint."""
-    train_demo = _load_script("train_demo")
+    from checkpoints import train_demo
     data = tmp_path / "data"
     (data / "tokenizer").mkdir(parents=True)
     for f in train_demo.TOKENIZER_FILES:

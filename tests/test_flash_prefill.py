@@ -15,7 +15,7 @@ What runs where:
     `flash_mgpu.mosaic_attention`), so the kernel is also *lowered* for CUDA here (Pallas -> Mosaic
     GPU MLIR: layout, tiling and TMA-alignment errors) for every supported dtype / head_dim / page
     size and for the configurations in use. The GPU-only parts and real sizes are checked on the
-    H200 by `benchmarks/bench_prefill.py`; results are recorded in benchmarks/RESULTS.md.
+    H200 by `tests/gpu/test_flash_prefill_gpu.py`.
 """
 
 import dataclasses

@@ -1,15 +1,11 @@
-"""The GPU benchmark tools' host-side parts: bench_decode's per-call cost inside a program, dump_kernels'
-ptxas report (the timing and compiling themselves need the H200)."""
-
-import sys
-from pathlib import Path
+"""The GPU benchmarks' and tools' host-side parts: bench_decode's per-call cost inside a program,
+dump_kernels' ptxas report, mosaic_ir's listing (the timing and compiling themselves need the
+H200)."""
 
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import bench_decode  # noqa: E402
+from benchmarks import bench_decode
 
 
 def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
@@ -24,30 +20,13 @@ def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
     assert fake_time_paged(None, {"chain": 4}) == pytest.approx(41.5e-6)
 
 
-def test_device_time_is_the_traced_period_per_call(monkeypatch):
-    from benchmarks import trace_decode
-    seen = {}
-
-    def fake_trace_shape(batch, ctx, variant, out_dir):
-        seen.update(batch=batch, ctx=ctx, variant=variant, out_dir=out_dir)
-        assert out_dir.is_dir()
-        return {"period_us": 38.8, "chain": 4}
-
-    monkeypatch.setattr(trace_decode, "trace_shape", fake_trace_shape)
-    assert bench_decode.time_device(1, 32768) == pytest.approx(38.8e-6)
-    assert seen["variant"] == "mosaic" and not seen["out_dir"].exists()  # the trace is removed
-    monkeypatch.setattr(trace_decode, "trace_shape", lambda *a: {"error": "3 events"})
-    with pytest.raises(RuntimeError, match="3 events"):
-        bench_decode.time_device(1, 32768)
-
-
 def test_paged_case_takes_the_chain_it_is_given():
     case = bench_decode.make_paged_case(1, 64, hq=4, hkv=1, d=64, chain=6)
     assert case["chain"] == 6 and case["sets"] % 6 == 0
 
 
 def test_dump_kernels_reports_registers_and_spills(tmp_path):
-    from benchmarks.dump_kernels import ptxas_reports
+    from tools.dump_kernels import ptxas_reports
     (tmp_path / "flash_attention_0.ptxas").write_text(
         "ptxas warning : Registers are spilled to local memory in function 'k', 8 bytes spill "
         "stores, 8 bytes spill loads\nptxas info    : Compile time = 1 ms\n"
@@ -99,7 +78,7 @@ def test_mosaic_ir_prints_each_kernel_normalised():
 
     import jax
 
-    from benchmarks import mosaic_ir
+    from tools import mosaic_ir
     from pallas_kernels import flash_prefill as fp
     assert (mosaic_ir.normalise('%12 = "a.b"(%arg3, %7#1) : (i32) -> i32 loc("x"(#loc1))')
             == '%v = "a.b"(%v, %v) : (i32) -> i32')

@@ -13,7 +13,7 @@ What runs here and what does not:
   detail GPU interpret mode cannot simulate in jax 0.11.2: the P @ V wgmma with P in registers
   (and `run_state` accumulators). In interpret mode P goes through shared memory instead
   (`mgpu_common.accumulate_pv`). The register path, Mosaic's compilation and real-size shapes are
-  checked on the H200 by `benchmarks/gpu_check_decode.py`.
+  checked on the H200 by `tests/gpu/test_paged_decode_gpu.py`.
 """
 
 from __future__ import annotations

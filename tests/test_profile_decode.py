@@ -1,4 +1,4 @@
-"""`benchmarks/profile_decode.py` reads the traces Mosaic GPU's profiler writes: here a trace is
+"""`tools/profile_decode.py` reads the traces Mosaic GPU's profiler writes: here a trace is
 made by the profiler's own `ProfilerSpec.dump` from a synthetic buffer (2 CTAs x 3 warpgroups)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from jax.experimental.mosaic.gpu import profiler
 
-from benchmarks.profile_decode import summarize, to_microseconds
+from tools.profile_decode import summarize, to_microseconds
 
 
 def synthetic_trace(clock_ghz: float) -> list[dict]:
@@ -51,7 +51,7 @@ def test_summary_of_a_profiler_trace_in_microseconds():
 
 
 def test_read_trace_summarises_the_newest_trace_file(tmp_path, monkeypatch):
-    from benchmarks import profile_decode
+    from tools import profile_decode
     monkeypatch.setattr(profile_decode, "sm_clock_ghz", lambda: 1.5)
     assert "error" in profile_decode.read_trace(tmp_path)
     (tmp_path / "k-1-trace.json").write_text(json.dumps({"traceEvents": synthetic_trace(1.5)}))

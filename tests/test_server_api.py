@@ -37,8 +37,8 @@ def test_completion_basic_n2_and_multi_prompt(client, server):
 
 def test_echo_and_unknown_fields(client, caplog):
     with caplog.at_level("WARNING", logger="serve.protocol"):
-        r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True, temperature=0,
-                                      extra_body={**NO_EOS, "frobnicate": 1})
+        r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True,
+                                      temperature=0, extra_body={**NO_EOS, "frobnicate": 1})
     plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, temperature=0,
                                       extra_body=NO_EOS)
     assert r.choices[0].text == "Hello world" + plain.choices[0].text
@@ -69,8 +69,9 @@ def test_logprobs(client):
         assert sampled <= 0 and 2 <= len(top) <= 3
         assert sampled == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the best
 
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                       temperature=0, logprobs=True, top_logprobs=2, extra_body=NO_EOS)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body=NO_EOS)
     content = r.choices[0].logprobs.content
     assert len(content) == 3
     for entry in content:
@@ -94,7 +95,8 @@ def test_chat_streaming_with_usage(client, server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -207,12 +209,9 @@ def test_error_after_stream_start_is_an_event():
 def test_bench_serving_client(server, capsys, chat):
     """benchmarks/bench_serving.py parses this server's streams: every request succeeds, the token
     counts come from usage, and vLLM's result block is printed."""
-    import sys
-    from pathlib import Path
-
     import numpy as np
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import bench_serving
+
+    from benchmarks import bench_serving
 
     requests = bench_serving.random_requests(server.engine.tokenizer, 6, 8, 4, 0.0, np.random.default_rng(0),
                                              as_text=chat)
@@ -246,7 +245,8 @@ def test_metrics_count_what_was_sent(server, client):
     assert delta("jaxinfer:e2e_request_latency_seconds_count") == 3
     assert delta("jaxinfer:time_to_first_token_seconds_count") == 3
     assert delta("jaxinfer:http_requests_total", handler="/v1/completions", status="200") == 3
-    for name in ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting", "jaxinfer:kv_cache_usage_perc",
+    for name in ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting",
+                 "jaxinfer:kv_cache_usage_perc",
                  "jaxinfer:prefix_cache_queries_total", "jaxinfer:prefix_cache_hits_total",
                  "jaxinfer:num_preemptions_total", "jaxinfer:inter_token_latency_seconds_count",
                  "jaxinfer:request_queue_time_seconds_count"):

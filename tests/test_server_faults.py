@@ -58,7 +58,8 @@ def test_disconnects_under_load_free_everything(server):
 
     before = scrape(server.urls["main"])
     results = asyncio.run(main())
-    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+    errors = [r for r in results
+              if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
     assert not errors, errors[:3]
     assert sum(r is not None and not isinstance(r, BaseException) for r in results) == 64 - len(quitters)
     # Freed by aborts, at once: a quitter's 200 tokens could not have run to the end in this time.
@@ -68,7 +69,8 @@ def test_disconnects_under_load_free_everything(server):
     # was aborted; the 7 cancelled while waiting may have left before the engine ever saw them.
     aborts = metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="abort")
     assert len(quitters) - len(early_quitters(quitters)) <= aborts <= len(quitters)
-    assert metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="length") == 64 - len(quitters)
+    finished = metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="length")
+    assert finished == 64 - len(quitters)
     assert metric(after, "jaxinfer:http_requests_total", status="500") == 0
 
 
@@ -101,7 +103,8 @@ def test_client_timeouts_then_new_request_is_fast(server, client):
     # its handler reached the engine never became a request, so "all 200" is not guaranteed).
     aborts = metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="abort")
     assert 0 < aborts <= 200
-    assert metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="length") == 1  # "Hello"
+    finished = metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="length")
+    assert finished == 1  # "Hello"
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------
@@ -121,7 +124,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "n": 0}, None, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, None, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, None, 400, "stream"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options"),
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, None, 400, "stop"),
     ("/v1/completions", {"prompt": ""}, None, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, None, 400, "prompt"),
@@ -139,12 +143,13 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None, 400,
      "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     None, 400, "tools"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, None, 400, "tools"),
     ("/detokenize", {"tokens": [-1]}, None, 400, "tokens"),
     ("/tokenize", {}, None, 400, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
-                   "chat_template_kwargs": {"add_generation_prompt": False}}, None, 400, "chat_template_kwargs"),
+                   "chat_template_kwargs": {"add_generation_prompt": False}}, None, 400,
+     "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, None, 400, "n"),  # more than --max-num-seqs 16
 ]
 

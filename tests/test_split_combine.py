@@ -2,7 +2,7 @@
 (`paged_decode_mosaic._combine_parts`), in GPU interpret mode on CPU, and its CUDA lowering.
 
 What interpret mode cannot check: programmatic dependent launch (`griddepcontrol.wait`, and the
-decode kernel's early `launch_dependents`) is left out there; `benchmarks/gpu_check_decode.py`
+decode kernel's early `launch_dependents`) is left out there; `tests/gpu/test_paged_decode_gpu.py`
 runs the kernel with it on the H200."""
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def test_extra_tensor_is_named(tmp_path):
 def test_misshaped_tensor_is_named(tmp_path):
     d, cfg = _copy_fixture(tmp_path)
     _rewrite(d, lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}))
-    with pytest.raises(CheckpointError, match=r"final_norm/weight has shape \[7\], the config implies \[64\]"):
+    message = r"final_norm/weight has shape \[7\], the config implies \[64\]"
+    with pytest.raises(CheckpointError, match=message):
         load_params(d, cfg, progress=False)
 
 

@@ -74,8 +74,9 @@ class Tokenizer:
             template = jinja_file.read_text()
         eos = gen.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(tok, bos_token=_token_str(tcfg.get("bos_token")), eos_token=_token_str(tcfg.get("eos_token")),
-                   eos_token_ids=eos_ids, chat_template=template, add_bos_token=tcfg.get("add_bos_token"))
+        return cls(tok, bos_token=_token_str(tcfg.get("bos_token")),
+                   eos_token=_token_str(tcfg.get("eos_token")), eos_token_ids=eos_ids,
+                   chat_template=template, add_bos_token=tcfg.get("add_bos_token"))
 
     @property
     def vocab_size(self) -> int:

@@ -58,7 +58,8 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no model.safetensors (or sharded *.safetensors with an index) in '{model_dir}'")
+        raise CheckpointError(
+            f"no model.safetensors (or sharded *.safetensors with an index) in '{model_dir}'")
     for f in files:
         if not f.is_file():
             raise CheckpointError(f"'{f}' is listed in the safetensors index but missing")
@@ -98,7 +99,8 @@ def _flat_paths(shapes: Params) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
 
 
 def _moe_prefix(cfg: ModelConfig, layer: str) -> str:
-    return f"model.layers.{layer}." + ("block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp")
+    mlp = "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{mlp}"
 
 
 def hf_name(key: tuple[str, ...], cfg: ModelConfig) -> str:

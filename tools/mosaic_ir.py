@@ -2,7 +2,7 @@
 names and locations normalised, so the kernels of two commits can be diffed op for op. A refactor
 meant to change nothing in a kernel should show no difference.
 
-    PYTHONPATH=. python3 benchmarks/mosaic_ir.py [--kernel prefill-dense] [--out FILE]
+    PYTHONPATH=. python3 tools/mosaic_ir.py [--kernel prefill-dense] [--out FILE]
     # e.g. in a worktree of another commit, then: diff A.mlir B.mlir
 
 Kernels (benchmark shapes: Hq 32 / Hkv 8 / d 128, bf16, default configs): prefill-dense (non-causal
@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import functools
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jaxlib.mlir import ir  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jaxlib.mlir import ir
 
-from pallas_kernels import flash_prefill as fp  # noqa: E402
-from pallas_kernels.paged_decode_mosaic import paged_decode_mosaic  # noqa: E402
+from pallas_kernels import flash_prefill as fp
+from pallas_kernels.paged_decode_mosaic import paged_decode_mosaic
 
 
 def normalise(text: str) -> str:

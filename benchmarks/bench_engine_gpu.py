@@ -1,8 +1,7 @@
-"""The engine on the GPU, one device call: compile time, greedy parity between attention backends,
-and offline throughput at a real model size.
+"""The engine on the GPU, one device call: compile time and offline throughput at a real model size.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_engine_check.py [--sections ...]
-        [--deadline-s 540] [--backend mosaic|triton|reference]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_engine_gpu.py [--sections ...]
+        [--deadline-s 540] [--backend mosaic|triton|reference] [--save [DIR]]
 
 Sections (each in its own process, so one that crashes or runs out of time keeps the others'
 figures; they share one fresh persistent compilation cache, so later sections reuse what earlier
@@ -11,14 +10,12 @@ ones compiled):
               (256 sequences, 2048 tokens): total warm-up, the slowest shapes, and where the time
               goes (jaxpr tracing, lowering to MLIR — which includes lowering the Mosaic kernels — and
               XLA's backend compile), from jax's monitoring events. Cold cache.
-  parity      the demo model greedily continues 16 held-out code prompts (48 tokens) with the
-              `reference` backend and with `mosaic`; how many continuations are token-identical and,
-              for the others, where they first differ and the reference's top-1/top-2 logit gap there
-              (bf16 kernels round q and P, so a near-tie can flip a token).
   llama8b     Llama-3-8B-shaped model (random bf16 weights, `--load-format dummy`), mosaic backend:
               bench_throughput.py, 64 prompts x 512 in / 256 out, max 64 sequences.
   demo        bench_throughput.py on the demo model, 256 prompts x 256 in / 256 out.
-Writes $OUT/gpu_engine_check.json; prints a short table last.
+Prints a short table last; `--save` writes the record engine_<gpu>.json (`results_io`) with
+`warmup_s`, `<section>_output_tok_s` and `<section>_total_tok_s`. The greedy parity of the kernels'
+backend with the reference one is tests/gpu/test_engine_parity_gpu.py.
 """
 
 from __future__ import annotations
@@ -33,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import results_io
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-OUT = Path(os.environ.get("OUT", "/tmp"))
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -45,7 +42,7 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
 
-# The llama8b section's bench_throughput workload (gpu_engine_bisect.py runs the same one).
+# The llama8b section's bench_throughput workload.
 LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-len", "512",
                     "--output-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens",
                     "2048", "--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]
@@ -78,47 +75,8 @@ def section_warmup(cache_dir: str) -> dict:
                 per_shape={k: round(v, 2) for k, v in per_shape.items()})
 
 
-def section_parity(cache_dir: str) -> dict:
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxinfer.engine.llm_engine import LLM
-    from jaxinfer.model.transformer import train_forward
-    from jaxinfer.sampling_params import SamplingParams
-
-    text = (ROOT / "checkpoints" / "heldout_sample.txt").read_text()
-    lines = [line for line in text.splitlines() if line.strip()]
-    prompts = ["\n".join(lines[i:i + 3]) for i in range(0, 48, 3)]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    tokens, seconds, llms = {}, {}, {}
-    for backend in ("reference", "mosaic"):
-        t0 = time.perf_counter()
-        llm = LLM(attention_backend=backend, dtype="bfloat16", max_num_seqs=16,
-                  max_num_batched_tokens=512, warmup=False, num_blocks=4096,
-                  compilation_cache_dir=cache_dir)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens[backend] = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
-        seconds[backend] = round(time.perf_counter() - t0, 1)
-        llms[backend] = llm
-    engine = llms["reference"].engine
-    firsts, gaps = [], []
-    for (prompt, ref), (_, got) in zip(tokens["reference"], tokens["mosaic"]):
-        first = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
-        firsts.append(first)
-        if first is not None:  # the reference's own top-1/top-2 gap where the two first differ
-            ctx = list(prompt) + list(ref[:first])
-            logits = np.asarray(train_forward(engine.runner.params, engine.cfg,
-                                              jnp.asarray([ctx], jnp.int32))[0, -1], np.float32)
-            top2 = np.sort(logits)[-2:]
-            gaps.append(round(float(top2[1] - top2[0]), 4))
-    same = sum(f is None for f in firsts)
-    return dict(identical=same, of=len(firsts), first_difference_at=firsts,
-                reference_top2_gap_at_difference=gaps, seconds=seconds)
-
-
 def run_section(name: str, cache_dir: str) -> None:
-    fn = {"warmup": section_warmup, "parity": section_parity}[name]
-    print(json.dumps(fn(cache_dir)), flush=True)
+    print(json.dumps(section_warmup(cache_dir)), flush=True)
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -151,12 +109,13 @@ def throughput_argv(model: str, extra: list[str], json_path: Path, cache_dir: st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="warmup,parity,llama8b,demo")
+    ap.add_argument("--sections", default="warmup,llama8b,demo")
     ap.add_argument("--deadline-s", type=float, default=540.0)
     ap.add_argument("--backend", default="mosaic",
                     help="attention backend of the throughput sections (llama8b, demo)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    results_io.add_save_arg(ap, "engine_<gpu>")
     args = ap.parse_args()
     if args.run_section:
         return run_section(args.run_section, args.cache_dir)
@@ -169,7 +128,6 @@ def main() -> None:
     (llama_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     plans = {
         "warmup": ([sys.executable, __file__, "--run-section", "warmup", "--cache-dir", cache_dir], 240),
-        "parity": ([sys.executable, __file__, "--run-section", "parity", "--cache-dir", cache_dir], 150),
         "llama8b": (throughput_argv(str(llama_dir), LLAMA8B_WORKLOAD, work / "llama8b.json",
                                     cache_dir, args.backend), 300),
         "demo": (throughput_argv(str(ROOT / "checkpoints" / "demo-target"), [
@@ -177,7 +135,6 @@ def main() -> None:
             "--num-blocks", "16384"], work / "demo.json", cache_dir, args.backend), 150),
     }
     results: dict = {}
-    dest = OUT / "gpu_engine_check.json"
     for name in args.sections.split(","):
         argv, limit = plans[name]
         left = args.deadline_s - (time.perf_counter() - start)
@@ -198,8 +155,28 @@ def main() -> None:
                              if "compiled" in l or "Throughput" in l or "KV cache" in l][-6:]
         results[name] = entry
         print(f"== {name}: {json.dumps(entry)[:3000]}", flush=True)
-        dest.write_text(json.dumps(results, indent=1))
     print_table(results)
+    if args.save:
+        # device_slug imports jax only now: the sections' processes had the GPU to themselves.
+        results_io.save(args.save, args.name or f"engine_{results_io.device_slug()}",
+                        metrics=metrics(results),
+                        config={"sections": args.sections, "backend": args.backend,
+                                "llama8b_workload": " ".join(LLAMA8B_WORKLOAD)})
+
+
+def metrics(results: dict) -> dict:
+    out = {}
+    for name, entry in results.items():
+        r = entry.get("result") if isinstance(entry, dict) else None
+        if not r:
+            out[f"{name}_error"] = str(entry)[:200]
+        elif name == "warmup":
+            out.update(warmup_s=r["total_s"], warmup_shapes=r["shapes"])
+        else:
+            out.update({f"{name}_output_tok_s": round(r["output_tokens_per_second"], 1),
+                        f"{name}_total_tok_s": round(r["tokens_per_second"], 1),
+                        f"{name}_host_ms_per_step": round(r["host_ms_per_step"], 3)})
+    return out
 
 
 def print_table(results: dict) -> None:
@@ -208,11 +185,6 @@ def print_table(results: dict) -> None:
     if w:
         print(f"warmup    | {w['shapes']} shapes in {w['total_s']} s; phases {w['phases_s']}; "
               f"slowest {w['slowest']}")
-    p = results.get("parity", {}).get("result")
-    if p:
-        print(f"parity    | {p['identical']}/{p['of']} identical; first differences "
-              f"{[f for f in p['first_difference_at'] if f is not None]}; ref top-2 gaps there "
-              f"{p['reference_top2_gap_at_difference']}")
     for name in ("llama8b", "demo"):
         r = results.get(name, {}).get("result")
         if r:

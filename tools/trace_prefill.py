@@ -3,7 +3,7 @@ its duration and the gap before it, for our flash kernel, the same kernel with i
 by device ops inside the call (as the engine's ragged entry builds it), and cuDNN. It sets
 kernel-only TF/s beside whole-call TF/s, and measures what the table costs a call.
 
-    PYTHONPATH=. python3 benchmarks/trace_prefill.py [--shapes 1x8192c,2x4096c,2x4096n] [--calls 4]
+    PYTHONPATH=. python3 tools/trace_prefill.py [--shapes 1x8192c,2x4096c,2x4096n] [--calls 4]
 
 Shapes are BxL plus c (causal) or n (non-causal); Hq 32 / Hkv 8 / d 128, bf16, as in
 `bench_prefill.py`. Each implementation is compiled and warmed up, then runs 3 x `calls` calls under
@@ -17,18 +17,16 @@ import argparse
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from benchmarks.bench_prefill import HKV, HQ, D, dense_flops  # noqa: E402
-from benchmarks.trace_decode import RUNS, device_events, summarize  # noqa: E402
-from pallas_kernels import flash_mgpu  # noqa: E402
-from pallas_kernels import flash_prefill as fp  # noqa: E402
+from benchmarks.bench_prefill import HKV, HQ, D, dense_flops
+from tools.trace_decode import RUNS, device_events, summarize
+from pallas_kernels import flash_mgpu
+from pallas_kernels import flash_prefill as fp
 
 SCALE = D ** -0.5
 

@@ -1,6 +1,6 @@
 """Compile our Mosaic GPU kernels with Mosaic's dump flags and print what ptxas made of each (H200).
 
-    PYTHONPATH=. python3 benchmarks/dump_kernels.py [--kernels prefill,decode]
+    PYTHONPATH=. python3 tools/dump_kernels.py [--kernels prefill,decode]
         [--prefill-configs default,spec] [--dir DIR]
 
 Mosaic GPU reads MOSAIC_GPU_DUMP_PTX / MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_TO when it compiles a
@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def compile_prefill(config_name: str = "default") -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_prefill import SWEEP
     from pallas_kernels import flash_prefill as fp
-    config = SWEEP[config_name] or fp.DEFAULT_CONFIG
+    from tools.prefill_config import prefill_config
+    config = prefill_config(config_name)
     b, l, hq, hkv, d = 2, 4096, 32, 8, 128
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (b, l, hq, d), jnp.bfloat16)
@@ -62,7 +59,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="prefill,decode")
     ap.add_argument("--prefill-configs", default="default",
-                    help="comma list of bench_prefill SWEEP names; each dumps into its own folder")
+                    help="comma list of configurations (tools/prefill_config.py); each dumps into its own "
+                         "folder")
     ap.add_argument("--dir", default=None, help="dump directory")
     args = ap.parse_args(argv)
     root = Path(args.dir or os.path.join(os.environ.get("OUT", "/tmp"), "mosaic_dump"))

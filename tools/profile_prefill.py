@@ -1,12 +1,13 @@
 """Where a flash-prefill step's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 benchmarks/profile_prefill.py [--configs default,lazy8] [--causal]
+    PYTHONPATH=. python3 tools/profile_prefill.py [--configs default,stages=3] [--causal]
 
 Dense attention at B1 S2048 Hq 8 / Hkv 2 / d 128 (bf16): 16 query tiles x 8 heads = 128 items, one
 per CTA, each streaming 16 K/V steps -- every CTA busy at once, as in a large call, but few enough
-events per warpgroup for the profiler's shared-memory buffer. Each configuration (bench_prefill's
-SWEEP names) runs once unprofiled and once with `KernelConfig.profile_dir` set; the summary gives
-each named range's mean and max per occurrence in µs (at the maximum SM clock):
+events per warpgroup for the profiler's shared-memory buffer. Each configuration ("default" or
+field overrides such as "stages=3", `tools/prefill_config.py`) runs once unprofiled and once with
+`KernelConfig.profile_dir` set; the summary gives each named range's mean and max per occurrence
+in µs (at the maximum SM clock):
   consumers: qk (issue QK, hand the turn over, wait for S), softmax, wait_v_turn (V landed and
   the turn back), pv (PV, with the next K's wait inside); producer: wait_free (a slot released).
 A step of one consumer is qk + softmax + wait_v_turn + pv; with the tensor cores never idle, two
@@ -20,23 +21,21 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from benchmarks.bench_prefill import SWEEP  # noqa: E402
-from benchmarks.profile_decode import read_trace  # noqa: E402
-from pallas_kernels import flash_prefill as fp  # noqa: E402
+from tools.prefill_config import prefill_config
+from tools.profile_decode import read_trace
+from pallas_kernels import flash_prefill as fp
 
 B, L, HQ, HKV, D = 1, 2048, 8, 2, 128
 
 
 def profile_config(name: str, causal: bool, out_dir: Path) -> dict:
-    config = SWEEP[name] or fp.DEFAULT_CONFIG
+    config = prefill_config(name)
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, L, HQ, D), jnp.bfloat16)
     k = jax.random.normal(ks[1], (B, L, HKV, D), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """Where a paged-decode call's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 benchmarks/profile_decode.py [--shapes 1x32768,64x4096] [--variants mosaic]
+    PYTHONPATH=. python3 tools/profile_decode.py [--shapes 1x32768,64x4096] [--variants mosaic]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
@@ -23,18 +23,16 @@ import glob
 import json
 import os
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
+import jax
 
-from benchmarks.bench_decode import D, make_paged_case, mosaic_config  # noqa: E402
-from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
+from benchmarks.bench_decode import D, make_paged_case, mosaic_config
+from pallas_kernels.paged_decode import paged_decode_mosaic_configured
 
 WARPGROUPS = 3  # two consumers, then the producer
 

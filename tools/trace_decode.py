@@ -2,7 +2,7 @@
 call, its duration and the idle gap before it, so the time a call spends outside the decode kernel
 (the split combine, launch gaps) is measured rather than inferred.
 
-    PYTHONPATH=. python3 benchmarks/trace_decode.py [--shapes 1x32768,8x32768] [--variants mosaic]
+    PYTHONPATH=. python3 tools/trace_decode.py [--shapes 1x32768,8x32768] [--variants mosaic]
                                                     [--lens 64]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, full context, the same chained jit as
@@ -19,18 +19,16 @@ import functools
 import glob
 import json
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
+import jax
 
-from benchmarks.bench_decode import D, chained_calls, make_paged_case, mosaic_config  # noqa: E402
-from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
+from benchmarks.bench_decode import D, chained_calls, make_paged_case, mosaic_config
+from pallas_kernels.paged_decode import paged_decode_mosaic_configured
 
 RUNS = 3
 

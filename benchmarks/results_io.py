@@ -1,0 +1,121 @@
+"""Benchmark results as data: one JSON record per benchmark name under benchmarks/results/.
+
+A record is `{name, date, commit, machine, command, config, metrics}`; anchors and ceilings
+measured in the same run go inside `metrics` beside the figures they anchor. Only the latest run
+per name is kept in the tree (git keeps the history). A benchmark uses it in two lines:
+
+    results_io.add_save_arg(parser, "soak_<gpu>")        # --save [DIR], --name NAME
+    ...
+    if args.save:
+        name = args.name or f"soak_{results_io.device_slug()}"
+        results_io.save(args.save, name, config={...}, metrics={...})
+
+`commit` comes from `git rev-parse` (with "+dirty" when the tree has uncommitted changes), or from
+$BENCH_COMMIT where the benchmark runs from a copy without git (the GPU machine).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+KEYS = ("name", "date", "commit", "machine", "command", "config", "metrics")
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    """The checkout's commit, "+dirty" if tracked files differ from it; $BENCH_COMMIT wins."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    cwd = cwd or Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """Where the run happened: the accelerator jax sees (if jax is already imported: this never
+    starts a backend by itself), the CPU model and count, and the host name."""
+    out = {"host": platform.node(), "cpu": _cpu_model(), "cpu_count": os.cpu_count()}
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        dev = jax.devices()[0]
+        out.update(platform=dev.platform, device=getattr(dev, "device_kind", str(dev)),
+                   device_count=jax.device_count(), jax=jax.__version__)
+    return out
+
+
+def device_slug() -> str:
+    """The accelerator's short name for record names ("h200" for an NVIDIA H200), else "cpu"."""
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return "cpu"
+    return getattr(dev, "device_kind", dev.platform).split()[-1].lower().replace("-", "_")
+
+
+def record(name: str, *, config: dict, metrics: dict, command: str | None = None,
+           date: str | None = None, commit: str | None = None,
+           machine_info: dict | None = None) -> dict:
+    """A result record; the defaults describe this process (now, this checkout, this machine,
+    sys.argv). Historical records pass the original date, commit, machine and command."""
+    return {
+        "name": name,
+        "date": date or datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit or git_commit(),
+        "machine": machine_info if machine_info is not None else machine(),
+        "command": command or " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "config": config,
+        "metrics": metrics,
+    }
+
+
+def save(directory: str | Path | None, name: str, *, config: dict, metrics: dict,
+         **kwargs) -> Path:
+    """Writes record(name, ...) to DIRECTORY/<name>.json (default benchmarks/results) and
+    returns the path."""
+    directory = Path(directory or RESULTS_DIR)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    rec = record(name, config=config, metrics=metrics, **kwargs)
+    path.write_text(json.dumps(rec, indent=1, sort_keys=False) + "\n")
+    print(f"saved {path}", flush=True)
+    return path
+
+
+def load(name: str, directory: str | Path | None = None) -> dict:
+    return json.loads((Path(directory or RESULTS_DIR) / f"{name}.json").read_text())
+
+
+def add_save_arg(parser, default_name: str = "") -> None:
+    """--save [DIR]: write this run's record to DIR/<name>.json (default benchmarks/results);
+    --name NAME: the record's name instead of the benchmark's default (`args.name`)."""
+    parser.add_argument("--save", nargs="?", const=str(RESULTS_DIR), default=None, metavar="DIR",
+                        help="write the run's JSON record to DIR/<name>.json "
+                             "(default: benchmarks/results)")
+    parser.add_argument("--name", default=None,
+                        help="the record's name" + (f" (default: {default_name})" if default_name
+                                                    else ""))

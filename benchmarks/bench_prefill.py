@@ -2,7 +2,7 @@
 greedy-output check of a small random model.
 
     python3 benchmarks/bench_prefill.py [--skip-model] [--quick]     # JSON -> $OUT/bench_prefill.json
-    python3 benchmarks/bench_prefill.py --sweep lazy8,persist_q2 [--check persist_q2] [--tag T]
+    python3 benchmarks/bench_prefill.py --sweep default,s3 [--check s3] [--tag T]
 
 Sections (each isolated: a failure is recorded and the rest still runs):
   correctness  Mosaic GPU dense (causal / not, bf16 / f16, d 64 / 128, GQA, ragged L, soft-cap),
@@ -46,19 +46,14 @@ from pallas_kernels.testing import random_paged_batch  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 DENSE_SHAPES = [(1, 8192, True), (2, 4096, True), (2, 4096, False)]  # (B, L, causal)
 
-# Kernel configurations compared side by side by --sweep (None = the entry point's default).
+# Kernel configurations compared side by side by --sweep: the default (the production kernel)
+# and single-knob changes of it.
 SWEEP = {
-    "default": None,
-    "grid_kv128_s2": KernelConfig(),  # the configuration before the sweep of 2026-11-29
-    "lazy8": KernelConfig(rescale_threshold=8.0),
-    "s3_lazy8": KernelConfig(stages=3, rescale_threshold=8.0),
-    "kv192_lazy8": KernelConfig(block_kv=192, rescale_threshold=8.0),
-    "persist_q2": KernelConfig(persistent=True, q_buffers=2),
-    # the default until the seventh session (the row max computed at every step)
-    "persist_q2_lazy8": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
-    "persist_s3_lazy8": KernelConfig(persistent=True, stages=3, rescale_threshold=8.0),
-    "persist_q2_lazy8_r232": KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
-                                          consumer_registers=232, producer_registers=40),
+    "default": KernelConfig(),
+    "s3": KernelConfig(stages=3),
+    "kv192": KernelConfig(block_kv=192),
+    "r232": KernelConfig(consumer_registers=232, producer_registers=40),
+    "lazy4": KernelConfig(rescale_threshold=4.0),
 }
 
 
@@ -243,7 +238,7 @@ def time_paged(results, quick=False, sweep=()):
                               q.shape[0], causal=True)
         contiguous = lambda q, k, v, tiles: flash_mgpu.mosaic_attention(
             q, k, v, tiles, jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=True,
-            scale=sm, softcap=None, config=fp.DEFAULT_CONFIG)
+            scale=sm, softcap=None, config=KernelConfig())
         impls = {
             "ours_mosaic_paged": (fp.flash_prefill_mosaic, args),
             "ours_mosaic_contiguous_kv": (contiguous, (q, k_flat, v_flat, tiles)),
@@ -341,7 +336,7 @@ def run(out_dir: str | None = None, *, skip_model: bool = False, quick: bool = F
         sweep: tuple[str, ...] = (), sweep_paged: tuple[str, ...] | None = None,
         check: tuple[str, ...] = (), tag: str = "") -> dict:
     results = {"jax": jax.__version__, "device": str(jax.devices()[0]), "correctness": {},
-               "timing": {}, "default_config": str(fp.DEFAULT_CONFIG)}
+               "timing": {}, "default_config": str(KernelConfig())}
     if sweep:
         sweep_paged = sweep if sweep_paged is None else sweep_paged
         unknown = [c for c in (*sweep, *sweep_paged, *check) if c not in SWEEP]

@@ -28,7 +28,7 @@ def compile_prefill(config_name: str = "default") -> None:
 
     from benchmarks.bench_prefill import SWEEP
     from pallas_kernels import flash_prefill as fp
-    config = SWEEP[config_name] or fp.DEFAULT_CONFIG
+    config = SWEEP[config_name]
     b, l, hq, hkv, d = 2, 4096, 32, 8, 128
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (b, l, hq, d), jnp.bfloat16)
@@ -41,9 +41,9 @@ def compile_decode() -> None:
     import jax
 
     from benchmarks import bench_decode as bd
-    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic_configured
+    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     case = bd.make_paged_case(1, 32768)
-    jax.block_until_ready(jax.jit(lambda q, k, v, bt, lens: paged_decode_mosaic_configured(
+    jax.block_until_ready(jax.jit(lambda q, k, v, bt, lens: paged_decode_mosaic(
         q, k, v, bt, lens, scale=bd.D ** -0.5, config=MosaicDecodeConfig()))(
         case["q"], case["k"], case["v"], case["bts"][0], case["lens"]))
 

@@ -29,15 +29,15 @@ from pallas_kernels import reference
 from pallas_kernels.backend import AttentionBackend, get_backend
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
-                                         paged_decode_mosaic_configured, paged_decode_triton)
+                                         paged_decode_triton)
 
 KERNELS = {
     "mosaic": paged_decode_mosaic,
-    "mosaic_t128": functools.partial(paged_decode_mosaic_configured,
+    "mosaic_t128": functools.partial(paged_decode_mosaic,
                                      config=MosaicDecodeConfig(tokens_per_step=128)),
-    "mosaic_s1": functools.partial(paged_decode_mosaic_configured,
+    "mosaic_s1": functools.partial(paged_decode_mosaic,
                                    config=MosaicDecodeConfig(num_splits=1)),
-    "mosaic_xla_combine": functools.partial(paged_decode_mosaic_configured,
+    "mosaic_xla_combine": functools.partial(paged_decode_mosaic,
                                             config=MosaicDecodeConfig(combine_kernel=False)),
     "triton": paged_decode_triton,
 }

@@ -43,10 +43,9 @@ def register_variant(name: str) -> str:
         return name
     from pallas_kernels import backend, reference
     from pallas_kernels.flash_prefill import flash_prefill_mosaic
-    from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
-                                             paged_decode_mosaic_configured)
+    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     decode, prefill = {
-        "mosaic_nopdl": (functools.partial(paged_decode_mosaic_configured,
+        "mosaic_nopdl": (functools.partial(paged_decode_mosaic,
                                            config=MosaicDecodeConfig(pdl=False, bt_lookahead=0)),
                          flash_prefill_mosaic),
         "decode_only": (paged_decode_mosaic, reference.ragged_prefill_reference),

@@ -1,6 +1,6 @@
 """Where a flash-prefill step's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 benchmarks/profile_prefill.py [--configs default,lazy8] [--causal]
+    PYTHONPATH=. python3 benchmarks/profile_prefill.py [--configs default,s3] [--causal]
 
 Dense attention at B1 S2048 Hq 8 / Hkv 2 / d 128 (bf16): 16 query tiles x 8 heads = 128 items, one
 per CTA, each streaming 16 K/V steps -- every CTA busy at once, as in a large call, but few enough
@@ -36,7 +36,7 @@ B, L, HQ, HKV, D = 1, 2048, 8, 2, 128
 
 
 def profile_config(name: str, causal: bool, out_dir: Path) -> dict:
-    config = SWEEP[name] or fp.DEFAULT_CONFIG
+    config = SWEEP[name]
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, L, HQ, D), jnp.bfloat16)
     k = jax.random.normal(ks[1], (B, L, HKV, D), jnp.bfloat16)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 from benchmarks.bench_decode import D, chained_calls, make_paged_case, mosaic_config  # noqa: E402
-from pallas_kernels.paged_decode import paged_decode_mosaic_configured  # noqa: E402
+from pallas_kernels.paged_decode import paged_decode_mosaic  # noqa: E402
 
 RUNS = 3
 
@@ -81,7 +81,7 @@ def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path,
     case = make_paged_case(batch, ctx)
     if lens is not None:  # the ctx shape's grid and split plan, but only `lens` tokens to stream
         case["lens"] = jax.numpy.full((batch,), lens, jax.numpy.int32)
-    fn = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5,
+    fn = functools.partial(paged_decode_mosaic, scale=D ** -0.5,
                            config=mosaic_config(variant))
     chain, call = case["chain"], chained_calls(fn, case)
     q = jax.block_until_ready(call(case["q"]))

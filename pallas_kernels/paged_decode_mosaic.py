@@ -99,7 +99,7 @@ class MosaicDecodeConfig:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a positive multiple "
                              f"of 64")
         if self.stages is not None and (self.stages < 2 or self.stages % 2):
-            raise ValueError(f"stages={self.stages} must be even and >= 2 (or None: as many as fit)")
+            raise ValueError(f"stages={self.stages} must be even and >= 2 (None: as many as fit)")
         for name in ("num_ctas", "split_workers", "num_splits"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -15,8 +15,9 @@ import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
-# The stale-max step: a row sum of P at most this, against a kept max, means every p is too, far from
-# fp32's range; a row whose max grew by at most the rescale threshold t has sums <= 2^t * block_kv.
+# The stale-max step: a row sum of P at most this, against a kept max, means every p is too, far
+# from fp32's range; a row whose max grew by at most the rescale threshold t has sums
+# <= 2^t * block_kv.
 STALE_SUM_BOUND = 2.0 ** 16
 
 

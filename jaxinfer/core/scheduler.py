@@ -145,7 +145,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
             elif kv.has_request(seq.seq_id):
-                kv.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed, len(seq.token_ids)))
+                kv.cache_blocks(seq.seq_id, seq.token_ids,
+                                min(seq.num_computed, len(seq.token_ids)))
 
     def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -116,7 +116,8 @@ class LLMEngine:
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.runner = ModelRunner(
-            cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks, block_size=args.block_size, max_model_len=self.max_model_len,
+            cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks,
+            block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call)
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)

@@ -1,10 +1,10 @@
 """Turn a finished step's sampled tokens into sequence state, finish decisions and RequestOutputs.
 
 Runs on the host after `StepHandle.result()`. For each emitting row: append the token(s), detokenize,
-check (in this order) stop token ids / EOS, stop strings, max_tokens and the context limit, and set a
-finished sequence's finish reason. It touches no KV state: `process` returns the step's sequences,
-which the engine hands to `Scheduler.update_from_output` (finished ones free their blocks, full
-blocks enter the prefix cache).
+check (in this order) stop token ids / EOS, stop strings, max_tokens and the context limit, and
+set a finished sequence's finish reason. It touches no KV state: `process` returns the step's
+sequences, which the engine hands to `Scheduler.update_from_output` (finished ones free their
+blocks, full blocks enter the prefix cache).
 """
 
 from __future__ import annotations

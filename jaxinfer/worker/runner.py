@@ -203,7 +203,8 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+    def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
+                 block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1):
         self.cfg = cfg
         self.params = params

@@ -66,8 +66,9 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
                      num_seqs: int, table: SamplingTable,
                      block_size: int, max_blocks: int, max_model_len: int,
                      variant: SamplerVariant) -> StepBatch:
-    """rows: decodes first, each with its block ids. num_decode_rows: the static decode count (T == S == num_decode_rows for
-    a pure-decode bucket, 0 for a mixed step). Returns numpy arrays (the caller device_puts).
+    """rows: decodes first, each with its block ids. num_decode_rows: the static decode count
+    (T == S == num_decode_rows for a pure-decode bucket, 0 for a mixed step). Returns numpy
+    arrays (the caller device_puts).
 
     The per-row work is plain list appends; every array is then made by a few vectorized numpy
     operations (this runs every step: 256 rows must cost well under a millisecond)."""

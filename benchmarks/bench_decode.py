@@ -41,7 +41,7 @@ from jax import lax
 from benchmarks import results_io
 from pallas_kernels.paged_decode import (
     MosaicDecodeConfig,
-    paged_decode_mosaic_configured,
+    paged_decode_mosaic,
     paged_decode_triton_configured,
 )
 from pallas_kernels.device_info import num_sms
@@ -235,12 +235,12 @@ def mosaic_config(name: str) -> MosaicDecodeConfig:
 def our_variants(scale: float, names=()) -> dict:
     """name -> fn(q, k, v, bt, lens) for the kernels of this repo in their benchmarked configs,
     plus the Mosaic variants named in `names` (see `mosaic_config`)."""
-    out = {"mosaic": functools.partial(paged_decode_mosaic_configured, scale=scale,
+    out = {"mosaic": functools.partial(paged_decode_mosaic, scale=scale,
                                        config=MosaicDecodeConfig()),
            "triton": functools.partial(paged_decode_triton_configured, scale=scale)}
     for name in names:
         if name.startswith("mosaic:"):
-            out[name] = functools.partial(paged_decode_mosaic_configured, scale=scale,
+            out[name] = functools.partial(paged_decode_mosaic, scale=scale,
                                           config=mosaic_config(name))
     return out
 

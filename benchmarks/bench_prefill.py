@@ -30,6 +30,7 @@ import numpy as np
 from benchmarks import results_io
 from pallas_kernels import flash_mgpu, reference
 from pallas_kernels import flash_prefill as fp
+from pallas_kernels.flash_config import KernelConfig
 from pallas_kernels.testing import random_paged_batch
 
 HQ, HKV, D = 32, 8, 128
@@ -151,7 +152,7 @@ def time_paged(results: dict, quick: bool = False) -> None:
                               jnp.arange(s, dtype=jnp.int32) * ctx // 8, q.shape[0], causal=True)
         contiguous = lambda q, k, v, tiles: flash_mgpu.mosaic_attention(
             q, k, v, tiles, jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=True,
-            scale=sm, softcap=None, config=fp.DEFAULT_CONFIG)
+            scale=sm, softcap=None, config=KernelConfig())
         paged = lambda f: functools.partial(f, scale=sm, softcap=None)
         impls = {"ours_mosaic_paged": (paged(fp.flash_prefill_mosaic), args),
                  "ours_mosaic_contiguous_kv": (contiguous, (q, k_flat, v_flat, tiles))}
@@ -233,7 +234,7 @@ def main(argv=None) -> dict:
         results_io.save(args.save, args.name or f"flash_prefill_{results_io.device_slug()}",
                         config={"hq": HQ, "hkv": HKV, "d": D, "dtype": "bfloat16",
                                 "shapes": list(shapes), "quick": args.quick,
-                                "default_config": str(fp.DEFAULT_CONFIG)},
+                                "default_config": str(KernelConfig())},
                         metrics=metrics(timing))
     return timing
 

@@ -108,7 +108,7 @@ def host_overhead(args: argparse.Namespace) -> dict:
             seq.num_pending -= 1
             outputs._append(seq, int(fake[r]), None, t2)
             assert seq.finish_reason is None, (seq, seq.finish_reason)
-            engine.kv_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+        scheduler.update_from_output([entry.seq for entry in sched.scheduled])
         t3 = time.perf_counter()
         assert len(sched.decodes) == n
         sched_ms.append(1e3 * (t1 - t0))

@@ -17,13 +17,11 @@ CTA layout (FA3): three warpgroups.
   matmuls. (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while
   PV_{n-1} runs -- was tried twice and measured slower or no faster; see docs/ARCHITECTURE.md.)
 
-Grid (static `KernelConfig.persistent`):
-  - one CTA per work item, or
-  - persistent: one CTA per SM looping over items in a snake order (round r takes items
-    r*G .. r*G+G-1, alternately forwards and backwards, so with the table sorted longest-first every
-    CTA gets about the same causal work). The K/V ring runs on across items -- the producer fills
-    the next item's K/V while the consumers finish the current one -- and with `q_buffers=2` each
-    consumer prefetches its next item's Q before writing out the current output.
+Grid: persistent, one CTA per SM (or `KernelConfig.num_ctas`) looping over items in a snake order
+(round r takes items r*G .. r*G+G-1, alternately forwards and backwards, so with the table sorted
+longest-first every CTA gets about the same causal work). The K/V ring runs on across items -- the
+producer fills the next item's K/V while the consumers finish the current one -- and each consumer
+prefetches its next item's Q into its second Q/O buffer before writing out the current output.
   The K/V step counter is global across a CTA's items, so ring slots and barrier phases simply
   continue from one item to the next.
 
@@ -62,9 +60,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.device_info import num_sms
-from pallas_kernels.flash_config import BLOCK_Q, PROFILE_EVENTS, SMEM_LIMIT, TILE_Q, KernelConfig
+from pallas_kernels.flash_config import (BLOCK_Q, PROFILE_EVENTS, Q_BUFFERS, SMEM_LIMIT, TILE_Q,
+                                         KernelConfig)
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
-from pallas_kernels.softmax_mgpu import redo_where_sums_overflow, rows_scale_where_needed
+from pallas_kernels.softmax_mgpu import redo_where_sums_overflow
 
 LOG2E = math.log2(math.e)
 
@@ -89,11 +88,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     interpret: run in Mosaic GPU's interpreter (CPU tests). It checks every barrier's phase
     accounting, but supports no register A operand of wgmma, no barrier wait inside a wgmma scope and
     no `inline_mgpu`; there P goes through shared memory, the next-K wait follows PV instead of
-    overlapping it, and lazy rescaling multiplies every row (the same math)."""
+    overlapping it, and every step takes the plain online softmax (row max, lazy threshold, a
+    rescale of every row: the same math as the stale-max step)."""
     t, hq, d = q.shape
     dtype = q.dtype
     cfg = config
-    bkv, stages, q_buffers = cfg.block_kv, cfg.stages, cfg.q_buffers
+    bkv, stages = cfg.block_kv, cfg.stages
     if kv_mode == "paged":
         hkv, _, page, _ = k.shape
         if bkv % page:
@@ -110,7 +110,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                          f"shared memory at head_dim={d}; the limit is {SMEM_LIMIT}")
     group = hq // hkv
     num_items = hq * tiles.shape[0]
-    num_ctas = min(num_items, cfg.num_ctas or num_sms()) if cfg.persistent else num_items
+    num_ctas = min(num_items, cfg.num_ctas or num_sms())
     rounds = -(-num_items // num_ctas)
     # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
     # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
@@ -124,9 +124,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
         def item(r) -> WorkItem:
             """This CTA's r-th work item (n_rows = 0 past the last one)."""
-            pos = cta
-            if cfg.persistent:
-                pos = jnp.where(lax.rem(r, 2) == 0, cta, num_ctas - 1 - cta)
+            pos = jnp.where(lax.rem(r, 2) == 0, cta, num_ctas - 1 - cta)
             idx = r * num_ctas + pos
             valid = idx < num_items
             idx = jnp.minimum(idx, num_items - 1)
@@ -234,8 +232,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 """Raw scores of step j -> (p, new row max, rescale factor for older terms)."""
                 s = visible_scores(s, j, masked)
                 m_new = jnp.maximum(m_i, s.max(axis=1) * log2_factor)
-                if cfg.rescale_threshold:  # keep the stale max unless it grew a lot (NaN: keep)
-                    m_new = jnp.where(m_new - m_i > cfg.rescale_threshold, m_new, m_i)
+                # Keep the stale max unless it grew a lot (NaN: keep).
+                m_new = jnp.where(m_new - m_i > cfg.rescale_threshold, m_new, m_i)
                 p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 return p, m_new, jnp.exp2(m_i - m_new)
 
@@ -303,7 +301,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                 return softmax
                             p, m_new, l_i = lax.cond(masked, first_softmax(True),
                                                      first_softmax(False), s)
-                        elif cfg.stale_max_exp and not interpret:
+                        elif not interpret:  # the stale-max step
                             s = visible_scores(s, j, masked)
                             p = jnp.exp2(s * log2_factor - lax.broadcast_in_dim(m_i, s.shape, [0]))
                             p, acc, m_new, l_i = redo_where_sums_overflow(
@@ -311,10 +309,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                 cfg.rescale_threshold)
                         else:
                             p, m_new, alpha = online_softmax(s, m_i, j, masked)
-                            if cfg.rescale_threshold and not interpret:
-                                acc = rows_scale_where_needed(acc, alpha)
-                            else:
-                                acc = rows_scale(acc, alpha)
+                            acc = rows_scale(acc, alpha)
                             l_i = l_i * alpha + p.sum(axis=1)
                         p16 = p.astype(dtype)
                         # Pin the softmax before the barrier so the compiler does not sink it into
@@ -359,9 +354,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             plgpu.set_max_registers(cfg.consumer_registers, action="increase")
             pl.when(wg == 1)(pass_turn)  # warpgroup 0 takes the first turn
 
-            def prefetch(r):  # q_buffers == 2: issue the Q load of this CTA's item r into buffer r % 2
-                if q_buffers == 1:
-                    return
+            def prefetch(r):  # issue the Q load of this CTA's item r into buffer r % 2
                 nxt = item(r)
                 pl.when(nxt.n_rows > 0)(lambda: load_q(nxt, lax.rem(r, 2)))
 
@@ -369,9 +362,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             def consumer_round(r, g0):
                 it = item(r)
-                b = lax.rem(r, 2) if q_buffers == 2 else 0
-                if q_buffers == 1:
-                    pl.when(it.n_rows > 0)(lambda: load_q(it, b))
+                b = lax.rem(r, 2)
                 pl.when(it.n_rows > 0)(lambda: consume_item(it, g0, b, lambda: prefetch(r + 1)))
                 pl.when(it.n_rows == 0)(lambda: prefetch(r + 1))
                 return item_steps(it)
@@ -426,9 +417,9 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
         swizzle = plgpu.SwizzleTransform(128)
-        qo = plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
+        qo = plgpu.SMEM((Q_BUFFERS, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
         smem = (
-            plgpu.RefUnion(qo, plgpu.SMEM((q_buffers, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
+            plgpu.RefUnion(qo, plgpu.SMEM((Q_BUFFERS, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
@@ -437,7 +428,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         )
         loaded = (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
                   plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-                  plgpu.Barrier(num_barriers=2 * q_buffers))
+                  plgpu.Barrier(num_barriers=2 * Q_BUFFERS))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_barriers=2)
         pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),

@@ -30,14 +30,6 @@ from pallas_kernels.flash_config import TILE_Q, KernelConfig
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 
-# The default kernel configuration, from the H200 sweeps in benchmarks/RESULTS.md ("Flash prefill
-# attention"): a persistent grid with Q prefetch and lazy rescaling won on every shape, dense
-# (causal or not) and paged; 3 K/V stages and 192-key blocks lost; skipping the row max (exp2
-# against the kept max, checked by the row sums) gained 2-10% (seventh session). Paged K/V needs
-# block_size | block_kv (128 keys here).
-DEFAULT_CONFIG = KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0,
-                              stale_max_exp=True)
-
 
 def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref: jax.Array,
                num_tokens: int, *, causal: bool) -> jax.Array:
@@ -124,11 +116,10 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
 
 def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
                          scale: float, softcap: float | None = None,
-                         config: KernelConfig | None = None, interpret: bool = False):
+                         config: KernelConfig = KernelConfig(), interpret: bool = False):
     """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D].
-    `config` overrides the kernel's tuning (benchmarks); None = DEFAULT_CONFIG. `interpret`: Mosaic
-    GPU's interpreter (CPU tests; see `flash_mgpu.mosaic_attention`)."""
-    config = config or DEFAULT_CONFIG
+    `config`: the kernel's tuning (the default is the production kernel). `interpret`: Mosaic GPU's
+    interpreter (CPU tests; see `flash_mgpu.mosaic_attention`)."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                softcap, extra_rows=0, block_kv=config.block_kv)
@@ -144,7 +135,7 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
     q is padded by one tile of rows so every tile's block of rows lies inside the array."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               softcap, extra_rows=TILE_Q, block_kv=DEFAULT_CONFIG.block_kv)
+                               softcap, extra_rows=TILE_Q, block_kv=KernelConfig().block_kv)
     out = flash_triton.triton_paged_attention(qp, k_cache, v_cache, tiles,
                                               block_tables.astype(jnp.int32), scale=scale,
                                               softcap=softcap, interpret=interpret)
@@ -152,12 +143,12 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                    softcap: float | None = None, config: KernelConfig | None = None,
+                    softcap: float | None = None, config: KernelConfig = KernelConfig(),
                     interpret: bool = False):
     """Dense attention. q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. Any L (the ragged
     end of the last query/key tile is masked); GQA maps each query head to its KV head in the
-    kernel's index arithmetic, K/V are never repeated. `config` overrides the kernel's tuning
-    (benchmarks); None = DEFAULT_CONFIG. `interpret`: as in `flash_prefill_mosaic`."""
+    kernel's index arithmetic, K/V are never repeated. `config`, `interpret`: as in
+    `flash_prefill_mosaic`."""
     b, l, hq, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, l) or k.shape[3] != d:
         raise ValueError(f"k {k.shape} / v {v.shape} must be [B={b}, L={l}, Hkv, D={d}]")
@@ -180,5 +171,5 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     out = flash_mgpu.mosaic_attention(
         q.reshape(b * lp, hq, d), k.reshape(b * lp, hkv, d), v.reshape(b * lp, hkv, d), tiles,
         jnp.zeros((1, 1), jnp.int32), kv_mode="contiguous", causal=causal, scale=scale,
-        softcap=softcap, config=config or DEFAULT_CONFIG, interpret=interpret)
+        softcap=softcap, config=config, interpret=interpret)
     return out.reshape(b, lp, hq, d)[:, :l]

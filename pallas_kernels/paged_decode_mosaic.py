@@ -67,19 +67,45 @@ _PROFILE_EVENTS = 128  # profiler events per warpgroup (16 bytes of shared memor
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
-    tokens_per_step: int = 64  # K/V tokens per pipeline slot: a multiple of 64 (wgmma N tiling)
-    stages: int | None = None  # slots in the ring; even (see module docstring); default: as
-    # many as fit in shared memory
-    num_ctas: int | None = None  # persistent CTAs; default: one per SM
-    split_workers: int | None = None  # workers the split plan balances over; default: num_ctas
-    num_splits: int | None = None  # force this many context splits (benchmarks); default: planned
-    bt_lookahead: int = 2  # the producer reads block ids this many steps ahead (0: just in time)
-    pdl: bool = True  # programmatic dependent launch: the kernel's launch and set-up overlap the
-    # previous kernel's tail; nothing is read from memory before `griddepcontrol.wait`; with
-    # splits, the combine kernel's launch overlaps this one
-    combine_kernel: bool = True  # merge splits with split_combine_mosaic (else XLA: 3 kernels)
-    profile_dir: str = ""  # write each call's per-warpgroup timeline (Mosaic GPU's profiler, a
-    # Perfetto JSON) here; see benchmarks/profile_decode.py
+    """Static tuning knobs; every distinct value compiles its own kernel. The defaults are the
+    production configuration (the H200 decode grid of benchmarks/RESULTS.md).
+
+    tokens_per_step: K/V tokens per pipeline slot, a positive multiple of 64 (wgmma N tiling).
+    stages: slots in the ring, even and >= 2 (see the module docstring); None: as many as fit in
+      shared memory.
+    num_ctas: persistent CTAs; None: one per SM.
+    split_workers: workers the split plan balances over; None: num_ctas.
+    num_splits: force this many context splits (benchmarks, tests); None: planned.
+    bt_lookahead: the producer reads block ids this many steps ahead (0: just in time).
+    pdl: programmatic dependent launch: the kernel's launch and set-up overlap the previous
+      kernel's tail; nothing is read from memory before `griddepcontrol.wait`; with splits, the
+      combine kernel's launch overlaps this one.
+    combine_kernel: merge splits with split_combine_mosaic; False: the same merge in XLA (three
+      kernels), the combine kernel's oracle in tests.
+    profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
+      here; see benchmarks/profile_decode.py."""
+    tokens_per_step: int = 64
+    stages: int | None = None
+    num_ctas: int | None = None
+    split_workers: int | None = None
+    num_splits: int | None = None
+    bt_lookahead: int = 2
+    pdl: bool = True
+    combine_kernel: bool = True
+    profile_dir: str = ""
+
+    def __post_init__(self):
+        if self.tokens_per_step <= 0 or self.tokens_per_step % 64:
+            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a positive multiple "
+                             f"of 64")
+        if self.stages is not None and (self.stages < 2 or self.stages % 2):
+            raise ValueError(f"stages={self.stages} must be even and >= 2 (None: as many as fit)")
+        for name in ("num_ctas", "split_workers", "num_splits"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be positive (or None)")
+        if self.bt_lookahead < 0:
+            raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")
 
 
 def _scoped(name: str):
@@ -339,9 +365,9 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         raise ValueError(f"k_cache dtype {dtype} not supported: the Mosaic kernel needs bf16/f16")
     if d % 64:
         raise ValueError(f"head_dim ({d}) must be a multiple of 64 for the Mosaic kernel")
-    if bs % 8 or config.tokens_per_step % bs or config.tokens_per_step % 64:
+    if bs % 8 or config.tokens_per_step % bs:
         raise ValueError(f"block_size ({bs}) must be a multiple of 8 dividing tokens_per_step "
-                         f"({config.tokens_per_step}), itself a multiple of 64")
+                         f"({config.tokens_per_step})")
     if g > _WGMMA_ROWS:
         raise ValueError(f"num_q_heads / num_kv_heads ({g}) must be <= {_WGMMA_ROWS}")
     pages_per_step = config.tokens_per_step // bs
@@ -440,11 +466,13 @@ def _combine_parts(o, lse, launch: _Launch) -> jax.Array:
     return (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[:, None]
 
 
-def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                                   softcap: float | None = None,
-                                   config: MosaicDecodeConfig = MosaicDecodeConfig(),
-                                   interpret: bool = False) -> jax.Array:
-    """`paged_decode_mosaic` with its tuning knobs exposed (benchmarks, tests)."""
+def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
+                        softcap: float | None = None,
+                        config: MosaicDecodeConfig = MosaicDecodeConfig(),
+                        interpret: bool = False) -> jax.Array:
+    """Paged decode attention (backend `decode` signature), Mosaic GPU (Hopper). `config`: the
+    kernel's tuning (the default is the production kernel). `interpret`: Mosaic GPU's interpreter
+    (CPU tests)."""
     outs, launch = mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                       softcap=softcap, config=config, interpret=interpret)
     if launch.num_splits == 1:
@@ -456,9 +484,3 @@ def paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, 
         out = _combine_parts(*outs, launch)
     return out.reshape(q.shape).astype(q.dtype)
 
-
-def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                        softcap: float | None = None) -> jax.Array:
-    """Paged decode attention (backend `decode` signature), Mosaic GPU (Hopper)."""
-    return paged_decode_mosaic_configured(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                          softcap=softcap)

@@ -15,8 +15,9 @@ import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
-# stale_max_exp: a row sum of P at most this, against a kept max, means every p is too, far from
-# fp32's range; a row whose max grew by at most the rescale threshold t has sums <= 2^t * block_kv.
+# The stale-max step: a row sum of P at most this, against a kept max, means every p is too, far
+# from fp32's range; a row whose max grew by at most the rescale threshold t has sums
+# <= 2^t * block_kv.
 STALE_SUM_BOUND = 2.0 ** 16
 
 
@@ -49,25 +50,8 @@ def _any_scalar(row, predicate):
     return out
 
 
-def rows_scale_where_needed(acc, alpha):
-    """acc * alpha[:, None], with the multiply skipped (a per-thread branch) in every thread whose
-    rows all have alpha == 1."""
-    wgmma = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma.reduce(1)),
-                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=wgmma))
-    def scale(_, acc, alpha):
-        one = arith.constant(ir.F32Type.get(), 1.0)
-        need = _any_scalar(alpha, lambda x: arith.cmpf(arith.CmpFPredicate.UNE, x, one))
-        [acc] = _branch(need, lambda: [acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)],
-                        [acc])
-        return acc
-
-    return scale(acc, alpha)
-
-
 def redo_where_sums_overflow(s, p, acc, m_i, l_i, row_sum, factor: float, threshold: float):
-    """stale_max_exp's check: p = exp2(s * factor - m_i) was taken against the kept max without
+    """The stale-max step's check: p = exp2(s * factor - m_i) was taken against the kept max without
     the step's row max. Where every row sum is at most STALE_SUM_BOUND, (p, acc, m_i, l_i +
     row_sum) is the online softmax's step exactly (a kept max, no rescale). A warp with a larger,
     inf or NaN sum (the first step, or a max that jumped) redoes the step as the plain path would:

@@ -17,13 +17,13 @@ import signal
 from aiohttp import web
 
 from serve import chat, completions, info
-from serve.app_keys import (CREATED, ENGINE, LIFECYCLE, MAX_REQUEST_BYTES, MAX_WAITING, OWNS_ENGINE,
-                             SERVER_METRICS, SHUTDOWN_GRACE)
+from serve.app_keys import (CREATED, ENGINE, MAX_REQUEST_BYTES, MAX_WAITING, OWNS_ENGINE,
+                             SHUTDOWN_GRACE)
 from serve.auth import make_auth_middleware
 from serve.choices import now
-from serve.engine_requests import Lifecycle
+from serve.engine_requests import LIFECYCLE, Lifecycle
 from serve.errors import error_middleware
-from serve.http_metrics import ServerMetrics, get_metrics, make_metrics_middleware
+from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""Typed keys of the application's shared state (aiohttp's `AppKey`, instead of string keys)."""
+"""Typed keys of the application's shared state (aiohttp's `AppKey`, instead of string keys).
+
+Keys whose value is a type defined in serve/ live beside that type (`engine_requests.LIFECYCLE`,
+`http_metrics.SERVER_METRICS`), so this module imports nothing from serve/ and every module may
+import it."""
 
 from __future__ import annotations
 
@@ -8,14 +12,10 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from jaxinfer.engine.async_engine import AsyncEngine
-    from serve.engine_requests import Lifecycle
-    from serve.http_metrics import ServerMetrics
 
 ENGINE: web.AppKey[AsyncEngine] = web.AppKey("engine")
-SERVER_METRICS: web.AppKey[ServerMetrics] = web.AppKey("server_metrics")
 MAX_WAITING: web.AppKey[int] = web.AppKey("max_waiting")              # --max-waiting
 MAX_REQUEST_BYTES: web.AppKey[int] = web.AppKey("max_request_bytes")  # --max-request-bytes
 SHUTDOWN_GRACE: web.AppKey[float] = web.AppKey("shutdown_grace")      # --shutdown-grace, seconds
 OWNS_ENGINE: web.AppKey[bool] = web.AppKey("owns_engine")  # the app shuts the engine down
-LIFECYCLE: web.AppKey[Lifecycle] = web.AppKey("lifecycle")
 CREATED: web.AppKey[int] = web.AppKey("created")  # unix time, the models' `created`

@@ -14,9 +14,11 @@ import dataclasses
 import inspect
 from collections.abc import AsyncIterator
 
+from aiohttp import web
+
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
-from serve.app_keys import ENGINE, LIFECYCLE, MAX_WAITING
+from serve.app_keys import ENGINE, MAX_WAITING
 from serve.errors import APIError
 
 
@@ -25,6 +27,9 @@ class Lifecycle:
     """Mutable per-app state (aiohttp freezes the app's own mapping once it runs)."""
     engine_start: asyncio.Task | None = None  # engine.start() running in the background
     shutting_down: bool = False
+
+
+LIFECYCLE: web.AppKey[Lifecycle] = web.AppKey("lifecycle")
 
 
 def engine_unavailable(app) -> APIError | None:

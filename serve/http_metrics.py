@@ -8,7 +8,7 @@ import asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from serve.app_keys import ENGINE, SERVER_METRICS
+from serve.app_keys import ENGINE
 
 # nginx's code for "client closed the connection before the response was complete".
 CLIENT_CLOSED = 499
@@ -28,6 +28,9 @@ class ServerMetrics:
         resource = request.match_info.route.resource
         handler = resource.canonical if resource is not None else "unmatched"
         self.http_requests.labels(self.model_name, handler, request.method, str(status)).inc()
+
+
+SERVER_METRICS: web.AppKey[ServerMetrics] = web.AppKey("server_metrics")
 
 
 def make_metrics_middleware(metrics: ServerMetrics):

@@ -137,7 +137,7 @@ def start_shared_server(model_dir: Path) -> ServerThread:
 
 def kv_pool_state(server: ServerThread) -> tuple[int, int, list]:
     async def read():
-        m = server.engine.kv_cache_manager
+        m = server.engine.engine.scheduler.kv
         return m.num_free_blocks, m.num_blocks, m.request_ids()
     return server.call(read())
 

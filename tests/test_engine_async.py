@@ -74,11 +74,11 @@ def test_streams_validation_abort_and_shutdown():
         await started.wait()
         consumer.cancel()
         for _ in range(200):
-            if engine.kv_cache_manager.num_free_blocks == engine.num_total_blocks \
+            if engine.engine.scheduler.kv.num_free_blocks == engine.num_total_blocks \
                     and not engine.engine.requests:
                 break
             await asyncio.sleep(0.02)
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_total_blocks
+        assert engine.engine.scheduler.kv.num_free_blocks == engine.num_total_blocks
         assert not engine.engine.requests
         assert len(seen) == 1 and not seen[0].finished
         # Shutdown without grace aborts what is still running: its stream ends with "abort".

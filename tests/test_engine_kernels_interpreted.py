@@ -9,7 +9,6 @@ has one layer and the workload ~10 steps."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -22,16 +21,17 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.transformer import init_params
 from jaxinfer.sampling_params import SamplingParams
 from pallas_kernels import backend as attention_backends
-from pallas_kernels.flash_prefill import DEFAULT_CONFIG, flash_prefill_mosaic
-from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic_configured
+from pallas_kernels.flash_config import KernelConfig
+from pallas_kernels.flash_prefill import flash_prefill_mosaic
+from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
 from test_engine_support import prompt_ids, run_all, assert_all_free, tiny_tokenizer
 
 MOSAIC_INTERPRETED = attention_backends.AttentionBackend(
     "mosaic_interpreted",
-    decode=functools.partial(paged_decode_mosaic_configured, interpret=True,
+    decode=functools.partial(paged_decode_mosaic, interpret=True,
                              config=MosaicDecodeConfig(num_ctas=2)),
     prefill=functools.partial(flash_prefill_mosaic, interpret=True,
-                              config=dataclasses.replace(DEFAULT_CONFIG, num_ctas=2)),
+                              config=KernelConfig(num_ctas=2)),
     split_mixed_steps=True)
 attention_backends.register("mosaic_interpreted", f"{__name__}:MOSAIC_INTERPRETED")
 

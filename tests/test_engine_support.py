@@ -83,7 +83,7 @@ def run_all(engine: LLMEngine) -> dict:
 
 def assert_all_free(engine: LLMEngine) -> None:
     """Nothing leaked: every KV block is free, nothing runs or waits."""
-    assert engine.kv_manager.num_free_blocks == engine.num_total_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.num_total_blocks
     assert not engine.scheduler.running and engine.num_waiting == 0
 
 

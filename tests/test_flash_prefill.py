@@ -18,7 +18,6 @@ What runs where:
     H200 by `tests/gpu/test_flash_prefill_gpu.py`.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -112,12 +111,11 @@ def test_triton_prefill_float16_is_tight():
 # than warpgroup 1 and drains the rest -- the path that once skipped barrier phases and hung the
 # engine on the H200; the interpreter rejects any phase a waiting thread does not observe.
 MOSAIC_INTERPRET_CASES = [  # (hq, hkv, d, block, q_lens, prefixes, extra, softcap, config)
-    (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, None,
-     dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)),
-    (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(persistent=True, num_ctas=3)),
-    (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig()),
+    (2, 1, 64, 16, [130, 0, 9, 200], [140, 50, 75, 20], 3, None, KernelConfig(num_ctas=2)),
+    (4, 1, 128, 32, [65, 1, 3], [63, 0, 300], 0, 30.0, KernelConfig(num_ctas=3)),
+    (2, 2, 64, 16, [70, 50], [0, 5], 6, None, KernelConfig(stages=3)),
     (4, 2, 64, 16, [100, 7], [0, 200], 2, None,
-     KernelConfig(persistent=True, num_ctas=2, rescale_threshold=8.0)),
+     KernelConfig(num_ctas=2, block_kv=192, rescale_threshold=2.0)),
 ]
 
 
@@ -142,7 +140,7 @@ def test_mosaic_dense_attention_interpreted_matches_reference(causal, gain):
     ks = jax.random.split(jax.random.key(3), 3)
     q = (gain * jax.random.normal(ks[0], (2, 140, 2, 64), jnp.float32)).astype(jnp.bfloat16)
     k, v = (jax.random.normal(kk, (2, 140, 1, 64), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
-    config = dataclasses.replace(fp.DEFAULT_CONFIG, num_ctas=2)
+    config = KernelConfig(num_ctas=2)
     out = fp.flash_attention(q, k, v, causal=causal, config=config, interpret=True)
     ref = reference.causal_attention_reference(q, k, v, scale=64 ** -0.5, causal=causal)
     assert _rel(out, ref) < 1e-2
@@ -179,10 +177,10 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
 
 
 @pytest.mark.parametrize("config", [
-    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0),
-    KernelConfig(block_kv=192, stages=2, rescale_threshold=8.0),
-    KernelConfig(persistent=True, stages=3),
-    KernelConfig(persistent=True, q_buffers=2, rescale_threshold=8.0, stale_max_exp=True)],
+    KernelConfig(),
+    KernelConfig(block_kv=192),
+    KernelConfig(stages=3),
+    KernelConfig(rescale_threshold=2.0, consumer_registers=232, producer_registers=40)],
     ids=str)
 def test_mosaic_kernel_configs_lower_for_cuda(config):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -198,10 +196,10 @@ def test_kernel_config_rejects_bad_values():
         KernelConfig(block_kv=100)
     with pytest.raises(ValueError, match="stages"):
         KernelConfig(stages=1)
-    with pytest.raises(ValueError, match="q_buffers"):
-        KernelConfig(q_buffers=2)  # double-buffered Q only pays off in the persistent loop
-    with pytest.raises(ValueError, match="stale_max_exp"):  # it keeps a stale max
-        KernelConfig(stale_max_exp=True)
+    with pytest.raises(ValueError, match="rescale_threshold"):  # the stale-max step keeps a max
+        KernelConfig(rescale_threshold=0.0)
+    with pytest.raises(ValueError, match="num_ctas"):
+        KernelConfig(num_ctas=0)
     with pytest.raises(ValueError, match="registers"):
         KernelConfig(consumer_registers=256, producer_registers=40)
     with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 192 keys do not fit

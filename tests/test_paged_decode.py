@@ -23,7 +23,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic_configured,
+from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
                                          paged_decode_triton_configured)
 from pallas_kernels.paged_decode_common import DecodeShape, plan_splits
 from pallas_kernels.reference import paged_decode_reference
@@ -115,7 +115,7 @@ def test_mosaic_interpret_matches_reference(case):
     # consumer warpgroups get steps, pages past a sequence's end get masked.
     def kernel(*args, workers, splits, **kwargs):
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits)
-        return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
+        return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, kernel)
 
 
@@ -147,18 +147,32 @@ def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match="seq_lens"):
         paged_decode_triton_configured(q, k, v, bt, lens[:1], scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
-        paged_decode_mosaic_configured(q[..., :32], k, v, bt, lens, scale=1.0, interpret=True)
+        paged_decode_mosaic(q[..., :32], k, v, bt, lens, scale=1.0, interpret=True)
+
+
+def test_mosaic_decode_config_rejects_bad_values():
     with pytest.raises(ValueError, match="stages"):
-        paged_decode_mosaic_configured(q, k, v, bt, lens, scale=1.0, interpret=True,
-                                       config=MosaicDecodeConfig(stages=3))
+        MosaicDecodeConfig(stages=3)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        MosaicDecodeConfig(tokens_per_step=96)
+    with pytest.raises(ValueError, match="num_splits"):
+        MosaicDecodeConfig(num_splits=0)
+    with pytest.raises(ValueError, match="bt_lookahead"):
+        MosaicDecodeConfig(bt_lookahead=-1)
 
 
 def test_public_functions_have_the_backend_signature():
     import inspect
     from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
     from pallas_kernels.reference import paged_decode_reference as ref
+    backend = list(inspect.signature(ref).parameters)
     for fn in (paged_decode_mosaic, paged_decode_triton):
-        assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref).parameters)
+        params = inspect.signature(fn).parameters
+        assert list(params)[:len(backend)] == backend
+        # Anything beyond the backend's signature (the Mosaic kernel's config, interpret) is a
+        # keyword with a default, so the backend's calls get the production kernel.
+        extra = [params[name] for name in list(params)[len(backend):]]
+        assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in extra), extra
 
 
 @pytest.mark.parametrize("case,combine_kernel", [(CASES[1], True), (CASES[5], False),
@@ -173,7 +187,7 @@ def test_mosaic_interpret_block_id_lookahead_and_forced_splits(case, combine_ker
         del workers, splits
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=3,
                                  bt_lookahead=3, pdl=True, combine_kernel=combine_kernel)
-        return paged_decode_mosaic_configured(*args, **kwargs, config=cfg, interpret=True)
+        return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, kernel)
 
 

@@ -189,4 +189,4 @@ def test_seeded_outputs_do_not_depend_on_the_schedule():
                     got.setdefault(int(out.request_id[1:]), {})[c.index] = (
                         c.token_ids, c.text, c.finish_reason)
         assert got == solo
-        assert engine.kv_manager.num_free_blocks == engine.num_total_blocks
+        assert engine.scheduler.kv.num_free_blocks == engine.num_total_blocks

@@ -38,9 +38,9 @@ def compile_decode() -> None:
     import jax
 
     from benchmarks import bench_decode as bd
-    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic_configured
+    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     case = bd.make_paged_case(1, 32768)
-    jax.block_until_ready(jax.jit(lambda q, k, v, bt, lens: paged_decode_mosaic_configured(
+    jax.block_until_ready(jax.jit(lambda q, k, v, bt, lens: paged_decode_mosaic(
         q, k, v, bt, lens, scale=bd.D ** -0.5, config=MosaicDecodeConfig()))(
         case["q"], case["k"], case["v"], case["bts"][0], case["lens"]))
 

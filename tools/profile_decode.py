@@ -32,7 +32,7 @@ import numpy as np
 import jax
 
 from benchmarks.bench_decode import D, make_paged_case, mosaic_config
-from pallas_kernels.paged_decode import paged_decode_mosaic_configured
+from pallas_kernels.paged_decode import paged_decode_mosaic
 
 WARPGROUPS = 3  # two consumers, then the producer
 
@@ -100,7 +100,7 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
     trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     args = (case["q"], case["k"], case["v"], case["bts"][0], case["lens"])
-    call = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5)
+    call = functools.partial(paged_decode_mosaic, scale=D ** -0.5)
     jax.block_until_ready(jax.jit(functools.partial(call, config=config))(*args))
     profiled = jax.jit(functools.partial(
         call, config=dataclasses.replace(config, profile_dir=str(trace_dir))))

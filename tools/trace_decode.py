@@ -28,7 +28,7 @@ import numpy as np
 import jax
 
 from benchmarks.bench_decode import D, chained_calls, make_paged_case, mosaic_config
-from pallas_kernels.paged_decode import paged_decode_mosaic_configured
+from pallas_kernels.paged_decode import paged_decode_mosaic
 
 RUNS = 3
 
@@ -79,7 +79,7 @@ def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path,
     case = make_paged_case(batch, ctx)
     if lens is not None:  # the ctx shape's grid and split plan, but only `lens` tokens to stream
         case["lens"] = jax.numpy.full((batch,), lens, jax.numpy.int32)
-    fn = functools.partial(paged_decode_mosaic_configured, scale=D ** -0.5,
+    fn = functools.partial(paged_decode_mosaic, scale=D ** -0.5,
                            config=mosaic_config(variant))
     chain, call = case["chain"], chained_calls(fn, case)
     q = jax.block_until_ready(call(case["q"]))

@@ -39,7 +39,7 @@ def table_on_device(q, k, v, starts, lens, *, causal: bool):
     tiles = fp.tile_table(starts, lens, lens, starts // 8, b * l, causal=causal)
     out = flash_mgpu.mosaic_attention(flat(q), flat(k), flat(v), tiles, jnp.zeros((1, 1), jnp.int32),
                                       kv_mode="contiguous", causal=causal, scale=SCALE,
-                                      softcap=None, config=fp.DEFAULT_CONFIG)
+                                      softcap=None)
     return out.reshape(b, l, hq, d)
 
 

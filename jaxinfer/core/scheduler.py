@@ -15,6 +15,11 @@ Every step (vLLM V1's policy, chunked prefill always on):
 The scheduler never looks at token *values*, so the engine can schedule step N+1 while step N's
 sampled tokens are still on the device (see engine.py). Sequences whose known + in-flight tokens
 already reach their limit are not scheduled again: they finish when their last token is processed.
+
+The scheduler owns the `KVCacheManager` and is the only caller of it: the runner gets each
+scheduled sequence's block ids and the step's copy-on-write block copies as plain data in the
+`SchedulerOutput`, and the engine hands every processed step back (`update_from_output`: finished
+sequences free their blocks, newly full blocks enter the prefix cache).
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import dataclasses
 import heapq
 import itertools
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
-from jaxinfer.core.kv_cache import KVCacheManager
+from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
 
 
@@ -35,6 +40,9 @@ class ScheduledSeq:
     start: int        # num_computed before this step: position of the first new token
     num_tokens: int   # new tokens computed this step
     emits: bool       # its sampled token is kept (the step reaches the end of its known tokens)
+    # Its physical KV block ids in logical order (its block-table row), set once the step is
+    # scheduled: the KV manager's own list, to read before the scheduler runs again.
+    block_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -44,6 +52,8 @@ class SchedulerOutput:
     preempted: list[Sequence]
     # > 1: run this many decode steps on the device in one call (pure-decode steps only).
     decode_steps: int = 1
+    # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -92,6 +102,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def kv_cache_stats(self) -> tuple[float, PrefixCacheStats]:
+        """(fraction of the KV blocks held by live sequences, prefix-cache counters)."""
+        return self.kv.usage, self.kv.stats
+
     def _slot_cost(self, seq: Sequence) -> int:
         # An n > 1 prompt sequence reserves room for all the choices it will fork into.
         return seq.request.params.n if seq.is_prompt_seq else 1
@@ -121,6 +135,18 @@ class Scheduler:
             self._num_waiting -= 1
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.seq_id)
+
+    def update_from_output(self, seqs: Iterable[Sequence]) -> None:
+        """A processed step's sequences, in step order (`OutputProcessor.process`): each that
+        finished (a finish reason set) frees its blocks now; each other one puts its newly
+        computed full blocks into the prefix cache."""
+        kv = self.kv
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                self.finish(seq)
+            elif kv.has_request(seq.seq_id):
+                kv.cache_blocks(seq.seq_id, seq.token_ids,
+                                min(seq.num_computed, len(seq.token_ids)))
 
     def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -262,6 +288,11 @@ class Scheduler:
         out = SchedulerOutput(decodes, prefills, preempted)
         if self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting:
             out.decode_steps = self._reserve_decode_loop(decodes)
+        if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
+            get_block_ids = kv.get_block_ids
+            for entry in out.scheduled:
+                entry.block_ids = get_block_ids(entry.seq.seq_id)
+            out.block_copies = kv.take_pending_copies()
         return out
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:

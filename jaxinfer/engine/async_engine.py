@@ -43,7 +43,6 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
         self.metrics = engine.metrics
-        self.kv_cache_manager = engine.kv_manager
         self.num_total_blocks = engine.num_total_blocks
         self.is_ready = False
         self.errored: BaseException | None = None

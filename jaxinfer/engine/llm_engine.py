@@ -5,7 +5,8 @@ One `step()`:
     1. schedule step N+1 (scheduler.py): decodes, prefill chunks, admissions, preemption;
     2. build its padded arrays and dispatch it (runner.py) -- JAX returns at once;
     3. only now wait for step N's sampled tokens and process them (output_processor.py):
-       detokenize, stop checks, free finished sequences' blocks, prefix-cache insertion.
+       detokenize, stop checks; then hand the step back to the scheduler, which frees finished
+       sequences' blocks and inserts full blocks into the prefix cache.
 
 So the host's scheduling and input building for step N+1 overlap the device running step N; a decode
 whose input token is step N's sample reads it from a device array (no host round trip). A sequence
@@ -105,22 +106,21 @@ class LLMEngine:
         self.model_name = args.model_name
         self.metrics = metrics or EngineMetrics(self.model_name)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
-        self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.num_total_blocks = num_blocks
         self.scheduler = Scheduler(
-            self.kv_manager, max_num_seqs=args.max_num_seqs,
+            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=args.decode_steps_per_call,
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.runner = ModelRunner(
-            cfg, params, get_backend(args.attention_backend), self.kv_manager,
-            num_blocks=num_blocks, block_size=args.block_size, max_model_len=self.max_model_len,
+            cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks,
+            block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call)
-        self.outputs = OutputProcessor(self.scheduler, self.metrics, self.max_model_len,
-                                       self.eos_token_ids)
+        self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._inflight: StepHandle | None = None
@@ -237,6 +237,7 @@ class LLMEngine:
                 self.outputs.finish(seq, "abort", None)
             elif seq.status is not SeqStatus.FINISHED:
                 self.outputs.finish(seq, "abort", None)
+                self.scheduler.finish(seq)
         out = make_request_output(req)
         req.detach()
         return out
@@ -264,7 +265,7 @@ class LLMEngine:
         touched: list[Request] = []
         processed_first = self._must_process_first()
         if processed_first:
-            touched += self.outputs.process(self._inflight)
+            touched += self._process(self._inflight)
             ready_time = self._inflight.ready_time
             self._inflight = None
         self._maybe_profile()
@@ -281,10 +282,17 @@ class LLMEngine:
                 self.stats.sync_gaps += 1
                 self.stats.sync_gap_s += handle.dispatch_time - ready_time
         if self._inflight is not None:
-            touched += self.outputs.process(self._inflight)
+            touched += self._process(self._inflight)
         self._inflight = handle
         self._update_gauges()
         return self._collect(touched)
+
+    def _process(self, handle: StepHandle) -> list[Request]:
+        """A finished step's tokens -> sequence state (output processor), then the step's live
+        sequences back to the scheduler (blocks of the finished ones, prefix cache)."""
+        touched, seqs = self.outputs.process(handle)
+        self.scheduler.update_from_output(seqs)
+        return touched
 
     def _collect(self, touched: list[Request]) -> list[RequestOutput]:
         outs, seen = [], set()
@@ -304,8 +312,8 @@ class LLMEngine:
         m = self.metrics
         m.num_requests_running.set(len({s.request.request_id for s in self.scheduler.running}))
         m.num_requests_waiting.set(self.scheduler.num_waiting)
-        m.kv_cache_usage_perc.set(self.kv_manager.usage)
-        st = self.kv_manager.stats
+        usage, st = self.scheduler.kv_cache_stats()
+        m.kv_cache_usage_perc.set(usage)
         m.update_prefix_cache(st.queries, st.hits)
         new_preempt = self.scheduler.num_preemptions - self._preempt_seen
         if new_preempt:

@@ -1,9 +1,10 @@
 """Turn a finished step's sampled tokens into sequence state, finish decisions and RequestOutputs.
 
 Runs on the host after `StepHandle.result()`. For each emitting row: append the token(s), detokenize,
-check (in this order) stop token ids / EOS, stop strings, max_tokens and the context limit; a
-finished sequence's blocks are freed at once (`Scheduler.finish`). Full KV blocks are registered in
-the prefix cache as they fill.
+check (in this order) stop token ids / EOS, stop strings, max_tokens and the context limit, and
+set a finished sequence's finish reason. It touches no KV state: `process` returns the step's
+sequences, which the engine hands to `Scheduler.update_from_output` (finished ones free their
+blocks, full blocks enter the prefix cache).
 """
 
 from __future__ import annotations
@@ -14,23 +15,21 @@ from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.runner import StepHandle
-from jaxinfer.core.scheduler import Scheduler
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, metrics: EngineMetrics, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
-        self.scheduler = scheduler
-        self.kv = scheduler.kv
+    def __init__(self, metrics: EngineMetrics, max_model_len: int, eos_token_ids: tuple[int, ...]):
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def process(self, handle: StepHandle) -> list[Request]:
-        """Apply a step's results; returns the requests that have something new to report."""
+    def process(self, handle: StepHandle) -> tuple[list[Request], list[Sequence]]:
+        """Apply a step's results. Returns the requests that have something new to report, and the
+        step's sequences that were still live, in step order, for `Scheduler.update_from_output`."""
         res = handle.result()
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        live: list[Sequence] = []
         steps = res.tokens.shape[0]
         tokens = res.tokens.tolist()
         num_new_tokens = 0
@@ -53,13 +52,11 @@ class OutputProcessor:
                     self._append(seq, tokens[j][r], lp, now)
                     num_new_tokens += 1
                     touched[seq.request.request_id] = seq.request
-                    if seq.status is SeqStatus.FINISHED:
+                    if seq.finish_reason is not None:
                         break
-            if seq.status is not SeqStatus.FINISHED and self.kv.has_request(seq.seq_id):
-                self.kv.cache_blocks(seq.seq_id, seq.token_ids,
-                                     min(seq.num_computed, len(seq.token_ids)))
+            live.append(seq)
         self.metrics.generation_tokens.inc(num_new_tokens)
-        return list(touched.values())
+        return list(touched.values()), live
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
         req = seq.request
@@ -91,11 +88,12 @@ class OutputProcessor:
             self.finish(seq, "length", None)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        """Set the finish reason (the scheduler frees the blocks when it is handed the sequence)
+        and record the request's metrics if it is now finished."""
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if seq.output is not None:
             seq.output.finish()
-        self.scheduler.finish(seq)
         req = seq.request
         if req.finished:
             now = time.monotonic()

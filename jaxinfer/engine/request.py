@@ -67,7 +67,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(c is not None and c.status is SeqStatus.FINISHED for c in self.choices)
+        """Every choice has its finish reason (the output processor's decision; the scheduler
+        frees its blocks when the engine hands it the step)."""
+        return all(c is not None and c.finish_reason is not None for c in self.choices)
 
     def num_generated_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices if c is not None)

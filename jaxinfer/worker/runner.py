@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.core.kv_cache import KVCacheManager, allocate_kv_cache, copy_blocks
+from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
 from jaxinfer.model.transformer import forward
 from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant,
                              SamplingTensors, sample)
@@ -111,18 +111,6 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
     return kv_cache, last_tokens, record, n
 
 
-# Counted from jax's monitoring events: one per backend (XLA) compilation, cache hits excluded.
-_compilations = [0]
-
-
-def _count_compilation(event: str, duration_s: float, **_) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compilations[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compilation)
-
-
 @functools.lru_cache(maxsize=None)
 def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int):
     """The jitted forward, sampler and decode loop of a model, shared by every runner of that model
@@ -146,7 +134,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
-    batch = build_step_batch([], 0, t, s, None, SamplingTable(max_num_seqs), block_size, max_blocks,
+    batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
                              max_model_len, FULL_SAMPLER)
     one_block = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, block_size, cfg.head_dim), kv_dtype)
     kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
@@ -215,13 +203,12 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, kv_manager: KVCacheManager,
-                 *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+    def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
+                 block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1):
         self.cfg = cfg
         self.params = params
         self.backend = backend
-        self.kv = kv_manager
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
@@ -239,12 +226,6 @@ class ModelRunner:
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
 
     # ---- compilation ------------------------------------------------------------------------
-    @staticmethod
-    def num_compilations() -> int:
-        """XLA compilations in this process so far (any function): the compile-bound test reads it
-        before and after a workload."""
-        return _compilations[0]
-
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
         """Every compilation warm-up makes (and the most a workload can cause): the forward of each
         step bucket, the sampler of each sequence bucket x variant, the decode loop of each decode
@@ -266,7 +247,7 @@ class ModelRunner:
             t, s, nd = size, self.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
-        return build_step_batch([], nd, t, s, self.kv, self.sampling_table, self.block_size,
+        return build_step_batch([], nd, t, s, self.sampling_table, self.block_size,
                                 self.max_blocks, self.max_model_len, variant)
 
     def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
@@ -335,8 +316,8 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     # ---- steps ------------------------------------------------------------------------------
-    def _apply_copies(self) -> None:
-        copies = self.kv.take_pending_copies()
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        """The step's copy-on-write block copies, before it writes any KV."""
         if not copies:
             return
         size = self.buckets.copy_shape(len(copies))
@@ -354,14 +335,14 @@ class ModelRunner:
             nd = 0
         else:
             t = s = nd = self.buckets.decode_shape(len(rows))
-        batch = build_step_batch(rows, nd, t, s, self.kv, self.sampling_table, self.block_size,
+        batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
                                  self.max_blocks, self.max_model_len, variant)
         return batch, variant, sched.decode_steps > 1 and not sched.prefills
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it."""
         batch, variant, is_loop = self.build(sched)
-        self._apply_copies()
+        self._apply_copies(sched.block_copies)
         self.num_dispatches += 1
         if is_loop:
             allowed = np.zeros(batch.md.num_seqs, np.int32)

@@ -14,7 +14,6 @@ import itertools
 import jax
 import numpy as np
 
-from jaxinfer.core.kv_cache import KVCacheManager
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerVariant, SamplingTensors
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxinfer.core.scheduler import ScheduledSeq
@@ -64,11 +63,12 @@ def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
 
 
 def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
-                     num_seqs: int, kv: KVCacheManager | None, table: SamplingTable,
+                     num_seqs: int, table: SamplingTable,
                      block_size: int, max_blocks: int, max_model_len: int,
                      variant: SamplerVariant) -> StepBatch:
-    """rows: decodes first. num_decode_rows: the static decode count (T == S == num_decode_rows for
-    a pure-decode bucket, 0 for a mixed step). Returns numpy arrays (the caller device_puts).
+    """rows: decodes first, each with its block ids. num_decode_rows: the static decode count
+    (T == S == num_decode_rows for a pure-decode bucket, 0 for a mixed step). Returns numpy
+    arrays (the caller device_puts).
 
     The per-row work is plain list appends; every array is then made by a few vectorized numpy
     operations (this runs every step: 256 rows must cost well under a millisecond)."""
@@ -85,7 +85,7 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     row_of = table.row_of
     for entry in rows:
         seq, start, k = entry.seq, entry.start, entry.num_tokens
-        tables.append(kv.get_block_ids(seq.seq_id))
+        tables.append(entry.block_ids)
         table_rows.append(row_of(seq))
         end = start + k
         if k == 1:

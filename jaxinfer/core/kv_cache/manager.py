@@ -1,13 +1,13 @@
 """KVCacheManager: per-request block tables over the block pool, with prefix caching and forks.
 
-This is the whole host-side API the scheduler and runner use (shaped like vLLM V1's
+This is the whole host-side KV API; the scheduler is its only caller (shaped like vLLM V1's
 ``KVCacheManager``). A request's life:
 
     n = mgr.get_computed_blocks(rid, prompt)    # cached whole-block prefix, now held by rid
     if not mgr.allocate_slots(rid, len(prompt) - n):
         mgr.free(rid)                           # not admitted this step: give the prefix back
-    ...                                         # runner: mgr.take_pending_copies(), then
-    ...                                         # block tables from mgr.get_block_ids(rid)
+    ...                                         # into the SchedulerOutput for the runner:
+    ...                                         # mgr.get_block_ids(rid), mgr.take_pending_copies()
     mgr.cache_blocks(rid, tokens, num_computed) # after the step: newly full blocks -> cache
     mgr.allocate_slots(rid, 1)                  # each decode step; False -> preempt someone
     mgr.fork(rid, child)                        # parallel sampling: share every block
@@ -106,7 +106,7 @@ class KVCacheManager:
         return self._requests[request_id].num_tokens
 
     def get_block_ids(self, request_id: Hashable) -> list[int]:
-        """The request's physical block ids in logical order, for the runner's block table.
+        """The request's physical block ids in logical order (its row of the step's block table).
 
         Returns the manager's own list: read it, do not mutate or keep it. Re-read it every step
         after allocate_slots / cache_blocks: allocation appends, copy-on-write replaces the last

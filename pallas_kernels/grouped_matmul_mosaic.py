@@ -27,6 +27,7 @@ H200 checks it at real sizes in `benchmarks/bench_moe.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.device_info import num_sms
+from pallas_kernels.flash_config import SMEM_LIMIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,19 @@ class GmmConfig:
             raise ValueError(f"block_k={self.block_k}: must be 32, 64 or 128")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages}: must be at least 2")
+
+    def smem_bytes(self, num_weights: int, itemsize: int = 2) -> int:
+        """The TMA ring (x block + weight panels per stage) plus the output staging tile."""
+        stage = self.block_m * self.block_k + num_weights * self.block_k * self.block_n
+        return itemsize * (self.stages * stage + self.block_m * self.block_n)
+
+    def check(self, num_weights: int) -> None:
+        if self.smem_bytes(num_weights) > SMEM_LIMIT:
+            raise ValueError(f"{self} needs {self.smem_bytes(num_weights)} bytes of shared memory "
+                             f"with {num_weights} weight stack(s); the limit is {SMEM_LIMIT}")
+        if num_weights * self.block_m * self.block_n > 128 * 128:
+            raise ValueError(f"{self}: {num_weights} float32 accumulator(s) of block_m x block_n "
+                             f"exceed one warpgroup's registers (at most 128 x 128 in all)")
 
 
 def num_tiles(rows: int, groups: int, block_m: int) -> int:
@@ -92,6 +107,9 @@ def _silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+# A jit of its own: a model calls the kernel once per layer with the same shapes, and jax lowers a
+# nested jit of one jaxpr once per module, so the Mosaic lowering is paid once, not once per layer.
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
                           config: GmmConfig = GmmConfig(), interpret: bool = False) -> jax.Array:
     """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
@@ -113,6 +131,7 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
     if k % cfg.block_k or n % cfg.block_n:
         raise ValueError(f"K={k} / N={n} must be multiples of block_k={cfg.block_k} / "
                          f"block_n={cfg.block_n}")
+    cfg.check(len(weights))
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     rows = max(-(-m // 8) * 8, bm)
     if rows > m:  # load windows start on 8-row boundaries inside x: pad to 8 rows, at least block_m

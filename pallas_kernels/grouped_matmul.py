@@ -1,0 +1,133 @@
+"""Routed experts' SwiGLU MLP over rows sorted by expert: the model's one MoE dispatch point.
+
+`moe_experts(x_sorted, weights, group_sizes)` returns down(silu(x @ gate) * (x @ up)) per row, with
+each row's expert given by the group it falls in. It is the only place the model touches expert
+weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
+`weights` and `group_sizes`). Implementations:
+
+  - "mosaic": the Hopper kernel (`grouped_matmul_mosaic`): gate/up fused with SwiGLU in one call,
+    then down; tilings picked by rows per step (`mosaic_configs`).
+  - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
+    a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
+    with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
+    The portable GPU path at decode; with many tokens it would multiply the work, so it is used only
+    while the padded rows stay within `PADDED_MAX_FACTOR` x the real ones.
+  - "ragged": `jax.lax.ragged_dot` (XLA): exact everywhere, what CPUs run.
+  - `moe_experts_reference`: pure jnp (every expert on every row, then a select), for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul_mosaic import GmmConfig
+
+IMPLS = ("mosaic", "padded", "ragged")
+# "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per step).
+PADDED_MAX_FACTOR = 16
+
+
+def mosaic_configs(rows: int, num_groups: int) -> tuple[GmmConfig, GmmConfig]:
+    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts: few rows per
+    expert (decode) is a weight stream, where 64-row tiles waste the least of each x block; many
+    (prefill) is compute, where 128-row tiles halve the weight panel traffic per FLOP. Fused
+    gate/up keeps two accumulators, so its tile is half the plain one."""
+    if rows <= 16 * num_groups:
+        return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
+    return GmmConfig(128, 64, 64, 4), GmmConfig(128, 128, 64, 4)
+
+
+def _silu_glu(gate, up, dtype):
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
+def moe_experts_reference(x, weights, group_sizes):
+    """Every expert on every row (float32), each row keeping its own expert's result."""
+    w_gate, w_up, w_down = (w.astype(jnp.float32) for w in weights)
+    xf = x.astype(jnp.float32)
+    ends = jnp.cumsum(group_sizes)
+    gid = jnp.sum(jnp.arange(x.shape[0])[:, None] >= ends[None, :], axis=1)  # E: past the groups
+    h = _silu_glu(jnp.einsum("mk,ekn->emn", xf, w_gate), jnp.einsum("mk,ekn->emn", xf, w_up),
+                  jnp.float32)
+    y = jnp.einsum("emn,enh->emh", h, w_down)
+    mine = jnp.arange(w_gate.shape[0])[:, None] == gid[None, :]
+    return jnp.sum(jnp.where(mine[..., None], y, 0.0), axis=0).astype(x.dtype)
+
+
+def _ragged(x, weights, group_sizes):
+    w_gate, w_up, w_down = weights
+    h = _silu_glu(jax.lax.ragged_dot(x, w_gate, group_sizes),
+                  jax.lax.ragged_dot(x, w_up, group_sizes), x.dtype)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+def _padded(x, weights, group_sizes, capacity: int):
+    """Rows scattered into [E, capacity, K] (slot = row's place in its group), three batched
+    einsums, rows gathered back. Rows past sum(group_sizes) come back as zeros."""
+    w_gate, w_up, w_down = weights
+    e = w_gate.shape[0]
+    m = x.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(m)
+    gid = jnp.sum(rows[:, None] >= ends[None, :], axis=1)
+    slot = rows - (ends - group_sizes)[jnp.minimum(gid, e - 1)]
+    xp = jnp.zeros((e, capacity, x.shape[1]), x.dtype).at[gid, slot].set(x, mode="drop")
+    h = _silu_glu(jnp.einsum("eck,ekn->ecn", xp, w_gate), jnp.einsum("eck,ekn->ecn", xp, w_up),
+                  x.dtype)
+    yp = jnp.einsum("ecn,enh->ech", h, w_down)
+    return yp.at[gid, slot].get(mode="fill", fill_value=0)
+
+
+def _mosaic(x, weights, group_sizes, interpret: bool = False):
+    from pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
+
+    w_gate, w_up, w_down = weights
+    up_cfg, down_cfg = mosaic_configs(x.shape[0], w_gate.shape[0])
+    h = grouped_matmul_mosaic(x, (w_gate, w_up), group_sizes, config=up_cfg, interpret=interpret)
+    return grouped_matmul_mosaic(h, (w_down,), group_sizes, config=down_cfg, interpret=interpret)
+
+
+@functools.cache
+def _hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
+def choose_impl(rows: int, num_groups: int, capacity: int, dtype) -> str:
+    """The implementation `moe_experts` runs for this call shape on the default device;
+    $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
+    forced = os.environ.get("JAXINFER_MOE_IMPL")
+    if forced:
+        if forced not in IMPLS:
+            raise ValueError(f"JAXINFER_MOE_IMPL={forced!r}: expected one of {IMPLS}")
+        return forced
+    if jax.devices()[0].platform != "gpu":
+        return "ragged"
+    if _hopper() and jnp.dtype(dtype).itemsize == 2:
+        return "mosaic"
+    return "padded" if num_groups * capacity <= PADDED_MAX_FACTOR * rows else "ragged"
+
+
+def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
+                group_sizes: jax.Array, *, max_group_size: int | None = None,
+                impl: str | None = None, interpret: bool = False) -> jax.Array:
+    """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
+    [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
+    (the step's token count; default M). impl: one of IMPLS, None = `choose_impl`. interpret: run
+    the Mosaic kernel in its interpreter (CPU tests). Returns [M, H] in x's dtype; rows past
+    sum(group_sizes) are undefined."""
+    m = x_sorted.shape[0]
+    e = weights[0].shape[0]
+    capacity = min(m, max_group_size or m)
+    impl = impl or choose_impl(m, e, capacity, x_sorted.dtype)
+    if impl == "mosaic":
+        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret)
+    if impl == "padded":
+        return _padded(x_sorted, weights, group_sizes, capacity)
+    if impl == "ragged":
+        return _ragged(x_sorted, weights, group_sizes)
+    raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

@@ -10,7 +10,7 @@ Sections (each in its own process, time-limited; figures are saved after every p
            14336, top-2) and phase (decode: 64 tokens; prefill: 2048 tokens), with routing from a
            random router: correctness of every implementation against float32 `ragged_dot`, then
            the time of the whole expert MLP (gate, up, down) per implementation and of our kernel's
-           two calls per tiling. TB/s counts the touched experts' weight bytes once; TF/s counts
+           two calls per tiling (`mosaic`: the tiling `moe_experts` picks; `mosaic_i`: SWEEP's). TB/s counts the touched experts' weight bytes once; TF/s counts
            2 * rows * hidden * inter * 3.
   qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
            --max-num-seqs 64: output tok/s and the median step while all 64 decode.
@@ -21,6 +21,7 @@ Writes $OUT/moe_h200.json (the benchmarks/results/moe_h200.json record) and prin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -40,12 +41,11 @@ SHAPES = {  # experts, hidden, expert intermediate, top-k
     "mixtral_8x7b": (8, 4096, 14336, 2),
 }
 PHASE_TOKENS = {"decode": 64, "prefill": 2048}
-# Tilings timed per phase: (gate/up fused, down) candidates; the first pair is `mosaic_configs`'.
+# Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
+# (gate/up fused, down) candidates as GmmConfig fields.
 SWEEP = {
-    "decode": ([(64, 128, 64, 4), (64, 64, 64, 6), (64, 128, 128, 2)],
-               [(64, 128, 64, 6), (64, 256, 64, 4), (64, 128, 128, 3)]),
-    "prefill": ([(128, 64, 64, 4), (64, 128, 64, 4), (128, 64, 64, 6)],
-                [(128, 128, 64, 4), (128, 128, 64, 6), (64, 256, 64, 4)]),
+    "decode": ([(64, 64, 64, 6), (64, 128, 128, 2)], [(64, 256, 64, 4), (64, 128, 128, 3)]),
+    "prefill": ([(128, 64, 64, 4), (64, 128, 64, 4)], [(128, 128, 64, 4), (64, 256, 64, 4)]),
 }
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
@@ -111,6 +111,15 @@ def kernel_section(deadline: float) -> dict:
           f"TF/s", flush=True)
     save_part("kernels", res)
 
+    def time_parts(xs, ws, sizes, up, down):
+        h = grouped_matmul_mosaic(xs, ws[:2], sizes, config=GmmConfig(*up))
+        parts = bench_interleaved({
+            "up": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*up)),
+                   (xs, ws[:2], sizes)),
+            "down": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*down)),
+                     (h, ws[2:], sizes))}, reps=3, inner=10)
+        return {k: round(v * 1e6, 1) for k, v in parts.items()}
+
     def mosaic_pair(up, down):
         def f(x, ws, sizes):
             h = grouped_matmul_mosaic(x, ws[:2], sizes, config=GmmConfig(*up))
@@ -130,13 +139,14 @@ def kernel_section(deadline: float) -> dict:
             ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
                 xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
             ups, downs = SWEEP[phase]
+            pairs = {"mosaic": tuple(dataclasses.astuple(c)[:4] for c in gm.mosaic_configs(rows, e))}
+            pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
             calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
                                                       max_group_size=tokens)), (xs, ws, sizes))
                      for impl in ("ragged", "padded")}
-            for i, (up, down) in enumerate(zip(ups, downs)):
-                calls[f"mosaic_{i}"] = (mosaic_pair(up, down), (xs, ws, sizes))
+            calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
             row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
-                         "flops": flops, "errors": {}, "us": {}}
+                         "flops": flops, "errors": {}, "us": {}, "configs": pairs}
             ok = {}
             for name, (f, args) in calls.items():
                 try:
@@ -145,29 +155,21 @@ def kernel_section(deadline: float) -> dict:
                 except Exception as exc:  # a tiling that does not compile is a result, not a crash
                     row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             times = bench_interleaved(ok, reps=5, inner=10)
-            # Each kernel of our best pair alone, for where the time goes.
-            for i, (up, down) in enumerate(zip(ups, downs)):
-                if f"mosaic_{i}" not in ok:
-                    continue
-                h = grouped_matmul_mosaic(xs, ws[:2], sizes, config=GmmConfig(*up))
-                parts = bench_interleaved({
-                    "up": (jax.jit(lambda x, w, s, c=up: grouped_matmul_mosaic(
-                        x, w, s, config=GmmConfig(*c))), (xs, ws[:2], sizes)),
-                    "down": (jax.jit(lambda x, w, s, c=down: grouped_matmul_mosaic(
-                        x, w, s, config=GmmConfig(*c))), (h, ws[2:], sizes))}, reps=3, inner=10)
-                row.setdefault("parts_us", {})[f"mosaic_{i}"] = {
-                    kk: round(v * 1e6, 1) for kk, v in parts.items()}
-            row["configs"] = {f"mosaic_{i}": [up, down] for i, (up, down) in enumerate(zip(ups, downs))}
+            for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
+                if name in ok:
+                    row.setdefault("parts_us", {})[name] = time_parts(xs, ws, sizes, up, down)
             for name, t in times.items():
                 row["us"][name] = round(t * 1e6, 1)
             row["tbps"] = {n: round(nbytes / t / 1e12, 3) for n, t in times.items()}
             row["tfs"] = {n: round(flops / t / 1e12, 1) for n, t in times.items()}
             res[f"{model}_{phase}"] = row
-            best = min((n for n in times if n.startswith("mosaic")), key=times.get, default=None)
-            if best:
-                frac = (nbytes / times[best] / 1e12 / res["hbm_read_tbps"] if phase == "decode"
-                        else flops / times[best] / 1e12 / res["matmul_tfs"])
-                res[f"{model}_{phase}_best"] = {"name": best, "frac": round(frac, 3)}
+            for key, pick in (("ours", "mosaic" if "mosaic" in times else None),
+                              ("best", min((n for n in times if n.startswith("mosaic")),
+                                           key=times.get, default=None))):
+                if pick:
+                    frac = (nbytes / times[pick] / 1e12 / res["hbm_read_tbps"] if phase == "decode"
+                            else flops / times[pick] / 1e12 / res["matmul_tfs"])
+                    res[f"{model}_{phase}_{key}"] = {"name": pick, "frac": round(frac, 3)}
             print(f"{model} {phase}: rows {rows}, touched {touched}: " + ", ".join(
                 f"{n} {row['us'][n]} us ({row['tbps'][n]} TB/s, {row['tfs'][n]} TF/s)"
                 for n in times), flush=True)
@@ -241,8 +243,8 @@ def metrics(parts: dict) -> dict:
            "mixtral_8x7b_c64_out_tok_s": m.get("out_tok_s"),
            "mixtral_8x7b_bs64_step_ms": m.get("decode_step_ms_median")}
     for phase, key in (("decode", "gmm_decode_frac_of_hbm"), ("prefill", "gmm_prefill_frac_of_matmul")):
-        best = k.get(f"qwen3_30b_a3b_{phase}_best")
-        out[key] = best and best["frac"]
+        ours = k.get(f"qwen3_30b_a3b_{phase}_ours") or k.get(f"qwen3_30b_a3b_{phase}_best")
+        out[key] = ours and ours["frac"]
         for model in SHAPES:
             row = k.get(f"{model}_{phase}")
             if isinstance(row, dict):
@@ -290,8 +292,11 @@ def main() -> None:
             env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
     path = OUT / "moe_h200.json"
     record = json.loads(path.read_text())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("BENCH_COMMIT", "unknown")
+    # A copy of a worktree run inside another checkout would report that checkout's HEAD:
+    # $BENCH_COMMIT names the code that actually ran.
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        text=True).stdout.strip() or "unknown"
     import jax
     record.update(name="moe_h200", date=datetime.date.today().isoformat(), commit=commit,
                   machine=jax.devices()[0].device_kind, command=" ".join(sys.argv),

@@ -32,13 +32,17 @@ PADDED_MAX_FACTOR = 16
 
 
 def mosaic_configs(rows: int, num_groups: int) -> tuple[GmmConfig, GmmConfig]:
-    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts: few rows per
-    expert (decode) is a weight stream, where 64-row tiles waste the least of each x block; many
-    (prefill) is compute, where 128-row tiles halve the weight panel traffic per FLOP. Fused
-    gate/up keeps two accumulators, so its tile is half the plain one."""
-    if rows <= 16 * num_groups:
+    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts, from
+    benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: 64-row
+    tiles, deep rings. Many (prefill) is compute: the down kernel takes 128 x 128 tiles; the fused
+    gate/up kernel holds two accumulators, so its tile is 64 x 128 while groups are a few hundred
+    rows (less of each 128-row tile wasted past a group's end) and 128 x 64 above."""
+    per_group = rows / num_groups
+    if per_group <= 16:
         return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
-    return GmmConfig(128, 64, 64, 4), GmmConfig(128, 128, 64, 4)
+    if per_group <= 256:
+        return GmmConfig(64, 128, 64, 4), GmmConfig(128, 128, 64, 6)
+    return GmmConfig(128, 64, 64, 6), GmmConfig(128, 128, 64, 6)
 
 
 def _silu_glu(gate, up, dtype):

@@ -1,16 +1,17 @@
 """Grouped matmul for routed experts on Hopper in Mosaic GPU: TMA + wgmma, tiles walking the groups.
 
 `out[r] = x[r] @ w[g(r)]` for rows sorted by group (expert), `group_sizes[e]` rows per group. The
-rows are cut into *tiles*: one group's rows inside one block_m-aligned block of rows (a block that
-holds parts of three groups gives three tiles, an empty group none), as megablox does on TPU; a
-*work unit* is one (tile, N block) pair and one CTA per SM walks the units (`plgpu.nd_loop`). A unit
-streams its expert's K x block_n weight panel and the tile's block of x through a `stages`-deep TMA
-ring and accumulates with wgmma; rows of the block outside the tile's group are computed and dropped.
+rows are cut into *tiles*: block_m-row windows of one group, the first starting at the 8-row
+boundary at or before the group's first row (a group that fits one window is one tile, an empty
+group none), so each expert's weights are streamed once per tile and, at decode (groups of a few
+rows), once per step. A *work unit* is one (tile, N block) pair and one CTA per SM walks the units
+(`plgpu.nd_loop`). A unit streams its expert's K x block_n weight panel and the tile's window of x
+through a `stages`-deep TMA ring and accumulates with wgmma; window rows outside the tile's group
+are computed and dropped.
 
 Tile table row (int32[4], built by `tile_table` outside the kernel): group, row0 (first row of
-the tile), load0 // 8 (first row of the block_m-row window TMA loads: the block's first row,
-clamped so the window stays inside x, so x is never padded beyond a multiple of 8 rows), n_rows
-(0 = no tile, skip).
+the tile), load0 // 8 (first row of the block_m-row window TMA loads, clamped so the window stays
+inside x, so x is never padded beyond a multiple of 8 rows), n_rows (0 = no tile, skip).
 
 Outputs go through shared memory and out as TMA stores of exactly the tile's rows: n_rows is only
 known at run time and a TMA box is static, so the rows are stored as a ladder of power-of-two boxes
@@ -74,32 +75,34 @@ class GmmConfig:
 
 
 def num_tiles(rows: int, groups: int, block_m: int) -> int:
-    """Static bound on the tiles of any split of `rows` into `groups`: ceil(rows / block_m) blocks,
-    plus one more tile for each group boundary that falls inside a block."""
-    return -(-rows // block_m) + groups - 1
+    """Static bound on the tiles of any split of `rows` into `groups`: a group of s rows starting r
+    rows past an 8-row boundary takes ceil((s + r) / block_m) <= (s + 6 + block_m) / block_m."""
+    return (rows + groups * (block_m + 6)) // block_m
 
 
 def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
-    """int32[num_tiles, 4] rows (group, row0, load0 // 8, n_rows) in row order: a tile is one group's
-    rows inside one block_m-aligned block of rows; unused rows have n_rows 0. rows must be a multiple
-    of 8 and at least block_m. Built with a compare-and-sum per tile (no sort, no while loop)."""
+    """int32[num_tiles, 4] rows (group, row0, load0 // 8, n_rows) in row order; unused rows have
+    n_rows 0. A group's tiles are block_m-row windows starting at the 8-row boundary at or before
+    its first row (TMA loads into tiled shared memory start on 8-row boundaries), so a group of up
+    to block_m - 7 rows is one tile and its expert's weights are streamed once. rows must be a
+    multiple of 8 and at least block_m. Built with a compare-and-sum per tile (no sort, no loop)."""
     sizes = group_sizes.astype(jnp.int32)
     g = sizes.shape[0]
     nt = num_tiles(rows, g, block_m)
     start = jnp.cumsum(sizes) - sizes
     end = start + sizes
-    first_block = start // block_m
-    tiles_per_group = jnp.where(sizes > 0, (end - 1) // block_m - first_block + 1, 0)
+    base = start // 8 * 8
+    tiles_per_group = jnp.where(sizes > 0, (end - base + block_m - 1) // block_m, 0)
     tile_end = jnp.cumsum(tiles_per_group)               # first tile index after group e
     t = jnp.arange(nt, dtype=jnp.int32)
     group = jnp.minimum(jnp.sum(tile_end[None, :] <= t[:, None], axis=1), g - 1).astype(jnp.int32)
-    block = first_block[group] + t - (tile_end[group] - tiles_per_group[group])
-    row0 = jnp.maximum(start[group], block * block_m)
-    row_end = jnp.minimum(end[group], block * block_m + block_m)
+    window = base[group] + (t - (tile_end[group] - tiles_per_group[group])) * block_m
+    row0 = jnp.maximum(start[group], window)
+    row_end = jnp.minimum(end[group], window + block_m)
     n_rows = jnp.where(t < tile_end[-1], jnp.maximum(row_end - row0, 0), 0)
-    # TMA loads into tiled shared memory start on 8-row boundaries: rows and block_m are multiples
-    # of 8, so the clamped window start is too, and it still covers the whole block.
-    load0 = jnp.minimum(block * block_m, rows - block_m)
+    # rows is a multiple of 8, so the window clamped inside x still starts on an 8-row boundary
+    # and still holds the tile's rows.
+    load0 = jnp.minimum(window, rows - block_m)
     return jnp.stack([group, row0, load0 // 8, n_rows], axis=1).astype(jnp.int32)
 
 

@@ -13,11 +13,13 @@ weights, so expert parallelism can wrap this one function (shard_map over the ex
     The portable GPU path at decode; with many tokens it would multiply the work, so it is used only
     while the padded rows stay within `PADDED_MAX_FACTOR` x the real ones.
   - "ragged": `jax.lax.ragged_dot` (XLA): exact everywhere, what CPUs run.
-  - `moe_experts_reference`: pure jnp (every expert on every row, then a select), for tests.
+  - `moe_experts_reference` / `grouped_matmul_reference`: pure jnp (every expert on every row,
+    then a select), for tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -45,21 +47,42 @@ def mosaic_configs(rows: int, num_groups: int) -> tuple[GmmConfig, GmmConfig]:
     return GmmConfig(128, 64, 64, 6), GmmConfig(128, 128, 64, 6)
 
 
+def _fit(config: GmmConfig, n: int) -> GmmConfig:
+    """The config with block_n narrowed to 64 where its block_n does not divide N."""
+    return config if n % config.block_n == 0 else dataclasses.replace(config, block_n=64)
+
+
+def mosaic_supports(hidden: int, inter: int, dtype) -> bool:
+    """The kernel's shape and dtype limits: 16-bit data, K and N multiples of 64 both ways."""
+    return jnp.dtype(dtype).itemsize == 2 and hidden % 64 == 0 and inter % 64 == 0
+
+
 def _silu_glu(gate, up, dtype):
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
-def moe_experts_reference(x, weights, group_sizes):
-    """Every expert on every row (float32), each row keeping its own expert's result."""
-    w_gate, w_up, w_down = (w.astype(jnp.float32) for w in weights)
-    xf = x.astype(jnp.float32)
+def _row_groups(group_sizes, m: int):
+    """Each row's group (E for rows past the groups) and its first row's index."""
     ends = jnp.cumsum(group_sizes)
-    gid = jnp.sum(jnp.arange(x.shape[0])[:, None] >= ends[None, :], axis=1)  # E: past the groups
-    h = _silu_glu(jnp.einsum("mk,ekn->emn", xf, w_gate), jnp.einsum("mk,ekn->emn", xf, w_up),
-                  jnp.float32)
-    y = jnp.einsum("emn,enh->emh", h, w_down)
-    mine = jnp.arange(w_gate.shape[0])[:, None] == gid[None, :]
-    return jnp.sum(jnp.where(mine[..., None], y, 0.0), axis=0).astype(x.dtype)
+    gid = jnp.sum(jnp.arange(m)[:, None] >= ends[None, :], axis=1)
+    return gid, ends - group_sizes
+
+
+def grouped_matmul_reference(x, w, group_sizes):
+    """out[r] = x[r] @ w[group of r] in float32 (every group on every row, then a select); rows
+    past the groups are 0."""
+    gid, _ = _row_groups(group_sizes, x.shape[0])
+    y = jnp.einsum("mk,ekn->emn", x.astype(jnp.float32), w.astype(jnp.float32))
+    mine = jnp.arange(w.shape[0])[:, None] == gid[None, :]
+    return jnp.sum(jnp.where(mine[..., None], y, 0.0), axis=0)
+
+
+def moe_experts_reference(x, weights, group_sizes):
+    """The expert MLP in float32 through `grouped_matmul_reference`."""
+    w_gate, w_up, w_down = weights
+    h = _silu_glu(grouped_matmul_reference(x, w_gate, group_sizes),
+                  grouped_matmul_reference(x, w_up, group_sizes), jnp.float32)
+    return grouped_matmul_reference(h, w_down, group_sizes).astype(x.dtype)
 
 
 def _ragged(x, weights, group_sizes):
@@ -75,10 +98,8 @@ def _padded(x, weights, group_sizes, capacity: int):
     w_gate, w_up, w_down = weights
     e = w_gate.shape[0]
     m = x.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    rows = jnp.arange(m)
-    gid = jnp.sum(rows[:, None] >= ends[None, :], axis=1)
-    slot = rows - (ends - group_sizes)[jnp.minimum(gid, e - 1)]
+    gid, starts = _row_groups(group_sizes, m)
+    slot = jnp.arange(m) - starts[jnp.minimum(gid, e - 1)]
     xp = jnp.zeros((e, capacity, x.shape[1]), x.dtype).at[gid, slot].set(x, mode="drop")
     h = _silu_glu(jnp.einsum("eck,ekn->ecn", xp, w_gate), jnp.einsum("eck,ekn->ecn", xp, w_up),
                   x.dtype)
@@ -90,7 +111,9 @@ def _mosaic(x, weights, group_sizes, interpret: bool = False):
     from pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
 
     w_gate, w_up, w_down = weights
-    up_cfg, down_cfg = mosaic_configs(x.shape[0], w_gate.shape[0])
+    e, h, f = w_gate.shape
+    up_cfg, down_cfg = mosaic_configs(x.shape[0], e)
+    up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
     h = grouped_matmul_mosaic(x, (w_gate, w_up), group_sizes, config=up_cfg, interpret=interpret)
     return grouped_matmul_mosaic(h, (w_down,), group_sizes, config=down_cfg, interpret=interpret)
 
@@ -101,7 +124,7 @@ def _hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
-def choose_impl(rows: int, num_groups: int, capacity: int, dtype) -> str:
+def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype) -> str:
     """The implementation `moe_experts` runs for this call shape on the default device;
     $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
     forced = os.environ.get("JAXINFER_MOE_IMPL")
@@ -111,7 +134,8 @@ def choose_impl(rows: int, num_groups: int, capacity: int, dtype) -> str:
         return forced
     if jax.devices()[0].platform != "gpu":
         return "ragged"
-    if _hopper() and jnp.dtype(dtype).itemsize == 2:
+    num_groups, hidden, inter = weight_shape
+    if _hopper() and mosaic_supports(hidden, inter, dtype):
         return "mosaic"
     return "padded" if num_groups * capacity <= PADDED_MAX_FACTOR * rows else "ragged"
 
@@ -125,9 +149,8 @@ def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Ar
     the Mosaic kernel in its interpreter (CPU tests). Returns [M, H] in x's dtype; rows past
     sum(group_sizes) are undefined."""
     m = x_sorted.shape[0]
-    e = weights[0].shape[0]
     capacity = min(m, max_group_size or m)
-    impl = impl or choose_impl(m, e, capacity, x_sorted.dtype)
+    impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype)
     if impl == "mosaic":
         return _mosaic(x_sorted, weights, group_sizes, interpret=interpret)
     if impl == "padded":

@@ -201,6 +201,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -
     for i in range(prompts):
         engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
     stamps, n_out = [], 0
+    engine.stats.__init__()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -213,7 +214,9 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -
     return {"model": name, "ready_s": round(ready_s, 1), "elapsed_s": round(elapsed, 2),
             "output_tokens": n_out, "out_tok_s": round(n_out / elapsed, 1),
             "steps": len(stamps), "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2)
-            if gaps else None, "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto")}
+            if gaps else None, "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3),
+            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto")}
 
 
 # ---- driver ------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ What runs where:
 Real sizes and speed are checked on the H200 by `benchmarks/bench_moe.py`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +123,18 @@ def test_dispatch_choice_and_override(monkeypatch):
     monkeypatch.setenv("JAXINFER_MOE_IMPL", "fast")
     with pytest.raises(ValueError, match="JAXINFER_MOE_IMPL"):
         gm.choose_impl(512, shape, 64, jnp.bfloat16)
+    # Measured choices (bench_moe, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
+    # kernel, Mixtral decode (8 experts, 16 rows each) on the padded einsum; without the kernel the
+    # padded einsum (E / k = 16x the rows: it beat ragged_dot at both phases), ragged_dot past that.
+    pick = functools.partial(gm.pick_impl, gpu=True)
+    assert pick(512, 128, 64, kernel=True) == "mosaic"
+    assert pick(16384, 128, 2048, kernel=True) == "mosaic"
+    assert pick(128, 8, 64, kernel=True) == "padded"
+    assert pick(4096, 8, 2048, kernel=True) == "mosaic"
+    assert pick(512, 128, 64, kernel=False) == "padded"
+    assert pick(16384, 128, 2048, kernel=False) == "padded"
+    assert pick(8192, 256, 2048, kernel=False) == "ragged"  # 256 experts, top-4: 64x
+    assert gm.pick_impl(512, 128, 64, gpu=False, kernel=False) == "ragged"
     assert gm.mosaic_supports(2048, 768, jnp.bfloat16)
     assert not gm.mosaic_supports(2048, 768, jnp.float32)
     assert not gm.mosaic_supports(2048, 100, jnp.bfloat16)

@@ -87,7 +87,7 @@ def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
     return xs, ws, sizes
 
 
-def kernel_section(deadline: float) -> dict:
+def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) -> dict:
     import functools
 
     import jax
@@ -126,7 +126,8 @@ def kernel_section(deadline: float) -> dict:
             return grouped_matmul_mosaic(h, ws[2:], sizes, config=GmmConfig(*down))
         return jax.jit(f)
 
-    for model, (e, hidden, inter, k) in SHAPES.items():
+    for model in models:
+        e, hidden, inter, k = SHAPES[model]
         for phase, tokens in PHASE_TOKENS.items():
             if time.perf_counter() - start > deadline:
                 res[f"{model}_{phase}"] = "skipped: deadline"
@@ -138,7 +139,7 @@ def kernel_section(deadline: float) -> dict:
             flops = 2 * rows * hidden * inter * 3
             ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
                 xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
-            ups, downs = SWEEP[phase]
+            ups, downs = SWEEP[phase] if sweep else ((), ())
             pairs = {"mosaic": tuple(dataclasses.astuple(c)[:4] for c in gm.mosaic_configs(rows, e))}
             pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
             calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
@@ -260,12 +261,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="kernels,qwen,mixtral")
     ap.add_argument("--deadline-s", type=float, default=560.0)
+    ap.add_argument("--models", default=",".join(SHAPES), help="kernels: the model shapes to time")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="kernels: only the tiling moe_experts picks, no SWEEP candidates")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_section:
         if args.run_section == "kernels":
-            value = kernel_section(args.section_s)
+            value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep)
         else:
             value = engine_section(args.run_section)
         save_part(args.run_section, value)
@@ -280,7 +284,8 @@ def main() -> None:
             save_part(name, "skipped: call deadline")
             continue
         limit = min(limits[name], left)
-        argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60)]
+        argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
+                "--models", args.models] + (["--no-sweep"] if args.no_sweep else [])
         try:
             proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
                                   env=env)

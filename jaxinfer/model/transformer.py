@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
 from jaxinfer.core.kv_cache.device_cache import KVCache
 from pallas_kernels.backend import REFERENCE, AttentionBackend
+from pallas_kernels.grouped_matmul import moe_experts
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import causal_attention_reference
 
@@ -101,8 +102,9 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts. Tokens are sorted by expert and run through grouped matmuls
-    (`jax.lax.ragged_dot`), so each expert computes only the tokens routed to it."""
+    """Top-k routed SwiGLU experts. Routing (top-k, renormalisation) happens here; the tokens, sorted
+    by expert, go through `moe_experts` (grouped matmuls: each expert computes only the tokens
+    routed to it), the one dispatch point for expert weights."""
     cfg: ModelConfig
     dtype: jnp.dtype
 
@@ -127,8 +129,8 @@ class MoE(nn.Module):
         order = jnp.argsort(flat, stable=True)
         xs = x[order // k]  # tokens grouped by expert
         group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        act = nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
-        ys = jax.lax.ragged_dot(act.astype(self.dtype), w_down, group_sizes)  # [T*k, H]
+        # A token's k experts are distinct, so no expert gets more than T rows.
+        ys = moe_experts(xs, (w_gate, w_up, w_down), group_sizes, max_group_size=x.shape[0])
         ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, k, h)
         out = jnp.einsum("tkh,tk->th", ys.astype(jnp.float32), weights).astype(x.dtype)
         return out.reshape(*lead, h)

@@ -1,0 +1,313 @@
+"""Routed experts on the GPU, one device call: the grouped-matmul kernel beside `ragged_dot` and the
+padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe.py [--sections kernels,qwen,mixtral]
+        [--deadline-s 560] [--save [DIR]]
+
+Sections (each in its own process, time-limited; figures are saved after every part):
+  kernels  ceilings (HBM read of 8 GiB; bf16 matmul 8192^3), then per model shape (Qwen3-30B-A3B:
+           128 experts, hidden 2048, expert inter 768, top-8; Mixtral-8x7B: 8 experts, 4096,
+           14336, top-2) and phase (decode: 64 tokens; prefill: 2048 tokens), with routing from a
+           random router: correctness of every implementation against float32 `ragged_dot`, then
+           the time of the whole expert MLP (gate, up, down) per implementation and of our kernel's
+           two calls per tiling (`mosaic`: the tiling `moe_experts` picks; `mosaic_i`: SWEEP's).
+           TB/s counts the touched experts' weight bytes once; TF/s 2 * rows * hidden * inter * 3.
+  qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
+           --max-num-seqs 64: output tok/s and the median step while all 64 decode.
+  mixtral  the same on the Mixtral-8x7B shape.
+Parts go to $OUT/moe_h200.json as they finish; `--save` writes the record moe_<gpu>.json
+(`results_io`; its config keeps every part's raw figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import results_io
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("OUT", "/tmp"))
+
+SHAPES = {  # experts, hidden, expert intermediate, top-k
+    "qwen3_30b_a3b": (128, 2048, 768, 8),
+    "mixtral_8x7b": (8, 4096, 14336, 2),
+}
+PHASE_TOKENS = {"decode": 64, "prefill": 2048}
+# Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
+# (gate/up fused, down) candidates as GmmConfig fields.
+SWEEP = {
+    "decode": ([(64, 64, 64, 6), (64, 128, 128, 2)], [(64, 256, 64, 4), (64, 128, 128, 3)]),
+    "prefill": ([(128, 64, 64, 4), (64, 128, 64, 4)], [(128, 128, 64, 4), (64, 256, 64, 4)]),
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_8x7b", MIXTRAL_8X7B)}
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
+    """x sorted by expert, weights, group sizes: routing is top-k of a random router's softmax."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
+    _, chosen = jax.lax.top_k(x.astype(jnp.float32) @ router, top_k)
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // top_k]
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    std = hidden ** -0.5
+    ws = tuple((jax.random.normal(k, s, jnp.float32) * std).astype(jnp.bfloat16)
+               for k, s in zip(keys[2:], [(experts, hidden, inter), (experts, hidden, inter),
+                                          (experts, inter, hidden)]))
+    return xs, ws, sizes
+
+
+def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) -> dict:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
+    from benchmarks.bench_prefill import bench_interleaved, rel_err
+    from pallas_kernels import grouped_matmul as gm
+    from pallas_kernels.grouped_matmul_mosaic import GmmConfig, grouped_matmul_mosaic
+
+    start = time.perf_counter()
+    res: dict = {}
+    warm_up_gpu()
+    res["hbm_read_tbps"] = read_ceiling_tbps()
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    t = bench_interleaved({"mm": (mm, (a,))}, reps=5, inner=10)["mm"]
+    res["matmul_tfs"] = 2 * 8192 ** 3 / t / 1e12
+    del a
+    print(f"ceilings: HBM read {res['hbm_read_tbps']:.2f} TB/s, bf16 matmul {res['matmul_tfs']:.0f} "
+          f"TF/s", flush=True)
+    save_part("kernels", res)
+
+    def time_parts(xs, ws, sizes, up, down):
+        h = grouped_matmul_mosaic(xs, ws[:2], sizes, config=GmmConfig(*up))
+        parts = bench_interleaved({
+            "up": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*up)),
+                   (xs, ws[:2], sizes)),
+            "down": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*down)),
+                     (h, ws[2:], sizes))}, reps=3, inner=10)
+        return {k: round(v * 1e6, 1) for k, v in parts.items()}
+
+    def mosaic_pair(up, down):
+        def f(x, ws, sizes):
+            h = grouped_matmul_mosaic(x, ws[:2], sizes, config=GmmConfig(*up))
+            return grouped_matmul_mosaic(h, ws[2:], sizes, config=GmmConfig(*down))
+        return jax.jit(f)
+
+    for model in models:
+        e, hidden, inter, k = SHAPES[model]
+        for phase, tokens in PHASE_TOKENS.items():
+            if time.perf_counter() - start > deadline:
+                res[f"{model}_{phase}"] = "skipped: deadline"
+                continue
+            xs, ws, sizes = routed_case(e, hidden, inter, k, tokens)
+            rows = xs.shape[0]
+            touched = int(jnp.sum(sizes > 0))
+            nbytes = touched * 3 * hidden * inter * 2
+            flops = 2 * rows * hidden * inter * 3
+            ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
+                xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
+            ups, downs = SWEEP[phase] if sweep else ((), ())
+            pairs = {"mosaic": tuple(dataclasses.astuple(c)[:4] for c in gm.mosaic_configs(rows, e))}
+            pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
+            calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
+                                                      max_group_size=tokens)), (xs, ws, sizes))
+                     for impl in ("ragged", "padded")}
+            calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
+            row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
+                         "flops": flops, "errors": {}, "us": {}, "configs": pairs}
+            ok = {}
+            for name, (f, args) in calls.items():
+                try:
+                    row["errors"][name] = rel_err(f(*args), ref)
+                    ok[name] = (f, args)
+                except Exception as exc:  # a tiling that does not compile is a result, not a crash
+                    row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            times = bench_interleaved(ok, reps=5, inner=10)
+            for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
+                if name in ok:
+                    row.setdefault("parts_us", {})[name] = time_parts(xs, ws, sizes, up, down)
+            for name, t in times.items():
+                row["us"][name] = round(t * 1e6, 1)
+            row["tbps"] = {n: round(nbytes / t / 1e12, 3) for n, t in times.items()}
+            row["tfs"] = {n: round(flops / t / 1e12, 1) for n, t in times.items()}
+            res[f"{model}_{phase}"] = row
+            for key, pick in (("ours", "mosaic" if "mosaic" in times else None),
+                              ("best", min((n for n in times if n.startswith("mosaic")),
+                                           key=times.get, default=None))):
+                if pick:
+                    frac = (nbytes / times[pick] / 1e12 / res["hbm_read_tbps"] if phase == "decode"
+                            else flops / times[pick] / 1e12 / res["matmul_tfs"])
+                    res[f"{model}_{phase}_{key}"] = {"name": pick, "frac": round(frac, 3)}
+            print(f"{model} {phase}: rows {rows}, touched {touched}: " + ", ".join(
+                f"{n} {row['us'][n]} us ({row['tbps'][n]} TB/s, {row['tfs'][n]} TF/s)"
+                for n in times), flush=True)
+            print(f"  errors: {row['errors']}", flush=True)
+            save_part("kernels", res)
+            del xs, ws, ref, calls, ok
+    return res
+
+
+# ---- engine ------------------------------------------------------------------------------------
+def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -> dict:
+    import numpy as np
+
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.sampling_params import SamplingParams
+
+    name, config = ENGINE_MODELS[model_key]
+    work = Path(tempfile.mkdtemp(prefix="moe-"))
+    (work / "config.json").write_text(json.dumps(config))
+    t0 = time.perf_counter()
+    args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
+                      max_num_batched_tokens=2048, max_model_len=1024,
+                      gpu_memory_utilization=0.9, attention_backend=backend)
+    engine = LLMEngine.from_engine_args(args)
+    ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    for i in range(prompts):
+        engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
+    stamps, n_out = [], 0
+    engine.stats.__init__()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        stamps.append((time.perf_counter(), len(engine.scheduler.running)))
+        n_out += sum(o.num_generated_tokens for o in outs if o.finished)
+    elapsed = time.perf_counter() - start
+    # Steady decode: consecutive steps with all 64 sequences running, past the prefill steps.
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts]
+    gaps = gaps[len(gaps) // 4:]
+    return {"model": name, "ready_s": round(ready_s, 1), "elapsed_s": round(elapsed, 2),
+            "output_tokens": n_out, "out_tok_s": round(n_out / elapsed, 1),
+            "steps": len(stamps), "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2)
+            if gaps else None, "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3),
+            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto")}
+
+
+# ---- driver ------------------------------------------------------------------------------------
+def save_part(name: str, value) -> None:
+    path = OUT / "moe_h200.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.setdefault("parts", {})[name] = value
+    path.write_text(json.dumps(record, indent=1))
+
+
+def mosaic_passed(tolerance: float = 2e-2) -> bool:
+    """Whether some tiling of our kernel matched the reference in every kernel case measured."""
+    path = OUT / "moe_h200.json"
+    kernels = json.loads(path.read_text()).get("parts", {}).get("kernels", {}) if path.exists() else {}
+    rows = [r for r in kernels.values() if isinstance(r, dict) and "errors" in r]
+    return bool(rows) and all(
+        any(isinstance(v, float) and v < tolerance for n, v in r["errors"].items()
+            if n.startswith("mosaic")) for r in rows)
+
+
+def metrics(parts: dict) -> dict:
+    k = parts.get("kernels", {})
+    q, m = parts.get("qwen", {}), parts.get("mixtral", {})
+    out = {"hbm_read_tbps": k.get("hbm_read_tbps"), "matmul_tfs": k.get("matmul_tfs"),
+           "qwen3_30b_a3b_c64_out_tok_s": q.get("out_tok_s"),
+           "qwen3_30b_a3b_bs64_step_ms": q.get("decode_step_ms_median"),
+           "mixtral_8x7b_c64_out_tok_s": m.get("out_tok_s"),
+           "mixtral_8x7b_bs64_step_ms": m.get("decode_step_ms_median")}
+    for phase, key in (("decode", "gmm_decode_frac_of_hbm"), ("prefill", "gmm_prefill_frac_of_matmul")):
+        ours = k.get(f"qwen3_30b_a3b_{phase}_ours") or k.get(f"qwen3_30b_a3b_{phase}_best")
+        out[key] = ours and ours["frac"]
+        for model in SHAPES:
+            row = k.get(f"{model}_{phase}")
+            if isinstance(row, dict):
+                for impl, t in row["us"].items():
+                    out[f"{model}_{phase}_{impl}_us"] = t
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="kernels,qwen,mixtral")
+    ap.add_argument("--deadline-s", type=float, default=560.0)
+    ap.add_argument("--models", default=",".join(SHAPES), help="kernels: the model shapes to time")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="kernels: only the tiling moe_experts picks, no SWEEP candidates")
+    results_io.add_save_arg(ap, "moe_<gpu>")
+    ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_section:
+        if args.run_section == "kernels":
+            value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep)
+        else:
+            value = engine_section(args.run_section)
+        save_part(args.run_section, value)
+        print(json.dumps(value)[:4000], flush=True)
+        return
+    start = time.perf_counter()
+    limits = {"kernels": 180, "qwen": 210, "mixtral": 240}
+    env = dict(os.environ)
+    for name in args.sections.split(","):
+        left = args.deadline_s - (time.perf_counter() - start)
+        if left < 60:
+            save_part(name, "skipped: call deadline")
+            continue
+        limit = min(limits[name], left)
+        argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
+                "--models", args.models] + (["--no-sweep"] if args.no_sweep else [])
+        try:
+            proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
+                                  env=env)
+            print(proc.stdout[-6000:], flush=True)
+            if proc.returncode:
+                print(proc.stderr[-4000:], flush=True)
+                save_part(f"{name}_error", proc.stderr[-3000:])
+        except subprocess.TimeoutExpired as exc:
+            print(f"[{name} timed out after {limit:.0f} s]", str(exc.stdout or "")[-3000:], flush=True)
+            save_part(f"{name}_error", f"timed out after {limit:.0f} s")
+        if name == "kernels" and not mosaic_passed():
+            env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
+    parts = json.loads((OUT / "moe_h200.json").read_text()).get("parts", {})
+    config = {"shapes": SHAPES, "phase_tokens": PHASE_TOKENS, "sweep": SWEEP, "parts": parts,
+              "engine_workload": "64 prompts x 512 in / 256 out, max 64 seqs, dummy bf16"}
+    figures = metrics(parts)
+    print(json.dumps(figures, indent=1))
+    if args.save:
+        results_io.save(args.save, args.name or f"moe_{results_io.device_slug()}", config=config,
+                        metrics=figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Routed experts' SwiGLU MLP over rows sorted by expert: the model's one MoE dispatch point.
+
+`moe_experts(x_sorted, weights, group_sizes)` returns down(silu(x @ gate) * (x @ up)) per row, with
+each row's expert given by the group it falls in. It is the only place the model touches expert
+weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
+`weights` and `group_sizes`). Implementations:
+
+  - "mosaic": the Hopper kernel (`grouped_matmul_mosaic`): gate/up fused with SwiGLU in one call,
+    then down; tilings picked by rows per step (`mosaic_configs`).
+  - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
+    a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
+    with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
+    The portable GPU path at decode; with many tokens it would multiply the work, so it is used only
+    while the padded rows stay within `PADDED_MAX_FACTOR` x the real ones. On Hopper it also takes
+    decode steps of models with few experts (`PADDED_OVER_KERNEL`), where it measured faster.
+  - "ragged": `jax.lax.ragged_dot` (XLA): exact everywhere, what CPUs run.
+  - `moe_experts_reference` / `grouped_matmul_reference`: pure jnp (every expert on every row,
+    then a select), for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul_mosaic import GmmConfig
+
+IMPLS = ("mosaic", "padded", "ragged")
+# Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per
+# step). With it, "padded" runs only at decode with few experts (E * capacity <= PADDED_OVER_KERNEL
+# * rows): measured on the H200, XLA's batched matmul streamed Mixtral's 8 experts at 3.84 TB/s
+# against the kernel's 3.55, while at Qwen3-MoE's 128 experts (16x padding) the kernel won 329 us
+# to 407.
+PADDED_MAX_FACTOR = 16
+PADDED_OVER_KERNEL = 4
+
+
+def mosaic_configs(rows: int, num_groups: int) -> tuple[GmmConfig, GmmConfig]:
+    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts, from
+    benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: 64-row
+    tiles, deep rings. Many (prefill) is compute: the down kernel takes 128 x 128 tiles; the fused
+    gate/up kernel holds two accumulators, so its tile is 64 x 128 while groups are a few hundred
+    rows (less of each 128-row tile wasted past a group's end) and 128 x 64 above."""
+    per_group = rows / num_groups
+    if per_group <= 16:
+        return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
+    if per_group <= 256:
+        return GmmConfig(64, 128, 64, 4), GmmConfig(128, 128, 64, 6)
+    return GmmConfig(128, 64, 64, 6), GmmConfig(128, 128, 64, 6)
+
+
+def _fit(config: GmmConfig, n: int) -> GmmConfig:
+    """The config with block_n narrowed to 64 where its block_n does not divide N."""
+    return config if n % config.block_n == 0 else dataclasses.replace(config, block_n=64)
+
+
+def mosaic_supports(hidden: int, inter: int, dtype) -> bool:
+    """The kernel's shape and dtype limits: 16-bit data, K and N multiples of 64 both ways."""
+    return jnp.dtype(dtype).itemsize == 2 and hidden % 64 == 0 and inter % 64 == 0
+
+
+def _silu_glu(gate, up, dtype):
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
+def _row_groups(group_sizes, m: int):
+    """Each row's group (E for rows past the groups) and its first row's index."""
+    ends = jnp.cumsum(group_sizes)
+    gid = jnp.sum(jnp.arange(m)[:, None] >= ends[None, :], axis=1)
+    return gid, ends - group_sizes
+
+
+def grouped_matmul_reference(x, w, group_sizes):
+    """out[r] = x[r] @ w[group of r] in float32 (every group on every row, then a select); rows
+    past the groups are 0."""
+    gid, _ = _row_groups(group_sizes, x.shape[0])
+    y = jnp.einsum("mk,ekn->emn", x.astype(jnp.float32), w.astype(jnp.float32))
+    mine = jnp.arange(w.shape[0])[:, None] == gid[None, :]
+    return jnp.sum(jnp.where(mine[..., None], y, 0.0), axis=0)
+
+
+def moe_experts_reference(x, weights, group_sizes):
+    """The expert MLP in float32 through `grouped_matmul_reference`."""
+    w_gate, w_up, w_down = weights
+    h = _silu_glu(grouped_matmul_reference(x, w_gate, group_sizes),
+                  grouped_matmul_reference(x, w_up, group_sizes), jnp.float32)
+    return grouped_matmul_reference(h, w_down, group_sizes).astype(x.dtype)
+
+
+def _ragged(x, weights, group_sizes):
+    w_gate, w_up, w_down = weights
+    h = _silu_glu(jax.lax.ragged_dot(x, w_gate, group_sizes),
+                  jax.lax.ragged_dot(x, w_up, group_sizes), x.dtype)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+def _padded(x, weights, group_sizes, capacity: int):
+    """Rows scattered into [E, capacity, K] (slot = row's place in its group), three batched
+    einsums, rows gathered back. Rows past sum(group_sizes) come back as zeros."""
+    w_gate, w_up, w_down = weights
+    e = w_gate.shape[0]
+    m = x.shape[0]
+    gid, starts = _row_groups(group_sizes, m)
+    slot = jnp.arange(m) - starts[jnp.minimum(gid, e - 1)]
+    xp = jnp.zeros((e, capacity, x.shape[1]), x.dtype).at[gid, slot].set(x, mode="drop")
+    h = _silu_glu(jnp.einsum("eck,ekn->ecn", xp, w_gate), jnp.einsum("eck,ekn->ecn", xp, w_up),
+                  x.dtype)
+    yp = jnp.einsum("ecn,enh->ech", h, w_down)
+    return yp.at[gid, slot].get(mode="fill", fill_value=0)
+
+
+def _mosaic(x, weights, group_sizes, interpret: bool = False):
+    from pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
+
+    w_gate, w_up, w_down = weights
+    e, h, f = w_gate.shape
+    up_cfg, down_cfg = mosaic_configs(x.shape[0], e)
+    up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
+    h = grouped_matmul_mosaic(x, (w_gate, w_up), group_sizes, config=up_cfg, interpret=interpret)
+    return grouped_matmul_mosaic(h, (w_down,), group_sizes, config=down_cfg, interpret=interpret)
+
+
+@functools.cache
+def _hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
+def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype) -> str:
+    """The implementation `moe_experts` runs for this call shape on the default device;
+    $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
+    forced = os.environ.get("JAXINFER_MOE_IMPL")
+    if forced:
+        if forced not in IMPLS:
+            raise ValueError(f"JAXINFER_MOE_IMPL={forced!r}: expected one of {IMPLS}")
+        return forced
+    num_groups, hidden, inter = weight_shape
+    gpu = jax.devices()[0].platform == "gpu"
+    return pick_impl(rows, num_groups, capacity, gpu=gpu,
+                     kernel=gpu and _hopper() and mosaic_supports(hidden, inter, dtype))
+
+
+def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: bool) -> str:
+    """`choose_impl`'s rule for a device with (`gpu`) and without the Mosaic kernel (`kernel`)."""
+    if not gpu:
+        return "ragged"
+    padding = num_groups * capacity
+    if kernel:
+        decode_like = rows <= 16 * num_groups
+        return "padded" if decode_like and padding <= PADDED_OVER_KERNEL * rows else "mosaic"
+    return "padded" if padding <= PADDED_MAX_FACTOR * rows else "ragged"
+
+
+def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
+                group_sizes: jax.Array, *, max_group_size: int | None = None,
+                impl: str | None = None, interpret: bool = False) -> jax.Array:
+    """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
+    [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
+    (the step's token count; default M). impl: one of IMPLS, None = `choose_impl`. interpret: run
+    the Mosaic kernel in its interpreter (CPU tests). Returns [M, H] in x's dtype; rows past
+    sum(group_sizes) are undefined."""
+    m = x_sorted.shape[0]
+    capacity = min(m, max_group_size or m)
+    impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype)
+    if impl == "mosaic":
+        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret)
+    if impl == "padded":
+        return _padded(x_sorted, weights, group_sizes, capacity)
+    if impl == "ragged":
+        return _ragged(x_sorted, weights, group_sizes)
+    raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

@@ -1,0 +1,182 @@
+"""Grouped matmul for routed experts: CPU tests.
+
+What runs where:
+  - The tile table (how rows sorted by expert are cut into tiles) is checked against the rows it
+    must cover, on random group sizes with empty groups, one hot group and unused trailing rows.
+  - The Mosaic GPU kernel runs in Mosaic GPU's interpreter against the float32 jnp reference, plain
+    and with the fused SwiGLU, on persistent grids of 2-3 CTAs (so units loop and the TMA ring and
+    output stores carry across units), and is *lowered* for CUDA (Pallas -> Mosaic GPU MLIR:
+    layout, tiling and TMA-alignment errors) at model shapes with the tilings `moe_experts` picks.
+  - `moe_experts` is checked against the reference for every implementation.
+Real sizes and speed are checked on the H200 by `benchmarks/bench_moe.py`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, num_tiles,
+                                                  tile_table)
+
+
+def _sizes(rng, groups: int, total: int, kind: str) -> np.ndarray:
+    """Group sizes summing to at most `total`: random with a third of the groups emptied, or every
+    row in one group."""
+    if kind == "hot":
+        sizes = np.zeros(groups, np.int64)
+        sizes[rng.integers(groups)] = total
+        return sizes
+    cuts = np.sort(rng.integers(0, total + 1, groups - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]]))
+    sizes[rng.choice(groups, max(1, groups // 3), replace=False)] = 0  # empty experts
+    return sizes
+
+
+def _rel(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------------------ tile table
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_tile_table_covers_every_row_once(seed, block_m):
+    rng = np.random.default_rng(seed)
+    groups = int(rng.integers(1, 40))
+    rows = 8 * int(rng.integers(block_m // 8, 120))
+    sizes = _sizes(rng, groups, int(rng.integers(0, rows + 1)), "hot" if seed == 0 else "random")
+    used = int(sizes.sum())
+    table = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), rows, block_m))
+    assert table.shape == (num_tiles(rows, groups, block_m), 4)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    owner = np.full(rows, -1)
+    tiles_of = np.zeros(groups, int)
+    for group, row0, load8, n in table:
+        if n == 0:
+            continue
+        load0 = load8 * 8
+        assert 0 < n <= block_m
+        assert 0 <= load0 <= row0 and row0 + n <= load0 + block_m <= rows  # window holds the tile
+        assert starts[group] <= row0 and row0 + n <= starts[group] + sizes[group]
+        assert (owner[row0:row0 + n] == -1).all(), "a row is covered twice"
+        owner[row0:row0 + n] = group
+        tiles_of[group] += 1
+    assert (owner[:used] == np.repeat(np.arange(groups), sizes)).all()
+    assert (owner[used:] == -1).all()
+    # A group that fits one window from its 8-row boundary is one tile: its weights stream once.
+    fits = (sizes > 0) & (sizes + starts % 8 <= block_m)
+    assert (tiles_of[fits] == 1).all()
+
+
+# ------------------------------------------------------------------ Mosaic GPU kernel, interpreted
+INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
+    (200, 128, 128, 5, 200, "random", GmmConfig(64, 64, 64, 2, num_ctas=3), False),
+    (203, 128, 128, 6, 190, "random", GmmConfig(64, 128, 32, 3, num_ctas=2), True),
+    (136, 64, 128, 4, 136, "hot", GmmConfig(128, 64, 64, 2, num_ctas=2), True),
+    (40, 128, 64, 7, 37, "random", GmmConfig(64, 64, 64, 2, num_ctas=2), False),  # rows < block_m
+]
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}g{c[3]}"
+                         f"{c[5]}{'-swiglu' if c[7] else ''}")
+def test_mosaic_interpreted_matches_reference(case):
+    rows, k, n, groups, split, kind, config, fused = case
+    rng = np.random.default_rng(rows + n)
+    sizes = jnp.asarray(_sizes(rng, groups, split, kind), jnp.int32)
+    used = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ws = tuple(jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, jnp.bfloat16)
+               for _ in range(2 if fused else 1))
+    out = grouped_matmul_mosaic(x, ws, sizes, config=config, interpret=True)
+    ref = gm.grouped_matmul_reference(x, ws[0], sizes)
+    if fused:
+        ref = jax.nn.silu(ref) * gm.grouped_matmul_reference(x, ws[1], sizes)
+    assert out.shape == (rows, n) and out.dtype == jnp.bfloat16
+    assert _rel(out[:used], ref[:used]) < 1e-2
+
+
+def test_moe_experts_every_impl_matches_reference():
+    rng = np.random.default_rng(7)
+    tokens, top_k, groups, h, f = 24, 2, 8, 128, 64
+    rows = tokens * top_k
+    sizes = jnp.asarray(_sizes(rng, groups, rows, "random"), jnp.int32)
+    used = int(sizes.sum())  # rows past the groups are undefined
+    x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+    ws = tuple(jnp.asarray(rng.standard_normal(s) * s[1] ** -0.5, jnp.bfloat16)
+               for s in [(groups, h, f), (groups, h, f), (groups, f, h)])
+    ref = gm.moe_experts_reference(x, ws, sizes)
+    for impl in gm.IMPLS:
+        out = gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl=impl,
+                             interpret=impl == "mosaic")
+        assert _rel(out[:used], ref[:used]) < 1e-2, impl
+
+
+def test_dispatch_choice_and_override(monkeypatch):
+    shape = (128, 2048, 768)
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16) == "ragged"  # CPU: XLA's exact path
+    monkeypatch.setenv("JAXINFER_MOE_IMPL", "padded")
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16) == "padded"
+    monkeypatch.setenv("JAXINFER_MOE_IMPL", "fast")
+    with pytest.raises(ValueError, match="JAXINFER_MOE_IMPL"):
+        gm.choose_impl(512, shape, 64, jnp.bfloat16)
+    # Measured choices (bench_moe, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
+    # kernel, Mixtral decode (8 experts, 16 rows each) on the padded einsum; without the kernel the
+    # padded einsum (E / k = 16x the rows: it beat ragged_dot at both phases), ragged_dot past that.
+    pick = functools.partial(gm.pick_impl, gpu=True)
+    assert pick(512, 128, 64, kernel=True) == "mosaic"
+    assert pick(16384, 128, 2048, kernel=True) == "mosaic"
+    assert pick(128, 8, 64, kernel=True) == "padded"
+    assert pick(4096, 8, 2048, kernel=True) == "mosaic"
+    assert pick(512, 128, 64, kernel=False) == "padded"
+    assert pick(16384, 128, 2048, kernel=False) == "padded"
+    assert pick(8192, 256, 2048, kernel=False) == "ragged"  # 256 experts, top-4: 64x
+    assert gm.pick_impl(512, 128, 64, gpu=False, kernel=False) == "ragged"
+    assert gm.mosaic_supports(2048, 768, jnp.bfloat16)
+    assert not gm.mosaic_supports(2048, 768, jnp.float32)
+    assert not gm.mosaic_supports(2048, 100, jnp.bfloat16)
+
+
+# ------------------------------------------------------------------ Mosaic GPU kernel, lowering
+def _lower_for_cuda(fn, *avals):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("shape", [(64, 128, 2048, 768, 8), (2048, 8, 4096, 14336, 2)],
+                         ids=["qwen3-decode", "mixtral-prefill"])
+def test_mosaic_lowers_for_cuda_once_per_shape(shape):
+    tokens, experts, h, f, top_k = shape
+    s = jax.ShapeDtypeStruct
+    weights = (s((experts, h, f), jnp.bfloat16),) * 2 + (s((experts, f, h), jnp.bfloat16),)
+
+    def layers(x, ws, sizes):  # three layers' expert MLPs: the kernels must lower once each
+        for _ in range(3):
+            x = gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl="mosaic")
+        return x
+
+    text = _lower_for_cuda(layers, s((tokens * top_k, h), jnp.bfloat16), weights,
+                           s((experts,), jnp.int32))
+    # Two kernels (fused gate/up, down), each lowered once however many layers call it.
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+
+
+def test_config_and_inputs_are_checked():
+    with pytest.raises(ValueError, match="block_m"):
+        GmmConfig(block_m=32)
+    with pytest.raises(ValueError, match="block_n"):
+        GmmConfig(block_n=96)
+    with pytest.raises(ValueError, match="shared memory"):
+        GmmConfig(64, 128, 64, 6).check(2)
+    with pytest.raises(ValueError, match="registers"):
+        GmmConfig(128, 128, 64, 2).check(2)
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    w = jnp.zeros((4, 128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul_mosaic(x, (w,), jnp.zeros(3, jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="weights"):
+        grouped_matmul_mosaic(x, (w.astype(jnp.float16),), jnp.zeros(4, jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="impl"):
+        gm.moe_experts(x, (w, w, w), jnp.zeros(4, jnp.int32), impl="dense")

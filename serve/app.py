@@ -53,7 +53,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="answer 503 + Retry-After while this many requests wait (default: %(default)s)")
+                   help="most sequences waiting for the engine: a request whose n x prompts would pass "
+                        "it gets 503 + Retry-After, whole (default: %(default)s)")
     g.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are "
                         "aborted (default: %(default)s)")

@@ -82,6 +82,7 @@ class Stats:
         self.status: dict[int, int] = {}
         self.latency: list[float] = []
         self.five_xx: list[str] = []
+        self.stream_errors: list[dict] = []  # in-band {"error": ...} events of streams that had begun
 
     def count(self, key: str) -> None:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
@@ -145,9 +146,13 @@ async def one_request(session: aiohttp.ClientSession, base: str, kind: str, rng:
             if body.get("stream") and b"data: [DONE]" not in raw:
                 stats.count(f"{kind}:incomplete_stream")
                 return
-            if b'"error"' in raw and body.get("stream"):
-                stats.count(f"{kind}:stream_error")
-                return
+            if body.get("stream"):
+                errors = [e for e in (json.loads(ev[6:]) for ev in raw.split(b"\n\n")
+                                      if ev.startswith(b"data: {")) if "error" in e]
+                if errors:
+                    stats.stream_errors.append(errors[0]["error"])
+                    stats.count(f"{kind}:stream_error_{errors[0]['error'].get('code')}")
+                    return
             stats.latency.append(time.perf_counter() - t0)
             stats.count(f"{kind}:ok")
     except asyncio.TimeoutError:
@@ -249,7 +254,10 @@ def summarize(args, stats: Stats, series: list, final: dict) -> dict:
     return {
         "requests_sent": sum(stats.outcomes.values()),
         "responses_by_status": {str(k): v for k, v in sorted(stats.status.items())},
-        "responses_5xx": sum(v for k, v in stats.status.items() if k >= 500),
+        # HTTP statuses >= 500, plus in-band error events >= 500 of streams that had begun.
+        "responses_5xx": sum(v for k, v in stats.status.items() if k >= 500) + sum(
+            1 for e in stats.stream_errors if (e.get("code") or 500) >= 500),
+        "stream_errors": stats.stream_errors[:10],
         "five_xx_samples": stats.five_xx[:10],
         "outcomes": dict(sorted(stats.outcomes.items())),
         "completed_ok": len(stats.latency),
@@ -291,6 +299,7 @@ def main() -> int:
     ap.add_argument("--save", action="store_true", help=f"write {RESULT.relative_to(REPO_ROOT)}")
     args = ap.parse_args()
 
+    commit = git_commit()  # of the code the server runs (read now: the tree may change during the run)
     proc = None
     if args.port:
         port, pid = args.port, args.pid
@@ -319,7 +328,7 @@ def main() -> int:
     result = {
         "name": "soak_cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": commit,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "note": args.note},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -203,11 +203,27 @@ def refuse_while_probing_health(url: str, path: str, body: bytes) -> tuple[tuple
      "messages"),
     ("/tokenize", lambda text: {"model": MODEL, "prompt": text}, "prompt"),
 ], ids=["completion", "prompt-list", "chat", "tokenize"])
-def test_30mb_prompt_is_refused_fast_without_blocking_others(server, path, make_body, param):
+def test_30mb_prompt_is_refused_fast_without_blocking_others(server, monkeypatch, path, make_body, param):
     """The issue: a 30 MB prompt was tokenized on the event loop (55 s, /health blocked, RSS +5 GB).
     Now its length alone refuses it (before tokenizing), in a worker thread: /health keeps answering."""
+    import serve.chat
+    import serve.completions
+    import serve.info
+    import serve.protocol
     url = server.urls["main"]
     engine = server.engine
+    threads = []  # where the body was parsed and the request validated
+
+    def recorded(fn):
+        def wrapper(*args, **kwargs):
+            threads.append((fn.__name__, threading.current_thread()))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(serve.protocol, "parse_json_object", recorded(serve.protocol.parse_json_object))
+    monkeypatch.setattr(serve.completions, "parse_generation", recorded(serve.completions.parse_generation))
+    monkeypatch.setattr(serve.chat, "parse_generation", recorded(serve.chat.parse_generation))
+    monkeypatch.setattr(serve.info, "_tokenize", recorded(serve.info._tokenize))
     encodes = []
     real_encode = engine.tokenizer.encode
     engine.tokenizer.encode = lambda text, *a, **k: encodes.append(len(text)) or real_encode(text, *a, **k)
@@ -225,12 +241,16 @@ def test_30mb_prompt_is_refused_fast_without_blocking_others(server, path, make_
         assert "characters cannot fit" in error["message"]
         assert not [n for n in encodes if n > 1_000_000], "the big text was tokenized"
         assert seconds < 10, seconds
-        # /health was never held up for long: the loop only reads the body; parsing and the checks
-        # run in a worker thread. What remains is json.loads of 30 MB in that thread, one C call that
-        # holds the GIL (~60 ms on an idle core; 90-170 ms measured with the 2 cores loaded 4x). The
-        # bounds leave room for a loaded CI machine; before the fix /health waited 55 s.
-        assert max(health) < 0.5, (max(health), len(health))
-        assert lag.max_lag < 0.5, lag.max_lag
+        # The loop only read the body: parsing and every check ran in worker threads.
+        assert [name for name, _ in threads] == ["parse_json_object", "_tokenize" if "tokenize" in path
+                                                 else "parse_generation"]
+        assert all(t is not server._thread for _, t in threads)
+        # So /health was never held up for long. What remains is json.loads of 30 MB in the worker,
+        # one C call that holds the GIL (~60 ms on an idle core; 90-170 ms measured with the 2 cores
+        # loaded 4x, up to 0.7 s loaded 7x). The bounds leave room for a loaded CI machine; before
+        # the fix /health waited 55 s.
+        assert max(health) < 2.0, (max(health), len(health))
+        assert lag.max_lag < 2.0, lag.max_lag
         del body, raw
         deadline = time.monotonic() + 10  # (the server lets go of the request a moment after replying)
         while rss_bytes() >= rss_before * 1.10 and time.monotonic() < deadline:
@@ -261,7 +281,7 @@ def test_huge_token_id_lists_are_refused_cheaply(server):
         server.urls["main"], "/v1/completions", raw_json({"model": MODEL, "prompt": [5] * 3_000_000}))
     assert status == 400
     assert "JSON values" in check_error_shape(raw, 400)["message"]
-    assert max(health) < 0.5
+    assert max(health) < 2.0
     status, _, raw = post_raw(server.urls["main"], "/v1/completions",
                               raw_json({"model": MODEL, "prompt": [5] * 1000}))
     assert status == 400

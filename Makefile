@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 ## Serve the bundled demo model on http://127.0.0.1:8000 (OpenAI-compatible API).
+## Server flags go through ARGS: make serve ARGS="--port 9000 --max-waiting 256"
 serve: $(STAMP)
-	$(VENV)/bin/jaxinfer serve
+	$(VENV)/bin/jaxinfer serve $(ARGS)
 
 ## The CPU test suite (what CI runs). Tests marked `gpu` (tests/gpu/) are skipped on a CPU.
 test: $(STAMP)

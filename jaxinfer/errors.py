@@ -17,6 +17,16 @@ class TokenizerError(JaxinferError):
     """A tokenizer file or chat template cannot be used."""
 
 
+class RequestFailedError(JaxinferError):
+    """The engine failed one request while building, running or processing its step (a server
+    fault, not the client's): the request is aborted and its blocks freed, the engine goes on.
+    `request_ids` names the requests at fault; `__cause__` is the original exception."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)
+
+
 class InvalidRequestError(JaxinferError, ValueError):
     """A request's parameters or prompt are invalid; `param` names the offending field
     (e.g. "temperature", "prompt", "max_tokens") so the server can report it."""

@@ -19,6 +19,28 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 32
 # Most choices per request (each one is a sequence holding KV blocks).
 MAX_N = 64
+# Every numeric field reaches the jitted step as an int32 or float32: values are bounded to what those
+# hold exactly (a JSON integer may have 400 digits; float32 overflows to inf past FLOAT32_MAX).
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a denormal
+# float32 would overflow to inf.
+GREEDY_EPS = 1e-5
+# repetition_penalty divides or multiplies logits: bounded so float32 stays finite.
+MAX_REPETITION_PENALTY = 1e4
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """repr() for error messages, cut to `limit` characters (a value may be a 400-digit integer
+    or a list of 10,000 strings)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**limit:
+        return f"<an integer of about {len(str(abs(value)))} digits>" if abs(value) < 10**4000 \
+            else "<an integer of over 4000 digits>"
+    if isinstance(value, (list, dict, str)) and len(value) > limit:
+        value = value[:limit] if not isinstance(value, dict) else dict(list(value.items())[:3])
+        return repr(value)[:limit] + "..."
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclasses.dataclass
@@ -52,7 +74,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
 
     @property
     def uses_penalties(self) -> bool:
@@ -68,36 +90,48 @@ class SamplingParams:
         """Raise InvalidRequestError(param=<field>) for the first invalid field."""
 
         def bad(field: str, why: str):
-            raise InvalidRequestError(f"{field}={getattr(self, field)!r}: {why}", param=field)
+            raise InvalidRequestError(f"{field}={short_repr(getattr(self, field))}: {why}", param=field)
 
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
         def is_num(x) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            """A number that float32 holds without overflowing (so also finite, and an int of
+            any size is refused without converting it)."""
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                return False
+            if isinstance(x, int):
+                return -FLOAT32_MAX <= x <= FLOAT32_MAX
+            return math.isfinite(x) and abs(x) <= FLOAT32_MAX
+
+        def is_i32(x, lo: int = -INT32_MAX - 1) -> bool:
+            return is_int(x) and lo <= x <= INT32_MAX
 
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer from 1 to {MAX_N}")
         if not is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+            bad("temperature", f"must be a number from 0 to {FLOAT32_MAX:.4g} (0 = greedy)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
+        if not is_i32(self.top_k, -1):
+            bad("top_k", f"must be an integer from -1 to {INT32_MAX} (0 or -1 disable it)")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        if (not is_num(self.repetition_penalty)
+                or not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            bad("repetition_penalty", f"must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                                      f"{MAX_REPETITION_PENALTY:g}] (1 = off)")
         for field in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, field)
             if not is_num(value) or not -2 <= value <= 2:
                 bad(field, "must be in [-2, 2]")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1 (or None: until the context is full)")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            bad("seed", "must be a 64-bit integer or None")
+        if self.max_tokens is not None and not is_i32(self.max_tokens, 1):
+            bad("max_tokens", f"must be an integer from 1 to {INT32_MAX} (or None: until the "
+                              f"context is full)")
+        if not is_i32(self.min_tokens, 0):
+            bad("min_tokens", f"must be an integer from 0 to {INT32_MAX}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

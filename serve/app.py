@@ -3,7 +3,11 @@
 Lifecycle: the socket is bound first and the engine warms up (compiles) in the background, so
 `/health` answers 503 until it is ready. On SIGINT/SIGTERM the server stops accepting connections,
 gives in-flight requests `--shutdown-grace` seconds to finish, aborts the rest (their streams end with
-`finish_reason: "abort"` and `[DONE]`), and returns so the process exits 0.
+`finish_reason: "abort"` and `[DONE]`), and returns so the process exits 0. If the engine loop dies
+(a device failure; one request's failure only fails that request), it returns 1 instead: a process
+that can no longer serve exits, so a supervisor restarts it.
+
+Every request-size limit and connection timeout is a flag (serve/limits.py, serve/connections.py).
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ import signal
 from aiohttp import web
 
 from serve import chat, completions, info
-from serve.app_keys import (CREATED, ENGINE, MAX_REQUEST_BYTES, MAX_WAITING, OWNS_ENGINE,
-                             SHUTDOWN_GRACE)
+from serve.app_keys import (BODY_TIMEOUT, CREATED, ENGINE, MAX_JSON_ITEMS, MAX_REQUEST_BYTES,
+                            MAX_WAITING, OWNS_ENGINE, SHUTDOWN_GRACE)
 from serve.auth import make_auth_middleware
 from serve.choices import now
+from serve.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                               DEFAULT_KEEPALIVE_TIMEOUT_S, GuardedTCPSite)
 from serve.engine_requests import LIFECYCLE, Lifecycle
 from serve.errors import error_middleware
 from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
+from serve.json_body import give_large_buffers_back, max_json_items
+from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +53,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="answer 503 + Retry-After while this many requests wait (default: %(default)s)")
+                   help="most sequences waiting for the engine: a request whose n x prompts would pass "
+                        "it gets 503 + Retry-After, whole (default: %(default)s)")
     g.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are "
                         "aborted (default: %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client may take to send a request's headers once it started; "
+                        "slower connections are closed (default: %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client may take to send a request body; slower ones get 408 "
+                        "(default: %(default)s)")
+    g.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+                   help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    add_limit_args(g)
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -57,6 +75,10 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shutdown_grace < 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    check_limit_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
@@ -89,6 +111,7 @@ async def _stop_engine(app: web.Application) -> None:
 def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> web.Application:
     """The application for `engine`. With owns_engine=False the caller starts and shuts the engine
     down itself (several apps over one engine, as in tests)."""
+    give_large_buffers_back()  # RSS returns to where it was after a 30 MB request body
     server_metrics = ServerMetrics(engine.model_name)
     middlewares = [make_metrics_middleware(server_metrics), error_middleware]
     if args.api_key:
@@ -99,6 +122,10 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[MAX_WAITING] = args.max_waiting
     app[MAX_REQUEST_BYTES] = args.max_request_bytes
     app[SHUTDOWN_GRACE] = args.shutdown_grace
+    limits = RequestLimits.from_args(args)
+    app[LIMITS] = limits
+    app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
+    app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
     app[OWNS_ENGINE] = owns_engine
     app[LIFECYCLE] = Lifecycle()
     app[CREATED] = now()
@@ -120,15 +147,18 @@ class Server:
     """The app bound to a socket. `handler_cancellation` makes aiohttp cancel a handler whose client
     disconnected, which is what aborts its engine requests mid-prefill or mid-decode."""
 
-    def __init__(self, app: web.Application, host: str, port: int, shutdown_grace: float):
+    def __init__(self, app: web.Application, host: str, port: int, shutdown_grace: float,
+                 header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+                 keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S):
         self.app = app
         self.host, self.port = host, port
-        self._runner = web.AppRunner(app, handler_cancellation=True,
+        self.header_timeout = header_timeout
+        self._runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=keepalive_timeout,
                                      shutdown_timeout=shutdown_grace + 5.0)
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = GuardedTCPSite(self._runner, self.host, self.port, header_timeout=self.header_timeout)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
         logger.warning("serving %s on http://%s:%d (OpenAI API under /v1)",
@@ -139,15 +169,39 @@ class Server:
         await self._runner.cleanup()
 
 
-async def serve_until_signal(engine, args: argparse.Namespace) -> None:
-    server = Server(create_app(engine, args), args.host, args.port, args.shutdown_grace)
+def server_for(app: web.Application, args: argparse.Namespace) -> Server:
+    return Server(app, args.host, args.port, args.shutdown_grace,
+                  getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT_S),
+                  getattr(args, "keepalive_timeout", DEFAULT_KEEPALIVE_TIMEOUT_S))
+
+
+async def _engine_died(engine) -> None:
+    while engine.dead is None:  # start() (in the background) creates the event
+        await asyncio.sleep(0.1)
+    await engine.dead.wait()
+
+
+async def serve_until_signal(engine, args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or until the engine loop dies (returns 1)."""
+    server = server_for(create_app(engine, args), args)
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.warning("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
+    signalled = asyncio.create_task(stop.wait())
+    died = asyncio.create_task(_engine_died(engine))
+    await asyncio.wait([signalled, died], return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if died.done():
+        logger.error("the engine loop died (%r): exiting with status 1 so that a supervisor restarts "
+                     "the server", engine.errored)
+        status = 1
+    else:
+        logger.warning("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
+    signalled.cancel()
+    died.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C interrupts the grace period
         loop.remove_signal_handler(sig)
     await server.stop()
+    return status

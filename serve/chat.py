@@ -12,6 +12,8 @@ from jaxinfer.engine.outputs import TokenLogprob
 from serve.app_keys import ENGINE
 from serve.choices import UsageCounter, collect_choices, new_response_id, now, safe_logprob, token_text
 from serve.engine_requests import RequestGroup, check_capacity
+from serve.json_body import off_loop
+from serve.limits import LIMITS
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
 from serve.sse import stream_chunks
 
@@ -95,9 +97,9 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await read_json_body(request)
-    req = parse_generation(body, engine, chat=True)
+    req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=True)
     prefix = echo_prefix(body.get("messages"), req)
-    check_capacity(request.app)
+    check_capacity(request.app, req.params.n)
     response_id, created = new_response_id("chatcmpl"), now()
     async with RequestGroup(engine, response_id, req.prompts, req.params) as group:
         await group.start()

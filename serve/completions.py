@@ -11,6 +11,8 @@ from serve.app_keys import ENGINE
 from serve.choices import (UsageCounter, choice_index, collect_choices, new_response_id, now,
                            safe_logprob, token_text)
 from serve.engine_requests import RequestGroup, check_capacity
+from serve.json_body import off_loop
+from serve.limits import LIMITS
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
 from serve.sse import stream_chunks
 
@@ -82,8 +84,9 @@ async def completion_chunks(engine, group: RequestGroup, req: GenerationRequest,
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = parse_generation(await read_json_body(request), engine, chat=False)
-    check_capacity(request.app)
+    body = await read_json_body(request)
+    req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=False)
+    check_capacity(request.app, len(req.prompts) * req.params.n)
     response_id, created = new_response_id("cmpl"), now()
     async with RequestGroup(engine, response_id, req.prompts, req.params) as group:
         await group.start()

@@ -48,14 +48,23 @@ def engine_unavailable(app) -> APIError | None:
     return None
 
 
-def check_capacity(app) -> None:
-    """Refuse new work while the engine cannot take it (503, so clients and balancers retry)."""
+def check_capacity(app, num_seqs: int = 1) -> None:
+    """Refuse new work while the engine cannot take it (503, so clients and balancers retry). A
+    request's `num_seqs` sequences (n x prompts) are counted against --max-waiting up front: it is
+    taken whole or refused whole, never partly queued. (The caller submits them before its next
+    await, and the engine counts submitted sequences as waiting at once, so concurrent requests
+    cannot all slip under the limit.)"""
     if (error := engine_unavailable(app)) is not None:
         raise error
     engine, max_waiting = app[ENGINE], app[MAX_WAITING]
-    if engine.num_waiting >= max_waiting:
-        raise APIError(503, f"server overloaded: {engine.num_waiting} requests are already waiting "
-                            f"(--max-waiting {max_waiting}); retry later", headers={"Retry-After": "1"})
+    waiting = engine.num_waiting
+    if waiting + num_seqs > max_waiting:
+        if num_seqs > max_waiting >= 1:
+            raise APIError(400, f"this request starts {num_seqs} sequences (n x prompts), more than the "
+                                f"server ever queues (--max-waiting {max_waiting})", "n")
+        raise APIError(503, f"server overloaded: {waiting} sequences are already waiting and this "
+                            f"request adds {num_seqs} (--max-waiting {max_waiting}); retry later",
+                       headers={"Retry-After": "1"})
 
 
 class RequestGroup:

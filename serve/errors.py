@@ -10,7 +10,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from jaxinfer.errors import InvalidRequestError, TokenizerError
+from jaxinfer.errors import InvalidRequestError, RequestFailedError, TokenizerError
 from serve.app_keys import MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -21,6 +21,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -63,6 +64,10 @@ def as_api_error(exc: BaseException) -> APIError | None:
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, TokenizerError):  # e.g. a chat template that rejects the messages
         return APIError(400, str(exc), "messages")
+    if isinstance(exc, RequestFailedError):  # the engine's fault, logged there; the engine goes on
+        return APIError(500, f"internal server error: {exc}")
+    if type(exc).__name__ == "EngineDeadError":  # the process exits non-zero to be restarted
+        return APIError(503, f"the engine loop has stopped: {exc.__cause__!r}")
     return None
 
 

@@ -5,14 +5,16 @@ mistake is a 400 naming the field; unknown fields are ignored with a log line, a
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any
 
 from aiohttp import web
 
-from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
+from serve.app_keys import BODY_TIMEOUT, MAX_JSON_ITEMS
 from serve.errors import APIError, bad_request
+from serve.json_body import off_loop, parse_json_object, read_body
+from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 
 logger = logging.getLogger(__name__)
 
@@ -45,29 +47,24 @@ class GenerationRequest:
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
-    if request.content_type != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got '{request.content_type or 'none'}'")
-    raw = await request.read()  # aiohttp raises 413 past client_max_size (--max-request-bytes)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+    """The body as a JSON object (read within --body-timeout, parsed off the event loop)."""
+    raw = await read_body(request, request.app[BODY_TIMEOUT])
+    return await off_loop(parse_json_object, raw, request.app[MAX_JSON_ITEMS])
 
 
 def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
-        logger.warning("%s: ignoring unknown request fields %s", endpoint, unknown)
+        logger.warning("%s: ignoring unknown request fields %s%s", endpoint,
+                       [short_repr(k, 40) for k in unknown[:8]],
+                       f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
 
 
 def check_model(body: dict, served_name: str) -> None:
     """`model` is an identifier compared with the served name, never used as a path."""
     model = body.get("model")
     if model is not None and model != served_name:
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
+        raise APIError(404, f"The model `{short_repr(model, 200)}` does not exist.", "model")
 
 
 def _is_int(x: Any) -> bool:
@@ -83,10 +80,13 @@ def bool_field(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def check_token_ids(ids: list, vocab_size: int, field: str) -> list[int]:
+def check_token_ids(ids: list, vocab_size: int, field: str, max_len: int | None = None) -> list[int]:
+    if max_len is not None and len(ids) > max_len:
+        raise bad_request(f"{field}: {len(ids)} token ids, more than the server takes ({max_len})", field)
     for t in ids:
         if not _is_int(t) or not 0 <= t < vocab_size:
-            raise bad_request(f"{field}: token id {t!r} is outside the vocabulary [0, {vocab_size})", field)
+            raise bad_request(f"{field}: token id {short_repr(t)} is outside the vocabulary "
+                              f"[0, {vocab_size})", field)
     return ids
 
 
@@ -139,18 +139,23 @@ def normalize_messages(value: Any) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, body: dict) -> str:
+def render_chat(tokenizer, body: dict, max_model_len: int) -> str:
     """The body's `messages` through the chat template, with its `add_generation_prompt` (default
-    true) and `chat_template_kwargs` (extra template variables, never the two set here)."""
+    true) and `chat_template_kwargs` (extra template variables, never the two set here). Messages
+    too long to fit the context in any tokenization are refused before rendering, the rendered text
+    before tokenizing."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     reserved = {"messages", "add_generation_prompt"} & set(kwargs)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
-    return tokenizer.apply_chat_template(
-        normalize_messages(body.get("messages")),
-        add_generation_prompt=bool_field(body, "add_generation_prompt", True), **kwargs)
+    messages = normalize_messages(body.get("messages"))
+    check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_model_len, "messages")
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=bool_field(body, "add_generation_prompt", True), **kwargs)
+    check_text_length(len(text), tokenizer, max_model_len, "messages")
+    return text
 
 
 def _top_logprobs(body: dict, chat: bool) -> int | None:
@@ -188,13 +193,16 @@ def _reject_unsupported(body: dict) -> None:
 
 def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None,
                     vocab_size: int) -> SamplingParams:
+    """SamplingParams from the body; `validate` bounds every number to what int32 / float32 hold and
+    names the field of the first bad one."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
     return params
 
 
-def check_context_length(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
+def check_context_length(prompts: list[list[int]], max_tokens: int | None, max_model_len: int,
+                         min_tokens: int = 0) -> None:
     for ids in prompts:
         if not ids:
             raise bad_request("prompt is empty (0 tokens)", "prompt")
@@ -208,6 +216,11 @@ def check_context_length(prompts: list[list[int]], max_tokens: int | None, max_m
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
                 f"Please reduce the length of the prompt or completion.", "max_tokens")
+        if len(ids) + min_tokens > max_model_len:
+            raise bad_request(
+                f"min_tokens={min_tokens}: a prompt of {len(ids)} tokens leaves room for at most "
+                f"{max_model_len - len(ids)} tokens in this model's maximum context length of "
+                f"{max_model_len} tokens", "min_tokens")
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -222,19 +235,23 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
             bool_field(opts, "continuous_usage_stats", False))
 
 
-def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
-    """Validate a completions (chat=False) or chat (chat=True) body against the served model."""
+def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -> GenerationRequest:
+    """Validate a completions (chat=False) or chat (chat=True) body against the served model. Runs
+    in a worker thread (it tokenizes): every size is bounded before the work it would cost."""
+    check_strings(body, engine.tokenizer, engine.max_model_len)
     log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
                        "/v1/chat/completions" if chat else "/v1/completions")
     check_model(body, engine.model_name)
-    tokenizer, vocab_size = engine.tokenizer, engine.model_config.vocab_size
+    check_stop(body.get("stop"), limits)
+    tokenizer, vocab_size, max_len = engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len
     stream = bool_field(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body, stream)
     echo = bool_field(body, "echo", False)
     top_logprobs = _top_logprobs(body, chat)
     if chat:
         _reject_unsupported(body)
-        text = render_chat(tokenizer, body)
+        check_sequence_count(1, body.get("n"), limits)
+        text = render_chat(tokenizer, body, max_len)
         # The template already holds BOS and the other special tokens, as in vLLM.
         prompts, texts = [tokenizer.encode(text, add_special_tokens=False)], [text]
         # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.
@@ -244,19 +261,24 @@ def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
     else:
         add_special = bool_field(body, "add_special_tokens", True)
         prompts, texts = [], []
-        for p in parse_prompts(body.get("prompt")):
+        parsed = parse_prompts(body.get("prompt"))
+        check_sequence_count(len(parsed), body.get("n"), limits)
+        for p in parsed:
             if isinstance(p, str):
                 if not p:
                     raise bad_request("prompt is empty", "prompt")
+                check_text_length(len(p), tokenizer, max_len, "prompt")
+        for p in parsed:
+            if isinstance(p, str):
                 prompts.append(tokenizer.encode(p, add_special_tokens=add_special))
                 texts.append(p)
             else:
-                prompts.append(check_token_ids(p, vocab_size, "prompt"))
+                prompts.append(check_token_ids(p, vocab_size, "prompt", max_len))
                 texts.append(tokenizer.decode(p, skip_special_tokens=False))
         max_tokens = body.get("max_tokens", 16)
         if echo and top_logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     params = sampling_params(body, max_tokens=max_tokens, top_logprobs=top_logprobs, vocab_size=vocab_size)
-    check_context_length(prompts, params.max_tokens, engine.max_model_len)
+    check_context_length(prompts, params.max_tokens, max_len, params.min_tokens)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
                              top_logprobs)

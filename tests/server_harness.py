@@ -63,9 +63,12 @@ def free_port() -> int:
 
 
 def server_args(**overrides) -> argparse.Namespace:
-    from serve.app import DEFAULT_MAX_REQUEST_BYTES
-    ns = dict(host="127.0.0.1", port=0, api_key=None, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES,
-              max_waiting=1024, shutdown_grace=1.0)
+    """The server's flags at their defaults (as `jaxinfer serve` parses them), loopback on a free port."""
+    from serve.app import add_server_args
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    ns = vars(parser.parse_args([]))
+    ns.update(port=0, api_key=None, max_waiting=1024, shutdown_grace=1.0)
     ns.update(overrides)
     return argparse.Namespace(**ns)
 
@@ -93,12 +96,11 @@ class ServerThread:
 
     async def _start(self) -> None:
         from jaxinfer.engine.async_engine import AsyncEngine
-        from serve.app import Server, create_app
+        from serve.app import create_app, server_for
         self.engine = AsyncEngine(self.engine_args)
         await self.engine.start()
         for name, args in self.app_args.items():
-            server = Server(create_app(self.engine, args, owns_engine=False), args.host, args.port,
-                            args.shutdown_grace)
+            server = server_for(create_app(self.engine, args, owns_engine=False), args)
             await server.start()
             self._servers.append(server)
             self.urls[name] = f"http://127.0.0.1:{server.port}"
@@ -172,3 +174,41 @@ def metric(samples, name: str, **labels) -> float:
 
 def metric_delta(before, after, name: str, **labels) -> float:
     return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+def add_app(server: ServerThread, name: str, **flags) -> str:
+    """Serve another app (its own flags and port) over the shared server's engine; returns its URL."""
+    from serve.app import create_app, server_for
+    args = server_args(**flags)
+
+    async def start():
+        srv = server_for(create_app(server.engine, args, owns_engine=False), args)
+        await srv.start()
+        server._servers.append(srv)
+        return f"http://127.0.0.1:{srv.port}"
+    server.urls[name] = server.call(start())
+    return server.urls[name]
+
+
+def post_raw(url: str, path: str, data: bytes, timeout: float = 120) -> tuple[int, dict, bytes]:
+    """One POST with a raw JSON body (any bytes: big integers, lone-surrogate escapes, deep nesting)."""
+    import http.client
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def check_error_shape(raw: bytes, status: int, param=None) -> dict:
+    """An OpenAI-shaped error body: {"error": {"message", "type", "param", "code"}}."""
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == status and isinstance(error["type"], str) and error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+    return error

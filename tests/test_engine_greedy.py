@@ -89,11 +89,11 @@ def test_prefix_cache_hit_gives_same_tokens():
     p1, p2 = shared + prompt_ids(6, 3), shared + prompt_ids(7, 5)
     engine.add_request("a", p1, SamplingParams(max_tokens=6, **GREEDY))
     first = run_all(engine)["a"][0][0]
-    hits = engine.scheduler.kv_cache_stats()[1].hits
+    hits = engine.scheduler.kv_cache_stats()[-1].hits
     engine.add_request("b", p2, SamplingParams(max_tokens=6, **GREEDY))
     second = run_all(engine)["b"][0][0]
     # 4 whole blocks of the 17 shared tokens
-    assert engine.scheduler.kv_cache_stats()[1].hits - hits == 16
+    assert engine.scheduler.kv_cache_stats()[-1].hits - hits == 16
     assert first == oracle(p1, 6) and second == oracle(p2, 6)
     assert_all_free(engine)
 

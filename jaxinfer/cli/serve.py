@@ -30,5 +30,5 @@ def run(args: argparse.Namespace) -> int:
     if engine.tokenizer is None:  # every API route takes or returns text
         raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: the server needs "
                           f"one (token-id-only models can be run with the offline LLM API)")
-    asyncio.run(serve_until_signal(engine, args))
-    return 0
+    # Non-zero when the engine loop died: a supervisor (systemd, Kubernetes) restarts the server.
+    return asyncio.run(serve_until_signal(engine, args))

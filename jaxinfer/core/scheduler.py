@@ -102,9 +102,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def kv_cache_stats(self) -> tuple[float, PrefixCacheStats]:
-        """(fraction of the KV blocks held by live sequences, prefix-cache counters)."""
-        return self.kv.usage, self.kv.stats
+    def kv_cache_stats(self) -> tuple[float, int, int, PrefixCacheStats]:
+        """(fraction of the KV blocks held by live sequences, blocks in use, all blocks,
+        prefix-cache counters)."""
+        kv = self.kv
+        return kv.usage, kv.pool.num_used_blocks, kv.num_blocks, kv.stats
 
     def _slot_cost(self, seq: Sequence) -> int:
         # An n > 1 prompt sequence reserves room for all the choices it will fork into.

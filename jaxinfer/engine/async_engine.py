@@ -4,6 +4,12 @@ RequestOutputs for the server (contract: /work/notes/engine_contract.md).
 The engine is not thread-safe, so every engine call (add_request, abort, step) happens on one
 dedicated worker thread; the asyncio side only enqueues commands and reads per-request queues. The
 event loop therefore never blocks on a step, and a step never races an add or an abort.
+
+A failure that belongs to one request (building, running or processing its part of a step) fails that
+request only: its stream raises RequestFailedError, its blocks are freed, the loop goes on. Anything
+else that escapes a step (the device's results lost, say) stops the loop: every stream raises
+EngineDeadError and `dead` is set, which the server turns into a non-zero exit so that a supervisor
+restarts it (instead of a process that answers 503 forever).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import AsyncIterator, Callable
 
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, RequestFailedError
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -51,10 +57,18 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.dead: asyncio.Event | None = None  # set (on the loop that started us) if the loop dies
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Sequences submitted by generate() whose add has not run on the engine thread yet, so that
+        # `num_waiting` counts them at once (the server's --max-waiting check). request id -> count.
+        self._unadded: dict[str, int] = {}
+        self._unadded_lock = threading.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Compile every step bucket (in a thread) and start the background loop."""
+        self._loop = asyncio.get_running_loop()
+        self.dead = asyncio.Event()
         if self.args.warmup:
             await asyncio.to_thread(self.engine.warmup, True)
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
@@ -79,18 +93,31 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting
+        """Sequences waiting to be scheduled, counting those submitted but not yet added."""
+        with self._unadded_lock:
+            unadded = sum(self._unadded.values())
+        return self.engine.num_waiting + unadded
+
+    def _set_unadded(self, request_id: str, count: int | None) -> None:
+        with self._unadded_lock:
+            if count is None:
+                self._unadded.pop(request_id, None)
+            else:
+                self._unadded[request_id] = count
 
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                  priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Validation errors (InvalidRequestError) raise on the first
         __anext__; leaving the iteration early (break, cancellation) aborts the request and frees
-        its KV blocks."""
+        its KV blocks. Its sequences count as waiting from this call on."""
+        n = params.n if isinstance(params.n, int) and params.n > 0 else 1
+        self._set_unadded(request_id, n)
         return self._generate(prompt, params, request_id, priority)
 
     async def _generate(self, prompt, params, request_id, priority):
         if self.errored is not None:
+            self._set_unadded(request_id, None)
             raise EngineDeadError("the engine loop has died") from self.errored
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
@@ -102,6 +129,8 @@ class AsyncEngine:
             except BaseException as e:  # reported to the caller, the loop goes on
                 loop.call_soon_threadsafe(_settle, added, e)
                 return
+            finally:
+                self._set_unadded(request_id, None)
             self._streams[request_id] = (loop, stream)
             loop.call_soon_threadsafe(_settle, added, None)
 
@@ -111,6 +140,9 @@ class AsyncEngine:
             await added  # raises the validation error, before any output
             while True:
                 item = await stream.get()
+                if isinstance(item, RequestFailedError):
+                    finished = True  # already aborted by the engine
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop has died") from item
                 yield item
@@ -126,6 +158,7 @@ class AsyncEngine:
                 self._submit(lambda: self._abort_now(request_id, notify=False, only=stream))
 
     async def abort(self, request_id: str) -> None:
+        self._set_unadded(request_id, None)  # (an add still queued runs first, then this abort)
         self._submit(lambda: self._abort_now(request_id, notify=True))
 
     # ---- the worker thread --------------------------------------------------------------------
@@ -166,6 +199,10 @@ class AsyncEngine:
                     if out.finished:
                         del self._streams[out.request_id]
                     loop.call_soon_threadsafe(stream.put_nowait, out)
+                for rid, error in engine.take_failed():  # aborted by the engine: tell their clients
+                    entry = self._streams.pop(rid, None)
+                    if entry is not None:
+                        entry[0].call_soon_threadsafe(entry[1].put_nowait, error)
         except BaseException as e:  # surface it to every stream and to the server's health check
             log.exception("engine loop died")
             self.errored = e
@@ -173,6 +210,8 @@ class AsyncEngine:
             for loop, stream in self._streams.values():
                 loop.call_soon_threadsafe(stream.put_nowait, e)
             self._streams.clear()
+            if self._loop is not None and self.dead is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self.dead.set)
 
 
 def _settle(fut: asyncio.Future, error: BaseException | None) -> None:

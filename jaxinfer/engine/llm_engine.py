@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache, tree_nbytes
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.metrics import EngineMetrics
@@ -127,6 +127,8 @@ class LLMEngine:
         self._profiling_left = args.profile_steps if args.profile_dir else 0
         self.stats = EngineStats()
         self._preempt_seen = 0
+        # Requests failed by the engine itself (see `_fail`), for the caller to report: (id, error).
+        self._failed: list[tuple[str, RequestFailedError]] = []
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -211,6 +213,10 @@ class LLMEngine:
                 f"prompt of {n} tokens + max_tokens={params.max_tokens} exceeds the context "
                 f"length max_model_len={self.max_model_len}",
                 param="prompt" if n >= self.max_model_len else "max_tokens")
+        if n + params.min_tokens > self.max_model_len:  # (max_tokens None: nothing else bounds it)
+            raise InvalidRequestError(
+                f"prompt of {n} tokens + min_tokens={params.min_tokens} exceeds the context length "
+                f"max_model_len={self.max_model_len}", param="min_tokens")
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time)
         self.requests[request_id] = req
@@ -222,9 +228,9 @@ class LLMEngine:
             self.scheduler.add(req.prompt_seq)
         return req
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks. Returns its final output (reason "abort"),
-        or None if the request is unknown or already finished."""
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its final output (finish reason
+        `reason`), or None if the request is unknown or already finished."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -234,13 +240,50 @@ class LLMEngine:
             if seq is None:  # an n > 1 choice not forked yet: report it aborted too
                 seq = make_choice(self.tokenizer, req, i, 0)
                 seq.status = SeqStatus.FINISHED
-                self.outputs.finish(seq, "abort", None)
+                self.outputs.finish(seq, reason, None)
             elif seq.status is not SeqStatus.FINISHED:
-                self.outputs.finish(seq, "abort", None)
+                self.outputs.finish(seq, reason, None)
                 self.scheduler.finish(seq)
         out = make_request_output(req)
         req.detach()
+        self._update_gauges()  # an abort at idle is followed by no step: the gauges show it now
         return out
+
+    # ---- one request's failure is not the engine's ------------------------------------------
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """Abort a request the engine could not build, run or process (blocks freed, finish reason
+        "error") and queue it for `take_failed`."""
+        if self.abort(request_id, reason="error") is None:
+            return
+        log.error("request %s failed and was aborted: %r", request_id, error)
+        failure = error if isinstance(error, RequestFailedError) else RequestFailedError(
+            f"the engine failed this request: {error!r}", (request_id,))
+        if failure is not error:
+            failure.__cause__ = error
+        self._failed.append((request_id, failure))
+
+    def take_failed(self) -> list[tuple[str, RequestFailedError]]:
+        """The requests failed since the previous call (each already aborted)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+
+    def _dispatch_failed(self, sched, error: Exception) -> None:
+        """A step could not be built or dispatched. Undo what scheduling it did to its sequences (so
+        the others are scheduled again next step, as if it never happened) and fail the requests at
+        fault: those the error names, else every request in the step. When the failure took the
+        device state with it (donated buffers gone), the engine cannot go on: re-raise."""
+        state = jax.tree_util.tree_leaves((self.runner.kv_cache, self.runner.last_tokens))
+        if any(a.is_deleted() for a in state if hasattr(a, "is_deleted")):
+            raise error
+        for entry in sched.scheduled:
+            entry.seq.num_computed = entry.start
+            if entry.emits:
+                entry.seq.num_pending -= 1
+        culprits = getattr(error, "request_ids", ()) or tuple(dict.fromkeys(
+            e.seq.request.request_id for e in sched.scheduled))
+        for rid in culprits:
+            self._fail(rid, error)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -275,12 +318,16 @@ class LLMEngine:
         if sched:
             if self._inflight is not None and self._inflight.is_ready():
                 self.stats.idle_dispatches += 1  # overlapped, but the device got there first
-            handle = self.runner.execute(sched)
-            self.stats.steps += 1
-            self.stats.host_s += handle.dispatch_time - t0
-            if processed_first:  # the device sat idle from the previous result to this dispatch
-                self.stats.sync_gaps += 1
-                self.stats.sync_gap_s += handle.dispatch_time - ready_time
+            try:
+                handle = self.runner.execute(sched)
+            except Exception as e:  # noqa: BLE001 - one request's failure is not the engine's
+                self._dispatch_failed(sched, e)
+            else:
+                self.stats.steps += 1
+                self.stats.host_s += handle.dispatch_time - t0
+                if processed_first:  # the device sat idle from the previous result to this dispatch
+                    self.stats.sync_gaps += 1
+                    self.stats.sync_gap_s += handle.dispatch_time - ready_time
         if self._inflight is not None:
             touched += self._process(self._inflight)
         self._inflight = handle
@@ -289,13 +336,18 @@ class LLMEngine:
 
     def _process(self, handle: StepHandle) -> list[Request]:
         """A finished step's tokens -> sequence state (output processor), then the step's live
-        sequences back to the scheduler (blocks of the finished ones, prefix cache)."""
+        sequences back to the scheduler (blocks of the finished ones, prefix cache), then the
+        requests whose rows failed are failed. Raises only when the step's results are lost."""
         touched, seqs = self.outputs.process(handle)
         self.scheduler.update_from_output(seqs)
+        if self.outputs.failed:
+            failed, self.outputs.failed = self.outputs.failed, []
+            for rid, error in failed:
+                self._fail(rid, error)
         return touched
 
     def _collect(self, touched: list[Request]) -> list[RequestOutput]:
-        outs, seen = [], set()
+        outs, seen = [], {rid for rid, _ in self._failed}  # failed: reported by take_failed instead
         for req in touched:
             if req.request_id in seen:
                 continue
@@ -312,8 +364,10 @@ class LLMEngine:
         m = self.metrics
         m.num_requests_running.set(len({s.request.request_id for s in self.scheduler.running}))
         m.num_requests_waiting.set(self.scheduler.num_waiting)
-        usage, st = self.scheduler.kv_cache_stats()
+        usage, used, total, st = self.scheduler.kv_cache_stats()
         m.kv_cache_usage_perc.set(usage)
+        m.kv_cache_used_blocks.set(used)
+        m.kv_cache_total_blocks.set(total)
         m.update_prefix_cache(st.queries, st.hits)
         new_preempt = self.scheduler.num_preemptions - self._preempt_seen
         if new_preempt:

@@ -38,6 +38,9 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("jaxinfer:num_requests_waiting", "Requests waiting")
         self.kv_cache_usage_perc = gauge("jaxinfer:kv_cache_usage_perc",
                                          "Fraction of KV-cache blocks held by requests (0..1)")
+        self.kv_cache_used_blocks = gauge("jaxinfer:kv_cache_used_blocks",
+                                          "KV-cache blocks held by requests (0 when idle: none leaked)")
+        self.kv_cache_total_blocks = gauge("jaxinfer:kv_cache_total_blocks", "KV-cache blocks in the pool")
         self.prefix_cache_queries = counter("jaxinfer:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("jaxinfer:prefix_cache_hits",

@@ -22,10 +22,15 @@ class OutputProcessor:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Requests whose results could not be applied (a host-side failure in detokenizing or stop
+        # checking, say): the engine fails them after the step, the other rows go on.
+        self.failed: list[tuple[str, BaseException]] = []
 
     def process(self, handle: StepHandle) -> tuple[list[Request], list[Sequence]]:
         """Apply a step's results. Returns the requests that have something new to report, and the
-        step's sequences that were still live, in step order, for `Scheduler.update_from_output`."""
+        step's sequences that were still live, in step order, for `Scheduler.update_from_output`.
+        A failure to fetch the results (the device) raises; a failure on one row is recorded in
+        `failed` and its sequence left out of the live ones (the engine fails its request)."""
         res = handle.result()
         now = time.monotonic()
         touched: dict[str, Request] = {}
@@ -37,26 +42,36 @@ class OutputProcessor:
             seq = entry.seq
             if seq.status is SeqStatus.FINISHED:  # aborted, or finished while this step ran
                 continue
-            if entry.emits:
-                for j in range(steps):
-                    if j == 0:
-                        seq.num_pending -= 1
-                    else:  # on-device loop: the previous token was this iteration's input
-                        seq.num_computed += 1
-                    lp = None
-                    if res.logprob is not None and seq.request.params.logprobs is not None:
-                        k = seq.request.params.logprobs
-                        lp = TokenLogprob(tokens[j][r], float(res.logprob[j, r]),
-                                          list(zip(res.top_ids[j, r, :k].tolist(),
-                                                   res.top_logprobs[j, r, :k].tolist())))
-                    self._append(seq, tokens[j][r], lp, now)
-                    num_new_tokens += 1
-                    touched[seq.request.request_id] = seq.request
-                    if seq.finish_reason is not None:
-                        break
+            try:
+                num_new_tokens += self._process_row(seq, entry, r, res, tokens, steps, now, touched)
+            except Exception as e:  # noqa: BLE001 - fails this row's request, not the step
+                self.failed.append((seq.request.request_id, e))
+                continue
             live.append(seq)
         self.metrics.generation_tokens.inc(num_new_tokens)
         return list(touched.values()), live
+
+    def _process_row(self, seq: Sequence, entry, r: int, res, tokens, steps: int, now: float,
+                     touched: dict[str, Request]) -> int:
+        num_new_tokens = 0
+        if entry.emits:
+            for j in range(steps):
+                if j == 0:
+                    seq.num_pending -= 1
+                else:  # on-device loop: the previous token was this iteration's input
+                    seq.num_computed += 1
+                lp = None
+                if res.logprob is not None and seq.request.params.logprobs is not None:
+                    k = seq.request.params.logprobs
+                    lp = TokenLogprob(tokens[j][r], float(res.logprob[j, r]),
+                                      list(zip(res.top_ids[j, r, :k].tolist(),
+                                               res.top_logprobs[j, r, :k].tolist())))
+                self._append(seq, tokens[j][r], lp, now)
+                num_new_tokens += 1
+                touched[seq.request.request_id] = seq.request
+                if seq.finish_reason is not None:
+                    break
+        return num_new_tokens
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
         req = seq.request

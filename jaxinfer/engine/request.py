@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxinfer.engine.outputs import TokenLogprob
-from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
     from jaxinfer.engine.stop_checker import OutputText
@@ -104,8 +104,10 @@ class Sequence:
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
         self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)
         self.max_output = params.max_tokens  # None: until the context is full
-        # The sampler's per-row constants (see step_inputs.sampling_tensors).
-        self.sampling_row = (params.temperature, max(params.top_k, 0), params.top_p, params.min_p,
+        # The sampler's per-row constants (see step_inputs.sampling_tensors); validate() bounded
+        # each to what its int32 / float32 column holds.
+        temperature = params.temperature if params.temperature >= GREEDY_EPS else 0.0
+        self.sampling_row = (temperature, max(params.top_k, 0), params.top_p, params.min_p,
                              self.seed, params.min_tokens, self.prompt_len)
         self.output: OutputText | None = None  # set by the engine for choice sequences
         self.finish_reason: str | None = None

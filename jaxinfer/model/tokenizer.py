@@ -82,6 +82,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on how many characters of input text one token can stand for: the longest
+        vocabulary string (a byte-level token's string has one character per byte it covers, so at
+        least as many as the characters it covers), doubled when a normalizer may merge characters.
+        So a text longer than this x N characters has more than N tokens, known without encoding it."""
+        if getattr(self, "_max_chars", None) is None:
+            longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+            self._max_chars = max(longest, 1) * (2 if self._tok.normalizer is not None else 1)
+        return self._max_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:

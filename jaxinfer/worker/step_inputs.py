@@ -14,6 +14,7 @@ import itertools
 import jax
 import numpy as np
 
+from jaxinfer.errors import RequestFailedError
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerVariant, SamplingTensors
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxinfer.core.scheduler import ScheduledSeq
@@ -85,8 +86,12 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     row_of = table.row_of
     for entry in rows:
         seq, start, k = entry.seq, entry.start, entry.num_tokens
-        tables.append(entry.block_ids)
-        table_rows.append(row_of(seq))
+        try:  # (free when nothing raises) a row that cannot be built fails its own request only
+            tables.append(entry.block_ids)
+            table_rows.append(row_of(seq))
+        except Exception as e:
+            rid = seq.request.request_id
+            raise RequestFailedError(f"building request {rid}'s step: {e!r}", (rid,)) from e
         end = start + k
         if k == 1:
             pos.append(start)

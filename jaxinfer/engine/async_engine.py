@@ -15,6 +15,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.parallel.data_parallel import create_engine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.engine.outputs import RequestOutput
@@ -34,7 +35,7 @@ class AsyncEngine:
             args = args or EngineArgs()
             warm = args.warmup
             args.warmup = False  # compiled in start(), off the event loop
-            engine = LLMEngine.from_engine_args(args)
+            engine = create_engine(args)
             args.warmup = warm
         self.engine = engine
         self.args = engine.args
@@ -43,7 +44,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
         self.metrics = engine.metrics
-        self.kv_cache_manager = engine.kv_manager
+        self.kv_cache_manager = getattr(engine, "kv_manager", None)  # None: data-parallel replicas
         self.num_total_blocks = engine.num_total_blocks
         self.is_ready = False
         self.errored: BaseException | None = None

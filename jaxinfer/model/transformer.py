@@ -100,6 +100,16 @@ class MLP(nn.Module):
         return dense(self.cfg.hidden_size, name="down_proj")(h)
 
 
+def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               group_sizes: jax.Array) -> jax.Array:
+    """The routed experts' SwiGLU over tokens grouped by expert: xs [N, H] (group i = the next
+    group_sizes[i] rows), weights [E, H, F] / [E, F, H] -> [N, H]. The one dispatch point of the
+    experts' matmuls. Under tensor parallelism the weights arrive split over F (sharding.py) and
+    XLA partitions the grouped matmuls and adds the all-reduce after w_down."""
+    act = nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
+    return jax.lax.ragged_dot(act.astype(xs.dtype), w_down, group_sizes)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts. Tokens are sorted by expert and run through grouped matmuls
     (`jax.lax.ragged_dot`), so each expert computes only the tokens routed to it."""
@@ -127,8 +137,7 @@ class MoE(nn.Module):
         order = jnp.argsort(flat, stable=True)
         xs = x[order // k]  # tokens grouped by expert
         group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        act = nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
-        ys = jax.lax.ragged_dot(act.astype(self.dtype), w_down, group_sizes)  # [T*k, H]
+        ys = expert_ffn(xs, w_gate, w_up, w_down, group_sizes)  # [T*k, H]
         ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, k, h)
         out = jnp.einsum("tkh,tk->th", ys.astype(jnp.float32), weights).astype(x.dtype)
         return out.reshape(*lead, h)
@@ -205,24 +214,34 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
-    """Random weights of the real shapes (normal(std); norms at 1), made on the default device leaf by
-    leaf so an 8B model never needs host memory (`--load-format dummy`)."""
+def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float = 0.02,
+                shardings=None) -> Params:
+    """Random weights of the real shapes (normal(std); norms at 1), made on the device leaf by leaf
+    so an 8B model never needs host memory (`--load-format dummy`). `shardings` (a pytree of
+    Shardings like the params): each leaf is generated directly into its shards."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(rng, len(leaves))
+    places = (jax.tree_util.tree_leaves(shardings) if shardings is not None
+              else [None] * len(leaves))
 
-    def make(path, leaf, key):
+    def make(path, leaf, key, place):
         name = jax.tree_util.keystr(path)
         if "norm" in name:
-            return jnp.ones(leaf.shape, leaf.dtype)
+            return jnp.ones(leaf.shape, leaf.dtype, device=place)
         if "bias" in name:
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        return _normal(key, leaf.shape, leaf.dtype, std)
+            return jnp.zeros(leaf.shape, leaf.dtype, device=place)
+        return _normal(key, leaf.shape, leaf.dtype, std, place)
 
-    return jax.tree_util.tree_unflatten(treedef, [make(p, l, k) for (p, l), k in zip(leaves, keys)])
+    return jax.tree_util.tree_unflatten(
+        treedef, [make(p, l, k, s) for (p, l), k, s in zip(leaves, keys, places)])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _normal(key, shape, dtype, std):
-    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+def _normal(key, shape, dtype, std, sharding=None):
+    return _normal_fn(shape, dtype, std, sharding)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_fn(shape, dtype, std, sharding):
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
+                   out_shardings=sharding)

@@ -119,8 +119,14 @@ class _MergedMetrics:
 def create_engine(args: EngineArgs):
     """The engine the flags ask for: one LLMEngine, or DataParallelEngine when
     --data-parallel-size > 1 (after joining a multi-process run when its flags are set)."""
+    import jax
+
+    from jaxinfer.model.config import load_config
     from jaxinfer.parallel.distributed import initialize_distributed
+    from jaxinfer.parallel.sharding import validate_parallel_sizes
     initialize_distributed(args)
     if args.data_parallel_size > 1:
+        validate_parallel_sizes(load_config(args.model), args.tensor_parallel_size,
+                                args.data_parallel_size, jax.device_count())
         return DataParallelEngine.from_engine_args(args)
     return LLMEngine.from_engine_args(args)

@@ -15,12 +15,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxinfer import LLM, SamplingParams  # noqa: E402
+from jaxinfer import LLM, SamplingParams
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "models" / "llama"
 

@@ -18,24 +18,28 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import dataclasses  # noqa: E402
+import asyncio
+import dataclasses
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
-from jaxinfer.errors import ConfigError  # noqa: E402
-from jaxinfer.model.config import load_config  # noqa: E402
-from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
-from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
-from jaxinfer.parallel.attention import shard_backend  # noqa: E402
-from jaxinfer.parallel.sharding import ShardingPlan, build_mesh  # noqa: E402
-from pallas_kernels.backend import REFERENCE  # noqa: E402
-from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from prometheus_client import generate_latest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import load_config
+from jaxinfer.model.transformer import forward, init_params, param_shapes
+from jaxinfer.model.weights import load_params, save_orbax
+from jaxinfer.parallel.attention import shard_backend
+from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
+from pallas_kernels.backend import REFERENCE
+from pallas_kernels.metadata import AttentionMetadata
 
 FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).
@@ -142,6 +146,11 @@ def engine_checks(out: dict) -> None:
                                     for r in llm.engine.replicas]
             entry["devices"] = [sorted(d.id for d in r.runner.plan.mesh.devices.flat)
                                 for r in llm.engine.replicas]
+            entry["merged_metrics"] = [line for line in generate_latest(
+                llm.engine.metrics.registry).decode().splitlines()
+                if line.startswith("jaxinfer:generation_tokens_total")]
+            entry["async_tokens"] = asyncio.run(_through_async_engine(llm.engine, prompts[3],
+                                                                      params))
         out[f"engine/tp{tp}dp{dp}"] = entry
     llama = load_config(FIXTURES / "llama")  # the multi-process test's single-device reference
     lg = np.load(FIXTURES / "llama" / "golden.npz")
@@ -161,6 +170,17 @@ def engine_checks(out: dict) -> None:
             refusals[name] = str(e)
     out["refusals"] = refusals
     out["llama_heads"] = [llama.num_heads, llama.num_kv_heads]
+
+
+async def _through_async_engine(engine, prompt, params) -> list[int]:
+    """One request through the server's AsyncEngine wrapped around the data-parallel engine."""
+    async_engine = AsyncEngine(engine=engine)
+    await async_engine.start()
+    tokens = []
+    async for out in async_engine.generate(prompt, params, "async-0"):
+        tokens = out.outputs[0].token_ids
+    await async_engine.shutdown()
+    return tokens
 
 
 def main() -> None:

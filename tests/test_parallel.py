@@ -92,6 +92,10 @@ def test_engine_tokens_equal_across_meshes(runs, mesh):
         assert all(n > 0 for n in got["per_replica"])
         flat = [d for devs in got["devices"] for d in devs]
         assert len(flat) == len(set(flat))
+        # /metrics sums the replicas; the server's AsyncEngine drives the DP engine unchanged
+        assert got["merged_metrics"] == [
+            f'jaxinfer:generation_tokens_total{{model_name="mixtral"}} {sum(got["per_replica"])}']
+        assert got["async_tokens"] == ref[3]
 
 
 def test_two_processes_tp2_equal_single_device(runs):
@@ -150,3 +154,16 @@ def test_distributed_flags_are_checked(values, message, monkeypatch):
     monkeypatch.setenv("JAXINFER_PROCESS_ID", "1")
     assert distributed_settings(_Flags()) == {"coordinator_address": "h:2", "num_processes": 2,
                                               "process_id": 1}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: exceeds the 1 device(s) available"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: x --tensor-parallel-size 1 = 2 exceeds"),
+    (["--coordinator-address", "127.0.0.1:1"], "--num-processes is required"),
+])
+def test_cli_refuses_more_devices_than_there_are(flags, message, capsys):
+    from jaxinfer.cli.main import main
+    argv = ["generate", "--prompt", "x", "--model", str(FIXTURES / "llama"), "--no-warmup",
+            "--compilation-cache-dir", "", *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ml_dtypes
 import numpy as np

@@ -12,8 +12,8 @@ device work overlaps.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -37,7 +37,7 @@ class DataParallelEngine:
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="jaxinfer-dp")
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "DataParallelEngine":
+    def from_engine_args(cls, args: EngineArgs) -> DataParallelEngine:
         from jaxinfer.parallel.sharding import build_mesh, replica_meshes
         mesh = build_mesh(args.tensor_parallel_size, args.data_parallel_size)
         return cls([LLMEngine.from_engine_args(args, mesh=m) for m in replica_meshes(mesh)])

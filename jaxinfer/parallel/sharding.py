@@ -24,7 +24,8 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
@@ -147,7 +148,7 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
     return P()  # norms, router
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_specs(plan: ShardingPlan) -> dict[str, P]:
     """shard_map specs of the attention seam: queries and outputs [T, Hq, D] over heads; the
     cache over its heads; new K/V [T, Hkv, D] over heads, or replicated when the cache is."""

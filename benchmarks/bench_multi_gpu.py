@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_engine_check import LLAMA3_8B, child
+from gpu_engine_check import LLAMA3_8B, child  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,

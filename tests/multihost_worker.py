@@ -20,7 +20,7 @@ import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "models" / "llama"
 

@@ -18,28 +18,28 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import asyncio
-import dataclasses
+import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from prometheus_client import generate_latest
+from prometheus_client import generate_latest  # noqa: E402
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
-from jaxinfer.errors import ConfigError
-from jaxinfer.model.config import load_config
-from jaxinfer.model.transformer import forward, init_params, param_shapes
-from jaxinfer.model.weights import load_params, save_orbax
-from jaxinfer.parallel.attention import shard_backend
-from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
-from pallas_kernels.backend import REFERENCE
-from pallas_kernels.metadata import AttentionMetadata
+from jaxinfer import LLM, SamplingParams  # noqa: E402
+from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.errors import ConfigError  # noqa: E402
+from jaxinfer.model.config import load_config  # noqa: E402
+from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
+from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
+from jaxinfer.parallel.attention import shard_backend  # noqa: E402
+from jaxinfer.parallel.sharding import ShardingPlan, build_mesh  # noqa: E402
+from pallas_kernels.backend import REFERENCE  # noqa: E402
+from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 
 FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).

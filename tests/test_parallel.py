@@ -139,7 +139,8 @@ class _Flags:
 
 @pytest.mark.parametrize("values, message", [
     ({"coordinator_address": "h:1", "num_processes": 2}, "--process-id is required"),
-    ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, r"--process-id 2: must be in \[0, 2\)"),
+    ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2},
+     r"--process-id 2: must be in \[0, 2\)"),
     ({"coordinator_address": "h:1", "num_processes": 0, "process_id": 0}, "--num-processes 0"),
 ])
 def test_distributed_flags_are_checked(values, message, monkeypatch):

@@ -127,7 +127,8 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
     for key, by_index in experts.items():
         missing = sorted(set(range(cfg.num_experts)) - set(by_index))
         if missing:
-            raise CheckpointError(f"'{source}': {key[0]} is missing experts {missing[:8]} of {'/'.join(key[1:])}")
+            raise CheckpointError(f"'{source}': {key[0]} is missing experts {missing[:8]} "
+                                  f"of {'/'.join(key[1:])}")
         sources[key] = stacked_experts(ckpt, [by_index[e] for e in range(cfg.num_experts)])
     return sources
 

@@ -7,6 +7,7 @@ The multi-device checks run in subprocesses started once per session: tests/para
 jax.distributed on localhost. All three start together and run while the cheap tests below do.
 """
 
+import fcntl
 import json
 import os
 import socket
@@ -41,8 +42,7 @@ def _result(proc: subprocess.Popen, marker: str = "") -> dict:
     return json.loads(line[len(marker):])
 
 
-@pytest.fixture(scope="module")
-def runs():
+def _run_all() -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     env.pop("XLA_FLAGS", None)
     py = [sys.executable]
@@ -53,10 +53,25 @@ def runs():
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                for i in range(2)]
     try:
-        yield {"checks": _result(checks, "RESULT "), "hosts": [_result(w) for w in workers]}
+        return {"checks": _result(checks, "RESULT "), "hosts": [_result(w) for w in workers]}
     finally:
         for p in (checks, *workers):
             p.kill()
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """The subprocesses' results, computed once per test run: under pytest-xdist the first worker
+    to take the lock runs them and the others read its file."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # per-worker dirs under this run's common one
+        shared = shared.parent
+    done = shared / "parallel_runs.json"
+    with open(shared / "parallel_runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            done.write_text(json.dumps(_run_all()))
+    return json.loads(done.read_text())
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -37,7 +37,8 @@ from jaxinfer.model.config import load_config  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
 from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.attention import shard_backend  # noqa: E402
-from jaxinfer.parallel.sharding import ShardingPlan, build_mesh  # noqa: E402
+from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
+from jaxinfer.worker.runner import step_activation_bytes  # noqa: E402
 from pallas_kernels.backend import REFERENCE  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -123,6 +124,17 @@ def shard_checks(out: dict) -> None:
             for shard in leaf.addressable_shards:
                 if not np.array_equal(np.asarray(shard.data), ref[shard.index]):
                     mismatches.append(f"{name} {jax.tree_util.keystr(path)} on {shard.device}")
+    # The memory planner's per-device inputs: this device's weight bytes, the step's activations.
+    llama = load_config(FIXTURES / "llama")
+    planned = {}
+    for tp in (1, 2):
+        plan2 = ShardingPlan(build_mesh(tp), llama)
+        weights = load_params(FIXTURES / "llama", llama, jnp.float32, progress=False,
+                              shardings=plan2.params(param_shapes(llama, jnp.float32)))
+        planned[tp] = [per_device_bytes(weights), step_activation_bytes(
+            llama, weights, REFERENCE, kv_dtype=jnp.float32, block_size=BLOCK, max_model_len=64,
+            max_num_seqs=8, max_num_batched_tokens=64, plan=plan2)]
+    out["planner"] = planned
     out["shards"] = {"mismatches": mismatches, "split_leaves": split,
                      "k_proj": str(shardings["layers_0"]["attn"]["k_proj"]["kernel"].spec),
                      "w_down": str(shardings["layers_0"]["moe"]["w_down"].spec),

@@ -55,14 +55,14 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.parallel.data_parallel import create_engine
     from jaxinfer.sampling_params import SamplingParams
 
     prompts = _read_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, stop=args.stop, seed=args.seed)
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = create_engine(EngineArgs.from_cli_args(args))
     rids = [f"cli-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(rids, prompts):
         engine.add_request(rid, prompt, params)  # validates before anything runs

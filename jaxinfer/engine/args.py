@@ -47,6 +47,12 @@ class EngineArgs:
     served_model_name: str | None = None
     # Schedule step N+1 before waiting for step N's tokens (host/device overlap).
     async_scheduling: bool = True
+    # Parallelism (jaxinfer/parallel/): devices per replica, replicas, multi-process run.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         def check(ok: bool, flag: str, value, why: str):
@@ -63,6 +69,10 @@ class EngineArgs:
               self.decode_steps_per_call, "must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
               self.max_model_len, "must be >= 2")
+        check(self.tensor_parallel_size >= 1, "tensor-parallel-size", self.tensor_parallel_size,
+              "must be >= 1")
+        check(self.data_parallel_size >= 1, "data-parallel-size", self.data_parallel_size,
+              "must be >= 1")
         self.cache_config()  # validates the KV-cache flags
 
     def cache_config(self) -> CacheConfig:
@@ -79,6 +89,7 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         from pallas_kernels.backend import available_backends
         from jaxinfer.model.weights import LOAD_FORMATS
+        from jaxinfer.parallel.distributed import add_parallel_arguments
         d = EngineArgs.__dataclass_fields__
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=DEFAULT_MODEL,
@@ -114,6 +125,7 @@ class EngineArgs:
         s.add_argument("--profile-dir", default=None,
                        help="write a jax.profiler trace of --profile-steps steps here")
         s.add_argument("--profile-steps", type=int, default=5)
+        add_parallel_arguments(parser)
         return parser
 
     @classmethod

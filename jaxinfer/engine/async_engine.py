@@ -21,6 +21,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.parallel.data_parallel import create_engine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError, RequestFailedError
 from jaxinfer.engine.outputs import RequestOutput
@@ -40,7 +41,7 @@ class AsyncEngine:
             args = args or EngineArgs()
             warm = args.warmup
             args.warmup = False  # compiled in start(), off the event loop
-            engine = LLMEngine.from_engine_args(args)
+            engine = create_engine(args)
             args.warmup = warm
         self.engine = engine
         self.args = engine.args

@@ -17,6 +17,7 @@ many tokens it produced) or a penalty request needs its full token history on th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -27,11 +28,12 @@ from typing import Iterable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache, tree_nbytes
+from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
@@ -42,6 +44,9 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.model.tokenizer import Tokenizer
+from jaxinfer.model.transformer import param_shapes
+from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
+                                        validate_parallel_sizes)
 from pallas_kernels.backend import get_backend
 
 log = logging.getLogger(__name__)
@@ -87,7 +92,10 @@ def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
 
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
-                 *, num_blocks: int, metrics: EngineMetrics | None = None):
+                 *, num_blocks: int, metrics: EngineMetrics | None = None,
+                 plan: ShardingPlan | None = None):
+        """`plan`: the replica's mesh and shardings, params already placed by it (None: the
+        default device)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.args = args
@@ -119,7 +127,7 @@ class LLMEngine:
             cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks,
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call)
+            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan)
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -132,27 +140,42 @@ class LLMEngine:
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, metrics: EngineMetrics | None = None) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
+                         mesh: Mesh | None = None) -> "LLMEngine":
+        """`mesh`: this replica's sub-mesh (DataParallelEngine passes one per replica); default:
+        the first --tensor-parallel-size devices."""
         from jaxinfer.model.weights import load_params
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         cfg = load_config(args.model)
+        if mesh is None:
+            if args.data_parallel_size > 1:
+                raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
+                                  "build the engine with jaxinfer.parallel.create_engine")
+            validate_parallel_sizes(cfg, args.tensor_parallel_size, args.data_parallel_size,
+                                    jax.device_count())
+            mesh = build_mesh(args.tensor_parallel_size)
+        plan = ShardingPlan(mesh, cfg)
         # A checkpoint without tokenizer.json (e.g. a test fixture) serves token ids only.
         has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
         tokenizer = Tokenizer.from_dir(args.model) if has_tokenizer else None
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-        params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed)
-        num_blocks = cls.plan_num_blocks(cfg, args, params)
-        engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics)
+        params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed,
+                             shardings=plan.params(param_shapes(cfg, dtype)))
+        num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
+        engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
+                     plan=plan)
         if args.warmup:
             engine.warmup()
         return engine
 
     @staticmethod
-    def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params) -> int:
-        """--num-blocks, else the memory planner (device memory x utilization - weights - the
-        largest step's activations); a CPU reports no memory size: there, enough blocks for
-        max_num_seqs full-length sequences, at most 4096."""
+    def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
+                        plan: ShardingPlan | None = None) -> int:
+        """--num-blocks, else the memory planner, per device (device memory x utilization - this
+        device's weight shards - the largest step's activations, over the bytes a block takes on
+        one device); a CPU reports no memory size: there, enough blocks for max_num_seqs
+        full-length sequences, at most 4096."""
         max_len = args.max_model_len or cfg.max_position_embeddings
         cache = args.cache_config()
         if cache.num_blocks is not None:
@@ -166,11 +189,13 @@ class LLMEngine:
             cfg, params, get_backend(args.attention_backend),
             kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype),
             block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens)
-        plan = plan_kv_cache(cfg, cache, weight_bytes=tree_nbytes(params),
-                             activation_bytes=activations, model_dtype=model_dtype)
-        log.info(plan.describe())
-        return plan.num_blocks
+            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan)
+        # A block holds kv_heads_per_device heads on each device.
+        device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
+        kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),
+                                activation_bytes=activations, model_dtype=model_dtype)
+        log.info(kv_plan.describe())
+        return kv_plan.num_blocks
 
     def warmup(self, progress: bool = True) -> float:
         seconds = self.runner.warmup(progress)
@@ -396,8 +421,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
         if engine is None:
+            from jaxinfer.parallel.data_parallel import create_engine
             args = EngineArgs(**({"model": model} if model else {}), **kwargs)
-            engine = LLMEngine.from_engine_args(args)
+            engine = create_engine(args)
         self.engine = engine
         self._counter = 0
 

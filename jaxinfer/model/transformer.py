@@ -207,24 +207,34 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
-    """Random weights of the real shapes (normal(std); norms at 1), made on the default device leaf by
-    leaf so an 8B model never needs host memory (`--load-format dummy`)."""
+def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float = 0.02,
+                shardings=None) -> Params:
+    """Random weights of the real shapes (normal(std); norms at 1), made on the device leaf by leaf
+    so an 8B model never needs host memory (`--load-format dummy`). `shardings` (a pytree of
+    Shardings like the params): each leaf is generated directly into its shards."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(rng, len(leaves))
+    places = (jax.tree_util.tree_leaves(shardings) if shardings is not None
+              else [None] * len(leaves))
 
-    def make(path, leaf, key):
+    def make(path, leaf, key, place):
         name = jax.tree_util.keystr(path)
         if "norm" in name:
-            return jnp.ones(leaf.shape, leaf.dtype)
+            return jnp.ones(leaf.shape, leaf.dtype, device=place)
         if "bias" in name:
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        return _normal(key, leaf.shape, leaf.dtype, std)
+            return jnp.zeros(leaf.shape, leaf.dtype, device=place)
+        return _normal(key, leaf.shape, leaf.dtype, std, place)
 
-    return jax.tree_util.tree_unflatten(treedef, [make(p, l, k) for (p, l), k in zip(leaves, keys)])
+    return jax.tree_util.tree_unflatten(
+        treedef, [make(p, l, k, s) for (p, l), k, s in zip(leaves, keys, places)])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _normal(key, shape, dtype, std):
-    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+def _normal(key, shape, dtype, std, sharding=None):
+    return _normal_fn(shape, dtype, std, sharding)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_fn(shape, dtype, std, sharding):
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
+                   out_shardings=sharding)

@@ -10,39 +10,29 @@ transformers versions write (`experts.gate_up_proj`, `experts.down_proj`) are re
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.model.tensor_sources import (EXPERT, EXPERT_PARAM, FUSED, IGNORED, Checkpoint, Source,
+                                           fused_down, fused_gate_up, plain, stacked_experts)
 from jaxinfer.model.transformer import Params, init_params, param_shapes
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 ORBAX_SUBDIR = "orbax"
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 # Param-path components that are spelled differently in HF tensor names.
 _HF_MODULE = {"attn": "self_attn", "input_norm": "input_layernorm",
               "post_attn_norm": "post_attention_layernorm", "kernel": "weight", "embedding": "weight"}
-# Per-expert names: group 1 layer, group 2 expert, group 3 projection.
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
-_EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
-                 "w2": "w_down", "down_proj": "w_down"}
 _MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
-# Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
-_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -64,27 +54,6 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         if not f.is_file():
             raise CheckpointError(f"'{f}' is listed in the safetensors index but missing")
     return files
-
-
-def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.ndarray, Path]]:
-    """(name, array, file) for every tensor, reading one file at a time behind a progress bar."""
-    handles = []
-    for path in files:
-        try:
-            handles.append((path, safe_open(str(path), framework="np")))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"cannot read '{path}': {e}") from None
-    total = sum(len(h.keys()) for _, h in handles)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for path, handle in handles:
-            with handle as f:
-                for name in f.keys():
-                    st_dtype = f.get_slice(name).get_dtype()
-                    if st_dtype not in _DTYPES:
-                        raise CheckpointError(f"'{path.name}': tensor '{name}' has dtype {st_dtype}; "
-                                              f"supported: {', '.join(_DTYPES)}")
-                    yield name, f.get_tensor(name), path
-                    bar.update()
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -128,61 +97,75 @@ def _from_hf(key: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
     return arr.T if key[-1] in ("kernel", "router") else arr
 
 
-def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16,
-                     progress: bool = True) -> Params:
-    model_dir = Path(model_dir)
-    expected = _flat_paths(param_shapes(cfg, dtype))
+def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
+             source: Path) -> dict[tuple[str, ...], Source]:
+    """Map every checkpoint tensor to the param it fills (headers only; nothing is read yet)."""
     by_name = {_canonical(hf_name(k, cfg)): k for k in expected
                if not (k[1:2] == ("moe",) and k[2] != "router")}
-    host: dict[tuple[str, ...], np.ndarray] = {}
-    experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
-    for name, arr, path in _iter_tensors(_safetensors_files(model_dir), progress):
-        if _IGNORED.fullmatch(name):
+    sources: dict[tuple[str, ...], Source] = {}
+    experts: dict[tuple[str, ...], dict[int, str]] = {}
+    for name in ckpt.names():
+        if IGNORED.fullmatch(name):
             continue
-        if m := _EXPERT.fullmatch(name):
+        if m := EXPERT.fullmatch(name):
             layer, e, proj = m.groups()
-            key = (f"layers_{layer}", "moe", _EXPERT_PARAM[proj])
-            experts.setdefault(key, {})[int(e)] = arr.T
+            experts.setdefault((f"layers_{layer}", "moe", EXPERT_PARAM[proj]), {})[int(e)] = name
             continue
-        if m := _FUSED.fullmatch(name):
+        if m := FUSED.fullmatch(name):
             layer, kind = m.groups()
-            if kind == "down_proj":  # [E, H, F] -> [E, F, H]
-                host[(f"layers_{layer}", "moe", "w_down")] = arr.transpose(0, 2, 1)
-            else:  # [E, 2F, H] -> gate, up as [E, H, F]
-                gate, up = np.split(arr, 2, axis=1)
-                host[(f"layers_{layer}", "moe", "w_gate")] = gate.transpose(0, 2, 1)
-                host[(f"layers_{layer}", "moe", "w_up")] = up.transpose(0, 2, 1)
+            key = (f"layers_{layer}", "moe")
+            if kind == "down_proj":
+                sources[(*key, "w_down")] = fused_down(ckpt, name)
+            else:
+                sources[(*key, "w_gate")] = fused_gate_up(ckpt, name, 0)
+                sources[(*key, "w_up")] = fused_gate_up(ckpt, name, 1)
             continue
         key = by_name.get(_canonical(name))
         if key is None:
-            raise CheckpointError(f"'{path.name}': unexpected tensor '{name}' (shape {list(arr.shape)}) "
-                                  f"for a {cfg.architecture} with this config.json")
-        host[key] = _from_hf(key, arr)
+            raise CheckpointError(f"'{ckpt.file_of(name).name}': unexpected tensor '{name}' (shape "
+                                  f"{list(ckpt.shape(name))}) for a {cfg.architecture} with this "
+                                  f"config.json")
+        sources[key] = plain(ckpt, name, transpose=key[-1] in ("kernel", "router"))
     for key, by_index in experts.items():
         missing = sorted(set(range(cfg.num_experts)) - set(by_index))
         if missing:
-            raise CheckpointError(f"'{model_dir}': {key[0]} is missing experts {missing[:8]} "
+            raise CheckpointError(f"'{source}': {key[0]} is missing experts {missing[:8]} "
                                   f"of {'/'.join(key[1:])}")
-        host[key] = np.stack([by_index[e] for e in range(cfg.num_experts)])
-    return _to_params(host, expected, dtype, str(model_dir), cfg)
+        sources[key] = stacked_experts(ckpt, [by_index[e] for e in range(cfg.num_experts)])
+    return sources
 
 
-def _to_params(host: dict, expected: dict, dtype, source: str, cfg: ModelConfig) -> Params:
+def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16,
+                     progress: bool = True, shardings=None) -> Params:
+    """Each param is made with `jax.make_array_from_callback`: every device (shard of
+    `shardings`, a pytree of Shardings like the params; default: the first device) reads only its
+    slice of the memory-mapped files."""
+    model_dir = Path(model_dir)
+    shapes = param_shapes(cfg, dtype)
+    expected = _flat_paths(shapes)
+    sources = _sources(Checkpoint(_safetensors_files(model_dir)), cfg, expected, model_dir)
     if cfg.tie_word_embeddings:
-        host.pop(("lm_head", "kernel"), None)  # some tied checkpoints still store a copy
-    missing = [k for k in expected if k not in host]
+        sources.pop(("lm_head", "kernel"), None)  # some tied checkpoints still store a copy
+    missing = [k for k in expected if k not in sources]
     if missing:
         names = ", ".join("/".join(k) for k in missing[:5])
-        raise CheckpointError(f"'{source}': {len(missing)} parameter(s) missing, e.g. {names}")
-    params: dict = {}
-    for key, arr in host.items():
+        raise CheckpointError(f"'{model_dir}': {len(missing)} parameter(s) missing, e.g. {names}")
+    for key, src in sources.items():
         want = expected.get(key)
         if want is None:
-            raise CheckpointError(f"'{source}': unexpected parameter {'/'.join(key)}")
-        if tuple(arr.shape) != tuple(want.shape):
-            raise CheckpointError(f"'{source}': parameter {'/'.join(key)} has shape {list(arr.shape)}, "
-                                  f"the config implies {list(want.shape)}")
-        _set(params, key, jnp.asarray(arr, dtype=dtype))
+            raise CheckpointError(f"'{model_dir}': unexpected parameter {'/'.join(key)}")
+        if tuple(src.shape) != tuple(want.shape):
+            raise CheckpointError(f"'{model_dir}': parameter {'/'.join(key)} has shape "
+                                  f"{list(src.shape)}, the config implies {list(want.shape)}")
+    flat_shardings = (_flat_paths(shardings) if shardings is not None else {})
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    np_dtype = np.dtype(dtype)
+    params: dict = {}
+    for key in tqdm(expected, desc="Loading weights", unit="tensor", disable=not progress):
+        src = sources[key]
+        read = (lambda idx, src=src: np.ascontiguousarray(src.read(idx), dtype=np_dtype))
+        _set(params, key, jax.make_array_from_callback(tuple(src.shape),
+                                                       flat_shardings.get(key, default), read))
     return params
 
 
@@ -221,13 +204,19 @@ def save_orbax(params: Params, out_dir: str | Path) -> Path:
     return path
 
 
-def load_orbax(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
+def load_orbax(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, shardings=None) -> Params:
+    """Restore onto `shardings` (a pytree of Shardings like the params; default: the first device):
+    orbax reads each device's shards straight into place."""
     import orbax.checkpoint as ocp
 
     path = Path(model_dir).resolve() / ORBAX_SUBDIR
     if not path.is_dir():
         raise CheckpointError(f"no orbax checkpoint at '{path}'")
     target = param_shapes(cfg, dtype)
+    if shardings is not None:
+        target = jax.tree_util.tree_map(
+            lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh),
+            target, shardings)
     with ocp.StandardCheckpointer() as ckpt:
         try:
             return ckpt.restore(path, target)
@@ -236,12 +225,15 @@ def load_orbax(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16) -> P
 
 
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, dtype=jnp.bfloat16,
-                load_format: str = "auto", progress: bool = True, seed: int = 0) -> Params:
-    """Load weights in the given format; `auto` prefers safetensors, then orbax."""
+                load_format: str = "auto", progress: bool = True, seed: int = 0,
+                shardings=None) -> Params:
+    """Load weights in the given format; `auto` prefers safetensors, then orbax. `shardings`: a
+    pytree of Shardings like the params (ShardingPlan.params): every format loads straight into
+    those shards."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"--load-format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        return init_params(cfg, jax.random.key(seed), dtype)
+        return init_params(cfg, jax.random.key(seed), dtype, shardings=shardings)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory '{model_dir}' does not exist")
@@ -250,5 +242,5 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, dtype=jnp.bfloat
         has_st = any(model_dir.glob("*.safetensors"))
         load_format = "safetensors" if has_st or not has_orbax else "orbax"
     if load_format == "orbax":
-        return load_orbax(model_dir, cfg, dtype)
-    return load_safetensors(model_dir, cfg, dtype, progress)
+        return load_orbax(model_dir, cfg, dtype, shardings)
+    return load_safetensors(model_dir, cfg, dtype, progress, shardings)

@@ -31,6 +31,8 @@ from jaxinfer.model.transformer import forward
 from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant,
                              SamplingTensors, sample)
 from jaxinfer.core.scheduler import SchedulerOutput
+from jaxinfer.parallel.attention import shard_backend
+from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
@@ -112,10 +114,12 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int):
+def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
+                plan: ShardingPlan | None = None):
     """The jitted forward, sampler and decode loop of a model, shared by every runner of that model
-    in the process (so engines built one after another, e.g. in tests, reuse each other's
-    compilations). The KV cache (forward, loop) and the last-token array (sampler, loop) are donated."""
+    and mesh in the process (so engines built one after another, e.g. in tests, reuse each other's
+    compilations; the plan, hence the mesh, is part of the key). The KV cache (forward, loop) and
+    the last-token array (sampler, loop) are donated."""
     forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
                            donate_argnums=(1,))
     sample_step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,))
@@ -126,20 +130,23 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int):
 
 def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
                           block_size: int, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int) -> int:
-    """Device memory the largest step bucket needs beyond its inputs (for the memory planner),
-    from compiling that step against a one-block cache of the same layout: a step's activations
-    do not depend on the number of blocks. Costs two compilations."""
+                          max_num_batched_tokens: int, plan: ShardingPlan | None = None) -> int:
+    """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
+    device under tensor parallelism), from compiling that step against a one-block cache of the
+    same layout: a step's activations do not depend on the number of blocks. Costs two
+    compilations."""
     from jaxinfer.core.kv_cache import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
     batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
                              max_model_len, FULL_SAMPLER)
-    one_block = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, block_size, cfg.head_dim), kv_dtype)
+    heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
+    one_block = jax.ShapeDtypeStruct((heads, 1, block_size, cfg.head_dim), kv_dtype,
+                                     sharding=plan and plan.kv_cache)
     kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
-    last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32)
-    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size)
+    last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
+    forward_step, sample_step, _ = _jitted_fns(cfg, shard_backend(backend, plan), block_size, plan)
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
     return (activation_peak_bytes(forward_step.lower(params, kv, last,
                                                      _model_inputs(batch)).compile())
@@ -205,19 +212,25 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1):
+                 max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
+                 plan: ShardingPlan | None = None):
+        """`plan`: the replica's mesh and shardings (params must already be placed by it); None
+        runs on the default device."""
         self.cfg = cfg
         self.params = params
-        self.backend = backend
+        self.plan = plan
+        self.backend = backend = shard_backend(backend, plan)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.decode_steps_per_call = decode_steps_per_call
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
-        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype)
-        self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
+                                          num_heads=plan and plan.stored_kv_heads,
+                                          sharding=plan and plan.kv_cache)
+        self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
         self.sampling_table = SamplingTable(max_num_seqs)
-        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size)
+        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
         # (sequences, sampler variant) at num_steps == decode_steps_per_call.
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}

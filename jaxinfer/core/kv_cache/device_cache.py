@@ -15,9 +15,13 @@ KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: jnp.dtype = jnp.bfloat16) -> KVCache:
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+                      dtype: jnp.dtype = jnp.bfloat16, *, num_heads: int | None = None,
+                      sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    """Zeroed cache; under tensor parallelism `num_heads` and `sharding` come from the replica's
+    ShardingPlan (stored_kv_heads, kv_cache), so each device allocates only its heads."""
+    shape = (num_heads or cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+                 for _ in range(cfg.num_layers))
 
 
 

@@ -1,0 +1,279 @@
+"""Tensor and data parallelism on two H200s, one script, one run: correctness first, then every
+figure beside its anchor.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py [--sections ...]
+        [--deadline-s 400]
+
+Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
+one persistent compilation cache; the JSON is rewritten after each):
+  allreduce   the anchor: one `psum` over the two GPUs inside a chain of 64 (a 32-layer decode
+              step has 64), 8 KB (one token's hidden state) and 2 MB; µs per psum.
+  parity      the bundled demo model (trained, so its greedy tokens are not near-ties) with the
+              mosaic kernels: greedy continuations at TP = 1 and TP = 2, how many are identical.
+  llama8b_tp1 Llama-3-8B shape, dummy bf16, one GPU: batch-1 TPOT (512-token prompt; the
+              difference between a 145- and a 17-token generation, over 128).
+  llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
+  llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
+  llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
+Every engine is built with the limits of its largest workload (a batch-1 decode therefore runs in
+the 8-row decode bucket) and compiles lazily; each concurrency run is preceded by an untimed run
+of the same prompts with fewer output tokens, which compiles the shapes the timed run meets.
+"Ready" is weights loaded + the first batch-1 request served (its compiles included).
+Writes $OUT/multi_gpu_h200x2.json (name, date, commit, machine, command, config, metrics).
+
+Timing on two H200s (2026-12-01): allreduce 11 s, parity 57 s, llama8b_tp1 48 s, llama8b_tp2
+130 s; llama70b_tp2 needed more than 142 s (63 s to its first batch-1 token, then the c = 64
+compiles). The whole list does not fit one 10-minute call: run `--sections llama70b_tp2,llama8b_dp2`
+as a second call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.bench_engine_gpu import LLAMA3_8B, child
+
+ROOT = Path(__file__).resolve().parent.parent
+
+OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
+REQUIRED = ("llama8b_tp1_bs1_tpot_ms", "llama8b_tp2_bs1_tpot_ms", "llama8b_tp2_c256_out_tok_s",
+            "llama8b_dp2_c256_out_tok_s", "llama70b_tp2_bs1_out_tok_s", "llama70b_tp2_c64_out_tok_s")
+ONE_GPU_C256_OUT_TOK_S = 8470.0  # the engine on one H200, 2026-11-30 (shared/gpu/README.md)
+IN_LEN, OUT_LEN = 512, 256
+BACKEND = os.environ.get("BENCH_BACKEND", "mosaic")  # `reference` smoke-tests the script on a CPU
+
+
+# ---- sections (run inside a child process) ------------------------------------------------------
+def section_allreduce(_: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer.parallel.sharding import build_mesh
+
+    mesh = build_mesh(2)
+    out = {}
+    for label, nbytes in (("8kb", 8 << 10), ("2mb", 2 << 20)):
+        n = nbytes // 2  # bf16
+
+        def chain(x):
+            for _ in range(64):  # each psum's input depends on the previous one's output
+                x = jax.lax.psum(x, "tp") * jnp.bfloat16(0.5)
+            return x
+
+        f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, "tp")))
+        x = jax.device_put(jnp.ones((1, 2 * n), jnp.bfloat16),
+                           jax.sharding.NamedSharding(mesh, P(None, "tp")))
+        jax.block_until_ready(f(x))
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            times.append(time.perf_counter() - t0)
+        out[f"psum_{label}_us"] = round(float(np.median(times)) / 64 * 1e6, 2)
+    out["machine"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    return out
+
+
+def _llm(model: str, **kw):
+    from jaxinfer import LLM
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype="bfloat16", attention_backend=BACKEND, warmup=False,
+              compilation_cache_dir=kw.pop("cache_dir"), **kw)
+    return llm, time.perf_counter() - t0
+
+
+def section_parity(cfg: dict) -> dict:
+    from jaxinfer import SamplingParams
+    text = (ROOT / "checkpoints" / "heldout_sample.txt").read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    prompts = ["\n".join(lines[i:i + 3]) for i in range(0, 24, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        llm, _ = _llm(str(ROOT / "checkpoints" / "demo-target"), tensor_parallel_size=tp,
+                      max_num_seqs=8, max_num_batched_tokens=256, num_blocks=1024,
+                      cache_dir=cfg["cache_dir"])
+        tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    same = sum(a == b for a, b in zip(tokens[1], tokens[2]))
+    return {"parity_tp2_identical_greedy": same, "parity_of": len(prompts)}
+
+
+def _random_prompts(vocab: int, n: int) -> list[list[int]]:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, IN_LEN).tolist() for _ in range(n)]
+
+
+def _tpot_ms(llm) -> tuple[float, float]:
+    """(batch-1 TPOT in ms, seconds of the first request, compiles included)."""
+    from jaxinfer import SamplingParams
+    prompt = _random_prompts(llm.engine.cfg.vocab_size, 1)
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                     use_tqdm=False)
+        return time.perf_counter() - t0
+
+    first = run(17)
+    short = min(run(17) for _ in range(2))
+    long = min(run(145) for _ in range(2))
+    return 1e3 * (long - short) / 128, first
+
+
+def _throughput(llm, concurrency: int, warm_out: int) -> float:
+    """Output tok/s of `concurrency` random 512-token prompts generating 256 tokens each, all
+    submitted at once, after an untimed run of the same prompts generating `warm_out`."""
+    from jaxinfer import SamplingParams
+    prompts = _random_prompts(llm.engine.cfg.vocab_size, concurrency)
+    llm.generate(prompts, SamplingParams(max_tokens=warm_out, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, ignore_eos=True,
+                                                temperature=0), use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def _engine_kw(cfg: dict, seqs: int) -> dict:
+    blocks = seqs * -(-(IN_LEN + OUT_LEN + 16) // 16) + 64
+    return dict(load_format="dummy", max_num_seqs=seqs, max_num_batched_tokens=2048,
+                max_model_len=1024, num_blocks=blocks, cache_dir=cfg["cache_dir"])
+
+
+def section_llama8b_tp1(cfg: dict) -> dict:
+    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=1, **_engine_kw(cfg, 256))
+    tpot, first = _tpot_ms(llm)
+    return {"llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1)}
+
+
+def section_llama8b_tp2(cfg: dict) -> dict:
+    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256))
+    tpot, first = _tpot_ms(llm)
+    out = {"llama8b_tp2_bs1_tpot_ms": round(tpot, 3), "llama8b_tp2_ready_s": round(load_s + first, 1),
+           "llama8b_tp2_load_s": round(load_s, 1)}
+    print(json.dumps(out), flush=True)  # kept if the throughput run times out
+    out["llama8b_tp2_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
+    return out
+
+
+def section_llama8b_dp2(cfg: dict) -> dict:
+    llm, load_s = _llm(cfg["llama8b"], data_parallel_size=2, **_engine_kw(cfg, 256))
+    return {"llama8b_dp2_c256_out_tok_s": round(_throughput(llm, 256, 64), 1),
+            "llama8b_dp2_load_s": round(load_s, 1)}
+
+
+def section_llama70b_tp2(cfg: dict) -> dict:
+    llm, load_s = _llm(cfg["llama70b"], tensor_parallel_size=2, **_engine_kw(cfg, 64))
+    tpot, first = _tpot_ms(llm)
+    out = {"llama70b_tp2_bs1_out_tok_s": round(1e3 / tpot, 2),
+           "llama70b_tp2_bs1_tpot_ms": round(tpot, 3),
+           "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1)}
+    print(json.dumps(out), flush=True)
+    out["llama70b_tp2_c64_out_tok_s"] = round(_throughput(llm, 64, 24), 1)
+    return out
+
+
+SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90),
+            "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
+            "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400)}
+
+
+# ---- the driver -------------------------------------------------------------------------------
+def _last_json(text: str) -> dict:
+    merged: dict = {}
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                merged.update(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return merged
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--deadline-s", type=float, default=400.0)
+    ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_section:
+        fn = SECTIONS[args.run_section][0]
+        print(json.dumps(fn(json.loads(args.config))), flush=True)
+        return
+
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="jaxinfer-mgpu-"))
+    cfg = {"cache_dir": str(work / "cc")}
+    for name, shape in (("llama8b", LLAMA3_8B), ("llama70b", LLAMA3_70B)):
+        (work / name).mkdir()
+        (work / name / "config.json").write_text(json.dumps(shape))
+        cfg[name] = str(work / name)
+    import jax  # not initialised here: the sections' processes own the GPUs
+    result = {"name": "multi_gpu_h200x2", "date": datetime.datetime.now(datetime.UTC).isoformat(),
+              "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+              "machine": "",
+              "command": "python3 " + " ".join(sys.argv),
+              "config": {"input_len": IN_LEN, "output_len": OUT_LEN, "dtype": "bfloat16",
+                         "weights": "dummy", "attention_backend": "mosaic",
+                         "max_num_batched_tokens": 2048, "jax": jax.__version__,
+                         "one_gpu_c256_reference_out_tok_s": ONE_GPU_C256_OUT_TOK_S},
+              "metrics": {}, "sections": {}}
+    del jax
+    dest = OUT / "multi_gpu_h200x2.json"
+    for name in args.sections.split(","):
+        limit = SECTIONS[name][1]
+        left = args.deadline_s - (time.perf_counter() - start)
+        if left < 30:
+            result["sections"][name] = "skipped: call deadline"
+            continue
+        t0 = time.perf_counter()
+        argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
+        stdout, stderr, rc = child(argv, min(limit, left))
+        got = _last_json(stdout)
+        result["machine"] = got.pop("machine", result["machine"])
+        result["metrics"].update(got)
+        entry = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc}
+        if rc != 0:
+            entry["stderr_tail"] = stderr[-2500:]
+        result["sections"][name] = entry
+        print(f"== {name}: {json.dumps(got)} {json.dumps(entry)[:2500]}", flush=True)
+        _derive(result["metrics"])
+        for key in REQUIRED:  # a figure a section did not reach stays visible, as null
+            result["metrics"].setdefault(key, None)
+        dest.write_text(json.dumps(result, indent=1))
+    print_table(result["metrics"])
+
+
+def _derive(m: dict) -> None:
+    if "llama8b_tp1_bs1_tpot_ms" in m and "llama8b_tp2_bs1_tpot_ms" in m:
+        m["llama8b_tp2_over_tp1_tpot"] = round(m["llama8b_tp2_bs1_tpot_ms"]
+                                               / m["llama8b_tp1_bs1_tpot_ms"], 3)
+    if "llama8b_dp2_c256_out_tok_s" in m:
+        m["llama8b_dp2_over_one_gpu"] = round(m["llama8b_dp2_c256_out_tok_s"]
+                                              / ONE_GPU_C256_OUT_TOK_S, 3)
+    if "psum_8kb_us" in m:  # what XLA's all-reduce alone adds to a 32-layer batch-1 step
+        m["psum_8kb_x64_per_step_ms"] = round(64 * m["psum_8kb_us"] / 1e3, 3)
+
+
+def print_table(m: dict) -> None:
+    print("\nmetric | value")
+    for k, v in m.items():
+        print(f"{k} | {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Where each parameter lives in a safetensors checkpoint, and how to read any slice of it.
+
+`index_checkpoint` reads only the files' headers and returns, per param path, a `Source`: its shape
+in the param layout (Flax [in, out] kernels, experts stacked [E, in, out]) and `read(index)`, which
+reads just that index's slice from the memory-mapped files. `jax.make_array_from_callback` calls it
+once per device shard, so under tensor parallelism each device reads only its slice and the host
+never holds a whole model (a 140 GB checkpoint loads onto two GPUs with a few hundred MB of host
+buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from jaxinfer.errors import CheckpointError
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+# Per-expert names: group 1 layer, group 2 expert, group 3 projection.
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
+                "w2": "w_down", "down_proj": "w_down"}
+# Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
+FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+Index = tuple[slice, ...]
+
+
+@dataclasses.dataclass
+class Source:
+    shape: tuple[int, ...]     # in the param layout
+    read: Callable[[Index], np.ndarray]
+
+
+def _bounds(sl: slice, n: int) -> range:
+    return range(*sl.indices(n))
+
+
+def _sl(r: range) -> slice:
+    return slice(r.start, r.stop)
+
+
+class Checkpoint:
+    """Open safetensors files (memory-mapped) and their tensors' headers."""
+
+    def __init__(self, files: list[Path]):
+        self.handles: dict[str, tuple[Path, object]] = {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="np")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"cannot read '{path}': {e}") from None
+            for name in handle.keys():
+                st_dtype = handle.get_slice(name).get_dtype()
+                if st_dtype not in DTYPES:
+                    raise CheckpointError(f"'{path.name}': tensor '{name}' has dtype {st_dtype}; "
+                                          f"supported: {', '.join(DTYPES)}")
+                self.handles[name] = (path, handle)
+
+    def names(self) -> list[str]:
+        return list(self.handles)
+
+    def file_of(self, name: str) -> Path:
+        return self.handles[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[name][1].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self.handles[name][1].get_slice(name)[index]
+
+
+def plain(ckpt: Checkpoint, name: str, transpose: bool) -> Source:
+    """A tensor stored as is, or an HF linear [out, in] read as a Flax kernel [in, out]."""
+    shape = ckpt.shape(name)
+    if not transpose:
+        return Source(shape, lambda idx: ckpt.read(name, tuple(idx)))
+    return Source(shape[::-1], lambda idx: ckpt.read(name, (idx[1], idx[0])).T)
+
+
+def stacked_experts(ckpt: Checkpoint, names: list[str]) -> Source:
+    """Per-expert [out, in] tensors stacked into [E, in, out]."""
+    out_dim, in_dim = ckpt.shape(names[0])
+
+    def read(idx: Index) -> np.ndarray:
+        es = _bounds(idx[0], len(names))
+        return np.stack([ckpt.read(names[e], (idx[2], idx[1])).T for e in es])
+    return Source((len(names), in_dim, out_dim), read)
+
+
+def fused_gate_up(ckpt: Checkpoint, name: str, half: int) -> Source:
+    """Gate (half 0) or up (half 1) of a fused [E, 2F, H] tensor, as [E, H, F]."""
+    e, two_f, h = ckpt.shape(name)
+    f = two_f // 2
+
+    def read(idx: Index) -> np.ndarray:
+        fs = _bounds(idx[2], f)
+        rows = slice(half * f + fs.start, half * f + fs.stop)
+        return ckpt.read(name, (idx[0], rows, idx[1])).transpose(0, 2, 1)
+    return Source((e, h, f), read)
+
+
+def fused_down(ckpt: Checkpoint, name: str) -> Source:
+    """A fused down_proj [E, H, F] as [E, F, H]."""
+    e, h, f = ckpt.shape(name)
+    return Source((e, f, h), lambda idx: ckpt.read(name, (idx[0], idx[2], idx[1])).transpose(0, 2, 1))

@@ -1,0 +1,140 @@
+"""Data parallelism: M engine replicas on disjoint device groups (rows of the ("dp", "tp") mesh)
+behind one front end with LLMEngine's interface, so `LLM`, `AsyncEngine` and the server drive it
+unchanged.
+
+Each replica is a whole `LLMEngine` (scheduler, KV pool, runner) on its own sub-mesh; nothing is
+shared on the devices, so replicas never synchronise. A new request goes to the least-loaded
+replica: unfinished requests over its sequence capacity plus its KV-cache usage (queue depth and
+memory pressure), ties to the lowest index. `step()` steps every busy replica on its own thread: a
+replica's step spends most of its time waiting for its devices (the GIL is released), so replicas'
+device work overlaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.errors import RequestFailedError
+from jaxinfer.sampling_params import SamplingParams
+
+
+class DataParallelEngine:
+    def __init__(self, replicas: list[LLMEngine]):
+        self.replicas = replicas
+        first = replicas[0]
+        self.args, self.cfg, self.tokenizer = first.args, first.cfg, first.tokenizer
+        self.max_model_len, self.model_name = first.max_model_len, first.model_name
+        self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
+        self.metrics = _MergedMetrics([r.metrics for r in replicas])
+        self._owner: dict[str, LLMEngine] = {}
+        self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="jaxinfer-dp")
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> DataParallelEngine:
+        from jaxinfer.parallel.sharding import build_mesh, replica_meshes
+        mesh = build_mesh(args.tensor_parallel_size, args.data_parallel_size)
+        return cls([LLMEngine.from_engine_args(args, mesh=m) for m in replica_meshes(mesh)])
+
+    def warmup(self, progress: bool = True) -> float:
+        return max(self._pool.map(lambda r: r.warmup(progress), self.replicas))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _load(self, replica: LLMEngine) -> float:
+        return len(replica.requests) / replica.args.max_num_seqs + replica.scheduler.kv_cache_stats()[0]
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None):
+        from jaxinfer.errors import InvalidRequestError
+        if request_id in self._owner:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
+                                      param="request_id")
+        replica = min(self.replicas, key=self._load)
+        req = replica.add_request(request_id, prompt, params, priority, arrival_time)
+        self._owner[request_id] = replica
+        return req
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        replica = self._owner.pop(request_id, None)
+        return None if replica is None else replica.abort(request_id, reason)
+
+    def take_failed(self) -> list[tuple[str, RequestFailedError]]:
+        """The requests any replica failed since the previous call (each already aborted)."""
+        failed = [f for r in self.replicas for f in r.take_failed()]
+        for rid, _ in failed:
+            self._owner.pop(rid, None)
+        return failed
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def requests(self) -> dict:
+        return {rid: req for r in self.replicas for rid, req in r.requests.items()}
+
+    # ---- steps --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        outs = [o for part in self._pool.map(lambda r: r.step(), busy) for o in part]
+        for out in outs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outs
+
+    def run_to_completion(self) -> Iterable[RequestOutput]:
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+
+class _MergedMetrics:
+    """The replicas' Prometheus metrics as one registry: counters, histograms and the request
+    gauges summed over replicas, the KV-cache usage averaged."""
+
+    def __init__(self, parts: list[EngineMetrics]):
+        self.parts = parts
+        self.model_name = parts[0].model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        samples: dict[str, dict[tuple, list]] = {}  # family -> sample key -> [sample, summed value]
+        for part in self.parts:
+            for family in part.registry.collect():
+                families.setdefault(family.name, family)
+                for s in family.samples:
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    entry = samples.setdefault(family.name, {}).setdefault(key, [s, 0.0])
+                    entry[1] += s.value
+        for name, family in families.items():
+            scale = 1 / len(self.parts) if name.endswith("kv_cache_usage_perc") else 1
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(value=v * scale) for s, v in samples.get(name, {}).values()]
+            yield out
+
+
+def create_engine(args: EngineArgs):
+    """The engine the flags ask for: one LLMEngine, or DataParallelEngine when
+    --data-parallel-size > 1 (after joining a multi-process run when its flags are set)."""
+    import jax
+
+    from jaxinfer.model.config import load_config
+    from jaxinfer.parallel.distributed import initialize_distributed
+    from jaxinfer.parallel.sharding import validate_parallel_sizes
+    initialize_distributed(args)
+    if args.data_parallel_size > 1:
+        validate_parallel_sizes(load_config(args.model), args.tensor_parallel_size,
+                                args.data_parallel_size, jax.device_count())
+        return DataParallelEngine.from_engine_args(args)
+    return LLMEngine.from_engine_args(args)

@@ -1,0 +1,208 @@
+"""The tensor/data-parallel checks that need several devices, run in one subprocess of
+tests/test_parallel.py with 8 CPU devices (jax fixes its device count when it starts, and the rest
+of the suite runs on one). Prints one JSON object: per check, the values the test compares.
+
+    python tests/parallel_checks.py
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from prometheus_client import generate_latest  # noqa: E402
+
+from jaxinfer import LLM, SamplingParams  # noqa: E402
+from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.errors import ConfigError  # noqa: E402
+from jaxinfer.model.config import load_config  # noqa: E402
+from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
+from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
+from jaxinfer.parallel.attention import shard_backend  # noqa: E402
+from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
+from jaxinfer.worker.runner import step_activation_bytes  # noqa: E402
+from pallas_kernels.backend import REFERENCE  # noqa: E402
+from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+
+FIXTURES = HERE / "fixtures" / "models"
+# One fixture per family (the *_fused ones are the same models in another file layout).
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
+_step = jax.jit(forward, static_argnames=("cfg", "backend"))
+
+
+def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray]:
+    """Prefill `prompt` through a shuffled block table, then decode `steps` - 1 tokens one at a time;
+    returns the tokens and the prefill's last logits. Every call has the prefill's shapes (a decode
+    is one token padded to the prompt's length), so each model and mesh compiles once."""
+    backend = shard_backend(REFERENCE, plan)
+    cache = allocate_kv_cache(cfg, NUM_BLOCKS, BLOCK, jnp.float32, num_heads=plan.stored_kv_heads,
+                              sharding=plan.kv_cache)
+    n, total = len(prompt), len(prompt) + steps
+    table = np.random.default_rng(n).permutation(NUM_BLOCKS)[:-(-total // BLOCK)]
+    slots = np.array([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(total)], np.int32)
+    tables = jnp.asarray(table[None], jnp.int32)
+
+    def run(ids, first_pos, count):
+        pad = n - count
+        md = AttentionMetadata(np.concatenate([slots[first_pos:first_pos + count], np.full(pad, -1)]),
+                               jnp.array([0, count], jnp.int32),
+                               jnp.array([first_pos + count], jnp.int32), tables)
+        positions = np.concatenate([np.arange(first_pos, first_pos + count), np.zeros(pad, int)])
+        return _step(params, cfg, jnp.asarray(np.concatenate([ids, np.zeros(pad, int)]), jnp.int32),
+                     jnp.asarray(positions, jnp.int32), cache, md, backend,
+                     jnp.array([count - 1]))
+
+    logits, cache = run(np.asarray(prompt), 0, n)
+    first = np.asarray(logits[0])
+    tokens = [int(first.argmax())]
+    for pos in range(n, total - 1):
+        logits, cache = run(np.array([tokens[-1]]), pos, 1)
+        tokens.append(int(np.asarray(logits[0]).argmax()))
+    return tokens, first
+
+
+def model_checks(out: dict) -> None:
+    """Greedy tokens at TP = 2, 4 (4 > the fixtures' 2 KV heads: replicated KV) of every family,
+    weights loaded straight into their shards (TP = 1's are the fixtures' golden tokens, which
+    tests/test_hf_parity.py checks); TP = 1 and 8 on each family widened to 8 query heads (random
+    weights generated sharded)."""
+    for fam in FAMILIES:
+        cfg = load_config(FIXTURES / fam)
+        prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]
+        for tp in (2, 4):
+            plan = ShardingPlan(build_mesh(tp), cfg)
+            params = load_params(FIXTURES / fam, cfg, jnp.float32, progress=False,
+                                 shardings=plan.params(param_shapes(cfg, jnp.float32)))
+            tokens, logits = greedy(cfg, params, plan, prompt, STEPS)
+            out[f"{fam}/tp{tp}"] = {"tokens": tokens, "logits": logits.tolist()}
+        wide = dataclasses.replace(cfg, num_heads=8)
+        for tp in (1, 8):
+            plan = ShardingPlan(build_mesh(tp), wide)
+            params = init_params(wide, jax.random.key(1), jnp.float32, std=0.1,
+                                 shardings=plan.params(param_shapes(wide, jnp.float32)))
+            tokens, logits = greedy(wide, params, plan, prompt, STEPS)
+            out[f"{fam}-wide/tp{tp}"] = {"tokens": tokens, "logits": logits.tolist()}
+
+
+def shard_checks(out: dict) -> None:
+    """Each device holds exactly its slice: safetensors and orbax loads onto a TP = 4 mesh against
+    the single-device load, and the cache/param specs the plan gives."""
+    cfg = load_config(FIXTURES / "qwen3_moe")
+    plan = ShardingPlan(build_mesh(4), cfg)
+    shardings = plan.params(param_shapes(cfg, jnp.float32))
+    whole = load_params(FIXTURES / "qwen3_moe", cfg, jnp.float32, progress=False)
+    sharded = load_params(FIXTURES / "qwen3_moe", cfg, jnp.float32, progress=False,
+                          shardings=shardings)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_orbax(whole, tmp)
+        restored = load_params(tmp, cfg, jnp.float32, load_format="orbax", shardings=shardings)
+    mismatches, split = [], 0
+    for name, tree in (("safetensors", sharded), ("orbax", restored)):
+        for (path, ref), leaf in zip(jax.tree_util.tree_leaves_with_path(whole),
+                                     jax.tree_util.tree_leaves(tree)):
+            ref = np.asarray(ref)
+            split += leaf.addressable_shards[0].data.size < ref.size
+            for shard in leaf.addressable_shards:
+                if not np.array_equal(np.asarray(shard.data), ref[shard.index]):
+                    mismatches.append(f"{name} {jax.tree_util.keystr(path)} on {shard.device}")
+    # The memory planner's per-device inputs: this device's weight bytes, the step's activations.
+    llama = load_config(FIXTURES / "llama")
+    planned = {}
+    for tp in (1, 2):
+        plan2 = ShardingPlan(build_mesh(tp), llama)
+        weights = load_params(FIXTURES / "llama", llama, jnp.float32, progress=False,
+                              shardings=plan2.params(param_shapes(llama, jnp.float32)))
+        planned[tp] = [per_device_bytes(weights), step_activation_bytes(
+            llama, weights, REFERENCE, kv_dtype=jnp.float32, block_size=BLOCK, max_model_len=64,
+            max_num_seqs=8, max_num_batched_tokens=64, plan=plan2)]
+    out["planner"] = planned
+    out["shards"] = {"mismatches": mismatches, "split_leaves": split,
+                     "k_proj": str(shardings["layers_0"]["attn"]["k_proj"]["kernel"].spec),
+                     "w_down": str(shardings["layers_0"]["moe"]["w_down"].spec),
+                     "stored_kv_heads": plan.stored_kv_heads}
+
+
+def engine_checks(out: dict) -> None:
+    """LLM(...) end to end: TP = 1 vs TP = 2 vs DP = 2 vs DP = 2 x TP = 2 (mixtral: MoE, a
+    request of each prompt, greedy), and the flags' refusals."""
+    golden = np.load(FIXTURES / "mixtral" / "golden.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)] + [golden["greedy_prompt"].tolist()]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64,
+              block_size=4, warmup=False, compilation_cache_dir=None)
+    for tp, dp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        llm = LLM(str(FIXTURES / "mixtral"), tensor_parallel_size=tp, data_parallel_size=dp, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        entry = {"tokens": [o.outputs[0].token_ids for o in outs]}
+        if dp > 1:  # each replica served some of the requests, on its own devices
+            entry["per_replica"] = [r.metrics.generation_tokens._value.get()
+                                    for r in llm.engine.replicas]
+            entry["devices"] = [sorted(d.id for d in r.runner.plan.mesh.devices.flat)
+                                for r in llm.engine.replicas]
+            entry["merged_metrics"] = [line for line in generate_latest(
+                llm.engine.metrics.registry).decode().splitlines()
+                if line.startswith("jaxinfer:generation_tokens_total")]
+            entry["async_tokens"] = asyncio.run(_through_async_engine(llm.engine, prompts[3],
+                                                                      params))
+        out[f"engine/tp{tp}dp{dp}"] = entry
+    llama = load_config(FIXTURES / "llama")  # the multi-process test's single-device reference
+    lg = np.load(FIXTURES / "llama" / "golden.npz")
+    outs = LLM(str(FIXTURES / "llama"), **kw).generate(
+        [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()],
+        SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True),
+        use_tqdm=False)
+    out["llama/engine_tp1"] = [o.outputs[0].token_ids for o in outs]
+    refusals = {}
+    for name, extra in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16),
+                        "dp3tp4": dict(tensor_parallel_size=4, data_parallel_size=3),
+                        "tp0": dict(tensor_parallel_size=0)}.items():
+        try:
+            LLM(str(FIXTURES / "llama"), **kw, **extra)
+            refusals[name] = None
+        except ConfigError as e:
+            refusals[name] = str(e)
+    out["refusals"] = refusals
+    out["llama_heads"] = [llama.num_heads, llama.num_kv_heads]
+
+
+async def _through_async_engine(engine, prompt, params) -> list[int]:
+    """One request through the server's AsyncEngine wrapped around the data-parallel engine."""
+    async_engine = AsyncEngine(engine=engine)
+    await async_engine.start()
+    tokens = []
+    async for out in async_engine.generate(prompt, params, "async-0"):
+        tokens = out.outputs[0].token_ids
+    await async_engine.shutdown()
+    return tokens
+
+
+def main() -> None:
+    out: dict = {"devices": jax.device_count()}
+    for check in (model_checks, shard_checks, engine_checks):
+        t0 = time.perf_counter()
+        check(out)
+        out[f"seconds/{check.__name__}"] = round(time.perf_counter() - t0, 1)
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

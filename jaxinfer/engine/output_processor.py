@@ -14,6 +14,7 @@ import time
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 from jaxinfer.worker.runner import StepHandle
 
 
@@ -27,6 +28,8 @@ class OutputProcessor:
         """Apply a step's results. Returns the requests that have something new to report, and the
         step's sequences that were still live, in step order, for `Scheduler.update_from_output`."""
         res = handle.result()
+        if handle.prompt_rows is not None:  # before the tokens: the first output carries them
+            record_prompt_logprobs(handle.prompt_rows, res.prompt)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         live: list[Sequence] = []
@@ -125,4 +128,4 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
         if seq.finish_reason is not None:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                         req.num_prompt_tokens, req.num_generated_tokens())
+                         req.num_prompt_tokens, req.num_generated_tokens(), req.prompt_logprobs)

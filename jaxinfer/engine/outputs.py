@@ -15,6 +15,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the `logprobs` most likely alternatives (id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs only)
 
 
 @dataclasses.dataclass
@@ -41,3 +42,6 @@ class RequestOutput:
     finished: bool                   # True once every choice has finished
     num_prompt_tokens: int
     num_generated_tokens: int        # usage so far (all choices)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), complete
+    # from the first output on; None when not requested.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

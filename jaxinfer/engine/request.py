@@ -57,6 +57,10 @@ class Request:
         # Top-k/top-p/min-p, logprobs or penalties: needs the full sampler variant.
         self.needs_full_sampler = (params.uses_truncation or params.logprobs is not None
                                    or params.uses_penalties)
+        # Prompt logprobs by prompt position (written by the steps that compute them; the first
+        # token has none), None when not requested.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids))
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None

@@ -12,6 +12,7 @@ from jaxinfer.engine.outputs import TokenLogprob
 from serve.app_keys import ENGINE
 from serve.choices import UsageCounter, collect_choices, new_response_id, now, safe_logprob, token_text
 from serve.engine_requests import RequestGroup, check_capacity
+from serve.prompt_logprobs import vllm_prompt_logprobs
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
 from serve.sse import stream_chunks
 
@@ -53,7 +54,8 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
                         "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": engine.model_name,
-            "choices": choices, "usage": usage.as_dict(), "prompt_logprobs": None}
+            "choices": choices, "usage": usage.as_dict(),
+            "prompt_logprobs": vllm_prompt_logprobs(engine.tokenizer, state.prompt_logprobs)}
 
 
 async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefix: str, response_id: str,

@@ -22,7 +22,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pe
                    "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "user",
-                                              "logprobs", "echo"}
+                                              "logprobs", "echo", "prompt_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                "chat_template_kwargs", "tools", "tool_choice", "response_format",
@@ -42,6 +42,9 @@ class GenerationRequest:
     continuous_usage: bool            # stream_options.continuous_usage_stats: usage in every chunk
     echo: bool
     top_logprobs: int | None          # alternatives to report per token; None = no logprobs
+    # Completions with max_tokens 0: score the prompt only (lm-eval's echo-only requests); the
+    # engine samples one token, which the response leaves out.
+    generate_nothing: bool = False
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
@@ -186,10 +189,11 @@ def _reject_unsupported(body: dict) -> None:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
-def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int,
+                    prompt_logprobs: Any = None) -> SamplingParams:
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
+    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs,
+                            prompt_logprobs=prompt_logprobs)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
     return params
 
@@ -254,9 +258,15 @@ def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
                 prompts.append(check_token_ids(p, vocab_size, "prompt"))
                 texts.append(tokenizer.decode(p, skip_special_tokens=False))
         max_tokens = body.get("max_tokens", 16)
-        if echo and top_logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    params = sampling_params(body, max_tokens=max_tokens, top_logprobs=top_logprobs, vocab_size=vocab_size)
+    generate_nothing = not chat and max_tokens == 0 and _is_int(max_tokens)
+    # echo with logprobs reports the prompt tokens' logprobs too (vLLM: prompt_logprobs defaults
+    # to logprobs then).
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and echo and not chat:
+        prompt_logprobs = top_logprobs
+    params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
+                             top_logprobs=top_logprobs, vocab_size=vocab_size,
+                             prompt_logprobs=prompt_logprobs)
     check_context_length(prompts, params.max_tokens, engine.max_model_len)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
-                             top_logprobs)
+                             top_logprobs, generate_nothing)

@@ -114,3 +114,30 @@ def test_offline_api_and_validation():
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(prompt_logprobs=21).validate(100)
     assert e.value.param == "prompt_logprobs"
+
+
+def test_offline_logprobs_are_complete_and_chat_renders_the_template():
+    from test_engine_support import tiny_tokenizer
+    llm = LLM(engine=make_engine())
+    prompt = prompt_ids(80, 6)
+    out = llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True,
+                                                logprobs=2), use_tqdm=False)[0].outputs[0]
+    ref = reference(prompt + out.token_ids)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids and len(out.token_ids) == 9
+    np.testing.assert_allclose([lp.logprob for lp in out.logprobs],
+                               [ref[len(prompt) - 1 + i, t] for i, t in enumerate(out.token_ids)],
+                               atol=2e-5)
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}#{{ m['content'] }}.{% endfor %}"
+                         "{% if add_generation_prompt %}a#{% endif %}{{ x }}")
+    tok._template = None
+    conv = [{"role": "user", "content": "hello"}]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        chats = llm.chat([conv, conv], params, use_tqdm=False, chat_template_kwargs={"x": "ab"})
+    finally:
+        tok.chat_template, tok._template = None, None
+    expected = tok.encode("u#hello.a#ab", add_special_tokens=False)
+    assert chats[0].prompt_token_ids == chats[1].prompt_token_ids == expected
+    plain = llm.generate([expected], params, use_tqdm=False)[0]
+    assert chats[0].outputs[0].token_ids == plain.outputs[0].token_ids

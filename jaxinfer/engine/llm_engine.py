@@ -373,5 +373,26 @@ class LLM:
         bar.close()
         return [make_request_output(reqs[rid], full=True) for rid in ids]
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content} messages) or to a list
+        of them: each is rendered with the model's chat template (`chat_template_kwargs` are extra
+        template variables, e.g. enable_thinking) and generated like `generate`'s prompts."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer; this model has none", param="messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        # The template holds BOS and the other special tokens itself, as in vLLM.
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+                       conv, add_generation_prompt=add_generation_prompt, **kwargs),
+                   add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
 
 __all__ = ["LLMEngine", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

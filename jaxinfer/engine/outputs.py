@@ -28,6 +28,7 @@ class CompletionOutput:
     new_logprobs: list[TokenLogprob] | None  # one per new token when logprobs was requested
     finish_reason: str | None       # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None   # the stop token id or stop string that ended it, if any
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when requested
 
     @property
     def finished(self) -> bool:

@@ -115,9 +115,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.finish_reported = False  # a RequestOutput carried the finish reason
+        self.logprobs: list[TokenLogprob] = []  # one per output token, when requested
         # Since the previous RequestOutput:
         self.new_token_ids: list[int] = []
-        self.new_logprobs: list[TokenLogprob] = []
+        self.num_logprobs_reported = 0
 
     @property
     def is_prompt_seq(self) -> bool:

@@ -138,7 +138,7 @@ def normalize_messages(value: Any) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string, a list of text parts or null",
                               "messages")
-        out.append({**msg, "content": content if content is not None else ""})
+        out.append({**msg, "content": content})  # null: dropped for the template, as transformers does
     return out
 
 

@@ -130,13 +130,12 @@ def test_offline_logprobs_are_complete_and_chat_renders_the_template():
     tok = tiny_tokenizer()
     tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}#{{ m['content'] }}.{% endfor %}"
                          "{% if add_generation_prompt %}a#{% endif %}{{ x }}")
-    tok._template = None
     conv = [{"role": "user", "content": "hello"}]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     try:
         chats = llm.chat([conv, conv], params, use_tqdm=False, chat_template_kwargs={"x": "ab"})
     finally:
-        tok.chat_template, tok._template = None, None
+        tok.chat_template = None
     expected = tok.encode("u#hello.a#ab", add_special_tokens=False)
     assert chats[0].prompt_token_ids == chats[1].prompt_token_ids == expected
     plain = llm.generate([expected], params, use_tqdm=False)[0]

@@ -40,16 +40,19 @@ class UsageCounter:
     def __init__(self, prompts: list[list[int]], count_generated: bool = True):
         self.prompt_tokens = sum(len(p) for p in prompts)
         self._generated = [0] * len(prompts)
+        self._cached = [0] * len(prompts)
         self._count_generated = count_generated  # False: the response leaves them out
 
     def update(self, prompt_index: int, out: RequestOutput) -> None:
+        self._cached[prompt_index] = out.num_cached_tokens
         if self._count_generated:
             self._generated[prompt_index] = out.num_generated_tokens
 
     def as_dict(self) -> dict:
         completion = sum(self._generated)
         return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
-                "completion_tokens": completion, "prompt_tokens_details": None}
+                "completion_tokens": completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached)}}
 
 
 @dataclasses.dataclass

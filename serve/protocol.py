@@ -66,10 +66,10 @@ def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None
         logger.warning("%s: ignoring unknown request fields %s", endpoint, unknown)
 
 
-def check_model(body: dict, served_name: str) -> None:
-    """`model` is an identifier compared with the served name, never used as a path."""
+def check_model(body: dict, served_names: list[str]) -> None:
+    """`model` is an identifier compared with the served names, never used as a path."""
     model = body.get("model")
-    if model is not None and model != served_name:
+    if model is not None and model not in served_names:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
@@ -230,7 +230,7 @@ def parse_generation(body: dict, engine, *, chat: bool) -> GenerationRequest:
     """Validate a completions (chat=False) or chat (chat=True) body against the served model."""
     log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
                        "/v1/chat/completions" if chat else "/v1/completions")
-    check_model(body, engine.model_name)
+    check_model(body, engine.served_model_names)
     tokenizer, vocab_size = engine.tokenizer, engine.model_config.vocab_size
     stream = bool_field(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body, stream)

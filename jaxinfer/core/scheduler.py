@@ -284,6 +284,7 @@ class Scheduler:
             self._start_running(seq)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = time.monotonic()
+                seq.request.num_cached_tokens = seq.num_computed
             entry = self._chunk(seq, n)
             (decodes if n == 1 else prefills).append(entry)
             seq.scheduled_in = step

@@ -44,7 +44,10 @@ class EngineArgs:
     profile_dir: str | None = None
     profile_steps: int = 5
     seed: int = 0
-    served_model_name: str | None = None
+    # Names clients may use for the model; the first is the one responses and metrics report.
+    served_model_name: str | list[str] | None = None
+    tokenizer: str | None = None  # directory with tokenizer.json (default: the model directory)
+    chat_template: str | None = None  # a template file, or the template itself (overrides the model's)
     # Schedule step N+1 before waiting for step N's tokens (host/device overlap).
     async_scheduling: bool = True
 
@@ -72,8 +75,15 @@ class EngineArgs:
                            enable_prefix_caching=self.enable_prefix_caching)
 
     @property
+    def served_model_names(self) -> list[str]:
+        names = self.served_model_name
+        if not names:
+            return [Path(self.model).name]
+        return [names] if isinstance(names, str) else list(names)
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_names[0]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -83,8 +93,14 @@ class EngineArgs:
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=DEFAULT_MODEL,
                        help="HF-format model directory (default: the bundled demo model)")
-        g.add_argument("--served-model-name", default=None,
-                       help="model name in the API and metrics (default: the directory name)")
+        g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names the API accepts for the model; the first is reported in "
+                            "responses and metrics (default: the directory name)")
+        g.add_argument("--tokenizer", default=None,
+                       help="directory with tokenizer.json (default: the model directory)")
+        g.add_argument("--chat-template", default=None,
+                       help="chat template file (or the template itself) used instead of the "
+                            "model's")
         g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS))
         g.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weight/activation dtype (default: the checkpoint's)")

@@ -41,6 +41,7 @@ from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_byte
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.model.chat_template import compile_template
 from jaxinfer.model.tokenizer import Tokenizer
 from pallas_kernels.backend import get_backend
 
@@ -71,6 +72,28 @@ class EngineStats:
 def params_dtype_name(params) -> str:
     """The weights' dtype ("bfloat16", ...): the model dtype the KV cache follows by default."""
     return jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+
+
+def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
+    """--tokenizer (default: the model directory) with --chat-template applied. A checkpoint
+    without tokenizer.json (e.g. a test fixture) serves token ids only."""
+    tok_dir = Path(args.tokenizer or args.model)
+    if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"--tokenizer '{tok_dir}' has no tokenizer.json")
+    tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+    if args.chat_template:
+        if tokenizer is None:
+            raise ConfigError(f"--chat-template needs a tokenizer; '{tok_dir}' has no tokenizer.json")
+        path = Path(args.chat_template)
+        if path.is_file():
+            tokenizer.chat_template = path.read_text()
+        elif "{" in args.chat_template:  # the template itself, as vLLM also accepts
+            tokenizer.chat_template = args.chat_template
+        else:
+            raise ConfigError(f"--chat-template '{args.chat_template}' is neither a file nor a "
+                              f"template")
+        compile_template(tokenizer.chat_template)  # a template that does not parse fails now
+    return tokenizer
 
 
 def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
@@ -135,9 +158,7 @@ class LLMEngine:
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         cfg = load_config(args.model)
-        # A checkpoint without tokenizer.json (e.g. a test fixture) serves token ids only.
-        has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
-        tokenizer = Tokenizer.from_dir(args.model) if has_tokenizer else None
+        tokenizer = load_tokenizer(args)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
         params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed)
         num_blocks = cls.plan_num_blocks(cfg, args, params)

@@ -46,3 +46,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), complete
     # from the first output on; None when not requested.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache

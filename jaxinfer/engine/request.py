@@ -48,6 +48,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         stop = [] if params.ignore_eos else list(eos_token_ids)
         stop += [t for t in params.stop_token_ids if t not in stop]
         # EOS ids + stop_token_ids, fixed width for the jitted step (validated to fit).

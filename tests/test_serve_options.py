@@ -86,3 +86,28 @@ def test_usage_reports_prefix_cache_hits(server):
     second = _post(server.urls["main"], "/v1/completions", body)[1]["usage"]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     assert second["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    """The layout huggingface_hub writes: blobs, snapshots/<commit>/ of symlinks, refs/main."""
+    repo = tmp_path / "hub" / "models--demo-org--demo-target"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in DEMO.iterdir():
+        blob = repo / "blobs" / f"sha-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = _serve_args("demo-org/demo-target")
+    assert args.model_path == str(snapshot) and args.served_model_names == ["demo-org/demo-target"]
+    from jaxinfer.model.config import load_config
+    assert load_config(args.model_path).vocab_size == load_tokenizer(args).vocab_size == 4096
+    with pytest.raises(ConfigError, match="not in the local Hugging Face cache"):
+        EngineArgs(model="demo-org/absent").model_path
+    (repo / "refs" / "main").unlink()  # no ref: the single snapshot is taken
+    assert EngineArgs(model="demo-org/demo-target").model_path == str(snapshot)

@@ -13,6 +13,7 @@ from pathlib import Path
 from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
+from jaxinfer.model.hub import is_hub_id, resolve_model
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -75,10 +76,15 @@ class EngineArgs:
                            enable_prefix_caching=self.enable_prefix_caching)
 
     @property
+    def model_path(self) -> str:
+        """--model as a directory: a hub id resolves to its snapshot in the local HF cache."""
+        return resolve_model(self.model)
+
+    @property
     def served_model_names(self) -> list[str]:
         names = self.served_model_name
-        if not names:
-            return [Path(self.model).name]
+        if not names:  # a hub id is its own name; a directory is named by its last part
+            return [self.model if is_hub_id(self.model) else Path(self.model).name]
         return [names] if isinstance(names, str) else list(names)
 
     @property
@@ -92,12 +98,14 @@ class EngineArgs:
         d = EngineArgs.__dataclass_fields__
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=DEFAULT_MODEL,
-                       help="HF-format model directory (default: the bundled demo model)")
+                       help="HF-format model directory, or a hub id already in the local Hugging "
+                            "Face cache (default: the bundled demo model)")
         g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names the API accepts for the model; the first is reported in "
                             "responses and metrics (default: the directory name)")
         g.add_argument("--tokenizer", default=None,
-                       help="directory with tokenizer.json (default: the model directory)")
+                       help="directory (or cached hub id) with tokenizer.json (default: the "
+                            "model's)")
         g.add_argument("--chat-template", default=None,
                        help="chat template file (or the template itself) used instead of the "
                             "model's")

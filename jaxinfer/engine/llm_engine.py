@@ -42,6 +42,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.model.chat_template import compile_template
+from jaxinfer.model.hub import resolve_model
 from jaxinfer.model.tokenizer import Tokenizer
 from pallas_kernels.backend import get_backend
 
@@ -77,7 +78,7 @@ def params_dtype_name(params) -> str:
 def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
     """--tokenizer (default: the model directory) with --chat-template applied. A checkpoint
     without tokenizer.json (e.g. a test fixture) serves token ids only."""
-    tok_dir = Path(args.tokenizer or args.model)
+    tok_dir = Path(resolve_model(args.tokenizer) if args.tokenizer else args.model_path)
     if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
         raise ConfigError(f"--tokenizer '{tok_dir}' has no tokenizer.json")
     tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
@@ -157,10 +158,11 @@ class LLMEngine:
         from jaxinfer.model.weights import load_params
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        cfg = load_config(args.model)
+        model_dir = args.model_path
+        cfg = load_config(model_dir)
         tokenizer = load_tokenizer(args)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-        params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed)
+        params = load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed)
         num_blocks = cls.plan_num_blocks(cfg, args, params)
         engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics)
         if args.warmup:

@@ -126,8 +126,9 @@ class KVCacheManager:
 
         Returns the number of tokens whose KV is already cached: a multiple of block_size, always
         < len(token_ids); 0 when prefix caching is off or `match` is False (the request computes
-        every token, e.g. for prompt logprobs; its blocks still enter the cache). Counts one query of len(token_ids) tokens
-        and the hits in ``stats``. Raises ValueError if the request already holds blocks."""
+        every token, e.g. for prompt logprobs; its blocks still enter the cache). A match counts
+        one query of len(token_ids) tokens and the hits in ``stats``. Raises ValueError if the
+        request already holds blocks."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already registered with the KV cache "
                              f"manager; free() it before matching its prefix again")

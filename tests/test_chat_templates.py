@@ -35,11 +35,10 @@ def test_renders_like_transformers(case):
     expected = case["expected"]
     if isinstance(expected, dict):
         with pytest.raises(TokenizerError, match="chat template"):
-            render_chat_template(_source(case["template"]), messages,
-                                 special_tokens=case["special_tokens"], **inputs)
+            render_chat_template(_source(case["template"]), messages, case["special_tokens"],
+                                 **inputs)
         return
-    got = render_chat_template(_source(case["template"]), messages,
-                               special_tokens=case["special_tokens"], **inputs)
+    got = render_chat_template(_source(case["template"]), messages, case["special_tokens"], **inputs)
     assert got == expected
     assert messages == case["inputs"]["messages"]  # the caller's messages are left untouched
 
@@ -57,6 +56,15 @@ def test_named_templates_pick_tool_use_when_tools_are_given():
     tok.chat_template = {"default": "plain", "tool_use": "{{ tools | length }} tools"}
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "plain"
     assert tok.apply_chat_template([{"role": "user", "content": "x"}], tools=[{"a": 1}]) == "1 tools"
+
+
+def test_any_kwarg_name_is_a_template_variable_or_a_clean_error():
+    tok = Tokenizer.from_dir(DEMO)
+    tok.chat_template = "{{ special_tokens }}/{{ source }}/{{ eos_token }}"
+    kwargs = {"special_tokens": 1, "source": 2, "eos_token": "E"}
+    assert tok.apply_chat_template([], **kwargs) == "1/2/E"  # kwargs override special tokens
+    with pytest.raises(TokenizerError, match="set from the request"):
+        tok.apply_chat_template([], **{"messages": []})
 
 
 def test_namespace_refuses_underscore_attributes():

@@ -111,3 +111,14 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
         EngineArgs(model="demo-org/absent").model_path
     (repo / "refs" / "main").unlink()  # no ref: the single snapshot is taken
     assert EngineArgs(model="demo-org/demo-target").model_path == str(snapshot)
+
+
+def test_chat_template_kwargs_with_any_name_never_break_the_server(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template_kwargs": {"special_tokens": 1, "source": 2, "eos_token": "x"}}
+    assert _post(server.urls["main"], "/v1/chat/completions", body)[0] == 200
+    # jinja's own render(self, ...) cannot take `self` (nor can transformers'): a clean 400.
+    for kwargs in ({"self": 1}, {"documents": [{"title": 1}], "tools": "not a list"}):
+        status, out = _post(server.urls["main"], "/v1/chat/completions",
+                            {**body, "chat_template_kwargs": kwargs})
+        assert status == 400 and out["error"]["message"]

@@ -134,12 +134,21 @@ def _prepare_messages(messages: list) -> list[dict]:
     return out
 
 
-def render_chat_template(source: str, messages: list[dict], *, add_generation_prompt: bool = False,
-                         tools: list[dict] | None = None, documents: list[dict] | None = None,
-                         special_tokens: Mapping[str, str] | None = None, **kwargs: Any) -> str:
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def render_chat_template(source: str, messages: list[dict],
+                         special_tokens: Mapping[str, str] | None = None, /, *,
+                         add_generation_prompt: bool = False, tools: list[dict] | None = None,
+                         documents: list[dict] | None = None, **kwargs: Any) -> str:
     """One conversation through the template, as `tokenizer.apply_chat_template(messages,
     tools=..., documents=..., add_generation_prompt=..., tokenize=False, **kwargs)` renders it.
-    Template errors (including `raise_exception`) raise TokenizerError."""
+    `kwargs` are any other template variables (a client's chat_template_kwargs: every name but the
+    four set here is allowed). Template errors (including `raise_exception`) raise
+    TokenizerError."""
+    if _RESERVED & kwargs.keys():
+        raise TokenizerError(f"template variables {sorted(_RESERVED & kwargs.keys())} are set from "
+                             f"the request itself")
     template = compile_template(source)
     if tools is not None and not all(isinstance(t, Mapping) for t in tools):
         raise TokenizerError("tools must be JSON schemas (objects)")

@@ -99,7 +99,7 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = False,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             **kwargs: Any) -> str:
         """The conversation rendered as transformers' `apply_chat_template(..., tokenize=False)`
@@ -112,9 +112,9 @@ class Tokenizer:
         if not template:
             raise TokenizerError("this model has no chat template (tokenizer_config.json 'chat_template' "
                                  "or chat_template.jinja); use /v1/completions instead")
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    tools=tools, documents=documents,
-                                    special_tokens=self.special_tokens, **kwargs)
+        return render_chat_template(template, messages, self.special_tokens,
+                                    add_generation_prompt=add_generation_prompt, tools=tools,
+                                    documents=documents, **kwargs)
 
 
 class IncrementalDetokenizer:

@@ -61,6 +61,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token; 0 = only the sampled token's logprob
+    # Logprob of every prompt token given the ones before it (the first is None), with this many
+    # alternatives each; computed in the prefill step. Such a request takes no prefix-cache hit.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -141,9 +144,10 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
         if len(set(self.stop_token_ids)) > MAX_STOP_TOKEN_IDS - 4:
             bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - 4} distinct ids are supported")
-        if self.logprobs is not None and (not is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS} (or None)")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(field, f"must be an integer from 0 to {MAX_LOGPROBS} (or None)")
         for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be true or false")

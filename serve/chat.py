@@ -14,6 +14,7 @@ from serve.choices import UsageCounter, collect_choices, new_response_id, now, s
 from serve.engine_requests import RequestGroup, check_capacity
 from serve.json_body import off_loop
 from serve.limits import LIMITS
+from serve.prompt_logprobs import vllm_prompt_logprobs
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
 from serve.sse import stream_chunks
 
@@ -55,7 +56,8 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
                         "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": engine.model_name,
-            "choices": choices, "usage": usage.as_dict(), "prompt_logprobs": None}
+            "choices": choices, "usage": usage.as_dict(),
+            "prompt_logprobs": vllm_prompt_logprobs(engine.tokenizer, state.prompt_logprobs)}
 
 
 async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefix: str, response_id: str,

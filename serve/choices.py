@@ -37,17 +37,22 @@ def choice_index(prompt_index: int, output_index: int, n: int) -> int:
 class UsageCounter:
     """Tokens in, tokens out, over every prompt of one API request."""
 
-    def __init__(self, prompts: list[list[int]]):
+    def __init__(self, prompts: list[list[int]], count_generated: bool = True):
         self.prompt_tokens = sum(len(p) for p in prompts)
         self._generated = [0] * len(prompts)
+        self._cached = [0] * len(prompts)
+        self._count_generated = count_generated  # False: the response leaves them out
 
     def update(self, prompt_index: int, out: RequestOutput) -> None:
-        self._generated[prompt_index] = out.num_generated_tokens
+        self._cached[prompt_index] = out.num_cached_tokens
+        if self._count_generated:
+            self._generated[prompt_index] = out.num_generated_tokens
 
     def as_dict(self) -> dict:
         completion = sum(self._generated)
         return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
-                "completion_tokens": completion, "prompt_tokens_details": None}
+                "completion_tokens": completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached)}}
 
 
 @dataclasses.dataclass
@@ -58,6 +63,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, c: CompletionOutput) -> None:
         self.text = c.text
@@ -75,5 +81,7 @@ async def collect_choices(group, n: int, usage: UsageCounter) -> list[tuple[int,
         usage.update(prompt_index, out)
         for c in out.outputs:
             idx = choice_index(prompt_index, c.index, n)
-            states.setdefault(idx, (prompt_index, ChoiceState()))[1].add(c)
+            state = states.setdefault(idx, (prompt_index, ChoiceState()))[1]
+            state.add(c)
+            state.prompt_logprobs = out.prompt_logprobs
     return [(idx, pi, state) for idx, (pi, state) in sorted(states.items())]

@@ -35,10 +35,11 @@ async def get_version(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    card = {"id": engine.model_name, "object": "model", "created": request.app[CREATED],
-            "owned_by": "jaxinfer", "root": engine.model_name, "parent": None,
-            "max_model_len": engine.max_model_len, "permission": []}
-    return web.json_response({"object": "list", "data": [card]})
+    cards = [{"id": name, "object": "model", "created": request.app[CREATED],
+              "owned_by": "jaxinfer", "root": engine.model_name, "parent": None,
+              "max_model_len": engine.max_model_len, "permission": []}
+             for name in engine.served_model_names]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -58,7 +59,7 @@ def _tokenize(engine, body: dict) -> list[int]:
     for generation requests."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
     log_unknown_fields(body, TOKENIZE_FIELDS, "/tokenize")
-    check_model(body, engine.model_name)
+    check_model(body, engine.served_model_names)
     tok = engine.tokenizer
     if "messages" in body:
         text = render_chat(tok, body, engine.max_model_len)
@@ -74,7 +75,7 @@ def _detokenize(engine, body: dict) -> str:
     """Runs in a worker thread."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
     log_unknown_fields(body, frozenset({"model", "tokens"}), "/detokenize")
-    check_model(body, engine.model_name)
+    check_model(body, engine.served_model_names)
     ids = body.get("tokens")
     if not isinstance(ids, list):
         raise APIError(400, "detokenize needs 'tokens': a list of token ids", "tokens")

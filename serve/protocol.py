@@ -24,7 +24,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pe
                    "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "user",
-                                              "logprobs", "echo"}
+                                              "logprobs", "echo", "prompt_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                "chat_template_kwargs", "tools", "tool_choice", "response_format",
@@ -44,6 +44,9 @@ class GenerationRequest:
     continuous_usage: bool            # stream_options.continuous_usage_stats: usage in every chunk
     echo: bool
     top_logprobs: int | None          # alternatives to report per token; None = no logprobs
+    # Completions with max_tokens 0: score the prompt only (lm-eval's echo-only requests); the
+    # engine samples one token, which the response leaves out.
+    generate_nothing: bool = False
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
@@ -60,10 +63,10 @@ def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None
                        f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
 
 
-def check_model(body: dict, served_name: str) -> None:
-    """`model` is an identifier compared with the served name, never used as a path."""
+def check_model(body: dict, served_names: list[str]) -> None:
+    """`model` is an identifier compared with the served names, never used as a path."""
     model = body.get("model")
-    if model is not None and model != served_name:
+    if model is not None and model not in served_names:
         raise APIError(404, f"The model `{short_repr(model, 200)}` does not exist.", "model")
 
 
@@ -135,7 +138,7 @@ def normalize_messages(value: Any) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string, a list of text parts or null",
                               "messages")
-        out.append({**msg, "content": content if content is not None else ""})
+        out.append({**msg, "content": content})  # null: dropped for the template, as transformers does
     return out
 
 
@@ -191,12 +194,13 @@ def _reject_unsupported(body: dict) -> None:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
-def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int,
+                    prompt_logprobs: Any = None) -> SamplingParams:
     """SamplingParams from the body; `validate` bounds every number to what int32 / float32 hold and
     names the field of the first bad one."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
+    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs,
+                            prompt_logprobs=prompt_logprobs)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
     return params
 
@@ -241,7 +245,7 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     check_strings(body, engine.tokenizer, engine.max_model_len)
     log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
                        "/v1/chat/completions" if chat else "/v1/completions")
-    check_model(body, engine.model_name)
+    check_model(body, engine.served_model_names)
     check_stop(body.get("stop"), limits)
     tokenizer, vocab_size, max_len = engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len
     stream = bool_field(body, "stream", False)
@@ -276,9 +280,15 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
                 prompts.append(check_token_ids(p, vocab_size, "prompt", max_len))
                 texts.append(tokenizer.decode(p, skip_special_tokens=False))
         max_tokens = body.get("max_tokens", 16)
-        if echo and top_logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    params = sampling_params(body, max_tokens=max_tokens, top_logprobs=top_logprobs, vocab_size=vocab_size)
+    generate_nothing = not chat and max_tokens == 0 and _is_int(max_tokens)
+    # echo with logprobs reports the prompt tokens' logprobs too (vLLM: prompt_logprobs defaults
+    # to logprobs then).
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and echo and not chat:
+        prompt_logprobs = top_logprobs
+    params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
+                             top_logprobs=top_logprobs, vocab_size=vocab_size,
+                             prompt_logprobs=prompt_logprobs)
     check_context_length(prompts, params.max_tokens, max_len, params.min_tokens)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
-                             top_logprobs)
+                             top_logprobs, generate_nothing)

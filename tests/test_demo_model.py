@@ -54,7 +54,8 @@ def test_tokenizer_and_model_configs(tokenizer):
     assert tokenizer.eos_token_ids == (0, 2)  # <|endoftext|>, <|im_end|>
     text = "def f(x):\n    return {'é': x}  # ünïcode\n"
     assert tokenizer.decode(tokenizer.encode(text)) == text
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                         add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.encode(chat)[0] == 1  # <|im_start|> is one special token
     target, draft = (load_config(MODELS[m]) for m in ("target", "draft"))

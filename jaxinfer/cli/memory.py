@@ -96,7 +96,8 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
             raise ConfigError(f"{given[0]} cannot be combined with --model (the model's "
                               f"config.json defines it)")
         from jaxinfer.model.config import load_config
-        cfg = load_config(args.model)
+        from jaxinfer.model.hub import resolve_model
+        cfg = load_config(resolve_model(args.model))
         dtype = args.dtype or cfg.dtype
         nbytes = _dtype_bytes(dtype, "--dtype" if args.dtype else f"{args.model}/config.json torch_dtype")
         params = cfg.num_params()

@@ -14,9 +14,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
                                    "/v1/chat/completions (streaming via SSE), /v1/models, /health, /metrics, "
                                    "/tokenize, /detokenize, /version.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="model directory (the same as --model; default: the bundled demo model)")
     EngineArgs.add_cli_args(p)
     add_server_args(p)
     p.set_defaults(func=run)
+
+
+def resolve_model_tag(args: argparse.Namespace) -> None:
+    """`jaxinfer serve MODEL` is `--model MODEL`; giving both with different values is an error."""
+    from jaxinfer.engine.args import DEFAULT_MODEL
+    from jaxinfer.errors import ConfigError
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model not in (DEFAULT_MODEL, tag):
+        raise ConfigError(f"the positional MODEL '{tag}' and --model '{args.model}' differ; "
+                          f"give one")
+    args.model = tag
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from serve.app import check_server_args, serve_until_signal
 
     check_server_args(args)
+    resolve_model_tag(args)
     engine = AsyncEngine(EngineArgs.from_cli_args(args))
     if engine.tokenizer is None:  # every API route takes or returns text
         raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: the server needs "

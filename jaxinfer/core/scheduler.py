@@ -54,6 +54,8 @@ class SchedulerOutput:
     decode_steps: int = 1
     # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Some row computes prompt tokens of a request that asked for prompt logprobs.
+    prompt_logprobs: bool = False
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -271,7 +273,9 @@ class Scheduler:
             if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
                 break
             if not self.kv.has_request(seq.seq_id):
-                seq.num_computed = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
+                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                seq.num_computed = self.kv.get_computed_blocks(
+                    seq.seq_id, seq.token_ids, match=seq.request.prompt_logprobs is None)
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
@@ -282,6 +286,7 @@ class Scheduler:
             self._start_running(seq)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = time.monotonic()
+                seq.request.num_cached_tokens = seq.num_computed
             entry = self._chunk(seq, n)
             (decodes if n == 1 else prefills).append(entry)
             seq.scheduled_in = step
@@ -294,6 +299,9 @@ class Scheduler:
             get_block_ids = kv.get_block_ids
             for entry in out.scheduled:
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
+                if (entry.seq.request.prompt_logprobs is not None
+                        and entry.start < entry.seq.request.num_prompt_tokens - 1):
+                    out.prompt_logprobs = True
             out.block_copies = kv.take_pending_copies()
         return out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
+from jaxinfer.model.hub import is_hub_id, resolve_model
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -44,7 +45,10 @@ class EngineArgs:
     profile_dir: str | None = None
     profile_steps: int = 5
     seed: int = 0
-    served_model_name: str | None = None
+    # Names clients may use for the model; the first is the one responses and metrics report.
+    served_model_name: str | list[str] | None = None
+    tokenizer: str | None = None  # directory with tokenizer.json (default: the model directory)
+    chat_template: str | None = None  # a template file, or the template itself (overrides the model's)
     # Schedule step N+1 before waiting for step N's tokens (host/device overlap).
     async_scheduling: bool = True
     # Parallelism (jaxinfer/parallel/): devices per replica, replicas, multi-process run.
@@ -82,8 +86,20 @@ class EngineArgs:
                            enable_prefix_caching=self.enable_prefix_caching)
 
     @property
+    def model_path(self) -> str:
+        """--model as a directory: a hub id resolves to its snapshot in the local HF cache."""
+        return resolve_model(self.model)
+
+    @property
+    def served_model_names(self) -> list[str]:
+        names = self.served_model_name
+        if not names:  # a hub id is its own name; a directory is named by its last part
+            return [self.model if is_hub_id(self.model) else Path(self.model).name]
+        return [names] if isinstance(names, str) else list(names)
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_names[0]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -93,9 +109,17 @@ class EngineArgs:
         d = EngineArgs.__dataclass_fields__
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=DEFAULT_MODEL,
-                       help="HF-format model directory (default: the bundled demo model)")
-        g.add_argument("--served-model-name", default=None,
-                       help="model name in the API and metrics (default: the directory name)")
+                       help="HF-format model directory, or a hub id already in the local Hugging "
+                            "Face cache (default: the bundled demo model)")
+        g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names the API accepts for the model; the first is reported in "
+                            "responses and metrics (default: the directory name)")
+        g.add_argument("--tokenizer", default=None,
+                       help="directory (or cached hub id) with tokenizer.json (default: the "
+                            "model's)")
+        g.add_argument("--chat-template", default=None,
+                       help="chat template file (or the template itself) used instead of the "
+                            "model's")
         g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS))
         g.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weight/activation dtype (default: the checkpoint's)")

@@ -49,6 +49,7 @@ class AsyncEngine:
         self.model_config = engine.cfg
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
+        self.served_model_names = engine.args.served_model_names
         self.metrics = engine.metrics
         self.num_total_blocks = engine.num_total_blocks
         self.is_ready = False

@@ -43,6 +43,8 @@ from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_byte
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.model.chat_template import compile_template
+from jaxinfer.model.hub import resolve_model
 from jaxinfer.model.tokenizer import Tokenizer
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
@@ -76,6 +78,28 @@ class EngineStats:
 def params_dtype_name(params) -> str:
     """The weights' dtype ("bfloat16", ...): the model dtype the KV cache follows by default."""
     return jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+
+
+def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
+    """--tokenizer (default: the model directory) with --chat-template applied. A checkpoint
+    without tokenizer.json (e.g. a test fixture) serves token ids only."""
+    tok_dir = Path(resolve_model(args.tokenizer) if args.tokenizer else args.model_path)
+    if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"--tokenizer '{tok_dir}' has no tokenizer.json")
+    tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+    if args.chat_template:
+        if tokenizer is None:
+            raise ConfigError(f"--chat-template needs a tokenizer; '{tok_dir}' has no tokenizer.json")
+        path = Path(args.chat_template)
+        if path.is_file():
+            tokenizer.chat_template = path.read_text()
+        elif "{" in args.chat_template:  # the template itself, as vLLM also accepts
+            tokenizer.chat_template = args.chat_template
+        else:
+            raise ConfigError(f"--chat-template '{args.chat_template}' is neither a file nor a "
+                              f"template")
+        compile_template(tokenizer.chat_template)  # a template that does not parse fails now
+    return tokenizer
 
 
 def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
@@ -147,7 +171,8 @@ class LLMEngine:
         from jaxinfer.model.weights import load_params
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        cfg = load_config(args.model)
+        model_dir = args.model_path
+        cfg = load_config(model_dir)
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
@@ -156,11 +181,9 @@ class LLMEngine:
                                     jax.device_count())
             mesh = build_mesh(args.tensor_parallel_size)
         plan = ShardingPlan(mesh, cfg)
-        # A checkpoint without tokenizer.json (e.g. a test fixture) serves token ids only.
-        has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
-        tokenizer = Tokenizer.from_dir(args.model) if has_tokenizer else None
+        tokenizer = load_tokenizer(args)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-        params = load_params(args.model, cfg, dtype, args.load_format, seed=args.seed,
+        params = load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
                              shardings=plan.params(param_shapes(cfg, dtype)))
         num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
         engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
@@ -452,6 +475,27 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [make_request_output(reqs[rid], full=True) for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content} messages) or to a list
+        of them: each is rendered with the model's chat template (`chat_template_kwargs` are extra
+        template variables, e.g. enable_thinking) and generated like `generate`'s prompts."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer; this model has none", param="messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        # The template holds BOS and the other special tokens itself, as in vLLM.
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+                       conv, add_generation_prompt=add_generation_prompt, **kwargs),
+                   add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
 
 __all__ = ["LLMEngine", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -14,6 +14,7 @@ import time
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 from jaxinfer.worker.runner import StepHandle
 
 
@@ -32,6 +33,8 @@ class OutputProcessor:
         A failure to fetch the results (the device) raises; a failure on one row is recorded in
         `failed` and its sequence left out of the live ones (the engine fails its request)."""
         res = handle.result()
+        if handle.prompt_rows is not None:  # before the tokens: the first output carries them
+            record_prompt_logprobs(handle.prompt_rows, res.prompt)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         live: list[Sequence] = []
@@ -79,7 +82,7 @@ class OutputProcessor:
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         if logprob is not None:
-            seq.new_logprobs.append(logprob)
+            seq.logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
@@ -130,14 +133,17 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
         if not full and not seq.new_token_ids and (seq.finish_reason is None or seq.finish_reported):
             continue  # nothing new since the previous output
         new_text = seq.output.take_new_text()
+        wants_logprobs = req.params.logprobs is not None
         outs.append(CompletionOutput(
             index=i, text=seq.output.emitted_text, token_ids=seq.token_ids[seq.prompt_len:],
             new_text=new_text, new_token_ids=seq.new_token_ids,
-            new_logprobs=seq.new_logprobs if req.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            new_logprobs=seq.logprobs[seq.num_logprobs_reported:] if wants_logprobs else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs[:] if wants_logprobs else None))
         seq.new_token_ids = []
-        seq.new_logprobs = []
+        seq.num_logprobs_reported = len(seq.logprobs)
         if seq.finish_reason is not None:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                         req.num_prompt_tokens, req.num_generated_tokens())
+                         req.num_prompt_tokens, req.num_generated_tokens(), req.prompt_logprobs,
+                         req.num_cached_tokens)

@@ -15,6 +15,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the `logprobs` most likely alternatives (id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs only)
 
 
 @dataclasses.dataclass
@@ -27,6 +28,7 @@ class CompletionOutput:
     new_logprobs: list[TokenLogprob] | None  # one per new token when logprobs was requested
     finish_reason: str | None       # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None   # the stop token id or stop string that ended it, if any
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when requested
 
     @property
     def finished(self) -> bool:
@@ -41,3 +43,7 @@ class RequestOutput:
     finished: bool                   # True once every choice has finished
     num_prompt_tokens: int
     num_generated_tokens: int        # usage so far (all choices)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), complete
+    # from the first output on; None when not requested.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache

@@ -48,6 +48,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         stop = [] if params.ignore_eos else list(eos_token_ids)
         stop += [t for t in params.stop_token_ids if t not in stop]
         # EOS ids + stop_token_ids, fixed width for the jitted step (validated to fit).
@@ -57,6 +58,10 @@ class Request:
         # Top-k/top-p/min-p, logprobs or penalties: needs the full sampler variant.
         self.needs_full_sampler = (params.uses_truncation or params.logprobs is not None
                                    or params.uses_penalties)
+        # Prompt logprobs by prompt position (written by the steps that compute them; the first
+        # token has none), None when not requested.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids))
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
@@ -113,9 +118,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.finish_reported = False  # a RequestOutput carried the finish reason
+        self.logprobs: list[TokenLogprob] = []  # one per output token, when requested
         # Since the previous RequestOutput:
         self.new_token_ids: list[int] = []
-        self.new_logprobs: list[TokenLogprob] = []
+        self.num_logprobs_reported = 0
 
     @property
     def is_prompt_seq(self) -> bool:

@@ -1,18 +1,20 @@
-"""Tokenizer: HF `tokenizers` (tokenizer.json), special tokens, EOS ids, the chat template rendered
-in a sandboxed jinja2 environment, and an incremental detokenizer for streaming."""
+"""Tokenizer: HF `tokenizers` (tokenizer.json), special tokens, EOS ids, the chat template (rendered
+as transformers renders it: chat_template.py), and an incremental detokenizer for streaming."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from jaxinfer.errors import TokenizerError
+from jaxinfer.model.chat_template import render_chat_template
+
+# tokenizer_config.json's special tokens, which transformers passes to every chat template.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
 
 
 def _read_json(path: Path) -> dict:
@@ -31,14 +33,11 @@ def _token_str(value: Any) -> str | None:
     return value
 
 
-def _raise_exception(message: str):
-    raise TokenizerError(f"chat template: {message}")
-
-
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, *, bos_token: str | None = None,
                  eos_token: str | None = None, eos_token_ids: tuple[int, ...] = (),
-                 chat_template: str | None = None, add_bos_token: bool | None = None):
+                 chat_template: str | dict[str, str] | None = None,
+                 add_bos_token: bool | None = None, special_tokens: dict[str, str] | None = None):
         self._tok = tokenizer
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -47,12 +46,17 @@ class Tokenizer:
         if eos_token and (eid := tokenizer.token_to_id(eos_token)) is not None and eid not in ids:
             ids.append(eid)
         self.eos_token_ids = tuple(ids)
+        # One template, or several by name ("default", "tool_use", ...), as tokenizer_config has.
         self.chat_template = chat_template
+        # The template variables transformers takes from the tokenizer's special tokens map.
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        for key, value in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if value is not None:
+                self.special_tokens.setdefault(key, value)
         # Add BOS ourselves only when the tokenizer's post-processor does not (HF's add_bos_token).
         probe = tokenizer.encode("a", add_special_tokens=True).ids
         self._prepend_bos = bool(add_bos_token and self.bos_token_id is not None
                                  and (not probe or probe[0] != self.bos_token_id))
-        self._template = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -68,7 +72,7 @@ class Tokenizer:
         gen = _read_json(model_dir / "generation_config.json")
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = {t["name"]: t["template"] for t in template}
         jinja_file = model_dir / "chat_template.jinja"
         if jinja_file.is_file():
             template = jinja_file.read_text()
@@ -76,7 +80,8 @@ class Tokenizer:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(tok, bos_token=_token_str(tcfg.get("bos_token")),
                    eos_token=_token_str(tcfg.get("eos_token")), eos_token_ids=eos_ids,
-                   chat_template=template, add_bos_token=tcfg.get("add_bos_token"))
+                   chat_template=template, add_bos_token=tcfg.get("add_bos_token"),
+                   special_tokens={k: _token_str(tcfg.get(k)) for k in SPECIAL_TOKEN_KEYS})
 
     @property
     def vocab_size(self) -> int:
@@ -105,30 +110,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = False,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
                             **kwargs: Any) -> str:
-        """Render messages with the model's chat template in a sandbox (no attribute access to Python
-        internals, no file or module access): a hostile template fails with TokenizerError."""
-        if not self.chat_template:
+        """The conversation rendered as transformers' `apply_chat_template(..., tokenize=False)`
+        renders it (chat_template.py): sandboxed, a hostile or failing template raises
+        TokenizerError. `kwargs` are extra template variables (e.g. enable_thinking)."""
+        template = self.chat_template
+        if isinstance(template, dict):  # transformers' choice among named templates
+            template = template.get("tool_use" if tools is not None and "tool_use" in template
+                                    else "default")
+        if not template:
             raise TokenizerError("this model has no chat template (tokenizer_config.json 'chat_template' "
                                  "or chat_template.jinja); use /v1/completions instead")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                undefined=jinja2.StrictUndefined)
-            env.globals.update(raise_exception=_raise_exception,
-                               strftime_now=lambda fmt: datetime.now().strftime(fmt))
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise TokenizerError(f"chat template does not parse: {e}") from None
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                         **kwargs)
-        except TokenizerError:
-            raise
-        except (jinja2.TemplateError, TypeError, ValueError, AttributeError) as e:
-            raise TokenizerError(f"chat template failed to render: {e}") from None
+        return render_chat_template(template, messages, self.special_tokens,
+                                    add_generation_prompt=add_generation_prompt, tools=tools,
+                                    documents=documents, **kwargs)
 
 
 class IncrementalDetokenizer:

@@ -158,7 +158,8 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
 
     @nn.compact
-    def __call__(self, token_ids, positions, kv_cache=None, md=None, logits_indices=None):
+    def __call__(self, token_ids, positions, kv_cache=None, md=None, logits_indices=None,
+                 return_hidden: bool = False):
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          name="embed")
@@ -171,25 +172,45 @@ class Transformer(nn.Module):
                 x, layer_kv = DecoderLayer(cfg, self.backend, self.dtype, cfg.layer_is_moe(i),
                                            name=f"layers_{i}")(x, cos, sin, kv, md)
             new_cache.append(layer_kv)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
-        if logits_indices is not None:
-            x = x[logits_indices]
+        hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+        x = hidden if logits_indices is None else hidden[logits_indices]
         if cfg.tie_word_embeddings:
-            logits = jnp.dot(x, embed.embedding.T, preferred_element_type=jnp.float32)
+            logits = _tied_head(x, embed.embedding)
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                              name="lm_head")(x).astype(jnp.float32)
-        return logits, (None if kv_cache is None else tuple(new_cache))
+            logits = _dense_head(cfg, self.dtype, "lm_head")(x).astype(jnp.float32)
+        new_kv = None if kv_cache is None else tuple(new_cache)
+        if return_hidden:
+            return logits, new_kv, hidden
+        return logits, new_kv
+
+
+def _tied_head(x: jax.Array, embedding: jax.Array) -> jax.Array:
+    return jnp.dot(x, embedding.T, preferred_element_type=jnp.float32)
+
+
+def _dense_head(cfg: ModelConfig, dtype, name: str | None = None) -> nn.Dense:
+    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+
+
+def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """float32 logits of final-normed hidden states [N, H] -> [N, V], the same computation as the
+    head inside `forward` (for rows whose logits `forward` did not produce: prompt logprobs)."""
+    if cfg.tie_word_embeddings:
+        return _tied_head(hidden, params["embed"]["embedding"])
+    dtype = params["embed"]["embedding"].dtype
+    return _dense_head(cfg, dtype).apply({"params": params["lm_head"]}, hidden).astype(jnp.float32)
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             kv_cache: KVCache, md: AttentionMetadata, backend: AttentionBackend = REFERENCE,
-            logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+            logits_indices: jax.Array | None = None, return_hidden: bool = False):
     """One step over a flat ragged batch. token_ids, positions: int32[T]. Returns float32 logits for
-    every token (or only at `logits_indices`) and the updated cache."""
+    every token (or only at `logits_indices`) and the updated cache; with `return_hidden` also the
+    final-normed hidden states of every token [T, H] (for `lm_head` on other rows)."""
     dtype = params["embed"]["embedding"].dtype
     model = Transformer(cfg, backend, dtype)
-    return model.apply({"params": params}, token_ids, positions, kv_cache, md, logits_indices)
+    return model.apply({"params": params}, token_ids, positions, kv_cache, md, logits_indices,
+                       return_hidden)
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -134,7 +134,7 @@ def create_engine(args: EngineArgs):
     from jaxinfer.parallel.sharding import validate_parallel_sizes
     initialize_distributed(args)
     if args.data_parallel_size > 1:
-        validate_parallel_sizes(load_config(args.model), args.tensor_parallel_size,
+        validate_parallel_sizes(load_config(args.model_path), args.tensor_parallel_size,
                                 args.data_parallel_size, jax.device_count())
         return DataParallelEngine.from_engine_args(args)
     return LLMEngine.from_engine_args(args)

@@ -33,6 +33,7 @@ from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, 
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
+from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
 from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
@@ -43,15 +44,15 @@ WARMUP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
 
 
 def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
-                  backend: AttentionBackend):
-    """The model part of a step: -> (logits of the sampled rows [S, V], updated KV cache)."""
+                  backend: AttentionBackend, with_hidden: bool = False):
+    """The model part of a step: -> (logits of the sampled rows [S, V], updated KV cache), plus the
+    final hidden states [T, H] `with_hidden` (a step holding prompt-logprob rows)."""
     scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
     with jax.named_scope(scope):
         pending = last_tokens[jnp.maximum(batch.input_slot, 0)]
         ids = jnp.where(batch.input_slot >= 0, pending, batch.token_ids)
-        logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
-                                   batch.logits_indices)
-    return logits, kv_cache
+        return forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
+                       batch.logits_indices, return_hidden=with_hidden)
 
 
 def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
@@ -121,7 +122,7 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     compilations; the plan, hence the mesh, is part of the key). The KV cache (forward, loop) and
     the last-token array (sampler, loop) are donated."""
     forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
-                           donate_argnums=(1,))
+                           static_argnames=("with_hidden",), donate_argnums=(1,))
     sample_step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,))
     loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
@@ -174,15 +175,18 @@ class StepResult:
     logprob: np.ndarray | None       # f32[K, rows]
     top_ids: np.ndarray | None       # i32[K, rows, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None  # f32[K, rows, MAX_LOGPROBS]
+    prompt: dict[str, np.ndarray] | None = None  # prompt_logprobs.prompt_logprobs' arrays
 
 
 class StepHandle:
     """A dispatched step; `result()` waits for its sampled tokens (device -> host)."""
 
     def __init__(self, sched: SchedulerOutput, out: SamplerOutput, num_steps, dispatch_time: float,
-                 is_loop: bool):
+                 is_loop: bool, prompt_rows: PromptLogprobRows | None = None, prompt_out=None):
         self.sched = sched
         self._out = out
+        self.prompt_rows = prompt_rows  # rows predicting prompt tokens, with their owners
+        self._prompt_out = prompt_out
         self._num_steps = num_steps
         self.dispatch_time = dispatch_time
         self.is_loop = is_loop
@@ -196,7 +200,7 @@ class StepHandle:
         if self._result is None:
             n = len(self.sched.scheduled)
             k = int(self._num_steps) if self.is_loop else 1
-            out = jax.device_get(self._out)
+            out, prompt = jax.device_get((self._out, self._prompt_out))
             self.ready_time = time.perf_counter()
 
             def cut(a):
@@ -205,7 +209,7 @@ class StepHandle:
                 a = np.asarray(a)
                 return a[:k, :n] if self.is_loop else a[None, :n]
             self._result = StepResult(cut(out.tokens), cut(out.logprob), cut(out.top_ids),
-                                      cut(out.top_logprobs))
+                                      cut(out.top_logprobs), prompt)
         return self._result
 
 
@@ -368,15 +372,26 @@ class ModelRunner:
                 exe(*args) if exe is not None else
                 self._loop_fn(*args, variant=variant, num_steps=sched.decode_steps))
             return StepHandle(sched, out, n, time.perf_counter(), True)
-        out = self._run_step(batch, variant)
-        return StepHandle(sched, out, 1, time.perf_counter(), False)
+        prompt_rows = gather_rows(sched.scheduled) if sched.prompt_logprobs else None
+        out, prompt_out = self._run_step(batch, variant, prompt_rows)
+        return StepHandle(sched, out, 1, time.perf_counter(), False, prompt_rows, prompt_out)
 
-    def _run_step(self, batch: StepBatch, variant: SamplerVariant) -> SamplerOutput:
-        """Forward (the warm-up's compiled executable of this bucket, else the jit) then sampling;
-        both only dispatch. Updates the KV cache and the last-token array in place (donated)."""
-        forward_step = self._forward_exe.get(_forward_key(batch), self._forward_fn)
-        logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
-                                             _model_inputs(batch))
+    def _run_step(self, batch: StepBatch, variant: SamplerVariant,
+                  prompt_rows: PromptLogprobRows | None = None):
+        """Forward (the warm-up's compiled executable of this bucket, else the jit) then sampling,
+        and the prompt logprobs of `prompt_rows`; all only dispatch. Updates the KV cache and the
+        last-token array in place (donated). -> (SamplerOutput, prompt logprob arrays or None)"""
+        prompt_out = None
+        if prompt_rows is None:
+            forward_step = self._forward_exe.get(_forward_key(batch), self._forward_fn)
+            logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
+                                                 _model_inputs(batch))
+        else:
+            logits, self.kv_cache, hidden = self._forward_fn(
+                self.params, self.kv_cache, self.last_tokens, _model_inputs(batch),
+                with_hidden=True)
+            prompt_out = prompt_logprobs_fn(self.cfg)(self.params, hidden, prompt_rows.token_index,
+                                                      prompt_rows.targets)
         self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
                                                 batch.emit_slot, variant=variant)
-        return out
+        return out, prompt_out

@@ -114,7 +114,8 @@ class KVCacheManager:
         return self._requests[request_id].block_ids
 
     # ---- admission -----------------------------------------------------------------------
-    def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int]) -> int:
+    def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int],
+                            match: bool = True) -> int:
         """Register a new request and give it the longest cached whole-block prefix of its tokens.
 
         The matched blocks are referenced by the request right away (they cannot be evicted under
@@ -124,14 +125,19 @@ class KVCacheManager:
         last block boundary before its final token).
 
         Returns the number of tokens whose KV is already cached: a multiple of block_size, always
-        < len(token_ids); 0 when prefix caching is off. Counts one query of len(token_ids) tokens
-        and the hits in ``stats``. Raises ValueError if the request already holds blocks."""
+        < len(token_ids); 0 when prefix caching is off or `match` is False (the request computes
+        every token, e.g. for prompt logprobs; its blocks still enter the cache). A match counts
+        one query of len(token_ids) tokens and the hits in ``stats``. Raises ValueError if the
+        request already holds blocks."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already registered with the KV cache "
                              f"manager; free() it before matching its prefix again")
         cache = self.prefix_cache
         if cache is None:
             self._requests[request_id] = _RequestBlocks([], 0, 0, None)
+            return 0
+        if not match:
+            self._requests[request_id] = _RequestBlocks([], 0, 0, cache.root)
             return 0
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         blocks, node = cache.match(token_ids, max_blocks)

@@ -41,6 +41,7 @@ from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_byte
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.engine.weight_update import place_like
 from jaxinfer.model.tokenizer import Tokenizer
 from pallas_kernels.backend import get_backend
 
@@ -127,6 +128,8 @@ class LLMEngine:
         self._profiling_left = args.profile_steps if args.profile_dir else 0
         self.stats = EngineStats()
         self._preempt_seen = 0
+        self.weight_version = 0  # +1 per update_weights; on every RequestOutput
+        self.asleep = False
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -213,6 +216,7 @@ class LLMEngine:
                 param="prompt" if n >= self.max_model_len else "max_tokens")
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time)
+        req.weight_version = self.weight_version
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
@@ -242,6 +246,60 @@ class LLMEngine:
         req.detach()
         return out
 
+    # ---- the engine inside a training loop ----------------------------------------------------
+    def update_weights(self, params) -> list[RequestOutput]:
+        """Swap in new weights without recompiling: `params` has the loaded model's structure and
+        shapes (any float dtype: cast to the engine's on the device), as numpy on the host or as
+        arrays on any device (moved device to device). Refused with a ParamsMismatchError naming the
+        parameter otherwise, changing nothing.
+
+        In-flight rule: every request not finished when the update is called is aborted (finish
+        reason "abort"); their final outputs are returned. So every output token comes from the one
+        weight version its RequestOutput names; resubmit what should run on the new weights.
+        The prefix cache is emptied: its KV was computed with the old weights."""
+        placed = self._place_params(params)
+        outs = self._abort_all()
+        self.runner.params = placed
+        self.scheduler.reset_prefix_cache()
+        self.weight_version += 1
+        return outs
+
+    def _place_params(self, params):
+        """`params` laid out like the running weights (same sharding and dtype per leaf): the one
+        place that decides where new weights live."""
+        return place_like(params, self.runner.params)
+
+    def sleep(self) -> list[RequestOutput]:
+        """Free the KV cache's device memory (e.g. for a colocated trainer) until `wake()`.
+        Requests in flight are aborted as by `update_weights` (their outputs are returned) and the
+        prefix cache is emptied; requests added while asleep wait, and `step()` refuses to run."""
+        if self.asleep:
+            return []
+        outs = self._abort_all()
+        self.scheduler.reset_prefix_cache()
+        self.runner.release_kv_cache()
+        self.asleep = True
+        return outs
+
+    def wake(self) -> None:
+        """Reallocate the KV cache (same shapes, so the compiled steps still apply)."""
+        if self.asleep:
+            self.runner.restore_kv_cache()
+            self.asleep = False
+
+    def _abort_all(self) -> list[RequestOutput]:
+        """Finish the in-flight step, then abort every unfinished request: their outputs."""
+        outs = []
+        if self._inflight is not None:
+            outs = self._collect(self._process(self._inflight))
+            self._inflight = None
+        for rid in list(self.requests):
+            out = self.abort(rid)
+            if out is not None:
+                outs.append(out)
+        self._update_gauges()
+        return outs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
 
@@ -262,6 +320,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the previous one (or of this one,
         when the step cannot be overlapped)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV cache is released): call wake() first")
         touched: list[Request] = []
         processed_first = self._must_process_first()
         if processed_first:
@@ -372,6 +432,16 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [make_request_output(reqs[rid], full=True) for rid in ids]
+
+    def update_weights(self, params) -> None:
+        """New weights for the next `generate` (see LLMEngine.update_weights)."""
+        self.engine.update_weights(params)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
 
 
 __all__ = ["LLMEngine", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

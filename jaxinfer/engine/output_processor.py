@@ -65,6 +65,7 @@ class OutputProcessor:
         seq.new_token_ids.append(token)
         if logprob is not None:
             seq.new_logprobs.append(logprob)
+            seq.logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
@@ -115,14 +116,16 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
         if not full and not seq.new_token_ids and (seq.finish_reason is None or seq.finish_reported):
             continue  # nothing new since the previous output
         new_text = seq.output.take_new_text()
+        wants_logprobs = req.params.logprobs is not None
         outs.append(CompletionOutput(
             index=i, text=seq.output.emitted_text, token_ids=seq.token_ids[seq.prompt_len:],
             new_text=new_text, new_token_ids=seq.new_token_ids,
-            new_logprobs=seq.new_logprobs if req.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            new_logprobs=seq.new_logprobs if wants_logprobs else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if wants_logprobs else None))
         seq.new_token_ids = []
         seq.new_logprobs = []
         if seq.finish_reason is not None:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                         req.num_prompt_tokens, req.num_generated_tokens())
+                         req.num_prompt_tokens, req.num_generated_tokens(), req.weight_version)

@@ -27,6 +27,7 @@ class CompletionOutput:
     new_logprobs: list[TokenLogprob] | None  # one per new token when logprobs was requested
     finish_reason: str | None       # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None   # the stop token id or stop string that ended it, if any
+    logprobs: list[TokenLogprob] | None = None  # one per generated token so far (like token_ids)
 
     @property
     def finished(self) -> bool:
@@ -41,3 +42,6 @@ class RequestOutput:
     finished: bool                   # True once every choice has finished
     num_prompt_tokens: int
     num_generated_tokens: int        # usage so far (all choices)
+    # Which weights produced the tokens: 0 as loaded, +1 per LLMEngine.update_weights. A request
+    # runs on one version only (an update aborts the requests in flight).
+    weight_version: int = 0

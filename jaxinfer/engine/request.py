@@ -60,6 +60,7 @@ class Request:
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
+        self.weight_version = 0  # set by the engine at admission (see RequestOutput)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,6 +115,7 @@ class Sequence:
         # Since the previous RequestOutput:
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []
+        self.logprobs: list[TokenLogprob] = []  # every output token's, when logprobs is requested
 
     @property
     def is_prompt_seq(self) -> bool:

@@ -3,8 +3,9 @@
 The compiled step executables take the params as an argument, so new weights need no recompilation
 as long as every leaf keeps the shape, dtype and sharding the executables were compiled for.
 `check_params` refuses anything else, naming the parameter's path; `place_like` moves each leaf to
-the sharding of the leaf it replaces (uncommitted leaves stay uncommitted, see there) (device to device for arrays already on devices, one transfer
-for host numpy) and casts it to that leaf's dtype on the device.
+the sharding of the leaf it replaces (device to device for arrays already on devices, one transfer
+for host numpy; uncommitted leaves stay uncommitted, see there) and casts it to that leaf's dtype
+on the device.
 """
 
 from __future__ import annotations
@@ -75,17 +76,18 @@ def place_like(new, ref):
     may donate or delete its params after handing them over."""
     leaves = check_params(new, ref)
     ref_leaves, treedef = jax.tree_util.tree_flatten(ref)
-    placed, to_cast = [], []
-    for i, (leaf, old) in enumerate(zip(leaves, ref_leaves)):
-        same_dtype = jnp.dtype(leaf.dtype) == old.dtype
-        # Where the old leaf lives. An uncommitted leaf (a single-device engine's, on the default
-        # device) stays uncommitted: jit keys its compilations on that, so committing it would
-        # recompile every step. (New arrays committed to a device keep that: they recompile.)
-        target = old.sharding if old.committed else None
-        # A cast makes a new buffer anyway; otherwise copy, so the engine never shares the caller's.
-        placed.append(jax.device_put(leaf, target, may_alias=not same_dtype))
-        if not same_dtype:
-            to_cast.append(i)
+    to_cast = [i for i, (leaf, old) in enumerate(zip(leaves, ref_leaves))
+               if jnp.dtype(leaf.dtype) != old.dtype]
+    # Where each old leaf lives. An uncommitted leaf (a single-device engine's, on the default
+    # device) takes an uncommitted new one (numpy, or an array computed from uncommitted inputs)
+    # as uncommitted, because jit keys its compilations on commitment; a new array committed to a
+    # device is moved to the old leaf's device committed, which recompiles each step shape once.
+    targets = [old.sharding if old.committed or getattr(leaf, "committed", False) else None
+               for leaf, old in zip(leaves, ref_leaves)]
+    # A cast makes a new buffer anyway; otherwise copy, so the engine never shares the caller's.
+    # One call for every leaf, so the transfers are issued together.
+    cast_set = set(to_cast)
+    placed = jax.device_put(leaves, targets, may_alias=[i in cast_set for i in range(len(leaves))])
     if to_cast:
         cast = _cast([placed[i] for i in to_cast], tuple(ref_leaves[i].dtype for i in to_cast))
         for i, x in zip(to_cast, cast):

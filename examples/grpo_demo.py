@@ -167,8 +167,8 @@ def main() -> None:
     name = args.name or f"grpo_demo_{device}"
     png = Path(args.save or results_io.RESULTS_DIR) / f"{name}.png"
     plotted = plot(png, rewards, f"GRPO demo ({Path(args.model).name}, {len(PROMPTS)} prompts x "
-                                 f"{args.group}, {args.max_tokens} tokens, lr {args.lr:g}): "
-                                 f"reward = parseable line prefixes")
+                                 f"{args.group}, {args.max_tokens} tokens, lr {args.lr:g})\n"
+                                 f"reward: share of line prefixes that parse as Python")
     print(f"reward: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, mean of last third "
           f"{np.mean(rewards[-max(1, len(rewards) // 3):]):.3f}, linear slope {slope:+.4f}/step")
     if args.save:

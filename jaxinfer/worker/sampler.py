@@ -127,14 +127,23 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
     """logits f32[S, V] -> sampled tokens (and raw logprobs in the advanced variant)."""
     v = logits.shape[-1]
     raw = logits
+    # The full variant runs for any row that needs one of its extras (logprobs, say); the costly
+    # parts (the [S, V] count scatter, the vocabulary sort) are skipped on the device when no row
+    # of the batch uses them, which leaves the result unchanged (neutral penalties, no cutoff).
     if variant.penalties:
-        counts, seen = token_counts(t.history, t.prompt_len, v)
-        logits = apply_penalties(logits, counts, seen, t)
+        def penalised(lg):
+            counts, seen = token_counts(t.history, t.prompt_len, v)
+            return apply_penalties(lg, counts, seen, t)
+        uses = jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0)
+                       | (t.frequency_penalty != 0))
+        logits = jax.lax.cond(uses, penalised, lambda lg: lg, logits)
     logits = ban_stop_ids(logits, t)
     greedy = t.temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
     if variant.advanced:
-        cutoff = truncation_cutoff(scaled, t)
+        truncates = jnp.any((t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0))
+        cutoff = jax.lax.cond(truncates, lambda sc: truncation_cutoff(sc, t),
+                              lambda sc: jnp.full((sc.shape[0], 1), NEG_INF, sc.dtype), scaled)
         scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
     noise = row_gumbel(t.seed, t.out_pos, v)
     sampled = jnp.argmax(scaled + noise, axis=-1)

@@ -155,7 +155,10 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
         pres = np.zeros(num_seqs, np.float32)
         freq = np.zeros(num_seqs, np.float32)
         history = np.full((num_seqs, max_model_len), -1, np.int32)
-        for r, entry in enumerate(rows):
+        # Neutral penalties everywhere (the batch runs the full variant for its other extras, e.g.
+        # logprobs): the device skips them, so the histories need not be copied.
+        uses = any(entry.seq.request.params.uses_penalties for entry in rows)
+        for r, entry in enumerate(rows if uses else ()):
             seq = entry.seq
             p = seq.request.params
             rep[r], pres[r], freq[r] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty

@@ -176,3 +176,16 @@ def test_rollout_batch_pads_generate_outputs_with_their_logprobs():
     with pytest.raises(ValueError, match="logprobs"):
         to_rollout_batch(outs + plain)
     assert to_rollout_batch(plain).logprobs is None
+
+
+def test_grpo_example_reward_and_group_advantages():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / "grpo_demo.py"
+    spec = importlib.util.spec_from_file_location("grpo_demo", path)
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    assert grpo.reward("x = 1\ny = 2") == 1.0
+    assert grpo.reward("x = (\n1)\nz = ") == 1 / 3  # only "x = (\n1)" parses
+    adv = grpo.group_advantages(np.array([1.0, 0.0, 0.5, 0.5], np.float32), np.array([0, 0, 1, 1]))
+    np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-5)

@@ -256,7 +256,8 @@ class LLMEngine:
         In-flight rule: every request not finished when the update is called is aborted (finish
         reason "abort"); their final outputs are returned. So every output token comes from the one
         weight version its RequestOutput names; resubmit what should run on the new weights.
-        The prefix cache is emptied: its KV was computed with the old weights."""
+        The prefix cache is emptied: its KV was computed with the old weights. Like every engine
+        call, not thread-safe: call it between steps on the thread that steps the engine."""
         placed = self._place_params(params)
         outs = self._abort_all()
         self.runner.params = placed
@@ -438,6 +439,7 @@ class LLM:
         self.engine.update_weights(params)
 
     def sleep(self) -> None:
+        """Release the KV cache's device memory until `wake()` (see LLMEngine.sleep)."""
         self.engine.sleep()
 
     def wake(self) -> None:

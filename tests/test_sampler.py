@@ -212,3 +212,10 @@ def test_full_variant_skips_unused_extras_without_changing_any_row():
     pen = np.asarray(run(logits, tensors(n, repetition_penalty=rep, history=history),
                          FULL_SAMPLER).tokens)
     assert pen[5] >= 8 and (np.delete(pen, 5) == np.delete(base, 5)).all()
+    # logprobs=0 everywhere: no top-k of the vocabulary; the sampled tokens' logprobs are the same.
+    with_top = run(logits, tensors(n, history=history, num_top_logprobs=np.ones(n, np.int32)),
+                   FULL_SAMPLER)
+    no_top = run(logits, tensors(n, history=history, num_top_logprobs=np.zeros(n, np.int32)),
+                 FULL_SAMPLER)
+    assert (no_top.tokens == with_top.tokens).all() and (no_top.logprob == with_top.logprob).all()
+    assert (with_top.top_ids[:, 0] == jnp.argmax(logits, -1)).all() and (no_top.top_ids == 0).all()

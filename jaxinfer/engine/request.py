@@ -107,7 +107,7 @@ class Sequence:
         self.max_output = params.max_tokens  # None: until the context is full
         # The sampler's per-row constants (see step_inputs.sampling_tensors).
         self.sampling_row = (params.temperature, max(params.top_k, 0), params.top_p, params.min_p,
-                             self.seed, params.min_tokens, self.prompt_len)
+                             self.seed, params.min_tokens, self.prompt_len, params.logprobs or 0)
         self.output: OutputText | None = None  # set by the engine for choice sequences
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from jaxinfer.engine.llm_engine import LLM, LLMEngine
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling_params import SamplingParams

@@ -3,7 +3,8 @@
 The offline API in one import: `from jaxinfer import LLM, SamplingParams`.
 """
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.llm_engine import LLM, LLMEngine
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.engine.llm_engine import LLM
+from jaxinfer.engine.llm import LLM
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import (MAX_LEN, assert_all_free, make_engine, prompt_ids, run_all,

@@ -190,3 +190,32 @@ def test_seeded_outputs_do_not_depend_on_the_schedule():
                         c.token_ids, c.text, c.finish_reason)
         assert got == solo
         assert engine.scheduler.kv.num_free_blocks == engine.num_total_blocks
+
+
+def test_full_variant_skips_unused_extras_without_changing_any_row():
+    """A batch in the full variant only for logprobs skips the sort and the penalty scatter on the
+    device: its tokens are the base variant's. One row with top_k=1 (or a penalty) turns them on
+    for the batch, which changes that row only."""
+    n = 16
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(n, V)), jnp.float32)
+    history = np.tile(np.arange(8, dtype=np.int32), (n, 1))  # every row has seen tokens 0..7
+    run = jax.jit(sample, static_argnums=2)
+    base = np.asarray(run(logits, tensors(n, history=history), BASE_SAMPLER).tokens)
+    full = np.asarray(run(logits, tensors(n, history=history), FULL_SAMPLER).tokens)
+    assert (full == base).all()
+    top1 = np.zeros(n, np.int32)
+    top1[3] = 1
+    trunc = np.asarray(run(logits, tensors(n, top_k=top1, history=history), FULL_SAMPLER).tokens)
+    assert trunc[3] == int(jnp.argmax(logits[3])) and (np.delete(trunc, 3) == np.delete(base, 3)).all()
+    rep = np.ones(n, np.float32)
+    rep[5] = 1e6  # every seen token (0..7) is all but banned for row 5
+    pen = np.asarray(run(logits, tensors(n, repetition_penalty=rep, history=history),
+                         FULL_SAMPLER).tokens)
+    assert pen[5] >= 8 and (np.delete(pen, 5) == np.delete(base, 5)).all()
+    # logprobs=0 everywhere: no top-k of the vocabulary; the sampled tokens' logprobs are the same.
+    with_top = run(logits, tensors(n, history=history, num_top_logprobs=np.ones(n, np.int32)),
+                   FULL_SAMPLER)
+    no_top = run(logits, tensors(n, history=history, num_top_logprobs=np.zeros(n, np.int32)),
+                 FULL_SAMPLER)
+    assert (no_top.tokens == with_top.tokens).all() and (no_top.logprob == with_top.logprob).all()
+    assert (with_top.top_ids[:, 0] == jnp.argmax(logits, -1)).all() and (no_top.top_ids == 0).all()

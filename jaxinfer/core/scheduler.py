@@ -114,6 +114,11 @@ class Scheduler:
         # An n > 1 prompt sequence reserves room for all the choices it will fork into.
         return seq.request.params.n if seq.is_prompt_seq else 1
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (new weights, or a released KV cache): how many blocks that
+        returned to the free list."""
+        return self.kv.reset_prefix_cache()
+
     def add(self, seq: Sequence) -> None:
         self._priorities_used |= seq.request.priority != 0
         seq.status = SeqStatus.WAITING

@@ -1,4 +1,4 @@
-"""LLMEngine (add_request / abort / step) and the offline `LLM(model=...).generate(...)` API.
+"""LLMEngine: add_request / abort / step (the offline front end `LLM` is in llm.py).
 
 One `step()`:
 
@@ -37,7 +37,7 @@ from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_bytes
 from jaxinfer.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.model.chat_template import compile_template
 from jaxinfer.model.hub import resolve_model
+from jaxinfer.engine.weight_update import place_like
 from jaxinfer.model.tokenizer import Tokenizer
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
@@ -161,6 +162,8 @@ class LLMEngine:
         self._preempt_seen = 0
         # Requests failed by the engine itself (see `_fail`), for the caller to report: (id, error).
         self._failed: list[tuple[str, RequestFailedError]] = []
+        self.weight_version = 0  # +1 per update_weights; on every RequestOutput
+        self.asleep = False
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -267,6 +270,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}", param="min_tokens")
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time)
+        req.weight_version = self.weight_version
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
@@ -333,6 +337,61 @@ class LLMEngine:
         for rid in culprits:
             self._fail(rid, error)
 
+    # ---- the engine inside a training loop ----------------------------------------------------
+    def update_weights(self, params) -> list[RequestOutput]:
+        """Swap in new weights without recompiling: `params` has the loaded model's structure and
+        shapes (any float dtype: cast to the engine's on the device), as numpy on the host or as
+        arrays on any device (moved device to device). Refused with a ParamsMismatchError naming the
+        parameter otherwise, changing nothing.
+
+        In-flight rule: every request not finished when the update is called is aborted (finish
+        reason "abort"); their final outputs are returned. So every output token comes from the one
+        weight version its RequestOutput names; resubmit what should run on the new weights.
+        The prefix cache is emptied: its KV was computed with the old weights. Like every engine
+        call, not thread-safe: call it between steps on the thread that steps the engine."""
+        placed = self._place_params(params)
+        outs = self._abort_all()
+        self.runner.params = placed
+        self.scheduler.reset_prefix_cache()
+        self.weight_version += 1
+        return outs
+
+    def _place_params(self, params):
+        """`params` laid out like the running weights (same sharding and dtype per leaf): the one
+        place that decides where new weights live."""
+        return place_like(params, self.runner.params)
+
+    def sleep(self) -> list[RequestOutput]:
+        """Free the KV cache's device memory (e.g. for a colocated trainer) until `wake()`.
+        Requests in flight are aborted as by `update_weights` (their outputs are returned) and the
+        prefix cache is emptied; requests added while asleep wait, and `step()` refuses to run."""
+        if self.asleep:
+            return []
+        outs = self._abort_all()
+        self.scheduler.reset_prefix_cache()
+        self.runner.release_kv_cache()
+        self.asleep = True
+        return outs
+
+    def wake(self) -> None:
+        """Reallocate the KV cache (same shapes, so the compiled steps still apply)."""
+        if self.asleep:
+            self.runner.restore_kv_cache()
+            self.asleep = False
+
+    def _abort_all(self) -> list[RequestOutput]:
+        """Finish the in-flight step, then abort every unfinished request: their outputs."""
+        outs = []
+        if self._inflight is not None:
+            outs = self._collect(self._process(self._inflight))
+            self._inflight = None
+        for rid in list(self.requests):
+            out = self.abort(rid)
+            if out is not None:
+                outs.append(out)
+        self._update_gauges()
+        return outs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
 
@@ -353,6 +412,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the previous one (or of this one,
         when the step cannot be overlapped)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV cache is released): call wake() first")
         touched: list[Request] = []
         processed_first = self._must_process_first()
         if processed_first:
@@ -437,65 +498,3 @@ class LLMEngine:
     def run_to_completion(self) -> Iterable[RequestOutput]:
         while self.has_unfinished_requests():
             yield from self.step()
-
-
-class LLM:
-    """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
-        if engine is None:
-            from jaxinfer.parallel.data_parallel import create_engine
-            args = EngineArgs(**({"model": model} if model else {}), **kwargs)
-            engine = create_engine(args)
-        self.engine = engine
-        self._counter = 0
-
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); returns one final RequestOutput per prompt,
-        in prompt order, with every choice's full text and token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise InvalidRequestError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts",
-                                      param="sampling_params")
-        ids, reqs = [], {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            rid = f"offline-{self._counter}"
-            self._counter += 1
-            reqs[rid] = self.engine.add_request(rid, prompt, p, priority[i] if priority else 0)
-            ids.append(rid)
-        from tqdm import tqdm
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
-        for out in self.engine.run_to_completion():
-            if out.finished and out.request_id in reqs:
-                bar.update(1)
-        bar.close()
-        return [make_request_output(reqs[rid], full=True) for rid in ids]
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None
-             ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {role, content} messages) or to a list
-        of them: each is rendered with the model's chat template (`chat_template_kwargs` are extra
-        template variables, e.g. enable_thinking) and generated like `generate`'s prompts."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise InvalidRequestError("chat needs a tokenizer; this model has none", param="messages")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        kwargs = dict(chat_template_kwargs or {})
-        if tools is not None:
-            kwargs["tools"] = tools
-        # The template holds BOS and the other special tokens itself, as in vLLM.
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-                       conv, add_generation_prompt=add_generation_prompt, **kwargs),
-                   add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-
-__all__ = ["LLMEngine", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

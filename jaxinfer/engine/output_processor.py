@@ -146,4 +146,4 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                          req.num_prompt_tokens, req.num_generated_tokens(), req.prompt_logprobs,
-                         req.num_cached_tokens)
+                         req.num_cached_tokens, req.weight_version)

@@ -47,3 +47,6 @@ class RequestOutput:
     # from the first output on; None when not requested.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0       # prompt tokens served from the prefix cache
+    # Which weights produced the tokens: 0 as loaded, +1 per LLMEngine.update_weights. A request
+    # runs on one version only (an update aborts the requests in flight).
+    weight_version: int = 0

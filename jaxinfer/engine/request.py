@@ -65,6 +65,7 @@ class Request:
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
+        self.weight_version = 0  # set by the engine at admission (see RequestOutput)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,7 +114,7 @@ class Sequence:
         # each to what its int32 / float32 column holds.
         temperature = params.temperature if params.temperature >= GREEDY_EPS else 0.0
         self.sampling_row = (temperature, max(params.top_k, 0), params.top_p, params.min_p,
-                             self.seed, params.min_tokens, self.prompt_len)
+                             self.seed, params.min_tokens, self.prompt_len, params.logprobs or 0)
         self.output: OutputText | None = None  # set by the engine for choice sequences
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

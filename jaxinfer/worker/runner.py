@@ -232,6 +232,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
+        self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
         self.sampling_table = SamplingTable(max_num_seqs)
         self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
@@ -241,6 +242,26 @@ class ModelRunner:
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
+
+    # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
+    def release_kv_cache(self) -> None:
+        """Delete the KV cache's device buffers now (not when the garbage collector gets to them),
+        remembering their shapes, dtypes and shardings for `restore_kv_cache`."""
+        jax.block_until_ready(self.kv_cache)  # the step that wrote it may still be running
+        leaves, treedef = jax.tree_util.tree_flatten(self.kv_cache)
+        # An uncommitted cache (default device) must come back uncommitted: jit keys on it.
+        self._kv_spec = treedef, [(a.shape, a.dtype, a.sharding if a.committed else None)
+                                  for a in leaves]
+        for a in leaves:
+            a.delete()
+        self.kv_cache = None
+
+    def restore_kv_cache(self) -> None:
+        """Allocate a zeroed KV cache exactly like the released one, so the compiled steps apply."""
+        treedef, specs = self._kv_spec
+        self.kv_cache = jax.tree_util.tree_unflatten(
+            treedef, [jnp.zeros(shape, dtype, device=where) for shape, dtype, where in specs])
+        self._kv_spec = None
 
     # ---- compilation ------------------------------------------------------------------------
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:

@@ -11,8 +11,10 @@ whichever compiled variant runs it and however many decode steps run per host ca
 
 Compiled variants (static `SamplerVariant`): the base variant is argmax(logits / T + gumbel), cheap;
 `advanced` adds the vocabulary sort that top-k / top-p / min-p need plus logprobs; `penalties` adds the
-[S, V] token-count scatter. The engine compiles two: BASE_SAMPLER and FULL_SAMPLER (both extras), and
-picks the base one whenever no row of the batch needs more.
+[S, V] token-count scatter. Inside a variant, the sort, the scatter and the logprobs' top-k run only
+when some row of the batch uses them (`lax.cond`), so a batch that needs only sampled-token logprobs
+(RL rollouts) costs little more than the base variant. The engine compiles two: BASE_SAMPLER and
+FULL_SAMPLER (both extras), and picks the base one whenever no row of the batch needs more.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class SamplingTensors:
     out_pos: jax.Array       # i32[S]: index of the token being sampled among the row's outputs
     min_tokens: jax.Array    # i32[S]: stop_ids are banned while out_pos < min_tokens
     stop_ids: jax.Array      # i32[S, K]: EOS (unless ignore_eos) + stop_token_ids; -1 = none
+    # Alternatives each row reports with its logprob (advanced only; None: compute them).
+    num_top_logprobs: jax.Array | None = None    # i32[S]
     # Penalty inputs (None unless SamplerVariant.penalties).
     repetition_penalty: jax.Array | None = None  # f32[S]
     presence_penalty: jax.Array | None = None    # f32[S]
@@ -127,14 +131,23 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
     """logits f32[S, V] -> sampled tokens (and raw logprobs in the advanced variant)."""
     v = logits.shape[-1]
     raw = logits
+    # The full variant runs for any row that needs one of its extras (logprobs, say); the costly
+    # parts (the [S, V] count scatter, the vocabulary sort) are skipped on the device when no row
+    # of the batch uses them, which leaves the result unchanged (neutral penalties, no cutoff).
     if variant.penalties:
-        counts, seen = token_counts(t.history, t.prompt_len, v)
-        logits = apply_penalties(logits, counts, seen, t)
+        def penalised(lg):
+            counts, seen = token_counts(t.history, t.prompt_len, v)
+            return apply_penalties(lg, counts, seen, t)
+        uses = jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0)
+                       | (t.frequency_penalty != 0))
+        logits = jax.lax.cond(uses, penalised, lambda lg: lg, logits)
     logits = ban_stop_ids(logits, t)
     greedy = t.temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
     if variant.advanced:
-        cutoff = truncation_cutoff(scaled, t)
+        truncates = jnp.any((t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0))
+        cutoff = jax.lax.cond(truncates, lambda sc: truncation_cutoff(sc, t),
+                              lambda sc: jnp.full((sc.shape[0], 1), NEG_INF, sc.dtype), scaled)
         scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
     noise = row_gumbel(t.seed, t.out_pos, v)
     sampled = jnp.argmax(scaled + noise, axis=-1)
@@ -142,6 +155,13 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
     if not variant.advanced:
         return SamplerOutput(tokens, None, None, None)
     logprobs = jax.nn.log_softmax(raw, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, v))
+    k = min(MAX_LOGPROBS, v)
+
+    def no_top(lp):  # no row reports alternatives (RL rollouts ask for logprobs=0): skip top-k
+        return jnp.full((lp.shape[0], k), NEG_INF, lp.dtype), jnp.zeros((lp.shape[0], k), jnp.int32)
+
+    wants_top = True if t.num_top_logprobs is None else jnp.any(t.num_top_logprobs > 0)
+    top_lp, top_ids = jax.lax.cond(wants_top, lambda lp: tuple(jax.lax.top_k(lp, k)), no_top,
+                                   logprobs)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

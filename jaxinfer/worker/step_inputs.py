@@ -35,13 +35,14 @@ class StepBatch:
 
 class SamplingTable:
     """Each sequence row's sampling constants (temperature, top_k, top_p, min_p, seed, min_tokens,
-    prompt_len) and stop ids, kept on the host by slot and written once per sequence, so a step
-    gathers them with one numpy index instead of converting 256 Python tuples. The extra last row
-    holds padding defaults (also used by n > 1 prompt sequences, which have no slot and no sample)."""
+    prompt_len, number of top logprobs) and stop ids, kept on the host by slot and written once per
+    sequence, so a step gathers them with one numpy index instead of converting 256 Python tuples.
+    The extra last row holds padding defaults (also used by n > 1 prompt sequences, which have no
+    slot and no sample)."""
 
     def __init__(self, num_slots: int):
         self.pad = num_slots
-        self.consts = np.zeros((num_slots + 1, 7), np.float64)  # float64 holds each value exactly
+        self.consts = np.zeros((num_slots + 1, 8), np.float64)  # float64 holds each value exactly
         self.consts[:, 2] = 1.0  # top_p off
         self.stop_ids = np.full((num_slots + 1, MAX_STOP_TOKEN_IDS), -1, np.int32)
         self._owner: list[object] = [None] * num_slots
@@ -155,12 +156,17 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
                         consts[:, 2].astype(np.float32), consts[:, 3].astype(np.float32),
                         consts[:, 4].astype(np.uint32), out_pos, consts[:, 5].astype(np.int32),
                         table.stop_ids[table_rows])
+    if variant.advanced:
+        t = dataclasses.replace(t, num_top_logprobs=consts[:, 7].astype(np.int32))
     if variant.penalties:
         rep = np.ones(num_seqs, np.float32)
         pres = np.zeros(num_seqs, np.float32)
         freq = np.zeros(num_seqs, np.float32)
         history = np.full((num_seqs, max_model_len), -1, np.int32)
-        for r, entry in enumerate(rows):
+        # Neutral penalties everywhere (the batch runs the full variant for its other extras, e.g.
+        # logprobs): the device skips them, so the histories need not be copied.
+        uses = any(entry.seq.request.params.uses_penalties for entry in rows)
+        for r, entry in enumerate(rows if uses else ()):
             seq = entry.seq
             p = seq.request.params
             rep[r], pres[r], freq[r] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty

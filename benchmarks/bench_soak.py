@@ -152,6 +152,17 @@ def make_request(kind: str, rng: random.Random, model: str) -> tuple[str, dict]:
     }
 
 
+def sample_row(metrics: dict, pid: int | None, t_start: float) -> dict:
+    """One point of the RSS / KV-usage series from a /metrics scrape."""
+    return {
+        "t_s": round(time.monotonic() - t_start, 1),
+        "rss_mb": rss_mb(pid),
+        "used_blocks": metrics.get("jaxinfer:kv_cache_used_blocks"),
+        "running": metrics.get("jaxinfer:num_requests_running"),
+        "waiting": metrics.get("jaxinfer:num_requests_waiting"),
+    }
+
+
 async def one_request(
     session: aiohttp.ClientSession, base: str, kind: str, rng: random.Random, model: str, stats: Stats
 ) -> None:
@@ -220,15 +231,7 @@ async def sampler(
     async with aiohttp.ClientSession() as session:
         while True:
             m = await scrape(session, base)
-            series.append(
-                {
-                    "t_s": round(time.monotonic() - t_start, 1),
-                    "rss_mb": rss_mb(pid),
-                    "used_blocks": m.get("jaxinfer:kv_cache_used_blocks"),
-                    "running": m.get("jaxinfer:num_requests_running"),
-                    "waiting": m.get("jaxinfer:num_requests_waiting"),
-                }
-            )
+            series.append(sample_row(m, pid, t_start))
             try:
                 await asyncio.wait_for(stop.wait(), every)
                 return
@@ -280,15 +283,7 @@ async def run(args, base: str, pid: int | None, proc) -> dict:
             await asyncio.sleep(0.5)
     stop.set()
     await sample_task
-    series.append(
-        {
-            "t_s": round(time.monotonic() - t_start, 1),
-            "rss_mb": rss_mb(pid),
-            "used_blocks": m.get("jaxinfer:kv_cache_used_blocks"),
-            "running": m.get("jaxinfer:num_requests_running"),
-            "waiting": m.get("jaxinfer:num_requests_waiting"),
-        }
-    )
+    series.append(sample_row(m, pid, t_start))
     return summarize(args, stats, series, m)
 
 

@@ -15,7 +15,7 @@ CTA layout (FA3): three warpgroups.
   two barriers: a warpgroup holds the turn while it issues PV_j and QK_{j+1}, passes it on, and
   starts softmax_{j+1} as soon as its own QK is done, so one warpgroup's softmax overlaps the other's
   matmuls. (FA3's intra-warpgroup pipelining -- issue QK_n and PV_{n-1} together, softmax_n while
-  PV_{n-1} runs -- was tried twice and measured slower or no faster; see docs/ARCHITECTURE.md.)
+  PV_{n-1} runs -- was tried twice and measured slower or no faster; see docs/kernels/flash_prefill.md.)
 
 Grid: persistent, one CTA per SM (or `KernelConfig.num_ctas`) looping over items in a snake order
 (round r takes items r*G .. r*G+G-1, alternately forwards and backwards, so with the table sorted

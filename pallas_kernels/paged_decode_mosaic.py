@@ -27,8 +27,7 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   other shapes get q padded to [S, Hkv, Gp, D] (one small XLA op) and r0 = 0.
 - The G query heads are the first rows of a 64-row wgmma tile (wgmma's M is 64), so S = Q K^T is
   [64, tokens] and O += P V is [64, D]. The tensor cores do 64/G times the useful work, which at
-  these sizes still fits under the memory time of a step (see docs/ARCHITECTURE.md, "Kernels:
-  paged decode").
+  these sizes still fits under the memory time of a step (see docs/kernels/paged_decode.md).
 - Softmax runs in the log2 domain (exp2 with the scale folded in), accumulation is fp32.
 - The kernel waits on `griddepcontrol.wait` before reading anything (programmatic dependent
   launch: its launch and set-up overlap the previous kernel's tail), and the producer reads block

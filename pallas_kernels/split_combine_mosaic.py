@@ -3,7 +3,7 @@ normalised per-split parts into the attention output.
 
 Why a kernel and not XLA: the same math in XLA is three kernels on the H200 (max, exp2, sums over
 the splits; 4.5 us at batch 1 x 32768 with 16 splits); this one takes 1.3-1.7 us
-(docs/ARCHITECTURE.md, "Kernels: paged decode"). It waits on `griddepcontrol.wait` and the decode
+(docs/kernels/paged_decode.md). It waits on `griddepcontrol.wait` and the decode
 kernel triggers its dependents when it starts, so where programmatic dependent launch is honoured
 its launch overlaps the decode kernel (inside XLA's command buffers it is not, and the graph
 launches it back to back instead).

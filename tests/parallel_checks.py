@@ -163,6 +163,12 @@ def engine_checks(out: dict) -> None:
                 if line.startswith("jaxinfer:generation_tokens_total")]
             entry["async_tokens"] = asyncio.run(_through_async_engine(llm.engine, prompts[3],
                                                                       params))
+            # update_weights reaches every replica (the same weights, from the host: same tokens)
+            llm.update_weights(jax.tree.map(np.asarray, llm.engine.replicas[0].runner.params))
+            again = llm.generate(prompts[:2], params, use_tqdm=False)
+            entry["after_update"] = [[o.outputs[0].token_ids for o in again],
+                                     [o.weight_version for o in again],
+                                     [r.weight_version for r in llm.engine.replicas]]
         out[f"engine/tp{tp}dp{dp}"] = entry
     llama = load_config(FIXTURES / "llama")  # the multi-process test's single-device reference
     lg = np.load(FIXTURES / "llama" / "golden.npz")

@@ -117,6 +117,7 @@ def test_engine_tokens_equal_across_meshes(runs, mesh):
         assert got["merged_metrics"] == [
             f'jaxinfer:generation_tokens_total{{model_name="mixtral"}} {sum(got["per_replica"])}']
         assert got["async_tokens"] == ref[3]
+        assert got["after_update"] == [ref[:2], [1, 1], [1, 1]]
 
 
 def test_two_processes_tp2_equal_single_device(runs):

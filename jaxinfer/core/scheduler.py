@@ -13,7 +13,7 @@ Every step (vLLM V1's policy, chunked prefill always on):
    prefix-cache match) allow.
 
 The scheduler never looks at token *values*, so the engine can schedule step N+1 while step N's
-sampled tokens are still on the device (see engine.py). Sequences whose known + in-flight tokens
+sampled tokens are still on the device (see llm_engine.py). Sequences whose known + in-flight tokens
 already reach their limit are not scheduled again: they finish when their last token is processed.
 
 The scheduler owns the `KVCacheManager` and is the only caller of it: the runner gets each

@@ -1,5 +1,5 @@
 """AsyncEngine: the LLMEngine behind one background loop, with a per-request async stream of
-RequestOutputs for the server (contract: /work/notes/engine_contract.md).
+RequestOutputs for the server.
 
 The engine is not thread-safe, so every engine call (add_request, abort, step) happens on one
 dedicated worker thread; the asyncio side only enqueues commands and reads per-request queues. The

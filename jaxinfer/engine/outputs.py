@@ -1,8 +1,8 @@
 """What the engine hands back for a request: per-choice text and token deltas, finish reasons, usage.
 
-These are the streaming units of `LLMEngine.step()` and `AsyncEngine.generate()` (see
-/work/notes/engine_contract.md); `LLM.generate` returns the final RequestOutput of each prompt, whose
-`outputs` then hold every choice in index order.
+These are the streaming units of `LLMEngine.step()` and `AsyncEngine.generate()`; `LLM.generate`
+returns the final RequestOutput of each prompt, whose `outputs` then hold every choice in index
+order.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where each parameter lives in a safetensors checkpoint, and how to read any slice of it.
 
-`index_checkpoint` reads only the files' headers and returns, per param path, a `Source`: its shape
+`Checkpoint` reads only the files' headers; `weights._sources` maps each param path to a `Source`: its shape
 in the param layout (Flax [in, out] kernels, experts stacked [E, in, out]) and `read(index)`, which
 reads just that index's slice from the memory-mapped files. `jax.make_array_from_callback` calls it
 once per device shard, so under tensor parallelism each device reads only its slice and the host

@@ -72,6 +72,26 @@ class DataParallelEngine:
             self._owner.pop(rid, None)
         return failed
 
+    # ---- the research loop: every replica alike --------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.replicas[0].weight_version
+
+    def update_weights(self, params) -> list[RequestOutput]:
+        """Each replica places `params` like its own weights (see LLMEngine.update_weights)."""
+        outs = [o for r in self.replicas for o in r.update_weights(params)]
+        self._owner.clear()  # every request in flight was aborted
+        return outs
+
+    def sleep(self) -> list[RequestOutput]:
+        outs = [o for r in self.replicas for o in r.sleep()]
+        self._owner.clear()
+        return outs
+
+    def wake(self) -> None:
+        for r in self.replicas:
+            r.wake()
+
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 

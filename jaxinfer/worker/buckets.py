@@ -3,9 +3,10 @@ is fixed at start-up (and tested) instead of growing with the workload.
 
 - pure-decode steps: S sequences of one token, S in `decode_buckets` (T == S, all decode attention);
 - mixed steps (any prefill chunk): T tokens in `token_buckets`, with S = min(T, max_num_seqs)
-  sequence rows (a step never has more sequences than tokens); every sequence, decodes included, goes
-  through the ragged (prefill) attention path, so no third bucket dimension (the decode count) is
-  needed — vLLM V1's unified ragged attention makes the same trade;
+  sequence rows (a step never has more sequences than tokens). The decode count is a static part of
+  the attention metadata, so backends that split a mixed step (the GPU kernels: decodes to the
+  decode kernel, the rest to ragged prefill) compile per count seen; the reference backend sends
+  every row through the ragged path;
 - copy-on-write block copies: padded to `copy_buckets`.
 """
 

@@ -92,6 +92,8 @@ class BatchRunner:
             return
         try:
             req = parse_generation(line.body, self.view, self.limits, chat=line.chat)
+            if req.stream:  # a batch answer is one body, never a stream (as OpenAI's Batch API)
+                raise APIError(400, "stream is not supported in a batch file", "stream")
         except (APIError, InvalidRequestError, TokenizerError) as e:
             self._refuse(line, e)
             return

@@ -57,13 +57,14 @@ def test_batch_file_matches_the_http_endpoints_and_resumes(server, tmp_path):
     lines = [request_line("cmpl", COMPLETION), request_line("chat", CHAT, "/v1/chat/completions"),
              request_line("multi", MULTI),
              request_line("refused", {**COMPLETION, "logit_bias": {"5": 1.0}}),
+             request_line("streamed", {**CHAT, "stream": True}, "/v1/chat/completions"),
              request_line("bad-url", COMPLETION, "/v1/embeddings"),
              "{not json", "",
              request_line("cmpl", COMPLETION)]  # a duplicate custom_id
     inp.write_text("\n".join(lines) + "\n")
     assert batch_cli(server, inp, out) == 0
     got = read(out)
-    assert len(out.read_text().splitlines()) == 7  # the blank line is not a request
+    assert len(out.read_text().splitlines()) == 8  # the blank line is not a request
 
     for cid, path, body in (("cmpl", "/v1/completions", COMPLETION), ("multi", "/v1/completions", MULTI),
                             ("chat", "/v1/chat/completions", CHAT)):
@@ -74,6 +75,7 @@ def test_batch_file_matches_the_http_endpoints_and_resumes(server, tmp_path):
 
     refused = got["refused"]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "logit_bias"
+    assert got["streamed"]["response"]["body"]["error"]["param"] == "stream"
     assert got["bad-url"]["response"] is None and "url" in got["bad-url"]["error"]["message"]
     assert "not valid JSON" in got[None]["error"]["message"]
     dup = [json.loads(x) for x in out.read_text().splitlines() if '"custom_id": "cmpl"' in x]
@@ -85,7 +87,7 @@ def test_batch_file_matches_the_http_endpoints_and_resumes(server, tmp_path):
     out.write_text(chat_line + '{"id": "batch_req_0", "custom_id": "cm')
     assert batch_cli(server, inp, out) == 0
     ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
-    assert ids[0] == "chat" and ids.count("chat") == 1 and len(ids) == 7
-    assert sorted(ids[1:], key=str) == sorted(["cmpl", "cmpl", "multi", "refused", "bad-url", None],
-                                              key=str)
+    assert ids[0] == "chat" and ids.count("chat") == 1 and len(ids) == 8
+    assert sorted(ids[1:], key=str) == sorted(["cmpl", "cmpl", "multi", "refused", "streamed", "bad-url",
+                                               None], key=str)
     assert comparable(read(out)["cmpl"]["response"]["body"]) == comparable(got["cmpl"]["response"]["body"])

@@ -1,8 +1,11 @@
 """Online serving benchmark for any OpenAI-compatible server (jaxinfer serve, vLLM, ...), after vLLM's
 `vllm bench serve`: an aiohttp client streams requests from a random or ShareGPT-format dataset at a
 Poisson `--request-rate` and/or under a `--max-concurrency` cap, and prints vLLM's result block
-(throughput; mean/median/p99 TTFT, TPOT, ITL). `--sweep-concurrency 1,4,16` runs one benchmark per
-concurrency and plots throughput and latency against it (`--plot`, needs matplotlib).
+(throughput; mean/median/std/p99 TTFT, TPOT, ITL, E2EL; goodput under `--goodput` SLOs). Requests
+stop at EOS unless `--ignore-eos`, as in vLLM. `--save-result` writes the JSON file `vllm bench serve
+--save-result` writes (serving_metrics.py: same keys, per-request arrays included), `--save` the
+repository's benchmark record. `--sweep-concurrency 1,4,16` runs one benchmark per concurrency and
+plots throughput and latency against it (`--plot`, needs matplotlib).
 
     jaxinfer serve --port 8000 &
     python benchmarks/bench_serving.py --port 8000 --dataset-name random --num-prompts 200 \\
@@ -28,6 +31,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks import results_io
+from benchmarks.serving_metrics import RequestResult, parse_goodput, print_result, summarize, vllm_result
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,18 +41,6 @@ class BenchRequest:
     prompt: str | list[int]  # text, or token ids (completions only: exact prompt lengths)
     prompt_len: int
     output_len: int
-
-
-@dataclasses.dataclass
-class RequestResult:
-    success: bool = False
-    error: str = ""
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = dataclasses.field(default_factory=list)
-    start: float = 0.0
 
 
 def load_tokenizer(path: str):
@@ -135,6 +127,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, cha
                     # As vLLM's client: every chunk with choices is a token event (the chat role
                     # chunk included, which servers send once the first token exists).
                     if chunk.get("choices"):
+                        choice = chunk["choices"][0]
+                        result.generated_text += (choice.get("delta") or {}).get("content") or \
+                            choice.get("text") or ""
                         now = time.perf_counter()
                         if result.ttft == 0.0:
                             result.ttft = now - start
@@ -175,66 +170,16 @@ async def run_benchmark(url: str, model: str, chat: bool, requests: list[BenchRe
         return results, time.perf_counter() - t0
 
 
-def summarize(results: list[RequestResult], duration: float, request_rate: float,
-              max_concurrency: int | None) -> dict:
-    ok = [r for r in results if r.success]
-    ms = lambda xs, f: float(f(xs)) * 1000 if len(xs) else 0.0
-    ttfts = [r.ttft for r in ok]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itls = [x for r in ok for x in r.itl]
-    e2el = [r.latency for r in ok]
-    in_tok = sum(r.prompt_len for r in ok)
-    out_tok = sum(r.output_tokens for r in ok)
-    p99 = lambda xs: np.percentile(xs, 99)
-    return {
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.success})[:5],
-        "max_concurrency": max_concurrency, "request_rate": request_rate, "duration": duration,
-        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
-        "total_token_throughput": (in_tok + out_tok) / duration,
-        **{f"{stat}_{name}_ms": ms(xs, f) for name, xs in (("ttft", ttfts), ("tpot", tpots),
-                                                           ("itl", itls), ("e2el", e2el))
-           for stat, f in (("mean", np.mean), ("median", np.median), ("p99", p99))},
-    }
-
-
 def sweep_metrics(rows: list[dict]) -> dict:
     """The record's flat metrics: each concurrency's figures as `c<N>_<figure>` ("c_inf" for no
-    limit), leaving out the error strings."""
+    limit), leaving out the per-request arrays."""
     out = {}
     for m in rows:
         conc = "inf" if m["max_concurrency"] is None else m["max_concurrency"]
-        out.update({f"c{conc}_{k}": (round(v, 3) if isinstance(v, float) else v)
-                    for k, v in m.items() if k not in ("errors", "max_concurrency", "request_rate")})
+        out.update({f"c{conc}_{k.rstrip(':')}": (round(v, 3) if isinstance(v, float) else v)
+                    for k, v in m.items() if not isinstance(v, list)
+                    and k not in ("max_concurrency", "request_rate", "burstiness")})
     return out
-
-
-def print_result(m: dict) -> None:
-    """vLLM's result block, line for line."""
-    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
-    print("{:<40} {:<10}".format("Successful requests:", m["completed"]))
-    print("{:<40} {:<10}".format("Failed requests:", m["failed"]))
-    if m["max_concurrency"] is not None:
-        print("{:<40} {:<10}".format("Maximum request concurrency:", m["max_concurrency"]))
-    if m["request_rate"] != float("inf"):
-        print("{:<40} {:<10.2f}".format("Request rate configured (RPS):", m["request_rate"]))
-    print("{:<40} {:<10.2f}".format("Benchmark duration (s):", m["duration"]))
-    print("{:<40} {:<10}".format("Total input tokens:", m["total_input_tokens"]))
-    print("{:<40} {:<10}".format("Total generated tokens:", m["total_output_tokens"]))
-    print("{:<40} {:<10.2f}".format("Request throughput (req/s):", m["request_throughput"]))
-    print("{:<40} {:<10.2f}".format("Output token throughput (tok/s):", m["output_throughput"]))
-    print("{:<40} {:<10.2f}".format("Total Token throughput (tok/s):", m["total_token_throughput"]))
-    for title, key, name in (("Time to First Token", "ttft", "TTFT"),
-                             ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-                             ("Inter-token Latency", "itl", "ITL")):
-        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        for stat in ("mean", "median", "p99"):
-            label = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
-            print("{:<40} {:<10.2f}".format(f"{label} {name} (ms):", m[f"{stat}_{key}_ms"]))
-    print("=" * 50)
-    for err in m["errors"]:
-        print(f"error: {err}")
 
 
 def plot_sweep(rows: list[dict], path: str, title: str) -> None:
@@ -299,16 +244,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-concurrency", default=None,
                    help="comma-separated concurrencies: one benchmark each, plus a plot")
     p.add_argument("--plot", default="serving_sweep.png", help="PNG path for --sweep-concurrency")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (default: generate exactly the requested lengths)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the requested lengths, past EOS (default: stop at EOS, as vLLM)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for request goodput, e.g. ttft:500 tpot:50 e2el:2000 (as vLLM)")
+    p.add_argument("--metric-percentiles", default="99",
+                   help="comma-separated percentiles reported for each latency (as vLLM)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-result", action="store_true",
+                   help="write vLLM's result file (every key `vllm bench serve` writes, per-request arrays "
+                        "included) to --result-dir/--result-filename")
+    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-filename", default=None,
+                   help="default: jaxinfer-<concurrency>concurrency-<model>-<date>.json")
+    p.add_argument("--label", default=None, help="the result file's label")
     results_io.add_save_arg(p, "serving")
     args = p.parse_args(argv)
+    try:
+        args.goodput = parse_goodput(args.goodput)
+        args.metric_percentiles = tuple(float(x) for x in args.metric_percentiles.split(","))
+    except ValueError as e:
+        p.error(str(e))
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         p.error("--dataset-name sharegpt needs --dataset-path")
     if args.request_rate <= 0:
         p.error(f"--request-rate must be > 0, got {args.request_rate}")
     return args
+
+
+def save_result(args, metrics: dict, model: str, num_prompts: int) -> Path:
+    result = vllm_result(metrics, endpoint=args.endpoint, model=model, tokenizer=args.tokenizer,
+                         num_prompts=num_prompts, label=args.label)
+    conc = "" if metrics["max_concurrency"] is None else f"-{metrics['max_concurrency']}concurrency"
+    name = args.result_filename or f"jaxinfer{conc}-{Path(model).name}-{result['date']}.json"
+    if args.result_filename and args.sweep_concurrency:  # one file per concurrency
+        name = f"{Path(name).stem}{conc}{Path(name).suffix}"
+    path = Path(args.result_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, allow_nan=False))
+    print(f"wrote {path}")
+    return path
 
 
 def main(argv=None) -> int:
@@ -334,14 +309,17 @@ def main(argv=None) -> int:
               f"request_rate={args.request_rate} max_concurrency={conc}")
         results, duration = asyncio.run(run_benchmark(url, model, chat, requests, args.request_rate, conc,
                                                       args.ignore_eos, args.seed))
-        metrics = summarize(results, duration, args.request_rate, conc)
+        metrics = summarize(results, duration, args.request_rate, conc, args.goodput, args.metric_percentiles)
         print_result(metrics)
         rows.append(metrics)
+        if args.save_result:
+            save_result(args, metrics, model, len(requests))
     if args.save:
         config = {"model": model, "endpoint": args.endpoint, "dataset": args.dataset_name,
                   "num_prompts": len(requests), "random_input_len": args.random_input_len,
-                  "random_output_len": args.random_output_len, "request_rate": args.request_rate,
-                  "base_url": base_url}
+                  "random_output_len": args.random_output_len,
+                  "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+                  "ignore_eos": args.ignore_eos, "goodput": args.goodput, "base_url": base_url}
         results_io.save(args.save, args.name or "serving", config=config, metrics=sweep_metrics(rows))
     if args.sweep_concurrency:
         plot_sweep(rows, args.plot, f"{model} {args.endpoint}: random {args.random_input_len} in / "

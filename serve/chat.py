@@ -10,7 +10,7 @@ from aiohttp import web
 
 from jaxinfer.engine.outputs import TokenLogprob
 from serve.app_keys import ENGINE
-from serve.choices import UsageCounter, collect_choices, new_response_id, now, safe_logprob, token_text
+from serve.choices import UsageCounter, collect_choices, now, safe_logprob, token_text
 from serve.engine_requests import RequestGroup, check_capacity
 from serve.json_body import off_loop
 from serve.limits import LIMITS
@@ -102,8 +102,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=True)
     prefix = echo_prefix(body.get("messages"), req)
     check_capacity(request.app, req.params.n)
-    response_id, created = new_response_id("chatcmpl"), now()
-    async with RequestGroup(engine, response_id, req.prompts, req.params) as group:
+    engine_id, response_id = req.ids("chatcmpl")
+    created = now()
+    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:
         await group.start()
         if req.stream:
             return await stream_chunks(request, chat_chunks(engine, group, req, prefix, response_id, created))

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from jaxinfer.engine.outputs import TokenLogprob
 from serve.app_keys import ENGINE
-from serve.choices import (UsageCounter, choice_index, collect_choices, new_response_id, now,
+from serve.choices import (UsageCounter, choice_index, collect_choices, now,
                            safe_logprob, token_text)
 from serve.engine_requests import RequestGroup, check_capacity
 from serve.json_body import off_loop
@@ -126,8 +126,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body = await read_json_body(request)
     req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=False)
     check_capacity(request.app, len(req.prompts) * req.params.n)
-    response_id, created = new_response_id("cmpl"), now()
-    async with RequestGroup(engine, response_id, req.prompts, req.params) as group:
+    engine_id, response_id = req.ids("cmpl")
+    created = now()
+    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:
         await group.start()
         if req.stream:
             return await stream_chunks(request, completion_chunks(engine, group, req, response_id, created))

@@ -11,8 +11,9 @@ from serve.engine_requests import engine_unavailable
 from serve.errors import APIError, bad_request, error_response
 from serve.json_body import off_loop
 from serve.limits import check_strings, check_text_length
-from serve.protocol import (TOKENIZE_FIELDS, bool_field, check_model, check_token_ids, log_unknown_fields,
+from serve.protocol import (TOKENIZE_FIELDS, bool_field, check_model, check_token_ids,
                             read_json_body, render_chat)
+from serve.request_fields import log_unknown_fields
 
 
 def package_version() -> str:

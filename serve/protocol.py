@@ -1,34 +1,23 @@
 """Request parsing and validation: JSON body -> prompt token ids + SamplingParams, with vLLM's field
 names. Everything a client can get wrong is checked here, before any engine request exists, so every
-mistake is a 400 naming the field; unknown fields are ignored with a log line, as vLLM does."""
+mistake is a 400 naming the field; request_fields.py lists vLLM's fields and refuses those that ask
+for what this server lacks; unknown fields are ignored with a log line, as vLLM does."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from aiohttp import web
 
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
 from serve.app_keys import BODY_TIMEOUT, MAX_JSON_ITEMS
+from serve.choices import new_response_id
 from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
+from serve.request_fields import SAMPLING_FIELDS, check_fields
 
-logger = logging.getLogger(__name__)
-
-# Fields passed straight to SamplingParams (its `validate` names the field in any error). A JSON null
-# means "the default", as in vLLM.
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
-                   "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
-COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "user",
-                                              "logprobs", "echo", "prompt_logprobs"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                               "chat_template_kwargs", "tools", "tool_choice", "response_format",
-                               "logit_bias"}
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                              "chat_template_kwargs", "return_token_strs"})
 
@@ -47,20 +36,20 @@ class GenerationRequest:
     # Completions with max_tokens 0: score the prompt only (lm-eval's echo-only requests); the
     # engine samples one token, which the response leaves out.
     generate_nothing: bool = False
+    priority: int = 0                 # the scheduler's: lower runs earlier
+    request_id: str | None = None     # the client's id for the response (vLLM's `request_id`)
+
+    def ids(self, prefix: str) -> tuple[str, str]:
+        """(engine request id, response id). The engine's stay unique whatever `request_id` a client
+        sends; the response shows the client's."""
+        engine_id = new_response_id(prefix)
+        return engine_id, engine_id if self.request_id is None else f"{prefix}-{self.request_id}"
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object (read within --body-timeout, parsed off the event loop)."""
     raw = await read_body(request, request.app[BODY_TIMEOUT])
     return await off_loop(parse_json_object, raw, request.app[MAX_JSON_ITEMS])
-
-
-def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        logger.warning("%s: ignoring unknown request fields %s%s", endpoint,
-                       [short_repr(k, 40) for k in unknown[:8]],
-                       f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
 
 
 def check_model(body: dict, served_names: list[str]) -> None:
@@ -150,13 +139,18 @@ def render_chat(tokenizer, body: dict, max_model_len: int) -> str:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-    reserved = {"messages", "add_generation_prompt"} & set(kwargs)
+    reserved = {"messages", "add_generation_prompt", "tools", "documents"} & set(kwargs)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
     messages = normalize_messages(body.get("messages"))
     check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_model_len, "messages")
+    documents = body.get("documents")
+    if documents is not None and not (isinstance(documents, list)
+                                      and all(isinstance(d, dict) for d in documents)):
+        raise bad_request("documents must be a list of objects", "documents")
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=bool_field(body, "add_generation_prompt", True), **kwargs)
+        messages, add_generation_prompt=bool_field(body, "add_generation_prompt", True),
+        documents=documents or None, **kwargs)
     check_text_length(len(text), tokenizer, max_model_len, "messages")
     return text
 
@@ -179,19 +173,6 @@ def _top_logprobs(body: dict, chat: bool) -> int | None:
     if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"{field}={top!r}: must be an integer from 0 to {MAX_LOGPROBS}", field)
     return top
-
-
-def _reject_unsupported(body: dict) -> None:
-    """Fields we accept by name but cannot honour: refusing beats silently ignoring them."""
-    if body.get("tools"):
-        raise bad_request("tools are not supported by this server", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported by this server", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
-    if body.get("logit_bias"):
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
 def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int,
@@ -243,8 +224,7 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     """Validate a completions (chat=False) or chat (chat=True) body against the served model. Runs
     in a worker thread (it tokenizes): every size is bounded before the work it would cost."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
-    log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
-                       "/v1/chat/completions" if chat else "/v1/completions")
+    check_fields(body, chat)
     check_model(body, engine.served_model_names)
     check_stop(body.get("stop"), limits)
     tokenizer, vocab_size, max_len = engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len
@@ -252,12 +232,16 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     include_usage, continuous_usage = _stream_options(body, stream)
     echo = bool_field(body, "echo", False)
     top_logprobs = _top_logprobs(body, chat)
+    bool_field(body, "parallel_tool_calls", False)
+    if not isinstance(body.get("user", ""), (str, type(None))):
+        raise bad_request("user must be a string", "user")
     if chat:
-        _reject_unsupported(body)
         check_sequence_count(1, body.get("n"), limits)
         text = render_chat(tokenizer, body, max_len)
-        # The template already holds BOS and the other special tokens, as in vLLM.
-        prompts, texts = [tokenizer.encode(text, add_special_tokens=False)], [text]
+        # The template already holds BOS and the other special tokens: none are added unless asked
+        # for, as in vLLM.
+        prompts = [tokenizer.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))]
+        texts = [text]
         # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:
@@ -280,6 +264,7 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
                 prompts.append(check_token_ids(p, vocab_size, "prompt", max_len))
                 texts.append(tokenizer.decode(p, skip_special_tokens=False))
         max_tokens = body.get("max_tokens", 16)
+    prompts, texts = _truncate(body, tokenizer, prompts, texts, max_len)
     generate_nothing = not chat and max_tokens == 0 and _is_int(max_tokens)
     # echo with logprobs reports the prompt tokens' logprobs too (vLLM: prompt_logprobs defaults
     # to logprobs then).
@@ -289,6 +274,52 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
                              top_logprobs=top_logprobs, vocab_size=vocab_size,
                              prompt_logprobs=prompt_logprobs)
+    _check_best_of(body, params.n)
     check_context_length(prompts, params.max_tokens, max_len, params.min_tokens)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
-                             top_logprobs, generate_nothing)
+                             top_logprobs, generate_nothing, _priority(body), _request_id(body))
+
+
+def _truncate(body: dict, tokenizer, prompts: list[list[int]], texts: list[str],
+              max_len: int) -> tuple[list[list[int]], list[str]]:
+    """`truncate_prompt_tokens`: keep each prompt's last k tokens (vLLM truncates on the left)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return prompts, texts
+    if not _is_int(k) or not 1 <= k <= max_len:
+        raise bad_request(f"truncate_prompt_tokens={short_repr(k)}: must be an integer from 1 to the "
+                          f"maximum context length ({max_len})", "truncate_prompt_tokens")
+    out_ids, out_texts = [], []
+    for ids, text in zip(prompts, texts):
+        if len(ids) > k:
+            ids = ids[-k:]
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+        out_ids.append(ids)
+        out_texts.append(text)
+    return out_ids, out_texts
+
+
+def _check_best_of(body: dict, n: int) -> None:
+    """best_of equal to n asks for nothing more than n; a larger one would need ranking by logprob."""
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad_request(f"best_of={short_repr(best_of)}: only best_of equal to n ({n}) is supported",
+                          "best_of")
+
+
+def _priority(body: dict) -> int:
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if not _is_int(value) or not -2**31 <= value < 2**31:
+        raise bad_request(f"priority={short_repr(value)}: must be a 32-bit integer", "priority")
+    return value
+
+
+def _request_id(body: dict) -> str | None:
+    value = body.get("request_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= 128 or not value.isprintable():
+        raise bad_request("request_id must be a printable string of 1 to 128 characters", "request_id")
+    return value

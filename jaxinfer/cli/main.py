@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate, serve, convert, memory."""
+"""`jaxinfer` command line: generate, serve, batch, convert, memory."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import logging
 import sys
 from pathlib import Path
 
-from jaxinfer.cli import generate as cli_generate, memory as cli_memory, serve as cli_serve
+from jaxinfer.cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
+from jaxinfer.cli import serve as cli_serve
 from jaxinfer.errors import JaxinferError
 
 DESCRIPTION = """\
 jaxinfer: LLM inference in JAX with Pallas GPU kernels.
 
-Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, convert
+Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, run an
+OpenAI Batch file, convert
 Hugging Face checkpoints to orbax, or size the KV cache for a model and accelerator."""
 
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     cli_generate.add_parser(sub)
     cli_serve.add_parser(sub)
+    cli_batch.add_parser(sub)
     _add_convert(sub)
     cli_memory.add_parser(sub)
     return parser

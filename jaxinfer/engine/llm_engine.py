@@ -37,6 +37,7 @@ from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.startup import StartupTimes
+from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
@@ -153,7 +154,9 @@ class LLMEngine:
             cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks,
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan)
+            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
+            executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
+                              if args.compilation_cache_dir else None))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -177,6 +180,8 @@ class LLMEngine:
         startup = StartupTimes()
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            # Every compile, however quick: on a warm start the cheap ones add up too.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         model_dir = args.model_path
         with startup.phase("config"):
             cfg = load_config(model_dir)
@@ -236,6 +241,8 @@ class LLMEngine:
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
             seconds = self.runner.warmup(progress)
+        if self.runner.executable_cache is not None:
+            self.startup.counts["executables_loaded"] = self.runner.executable_cache.hits
         slowest = sorted(self.runner.warmup_seconds.items(), key=lambda kv: -kv[1])[:3]
         log.info("compiled %d step shapes in %.1f s (slowest: %s)", len(self.runner.warmup_seconds),
                  seconds, ", ".join(f"{name} {s:.1f} s" for name, s in slowest))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.buckets import Buckets
+from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
 from jaxinfer.model.transformer import forward
@@ -217,9 +218,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
-                 plan: ShardingPlan | None = None):
+                 plan: ShardingPlan | None = None,
+                 executable_cache: ExecutableCache | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
-        runs on the default device."""
+        runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
+        forwards and decode loops (None: compile them every start)."""
         self.cfg = cfg
         self.params = params
         self.plan = plan
@@ -240,6 +243,7 @@ class ModelRunner:
         # (sequences, sampler variant) at num_steps == decode_steps_per_call.
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
+        self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
 
@@ -264,6 +268,14 @@ class ModelRunner:
         self._kv_spec = None
 
     # ---- compilation ------------------------------------------------------------------------
+    def _cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:
+        """The executable cache's key of a step (None without a cache): the static parts that
+        shape it beyond its inputs' shapes and shardings."""
+        if self.executable_cache is None:
+            return None
+        return step_key(name, (self.cfg, self.backend, self.block_size, sorted(static.items(),
+                                                                                key=str)), args)
+
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
         """Every compilation warm-up makes (and the most a workload can cause): the forward of each
         step bucket, the sampler of each sequence bucket x variant, the decode loop of each decode
@@ -312,26 +324,40 @@ class ModelRunner:
 
         workers = max_workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {}
+            futures = {}  # future -> (executable table, its key, executable-cache key)
+
+            def compile_or_load(name, fn, args, static, table, key):
+                start = time.perf_counter()
+                cache_key = self._cached_step_key(name, args, static)
+                exe = cache_key and self.executable_cache.load(cache_key)
+                if exe is not None:  # neither traced, lowered nor compiled
+                    table[key] = exe
+                    self.warmup_seconds[name] = time.perf_counter() - start
+                    bar.update()
+                    return
+                lowered = fn.lower(*args, **static)
+                futures[pool.submit(compile_timed, name, lowered)] = (table, key, cache_key)
+
             for kind, size, variant in shapes:
                 if kind in ("mixed", "decode"):
                     batch = self._padding_batch(kind, size, BASE_SAMPLER)
-                    lowered = self._forward_fn.lower(self.params, self.kv_cache, self.last_tokens,
-                                                     _model_inputs(batch))
-                    futures[pool.submit(compile_timed, f"{kind} {size}", lowered)] = \
-                        (self._forward_exe, _forward_key(batch))
+                    compile_or_load(f"{kind} {size}", self._forward_fn,
+                                    (self.params, self.kv_cache, self.last_tokens,
+                                     _model_inputs(batch)), {},
+                                    self._forward_exe, _forward_key(batch))
                 elif kind == "loop":
                     batch = self._padding_batch("decode", size, variant)
                     allowed = np.zeros(size, np.int32)
-                    lowered = self._loop_fn.lower(self.params, self.kv_cache, self.last_tokens,
-                                                  batch, allowed, variant=variant,
-                                                  num_steps=self.decode_steps_per_call)
-                    futures[pool.submit(compile_timed, f"loop {size} {_label(variant)}",
-                                        lowered)] = (self._loop_exe, (size, variant))
-            for future in as_completed(futures):  # future -> (executable table, its key)
+                    compile_or_load(f"loop {size} {_label(variant)}", self._loop_fn,
+                                    (self.params, self.kv_cache, self.last_tokens, batch, allowed),
+                                    dict(variant=variant, num_steps=self.decode_steps_per_call),
+                                    self._loop_exe, (size, variant))
+            for future in as_completed(futures):
                 name, compiled, seconds = future.result()
-                table, key = futures[future]
+                table, key, cache_key = futures[future]
                 table[key] = compiled
+                if cache_key:
+                    self.executable_cache.store(cache_key, compiled)
                 self.warmup_seconds[name] = seconds
                 bar.update()
         for kind, size, variant in shapes:

@@ -240,9 +240,11 @@ class ModelRunner:
         self.sampling_table = SamplingTable(max_num_seqs)
         self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
-        # (sequences, sampler variant) at num_steps == decode_steps_per_call.
+        # (sequences, sampler variant) at num_steps == decode_steps_per_call; sampler per
+        # (sequences, sampler variant).
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
+        self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
         self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
@@ -306,8 +308,10 @@ class ModelRunner:
 
         The forwards and decode loops hold the attention kernels and take most of the time (seconds
         each with Mosaic GPU kernels): they are lowered here one after another (Python) and compiled
-        on a thread pool (XLA releases the GIL), and the compiled executables are what `execute`
-        then calls. The cheap rest (samplers, block copies) compiles by running once."""
+        on a thread pool (XLA releases the GIL), then the samplers (for the forwards' logits
+        sharding); the compiled executables are what `execute` then calls. With an executable
+        cache, each is loaded from it when present instead (no tracing, lowering or compiling).
+        The block copies compile by running once."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from tqdm import tqdm
@@ -352,30 +356,37 @@ class ModelRunner:
                                     (self.params, self.kv_cache, self.last_tokens, batch, allowed),
                                     dict(variant=variant, num_steps=self.decode_steps_per_call),
                                     self._loop_exe, (size, variant))
-            for future in as_completed(futures):
-                name, compiled, seconds = future.result()
-                table, key, cache_key = futures[future]
-                table[key] = compiled
-                if cache_key:
-                    self.executable_cache.store(cache_key, compiled)
-                self.warmup_seconds[name] = seconds
-                bar.update()
+            def collect():
+                for future in as_completed(futures):
+                    name, compiled, seconds = future.result()
+                    table, key, cache_key = futures[future]
+                    table[key] = compiled
+                    if cache_key:
+                        self.executable_cache.store(cache_key, compiled)
+                    self.warmup_seconds[name] = seconds
+                    bar.update()
+                futures.clear()
+
+            collect()
+            # The samplers take the forwards' logits: compiled for exactly their sharding.
+            fwd = next(iter(self._forward_exe.values()))
+            logits_sharding = fwd.output_shardings[0]
+            for kind, size, variant in shapes:
+                if kind == "sample":
+                    batch = self._padding_batch("decode", size, variant)
+                    logits = jax.ShapeDtypeStruct((size, self.cfg.vocab_size), jnp.float32,
+                                                  sharding=logits_sharding)
+                    compile_or_load(f"sample {size} {_label(variant)}", self._sample_fn,
+                                    (logits, self.last_tokens, batch.sampling, batch.emit_slot),
+                                    dict(variant=variant), self._sample_exe, (size, variant))
+            collect()
         for kind, size, variant in shapes:
-            start = time.perf_counter()
             if kind == "copy":
+                start = time.perf_counter()
                 idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
-                self.kv_cache = copy_blocks(self.kv_cache, idx, idx)
-            elif kind == "sample":
-                batch = self._padding_batch("decode", size, variant)
-                logits = np.zeros((size, self.cfg.vocab_size), np.float32)  # no compile of its own
-                self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
-                                                        batch.emit_slot, variant=variant)
-                jax.block_until_ready(out)
-            else:
-                continue
-            self.warmup_seconds[f"{kind} {size} {_label(variant)}".rstrip()] = \
-                time.perf_counter() - start
-            bar.update()
+                self.kv_cache = jax.block_until_ready(copy_blocks(self.kv_cache, idx, idx))
+                self.warmup_seconds[f"copy {size}"] = time.perf_counter() - start
+                bar.update()
         bar.close()
         return time.perf_counter() - t0
 
@@ -439,6 +450,8 @@ class ModelRunner:
                 with_hidden=True)
             prompt_out = prompt_logprobs_fn(self.cfg)(self.params, hidden, prompt_rows.token_index,
                                                       prompt_rows.targets)
-        self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
-                                                batch.emit_slot, variant=variant)
+        sample_step = self._sample_exe.get((batch.md.num_seqs, variant))
+        args = (logits, self.last_tokens, batch.sampling, batch.emit_slot)
+        self.last_tokens, out = (sample_step(*args) if sample_step is not None
+                                 else self._sample_fn(*args, variant=variant))
         return out, prompt_out

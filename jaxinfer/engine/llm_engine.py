@@ -241,8 +241,11 @@ class LLMEngine:
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
             seconds = self.runner.warmup(progress)
-        if self.runner.executable_cache is not None:
-            self.startup.counts["executables_loaded"] = self.runner.executable_cache.hits
+        cache = self.runner.executable_cache
+        if cache is not None:
+            self.startup.counts.update(executables_loaded=cache.hits,
+                                       executable_cache_read_s=round(cache.load_seconds, 3),
+                                       executable_cache_write_s=round(cache.store_seconds, 3))
         slowest = sorted(self.runner.warmup_seconds.items(), key=lambda kv: -kv[1])[:3]
         log.info("compiled %d step shapes in %.1f s (slowest: %s)", len(self.runner.warmup_seconds),
                  seconds, ", ".join(f"{name} {s:.1f} s" for name, s in slowest))

@@ -44,7 +44,7 @@ class StartupTimes:
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}   # wall seconds per phase, in order
         self.compile: dict[str, float] = {}  # jax compilation stages during `compiling()`
-        self.counts: dict[str, int] = {}     # e.g. executables loaded from the executable cache
+        self.counts: dict[str, float] = {}   # the executable cache's hits and its read/write seconds
 
     @contextlib.contextmanager
     def phase(self, name: str):

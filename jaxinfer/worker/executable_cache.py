@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import re
+import time
 from pathlib import Path
 
 import jax
@@ -79,11 +80,20 @@ class ExecutableCache:
         self.dir = Path(directory)
         self.hits = 0
         self.misses = 0
+        self.load_seconds = 0.0   # reading and deserializing hits
+        self.store_seconds = 0.0  # serializing and writing new entries
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}.exe"
 
     def load(self, key: str) -> jax.stages.Compiled | None:
+        start = time.perf_counter()
+        try:
+            return self._load(key)
+        finally:
+            self.load_seconds += time.perf_counter() - start
+
+    def _load(self, key: str) -> jax.stages.Compiled | None:
         path = self._path(key)
         if not path.exists():
             self.misses += 1
@@ -99,6 +109,13 @@ class ExecutableCache:
         return exe
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:
+        start = time.perf_counter()
+        try:
+            self._store(key, compiled)
+        finally:
+            self.store_seconds += time.perf_counter() - start
+
+    def _store(self, key: str, compiled: jax.stages.Compiled) -> None:
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
         except (ValueError, NotImplementedError) as e:  # e.g. a backend that cannot serialize

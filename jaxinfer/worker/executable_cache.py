@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -55,8 +56,19 @@ def compiler_identity() -> tuple:
             str(jax.config.jax_default_matmul_precision), os.environ.get("XLA_FLAGS", ""))
 
 
+def _sharding_signature(sharding) -> str:
+    """The sharding with its devices, in mesh order: a sharding's repr names the mesh's axes but
+    not its devices, and two data-parallel replicas differ only in those."""
+    if sharding is None:
+        return "None"
+    mesh = getattr(sharding, "mesh", None)
+    ids = (mesh.device_ids.tolist() if mesh is not None
+           else sorted(d.id for d in sharding.device_set))
+    return f"{sharding!r}@{ids}"
+
+
 def _leaf_signature(leaf) -> str:
-    sharding = getattr(leaf, "sharding", None)
+    sharding = _sharding_signature(getattr(leaf, "sharding", None))
     committed = getattr(leaf, "committed", None)
     return f"{jnp.shape(leaf)}:{jnp.result_type(leaf)}:{sharding}:{committed}"
 
@@ -81,7 +93,8 @@ class ExecutableCache:
         self.hits = 0
         self.misses = 0
         self.load_seconds = 0.0   # reading and deserializing hits
-        self.store_seconds = 0.0  # serializing and writing new entries
+        self.store_seconds = 0.0  # serializing and writing new entries, summed over threads
+        self._lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}.exe"
@@ -99,8 +112,12 @@ class ExecutableCache:
             self.misses += 1
             return None
         try:
-            blob, in_tree, out_tree = pickle.loads(path.read_bytes())
-            exe = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+            blob, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            # Onto exactly its own devices, in order: the default (every device of the backend)
+            # aborts the process for an executable of a sub-mesh.
+            exe = serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
         except Exception as e:  # a truncated or stale entry: recompile and overwrite it
             log.warning("executable cache entry %s unreadable (%r); recompiling", path.name, e)
             self.misses += 1
@@ -109,15 +126,18 @@ class ExecutableCache:
         return exe
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:
+        """Thread-safe (warm-up stores from its compile threads)."""
         start = time.perf_counter()
         try:
             self._store(key, compiled)
         finally:
-            self.store_seconds += time.perf_counter() - start
+            with self._lock:
+                self.store_seconds += time.perf_counter() - start
 
     def _store(self, key: str, compiled: jax.stages.Compiled) -> None:
         try:
-            data = pickle.dumps(serialize_executable.serialize(compiled))
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            data = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
         except (ValueError, NotImplementedError) as e:  # e.g. a backend that cannot serialize
             log.info("executable not cached: %s", e)
             return

@@ -321,14 +321,19 @@ class ModelRunner:
         bar = tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress,
                    unit="shape")
 
-        def compile_timed(name, lowered):
+        def compile_timed(name, lowered, cache_key):
+            """On a pool thread: compile, then store into the executable cache (off the thread
+            that lowers the next shape)."""
             start = time.perf_counter()
             compiled = lowered.compile()
-            return name, compiled, time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            if cache_key:
+                self.executable_cache.store(cache_key, compiled)
+            return name, compiled, seconds
 
         workers = max_workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {}  # future -> (executable table, its key, executable-cache key)
+            futures = {}  # future -> (executable table, its key)
 
             def compile_or_load(name, fn, args, static, table, key):
                 start = time.perf_counter()
@@ -340,7 +345,7 @@ class ModelRunner:
                     bar.update()
                     return
                 lowered = fn.lower(*args, **static)
-                futures[pool.submit(compile_timed, name, lowered)] = (table, key, cache_key)
+                futures[pool.submit(compile_timed, name, lowered, cache_key)] = (table, key)
 
             for kind, size, variant in shapes:
                 if kind in ("mixed", "decode"):
@@ -359,10 +364,8 @@ class ModelRunner:
             def collect():
                 for future in as_completed(futures):
                     name, compiled, seconds = future.result()
-                    table, key, cache_key = futures[future]
+                    table, key = futures[future]
                     table[key] = compiled
-                    if cache_key:
-                        self.executable_cache.store(cache_key, compiled)
                     self.warmup_seconds[name] = seconds
                     bar.update()
                 futures.clear()

@@ -85,3 +85,18 @@ def test_stable_repr_drops_addresses():
         return None
     assert "0x" not in stable_repr((kernel, object()))
     assert "kernel" in stable_repr(kernel)
+
+
+def test_a_failed_write_is_only_a_miss(tmp_path):
+    """Storing never fails a start: here the cache directory cannot be created."""
+    import jax
+    from jaxinfer.worker.executable_cache import ExecutableCache
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = ExecutableCache(blocker / "executables")
+    compiled = jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32)).compile()
+    cache.store("k", compiled)
+    assert cache.load("k") is None and cache.misses == 1
+    ok = ExecutableCache(tmp_path / "ok")
+    ok.store("k", compiled)
+    assert np.array_equal(ok.load("k")(np.ones(3, np.float32)), np.full(3, 2, np.float32))

@@ -17,6 +17,7 @@ trust (it is the user's own cache directory).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -135,13 +136,16 @@ class ExecutableCache:
                 self.store_seconds += time.perf_counter() - start
 
     def _store(self, key: str, compiled: jax.stages.Compiled) -> None:
+        # A failed write (a backend or kernel that cannot serialize, a full disk) costs the next
+        # start its compile, never this start.
+        tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
         try:
             device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
             data = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
-        except (ValueError, NotImplementedError) as e:  # e.g. a backend that cannot serialize
-            log.info("executable not cached: %s", e)
-            return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, self._path(key))
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, self._path(key))
+        except Exception as e:
+            log.warning("executable not cached (%s): %r", key[:12], e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()

@@ -201,9 +201,28 @@ async def _through_async_engine(engine, prompt, params) -> list[int]:
     return tokens
 
 
+def executable_cache_checks(out: dict) -> None:
+    """DP = 2 x TP = 2 with warm-up and an executable cache, started twice: the second start loads
+    every step (replica 2's onto its own sub-mesh, devices 2-3) and decodes the same tokens. Last:
+    it turns jax's persistent cache on for the process."""
+    lg = np.load(FIXTURES / "llama" / "golden.npz")
+    prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for start in ("cold", "warm"):
+            llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, data_parallel_size=2,
+                      dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64,
+                      block_size=4, compilation_cache_dir=cache_dir)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            caches = [r.runner.executable_cache for r in llm.engine.replicas]
+            out[f"exe_cache/{start}"] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                                         "hits": [c.hits for c in caches],
+                                         "misses": [c.misses for c in caches]}
+
+
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
-    for check in (model_checks, shard_checks, engine_checks):
+    for check in (model_checks, shard_checks, engine_checks, executable_cache_checks):
         t0 = time.perf_counter()
         check(out)
         out[f"seconds/{check.__name__}"] = round(time.perf_counter() - t0, 1)

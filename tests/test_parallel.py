@@ -142,6 +142,15 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 
         "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 
+def test_executable_cache_warm_start_on_sub_meshes(runs):
+    """Each data-parallel replica stores its own steps (their shardings name its devices) and a
+    second start loads all of them, with the same greedy tokens."""
+    cold, warm = runs["checks"]["exe_cache/cold"], runs["checks"]["exe_cache/warm"]
+    assert cold["hits"] == [0, 0] and min(cold["misses"]) > 0
+    assert warm["hits"] == cold["misses"] and warm["misses"] == [0, 0]
+    assert warm["tokens"] == cold["tokens"]
+
+
 @pytest.mark.parametrize("change, tp, message", [
     ({}, 4, "--tensor-parallel-size 4: does not divide the model's 6 attention heads"),
     ({"num_key_value_heads": 4, "num_attention_heads": 12}, 3,

@@ -15,6 +15,7 @@ restarts it (instead of a process that answers 503 forever).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from jaxinfer.parallel.data_parallel import create_engine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError, RequestFailedError
 from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.startup import STARTUP_LOG_PREFIX
 from jaxinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()
         self.is_ready = True
+        startup = getattr(self.engine, "startup", None)  # a data-parallel front end has none
+        if startup is not None:
+            log.info("%s%s", STARTUP_LOG_PREFIX, json.dumps(startup.as_dict()))
 
     async def shutdown(self, grace_s: float = 0) -> None:
         """Let in-flight requests finish for up to grace_s seconds, abort the rest, stop the loop."""

@@ -36,6 +36,8 @@ from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.engine.startup import StartupTimes
+from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
@@ -152,7 +154,9 @@ class LLMEngine:
             cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks,
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan)
+            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
+            executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
+                              if args.compilation_cache_dir else None))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -164,6 +168,7 @@ class LLMEngine:
         self._failed: list[tuple[str, RequestFailedError]] = []
         self.weight_version = 0  # +1 per update_weights; on every RequestOutput
         self.asleep = False
+        self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -172,10 +177,14 @@ class LLMEngine:
         """`mesh`: this replica's sub-mesh (DataParallelEngine passes one per replica); default:
         the first --tensor-parallel-size devices."""
         from jaxinfer.model.weights import load_params
+        startup = StartupTimes()
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            # Every compile, however quick: on a warm start the cheap ones add up too.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         model_dir = args.model_path
-        cfg = load_config(model_dir)
+        with startup.phase("config"):
+            cfg = load_config(model_dir)
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
@@ -184,13 +193,19 @@ class LLMEngine:
                                     jax.device_count())
             mesh = build_mesh(args.tensor_parallel_size)
         plan = ShardingPlan(mesh, cfg)
-        tokenizer = load_tokenizer(args)
+        with startup.phase("tokenizer"):
+            tokenizer = load_tokenizer(args)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-        params = load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
-                             shardings=plan.params(param_shapes(cfg, dtype)))
-        num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
-        engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
-                     plan=plan)
+        with startup.phase("weights"):
+            params = jax.block_until_ready(
+                load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
+                            shardings=plan.params(param_shapes(cfg, dtype))))
+        with startup.phase("kv_plan_and_alloc"):
+            num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
+            engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
+                         plan=plan)
+            jax.block_until_ready(engine.runner.kv_cache)
+        engine.startup = startup
         if args.warmup:
             engine.warmup()
         return engine
@@ -224,7 +239,13 @@ class LLMEngine:
         return kv_plan.num_blocks
 
     def warmup(self, progress: bool = True) -> float:
-        seconds = self.runner.warmup(progress)
+        with self.startup.compiling(), self.startup.phase("warmup"):
+            seconds = self.runner.warmup(progress)
+        cache = self.runner.executable_cache
+        if cache is not None:
+            self.startup.counts.update(executables_loaded=cache.hits,
+                                       executable_cache_read_s=round(cache.load_seconds, 3),
+                                       executable_cache_write_s=round(cache.store_seconds, 3))
         slowest = sorted(self.runner.warmup_seconds.items(), key=lambda kv: -kv[1])[:3]
         log.info("compiled %d step shapes in %.1f s (slowest: %s)", len(self.runner.warmup_seconds),
                  seconds, ", ".join(f"{name} {s:.1f} s" for name, s in slowest))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.buckets import Buckets
+from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
 from jaxinfer.model.transformer import forward
@@ -217,9 +218,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
-                 plan: ShardingPlan | None = None):
+                 plan: ShardingPlan | None = None,
+                 executable_cache: ExecutableCache | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
-        runs on the default device."""
+        runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
+        forwards and decode loops (None: compile them every start)."""
         self.cfg = cfg
         self.params = params
         self.plan = plan
@@ -237,9 +240,12 @@ class ModelRunner:
         self.sampling_table = SamplingTable(max_num_seqs)
         self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
-        # (sequences, sampler variant) at num_steps == decode_steps_per_call.
+        # (sequences, sampler variant) at num_steps == decode_steps_per_call; sampler per
+        # (sequences, sampler variant).
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
+        self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
+        self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
 
@@ -264,6 +270,14 @@ class ModelRunner:
         self._kv_spec = None
 
     # ---- compilation ------------------------------------------------------------------------
+    def _cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:
+        """The executable cache's key of a step (None without a cache): the static parts that
+        shape it beyond its inputs' shapes and shardings."""
+        if self.executable_cache is None:
+            return None
+        return step_key(name, (self.cfg, self.backend, self.block_size, sorted(static.items(),
+                                                                                key=str)), args)
+
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
         """Every compilation warm-up makes (and the most a workload can cause): the forward of each
         step bucket, the sampler of each sequence bucket x variant, the decode loop of each decode
@@ -294,8 +308,10 @@ class ModelRunner:
 
         The forwards and decode loops hold the attention kernels and take most of the time (seconds
         each with Mosaic GPU kernels): they are lowered here one after another (Python) and compiled
-        on a thread pool (XLA releases the GIL), and the compiled executables are what `execute`
-        then calls. The cheap rest (samplers, block copies) compiles by running once."""
+        on a thread pool (XLA releases the GIL), then the samplers (for the forwards' logits
+        sharding); the compiled executables are what `execute` then calls. With an executable
+        cache, each is loaded from it when present instead (no tracing, lowering or compiling).
+        The block copies compile by running once."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from tqdm import tqdm
@@ -305,51 +321,75 @@ class ModelRunner:
         bar = tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress,
                    unit="shape")
 
-        def compile_timed(name, lowered):
+        def compile_timed(name, lowered, cache_key):
+            """On a pool thread: compile, then store into the executable cache (off the thread
+            that lowers the next shape)."""
             start = time.perf_counter()
             compiled = lowered.compile()
-            return name, compiled, time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            if cache_key:
+                self.executable_cache.store(cache_key, compiled)
+            return name, compiled, seconds
 
         workers = max_workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {}
+            futures = {}  # future -> (executable table, its key)
+
+            def compile_or_load(name, fn, args, static, table, key):
+                start = time.perf_counter()
+                cache_key = self._cached_step_key(name, args, static)
+                exe = cache_key and self.executable_cache.load(cache_key)
+                if exe is not None:  # neither traced, lowered nor compiled
+                    table[key] = exe
+                    self.warmup_seconds[name] = time.perf_counter() - start
+                    bar.update()
+                    return
+                lowered = fn.lower(*args, **static)
+                futures[pool.submit(compile_timed, name, lowered, cache_key)] = (table, key)
+
             for kind, size, variant in shapes:
                 if kind in ("mixed", "decode"):
                     batch = self._padding_batch(kind, size, BASE_SAMPLER)
-                    lowered = self._forward_fn.lower(self.params, self.kv_cache, self.last_tokens,
-                                                     _model_inputs(batch))
-                    futures[pool.submit(compile_timed, f"{kind} {size}", lowered)] = \
-                        (self._forward_exe, _forward_key(batch))
+                    compile_or_load(f"{kind} {size}", self._forward_fn,
+                                    (self.params, self.kv_cache, self.last_tokens,
+                                     _model_inputs(batch)), {},
+                                    self._forward_exe, _forward_key(batch))
                 elif kind == "loop":
                     batch = self._padding_batch("decode", size, variant)
                     allowed = np.zeros(size, np.int32)
-                    lowered = self._loop_fn.lower(self.params, self.kv_cache, self.last_tokens,
-                                                  batch, allowed, variant=variant,
-                                                  num_steps=self.decode_steps_per_call)
-                    futures[pool.submit(compile_timed, f"loop {size} {_label(variant)}",
-                                        lowered)] = (self._loop_exe, (size, variant))
-            for future in as_completed(futures):  # future -> (executable table, its key)
-                name, compiled, seconds = future.result()
-                table, key = futures[future]
-                table[key] = compiled
-                self.warmup_seconds[name] = seconds
-                bar.update()
+                    compile_or_load(f"loop {size} {_label(variant)}", self._loop_fn,
+                                    (self.params, self.kv_cache, self.last_tokens, batch, allowed),
+                                    dict(variant=variant, num_steps=self.decode_steps_per_call),
+                                    self._loop_exe, (size, variant))
+            def collect():
+                for future in as_completed(futures):
+                    name, compiled, seconds = future.result()
+                    table, key = futures[future]
+                    table[key] = compiled
+                    self.warmup_seconds[name] = seconds
+                    bar.update()
+                futures.clear()
+
+            collect()
+            # The samplers take the forwards' logits: compiled for exactly their sharding.
+            fwd = next(iter(self._forward_exe.values()))
+            logits_sharding = fwd.output_shardings[0]
+            for kind, size, variant in shapes:
+                if kind == "sample":
+                    batch = self._padding_batch("decode", size, variant)
+                    logits = jax.ShapeDtypeStruct((size, self.cfg.vocab_size), jnp.float32,
+                                                  sharding=logits_sharding)
+                    compile_or_load(f"sample {size} {_label(variant)}", self._sample_fn,
+                                    (logits, self.last_tokens, batch.sampling, batch.emit_slot),
+                                    dict(variant=variant), self._sample_exe, (size, variant))
+            collect()
         for kind, size, variant in shapes:
-            start = time.perf_counter()
             if kind == "copy":
+                start = time.perf_counter()
                 idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
-                self.kv_cache = copy_blocks(self.kv_cache, idx, idx)
-            elif kind == "sample":
-                batch = self._padding_batch("decode", size, variant)
-                logits = np.zeros((size, self.cfg.vocab_size), np.float32)  # no compile of its own
-                self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
-                                                        batch.emit_slot, variant=variant)
-                jax.block_until_ready(out)
-            else:
-                continue
-            self.warmup_seconds[f"{kind} {size} {_label(variant)}".rstrip()] = \
-                time.perf_counter() - start
-            bar.update()
+                self.kv_cache = jax.block_until_ready(copy_blocks(self.kv_cache, idx, idx))
+                self.warmup_seconds[f"copy {size}"] = time.perf_counter() - start
+                bar.update()
         bar.close()
         return time.perf_counter() - t0
 
@@ -413,6 +453,8 @@ class ModelRunner:
                 with_hidden=True)
             prompt_out = prompt_logprobs_fn(self.cfg)(self.params, hidden, prompt_rows.token_index,
                                                       prompt_rows.targets)
-        self.last_tokens, out = self._sample_fn(logits, self.last_tokens, batch.sampling,
-                                                batch.emit_slot, variant=variant)
+        sample_step = self._sample_exe.get((batch.md.num_seqs, variant))
+        args = (logits, self.last_tokens, batch.sampling, batch.emit_slot)
+        self.last_tokens, out = (sample_step(*args) if sample_step is not None
+                                 else self._sample_fn(*args, variant=variant))
         return out, prompt_out

@@ -1,0 +1,102 @@
+"""The executable cache (jaxinfer/worker/executable_cache.py): a warm start loads every forward,
+decode loop and sampler instead of tracing and compiling them, with greedy tokens identical to a compiled start;
+anything that shapes a step (a flag, the model config) is a miss, never a wrong executable; an
+unreadable entry is a miss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.worker.executable_cache import stable_repr, step_key
+from test_engine_support import make_engine, prompt_ids, run_all, tiny_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+WORKLOAD = [(prompt_ids(300 + i, 3 + 5 * i), 6 + i) for i in range(5)]
+
+
+def greedy_tokens(engine) -> list[list[int]]:
+    for i, (prompt, n) in enumerate(WORKLOAD):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, **GREEDY))
+    out = run_all(engine)
+    return [out[f"r{i}"][0][0] for i in range(len(WORKLOAD))]
+
+
+def cached_engine(tmp_path, **kwargs):
+    return make_engine(warmup=True, compilation_cache_dir=str(tmp_path), decode_steps_per_call=4,
+                       **kwargs)
+
+
+def test_warm_start_loads_every_step_and_keeps_greedy_tokens(tmp_path):
+    cold = cached_engine(tmp_path)
+    cache = cold.runner.executable_cache
+    r = cold.runner
+    stored = len(r._forward_exe) + len(r._loop_exe) + len(r._sample_exe)
+    assert len(r._sample_exe) == 2 * len(r.buckets.decode_buckets)  # 2 variants per sequence bucket
+    assert cache.hits == 0 and cache.misses == stored
+    assert len(list((tmp_path / "executables").glob("*.exe"))) == stored
+    expected = greedy_tokens(cold)
+
+    warm = cached_engine(tmp_path)
+    assert warm.runner.executable_cache.hits == stored
+    assert warm.runner.executable_cache.misses == 0
+    assert greedy_tokens(warm) == expected
+    assert warm.runner.num_dispatches > 0
+
+    # A truncated entry is recompiled (and rewritten), the others still load.
+    victim = sorted((tmp_path / "executables").glob("*.exe"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    again = cached_engine(tmp_path)
+    assert (again.runner.executable_cache.hits, again.runner.executable_cache.misses) == \
+        (stored - 1, 1)
+    assert greedy_tokens(again) == expected
+
+
+def test_a_flag_that_shapes_the_step_misses(tmp_path):
+    cached_engine(tmp_path)
+    # decode_steps_per_call is a static argument of the decode loop: its loops miss, the
+    # forwards and samplers (which it does not shape) still load.
+    other = make_engine(warmup=True, compilation_cache_dir=str(tmp_path), decode_steps_per_call=2)
+    runner = other.runner
+    assert runner.executable_cache.hits == len(runner._forward_exe) + len(runner._sample_exe)
+    assert runner.executable_cache.misses == len(runner._loop_exe) > 0
+
+
+def test_key_covers_config_inputs_and_statics():
+    cfg, params = tiny_model()
+    args = (params, np.zeros((4, 8), np.float32))
+    base = step_key("mixed 16", (cfg, 4), args)
+    assert step_key("mixed 16", (cfg, 4), args) == base  # deterministic
+    # Same shapes, another model config value (traced into the step): a miss.
+    eps = dataclasses.replace(cfg, rms_norm_eps=cfg.rms_norm_eps * 2)
+    assert step_key("mixed 16", (eps, 4), args) != base
+    assert step_key("mixed 16", (cfg, 8), args) != base
+    assert step_key("mixed 32", (cfg, 4), args) != base
+    assert step_key("mixed 16", (cfg, 4), (params, np.zeros((4, 9), np.float32))) != base
+    assert step_key("mixed 16", (cfg, 4), (params, np.zeros((4, 8), np.int32))) != base
+    assert step_key("mixed 16", (cfg, 4), (params, jnp.zeros((4, 8), jnp.float32))) != base
+
+
+def test_stable_repr_drops_addresses():
+    def kernel():
+        return None
+    assert "0x" not in stable_repr((kernel, object()))
+    assert "kernel" in stable_repr(kernel)
+
+
+def test_a_failed_write_is_only_a_miss(tmp_path):
+    """Storing never fails a start: here the cache directory cannot be created."""
+    import jax
+    from jaxinfer.worker.executable_cache import ExecutableCache
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = ExecutableCache(blocker / "executables")
+    compiled = jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32)).compile()
+    cache.store("k", compiled)
+    assert cache.load("k") is None and cache.misses == 1
+    ok = ExecutableCache(tmp_path / "ok")
+    ok.store("k", compiled)
+    assert np.array_equal(ok.load("k")(np.ones(3, np.float32)), np.full(3, 2, np.float32))

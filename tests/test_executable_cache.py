@@ -1,6 +1,6 @@
 """The executable cache (jaxinfer/worker/executable_cache.py): a warm start loads every forward,
-decode loop and sampler instead of tracing and compiling them, with greedy tokens identical to a compiled start;
-anything that shapes a step (a flag, the model config) is a miss, never a wrong executable; an
+decode loop and sampler instead of tracing and compiling them, with greedy tokens identical to a
+compiled start; anything that shapes a step (a flag, the model config) is a miss, never a wrong executable; an
 unreadable entry is a miss."""
 
 from __future__ import annotations

@@ -15,13 +15,17 @@ import pytest
 from jaxinfer.cli.main import build_parser, main
 from jaxinfer.cli.serve import resolve_model_tag
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.llm_engine import load_tokenizer
+from jaxinfer.model.tokenizer import load_tokenizer as _load_tokenizer
 from jaxinfer.errors import ConfigError, TokenizerError
 from server_harness import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo-target"
 LLAMA = ROOT / "tests" / "fixtures" / "models" / "llama"
+
+
+def load_tokenizer(args):
+    return _load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
 
 
 def _serve_args(*argv: str) -> EngineArgs:

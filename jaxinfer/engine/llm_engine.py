@@ -35,7 +35,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
-from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
@@ -45,10 +45,8 @@ from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_byte
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
-from jaxinfer.model.chat_template import compile_template
-from jaxinfer.model.hub import resolve_model
 from jaxinfer.engine.weight_update import place_like
-from jaxinfer.model.tokenizer import Tokenizer
+from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
@@ -59,50 +57,9 @@ log = logging.getLogger(__name__)
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
-class EngineStats:
-    """Host-side timing of the step loop (for benchmarks and the device-idle gap)."""
-
-    def __init__(self):
-        self.steps = 0
-        self.host_s = 0.0          # schedule + build + dispatch, summed
-        self.idle_dispatches = 0   # overlapped dispatches that found the previous step finished
-        self.sync_gaps = 0         # steps dispatched after waiting for the previous one's tokens
-        self.sync_gap_s = 0.0      # ... and the device idle time between the two, summed
-
-    @property
-    def host_ms_per_step(self) -> float:
-        return 1e3 * self.host_s / max(self.steps, 1)
-
-    @property
-    def sync_gap_ms(self) -> float:
-        return 1e3 * self.sync_gap_s / max(self.sync_gaps, 1)
-
-
 def params_dtype_name(params) -> str:
     """The weights' dtype ("bfloat16", ...): the model dtype the KV cache follows by default."""
     return jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
-
-
-def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
-    """--tokenizer (default: the model directory) with --chat-template applied. A checkpoint
-    without tokenizer.json (e.g. a test fixture) serves token ids only."""
-    tok_dir = Path(resolve_model(args.tokenizer) if args.tokenizer else args.model_path)
-    if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"--tokenizer '{tok_dir}' has no tokenizer.json")
-    tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-    if args.chat_template:
-        if tokenizer is None:
-            raise ConfigError(f"--chat-template needs a tokenizer; '{tok_dir}' has no tokenizer.json")
-        path = Path(args.chat_template)
-        if path.is_file():
-            tokenizer.chat_template = path.read_text()
-        elif "{" in args.chat_template:  # the template itself, as vLLM also accepts
-            tokenizer.chat_template = args.chat_template
-        else:
-            raise ConfigError(f"--chat-template '{args.chat_template}' is neither a file nor a "
-                              f"template")
-        compile_template(tokenizer.chat_template)  # a template that does not parse fails now
-    return tokenizer
 
 
 def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
@@ -194,7 +151,7 @@ class LLMEngine:
             mesh = build_mesh(args.tensor_parallel_size)
         plan = ShardingPlan(mesh, cfg)
         with startup.phase("tokenizer"):
-            tokenizer = load_tokenizer(args)
+            tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
         with startup.phase("weights"):
             params = jax.block_until_ready(

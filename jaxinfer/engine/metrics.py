@@ -72,3 +72,22 @@ class EngineMetrics:
         if hits > h0:
             self.prefix_cache_hits.inc(hits - h0)
         self._prefix_seen = (queries, hits)
+
+
+class EngineStats:
+    """Host-side timing of the step loop (for benchmarks and the device-idle gap)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.host_s = 0.0          # schedule + build + dispatch, summed
+        self.idle_dispatches = 0   # overlapped dispatches that found the previous step finished
+        self.sync_gaps = 0         # steps dispatched after waiting for the previous one's tokens
+        self.sync_gap_s = 0.0      # ... and the device idle time between the two, summed
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1e3 * self.host_s / max(self.steps, 1)
+
+    @property
+    def sync_gap_ms(self) -> float:
+        return 1e3 * self.sync_gap_s / max(self.sync_gaps, 1)

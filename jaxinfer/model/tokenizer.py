@@ -9,8 +9,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxinfer.errors import TokenizerError
-from jaxinfer.model.chat_template import render_chat_template
+from jaxinfer.errors import ConfigError, TokenizerError
+from jaxinfer.model.chat_template import compile_template, render_chat_template
+from jaxinfer.model.hub import resolve_model
 
 # tokenizer_config.json's special tokens, which transformers passes to every chat template.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -157,3 +158,26 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+
+def load_tokenizer(model_path: str | Path, tokenizer: str | None = None,
+                   chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer of `tokenizer` (--tokenizer: a directory or hub id; default the model
+    directory) with `chat_template` (--chat-template: a file or the template itself) applied. A
+    checkpoint without tokenizer.json (e.g. a test fixture) serves token ids only: None."""
+    tok_dir = Path(resolve_model(tokenizer) if tokenizer else model_path)
+    if tokenizer and not (tok_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"--tokenizer '{tok_dir}' has no tokenizer.json")
+    tok = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+    if chat_template:
+        if tok is None:
+            raise ConfigError(f"--chat-template needs a tokenizer; '{tok_dir}' has no tokenizer.json")
+        path = Path(chat_template)
+        if path.is_file():
+            tok.chat_template = path.read_text()
+        elif "{" in chat_template:  # the template itself, as vLLM also accepts
+            tok.chat_template = chat_template
+        else:
+            raise ConfigError(f"--chat-template '{chat_template}' is neither a file nor a template")
+        compile_template(tok.chat_template)  # a template that does not parse fails now
+    return tok

@@ -212,3 +212,21 @@ def check_error_shape(raw: bytes, status: int, param=None) -> dict:
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+def raw_json(obj) -> bytes:
+    return json.dumps(obj).encode()  # big ints as digits, lone surrogates as \\ud800 escapes
+
+
+def health_ok(url: str) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def completion_text(url: str, **extra) -> str:
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 6, "temperature": 0, **NO_EOS, **extra}
+    status, _, raw = post_raw(url, "/v1/completions", raw_json(body))
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]["text"]

@@ -100,3 +100,32 @@ def test_a_failed_write_is_only_a_miss(tmp_path):
     ok = ExecutableCache(tmp_path / "ok")
     ok.store("k", compiled)
     assert np.array_equal(ok.load("k")(np.ones(3, np.float32)), np.full(3, 2, np.float32))
+
+
+def test_nothing_is_stored_while_jax_persistent_cache_is_on(tmp_path):
+    """An executable jax loaded from its persistent cache re-serializes without its kernels' code
+    (XLA CPU: "Function ... not found" when the stored copy runs), so with that cache on the
+    executable cache writes nothing; building an engine never turns it on."""
+    import jax
+    from jaxinfer.worker.executable_cache import ExecutableCache
+    compiled = jax.jit(lambda x: x * 3).lower(np.zeros(3, np.float32)).compile()
+    cache = ExecutableCache(tmp_path / "exe")
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    try:
+        cache.store("k", compiled)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+    assert not (tmp_path / "exe").exists()
+    cache.store("k", compiled)
+    assert np.array_equal(cache.load("k")(np.ones(3, np.float32)), np.full(3, 3, np.float32))
+    from pathlib import Path
+
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    llama = Path(__file__).parent / "fixtures" / "models" / "llama"
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(llama), dtype="float32", num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=2,
+        max_num_batched_tokens=16, warmup=False, compilation_cache_dir=str(tmp_path / "flags")))
+    assert engine.runner.executable_cache is not None
+    assert jax.config.jax_compilation_cache_dir == previous

@@ -1,7 +1,8 @@
 """Issue 19's hard edges, each a regression test against the server over loopback: no request, however
 shaped, may hurt the server or other users. Huge JSON numbers, lone surrogates, deep nesting, 30 MB
 prompts under the body limit, 10,000 stop strings, 3,000 prompts in one request, slow clients; and the
-engine loop surviving a failure inside one request's step. The server is the session-wide `server`
+engine loop surviving a failure inside one request's step is tests/test_server_request_failures.py.
+The server is the session-wide `server`
 fixture (tests/conftest.py); apps with other flags are added over its engine."""
 
 from __future__ import annotations
@@ -15,36 +16,19 @@ import time
 import pytest
 
 from server_harness import (
+    completion_text,
+    health_ok,
+    raw_json,
     MAX_MODEL_LEN,
     MODEL,
     NO_EOS,
     add_app,
     check_error_shape,
     post_raw,
-    scrape,
-    metric_delta,
     wait_pool_free,
 )
 
 BIG = 10**400  # a 401-digit JSON integer
-
-
-def raw_json(obj) -> bytes:
-    return json.dumps(obj).encode()  # big ints as digits, lone surrogates as \\ud800 escapes
-
-
-def health_ok(url: str) -> None:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/health", timeout=10) as r:
-        assert r.status == 200
-
-
-def completion_text(url: str, **extra) -> str:
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 6, "temperature": 0, **NO_EOS, **extra}
-    status, _, raw = post_raw(url, "/v1/completions", raw_json(body))
-    assert status == 200, raw
-    return json.loads(raw)["choices"][0]["text"]
 
 
 # ---- numbers: every field bounded to what int32 / float32 hold, a 400 naming it --------------------
@@ -502,118 +486,3 @@ def test_slow_body_gets_408_and_idle_keepalive_is_closed(server):
         assert s.recv(1024) == b""
         assert 1.5 < time.monotonic() - t0 < 6
     health_ok(url)
-
-
-# ---- the engine loop survives one request's failure ----------------------------------------------
-
-MARK_SEED = 4242  # requests with this seed are the ones the injected faults hit
-
-
-def run_with_faulty_request(server, stream: bool) -> tuple[tuple, list]:
-    url = server.urls["main"]
-    others: list = []
-
-    def normal(i):
-        others.append(
-            post_raw(
-                url,
-                "/v1/completions",
-                raw_json({"model": MODEL, "prompt": [5 + i, 9, 13], "max_tokens": 12, "seed": i, **NO_EOS}),
-            )
-        )
-
-    threads = [threading.Thread(target=normal, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    bad = post_raw(
-        url,
-        "/v1/completions",
-        raw_json(
-            {
-                "model": MODEL,
-                "prompt": [7, 8, 9],
-                "max_tokens": 12,
-                "seed": MARK_SEED,
-                "stream": stream,
-                **NO_EOS,
-            }
-        ),
-    )
-    for t in threads:
-        t.join(60)
-    return bad, others
-
-
-@pytest.mark.parametrize("stage", ["build", "process"])
-@pytest.mark.parametrize("stream", [False, True])
-def test_failure_in_one_requests_step_fails_only_that_request(server, stage, stream):
-    """The fault hits the marked request after its third token, mid-decode, among six others."""
-    llm = server.engine.engine
-    before = scrape(server.urls["main"])
-    if stage == "build":  # the issue's defect: building the sampling row raised on the engine thread
-        target, name = llm.runner.sampling_table, "row_of"
-        real = target.row_of
-
-        def faulty(seq):
-            if seq.request.params.seed == MARK_SEED and seq.num_output_tokens >= 3:
-                raise OverflowError("injected: Python int too large to convert to C long")
-            return real(seq)
-    else:  # applying a step's sampled tokens to one sequence (detokenizing, stop checks)
-        target, name = llm.outputs, "_append"
-        real = target._append
-
-        def faulty(seq, *args):
-            if seq.request.params.seed == MARK_SEED and seq.num_output_tokens >= 3:
-                raise UnicodeError("injected")
-            return real(seq, *args)
-
-    setattr(target, name, faulty)
-    try:
-        (status, _, raw), others = run_with_faulty_request(server, stream)
-    finally:
-        delattr(target, name)
-    if stream:  # headers were sent with the first output: the error comes in-band, then [DONE]
-        events = raw.split(b"\n\n")
-        assert status == 200 and events[-2] == b"data: [DONE]", raw[-500:]
-        err = json.loads(events[-3][len(b"data: ") :])
-        assert err["error"]["code"] == 500 and "injected" in err["error"]["message"]
-    else:
-        assert status == 500, raw
-        assert "injected" in check_error_shape(raw, 500)["message"]
-    assert [s for s, _, _ in others] == [200] * 6
-    for _, _, body in others:
-        assert json.loads(body)["usage"]["completion_tokens"] == 12
-    assert server.engine.errored is None
-    health_ok(server.urls["main"])
-    wait_pool_free(server)  # the failed request's blocks were freed
-    after = scrape(server.urls["main"])
-    assert metric_delta(before, after, "jaxinfer:request_success_total", finished_reason="error") == 1
-    assert completion_text(server.urls["main"])
-
-
-def test_dispatch_failure_rolls_back_the_step(server):
-    """A step that cannot be dispatched (no request named) fails the requests in that step only; the
-    sequences' state is rolled back, the engine goes on."""
-    llm = server.engine.engine
-    real = llm.runner.execute
-    calls = {"n": 0}
-
-    def flaky(sched):
-        calls["n"] += 1
-        if any(e.seq.request.params.seed == MARK_SEED for e in sched.scheduled) and calls["n"] % 2:
-            raise RuntimeError("injected dispatch failure")
-        return real(sched)
-
-    llm.runner.execute = flaky
-    try:
-        status, _, raw = post_raw(
-            server.urls["main"],
-            "/v1/completions",
-            raw_json({"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 4, "seed": MARK_SEED, **NO_EOS}),
-        )
-    finally:
-        del llm.runner.execute
-    assert status == 500 and "injected" in check_error_shape(raw, 500)["message"]
-    assert server.engine.errored is None
-    wait_pool_free(server)
-    assert completion_text(server.urls["main"])

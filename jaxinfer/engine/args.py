@@ -41,7 +41,7 @@ class EngineArgs:
     warmup: bool = True
     decode_steps_per_call: int = 1
     compilation_cache_dir: str | None = dataclasses.field(
-        default_factory=default_compilation_cache_dir)  # "" or None: no persistent cache
+        default_factory=default_compilation_cache_dir)  # "" or None: no executable cache
     profile_dir: str | None = None
     profile_steps: int = 5
     seed: int = 0
@@ -145,7 +145,7 @@ class EngineArgs:
         s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                        help="wait for each step's tokens before scheduling the next")
         s.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
-                       help="persistent JAX compilation cache ('' disables)")
+                       help="where compiled steps are kept for the next start ('' disables)")
         s.add_argument("--profile-dir", default=None,
                        help="write a jax.profiler trace of --profile-steps steps here")
         s.add_argument("--profile-steps", type=int, default=5)

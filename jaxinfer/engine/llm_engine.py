@@ -135,10 +135,9 @@ class LLMEngine:
         the first --tensor-parallel-size devices."""
         from jaxinfer.model.weights import load_params
         startup = StartupTimes()
-        if args.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-            # Every compile, however quick: on a warm start the cheap ones add up too.
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        # --compilation-cache-dir holds the executable cache (the runner's), not jax's persistent
+        # compilation cache: an executable jax loaded from its own cache serializes again without
+        # its kernels' code (XLA CPU: "Function ... not found" when the stored copy runs).
         model_dir = args.model_path
         with startup.phase("config"):
             cfg = load_config(model_dir)

@@ -96,6 +96,7 @@ class ExecutableCache:
         self.load_seconds = 0.0   # reading and deserializing hits
         self.store_seconds = 0.0  # serializing and writing new entries, summed over threads
         self._lock = threading.Lock()
+        self._warned_persistent = False
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}.exe"
@@ -127,7 +128,14 @@ class ExecutableCache:
         return exe
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:
-        """Thread-safe (warm-up stores from its compile threads)."""
+        """Thread-safe (warm-up stores from its compile threads). Stores nothing while jax's
+        persistent compilation cache is on: `compiled` may then be a copy jax loaded from it, and
+        such a copy serializes without its kernels' code (it fails when run after loading)."""
+        if jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+            if not self._warned_persistent:
+                log.warning("executable cache not written: jax's persistent compilation cache is on")
+                self._warned_persistent = True
+            return
         start = time.perf_counter()
         try:
             self._store(key, compiled)

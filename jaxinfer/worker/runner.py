@@ -3,7 +3,7 @@ and runs one jitted step per scheduler step.
 
 The jitted step is forward + sampling with the KV cache and the last-token array *donated*, so XLA
 updates them in place (a copy would cost the whole cache every step). Shapes come from a few buckets
-(buckets.py), all compiled at start-up (`warmup`) and kept in the persistent compilation cache.
+(buckets.py), all compiled at start-up (`warmup`) and kept in the executable cache.
 
 `execute` only dispatches: JAX returns before the device finishes, so the engine can schedule and
 build step N+1 while step N runs, and calls `StepHandle.result()` (which blocks) only when it needs

@@ -230,3 +230,20 @@ def completion_text(url: str, **extra) -> str:
     status, _, raw = post_raw(url, "/v1/completions", raw_json(body))
     assert status == 200, raw
     return json.loads(raw)["choices"][0]["text"]
+
+
+async def wait_healthy(url: str, check_alive, timeout: float = 120.0) -> None:
+    """Poll `url`/health until it answers 200; `check_alive()` asserts, before each poll, that the
+    server being waited for has not exited."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            check_alive()
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError("server did not become healthy")

@@ -5,11 +5,10 @@ so that a supervisor restarts it, instead of answering 503 forever. Runs `serve_
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 
-from server_harness import MODEL, free_port, make_tiny_model_dir, server_args
+from server_harness import MODEL, free_port, make_tiny_model_dir, server_args, wait_healthy
 
 
 def test_engine_death_exits_nonzero(tmp_path):
@@ -32,18 +31,11 @@ def test_engine_death_exits_nonzero(tmp_path):
 
     async def scenario():
         serving = asyncio.create_task(serve_until_signal(engine, args))
+        def alive():
+            assert not serving.done(), serving
+
+        await wait_healthy(url, alive)
         async with aiohttp.ClientSession() as s:
-            deadline = time.monotonic() + 120
-            while True:
-                assert not serving.done(), serving
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
             async with s.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}) as r:
                 status, body = r.status, await r.json()
         return status, body, await asyncio.wait_for(serving, 60)

@@ -9,26 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 
-from server_harness import free_port, make_tiny_model_dir
+from server_harness import free_port, make_tiny_model_dir, wait_healthy
 
 
-async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited early: {proc.communicate()[1][-3000:]}"
-            try:
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.2)
-    raise AssertionError("server did not become healthy")
+def _alive(proc: subprocess.Popen) -> None:
+    assert proc.poll() is None, f"server exited early: {proc.communicate()[1][-3000:]}"
 
 
 def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
@@ -42,7 +30,7 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         async def scenario():
-            await wait_healthy(url, proc, timeout=120)
+            await wait_healthy(url, lambda: _alive(proc))
             body = {"prompt": "Hello", "max_tokens": 240, "stream": True, "ignore_eos": True}
             async with aiohttp.ClientSession() as s:
                 async with s.post(url + "/v1/completions", json=body) as r:

@@ -1,0 +1,43 @@
+"""Mosaic GPU pieces for reading an fp8 KV cache (`pallas_kernels/kv_quant.py` has the scheme).
+
+Hopper's wgmma takes fp8 operands only as e4m3/e5m2 on both sides and only K-major, so neither
+product of attention can use the fp8 pages directly without also rounding q or P to fp8 (and P @ V
+reads V MN-major). The kernels therefore compute in float16: a consumer waits for a ring slot's
+fp8 page tile, loads it into registers (the WGMMA_8BIT layout: four bytes per 32-bit shared-memory
+load), widens it with the hardware's paired `cvt.rn.f16x2.e4m3x2` (exact: every e4m3 value is a
+float16 value; bfloat16 would need PTX ISA 9.2), stores it into its own float16 staging tile and
+releases the fp8 slot at once, so the producer refills it while the wgmma runs. HBM streams half
+the bytes; the widening costs shared-memory bandwidth, not HBM time.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kv_quant import is_fp8
+
+
+def compute_dtype(cache_dtype) -> jnp.dtype:
+    """The dtype the kernel's matmuls take for this cache: float16 for fp8, else the cache's."""
+    return jnp.dtype(jnp.float16) if is_fp8(cache_dtype) else jnp.dtype(cache_dtype)
+
+
+def tile_transforms(dtype, head_dim: int):
+    """Tiling + swizzle of a [rows, head_dim] shared-memory tile: the widest swizzle (<= 128 B)
+    that one row fills, which is what TMA and wgmma both accept."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, head_dim * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def wgmma_tile(tile, wide, free):
+    """The 16-bit tile a wgmma reads for ring slot `tile`: the tile itself (`wide` None), or its
+    float16 copy in the warpgroup's staging tile `wide`, after which the slot's `free` barrier is
+    arrived on (the caller does that itself in the first case, after its wgmma)."""
+    if wide is None:
+        return tile
+    wide[...] = plgpu.load(tile, layout=plgpu.Layout.WGMMA_8BIT).astype(wide.dtype)
+    plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
+    plgpu.barrier_arrive(free)
+    return wide

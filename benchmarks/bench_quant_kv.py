@@ -1,0 +1,187 @@
+"""FP8 KV cache: decode kernel speed on its bytes, kernel correctness on the device, and the demo
+model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
+
+    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,ppl] [--save [DIR]]
+
+- check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,
+  ragged lengths (GPU only).
+- decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
+  bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
+  (a sum over 8 GiB) measured in the same run (GPU only).
+- ppl: the demo model (bf16 weights) over `checkpoints/heldout_sample.txt` in windows, through
+  the paged cache and the jnp reference: perplexity and the share of positions whose argmax is
+  the bf16 cache's, fp8 scales calibrated as the engine does (`kv_scales.calibrate_kv_scales`).
+`--save` writes benchmarks/results/quant_kv_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "checkpoints" / "demo-target"
+BATCH, CTX = 64, 4096
+
+
+def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
+    """jit fn(params, tokens[B, L]) -> float32 logits [B, L, V]: every row is one sequence
+    prefilled in one step through a fresh paged cache of `kv_dtype` and `backend` (the engine's
+    path: write_kv, then attention over the cache)."""
+    from jaxinfer.core.kv_cache import allocate_kv_cache
+    from jaxinfer.model.transformer import forward
+    from pallas_kernels.metadata import AttentionMetadata
+
+    @jax.jit
+    def logits(params, tokens):
+        b, length = tokens.shape
+        per_seq = -(-length // block_size)
+        cache = allocate_kv_cache(cfg, b * per_seq, block_size, kv_dtype)
+        tables = jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq)
+        pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
+        slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(b, -1)
+        md = AttentionMetadata(slots[:, :length].reshape(-1),
+                               jnp.arange(b + 1, dtype=jnp.int32) * length,
+                               jnp.full((b,), length, jnp.int32), tables)
+        out, _ = forward(params, cfg, tokens.reshape(-1), pos, cache, md, backend)
+        return out.reshape(b, length, -1)
+
+    return logits
+
+
+def demo_windows(tokenizer, length: int) -> np.ndarray:
+    ids = np.asarray(tokenizer.encode((ROOT / "checkpoints" / "heldout_sample.txt").read_text()))
+    n = (len(ids) - 1) // length
+    return ids[: n * length + 1][np.arange(n)[:, None] * length + np.arange(length + 1)]
+
+
+def demo_ppl(length: int = 256) -> dict:
+    """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model."""
+    from checkpoints.measure_demo import perplexity
+    from jaxinfer.core.kv_cache.kv_scales import calibrate_kv_scales, calibration_tokens
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.tokenizer import Tokenizer
+    from jaxinfer.model.weights import load_params
+    from pallas_kernels.backend import REFERENCE, get_backend
+    from pallas_kernels.kv_quant import FP8KVAttention
+    cfg = load_config(DEMO)
+    params = load_params(DEMO, cfg, jnp.bfloat16, progress=False)
+    tok = Tokenizer.from_dir(DEMO)
+    windows = demo_windows(tok, length)
+    k, v = calibrate_kv_scales(cfg, params, calibration_tokens(tok, cfg.vocab_size, 512))
+    fns = {"bf16": paged_logits_fn(cfg, REFERENCE, jnp.bfloat16),
+           "fp8kv": paged_logits_fn(cfg, FP8KVAttention(REFERENCE, k, v), jnp.float8_e4m3fn)}
+    if jax.default_backend() == "gpu":  # the same through the Mosaic kernels (prefill + decode)
+        fns["fp8kv_mosaic"] = paged_logits_fn(cfg, FP8KVAttention(get_backend("mosaic"), k, v),
+                                              jnp.float8_e4m3fn)
+    out = {f"demo_ppl_{name}": perplexity(fn, params, windows) for name, fn in fns.items()}
+    x = jnp.asarray(windows[:, :-1])
+    top = {name: np.asarray(fn(params, x).argmax(-1)) for name, fn in fns.items()}
+    for name in fns:
+        out[f"demo_top1_agreement_{name}"] = float((top["bf16"] == top[name]).mean())
+    del out["demo_top1_agreement_bf16"]
+    out["demo_positions"] = int(x.size)
+    out["demo_ppl_fp8kv_rel_change"] = out["demo_ppl_fp8kv"] / out["demo_ppl_bf16"] - 1
+    out["demo_kv_scales"] = {"k": list(k), "v": list(v)}
+    return out
+
+
+def check_mosaic(log) -> dict:
+    """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale."""
+    from pallas_kernels.kv_quant import quantize
+    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+    from pallas_kernels.reference import paged_decode_reference
+    errs = {}
+    for batch, max_blocks, splits in ((7, 40, None), (64, 256, None), (3, 300, 4)):
+        rng = np.random.default_rng(batch)
+        nb = batch * max_blocks + 5
+        q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
+        k8 = quantize(jnp.asarray(rng.standard_normal((8, nb, 16, 128)), jnp.float32), 0.25)
+        v8 = quantize(jnp.asarray(rng.standard_normal((8, nb, 16, 128)), jnp.float32), 0.25)
+        bt = jnp.asarray(rng.permutation(nb)[: batch * max_blocks].reshape(batch, max_blocks),
+                         jnp.int32)
+        lens = jnp.asarray(rng.integers(0, max_blocks * 16 + 1, batch), jnp.int32).at[0].set(1)
+        out = paged_decode_mosaic(q, k8, v8, bt, lens, scale=128 ** -0.5,
+                                  config=MosaicDecodeConfig(num_splits=splits))
+        ref = paged_decode_reference(q.astype(jnp.float32), k8, v8, bt, lens, scale=128 ** -0.5)
+        err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
+        errs[f"fp8kv_mosaic_rel_err_b{batch}x{max_blocks * 16}"] = err
+        log(f"check B{batch} x {max_blocks * 16} splits={splits}: rel err {err:.2e}")
+    return errs
+
+
+def decode_speed(log, out: dict, save) -> None:
+    """Fills `out` (saving after every figure: a job cut short keeps what it measured)."""
+    from benchmarks.bench_decode import (D, make_paged_case, read_ceiling_tbps, tbps, time_paged,
+                                         warm_up_gpu)
+    from pallas_kernels.kv_quant import quantize
+    from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
+    warm_up_gpu()
+    ceiling = read_ceiling_tbps()
+    log(f"read ceiling {ceiling:.2f} TB/s")
+    out["hbm_read_tbps"] = ceiling
+    case = make_paged_case(BATCH, CTX)
+    scale = D ** -0.5
+    mosaic = functools.partial(paged_decode_mosaic, scale=scale)
+    triton = functools.partial(paged_decode_triton_configured, scale=scale)
+    shape = f"b{BATCH}x{CTX}"
+    cases = {"bf16": case, "fp8kv": dict(case, k=quantize(case["k"], 1.0),
+                                         v=quantize(case["v"], 1.0), kv_bytes=case["kv_bytes"] // 2)}
+    for name, fn in (("mosaic", mosaic), ("triton", triton)):
+        for kind, case in cases.items():
+            try:
+                t = time_paged(fn, case)
+            except Exception as e:  # reported, not fatal
+                out[f"decode_{kind}_{shape}_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"{kind} {name}: {out[f'decode_{kind}_{shape}_{name}_error']}")
+                continue
+            key = f"decode_{kind}_{shape}" + ("" if name == "mosaic" else f"_{name}")
+            out[key + "_us"] = t * 1e6
+            out[key + "_tbps"] = tbps(case["kv_bytes"], t)
+            out[key + "_frac_of_hbm"] = out[key + "_tbps"] / ceiling
+            log(f"{kind} {name}: {t * 1e6:.1f} us, {out[key + '_tbps']:.2f} TB/s "
+                f"({out[key + '_frac_of_hbm']:.1%} of the ceiling)")
+            save()
+    if f"decode_fp8kv_{shape}_us" in out and f"decode_bf16_{shape}_us" in out:
+        out[f"decode_fp8kv_{shape}_speedup_vs_bf16"] = (out[f"decode_bf16_{shape}_us"]
+                                                        / out[f"decode_fp8kv_{shape}_us"])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="check,decode,ppl")
+    ap.add_argument("--ppl-window", type=int, default=256)
+    results_io.add_save_arg(ap, "quant_kv_<gpu>")
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    metrics: dict = {}
+    name = args.name or f"quant_kv_{results_io.device_slug()}"
+
+    def save():
+        if args.save:
+            results_io.save(args.save, name, metrics=metrics,
+                            config=dict(batch=BATCH, ctx=CTX, hq=32, hkv=8, d=128, page=16,
+                                        kv_dtype="float8_e4m3fn", parts=parts,
+                                        ppl_window=args.ppl_window, jax=jax.__version__))
+
+    log = functools.partial(print, flush=True)
+    if "check" in parts:
+        metrics.update(check_mosaic(log))
+        save()
+    if "decode" in parts:
+        decode_speed(log, metrics, save)
+    if "ppl" in parts:
+        metrics.update(demo_ppl(args.ppl_window))
+        log({k: v for k, v in metrics.items() if k.startswith("demo")})
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,7 @@ from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_scales import kv_cache_backend
+from jaxinfer.core.kv_cache.planner import kv_bytes_per_block
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
@@ -118,6 +119,8 @@ class LLMEngine:
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
             executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
                               if args.compilation_cache_dir else None))
+        self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
+                                      kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)

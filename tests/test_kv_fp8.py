@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import jax
 import jax.numpy as jnp
 from safetensors.numpy import save_file
 

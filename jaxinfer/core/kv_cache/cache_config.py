@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 
-# --kv-cache-dtype values. "auto" means the model's dtype. 1-byte types halve the KV footprint; the
-# planner accounts for them, though an attention backend may support only 16-bit caches.
+# --kv-cache-dtype values. "auto" means the model's dtype. 1-byte types halve the KV footprint;
+# they are stored with per-layer scales (kv_scales.py, pallas_kernels/kv_quant.py).
 KV_CACHE_DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,

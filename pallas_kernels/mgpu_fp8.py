@@ -31,13 +31,24 @@ def tile_transforms(dtype, head_dim: int):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def wgmma_tile(tile, wide, free):
-    """The 16-bit tile a wgmma reads for ring slot `tile`: the tile itself (`wide` None), or its
-    float16 copy in the warpgroup's staging tile `wide`, after which the slot's `free` barrier is
-    arrived on (the caller does that itself in the first case, after its wgmma)."""
-    if wide is None:
-        return tile
+def widen(tile, wide, free) -> None:
+    """fp8 ring tile -> its float16 copy in the warpgroup's staging tile `wide`, then arrive on
+    the slot's `free` barrier (the fp8 bytes are no longer needed)."""
     wide[...] = plgpu.load(tile, layout=plgpu.Layout.WGMMA_8BIT).astype(wide.dtype)
     plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
     plgpu.barrier_arrive(free)
+
+
+def widen_slot(ring, ready, free, slot, wide) -> None:
+    """Wait for ring slot `slot` to land, then `widen` it into `wide`."""
+    plgpu.barrier_wait(ready.at[slot])
+    widen(ring.at[slot], wide, free.at[slot])
+
+
+def wgmma_tile(tile, wide, free):
+    """The 16-bit tile a wgmma reads for ring slot `tile`: the tile itself (`wide` None; the caller
+    arrives on `free` after its wgmma), or its float16 copy made now (`widen`)."""
+    if wide is None:
+        return tile
+    widen(tile, wide, free)
     return wide

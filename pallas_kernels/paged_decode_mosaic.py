@@ -49,7 +49,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
-from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms, wgmma_tile
+from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms, wgmma_tile, widen_slot
+from pallas_kernels.paged_decode_config import MosaicDecodeConfig
 from pallas_kernels.paged_decode_common import (
     NEG_INF,
     DecodeShape,
@@ -63,49 +64,6 @@ _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
 _SMEM_BUDGET = 227 * 1024 - 4096  # 227 KiB per block, less what Mosaic adds (barriers, alignment)
 _PROFILE_EVENTS = 128  # profiler events per warpgroup (16 bytes of shared memory each)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicDecodeConfig:
-    """Static tuning knobs; every distinct value compiles its own kernel. The defaults are the
-    production configuration (the H200 decode grid of benchmarks/RESULTS.md).
-
-    tokens_per_step: K/V tokens per pipeline slot, a positive multiple of 64 (wgmma N tiling).
-    stages: slots in the ring, even and >= 2 (see the module docstring); None: as many as fit in
-      shared memory.
-    num_ctas: persistent CTAs; None: one per SM.
-    split_workers: workers the split plan balances over; None: num_ctas.
-    num_splits: force this many context splits (benchmarks, tests); None: planned.
-    bt_lookahead: the producer reads block ids this many steps ahead (0: just in time).
-    pdl: programmatic dependent launch: the kernel's launch and set-up overlap the previous
-      kernel's tail; nothing is read from memory before `griddepcontrol.wait`; with splits, the
-      combine kernel's launch overlaps this one.
-    combine_kernel: merge splits with split_combine_mosaic; False: the same merge in XLA (three
-      kernels), the combine kernel's oracle in tests.
-    profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
-      here; see benchmarks/profile_decode.py."""
-    tokens_per_step: int = 64
-    stages: int | None = None
-    num_ctas: int | None = None
-    split_workers: int | None = None
-    num_splits: int | None = None
-    bt_lookahead: int = 2
-    pdl: bool = True
-    combine_kernel: bool = True
-    profile_dir: str = ""
-
-    def __post_init__(self):
-        if self.tokens_per_step <= 0 or self.tokens_per_step % 64:
-            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a positive multiple "
-                             f"of 64")
-        if self.stages is not None and (self.stages < 2 or self.stages % 2):
-            raise ValueError(f"stages={self.stages} must be even and >= 2 (None: as many as fit)")
-        for name in ("num_ctas", "split_workers", "num_splits"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be positive (or None)")
-        if self.bt_lookahead < 0:
-            raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")
 
 
 def _scoped(name: str):
@@ -124,7 +82,7 @@ def _scoped(name: str):
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool):
+                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool):
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
          k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
@@ -133,7 +91,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
          q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         y_smem = None
-    p_smem, wide_smem = (p_smem[0] if interpret else None), (p_smem[-1] if widen else None)
+    # Trailing scratch: the P tiles (interpret), the fp8 staging tiles (K, and V when ahead).
+    p_smem, wide_smem = (p_smem[0] if interpret else None), p_smem[interpret:]
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -245,19 +204,33 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
 
+            # fp8 widened ahead: K and V staging tiles; the first K before the loop.
+            wide = wide_smem[0].at[wg] if widen else None
+            wide_v = wide_smem[1].at[wg] if ahead else None
+            if ahead:
+                pl.when(my_steps > 0)(lambda: widen_slot(k_smem, k_bar, k_free,
+                                                          lax.rem(g0 + j0, stages), wide))
+
             def step(t, carry):
                 acc, m_i, l_i = carry
                 j = j0 + 2 * t
                 slot = lax.rem(g0 + j, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                wide = None if wide_smem is None else wide_smem.at[wg]  # fp8: widened here
-                k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
+                if ahead:
+                    k_tile = wide
+                else:
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
+                widen_v = ahead and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide_v))
 
                 def qk_fn(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    if widen_v and not interpret:  # V widened while QK^T runs
+                        widen_v()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
+                if widen_v and interpret:  # no barrier wait inside a wgmma scope there
+                    widen_v()
                 if wide is None:
                     plgpu.barrier_arrive(k_free.at[slot])
                 s = s * logit_scale
@@ -273,9 +246,17 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(q_smem.dtype)
-                plgpu.barrier_wait(v_bar.at[slot])
-                v_tile = wgmma_tile(v_smem.at[slot], wide, v_free.at[slot])
-                acc = accumulate_pv(acc, p16, v_tile, None if p_smem is None else p_smem.at[wg])
+                during = None
+                if ahead:  # the next K widened while P V runs
+                    # (operands computed outside the wgmma scope, which takes no new constants)
+                    v_tile, next_slot, has_next = wide_v, lax.rem(g0 + j + 2, stages), t + 1 < my_steps
+                    during = lambda: pl.when(has_next)(
+                        lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
+                else:
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    v_tile = wgmma_tile(v_smem.at[slot], wide, v_free.at[slot])
+                acc = accumulate_pv(acc, p16, v_tile, None if p_smem is None else p_smem.at[wg],
+                                    during)
                 if wide is None:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
@@ -380,6 +361,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
                        workers=config.split_workers or num_ctas, num_splits=config.num_splits)
     elem_bytes = jnp.dtype(dtype).itemsize
     widen = cache_dtype != dtype
+    ahead = widen and config.fp8_widen_ahead
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
@@ -389,7 +371,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         fixed_bytes += (_NUM_CONSUMERS + 1) * _PROFILE_EVENTS * 16
     # The P tiles (interpret) and the fp8 pages' 16-bit staging tiles, one per consumer.
     fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
-                    * (_WGMMA_ROWS * interpret + d * widen))
+                    * (_WGMMA_ROWS * interpret + d * widen * (1 + ahead)))
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
     if stages < 2 or stages % 2:
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
@@ -419,7 +401,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
-        pdl=config.pdl and not interpret, interpret=interpret, widen=widen)
+        pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -443,8 +425,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
             *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
-            *([plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)]
-              if widen else []),
+            *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import jax.numpy as jnp
+from prometheus_client import generate_latest
 from safetensors.numpy import save_file
 
 from jaxinfer.core.kv_cache import CacheConfig, allocate_kv_cache, copy_blocks
@@ -143,6 +144,11 @@ def test_engine_over_an_fp8_cache_prefix_caching_and_forks_change_nothing():
     for caching in (False, True):
         engine = make_engine(kv_cache_dtype="fp8", enable_prefix_caching=caching)
         assert engine.runner.kv_cache[0][0].dtype == E4M3
+        metrics = generate_latest(engine.metrics.registry).decode()
+        cfg = engine.cfg  # /metrics: one byte per element (K and V, every layer and KV head)
+        per_block = 4 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        assert f'jaxinfer:kv_cache_bytes{{model_name="tiny"}} {float(128 * per_block)}' in metrics
+        assert 'cache_dtype="float8_e4m3fn"' in metrics
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, greedy)
             outs[caching, i] = run_all(engine)[f"r{i}"][0][0]  # one at a time: later ones hit

@@ -1,13 +1,15 @@
 """FP8 KV cache: decode kernel speed on its bytes, kernel correctness on the device, and the demo
 model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
 
-    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,ppl] [--save [DIR]]
+    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,prefill,ppl]
+                                                      [--save [DIR]]
 
 - check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,
   ragged lengths (GPU only).
 - decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
   bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
   (a sum over 8 GiB) measured in the same run (GPU only).
+- prefill: the Mosaic paged prefill kernel over a bf16 and an fp8 cache (GPU only).
 - ppl: the demo model (bf16 weights) over `checkpoints/heldout_sample.txt` in windows, through
   the paged cache and the jnp reference: perplexity and the share of positions whose argmax is
   the bf16 cache's, fp8 scales calibrated as the engine does (`kv_scales.calibrate_kv_scales`).
@@ -172,9 +174,31 @@ def decode_speed(log, out: dict, save) -> None:
                                                         / out[f"decode_fp8kv_{shape}_us"])
 
 
+def prefill_speed(log) -> dict:
+    """The paged prefill kernel over a bf16 and an fp8 cache: 8 sequences x 512 new tokens over
+    8192 cached, page 16 (bench_prefill's paged shape), timed interleaved."""
+    from benchmarks.bench_prefill import HKV, HQ, D, bench_interleaved
+    from pallas_kernels import flash_prefill as fp
+    from pallas_kernels.kv_quant import quantize
+    from pallas_kernels.testing import random_paged_batch
+    s, new, cached = 8, 512, 8192
+    q, k, v, *rest = random_paged_batch(np.random.default_rng(3), hq=HQ, hkv=HKV, d=D,
+                                        block_size=16, q_lens=[new] * s, prefixes=[cached] * s)
+    fn = jax.jit(functools.partial(fp.flash_prefill_mosaic, scale=D ** -0.5))
+    calls = {"bf16": (fn, (q, k, v, *rest)), "fp8kv": (fn, (q, quantize(k, 1.0), quantize(v, 1.0),
+                                                            *rest))}
+    flops = 4 * D * HQ * s * (new * cached + new * (new + 1) / 2)
+    out = {}
+    for kind, t in bench_interleaved(calls).items():
+        out[f"prefill_{kind}_s8_new512_cached8192_ms"] = t * 1e3
+        out[f"prefill_{kind}_s8_new512_cached8192_tflops"] = flops / t / 1e12
+        log(f"prefill {kind}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="check,decode,ppl")
+    ap.add_argument("--parts", default="check,decode,prefill,ppl")
     ap.add_argument("--ppl-window", type=int, default=256)
     results_io.add_save_arg(ap, "quant_kv_<gpu>")
     args = ap.parse_args(argv)
@@ -195,6 +219,9 @@ def main(argv=None) -> None:
         save()
     if "decode" in parts:
         decode_speed(log, metrics, save)
+    if "prefill" in parts:
+        metrics.update(prefill_speed(log))
+        save()
     if "ppl" in parts:
         metrics.update(demo_ppl(args.ppl_window))
         log({k: v for k, v in metrics.items() if k.startswith("demo")})

@@ -19,6 +19,7 @@ model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -128,13 +129,23 @@ def check_mosaic(log) -> dict:
     return errs
 
 
-def decode_speed(log, out: dict, save) -> None:
-    """Fills `out` (saving after every figure: a job cut short keeps what it measured)."""
+def fp8_variant_config(name: str):
+    """A variant name's Mosaic config: bench_decode's `mosaic_config` options, plus "ahead" for
+    `fp8_widen_ahead=True`; e.g. "mosaic:ahead:la4"."""
+    from benchmarks.bench_decode import mosaic_config
+    opts = name.split(":")
+    config = mosaic_config(":".join(o for o in opts if o != "ahead"))
+    return dataclasses.replace(config, fp8_widen_ahead="ahead" in opts)
+
+
+def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> None:
+    """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
+    production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
+    the Triton kernel on both."""
     from benchmarks.bench_decode import (D, make_paged_case, read_ceiling_tbps, tbps, time_paged,
                                          warm_up_gpu)
     from pallas_kernels.kv_quant import quantize
-    from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
-                                             paged_decode_triton_configured)
+    from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
     warm_up_gpu()
     ceiling = read_ceiling_tbps()
     log(f"read ceiling {ceiling:.2f} TB/s")
@@ -142,18 +153,16 @@ def decode_speed(log, out: dict, save) -> None:
     case = make_paged_case(BATCH, CTX)
     scale = D ** -0.5
     mosaic = functools.partial(paged_decode_mosaic, scale=scale)
-    triton = functools.partial(paged_decode_triton_configured, scale=scale)
     shape = f"b{BATCH}x{CTX}"
     cases = {"bf16": case, "fp8kv": dict(case, k=quantize(case["k"], 1.0),
                                          v=quantize(case["v"], 1.0), kv_bytes=case["kv_bytes"] // 2)}
-    # (variant, cache): the production kernels first, then the fp8 kernel's alternatives: tiles
-    # widened just before their wgmma (`fp8_widen_ahead=False`), 128 tokens per step.
-    def variant(**kw):
-        return functools.partial(paged_decode_mosaic, scale=scale, config=MosaicDecodeConfig(**kw))
-    runs = [("mosaic", mosaic, "bf16"), ("mosaic", mosaic, "fp8kv"),
-            ("mosaic_widen_late", variant(fp8_widen_ahead=False), "fp8kv"),
-            ("mosaic_t128", variant(tokens_per_step=128), "fp8kv"),
-            ("triton", triton, "bf16"), ("triton", triton, "fp8kv")]
+    runs = [("mosaic", mosaic, "bf16"), ("mosaic", mosaic, "fp8kv")]
+    runs += [(name.replace(":", "_"), functools.partial(
+        paged_decode_mosaic, scale=scale, config=fp8_variant_config(name)), "fp8kv")
+        for name in fp8_variants]
+    if triton:
+        fn = functools.partial(paged_decode_triton_configured, scale=scale)
+        runs += [("triton", fn, "bf16"), ("triton", fn, "fp8kv")]
     for name, fn, kind in runs:
         case = cases[kind]
         try:
@@ -200,6 +209,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="check,decode,prefill,ppl")
     ap.add_argument("--ppl-window", type=int, default=256)
+    ap.add_argument("--fp8-variants", default="mosaic:la4,mosaic:t128,mosaic:t128:la4,mosaic:ahead",
+                    help="comma list of fp8 decode kernel variants to time beside the default "
+                         "(bench_decode's mosaic options, and 'ahead': fp8_widen_ahead=True)")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")
     results_io.add_save_arg(ap, "quant_kv_<gpu>")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
@@ -218,7 +231,8 @@ def main(argv=None) -> None:
         metrics.update(check_mosaic(log))
         save()
     if "decode" in parts:
-        decode_speed(log, metrics, save)
+        decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
+                     not args.no_triton)
     if "prefill" in parts:
         metrics.update(prefill_speed(log))
         save()

@@ -12,6 +12,7 @@ the bytes; the widening costs shared-memory bandwidth, not HBM time.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -34,8 +35,9 @@ def tile_transforms(dtype, head_dim: int):
 def widen(tile, wide, free) -> None:
     """fp8 ring tile -> its float16 copy in the warpgroup's staging tile `wide`, then arrive on
     the slot's `free` barrier (the fp8 bytes are no longer needed)."""
-    wide[...] = plgpu.load(tile, layout=plgpu.Layout.WGMMA_8BIT).astype(wide.dtype)
-    plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
+    with jax.named_scope("widen"):  # a range of the in-kernel profile (tools/profile_decode.py)
+        wide[...] = plgpu.load(tile, layout=plgpu.Layout.WGMMA_8BIT).astype(wide.dtype)
+        plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
     plgpu.barrier_arrive(free)
 
 

@@ -218,7 +218,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 if ahead:
                     k_tile = wide
                 else:
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_bar.at[slot])
                     k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
                 widen_v = ahead and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide_v))
 
@@ -228,7 +229,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                         widen_v()
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
+                with jax.named_scope("qk"):
+                    s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
                 if widen_v and interpret:  # no barrier wait inside a wgmma scope there
                     widen_v()
                 if wide is None:
@@ -253,10 +255,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                     during = lambda: pl.when(has_next)(
                         lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
                 else:
-                    plgpu.barrier_wait(v_bar.at[slot])
+                    with jax.named_scope("wait_v"):
+                        plgpu.barrier_wait(v_bar.at[slot])
                     v_tile = wgmma_tile(v_smem.at[slot], wide, v_free.at[slot])
-                acc = accumulate_pv(acc, p16, v_tile, None if p_smem is None else p_smem.at[wg],
-                                    during)
+                with jax.named_scope("pv"):
+                    acc = accumulate_pv(acc, p16, v_tile,
+                                        None if p_smem is None else p_smem.at[wg], during)
                 if wide is None:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i

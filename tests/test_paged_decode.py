@@ -126,7 +126,7 @@ def test_mosaic_interpret_matches_reference(case):
 FP8_CASES = [CASES[3], CASES[5], CASES[6]]  # d 128 one split + soft-cap, d 128 / d 64 split
 
 
-@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_widen_late"])
+@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_widen_ahead"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
     # Both kernels widen the fp8 pages to 16 bits; the Mosaic one into staging tiles, one stage
@@ -136,7 +136,7 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
             return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
                                                   workers=workers, interpret=True)
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits,
-                                 fp8_widen_ahead=kernel == "mosaic")
+                                 fp8_widen_ahead=kernel == "mosaic_widen_ahead")
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, fn, jnp.float8_e4m3fn)
 

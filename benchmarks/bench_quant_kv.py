@@ -111,7 +111,8 @@ def check_mosaic(log) -> dict:
     from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     from pallas_kernels.reference import paged_decode_reference
     errs = {}
-    for batch, max_blocks, splits in ((7, 40, None), (64, 256, None), (3, 300, 4)):
+    for batch, max_blocks, splits, tokens in ((7, 40, None, 64), (64, 256, None, 64),
+                                              (3, 300, 4, 64), (64, 256, None, 128)):
         rng = np.random.default_rng(batch)
         nb = batch * max_blocks + 5
         q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
@@ -121,11 +122,13 @@ def check_mosaic(log) -> dict:
                          jnp.int32)
         lens = jnp.asarray(rng.integers(0, max_blocks * 16 + 1, batch), jnp.int32).at[0].set(1)
         out = paged_decode_mosaic(q, k8, v8, bt, lens, scale=128 ** -0.5,
-                                  config=MosaicDecodeConfig(num_splits=splits))
+                                  config=MosaicDecodeConfig(num_splits=splits,
+                                                            tokens_per_step=tokens))
         ref = paged_decode_reference(q.astype(jnp.float32), k8, v8, bt, lens, scale=128 ** -0.5)
         err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
-        errs[f"fp8kv_mosaic_rel_err_b{batch}x{max_blocks * 16}"] = err
-        log(f"check B{batch} x {max_blocks * 16} splits={splits}: rel err {err:.2e}")
+        key = f"fp8kv_mosaic_rel_err_b{batch}x{max_blocks * 16}" + ("_t128" if tokens == 128 else "")
+        errs[key] = err
+        log(f"check B{batch} x {max_blocks * 16} splits={splits} t{tokens}: rel err {err:.2e}")
     return errs
 
 
@@ -163,6 +166,12 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> 
     if triton:
         fn = functools.partial(paged_decode_triton_configured, scale=scale)
         runs += [("triton", fn, "bf16"), ("triton", fn, "fp8kv")]
+    # Diagnostic: 32-token pages, so each TMA copy moves as many bytes as a bf16 page of 16.
+    page32 = make_paged_case(BATCH, CTX, page=32)
+    cases["fp8kv_page32"] = dict(page32, k=quantize(page32["k"], 1.0), v=quantize(page32["v"], 1.0),
+                                 kv_bytes=page32["kv_bytes"] // 2)
+    del page32
+    runs.append(("mosaic", mosaic, "fp8kv_page32"))
     for name, fn, kind in runs:
         case = cases[kind]
         try:

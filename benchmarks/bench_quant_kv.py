@@ -108,11 +108,12 @@ def demo_ppl(length: int = 256) -> dict:
 def check_mosaic(log) -> dict:
     """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale."""
     from pallas_kernels.kv_quant import quantize
-    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+    from pallas_kernels.paged_decode import paged_decode_mosaic
     from pallas_kernels.reference import paged_decode_reference
     errs = {}
-    for batch, max_blocks, splits, tokens in ((7, 40, None, 64), (64, 256, None, 64),
-                                              (3, 300, 4, 64), (64, 256, None, 128)):
+    for batch, max_blocks, splits, variant in ((7, 40, None, "mosaic"), (64, 256, None, "mosaic"),
+                                               (3, 300, 4, "mosaic"), (64, 256, None, "mosaic:t128"),
+                                               (64, 256, None, "mosaic:up4")):
         rng = np.random.default_rng(batch)
         nb = batch * max_blocks + 5
         q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
@@ -122,23 +123,28 @@ def check_mosaic(log) -> dict:
                          jnp.int32)
         lens = jnp.asarray(rng.integers(0, max_blocks * 16 + 1, batch), jnp.int32).at[0].set(1)
         out = paged_decode_mosaic(q, k8, v8, bt, lens, scale=128 ** -0.5,
-                                  config=MosaicDecodeConfig(num_splits=splits,
-                                                            tokens_per_step=tokens))
+                                  config=dataclasses.replace(fp8_variant_config(variant),
+                                                             num_splits=splits))
         ref = paged_decode_reference(q.astype(jnp.float32), k8, v8, bt, lens, scale=128 ** -0.5)
         err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
-        key = f"fp8kv_mosaic_rel_err_b{batch}x{max_blocks * 16}" + ("_t128" if tokens == 128 else "")
+        key = f"fp8kv_{variant.replace(':', '_')}_rel_err_b{batch}x{max_blocks * 16}"
         errs[key] = err
-        log(f"check B{batch} x {max_blocks * 16} splits={splits} t{tokens}: rel err {err:.2e}")
+        log(f"check {variant} B{batch} x {max_blocks * 16} splits={splits}: rel err {err:.2e}")
     return errs
 
 
 def fp8_variant_config(name: str):
     """A variant name's Mosaic config: bench_decode's `mosaic_config` options, plus "ahead" for
-    `fp8_widen_ahead=True`; e.g. "mosaic:ahead:la4"."""
+    `fp8_widen_ahead=True` and "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X; e.g.
+    "mosaic:ahead:la4"."""
     from benchmarks.bench_decode import mosaic_config
+    ours = {"ahead": dict(fp8_widen_ahead=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X")}
     opts = name.split(":")
-    config = mosaic_config(":".join(o for o in opts if o != "ahead"))
-    return dataclasses.replace(config, fp8_widen_ahead="ahead" in opts)
+    config = mosaic_config(":".join(o for o in opts if o not in ours))
+    for o in opts:
+        config = dataclasses.replace(config, **ours.get(o, {}))
+    return config
 
 
 def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> None:
@@ -242,12 +248,12 @@ def main(argv=None) -> None:
     if "decode" in parts:
         decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
                      not args.no_triton)
-    if "prefill" in parts:
-        metrics.update(prefill_speed(log))
-        save()
     if "ppl" in parts:
         metrics.update(demo_ppl(args.ppl_window))
         log({k: v for k, v in metrics.items() if k.startswith("demo")})
+        save()
+    if "prefill" in parts:
+        metrics.update(prefill_speed(log))
     save()
 
 

@@ -32,25 +32,27 @@ def tile_transforms(dtype, head_dim: int):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def widen(tile, wide, free) -> None:
+def widen(tile, wide, free, layout: str = "WGMMA_8BIT") -> None:
     """fp8 ring tile -> its float16 copy in the warpgroup's staging tile `wide`, then arrive on
-    the slot's `free` barrier (the fp8 bytes are no longer needed)."""
+    the slot's `free` barrier (the fp8 bytes are no longer needed). `layout`: the register layout
+    of the copy (a `plgpu.Layout` name): WGMMA_8BIT moves 4 fp8 bytes per thread and load,
+    WGMMA_UPCAST_2X / _4X 8 / 16."""
     with jax.named_scope("widen"):  # a range of the in-kernel profile (tools/profile_decode.py)
-        wide[...] = plgpu.load(tile, layout=plgpu.Layout.WGMMA_8BIT).astype(wide.dtype)
+        wide[...] = plgpu.load(tile, layout=getattr(plgpu.Layout, layout)).astype(wide.dtype)
         plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
     plgpu.barrier_arrive(free)
 
 
-def widen_slot(ring, ready, free, slot, wide) -> None:
+def widen_slot(ring, ready, free, slot, wide, layout: str = "WGMMA_8BIT") -> None:
     """Wait for ring slot `slot` to land, then `widen` it into `wide`."""
     plgpu.barrier_wait(ready.at[slot])
-    widen(ring.at[slot], wide, free.at[slot])
+    widen(ring.at[slot], wide, free.at[slot], layout)
 
 
-def wgmma_tile(tile, wide, free):
+def wgmma_tile(tile, wide, free, layout: str = "WGMMA_8BIT"):
     """The 16-bit tile a wgmma reads for ring slot `tile`: the tile itself (`wide` None; the caller
     arrives on `free` after its wgmma), or its float16 copy made now (`widen`)."""
     if wide is None:
         return tile
-    widen(tile, wide, free)
+    widen(tile, wide, free, layout)
     return wide

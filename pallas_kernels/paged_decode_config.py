@@ -27,6 +27,7 @@ class MosaicDecodeConfig:
       K during its P V wgmma (two staging tiles); False: each tile just before its wgmma (one
       staging tile, two more ring slots; 4% faster at batch 64 x 4096 on the H200). See
       mgpu_fp8.py.
+    fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
     tokens_per_step: int = 64
@@ -38,6 +39,7 @@ class MosaicDecodeConfig:
     pdl: bool = True
     combine_kernel: bool = True
     fp8_widen_ahead: bool = False
+    fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
 
     def __post_init__(self):

@@ -49,7 +49,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
-from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms, wgmma_tile, widen_slot
+from pallas_kernels import mgpu_fp8
+from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms
 from pallas_kernels.paged_decode_config import MosaicDecodeConfig
 from pallas_kernels.paged_decode_common import (
     NEG_INF,
@@ -82,7 +83,8 @@ def _scoped(name: str):
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool):
+                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
+                   widen_layout: str):
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
          k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
@@ -93,6 +95,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         y_smem = None
     # Trailing scratch: the P tiles (interpret), the fp8 staging tiles (K, and V when ahead).
     p_smem, wide_smem = (p_smem[0] if interpret else None), p_smem[interpret:]
+    wgmma_tile = functools.partial(mgpu_fp8.wgmma_tile, layout=widen_layout)
+    widen_slot = functools.partial(mgpu_fp8.widen_slot, layout=widen_layout)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -405,7 +409,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
-        pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead)
+        pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
+        widen_layout=config.fp8_widen_layout)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,

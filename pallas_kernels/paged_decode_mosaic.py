@@ -208,7 +208,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
 
-            # fp8 widened ahead: K and V staging tiles; the first K before the loop.
+            # fp8: this warpgroup's staging tile (K, or K and V when widening ahead, which
+            # widens the item's first K before the loop).
             wide = wide_smem[0].at[wg] if widen else None
             wide_v = wide_smem[1].at[wg] if ahead else None
             if ahead:

@@ -43,6 +43,11 @@ class AttentionBackend:
         """Attention for every token of the step: decode tokens first, then the ragged prefill part."""
         return _attend(self, q, k_cache, v_cache, md, scale=scale, softcap=softcap)
 
+    def for_layer(self, i: int) -> "AttentionBackend":
+        """The backend layer i calls: the same for every layer (`kv_quant.FP8KVAttention` gives
+        each layer its own scales)."""
+        return self
+
 
 # A nested jit: every layer calls attention with the same shapes, so the kernels are traced and
 # lowered once per step shape instead of once per layer (Mosaic GPU kernels are lowered in Python,

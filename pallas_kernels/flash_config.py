@@ -58,6 +58,12 @@ class KernelConfig:
             raise ValueError(f"consumer_registers={self.consumer_registers} / producer_registers="
                              f"{self.producer_registers} overflow the {REGISTER_FILE}-register file")
 
-    def smem_bytes(self, d: int, itemsize: int) -> int:
+    def smem_bytes(self, d: int, itemsize: int, kv_itemsize: int | None = None) -> int:
+        """Shared memory of the kernel at head_dim d: Q/O buffers of `itemsize`, the K/V ring of
+        `kv_itemsize` (default: the same), and with a narrower cache (fp8) one staging tile of
+        `itemsize` per consumer (`mgpu_fp8.wgmma_tile`)."""
+        kv_itemsize = kv_itemsize or itemsize
         profile = 3 * PROFILE_EVENTS * 16 if self.profile_dir else 0
-        return (Q_BUFFERS * TILE_Q + 2 * self.stages * self.block_kv) * d * itemsize + profile
+        staging = 2 * self.block_kv * d * itemsize if kv_itemsize != itemsize else 0
+        return ((Q_BUFFERS * TILE_Q * itemsize + 2 * self.stages * self.block_kv * kv_itemsize) * d
+                + staging + profile)

@@ -63,6 +63,7 @@ from pallas_kernels.device_info import num_sms
 from pallas_kernels.flash_config import (BLOCK_Q, PROFILE_EVENTS, Q_BUFFERS, SMEM_LIMIT, TILE_Q,
                                          KernelConfig)
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
+from pallas_kernels.mgpu_fp8 import tile_transforms, wgmma_tile
 from pallas_kernels.softmax_mgpu import redo_where_sums_overflow
 
 LOG2E = math.log2(math.e)
@@ -105,9 +106,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         pages_per_tile = 1
     else:
         raise ValueError(f"kv_mode={kv_mode!r}")
-    if cfg.smem_bytes(d, jnp.dtype(dtype).itemsize) > SMEM_LIMIT:
-        raise ValueError(f"{cfg} needs {cfg.smem_bytes(d, jnp.dtype(dtype).itemsize)} bytes of "
-                         f"shared memory at head_dim={d}; the limit is {SMEM_LIMIT}")
+    smem_bytes = cfg.smem_bytes(d, jnp.dtype(dtype).itemsize, jnp.dtype(k.dtype).itemsize)
+    if smem_bytes > SMEM_LIMIT:
+        raise ValueError(f"{cfg} needs {smem_bytes} bytes of shared memory at head_dim={d}; the "
+                         f"limit is {SMEM_LIMIT}")
+    widen = k.dtype != dtype  # an fp8 cache: consumers widen each K/V tile (mgpu_fp8.py)
     group = hq // hkv
     num_items = hq * tiles.shape[0]
     num_ctas = min(num_items, cfg.num_ctas or num_sms())
@@ -118,6 +121,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
     def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
         (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
+        wide = p_smem[-1].at[lax.axis_index("wg")] if widen else None
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
         cta = lax.axis_index("ctas")
         wg = lax.axis_index("wg")
@@ -281,9 +285,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                     picks the masked or unmasked softmax)."""
                     acc, m_i, l_i = carry
                     slot = slot_of(g0 + j)
+                    k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
 
                     def qk_scope(acc_ref):
-                        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, qo_smem, k_tile.transpose((1, 0)))
                         if not interpret:
                             pass_turn()  # QK_j is issued: the other consumer's turn
                         return acc_ref[...]
@@ -291,7 +296,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, bkv), jnp.float32))
                     if interpret:
                         pass_turn()
-                    plgpu.barrier_arrive(k_free.at[slot])
+                    if wide is None:
+                        plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax"):
                         if peeled:  # the plain path, from m = -inf: acc is still zero
                             def first_softmax(masked):
@@ -317,6 +323,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                     with jax.named_scope("wait_v_turn"):
                         plgpu.barrier_wait(v_bar.at[slot])
+                        v_tile = wgmma_tile(v_smem.at[slot], wide, v_free.at[slot])
                         take_turn()  # PV_j and QK_{j+1} are issued in one turn
 
                     has_next, next_slot = j + 1 < steps, slot_of(g0 + j + 1)
@@ -325,9 +332,10 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                         pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[next_slot]))
 
                     with jax.named_scope("pv"):
-                        acc = accumulate_pv(acc, p16, v_smem.at[slot],
+                        acc = accumulate_pv(acc, p16, v_tile,
                                             p_smem[0].at[wg] if interpret else None, wait_next_k)
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    if wide is None:
+                        plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
                 # The first step (steps >= 1 here) runs on its own: on the plain path from
@@ -420,11 +428,12 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
         qo = plgpu.SMEM((Q_BUFFERS, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
         smem = (
             plgpu.RefUnion(qo, plgpu.SMEM((Q_BUFFERS, 2, BLOCK_Q, d), dtype)),  # Q/O | ragged O
-            plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((stages, bkv, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((stages, bkv, d), k.dtype, transforms=tile_transforms(k.dtype, d)),
+            plgpu.SMEM((stages, bkv, d), k.dtype, transforms=tile_transforms(k.dtype, d)),
             # interpret mode: each consumer's P tile (on the GPU P stays in registers)
             *([plgpu.SMEM((2, BLOCK_Q, bkv), dtype, transforms=(tiling, swizzle))]
               if interpret else []),
+            *([plgpu.SMEM((2, bkv, d), dtype, transforms=(tiling, swizzle))] if widen else []),
         )
         loaded = (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
                   plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),

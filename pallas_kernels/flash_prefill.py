@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import flash_mgpu, flash_triton
 from pallas_kernels.flash_config import TILE_Q, KernelConfig
+from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.mgpu_fp8 import compute_dtype
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -95,8 +97,8 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     _check_softcap(softcap)
     if k_cache.shape != v_cache.shape or dk != d:
         raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} do not match q {q.shape}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} must equal q.dtype {q.dtype}")
+    if v_cache.dtype != k_cache.dtype or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"cache dtype {k_cache.dtype} must equal q.dtype {q.dtype} or be fp8")
     if block_kv % block_size:
         raise ValueError(f"block_size={block_size} must divide the kernel's block_kv={block_kv}")
     s = seq_lens.shape[0]
@@ -111,7 +113,7 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                        causal=True)
     tp += extra_rows
     qp = jnp.pad(q, ((0, tp - t), (0, 0), (0, 0))) if tp != t else q
-    return qp, tiles
+    return qp.astype(compute_dtype(k_cache.dtype) if is_fp8(k_cache.dtype) else q.dtype), tiles
 
 
 def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
@@ -126,7 +128,7 @@ def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
     out = flash_mgpu.mosaic_attention(qp, k_cache, v_cache, tiles, block_tables.astype(jnp.int32),
                                       kv_mode="paged", causal=True, scale=scale, softcap=softcap,
                                       config=config, interpret=interpret)
-    return out[:t] if out.shape[0] != t else out
+    return out[:t].astype(q.dtype)
 
 
 def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
@@ -139,7 +141,7 @@ def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
     out = flash_triton.triton_paged_attention(qp, k_cache, v_cache, tiles,
                                               block_tables.astype(jnp.int32), scale=scale,
                                               softcap=softcap, interpret=interpret)
-    return out[:t]
+    return out[:t].astype(q.dtype)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,

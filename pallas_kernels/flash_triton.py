@@ -50,8 +50,9 @@ def _kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, softcap, bl
         p_idx = j * pages_per_block + jnp.arange(pages_per_block)
         ids = pltriton.load(bt_ref.at[seq, pl.ds(j * pages_per_block, pages_per_block)],
                             mask=p_idx < max_pages, other=0)
-        k = k_ref[ids].reshape(block_k, d)
-        v = v_ref[ids].reshape(block_k, d)
+        # An fp8 cache is widened to q's 16-bit type in registers (kv_quant.py: exact).
+        k = k_ref[ids].reshape(block_k, d).astype(q.dtype)
+        v = v_ref[ids].reshape(block_k, d).astype(q.dtype)
         s = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale
         if softcap:
             s = softcap * jnp.tanh(s / softcap)

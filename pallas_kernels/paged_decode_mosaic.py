@@ -49,6 +49,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
+from pallas_kernels import mgpu_fp8
+from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms
+from pallas_kernels.paged_decode_config import MosaicDecodeConfig
 from pallas_kernels.paged_decode_common import (
     NEG_INF,
     DecodeShape,
@@ -62,49 +65,6 @@ _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
 _SMEM_BUDGET = 227 * 1024 - 4096  # 227 KiB per block, less what Mosaic adds (barriers, alignment)
 _PROFILE_EVENTS = 128  # profiler events per warpgroup (16 bytes of shared memory each)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicDecodeConfig:
-    """Static tuning knobs; every distinct value compiles its own kernel. The defaults are the
-    production configuration (the H200 decode grid of benchmarks/RESULTS.md).
-
-    tokens_per_step: K/V tokens per pipeline slot, a positive multiple of 64 (wgmma N tiling).
-    stages: slots in the ring, even and >= 2 (see the module docstring); None: as many as fit in
-      shared memory.
-    num_ctas: persistent CTAs; None: one per SM.
-    split_workers: workers the split plan balances over; None: num_ctas.
-    num_splits: force this many context splits (benchmarks, tests); None: planned.
-    bt_lookahead: the producer reads block ids this many steps ahead (0: just in time).
-    pdl: programmatic dependent launch: the kernel's launch and set-up overlap the previous
-      kernel's tail; nothing is read from memory before `griddepcontrol.wait`; with splits, the
-      combine kernel's launch overlaps this one.
-    combine_kernel: merge splits with split_combine_mosaic; False: the same merge in XLA (three
-      kernels), the combine kernel's oracle in tests.
-    profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
-      here; see benchmarks/profile_decode.py."""
-    tokens_per_step: int = 64
-    stages: int | None = None
-    num_ctas: int | None = None
-    split_workers: int | None = None
-    num_splits: int | None = None
-    bt_lookahead: int = 2
-    pdl: bool = True
-    combine_kernel: bool = True
-    profile_dir: str = ""
-
-    def __post_init__(self):
-        if self.tokens_per_step <= 0 or self.tokens_per_step % 64:
-            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a positive multiple "
-                             f"of 64")
-        if self.stages is not None and (self.stages < 2 or self.stages % 2):
-            raise ValueError(f"stages={self.stages} must be even and >= 2 (None: as many as fit)")
-        for name in ("num_ctas", "split_workers", "num_splits"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be positive (or None)")
-        if self.bt_lookahead < 0:
-            raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")
 
 
 def _scoped(name: str):
@@ -123,7 +83,8 @@ def _scoped(name: str):
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, interpret: bool):
+                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
+                   widen_layout: str):
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
          k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
@@ -132,7 +93,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
          q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         y_smem = None
-    p_smem = p_smem[0] if interpret else None
+    # Trailing scratch: the P tiles (interpret), the fp8 staging tiles (K, and V when ahead).
+    p_smem, wide_smem = (p_smem[0] if interpret else None), p_smem[interpret:]
+    wgmma_tile = functools.partial(mgpu_fp8.wgmma_tile, layout=widen_layout)
+    widen_slot = functools.partial(mgpu_fp8.widen_slot, layout=widen_layout)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -244,18 +208,38 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
 
+            # fp8: this warpgroup's staging tile (K, or K and V when widening ahead, which
+            # widens the item's first K before the loop).
+            wide = wide_smem[0].at[wg] if widen else None
+            wide_v = wide_smem[1].at[wg] if ahead else None
+            if ahead:
+                pl.when(my_steps > 0)(lambda: widen_slot(k_smem, k_bar, k_free,
+                                                          lax.rem(g0 + j0, stages), wide))
+
             def step(t, carry):
                 acc, m_i, l_i = carry
                 j = j0 + 2 * t
                 slot = lax.rem(g0 + j, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
+                if ahead:
+                    k_tile = wide
+                else:
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_bar.at[slot])
+                    k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
+                widen_v = ahead and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide_v))
 
                 def qk_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    if widen_v and not interpret:  # V widened while QK^T runs
+                        widen_v()
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                with jax.named_scope("qk"):
+                    s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
+                if widen_v and interpret:  # no barrier wait inside a wgmma scope there
+                    widen_v()
+                if wide is None:
+                    plgpu.barrier_arrive(k_free.at[slot])
                 s = s * logit_scale
                 if softcap:
                     s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
@@ -268,12 +252,22 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(v_smem.dtype)
-                plgpu.barrier_wait(v_bar.at[slot])
-
-                acc = accumulate_pv(acc, p16, v_smem.at[slot],
-                                    None if p_smem is None else p_smem.at[wg])
-                plgpu.barrier_arrive(v_free.at[slot])
+                p16 = p.astype(q_smem.dtype)
+                during = None
+                if ahead:  # the next K widened while P V runs
+                    # (operands computed outside the wgmma scope, which takes no new constants)
+                    v_tile, next_slot, has_next = wide_v, lax.rem(g0 + j + 2, stages), t + 1 < my_steps
+                    during = lambda: pl.when(has_next)(
+                        lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
+                else:
+                    with jax.named_scope("wait_v"):
+                        plgpu.barrier_wait(v_bar.at[slot])
+                    v_tile = wgmma_tile(v_smem.at[slot], wide, v_free.at[slot])
+                with jax.named_scope("pv"):
+                    acc = accumulate_pv(acc, p16, v_tile,
+                                        None if p_smem is None else p_smem.at[wg], during)
+                if wide is None:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
             init = (
@@ -359,9 +353,10 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     query head i) for `split_combine_mosaic.combine_split_parts` (or `_combine_parts`)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
-    dtype = k_cache.dtype
+    cache_dtype, dtype = k_cache.dtype, compute_dtype(k_cache.dtype)  # fp8: computes in f16
     if dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"k_cache dtype {dtype} not supported: the Mosaic kernel needs bf16/f16")
+        raise ValueError(f"k_cache dtype {dtype} not supported: the Mosaic kernel needs bf16, "
+                         f"f16 or fp8")
     if d % 64:
         raise ValueError(f"head_dim ({d}) must be a multiple of 64 for the Mosaic kernel")
     if bs % 8 or config.tokens_per_step % bs:
@@ -374,15 +369,18 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     plan = plan_splits(shape, pages_per_step=pages_per_step,
                        workers=config.split_workers or num_ctas, num_splits=config.num_splits)
     elem_bytes = jnp.dtype(dtype).itemsize
-    stage_bytes = 2 * config.tokens_per_step * d * elem_bytes  # K and V
+    widen = cache_dtype != dtype
+    ahead = widen and config.fp8_widen_ahead
+    stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
                    + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
     profiling = bool(config.profile_dir) and not interpret
     if profiling:
         fixed_bytes += (_NUM_CONSUMERS + 1) * _PROFILE_EVENTS * 16
-    if interpret:
-        fixed_bytes += _NUM_CONSUMERS * _WGMMA_ROWS * config.tokens_per_step * elem_bytes
+    # The P tiles (interpret) and the fp8 pages' 16-bit staging tiles, one per consumer.
+    fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
+                    * (_WGMMA_ROWS * interpret + d * widen * (1 + ahead)))
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
     if stages < 2 or stages % 2:
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
@@ -412,14 +410,15 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
-        pdl=config.pdl and not interpret, interpret=interpret)
+        pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
+        widen_layout=config.fp8_widen_layout)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=(
             plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms),  # q tiles
-            plgpu.SMEM((stages, tokens, d), dtype, transforms=transforms),
-            plgpu.SMEM((stages, tokens, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
+            plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
             # conflicts; its unswizzled view stages the fp32 part when split.
             plgpu.RefUnion(plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
@@ -436,6 +435,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
             *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
+            *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),
@@ -478,7 +478,8 @@ def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: f
         out = outs[0]
     elif config.combine_kernel:
         out = combine_split_parts(*outs, group=launch.shape.group, q_padded=launch.q_padded,
-                                  dtype=k_cache.dtype, pdl=config.pdl, interpret=interpret)
+                                  dtype=compute_dtype(k_cache.dtype), pdl=config.pdl,
+                                  interpret=interpret)
     else:
         out = _combine_parts(*outs, launch)
     return out.reshape(q.shape).astype(q.dtype)

@@ -41,8 +41,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     def step(i, carry):
         o, m, l = carry
         pages = bt_ref[pl.ds(i * pages_per_step, pages_per_step)]
-        k = k_ref[pages].reshape(tokens_per_step, d)
-        v = v_ref[pages].reshape(tokens_per_step, d)
+        # An fp8 cache is widened to q's 16-bit type in registers (kv_quant.py: exact).
+        k = k_ref[pages].reshape(tokens_per_step, d).astype(q.dtype)
+        v = v_ref[pages].reshape(tokens_per_step, d).astype(q.dtype)
         s = plgpu_triton.dot(q, k, trans_b=True) * scale  # fp32 [Gp, tokens]
         if softcap:
             s = softcap * jnp.tanh(s / softcap)

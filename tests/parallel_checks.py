@@ -177,6 +177,12 @@ def engine_checks(out: dict) -> None:
         SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True),
         use_tqdm=False)
     out["llama/engine_tp1"] = [o.outputs[0].token_ids for o in outs]
+    # An fp8 cache under TP = 2 (each device quantizes and reads its own KV heads with the
+    # layer's scales) against one device.
+    out["llama/fp8"] = {tp: [o.outputs[0].token_ids for o in LLM(
+        str(FIXTURES / "llama"), tensor_parallel_size=tp, kv_cache_dtype="fp8", **kw).generate(
+            [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()], params, use_tqdm=False)]
+        for tp in (1, 2)}
     refusals = {}
     for name, extra in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16),
                         "dp3tp4": dict(tensor_parallel_size=4, data_parallel_size=3),

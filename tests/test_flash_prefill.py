@@ -28,6 +28,7 @@ import pytest
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import reference
 from pallas_kernels.flash_config import TILE_Q, KernelConfig
+from pallas_kernels.kv_quant import quantize
 from pallas_kernels.testing import random_paged_batch
 
 
@@ -146,16 +147,37 @@ def test_mosaic_dense_attention_interpreted_matches_reference(causal, gain):
     assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("kernel", ["triton", "mosaic"])
+def test_prefill_over_an_fp8_cache_matches_reference(kernel):
+    # Both kernels widen the fp8 pages (the Mosaic consumers into their f16 staging tiles); the
+    # reference reads the same fp8 values.
+    hq, hkv, d, bs, q_lens, prefixes, extra, cap, config = MOSAIC_INTERPRET_CASES[1]
+    q, k, v, *rest = _paged_batch(np.random.default_rng(hq + d), hq=hq, hkv=hkv, d=d,
+                                  block_size=bs, q_lens=q_lens, prefixes=prefixes, extra=extra)
+    k, v = quantize(k, 0.25), quantize(v, 0.25)
+    if kernel == "triton":
+        out = fp.flash_prefill_triton(q, k, v, *rest, scale=d ** -0.5, softcap=cap, interpret=True)
+    else:
+        out = fp.flash_prefill_mosaic(q, k, v, *rest, scale=d ** -0.5, softcap=cap, config=config,
+                                      interpret=True)
+    ref = reference.ragged_prefill_reference(q, k, v, *rest, scale=d ** -0.5, softcap=cap)
+    t = sum(q_lens)
+    assert out.dtype == q.dtype
+    assert _rel(out[:t], ref[:t]) < 1e-2
+    assert not np.asarray(out[t:]).any()
+
+
 # ------------------------------------------------------------------ Mosaic GPU kernel, lowering
 def _lower_for_cuda(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("dtype,d,block_size,softcap", [
-    (jnp.bfloat16, 128, 16, None), (jnp.float16, 64, 32, 50.0)])
-def test_mosaic_paged_prefill_lowers_for_cuda(dtype, d, block_size, softcap):
+@pytest.mark.parametrize("dtype,cache_dtype,d,block_size,softcap", [
+    (jnp.bfloat16, jnp.bfloat16, 128, 16, None), (jnp.float16, jnp.float16, 64, 32, 50.0),
+    (jnp.bfloat16, jnp.float8_e4m3fn, 128, 16, None), (jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, None)])
+def test_mosaic_paged_prefill_lowers_for_cuda(dtype, cache_dtype, d, block_size, softcap):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    cache = jax.ShapeDtypeStruct((2, 40, block_size, d), dtype)
+    cache = jax.ShapeDtypeStruct((2, 40, block_size, d), cache_dtype)
     text = _lower_for_cuda(
         functools.partial(fp.flash_prefill_mosaic, scale=0.1, softcap=softcap),
         jax.ShapeDtypeStruct((300, 8, d), dtype), cache, cache, i32(4), i32(3), i32(3, 9))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
                                          paged_decode_triton_configured)
 from pallas_kernels.paged_decode_common import DecodeShape, plan_splits
+from pallas_kernels.kv_quant import quantize
 from pallas_kernels.reference import paged_decode_reference
 
 
@@ -87,13 +88,16 @@ def mosaic_splits(case) -> int:
     return 2 if max_blocks * page > 64 else 1
 
 
-def run_case(case, kernel):
+def run_case(case, kernel, cache_dtype=None):
     """A CASES row's inputs through `kernel(q, k, v, bt, lens, scale=, softcap=, workers=,
     splits=)`, checked against the oracle; workers (programs to aim for) = 3 x sequences x kv
-    heads, splits = `mosaic_splits(case)`."""
+    heads, splits = `mosaic_splits(case)`. `cache_dtype` fp8: K/V quantized (the oracle reads the
+    same fp8 values)."""
     seed, batch, hq, hkv, d, page, max_blocks, softcap = case
     q, k, v, bt, lens = make_case(seed, batch=batch, hq=hq, hkv=hkv, d=d, page=page,
                                   max_blocks=max_blocks)
+    if cache_dtype is not None:
+        k, v = quantize(k, 0.5, cache_dtype), quantize(v, 0.5, cache_dtype)
     scale = d ** -0.5
     out = kernel(q, k, v, bt, lens, scale=scale, softcap=softcap, workers=3 * batch * hkv,
                  splits=mosaic_splits(case))
@@ -117,6 +121,41 @@ def test_mosaic_interpret_matches_reference(case):
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits)
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, kernel)
+
+
+FP8_CASES = [CASES[3], CASES[5], CASES[6]]  # d 128 one split + soft-cap, d 128 / d 64 split
+
+
+@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_widen_ahead"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
+def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
+    # Both kernels widen the fp8 pages to 16 bits; the Mosaic one into staging tiles, one stage
+    # ahead (V during QK^T, the next K during P V) or just before each wgmma.
+    def fn(*args, workers, splits, **kwargs):
+        if kernel == "triton":
+            return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
+                                                  workers=workers, interpret=True)
+        cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits,
+                                 fp8_widen_ahead=kernel == "mosaic_widen_ahead")
+        return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
+    run_case(case, fn, jnp.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("d,splits,ahead", [(128, 1, True), (64, 3, True), (128, 1, False)])
+def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, ahead):
+    """The fp8 path's Mosaic GPU pieces (8-bit swizzled tiles, WGMMA_8BIT loads, the paired
+    e4m3 -> f16 conversion, the f16 staging tiles) lower for CUDA at the benchmark shape."""
+    import functools
+    import jax
+    q = jax.ShapeDtypeStruct((64, 32, d), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((8, 4096, 16, d), jnp.float8_e4m3fn)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    fn = functools.partial(paged_decode_mosaic, scale=0.1,
+                           config=MosaicDecodeConfig(num_ctas=132, num_splits=splits,
+                                                     fp8_widen_ahead=ahead))
+    text = jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "cvt.rn.f16x2.e4m3x2" in text
 
 
 def test_cases_cover_the_mosaic_kernels_one_and_several_split_paths():

@@ -120,6 +120,11 @@ def test_engine_tokens_equal_across_meshes(runs, mesh):
         assert got["after_update"] == [ref[:2], [1, 1], [1, 1]]
 
 
+def test_fp8_kv_cache_under_tp2_equals_single_device(runs):
+    fp8 = runs["checks"]["llama/fp8"]
+    assert fp8["2"] == fp8["1"] and all(len(t) == 10 for t in fp8["1"])
+
+
 def test_two_processes_tp2_equal_single_device(runs):
     hosts = runs["hosts"]
     assert [h["process"] for h in hosts] == [0, 1]

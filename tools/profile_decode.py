@@ -5,8 +5,9 @@
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
 warpgroup of every CTA records global-timer stamps at the kernel's named ranges (producer_item,
-wait_q, kv_steps, hand_over, merge_store; SM cycles within a warpgroup, converted to µs at the
-maximum SM clock). From that trace this prints, per shape: the kernel's
+wait_q, kv_steps, hand_over, merge_store; per step wait_k, qk, wait_v, pv and, on an fp8 cache
+(`--fp8`), widen; the first ~16 steps of a warpgroup fill its event buffer; SM cycles within a
+warpgroup, converted to µs at the maximum SM clock). From that trace this prints, per shape: the kernel's
 span (first stamp to last, over all CTAs), how far apart the CTAs start and finish, when the first
 consumer starts streaming (the end of its q wait), and each range's mean and max length. The
 profiler's own stores cost a few cycles per stamp; the split-combine kernel (several splits) and the launch
@@ -94,9 +95,13 @@ def summarize(events: list[dict]) -> dict:
     }
 
 
-def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path) -> dict:
+def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool = False) -> dict:
     case = make_paged_case(batch, ctx)
-    config = mosaic_config(variant)
+    if fp8:  # the same pages as an fp8 cache (kv_quant.py)
+        from pallas_kernels.kv_quant import quantize
+        case = dict(case, k=quantize(case["k"], 1.0), v=quantize(case["v"], 1.0))
+        variant += ":fp8"
+    config = mosaic_config(variant.removesuffix(":fp8"))
     trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     args = (case["q"], case["k"], case["v"], case["bts"][0], case["lens"])
@@ -129,15 +134,17 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="1x32768,8x32768,64x4096")
     ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fp8", action="store_true", help="also profile each on an fp8 cache")
     args = ap.parse_args(argv)
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_profiles"))
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         for variant in args.variants.split(","):
-            row = profile_shape(batch, ctx, variant, out_dir)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for fp8 in (False, True) if args.fp8 else (False,):
+                row = profile_shape(batch, ctx, variant, out_dir, fp8)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     (out_dir / "summary.json").write_text(json.dumps(rows, indent=1))
     print("\n| shape | variant | CTAs | span µs | CTA start spread | CTA finish min / median / max "
           "| first q ready | kv_steps mean / max | merge_store mean |")

@@ -33,6 +33,7 @@ class EngineArgs:
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
@@ -83,7 +84,8 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           kv_cache_scales=self.kv_cache_scales)
 
     @property
     def model_path(self) -> str:

@@ -35,6 +35,8 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.kv_scales import kv_cache_backend
+from jaxinfer.core.kv_cache.planner import kv_bytes_per_block
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
@@ -107,13 +109,18 @@ class LLMEngine:
             decode_steps_per_call=args.decode_steps_per_call,
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
+        backend = kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg, params,
+                                   scales=args.kv_cache_scales, tokenizer=tokenizer,
+                                   model_dir=None if args.load_format == "dummy" else args.model_path)
         self.runner = ModelRunner(
-            cfg, params, get_backend(args.attention_backend), num_blocks=num_blocks,
+            cfg, params, backend, num_blocks=num_blocks,
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
             executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
                               if args.compilation_cache_dir else None))
+        self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
+                                      kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -182,9 +189,10 @@ class LLMEngine:
             log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
             return blocks
         model_dtype = params_dtype_name(params)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
         activations = step_activation_bytes(
-            cfg, params, get_backend(args.attention_backend),
-            kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype),
+            cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
+            kv_dtype=kv_dtype,
             block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, plan=plan)
         # A block holds kv_heads_per_device heads on each device.

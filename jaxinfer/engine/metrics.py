@@ -59,7 +59,18 @@ class EngineMetrics:
                                              "Arrival to finish", _LATENCY_BUCKETS)
         self.request_queue_time = histogram("jaxinfer:request_queue_time_seconds",
                                             "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self.kv_cache_bytes = gauge("jaxinfer:kv_cache_bytes",
+                                    "Bytes of the KV-cache pool over all devices (1 per element "
+                                    "with an fp8 cache)")
+        self._cache_info = Gauge("jaxinfer:cache_config_info", "KV-cache settings (value 1)",
+                                 ["model_name", "block_size", "cache_dtype", "num_blocks"],
+                                 registry=r)
         self._prefix_seen = (0, 0)
+
+    def set_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int,
+                         bytes_per_block: int) -> None:
+        self._cache_info.labels(self.model_name, str(block_size), cache_dtype, str(num_blocks)).set(1)
+        self.kv_cache_bytes.set(num_blocks * bytes_per_block)
 
     def request_success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()

@@ -30,7 +30,8 @@ EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": 
                 "w2": "w_down", "down_proj": "w_down"}
 # Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
 FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
-IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# KV-cache scales are read by core/kv_cache/kv_scales.py, not loaded as params.
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*self_attn\.(k_scale|v_scale|kv_scale)$")
 
 Index = tuple[slice, ...]
 

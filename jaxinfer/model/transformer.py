@@ -169,7 +169,8 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             kv = None if kv_cache is None else kv_cache[i]
             with jax.named_scope(f"layer_{i}"):
-                x, layer_kv = DecoderLayer(cfg, self.backend, self.dtype, cfg.layer_is_moe(i),
+                x, layer_kv = DecoderLayer(cfg, self.backend.for_layer(i), self.dtype,
+                                           cfg.layer_is_moe(i),
                                            name=f"layers_{i}")(x, cos, sin, kv, md)
             new_cache.append(layer_kv)
         hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)

@@ -36,6 +36,9 @@ class ShardedAttention:
         idx = jax.lax.axis_index(TP) * self.plan.cfg.num_kv_heads // self.plan.tp
         return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=1)
 
+    def for_layer(self, i: int) -> "ShardedAttention":
+        return dataclasses.replace(self, inner=self.inner.for_layer(i))
+
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         specs = attention_specs(self.plan)
 

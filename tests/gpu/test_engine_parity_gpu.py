@@ -22,7 +22,8 @@ HELDOUT = Path(__file__).resolve().parents[2] / "checkpoints" / "heldout_sample.
 NEAR_TIE = 0.1  # logits; the differences seen on the H200 sat at gaps of 0.005-0.046
 
 
-def test_mosaic_backend_matches_the_reference_up_to_near_ties(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_mosaic_backend_matches_the_reference_up_to_near_ties(tmp_path, kv_cache_dtype):
     lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
     prompts = ["\n".join(lines[i:i + 3]) for i in range(0, 48, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -30,7 +31,7 @@ def test_mosaic_backend_matches_the_reference_up_to_near_ties(tmp_path):
     for backend in ("reference", "mosaic"):
         llms[backend] = LLM(attention_backend=backend, dtype="bfloat16", max_num_seqs=16,
                             max_num_batched_tokens=512, warmup=False, num_blocks=4096,
-                            compilation_cache_dir=str(tmp_path))
+                            compilation_cache_dir=str(tmp_path), kv_cache_dtype=kv_cache_dtype)
         outs[backend] = [(o.prompt_token_ids, o.outputs[0].token_ids)
                          for o in llms[backend].generate(prompts, params, use_tqdm=False)]
     engine = llms["reference"].engine

@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import reference
 from pallas_kernels.backend import AttentionBackend, get_backend
+from pallas_kernels.kv_quant import quantize
 from pallas_kernels.testing import random_paged_batch
 from small_model import greedy_decode, small_llama
 
@@ -75,6 +76,23 @@ def test_ragged_paged_matches_the_reference(case, kernel):
     used = int(args[3][-1])
     assert rel_err(out[:used], ref[:used]) < 1e-2
     assert not jnp.abs(out[used:].astype(jnp.float32)).any()  # padding tokens come out zero
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+@pytest.mark.parametrize("case", [0, 3, 4])
+def test_ragged_paged_over_an_fp8_cache_matches_the_reference(case, kernel):
+    # The reference reads the same fp8 pages: what is compared is the kernels' fp8 reads.
+    hq, hkv, d, bs, ql, pre, extra, cap, _ = PAGED_CASES[case]
+    q, k, v, *rest = random_paged_batch(np.random.default_rng(7 + case), hq=hq, hkv=hkv, d=d,
+                                        block_size=bs, q_lens=ql, prefixes=pre, extra_tokens=extra)
+    k, v = quantize(k, 0.25), quantize(v, 0.25)
+    ref = jax.jit(functools.partial(reference.ragged_prefill_reference, scale=d ** -0.5,
+                                    softcap=cap))(q, k, v, *rest)
+    fn = fp.flash_prefill_mosaic if kernel == "mosaic" else fp.flash_prefill_triton
+    out = jax.jit(functools.partial(fn, scale=d ** -0.5, softcap=cap))(q, k, v, *rest)
+    used = int(rest[0][-1])
+    assert rel_err(out[:used], ref[:used]) < 1e-2
+    assert not jnp.abs(out[used:].astype(jnp.float32)).any()
 
 
 def test_greedy_decoding_after_a_kernel_prefill_equals_the_reference():

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels import reference
 from pallas_kernels.backend import AttentionBackend, get_backend
+from pallas_kernels.kv_quant import quantize
 from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
 from small_model import greedy_decode, small_llama
 
@@ -59,6 +60,23 @@ def test_decode_matches_the_reference_at_real_sizes(case, kernel):
     # lands on it, so rows the kernel fails to write show up as NaN.
     poison = jax.block_until_ready(jnp.full((b, hq, d), jnp.nan, jnp.bfloat16))
     del poison
+    out = np.asarray(jax.jit(functools.partial(KERNELS[kernel], scale=scale, softcap=cap))(
+        q, k, v, bt, lens).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    assert (out[np.asarray(lens) == 0] == 0).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("case", [0, 2, 3])
+def test_decode_over_an_fp8_cache_matches_the_reference(case, kernel):
+    # The reference reads the same fp8 pages: what is compared is the kernels' fp8 reads.
+    b, hq, hkv, d, page, mb, cap = CASES[case]
+    q, k, v, bt, lens = random_case(case, b, hq, hkv, d, page, mb)
+    k, v = quantize(k, 0.25), quantize(v, 0.25)
+    scale = d ** -0.5
+    ref = np.asarray(jax.jit(functools.partial(reference.paged_decode_reference, scale=scale,
+                                               softcap=cap))(q.astype(jnp.float32), k, v, bt, lens))
     out = np.asarray(jax.jit(functools.partial(KERNELS[kernel], scale=scale, softcap=cap))(
         q, k, v, bt, lens).astype(jnp.float32))
     assert np.isfinite(out).all()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 
-# --kv-cache-dtype values. "auto" means the model's dtype. 1-byte types halve the KV footprint; the
-# planner accounts for them, though an attention backend may support only 16-bit caches.
+# --kv-cache-dtype values. "auto" means the model's dtype. 1-byte types halve the KV footprint;
+# they are stored with per-layer scales (kv_scales.py, pallas_kernels/kv_quant.py).
 KV_CACHE_DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
@@ -20,6 +21,8 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": jnp.float8_e5m2,
 }
 MAX_BLOCK_SIZE = 256
+# --kv-cache-scales modes (besides a number); kv_scales.py resolves them.
+SCALE_MODES = ("auto", "checkpoint", "calibrate")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> jnp.dtype:
@@ -32,6 +35,17 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> jnp.dtype:
     return jnp.dtype(KV_CACHE_DTYPES[name])
 
 
+def check_scales_flag(value: str) -> None:
+    """ConfigError naming the flag unless `value` is a mode or a positive number."""
+    try:
+        ok = value in SCALE_MODES or (float(value) > 0 and math.isfinite(float(value)))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--kv-cache-scales '{value}' must be one of {', '.join(SCALE_MODES)} "
+                          f"or a positive number")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """How the paged KV cache is sized and managed. Invalid values raise ConfigError naming the flag."""
@@ -40,6 +54,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory planner
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    kv_cache_scales: str = "auto"  # fp8 caches: see kv_scales.py
 
     def __post_init__(self):
         bs = self.block_size
@@ -54,12 +69,14 @@ class CacheConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype '{self.kv_cache_dtype}' is not supported "
                               f"(choose from auto, {', '.join(KV_CACHE_DTYPES)})")
+        check_scales_flag(self.kv_cache_scales)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheConfig:
         return cls(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                    num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype,
-                   enable_prefix_caching=args.enable_prefix_caching)
+                   enable_prefix_caching=args.enable_prefix_caching,
+                   kv_cache_scales=args.kv_cache_scales)
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +90,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None,
                    help="number of KV-cache blocks; overrides the memory planner")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
-                   help="KV-cache element type (default: the model dtype); fp8 halves KV memory")
+                   help="KV-cache element type (default: the model dtype); fp8 (e4m3, per-layer "
+                        "scales) halves KV memory")
+    g.add_argument("--kv-cache-scales", default="auto",
+                   help="fp8 KV cache: per-layer K/V scales from the 'checkpoint', 'calibrate'd "
+                        "on a fixed text, 'auto' (checkpoint if it has them, else calibrate), or "
+                        "one number for all (default auto)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes across requests (default on)")

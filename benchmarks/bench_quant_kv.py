@@ -1,0 +1,261 @@
+"""FP8 KV cache: decode kernel speed on its bytes, kernel correctness on the device, and the demo
+model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
+
+    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,prefill,ppl]
+                                                      [--save [DIR]]
+
+- check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,
+  ragged lengths (GPU only).
+- decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
+  bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
+  (a sum over 8 GiB) measured in the same run (GPU only).
+- prefill: the Mosaic paged prefill kernel over a bf16 and an fp8 cache (GPU only).
+- ppl: the demo model (bf16 weights) over `checkpoints/heldout_sample.txt` in windows, through
+  the paged cache and the jnp reference: perplexity and the share of positions whose argmax is
+  the bf16 cache's, fp8 scales calibrated as the engine does (`kv_scales.calibrate_kv_scales`).
+`--save` writes benchmarks/results/quant_kv_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "checkpoints" / "demo-target"
+BATCH, CTX = 64, 4096
+
+
+def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
+    """jit fn(params, tokens[B, L]) -> float32 logits [B, L, V]: every row is one sequence
+    prefilled in one step through a fresh paged cache of `kv_dtype` and `backend` (the engine's
+    path: write_kv, then attention over the cache)."""
+    from jaxinfer.core.kv_cache import allocate_kv_cache
+    from jaxinfer.model.transformer import forward
+    from pallas_kernels.metadata import AttentionMetadata
+
+    @jax.jit
+    def logits(params, tokens):
+        b, length = tokens.shape
+        per_seq = -(-length // block_size)
+        cache = allocate_kv_cache(cfg, b * per_seq, block_size, kv_dtype)
+        tables = jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq)
+        pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
+        slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(b, -1)
+        md = AttentionMetadata(slots[:, :length].reshape(-1),
+                               jnp.arange(b + 1, dtype=jnp.int32) * length,
+                               jnp.full((b,), length, jnp.int32), tables)
+        out, _ = forward(params, cfg, tokens.reshape(-1), pos, cache, md, backend)
+        return out.reshape(b, length, -1)
+
+    return logits
+
+
+def demo_windows(tokenizer, length: int) -> np.ndarray:
+    ids = np.asarray(tokenizer.encode((ROOT / "checkpoints" / "heldout_sample.txt").read_text()))
+    n = (len(ids) - 1) // length
+    return ids[: n * length + 1][np.arange(n)[:, None] * length + np.arange(length + 1)]
+
+
+def demo_ppl(length: int = 256) -> dict:
+    """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model."""
+    from checkpoints.measure_demo import perplexity
+    from jaxinfer.core.kv_cache.kv_scales import calibrate_kv_scales, calibration_tokens
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.tokenizer import Tokenizer
+    from jaxinfer.model.weights import load_params
+    from pallas_kernels.backend import REFERENCE, get_backend
+    from pallas_kernels.kv_quant import FP8KVAttention
+    cfg = load_config(DEMO)
+    params = load_params(DEMO, cfg, jnp.bfloat16, progress=False)
+    tok = Tokenizer.from_dir(DEMO)
+    windows = demo_windows(tok, length)
+    k, v = calibrate_kv_scales(cfg, params, calibration_tokens(tok, cfg.vocab_size, 512))
+    fns = {"bf16": paged_logits_fn(cfg, REFERENCE, jnp.bfloat16),
+           "fp8kv": paged_logits_fn(cfg, FP8KVAttention(REFERENCE, k, v), jnp.float8_e4m3fn)}
+    if jax.default_backend() == "gpu":  # the same through the Mosaic kernels (prefill + decode)
+        fns["fp8kv_mosaic"] = paged_logits_fn(cfg, FP8KVAttention(get_backend("mosaic"), k, v),
+                                              jnp.float8_e4m3fn)
+    out, top = {}, {name: [] for name in fns}
+
+    def recording(name):  # the argmax of every position perplexity() sees, one forward for both
+        def fn(params, tokens):
+            logits = fns[name](params, tokens)
+            top[name].append(np.asarray(logits.argmax(-1)))
+            return logits
+        return fn
+
+    for name in fns:
+        out[f"demo_ppl_{name}"] = perplexity(recording(name), params, windows)
+    top = {name: np.concatenate(v) for name, v in top.items()}
+    for name in fns:
+        if name != "bf16":
+            out[f"demo_top1_agreement_{name}"] = float((top["bf16"] == top[name]).mean())
+    out["demo_positions"] = int(windows[:, 1:].size)
+    out["demo_ppl_fp8kv_rel_change"] = out["demo_ppl_fp8kv"] / out["demo_ppl_bf16"] - 1
+    out["demo_kv_scales"] = {"k": list(k), "v": list(v)}
+    return out
+
+
+def check_mosaic(log) -> dict:
+    """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale."""
+    from pallas_kernels.kv_quant import quantize
+    from pallas_kernels.paged_decode import paged_decode_mosaic
+    from pallas_kernels.reference import paged_decode_reference
+    errs = {}
+    for batch, max_blocks, splits, variant in ((7, 40, None, "mosaic"), (64, 256, None, "mosaic"),
+                                               (3, 300, 4, "mosaic"), (64, 256, None, "mosaic:t128"),
+                                               (64, 256, None, "mosaic:up4")):
+        rng = np.random.default_rng(batch)
+        nb = batch * max_blocks + 5
+        q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
+        k8 = quantize(jnp.asarray(rng.standard_normal((8, nb, 16, 128)), jnp.float32), 0.25)
+        v8 = quantize(jnp.asarray(rng.standard_normal((8, nb, 16, 128)), jnp.float32), 0.25)
+        bt = jnp.asarray(rng.permutation(nb)[: batch * max_blocks].reshape(batch, max_blocks),
+                         jnp.int32)
+        lens = jnp.asarray(rng.integers(0, max_blocks * 16 + 1, batch), jnp.int32).at[0].set(1)
+        out = paged_decode_mosaic(q, k8, v8, bt, lens, scale=128 ** -0.5,
+                                  config=dataclasses.replace(fp8_variant_config(variant),
+                                                             num_splits=splits))
+        ref = paged_decode_reference(q.astype(jnp.float32), k8, v8, bt, lens, scale=128 ** -0.5)
+        err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
+        key = f"fp8kv_{variant.replace(':', '_')}_rel_err_b{batch}x{max_blocks * 16}"
+        errs[key] = err
+        log(f"check {variant} B{batch} x {max_blocks * 16} splits={splits}: rel err {err:.2e}")
+    return errs
+
+
+def fp8_variant_config(name: str):
+    """A variant name's Mosaic config: bench_decode's `mosaic_config` options, plus "ahead" for
+    `fp8_widen_ahead=True` and "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X; e.g.
+    "mosaic:ahead:la4"."""
+    from benchmarks.bench_decode import mosaic_config
+    ours = {"ahead": dict(fp8_widen_ahead=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X")}
+    opts = name.split(":")
+    config = mosaic_config(":".join(o for o in opts if o not in ours))
+    for o in opts:
+        config = dataclasses.replace(config, **ours.get(o, {}))
+    return config
+
+
+def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> None:
+    """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
+    production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
+    the Triton kernel on both."""
+    from benchmarks.bench_decode import (D, make_paged_case, read_ceiling_tbps, tbps, time_paged,
+                                         warm_up_gpu)
+    from pallas_kernels.kv_quant import quantize
+    from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
+    warm_up_gpu()
+    ceiling = read_ceiling_tbps()
+    log(f"read ceiling {ceiling:.2f} TB/s")
+    out["hbm_read_tbps"] = ceiling
+    case = make_paged_case(BATCH, CTX)
+    scale = D ** -0.5
+    mosaic = functools.partial(paged_decode_mosaic, scale=scale)
+    shape = f"b{BATCH}x{CTX}"
+    cases = {"bf16": case, "fp8kv": dict(case, k=quantize(case["k"], 1.0),
+                                         v=quantize(case["v"], 1.0), kv_bytes=case["kv_bytes"] // 2)}
+    runs = [("mosaic", mosaic, "bf16"), ("mosaic", mosaic, "fp8kv")]
+    runs += [(name.replace(":", "_"), functools.partial(
+        paged_decode_mosaic, scale=scale, config=fp8_variant_config(name)), "fp8kv")
+        for name in fp8_variants]
+    if triton:
+        fn = functools.partial(paged_decode_triton_configured, scale=scale)
+        runs += [("triton", fn, "bf16"), ("triton", fn, "fp8kv")]
+    # Diagnostic: 32-token pages, so each TMA copy moves as many bytes as a bf16 page of 16.
+    page32 = make_paged_case(BATCH, CTX, page=32)
+    cases["fp8kv_page32"] = dict(page32, k=quantize(page32["k"], 1.0), v=quantize(page32["v"], 1.0),
+                                 kv_bytes=page32["kv_bytes"] // 2)
+    del page32
+    runs.append(("mosaic", mosaic, "fp8kv_page32"))
+    for name, fn, kind in runs:
+        case = cases[kind]
+        try:
+            t = time_paged(fn, case)
+        except Exception as e:  # reported, not fatal
+            out[f"decode_{kind}_{shape}_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"{kind} {name}: {out[f'decode_{kind}_{shape}_{name}_error']}")
+            continue
+        key = f"decode_{kind}_{shape}" + ("" if name == "mosaic" else f"_{name}")
+        out[key + "_us"] = t * 1e6
+        out[key + "_tbps"] = tbps(case["kv_bytes"], t)
+        out[key + "_frac_of_hbm"] = out[key + "_tbps"] / ceiling
+        log(f"{kind} {name}: {t * 1e6:.1f} us, {out[key + '_tbps']:.2f} TB/s "
+            f"({out[key + '_frac_of_hbm']:.1%} of the ceiling)")
+        save()
+    if f"decode_fp8kv_{shape}_us" in out and f"decode_bf16_{shape}_us" in out:
+        out[f"decode_fp8kv_{shape}_speedup_vs_bf16"] = (out[f"decode_bf16_{shape}_us"]
+                                                        / out[f"decode_fp8kv_{shape}_us"])
+
+
+def prefill_speed(log) -> dict:
+    """The paged prefill kernel over a bf16 and an fp8 cache: 8 sequences x 512 new tokens over
+    8192 cached, page 16 (bench_prefill's paged shape), timed interleaved."""
+    from benchmarks.bench_prefill import HKV, HQ, D, bench_interleaved
+    from pallas_kernels import flash_prefill as fp
+    from pallas_kernels.kv_quant import quantize
+    from pallas_kernels.testing import random_paged_batch
+    s, new, cached = 8, 512, 8192
+    q, k, v, *rest = random_paged_batch(np.random.default_rng(3), hq=HQ, hkv=HKV, d=D,
+                                        block_size=16, q_lens=[new] * s, prefixes=[cached] * s)
+    fn = jax.jit(functools.partial(fp.flash_prefill_mosaic, scale=D ** -0.5))
+    calls = {"bf16": (fn, (q, k, v, *rest)), "fp8kv": (fn, (q, quantize(k, 1.0), quantize(v, 1.0),
+                                                            *rest))}
+    flops = 4 * D * HQ * s * (new * cached + new * (new + 1) / 2)
+    out = {}
+    for kind, t in bench_interleaved(calls).items():
+        out[f"prefill_{kind}_s8_new512_cached8192_ms"] = t * 1e3
+        out[f"prefill_{kind}_s8_new512_cached8192_tflops"] = flops / t / 1e12
+        log(f"prefill {kind}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="check,decode,prefill,ppl")
+    ap.add_argument("--ppl-window", type=int, default=256)
+    ap.add_argument("--fp8-variants", default="mosaic:la4,mosaic:t128,mosaic:t128:la4,mosaic:ahead",
+                    help="comma list of fp8 decode kernel variants to time beside the default "
+                         "(bench_decode's mosaic options, and 'ahead': fp8_widen_ahead=True)")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")
+    results_io.add_save_arg(ap, "quant_kv_<gpu>")
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    metrics: dict = {}
+    name = args.name or f"quant_kv_{results_io.device_slug()}"
+
+    def save():
+        if args.save:
+            results_io.save(args.save, name, metrics=metrics,
+                            config=dict(batch=BATCH, ctx=CTX, hq=32, hkv=8, d=128, page=16,
+                                        kv_dtype="float8_e4m3fn", parts=parts,
+                                        ppl_window=args.ppl_window, jax=jax.__version__))
+
+    log = functools.partial(print, flush=True)
+    if "check" in parts:
+        metrics.update(check_mosaic(log))
+        save()
+    if "decode" in parts:
+        decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
+                     not args.no_triton)
+    if "ppl" in parts:
+        metrics.update(demo_ppl(args.ppl_window))
+        log({k: v for k, v in metrics.items() if k.startswith("demo")})
+        save()
+    if "prefill" in parts:
+        metrics.update(prefill_speed(log))
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Per-layer K and V scales of an fp8 KV cache (`--kv-cache-dtype fp8`, `--kv-cache-scales`).
+
+Where they come from (`--kv-cache-scales`):
+- `checkpoint`: the checkpoint's `model.layers.N.self_attn.{k_scale,v_scale}` tensors (or one
+  `kv_scale` for both), as vLLM and llm-compressor write them; a missing layer is an error.
+- `calibrate`: one dense forward over a fixed calibration text (`calibration_tokens`), taking
+  each layer's largest |K| (after the k norm, bounded over every RoPE rotation) and |V|;
+  scale = that maximum / the fp8 maximum, rounded up to a power of two (so scaling q and the
+  output by it is exact, see `pallas_kernels/kv_quant.py`; e4m3 keeps its 3-bit mantissa over its
+  whole normal range, so the up to 2x headroom costs no precision).
+- `auto` (default): the checkpoint's tensors when it has them, else `calibrate`.
+- a number: that scale for every layer's K and V (1.0: values stored as they are).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.core.kv_cache.cache_config import SCALE_MODES, check_scales_flag
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import ModelConfig
+from pallas_kernels.kv_quant import FP8KVAttention, fp8_max, is_fp8
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_TOKENS = 512
+
+
+def checkpoint_kv_scales(model_dir: str | Path, num_layers: int):
+    """(k scales, v scales) from the checkpoint's safetensors, or None when it has none."""
+    from safetensors import safe_open
+    found: dict[str, float] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="np") as f:
+            for name in f.keys():
+                if name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")):
+                    found[name] = float(np.asarray(f.get_tensor(name), np.float32).reshape(-1)[0])
+    if not found:
+        return None
+
+    def scale(i: int, kind: str) -> float:
+        for name in (f"model.layers.{i}.self_attn.{kind}_scale",
+                     f"model.layers.{i}.self_attn.kv_scale"):
+            if name in found:
+                return found[name]
+        raise ConfigError(f"--kv-cache-scales checkpoint: '{model_dir}' has KV scales but none "
+                          f"for layer {i} ({kind}_scale)")
+
+    return (tuple(scale(i, "k") for i in range(num_layers)),
+            tuple(scale(i, "v") for i in range(num_layers)))
+
+
+def calibration_tokens(tokenizer, vocab_size: int, max_tokens: int) -> np.ndarray:
+    """Fixed calibration input: the source of a few standard-library modules (code and prose,
+    present on every machine), tokenized, BOS first where the tokenizer adds one; without a
+    tokenizer, a deterministic spread of token ids."""
+    import json.decoder
+    import textwrap
+    if tokenizer is None:
+        return (np.arange(max_tokens, dtype=np.int64) * 7919 % vocab_size).astype(np.int32)
+    text = inspect.getsource(textwrap) + inspect.getsource(json.decoder)
+    return np.asarray(tokenizer.encode(text)[:max_tokens], np.int32)
+
+
+def _pow2_scale(amax: float, dtype) -> float:
+    if not amax > 0:
+        return 1.0
+    return float(2.0 ** math.ceil(math.log2(amax / fp8_max(dtype))))
+
+
+def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.float8_e4m3fn):
+    """(k scales, v scales): per layer, the K and V maxima of one dense forward over `tokens`
+    (see the module docstring)."""
+    from jaxinfer.model.transformer import Transformer
+    from pallas_kernels.backend import REFERENCE
+    wanted = ("k_norm" if cfg.qk_norm else "k_proj", "v_proj")
+
+    def maxima(params, tokens):
+        model = Transformer(cfg, REFERENCE, params["embed"]["embedding"].dtype)
+        positions = jnp.arange(tokens.shape[1])[None]
+        _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"],
+                               capture_intermediates=lambda mdl, _: mdl.name in wanted)
+        out = []
+        for i in range(cfg.num_layers):
+            attn = state["intermediates"][f"layers_{i}"]["attn"]
+            k = attn[wanted[0]]["__call__"][0].astype(jnp.float32)
+            k = k.reshape(*k.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+            half = cfg.head_dim // 2  # a RoPE rotation keeps each (x_j, x_j+half) pair's norm
+            k_amax = jnp.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2).max()
+            v_amax = jnp.abs(attn["v_proj"]["__call__"][0].astype(jnp.float32)).max()
+            out.append((k_amax, v_amax))
+        return out
+
+    amax = jax.device_get(jax.jit(maxima)(params, jnp.asarray(tokens)[None]))
+    return (tuple(_pow2_scale(float(k), dtype) for k, _ in amax),
+            tuple(_pow2_scale(float(v), dtype) for _, v in amax))
+
+
+def resolve_kv_scales(mode: str, cfg: ModelConfig, params, *, model_dir: str | None,
+                      tokenizer=None, kv_dtype=jnp.float8_e4m3fn):
+    """(k scales, v scales, where they came from) for `--kv-cache-scales mode`."""
+    check_scales_flag(mode)
+    if mode not in SCALE_MODES:
+        unit = (float(mode),) * cfg.num_layers
+        return unit, unit, f"--kv-cache-scales {mode}"
+    if mode in ("auto", "checkpoint"):
+        given = checkpoint_kv_scales(model_dir, cfg.num_layers) if model_dir else None
+        if given is not None:
+            return *given, "checkpoint"
+        if mode == "checkpoint":
+            raise ConfigError(f"--kv-cache-scales checkpoint: '{model_dir}' has no k_scale / "
+                              f"v_scale / kv_scale tensors (use calibrate or a number)")
+    n = min(CALIBRATION_TOKENS, cfg.max_position_embeddings)
+    k, v = calibrate_kv_scales(cfg, params, calibration_tokens(tokenizer, cfg.vocab_size, n),
+                               kv_dtype)
+    return k, v, "calibrated"
+
+
+def kv_cache_backend(backend, kv_dtype, cfg: ModelConfig, params=None, *, scales: str = "auto",
+                     model_dir: str | None = None, tokenizer=None):
+    """The backend the model runs with this cache dtype: `backend` itself for 16/32-bit caches;
+    for fp8 the `FP8KVAttention` wrapper with the scales of `scales` (params None: unit scales,
+    e.g. to measure a step's activations)."""
+    if not is_fp8(kv_dtype):
+        if scales != "auto":
+            raise ConfigError(f"--kv-cache-scales {scales} needs an fp8 --kv-cache-dtype "
+                              f"(the cache is {jnp.dtype(kv_dtype).name})")
+        return backend
+    if params is None:
+        unit = (1.0,) * cfg.num_layers
+        return FP8KVAttention(backend, unit, unit)
+    k, v, source = resolve_kv_scales(scales, cfg, params, model_dir=model_dir,
+                                     tokenizer=tokenizer, kv_dtype=kv_dtype)
+    log.info("fp8 KV cache scales (%s): k %s, v %s", source, k, v)
+    return FP8KVAttention(backend, k, v)

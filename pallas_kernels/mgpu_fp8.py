@@ -1,0 +1,58 @@
+"""Mosaic GPU pieces for reading an fp8 KV cache (`pallas_kernels/kv_quant.py` has the scheme).
+
+Hopper's wgmma takes fp8 operands only as e4m3/e5m2 on both sides and only K-major, so neither
+product of attention can use the fp8 pages directly without also rounding q or P to fp8 (and P @ V
+reads V MN-major). The kernels therefore compute in float16: a consumer waits for a ring slot's
+fp8 page tile, loads it into registers (the WGMMA_8BIT layout: four bytes per 32-bit shared-memory
+load), widens it with the hardware's paired `cvt.rn.f16x2.e4m3x2` (exact: every e4m3 value is a
+float16 value; bfloat16 would need PTX ISA 9.2), stores it into its own float16 staging tile and
+releases the fp8 slot at once, so the producer refills it while the wgmma runs. HBM streams half
+the bytes; the widening costs shared-memory bandwidth, not HBM time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kv_quant import is_fp8
+
+
+def compute_dtype(cache_dtype) -> jnp.dtype:
+    """The dtype the kernel's matmuls take for this cache: float16 for fp8, else the cache's."""
+    return jnp.dtype(jnp.float16) if is_fp8(cache_dtype) else jnp.dtype(cache_dtype)
+
+
+def tile_transforms(dtype, head_dim: int):
+    """Tiling + swizzle of a [rows, head_dim] shared-memory tile: the widest swizzle (<= 128 B)
+    that one row fills, which is what TMA and wgmma both accept."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, head_dim * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def widen(tile, wide, free, layout: str = "WGMMA_8BIT") -> None:
+    """fp8 ring tile -> its float16 copy in the warpgroup's staging tile `wide`, then arrive on
+    the slot's `free` barrier (the fp8 bytes are no longer needed). `layout`: the register layout
+    of the copy (a `plgpu.Layout` name): WGMMA_8BIT moves 4 fp8 bytes per thread and load,
+    WGMMA_UPCAST_2X / _4X 8 / 16."""
+    with jax.named_scope("widen"):  # a range of the in-kernel profile (tools/profile_decode.py)
+        wide[...] = plgpu.load(tile, layout=getattr(plgpu.Layout, layout)).astype(wide.dtype)
+        plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
+    plgpu.barrier_arrive(free)
+
+
+def widen_slot(ring, ready, free, slot, wide, layout: str = "WGMMA_8BIT") -> None:
+    """Wait for ring slot `slot` to land, then `widen` it into `wide`."""
+    plgpu.barrier_wait(ready.at[slot])
+    widen(ring.at[slot], wide, free.at[slot], layout)
+
+
+def wgmma_tile(tile, wide, free, layout: str = "WGMMA_8BIT"):
+    """The 16-bit tile a wgmma reads for ring slot `tile`: the tile itself (`wide` None; the caller
+    arrives on `free` after its wgmma), or its float16 copy made now (`widen`)."""
+    if wide is None:
+        return tile
+    widen(tile, wide, free, layout)
+    return wide

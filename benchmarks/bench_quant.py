@@ -107,8 +107,11 @@ def section_matmul(cfg: dict) -> dict:
             x = jax.random.normal(key, (m, LLAMA3_8B["hidden_size"]), jnp.bfloat16)
             compiled = fn.lower(x, params).compile()
             hlo = compiled.as_text()
-            if os.environ.get("QUANT_HLO_DIR") and m in (ROWS[0], ROWS[-1]):
-                Path(os.environ["QUANT_HLO_DIR"], f"matmul_{impl}_m{m}.hlo.txt").write_text(hlo)
+            if os.environ.get("QUANT_HLO_DIR"):  # the gemm and fusion lines, for a reader
+                lines = [ln.strip()[:400] for ln in hlo.splitlines()
+                         if "custom-call" in ln or "kind=kCustom" in ln][:60]
+                with open(Path(os.environ["QUANT_HLO_DIR"]) / "matmul_hlo.txt", "a") as f:
+                    f.write(f"==== {impl} m={m}\n" + "\n".join(lines) + "\n")
             if impl != "bf16":
                 out[f"matmul_{impl}_m{m}_cublaslt_f8"] = CUBLASLT_FP8 in hlo
             # What XLA made of the dots: cuBLAS(Lt) custom calls, or its own Triton gemm fusions.

@@ -232,11 +232,12 @@ def main() -> None:
         for key in REQUIRED:  # a figure no section reached stays visible, as null
             metrics.setdefault(key, None)
         if args.save:
-            results_io.save(args.save, args.name or "quant_h200", metrics=metrics, config={
+            results_io.save(args.save, args.name or "quant_h200", metrics=metrics,
+                            machine_info={**results_io.machine(), "accelerator": machine}, config={
                 "model": "Llama-3-8B shape, dummy weights (bf16; fp8 quantized on load)",
                 "workload": "batch-1 TPOT over a 512-token prompt; c = 256 random 512 in / 256 out",
                 "engine": "max_num_seqs 256, max_num_batched_tokens 2048, max_model_len 1024, "
-                          "mosaic attention", "machine": machine, "sections": sections,
+                          "mosaic attention", "sections": sections,
                 "kv_cache_dtype_fp8kv_section": args.kv_cache_dtype})
     print("\n".join(f"{k} | {v}" for k, v in metrics.items()))
 

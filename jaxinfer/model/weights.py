@@ -269,12 +269,14 @@ def _quantized_from_unquantized(model_dir, cfg: ModelConfig, dtype, load_format:
     flat_shardings = _flat_paths(shardings) if shardings is not None else {}
     base_shardings = None
     if shardings is not None:
-        base = {quant_loading.unquantized_key(k): (
-            quant_loading.transposed_sharding(sh, 2) if k[-1] == "weight" else sh)
-            for k, sh in flat_shardings.items() if not k[-1].endswith("_scale")}
+        quantized = quant_loading.quantized_keys(expected)
         base_shardings = {}
-        for key, sh in base.items():
-            _set(base_shardings, key, sh)
+        for key, sh in flat_shardings.items():
+            if key in quantized.values():
+                continue
+            base_key = quant_loading.unquantized_key(key, quantized)
+            _set(base_shardings, base_key,
+                 quant_loading.transposed_sharding(sh, 2) if base_key != key else sh)
     if load_format == "dummy":
         params = init_params(base_cfg, jax.random.key(seed), dtype, shardings=base_shardings)
     else:

@@ -45,9 +45,10 @@ def reduce_axis(key: Key) -> int:
     return -1 if key[-1] == "weight" else -2
 
 
-def unquantized_key(key: Key) -> Key:
-    """Where an unquantized tree holds the same weight: a linear's [in, out] `kernel`."""
-    return key[:-1] + ("kernel",) if key[-1] == "weight" else key
+def unquantized_key(key: Key, quantized: dict[Key, Key]) -> Key:
+    """Where an unquantized tree holds the same param: a quantized linear's weight is the [in, out]
+    `kernel` there (a norm's `weight` is itself)."""
+    return key[:-1] + ("kernel",) if key in quantized and key[-1] == "weight" else key
 
 
 def _block_scales(scale: jax.Array, out_in: tuple[int, int]) -> jax.Array:
@@ -125,7 +126,7 @@ def quantize_unquantized(flat: dict[Key, jax.Array], expected: dict[Key, jax.Sha
     for key in expected:
         if key in scales.values():
             continue
-        src = flat.pop(unquantized_key(key))
+        src = flat.pop(unquantized_key(key, scales))
         if key not in scales:
             out[key] = src
             continue

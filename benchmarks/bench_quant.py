@@ -11,7 +11,8 @@ one persistent compilation cache; the record is rewritten after each):
                 rows, for bf16 weights, FP8 W8A8
                 ("fp8": per-token e4m3 activations, XLA's cuBLASLt FP8 gemm) and FP8 weight-only
                 ("dequant": e4m3 converted inside the dot): ms per call, weight-read GB/s, TF/s, and
-                whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call.
+                whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call. At the
+                prefill size also "fp8_bf16out": the FP8 dot writing bf16, scales applied after.
   demo_ppl      the bundled demo model in bf16, its weights unquantized and FP8: held-out
                 perplexity (checkpoints/heldout_sample.txt) and greedy top-1 agreement.
   llama8b_bf16  Llama-3-8B shape, dummy bf16 weights: batch-1 TPOT (the anchor).
@@ -58,11 +59,16 @@ def _layer_stack_fn(impl: str):
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.model.quant.ops import quantized_matmul
+    from jaxinfer.model.quant.ops import quantize_tokens, quantized_matmul
 
     def mm(x, p, name):
         if impl == "bf16":
             return jnp.dot(x, p[name].T, preferred_element_type=jnp.float32).astype(x.dtype)
+        if impl == "fp8_bf16out":
+            xq, xs = quantize_tokens(x)
+            y = jax.lax.dot_general(xq, p[name], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.bfloat16)
+            return (y.astype(jnp.float32) * xs * p[name + "_scale"]).astype(x.dtype)
         return quantized_matmul(x, p[name], p[name + "_scale"], impl=impl)
 
     def layer(x, p):
@@ -101,9 +107,11 @@ def section_matmul(cfg: dict) -> dict:
     weight_params = LAYERS * sum(n * k for n, k in shapes.values())
     out: dict = {"machine": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
                  "matmul_weight_params": weight_params}
-    for impl, params in (("bf16", bf16), ("fp8", fp8), ("dequant", fp8)):
+    runs = [("bf16", bf16, ROWS), ("fp8", fp8, ROWS), ("dequant", fp8, ROWS),
+            ("fp8_bf16out", fp8, ROWS[-1:])]
+    for impl, params, rows in runs:
         fn = _layer_stack_fn(impl)
-        for m in ROWS:
+        for m in rows:
             x = jax.random.normal(key, (m, LLAMA3_8B["hidden_size"]), jnp.bfloat16)
             compiled = fn.lower(x, params).compile()
             hlo = compiled.as_text()

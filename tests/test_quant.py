@@ -139,7 +139,7 @@ def _quantize_hf(w: np.ndarray, layout: str):
     if layout == "int8-channel":
         s = np.abs(w).max(1, keepdims=True) / 127
         return np.clip(np.round(w / s), -127, 127).astype(np.int8), s.astype(np.float32), ""
-    if layout == "fp8-channel":
+    if layout in ("fp8-channel", "fbgemm-channel"):
         s = np.abs(w).max(1, keepdims=True) / 448
         return (w / s).astype(E4M3), s.astype(np.float32), ""
     if layout == "fp8-tensor":
@@ -171,6 +171,7 @@ QC = {"fp8-channel": {"quant_method": "compressed-tensors", "config_groups": {"g
       "int8-channel": {"quant_method": "compressed-tensors", "config_groups": {"g": {
           "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
       "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+      "fbgemm-channel": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
       "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic",
                     "weight_block_size": [16, 16]}}
 
@@ -187,6 +188,8 @@ def _write_pair(tmp_path, family: str, layout: str):
         quant[name + "_scale" + suffix] = s
         if layout == "fp8-tensor":
             quant[name.replace(".weight", ".input_scale")] = np.float32(0.02)  # static: ignored
+        if layout == "fbgemm-channel":
+            quant[name.replace(".weight", ".input_scale_ub")] = np.float32(1200.0)
         twin[name] = _dequantize_hf(q, s, layout)
     dirs = {}
     for label, ts, extra in (("quant", quant, {"quantization_config": QC[layout]}), ("twin", twin, {})):
@@ -200,6 +203,7 @@ def _write_pair(tmp_path, family: str, layout: str):
 
 @pytest.mark.parametrize("family, layout", [("llama", "fp8-channel"), ("llama", "fp8-tensor"),
                                             ("llama", "fp8-block"), ("llama", "int8-channel"),
+                                            ("llama", "fbgemm-channel"),
                                             ("qwen3_moe", "fp8-channel")])
 def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, monkeypatch, family, layout):
     qdir, tdir = _write_pair(tmp_path, family, layout)

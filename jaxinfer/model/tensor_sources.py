@@ -36,7 +36,7 @@ EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": 
 # Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
 FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
 # Static activation scales of FP8 checkpoints: activations are scaled per token at run time.
-IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.input_scale)$")
+IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.input_scale(_ub)?)$")
 
 Index = tuple[slice, ...]
 

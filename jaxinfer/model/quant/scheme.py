@@ -5,6 +5,7 @@ Read from config.json:
 
 - `quant_method: fp8` (transformers' FP8 configs): e4m3 weights with a per-tensor `weight_scale`
   or 2-D block scales (`weight_block_size`, tensors `weight_scale_inv`);
+- `quant_method: fbgemm_fp8`: e4m3 weights with per-channel `weight_scale` [out, 1];
 - `quant_method: compressed-tensors` with 8-bit `float` weights (FP8; tensor, channel or block
   strategy) or 8-bit `int` weights without activation quantization (W8A16).
 
@@ -23,7 +24,7 @@ QUANTIZATIONS = ("fp8", "int8")
 
 def _refuse(why: str) -> ConfigError:
     return ConfigError(f"config.json quantization_config: {why} (supported: quant_method 'fp8', "
-                       f"or 'compressed-tensors' with 8-bit float or 8-bit int weights)")
+                       f"'fbgemm_fp8', or 'compressed-tensors' with 8-bit float or 8-bit int weights)")
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> str:
@@ -48,7 +49,7 @@ def checkpoint_quantization(raw: dict[str, Any]) -> str | None:
     if not qc:
         return None
     method = qc.get("quant_method")
-    if method == "fp8":
+    if method in ("fp8", "fbgemm_fp8"):
         return "fp8"
     if method == "compressed-tensors":
         return _compressed_tensors(qc)

@@ -117,6 +117,9 @@ def section_matmul(cfg: dict) -> dict:
                     f.write(f"==== {impl} m={m}\n" + "\n".join(lines) + "\n")
             if impl != "bf16":
                 out[f"matmul_{impl}_m{m}_cublaslt_f8"] = CUBLASLT_FP8 in hlo
+            # Weights copied into a merged gemm's operand every call (XLA's dot merging).
+            out[f"matmul_{impl}_m{m}_weight_concats"] = len(
+                re.findall(r"%wrapped_concatenate[.\d]* = ", hlo))
             # What XLA made of the dots: cuBLAS(Lt) custom calls, or its own Triton gemm fusions.
             out[f"matmul_{impl}_m{m}_gemms"] = sorted(
                 set(re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo))

@@ -113,6 +113,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if impl == "fp8":
         xq, xs = quantize_tokens(x)
+        # XLA merges dots that share an operand (q/k/v, gate/up) into one gemm over the
+        # concatenation of their weights, and for cuBLASLt's FP8 gemm that concatenation is a copy
+        # of the weights in every step (seen on the H200); the barrier gives each its own operand.
+        xq, w = jax.lax.optimization_barrier((xq, w))
         y = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)
         return (y * xs * scale).astype(out_dtype)
     if impl == "dequant":

@@ -45,6 +45,13 @@ CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
 
 
 # ---- sections (run inside a child process) ------------------------------------------------------
+def _announce_machine() -> None:
+    """The accelerator, printed first so a section cut short still names it."""
+    import jax
+    print(json.dumps({"machine": f"{jax.device_count()} x {jax.devices()[0].device_kind}"}),
+          flush=True)
+
+
 def _projections(shape: dict) -> dict[str, tuple[int, int]]:
     """name -> (out, in) of one layer's projections."""
     h, f, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
@@ -88,6 +95,7 @@ def section_matmul(cfg: dict) -> dict:
 
     from jaxinfer.model.quant.ops import quantize
 
+    _announce_machine()
     shapes = _projections(LLAMA3_8B)
     key = jax.random.key(0)
     normal = jax.jit(lambda k, shape: (jax.random.normal(k, shape) * 0.02).astype(jnp.bfloat16),
@@ -100,8 +108,7 @@ def section_matmul(cfg: dict) -> dict:
             bf16[layer][name] = w
             fp8[layer][name], fp8[layer][name + "_scale"] = to_fp8(w)
     weight_params = LAYERS * sum(n * k for n, k in shapes.values())
-    out: dict = {"machine": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-                 "matmul_weight_params": weight_params}
+    out: dict = {"matmul_weight_params": weight_params}
     params = {"bf16": bf16, "fp8": fp8, "dequant": fp8}
     fns = {impl: _layer_stack_fn(impl) for impl in params}
     for m in ROWS:
@@ -141,6 +148,7 @@ def section_matmul(cfg: dict) -> dict:
 
 
 def section_demo_ppl(cfg: dict) -> dict:
+    _announce_machine()
     from checkpoints.measure_demo import quantized_accuracy
     acc = quantized_accuracy(ROOT / "checkpoints" / "demo-target", "fp8")
     return {"demo_ppl_bf16": round(acc["ppl"], 4), "demo_ppl_fp8w": round(acc["ppl_quantized"], 4),
@@ -155,6 +163,7 @@ def section_llama8b_bf16(cfg: dict) -> dict:
 
 
 def section_llama8b_fp8w(cfg: dict) -> dict:
+    _announce_machine()
     llm, load_s = _llm(cfg["llama8b"], quantization="fp8", **_engine_kw(cfg, 256))
     tpot, first = _tpot_ms(llm)
     out = {"llama8b_fp8w_bs1_tpot_ms": round(tpot, 3),

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -62,6 +63,25 @@ def perplexity(logits_fn, params, windows: np.ndarray, batch: int = 8) -> float:
         total += float(nll.sum())
         count += nll.size
     return math.exp(total / count)
+
+
+def quantized_accuracy(model_dir: Path, mode: str, dtype=jnp.bfloat16) -> dict:
+    """The model's held-out perplexity with unquantized and `mode`-quantized weights (quantized on
+    load; activations in `dtype`), and how often the quantized model's top-1 token equals the
+    unquantized one's, over the first max_position_embeddings tokens of
+    checkpoints/heldout_sample.txt (one window: 1,024 predicted positions for the demo model)."""
+    cfg = load_config(model_dir)
+    ids = Tokenizer.from_dir(model_dir).encode((REPO / "checkpoints" / "heldout_sample.txt").read_text())
+    window = np.asarray(ids[:cfg.max_position_embeddings + 1], np.int32)[None]
+    out: dict = {"positions": int(window.shape[1] - 1)}
+    argmax = {}
+    for label, c in (("", cfg), ("_quantized", dataclasses.replace(cfg, quantization=mode))):
+        params = load_params(model_dir, c, dtype, progress=False)
+        fn = make_logits_fn(c)
+        out[f"ppl{label}"] = perplexity(fn, params, window)
+        argmax[label] = np.asarray(fn(params, jnp.asarray(window[:, :-1])).argmax(-1))
+    out["top1_agreement"] = float((argmax[""] == argmax["_quantized"]).mean())
+    return out
 
 
 def greedy(logits_fn, params, prompts: np.ndarray, n_new: int) -> tuple[np.ndarray, np.ndarray]:

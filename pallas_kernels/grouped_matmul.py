@@ -16,6 +16,11 @@ weights, so expert parallelism can wrap this one function (shard_map over the ex
   - "ragged": `jax.lax.ragged_dot` (XLA): exact everywhere, what CPUs run.
   - `moe_experts_reference` / `grouped_matmul_reference`: pure jnp (every expert on every row,
     then a select), for tests.
+
+Quantized experts (8-bit stacks with float32 scales [E, out], jaxinfer/model/quant) run "padded" or
+"ragged": the stack is converted to the activation dtype inside the matmul and each row's output is
+multiplied by its expert's channel scales (exact: the scale is per output column). The Mosaic
+kernel takes 16-bit weights only.
 """
 
 from __future__ import annotations
@@ -91,25 +96,39 @@ def moe_experts_reference(x, weights, group_sizes):
     return grouped_matmul_reference(h, w_down, group_sizes).astype(x.dtype)
 
 
-def _ragged(x, weights, group_sizes):
-    w_gate, w_up, w_down = weights
-    h = _silu_glu(jax.lax.ragged_dot(x, w_gate, group_sizes),
-                  jax.lax.ragged_dot(x, w_up, group_sizes), x.dtype)
-    return jax.lax.ragged_dot(h, w_down, group_sizes)
+def _ragged(x, weights, group_sizes, scales=None):
+    """`jax.lax.ragged_dot` per stack; with `scales`, each row's output times its group's."""
+    gid = None if scales is None else jnp.minimum(_row_groups(group_sizes, x.shape[0])[0],
+                                                  weights[0].shape[0] - 1)
+
+    def mm(a, i):
+        if scales is None:
+            return jax.lax.ragged_dot(a, weights[i], group_sizes)
+        y = jax.lax.ragged_dot(a, weights[i].astype(a.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return (y * scales[i][gid]).astype(a.dtype)
+
+    h = _silu_glu(mm(x, 0), mm(x, 1), x.dtype)
+    return mm(h, 2)
 
 
-def _padded(x, weights, group_sizes, capacity: int):
+def _padded(x, weights, group_sizes, capacity: int, scales=None):
     """Rows scattered into [E, capacity, K] (slot = row's place in its group), three batched
     einsums, rows gathered back. Rows past sum(group_sizes) come back as zeros."""
-    w_gate, w_up, w_down = weights
-    e = w_gate.shape[0]
+    e = weights[0].shape[0]
     m = x.shape[0]
     gid, starts = _row_groups(group_sizes, m)
     slot = jnp.arange(m) - starts[jnp.minimum(gid, e - 1)]
     xp = jnp.zeros((e, capacity, x.shape[1]), x.dtype).at[gid, slot].set(x, mode="drop")
-    h = _silu_glu(jnp.einsum("eck,ekn->ecn", xp, w_gate), jnp.einsum("eck,ekn->ecn", xp, w_up),
-                  x.dtype)
-    yp = jnp.einsum("ecn,enh->ech", h, w_down)
+
+    def mm(a, i):
+        if scales is None:
+            return jnp.einsum("eck,ekn->ecn", a, weights[i])
+        y = jnp.einsum("eck,ekn->ecn", a, weights[i].astype(a.dtype),
+                       preferred_element_type=jnp.float32)
+        return (y * scales[i][:, None, :]).astype(a.dtype)
+
+    yp = mm(_silu_glu(mm(xp, 0), mm(xp, 1), x.dtype), 2)
     return yp.at[gid, slot].get(mode="fill", fill_value=0)
 
 
@@ -130,7 +149,8 @@ def _hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
-def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype) -> str:
+def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype,
+                quantized: bool = False) -> str:
     """The implementation `moe_experts` runs for this call shape on the default device;
     $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
     forced = os.environ.get("JAXINFER_MOE_IMPL")
@@ -141,7 +161,8 @@ def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dt
     num_groups, hidden, inter = weight_shape
     gpu = jax.devices()[0].platform == "gpu"
     return pick_impl(rows, num_groups, capacity, gpu=gpu,
-                     kernel=gpu and _hopper() and mosaic_supports(hidden, inter, dtype))
+                     kernel=(gpu and not quantized and _hopper()
+                             and mosaic_supports(hidden, inter, dtype)))
 
 
 def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: bool) -> str:
@@ -157,19 +178,25 @@ def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: b
 
 def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
                 group_sizes: jax.Array, *, max_group_size: int | None = None,
-                impl: str | None = None, interpret: bool = False) -> jax.Array:
+                impl: str | None = None, interpret: bool = False,
+                scales: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
     [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
     (the step's token count; default M). impl: one of IMPLS, None = `choose_impl`. interpret: run
-    the Mosaic kernel in its interpreter (CPU tests). Returns [M, H] in x's dtype; rows past
-    sum(group_sizes) are undefined."""
+    the Mosaic kernel in its interpreter (CPU tests). scales: float32 [E, out] per stack when the
+    weights are 8-bit (w = q * scale). Returns [M, H] in x's dtype; rows past sum(group_sizes)
+    are undefined."""
     m = x_sorted.shape[0]
     capacity = min(m, max_group_size or m)
-    impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype)
+    impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype,
+                               quantized=scales is not None)
     if impl == "mosaic":
+        if scales is not None:
+            raise ValueError("impl='mosaic' takes 16-bit expert weights; quantized experts run "
+                             "'padded' or 'ragged'")
         return _mosaic(x_sorted, weights, group_sizes, interpret=interpret)
     if impl == "padded":
-        return _padded(x_sorted, weights, group_sizes, capacity)
+        return _padded(x_sorted, weights, group_sizes, capacity, scales)
     if impl == "ragged":
-        return _ragged(x_sorted, weights, group_sizes)
+        return _ragged(x_sorted, weights, group_sizes, scales)
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

@@ -112,8 +112,8 @@ def test_misshaped_tensor_is_named(tmp_path):
 
 def test_unsupported_dtype_is_named(tmp_path):
     d, cfg = _copy_fixture(tmp_path)
-    _rewrite(d, lambda t: t.update({"model.norm.weight": np.ones(64, np.int8)}))
-    with pytest.raises(CheckpointError, match="'model.norm.weight' has dtype I8"):
+    _rewrite(d, lambda t: t.update({"model.norm.weight": np.ones(64, np.int16)}))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has dtype I16"):
         load_params(d, cfg, progress=False)
 
 

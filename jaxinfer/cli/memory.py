@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.planner import GIB, kv_bytes_per_token
+from jaxinfer.model.quant.scheme import QUANTIZATIONS, resolve_quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ class ModelShape:
     weight_bytes: int
     active_params: int  # parameters one token multiplies with (MoE: routed experts only)
     weight_dtype: str
+    quantization: str | None = None  # weight quantization (jaxinfer/model/quant)
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
@@ -98,14 +100,23 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         from jaxinfer.model.config import load_config
         from jaxinfer.model.hub import resolve_model
         cfg = load_config(resolve_model(args.model))
+        quant = resolve_quantization(args.quantization, cfg.quantization, "safetensors")
         dtype = args.dtype or cfg.dtype
         nbytes = _dtype_bytes(dtype, "--dtype" if args.dtype else f"{args.model}/config.json torch_dtype")
         params = cfg.num_params()
         inactive = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers)) * (
             cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        weights = parse_size(args.weight_bytes, "--weight-bytes") if args.weight_bytes else params * nbytes
+        if args.weight_bytes:
+            weights = parse_size(args.weight_bytes, "--weight-bytes")
+        elif quant:  # 8-bit linears plus their scales: the bytes of the param tree itself
+            weights = quantized_weight_bytes(dataclasses.replace(cfg, quantization=quant), dtype)
+        else:
+            weights = params * nbytes
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
-                          params - inactive, dtype)
+                          params - inactive, dtype, quant)
+    if args.quantization:
+        raise ConfigError("--quantization needs --model (without it, give the quantized size as "
+                          "--weight-bytes)")
     for flag in ("--layers", "--kv-heads", "--head-dim"):
         if flags[flag] is None:
             raise ConfigError(f"{flag} is required without --model")
@@ -120,6 +131,15 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     weights = parse_size(args.weight_bytes, "--weight-bytes") if args.weight_bytes else 0
     return ModelShape(args.layers, args.kv_heads, args.head_dim, heads, weights, weights // nbytes,
                       dtype)
+
+
+def quantized_weight_bytes(cfg, dtype: str) -> int:
+    """Bytes of the model's param tree under cfg.quantization (no arrays are made)."""
+    import jax
+
+    from jaxinfer.model.transformer import param_shapes
+    leaves = jax.tree_util.tree_leaves(param_shapes(cfg, jnp.dtype(KV_CACHE_DTYPES[dtype])))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
 
 
 def _dtype_bytes(name: str, flag: str) -> int:
@@ -242,6 +262,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           "--model, else 0)")
     src.add_argument("--dtype", choices=list(KV_CACHE_DTYPES),
                      help="weight dtype (default: the model's, else bfloat16)")
+    src.add_argument("--quantization", choices=QUANTIZATIONS,
+                     help="weight quantization: 8-bit linear layers plus per-channel scales "
+                          "(default: the checkpoint's quantization_config)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                    help="KV-cache element type (default: --dtype)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")

@@ -14,6 +14,7 @@ from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.model.hub import is_hub_id, resolve_model
+from jaxinfer.model.quant.scheme import QUANTIZATIONS
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -28,6 +29,7 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     load_format: str = "auto"
     dtype: str = "auto"  # auto: the checkpoint's dtype (config.json torch_dtype)
+    quantization: str | None = None  # None: the checkpoint's (config.json quantization_config)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     num_blocks: int | None = None
@@ -65,6 +67,8 @@ class EngineArgs:
                 raise ConfigError(f"--{flag} {value!r}: {why}")
 
         check(self.dtype in DTYPES, "dtype", self.dtype, f"choose from {', '.join(DTYPES)}")
+        check(self.quantization in (None, *QUANTIZATIONS), "quantization", self.quantization,
+              f"choose from {', '.join(QUANTIZATIONS)}")
         check(self.max_num_seqs >= 1, "max-num-seqs", self.max_num_seqs, "must be >= 1")
         check(self.max_num_batched_tokens >= self.max_num_seqs, "max-num-batched-tokens",
               self.max_num_batched_tokens, f"must be >= --max-num-seqs ({self.max_num_seqs})")
@@ -125,6 +129,10 @@ class EngineArgs:
         g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS))
         g.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weight/activation dtype (default: the checkpoint's)")
+        g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="weight quantization: fp8 (e4m3 weights and per-token activations on "
+                            "FP8 tensor cores) or int8 (weight-only); a bf16 checkpoint is "
+                            "quantized on load (default: the checkpoint's quantization_config)")
         g.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default: the model's maximum)")
         g.add_argument("--seed", type=int, default=0,

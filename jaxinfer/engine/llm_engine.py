@@ -49,6 +49,7 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.engine.weight_update import place_like
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.model.quant.scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
@@ -99,6 +100,7 @@ class LLMEngine:
                 f"lower --max-model-len")
         self.model_name = args.model_name
         self.metrics = metrics or EngineMetrics(self.model_name)
+        self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -148,6 +150,8 @@ class LLMEngine:
         model_dir = args.model_path
         with startup.phase("config"):
             cfg = load_config(model_dir)
+            cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
+                args.quantization, cfg.quantization, args.load_format))
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

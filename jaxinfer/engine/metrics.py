@@ -41,6 +41,9 @@ class EngineMetrics:
         self.kv_cache_used_blocks = gauge("jaxinfer:kv_cache_used_blocks",
                                           "KV-cache blocks held by requests (0 when idle: none leaked)")
         self.kv_cache_total_blocks = gauge("jaxinfer:kv_cache_total_blocks", "KV-cache blocks in the pool")
+        self.weight_bytes = gauge("jaxinfer:weight_bytes",
+                                  "Bytes of model weights one device holds (quantized: 8-bit values "
+                                  "plus their scales)")
         self.prefix_cache_queries = counter("jaxinfer:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("jaxinfer:prefix_cache_hits",

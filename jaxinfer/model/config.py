@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.model.quant.scheme import checkpoint_quantization
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
+    # Weight quantization of the linear layers (jaxinfer/model/quant): None, "fp8" or "int8".
+    quantization: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -226,6 +229,7 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         dtype=dtype,
+        quantization=checkpoint_quantization(raw),
         **family,
         **moe,
     )

@@ -20,18 +20,24 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
+from jaxinfer.model.quant import st_format
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+# Quantized weights (jaxinfer/model/quant), read from the file directly: the numpy binding of
+# safetensors has no float8 type.
+QUANTIZED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "I8": np.int8}
 
-# Per-expert names: group 1 layer, group 2 expert, group 3 projection.
+# Per-expert names: group 1 layer, group 2 expert, group 3 projection, group 4 the tensor (the
+# weight, or a quantized weight's scales).
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-                    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+                    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale(?:_inv)?)")
 EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
                 "w2": "w_down", "down_proj": "w_down"}
 # Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
 FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
-# KV-cache scales are read by core/kv_cache/kv_scales.py, not loaded as params.
-IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*self_attn\.(k_scale|v_scale|kv_scale)$")
+# Not params: KV-cache scales are read by core/kv_cache/kv_scales.py; FP8 checkpoints' static
+# activation scales are unused (activations are scaled per token at run time).
+IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.input_scale(_ub)?|self_attn\.(k_scale|v_scale|kv_scale))$")
 
 Index = tuple[slice, ...]
 
@@ -40,6 +46,10 @@ Index = tuple[slice, ...]
 class Source:
     shape: tuple[int, ...]     # in the param layout
     read: Callable[[Index], np.ndarray]
+    dtype: str = ""            # the checkpoint's dtype code ("BF16", "F8_E4M3", ...)
+
+    def read_all(self) -> np.ndarray:
+        return self.read(tuple(slice(None) for _ in self.shape))
 
 
 def _bounds(sl: slice, n: int) -> range:
@@ -55,6 +65,8 @@ class Checkpoint:
 
     def __init__(self, files: list[Path]):
         self.handles: dict[str, tuple[Path, object]] = {}
+        self.dtypes: dict[str, str] = {}
+        self.raw: dict[str, np.ndarray] = {}  # memory-mapped 8-bit tensors
         for path in files:
             try:
                 handle = safe_open(str(path), framework="np")
@@ -62,10 +74,16 @@ class Checkpoint:
                 raise CheckpointError(f"cannot read '{path}': {e}") from None
             for name in handle.keys():
                 st_dtype = handle.get_slice(name).get_dtype()
-                if st_dtype not in DTYPES:
+                if st_dtype not in DTYPES and st_dtype not in QUANTIZED_DTYPES:
                     raise CheckpointError(f"'{path.name}': tensor '{name}' has dtype {st_dtype}; "
-                                          f"supported: {', '.join(DTYPES)}")
+                                          f"supported: {', '.join([*DTYPES, *QUANTIZED_DTYPES])}")
                 self.handles[name] = (path, handle)
+                self.dtypes[name] = st_dtype
+            if any(self.dtypes[n] in QUANTIZED_DTYPES for n in handle.keys()):
+                header, start = st_format.read_header(path)
+                for name, entry in header.items():
+                    if entry["dtype"] in QUANTIZED_DTYPES:
+                        self.raw[name] = st_format.tensor_view(path, entry, start)
 
     def names(self) -> list[str]:
         return list(self.handles)
@@ -77,6 +95,8 @@ class Checkpoint:
         return tuple(self.handles[name][1].get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name in self.raw:
+            return np.array(self.raw[name][index])
         return self.handles[name][1].get_slice(name)[index]
 
 
@@ -84,8 +104,8 @@ def plain(ckpt: Checkpoint, name: str, transpose: bool) -> Source:
     """A tensor stored as is, or an HF linear [out, in] read as a Flax kernel [in, out]."""
     shape = ckpt.shape(name)
     if not transpose:
-        return Source(shape, lambda idx: ckpt.read(name, tuple(idx)))
-    return Source(shape[::-1], lambda idx: ckpt.read(name, (idx[1], idx[0])).T)
+        return Source(shape, lambda idx: ckpt.read(name, tuple(idx)), ckpt.dtypes[name])
+    return Source(shape[::-1], lambda idx: ckpt.read(name, (idx[1], idx[0])).T, ckpt.dtypes[name])
 
 
 def stacked_experts(ckpt: Checkpoint, names: list[str]) -> Source:
@@ -95,7 +115,14 @@ def stacked_experts(ckpt: Checkpoint, names: list[str]) -> Source:
     def read(idx: Index) -> np.ndarray:
         es = _bounds(idx[0], len(names))
         return np.stack([ckpt.read(names[e], (idx[2], idx[1])).T for e in es])
-    return Source((len(names), in_dim, out_dim), read)
+    return Source((len(names), in_dim, out_dim), read, ckpt.dtypes[names[0]])
+
+
+def stacked_as_stored(ckpt: Checkpoint, names: list[str]) -> Source:
+    """Per-expert tensors stacked as stored (quantized experts' scales, whatever their layout)."""
+    def read(idx: Index) -> np.ndarray:
+        return np.stack([ckpt.read(names[e], tuple(idx[1:])) for e in _bounds(idx[0], len(names))])
+    return Source((len(names), *ckpt.shape(names[0])), read, ckpt.dtypes[names[0]])
 
 
 def fused_gate_up(ckpt: Checkpoint, name: str, half: int) -> Source:

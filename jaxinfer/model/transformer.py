@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
+from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.core.kv_cache.device_cache import KVCache
 from pallas_kernels.backend import REFERENCE, AttentionBackend
 from pallas_kernels.grouped_matmul import moe_experts
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         x [B, L, H] with kv=None, causal within each row."""
         cfg = self.cfg
         d = cfg.head_dim
-        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
+        dense = linear(cfg, self.dtype)
         q = dense(cfg.num_heads * d, use_bias=cfg.qkv_bias, name="q_proj")(x)
         k = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="k_proj")(x)
         v = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="v_proj")(x)
@@ -94,8 +95,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = functools.partial(nn.Dense, use_bias=self.cfg.mlp_bias, dtype=self.dtype,
-                                  param_dtype=self.dtype)
+        dense = functools.partial(linear(self.cfg, self.dtype), use_bias=self.cfg.mlp_bias)
         f = self.cfg.intermediate_size
         h = nn.silu(dense(f, name="gate_proj")(x)) * dense(f, name="up_proj")(x)
         return dense(self.cfg.hidden_size, name="down_proj")(h)
@@ -111,14 +111,11 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        e, k, f, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        e, k, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
         lead = x.shape[:-1]
         x = x.reshape(-1, h)
-        init = nn.initializers.lecun_normal()
-        router = self.param("router", init, (h, e), self.dtype)
-        w_gate = self.param("w_gate", init, (e, h, f), self.dtype)
-        w_up = self.param("w_up", init, (e, h, f), self.dtype)
-        w_down = self.param("w_down", init, (e, f, h), self.dtype)
+        router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
+        experts_w, scales = expert_weights(self, cfg, self.dtype)
 
         logits = jnp.dot(x, router, preferred_element_type=jnp.float32)  # [T, E]
         probs = jax.nn.softmax(logits, axis=-1)
@@ -130,7 +127,7 @@ class MoE(nn.Module):
         xs = x[order // k]  # tokens grouped by expert
         group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
         # A token's k experts are distinct, so no expert gets more than T rows.
-        ys = moe_experts(xs, (w_gate, w_up, w_down), group_sizes, max_group_size=x.shape[0])
+        ys = moe_experts(xs, experts_w, group_sizes, max_group_size=x.shape[0], scales=scales)
         ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, k, h)
         out = jnp.einsum("tkh,tk->th", ys.astype(jnp.float32), weights).astype(x.dtype)
         return out.reshape(*lead, h)

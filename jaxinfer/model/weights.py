@@ -9,6 +9,7 @@ transformers versions write (`experts.gate_up_proj`, `experts.down_proj`) are re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,8 +23,12 @@ from tqdm.auto import tqdm
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.model.tensor_sources import (EXPERT, EXPERT_PARAM, FUSED, IGNORED, Checkpoint, Source,
-                                           fused_down, fused_gate_up, plain, stacked_experts)
+from jaxinfer.model.quant import loading as quant_loading
+from jaxinfer.model.quant import st_format
+from jaxinfer.model.quant.layers import scale_name
+from jaxinfer.model.tensor_sources import (EXPERT, EXPERT_PARAM, FUSED, IGNORED, QUANTIZED_DTYPES,
+                                           Checkpoint, Source, fused_down, fused_gate_up, plain,
+                                           stacked_as_stored, stacked_experts)
 from jaxinfer.model.transformer import Params, init_params, param_shapes
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
@@ -88,8 +93,9 @@ def hf_name(key: tuple[str, ...], cfg: ModelConfig) -> str:
 
 
 def _canonical(name: str) -> str:
-    """Mixtral's hub layout says block_sparse_moe where transformers 5's fused layout says mlp."""
-    return name.replace(".block_sparse_moe.", ".mlp.")
+    """Mixtral's hub layout says block_sparse_moe where transformers 5's fused layout says mlp;
+    FP8 checkpoints with block scales name them weight_scale_inv (a multiplier all the same)."""
+    return name.replace(".block_sparse_moe.", ".mlp.").replace(".weight_scale_inv", ".weight_scale")
 
 
 def _from_hf(key: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
@@ -108,8 +114,9 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
         if IGNORED.fullmatch(name):
             continue
         if m := EXPERT.fullmatch(name):
-            layer, e, proj = m.groups()
-            experts.setdefault((f"layers_{layer}", "moe", EXPERT_PARAM[proj]), {})[int(e)] = name
+            layer, e, proj, tensor = m.groups()
+            param = EXPERT_PARAM[proj] if tensor == "weight" else scale_name(EXPERT_PARAM[proj])
+            experts.setdefault((f"layers_{layer}", "moe", param), {})[int(e)] = name
             continue
         if m := FUSED.fullmatch(name):
             layer, kind = m.groups()
@@ -131,7 +138,9 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
         if missing:
             raise CheckpointError(f"'{source}': {key[0]} is missing experts {missing[:8]} "
                                   f"of {'/'.join(key[1:])}")
-        sources[key] = stacked_experts(ckpt, [by_index[e] for e in range(cfg.num_experts)])
+        names = [by_index[e] for e in range(cfg.num_experts)]
+        sources[key] = (stacked_as_stored(ckpt, names) if key[-1].endswith("_scale")
+                        else stacked_experts(ckpt, names))
     return sources
 
 
@@ -146,7 +155,9 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
     sources = _sources(Checkpoint(_safetensors_files(model_dir)), cfg, expected, model_dir)
     if cfg.tie_word_embeddings:
         sources.pop(("lm_head", "kernel"), None)  # some tied checkpoints still store a copy
-    missing = [k for k in expected if k not in sources]
+    quantized = quant_loading.quantized_keys(expected)
+    scale_keys = set(quantized.values())  # absent when a bf16 checkpoint is quantized on load
+    missing = [k for k in expected if k not in sources and k not in scale_keys]
     if missing:
         names = ", ".join("/".join(k) for k in missing[:5])
         raise CheckpointError(f"'{model_dir}': {len(missing)} parameter(s) missing, e.g. {names}")
@@ -154,7 +165,11 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
         want = expected.get(key)
         if want is None:
             raise CheckpointError(f"'{model_dir}': unexpected parameter {'/'.join(key)}")
-        if tuple(src.shape) != tuple(want.shape):
+        if src.dtype in QUANTIZED_DTYPES and key not in quantized:
+            raise CheckpointError(f"'{model_dir}': parameter {'/'.join(key)} is stored as "
+                                  f"{src.dtype}, but config.json declares no quantization_config "
+                                  f"that covers it")
+        if key not in scale_keys and tuple(src.shape) != tuple(want.shape):
             raise CheckpointError(f"'{model_dir}': parameter {'/'.join(key)} has shape "
                                   f"{list(src.shape)}, the config implies {list(want.shape)}")
     flat_shardings = (_flat_paths(shardings) if shardings is not None else {})
@@ -162,7 +177,20 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
     np_dtype = np.dtype(dtype)
     params: dict = {}
     for key in tqdm(expected, desc="Loading weights", unit="tensor", disable=not progress):
+        if key in scale_keys:
+            continue
         src = sources[key]
+        if key in quantized:  # placed as stored, then made the model's 8-bit form on the device
+            raw = jax.make_array_from_callback(
+                tuple(src.shape), flat_shardings.get(key, default),
+                lambda idx, src=src: np.ascontiguousarray(src.read(idx)))
+            scale = sources[quantized[key]].read_all() if quantized[key] in sources else None
+            q, s = quant_loading.finalize(
+                raw, scale, cfg.quantization, quant_loading.reduce_axis(key),
+                (flat_shardings.get(key), flat_shardings.get(quantized[key])))
+            _set(params, key, q)
+            _set(params, quantized[key], s)
+            continue
         read = (lambda idx, src=src: np.ascontiguousarray(src.read(idx), dtype=np_dtype))
         _set(params, key, jax.make_array_from_callback(tuple(src.shape),
                                                        flat_shardings.get(key, default), read))
@@ -170,17 +198,22 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
 
 
 def _hf_items(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Params as HF (name, [out, in] array) pairs, MoE experts in the hub's per-expert layout."""
+    """Params as HF (name, [out, in] array) pairs, MoE experts in the hub's per-expert layout;
+    quantized weights' scales as compressed-tensors stores them ([out, 1])."""
     for key, leaf in _flat_paths(params).items():
         arr = np.asarray(jax.device_get(leaf))
+        scale = key[-1].endswith("_scale")
         if key[1:2] == ("moe",) and key[2] != "router":
             layer = key[0].removeprefix("layers_")
-            proj = (_MIXTRAL_PROJ[key[2]] if cfg.architecture == "MixtralForCausalLM"
-                    else key[2].removeprefix("w_") + "_proj")
+            stack = key[2].removesuffix("_scale")
+            proj = (_MIXTRAL_PROJ[stack] if cfg.architecture == "MixtralForCausalLM"
+                    else stack.removeprefix("w_") + "_proj")
+            tensor = scale_name("weight") if scale else "weight"
             for e in range(arr.shape[0]):
-                yield f"{_moe_prefix(cfg, layer)}.experts.{e}.{proj}.weight", np.ascontiguousarray(arr[e].T)
+                yield (f"{_moe_prefix(cfg, layer)}.experts.{e}.{proj}.{tensor}",
+                       np.ascontiguousarray(arr[e][:, None] if scale else arr[e].T))
         else:
-            yield hf_name(key, cfg), np.ascontiguousarray(_from_hf(key, arr))
+            yield hf_name(key, cfg), np.ascontiguousarray(arr[:, None] if scale else _from_hf(key, arr))
 
 
 def save_safetensors(params: Params, cfg: ModelConfig, out_dir: str | Path,
@@ -189,7 +222,10 @@ def save_safetensors(params: Params, cfg: ModelConfig, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_items(params, cfg))
-    save_file(tensors, str(out / filename), metadata={"format": "pt"})
+    if cfg.quantization:  # 8-bit tensors: the numpy binding of safetensors cannot store them
+        st_format.write(tensors, out / filename, metadata={"format": "pt"})
+    else:
+        save_file(tensors, str(out / filename), metadata={"format": "pt"})
     return out / filename
 
 
@@ -224,6 +260,35 @@ def load_orbax(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, shar
             raise CheckpointError(f"orbax checkpoint '{path}' does not match the config: {e}") from None
 
 
+def _quantized_from_unquantized(model_dir, cfg: ModelConfig, dtype, load_format: str, seed: int,
+                                shardings) -> Params:
+    """Dummy or orbax weights (always unquantized) loaded as such, then quantized on the device
+    weight by weight."""
+    base_cfg = dataclasses.replace(cfg, quantization=None)
+    expected = _flat_paths(param_shapes(cfg, dtype))
+    flat_shardings = _flat_paths(shardings) if shardings is not None else {}
+    base_shardings = None
+    if shardings is not None:
+        quantized = quant_loading.quantized_keys(expected)
+        base_shardings = {}
+        for key, sh in flat_shardings.items():
+            if key in quantized.values():
+                continue
+            base_key = quant_loading.unquantized_key(key, quantized)
+            _set(base_shardings, base_key,
+                 quant_loading.transposed_sharding(sh, 2) if base_key != key else sh)
+    if load_format == "dummy":
+        params = init_params(base_cfg, jax.random.key(seed), dtype, shardings=base_shardings)
+    else:
+        params = load_orbax(model_dir, base_cfg, dtype, base_shardings)
+    flat = quant_loading.quantize_unquantized(_flat_paths(params), expected, cfg.quantization,
+                                              flat_shardings)
+    out: dict = {}
+    for key, leaf in flat.items():
+        _set(out, key, leaf)
+    return out
+
+
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, dtype=jnp.bfloat16,
                 load_format: str = "auto", progress: bool = True, seed: int = 0,
                 shardings=None) -> Params:
@@ -232,6 +297,8 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, dtype=jnp.bfloat
     those shards."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"--load-format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+    if cfg.quantization and load_format in ("dummy", "orbax"):
+        return _quantized_from_unquantized(model_dir, cfg, dtype, load_format, seed, shardings)
     if load_format == "dummy":
         return init_params(cfg, jax.random.key(seed), dtype, shardings=shardings)
     model_dir = Path(model_dir)

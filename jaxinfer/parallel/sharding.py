@@ -127,7 +127,8 @@ class ShardingPlan:
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
                tp: int) -> P:
-    """PartitionSpec of one parameter (Flax layout: Dense kernels [in, out], experts [E, in, out])."""
+    """PartitionSpec of one parameter (Flax layout: Dense kernels [in, out], experts [E, in, out];
+    quantized linears: `weight` [out, in] and `weight_scale` [out], expert scales [E, out])."""
     if tp == 1:
         return P()
     owner, leaf = (path[-2], path[-1]) if len(path) >= 2 else ("", path[-1])
@@ -137,12 +138,14 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
         return P(None, TP) if cfg.vocab_size % tp == 0 else P()
     if owner in ("k_proj", "v_proj") and tp > cfg.num_kv_heads:
         return P()  # every device computes all KV heads and stores its own
-    if owner in _COLUMN:
+    if owner in _COLUMN:  # everything but a kernel has out first: weight, scale, bias
         return P(None, TP) if leaf == "kernel" else P(TP)
-    if owner in _ROW:
-        return P(TP, None) if leaf == "kernel" else P()  # the bias is added after the all-reduce
+    if owner in _ROW:  # scale and bias are per output: replicated, applied after the all-reduce
+        return {"kernel": P(TP, None), "weight": P(None, TP)}.get(leaf, P())
     if owner == "moe" and leaf in ("w_gate", "w_up"):  # [E, H, F]
         return P(None, None, TP)
+    if owner == "moe" and leaf in ("w_gate_scale", "w_up_scale"):  # [E, F]
+        return P(None, TP)
     if owner == "moe" and leaf == "w_down":  # [E, F, H]
         return P(None, TP, None)
     return P()  # norms, router

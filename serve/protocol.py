@@ -17,6 +17,7 @@ from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 from serve.request_fields import SAMPLING_FIELDS, check_fields
+from serve.structured import structured_params
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                              "chat_template_kwargs", "return_token_strs"})
@@ -176,12 +177,12 @@ def _top_logprobs(body: dict, chat: bool) -> int | None:
 
 
 def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int,
-                    prompt_logprobs: Any = None) -> SamplingParams:
+                    prompt_logprobs: Any = None, structured=None) -> SamplingParams:
     """SamplingParams from the body; `validate` bounds every number to what int32 / float32 hold and
     names the field of the first bad one."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, structured_outputs=structured)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
     return params
 
@@ -271,9 +272,12 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     prompt_logprobs = body.get("prompt_logprobs")
     if prompt_logprobs is None and echo and not chat:
         prompt_logprobs = top_logprobs
+    structured = structured_params(body)
+    if structured is not None:
+        engine.grammars.compile(structured)  # here, off the event loop; the engine finds it cached
     params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
                              top_logprobs=top_logprobs, vocab_size=vocab_size,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, structured=structured)
     _check_best_of(body, params.n)
     check_context_length(prompts, params.max_tokens, max_len, params.min_tokens)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,

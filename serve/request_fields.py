@@ -20,7 +20,10 @@ logger = logging.getLogger("serve.protocol")
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
-HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | {
+# Structured output (serve/structured.py).
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_whitespace_pattern", "structured_outputs")
+HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | frozenset(STRUCTURED_FIELDS) | {
     "model", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo", "prompt_logprobs",
     "add_special_tokens", "priority", "request_id", "truncate_prompt_tokens", "best_of"}
 HONOURED_COMPLETION = HONOURED_COMMON | {"prompt"}
@@ -46,7 +49,6 @@ def _not_false(v: Any) -> bool:
     return v is None or v is True
 
 
-_STRUCTURED = "structured output is not supported by this server yet"
 # name -> (accepts(value): the value asks for nothing this server lacks, why the field is refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_embeds": (_null, "prompt embeddings are not supported; send text or token ids"),
@@ -54,11 +56,10 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (_empty, "logit_bias is not supported by this server"),
     "allowed_token_ids": (_null, "allowed_token_ids is not supported by this server"),
     "bad_words": (_empty, "bad_words is not supported by this server"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        f"response_format other than {{'type': 'text'}}: {_STRUCTURED}"),
-    **{name: (_null, f"{name}: {_STRUCTURED}")
-       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-                    "guided_decoding_backend", "guided_whitespace_pattern")},
+    "structural_tag": (_null, "structural tags are not supported; use response_format or guided_*"),
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "guidance", "llguidance"),
+                                "this server's one structured-output backend is llguidance "
+                                "('auto' or 'guidance')"),
     "use_beam_search": (_not_true, "beam search is not supported"),
     "length_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1),
                        "length_penalty applies to beam search, which is not supported"),

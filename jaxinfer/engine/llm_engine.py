@@ -46,6 +46,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.engine.weight_update import place_like
+from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
@@ -115,6 +116,7 @@ class LLMEngine:
             executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
                               if args.compilation_cache_dir else None))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._inflight: StepHandle | None = None
@@ -246,7 +248,9 @@ class LLMEngine:
                 f"prompt of {n} tokens + min_tokens={params.min_tokens} exceeds the context length "
                 f"max_model_len={self.max_model_len}", param="min_tokens")
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
-        req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time)
+        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
+        req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
+                      grammar)
         req.weight_version = self.weight_version
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
@@ -383,7 +387,8 @@ class LLMEngine:
             return False
         if not self.args.async_scheduling or h.is_loop:
             return True
-        return any(s.request.params.uses_penalties and s.num_pending
+        # Penalties read the token history, a grammar's bitmask needs its matcher up to date.
+        return any((s.request.params.uses_penalties or s.grammar is not None) and s.num_pending
                    for s in self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:

@@ -27,10 +27,9 @@ HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | frozenset(STRUCTURED_FIELDS) | {
     "model", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo", "prompt_logprobs",
     "add_special_tokens", "priority", "request_id", "truncate_prompt_tokens", "best_of"}
 HONOURED_COMPLETION = HONOURED_COMMON | {"prompt"}
-# (parallel_tool_calls holds whatever its value: no tool is ever called.)
 HONOURED_CHAT = HONOURED_COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                                    "add_generation_prompt", "chat_template_kwargs", "documents",
-                                   "parallel_tool_calls"}
+                                   "tools", "tool_choice", "parallel_tool_calls"}  # serve/tools.py
 
 
 def _null(v: Any) -> bool:
@@ -74,16 +73,13 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_salt": (_null, "cache_salt (prefix cache salting) is not supported"),
     "kv_transfer_params": (_null, "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": (_empty, "no extension of this server reads vllm_xargs"),
-    "tools": (_empty, "tools are not supported by this server yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"),
-                    "tool_choice other than 'none' or 'auto' is not supported (tools are not supported yet)"),
     "reasoning_effort": (_null, "reasoning_effort is not supported by this server"),
     "include_reasoning": (_not_false, "include_reasoning=false needs a reasoning parser, which this server "
                                       "lacks: reasoning stays in the content"),
 }
 REFUSED_COMPLETION = frozenset(REFUSED) - {"bad_words", "structural_tag", "continue_final_message",
-                                           "chat_template", "mm_processor_kwargs", "tools", "tool_choice",
-                                           "reasoning_effort", "include_reasoning"}
+                                           "chat_template", "mm_processor_kwargs", "reasoning_effort",
+                                           "include_reasoning"}
 REFUSED_CHAT = frozenset(REFUSED) - {"prompt_embeds", "suffix"}
 COMPLETION_FIELDS = HONOURED_COMPLETION | REFUSED_COMPLETION
 CHAT_FIELDS = HONOURED_CHAT | REFUSED_CHAT

@@ -87,6 +87,9 @@ HONOURED = {
     "guided_choice": ok(lambda r: any(c.startswith(text_of(r)) for c in ("yes", "no"))),
     "guided_grammar": ok(lambda r: text_of(r) == "a"),
     "structured_outputs": ok(lambda r: any(c.startswith(text_of(r)) for c in ("yes", "no"))),
+    # tools (tests/test_tool_calls.py has the rest)
+    "tools": ok(lambda r: r["choices"][0]["message"]["tool_calls"] == []),
+    "tool_choice": ok(lambda r: r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"),
 }
 VALUES = {
     "model": MODEL, "max_tokens": 2, "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
@@ -108,7 +111,8 @@ VALUES = {
     "continue_final_message": True, "chat_template": "{{ messages }}", "mm_processor_kwargs": {"a": 1},
     "logits_processors": ["my.Processor"], "return_tokens_as_token_ids": True, "cache_salt": "salt",
     "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"k": 1},
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
     "reasoning_effort": "low", "include_reasoning": False,
 }
 # Values of refused fields that ask for nothing: sent together, they are accepted.
@@ -120,7 +124,8 @@ NO_OPS = {"prompt_embeds": None, "suffix": "", "logit_bias": {}, "allowed_token_
           "tool_choice": "none", "include_reasoning": True}
 CHAT_VALUES = {"logprobs": True}
 EXTRA = {"n": {"temperature": 0.8}, "top_logprobs": {"logprobs": True}, "stream_options": {"stream": True},
-         "guided_whitespace_pattern": {"guided_json": {"type": "object"}}}
+         "guided_whitespace_pattern": {"guided_json": {"type": "object"}}, "tools": {"tool_choice": "none"},
+         "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}]}}
 
 
 def post(endpoint: str, server, body: dict):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,10 @@ from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxinfer.structured import StructuredOutputsParams
 from jaxinfer.structured.bitmask import apply_token_bitmask, bitmask_words, unpack_bitmask
 from jaxinfer.worker.sampler import FULL_SAMPLER, MASKED_SAMPLER, SamplingTensors, sample
+from server_harness import DEMO, DEMO_ENGINE, check_error_shape, post_raw
 
 pytest.importorskip("llguidance")
 
-DEMO = Path(__file__).parents[1] / "checkpoints" / "demo-target"
 RECORD = {"type": "object", "additionalProperties": False,
           "required": ["name", "size", "ok", "kind"],
           "properties": {"name": {"type": "string", "pattern": "^[a-z_]{1,8}$"},
@@ -92,14 +91,10 @@ def test_masked_sampler_samples_only_allowed_tokens_and_changes_nothing_else():
 
 # ---- the demo model, offline ----------------------------------------------------------------------
 
-DEMO_ARGS = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=1024, max_num_seqs=64,
-                 max_num_batched_tokens=512, compilation_cache_dir="", warmup=False)
-
-
 @pytest.fixture(scope="module")
 def llm():
     from jaxinfer import LLM
-    return LLM(model=str(DEMO), **DEMO_ARGS)
+    return LLM(model=str(DEMO), **DEMO_ENGINE)  # the demo server's shapes: compiled once
 
 
 def validate(instance, schema) -> None:
@@ -174,17 +169,7 @@ def test_invalid_constraints_are_refused_naming_the_field(llm, params, message):
     assert e.value.param == "structured_outputs" and not llm.engine.has_unfinished_requests()
 
 
-# ---- the demo model behind the server -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def demo_server():
-    from jaxinfer.engine.args import EngineArgs
-    from server_harness import ServerThread, server_args
-    st = ServerThread(EngineArgs(model=str(DEMO), attention_backend="reference", **DEMO_ARGS),
-                      {"main": server_args()}).start()
-    yield st
-    st.stop()
-
+# ---- the demo model behind the server (conftest's demo_server) -------------------------------------
 
 @pytest.fixture(scope="module")
 def demo_client(demo_server):
@@ -227,7 +212,6 @@ def test_openai_client_json_schema_chat_and_completions(demo_client):
     ({"guided_whitespace_pattern": " ", "guided_regex": "a"}, "guided_whitespace_pattern"),
 ])
 def test_bad_constraints_get_a_400_naming_the_field(demo_server, body, param):
-    from server_harness import check_error_shape, post_raw
     status, _, raw = post_raw(demo_server.urls["main"], "/v1/completions", json.dumps(
         {"model": "demo-target", "prompt": "x", "max_tokens": 4, **body}).encode())
     check_error_shape(raw, status, param)

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from serve.errors import APIError
-from serve.tool_parsers import (HermesParser, Llama3JsonParser, NamedCallParser, RequiredCallsParser)
+from serve.tool_parsers import HermesParser, Llama3JsonParser, NamedCallParser, RequiredCallsParser
 from serve.tools import ToolOptions, tool_request
 
 pytest.importorskip("llguidance")
@@ -180,7 +180,7 @@ def test_auto_calls_in_each_parsers_format(demo_server, app, canned):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         ("get_weather", {"city": "Paris", "days": 2})]
     # without a call in the text, the reply is plain content
-    r = client.chat.completions.create(model="demo-target", messages=MESSAGES, tools=[WEATHER],
-                                       max_tokens=8, temperature=0, extra_body={"guided_regex": "It is sunny"})
+    r = client.chat.completions.create(model="demo-target", messages=MESSAGES, tools=[WEATHER], max_tokens=8,
+                                       temperature=0, extra_body={"guided_regex": "It is sunny"})
     assert r.choices[0].message.content == "It is sunny" and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"

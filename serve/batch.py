@@ -32,11 +32,12 @@ class EngineView:
     max_model_len: int
     model_name: str
     served_model_names: list[str]
+    grammars: object  # structured-output grammars (jaxinfer/structured/grammar.py)
 
     @classmethod
     def of(cls, engine) -> "EngineView":
         return cls(engine.tokenizer, engine.cfg, engine.max_model_len, engine.model_name,
-                   engine.args.served_model_names)
+                   engine.args.served_model_names, engine.grammars)
 
 
 class FinishedGroup:

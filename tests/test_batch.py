@@ -6,6 +6,7 @@ runs again."""
 from __future__ import annotations
 
 import json
+import re
 
 from jaxinfer.cli.main import main
 from server_harness import MODEL, NO_EOS, post_raw
@@ -91,3 +92,15 @@ def test_batch_file_matches_the_http_endpoints_and_resumes(server, tmp_path):
     assert sorted(ids[1:], key=str) == sorted(["cmpl", "cmpl", "multi", "refused", "streamed", "bad-url",
                                                None], key=str)
     assert comparable(read(out)["cmpl"]["response"]["body"]) == comparable(got["cmpl"]["response"]["body"])
+
+
+def test_a_structured_output_line_matches_the_http_endpoint(server, tmp_path):
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    guided = {**COMPLETION, "guided_regex": "[a-z]+ [a-z]+"}
+    inp.write_text(request_line("guided", guided) + "\n")
+    assert batch_cli(server, inp, out) == 0
+    line = read(out)["guided"]
+    assert line["error"] is None and line["response"]["status_code"] == 200, line
+    body = line["response"]["body"]
+    assert comparable(body) == comparable(http(server, "/v1/completions", guided))
+    assert re.fullmatch("[a-z]+( [a-z]*)?", body["choices"][0]["text"])

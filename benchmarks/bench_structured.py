@@ -110,7 +110,8 @@ def main() -> None:
         # time per output token (steadier where other work shares the machine)
         metrics[f"{name}_vs_unconstrained"] = round(
             metrics[name]["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
-        metrics[f"{name}_vs_unconstrained_cpu_time"] = round(median_cpu("unconstrained") / median_cpu(name), 3)
+        metrics[f"{name}_vs_unconstrained_cpu_time"] = round(
+            median_cpu("unconstrained") / median_cpu(name), 3)
     for key in ("output_tokens_per_s", "cpu_ms_per_output_token"):
         metrics[f"all_runs_{key}"] = {name: [run[key] for run in runs] for name, runs in all_runs.items()}
     print({k: v for k, v in metrics.items() if "_vs_" in k})

@@ -7,5 +7,7 @@ from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "StructuredOutputsParams",
+           "GuidedDecodingParams", "RequestOutput", "CompletionOutput"]

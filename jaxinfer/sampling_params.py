@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.structured.params import StructuredOutputsParams
 
 # Most alternatives per token `logprobs` may ask for (OpenAI's top_logprobs limit). The sampler
 # always computes this many, so one compiled variant serves every request.
@@ -65,6 +66,9 @@ class SamplingParams:
     # alternatives each; computed in the prefill step. Such a request takes no prefix-cache hit.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice list or grammar (vLLM's field; its
+    # older `guided_decoding` is the same thing). The engine compiles it when the request is added.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         # Accept a single stop string (OpenAI allows `stop: "###"`).
@@ -151,3 +155,7 @@ class SamplingParams:
         for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be true or false")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()

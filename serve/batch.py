@@ -22,6 +22,7 @@ from serve.completions import full_completion
 from serve.errors import APIError, as_api_error, error_body
 from serve.limits import RequestLimits
 from serve.protocol import GenerationRequest, parse_generation
+from serve.tools import ToolOptions
 
 
 @dataclasses.dataclass
@@ -32,11 +33,12 @@ class EngineView:
     max_model_len: int
     model_name: str
     served_model_names: list[str]
+    grammars: object  # structured-output grammars (jaxinfer/structured/grammar.py)
 
     @classmethod
     def of(cls, engine) -> "EngineView":
         return cls(engine.tokenizer, engine.cfg, engine.max_model_len, engine.model_name,
-                   engine.args.served_model_names)
+                   engine.args.served_model_names, engine.grammars)
 
 
 class FinishedGroup:
@@ -62,11 +64,13 @@ class Pending:
 
 
 class BatchRunner:
-    def __init__(self, engine, out: IO[str], limits: RequestLimits | None = None, max_pending: int = 1024):
+    def __init__(self, engine, out: IO[str], limits: RequestLimits | None = None, max_pending: int = 1024,
+                 tool_options: ToolOptions = ToolOptions()):
         self.engine = engine
         self.view = EngineView.of(engine)
         self.out = out
         self.limits = limits or RequestLimits()
+        self.tool_options = tool_options
         self.max_pending = max_pending
         self.pending: dict[str, Pending] = {}     # engine request id -> its line
         self.open_lines = 0
@@ -91,7 +95,8 @@ class BatchRunner:
             self._write(output_line(line.custom_id, error=line.error), ok=False)
             return
         try:
-            req = parse_generation(line.body, self.view, self.limits, chat=line.chat)
+            req = parse_generation(line.body, self.view, self.limits, chat=line.chat,
+                                   tool_options=self.tool_options)
             if req.stream:  # a batch answer is one body, never a stream (as OpenAI's Batch API)
                 raise APIError(400, "stream is not supported in a batch file", "stream")
         except (APIError, InvalidRequestError, TokenizerError) as e:

@@ -17,8 +17,11 @@ from serve.limits import LIMITS
 from serve.prompt_logprobs import vllm_prompt_logprobs
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
 from serve.sse import stream_chunks
+from serve.tool_parsers import ToolStream
+from serve.tools import TOOL_OPTIONS, ToolRequest
 
 ROLE = "assistant"
+NO_TOOLS = ToolRequest([])  # a plain text reply
 
 
 def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -52,9 +55,11 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         logprobs = None
         if req.top_logprobs is not None:
             logprobs = chat_logprobs(engine.tokenizer, state.logprobs, req.top_logprobs)
-        message = {"role": ROLE, "content": prefix + state.text, "tool_calls": []}
+        tools = req.tools or NO_TOOLS
+        message, called = tools.message(state.text, prefix)
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
-                        "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
+                        "finish_reason": tools.finish_reason(state.finish_reason, called),
+                        "stop_reason": state.stop_reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": engine.model_name,
             "choices": choices, "usage": usage.as_dict(),
             "prompt_logprobs": vllm_prompt_logprobs(engine.tokenizer, state.prompt_logprobs)}
@@ -64,6 +69,8 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
                       created: int) -> AsyncGenerator[dict, None]:
     usage = UsageCounter(req.prompts)
     started: set[int] = set()  # choices whose role chunk went out
+    tools = req.tools if req.tools is not None and req.tools.parser is not None else None
+    tool_streams: dict[int, ToolStream] = {}  # per choice, when the output may hold tool calls
 
     def chunk(choice: dict) -> dict:
         out = {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -75,20 +82,26 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
     async for _, out in group.outputs():
         usage.update(0, out)
         for c in out.outputs:
-            text = c.new_text
+            text, calls, finish = c.new_text, [], c.finish_reason
+            if tools is not None:
+                stream = tool_streams.setdefault(c.index, tools.parser.stream())
+                text, calls = tools.stream_deltas(stream, text, finish is not None)
+                finish = tools.finish_reason(finish, bool(stream.calls))
             if c.index not in started:
                 started.add(c.index)
                 yield chunk({"index": c.index, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
                              "finish_reason": None})
                 text = prefix + text
-            if not text and c.finish_reason is None and req.top_logprobs is None:
-                continue  # a token whose text is held back (half a UTF-8 character): nothing to say yet
+            if not text and not calls and finish is None and req.top_logprobs is None:
+                continue  # text held back (half a UTF-8 character, a possible tool call): nothing yet
             logprobs = None
             if req.top_logprobs is not None:
                 logprobs = chat_logprobs(engine.tokenizer, c.new_logprobs or [], req.top_logprobs)
-            choice = {"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason}
-            if c.finish_reason is not None:
+            delta = {"content": text} if text or not calls else {}
+            if calls:
+                delta["tool_calls"] = calls
+            choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
                 choice["stop_reason"] = c.stop_reason
             yield chunk(choice)
     if req.include_usage:
@@ -99,7 +112,8 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await read_json_body(request)
-    req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=True)
+    req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=True,
+                         tool_options=request.app[TOOL_OPTIONS])
     prefix = echo_prefix(body.get("messages"), req)
     check_capacity(request.app, req.params.n)
     engine_id, response_id = req.ids("chatcmpl")

@@ -17,6 +17,8 @@ from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 from serve.request_fields import SAMPLING_FIELDS, check_fields
+from serve.structured import structured_params
+from serve.tools import ToolOptions, ToolRequest, template_message, tool_request
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                              "chat_template_kwargs", "return_token_strs"})
@@ -38,6 +40,7 @@ class GenerationRequest:
     generate_nothing: bool = False
     priority: int = 0                 # the scheduler's: lower runs earlier
     request_id: str | None = None     # the client's id for the response (vLLM's `request_id`)
+    tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (serve/tools.py)
 
     def ids(self, prefix: str) -> tuple[str, str]:
         """(engine request id, response id). The engine's stay unique whatever `request_id` a client
@@ -127,11 +130,12 @@ def normalize_messages(value: Any) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string, a list of text parts or null",
                               "messages")
-        out.append({**msg, "content": content})  # null: dropped for the template, as transformers does
+        # null content: dropped for the template, as transformers does
+        out.append(template_message({**msg, "content": content}))
     return out
 
 
-def render_chat(tokenizer, body: dict, max_model_len: int) -> str:
+def render_chat(tokenizer, body: dict, max_model_len: int, tools: list[dict] | None = None) -> str:
     """The body's `messages` through the chat template, with its `add_generation_prompt` (default
     true) and `chat_template_kwargs` (extra template variables, never the two set here). Messages
     too long to fit the context in any tokenization are refused before rendering, the rendered text
@@ -150,7 +154,7 @@ def render_chat(tokenizer, body: dict, max_model_len: int) -> str:
         raise bad_request("documents must be a list of objects", "documents")
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=bool_field(body, "add_generation_prompt", True),
-        documents=documents or None, **kwargs)
+        tools=tools, documents=documents or None, **kwargs)
     check_text_length(len(text), tokenizer, max_model_len, "messages")
     return text
 
@@ -176,12 +180,12 @@ def _top_logprobs(body: dict, chat: bool) -> int | None:
 
 
 def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int,
-                    prompt_logprobs: Any = None) -> SamplingParams:
+                    prompt_logprobs: Any = None, structured=None) -> SamplingParams:
     """SamplingParams from the body; `validate` bounds every number to what int32 / float32 hold and
     names the field of the first bad one."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, structured_outputs=structured)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
     return params
 
@@ -220,7 +224,8 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
             bool_field(opts, "continuous_usage_stats", False))
 
 
-def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -> GenerationRequest:
+def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
+                     tool_options: ToolOptions = ToolOptions()) -> GenerationRequest:
     """Validate a completions (chat=False) or chat (chat=True) body against the served model. Runs
     in a worker thread (it tokenizes): every size is bounded before the work it would cost."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
@@ -235,9 +240,10 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     bool_field(body, "parallel_tool_calls", False)
     if not isinstance(body.get("user", ""), (str, type(None))):
         raise bad_request("user must be a string", "user")
+    tools = tool_request(body, tool_options) if chat else None
     if chat:
         check_sequence_count(1, body.get("n"), limits)
-        text = render_chat(tokenizer, body, max_len)
+        text = render_chat(tokenizer, body, max_len, tools.tools if tools else None)
         # The template already holds BOS and the other special tokens: none are added unless asked
         # for, as in vLLM.
         prompts = [tokenizer.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))]
@@ -271,13 +277,21 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool) -
     prompt_logprobs = body.get("prompt_logprobs")
     if prompt_logprobs is None and echo and not chat:
         prompt_logprobs = top_logprobs
+    structured = structured_params(body)
+    if tools is not None and tools.structured is not None:
+        if structured is not None:
+            raise bad_request(f"tool_choice={short_repr(body.get('tool_choice'))} constrains the output "
+                              f"itself: drop {structured.field}", "tool_choice")
+        structured = tools.structured
+    if structured is not None:
+        engine.grammars.compile(structured)  # here, off the event loop; the engine finds it cached
     params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
                              top_logprobs=top_logprobs, vocab_size=vocab_size,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, structured=structured)
     _check_best_of(body, params.n)
     check_context_length(prompts, params.max_tokens, max_len, params.min_tokens)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
-                             top_logprobs, generate_nothing, _priority(body), _request_id(body))
+                             top_logprobs, generate_nothing, _priority(body), _request_id(body), tools)
 
 
 def _truncate(body: dict, tokenizer, prompts: list[list[int]], texts: list[str],

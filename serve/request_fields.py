@@ -20,14 +20,16 @@ logger = logging.getLogger("serve.protocol")
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
-HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | {
+# Structured output (serve/structured.py).
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_whitespace_pattern", "structured_outputs")
+HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | frozenset(STRUCTURED_FIELDS) | {
     "model", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo", "prompt_logprobs",
     "add_special_tokens", "priority", "request_id", "truncate_prompt_tokens", "best_of"}
 HONOURED_COMPLETION = HONOURED_COMMON | {"prompt"}
-# (parallel_tool_calls holds whatever its value: no tool is ever called.)
 HONOURED_CHAT = HONOURED_COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                                    "add_generation_prompt", "chat_template_kwargs", "documents",
-                                   "parallel_tool_calls"}
+                                   "tools", "tool_choice", "parallel_tool_calls"}  # serve/tools.py
 
 
 def _null(v: Any) -> bool:
@@ -46,7 +48,6 @@ def _not_false(v: Any) -> bool:
     return v is None or v is True
 
 
-_STRUCTURED = "structured output is not supported by this server yet"
 # name -> (accepts(value): the value asks for nothing this server lacks, why the field is refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_embeds": (_null, "prompt embeddings are not supported; send text or token ids"),
@@ -54,11 +55,10 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (_empty, "logit_bias is not supported by this server"),
     "allowed_token_ids": (_null, "allowed_token_ids is not supported by this server"),
     "bad_words": (_empty, "bad_words is not supported by this server"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        f"response_format other than {{'type': 'text'}}: {_STRUCTURED}"),
-    **{name: (_null, f"{name}: {_STRUCTURED}")
-       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-                    "guided_decoding_backend", "guided_whitespace_pattern")},
+    "structural_tag": (_null, "structural tags are not supported; use response_format or guided_*"),
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "guidance", "llguidance"),
+                                "this server's one structured-output backend is llguidance "
+                                "('auto' or 'guidance')"),
     "use_beam_search": (_not_true, "beam search is not supported"),
     "length_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1),
                        "length_penalty applies to beam search, which is not supported"),
@@ -73,16 +73,13 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_salt": (_null, "cache_salt (prefix cache salting) is not supported"),
     "kv_transfer_params": (_null, "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": (_empty, "no extension of this server reads vllm_xargs"),
-    "tools": (_empty, "tools are not supported by this server yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"),
-                    "tool_choice other than 'none' or 'auto' is not supported (tools are not supported yet)"),
     "reasoning_effort": (_null, "reasoning_effort is not supported by this server"),
     "include_reasoning": (_not_false, "include_reasoning=false needs a reasoning parser, which this server "
                                       "lacks: reasoning stays in the content"),
 }
 REFUSED_COMPLETION = frozenset(REFUSED) - {"bad_words", "structural_tag", "continue_final_message",
-                                           "chat_template", "mm_processor_kwargs", "tools", "tool_choice",
-                                           "reasoning_effort", "include_reasoning"}
+                                           "chat_template", "mm_processor_kwargs", "reasoning_effort",
+                                           "include_reasoning"}
 REFUSED_CHAT = frozenset(REFUSED) - {"prompt_embeds", "suffix"}
 COMPLETION_FIELDS = HONOURED_COMPLETION | REFUSED_COMPLETION
 CHAT_FIELDS = HONOURED_CHAT | REFUSED_CHAT

@@ -28,6 +28,15 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo_server():
+    """The demo model behind the server (tests/server_harness.py), started once per test process."""
+    from server_harness import start_demo_server
+    st = start_demo_server()
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
 def client(server):
     """The official openai client on the server's "main" app."""
     import openai

@@ -135,6 +135,25 @@ def start_shared_server(model_dir: Path) -> ServerThread:
     }).start()
 
 
+DEMO = Path(__file__).parents[1] / "checkpoints" / "demo-target"
+# The demo model's engine flags for tests that need real text (structured output, tool calls): small
+# buckets, compiled lazily.
+DEMO_ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=1024, max_num_seqs=64,
+                   max_num_batched_tokens=512, compilation_cache_dir="", warmup=False,
+                   attention_backend="reference")
+
+
+def start_demo_server() -> ServerThread:
+    """The demo model served three times over one engine: "main" with default flags, "hermes" and
+    "llama3_json" with --enable-auto-tool-choice and that --tool-call-parser."""
+    from jaxinfer.engine.args import EngineArgs
+    return ServerThread(EngineArgs(model=str(DEMO), **DEMO_ENGINE), {
+        "main": server_args(),
+        **{parser: server_args(enable_auto_tool_choice=True, tool_call_parser=parser)
+           for parser in ("hermes", "llama3_json")},
+    }).start()
+
+
 # ---- reading the server's state ------------------------------------------------------------------
 
 def kv_pool_state(server: ServerThread) -> tuple[int, int, list]:

@@ -6,6 +6,7 @@ runs again."""
 from __future__ import annotations
 
 import json
+import re
 
 from jaxinfer.cli.main import main
 from server_harness import MODEL, NO_EOS, post_raw
@@ -21,13 +22,13 @@ def request_line(custom_id: str, body: dict, url: str = "/v1/completions") -> st
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def batch_cli(server, inp, out) -> int:
+def batch_cli(server, inp, out, *flags: str) -> int:
     a = server.engine_args
     return main(["batch", "-i", str(inp), "-o", str(out), "--model", a.model, "--served-model-name", MODEL,
                  "--dtype", "float32", "--max-model-len", str(a.max_model_len), "--block-size", "16",
                  "--num-blocks", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
                  "--attention-backend", "reference", "--no-warmup", "--compilation-cache-dir", "",
-                 "--max-pending", "2"])
+                 "--max-pending", "2", *flags])
 
 
 def http(server, path: str, body: dict) -> dict:
@@ -91,3 +92,23 @@ def test_batch_file_matches_the_http_endpoints_and_resumes(server, tmp_path):
     assert sorted(ids[1:], key=str) == sorted(["cmpl", "cmpl", "multi", "refused", "streamed", "bad-url",
                                                None], key=str)
     assert comparable(read(out)["cmpl"]["response"]["body"]) == comparable(got["cmpl"]["response"]["body"])
+
+
+def test_structured_output_and_tool_call_lines(server, tmp_path):
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    guided = {**COMPLETION, "guided_regex": "[a-z]+ [a-z]+"}
+    # tool_choice auto with the hermes parser (the CLI's flags); a regex holds the tiny random model
+    # to a call's text
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    tools = {"model": MODEL, "messages": [{"role": "user", "content": "call f"}], "max_tokens": 120,
+             "tools": [{"type": "function", "function": {"name": "f"}}], "guided_regex": re.escape(call)}
+    inp.write_text(request_line("guided", guided) + "\n"
+                   + request_line("tools", tools, "/v1/chat/completions") + "\n")
+    assert batch_cli(server, inp, out, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") == 0
+    got = read(out)
+    body = got["guided"]["response"]["body"]
+    assert comparable(body) == comparable(http(server, "/v1/completions", guided))
+    assert re.fullmatch("[a-z]+( [a-z]*)?", body["choices"][0]["text"])
+    choice = got["tools"]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "f", "arguments": "{}"}]

@@ -14,6 +14,7 @@ import pytest
 from jaxinfer.engine.llm import LLM
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.structured import StructuredOutputsParams
 from test_engine_support import (MAX_LEN, assert_all_free, make_engine, prompt_ids, run_all,
                                  tiny_tokenizer)
 
@@ -180,18 +181,21 @@ def test_mixed_workload_compiles_nothing_beyond_warmup_and_donates_the_cache():
         before_warmup = compilations[0]
         engine.warmup(progress=False)
         compiled = compilations[0]
-        # The bound: forward per step bucket, sampler and loop per sequence bucket x 2 variants,
-        # block copy per copy bucket. Forwards and loops see the pool size, which no other test
-        # uses, so they are fresh compilations; a sampler may come from an earlier test.
+        # The bound: forward per step bucket, sampler per sequence bucket x 3 variants (base, full,
+        # masked), loop per decode bucket x 2 (never masked), block copy per copy bucket. Forwards
+        # and loops see the pool size, which no other test uses, so they are fresh compilations; a
+        # sampler may come from an earlier test.
         shapes = engine.runner.warmup_shapes()
         fresh = [s for s in shapes if s[0] in ("mixed", "decode", "loop")]
-        assert len(fresh) <= compiled - before_warmup <= len(shapes) == 8
+        assert len(fresh) <= compiled - before_warmup <= len(shapes) == 9
         kv_before = engine.runner.kv_cache[0][0]
         kinds = [SamplingParams(max_tokens=9, **GREEDY),
                  SamplingParams(temperature=0.8, max_tokens=7, seed=3),
                  SamplingParams(temperature=0.7, top_k=5, top_p=0.9, logprobs=2, max_tokens=6),
                  SamplingParams(n=2, temperature=1.0, max_tokens=5),
-                 SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=6)]
+                 SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=6),
+                 SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(
+                     regex="[a-z ]+"))]
         for i in range(12):
             engine.add_request(f"r{i}", prompts[i], kinds[i % len(kinds)])
             engine.step()

@@ -35,7 +35,7 @@ def test_warm_start_loads_every_step_and_keeps_greedy_tokens(tmp_path):
     cache = cold.runner.executable_cache
     r = cold.runner
     stored = len(r._forward_exe) + len(r._loop_exe) + len(r._sample_exe)
-    assert len(r._sample_exe) == 2 * len(r.buckets.decode_buckets)  # 2 variants per sequence bucket
+    assert len(r._sample_exe) == 3 * len(r.buckets.decode_buckets)  # 3 variants per sequence bucket
     assert cache.hits == 0 and cache.misses == stored
     assert len(list((tmp_path / "executables").glob("*.exe"))) == stored
     expected = greedy_tokens(cold)

@@ -6,13 +6,14 @@ tables must cover vLLM's lists exactly, so a field cannot be forgotten."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, REFUSED
 from server_harness import MODEL, NO_EOS, check_error_shape, post_raw
 
-# vLLM's field names, in its declaration order.
+# vLLM's field names, in its declaration order (`structured_outputs`: vLLM >= 0.10.2).
 VLLM_COMPLETION = (
     "model prompt prompt_embeds best_of echo frequency_penalty logit_bias logprobs max_tokens n "
     "presence_penalty seed stop stream stream_options suffix temperature top_p user use_beam_search top_k "
@@ -20,7 +21,8 @@ VLLM_COMPLETION = (
     "min_tokens skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids "
     "prompt_logprobs add_special_tokens response_format guided_json guided_regex guided_choice "
     "guided_grammar guided_decoding_backend guided_whitespace_pattern priority request_id "
-    "logits_processors return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs").split()
+    "logits_processors return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs "
+    "structured_outputs").split()
 VLLM_CHAT = (
     "messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n "
     "presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice "
@@ -31,7 +33,7 @@ VLLM_CHAT = (
     "documents chat_template chat_template_kwargs mm_processor_kwargs guided_json guided_regex "
     "guided_choice guided_grammar structural_tag guided_decoding_backend guided_whitespace_pattern "
     "priority request_id logits_processors return_tokens_as_token_ids cache_salt kv_transfer_params "
-    "vllm_xargs").split()
+    "vllm_xargs structured_outputs").split()
 
 PROMPT = "The quick brown fox jumps"
 MESSAGES = [{"role": "user", "content": "Hello world"}]
@@ -77,6 +79,17 @@ HONOURED = {
     "top_logprobs": ok(lambda r: len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2),
     "add_generation_prompt": ok(), "chat_template_kwargs": ok(), "documents": ok(),
     "parallel_tool_calls": ok(),
+    # structured output (tests/test_structured_output.py checks it on the demo model)
+    "response_format": ok(lambda r: text_of(r).startswith("{")),
+    "guided_json": ok(lambda r: text_of(r).startswith("{")),
+    "guided_whitespace_pattern": ok(lambda r: text_of(r).startswith("{")),
+    "guided_regex": ok(lambda r: re.fullmatch("[a-z]*", text_of(r))),
+    "guided_choice": ok(lambda r: any(c.startswith(text_of(r)) for c in ("yes", "no"))),
+    "guided_grammar": ok(lambda r: text_of(r) == "a"),
+    "structured_outputs": ok(lambda r: any(c.startswith(text_of(r)) for c in ("yes", "no"))),
+    # tools (tests/test_tool_calls.py has the rest)
+    "tools": ok(lambda r: r["choices"][0]["message"]["tool_calls"] == []),
+    "tool_choice": ok(lambda r: r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"),
 }
 VALUES = {
     "model": MODEL, "max_tokens": 2, "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
@@ -88,26 +101,31 @@ VALUES = {
     "prompt": [5, 6, 7], "echo": True, "logprobs": 2, "messages": MESSAGES, "max_completion_tokens": 1,
     "top_logprobs": 2, "add_generation_prompt": False, "chat_template_kwargs": {"flavour": "plain"},
     "documents": [{"title": "t", "text": "some text"}], "parallel_tool_calls": False,
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
+    "guided_whitespace_pattern": " ", "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
+    "guided_grammar": "root ::= \"a\"", "structured_outputs": {"choice": ["yes", "no"]},
     # refused: values that ask for what the server lacks
     "prompt_embeds": "AAAA", "suffix": " the end", "logit_bias": {"5": 10.0}, "allowed_token_ids": [5, 6],
-    "bad_words": ["fox"], "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"",
-    "structural_tag": "{}", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "bad_words": ["fox"], "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "continue_final_message": True, "chat_template": "{{ messages }}", "mm_processor_kwargs": {"a": 1},
     "logits_processors": ["my.Processor"], "return_tokens_as_token_ids": True, "cache_salt": "salt",
     "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"k": 1},
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
     "reasoning_effort": "low", "include_reasoning": False,
 }
 # Values of refused fields that ask for nothing: sent together, they are accepted.
 NO_OPS = {"prompt_embeds": None, "suffix": "", "logit_bias": {}, "allowed_token_ids": None, "bad_words": [],
-          "response_format": {"type": "text"}, "guided_json": None, "use_beam_search": False,
+          "response_format": {"type": "text"}, "guided_json": None, "guided_decoding_backend": "auto",
+          "use_beam_search": False,
           "length_penalty": 1.0, "spaces_between_special_tokens": True, "continue_final_message": False,
           "logits_processors": [], "return_tokens_as_token_ids": False, "vllm_xargs": {}, "tools": [],
           "tool_choice": "none", "include_reasoning": True}
 CHAT_VALUES = {"logprobs": True}
-EXTRA = {"n": {"temperature": 0.8}, "top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}
+EXTRA = {"n": {"temperature": 0.8}, "top_logprobs": {"logprobs": True}, "stream_options": {"stream": True},
+         "guided_whitespace_pattern": {"guided_json": {"type": "object"}}, "tools": {"tool_choice": "none"},
+         "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}]}}
 
 
 def post(endpoint: str, server, body: dict):

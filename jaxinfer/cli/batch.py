@@ -10,6 +10,7 @@ import sys
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from jaxinfer.engine.args import EngineArgs
     from serve.limits import add_limit_args
+    from serve.tools import add_tool_args
 
     p = sub.add_parser(
         "batch", help="run an OpenAI Batch file (JSONL of /v1/completions and /v1/chat/completions requests)",
@@ -26,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     EngineArgs.add_cli_args(p)
     add_limit_args(p.add_argument_group("request limits (as `jaxinfer serve`)"))
+    add_tool_args(p.add_argument_group("tool calling (as `jaxinfer serve`)"))
     p.set_defaults(func=run)
 
 
@@ -38,9 +40,14 @@ def run(args: argparse.Namespace) -> int:
     from serve.batch import BatchRunner
     from serve.batch_file import done_ids, read_lines
     from serve.limits import RequestLimits
+    from serve.tools import ToolOptions, check_tool_args
 
     if args.max_pending < 1:
         raise ConfigError(f"--max-pending must be >= 1, got {args.max_pending}")
+    try:
+        check_tool_args(args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     total, lines = read_lines(args.input_file)
     skip = done_ids(args.output_file)
     engine = create_engine(EngineArgs.from_cli_args(args))
@@ -48,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: batch requests need one")
     with open(args.output_file, "a", encoding="utf-8") as out, \
             tqdm(total=total, desc="batch", unit="req") as bar:
-        counts = BatchRunner(engine, out, RequestLimits.from_args(args), args.max_pending).run(
-            lines, bar, skip=skip)
+        counts = BatchRunner(engine, out, RequestLimits.from_args(args), args.max_pending,
+                             ToolOptions.from_args(args)).run(lines, bar, skip=skip)
     print(f"{counts['ok']} answered, {counts['failed']} refused or failed, {counts['skipped']} already in "
           f"{args.output_file}", file=sys.stderr)
     return 0

@@ -322,9 +322,11 @@ class Scheduler:
         """Reserve KV slots for up to decode_steps_per_call tokens per sequence (each capped at what
         its limits still allow); the device loop stops at the first finished sequence anyway.
         Returns the number of steps, 1 if the pool cannot reserve them or a sequence needs the host
-        every token (penalties read the token history, which the loop does not rebuild)."""
+        every token (penalties read the token history, which the loop does not rebuild; a grammar
+        needs a fresh bitmask from its host-side matcher)."""
         k = self.decode_steps_per_call
-        if any(d.seq.request.params.uses_penalties or not d.emits for d in decodes):
+        if any(d.seq.request.params.uses_penalties or not d.emits or d.seq.grammar is not None
+               for d in decodes):
             return 1
         for d in decodes:
             steps = min(k, d.seq.loop_steps_allowed())

@@ -49,6 +49,7 @@ class AsyncEngine:
         self.args = engine.args
         self.tokenizer = engine.tokenizer
         self.model_config = engine.cfg
+        self.grammars = engine.grammars  # the server compiles structured-output grammars off the loop
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
         self.served_model_names = engine.args.served_model_names

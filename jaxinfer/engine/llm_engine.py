@@ -48,6 +48,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.engine.weight_update import place_like
+from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.quant.scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
@@ -124,6 +125,7 @@ class LLMEngine:
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._inflight: StepHandle | None = None
@@ -258,7 +260,9 @@ class LLMEngine:
                 f"prompt of {n} tokens + min_tokens={params.min_tokens} exceeds the context length "
                 f"max_model_len={self.max_model_len}", param="min_tokens")
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
-        req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time)
+        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
+        req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
+                      grammar)
         req.weight_version = self.weight_version
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
@@ -395,7 +399,8 @@ class LLMEngine:
             return False
         if not self.args.async_scheduling or h.is_loop:
             return True
-        return any(s.request.params.uses_penalties and s.num_pending
+        # Penalties read the token history, a grammar's bitmask needs its matcher up to date.
+        return any((s.request.params.uses_penalties or s.grammar is not None) and s.num_pending
                    for s in self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:

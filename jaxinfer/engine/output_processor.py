@@ -1,8 +1,9 @@
 """Turn a finished step's sampled tokens into sequence state, finish decisions and RequestOutputs.
 
 Runs on the host after `StepHandle.result()`. For each emitting row: append the token(s), detokenize,
-check (in this order) stop token ids / EOS, stop strings, max_tokens and the context limit, and
-set a finished sequence's finish reason. It touches no KV state: `process` returns the step's
+check (in this order) stop token ids / EOS, stop strings, a completed grammar (structured output:
+the row's matcher advances with each token), max_tokens and the context limit, and set a finished
+sequence's finish reason. It touches no KV state: `process` returns the step's
 sequences, which the engine hands to `Scheduler.update_from_output` (finished ones free their
 blocks, full blocks enter the prefix cache).
 """
@@ -81,6 +82,8 @@ class OutputProcessor:
         params = req.params
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
         if req.first_token_time is None:
@@ -101,6 +104,8 @@ class OutputProcessor:
         stop_str = seq.output.add_token(token, check_stop=past_min)
         if stop_str is not None:
             self.finish(seq, "stop", stop_str)
+        elif seq.grammar is not None and seq.grammar.terminated:
+            self.finish(seq, "stop", None)  # the grammar is complete: nothing but EOS could follow
         elif (seq.max_output is not None and n_out >= seq.max_output) \
                 or len(seq.token_ids) >= self.max_model_len:
             self.finish(seq, "length", None)

@@ -27,6 +27,7 @@ from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingPar
 
 if TYPE_CHECKING:
     from jaxinfer.engine.stop_checker import OutputText
+    from jaxinfer.structured.grammar import CompiledGrammar
 
 
 class SeqStatus(enum.Enum):
@@ -38,12 +39,13 @@ class SeqStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, eos_token_ids: tuple[int, ...], priority: int = 0,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, grammar: CompiledGrammar | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.seed = seed  # params.seed, or one drawn from the engine's generator
         self.priority = priority
+        self.grammar = grammar  # structured output: each choice matches it (jaxinfer/structured/)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -116,6 +118,9 @@ class Sequence:
         self.sampling_row = (temperature, max(params.top_k, 0), params.top_p, params.min_p,
                              self.seed, params.min_tokens, self.prompt_len, params.logprobs or 0)
         self.output: OutputText | None = None  # set by the engine for choice sequences
+        # A choice's own matcher of the request's grammar, advanced by each accepted token.
+        self.grammar = (request.grammar.new_matcher()
+                        if request.grammar is not None and index >= 0 else None)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.finish_reported = False  # a RequestOutput carried the finish reason

@@ -111,6 +111,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def backend_json(self) -> str:
+        """tokenizer.json's content as the tokenizers library serializes it (grammar libraries
+        build their token tables from it)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = False,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             **kwargs: Any) -> str:

@@ -34,6 +34,9 @@ class DataParallelEngine:
         self.max_model_len, self.model_name = first.max_model_len, first.model_name
         self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
         self.metrics = _MergedMetrics([r.metrics for r in replicas])
+        self.grammars = first.grammars  # one compiled-grammar cache for every replica
+        for r in replicas:
+            r.grammars = first.grammars
         self._owner: dict[str, LLMEngine] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="jaxinfer-dp")
 

@@ -29,8 +29,8 @@ from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
 from jaxinfer.model.transformer import forward
-from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, SamplerOutput, SamplerVariant,
-                             SamplingTensors, sample)
+from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerOutput,
+                             SamplerVariant, SamplingTensors, sample)
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
@@ -41,7 +41,9 @@ from pallas_kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-WARMUP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
+# The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
+LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
+WARMUP_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
 
 
 def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
@@ -167,7 +169,9 @@ def _model_inputs(batch: StepBatch) -> StepBatch:
 
 
 def _label(variant: SamplerVariant | None) -> str:
-    return "" if variant is None else ("full" if variant.advanced else "base")
+    if variant is None:
+        return ""
+    return "masked" if variant.masked else "full" if variant.advanced else "base"
 
 
 @dataclasses.dataclass
@@ -237,7 +241,7 @@ class ModelRunner:
                                           sharding=plan and plan.kv_cache)
         self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
-        self.sampling_table = SamplingTable(max_num_seqs)
+        self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size)
         self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
         # (sequences, sampler variant) at num_steps == decode_steps_per_call; sampler per
@@ -289,7 +293,7 @@ class ModelRunner:
         seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets} | set(b.decode_buckets))
         shapes += [("sample", s, v) for v in WARMUP_VARIANTS for s in seq_buckets]
         if self.decode_steps_per_call > 1:
-            shapes += [("loop", s, v) for v in WARMUP_VARIANTS for s in b.decode_buckets]
+            shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in b.decode_buckets]
         shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 

@@ -11,10 +11,14 @@ whichever compiled variant runs it and however many decode steps run per host ca
 
 Compiled variants (static `SamplerVariant`): the base variant is argmax(logits / T + gumbel), cheap;
 `advanced` adds the vocabulary sort that top-k / top-p / min-p need plus logprobs; `penalties` adds the
-[S, V] token-count scatter. Inside a variant, the sort, the scatter and the logprobs' top-k run only
-when some row of the batch uses them (`lax.cond`), so a batch that needs only sampled-token logprobs
-(RL rollouts) costs little more than the base variant. The engine compiles two: BASE_SAMPLER and
-FULL_SAMPLER (both extras), and picks the base one whenever no row of the batch needs more.
+[S, V] token-count scatter; `masked` applies each row's packed token bitmask (structured output,
+jaxinfer/structured/) to the logits before anything else, as vLLM applies its grammar bitmask, so
+logprobs are of the constrained distribution too. Inside a variant, the sort, the scatter and the
+logprobs' top-k run only when some row of the batch uses them (`lax.cond`), so a batch that needs
+only sampled-token logprobs (RL rollouts) costs little more than the base variant. The engine
+compiles three: BASE_SAMPLER, FULL_SAMPLER (both extras) and MASKED_SAMPLER (every extra and the
+bitmask); it picks the base one whenever no row of the batch needs more and the masked one only for
+a batch holding a constrained row, so unconstrained batches never carry a mask.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.structured.bitmask import apply_token_bitmask
 
 NEG_INF = -jnp.inf
 
@@ -33,10 +38,12 @@ NEG_INF = -jnp.inf
 class SamplerVariant(NamedTuple):
     advanced: bool = False   # top-k / top-p / min-p and logprobs
     penalties: bool = False  # repetition / presence / frequency penalties
+    masked: bool = False     # a token bitmask per row (structured output)
 
 
 BASE_SAMPLER = SamplerVariant(False, False)
 FULL_SAMPLER = SamplerVariant(True, True)
+MASKED_SAMPLER = SamplerVariant(True, True, True)
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +66,8 @@ class SamplingTensors:
     frequency_penalty: jax.Array | None = None   # f32[S]
     history: jax.Array | None = None             # i32[S, L]: prompt then output ids; -1 = none
     prompt_len: jax.Array | None = None          # i32[S]: how many leading history ids are prompt
+    # Allowed tokens, packed (None unless SamplerVariant.masked); unconstrained rows allow all.
+    token_bitmask: jax.Array | None = None       # i32[S, ceil(V/32)]
 
 
 class SamplerOutput(NamedTuple):
@@ -130,6 +139,8 @@ def truncation_cutoff(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
 def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
     """logits f32[S, V] -> sampled tokens (and raw logprobs in the advanced variant)."""
     v = logits.shape[-1]
+    if variant.masked:
+        logits = apply_token_bitmask(logits, t.token_bitmask)
     raw = logits
     # The full variant runs for any row that needs one of its extras (logprobs, say); the costly
     # parts (the [S, V] count scatter, the vocabulary sort) are skipped on the device when no row

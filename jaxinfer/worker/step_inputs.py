@@ -15,9 +15,11 @@ import jax
 import numpy as np
 
 from jaxinfer.errors import RequestFailedError
-from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, SamplerVariant, SamplingTensors
+from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant,
+                                     SamplingTensors)
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxinfer.core.scheduler import ScheduledSeq
+from jaxinfer.structured.grammar import step_bitmask
 from pallas_kernels.metadata import AttentionMetadata
 
 
@@ -38,10 +40,11 @@ class SamplingTable:
     prompt_len, number of top logprobs) and stop ids, kept on the host by slot and written once per
     sequence, so a step gathers them with one numpy index instead of converting 256 Python tuples.
     The extra last row holds padding defaults (also used by n > 1 prompt sequences, which have no
-    slot and no sample)."""
+    slot and no sample). `vocab_size` sizes the masked sampler variant's token bitmask."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, vocab_size: int = 0):
         self.pad = num_slots
+        self.vocab_size = vocab_size
         self.consts = np.zeros((num_slots + 1, 8), np.float64)  # float64 holds each value exactly
         self.consts[:, 2] = 1.0  # top_p off
         self.stop_ids = np.full((num_slots + 1, MAX_STOP_TOKEN_IDS), -1, np.int32)
@@ -60,7 +63,10 @@ class SamplingTable:
 
 def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
     """The base variant unless some row needs top-k/top-p/min-p, logprobs or penalties; then the full
-    one (both extras together: two compiled variants per shape instead of four)."""
+    one (both extras together: two compiled variants per shape instead of four). A row with a
+    grammar makes it the masked variant (the full one plus the bitmask)."""
+    if any(r.seq.grammar is not None for r in rows):
+        return MASKED_SAMPLER
     return FULL_SAMPLER if any(r.seq.request.needs_full_sampler for r in rows) else BASE_SAMPLER
 
 
@@ -174,4 +180,6 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
         t = dataclasses.replace(t, repetition_penalty=rep, presence_penalty=pres,
                                 frequency_penalty=freq, history=history,
                                 prompt_len=consts[:, 6].astype(np.int32))
+    if variant.masked:
+        t = dataclasses.replace(t, token_bitmask=step_bitmask(rows, num_seqs, table.vocab_size))
     return t

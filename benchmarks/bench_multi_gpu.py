@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -248,12 +249,15 @@ def section_moe_layouts(_: dict) -> dict:
 
 
 def _normal_sharded(key, shape, sharding):
+    return _normal_fn(shape, sharding)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_fn(shape, sharding):
     import jax
     import jax.numpy as jnp
-    gen = jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32)
-                               * shape[1] ** -0.5).astype(jnp.bfloat16), out_shardings=sharding)
-    return gen(key)
-
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32)
+                                * shape[1] ** -0.5).astype(jnp.bfloat16), out_shardings=sharding)
 
 SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90),
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),

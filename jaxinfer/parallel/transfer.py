@@ -25,11 +25,10 @@ def pack(leaves: list[np.ndarray]) -> tuple[np.ndarray, Layout]:
     """4-byte leaves -> one int32 buffer and the layout that cuts it back."""
     layout, parts, offset = [], [], 0
     for leaf in leaves:
-        leaf = np.ascontiguousarray(leaf)
         if leaf.dtype.itemsize != 4:
             raise TypeError(f"pack takes 4-byte arrays; got {leaf.dtype}")
         layout.append((offset, leaf.shape, leaf.dtype.name))
-        parts.append(leaf.reshape(-1).view(np.int32))
+        parts.append(np.ascontiguousarray(leaf).reshape(-1).view(np.int32))
         offset += leaf.size
     buf = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return buf, tuple(layout)
@@ -41,7 +40,7 @@ def unpack(buf: jax.Array, layout: Layout) -> list[jax.Array]:
     for offset, shape, dtype in layout:
         size = int(np.prod(shape, dtype=np.int64))
         flat = jax.lax.bitcast_convert_type(buf[offset:offset + size], jnp.dtype(dtype))
-        out.append(flat.reshape(shape))
+        out.append(jnp.reshape(flat, shape))
     return out
 
 

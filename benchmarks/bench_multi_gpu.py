@@ -2,10 +2,10 @@
 figure beside its anchor.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py [--sections ...]
-        [--deadline-s 400]
+        [--deadline-s 400] [--limits llama8b_tp2=90,...] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
-one persistent compilation cache; the JSON is rewritten after each):
+one persistent compilation cache; with `--save` the record is rewritten after each):
   allreduce   the anchor: one `psum` over the two GPUs inside a chain of 64 (a 32-layer decode
               step has 64), 8 KB (one token's hidden state) and 2 MB; µs per psum.
   parity      the bundled demo model (trained, so its greedy tokens are not near-ties) with the
@@ -15,11 +15,15 @@ one persistent compilation cache; the JSON is rewritten after each):
   llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
   llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
   llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
+  moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
+              (2048), on one GPU and at TP = 2 in both expert layouts ("ep": experts split over
+              the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
 Every engine is built with the limits of its largest workload (a batch-1 decode therefore runs in
 the 8-row decode bucket) and compiles lazily; each concurrency run is preceded by an untimed run
 of the same prompts with fewer output tokens, which compiles the shapes the timed run meets.
 "Ready" is weights loaded + the first batch-1 request served (its compiles included).
-Writes $OUT/multi_gpu_h200x2.json (name, date, commit, machine, command, config, metrics).
+`--save DIR` writes DIR/multi_gpu_h200x2.json through `results_io` (`config.sections` keeps each
+section's wall time and, when it failed, its stderr).
 
 Timing on two H200s (2026-12-01): allreduce 11 s, parity 57 s, llama8b_tp1 48 s, llama8b_tp2
 130 s; llama70b_tp2 needed more than 142 s (63 s to its first batch-1 token, then the c = 64
@@ -30,8 +34,8 @@ as a second call.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
+import importlib.metadata
 import json
 import os
 import sys
@@ -39,11 +43,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B, child
 
 ROOT = Path(__file__).resolve().parent.parent
 
-OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+NAME = "multi_gpu_h200x2"
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
               "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 REQUIRED = ("llama8b_tp1_bs1_tpot_ms", "llama8b_tp2_bs1_tpot_ms", "llama8b_tp2_c256_out_tok_s",
@@ -281,8 +286,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--deadline-s", type=float, default=400.0)
+    ap.add_argument("--limits", default="",
+                    help="per-section time limits overriding the defaults: name=seconds,...")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    results_io.add_save_arg(ap, NAME)
     args = ap.parse_args()
     if args.run_section:
         fn = SECTIONS[args.run_section][0]
@@ -290,46 +298,47 @@ def main() -> None:
         return
 
     start = time.perf_counter()
+    limits = {name: float(sec) for name, sec in
+              (item.split("=") for item in args.limits.split(",") if item)}
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-mgpu-"))
     cfg = {"cache_dir": str(work / "cc")}
     for name, shape in (("llama8b", LLAMA3_8B), ("llama70b", LLAMA3_70B)):
         (work / name).mkdir()
         (work / name / "config.json").write_text(json.dumps(shape))
         cfg[name] = str(work / name)
-    import jax  # not initialised here: the sections' processes own the GPUs
-    result = {"name": "multi_gpu_h200x2", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-              "machine": "",
-              "command": "python3 " + " ".join(sys.argv),
-              "config": {"input_len": IN_LEN, "output_len": OUT_LEN, "dtype": "bfloat16",
-                         "weights": "dummy", "attention_backend": "mosaic",
-                         "max_num_batched_tokens": 2048, "jax": jax.__version__,
-                         "one_gpu_c256_reference_out_tok_s": ONE_GPU_C256_OUT_TOK_S},
-              "metrics": {}, "sections": {}}
-    del jax
-    dest = OUT / "multi_gpu_h200x2.json"
+    # jax is not imported here (results_io.machine() would start a backend): the sections'
+    # processes own the GPUs and report the machine.
+    config = {"input_len": IN_LEN, "output_len": OUT_LEN, "dtype": "bfloat16", "weights": "dummy",
+              "attention_backend": BACKEND, "max_num_batched_tokens": 2048,
+              "jax": importlib.metadata.version("jax"),
+              "one_gpu_c256_reference_out_tok_s": ONE_GPU_C256_OUT_TOK_S, "sections": {}}
+    metrics: dict = {}
+    machine = results_io.machine()
     for name in args.sections.split(","):
-        limit = SECTIONS[name][1]
+        limit = limits.get(name, SECTIONS[name][1])
         left = args.deadline_s - (time.perf_counter() - start)
         if left < 30:
-            result["sections"][name] = "skipped: call deadline"
+            config["sections"][name] = "skipped: call deadline"
             continue
         t0 = time.perf_counter()
         argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
         stdout, stderr, rc = child(argv, min(limit, left))
         got = _last_json(stdout)
-        result["machine"] = got.pop("machine", result["machine"])
-        result["metrics"].update(got)
+        if "machine" in got:
+            machine["device"] = got.pop("machine")
+        metrics.update(got)
         entry = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc}
         if rc != 0:
             entry["stderr_tail"] = stderr[-2500:]
-        result["sections"][name] = entry
+        config["sections"][name] = entry
         print(f"== {name}: {json.dumps(got)} {json.dumps(entry)[:2500]}", flush=True)
-        _derive(result["metrics"])
+        _derive(metrics)
         for key in REQUIRED:  # a figure a section did not reach stays visible, as null
-            result["metrics"].setdefault(key, None)
-        dest.write_text(json.dumps(result, indent=1))
-    print_table(result["metrics"])
+            metrics.setdefault(key, None)
+        if args.save:  # after every section: a later one's timeout keeps the earlier figures
+            results_io.save(args.save, args.name or NAME, config=config, metrics=metrics,
+                            machine_info=machine)
+    print_table(metrics)
 
 
 def _derive(m: dict) -> None:

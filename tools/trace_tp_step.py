@@ -105,7 +105,7 @@ def cfg_len(model: str) -> int:
     return json.loads(Path(model, "config.json").read_text()).get("max_position_embeddings", 1024)
 
 
-def build_llm(shape: str, tp: int, work: Path):
+def build_llm(shape: str, tp: int, work: Path, decode_steps: int = 1):
     from benchmarks.bench_engine_gpu import LLAMA3_8B
     from benchmarks.bench_multi_gpu import LLAMA3_70B
     from jaxinfer import LLM
@@ -119,7 +119,8 @@ def build_llm(shape: str, tp: int, work: Path):
     llm = LLM(model, tensor_parallel_size=tp, dtype="bfloat16", attention_backend=BACKEND,
               load_format="dummy" if shape in shapes else "auto", max_num_seqs=8,
               max_num_batched_tokens=512, max_model_len=min(1024, cfg_len(model)),
-              num_blocks=1024, warmup=False, compilation_cache_dir=None)
+              num_blocks=1024, warmup=False, compilation_cache_dir=None,
+              decode_steps_per_call=decode_steps)
     return llm, time.perf_counter() - t0
 
 
@@ -129,6 +130,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode-steps-per-call", type=int, default=1,
+                    help="the engine's on-device decode loop (1: one step per dispatch)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -138,7 +141,8 @@ def main() -> None:
     label = args.label or f"{Path(args.shape).name}_tp{args.tp}"
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "tp_traces"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    llm, load_s = build_llm(args.shape, args.tp, Path(tempfile.mkdtemp(prefix="jaxinfer-trace-")))
+    llm, load_s = build_llm(args.shape, args.tp, Path(tempfile.mkdtemp(prefix="jaxinfer-trace-")),
+                            args.decode_steps_per_call)
     engine = getattr(llm.engine, "replicas", [llm.engine])[0]
     prompt = [np.random.default_rng(0).integers(0, engine.cfg.vocab_size, args.prompt_len).tolist()]
 
@@ -155,6 +159,7 @@ def main() -> None:
     long = run(9 + 64)
     steps = engine.stats.steps - steps0
     result = {"label": label, "tp": args.tp, "shape": args.shape, "load_s": round(load_s, 1),
+              "decode_steps_per_call": args.decode_steps_per_call,
               "first_request_s": round(first, 1),
               "tpot_ms": round(1e3 * (long - short) / 64, 3),
               "host_ms_per_step": round(1e3 * (engine.stats.host_s - host0) / steps, 3),

@@ -122,16 +122,21 @@ def _random_prompts(vocab: int, n: int) -> list[list[int]]:
     return [rng.integers(0, vocab, IN_LEN).tolist() for _ in range(n)]
 
 
+def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
+    """Seconds to generate exactly n greedy tokens for each prompt."""
+    from jaxinfer import SamplingParams
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def _tpot_ms(llm) -> tuple[float, float]:
     """(batch-1 TPOT in ms, seconds of the first request, compiles included)."""
-    from jaxinfer import SamplingParams
     prompt = _random_prompts(llm.engine.cfg.vocab_size, 1)
 
     def run(n: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
-                     use_tqdm=False)
-        return time.perf_counter() - t0
+        return timed_generate(llm, prompt, n)
 
     first = run(17)
     short = min(run(17) for _ in range(2))

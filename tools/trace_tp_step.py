@@ -137,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     import jax
 
-    from jaxinfer import SamplingParams
+    from benchmarks.bench_multi_gpu import timed_generate
     label = args.label or f"{Path(args.shape).name}_tp{args.tp}"
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "tp_traces"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -147,10 +147,7 @@ def main() -> None:
     prompt = [np.random.default_rng(0).integers(0, engine.cfg.vocab_size, args.prompt_len).tolist()]
 
     def run(n: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
-                     use_tqdm=False)
-        return time.perf_counter() - t0
+        return timed_generate(llm, prompt, n)
 
     first = run(9)
     short = min(run(9) for _ in range(2))

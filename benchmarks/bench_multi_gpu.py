@@ -49,6 +49,7 @@ from benchmarks.bench_engine_gpu import LLAMA3_8B, child
 ROOT = Path(__file__).resolve().parent.parent
 
 NAME = "multi_gpu_h200x2"
+GRACE_S = 5  # past a section's time limit: its stack dump, then it is killed
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
               "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 REQUIRED = ("llama8b_tp1_bs1_tpot_ms", "llama8b_tp2_bs1_tpot_ms", "llama8b_tp2_c256_out_tok_s",
@@ -131,8 +132,10 @@ def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _tpot_ms(llm) -> tuple[float, float]:
-    """(batch-1 TPOT in ms, seconds of the first request, compiles included)."""
+def _tpot_ms(llm, cfg: dict, label: str) -> tuple[float, float, dict]:
+    """(batch-1 TPOT in ms, seconds of the first request, compiles included, flat figures of a
+    device trace of cfg["trace_steps"] decode steps: tools/trace_tp_step.py's summary, whole in
+    $OUT/trace_<label>.json)."""
     prompt = _random_prompts(llm.engine.cfg.vocab_size, 1)
 
     def run(n: int) -> float:
@@ -141,7 +144,29 @@ def _tpot_ms(llm) -> tuple[float, float]:
     first = run(17)
     short = min(run(17) for _ in range(2))
     long = min(run(145) for _ in range(2))
-    return 1e3 * (long - short) / 128, first
+    return 1e3 * (long - short) / 128, first, _trace(lambda: run(cfg["trace_steps"]), cfg, label)
+
+
+def _trace(run, cfg: dict, label: str) -> dict:
+    steps = cfg["trace_steps"]
+    if not steps:
+        return {}
+    import jax
+
+    from tools.trace_tp_step import print_summary, summarize
+    trace_dir = Path(tempfile.mkdtemp(prefix=f"trace-{label}-"))
+    with jax.profiler.trace(str(trace_dir)):
+        run()
+    summary = {"label": label, **summarize(str(trace_dir), steps)}
+    out_dir = Path(os.environ.get("OUT", tempfile.gettempdir()))
+    (out_dir / f"trace_{label}.json").write_text(json.dumps(summary, indent=1))
+    print_summary(summary)
+    flat = {}
+    for _, d in sorted(summary["devices"].items())[:1]:  # the first GPU's timeline
+        for key in ("period_us", "busy_us_per_step", "idle_us_per_step", "nccl_us_per_step"):
+            if key in d:
+                flat[f"{label}_trace_{key}"] = d[key]
+    return flat
 
 
 def _throughput(llm, concurrency: int, warm_out: int) -> float:
@@ -166,19 +191,26 @@ def _engine_kw(cfg: dict, seqs: int) -> dict:
 
 def section_llama8b_tp1(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=1, **_engine_kw(cfg, 256))
-    tpot, first = _tpot_ms(llm)
-    return {"llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1)}
+    tpot, first, traced = _tpot_ms(llm, cfg, "llama8b_tp1")
+    return {"llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1),
+            **traced}
 
 
-def section_llama8b_tp2(cfg: dict) -> dict:
+def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2") -> dict:
     llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256))
-    tpot, first = _tpot_ms(llm)
-    out = {"llama8b_tp2_bs1_tpot_ms": round(tpot, 3), "llama8b_tp2_ready_s": round(load_s + first, 1),
-           "llama8b_tp2_load_s": round(load_s, 1)}
+    tpot, first, traced = _tpot_ms(llm, cfg, prefix)
+    out = {f"{prefix}_bs1_tpot_ms": round(tpot, 3), f"{prefix}_ready_s": round(load_s + first, 1),
+           f"{prefix}_load_s": round(load_s, 1), **traced}
     print(json.dumps(out), flush=True)  # kept if the throughput run times out
     if cfg["throughput"]:
-        out["llama8b_tp2_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
+        out[f"{prefix}_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
     return out
+
+
+def section_llama8b_tp2_cmdbuf(cfg: dict) -> dict:
+    """llama8b_tp2 with XLA's command buffers (CUDA graphs) taking the collectives too
+    (SECTION_ENV): whether all-reduces splitting each step into many graph launches cost."""
+    return section_llama8b_tp2(cfg, "llama8b_tp2_cmdbuf")
 
 
 def section_llama8b_dp2(cfg: dict) -> dict:
@@ -189,10 +221,11 @@ def section_llama8b_dp2(cfg: dict) -> dict:
 
 def section_llama70b_tp2(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama70b"], tensor_parallel_size=2, **_engine_kw(cfg, 64))
-    tpot, first = _tpot_ms(llm)
+    tpot, first, traced = _tpot_ms(llm, cfg, "llama70b_tp2")
     out = {"llama70b_tp2_bs1_out_tok_s": round(1e3 / tpot, 2),
            "llama70b_tp2_bs1_tpot_ms": round(tpot, 3),
-           "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1)}
+           "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1),
+           **traced}
     print(json.dumps(out), flush=True)
     if cfg["throughput"]:
         out["llama70b_tp2_c64_out_tok_s"] = round(_throughput(llm, 64, 24), 1)
@@ -274,7 +307,10 @@ def _normal_fn(shape, sharding):
 SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90),
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
             "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400),
-            "moe_layouts": (section_moe_layouts, 120)}
+            "moe_layouts": (section_moe_layouts, 120),
+            "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200)}
+# Environment of a section's process beyond the driver's.
+SECTION_ENV = {"llama8b_tp2_cmdbuf": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+COLLECTIVES"}}
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -295,6 +331,9 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=400.0)
     ap.add_argument("--limits", default="",
                     help="per-section time limits overriding the defaults: name=seconds,...")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="after each batch-1 TPOT, trace this many decode steps and summarise the "
+                         "device and host timelines (tools/trace_tp_step.py)")
     ap.add_argument("--batch1-only", action="store_true",
                     help="skip the concurrency runs of llama8b_tp2 and llama70b_tp2")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
@@ -310,7 +349,8 @@ def main() -> None:
     limits = {name: float(sec) for name, sec in
               (item.split("=") for item in args.limits.split(",") if item)}
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-mgpu-"))
-    cfg = {"cache_dir": str(work / "cc"), "throughput": not args.batch1_only}
+    cfg = {"cache_dir": str(work / "cc"), "throughput": not args.batch1_only,
+           "trace_steps": args.trace_steps}
     for name, shape in (("llama8b", LLAMA3_8B), ("llama70b", LLAMA3_70B)):
         (work / name).mkdir()
         (work / name / "config.json").write_text(json.dumps(shape))
@@ -331,7 +371,17 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
-        stdout, stderr, rc = child(argv, min(limit, left))
+        env = SECTION_ENV.get(name, {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            stdout, stderr, rc = child(argv, min(limit, left), grace_s=GRACE_S)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         got = _last_json(stdout)
         if "machine" in got:
             machine["device"] = got.pop("machine")

@@ -173,7 +173,8 @@ def main() -> None:
 
 
 def print_summary(r: dict) -> None:
-    print(f"\n== {r['label']}: TPOT {r['tpot_ms']} ms, host {r['host_ms_per_step']} ms/step")
+    figures = ", ".join(f"{k} {r[k]}" for k in ("tpot_ms", "host_ms_per_step") if k in r)
+    print(f"\n== {r['label']}: {figures}")
     for name, d in r["devices"].items():
         if "error" in d:
             print(name, d["error"])

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B, child
+from tools.trace_tp_step import TRACE_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,10 +133,11 @@ def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _tpot_ms(llm, cfg: dict, label: str) -> tuple[float, float, dict]:
-    """(batch-1 TPOT in ms, seconds of the first request, compiles included, flat figures of a
-    device trace of cfg["trace_steps"] decode steps: tools/trace_tp_step.py's summary, whole in
-    $OUT/trace_<label>.json)."""
+def _batch1(llm, cfg: dict, label: str, figures) -> dict:
+    """figures(batch-1 TPOT in ms, seconds of the first request with its compiles) -> the
+    section's figures, printed at once (kept if what follows fails), then with the flat figures of
+    a device trace of cfg["trace_steps"] decode steps (tools/trace_tp_step.py's summary; the whole
+    of it in $OUT/trace_<label>.json)."""
     prompt = _random_prompts(llm.engine.cfg.vocab_size, 1)
 
     def run(n: int) -> float:
@@ -144,7 +146,9 @@ def _tpot_ms(llm, cfg: dict, label: str) -> tuple[float, float, dict]:
     first = run(17)
     short = min(run(17) for _ in range(2))
     long = min(run(145) for _ in range(2))
-    return 1e3 * (long - short) / 128, first, _trace(lambda: run(cfg["trace_steps"]), cfg, label)
+    out = figures(1e3 * (long - short) / 128, first)
+    print(json.dumps(out), flush=True)
+    return {**out, **_trace(lambda: run(cfg["trace_steps"]), cfg, label)}
 
 
 def _trace(run, cfg: dict, label: str) -> dict:
@@ -191,16 +195,15 @@ def _engine_kw(cfg: dict, seqs: int) -> dict:
 
 def section_llama8b_tp1(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=1, **_engine_kw(cfg, 256))
-    tpot, first, traced = _tpot_ms(llm, cfg, "llama8b_tp1")
-    return {"llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1),
-            **traced}
+    return _batch1(llm, cfg, "llama8b_tp1", lambda tpot, first: {
+        "llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1)})
 
 
 def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2") -> dict:
     llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256))
-    tpot, first, traced = _tpot_ms(llm, cfg, prefix)
-    out = {f"{prefix}_bs1_tpot_ms": round(tpot, 3), f"{prefix}_ready_s": round(load_s + first, 1),
-           f"{prefix}_load_s": round(load_s, 1), **traced}
+    out = _batch1(llm, cfg, prefix, lambda tpot, first: {
+        f"{prefix}_bs1_tpot_ms": round(tpot, 3), f"{prefix}_ready_s": round(load_s + first, 1),
+        f"{prefix}_load_s": round(load_s, 1)})
     print(json.dumps(out), flush=True)  # kept if the throughput run times out
     if cfg["throughput"]:
         out[f"{prefix}_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
@@ -209,7 +212,7 @@ def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2") -> dict:
 
 def section_llama8b_tp2_cmdbuf(cfg: dict) -> dict:
     """llama8b_tp2 with XLA's command buffers (CUDA graphs) taking the collectives too
-    (SECTION_ENV): whether all-reduces splitting each step into many graph launches cost."""
+    (SECTION_XLA_FLAGS): whether all-reduces splitting each step into many graph launches cost."""
     return section_llama8b_tp2(cfg, "llama8b_tp2_cmdbuf")
 
 
@@ -221,11 +224,9 @@ def section_llama8b_dp2(cfg: dict) -> dict:
 
 def section_llama70b_tp2(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama70b"], tensor_parallel_size=2, **_engine_kw(cfg, 64))
-    tpot, first, traced = _tpot_ms(llm, cfg, "llama70b_tp2")
-    out = {"llama70b_tp2_bs1_out_tok_s": round(1e3 / tpot, 2),
-           "llama70b_tp2_bs1_tpot_ms": round(tpot, 3),
-           "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1),
-           **traced}
+    out = _batch1(llm, cfg, "llama70b_tp2", lambda tpot, first: {
+        "llama70b_tp2_bs1_out_tok_s": round(1e3 / tpot, 2), "llama70b_tp2_bs1_tpot_ms": round(tpot, 3),
+        "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1)})
     print(json.dumps(out), flush=True)
     if cfg["throughput"]:
         out["llama70b_tp2_c64_out_tok_s"] = round(_throughput(llm, 64, 24), 1)
@@ -310,7 +311,9 @@ SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90)
             "moe_layouts": (section_moe_layouts, 120),
             "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200)}
 # Environment of a section's process beyond the driver's.
-SECTION_ENV = {"llama8b_tp2_cmdbuf": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+COLLECTIVES"}}
+# XLA flags a section's process adds to $XLA_FLAGS.
+SECTION_XLA_FLAGS = {"llama8b_tp2_cmdbuf": "--xla_gpu_enable_command_buffer=+COLLECTIVES"}
+
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -363,6 +366,7 @@ def main() -> None:
               "one_gpu_c256_reference_out_tok_s": ONE_GPU_C256_OUT_TOK_S, "sections": {}}
     metrics: dict = {}
     machine = results_io.machine()
+    base_flags = os.environ.get("XLA_FLAGS", "")
     for name in args.sections.split(","):
         limit = limits.get(name, SECTIONS[name][1])
         left = args.deadline_s - (time.perf_counter() - start)
@@ -371,22 +375,17 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
-        env = SECTION_ENV.get(name, {})
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            stdout, stderr, rc = child(argv, min(limit, left), grace_s=GRACE_S)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
+        flags = [base_flags, SECTION_XLA_FLAGS.get(name, "")]
+        flags += [TRACE_XLA_FLAGS] if args.trace_steps else []  # traced as it runs untraced
+        os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
+        stdout, stderr, rc = child(argv, min(limit, left), grace_s=GRACE_S)
+        entry_flags = os.environ["XLA_FLAGS"]
+        os.environ["XLA_FLAGS"] = base_flags
         got = _last_json(stdout)
         if "machine" in got:
             machine["device"] = got.pop("machine")
         metrics.update(got)
-        entry = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc}
+        entry = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc, "xla_flags": entry_flags}
         if rc != 0:
             entry["stderr_tail"] = stderr[-2500:]
         config["sections"][name] = entry

@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 
 BACKEND = os.environ.get("BENCH_BACKEND", "mosaic")
+# While a profiler is on, XLA runs command buffers (CUDA graphs) thunk by thunk unless told not to:
+# the trace would show launch gaps that the untraced step does not have.
+TRACE_XLA_FLAGS = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def plane_events(path: str) -> dict[str, list[tuple[str, str, int, int]]]:
@@ -135,6 +138,7 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_XLA_FLAGS}".strip()
     import jax
 
     from benchmarks.bench_multi_gpu import timed_generate

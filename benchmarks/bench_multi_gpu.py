@@ -15,6 +15,8 @@ one persistent compilation cache; with `--save` the record is rewritten after ea
   llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
   llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
   llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
+  llama8b_tp2_cmdbuf, llama8b_tp2_loop8  llama8b_tp2 with XLA's command buffers taking the
+              collectives; with the on-device decode loop (8 steps per dispatch).
   moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
               (2048), on one GPU and at TP = 2 in both expert layouts ("ep": experts split over
               the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
@@ -199,8 +201,8 @@ def section_llama8b_tp1(cfg: dict) -> dict:
         "llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1)})
 
 
-def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2") -> dict:
-    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256))
+def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2", **engine) -> dict:
+    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256), **engine)
     out = _batch1(llm, cfg, prefix, lambda tpot, first: {
         f"{prefix}_bs1_tpot_ms": round(tpot, 3), f"{prefix}_ready_s": round(load_s + first, 1),
         f"{prefix}_load_s": round(load_s, 1)})
@@ -214,6 +216,12 @@ def section_llama8b_tp2_cmdbuf(cfg: dict) -> dict:
     """llama8b_tp2 with XLA's command buffers (CUDA graphs) taking the collectives too
     (SECTION_XLA_FLAGS): whether all-reduces splitting each step into many graph launches cost."""
     return section_llama8b_tp2(cfg, "llama8b_tp2_cmdbuf")
+
+
+def section_llama8b_tp2_loop8(cfg: dict) -> dict:
+    """llama8b_tp2 with the engine's on-device decode loop, 8 steps per dispatch
+    (--decode-steps-per-call 8): what the host's per-step dispatch costs."""
+    return section_llama8b_tp2(cfg, "llama8b_tp2_loop8", decode_steps_per_call=8)
 
 
 def section_llama8b_dp2(cfg: dict) -> dict:
@@ -309,7 +317,8 @@ SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90)
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
             "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400),
             "moe_layouts": (section_moe_layouts, 120),
-            "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200)}
+            "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200),
+            "llama8b_tp2_loop8": (section_llama8b_tp2_loop8, 200)}
 # Environment of a section's process beyond the driver's.
 # XLA flags a section's process adds to $XLA_FLAGS.
 SECTION_XLA_FLAGS = {"llama8b_tp2_cmdbuf": "--xla_gpu_enable_command_buffer=+COLLECTIVES"}

@@ -399,6 +399,9 @@ def main() -> None:
             entry["stderr_tail"] = stderr[-2500:]
         config["sections"][name] = entry
         print(f"== {name}: {json.dumps(got)} {json.dumps(entry)[:2500]}", flush=True)
+        for line in stdout.splitlines()[-60:]:  # what the section printed besides its figures
+            if not line.startswith("{"):
+                print(f"   | {line}", flush=True)
         _derive(metrics)
         for key in REQUIRED:  # a figure a section did not reach stays visible, as null
             metrics.setdefault(key, None)

@@ -218,3 +218,10 @@ def test_cli_refuses_more_devices_than_there_are(flags, message, capsys):
             "--compilation-cache-dir", "", *flags]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_engine_args_refuse_an_unknown_expert_layout():
+    from jaxinfer.engine.args import EngineArgs
+    with pytest.raises(ConfigError, match="--expert-layout 'xx': choose from ep, tp"):
+        EngineArgs(model=str(FIXTURES / "qwen3_moe"), expert_layout="xx")
+    assert EngineArgs(model=str(FIXTURES / "qwen3_moe"), expert_layout="ep").expert_layout == "ep"

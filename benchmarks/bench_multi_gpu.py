@@ -8,6 +8,8 @@ Sections (each in its own process, so a crash or a timeout keeps the others' fig
 one persistent compilation cache; with `--save` the record is rewritten after each):
   allreduce   the anchor: one `psum` over the two GPUs inside a chain of 64 (a 32-layer decode
               step has 64), 8 KB (one token's hidden state) and 2 MB; µs per psum.
+  allreduce_oneshot  the same with XLA's one-shot all-reduce kernel (NVLink peer reads) in place
+              of NCCL for the messages it takes.
   parity      the bundled demo model (trained, so its greedy tokens are not near-ties) with the
               mosaic kernels: greedy continuations at TP = 1 and TP = 2, how many are identical.
   llama8b_tp1 Llama-3-8B shape, dummy bf16, one GPU: batch-1 TPOT (512-token prompt; the
@@ -15,8 +17,9 @@ one persistent compilation cache; with `--save` the record is rewritten after ea
   llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
   llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
   llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
-  llama8b_tp2_cmdbuf, llama8b_tp2_loop8  llama8b_tp2 with XLA's command buffers taking the
-              collectives; with the on-device decode loop (8 steps per dispatch).
+  llama8b_tp2_cmdbuf, llama8b_tp2_loop8, llama8b_tp2_oneshot  llama8b_tp2 with XLA's command
+              buffers taking the collectives; with the on-device decode loop (8 steps per
+              dispatch); with XLA's one-shot all-reduce kernel.
   moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
               (2048), on one GPU and at TP = 2 in both expert layouts ("ep": experts split over
               the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
@@ -63,7 +66,7 @@ BACKEND = os.environ.get("BENCH_BACKEND", "mosaic")  # `reference` smoke-tests t
 
 
 # ---- sections (run inside a child process) ------------------------------------------------------
-def section_allreduce(_: dict) -> dict:
+def section_allreduce(_: dict, name: str = "psum") -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -90,9 +93,15 @@ def section_allreduce(_: dict) -> dict:
             t0 = time.perf_counter()
             jax.block_until_ready(f(x))
             times.append(time.perf_counter() - t0)
-        out[f"psum_{label}_us"] = round(float(np.median(times)) / 64 * 1e6, 2)
+        out[f"{name}_{label}_us"] = round(float(np.median(times)) / 64 * 1e6, 2)
     out["machine"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     return out
+
+
+def section_allreduce_oneshot(cfg: dict) -> dict:
+    """allreduce with XLA's one-shot all-reduce kernel for small messages on one host
+    (SECTION_XLA_FLAGS): each GPU reads its peers' buffers over NVLink and sums, instead of NCCL."""
+    return section_allreduce(cfg, "oneshot_psum")
 
 
 def _llm(model: str, **kw):
@@ -218,6 +227,11 @@ def section_llama8b_tp2_cmdbuf(cfg: dict) -> dict:
     return section_llama8b_tp2(cfg, "llama8b_tp2_cmdbuf")
 
 
+def section_llama8b_tp2_oneshot(cfg: dict) -> dict:
+    """llama8b_tp2 with XLA's one-shot all-reduce kernel (SECTION_XLA_FLAGS)."""
+    return section_llama8b_tp2(cfg, "llama8b_tp2_oneshot")
+
+
 def section_llama8b_tp2_loop8(cfg: dict) -> dict:
     """llama8b_tp2 with the engine's on-device decode loop, 8 steps per dispatch
     (--decode-steps-per-call 8): what the host's per-step dispatch costs."""
@@ -313,15 +327,19 @@ def _normal_fn(shape, sharding):
     return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32)
                                 * shape[1] ** -0.5).astype(jnp.bfloat16), out_shardings=sharding)
 
-SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90),
+SECTIONS = {"allreduce": (section_allreduce, 60),
+            "allreduce_oneshot": (section_allreduce_oneshot, 60), "parity": (section_parity, 90),
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
             "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400),
             "moe_layouts": (section_moe_layouts, 120),
             "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200),
-            "llama8b_tp2_loop8": (section_llama8b_tp2_loop8, 200)}
+            "llama8b_tp2_loop8": (section_llama8b_tp2_loop8, 200),
+            "llama8b_tp2_oneshot": (section_llama8b_tp2_oneshot, 200)}
 # Environment of a section's process beyond the driver's.
 # XLA flags a section's process adds to $XLA_FLAGS.
-SECTION_XLA_FLAGS = {"llama8b_tp2_cmdbuf": "--xla_gpu_enable_command_buffer=+COLLECTIVES"}
+SECTION_XLA_FLAGS = {"llama8b_tp2_cmdbuf": "--xla_gpu_enable_command_buffer=+COLLECTIVES",
+                     "allreduce_oneshot": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true",
+                     "llama8b_tp2_oneshot": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"}
 
 
 
@@ -420,6 +438,10 @@ def _derive(m: dict) -> None:
                                               / ONE_GPU_C256_OUT_TOK_S, 3)
     if "psum_8kb_us" in m:  # what XLA's all-reduce alone adds to a 32-layer batch-1 step
         m["psum_8kb_x64_per_step_ms"] = round(64 * m["psum_8kb_us"] / 1e3, 3)
+    for size in ("8kb", "2mb"):
+        if m.get(f"psum_{size}_us") and m.get(f"oneshot_psum_{size}_us"):
+            m[f"oneshot_over_psum_{size}"] = round(m[f"oneshot_psum_{size}_us"]
+                                                   / m[f"psum_{size}_us"], 3)
 
 
 def print_table(m: dict) -> None:

@@ -111,7 +111,7 @@ def shard_checks(out: dict) -> None:
     """Each device holds exactly its slice: safetensors and orbax loads onto a TP = 4 mesh against
     the single-device load, and the cache/param specs the plan gives."""
     cfg = load_config(FIXTURES / "qwen3_moe")
-    plan = ShardingPlan(build_mesh(4), cfg)
+    plan = ShardingPlan(build_mesh(4), cfg, "tp")
     shardings = plan.params(param_shapes(cfg, jnp.float32))
     whole = load_params(FIXTURES / "qwen3_moe", cfg, jnp.float32, progress=False)
     sharded = load_params(FIXTURES / "qwen3_moe", cfg, jnp.float32, progress=False,

@@ -80,9 +80,10 @@ def run_section(name: str, cache_dir: str) -> None:
 
 
 # ---- the driver ------------------------------------------------------------------------------
-def child(argv: list[str], timeout: float) -> tuple[str, str, int | None]:
+def child(argv: list[str], timeout: float, grace_s: float = 15) -> tuple[str, str, int | None]:
     """Run a section; past `timeout` it gets SIGABRT first, so faulthandler (on in the child)
-    prints every thread's Python stack into stderr — where a hung step waits is then on record."""
+    prints every thread's Python stack into stderr — where a hung step waits is then on record;
+    `grace_s` later it is killed."""
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=env)
@@ -92,7 +93,7 @@ def child(argv: list[str], timeout: float) -> tuple[str, str, int | None]:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)
         try:
-            stdout, stderr = proc.communicate(timeout=15)
+            stdout, stderr = proc.communicate(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()

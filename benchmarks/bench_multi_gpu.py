@@ -2,12 +2,14 @@
 figure beside its anchor.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py [--sections ...]
-        [--deadline-s 400]
+        [--deadline-s 400] [--limits llama8b_tp2=90,...] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
-one persistent compilation cache; the JSON is rewritten after each):
+one persistent compilation cache; with `--save` the record is rewritten after each):
   allreduce   the anchor: one `psum` over the two GPUs inside a chain of 64 (a 32-layer decode
               step has 64), 8 KB (one token's hidden state) and 2 MB; µs per psum.
+  allreduce_oneshot  the same with XLA's one-shot all-reduce kernel (NVLink peer reads) in place
+              of NCCL for the messages it takes.
   parity      the bundled demo model (trained, so its greedy tokens are not near-ties) with the
               mosaic kernels: greedy continuations at TP = 1 and TP = 2, how many are identical.
   llama8b_tp1 Llama-3-8B shape, dummy bf16, one GPU: batch-1 TPOT (512-token prompt; the
@@ -15,11 +17,18 @@ one persistent compilation cache; the JSON is rewritten after each):
   llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
   llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
   llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
+  llama8b_tp2_cmdbuf, llama8b_tp2_loop8, llama8b_tp2_oneshot  llama8b_tp2 with XLA's command
+              buffers taking the collectives; with the on-device decode loop (8 steps per
+              dispatch); with XLA's one-shot all-reduce kernel.
+  moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
+              (2048), on one GPU and at TP = 2 in both expert layouts ("ep": experts split over
+              the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
 Every engine is built with the limits of its largest workload (a batch-1 decode therefore runs in
 the 8-row decode bucket) and compiles lazily; each concurrency run is preceded by an untimed run
 of the same prompts with fewer output tokens, which compiles the shapes the timed run meets.
 "Ready" is weights loaded + the first batch-1 request served (its compiles included).
-Writes $OUT/multi_gpu_h200x2.json (name, date, commit, machine, command, config, metrics).
+`--save DIR` writes DIR/multi_gpu_h200x2.json through `results_io` (`config.sections` keeps each
+section's wall time and, when it failed, its stderr).
 
 Timing on two H200s (2026-12-01): allreduce 11 s, parity 57 s, llama8b_tp1 48 s, llama8b_tp2
 130 s; llama70b_tp2 needed more than 142 s (63 s to its first batch-1 token, then the c = 64
@@ -30,7 +39,8 @@ as a second call.
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
+import importlib.metadata
 import json
 import os
 import sys
@@ -38,11 +48,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B, child
+from tools.trace_tp_step import TRACE_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
-OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+NAME = "multi_gpu_h200x2"
+GRACE_S = 5  # past a section's time limit: its stack dump, then it is killed
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
               "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 REQUIRED = ("llama8b_tp1_bs1_tpot_ms", "llama8b_tp2_bs1_tpot_ms", "llama8b_tp2_c256_out_tok_s",
@@ -53,7 +66,7 @@ BACKEND = os.environ.get("BENCH_BACKEND", "mosaic")  # `reference` smoke-tests t
 
 
 # ---- sections (run inside a child process) ------------------------------------------------------
-def section_allreduce(_: dict) -> dict:
+def section_allreduce(_: dict, name: str = "psum") -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,9 +93,15 @@ def section_allreduce(_: dict) -> dict:
             t0 = time.perf_counter()
             jax.block_until_ready(f(x))
             times.append(time.perf_counter() - t0)
-        out[f"psum_{label}_us"] = round(float(np.median(times)) / 64 * 1e6, 2)
+        out[f"{name}_{label}_us"] = round(float(np.median(times)) / 64 * 1e6, 2)
     out["machine"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     return out
+
+
+def section_allreduce_oneshot(cfg: dict) -> dict:
+    """allreduce with XLA's one-shot all-reduce kernel for small messages on one host
+    (SECTION_XLA_FLAGS): each GPU reads its peers' buffers over NVLink and sums, instead of NCCL."""
+    return section_allreduce(cfg, "oneshot_psum")
 
 
 def _llm(model: str, **kw):
@@ -116,21 +135,53 @@ def _random_prompts(vocab: int, n: int) -> list[list[int]]:
     return [rng.integers(0, vocab, IN_LEN).tolist() for _ in range(n)]
 
 
-def _tpot_ms(llm) -> tuple[float, float]:
-    """(batch-1 TPOT in ms, seconds of the first request, compiles included)."""
+def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
+    """Seconds to generate exactly n greedy tokens for each prompt."""
     from jaxinfer import SamplingParams
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def _batch1(llm, cfg: dict, label: str, figures) -> dict:
+    """figures(batch-1 TPOT in ms, seconds of the first request with its compiles) -> the
+    section's figures, printed at once (kept if what follows fails), then with the flat figures of
+    a device trace of cfg["trace_steps"] decode steps (tools/trace_tp_step.py's summary; the whole
+    of it in $OUT/trace_<label>.json)."""
     prompt = _random_prompts(llm.engine.cfg.vocab_size, 1)
 
     def run(n: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
-                     use_tqdm=False)
-        return time.perf_counter() - t0
+        return timed_generate(llm, prompt, n)
 
     first = run(17)
     short = min(run(17) for _ in range(2))
     long = min(run(145) for _ in range(2))
-    return 1e3 * (long - short) / 128, first
+    out = figures(1e3 * (long - short) / 128, first)
+    print(json.dumps(out), flush=True)
+    return {**out, **_trace(lambda: run(cfg["trace_steps"]), cfg, label)}
+
+
+def _trace(run, cfg: dict, label: str) -> dict:
+    steps = cfg["trace_steps"]
+    if not steps:
+        return {}
+    import jax
+
+    from tools.trace_tp_step import print_summary, summarize
+    trace_dir = Path(tempfile.mkdtemp(prefix=f"trace-{label}-"))
+    with jax.profiler.trace(str(trace_dir)):
+        run()
+    summary = {"label": label, **summarize(str(trace_dir), steps)}
+    out_dir = Path(os.environ.get("OUT", tempfile.gettempdir()))
+    (out_dir / f"trace_{label}.json").write_text(json.dumps(summary, indent=1))
+    print_summary(summary)
+    flat = {}
+    for _, d in sorted(summary["devices"].items())[:1]:  # the first GPU's timeline
+        for key in ("period_us", "busy_us_per_step", "idle_us_per_step", "nccl_us_per_step"):
+            if key in d:
+                flat[f"{label}_trace_{key}"] = d[key]
+    return flat
 
 
 def _throughput(llm, concurrency: int, warm_out: int) -> float:
@@ -155,18 +206,36 @@ def _engine_kw(cfg: dict, seqs: int) -> dict:
 
 def section_llama8b_tp1(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=1, **_engine_kw(cfg, 256))
-    tpot, first = _tpot_ms(llm)
-    return {"llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1)}
+    return _batch1(llm, cfg, "llama8b_tp1", lambda tpot, first: {
+        "llama8b_tp1_bs1_tpot_ms": round(tpot, 3), "llama8b_tp1_ready_s": round(load_s + first, 1)})
 
 
-def section_llama8b_tp2(cfg: dict) -> dict:
-    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256))
-    tpot, first = _tpot_ms(llm)
-    out = {"llama8b_tp2_bs1_tpot_ms": round(tpot, 3), "llama8b_tp2_ready_s": round(load_s + first, 1),
-           "llama8b_tp2_load_s": round(load_s, 1)}
+def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2", **engine) -> dict:
+    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256), **engine)
+    out = _batch1(llm, cfg, prefix, lambda tpot, first: {
+        f"{prefix}_bs1_tpot_ms": round(tpot, 3), f"{prefix}_ready_s": round(load_s + first, 1),
+        f"{prefix}_load_s": round(load_s, 1)})
     print(json.dumps(out), flush=True)  # kept if the throughput run times out
-    out["llama8b_tp2_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
+    if cfg["throughput"]:
+        out[f"{prefix}_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
     return out
+
+
+def section_llama8b_tp2_cmdbuf(cfg: dict) -> dict:
+    """llama8b_tp2 with XLA's command buffers (CUDA graphs) taking the collectives too
+    (SECTION_XLA_FLAGS): whether all-reduces splitting each step into many graph launches cost."""
+    return section_llama8b_tp2(cfg, "llama8b_tp2_cmdbuf")
+
+
+def section_llama8b_tp2_oneshot(cfg: dict) -> dict:
+    """llama8b_tp2 with XLA's one-shot all-reduce kernel (SECTION_XLA_FLAGS)."""
+    return section_llama8b_tp2(cfg, "llama8b_tp2_oneshot")
+
+
+def section_llama8b_tp2_loop8(cfg: dict) -> dict:
+    """llama8b_tp2 with the engine's on-device decode loop, 8 steps per dispatch
+    (--decode-steps-per-call 8): what the host's per-step dispatch costs."""
+    return section_llama8b_tp2(cfg, "llama8b_tp2_loop8", decode_steps_per_call=8)
 
 
 def section_llama8b_dp2(cfg: dict) -> dict:
@@ -177,18 +246,101 @@ def section_llama8b_dp2(cfg: dict) -> dict:
 
 def section_llama70b_tp2(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama70b"], tensor_parallel_size=2, **_engine_kw(cfg, 64))
-    tpot, first = _tpot_ms(llm)
-    out = {"llama70b_tp2_bs1_out_tok_s": round(1e3 / tpot, 2),
-           "llama70b_tp2_bs1_tpot_ms": round(tpot, 3),
-           "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1)}
+    out = _batch1(llm, cfg, "llama70b_tp2", lambda tpot, first: {
+        "llama70b_tp2_bs1_out_tok_s": round(1e3 / tpot, 2), "llama70b_tp2_bs1_tpot_ms": round(tpot, 3),
+        "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1)})
     print(json.dumps(out), flush=True)
-    out["llama70b_tp2_c64_out_tok_s"] = round(_throughput(llm, 64, 24), 1)
+    if cfg["throughput"]:
+        out["llama70b_tp2_c64_out_tok_s"] = round(_throughput(llm, 64, 24), 1)
     return out
 
 
-SECTIONS = {"allreduce": (section_allreduce, 60), "parity": (section_parity, 90),
+MOE_LAYERS = 4  # distinct weights per chained call: each layer's 1.2 GB is read from HBM
+
+
+def section_moe_layouts(_: dict) -> dict:
+    """The routed experts of the Qwen3-30B-A3B shape (128 experts, hidden 2048, expert inter 768,
+    top-8; one random router) as the engine runs them, for decode (64 tokens) and prefill (2048):
+    one GPU, then TP = 2 with experts split over the GPUs ("ep") and inside every expert ("tp"),
+    the all-reduce included. µs per layer over a chain of MOE_LAYERS layers (each layer's input is
+    the previous one's output); the relative error of each layout against one GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_moe import QWEN3_30B_A3B
+    from benchmarks.bench_prefill import bench_interleaved, rel_err
+    from jaxinfer.model.config import config_from_dict
+    from jaxinfer.parallel.experts import experts_on
+    from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
+
+    cfg = config_from_dict(QWEN3_30B_A3B)
+    e, h, f, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    shapes = {"w_gate": (e, h, f), "w_up": (e, h, f), "w_down": (e, f, h)}
+    out: dict = {}
+    for phase, tokens in (("decode", 64), ("prefill", 2048)):
+        keys = jax.random.split(jax.random.key(tokens), 2)
+        x0 = jax.random.normal(keys[0], (tokens, h), jnp.bfloat16)
+        probs = jax.nn.softmax(x0.astype(jnp.float32) @ jax.random.normal(keys[1], (h, e)), -1)
+        weights, experts = jax.lax.top_k(probs, k)
+        weights = weights / weights.sum(-1, keepdims=True)
+        results, calls = {}, {}
+        for layout, tp in (("one", 1), ("ep", 2), ("tp", 2)):
+            plan = ShardingPlan(build_mesh(tp), cfg, "tp" if layout == "one" else layout)
+            rep = plan.replicated
+            dispatch = experts_on(plan)
+            layers = [tuple(_normal_sharded(jax.random.key(10 * i + j), shapes[n],
+                                            plan.param(("layers_0", "moe", n), shapes[n]))
+                            for j, n in enumerate(shapes)) for i in range(MOE_LAYERS)]
+            args = (jax.device_put(x0, rep), jax.device_put(experts, rep),
+                    jax.device_put(weights, rep), layers)
+
+            def chain(x, ex, wt, layers, dispatch=dispatch):
+                for w in layers:
+                    x = dispatch(x, ex, wt, w)
+                return x
+
+            fn = jax.jit(chain)
+            results[layout] = jax.device_get(fn(*args))
+            calls[layout] = (fn, args)
+        times = bench_interleaved(calls, reps=5, inner=5)
+        for layout, t in times.items():
+            out[f"moe_qwen30b_{phase}_{layout}_us"] = round(t / MOE_LAYERS * 1e6, 1)
+            if layout != "one":
+                out[f"moe_qwen30b_{phase}_{layout}_rel_err"] = round(
+                    rel_err(results[layout], results["one"]), 4)
+        print(json.dumps(out), flush=True)
+        del calls
+    for phase in ("decode", "prefill"):
+        ep, tp = out[f"moe_qwen30b_{phase}_ep_us"], out[f"moe_qwen30b_{phase}_tp_us"]
+        out[f"moe_qwen30b_{phase}_best_layout"] = "ep" if ep < tp else "tp"
+    return out
+
+
+def _normal_sharded(key, shape, sharding):
+    return _normal_fn(shape, sharding)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_fn(shape, sharding):
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32)
+                                * shape[1] ** -0.5).astype(jnp.bfloat16), out_shardings=sharding)
+
+SECTIONS = {"allreduce": (section_allreduce, 60),
+            "allreduce_oneshot": (section_allreduce_oneshot, 60), "parity": (section_parity, 90),
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
-            "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400)}
+            "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400),
+            "moe_layouts": (section_moe_layouts, 120),
+            "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200),
+            "llama8b_tp2_loop8": (section_llama8b_tp2_loop8, 200),
+            "llama8b_tp2_oneshot": (section_llama8b_tp2_oneshot, 200)}
+# Environment of a section's process beyond the driver's.
+# XLA flags a section's process adds to $XLA_FLAGS.
+SECTION_XLA_FLAGS = {"llama8b_tp2_cmdbuf": "--xla_gpu_enable_command_buffer=+COLLECTIVES",
+                     "allreduce_oneshot": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true",
+                     "llama8b_tp2_oneshot": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"}
+
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -207,8 +359,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--deadline-s", type=float, default=400.0)
+    ap.add_argument("--limits", default="",
+                    help="per-section time limits overriding the defaults: name=seconds,...")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="after each batch-1 TPOT, trace this many decode steps and summarise the "
+                         "device and host timelines (tools/trace_tp_step.py)")
+    ap.add_argument("--batch1-only", action="store_true",
+                    help="skip the concurrency runs of llama8b_tp2 and llama70b_tp2")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    results_io.add_save_arg(ap, NAME)
     args = ap.parse_args()
     if args.run_section:
         fn = SECTIONS[args.run_section][0]
@@ -216,46 +376,57 @@ def main() -> None:
         return
 
     start = time.perf_counter()
+    limits = {name: float(sec) for name, sec in
+              (item.split("=") for item in args.limits.split(",") if item)}
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-mgpu-"))
-    cfg = {"cache_dir": str(work / "cc")}
+    cfg = {"cache_dir": str(work / "cc"), "throughput": not args.batch1_only,
+           "trace_steps": args.trace_steps}
     for name, shape in (("llama8b", LLAMA3_8B), ("llama70b", LLAMA3_70B)):
         (work / name).mkdir()
         (work / name / "config.json").write_text(json.dumps(shape))
         cfg[name] = str(work / name)
-    import jax  # not initialised here: the sections' processes own the GPUs
-    result = {"name": "multi_gpu_h200x2", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-              "machine": "",
-              "command": "python3 " + " ".join(sys.argv),
-              "config": {"input_len": IN_LEN, "output_len": OUT_LEN, "dtype": "bfloat16",
-                         "weights": "dummy", "attention_backend": "mosaic",
-                         "max_num_batched_tokens": 2048, "jax": jax.__version__,
-                         "one_gpu_c256_reference_out_tok_s": ONE_GPU_C256_OUT_TOK_S},
-              "metrics": {}, "sections": {}}
-    del jax
-    dest = OUT / "multi_gpu_h200x2.json"
+    # jax is not imported here (results_io.machine() would start a backend): the sections'
+    # processes own the GPUs and report the machine.
+    config = {"input_len": IN_LEN, "output_len": OUT_LEN, "dtype": "bfloat16", "weights": "dummy",
+              "attention_backend": BACKEND, "max_num_batched_tokens": 2048,
+              "jax": importlib.metadata.version("jax"),
+              "one_gpu_c256_reference_out_tok_s": ONE_GPU_C256_OUT_TOK_S, "sections": {}}
+    metrics: dict = {}
+    machine = results_io.machine()
+    base_flags = os.environ.get("XLA_FLAGS", "")
     for name in args.sections.split(","):
-        limit = SECTIONS[name][1]
+        limit = limits.get(name, SECTIONS[name][1])
         left = args.deadline_s - (time.perf_counter() - start)
         if left < 30:
-            result["sections"][name] = "skipped: call deadline"
+            config["sections"][name] = "skipped: call deadline"
             continue
         t0 = time.perf_counter()
         argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
-        stdout, stderr, rc = child(argv, min(limit, left))
+        flags = [base_flags, SECTION_XLA_FLAGS.get(name, "")]
+        flags += [TRACE_XLA_FLAGS] if args.trace_steps else []  # traced as it runs untraced
+        os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
+        stdout, stderr, rc = child(argv, min(limit, left), grace_s=GRACE_S)
+        entry_flags = os.environ["XLA_FLAGS"]
+        os.environ["XLA_FLAGS"] = base_flags
         got = _last_json(stdout)
-        result["machine"] = got.pop("machine", result["machine"])
-        result["metrics"].update(got)
-        entry = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc}
+        if "machine" in got:
+            machine["device"] = got.pop("machine")
+        metrics.update(got)
+        entry = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc, "xla_flags": entry_flags}
         if rc != 0:
             entry["stderr_tail"] = stderr[-2500:]
-        result["sections"][name] = entry
+        config["sections"][name] = entry
         print(f"== {name}: {json.dumps(got)} {json.dumps(entry)[:2500]}", flush=True)
-        _derive(result["metrics"])
+        for line in stdout.splitlines()[-60:]:  # what the section printed besides its figures
+            if not line.startswith("{"):
+                print(f"   | {line}", flush=True)
+        _derive(metrics)
         for key in REQUIRED:  # a figure a section did not reach stays visible, as null
-            result["metrics"].setdefault(key, None)
-        dest.write_text(json.dumps(result, indent=1))
-    print_table(result["metrics"])
+            metrics.setdefault(key, None)
+        if args.save:  # after every section: a later one's timeout keeps the earlier figures
+            results_io.save(args.save, args.name or NAME, config=config, metrics=metrics,
+                            machine_info=machine)
+    print_table(metrics)
 
 
 def _derive(m: dict) -> None:
@@ -267,6 +438,10 @@ def _derive(m: dict) -> None:
                                               / ONE_GPU_C256_OUT_TOK_S, 3)
     if "psum_8kb_us" in m:  # what XLA's all-reduce alone adds to a 32-layer batch-1 step
         m["psum_8kb_x64_per_step_ms"] = round(64 * m["psum_8kb_us"] / 1e3, 3)
+    for size in ("8kb", "2mb"):
+        if m.get(f"psum_{size}_us") and m.get(f"oneshot_psum_{size}_us"):
+            m[f"oneshot_over_psum_{size}"] = round(m[f"oneshot_psum_{size}_us"]
+                                                   / m[f"psum_{size}_us"], 3)
 
 
 def print_table(m: dict) -> None:

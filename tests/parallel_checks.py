@@ -45,6 +45,7 @@ from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe"]
 BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
 _step = jax.jit(forward, static_argnames=("cfg", "backend"))
 
@@ -82,18 +83,21 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
 
 def model_checks(out: dict) -> None:
     """Greedy tokens at TP = 2, 4 (4 > the fixtures' 2 KV heads: replicated KV) of every family,
-    weights loaded straight into their shards (TP = 1's are the fixtures' golden tokens, which
+    and of the MoE families with experts split over the devices (expert layout "ep"), weights
+    loaded straight into their shards (TP = 1's are the fixtures' golden tokens, which
     tests/test_hf_parity.py checks); TP = 1 and 8 on each family widened to 8 query heads (random
     weights generated sharded)."""
     for fam in FAMILIES:
         cfg = load_config(FIXTURES / fam)
         prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]
-        for tp in (2, 4):
-            plan = ShardingPlan(build_mesh(tp), cfg)
+        layouts = [(2, "tp"), (4, "tp")] + ([(2, "ep"), (4, "ep")] if fam in MOE_FAMILIES else [])
+        for tp, layout in layouts:
+            plan = ShardingPlan(build_mesh(tp), cfg, layout)
             params = load_params(FIXTURES / fam, cfg, jnp.float32, progress=False,
                                  shardings=plan.params(param_shapes(cfg, jnp.float32)))
             tokens, logits = greedy(cfg, params, plan, prompt, STEPS)
-            out[f"{fam}/tp{tp}"] = {"tokens": tokens, "logits": logits.tolist()}
+            key = f"{fam}/tp{tp}" + ("-ep" if layout == "ep" else "")
+            out[key] = {"tokens": tokens, "logits": logits.tolist()}
         wide = dataclasses.replace(cfg, num_heads=8)
         for tp in (1, 8):
             plan = ShardingPlan(build_mesh(tp), wide)
@@ -107,7 +111,7 @@ def shard_checks(out: dict) -> None:
     """Each device holds exactly its slice: safetensors and orbax loads onto a TP = 4 mesh against
     the single-device load, and the cache/param specs the plan gives."""
     cfg = load_config(FIXTURES / "qwen3_moe")
-    plan = ShardingPlan(build_mesh(4), cfg)
+    plan = ShardingPlan(build_mesh(4), cfg, "tp")
     shardings = plan.params(param_shapes(cfg, jnp.float32))
     whole = load_params(FIXTURES / "qwen3_moe", cfg, jnp.float32, progress=False)
     sharded = load_params(FIXTURES / "qwen3_moe", cfg, jnp.float32, progress=False,
@@ -138,6 +142,8 @@ def shard_checks(out: dict) -> None:
     out["shards"] = {"mismatches": mismatches, "split_leaves": split,
                      "k_proj": str(shardings["layers_0"]["attn"]["k_proj"]["kernel"].spec),
                      "w_down": str(shardings["layers_0"]["moe"]["w_down"].spec),
+                     "w_down_ep": str(ShardingPlan(plan.mesh, cfg, "ep").param(
+                         ("layers_0", "moe", "w_down"), (8, 24, 64)).spec),
                      "stored_kv_heads": plan.stored_kv_heads}
 
 

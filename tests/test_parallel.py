@@ -82,6 +82,16 @@ def test_tp_greedy_tokens_equal_single_device(runs, family, tp):
     assert got == golden[:len(got)].tolist()  # TP = 1 gives the golden tokens (test_hf_parity)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_parallel_greedy_tokens_equal_single_device(runs, family, tp):
+    """Whole experts split over the devices (--expert-layout ep), the other MoE layout beside the
+    default's test above."""
+    golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
+    got = runs["checks"][f"{family}/tp{tp}-ep"]["tokens"]
+    assert got == golden[:len(got)].tolist()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp8_on_eight_heads_equals_tp1(runs, family):
     one, eight = runs["checks"][f"{family}-wide/tp1"], runs["checks"][f"{family}-wide/tp8"]
@@ -96,6 +106,7 @@ def test_each_device_holds_exactly_its_slice(runs):
     # TP = 4 over 2 KV heads: K/V projections replicated, one KV head stored per device.
     assert shards["k_proj"] == "P()" and shards["stored_kv_heads"] == 4
     assert shards["w_down"] == "P(None, 'tp', None)"
+    assert shards["w_down_ep"] == "P('tp', None, None)"
 
 
 def test_memory_planner_inputs_are_per_device(runs):
@@ -145,6 +156,8 @@ def test_engine_refuses_bad_sizes_by_flag(runs, case, flag):
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 48,
         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6,
         "num_key_value_heads": 2, "max_position_embeddings": 64}
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 12, "num_experts": 8,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def test_executable_cache_warm_start_on_sub_meshes(runs):
@@ -156,17 +169,23 @@ def test_executable_cache_warm_start_on_sub_meshes(runs):
     assert warm["tokens"] == cold["tokens"]
 
 
-@pytest.mark.parametrize("change, tp, message", [
-    ({}, 4, "--tensor-parallel-size 4: does not divide the model's 6 attention heads"),
-    ({"num_key_value_heads": 4, "num_attention_heads": 12}, 3,
+@pytest.mark.parametrize("change, tp, layout, message", [
+    ({}, 4, "tp", "--tensor-parallel-size 4: does not divide the model's 6 attention heads"),
+    ({"num_key_value_heads": 4, "num_attention_heads": 12}, 3, "tp",
      "--tensor-parallel-size 3: neither divides nor is a multiple of the model's 4 KV heads"),
-    ({"intermediate_size": 99}, 2, "does not divide the model's MLP intermediate size 99"),
+    ({"intermediate_size": 99}, 2, "tp", "does not divide the model's MLP intermediate size 99"),
+    (MOE | {"moe_intermediate_size": 33}, 2, "tp",
+     r"does not divide the model's expert intermediate size 33 \(--expert-layout ep"),
+    (MOE | {"num_experts": 6}, 4, "ep", "--tensor-parallel-size 4: does not divide the model's 6 "
+                                        "experts"),
+    ({}, 2, "xx", "--expert-layout xx: expected one of ep, tp"),
 ])
-def test_sizes_the_model_cannot_split_are_refused(change, tp, message):
+def test_sizes_the_model_cannot_split_are_refused(change, tp, layout, message):
     cfg = config_from_dict({**BASE, **change})
     with pytest.raises(ConfigError, match=message):
-        validate_parallel_sizes(cfg, tp, 1, 8)
+        validate_parallel_sizes(cfg, tp, 1, 8, layout)
     validate_parallel_sizes(config_from_dict(BASE), 2, 4, 8)  # 6 heads / 2, KV 2 / 2: fine
+    validate_parallel_sizes(config_from_dict({**BASE, **MOE}), 4, 1, 8, "ep")  # 8 experts / 4
 
 
 class _Flags:
@@ -204,3 +223,10 @@ def test_cli_refuses_more_devices_than_there_are(flags, message, capsys):
             "--compilation-cache-dir", "", *flags]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_engine_args_refuse_an_unknown_expert_layout():
+    from jaxinfer.engine.args import EngineArgs
+    with pytest.raises(ConfigError, match="--expert-layout 'xx': choose from ep, tp"):
+        EngineArgs(model=str(FIXTURES / "qwen3_moe"), expert_layout="xx")
+    assert EngineArgs(model=str(FIXTURES / "qwen3_moe"), expert_layout="ep").expert_layout == "ep"

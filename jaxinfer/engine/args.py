@@ -15,6 +15,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant.scheme import QUANTIZATIONS
+from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -57,6 +58,7 @@ class EngineArgs:
     # Parallelism (jaxinfer/parallel/): devices per replica, replicas, multi-process run.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    expert_layout: str = DEFAULT_EXPERT_LAYOUT  # MoE experts under tp: "ep" or "tp"
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -82,6 +84,8 @@ class EngineArgs:
               "must be >= 1")
         check(self.data_parallel_size >= 1, "data-parallel-size", self.data_parallel_size,
               "must be >= 1")
+        check(self.expert_layout in EXPERT_LAYOUTS, "expert-layout", self.expert_layout,
+              f"choose from {', '.join(EXPERT_LAYOUTS)}")
         self.cache_config()  # validates the KV-cache flags
 
     def cache_config(self) -> CacheConfig:

@@ -159,9 +159,9 @@ class LLMEngine:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
                                   "build the engine with jaxinfer.parallel.create_engine")
             validate_parallel_sizes(cfg, args.tensor_parallel_size, args.data_parallel_size,
-                                    jax.device_count())
+                                    jax.device_count(), args.expert_layout)
             mesh = build_mesh(args.tensor_parallel_size)
-        plan = ShardingPlan(mesh, cfg)
+        plan = ShardingPlan(mesh, cfg, args.expert_layout)
         with startup.phase("tokenizer"):
             tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.core.kv_cache.device_cache import KVCache
+from jaxinfer.parallel.experts import expert_dispatch
 from pallas_kernels.backend import REFERENCE, AttentionBackend
-from pallas_kernels.grouped_matmul import moe_experts
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import causal_attention_reference
 
@@ -102,11 +102,12 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts. Routing (top-k, renormalisation) happens here; the tokens, sorted
-    by expert, go through `moe_experts` (grouped matmuls: each expert computes only the tokens
-    routed to it), the one dispatch point for expert weights."""
+    """Top-k routed SwiGLU experts. Routing (top-k, renormalisation) happens here; the routed rows go
+    through `expert_dispatch(backend)`: `routed_experts` on one device, its `shard_map` over the
+    replica's mesh under tensor parallelism (jaxinfer/parallel/experts.py)."""
     cfg: ModelConfig
     dtype: jnp.dtype
+    backend: AttentionBackend = REFERENCE
 
     @nn.compact
     def __call__(self, x):
@@ -122,14 +123,7 @@ class MoE(nn.Module):
         weights, experts = jax.lax.top_k(probs, k)  # [T, k]
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdims=True)
-        flat = experts.reshape(-1)  # [T*k]
-        order = jnp.argsort(flat, stable=True)
-        xs = x[order // k]  # tokens grouped by expert
-        group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        # A token's k experts are distinct, so no expert gets more than T rows.
-        ys = moe_experts(xs, experts_w, group_sizes, max_group_size=x.shape[0], scales=scales)
-        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, k, h)
-        out = jnp.einsum("tkh,tk->th", ys.astype(jnp.float32), weights).astype(x.dtype)
+        out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales)
         return out.reshape(*lead, h)
 
 
@@ -145,7 +139,8 @@ class DecoderLayer(nn.Module):
         attn_out, new_kv = Attention(self.cfg, self.backend, self.dtype, name="attn")(
             norm(name="input_norm")(x), cos, sin, kv, md)
         x = x + attn_out
-        mlp = MoE(self.cfg, self.dtype, name="moe") if self.moe else MLP(self.cfg, self.dtype, name="mlp")
+        mlp = (MoE(self.cfg, self.dtype, self.backend, name="moe") if self.moe
+               else MLP(self.cfg, self.dtype, name="mlp"))
         return x + mlp(norm(name="post_attn_norm")(x)), new_kv
 
 

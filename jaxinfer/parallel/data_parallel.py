@@ -158,6 +158,6 @@ def create_engine(args: EngineArgs):
     initialize_distributed(args)
     if args.data_parallel_size > 1:
         validate_parallel_sizes(load_config(args.model_path), args.tensor_parallel_size,
-                                args.data_parallel_size, jax.device_count())
+                                args.data_parallel_size, jax.device_count(), args.expert_layout)
         return DataParallelEngine.from_engine_args(args)
     return LLMEngine.from_engine_args(args)

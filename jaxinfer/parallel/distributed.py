@@ -22,6 +22,7 @@ import os
 import jax
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ def add_parallel_arguments(parser) -> None:
                    help="devices one model replica is split over (one mesh axis, 'tp')")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas on disjoint device groups behind one front end")
+    g.add_argument("--expert-layout", default=DEFAULT_EXPERT_LAYOUT, choices=EXPERT_LAYOUTS,
+                   help="how MoE experts split over the tensor-parallel devices: 'ep' whole "
+                        "experts per device, 'tp' every expert's intermediate size "
+                        "(docs/multi_gpu.md)")
     g.add_argument("--coordinator-address", default=None,
                    help="host:port of process 0 in a multi-process run (jax.distributed; "
                         f"env {ENV['coordinator_address']})")

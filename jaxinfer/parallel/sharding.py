@@ -5,16 +5,18 @@ One `jax.sharding.Mesh` with axes ``("dp", "tp")`` is built from `--data-paralle
 ``dp`` = 1), so everything below names only the ``tp`` axis:
 
 - parameters: `param_spec` (q/k/v, gate/up column-sharded; o/down row-sharded; embedding and
-  lm_head over the vocabulary; MoE experts tensor-parallel inside each expert, over their
-  intermediate size; norms, routers and row-parallel biases replicated);
+  lm_head over the vocabulary; MoE experts by `expert_layout`: whole experts over tp (expert
+  parallelism) or tensor-parallel inside each expert, over their intermediate size; norms, routers
+  and row-parallel biases replicated);
 - KV cache: sharded over KV heads; when tp exceeds the KV heads, every device stores the one KV head
   its query heads read (the K/V projections are replicated and each device keeps its head, as vLLM
   does), so the cache holds `ShardingPlan.stored_kv_heads` = tp heads;
 - step inputs, sampled tokens and everything the host builds: replicated.
 
 The model code never names a mesh: XLA's SPMD partitioner follows these specs and inserts the
-all-reduces after the row-parallel matmuls. Only the attention kernels, per-device code, run under
-`shard_map` (jaxinfer/parallel/attention.py) with the specs `attention_specs` gives.
+all-reduces after the row-parallel matmuls. Only the kernels, per-device code, run under
+`shard_map`: attention (jaxinfer/parallel/attention.py, `attention_specs`) and the routed experts
+(jaxinfer/parallel/experts.py, `expert_specs`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ DP, TP = "dp", "tp"
 # Param-path leaf owner -> how its kernel [in, out] is split over tp ("col": out, "row": in).
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
+# How MoE experts split over tp: "ep" whole experts per device, "tp" every expert's intermediate
+# size (jaxinfer/parallel/experts.py).
+EXPERT_LAYOUTS = ("ep", "tp")
+DEFAULT_EXPERT_LAYOUT = "tp"
 
 
-def validate_parallel_sizes(cfg: ModelConfig, tp: int, dp: int, num_devices: int) -> None:
+def validate_parallel_sizes(cfg: ModelConfig, tp: int, dp: int, num_devices: int,
+                            expert_layout: str = DEFAULT_EXPERT_LAYOUT) -> None:
     """Refuse sizes the model or the machine cannot take, naming the flag."""
     def refuse(flag: str, value: int, why: str):
         raise ConfigError(f"--{flag} {value}: {why}")
@@ -51,6 +58,9 @@ def validate_parallel_sizes(cfg: ModelConfig, tp: int, dp: int, num_devices: int
     if dp * tp > num_devices:
         refuse("data-parallel-size", dp, f"x --tensor-parallel-size {tp} = {dp * tp} exceeds the "
                                          f"{num_devices} device(s) available")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ConfigError(f"--expert-layout {expert_layout}: expected one of "
+                          f"{', '.join(EXPERT_LAYOUTS)}")
     if tp == 1:
         return
     if cfg.num_heads % tp:
@@ -60,10 +70,16 @@ def validate_parallel_sizes(cfg: ModelConfig, tp: int, dp: int, num_devices: int
     if kv % tp and tp % kv:
         refuse("tensor-parallel-size", tp, f"neither divides nor is a multiple of the model's "
                                            f"{kv} KV heads")
-    ffn = cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
-    if ffn % tp or (cfg.is_moe and cfg.intermediate_size % tp):
+    if cfg.intermediate_size % tp:
         refuse("tensor-parallel-size", tp, f"does not divide the model's MLP intermediate size "
-                                           f"{ffn}")
+                                           f"{cfg.intermediate_size}")
+    if cfg.is_moe and expert_layout == "tp" and cfg.moe_intermediate_size % tp:
+        refuse("tensor-parallel-size", tp, f"does not divide the model's expert intermediate size "
+                                           f"{cfg.moe_intermediate_size} (--expert-layout ep "
+                                           f"splits whole experts instead)")
+    if cfg.is_moe and expert_layout == "ep" and cfg.num_experts % tp:
+        refuse("tensor-parallel-size", tp, f"does not divide the model's {cfg.num_experts} "
+                                           f"experts (--expert-layout ep)")
 
 
 def build_mesh(tp: int, dp: int = 1, devices: list | None = None) -> Mesh:
@@ -85,6 +101,7 @@ class ShardingPlan:
     and of the in-process compile cache, so two meshes never share an executable)."""
     mesh: Mesh
     cfg: ModelConfig
+    expert_layout: str = DEFAULT_EXPERT_LAYOUT
 
     @property
     def tp(self) -> int:
@@ -117,7 +134,7 @@ class ShardingPlan:
         return self.named(P(TP))
 
     def param(self, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
-        return self.named(param_spec(path, shape, self.cfg, self.tp))
+        return self.named(param_spec(path, shape, self.cfg, self.tp, self.expert_layout))
 
     def params(self, shapes) -> object:
         """A pytree of NamedShardings matching the param pytree (of arrays or ShapeDtypeStructs)."""
@@ -126,7 +143,7 @@ class ShardingPlan:
 
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
-               tp: int) -> P:
+               tp: int, expert_layout: str = DEFAULT_EXPERT_LAYOUT) -> P:
     """PartitionSpec of one parameter (Flax layout: Dense kernels [in, out], experts [E, in, out];
     quantized linears: `weight` [out, in] and `weight_scale` [out], expert scales [E, out])."""
     if tp == 1:
@@ -142,13 +159,30 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
         return P(None, TP) if leaf == "kernel" else P(TP)
     if owner in _ROW:  # scale and bias are per output: replicated, applied after the all-reduce
         return {"kernel": P(TP, None), "weight": P(None, TP)}.get(leaf, P())
-    if owner == "moe" and leaf in ("w_gate", "w_up"):  # [E, H, F]
-        return P(None, None, TP)
-    if owner == "moe" and leaf in ("w_gate_scale", "w_up_scale"):  # [E, F]
-        return P(None, TP)
-    if owner == "moe" and leaf == "w_down":  # [E, F, H]
-        return P(None, TP, None)
+    if owner == "moe" and leaf in EXPERT_LEAVES:
+        specs = expert_specs(expert_layout) + expert_scale_specs(expert_layout)
+        return dict(zip(EXPERT_LEAVES, specs))[leaf]
     return P()  # norms, router
+
+
+def expert_specs(expert_layout: str) -> tuple[P, P, P]:
+    """Specs of (w_gate [E, H, F], w_up [E, H, F], w_down [E, F, H]): "ep" over the experts,
+    "tp" over the intermediate size (column- then row-parallel)."""
+    if expert_layout == "ep":
+        return P(TP, None, None), P(TP, None, None), P(TP, None, None)
+    return P(None, None, TP), P(None, None, TP), P(None, TP, None)
+
+
+# Expert stacks, then their per-output-channel scales [E, out] (quantized checkpoints only).
+EXPERT_LEAVES = ("w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale", "w_down_scale")
+
+
+def expert_scale_specs(expert_layout: str) -> tuple[P, P, P]:
+    """Specs of the scales [E, out] of (w_gate, w_up, w_down): they follow their stack's expert
+    and output splits (w_down's output, the hidden size, is never split)."""
+    if expert_layout == "ep":
+        return P(TP, None), P(TP, None), P(TP, None)
+    return P(None, TP), P(None, TP), P()
 
 
 @functools.cache

@@ -34,6 +34,7 @@ from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER,
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
+from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
 from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from pallas_kernels.backend import AttentionBackend
@@ -424,6 +425,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it."""
         batch, variant, is_loop = self.build(sched)
+        batch = place_step_inputs(batch, self.plan)
         self._apply_copies(sched.block_copies)
         self.num_dispatches += 1
         if is_loop:

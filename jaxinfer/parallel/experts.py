@@ -1,0 +1,62 @@
+"""Routed experts under tensor parallelism: `routed_experts` per device under `shard_map`, in one of
+two layouts (`ShardingPlan.expert_layout`), then one all-reduce of the [T, H] result.
+
+  "tp"  tensor parallelism inside every expert: each device holds F/N of every expert's
+        intermediate size (w_gate/w_up split over their output, w_down over its input) and computes
+        every routed row on its slice; the result is a partial sum, as after a dense MLP.
+  "ep"  expert parallelism: each device holds E/N whole experts and computes the rows routed to
+        them; rows routed to other devices' experts contribute zero.
+
+Activations are replicated over ``tp`` between layers (the row-parallel all-reduces leave them so),
+so every device routes every token itself (the router is replicated) and neither layout needs an
+all-to-all: the one all-reduce that follows replaces the token exchange. "tp" keeps every device's
+work equal whatever the routing; "ep" keeps each expert's matmuls whole (F, not F/N, wide: fewer,
+fuller tiles for the grouped-matmul kernel) and is balanced only on average.
+
+The Mosaic grouped-matmul kernel is a custom call that XLA's SPMD partitioner cannot split; under
+`shard_map` it runs on each device's shard like on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.model.experts import routed_experts
+from jaxinfer.parallel.sharding import TP, ShardingPlan, expert_scale_specs, expert_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedExperts:
+    """`routed_experts` over the replica's mesh: same call, replicated inputs and output."""
+    plan: ShardingPlan
+
+    def __call__(self, x, experts, weights, w, scales=None):
+        layout = self.plan.expert_layout
+        held = self.plan.cfg.num_experts // self.plan.tp if layout == "ep" else None
+
+        def local(x, experts, weights, w, scales=None):
+            first = jax.lax.axis_index(TP) * held if held else 0
+            out = routed_experts(x, experts, weights, w, scales, first)
+            return jax.lax.psum(out, TP)
+
+        args, specs = (x, experts, weights, tuple(w)), (P(), P(), P(), expert_specs(layout))
+        if scales is not None:  # 8-bit stacks: their scales split like them
+            args, specs = (*args, tuple(scales)), (*specs, expert_scale_specs(layout))
+        return jax.shard_map(local, mesh=self.plan.mesh, in_specs=specs, out_specs=P(),
+                             check_vma=False)(*args)
+
+
+def expert_dispatch(backend):
+    """What the MoE layer calls with its routed rows; the attention backend carries the replica's
+    plan when it runs under a mesh (`ShardedAttention`)."""
+    return experts_on(getattr(backend, "plan", None))
+
+
+def experts_on(plan: ShardingPlan | None):
+    """`routed_experts` on one device, its shard_map over the plan's mesh under tensor parallelism."""
+    if plan is None or plan.tp == 1:
+        return routed_experts
+    return ShardedExperts(plan)

@@ -105,6 +105,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=args.decode_steps_per_call,
+            max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.runner = ModelRunner(
@@ -196,7 +197,8 @@ class LLMEngine:
 
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
-            seconds = self.runner.warmup(progress)
+            seconds = self.runner.warmup(progress, background=self.args.background_compile)
+        self.metrics.track_compiler(self.runner.compiler)
         cache = self.runner.executable_cache
         if cache is not None:
             self.startup.counts.update(executables_loaded=cache.hits,

@@ -59,7 +59,15 @@ class EngineMetrics:
                                              "Arrival to finish", _LATENCY_BUCKETS)
         self.request_queue_time = histogram("jaxinfer:request_queue_time_seconds",
                                             "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self.compiled_buckets = gauge("jaxinfer:compiled_buckets",
+                                      "Step buckets compiled and in use (the rest compiling)")
+        self.total_buckets = gauge("jaxinfer:total_buckets", "Step buckets of the engine")
         self._prefix_seen = (0, 0)
+
+    def track_compiler(self, compiler) -> None:
+        """Read the runner's BucketCompiler at every scrape (it advances between steps)."""
+        self.compiled_buckets.set_function(lambda: compiler.num_ready)
+        self.total_buckets.set_function(lambda: compiler.num_units)
 
     def request_success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()

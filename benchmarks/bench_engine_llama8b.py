@@ -19,6 +19,7 @@ Two engine processes share one fresh `--compilation-cache-dir`:
               a step's tokens out at the next step), TTFT p99; once per `--caps` value of
               `--max-prefill-tokens-while-decoding` (0: the whole step budget);
         c256  256 prompts at once (512 / 256), `LLM.generate`: out tok/s, host ms per step;
+              then `bs1_profile` (tools/trace_engine_step.py): a decode step's kernels;
         roofline  HBM bandwidth (a 4 GiB copy) and bf16 matmul rate (8192^3) measured here, and
                   from them the batch-1 TPOT floor (weights + KV read per token) and the c256
                   output rate ceiling (prefill FLOPs + per-step weight and KV reads).
@@ -188,6 +189,13 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     best = min(runs, key=lambda x: x["tpot_ms"])
     emit(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
          bs1_tpot_runs_ms=[x["tpot_ms"] for x in runs])
+
+    if not tiny and time.perf_counter() < deadline - 60:
+        from tools.trace_engine_step import profile_decode_steps
+        try:
+            emit(bs1_profile=profile_decode_steps(engine, prompts(1)))
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+            emit(bs1_profile_error=repr(e)[:300])
 
     params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
     rates = measure_rooflines(params_bytes) if not tiny else dict(

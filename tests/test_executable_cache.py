@@ -129,3 +129,25 @@ def test_nothing_is_stored_while_jax_persistent_cache_is_on(tmp_path):
         max_num_batched_tokens=16, warmup=False, compilation_cache_dir=str(tmp_path / "flags")))
     assert engine.runner.executable_cache is not None
     assert jax.config.jax_compilation_cache_dir == previous
+
+
+def test_the_planners_activation_figure_is_cached(tmp_path):
+    from jaxinfer.worker.executable_cache import ExecutableCache
+    from jaxinfer.worker.runner import step_activation_bytes
+    from pallas_kernels.backend import get_backend
+    from test_engine_features import counting_compilations
+    cfg, params = tiny_model()
+    cache = ExecutableCache(tmp_path)
+
+    def plan(cache, max_num_seqs=8):
+        return step_activation_bytes(cfg, params, get_backend("reference"), kv_dtype=jnp.float32,
+                                     block_size=4, max_model_len=64, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=32, cache=cache)
+
+    first = plan(cache)
+    assert first > 0 and len(list(tmp_path.glob("*.figure"))) == 1
+    with counting_compilations() as compilations:
+        assert plan(cache) == first
+        assert compilations[0] == 0  # read back, not compiled
+    plan(cache, max_num_seqs=4)  # another step shape: a new figure
+    assert len(list(tmp_path.glob("*.figure"))) == 2

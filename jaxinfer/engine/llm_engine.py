@@ -23,7 +23,6 @@ import logging
 import math
 import random
 import time
-from pathlib import Path
 from typing import Iterable
 
 import jax
@@ -113,8 +112,7 @@ class LLMEngine:
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
-            executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
-                              if args.compilation_cache_dir else None))
+            executable_cache=ExecutableCache.under(args.compilation_cache_dir))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -187,7 +185,8 @@ class LLMEngine:
             cfg, params, get_backend(args.attention_backend),
             kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype),
             block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan)
+            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,
+            cache=ExecutableCache.under(args.compilation_cache_dir))
         # A block holds kv_heads_per_device heads on each device.
         device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
         kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),

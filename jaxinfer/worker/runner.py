@@ -134,11 +134,13 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
 
 def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
                           block_size: int, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int, plan: ShardingPlan | None = None) -> int:
+                          max_num_batched_tokens: int, plan: ShardingPlan | None = None,
+                          cache: ExecutableCache | None = None) -> int:
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
     device under tensor parallelism), from compiling that step against a one-block cache of the
     same layout: a step's activations do not depend on the number of blocks. Costs two
-    compilations."""
+    compilations, unless `cache` holds the figure from an earlier start (same key parts as the
+    executables: shapes, shardings, code, compiler)."""
     from jaxinfer.core.kv_cache import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
@@ -150,12 +152,21 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                                      sharding=plan and plan.kv_cache)
     kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
-    forward_step, sample_step, _ = _jitted_fns(cfg, shard_backend(backend, plan), block_size, plan)
+    backend = shard_backend(backend, plan)
+    key = cache and step_key("activation bytes", (cfg, backend, block_size),
+                             (params, kv, last, batch))
+    cached = key and cache.load_figure(key)
+    if cached is not None:
+        return cached
+    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size, plan)
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
-    return (activation_peak_bytes(forward_step.lower(params, kv, last,
+    peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
                                                      model_inputs(batch)).compile())
             + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
                                                       variant=FULL_SAMPLER).compile()))
+    if key:
+        cache.store_figure(key, peak)
+    return peak
 
 
 @dataclasses.dataclass

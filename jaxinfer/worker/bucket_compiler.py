@@ -6,8 +6,8 @@ tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with t
 in both variants; or a decode bucket's on-device loop in both variants. A unit is *ready* once all
 its parts are; only then does `step_shape` route steps to it. The first set is the largest mixed
 bucket (every step fits it, so no step ever waits for a compile), the smallest decode bucket and
-its loop (a lone request decodes at its own size from the start); the block copies compile by
-running once, also before ready. The other units follow in the background, smallest decode buckets
+its loop (a lone request decodes at its own size from the start), and the block copies of every
+copy bucket, also before ready. The other units follow in the background, smallest decode buckets
 first (concurrency grows from one), then loops, then mixed buckets; until a bucket is ready, its
 steps run padded up to the smallest ready bucket that fits, which gives the same tokens.
 
@@ -171,9 +171,9 @@ class BucketCompiler:
 
     # ---- compiling ----------------------------------------------------------------------------
     def compile_first(self, progress_bar=None) -> None:
-        """The first set, then the block copies, blocking: on return the engine can serve every
+        """The first set and the block copies, blocking: on return the engine can serve every
         step (each fits the largest mixed bucket)."""
-        futures = [self._submit(u) for u in self.first]
+        futures = [self._submit(u) for u in self.first] + self._compile_copies()
         for f in futures:
             f.result()
         # The samplers take the forwards' logits: compiled for exactly their sharding.
@@ -185,7 +185,6 @@ class BucketCompiler:
             self._mark_ready(u)
             if progress_bar is not None:
                 progress_bar.update()
-        self._compile_copies()
 
     def compile_rest(self, background: bool, progress_bar=None) -> None:
         """The other units: on a background thread, or here, blocking until all are ready."""
@@ -352,15 +351,14 @@ class BucketCompiler:
             self._slots.release()
             raise _Stopped from None
 
-    def _compile_copies(self) -> None:
-        """Every copy bucket, by running it once on the live cache (all-padding indices copy
-        nothing): before ready, on the thread that owns the device state."""
+    def _compile_copies(self) -> list[Future]:
+        """Every copy bucket's block copy (one executable each, like the steps)."""
         r = self.runner
-        for size in r.buckets.copy_buckets:
-            start = time.perf_counter()
-            idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
-            r.kv_cache = jax.block_until_ready(copy_blocks(r.kv_cache, idx, idx))
-            self.seconds[f"copy {size}"] = time.perf_counter() - start
+        return [self._compile_or_load(
+                    f"copy {size}", copy_blocks,
+                    (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {},
+                    r._copy_exe, size)
+                for size in r.buckets.copy_buckets]
 
     def padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
         """An all-padding batch of a bucket (running it writes no KV)."""

@@ -244,6 +244,7 @@ class ModelRunner:
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
         self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
+        self._copy_exe: dict[int, jax.stages.Compiled] = {}  # per copy bucket
         self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
@@ -320,7 +321,7 @@ class ModelRunner:
         src = np.full(size, -1, np.int32)
         dst = np.full(size, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+        self.kv_cache = self._copy_exe.get(size, copy_blocks)(self.kv_cache, src, dst)
 
     def build(self, sched: SchedulerOutput) -> tuple[StepBatch, SamplerVariant, bool]:
         """The padded host arrays of a step (also used by the host-overhead benchmark)."""

@@ -135,7 +135,6 @@ class BucketCompiler:
         workers = max_workers or min(8, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxinfer-compile")
         self._slots = threading.Semaphore(workers)  # compiles submitted and not finished
-        self.on_unit_ready = None  # called (on a compile thread) as each unit becomes ready
         ref = weakref.ref(self)
         # Before the pool's own exit hook joins its threads (hooks run last-registered first):
         # a stopped compiler submits nothing more. (threading's hook, as concurrent.futures uses.)
@@ -252,9 +251,10 @@ class BucketCompiler:
             self.ready_forwards.add((unit.size, b.mixed_shape(unit.size)[1], 0))
         with self._done:
             self._num_ready += 1
+            finished = self._num_ready == len(self.units)
             self._done.notify_all()
-        if self.on_unit_ready is not None:
-            self.on_unit_ready()
+        if finished:  # its threads are not needed any more
+            self._pool.shutdown(wait=False)
 
     def _rows(self, unit: Unit) -> int:
         return self.runner.buckets.mixed_shape(unit.size)[1] if unit.kind == "mixed" else unit.size

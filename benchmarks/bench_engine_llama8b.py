@@ -280,6 +280,9 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=16384,
                     help="KV blocks (skips the memory planner's compile; 0: plan them)")
     ap.add_argument("--backend", default="mosaic")
+    ap.add_argument("--cache-dir", default=None,
+                    help="the --compilation-cache-dir both processes share (default: a fresh "
+                         "one; it must start empty for the cold figure)")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
     args = ap.parse_args()
@@ -302,7 +305,7 @@ def main() -> None:
                     attention_backend=args.backend, max_num_seqs=256,
                     max_num_batched_tokens=2048, max_model_len=2048,
                     num_blocks=args.num_blocks or None, gpu_memory_utilization=0.85)
-    opts["compilation_cache_dir"] = str(work / "cache")
+    opts["compilation_cache_dir"] = args.cache_dir or str(work / "cache")
     metrics: dict = {}
     machine: dict = {}
     config = dict(engine=opts, caps=args.caps, model="Llama-3-8B shape, random bf16 weights"

@@ -17,7 +17,7 @@ Two engine processes share one fresh `--compilation-cache-dir`:
               128-384 output tokens: out tok/s, inter-token latency p50/p99 (each token's gap to
               the previous token of its request, as a streaming client sees it: the engine hands
               a step's tokens out at the next step), TTFT p99; once per `--caps` value of
-              `--max-prefill-tokens-while-decoding` (0: the whole step budget);
+              `--max-step-tokens-while-decoding` (0: the whole step budget);
         c256  256 prompts at once (512 / 256), `LLM.generate`: out tok/s, host ms per step;
               then `bs1_profile` (tools/trace_engine_step.py): a decode step's kernels;
         roofline  HBM bandwidth (a 4 GiB copy) and bf16 matmul rate (8192^3) measured here, and
@@ -226,7 +226,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         if time.perf_counter() > deadline - 25:
             emit(**{f"{label}_skipped": "deadline"})
             continue
-        engine.scheduler.max_prefill_tokens_while_decoding = budget or None
+        engine.scheduler.max_step_tokens_while_decoding = budget or None
         engine.stats.__init__()
         t0 = time.perf_counter()
         run = token_times(engine, list(zip(prompts(n64), lengths)), 64)  # (new: no prefix hits)
@@ -234,7 +234,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         emit(**{f"{label}_{k}": v for k, v in figs.items()},
              **{f"{label}_host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
                 "compiles_after_all_buckets": compiles[0]})
-    engine.scheduler.max_prefill_tokens_while_decoding = None
+    engine.scheduler.max_step_tokens_while_decoding = None
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the demo model at tiny sizes (CPU check)")
     ap.add_argument("--deadline-s", type=float, default=190.0)
     ap.add_argument("--caps", default="0,256,512",
-                    help="--max-prefill-tokens-while-decoding of each c64 run (0: none)")
+                    help="--max-step-tokens-while-decoding of each c64 run (0: none)")
     ap.add_argument("--num-blocks", type=int, default=16384,
                     help="KV blocks (skips the memory planner's compile; 0: plan them)")
     ap.add_argument("--backend", default="mosaic")

@@ -36,9 +36,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
-    # Prompt tokens per step while any sequence decodes (None: the whole step budget), so a long
-    # prefill chunk does not stall the running streams.
-    max_prefill_tokens_while_decoding: int | None = None
+    # Tokens (decodes + prompt chunks) of a step that decodes (None: the whole step budget), so a
+    # long prefill chunk does not stall the running streams.
+    max_step_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     warmup: bool = True
@@ -74,9 +74,9 @@ class EngineArgs:
               self.max_num_batched_tokens, f"must be >= --max-num-seqs ({self.max_num_seqs})")
         check(self.long_prefill_chunk >= 1, "long-prefill-chunk", self.long_prefill_chunk,
               "must be >= 1")
-        check(self.max_prefill_tokens_while_decoding is None
-              or self.max_prefill_tokens_while_decoding >= 1, "max-prefill-tokens-while-decoding",
-              self.max_prefill_tokens_while_decoding, "must be >= 1")
+        check(self.max_step_tokens_while_decoding is None
+              or self.max_step_tokens_while_decoding >= 1, "max-step-tokens-while-decoding",
+              self.max_step_tokens_while_decoding, "must be >= 1")
         check(self.decode_steps_per_call >= 1, "decode-steps-per-call",
               self.decode_steps_per_call, "must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
@@ -144,9 +144,10 @@ class EngineArgs:
                        help="token budget of one step (decodes + prefill chunks)")
         s.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"].default,
                        help="most prompt tokens of one sequence per step (chunked prefill)")
-        s.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
-                       help="most prompt tokens in a step that also decodes (default: the whole "
-                            "step budget); lower keeps inter-token latency smooth under load")
+        s.add_argument("--max-step-tokens-while-decoding", type=int, default=None,
+                       help="most tokens (decodes + prompt chunks) in a step that decodes; prompt "
+                            "chunks get at least a quarter of it (default: the whole step "
+                            "budget); lower keeps inter-token latency smooth under load")
         s.add_argument("--attention-backend", default="auto", choices=available_backends())
         s.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="do not compile every step bucket at start-up")

@@ -104,7 +104,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=args.decode_steps_per_call,
-            max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+            max_step_tokens_while_decoding=args.max_step_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.runner = ModelRunner(

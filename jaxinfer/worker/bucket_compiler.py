@@ -132,7 +132,7 @@ def _spec(tree):
 class BucketCompiler:
     def __init__(self, runner, max_workers: int | None = None):
         """`runner`: the ModelRunner whose executable tables (`_forward_exe`, `_sample_exe`,
-        `_loop_exe`) this fills."""
+        `_loop_exe`, `_copy_exe`) this fills."""
         self.runner = runner
         b: Buckets = runner.buckets
         units = ([Unit("mixed", t) for t in b.token_buckets]

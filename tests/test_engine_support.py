@@ -56,7 +56,8 @@ def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, **kwargs)
     cfg, params = tiny_model()
     defaults = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
                     max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
-                    compilation_cache_dir=None, warmup=False, dtype="float32")
+                    compilation_cache_dir=None, warmup=False, dtype="float32",
+                    background_compile=False)
     defaults.update(kwargs)
     args = EngineArgs(**defaults)
     engine = LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=num_blocks)

@@ -1,5 +1,5 @@
 """The executable cache (jaxinfer/worker/executable_cache.py): a warm start loads every forward,
-decode loop and sampler instead of tracing and compiling them, with greedy tokens identical to a
+decode loop, sampler and block copy instead of tracing and compiling them, with greedy tokens identical to a
 compiled start; anything that shapes a step (a flag, the model config) is a miss, never a wrong executable; an
 unreadable entry is a miss."""
 
@@ -34,7 +34,7 @@ def test_warm_start_loads_every_step_and_keeps_greedy_tokens(tmp_path):
     cold = cached_engine(tmp_path)
     cache = cold.runner.executable_cache
     r = cold.runner
-    stored = len(r._forward_exe) + len(r._loop_exe) + len(r._sample_exe)
+    stored = len(r._forward_exe) + len(r._loop_exe) + len(r._sample_exe) + len(r._copy_exe)
     assert len(r._sample_exe) == 3 * len(r.buckets.decode_buckets)  # 3 variants per sequence bucket
     assert cache.hits == 0 and cache.misses == stored
     assert len(list((tmp_path / "executables").glob("*.exe"))) == stored
@@ -61,7 +61,8 @@ def test_a_flag_that_shapes_the_step_misses(tmp_path):
     # forwards and samplers (which it does not shape) still load.
     other = make_engine(warmup=True, compilation_cache_dir=str(tmp_path), decode_steps_per_call=2)
     runner = other.runner
-    assert runner.executable_cache.hits == len(runner._forward_exe) + len(runner._sample_exe)
+    assert runner.executable_cache.hits == (len(runner._forward_exe) + len(runner._sample_exe)
+                                            + len(runner._copy_exe))
     assert runner.executable_cache.misses == len(runner._loop_exe) > 0
 
 
@@ -129,3 +130,25 @@ def test_nothing_is_stored_while_jax_persistent_cache_is_on(tmp_path):
         max_num_batched_tokens=16, warmup=False, compilation_cache_dir=str(tmp_path / "flags")))
     assert engine.runner.executable_cache is not None
     assert jax.config.jax_compilation_cache_dir == previous
+
+
+def test_the_planners_activation_figure_is_cached(tmp_path):
+    from jaxinfer.worker.executable_cache import ExecutableCache
+    from jaxinfer.worker.runner import step_activation_bytes
+    from pallas_kernels.backend import get_backend
+    from test_engine_features import counting_compilations
+    cfg, params = tiny_model()
+    cache = ExecutableCache(tmp_path)
+
+    def plan(cache, max_num_seqs=8):
+        return step_activation_bytes(cfg, params, get_backend("reference"), kv_dtype=jnp.float32,
+                                     block_size=4, max_model_len=64, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=32, cache=cache)
+
+    first = plan(cache)
+    assert first > 0 and len(list(tmp_path.glob("*.figure"))) == 1
+    with counting_compilations() as compilations:
+        assert plan(cache) == first
+        assert compilations[0] == 0  # read back, not compiled
+    plan(cache, max_num_seqs=4)  # another step shape: a new figure
+    assert len(list(tmp_path.glob("*.figure"))) == 2

@@ -8,6 +8,8 @@ Every step (vLLM V1's policy, chunked prefill always on):
    `long_prefill_chunk` tokens each, within the step's token budget (`max_num_batched_tokens`); one
    that cannot get blocks waits, unless no sequence at all could be scheduled: then the most
    recently admitted running sequence is preempted, so prefills never wait for each other forever;
+   when the step decodes, steps 2 and 3 fill it up to `max_step_tokens_while_decoding` tokens in
+   all (at least a quarter of that);
 3. then, if nothing was preempted, waiting sequences are admitted FCFS (lower `priority` value
    first when priorities are given) while the budget, `max_num_seqs` and free blocks (after the
    prefix-cache match) allow.
@@ -73,6 +75,7 @@ class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, long_prefill_chunk: int, max_model_len: int,
                  decode_steps_per_call: int = 1,
+                 max_step_tokens_while_decoding: int | None = None,
                  make_choice: Callable[[Request, int, int], Sequence] | None = None):
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
@@ -80,6 +83,7 @@ class Scheduler:
         self.long_prefill_chunk = long_prefill_chunk
         self.max_model_len = max_model_len
         self.decode_steps_per_call = decode_steps_per_call
+        self.max_step_tokens_while_decoding = max_step_tokens_while_decoding
         # Builds choice `index` of a request (n > 1 fork), given the tokens already computed.
         self.make_choice = make_choice
         # Heap of (priority, order, seq); order < 0 for preempted sequences puts them in front.
@@ -245,6 +249,14 @@ class Scheduler:
                 decodes.append(ScheduledSeq(seq, start, 1, emits))
                 seq.scheduled_in = step
                 budget -= 1
+
+        # A step that decodes holds at most this many tokens, decodes included (a step's time is
+        # every running stream's inter-token latency, and it is padded to a token bucket: a bound
+        # on the total fills the bucket instead of spilling into the next). Prompts keep a quarter
+        # of it even when the decodes alone reach it, so admissions never wait for decodes to end.
+        cap = self.max_step_tokens_while_decoding
+        if decodes and cap is not None:
+            budget = min(budget, max(cap - len(decodes), cap // 4, 1))
 
         # 2. running prefills (chunked); they wait for blocks instead of preempting (but see below).
         prefill_stalled = False

@@ -40,9 +40,14 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
+    # Tokens (decodes + prompt chunks) of a step that decodes (None: the whole step budget), so a
+    # long prefill chunk does not stall the running streams.
+    max_step_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     warmup: bool = True
+    # Ready once the first buckets are compiled; the rest compile in the background.
+    background_compile: bool = True
     decode_steps_per_call: int = 1
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)  # "" or None: no executable cache
@@ -76,6 +81,9 @@ class EngineArgs:
               self.max_num_batched_tokens, f"must be >= --max-num-seqs ({self.max_num_seqs})")
         check(self.long_prefill_chunk >= 1, "long-prefill-chunk", self.long_prefill_chunk,
               "must be >= 1")
+        check(self.max_step_tokens_while_decoding is None
+              or self.max_step_tokens_while_decoding >= 1, "max-step-tokens-while-decoding",
+              self.max_step_tokens_while_decoding, "must be >= 1")
         check(self.decode_steps_per_call >= 1, "decode-steps-per-call",
               self.decode_steps_per_call, "must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
@@ -150,9 +158,17 @@ class EngineArgs:
                        help="token budget of one step (decodes + prefill chunks)")
         s.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"].default,
                        help="most prompt tokens of one sequence per step (chunked prefill)")
+        s.add_argument("--max-step-tokens-while-decoding", type=int, default=None,
+                       help="most tokens (decodes + prompt chunks) in a step that decodes; prompt "
+                            "chunks get at least a quarter of it (default: the whole step "
+                            "budget); lower keeps inter-token latency smooth under load")
         s.add_argument("--attention-backend", default="auto", choices=available_backends())
         s.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="do not compile every step bucket at start-up")
+        s.add_argument("--no-background-compile", dest="background_compile",
+                       action="store_false",
+                       help="compile every step bucket before ready (default: ready once the "
+                            "first buckets are compiled, the rest compiling in the background)")
         s.add_argument("--decode-steps-per-call", type=int, default=1,
                        help="decode steps run on the device per host round trip when no prefill "
                             "is waiting (on-device loop; stops early when a sequence finishes)")

@@ -23,7 +23,6 @@ import logging
 import math
 import random
 import time
-from pathlib import Path
 from typing import Iterable
 
 import jax
@@ -110,6 +109,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=args.decode_steps_per_call,
+            max_step_tokens_while_decoding=args.max_step_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         backend = kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg, params,
@@ -120,8 +120,7 @@ class LLMEngine:
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
-            executable_cache=(ExecutableCache(Path(args.compilation_cache_dir) / "executables")
-                              if args.compilation_cache_dir else None))
+            executable_cache=ExecutableCache.under(args.compilation_cache_dir))
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
@@ -200,7 +199,8 @@ class LLMEngine:
             cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
             kv_dtype=kv_dtype,
             block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan)
+            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,
+            cache=ExecutableCache.under(args.compilation_cache_dir))
         # A block holds kv_heads_per_device heads on each device.
         device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
         kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),
@@ -210,7 +210,8 @@ class LLMEngine:
 
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
-            seconds = self.runner.warmup(progress)
+            seconds = self.runner.warmup(progress, background=self.args.background_compile)
+        self.metrics.track_compiler(self.runner.compiler)
         cache = self.runner.executable_cache
         if cache is not None:
             self.startup.counts.update(executables_loaded=cache.hits,

@@ -68,12 +68,20 @@ class EngineMetrics:
         self._cache_info = Gauge("jaxinfer:cache_config_info", "KV-cache settings (value 1)",
                                  ["model_name", "block_size", "cache_dtype", "num_blocks"],
                                  registry=r)
+        self.compiled_buckets = gauge("jaxinfer:compiled_buckets",
+                                      "Step buckets compiled and in use (the rest compiling)")
+        self.total_buckets = gauge("jaxinfer:total_buckets", "Step buckets of the engine")
         self._prefix_seen = (0, 0)
 
     def set_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int,
                          bytes_per_block: int) -> None:
         self._cache_info.labels(self.model_name, str(block_size), cache_dtype, str(num_blocks)).set(1)
         self.kv_cache_bytes.set(num_blocks * bytes_per_block)
+
+    def track_compiler(self, compiler) -> None:
+        """Read the runner's BucketCompiler at every scrape (it advances between steps)."""
+        self.compiled_buckets.set_function(lambda: compiler.num_ready)
+        self.total_buckets.set_function(lambda: compiler.num_units)
 
     def request_success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()

@@ -89,6 +89,11 @@ def step_key(name: str, static: tuple, args: tuple) -> str:
 
 
 class ExecutableCache:
+    @classmethod
+    def under(cls, compilation_cache_dir: str | None) -> "ExecutableCache | None":
+        """The cache of `--compilation-cache-dir` (its `executables/`); None when that is off."""
+        return cls(Path(compilation_cache_dir) / "executables") if compilation_cache_dir else None
+
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
         self.hits = 0
@@ -126,6 +131,24 @@ class ExecutableCache:
             return None
         self.hits += 1
         return exe
+
+    def load_figure(self, key: str) -> int | None:
+        """A number measured from a compiled step (the memory planner's activation bytes), so a
+        warm start need not compile that step again; None when absent or unreadable."""
+        try:
+            return int(self._path(key).with_suffix(".figure").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def store_figure(self, key: str, value: int) -> None:
+        path = self._path(key).with_suffix(".figure")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(str(int(value)))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("figure not cached (%s): %r", key[:12], e)
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:
         """Thread-safe (warm-up stores from its compile threads). Stores nothing while jax's

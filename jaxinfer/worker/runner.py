@@ -3,7 +3,9 @@ and runs one jitted step per scheduler step.
 
 The jitted step is forward + sampling with the KV cache and the last-token array *donated*, so XLA
 updates them in place (a copy would cost the whole cache every step). Shapes come from a few buckets
-(buckets.py), all compiled at start-up (`warmup`) and kept in the executable cache.
+(buckets.py), compiled at start-up (`warmup`, bucket_compiler.py: the first ones before ready, the
+rest in the background, a step running in the smallest ready bucket that fits) and kept in the
+executable cache.
 
 `execute` only dispatches: JAX returns before the device finishes, so the engine can schedule and
 build step N+1 while step N runs, and calls `StepHandle.result()` (which blocks) only when it needs
@@ -17,20 +19,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, BucketCompiler,
+                                             forward_key, model_inputs, step_shape)
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
 from jaxinfer.model.transformer import forward
-from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerOutput,
-                             SamplerVariant, SamplingTensors, sample)
+from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
+                                     sample)
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
@@ -41,10 +44,6 @@ from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
-
-# The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
-LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
-WARMUP_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
 
 
 def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
@@ -135,11 +134,13 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
 
 def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
                           block_size: int, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int, plan: ShardingPlan | None = None) -> int:
+                          max_num_batched_tokens: int, plan: ShardingPlan | None = None,
+                          cache: ExecutableCache | None = None) -> int:
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
     device under tensor parallelism), from compiling that step against a one-block cache of the
     same layout: a step's activations do not depend on the number of blocks. Costs two
-    compilations."""
+    compilations, unless `cache` holds the figure from an earlier start (same key parts as the
+    executables: shapes, shardings, code, compiler)."""
     from jaxinfer.core.kv_cache import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
@@ -151,28 +152,21 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                                      sharding=plan and plan.kv_cache)
     kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
-    forward_step, sample_step, _ = _jitted_fns(cfg, shard_backend(backend, plan), block_size, plan)
+    backend = shard_backend(backend, plan)
+    key = cache and step_key("activation bytes", (cfg, backend, block_size),
+                             (params, kv, last, batch))
+    cached = key and cache.load_figure(key)
+    if cached is not None:
+        return cached
+    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size, plan)
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
-    return (activation_peak_bytes(forward_step.lower(params, kv, last,
-                                                     _model_inputs(batch)).compile())
+    peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
+                                                     model_inputs(batch)).compile())
             + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
                                                       variant=FULL_SAMPLER).compile()))
-
-
-def _forward_key(batch: StepBatch) -> tuple[int, int, int]:
-    return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
-
-
-def _model_inputs(batch: StepBatch) -> StepBatch:
-    """The batch without its sampling tensors, whose pytree differs per sampler variant: the
-    forward neither needs them nor should be compiled once per variant."""
-    return dataclasses.replace(batch, sampling=None)
-
-
-def _label(variant: SamplerVariant | None) -> str:
-    if variant is None:
-        return ""
-    return "masked" if variant.masked else "full" if variant.advanced else "base"
+    if key:
+        cache.store_figure(key, peak)
+    return peak
 
 
 @dataclasses.dataclass
@@ -250,9 +244,11 @@ class ModelRunner:
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
         self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
+        self._copy_exe: dict[int, jax.stages.Compiled] = {}  # per copy bucket
         self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
+        self.compiler: BucketCompiler | None = None  # warmup()'s; None: every shape compiles lazily
 
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
@@ -275,7 +271,7 @@ class ModelRunner:
         self._kv_spec = None
 
     # ---- compilation ------------------------------------------------------------------------
-    def _cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:
+    def cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:
         """The executable cache's key of a step (None without a cache): the static parts that
         shape it beyond its inputs' shapes and shardings."""
         if self.executable_cache is None:
@@ -292,109 +288,27 @@ class ModelRunner:
         shapes += [("mixed", t, None) for t in b.token_buckets]
         shapes += [("decode", s, None) for s in b.decode_buckets]
         seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets} | set(b.decode_buckets))
-        shapes += [("sample", s, v) for v in WARMUP_VARIANTS for s in seq_buckets]
+        shapes += [("sample", s, v) for v in SAMPLE_VARIANTS for s in seq_buckets]
         if self.decode_steps_per_call > 1:
             shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in b.decode_buckets]
         shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 
-    def _padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
-        """An all-padding batch of a bucket (running it writes no KV)."""
-        if kind == "mixed":
-            t, s, nd = size, self.buckets.mixed_shape(size)[1], 0
-        else:
-            t = s = nd = size
-        return build_step_batch([], nd, t, s, self.sampling_table, self.block_size,
-                                self.max_blocks, self.max_model_len, variant)
-
-    def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
-        """Compile every shape of `warmup_shapes`. Returns the total seconds; `warmup_seconds` keeps
-        each shape's compile time ("mixed 512": s).
-
-        The forwards and decode loops hold the attention kernels and take most of the time (seconds
-        each with Mosaic GPU kernels): they are lowered here one after another (Python) and compiled
-        on a thread pool (XLA releases the GIL), then the samplers (for the forwards' logits
-        sharding); the compiled executables are what `execute` then calls. With an executable
-        cache, each is loaded from it when present instead (no tracing, lowering or compiling).
-        The block copies compile by running once."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
+    def warmup(self, progress: bool = True, max_workers: int | None = None,
+               background: bool = False) -> float:
+        """Compile the step buckets (bucket_compiler.py): all of them, or with `background` only
+        the first set, the rest then compiling on a background thread while steps run. Returns the
+        seconds until this returns; `warmup_seconds` keeps each part's compile time."""
         from tqdm import tqdm
         t0 = time.perf_counter()
-        shapes = self.warmup_shapes()
-        self.warmup_seconds = {}
-        bar = tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress,
-                   unit="shape")
-
-        def compile_timed(name, lowered, cache_key):
-            """On a pool thread: compile, then store into the executable cache (off the thread
-            that lowers the next shape)."""
-            start = time.perf_counter()
-            compiled = lowered.compile()
-            seconds = time.perf_counter() - start
-            if cache_key:
-                self.executable_cache.store(cache_key, compiled)
-            return name, compiled, seconds
-
-        workers = max_workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {}  # future -> (executable table, its key)
-
-            def compile_or_load(name, fn, args, static, table, key):
-                start = time.perf_counter()
-                cache_key = self._cached_step_key(name, args, static)
-                exe = cache_key and self.executable_cache.load(cache_key)
-                if exe is not None:  # neither traced, lowered nor compiled
-                    table[key] = exe
-                    self.warmup_seconds[name] = time.perf_counter() - start
-                    bar.update()
-                    return
-                lowered = fn.lower(*args, **static)
-                futures[pool.submit(compile_timed, name, lowered, cache_key)] = (table, key)
-
-            for kind, size, variant in shapes:
-                if kind in ("mixed", "decode"):
-                    batch = self._padding_batch(kind, size, BASE_SAMPLER)
-                    compile_or_load(f"{kind} {size}", self._forward_fn,
-                                    (self.params, self.kv_cache, self.last_tokens,
-                                     _model_inputs(batch)), {},
-                                    self._forward_exe, _forward_key(batch))
-                elif kind == "loop":
-                    batch = self._padding_batch("decode", size, variant)
-                    allowed = np.zeros(size, np.int32)
-                    compile_or_load(f"loop {size} {_label(variant)}", self._loop_fn,
-                                    (self.params, self.kv_cache, self.last_tokens, batch, allowed),
-                                    dict(variant=variant, num_steps=self.decode_steps_per_call),
-                                    self._loop_exe, (size, variant))
-            def collect():
-                for future in as_completed(futures):
-                    name, compiled, seconds = future.result()
-                    table, key = futures[future]
-                    table[key] = compiled
-                    self.warmup_seconds[name] = seconds
-                    bar.update()
-                futures.clear()
-
-            collect()
-            # The samplers take the forwards' logits: compiled for exactly their sharding.
-            fwd = next(iter(self._forward_exe.values()))
-            logits_sharding = fwd.output_shardings[0]
-            for kind, size, variant in shapes:
-                if kind == "sample":
-                    batch = self._padding_batch("decode", size, variant)
-                    logits = jax.ShapeDtypeStruct((size, self.cfg.vocab_size), jnp.float32,
-                                                  sharding=logits_sharding)
-                    compile_or_load(f"sample {size} {_label(variant)}", self._sample_fn,
-                                    (logits, self.last_tokens, batch.sampling, batch.emit_slot),
-                                    dict(variant=variant), self._sample_exe, (size, variant))
-            collect()
-        for kind, size, variant in shapes:
-            if kind == "copy":
-                start = time.perf_counter()
-                idx = np.full(size, -1, np.int32)  # numpy: no compilation of its own
-                self.kv_cache = jax.block_until_ready(copy_blocks(self.kv_cache, idx, idx))
-                self.warmup_seconds[f"copy {size}"] = time.perf_counter() - start
-                bar.update()
+        if self.compiler is not None:
+            self.compiler.stop()
+        self.compiler = compiler = BucketCompiler(self, max_workers)
+        self.warmup_seconds = compiler.seconds
+        bar = tqdm(total=compiler.num_units, desc="compiling step buckets", unit="bucket",
+                   disable=not progress or background)
+        compiler.compile_first(bar)
+        compiler.compile_rest(background, bar)
         bar.close()
         return time.perf_counter() - t0
 
@@ -407,20 +321,21 @@ class ModelRunner:
         src = np.full(size, -1, np.int32)
         dst = np.full(size, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+        self.kv_cache = self._copy_exe.get(size, copy_blocks)(self.kv_cache, src, dst)
 
     def build(self, sched: SchedulerOutput) -> tuple[StepBatch, SamplerVariant, bool]:
         """The padded host arrays of a step (also used by the host-overhead benchmark)."""
         rows = sched.scheduled
         variant = sampler_variant(rows)
-        if sched.prefills:
-            t, s = self.buckets.mixed_shape(sched.num_tokens)
-            nd = 0
-        else:
-            t = s = nd = self.buckets.decode_shape(len(rows))
+        compiler = self.compiler
+        t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
+                              compiler and compiler.ready_forwards)
         batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
                                  self.max_blocks, self.max_model_len, variant)
-        return batch, variant, sched.decode_steps > 1 and not sched.prefills
+        # A loop runs only once compiled (else: one step; the scheduler's reserve is harmless).
+        is_loop = sched.decode_steps > 1 and not sched.prefills and (
+            compiler is None or (nd == s and s in compiler.ready_loops))
+        return batch, variant, is_loop
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it."""
@@ -450,12 +365,12 @@ class ModelRunner:
         last-token array in place (donated). -> (SamplerOutput, prompt logprob arrays or None)"""
         prompt_out = None
         if prompt_rows is None:
-            forward_step = self._forward_exe.get(_forward_key(batch), self._forward_fn)
+            forward_step = self._forward_exe.get(forward_key(batch), self._forward_fn)
             logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
-                                                 _model_inputs(batch))
+                                                 model_inputs(batch))
         else:
             logits, self.kv_cache, hidden = self._forward_fn(
-                self.params, self.kv_cache, self.last_tokens, _model_inputs(batch),
+                self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
                 with_hidden=True)
             prompt_out = prompt_logprobs_fn(self.cfg)(self.params, hidden, prompt_rows.token_index,
                                                       prompt_rows.targets)

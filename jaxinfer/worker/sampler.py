@@ -160,8 +160,11 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
         cutoff = jax.lax.cond(truncates, lambda sc: truncation_cutoff(sc, t),
                               lambda sc: jnp.full((sc.shape[0], 1), NEG_INF, sc.dtype), scaled)
         scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
-    noise = row_gumbel(t.seed, t.out_pos, v)
-    sampled = jnp.argmax(scaled + noise, axis=-1)
+    # The noise (S x V draws) only when some row samples: an all-greedy batch skips it.
+    sampled = jax.lax.cond(
+        jnp.all(greedy), lambda sc: jnp.zeros(sc.shape[0], jnp.int32),
+        lambda sc: jnp.argmax(sc + row_gumbel(t.seed, t.out_pos, v), axis=-1).astype(jnp.int32),
+        scaled)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     if not variant.advanced:
         return SamplerOutput(tokens, None, None, None)

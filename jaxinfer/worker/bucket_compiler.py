@@ -1,0 +1,403 @@
+"""Making the runner's step executables: the buckets the first requests need before the engine
+reports ready, the rest on a background thread while it serves.
+
+A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's forward (T
+tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with the sampler of its S
+in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LOOP_VARIANTS. A unit
+is *ready* once all its parts are; only then does `step_shape` route steps to it. The first set is
+the largest mixed bucket (every step fits it, so no step ever waits for a compile), the smallest
+decode bucket and its loop (a lone request decodes at its own size from the start), and the block
+copies of every copy bucket, also before ready. The other units follow in the background, smallest
+decode buckets first (concurrency grows from one), then loops, then mixed buckets; until a bucket
+is ready, its steps run padded up to the smallest ready bucket that fits, which gives the same
+tokens.
+
+Lowering (Python: tracing, MLIR) runs on one thread and XLA's compiles on a pool, since XLA
+releases the GIL. Steps are lowered against shape-and-sharding specs of the weights, KV cache and
+last-token array taken when the compiler is built, never the live arrays, which the running steps
+donate. Each part is first looked up in the executable cache (no tracing on a hit) and stored
+there once compiled. At most one compile per pool thread is queued at a time, so `stop()` (called
+at interpreter exit too) leaves only the compiles already running in XLA to finish.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.core.kv_cache import copy_blocks
+from jaxinfer.worker.buckets import Buckets
+from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
+from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
+
+log = logging.getLogger(__name__)
+
+LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
+# The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
+SAMPLE_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
+
+
+def variant_label(variant: SamplerVariant | None) -> str:
+    if variant is None:
+        return ""
+    return "masked" if variant.masked else "full" if variant.advanced else "base"
+
+
+def model_inputs(batch: StepBatch) -> StepBatch:
+    """The batch without its sampling tensors, whose pytree differs per sampler variant: the
+    forward neither needs them nor should be compiled once per variant."""
+    return dataclasses.replace(batch, sampling=None)
+
+
+def forward_key(batch: StepBatch) -> tuple[int, int, int]:
+    return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
+
+
+def step_shape(buckets: Buckets, num_tokens: int, num_rows: int, pure_decode: bool,
+               ready: set[tuple[int, int, int]] | None) -> tuple[int, int, int]:
+    """(tokens, rows, decode rows) of the executable a step runs in: its own bucket when `ready` is
+    None (no background compile) or holds it, else the smallest ready bucket that fits (a decode
+    bucket before a mixed one); its own bucket when none fits (the step then compiles it)."""
+    if pure_decode:
+        own = (buckets.decode_shape(num_rows),) * 3
+    else:
+        t, s = buckets.mixed_shape(num_tokens)
+        own = (t, s, 0)
+    if ready is None or own in ready:
+        return own
+    if pure_decode:
+        for s in buckets.decode_buckets:
+            if s >= num_rows and (s, s, s) in ready:
+                return s, s, s
+    for t in buckets.token_buckets:
+        shape = (t, *buckets.mixed_shape(t)[1:], 0)
+        if t >= num_tokens and shape[1] >= num_rows and shape in ready:
+            return shape
+    return own
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    kind: str  # "mixed" | "decode" | "loop"
+    size: int  # tokens (mixed) or sequences (decode, loop)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.size}"
+
+
+_SWITCH_INTERVAL_S = 0.0005
+_switch_lock = threading.Lock()
+_switch_users = [0, 0.0]  # background compiles running, the interval before the first
+
+
+@contextlib.contextmanager
+def _responsive_gil():
+    """While a background compile traces (pure Python, holding the GIL for long stretches), hand
+    the GIL over every 0.5 ms instead of Python's 5: the step loop needs it a few times per step.
+    (On the H200, batch-1 decode took 78 ms per token while buckets compiled, 4.6 ms after.)"""
+    with _switch_lock:
+        if not _switch_users[0]:
+            _switch_users[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_users[1], _SWITCH_INTERVAL_S))
+        _switch_users[0] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users[0] -= 1
+            if not _switch_users[0]:
+                sys.setswitchinterval(_switch_users[1])
+
+
+class _Stopped(Exception):
+    """The compiler was stopped: submit nothing more."""
+
+
+def _spec(tree):
+    """Shapes, dtypes and shardings of live arrays; an uncommitted array's spec names no sharding,
+    so the executable's outputs stay uncommitted too (jit keys later calls on that)."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=a.sharding if a.committed else None), tree)
+
+
+class BucketCompiler:
+    def __init__(self, runner, max_workers: int | None = None):
+        """`runner`: the ModelRunner whose executable tables (`_forward_exe`, `_sample_exe`,
+        `_loop_exe`, `_copy_exe`) this fills."""
+        self.runner = runner
+        b: Buckets = runner.buckets
+        units = ([Unit("mixed", t) for t in b.token_buckets]
+                 + [Unit("decode", s) for s in b.decode_buckets])
+        if runner.decode_steps_per_call > 1:
+            units += [Unit("loop", s) for s in b.decode_buckets]
+        self.units = units
+        first = {Unit("mixed", b.token_buckets[-1]), Unit("decode", b.decode_buckets[0])}
+        if runner.decode_steps_per_call > 1:
+            first.add(Unit("loop", b.decode_buckets[0]))
+        self.first = [u for u in units if u in first]
+        order = {"decode": 0, "loop": 1, "mixed": 2}
+        self.rest = sorted((u for u in units if u not in first),
+                           key=lambda u: (order[u.kind], u.size))
+        self.ready_forwards: set[tuple[int, int, int]] = set()
+        self.ready_loops: set[int] = set()
+        self.seconds: dict[str, float] = {}  # part name -> compile (or cache load) seconds
+        self._specs = _spec((runner.params, runner.kv_cache, runner.last_tokens))
+        self._logits_sharding = None
+        self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
+        self._done = threading.Condition()
+        self._num_ready = 0
+        self._num_failed = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        workers = max_workers or min(8, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxinfer-compile")
+        self._slots = threading.Semaphore(workers)  # compiles submitted and not finished
+        ref = weakref.ref(self)
+        # Before the pool's own exit hook joins its threads (hooks run last-registered first):
+        # a stopped compiler submits nothing more. (threading's hook, as concurrent.futures uses.)
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(lambda: (c := ref()) is not None and c.stop())
+
+    # ---- progress -------------------------------------------------------------------------
+    @property
+    def num_ready(self) -> int:
+        return self._num_ready
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every unit is ready (or stopped, or `timeout`): whether all are ready."""
+        with self._done:
+            self._done.wait_for(lambda: (self._num_ready + self._num_failed == len(self.units)
+                                         or self._stop.is_set()), timeout)
+            return self._num_ready == len(self.units)
+
+    def stop(self) -> None:
+        """Cancel the compiles not started and wait for the background thread (an XLA compile
+        already running finishes first)."""
+        self._stop.set()
+        with self._done:
+            self._done.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    # ---- compiling ----------------------------------------------------------------------------
+    def compile_first(self, progress_bar=None) -> None:
+        """The first set and the block copies, blocking: on return the engine can serve every
+        step (each fits the largest mixed bucket)."""
+        futures = [self._submit(u) for u in self.first] + self._compile_copies()
+        for f in futures:
+            f.result()
+        # The samplers take the forwards' logits: compiled for exactly their sharding.
+        first_forward = next(iter(self.runner._forward_exe.values()))
+        self._logits_sharding = first_forward.output_shardings[0]
+        for u in self.first:
+            for f in self._sampler_parts(u):
+                f.result()
+            self._mark_ready(u)
+            if progress_bar is not None:
+                progress_bar.update()
+
+    def compile_rest(self, background: bool, progress_bar=None) -> None:
+        """The other units: on a background thread, or here, blocking until all are ready."""
+        def run() -> list[Future]:
+            parts: list[Future] = []
+            for u in self.rest:
+                unit_parts = [self._submit(u), *self._sampler_parts(u)]
+                self._when_all(unit_parts, u, progress_bar)
+                parts += unit_parts
+            return parts
+
+        def background_run():
+            try:
+                with _responsive_gil():
+                    run()
+            except _Stopped:
+                pass
+            except Exception:  # noqa: BLE001 - a bucket that fails to compile is not the engine's
+                log.exception("background compilation failed; larger buckets serve its steps")
+                with self._done:
+                    self._num_failed = len(self.units) - self._num_ready
+                    self._done.notify_all()
+
+        if background and self.rest:
+            self._thread = threading.Thread(target=background_run, name="jaxinfer-bucket-compiler",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            for f in run():
+                f.result()  # a failed compile raises here
+            self.wait()
+
+    def _when_all(self, parts: list[Future], unit: Unit, progress_bar) -> None:
+        left = [len(parts)]
+        lock = threading.Lock()
+
+        def one_done(f: Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                if not f.cancelled():
+                    log.error("compiling %s failed: %r", unit.name, f.exception())
+                with lock:
+                    failed, left[0] = left[0] > 0, 0
+                if failed:
+                    with self._done:
+                        self._num_failed += 1
+                        self._done.notify_all()
+                return
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self._mark_ready(unit)
+            if progress_bar is not None:
+                progress_bar.update()
+
+        for f in parts:
+            f.add_done_callback(one_done)
+
+    def _mark_ready(self, unit: Unit) -> None:
+        b = self.runner.buckets
+        if unit.kind == "loop":
+            self.ready_loops.add(unit.size)
+        elif unit.kind == "decode":
+            self.ready_forwards.add((unit.size,) * 3)
+        else:
+            self.ready_forwards.add((unit.size, b.mixed_shape(unit.size)[1], 0))
+        with self._done:
+            self._num_ready += 1
+            finished = self._num_ready == len(self.units)
+            self._done.notify_all()
+        if finished:  # its threads are not needed any more
+            self._pool.shutdown(wait=False)
+
+    def _rows(self, unit: Unit) -> int:
+        return self.runner.buckets.mixed_shape(unit.size)[1] if unit.kind == "mixed" else unit.size
+
+    def _sampler_parts(self, unit: Unit) -> list[Future]:
+        """The samplers a forward unit needs (each compiled once, shared between units of the same
+        row count); none for a loop, which samples inside."""
+        if unit.kind == "loop":
+            return []
+        s = self._rows(unit)
+        parts = []
+        for variant in SAMPLE_VARIANTS:
+            f = self._samplers.get((s, variant))
+            if f is None:
+                batch = self.padding_batch("decode", s, variant)
+                logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
+                                              sharding=self._logits_sharding)
+                f = self._samplers[(s, variant)] = self._compile_or_load(
+                    f"sample {s} {variant_label(variant)}", self.runner._sample_fn,
+                    (logits, self._specs[2], batch.sampling, batch.emit_slot),
+                    dict(variant=variant), self.runner._sample_exe, (s, variant))
+            parts.append(f)
+        return parts
+
+    def _submit(self, unit: Unit) -> Future:
+        """The unit's forward (or its two loops, as one future)."""
+        r = self.runner
+        params, kv, last = self._specs
+        if unit.kind != "loop":
+            batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
+            return self._compile_or_load(unit.name, r._forward_fn,
+                                         (params, kv, last, model_inputs(batch)), {},
+                                         r._forward_exe, forward_key(batch))
+        loops = []
+        for variant in LOOP_VARIANTS:
+            batch = self.padding_batch("decode", unit.size, variant)
+            allowed = np.zeros(unit.size, np.int32)
+            loops.append(self._compile_or_load(
+                f"loop {unit.size} {variant_label(variant)}", r._loop_fn,
+                (params, kv, last, batch, allowed),
+                dict(variant=variant, num_steps=r.decode_steps_per_call), r._loop_exe,
+                (unit.size, variant)))
+        both: Future = Future()
+
+        def one_done(_):
+            if all(f.done() for f in loops) and not both.done():
+                errors = [f.exception() for f in loops if not f.cancelled() and f.exception()]
+                if any(f.cancelled() for f in loops):
+                    both.cancel()
+                elif errors:
+                    both.set_exception(errors[0])
+                else:
+                    both.set_result(None)
+
+        for f in loops:
+            f.add_done_callback(one_done)
+        return both
+
+    def _compile_or_load(self, name: str, fn, args: tuple, static: dict, table: dict,
+                         key) -> Future:
+        """Load from the executable cache, else lower here and compile on the pool; the executable
+        goes into `table[key]`. A future of None."""
+        start = time.perf_counter()
+        cache = self.runner.executable_cache
+        cache_key = self.runner.cached_step_key(name, args, static)
+        exe = cache_key and cache.load(cache_key)
+        if exe is not None:  # neither traced, lowered nor compiled
+            table[key] = exe
+            self.seconds[name] = time.perf_counter() - start
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        if self._stop.is_set():
+            raise _Stopped
+        lowered = fn.lower(*args, **static)
+
+        def compile_part():
+            try:
+                t0 = time.perf_counter()
+                compiled = lowered.compile()
+                self.seconds[name] = time.perf_counter() - t0
+                if cache_key:
+                    cache.store(cache_key, compiled)
+                table[key] = compiled
+            finally:
+                self._slots.release()
+
+        while not self._slots.acquire(timeout=0.1):
+            if self._stop.is_set():
+                raise _Stopped
+        try:
+            return self._pool.submit(compile_part)
+        except RuntimeError:  # the pool is shut down: stop() ran meanwhile
+            self._slots.release()
+            raise _Stopped from None
+
+    def _compile_copies(self) -> list[Future]:
+        """Every copy bucket's block copy (one executable each, like the steps)."""
+        r = self.runner
+        return [self._compile_or_load(
+                    f"copy {size}", copy_blocks,
+                    (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {},
+                    r._copy_exe, size)
+                for size in r.buckets.copy_buckets]
+
+    def padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
+        """An all-padding batch of a bucket (running it writes no KV)."""
+        r = self.runner
+        if kind == "mixed":
+            t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
+        else:
+            t = s = nd = size
+        return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
+                                r.max_model_len, variant)

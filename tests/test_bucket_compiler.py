@@ -1,0 +1,129 @@
+"""Serving before every bucket is compiled (jaxinfer/worker/bucket_compiler.py): a step whose bucket
+is not ready runs in the smallest ready one that fits, with the same greedy tokens; the background
+compile finishes and its buckets are then used; stopping it mid-way (or exiting the process) is
+clean."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.worker.bucket_compiler import BucketCompiler, step_shape
+from jaxinfer.worker.buckets import Buckets
+from test_engine_features import counting_compilations
+from test_engine_support import make_engine, prompt_ids, run_all
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# 16 sequences, 64-token steps: token buckets 16/32/64, decode buckets 8/16. The first set is
+# mixed 64 + decode 8; decode 16, mixed 16 and mixed 32 come later.
+SHAPE = dict(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_chunk=24)
+# 12 requests side by side: prefill chunks of every size, then pure decodes of 12 rows (decode 16).
+WORKLOAD = [(prompt_ids(500 + i, 3 + 4 * i), 5 + i % 4) for i in range(12)]
+
+
+def greedy_tokens(engine) -> list[list[int]]:
+    for i, (prompt, n) in enumerate(WORKLOAD):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, **GREEDY))
+    out = run_all(engine)
+    return [out[f"r{i}"][0][0] for i in range(len(WORKLOAD))]
+
+
+def record_shapes(engine) -> list[tuple[int, int, int]]:
+    """The (tokens, rows, decode rows) of every step the runner builds from now on."""
+    shapes, build = [], engine.runner.build
+
+    def recording(sched):
+        batch, variant, is_loop = build(sched)
+        shapes.append((batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes))
+        return batch, variant, is_loop
+
+    engine.runner.build = recording
+    return shapes
+
+
+def test_step_shape_takes_the_smallest_ready_bucket_that_fits():
+    b = Buckets.make(16, 64)
+    assert step_shape(b, 20, 3, False, None) == (32, 16, 0)  # no compiler: its own bucket
+    ready = {(64, 16, 0), (8, 8, 8)}
+    assert step_shape(b, 20, 3, False, ready) == (64, 16, 0)
+    assert step_shape(b, 5, 5, True, ready) == (8, 8, 8)
+    assert step_shape(b, 12, 12, True, ready) == (64, 16, 0)  # decode 16 not ready: mixed 64
+    assert step_shape(b, 12, 12, True, ready | {(32, 16, 0)}) == (32, 16, 0)
+    assert step_shape(b, 12, 12, True, ready | {(16, 16, 16)}) == (16, 16, 16)
+    # Mixed 16 has 16 rows: a 9-token prefill step of 9 rows fits it.
+    assert step_shape(b, 9, 9, False, ready | {(16, 16, 0)}) == (16, 16, 0)
+    assert step_shape(b, 40, 2, False, {(8, 8, 8), (32, 16, 0)}) == (64, 16, 0)  # none fits
+
+
+def test_unready_buckets_are_served_by_larger_ones_with_the_same_tokens(monkeypatch):
+    expected = greedy_tokens(make_engine(warmup=True, **SHAPE))  # every bucket compiled first
+    # The background part never runs: only the first set is ever ready.
+    monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
+    engine = make_engine(warmup=True, background_compile=True, **SHAPE)
+    compiler = engine.runner.compiler
+    assert compiler.ready_forwards == {(64, 16, 0), (8, 8, 8)}
+    assert compiler.num_ready == 2 and compiler.num_units == 5
+    shapes = record_shapes(engine)
+    with counting_compilations() as compilations:
+        assert greedy_tokens(engine) == expected
+        assert compilations[0] == 0  # no step waited for a compile
+    assert set(shapes) == {(64, 16, 0), (8, 8, 8)}
+    assert shapes.count((8, 8, 8)) > 0 and shapes.count((64, 16, 0)) > 4
+
+
+def test_the_background_compile_finishes_and_its_buckets_are_then_used():
+    engine = make_engine(warmup=True, background_compile=True, decode_steps_per_call=3, **SHAPE)
+    compiler = engine.runner.compiler
+    assert compiler.wait(timeout=300)
+    assert compiler.num_ready == compiler.num_units == 7  # 3 mixed, 2 decode, 2 loops
+    assert compiler.ready_loops == {8, 16}
+    label = {"model_name": engine.model_name}
+    scrape = engine.metrics.registry.get_sample_value
+    assert scrape("jaxinfer:compiled_buckets", label) == scrape("jaxinfer:total_buckets", label) == 7
+    shapes = record_shapes(engine)
+    with counting_compilations() as compilations:
+        tokens = greedy_tokens(engine)
+        assert compilations[0] == 0
+    assert {(32, 16, 0), (16, 16, 16)} <= set(shapes)  # buckets compiled after ready
+    reference = make_engine(warmup=True, decode_steps_per_call=3, **SHAPE)
+    assert greedy_tokens(reference) == tokens
+
+
+def test_stopping_mid_compile_leaves_a_working_engine():
+    engine = make_engine(warmup=True, background_compile=True, **SHAPE)
+    compiler = engine.runner.compiler
+    compiler.stop()
+    assert compiler._thread is None or not compiler._thread.is_alive()
+    assert not compiler.wait(timeout=0) or compiler.num_ready == compiler.num_units
+    ready = set(compiler.ready_forwards)
+    shapes = record_shapes(engine)
+    expected = greedy_tokens(make_engine(warmup=True, **SHAPE))
+    assert greedy_tokens(engine) == expected
+    assert set(shapes) <= ready
+
+
+def test_the_process_exits_cleanly_while_buckets_compile(tmp_path):
+    """Interpreter exit with the background compile under way: exit status 0, nothing printed to
+    stderr about threads, and no waiting for every remaining bucket."""
+    script = textwrap.dedent("""
+        import sys, time
+        sys.path.insert(0, "tests")
+        import conftest  # noqa: F401  (CPU, test XLA flags)
+        from test_engine_support import make_engine
+        engine = make_engine(warmup=True, background_compile=True, max_num_seqs=64,
+                             max_num_batched_tokens=512, decode_steps_per_call=2)
+        c = engine.runner.compiler
+        print("ready", c.num_ready, c.num_units, flush=True)
+        sys.exit(0)
+    """)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={"PYTHONPATH": f"{root}:{root / 'tests'}",
+                                            "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ready, units = map(int, proc.stdout.split()[1:3])
+    assert ready < units == 14  # 6 mixed, 4 decode, 4 loops: it exited part-way through
+    assert "Traceback" not in proc.stderr and "Fatal" not in proc.stderr, proc.stderr[-3000:]

@@ -65,6 +65,8 @@ class SamplingParams:
     # alternatives each; computed in the prefill step. Such a request takes no prefix-cache hit.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False opts this request out of speculative decoding (a jaxinfer field; vLLM ignores it).
+    speculative_decoding: bool = True
 
     def __post_init__(self):
         # Accept a single stop string (OpenAI allows `stop: "###"`).
@@ -148,6 +150,7 @@ class SamplingParams:
             value = getattr(self, field)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(field, f"must be an integer from 0 to {MAX_LOGPROBS} (or None)")
-        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                      "speculative_decoding"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be true or false")

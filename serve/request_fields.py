@@ -19,7 +19,8 @@ logger = logging.getLogger("serve.protocol")
 # means "the default", as in vLLM.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
-                   "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+                   "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                   "speculative_decoding")
 HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | {
     "model", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo", "prompt_logprobs",
     "add_special_tokens", "priority", "request_id", "truncate_prompt_tokens", "best_of"}

@@ -43,6 +43,9 @@ class ScheduledSeq:
     # Its physical KV block ids in logical order (its block-table row), set once the step is
     # scheduled: the KV manager's own list, to read before the scheduler runs again.
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Speculative decoding: tokens proposed after the decode's input (num_tokens = 1 + len), which
+    # the step verifies (jaxinfer/spec_decode/); placeholders when the device proposes them.
+    proposal: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -56,6 +59,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Some row computes prompt tokens of a request that asked for prompt logprobs.
     prompt_logprobs: bool = False
+    num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -63,7 +67,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+        return len(self.decodes) + self.num_proposed + sum(s.num_tokens for s in self.prefills)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -94,6 +98,8 @@ class Scheduler:
         self._priorities_used = False
         self._step_counter = 0
         self.num_preemptions = 0
+        # Speculative decoding policy and proposer (spec_decode.proposer.Speculator), or None.
+        self.speculator = None
 
     # ---- queues ---------------------------------------------------------------------------
     @property
@@ -154,6 +160,9 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
             elif kv.has_request(seq.seq_id):
+                if seq.speculated:  # slots of rejected proposals go back (never cached)
+                    seq.speculated = False
+                    kv.truncate(seq.seq_id, seq.num_computed)
                 kv.cache_blocks(seq.seq_id, seq.token_ids,
                                 min(seq.num_computed, len(seq.token_ids)))
 
@@ -172,6 +181,7 @@ class Scheduler:
         self._stop_running(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
+        seq.draft_computed = 0
         self.num_preemptions += 1
         self._requeue_front(seq)
 
@@ -218,6 +228,12 @@ class Scheduler:
         self._step_counter += 1
         step = self._step_counter
         prefill_candidates = []
+        spec = self.speculator
+        if spec is not None and spec.active(len(self.running)):
+            spec.begin_step()
+        else:
+            spec = None
+        num_proposed = 0
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -229,7 +245,8 @@ class Scheduler:
                 continue
             if budget == 0 or num_tokens >= seq.token_limit:
                 continue
-            need = start + 1 - kv.num_tokens(seq.seq_id)
+            proposal = spec.propose(seq, budget) if spec is not None else []
+            need = start + 1 + len(proposal) - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):
                 victim = max((s for s in self.running if s.scheduled_in != step),
                              key=lambda s: (s.request.priority, s.admit_order))
@@ -242,9 +259,13 @@ class Scheduler:
                 emits = seq.index >= 0
                 if emits:
                     seq.num_pending += 1
-                decodes.append(ScheduledSeq(seq, start, 1, emits))
+                decodes.append(ScheduledSeq(seq, start, 1 + len(proposal), emits,
+                                            proposal=proposal))
                 seq.scheduled_in = step
-                budget -= 1
+                budget -= 1 + len(proposal)
+                if proposal:  # the output processor advances num_computed per accepted token
+                    seq.speculated = True
+                    num_proposed += len(proposal)
 
         # 2. running prefills (chunked); they wait for blocks instead of preempting (but see below).
         prefill_stalled = False
@@ -297,8 +318,9 @@ class Scheduler:
             seq.scheduled_in = step
             budget -= n
 
-        out = SchedulerOutput(decodes, prefills, preempted)
-        if self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting:
+        out = SchedulerOutput(decodes, prefills, preempted, num_proposed=num_proposed)
+        if (self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting
+                and not num_proposed):
             out.decode_steps = self._reserve_decode_loop(decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
             get_block_ids = kv.get_block_ids

@@ -78,7 +78,6 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     num_drafts i32[S] of them real, draft_probs f32[S, K, V] (None: each proposal is a point mass),
     t: the rows' tensors with out_pos at the first position -> the emitted tokens."""
     s, k1, v = logits.shape
-    k = k1 - 1
     flat_t = expand_positions(t, drafts)
     raw = logits.reshape(s * k1, v)
     processed, scaled, greedy = process_logits(raw, flat_t, variant)

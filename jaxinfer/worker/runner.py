@@ -248,6 +248,8 @@ class ModelRunner:
         self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
+        # Runs the steps whose decodes carry proposals (spec_decode.target_step.SpeculativeStep).
+        self.speculation = None
 
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
@@ -419,6 +421,8 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it."""
+        if sched.num_proposed:
+            return self.speculation.execute(self, sched)
         batch, variant, is_loop = self.build(sched)
         self._apply_copies(sched.block_copies)
         self.num_dispatches += 1

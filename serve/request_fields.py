@@ -19,8 +19,9 @@ logger = logging.getLogger("serve.protocol")
 # means "the default", as in vLLM.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
-                   "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                   "speculative_decoding")
+                   "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+# jaxinfer's own request fields beyond vLLM's (vLLM ignores them), passed to SamplingParams too.
+EXTENSION_FIELDS = ("speculative_decoding",)
 HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | {
     "model", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo", "prompt_logprobs",
     "add_special_tokens", "priority", "request_id", "truncate_prompt_tokens", "best_of"}
@@ -99,7 +100,7 @@ def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None
 
 def check_fields(body: dict, chat: bool) -> None:
     """Refuse the first field that asks for something unsupported; log the unknown ones."""
-    log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+    log_unknown_fields(body, (CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(EXTENSION_FIELDS),
                        "/v1/chat/completions" if chat else "/v1/completions")
     for name in sorted(REFUSED_CHAT if chat else REFUSED_COMPLETION):
         accepts, why = REFUSED[name]

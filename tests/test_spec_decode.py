@@ -41,16 +41,16 @@ def engine(draft=None, num_blocks=NUM_BLOCKS, **kwargs) -> LLMEngine:
                      draft=draft)
 
 
-def self_draft(k: int = 3) -> DraftModel:
+def self_draft() -> DraftModel:
     """The target as its own draft: greedy proposals are all accepted (long verified runs)."""
     cfg, params = tiny_model()
-    return DraftModel(cfg, params, k)
+    return DraftModel(cfg, params)
 
 
-def other_draft(k: int = 3) -> DraftModel:
+def other_draft() -> DraftModel:
     cfg, _ = tiny_model()
     cfg = dataclasses.replace(cfg, num_layers=1)
-    return DraftModel(cfg, init_params(cfg, jax.random.key(3), jnp.float32, std=0.3), k)
+    return DraftModel(cfg, init_params(cfg, jax.random.key(3), jnp.float32, std=0.3))
 
 
 # Repetitive prompts (n-gram hits), shared prefixes (prefix-cache hits), lengths past one chunk.
@@ -139,14 +139,17 @@ def test_sampled_outputs_follow_the_same_distribution():
     prompt = prompt_ids(5, 6)
 
     def second_tokens(e):
-        for i in range(300):
-            e.add_request(f"s{i}", prompt, SamplingParams(seed=1000 + i, **params))
-        return np.array([v[0][0][1] for v in run_all(e).values()])
+        out = {}
+        for batch in range(0, 300, 8):  # no request waits: every step may speculate
+            for i in range(batch, batch + 8):
+                e.add_request(f"s{i}", prompt, SamplingParams(seed=1000 + i, **params))
+            out.update(run_all(e))
+        return np.array([v[0][0][1] for v in out.values()])
 
     spec = engine(self_draft(), speculative_model="draft", num_speculative_tokens=2)
     a, b = second_tokens(spec), second_tokens(engine())
     m = spec.spec.metrics
-    assert m.accepted >= 0.97 * m.draft_tokens  # min(1, p/q) = 1 up to float rounding
+    assert m.draft_tokens >= 200 and m.accepted >= 0.97 * m.draft_tokens  # p == q: all accepted
     classes = np.unique(np.concatenate([a, b]))
     counts = np.array([[np.sum(x == c) for c in classes] for x in (a, b)], float)
     keep = counts.sum(0) >= 10  # rare tokens pooled into one class
@@ -168,24 +171,24 @@ def test_seeded_sampling_is_reproducible_with_speculation():
 
 
 def test_policy_and_opt_out():
-    """No step speculates while more sequences run than --speculative-disable-by-batch-size, and a
-    request that opts out never speculates."""
+    """No step speculates while more sequences run than --speculative-disable-by-batch-size or a
+    request waits, and a request that opts out never speculates."""
     e = engine(speculative_method="ngram", num_speculative_tokens=3,
                speculative_disable_by_batch_size=2)
     seen = []
     schedule = e.scheduler.schedule
 
     def spy():
-        running = len(e.scheduler.running)
+        running, waiting = len(e.scheduler.running), e.scheduler.num_waiting
         out = schedule()
-        seen.append((running, out.num_proposed))
+        seen.append((running, waiting, out.num_proposed))
         return out
     e.scheduler.schedule = spy
     for i, p in enumerate(PROMPTS[:4]):
         e.add_request(f"r{i}", p, SamplingParams(max_tokens=8 + 6 * i, **GREEDY))
     run_all(e)
-    assert all(n == 0 for running, n in seen if running > 2)
-    assert any(n > 0 for _, n in seen)
+    assert all(n == 0 for running, waiting, n in seen if running > 2 or waiting)
+    assert any(n > 0 for _, _, n in seen)
     e = engine(speculative_method="ngram", num_speculative_tokens=3)
     e.add_request("o", PROMPTS[3], SamplingParams(max_tokens=20, speculative_decoding=False,
                                                   **GREEDY))
@@ -247,4 +250,4 @@ def test_draft_must_share_the_tokenizer():
     target_cfg, _ = tiny_model()
     demo_draft = Path(__file__).parents[1] / "checkpoints" / "demo-draft"
     with pytest.raises(ConfigError, match="--speculative-model"):
-        load_draft(str(demo_draft), target_cfg, tiny_tokenizer(), jnp.float32, "auto", 0, 2)
+        load_draft(str(demo_draft), target_cfg, tiny_tokenizer(), jnp.float32, "auto", 0)

@@ -229,7 +229,7 @@ class Scheduler:
         step = self._step_counter
         prefill_candidates = []
         spec = self.speculator
-        if spec is not None and spec.active(len(self.running)):
+        if spec is not None and spec.active(len(self.running), self.num_waiting):
             spec.begin_step()
         else:
             spec = None

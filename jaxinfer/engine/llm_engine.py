@@ -391,7 +391,8 @@ class LLMEngine:
             return False
         if not self.args.async_scheduling or h.is_loop:
             return True
-        if self.spec is not None and self.spec.active(len(self.scheduler.running)):
+        if self.spec is not None and self.spec.active(len(self.scheduler.running),
+                                                      self.scheduler.num_waiting):
             return True
         return any(s.request.params.uses_penalties and s.num_pending
                    for s in self.scheduler.running)

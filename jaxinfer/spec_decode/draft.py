@@ -102,15 +102,17 @@ class DraftModel:
     """A loaded draft model; `attach` gives it its KV cache once the target's pool is sized."""
     on_device = True
 
-    def __init__(self, cfg: ModelConfig, params, k: int):
+    def __init__(self, cfg: ModelConfig, params):
         self.cfg = cfg
         self.params = params
-        self.k = k
+        self.k = 0
         self.kv_cache = None
 
     # ---- set-up -----------------------------------------------------------------------------
-    def attach(self, runner, num_blocks: int, kv_dtype) -> None:
+    def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
+        """Its KV cache beside the target's (same block ids); `k` proposals per row and step."""
         self.runner = runner
+        self.k = k
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype)
         self._loop, self._catch_up = _jitted(self.cfg, runner.backend, runner.block_size, self.k)
 
@@ -182,7 +184,7 @@ class DraftModel:
 
 
 def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype, load_format: str,
-               seed: int, k: int) -> DraftModel:
+               seed: int) -> DraftModel:
     """The draft model of --speculative-model, refused (ConfigError naming the flag) unless it
     shares the target's vocabulary and tokenizer."""
     from jaxinfer.model.tokenizer import load_tokenizer
@@ -198,7 +200,7 @@ def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype,
         raise ConfigError(f"--speculative-model {model_dir!r}: its tokenizer differs from the "
                           f"target's; the draft must share the target's tokenizer")
     params = jax.block_until_ready(load_params(model_dir, cfg, dtype, load_format, seed=seed + 1))
-    return DraftModel(cfg, params, k)
+    return DraftModel(cfg, params)
 
 
 def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype) -> DraftModel | None:
@@ -209,8 +211,7 @@ def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype) -> DraftMo
     if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
         raise ConfigError("--speculative-model runs on one device: it cannot be combined with "
                           "--tensor-parallel-size or --data-parallel-size > 1")
-    return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed,
-                      spec.num_speculative_tokens)
+    return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed)
 
 
 def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,

@@ -31,15 +31,16 @@ class Proposer(Protocol):
 class Speculator:
     """The policy: which scheduled decodes speculate and how far. A step speculates only while at
     most `disable_by_batch_size` sequences run (past the crossover, verifying k + 1 tokens per
-    row costs more than the accepted tokens save); a request may opt out
+    row costs more than the accepted tokens save) and none waits (admissions first: their
+    prefills dominate the step, and the batch is about to grow); a request may opt out
     (`SamplingParams.speculative_decoding`)."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer):
         self.config = config
         self.proposer = proposer
 
-    def active(self, num_running: int) -> bool:
-        return num_running <= self.config.disable_by_batch_size
+    def active(self, num_running: int, num_waiting: int) -> bool:
+        return num_running <= self.config.disable_by_batch_size and not num_waiting
 
     def begin_step(self) -> None:
         self.proposer.begin_step()

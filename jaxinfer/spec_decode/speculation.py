@@ -27,7 +27,8 @@ class Speculation:
         proposer = draft if draft is not None else NgramProposer(config.prompt_lookup_min,
                                                                  config.prompt_lookup_max)
         if draft is not None:
-            draft.attach(runner, scheduler.kv.num_blocks, runner.kv_cache[0][0].dtype)
+            draft.attach(runner, scheduler.kv.num_blocks, runner.kv_cache[0][0].dtype,
+                         config.num_speculative_tokens)
         self.speculator = Speculator(config, proposer)
         scheduler.speculator = self.speculator
         runner.speculation = SpeculativeStep(runner.cfg, runner.backend,
@@ -36,8 +37,8 @@ class Speculation:
         self.metrics = existing or SpecDecodeMetrics(metrics, config.num_speculative_tokens)
         metrics.spec_decode = self.metrics
 
-    def active(self, num_running: int) -> bool:
-        return self.speculator.active(num_running)
+    def active(self, num_running: int, num_waiting: int) -> bool:
+        return self.speculator.active(num_running, num_waiting)
 
     def record(self, handle) -> None:
         """A processed step's acceptance counts into the metrics."""

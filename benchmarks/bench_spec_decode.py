@@ -3,6 +3,7 @@ overhead of the default policy at a large batch.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_spec_decode.py \
         [--sections demo,ngram_edit,crossover,llama8b] [--k 4] [--output-len 128] [--save [DIR]]
+        [--merge benchmarks/results/spec_decode_h200.json]
 
 Sections (one process; each engine is dropped before the next is built; lazily compiled shapes
 are shared by engines of the same model, and every workload runs twice untimed first with prefix
@@ -180,7 +181,7 @@ def section_llama8b(a, m: dict) -> None:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(10, 120000, 128).tolist() for _ in range(64)]
         common = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=64,
-                      max_num_batched_tokens=1024, max_model_len=1024, num_blocks=6144)
+                      max_num_batched_tokens=512, max_model_len=1024, num_blocks=6144)
         e = engine(target, **common)
         base = measure(e, prompts, 64, 64)
         drop(e)
@@ -204,10 +205,18 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--crossover", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4, 16, 64])
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="an earlier record of this benchmark: its metrics are kept beside this "
+                        "run's (sections run in several device calls); the config names it")
     results_io.add_save_arg(p, "spec_decode_<gpu>")
     a = p.parse_args()
     import jax
     metrics: dict = {}
+    merged = None
+    if a.merge:
+        earlier = json.loads(Path(a.merge).read_text())
+        metrics.update(earlier["metrics"])
+        merged = {k: earlier[k] for k in ("date", "commit", "command")}
     for name in a.sections.split(","):
         t0 = time.perf_counter()
         SECTIONS[name](a, metrics)
@@ -215,7 +224,8 @@ def main() -> None:
         if a.save:
             results_io.save(a.save, a.name or f"spec_decode_{results_io.device_slug()}",
                             config=dict(k=a.k, output_len=a.output_len, num_prompts=a.num_prompts,
-                                        sections=a.sections, backend=jax.devices()[0].platform),
+                                        sections=a.sections, backend=jax.devices()[0].platform,
+                                        merged_from=merged),
                             metrics=metrics)
 
 

@@ -246,7 +246,10 @@ class Scheduler:
             if budget == 0 or num_tokens >= seq.token_limit:
                 continue
             proposal = spec.propose(seq, budget) if spec is not None else []
-            need = start + 1 + len(proposal) - kv.num_tokens(seq.seq_id)
+            if proposal and not kv.allocate_slots(  # proposals never preempt anyone
+                    seq.seq_id, max(start + 1 + len(proposal) - kv.num_tokens(seq.seq_id), 0)):
+                proposal = []
+            need = start + 1 - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):
                 victim = max((s for s in self.running if s.scheduled_in != step),
                              key=lambda s: (s.request.priority, s.admit_order))

@@ -164,8 +164,8 @@ class LLMEngine:
         with startup.phase("kv_plan_and_alloc"):
             num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
-                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, resolve_kv_cache_dtype(
-                    args.kv_cache_dtype, params_dtype_name(params)))
+                kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
+                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
                          plan=plan, draft=draft)
             jax.block_until_ready(engine.runner.kv_cache)

@@ -217,7 +217,9 @@ def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype) -> DraftMo
 def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,
                  kv_dtype) -> int:
     """The planner sized the pool for the target alone: the same memory holds the draft's weights
-    and, per block, the draft's KV as well."""
+    and, per block, the draft's KV as well. (A CPU pool is not sized from memory: kept.)"""
+    if jax.devices()[0].platform == "cpu":
+        return num_blocks
     itemsize = jnp.dtype(kv_dtype).itemsize
     target = block_size * 2 * target_cfg.num_layers * target_cfg.num_kv_heads * \
         target_cfg.head_dim * itemsize

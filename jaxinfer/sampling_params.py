@@ -69,6 +69,8 @@ class SamplingParams:
     # Constrain the output to a JSON schema, regex, choice list or grammar (vLLM's field; its
     # older `guided_decoding` is the same thing). The engine compiles it when the request is added.
     structured_outputs: StructuredOutputsParams | None = None
+    # False opts this request out of speculative decoding (a jaxinfer field; vLLM ignores it).
+    speculative_decoding: bool = True
 
     def __post_init__(self):
         # Accept a single stop string (OpenAI allows `stop: "###"`).
@@ -152,7 +154,8 @@ class SamplingParams:
             value = getattr(self, field)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(field, f"must be an integer from 0 to {MAX_LOGPROBS} (or None)")
-        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                      "speculative_decoding"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be true or false")
         if self.structured_outputs is not None:

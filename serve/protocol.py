@@ -16,7 +16,7 @@ from serve.choices import new_response_id
 from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
-from serve.request_fields import SAMPLING_FIELDS, check_fields
+from serve.request_fields import EXTENSION_FIELDS, SAMPLING_FIELDS, check_fields
 from serve.structured import structured_params
 from serve.tools import ToolOptions, ToolRequest, template_message, tool_request
 
@@ -183,7 +183,8 @@ def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vo
                     prompt_logprobs: Any = None, structured=None) -> SamplingParams:
     """SamplingParams from the body; `validate` bounds every number to what int32 / float32 hold and
     names the field of the first bad one."""
-    kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    kwargs = {name: body[name] for name in SAMPLING_FIELDS + EXTENSION_FIELDS
+              if body.get(name) is not None}
     params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs,
                             prompt_logprobs=prompt_logprobs, structured_outputs=structured)
     params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400

@@ -23,6 +23,8 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pe
 # Structured output (serve/structured.py).
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "guided_whitespace_pattern", "structured_outputs")
+# jaxinfer's own request fields beyond vLLM's (vLLM ignores them), passed to SamplingParams too.
+EXTENSION_FIELDS = ("speculative_decoding",)
 HONOURED_COMMON = frozenset(SAMPLING_FIELDS) | frozenset(STRUCTURED_FIELDS) | {
     "model", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo", "prompt_logprobs",
     "add_special_tokens", "priority", "request_id", "truncate_prompt_tokens", "best_of"}
@@ -95,7 +97,7 @@ def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None
 
 def check_fields(body: dict, chat: bool) -> None:
     """Refuse the first field that asks for something unsupported; log the unknown ones."""
-    log_unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+    log_unknown_fields(body, (CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(EXTENSION_FIELDS),
                        "/v1/chat/completions" if chat else "/v1/completions")
     for name in sorted(REFUSED_CHAT if chat else REFUSED_COMPLETION):
         accepts, why = REFUSED[name]

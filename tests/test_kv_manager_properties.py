@@ -1,5 +1,6 @@
 """Property test of KVCacheManager: random interleavings of admission with prefix match, append,
-fork, append-after-fork (copy-on-write), free, prefix-cache reset and eviction under pressure.
+speculative append with rollback, fork, append-after-fork (copy-on-write), free, prefix-cache
+reset and eviction under pressure.
 
 A simulated device (one row of token ids per block) plays the runner: it performs the pending
 copy-on-write copies, then writes each new token at its slot. So besides the bookkeeping invariants
@@ -93,6 +94,24 @@ class ManagerMachine(RuleBasedStateMachine):
             after = (list(self.mgr.get_block_ids(rid)), self.mgr.num_free_blocks,
                      self.mgr.num_tokens(rid))
             assert after == before
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), accepted=TOKENS, rejected=st.integers(1, 6))
+    def speculative_append(self, data, accepted, rejected):
+        """A verification step writes KV for the accepted tokens and for `rejected` proposals
+        (token 7, never a real token) past them; the rejected slots are then given back. A cached
+        block holding a 7 would fail the cached-content invariant."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        known = len(self.tokens[rid])
+        free_before = self.mgr.num_free_blocks
+        if not self.mgr.allocate_slots(rid, len(accepted) + rejected):
+            return
+        self._run_step(rid, known, accepted + [7] * rejected)
+        self.mgr.truncate(rid, known + len(accepted))
+        self.tokens[rid] += accepted
+        assert self.mgr.num_free_blocks >= free_before - math.ceil(
+            (len(accepted) + self.bs) / self.bs)  # the rejected slots' surplus blocks came back
+        self.mgr.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

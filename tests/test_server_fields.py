@@ -190,3 +190,27 @@ def test_priority_reaches_the_engine(server):
         del engine.generate
     assert status == 200, raw
     assert seen == [-5]
+
+
+def test_speculative_decoding_opt_out_reaches_the_engine(server):
+    """jaxinfer's own field: `speculative_decoding: false` opts a request out; a non-boolean is a
+    400 naming it."""
+    seen = []
+    engine = server.engine
+    original = engine.generate
+
+    def spy(prompt, params, request_id, priority=0):
+        seen.append(params.speculative_decoding)
+        return original(prompt, params, request_id, priority=priority)
+
+    engine.generate = spy
+    try:
+        status, raw = post("completions", server, {**BASE["completions"],
+                                                   "speculative_decoding": False})
+    finally:
+        del engine.generate
+    assert status == 200, raw
+    assert seen == [False]
+    status, raw = post("chat", server, {**BASE["chat"], "speculative_decoding": "no"})
+    assert status == 400, raw
+    check_error_shape(raw, 400, "speculative_decoding")

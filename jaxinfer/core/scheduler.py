@@ -45,6 +45,9 @@ class ScheduledSeq:
     # Its physical KV block ids in logical order (its block-table row), set once the step is
     # scheduled: the KV manager's own list, to read before the scheduler runs again.
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Speculative decoding: tokens proposed after the decode's input (num_tokens = 1 + len), which
+    # the step verifies (jaxinfer/spec_decode/); placeholders when the device proposes them.
+    proposal: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -58,6 +61,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Some row computes prompt tokens of a request that asked for prompt logprobs.
     prompt_logprobs: bool = False
+    num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -65,7 +69,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+        return len(self.decodes) + self.num_proposed + sum(s.num_tokens for s in self.prefills)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -98,6 +102,8 @@ class Scheduler:
         self._priorities_used = False
         self._step_counter = 0
         self.num_preemptions = 0
+        # Speculative decoding policy and proposer (spec_decode.proposer.Speculator), or None.
+        self.speculator = None
 
     # ---- queues ---------------------------------------------------------------------------
     @property
@@ -158,6 +164,9 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
             elif kv.has_request(seq.seq_id):
+                if seq.speculated:  # slots of rejected proposals go back (never cached)
+                    seq.speculated = False
+                    kv.truncate(seq.seq_id, seq.num_computed)
                 kv.cache_blocks(seq.seq_id, seq.token_ids,
                                 min(seq.num_computed, len(seq.token_ids)))
 
@@ -176,6 +185,7 @@ class Scheduler:
         self._stop_running(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
+        seq.draft_computed = 0
         self.num_preemptions += 1
         self._requeue_front(seq)
 
@@ -222,6 +232,12 @@ class Scheduler:
         self._step_counter += 1
         step = self._step_counter
         prefill_candidates = []
+        spec = self.speculator
+        if spec is not None and spec.active(len(self.running), self.num_waiting):
+            spec.begin_step()
+        else:
+            spec = None
+        num_proposed = 0
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -233,6 +249,10 @@ class Scheduler:
                 continue
             if budget == 0 or num_tokens >= seq.token_limit:
                 continue
+            proposal = spec.propose(seq, budget) if spec is not None else []
+            if proposal and not kv.allocate_slots(  # proposals never preempt anyone
+                    seq.seq_id, max(start + 1 + len(proposal) - kv.num_tokens(seq.seq_id), 0)):
+                proposal = []
             need = start + 1 - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):
                 victim = max((s for s in self.running if s.scheduled_in != step),
@@ -246,9 +266,13 @@ class Scheduler:
                 emits = seq.index >= 0
                 if emits:
                     seq.num_pending += 1
-                decodes.append(ScheduledSeq(seq, start, 1, emits))
+                decodes.append(ScheduledSeq(seq, start, 1 + len(proposal), emits,
+                                            proposal=proposal))
                 seq.scheduled_in = step
-                budget -= 1
+                budget -= 1 + len(proposal)
+                if proposal:  # the output processor advances num_computed per accepted token
+                    seq.speculated = True
+                    num_proposed += len(proposal)
 
         # A step that decodes holds at most this many tokens, decodes included (a step's time is
         # every running stream's inter-token latency, and it is padded to a token bucket: a bound
@@ -309,8 +333,9 @@ class Scheduler:
             seq.scheduled_in = step
             budget -= n
 
-        out = SchedulerOutput(decodes, prefills, preempted)
-        if self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting:
+        out = SchedulerOutput(decodes, prefills, preempted, num_proposed=num_proposed)
+        if (self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting
+                and not num_proposed):
             out.decode_steps = self._reserve_decode_loop(decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
             get_block_ids = kv.get_block_ids

@@ -16,6 +16,8 @@ from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant.scheme import QUANTIZATIONS
 from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
+from jaxinfer.spec_decode.config import (SpeculativeConfig, add_speculative_arguments,
+                                         speculative_config)
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -67,6 +69,14 @@ class EngineArgs:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # Speculative decoding (jaxinfer/spec_decode/config.py; None: off or the default).
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    speculative_config: str | dict | None = None
 
     def __post_init__(self):
         def check(ok: bool, flag: str, value, why: str):
@@ -95,6 +105,7 @@ class EngineArgs:
         check(self.expert_layout in EXPERT_LAYOUTS, "expert-layout", self.expert_layout,
               f"choose from {', '.join(EXPERT_LAYOUTS)}")
         self.cache_config()  # validates the KV-cache flags
+        self.spec_config()  # validates the speculative-decoding flags
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -102,6 +113,14 @@ class EngineArgs:
                            num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_scales=self.kv_cache_scales)
+
+    def spec_config(self) -> SpeculativeConfig | None:
+        return speculative_config(
+            method=self.speculative_method, model=self.speculative_model,
+            num_tokens=self.num_speculative_tokens, lookup_min=self.ngram_prompt_lookup_min,
+            lookup_max=self.ngram_prompt_lookup_max,
+            disable_by_batch_size=self.speculative_disable_by_batch_size,
+            config_json=self.speculative_config)
 
     @property
     def model_path(self) -> str:
@@ -180,6 +199,7 @@ class EngineArgs:
                        help="write a jax.profiler trace of --profile-steps steps here")
         s.add_argument("--profile-steps", type=int, default=5)
         add_parallel_arguments(parser)
+        add_speculative_arguments(parser)
         return parser
 
     @classmethod

@@ -45,6 +45,8 @@ from jaxinfer.engine.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_bytes
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
+from jaxinfer.spec_decode.speculation import Speculation
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.engine.weight_update import place_like
 from jaxinfer.structured.grammar import GrammarCompiler
@@ -80,9 +82,9 @@ def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None,
-                 plan: ShardingPlan | None = None):
+                 plan: ShardingPlan | None = None, draft=None):
         """`plan`: the replica's mesh and shardings, params already placed by it (None: the
-        default device)."""
+        default device). `draft`: the loaded draft model of --speculative-model."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.args = args
@@ -136,6 +138,8 @@ class LLMEngine:
         self.weight_version = 0  # +1 per update_weights; on every RequestOutput
         self.asleep = False
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
+        spec = args.spec_config()
+        self.spec = spec and Speculation(spec, self.scheduler, self.runner, self.metrics, draft)
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -168,10 +172,14 @@ class LLMEngine:
             params = jax.block_until_ready(
                 load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
                             shardings=plan.params(param_shapes(cfg, dtype))))
+            draft = draft_for_engine(args, cfg, tokenizer, dtype)
         with startup.phase("kv_plan_and_alloc"):
             num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
+            if draft is not None and args.num_blocks is None:
+                kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
+                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
-                         plan=plan)
+                         plan=plan, draft=draft)
             jax.block_until_ready(engine.runner.kv_cache)
         engine.startup = startup
         if args.warmup:
@@ -400,6 +408,9 @@ class LLMEngine:
             return False
         if not self.args.async_scheduling or h.is_loop:
             return True
+        if self.spec is not None and self.spec.active(len(self.scheduler.running),
+                                                      self.scheduler.num_waiting):
+            return True
         # Penalties read the token history, a grammar's bitmask needs its matcher up to date.
         return any((s.request.params.uses_penalties or s.grammar is not None) and s.num_pending
                    for s in self.scheduler.running)
@@ -443,6 +454,8 @@ class LLMEngine:
         sequences back to the scheduler (blocks of the finished ones, prefix cache), then the
         requests whose rows failed are failed. Raises only when the step's results are lost."""
         touched, seqs = self.outputs.process(handle)
+        if self.spec is not None:
+            self.spec.record(handle)
         self.scheduler.update_from_output(seqs)
         if self.outputs.failed:
             failed, self.outputs.failed = self.outputs.failed, []

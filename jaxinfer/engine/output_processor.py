@@ -60,6 +60,8 @@ class OutputProcessor:
         num_new_tokens = 0
         if entry.emits:
             for j in range(steps):
+                if tokens[j][r] < 0:  # a verification step: past the row's last emitted token
+                    break
                 if j == 0:
                     seq.num_pending -= 1
                 else:  # on-device loop: the previous token was this iteration's input

@@ -108,6 +108,10 @@ class Sequence:
         self.admit_order = -1
         self.scheduled_in = -1  # the scheduler step that last scheduled it
         self.token_limit = 1 << 62  # set when it starts running (set_token_limit)
+        # Speculative decoding: holds KV slots of proposals until the step is processed; tokens
+        # whose KV the draft model's cache holds (valid up to num_computed; spec_decode/draft.py).
+        self.speculated = False
+        self.draft_computed = 0
         params = request.params
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
         self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)

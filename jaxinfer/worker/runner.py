@@ -249,6 +249,8 @@ class ModelRunner:
         self.num_dispatches = 0
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
         self.compiler: BucketCompiler | None = None  # warmup()'s; None: every shape compiles lazily
+        # Runs the steps whose decodes carry proposals (spec_decode.target_step.SpeculativeStep).
+        self.speculation = None
 
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
@@ -339,6 +341,8 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it."""
+        if sched.num_proposed:
+            return self.speculation.execute(self, sched)
         batch, variant, is_loop = self.build(sched)
         batch = place_step_inputs(batch, self.plan)
         self._apply_copies(sched.block_copies)

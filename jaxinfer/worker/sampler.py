@@ -136,12 +136,13 @@ def truncation_cutoff(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.take_along_axis(sorted_logits, last_kept, axis=-1)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
-    """logits f32[S, V] -> sampled tokens (and raw logprobs in the advanced variant)."""
+def process_logits(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The row transforms before the draw: -> (logits after penalties and the min_tokens ban,
+    whose argmax is the greedy token; those logits / temperature with everything below the
+    top-k / top-p / min-p cutoff at -inf, whose softmax is the distribution sampled; greedy
+    bool[S]). Speculative verification applies the same transforms to target and draft."""
     v = logits.shape[-1]
-    if variant.masked:
-        logits = apply_token_bitmask(logits, t.token_bitmask)
-    raw = logits
     # The full variant runs for any row that needs one of its extras (logprobs, say); the costly
     # parts (the [S, V] count scatter, the vocabulary sort) are skipped on the device when no row
     # of the batch uses them, which leaves the result unchanged (neutral penalties, no cutoff).
@@ -160,14 +161,30 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
         cutoff = jax.lax.cond(truncates, lambda sc: truncation_cutoff(sc, t),
                               lambda sc: jnp.full((sc.shape[0], 1), NEG_INF, sc.dtype), scaled)
         scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
+    return logits, scaled, greedy
+
+
+def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
+    """logits f32[S, V] -> sampled tokens (and raw logprobs in the advanced variant)."""
+    if variant.masked:  # the grammar's tokens only; logprobs too are of the constrained model
+        logits = apply_token_bitmask(logits, t.token_bitmask)
+    raw = logits
+    logits, scaled, greedy = process_logits(logits, t, variant)
     # The noise (S x V draws) only when some row samples: an all-greedy batch skips it.
     sampled = jax.lax.cond(
         jnp.all(greedy), lambda sc: jnp.zeros(sc.shape[0], jnp.int32),
-        lambda sc: jnp.argmax(sc + row_gumbel(t.seed, t.out_pos, v), axis=-1).astype(jnp.int32),
+        lambda sc: jnp.argmax(sc + row_gumbel(t.seed, t.out_pos, sc.shape[-1]), axis=-1
+                              ).astype(jnp.int32),
         scaled)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     if not variant.advanced:
         return SamplerOutput(tokens, None, None, None)
+    return raw_logprobs(raw, tokens, t)
+
+
+def raw_logprobs(raw: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """`tokens` with their logprobs under the raw model distribution and the top alternatives."""
+    v = raw.shape[-1]
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     k = min(MAX_LOGPROBS, v)
 

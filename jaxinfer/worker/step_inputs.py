@@ -110,6 +110,7 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
                 in_slot.append(seq.slot)
         else:
             toks.extend(seq.token_ids[start:end])
+            toks.extend(entry.proposal)  # a speculative decode: its input token, then these
             in_slot.extend([-1] * k)
             pos.extend(range(start, end))
         q_lens.append(k)

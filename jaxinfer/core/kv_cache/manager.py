@@ -10,6 +10,7 @@ This is the whole host-side KV API; the scheduler is its only caller (shaped lik
     ...                                         # mgr.get_block_ids(rid), mgr.take_pending_copies()
     mgr.cache_blocks(rid, tokens, num_computed) # after the step: newly full blocks -> cache
     mgr.allocate_slots(rid, 1)                  # each decode step; False -> preempt someone
+    mgr.truncate(rid, num_computed)             # speculative step: rejected proposals' slots back
     mgr.fork(rid, child)                        # parallel sampling: share every block
     mgr.free(rid)                               # finished / aborted / preempted
 
@@ -197,6 +198,23 @@ class KVCacheManager:
             blocks.extend(pool.allocate(num_new_blocks))
         req.num_tokens = new_tokens
         return True
+
+    def truncate(self, request_id: Hashable, num_tokens: int) -> None:
+        """Give back the slots past the first ``num_tokens`` (speculative decoding: the proposals
+        that were rejected); blocks left empty are released. The request keeps every cached
+        block: ``num_tokens`` may not reach into them (cached blocks hold computed tokens only)."""
+        req = self._requests[request_id]
+        if num_tokens >= req.num_tokens:
+            return
+        keep = -(-num_tokens // self.block_size)
+        cached = 0 if req.num_cached_blocks == _NEVER_CACHE else req.num_cached_blocks
+        if num_tokens < 0 or keep < cached:
+            raise ValueError(f"truncate({request_id!r}, {num_tokens}): below the request's "
+                             f"{req.num_cached_blocks} cached blocks")
+        blocks = req.block_ids
+        while len(blocks) > keep:
+            self._release(blocks.pop())
+        req.num_tokens = num_tokens
 
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int],
                      num_computed_tokens: int) -> int:

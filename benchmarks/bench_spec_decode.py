@@ -1,0 +1,233 @@
+"""Speculative decoding: time per output token with and without speculation, acceptance, and the
+overhead of the default policy at a large batch.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_spec_decode.py \
+        [--sections demo,ngram_edit,crossover,llama8b] [--k 4] [--output-len 128] [--save [DIR]]
+        [--merge benchmarks/results/spec_decode_h200.json]
+
+Sections (one process; each engine is dropped before the next is built; lazily compiled shapes
+are shared by engines of the same model, and every workload runs twice untimed first with prefix
+caching off, so the timed pass repeats its schedule and no compilation is timed):
+  demo        the demo target alone and with the demo draft (--speculative-model), c = 1, greedy,
+              prompts cut from checkpoints/heldout_sample.txt: TPOT of each, the acceptance rate;
+  ngram_edit  the demo target alone and with n-gram prompt lookup, c = 1, greedy, an editing
+              workload: "rewrite this function" prompts that contain the code being rewritten;
+  crossover   demo target + draft with the policy off, c = 1, 4, 16, 64: output throughput with
+              over without speculation (the crossover behind --speculative-disable-by-batch-size);
+  llama8b     a Llama-3-8B-shaped target (random bf16 weights) with a Llama-3.2-1B-shaped draft
+              under the default policy, c = 64 (64 prompts x 128 in / 64 out): output throughput
+              with over without.
+TPOT = (last token time - first token time) / (tokens - 1) per request, averaged. `--save` writes
+spec_decode_<gpu>.json (`results_io`) after each section, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import results_io  # noqa: E402
+from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+
+DEMO = ROOT / "checkpoints" / "demo-target"
+DEMO_DRAFT = ROOT / "checkpoints" / "demo-draft"
+HELDOUT = ROOT / "checkpoints" / "heldout_sample.txt"
+LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                  tie_word_embeddings=True)
+
+
+def demo_prompts(n: int, chars: int = 700) -> list[str]:
+    text = HELDOUT.read_text()
+    step = max((len(text) - chars) // max(n - 1, 1), 1)
+    return [text[i * step:i * step + chars] for i in range(n)]
+
+
+def edit_prompts(n: int) -> list[str]:
+    """Each method of the held-out sample's class, to be rewritten: the prompt holds the code."""
+    lines = HELDOUT.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("    def ")]
+    funcs = ["\n".join(lines[a:b]).rstrip() for a, b in zip(starts, starts[1:] + [len(lines)])]
+    funcs = [f for f in funcs if 150 <= len(f) <= 1200] or funcs
+    out = []
+    for i in range(n):
+        code = funcs[i % len(funcs)]
+        first = code.splitlines()[0]
+        out.append(f"# Rewrite this function with clearer names:\n{code}\n\n"
+                   f"# Rewritten:\n{first}\n")
+    return out
+
+
+def engine(model, **kwargs):
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    # No prefix caching: the timed pass repeats the untimed one's schedule (hence its shapes).
+    args = dict(model=str(model), warmup=False, compilation_cache_dir=None, num_blocks=4096,
+                enable_prefix_caching=False)
+    args.update(kwargs)
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def timed_run(e, prompts, output_len: int, concurrency: int) -> dict:
+    """All prompts, `concurrency` at a time (greedy, fixed length): mean TPOT and throughput."""
+    from jaxinfer.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    pending = list(enumerate(prompts))
+    start = time.perf_counter()
+    while pending or e.has_unfinished_requests():
+        while pending and len(e.requests) < concurrency:
+            i, p = pending.pop(0)
+            e.add_request(f"q{i}", p, params)
+        for out in e.step():
+            now = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in first:
+                first[out.request_id] = now
+            last[out.request_id], counts[out.request_id] = now, n
+            tokens[out.request_id] = out.outputs[0].token_ids
+    wall = time.perf_counter() - start
+    tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1]
+    return dict(tpot_ms=round(1e3 * sum(tpot) / len(tpot), 3),
+                output_tok_s=round(sum(counts.values()) / wall, 1),
+                tokens=[tokens[r] for r in sorted(tokens)])
+
+
+def measure(e, prompts, output_len: int, concurrency: int) -> dict:
+    for _ in range(2):  # compiles every shape the workload uses
+        timed_run(e, prompts, output_len, concurrency)
+    spec = e.spec and e.spec.metrics
+    before = (spec.draft_tokens, spec.accepted) if spec else (0, 0)
+    out = timed_run(e, prompts, output_len, concurrency)
+    if spec:
+        drafted, accepted = spec.draft_tokens - before[0], spec.accepted - before[1]
+        out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
+    return out
+
+
+def identical(a: dict, b: dict) -> str:
+    """How many requests' greedy outputs agree (bf16 kernels: the verification path's logits may
+    differ from the decode path's in the last bit, which can flip a near tie)."""
+    ta, tb = a["tokens"], b["tokens"]
+    return f"{sum(x == y for x, y in zip(ta, tb))}/{len(ta)}"
+
+
+def drop(e) -> None:
+    del e
+    gc.collect()
+
+
+def with_and_without(a, prompts, concurrency: int, **spec) -> tuple[dict, dict]:
+    """The workload on the demo target alone, then with `spec` (speculative-decoding flags)."""
+    out = []
+    for kwargs in ({}, spec):
+        e = engine(DEMO, max_num_seqs=max(concurrency, 8), **kwargs)
+        out.append(measure(e, prompts, a.output_len, concurrency))
+        drop(e)
+    return out[0], out[1]
+
+
+def compare_c1(a, m: dict, prefix: str, prompts, **spec) -> float:
+    base, fast = with_and_without(a, prompts, 1, **spec)
+    m.update({f"{prefix}_c1_tpot_ms_nospec": base["tpot_ms"],
+              f"{prefix}_acceptance_rate": fast["acceptance_rate"],
+              f"{prefix}_over_nospec_tpot": round(fast["tpot_ms"] / base["tpot_ms"], 3),
+              f"{prefix}_greedy_identical": identical(base, fast)})
+    return fast["tpot_ms"]
+
+
+def section_demo(a, m: dict) -> None:
+    m["demo_c1_tpot_ms_draft"] = compare_c1(a, m, "demo", demo_prompts(a.num_prompts),
+                                            speculative_model=str(DEMO_DRAFT),
+                                            num_speculative_tokens=a.k)
+
+
+def section_ngram_edit(a, m: dict) -> None:
+    m["ngram_edit_c1_tpot_ms"] = compare_c1(a, m, "ngram_edit", edit_prompts(a.num_prompts),
+                                            speculative_method="ngram", num_speculative_tokens=a.k)
+
+
+def section_crossover(a, m: dict) -> None:
+    out = {}
+    for c in a.crossover:
+        base, spec = with_and_without(a, demo_prompts(max(c, 2)), c,
+                                      speculative_model=str(DEMO_DRAFT),
+                                      num_speculative_tokens=a.k,
+                                      speculative_disable_by_batch_size=10**6)
+        out[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
+        m["crossover_demo_draft_spec_over_nospec"] = dict(out)
+        print(f"crossover c={c}: {out[f'c{c}']}", flush=True)
+
+
+def section_llama8b(a, m: dict) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = Path(tmp) / "llama8b", Path(tmp) / "llama1b"
+        for d, cfg in ((target, LLAMA3_8B), (draft, LLAMA32_1B)):
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps(cfg))
+        from jaxinfer.model.tokenizer import Tokenizer  # noqa: F401 - ids only: no tokenizer
+        import numpy as np
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(10, 120000, 128).tolist() for _ in range(64)]
+        common = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=64,
+                      max_num_batched_tokens=512, max_model_len=1024, num_blocks=6144)
+        e = engine(target, **common)
+        base = measure(e, prompts, 64, 64)
+        drop(e)
+        e = engine(target, speculative_model=str(draft), num_speculative_tokens=a.k, **common)
+        spec = measure(e, prompts, 64, 64)
+        drop(e)
+    m.update(llama8b_c64_output_tok_s_nospec=base["output_tok_s"],
+             llama8b_c64_output_tok_s_spec=spec["output_tok_s"],
+             llama8b_c64_spec_over_nospec=round(spec["output_tok_s"] / base["output_tok_s"], 3))
+
+
+SECTIONS = {"demo": section_demo, "ngram_edit": section_ngram_edit, "crossover": section_crossover,
+            "llama8b": section_llama8b}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default="demo,ngram_edit,crossover,llama8b")
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--crossover", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 4, 16, 64])
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="an earlier record of this benchmark: its metrics are kept beside this "
+                        "run's (sections run in several device calls); the config names it")
+    results_io.add_save_arg(p, "spec_decode_<gpu>")
+    a = p.parse_args()
+    import jax
+    metrics: dict = {}
+    merged = None
+    if a.merge:
+        earlier = json.loads(Path(a.merge).read_text())
+        metrics.update(earlier["metrics"])
+        merged = {k: earlier[k] for k in ("date", "commit", "command")}
+    for name in a.sections.split(","):
+        t0 = time.perf_counter()
+        SECTIONS[name](a, metrics)
+        print(f"[{name}] {time.perf_counter() - t0:.1f} s: {json.dumps(metrics)}", flush=True)
+        if a.save:
+            results_io.save(a.save, a.name or f"spec_decode_{results_io.device_slug()}",
+                            config=dict(k=a.k, output_len=a.output_len, num_prompts=a.num_prompts,
+                                        sections=a.sections, backend=jax.devices()[0].platform,
+                                        merged_from=merged),
+                            metrics=metrics)
+
+
+if __name__ == "__main__":
+    main()

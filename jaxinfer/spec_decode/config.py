@@ -1,0 +1,132 @@
+"""Speculative decoding settings: the flags, vLLM's `--speculative-config '{json}'`, validation.
+
+    --speculative-method ngram --num-speculative-tokens 4 [--ngram-prompt-lookup-min/max N]
+    --speculative-model DIR --num-speculative-tokens 4          (method draft_model implied)
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+                           "prompt_lookup_max": 4, "disable_by_batch_size": 16}'
+
+The JSON takes vLLM's key names; a key given both ways must agree. `disable_by_batch_size` (flag
+`--speculative-disable-by-batch-size`) is the policy: a step speculates only while at most that
+many sequences run (docs/spec_decode.md gives the measured crossover behind the default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from jaxinfer.errors import ConfigError
+
+METHODS = ("ngram", "draft_model")
+# Running sequences above which steps stop speculating (docs/spec_decode.md: the crossover).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
+MAX_SPECULATIVE_TOKENS = 16
+# vLLM's speculative_config keys -> our field names.
+_JSON_KEYS = {"method": "method", "model": "model",
+              "num_speculative_tokens": "num_speculative_tokens",
+              "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+              "disable_by_batch_size": "disable_by_batch_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str                      # "ngram" | "draft_model"
+    num_speculative_tokens: int      # K: most proposals verified per sequence and step
+    model: str | None = None         # the draft model's directory (draft_model)
+    prompt_lookup_min: int = 1       # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self):
+        def check(ok: bool, flag: str, value, why: str):
+            if not ok:
+                raise ConfigError(f"--{flag} {value!r}: {why}")
+
+        check(self.method in METHODS, "speculative-method", self.method,
+              f"choose from {', '.join(METHODS)}")
+        check(isinstance(self.num_speculative_tokens, int)
+              and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+              "num-speculative-tokens", self.num_speculative_tokens,
+              f"must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}")
+        if self.method == "draft_model":
+            check(bool(self.model), "speculative-model", self.model,
+                  "the draft_model method needs a draft model directory")
+        else:
+            check(self.model is None, "speculative-model", self.model,
+                  "a draft model is only used by --speculative-method draft_model")
+        check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+              "ngram-prompt-lookup-min", self.prompt_lookup_min, "must be an integer >= 1")
+        check(isinstance(self.prompt_lookup_max, int)
+              and self.prompt_lookup_max >= self.prompt_lookup_min, "ngram-prompt-lookup-max",
+              self.prompt_lookup_max, f"must be an integer >= --ngram-prompt-lookup-min "
+                                      f"({self.prompt_lookup_min})")
+        check(isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
+              "speculative-disable-by-batch-size", self.disable_by_batch_size,
+              "must be an integer >= 1")
+
+
+def _parse_json(text: str | dict) -> dict:
+    if isinstance(text, dict):
+        raw = text
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--speculative-config: must be a JSON object")
+    unknown = sorted(set(raw) - set(_JSON_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config: unsupported key(s) {', '.join(unknown)} "
+                          f"(supported: {', '.join(_JSON_KEYS)})")
+    return {_JSON_KEYS[k]: v for k, v in raw.items() if v is not None}
+
+
+def speculative_config(*, method: str | None, model: str | None, num_tokens: int | None,
+                       lookup_min: int | None, lookup_max: int | None,
+                       disable_by_batch_size: int | None,
+                       config_json: str | dict | None) -> SpeculativeConfig | None:
+    """The settings from the flags and the JSON (None: speculation off). Raises ConfigError naming
+    the flag for anything inconsistent."""
+    flags = {"method": method, "model": model, "num_speculative_tokens": num_tokens,
+             "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max,
+             "disable_by_batch_size": disable_by_batch_size}
+    fields = {k: v for k, v in flags.items() if v is not None}
+    if config_json:
+        for key, value in _parse_json(config_json).items():
+            if key in fields and fields[key] != value:
+                raise ConfigError(f"--speculative-config sets {key}={value!r} but a flag sets it to "
+                                  f"{fields[key]!r}")
+            fields[key] = value
+    if fields.get("model") and "method" not in fields:
+        fields["method"] = "draft_model"
+    if "method" not in fields:
+        if fields:
+            raise ConfigError(f"speculative decoding flags given ({', '.join(sorted(fields))}) "
+                              f"without --speculative-method or --speculative-model")
+        return None
+    if "num_speculative_tokens" not in fields:
+        raise ConfigError("--num-speculative-tokens is required with speculative decoding")
+    return SpeculativeConfig(**fields)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding (docs/spec_decode.md)")
+    g.add_argument("--speculative-method", default=None, choices=METHODS,
+                   help="propose tokens by n-gram prompt lookup or with a draft model")
+    g.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="draft model directory (same tokenizer as the target); implies "
+                        "--speculative-method draft_model")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed and verified per sequence and step")
+    g.add_argument("--ngram-prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="shortest n-gram matched (default 1)")
+    g.add_argument("--ngram-prompt-lookup-max", type=int, default=None, metavar="N",
+                   help="longest n-gram matched, tried first (default 4)")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help=f"speculate only while at most N sequences run (default "
+                        f"{DEFAULT_DISABLE_BY_BATCH_SIZE})")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form: {\"method\", \"model\", \"num_speculative_tokens\", "
+                        "\"prompt_lookup_min\", \"prompt_lookup_max\", \"disable_by_batch_size\"}")

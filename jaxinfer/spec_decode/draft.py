@@ -1,0 +1,228 @@
+"""The draft-model proposer (`--speculative-model DIR`): a smaller model with the target's
+tokenizer proposes k tokens per speculating decode, on the device, right before the target step
+that verifies them.
+
+Its KV cache is a paged cache of its own (its layers and heads) over the *same block ids* as the
+target's: a sequence's draft KV lives in the blocks of its target block table, so the draft needs
+no bookkeeping of its own beyond `Sequence.draft_computed`, the tokens whose draft KV is written.
+Those are valid up to the sequence's `num_computed` (rejected proposals and anything after a
+preemption are recomputed), so before proposing, the draft catches up on the tokens it has not
+seen: usually none or one (the last accepted proposal), a whole prompt when the sequence starts
+speculating (in prefill chunks of at most --max-num-batched-tokens). Then one jitted call runs its
+k autoregressive steps (a `fori_loop` of pure-decode steps, cache donated) and returns the
+proposals and their distributions q (the request's temperature, top-k / top-p / min-p, min_tokens
+ban and penalties applied as to the target, `sampler.process_logits`; greedy rows propose the
+argmax, a point mass).
+
+The draft's sampling noise is the sampler's stream of a different seed (`seed ^ DRAFT_STREAM`), so
+proposals are independent of the target's accept tests and resamples. Blocks shared through the
+prefix cache may hold draft KV another sequence wrote, or none (a block computed while speculation
+was off): that lowers acceptance, never changes outputs, since verification is exact for any q.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
+from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import ModelConfig, load_config
+from jaxinfer.model.transformer import forward
+from jaxinfer.worker.rejection_sampler import expand_positions
+from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors, process_logits, row_gumbel
+from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
+from pallas_kernels.backend import AttentionBackend
+from pallas_kernels.metadata import AttentionMetadata
+
+DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
+
+
+def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: SamplingTensors,
+                  *, cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,
+                  variant: SamplerVariant):
+    """k draft decode steps over S rows: step i reads the token at position first_pos + i (the
+    row's last known token, then its own proposals), writes its KV and proposes the next token.
+    Rows with num <= i are padding in step i. -> (kv cache, drafts i32[S, k], q f32[S, k, V])"""
+    s = first_ids.shape[0]
+    v = cfg.vocab_size
+    rows = jnp.arange(s)
+    qsl = jnp.arange(s + 1, dtype=jnp.int32)
+    max_blocks = block_tables.shape[1]
+
+    def body(i, carry):
+        kv, drafts, probs = carry
+        ids = jnp.where(i == 0, first_ids, drafts[:, jnp.maximum(i - 1, 0)])
+        pos = first_pos + i
+        valid = i < num
+        blk = block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
+        md = AttentionMetadata(jnp.where(valid, blk * block_size + pos % block_size, -1), qsl,
+                               jnp.where(valid, pos + 1, 0), block_tables, num_decodes=s)
+        with jax.named_scope("draft"):
+            logits, kv = forward(params, cfg, ids, pos, kv, md, backend, rows)
+        ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i],
+                                    expand_positions(t, drafts))
+        processed, scaled, greedy = process_logits(logits, ti, variant)
+        best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+        noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, v)
+        d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
+        q = jnp.where(greedy[:, None], jax.nn.one_hot(best, v, dtype=jnp.float32),
+                      jax.nn.softmax(scaled, axis=-1))
+        drafts = drafts.at[:, i].set(jnp.where(valid, d, 0))
+        return kv, drafts, probs.at[:, i].set(q)
+
+    init = (kv_cache, jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, v), jnp.float32))
+    return jax.lax.fori_loop(0, k, body, init)
+
+
+def _catch_up(params, kv_cache, batch: StepBatch, *, cfg: ModelConfig, backend: AttentionBackend):
+    """The draft's forward over tokens it has not seen (KV only; the logits are not needed)."""
+    with jax.named_scope("draft_catch_up"):
+        _, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
+                              backend, batch.logits_indices[:1])
+    return kv_cache
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int):
+    loop = jax.jit(functools.partial(_propose_loop, cfg=cfg, backend=backend,
+                                     block_size=block_size, k=k),
+                   static_argnames=("variant",), donate_argnums=(1,))
+    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
+                       donate_argnums=(1,))
+    return loop, catch_up
+
+
+class DraftModel:
+    """A loaded draft model; `attach` gives it its KV cache once the target's pool is sized."""
+    on_device = True
+
+    def __init__(self, cfg: ModelConfig, params):
+        self.cfg = cfg
+        self.params = params
+        self.k = 0
+        self.kv_cache = None
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
+        """Its KV cache beside the target's (same block ids); `k` proposals per row and step."""
+        self.runner = runner
+        self.k = k
+        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype)
+        self._loop, self._catch_up = _jitted(self.cfg, runner.backend, runner.block_size, self.k)
+
+    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        c = self.cfg
+        return block_size * 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+
+    # ---- Proposer ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        pass
+
+    def plan(self, seq, max_tokens: int) -> list[int]:
+        return [0] * max_tokens  # placeholders: `propose` fills them on the device
+
+    def propose(self, sched: SchedulerOutput, batch: StepBatch, v, variant: SamplerVariant):
+        """Catch up, then propose for the step's speculating rows. -> (VerifyInputs with the
+        device's proposals, q f32[S, K, V])"""
+        runner = self.runner
+        if sched.block_copies:
+            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.block_copies))
+            size = runner.buckets.copy_shape(len(src))
+            self.kv_cache = copy_blocks(self.kv_cache, np.pad(src, (0, size - len(src)),
+                                                              constant_values=-1),
+                                        np.pad(dst, (0, size - len(dst)), constant_values=-1))
+        s = batch.md.num_seqs
+        first_ids = np.zeros(s, np.int32)
+        first_pos = np.zeros(s, np.int32)
+        behind = []
+        for r, entry in enumerate(sched.decodes):
+            if not entry.proposal:
+                continue
+            seq, start = entry.seq, entry.start
+            first_ids[r], first_pos[r] = seq.token_ids[start], start
+            seen = min(seq.draft_computed, start)
+            if seen < start:
+                behind.append((entry, seen))
+            seq.draft_computed = start + len(entry.proposal)
+        self._run_catch_up(behind)
+        self.kv_cache, drafts, q = self._loop(self.params, self.kv_cache, first_ids, first_pos,
+                                              v.num_drafts, batch.md.block_tables, batch.sampling,
+                                              variant=variant)
+        return dataclasses.replace(v, drafts=drafts), q
+
+    def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
+        """Draft KV for each (row, first unseen position) up to the row's input token, in chunks of
+        at most the largest token bucket."""
+        runner = self.runner
+        cap = runner.buckets.token_buckets[-1]
+        pieces: list[ScheduledSeq] = []
+        for entry, seen in behind:
+            for lo in range(seen, entry.start, cap):
+                n = min(cap, entry.start - lo)
+                pieces.append(ScheduledSeq(entry.seq, lo, n, False, entry.block_ids))
+        chunk: list[ScheduledSeq] = []
+        used = 0
+        for piece in pieces + [None]:
+            if piece is None or used + piece.num_tokens > cap or len(chunk) == runner.buckets.max_num_seqs:
+                if chunk:
+                    t, s = runner.buckets.mixed_shape(used)
+                    batch = build_step_batch(chunk, 0, t, s, runner.sampling_table,
+                                             runner.block_size, runner.max_blocks,
+                                             runner.max_model_len, SamplerVariant())
+                    self.kv_cache = self._catch_up(self.params, self.kv_cache,
+                                                   dataclasses.replace(batch, sampling=None))
+                chunk, used = [], 0
+            if piece is not None:
+                chunk.append(piece)
+                used += piece.num_tokens
+
+
+def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype, load_format: str,
+               seed: int) -> DraftModel:
+    """The draft model of --speculative-model, refused (ConfigError naming the flag) unless it
+    shares the target's vocabulary and tokenizer."""
+    from jaxinfer.model.tokenizer import load_tokenizer
+    from jaxinfer.model.weights import load_params
+    cfg = load_config(model_dir)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError(f"--speculative-model {model_dir!r}: its vocabulary has "
+                          f"{cfg.vocab_size} tokens, the target's {target_cfg.vocab_size}; the "
+                          f"draft must share the target's tokenizer")
+    draft_tok = load_tokenizer(model_dir)
+    if target_tokenizer is not None and (
+            draft_tok is None or draft_tok._tok.get_vocab(True) != target_tokenizer._tok.get_vocab(True)):
+        raise ConfigError(f"--speculative-model {model_dir!r}: its tokenizer differs from the "
+                          f"target's; the draft must share the target's tokenizer")
+    params = jax.block_until_ready(load_params(model_dir, cfg, dtype, load_format, seed=seed + 1))
+    return DraftModel(cfg, params)
+
+
+def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype) -> DraftModel | None:
+    """The engine's draft model when --speculative-model is set, else None."""
+    spec = args.spec_config()
+    if spec is None or spec.method != "draft_model":
+        return None
+    if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
+        raise ConfigError("--speculative-model runs on one device: it cannot be combined with "
+                          "--tensor-parallel-size or --data-parallel-size > 1")
+    return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed)
+
+
+def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,
+                 kv_dtype) -> int:
+    """The planner sized the pool for the target alone: the same memory holds the draft's weights
+    and, per block, the draft's KV as well. (A CPU pool is not sized from memory: kept.)"""
+    if jax.devices()[0].platform == "cpu":
+        return num_blocks
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    target = block_size * 2 * target_cfg.num_layers * target_cfg.num_kv_heads * \
+        target_cfg.head_dim * itemsize
+    weights = sum(a.nbytes for a in jax.tree_util.tree_leaves(draft.params))
+    return max(1, (num_blocks * target - weights) // (target + draft.block_bytes(block_size,
+                                                                                 itemsize)))

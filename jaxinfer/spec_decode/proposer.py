@@ -1,0 +1,57 @@
+"""What a proposer is, and the speculation policy the scheduler consults.
+
+A `Proposer` suggests up to k next tokens for a sequence whose tokens are all known on the host.
+Host-side proposers (n-gram lookup) return the tokens themselves when the step is scheduled.
+Device-side proposers (a draft model; an EAGLE-style head would be one too, reading the target's
+hidden states) return how many tokens they will propose as placeholders and fill them on the
+device in `propose_on_device`, right before the target verifies them, in the same dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.request import Sequence
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    # True: `plan` returns placeholders and the runner calls `propose_on_device`.
+    on_device: bool
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled (per-step budgets start again)."""
+
+    def plan(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` proposed next tokens of `seq` (all its tokens are known); [] for
+        none. On-device proposers return that many placeholders."""
+
+
+class Speculator:
+    """The policy: which scheduled decodes speculate and how far. A step speculates only while at
+    most `disable_by_batch_size` sequences run (past the crossover, verifying k + 1 tokens per
+    row costs more than the accepted tokens save) and none waits (admissions first: their
+    prefills dominate the step, and the batch is about to grow); a request may opt out
+    (`SamplingParams.speculative_decoding`); structured-output rows never speculate."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+        self.config = config
+        self.proposer = proposer
+
+    def active(self, num_running: int, num_waiting: int) -> bool:
+        return num_running <= self.config.disable_by_batch_size and not num_waiting
+
+    def begin_step(self) -> None:
+        self.proposer.begin_step()
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposals for a decode of `seq` scheduled with `budget` tokens left in the step."""
+        # A grammar's row needs its bitmask before every token: structured output never speculates.
+        if (seq.num_pending or seq.is_prompt_seq or seq.grammar is not None
+                or not seq.request.params.speculative_decoding):
+            return []
+        # Each accepted proposal adds a token: the k + 1 emitted must fit the sequence's limit.
+        k = min(self.config.num_speculative_tokens, budget - 1,
+                seq.token_limit - len(seq.token_ids) - 1)
+        return self.proposer.plan(seq, k) if k > 0 else []

@@ -1,0 +1,51 @@
+"""Speculative decoding wired into one engine: the scheduler's policy and proposer, the runner's
+verifying step, the metrics, and the engine's one rule: while a step may speculate, the engine
+processes the previous step before scheduling (proposals need every token on the host, and a
+verification step's token count is known only once it is processed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.errors import ConfigError
+from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
+from jaxinfer.spec_decode.ngram import NgramProposer
+from jaxinfer.spec_decode.proposer import Speculator
+from jaxinfer.spec_decode.target_step import SpeculativeStep
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, scheduler, runner, metrics: EngineMetrics,
+                 draft=None):
+        """`draft`: a loaded `spec_decode.draft.DraftModel` (method draft_model), else None."""
+        self.config = config
+        if config.method == "draft_model" and draft is None:
+            raise ConfigError("--speculative-model: no draft model was loaded (build the engine "
+                              "with LLMEngine.from_engine_args, or pass draft=)")
+        proposer = draft if draft is not None else NgramProposer(config.prompt_lookup_min,
+                                                                 config.prompt_lookup_max)
+        if draft is not None:
+            draft.attach(runner, scheduler.kv.num_blocks, runner.kv_cache[0][0].dtype,
+                         config.num_speculative_tokens)
+        self.speculator = Speculator(config, proposer)
+        scheduler.speculator = self.speculator
+        runner.speculation = SpeculativeStep(runner.cfg, runner.backend,
+                                             config.num_speculative_tokens, draft)
+        existing = getattr(metrics, "spec_decode", None)  # one set per registry
+        self.metrics = existing or SpecDecodeMetrics(metrics, config.num_speculative_tokens)
+        metrics.spec_decode = self.metrics
+
+    def active(self, num_running: int, num_waiting: int) -> bool:
+        return self.speculator.active(num_running, num_waiting)
+
+    def record(self, handle) -> None:
+        """A processed step's acceptance counts into the metrics."""
+        if not handle.sched.num_proposed:
+            return
+        tokens = handle.result().tokens  # [K + 1, rows]
+        rows = [r for r, e in enumerate(handle.sched.decodes) if e.proposal]
+        num_drafts = np.array([len(handle.sched.decodes[r].proposal) for r in rows])
+        emitted = (tokens[:, rows] >= 0).sum(axis=0)
+        self.metrics.record(num_drafts, emitted - 1)

@@ -1,0 +1,120 @@
+"""The verifying target step: a step in which some decodes carry proposals.
+
+A decode row with k proposals becomes a ragged query of k + 1 tokens (its input token, then the
+proposals) at positions start .. start + k, so the step is a mixed-bucket step: the attention
+backends' ragged (prefill) path computes it, as it computes prefill chunks. The model's LM head
+runs at every row's last k + 1 positions (`verify_indices`; a row without proposals uses only
+its last token), then `rejection_sampler.verify` decides what each row emits: its accepted
+proposals and one more token, 1 to k + 1 tokens. The KV of every proposal is written; the engine
+gives the rejected ones' slots back when it processes the step (`KVCacheManager.truncate`).
+
+The step's result has the decode loop's layout (`[K + 1, rows]` tokens, -1 past a row's last),
+so `StepHandle` and the output processor treat it like an on-device loop of K + 1 steps: the engine
+processes it before scheduling the next step, and each emitted token past the first advances the
+row's `num_computed` by one (the accepted proposal it stands for was computed).
+
+Proposals come from the host (n-gram: already in the token ids) or from a draft model run on the
+device just before, in the same dispatch sequence (`spec_decode/draft.py`); their device array is
+scattered into the step's token ids, so both cases run the same compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.core.scheduler import SchedulerOutput
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.transformer import forward
+from jaxinfer.worker.rejection_sampler import verify
+from jaxinfer.worker.sampler import SamplerVariant
+from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, sampler_variant
+from pallas_kernels.backend import AttentionBackend
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyInputs:
+    verify_indices: jax.Array  # i32[S, K+1]: token index of each row's k + 1 scored positions
+    drafts: jax.Array          # i32[S, K]: proposals (zeros where a device proposer fills them)
+    draft_index: jax.Array     # i32[S, K]: token index of each proposal; T (dropped) past k
+    num_drafts: jax.Array      # i32[S]
+
+
+def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
+                 *, cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant):
+    s, k1 = v.verify_indices.shape
+    with jax.named_scope("verify"):
+        pending = last_tokens[jnp.maximum(batch.input_slot, 0)]
+        ids = jnp.where(batch.input_slot >= 0, pending, batch.token_ids)
+        ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
+        logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
+                                   v.verify_indices.reshape(-1))
+    with jax.named_scope("sample"):
+        out = verify(logits.reshape(s, k1, -1), v.drafts, v.num_drafts, batch.sampling, variant,
+                     draft_probs)
+    emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
+    dst = jnp.where(batch.emit_slot >= 0, batch.emit_slot, last_tokens.shape[0])
+    last_tokens = last_tokens.at[dst].set(emitted, mode="drop")
+    return kv_cache, last_tokens, out
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_verify_step(cfg: ModelConfig, backend: AttentionBackend):
+    """The compiled verification step of a model (cache and last tokens donated), shared by every
+    runner of that model in the process; compiled per token bucket and sampler variant."""
+    return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend),
+                   static_argnames=("variant",), donate_argnums=(1, 2))
+
+
+def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
+                       ) -> tuple[StepBatch, VerifyInputs, SamplerVariant]:
+    """The step's padded arrays (a mixed bucket), with each row's sampling position moved back to
+    its input token (the proposals are sampled positions 1.. of the row)."""
+    rows = sched.scheduled
+    variant = sampler_variant(rows)
+    t, s = runner.buckets.mixed_shape(sched.num_tokens)
+    batch = build_step_batch(rows, 0, t, s, runner.sampling_table, runner.block_size,
+                             runner.max_blocks, runner.max_model_len, variant)
+    num = np.zeros(s, np.int32)
+    drafts = np.zeros((s, k_max), np.int32)
+    for r, entry in enumerate(sched.decodes):
+        k = len(entry.proposal)
+        num[r] = k
+        drafts[r, :k] = entry.proposal
+    batch.sampling.out_pos = np.maximum(batch.sampling.out_pos - num, 0).astype(np.int32)
+    last = batch.md.query_start_loc[1:] - 1                       # each row's last token
+    j = np.arange(k_max + 1)[None, :]
+    verify_indices = np.clip(np.minimum(last[:, None] - num[:, None] + j, last[:, None]), 0, t - 1)
+    draft_index = np.where(j[:, :k_max] < num[:, None],
+                           batch.md.query_start_loc[:-1, None] + 1 + j[:, :k_max], t)
+    return batch, VerifyInputs(verify_indices.astype(np.int32), drafts,
+                               draft_index.astype(np.int32), num), variant
+
+
+class SpeculativeStep:
+    """The runner's part of speculative decoding: runs the steps that carry proposals."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, num_speculative_tokens: int,
+                 draft=None):
+        self.k = num_speculative_tokens
+        self.draft = draft  # spec_decode.draft.DraftModel, or None (host-side proposals)
+        self._verify = jitted_verify_step(cfg, backend)
+
+    def execute(self, runner, sched: SchedulerOutput):
+        from jaxinfer.worker.runner import StepHandle
+        batch, v, variant = build_verify_batch(runner, sched, self.k)
+        runner._apply_copies(sched.block_copies)
+        draft_probs = None
+        if self.draft is not None:
+            v, draft_probs = self.draft.propose(sched, batch, v, variant)
+        runner.num_dispatches += 1
+        runner.kv_cache, runner.last_tokens, out = self._verify(
+            runner.params, runner.kv_cache, runner.last_tokens, batch, v, draft_probs,
+            variant=variant)
+        return StepHandle(sched, out.sampled, self.k + 1, time.perf_counter(), True)

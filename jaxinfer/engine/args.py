@@ -13,6 +13,7 @@ from pathlib import Path
 from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
+from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
 from jaxinfer.model.hub import is_hub_id, resolve_model
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
@@ -57,6 +58,12 @@ class EngineArgs:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # Prefill and decode on separate device groups (jaxinfer/disagg/, docs/disaggregation.md).
+    disaggregate: bool = False
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
+    prefill_devices: str | list[int] | None = None  # device indices; default: the first ones
+    decode_devices: str | list[int] | None = None   # default: the ones after the prefill group
 
     def __post_init__(self):
         def check(ok: bool, flag: str, value, why: str):
@@ -78,6 +85,7 @@ class EngineArgs:
         check(self.data_parallel_size >= 1, "data-parallel-size", self.data_parallel_size,
               "must be >= 1")
         self.cache_config()  # validates the KV-cache flags
+        check_disagg_args(self)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -150,6 +158,7 @@ class EngineArgs:
                        help="write a jax.profiler trace of --profile-steps steps here")
         s.add_argument("--profile-steps", type=int, default=5)
         add_parallel_arguments(parser)
+        add_disagg_arguments(parser)
         return parser
 
     @classmethod

@@ -24,7 +24,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +126,9 @@ class LLMEngine:
         self.weight_version = 0  # +1 per update_weights; on every RequestOutput
         self.asleep = False
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
+        # Called with each processed step's live sequences before the scheduler frees the finished
+        # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
+        self.on_processed: Callable[[list[Sequence]], None] | None = None
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -376,6 +379,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A dispatched step's results are not ready yet (step() would wait for them)."""
+        return self._inflight is not None and not self._inflight.is_ready()
+
     # ---- the step loop ------------------------------------------------------------------------
     def _must_process_first(self) -> bool:
         h = self._inflight
@@ -425,6 +433,8 @@ class LLMEngine:
         sequences back to the scheduler (blocks of the finished ones, prefix cache), then the
         requests whose rows failed are failed. Raises only when the step's results are lost."""
         touched, seqs = self.outputs.process(handle)
+        if self.on_processed is not None:
+            self.on_processed(seqs)
         self.scheduler.update_from_output(seqs)
         if self.outputs.failed:
             failed, self.outputs.failed = self.outputs.failed, []

@@ -249,18 +249,19 @@ class DisaggregatedEngine:
 
     # ---- steps --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Land finished copies, step the prefill engine if its last step is done (or nothing
-        else runs), start the copies that now fit, step the decode engine."""
+        """Land finished copies and start the ones that now fit; step the prefill engine if its
+        last step is done or nothing else can go on (then it waits for that step); step the
+        decode engine, or, with nothing to decode, wait for the oldest copy in flight."""
         self._land()
         self._start_transfers()
         outs: list[RequestOutput] = []
         decoding = self.decode.has_unfinished_requests()
-        if self.prefill.has_unfinished_requests() and not (decoding and
-                                                           self.prefill.step_in_flight):
+        if self.prefill.has_unfinished_requests() and not (
+                (decoding or self._in_flight) and self.prefill.step_in_flight):
             outs += self._reported(self.prefill.step())
         if decoding:
             outs += self.decode.step()
-        elif self._in_flight and not outs and not self.prefill.has_unfinished_requests():
+        elif self._in_flight and not outs:
             self._land(wait=True)
         self._update_gauges()
         return outs

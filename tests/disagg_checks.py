@@ -9,12 +9,16 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -149,6 +153,53 @@ async def _through_async_engine(engine, prompt, params) -> dict:
     return {"tokens": tokens, "cancelled_after": got}
 
 
+def server_checks(out: dict) -> None:
+    """`jaxinfer serve`'s app over a disaggregated engine: a completion, a stream the client drops
+    after two chunks (its blocks freed on both sides), the transfer metrics on /metrics."""
+    from jaxinfer.engine.args import EngineArgs
+    from server_harness import ServerThread, make_tiny_model_dir, server_args
+
+    def post(url: str, body: dict):
+        return urllib.request.urlopen(urllib.request.Request(
+            url, json.dumps(body).encode(), {"Content-Type": "application/json"}), timeout=120)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny"
+        make_tiny_model_dir(model_dir)
+        engine_args = EngineArgs(model=str(model_dir), served_model_name="tiny", dtype="float32",
+                                 max_model_len=128, block_size=16, num_blocks=64, max_num_seqs=4,
+                                 max_num_batched_tokens=64, compilation_cache_dir="",
+                                 attention_backend="reference", warmup=False, disaggregate=True)
+        st = ServerThread(engine_args, {"main": server_args()}).start()
+        try:
+            url = st.urls["main"] + "/v1/completions"
+            req = {"model": "tiny", "prompt": "Hello world, once upon a time", "temperature": 0,
+                   "ignore_eos": True, "max_tokens": 12}
+            reply = json.loads(post(url, req).read())
+            out["server_completion"] = [reply["usage"]["completion_tokens"],
+                                        reply["choices"][0]["finish_reason"]]
+            stream = post(url, {**req, "max_tokens": 100, "stream": True})
+            chunks = 0
+            while chunks < 2:
+                chunks += stream.readline().startswith(b"data: ")
+            stream.close()  # the client goes away mid-stream
+
+            async def pools():
+                e = st.engine.engine
+                return [e.prefill.scheduler.kv.request_ids(), e.decode.scheduler.kv.request_ids(),
+                        list(e._transit)]
+            deadline = time.monotonic() + 30
+            while any(st.call(pools())) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            out["server_pools_after_disconnect"] = st.call(pools())
+            text = urllib.request.urlopen(st.urls["main"] + "/metrics", timeout=30).read().decode()
+            out["server_metrics"] = [line for line in text.splitlines()
+                                     if line.startswith(("jaxinfer:kv_transfers_total",
+                                                         "jaxinfer:request_success_total"))]
+        finally:
+            st.stop()
+
+
 def refusal_checks(out: dict) -> None:
     refusals = {}
     for name, extra in {"dp2": dict(data_parallel_size=2), "tp2": dict(tensor_parallel_size=2),
@@ -167,6 +218,7 @@ def refusal_checks(out: dict) -> None:
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     parity_checks(out)
+    server_checks(out)
     refusal_checks(out)
     print("RESULT " + json.dumps(out))
 

@@ -80,8 +80,8 @@ def test_both_sides_preempted_and_prefixes_hit(run):
     assert run["prefix_hits"] > 0
 
 
-def _metric(run, prefix: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in run["metrics"] if line.startswith(prefix))
+def _metric(run, prefix: str, key: str = "metrics") -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in run[key] if line.startswith(prefix))
 
 
 def test_metrics(run):
@@ -101,6 +101,14 @@ def test_metrics(run):
 def test_behind_the_async_engine(run):
     assert run["async"]["tokens"] == run["colocated"]["tokens"]["r0"]
     assert run["async"]["cancelled_after"] >= 3
+
+
+def test_behind_the_server(run):
+    assert run["server_completion"] == [12, "length"]
+    assert run["server_pools_after_disconnect"] == [[], [], []]
+    assert _metric(run, "jaxinfer:kv_transfers_total", "server_metrics") == 2
+    assert _metric(run, 'jaxinfer:request_success_total{finished_reason="abort"',
+                   "server_metrics") == 1
 
 
 def test_refusals_name_the_flag(run):

@@ -259,6 +259,8 @@ class DisaggregatedEngine:
         if self.prefill.has_unfinished_requests() and not (
                 (decoding or self._in_flight) and self.prefill.step_in_flight):
             outs += self._reported(self.prefill.step())
+            self._land()  # a copy the prefill step started may have landed while it dispatched
+            decoding = self.decode.has_unfinished_requests()
         if decoding:
             outs += self.decode.step()
         elif self._in_flight and not outs:

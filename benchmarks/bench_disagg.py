@@ -12,18 +12,20 @@ is rewritten after each, and a part that would not fit in what is left of --dead
              donated scatter into the cache on GPU 1), and its copy alone;
   disagg_cN  the disaggregated engine (prefill on GPU 0, decode on GPU 1): N clients in a closed
              loop, each sending --requests-per-client requests of random prompts one after the
-             other (ignore_eos, greedy); first an untimed pass of the same workload (compiles),
-             then the timed one: ITL and TTFT p50/p99 (per client-visible token), output tok/s;
+             other (ignore_eos, greedy); an untimed pass of N requests of 8 tokens, then the timed
+             one: ITL and TTFT p50/p99 (per client-visible token), output tok/s;
   dp2_cN     two colocated replicas (DataParallelEngine), one per GPU, on the same weights and the
              same KV pool size per GPU (the disaggregated engine sleeps meanwhile), same workload.
-Every engine compiles lazily (warmup off); the untimed pass runs exactly the timed workload, so the
-colocated steps' shapes (a mixed step compiles per number of decodes it carries) are all compiled.
+The disaggregated engine's warm-up compiles both engines' step buckets side by side (max-num-seqs =
+the largest concurrency) into an executable cache in a temporary directory; the colocated
+replicas, on the same meshes, load theirs from it.
 Writes disagg_<device>x2.json (name, date, commit, machine, command, config, metrics).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,7 +40,9 @@ from benchmarks import results_io  # noqa: E402
 from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
-TINY = dict(input_len=64, output_len=8, concurrency="4", backend="reference", requests_per_client=2)
+TINY = dict(input_len=64, output_len=8, concurrency="4", backend="reference", requests_per_client=2,
+            max_num_batched_tokens=128)
+WARM_OUT = 8  # output tokens of the untimed pass before each timed one
 
 
 def percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -133,6 +137,8 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--deadline-s", type=float, default=190.0)
     ap.add_argument("--backend", default="mosaic")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="step token budget, also the prefill chunk")
     ap.add_argument("--tiny", action="store_true", help="demo-model shape on 2 CPU devices")
     results_io.add_save_arg(ap)
     a = ap.parse_args()
@@ -159,14 +165,16 @@ def main() -> None:
     blocks = max(concurrencies) * -(-seq_len // block) + 512
     args = EngineArgs(
         model=model, load_format="dummy", dtype="bfloat16", disaggregate=True,
-        attention_backend=a.backend, max_num_seqs=max(concurrencies), max_num_batched_tokens=2048,
-        long_prefill_chunk=2048, max_model_len=seq_len, num_blocks=blocks, block_size=block,
-        warmup=False, compilation_cache_dir=None)
+        attention_backend=a.backend, max_num_seqs=max(concurrencies),
+        max_num_batched_tokens=a.max_num_batched_tokens, long_prefill_chunk=a.max_num_batched_tokens,
+        max_model_len=seq_len, num_blocks=blocks, block_size=block, warmup=False,
+        compilation_cache_dir=str(work / "executables"))
     config = {"model": "Llama-3-8B shape" if not a.tiny else "demo-target", "weights": "dummy",
               "dtype": "bfloat16", "attention_backend": a.backend, "input_len": a.input_len,
               "output_len": a.output_len, "concurrency": concurrencies,
               "requests_per_client": a.requests_per_client, "num_blocks_per_gpu": blocks,
-              "max_num_batched_tokens": 2048, "long_prefill_chunk": 2048,
+              "max_num_batched_tokens": a.max_num_batched_tokens,
+              "long_prefill_chunk": a.max_num_batched_tokens,
               "disaggregated": "prefill GPU 0 + decode GPU 1, one process",
               "colocated": "DataParallelEngine, one replica per GPU, same weights and pool size",
               "jax": jax.__version__}
@@ -186,7 +194,9 @@ def main() -> None:
     from jaxinfer.disagg.engine import DisaggregatedEngine
     part_t0 = time.perf_counter()
     disagg = DisaggregatedEngine.from_engine_args(args)
-    save("startup", {"disagg_startup_s": round(time.perf_counter() - part_t0, 1)})
+    loaded = time.perf_counter() - part_t0
+    warm = disagg.warmup(progress=False)
+    save("startup", {"disagg_weights_s": round(loaded, 1), "disagg_warmup_s": round(warm, 1)})
     part_t0 = time.perf_counter()
     save("transfer", measure_transfer(disagg, -(-a.input_len // block)))
     rng = np.random.default_rng(0)
@@ -210,10 +220,12 @@ def main() -> None:
                 disagg.sleep()
                 if dp is None:
                     dp = colocated(disagg, args)
+                    metrics["dp2_warmup_s"] = round(dp.warmup(progress=False), 1)
                 else:
                     dp.wake()
                 engine = dp
-            closed_loop(engine, prompts, params, c, f"warm{c}")
+            closed_loop(engine, prompts[:c], dataclasses.replace(params, max_tokens=WARM_OUT), c,
+                        f"warm{c}")
             got = closed_loop(engine, prompts, params, c, f"timed{c}")
             out = {f"{kind}_c{c}_{k}": v for k, v in got.items()}
             if kind == "disagg":

@@ -83,22 +83,21 @@ class DisaggregatedEngine:
                 raise type(e)(str(e).replace("--tensor-parallel-size",
                                              f"--{role}-tensor-parallel-size")) from None
         meshes = role_meshes(args, jax.devices())
-        engines = {role: LLMEngine.from_engine_args(role_args(args, role), mesh=meshes[role])
+        engines = {role: LLMEngine.from_engine_args(
+                       dataclasses.replace(role_args(args, role), warmup=False), mesh=meshes[role])
                    for role in ("prefill", "decode")}
         engine = cls(engines["prefill"], engines["decode"])
         if args.warmup:
-            engine.warmup_transfers()
+            engine.warmup()
         return engine
 
     def warmup(self, progress: bool = True) -> float:
+        """Both engines' step buckets, compiled side by side, then every transfer bucket."""
         t0 = time.perf_counter()
         list(self._pool.map(lambda e: e.warmup(progress), (self.prefill, self.decode)))
-        self.warmup_transfers()
-        return time.perf_counter() - t0
-
-    def warmup_transfers(self) -> None:
         self.decode.runner.kv_cache = self.transfer.warmup(self.prefill.runner.kv_cache,
                                                            self.decode.runner.kv_cache)
+        return time.perf_counter() - t0
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,

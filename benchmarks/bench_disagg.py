@@ -80,11 +80,14 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
     # first -> second token: the disaggregated engine's hand-over (KV transfer) is in this gap
     second = [ts[1] - ts[0] for ts in times.values() if len(ts) > 1]
     tokens = sum(len(ts) for ts in times.values())
+    # prompt tokens over the span until the last first token: the prefill rate when it limits
+    first_span = max(ts[0] for ts in times.values()) - t0
     (ttft50, ttft99), (itl50, itl99) = percentiles(ttft), percentiles(itl)
     return {"itl_p50_ms": itl50, "itl_p99_ms": itl99, "ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99,
             "second_token_gap_p50_ms": percentiles(second)[0],
             "second_token_gap_p99_ms": percentiles(second)[1],
             "out_tok_s": round(tokens / elapsed, 1), "wall_s": round(elapsed, 2),
+            "prompt_tok_s_to_last_first_token": round(sum(map(len, prompts)) / first_span, 1),
             "requests": len(added), "out_tokens": tokens}
 
 

@@ -12,8 +12,8 @@ is rewritten after each, and a part that would not fit in what is left of --dead
              donated scatter into the cache on GPU 1), and its copy alone;
   disagg_cN  the disaggregated engine (prefill on GPU 0, decode on GPU 1): N clients in a closed
              loop, each sending --requests-per-client requests of random prompts one after the
-             other (ignore_eos, greedy); an untimed pass of N requests of 8 tokens, then the timed
-             one: ITL and TTFT p50/p99 (per client-visible token), output tok/s;
+             other (ignore_eos, greedy); an untimed pass of N requests (512 in / 8 out), then the
+             timed one: ITL and TTFT p50/p99 (per client-visible token), output tok/s;
   dp2_cN     two colocated replicas (DataParallelEngine), one per GPU, on the same weights and the
              same KV pool size per GPU (the disaggregated engine sleeps meanwhile), same workload.
 The disaggregated engine's warm-up compiles both engines' step buckets side by side (max-num-seqs =
@@ -41,8 +41,8 @@ from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
 TINY = dict(input_len=64, output_len=8, concurrency="4", backend="reference", requests_per_client=2,
-            max_num_batched_tokens=128)
-WARM_OUT = 8  # output tokens of the untimed pass before each timed one
+            max_num_batched_tokens=128, deadline_s=1800.0)
+WARM_IN, WARM_OUT = 512, 8  # the untimed pass before each timed one: N requests of this shape
 
 
 def percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -208,10 +208,13 @@ def main() -> None:
     for c in concurrencies:
         prompts = [rng.integers(0, disagg.cfg.vocab_size, a.input_len).tolist()
                    for _ in range(c * a.requests_per_client)]
+        warm_prompts = [rng.integers(0, disagg.cfg.vocab_size, min(WARM_IN, a.input_len)).tolist()
+                        for _ in range(c)]
         for kind in ("disagg", "dp2"):
             part_t0 = time.perf_counter()
-            need = metrics.get(f"part_s/{kind}_c{concurrencies[0]}", 0) * c / concurrencies[0]
-            if left() < max(need, 20):
+            # the first concurrency's passes, scaled; plus the colocated replicas' set-up
+            done = metrics.get(f"run_s/{kind}_c{concurrencies[0]}", 0) * c / concurrencies[0]
+            if left() < max(done + 10, 20):
                 save(f"{kind}_c{c}", {f"{kind}_c{c}_skipped": "call deadline"})
                 continue
             if kind == "disagg":
@@ -227,9 +230,11 @@ def main() -> None:
                 else:
                     dp.wake()
                 engine = dp
-            closed_loop(engine, prompts[:c], dataclasses.replace(params, max_tokens=WARM_OUT), c,
+            run_t0 = time.perf_counter()
+            closed_loop(engine, warm_prompts, dataclasses.replace(params, max_tokens=WARM_OUT), c,
                         f"warm{c}")
             got = closed_loop(engine, prompts, params, c, f"timed{c}")
+            metrics[f"run_s/{kind}_c{c}"] = round(time.perf_counter() - run_t0, 1)
             out = {f"{kind}_c{c}_{k}": v for k, v in got.items()}
             if kind == "disagg":
                 tm = disagg.transfer_metrics

@@ -205,6 +205,7 @@ def refusal_checks(out: dict) -> None:
     for name, extra in {"dp2": dict(data_parallel_size=2), "tp2": dict(tensor_parallel_size=2),
                         "overlap": dict(prefill_devices="0", decode_devices="0"),
                         "too_many": dict(decode_tensor_parallel_size=2),
+                        "prefill_tp3": dict(prefill_tensor_parallel_size=3),
                         "role_without": dict(disaggregate=False, decode_devices="1")}.items():
         kw = {**ENGINE, "disaggregate": True, **extra}
         try:

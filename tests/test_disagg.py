@@ -118,6 +118,7 @@ def test_refusals_name_the_flag(run):
     assert r["tp2"].startswith("--tensor-parallel-size 2")
     assert r["overlap"].startswith("--decode-devices '0'") and "overlaps" in r["overlap"]
     assert r["too_many"].startswith("--decode-devices '1,2'")
+    assert r["prefill_tp3"].startswith("--prefill-tensor-parallel-size 3: exceeds")
     assert r["role_without"] == "--decode-devices '1': needs --disaggregate"
 
 

@@ -41,7 +41,7 @@ from jaxinfer.engine.metrics import KVTransferMetrics
 from jaxinfer.engine.output_processor import make_request_output
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import Sequence
-from jaxinfer.errors import InvalidRequestError, RequestFailedError
+from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.parallel.data_parallel import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
@@ -79,9 +79,9 @@ class DisaggregatedEngine:
             tp = getattr(args, f"{role}_tensor_parallel_size")
             try:
                 validate_parallel_sizes(cfg, tp, 1, jax.device_count())
-            except Exception as e:  # name the role's flag, not --tensor-parallel-size
-                raise type(e)(str(e).replace("--tensor-parallel-size",
-                                             f"--{role}-tensor-parallel-size")) from None
+            except ConfigError as e:  # name the role's flag, not --tensor-parallel-size
+                raise ConfigError(str(e).replace("--tensor-parallel-size",
+                                                 f"--{role}-tensor-parallel-size")) from None
         meshes = role_meshes(args, jax.devices())
         engines = {role: LLMEngine.from_engine_args(
                        dataclasses.replace(role_args(args, role), warmup=False), mesh=meshes[role])

@@ -40,7 +40,7 @@ from benchmarks import results_io  # noqa: E402
 from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
-TINY = dict(input_len=64, output_len=8, concurrency="4", backend="reference", requests_per_client=2,
+TINY = dict(input_len=64, output_len=8, concurrency="4,8", backend="reference", requests_per_client=2,
             max_num_batched_tokens=128, deadline_s=1800.0)
 WARM_IN, WARM_OUT = 512, 8  # the untimed pass before each timed one: N requests of this shape
 

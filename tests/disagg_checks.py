@@ -7,24 +7,19 @@ the values the test compares.
 
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+from cpu_devices import start_jax  # noqa: E402
 
-import jax  # noqa: E402
+jax = start_jax(2)
+
 import numpy as np  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
 from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402

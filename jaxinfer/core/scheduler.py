@@ -135,6 +135,13 @@ class Scheduler:
         heapq.heappush(self._waiting, (seq.request.priority, next(self._back), seq))
         self._num_waiting += 1
 
+    def add_running(self, seq: Sequence) -> None:
+        """Start a sequence whose KV blocks the manager already holds (a disaggregated hand-over,
+        jaxinfer/disagg): it runs from the next step and is preemptible like any running one.
+        The caller checked that a slot is free."""
+        self._priorities_used |= seq.request.priority != 0
+        self._start_running(seq)
+
     def _requeue_front(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.request.priority, next(self._front), seq))

@@ -13,6 +13,7 @@ from pathlib import Path
 from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
+from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
 from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant.scheme import QUANTIZATIONS
 from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
@@ -77,6 +78,12 @@ class EngineArgs:
     ngram_prompt_lookup_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
     speculative_config: str | dict | None = None
+    # Prefill and decode on separate device groups (jaxinfer/disagg/, docs/disaggregation.md).
+    disaggregate: bool = False
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
+    prefill_devices: str | list[int] | None = None  # device indices; default: the first ones
+    decode_devices: str | list[int] | None = None   # default: the ones after the prefill group
 
     def __post_init__(self):
         def check(ok: bool, flag: str, value, why: str):
@@ -106,6 +113,7 @@ class EngineArgs:
               f"choose from {', '.join(EXPERT_LAYOUTS)}")
         self.cache_config()  # validates the KV-cache flags
         self.spec_config()  # validates the speculative-decoding flags
+        check_disagg_args(self)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -200,6 +208,7 @@ class EngineArgs:
         s.add_argument("--profile-steps", type=int, default=5)
         add_parallel_arguments(parser)
         add_speculative_arguments(parser)
+        add_disagg_arguments(parser)
         return parser
 
     @classmethod

@@ -23,7 +23,7 @@ import logging
 import math
 import random
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
 from jaxinfer.engine.stop_checker import OutputText
-from jaxinfer.engine.weight_update import place_like
+from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.quant.scheme import resolve_quantization
@@ -79,7 +79,7 @@ def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
     return seq
 
 
-class LLMEngine:
+class LLMEngine(TrainingLoopMixin):
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None,
                  plan: ShardingPlan | None = None, draft=None):
@@ -140,6 +140,9 @@ class LLMEngine:
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
         spec = args.spec_config()
         self.spec = spec and Speculation(spec, self.scheduler, self.runner, self.metrics, draft)
+        # Called with each processed step's live sequences before the scheduler frees the finished
+        # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
+        self.on_processed: Callable[[list[Sequence]], None] | None = None
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -339,48 +342,6 @@ class LLMEngine:
         for rid in culprits:
             self._fail(rid, error)
 
-    # ---- the engine inside a training loop ----------------------------------------------------
-    def update_weights(self, params) -> list[RequestOutput]:
-        """Swap in new weights without recompiling: `params` has the loaded model's structure and
-        shapes (any float dtype: cast to the engine's on the device), as numpy on the host or as
-        arrays on any device (moved device to device). Refused with a ParamsMismatchError naming the
-        parameter otherwise, changing nothing.
-
-        In-flight rule: every request not finished when the update is called is aborted (finish
-        reason "abort"); their final outputs are returned. So every output token comes from the one
-        weight version its RequestOutput names; resubmit what should run on the new weights.
-        The prefix cache is emptied: its KV was computed with the old weights. Like every engine
-        call, not thread-safe: call it between steps on the thread that steps the engine."""
-        placed = self._place_params(params)
-        outs = self._abort_all()
-        self.runner.params = placed
-        self.scheduler.reset_prefix_cache()
-        self.weight_version += 1
-        return outs
-
-    def _place_params(self, params):
-        """`params` laid out like the running weights (same sharding and dtype per leaf): the one
-        place that decides where new weights live."""
-        return place_like(params, self.runner.params)
-
-    def sleep(self) -> list[RequestOutput]:
-        """Free the KV cache's device memory (e.g. for a colocated trainer) until `wake()`.
-        Requests in flight are aborted as by `update_weights` (their outputs are returned) and the
-        prefix cache is emptied; requests added while asleep wait, and `step()` refuses to run."""
-        if self.asleep:
-            return []
-        outs = self._abort_all()
-        self.scheduler.reset_prefix_cache()
-        self.runner.release_kv_cache()
-        self.asleep = True
-        return outs
-
-    def wake(self) -> None:
-        """Reallocate the KV cache (same shapes, so the compiled steps still apply)."""
-        if self.asleep:
-            self.runner.restore_kv_cache()
-            self.asleep = False
-
     def _abort_all(self) -> list[RequestOutput]:
         """Finish the in-flight step, then abort every unfinished request: their outputs."""
         outs = []
@@ -400,6 +361,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A dispatched step's results are not ready yet (step() would wait for them)."""
+        return self._inflight is not None and not self._inflight.is_ready()
 
     # ---- the step loop ------------------------------------------------------------------------
     def _must_process_first(self) -> bool:
@@ -456,6 +422,8 @@ class LLMEngine:
         touched, seqs = self.outputs.process(handle)
         if self.spec is not None:
             self.spec.record(handle)
+        if self.on_processed is not None:
+            self.on_processed(seqs)
         self.scheduler.update_from_output(seqs)
         if self.outputs.failed:
             failed, self.outputs.failed = self.outputs.failed, []

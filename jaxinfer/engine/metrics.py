@@ -113,3 +113,29 @@ class EngineStats:
     @property
     def sync_gap_ms(self) -> float:
         return 1e3 * self.sync_gap_s / max(self.sync_gaps, 1)
+
+
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class KVTransferMetrics:
+    """A disaggregated engine's KV hand-over (jaxinfer/disagg): bytes and time of the prefill ->
+    decode block transfers, blocks the decode side already held, and the queue depth per role."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry):
+        label = ["model_name"]
+        r = self.registry = registry
+        self.transfer_bytes = Counter("jaxinfer:kv_transfer_bytes", "KV bytes moved prefill -> decode",
+                                      label, registry=r).labels(model_name)
+        self.transfers = Counter("jaxinfer:kv_transfers", "Requests whose KV moved prefill -> decode",
+                                 label, registry=r).labels(model_name)
+        self.blocks_skipped = Counter("jaxinfer:kv_transfer_blocks_skipped",
+                                      "Prompt blocks not moved: the decode side's prefix cache "
+                                      "held them", label, registry=r).labels(model_name)
+        self.transfer_seconds = Histogram(
+            "jaxinfer:kv_transfer_seconds", "Gather dispatched to copy seen landed (host poll)",
+            label, buckets=_TRANSFER_BUCKETS, registry=r).labels(model_name)
+        queue = Gauge("jaxinfer:queue_depth", "Sequences waiting per stage: prefill (to be "
+                      "scheduled), transfer (waiting for decode room or in flight), decode (to be "
+                      "scheduled)", ["model_name", "stage"], registry=r)
+        self.queue_depth = {s: queue.labels(model_name, s) for s in ("prefill", "transfer", "decode")}

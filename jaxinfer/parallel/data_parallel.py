@@ -33,7 +33,7 @@ class DataParallelEngine:
         self.args, self.cfg, self.tokenizer = first.args, first.cfg, first.tokenizer
         self.max_model_len, self.model_name = first.max_model_len, first.model_name
         self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
-        self.metrics = _MergedMetrics([r.metrics for r in replicas])
+        self.metrics = MergedMetrics([r.metrics for r in replicas])
         self.grammars = first.grammars  # one compiled-grammar cache for every replica
         for r in replicas:
             r.grammars = first.grammars
@@ -120,7 +120,7 @@ class DataParallelEngine:
             yield from self.step()
 
 
-class _MergedMetrics:
+class MergedMetrics:
     """The replicas' Prometheus metrics as one registry: counters, histograms and the request
     gauges summed over replicas, the KV-cache usage averaged."""
 
@@ -148,14 +148,18 @@ class _MergedMetrics:
 
 
 def create_engine(args: EngineArgs):
-    """The engine the flags ask for: one LLMEngine, or DataParallelEngine when
-    --data-parallel-size > 1 (after joining a multi-process run when its flags are set)."""
+    """The engine the flags ask for: one LLMEngine, DataParallelEngine when --data-parallel-size > 1
+    (after joining a multi-process run when its flags are set), or DisaggregatedEngine with
+    --disaggregate."""
     import jax
 
     from jaxinfer.model.config import load_config
     from jaxinfer.parallel.distributed import initialize_distributed
     from jaxinfer.parallel.sharding import validate_parallel_sizes
     initialize_distributed(args)
+    if args.disaggregate:
+        from jaxinfer.disagg.engine import DisaggregatedEngine
+        return DisaggregatedEngine.from_engine_args(args)
     if args.data_parallel_size > 1:
         validate_parallel_sizes(load_config(args.model_path), args.tensor_parallel_size,
                                 args.data_parallel_size, jax.device_count(), args.expert_layout)

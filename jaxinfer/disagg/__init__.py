@@ -1,0 +1,2 @@
+"""Prefill/decode disaggregation: a prefill engine and a decode engine on separate device groups,
+each request's KV blocks moved from one to the other (docs/disaggregation.md)."""

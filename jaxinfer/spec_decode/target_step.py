@@ -33,7 +33,8 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.transformer import forward
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, sampler_variant
+from jaxinfer.worker.step_inputs import (StepBatch, build_step_batch, input_ids, sampler_variant,
+                                         store_emitted)
 from pallas_kernels.backend import AttentionBackend
 
 
@@ -50,8 +51,7 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
                  *, cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant):
     s, k1 = v.verify_indices.shape
     with jax.named_scope("verify"):
-        pending = last_tokens[jnp.maximum(batch.input_slot, 0)]
-        ids = jnp.where(batch.input_slot >= 0, pending, batch.token_ids)
+        ids = input_ids(batch, last_tokens)
         ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
         logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
                                    v.verify_indices.reshape(-1))
@@ -59,9 +59,7 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
         out = verify(logits.reshape(s, k1, -1), v.drafts, v.num_drafts, batch.sampling, variant,
                      draft_probs)
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
-    dst = jnp.where(batch.emit_slot >= 0, batch.emit_slot, last_tokens.shape[0])
-    last_tokens = last_tokens.at[dst].set(emitted, mode="drop")
-    return kv_cache, last_tokens, out
+    return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out
 
 
 @functools.lru_cache(maxsize=None)

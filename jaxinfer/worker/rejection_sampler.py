@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
-                                     process_logits, raw_logprobs, row_gumbel)
+                                     position_key, process_logits, raw_logprobs, row_gumbel)
 
 _UNIFORM_STREAM = 0x5EC0  # folded into a position's key: the accept test's stream
 
@@ -36,8 +36,8 @@ _UNIFORM_STREAM = 0x5EC0  # folded into a position's key: the accept test's stre
 def row_uniform(seed: jax.Array, out_pos: jax.Array) -> jax.Array:
     """U[0, 1) per row, independent of `row_gumbel(seed, out_pos)`."""
     def one(sd, pos):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), sd), pos)
-        return jax.random.uniform(jax.random.fold_in(key, _UNIFORM_STREAM), (), jnp.float32)
+        key = jax.random.fold_in(position_key(sd, pos), _UNIFORM_STREAM)
+        return jax.random.uniform(key, (), jnp.float32)
     return jax.vmap(one)(seed, out_pos)
 
 

@@ -39,7 +39,8 @@ from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
-from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
+from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
+                                         sampler_variant, store_emitted)
 from pallas_kernels.backend import AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -52,10 +53,8 @@ def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: Model
     final hidden states [T, H] `with_hidden` (a step holding prompt-logprob rows)."""
     scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
     with jax.named_scope(scope):
-        pending = last_tokens[jnp.maximum(batch.input_slot, 0)]
-        ids = jnp.where(batch.input_slot >= 0, pending, batch.token_ids)
-        return forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
-                       batch.logits_indices, return_hidden=with_hidden)
+        return forward(params, cfg, input_ids(batch, last_tokens), batch.positions, kv_cache,
+                       batch.md, backend, batch.logits_indices, return_hidden=with_hidden)
 
 
 def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
@@ -65,9 +64,7 @@ def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
     per step bucket rather than once per sampler variant."""
     with jax.named_scope("sample"):
         out = sample(logits, sampling, variant)
-    dst = jnp.where(emit_slot >= 0, emit_slot, last_tokens.shape[0])
-    last_tokens = last_tokens.at[dst].set(out.tokens, mode="drop")
-    return last_tokens, out
+    return store_emitted(last_tokens, emit_slot, out.tokens), out
 
 
 def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,

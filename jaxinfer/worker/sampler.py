@@ -109,11 +109,15 @@ def ban_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits.at[rows, ids].set(NEG_INF, mode="drop")
 
 
+def position_key(seed: jax.Array, out_pos: jax.Array) -> jax.Array:
+    """The random key of one row's output position: sampling depends on (seed, position) only."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), out_pos)
+
+
 def row_gumbel(seed: jax.Array, out_pos: jax.Array, vocab_size: int) -> jax.Array:
     """Gumbel noise f32[S, V] in vocabulary order, a function of (seed, output position) only."""
     def one(sd, pos):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), sd), pos)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+        return jax.random.gumbel(position_key(sd, pos), (vocab_size,), jnp.float32)
     return jax.vmap(one)(seed, out_pos)
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.errors import RequestFailedError
@@ -33,6 +34,18 @@ class StepBatch:
     logits_indices: jax.Array  # i32[S]: the last new token of each row
     emit_slot: jax.Array       # i32[S]: >= 0 -> store the row's sampled token in last_tokens
     sampling: SamplingTensors
+
+
+def input_ids(batch: StepBatch, last_tokens: jax.Array) -> jax.Array:
+    """On the device: the step's token ids, in-flight inputs read from `last_tokens`."""
+    pending = last_tokens[jnp.maximum(batch.input_slot, 0)]
+    return jnp.where(batch.input_slot >= 0, pending, batch.token_ids)
+
+
+def store_emitted(last_tokens: jax.Array, emit_slot: jax.Array, tokens: jax.Array) -> jax.Array:
+    """On the device: each emitting row's token into its `last_tokens` slot (others dropped)."""
+    dst = jnp.where(emit_slot >= 0, emit_slot, last_tokens.shape[0])
+    return last_tokens.at[dst].set(tokens, mode="drop")
 
 
 class SamplingTable:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B, child
-from benchmarks.bench_multi_gpu import _engine_kw, _last_json, _llm, _throughput, _tpot_ms
+from benchmarks.bench_multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = (2048, 8, 256)  # in the order measured: the prefill ratio first, then decode sizes
@@ -157,21 +157,21 @@ def section_demo_ppl(cfg: dict) -> dict:
 
 
 def section_llama8b_bf16(cfg: dict) -> dict:
-    llm, load_s = _llm(cfg["llama8b"], **_engine_kw(cfg, 256))
-    tpot, _ = _tpot_ms(llm)
-    return {"llama8b_bf16_bs1_tpot_ms": round(tpot, 3), "llama8b_bf16_bs1_out_tok_s": round(1e3 / tpot, 1)}
+    llm, _ = _llm(cfg["llama8b"], **_engine_kw(cfg, 256))
+    return _batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_bf16", lambda tpot, first: {
+        "llama8b_bf16_bs1_tpot_ms": round(tpot, 3),
+        "llama8b_bf16_bs1_out_tok_s": round(1e3 / tpot, 1)})
 
 
 def section_llama8b_fp8w(cfg: dict) -> dict:
     _announce_machine()
     llm, load_s = _llm(cfg["llama8b"], quantization="fp8", **_engine_kw(cfg, 256))
-    tpot, first = _tpot_ms(llm)
-    out = {"llama8b_fp8w_bs1_tpot_ms": round(tpot, 3),
-           "llama8b_fp8w_bs1_out_tok_s": round(1e3 / tpot, 1),
-           "llama8b_fp8w_ready_s": round(load_s + first, 1),
-           "llama8b_fp8w_weight_bytes": llm.engine.metrics.registry.get_sample_value(
-               "jaxinfer:weight_bytes", {"model_name": llm.engine.model_name})}
-    print(json.dumps(out), flush=True)  # kept if the throughput run times out
+    out = _batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_fp8w", lambda tpot, first: {
+        "llama8b_fp8w_bs1_tpot_ms": round(tpot, 3),
+        "llama8b_fp8w_bs1_out_tok_s": round(1e3 / tpot, 1),
+        "llama8b_fp8w_ready_s": round(load_s + first, 1),
+        "llama8b_fp8w_weight_bytes": llm.engine.metrics.registry.get_sample_value(
+            "jaxinfer:weight_bytes", {"model_name": llm.engine.model_name})})
     out["llama8b_fp8w_c256_out_tok_s"] = round(_throughput(llm, 256, 32), 1)
     return out
 

@@ -14,6 +14,7 @@
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -73,7 +74,9 @@ def _reference_matmul(x, q, s, impl):
     """The arithmetic of `quantized_matmul`, in numpy with ml_dtypes' own e4m3 rounding."""
     x = np.asarray(x, np.float32)
     w = np.asarray(q, np.float32)
-    if impl == "dequant":
+    if impl == "pallas":  # the kernel multiplies bfloat16 activations
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    if impl in ("dequant", "pallas"):
         return (x @ w.T) * np.asarray(s)
     xs = np.maximum(np.abs(x).max(-1, keepdims=True), np.finfo(np.float32).tiny) / 448
     xq = np.clip(x / xs, -448, 448).astype(E4M3).astype(np.float32)
@@ -98,9 +101,22 @@ def test_dispatch_picks_weight_only_for_int8_and_honours_the_override(monkeypatc
     assert ops.choose_impl(4, ops.FP8) == "fp8"  # the CPU emulates the GPU's W8A8
     monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")
     assert ops.choose_impl(4, ops.FP8) == "dequant"
+    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "fp8")
+    assert ops.choose_impl(4, jnp.int8) == "dequant"  # int8 weights have no W8A8 path
     monkeypatch.setenv("JAXINFER_QUANT_IMPL", "bogus")
     with pytest.raises(ValueError, match="JAXINFER_QUANT_IMPL"):
         ops.choose_impl(4, ops.FP8)
+
+
+def test_gpu_dispatch_sends_decode_rows_to_the_weight_only_kernel():
+    rule = functools.partial(ops.pick_impl, gpu=True)
+    for fp8 in (True, False):
+        assert rule(1, fp8, fp8_gemm=fp8) == "pallas"
+        assert rule(ops.WEIGHT_ONLY_MAX_ROWS, fp8, fp8_gemm=fp8) == "pallas"
+        assert rule(ops.WEIGHT_ONLY_MAX_ROWS + 1, fp8, fp8_gemm=fp8) == "dequant"
+    assert rule(ops.FP8_GEMM_MIN_ROWS, True, fp8_gemm=True) == "fp8"
+    assert rule(ops.FP8_GEMM_MIN_ROWS, True, fp8_gemm=False) == "dequant"  # no FP8 tensor cores
+    assert rule(ops.FP8_GEMM_MIN_ROWS, False, fp8_gemm=False) == "dequant"
 
 
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
@@ -337,6 +353,21 @@ def test_engine_greedy_with_fp8_weights_equals_the_dense_forward(demo_fp8_llm):
     for i in range(12):
         seq[0, len(prompt) + i] = int(np.asarray(fwd(jnp.asarray(seq)))[0, len(prompt) + i - 1].argmax())
     assert got == seq[0, len(prompt):len(prompt) + 12].tolist()
+
+
+def test_model_forward_through_the_weight_only_kernel(demo_fp8_llm, monkeypatch):
+    """The decode path on a GPU (the Pallas kernel, interpreted here) computes what XLA's
+    weight-only dot computes, up to the kernel's bfloat16 activations."""
+    engine = demo_fp8_llm.engine
+    cfg, params = engine.cfg, engine.runner.params
+    tokens = jnp.asarray([engine.tokenizer.encode("def main():\n    args = parse_args()")])
+    logits = {}
+    for impl in ("dequant", "pallas"):
+        monkeypatch.setenv("JAXINFER_QUANT_IMPL", impl)
+        logits[impl] = np.asarray(jax.jit(lambda t: train_forward(params, cfg, t))(tokens))
+    want, got = logits["dequant"][0], logits["pallas"][0]
+    assert np.linalg.norm(got - want) <= 0.03 * np.linalg.norm(want)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
 def test_weight_bytes_are_counted_in_metrics_and_memory(demo_fp8_llm, capsys):

@@ -1,0 +1,62 @@
+"""The weight-only 8-bit matmul kernel (pallas_kernels/weight_only_matmul.py) in the interpreter
+against its jnp reference, on ragged shapes (N and K not multiples of the blocks, rows not a power
+of two) with and without split-K, for e4m3 and int8 weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.model.quant.ops import quantize
+from pallas_kernels import weight_only_matmul as wo
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("m, n, k, block_n, block_k, split_k", [
+    (1, 77, 130, 16, 32, None),   # planned splits, ragged N and K
+    (3, 100, 200, 32, 64, 3),     # a last split shorter than the others
+    (17, 48, 96, 32, 32, 1),      # rows past one 16-row dot tile, one split
+    (64, 33, 300, 16, 128, 2),    # the most rows the kernel takes
+])
+def test_kernel_matches_reference_on_ragged_shapes(mode, m, n, k, block_n, block_k, split_k):
+    key = jax.random.key(m * 1000 + n)
+    x = (jax.random.normal(key, (m, k)) * 3).astype(jnp.bfloat16)
+    q, s = quantize(jax.random.normal(jax.random.fold_in(key, 1), (n, k)) * 0.05, mode)
+    got = wo.weight_only_matmul_configured(x, q, s, block_n=block_n, block_k=block_k,
+                                           split_k=split_k, out_dtype=jnp.float32, interpret=True)
+    want = wo.weight_only_matmul_reference(x, q, s, out_dtype=jnp.float32)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_leading_dims_and_bf16_output():
+    key = jax.random.key(7)
+    x = jax.random.normal(key, (2, 3, 40), jnp.bfloat16)
+    q, s = quantize(jax.random.normal(key, (24, 40)), "fp8")
+    got = wo.weight_only_matmul(x, q, s, interpret=True)
+    want = wo.weight_only_matmul_reference(x.reshape(6, 40), q, s).reshape(2, 3, 24)
+    assert got.dtype == jnp.bfloat16 and got.shape == (2, 3, 24)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_plan_fills_the_gpu_without_empty_splits():
+    assert wo.plan_split_k(n=28672, k=4096, block_n=64, block_k=256, programs=264) == 1
+    assert wo.plan_split_k(n=4096, k=14336, block_n=64, block_k=256, programs=264) == 5
+    assert wo.plan_split_k(n=64, k=64, block_n=64, block_k=256, programs=264) == 1
+
+
+def test_bad_inputs_are_refused():
+    x = jnp.zeros((2, 32), jnp.bfloat16)
+    q = jnp.zeros((16, 32), jnp.float8_e4m3fn)
+    s = jnp.ones((16,), jnp.float32)
+    with pytest.raises(ValueError, match="8-bit"):
+        wo.weight_only_matmul_configured(x, q.astype(jnp.bfloat16), s, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        wo.weight_only_matmul_configured(x, q, s, block_n=48, interpret=True)
+    with pytest.raises(ValueError, match="rows"):
+        wo.weight_only_matmul_configured(jnp.zeros((wo.MAX_ROWS + 1, 32), jnp.bfloat16), q, s,
+                                         interpret=True)
+    with pytest.raises(ValueError, match="scale"):
+        wo.weight_only_matmul_configured(x, q, s[:8], interpret=True)

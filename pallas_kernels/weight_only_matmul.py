@@ -49,6 +49,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, n: int, k: int, block_n: i
     n_idx = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     n_ok = n_idx < n
     row_ok = lax.broadcasted_iota(jnp.int32, (mp,), 0) < rows
+    # The fill must have the weight's kind: Triton casts a float constant to e4m3, not an int one.
+    w_zero = 0 if jnp.issubdtype(w_ref.dtype, jnp.integer) else 0.0
 
     def step(i, acc):
         kk = k0 + i * block_k
@@ -56,7 +58,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, n: int, k: int, block_n: i
         x = plgpu_triton.load(x_ref.at[pl.ds(0, mp), pl.ds(kk, block_k)],
                               mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = plgpu_triton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(kk, block_k)],
-                              mask=n_ok[:, None] & k_ok[None, :], other=0)
+                              mask=n_ok[:, None] & k_ok[None, :], other=w_zero)
         return acc + plgpu_triton.dot(x, w.astype(x.dtype), trans_b=True)
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((mp, block_n), jnp.float32))

@@ -60,3 +60,18 @@ def test_bad_inputs_are_refused():
                                          interpret=True)
     with pytest.raises(ValueError, match="scale"):
         wo.weight_only_matmul_configured(x, q, s[:8], interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, dtype):
+    """The Triton lowering (which the interpreter skips: masked-load fills, the 8-bit widening,
+    split-K stores) runs on a CPU machine against an H200's description."""
+    from jax._src.pallas.triton import pallas_call_registration
+    from jax.experimental.pallas import triton as plgpu_triton
+    h200 = plgpu_triton.get_gpu_info_from_version(plgpu_triton.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+    args = (jax.ShapeDtypeStruct((3, 200), jnp.bfloat16), jax.ShapeDtypeStruct((100, 200), dtype),
+            jax.ShapeDtypeStruct((100,), jnp.float32))
+    fn = lambda x, w, s: wo.weight_only_matmul_configured(x, w, s, block_n=32, block_k=64)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert plgpu_triton.CUSTOM_CALL_TARGET_NAME in text

@@ -1,24 +1,25 @@
 """FP8 weights (`--quantization fp8`) on the GPU, beside their bf16 anchors measured in the same run.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_quant.py [--sections ...]
-        [--deadline-s 140] [--kv-cache-dtype fp8] [--save [DIR]]
+        [--deadline-s 140] [--matmul-rows 2048,8,256] [--kv-cache-dtype fp8] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
 one persistent compilation cache; the record is rewritten after each):
   matmul        Llama-3-8B's seven projections, 4 layers unrolled as the model unrolls them (1.7 GB
                 of bf16 weights, every one read once per call as a decode step reads them), at
-                M = 2048 (a prefill chunk), 8 (the batch-1 decode bucket) and 256 (c = 256 decode)
-                rows, for bf16 weights, FP8 W8A8
-                ("fp8": per-token e4m3 activations, XLA's cuBLASLt FP8 gemm) and FP8 weight-only
-                ("dequant": e4m3 converted inside the dot): ms per call, weight-read GB/s, TF/s, and
-                whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call
-                ("dequant" only at the decode sizes).
+                the --matmul-rows row counts (default M = 2048, a prefill chunk; 8, the batch-1
+                decode bucket; 256, c = 256 decode), for bf16 weights, FP8 W8A8 ("fp8": per-token
+                e4m3 activations, XLA's cuBLASLt FP8 gemm) and, at decode sizes, FP8 weight-only
+                ("pallas": the Pallas kernel; "dequant": e4m3 converted inside XLA's dot): ms per
+                call, weight-read GB/s, TF/s, and whether the optimized HLO holds the
+                `__cublas$lt$matmul$f8` custom call.
   demo_ppl      the bundled demo model in bf16, its weights unquantized and FP8: held-out
                 perplexity (checkpoints/heldout_sample.txt) and greedy top-1 agreement.
   llama8b_bf16  Llama-3-8B shape, dummy bf16 weights: batch-1 TPOT (the anchor).
   llama8b_fp8w  the same weights quantized on load: batch-1 TPOT, then c = 256 random 512 in /
                 256 out (bf16 KV cache).
-  llama8b_fp8w_fp8kv  c = 256 with FP8 weights and --kv-cache-dtype (default fp8).
+  llama8b_fp8w_fp8kv  c = 256 with FP8 weights and --kv-cache-dtype (default fp8), then batch 1
+                in the same engine.
 Engines: 256 sequences, 2048-token steps, max_model_len 1024, lazy compiles (see
 bench_multi_gpu.py, whose timing helpers these sections share).
 """
@@ -39,7 +40,7 @@ from benchmarks.bench_engine_gpu import LLAMA3_8B, child
 from benchmarks.bench_multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = (2048, 8, 256)  # in the order measured: the prefill ratio first, then decode sizes
+ROWS = "2048,8,256"  # in the order measured: the prefill ratio first, then decode sizes
 LAYERS = 4
 CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
 
@@ -109,10 +110,10 @@ def section_matmul(cfg: dict) -> dict:
             fp8[layer][name], fp8[layer][name + "_scale"] = to_fp8(w)
     weight_params = LAYERS * sum(n * k for n, k in shapes.values())
     out: dict = {"matmul_weight_params": weight_params}
-    params = {"bf16": bf16, "fp8": fp8, "dequant": fp8}
+    params = {"bf16": bf16, "fp8": fp8, "dequant": fp8, "pallas": fp8}
     fns = {impl: _layer_stack_fn(impl) for impl in params}
-    for m in ROWS:
-        for impl in ("fp8", "bf16") if m >= 2048 else ("dequant", "fp8", "bf16"):
+    for m in (int(r) for r in cfg["matmul_rows"].split(",")):
+        for impl in ("fp8", "bf16") if m >= 2048 else ("pallas", "dequant", "fp8", "bf16"):
             fn = fns[impl]
             x = jax.random.normal(key, (m, LLAMA3_8B["hidden_size"]), jnp.bfloat16)
             compiled = fn.lower(x, params[impl]).compile()
@@ -122,7 +123,7 @@ def section_matmul(cfg: dict) -> dict:
                          if "custom-call" in ln or "kind=kCustom" in ln][:60]
                 with open(Path(os.environ["QUANT_HLO_DIR"]) / "matmul_hlo.txt", "a") as f:
                     f.write(f"==== {impl} m={m}\n" + "\n".join(lines) + "\n")
-            if impl != "bf16":
+            if impl in ("fp8", "dequant"):
                 out[f"matmul_{impl}_m{m}_cublaslt_f8"] = CUBLASLT_FP8 in hlo
             # Weights copied into a merged gemm's operand every call (XLA's dot merging).
             out[f"matmul_{impl}_m{m}_weight_concats"] = len(
@@ -177,9 +178,17 @@ def section_llama8b_fp8w(cfg: dict) -> dict:
 
 
 def section_llama8b_fp8w_fp8kv(cfg: dict) -> dict:
-    llm, _ = _llm(cfg["llama8b"], quantization="fp8", kv_cache_dtype=cfg["kv_cache_dtype"],
-                  **_engine_kw(cfg, 256))
-    return {"llama8b_fp8w_fp8kv_c256_out_tok_s": round(_throughput(llm, 256, 32), 1)}
+    """c = 256 first (the figure no other section measures), then batch 1 in the same engine."""
+    _announce_machine()
+    llm, load_s = _llm(cfg["llama8b"], quantization="fp8", kv_cache_dtype=cfg["kv_cache_dtype"],
+                       **_engine_kw(cfg, 256))
+    out = {"llama8b_fp8w_fp8kv_load_s": round(load_s, 1),
+           "llama8b_fp8w_fp8kv_c256_out_tok_s": round(_throughput(llm, 256, 32), 1)}
+    print(json.dumps(out), flush=True)  # kept if the batch-1 run times out
+    return {**out, **_batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_fp8w_fp8kv",
+                             lambda tpot, first: {
+                                 "llama8b_fp8w_fp8kv_bs1_tpot_ms": round(tpot, 3),
+                                 "llama8b_fp8w_fp8kv_bs1_out_tok_s": round(1e3 / tpot, 1)})}
 
 
 SECTIONS = {"matmul": (section_matmul, 80), "demo_ppl": (section_demo_ppl, 40),
@@ -209,6 +218,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=400.0)
     ap.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
                     help="a section's time limit (default: its own, and never past --deadline-s)")
+    ap.add_argument("--matmul-rows", default=ROWS,
+                    help=f"the matmul section's row counts (default {ROWS})")
     ap.add_argument("--kv-cache-dtype", default="fp8",
                     help="the KV cache of the llama8b_fp8w_fp8kv section (default fp8)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
@@ -233,7 +244,7 @@ def main() -> None:
     (work / "llama8b").mkdir()
     (work / "llama8b" / "config.json").write_text(json.dumps(LLAMA3_8B))
     cfg = {"cache_dir": str(work / "cc"), "llama8b": str(work / "llama8b"),
-           "kv_cache_dtype": args.kv_cache_dtype}
+           "kv_cache_dtype": args.kv_cache_dtype, "matmul_rows": args.matmul_rows}
     metrics: dict = {}
     sections: dict = {}
     machine = ""

@@ -430,6 +430,50 @@ print("RESULT " + json.dumps(out))
 """
 
 
+_TP_KERNEL_CHECK = """
+import json, os, re
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxinfer.model.quant import ops
+from jaxinfer.parallel.sharding import TP, build_mesh
+mesh = build_mesh(2)
+key = jax.random.key(0)
+x = jax.random.normal(key, (5, 96), jnp.bfloat16)
+q, s = ops.quantize(jax.random.normal(jax.random.fold_in(key, 1), (40, 96)), "fp8")
+want = np.asarray(ops.quantized_matmul(x, q, s, impl="pallas"), np.float32)
+out = {}
+for name, wspec, sspec in (("column", P(TP, None), P(TP)), ("row", P(None, TP), P())):
+    args = [jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in ((x, P()), (q, wspec), (s, sspec))]
+    fn = jax.jit(lambda x, w, s: ops.quantized_matmul(x, w, s, impl="pallas"))
+    hlo = fn.lower(*args).compile().as_text()
+    got = np.asarray(fn(*args), np.float32)
+    out[name] = {"err": float(np.abs(got - want).max() / np.abs(want).max()),
+                 "all_gather": hlo.count("all-gather("), "all_reduce": hlo.count("all-reduce(")}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_weight_only_kernel_runs_on_each_tensor_parallel_shard():
+    """TP = 2 on two CPU devices: the kernel (interpreted) on column-parallel weights keeps the
+    output split with no collective, on row-parallel weights all-reduces its partial sums once;
+    no weight is gathered, and both equal the single-device result."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", _TP_KERNEL_CHECK], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res["column"] == {"err": 0.0, "all_gather": 0, "all_reduce": 0}
+    assert res["row"]["all_gather"] == 0 and res["row"]["all_reduce"] == 1
+    assert res["row"]["err"] <= 1e-2  # bf16 output of a float32 sum in another order
+
+
 def test_sharded_loading_equals_single_device_and_scales_follow_their_weights():
     """TP = 2 on two CPU devices: FP8 params quantized on load (safetensors and dummy) equal the
     single-device ones (the row-parallel channel maximum is reduced across the shards), and each

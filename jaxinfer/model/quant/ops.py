@@ -16,8 +16,9 @@ scales [E, out]; `quantize` takes the reduction axis.
   dot and the channel scale multiplies the output. What int8 weights run past the kernel's rows,
   and what FP8 weights run where FP8 tensor cores are absent (compute capability < 8.9).
 - "pallas" (weight-only, few rows): `pallas_kernels.weight_only_matmul`, which streams the 8-bit
-  weight tiles from HBM and widens them in registers; what decode steps of at most
-  `WEIGHT_ONLY_MAX_ROWS` rows run on a GPU, for FP8 and int8 weights alike.
+  weight tiles from HBM and widens them in registers (`quant/weight_only.py` splits it over
+  tensor-parallel shards); what decode steps of at most `WEIGHT_ONLY_MAX_ROWS` rows run on a
+  GPU, for FP8 and int8 weights alike.
 
 On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
 """
@@ -30,7 +31,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.weight_only_matmul import weight_only_matmul
+from jaxinfer.model.quant.weight_only import weight_only
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -120,8 +121,7 @@ def pick_impl(rows: int, fp8: bool, *, gpu: bool, fp8_gemm: bool) -> str:
 # once per shape instead of once per layer (XLA inlines the call).
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def _weight_only(x, w, scale, out_dtype):
-    interpret = jax.devices()[0].platform != "gpu"  # CPU tests run the kernel's interpreter
-    return weight_only_matmul(x, w, scale, out_dtype=out_dtype, interpret=interpret)
+    return weight_only(x, w, scale, out_dtype)
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | None = None,

@@ -8,7 +8,8 @@ Each timed call runs the kernel over enough distinct copies of one shape's weigh
 nothing is served from L2, unrolled in one jit, as a decode step calls its layers. Figures:
 `wo_<shape>_m<rows>_tbs` (the default tiling), the best of a small tiling sweep at 8 rows
 (`wo_<shape>_m8_best_tbs`, `..._best_cfg`), XLA's weight-only dot (the path this kernel replaces)
-at 8 rows, and `read_ceiling_tbs`: an XLA reduction over 1 GiB.
+at 8 rows, the bf16 LM head [in, out] through XLA's dot and through the kernel, and
+`read_ceiling_tbs`: an XLA reduction over 1 GiB.
 """
 
 from __future__ import annotations
@@ -102,12 +103,29 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.weight_only_matmul import weight_only_matmul
+
     def left() -> float:
         return args.deadline_s - (time.perf_counter() - start)
 
     m: dict = {"read_ceiling_tbs": round(read_ceiling_tbs(), 3)}
     print(json.dumps(m), flush=True)
     rows = [int(r) for r in args.rows.split(",")]
+    if "lm_head" in args.shapes.split(","):
+        # The model's bf16 LM head ([in, out], XLA's dot) at the batch-1 bucket: what an unquantized
+        # head costs a decode step beside the 8-bit layers.
+        n, k = SHAPES["lm_head"]
+        head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
+        sec = _median_s(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
+                        (x, head))
+        m["xla_bf16_lm_head_m8_tbs"] = round(2 * n * k / sec / 1e12, 3)
+        m["xla_bf16_lm_head_m8_us"] = round(sec * 1e6, 1)
+        sec = _median_s(jax.jit(lambda x, w: weight_only_matmul(x, w, None, w_kn=True)), (x, head))
+        m["wo_bf16_lm_head_m8_tbs"] = round(2 * n * k / sec / 1e12, 3)  # the kernel on it
+        m["wo_bf16_lm_head_m8_us"] = round(sec * 1e6, 1)
+        print(json.dumps({k_: v for k_, v in m.items() if "lm_head" in k_}), flush=True)
+        del head
 
     def save() -> None:
         if args.save:

@@ -30,6 +30,20 @@ def test_kernel_matches_reference_on_ragged_shapes(mode, m, n, k, block_n, block
                                atol=1e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("m, n, k, split_k", [(1, 130, 72, None), (9, 40, 200, 2)])
+def test_16_bit_weights_in_dense_layout_without_scales(m, n, k, split_k):
+    """The LM head's case: a bf16 Flax kernel [K, N], no scales."""
+    key = jax.random.key(m + n)
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.fold_in(key, 1), (k, n)) * 0.1).astype(jnp.bfloat16)
+    got = wo.weight_only_matmul_configured(x, w, None, w_kn=True, block_n=32, block_k=32,
+                                           split_k=split_k, out_dtype=jnp.float32, interpret=True)
+    want = wo.weight_only_matmul_reference(x, w, None, out_dtype=jnp.float32, w_kn=True)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_leading_dims_and_bf16_output():
     key = jax.random.key(7)
     x = jax.random.normal(key, (2, 3, 40), jnp.bfloat16)
@@ -51,8 +65,8 @@ def test_bad_inputs_are_refused():
     x = jnp.zeros((2, 32), jnp.bfloat16)
     q = jnp.zeros((16, 32), jnp.float8_e4m3fn)
     s = jnp.ones((16,), jnp.float32)
-    with pytest.raises(ValueError, match="8-bit"):
-        wo.weight_only_matmul_configured(x, q.astype(jnp.bfloat16), s, interpret=True)
+    with pytest.raises(ValueError, match="8- or 16-bit"):
+        wo.weight_only_matmul_configured(x, q.astype(jnp.float32), s, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         wo.weight_only_matmul_configured(x, q, s, block_n=48, interpret=True)
     with pytest.raises(ValueError, match="rows"):
@@ -62,16 +76,19 @@ def test_bad_inputs_are_refused():
         wo.weight_only_matmul_configured(x, q, s[:8], interpret=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
-def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, w_kn", [(jnp.float8_e4m3fn, False), (jnp.int8, False),
+                                         (jnp.bfloat16, True)])
+def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, dtype, w_kn):
     """The Triton lowering (which the interpreter skips: masked-load fills, the 8-bit widening,
     split-K stores) runs on a CPU machine against an H200's description."""
     from jax._src.pallas.triton import pallas_call_registration
     from jax.experimental.pallas import triton as plgpu_triton
     h200 = plgpu_triton.get_gpu_info_from_version(plgpu_triton.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-    args = (jax.ShapeDtypeStruct((3, 200), jnp.bfloat16), jax.ShapeDtypeStruct((100, 200), dtype),
+    args = (jax.ShapeDtypeStruct((3, 200), jnp.bfloat16),
+            jax.ShapeDtypeStruct((200, 100) if w_kn else (100, 200), dtype),
             jax.ShapeDtypeStruct((100,), jnp.float32))
-    fn = lambda x, w, s: wo.weight_only_matmul_configured(x, w, s, block_n=32, block_k=64)
+    fn = lambda x, w, s: wo.weight_only_matmul_configured(x, w, None if w_kn else s, w_kn=w_kn,
+                                                          block_n=32, block_k=64)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert plgpu_triton.CUSTOM_CALL_TARGET_NAME in text

@@ -26,6 +26,7 @@ On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bi
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -119,9 +120,30 @@ def pick_impl(rows: int, fp8: bool, *, gpu: bool, fp8_gemm: bool) -> str:
 
 # A nested jit: every layer calls the kernel with the same few shapes, so it is traced and lowered
 # once per shape instead of once per layer (XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _weight_only(x, w, scale, out_dtype):
-    return weight_only(x, w, scale, out_dtype)
+@functools.partial(jax.jit, static_argnames=("out_dtype", "w_kn"))
+def _weight_only(x, w, scale, out_dtype, w_kn=False):
+    return weight_only(x, w, scale, out_dtype, w_kn=w_kn)
+
+
+def head_impl(rows: int, dtype) -> str:
+    """What `dense_matmul` runs: "pallas" (the weight-only kernel) for decode rows of a 16-bit
+    kernel on a GPU, "xla" otherwise; $JAXINFER_HEAD_IMPL=pallas|xla overrides it (16-bit only)."""
+    forced = os.environ.get("JAXINFER_HEAD_IMPL")
+    if forced not in (None, "pallas", "xla"):
+        raise ValueError(f"JAXINFER_HEAD_IMPL={forced!r}: expected pallas or xla")
+    if jnp.dtype(dtype).itemsize != 2:
+        return "xla"
+    if forced:
+        return forced
+    return "pallas" if rows <= WEIGHT_ONLY_MAX_ROWS and jax.devices()[0].platform == "gpu" else "xla"
+
+
+def dense_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., K] @ kernel [K, N] in x's dtype (nn.Dense's arithmetic), through `head_impl`'s
+    choice: the weight-only kernel streams a 16-bit kernel at close to the HBM rate."""
+    if head_impl(math.prod(x.shape[:-1]), kernel.dtype) == "pallas":
+        return _weight_only(x, kernel, None, out_dtype=x.dtype, w_kn=True)
+    return jnp.dot(x, kernel)
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | None = None,

@@ -140,7 +140,8 @@ def main() -> None:
         tbs = len(ws) * ws[0].size / sec / 1e12
         m[key + "_tbs"] = round(tbs, 3)
         m[key + "_us"] = round(sec / len(ws) * 1e6, 2)
-        print(json.dumps({key + "_tbs": m[key + "_tbs"], key + "_us": m[key + "_us"]}), flush=True)
+        print(json.dumps({key + "_tbs": m[key + "_tbs"], key + "_us": m[key + "_us"],
+                          "at_s": round(time.perf_counter() - start, 1)}), flush=True)
         return tbs
 
     for name in args.shapes.split(","):
@@ -178,6 +179,7 @@ def main() -> None:
         del ws
     for key in [k for k in m if k.endswith("_tbs") and k.startswith("wo_") and "_cfg" not in k]:
         m[key.replace("_tbs", "_frac_of_ceiling")] = round(m[key] / m["read_ceiling_tbs"], 3)
+    m["wall_s"] = round(time.perf_counter() - start, 1)
     save()
     print("\n".join(f"{k} | {v}" for k, v in m.items() if not k.endswith("_us")))
 

@@ -1,15 +1,22 @@
-"""The weight-only 8-bit decode matmul (pallas_kernels/weight_only_matmul.py) alone, on Llama-3-8B's
-projection shapes, in TB/s of weight bytes beside the HBM read ceiling measured in the same run.
+"""FP8 matmuls alone on Llama-3-8B's shapes, beside the HBM read ceiling measured in the same run:
+the weight-only decode kernel (pallas_kernels/weight_only_matmul.py) against XLA's weight-only dot,
+the bf16 LM head through XLA and through the kernel, and the prefill ratio (FP8 W8A8 over bf16).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_weight_only.py [--deadline-s 30]
-        [--rows 1,8,64] [--save [DIR]]
+        [--rows 8,1,64] [--prefill-layers 1] [--sweep] [--save [DIR]]
 
-Each timed call runs the kernel over enough distinct copies of one shape's weights (>= 512 MB) that
-nothing is served from L2, unrolled in one jit, as a decode step calls its layers. Figures:
-`wo_<shape>_m<rows>_tbs` (the default tiling), the best of a small tiling sweep at 8 rows
-(`wo_<shape>_m8_best_tbs`, `..._best_cfg`), XLA's weight-only dot (the path this kernel replaces)
-at 8 rows, the bf16 LM head [in, out] through XLA's dot and through the kernel, and
-`read_ceiling_tbs`: an XLA reduction over 1 GiB.
+Measured in priority order until --deadline-s (the record is rewritten after each figure):
+  read_ceiling_tbs         XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps);
+  prefill_*                M = 2048 through --prefill-layers layers of the seven projections
+                           (bench_quant's stack), bf16 and FP8 W8A8: ms, TF/s and their ratio;
+  wo_<shape>_m<rows>       the kernel (default tiling) on e4m3 weights, and at 8 rows
+  xla_dequant_<shape>_m8   XLA's weight-only dot (what decode ran before the kernel), in TB/s of
+                           weight bytes and us per call, with `..._frac_of_ceiling`;
+  *_layer_us               one layer's projections at 8 rows (q, o, 2 x kv, 2 x gate_up, down);
+  xla_bf16_lm_head_m8, wo_bf16_lm_head_m8  the bf16 head [in, out] through XLA and the kernel;
+  --sweep                  a few tilings of the kernel at 8 rows.
+Each timed call runs over enough distinct weight copies (>= 512 MB) that nothing is served from L2,
+unrolled in one jit, and calls are queued without host synchronisation (bench_decode's timing).
 """
 
 from __future__ import annotations
@@ -21,36 +28,20 @@ import time
 
 from benchmarks import results_io
 
-# name -> (N, K) of Llama-3-8B's projections (q, k, v fused: 6144 = 4096 + 2 x 1024).
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
+# name -> (N, K) of Llama-3-8B's projections as the model calls them, and how many per layer.
+SHAPES = {"gate_up": (14336, 4096), "down": (4096, 14336), "q_o": (4096, 4096), "kv": (1024, 4096)}
+PER_LAYER = {"gate_up": 2, "down": 1, "q_o": 2, "kv": 2}
+HEAD = (128256, 4096)
 MIN_BYTES = 512 << 20
 # (block_n, block_k, num_warps, num_stages, programs per SM for the split-K plan)
 DEFAULT = (64, 256, 4, 4, 2)
-SWEEP = [(32, 256, 4, 4, 2), (64, 512, 4, 3, 2), (128, 256, 4, 4, 2), (64, 256, 8, 4, 2),
-         (64, 256, 4, 4, 4), (32, 512, 4, 4, 4), (128, 128, 4, 6, 2)]
+SWEEP = [(32, 256, 4, 4, 2), (64, 256, 4, 4, 4), (128, 128, 4, 6, 2), (32, 512, 4, 4, 2)]
 
 
-def _median_s(fn, args, reps: int = 10) -> float:
-    import jax
-    import numpy as np
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def read_ceiling_tbs() -> float:
-    """HBM read rate of an XLA reduction over 1 GiB (the ceiling a weight stream can reach)."""
-    import jax
-    import jax.numpy as jnp
-    buf = jax.random.bits(jax.random.key(1), (1 << 28,), jnp.uint32)
-    s = _median_s(jax.jit(lambda b: jnp.sum(b, dtype=jnp.uint32)), (buf,))
-    del buf
-    return (1 << 30) / s / 1e12
+def _timed(fn, *args) -> float:
+    """Seconds per call, queued (bench_decode's `_queued_time`)."""
+    from benchmarks.bench_decode import _queued_time
+    return _queued_time(lambda _: fn(*args), None)
 
 
 def _weights(n: int, k: int):
@@ -60,8 +51,7 @@ def _weights(n: int, k: int):
     copies = max(1, -(-MIN_BYTES // (n * k)))
     make = jax.jit(lambda key: jax.lax.bitcast_convert_type(
         jax.random.randint(key, (n, k), -100, 101, jnp.int8), jnp.float8_e4m3fn))
-    ws = [make(jax.random.key(i)) for i in range(copies)]
-    return ws, jnp.full((n,), 1e-3, jnp.float32)
+    return [make(jax.random.key(i)) for i in range(copies)], jnp.full((n,), 1e-3, jnp.float32)
 
 
 def _kernel_fn(cfg: tuple, n: int, k: int):
@@ -71,31 +61,53 @@ def _kernel_fn(cfg: tuple, n: int, k: int):
     from pallas_kernels.weight_only_matmul import plan_split_k, weight_only_matmul_configured
     bn, bk, warps, stages, per_sm = cfg
     split = plan_split_k(n, k, bn, bk, per_sm * num_sms())
-
-    def run(x, s, *ws):
-        return tuple(weight_only_matmul_configured(x, w, s, block_n=bn, block_k=bk, split_k=split,
-                                                   num_warps=warps, num_stages=stages)
-                     for w in ws)
-    return jax.jit(run)
+    return jax.jit(lambda x, s, *ws: tuple(
+        weight_only_matmul_configured(x, w, s, block_n=bn, block_k=bk, split_k=split,
+                                      num_warps=warps, num_stages=stages) for w in ws))
 
 
 def _xla_dequant_fn():
     import jax
 
     from jaxinfer.model.quant.ops import quantized_matmul
+    return jax.jit(lambda x, s, *ws: tuple(quantized_matmul(x, w, s, impl="dequant") for w in ws))
 
-    def run(x, s, *ws):
-        return tuple(quantized_matmul(x, w, s, impl="dequant") for w in ws)
-    return jax.jit(run)
+
+def _prefill(m: dict, layers: int) -> None:
+    """M = 2048 through `layers` layers of the seven projections: bf16 and FP8 W8A8."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_engine_gpu import LLAMA3_8B
+    from benchmarks.bench_quant import _layer_stack_fn, _projections
+    from jaxinfer.model.quant.ops import quantize
+    shapes = _projections(LLAMA3_8B)
+    normal = jax.jit(lambda key, shape: (jax.random.normal(key, shape) * 0.02).astype(jnp.bfloat16),
+                     static_argnums=1)
+    bf16 = [{name: normal(jax.random.key(li * 16 + i), shape)
+             for i, (name, shape) in enumerate(shapes.items())} for li in range(layers)]
+    fp8 = [{} for _ in range(layers)]
+    for li, layer in enumerate(bf16):
+        for name, w in layer.items():
+            fp8[li][name], fp8[li][name + "_scale"] = quantize(w, "fp8")
+    flops = 2 * 2048 * layers * sum(n * k for n, k in shapes.values())
+    x = jax.random.normal(jax.random.key(0), (2048, LLAMA3_8B["hidden_size"]), jnp.bfloat16)
+    for impl, params in (("bf16", bf16), ("fp8", fp8)):
+        sec = _timed(_layer_stack_fn(impl), x, params)
+        m[f"prefill_{impl}_m2048_ms"] = round(sec * 1e3, 3)
+        m[f"prefill_{impl}_m2048_tflops"] = round(flops / sec / 1e12, 1)
+    m["prefill_matmul_fp8_over_bf16"] = round(m["prefill_bf16_m2048_ms"] / m["prefill_fp8_m2048_ms"], 3)
+    m["prefill_layers"] = layers
+    print(json.dumps({k: v for k, v in m.items() if k.startswith("prefill")}), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deadline-s", type=float, default=60.0,
                     help="stop starting new measurements past this many seconds")
-    ap.add_argument("--rows", default="1,8,64")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--no-sweep", action="store_true", help="the default tiling only")
+    ap.add_argument("--rows", default="8,1,64", help="kernel row counts (8 is compared with XLA)")
+    ap.add_argument("--prefill-layers", type=int, default=1, help="0: skip the prefill ratio")
+    ap.add_argument("--sweep", action="store_true", help="also a few tilings at 8 rows")
     results_io.add_save_arg(ap, "weight_only_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -103,83 +115,86 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.bench_decode import read_ceiling_tbps
     from pallas_kernels.weight_only_matmul import weight_only_matmul
 
     def left() -> float:
         return args.deadline_s - (time.perf_counter() - start)
 
-    m: dict = {"read_ceiling_tbs": round(read_ceiling_tbs(), 3)}
-    print(json.dumps(m), flush=True)
+    m: dict = {}
     rows = [int(r) for r in args.rows.split(",")]
-    if "lm_head" in args.shapes.split(","):
-        # The model's bf16 LM head ([in, out], XLA's dot) at the batch-1 bucket: what an unquantized
-        # head costs a decode step beside the 8-bit layers.
-        n, k = SHAPES["lm_head"]
-        head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
-        x = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
-        sec = _median_s(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
-                        (x, head))
-        m["xla_bf16_lm_head_m8_tbs"] = round(2 * n * k / sec / 1e12, 3)
-        m["xla_bf16_lm_head_m8_us"] = round(sec * 1e6, 1)
-        sec = _median_s(jax.jit(lambda x, w: weight_only_matmul(x, w, None, w_kn=True)), (x, head))
-        m["wo_bf16_lm_head_m8_tbs"] = round(2 * n * k / sec / 1e12, 3)  # the kernel on it
-        m["wo_bf16_lm_head_m8_us"] = round(sec * 1e6, 1)
-        print(json.dumps({k_: v for k_, v in m.items() if "lm_head" in k_}), flush=True)
-        del head
 
     def save() -> None:
+        m["wall_s"] = round(time.perf_counter() - start, 1)
+        if "read_ceiling_tbs" in m:
+            for key in [k for k in m if k.endswith("_tbs") and k != "read_ceiling_tbs"]:
+                m[key.replace("_tbs", "_frac_of_ceiling")] = round(m[key] / m["read_ceiling_tbs"], 3)
+        for impl in ("wo", "xla_dequant"):
+            if all(f"{impl}_{s}_m8_us" in m for s in SHAPES):
+                m[f"{impl}_m8_layer_us"] = round(sum(c * m[f"{impl}_{s}_m8_us"]
+                                                     for s, c in PER_LAYER.items()), 1)
         if args.save:
             results_io.save(args.save, args.name or "weight_only_h200", metrics=m, config={
-                "shapes": {s: SHAPES[s] for s in args.shapes.split(",")}, "rows": rows,
+                "shapes": {**SHAPES, "lm_head": HEAD}, "per_layer": PER_LAYER, "rows": rows,
                 "default_cfg": "block_n, block_k, warps, stages, programs/SM = "
                                + ",".join(map(str, DEFAULT)),
                 "weights": "float8_e4m3fn, per-channel scales; >= 512 MB of copies per call"})
 
-    def measure(key: str, fn, x, s, ws) -> float:
-        sec = _median_s(fn, (x, s, *ws))
-        tbs = len(ws) * ws[0].size / sec / 1e12
-        m[key + "_tbs"] = round(tbs, 3)
+    def measure(key: str, fn, x, s, ws, nbytes: int | None = None) -> None:
+        sec = _timed(fn, x, s, *ws)
+        m[key + "_tbs"] = round((nbytes or len(ws) * ws[0].size) / sec / 1e12, 3)
         m[key + "_us"] = round(sec / len(ws) * 1e6, 2)
         print(json.dumps({key + "_tbs": m[key + "_tbs"], key + "_us": m[key + "_us"],
                           "at_s": round(time.perf_counter() - start, 1)}), flush=True)
-        return tbs
 
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name]
+    m["read_ceiling_tbs"] = round(read_ceiling_tbps(), 3)
+    print(json.dumps(m), flush=True)
+    if args.prefill_layers and left() > 8:
+        _prefill(m, args.prefill_layers)
+        save()
+    x8 = {}
+    for name, (n, k) in SHAPES.items():  # the batch-1 decode bucket: kernel against XLA
         if left() < 3:
             break
         ws, s = _weights(n, k)
-        for r in rows:
+        x8[name] = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
+        measure(f"wo_{name}_m8", _kernel_fn(DEFAULT, n, k), x8[name], s, ws)
+        if left() > 2:
+            measure(f"xla_dequant_{name}_m8", _xla_dequant_fn(), x8[name], s, ws)
+        save()
+        del ws
+    if left() > 4:  # the bf16 LM head, [in, out] as the model holds it
+        n, k = HEAD
+        head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
+        xla = jax.jit(lambda x, _, w: (jnp.dot(x, w),))
+        kern = jax.jit(lambda x, _, w: (weight_only_matmul(x, w, None, w_kn=True),))
+        measure("xla_bf16_lm_head_m8", xla, x, None, [head], 2 * n * k)
+        measure("wo_bf16_lm_head_m8", kern, x, None, [head], 2 * n * k)
+        save()
+        del head
+    for name, (n, k) in SHAPES.items():  # the kernel at the other row counts
+        if left() < 3:
+            break
+        ws, s = _weights(n, k)
+        for r in [r for r in rows if r != 8]:
             if left() < 2:
                 break
             x = jax.random.normal(jax.random.key(r), (r, k), jnp.bfloat16)
             measure(f"wo_{name}_m{r}", _kernel_fn(DEFAULT, n, k), x, s, ws)
         save()
         del ws
-    x8 = {}
-    biggest_first = sorted(args.shapes.split(","), key=lambda s: -SHAPES[s][0] * SHAPES[s][1])
-    for name in [s for s in biggest_first if s != "lm_head"]:  # the sweep at the bs-1 bucket
-        if args.no_sweep or left() < 5:
+    for name, (n, k) in SHAPES.items():  # tilings at 8 rows
+        if not args.sweep or left() < 3:
             break
-        n, k = SHAPES[name]
         ws, s = _weights(n, k)
-        x8[name] = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
-        best = (m.get(f"wo_{name}_m8_tbs", 0.0), DEFAULT)
         for cfg in SWEEP:
             if left() < 2:
                 break
-            tbs = measure(f"wo_{name}_m8_cfg{'_'.join(map(str, cfg))}", _kernel_fn(cfg, n, k),
-                          x8[name], s, ws)
-            best = max(best, (tbs, cfg))
-        m[f"wo_{name}_m8_best_tbs"] = round(best[0], 3)
-        m[f"wo_{name}_m8_best_cfg"] = ",".join(map(str, best[1]))
-        if left() > 3:
-            measure(f"xla_dequant_{name}_m8", _xla_dequant_fn(), x8[name], s, ws)
+            measure(f"wo_{name}_m8_cfg{'_'.join(map(str, cfg))}", _kernel_fn(cfg, n, k),
+                    x8[name], s, ws)
         save()
         del ws
-    for key in [k for k in m if k.endswith("_tbs") and k.startswith("wo_") and "_cfg" not in k]:
-        m[key.replace("_tbs", "_frac_of_ceiling")] = round(m[key] / m["read_ceiling_tbs"], 3)
-    m["wall_s"] = round(time.perf_counter() - start, 1)
     save()
     print("\n".join(f"{k} | {v}" for k, v in m.items() if not k.endswith("_us")))
 

@@ -111,12 +111,14 @@ def test_dispatch_picks_weight_only_for_int8_and_honours_the_override(monkeypatc
 def test_gpu_dispatch_sends_decode_rows_to_the_weight_only_kernel():
     rule = functools.partial(ops.pick_impl, gpu=True)
     for fp8 in (True, False):
-        assert rule(1, fp8, fp8_gemm=fp8) == "pallas"
-        assert rule(ops.WEIGHT_ONLY_MAX_ROWS, fp8, fp8_gemm=fp8) == "pallas"
+        assert rule(1, fp8, fp8_gemm=fp8, decode="pallas") == "pallas"
+        assert rule(ops.WEIGHT_ONLY_MAX_ROWS, fp8, fp8_gemm=fp8, decode="pallas") == "pallas"
         assert rule(ops.WEIGHT_ONLY_MAX_ROWS + 1, fp8, fp8_gemm=fp8) == "dequant"
     assert rule(ops.FP8_GEMM_MIN_ROWS, True, fp8_gemm=True) == "fp8"
     assert rule(ops.FP8_GEMM_MIN_ROWS, True, fp8_gemm=False) == "dequant"  # no FP8 tensor cores
     assert rule(ops.FP8_GEMM_MIN_ROWS, False, fp8_gemm=False) == "dequant"
+    assert rule(8, True, fp8_gemm=True, decode="dequant") == "dequant"
+    assert rule(ops.FP8_GEMM_MIN_ROWS, True, fp8_gemm=True, decode="dequant") == "fp8"
 
 
 @pytest.mark.parametrize("mode", ["fp8", "int8"])

@@ -44,8 +44,11 @@ IMPLS = ("fp8", "dequant", "pallas")
 # FP8 gemm streamed the weights at 0.97 TB/s, slower than the bf16 weights it replaces, while at
 # 256 rows it beat bf16 by 1.25x; below this the step is a weight stream.
 FP8_GEMM_MIN_ROWS = 128
-# Rows up to which the Pallas weight-only kernel runs (its accumulator tile is [rows, block_n]).
+# Rows up to which a step is a weight stream (the Pallas kernel's accumulator tile is
+# [rows, block_n]), and the weight-only implementation such steps run on a GPU;
+# $JAXINFER_QUANT_DECODE_IMPL=pallas|dequant overrides it (benchmarks' A/B).
 WEIGHT_ONLY_MAX_ROWS = 64
+DECODE_IMPL = "pallas"
 
 
 def _qmax(dtype) -> float:
@@ -104,17 +107,22 @@ def choose_impl(rows: int, weight_dtype) -> str:
             raise ValueError(f"JAXINFER_QUANT_IMPL={forced!r}: expected one of {IMPLS}")
         if fp8 or forced != "fp8":
             return forced
+    decode = os.environ.get("JAXINFER_QUANT_DECODE_IMPL", DECODE_IMPL)
+    if decode not in ("pallas", "dequant"):
+        raise ValueError(f"JAXINFER_QUANT_DECODE_IMPL={decode!r}: expected pallas or dequant")
     gpu = jax.devices()[0].platform == "gpu"
-    return pick_impl(rows, fp8, gpu=gpu, fp8_gemm=gpu and fp8 and fp8_tensor_cores())
+    return pick_impl(rows, fp8, gpu=gpu, fp8_gemm=gpu and fp8 and fp8_tensor_cores(),
+                     decode=decode)
 
 
-def pick_impl(rows: int, fp8: bool, *, gpu: bool, fp8_gemm: bool) -> str:
-    """`choose_impl`'s rule on a GPU (`gpu`) with or without FP8 tensor cores (`fp8_gemm`)."""
+def pick_impl(rows: int, fp8: bool, *, gpu: bool, fp8_gemm: bool, decode: str = DECODE_IMPL) -> str:
+    """`choose_impl`'s rule on a GPU (`gpu`) with or without FP8 tensor cores (`fp8_gemm`);
+    `decode` is the weight-only implementation of steps of at most WEIGHT_ONLY_MAX_ROWS."""
     if not gpu:
         # The GPU's large-batch arithmetic, emulated: what accuracy tests should see.
         return "fp8" if fp8 else "dequant"
     if rows <= WEIGHT_ONLY_MAX_ROWS:
-        return "pallas"
+        return decode
     return "fp8" if fp8_gemm and rows >= FP8_GEMM_MIN_ROWS else "dequant"
 
 

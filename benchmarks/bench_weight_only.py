@@ -5,15 +5,16 @@ the bf16 LM head through XLA and through the kernel, and the prefill ratio (FP8 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_weight_only.py [--deadline-s 30]
         [--rows 8,1,64] [--prefill-layers 1] [--sweep] [--save [DIR]]
 
-Measured in priority order until --deadline-s (the record is rewritten after each figure):
+Measured in this order until --deadline-s (the record is rewritten after each figure):
   read_ceiling_tbs         XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps);
-  prefill_*                M = 2048 through --prefill-layers layers of the seven projections
-                           (bench_quant's stack), bf16 and FP8 W8A8: ms, TF/s and their ratio;
-  wo_<shape>_m<rows>       the kernel (default tiling) on e4m3 weights, and at 8 rows
+  wo_<shape>_m8            the kernel (default tiling) on e4m3 weights at 8 rows, and
   xla_dequant_<shape>_m8   XLA's weight-only dot (what decode ran before the kernel), in TB/s of
                            weight bytes and us per call, with `..._frac_of_ceiling`;
   *_layer_us               one layer's projections at 8 rows (q, o, 2 x kv, 2 x gate_up, down);
+  prefill_*                M = 2048 through --prefill-layers layers of the seven projections
+                           (bench_quant's stack), bf16 and FP8 W8A8: ms, TF/s and their ratio;
   xla_bf16_lm_head_m8, wo_bf16_lm_head_m8  the bf16 head [in, out] through XLA and the kernel;
+  wo_<shape>_m<rows>       the kernel at the other --rows;
   --sweep                  a few tilings of the kernel at 8 rows.
 Each timed call runs over enough distinct weight copies (>= 512 MB) that nothing is served from L2,
 unrolled in one jit, and calls are queued without host synchronisation (bench_decode's timing).
@@ -149,9 +150,6 @@ def main() -> None:
 
     m["read_ceiling_tbs"] = round(read_ceiling_tbps(), 3)
     print(json.dumps(m), flush=True)
-    if args.prefill_layers and left() > 8:
-        _prefill(m, args.prefill_layers)
-        save()
     x8 = {}
     for name, (n, k) in SHAPES.items():  # the batch-1 decode bucket: kernel against XLA
         if left() < 3:
@@ -163,6 +161,9 @@ def main() -> None:
             measure(f"xla_dequant_{name}_m8", _xla_dequant_fn(), x8[name], s, ws)
         save()
         del ws
+    if args.prefill_layers and left() > 8:
+        _prefill(m, args.prefill_layers)
+        save()
     if left() > 4:  # the bf16 LM head, [in, out] as the model holds it
         n, k = HEAD
         head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)

@@ -7,8 +7,8 @@ the bf16 LM head through XLA and through the kernel, and the prefill ratio (FP8 
 
 Measured in this order until --deadline-s (the record is rewritten after each figure):
   read_ceiling_tbs         XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps);
-  wo_<shape>_m8            the kernel (default tiling) on e4m3 weights at 8 rows, and
-  xla_dequant_<shape>_m8   XLA's weight-only dot (what decode ran before the kernel), in TB/s of
+  wo_<shape>_m8[_alt]      the kernel (default tiling; `_alt`: ALT's) on e4m3 weights at 8 rows,
+  xla_dequant_<shape>_m8   and XLA's weight-only dot (what decode ran before the kernel), in TB/s of
                            weight bytes and us per call, with `..._frac_of_ceiling`;
   *_layer_us               one layer's projections at 8 rows (q, o, 2 x kv, 2 x gate_up, down);
   prefill_*                M = 2048 through --prefill-layers layers of the seven projections
@@ -36,6 +36,8 @@ HEAD = (128256, 4096)
 MIN_BYTES = 512 << 20
 # (block_n, block_k, num_warps, num_stages, programs per SM for the split-K plan)
 DEFAULT = (64, 256, 4, 4, 2)
+# Narrow tiles over long K ranges: enough N tiles to fill the GPU without split-K at N = 4096.
+ALT = (16, 1024, 4, 4, 1)
 SWEEP = [(32, 256, 4, 4, 2), (64, 256, 4, 4, 4), (128, 128, 4, 6, 2), (32, 512, 4, 4, 2)]
 
 
@@ -130,15 +132,16 @@ def main() -> None:
         if "read_ceiling_tbs" in m:
             for key in [k for k in m if k.endswith("_tbs") and k != "read_ceiling_tbs"]:
                 m[key.replace("_tbs", "_frac_of_ceiling")] = round(m[key] / m["read_ceiling_tbs"], 3)
-        for impl in ("wo", "xla_dequant"):
-            if all(f"{impl}_{s}_m8_us" in m for s in SHAPES):
-                m[f"{impl}_m8_layer_us"] = round(sum(c * m[f"{impl}_{s}_m8_us"]
-                                                     for s, c in PER_LAYER.items()), 1)
+        for impl, suffix in (("wo", ""), ("wo", "_alt"), ("xla_dequant", "")):
+            if all(f"{impl}_{s}_m8{suffix}_us" in m for s in SHAPES):
+                m[f"{impl}_m8{suffix}_layer_us"] = round(sum(
+                    c * m[f"{impl}_{s}_m8{suffix}_us"] for s, c in PER_LAYER.items()), 1)
         if args.save:
             results_io.save(args.save, args.name or "weight_only_h200", metrics=m, config={
                 "shapes": {**SHAPES, "lm_head": HEAD}, "per_layer": PER_LAYER, "rows": rows,
                 "default_cfg": "block_n, block_k, warps, stages, programs/SM = "
                                + ",".join(map(str, DEFAULT)),
+                "alt_cfg": ",".join(map(str, ALT)),
                 "weights": "float8_e4m3fn, per-channel scales; >= 512 MB of copies per call"})
 
     def measure(key: str, fn, x, s, ws, nbytes: int | None = None) -> None:
@@ -157,6 +160,8 @@ def main() -> None:
         ws, s = _weights(n, k)
         x8[name] = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
         measure(f"wo_{name}_m8", _kernel_fn(DEFAULT, n, k), x8[name], s, ws)
+        if left() > 2:
+            measure(f"wo_{name}_m8_alt", _kernel_fn(ALT, n, k), x8[name], s, ws)
         if left() > 2:
             measure(f"xla_dequant_{name}_m8", _xla_dequant_fn(), x8[name], s, ws)
         save()

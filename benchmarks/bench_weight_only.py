@@ -3,19 +3,20 @@ the weight-only decode kernel (pallas_kernels/weight_only_matmul.py) against XLA
 the bf16 LM head through XLA and through the kernel, and the prefill ratio (FP8 W8A8 over bf16).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_weight_only.py [--deadline-s 30]
-        [--rows 8,1,64] [--prefill-layers 1] [--sweep] [--save [DIR]]
+        [--rows 8,1,64] [--prefill-layers 1] [--parts compare,prefill,head,rows] [--save [DIR]]
 
-Measured in this order until --deadline-s (the record is rewritten after each figure):
-  read_ceiling_tbs         XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps);
-  wo_<shape>_m8[_alt]      the kernel (default tiling; `_alt`: ALT's) on e4m3 weights at 8 rows,
-  xla_dequant_<shape>_m8   and XLA's weight-only dot (what decode ran before the kernel), in TB/s of
-                           weight bytes and us per call, with `..._frac_of_ceiling`;
-  *_layer_us               one layer's projections at 8 rows (q, o, 2 x kv, 2 x gate_up, down);
-  prefill_*                M = 2048 through --prefill-layers layers of the seven projections
-                           (bench_quant's stack), bf16 and FP8 W8A8: ms, TF/s and their ratio;
-  xla_bf16_lm_head_m8, wo_bf16_lm_head_m8  the bf16 head [in, out] through XLA and the kernel;
-  wo_<shape>_m<rows>       the kernel at the other --rows;
-  --sweep                  a few tilings of the kernel at 8 rows.
+Measured in --parts order until --deadline-s (the record is rewritten after each figure):
+  read_ceiling_tbs  XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps), always first;
+  compare  8 rows (the batch-1 decode bucket): the kernel on e4m3 weights (`wo_<shape>_m8`,
+           default tiling; `..._alt`: ALT's) and XLA's weight-only dot (`xla_dequant_<shape>_m8`,
+           what decode ran before the kernel), in TB/s of weight bytes and us per call, with
+           `..._frac_of_ceiling`; `*_layer_us`: one layer's projections (q, o, 2 kv, 2 gate_up,
+           down);
+  prefill  M = 2048 through --prefill-layers layers of the seven projections (bench_quant's
+           stack), bf16 and FP8 W8A8: ms, TF/s and `prefill_matmul_fp8_over_bf16`;
+  head     the bf16 LM head [in, out] at 8 rows through XLA's dot and through the kernel;
+  rows     the kernel and XLA's weight-only dot at the other --rows;
+  sweep    a few tilings of the kernel at 8 rows.
 Each timed call runs over enough distinct weight copies (>= 512 MB) that nothing is served from L2,
 unrolled in one jit, and calls are queued without host synchronisation (bench_decode's timing).
 """
@@ -110,7 +111,8 @@ def main() -> None:
                     help="stop starting new measurements past this many seconds")
     ap.add_argument("--rows", default="8,1,64", help="kernel row counts (8 is compared with XLA)")
     ap.add_argument("--prefill-layers", type=int, default=1, help="0: skip the prefill ratio")
-    ap.add_argument("--sweep", action="store_true", help="also a few tilings at 8 rows")
+    ap.add_argument("--parts", default="compare,prefill,head,rows",
+                    help="what to measure, in order: compare, prefill, head, rows, sweep")
     results_io.add_save_arg(ap, "weight_only_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -153,54 +155,44 @@ def main() -> None:
 
     m["read_ceiling_tbs"] = round(read_ceiling_tbps(), 3)
     print(json.dumps(m), flush=True)
-    x8 = {}
-    for name, (n, k) in SHAPES.items():  # the batch-1 decode bucket: kernel against XLA
-        if left() < 3:
-            break
-        ws, s = _weights(n, k)
-        x8[name] = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
-        measure(f"wo_{name}_m8", _kernel_fn(DEFAULT, n, k), x8[name], s, ws)
-        if left() > 2:
-            measure(f"wo_{name}_m8_alt", _kernel_fn(ALT, n, k), x8[name], s, ws)
-        if left() > 2:
-            measure(f"xla_dequant_{name}_m8", _xla_dequant_fn(), x8[name], s, ws)
-        save()
-        del ws
-    if args.prefill_layers and left() > 8:
-        _prefill(m, args.prefill_layers)
-        save()
-    if left() > 4:  # the bf16 LM head, [in, out] as the model holds it
-        n, k = HEAD
-        head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
-        x = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
-        xla = jax.jit(lambda x, _, w: (jnp.dot(x, w),))
-        kern = jax.jit(lambda x, _, w: (weight_only_matmul(x, w, None, w_kn=True),))
-        measure("xla_bf16_lm_head_m8", xla, x, None, [head], 2 * n * k)
-        measure("wo_bf16_lm_head_m8", kern, x, None, [head], 2 * n * k)
-        save()
-        del head
-    for name, (n, k) in SHAPES.items():  # the kernel at the other row counts
-        if left() < 3:
-            break
-        ws, s = _weights(n, k)
-        for r in [r for r in rows if r != 8]:
-            if left() < 2:
-                break
-            x = jax.random.normal(jax.random.key(r), (r, k), jnp.bfloat16)
-            measure(f"wo_{name}_m{r}", _kernel_fn(DEFAULT, n, k), x, s, ws)
-        save()
-        del ws
-    for name, (n, k) in SHAPES.items():  # tilings at 8 rows
-        if not args.sweep or left() < 3:
-            break
-        ws, s = _weights(n, k)
-        for cfg in SWEEP:
-            if left() < 2:
-                break
-            measure(f"wo_{name}_m8_cfg{'_'.join(map(str, cfg))}", _kernel_fn(cfg, n, k),
-                    x8[name], s, ws)
-        save()
-        del ws
+    parts = args.parts.split(",")
+
+    def per_shape(row_counts, configs, xla: bool) -> None:
+        """The kernel under each config, and XLA's weight-only dot, per shape and row count."""
+        for name, (n, k) in SHAPES.items():
+            if left() < 3:
+                return
+            ws, s = _weights(n, k)
+            for r in row_counts:
+                x = jax.random.normal(jax.random.key(r), (r, k), jnp.bfloat16)
+                for label, cfg in configs:
+                    if left() > 2:
+                        measure(f"wo_{name}_m{r}{label}", _kernel_fn(cfg, n, k), x, s, ws)
+                if xla and left() > 2:
+                    measure(f"xla_dequant_{name}_m{r}", _xla_dequant_fn(), x, s, ws)
+            save()
+            del ws
+
+    for part in parts:
+        if part == "compare":  # the batch-1 decode bucket: kernel against XLA
+            per_shape([8], [("", DEFAULT), ("_alt", ALT)], xla=True)
+        elif part == "prefill" and args.prefill_layers and left() > 8:
+            _prefill(m, args.prefill_layers)
+            save()
+        elif part == "head" and left() > 4:  # the bf16 LM head, [in, out] as the model holds it
+            n, k = HEAD
+            head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+            x = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
+            xla = jax.jit(lambda x, _, w: (jnp.dot(x, w),))
+            kern = jax.jit(lambda x, _, w: (weight_only_matmul(x, w, None, w_kn=True),))
+            measure("xla_bf16_lm_head_m8", xla, x, None, [head], 2 * n * k)
+            measure("wo_bf16_lm_head_m8", kern, x, None, [head], 2 * n * k)
+            save()
+            del head
+        elif part == "rows":  # the other row counts, kernel and XLA
+            per_shape([r for r in rows if r != 8], [("", DEFAULT)], xla=True)
+        elif part == "sweep":  # tilings at 8 rows
+            per_shape([8], [(f"_cfg{'_'.join(map(str, c))}", c) for c in SWEEP], xla=False)
     save()
     print("\n".join(f"{k} | {v}" for k, v in m.items() if not k.endswith("_us")))
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
-from jaxinfer.model.quant.layers import DenseHead, expert_weights, linear
+from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.core.kv_cache.device_cache import KVCache
 from jaxinfer.parallel.experts import expert_dispatch
 from pallas_kernels.backend import REFERENCE, AttentionBackend
@@ -181,8 +181,8 @@ def _tied_head(x: jax.Array, embedding: jax.Array) -> jax.Array:
     return jnp.dot(x, embedding.T, preferred_element_type=jnp.float32)
 
 
-def _dense_head(cfg: ModelConfig, dtype, name: str | None = None) -> DenseHead:
-    return DenseHead(cfg.vocab_size, dtype=dtype, name=name)
+def _dense_head(cfg: ModelConfig, dtype, name: str | None = None) -> nn.Dense:
+    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

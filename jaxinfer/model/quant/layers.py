@@ -1,6 +1,5 @@
 """The model's quantized layers: `linear(cfg, dtype)` is the Dense factory every projection of the
-transformer uses, `expert_weights` declares the MoE expert stacks, and `DenseHead` is the
-unquantized LM head whose decode rows stream its weights through the weight-only kernel.
+transformer uses, and `expert_weights` declares the MoE expert stacks.
 
 A quantized linear holds `weight` [out, in] in the storage dtype, `weight_scale` [out] float32 and
 (when the layer has one) `bias` [out] in the model dtype: the tensor names a compressed-tensors
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.quant.ops import STORAGE, dense_matmul, quantized_matmul
+from jaxinfer.model.quant.ops import STORAGE, quantized_matmul
 
 EXPERT_PROJS = ("w_gate", "w_up", "w_down")
 
@@ -44,20 +43,6 @@ class QuantLinear(nn.Module):
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)
         return y
-
-
-class DenseHead(nn.Module):
-    """nn.Dense without bias (the same `kernel` [in, out] param, init and output dtype), computed
-    by `dense_matmul`: the LM head is the largest single weight a decode step reads (1 GB of bf16
-    for a 128k vocabulary), and it stays bf16 under --quantization."""
-    features: int
-    dtype: jnp.dtype = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
-                            self.dtype)
-        return dense_matmul(x.astype(self.dtype), kernel)
 
 
 def linear(cfg: ModelConfig, dtype) -> functools.partial:

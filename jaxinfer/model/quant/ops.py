@@ -13,20 +13,20 @@ scales [E, out]; `quantize` takes the reduction axis.
   tensor cores through XLA's cuBLASLt FP8 gemm), and the token and channel scales multiply the
   output as an outer product, which is exact: y[t, n] = sx[t] * sw[n] * sum_k xq[t, k] * wq[n, k].
 - "dequant" (weight-only, W8A16): the stored weight is converted to the activation dtype inside the
-  dot and the channel scale multiplies the output. What int8 weights run past the kernel's rows,
-  and what FP8 weights run where FP8 tensor cores are absent (compute capability < 8.9).
-- "pallas" (weight-only, few rows): `pallas_kernels.weight_only_matmul`, which streams the 8-bit
-  weight tiles from HBM and widens them in registers (`quant/weight_only.py` splits it over
-  tensor-parallel shards); what decode steps of at most `WEIGHT_ONLY_MAX_ROWS` rows run on a
-  GPU, for FP8 and int8 weights alike.
+  dot and the channel scale multiplies the output. What decode-sized steps (at most
+  `WEIGHT_ONLY_MAX_ROWS` rows) run on a GPU, what int8 weights always run, and what FP8 weights
+  run where FP8 tensor cores are absent (compute capability < 8.9).
+- "pallas" (weight-only): `pallas_kernels.weight_only_matmul`, which streams the 8-bit weight tiles
+  from HBM and widens them in registers (`quant/weight_only.py` splits it over tensor-parallel
+  shards); opt-in for decode-sized steps ($JAXINFER_QUANT_DECODE_IMPL=pallas).
 
-On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
+On the CPU all three are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands;
+the kernel runs in Pallas' interpreter).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import jax
@@ -46,9 +46,11 @@ IMPLS = ("fp8", "dequant", "pallas")
 FP8_GEMM_MIN_ROWS = 128
 # Rows up to which a step is a weight stream (the Pallas kernel's accumulator tile is
 # [rows, block_n]), and the weight-only implementation such steps run on a GPU;
-# $JAXINFER_QUANT_DECODE_IMPL=pallas|dequant overrides it (benchmarks' A/B).
+# $JAXINFER_QUANT_DECODE_IMPL=pallas|dequant overrides it (benchmarks' A/B). XLA's dot: at 8 rows
+# on the H200 it streamed Llama-3-8B's e4m3 projections at 2.7-3.3 TB/s, the kernel at 1.5-2.1
+# (benchmarks/results/weight_only_h200.json).
 WEIGHT_ONLY_MAX_ROWS = 64
-DECODE_IMPL = "pallas"
+DECODE_IMPL = "dequant"
 
 
 def _qmax(dtype) -> float:
@@ -128,30 +130,9 @@ def pick_impl(rows: int, fp8: bool, *, gpu: bool, fp8_gemm: bool, decode: str = 
 
 # A nested jit: every layer calls the kernel with the same few shapes, so it is traced and lowered
 # once per shape instead of once per layer (XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("out_dtype", "w_kn"))
-def _weight_only(x, w, scale, out_dtype, w_kn=False):
-    return weight_only(x, w, scale, out_dtype, w_kn=w_kn)
-
-
-def head_impl(rows: int, dtype) -> str:
-    """What `dense_matmul` runs: "pallas" (the weight-only kernel) for decode rows of a 16-bit
-    kernel on a GPU, "xla" otherwise; $JAXINFER_HEAD_IMPL=pallas|xla overrides it (16-bit only)."""
-    forced = os.environ.get("JAXINFER_HEAD_IMPL")
-    if forced not in (None, "pallas", "xla"):
-        raise ValueError(f"JAXINFER_HEAD_IMPL={forced!r}: expected pallas or xla")
-    if jnp.dtype(dtype).itemsize != 2:
-        return "xla"
-    if forced:
-        return forced
-    return "pallas" if rows <= WEIGHT_ONLY_MAX_ROWS and jax.devices()[0].platform == "gpu" else "xla"
-
-
-def dense_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [..., K] @ kernel [K, N] in x's dtype (nn.Dense's arithmetic), through `head_impl`'s
-    choice: the weight-only kernel streams a 16-bit kernel at close to the HBM rate."""
-    if head_impl(math.prod(x.shape[:-1]), kernel.dtype) == "pallas":
-        return _weight_only(x, kernel, None, out_dtype=x.dtype, w_kn=True)
-    return jnp.dot(x, kernel)
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _weight_only(x, w, scale, out_dtype):
+    return weight_only(x, w, scale, out_dtype)
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | None = None,

@@ -9,8 +9,7 @@ runs the kernel on its own shard instead:
   output channels; the output stays split like the weight;
 - row-parallel weights split over `in` (o, down): each device multiplies its slice of the inputs
   and the float32 partial sums are all-reduced, then cast (the scale is per output channel, so
-  scaling each partial is the same as scaling the sum);
-- the LM head (a bf16 Dense kernel [in, out] split over the vocabulary): like column-parallel.
+  scaling each partial is the same as scaling the sum).
 
 On one device (and inside `shard_map`) JAX inlines the kernel as it is.
 """
@@ -31,61 +30,45 @@ def _axis(sharding, dim: int):
     return spec[dim] if dim < len(spec) else None
 
 
-def _plan(arg_shapes, w_kn: bool):
+def _plan(arg_shapes):
     """(rows axis, output-channel axis, reduction axis) of the partitioned call."""
     x, w = arg_shapes[0].sharding, arg_shapes[1].sharding
-    rows = _axis(x, 0)
-    n, k = (_axis(w, 1), _axis(w, 0)) if w_kn else (_axis(w, 0), _axis(w, 1))
+    rows, n, k = _axis(x, 0), _axis(w, 0), _axis(w, 1)
     if n is not None and k is not None:
         k = None  # a weight split both ways: keep the output channels split, gather the inputs
     return rows, n, k
 
 
-def _op(w_kn: bool, scaled: bool):
-    """The custom-partitioned kernel call for one weight layout, with or without scales."""
-
-    def call(out_dtype, interpret, x, w, *scale):
-        return weight_only_matmul(x, w, scale[0] if scaled else None, out_dtype=out_dtype,
-                                  w_kn=w_kn, interpret=interpret)
-
-    def partition(out_dtype, interpret, mesh, arg_shapes, result_shape):
-        rows, n, k = _plan(arg_shapes, w_kn)
-
-        def local(x, w, *scale):
-            if k is None:
-                return call(out_dtype, interpret, x, w, *scale)
-            return jax.lax.psum(call(jnp.float32, interpret, x, w, *scale), k).astype(out_dtype)
-
-        shard = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
-        args = (shard(rows, k), shard(k, n) if w_kn else shard(n, k)) + ((shard(n),) if scaled else ())
-        return mesh, local, shard(rows, n), args
-
-    def infer(out_dtype, interpret, mesh, arg_shapes, result_shape):
-        rows, n, _ = _plan(arg_shapes, w_kn)
-        return NamedSharding(mesh, P(rows, n))
-
-    op = custom_partitioning(call, static_argnums=(0, 1))
-    rule = ("m k, k n" if w_kn else "m k, n k, n" if scaled else "m k, n k") + " -> m n"
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                     reduction_factors=("k",))
-    return op
+def _call(out_dtype, interpret, x, w, scale):
+    return weight_only_matmul(x, w, scale, out_dtype=out_dtype, interpret=interpret)
 
 
-_SCALED = _op(w_kn=False, scaled=True)  # quantized linears: w [N, K], scale [N]
-_DENSE = _op(w_kn=True, scaled=False)  # a Flax Dense kernel [K, N] (the LM head)
+def _partition(out_dtype, interpret, mesh, arg_shapes, result_shape):
+    rows, n, k = _plan(arg_shapes)
+
+    def local(x, w, scale):
+        if k is None:
+            return _call(out_dtype, interpret, x, w, scale)
+        return jax.lax.psum(_call(jnp.float32, interpret, x, w, scale), k).astype(out_dtype)
+
+    shard = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    return mesh, local, shard(rows, n), (shard(rows, k), shard(n, k), shard(n))
 
 
-def weight_only(x: jax.Array, w: jax.Array, scale: jax.Array | None, out_dtype,
-                w_kn: bool = False) -> jax.Array:
-    """x [..., K] @ (w [N, K] * scale[:, None]).T -> [..., N] through the kernel, or x @ w [K, N]
-    with `w_kn` and no scale; interpreted off the GPU (CPU tests)."""
+def _infer(out_dtype, interpret, mesh, arg_shapes, result_shape):
+    rows, n, _ = _plan(arg_shapes)
+    return NamedSharding(mesh, P(rows, n))
+
+
+_partitioned = custom_partitioning(_call, static_argnums=(0, 1))
+_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                           sharding_rule="m k, n k, n -> m n", reduction_factors=("k",))
+
+
+def weight_only(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype) -> jax.Array:
+    """x [..., K] @ (w [N, K] * scale[:, None]).T -> [..., N] through the kernel; interpreted off
+    the GPU (CPU tests)."""
     interpret = jax.devices()[0].platform != "gpu"
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if w_kn:
-        if scale is not None:
-            raise ValueError("w_kn weights are unscaled (16-bit)")
-        y = _DENSE(jnp.dtype(out_dtype), interpret, x2, w)
-    else:
-        y = _SCALED(jnp.dtype(out_dtype), interpret, x2, w, scale)
-    return y.reshape(*lead, y.shape[-1])
+    y = _partitioned(jnp.dtype(out_dtype), interpret, x.reshape(-1, x.shape[-1]), w, scale)
+    return y.reshape(*lead, w.shape[0])

@@ -155,6 +155,7 @@ def main() -> None:
 
     m["read_ceiling_tbs"] = round(read_ceiling_tbps(), 3)
     print(json.dumps(m), flush=True)
+    save()  # a part cut by the caller's time limit keeps what came before it
     parts = args.parts.split(",")
 
     def per_shape(row_counts, configs, xla: bool) -> None:

@@ -270,8 +270,7 @@ def main() -> None:
         if args.save:
             config: dict = {"sections": sections}
             impl_env = {k: v for k, v in os.environ.items()  # the dispatch overrides in force
-                        if k in ("JAXINFER_QUANT_IMPL", "JAXINFER_QUANT_DECODE_IMPL",
-                                 "JAXINFER_HEAD_IMPL")}
+                        if k in ("JAXINFER_QUANT_IMPL", "JAXINFER_QUANT_DECODE_IMPL")}
             if impl_env:
                 config["impl_env"] = impl_env
             if any(s.startswith("llama8b") for s in sections):

@@ -10,9 +10,8 @@ one persistent compilation cache; the record is rewritten after each):
                 the --matmul-rows row counts (default M = 2048, a prefill chunk; 8, the batch-1
                 decode bucket; 256, c = 256 decode), for bf16 weights, FP8 W8A8 ("fp8": per-token
                 e4m3 activations, XLA's cuBLASLt FP8 gemm) and, at decode sizes, FP8 weight-only
-                ("pallas": the Pallas kernel; "dequant": e4m3 converted inside XLA's dot): ms per
-                call, weight-read GB/s, TF/s, and whether the optimized HLO holds the
-                `__cublas$lt$matmul$f8` custom call.
+                ("dequant": e4m3 converted inside XLA's dot): ms per call, weight-read GB/s, TF/s,
+                and whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call.
   demo_ppl      the bundled demo model in bf16, its weights unquantized and FP8: held-out
                 perplexity (checkpoints/heldout_sample.txt) and greedy top-1 agreement.
   llama8b_bf16  Llama-3-8B shape, dummy bf16 weights: batch-1 TPOT (the anchor).
@@ -110,10 +109,10 @@ def section_matmul(cfg: dict) -> dict:
             fp8[layer][name], fp8[layer][name + "_scale"] = to_fp8(w)
     weight_params = LAYERS * sum(n * k for n, k in shapes.values())
     out: dict = {"matmul_weight_params": weight_params}
-    params = {"bf16": bf16, "fp8": fp8, "dequant": fp8, "pallas": fp8}
+    params = {"bf16": bf16, "fp8": fp8, "dequant": fp8}
     fns = {impl: _layer_stack_fn(impl) for impl in params}
     for m in (int(r) for r in cfg["matmul_rows"].split(",")):
-        for impl in ("fp8", "bf16") if m >= 2048 else ("pallas", "dequant", "fp8", "bf16"):
+        for impl in ("fp8", "bf16") if m >= 2048 else ("dequant", "fp8", "bf16"):
             fn = fns[impl]
             x = jax.random.normal(key, (m, LLAMA3_8B["hidden_size"]), jnp.bfloat16)
             compiled = fn.lower(x, params[impl]).compile()
@@ -123,7 +122,7 @@ def section_matmul(cfg: dict) -> dict:
                          if "custom-call" in ln or "kind=kCustom" in ln][:60]
                 with open(Path(os.environ["QUANT_HLO_DIR"]) / "matmul_hlo.txt", "a") as f:
                     f.write(f"==== {impl} m={m}\n" + "\n".join(lines) + "\n")
-            if impl in ("fp8", "dequant"):
+            if impl != "bf16":
                 out[f"matmul_{impl}_m{m}_cublaslt_f8"] = CUBLASLT_FP8 in hlo
             # Weights copied into a merged gemm's operand every call (XLA's dot merging).
             out[f"matmul_{impl}_m{m}_weight_concats"] = len(
@@ -269,10 +268,8 @@ def main() -> None:
                 metrics.setdefault(key, None)
         if args.save:
             config: dict = {"sections": sections}
-            impl_env = {k: v for k, v in os.environ.items()  # the dispatch overrides in force
-                        if k in ("JAXINFER_QUANT_IMPL", "JAXINFER_QUANT_DECODE_IMPL")}
-            if impl_env:
-                config["impl_env"] = impl_env
+            if os.environ.get("JAXINFER_QUANT_IMPL"):  # the dispatch override in force
+                config["impl_env"] = {"JAXINFER_QUANT_IMPL": os.environ["JAXINFER_QUANT_IMPL"]}
             if any(s.startswith("llama8b") for s in sections):
                 config.update(
                     model="Llama-3-8B shape, dummy weights (bf16; fp8 quantized on load)",

@@ -1,24 +1,24 @@
 """FP8 matmuls alone on Llama-3-8B's shapes, beside the HBM read ceiling measured in the same run:
-the weight-only decode kernel (pallas_kernels/weight_only_matmul.py) against XLA's weight-only dot,
-the bf16 LM head through XLA and through the kernel, and the prefill ratio (FP8 W8A8 over bf16).
+XLA's weight-only dot (what decode steps run) per projection shape, the bf16 LM head, and the
+prefill ratio (FP8 W8A8 over bf16).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_weight_only.py [--deadline-s 30]
-        [--rows 8,1,64] [--prefill-layers 1] [--parts compare,prefill,head,rows] [--save [DIR]]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_weight_only.py [--deadline-s 60]
+        [--rows 8,1,64] [--prefill-layers 1] [--parts decode,prefill,head,rows] [--save [DIR]]
 
 Measured in --parts order until --deadline-s (the record is rewritten after each figure):
   read_ceiling_tbs  XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps), always first;
-  compare  8 rows (the batch-1 decode bucket): the kernel on e4m3 weights (`wo_<shape>_m8`,
-           default tiling; `..._alt`: ALT's) and XLA's weight-only dot (`xla_dequant_<shape>_m8`,
-           what decode ran before the kernel), in TB/s of weight bytes and us per call, with
-           `..._frac_of_ceiling`; `*_layer_us`: one layer's projections (q, o, 2 kv, 2 gate_up,
-           down);
+  decode   8 rows (the batch-1 decode bucket): XLA's weight-only dot on e4m3 weights
+           (`xla_dequant_<shape>_m8`), in TB/s of weight bytes and us per call, with
+           `..._frac_of_ceiling`; `xla_dequant_m8_layer_us`: one layer's projections (q, o, 2 kv,
+           2 gate_up, down);
   prefill  M = 2048 through --prefill-layers layers of the seven projections (bench_quant's
            stack), bf16 and FP8 W8A8: ms, TF/s and `prefill_matmul_fp8_over_bf16`;
-  head     the bf16 LM head [in, out] at 8 rows through XLA's dot and through the kernel;
-  rows     the kernel and XLA's weight-only dot at the other --rows;
-  sweep    a few tilings of the kernel at 8 rows.
+  head     the bf16 LM head [in, out] at 8 rows through XLA's dot;
+  rows     XLA's weight-only dot at the other --rows.
 Each timed call runs over enough distinct weight copies (>= 512 MB) that nothing is served from L2,
 unrolled in one jit, and calls are queued without host synchronisation (bench_decode's timing).
+The Pallas weight-only kernel this script once compared (33-45 % of the ceiling against XLA's
+60-72 %, `results/weight_only_h200.json`) was removed; git history has it.
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ SHAPES = {"gate_up": (14336, 4096), "down": (4096, 14336), "q_o": (4096, 4096), 
 PER_LAYER = {"gate_up": 2, "down": 1, "q_o": 2, "kv": 2}
 HEAD = (128256, 4096)
 MIN_BYTES = 512 << 20
-# (block_n, block_k, num_warps, num_stages, programs per SM for the split-K plan)
-DEFAULT = (64, 256, 4, 4, 2)
-# Narrow tiles over long K ranges: enough N tiles to fill the GPU without split-K at N = 4096.
-ALT = (16, 1024, 4, 4, 1)
-SWEEP = [(32, 256, 4, 4, 2), (64, 256, 4, 4, 4), (128, 128, 4, 6, 2), (32, 512, 4, 4, 2)]
 
 
 def _timed(fn, *args) -> float:
@@ -56,18 +51,6 @@ def _weights(n: int, k: int):
     make = jax.jit(lambda key: jax.lax.bitcast_convert_type(
         jax.random.randint(key, (n, k), -100, 101, jnp.int8), jnp.float8_e4m3fn))
     return [make(jax.random.key(i)) for i in range(copies)], jnp.full((n,), 1e-3, jnp.float32)
-
-
-def _kernel_fn(cfg: tuple, n: int, k: int):
-    import jax
-
-    from pallas_kernels.device_info import num_sms
-    from pallas_kernels.weight_only_matmul import plan_split_k, weight_only_matmul_configured
-    bn, bk, warps, stages, per_sm = cfg
-    split = plan_split_k(n, k, bn, bk, per_sm * num_sms())
-    return jax.jit(lambda x, s, *ws: tuple(
-        weight_only_matmul_configured(x, w, s, block_n=bn, block_k=bk, split_k=split,
-                                      num_warps=warps, num_stages=stages) for w in ws))
 
 
 def _xla_dequant_fn():
@@ -109,10 +92,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deadline-s", type=float, default=60.0,
                     help="stop starting new measurements past this many seconds")
-    ap.add_argument("--rows", default="8,1,64", help="kernel row counts (8 is compared with XLA)")
+    ap.add_argument("--rows", default="8,1,64", help="row counts (8: the decode part)")
     ap.add_argument("--prefill-layers", type=int, default=1, help="0: skip the prefill ratio")
-    ap.add_argument("--parts", default="compare,prefill,head,rows",
-                    help="what to measure, in order: compare, prefill, head, rows, sweep")
+    ap.add_argument("--parts", default="decode,prefill,head,rows",
+                    help="what to measure, in order: decode, prefill, head, rows")
     results_io.add_save_arg(ap, "weight_only_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -121,7 +104,6 @@ def main() -> None:
     import jax.numpy as jnp
 
     from benchmarks.bench_decode import read_ceiling_tbps
-    from pallas_kernels.weight_only_matmul import weight_only_matmul
 
     def left() -> float:
         return args.deadline_s - (time.perf_counter() - start)
@@ -134,16 +116,12 @@ def main() -> None:
         if "read_ceiling_tbs" in m:
             for key in [k for k in m if k.endswith("_tbs") and k != "read_ceiling_tbs"]:
                 m[key.replace("_tbs", "_frac_of_ceiling")] = round(m[key] / m["read_ceiling_tbs"], 3)
-        for impl, suffix in (("wo", ""), ("wo", "_alt"), ("xla_dequant", "")):
-            if all(f"{impl}_{s}_m8{suffix}_us" in m for s in SHAPES):
-                m[f"{impl}_m8{suffix}_layer_us"] = round(sum(
-                    c * m[f"{impl}_{s}_m8{suffix}_us"] for s, c in PER_LAYER.items()), 1)
+        if all(f"xla_dequant_{s}_m8_us" in m for s in SHAPES):
+            m["xla_dequant_m8_layer_us"] = round(sum(
+                c * m[f"xla_dequant_{s}_m8_us"] for s, c in PER_LAYER.items()), 1)
         if args.save:
             results_io.save(args.save, args.name or "weight_only_h200", metrics=m, config={
                 "shapes": {**SHAPES, "lm_head": HEAD}, "per_layer": PER_LAYER, "rows": rows,
-                "default_cfg": "block_n, block_k, warps, stages, programs/SM = "
-                               + ",".join(map(str, DEFAULT)),
-                "alt_cfg": ",".join(map(str, ALT)),
                 "weights": "float8_e4m3fn, per-channel scales; >= 512 MB of copies per call"})
 
     def measure(key: str, fn, x, s, ws, nbytes: int | None = None) -> None:
@@ -158,25 +136,22 @@ def main() -> None:
     save()  # a part cut by the caller's time limit keeps what came before it
     parts = args.parts.split(",")
 
-    def per_shape(row_counts, configs, xla: bool) -> None:
-        """The kernel under each config, and XLA's weight-only dot, per shape and row count."""
+    def per_shape(row_counts) -> None:
+        """XLA's weight-only dot per shape and row count."""
         for name, (n, k) in SHAPES.items():
             if left() < 3:
                 return
             ws, s = _weights(n, k)
             for r in row_counts:
                 x = jax.random.normal(jax.random.key(r), (r, k), jnp.bfloat16)
-                for label, cfg in configs:
-                    if left() > 2:
-                        measure(f"wo_{name}_m{r}{label}", _kernel_fn(cfg, n, k), x, s, ws)
-                if xla and left() > 2:
+                if left() > 2:
                     measure(f"xla_dequant_{name}_m{r}", _xla_dequant_fn(), x, s, ws)
             save()
             del ws
 
     for part in parts:
-        if part == "compare":  # the batch-1 decode bucket: kernel against XLA
-            per_shape([8], [("", DEFAULT), ("_alt", ALT)], xla=True)
+        if part == "decode":  # the batch-1 decode bucket
+            per_shape([8])
         elif part == "prefill" and args.prefill_layers and left() > 8:
             _prefill(m, args.prefill_layers)
             save()
@@ -185,15 +160,11 @@ def main() -> None:
             head = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
             x = jax.random.normal(jax.random.key(8), (8, k), jnp.bfloat16)
             xla = jax.jit(lambda x, _, w: (jnp.dot(x, w),))
-            kern = jax.jit(lambda x, _, w: (weight_only_matmul(x, w, None, w_kn=True),))
             measure("xla_bf16_lm_head_m8", xla, x, None, [head], 2 * n * k)
-            measure("wo_bf16_lm_head_m8", kern, x, None, [head], 2 * n * k)
             save()
             del head
-        elif part == "rows":  # the other row counts, kernel and XLA
-            per_shape([r for r in rows if r != 8], [("", DEFAULT)], xla=True)
-        elif part == "sweep":  # tilings at 8 rows
-            per_shape([8], [(f"_cfg{'_'.join(map(str, c))}", c) for c in SWEEP], xla=False)
+        elif part == "rows":  # the other row counts
+            per_shape([r for r in rows if r != 8])
     save()
     print("\n".join(f"{k} | {v}" for k, v in m.items() if not k.endswith("_us")))
 

@@ -2,7 +2,6 @@
 
 - `scheme`: which quantization a model runs (config.json's `quantization_config`, --quantization);
 - `ops`: per-channel quantization and `quantized_matmul`, the one matmul of quantized layers;
-- `weight_only`: the Pallas weight-only decode kernel as an op the SPMD partitioner can split;
 - `layers`: the model's Dense factory and the expert stacks' declaration;
 - `loading`: quantized params from FP8/int8 checkpoints, or from bf16 weights quantized on load;
 - `writer`: a quantized checkpoint in the compressed-tensors layout (`jaxinfer convert`).

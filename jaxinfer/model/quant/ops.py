@@ -6,22 +6,17 @@ gemm takes its second operand in, so no transpose runs per step) with one float3
 channel: `w ≈ q * scale[:, None]`. Expert stacks keep the grouped-matmul layout [E, in, out] with
 scales [E, out]; `quantize` takes the reduction axis.
 
-`quantized_matmul` has three implementations:
+`quantized_matmul` has two implementations:
 
 - "fp8" (W8A8): each token's activations are quantized to e4m3 with their own scale (amax / 448,
   computed in the step), the product of the two e4m3 operands accumulates in float32 (Hopper's FP8
   tensor cores through XLA's cuBLASLt FP8 gemm), and the token and channel scales multiply the
   output as an outer product, which is exact: y[t, n] = sx[t] * sw[n] * sum_k xq[t, k] * wq[n, k].
 - "dequant" (weight-only, W8A16): the stored weight is converted to the activation dtype inside the
-  dot and the channel scale multiplies the output. What decode-sized steps (at most
-  `WEIGHT_ONLY_MAX_ROWS` rows) run on a GPU, what int8 weights always run, and what FP8 weights
-  run where FP8 tensor cores are absent (compute capability < 8.9).
-- "pallas" (weight-only): `pallas_kernels.weight_only_matmul`, which streams the 8-bit weight tiles
-  from HBM and widens them in registers (`quant/weight_only.py` splits it over tensor-parallel
-  shards); opt-in for decode-sized steps ($JAXINFER_QUANT_DECODE_IMPL=pallas).
+  dot and the channel scale multiplies the output. What int8 weights always run, and what FP8
+  weights run where FP8 tensor cores are absent (compute capability < 8.9).
 
-On the CPU all three are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands;
-the kernel runs in Pallas' interpreter).
+On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
 """
 
 from __future__ import annotations
@@ -32,25 +27,17 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model.quant.weight_only import weight_only
-
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 INT8_MAX = 127.0
 STORAGE = {"fp8": FP8, "int8": jnp.int8}
-IMPLS = ("fp8", "dequant", "pallas")
-# Rows (tokens) below which FP8 weights take a weight-only path on a GPU with FP8 tensor cores.
+IMPLS = ("fp8", "dequant")
+# Rows (tokens) below which FP8 weights take the weight-only path on a GPU with FP8 tensor cores.
 # Measured on the H200 (benchmarks/bench_quant.py, Llama-3-8B's projections): at 8 rows cuBLASLt's
 # FP8 gemm streamed the weights at 0.97 TB/s, slower than the bf16 weights it replaces, while at
-# 256 rows it beat bf16 by 1.25x; below this the step is a weight stream.
+# 256 rows it beat bf16 by 1.25x; below this the step is a weight stream, which the weight-only
+# dot reads at half the bf16 bytes.
 FP8_GEMM_MIN_ROWS = 128
-# Rows up to which a step is a weight stream (the Pallas kernel's accumulator tile is
-# [rows, block_n]), and the weight-only implementation such steps run on a GPU;
-# $JAXINFER_QUANT_DECODE_IMPL=pallas|dequant overrides it (benchmarks' A/B). XLA's dot: at 8 rows
-# on the H200 it streamed Llama-3-8B's e4m3 projections at 2.7-3.3 TB/s, the kernel at 1.5-2.1
-# (benchmarks/results/weight_only_h200.json).
-WEIGHT_ONLY_MAX_ROWS = 64
-DECODE_IMPL = "dequant"
 
 
 def _qmax(dtype) -> float:
@@ -101,38 +88,18 @@ def fp8_tensor_cores() -> bool:
 
 def choose_impl(rows: int, weight_dtype) -> str:
     """What `quantized_matmul` runs for `rows` tokens; $JAXINFER_QUANT_IMPL (one of IMPLS)
-    overrides it, for benchmarks and bisection ("fp8" only for FP8 weights)."""
-    fp8 = jnp.dtype(weight_dtype) == jnp.dtype(FP8)
+    overrides it for FP8 weights, for benchmarks and bisection."""
+    if jnp.dtype(weight_dtype) != jnp.dtype(FP8):
+        return "dequant"
     forced = os.environ.get("JAXINFER_QUANT_IMPL")
     if forced:
         if forced not in IMPLS:
             raise ValueError(f"JAXINFER_QUANT_IMPL={forced!r}: expected one of {IMPLS}")
-        if fp8 or forced != "fp8":
-            return forced
-    decode = os.environ.get("JAXINFER_QUANT_DECODE_IMPL", DECODE_IMPL)
-    if decode not in ("pallas", "dequant"):
-        raise ValueError(f"JAXINFER_QUANT_DECODE_IMPL={decode!r}: expected pallas or dequant")
-    gpu = jax.devices()[0].platform == "gpu"
-    return pick_impl(rows, fp8, gpu=gpu, fp8_gemm=gpu and fp8 and fp8_tensor_cores(),
-                     decode=decode)
-
-
-def pick_impl(rows: int, fp8: bool, *, gpu: bool, fp8_gemm: bool, decode: str = DECODE_IMPL) -> str:
-    """`choose_impl`'s rule on a GPU (`gpu`) with or without FP8 tensor cores (`fp8_gemm`);
-    `decode` is the weight-only implementation of steps of at most WEIGHT_ONLY_MAX_ROWS."""
-    if not gpu:
-        # The GPU's large-batch arithmetic, emulated: what accuracy tests should see.
-        return "fp8" if fp8 else "dequant"
-    if rows <= WEIGHT_ONLY_MAX_ROWS:
-        return decode
-    return "fp8" if fp8_gemm and rows >= FP8_GEMM_MIN_ROWS else "dequant"
-
-
-# A nested jit: every layer calls the kernel with the same few shapes, so it is traced and lowered
-# once per shape instead of once per layer (XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _weight_only(x, w, scale, out_dtype):
-    return weight_only(x, w, scale, out_dtype)
+        return forced
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return "fp8"  # the GPU's arithmetic, emulated: what accuracy tests should see
+    return "fp8" if fp8_tensor_cores() and rows >= FP8_GEMM_MIN_ROWS else "dequant"
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | None = None,
@@ -155,6 +122,4 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
     if impl == "dequant":
         y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * scale).astype(out_dtype)
-    if impl == "pallas":
-        return _weight_only(x, w, scale, out_dtype=jnp.dtype(out_dtype))
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

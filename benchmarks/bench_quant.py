@@ -1,24 +1,24 @@
 """FP8 weights (`--quantization fp8`) on the GPU, beside their bf16 anchors measured in the same run.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_quant.py [--sections ...]
-        [--deadline-s 140] [--kv-cache-dtype fp8] [--save [DIR]]
+        [--deadline-s 140] [--matmul-rows 2048,8,256] [--kv-cache-dtype fp8] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
 one persistent compilation cache; the record is rewritten after each):
   matmul        Llama-3-8B's seven projections, 4 layers unrolled as the model unrolls them (1.7 GB
                 of bf16 weights, every one read once per call as a decode step reads them), at
-                M = 2048 (a prefill chunk), 8 (the batch-1 decode bucket) and 256 (c = 256 decode)
-                rows, for bf16 weights, FP8 W8A8
-                ("fp8": per-token e4m3 activations, XLA's cuBLASLt FP8 gemm) and FP8 weight-only
-                ("dequant": e4m3 converted inside the dot): ms per call, weight-read GB/s, TF/s, and
-                whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call
-                ("dequant" only at the decode sizes).
+                the --matmul-rows row counts (default M = 2048, a prefill chunk; 8, the batch-1
+                decode bucket; 256, c = 256 decode), for bf16 weights, FP8 W8A8 ("fp8": per-token
+                e4m3 activations, XLA's cuBLASLt FP8 gemm) and, at decode sizes, FP8 weight-only
+                ("dequant": e4m3 converted inside XLA's dot): ms per call, weight-read GB/s, TF/s,
+                and whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call.
   demo_ppl      the bundled demo model in bf16, its weights unquantized and FP8: held-out
                 perplexity (checkpoints/heldout_sample.txt) and greedy top-1 agreement.
   llama8b_bf16  Llama-3-8B shape, dummy bf16 weights: batch-1 TPOT (the anchor).
   llama8b_fp8w  the same weights quantized on load: batch-1 TPOT, then c = 256 random 512 in /
                 256 out (bf16 KV cache).
-  llama8b_fp8w_fp8kv  c = 256 with FP8 weights and --kv-cache-dtype (default fp8).
+  llama8b_fp8w_fp8kv  c = 256 with FP8 weights and --kv-cache-dtype (default fp8), then batch 1
+                in the same engine.
 Engines: 256 sequences, 2048-token steps, max_model_len 1024, lazy compiles (see
 bench_multi_gpu.py, whose timing helpers these sections share).
 """
@@ -36,10 +36,10 @@ from pathlib import Path
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B, child
-from benchmarks.bench_multi_gpu import _engine_kw, _last_json, _llm, _throughput, _tpot_ms
+from benchmarks.bench_multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = (2048, 8, 256)  # in the order measured: the prefill ratio first, then decode sizes
+ROWS = "2048,8,256"  # in the order measured: the prefill ratio first, then decode sizes
 LAYERS = 4
 CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
 
@@ -111,7 +111,7 @@ def section_matmul(cfg: dict) -> dict:
     out: dict = {"matmul_weight_params": weight_params}
     params = {"bf16": bf16, "fp8": fp8, "dequant": fp8}
     fns = {impl: _layer_stack_fn(impl) for impl in params}
-    for m in ROWS:
+    for m in (int(r) for r in cfg["matmul_rows"].split(",")):
         for impl in ("fp8", "bf16") if m >= 2048 else ("dequant", "fp8", "bf16"):
             fn = fns[impl]
             x = jax.random.normal(key, (m, LLAMA3_8B["hidden_size"]), jnp.bfloat16)
@@ -157,29 +157,37 @@ def section_demo_ppl(cfg: dict) -> dict:
 
 
 def section_llama8b_bf16(cfg: dict) -> dict:
-    llm, load_s = _llm(cfg["llama8b"], **_engine_kw(cfg, 256))
-    tpot, _ = _tpot_ms(llm)
-    return {"llama8b_bf16_bs1_tpot_ms": round(tpot, 3), "llama8b_bf16_bs1_out_tok_s": round(1e3 / tpot, 1)}
+    llm, _ = _llm(cfg["llama8b"], **_engine_kw(cfg, 256))
+    return _batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_bf16", lambda tpot, first: {
+        "llama8b_bf16_bs1_tpot_ms": round(tpot, 3),
+        "llama8b_bf16_bs1_out_tok_s": round(1e3 / tpot, 1)})
 
 
 def section_llama8b_fp8w(cfg: dict) -> dict:
     _announce_machine()
     llm, load_s = _llm(cfg["llama8b"], quantization="fp8", **_engine_kw(cfg, 256))
-    tpot, first = _tpot_ms(llm)
-    out = {"llama8b_fp8w_bs1_tpot_ms": round(tpot, 3),
-           "llama8b_fp8w_bs1_out_tok_s": round(1e3 / tpot, 1),
-           "llama8b_fp8w_ready_s": round(load_s + first, 1),
-           "llama8b_fp8w_weight_bytes": llm.engine.metrics.registry.get_sample_value(
-               "jaxinfer:weight_bytes", {"model_name": llm.engine.model_name})}
-    print(json.dumps(out), flush=True)  # kept if the throughput run times out
+    out = _batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_fp8w", lambda tpot, first: {
+        "llama8b_fp8w_bs1_tpot_ms": round(tpot, 3),
+        "llama8b_fp8w_bs1_out_tok_s": round(1e3 / tpot, 1),
+        "llama8b_fp8w_ready_s": round(load_s + first, 1),
+        "llama8b_fp8w_weight_bytes": llm.engine.metrics.registry.get_sample_value(
+            "jaxinfer:weight_bytes", {"model_name": llm.engine.model_name})})
     out["llama8b_fp8w_c256_out_tok_s"] = round(_throughput(llm, 256, 32), 1)
     return out
 
 
 def section_llama8b_fp8w_fp8kv(cfg: dict) -> dict:
-    llm, _ = _llm(cfg["llama8b"], quantization="fp8", kv_cache_dtype=cfg["kv_cache_dtype"],
-                  **_engine_kw(cfg, 256))
-    return {"llama8b_fp8w_fp8kv_c256_out_tok_s": round(_throughput(llm, 256, 32), 1)}
+    """c = 256 first (the figure no other section measures), then batch 1 in the same engine."""
+    _announce_machine()
+    llm, load_s = _llm(cfg["llama8b"], quantization="fp8", kv_cache_dtype=cfg["kv_cache_dtype"],
+                       **_engine_kw(cfg, 256))
+    out = {"llama8b_fp8w_fp8kv_load_s": round(load_s, 1),
+           "llama8b_fp8w_fp8kv_c256_out_tok_s": round(_throughput(llm, 256, 32), 1)}
+    print(json.dumps(out), flush=True)  # kept if the batch-1 run times out
+    return {**out, **_batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_fp8w_fp8kv",
+                             lambda tpot, first: {
+                                 "llama8b_fp8w_fp8kv_bs1_tpot_ms": round(tpot, 3),
+                                 "llama8b_fp8w_fp8kv_bs1_out_tok_s": round(1e3 / tpot, 1)})}
 
 
 SECTIONS = {"matmul": (section_matmul, 80), "demo_ppl": (section_demo_ppl, 40),
@@ -209,6 +217,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=400.0)
     ap.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
                     help="a section's time limit (default: its own, and never past --deadline-s)")
+    ap.add_argument("--matmul-rows", default=ROWS,
+                    help=f"the matmul section's row counts (default {ROWS})")
     ap.add_argument("--kv-cache-dtype", default="fp8",
                     help="the KV cache of the llama8b_fp8w_fp8kv section (default fp8)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
@@ -233,7 +243,7 @@ def main() -> None:
     (work / "llama8b").mkdir()
     (work / "llama8b" / "config.json").write_text(json.dumps(LLAMA3_8B))
     cfg = {"cache_dir": str(work / "cc"), "llama8b": str(work / "llama8b"),
-           "kv_cache_dtype": args.kv_cache_dtype}
+           "kv_cache_dtype": args.kv_cache_dtype, "matmul_rows": args.matmul_rows}
     metrics: dict = {}
     sections: dict = {}
     machine = ""
@@ -258,6 +268,8 @@ def main() -> None:
                 metrics.setdefault(key, None)
         if args.save:
             config: dict = {"sections": sections}
+            if os.environ.get("JAXINFER_QUANT_IMPL"):  # the dispatch override in force
+                config["impl_env"] = {"JAXINFER_QUANT_IMPL": os.environ["JAXINFER_QUANT_IMPL"]}
             if any(s.startswith("llama8b") for s in sections):
                 config.update(
                     model="Llama-3-8B shape, dummy weights (bf16; fp8 quantized on load)",

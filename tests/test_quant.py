@@ -98,6 +98,8 @@ def test_dispatch_picks_weight_only_for_int8_and_honours_the_override(monkeypatc
     assert ops.choose_impl(4, ops.FP8) == "fp8"  # the CPU emulates the GPU's W8A8
     monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")
     assert ops.choose_impl(4, ops.FP8) == "dequant"
+    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "fp8")
+    assert ops.choose_impl(4, jnp.int8) == "dequant"  # int8 weights have no W8A8 path
     monkeypatch.setenv("JAXINFER_QUANT_IMPL", "bogus")
     with pytest.raises(ValueError, match="JAXINFER_QUANT_IMPL"):
         ops.choose_impl(4, ops.FP8)

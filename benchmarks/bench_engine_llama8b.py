@@ -168,7 +168,8 @@ def roofline_figures(r: dict, cfg, prompt_len: int, out_len: int, seqs: int) -> 
                 roofline_c256_out_tok_s=round(seqs * out_len / (prefill_s + out_len * step_s), 1))
 
 
-def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float) -> None:
+def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float,
+                   parts: set[str]) -> None:
     start = time.perf_counter()
     import jax
     import numpy as np
@@ -195,25 +196,27 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     def prompts(n):
         return [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
 
-    r = bs1(engine, prompts(1)[0], out_len)
-    emit(bs1_tpot_during_compile_ms=r["tpot_ms"], bs1_out_tok_s_during_compile=r["out_tok_s"])
-    compiler.wait(timeout=max(1.0, deadline - time.perf_counter() - 45))
+    if "bs1" in parts:
+        r = bs1(engine, prompts(1)[0], out_len)
+        emit(bs1_tpot_during_compile_ms=r["tpot_ms"], bs1_out_tok_s_during_compile=r["out_tok_s"])
+    compiler.wait(timeout=max(1.0, deadline - time.perf_counter() - (45 if "bs1" in parts else 30)))
     emit(all_buckets_s=round(time.perf_counter() - start, 2), buckets_ready=compiler.num_ready)
     compiles = [0]  # XLA compilations from here on: a step that waited for one shows here
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *_, **__: compiles.__setitem__(0, compiles[0] + (
             event == "/jax/core/compile/backend_compile_duration")))
-    if not tiny:
+    if not tiny and "bs1" in parts:
         from tools.trace_engine_step import profile_decode_steps
         try:
             emit(bs1_profile=profile_decode_steps(engine, prompts(1)))
         except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
             emit(bs1_profile_error=repr(e)[:300])
-    bs1(engine, prompts(1)[0], 8)  # the now-ready decode buckets' first call
-    runs = [bs1(engine, prompts(1)[0], out_len) for _ in range(2)]
-    best = min(runs, key=lambda x: x["tpot_ms"])
-    emit(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
-         bs1_tpot_runs_ms=[x["tpot_ms"] for x in runs])
+    if "bs1" in parts:
+        bs1(engine, prompts(1)[0], 8)  # the now-ready decode buckets' first call
+        runs = [bs1(engine, prompts(1)[0], out_len) for _ in range(2)]
+        best = min(runs, key=lambda x: x["tpot_ms"])
+        emit(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
+             bs1_tpot_runs_ms=[x["tpot_ms"] for x in runs])
 
     params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
     before = compiles[0]
@@ -222,6 +225,8 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     emit(**roofline_figures(rates, engine.cfg, prompt_len, out_len, 256))
     compiles[0] = before  # (the roofline kernels' own)
 
+    c256_prompts = prompts(256)
+
     def c256():
         if time.perf_counter() > deadline - 20:
             emit(c256_skipped="deadline")
@@ -229,15 +234,36 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         llm = LLM(engine=engine)
         engine.stats.__init__()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts(256), SamplingParams(temperature=0.0, max_tokens=out_len,
+        outs = llm.generate(c256_prompts, SamplingParams(temperature=0.0, max_tokens=out_len,
                                                          ignore_eos=True), use_tqdm=False)
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        st = engine.stats
         emit(c256_out_tok_s=round(n_out / elapsed, 1),
-             c256_host_ms_per_step=round(engine.stats.host_ms_per_step, 3),
-             c256_steps=engine.stats.steps, compiles_after_all_buckets=compiles[0])
+             c256_host_ms_per_step=round(st.host_ms_per_step, 3),
+             c256_host_phases_ms=st.breakdown_ms(), c256_step_period_ms=round(
+                 1e3 * elapsed / max(st.steps, 1), 3),
+             c256_device_idle_at_dispatch=st.idle_dispatches, c256_steps=st.steps,
+             compiles_after_all_buckets=compiles[0])
 
-    c256()
+    if "c256" in parts:
+        c256()
+    if "c256prof" in parts:
+        # The c256 prompts again: the prefix cache holds them, so the decodes start at once.
+        from tools.profile_host_step import profile_host_steps
+        from tools.trace_engine_step import profile_decode_steps
+        profiles = [("c256_host_profile", profile_host_steps)] + (
+            [] if tiny else [("c256_device_profile", profile_decode_steps)])
+        for key, fn in profiles:
+            if time.perf_counter() > deadline - 10:
+                emit(**{f"{key}_skipped": "deadline"})
+                continue
+            try:
+                emit(**{key: fn(engine, c256_prompts, steps=16)})
+            except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+                emit(**{f"{key}_error": repr(e)[:300]})
+    if "c64" not in parts:
+        return
     n64 = 16 if tiny else 192
     lengths = [int(n) for n in rng.integers(out_len // 2, out_len * 3 // 2, n64)]
     c64_runs: dict[int, dict] = {}
@@ -308,13 +334,17 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None,
                     help="the --compilation-cache-dir both processes share (default: a fresh "
                          "one; it must start empty for the cold figure)")
+    ap.add_argument("--parts", default="bs1,c256,c64,warm",
+                    help="workloads to run, of bs1, c256, c256prof (host and device profiles of "
+                         "256 decoding sequences), c64, warm (the second process)")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
     args = ap.parse_args()
     if args.engine_process:
         spec = json.loads(args.engine_process)
         return engine_process(spec["opts"], spec["mode"], args.tiny,
-                              [int(c) for c in args.caps.split(",")], spec["left_s"])
+                              [int(c) for c in args.caps.split(",")], spec["left_s"],
+                              set(args.parts.split(",")))
 
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_llama8b_"))
@@ -346,15 +376,17 @@ def main() -> None:
             results_io.save(args.save, name, config=config, metrics=metrics,
                             machine_info={**results_io.machine(), **machine})
 
-    for mode in ("cold", "warm"):
+    for mode in ("cold", "warm") if "warm" in args.parts.split(",") else ("cold",):
         left = args.deadline_s - (time.perf_counter() - start)
         if left < 10:
             metrics[f"{mode}_skipped"] = "deadline"
             continue
-        limit = left - args.warm_reserve_s if mode == "cold" else left
+        limit = (left - args.warm_reserve_s if mode == "cold" and "warm" in args.parts.split(",")
+                 else left)
         spec = json.dumps(dict(opts=opts, mode=mode, left_s=limit - 5))
         child = run_child([sys.executable, __file__, "--engine-process", spec, "--caps",
-                           args.caps] + (["--tiny"] if args.tiny else []), limit, on_result)
+                           args.caps, "--parts", args.parts] + (["--tiny"] if args.tiny else []),
+                          limit, on_result)
         if "ready_s" in child:
             on_result({f"time_to_ready_{mode}_s": child["ready_s"]})
         if child["rc"] != 0:

@@ -395,6 +395,8 @@ class LLMEngine(TrainingLoopMixin):
         self._maybe_profile()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        self.runner.built_at = None
         handle = None
         if sched:
             if self._inflight is not None and self._inflight.is_ready():
@@ -404,8 +406,7 @@ class LLMEngine(TrainingLoopMixin):
             except Exception as e:  # noqa: BLE001 - one request's failure is not the engine's
                 self._dispatch_failed(sched, e)
             else:
-                self.stats.steps += 1
-                self.stats.host_s += handle.dispatch_time - t0
+                self.stats.record_dispatch(t0, t_sched, self.runner.built_at, handle.dispatch_time)
                 if processed_first:  # the device sat idle from the previous result to this dispatch
                     self.stats.sync_gaps += 1
                     self.stats.sync_gap_s += handle.dispatch_time - ready_time
@@ -419,6 +420,7 @@ class LLMEngine(TrainingLoopMixin):
         """A finished step's tokens -> sequence state (output processor), then the step's live
         sequences back to the scheduler (blocks of the finished ones, prefix cache), then the
         requests whose rows failed are failed. Raises only when the step's results are lost."""
+        t0 = time.perf_counter()
         touched, seqs = self.outputs.process(handle)
         if self.spec is not None:
             self.spec.record(handle)
@@ -429,6 +431,7 @@ class LLMEngine(TrainingLoopMixin):
             failed, self.outputs.failed = self.outputs.failed, []
             for rid, error in failed:
                 self._fail(rid, error)
+        self.stats.record_process(time.perf_counter() - t0, handle.wait_s)
         return touched
 
     def _collect(self, touched: list[Request]) -> list[RequestOutput]:

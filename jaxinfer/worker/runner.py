@@ -188,6 +188,7 @@ class StepHandle:
         self.dispatch_time = dispatch_time
         self.is_loop = is_loop
         self.ready_time: float | None = None  # when result() got the tokens
+        self.wait_s = 0.0  # how long result() blocked for them
         self._result: StepResult | None = None
 
     def is_ready(self) -> bool:
@@ -196,9 +197,11 @@ class StepHandle:
     def result(self) -> StepResult:
         if self._result is None:
             n = len(self.sched.scheduled)
+            t0 = time.perf_counter()
             k = int(self._num_steps) if self.is_loop else 1
             out, prompt = jax.device_get((self._out, self._prompt_out))
             self.ready_time = time.perf_counter()
+            self.wait_s = self.ready_time - t0
 
             def cut(a):
                 if a is None:
@@ -244,6 +247,7 @@ class ModelRunner:
         self._copy_exe: dict[int, jax.stages.Compiled] = {}  # per copy bucket
         self.executable_cache = executable_cache
         self.num_dispatches = 0
+        self.built_at: float | None = None  # when execute() finished building its step's arrays
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
         self.compiler: BucketCompiler | None = None  # warmup()'s; None: every shape compiles lazily
         # Runs the steps whose decodes carry proposals (spec_decode.target_step.SpeculativeStep).
@@ -343,6 +347,7 @@ class ModelRunner:
         batch, variant, is_loop = self.build(sched)
         batch = place_step_inputs(batch, self.plan)
         self._apply_copies(sched.block_copies)
+        self.built_at = time.perf_counter()  # (the engine's host-time split)
         self.num_dispatches += 1
         if is_loop:
             allowed = np.zeros(batch.md.num_seqs, np.int32)

@@ -250,9 +250,10 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         c256()
     if "c256prof" in parts:
         # The c256 prompts again: the prefix cache holds them, so the decodes start at once.
-        from tools.profile_host_step import profile_host_steps
+        from tools.profile_host_step import launch_costs, profile_host_steps
         from tools.trace_engine_step import profile_decode_steps
-        profiles = [("c256_host_profile", profile_host_steps)] + (
+        profiles = [("c256_host_profile", profile_host_steps),
+                    ("launch_costs", lambda engine, _, steps: launch_costs(engine))] + (
             [] if tiny else [("c256_device_profile", profile_decode_steps)])
         for key, fn in profiles:
             if time.perf_counter() > deadline - 10:

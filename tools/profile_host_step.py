@@ -79,10 +79,47 @@ def profile_host_steps(engine, prompts: list[list[int]], steps: int = 20, top: i
                 profiled_top_own_ms=top_functions(stats, steps, top))
 
 
+def launch_costs(engine, sizes: tuple[int, ...] = (8, 256), reps: int = 20) -> dict:
+    """Host milliseconds (median of `reps`) to dispatch one all-padding decode step of each
+    bucket size through the runner (forward + sampler), with its inputs as host numpy arrays (as
+    the engine passes them) and already on the device, and of `jax.device_put` of those inputs
+    (waited for). Run with no request in flight: the steps write no KV and emit no token."""
+    import statistics
+
+    import jax
+
+    from jaxinfer.worker.sampler import BASE_SAMPLER
+    runner = engine.runner
+    out = {}
+
+    def median_ms(fn) -> float:
+        jax.block_until_ready((runner.kv_cache, runner.last_tokens))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        jax.block_until_ready((runner.kv_cache, runner.last_tokens))
+        return round(1e3 * statistics.median(times), 3)
+
+    for size in sizes:
+        if size not in runner.buckets.decode_buckets:
+            continue
+        batch = runner.compiler.padding_batch("decode", size, BASE_SAMPLER)
+        on_device = jax.device_put(batch)
+        out[f"decode{size}"] = dict(
+            launch_host_inputs_ms=median_ms(lambda: runner._run_step(batch, BASE_SAMPLER)),
+            launch_device_inputs_ms=median_ms(lambda: runner._run_step(on_device, BASE_SAMPLER)),
+            device_put_inputs_ms=median_ms(lambda: jax.block_until_ready(jax.device_put(batch))))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "checkpoints"
                                            / "demo-target"))
+    ap.add_argument("--synthetic", action="store_true",
+                    help="a one-layer 64-wide model instead (the device's share kept small)")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
@@ -93,14 +130,29 @@ def main() -> None:
 
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, dtype="float32", max_num_seqs=args.num_seqs,
-        max_num_batched_tokens=max(2048, args.num_seqs), max_model_len=512,
-        num_blocks=args.num_seqs * 8 + 64, background_compile=False))
+    eargs = EngineArgs(model=args.model, dtype="float32", max_num_seqs=args.num_seqs,
+                       max_num_batched_tokens=max(2048, args.num_seqs), max_model_len=512,
+                       num_blocks=args.num_seqs * 8 + 64, background_compile=False)
+    if args.synthetic:
+        import jax
+        import jax.numpy as jnp
+
+        from jaxinfer.model.config import config_from_dict
+        from jaxinfer.model.transformer import init_params
+        cfg = config_from_dict({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "float32"})
+        engine = LLMEngine(cfg, init_params(cfg, jax.random.key(0), jnp.float32), None, eargs,
+                           num_blocks=eargs.num_blocks)
+        engine.warmup(progress=False)
+    else:
+        engine = LLMEngine.from_engine_args(eargs)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, engine.cfg.vocab_size, args.prompt_len).tolist()
                for _ in range(args.num_seqs)]
-    json.dump(profile_host_steps(engine, prompts, args.steps), sys.stdout, indent=1)
+    json.dump(dict(profile_host_steps(engine, prompts, args.steps),
+                   launch=launch_costs(engine, (8, args.num_seqs))), sys.stdout, indent=1)
     print()
 
 

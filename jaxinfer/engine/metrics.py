@@ -96,6 +96,21 @@ class EngineMetrics:
         self._prefix_seen = (queries, hits)
 
 
+def observe_many(histogram, amount: float, count: int) -> None:
+    """`count` observations of `amount` in one update (a step's tokens mostly share one
+    inter-token gap; prometheus_client's `observe` takes one at a time, and its buckets are
+    cumulative only when exposed, so one bucket gets the whole count)."""
+    if count == 1:
+        histogram.observe(amount)
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(amount * count)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if amount <= bound:
+            histogram._buckets[i].inc(count)
+            break
+
+
 class EngineStats:
     """Host-side timing of the step loop (for benchmarks and the device-idle gap), summed over
     steps. `host_s` (schedule + build + launch) is the host work before a step reaches the device;

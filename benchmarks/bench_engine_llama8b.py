@@ -169,7 +169,7 @@ def roofline_figures(r: dict, cfg, prompt_len: int, out_len: int, seqs: int) -> 
 
 
 def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float,
-                   parts: set[str]) -> None:
+                   parts: set[str], loops: list[int]) -> None:
     start = time.perf_counter()
     import jax
     import numpy as np
@@ -226,12 +226,20 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     compiles[0] = before  # (the roofline kernels' own)
 
     c256_prompts = prompts(256)
+    runs_done = [0]
 
-    def c256():
+    def c256(loop_steps: int, label: str):
+        """`loop_steps`: the scheduler's --decode-steps-per-call for this run (the engine compiled
+        its decode loops for the largest); fresh prompts each run (no prefix-cache hits)."""
+        nonlocal c256_prompts
         if time.perf_counter() > deadline - 20:
-            emit(c256_skipped="deadline")
+            emit(**{f"{label}_skipped": "deadline"})
             return
+        if runs_done[0]:
+            c256_prompts = prompts(256)
+        runs_done[0] += 1
         llm = LLM(engine=engine)
+        engine.scheduler.decode_steps_per_call = loop_steps
         engine.stats.__init__()
         t0 = time.perf_counter()
         outs = llm.generate(c256_prompts, SamplingParams(temperature=0.0, max_tokens=out_len,
@@ -239,15 +247,18 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         st = engine.stats
-        emit(c256_out_tok_s=round(n_out / elapsed, 1),
-             c256_host_ms_per_step=round(st.host_ms_per_step, 3),
-             c256_host_phases_ms=st.breakdown_ms(), c256_step_period_ms=round(
-                 1e3 * elapsed / max(st.steps, 1), 3),
-             c256_device_idle_at_dispatch=st.idle_dispatches, c256_steps=st.steps,
-             compiles_after_all_buckets=compiles[0])
+        emit(**{f"{label}_out_tok_s": round(n_out / elapsed, 1),
+                f"{label}_host_ms_per_step": round(st.host_ms_per_step, 3),
+                f"{label}_host_phases_ms": st.breakdown_ms(),
+                f"{label}_step_period_ms": round(1e3 * elapsed / max(st.steps, 1), 3),
+                f"{label}_device_idle_at_dispatch": st.idle_dispatches,
+                f"{label}_sync_gaps": st.sync_gaps, f"{label}_steps": st.steps,
+                "compiles_after_all_buckets": compiles[0]})
 
     if "c256" in parts:
-        c256()
+        for k in loops:
+            c256(k, "c256" if k == 1 else f"c256_loop{k}")
+        engine.scheduler.decode_steps_per_call = 1
     if "c256prof" in parts:
         # The c256 prompts again: the prefix cache holds them, so the decodes start at once.
         from tools.profile_host_step import launch_costs, profile_host_steps
@@ -338,6 +349,9 @@ def main() -> None:
     ap.add_argument("--parts", default="bs1,c256,c64,warm",
                     help="workloads to run, of bs1, c256, c256prof (host and device profiles of "
                          "256 decoding sequences), c64, warm (the second process)")
+    ap.add_argument("--c256-loops", default="1",
+                    help="c256 runs, one per --decode-steps-per-call value (the engine compiles "
+                         "the decode loops for the largest; keys c256_loop<K>_* for K > 1)")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
     args = ap.parse_args()
@@ -345,7 +359,8 @@ def main() -> None:
         spec = json.loads(args.engine_process)
         return engine_process(spec["opts"], spec["mode"], args.tiny,
                               [int(c) for c in args.caps.split(",")], spec["left_s"],
-                              set(args.parts.split(",")))
+                              set(args.parts.split(",")),
+                              [int(k) for k in args.c256_loops.split(",")])
 
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_llama8b_"))
@@ -362,6 +377,9 @@ def main() -> None:
                     max_num_batched_tokens=2048, max_model_len=2048,
                     num_blocks=args.num_blocks or None, gpu_memory_utilization=0.85)
     opts["compilation_cache_dir"] = args.cache_dir or str(work / "cache")
+    loops = max(int(k) for k in args.c256_loops.split(","))
+    if loops > 1:
+        opts["decode_steps_per_call"] = loops
     metrics: dict = {}
     machine: dict = {}
     config = dict(engine=opts, caps=args.caps, model="Llama-3-8B shape, random bf16 weights"
@@ -386,7 +404,8 @@ def main() -> None:
                  else left)
         spec = json.dumps(dict(opts=opts, mode=mode, left_s=limit - 5))
         child = run_child([sys.executable, __file__, "--engine-process", spec, "--caps",
-                           args.caps, "--parts", args.parts] + (["--tiny"] if args.tiny else []),
+                           args.caps, "--parts", args.parts, "--c256-loops", args.c256_loops]
+                          + (["--tiny"] if args.tiny else []),
                           limit, on_result)
         if "ready_s" in child:
             on_result({f"time_to_ready_{mode}_s": child["ready_s"]})

@@ -440,6 +440,8 @@ class LLMEngine(TrainingLoopMixin):
             if req.request_id in seen:
                 continue
             seen.add(req.request_id)
+            if req.final_output_only and not req.finished:
+                continue
             out = make_request_output(req)
             if out.outputs:
                 outs.append(out)

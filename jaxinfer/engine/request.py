@@ -68,6 +68,8 @@ class Request:
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
         self.weight_version = 0  # set by the engine at admission (see RequestOutput)
+        # The caller reads only the finished output (LLM.generate): step() builds none before.
+        self.final_output_only = False
 
     @property
     def num_prompt_tokens(self) -> int:

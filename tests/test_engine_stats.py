@@ -1,11 +1,14 @@
-"""The step loop's host bookkeeping: many histogram observations in one update, and the host phase
-split of `EngineStats`."""
+"""The step loop's host bookkeeping: many histogram observations in one update, the host phase
+split of `EngineStats`, and requests that want only their final output."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.metrics import EngineStats, observe_many
+from jaxinfer.sampling_params import SamplingParams
+from test_engine_support import make_engine, prompt_ids, run_all
 
 
 def _exposition(amounts: list[tuple[float, int]], bulk: bool) -> str:
@@ -37,3 +40,23 @@ def test_engine_stats_split_host_phases_per_step():
     ms = st.breakdown_ms()
     assert ms == dict(schedule=2.0, build=1.0, launch=2.0, wait=4.0, process=1.0)
     assert st.steps == 2 and abs(st.host_ms_per_step - 5.0) < 1e-9
+
+
+def test_final_output_only_requests_report_once_with_the_same_tokens():
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = make_engine()
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt_ids(i, 5), params)
+    streamed = run_all(engine)
+    reports: dict[str, int] = {}
+    for i in range(3):
+        engine.add_request(f"f{i}", prompt_ids(i, 5), params).final_output_only = True
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.finished
+            reports[out.request_id] = reports.get(out.request_id, 0) + 1
+            assert out.outputs[0].token_ids == streamed[f"r{out.request_id[1:]}"][0][0]
+    assert reports == {"f0": 1, "f1": 1, "f2": 1}
+    outs = LLM(engine=engine).generate([prompt_ids(i, 5) for i in range(3)], params,
+                                       use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [streamed[f"r{i}"][0][0] for i in range(3)]

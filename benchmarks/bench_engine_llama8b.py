@@ -168,6 +168,24 @@ def roofline_figures(r: dict, cfg, prompt_len: int, out_len: int, seqs: int) -> 
                 roofline_c256_out_tok_s=round(seqs * out_len / (prefill_s + out_len * step_s), 1))
 
 
+def c256_buckets_then_stop(compiler, timeout: float) -> dict:
+    """Wait for the units a c256 run steps in (the largest mixed bucket, every decode bucket and
+    decode loop), then stop compiling the rest, so the measurements run beside no compile (XLA's
+    threads and the tracing's GIL slow the step loop): the smaller mixed buckets' steps run
+    padded to the largest one."""
+    b = compiler.runner.buckets
+    loops = set(b.decode_buckets) if compiler.runner.decode_steps_per_call > 1 else set()
+    need = {(s, s, s) for s in b.decode_buckets}
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end and not (need <= compiler.ready_forwards
+                                              and loops <= compiler.ready_loops):
+        time.sleep(0.2)
+    ready = compiler.num_ready
+    compiler.stop()
+    return dict(buckets_ready=ready, c256_buckets_ready=need <= compiler.ready_forwards
+                and loops <= compiler.ready_loops)
+
+
 def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float,
                    parts: set[str], loops: list[int]) -> None:
     start = time.perf_counter()
@@ -199,8 +217,13 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     if "bs1" in parts:
         r = bs1(engine, prompts(1)[0], out_len)
         emit(bs1_tpot_during_compile_ms=r["tpot_ms"], bs1_out_tok_s_during_compile=r["out_tok_s"])
-    compiler.wait(timeout=max(1.0, deadline - time.perf_counter() - (45 if "bs1" in parts else 30)))
-    emit(all_buckets_s=round(time.perf_counter() - start, 2), buckets_ready=compiler.num_ready)
+    wait_s = max(1.0, deadline - time.perf_counter() - (45 if "bs1" in parts else 30))
+    if "bs1" in parts:
+        compiler.wait(timeout=wait_s)
+        emit(all_buckets_s=round(time.perf_counter() - start, 2), buckets_ready=compiler.num_ready)
+    else:
+        emit(**c256_buckets_then_stop(compiler, wait_s), buckets_ready_s=round(
+            time.perf_counter() - start, 2))
     compiles = [0]  # XLA compilations from here on: a step that waited for one shows here
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *_, **__: compiles.__setitem__(0, compiles[0] + (
@@ -255,25 +278,36 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
                 f"{label}_sync_gaps": st.sync_gaps, f"{label}_steps": st.steps,
                 "compiles_after_all_buckets": compiles[0]})
 
+    def profile(key: str, fn) -> None:
+        """A diagnostic of 256 decoding sequences over the last c256 run's prompts (the prefix
+        cache holds them, so the decodes start at once)."""
+        if time.perf_counter() > deadline - 10:
+            emit(**{f"{key}_skipped": "deadline"})
+            return
+        try:
+            emit(**{key: fn(engine, c256_prompts, steps=16)})
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+            emit(**{f"{key}_error": repr(e)[:300]})
+
+    from tools.profile_host_step import launch_costs, launch_variants, profile_host_steps
+    from tools.trace_engine_step import profile_decode_steps
+    # The first c256 run, the device trace (the figure most worth having), the other decode-loop
+    # lengths, then the host profiles; the scheduler takes single steps in the profiles.
     if "c256" in parts:
-        for k in loops:
+        c256(loops[0], "c256" if loops[0] == 1 else f"c256_loop{loops[0]}")
+        engine.scheduler.decode_steps_per_call = 1
+    if "c256prof" in parts and not tiny:
+        profile("c256_device_profile", profile_decode_steps)
+    if "c256" in parts:
+        for k in loops[1:]:
             c256(k, "c256" if k == 1 else f"c256_loop{k}")
         engine.scheduler.decode_steps_per_call = 1
     if "c256prof" in parts:
-        # The c256 prompts again: the prefix cache holds them, so the decodes start at once.
-        from tools.profile_host_step import launch_costs, profile_host_steps
-        from tools.trace_engine_step import profile_decode_steps
-        profiles = [("c256_host_profile", profile_host_steps),
-                    ("launch_costs", lambda engine, _, steps: launch_costs(engine))] + (
-            [] if tiny else [("c256_device_profile", profile_decode_steps)])
-        for key, fn in profiles:
-            if time.perf_counter() > deadline - 10:
-                emit(**{f"{key}_skipped": "deadline"})
-                continue
-            try:
-                emit(**{key: fn(engine, c256_prompts, steps=16)})
-            except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
-                emit(**{f"{key}_error": repr(e)[:300]})
+        profile("c256_host_profile", profile_host_steps)
+        profile("launch_costs", lambda engine, _, steps: launch_costs(engine))
+        if not tiny and time.perf_counter() < deadline - 30:  # (a compile per variant)
+            profile("launch_variants", lambda engine, _, steps: launch_variants(engine, {
+                "default": {}, "no_command_buffers": {"xla_gpu_enable_command_buffer": ""}}))
     if "c64" not in parts:
         return
     n64 = 16 if tiny else 192

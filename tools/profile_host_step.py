@@ -114,6 +114,44 @@ def launch_costs(engine, sizes: tuple[int, ...] = (8, 256), reps: int = 20) -> d
     return out
 
 
+def launch_variants(engine, variants: dict[str, dict], size: int = 256, reps: int = 20) -> dict:
+    """The forward of the `size` decode bucket compiled once per XLA option set of `variants`
+    (name -> compiler options) and run on an all-padding batch: host ms per dispatch (median) and
+    ms per step with `reps` steps queued back to back (the device's pace when the host keeps up).
+    Costs one compile per variant. Run with no request in flight."""
+    import statistics
+
+    import jax
+
+    from jaxinfer.worker.bucket_compiler import model_inputs
+    from jaxinfer.worker.sampler import BASE_SAMPLER
+    runner = engine.runner
+    batch = model_inputs(jax.device_put(runner.compiler.padding_batch("decode", size,
+                                                                      BASE_SAMPLER)))
+    lowered = runner._forward_fn.lower(runner.params, runner.kv_cache, runner.last_tokens, batch)
+    out = {}
+    for name, options in variants.items():
+        t0 = time.perf_counter()
+        exe = lowered.compile(compiler_options=options or None)
+        compile_s = time.perf_counter() - t0
+
+        def step():
+            _, runner.kv_cache = exe(runner.params, runner.kv_cache, runner.last_tokens, batch)
+        step()
+        jax.block_until_ready(runner.kv_cache)
+        times = []
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            t1 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t1)
+        jax.block_until_ready(runner.kv_cache)
+        out[name] = dict(launch_ms=round(1e3 * statistics.median(times), 3),
+                         step_ms=round(1e3 * (time.perf_counter() - t0) / reps, 3),
+                         compile_s=round(compile_s, 1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "checkpoints"

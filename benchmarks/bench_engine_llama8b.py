@@ -187,7 +187,7 @@ def c256_buckets_then_stop(compiler, timeout: float) -> dict:
 
 
 def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float,
-                   parts: set[str], loops: list[int]) -> None:
+                   parts: set[str], runs: list[str]) -> None:
     start = time.perf_counter()
     import jax
     import numpy as np
@@ -251,9 +251,12 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     c256_prompts = prompts(256)
     runs_done = [0]
 
-    def c256(loop_steps: int, label: str):
-        """`loop_steps`: the scheduler's --decode-steps-per-call for this run (the engine compiled
-        its decode loops for the largest); fresh prompts each run (no prefix-cache hits)."""
+    def c256(run: str):
+        """`run`: "base", "async" (--async-launch) or "loop<K>" (the scheduler's
+        --decode-steps-per-call; the engine compiled its decode loops for the largest K); fresh
+        prompts each run (no prefix-cache hits)."""
+        label = "c256" if run == "base" else f"c256_{run}"
+        loop_steps = int(run[4:]) if run.startswith("loop") else 1
         nonlocal c256_prompts
         if time.perf_counter() > deadline - 20:
             emit(**{f"{label}_skipped": "deadline"})
@@ -263,6 +266,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         runs_done[0] += 1
         llm = LLM(engine=engine)
         engine.scheduler.decode_steps_per_call = loop_steps
+        engine.runner.set_async_launch(run == "async")
         engine.stats.__init__()
         t0 = time.perf_counter()
         outs = llm.generate(c256_prompts, SamplingParams(temperature=0.0, max_tokens=out_len,
@@ -277,6 +281,8 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
                 f"{label}_device_idle_at_dispatch": st.idle_dispatches,
                 f"{label}_sync_gaps": st.sync_gaps, f"{label}_steps": st.steps,
                 "compiles_after_all_buckets": compiles[0]})
+        engine.scheduler.decode_steps_per_call = 1
+        engine.runner.set_async_launch(False)
 
     def profile(key: str, fn) -> None:
         """A diagnostic of 256 decoding sequences over the last c256 run's prompts (the prefix
@@ -294,14 +300,12 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     # The first c256 run, the device trace (the figure most worth having), the other decode-loop
     # lengths, then the host profiles; the scheduler takes single steps in the profiles.
     if "c256" in parts:
-        c256(loops[0], "c256" if loops[0] == 1 else f"c256_loop{loops[0]}")
-        engine.scheduler.decode_steps_per_call = 1
+        c256(runs[0])
     if "c256prof" in parts and not tiny:
         profile("c256_device_profile", profile_decode_steps)
     if "c256" in parts:
-        for k in loops[1:]:
-            c256(k, "c256" if k == 1 else f"c256_loop{k}")
-        engine.scheduler.decode_steps_per_call = 1
+        for run in runs[1:]:
+            c256(run)
     if "c256prof" in parts:
         profile("c256_host_profile", profile_host_steps)
         profile("launch_costs", lambda engine, _, steps: launch_costs(engine))
@@ -327,6 +331,8 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         emit(**{f"{label}_{k}": v for k, v in figs.items()},
              **{f"{label}_host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
                 "compiles_after_all_buckets": compiles[0]})
+        engine.scheduler.decode_steps_per_call = 1
+        engine.runner.set_async_launch(False)
     engine.scheduler.max_step_tokens_while_decoding = None
     if c64_runs:
         emit(**c64_headline(c64_runs))
@@ -383,9 +389,10 @@ def main() -> None:
     ap.add_argument("--parts", default="bs1,c256,c64,warm",
                     help="workloads to run, of bs1, c256, c256prof (host and device profiles of "
                          "256 decoding sequences), c64, warm (the second process)")
-    ap.add_argument("--c256-loops", default="1",
-                    help="c256 runs, one per --decode-steps-per-call value (the engine compiles "
-                         "the decode loops for the largest; keys c256_loop<K>_* for K > 1)")
+    ap.add_argument("--c256-runs", default="base",
+                    help="c256 runs in one process: base, async (--async-launch), loop<K> "
+                         "(--decode-steps-per-call K; the engine compiles the decode loops for "
+                         "the largest K); keys c256_* for base, c256_<run>_* for the others")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
     args = ap.parse_args()
@@ -393,8 +400,7 @@ def main() -> None:
         spec = json.loads(args.engine_process)
         return engine_process(spec["opts"], spec["mode"], args.tiny,
                               [int(c) for c in args.caps.split(",")], spec["left_s"],
-                              set(args.parts.split(",")),
-                              [int(k) for k in args.c256_loops.split(",")])
+                              set(args.parts.split(",")), args.c256_runs.split(","))
 
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_llama8b_"))
@@ -411,9 +417,9 @@ def main() -> None:
                     max_num_batched_tokens=2048, max_model_len=2048,
                     num_blocks=args.num_blocks or None, gpu_memory_utilization=0.85)
     opts["compilation_cache_dir"] = args.cache_dir or str(work / "cache")
-    loops = max(int(k) for k in args.c256_loops.split(","))
-    if loops > 1:
-        opts["decode_steps_per_call"] = loops
+    loops = [int(r[4:]) for r in args.c256_runs.split(",") if r.startswith("loop")]
+    if loops:
+        opts["decode_steps_per_call"] = max(loops)
     metrics: dict = {}
     machine: dict = {}
     config = dict(engine=opts, caps=args.caps, model="Llama-3-8B shape, random bf16 weights"
@@ -438,7 +444,7 @@ def main() -> None:
                  else left)
         spec = json.dumps(dict(opts=opts, mode=mode, left_s=limit - 5))
         child = run_child([sys.executable, __file__, "--engine-process", spec, "--caps",
-                           args.caps, "--parts", args.parts, "--c256-loops", args.c256_loops]
+                           args.caps, "--parts", args.parts, "--c256-runs", args.c256_runs]
                           + (["--tiny"] if args.tiny else []),
                           limit, on_result)
         if "ready_s" in child:

@@ -123,6 +123,7 @@ class LLMEngine(TrainingLoopMixin):
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
             executable_cache=ExecutableCache.under(args.compilation_cache_dir))
+        self.runner.set_async_launch(args.async_launch)
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)

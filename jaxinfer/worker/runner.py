@@ -369,7 +369,6 @@ class ModelRunner:
         if sched.num_proposed:
             return self.speculation.execute(self, sched)
         batch, variant, is_loop = self.build(sched)
-        batch = place_step_inputs(batch, self.plan)
         allowed = None
         if is_loop:
             allowed = np.zeros(batch.md.num_seqs, np.int32)
@@ -389,8 +388,10 @@ class ModelRunner:
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
                 allowed: np.ndarray | None, loop_steps: int,
                 prompt_rows: PromptLogprobRows | None):
-        """The device side of `execute`: block copies, then the step or (`allowed` given) the
-        decode loop. -> (SamplerOutput, prompt logprob arrays or None, steps run)"""
+        """The device side of `execute`: the step's inputs onto the device, block copies, then the
+        step or (`allowed` given) the decode loop. -> (SamplerOutput, prompt logprob arrays or
+        None, steps run)"""
+        batch = place_step_inputs(batch, self.plan)
         self._apply_copies(copies)
         if allowed is None:
             return (*self._run_step(batch, variant, prompt_rows), 1)

@@ -22,26 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxinfer.sampling_params import SamplingParams
-
-
-def _start(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[str]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    rids = [f"{tag}{i}" for i in range(len(prompts))]
-    for rid, p in zip(rids, prompts):
-        engine.add_request(rid, p, params)
-    started: set[str] = set()
-    while len(started) < len(rids):
-        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    engine.step()  # the steady state: one step in flight
-    return rids
-
-
-def _stop(engine, rids: list[str]) -> None:
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+from tools.trace_engine_step import start_decoding, stop_requests
 
 
 def top_functions(stats: pstats.Stats, steps: int, top: int) -> dict[str, float]:
@@ -55,7 +36,7 @@ def top_functions(stats: pstats.Stats, steps: int, top: int) -> dict[str, float]
 
 def profile_host_steps(engine, prompts: list[list[int]], steps: int = 20, top: int = 25) -> dict:
     """Time `steps` pure-decode steps of len(prompts) running requests, then profile as many."""
-    rids = _start(engine, prompts, 2 * steps + 16, "hostprof")
+    rids = start_decoding(engine, prompts, 2 * steps + 16, "hostprof")
     engine.stats.__init__()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -67,7 +48,7 @@ def profile_host_steps(engine, prompts: list[list[int]], steps: int = 20, top: i
     for _ in range(steps):
         engine.step()
     prof.disable()
-    _stop(engine, rids)
+    stop_requests(engine, rids)
     stats = pstats.Stats(prof, stream=io.StringIO())
     cumulative = {}
     for (path, line, name), (_, _, _, cumtime, _) in stats.stats.items():

@@ -168,7 +168,26 @@ def roofline_figures(r: dict, cfg, prompt_len: int, out_len: int, seqs: int) -> 
                 roofline_c256_out_tok_s=round(seqs * out_len / (prefill_s + out_len * step_s), 1))
 
 
-def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float) -> None:
+def c256_buckets_then_stop(compiler, timeout: float) -> dict:
+    """Wait for the units a c256 run steps in (the largest mixed bucket, every decode bucket and
+    decode loop), then stop compiling the rest, so the measurements run beside no compile (XLA's
+    threads and the tracing's GIL slow the step loop): the smaller mixed buckets' steps run
+    padded to the largest one."""
+    b = compiler.runner.buckets
+    loops = set(b.decode_buckets) if compiler.runner.decode_steps_per_call > 1 else set()
+    need = {(s, s, s) for s in b.decode_buckets}
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end and not (need <= compiler.ready_forwards
+                                              and loops <= compiler.ready_loops):
+        time.sleep(0.2)
+    ready = compiler.num_ready
+    compiler.stop()
+    return dict(buckets_ready=ready, c256_buckets_ready=need <= compiler.ready_forwards
+                and loops <= compiler.ready_loops)
+
+
+def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: float,
+                   parts: set[str], runs: list[str]) -> None:
     start = time.perf_counter()
     import jax
     import numpy as np
@@ -195,25 +214,32 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     def prompts(n):
         return [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
 
-    r = bs1(engine, prompts(1)[0], out_len)
-    emit(bs1_tpot_during_compile_ms=r["tpot_ms"], bs1_out_tok_s_during_compile=r["out_tok_s"])
-    compiler.wait(timeout=max(1.0, deadline - time.perf_counter() - 45))
-    emit(all_buckets_s=round(time.perf_counter() - start, 2), buckets_ready=compiler.num_ready)
+    if "bs1" in parts:
+        r = bs1(engine, prompts(1)[0], out_len)
+        emit(bs1_tpot_during_compile_ms=r["tpot_ms"], bs1_out_tok_s_during_compile=r["out_tok_s"])
+    wait_s = max(1.0, deadline - time.perf_counter() - (45 if "bs1" in parts else 30))
+    if "bs1" in parts:
+        compiler.wait(timeout=wait_s)
+        emit(all_buckets_s=round(time.perf_counter() - start, 2), buckets_ready=compiler.num_ready)
+    else:
+        emit(**c256_buckets_then_stop(compiler, wait_s), buckets_ready_s=round(
+            time.perf_counter() - start, 2))
     compiles = [0]  # XLA compilations from here on: a step that waited for one shows here
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *_, **__: compiles.__setitem__(0, compiles[0] + (
             event == "/jax/core/compile/backend_compile_duration")))
-    if not tiny:
+    if not tiny and "bs1" in parts:
         from tools.trace_engine_step import profile_decode_steps
         try:
             emit(bs1_profile=profile_decode_steps(engine, prompts(1)))
         except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
             emit(bs1_profile_error=repr(e)[:300])
-    bs1(engine, prompts(1)[0], 8)  # the now-ready decode buckets' first call
-    runs = [bs1(engine, prompts(1)[0], out_len) for _ in range(2)]
-    best = min(runs, key=lambda x: x["tpot_ms"])
-    emit(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
-         bs1_tpot_runs_ms=[x["tpot_ms"] for x in runs])
+    if "bs1" in parts:
+        bs1(engine, prompts(1)[0], 8)  # the now-ready decode buckets' first call
+        runs = [bs1(engine, prompts(1)[0], out_len) for _ in range(2)]
+        best = min(runs, key=lambda x: x["tpot_ms"])
+        emit(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
+             bs1_tpot_runs_ms=[x["tpot_ms"] for x in runs])
 
     params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
     before = compiles[0]
@@ -222,22 +248,72 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     emit(**roofline_figures(rates, engine.cfg, prompt_len, out_len, 256))
     compiles[0] = before  # (the roofline kernels' own)
 
-    def c256():
+    c256_prompts = prompts(256)
+    runs_done = [0]
+
+    def c256(run: str):
+        """`run`: "base", "async" (--async-launch) or "loop<K>" (the scheduler's
+        --decode-steps-per-call; the engine compiled its decode loops for the largest K); fresh
+        prompts each run (no prefix-cache hits)."""
+        label = "c256" if run == "base" else f"c256_{run}"
+        loop_steps = int(run[4:]) if run.startswith("loop") else 1
+        nonlocal c256_prompts
         if time.perf_counter() > deadline - 20:
-            emit(c256_skipped="deadline")
+            emit(**{f"{label}_skipped": "deadline"})
             return
+        if runs_done[0]:
+            c256_prompts = prompts(256)
+        runs_done[0] += 1
         llm = LLM(engine=engine)
+        engine.scheduler.decode_steps_per_call = loop_steps
+        engine.runner.set_async_launch(run == "async")
         engine.stats.__init__()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts(256), SamplingParams(temperature=0.0, max_tokens=out_len,
+        outs = llm.generate(c256_prompts, SamplingParams(temperature=0.0, max_tokens=out_len,
                                                          ignore_eos=True), use_tqdm=False)
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        emit(c256_out_tok_s=round(n_out / elapsed, 1),
-             c256_host_ms_per_step=round(engine.stats.host_ms_per_step, 3),
-             c256_steps=engine.stats.steps, compiles_after_all_buckets=compiles[0])
+        st = engine.stats
+        emit(**{f"{label}_out_tok_s": round(n_out / elapsed, 1),
+                f"{label}_host_ms_per_step": round(st.host_ms_per_step, 3),
+                f"{label}_host_phases_ms": st.breakdown_ms(),
+                f"{label}_step_period_ms": round(1e3 * elapsed / max(st.steps, 1), 3),
+                f"{label}_device_idle_at_dispatch": st.idle_dispatches,
+                f"{label}_sync_gaps": st.sync_gaps, f"{label}_steps": st.steps,
+                "compiles_after_all_buckets": compiles[0]})
+        engine.scheduler.decode_steps_per_call = 1
+        engine.runner.set_async_launch(False)
 
-    c256()
+    def profile(key: str, fn) -> None:
+        """A diagnostic of 256 decoding sequences over the last c256 run's prompts (the prefix
+        cache holds them, so the decodes start at once)."""
+        if time.perf_counter() > deadline - 10:
+            emit(**{f"{key}_skipped": "deadline"})
+            return
+        try:
+            emit(**{key: fn(engine, c256_prompts, steps=16)})
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+            emit(**{f"{key}_error": repr(e)[:300]})
+
+    from tools.profile_host_step import launch_costs, launch_variants, profile_host_steps
+    from tools.trace_engine_step import profile_decode_steps
+    # The first c256 run, the device trace (the figure most worth having), the other decode-loop
+    # lengths, then the host profiles; the scheduler takes single steps in the profiles.
+    if "c256" in parts:
+        c256(runs[0])
+    if "c256prof" in parts and not tiny:
+        profile("c256_device_profile", profile_decode_steps)
+    if "c256" in parts:
+        for run in runs[1:]:
+            c256(run)
+    if "c256prof" in parts:
+        profile("c256_host_profile", profile_host_steps)
+        profile("launch_costs", lambda engine, _, steps: launch_costs(engine))
+        if not tiny and time.perf_counter() < deadline - 30:  # (a compile per variant)
+            profile("launch_variants", lambda engine, _, steps: launch_variants(engine, {
+                "default": {}, "no_command_buffers": {"xla_gpu_enable_command_buffer": ""}}))
+    if "c64" not in parts:
+        return
     n64 = 16 if tiny else 192
     lengths = [int(n) for n in rng.integers(out_len // 2, out_len * 3 // 2, n64)]
     c64_runs: dict[int, dict] = {}
@@ -255,6 +331,8 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         emit(**{f"{label}_{k}": v for k, v in figs.items()},
              **{f"{label}_host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
                 "compiles_after_all_buckets": compiles[0]})
+        engine.scheduler.decode_steps_per_call = 1
+        engine.runner.set_async_launch(False)
     engine.scheduler.max_step_tokens_while_decoding = None
     if c64_runs:
         emit(**c64_headline(c64_runs))
@@ -308,13 +386,21 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None,
                     help="the --compilation-cache-dir both processes share (default: a fresh "
                          "one; it must start empty for the cold figure)")
+    ap.add_argument("--parts", default="bs1,c256,c64,warm",
+                    help="workloads to run, of bs1, c256, c256prof (host and device profiles of "
+                         "256 decoding sequences), c64, warm (the second process)")
+    ap.add_argument("--c256-runs", default="base",
+                    help="c256 runs in one process: base, async (--async-launch), loop<K> "
+                         "(--decode-steps-per-call K; the engine compiles the decode loops for "
+                         "the largest K); keys c256_* for base, c256_<run>_* for the others")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
     args = ap.parse_args()
     if args.engine_process:
         spec = json.loads(args.engine_process)
         return engine_process(spec["opts"], spec["mode"], args.tiny,
-                              [int(c) for c in args.caps.split(",")], spec["left_s"])
+                              [int(c) for c in args.caps.split(",")], spec["left_s"],
+                              set(args.parts.split(",")), args.c256_runs.split(","))
 
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_llama8b_"))
@@ -331,6 +417,9 @@ def main() -> None:
                     max_num_batched_tokens=2048, max_model_len=2048,
                     num_blocks=args.num_blocks or None, gpu_memory_utilization=0.85)
     opts["compilation_cache_dir"] = args.cache_dir or str(work / "cache")
+    loops = [int(r[4:]) for r in args.c256_runs.split(",") if r.startswith("loop")]
+    if loops:
+        opts["decode_steps_per_call"] = max(loops)
     metrics: dict = {}
     machine: dict = {}
     config = dict(engine=opts, caps=args.caps, model="Llama-3-8B shape, random bf16 weights"
@@ -346,15 +435,18 @@ def main() -> None:
             results_io.save(args.save, name, config=config, metrics=metrics,
                             machine_info={**results_io.machine(), **machine})
 
-    for mode in ("cold", "warm"):
+    for mode in ("cold", "warm") if "warm" in args.parts.split(",") else ("cold",):
         left = args.deadline_s - (time.perf_counter() - start)
         if left < 10:
             metrics[f"{mode}_skipped"] = "deadline"
             continue
-        limit = left - args.warm_reserve_s if mode == "cold" else left
+        limit = (left - args.warm_reserve_s if mode == "cold" and "warm" in args.parts.split(",")
+                 else left)
         spec = json.dumps(dict(opts=opts, mode=mode, left_s=limit - 5))
         child = run_child([sys.executable, __file__, "--engine-process", spec, "--caps",
-                           args.caps] + (["--tiny"] if args.tiny else []), limit, on_result)
+                           args.caps, "--parts", args.parts, "--c256-runs", args.c256_runs]
+                          + (["--tiny"] if args.tiny else []),
+                          limit, on_result)
         if "ready_s" in child:
             on_result({f"time_to_ready_{mode}_s": child["ready_s"]})
         if child["rc"] != 0:

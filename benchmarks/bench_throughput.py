@@ -10,7 +10,8 @@ tokens/s` as vLLM does, after a warm-up (compilation is not timed).
 Host overhead: the host-side work of one steady-state decode step for --num-seqs running sequences,
 i.e. `Scheduler.schedule()` + `ModelRunner.build()` (the padded step arrays), with no device work;
 target <= 1 ms for 256 sequences. Reported as the median over --steps steps; also the output
-processing (append + stop checks + detokenization) per step.
+side of a step (the engine's processing of a step's tokens: append, stop checks, the scheduler's
+update, the RequestOutputs and gauges), fed a fixed token per row.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.worker.runner import StepHandle, StepResult
 
 
 def throughput(args: argparse.Namespace) -> dict:
@@ -89,7 +91,7 @@ def host_overhead(args: argparse.Namespace) -> dict:
                            SamplingParams(temperature=0.8, max_tokens=None,
                                           ignore_eos=True))
     sched_ms, build_ms, process_ms = [], [], []
-    scheduler, runner, outputs = engine.scheduler, engine.runner, engine.outputs
+    scheduler, runner = engine.scheduler, engine.runner
     # Admit and "prefill" everyone without the device: schedule until every sequence decodes.
     while engine.num_waiting or any(s.num_to_compute > 1 for s in scheduler.running):
         sched = scheduler.schedule()
@@ -97,20 +99,20 @@ def host_overhead(args: argparse.Namespace) -> dict:
             if entry.emits:
                 entry.seq.num_pending -= 1
                 entry.seq.token_ids.append(7)
-    fake = np.full(n, 7, np.int32)
+    result = StepResult(np.full((1, n), 7, np.int32), None, None, None)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         sched = scheduler.schedule()
         t1 = time.perf_counter()
         runner.build(sched)
         t2 = time.perf_counter()
-        for r, entry in enumerate(sched.scheduled):  # what OutputProcessor does per token
-            seq = entry.seq
-            seq.num_pending -= 1
-            outputs._append(seq, int(fake[r]), None, t2)
-            assert seq.finish_reason is None, (seq, seq.finish_reason)
-        scheduler.update_from_output([entry.seq for entry in sched.scheduled])
+        # The engine's whole output side: tokens -> sequences, scheduler update, RequestOutputs.
+        handle = StepHandle(sched, None, 1, t2, False)
+        handle._result = result
+        outs = engine._collect(engine._process(handle))
+        engine._update_gauges()
         t3 = time.perf_counter()
+        assert len(outs) == n and not any(o.finished for o in outs)
         assert len(sched.decodes) == n
         sched_ms.append(1e3 * (t1 - t0))
         build_ms.append(1e3 * (t2 - t1))

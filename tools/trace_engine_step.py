@@ -51,16 +51,31 @@ def summarize_steps(events: list[tuple[str, int, int]], steps: int, top: int = 1
                                  sorted(per_name.items(), key=lambda kv: -kv[1])[:top]})
 
 
-def profile_decode_steps(engine, prompts: list[list[int]], steps: int = 20) -> dict:
-    """Trace `steps` pure-decode steps of len(prompts) running requests (greedy, no EOS)."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    rids = [f"trace{i}" for i in range(len(prompts))]
+def start_decoding(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[str]:
+    """Add greedy no-EOS requests for `prompts` and step until each has its first token, then
+    once more (the steady state: a decode step in flight). -> their request ids"""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rids = [f"{tag}{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts):
         engine.add_request(rid, p, params)
     started: set[str] = set()
     while len(started) < len(rids):
         started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    engine.step()  # the step whose tokens are in flight when the trace starts
+    engine.step()
+    return rids
+
+
+def stop_requests(engine, rids: list[str]) -> None:
+    """Abort the requests and step the engine idle."""
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def profile_decode_steps(engine, prompts: list[list[int]], steps: int = 20) -> dict:
+    """Trace `steps` pure-decode steps of len(prompts) running requests (greedy, no EOS)."""
+    rids = start_decoding(engine, prompts, steps + 8, "trace")
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         for _ in range(steps):
@@ -68,8 +83,5 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int = 20) -> d
         jax.block_until_ready(engine.runner.last_tokens)
         jax.profiler.stop_trace()
         events = device_events(trace_dir)
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+    stop_requests(engine, rids)
     return summarize_steps(events, steps)

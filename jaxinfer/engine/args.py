@@ -63,6 +63,8 @@ class EngineArgs:
     chat_template: str | None = None  # a template file, or the template itself (overrides the model's)
     # Schedule step N+1 before waiting for step N's tokens (host/device overlap).
     async_scheduling: bool = True
+    # Dispatch each step from a launcher thread while the engine processes the previous one.
+    async_launch: bool = False
     # Parallelism (jaxinfer/parallel/): devices per replica, replicas, multi-process run.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -201,6 +203,10 @@ class EngineArgs:
                             "is waiting (on-device loop; stops early when a sequence finishes)")
         s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                        help="wait for each step's tokens before scheduling the next")
+        s.add_argument("--async-launch", action="store_true",
+                       help="dispatch steps from a thread of their own, overlapping jax's and "
+                            "XLA's dispatch cost with output processing (a failed dispatch then "
+                            "fails the engine, not only the step's requests)")
         s.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
                        help="where compiled steps are kept for the next start ('' disables)")
         s.add_argument("--profile-dir", default=None,

@@ -39,6 +39,7 @@ class LLM:
             rid = f"offline-{self._counter}"
             self._counter += 1
             reqs[rid] = self.engine.add_request(rid, prompt, p, priority[i] if priority else 0)
+            reqs[rid].final_output_only = True  # (the loop below reads only the finished outputs)
             ids.append(rid)
         from tqdm import tqdm
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")

@@ -123,6 +123,7 @@ class LLMEngine(TrainingLoopMixin):
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
             executable_cache=ExecutableCache.under(args.compilation_cache_dir))
+        self.runner.set_async_launch(args.async_launch)
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
@@ -395,6 +396,8 @@ class LLMEngine(TrainingLoopMixin):
         self._maybe_profile()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        self.runner.built_at = None
         handle = None
         if sched:
             if self._inflight is not None and self._inflight.is_ready():
@@ -404,8 +407,7 @@ class LLMEngine(TrainingLoopMixin):
             except Exception as e:  # noqa: BLE001 - one request's failure is not the engine's
                 self._dispatch_failed(sched, e)
             else:
-                self.stats.steps += 1
-                self.stats.host_s += handle.dispatch_time - t0
+                self.stats.record_dispatch(t0, t_sched, self.runner.built_at, handle.dispatch_time)
                 if processed_first:  # the device sat idle from the previous result to this dispatch
                     self.stats.sync_gaps += 1
                     self.stats.sync_gap_s += handle.dispatch_time - ready_time
@@ -419,6 +421,7 @@ class LLMEngine(TrainingLoopMixin):
         """A finished step's tokens -> sequence state (output processor), then the step's live
         sequences back to the scheduler (blocks of the finished ones, prefix cache), then the
         requests whose rows failed are failed. Raises only when the step's results are lost."""
+        t0 = time.perf_counter()
         touched, seqs = self.outputs.process(handle)
         if self.spec is not None:
             self.spec.record(handle)
@@ -429,6 +432,7 @@ class LLMEngine(TrainingLoopMixin):
             failed, self.outputs.failed = self.outputs.failed, []
             for rid, error in failed:
                 self._fail(rid, error)
+        self.stats.record_process(time.perf_counter() - t0, handle.wait_s)
         return touched
 
     def _collect(self, touched: list[Request]) -> list[RequestOutput]:
@@ -437,6 +441,8 @@ class LLMEngine(TrainingLoopMixin):
             if req.request_id in seen:
                 continue
             seen.add(req.request_id)
+            if req.final_output_only and not req.finished:
+                continue
             out = make_request_output(req)
             if out.outputs:
                 outs.append(out)

@@ -96,15 +96,63 @@ class EngineMetrics:
         self._prefix_seen = (queries, hits)
 
 
+def observe_many(histogram, amount: float, count: int) -> None:
+    """`count` observations of `amount` in one update (a step's tokens mostly share one
+    inter-token gap; prometheus_client's `observe` takes one at a time, and its buckets are
+    cumulative only when exposed, so one bucket gets the whole count)."""
+    if count == 1:
+        histogram.observe(amount)
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(amount * count)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if amount <= bound:
+            histogram._buckets[i].inc(count)
+            break
+
+
 class EngineStats:
-    """Host-side timing of the step loop (for benchmarks and the device-idle gap)."""
+    """Host-side timing of the step loop (for benchmarks and the device-idle gap), summed over
+    steps. `host_s` (schedule + build + launch) is the host work before a step reaches the device;
+    the wait for a step's tokens and the output processing after them follow the next dispatch
+    when the steps overlap."""
 
     def __init__(self):
         self.steps = 0
-        self.host_s = 0.0          # schedule + build + dispatch, summed
+        self.host_s = 0.0          # schedule + build + launch, summed
+        self.schedule_s = 0.0      # Scheduler.schedule
+        self.build_s = 0.0         # the step's host arrays and block copies
+        self.launch_s = 0.0        # the executables' calls (jax dispatch, kernel launches)
+        self.wait_s = 0.0          # blocked on a step's sampled tokens (device -> host)
+        self.process_s = 0.0       # output processing and the scheduler's update, after the wait
+        self.processed = 0         # steps processed
         self.idle_dispatches = 0   # overlapped dispatches that found the previous step finished
         self.sync_gaps = 0         # steps dispatched after waiting for the previous one's tokens
         self.sync_gap_s = 0.0      # ... and the device idle time between the two, summed
+
+    def record_dispatch(self, start: float, scheduled: float, built: float | None,
+                        dispatched: float) -> None:
+        """One dispatched step's host phases (perf_counter times; `built` None: not split)."""
+        built = scheduled if built is None else built
+        self.steps += 1
+        self.host_s += dispatched - start
+        self.schedule_s += scheduled - start
+        self.build_s += built - scheduled
+        self.launch_s += dispatched - built
+
+    def record_process(self, seconds: float, wait_s: float) -> None:
+        self.processed += 1
+        self.wait_s += wait_s
+        self.process_s += seconds - wait_s
+
+    def breakdown_ms(self) -> dict[str, float]:
+        """Milliseconds per step of each host phase."""
+        per = 1e3 / max(self.steps, 1)
+        per_processed = 1e3 / max(self.processed, 1)
+        return dict(schedule=round(self.schedule_s * per, 3), build=round(self.build_s * per, 3),
+                    launch=round(self.launch_s * per, 3),
+                    wait=round(self.wait_s * per_processed, 3),
+                    process=round(self.process_s * per_processed, 3))
 
     @property
     def host_ms_per_step(self) -> float:

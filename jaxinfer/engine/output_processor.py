@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from jaxinfer.engine.metrics import EngineMetrics
+from jaxinfer.engine.metrics import EngineMetrics, observe_many
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
@@ -27,6 +27,8 @@ class OutputProcessor:
         # Requests whose results could not be applied (a host-side failure in detokenizing or stop
         # checking, say): the engine fails them after the step, the other rows go on.
         self.failed: list[tuple[str, BaseException]] = []
+        # The step's inter-token gaps (seconds -> tokens), observed once per distinct gap.
+        self._gaps: dict[float, int] = {}
 
     def process(self, handle: StepHandle) -> tuple[list[Request], list[Sequence]]:
         """Apply a step's results. Returns the requests that have something new to report, and the
@@ -53,6 +55,9 @@ class OutputProcessor:
                 continue
             live.append(seq)
         self.metrics.generation_tokens.inc(num_new_tokens)
+        for gap, count in self._gaps.items():
+            observe_many(self.metrics.inter_token_latency, gap, count)
+        self._gaps.clear()
         return list(touched.values()), live
 
     def _process_row(self, seq: Sequence, entry, r: int, res, tokens, steps: int, now: float,
@@ -92,7 +97,8 @@ class OutputProcessor:
             req.first_token_time = now
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
         elif req.last_token_time is not None:
-            self.metrics.inter_token_latency.observe(now - req.last_token_time)
+            gap = now - req.last_token_time
+            self._gaps[gap] = self._gaps.get(gap, 0) + 1
         req.last_token_time = now
         n_out = seq.num_output_tokens
         past_min = n_out > params.min_tokens  # this token's output index >= min_tokens

@@ -68,6 +68,8 @@ class Request:
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
         self.weight_version = 0  # set by the engine at admission (see RequestOutput)
+        # The caller reads only the finished output (LLM.generate): step() builds none before.
+        self.final_output_only = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,10 +79,17 @@ class Request:
     def finished(self) -> bool:
         """Every choice has its finish reason (the output processor's decision; the scheduler
         frees its blocks when the engine hands it the step)."""
-        return all(c is not None and c.finish_reason is not None for c in self.choices)
+        for c in self.choices:  # (a loop, not all(): read for every request every step)
+            if c is None or c.finish_reason is None:
+                return False
+        return True
 
     def num_generated_tokens(self) -> int:
-        return sum(c.num_output_tokens for c in self.choices if c is not None)
+        n = 0
+        for c in self.choices:
+            if c is not None:
+                n += len(c.token_ids) - c.prompt_len
+        return n
 
     def detach(self) -> None:
         """Drop the sequences' references back to this finished request, so request and sequences

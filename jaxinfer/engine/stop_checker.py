@@ -66,7 +66,7 @@ class OutputText:
 
     def take_new_text(self) -> str:
         """Text that became final since the previous call."""
-        end = len(self.text) if self.final else len(self.text) - self._holdback()
+        end = len(self.text) if self.final or not self.stops else len(self.text) - self._holdback()
         if end <= self.emitted:
             return ""
         out = self.text[self.emitted:end]

@@ -66,7 +66,14 @@ def put_tree(tree, sharding: jax.sharding.Sharding):
 
 def place_step_inputs(batch, plan):
     """A step's host arrays onto the replica's mesh (tensor parallelism) in one transfer per
-    device; unchanged on one device, where jax's own placement is one copy per array anyway."""
+    device; on the default device, one `jax.device_put` of the whole tree. (Handed to the step's
+    executables as numpy, each array takes the dispatch's own per-argument placement: on the H200
+    that dispatch took 6.1 ms of host time for a 256-row decode step, against 1.7 ms with the
+    inputs already on the device and 1.2 ms for the device_put of all of them, waited for.) A
+    one-device replica on another device (data parallelism, a disaggregated decode side) gets its
+    numpy arrays placed by the dispatch, on its own device."""
     if plan is None or plan.tp == 1:
+        if plan is None or plan.mesh.devices.flat[0] == jax.devices()[0]:
+            return jax.device_put(batch)  # uncommitted, as the dispatch would place it
         return batch
     return put_tree(batch, plan.replicated)

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
+from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
 from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
@@ -178,9 +180,12 @@ class StepResult:
 class StepHandle:
     """A dispatched step; `result()` waits for its sampled tokens (device -> host)."""
 
-    def __init__(self, sched: SchedulerOutput, out: SamplerOutput, num_steps, dispatch_time: float,
-                 is_loop: bool, prompt_rows: PromptLogprobRows | None = None, prompt_out=None):
+    def __init__(self, sched: SchedulerOutput, out: SamplerOutput | None, num_steps,
+                 dispatch_time: float, is_loop: bool, prompt_rows: PromptLogprobRows | None = None,
+                 prompt_out=None, launched: Future | None = None):
+        """`launched`: the launcher's future of (out, prompt_out, num_steps), given instead."""
         self.sched = sched
+        self._launched = launched
         self._out = out
         self.prompt_rows = prompt_rows  # rows predicting prompt tokens, with their owners
         self._prompt_out = prompt_out
@@ -188,17 +193,31 @@ class StepHandle:
         self.dispatch_time = dispatch_time
         self.is_loop = is_loop
         self.ready_time: float | None = None  # when result() got the tokens
+        self.wait_s = 0.0  # how long result() blocked for them
         self._result: StepResult | None = None
 
+    def _take_launched(self) -> None:
+        """The launcher's outputs of this step (raises what its dispatch raised)."""
+        if self._launched is not None:
+            self._out, self._prompt_out, self._num_steps = self._launched.result()
+            self._launched = None
+
     def is_ready(self) -> bool:
+        if self._launched is not None:
+            if not self._launched.done():
+                return False
+            self._take_launched()
         return self._out.tokens.is_ready()
 
     def result(self) -> StepResult:
         if self._result is None:
             n = len(self.sched.scheduled)
+            t0 = time.perf_counter()
+            self._take_launched()
             k = int(self._num_steps) if self.is_loop else 1
             out, prompt = jax.device_get((self._out, self._prompt_out))
             self.ready_time = time.perf_counter()
+            self.wait_s = self.ready_time - t0
 
             def cut(a):
                 if a is None:
@@ -211,6 +230,11 @@ class StepHandle:
 
 
 class ModelRunner:
+    # The device state the steps donate and replace: other threads than the launcher's read it
+    # only after the queued dispatches (launcher.py).
+    kv_cache = LaunchedState()
+    last_tokens = LaunchedState()
+
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
@@ -228,6 +252,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.decode_steps_per_call = decode_steps_per_call
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
+        self.launcher: StepLauncher | None = None  # set_async_launch
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
@@ -244,6 +269,7 @@ class ModelRunner:
         self._copy_exe: dict[int, jax.stages.Compiled] = {}  # per copy bucket
         self.executable_cache = executable_cache
         self.num_dispatches = 0
+        self.built_at: float | None = None  # when execute() finished building its step's arrays
         self.warmup_seconds: dict[str, float] = {}  # filled by warmup()
         self.compiler: BucketCompiler | None = None  # warmup()'s; None: every shape compiles lazily
         # Runs the steps whose decodes carry proposals (spec_decode.target_step.SpeculativeStep).
@@ -337,27 +363,53 @@ class ModelRunner:
         return batch, variant, is_loop
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
-        """Dispatch one step (or one on-device decode loop) and return without waiting for it."""
+        """Dispatch one step (or one on-device decode loop) and return without waiting for it;
+        with a launcher (`set_async_launch`), hand the dispatch to its thread once the step's
+        arrays are built."""
         if sched.num_proposed:
             return self.speculation.execute(self, sched)
         batch, variant, is_loop = self.build(sched)
-        batch = place_step_inputs(batch, self.plan)
-        self._apply_copies(sched.block_copies)
-        self.num_dispatches += 1
+        allowed = None
         if is_loop:
             allowed = np.zeros(batch.md.num_seqs, np.int32)
             for r, entry in enumerate(sched.decodes):
                 allowed[r] = entry.seq.loop_steps_allowed()
-            # A loop always runs decode_steps_per_call steps (the scheduler's `decode_steps`).
-            exe = self._loop_exe.get((batch.md.num_seqs, variant))
-            args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
-            self.kv_cache, self.last_tokens, out, n = (
-                exe(*args) if exe is not None else
-                self._loop_fn(*args, variant=variant, num_steps=sched.decode_steps))
-            return StepHandle(sched, out, n, time.perf_counter(), True)
-        prompt_rows = gather_rows(sched.scheduled) if sched.prompt_logprobs else None
-        out, prompt_out = self._run_step(batch, variant, prompt_rows)
-        return StepHandle(sched, out, 1, time.perf_counter(), False, prompt_rows, prompt_out)
+        prompt_rows = gather_rows(sched.scheduled) if sched.prompt_logprobs and not is_loop else None
+        launch = functools.partial(self._launch, batch, variant, sched.block_copies, allowed,
+                                   sched.decode_steps, prompt_rows)
+        self.built_at = time.perf_counter()  # (the engine's host-time split)
+        self.num_dispatches += 1
+        if self.launcher is not None:
+            return StepHandle(sched, None, None, time.perf_counter(), is_loop, prompt_rows,
+                              launched=self.launcher.submit(launch))
+        out, prompt_out, n = launch()
+        return StepHandle(sched, out, n, time.perf_counter(), is_loop, prompt_rows, prompt_out)
+
+    def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
+                allowed: np.ndarray | None, loop_steps: int,
+                prompt_rows: PromptLogprobRows | None):
+        """The device side of `execute`: the step's inputs onto the device, block copies, then the
+        step or (`allowed` given) the decode loop. -> (SamplerOutput, prompt logprob arrays or
+        None, steps run)"""
+        batch = place_step_inputs(batch, self.plan)
+        self._apply_copies(copies)
+        if allowed is None:
+            return (*self._run_step(batch, variant, prompt_rows), 1)
+        # A loop always runs decode_steps_per_call steps (the scheduler's `decode_steps`).
+        exe = self._loop_exe.get((batch.md.num_seqs, variant))
+        args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
+        self.kv_cache, self.last_tokens, out, n = (
+            exe(*args) if exe is not None else
+            self._loop_fn(*args, variant=variant, num_steps=loop_steps))
+        return out, None, n
+
+    def set_async_launch(self, on: bool) -> None:
+        """Dispatch steps from a launcher thread (jaxinfer/worker/launcher.py) or not."""
+        if on and self.launcher is None:
+            self.launcher = StepLauncher()
+        elif not on and self.launcher is not None:
+            launcher, self.launcher = self.launcher, None
+            launcher.close()
 
     def _run_step(self, batch: StepBatch, variant: SamplerVariant,
                   prompt_rows: PromptLogprobRows | None = None):

@@ -12,11 +12,14 @@ caching off, so the timed pass repeats its schedule and no compilation is timed)
               prompts cut from checkpoints/heldout_sample.txt: TPOT of each, the acceptance rate;
   ngram_edit  the demo target alone and with n-gram prompt lookup, c = 1, greedy, an editing
               workload: "rewrite this function" prompts that contain the code being rewritten;
-  crossover   demo target + draft with the policy off, c = 1, 4, 16, 64: output throughput with
-              over without speculation (the crossover behind --speculative-disable-by-batch-size);
+  crossover   demo target alone and with the demo draft, the batch-size policy and the acceptance
+              gate off, c = 1, 2, 4, 8, 16, 32 (--crossover): TPOT and output throughput of each,
+              with over without (the crossover behind --speculative-disable-by-batch-size);
   llama8b     a Llama-3-8B-shaped target (random bf16 weights) with a Llama-3.2-1B-shaped draft
-              under the default policy, c = 64 (64 prompts x 128 in / 64 out): output throughput
-              with over without.
+              (random: its proposals are never accepted, so this measures overhead only), c = 64
+              (64 prompts x 128 in / 64 out): output throughput without speculation, under the
+              default policy, and under the default policy with the acceptance gate off
+              (--speculative-min-acceptance 0: the batch-size threshold alone).
 TPOT = (last token time - first token time) / (tokens - 1) per request, averaged. `--save` writes
 spec_decode_<gpu>.json (`results_io`) after each section, so a run cut short keeps what it measured.
 """
@@ -159,15 +162,21 @@ def section_ngram_edit(a, m: dict) -> None:
 
 
 def section_crossover(a, m: dict) -> None:
-    out = {}
+    ratio = {}
     for c in a.crossover:
-        base, spec = with_and_without(a, demo_prompts(max(c, 2)), c,
+        base, spec = with_and_without(a, demo_prompts(2 * c), c,
                                       speculative_model=str(DEMO_DRAFT),
                                       num_speculative_tokens=a.k,
-                                      speculative_disable_by_batch_size=10**6)
-        out[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
-        m["crossover_demo_draft_spec_over_nospec"] = dict(out)
-        print(f"crossover c={c}: {out[f'c{c}']}", flush=True)
+                                      speculative_disable_by_batch_size=10**6,
+                                      speculative_min_acceptance=0.0)
+        for key, run in (("nospec", base), ("draft", spec)):
+            m[f"crossover_demo_c{c}_tpot_ms_{key}"] = run["tpot_ms"]
+            m[f"crossover_demo_c{c}_output_tok_s_{key}"] = run["output_tok_s"]
+        m[f"crossover_demo_c{c}_acceptance_rate"] = spec["acceptance_rate"]
+        ratio[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
+        m["crossover_demo_draft_spec_over_nospec"] = dict(ratio)
+        print(f"crossover c={c}: tpot {base['tpot_ms']} -> {spec['tpot_ms']} ms, throughput "
+              f"x{ratio[f'c{c}']}", flush=True)
 
 
 def section_llama8b(a, m: dict) -> None:
@@ -185,12 +194,18 @@ def section_llama8b(a, m: dict) -> None:
         e = engine(target, **common)
         base = measure(e, prompts, 64, 64)
         drop(e)
-        e = engine(target, speculative_model=str(draft), num_speculative_tokens=a.k, **common)
-        spec = measure(e, prompts, 64, 64)
-        drop(e)
-    m.update(llama8b_c64_output_tok_s_nospec=base["output_tok_s"],
-             llama8b_c64_output_tok_s_spec=spec["output_tok_s"],
-             llama8b_c64_spec_over_nospec=round(spec["output_tok_s"] / base["output_tok_s"], 3))
+        m["llama8b_c64_output_tok_s_nospec"] = base["output_tok_s"]
+        for key, extra in (("spec", {}), ("spec_nogate", dict(speculative_min_acceptance=0.0))):
+            e = engine(target, speculative_model=str(draft), num_speculative_tokens=a.k,
+                       **extra, **common)
+            spec = measure(e, prompts, 64, 64)
+            m[f"llama8b_c64_output_tok_s_{key}"] = spec["output_tok_s"]
+            m[f"llama8b_c64_{key}_over_nospec"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
+            m[f"llama8b_c64_{key}_drafts_all_passes"] = e.spec.metrics.drafts
+            m[f"llama8b_c64_{key}_gate_closings"] = e.spec.speculator.gate.closings
+            print(f"llama8b {key}: {json.dumps({k: v for k, v in m.items() if 'llama8b' in k})}",
+                  flush=True)
+            drop(e)
 
 
 SECTIONS = {"demo": section_demo, "ngram_edit": section_ngram_edit, "crossover": section_crossover,
@@ -204,7 +219,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--crossover", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 4, 16, 64])
+                   default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--merge", default=None, metavar="JSON",
                    help="an earlier record of this benchmark: its metrics are kept beside this "
                         "run's (sections run in several device calls); the config names it")

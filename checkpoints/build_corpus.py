@@ -221,12 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     text = split["heldout"][first]
     args.sample_out.write_text(text[:text.rfind("\n", 0, HELDOUT_SAMPLE_BYTES) + 1])
     total_bytes = sum(n_bytes.values())
+    stdlib_tokens = tokens["train"].size + tokens["heldout"].size
     print(f"extra training code: {len(extra_texts)} files, {extra_bytes / 1e6:.2f} MB, "
           f"{tokens['extra_train'].size:,} tokens")
     print(f"{len(files) - len(rejected)} files ({len(rejected)} rejected as invalid Python), "
           f"{total_bytes / 1e6:.2f} MB -> train {tokens['train'].size:,} tokens "
           f"({len(names['train'])} files), held-out {tokens['heldout'].size:,} tokens "
-          f"({len(names['heldout'])} files); {total_bytes / (tokens['train'].size + tokens['heldout'].size):.2f} "
+          f"({len(names['heldout'])} files); {total_bytes / stdlib_tokens:.2f} "
           f"bytes/token; written to {args.out}")
 
 

@@ -19,9 +19,10 @@ draft's acceptance in speculative decoding.
 
 Schedule: linear warmup, then cosine to `--final-lr-frac` of the peak (0: the schedule finishes at
 zero learning rate, which the last evals need: the lowest held-out loss comes at the end).
-Time-boxed (`--max-seconds`): after `PLAN_AT_STEP` steps the steady-state step time is measured and the schedule's length fixed to
-the number of steps that fit before the deadline (capped by `--max-steps`), leaving time for the
-final eval and saving; should the estimate prove optimistic, training stops at the deadline anyway.
+Time-boxed (`--max-seconds`): after `PLAN_AT_STEP` steps the steady-state step time is measured
+and the schedule's length fixed to the number of steps that fit before the deadline (capped by
+`--max-steps`), leaving time for the final eval and saving; should the estimate prove optimistic,
+training stops at the deadline anyway.
 The chosen length is recorded, so `--max-steps N --max-seconds 0` replays a run's schedule.
 
 Output: an HF-format directory (config.json, model.safetensors in bf16, generation_config.json,

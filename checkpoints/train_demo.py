@@ -1,7 +1,7 @@
 """Train one of the bundled demo models (target or draft) on the corpus `build_corpus.py` makes.
 
-Data: a grain pipeline over the training token streams: documents (stdlib files, each
-`--stdlib-repeat` times, plus the extra training code once, see build_corpus.py) shuffled with a
+Data: a grain pipeline over the training token stream: documents (stdlib files; with `--extra`,
+each `--stdlib-repeat` times plus the extra training code of build_corpus.py once) shuffled with a
 fixed seed, reshuffled every epoch, concatenated and split into packed sequences of seq_len + 1
 tokens (`ConcatThenSplitIterDataset`; attention crosses document boundaries, which are marked by
 <|endoftext|>, as in GPT-2's training), batched and prefetched on a thread.
@@ -76,7 +76,7 @@ ARCHITECTURES = {
 # Training hyperparameters per model; command-line flags override them.
 HPARAMS = {
     "target": dict(seq_len=1024, batch_size=32, lr=1.5e-3, warmup_steps=200, eval_every=250),
-    "draft": dict(seq_len=1024, batch_size=64, lr=3e-3, warmup_steps=200, eval_every=250),
+    "draft": dict(seq_len=1024, batch_size=64, lr=3e-3, warmup_steps=100, eval_every=250),
     "toy": dict(seq_len=64, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=10),
 }
 
@@ -208,9 +208,11 @@ def parse_args(argv):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--final-lr-frac", type=float, default=0.0,
                    help="learning rate at the end of the cosine, as a fraction of the peak")
+    p.add_argument("--extra", action="store_true",
+                   help="also train on extra_train.npy (third-party code; at the demo's time budget "
+                        "it raised the stdlib held-out perplexity: checkpoints/README.md)")
     p.add_argument("--stdlib-repeat", type=int, default=2,
-                   help="copies of each stdlib training document per epoch (the extra code: one)")
-    p.add_argument("--no-extra", action="store_true", help="train on the stdlib stream only")
+                   help="with --extra: copies of each stdlib document per epoch (extra code: one)")
     p.add_argument("--teacher", type=Path, help="HF model directory to distil from (same tokenizer)")
     p.add_argument("--distill-weight", type=float, default=0.9,
                    help="with --teacher: weight of the teacher cross-entropy in the loss")
@@ -241,14 +243,12 @@ def main(argv: list[str] | None = None) -> dict:
         if not (args.data / f).is_file():
             raise SystemExit(f"--data {args.data}: missing {f} (run checkpoints/build_corpus.py)")
     train_tokens = np.load(args.data / "train.npy")
-    docs = split_documents(train_tokens) * args.stdlib_repeat
-    extra = args.data / "extra_train.npy"
-    extra_tokens = 0
-    if extra.is_file() and not args.no_extra:
-        extra_docs = split_documents(np.load(extra))
-        extra_tokens = sum(d.size for d in extra_docs)
-        docs += extra_docs
-    epoch_tokens = args.stdlib_repeat * train_tokens.size + extra_tokens
+    docs = split_documents(train_tokens)
+    epoch_tokens = train_tokens.size
+    if args.extra:
+        extra_docs = split_documents(np.load(args.data / "extra_train.npy"))
+        docs = docs * args.stdlib_repeat + extra_docs
+        epoch_tokens = args.stdlib_repeat * train_tokens.size + sum(d.size for d in extra_docs)
     windows = heldout_windows(np.load(args.data / "heldout.npy"), args.seq_len, args.eval_windows)
     vocab = json.loads((args.data / "tokenizer" / "tokenizer.json").read_text())
     vocab_size = len(vocab["model"]["vocab"])
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     train_step, eval_loss_sum = build_steps(cfg, optimizer, compute_dtype, t_cfg, args.distill_weight)
     batches = training_batches(docs, args.seq_len, args.batch_size, args.seed)
     tokens_per_step = args.batch_size * args.seq_len
-    print(f"{args.preset}: {cfg.num_params():,} params, {train_tokens.size:,} stdlib x {args.stdlib_repeat} "
-          f"+ {extra_tokens:,} extra training tokens per epoch, teacher {args.teacher}, "
+    print(f"{args.preset}: {cfg.num_params():,} params, {epoch_tokens:,} training tokens per epoch "
+          f"(extra code: {args.extra}), teacher {args.teacher}, "
           f"{len(windows)} held-out windows of {args.seq_len}, {tokens_per_step:,} tokens/step, "
           f"devices {jax.devices()}", flush=True)
 
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": raw_cfg,
         "hparams": {k: str(v) if isinstance(v, Path) else v for k, v in (
             (k, getattr(args, k)) for k in ("seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
-                                            "final_lr_frac", "stdlib_repeat", "no_extra", "teacher",
+                                            "final_lr_frac", "extra", "stdlib_repeat", "teacher",
                                             "distill_weight", "eval_windows", "seed", "compute_dtype",
                                             "max_steps", "max_seconds"))},
         "epoch_tokens": epoch_tokens,

@@ -9,12 +9,12 @@
 # tar -C build -cJf build/demo_corpus.tar.xz demo_corpus), and .whl/ holding grain, array-record
 # and portpicker wheels (the GPU image lacks them).
 #   device run, carry [".whl", "build/demo_corpus.tar.xz"]: bash checkpoints/train_on_h200.sh
-# Afterwards, here: cat <files_at>/ckpt.tar.part-* | tar -C checkpoints -xf -
+# Afterwards, here: cat <files_at>/target.tar.part-* | tar -C checkpoints -xf - (draft.tar.part-*: same)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output directory}
-TARGET_SECONDS=${TARGET_SECONDS:-145}
-DRAFT_SECONDS=${DRAFT_SECONDS:-70}
+TARGET_SECONDS=${TARGET_SECONDS:-165}
+DRAFT_SECONDS=${DRAFT_SECONDS:-60}
 EXTRA_ARGS=${EXTRA_ARGS:-}  # e.g. "--seq-len 64 --batch-size 2" for a CPU smoke run of this script
 
 if ! python3 -c "import grain" 2>/dev/null; then
@@ -31,7 +31,9 @@ fi
 mkdir -p /tmp/demo_ckpt
 python3 checkpoints/train_demo.py --model target --out /tmp/demo_ckpt/demo-target \
   --max-seconds "$TARGET_SECONDS" $EXTRA_ARGS 2>&1 | tee "$OUT/train.log"
+# Each model leaves as soon as it is trained: a run cut short keeps the target.
+tar -C /tmp/demo_ckpt -cf - demo-target | split -b 15000000 - "$OUT/target.tar.part-"
 python3 checkpoints/train_demo.py --model draft --out /tmp/demo_ckpt/demo-draft \
   --teacher /tmp/demo_ckpt/demo-target --max-seconds "$DRAFT_SECONDS" $EXTRA_ARGS 2>&1 | tee -a "$OUT/train.log"
-tar -C /tmp/demo_ckpt -cf - demo-target demo-draft | split -b 15000000 - "$OUT/ckpt.tar.part-"
+tar -C /tmp/demo_ckpt -cf - demo-draft | split -b 15000000 - "$OUT/draft.tar.part-"
 ls -la "$OUT"

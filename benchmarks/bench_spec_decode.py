@@ -16,7 +16,7 @@ caching off, so the timed pass repeats its schedule and no compilation is timed)
               gate off, c = 1, 2, 4, 8, 16, 32 (--crossover): TPOT and output throughput of each,
               with over without (the crossover behind --speculative-disable-by-batch-size);
   llama8b     a Llama-3-8B-shaped target (random bf16 weights) with a Llama-3.2-1B-shaped draft
-              (random: its proposals are never accepted, so this measures overhead only), c = 64
+              (random weights: acceptance is meaningless, this measures overhead only), c = 64
               (64 prompts x 128 in / 64 out): output throughput without speculation and under the
               default policy: output throughput with over without;
   llama8b_nogate  the same with the acceptance gate off (--speculative-min-acceptance 0: the

@@ -12,13 +12,18 @@ caching off, so the timed pass repeats its schedule and no compilation is timed)
               prompts cut from checkpoints/heldout_sample.txt: TPOT of each, the acceptance rate;
   ngram_edit  the demo target alone and with n-gram prompt lookup, c = 1, greedy, an editing
               workload: "rewrite this function" prompts that contain the code being rewritten;
-  crossover   demo target + draft with the policy off, c = 1, 4, 16, 64: output throughput with
-              over without speculation (the crossover behind --speculative-disable-by-batch-size);
+  crossover   demo target alone and with the demo draft, the batch-size policy and the acceptance
+              gate off, c = 1, 2, 4, 8, 16, 32 (--crossover): TPOT and output throughput of each,
+              with over without (the crossover behind --speculative-disable-by-batch-size);
   llama8b     a Llama-3-8B-shaped target (random bf16 weights) with a Llama-3.2-1B-shaped draft
-              under the default policy, c = 64 (64 prompts x 128 in / 64 out): output throughput
-              with over without.
+              (random weights: acceptance is meaningless, this measures overhead only), c = 64
+              (64 prompts x 128 in / 64 out): output throughput without speculation and under the
+              default policy: output throughput with over without;
+  llama8b_nogate  the same with the acceptance gate off (--speculative-min-acceptance 0: the
+              batch-size threshold alone), against llama8b's baseline of the same run.
 TPOT = (last token time - first token time) / (tokens - 1) per request, averaged. `--save` writes
-spec_decode_<gpu>.json (`results_io`) after each section, so a run cut short keeps what it measured.
+spec_decode_<gpu>.json (`results_io`) after each measurement, so a run cut short keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -132,7 +137,7 @@ def with_and_without(a, prompts, concurrency: int, **spec) -> tuple[dict, dict]:
     """The workload on the demo target alone, then with `spec` (speculative-decoding flags)."""
     out = []
     for kwargs in ({}, spec):
-        e = engine(DEMO, max_num_seqs=max(concurrency, 8), **kwargs)
+        e = engine(a.demo_target, max_num_seqs=max(concurrency, 8), **kwargs)
         out.append(measure(e, prompts, a.output_len, concurrency))
         drop(e)
     return out[0], out[1]
@@ -149,7 +154,7 @@ def compare_c1(a, m: dict, prefix: str, prompts, **spec) -> float:
 
 def section_demo(a, m: dict) -> None:
     m["demo_c1_tpot_ms_draft"] = compare_c1(a, m, "demo", demo_prompts(a.num_prompts),
-                                            speculative_model=str(DEMO_DRAFT),
+                                            speculative_model=str(a.demo_draft),
                                             num_speculative_tokens=a.k)
 
 
@@ -159,52 +164,79 @@ def section_ngram_edit(a, m: dict) -> None:
 
 
 def section_crossover(a, m: dict) -> None:
-    out = {}
+    ratio = {}
     for c in a.crossover:
-        base, spec = with_and_without(a, demo_prompts(max(c, 2)), c,
-                                      speculative_model=str(DEMO_DRAFT),
+        base, spec = with_and_without(a, demo_prompts(2 * c), c,
+                                      speculative_model=str(a.demo_draft),
                                       num_speculative_tokens=a.k,
-                                      speculative_disable_by_batch_size=10**6)
-        out[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
-        m["crossover_demo_draft_spec_over_nospec"] = dict(out)
-        print(f"crossover c={c}: {out[f'c{c}']}", flush=True)
+                                      speculative_disable_by_batch_size=10**6,
+                                      speculative_min_acceptance=0.0)
+        for key, run in (("nospec", base), ("draft", spec)):
+            m[f"crossover_demo_c{c}_tpot_ms_{key}"] = run["tpot_ms"]
+            m[f"crossover_demo_c{c}_output_tok_s_{key}"] = run["output_tok_s"]
+        m[f"crossover_demo_c{c}_acceptance_rate"] = spec["acceptance_rate"]
+        ratio[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
+        m["crossover_demo_draft_spec_over_nospec"] = dict(ratio)
+        print(f"crossover c={c}: tpot {base['tpot_ms']} -> {spec['tpot_ms']} ms, throughput "
+              f"x{ratio[f'c{c}']}", flush=True)
+        a.checkpoint()
 
 
-def section_llama8b(a, m: dict) -> None:
+def llama8b_runs(a, m: dict, variants: dict) -> None:
+    """The c = 64 workload on the 8B-shaped target: `variants` maps a metric key to the engine's
+    speculative flags beside the draft (None: no speculation); each is saved as soon as it is measured."""
+    import numpy as np
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = Path(tmp) / "llama8b", Path(tmp) / "llama1b"
         for d, cfg in ((target, LLAMA3_8B), (draft, LLAMA32_1B)):
             d.mkdir()
             (d / "config.json").write_text(json.dumps(cfg))
-        from jaxinfer.model.tokenizer import Tokenizer  # noqa: F401 - ids only: no tokenizer
-        import numpy as np
         rng = np.random.default_rng(0)
         prompts = [rng.integers(10, 120000, 128).tolist() for _ in range(64)]
         common = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=64,
                       max_num_batched_tokens=512, max_model_len=1024, num_blocks=6144)
-        e = engine(target, **common)
-        base = measure(e, prompts, 64, 64)
-        drop(e)
-        e = engine(target, speculative_model=str(draft), num_speculative_tokens=a.k, **common)
-        spec = measure(e, prompts, 64, 64)
-        drop(e)
-    m.update(llama8b_c64_output_tok_s_nospec=base["output_tok_s"],
-             llama8b_c64_output_tok_s_spec=spec["output_tok_s"],
-             llama8b_c64_spec_over_nospec=round(spec["output_tok_s"] / base["output_tok_s"], 3))
+        for key, extra in variants.items():
+            spec = {} if extra is None else dict(speculative_model=str(draft),
+                                                 num_speculative_tokens=a.k, **extra)
+            e = engine(target, **spec, **common)
+            run = measure(e, prompts, 64, 64)
+            m[f"llama8b_c64_output_tok_s_{key}"] = run["output_tok_s"]
+            base = m.get("llama8b_c64_output_tok_s_nospec")
+            if e.spec is not None:
+                if base:
+                    m[f"llama8b_c64_{key}_over_nospec"] = round(run["output_tok_s"] / base, 3)
+                m[f"llama8b_c64_{key}_drafts_all_passes"] = e.spec.metrics.drafts
+                m[f"llama8b_c64_{key}_gate_closings"] = e.spec.speculator.gate.closings
+            print(f"llama8b {key}: {json.dumps({k: v for k, v in m.items() if 'llama8b' in k})}",
+                  flush=True)
+            a.checkpoint()
+            drop(e)
+
+
+def section_llama8b(a, m: dict) -> None:
+    # The default policy: "spec" -> llama8b_c64_spec_over_nospec, the issue's key.
+    llama8b_runs(a, m, {"nospec": None, "spec": {}})
+
+
+def section_llama8b_nogate(a, m: dict) -> None:
+    """The batch-size policy alone (acceptance gate off), against section llama8b's baseline."""
+    llama8b_runs(a, m, {"spec_nogate": dict(speculative_min_acceptance=0.0)})
 
 
 SECTIONS = {"demo": section_demo, "ngram_edit": section_ngram_edit, "crossover": section_crossover,
-            "llama8b": section_llama8b}
+            "llama8b": section_llama8b, "llama8b_nogate": section_llama8b_nogate}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default="demo,ngram_edit,crossover,llama8b")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--demo-target", type=Path, default=DEMO, help="the demo target's directory")
+    p.add_argument("--demo-draft", type=Path, default=DEMO_DRAFT, help="the demo draft's directory")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--crossover", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 4, 16, 64])
+                   default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--merge", default=None, metavar="JSON",
                    help="an earlier record of this benchmark: its metrics are kept beside this "
                         "run's (sections run in several device calls); the config names it")
@@ -217,16 +249,21 @@ def main() -> None:
         earlier = json.loads(Path(a.merge).read_text())
         metrics.update(earlier["metrics"])
         merged = {k: earlier[k] for k in ("date", "commit", "command")}
+    def checkpoint() -> None:
+        """Save what is measured so far: a run cut short keeps it."""
+        if a.save:
+            results_io.save(a.save, a.name or f"spec_decode_{results_io.device_slug()}",
+                            config=dict(k=a.k, output_len=a.output_len, num_prompts=a.num_prompts,
+                                        crossover=a.crossover, demo_target=str(a.demo_target),
+                                        demo_draft=str(a.demo_draft), sections=a.sections,
+                                        backend=jax.devices()[0].platform, merged_from=merged),
+                            metrics=metrics)
+    a.checkpoint = checkpoint
     for name in a.sections.split(","):
         t0 = time.perf_counter()
         SECTIONS[name](a, metrics)
         print(f"[{name}] {time.perf_counter() - t0:.1f} s: {json.dumps(metrics)}", flush=True)
-        if a.save:
-            results_io.save(a.save, a.name or f"spec_decode_{results_io.device_slug()}",
-                            config=dict(k=a.k, output_len=a.output_len, num_prompts=a.num_prompts,
-                                        sections=a.sections, backend=jax.devices()[0].platform,
-                                        merged_from=merged),
-                            metrics=metrics)
+        checkpoint()
 
 
 if __name__ == "__main__":

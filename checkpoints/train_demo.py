@@ -1,6 +1,7 @@
 """Train one of the bundled demo models (target or draft) on the corpus `build_corpus.py` makes.
 
-Data: a grain pipeline over the training token stream: documents (stdlib files) shuffled with a
+Data: a grain pipeline over the training token stream: documents (stdlib files; with `--extra`,
+each `--stdlib-repeat` times plus the extra training code of build_corpus.py once) shuffled with a
 fixed seed, reshuffled every epoch, concatenated and split into packed sequences of seq_len + 1
 tokens (`ConcatThenSplitIterDataset`; attention crosses document boundaries, which are marked by
 <|endoftext|>, as in GPT-2's training), batched and prefetched on a thread.
@@ -11,10 +12,18 @@ float32 master weights and AdamW moments, bf16 forward/backward. AdamW's per-ste
 cosine, so bf16 master weights would stall; bf16 compute is what the server runs, so the eval
 measures the numerics that ship. `--compute-dtype float32` for CPU runs (XLA:CPU bf16 is slow).
 
-Schedule: linear warmup, then cosine to 10% of the peak. Time-boxed (`--max-seconds`): after
-`PLAN_AT_STEP` steps the steady-state step time is measured and the schedule's length fixed to
-the number of steps that fit before the deadline (capped by `--max-steps`), leaving time for the
-final eval and saving; should the estimate prove optimistic, training stops at the deadline anyway.
+Distillation (`--teacher DIR`, for the draft): the loss mixes the cross-entropy against the data
+with the cross-entropy against the teacher's next-token distribution (`--distill-weight`), the
+teacher running in the same jitted step; matching the target's distribution is what raises the
+draft's acceptance in speculative decoding.
+
+Schedule: linear warmup, then cosine to `--final-lr-frac` of the peak (default 10%: the demo target
+is under-trained at its time budget, and decaying to 0 over the same budget measured worse,
+checkpoints/README.md).
+Time-boxed (`--max-seconds`): after `PLAN_AT_STEP` steps the steady-state step time is measured
+and the schedule's length fixed to the number of steps that fit before the deadline (capped by
+`--max-steps`), leaving time for the final eval and saving; should the estimate prove optimistic,
+training stops at the deadline anyway.
 The chosen length is recorded, so `--max-steps N --max-seconds 0` replays a run's schedule.
 
 Output: an HF-format directory (config.json, model.safetensors in bf16, generation_config.json,
@@ -42,9 +51,9 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.model.transformer import init_params, train_forward
-from jaxinfer.model.weights import save_safetensors
+from jaxinfer.model.weights import load_params, save_safetensors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -94,10 +103,13 @@ def hf_config(arch: dict, vocab_size: int, max_positions: int) -> dict:
     }
 
 
-def training_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
-    """Endless iterator of int32 [batch, seq_len + 1] packed sequences (grain)."""
+def split_documents(tokens: np.ndarray) -> list[np.ndarray]:
     ends = np.flatnonzero(tokens == ENDOFTEXT_ID) + 1
-    docs = [d for d in np.split(tokens.astype(np.int32), ends) if d.size]
+    return [d for d in np.split(tokens.astype(np.int32), ends) if d.size]
+
+
+def training_batches(docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int):
+    """Endless iterator of int32 [batch, seq_len + 1] packed sequences (grain)."""
     ds = (grain.MapDataset.source(docs)
           .shuffle(seed=seed)
           .repeat(None)  # reshuffled every epoch
@@ -127,22 +139,29 @@ def make_optimizer(weight_decay: float):
     return optax.inject_hyperparams(build)(learning_rate=0.0)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_steps(cfg, optimizer, compute_dtype):
-    def loss_fn(params, batch):
+def build_steps(cfg, optimizer, compute_dtype, teacher_cfg=None, distill_weight: float = 0.0):
+    """With `teacher_cfg`, train_step takes the teacher's params and the loss also matches the
+    teacher's next-token distribution."""
+    def loss_fn(params, batch, teacher_params):
         compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         logits = train_forward(compute, cfg, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        if teacher_cfg is None:
+            return loss
+        t_logits = train_forward(teacher_params, teacher_cfg, batch[:, :-1]).astype(jnp.float32)
+        soft = optax.softmax_cross_entropy(logits.astype(jnp.float32), jax.nn.softmax(t_logits)).mean()
+        return (1 - distill_weight) * loss + distill_weight * soft
 
     @jax.jit
-    def train_step(params, opt_state, batch, lr):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    def train_step(params, opt_state, batch, lr, teacher_params=None):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, teacher_params)
         opt_state.hyperparams["learning_rate"] = lr
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
@@ -188,6 +207,16 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per eval")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--final-lr-frac", type=float, default=0.1,
+                   help="learning rate at the end of the cosine, as a fraction of the peak")
+    p.add_argument("--extra", action="store_true",
+                   help="also train on extra_train.npy (third-party code; at the demo's time budget "
+                        "it raised the stdlib held-out perplexity: checkpoints/README.md)")
+    p.add_argument("--stdlib-repeat", type=int, default=2,
+                   help="with --extra: copies of each stdlib document per epoch (extra code: one)")
+    p.add_argument("--teacher", type=Path, help="HF model directory to distil from (same tokenizer)")
+    p.add_argument("--distill-weight", type=float, default=0.9,
+                   help="with --teacher: weight of the teacher cross-entropy in the loss")
     p.add_argument("--max-steps", type=int, default=100_000)
     p.add_argument("--max-seconds", type=float, default=0,
                    help="wall-clock budget for the whole run, saving included (0: no limit)")
@@ -200,7 +229,7 @@ def parse_args(argv):
             setattr(args, key, value)
     if args.compute_dtype is None:
         args.compute_dtype = "float32" if args.toy else "bfloat16"
-    for name in ("seq_len", "batch_size", "warmup_steps", "eval_every", "max_steps"):
+    for name in ("seq_len", "batch_size", "warmup_steps", "eval_every", "max_steps", "stdlib_repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.preset = preset
@@ -215,6 +244,12 @@ def main(argv: list[str] | None = None) -> dict:
         if not (args.data / f).is_file():
             raise SystemExit(f"--data {args.data}: missing {f} (run checkpoints/build_corpus.py)")
     train_tokens = np.load(args.data / "train.npy")
+    docs = split_documents(train_tokens)
+    epoch_tokens = train_tokens.size
+    if args.extra:
+        extra_docs = split_documents(np.load(args.data / "extra_train.npy"))
+        docs = docs * args.stdlib_repeat + extra_docs
+        epoch_tokens = args.stdlib_repeat * train_tokens.size + sum(d.size for d in extra_docs)
     windows = heldout_windows(np.load(args.data / "heldout.npy"), args.seq_len, args.eval_windows)
     vocab = json.loads((args.data / "tokenizer" / "tokenizer.json").read_text())
     vocab_size = len(vocab["model"]["vocab"])
@@ -224,11 +259,18 @@ def main(argv: list[str] | None = None) -> dict:
     compute_dtype = jnp.dtype(args.compute_dtype)
     params = init_params(cfg, jax.random.key(args.seed), jnp.float32)
     optimizer = make_optimizer(args.weight_decay)
-    opt_state = optimizer.init(params)
-    train_step, eval_loss_sum = build_steps(cfg, optimizer, compute_dtype)
-    batches = training_batches(train_tokens, args.seq_len, args.batch_size, args.seed)
+    # Committed to the device, as every step's outputs are: uncommitted first arguments would
+    # compile the step functions a second time at step 2.
+    params, opt_state = jax.device_put((params, optimizer.init(params)), jax.devices()[0])
+    t_cfg = t_params = None
+    if args.teacher is not None:
+        t_cfg = load_config(args.teacher)
+        t_params = load_params(args.teacher, t_cfg, compute_dtype, progress=False)
+    train_step, eval_loss_sum = build_steps(cfg, optimizer, compute_dtype, t_cfg, args.distill_weight)
+    batches = training_batches(docs, args.seq_len, args.batch_size, args.seed)
     tokens_per_step = args.batch_size * args.seq_len
-    print(f"{args.preset}: {cfg.num_params():,} params, {train_tokens.size:,} training tokens, "
+    print(f"{args.preset}: {cfg.num_params():,} params, {epoch_tokens:,} training tokens per epoch "
+          f"(extra code: {args.extra}), teacher {args.teacher}, "
           f"{len(windows)} held-out windows of {args.seq_len}, {tokens_per_step:,} tokens/step, "
           f"devices {jax.devices()}", flush=True)
 
@@ -247,8 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_train = time.perf_counter()
     while step < total_steps:
         batch = next(batches)
-        lr = lr_at(step, total_steps, args.lr, args.warmup_steps)
-        params, opt_state, loss, gnorm = train_step(params, opt_state, batch, jnp.float32(lr))
+        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_frac)
+        params, opt_state, loss, gnorm = train_step(params, opt_state, batch, jnp.float32(lr), t_params)
         step += 1
         if step == 1:
             loss.block_until_ready()
@@ -294,13 +336,16 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.preset,
         "params": cfg.num_params(),
         "config": raw_cfg,
-        "hparams": {k: getattr(args, k) for k in ("seq_len", "batch_size", "lr", "warmup_steps",
-                                                    "weight_decay", "eval_windows", "seed", "compute_dtype",
-                                                    "max_steps", "max_seconds")},
+        "hparams": {k: str(v) if isinstance(v, Path) else v for k, v in (
+            (k, getattr(args, k)) for k in ("seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
+                                            "final_lr_frac", "extra", "stdlib_repeat", "teacher",
+                                            "distill_weight", "eval_windows", "seed", "compute_dtype",
+                                            "max_steps", "max_seconds"))},
+        "epoch_tokens": epoch_tokens,
         "steps": step,
         "schedule_steps": total_steps,
         "tokens_seen": step * tokens_per_step,
-        "epochs": step * tokens_per_step / train_tokens.size,
+        "epochs": step * tokens_per_step / epoch_tokens,
         "train_seconds": train_seconds,
         "tokens_per_second": (step - 1) * tokens_per_step / max(train_seconds - log["compile_seconds"], 1e-9),
         "saved_step": best[2],

@@ -1,7 +1,9 @@
 """Speculative decoding end to end on CPU: greedy outputs identical with and without speculation
 (n-gram and draft model, every family's fixture, chunked prefill, prefix-cache hits, n > 1, stop
-strings, logprobs, preemption mid-speculation), no leaked KV block, the policy and the opt-out,
-sampled outputs distributed as without speculation, the flags and their refusals."""
+strings, logprobs, preemption mid-speculation), no leaked KV block, the policy, the acceptance
+gate and the opt-out, sampled outputs distributed as without speculation, the flags and their
+refusals. The engines here keep the acceptance gate open (min acceptance 0) so that drafts of low
+acceptance still speculate all the way; `test_acceptance_gate_*` test the gate."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def engine(draft=None, num_blocks=NUM_BLOCKS, **kwargs) -> LLMEngine:
                 max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
                 compilation_cache_dir=None, warmup=False, dtype="float32")
     args.update(kwargs)
+    if "speculative_method" in kwargs or "speculative_model" in kwargs:
+        args.setdefault("speculative_min_acceptance", 0.0)
     return LLMEngine(cfg, params, tiny_tokenizer(), EngineArgs(**args), num_blocks=num_blocks,
                      draft=draft)
 
@@ -121,7 +125,8 @@ def test_every_family_greedy_matches_transformers_with_a_draft(family):
         args = EngineArgs(model=str(FIXTURES / family), speculative_model=str(FIXTURES / draft),
                           num_speculative_tokens=4, dtype="float32", max_model_len=64,
                           block_size=BLOCK, num_blocks=64, max_num_seqs=2,
-                          max_num_batched_tokens=16, compilation_cache_dir=None, warmup=False)
+                          max_num_batched_tokens=16, compilation_cache_dir=None, warmup=False,
+                          speculative_min_acceptance=0.0)
         e = LLMEngine.from_engine_args(args)
         e.add_request("g", golden["greedy_prompt"].tolist(),
                       SamplingParams(max_tokens=len(golden["greedy_tokens"]), **GREEDY))
@@ -199,6 +204,52 @@ def test_policy_and_opt_out():
     assert err.value.param == "speculative_decoding"
 
 
+def test_acceptance_gate_window_threshold_and_probe():
+    from jaxinfer.spec_decode.gate import PROBE_AFTER_STEPS, WINDOW_TOKENS, AcceptanceGate
+    gate = AcceptanceGate(0.25)
+    for _ in range(WINDOW_TOKENS // 4 - 1):
+        gate.observe(4, 0)        # 60 of 64 proposals seen: too few to judge
+        gate.observe(0, 0)        # steps without proposals change nothing
+    assert gate.open
+    gate.observe(4, 4)            # 4 / 64 accepted < 25%
+    assert not gate.open and gate.closings == 1
+    for _ in range(PROBE_AFTER_STEPS - 1):
+        gate.observe(0, 0)
+    assert not gate.open
+    gate.observe(0, 0)
+    assert gate.open              # probing again, with an empty window
+    for _ in range(4 * WINDOW_TOKENS):
+        gate.observe(4, 1)        # exactly 25%: stays open; the window slides
+    assert gate.open and gate.closings == 1
+    never = AcceptanceGate(0.0)
+    for _ in range(4 * WINDOW_TOKENS):
+        never.observe(4, 0)
+    assert never.open
+
+
+def test_acceptance_gate_pauses_a_draft_that_is_rejected():
+    """A draft whose proposals fall under --speculative-min-acceptance stops being asked (outputs
+    unchanged); its steps run unspeculated until the gate probes again."""
+    e = engine(other_draft(), speculative_model="draft", num_speculative_tokens=3,
+               speculative_min_acceptance=1.0)  # any rejection in a full window closes it
+    proposed = []
+    schedule = e.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        proposed.append(out.num_proposed)
+        return out
+    e.scheduler.schedule = spy
+    assert run_workload(e) == baseline()
+    gate = e.spec.speculator.gate
+    assert gate.closings == 1 and not gate.open
+    last_speculating = max(i for i, n in enumerate(proposed) if n)
+    assert sum(proposed) >= 64 and last_speculating < len(proposed) - 3
+    ungated = engine(other_draft(), speculative_model="draft", num_speculative_tokens=3)
+    run_workload(ungated)
+    assert ungated.spec.metrics.draft_tokens > e.spec.metrics.draft_tokens
+
+
 def test_metrics_have_vllm_names():
     from prometheus_client import generate_latest
     e = engine(self_draft(), speculative_model="draft", num_speculative_tokens=3)
@@ -235,6 +286,8 @@ def test_flags_json_and_refusals():
                          (dict(speculative_method="draft_model", num_speculative_tokens=2),
                           "--speculative-model"),
                          (dict(num_speculative_tokens=2), "--speculative-method"),
+                         (dict(speculative_method="ngram", num_speculative_tokens=2,
+                               speculative_min_acceptance=1.5), "--speculative-min-acceptance"),
                          (dict(speculative_config='{"method": "eagle3", "num_speculative_tokens": 2}'),
                           "--speculative-method"),
                          (dict(speculative_config='{"draft_tensor_parallel_size": 2}'),

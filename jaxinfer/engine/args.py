@@ -79,6 +79,7 @@ class EngineArgs:
     ngram_prompt_lookup_min: int | None = None
     ngram_prompt_lookup_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    speculative_min_acceptance: float | None = None
     speculative_config: str | dict | None = None
     # Prefill and decode on separate device groups (jaxinfer/disagg/, docs/disaggregation.md).
     disaggregate: bool = False
@@ -130,7 +131,7 @@ class EngineArgs:
             num_tokens=self.num_speculative_tokens, lookup_min=self.ngram_prompt_lookup_min,
             lookup_max=self.ngram_prompt_lookup_max,
             disable_by_batch_size=self.speculative_disable_by_batch_size,
-            config_json=self.speculative_config)
+            config_json=self.speculative_config, min_acceptance=self.speculative_min_acceptance)
 
     @property
     def model_path(self) -> str:

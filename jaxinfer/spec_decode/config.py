@@ -8,6 +8,8 @@
 The JSON takes vLLM's key names; a key given both ways must agree. `disable_by_batch_size` (flag
 `--speculative-disable-by-batch-size`) is the policy: a step speculates only while at most that
 many sequences run (docs/spec_decode.md gives the measured crossover behind the default).
+`min_acceptance` (flag `--speculative-min-acceptance`; our key, vLLM has none) pauses speculation
+while recent proposals are accepted less often than that (`spec_decode/gate.py`; 0: never).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from jaxinfer.errors import ConfigError
 METHODS = ("ngram", "draft_model")
 # Running sequences above which steps stop speculating (docs/spec_decode.md: the crossover).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
+# Acceptance rate under which speculation pauses: below it a verifying step (k + 1 positions per
+# row, the proposer, no overlap) cannot pay for itself; k = 4 at 10% makes 1.11 tokens per step.
+DEFAULT_MIN_ACCEPTANCE = 0.1
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's speculative_config keys -> our field names.
 _JSON_KEYS = {"method": "method", "model": "model",
               "num_speculative_tokens": "num_speculative_tokens",
               "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
-              "disable_by_batch_size": "disable_by_batch_size"}
+              "disable_by_batch_size": "disable_by_batch_size", "min_acceptance": "min_acceptance"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1       # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
 
     def __post_init__(self):
         def check(ok: bool, flag: str, value, why: str):
@@ -64,6 +70,8 @@ class SpeculativeConfig:
         check(isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
               "speculative-disable-by-batch-size", self.disable_by_batch_size,
               "must be an integer >= 1")
+        check(isinstance(self.min_acceptance, (int, float)) and 0 <= self.min_acceptance <= 1,
+              "speculative-min-acceptance", self.min_acceptance, "must be a number from 0 to 1")
 
 
 def _parse_json(text: str | dict) -> dict:
@@ -86,12 +94,13 @@ def _parse_json(text: str | dict) -> dict:
 def speculative_config(*, method: str | None, model: str | None, num_tokens: int | None,
                        lookup_min: int | None, lookup_max: int | None,
                        disable_by_batch_size: int | None,
-                       config_json: str | dict | None) -> SpeculativeConfig | None:
+                       config_json: str | dict | None,
+                       min_acceptance: float | None = None) -> SpeculativeConfig | None:
     """The settings from the flags and the JSON (None: speculation off). Raises ConfigError naming
     the flag for anything inconsistent."""
     flags = {"method": method, "model": model, "num_speculative_tokens": num_tokens,
              "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max,
-             "disable_by_batch_size": disable_by_batch_size}
+             "disable_by_batch_size": disable_by_batch_size, "min_acceptance": min_acceptance}
     fields = {k: v for k, v in flags.items() if v is not None}
     if config_json:
         for key, value in _parse_json(config_json).items():
@@ -127,6 +136,10 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help=f"speculate only while at most N sequences run (default "
                         f"{DEFAULT_DISABLE_BY_BATCH_SIZE})")
+    g.add_argument("--speculative-min-acceptance", type=float, default=None, metavar="RATE",
+                   help=f"pause speculating while recent proposals are accepted less often than "
+                        f"RATE (default {DEFAULT_MIN_ACCEPTANCE}; 0: never pause)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's form: {\"method\", \"model\", \"num_speculative_tokens\", "
-                        "\"prompt_lookup_min\", \"prompt_lookup_max\", \"disable_by_batch_size\"}")
+                        "\"prompt_lookup_min\", \"prompt_lookup_max\", \"disable_by_batch_size\"} "
+                        "(and our \"min_acceptance\")")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from jaxinfer.spec_decode.gate import AcceptanceGate
+
 if TYPE_CHECKING:
     from jaxinfer.engine.request import Sequence
     from jaxinfer.spec_decode.config import SpeculativeConfig
@@ -33,14 +35,17 @@ class Speculator:
     most `disable_by_batch_size` sequences run (past the crossover, verifying k + 1 tokens per
     row costs more than the accepted tokens save) and none waits (admissions first: their
     prefills dominate the step, and the batch is about to grow); a request may opt out
-    (`SamplingParams.speculative_decoding`); structured-output rows never speculate."""
+    (`SamplingParams.speculative_decoding`); structured-output rows never speculate; and the
+    acceptance gate (`spec_decode/gate.py`) pauses it while proposals are rarely accepted."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer):
         self.config = config
         self.proposer = proposer
+        self.gate = AcceptanceGate(config.min_acceptance)
 
     def active(self, num_running: int, num_waiting: int) -> bool:
-        return num_running <= self.config.disable_by_batch_size and not num_waiting
+        return (num_running <= self.config.disable_by_batch_size and not num_waiting
+                and self.gate.open)
 
     def begin_step(self) -> None:
         self.proposer.begin_step()

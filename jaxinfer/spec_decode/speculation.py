@@ -41,11 +41,13 @@ class Speculation:
         return self.speculator.active(num_running, num_waiting)
 
     def record(self, handle) -> None:
-        """A processed step's acceptance counts into the metrics."""
+        """A processed step's acceptance counts into the metrics and the acceptance gate."""
         if not handle.sched.num_proposed:
+            self.speculator.gate.observe(0, 0)
             return
         tokens = handle.result().tokens  # [K + 1, rows]
         rows = [r for r, e in enumerate(handle.sched.decodes) if e.proposal]
         num_drafts = np.array([len(handle.sched.decodes[r].proposal) for r in rows])
         emitted = (tokens[:, rows] >= 0).sum(axis=0)
         self.metrics.record(num_drafts, emitted - 1)
+        self.speculator.gate.observe(int(num_drafts.sum()), int((emitted - 1).sum()))

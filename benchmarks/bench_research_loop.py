@@ -7,8 +7,10 @@ Default: a Llama-3-8B-shaped model (random bf16 weights, `--load-format dummy`) 
   rollouts        --num-prompts prompts x --output-len tokens (random prompts of --input-len,
                   temperature 1, no EOS), plain `generate` against `generate` with logprobs=0 plus
                   `to_rollout_batch` (the arrays RL code trains on), alternated, best of --repeats,
-                  after one untimed plain run (which compiles whatever warm-up left out: with
-                  `--engine '{"warmup": false}'` only the step shapes this workload uses);
+                  after an untimed plain run of a quarter of the length (which compiles whatever
+                  warm-up left out: with `--engine '{"warmup": false}'` only the step shapes this
+                  workload uses; with a step budget holding every prompt, `"max_num_batched_tokens":
+                  32768`, the sequences decode in lockstep: two forward shapes in all);
   update_weights  from a params pytree already on the device (a bf16 copy of the weights: what a
                   trainer holding bf16 params hands over) and from host numpy (the same weights
                   fetched to the host), each timed to the new weights being ready on the device;
@@ -41,6 +43,10 @@ from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
 from jaxinfer.engine.llm import LLM  # noqa: E402
 from jaxinfer.engine.rollout import to_rollout_batch  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+
+
+T0 = time.perf_counter()
+UPDATE_RESERVE_S = 25  # the update and sleep/wake phases at the 8B shape (two host updates)
 
 
 def bytes_in_use() -> int | None:
@@ -82,6 +88,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall seconds the whole run may take: rollout repeats stop early to "
+                         f"leave {UPDATE_RESERVE_S} s for the update and sleep phases")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.55,
                     help="KV cache budget: leaves room for a second copy of the weights")
     ap.add_argument("--engine", default="{}",
@@ -133,17 +142,26 @@ def main() -> None:
     base = dict(temperature=1.0, max_tokens=out_len, ignore_eos=True, seed=0)
     plain_p, lp_p = SamplingParams(**base), SamplingParams(**base, logprobs=0)
     t0 = time.perf_counter()
-    rollout_tok_s(llm, prompts, plain_p, False)  # untimed: compiles what the timed runs use
-    rollout_tok_s(llm, prompts[:2], lp_p, True)
+    # Untimed, a quarter of the length: the same step shapes as the timed runs (the same prefill
+    # schedule, sequences finishing in the same order), so it compiles what they use.
+    rollout_tok_s(llm, prompts, SamplingParams(**{**base, "max_tokens": max(out_len // 4, 1)}),
+                  False)
     metrics["untimed_first_run_s"] = round(time.perf_counter() - t0, 1)
     after_warmup = compiles[0]
     plain, rollout, host_ms = [], [], {"plain": [], "logprobs": []}
-    for _ in range(args.repeats):
+    rep_s = 0.0  # the last repeat's duration
+    for i in range(args.repeats):
+        if args.budget_s and (time.perf_counter() - T0 + 1.2 * rep_s + UPDATE_RESERVE_S
+                              > args.budget_s) and i:
+            print(f"stopping after {i} repeat(s): --budget-s {args.budget_s}", flush=True)
+            break
+        rep_s = -time.perf_counter()
         for label, params, runs in (("plain", plain_p, plain), ("logprobs", lp_p, rollout)):
             steps, host_s = engine.stats.steps, engine.stats.host_s
             runs.append(rollout_tok_s(llm, prompts, params, label == "logprobs"))
             host_ms[label].append(round(1e3 * (engine.stats.host_s - host_s)
                                         / max(engine.stats.steps - steps, 1), 2))
+        rep_s += time.perf_counter()
     ratio = max(rollout) / max(plain)
     print(f"{n} prompts x {out_len} tokens: plain generate {max(plain):.0f} tok/s, with logprobs "
           f"+ to_rollout_batch {max(rollout):.0f} tok/s: ratio {ratio:.3f} (host ms/step "
@@ -189,7 +207,8 @@ def main() -> None:
     engine.wake()
     jax.block_until_ready(engine.runner.kv_cache)
     wake_s = time.perf_counter() - t0
-    rollout_tok_s(llm, prompts[:2], lp_p, True)  # usable after wake
+    # Usable after wake (all the prompts, two tokens: the step shapes already compiled).
+    rollout_tok_s(llm, prompts, SamplingParams(**{**base, "max_tokens": 2, "logprobs": 0}), True)
     kv_gib = sum(a.nbytes for a in jax.tree.leaves(engine.runner.kv_cache)) / 2**30
     recompiled = compiles[0] - after_warmup
     print(f"sleep freed {freed_live / 2**30:.2f} GiB of live arrays (KV cache {kv_gib:.2f} GiB)"

@@ -210,6 +210,8 @@ def test_rollout_batch_pads_generate_outputs_with_their_logprobs():
         np.testing.assert_allclose(old[i, p - 1:p - 1 + n], batch.logprobs[i, :n])
     with pytest.raises(ValueError, match="max_completion_len"):
         to_rollout_batch(outs, max_completion_len=2)
+    with pytest.raises(ValueError, match="top_k=3 but the completions were sampled with logprobs=2"):
+        to_rollout_batch(outs, top_k=3)
     plain = llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)
     with pytest.raises(ValueError, match="logprobs"):
         to_rollout_batch(outs + plain)

@@ -239,3 +239,29 @@ def test_full_variant_skips_unused_extras_without_changing_any_row():
                  FULL_SAMPLER)
     assert (no_top.tokens == with_top.tokens).all() and (no_top.logprob == with_top.logprob).all()
     assert (with_top.top_ids[:, 0] == jnp.argmax(logits, -1)).all() and (no_top.top_ids == 0).all()
+
+
+def test_full_variant_batches_without_penalties_keep_the_history_on_the_device():
+    """No [S, max_model_len] history crosses from the host unless a row uses penalties."""
+    engine = make_engine()
+    built = []
+    build = engine.runner.build
+
+    def spy(sched):
+        built.append(build(sched))
+        return built[-1]
+    engine.runner.build = spy
+    engine.add_request("top-p", prompt_ids(1, 5),
+                       SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3))
+    run_all(engine)
+    history = [batch.sampling.history for batch, variant, _ in built if variant.penalties]
+    assert history and all(h is history[0] for h in history)  # one device array, reused
+    assert isinstance(history[0], jax.Array) and (np.asarray(history[0]) == -1).all()
+    built.clear()
+    prompt = prompt_ids(2, 5)
+    engine.add_request("penalised", prompt, SamplingParams(temperature=0.8, repetition_penalty=1.3,
+                                                           seed=1, max_tokens=3))
+    run_all(engine)
+    history = [batch.sampling.history for batch, variant, _ in built]
+    assert all(isinstance(h, np.ndarray) for h in history)
+    assert history[-1][0, :len(prompt)].tolist() == prompt

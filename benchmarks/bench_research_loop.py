@@ -7,10 +7,11 @@ Default: a Llama-3-8B-shaped model (random bf16 weights, `--load-format dummy`) 
   rollouts        --num-prompts prompts x --output-len tokens (random prompts of --input-len,
                   temperature 1, no EOS), plain `generate` against `generate` with logprobs=0 plus
                   `to_rollout_batch` (the arrays RL code trains on), alternated, best of --repeats,
-                  after an untimed plain run of a quarter of the length (which compiles whatever
+                  after an untimed plain run of --untimed-len tokens (which compiles whatever
                   warm-up left out: with `--engine '{"warmup": false}'` only the step shapes this
                   workload uses; with a step budget holding every prompt, `"max_num_batched_tokens":
-                  32768`, the sequences decode in lockstep: two forward shapes in all);
+                  32768`, the sequences decode in lockstep: two forward shapes in all); the prefix
+                  cache is off, so every run prefills the same way;
   update_weights  from a params pytree already on the device (a bf16 copy of the weights: what a
                   trainer holding bf16 params hands over) and from host numpy (the same weights
                   fetched to the host), each timed to the new weights being ready on the device;
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--untimed-len", type=int, default=None,
+                    help="tokens per prompt of the untimed first run (default: a quarter of "
+                         "--output-len; 2 covers every shape when the sequences decode in lockstep)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds the whole run may take: rollout repeats stop early to "
                          f"leave {UPDATE_RESERVE_S} s for the update and sleep phases")
@@ -118,8 +122,10 @@ def main() -> None:
         engine_kw = dict(dtype="bfloat16", load_format="dummy", max_model_len=in_len + out_len + 16,
                          max_num_seqs=n, max_num_batched_tokens=2048,
                          gpu_memory_utilization=args.gpu_memory_utilization, warmup=True)
-    # Every bucket compiled before the timings (and the compile count) start.
-    engine_kw.update(background_compile=False, **json.loads(args.engine))
+    # Every bucket compiled before the timings (and the compile count) start. No prefix cache: the
+    # runs repeat the same prompts, and cache hits would change every run after the first.
+    engine_kw.update(background_compile=False, enable_prefix_caching=False,
+                     **json.loads(args.engine))
     t0 = time.perf_counter()
     llm = LLM(model=model, **engine_kw)
     start_s = time.perf_counter() - t0
@@ -142,10 +148,10 @@ def main() -> None:
     base = dict(temperature=1.0, max_tokens=out_len, ignore_eos=True, seed=0)
     plain_p, lp_p = SamplingParams(**base), SamplingParams(**base, logprobs=0)
     t0 = time.perf_counter()
-    # Untimed, a quarter of the length: the same step shapes as the timed runs (the same prefill
-    # schedule, sequences finishing in the same order), so it compiles what they use.
-    rollout_tok_s(llm, prompts, SamplingParams(**{**base, "max_tokens": max(out_len // 4, 1)}),
-                  False)
+    # Untimed and shorter: the same step shapes as the timed runs (the same prefill schedule, no
+    # prefix-cache hits, sequences finishing in the same order), so it compiles what they use.
+    untimed_len = args.untimed_len or max(out_len // 4, 1)
+    rollout_tok_s(llm, prompts, SamplingParams(**{**base, "max_tokens": untimed_len}), False)
     metrics["untimed_first_run_s"] = round(time.perf_counter() - t0, 1)
     after_warmup = compiles[0]
     plain, rollout, host_ms = [], [], {"plain": [], "logprobs": []}

@@ -69,10 +69,9 @@ class SamplingTable:
 
     def no_history(self, num_seqs: int, length: int) -> jax.Array:
         """i32[S, L] of -1 (no token seen), kept on the device: the history a full-variant batch
-        passes when no row uses penalties. Sent from the host it would be megabytes a step, and a
-        host argument that large makes the step's dispatch wait until the device has finished the
-        steps before it (the H200 measured 90 ms behind a busy device), ending the overlap of
-        host and device work."""
+        passes when no row uses penalties, so such a step neither fills nor copies megabytes on
+        the host ([256, 2048] is 2 MiB: on the H200 a jitted call with a host argument of that
+        size took 0.6 ms to dispatch, against 0.3 ms with a small one)."""
         key = (num_seqs, length)
         if key not in self._no_history:
             self._no_history[key] = jax.device_put(np.full(key, -1, np.int32), self.sharding)

@@ -84,6 +84,43 @@ def test_update_weights_never_aliases_the_callers_buffers():
     assert len(run_all(engine)["r"][0][0]) == GREEDY.max_tokens
 
 
+def test_an_update_frees_the_engines_own_old_weights_but_never_a_callers():
+    engine = make_engine()
+    callers = jax.tree.leaves(engine.runner.params)  # handed to the constructor: the caller's
+    engine.update_weights(new_params())
+    assert not any(a.is_deleted() for a in callers)
+    own = jax.tree.leaves(engine.runner.params)  # placed by the update: the engine's own
+    p3 = jax.tree.map(lambda a: np.asarray(a) * 0.5, new_params())
+    engine.update_weights(p3)
+    assert all(a.is_deleted() for a in own)  # each freed as its replacement landed
+    assert greedy_tokens(LLM(engine=engine)) == greedy_tokens(LLM(engine=engine_with(p3)))
+
+
+class _Unplaceable:
+    """Passes the shape and dtype checks; no device can take it."""
+
+    def __init__(self, like):
+        self.shape, self.dtype = like.shape, like.dtype
+
+
+def test_a_failed_transfer_leaves_a_usable_engine_naming_the_parameter():
+    from jaxinfer.engine.weight_update import PartialUpdateError
+    engine = make_engine()
+    engine.update_weights(new_params())  # now the engine's own weights: an update frees them
+    own = engine.runner.params
+    p3 = jax.tree.map(np.asarray, new_params())
+    p3["final_norm"]["weight"] = _Unplaceable(p3["final_norm"]["weight"])
+    with pytest.raises(PartialUpdateError, match=re.escape("params['final_norm']['weight']")):
+        engine.update_weights(p3)
+    held = engine.runner.params
+    assert held["final_norm"]["weight"] is own["final_norm"]["weight"]  # the old one, kept
+    np.testing.assert_array_equal(np.asarray(held["embed"]["embedding"]),
+                                  p3["embed"]["embedding"])
+    assert engine.weight_version == 2
+    engine.add_request("r", PROMPTS[0], GREEDY)
+    assert len(run_all(engine)["r"][0][0]) == GREEDY.max_tokens
+
+
 @pytest.mark.parametrize("mutate, path", [
     (lambda p: p["layers_0"].pop("attn"), "['layers_0']['attn']['k_proj']['kernel']"),
     (lambda p: p.__setitem__("extra", jnp.zeros(3)), "['extra']"),
@@ -173,6 +210,8 @@ def test_rollout_batch_pads_generate_outputs_with_their_logprobs():
         np.testing.assert_allclose(old[i, p - 1:p - 1 + n], batch.logprobs[i, :n])
     with pytest.raises(ValueError, match="max_completion_len"):
         to_rollout_batch(outs, max_completion_len=2)
+    with pytest.raises(ValueError, match="top_k=3 but the completions were sampled with logprobs=2"):
+        to_rollout_batch(outs, top_k=3)
     plain = llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)
     with pytest.raises(ValueError, match="logprobs"):
         to_rollout_batch(outs + plain)

@@ -131,12 +131,29 @@ def test_seeded_sampling_is_reproducible_across_batches():
     assert run_all(other_seed)["t"][0][0] != alone
 
 
-def test_logprobs_are_the_raw_model_logprobs():
+@pytest.mark.parametrize("s, v", [(1, 5), (3, 12), (6, 37)])
+def test_every_variant_returns_the_sampled_tokens_raw_logprob(s, v):
+    """The base variant too (what logprobs=0 runs), equal to the full one's to the bit."""
+    logits = jnp.asarray(np.random.default_rng(s * v).normal(scale=3, size=(s, v)), jnp.float32)
+    temp = np.where(np.arange(s) % 2, 0.7, 0.0).astype(np.float32)  # greedy and sampled rows
+    t = tensors(s, temperature=temp, num_top_logprobs=np.zeros(s, np.int32))
+    run = jax.jit(sample, static_argnums=2)
+    base, full = run(logits, t, BASE_SAMPLER), run(logits, t, FULL_SAMPLER)
+    assert (base.tokens == full.tokens).all() and (base.logprob == full.logprob).all()
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))[np.arange(s), np.asarray(base.tokens)]
+    np.testing.assert_allclose(np.asarray(base.logprob), ref, atol=1e-5)
+    assert base.top_ids is None
+
+
+@pytest.mark.parametrize("logprobs, temperature", [(3, 0.0), (0, 1.0)])
+def test_logprobs_are_the_raw_model_logprobs(logprobs, temperature):
     from test_engine_greedy import _dense_logits, MAX_LEN
     engine = make_engine()
     prompt = prompt_ids(3, 7)
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=3,
-                                                   ignore_eos=True))
+    params = dict(temperature=temperature, seed=11, max_tokens=4, ignore_eos=True)
+    request = engine.add_request("r", prompt, SamplingParams(**params, logprobs=logprobs))
+    # logprobs=0 runs the base sampler variant (the sampled token's logprob rides with the token)
+    assert request.needs_full_sampler == bool(logprobs)
     lps = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -149,8 +166,11 @@ def test_logprobs_are_the_raw_model_logprobs():
     for i, lp in enumerate(lps):
         row = np.asarray(ref[len(prompt) - 1 + i])
         assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
-        assert [t for t, _ in lp.top] == list(np.argsort(-row)[:3])
-        assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely
+        assert [t for t, _ in lp.top] == list(np.argsort(-row)[:logprobs])
+        if logprobs:
+            assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely
+    engine.add_request("plain", prompt, SamplingParams(**params))
+    assert run_all(engine)["plain"][0][0] == toks  # asking for logprobs changes no token
 
 
 def _mixed_params(i: int, max_tokens: int) -> SamplingParams:
@@ -219,3 +239,29 @@ def test_full_variant_skips_unused_extras_without_changing_any_row():
                  FULL_SAMPLER)
     assert (no_top.tokens == with_top.tokens).all() and (no_top.logprob == with_top.logprob).all()
     assert (with_top.top_ids[:, 0] == jnp.argmax(logits, -1)).all() and (no_top.top_ids == 0).all()
+
+
+def test_full_variant_batches_without_penalties_keep_the_history_on_the_device():
+    """No [S, max_model_len] history crosses from the host unless a row uses penalties."""
+    engine = make_engine()
+    built = []
+    build = engine.runner.build
+
+    def spy(sched):
+        built.append(build(sched))
+        return built[-1]
+    engine.runner.build = spy
+    engine.add_request("top-p", prompt_ids(1, 5),
+                       SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3))
+    run_all(engine)
+    history = [batch.sampling.history for batch, variant, _ in built if variant.penalties]
+    assert history and all(h is history[0] for h in history)  # one device array, reused
+    assert isinstance(history[0], jax.Array) and (np.asarray(history[0]) == -1).all()
+    built.clear()
+    prompt = prompt_ids(2, 5)
+    engine.add_request("penalised", prompt, SamplingParams(temperature=0.8, repetition_penalty=1.3,
+                                                           seed=1, max_tokens=3))
+    run_all(engine)
+    history = [batch.sampling.history for batch, variant, _ in built]
+    assert all(isinstance(h, np.ndarray) for h in history)
+    assert history[-1][0, :len(prompt)].tolist() == prompt

@@ -186,6 +186,7 @@ class LLMEngine(TrainingLoopMixin):
                          plan=plan, draft=draft)
             jax.block_until_ready(engine.runner.kv_cache)
         engine.startup = startup
+        engine.owns_weights = True  # loaded here: an update may free them
         if args.warmup:
             engine.warmup()
         return engine

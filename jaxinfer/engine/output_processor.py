@@ -43,13 +43,15 @@ class OutputProcessor:
         live: list[Sequence] = []
         steps = res.tokens.shape[0]
         tokens = res.tokens.tolist()
+        logprobs = None if res.logprob is None else res.logprob.tolist()
         num_new_tokens = 0
         for r, entry in enumerate(handle.sched.scheduled):
             seq = entry.seq
             if seq.status is SeqStatus.FINISHED:  # aborted, or finished while this step ran
                 continue
             try:
-                num_new_tokens += self._process_row(seq, entry, r, res, tokens, steps, now, touched)
+                num_new_tokens += self._process_row(seq, entry, r, res, tokens, logprobs, steps,
+                                                    now, touched)
             except Exception as e:  # noqa: BLE001 - fails this row's request, not the step
                 self.failed.append((seq.request.request_id, e))
                 continue
@@ -60,8 +62,8 @@ class OutputProcessor:
         self._gaps.clear()
         return list(touched.values()), live
 
-    def _process_row(self, seq: Sequence, entry, r: int, res, tokens, steps: int, now: float,
-                     touched: dict[str, Request]) -> int:
+    def _process_row(self, seq: Sequence, entry, r: int, res, tokens, logprobs, steps: int,
+                     now: float, touched: dict[str, Request]) -> int:
         num_new_tokens = 0
         if entry.emits:
             for j in range(steps):
@@ -72,11 +74,11 @@ class OutputProcessor:
                 else:  # on-device loop: the previous token was this iteration's input
                     seq.num_computed += 1
                 lp = None
-                if res.logprob is not None and seq.request.params.logprobs is not None:
-                    k = seq.request.params.logprobs
-                    lp = TokenLogprob(tokens[j][r], float(res.logprob[j, r]),
-                                      list(zip(res.top_ids[j, r, :k].tolist(),
-                                               res.top_logprobs[j, r, :k].tolist())))
+                k = seq.request.params.logprobs
+                if logprobs is not None and k is not None:
+                    lp = TokenLogprob(tokens[j][r], logprobs[j][r], list(zip(
+                        res.top_ids[j, r, :k].tolist(), res.top_logprobs[j, r, :k].tolist()))
+                        if k else [])
                 self._append(seq, tokens[j][r], lp, now)
                 num_new_tokens += 1
                 touched[seq.request.request_id] = seq.request

@@ -57,8 +57,9 @@ class Request:
         self.stop_ids_row = np.full(MAX_STOP_TOKEN_IDS, -1, np.int32)
         self.stop_ids_row[:len(stop)] = stop[:MAX_STOP_TOKEN_IDS]
         self.stop_id_set = frozenset(stop)
-        # Top-k/top-p/min-p, logprobs or penalties: needs the full sampler variant.
-        self.needs_full_sampler = (params.uses_truncation or params.logprobs is not None
+        # Top-k/top-p/min-p, top logprobs or penalties: needs the full sampler variant (every
+        # variant returns the sampled token's logprob, all that logprobs=0 asks for).
+        self.needs_full_sampler = (params.uses_truncation or bool(params.logprobs)
                                    or params.uses_penalties)
         # Prompt logprobs by prompt position (written by the steps that compute them; the first
         # token has none), None when not requested.

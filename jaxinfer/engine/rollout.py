@@ -13,6 +13,7 @@ fixed ones so a jitted training step sees one shape every iteration. Nothing is 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -48,14 +49,17 @@ class RolloutBatch:
         b, p = self.prompt_ids.shape
         t = self.completion_ids.shape[1]
         tokens = np.full((b, p + t), pad_id, np.int32)
+        tokens[:, :p][self.prompt_mask] = self.prompt_ids[self.prompt_mask]
+        # Where each real completion token goes: right after its row's prompt.
+        rows, cols = np.nonzero(self.completion_mask)
+        dest = self.prompt_lens[rows] + cols
+        tokens[rows, dest] = self.completion_ids[rows, cols]
         loss_mask = np.zeros((b, p + t - 1), bool)
-        old = None if self.logprobs is None else np.zeros((b, p + t - 1), np.float32)
-        for i, (pl, cl) in enumerate(zip(self.prompt_lens, self.completion_lens)):
-            tokens[i, :pl] = self.prompt_ids[i, :pl]
-            tokens[i, pl:pl + cl] = self.completion_ids[i, :cl]
-            loss_mask[i, pl - 1:pl - 1 + cl] = True
-            if old is not None:
-                old[i, pl - 1:pl - 1 + cl] = self.logprobs[i, :cl]
+        loss_mask[rows, dest - 1] = True
+        old = None
+        if self.logprobs is not None:
+            old = np.zeros((b, p + t - 1), np.float32)
+            old[rows, dest - 1] = self.logprobs[rows, cols]
         return tokens, loss_mask, old
 
 
@@ -70,8 +74,10 @@ def to_rollout_batch(outputs: list[RequestOutput], *, max_prompt_len: int | None
     rows = [(g, out, c) for g, out in enumerate(outputs) for c in out.outputs]
     if not rows:
         raise ValueError("no completions to batch")
-    p = max(len(out.prompt_token_ids) for _, out, _ in rows)
-    t = max(max(len(c.token_ids) for _, _, c in rows), 1)
+    b = len(rows)
+    prompt_lens = np.fromiter((len(out.prompt_token_ids) for _, out, _ in rows), np.int64, b)
+    completion_lens = np.fromiter((len(c.token_ids) for _, _, c in rows), np.int64, b)
+    p, t = int(prompt_lens.max()), max(int(completion_lens.max()), 1)
     for name, want, have in (("max_prompt_len", max_prompt_len, p),
                              ("max_completion_len", max_completion_len, t)):
         if want is not None and want < have:
@@ -82,29 +88,35 @@ def to_rollout_batch(outputs: list[RequestOutput], *, max_prompt_len: int | None
         raise ValueError("some completions have logprobs and some not: sample all with logprobs")
     if top_k is not None and not all(with_lp):
         raise ValueError("top_k needs completions sampled with logprobs >= top_k")
-    b = len(rows)
+    # Masks are prefixes of each row, so boolean indexing fills them with the rows' values
+    # concatenated in row order: one numpy assignment per array, no per-row Python.
+    prompt_mask = np.arange(p)[None, :] < prompt_lens[:, None]
+    completion_mask = np.arange(t)[None, :] < completion_lens[:, None]
+    n_prompt, n_completion = int(prompt_lens.sum()), int(completion_lens.sum())
     batch = RolloutBatch(
-        prompt_ids=np.full((b, p), pad_id, np.int32), prompt_mask=np.zeros((b, p), bool),
-        completion_ids=np.full((b, t), pad_id, np.int32), completion_mask=np.zeros((b, t), bool),
+        prompt_ids=np.full((b, p), pad_id, np.int32), prompt_mask=prompt_mask,
+        completion_ids=np.full((b, t), pad_id, np.int32), completion_mask=completion_mask,
         logprobs=np.zeros((b, t), np.float32) if all(with_lp) else None,
         top_ids=np.full((b, t, top_k), pad_id, np.int32) if top_k else None,
         top_logprobs=np.full((b, t, top_k), -np.inf, np.float32) if top_k else None,
         finish_reasons=np.array([c.finish_reason or "" for _, _, c in rows]),
         weight_versions=np.array([out.weight_version for _, out, _ in rows], np.int32),
         group=np.array([g for g, _, _ in rows], np.int32))
-    for i, (_, out, c) in enumerate(rows):
-        n, m = len(out.prompt_token_ids), len(c.token_ids)
-        batch.prompt_ids[i, :n] = out.prompt_token_ids
-        batch.prompt_mask[i, :n] = True
-        batch.completion_ids[i, :m] = c.token_ids
-        batch.completion_mask[i, :m] = True
-        if batch.logprobs is not None:
-            batch.logprobs[i, :m] = [lp.logprob for lp in c.logprobs]
-        if top_k:
-            for j, lp in enumerate(c.logprobs):
-                if len(lp.top) < top_k:
-                    raise ValueError(f"top_k={top_k} but the completions were sampled with "
-                                     f"logprobs={len(lp.top)}")
-                batch.top_ids[i, j] = [tid for tid, _ in lp.top[:top_k]]
-                batch.top_logprobs[i, j] = [v for _, v in lp.top[:top_k]]
+    batch.prompt_ids[prompt_mask] = np.fromiter(
+        itertools.chain.from_iterable(out.prompt_token_ids for _, out, _ in rows), np.int32,
+        n_prompt)
+    batch.completion_ids[completion_mask] = np.fromiter(
+        itertools.chain.from_iterable(c.token_ids for _, _, c in rows), np.int32, n_completion)
+    if batch.logprobs is not None:
+        batch.logprobs[completion_mask] = np.fromiter(
+            (lp.logprob for _, _, c in rows for lp in c.logprobs), np.float32, n_completion)
+    if top_k and n_completion:
+        tops = [lp.top[:top_k] for _, _, c in rows for lp in c.logprobs]
+        fewest = min(map(len, tops))
+        if fewest < top_k:
+            raise ValueError(f"top_k={top_k} but the completions were sampled with "
+                             f"logprobs={fewest}")
+        pairs = np.array(tops, np.float64)  # [tokens, top_k, (id, logprob)]: ids exact in f64
+        batch.top_ids[completion_mask] = pairs[..., 0].astype(np.int32)
+        batch.top_logprobs[completion_mask] = pairs[..., 1].astype(np.float32)
     return batch

@@ -5,10 +5,14 @@ act on; see docs/engine.md."""
 from __future__ import annotations
 
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.weight_update import place_like
+from jaxinfer.engine.weight_update import PartialUpdateError, check_params, place_like
 
 
 class TrainingLoopMixin:
+    # Whether the engine's weights are its own (loaded from files, or placed by an update) rather
+    # than a caller's pytree handed to the constructor: only its own may be freed by an update.
+    owns_weights = False
+
     def update_weights(self, params) -> list[RequestOutput]:
         """Swap in new weights without recompiling: `params` has the loaded model's structure and
         shapes (any float dtype: cast to the engine's on the device), as numpy on the host or as
@@ -19,18 +23,27 @@ class TrainingLoopMixin:
         reason "abort"); their final outputs are returned. So every output token comes from the one
         weight version its RequestOutput names; resubmit what should run on the new weights.
         The prefix cache is emptied: its KV was computed with the old weights. Like every engine
-        call, not thread-safe: call it between steps on the thread that steps the engine."""
-        placed = self._place_params(params)
+        call, not thread-safe: call it between steps on the thread that steps the engine.
+
+        Memory: when the old weights are the engine's own, each old parameter's device buffer is
+        freed as soon as its replacement is in place, so an update needs about one parameter of
+        free device memory, not a second copy of the model. Should a transfer fail part way (a
+        PartialUpdateError), the engine keeps the mix of new and old parameters it then holds."""
+        check_params(params, self.runner.params)  # (a refusal before anything changes)
         outs = self._abort_all()
-        self.runner.params = placed
         self.scheduler.reset_prefix_cache()
-        self.weight_version += 1
+        try:
+            placed = place_like(params, self.runner.params, release_old=self.owns_weights)
+        except PartialUpdateError as e:
+            self._install_weights(e.params)
+            raise
+        self._install_weights(placed)
         return outs
 
-    def _place_params(self, params):
-        """`params` laid out like the running weights (same sharding and dtype per leaf): the one
-        place that decides where new weights live."""
-        return place_like(params, self.runner.params)
+    def _install_weights(self, params) -> None:
+        self.runner.params = params
+        self.owns_weights = True
+        self.weight_version += 1
 
     def sleep(self) -> list[RequestOutput]:
         """Free the KV cache's device memory (e.g. for a colocated trainer) until `wake()`.

@@ -3,14 +3,16 @@
 The compiled step executables take the params as an argument, so new weights need no recompilation
 as long as every leaf keeps the shape, dtype and sharding the executables were compiled for.
 `check_params` refuses anything else, naming the parameter's path; `place_like` moves each leaf to
-the sharding of the leaf it replaces (device to device for arrays already on devices, one transfer
-for host numpy; uncommitted leaves stay uncommitted, see there) and casts it to that leaf's dtype
-on the device.
+the sharding of the leaf it replaces (device to device for arrays already on devices, host numpy
+copied on parallel threads; uncommitted leaves stay uncommitted, see there), casts it to that
+leaf's dtype on the device and can free each old leaf as its replacement lands.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -65,31 +67,69 @@ def check_params(new, ref) -> list:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _cast(leaves: list, dtypes: tuple) -> list:
-    # One program for the whole tree (compiled once per tree of shapes and dtypes), not one per leaf.
-    return [x.astype(d) for x, d in zip(leaves, dtypes)]
+def _cast(x: jax.Array, dtype) -> jax.Array:
+    return x.astype(dtype)
 
 
-def place_like(new, ref):
+class PartialUpdateError(JaxinferError, RuntimeError):
+    """Placing the new weights failed after some old leaves were already freed: `params` holds the
+    new leaves placed so far and the old ones elsewhere (a usable tree of mixed versions)."""
+
+    def __init__(self, message: str, params):
+        super().__init__(message)
+        self.params = params
+
+
+def _transfer_threads(num_leaves: int) -> int:
+    # Host -> device copies of separate leaves proceed in parallel (each stages through host
+    # memory on its own thread); more threads than cores only contend.
+    return max(1, min(num_leaves, os.cpu_count() or 1, 16))
+
+
+def place_like(new, ref, *, release_old: bool = False, threads: int | None = None):
     """`new` (checked against `ref`) as a pytree of `ref`'s structure whose every leaf has the
     sharding and dtype of the leaf of `ref` it replaces. Never aliases `new`'s buffers: a trainer
-    may donate or delete its params after handing them over."""
+    may donate or delete its params after handing them over.
+
+    Each leaf goes on its own worker thread (`threads`, default one per core up to 16): straight to
+    the old leaf's sharding, in the dtype it comes in (the cast to the engine's dtype runs on the
+    device, not in host memory). `release_old` frees each old leaf as soon as its replacement is
+    placed, so the update needs about one leaf of extra device memory rather than a second copy
+    of the weights; only for weights no one else holds (the engine's own)."""
     leaves = check_params(new, ref)
     ref_leaves, treedef = jax.tree_util.tree_flatten(ref)
-    to_cast = [i for i, (leaf, old) in enumerate(zip(leaves, ref_leaves))
-               if jnp.dtype(leaf.dtype) != old.dtype]
-    # Where each old leaf lives. An uncommitted leaf (a single-device engine's, on the default
-    # device) takes an uncommitted new one (numpy, or an array computed from uncommitted inputs)
-    # as uncommitted, because jit keys its compilations on commitment; a new array committed to a
-    # device is moved to the old leaf's device committed, which recompiles each step shape once.
-    targets = [old.sharding if old.committed or getattr(leaf, "committed", False) else None
-               for leaf, old in zip(leaves, ref_leaves)]
-    # A cast makes a new buffer anyway; otherwise copy, so the engine never shares the caller's.
-    # One call for every leaf, so the transfers are issued together.
-    cast_set = set(to_cast)
-    placed = jax.device_put(leaves, targets, may_alias=[i in cast_set for i in range(len(leaves))])
-    if to_cast:
-        cast = _cast([placed[i] for i in to_cast], tuple(ref_leaves[i].dtype for i in to_cast))
-        for i, x in zip(to_cast, cast):
-            placed[i] = x
-    return jax.tree_util.tree_unflatten(treedef, placed)
+
+    def place(i: int) -> jax.Array:
+        leaf, old = leaves[i], ref_leaves[i]
+        cast = jnp.dtype(leaf.dtype) != old.dtype
+        # Where the old leaf lives. An uncommitted leaf (a single-device engine's, on the default
+        # device) takes an uncommitted new one (numpy, or an array computed from uncommitted
+        # inputs) as uncommitted, because jit keys its compilations on commitment; a new array
+        # committed to a device is moved to the old leaf's device committed, which recompiles each
+        # step shape once.
+        target = old.sharding if old.committed or getattr(leaf, "committed", False) else None
+        # A cast makes a new buffer anyway; otherwise copy, so the engine never shares the caller's.
+        x = jax.device_put(leaf, target, may_alias=cast)
+        if cast:
+            x = _cast(x, old.dtype)
+        if release_old:
+            x.block_until_ready()  # (the old leaf goes only once the new one is in place)
+            old.delete()
+        return x
+
+    with concurrent.futures.ThreadPoolExecutor(threads or _transfer_threads(len(leaves))) as pool:
+        futures = [pool.submit(place, i) for i in range(len(leaves))]
+    failed = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+    if not failed:
+        return jax.tree_util.tree_unflatten(treedef, [f.result() for f in futures])
+    i, error = failed[0]
+    path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(ref)[0][i][0])
+    message = (f"placing params{path} failed ({len(failed)} of {len(leaves)} parameter(s) "
+               f"failed): {error!r}")
+    if not release_old:  # the old weights are untouched
+        raise RuntimeError(message) from error
+    mixed = [ref_leaves[i] if f.exception() is not None else f.result()
+             for i, f in enumerate(futures)]
+    raise PartialUpdateError(message + "; the engine holds the new parameters placed so far and "
+                             "the old ones elsewhere", jax.tree_util.tree_unflatten(treedef, mixed)
+                             ) from error

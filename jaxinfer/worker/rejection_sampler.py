@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
-                                     position_key, process_logits, raw_logprobs, row_gumbel)
+                                     position_key, process_logits, raw_logprobs, row_gumbel,
+                                     sampled_logprob)
 
 _UNIFORM_STREAM = 0x5EC0  # folded into a position's key: the accept test's stream
 
@@ -112,11 +113,13 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     tokens = jnp.where(pos < num_accepted[:, None], d,
                        jnp.where(pos == num_accepted[:, None], last, -1)).astype(jnp.int32)
     tokens_t = tokens.T                                                     # [K+1, S]
-    if not variant.advanced:
-        return VerifyOutput(SamplerOutput(tokens_t, None, None, None), num_accepted)
-    lp = raw_logprobs(raw, jnp.maximum(tokens, 0).reshape(-1), flat_t)
 
     def by_position(a):
         return jnp.swapaxes(a.reshape(s, k1, *a.shape[1:]), 0, 1)
+    flat_tokens = jnp.maximum(tokens, 0).reshape(-1)
+    if not variant.advanced:
+        return VerifyOutput(SamplerOutput(tokens_t, by_position(sampled_logprob(raw, flat_tokens)),
+                                          None, None), num_accepted)
+    lp = raw_logprobs(raw, flat_tokens, flat_t)
     return VerifyOutput(SamplerOutput(tokens_t, by_position(lp.logprob), by_position(lp.top_ids),
                                       by_position(lp.top_logprobs)), num_accepted)

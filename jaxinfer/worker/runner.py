@@ -258,7 +258,7 @@ class ModelRunner:
                                           sharding=plan and plan.kv_cache)
         self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
-        self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size)
+        self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
         self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
         # (sequences, sampler variant) at num_steps == decode_steps_per_call; sampler per

@@ -3,19 +3,20 @@
 Per row: penalties (repetition / presence / frequency, vLLM's definitions) -> `min_tokens` ban of the
 stop ids -> greedy (temperature 0) or temperature + top-k / top-p / min-p filtering + Gumbel-max
 sampling. Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM's
-default `raw_logprobs`.
+default `raw_logprobs`. Every variant returns the sampled token's logprob beside the token (one
+log-sum-exp over the logits already on the device, so an RL rollout asking for `logprobs=0` runs the
+base variant at the base variant's speed); only the top alternatives need the full variant.
 
 Reproducibility: a row's random noise comes from `fold_in(fold_in(key(0), seed), output_position)`,
 drawn in vocabulary order, so a seeded request samples the same tokens whatever else is in the batch,
 whichever compiled variant runs it and however many decode steps run per host call.
 
 Compiled variants (static `SamplerVariant`): the base variant is argmax(logits / T + gumbel), cheap;
-`advanced` adds the vocabulary sort that top-k / top-p / min-p need plus logprobs; `penalties` adds the
+`advanced` adds the vocabulary sort that top-k / top-p / min-p need plus top logprobs; `penalties` adds the
 [S, V] token-count scatter; `masked` applies each row's packed token bitmask (structured output,
 jaxinfer/structured/) to the logits before anything else, as vLLM applies its grammar bitmask, so
 logprobs are of the constrained distribution too. Inside a variant, the sort, the scatter and the
-logprobs' top-k run only when some row of the batch uses them (`lax.cond`), so a batch that needs
-only sampled-token logprobs (RL rollouts) costs little more than the base variant. The engine
+logprobs' top-k run only when some row of the batch uses them (`lax.cond`). The engine
 compiles three: BASE_SAMPLER, FULL_SAMPLER (both extras) and MASKED_SAMPLER (every extra and the
 bitmask); it picks the base one whenever no row of the batch needs more and the masked one only for
 a batch holding a constrained row, so unconstrained batches never carry a mask.
@@ -36,7 +37,7 @@ NEG_INF = -jnp.inf
 
 
 class SamplerVariant(NamedTuple):
-    advanced: bool = False   # top-k / top-p / min-p and logprobs
+    advanced: bool = False   # top-k / top-p / min-p and top logprobs
     penalties: bool = False  # repetition / presence / frequency penalties
     masked: bool = False     # a token bitmask per row (structured output)
 
@@ -72,7 +73,7 @@ class SamplingTensors:
 
 class SamplerOutput(NamedTuple):
     tokens: jax.Array              # i32[S]
-    logprob: jax.Array | None      # f32[S]: raw logprob of the sampled token (advanced only)
+    logprob: jax.Array | None      # f32[S]: raw logprob of the sampled token
     top_ids: jax.Array | None      # i32[S, MAX_LOGPROBS] (advanced only)
     top_logprobs: jax.Array | None  # f32[S, MAX_LOGPROBS] (advanced only)
 
@@ -182,21 +183,31 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
         scaled)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     if not variant.advanced:
-        return SamplerOutput(tokens, None, None, None)
+        return SamplerOutput(tokens, sampled_logprob(raw, tokens), None, None)
     return raw_logprobs(raw, tokens, t)
 
 
-def raw_logprobs(raw: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
-    """`tokens` with their logprobs under the raw model distribution and the top alternatives."""
-    v = raw.shape[-1]
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
-    k = min(MAX_LOGPROBS, v)
+def sampled_logprob(raw: jax.Array, tokens: jax.Array) -> jax.Array:
+    """f32[S]: log_softmax(raw)[row, token] as raw[token] - logsumexp(raw): a reduction over the
+    vocabulary and a gather, never an [S, V] log-softmax array."""
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(raw, axis=-1)
 
-    def no_top(lp):  # no row reports alternatives (RL rollouts ask for logprobs=0): skip top-k
-        return jnp.full((lp.shape[0], k), NEG_INF, lp.dtype), jnp.zeros((lp.shape[0], k), jnp.int32)
+
+def raw_logprobs(raw: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """`tokens` with their logprobs under the raw model distribution and the top alternatives
+    (computed like `sampled_logprob`, so a token's logprob is the same in every variant)."""
+    v = raw.shape[-1]
+    k = min(MAX_LOGPROBS, v)
+    lse = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
+
+    def top(lg):
+        top_raw, top_ids = jax.lax.top_k(lg, k)
+        return top_raw - lse, top_ids
+
+    def no_top(lg):  # no row reports alternatives (RL rollouts ask for logprobs=0): skip top-k
+        return jnp.full((lg.shape[0], k), NEG_INF, lg.dtype), jnp.zeros((lg.shape[0], k), jnp.int32)
 
     wants_top = True if t.num_top_logprobs is None else jnp.any(t.num_top_logprobs > 0)
-    top_lp, top_ids = jax.lax.cond(wants_top, lambda lp: tuple(jax.lax.top_k(lp, k)), no_top,
-                                   logprobs)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+    top_lp, top_ids = jax.lax.cond(wants_top, top, no_top, raw)
+    return SamplerOutput(tokens, sampled_logprob(raw, tokens), top_ids.astype(jnp.int32), top_lp)

@@ -42,10 +42,14 @@ SHAPES = {  # experts, hidden, expert intermediate, top-k
 }
 PHASE_TOKENS = {"decode": 64, "prefill": 2048}
 # Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
-# (gate/up fused, down) candidates as GmmConfig fields.
+# (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 (with the
+# consumers' split) a WsConfig (warp-specialised kernel).
 SWEEP = {
     "decode": ([(64, 64, 64, 6), (64, 128, 128, 2)], [(64, 256, 64, 4), (64, 128, 128, 3)]),
-    "prefill": ([(128, 64, 64, 4), (64, 128, 64, 4)], [(128, 128, 64, 4), (64, 256, 64, 4)]),
+    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m"), (128, 128, 64, 3, "m"),
+                 (64, 256, 32, 3, "n")],
+                [(128, 128, 64, 6), (128, 256, 64, 3, "m"), (128, 128, 64, 4, "m"),
+                 (128, 256, 64, 2, "m")]),
 }
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
@@ -67,6 +71,18 @@ ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_
 
 
 # ---- kernels -----------------------------------------------------------------------------------
+def make_config(fields: tuple):
+    from pallas_kernels.grouped_matmul_mosaic import GmmConfig
+    from pallas_kernels.grouped_matmul_ws import WsConfig
+
+    return WsConfig(*fields) if len(fields) == 5 else GmmConfig(*fields)
+
+
+def config_fields(config) -> tuple:
+    """The inverse of `make_config` (num_ctas left at its default)."""
+    return dataclasses.astuple(config)[:5 if hasattr(config, "split") else 4]
+
+
 def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
     """x sorted by expert, weights, group sizes: routing is top-k of a random router's softmax."""
     import jax
@@ -87,7 +103,8 @@ def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
     return xs, ws, sizes
 
 
-def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) -> dict:
+def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
+                   phases=tuple(PHASE_TOKENS), baselines=("ragged", "padded")) -> dict:
     import functools
 
     import jax
@@ -96,7 +113,6 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
     from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
     from benchmarks.bench_prefill import bench_interleaved, rel_err
     from pallas_kernels import grouped_matmul as gm
-    from pallas_kernels.grouped_matmul_mosaic import GmmConfig, grouped_matmul_mosaic
 
     start = time.perf_counter()
     res: dict = {}
@@ -112,23 +128,23 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
     save_part("kernels", res)
 
     def time_parts(xs, ws, sizes, up, down):
-        h = grouped_matmul_mosaic(xs, ws[:2], sizes, config=GmmConfig(*up))
+        h = gm.gmm(xs, ws[:2], sizes, make_config(up))
         parts = bench_interleaved({
-            "up": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*up)),
-                   (xs, ws[:2], sizes)),
-            "down": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*down)),
-                     (h, ws[2:], sizes))}, reps=3, inner=10)
+            "up": (functools.partial(gm.gmm, config=make_config(up)), (xs, ws[:2], sizes)),
+            "down": (functools.partial(gm.gmm, config=make_config(down)), (h, ws[2:], sizes))},
+            reps=3, inner=10)
         return {k: round(v * 1e6, 1) for k, v in parts.items()}
 
     def mosaic_pair(up, down):
         def f(x, ws, sizes):
-            h = grouped_matmul_mosaic(x, ws[:2], sizes, config=GmmConfig(*up))
-            return grouped_matmul_mosaic(h, ws[2:], sizes, config=GmmConfig(*down))
+            h = gm.gmm(x, ws[:2], sizes, make_config(up))
+            return gm.gmm(h, ws[2:], sizes, make_config(down))
         return jax.jit(f)
 
     for model in models:
         e, hidden, inter, k = SHAPES[model]
-        for phase, tokens in PHASE_TOKENS.items():
+        for phase in phases:
+            tokens = PHASE_TOKENS[phase]
             if time.perf_counter() - start > deadline:
                 res[f"{model}_{phase}"] = "skipped: deadline"
                 continue
@@ -140,11 +156,11 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
             ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
                 xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
             ups, downs = SWEEP[phase] if sweep else ((), ())
-            pairs = {"mosaic": tuple(dataclasses.astuple(c)[:4] for c in gm.mosaic_configs(rows, e))}
+            pairs = {"mosaic": tuple(config_fields(c) for c in gm.mosaic_configs(rows, e))}
             pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
             calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
                                                       max_group_size=tokens)), (xs, ws, sizes))
-                     for impl in ("ragged", "padded")}
+                     for impl in baselines}
             calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
             row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
                          "flops": flops, "errors": {}, "us": {}, "configs": pairs}
@@ -264,13 +280,18 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(SHAPES), help="kernels: the model shapes to time")
     ap.add_argument("--no-sweep", action="store_true",
                     help="kernels: only the tiling moe_experts picks, no SWEEP candidates")
+    ap.add_argument("--phases", default=",".join(PHASE_TOKENS), help="kernels: phases to time")
+    ap.add_argument("--baselines", default="ragged,padded",
+                    help="kernels: XLA paths timed beside ours (comma list; empty for none)")
     results_io.add_save_arg(ap, "moe_<gpu>")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_section:
         if args.run_section == "kernels":
-            value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep)
+            value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep,
+                                   args.phases.split(","),
+                                   tuple(b for b in args.baselines.split(",") if b))
         else:
             value = engine_section(args.run_section)
         save_part(args.run_section, value)
@@ -286,7 +307,8 @@ def main() -> None:
             continue
         limit = min(limits[name], left)
         argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
-                "--models", args.models] + (["--no-sweep"] if args.no_sweep else [])
+                "--models", args.models, "--phases", args.phases, "--baselines", args.baselines
+                ] + (["--no-sweep"] if args.no_sweep else [])
         try:
             proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
                                   env=env)

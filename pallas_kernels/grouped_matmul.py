@@ -5,8 +5,9 @@ each row's expert given by the group it falls in. It is the only place the model
 weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
 `weights` and `group_sizes`). Implementations:
 
-  - "mosaic": the Hopper kernel (`grouped_matmul_mosaic`): gate/up fused with SwiGLU in one call,
-    then down; tilings picked by rows per step (`mosaic_configs`).
+  - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; by rows per
+    step (`mosaic_configs`) the one-warpgroup kernel (`grouped_matmul_mosaic`, decode: a weight
+    stream) or the warp-specialised one (`grouped_matmul_ws`, prefill: compute).
   - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
     a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
     with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
@@ -32,7 +33,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul_mosaic import GmmConfig
+from pallas_kernels.grouped_matmul_mosaic import GmmConfig, grouped_matmul_mosaic
+from pallas_kernels.grouped_matmul_ws import WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
 # Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per
@@ -42,25 +44,39 @@ IMPLS = ("mosaic", "padded", "ragged")
 # to 407.
 PADDED_MAX_FACTOR = 16
 PADDED_OVER_KERNEL = 4
+Config = GmmConfig | WsConfig
 
 
-def mosaic_configs(rows: int, num_groups: int) -> tuple[GmmConfig, GmmConfig]:
+def mosaic_configs(rows: int, num_groups: int) -> tuple[Config, Config]:
     """(gate/up config, down config) for `rows` routed rows over `num_groups` experts, from
-    benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: 64-row
-    tiles, deep rings. Many (prefill) is compute: the down kernel takes 128 x 128 tiles; the fused
-    gate/up kernel holds two accumulators, so its tile is 64 x 128 while groups are a few hundred
-    rows (less of each 128-row tile wasted past a group's end) and 128 x 64 above."""
+    benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: the
+    one-warpgroup kernel, 64-row tiles, deep rings. Many (prefill) is compute: the
+    warp-specialised kernel (`WsConfig`), two consumer warpgroups on 64-row windows sharing them
+    by N (less of each window past a group's end than 128-row windows)."""
     per_group = rows / num_groups
     if per_group <= 16:
         return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
-    if per_group <= 256:
-        return GmmConfig(64, 128, 64, 4), GmmConfig(128, 128, 64, 6)
-    return GmmConfig(128, 64, 64, 6), GmmConfig(128, 128, 64, 6)
+    return WsConfig(64, 256, 32, 4, "n"), WsConfig(64, 256, 64, 4, "n")
 
 
-def _fit(config: GmmConfig, n: int) -> GmmConfig:
-    """The config with block_n narrowed to 64 where its block_n does not divide N."""
-    return config if n % config.block_n == 0 else dataclasses.replace(config, block_n=64)
+def _fit(config: Config, n: int) -> Config:
+    """The config narrowed where its block_n does not divide N: block_n 64 for the one-warpgroup
+    kernel; for the warp-specialised one 128 (consumers split N), else the one-warpgroup prefill
+    tiling."""
+    if n % config.block_n == 0:
+        return config
+    if isinstance(config, WsConfig):
+        if config.split == "n" and n % 128 == 0:
+            return dataclasses.replace(config, block_n=128)
+        return _fit(GmmConfig(128, 128, 64, 6), n)
+    return dataclasses.replace(config, block_n=64)
+
+
+def gmm(x, weights, group_sizes, config: Config, interpret: bool = False):
+    """The grouped matmul (plain, or SwiGLU with two stacks) on the kernel `config` is for."""
+    if isinstance(config, WsConfig):
+        return grouped_matmul_ws(x, weights, group_sizes, config=config, interpret=interpret)
+    return grouped_matmul_mosaic(x, weights, group_sizes, config=config, interpret=interpret)
 
 
 def mosaic_supports(hidden: int, inter: int, dtype) -> bool:
@@ -133,14 +149,11 @@ def _padded(x, weights, group_sizes, capacity: int, scales=None):
 
 
 def _mosaic(x, weights, group_sizes, interpret: bool = False):
-    from pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
-
     w_gate, w_up, w_down = weights
     e, h, f = w_gate.shape
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e)
-    up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
-    h = grouped_matmul_mosaic(x, (w_gate, w_up), group_sizes, config=up_cfg, interpret=interpret)
-    return grouped_matmul_mosaic(h, (w_down,), group_sizes, config=down_cfg, interpret=interpret)
+    y = gmm(x, (w_gate, w_up), group_sizes, _fit(up_cfg, f), interpret)
+    return gmm(y, (w_down,), group_sizes, _fit(down_cfg, h), interpret)
 
 
 @functools.cache

@@ -106,7 +106,51 @@ def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
     return jnp.stack([group, row0, load0 // 8, n_rows], axis=1).astype(jnp.int32)
 
 
-def _silu_mul(gate, up):
+def check_inputs(x, weights, group_sizes, block_k: int, block_n: int) -> tuple[int, int]:
+    """Validate x [M, K], 1 or 2 weight stacks [G, K, N] of x's 16-bit dtype and group_sizes [G]
+    against the tiling's K step and N block; returns (G, N)."""
+    m, k = x.shape
+    if len(weights) not in (1, 2):
+        raise ValueError(f"weights: expected 1 (plain) or 2 (gate, up) stacks, got {len(weights)}")
+    g, k2, n = weights[0].shape
+    for w in weights:
+        if w.shape != (g, k, n) or w.dtype != x.dtype:
+            raise ValueError(f"weights: {w.shape} {w.dtype} does not match x {x.shape} {x.dtype} "
+                             f"and {(g, k2, n)}")
+    if group_sizes.shape != (g,):
+        raise ValueError(f"group_sizes: shape {group_sizes.shape}, expected ({g},)")
+    if jnp.dtype(x.dtype).itemsize != 2:
+        raise ValueError(f"x: dtype {x.dtype}; the kernel takes 16-bit inputs")
+    if k % block_k or n % block_n:
+        raise ValueError(f"K={k} / N={n} must be multiples of block_k={block_k} / "
+                         f"block_n={block_n}")
+    return g, n
+
+
+def pad_rows(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
+    """x padded to a multiple of 8 rows and at least block_m (load windows start on 8-row
+    boundaries inside x), and that row count."""
+    m = x.shape[0]
+    rows = max(-(-m // 8) * 8, block_m)
+    return (jnp.pad(x, ((0, rows - m), (0, 0))) if rows > m else x), rows
+
+
+def store_rows(o_smem, o_ref, src, dst, n_rows, box: int, cols) -> None:
+    """TMA-store rows src .. src + n_rows of o_smem to rows dst .. of o_ref (columns `cols`) as a
+    static ladder of boxes (box, box / 2, ..., 1 rows), each issued iff its bit is in n_rows
+    (n_rows < 2 * box): a TMA box is static, n_rows is known at run time only."""
+    size = box
+    while size:
+        @pl.when((n_rows & size) != 0)
+        def _(size=size, src=src, dst=dst):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(src, size)], o_ref.at[pl.ds(dst, size), cols])
+
+        src = src + (n_rows & size)
+        dst = dst + (n_rows & size)
+        size //= 2
+
+
+def silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
@@ -120,25 +164,10 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
     sum(group_sizes) are left unwritten (undefined)."""
     cfg = config
     m, k = x.shape
-    if len(weights) not in (1, 2):
-        raise ValueError(f"weights: expected 1 (plain) or 2 (gate, up) stacks, got {len(weights)}")
-    g, k2, n = weights[0].shape
-    for w in weights:
-        if w.shape != (g, k, n) or w.dtype != x.dtype:
-            raise ValueError(f"weights: {w.shape} {w.dtype} does not match x {x.shape} {x.dtype} "
-                             f"and {(g, k2, n)}")
-    if group_sizes.shape != (g,):
-        raise ValueError(f"group_sizes: shape {group_sizes.shape}, expected ({g},)")
-    if jnp.dtype(x.dtype).itemsize != 2:
-        raise ValueError(f"x: dtype {x.dtype}; the kernel takes 16-bit inputs")
-    if k % cfg.block_k or n % cfg.block_n:
-        raise ValueError(f"K={k} / N={n} must be multiples of block_k={cfg.block_k} / "
-                         f"block_n={cfg.block_n}")
+    g, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
     cfg.check(len(weights))
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    rows = max(-(-m // 8) * 8, bm)
-    if rows > m:  # load windows start on 8-row boundaries inside x: pad to 8 rows, at least block_m
-        x = jnp.pad(x, ((0, rows - m), (0, 0)))
+    x, rows = pad_rows(x, bm)
     table = tile_table(group_sizes, rows, bm)
     nt = table.shape[0]
     nb = n // bn
@@ -174,24 +203,12 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
                     return tuple(acc[...] for acc in accs)
 
                 accs = pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * len(w_refs))
-                out = _silu_mul(*accs) if fused else accs[0]
+                out = silu_mul(*accs) if fused else accs[0]
 
                 def store(o_smem):
                     o_smem[...] = out.astype(dtype)
                     plgpu.commit_smem()
-                    src = row0 - load0
-                    dst = row0
-                    size = bm
-                    while size:  # static ladder of boxes; each stored iff its bit is in n_rows
-                        @pl.when((n_rows & size) != 0)
-                        def _(size=size, src=src, dst=dst):
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[pl.ds(src, size)],
-                                o_ref.at[pl.ds(dst, size), pl.ds(ni * bn, bn)])
-
-                        src = src + (n_rows & size)
-                        dst = dst + (n_rows & size)
-                        size //= 2
+                    store_rows(o_smem, o_ref, row0 - load0, row0, n_rows, bm, pl.ds(ni * bn, bn))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(store, plgpu.SMEM((bm, bn), dtype))

@@ -21,6 +21,7 @@ import pytest
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, num_tiles,
                                                   tile_table)
+from pallas_kernels.grouped_matmul_ws import WsConfig
 
 
 def _sizes(rng, groups: int, total: int, kind: str) -> np.ndarray:
@@ -78,6 +79,12 @@ INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
     (203, 128, 128, 6, 190, "random", GmmConfig(64, 128, 32, 3, num_ctas=2), True),
     (136, 64, 128, 4, 136, "hot", GmmConfig(128, 64, 64, 2, num_ctas=2), True),
     (40, 128, 64, 7, 37, "random", GmmConfig(64, 64, 64, 2, num_ctas=2), False),  # rows < block_m
+    # The warp-specialised kernel: consumers split by M (a group's rows may fall in one consumer's
+    # half only) and by N.
+    (200, 128, 128, 5, 195, "random", WsConfig(128, 128, 64, 2, "m", num_ctas=2), False),
+    (301, 128, 128, 6, 290, "random", WsConfig(128, 128, 64, 3, "m", num_ctas=3), True),
+    (136, 128, 256, 4, 136, "hot", WsConfig(64, 256, 32, 3, "n", num_ctas=2), True),
+    (120, 128, 256, 3, 111, "random", WsConfig(64, 256, 64, 2, "n", num_ctas=3), False),
 ]
 
 
@@ -91,7 +98,7 @@ def test_mosaic_interpreted_matches_reference(case):
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, jnp.bfloat16)
                for _ in range(2 if fused else 1))
-    out = grouped_matmul_mosaic(x, ws, sizes, config=config, interpret=True)
+    out = gm.gmm(x, ws, sizes, config, interpret=True)
     ref = gm.grouped_matmul_reference(x, ws[0], sizes)
     if fused:
         ref = jax.nn.silu(ref) * gm.grouped_matmul_reference(x, ws[1], sizes)
@@ -135,6 +142,12 @@ def test_dispatch_choice_and_override(monkeypatch):
     assert pick(16384, 128, 2048, kernel=False) == "padded"
     assert pick(8192, 256, 2048, kernel=False) == "ragged"  # 256 experts, top-4: 64x
     assert gm.pick_impl(512, 128, 64, gpu=False, kernel=False) == "ragged"
+    # Decode rows per expert on the one-warpgroup kernel, prefill on the warp-specialised one; an N
+    # the prefill block does not divide narrows the block or falls back to the one-warpgroup tiling.
+    assert all(isinstance(c, GmmConfig) for c in gm.mosaic_configs(512, 128))
+    assert all(isinstance(c, WsConfig) for c in gm.mosaic_configs(16384, 128))
+    assert gm._fit(WsConfig(64, 256, 64, 4, "n"), 768 + 128).block_n == 128
+    assert isinstance(gm._fit(WsConfig(64, 256, 64, 4, "n"), 768 + 64), GmmConfig)
     assert gm.mosaic_supports(2048, 768, jnp.bfloat16)
     assert not gm.mosaic_supports(2048, 768, jnp.float32)
     assert not gm.mosaic_supports(2048, 100, jnp.bfloat16)
@@ -145,8 +158,9 @@ def _lower_for_cuda(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("shape", [(64, 128, 2048, 768, 8), (2048, 8, 4096, 14336, 2)],
-                         ids=["qwen3-decode", "mixtral-prefill"])
+@pytest.mark.parametrize("shape", [(64, 128, 2048, 768, 8), (2048, 128, 2048, 768, 8),
+                                   (2048, 8, 4096, 14336, 2)],
+                         ids=["qwen3-decode", "qwen3-prefill", "mixtral-prefill"])
 def test_mosaic_lowers_for_cuda_once_per_shape(shape):
     tokens, experts, h, f, top_k = shape
     s = jax.ShapeDtypeStruct
@@ -172,6 +186,16 @@ def test_config_and_inputs_are_checked():
         GmmConfig(64, 128, 64, 6).check(2)
     with pytest.raises(ValueError, match="registers"):
         GmmConfig(128, 128, 64, 2).check(2)
+    with pytest.raises(ValueError, match="split"):
+        WsConfig(split="k")
+    with pytest.raises(ValueError, match="block_m"):
+        WsConfig(64, 128, 64, 2, "m")
+    with pytest.raises(ValueError, match="block_n"):
+        WsConfig(64, 192, 64, 2, "n")
+    with pytest.raises(ValueError, match="shared memory"):
+        WsConfig(64, 256, 64, 4, "n").check(2)
+    with pytest.raises(ValueError, match="registers"):
+        WsConfig(128, 256, 64, 2, "m").check(2)
     x = jnp.zeros((64, 128), jnp.bfloat16)
     w = jnp.zeros((4, 128, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="group_sizes"):

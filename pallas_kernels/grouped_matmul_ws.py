@@ -1,0 +1,201 @@
+"""Grouped matmul for routed experts at prefill on Hopper: warp-specialised, two consumer warpgroups.
+
+Same contract, tile table and output ladder as `grouped_matmul_mosaic` (rows sorted by group; a
+tile is a window of one group's rows starting at the 8-row boundary at or before the group's first
+row; no group's m-tiles are padded to the largest group), on the schedule compute-bound tiles want:
+
+  - one producer warpgroup runs a `stages`-deep TMA ring over K (x window + weight panels), the two
+    consumer warpgroups only wait and issue wgmma, so loads, matmuls and the epilogue of one unit
+    overlap the next unit's first loads (`plgpu.emit_pipeline_warp_specialized`);
+  - the CTA tile is block_m x block_n, split between the consumers along M (`split="m"`: each
+    takes block_m / 2 rows, sharing the weight panel; block_m 128) or along N (`split="n"`: each
+    takes block_n / 2 columns of the same block_m rows, sharing the x window; block_m 64 keeps
+    less of each window past a group's end);
+  - persistent CTAs (one per SM) walk the (tile, N block) work units;
+  - each consumer stages its part of the output in shared memory and TMA-stores exactly its rows
+    of the tile (`store_rows`), waiting for the previous unit's stores only when it reuses the
+    buffer.
+
+`fuse_swiglu` as in the one-warpgroup kernel: two weight stacks (gate, up), each consumer holds two
+float32 accumulators and writes silu(gate) * up. CPU tests run it in Mosaic GPU's interpreter and
+lower it for CUDA; `benchmarks/bench_moe.py` times it on the H200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.device_info import num_sms
+from pallas_kernels.flash_config import SMEM_LIMIT
+from pallas_kernels.grouped_matmul_mosaic import (check_inputs, pad_rows, silu_mul, store_rows,
+                                                  tile_table)
+
+# Registers the producer warpgroup keeps (it only issues TMA); the consumers get the rest.
+_PRODUCER_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """block_m x block_n: the CTA tile; split: how the two consumers share it ("m": block_m / 2
+    rows each, "n": block_n / 2 columns each); block_k: the K step of the TMA ring; stages: ring
+    depth; num_ctas: persistent CTAs (0 = one per SM)."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    split: str = "m"
+    num_ctas: int = 0
+
+    def __post_init__(self):
+        if self.split not in ("m", "n"):
+            raise ValueError(f"split={self.split!r}: must be 'm' or 'n'")
+        if self.block_m not in (64, 128) or (self.split == "m" and self.block_m != 128):
+            raise ValueError(f"block_m={self.block_m}: must be 64 or 128 (128 with split='m': "
+                             f"each consumer's wgmma takes 64 rows)")
+        if self.block_n % (128 if self.split == "n" else 64) or not 64 <= self.block_n <= 256:
+            raise ValueError(f"block_n={self.block_n}: a multiple of 64 up to 256 (of 128 with "
+                             f"split='n': each consumer takes a 64-aligned half)")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"block_k={self.block_k}: must be 32, 64 or 128")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages}: must be at least 2")
+
+    @property
+    def wg_tile(self) -> tuple[int, int]:
+        """One consumer's accumulator shape."""
+        if self.split == "m":
+            return self.block_m // 2, self.block_n
+        return self.block_m, self.block_n // 2
+
+    def smem_bytes(self, num_weights: int, itemsize: int = 2) -> int:
+        """The TMA ring (x window + weight panels per stage) plus both consumers' output tiles."""
+        stage = self.block_m * self.block_k + num_weights * self.block_k * self.block_n
+        return itemsize * (self.stages * stage + self.block_m * self.block_n)
+
+    def check(self, num_weights: int) -> None:
+        if self.smem_bytes(num_weights) > SMEM_LIMIT:
+            raise ValueError(f"{self} needs {self.smem_bytes(num_weights)} bytes of shared memory "
+                             f"with {num_weights} weight stack(s); the limit is {SMEM_LIMIT}")
+        wm, wn = self.wg_tile
+        if num_weights * wm * wn > 64 * 256:
+            raise ValueError(f"{self}: {num_weights} float32 accumulator(s) of {wm} x {wn} per "
+                             f"consumer exceed its registers (at most 64 x 256 in all)")
+
+
+def _tma_transforms(cols: int, dtype):
+    """Tiled + swizzled shared-memory layout wgmma reads, for a tile `cols` elements wide."""
+    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
+                      config: WsConfig = WsConfig(), interpret: bool = False) -> jax.Array:
+    """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
+    fused SwiGLU; group_sizes: int32[G] summing to at most M. Returns [M, N] in x's dtype; rows past
+    sum(group_sizes) are left unwritten (undefined)."""
+    cfg = config
+    m, k = x.shape
+    _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
+    cfg.check(len(weights))
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    wm, wn = cfg.wg_tile
+    x, rows = pad_rows(x, bm)
+    table = tile_table(group_sizes, rows, bm)
+    nb = n // bn
+    units = table.shape[0] * nb
+    num_ctas = min(units, cfg.num_ctas or num_sms())
+    fused = len(weights) == 2
+    dtype = x.dtype
+    in_transforms = _tma_transforms(bk, dtype)
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=in_transforms)]
+            + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=in_transforms)]
+            * len(weights),
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.stages,
+            compute_context=context)
+
+    def ignore(*_, **__):
+        return None
+
+    def body(table_ref, x_ref, *refs):
+        w_refs, o_ref = refs[:-1], refs[-1]
+        allocs = pipeline(ignore, ignore).get_allocations(
+            x_ref.at[pl.ds(0, bm)], *(w.at[0, :, pl.ds(0, bn)] for w in w_refs))
+
+        def scope(pipeline_allocs, o_smem):
+            wg = lax.axis_index("wg")
+            rows_of_wg = pl.ds(wg * wm, wm) if cfg.split == "m" else slice(None)
+            cols_of_wg = slice(None) if cfg.split == "m" else pl.ds(wg * wn, wn)
+
+            @plgpu.nd_loop((units,), collective_axes="cta")
+            def _unit(loop_info):
+                (idx,) = loop_info.index
+                tile, ni = lax.div(idx, jnp.int32(nb)), lax.rem(idx, jnp.int32(nb))
+                group, row0 = table_ref[tile, 0], table_ref[tile, 1]
+                load0, n_rows = table_ref[tile, 2] * 8, table_ref[tile, 3]  # a product: 8-aligned
+
+                def mma(_, x_smem, *rest):
+                    *w_smem, accs = rest
+                    for acc, w in zip(accs, w_smem):
+                        plgpu.wgmma(acc, x_smem.at[rows_of_wg], w.at[:, cols_of_wg])
+                    plgpu.wgmma_wait(0)
+                    return accs
+
+                def epilogue(eval_pipeline):
+                    def acc_scope(*accs):
+                        eval_pipeline(accs)
+                        return tuple(a[...] for a in accs)
+
+                    accs = pl.run_scoped(acc_scope, *[plgpu.ACC((wm, wn))] * len(w_refs))
+                    out = silu_mul(*accs) if fused else accs[0]
+                    # This consumer's rows of the tile, as offsets in the window.
+                    lo = row0 - load0
+                    hi = lo + n_rows
+                    if cfg.split == "m":
+                        lo = jnp.clip(lo, wg * wm, wg * wm + wm)
+                        hi = jnp.clip(hi, wg * wm, wg * wm + wm)
+                        first = wg * wm
+                    else:
+                        first = 0
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's stores
+                    o_smem[wg] = out.astype(dtype)
+                    plgpu.commit_smem()
+                    store_rows(o_smem.at[wg], o_ref, lo - first, load0 + lo, hi - lo, wm,
+                               pl.ds(ni * bn + (0 if cfg.split == "m" else wg * wn), wn))
+
+                @pl.when(n_rows > 0)
+                def _():
+                    pipeline(mma, epilogue)(
+                        x_ref.at[pl.ds(load0, bm)],
+                        *(w.at[group, :, pl.ds(ni * bn, bn)] for w in w_refs),
+                        allocations=pipeline_allocs)
+
+            pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+
+        pl.run_scoped(scope, allocs, plgpu.SMEM((2, wm, wn), dtype), collective_axes="wg")
+
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=3,
+        thread_name="wg",
+        kernel_name="grouped_matmul_swiglu_ws" if fused else "grouped_matmul_ws",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(table, x, *weights)
+    return out[:m] if rows > m else out

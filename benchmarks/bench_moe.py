@@ -82,14 +82,15 @@ def config_fields(config) -> tuple:
 
 
 def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
-    """x sorted by expert, weights, group sizes: routing is top-k of a random router's softmax."""
+    """x sorted by expert, weights, group sizes, and the unsorted layer input (x, chosen experts,
+    routing weights): routing is top-k of a random router's softmax."""
     import jax
     import jax.numpy as jnp
 
     keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
     router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
-    _, chosen = jax.lax.top_k(x.astype(jnp.float32) @ router, top_k)
+    probs, chosen = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ router), top_k)
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     xs = x[order // top_k]
@@ -98,7 +99,7 @@ def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
     ws = tuple((jax.random.normal(k, s, jnp.float32) * std).astype(jnp.bfloat16)
                for k, s in zip(keys[2:], [(experts, hidden, inter), (experts, hidden, inter),
                                           (experts, inter, hidden)]))
-    return xs, ws, sizes
+    return xs, ws, sizes, (x, chosen, probs / probs.sum(-1, keepdims=True))
 
 
 def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
@@ -110,6 +111,7 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
 
     from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
     from benchmarks.bench_prefill import bench_interleaved, rel_err
+    from jaxinfer.model.experts import routed_experts
     from pallas_kernels import grouped_matmul as gm
 
     start = time.perf_counter()
@@ -146,7 +148,7 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
             if time.perf_counter() - start > deadline:
                 res[f"{model}_{phase}"] = "skipped: deadline"
                 continue
-            xs, ws, sizes = routed_case(e, hidden, inter, k, tokens)
+            xs, ws, sizes, layer_in = routed_case(e, hidden, inter, k, tokens)
             rows = xs.shape[0]
             touched = int(jnp.sum(sizes > 0))
             nbytes = touched * 3 * hidden * inter * 2
@@ -169,6 +171,10 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
                     ok[name] = (f, args)
                 except Exception as exc:  # a tiling that does not compile is a result, not a crash
                     row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            # The whole routed layer as the model runs it (sort, gather, the dispatched experts,
+            # back to token order, weighted sum): its time past the experts' is routing overhead.
+            ok["layer"] = (jax.jit(lambda x, c, p, ws: routed_experts(x, c, p, ws)),
+                           (*layer_in, ws))
             times = bench_interleaved(ok, reps=5, inner=10)
             for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
                 if name in ok:
@@ -190,12 +196,13 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
                 for n in times), flush=True)
             print(f"  errors: {row['errors']}", flush=True)
             save_part("kernels", res)
-            del xs, ws, ref, calls, ok
+            del xs, ws, ref, calls, ok, layer_in
     return res
 
 
 # ---- engine ------------------------------------------------------------------------------------
-def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -> dict:
+def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
+                   layers: int | None = None) -> dict:
     import numpy as np
 
     from jaxinfer.engine.args import EngineArgs
@@ -203,6 +210,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -
     from jaxinfer.sampling_params import SamplingParams
 
     name, config = ENGINE_MODELS[model_key]
+    config = {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
     work = Path(tempfile.mkdtemp(prefix="moe-"))
     (work / "config.json").write_text(json.dumps(config))
     t0 = time.perf_counter()
@@ -219,19 +227,39 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -
     engine.stats.__init__()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        sched = engine.scheduler
+        prefill = sched.num_waiting > 0 or any(s.num_computed < s.prompt_len for s in sched.running)
         outs = engine.step()
-        stamps.append((time.perf_counter(), len(engine.scheduler.running)))
+        stamps.append((time.perf_counter(), len(sched.running), prefill))
         n_out += sum(o.num_generated_tokens for o in outs if o.finished)
     elapsed = time.perf_counter() - start
     # Steady decode: consecutive steps with all 64 sequences running, past the prefill steps.
-    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts]
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts
+            and not b[2]]
     gaps = gaps[len(gaps) // 4:]
-    return {"model": name, "ready_s": round(ready_s, 1), "elapsed_s": round(elapsed, 2),
-            "output_tokens": n_out, "out_tok_s": round(n_out / elapsed, 1),
-            "steps": len(stamps), "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2)
-            if gaps else None, "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
-            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3),
+    mix = step_mix(start, stamps)
+    return {"model": name, "layers": config["num_hidden_layers"], "ready_s": round(ready_s, 1),
+            "elapsed_s": round(elapsed, 2), "output_tokens": n_out,
+            "out_tok_s": round(n_out / elapsed, 1), "steps": len(stamps),
+            "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
+            "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
             "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto")}
+
+
+def step_mix(start: float, stamps: list) -> dict:
+    """Where the wall time went: steps that carried prompt tokens against pure-decode steps (count,
+    summed and median wall ms between consecutive step returns)."""
+    import numpy as np
+
+    out = {}
+    times = [start] + [s[0] for s in stamps]
+    for kind, flag in (("prefill", True), ("decode", False)):
+        d = [b - a for a, b, s in zip(times, times[1:], stamps) if s[2] == flag]
+        out[f"{kind}_steps"] = len(d)
+        out[f"{kind}_wall_s"] = round(float(sum(d)), 3)
+        out[f"{kind}_step_ms_p50"] = round(1e3 * float(np.median(d)), 2) if d else None
+    return out
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -278,6 +306,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(SHAPES), help="kernels: the model shapes to time")
     ap.add_argument("--no-sweep", action="store_true",
                     help="kernels: only the tiling moe_experts picks, no SWEEP candidates")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="engine: decoder layers (default: the model's; fewer for a quick step mix)")
     ap.add_argument("--phases", default=",".join(PHASE_TOKENS), help="kernels: phases to time")
     ap.add_argument("--baselines", default="ragged,padded",
                     help="kernels: XLA paths timed beside ours (comma list; empty for none)")
@@ -291,7 +321,7 @@ def main() -> None:
                                    args.phases.split(","),
                                    tuple(b for b in args.baselines.split(",") if b))
         else:
-            value = engine_section(args.run_section)
+            value = engine_section(args.run_section, layers=args.layers)
         save_part(args.run_section, value)
         print(json.dumps(value)[:4000], flush=True)
         return
@@ -305,8 +335,9 @@ def main() -> None:
             continue
         limit = min(limits[name], left)
         argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
-                "--models", args.models, "--phases", args.phases, "--baselines", args.baselines
-                ] + (["--no-sweep"] if args.no_sweep else [])
+                "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
+        argv += (["--layers", str(args.layers)] if args.layers else []) + (
+            ["--no-sweep"] if args.no_sweep else [])
         try:
             proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
                                   env=env)

@@ -33,7 +33,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul_mosaic import GmmConfig, grouped_matmul_mosaic
+from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
+                                                  tile_table)
 from pallas_kernels.grouped_matmul_ws import WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
@@ -72,11 +73,10 @@ def _fit(config: Config, n: int) -> Config:
     return dataclasses.replace(config, block_n=64)
 
 
-def gmm(x, weights, group_sizes, config: Config, interpret: bool = False):
+def gmm(x, weights, group_sizes, config: Config, interpret: bool = False, table=None):
     """The grouped matmul (plain, or SwiGLU with two stacks) on the kernel `config` is for."""
-    if isinstance(config, WsConfig):
-        return grouped_matmul_ws(x, weights, group_sizes, config=config, interpret=interpret)
-    return grouped_matmul_mosaic(x, weights, group_sizes, config=config, interpret=interpret)
+    kernel = grouped_matmul_ws if isinstance(config, WsConfig) else grouped_matmul_mosaic
+    return kernel(x, weights, group_sizes, config=config, interpret=interpret, table=table)
 
 
 def mosaic_supports(hidden: int, inter: int, dtype) -> bool:
@@ -152,8 +152,12 @@ def _mosaic(x, weights, group_sizes, interpret: bool = False):
     w_gate, w_up, w_down = weights
     e, h, f = w_gate.shape
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e)
-    y = gmm(x, (w_gate, w_up), group_sizes, _fit(up_cfg, f), interpret)
-    return gmm(y, (w_down,), group_sizes, _fit(down_cfg, h), interpret)
+    up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
+    table = None
+    if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
+        table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
+    y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
+    return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
 
 
 @functools.cache

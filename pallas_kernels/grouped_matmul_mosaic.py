@@ -127,11 +127,16 @@ def check_inputs(x, weights, group_sizes, block_k: int, block_n: int) -> tuple[i
     return g, n
 
 
+def padded_rows(m: int, block_m: int) -> int:
+    """The rows the kernels see: a multiple of 8 and at least block_m (load windows start on 8-row
+    boundaries inside x)."""
+    return max(-(-m // 8) * 8, block_m)
+
+
 def pad_rows(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
-    """x padded to a multiple of 8 rows and at least block_m (load windows start on 8-row
-    boundaries inside x), and that row count."""
+    """x padded to `padded_rows`, and that row count."""
     m = x.shape[0]
-    rows = max(-(-m // 8) * 8, block_m)
+    rows = padded_rows(m, block_m)
     return (jnp.pad(x, ((0, rows - m), (0, 0))) if rows > m else x), rows
 
 
@@ -158,17 +163,20 @@ def silu_mul(gate, up):
 # nested jit of one jaxpr once per module, so the Mosaic lowering is paid once, not once per layer.
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
-                          config: GmmConfig = GmmConfig(), interpret: bool = False) -> jax.Array:
+                          config: GmmConfig = GmmConfig(), interpret: bool = False,
+                          table: jax.Array | None = None) -> jax.Array:
     """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
     fused SwiGLU; group_sizes: int32[G] summing to at most M. Returns [M, N] in x's dtype; rows past
-    sum(group_sizes) are left unwritten (undefined)."""
+    sum(group_sizes) are left unwritten (undefined). table: `tile_table(group_sizes,
+    padded_rows(M, block_m), block_m)` when the caller shares one between calls."""
     cfg = config
     m, k = x.shape
     g, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
     cfg.check(len(weights))
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     x, rows = pad_rows(x, bm)
-    table = tile_table(group_sizes, rows, bm)
+    if table is None:
+        table = tile_table(group_sizes, rows, bm)
     nt = table.shape[0]
     nb = n // bn
     units = nt * nb

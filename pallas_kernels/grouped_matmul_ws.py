@@ -98,10 +98,12 @@ def _tma_transforms(cols: int, dtype):
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
-                      config: WsConfig = WsConfig(), interpret: bool = False) -> jax.Array:
+                      config: WsConfig = WsConfig(), interpret: bool = False,
+                      table: jax.Array | None = None) -> jax.Array:
     """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
     fused SwiGLU; group_sizes: int32[G] summing to at most M. Returns [M, N] in x's dtype; rows past
-    sum(group_sizes) are left unwritten (undefined)."""
+    sum(group_sizes) are left unwritten (undefined). table: `tile_table(group_sizes,
+    padded_rows(M, block_m), block_m)` when the caller shares one between calls."""
     cfg = config
     m, k = x.shape
     _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
@@ -109,7 +111,8 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wm, wn = cfg.wg_tile
     x, rows = pad_rows(x, bm)
-    table = tile_table(group_sizes, rows, bm)
+    if table is None:
+        table = tile_table(group_sizes, rows, bm)
     nb = n // bn
     units = table.shape[0] * nb
     num_ctas = min(units, cfg.num_ctas or num_sms())

@@ -149,11 +149,25 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
                 group, row0 = table_ref[tile, 0], table_ref[tile, 1]
                 load0, n_rows = table_ref[tile, 2] * 8, table_ref[tile, 3]  # a product: 8-aligned
 
+                # This consumer's rows of the tile, as offsets in the window; with split="m" a
+                # consumer whose half holds none of them skips its matmuls.
+                lo, hi, first = row0 - load0, row0 - load0 + n_rows, 0
+                if cfg.split == "m":
+                    first = wg * wm
+                    lo, hi = jnp.clip(lo, first, first + wm), jnp.clip(hi, first, first + wm)
+
                 def mma(_, x_smem, *rest):
                     *w_smem, accs = rest
-                    for acc, w in zip(accs, w_smem):
-                        plgpu.wgmma(acc, x_smem.at[rows_of_wg], w.at[:, cols_of_wg])
-                    plgpu.wgmma_wait(0)
+
+                    def issue():
+                        for acc, w in zip(accs, w_smem):
+                            plgpu.wgmma(acc, x_smem.at[rows_of_wg], w.at[:, cols_of_wg])
+                        plgpu.wgmma_wait(0)
+
+                    if cfg.split == "m":
+                        pl.when(hi > lo)(issue)
+                    else:
+                        issue()
                     return accs
 
                 def epilogue(eval_pipeline):
@@ -163,15 +177,6 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
 
                     accs = pl.run_scoped(acc_scope, *[plgpu.ACC((wm, wn))] * len(w_refs))
                     out = silu_mul(*accs) if fused else accs[0]
-                    # This consumer's rows of the tile, as offsets in the window.
-                    lo = row0 - load0
-                    hi = lo + n_rows
-                    if cfg.split == "m":
-                        lo = jnp.clip(lo, wg * wm, wg * wm + wm)
-                        hi = jnp.clip(hi, wg * wm, wg * wm + wm)
-                        first = wg * wm
-                    else:
-                        first = 0
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's stores
                     o_smem[wg] = out.astype(dtype)
                     plgpu.commit_smem()

@@ -45,7 +45,8 @@ PHASE_TOKENS = {"decode": 64, "prefill": 2048}
 # (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 (with the
 # consumers' split) a WsConfig (warp-specialised kernel).
 SWEEP = {
-    "decode": ([(64, 64, 64, 6), (64, 128, 128, 2)], [(64, 256, 64, 4), (64, 128, 128, 3)]),
+    "decode": ([(64, 128, 64, 4, "n"), (64, 256, 32, 4, "n")],
+               [(64, 256, 64, 4, "n"), (64, 128, 64, 6, "n")]),
     "prefill": ([(64, 128, 64, 4), (128, 128, 64, 3, "m"), (64, 256, 32, 3, "n")],
                 [(128, 128, 64, 6), (128, 128, 64, 4, "m"), (128, 256, 64, 2, "m")]),
 }

@@ -32,10 +32,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.flash_config import SMEM_LIMIT
-from pallas_kernels.grouped_matmul_mosaic import (check_inputs, pad_rows, silu_mul, store_rows,
-                                                  tile_table)
+from pallas_kernels.grouped_matmul_mosaic import (check_ring, check_smem, launch, plan,
+                                                  ring_smem_bytes, silu_mul, store_rows,
+                                                  unit_of)
 
 # Registers the producer warpgroup keeps (it only issues TMA); the consumers get the rest.
 _PRODUCER_REGISTERS = 40
@@ -62,10 +61,7 @@ class WsConfig:
         if self.block_n % (128 if self.split == "n" else 64) or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n={self.block_n}: a multiple of 64 up to 256 (of 128 with "
                              f"split='n': each consumer takes a 64-aligned half)")
-        if self.block_k not in (32, 64, 128):
-            raise ValueError(f"block_k={self.block_k}: must be 32, 64 or 128")
-        if self.stages < 2:
-            raise ValueError(f"stages={self.stages}: must be at least 2")
+        check_ring(self)
 
     @property
     def wg_tile(self) -> tuple[int, int]:
@@ -74,15 +70,12 @@ class WsConfig:
             return self.block_m // 2, self.block_n
         return self.block_m, self.block_n // 2
 
-    def smem_bytes(self, num_weights: int, itemsize: int = 2) -> int:
-        """The TMA ring (x window + weight panels per stage) plus both consumers' output tiles."""
-        stage = self.block_m * self.block_k + num_weights * self.block_k * self.block_n
-        return itemsize * (self.stages * stage + self.block_m * self.block_n)
+    def smem_bytes(self, num_weights: int) -> int:
+        """Both consumers' output tiles together are block_m x block_n, as in the other kernel."""
+        return ring_smem_bytes(self, num_weights)
 
     def check(self, num_weights: int) -> None:
-        if self.smem_bytes(num_weights) > SMEM_LIMIT:
-            raise ValueError(f"{self} needs {self.smem_bytes(num_weights)} bytes of shared memory "
-                             f"with {num_weights} weight stack(s); the limit is {SMEM_LIMIT}")
+        check_smem(self, num_weights)
         wm, wn = self.wg_tile
         if num_weights * wm * wn > 64 * 256:
             raise ValueError(f"{self}: {num_weights} float32 accumulator(s) of {wm} x {wn} per "
@@ -100,22 +93,13 @@ def _tma_transforms(cols: int, dtype):
 def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
                       config: WsConfig = WsConfig(), interpret: bool = False,
                       table: jax.Array | None = None) -> jax.Array:
-    """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
-    fused SwiGLU; group_sizes: int32[G] summing to at most M. Returns [M, N] in x's dtype; rows past
-    sum(group_sizes) are left unwritten (undefined). table: `tile_table(group_sizes,
-    padded_rows(M, block_m), block_m)` when the caller shares one between calls."""
+    """`grouped_matmul_mosaic`'s arguments and result, on this kernel's schedule."""
     cfg = config
     m, k = x.shape
-    _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
-    cfg.check(len(weights))
+    x, table, n, units, num_ctas = plan(x, weights, group_sizes, cfg, table)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wm, wn = cfg.wg_tile
-    x, rows = pad_rows(x, bm)
-    if table is None:
-        table = tile_table(group_sizes, rows, bm)
     nb = n // bn
-    units = table.shape[0] * nb
-    num_ctas = min(units, cfg.num_ctas or num_sms())
     fused = len(weights) == 2
     dtype = x.dtype
     in_transforms = _tma_transforms(bk, dtype)
@@ -144,10 +128,7 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
 
             @plgpu.nd_loop((units,), collective_axes="cta")
             def _unit(loop_info):
-                (idx,) = loop_info.index
-                tile, ni = lax.div(idx, jnp.int32(nb)), lax.rem(idx, jnp.int32(nb))
-                group, row0 = table_ref[tile, 0], table_ref[tile, 1]
-                load0, n_rows = table_ref[tile, 2] * 8, table_ref[tile, 3]  # a product: 8-aligned
+                ni, group, row0, load0, n_rows = unit_of(table_ref, loop_info.index[0], nb)
 
                 # This consumer's rows of the tile, as offsets in the window; with split="m" a
                 # consumer whose half holds none of them skips its matmuls.
@@ -194,16 +175,5 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
 
         pl.run_scoped(scope, allocs, plgpu.SMEM((2, wm, wn), dtype), collective_axes="wg")
 
-    out = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=3,
-        thread_name="wg",
-        kernel_name="grouped_matmul_swiglu_ws" if fused else "grouped_matmul_ws",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(table, x, *weights)
-    return out[:m] if rows > m else out
+    return launch(body, x, weights, table, m, n, num_ctas, "grouped_matmul_ws", interpret,
+                  num_threads=3, thread_name="wg")

@@ -22,19 +22,7 @@ from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, num_tiles,
                                                   tile_table)
 from pallas_kernels.grouped_matmul_ws import WsConfig
-
-
-def _sizes(rng, groups: int, total: int, kind: str) -> np.ndarray:
-    """Group sizes summing to at most `total`: random with a third of the groups emptied, or every
-    row in one group."""
-    if kind == "hot":
-        sizes = np.zeros(groups, np.int64)
-        sizes[rng.integers(groups)] = total
-        return sizes
-    cuts = np.sort(rng.integers(0, total + 1, groups - 1))
-    sizes = np.diff(np.concatenate([[0], cuts, [total]]))
-    sizes[rng.choice(groups, max(1, groups // 3), replace=False)] = 0  # empty experts
-    return sizes
+from pallas_kernels.testing import ragged_group_sizes
 
 
 def _rel(out, ref) -> float:
@@ -49,7 +37,8 @@ def test_tile_table_covers_every_row_once(seed, block_m):
     rng = np.random.default_rng(seed)
     groups = int(rng.integers(1, 40))
     rows = 8 * int(rng.integers(block_m // 8, 120))
-    sizes = _sizes(rng, groups, int(rng.integers(0, rows + 1)), "hot" if seed == 0 else "random")
+    sizes = ragged_group_sizes(rng, groups, int(rng.integers(0, rows + 1)),
+                               "hot" if seed == 0 else "random")
     used = int(sizes.sum())
     table = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), rows, block_m))
     assert table.shape == (num_tiles(rows, groups, block_m), 4)
@@ -93,7 +82,7 @@ INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
 def test_mosaic_interpreted_matches_reference(case):
     rows, k, n, groups, split, kind, config, fused = case
     rng = np.random.default_rng(rows + n)
-    sizes = jnp.asarray(_sizes(rng, groups, split, kind), jnp.int32)
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, split, kind), jnp.int32)
     used = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, jnp.bfloat16)
@@ -110,7 +99,7 @@ def test_moe_experts_every_impl_matches_reference():
     rng = np.random.default_rng(7)
     tokens, top_k, groups, h, f = 24, 2, 8, 128, 64
     rows = tokens * top_k
-    sizes = jnp.asarray(_sizes(rng, groups, rows, "random"), jnp.int32)
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, rows, "random"), jnp.int32)
     used = int(sizes.sum())  # rows past the groups are undefined
     x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal(s) * s[1] ** -0.5, jnp.bfloat16)

@@ -13,23 +13,13 @@ import pytest
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul_mosaic import GmmConfig
 from pallas_kernels.grouped_matmul_ws import WsConfig
+from pallas_kernels.testing import ragged_group_sizes
 
 pytestmark = pytest.mark.gpu
 
 CASES = [(GmmConfig(64, 128, 64, 4), True), (WsConfig(128, 128, 64, 3, "m"), True),
          (WsConfig(64, 256, 32, 3, "n"), True), (WsConfig(128, 256, 64, 2, "m"), False),
          (WsConfig(64, 256, 64, 4, "n"), False)]  # (config, fused SwiGLU)
-
-
-def _sizes(rng, groups: int, rows: int, kind: str) -> np.ndarray:
-    if kind == "hot":
-        sizes = np.zeros(groups, np.int64)
-        sizes[rng.integers(groups)] = rows
-        return sizes
-    cuts = np.sort(rng.integers(0, rows + 1, groups - 1))
-    sizes = np.diff(np.concatenate([[0], cuts, [rows]]))
-    sizes[rng.choice(groups, groups // 3, replace=False)] = 0
-    return sizes
 
 
 def _rel(out, ref) -> float:
@@ -43,7 +33,8 @@ def test_kernels_match_ragged_dot(case, kind):
     config, fused = case
     rng = np.random.default_rng(len(str(config)) + fused)
     rows, k, n, groups = 3001, 512, 768, 24
-    sizes = jnp.asarray(_sizes(rng, groups, rows - 9, kind), jnp.int32)  # 9 rows past the groups
+    # 9 rows past the groups
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, rows - 9, kind), jnp.int32)
     used = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, jnp.bfloat16)
@@ -60,7 +51,7 @@ def test_moe_experts_on_the_kernels(tokens):
     rng = np.random.default_rng(tokens)
     experts, top_k, h, f = 64, 8, 1024, 768
     rows = tokens * top_k
-    sizes = jnp.asarray(_sizes(rng, experts, rows, "random"), jnp.int32)
+    sizes = jnp.asarray(ragged_group_sizes(rng, experts, rows, "random"), jnp.int32)
     x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal(s) * s[1] ** -0.5, jnp.bfloat16)
                for s in [(experts, h, f), (experts, h, f), (experts, f, h)])

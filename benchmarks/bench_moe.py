@@ -313,6 +313,8 @@ def main() -> None:
     ap.add_argument("--baselines", default="ragged,padded",
                     help="kernels: XLA paths timed beside ours (comma list; empty for none)")
     results_io.add_save_arg(ap, "moe_<gpu>")
+    ap.add_argument("--from-parts", default=None,
+                    help="write the record from a moe_h200.json of parts (from --run-section runs)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -323,8 +325,12 @@ def main() -> None:
                                    tuple(b for b in args.baselines.split(",") if b))
         else:
             value = engine_section(args.run_section, layers=args.layers)
-        save_part(args.run_section, value)
+        # A cut model's run is a step-mix probe, kept apart from the full model's figures.
+        save_part(args.run_section + (f"_{args.layers}_layers" if args.layers else ""), value)
         print(json.dumps(value)[:4000], flush=True)
+        return
+    if args.from_parts:  # the record of parts saved by earlier --run-section calls
+        save_record(json.loads(Path(args.from_parts).read_text())["parts"], args)
         return
     start = time.perf_counter()
     limits = {"kernels": 180, "qwen": 210, "mixtral": 240}
@@ -351,7 +357,10 @@ def main() -> None:
             save_part(f"{name}_error", f"timed out after {limit:.0f} s")
         if name == "kernels" and not mosaic_passed():
             env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
-    parts = json.loads((OUT / "moe_h200.json").read_text()).get("parts", {})
+    save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
+
+
+def save_record(parts: dict, args) -> None:
     config = {"shapes": SHAPES, "phase_tokens": PHASE_TOKENS, "sweep": SWEEP, "parts": parts,
               "engine_workload": "64 prompts x 512 in / 256 out, max 64 seqs, dummy bf16"}
     figures = metrics(parts)

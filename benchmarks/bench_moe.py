@@ -42,13 +42,13 @@ SHAPES = {  # experts, hidden, expert intermediate, top-k
 }
 PHASE_TOKENS = {"decode": 64, "prefill": 2048}
 # Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
-# (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 (with the
-# consumers' split) a WsConfig (warp-specialised kernel).
+# (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
+# the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
 SWEEP = {
-    "decode": ([(64, 128, 64, 4, "n"), (64, 256, 32, 4, "n")],
-               [(64, 256, 64, 4, "n"), (64, 128, 64, 6, "n")]),
-    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 3, "m"), (64, 256, 32, 3, "n")],
-                [(128, 128, 64, 6), (128, 128, 64, 4, "m"), (128, 256, 64, 2, "m")]),
+    "decode": ([(64, 128, 64, 4, "n", True), (64, 128, 64, 4, "n")],
+               [(64, 256, 64, 4, "n", True), (64, 256, 64, 4, "n")]),
+    "prefill": ([(128, 128, 64, 4, "m", True), (128, 128, 32, 4, "m", True)],
+                [(64, 256, 64, 4, "n", True), (128, 256, 64, 3, "m", True)]),
 }
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
@@ -74,12 +74,12 @@ def make_config(fields: tuple):
     from pallas_kernels.grouped_matmul_mosaic import GmmConfig
     from pallas_kernels.grouped_matmul_ws import WsConfig
 
-    return WsConfig(*fields) if len(fields) == 5 else GmmConfig(*fields)
+    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
 
 
 def config_fields(config) -> tuple:
     """The inverse of `make_config` (num_ctas left at its default)."""
-    return dataclasses.astuple(config)[:5 if hasattr(config, "split") else 4]
+    return dataclasses.astuple(config)[:6 if hasattr(config, "split") else 4]
 
 
 def routed_case(experts, hidden, inter, top_k, tokens, seed=0):

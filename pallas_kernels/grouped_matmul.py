@@ -52,12 +52,13 @@ def mosaic_configs(rows: int, num_groups: int) -> tuple[Config, Config]:
     """(gate/up config, down config) for `rows` routed rows over `num_groups` experts, from
     benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: the
     one-warpgroup kernel, 64-row tiles, deep rings. Many (prefill) is compute: the
-    warp-specialised kernel (`WsConfig`), two consumer warpgroups on 64-row windows sharing them
-    by N (less of each window past a group's end than 128-row windows)."""
+    warp-specialised kernel (`WsConfig`); the fused gate/up call on 128-row windows whose
+    consumers take 64 rows each (a consumer with none of the tile's rows idles, so a group's short
+    last tile costs half a window), the down call on 64-row windows shared by N."""
     per_group = rows / num_groups
     if per_group <= 16:
         return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
-    return WsConfig(64, 256, 32, 4, "n"), WsConfig(64, 256, 64, 4, "n")
+    return WsConfig(128, 128, 64, 3, "m"), WsConfig(64, 256, 64, 4, "n")
 
 
 def _fit(config: Config, n: int) -> Config:

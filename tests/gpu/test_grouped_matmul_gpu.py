@@ -1,7 +1,8 @@
 """The grouped-matmul kernels on the GPU: both Hopper kernels (one-warpgroup decode tiling,
-warp-specialised prefill tiling split by M and by N), plain and with the fused SwiGLU, against
-float32 `ragged_dot` on ragged group sizes with empty experts and one hot expert; and the expert
-MLP `moe_experts` runs at decode and prefill row counts. Skipped without a CUDA GPU."""
+warp-specialised prefill tiling split by M and by N, with and without one ring across units),
+plain and with the fused SwiGLU, against float32 `ragged_dot` on ragged group sizes with empty
+experts and one hot expert; and the expert MLP `moe_experts` at decode and prefill row counts.
+Skipped without a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.gpu
 
 CASES = [(GmmConfig(64, 128, 64, 4), True), (WsConfig(128, 128, 64, 3, "m"), True),
          (WsConfig(64, 256, 32, 3, "n"), True), (WsConfig(128, 256, 64, 2, "m"), False),
-         (WsConfig(64, 256, 64, 4, "n"), False)]  # (config, fused SwiGLU)
+         (WsConfig(64, 256, 64, 4, "n"), False), (WsConfig(128, 128, 64, 4, "m", True), True),
+         (WsConfig(64, 256, 64, 4, "n", True), False)]  # (config, fused SwiGLU)
 
 
 def _rel(out, ref) -> float:

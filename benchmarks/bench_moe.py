@@ -45,10 +45,10 @@ PHASE_TOKENS = {"decode": 64, "prefill": 2048}
 # (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
 # the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
 SWEEP = {
-    "decode": ([(64, 128, 64, 4, "n", True), (64, 128, 64, 4, "n")],
-               [(64, 256, 64, 4, "n", True), (64, 256, 64, 4, "n")]),
-    "prefill": ([(128, 128, 64, 4, "m", True), (128, 128, 32, 4, "m", True)],
-                [(64, 256, 64, 4, "n", True), (128, 256, 64, 3, "m", True)]),
+    "decode": ([(64, 128, 64, 4), (64, 128, 64, 4, "n", True)],
+               [(64, 128, 64, 6), (64, 256, 64, 4, "n", True)]),
+    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True)],
+                [(128, 128, 64, 6), (128, 128, 64, 4, "m", True)]),
 }
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,

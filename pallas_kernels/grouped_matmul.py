@@ -5,9 +5,10 @@ each row's expert given by the group it falls in. It is the only place the model
 weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
 `weights` and `group_sizes`). Implementations:
 
-  - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; by rows per
-    step (`mosaic_configs`) the one-warpgroup kernel (`grouped_matmul_mosaic`, decode: a weight
-    stream) or the warp-specialised one (`grouped_matmul_ws`, prefill: compute).
+  - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
+    warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step
+    (`mosaic_configs`), the one-warpgroup kernel (`grouped_matmul_mosaic`) where N does not fit
+    those tilings.
   - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
     a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
     with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
@@ -49,29 +50,25 @@ Config = GmmConfig | WsConfig
 
 
 def mosaic_configs(rows: int, num_groups: int) -> tuple[Config, Config]:
-    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts, from
-    benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: the
-    one-warpgroup kernel, 64-row tiles, deep rings. Many (prefill) is compute: the
-    warp-specialised kernel (`WsConfig`); the fused gate/up call on 128-row windows whose
-    consumers take 64 rows each (a consumer with none of the tile's rows idles, so a group's short
-    last tile costs half a window), the down call on 64-row windows shared by N."""
-    per_group = rows / num_groups
-    if per_group <= 16:
-        return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
-    return WsConfig(128, 128, 64, 3, "m"), WsConfig(64, 256, 64, 4, "n")
+    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts: the
+    warp-specialised kernel (`WsConfig`), tilings from benchmarks/bench_moe.py on the H200. Few
+    rows per expert (decode) is a weight stream: 64-row windows whose two consumers split N.
+    Many (prefill) is compute: 128-row windows whose consumers take 64 rows each (a consumer with
+    none of the tile's rows idles, so a group's short last tile costs half a window)."""
+    if rows / num_groups <= 16:
+        return WsConfig(64, 128, 64, 4, "n"), WsConfig(64, 256, 64, 4, "n")
+    return WsConfig(128, 128, 64, 3, "m"), WsConfig(128, 128, 64, 4, "m")
 
 
 def _fit(config: Config, n: int) -> Config:
-    """The config narrowed where its block_n does not divide N: block_n 64 for the one-warpgroup
-    kernel; for the warp-specialised one 128 (consumers split N), else the one-warpgroup prefill
-    tiling."""
+    """The config narrowed where its block_n does not divide N: for the warp-specialised kernel
+    128 when its consumers split N, else the one-warpgroup kernel on the same rows with 64-column
+    blocks (N is a multiple of 64: `mosaic_supports`)."""
     if n % config.block_n == 0:
         return config
-    if isinstance(config, WsConfig):
-        if config.split == "n" and n % 128 == 0:
-            return dataclasses.replace(config, block_n=128)
-        return _fit(GmmConfig(128, 128, 64, 6), n)
-    return dataclasses.replace(config, block_n=64)
+    if isinstance(config, WsConfig) and config.split == "n" and n % 128 == 0:
+        return dataclasses.replace(config, block_n=128)
+    return GmmConfig(config.block_m, 64, config.block_k, config.stages)
 
 
 def gmm(x, weights, group_sizes, config: Config, interpret: bool = False, table=None):

@@ -135,12 +135,12 @@ def test_dispatch_choice_and_override(monkeypatch):
     assert pick(16384, 128, 2048, kernel=False) == "padded"
     assert pick(8192, 256, 2048, kernel=False) == "ragged"  # 256 experts, top-4: 64x
     assert gm.pick_impl(512, 128, 64, gpu=False, kernel=False) == "ragged"
-    # Decode rows per expert on the one-warpgroup kernel, prefill on the warp-specialised one; an N
-    # the prefill block does not divide narrows the block or falls back to the one-warpgroup tiling.
-    assert all(isinstance(c, GmmConfig) for c in gm.mosaic_configs(512, 128))
-    assert all(isinstance(c, WsConfig) for c in gm.mosaic_configs(16384, 128))
+    # Decode (consumers split N) and prefill (split M) tilings of the warp-specialised kernel; an N
+    # a block does not divide narrows it or falls back to the one-warpgroup kernel's 64 columns.
+    decode, prefill = gm.mosaic_configs(512, 128), gm.mosaic_configs(16384, 128)
+    assert [c.split for c in decode + prefill] == ["n", "n", "m", "m"]
     assert gm._fit(WsConfig(64, 256, 64, 4, "n"), 768 + 128).block_n == 128
-    assert isinstance(gm._fit(WsConfig(64, 256, 64, 4, "n"), 768 + 64), GmmConfig)
+    assert gm._fit(WsConfig(128, 128, 64, 4, "m"), 768 + 64) == GmmConfig(128, 64, 64, 4)
     assert gm.mosaic_supports(2048, 768, jnp.bfloat16)
     assert not gm.mosaic_supports(2048, 768, jnp.float32)
     assert not gm.mosaic_supports(2048, 100, jnp.bfloat16)

@@ -1,8 +1,9 @@
-"""Grouped matmul for routed experts at prefill on Hopper: warp-specialised, two consumer warpgroups.
+"""Grouped matmul for routed experts on Hopper: warp-specialised, two consumer warpgroups.
 
 Same contract, tile table and output ladder as `grouped_matmul_mosaic` (rows sorted by group; a
 tile is a window of one group's rows starting at the 8-row boundary at or before the group's first
-row; no group's m-tiles are padded to the largest group), on the schedule compute-bound tiles want:
+row; no group's m-tiles are padded to the largest group), on a producer/consumer schedule that
+both the decode weight stream and the compute-bound prefill tiles run faster on (bench_moe, H200):
 
   - one producer warpgroup runs a `stages`-deep TMA ring over K (x window + weight panels), the two
     consumer warpgroups only wait and issue wgmma, so loads, matmuls and the epilogue of one unit
@@ -11,12 +12,13 @@ row; no group's m-tiles are padded to the largest group), on the schedule comput
     takes block_m / 2 rows, sharing the weight panel; block_m 128) or along N (`split="n"`: each
     takes block_n / 2 columns of the same block_m rows, sharing the x window; block_m 64 keeps
     less of each window past a group's end);
-  - persistent CTAs (one per SM) walk the (tile, N block) work units;
+  - persistent CTAs (one per SM) walk the (tile, N block) work units; with `chain` one ring runs
+    across a CTA's units (`pipeline_state`);
   - each consumer stages its part of the output in shared memory and TMA-stores exactly its rows
     of the tile (`store_rows`), waiting for the previous unit's stores only when it reuses the
     buffer.
 
-`fuse_swiglu` as in the one-warpgroup kernel: two weight stacks (gate, up), each consumer holds two
+The SwiGLU fusion as in the one-warpgroup kernel: two weight stacks (gate, up), each consumer holds two
 float32 accumulators and writes silu(gate) * up. CPU tests run it in Mosaic GPU's interpreter and
 lower it for CUDA; `benchmarks/bench_moe.py` times it on the H200.
 """

@@ -42,10 +42,13 @@ SHAPES = {  # experts, hidden, expert intermediate, top-k
 }
 PHASE_TOKENS = {"decode": 64, "prefill": 2048}
 # Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
-# (gate/up fused, down) candidates as GmmConfig fields.
+# (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
+# the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
 SWEEP = {
-    "decode": ([(64, 64, 64, 6), (64, 128, 128, 2)], [(64, 256, 64, 4), (64, 128, 128, 3)]),
-    "prefill": ([(128, 64, 64, 4), (64, 128, 64, 4)], [(128, 128, 64, 4), (64, 256, 64, 4)]),
+    "decode": ([(64, 128, 64, 4), (64, 128, 64, 4, "n", True)],
+               [(64, 128, 64, 6), (64, 256, 64, 4, "n", True)]),
+    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True)],
+                [(128, 128, 64, 6), (128, 128, 64, 4, "m", True)]),
 }
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
@@ -67,15 +70,28 @@ ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_
 
 
 # ---- kernels -----------------------------------------------------------------------------------
+def make_config(fields: tuple):
+    from pallas_kernels.grouped_matmul_mosaic import GmmConfig
+    from pallas_kernels.grouped_matmul_ws import WsConfig
+
+    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
+
+
+def config_fields(config) -> tuple:
+    """The inverse of `make_config` (num_ctas left at its default)."""
+    return dataclasses.astuple(config)[:6 if hasattr(config, "split") else 4]
+
+
 def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
-    """x sorted by expert, weights, group sizes: routing is top-k of a random router's softmax."""
+    """x sorted by expert, weights, group sizes, and the unsorted layer input (x, chosen experts,
+    routing weights): routing is top-k of a random router's softmax."""
     import jax
     import jax.numpy as jnp
 
     keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
     router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
-    _, chosen = jax.lax.top_k(x.astype(jnp.float32) @ router, top_k)
+    probs, chosen = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ router), top_k)
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     xs = x[order // top_k]
@@ -84,10 +100,11 @@ def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
     ws = tuple((jax.random.normal(k, s, jnp.float32) * std).astype(jnp.bfloat16)
                for k, s in zip(keys[2:], [(experts, hidden, inter), (experts, hidden, inter),
                                           (experts, inter, hidden)]))
-    return xs, ws, sizes
+    return xs, ws, sizes, (x, chosen, probs / probs.sum(-1, keepdims=True))
 
 
-def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) -> dict:
+def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
+                   phases=tuple(PHASE_TOKENS), baselines=("ragged", "padded")) -> dict:
     import functools
 
     import jax
@@ -95,8 +112,8 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
 
     from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
     from benchmarks.bench_prefill import bench_interleaved, rel_err
+    from jaxinfer.model.experts import routed_experts
     from pallas_kernels import grouped_matmul as gm
-    from pallas_kernels.grouped_matmul_mosaic import GmmConfig, grouped_matmul_mosaic
 
     start = time.perf_counter()
     res: dict = {}
@@ -112,27 +129,27 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
     save_part("kernels", res)
 
     def time_parts(xs, ws, sizes, up, down):
-        h = grouped_matmul_mosaic(xs, ws[:2], sizes, config=GmmConfig(*up))
+        h = gm.gmm(xs, ws[:2], sizes, make_config(up))
         parts = bench_interleaved({
-            "up": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*up)),
-                   (xs, ws[:2], sizes)),
-            "down": (functools.partial(grouped_matmul_mosaic, config=GmmConfig(*down)),
-                     (h, ws[2:], sizes))}, reps=3, inner=10)
+            "up": (functools.partial(gm.gmm, config=make_config(up)), (xs, ws[:2], sizes)),
+            "down": (functools.partial(gm.gmm, config=make_config(down)), (h, ws[2:], sizes))},
+            reps=3, inner=10)
         return {k: round(v * 1e6, 1) for k, v in parts.items()}
 
     def mosaic_pair(up, down):
         def f(x, ws, sizes):
-            h = grouped_matmul_mosaic(x, ws[:2], sizes, config=GmmConfig(*up))
-            return grouped_matmul_mosaic(h, ws[2:], sizes, config=GmmConfig(*down))
+            h = gm.gmm(x, ws[:2], sizes, make_config(up))
+            return gm.gmm(h, ws[2:], sizes, make_config(down))
         return jax.jit(f)
 
     for model in models:
         e, hidden, inter, k = SHAPES[model]
-        for phase, tokens in PHASE_TOKENS.items():
+        for phase in phases:
+            tokens = PHASE_TOKENS[phase]
             if time.perf_counter() - start > deadline:
                 res[f"{model}_{phase}"] = "skipped: deadline"
                 continue
-            xs, ws, sizes = routed_case(e, hidden, inter, k, tokens)
+            xs, ws, sizes, layer_in = routed_case(e, hidden, inter, k, tokens)
             rows = xs.shape[0]
             touched = int(jnp.sum(sizes > 0))
             nbytes = touched * 3 * hidden * inter * 2
@@ -140,11 +157,11 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
             ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
                 xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
             ups, downs = SWEEP[phase] if sweep else ((), ())
-            pairs = {"mosaic": tuple(dataclasses.astuple(c)[:4] for c in gm.mosaic_configs(rows, e))}
+            pairs = {"mosaic": tuple(config_fields(c) for c in gm.mosaic_configs(rows, e))}
             pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
             calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
                                                       max_group_size=tokens)), (xs, ws, sizes))
-                     for impl in ("ragged", "padded")}
+                     for impl in baselines}
             calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
             row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
                          "flops": flops, "errors": {}, "us": {}, "configs": pairs}
@@ -155,6 +172,10 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
                     ok[name] = (f, args)
                 except Exception as exc:  # a tiling that does not compile is a result, not a crash
                     row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            # The whole routed layer as the model runs it (sort, gather, the dispatched experts,
+            # back to token order, weighted sum): its time past the experts' is routing overhead.
+            ok["layer"] = (jax.jit(lambda x, c, p, ws: routed_experts(x, c, p, ws)),
+                           (*layer_in, ws))
             times = bench_interleaved(ok, reps=5, inner=10)
             for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
                 if name in ok:
@@ -176,12 +197,13 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True) ->
                 for n in times), flush=True)
             print(f"  errors: {row['errors']}", flush=True)
             save_part("kernels", res)
-            del xs, ws, ref, calls, ok
+            del xs, ws, ref, calls, ok, layer_in
     return res
 
 
 # ---- engine ------------------------------------------------------------------------------------
-def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -> dict:
+def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
+                   layers: int | None = None) -> dict:
     import numpy as np
 
     from jaxinfer.engine.args import EngineArgs
@@ -189,6 +211,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -
     from jaxinfer.sampling_params import SamplingParams
 
     name, config = ENGINE_MODELS[model_key]
+    config = {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
     work = Path(tempfile.mkdtemp(prefix="moe-"))
     (work / "config.json").write_text(json.dumps(config))
     t0 = time.perf_counter()
@@ -205,19 +228,39 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64) -
     engine.stats.__init__()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        sched = engine.scheduler
+        prefill = sched.num_waiting > 0 or any(s.num_computed < s.prompt_len for s in sched.running)
         outs = engine.step()
-        stamps.append((time.perf_counter(), len(engine.scheduler.running)))
+        stamps.append((time.perf_counter(), len(sched.running), prefill))
         n_out += sum(o.num_generated_tokens for o in outs if o.finished)
     elapsed = time.perf_counter() - start
     # Steady decode: consecutive steps with all 64 sequences running, past the prefill steps.
-    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts]
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts
+            and not b[2]]
     gaps = gaps[len(gaps) // 4:]
-    return {"model": name, "ready_s": round(ready_s, 1), "elapsed_s": round(elapsed, 2),
-            "output_tokens": n_out, "out_tok_s": round(n_out / elapsed, 1),
-            "steps": len(stamps), "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2)
-            if gaps else None, "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
-            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3),
+    mix = step_mix(start, stamps)
+    return {"model": name, "layers": config["num_hidden_layers"], "ready_s": round(ready_s, 1),
+            "elapsed_s": round(elapsed, 2), "output_tokens": n_out,
+            "out_tok_s": round(n_out / elapsed, 1), "steps": len(stamps),
+            "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
+            "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
             "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto")}
+
+
+def step_mix(start: float, stamps: list) -> dict:
+    """Where the wall time went: steps that carried prompt tokens against pure-decode steps (count,
+    summed and median wall ms between consecutive step returns)."""
+    import numpy as np
+
+    out = {}
+    times = [start] + [s[0] for s in stamps]
+    for kind, flag in (("prefill", True), ("decode", False)):
+        d = [b - a for a, b, s in zip(times, times[1:], stamps) if s[2] == flag]
+        out[f"{kind}_steps"] = len(d)
+        out[f"{kind}_wall_s"] = round(float(sum(d)), 3)
+        out[f"{kind}_step_ms_p50"] = round(1e3 * float(np.median(d)), 2) if d else None
+    return out
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -264,17 +307,30 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(SHAPES), help="kernels: the model shapes to time")
     ap.add_argument("--no-sweep", action="store_true",
                     help="kernels: only the tiling moe_experts picks, no SWEEP candidates")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="engine: decoder layers (default: the model's; fewer for a quick step mix)")
+    ap.add_argument("--phases", default=",".join(PHASE_TOKENS), help="kernels: phases to time")
+    ap.add_argument("--baselines", default="ragged,padded",
+                    help="kernels: XLA paths timed beside ours (comma list; empty for none)")
     results_io.add_save_arg(ap, "moe_<gpu>")
+    ap.add_argument("--from-parts", default=None,
+                    help="write the record from a moe_h200.json of parts (from --run-section runs)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_section:
         if args.run_section == "kernels":
-            value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep)
+            value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep,
+                                   args.phases.split(","),
+                                   tuple(b for b in args.baselines.split(",") if b))
         else:
-            value = engine_section(args.run_section)
-        save_part(args.run_section, value)
+            value = engine_section(args.run_section, layers=args.layers)
+        # A cut model's run is a step-mix probe, kept apart from the full model's figures.
+        save_part(args.run_section + (f"_{args.layers}_layers" if args.layers else ""), value)
         print(json.dumps(value)[:4000], flush=True)
+        return
+    if args.from_parts:  # the record of parts saved by earlier --run-section calls
+        save_record(json.loads(Path(args.from_parts).read_text())["parts"], args)
         return
     start = time.perf_counter()
     limits = {"kernels": 180, "qwen": 210, "mixtral": 240}
@@ -286,7 +342,9 @@ def main() -> None:
             continue
         limit = min(limits[name], left)
         argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
-                "--models", args.models] + (["--no-sweep"] if args.no_sweep else [])
+                "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
+        argv += (["--layers", str(args.layers)] if args.layers else []) + (
+            ["--no-sweep"] if args.no_sweep else [])
         try:
             proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
                                   env=env)
@@ -299,7 +357,10 @@ def main() -> None:
             save_part(f"{name}_error", f"timed out after {limit:.0f} s")
         if name == "kernels" and not mosaic_passed():
             env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
-    parts = json.loads((OUT / "moe_h200.json").read_text()).get("parts", {})
+    save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
+
+
+def save_record(parts: dict, args) -> None:
     config = {"shapes": SHAPES, "phase_tokens": PHASE_TOKENS, "sweep": SWEEP, "parts": parts,
               "engine_workload": "64 prompts x 512 in / 256 out, max 64 seqs, dummy bf16"}
     figures = metrics(parts)

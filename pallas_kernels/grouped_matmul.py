@@ -5,8 +5,10 @@ each row's expert given by the group it falls in. It is the only place the model
 weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
 `weights` and `group_sizes`). Implementations:
 
-  - "mosaic": the Hopper kernel (`grouped_matmul_mosaic`): gate/up fused with SwiGLU in one call,
-    then down; tilings picked by rows per step (`mosaic_configs`).
+  - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
+    warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step
+    (`mosaic_configs`), the one-warpgroup kernel (`grouped_matmul_mosaic`) where N does not fit
+    those tilings.
   - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
     a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
     with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
@@ -32,7 +34,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul_mosaic import GmmConfig
+from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
+                                                  tile_table)
+from pallas_kernels.grouped_matmul_ws import WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
 # Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per
@@ -42,25 +46,35 @@ IMPLS = ("mosaic", "padded", "ragged")
 # to 407.
 PADDED_MAX_FACTOR = 16
 PADDED_OVER_KERNEL = 4
+Config = GmmConfig | WsConfig
 
 
-def mosaic_configs(rows: int, num_groups: int) -> tuple[GmmConfig, GmmConfig]:
-    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts, from
-    benchmarks/bench_moe.py on the H200. Few rows per expert (decode) is a weight stream: 64-row
-    tiles, deep rings. Many (prefill) is compute: the down kernel takes 128 x 128 tiles; the fused
-    gate/up kernel holds two accumulators, so its tile is 64 x 128 while groups are a few hundred
-    rows (less of each 128-row tile wasted past a group's end) and 128 x 64 above."""
-    per_group = rows / num_groups
-    if per_group <= 16:
-        return GmmConfig(64, 128, 64, 4), GmmConfig(64, 128, 64, 6)
-    if per_group <= 256:
-        return GmmConfig(64, 128, 64, 4), GmmConfig(128, 128, 64, 6)
-    return GmmConfig(128, 64, 64, 6), GmmConfig(128, 128, 64, 6)
+def mosaic_configs(rows: int, num_groups: int) -> tuple[Config, Config]:
+    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts: the
+    warp-specialised kernel (`WsConfig`), tilings from benchmarks/bench_moe.py on the H200. Few
+    rows per expert (decode) is a weight stream: 64-row windows whose two consumers split N.
+    Many (prefill) is compute: 128-row windows whose consumers take 64 rows each (a consumer with
+    none of the tile's rows idles, so a group's short last tile costs half a window)."""
+    if rows / num_groups <= 16:
+        return WsConfig(64, 128, 64, 4, "n"), WsConfig(64, 256, 64, 4, "n")
+    return WsConfig(128, 128, 64, 3, "m"), WsConfig(128, 128, 64, 4, "m")
 
 
-def _fit(config: GmmConfig, n: int) -> GmmConfig:
-    """The config with block_n narrowed to 64 where its block_n does not divide N."""
-    return config if n % config.block_n == 0 else dataclasses.replace(config, block_n=64)
+def _fit(config: Config, n: int) -> Config:
+    """The config narrowed where its block_n does not divide N: for the warp-specialised kernel
+    128 when its consumers split N, else the one-warpgroup kernel on the same rows with 64-column
+    blocks (N is a multiple of 64: `mosaic_supports`)."""
+    if n % config.block_n == 0:
+        return config
+    if isinstance(config, WsConfig) and config.split == "n" and n % 128 == 0:
+        return dataclasses.replace(config, block_n=128)
+    return GmmConfig(config.block_m, 64, config.block_k, config.stages)
+
+
+def gmm(x, weights, group_sizes, config: Config, interpret: bool = False, table=None):
+    """The grouped matmul (plain, or SwiGLU with two stacks) on the kernel `config` is for."""
+    kernel = grouped_matmul_ws if isinstance(config, WsConfig) else grouped_matmul_mosaic
+    return kernel(x, weights, group_sizes, config=config, interpret=interpret, table=table)
 
 
 def mosaic_supports(hidden: int, inter: int, dtype) -> bool:
@@ -133,14 +147,15 @@ def _padded(x, weights, group_sizes, capacity: int, scales=None):
 
 
 def _mosaic(x, weights, group_sizes, interpret: bool = False):
-    from pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
-
     w_gate, w_up, w_down = weights
     e, h, f = w_gate.shape
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e)
     up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
-    h = grouped_matmul_mosaic(x, (w_gate, w_up), group_sizes, config=up_cfg, interpret=interpret)
-    return grouped_matmul_mosaic(h, (w_down,), group_sizes, config=down_cfg, interpret=interpret)
+    table = None
+    if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
+        table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
+    y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
+    return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
 
 
 @functools.cache

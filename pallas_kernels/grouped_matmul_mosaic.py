@@ -55,23 +55,37 @@ class GmmConfig:
             raise ValueError(f"block_m={self.block_m}: must be 64 or 128")
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n={self.block_n}: must be 64, 128, 192 or 256")
-        if self.block_k not in (32, 64, 128):
-            raise ValueError(f"block_k={self.block_k}: must be 32, 64 or 128")
-        if self.stages < 2:
-            raise ValueError(f"stages={self.stages}: must be at least 2")
+        check_ring(self)
 
-    def smem_bytes(self, num_weights: int, itemsize: int = 2) -> int:
-        """The TMA ring (x block + weight panels per stage) plus the output staging tile."""
-        stage = self.block_m * self.block_k + num_weights * self.block_k * self.block_n
-        return itemsize * (self.stages * stage + self.block_m * self.block_n)
+    def smem_bytes(self, num_weights: int) -> int:
+        return ring_smem_bytes(self, num_weights)
 
     def check(self, num_weights: int) -> None:
-        if self.smem_bytes(num_weights) > SMEM_LIMIT:
-            raise ValueError(f"{self} needs {self.smem_bytes(num_weights)} bytes of shared memory "
-                             f"with {num_weights} weight stack(s); the limit is {SMEM_LIMIT}")
+        check_smem(self, num_weights)
         if num_weights * self.block_m * self.block_n > 128 * 128:
             raise ValueError(f"{self}: {num_weights} float32 accumulator(s) of block_m x block_n "
                              f"exceed one warpgroup's registers (at most 128 x 128 in all)")
+
+
+def check_ring(cfg) -> None:
+    """The K step and depth of a config's TMA ring (either kernel's)."""
+    if cfg.block_k not in (32, 64, 128):
+        raise ValueError(f"block_k={cfg.block_k}: must be 32, 64 or 128")
+    if cfg.stages < 2:
+        raise ValueError(f"stages={cfg.stages}: must be at least 2")
+
+
+def ring_smem_bytes(cfg, num_weights: int, itemsize: int = 2) -> int:
+    """Shared memory of either kernel: the TMA ring (x window + weight panels per stage) plus the
+    block_m x block_n output staging."""
+    stage = cfg.block_m * cfg.block_k + num_weights * cfg.block_k * cfg.block_n
+    return itemsize * (cfg.stages * stage + cfg.block_m * cfg.block_n)
+
+
+def check_smem(cfg, num_weights: int) -> None:
+    if ring_smem_bytes(cfg, num_weights) > SMEM_LIMIT:
+        raise ValueError(f"{cfg} needs {ring_smem_bytes(cfg, num_weights)} bytes of shared memory "
+                         f"with {num_weights} weight stack(s); the limit is {SMEM_LIMIT}")
 
 
 def num_tiles(rows: int, groups: int, block_m: int) -> int:
@@ -106,19 +120,9 @@ def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
     return jnp.stack([group, row0, load0 // 8, n_rows], axis=1).astype(jnp.int32)
 
 
-def _silu_mul(gate, up):
-    return gate / (1.0 + jnp.exp(-gate)) * up
-
-
-# A jit of its own: a model calls the kernel once per layer with the same shapes, and jax lowers a
-# nested jit of one jaxpr once per module, so the Mosaic lowering is paid once, not once per layer.
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
-                          config: GmmConfig = GmmConfig(), interpret: bool = False) -> jax.Array:
-    """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
-    fused SwiGLU; group_sizes: int32[G] summing to at most M. Returns [M, N] in x's dtype; rows past
-    sum(group_sizes) are left unwritten (undefined)."""
-    cfg = config
+def check_inputs(x, weights, group_sizes, block_k: int, block_n: int) -> tuple[int, int]:
+    """Validate x [M, K], 1 or 2 weight stacks [G, K, N] of x's 16-bit dtype and group_sizes [G]
+    against the tiling's K step and N block; returns (G, N)."""
     m, k = x.shape
     if len(weights) not in (1, 2):
         raise ValueError(f"weights: expected 1 (plain) or 2 (gate, up) stacks, got {len(weights)}")
@@ -131,19 +135,80 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
         raise ValueError(f"group_sizes: shape {group_sizes.shape}, expected ({g},)")
     if jnp.dtype(x.dtype).itemsize != 2:
         raise ValueError(f"x: dtype {x.dtype}; the kernel takes 16-bit inputs")
-    if k % cfg.block_k or n % cfg.block_n:
-        raise ValueError(f"K={k} / N={n} must be multiples of block_k={cfg.block_k} / "
-                         f"block_n={cfg.block_n}")
+    if k % block_k or n % block_n:
+        raise ValueError(f"K={k} / N={n} must be multiples of block_k={block_k} / "
+                         f"block_n={block_n}")
+    return g, n
+
+
+def padded_rows(m: int, block_m: int) -> int:
+    """The rows the kernels see: a multiple of 8 and at least block_m (load windows start on 8-row
+    boundaries inside x)."""
+    return max(-(-m // 8) * 8, block_m)
+
+
+def pad_rows(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
+    """x padded to `padded_rows`, and that row count."""
+    m = x.shape[0]
+    rows = padded_rows(m, block_m)
+    return (jnp.pad(x, ((0, rows - m), (0, 0))) if rows > m else x), rows
+
+
+def store_rows(o_smem, o_ref, src, dst, n_rows, box: int, cols) -> None:
+    """TMA-store rows src .. src + n_rows of o_smem to rows dst .. of o_ref (columns `cols`) as a
+    static ladder of boxes (box, box / 2, ..., 1 rows), each issued iff its bit is in n_rows
+    (n_rows < 2 * box): a TMA box is static, n_rows is known at run time only."""
+    size = box
+    while size:
+        @pl.when((n_rows & size) != 0)
+        def _(size=size, src=src, dst=dst):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(src, size)], o_ref.at[pl.ds(dst, size), cols])
+
+        src = src + (n_rows & size)
+        dst = dst + (n_rows & size)
+        size //= 2
+
+
+def plan(x, weights, group_sizes, cfg, table):
+    """What both kernels set up before launching: the checks, x padded (`pad_rows`), the tile
+    table (the caller's, or built here), N, the (tile, N block) work units and the persistent
+    CTAs. Returns (x, table, n, units, num_ctas)."""
+    _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
     cfg.check(len(weights))
+    x, rows = pad_rows(x, cfg.block_m)
+    if table is None:
+        table = tile_table(group_sizes, rows, cfg.block_m)
+    units = table.shape[0] * (n // cfg.block_n)
+    return x, table, n, units, min(units, cfg.num_ctas or num_sms())
+
+
+def unit_of(table_ref, idx, nb: int):
+    """Work unit idx (tile-major over nb N blocks): (N block, group, first row, first row of the
+    load window, rows)."""
+    tile, ni = lax.div(idx, jnp.int32(nb)), lax.rem(idx, jnp.int32(nb))
+    load0 = table_ref[tile, 2] * 8  # a product: 8-aligned, as TMA windows need
+    return ni, table_ref[tile, 0], table_ref[tile, 1], load0, table_ref[tile, 3]
+
+
+def silu_mul(gate, up):
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+# A jit of its own: a model calls the kernel once per layer with the same shapes, and jax lowers a
+# nested jit of one jaxpr once per module, so the Mosaic lowering is paid once, not once per layer.
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
+                          config: GmmConfig = GmmConfig(), interpret: bool = False,
+                          table: jax.Array | None = None) -> jax.Array:
+    """x: [M, K] rows sorted by group; weights: (w,) with w [G, K, N], or (w_gate, w_up) for the
+    fused SwiGLU; group_sizes: int32[G] summing to at most M. Returns [M, N] in x's dtype; rows past
+    sum(group_sizes) are left unwritten (undefined). table: `tile_table(group_sizes,
+    padded_rows(M, block_m), block_m)` when the caller shares one between calls."""
+    cfg = config
+    m, k = x.shape
+    x, table, n, units, num_ctas = plan(x, weights, group_sizes, cfg, table)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    rows = max(-(-m // 8) * 8, bm)
-    if rows > m:  # load windows start on 8-row boundaries inside x: pad to 8 rows, at least block_m
-        x = jnp.pad(x, ((0, rows - m), (0, 0)))
-    table = tile_table(group_sizes, rows, bm)
-    nt = table.shape[0]
     nb = n // bn
-    units = nt * nb
-    num_ctas = min(units, cfg.num_ctas or num_sms())
     fused = len(weights) == 2
     dtype = x.dtype
 
@@ -152,10 +217,7 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
 
         @plgpu.nd_loop((units,), collective_axes="cta")
         def _unit(loop_info):
-            (idx,) = loop_info.index
-            tile, ni = lax.div(idx, jnp.int32(nb)), lax.rem(idx, jnp.int32(nb))
-            group, row0 = table_ref[tile, 0], table_ref[tile, 1]
-            load0, n_rows = table_ref[tile, 2] * 8, table_ref[tile, 3]  # a product: 8-aligned
+            ni, group, row0, load0, n_rows = unit_of(table_ref, loop_info.index[0], nb)
 
             @pl.when(n_rows > 0)
             def _():
@@ -174,37 +236,33 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
                     return tuple(acc[...] for acc in accs)
 
                 accs = pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * len(w_refs))
-                out = _silu_mul(*accs) if fused else accs[0]
+                out = silu_mul(*accs) if fused else accs[0]
 
                 def store(o_smem):
                     o_smem[...] = out.astype(dtype)
                     plgpu.commit_smem()
-                    src = row0 - load0
-                    dst = row0
-                    size = bm
-                    while size:  # static ladder of boxes; each stored iff its bit is in n_rows
-                        @pl.when((n_rows & size) != 0)
-                        def _(size=size, src=src, dst=dst):
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[pl.ds(src, size)],
-                                o_ref.at[pl.ds(dst, size), pl.ds(ni * bn, bn)])
-
-                        src = src + (n_rows & size)
-                        dst = dst + (n_rows & size)
-                        size //= 2
+                    store_rows(o_smem, o_ref, row0 - load0, row0, n_rows, bm, pl.ds(ni * bn, bn))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(store, plgpu.SMEM((bm, bn), dtype))
 
+    return launch(body, x, weights, table, m, n, num_ctas, "grouped_matmul", interpret)
+
+
+def launch(body, x, weights, table, m: int, n: int, num_ctas: int, name: str, interpret: bool,
+           **threads) -> jax.Array:
+    """Run either kernel's body(table, x, *weights, out) on `num_ctas` persistent CTAs (`threads`:
+    the warp-specialised kernel's warpgroups); the output's rows past m (padding) are cut."""
+    rows = x.shape[0]
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
+        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
         grid=(num_ctas,),
         grid_names=("cta",),
-        kernel_name="grouped_matmul_swiglu" if fused else "grouped_matmul",
+        kernel_name=name + ("_swiglu" if len(weights) == 2 else ""),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
+        **threads,
     )(table, x, *weights)
     return out[:m] if rows > m else out
-

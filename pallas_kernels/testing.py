@@ -29,3 +29,16 @@ def random_paged_batch(rng: np.random.Generator, *, hq: int, hkv: int, d: int, b
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = normal(ks[2], (int(qsl[-1]) + extra_tokens, hq, d))
     return q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(ctx, jnp.int32), jnp.asarray(tables)
+
+
+def ragged_group_sizes(rng: np.random.Generator, groups: int, total: int, kind: str) -> np.ndarray:
+    """Group sizes (rows per expert) summing to `total`: "random" cuts with a third of the groups
+    emptied (their rows dropped, so the sum may be less), or "hot": every row in one group."""
+    if kind == "hot":
+        sizes = np.zeros(groups, np.int64)
+        sizes[rng.integers(groups)] = total
+        return sizes
+    cuts = np.sort(rng.integers(0, total + 1, groups - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]]))
+    sizes[rng.choice(groups, max(1, groups // 3), replace=False)] = 0  # empty experts
+    return sizes

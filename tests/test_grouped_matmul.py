@@ -21,19 +21,8 @@ import pytest
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, num_tiles,
                                                   tile_table)
-
-
-def _sizes(rng, groups: int, total: int, kind: str) -> np.ndarray:
-    """Group sizes summing to at most `total`: random with a third of the groups emptied, or every
-    row in one group."""
-    if kind == "hot":
-        sizes = np.zeros(groups, np.int64)
-        sizes[rng.integers(groups)] = total
-        return sizes
-    cuts = np.sort(rng.integers(0, total + 1, groups - 1))
-    sizes = np.diff(np.concatenate([[0], cuts, [total]]))
-    sizes[rng.choice(groups, max(1, groups // 3), replace=False)] = 0  # empty experts
-    return sizes
+from pallas_kernels.grouped_matmul_ws import WsConfig
+from pallas_kernels.testing import ragged_group_sizes
 
 
 def _rel(out, ref) -> float:
@@ -48,7 +37,8 @@ def test_tile_table_covers_every_row_once(seed, block_m):
     rng = np.random.default_rng(seed)
     groups = int(rng.integers(1, 40))
     rows = 8 * int(rng.integers(block_m // 8, 120))
-    sizes = _sizes(rng, groups, int(rng.integers(0, rows + 1)), "hot" if seed == 0 else "random")
+    sizes = ragged_group_sizes(rng, groups, int(rng.integers(0, rows + 1)),
+                               "hot" if seed == 0 else "random")
     used = int(sizes.sum())
     table = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), rows, block_m))
     assert table.shape == (num_tiles(rows, groups, block_m), 4)
@@ -78,6 +68,16 @@ INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
     (203, 128, 128, 6, 190, "random", GmmConfig(64, 128, 32, 3, num_ctas=2), True),
     (136, 64, 128, 4, 136, "hot", GmmConfig(128, 64, 64, 2, num_ctas=2), True),
     (40, 128, 64, 7, 37, "random", GmmConfig(64, 64, 64, 2, num_ctas=2), False),  # rows < block_m
+    # The warp-specialised kernel: consumers split by M (a group's rows may fall in one consumer's
+    # half only) and by N.
+    (200, 128, 128, 5, 195, "random", WsConfig(128, 128, 64, 2, "m", num_ctas=2), False),
+    (301, 128, 128, 6, 290, "random", WsConfig(128, 128, 64, 3, "m", num_ctas=3), True),
+    (136, 128, 256, 4, 136, "hot", WsConfig(64, 256, 32, 3, "n", num_ctas=2), True),
+    (120, 128, 256, 3, 111, "random", WsConfig(64, 256, 64, 2, "n", num_ctas=3), False),
+    # One ring across each CTA's units: CTAs with several units, one unit and none.
+    (300, 128, 128, 6, 297, "random", WsConfig(128, 128, 64, 2, "m", True, num_ctas=2), False),
+    (200, 256, 256, 5, 197, "random", WsConfig(64, 256, 32, 4, "n", True, num_ctas=3), True),
+    (136, 128, 128, 4, 133, "hot", WsConfig(128, 128, 64, 2, "m", True, num_ctas=3), True),
 ]
 
 
@@ -86,12 +86,12 @@ INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
 def test_mosaic_interpreted_matches_reference(case):
     rows, k, n, groups, split, kind, config, fused = case
     rng = np.random.default_rng(rows + n)
-    sizes = jnp.asarray(_sizes(rng, groups, split, kind), jnp.int32)
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, split, kind), jnp.int32)
     used = int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, jnp.bfloat16)
                for _ in range(2 if fused else 1))
-    out = grouped_matmul_mosaic(x, ws, sizes, config=config, interpret=True)
+    out = gm.gmm(x, ws, sizes, config, interpret=True)
     ref = gm.grouped_matmul_reference(x, ws[0], sizes)
     if fused:
         ref = jax.nn.silu(ref) * gm.grouped_matmul_reference(x, ws[1], sizes)
@@ -103,7 +103,7 @@ def test_moe_experts_every_impl_matches_reference():
     rng = np.random.default_rng(7)
     tokens, top_k, groups, h, f = 24, 2, 8, 128, 64
     rows = tokens * top_k
-    sizes = jnp.asarray(_sizes(rng, groups, rows, "random"), jnp.int32)
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, rows, "random"), jnp.int32)
     used = int(sizes.sum())  # rows past the groups are undefined
     x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal(s) * s[1] ** -0.5, jnp.bfloat16)
@@ -135,6 +135,12 @@ def test_dispatch_choice_and_override(monkeypatch):
     assert pick(16384, 128, 2048, kernel=False) == "padded"
     assert pick(8192, 256, 2048, kernel=False) == "ragged"  # 256 experts, top-4: 64x
     assert gm.pick_impl(512, 128, 64, gpu=False, kernel=False) == "ragged"
+    # Decode (consumers split N) and prefill (split M) tilings of the warp-specialised kernel; an N
+    # a block does not divide narrows it or falls back to the one-warpgroup kernel's 64 columns.
+    decode, prefill = gm.mosaic_configs(512, 128), gm.mosaic_configs(16384, 128)
+    assert [c.split for c in decode + prefill] == ["n", "n", "m", "m"]
+    assert gm._fit(WsConfig(64, 256, 64, 4, "n"), 768 + 128).block_n == 128
+    assert gm._fit(WsConfig(128, 128, 64, 4, "m"), 768 + 64) == GmmConfig(128, 64, 64, 4)
     assert gm.mosaic_supports(2048, 768, jnp.bfloat16)
     assert not gm.mosaic_supports(2048, 768, jnp.float32)
     assert not gm.mosaic_supports(2048, 100, jnp.bfloat16)
@@ -145,8 +151,9 @@ def _lower_for_cuda(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("shape", [(64, 128, 2048, 768, 8), (2048, 8, 4096, 14336, 2)],
-                         ids=["qwen3-decode", "mixtral-prefill"])
+@pytest.mark.parametrize("shape", [(64, 128, 2048, 768, 8), (2048, 128, 2048, 768, 8),
+                                   (2048, 8, 4096, 14336, 2)],
+                         ids=["qwen3-decode", "qwen3-prefill", "mixtral-prefill"])
 def test_mosaic_lowers_for_cuda_once_per_shape(shape):
     tokens, experts, h, f, top_k = shape
     s = jax.ShapeDtypeStruct
@@ -172,6 +179,19 @@ def test_config_and_inputs_are_checked():
         GmmConfig(64, 128, 64, 6).check(2)
     with pytest.raises(ValueError, match="registers"):
         GmmConfig(128, 128, 64, 2).check(2)
+    with pytest.raises(ValueError, match="split"):
+        WsConfig(split="k")
+    with pytest.raises(ValueError, match="block_m"):
+        WsConfig(64, 128, 64, 2, "m")
+    with pytest.raises(ValueError, match="block_n"):
+        WsConfig(64, 192, 64, 2, "n")
+    with pytest.raises(ValueError, match="shared memory"):
+        WsConfig(64, 256, 64, 4, "n").check(2)
+    with pytest.raises(ValueError, match="registers"):
+        WsConfig(128, 256, 64, 2, "m").check(2)
+    with pytest.raises(ValueError, match="chain"):  # 128 / 64 = 2 ring steps, 3 stages
+        gm.gmm(jnp.zeros((64, 128), jnp.bfloat16), (jnp.zeros((4, 128, 128), jnp.bfloat16),),
+               jnp.zeros(4, jnp.int32), WsConfig(128, 128, 64, 3, "m", True), interpret=True)
     x = jnp.zeros((64, 128), jnp.bfloat16)
     w = jnp.zeros((4, 128, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="group_sizes"):

@@ -35,6 +35,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     group_sizes = jnp.bincount(flat, length=held).astype(jnp.int32)  # the `held` ids dropped
     # A token's k experts are distinct, so no expert gets more than T rows.
     ys = moe_experts(xs, w, group_sizes, max_group_size=t, scales=scales)
-    ys = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
+    # Back to token order by a gather through the inverse permutation (an int32 scatter of T * k
+    # ids) rather than a scatter of the [T * k, H] rows: XLA fuses the gather into the weighted sum.
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    ys = ys[rank].reshape(t, k, -1)
     ys = jnp.where(mine[..., None], ys.astype(jnp.float32), 0.0)  # rows past the groups: undefined
     return jnp.einsum("tkh,tk->th", ys, weights).astype(x.dtype)

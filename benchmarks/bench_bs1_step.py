@@ -1,0 +1,196 @@
+"""One batch-1 decode step of the Llama-3-8B shape (forward + greedy argmax, KV cache donated), in
+several variants inside one process: attention-kernel configurations and XLA compile options,
+each timed on the device and traced per kernel, all against the same weights and cache.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_step.py --save [DIR]
+        [--ctx 768] [--max-blocks 128] [--variants base,splits1,...] [--deadline-s 55]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_step.py --tiny   # CPU check
+
+The step is what the engine runs per decode token at batch 1 (`forward` at one token of one
+sequence, `--ctx` tokens of context, a block table `--max-blocks` wide as the engine passes it for
+`--max-model-len 2048`), without the host: the next step's token is this step's argmax, on the
+device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only dispatches). Per
+variant, a trace of 5 steps (tools/trace_engine_step.summarize_steps): busy time, kernels per step,
+the top kernels; for the first variant also one layer's kernels in launch order (duration, gap
+before) and the optimized HLO (`--hlo-out`, gzipped). Variants (`VARIANTS`): a name, a
+`MosaicDecodeConfig` for the decode kernel and XLA compile options (`Compiled` per variant, so
+one process compares them). The deadline skips what would not finish; results are saved after
+every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import results_io  # noqa: E402
+from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.model.config import config_from_dict  # noqa: E402
+from jaxinfer.model.transformer import forward, init_params  # noqa: E402
+from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
+from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from tools.trace_decode import device_events  # noqa: E402
+from tools.trace_engine_step import summarize_steps  # noqa: E402
+
+BLOCK = 16
+# name -> (MosaicDecodeConfig keyword arguments or None for the default kernel, XLA options)
+VARIANTS: dict[str, tuple[dict | None, dict]] = {
+    "base": (None, {}),
+    "pdl": (None, {"xla_gpu_enable_pdl": True}),
+    "splits4": (dict(num_splits=4), {}),
+    "heroless": (None, {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
+    "splits1": (dict(num_splits=1), {}),
+    "cublas": (None, {"xla_gpu_enable_triton_gemm": False}),
+    "cmdbuf": (None, {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
+    "nopdl": (None, {"xla_gpu_enable_pdl": False}),
+    "splits8": (dict(num_splits=8), {}),
+    "tps128": (dict(tokens_per_step=128), {}),
+}
+TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
+
+
+def backend_for(kernel_config: dict | None, default: AttentionBackend) -> AttentionBackend:
+    if kernel_config is None:
+        return default
+    from pallas_kernels.flash_prefill import flash_prefill_mosaic
+    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+    decode = functools.partial(paged_decode_mosaic, config=MosaicDecodeConfig(**kernel_config))
+    return AttentionBackend(f"mosaic{sorted(kernel_config.items())}", decode=decode,
+                            prefill=flash_prefill_mosaic, split_mixed_steps=True)
+
+
+def decode_inputs(ctx: int, max_blocks: int, num_blocks: int):
+    """(token ids, positions, metadata) of one decode token at position ctx - 1 of one sequence
+    whose pages are distinct random blocks."""
+    pages = -(-ctx // BLOCK)
+    blocks = np.random.default_rng(0).permutation(num_blocks)[:pages]
+    table = np.zeros((1, max_blocks), np.int32)
+    table[0, :pages] = blocks
+    pos = ctx - 1
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray([blocks[pos // BLOCK] * BLOCK + pos % BLOCK], jnp.int32),
+        query_start_loc=jnp.asarray([0, 1], jnp.int32), seq_lens=jnp.asarray([ctx], jnp.int32),
+        block_tables=jnp.asarray(table), num_decodes=1)
+    return jnp.asarray([7], jnp.int32), jnp.asarray([pos], jnp.int32), md
+
+
+def make_step(cfg, backend):
+    def step(params, kv, ids, pos, md):
+        logits, kv = forward(params, cfg, ids, pos, kv, md, backend)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def run_steps(exe, state, n: int):
+    params, kv, ids, pos, md = state
+    for _ in range(n):
+        ids, kv = exe(params, kv, ids, pos, md)
+    jax.block_until_ready(ids)
+    return (params, kv, ids, pos, md)
+
+
+def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
+    """One layer's kernels in launch order, [name, µs, gap before µs], from the middle step:
+    from the kernel before its second attention call to the one before its third."""
+    step = events[2 * per_step:3 * per_step] if len(events) >= 3 * per_step else events
+    at = [i for i, e in enumerate(step) if anchor in e[0]]
+    if len(at) < 3:
+        return []
+    lo, hi = at[1] - 4, at[2] - 4
+    return [[step[i][0][:50], round((step[i][2] - step[i][1]) / 1e3, 2),
+             round((step[i][1] - step[i - 1][2]) / 1e3, 2)] for i in range(max(lo, 1), hi)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model, reference attention")
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--max-blocks", type=int, default=128)
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--deadline-s", type=float, default=55.0)
+    ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
+    results_io.add_save_arg(ap, "bs1_step_<gpu>")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
+    if args.tiny:
+        default = REFERENCE
+    else:
+        from pallas_kernels.backend import get_backend
+        default = get_backend("mosaic")
+    params = init_params(cfg, jax.random.key(0))
+    kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
+    state = (params, kv, *decode_inputs(args.ctx, args.max_blocks, args.num_blocks))
+    metrics: dict = {"setup_s": round(time.perf_counter() - start, 1)}
+    print(metrics, flush=True)
+    config = dict(model="tiny" if args.tiny else "Llama-3-8B shape, random bf16", ctx=args.ctx,
+                  max_blocks=args.max_blocks, steps=args.steps,
+                  variants={n: VARIANTS[n] for n in args.variants.split(",")})
+
+    def save():
+        if args.save:
+            results_io.save(args.save, args.name or f"bs1_step_{results_io.device_slug()}",
+                            config=config, metrics=metrics)
+
+    rows = []
+    for i, name in enumerate(args.variants.split(",")):
+        kernel_config, options = VARIANTS[name]
+        if time.perf_counter() - start > args.deadline_s - 8:
+            metrics[f"{name}_skipped"] = "deadline"
+            continue
+        try:
+            t0 = time.perf_counter()
+            backend = default if args.tiny else backend_for(kernel_config, default)
+            exe = make_step(cfg, backend).lower(*state).compile(compiler_options=options or None)
+            compile_s = time.perf_counter() - t0
+            state = run_steps(exe, state, 5)
+            times = []
+            for _ in range(3):
+                t1 = time.perf_counter()
+                state = run_steps(exe, state, args.steps)
+                times.append((time.perf_counter() - t1) / args.steps * 1e3)
+            entry = dict(step_ms=round(min(times), 4), compile_s=round(compile_s, 1))
+            if i == 0 and args.hlo_out:
+                Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
+                with gzip.open(args.hlo_out, "wt") as f:
+                    f.write(exe.as_text())
+            if not args.tiny and time.perf_counter() - start < args.deadline_s - 6:
+                with tempfile.TemporaryDirectory() as d:
+                    jax.profiler.start_trace(d)
+                    state = run_steps(exe, state, 5)
+                    jax.profiler.stop_trace()
+                    events = device_events(d)
+                entry["trace"] = summarize_steps(events, 5, top=12)
+                if i == 0:
+                    entry["one_layer"] = one_layer(events, len(events) // 5)
+            metrics[name] = entry
+            rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),
+                         entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
+            print(name, entry, flush=True)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            metrics[f"{name}_error"] = repr(e)[:400]
+            print(name, "error", repr(e)[:400], flush=True)
+        save()
+    print(f"{'variant':10} {'step_ms':>8} {'busy_us':>8} {'kernels':>8} {'compile_s':>9}")
+    for r in rows:
+        print(f"{r[0]:10} {r[1]:8.3f} {str(r[2]):>8} {str(r[3]):>8} {r[4]:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

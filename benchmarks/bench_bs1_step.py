@@ -21,6 +21,7 @@ every variant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gzip
 import sys
@@ -42,12 +43,14 @@ from jaxinfer.model.config import config_from_dict  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params  # noqa: E402
 from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from pallas_kernels.reference import write_kv_dus  # noqa: E402
 from tools.trace_decode import device_events  # noqa: E402
 from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
-# name -> (MosaicDecodeConfig keyword arguments or None for the default kernel, XLA options)
-VARIANTS: dict[str, tuple[dict | None, dict]] = {
+# name -> (MosaicDecodeConfig keyword arguments, or None: the default kernel, or "dus": the default
+# backend writing the new token's K/V with `write_kv_dus`; XLA compile options)
+VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "base": (None, {}),
     "pdl": (None, {"xla_gpu_enable_pdl": True}),
     "splits4": (dict(num_splits=4), {}),
@@ -57,15 +60,18 @@ VARIANTS: dict[str, tuple[dict | None, dict]] = {
     "cmdbuf": (None, {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
     "nopdl": (None, {"xla_gpu_enable_pdl": False}),
     "splits8": (dict(num_splits=8), {}),
+    "dus": ("dus", {}),
     "tps128": (dict(tokens_per_step=128), {}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
 
 
-def backend_for(kernel_config: dict | None, default: AttentionBackend) -> AttentionBackend:
+def backend_for(kernel_config: dict | str | None, default: AttentionBackend) -> AttentionBackend:
     if kernel_config is None:
         return default
+    if kernel_config == "dus":
+        return dataclasses.replace(default, name=default.name + "+dus", write_kv=write_kv_dus)
     from pallas_kernels.flash_prefill import flash_prefill_mosaic
     from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     decode = functools.partial(paged_decode_mosaic, config=MosaicDecodeConfig(**kernel_config))
@@ -156,7 +162,8 @@ def main() -> None:
             continue
         try:
             t0 = time.perf_counter()
-            backend = default if args.tiny else backend_for(kernel_config, default)
+            backend = (default if args.tiny and kernel_config != "dus"
+                       else backend_for(kernel_config, default))
             exe = make_step(cfg, backend).lower(*state).compile(compiler_options=options or None)
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)

@@ -36,6 +36,24 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return put(k_cache, k), put(v_cache, v)
 
 
+def write_kv_dus(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+                 slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`write_kv` for one token (T == 1) as dynamic-update-slices instead of scatters; a negative
+    slot writes the row's old content back. Other T: `write_kv`."""
+    if k.shape[0] != 1:
+        return write_kv(k_cache, v_cache, k, v, slot_mapping)
+    hkv, _, bs, d = k_cache.shape
+    slot = slot_mapping[0]
+    start = (0, jnp.maximum(slot, 0) // bs, jnp.maximum(slot, 0) % bs, 0)
+
+    def put(cache, new):
+        row = new.astype(cache.dtype).reshape(hkv, 1, 1, d)
+        old = jax.lax.dynamic_slice(cache, start, row.shape)
+        return jax.lax.dynamic_update_slice(cache, jnp.where(slot >= 0, row, old), start)
+
+    return put(k_cache, k), put(v_cache, v)
+
+
 def gather_context(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
     """[Hkv, NB, B, D] paged cache -> [S, M*B, Hkv, D] contiguous per-sequence context."""
     hkv, _, bs, d = cache.shape

@@ -49,7 +49,8 @@ from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
 # name -> (MosaicDecodeConfig keyword arguments, or None: the default kernel, or "dus": the default
-# backend writing the new token's K/V with `write_kv_dus`; XLA compile options)
+# backend writing the new token's K/V with `write_kv_dus`, or "narrowN": the default backend given
+# only the block table's first N columns; XLA compile options)
 VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "base": (None, {}),
     "pdl": (None, {"xla_gpu_enable_pdl": True}),
@@ -61,6 +62,7 @@ VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "nopdl": (None, {"xla_gpu_enable_pdl": False}),
     "splits8": (dict(num_splits=8), {}),
     "dus": ("dus", {}),
+    "narrow48": ("narrow48", {}),
     "tps128": (dict(tokens_per_step=128), {}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -69,6 +71,8 @@ TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
 
 def backend_for(kernel_config: dict | str | None, default: AttentionBackend) -> AttentionBackend:
     if kernel_config is None:
+        return default
+    if isinstance(kernel_config, str) and kernel_config.startswith("narrow"):
         return default
     if kernel_config == "dus":
         return dataclasses.replace(default, name=default.name + "+dus", write_kv=write_kv_dus)
@@ -94,8 +98,10 @@ def decode_inputs(ctx: int, max_blocks: int, num_blocks: int):
     return jnp.asarray([7], jnp.int32), jnp.asarray([pos], jnp.int32), md
 
 
-def make_step(cfg, backend):
+def make_step(cfg, backend, table_width: int | None = None):
     def step(params, kv, ids, pos, md):
+        if table_width:
+            md = dataclasses.replace(md, block_tables=md.block_tables[:, :table_width])
         logits, kv = forward(params, cfg, ids, pos, kv, md, backend)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
     return jax.jit(step, donate_argnums=(1,))
@@ -164,7 +170,9 @@ def main() -> None:
             t0 = time.perf_counter()
             backend = (default if args.tiny and kernel_config != "dus"
                        else backend_for(kernel_config, default))
-            exe = make_step(cfg, backend).lower(*state).compile(compiler_options=options or None)
+            width = (int(kernel_config[6:]) if isinstance(kernel_config, str)
+                     and kernel_config.startswith("narrow") else None)
+            exe = make_step(cfg, backend, width).lower(*state).compile(compiler_options=options or None)
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)
             times = []

@@ -127,6 +127,52 @@ def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
              round((step[i][1] - step[i - 1][2]) / 1e3, 2)] for i in range(max(lo, 1), hi)]
 
 
+def engine_bs1(tiny: bool, out_len: int, save) -> dict:
+    """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
+    greedy tokens, best of 2 runs after every bucket compiled), its decode step traced
+    (tools/trace_engine_step), and the HBM roofline measured here."""
+    import json
+    from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from tools.trace_engine_step import profile_decode_steps
+    metrics: dict = {}
+    with tempfile.TemporaryDirectory() as work:
+        if tiny:
+            opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+                        max_model_len=256, max_num_batched_tokens=256)
+            prompt_len = 32
+        else:
+            (Path(work) / "config.json").write_text(json.dumps(LLAMA3_8B))
+            opts = dict(model=work, load_format="dummy", dtype="bfloat16",
+                        attention_backend="mosaic", max_model_len=2048,
+                        max_num_batched_tokens=512)
+            prompt_len = 512
+        t0 = time.perf_counter()
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            **opts, max_num_seqs=4, num_blocks=2048, compilation_cache_dir=""))
+        engine.runner.compiler.wait()
+        metrics["engine_ready_s"] = round(time.perf_counter() - t0, 1)
+        rng = np.random.default_rng(0)
+
+        def prompt():
+            return rng.integers(3, engine.cfg.vocab_size, prompt_len).tolist()
+        bs1(engine, prompt(), 8)
+        runs = [bs1(engine, prompt(), out_len) for _ in range(2)]
+        best = min(runs, key=lambda r: r["tpot_ms"])
+        metrics.update(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
+                       bs1_tpot_runs_ms=[r["tpot_ms"] for r in runs])
+        save(metrics)
+        if not tiny:
+            metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
+            params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
+            figs = roofline_figures(measure_rooflines(params_bytes), engine.cfg, prompt_len,
+                                    out_len, 256)
+            metrics.update({k: v for k, v in figs.items() if "c256" not in k})
+        save(metrics)
+    return metrics
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, reference attention")
@@ -137,6 +183,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--deadline-s", type=float, default=55.0)
     ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
+    ap.add_argument("--engine", action="store_true",
+                    help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
+    ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
     results_io.add_save_arg(ap, "bs1_step_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -161,7 +210,7 @@ def main() -> None:
                             config=config, metrics=metrics)
 
     rows = []
-    for i, name in enumerate(args.variants.split(",")):
+    for i, name in enumerate(filter(None, args.variants.split(","))):
         kernel_config, options = VARIANTS[name]
         if time.perf_counter() - start > args.deadline_s - 8:
             metrics[f"{name}_skipped"] = "deadline"
@@ -205,6 +254,14 @@ def main() -> None:
     print(f"{'variant':10} {'step_ms':>8} {'busy_us':>8} {'kernels':>8} {'compile_s':>9}")
     for r in rows:
         print(f"{r[0]:10} {r[1]:8.3f} {str(r[2]):>8} {str(r[3]):>8} {r[4]:9.1f}")
+    if args.engine:
+        del state, params, kv
+        name = f"engine_llama8b_bs1_{results_io.device_slug()}"
+        econfig = dict(model=config["model"], engine="max_num_seqs 4, max_num_batched_tokens "
+                       "512, max_model_len 2048, num_blocks 2048, mosaic", out_len=args.out_len)
+        out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
+            args.save, name, config=econfig, metrics=m))
+        print({k: v for k, v in out.items() if k != "bs1_profile"}, flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from benchmarks import results_io  # noqa: E402
 from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
 from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.model.config import config_from_dict  # noqa: E402
+from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params  # noqa: E402
 from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
@@ -50,7 +51,8 @@ from tools.trace_engine_step import summarize_steps  # noqa: E402
 BLOCK = 16
 # name -> (MosaicDecodeConfig keyword arguments, or None: the default kernel, or "dus": the default
 # backend writing the new token's K/V with `write_kv_dus`, or "narrowN": the default backend given
-# only the block table's first N columns; XLA compile options)
+# only the block table's first N columns, or "fused": the default backend on weights with q/k/v
+# and gate/up fused (jaxinfer/model/fused_projections.py); XLA compile options)
 VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "base": (None, {}),
     "pdl": (None, {"xla_gpu_enable_pdl": True}),
@@ -62,6 +64,7 @@ VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "nopdl": (None, {"xla_gpu_enable_pdl": False}),
     "splits8": (dict(num_splits=8), {}),
     "dus": ("dus", {}),
+    "fused": ("fused", {}),
     "narrow48": ("narrow48", {}),
     "tps128": (dict(tokens_per_step=128), {}),
 }
@@ -72,7 +75,8 @@ TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
 def backend_for(kernel_config: dict | str | None, default: AttentionBackend) -> AttentionBackend:
     if kernel_config is None:
         return default
-    if isinstance(kernel_config, str) and kernel_config.startswith("narrow"):
+    if kernel_config == "fused" or (isinstance(kernel_config, str)
+                                    and kernel_config.startswith("narrow")):
         return default
     if kernel_config == "dus":
         return dataclasses.replace(default, name=default.name + "+dus", write_kv=write_kv_dus)
@@ -219,6 +223,8 @@ def main() -> None:
             t0 = time.perf_counter()
             backend = (default if args.tiny and kernel_config != "dus"
                        else backend_for(kernel_config, default))
+            if kernel_config == "fused":
+                state = (fuse_projections(params), *state[1:])
             width = (int(kernel_config[6:]) if isinstance(kernel_config, str)
                      and kernel_config.startswith("narrow") else None)
             exe = make_step(cfg, backend, width).lower(*state).compile(compiler_options=options or None)
@@ -243,11 +249,13 @@ def main() -> None:
                 entry["trace"] = summarize_steps(events, 5, top=12)
                 if i == 0:
                     entry["one_layer"] = one_layer(events, len(events) // 5)
+            state = (params, *state[1:])
             metrics[name] = entry
             rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),
                          entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
             print(name, entry, flush=True)
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            state = (params, *state[1:])
             metrics[f"{name}_error"] = repr(e)[:400]
             print(name, "error", repr(e)[:400], flush=True)
         save()

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
+from jaxinfer.model.fused_projections import project
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.core.kv_cache.device_cache import KVCache
 from jaxinfer.parallel.experts import expert_dispatch
@@ -66,9 +67,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         d = cfg.head_dim
         dense = linear(cfg, self.dtype)
-        q = dense(cfg.num_heads * d, use_bias=cfg.qkv_bias, name="q_proj")(x)
-        k = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="k_proj")(x)
-        v = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="v_proj")(x)
+        q, k, v = project(self, functools.partial(dense, use_bias=cfg.qkv_bias), x,
+                          (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
+                           ("v_proj", cfg.num_kv_heads * d)), "qkv_proj")
         q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
         k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
         v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
@@ -89,7 +90,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up may be stored fused (fused_projections)."""
     cfg: ModelConfig
     dtype: jnp.dtype
 
@@ -97,7 +98,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         dense = functools.partial(linear(self.cfg, self.dtype), use_bias=self.cfg.mlp_bias)
         f = self.cfg.intermediate_size
-        h = nn.silu(dense(f, name="gate_proj")(x)) * dense(f, name="up_proj")(x)
+        gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj")
+        h = nn.silu(gate) * up
         return dense(self.cfg.hidden_size, name="down_proj")(h)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.weight_update import place_like
+from jaxinfer.model.fused_projections import fuse_projections, is_fused
 
 
 class TrainingLoopMixin:
@@ -30,6 +31,8 @@ class TrainingLoopMixin:
     def _place_params(self, params):
         """`params` laid out like the running weights (same sharding and dtype per leaf): the one
         place that decides where new weights live."""
+        if is_fused(self.runner.params):
+            params = fuse_projections(params)
         return place_like(params, self.runner.params)
 
     def sleep(self) -> list[RequestOutput]:

@@ -9,13 +9,13 @@ each timed on the device and traced per kernel, all against the same weights and
 The step is what the engine runs per decode token at batch 1 (`forward` at one token of one
 sequence, `--ctx` tokens of context, a block table `--max-blocks` wide as the engine passes it for
 `--max-model-len 2048`), without the host: the next step's token is this step's argmax, on the
-device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only dispatches). Per
-variant, a trace of 5 steps (tools/trace_engine_step.summarize_steps): busy time, kernels per step,
-the top kernels; for the first variant also one layer's kernels in launch order (duration, gap
-before) and the optimized HLO (`--hlo-out`, gzipped). Variants (`VARIANTS`): a name, a
-`MosaicDecodeConfig` for the decode kernel and XLA compile options (`Compiled` per variant, so
+device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only dispatches). For
+the first `--traced` variants a trace of 5 steps (tools/trace_engine_step.summarize_steps): busy
+time, kernels per step, the top kernels; for the first variant also one layer's kernels in launch
+order (duration, gap before) and the optimized HLO (`--hlo-out`, gzipped). Variants (`VARIANTS`):
+a name, what it changes in the step, and XLA compile options (given to `compile` per variant, so
 one process compares them). The deadline skips what would not finish; results are saved after
-every variant.
+every variant. `--engine`: then the engine itself at batch 1 (`engine_bs1`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "fused": ("fused", {}),
     "narrow48": ("narrow48", {}),
     "tps128": (dict(tokens_per_step=128), {}),
+    "stages2": (dict(stages=2), {}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--deadline-s", type=float, default=55.0)
     ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
+    ap.add_argument("--traced", type=int, default=3, help="trace the first N variants")
     ap.add_argument("--engine", action="store_true",
                     help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
     ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
@@ -240,7 +242,8 @@ def main() -> None:
                 Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
                 with gzip.open(args.hlo_out, "wt") as f:
                     f.write(exe.as_text())
-            if not args.tiny and time.perf_counter() - start < args.deadline_s - 6:
+            if (not args.tiny and i < args.traced
+                    and time.perf_counter() - start < args.deadline_s - 6):
                 with tempfile.TemporaryDirectory() as d:
                     jax.profiler.start_trace(d)
                     state = run_steps(exe, state, 5)

@@ -134,7 +134,7 @@ def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
 
 def engine_bs1(tiny: bool, out_len: int, save) -> dict:
     """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
-    greedy tokens, best of 2 runs after every bucket compiled), its decode step traced
+    greedy tokens, best of 2 runs after a first request compiled its steps), its decode step traced
     (tools/trace_engine_step), and the HBM roofline measured here."""
     import json
     from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
@@ -154,15 +154,16 @@ def engine_bs1(tiny: bool, out_len: int, save) -> dict:
                         max_num_batched_tokens=512)
             prompt_len = 512
         t0 = time.perf_counter()
+        # No warm-up: the first call compiles the two step shapes batch 1 uses, and no background
+        # compile shares the host with the timed runs.
         engine = LLMEngine.from_engine_args(EngineArgs(
-            **opts, max_num_seqs=4, num_blocks=2048, compilation_cache_dir=""))
-        engine.runner.compiler.wait()
-        metrics["engine_ready_s"] = round(time.perf_counter() - t0, 1)
+            **opts, max_num_seqs=4, num_blocks=2048, compilation_cache_dir="", warmup=False))
         rng = np.random.default_rng(0)
 
         def prompt():
             return rng.integers(3, engine.cfg.vocab_size, prompt_len).tolist()
         bs1(engine, prompt(), 8)
+        metrics["engine_ready_s"] = round(time.perf_counter() - t0, 1)
         runs = [bs1(engine, prompt(), out_len) for _ in range(2)]
         best = min(runs, key=lambda r: r["tpot_ms"])
         metrics.update(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
@@ -178,23 +179,9 @@ def engine_bs1(tiny: bool, out_len: int, save) -> dict:
     return metrics
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model, reference attention")
-    ap.add_argument("--ctx", type=int, default=768)
-    ap.add_argument("--max-blocks", type=int, default=128)
-    ap.add_argument("--num-blocks", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--deadline-s", type=float, default=55.0)
-    ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
-    ap.add_argument("--traced", type=int, default=3, help="trace the first N variants")
-    ap.add_argument("--engine", action="store_true",
-                    help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
-    ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
-    results_io.add_save_arg(ap, "bs1_step_<gpu>")
-    args = ap.parse_args()
-    start = time.perf_counter()
+def run_variants(args, names: list[str], start: float, save) -> None:
+    """Every variant in `names` against one set of weights and one cache; `save(metrics)` after
+    each; a table last."""
     cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
     if args.tiny:
         default = REFERENCE
@@ -204,19 +191,11 @@ def main() -> None:
     params = init_params(cfg, jax.random.key(0))
     kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
     state = (params, kv, *decode_inputs(args.ctx, args.max_blocks, args.num_blocks))
+    del kv
     metrics: dict = {"setup_s": round(time.perf_counter() - start, 1)}
     print(metrics, flush=True)
-    config = dict(model="tiny" if args.tiny else "Llama-3-8B shape, random bf16", ctx=args.ctx,
-                  max_blocks=args.max_blocks, steps=args.steps,
-                  variants={n: VARIANTS[n] for n in args.variants.split(",")})
-
-    def save():
-        if args.save:
-            results_io.save(args.save, args.name or f"bs1_step_{results_io.device_slug()}",
-                            config=config, metrics=metrics)
-
     rows = []
-    for i, name in enumerate(filter(None, args.variants.split(","))):
+    for i, name in enumerate(names):
         kernel_config, options = VARIANTS[name]
         if time.perf_counter() - start > args.deadline_s - 8:
             metrics[f"{name}_skipped"] = "deadline"
@@ -229,7 +208,8 @@ def main() -> None:
                 state = (fuse_projections(params), *state[1:])
             width = (int(kernel_config[6:]) if isinstance(kernel_config, str)
                      and kernel_config.startswith("narrow") else None)
-            exe = make_step(cfg, backend, width).lower(*state).compile(compiler_options=options or None)
+            exe = make_step(cfg, backend, width).lower(*state).compile(
+                compiler_options=options or None)
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)
             times = []
@@ -252,26 +232,51 @@ def main() -> None:
                 entry["trace"] = summarize_steps(events, 5, top=12)
                 if i == 0:
                     entry["one_layer"] = one_layer(events, len(events) // 5)
-            state = (params, *state[1:])
             metrics[name] = entry
             rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),
                          entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
             print(name, entry, flush=True)
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-            state = (params, *state[1:])
             metrics[f"{name}_error"] = repr(e)[:400]
             print(name, "error", repr(e)[:400], flush=True)
-        save()
+        state = (params, *state[1:])
+        save(metrics)
     print(f"{'variant':10} {'step_ms':>8} {'busy_us':>8} {'kernels':>8} {'compile_s':>9}")
     for r in rows:
         print(f"{r[0]:10} {r[1]:8.3f} {str(r[2]):>8} {str(r[3]):>8} {r[4]:9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model, reference attention")
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--max-blocks", type=int, default=128)
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="'' for none")
+    ap.add_argument("--deadline-s", type=float, default=55.0, help="for the variants")
+    ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
+    ap.add_argument("--traced", type=int, default=3, help="trace the first N variants")
+    ap.add_argument("--engine", action="store_true",
+                    help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
+    ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
+    results_io.add_save_arg(ap, "bs1_step_<gpu>")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    model = "tiny" if args.tiny else "Llama-3-8B shape, random bf16"
+    names = [n for n in args.variants.split(",") if n]
+    if names:
+        config = dict(model=model, ctx=args.ctx, max_blocks=args.max_blocks, steps=args.steps,
+                      variants={n: VARIANTS[n] for n in names})
+        run_variants(args, names, start, lambda m: args.save and results_io.save(
+            args.save, args.name or f"bs1_step_{results_io.device_slug()}", config=config,
+            metrics=m))
     if args.engine:
-        del state, params, kv
-        name = f"engine_llama8b_bs1_{results_io.device_slug()}"
-        econfig = dict(model=config["model"], engine="max_num_seqs 4, max_num_batched_tokens "
-                       "512, max_model_len 2048, num_blocks 2048, mosaic", out_len=args.out_len)
+        econfig = dict(model=model, engine="max_num_seqs 4, max_num_batched_tokens 512, "
+                       "max_model_len 2048, num_blocks 2048, mosaic", out_len=args.out_len)
         out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
-            args.save, name, config=econfig, metrics=m))
+            args.save, f"engine_llama8b_bs1_{results_io.device_slug()}", config=econfig,
+            metrics=m))
         print({k: v for k, v in out.items() if k != "bs1_profile"}, flush=True)
 
 

@@ -44,13 +44,13 @@ from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params  # noqa: E402
 from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
-from pallas_kernels.reference import write_kv_dus  # noqa: E402
+from pallas_kernels.reference import scatter_kv  # noqa: E402
 from tools.trace_decode import device_events  # noqa: E402
 from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
-# name -> (MosaicDecodeConfig keyword arguments, or None: the default kernel, or "dus": the default
-# backend writing the new token's K/V with `write_kv_dus`, or "narrowN": the default backend given
+# name -> (MosaicDecodeConfig keyword arguments, or None: the default kernel, or "scatter": the
+# default backend writing the new token's K/V with `scatter_kv`, or "narrowN": the default backend given
 # only the block table's first N columns, or "fused": the default backend on weights with q/k/v
 # and gate/up fused (jaxinfer/model/fused_projections.py); XLA compile options)
 VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
@@ -63,7 +63,7 @@ VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
     "cmdbuf": (None, {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
     "nopdl": (None, {"xla_gpu_enable_pdl": False}),
     "splits8": (dict(num_splits=8), {}),
-    "dus": ("dus", {}),
+    "scatter": ("scatter", {}),
     "fused": ("fused", {}),
     "narrow48": ("narrow48", {}),
     "tps128": (dict(tokens_per_step=128), {}),
@@ -79,8 +79,8 @@ def backend_for(kernel_config: dict | str | None, default: AttentionBackend) -> 
     if kernel_config == "fused" or (isinstance(kernel_config, str)
                                     and kernel_config.startswith("narrow")):
         return default
-    if kernel_config == "dus":
-        return dataclasses.replace(default, name=default.name + "+dus", write_kv=write_kv_dus)
+    if kernel_config == "scatter":
+        return dataclasses.replace(default, name=default.name + "+scatter", write_kv=scatter_kv)
     from pallas_kernels.flash_prefill import flash_prefill_mosaic
     from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     decode = functools.partial(paged_decode_mosaic, config=MosaicDecodeConfig(**kernel_config))
@@ -202,7 +202,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             continue
         try:
             t0 = time.perf_counter()
-            backend = (default if args.tiny and kernel_config != "dus"
+            backend = (default if args.tiny and kernel_config != "scatter"
                        else backend_for(kernel_config, default))
             if kernel_config == "fused":
                 state = (fuse_projections(params), *state[1:])

@@ -21,9 +21,19 @@ NEG_INF = -1e30  # finite, so fully masked rows give 0 instead of NaN
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V [T, Hkv, D] into their slots; slots < 0 are dropped (padding tokens).
+    """Put new K/V [T, Hkv, D] into their slots; slots < 0 are dropped (padding tokens).
 
-    With the caches donated to the enclosing jit, XLA performs the scatter in place."""
+    One token (a batch-1 decode step) is a dynamic-update-slice per cache, which XLA emits as a
+    small in-place kernel (and on the CPU without the scatter's cost); more are `scatter_kv`. With
+    the caches donated to the enclosing jit, XLA writes in place either way."""
+    if k.shape[0] == 1:
+        return _write_one(k_cache, k, slot_mapping[0]), _write_one(v_cache, v, slot_mapping[0])
+    return scatter_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def scatter_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+               slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`write_kv` for any T: one XLA scatter per cache."""
     hkv, nb, bs, d = k_cache.shape
     num_slots = nb * bs
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
@@ -36,22 +46,15 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return put(k_cache, k), put(v_cache, v)
 
 
-def write_kv_dus(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-                 slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`write_kv` for one token (T == 1) as dynamic-update-slices instead of scatters; a negative
-    slot writes the row's old content back. Other T: `write_kv`."""
-    if k.shape[0] != 1:
-        return write_kv(k_cache, v_cache, k, v, slot_mapping)
-    hkv, _, bs, d = k_cache.shape
-    slot = slot_mapping[0]
-    start = (0, jnp.maximum(slot, 0) // bs, jnp.maximum(slot, 0) % bs, 0)
-
-    def put(cache, new):
-        row = new.astype(cache.dtype).reshape(hkv, 1, 1, d)
-        old = jax.lax.dynamic_slice(cache, start, row.shape)
-        return jax.lax.dynamic_update_slice(cache, jnp.where(slot >= 0, row, old), start)
-
-    return put(k_cache, k), put(v_cache, v)
+def _write_one(cache: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
+    """new [1, Hkv, D] into `slot` of cache [Hkv, NB, B, D]; a negative slot rewrites the row
+    at slot 0 with its own content (a no-op write keeps the update static)."""
+    hkv, _, bs, d = cache.shape
+    at = jnp.maximum(slot, 0)
+    start = (0, at // bs, at % bs, 0)
+    row = new.astype(cache.dtype).reshape(hkv, 1, 1, d)
+    old = jax.lax.dynamic_slice(cache, start, row.shape)
+    return jax.lax.dynamic_update_slice(cache, jnp.where(slot >= 0, row, old), start)
 
 
 def gather_context(cache: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -49,58 +49,71 @@ from tools.trace_decode import device_events  # noqa: E402
 from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
-# name -> (MosaicDecodeConfig keyword arguments, or None: the default kernel, or "scatter": the
-# default backend writing the new token's K/V with `scatter_kv`, or "narrowN": the default backend given
-# only the block table's first N columns, or "fused": the default backend on weights with q/k/v
-# and gate/up fused (jaxinfer/model/fused_projections.py); XLA compile options)
-VARIANTS: dict[str, tuple[dict | str | None, dict]] = {
-    "base": (None, {}),
-    "pdl": (None, {"xla_gpu_enable_pdl": True}),
-    "splits4": (dict(num_splits=4), {}),
-    "heroless": (None, {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
-    "splits1": (dict(num_splits=1), {}),
-    "cublas": (None, {"xla_gpu_enable_triton_gemm": False}),
-    "cmdbuf": (None, {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
-    "nopdl": (None, {"xla_gpu_enable_pdl": False}),
-    "splits8": (dict(num_splits=8), {}),
-    "scatter": ("scatter", {}),
-    "fused": ("fused", {}),
-    "narrow48": ("narrow48", {}),
-    "tps128": (dict(tokens_per_step=128), {}),
-    "stages2": (dict(stages=2), {}),
+# name -> what the variant changes in the step (every key optional):
+#   seqs     decode rows (default 1): one real sequence and seqs - 1 padding rows, as an engine
+#            whose smallest decode bucket is seqs runs batch 1;
+#   fused    the weights with q/k/v and gate/up fused (jaxinfer/model/fused_projections.py);
+#   write    "scatter": the new token's K/V written with `scatter_kv` (else `write_kv`);
+#   kernel   MosaicDecodeConfig keyword arguments for the decode kernel;
+#   width    the block table's first `width` columns only;
+#   options  XLA compile options.
+VARIANTS: dict[str, dict] = {
+    "base": {},
+    "fused": dict(fused=True),
+    "scatter": dict(write="scatter"),
+    "old_s8": dict(seqs=8, write="scatter"),
+    "fused_s8": dict(seqs=8, fused=True),
+    "base_s8": dict(seqs=8),
+    "heroless": dict(options={"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
+    "fused_heroless": dict(fused=True, options={
+        "xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
+    "splits1": dict(kernel=dict(num_splits=1)),
+    "splits4": dict(kernel=dict(num_splits=4)),
+    "splits8": dict(kernel=dict(num_splits=8)),
+    "tps128": dict(kernel=dict(tokens_per_step=128)),
+    "stages2": dict(kernel=dict(stages=2)),
+    "narrow48": dict(width=48),
+    "pdl": dict(options={"xla_gpu_enable_pdl": True}),
+    "nopdl": dict(options={"xla_gpu_enable_pdl": False}),
+    "cublas": dict(options={"xla_gpu_enable_triton_gemm": False}),
+    "cmdbuf": dict(options={"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
 
 
-def backend_for(kernel_config: dict | str | None, default: AttentionBackend) -> AttentionBackend:
-    if kernel_config is None:
-        return default
-    if kernel_config == "fused" or (isinstance(kernel_config, str)
-                                    and kernel_config.startswith("narrow")):
-        return default
-    if kernel_config == "scatter":
-        return dataclasses.replace(default, name=default.name + "+scatter", write_kv=scatter_kv)
-    from pallas_kernels.flash_prefill import flash_prefill_mosaic
-    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
-    decode = functools.partial(paged_decode_mosaic, config=MosaicDecodeConfig(**kernel_config))
-    return AttentionBackend(f"mosaic{sorted(kernel_config.items())}", decode=decode,
-                            prefill=flash_prefill_mosaic, split_mixed_steps=True)
+def backend_for(variant: dict, default: AttentionBackend) -> AttentionBackend:
+    backend = default
+    if "kernel" in variant:
+        from pallas_kernels.flash_prefill import flash_prefill_mosaic
+        from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+        config = MosaicDecodeConfig(**variant["kernel"])
+        backend = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
+                                   decode=functools.partial(paged_decode_mosaic, config=config),
+                                   prefill=flash_prefill_mosaic)
+    if variant.get("write") == "scatter":
+        backend = dataclasses.replace(backend, name=backend.name + "+scatter", write_kv=scatter_kv)
+    return backend
 
 
-def decode_inputs(ctx: int, max_blocks: int, num_blocks: int):
+def decode_inputs(ctx: int, max_blocks: int, num_blocks: int, seqs: int = 1):
     """(token ids, positions, metadata) of one decode token at position ctx - 1 of one sequence
-    whose pages are distinct random blocks."""
+    whose pages are distinct random blocks, and seqs - 1 padding rows (length 0, slot -1)."""
     pages = -(-ctx // BLOCK)
     blocks = np.random.default_rng(0).permutation(num_blocks)[:pages]
-    table = np.zeros((1, max_blocks), np.int32)
+    table = np.zeros((seqs, max_blocks), np.int32)
     table[0, :pages] = blocks
     pos = ctx - 1
+    slots = np.full(seqs, -1, np.int32)
+    slots[0] = blocks[pos // BLOCK] * BLOCK + pos % BLOCK
+    lens = np.zeros(seqs, np.int32)
+    lens[0] = ctx
     md = AttentionMetadata(
-        slot_mapping=jnp.asarray([blocks[pos // BLOCK] * BLOCK + pos % BLOCK], jnp.int32),
-        query_start_loc=jnp.asarray([0, 1], jnp.int32), seq_lens=jnp.asarray([ctx], jnp.int32),
-        block_tables=jnp.asarray(table), num_decodes=1)
-    return jnp.asarray([7], jnp.int32), jnp.asarray([pos], jnp.int32), md
+        slot_mapping=jnp.asarray(slots), query_start_loc=jnp.asarray(
+            np.minimum(np.arange(seqs + 1), 1), jnp.int32), seq_lens=jnp.asarray(lens),
+        block_tables=jnp.asarray(table), num_decodes=seqs)
+    return (jnp.full((seqs,), 7, jnp.int32), jnp.asarray(np.where(lens > 0, pos, 0), jnp.int32),
+            md)
 
 
 def make_step(cfg, backend, table_width: int | None = None):
@@ -190,26 +203,24 @@ def run_variants(args, names: list[str], start: float, save) -> None:
         default = get_backend("mosaic")
     params = init_params(cfg, jax.random.key(0))
     kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
-    state = (params, kv, *decode_inputs(args.ctx, args.max_blocks, args.num_blocks))
-    del kv
+    fused = None
     metrics: dict = {"setup_s": round(time.perf_counter() - start, 1)}
     print(metrics, flush=True)
     rows = []
     for i, name in enumerate(names):
-        kernel_config, options = VARIANTS[name]
+        variant = VARIANTS[name]
         if time.perf_counter() - start > args.deadline_s - 8:
             metrics[f"{name}_skipped"] = "deadline"
             continue
         try:
             t0 = time.perf_counter()
-            backend = (default if args.tiny and kernel_config != "scatter"
-                       else backend_for(kernel_config, default))
-            if kernel_config == "fused":
-                state = (fuse_projections(params), *state[1:])
-            width = (int(kernel_config[6:]) if isinstance(kernel_config, str)
-                     and kernel_config.startswith("narrow") else None)
-            exe = make_step(cfg, backend, width).lower(*state).compile(
-                compiler_options=options or None)
+            inputs = decode_inputs(args.ctx, args.max_blocks, args.num_blocks,
+                                   variant.get("seqs", 1))
+            if variant.get("fused") and fused is None:
+                fused = fuse_projections(params)
+            state = (fused if variant.get("fused") else params, kv, *inputs)
+            exe = make_step(cfg, backend_for(variant, default), variant.get("width")).lower(
+                *state).compile(compiler_options=variant.get("options"))
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)
             times = []
@@ -236,10 +247,13 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),
                          entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
             print(name, entry, flush=True)
+            kv = state[1]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             metrics[f"{name}_error"] = repr(e)[:400]
             print(name, "error", repr(e)[:400], flush=True)
-        state = (params, *state[1:])
+            if kv[0][0].is_deleted():  # donated to a step that failed
+                kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
+        state = None
         save(metrics)
     print(f"{'variant':10} {'step_ms':>8} {'busy_us':>8} {'kernels':>8} {'compile_s':>9}")
     for r in rows:

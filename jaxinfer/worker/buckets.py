@@ -1,7 +1,9 @@
 """Compile buckets: the few padded shapes every step is rounded up to, so the number of compilations
 is fixed at start-up (and tested) instead of growing with the workload.
 
-- pure-decode steps: S sequences of one token, S in `decode_buckets` (T == S, all decode attention);
+- pure-decode steps: S sequences of one token, S in `decode_buckets` (T == S, all decode attention):
+  1 (a lone sequence, batch-1 latency: padding rows would cost it the one-sequence split plan of the
+  decode kernel and a scatter for its cache write), then powers of two from `min_seqs`;
 - mixed steps (any prefill chunk): T tokens in `token_buckets`, with S = min(T, max_num_seqs)
   sequence rows (a step never has more sequences than tokens). The decode count is a static part of
   the attention metadata, so backends that split a mixed step (the GPU kernels: decodes to the
@@ -39,7 +41,7 @@ class Buckets:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be >= "
                              f"--max-num-seqs ({max_num_seqs})")
         tokens = _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
-        seqs = _powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs)
+        seqs = sorted({1, *_powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs)})
         copies = _powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs, factor=4)
         return cls(tuple(tokens), tuple(seqs), tuple(copies), max_num_seqs)
 

@@ -158,19 +158,19 @@ def engine_bs1(tiny: bool, out_len: int, save) -> dict:
     with tempfile.TemporaryDirectory() as work:
         if tiny:
             opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
-                        max_model_len=256, max_num_batched_tokens=256)
+                        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4)
             prompt_len = 32
         else:
             (Path(work) / "config.json").write_text(json.dumps(LLAMA3_8B))
             opts = dict(model=work, load_format="dummy", dtype="bfloat16",
                         attention_backend="mosaic", max_model_len=2048,
-                        max_num_batched_tokens=512)
+                        max_num_batched_tokens=2048, max_num_seqs=256)
             prompt_len = 512
         t0 = time.perf_counter()
         # No warm-up: the first call compiles the two step shapes batch 1 uses, and no background
         # compile shares the host with the timed runs.
         engine = LLMEngine.from_engine_args(EngineArgs(
-            **opts, max_num_seqs=4, num_blocks=2048, compilation_cache_dir="", warmup=False))
+            **opts, num_blocks=2048, compilation_cache_dir="", warmup=False))
         rng = np.random.default_rng(0)
 
         def prompt():
@@ -286,8 +286,9 @@ def main() -> None:
             args.save, args.name or f"bs1_step_{results_io.device_slug()}", config=config,
             metrics=m))
     if args.engine:
-        econfig = dict(model=model, engine="max_num_seqs 4, max_num_batched_tokens 512, "
-                       "max_model_len 2048, num_blocks 2048, mosaic", out_len=args.out_len)
+        econfig = dict(model=model, engine="max_num_seqs 256, max_num_batched_tokens 2048, "
+                       "max_model_len 2048, num_blocks 2048, mosaic, no warm-up",
+                       out_len=args.out_len)
         out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
             args.save, f"engine_llama8b_bs1_{results_io.device_slug()}", config=econfig,
             metrics=m))

@@ -17,8 +17,8 @@ from test_engine_features import counting_compilations
 from test_engine_support import make_engine, prompt_ids, run_all
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-# 16 sequences, 64-token steps: token buckets 16/32/64, decode buckets 1/8/16. The first set is
-# mixed 64 + decode 8; decode 1, decode 16, mixed 16 and mixed 32 come later.
+# 16 sequences, 64-token steps: token buckets 16/32/64, decode buckets 8/16. The first set is
+# mixed 64 + decode 8; decode 16, mixed 16 and mixed 32 come later.
 SHAPE = dict(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_chunk=24)
 # 12 requests side by side: prefill chunks of every size, then pure decodes of 12 rows (decode 16).
 WORKLOAD = [(prompt_ids(500 + i, 3 + 4 * i), 5 + i % 4) for i in range(12)]
@@ -65,7 +65,7 @@ def test_unready_buckets_are_served_by_larger_ones_with_the_same_tokens(monkeypa
     engine = make_engine(warmup=True, background_compile=True, **SHAPE)
     compiler = engine.runner.compiler
     assert compiler.ready_forwards == {(64, 16, 0), (8, 8, 8)}
-    assert compiler.num_ready == 2 and compiler.num_units == 6
+    assert compiler.num_ready == 2 and compiler.num_units == 5
     shapes = record_shapes(engine)
     with counting_compilations() as compilations:
         assert greedy_tokens(engine) == expected
@@ -78,11 +78,11 @@ def test_the_background_compile_finishes_and_its_buckets_are_then_used():
     engine = make_engine(warmup=True, background_compile=True, decode_steps_per_call=3, **SHAPE)
     compiler = engine.runner.compiler
     assert compiler.wait(timeout=300)
-    assert compiler.num_ready == compiler.num_units == 9  # 3 mixed, 3 decode, 3 loops
-    assert compiler.ready_loops == {1, 8, 16}
+    assert compiler.num_ready == compiler.num_units == 7  # 3 mixed, 2 decode, 2 loops
+    assert compiler.ready_loops == {8, 16}
     label = {"model_name": engine.model_name}
     scrape = engine.metrics.registry.get_sample_value
-    assert scrape("jaxinfer:compiled_buckets", label) == scrape("jaxinfer:total_buckets", label) == 9
+    assert scrape("jaxinfer:compiled_buckets", label) == scrape("jaxinfer:total_buckets", label) == 7
     shapes = record_shapes(engine)
     with counting_compilations() as compilations:
         tokens = greedy_tokens(engine)
@@ -125,5 +125,5 @@ def test_the_process_exits_cleanly_while_buckets_compile(tmp_path):
                                             "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ready, units = map(int, proc.stdout.split()[1:3])
-    assert ready < units == 16  # 6 mixed, 5 decode, 5 loops: it exited part-way through
+    assert ready < units == 14  # 6 mixed, 4 decode, 4 loops: it exited part-way through
     assert "Traceback" not in proc.stderr and "Fatal" not in proc.stderr, proc.stderr[-3000:]

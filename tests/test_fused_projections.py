@@ -1,6 +1,7 @@
 """Fused q/k/v and gate/up projections (jaxinfer/model/fused_projections.py): the same model as the
 separate ones, for every family's layout (biases, q/k norm, MoE layers, quantized linears), and an
-engine on fused weights takes separate ones in `update_weights`."""
+engine on fused weights decodes alike (a lone sequence in its own bucket) and takes separate ones
+in `update_weights`."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_an_engine_on_fused_weights_decodes_alike_and_takes_separate_updates():
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [prompt_ids(60 + i, 9) for i in range(3)]
 
-    def tokens(engine):
+    def tokens(engine, prompts=prompts):
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, greedy)
         return {rid: out[0][0] for rid, out in run_all(engine).items()}
@@ -61,7 +62,11 @@ def test_an_engine_on_fused_weights_decodes_alike_and_takes_separate_updates():
     separate = LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=NUM_BLOCKS)
     fused = LLMEngine(cfg, fuse_projections(params), tiny_tokenizer(), args,
                       num_blocks=NUM_BLOCKS)
+    # The fused engine decodes a lone sequence in its own bucket (Buckets.lone_sequence).
+    assert fused.runner.buckets.decode_buckets[:2] == (1, 8)
+    assert separate.runner.buckets.decode_buckets[0] == 8
     assert tokens(fused) == tokens(separate)
+    assert tokens(fused, prompts[:1]) == tokens(separate, prompts[:1])
     update = jax.tree.map(lambda a: np.asarray(a) * 0.5, params)  # separate, on the host
     fused.update_weights(update)
     separate.update_weights(update)

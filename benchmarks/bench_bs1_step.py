@@ -44,7 +44,7 @@ from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params  # noqa: E402
 from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
-from pallas_kernels.reference import scatter_kv  # noqa: E402
+from pallas_kernels.reference import add_rms_norm_reference, scatter_kv  # noqa: E402
 from tools.trace_decode import device_events  # noqa: E402
 from tools.trace_engine_step import summarize_steps  # noqa: E402
 
@@ -55,13 +55,15 @@ BLOCK = 16
 #   fused    the weights with q/k/v and gate/up fused (jaxinfer/model/fused_projections.py);
 #   write    "scatter": the new token's K/V written with `scatter_kv` (else `write_kv`);
 #   kernel   MosaicDecodeConfig keyword arguments for the decode kernel;
+#   norm     "xla": the residual add + RMSNorm as XLA emits it (else the backend's kernel);
 #   width    the block table's first `width` columns only;
 #   options  XLA compile options.
 VARIANTS: dict[str, dict] = {
     "base": {},
     "fused": dict(fused=True),
+    "fused_xlanorm": dict(fused=True, norm="xla"),
     "scatter": dict(write="scatter"),
-    "old_s8": dict(seqs=8, write="scatter"),
+    "old_s8": dict(seqs=8, write="scatter", norm="xla"),
     "fused_s8": dict(seqs=8, fused=True),
     "base_s8": dict(seqs=8),
     "heroless": dict(options={"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
@@ -91,6 +93,9 @@ def backend_for(variant: dict, default: AttentionBackend) -> AttentionBackend:
         backend = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
                                    decode=functools.partial(paged_decode_mosaic, config=config),
                                    prefill=flash_prefill_mosaic)
+    if variant.get("norm") == "xla":
+        backend = dataclasses.replace(backend, name=backend.name + "+xlanorm",
+                                      add_rms_norm=add_rms_norm_reference)
     if variant.get("write") == "scatter":
         backend = dataclasses.replace(backend, name=backend.name + "+scatter", write_kv=scatter_kv)
     return backend
@@ -204,7 +209,16 @@ def run_variants(args, names: list[str], start: float, save) -> None:
     params = init_params(cfg, jax.random.key(0))
     kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
     fused = None
-    metrics: dict = {"setup_s": round(time.perf_counter() - start, 1)}
+    norm_check = {}
+    for rows in (1, 8):  # the norm kernel on this device against its reference
+        x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size), jnp.bfloat16)
+        w = params["final_norm"]["weight"]
+        pairs = zip(default.add_rms_norm(x, x * 0.5, w, eps=cfg.rms_norm_eps),
+                    add_rms_norm_reference(x, x * 0.5, w, eps=cfg.rms_norm_eps))
+        norm_check[f"rows{rows}"] = [float(jnp.abs(a.astype(jnp.float32) - b).max())
+                                     for a, b in pairs]
+    metrics: dict = {"setup_s": round(time.perf_counter() - start, 1),
+                     "norm_kernel_max_abs_diff": norm_check}
     print(metrics, flush=True)
     rows = []
     for i, name in enumerate(names):

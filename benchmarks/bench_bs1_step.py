@@ -11,7 +11,7 @@ sequence, `--ctx` tokens of context, a block table `--max-blocks` wide as the en
 `--max-model-len 2048`), without the host: the next step's token is this step's argmax, on the
 device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only dispatches). For
 the first `--traced` variants a trace of 5 steps (tools/trace_engine_step.summarize_steps): busy
-time, kernels per step, the top kernels; for the first variant also one layer's kernels in launch
+time, kernels per step, the top kernels; for the first two also one layer's kernels in launch
 order (duration, gap before) and the optimized HLO (`--hlo-out`, gzipped). Variants (`VARIANTS`):
 a name, what it changes in the step, and XLA compile options (given to `compile` per variant, so
 one process compares them). The deadline skips what would not finish; results are saved after
@@ -255,7 +255,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                     jax.profiler.stop_trace()
                     events = device_events(d)
                 entry["trace"] = summarize_steps(events, 5, top=12)
-                if i == 0:
+                if i < 2:
                     entry["one_layer"] = one_layer(events, len(events) // 5)
             metrics[name] = entry
             rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),

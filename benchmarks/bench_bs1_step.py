@@ -150,16 +150,21 @@ def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
              round((step[i][1] - step[i - 1][2]) / 1e3, 2)] for i in range(max(lo, 1), hi)]
 
 
-def engine_bs1(tiny: bool, out_len: int, save) -> dict:
+def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel") -> dict:
     """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
     greedy tokens, best of 2 runs after a first request compiled its steps), its decode step traced
-    (tools/trace_engine_step), and the HBM roofline measured here."""
+    (tools/trace_engine_step), and the HBM roofline measured here. `norm` "xla": the GPU backends'
+    residual add + RMSNorm as XLA emits it instead of their kernel (for attribution)."""
     import json
     from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from tools.trace_engine_step import profile_decode_steps
-    metrics: dict = {}
+    metrics: dict = {"norm": norm}
+    if norm == "xla":
+        from pallas_kernels import gpu_backends
+        gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
+                                                  add_rms_norm=add_rms_norm_reference)
     with tempfile.TemporaryDirectory() as work:
         if tiny:
             opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
@@ -288,6 +293,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true",
                     help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
     ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
+    ap.add_argument("--engine-norm", choices=("kernel", "xla"), default="kernel",
+                    help="the engine's residual add + RMSNorm: the backend's kernel, or XLA's")
     results_io.add_save_arg(ap, "bs1_step_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -305,7 +312,7 @@ def main() -> None:
                        out_len=args.out_len)
         out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
             args.save, f"engine_llama8b_bs1_{results_io.device_slug()}", config=econfig,
-            metrics=m))
+            metrics=m), args.engine_norm)
         print({k: v for k, v in out.items() if k != "bs1_profile"}, flush=True)
 
 

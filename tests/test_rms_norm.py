@@ -15,10 +15,10 @@ import pytest
 from jaxinfer.model.transformer import Transformer, train_forward
 from pallas_kernels.backend import REFERENCE
 from pallas_kernels.reference import add_rms_norm_reference
-from pallas_kernels.rms_norm import MAX_ROWS, add_rms_norm_triton
+from pallas_kernels.rms_norm import add_rms_norm_triton
 from test_engine_support import tiny_model
 
-KERNEL = functools.partial(add_rms_norm_triton, interpret=True)
+KERNEL = functools.partial(add_rms_norm_triton, interpret=True, max_rows=8)
 
 
 def inputs(seed, shape, dtype):
@@ -41,7 +41,7 @@ def test_kernel_matches_the_reference(shape, dtype):
                                rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("shape", [(MAX_ROWS + 1, 64), (2, 96)])
+@pytest.mark.parametrize("shape", [(9, 64), (2, 96)])
 def test_other_shapes_run_the_reference(shape):
     x, r, w = inputs(1, shape, jnp.float32)
     for got, want in zip(KERNEL(x, r, w, eps=1e-6), add_rms_norm_reference(x, r, w, eps=1e-6)):

@@ -1,21 +1,23 @@
 """One batch-1 decode step of the Llama-3-8B shape (forward + greedy argmax, KV cache donated), in
-several variants inside one process: attention-kernel configurations and XLA compile options,
-each timed on the device and traced per kernel, all against the same weights and cache.
+variants inside one process (weight layout, decode rows, K/V write, norm, attention-kernel
+configuration, XLA compile options), each timed on the device and traced per kernel, all against
+the same weights and cache; then, with `--engine`, the engine itself at batch 1.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_step.py --save [DIR]
-        [--ctx 768] [--max-blocks 128] [--variants base,splits1,...] [--deadline-s 55]
+        [--ctx 768] [--max-blocks 128] [--variants old_s8,fused,...] [--deadline-s 55] [--engine]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_step.py --tiny   # CPU check
 
-The step is what the engine runs per decode token at batch 1 (`forward` at one token of one
-sequence, `--ctx` tokens of context, a block table `--max-blocks` wide as the engine passes it for
-`--max-model-len 2048`), without the host: the next step's token is this step's argmax, on the
-device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only dispatches). For
-the first `--traced` variants a trace of 5 steps (tools/trace_engine_step.summarize_steps): busy
-time, kernels per step, the top kernels; for the first two also one layer's kernels in launch
-order (duration, gap before) and the optimized HLO (`--hlo-out`, gzipped). Variants (`VARIANTS`):
-a name, what it changes in the step, and XLA compile options (given to `compile` per variant, so
-one process compares them). The deadline skips what would not finish; results are saved after
-every variant. `--engine`: then the engine itself at batch 1 (`engine_bs1`).
+The step is what the engine runs per decode token at batch 1 (`forward` over the decode rows, one
+real sequence with `--ctx` tokens of context, a block table `--max-blocks` wide as the engine
+passes it for `--max-model-len 2048`), without the host: the next step's token is this step's
+argmax, on the device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only
+dispatches). For the first `--traced` variants a trace of 5 steps
+(tools/trace_engine_step.summarize_steps): busy time, kernels per step, the top kernels; for the
+first two also one layer's kernels in launch order (duration, gap before); `--hlo-out`: the first
+variant's optimized HLO, gzipped. Before the variants the backend's add + RMSNorm kernel is checked
+against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips variants
+that would not finish; results are saved after every variant (record bs1_step_<gpu>).
+`--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>).
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ class AttentionBackend:
     # kernel gives each such row a whole query tile per *query* head (Hq/Hkv times the K/V reads of
     # the decode kernel, and a 128-row matmul for one row). The reference gains nothing from it.
     split_mixed_steps: bool = False
+    # The model's residual add + RMSNorm (`reference.add_rms_norm_reference`'s signature): GPU
+    # backends run it as one kernel at decode row counts (pallas_kernels/rms_norm.py).
+    add_rms_norm: Callable = reference.add_rms_norm_reference
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None) -> jax.Array:

@@ -21,9 +21,19 @@ NEG_INF = -1e30  # finite, so fully masked rows give 0 instead of NaN
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V [T, Hkv, D] into their slots; slots < 0 are dropped (padding tokens).
+    """Put new K/V [T, Hkv, D] into their slots; slots < 0 are dropped (padding tokens).
 
-    With the caches donated to the enclosing jit, XLA performs the scatter in place."""
+    One token (a batch-1 decode step) is a dynamic-update-slice per cache, which XLA emits as a
+    small in-place kernel (and on the CPU without the scatter's cost); more are `scatter_kv`. With
+    the caches donated to the enclosing jit, XLA writes in place either way."""
+    if k.shape[0] == 1:
+        return _write_one(k_cache, k, slot_mapping[0]), _write_one(v_cache, v, slot_mapping[0])
+    return scatter_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def scatter_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+               slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`write_kv` for any T: one XLA scatter per cache."""
     hkv, nb, bs, d = k_cache.shape
     num_slots = nb * bs
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
@@ -34,6 +44,27 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
         return flat.reshape(hkv, nb, bs, d)
 
     return put(k_cache, k), put(v_cache, v)
+
+
+def _write_one(cache: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
+    """new [1, Hkv, D] into `slot` of cache [Hkv, NB, B, D]; a negative slot rewrites the row
+    at slot 0 with its own content (a no-op write keeps the update static)."""
+    hkv, _, bs, d = cache.shape
+    at = jnp.maximum(slot, 0)
+    start = (0, at // bs, at % bs, 0)
+    row = new.astype(cache.dtype).reshape(hkv, 1, 1, d)
+    old = jax.lax.dynamic_slice(cache, start, row.shape)
+    return jax.lax.dynamic_update_slice(cache, jnp.where(slot >= 0, row, old), start)
+
+
+def add_rms_norm_reference(x: jax.Array, residual: jax.Array, weight: jax.Array, *,
+                           eps: float) -> tuple[jax.Array, jax.Array]:
+    """(x + residual, RMSNorm(x + residual) * weight) in HF's order of operations: the add in the
+    input dtype, the normalisation in float32, cast back before the weight multiplies it."""
+    h = x + residual
+    hf = h.astype(jnp.float32)
+    y = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
+    return h, weight.astype(h.dtype) * y.astype(h.dtype)
 
 
 def gather_context(cache: jax.Array, block_tables: jax.Array) -> jax.Array:

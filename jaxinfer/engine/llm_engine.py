@@ -151,6 +151,7 @@ class LLMEngine(TrainingLoopMixin):
                          mesh: Mesh | None = None) -> "LLMEngine":
         """`mesh`: this replica's sub-mesh (DataParallelEngine passes one per replica); default:
         the first --tensor-parallel-size devices."""
+        from jaxinfer.model.fused_projections import fuse_for_serving
         from jaxinfer.model.weights import load_params
         startup = StartupTimes()
         # --compilation-cache-dir holds the executable cache (the runner's), not jax's persistent
@@ -173,9 +174,9 @@ class LLMEngine(TrainingLoopMixin):
             tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
         with startup.phase("weights"):
-            params = jax.block_until_ready(
+            params = jax.block_until_ready(fuse_for_serving(
                 load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
-                            shardings=plan.params(param_shapes(cfg, dtype))))
+                            shardings=plan.params(param_shapes(cfg, dtype)))))
             draft = draft_for_engine(args, cfg, tokenizer, dtype)
         with startup.phase("kv_plan_and_alloc"):
             num_blocks = cls.plan_num_blocks(cfg, args, params, plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.weight_update import PartialUpdateError, check_params, place_like
+from jaxinfer.model.fused_projections import fuse_projections, is_fused
 
 
 class TrainingLoopMixin:
@@ -29,6 +30,8 @@ class TrainingLoopMixin:
         freed as soon as its replacement is in place, so an update needs about one parameter of
         free device memory, not a second copy of the model. Should a transfer fail part way (a
         PartialUpdateError), the engine keeps the mix of new and old parameters it then holds."""
+        if is_fused(self.runner.params):  # the engine serves q/k/v and gate/up fused
+            params = fuse_projections(params)
         check_params(params, self.runner.params)  # (a refusal before anything changes)
         outs = self._abort_all()
         self.scheduler.reset_prefix_cache()

@@ -10,29 +10,36 @@ Shapes: T tokens of a flat (ragged) batch; H hidden; Hq / Hkv heads; D head_dim;
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
+from jaxinfer.model.fused_projections import project
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.core.kv_cache.device_cache import KVCache
 from jaxinfer.parallel.experts import expert_dispatch
 from pallas_kernels.backend import REFERENCE, AttentionBackend
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import causal_attention_reference
+from pallas_kernels.reference import add_rms_norm_reference, causal_attention_reference
 
 Params = dict
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm of x; with `residual`, of x + residual, returning (x + residual, the norm) through
+    `add_norm` (a backend's one-kernel add + norm, else the jnp reference)."""
     eps: float
     dtype: jnp.dtype
+    add_norm: Callable | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if residual is not None:
+            return (self.add_norm or add_rms_norm_reference)(x, residual, weight, eps=self.eps)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return weight.astype(x.dtype) * xf.astype(x.dtype)
@@ -66,9 +73,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         d = cfg.head_dim
         dense = linear(cfg, self.dtype)
-        q = dense(cfg.num_heads * d, use_bias=cfg.qkv_bias, name="q_proj")(x)
-        k = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="k_proj")(x)
-        v = dense(cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, name="v_proj")(x)
+        q, k, v = project(self, functools.partial(dense, use_bias=cfg.qkv_bias), x,
+                          (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
+                           ("v_proj", cfg.num_kv_heads * d)), "qkv_proj")
         q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
         k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
         v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
@@ -89,7 +96,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up may be stored fused (fused_projections)."""
     cfg: ModelConfig
     dtype: jnp.dtype
 
@@ -97,7 +104,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         dense = functools.partial(linear(self.cfg, self.dtype), use_bias=self.cfg.mlp_bias)
         f = self.cfg.intermediate_size
-        h = nn.silu(dense(f, name="gate_proj")(x)) * dense(f, name="up_proj")(x)
+        gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj")
+        h = nn.silu(gate) * up
         return dense(self.cfg.hidden_size, name="down_proj")(h)
 
 
@@ -134,14 +142,23 @@ class DecoderLayer(nn.Module):
     moe: bool
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv=None, md=None):
-        norm = functools.partial(RMSNorm, self.cfg.rms_norm_eps, self.dtype)
+    def __call__(self, x, delta, cos, sin, kv=None, md=None):
+        """-> (residual stream, this layer's MLP output, new KV): the stream after the layer is
+        their sum, which the next norm adds (`delta`: the previous layer's MLP output, None in the
+        first layer), so a backend's add + norm kernel does both."""
+        # Wrappers (tensor parallelism, fp8 KV scales) carry no norm kernel: the jnp reference.
+        norm = functools.partial(RMSNorm, self.cfg.rms_norm_eps, self.dtype,
+                                 getattr(self.backend, "add_rms_norm", None))
+        if delta is None:
+            h = norm(name="input_norm")(x)
+        else:
+            x, h = norm(name="input_norm")(x, delta)
         attn_out, new_kv = Attention(self.cfg, self.backend, self.dtype, name="attn")(
-            norm(name="input_norm")(x), cos, sin, kv, md)
-        x = x + attn_out
+            h, cos, sin, kv, md)
+        x, h = norm(name="post_attn_norm")(x, attn_out)
         mlp = (MoE(self.cfg, self.dtype, self.backend, name="moe") if self.moe
                else MLP(self.cfg, self.dtype, name="mlp"))
-        return x + mlp(norm(name="post_attn_norm")(x)), new_kv
+        return x, mlp(h), new_kv
 
 
 class Transformer(nn.Module):
@@ -155,17 +172,18 @@ class Transformer(nn.Module):
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          name="embed")
-        x = embed(token_ids)
+        x, delta = embed(token_ids), None
         cos, sin = rope_tables(cfg, positions)
         new_cache = []
         for i in range(cfg.num_layers):
             kv = None if kv_cache is None else kv_cache[i]
+            backend = self.backend.for_layer(i)
             with jax.named_scope(f"layer_{i}"):
-                x, layer_kv = DecoderLayer(cfg, self.backend.for_layer(i), self.dtype,
-                                           cfg.layer_is_moe(i),
-                                           name=f"layers_{i}")(x, cos, sin, kv, md)
+                x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
+                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md)
             new_cache.append(layer_kv)
-        hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+        _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
+                            name="final_norm")(x, delta)
         x = hidden if logits_indices is None else hidden[logits_indices]
         if cfg.tie_word_embeddings:
             logits = _tied_head(x, embed.embedding)

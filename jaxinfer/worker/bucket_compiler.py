@@ -145,9 +145,12 @@ class BucketCompiler:
         if runner.decode_steps_per_call > 1:
             units += [Unit("loop", s) for s in b.decode_buckets]
         self.units = units
-        first = {Unit("mixed", b.token_buckets[-1]), Unit("decode", b.decode_buckets[0])}
+        # The first decode bucket: the smallest that holds more than one sequence (a lone
+        # sequence's own bucket, Buckets.lone_sequence, comes first in the background).
+        decode = next((s for s in b.decode_buckets if s > 1), b.decode_buckets[0])
+        first = {Unit("mixed", b.token_buckets[-1]), Unit("decode", decode)}
         if runner.decode_steps_per_call > 1:
-            first.add(Unit("loop", b.decode_buckets[0]))
+            first.add(Unit("loop", decode))
         self.first = [u for u in units if u in first]
         order = {"decode": 0, "loop": 1, "mixed": 2}
         self.rest = sorted((u for u in units if u not in first),

@@ -1,7 +1,11 @@
 """Compile buckets: the few padded shapes every step is rounded up to, so the number of compilations
 is fixed at start-up (and tested) instead of growing with the workload.
 
-- pure-decode steps: S sequences of one token, S in `decode_buckets` (T == S, all decode attention);
+- pure-decode steps: S sequences of one token, S in `decode_buckets` (T == S, all decode attention):
+  powers of two from `min_seqs`, and with `lone_sequence` 1 before them (batch-1 latency: padding
+  rows cost a lone sequence the decode kernel's one-sequence split plan and a scatter for its cache
+  write; worth it where its projections are fused, since at one row XLA turns the narrow k/v
+  matmuls into a multiply and a reduce: benchmarks/RESULTS.md);
 - mixed steps (any prefill chunk): T tokens in `token_buckets`, with S = min(T, max_num_seqs)
   sequence rows (a step never has more sequences than tokens). The decode count is a static part of
   the attention metadata, so backends that split a mixed step (the GPU kernels: decodes to the
@@ -34,12 +38,14 @@ class Buckets:
 
     @classmethod
     def make(cls, max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
-             min_seqs: int = 8) -> "Buckets":
+             min_seqs: int = 8, lone_sequence: bool = False) -> "Buckets":
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be >= "
                              f"--max-num-seqs ({max_num_seqs})")
         tokens = _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
         seqs = _powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs)
+        if lone_sequence and seqs[0] > 1:
+            seqs = [1, *seqs]
         copies = _powers_of_two(min(min_seqs, max_num_seqs), max_num_seqs, factor=4)
         return cls(tuple(tokens), tuple(seqs), tuple(copies), max_num_seqs)
 

@@ -32,6 +32,7 @@ from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
+from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.transformer import forward
 from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
@@ -251,7 +252,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.decode_steps_per_call = decode_steps_per_call
-        self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
+        self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens,
+                                    lone_sequence=is_fused(params))
         self.launcher: StepLauncher | None = None  # set_async_launch
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,

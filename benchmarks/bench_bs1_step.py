@@ -1,0 +1,322 @@
+"""One batch-1 decode step of the Llama-3-8B shape (forward + greedy argmax, KV cache donated), in
+variants inside one process (weight layout, decode rows, K/V write, norm, attention-kernel
+configuration, XLA compile options), each timed on the device and traced per kernel, all against
+the same weights and cache; then, with `--engine`, the engine itself at batch 1.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_step.py --save [DIR]
+        [--ctx 768] [--max-blocks 128] [--variants old_s8,fused,...] [--deadline-s 55] [--engine]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_step.py --tiny   # CPU check
+
+The step is what the engine runs per decode token at batch 1 (`forward` over the decode rows, one
+real sequence with `--ctx` tokens of context, a block table `--max-blocks` wide as the engine
+passes it for `--max-model-len 2048`), without the host: the next step's token is this step's
+argmax, on the device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only
+dispatches). For the first `--traced` variants a trace of 5 steps
+(tools/trace_engine_step.summarize_steps): busy time, kernels per step, the top kernels; for the
+first two also one layer's kernels in launch order (duration, gap before); `--hlo-out`: the first
+variant's optimized HLO, gzipped. Before the variants the backend's add + RMSNorm kernel is checked
+against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips variants
+that would not finish; results are saved after every variant (record bs1_step_<gpu>).
+`--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gzip
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import results_io  # noqa: E402
+from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.model.config import config_from_dict  # noqa: E402
+from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
+from jaxinfer.model.transformer import forward, init_params  # noqa: E402
+from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
+from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from pallas_kernels.reference import add_rms_norm_reference, scatter_kv  # noqa: E402
+from tools.trace_decode import device_events  # noqa: E402
+from tools.trace_engine_step import summarize_steps  # noqa: E402
+
+BLOCK = 16
+# name -> what the variant changes in the step (every key optional):
+#   seqs     decode rows (default 1): one real sequence and seqs - 1 padding rows, as an engine
+#            whose smallest decode bucket is seqs runs batch 1;
+#   fused    the weights with q/k/v and gate/up fused (jaxinfer/model/fused_projections.py);
+#   write    "scatter": the new token's K/V written with `scatter_kv` (else `write_kv`);
+#   kernel   MosaicDecodeConfig keyword arguments for the decode kernel;
+#   norm     "xla": the residual add + RMSNorm as XLA emits it (else the backend's kernel);
+#   width    the block table's first `width` columns only;
+#   options  XLA compile options.
+VARIANTS: dict[str, dict] = {
+    "base": {},
+    "fused": dict(fused=True),
+    "fused_xlanorm": dict(fused=True, norm="xla"),
+    "scatter": dict(write="scatter"),
+    "old_s8": dict(seqs=8, write="scatter", norm="xla"),
+    "fused_s8": dict(seqs=8, fused=True),
+    "base_s8": dict(seqs=8),
+    "heroless": dict(options={"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
+    "fused_heroless": dict(fused=True, options={
+        "xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}),
+    "splits1": dict(kernel=dict(num_splits=1)),
+    "splits4": dict(kernel=dict(num_splits=4)),
+    "splits8": dict(kernel=dict(num_splits=8)),
+    "tps128": dict(kernel=dict(tokens_per_step=128)),
+    "stages2": dict(kernel=dict(stages=2)),
+    "narrow48": dict(width=48),
+    "pdl": dict(options={"xla_gpu_enable_pdl": True}),
+    "nopdl": dict(options={"xla_gpu_enable_pdl": False}),
+    "cublas": dict(options={"xla_gpu_enable_triton_gemm": False}),
+    "cmdbuf": dict(options={"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
+}
+TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
+
+
+def backend_for(variant: dict, default: AttentionBackend) -> AttentionBackend:
+    backend = default
+    if "kernel" in variant:
+        from pallas_kernels.flash_prefill import flash_prefill_mosaic
+        from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+        config = MosaicDecodeConfig(**variant["kernel"])
+        backend = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
+                                   decode=functools.partial(paged_decode_mosaic, config=config),
+                                   prefill=flash_prefill_mosaic)
+    if variant.get("norm") == "xla":
+        backend = dataclasses.replace(backend, name=backend.name + "+xlanorm",
+                                      add_rms_norm=add_rms_norm_reference)
+    if variant.get("write") == "scatter":
+        backend = dataclasses.replace(backend, name=backend.name + "+scatter", write_kv=scatter_kv)
+    return backend
+
+
+def decode_inputs(ctx: int, max_blocks: int, num_blocks: int, seqs: int = 1):
+    """(token ids, positions, metadata) of one decode token at position ctx - 1 of one sequence
+    whose pages are distinct random blocks, and seqs - 1 padding rows (length 0, slot -1)."""
+    pages = -(-ctx // BLOCK)
+    blocks = np.random.default_rng(0).permutation(num_blocks)[:pages]
+    table = np.zeros((seqs, max_blocks), np.int32)
+    table[0, :pages] = blocks
+    pos = ctx - 1
+    slots = np.full(seqs, -1, np.int32)
+    slots[0] = blocks[pos // BLOCK] * BLOCK + pos % BLOCK
+    lens = np.zeros(seqs, np.int32)
+    lens[0] = ctx
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots), query_start_loc=jnp.asarray(
+            np.minimum(np.arange(seqs + 1), 1), jnp.int32), seq_lens=jnp.asarray(lens),
+        block_tables=jnp.asarray(table), num_decodes=seqs)
+    return (jnp.full((seqs,), 7, jnp.int32), jnp.asarray(np.where(lens > 0, pos, 0), jnp.int32),
+            md)
+
+
+def make_step(cfg, backend, table_width: int | None = None):
+    def step(params, kv, ids, pos, md):
+        if table_width:
+            md = dataclasses.replace(md, block_tables=md.block_tables[:, :table_width])
+        logits, kv = forward(params, cfg, ids, pos, kv, md, backend)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def run_steps(exe, state, n: int):
+    params, kv, ids, pos, md = state
+    for _ in range(n):
+        ids, kv = exe(params, kv, ids, pos, md)
+    jax.block_until_ready(ids)
+    return (params, kv, ids, pos, md)
+
+
+def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
+    """One layer's kernels in launch order, [name, µs, gap before µs], from the middle step:
+    from the kernel before its second attention call to the one before its third."""
+    step = events[2 * per_step:3 * per_step] if len(events) >= 3 * per_step else events
+    at = [i for i, e in enumerate(step) if anchor in e[0]]
+    if len(at) < 3:
+        return []
+    lo, hi = at[1] - 4, at[2] - 4
+    return [[step[i][0][:50], round((step[i][2] - step[i][1]) / 1e3, 2),
+             round((step[i][1] - step[i - 1][2]) / 1e3, 2)] for i in range(max(lo, 1), hi)]
+
+
+def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel") -> dict:
+    """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
+    greedy tokens, best of 2 runs after a first request compiled its steps), its decode step traced
+    (tools/trace_engine_step), and the HBM roofline measured here. `norm` "xla": the GPU backends'
+    residual add + RMSNorm as XLA emits it instead of their kernel (for attribution)."""
+    import json
+    from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from tools.trace_engine_step import profile_decode_steps
+    metrics: dict = {"norm": norm}
+    if norm == "xla":
+        from pallas_kernels import gpu_backends
+        gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
+                                                  add_rms_norm=add_rms_norm_reference)
+    with tempfile.TemporaryDirectory() as work:
+        if tiny:
+            opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+                        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4)
+            prompt_len = 32
+        else:
+            (Path(work) / "config.json").write_text(json.dumps(LLAMA3_8B))
+            opts = dict(model=work, load_format="dummy", dtype="bfloat16",
+                        attention_backend="mosaic", max_model_len=2048,
+                        max_num_batched_tokens=2048, max_num_seqs=256)
+            prompt_len = 512
+        t0 = time.perf_counter()
+        # No warm-up: the first call compiles the two step shapes batch 1 uses, and no background
+        # compile shares the host with the timed runs.
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            **opts, num_blocks=2048, compilation_cache_dir="", warmup=False))
+        rng = np.random.default_rng(0)
+
+        def prompt():
+            return rng.integers(3, engine.cfg.vocab_size, prompt_len).tolist()
+        bs1(engine, prompt(), 8)
+        metrics["engine_ready_s"] = round(time.perf_counter() - t0, 1)
+        runs = [bs1(engine, prompt(), out_len) for _ in range(2)]
+        best = min(runs, key=lambda r: r["tpot_ms"])
+        metrics.update(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
+                       bs1_tpot_runs_ms=[r["tpot_ms"] for r in runs])
+        save(metrics)
+        if not tiny:
+            metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
+            params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
+            figs = roofline_figures(measure_rooflines(params_bytes), engine.cfg, prompt_len,
+                                    out_len, 256)
+            metrics.update({k: v for k, v in figs.items() if "c256" not in k})
+        save(metrics)
+    return metrics
+
+
+def run_variants(args, names: list[str], start: float, save) -> None:
+    """Every variant in `names` against one set of weights and one cache; `save(metrics)` after
+    each; a table last."""
+    cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
+    if args.tiny:
+        default = REFERENCE
+    else:
+        from pallas_kernels.backend import get_backend
+        default = get_backend("mosaic")
+    params = init_params(cfg, jax.random.key(0))
+    kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
+    fused = None
+    norm_check = {}
+    for rows in (1, 8):  # the norm kernel on this device against its reference
+        x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size), jnp.bfloat16)
+        w = params["final_norm"]["weight"]
+        pairs = zip(default.add_rms_norm(x, x * 0.5, w, eps=cfg.rms_norm_eps),
+                    add_rms_norm_reference(x, x * 0.5, w, eps=cfg.rms_norm_eps))
+        norm_check[f"rows{rows}"] = [float(jnp.abs(a.astype(jnp.float32) - b).max())
+                                     for a, b in pairs]
+    metrics: dict = {"setup_s": round(time.perf_counter() - start, 1),
+                     "norm_kernel_max_abs_diff": norm_check}
+    print(metrics, flush=True)
+    rows = []
+    for i, name in enumerate(names):
+        variant = VARIANTS[name]
+        if time.perf_counter() - start > args.deadline_s - 8:
+            metrics[f"{name}_skipped"] = "deadline"
+            continue
+        try:
+            t0 = time.perf_counter()
+            inputs = decode_inputs(args.ctx, args.max_blocks, args.num_blocks,
+                                   variant.get("seqs", 1))
+            if variant.get("fused") and fused is None:
+                fused = fuse_projections(params)
+            state = (fused if variant.get("fused") else params, kv, *inputs)
+            exe = make_step(cfg, backend_for(variant, default), variant.get("width")).lower(
+                *state).compile(compiler_options=variant.get("options"))
+            compile_s = time.perf_counter() - t0
+            state = run_steps(exe, state, 5)
+            times = []
+            for _ in range(3):
+                t1 = time.perf_counter()
+                state = run_steps(exe, state, args.steps)
+                times.append((time.perf_counter() - t1) / args.steps * 1e3)
+            entry = dict(step_ms=round(min(times), 4), compile_s=round(compile_s, 1))
+            if i == 0 and args.hlo_out:
+                Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
+                with gzip.open(args.hlo_out, "wt") as f:
+                    f.write(exe.as_text())
+            if (not args.tiny and i < args.traced
+                    and time.perf_counter() - start < args.deadline_s - 6):
+                with tempfile.TemporaryDirectory() as d:
+                    jax.profiler.start_trace(d)
+                    state = run_steps(exe, state, 5)
+                    jax.profiler.stop_trace()
+                    events = device_events(d)
+                entry["trace"] = summarize_steps(events, 5, top=12)
+                if i < 2:
+                    entry["one_layer"] = one_layer(events, len(events) // 5)
+            metrics[name] = entry
+            rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),
+                         entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
+            print(name, entry, flush=True)
+            kv = state[1]
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            metrics[f"{name}_error"] = repr(e)[:400]
+            print(name, "error", repr(e)[:400], flush=True)
+            if kv[0][0].is_deleted():  # donated to a step that failed
+                kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
+        state = None
+        save(metrics)
+    print(f"{'variant':10} {'step_ms':>8} {'busy_us':>8} {'kernels':>8} {'compile_s':>9}")
+    for r in rows:
+        print(f"{r[0]:10} {r[1]:8.3f} {str(r[2]):>8} {str(r[3]):>8} {r[4]:9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model, reference attention")
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--max-blocks", type=int, default=128)
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="'' for none")
+    ap.add_argument("--deadline-s", type=float, default=55.0, help="for the variants")
+    ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
+    ap.add_argument("--traced", type=int, default=3, help="trace the first N variants")
+    ap.add_argument("--engine", action="store_true",
+                    help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
+    ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
+    ap.add_argument("--engine-norm", choices=("kernel", "xla"), default="kernel",
+                    help="the engine's residual add + RMSNorm: the backend's kernel, or XLA's")
+    results_io.add_save_arg(ap, "bs1_step_<gpu>")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    model = "tiny" if args.tiny else "Llama-3-8B shape, random bf16"
+    names = [n for n in args.variants.split(",") if n]
+    if names:
+        config = dict(model=model, ctx=args.ctx, max_blocks=args.max_blocks, steps=args.steps,
+                      variants={n: VARIANTS[n] for n in names})
+        run_variants(args, names, start, lambda m: args.save and results_io.save(
+            args.save, args.name or f"bs1_step_{results_io.device_slug()}", config=config,
+            metrics=m))
+    if args.engine:
+        econfig = dict(model=model, engine="max_num_seqs 256, max_num_batched_tokens 2048, "
+                       "max_model_len 2048, num_blocks 2048, mosaic, no warm-up",
+                       out_len=args.out_len)
+        out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
+            args.save, f"engine_llama8b_bs1_{results_io.device_slug()}", config=econfig,
+            metrics=m), args.engine_norm)
+        print({k: v for k, v in out.items() if k != "bs1_profile"}, flush=True)
+
+
+if __name__ == "__main__":
+    main()

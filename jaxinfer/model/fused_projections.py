@@ -1,0 +1,89 @@
+"""Projections that read the same input, stored as one matrix: q/k/v as `qkv_proj`, gate/up as
+`gate_up_proj` (output features concatenated in that order).
+
+At decode batch sizes each projection is a matrix-vector product bound by reading its weight, and
+one wide matmul streams the weights faster than three or two narrow ones: the narrow k/v reads are
+too short to reach full bandwidth, and every matmul pays a launch and a tail (batch 1 on the H200:
+benchmarks/RESULTS.md). Checkpoints, initialisation and tensor-parallel sharding keep the separate
+projections; `fuse_projections` rewrites a loaded tree and the model runs whichever layout its
+params have (`project`). A tree split over several devices stays unfused: a column split of the
+fused matrix would not give each device its own heads' q, k and v.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# module name in a layer -> (fused projection, the projections it replaces, in output order)
+GROUPS = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+
+
+def _out_axis(leaf: str) -> int:
+    """The output-feature axis of a projection's leaf: nn.Dense's kernel is [in, out]; a quantized
+    linear's weight [out, in], its scales and every bias [out]."""
+    return 1 if leaf == "kernel" else 0
+
+
+def _concat(parts: list, axis: int, donate: bool):
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=axis)
+    out = jnp.concatenate(parts, axis=axis)
+    if donate:
+        for p in parts:
+            p.delete()
+    return out
+
+
+def fuse_projections(params: dict, *, donate: bool = False) -> dict:
+    """`params` with every layer's q/k/v and gate/up projections fused (a new tree; other leaves
+    are shared). Already fused or absent groups (MoE layers have no gate/up) are left as they are.
+    `donate`: delete the separate projections' device buffers once fused, so the peak memory stays
+    one layer's projections above the model's."""
+    out = dict(params)
+    for name, layer in params.items():
+        if not name.startswith("layers_"):
+            continue
+        layer = dict(layer)
+        for module, (fused, parts) in GROUPS.items():
+            sub = layer.get(module)
+            if sub is None or not all(p in sub for p in parts):
+                continue
+            sub = dict(sub)
+            group = [sub.pop(p) for p in parts]
+            sub[fused] = {leaf: _concat([g[leaf] for g in group], _out_axis(leaf), donate)
+                          for leaf in group[0]}
+            layer[module] = sub
+        out[name] = layer
+    return out
+
+
+def is_fused(params: dict) -> bool:
+    return any(fused in layer.get(module, {}) for name, layer in params.items()
+               if name.startswith("layers_") for module, (fused, _) in GROUPS.items())
+
+
+def fuse_for_serving(params: dict) -> dict:
+    """The tree an engine serves: fused (the loaded buffers donated) when every leaf lives on one
+    GPU, where the fused matmuls are measured faster; else as loaded (a tree sharded over several
+    devices; the CPU, where XLA's matmuls have no such tail)."""
+    devices = {d for leaf in jax.tree.leaves(params) for d in leaf.sharding.device_set}
+    if len(devices) == 1 and next(iter(devices)).platform == "gpu":
+        return fuse_projections(params, donate=True)
+    return params
+
+
+def project(module, dense: Callable, x: jax.Array, parts: Sequence[tuple[str, int]],
+            fused: str) -> list[jax.Array]:
+    """The outputs of the projections `parts` ((name, features), in fused order) of `x`: one
+    matmul when `module`'s params hold them fused as `fused`, else one each. `dense(features,
+    name=...)` makes a projection layer."""
+    if module.has_variable("params", fused):
+        y = dense(sum(f for _, f in parts), name=fused)(x)
+        return jnp.split(y, list(itertools.accumulate(f for _, f in parts))[:-1], axis=-1)
+    return [dense(f, name=n)(x) for n, f in parts]

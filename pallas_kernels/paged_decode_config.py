@@ -27,6 +27,10 @@ class MosaicDecodeConfig:
       K during its P V wgmma (two staging tiles); False: each tile just before its wgmma (one
       staging tile, two more ring slots; 4% faster at batch 64 x 4096 on the H200). See
       mgpu_fp8.py.
+    fp8_qk: with an fp8 cache, QK^T reads the fp8 K pages straight from the ring with fp8 wgmmas
+      (no K widening): q goes in as two e4m3 tiles, q_hi + q_lo = q * c (c a power of two per
+      item, so q keeps about 8 mantissa bits), and the consumer widens V while they run. See
+      mgpu_fp8.py.
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
@@ -39,6 +43,7 @@ class MosaicDecodeConfig:
     pdl: bool = True
     combine_kernel: bool = True
     fp8_widen_ahead: bool = False
+    fp8_qk: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
 
@@ -52,5 +57,8 @@ class MosaicDecodeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be positive (or None)")
+        if self.fp8_qk and self.fp8_widen_ahead:
+            raise ValueError("fp8_qk and fp8_widen_ahead are exclusive (fp8_qk widens only V, "
+                             "during QK^T)")
         if self.bt_lookahead < 0:
             raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")

@@ -84,7 +84,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
-                   widen_layout: str):
+                   widen_layout: str, fp8_qk: bool):
+    # fp8_qk: q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
+    # per-item 1 / c of `mgpu_fp8.split_q`.
+    qinv_ref, refs = (refs[0], refs[1:]) if fp8_qk else (None, refs)
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
          k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
@@ -145,8 +148,13 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             def _():
                 plgpu.barrier_wait(q_free.at[qb])
             start, _, _ = q_rows(seq, head)
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
-                                    q_bar.at[qb])
+            if fp8_qk:  # q_hi and q_lo, both on the tile's barrier
+                for h in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(start, gp)],
+                                            q_smem.at[qb, h, pl.ds(0, gp)], q_bar.at[qb])
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
+                                        q_bar.at[qb])
 
             def block_ids(j):
                 """Block ids of step j's pages, each read at its column (clamped to the table).
@@ -208,8 +216,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
 
+            # The item's logit scale (fp8_qk: times 1 / c, q's scale in its fp8 tiles).
+            item_scale = logit_scale * qinv_ref[seq * hkv + head] if fp8_qk else logit_scale
             # fp8: this warpgroup's staging tile (K, or K and V when widening ahead, which
-            # widens the item's first K before the loop).
+            # widens the item's first K before the loop; fp8_qk: V only).
             wide = wide_smem[0].at[wg] if widen else None
             wide_v = wide_smem[1].at[wg] if ahead else None
             if ahead:
@@ -222,14 +232,24 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 slot = lax.rem(g0 + j, stages)
                 if ahead:
                     k_tile = wide
+                elif fp8_qk:
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_bar.at[slot])
+                    k_tile = k_smem.at[slot]
                 else:
                     with jax.named_scope("wait_k"):
                         plgpu.barrier_wait(k_bar.at[slot])
                     k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
-                widen_v = ahead and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide_v))
+                v_wide = wide_v if ahead else wide
+                widen_v = (ahead or fp8_qk) and (
+                    lambda: widen_slot(v_smem, v_bar, v_free, slot, v_wide))
 
                 def qk_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    if fp8_qk:  # (q_hi + q_lo) K^T, K straight from the ring
+                        for h in range(2):
+                            plgpu.wgmma(acc_ref, q_tile.at[h], k_tile.transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                     if widen_v and not interpret:  # V widened while QK^T runs
                         widen_v()
                     return acc_ref[...]
@@ -238,9 +258,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                     s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
                 if widen_v and interpret:  # no barrier wait inside a wgmma scope there
                     widen_v()
-                if wide is None:
+                if wide is None or fp8_qk:
                     plgpu.barrier_arrive(k_free.at[slot])
-                s = s * logit_scale
+                s = s * item_scale
                 if softcap:
                     s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
                 col = plgpu.broadcasted_iota(jnp.int32, (_WGMMA_ROWS, tokens), 1,
@@ -252,13 +272,15 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(q_smem.dtype)
+                p16 = p.astype(wide.dtype if widen else q_smem.dtype)
                 during = None
                 if ahead:  # the next K widened while P V runs
                     # (operands computed outside the wgmma scope, which takes no new constants)
                     v_tile, next_slot, has_next = wide_v, lax.rem(g0 + j + 2, stages), t + 1 < my_steps
                     during = lambda: pl.when(has_next)(
                         lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
+                elif fp8_qk:
+                    v_tile = wide
                 else:
                     with jax.named_scope("wait_v"):
                         plgpu.barrier_wait(v_bar.at[slot])
@@ -371,6 +393,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     elem_bytes = jnp.dtype(dtype).itemsize
     widen = cache_dtype != dtype
     ahead = widen and config.fp8_widen_ahead
+    fp8_qk = widen and config.fp8_qk
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
@@ -389,15 +412,23 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     s, hkv, hq = shape.num_seqs, shape.num_kv_heads, shape.num_q_heads
     gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
     q_padded = not ((8 % g == 0 or g % 8 == 0) and (s * hq) % 8 == 0)
-    q2 = q.astype(dtype).reshape(s * hkv, g, d)
+    q2 = q.reshape(s * hkv, g, d)
+    if fp8_qk:  # q -> (q_hi, q_lo) in the cache's fp8 type, and the per-item 1 / c
+        q_hi, q_lo, qinv = mgpu_fp8.split_q(q2, cache_dtype)
+        q2, extra_inputs = jnp.stack([q_hi, q_lo]), (qinv,)
+    else:
+        q2, extra_inputs = q2.astype(dtype)[None], ()
     if q_padded:
-        q2 = jnp.pad(q2, ((0, 0), (0, gp - g), (0, 0)))
-    q2 = q2.reshape(-1, d)
+        q2 = jnp.pad(q2, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    q2 = q2.reshape(2, -1, d) if fp8_qk else q2.reshape(-1, d)
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
     f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+    q_tiles = (plgpu.SMEM((2, 2, _WGMMA_ROWS, d), cache_dtype,
+                          transforms=tile_transforms(cache_dtype, d)) if fp8_qk else
+               plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms))
     tokens = config.tokens_per_step
     if plan.num_splits == 1:
         out_type = (jax.ShapeDtypeStruct((s * hq, d), dtype),)
@@ -411,12 +442,12 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
-        widen_layout=config.fp8_widen_layout)
+        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms),  # q tiles
+            q_tiles,  # two items' q (fp8_qk: each as q_hi, q_lo)
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
@@ -425,7 +456,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
                            plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32)),
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
             *out_scratch,
-            plgpu.Barrier(num_barriers=2),  # q tile filled
+            plgpu.Barrier(num_arrivals=1 + fp8_qk, num_barriers=2),  # q tile filled
             plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
@@ -447,7 +478,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
                                       profile_bounds_check=True)
                                  if profiling else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache)
+    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache,
+      *extra_inputs)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     return tuple(outs), _Launch(shape, plan.num_splits, q_padded)
 

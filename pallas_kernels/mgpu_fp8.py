@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.mgpu_common import observe_last_releases
 
 
 def compute_dtype(cache_dtype) -> jnp.dtype:
@@ -76,3 +79,29 @@ def wgmma_tile(tile, wide, free, layout: str = "WGMMA_8BIT"):
         return tile
     widen(tile, wide, free, layout)
     return wide
+
+
+def widener_loop(item_steps, num_items, ring, ready, free, wide, wide_full, wide_free,
+                 stages: int, layout: str = "WGMMA_8BIT") -> None:
+    """A widening warpgroup's whole life: for each of the CTA's items (`item_steps(it)` steps
+    each), step after step in the ring's global order, widen ring slot `gs % stages` into
+    consumer `gs % 2`'s staging tile `wide[gs % 2]` (the consumer that owns that step) once the
+    consumer freed it (`wide_free`), then signal `wide_full`."""
+    def item_body(it, g0):
+        def step(j, carry):
+            gs = g0 + j
+            owner = lax.rem(gs, 2)
+
+            @pl.when(gs >= 2)
+            def _():
+                plgpu.barrier_wait(wide_free.at[owner])
+            widen_slot(ring, ready, free, lax.rem(gs, stages), wide.at[owner], layout)
+            plgpu.barrier_arrive(wide_full.at[owner])
+            return carry
+
+        steps = item_steps(it)
+        lax.fori_loop(0, steps, step, jnp.int32(0))
+        return g0 + steps
+
+    total_steps = lax.fori_loop(0, num_items, item_body, jnp.int32(0))
+    observe_last_releases(total_steps, 2, wide_free)  # the consumers' last release of each tile

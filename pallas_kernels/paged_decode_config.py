@@ -31,6 +31,8 @@ class MosaicDecodeConfig:
       (no K widening): q goes in as two e4m3 tiles, q_hi + q_lo = q * c (c a power of two per
       item, so q keeps about 8 mantissa bits), and the consumer widens V while they run. See
       mgpu_fp8.py.
+    fp8_widener: with fp8_qk, a fourth warpgroup widens every V tile into the owning consumer's
+      staging tile, so the consumers never widen.
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
@@ -44,6 +46,7 @@ class MosaicDecodeConfig:
     combine_kernel: bool = True
     fp8_widen_ahead: bool = False
     fp8_qk: bool = False
+    fp8_widener: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
 
@@ -60,5 +63,7 @@ class MosaicDecodeConfig:
         if self.fp8_qk and self.fp8_widen_ahead:
             raise ValueError("fp8_qk and fp8_widen_ahead are exclusive (fp8_qk widens only V, "
                              "during QK^T)")
+        if self.fp8_widener and not self.fp8_qk:
+            raise ValueError("fp8_widener needs fp8_qk")
         if self.bt_lookahead < 0:
             raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")

@@ -84,7 +84,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
-                   widen_layout: str, fp8_qk: bool):
+                   widen_layout: str, fp8_qk: bool, widener: bool):
     # fp8_qk: q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if fp8_qk else (None, refs)
@@ -96,7 +96,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
          q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         y_smem = None
-    # Trailing scratch: the P tiles (interpret), the fp8 staging tiles (K, and V when ahead).
+    # Trailing scratch: the P tiles (interpret), the fp8 staging tiles (K, and V when ahead), the
+    # widener's barriers (staging tile full / free, one per consumer).
+    if widener:
+        *p_smem, vw_full, vw_free = p_smem
     p_smem, wide_smem = (p_smem[0] if interpret else None), p_smem[interpret:]
     wgmma_tile = functools.partial(mgpu_fp8.wgmma_tile, layout=widen_layout)
     widen_slot = functools.partial(mgpu_fp8.widen_slot, layout=widen_layout)
@@ -200,9 +203,16 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         observe_last_releases(total_steps, stages, k_free, v_free)
         observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
 
+    if widener:
+        @pl.when(wg == _NUM_CONSUMERS + 1)
+        def _widener():
+            plgpu.set_max_registers(72, action="decrease")
+            mgpu_fp8.widener_loop(lambda it: item_info(it)[-1], my_items, v_smem, v_bar, v_free,
+                                  wide_smem[0], vw_full, vw_free, stages, widen_layout)
+
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(200 if widener else 232, action="increase")
         logit_scale = scale * (1.0 if softcap else _LOG2E)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -241,7 +251,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                         plgpu.barrier_wait(k_bar.at[slot])
                     k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
                 v_wide = wide_v if ahead else wide
-                widen_v = (ahead or fp8_qk) and (
+                widen_v = (ahead or (fp8_qk and not widener)) and (
                     lambda: widen_slot(v_smem, v_bar, v_free, slot, v_wide))
 
                 def qk_fn(acc_ref):
@@ -281,6 +291,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                         lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
                 elif fp8_qk:
                     v_tile = wide
+                    if widener:
+                        with jax.named_scope("wait_v"):
+                            plgpu.barrier_wait(vw_full.at[wg])
                 else:
                     with jax.named_scope("wait_v"):
                         plgpu.barrier_wait(v_bar.at[slot])
@@ -290,6 +303,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                                         None if p_smem is None else p_smem.at[wg], during)
                 if wide is None:
                     plgpu.barrier_arrive(v_free.at[slot])
+                elif widener:
+                    plgpu.barrier_arrive(vw_free.at[wg])
                 return acc, m_new, l_i
 
             init = (
@@ -394,13 +409,15 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     widen = cache_dtype != dtype
     ahead = widen and config.fp8_widen_ahead
     fp8_qk = widen and config.fp8_qk
+    widener = fp8_qk and config.fp8_widener
+    num_threads = _NUM_CONSUMERS + 1 + widener
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
                    + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
     profiling = bool(config.profile_dir) and not interpret
     if profiling:
-        fixed_bytes += (_NUM_CONSUMERS + 1) * _PROFILE_EVENTS * 16
+        fixed_bytes += num_threads * _PROFILE_EVENTS * 16
     # The P tiles (interpret) and the fp8 pages' 16-bit staging tiles, one per consumer.
     fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
                     * (_WGMMA_ROWS * interpret + d * widen * (1 + ahead)))
@@ -442,7 +459,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
-        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk)
+        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk, widener=widener)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -467,11 +484,12 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
             *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
+            *[plgpu.Barrier(num_barriers=_NUM_CONSUMERS)] * (2 * widener),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),
         kernel_name="paged_decode",  # what profiles show
-        num_threads=_NUM_CONSUMERS + 1,
+        num_threads=num_threads,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, **(dict(profile_space=_PROFILE_EVENTS, profile_dir=config.profile_dir,

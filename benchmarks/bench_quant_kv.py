@@ -105,15 +105,19 @@ def demo_ppl(length: int = 256) -> dict:
     return out
 
 
-def check_mosaic(log) -> dict:
-    """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale."""
+# (batch, max blocks, forced splits, variant): the default kernel and each fp8 path.
+CHECKS = ((7, 40, None, "mosaic"), (64, 256, None, "mosaic"), (3, 300, 4, "mosaic"),
+          (64, 256, None, "mosaic:late"), (64, 256, None, "mosaic:qk"), (3, 300, 4, "mosaic:qk"),
+          (64, 256, None, "mosaic:wid"), (7, 40, None, "mosaic:wid"))
+
+
+def check_mosaic(log, errs: dict, save) -> None:
+    """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale,
+    into `errs` (saved after each)."""
     from pallas_kernels.kv_quant import quantize
     from pallas_kernels.paged_decode import paged_decode_mosaic
     from pallas_kernels.reference import paged_decode_reference
-    errs = {}
-    for batch, max_blocks, splits, variant in ((7, 40, None, "mosaic"), (64, 256, None, "mosaic"),
-                                               (3, 300, 4, "mosaic"), (64, 256, None, "mosaic:t128"),
-                                               (64, 256, None, "mosaic:up4")):
+    for batch, max_blocks, splits, variant in CHECKS:
         rng = np.random.default_rng(batch)
         nb = batch * max_blocks + 5
         q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
@@ -130,24 +134,32 @@ def check_mosaic(log) -> dict:
         key = f"fp8kv_{variant.replace(':', '_')}_rel_err_b{batch}x{max_blocks * 16}"
         errs[key] = err
         log(f"check {variant} B{batch} x {max_blocks * 16} splits={splits}: rel err {err:.2e}")
-    return errs
+        save()
 
 
 def fp8_variant_config(name: str):
     """A variant name's Mosaic config: bench_decode's `mosaic_config` options, plus "ahead" for
-    `fp8_widen_ahead=True` and "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X; e.g.
-    "mosaic:ahead:la4"."""
+    `fp8_widen_ahead=True`, "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X, "qk" for
+    `fp8_qk`, "wid" for `fp8_qk` + `fp8_widener`, "8bit" for WGMMA_8BIT widening and "st<N>" for
+    N ring stages; e.g. "mosaic:qk:la4"."""
     from benchmarks.bench_decode import mosaic_config
     ours = {"ahead": dict(fp8_widen_ahead=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
-            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X")}
+            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
+            "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "qk": dict(fp8_qk=True),
+            "wid": dict(fp8_qk=True, fp8_widener=True),
+            "late": dict(fp8_widen_ahead=False, fp8_qk=False, fp8_widener=False)}
+    ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
     opts = name.split(":")
     config = mosaic_config(":".join(o for o in opts if o not in ours))
     for o in opts:
         config = dataclasses.replace(config, **ours.get(o, {}))
+    if config.profile_dir:
+        raise ValueError("timed kernels take no profiler (its dump is a host callback)")
     return config
 
 
-def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> None:
+def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
+                 page32: bool = False) -> None:
     """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
     production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
     the Triton kernel on both."""
@@ -172,12 +184,12 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> 
     if triton:
         fn = functools.partial(paged_decode_triton_configured, scale=scale)
         runs += [("triton", fn, "bf16"), ("triton", fn, "fp8kv")]
-    # Diagnostic: 32-token pages, so each TMA copy moves as many bytes as a bf16 page of 16.
-    page32 = make_paged_case(BATCH, CTX, page=32)
-    cases["fp8kv_page32"] = dict(page32, k=quantize(page32["k"], 1.0), v=quantize(page32["v"], 1.0),
-                                 kv_bytes=page32["kv_bytes"] // 2)
-    del page32
-    runs.append(("mosaic", mosaic, "fp8kv_page32"))
+    if page32:  # diagnostic: 32-token pages, each TMA copy as many bytes as a bf16 page of 16
+        c32 = make_paged_case(BATCH, CTX, page=32)
+        cases["fp8kv_page32"] = dict(c32, k=quantize(c32["k"], 1.0), v=quantize(c32["v"], 1.0),
+                                     kv_bytes=c32["kv_bytes"] // 2)
+        del c32
+        runs.append(("mosaic", mosaic, "fp8kv_page32"))
     for name, fn, kind in runs:
         case = cases[kind]
         try:
@@ -224,10 +236,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="check,decode,prefill,ppl")
     ap.add_argument("--ppl-window", type=int, default=256)
-    ap.add_argument("--fp8-variants", default="mosaic:la4,mosaic:t128,mosaic:t128:la4,mosaic:ahead",
+    ap.add_argument("--fp8-variants", default="mosaic:late,mosaic:qk,mosaic:wid,mosaic:ahead",
                     help="comma list of fp8 decode kernel variants to time beside the default "
-                         "(bench_decode's mosaic options, and 'ahead': fp8_widen_ahead=True)")
+                         "(`fp8_variant_config` names)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")
+    ap.add_argument("--page32", action="store_true",
+                    help="also time the default fp8 kernel on 32-token pages (diagnostic)")
     results_io.add_save_arg(ap, "quant_kv_<gpu>")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
@@ -242,19 +256,20 @@ def main(argv=None) -> None:
                                         ppl_window=args.ppl_window, jax=jax.__version__))
 
     log = functools.partial(print, flush=True)
-    if "check" in parts:
-        metrics.update(check_mosaic(log))
+    for part in parts:  # in the order given (a job cut short keeps the first ones)
+        if part == "check":
+            check_mosaic(log, metrics, save)
+        elif part == "decode":
+            decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
+                         not args.no_triton, args.page32)
+        elif part == "ppl":
+            metrics.update(demo_ppl(args.ppl_window))
+            log({k: v for k, v in metrics.items() if k.startswith("demo")})
+        elif part == "prefill":
+            metrics.update(prefill_speed(log))
+        else:
+            raise SystemExit(f"unknown part {part!r} in --parts")
         save()
-    if "decode" in parts:
-        decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
-                     not args.no_triton)
-    if "ppl" in parts:
-        metrics.update(demo_ppl(args.ppl_window))
-        log({k: v for k, v in metrics.items() if k.startswith("demo")})
-        save()
-    if "prefill" in parts:
-        metrics.update(prefill_speed(log))
-    save()
 
 
 if __name__ == "__main__":

@@ -100,8 +100,11 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool =
     if fp8:  # the same pages as an fp8 cache (kv_quant.py)
         from pallas_kernels.kv_quant import quantize
         case = dict(case, k=quantize(case["k"], 1.0), v=quantize(case["v"], 1.0))
+        from benchmarks.bench_quant_kv import fp8_variant_config
+        config = fp8_variant_config(variant)  # the fp8 options too (qk, wid, late, ...)
         variant += ":fp8"
-    config = mosaic_config(variant.removesuffix(":fp8"))
+    else:
+        config = mosaic_config(variant)
     trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     args = (case["q"], case["k"], case["v"], case["bts"][0], case["lens"])
@@ -135,13 +138,16 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", action="store_true", help="also profile each on an fp8 cache")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="profile each on an fp8 cache only (variants may use the fp8 options of "
+                         "bench_quant_kv.fp8_variant_config)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_profiles"))
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         for variant in args.variants.split(","):
-            for fp8 in (False, True) if args.fp8 else (False,):
+            for fp8 in (True,) if args.fp8_only else (False, True) if args.fp8 else (False,):
                 row = profile_shape(batch, ctx, variant, out_dir, fp8)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

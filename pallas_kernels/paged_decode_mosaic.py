@@ -58,6 +58,7 @@ from pallas_kernels.paged_decode_common import (
     check_decode_inputs,
     plan_splits,
 )
+from pallas_kernels.paged_decode_swap import swap_consumer, swap_scratch
 from pallas_kernels.split_combine_mosaic import combine_split_parts
 
 _WGMMA_ROWS = 64
@@ -84,7 +85,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
-                   widen_layout: str, fp8_qk: bool, widener: bool):
+                   widen_layout: str, fp8_qk: bool, widener: bool, swap: bool):
     # fp8_qk: q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if fp8_qk else (None, refs)
@@ -100,7 +101,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     # widener's barriers (staging tile full / free, one per consumer).
     if widener:
         *p_smem, vw_full, vw_free = p_smem
-    p_smem, wide_smem = (p_smem[0] if interpret else None), p_smem[interpret:]
+    has_p = interpret or swap  # the P tiles: interpret mode's stand-in; swap's P^T operand
+    p_smem, wide_smem = (p_smem[0] if has_p else None), p_smem[has_p:]
     wgmma_tile = functools.partial(mgpu_fp8.wgmma_tile, layout=widen_layout)
     widen_slot = functools.partial(mgpu_fp8.widen_slot, layout=widen_layout)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
@@ -364,7 +366,18 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
             return g0 + steps
 
-        lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+        if swap:
+            named = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
+                         k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
+                         vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
+                         p_smem=p_smem, wide=wide_smem[0], o_ref=o_ref, qinv_ref=qinv_ref,
+                         **(dict(vw_full=vw_full, vw_free=vw_free) if widener else {}))
+            swap_consumer(wg=wg, my_items=my_items, item_info=item_info, q_rows=q_rows,
+                          refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
+                          stages=stages, logit_scale=logit_scale, softcap=softcap,
+                          widener=widener, interpret=interpret, widen_layout=widen_layout)
+        else:
+            lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
         @pl.when(wg == 1)
         def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
@@ -410,6 +423,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     ahead = widen and config.fp8_widen_ahead
     fp8_qk = widen and config.fp8_qk
     widener = fp8_qk and config.fp8_widener
+    # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
+    swap = fp8_qk and config.fp8_swap and plan.num_splits == 1
     num_threads = _NUM_CONSUMERS + 1 + widener
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
@@ -421,13 +436,18 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     # The P tiles (interpret) and the fp8 pages' 16-bit staging tiles, one per consumer.
     fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
                     * (_WGMMA_ROWS * interpret + d * widen * (1 + ahead)))
+    gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
+    if swap:  # small q, hand-over, output and P^T tiles instead of 64-row ones
+        swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
+                                  num_consumers=_NUM_CONSUMERS)
+        fixed_bytes = (swap_tiles["bytes"] + profiling * num_threads * _PROFILE_EVENTS * 16
+                       + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
     if stages < 2 or stages % 2:
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
                          f"{(_SMEM_BUDGET - fixed_bytes) // stage_bytes} stages of "
                          f"{config.tokens_per_step} tokens at head_dim {d})")
     s, hkv, hq = shape.num_seqs, shape.num_kv_heads, shape.num_q_heads
-    gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
     q_padded = not ((8 % g == 0 or g % 8 == 0) and (s * hq) % 8 == 0)
     q2 = q.reshape(s * hkv, g, d)
     if fp8_qk:  # q -> (q_hi, q_lo) in the cache's fp8 type, and the per-item 1 / c
@@ -443,7 +463,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
     f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
-    q_tiles = (plgpu.SMEM((2, 2, _WGMMA_ROWS, d), cache_dtype,
+    q_tiles = (plgpu.SMEM((2, 2, gp if swap else _WGMMA_ROWS, d), cache_dtype,
                           transforms=tile_transforms(cache_dtype, d)) if fp8_qk else
                plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms))
     tokens = config.tokens_per_step
@@ -459,7 +479,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
-        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk, widener=widener)
+        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk, widener=widener, swap=swap)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -469,10 +489,12 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
             # conflicts; its unswizzled view stages the fp32 part when split.
+            swap_tiles["x"] if swap else
             plgpu.RefUnion(plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
                            plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32)),
+            swap_tiles["vec"] if swap else
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
-            *out_scratch,
+            *((swap_tiles["out"],) if swap else out_scratch),
             plgpu.Barrier(num_arrivals=1 + fp8_qk, num_barriers=2),  # q tile filled
             plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
@@ -481,7 +503,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
-            *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
+            *([swap_tiles["p"]] if swap else
+              [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
             *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
             *[plgpu.Barrier(num_barriers=_NUM_CONSUMERS)] * (2 * widener),

@@ -123,11 +123,13 @@ def test_mosaic_interpret_matches_reference(case):
     run_case(case, kernel)
 
 
-FP8_CASES = [CASES[3], CASES[5], CASES[6]]  # d 128 one split + soft-cap, d 128 / d 64 split
+# d 128 one split + soft-cap, d 128 / d 64 split, G = 1 with q padded
+FP8_CASES = [CASES[3], CASES[5], CASES[6], CASES[7]]
 
 
 @pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_widen_ahead", "mosaic_fp8_qk",
-                                    "mosaic_fp8_widener"])
+                                    "mosaic_fp8_widener", "mosaic_fp8_swap",
+                                    "mosaic_fp8_swap_widener"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
     # Both kernels widen the fp8 pages to 16 bits; the Mosaic one into staging tiles, one stage
@@ -138,17 +140,20 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
         if kernel == "triton":
             return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
                                                   workers=workers, interpret=True)
+        # The transposed consumer takes one-split plans (several splits fall back to fp8_qk).
+        splits = 1 if "swap" in kernel else splits
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits,
                                  fp8_widen_ahead=kernel == "mosaic_widen_ahead",
-                                 fp8_qk=kernel in ("mosaic_fp8_qk", "mosaic_fp8_widener"),
-                                 fp8_widener=kernel == "mosaic_fp8_widener")
+                                 fp8_qk="fp8" in kernel, fp8_widener="widener" in kernel,
+                                 fp8_swap="swap" in kernel)
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, fn, jnp.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("d,splits,mode", [(128, 1, "ahead"), (64, 3, "ahead"), (128, 1, "late"),
                                            (128, 1, "fp8_qk"), (64, 3, "fp8_qk"),
-                                           (128, 1, "widener")])
+                                           (128, 1, "widener"), (128, 1, "swap"),
+                                           (128, 1, "swap_widener")])
 def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, mode):
     """The fp8 path's Mosaic GPU pieces (8-bit swizzled tiles, WGMMA_8BIT loads, the paired
     e4m3 -> f16 conversion, the f16 staging tiles) lower for CUDA at the benchmark shape."""
@@ -160,8 +165,9 @@ def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, mode):
     fn = functools.partial(paged_decode_mosaic, scale=0.1,
                            config=MosaicDecodeConfig(num_ctas=132, num_splits=splits,
                                                      fp8_widen_ahead=mode == "ahead",
-                                                     fp8_qk=mode in ("fp8_qk", "widener"),
-                                                     fp8_widener=mode == "widener"))
+                                                     fp8_qk=mode not in ("ahead", "late"),
+                                                     fp8_widener="widener" in mode,
+                                                     fp8_swap="swap" in mode))
     text = jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "cvt.rn.f16x2.e4m3x2" in text

@@ -84,19 +84,21 @@ def wgmma_tile(tile, wide, free, layout: str = "WGMMA_8BIT"):
 def widener_loop(item_steps, num_items, ring, ready, free, wide, wide_full, wide_free,
                  stages: int, layout: str = "WGMMA_8BIT") -> None:
     """A widening warpgroup's whole life: for each of the CTA's items (`item_steps(it)` steps
-    each), step after step in the ring's global order, widen ring slot `gs % stages` into
-    consumer `gs % 2`'s staging tile `wide[gs % 2]` (the consumer that owns that step) once the
-    consumer freed it (`wide_free`), then signal `wide_full`."""
+    each), step after step in the ring's global order, widen ring slot `gs % stages` into staging
+    tile `wide[gs % n]` (n tiles, an even number: consumer `gs % 2` owns step gs and reads that
+    tile) once its consumer freed it (`wide_free[gs % n]`), then signal `wide_full[gs % n]`."""
+    n = wide.shape[0]
+
     def item_body(it, g0):
         def step(j, carry):
             gs = g0 + j
-            owner = lax.rem(gs, 2)
+            tile = lax.rem(gs, n)
 
-            @pl.when(gs >= 2)
+            @pl.when(gs >= n)
             def _():
-                plgpu.barrier_wait(wide_free.at[owner])
-            widen_slot(ring, ready, free, lax.rem(gs, stages), wide.at[owner], layout)
-            plgpu.barrier_arrive(wide_full.at[owner])
+                plgpu.barrier_wait(wide_free.at[tile])
+            widen_slot(ring, ready, free, lax.rem(gs, stages), wide.at[tile], layout)
+            plgpu.barrier_arrive(wide_full.at[tile])
             return carry
 
         steps = item_steps(it)
@@ -104,4 +106,4 @@ def widener_loop(item_steps, num_items, ring, ready, free, wide, wide_full, wide
         return g0 + steps
 
     total_steps = lax.fori_loop(0, num_items, item_body, jnp.int32(0))
-    observe_last_releases(total_steps, 2, wide_free)  # the consumers' last release of each tile
+    observe_last_releases(total_steps, n, wide_free)  # the consumers' last release of each tile

@@ -33,6 +33,8 @@ class MosaicDecodeConfig:
       mgpu_fp8.py.
     fp8_widener: with fp8_qk, a fourth warpgroup widens every V tile into the owning consumer's
       staging tile, so the consumers never widen.
+    fp8_widener_tiles: staging tiles per consumer with fp8_widener (the widener runs that many
+      of a consumer's steps ahead).
     fp8_swap: with fp8_qk, the transposed consumer (paged_decode_swap.py: KV tokens on wgmma's M
       side, the G query heads on N) for one-split plans.
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
@@ -49,6 +51,7 @@ class MosaicDecodeConfig:
     fp8_widen_ahead: bool = False
     fp8_qk: bool = False
     fp8_widener: bool = False
+    fp8_widener_tiles: int = 1
     fp8_swap: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
@@ -68,5 +71,7 @@ class MosaicDecodeConfig:
                              "during QK^T)")
         if (self.fp8_widener or self.fp8_swap) and not self.fp8_qk:
             raise ValueError("fp8_widener and fp8_swap need fp8_qk")
+        if self.fp8_widener_tiles < 1:
+            raise ValueError(f"fp8_widener_tiles={self.fp8_widener_tiles} must be >= 1")
         if self.bt_lookahead < 0:
             raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")

@@ -293,9 +293,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                         lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
                 elif fp8_qk:
                     v_tile = wide
-                    if widener:
+                    if widener:  # the widener's tile for this step
+                        wi = lax.rem(g0 + j, wide_smem[0].shape[0])
+                        v_tile = wide_smem[0].at[wi]
                         with jax.named_scope("wait_v"):
-                            plgpu.barrier_wait(vw_full.at[wg])
+                            plgpu.barrier_wait(vw_full.at[wi])
                 else:
                     with jax.named_scope("wait_v"):
                         plgpu.barrier_wait(v_bar.at[slot])
@@ -306,7 +308,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 if wide is None:
                     plgpu.barrier_arrive(v_free.at[slot])
                 elif widener:
-                    plgpu.barrier_arrive(vw_free.at[wg])
+                    plgpu.barrier_arrive(vw_free.at[wi])
                 return acc, m_new, l_i
 
             init = (
@@ -426,6 +428,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
     swap = fp8_qk and config.fp8_swap and plan.num_splits == 1
     num_threads = _NUM_CONSUMERS + 1 + widener
+    # 16-bit staging tiles per kind (K, V when ahead): one per consumer, or the widener's
+    wide_tiles = _NUM_CONSUMERS * (config.fp8_widener_tiles if widener else 1)
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
@@ -434,14 +438,14 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     if profiling:
         fixed_bytes += num_threads * _PROFILE_EVENTS * 16
     # The P tiles (interpret) and the fp8 pages' 16-bit staging tiles, one per consumer.
-    fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
-                    * (_WGMMA_ROWS * interpret + d * widen * (1 + ahead)))
+    fixed_bytes += config.tokens_per_step * elem_bytes * (
+        _NUM_CONSUMERS * _WGMMA_ROWS * interpret + wide_tiles * d * widen * (1 + ahead))
     gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
     if swap:  # small q, hand-over, output and P^T tiles instead of 64-row ones
         swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
                                   num_consumers=_NUM_CONSUMERS)
         fixed_bytes = (swap_tiles["bytes"] + profiling * num_threads * _PROFILE_EVENTS * 16
-                       + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
+                       + wide_tiles * config.tokens_per_step * d * elem_bytes)  # + staging
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
     if stages < 2 or stages % 2:
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
@@ -506,8 +510,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             *([swap_tiles["p"]] if swap else
               [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
-            *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
-            *[plgpu.Barrier(num_barriers=_NUM_CONSUMERS)] * (2 * widener),
+            *[plgpu.SMEM((wide_tiles, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
+            *[plgpu.Barrier(num_barriers=wide_tiles)] * (2 * widener),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),

@@ -60,7 +60,7 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
     n, d = q_smem.shape[-2], q_smem.shape[-1]
     tokens = k_smem.shape[1]
     col_layout = plgpu.Layout.WGMMA.reduce(0)
-    wide, p_tile = r["wide"].at[wg], r["p_smem"].at[wg]
+    p_tile = r["p_smem"].at[wg]
     cols = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
 
     def item_body(it, g0):
@@ -76,6 +76,9 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             acc, m_i, l_acc = carry
             j = j0 + 2 * t
             slot = lax.rem(g0 + j, stages)
+            # V's staging tile: the consumer's own, or the widener's tile for this step
+            wi = lax.rem(g0 + j, r["wide"].shape[0]) if widener else wg
+            wide = r["wide"].at[wi]
             with jax.named_scope("wait_k"):
                 plgpu.barrier_wait(r["k_bar"].at[slot])
             k_tile = k_smem.at[slot]
@@ -110,11 +113,11 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             plgpu.commit_smem()
             if widener:
                 with jax.named_scope("wait_v"):
-                    plgpu.barrier_wait(r["vw_full"].at[wg])
+                    plgpu.barrier_wait(r["vw_full"].at[wi])
             with jax.named_scope("pv"):
                 acc = _pv(acc, wide.transpose((1, 0)), p_tile.transpose((1, 0)), interpret)
             if widener:
-                plgpu.barrier_arrive(r["vw_free"].at[wg])
+                plgpu.barrier_arrive(r["vw_free"].at[wi])
             return acc, m_new, l_acc
 
         init = (

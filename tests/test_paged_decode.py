@@ -135,7 +135,8 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
     # Both kernels widen the fp8 pages to 16 bits; the Mosaic one into staging tiles, one stage
     # ahead (V during QK^T, the next K during P V) or just before each wgmma; or (fp8_qk) K read
     # as fp8 by the QK^T wgmmas against q split into two e4m3 tiles, V widened during them by the
-    # consumer or (widener) by a warpgroup of its own.
+    # consumer or (widener) by a warpgroup of its own (with two staging tiles per consumer in
+    # the swap case); or (swap) the transposed consumer.
     def fn(*args, workers, splits, **kwargs):
         if kernel == "triton":
             return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
@@ -145,7 +146,8 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits,
                                  fp8_widen_ahead=kernel == "mosaic_widen_ahead",
                                  fp8_qk="fp8" in kernel, fp8_widener="widener" in kernel,
-                                 fp8_swap="swap" in kernel)
+                                 fp8_swap="swap" in kernel,
+                                 fp8_widener_tiles=2 if "swap_widener" in kernel else 1)
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, fn, jnp.float8_e4m3fn)
 

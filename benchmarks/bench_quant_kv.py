@@ -143,7 +143,8 @@ def fp8_variant_config(name: str):
     `fp8_widen_ahead=True`, "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X, "qk" for
     `fp8_qk`, "wid" for `fp8_qk` + `fp8_widener`, "swap" for `fp8_qk` + `fp8_swap`, "swapw" for all
     three, "late" for none of them (nor ahead), "8bit" for WGMMA_8BIT widening, "st<N>" for N
-    ring stages and "wt<N>" for N widener tiles per consumer; e.g. "mosaic:swapw:wt2"."""
+    ring stages, "wt<N>" for N widener tiles per consumer and "vp" / "novp" for
+    `fp8_v_producer`; e.g. "mosaic:swap:vp"."""
     from benchmarks.bench_decode import mosaic_config
     ours = {"ahead": dict(fp8_widen_ahead=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
@@ -151,7 +152,9 @@ def fp8_variant_config(name: str):
             "wid": dict(fp8_qk=True, fp8_widener=True, fp8_swap=False),
             "swap": dict(fp8_qk=True, fp8_swap=True, fp8_widener=False),
             "swapw": dict(fp8_qk=True, fp8_swap=True, fp8_widener=True),
-            "late": dict(fp8_widen_ahead=False, fp8_qk=False, fp8_widener=False, fp8_swap=False)}
+            "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
+            "late": dict(fp8_widen_ahead=False, fp8_qk=False, fp8_widener=False, fp8_swap=False,
+                         fp8_v_producer=False)}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
     ours.update({f"wt{n}": dict(fp8_widener_tiles=n) for n in range(1, 5)})
     opts = name.split(":")

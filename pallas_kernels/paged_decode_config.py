@@ -37,6 +37,8 @@ class MosaicDecodeConfig:
       of a consumer's steps ahead).
     fp8_swap: with fp8_qk, the transposed consumer (paged_decode_swap.py: KV tokens on wgmma's M
       side, the G query heads on N) for one-split plans.
+    fp8_v_producer: with an fp8 cache, a second producer warpgroup issues V's page copies (the
+      first issues q's and K's): an fp8 step is half the bytes of a 16-bit one in as many copies.
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
@@ -53,6 +55,7 @@ class MosaicDecodeConfig:
     fp8_widener: bool = False
     fp8_widener_tiles: int = 1
     fp8_swap: bool = False
+    fp8_v_producer: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
 
@@ -71,6 +74,8 @@ class MosaicDecodeConfig:
                              "during QK^T)")
         if (self.fp8_widener or self.fp8_swap) and not self.fp8_qk:
             raise ValueError("fp8_widener and fp8_swap need fp8_qk")
+        if self.fp8_widener and self.fp8_v_producer:
+            raise ValueError("fp8_widener and fp8_v_producer both take the fourth warpgroup")
         if self.fp8_widener_tiles < 1:
             raise ValueError(f"fp8_widener_tiles={self.fp8_widener_tiles} must be >= 1")
         if self.bt_lookahead < 0:

@@ -85,7 +85,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
-                   widen_layout: str, fp8_qk: bool, widener: bool, swap: bool):
+                   widen_layout: str, fp8_qk: bool, widener: bool, swap: bool,
+                   v_producer: bool):
     # fp8_qk: q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if fp8_qk else (None, refs)
@@ -141,25 +142,26 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
         return seq, head, split, length, first, steps
 
-    @pl.when(wg == _NUM_CONSUMERS)
-    def _producer():
+    def produce(with_q: bool, caches):
+        """A producer warpgroup: item after item, the q tile (`with_q`) and the pages of each
+        (cache_ref, ring, ready, free) in `caches` (K and V, or one of them with a V producer)."""
         plgpu.set_max_registers(40, action="decrease")
 
         def item_body(it, g0):
             seq, head, _, _, first, steps = item_info(it)
             qb = lax.rem(it, 2)
-
-            @pl.when(it >= 2)
-            def _():
-                plgpu.barrier_wait(q_free.at[qb])
-            start, _, _ = q_rows(seq, head)
-            if fp8_qk:  # q_hi and q_lo, both on the tile's barrier
-                for h in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(start, gp)],
-                                            q_smem.at[qb, h, pl.ds(0, gp)], q_bar.at[qb])
-            else:
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
-                                        q_bar.at[qb])
+            if with_q:
+                @pl.when(it >= 2)
+                def _():
+                    plgpu.barrier_wait(q_free.at[qb])
+                start, _, _ = q_rows(seq, head)
+                if fp8_qk:  # q_hi and q_lo, both on the tile's barrier
+                    for h in range(2):
+                        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(start, gp)],
+                                                q_smem.at[qb, h, pl.ds(0, gp)], q_bar.at[qb])
+                else:
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)],
+                                            q_smem.at[qb, pl.ds(0, gp)], q_bar.at[qb])
 
             def block_ids(j):
                 """Block ids of step j's pages, each read at its column (clamped to the table).
@@ -190,8 +192,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                         plgpu.copy_gmem_to_smem(cache_ref.at[head, block],
                                                 smem.at[slot, pl.ds(i * bs, bs)], ready.at[slot])
 
-                load(k_ref, k_smem, k_bar, k_free)
-                load(v_ref, v_smem, v_bar, v_free)
+                for cache in caches:
+                    load(*cache)
                 return ahead
 
             ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
@@ -202,8 +204,15 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                                     jnp.int32(0))
         # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
         # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
-        observe_last_releases(total_steps, stages, k_free, v_free)
-        observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
+        observe_last_releases(total_steps, stages, *(cache[3] for cache in caches))
+        if with_q:
+            observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
+
+    k_load, v_load = (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)
+    pl.when(wg == _NUM_CONSUMERS)(
+        lambda: produce(True, (k_load,) if v_producer else (k_load, v_load)))
+    if v_producer:  # V's copies from a warpgroup of their own: half the issue work each
+        pl.when(wg == _NUM_CONSUMERS + 1)(lambda: produce(False, (v_load,)))
 
     if widener:
         @pl.when(wg == _NUM_CONSUMERS + 1)
@@ -214,7 +223,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(200 if widener else 232, action="increase")
+        plgpu.set_max_registers(200 if widener else 216 if v_producer else 232,
+                                action="increase")
         logit_scale = scale * (1.0 if softcap else _LOG2E)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -427,7 +437,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     widener = fp8_qk and config.fp8_widener
     # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
     swap = fp8_qk and config.fp8_swap and plan.num_splits == 1
-    num_threads = _NUM_CONSUMERS + 1 + widener
+    v_producer = widen and config.fp8_v_producer
+    num_threads = _NUM_CONSUMERS + 1 + widener + v_producer
     # 16-bit staging tiles per kind (K, V when ahead): one per consumer, or the widener's
     wide_tiles = _NUM_CONSUMERS * (config.fp8_widener_tiles if widener else 1)
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
@@ -483,7 +494,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
-        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk, widener=widener, swap=swap)
+        widen_layout=config.fp8_widen_layout, fp8_qk=fp8_qk, widener=widener, swap=swap,
+        v_producer=v_producer)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -129,14 +129,15 @@ FP8_CASES = [CASES[3], CASES[5], CASES[6], CASES[7]]
 
 @pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_widen_ahead", "mosaic_fp8_qk",
                                     "mosaic_fp8_widener", "mosaic_fp8_swap",
-                                    "mosaic_fp8_swap_widener"])
+                                    "mosaic_fp8_swap_widener", "mosaic_fp8_swap_vproducer"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
     # Both kernels widen the fp8 pages to 16 bits; the Mosaic one into staging tiles, one stage
     # ahead (V during QK^T, the next K during P V) or just before each wgmma; or (fp8_qk) K read
     # as fp8 by the QK^T wgmmas against q split into two e4m3 tiles, V widened during them by the
     # consumer or (widener) by a warpgroup of its own (with two staging tiles per consumer in
-    # the swap case); or (swap) the transposed consumer.
+    # the swap case); or (swap) the transposed consumer; vproducer: V's copies from a second
+    # producer warpgroup.
     def fn(*args, workers, splits, **kwargs):
         if kernel == "triton":
             return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
@@ -147,7 +148,8 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
                                  fp8_widen_ahead=kernel == "mosaic_widen_ahead",
                                  fp8_qk="fp8" in kernel, fp8_widener="widener" in kernel,
                                  fp8_swap="swap" in kernel,
-                                 fp8_widener_tiles=2 if "swap_widener" in kernel else 1)
+                                 fp8_widener_tiles=2 if "swap_widener" in kernel else 1,
+                                 fp8_v_producer="vproducer" in kernel)
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, fn, jnp.float8_e4m3fn)
 
@@ -155,7 +157,8 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
 @pytest.mark.parametrize("d,splits,mode", [(128, 1, "ahead"), (64, 3, "ahead"), (128, 1, "late"),
                                            (128, 1, "fp8_qk"), (64, 3, "fp8_qk"),
                                            (128, 1, "widener"), (128, 1, "swap"),
-                                           (128, 1, "swap_widener")])
+                                           (128, 1, "swap_widener"), (128, 1, "swap_vproducer"),
+                                           (64, 3, "fp8_qk_vproducer")])
 def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, mode):
     """The fp8 path's Mosaic GPU pieces (8-bit swizzled tiles, WGMMA_8BIT loads, the paired
     e4m3 -> f16 conversion, the f16 staging tiles) lower for CUDA at the benchmark shape."""
@@ -169,7 +172,8 @@ def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, mode):
                                                      fp8_widen_ahead=mode == "ahead",
                                                      fp8_qk=mode not in ("ahead", "late"),
                                                      fp8_widener="widener" in mode,
-                                                     fp8_swap="swap" in mode))
+                                                     fp8_swap="swap" in mode,
+                                                     fp8_v_producer="vproducer" in mode))
     text = jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "cvt.rn.f16x2.e4m3x2" in text

@@ -105,11 +105,10 @@ def demo_ppl(length: int = 256) -> dict:
     return out
 
 
-# (batch, max blocks, forced splits, variant): the default kernel and each fp8 path.
-CHECKS = ((64, 256, None, "mosaic:swap"), (7, 40, None, "mosaic:swapw"),
-          (64, 256, None, "mosaic:swapw:wt2"), (3, 300, 4, "mosaic:qk"), (64, 256, None, "mosaic:qk"),
-          (64, 256, None, "mosaic:wid"), (7, 40, None, "mosaic"), (64, 256, None, "mosaic"),
-          (3, 300, 4, "mosaic"), (64, 256, None, "mosaic:swap:t128"))
+# (batch, max blocks, forced splits, variant): the default kernel (one split: the transposed
+# consumer; several: the plain one) and the transposed consumer without the V producer.
+CHECKS = ((7, 40, None, "mosaic"), (64, 256, None, "mosaic"), (3, 300, 4, "mosaic"),
+          (64, 256, None, "mosaic:novp"))
 
 
 def check_mosaic(log, errs: dict, save) -> None:
@@ -139,24 +138,17 @@ def check_mosaic(log, errs: dict, save) -> None:
 
 
 def fp8_variant_config(name: str):
-    """A variant name's Mosaic config: bench_decode's `mosaic_config` options, plus "ahead" for
-    `fp8_widen_ahead=True`, "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X, "qk" for
-    `fp8_qk`, "wid" for `fp8_qk` + `fp8_widener`, "swap" for `fp8_qk` + `fp8_swap`, "swapw" for all
-    three, "late" for none of them (nor ahead), "8bit" for WGMMA_8BIT widening, "st<N>" for N
-    ring stages, "wt<N>" for N widener tiles per consumer and "vp" / "novp" for
-    `fp8_v_producer`; e.g. "mosaic:swap:vp"."""
+    """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
+    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "swap" / "plain" (the
+    transposed consumer on / off), "vp" / "novp" (the V producer on / off), "up2" / "up4" / "8bit"
+    (the widening layout), "st<N>" (N ring stages); e.g. "mosaic:plain:novp"."""
     from benchmarks.bench_decode import mosaic_config
-    ours = {"ahead": dict(fp8_widen_ahead=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
-            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
-            "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "qk": dict(fp8_qk=True),
-            "wid": dict(fp8_qk=True, fp8_widener=True, fp8_swap=False),
-            "swap": dict(fp8_qk=True, fp8_swap=True, fp8_widener=False),
-            "swapw": dict(fp8_qk=True, fp8_swap=True, fp8_widener=True),
+    ours = {"swap": dict(fp8_swap=True), "plain": dict(fp8_swap=False),
             "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
-            "late": dict(fp8_widen_ahead=False, fp8_qk=False, fp8_widener=False, fp8_swap=False,
-                         fp8_v_producer=False)}
+            "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
+            "8bit": dict(fp8_widen_layout="WGMMA_8BIT")}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
-    ours.update({f"wt{n}": dict(fp8_widener_tiles=n) for n in range(1, 5)})
     opts = name.split(":")
     config = mosaic_config(":".join(o for o in opts if o not in ours))
     for o in opts:
@@ -244,7 +236,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="check,decode,prefill,ppl")
     ap.add_argument("--ppl-window", type=int, default=256)
-    ap.add_argument("--fp8-variants", default="mosaic:late,mosaic:qk,mosaic:wid,mosaic:ahead",
+    ap.add_argument("--fp8-variants", default="mosaic:novp,mosaic:la4,mosaic:plain",
                     help="comma list of fp8 decode kernel variants to time beside the default "
                          "(`fp8_variant_config` names)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")

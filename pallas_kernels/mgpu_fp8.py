@@ -1,30 +1,25 @@
 """Mosaic GPU pieces for reading an fp8 KV cache (`pallas_kernels/kv_quant.py` has the scheme).
 
-Hopper's wgmma takes fp8 operands only as e4m3/e5m2 on both sides and only K-major, so neither
-product of attention can use the fp8 pages directly without also rounding q or P to fp8 (and P @ V
-reads V MN-major). The kernels therefore compute in float16: a consumer waits for a ring slot's
-fp8 page tile, loads it into registers (the WGMMA_8BIT layout: four bytes per 32-bit shared-memory
-load), widens it with the hardware's paired `cvt.rn.f16x2.e4m3x2` (exact: every e4m3 value is a
-float16 value; bfloat16 would need PTX ISA 9.2), stores it into its own float16 staging tile and
-releases the fp8 slot at once, so the producer refills it while the wgmma runs. HBM streams half
-the bytes; the widening costs shared-memory bandwidth, not HBM time.
-
-QK^T can skip the widening (`MosaicDecodeConfig.fp8_qk`): K is K-major, so the fp8 ring tile is a
-valid wgmma B operand as it lies, and q goes in as two e4m3 tiles whose sum is q scaled by a power
-of two (`split_q`): two fp8 wgmmas, each at twice the f16 rate, carry q to about 8 mantissa bits
-(bf16's), and only V, read MN-major by P @ V, still needs its float16 copy.
+Hopper's wgmma takes fp8 operands only as e4m3/e5m2 on both sides and only K-major. K is K-major
+for Q K^T (its rows run along the reduced head dimension), so an fp8 ring tile of K is a valid
+wgmma operand as it lies, provided q is fp8 too: q goes in as two e4m3 tiles whose sum is q scaled
+by a power of two (`split_q`), and two fp8 wgmmas, each at twice the f16 rate, carry q to about 8
+mantissa bits (bf16's). P @ V reads V MN-major, which fp8 wgmma cannot, so V is widened: a
+consumer waits for a ring slot's fp8 V tile, loads it into registers (the WGMMA_8BIT layout: four
+bytes per 32-bit shared-memory load), widens it with the hardware's paired `cvt.rn.f16x2.e4m3x2`
+(exact: every e4m3 value is a float16 value; bfloat16 would need PTX ISA 9.2), stores it into its
+own float16 staging tile and releases the fp8 slot at once, so the producer refills it while the
+wgmma runs (the prefill kernel widens K that way too: `wgmma_tile`). HBM streams half the bytes;
+the widening costs shared-memory bandwidth, not HBM time.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_quant import is_fp8
-from pallas_kernels.mgpu_common import observe_last_releases
 
 
 def compute_dtype(cache_dtype) -> jnp.dtype:
@@ -79,31 +74,3 @@ def wgmma_tile(tile, wide, free, layout: str = "WGMMA_8BIT"):
         return tile
     widen(tile, wide, free, layout)
     return wide
-
-
-def widener_loop(item_steps, num_items, ring, ready, free, wide, wide_full, wide_free,
-                 stages: int, layout: str = "WGMMA_8BIT") -> None:
-    """A widening warpgroup's whole life: for each of the CTA's items (`item_steps(it)` steps
-    each), step after step in the ring's global order, widen ring slot `gs % stages` into staging
-    tile `wide[gs % n]` (n tiles, an even number: consumer `gs % 2` owns step gs and reads that
-    tile) once its consumer freed it (`wide_free[gs % n]`), then signal `wide_full[gs % n]`."""
-    n = wide.shape[0]
-
-    def item_body(it, g0):
-        def step(j, carry):
-            gs = g0 + j
-            tile = lax.rem(gs, n)
-
-            @pl.when(gs >= n)
-            def _():
-                plgpu.barrier_wait(wide_free.at[tile])
-            widen_slot(ring, ready, free, lax.rem(gs, stages), wide.at[tile], layout)
-            plgpu.barrier_arrive(wide_full.at[tile])
-            return carry
-
-        steps = item_steps(it)
-        lax.fori_loop(0, steps, step, jnp.int32(0))
-        return g0 + steps
-
-    total_steps = lax.fori_loop(0, num_items, item_body, jnp.int32(0))
-    observe_last_releases(total_steps, n, wide_free)  # the consumers' last release of each tile

@@ -23,22 +23,12 @@ class MosaicDecodeConfig:
       combine kernel's launch overlaps this one.
     combine_kernel: merge splits with split_combine_mosaic; False: the same merge in XLA (three
       kernels), the combine kernel's oracle in tests.
-    fp8_widen_ahead: with an fp8 cache, each consumer widens V during its QK^T wgmma and its next
-      K during its P V wgmma (two staging tiles); False: each tile just before its wgmma (one
-      staging tile, two more ring slots; 4% faster at batch 64 x 4096 on the H200). See
-      mgpu_fp8.py.
-    fp8_qk: with an fp8 cache, QK^T reads the fp8 K pages straight from the ring with fp8 wgmmas
-      (no K widening): q goes in as two e4m3 tiles, q_hi + q_lo = q * c (c a power of two per
-      item, so q keeps about 8 mantissa bits), and the consumer widens V while they run. See
-      mgpu_fp8.py.
-    fp8_widener: with fp8_qk, a fourth warpgroup widens every V tile into the owning consumer's
-      staging tile, so the consumers never widen.
-    fp8_widener_tiles: staging tiles per consumer with fp8_widener (the widener runs that many
-      of a consumer's steps ahead).
-    fp8_swap: with fp8_qk, the transposed consumer (paged_decode_swap.py: KV tokens on wgmma's M
-      side, the G query heads on N) for one-split plans.
-    fp8_v_producer: with an fp8 cache, a second producer warpgroup issues V's page copies (the
-      first issues q's and K's): an fp8 step is half the bytes of a 16-bit one in as many copies.
+    fp8_swap, fp8_v_producer: how the kernel reads an fp8 cache (mgpu_fp8.py;
+      docs/kernels/paged_decode.md, "FP8 KV cache"): K straight from the ring into fp8 QK^T
+      wgmmas against q split into two e4m3 tiles, V widened to float16; fp8_swap: the transposed
+      consumer (KV tokens on wgmma's M side, the G query heads on N; paged_decode_swap.py) where
+      the plan has one split; fp8_v_producer: V's page copies issued by a second producer
+      warpgroup (an fp8 step is half the bytes of a 16-bit one in as many copies).
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
@@ -50,12 +40,8 @@ class MosaicDecodeConfig:
     bt_lookahead: int = 2
     pdl: bool = True
     combine_kernel: bool = True
-    fp8_widen_ahead: bool = False
-    fp8_qk: bool = False
-    fp8_widener: bool = False
-    fp8_widener_tiles: int = 1
-    fp8_swap: bool = False
-    fp8_v_producer: bool = False
+    fp8_swap: bool = True
+    fp8_v_producer: bool = True
     fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
 
@@ -69,14 +55,5 @@ class MosaicDecodeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be positive (or None)")
-        if self.fp8_qk and self.fp8_widen_ahead:
-            raise ValueError("fp8_qk and fp8_widen_ahead are exclusive (fp8_qk widens only V, "
-                             "during QK^T)")
-        if (self.fp8_widener or self.fp8_swap) and not self.fp8_qk:
-            raise ValueError("fp8_widener and fp8_swap need fp8_qk")
-        if self.fp8_widener and self.fp8_v_producer:
-            raise ValueError("fp8_widener and fp8_v_producer both take the fourth warpgroup")
-        if self.fp8_widener_tiles < 1:
-            raise ValueError(f"fp8_widener_tiles={self.fp8_widener_tiles} must be >= 1")
         if self.bt_lookahead < 0:
             raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")

@@ -13,10 +13,10 @@ all 64 rows. Transposed, per step of T tokens:
 with N = the G heads rounded up to 8 (`gp`), so the tensor-core work, the softmax and the
 accumulator (D x N fp32: 8 registers a thread) shrink by 64 / N. K is K-major, so it is a valid
 fp8 operand as it lies; V is read MN-major by the second product, so it is still widened to
-float16 (by the consumer while its QK^T wgmmas run, or by the widener warpgroup); P^T goes
+float16 (by the consumer while its QK^T wgmmas run); P^T goes
 through a small [N, T] shared-memory tile (wgmma's B operand lives in shared memory). The row sum
 l is kept per token row and reduced once per item; the running max needs one cross-warp
-reduction per step. One split per sequence only (the launcher falls back to `fp8_qk` when the
+reduction per step. One split per sequence only (the launcher uses the plain consumer when the
 split plan has several).
 """
 
@@ -51,7 +51,7 @@ def _pv(acc, v_t, p_t, interpret: bool):
 
 def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: int, bs: int,
                   pages_per_step: int, stages: int, logit_scale: float, softcap: float | None,
-                  widener: bool, interpret: bool, widen_layout: str) -> None:
+                  interpret: bool, widen_layout: str) -> None:
     """Consumer warpgroup `wg` (0 or 1) of the transposed kernel: the steps of each item whose
     global slot parity is `wg`, then warpgroup 1 hands its state to warpgroup 0, which merges and
     stores the item's G output rows. `refs`: the kernel's refs by name."""
@@ -76,9 +76,7 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             acc, m_i, l_acc = carry
             j = j0 + 2 * t
             slot = lax.rem(g0 + j, stages)
-            # V's staging tile: the consumer's own, or the widener's tile for this step
-            wi = lax.rem(g0 + j, r["wide"].shape[0]) if widener else wg
-            wide = r["wide"].at[wi]
+            wide = r["wide"].at[wg]  # this consumer's V staging tile
             with jax.named_scope("wait_k"):
                 plgpu.barrier_wait(r["k_bar"].at[slot])
             k_tile = k_smem.at[slot]
@@ -89,13 +87,13 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             def qk_fn(acc_ref):
                 for h in range(2):  # q_hi, then q_lo
                     plgpu.wgmma(acc_ref, k_tile, q_smem.at[qb, h].transpose((1, 0)))
-                if not widener and not interpret:  # V widened while QK^T runs
+                if not interpret:  # V widened while QK^T runs
                     widen_v()
                 return acc_ref[...]
 
             with jax.named_scope("qk"):
                 s = pl.run_scoped(qk_fn, plgpu.ACC((tokens, n), jnp.float32))
-            if not widener and interpret:  # no barrier wait inside a wgmma scope there
+            if interpret:  # no barrier wait inside a wgmma scope there
                 widen_v()
             plgpu.barrier_arrive(r["k_free"].at[slot])
             s = s * item_scale
@@ -111,13 +109,8 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             acc = acc * cols(alpha, acc.shape)
             p_tile.transpose((1, 0))[...] = p.astype(p_tile.dtype)
             plgpu.commit_smem()
-            if widener:
-                with jax.named_scope("wait_v"):
-                    plgpu.barrier_wait(r["vw_full"].at[wi])
             with jax.named_scope("pv"):
                 acc = _pv(acc, wide.transpose((1, 0)), p_tile.transpose((1, 0)), interpret)
-            if widener:
-                plgpu.barrier_arrive(r["vw_free"].at[wi])
             return acc, m_new, l_acc
 
         init = (

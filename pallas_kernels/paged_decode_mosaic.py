@@ -383,6 +383,10 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     widen = cache_dtype != dtype  # fp8: q split in two e4m3 tiles, V widened to float16
     # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
     swap = widen and config.fp8_swap and plan.num_splits == 1
+    if swap and not interpret:
+        raise ValueError("MosaicDecodeConfig.fp8_swap runs in interpret mode only: on the GPU its two "
+                         "consumers' cross-warp reductions share Mosaic GPU's reduction scratch "
+                         "and race (paged_decode_swap.py)")
     v_producer = widen and config.fp8_v_producer
     num_threads = _NUM_CONSUMERS + 1 + v_producer
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V

@@ -341,10 +341,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                          k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
                          vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
                          p_smem=p_smem, wide=wide_smem[0], o_ref=o_ref, qinv_ref=qinv_ref)
-            swap_consumer(wg=wg, my_items=my_items, item_info=item_info, q_rows=q_rows,
-                          refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
-                          stages=stages, logit_scale=logit_scale, softcap=softcap,
-                          interpret=interpret, widen_layout=widen_layout)
+            for w in range(_NUM_CONSUMERS):  # traced per warpgroup (its reduction scratch)
+                pl.when(wg == w)(functools.partial(
+                    swap_consumer, wg=w, my_items=my_items, item_info=item_info, q_rows=q_rows,
+                    refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
+                    stages=stages, logit_scale=logit_scale, softcap=softcap,
+                    interpret=interpret, widen_layout=widen_layout))
         else:
             lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
@@ -383,10 +385,6 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     widen = cache_dtype != dtype  # fp8: q split in two e4m3 tiles, V widened to float16
     # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
     swap = widen and config.fp8_swap and plan.num_splits == 1
-    if swap and not interpret:
-        raise ValueError("MosaicDecodeConfig.fp8_swap runs in interpret mode only: on the GPU its two "
-                         "consumers' cross-warp reductions share Mosaic GPU's reduction scratch "
-                         "and race (paged_decode_swap.py)")
     v_producer = widen and config.fp8_v_producer
     num_threads = _NUM_CONSUMERS + 1 + v_producer
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V

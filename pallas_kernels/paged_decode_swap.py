@@ -49,10 +49,28 @@ def _pv(acc, v_t, p_t, interpret: bool):
     return pl.run_state(fn)(plgpu.ACC.init(acc))
 
 
-def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: int, bs: int,
+# Mosaic GPU's cross-warp reductions (the softmax's max and sum over the token axis, which spans
+# the warpgroup's 4 warps) go through a shared-memory scratch placed right after the shared memory
+# live at that point of the kernel; both consumers run the same code, so they would share it and
+# race. Warpgroup 1 reduces under an extra scoped allocation of that size, which moves its scratch
+# past warpgroup 0's (CompilerParams.reduction_scratch_bytes, Mosaic GPU's default).
+_REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+
+
+def _reduce(wg: int, fn, x, interpret: bool):
+    """fn(x), a cross-warp reduction, in warpgroup `wg`'s own scratch (see above; the interpreter
+    has no such scratch)."""
+    if wg == 0 or interpret:
+        return fn(x)
+    return pl.run_scoped(lambda _: fn(x),
+                         plgpu.SMEM((wg * _REDUCTION_SCRATCH_BYTES // 4,), jnp.float32),
+                         collective_axes="wg")
+
+
+def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int, g: int, bs: int,
                   pages_per_step: int, stages: int, logit_scale: float, softcap: float | None,
                   interpret: bool, widen_layout: str) -> None:
-    """Consumer warpgroup `wg` (0 or 1) of the transposed kernel: the steps of each item whose
+    """Consumer warpgroup `wg` (0 or 1, static) of the transposed kernel: the steps of each item whose
     global slot parity is `wg`, then warpgroup 1 hands its state to warpgroup 0, which merges and
     stores the item's G output rows. `refs`: the kernel's refs by name."""
     r = refs
@@ -60,7 +78,8 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
     n, d = q_smem.shape[-2], q_smem.shape[-1]
     tokens = k_smem.shape[1]
     col_layout = plgpu.Layout.WGMMA.reduce(0)
-    p_tile = r["p_smem"].at[wg]
+    wgd = lax.axis_index("wg")  # == wg, traced: refs indexed by a constant break run_state
+    p_tile = r["p_smem"].at[wgd]
     cols = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
 
     def item_body(it, g0):
@@ -68,7 +87,7 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
         qb = lax.rem(it, 2)
         with jax.named_scope("wait_q"):
             plgpu.barrier_wait(r["q_bar"].at[qb])
-        j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
+        j0 = lax.rem(wgd - lax.rem(g0, 2) + 2, 2)
         my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
         item_scale = logit_scale * r["qinv_ref"][seq * hkv + head]
 
@@ -76,7 +95,7 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             acc, m_i, l_acc = carry
             j = j0 + 2 * t
             slot = lax.rem(g0 + j, stages)
-            wide = r["wide"].at[wg]  # this consumer's V staging tile
+            wide = r["wide"].at[wgd]  # this consumer's V staging tile
             with jax.named_scope("wait_k"):
                 plgpu.barrier_wait(r["k_bar"].at[slot])
             k_tile = k_smem.at[slot]
@@ -102,7 +121,7 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             row = plgpu.broadcasted_iota(jnp.int32, (tokens, n), 0, layout=plgpu.Layout.WGMMA)
             valid = length - (first + j * pages_per_step) * bs
             s = jnp.where(row < valid, s, NEG_INF)
-            m_new = jnp.maximum(m_i, s.max(axis=0))
+            m_new = jnp.maximum(m_i, _reduce(wg, lambda x: x.max(axis=0), s, interpret))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - cols(m_new, s.shape))
             l_acc = l_acc * cols(alpha, s.shape) + p  # summed over tokens once per item
@@ -121,12 +140,11 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
         with jax.named_scope("kv_steps"):
             acc, m_i, l_acc = lax.fori_loop(0, my_steps, step, init)
         plgpu.barrier_arrive(r["q_free"].at[qb])
-        l_i = l_acc.sum(axis=0)
+        l_i = _reduce(wg, lambda x: x.sum(axis=0), l_acc, interpret)
         _, base, r0 = q_rows(seq, head)
         x_smem, vec_smem, y_smem = r["x_smem"], r["vec_smem"], r["y_smem"]
 
-        @pl.when(wg == 1)
-        def _hand_over():  # warpgroup 1's softmax state -> warpgroup 0
+        if wg == 1:  # warpgroup 1's softmax state -> warpgroup 0
             @pl.when(it > 0)
             def _():
                 plgpu.barrier_wait(r["x_free"].at[0])
@@ -135,8 +153,7 @@ def swap_consumer(*, wg, my_items, item_info, q_rows, refs: dict, hkv: int, g: i
             vec_smem.at[1][...] = l_i
             plgpu.barrier_arrive(r["x_full"].at[0])
 
-        @pl.when(wg == 0)
-        def _merge_and_store():
+        else:
             plgpu.barrier_wait(r["x_full"].at[0])
             acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
             m1 = plgpu.load(vec_smem.at[0], layout=col_layout, optimized=False)

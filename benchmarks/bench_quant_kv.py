@@ -236,7 +236,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="check,decode,prefill,ppl,checkv")
     ap.add_argument("--ppl-window", type=int, default=256)
-    ap.add_argument("--fp8-variants", default="mosaic:plain",
+    ap.add_argument("--fp8-variants", default="mosaic:swap",
                     help="comma list of fp8 decode kernel variants to time beside the default "
                          "(`fp8_variant_config` names)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")

@@ -1,11 +1,12 @@
 """FP8 KV cache: decode kernel speed on its bytes, kernel correctness on the device, and the demo
 model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
 
-    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,prefill,ppl]
+    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,prefill,ppl,checkv]
                                                       [--save [DIR]]
 
 - check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,
-  ragged lengths (GPU only).
+  ragged lengths (GPU only); checkv: the same for `--check-variants`, last (a variant that fails
+  or hangs costs nothing measured before it).
 - decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
   bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
   (a sum over 8 GiB) measured in the same run (GPU only).
@@ -105,15 +106,18 @@ def demo_ppl(length: int = 256) -> dict:
     return out
 
 
-def check_mosaic(log) -> dict:
-    """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale."""
+# (batch, max blocks, forced splits, variant): the default kernel at the target shape and with one
+# split forced at batch 7 (ragged lengths, several steps per item).
+CHECKS = ((64, 256, None, "mosaic"), (7, 40, 1, "mosaic"))
+
+
+def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
+    """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale,
+    into `errs` (saved after each)."""
     from pallas_kernels.kv_quant import quantize
     from pallas_kernels.paged_decode import paged_decode_mosaic
     from pallas_kernels.reference import paged_decode_reference
-    errs = {}
-    for batch, max_blocks, splits, variant in ((7, 40, None, "mosaic"), (64, 256, None, "mosaic"),
-                                               (3, 300, 4, "mosaic"), (64, 256, None, "mosaic:t128"),
-                                               (64, 256, None, "mosaic:up4")):
+    for batch, max_blocks, splits, variant in checks:
         rng = np.random.default_rng(batch)
         nb = batch * max_blocks + 5
         q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
@@ -130,24 +134,32 @@ def check_mosaic(log) -> dict:
         key = f"fp8kv_{variant.replace(':', '_')}_rel_err_b{batch}x{max_blocks * 16}"
         errs[key] = err
         log(f"check {variant} B{batch} x {max_blocks * 16} splits={splits}: rel err {err:.2e}")
-    return errs
+        save()
 
 
 def fp8_variant_config(name: str):
-    """A variant name's Mosaic config: bench_decode's `mosaic_config` options, plus "ahead" for
-    `fp8_widen_ahead=True` and "up2" / "up4" for `fp8_widen_layout` WGMMA_UPCAST_2X / _4X; e.g.
-    "mosaic:ahead:la4"."""
+    """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
+    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "swap" / "plain" (the
+    transposed consumer on / off), "vp" / "novp" (the V producer on / off), "up2" / "up4" / "8bit"
+    (the widening layout), "st<N>" (N ring stages); e.g. "mosaic:plain:novp"."""
     from benchmarks.bench_decode import mosaic_config
-    ours = {"ahead": dict(fp8_widen_ahead=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
-            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X")}
+    ours = {"swap": dict(fp8_swap=True), "plain": dict(fp8_swap=False),
+            "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
+            "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
+            "8bit": dict(fp8_widen_layout="WGMMA_8BIT")}
+    ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
     opts = name.split(":")
     config = mosaic_config(":".join(o for o in opts if o not in ours))
     for o in opts:
         config = dataclasses.replace(config, **ours.get(o, {}))
+    if config.profile_dir:
+        raise ValueError("timed kernels take no profiler (its dump is a host callback)")
     return config
 
 
-def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> None:
+def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
+                 page32: bool = False) -> None:
     """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
     production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
     the Triton kernel on both."""
@@ -172,12 +184,12 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True) -> 
     if triton:
         fn = functools.partial(paged_decode_triton_configured, scale=scale)
         runs += [("triton", fn, "bf16"), ("triton", fn, "fp8kv")]
-    # Diagnostic: 32-token pages, so each TMA copy moves as many bytes as a bf16 page of 16.
-    page32 = make_paged_case(BATCH, CTX, page=32)
-    cases["fp8kv_page32"] = dict(page32, k=quantize(page32["k"], 1.0), v=quantize(page32["v"], 1.0),
-                                 kv_bytes=page32["kv_bytes"] // 2)
-    del page32
-    runs.append(("mosaic", mosaic, "fp8kv_page32"))
+    if page32:  # diagnostic: 32-token pages, each TMA copy as many bytes as a bf16 page of 16
+        c32 = make_paged_case(BATCH, CTX, page=32)
+        cases["fp8kv_page32"] = dict(c32, k=quantize(c32["k"], 1.0), v=quantize(c32["v"], 1.0),
+                                     kv_bytes=c32["kv_bytes"] // 2)
+        del c32
+        runs.append(("mosaic", mosaic, "fp8kv_page32"))
     for name, fn, kind in runs:
         case = cases[kind]
         try:
@@ -222,12 +234,16 @@ def prefill_speed(log) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="check,decode,prefill,ppl")
+    ap.add_argument("--parts", default="check,decode,prefill,ppl,checkv")
     ap.add_argument("--ppl-window", type=int, default=256)
-    ap.add_argument("--fp8-variants", default="mosaic:la4,mosaic:t128,mosaic:t128:la4,mosaic:ahead",
+    ap.add_argument("--fp8-variants", default="mosaic:swap",
                     help="comma list of fp8 decode kernel variants to time beside the default "
-                         "(bench_decode's mosaic options, and 'ahead': fp8_widen_ahead=True)")
+                         "(`fp8_variant_config` names)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")
+    ap.add_argument("--check-variants", default="mosaic:swap",
+                    help="comma list of variants the 'checkv' part checks at the CHECKS shapes")
+    ap.add_argument("--page32", action="store_true",
+                    help="also time the default fp8 kernel on 32-token pages (diagnostic)")
     results_io.add_save_arg(ap, "quant_kv_<gpu>")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
@@ -242,19 +258,23 @@ def main(argv=None) -> None:
                                         ppl_window=args.ppl_window, jax=jax.__version__))
 
     log = functools.partial(print, flush=True)
-    if "check" in parts:
-        metrics.update(check_mosaic(log))
+    for part in parts:  # in the order given (a job cut short keeps the first ones)
+        if part == "check":
+            check_mosaic(log, metrics, save)
+        elif part == "checkv":  # the variants' checks, after everything else
+            check_mosaic(log, metrics, save, [(b, mb, sp, v) for v in args.check_variants.split(",")
+                                              if v for b, mb, sp, _ in CHECKS])
+        elif part == "decode":
+            decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
+                         not args.no_triton, args.page32)
+        elif part == "ppl":
+            metrics.update(demo_ppl(args.ppl_window))
+            log({k: v for k, v in metrics.items() if k.startswith("demo")})
+        elif part == "prefill":
+            metrics.update(prefill_speed(log))
+        else:
+            raise SystemExit(f"unknown part {part!r} in --parts")
         save()
-    if "decode" in parts:
-        decode_speed(log, metrics, save, [v for v in args.fp8_variants.split(",") if v],
-                     not args.no_triton)
-    if "ppl" in parts:
-        metrics.update(demo_ppl(args.ppl_window))
-        log({k: v for k, v in metrics.items() if k.startswith("demo")})
-        save()
-    if "prefill" in parts:
-        metrics.update(prefill_speed(log))
-    save()
 
 
 if __name__ == "__main__":

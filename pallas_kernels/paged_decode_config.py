@@ -23,10 +23,14 @@ class MosaicDecodeConfig:
       combine kernel's launch overlaps this one.
     combine_kernel: merge splits with split_combine_mosaic; False: the same merge in XLA (three
       kernels), the combine kernel's oracle in tests.
-    fp8_widen_ahead: with an fp8 cache, each consumer widens V during its QK^T wgmma and its next
-      K during its P V wgmma (two staging tiles); False: each tile just before its wgmma (one
-      staging tile, two more ring slots; 4% faster at batch 64 x 4096 on the H200). See
-      mgpu_fp8.py.
+    fp8_swap, fp8_v_producer: how the kernel reads an fp8 cache (mgpu_fp8.py;
+      docs/kernels/paged_decode.md, "FP8 KV cache"): K straight from the ring into fp8 QK^T
+      wgmmas against q split into two e4m3 tiles, V widened to float16; fp8_swap: the transposed
+      consumer (KV tokens on wgmma's M side, the G query heads on N; paged_decode_swap.py) where
+      the plan has one split (off: checked in the interpreter and lowered for CUDA, not yet run
+      on the device since warpgroup 1 got its own reduction scratch); fp8_v_producer: V's page
+      copies issued by a second producer warpgroup (an fp8 step is half the bytes of a 16-bit
+      one in as many copies; slower on the H200).
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
@@ -38,7 +42,8 @@ class MosaicDecodeConfig:
     bt_lookahead: int = 2
     pdl: bool = True
     combine_kernel: bool = True
-    fp8_widen_ahead: bool = False
+    fp8_swap: bool = False
+    fp8_v_producer: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
     profile_dir: str = ""
 

@@ -17,7 +17,7 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   result. With one split per sequence (batch x kv heads fills the GPU) that is the final output,
   written straight into [S * Hq, D] with no XLA op before or after the kernel; with several splits
   the kernel stores normalised fp32 parts and their log-sum-exp, and one small combine kernel
-  (`split_combine_mosaic`, which PDL may launch early) merges them; `_combine_parts` is the same
+  (`split_combine_mosaic`, which PDL may launch early) merges them; `combine_parts_xla` is the same
   merge in XLA (`MosaicDecodeConfig.combine_kernel=False`).
 - q is read unpadded where it can be: the G query heads of a kv head are rows [base, base + G)
   of q viewed as [S * Hq, D] (a free reshape), and the producer copies the aligned 8-row TMA tile
@@ -36,13 +36,11 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -58,7 +56,9 @@ from pallas_kernels.paged_decode_common import (
     check_decode_inputs,
     plan_splits,
 )
-from pallas_kernels.split_combine_mosaic import combine_split_parts
+from pallas_kernels.paged_decode_swap import swap_consumer, swap_scratch
+from pallas_kernels.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
+                                                 combine_split_parts)
 
 _WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
@@ -83,8 +83,11 @@ def _scoped(name: str):
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, ahead: bool,
-                   widen_layout: str):
+                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, widen_layout: str,
+                   swap: bool, v_producer: bool):
+    # fp8 (widen): q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
+    # per-item 1 / c of `mgpu_fp8.split_q`.
+    qinv_ref, refs = (refs[0], refs[1:]) if widen else (None, refs)
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
          k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
@@ -93,9 +96,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
          q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
         y_smem = None
-    # Trailing scratch: the P tiles (interpret), the fp8 staging tiles (K, and V when ahead).
-    p_smem, wide_smem = (p_smem[0] if interpret else None), p_smem[interpret:]
-    wgmma_tile = functools.partial(mgpu_fp8.wgmma_tile, layout=widen_layout)
+    # Trailing scratch: the P tiles (interpret; swap: its P^T tiles), the fp8 V staging tiles.
+    has_p = interpret or swap  # the P tiles: interpret mode's stand-in; swap's P^T operand
+    p_smem, wide_smem = (p_smem[0] if has_p else None), p_smem[has_p:]
     widen_slot = functools.partial(mgpu_fp8.widen_slot, layout=widen_layout)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
@@ -133,20 +136,26 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
         return seq, head, split, length, first, steps
 
-    @pl.when(wg == _NUM_CONSUMERS)
-    def _producer():
+    def produce(with_q: bool, caches):
+        """A producer warpgroup: item after item, the q tile (`with_q`) and the pages of each
+        (cache_ref, ring, ready, free) in `caches` (K and V, or one of them with a V producer)."""
         plgpu.set_max_registers(40, action="decrease")
 
         def item_body(it, g0):
             seq, head, _, _, first, steps = item_info(it)
             qb = lax.rem(it, 2)
-
-            @pl.when(it >= 2)
-            def _():
-                plgpu.barrier_wait(q_free.at[qb])
-            start, _, _ = q_rows(seq, head)
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)], q_smem.at[qb, pl.ds(0, gp)],
-                                    q_bar.at[qb])
+            if with_q:
+                @pl.when(it >= 2)
+                def _():
+                    plgpu.barrier_wait(q_free.at[qb])
+                start, _, _ = q_rows(seq, head)
+                if widen:  # q_hi and q_lo, both on the tile's barrier
+                    for h in range(2):
+                        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(start, gp)],
+                                                q_smem.at[qb, h, pl.ds(0, gp)], q_bar.at[qb])
+                else:
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)],
+                                            q_smem.at[qb, pl.ds(0, gp)], q_bar.at[qb])
 
             def block_ids(j):
                 """Block ids of step j's pages, each read at its column (clamped to the table).
@@ -177,8 +186,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                         plgpu.copy_gmem_to_smem(cache_ref.at[head, block],
                                                 smem.at[slot, pl.ds(i * bs, bs)], ready.at[slot])
 
-                load(k_ref, k_smem, k_bar, k_free)
-                load(v_ref, v_smem, v_bar, v_free)
+                for cache in caches:
+                    load(*cache)
                 return ahead
 
             ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
@@ -189,12 +198,19 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                                     jnp.int32(0))
         # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
         # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
-        observe_last_releases(total_steps, stages, k_free, v_free)
-        observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
+        observe_last_releases(total_steps, stages, *(cache[3] for cache in caches))
+        if with_q:
+            observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
+
+    k_load, v_load = (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)
+    pl.when(wg == _NUM_CONSUMERS)(
+        lambda: produce(True, (k_load,) if v_producer else (k_load, v_load)))
+    if v_producer:  # V's copies from a warpgroup of their own: half the issue work each
+        pl.when(wg == _NUM_CONSUMERS + 1)(lambda: produce(False, (v_load,)))
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(216 if v_producer else 232, action="increase")
         logit_scale = scale * (1.0 if softcap else _LOG2E)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -208,28 +224,26 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             j0 = lax.rem(wg - lax.rem(g0, 2) + 2, 2)
             my_steps = pl.cdiv(jnp.maximum(steps - j0, 0), 2)
 
-            # fp8: this warpgroup's staging tile (K, or K and V when widening ahead, which
-            # widens the item's first K before the loop).
+            # fp8: the item's logit scale carries 1 / c, q's scale in its fp8 tiles, and this
+            # warpgroup's staging tile takes each step's V, widened while QK^T runs.
+            item_scale = logit_scale * qinv_ref[seq * hkv + head] if widen else logit_scale
             wide = wide_smem[0].at[wg] if widen else None
-            wide_v = wide_smem[1].at[wg] if ahead else None
-            if ahead:
-                pl.when(my_steps > 0)(lambda: widen_slot(k_smem, k_bar, k_free,
-                                                          lax.rem(g0 + j0, stages), wide))
 
             def step(t, carry):
                 acc, m_i, l_i = carry
                 j = j0 + 2 * t
                 slot = lax.rem(g0 + j, stages)
-                if ahead:
-                    k_tile = wide
-                else:
-                    with jax.named_scope("wait_k"):
-                        plgpu.barrier_wait(k_bar.at[slot])
-                    k_tile = wgmma_tile(k_smem.at[slot], wide, k_free.at[slot])
-                widen_v = ahead and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide_v))
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_bar.at[slot])
+                k_tile = k_smem.at[slot]
+                widen_v = widen and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide))
 
                 def qk_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    if widen:  # (q_hi + q_lo) K^T, K straight from the ring
+                        for h in range(2):
+                            plgpu.wgmma(acc_ref, q_tile.at[h], k_tile.transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                     if widen_v and not interpret:  # V widened while QK^T runs
                         widen_v()
                     return acc_ref[...]
@@ -238,9 +252,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                     s = pl.run_scoped(qk_fn, plgpu.ACC((_WGMMA_ROWS, tokens), jnp.float32))
                 if widen_v and interpret:  # no barrier wait inside a wgmma scope there
                     widen_v()
-                if wide is None:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                s = s * logit_scale
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * item_scale
                 if softcap:
                     s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
                 col = plgpu.broadcasted_iota(jnp.int32, (_WGMMA_ROWS, tokens), 1,
@@ -252,21 +265,17 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(q_smem.dtype)
-                during = None
-                if ahead:  # the next K widened while P V runs
-                    # (operands computed outside the wgmma scope, which takes no new constants)
-                    v_tile, next_slot, has_next = wide_v, lax.rem(g0 + j + 2, stages), t + 1 < my_steps
-                    during = lambda: pl.when(has_next)(
-                        lambda: widen_slot(k_smem, k_bar, k_free, next_slot, wide))
+                p16 = p.astype(wide.dtype if widen else q_smem.dtype)
+                if widen:
+                    v_tile = wide
                 else:
                     with jax.named_scope("wait_v"):
                         plgpu.barrier_wait(v_bar.at[slot])
-                    v_tile = wgmma_tile(v_smem.at[slot], wide, v_free.at[slot])
+                    v_tile = v_smem.at[slot]
                 with jax.named_scope("pv"):
                     acc = accumulate_pv(acc, p16, v_tile,
-                                        None if p_smem is None else p_smem.at[wg], during)
-                if wide is None:
+                                        None if p_smem is None else p_smem.at[wg])
+                if not widen:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -327,20 +336,24 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
             return g0 + steps
 
-        lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+        if swap:
+            named = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
+                         k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
+                         vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
+                         p_smem=p_smem, wide=wide_smem[0], o_ref=o_ref, qinv_ref=qinv_ref)
+            for w in range(_NUM_CONSUMERS):  # traced per warpgroup (its reduction scratch)
+                pl.when(wg == w)(functools.partial(
+                    swap_consumer, wg=w, my_items=my_items, item_info=item_info, q_rows=q_rows,
+                    refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
+                    stages=stages, logit_scale=logit_scale, softcap=softcap,
+                    interpret=interpret, widen_layout=widen_layout))
+        else:
+            lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
         @pl.when(wg == 1)
         def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
             plgpu.barrier_wait(x_free.at[0])
         plgpu.wait_smem_to_gmem(0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Launch:
-    """What `mosaic_decode_call` decided: the split plan and the q tile geometry."""
-    shape: DecodeShape
-    num_splits: int
-    q_padded: bool  # q passed as [S * Hkv * Gp, D] (else [S * Hq, D], tiles at r0 = base % 8)
 
 
 def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
@@ -350,7 +363,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     """The kernel alone. Returns (outputs, launch): with one split per sequence outputs is
     (o [S * Hq, D] in the cache dtype, final); with several, (o [splits, S * Hq, D] fp32, each part
     normalised, lse [splits, S * Hkv, 64] fp32 in log2 units, row r0 + i of an item's 64 being its
-    query head i) for `split_combine_mosaic.combine_split_parts` (or `_combine_parts`)."""
+    query head i) for `split_combine_mosaic.combine_split_parts` (or `combine_parts_xla`)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     cache_dtype, dtype = k_cache.dtype, compute_dtype(k_cache.dtype)  # fp8: computes in f16
@@ -369,35 +382,51 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     plan = plan_splits(shape, pages_per_step=pages_per_step,
                        workers=config.split_workers or num_ctas, num_splits=config.num_splits)
     elem_bytes = jnp.dtype(dtype).itemsize
-    widen = cache_dtype != dtype
-    ahead = widen and config.fp8_widen_ahead
+    widen = cache_dtype != dtype  # fp8: q split in two e4m3 tiles, V widened to float16
+    # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
+    swap = widen and config.fp8_swap and plan.num_splits == 1
+    v_producer = widen and config.fp8_v_producer
+    num_threads = _NUM_CONSUMERS + 1 + v_producer
     stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
     # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
     fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
                    + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
     profiling = bool(config.profile_dir) and not interpret
     if profiling:
-        fixed_bytes += (_NUM_CONSUMERS + 1) * _PROFILE_EVENTS * 16
-    # The P tiles (interpret) and the fp8 pages' 16-bit staging tiles, one per consumer.
+        fixed_bytes += num_threads * _PROFILE_EVENTS * 16
+    # The P tiles (interpret) and the fp8 V pages' 16-bit staging tiles, one per consumer.
     fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
-                    * (_WGMMA_ROWS * interpret + d * widen * (1 + ahead)))
+                    * (_WGMMA_ROWS * interpret + d * widen))
+    gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
+    if swap:  # small q, hand-over, output and P^T tiles instead of 64-row ones
+        swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
+                                  num_consumers=_NUM_CONSUMERS)
+        fixed_bytes = (swap_tiles["bytes"] + profiling * num_threads * _PROFILE_EVENTS * 16
+                       + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
     stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
     if stages < 2 or stages % 2:
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
                          f"{(_SMEM_BUDGET - fixed_bytes) // stage_bytes} stages of "
                          f"{config.tokens_per_step} tokens at head_dim {d})")
     s, hkv, hq = shape.num_seqs, shape.num_kv_heads, shape.num_q_heads
-    gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
     q_padded = not ((8 % g == 0 or g % 8 == 0) and (s * hq) % 8 == 0)
-    q2 = q.astype(dtype).reshape(s * hkv, g, d)
+    q2 = q.reshape(s * hkv, g, d)
+    if widen:  # q -> (q_hi, q_lo) in the cache's fp8 type, and the per-item 1 / c
+        q_hi, q_lo, qinv = mgpu_fp8.split_q(q2, cache_dtype)
+        q2, extra_inputs = jnp.stack([q_hi, q_lo]), (qinv,)
+    else:
+        q2, extra_inputs = q2.astype(dtype)[None], ()
     if q_padded:
-        q2 = jnp.pad(q2, ((0, 0), (0, gp - g), (0, 0)))
-    q2 = q2.reshape(-1, d)
+        q2 = jnp.pad(q2, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    q2 = q2.reshape(2, -1, d) if widen else q2.reshape(-1, d)
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
     f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+    q_tiles = (plgpu.SMEM((2, 2, gp if swap else _WGMMA_ROWS, d), cache_dtype,
+                          transforms=tile_transforms(cache_dtype, d)) if widen else
+               plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms))
     tokens = config.tokens_per_step
     if plan.num_splits == 1:
         out_type = (jax.ShapeDtypeStruct((s * hq, d), dtype),)
@@ -410,22 +439,24 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
-        pdl=config.pdl and not interpret, interpret=interpret, widen=widen, ahead=ahead,
-        widen_layout=config.fp8_widen_layout)
+        pdl=config.pdl and not interpret, interpret=interpret, widen=widen,
+        widen_layout=config.fp8_widen_layout, swap=swap, v_producer=v_producer)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms),  # q tiles
+            q_tiles,  # two items' q (fp8: each as q_hi, q_lo)
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
             # conflicts; its unswizzled view stages the fp32 part when split.
+            swap_tiles["x"] if swap else
             plgpu.RefUnion(plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
                            plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32)),
+            swap_tiles["vec"] if swap else
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
-            *out_scratch,
-            plgpu.Barrier(num_barriers=2),  # q tile filled
+            *((swap_tiles["out"],) if swap else out_scratch),
+            plgpu.Barrier(num_arrivals=1 + widen, num_barriers=2),  # q tile filled
             plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
@@ -433,36 +464,25 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
-            *([plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
+            *([swap_tiles["p"]] if swap else
+              [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
               if interpret else []),
-            *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * (widen + ahead),
+            *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * widen,
         ),
         grid=(num_ctas,),
         grid_names=("cta",),
         kernel_name="paged_decode",  # what profiles show
-        num_threads=_NUM_CONSUMERS + 1,
+        num_threads=num_threads,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, **(dict(profile_space=_PROFILE_EVENTS, profile_dir=config.profile_dir,
                                       profile_bounds_check=True)
                                  if profiling else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache)
+    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q2, k_cache, v_cache,
+      *extra_inputs)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-    return tuple(outs), _Launch(shape, plan.num_splits, q_padded)
-
-
-def _combine_parts(o, lse, launch: _Launch) -> jax.Array:
-    """Merge the normalised per-split parts: weights softmax(lse) over the splits. The rows of
-    each item's lse that belong to its query heads are picked with a static index."""
-    shape = launch.shape
-    g, hkv = shape.group, shape.num_kv_heads
-    rows = np.arange(shape.num_seqs * shape.num_q_heads)
-    r0 = 0 if launch.q_padded else ((rows // g) * g) % 8  # as in the kernel
-    idx = (rows // g) * _WGMMA_ROWS + r0 + rows % g
-    lse = lse.reshape(launch.num_splits, shape.num_seqs * hkv * _WGMMA_ROWS)[:, idx]
-    w = jnp.exp2(lse - lse.max(axis=0, keepdims=True))  # an all-empty row: every weight 1, o 0
-    return (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[:, None]
+    return tuple(outs), DecodeLaunch(shape, plan.num_splits, q_padded)
 
 
 def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
@@ -481,6 +501,6 @@ def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: f
                                   dtype=compute_dtype(k_cache.dtype), pdl=config.pdl,
                                   interpret=interpret)
     else:
-        out = _combine_parts(*outs, launch)
+        out = combine_parts_xla(*outs, launch)
     return out.reshape(q.shape).astype(q.dtype)
 

@@ -17,6 +17,7 @@ it reads was just written by the decode kernel and sits in L2."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,8 +26,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+from pallas_kernels.paged_decode_common import DecodeShape
 
 _WARPGROUP = 128
+_LSE_WIDTH = 64  # the decode kernel's lse row per item: its 64-row wgmma tile
 
 
 def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int, rows: int, head_dim: int,
@@ -100,3 +105,24 @@ def combine_split_parts(o, lse, *, group: int, q_padded: bool, dtype, pdl: bool 
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(lse.reshape(c, -1), o.reshape(c, padded * d))
     return out.reshape(padded, d)[:rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """What `mosaic_decode_call` decided: the split plan and the q tile geometry."""
+    shape: DecodeShape
+    num_splits: int
+    q_padded: bool  # q passed as [S * Hkv * Gp, D] (else [S * Hq, D], tiles at r0 = base % 8)
+
+
+def combine_parts_xla(o, lse, launch: DecodeLaunch) -> jax.Array:
+    """Merge the normalised per-split parts: weights softmax(lse) over the splits. The rows of
+    each item's lse that belong to its query heads are picked with a static index."""
+    shape = launch.shape
+    g, hkv = shape.group, shape.num_kv_heads
+    rows = np.arange(shape.num_seqs * shape.num_q_heads)
+    r0 = 0 if launch.q_padded else ((rows // g) * g) % 8  # as in the kernel
+    idx = (rows // g) * _LSE_WIDTH + r0 + rows % g
+    lse = lse.reshape(launch.num_splits, shape.num_seqs * hkv * _LSE_WIDTH)[:, idx]
+    w = jnp.exp2(lse - lse.max(axis=0, keepdims=True))  # an all-empty row: every weight 1, o 0
+    return (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[:, None]

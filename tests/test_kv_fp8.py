@@ -44,6 +44,29 @@ def test_quantize_round_trip_and_saturation(dtype, mantissa_bits):
     np.testing.assert_allclose(big, [top * scale, -top * scale, top * scale], rtol=1e-6)
 
 
+def test_split_q_holds_q_to_bf16_precision_per_item():
+    """The fp8 QK^T path's q: per item, q_hi + q_lo = q * c with c a power of two that keeps the
+    item's largest |q| within e4m3's range, to ~2^-8 of that largest value (bf16 keeps 2^-9 of
+    each value); q_hi alone is off by up to 2^-4 relative; an all-zero item stays zero."""
+    from pallas_kernels.mgpu_fp8 import split_q
+    rng = np.random.default_rng(0)
+    mags = np.array([1e-3, 0.05, 1.0, 30.0, 0.0])[:, None, None]  # items of very different range
+    q = jnp.asarray(rng.standard_normal((5, 8, 128)) * mags, jnp.float32)
+    q_hi, q_lo, inv = split_q(q)
+    assert q_hi.dtype == q_lo.dtype == E4M3
+    c = 1.0 / np.asarray(inv)
+    assert (np.exp2(np.round(np.log2(c))) == c).all()
+    amax = np.abs(np.asarray(q)).max(axis=(1, 2))
+    assert (amax * c <= 448).all() and (amax[:4] * c[:4] > 224).all()
+    hi, lo = (np.asarray(x.astype(jnp.float32)) for x in (q_hi, q_lo))
+    back = (hi + lo) * np.asarray(inv)[:, None, None]
+    err = np.abs(back - np.asarray(q)).max(axis=(1, 2))
+    np.testing.assert_array_less(err[:4], amax[:4] * 2.0 ** -8)
+    assert (back[4] == 0).all()
+    hi_err = np.abs(hi * np.asarray(inv)[:, None, None] - np.asarray(q)).max(axis=(1, 2))
+    assert (hi_err[:4] > amax[:4] * 2.0 ** -8).all()  # q_lo carries what q_hi drops
+
+
 def _ragged_batch(seed=0, hq=4, hkv=2, d=16, bs=4):
     """Two sequences' new tokens (one decode-like, one chunk over a cached prefix) in a paged cache."""
     rng = np.random.default_rng(seed)

@@ -123,28 +123,43 @@ def test_mosaic_interpret_matches_reference(case):
     run_case(case, kernel)
 
 
-FP8_CASES = [CASES[3], CASES[5], CASES[6]]  # d 128 one split + soft-cap, d 128 / d 64 split
+# d 128 one split + soft-cap, d 128 / d 64 split, G = 1 with q padded
+FP8_CASES = [CASES[3], CASES[5], CASES[6], CASES[7]]
 
 
-@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_widen_ahead"])
+# The Mosaic kernel's fp8 read paths (mgpu_fp8.py): K read as fp8 by the QK^T wgmmas against q
+# split into two e4m3 tiles, V widened to float16. MosaicDecodeConfig fields over the default
+# ("mosaic"): V's copies from a second producer warpgroup; the transposed consumer
+# (paged_decode_swap.py, one split).
+FP8_PATHS = {
+    "mosaic": {},
+    "mosaic_v_producer": dict(fp8_v_producer=True),
+    "mosaic_swap": dict(fp8_swap=True),
+    "mosaic_swap_v_producer": dict(fp8_swap=True, fp8_v_producer=True),
+}
+
+
+@pytest.mark.parametrize("kernel", ["triton", *FP8_PATHS])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
 def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
-    # Both kernels widen the fp8 pages to 16 bits; the Mosaic one into staging tiles, one stage
-    # ahead (V during QK^T, the next K during P V) or just before each wgmma.
     def fn(*args, workers, splits, **kwargs):
         if kernel == "triton":
             return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
                                                   workers=workers, interpret=True)
+        # One split where the transposed consumer should run (several: the plain consumer).
+        splits = 1 if kernel.startswith("mosaic_swap") else splits
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits,
-                                 fp8_widen_ahead=kernel == "mosaic_widen_ahead")
+                                 **FP8_PATHS[kernel])
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, fn, jnp.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("d,splits,ahead", [(128, 1, True), (64, 3, True), (128, 1, False)])
-def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, ahead):
-    """The fp8 path's Mosaic GPU pieces (8-bit swizzled tiles, WGMMA_8BIT loads, the paired
-    e4m3 -> f16 conversion, the f16 staging tiles) lower for CUDA at the benchmark shape."""
+@pytest.mark.parametrize("d,splits,kernel", [
+    (128, 1, "mosaic"), (64, 3, "mosaic"), (128, 1, "mosaic_v_producer"), (128, 1, "mosaic_swap")])
+def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, kernel):
+    """The fp8 paths' Mosaic GPU pieces (8-bit swizzled tiles, fp8 wgmmas, WGMMA_8BIT loads, the
+    paired e4m3 -> f16 conversion, the f16 staging tiles, the transposed consumer's tiles and its
+    second warpgroup's displaced reduction scratch) lower for CUDA at the benchmark shape."""
     import functools
     import jax
     q = jax.ShapeDtypeStruct((64, 32, d), jnp.bfloat16)
@@ -152,7 +167,7 @@ def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, ahead):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     fn = functools.partial(paged_decode_mosaic, scale=0.1,
                            config=MosaicDecodeConfig(num_ctas=132, num_splits=splits,
-                                                     fp8_widen_ahead=ahead))
+                                                     **FP8_PATHS[kernel]))
     text = jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "cvt.rn.f16x2.e4m3x2" in text
@@ -221,7 +236,7 @@ def test_public_functions_have_the_backend_signature():
 def test_mosaic_interpret_block_id_lookahead_and_forced_splits(case, combine_kernel):
     # The producer reading block ids 3 steps ahead (past the end of short items, where it reads
     # the table's padding or its last column) and a forced split count (some splits empty or partial), merged
-    # by the combine kernel or by XLA (`_combine_parts`).
+    # by the combine kernel or by XLA (`combine_parts_xla`).
     def kernel(*args, workers, splits, **kwargs):
         del workers, splits
         cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=3,

@@ -1,5 +1,5 @@
 """The Mosaic split-combine kernel (`split_combine_mosaic`) against the XLA merge of the same parts
-(`paged_decode_mosaic._combine_parts`), in GPU interpret mode on CPU, and its CUDA lowering.
+(`split_combine_mosaic.combine_parts_xla`), in GPU interpret mode on CPU, and its CUDA lowering.
 
 What interpret mode cannot check: programmatic dependent launch (`griddepcontrol.wait`, and the
 decode kernel's early `launch_dependents`) is left out there; `tests/gpu/test_paged_decode_gpu.py`
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_decode_common import NEG_INF, DecodeShape
-from pallas_kernels.paged_decode_mosaic import _combine_parts, _Launch
+from pallas_kernels.split_combine_mosaic import DecodeLaunch, combine_parts_xla
 from pallas_kernels.split_combine_mosaic import combine_split_parts
 
 
@@ -47,8 +47,8 @@ CASES = [
 def test_combine_kernel_matches_the_xla_merge(case):
     seqs, hq, hkv, d, splits, q_padded = case
     o, lse = make_parts(sum(case[:5]), seqs=seqs, hq=hq, hkv=hkv, d=d, splits=splits)
-    launch = _Launch(DecodeShape(seqs, hq, hkv, d, 16, 1), splits, q_padded)
-    ref = np.asarray(_combine_parts(o, lse, launch))
+    launch = DecodeLaunch(DecodeShape(seqs, hq, hkv, d, 16, 1), splits, q_padded)
+    ref = np.asarray(combine_parts_xla(o, lse, launch))
     out = np.asarray(combine_split_parts(o, lse, group=hq // hkv, q_padded=q_padded,
                                          dtype=jnp.float32, interpret=True))
     assert out.shape == ref.shape == (seqs * hq, d)

@@ -35,7 +35,7 @@ import jax
 from benchmarks.bench_decode import D, make_paged_case, mosaic_config
 from pallas_kernels.paged_decode import paged_decode_mosaic
 
-WARPGROUPS = 3  # two consumers, then the producer
+CONSUMERS = 2  # warpgroups 0 and 1; then the producer (and, fp8, the V producer)
 
 
 def sm_clock_ghz() -> float:
@@ -59,15 +59,16 @@ def to_microseconds(events: list[dict], clock_ghz: float) -> list[dict]:
             for e in events]
 
 
-def summarize(events: list[dict]) -> dict:
-    """Perfetto events of one call (ph B/E, ts in µs, tid = 1 + 3 * cta + warpgroup) -> figures."""
+def summarize(events: list[dict], warpgroups: int = 3) -> dict:
+    """Perfetto events of one call (ph B/E, ts in µs, tid = 1 + warpgroups * cta + warpgroup) ->
+    figures."""
     open_at: dict[tuple[int, str], list[float]] = defaultdict(list)
     spans: dict[str, list[float]] = defaultdict(list)
     first_stream: list[float] = []
     cta_first: dict[int, float] = {}
     cta_last: dict[int, float] = {}
     for e in sorted(events, key=lambda e: (e["tid"], e["ts"], e["ph"] == "B")):
-        cta, wg = divmod(e["tid"] - 1, WARPGROUPS)
+        cta, wg = divmod(e["tid"] - 1, warpgroups)
         cta_first[cta] = min(cta_first.get(cta, e["ts"]), e["ts"])
         cta_last[cta] = max(cta_last.get(cta, e["ts"]), e["ts"])
         key = (e["tid"], e["name"])
@@ -76,7 +77,7 @@ def summarize(events: list[dict]) -> dict:
         elif open_at[key]:
             start = open_at[key].pop()
             spans[e["name"]].append(e["ts"] - start)
-            if e["name"] == "wait_q" and wg < WARPGROUPS - 1:
+            if e["name"] == "wait_q" and wg < CONSUMERS:
                 first_stream.append(e["ts"])
     if not cta_first:
         return {"error": "empty trace"}
@@ -100,8 +101,11 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool =
     if fp8:  # the same pages as an fp8 cache (kv_quant.py)
         from pallas_kernels.kv_quant import quantize
         case = dict(case, k=quantize(case["k"], 1.0), v=quantize(case["v"], 1.0))
+        from benchmarks.bench_quant_kv import fp8_variant_config
+        config = fp8_variant_config(variant)  # the fp8 options too (qk, wid, late, ...)
         variant += ":fp8"
-    config = mosaic_config(variant.removesuffix(":fp8"))
+    else:
+        config = mosaic_config(variant)
     trace_dir = out_dir / f"{variant.replace(':', '_')}_B{batch}_ctx{ctx}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     args = (case["q"], case["k"], case["v"], case["bts"][0], case["lens"])
@@ -110,10 +114,11 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool =
     profiled = jax.jit(functools.partial(
         call, config=dataclasses.replace(config, profile_dir=str(trace_dir))))
     jax.block_until_ready(profiled(*args))
-    return {**read_trace(trace_dir), "batch": batch, "ctx": ctx, "variant": variant}
+    warpgroups = 3 + (fp8 and config.fp8_v_producer)  # the kernel's: paged_decode_mosaic.py
+    return {**read_trace(trace_dir, warpgroups), "batch": batch, "ctx": ctx, "variant": variant}
 
 
-def read_trace(trace_dir: Path) -> dict:
+def read_trace(trace_dir: Path, warpgroups: int = 3) -> dict:
     """`summarize` of the newest Mosaic GPU profile under trace_dir (written by a host callback of
     a profiled call just made), with the trace's path and the SM clock used; {"error": ...} if the
     call wrote none."""
@@ -125,7 +130,8 @@ def read_trace(trace_dir: Path) -> dict:
         data = json.load(fh)
     events = data["traceEvents"] if isinstance(data, dict) else data
     clock = sm_clock_ghz()
-    result = summarize(to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock))
+    result = summarize(to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock),
+                       warpgroups)
     return {**result, "trace": traces[-1], "sm_clock_ghz": clock}
 
 
@@ -135,13 +141,16 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", action="store_true", help="also profile each on an fp8 cache")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="profile each on an fp8 cache only (variants may use the fp8 options of "
+                         "bench_quant_kv.fp8_variant_config)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_profiles"))
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         for variant in args.variants.split(","):
-            for fp8 in (False, True) if args.fp8 else (False,):
+            for fp8 in (True,) if args.fp8_only else (False, True) if args.fp8 else (False,):
                 row = profile_shape(batch, ctx, variant, out_dir, fp8)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

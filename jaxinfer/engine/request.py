@@ -87,9 +87,9 @@ class Request:
 
     def num_generated_tokens(self) -> int:
         n = 0
-        for c in self.choices:
+        for c in self.choices:  # (a loop, not sum(): read for every streamed output)
             if c is not None:
-                n += len(c.token_ids) - c.prompt_len
+                n += c.num_output_tokens
         return n
 
     def detach(self) -> None:

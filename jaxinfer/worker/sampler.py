@@ -187,11 +187,12 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
     return raw_logprobs(raw, tokens, t)
 
 
-def sampled_logprob(raw: jax.Array, tokens: jax.Array) -> jax.Array:
+def sampled_logprob(raw: jax.Array, tokens: jax.Array, lse: jax.Array | None = None) -> jax.Array:
     """f32[S]: log_softmax(raw)[row, token] as raw[token] - logsumexp(raw): a reduction over the
-    vocabulary and a gather, never an [S, V] log-softmax array."""
+    vocabulary and a gather, never an [S, V] log-softmax array. `lse`: f32[S] logsumexp(raw),
+    when the caller has it already."""
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    return chosen - jax.nn.logsumexp(raw, axis=-1)
+    return chosen - (jax.nn.logsumexp(raw, axis=-1) if lse is None else lse)
 
 
 def raw_logprobs(raw: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
@@ -199,15 +200,16 @@ def raw_logprobs(raw: jax.Array, tokens: jax.Array, t: SamplingTensors) -> Sampl
     (computed like `sampled_logprob`, so a token's logprob is the same in every variant)."""
     v = raw.shape[-1]
     k = min(MAX_LOGPROBS, v)
-    lse = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
+    lse = jax.nn.logsumexp(raw, axis=-1)  # one pass over the vocabulary for both uses
 
     def top(lg):
         top_raw, top_ids = jax.lax.top_k(lg, k)
-        return top_raw - lse, top_ids
+        return top_raw - lse[:, None], top_ids
 
     def no_top(lg):  # no row reports alternatives (RL rollouts ask for logprobs=0): skip top-k
         return jnp.full((lg.shape[0], k), NEG_INF, lg.dtype), jnp.zeros((lg.shape[0], k), jnp.int32)
 
     wants_top = True if t.num_top_logprobs is None else jnp.any(t.num_top_logprobs > 0)
     top_lp, top_ids = jax.lax.cond(wants_top, top, no_top, raw)
-    return SamplerOutput(tokens, sampled_logprob(raw, tokens), top_ids.astype(jnp.int32), top_lp)
+    return SamplerOutput(tokens, sampled_logprob(raw, tokens, lse), top_ids.astype(jnp.int32),
+                         top_lp)

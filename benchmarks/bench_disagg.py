@@ -111,11 +111,15 @@ def measure_transfer(engine, num_blocks: int, reps: int = 10) -> dict:
     whole = timed(lambda: setattr(engine.decode.runner, "kv_cache", jax.block_until_ready(
         t.receive(engine.decode.runner.kv_cache, t.send(src, ids), ids))))
     copy = timed(lambda: jax.block_until_ready(t.send(src, ids)))
+    landed = jax.block_until_ready(t.send(src, ids))
+    scatter = timed(lambda: setattr(engine.decode.runner, "kv_cache", jax.block_until_ready(
+        t.receive(engine.decode.runner.kv_cache, landed, ids))))
     plain = jnp.ones((nbytes // 2,), jnp.bfloat16, device=engine.prefill.runner.plan.mesh.devices.flat[0])
     anchor = timed(lambda: jax.block_until_ready(jax.device_put(plain, dst_dev)))
     gbps = round(nbytes / whole / 1e9, 1)
     return {"kv_transfer_bytes_per_prompt": nbytes, "kv_transfer_ms": round(1e3 * whole, 3),
             "kv_transfer_gbps": gbps, "kv_transfer_copy_only_gbps": round(nbytes / copy / 1e9, 1),
+            "kv_transfer_scatter_ms": round(1e3 * scatter, 3),
             "device_put_anchor_gbps": round(nbytes / anchor / 1e9, 1),
             "kv_transfer_over_anchor": round(anchor / whole, 3)}
 

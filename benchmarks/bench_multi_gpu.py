@@ -221,21 +221,29 @@ def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2", **engine) -> dic
     return out
 
 
-def section_llama8b_tp2_cmdbuf(cfg: dict) -> dict:
-    """llama8b_tp2 with XLA's command buffers (CUDA graphs) taking the collectives too
-    (SECTION_XLA_FLAGS): whether all-reduces splitting each step into many graph launches cost."""
-    return section_llama8b_tp2(cfg, "llama8b_tp2_cmdbuf")
+# Batch-1 variants of llama8b_tp1/tp2: name -> (TP, engine keywords, XLA flags its process adds).
+NO_CMDBUF = "--xla_gpu_enable_command_buffer="
+ONESHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+VARIANTS = {"llama8b_tp2_cmdbuf": (2, {}, "--xla_gpu_enable_command_buffer=+COLLECTIVES"),
+            "llama8b_tp2_oneshot": (2, {}, ONESHOT),
+            "llama8b_tp2_loop8": (2, {"decode_steps_per_call": 8}, ""),
+            "llama8b_tp2_cmdbuf_loop8": (2, {"decode_steps_per_call": 8},
+                                         "--xla_gpu_enable_command_buffer=+COLLECTIVES"),
+            "llama8b_tp1_nocb": (1, {}, NO_CMDBUF),
+            "llama8b_tp2_nocb": (2, {}, NO_CMDBUF),
+            "llama8b_tp2_nocb_async": (2, {"async_launch": True}, NO_CMDBUF),
+            "llama8b_tp2_nocb_oneshot": (2, {}, f"{NO_CMDBUF} {ONESHOT}"),
+            "llama8b_tp2_loop8_nocb": (2, {"decode_steps_per_call": 8}, NO_CMDBUF)}
 
 
-def section_llama8b_tp2_oneshot(cfg: dict) -> dict:
-    """llama8b_tp2 with XLA's one-shot all-reduce kernel (SECTION_XLA_FLAGS)."""
-    return section_llama8b_tp2(cfg, "llama8b_tp2_oneshot")
-
-
-def section_llama8b_tp2_loop8(cfg: dict) -> dict:
-    """llama8b_tp2 with the engine's on-device decode loop, 8 steps per dispatch
-    (--decode-steps-per-call 8): what the host's per-step dispatch costs."""
-    return section_llama8b_tp2(cfg, "llama8b_tp2_loop8", decode_steps_per_call=8)
+def section_variant(cfg: dict, name: str) -> dict:
+    """A batch-1 variant (VARIANTS): XLA's command buffers (CUDA graphs) off or taking the
+    collectives, XLA's one-shot all-reduce kernel, the on-device decode loop (8 steps per dispatch),
+    the launcher thread."""
+    tp, engine, _ = VARIANTS[name]
+    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=tp, **_engine_kw(cfg, 256), **engine)
+    return _batch1(llm, cfg, name, lambda tpot, first: {
+        f"{name}_bs1_tpot_ms": round(tpot, 3), f"{name}_ready_s": round(load_s + first, 1)})
 
 
 def section_llama8b_dp2(cfg: dict) -> dict:
@@ -332,14 +340,11 @@ SECTIONS = {"allreduce": (section_allreduce, 60),
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
             "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400),
             "moe_layouts": (section_moe_layouts, 120),
-            "llama8b_tp2_cmdbuf": (section_llama8b_tp2_cmdbuf, 200),
-            "llama8b_tp2_loop8": (section_llama8b_tp2_loop8, 200),
-            "llama8b_tp2_oneshot": (section_llama8b_tp2_oneshot, 200)}
+            **{name: (functools.partial(section_variant, name=name), 120) for name in VARIANTS}}
 # Environment of a section's process beyond the driver's.
 # XLA flags a section's process adds to $XLA_FLAGS.
-SECTION_XLA_FLAGS = {"llama8b_tp2_cmdbuf": "--xla_gpu_enable_command_buffer=+COLLECTIVES",
-                     "allreduce_oneshot": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true",
-                     "llama8b_tp2_oneshot": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"}
+SECTION_XLA_FLAGS = {"allreduce_oneshot": ONESHOT,
+                     **{name: flags for name, (_, _, flags) in VARIANTS.items() if flags}}
 
 
 
@@ -430,10 +435,10 @@ def main() -> None:
 
 
 def _derive(m: dict) -> None:
-    if "llama8b_tp1_bs1_tpot_ms" in m and "llama8b_tp2_bs1_tpot_ms" in m:
+    if m.get("llama8b_tp1_bs1_tpot_ms") and m.get("llama8b_tp2_bs1_tpot_ms"):
         m["llama8b_tp2_over_tp1_tpot"] = round(m["llama8b_tp2_bs1_tpot_ms"]
                                                / m["llama8b_tp1_bs1_tpot_ms"], 3)
-    if "llama8b_dp2_c256_out_tok_s" in m:
+    if m.get("llama8b_dp2_c256_out_tok_s"):
         m["llama8b_dp2_over_one_gpu"] = round(m["llama8b_dp2_c256_out_tok_s"]
                                               / ONE_GPU_C256_OUT_TOK_S, 3)
     if "psum_8kb_us" in m:  # what XLA's all-reduce alone adds to a 32-layer batch-1 step

@@ -35,9 +35,11 @@ def _gather(kv_cache, ids):
 
 def _scatter(kv_cache, blocks, ids):
     num_blocks = kv_cache[0][0].shape[1]
-    dst = jnp.where(ids < 0, num_blocks, ids)  # padding: out of range, dropped
-    return tuple((k.at[:, dst].set(blocks[i, 0], mode="drop"),
-                  v.at[:, dst].set(blocks[i, 1], mode="drop"))
+    # Padding goes to distinct out-of-range blocks (dropped), so the indices are unique and XLA
+    # may write the blocks in parallel.
+    dst = jnp.where(ids < 0, num_blocks + jnp.arange(ids.shape[0]), ids)
+    return tuple((k.at[:, dst].set(blocks[i, 0], mode="drop", unique_indices=True),
+                  v.at[:, dst].set(blocks[i, 1], mode="drop", unique_indices=True))
                  for i, (k, v) in enumerate(kv_cache))
 
 

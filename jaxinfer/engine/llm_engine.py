@@ -375,7 +375,8 @@ class LLMEngine(TrainingLoopMixin):
         h = self._inflight
         if h is None:
             return False
-        if not self.args.async_scheduling or h.is_loop:
+        # A hand-over hook (disaggregation) queues its KV copy ahead of the next step, not behind.
+        if not self.args.async_scheduling or h.is_loop or self.on_processed is not None:
             return True
         if self.spec is not None and self.spec.active(len(self.scheduler.running),
                                                       self.scheduler.num_waiting):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from concurrent.futures import Future
 
@@ -117,6 +118,16 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
     return kv_cache, last_tokens, record, n
 
 
+def _sampler_compiler_options(plan: ShardingPlan | None) -> dict | None:
+    """With XLA's command buffers taking collectives (XLA_FLAGS
+    --xla_gpu_enable_command_buffer=+COLLECTIVES, which puts a sharded forward's all-reduces inside
+    its CUDA graphs), the sharded sampler's graph fails to instantiate (CUDA_ERROR_INVALID_VALUE on
+    H200, jax 0.11.2): the sampler, a few kernels, runs without command buffers then."""
+    if plan is None or "COLLECTIVES" not in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return {"xla_gpu_enable_command_buffer": ""}
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
                 plan: ShardingPlan | None = None):
@@ -126,7 +137,8 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     the last-token array (sampler, loop) are donated."""
     forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
                            static_argnames=("with_hidden",), donate_argnums=(1,))
-    sample_step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,))
+    sample_step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,),
+                          compiler_options=_sampler_compiler_options(plan))
     loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
     return forward_step, sample_step, loop

@@ -17,9 +17,9 @@ one persistent compilation cache; with `--save` the record is rewritten after ea
   llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
   llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
   llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
-  llama8b_tp2_cmdbuf, llama8b_tp2_loop8, llama8b_tp2_oneshot  llama8b_tp2 with XLA's command
-              buffers taking the collectives; with the on-device decode loop (8 steps per
-              dispatch); with XLA's one-shot all-reduce kernel.
+  llama8b_tp1_*, llama8b_tp2_*  batch-1 variants (VARIANTS): XLA's command buffers off ("nocb") or
+              taking the collectives ("cmdbuf"), XLA's one-shot all-reduce kernel ("oneshot"), the
+              on-device decode loop of 8 steps per dispatch ("loop8"), the launcher thread ("async").
   moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
               (2048), on one GPU and at TP = 2 in both expert layouts ("ep": experts split over
               the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
@@ -30,10 +30,9 @@ of the same prompts with fewer output tokens, which compiles the shapes the time
 `--save DIR` writes DIR/multi_gpu_h200x2.json through `results_io` (`config.sections` keeps each
 section's wall time and, when it failed, its stderr).
 
-Timing on two H200s (2026-12-01): allreduce 11 s, parity 57 s, llama8b_tp1 48 s, llama8b_tp2
-130 s; llama70b_tp2 needed more than 142 s (63 s to its first batch-1 token, then the c = 64
-compiles). The whole list does not fit one 10-minute call: run `--sections llama70b_tp2,llama8b_dp2`
-as a second call.
+Timing on two H200s (2026-12-01): allreduce 11 s, parity 57 s, llama8b_tp1 41 s, llama8b_tp2
+130 s (53 s batch-1 only), each batch-1 variant 45-75 s (traced), llama8b_dp2 118 s, llama70b_tp2
+217 s. The whole list does not fit one 10-minute call: split it over calls.
 """
 
 from __future__ import annotations

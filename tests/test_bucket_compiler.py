@@ -74,6 +74,43 @@ def test_unready_buckets_are_served_by_larger_ones_with_the_same_tokens(monkeypa
     assert shapes.count((8, 8, 8)) > 0 and shapes.count((64, 16, 0)) > 4
 
 
+def role_engine(monkeypatch, role: str):
+    """An engine warmed up as one side of a disaggregated pair, only its first set ever ready."""
+    monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
+    engine = make_engine(background_compile=True, **SHAPE)
+    engine.runner.compile_role = role
+    engine.warmup(progress=False)
+    return engine
+
+
+def test_a_decode_engine_has_every_decode_bucket_before_ready(monkeypatch):
+    # Issue 27: a disaggregated decode engine gets many running sequences at once; with only
+    # decode 8 ready, a 12-row decode step ran padded into the largest mixed bucket (a prefill
+    # chunk's compute per token) until the background compile reached decode 16.
+    engine = role_engine(monkeypatch, "decode")
+    compiler = engine.runner.compiler
+    assert compiler.ready_forwards == {(64, 16, 0), (8, 8, 8), (16, 16, 16)}
+    pure, build = [], engine.runner.build
+
+    def recording(sched):
+        batch, variant, is_loop = build(sched)
+        if not sched.prefills:
+            pure.append((batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes))
+        return batch, variant, is_loop
+
+    engine.runner.build = recording
+    greedy_tokens(engine)
+    # every pure-decode step ran in a decode bucket, none padded into the mixed one
+    assert (16, 16, 16) in pure and set(pure) <= {(8, 8, 8), (16, 16, 16)}
+
+
+def test_a_prefill_engine_compiles_no_decode_bucket(monkeypatch):
+    engine = role_engine(monkeypatch, "prefill")
+    compiler = engine.runner.compiler
+    assert compiler.num_units == 3 and compiler.ready_forwards == {(64, 16, 0)}
+    assert not engine.runner._loop_exe
+
+
 def test_the_background_compile_finishes_and_its_buckets_are_then_used():
     engine = make_engine(warmup=True, background_compile=True, decode_steps_per_call=3, **SHAPE)
     compiler = engine.runner.compiler

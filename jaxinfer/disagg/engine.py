@@ -62,6 +62,9 @@ class DisaggregatedEngine:
         prefill.outputs = HandoffOutputProcessor(prefill.metrics, prefill.max_model_len,
                                                  prefill.eos_token_ids)
         prefill.on_processed = self._hand_over
+        # Warm-up per role (bucket_compiler.py): decode buckets first on the decode side, none on
+        # the prefill side (its steps are all prompt chunks).
+        prefill.runner.compile_role, decode.runner.compile_role = "prefill", "decode"
         self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
                                    decode.runner.max_blocks)
         self.metrics = MergedMetrics([prefill.metrics, decode.metrics])

@@ -10,7 +10,9 @@ decode bucket and its loop (a lone request decodes at its own size from the star
 copies of every copy bucket, also before ready. The other units follow in the background, smallest
 decode buckets first (concurrency grows from one), then loops, then mixed buckets; until a bucket
 is ready, its steps run padded up to the smallest ready bucket that fits, which gives the same
-tokens.
+tokens. A disaggregated pair's engines (`ModelRunner.compile_role`) differ: the decode engine takes
+every decode bucket first (a 64-row decode padded into the 2048-token mixed bucket costs a prefill
+chunk per token), the prefill engine, which never runs a pure-decode step, compiles none.
 
 Lowering (Python: tracing, MLIR) runs on one thread and XLA's compiles on a pool, since XLA
 releases the GIL. Steps are lowered against shape-and-sharding specs of the weights, KV cache and
@@ -140,17 +142,25 @@ class BucketCompiler:
         `_loop_exe`, `_copy_exe`) this fills."""
         self.runner = runner
         b: Buckets = runner.buckets
+        role = getattr(runner, "compile_role", None)
+        decodes = [] if role == "prefill" else list(b.decode_buckets)
         units = ([Unit("mixed", t) for t in b.token_buckets]
-                 + [Unit("decode", s) for s in b.decode_buckets])
+                 + [Unit("decode", s) for s in decodes])
         if runner.decode_steps_per_call > 1:
-            units += [Unit("loop", s) for s in b.decode_buckets]
+            units += [Unit("loop", s) for s in decodes]
         self.units = units
         # The first decode bucket: the smallest that holds more than one sequence (a lone
-        # sequence's own bucket, Buckets.lone_sequence, comes first in the background).
-        decode = next((s for s in b.decode_buckets if s > 1), b.decode_buckets[0])
-        first = {Unit("mixed", b.token_buckets[-1]), Unit("decode", decode)}
-        if runner.decode_steps_per_call > 1:
-            first.add(Unit("loop", decode))
+        # sequence's own bucket, Buckets.lone_sequence, comes first in the background). A
+        # disaggregated decode engine takes all of them first: it is handed up to max-num-seqs
+        # running sequences at once, and a decode step whose bucket is not ready runs padded
+        # into the largest mixed one, a whole prefill chunk's compute (issue 27).
+        first_decodes = decodes if role == "decode" else [
+            next((s for s in decodes if s > 1), decodes[0])] if decodes else []
+        first = {Unit("mixed", b.token_buckets[-1])}
+        for s in first_decodes:
+            first.add(Unit("decode", s))
+            if runner.decode_steps_per_call > 1:
+                first.add(Unit("loop", s))
         self.first = [u for u in units if u in first]
         order = {"decode": 0, "loop": 1, "mixed": 2}
         self.rest = sorted((u for u in units if u not in first),

@@ -247,6 +247,9 @@ class ModelRunner:
     # only after the queued dispatches (launcher.py).
     kv_cache = LaunchedState()
     last_tokens = LaunchedState()
+    # The engine's part in a disaggregated pair ("prefill" | "decode"; None: colocated): which
+    # step buckets warm-up compiles first, and whether decode buckets are compiled at all.
+    compile_role: str | None = None
 
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,

@@ -142,7 +142,7 @@ class BucketCompiler:
         `_loop_exe`, `_copy_exe`) this fills."""
         self.runner = runner
         b: Buckets = runner.buckets
-        role = getattr(runner, "compile_role", None)
+        role = runner.compile_role
         decodes = [] if role == "prefill" else list(b.decode_buckets)
         units = ([Unit("mixed", t) for t in b.token_buckets]
                  + [Unit("decode", s) for s in decodes])
@@ -154,8 +154,10 @@ class BucketCompiler:
         # disaggregated decode engine takes all of them first: it is handed up to max-num-seqs
         # running sequences at once, and a decode step whose bucket is not ready runs padded
         # into the largest mixed one, a whole prefill chunk's compute (issue 27).
-        first_decodes = decodes if role == "decode" else [
-            next((s for s in decodes if s > 1), decodes[0])] if decodes else []
+        if role == "decode" or not decodes:
+            first_decodes = decodes
+        else:
+            first_decodes = [next((s for s in decodes if s > 1), decodes[0])]
         first = {Unit("mixed", b.token_buckets[-1])}
         for s in first_decodes:
             first.add(Unit("decode", s))

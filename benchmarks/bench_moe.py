@@ -217,7 +217,8 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
     t0 = time.perf_counter()
     args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
                       max_num_batched_tokens=2048, max_model_len=1024,
-                      gpu_memory_utilization=0.9, attention_backend=backend)
+                      gpu_memory_utilization=0.9, attention_backend=backend,
+                      background_compile=False)  # timed steps never run padded into a bigger bucket
     engine = LLMEngine.from_engine_args(args)
     ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
     rng = np.random.default_rng(0)
@@ -333,7 +334,7 @@ def main() -> None:
         save_record(json.loads(Path(args.from_parts).read_text())["parts"], args)
         return
     start = time.perf_counter()
-    limits = {"kernels": 180, "qwen": 210, "mixtral": 240}
+    limits = {"kernels": 180, "qwen": 330, "mixtral": 360}
     env = dict(os.environ)
     for name in args.sections.split(","):
         left = args.deadline_s - (time.perf_counter() - start)

@@ -1,7 +1,8 @@
 """One batch-1 decode step of the Llama-3-8B shape (forward + greedy argmax, KV cache donated), in
-variants inside one process (weight layout, decode rows, K/V write, norm, attention-kernel
-configuration, XLA compile options), each timed on the device and traced per kernel, all against
-the same weights and cache; then, with `--engine`, the engine itself at batch 1.
+variants inside one process (weight layout, FP8 weights, decode rows, K/V write, norm,
+attention-kernel configuration, XLA compile options), each timed on the device and traced per
+kernel, all against the same weights (or their FP8 twin) and cache; then, with `--engine`, the
+engine itself at batch 1 (`--engine-quantization fp8`: with FP8 weights).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_step.py --save [DIR]
         [--ctx 768] [--max-blocks 128] [--variants old_s8,fused,...] [--deadline-s 55] [--engine]
@@ -13,11 +14,15 @@ passes it for `--max-model-len 2048`), without the host: the next step's token i
 argmax, on the device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only
 dispatches). For the first `--traced` variants a trace of 5 steps
 (tools/trace_engine_step.summarize_steps): busy time, kernels per step, the top kernels; for the
-first two also one layer's kernels in launch order (duration, gap before); `--hlo-out`: the first
-variant's optimized HLO, gzipped. Before the variants the backend's add + RMSNorm kernel is checked
-against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips variants
-that would not finish; results are saved after every variant (record bs1_step_<gpu>).
-`--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>).
+first two also one layer's kernels in launch order (duration, gap before). Each variant's
+`read_gb` (its weights but the embedding, and the sequence's K/V), `tb_s` (that over `step_ms`)
+and `of_ceiling` (over `read_ceiling_tbs`, an XLA sum over 8 GiB measured first), and
+`weight_reads`: tools/hlo_weight_reads.py's verdict on its optimized HLO (whether FP8 weights reach
+their matmuls directly or through a bf16 copy). `--hlo-out`: `--hlo-variant`'s optimized HLO
+(default the first fp8 variant), gzipped. Before the variants the backend's add + RMSNorm kernel
+is checked against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips
+variants that would not finish; results are saved after every variant (record bs1_step_<gpu>).
+`--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>, with FP8 engine_llama8b_bs1_fp8w_<gpu>).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import gzip
+import os
 import sys
 import tempfile
 import time
@@ -44,6 +50,7 @@ from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.model.config import config_from_dict  # noqa: E402
 from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params  # noqa: E402
+from jaxinfer.model.weights import load_params  # noqa: E402
 from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 from pallas_kernels.reference import add_rms_norm_reference, scatter_kv  # noqa: E402
@@ -51,6 +58,7 @@ from tools.trace_decode import device_events  # noqa: E402
 from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
+IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's override
 # name -> what the variant changes in the step (every key optional):
 #   seqs     decode rows (default 1): one real sequence and seqs - 1 padding rows, as an engine
 #            whose smallest decode bucket is seqs runs batch 1;
@@ -59,7 +67,12 @@ BLOCK = 16
 #   kernel   MosaicDecodeConfig keyword arguments for the decode kernel;
 #   norm     "xla": the residual add + RMSNorm as XLA emits it (else the backend's kernel);
 #   width    the block table's first `width` columns only;
-#   options  XLA compile options.
+#   options  XLA compile options;
+#   quant    the same weights quantized on load as `--quantization` does ("fp8": e4m3 + channel
+#            scales; fused with `fused`, as the engine serves them on one GPU);
+#   impl     $JAXINFER_QUANT_IMPL while the step is traced: "fp8" W8A8 (per-token e4m3
+#            activations, FP8 x FP8 scaled gemm), "dequant" weight-only (what the engine picks
+#            below FP8_GEMM_MIN_ROWS rows, so at batch 1).
 VARIANTS: dict[str, dict] = {
     "base": {},
     "fused": dict(fused=True),
@@ -81,6 +94,9 @@ VARIANTS: dict[str, dict] = {
     "nopdl": dict(options={"xla_gpu_enable_pdl": False}),
     "cublas": dict(options={"xla_gpu_enable_triton_gemm": False}),
     "cmdbuf": dict(options={"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
+    "fp8w": dict(fused=True, quant="fp8"),  # the engine's FP8 decode step as it is
+    "fp8w_unfused": dict(quant="fp8"),
+    "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
@@ -152,17 +168,21 @@ def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
              round((step[i][1] - step[i - 1][2]) / 1e3, 2)] for i in range(max(lo, 1), hi)]
 
 
-def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel") -> dict:
+def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
+               quantization: str | None = None) -> dict:
     """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
     greedy tokens, best of 2 runs after a first request compiled its steps), its decode step traced
     (tools/trace_engine_step), and the HBM roofline measured here. `norm` "xla": the GPU backends'
-    residual add + RMSNorm as XLA emits it instead of their kernel (for attribution)."""
+    residual add + RMSNorm as XLA emits it instead of their kernel (for attribution).
+    `quantization`: the engine's --quantization (the dummy weights quantized on load);
+    `bs1_read_gb` / `bs1_tb_s`: the bytes a step reads (step_bytes at the mean context) and the
+    rate the TPOT implies."""
+    metrics: dict = {"norm": norm, "quantization": quantization}
     import json
     from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from tools.trace_engine_step import profile_decode_steps
-    metrics: dict = {"norm": norm}
     if norm == "xla":
         from pallas_kernels import gpu_backends
         gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
@@ -170,13 +190,14 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel") -> dict:
     with tempfile.TemporaryDirectory() as work:
         if tiny:
             opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
-                        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4)
+                        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4,
+                        quantization=quantization)
             prompt_len = 32
         else:
             (Path(work) / "config.json").write_text(json.dumps(LLAMA3_8B))
             opts = dict(model=work, load_format="dummy", dtype="bfloat16",
                         attention_backend="mosaic", max_model_len=2048,
-                        max_num_batched_tokens=2048, max_num_seqs=256)
+                        max_num_batched_tokens=2048, max_num_seqs=256, quantization=quantization)
             prompt_len = 512
         t0 = time.perf_counter()
         # No warm-up: the first call compiles the two step shapes batch 1 uses, and no background
@@ -193,6 +214,10 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel") -> dict:
         best = min(runs, key=lambda r: r["tpot_ms"])
         metrics.update(bs1_tpot_ms=best["tpot_ms"], bs1_out_tok_s=best["out_tok_s"],
                        bs1_tpot_runs_ms=[r["tpot_ms"] for r in runs])
+        read = step_bytes(engine.runner.params, engine.cfg, engine.runner.kv_cache,
+                          prompt_len + out_len // 2)
+        metrics.update(bs1_read_gb=round(read / 1e9, 3),
+                       bs1_tb_s=round(read / (best["tpot_ms"] * 1e-3) / 1e12, 3))
         save(metrics)
         if not tiny:
             metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
@@ -200,22 +225,78 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel") -> dict:
             figs = roofline_figures(measure_rooflines(params_bytes), engine.cfg, prompt_len,
                                     out_len, 256)
             metrics.update({k: v for k, v in figs.items() if "c256" not in k})
+            metrics["bs1_of_ceiling"] = round(metrics["bs1_tb_s"] / figs["roofline_hbm_tb_s"], 3)
         save(metrics)
     return metrics
 
 
+def step_bytes(params, cfg, kv, ctx: int) -> int:
+    """What a batch-1 decode step has to read: every weight but the embedding table (it gathers
+    one row) and the sequence's K and V."""
+    kv_token = sum(2 * cfg.num_kv_heads * cfg.head_dim * k.dtype.itemsize for k, _ in kv)
+    return (sum(a.nbytes for a in jax.tree.leaves(params)) - params["embed"]["embedding"].nbytes
+            + ctx * kv_token)
+
+
+class Weights:
+    """The variants' weight trees, each made once: bf16 (seed 0), its FP8 twin quantized as
+    `--quantization fp8 --load-format dummy` loads it, and either fused."""
+
+    def __init__(self, cfg):
+        self.cfg, self.trees = cfg, {}
+
+    def get(self, quant: str | None, fused: bool):
+        key = (quant, fused)
+        if key not in self.trees:
+            if fused:
+                self.trees[key] = fuse_projections(self.get(quant, False))
+            elif quant:
+                self.trees[key] = load_params(None, dataclasses.replace(
+                    self.cfg, quantization=quant), jnp.bfloat16, "dummy", seed=0)
+            else:
+                self.trees[key] = init_params(self.cfg, jax.random.key(0))
+        return self.trees[key]
+
+
+def compile_variant(variant: dict, cfg, backend, state):
+    """The variant's step compiled, with $JAXINFER_QUANT_IMPL set to its `impl` while traced."""
+    saved = os.environ.get(IMPL_ENV)
+    if "impl" in variant:
+        os.environ[IMPL_ENV] = variant["impl"]
+    try:
+        return make_step(cfg, backend, variant.get("width")).lower(*state).compile(
+            compiler_options=variant.get("options"))
+    finally:
+        if saved is None:
+            os.environ.pop(IMPL_ENV, None)
+        else:
+            os.environ[IMPL_ENV] = saved
+
+
+def weight_reads(hlo: str, min_bytes: int) -> dict:
+    """tools/hlo_weight_reads' summary of the step: whether 8-bit weights reach their matmuls
+    directly or through a wider copy, and the ops that read them."""
+    from tools.hlo_weight_reads import report
+    s = report(hlo, min_bytes)["summary"]
+    return dict(verdict=s["verdict"], readers=s["readers"],
+                bytes_moved_gb=round(s["bytes_moved_estimate"] / 1e9, 3))
+
+
 def run_variants(args, names: list[str], start: float, save) -> None:
-    """Every variant in `names` against one set of weights and one cache; `save(metrics)` after
-    each; a table last."""
+    """Every variant in `names` against one set of weights (or its FP8 twin) and one cache;
+    `save(metrics)` after each; a table last."""
+    from benchmarks.bench_decode import read_ceiling_tbps
     cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
     if args.tiny:
         default = REFERENCE
     else:
         from pallas_kernels.backend import get_backend
         default = get_backend("mosaic")
-    params = init_params(cfg, jax.random.key(0))
+    weights = Weights(cfg)
+    params = weights.get(None, False)
     kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
-    fused = None
+    hlo_variant = args.hlo_variant or next((n for n in names if n.startswith("fp8")), names[0])
+    ceiling = read_ceiling_tbps(64 << 20 if args.tiny else 8 << 30)
     norm_check = {}
     for rows in (1, 8):  # the norm kernel on this device against its reference
         x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size), jnp.bfloat16)
@@ -225,7 +306,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
         norm_check[f"rows{rows}"] = [float(jnp.abs(a.astype(jnp.float32) - b).max())
                                      for a, b in pairs]
     metrics: dict = {"setup_s": round(time.perf_counter() - start, 1),
-                     "norm_kernel_max_abs_diff": norm_check}
+                     "read_ceiling_tbs": round(ceiling, 3), "norm_kernel_max_abs_diff": norm_check}
     print(metrics, flush=True)
     rows = []
     for i, name in enumerate(names):
@@ -237,11 +318,11 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             t0 = time.perf_counter()
             inputs = decode_inputs(args.ctx, args.max_blocks, args.num_blocks,
                                    variant.get("seqs", 1))
-            if variant.get("fused") and fused is None:
-                fused = fuse_projections(params)
-            state = (fused if variant.get("fused") else params, kv, *inputs)
-            exe = make_step(cfg, backend_for(variant, default), variant.get("width")).lower(
-                *state).compile(compiler_options=variant.get("options"))
+            vcfg = dataclasses.replace(cfg, quantization=variant.get("quant"))
+            tree = weights.get(variant.get("quant"), bool(variant.get("fused")))
+            nbytes = step_bytes(tree, cfg, kv, args.ctx)
+            state = (tree, kv, *inputs)
+            exe = compile_variant(variant, vcfg, backend_for(variant, default), state)
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)
             times = []
@@ -249,11 +330,19 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                 t1 = time.perf_counter()
                 state = run_steps(exe, state, args.steps)
                 times.append((time.perf_counter() - t1) / args.steps * 1e3)
-            entry = dict(step_ms=round(min(times), 4), compile_s=round(compile_s, 1))
-            if i == 0 and args.hlo_out:
+            tbs = nbytes / (min(times) * 1e-3) / 1e12
+            entry = dict(step_ms=round(min(times), 4), compile_s=round(compile_s, 1),
+                         read_gb=round(nbytes / 1e9, 3), tb_s=round(tbs, 3),
+                         of_ceiling=round(tbs / ceiling, 3))
+            hlo = exe.as_text()
+            if name == hlo_variant and args.hlo_out:
                 Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
                 with gzip.open(args.hlo_out, "wt") as f:
-                    f.write(exe.as_text())
+                    f.write(hlo)
+            try:
+                entry["weight_reads"] = weight_reads(hlo, 16 << 10 if args.tiny else 1 << 20)
+            except Exception as e:  # noqa: BLE001 - a diagnostic: the timing stands without it
+                entry["weight_reads_error"] = repr(e)[:200]
             if (not args.tiny and i < args.traced
                     and time.perf_counter() - start < args.deadline_s - 6):
                 with tempfile.TemporaryDirectory() as d:
@@ -265,7 +354,8 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                 if i < 2:
                     entry["one_layer"] = one_layer(events, len(events) // 5)
             metrics[name] = entry
-            rows.append((name, entry["step_ms"], entry.get("trace", {}).get("busy_us_per_step"),
+            rows.append((name, entry["step_ms"], entry["tb_s"],
+                         entry.get("trace", {}).get("busy_us_per_step"),
                          entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
             print(name, entry, flush=True)
             kv = state[1]
@@ -276,9 +366,10 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                 kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
         state = None
         save(metrics)
-    print(f"{'variant':10} {'step_ms':>8} {'busy_us':>8} {'kernels':>8} {'compile_s':>9}")
+    print(f"{'variant':12} {'step_ms':>8} {'TB/s':>6} {'busy_us':>8} {'kernels':>8} "
+          f"{'compile_s':>9}   (read ceiling {ceiling:.3f} TB/s)")
     for r in rows:
-        print(f"{r[0]:10} {r[1]:8.3f} {str(r[2]):>8} {str(r[3]):>8} {r[4]:9.1f}")
+        print(f"{r[0]:12} {r[1]:8.3f} {r[2]:6.3f} {str(r[3]):>8} {str(r[4]):>8} {r[5]:9.1f}")
 
 
 def main() -> None:
@@ -290,13 +381,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="'' for none")
     ap.add_argument("--deadline-s", type=float, default=55.0, help="for the variants")
-    ap.add_argument("--hlo-out", default=None, help="write the first variant's optimized HLO here")
+    ap.add_argument("--hlo-out", default=None,
+                    help="write --hlo-variant's optimized HLO here (gzipped text; read it with "
+                         "tools/hlo_weight_reads.py)")
+    ap.add_argument("--hlo-variant", default=None,
+                    help="the variant --hlo-out writes (default: the first fp8 one, else the first)")
     ap.add_argument("--traced", type=int, default=3, help="trace the first N variants")
     ap.add_argument("--engine", action="store_true",
                     help="then the engine at batch 1 (record engine_llama8b_bs1_<gpu>)")
     ap.add_argument("--out-len", type=int, default=256, help="the engine run's output tokens")
     ap.add_argument("--engine-norm", choices=("kernel", "xla"), default="kernel",
                     help="the engine's residual add + RMSNorm: the backend's kernel, or XLA's")
+    ap.add_argument("--engine-quantization", choices=("fp8", "int8"), default=None,
+                    help="the engine's --quantization (record engine_llama8b_bs1_<q>w_<gpu>)")
     results_io.add_save_arg(ap, "bs1_step_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -309,12 +406,13 @@ def main() -> None:
             args.save, args.name or f"bs1_step_{results_io.device_slug()}", config=config,
             metrics=m))
     if args.engine:
+        q = args.engine_quantization
         econfig = dict(model=model, engine="max_num_seqs 256, max_num_batched_tokens 2048, "
                        "max_model_len 2048, num_blocks 2048, mosaic, no warm-up",
-                       out_len=args.out_len)
+                       out_len=args.out_len, quantization=q)
+        record = f"engine_llama8b_bs1_{q + 'w_' if q else ''}{results_io.device_slug()}"
         out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
-            args.save, f"engine_llama8b_bs1_{results_io.device_slug()}", config=econfig,
-            metrics=m), args.engine_norm)
+            args.save, record, config=econfig, metrics=m), args.engine_norm, q)
         print({k: v for k, v in out.items() if k != "bs1_profile"}, flush=True)
 
 

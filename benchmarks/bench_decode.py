@@ -66,14 +66,14 @@ def warm_up_gpu(seconds: float = 1.5) -> None:
         jax.block_until_ready(a)
 
 
-def read_ceiling_tbps() -> float:
-    """HBM read bandwidth: sum over 8 GiB of bf16 (shared/gpu/probe_extra.py's anchor), 20 sums
-    queued back to back."""
-    x = jax.random.normal(jax.random.key(0), (4 * 1024**3,), jnp.bfloat16)
+def read_ceiling_tbps(nbytes: int = 8 * 1024**3) -> float:
+    """HBM read bandwidth: sum over 8 GiB of bf16 (shared/gpu/probe_extra.py's anchor), sums
+    queued back to back. (`nbytes`: smaller, for a CPU smoke run.)"""
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
     t = _queued_time(lambda _, x=x: f(x), None, min_seconds=0.05)
     del x
-    return tbps(8 * 1024**3, t)
+    return tbps(nbytes, t)
 
 
 def tbps(nbytes: float, seconds: float) -> float:

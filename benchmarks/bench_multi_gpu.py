@@ -106,7 +106,7 @@ def section_allreduce_oneshot(cfg: dict) -> dict:
 def _llm(model: str, **kw):
     from jaxinfer import LLM
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", attention_backend=BACKEND, warmup=False,
+    llm = LLM(model, dtype="bfloat16", attention_backend=BACKEND, warmup=kw.pop("warmup", False),
               compilation_cache_dir=kw.pop("cache_dir"), **kw)
     return llm, time.perf_counter() - t0
 

@@ -1,7 +1,7 @@
 """Fused q/k/v and gate/up projections (jaxinfer/model/fused_projections.py): the same model as the
 separate ones, for every family's layout (biases, q/k norm, MoE layers, quantized linears), and an
 engine on fused weights decodes alike (a lone sequence in its own bucket) and takes separate ones
-in `update_weights`."""
+in `update_weights`; an engine on fused FP8 weights decodes as their dequantized twin."""
 
 from __future__ import annotations
 
@@ -72,3 +72,48 @@ def test_an_engine_on_fused_weights_decodes_alike_and_takes_separate_updates():
     separate.update_weights(update)
     assert is_fused(fused.runner.params)
     assert tokens(fused) == tokens(separate)
+
+
+def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin(monkeypatch):
+    """FP8 weights quantized as `--quantization fp8` loads them, fused as the engine serves them on
+    one GPU (fuse_for_serving): q/k/v and gate/up stay e4m3 with their channel scales concatenated,
+    the engine takes the lone-sequence bucket, and at batch-1 sizes (weight-only arithmetic, what
+    the GPU runs below FP8_GEMM_MIN_ROWS) it decodes the tokens of the same weights dequantized."""
+    from jaxinfer.model.quant import loading, ops
+    from jaxinfer.model.transformer import param_shapes
+    from jaxinfer.model.weights import _flat_paths, _set
+
+    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")
+    cfg, params = tiny_model()
+    qcfg = dataclasses.replace(cfg, quantization="fp8")
+    flat = {k: jnp.array(v) for k, v in _flat_paths(params).items()}  # copies: the loader deletes
+    quantized: dict = {}
+    for key, leaf in loading.quantize_unquantized(
+            flat, _flat_paths(param_shapes(qcfg, jnp.float32)), "fp8", {}).items():
+        _set(quantized, key, leaf)
+    fp8 = fuse_projections(quantized)
+    qkv = fp8["layers_0"]["attn"]["qkv_proj"]
+    assert qkv["weight"].dtype == jnp.float8_e4m3fn and qkv["weight_scale"].shape == (
+        (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,)
+
+    def dequantized(tree):
+        if isinstance(tree, dict) and "weight_scale" in tree:
+            return {"kernel": ops.dequantize(tree["weight"], tree["weight_scale"]).T,
+                    **{k: v for k, v in tree.items() if k not in ("weight", "weight_scale")}}
+        return {k: dequantized(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+    args = EngineArgs(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                      max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
+                      compilation_cache_dir=None, warmup=False, dtype="float32",
+                      background_compile=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engines = {name: LLMEngine(c, p, tiny_tokenizer(), args, num_blocks=NUM_BLOCKS)
+               for name, c, p in (("fp8", qcfg, fp8), ("twin", cfg, dequantized(fp8)))}
+    assert engines["fp8"].runner.buckets.decode_buckets[:2] == (1, 8)
+    for prompts in ([prompt_ids(70 + i, 9) for i in range(3)], [prompt_ids(80, 11)]):
+        tokens = {}
+        for name, engine in engines.items():
+            for i, p in enumerate(prompts):
+                engine.add_request(f"r{i}", p, greedy)
+            tokens[name] = {rid: out[0][0] for rid, out in run_all(engine).items()}
+        assert tokens["fp8"] == tokens["twin"]

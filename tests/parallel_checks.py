@@ -232,9 +232,51 @@ def executable_cache_checks(out: dict) -> None:
                                          "misses": [c.misses for c in caches]}
 
 
+def sampler_layout_checks(out: dict) -> None:
+    """The TP = 2 engine's compiled steps, per sampler layout (parallel/sampling_logits.py: rows
+    gathered whole, or split over tp, forced here by a zero gather limit): the collectives inside
+    a conditional or while loop of each sampler, decode forward and decode loop; and the greedy
+    tokens of the prompts of "llama/engine_tp1"."""
+    from jaxinfer.parallel import sampling_logits
+    from jaxinfer.parallel.hlo_collectives import collectives_in_control_flow
+    from jaxinfer.worker import runner as runner_module
+    lg = np.load(FIXTURES / "llama" / "golden.npz")
+    prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
+    params = SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True)
+    default = sampling_logits.REPLICATE_MAX_BYTES
+    for layout, limit in (("replicated", default), ("rows", 0)):
+        sampling_logits.REPLICATE_MAX_BYTES = limit
+        runner_module._jitted_fns.cache_clear()  # traced anew under this limit
+        try:
+            llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, dtype="float32",
+                      max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, block_size=4,
+                      decode_steps_per_call=2, compilation_cache_dir=None)
+            runner = llm.engine.runner
+            found = {}
+            for kind, table in (("sample", runner._sample_exe), ("loop", runner._loop_exe),
+                                ("forward", runner._forward_exe)):
+                for key, exe in table.items():
+                    sites = collectives_in_control_flow(exe.as_text())
+                    found[f"{kind} {key}"] = {
+                        "conditional": [str(x) for x in sites if any(
+                            i.startswith("conditional") for i in x.inside)],
+                        "while": [str(x) for x in sites if any(i.startswith("while")
+                                                               for i in x.inside)]}
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+            out[f"sampler_layout/{layout}"] = {"sites": found, "tokens": tokens}
+        finally:
+            sampling_logits.REPLICATE_MAX_BYTES = default
+            runner_module._jitted_fns.cache_clear()
+
+
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
-    for check in (model_checks, shard_checks, engine_checks, executable_cache_checks):
+    checks = (model_checks, shard_checks, engine_checks, sampler_layout_checks,
+              executable_cache_checks)
+    if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
+        checks = [c for c in checks if c.__name__ in sys.argv[1:]]
+    for check in checks:
         t0 = time.perf_counter()
         check(out)
         out[f"seconds/{check.__name__}"] = round(time.perf_counter() - t0, 1)

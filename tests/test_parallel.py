@@ -153,6 +153,23 @@ def test_engine_refuses_bad_sizes_by_flag(runs, case, flag):
     assert flag in runs["checks"]["refusals"][case]
 
 
+@pytest.mark.parametrize("layout", ["replicated", "rows"])
+def test_tp2_sampler_has_no_collective_inside_control_flow(runs, layout):
+    """No collective inside a conditional of the TP = 2 samplers, decode forwards and decode loops
+    (with one, the sampler's CUDA graph failed to instantiate when XLA's command buffers take
+    collectives), nor inside a while loop of a sampler; the decode loop's while body holds the
+    forward's all-reduces by design. Greedy tokens as on one device, in either layout."""
+    got = runs["checks"][f"sampler_layout/{layout}"]
+    sites = got["sites"]
+    assert {k.split()[0] for k in sites} == {"sample", "loop", "forward"}
+    assert sum(k.startswith("sample") for k in sites) == 3  # base, full, masked
+    for step, found in sites.items():
+        assert found["conditional"] == [], step
+        if not step.startswith("loop"):
+            assert found["while"] == [], step
+    assert got["tokens"] == runs["checks"]["llama/engine_tp1"]
+
+
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 48,
         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6,
         "num_key_value_heads": 2, "max_position_embeddings": 64}

@@ -414,5 +414,13 @@ class BucketCompiler:
             t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
-        return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
-                                r.max_model_len, variant)
+        batch = build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
+                                 r.max_model_len, variant)
+        plan = r.plan
+        if plan is None or plan.tp == 1:
+            return batch
+        # Under TP the steps get their inputs replicated (transfer.place_step_inputs): lowered
+        # so, or XLA picks their layout (the decode loop took logits_indices split over tp).
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.replicated)
+            if isinstance(a, np.ndarray) else a, batch)

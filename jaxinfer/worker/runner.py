@@ -39,6 +39,7 @@ from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant
                                      sample)
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
+from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
@@ -62,18 +63,19 @@ def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: Model
 
 
 def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
-                 variant: SamplerVariant):
+                 variant: SamplerVariant, plan: ShardingPlan | None = None):
     """The sampling part of a step, a jit of its own: its shapes depend only on the sequence bucket,
     so the forward (which holds the attention kernels, the costly part to compile) is compiled once
-    per step bucket rather than once per sampler variant."""
+    per step bucket rather than once per sampler variant. Under TP the logits are laid out so that
+    no collective runs inside the sampler's conditionals (parallel/sampling_logits.py)."""
     with jax.named_scope("sample"):
-        out = sample(logits, sampling, variant)
+        out = sample_in_layout(functools.partial(sample, variant=variant), logits, sampling, plan)
     return store_emitted(last_tokens, emit_slot, out.tokens), out
 
 
 def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
                  cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant,
-                 num_steps: int, block_size: int):
+                 num_steps: int, block_size: int, plan: ShardingPlan | None = None):
     """Up to num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
     still sample (length limits). Stops after the step in which any row finishes."""
     md0, t0 = batch.md, batch.sampling
@@ -105,8 +107,8 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
         with jax.named_scope("decode"):
             logits, kv = forward(params, cfg, ids, pos, kv, md, backend, batch.logits_indices)
         t = dataclasses.replace(t0, out_pos=t0.out_pos + i)
-        with jax.named_scope("sample"):
-            out = sample(logits, t, variant)
+        with jax.named_scope("sample"):  # laid out as in _sample_step
+            out = sample_in_layout(functools.partial(sample, variant=variant), logits, t, plan)
         last = last.at[slots].set(out.tokens, mode="drop")
         rec = jax.tree_util.tree_map(lambda r, o: r.at[i].set(o), rec, out)
         hit_stop = jnp.any(out.tokens[:, None] == t.stop_ids, axis=-1) & (t.out_pos >= t.min_tokens)
@@ -118,12 +120,18 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
     return kv_cache, last_tokens, record, n
 
 
-def _sampler_compiler_options(plan: ShardingPlan | None) -> dict | None:
-    """With XLA's command buffers taking collectives (XLA_FLAGS
-    --xla_gpu_enable_command_buffer=+COLLECTIVES, which puts a sharded forward's all-reduces inside
-    its CUDA graphs), the sharded sampler's graph fails to instantiate (CUDA_ERROR_INVALID_VALUE on
-    H200, jax 0.11.2): the sampler, a few kernels, runs without command buffers then."""
-    if plan is None or "COLLECTIVES" not in os.environ.get("XLA_FLAGS", ""):
+# Set to 1: the sampler runs without XLA's command buffers (CUDA graphs), a fallback should its
+# graph fail to instantiate again (docs/multi_gpu.md).
+NO_SAMPLER_COMMAND_BUFFERS_ENV = "JAXINFER_SAMPLER_NO_COMMAND_BUFFERS"
+
+
+def _sampler_compiler_options() -> dict | None:
+    """None, unless $JAXINFER_SAMPLER_NO_COMMAND_BUFFERS=1. (With collectives inside the sampler's
+    conditionals, the TP = 2 sampler's CUDA graph failed to instantiate under
+    --xla_gpu_enable_command_buffer=+COLLECTIVES, CUDA_ERROR_INVALID_VALUE on H200, jax 0.11.2,
+    and it ran without command buffers then; its layout now keeps them out,
+    parallel/sampling_logits.py.)"""
+    if os.environ.get(NO_SAMPLER_COMMAND_BUFFERS_ENV) != "1":
         return None
     return {"xla_gpu_enable_command_buffer": ""}
 
@@ -137,9 +145,10 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     the last-token array (sampler, loop) are donated."""
     forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
                            static_argnames=("with_hidden",), donate_argnums=(1,))
-    sample_step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,),
-                          compiler_options=_sampler_compiler_options(plan))
-    loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size),
+    sample_step = jax.jit(functools.partial(_sample_step, plan=plan), static_argnames=("variant",),
+                          donate_argnums=(1,), compiler_options=_sampler_compiler_options())
+    loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size,
+                                     plan=plan),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
     return forward_step, sample_step, loop
 

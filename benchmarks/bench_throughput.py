@@ -2,6 +2,7 @@
 
     python benchmarks/bench_throughput.py --model DIR --input-len 128 --output-len 128 --num-prompts 64
     python benchmarks/bench_throughput.py --host-overhead --num-seqs 256
+    python benchmarks/bench_throughput.py --host-overhead --logprobs 0 --final-output-only
 
 Throughput: N random-token prompts of --input-len tokens, each generating exactly --output-len tokens
 (ignore_eos), through `LLM.generate`; prints `Throughput: X requests/s, Y total tokens/s, Z output
@@ -11,7 +12,10 @@ Host overhead: the host-side work of one steady-state decode step for --num-seqs
 i.e. `Scheduler.schedule()` + `ModelRunner.build()` (the padded step arrays), with no device work;
 target <= 1 ms for 256 sequences. Reported as the median over --steps steps; also the output
 side of a step (the engine's processing of a step's tokens: append, stop checks, the scheduler's
-update, the RequestOutputs and gauges), fed a fixed token per row.
+update, the RequestOutputs and gauges), fed a fixed token per row. `--logprobs K` asks every
+request for logprobs (the step then carries a logprob, and K top alternatives, per row) and also
+times the same steps without (`process_outputs_no_logprobs_ms`); `--final-output-only` builds no
+RequestOutput until a request finishes, as `LLM.generate` does (an RL rollout's path).
 """
 
 from __future__ import annotations
@@ -71,8 +75,22 @@ def throughput(args: argparse.Namespace) -> dict:
 
 def host_overhead(args: argparse.Namespace) -> dict:
     """Steady-state decode of --num-seqs sequences with the device taken out of the loop."""
+    result = _host_overhead(args, args.logprobs)
+    if args.logprobs is not None:
+        plain = _host_overhead(args, None)
+        result.update(process_outputs_no_logprobs_ms=plain["process_outputs_ms"],
+                      process_outputs_no_logprobs_mean_ms=plain["process_outputs_mean_ms"])
+        print(f"output processing, median (mean): {result['process_outputs_ms']:.3f} "
+              f"({result['process_outputs_mean_ms']:.3f}) ms with logprobs={args.logprobs}, "
+              f"{plain['process_outputs_ms']:.3f} ({plain['process_outputs_mean_ms']:.3f}) ms "
+              "without")
+    return result
+
+
+def _host_overhead(args: argparse.Namespace, logprobs: int | None) -> dict:
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.model.transformer import init_params
+    from jaxinfer.sampling_params import MAX_LOGPROBS
     cfg = config_from_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -87,9 +105,10 @@ def host_overhead(args: argparse.Namespace) -> dict:
     engine = LLMEngine(cfg, params, None, eargs, num_blocks=num_blocks)
     rng = np.random.default_rng(0)
     for i in range(n):
-        engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
-                           SamplingParams(temperature=0.8, max_tokens=None,
-                                          ignore_eos=True))
+        req = engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
+                                 SamplingParams(temperature=0.8, max_tokens=None, ignore_eos=True,
+                                                logprobs=logprobs))
+        req.final_output_only = args.final_output_only
     sched_ms, build_ms, process_ms = [], [], []
     scheduler, runner = engine.scheduler, engine.runner
     # Admit and "prefill" everyone without the device: schedule until every sequence decodes.
@@ -99,7 +118,12 @@ def host_overhead(args: argparse.Namespace) -> dict:
             if entry.emits:
                 entry.seq.num_pending -= 1
                 entry.seq.token_ids.append(7)
-    result = StepResult(np.full((1, n), 7, np.int32), None, None, None)
+    # What the device hands back: the token, its logprob, and (logprobs > 0) the alternatives.
+    top = bool(logprobs)
+    result = StepResult(np.full((1, n), 7, np.int32),
+                        None if logprobs is None else np.full((1, n), -1.5, np.float32),
+                        np.tile(np.arange(MAX_LOGPROBS, dtype=np.int32), (1, n, 1)) if top else None,
+                        np.full((1, n, MAX_LOGPROBS), -2.5, np.float32) if top else None)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         sched = scheduler.schedule()
@@ -112,19 +136,22 @@ def host_overhead(args: argparse.Namespace) -> dict:
         outs = engine._collect(engine._process(handle))
         engine._update_gauges()
         t3 = time.perf_counter()
-        assert len(outs) == n and not any(o.finished for o in outs)
-        assert len(sched.decodes) == n
+        assert len(outs) == (0 if args.final_output_only else n)
+        assert not any(o.finished for o in outs) and len(sched.decodes) == n
         sched_ms.append(1e3 * (t1 - t0))
         build_ms.append(1e3 * (t2 - t1))
         process_ms.append(1e3 * (t3 - t2))
     med = statistics.median
     result = dict(num_seqs=n, steps=args.steps, schedule_ms=med(sched_ms), build_ms=med(build_ms),
                   schedule_plus_build_ms=med([a + b for a, b in zip(sched_ms, build_ms)]),
-                  process_outputs_ms=med(process_ms))
-    print(f"host overhead per decode step, {n} sequences (median of {args.steps}): "
-          f"schedule {result['schedule_ms']:.3f} ms + build inputs {result['build_ms']:.3f} ms = "
-          f"{result['schedule_plus_build_ms']:.3f} ms; output processing "
-          f"{result['process_outputs_ms']:.3f} ms")
+                  process_outputs_ms=med(process_ms),
+                  # The mean counts the garbage collector's passes, which the median leaves out.
+                  process_outputs_mean_ms=statistics.fmean(process_ms))
+    print(f"host overhead per decode step, {n} sequences, logprobs={logprobs} (median of "
+          f"{args.steps}): schedule {result['schedule_ms']:.3f} ms + build inputs "
+          f"{result['build_ms']:.3f} ms = {result['schedule_plus_build_ms']:.3f} ms; output "
+          f"processing {result['process_outputs_ms']:.3f} ms (mean "
+          f"{result['process_outputs_mean_ms']:.3f} ms)")
     return result
 
 
@@ -138,6 +165,12 @@ def main() -> None:
                    help="measure scheduler + input building per decode step instead")
     p.add_argument("--num-seqs", type=int, default=256, help="(--host-overhead) running sequences")
     p.add_argument("--steps", type=int, default=50, help="(--host-overhead) steps to time")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="(--host-overhead) every request asks for logprobs=K; the same steps "
+                        "without logprobs are timed too")
+    p.add_argument("--final-output-only", action="store_true",
+                   help="(--host-overhead) no RequestOutput until a request finishes (as "
+                        "LLM.generate)")
     p.add_argument("--output-json", default=None, help="the raw result dict (bench_engine_gpu reads it)")
     results_io.add_save_arg(p, "throughput_<model>_<device> or host_overhead_<device>")
     EngineArgs.add_cli_args(p)
@@ -150,7 +183,8 @@ def main() -> None:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     if args.save:
         slug = results_io.device_slug()
-        default = (f"host_overhead_{slug}" if args.host_overhead
+        lp = "" if args.logprobs is None else f"_logprobs{args.logprobs}"
+        default = (f"host_overhead{lp}_{slug}" if args.host_overhead
                    else f"throughput_{Path(args.model).name}_{slug}")
         config = {k: v for k, v in vars(args).items() if k not in ("save", "name", "output_json")}
         metrics = {k: v for k, v in result.items() if isinstance(v, (int, float))}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 from jaxinfer.engine.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 from jaxinfer.worker.runner import StepHandle
@@ -73,28 +73,28 @@ class OutputProcessor:
                     seq.num_pending -= 1
                 else:  # on-device loop: the previous token was this iteration's input
                     seq.num_computed += 1
-                lp = None
-                k = seq.request.params.logprobs
-                if logprobs is not None and k is not None:
-                    lp = TokenLogprob(tokens[j][r], logprobs[j][r], list(zip(
-                        res.top_ids[j, r, :k].tolist(), res.top_logprobs[j, r, :k].tolist()))
-                        if k else [])
-                self._append(seq, tokens[j][r], lp, now)
+                store = seq.logprobs
+                if store is not None and logprobs is not None:
+                    k = store.k
+                    if k:
+                        store.append(tokens[j][r], logprobs[j][r], res.top_ids[j, r, :k].tolist(),
+                                     res.top_logprobs[j, r, :k].tolist())
+                    else:
+                        store.append(tokens[j][r], logprobs[j][r])
+                self._append(seq, tokens[j][r], now)
                 num_new_tokens += 1
                 touched[seq.request.request_id] = seq.request
                 if seq.finish_reason is not None:
                     break
         return num_new_tokens
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
         req = seq.request
         params = req.params
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         if seq.grammar is not None:
             seq.grammar.accept(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
@@ -148,15 +148,16 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
         if not full and not seq.new_token_ids and (seq.finish_reason is None or seq.finish_reported):
             continue  # nothing new since the previous output
         new_text = seq.output.take_new_text()
-        wants_logprobs = req.params.logprobs is not None
+        lps = seq.logprobs  # views: no per-token objects unless a caller reads them
         outs.append(CompletionOutput(
             index=i, text=seq.output.emitted_text, token_ids=seq.token_ids[seq.prompt_len:],
             new_text=new_text, new_token_ids=seq.new_token_ids,
-            new_logprobs=seq.logprobs[seq.num_logprobs_reported:] if wants_logprobs else None,
+            new_logprobs=None if lps is None else lps.view(seq.num_logprobs_reported),
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs[:] if wants_logprobs else None))
+            logprobs=None if lps is None else lps.view()))
         seq.new_token_ids = []
-        seq.num_logprobs_reported = len(seq.logprobs)
+        if lps is not None:
+            seq.num_logprobs_reported = len(lps)
         if seq.finish_reason is not None:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,

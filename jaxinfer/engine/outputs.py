@@ -8,6 +8,7 @@ order.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass
@@ -25,10 +26,12 @@ class CompletionOutput:
     token_ids: list[int]            # all generated ids so far
     new_text: str                   # text since the previous RequestOutput of this choice
     new_token_ids: list[int]        # ids since the previous RequestOutput of this choice
-    new_logprobs: list[TokenLogprob] | None  # one per new token when logprobs was requested
+    # One per new token when logprobs was requested. From the engine: LogprobsView sequences
+    # (sampled_logprobs.py), whose TokenLogprobs are made on access.
+    new_logprobs: Sequence[TokenLogprob] | None
     finish_reason: str | None       # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None   # the stop token id or stop string that ended it, if any
-    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when requested
+    logprobs: Sequence[TokenLogprob] | None = None  # one per token of token_ids, when requested
 
     @property
     def finished(self) -> bool:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxinfer.engine.outputs import TokenLogprob
+from jaxinfer.engine.sampled_logprobs import SampledLogprobs
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
@@ -138,7 +139,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.finish_reported = False  # a RequestOutput carried the finish reason
-        self.logprobs: list[TokenLogprob] = []  # one per output token, when requested
+        # One entry per output token, when requested (None: not requested).
+        self.logprobs = None if params.logprobs is None else SampledLogprobs(params.logprobs)
         # Since the previous RequestOutput:
         self.new_token_ids: list[int] = []
         self.num_logprobs_reported = 0

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.outputs import RequestOutput, TokenLogprob
+from jaxinfer.engine.sampled_logprobs import LogprobsView
 
 
 @dataclasses.dataclass
@@ -109,14 +111,30 @@ def to_rollout_batch(outputs: list[RequestOutput], *, max_prompt_len: int | None
         itertools.chain.from_iterable(c.token_ids for _, _, c in rows), np.int32, n_completion)
     if batch.logprobs is not None:
         batch.logprobs[completion_mask] = np.fromiter(
-            (lp.logprob for _, _, c in rows for lp in c.logprobs), np.float32, n_completion)
+            itertools.chain.from_iterable(_values(c.logprobs) for _, _, c in rows), np.float32,
+            n_completion)
     if top_k and n_completion:
-        tops = [lp.top[:top_k] for _, _, c in rows for lp in c.logprobs]
-        fewest = min(map(len, tops))
+        tops = [_top(c.logprobs, top_k) for _, _, c in rows if c.token_ids]
+        fewest = min(ids.shape[1] for ids, _ in tops)
         if fewest < top_k:
             raise ValueError(f"top_k={top_k} but the completions were sampled with "
                              f"logprobs={fewest}")
-        pairs = np.array(tops, np.float64)  # [tokens, top_k, (id, logprob)]: ids exact in f64
-        batch.top_ids[completion_mask] = pairs[..., 0].astype(np.int32)
-        batch.top_logprobs[completion_mask] = pairs[..., 1].astype(np.float32)
+        batch.top_ids[completion_mask] = np.concatenate([ids for ids, _ in tops])
+        batch.top_logprobs[completion_mask] = np.concatenate([lps for _, lps in tops])
     return batch
+
+
+# The engine's outputs hold LogprobsViews, read as flat lists; other sequences of TokenLogprob
+# (outputs built by hand) go token by token.
+def _values(lps: Sequence[TokenLogprob]) -> Iterable[float]:
+    return lps.values() if isinstance(lps, LogprobsView) else (lp.logprob for lp in lps)
+
+
+def _top(lps: Sequence[TokenLogprob], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids i32[len, <= top_k], logprobs f32[len, <= top_k]): fewer columns when sampled with
+    fewer alternatives."""
+    if isinstance(lps, LogprobsView):
+        return lps.top(min(top_k, lps.k))
+    width = min(top_k, min(len(lp.top) for lp in lps))
+    pairs = np.array([lp.top[:width] for lp in lps], np.float64).reshape(len(lps), width, 2)
+    return pairs[..., 0].astype(np.int32), pairs[..., 1].astype(np.float32)

@@ -43,13 +43,18 @@ def _timed(fn, *args) -> float:
     return _queued_time(lambda _: fn(*args), None)
 
 
-def _weights(n: int, k: int):
-    """Distinct e4m3 weight copies (finite values: bytes in [-100, 100]) and one scale vector."""
+def _weights(n: int, k: int, min_bytes: int = MIN_BYTES):
+    """Distinct e4m3 weight copies, >= min_bytes in all, and one scale vector. Finite values:
+    magnitude bytes in [0, 100] (|w| <= 48) and a random sign (a negative int8 bitcast as-is
+    would make byte 0xFF, e4m3fn's NaN)."""
     import jax
     import jax.numpy as jnp
-    copies = max(1, -(-MIN_BYTES // (n * k)))
-    make = jax.jit(lambda key: jax.lax.bitcast_convert_type(
-        jax.random.randint(key, (n, k), -100, 101, jnp.int8), jnp.float8_e4m3fn))
+    copies = max(1, -(-min_bytes // (n * k)))
+
+    def bits(key):
+        b = jax.random.randint(key, (n, k), -100, 101, jnp.int32)
+        return jnp.where(b < 0, -b - 128, b).astype(jnp.int8)  # -b - 128: sign bit | |b|
+    make = jax.jit(lambda key: jax.lax.bitcast_convert_type(bits(key), jnp.float8_e4m3fn))
     return [make(jax.random.key(i)) for i in range(copies)], jnp.full((n,), 1e-3, jnp.float32)
 
 

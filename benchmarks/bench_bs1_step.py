@@ -71,9 +71,8 @@ IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's overr
 #   quant    the same weights quantized on load as `--quantization` does ("fp8": e4m3 + channel
 #            scales; fused with `fused`, as the engine serves them on one GPU);
 #   impl     $JAXINFER_QUANT_IMPL while the step is traced: "fp8" W8A8 (per-token e4m3
-#            activations, FP8 x FP8 scaled gemm), "dequant" XLA's weight-only dot, "gemv" the
-#            weight-only kernel pallas_kernels/fp8_gemv.py (what the engine picks on one GPU up
-#            to GEMV_MAX_ROWS rows, so at batch 1; "dequant" from there to FP8_GEMM_MIN_ROWS).
+#            activations, FP8 x FP8 scaled gemm), "dequant" weight-only (what the engine picks
+#            below FP8_GEMM_MIN_ROWS rows, so at batch 1).
 VARIANTS: dict[str, dict] = {
     "base": {},
     "fused": dict(fused=True),
@@ -98,8 +97,6 @@ VARIANTS: dict[str, dict] = {
     "fp8w": dict(fused=True, quant="fp8"),  # the engine's FP8 decode step as it is
     "fp8w_unfused": dict(quant="fp8"),
     "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
-    "fp8w_dequant": dict(fused=True, quant="fp8", impl="dequant"),  # XLA's weight-only dot
-    "fp8w_gemv": dict(fused=True, quant="fp8", impl="gemv"),  # the fp8_gemv kernel
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)

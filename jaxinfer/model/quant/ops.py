@@ -6,7 +6,7 @@ gemm takes its second operand in, so no transpose runs per step) with one float3
 channel: `w ≈ q * scale[:, None]`. Expert stacks keep the grouped-matmul layout [E, in, out] with
 scales [E, out]; `quantize` takes the reduction axis.
 
-`quantized_matmul` has three implementations:
+`quantized_matmul` has two implementations:
 
 - "fp8" (W8A8): each token's activations are quantized to e4m3 with their own scale (amax / 448,
   computed in the step), the product of the two e4m3 operands accumulates in float32 (Hopper's FP8
@@ -15,10 +15,6 @@ scales [E, out]; `quantize` takes the reduction axis.
 - "dequant" (weight-only, W8A16): the stored weight is converted to the activation dtype inside the
   dot and the channel scale multiplies the output. What int8 weights always run, and what FP8
   weights run where FP8 tensor cores are absent (compute capability < 8.9).
-- "gemv" (weight-only, FP8 weights, at most GEMV_MAX_ROWS rows): pallas_kernels/fp8_gemv.py, a
-  Triton kernel that streams the e4m3 weight once and widens it in registers. On the H200 XLA's
-  weight-only dot ran the batch-1 FP8 step at 52 % of the HBM read ceiling (bf16: 78 %). Off the
-  GPU it runs in Pallas' interpreter, only when forced (slow; for tests).
 
 On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
 """
@@ -35,15 +31,13 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 INT8_MAX = 127.0
 STORAGE = {"fp8": FP8, "int8": jnp.int8}
-IMPLS = ("fp8", "dequant", "gemv")
+IMPLS = ("fp8", "dequant")
 # Rows (tokens) below which FP8 weights take the weight-only path on a GPU with FP8 tensor cores.
 # Measured on the H200 (benchmarks/bench_quant.py, Llama-3-8B's projections): at 8 rows cuBLASLt's
 # FP8 gemm streamed the weights at 0.97 TB/s, slower than the bf16 weights it replaces, while at
 # 256 rows it beat bf16 by 1.25x; below this the step is a weight stream, which the weight-only
 # dot reads at half the bf16 bytes.
 FP8_GEMM_MIN_ROWS = 128
-# Rows up to which FP8 weights take the "gemv" kernel on a GPU (pallas_kernels/fp8_gemv.MAX_ROWS).
-GEMV_MAX_ROWS = 16
 
 
 def _qmax(dtype) -> float:
@@ -94,31 +88,18 @@ def fp8_tensor_cores() -> bool:
 
 def choose_impl(rows: int, weight_dtype) -> str:
     """What `quantized_matmul` runs for `rows` tokens; $JAXINFER_QUANT_IMPL (one of IMPLS)
-    overrides it for FP8 weights, for benchmarks and bisection ("gemv" only up to GEMV_MAX_ROWS:
-    larger steps keep the automatic choice)."""
+    overrides it for FP8 weights, for benchmarks and bisection."""
     if jnp.dtype(weight_dtype) != jnp.dtype(FP8):
         return "dequant"
     forced = os.environ.get("JAXINFER_QUANT_IMPL")
     if forced:
         if forced not in IMPLS:
             raise ValueError(f"JAXINFER_QUANT_IMPL={forced!r}: expected one of {IMPLS}")
-        if forced != "gemv" or rows <= GEMV_MAX_ROWS:
-            return forced
+        return forced
     dev = jax.devices()[0]
-    # A pallas_call is opaque to XLA's SPMD partitioner: under tensor parallelism it would gather
-    # every weight shard in every step, so the kernel is the default on one device only.
-    return pick_impl(rows, gpu=dev.platform == "gpu", fp8_gemm=fp8_tensor_cores(),
-                     single_device=jax.device_count() == 1)
-
-
-def pick_impl(rows: int, *, gpu: bool, fp8_gemm: bool, single_device: bool = True) -> str:
-    """`choose_impl`'s rule for FP8 weights on a GPU (`gpu`) with or without FP8 tensor cores
-    (`fp8_gemm`, which the kernel's e4m3 conversion needs too)."""
-    if not gpu:
+    if dev.platform == "cpu":
         return "fp8"  # the GPU's arithmetic, emulated: what accuracy tests should see
-    if fp8_gemm and single_device and rows <= GEMV_MAX_ROWS:
-        return "gemv"
-    return "fp8" if fp8_gemm and rows >= FP8_GEMM_MIN_ROWS else "dequant"
+    return "fp8" if fp8_tensor_cores() and rows >= FP8_GEMM_MIN_ROWS else "dequant"
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | None = None,
@@ -141,8 +122,4 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
     if impl == "dequant":
         y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * scale).astype(out_dtype)
-    if impl == "gemv":
-        from pallas_kernels.fp8_gemv import fp8_gemv
-        return fp8_gemv(x, w, scale, out_dtype=out_dtype,
-                        interpret=jax.devices()[0].platform != "gpu")
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

@@ -12,7 +12,8 @@ The step is what the engine runs per decode token at batch 1 (`forward` over the
 real sequence with `--ctx` tokens of context, a block table `--max-blocks` wide as the engine
 passes it for `--max-model-len 2048`), without the host: the next step's token is this step's
 argmax, on the device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only
-dispatches). For the first `--traced` variants a trace of 5 steps
+dispatches; `dispatch_ms`: the host time of one dispatch, the least a step can take when the host
+is the critical path). For the first `--traced` variants a trace of 5 steps
 (tools/trace_engine_step.summarize_steps): busy time, kernels per step, the top kernels; for the
 first two also one layer's kernels in launch order (duration, gap before). Each variant's
 `read_gb` (its weights but the embedding, and the sequence's K/V), `tb_s` (that over `step_ms`)
@@ -22,7 +23,8 @@ their matmuls directly or through a bf16 copy). `--hlo-out`: `--hlo-variant`'s o
 (default the first fp8 variant), gzipped. Before the variants the backend's add + RMSNorm kernel
 is checked against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips
 variants that would not finish; results are saved after every variant (record bs1_step_<gpu>).
-`--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>, with FP8 engine_llama8b_bs1_fp8w_<gpu>).
+`--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>, with FP8 engine_llama8b_bs1_fp8w_<gpu>),
+with `bs1_host_probe`: whether the host is the critical path of its steady steps, and why.
 """
 
 from __future__ import annotations
@@ -148,10 +150,14 @@ def make_step(cfg, backend, table_width: int | None = None):
     return jax.jit(step, donate_argnums=(1,))
 
 
-def run_steps(exe, state, n: int):
+def run_steps(exe, state, n: int, dispatch: list | None = None):
+    """`n` queued steps, waited for; `dispatch` gets the host seconds the n dispatches took."""
     params, kv, ids, pos, md = state
+    t0 = time.perf_counter()
     for _ in range(n):
         ids, kv = exe(params, kv, ids, pos, md)
+    if dispatch is not None:
+        dispatch.append(time.perf_counter() - t0)
     jax.block_until_ready(ids)
     return (params, kv, ids, pos, md)
 
@@ -176,12 +182,14 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     residual add + RMSNorm as XLA emits it instead of their kernel (for attribution).
     `quantization`: the engine's --quantization (the dummy weights quantized on load);
     `bs1_read_gb` / `bs1_tb_s`: the bytes a step reads (step_bytes at the mean context) and the
-    rate the TPOT implies."""
+    rate the TPOT implies; `bs1_host_probe`: tools/engine_host_probe over 32 steady steps (host
+    phases per step, dispatch cost, compiles, Python-path jit calls, implicit transfers)."""
     metrics: dict = {"norm": norm, "quantization": quantization}
     import json
     from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
+    from tools.engine_host_probe import probe_host
     from tools.trace_engine_step import profile_decode_steps
     if norm == "xla":
         from pallas_kernels import gpu_backends
@@ -218,6 +226,11 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
                           prompt_len + out_len // 2)
         metrics.update(bs1_read_gb=round(read / 1e9, 3),
                        bs1_tb_s=round(read / (best["tpot_ms"] * 1e-3) / 1e12, 3))
+        # Whether the host is the critical path of a steady step, and why (issue 26).
+        try:
+            metrics["bs1_host_probe"] = probe_host(engine, [prompt()], steps=32)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures above stand without it
+            metrics["bs1_host_probe_error"] = repr(e)[:400]
         save(metrics)
         if not tiny:
             metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
@@ -325,13 +338,14 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             exe = compile_variant(variant, vcfg, backend_for(variant, default), state)
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)
-            times = []
+            times, dispatch = [], []
             for _ in range(3):
                 t1 = time.perf_counter()
-                state = run_steps(exe, state, args.steps)
+                state = run_steps(exe, state, args.steps, dispatch)
                 times.append((time.perf_counter() - t1) / args.steps * 1e3)
             tbs = nbytes / (min(times) * 1e-3) / 1e12
             entry = dict(step_ms=round(min(times), 4), compile_s=round(compile_s, 1),
+                         dispatch_ms=round(min(dispatch) / args.steps * 1e3, 4),
                          read_gb=round(nbytes / 1e9, 3), tb_s=round(tbs, 3),
                          of_ceiling=round(tbs / ceiling, 3))
             hlo = exe.as_text()
@@ -356,7 +370,8 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             metrics[name] = entry
             rows.append((name, entry["step_ms"], entry["tb_s"],
                          entry.get("trace", {}).get("busy_us_per_step"),
-                         entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"]))
+                         entry.get("trace", {}).get("kernels_per_step"), entry["compile_s"],
+                         entry["dispatch_ms"]))
             print(name, entry, flush=True)
             kv = state[1]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
@@ -367,9 +382,9 @@ def run_variants(args, names: list[str], start: float, save) -> None:
         state = None
         save(metrics)
     print(f"{'variant':12} {'step_ms':>8} {'TB/s':>6} {'busy_us':>8} {'kernels':>8} "
-          f"{'compile_s':>9}   (read ceiling {ceiling:.3f} TB/s)")
+          f"{'compile_s':>9} {'dispatch_ms':>11}   (read ceiling {ceiling:.3f} TB/s)")
     for r in rows:
-        print(f"{r[0]:12} {r[1]:8.3f} {r[2]:6.3f} {str(r[3]):>8} {str(r[4]):>8} {r[5]:9.1f}")
+        print(f"{r[0]:12} {r[1]:8.3f} {r[2]:6.3f} {str(r[3]):>8} {str(r[4]):>8} {r[5]:9.1f} {r[6]:11.3f}")
 
 
 def main() -> None:

@@ -175,7 +175,7 @@ def one_layer(events, per_step: int, anchor: str = "paged_decode") -> list:
 
 
 def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
-               quantization: str | None = None) -> dict:
+               quantization: str | None = None, decode_steps: int = 1) -> dict:
     """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
     greedy tokens, best of 2 runs after a first request compiled its steps), its decode step traced
     (tools/trace_engine_step), and the HBM roofline measured here. `norm` "xla": the GPU backends'
@@ -183,8 +183,10 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     `quantization`: the engine's --quantization (the dummy weights quantized on load);
     `bs1_read_gb` / `bs1_tb_s`: the bytes a step reads (step_bytes at the mean context) and the
     rate the TPOT implies; `bs1_host_probe`: tools/engine_host_probe over 32 steady steps (host
-    phases per step, dispatch cost, compiles, Python-path jit calls, implicit transfers)."""
-    metrics: dict = {"norm": norm, "quantization": quantization}
+    phases per step, dispatch cost, compiles, Python-path jit calls, implicit transfers).
+    `decode_steps`: the engine's --decode-steps-per-call (an on-device loop of that many decode
+    steps per dispatch: hides a host that is slower than the step)."""
+    metrics: dict = {"norm": norm, "quantization": quantization, "decode_steps_per_call": decode_steps}
     import json
     from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
     from jaxinfer.engine.args import EngineArgs
@@ -211,7 +213,8 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
         # No warm-up: the first call compiles the two step shapes batch 1 uses, and no background
         # compile shares the host with the timed runs.
         engine = LLMEngine.from_engine_args(EngineArgs(
-            **opts, num_blocks=2048, compilation_cache_dir="", warmup=False))
+            **opts, num_blocks=2048, compilation_cache_dir="", warmup=False,
+            decode_steps_per_call=decode_steps))
         rng = np.random.default_rng(0)
 
         def prompt():
@@ -233,7 +236,10 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
             metrics["bs1_host_probe_error"] = repr(e)[:400]
         save(metrics)
         if not tiny:
-            metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
+            try:
+                metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
+            except Exception as e:  # noqa: BLE001 - a diagnostic, as the probe above
+                metrics["bs1_profile_error"] = repr(e)[:400]
             params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
             figs = roofline_figures(measure_rooflines(params_bytes), engine.cfg, prompt_len,
                                     out_len, 256)
@@ -409,6 +415,8 @@ def main() -> None:
                     help="the engine's residual add + RMSNorm: the backend's kernel, or XLA's")
     ap.add_argument("--engine-quantization", choices=("fp8", "int8"), default=None,
                     help="the engine's --quantization (record engine_llama8b_bs1_<q>w_<gpu>)")
+    ap.add_argument("--engine-decode-steps", type=int, default=1,
+                    help="the engine's --decode-steps-per-call (record name ends _loop<N>)")
     results_io.add_save_arg(ap, "bs1_step_<gpu>")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -425,9 +433,11 @@ def main() -> None:
         econfig = dict(model=model, engine="max_num_seqs 256, max_num_batched_tokens 2048, "
                        "max_model_len 2048, num_blocks 2048, mosaic, no warm-up",
                        out_len=args.out_len, quantization=q)
-        record = f"engine_llama8b_bs1_{q + 'w_' if q else ''}{results_io.device_slug()}"
+        loop = f"loop{args.engine_decode_steps}_" if args.engine_decode_steps > 1 else ""
+        record = f"engine_llama8b_bs1_{q + 'w_' if q else ''}{loop}{results_io.device_slug()}"
         out = engine_bs1(args.tiny, args.out_len, lambda m: args.save and results_io.save(
-            args.save, record, config=econfig, metrics=m), args.engine_norm, q)
+            args.save, record, config=econfig, metrics=m), args.engine_norm, q,
+            args.engine_decode_steps)
         print({k: v for k, v in out.items() if k != "bs1_profile"}, flush=True)
 
 

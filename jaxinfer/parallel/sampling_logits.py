@@ -23,6 +23,8 @@ for the H200 to say: benchmarks/bench_multi_gpu.py's llama8b_tp2_cmdbuf.)
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -43,11 +45,12 @@ def logits_spec(plan: ShardingPlan | None, rows: int, vocab: int) -> P | None:
 
 
 def sample_in_layout(sample_fn, logits: jax.Array, sampling, plan: ShardingPlan | None):
-    """sample_fn(logits [rows, vocab], sampling tensors (every leaf [rows, ...])) -> outputs (every
-    leaf [rows, ...]), run in the layout of `logits_spec`, its outputs replicated (as the step's
-    other outputs are: the last-token array it updates keeps its sharding from step to step, so
-    the compiled executables apply again). Call it inside a jit, on traced arrays."""
-    spec = logits_spec(plan, *logits.shape)
+    """sample_fn(logits [rows, ..., vocab], sampling tensors (every leaf [rows, ...])) -> outputs
+    (every leaf [rows, ...]), run in the layout of `logits_spec` (a row's logits: everything after
+    the first axis, e.g. the k + 1 positions of a speculative row), its outputs replicated (as the
+    step's other outputs are: the last-token array it updates keeps its sharding from step to
+    step, so the compiled executables apply again). Call it inside a jit, on traced arrays."""
+    spec = logits_spec(plan, logits.shape[0], math.prod(logits.shape[1:]))
     if spec is None:
         return sample_fn(logits, sampling)
     replicated = plan.replicated

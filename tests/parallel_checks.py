@@ -244,7 +244,8 @@ def sampler_layout_checks(out: dict) -> None:
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True)
     default = sampling_logits.REPLICATE_MAX_BYTES
-    for layout, limit in (("replicated", default), ("rows", 0)):
+    # The default layout last, its compiled steps kept for spec_decode_checks.
+    for layout, limit in (("rows", 0), ("replicated", default)):
         sampling_logits.REPLICATE_MAX_BYTES = limit
         runner_module._jitted_fns.cache_clear()  # traced anew under this limit
         try:
@@ -267,13 +268,81 @@ def sampler_layout_checks(out: dict) -> None:
             out[f"sampler_layout/{layout}"] = {"sites": found, "tokens": tokens}
         finally:
             sampling_logits.REPLICATE_MAX_BYTES = default
-            runner_module._jitted_fns.cache_clear()
+            if limit != default:
+                runner_module._jitted_fns.cache_clear()
+
+
+def _compiled_once(fn, name: str, found: dict):
+    """The jitted `fn` run through its ahead-of-time compiled executable, one per call signature,
+    each one's collectives inside control flow kept in `found`: the check reads the HLO of exactly
+    what ran, compiled once."""
+    from jaxinfer.parallel.hlo_collectives import collectives_in_control_flow
+    executables = {}
+
+    def call(*args, **static):
+        key = (str(jax.tree_util.tree_map(lambda a: (np.shape(a), str(getattr(a, "sharding", ""))),
+                                          args)), tuple(sorted(static.items())))
+        if key not in executables:
+            exe = executables[key] = fn.lower(*args, **static).compile()
+            sites = collectives_in_control_flow(exe.as_text())
+            variant = static.get("variant")
+            label = "" if variant is None else " full" if variant.advanced else " base"
+            found[f"{name} {len(found)}{label}"] = {
+                "conditional": [str(x) for x in sites if any(i.startswith("conditional")
+                                                             for i in x.inside)],
+                "while": [str(x) for x in sites if any(i.startswith("while") for i in x.inside)]}
+        return executables[key](*args)
+    return call
+
+
+def spec_decode_checks(out: dict) -> None:
+    """Speculative decoding at TP = 2, n-gram and a draft model (the llama fixture proposing for
+    itself, split over the same two devices), per sampler layout as in `sampler_layout_checks`:
+    the collectives inside a conditional or while loop of each verification step, draft loop and
+    draft catch-up that ran (one request asks for logprobs: the full sampler variant), and the
+    greedy tokens of the prompts of "llama/engine_tp1". The engine flags are the sampler check's,
+    so the forwards it compiled (run before this) apply again."""
+    from jaxinfer.parallel import sampling_logits
+    from jaxinfer.spec_decode import draft as draft_module
+    from jaxinfer.spec_decode import target_step
+    lg = np.load(FIXTURES / "llama" / "golden.npz")
+    prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
+    params = [SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True,
+                             logprobs=n) for n in (None, 2)]
+    methods = {"ngram": dict(speculative_method="ngram"),
+               "draft": dict(speculative_model=str(FIXTURES / "llama"))}
+    default = sampling_logits.REPLICATE_MAX_BYTES
+    for layout, limit in (("replicated", default), ("rows", 0)):
+        sampling_logits.REPLICATE_MAX_BYTES = limit
+        try:
+            for method, extra in methods.items():
+                target_step.jitted_verify_step.cache_clear()  # traced anew under this limit
+                draft_module._jitted.cache_clear()
+                llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, dtype="float32",
+                          max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, block_size=4,
+                          compilation_cache_dir=None, warmup=False, num_speculative_tokens=3,
+                          speculative_min_acceptance=0.0, **extra)
+                step, found = llm.engine.runner.speculation, {}
+                step._verify = _compiled_once(step._verify, "verify", found)
+                if step.draft is not None:
+                    step.draft._loop = _compiled_once(step.draft._loop, "draft_loop", found)
+                    step.draft._catch_up = _compiled_once(step.draft._catch_up, "catch_up", found)
+                tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                       use_tqdm=False)]
+                m = llm.engine.spec.metrics
+                out[f"spec/{method}/{layout}"] = {"sites": found, "tokens": tokens,
+                                                  "drafts": m.drafts, "accepted": m.accepted,
+                                                  "draft_tokens": m.draft_tokens}
+        finally:
+            sampling_logits.REPLICATE_MAX_BYTES = default
+            target_step.jitted_verify_step.cache_clear()
+            draft_module._jitted.cache_clear()
 
 
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     checks = (model_checks, shard_checks, engine_checks, sampler_layout_checks,
-              executable_cache_checks)
+              spec_decode_checks, executable_cache_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
     for check in checks:

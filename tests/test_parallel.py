@@ -170,6 +170,28 @@ def test_tp2_sampler_has_no_collective_inside_control_flow(runs, layout):
     assert got["tokens"] == runs["checks"]["llama/engine_tp1"]
 
 
+@pytest.mark.parametrize("layout", ["replicated", "rows"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tp2_speculation_has_no_collective_inside_a_conditional(runs, method, layout):
+    """Speculative decoding at TP = 2 (n-gram; a draft model split over the target's devices):
+    no collective inside a conditional of the verification steps, draft loops and draft
+    catch-ups (the draft loop's while body holds its forward's all-reduces, as the decode
+    loop's does), and greedy tokens as on one device without speculation, in either layout."""
+    got = runs["checks"][f"spec/{method}/{layout}"]
+    sites = got["sites"]
+    names = {k.split()[0] for k in sites}
+    assert names == ({"verify", "draft_loop", "catch_up"} if method == "draft" else {"verify"})
+    assert any(k.endswith(" full") for k in sites)  # the variant with the conditionals ran
+    for step, found in sites.items():
+        assert found["conditional"] == [], step
+        if not step.startswith("draft_loop"):
+            assert found["while"] == [], step
+    assert got["tokens"] == runs["checks"]["llama/engine_tp1"]
+    assert got["drafts"] > 0
+    if method == "draft":  # the target proposing for itself: every proposal accepted
+        assert got["accepted"] == got["draft_tokens"] > 0
+
+
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 48,
         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6,
         "num_key_value_heads": 2, "max_position_embeddings": 64}

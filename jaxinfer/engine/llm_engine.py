@@ -177,12 +177,12 @@ class LLMEngine(TrainingLoopMixin):
             params = jax.block_until_ready(fuse_for_serving(
                 load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
                             shardings=plan.params(param_shapes(cfg, dtype)))))
-            draft = draft_for_engine(args, cfg, tokenizer, dtype)
+            draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
             num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
-                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype)
+                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
                          plan=plan, draft=draft)
             jax.block_until_ready(engine.runner.kv_cache)

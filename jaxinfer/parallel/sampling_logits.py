@@ -19,9 +19,14 @@ Either way a row's vocabulary reductions run on one device over the whole row, a
 greedy tokens are TP = 1's given the same logits. (The vocab-split sampler's traffic was a few
 small gathers, less than the first bullet's; which is faster at batch 1 with command buffers is
 for the H200 to say: benchmarks/bench_multi_gpu.py's llama8b_tp2_cmdbuf.)
+
+The speculative path goes through it too: the verifying step (a row: its k + 1 positions' logits)
+and a draft model's proposals (spec_decode/target_step.py, draft.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -43,11 +48,12 @@ def logits_spec(plan: ShardingPlan | None, rows: int, vocab: int) -> P | None:
 
 
 def sample_in_layout(sample_fn, logits: jax.Array, sampling, plan: ShardingPlan | None):
-    """sample_fn(logits [rows, vocab], sampling tensors (every leaf [rows, ...])) -> outputs (every
-    leaf [rows, ...]), run in the layout of `logits_spec`, its outputs replicated (as the step's
-    other outputs are: the last-token array it updates keeps its sharding from step to step, so
-    the compiled executables apply again). Call it inside a jit, on traced arrays."""
-    spec = logits_spec(plan, *logits.shape)
+    """sample_fn(logits [rows, ..., vocab], sampling tensors (every leaf [rows, ...])) -> outputs
+    (every leaf [rows, ...]), run in the layout of `logits_spec` (a row's logits: everything after
+    the first axis, e.g. the k + 1 positions of a speculative row), its outputs replicated (as the
+    step's other outputs are: the last-token array it updates keeps its sharding from step to
+    step, so the compiled executables apply again). Call it inside a jit, on traced arrays."""
+    spec = logits_spec(plan, logits.shape[0], math.prod(logits.shape[1:]))
     if spec is None:
         return sample_fn(logits, sampling)
     replicated = plan.replicated

@@ -33,7 +33,10 @@ from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig, load_config
-from jaxinfer.model.transformer import forward
+from jaxinfer.model.transformer import forward, param_shapes
+from jaxinfer.parallel.attention import ShardedAttention, shard_backend
+from jaxinfer.parallel.sampling_logits import sample_in_layout
+from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_parallel_sizes
 from jaxinfer.worker.rejection_sampler import expand_positions
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors, process_logits, row_gumbel
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
@@ -43,9 +46,20 @@ from pallas_kernels.metadata import AttentionMetadata
 DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
 
 
+def _propose(logits, ti: SamplingTensors, *, variant: SamplerVariant):
+    """One draft position of S rows: -> (proposals i32[S], their distributions q f32[S, V])."""
+    processed, scaled, greedy = process_logits(logits, ti, variant)
+    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, logits.shape[-1])
+    d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
+    q = jnp.where(greedy[:, None], jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32),
+                  jax.nn.softmax(scaled, axis=-1))
+    return d, q
+
+
 def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: SamplingTensors,
                   *, cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,
-                  variant: SamplerVariant):
+                  variant: SamplerVariant, plan: ShardingPlan | None = None):
     """k draft decode steps over S rows: step i reads the token at position first_pos + i (the
     row's last known token, then its own proposals), writes its KV and proposes the next token.
     Rows with num <= i are padding in step i. -> (kv cache, drafts i32[S, k], q f32[S, k, V])"""
@@ -67,12 +81,9 @@ def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: 
             logits, kv = forward(params, cfg, ids, pos, kv, md, backend, rows)
         ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i],
                                     expand_positions(t, drafts))
-        processed, scaled, greedy = process_logits(logits, ti, variant)
-        best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-        noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, v)
-        d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
-        q = jnp.where(greedy[:, None], jax.nn.one_hot(best, v, dtype=jnp.float32),
-                      jax.nn.softmax(scaled, axis=-1))
+        # Under TP the rows are made whole first, as the sampler's (parallel/sampling_logits.py):
+        # no collective inside process_logits' conditionals (within this loop's body).
+        d, q = sample_in_layout(functools.partial(_propose, variant=variant), logits, ti, plan)
         drafts = drafts.at[:, i].set(jnp.where(valid, d, 0))
         return kv, drafts, probs.at[:, i].set(q)
 
@@ -89,9 +100,10 @@ def _catch_up(params, kv_cache, batch: StepBatch, *, cfg: ModelConfig, backend: 
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int):
+def _jitted(cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,
+            plan: ShardingPlan | None = None):
     loop = jax.jit(functools.partial(_propose_loop, cfg=cfg, backend=backend,
-                                     block_size=block_size, k=k),
+                                     block_size=block_size, k=k, plan=plan),
                    static_argnames=("variant",), donate_argnums=(1,))
     catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
                        donate_argnums=(1,))
@@ -99,12 +111,16 @@ def _jitted(cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int
 
 
 class DraftModel:
-    """A loaded draft model; `attach` gives it its KV cache once the target's pool is sized."""
+    """A loaded draft model; `attach` gives it its KV cache once the target's pool is sized.
+    Under tensor parallelism it is split over the target's devices as the target is (its own
+    `ShardingPlan` on the target's mesh: heads, MLP and vocabulary over tp)."""
     on_device = True
 
-    def __init__(self, cfg: ModelConfig, params):
+    def __init__(self, cfg: ModelConfig, params, plan: ShardingPlan | None = None):
+        """`plan`: the draft's plan when `params` are already placed by it (`load_draft`)."""
         self.cfg = cfg
         self.params = params
+        self.sharding_plan = plan
         self.k = 0
         self.kv_cache = None
 
@@ -113,12 +129,23 @@ class DraftModel:
         """Its KV cache beside the target's (same block ids); `k` proposals per row and step."""
         self.runner = runner
         self.k = k
-        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype)
-        self._loop, self._catch_up = _jitted(self.cfg, runner.backend, runner.block_size, self.k)
+        if self.sharding_plan is None and runner.plan is not None and runner.plan.tp > 1:
+            self.sharding_plan = draft_plan(self.cfg, runner.plan, "the draft model")
+            self.params = jax.device_put(self.params, self.sharding_plan.params(self.params))
+        plan = self.sharding_plan
+        inner = runner.backend.inner if isinstance(runner.backend, ShardedAttention) else \
+            runner.backend
+        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype,
+                                          num_heads=plan and plan.stored_kv_heads,
+                                          sharding=plan and plan.kv_cache)
+        self._loop, self._catch_up = _jitted(self.cfg, shard_backend(inner, plan),
+                                             runner.block_size, self.k, plan)
 
     def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        """Bytes one block of its KV cache takes on one device."""
         c = self.cfg
-        return block_size * 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+        heads = self.sharding_plan.kv_heads_per_device if self.sharding_plan else c.num_kv_heads
+        return block_size * 2 * c.num_layers * heads * c.head_dim * dtype_bytes
 
     # ---- Proposer ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -183,10 +210,21 @@ class DraftModel:
                 used += piece.num_tokens
 
 
+def draft_plan(cfg: ModelConfig, target: ShardingPlan, name: str) -> ShardingPlan:
+    """The draft's plan on the target's mesh, refused (ConfigError naming --speculative-model)
+    when the draft's heads or MLP do not split over the target's tp."""
+    try:
+        validate_parallel_sizes(cfg, target.tp, 1, jax.device_count(), target.expert_layout)
+    except ConfigError as e:
+        raise ConfigError(f"--speculative-model {name}: {e}") from None
+    return ShardingPlan(target.mesh, cfg, target.expert_layout)
+
+
 def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype, load_format: str,
-               seed: int) -> DraftModel:
+               seed: int, target_plan: ShardingPlan | None = None) -> DraftModel:
     """The draft model of --speculative-model, refused (ConfigError naming the flag) unless it
-    shares the target's vocabulary and tokenizer."""
+    shares the target's vocabulary and tokenizer; under tensor parallelism loaded into its
+    shards over the target's devices."""
     from jaxinfer.model.tokenizer import load_tokenizer
     from jaxinfer.model.weights import load_params
     cfg = load_config(model_dir)
@@ -199,30 +237,37 @@ def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype,
             draft_tok is None or draft_tok._tok.get_vocab(True) != target_tokenizer._tok.get_vocab(True)):
         raise ConfigError(f"--speculative-model {model_dir!r}: its tokenizer differs from the "
                           f"target's; the draft must share the target's tokenizer")
-    params = jax.block_until_ready(load_params(model_dir, cfg, dtype, load_format, seed=seed + 1))
-    return DraftModel(cfg, params)
+    plan = None
+    if target_plan is not None and target_plan.tp > 1:
+        plan = draft_plan(cfg, target_plan, repr(model_dir))
+    params = jax.block_until_ready(load_params(
+        model_dir, cfg, dtype, load_format, seed=seed + 1,
+        shardings=plan and plan.params(param_shapes(cfg, dtype))))
+    return DraftModel(cfg, params, plan)
 
 
-def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype) -> DraftModel | None:
-    """The engine's draft model when --speculative-model is set, else None."""
+def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype,
+                     plan: ShardingPlan | None = None) -> DraftModel | None:
+    """The engine's draft model when --speculative-model is set, else None; `plan`: the
+    target's (the draft is split over the same devices)."""
     spec = args.spec_config()
     if spec is None or spec.method != "draft_model":
         return None
-    if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
-        raise ConfigError("--speculative-model runs on one device: it cannot be combined with "
-                          "--tensor-parallel-size or --data-parallel-size > 1")
-    return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed)
+    if args.data_parallel_size > 1:
+        raise ConfigError("--speculative-model cannot be combined with --data-parallel-size > 1")
+    return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed, plan)
 
 
 def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,
-                 kv_dtype) -> int:
-    """The planner sized the pool for the target alone: the same memory holds the draft's weights
-    and, per block, the draft's KV as well. (A CPU pool is not sized from memory: kept.)"""
+                 kv_dtype, plan: ShardingPlan | None = None) -> int:
+    """The planner sized the pool for the target alone (per device, `plan`: the target's): the
+    same memory holds the draft's weights and, per block, the draft's KV as well. (A CPU pool is
+    not sized from memory: kept.)"""
     if jax.devices()[0].platform == "cpu":
         return num_blocks
     itemsize = jnp.dtype(kv_dtype).itemsize
-    target = block_size * 2 * target_cfg.num_layers * target_cfg.num_kv_heads * \
-        target_cfg.head_dim * itemsize
-    weights = sum(a.nbytes for a in jax.tree_util.tree_leaves(draft.params))
+    heads = plan.kv_heads_per_device if plan else target_cfg.num_kv_heads
+    target = block_size * 2 * target_cfg.num_layers * heads * target_cfg.head_dim * itemsize
+    weights = per_device_bytes(draft.params)
     return max(1, (num_blocks * target - weights) // (target + draft.block_bytes(block_size,
                                                                                  itemsize)))

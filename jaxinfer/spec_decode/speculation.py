@@ -32,7 +32,7 @@ class Speculation:
         self.speculator = Speculator(config, proposer)
         scheduler.speculator = self.speculator
         runner.speculation = SpeculativeStep(runner.cfg, runner.backend,
-                                             config.num_speculative_tokens, draft)
+                                             config.num_speculative_tokens, draft, runner.plan)
         existing = getattr(metrics, "spec_decode", None)  # one set per registry
         self.metrics = existing or SpecDecodeMetrics(metrics, config.num_speculative_tokens)
         metrics.spec_decode = self.metrics

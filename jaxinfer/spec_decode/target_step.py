@@ -31,7 +31,9 @@ import numpy as np
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.transformer import forward
-from jaxinfer.worker.rejection_sampler import verify
+from jaxinfer.parallel.sampling_logits import sample_in_layout
+from jaxinfer.parallel.sharding import ShardingPlan
+from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
 from jaxinfer.worker.sampler import SamplerVariant
 from jaxinfer.worker.step_inputs import (StepBatch, build_step_batch, input_ids, sampler_variant,
                                          store_emitted)
@@ -47,8 +49,21 @@ class VerifyInputs:
     num_drafts: jax.Array      # i32[S]
 
 
+def _swap01(tree):
+    return jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), tree)
+
+
+def _verify_rows(logits, inputs, *, variant: SamplerVariant) -> VerifyOutput:
+    """`verify` with every output leaf row-first ([S, K + 1, ...]), as `sample_in_layout` takes
+    them; inputs: (sampling tensors, drafts, num_drafts, draft_probs), every leaf [S, ...]."""
+    t, drafts, num_drafts, draft_probs = inputs
+    out = verify(logits, drafts, num_drafts, t, variant, draft_probs)
+    return dataclasses.replace(out, sampled=_swap01(out.sampled))
+
+
 def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
-                 *, cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant):
+                 *, cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant,
+                 plan: ShardingPlan | None = None):
     s, k1 = v.verify_indices.shape
     with jax.named_scope("verify"):
         ids = input_ids(batch, last_tokens)
@@ -56,17 +71,23 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
         logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
                                    v.verify_indices.reshape(-1))
     with jax.named_scope("sample"):
-        out = verify(logits.reshape(s, k1, -1), v.drafts, v.num_drafts, batch.sampling, variant,
-                     draft_probs)
+        # Under TP each row's k + 1 logits are made whole on one device first, as the sampler's
+        # are (parallel/sampling_logits.py): verification's conditionals (penalties, truncation,
+        # top logprobs) then hold no collective, and its vocabulary reductions are TP = 1's.
+        out = sample_in_layout(functools.partial(_verify_rows, variant=variant),
+                               logits.reshape(s, k1, -1),
+                               (batch.sampling, v.drafts, v.num_drafts, draft_probs), plan)
+        out = dataclasses.replace(out, sampled=_swap01(out.sampled))
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
     return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_verify_step(cfg: ModelConfig, backend: AttentionBackend):
+def jitted_verify_step(cfg: ModelConfig, backend: AttentionBackend,
+                       plan: ShardingPlan | None = None):
     """The compiled verification step of a model (cache and last tokens donated), shared by every
-    runner of that model in the process; compiled per token bucket and sampler variant."""
-    return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend),
+    runner of that model and mesh in the process; compiled per token bucket and sampler variant."""
+    return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend, plan=plan),
                    static_argnames=("variant",), donate_argnums=(1, 2))
 
 
@@ -99,10 +120,10 @@ class SpeculativeStep:
     """The runner's part of speculative decoding: runs the steps that carry proposals."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, num_speculative_tokens: int,
-                 draft=None):
+                 draft=None, plan: ShardingPlan | None = None):
         self.k = num_speculative_tokens
         self.draft = draft  # spec_decode.draft.DraftModel, or None (host-side proposals)
-        self._verify = jitted_verify_step(cfg, backend)
+        self._verify = jitted_verify_step(cfg, backend, plan)
 
     def execute(self, runner, sched: SchedulerOutput):
         from jaxinfer.worker.runner import StepHandle

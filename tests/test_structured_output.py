@@ -216,3 +216,24 @@ def test_bad_constraints_get_a_400_naming_the_field(demo_server, body, param):
         {"model": "demo-target", "prompt": "x", "max_tokens": 4, **body}).encode())
     check_error_shape(raw, status, param)
     assert status == 400
+
+
+def test_constrained_rows_beside_speculating_rows_keep_their_grammar():
+    """A grammar's row never gets proposals, but it can share a step with rows that do: that step
+    is a verification step, and its sampler must still apply the row's bitmask."""
+    from jaxinfer import LLM
+    spec = LLM(model=str(DEMO), **{**DEMO_ENGINE, "max_num_seqs": 8}, speculative_method="ngram",
+               num_speculative_tokens=3, speculative_min_acceptance=0.0)
+    code = "def add(x, y):\n    return x + y\n\n" * 4
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cases = [(so(regex=r"[a-z]{3}_\d{2}"), lambda t: re.fullmatch(r"[a-z]{3}_\d{2}", t)),
+             (so(json=DIGITS), lambda t: validate(json.loads(t), DIGITS) is None),
+             (so(choice=["import", "def", "class"], temperature=1.0, seed=3),
+              lambda t: t in ("import", "def", "class"))]
+    outs = spec.generate([code] * 3 + ["def main():"] * len(cases),
+                         [free] * 3 + [p for p, _ in cases], use_tqdm=False)
+    m = spec.engine.spec.metrics
+    assert m.drafts > 0 and m.accepted > 0  # the free rows speculated in the same steps
+    for out, (_, check) in zip(outs[3:], cases):
+        assert check(out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"

@@ -27,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.structured.bitmask import apply_token_bitmask
 from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
                                      position_key, process_logits, raw_logprobs, row_gumbel,
                                      sampled_logprob)
@@ -81,6 +82,8 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     s, k1, v = logits.shape
     flat_t = expand_positions(t, drafts)
     raw = logits.reshape(s * k1, v)
+    if variant.masked:  # a grammar's row shares the step with speculating rows: keep its mask
+        raw = apply_token_bitmask(raw, flat_t.token_bitmask)
     processed, scaled, greedy = process_logits(raw, flat_t, variant)
     processed, scaled = processed.reshape(s, k1, v), scaled.reshape(s, k1, v)
     greedy = greedy.reshape(s, k1)[:, 0]

@@ -19,8 +19,9 @@ serve: $(STAMP)
 	$(VENV)/bin/jaxinfer serve $(ARGS)
 
 ## The CPU test suite (what CI runs). Tests marked `gpu` (tests/gpu/) are skipped on a CPU.
+## Two workers; loadgroup keeps the files sharing an expensive fixture on one (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --timeout 900 -p no:cacheprovider
+	$(PY) -m pytest -n 2 --dist loadgroup --timeout 900 -p no:cacheprovider
 
 ## The GPU checks (tests/gpu/: the kernels at real sizes, engine parity); needs a CUDA GPU and '.[gpu]'.
 test-gpu: $(STAMP)

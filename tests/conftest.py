@@ -43,12 +43,47 @@ def client(server):
     return openai.OpenAI(base_url=server.urls["main"] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (tests/gpu/) run only where jax sees a CUDA GPU (`make test-gpu` on the
-    H200); elsewhere they are skipped, so the CPU suite collects them without running them."""
+    H200); elsewhere they are skipped, so the CPU suite collects them without running them.
+    Under `-n N --dist loadgroup` (`make test`), files that share an expensive fixture run on one
+    worker (see `_group_shared_fixtures`; its marks mean nothing to other runs)."""
+    _group_shared_fixtures(items)
     if jax.devices()[0].platform == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_shared_fixtures(items):
+    """One xdist group per set of files joined by the project's module- and session-scoped fixtures
+    (a file with one; the files using one session fixture, such as all the `server` tests). Each
+    xdist worker builds its own copy of such a fixture, so spread over two workers the test
+    servers, the parallel-checks subprocesses or a module's model would be built twice; grouped,
+    each is built once and its tests run in file order, as in a serial run."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    shared_files = set()
+    for item in items:
+        file = str(item.path)
+        for defs in item._fixtureinfo.name2fixturedefs.values():
+            fixture = defs[-1]
+            if not fixture.baseid or fixture.scope not in ("module", "package", "session"):
+                continue  # pytest's and plugins' own fixtures (tmp_path_factory, ...)
+            shared_files.add(file)
+            if fixture.scope != "module":
+                parent[find(file)] = find(f"fixture:{fixture.argname}")
+    for item in items:
+        file = str(item.path)
+        if file in shared_files:
+            root = find(file)
+            name = root.removeprefix("fixture:") if root.startswith("fixture:") else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(name))

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.worker.executable_cache import stable_repr, step_key
@@ -16,6 +18,15 @@ from test_engine_support import make_engine, prompt_ids, run_all, tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 WORKLOAD = [(prompt_ids(300 + i, 3 + 5 * i), 6 + i) for i in range(5)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_compiles():
+    """Each test here starts as a fresh process would: with jax's in-memory executables dropped.
+    Otherwise an engine an earlier test built with the same shapes hands its samplers over, and
+    XLA CPU cannot serialize a sort that has already run ("`LessThan` is not serializable"), so
+    they are not stored and the counts depend on which tests ran before in this process."""
+    jax.clear_caches()
 
 
 def greedy_tokens(engine) -> list[list[int]]:
@@ -90,7 +101,6 @@ def test_stable_repr_drops_addresses():
 
 def test_a_failed_write_is_only_a_miss(tmp_path):
     """Storing never fails a start: here the cache directory cannot be created."""
-    import jax
     from jaxinfer.worker.executable_cache import ExecutableCache
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -107,7 +117,6 @@ def test_nothing_is_stored_while_jax_persistent_cache_is_on(tmp_path):
     """An executable jax loaded from its persistent cache re-serializes without its kernels' code
     (XLA CPU: "Function ... not found" when the stored copy runs), so with that cache on the
     executable cache writes nothing; building an engine never turns it on."""
-    import jax
     from jaxinfer.worker.executable_cache import ExecutableCache
     compiled = jax.jit(lambda x: x * 3).lower(np.zeros(3, np.float32)).compile()
     cache = ExecutableCache(tmp_path / "exe")

@@ -43,13 +43,13 @@ def _timed(fn, *args) -> float:
     return _queued_time(lambda _: fn(*args), None)
 
 
-def _weights(n: int, k: int, min_bytes: int = MIN_BYTES):
-    """Distinct e4m3 weight copies, >= min_bytes in all, and one scale vector. Finite values:
+def _weights(n: int, k: int):
+    """Distinct e4m3 weight copies, >= MIN_BYTES in all, and one scale vector. Finite values:
     magnitude bytes in [0, 100] (|w| <= 48) and a random sign (a negative int8 bitcast as-is
     would make byte 0xFF, e4m3fn's NaN)."""
     import jax
     import jax.numpy as jnp
-    copies = max(1, -(-min_bytes // (n * k)))
+    copies = max(1, -(-MIN_BYTES // (n * k)))
 
     def bits(key):
         b = jax.random.randint(key, (n, k), -100, 101, jnp.int32)

@@ -7,7 +7,8 @@
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
 one persistent compilation cache; the record is rewritten after each):
-  matmul        Llama-3-8B's seven projections, 4 layers unrolled as the model unrolls them (1.7 GB
+  matmul        Llama-3-8B's projections, fused as the engine serves them (qkv, o, gate_up, down),
+                4 layers unrolled as the model unrolls them (1.7 GB
                 of bf16 weights, every one read once per call as a decode step reads them), at
                 the --matmul-rows row counts (default M = 2048, a prefill chunk; 8, the batch-1
                 decode bucket; 256, c = 256 decode), for bf16 weights, FP8 W8A8 ("fp8": per-token
@@ -58,15 +59,15 @@ def _announce_machine() -> None:
 
 
 def _projections(shape: dict) -> dict[str, tuple[int, int]]:
-    """name -> (out, in) of one layer's projections."""
+    """name -> (out, in) of one layer's projections, fused as the engine serves them on one
+    device (jaxinfer/model/fused_projections.py): q/k/v as qkv, gate/up as gate_up."""
     h, f, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h),
-            "down": (h, f)}
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * f, h), "down": (h, f)}
 
 
 def _layer_stack_fn(impl: str):
-    """One call = LAYERS layers of the seven projections, each layer's output the next's input
+    """One call = LAYERS layers of the four projections, each layer's output the next's input
     (unrolled: a loop would slice each layer's weights out of a stack, which XLA may copy)."""
     import jax
     import jax.numpy as jnp
@@ -81,10 +82,12 @@ def _layer_stack_fn(impl: str):
     def layer(x, p):
         x = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)
                                + 1e-5)).astype(x.dtype)
-        kv = jnp.concatenate([mm(x, p, "k"), mm(x, p, "v")], -1)
-        attn = mm(mm(x, p, "q") + jnp.tile(kv, (1, x.shape[1] // kv.shape[1])), p, "o")
-        h = jax.nn.silu(mm(x, p, "gate")) * mm(x, p, "up")
-        return x + attn + mm(h, p, "down")
+        h = x.shape[1]
+        qkv = mm(x, p, "qkv")
+        q, kv = qkv[:, :h], qkv[:, h:]
+        attn = mm(q + jnp.tile(kv, (1, h // kv.shape[1])), p, "o")
+        gate, up = jnp.split(mm(x, p, "gate_up"), 2, axis=-1)
+        return x + attn + mm(jax.nn.silu(gate) * up, p, "down")
 
     def run(x, layers):
         for p in layers:
@@ -213,7 +216,7 @@ def section_llama8b_fp8w_fp8kv(cfg: dict) -> dict:
                                  "llama8b_fp8w_fp8kv_bs1_out_tok_s": round(1e3 / tpot, 1)})}
 
 
-SECTIONS = {"matmul": (section_matmul, 80), "demo_ppl": (section_demo_ppl, 40),
+SECTIONS = {"matmul": (section_matmul, 150), "demo_ppl": (section_demo_ppl, 40),
             "llama8b_bf16": (section_llama8b_bf16, 70), "llama8b_fp8w": (section_llama8b_fp8w, 90),
             "llama8b_fp8w_c256": (section_llama8b_fp8w_c256, 240),
             "llama8b_fp8w_fp8kv": (section_llama8b_fp8w_fp8kv, 260)}

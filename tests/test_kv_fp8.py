@@ -218,3 +218,13 @@ def test_demo_engine_over_an_fp8_cache_ranks_the_bf16_greedy_tokens_first():
              for lp in o.prompt_logprobs[len(src.prompt_token_ids):]]
     assert len(ranks) == 8 * 24
     assert np.mean(np.asarray(ranks) == 1) >= 0.95
+
+
+def test_calibration_reads_fused_and_split_projections_alike():
+    """The serving layout stores q/k/v as one fused projection (fused_projections.py): the
+    calibration must find K and V there too, with the same scales as the split checkpoint layout."""
+    from jaxinfer.model.fused_projections import fuse_projections
+    cfg, params = tiny_model()
+    tokens = calibration_tokens(tiny_tokenizer(), cfg.vocab_size, 48)
+    assert calibrate_kv_scales(cfg, fuse_projections(params), tokens) == \
+        calibrate_kv_scales(cfg, params, tokens)

@@ -82,6 +82,11 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        # What the KV cache will hold, before RoPE, for fp8 scale calibration (kv_scales.py); a
+        # no-op unless applied with mutable "intermediates". Sown here, not captured from the
+        # projections, so fused (qkv_proj) and split layouts calibrate alike.
+        self.sow("intermediates", "k", k)
+        self.sow("intermediates", "v", v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = d ** -0.5
         if kv is None:

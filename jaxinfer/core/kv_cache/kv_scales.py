@@ -80,21 +80,18 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
     (see the module docstring)."""
     from jaxinfer.model.transformer import Transformer
     from pallas_kernels.backend import REFERENCE
-    wanted = ("k_norm" if cfg.qk_norm else "k_proj", "v_proj")
 
     def maxima(params, tokens):
         model = Transformer(cfg, REFERENCE, params["embed"]["embedding"].dtype)
         positions = jnp.arange(tokens.shape[1])[None]
-        _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"],
-                               capture_intermediates=lambda mdl, _: mdl.name in wanted)
+        _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
         out = []
         for i in range(cfg.num_layers):
-            attn = state["intermediates"][f"layers_{i}"]["attn"]
-            k = attn[wanted[0]]["__call__"][0].astype(jnp.float32)
-            k = k.reshape(*k.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+            attn = state["intermediates"][f"layers_{i}"]["attn"]  # Attention sows k and v
+            k = attn["k"][0].astype(jnp.float32)
             half = cfg.head_dim // 2  # a RoPE rotation keeps each (x_j, x_j+half) pair's norm
             k_amax = jnp.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2).max()
-            v_amax = jnp.abs(attn["v_proj"]["__call__"][0].astype(jnp.float32)).max()
+            v_amax = jnp.abs(attn["v"][0].astype(jnp.float32)).max()
             out.append((k_amax, v_amax))
         return out
 

@@ -74,7 +74,8 @@ IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's overr
 #            scales; fused with `fused`, as the engine serves them on one GPU);
 #   impl     $JAXINFER_QUANT_IMPL while the step is traced: "fp8" W8A8 (per-token e4m3
 #            activations, FP8 x FP8 scaled gemm), "dequant" weight-only (what the engine picks
-#            below FP8_GEMM_MIN_ROWS rows, so at batch 1).
+#            below FP8_GEMM_MIN_ROWS rows, so at batch 1), "mosaic" W8A8 in the Mosaic GPU
+#            weight-streaming kernel.
 VARIANTS: dict[str, dict] = {
     "base": {},
     "fused": dict(fused=True),
@@ -99,6 +100,8 @@ VARIANTS: dict[str, dict] = {
     "fp8w": dict(fused=True, quant="fp8"),  # the engine's FP8 decode step as it is
     "fp8w_unfused": dict(quant="fp8"),
     "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
+    # W8A8 through the weight-streaming kernel (pallas_kernels/fp8_matmul_mosaic.py)
+    "fp8w_mosaic": dict(fused=True, quant="fp8", impl="mosaic"),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)

@@ -80,7 +80,8 @@ def _reference_matmul(x, q, s, impl):
     return (xq @ w.T) * xs * np.asarray(s)
 
 
-@pytest.mark.parametrize("impl", ops.IMPLS)
+# "mosaic" (a kernel tiling N and K by 128) has its own tests: tests/test_fp8_matmul.py.
+@pytest.mark.parametrize("impl", ["fp8", "dequant"])
 @pytest.mark.parametrize("m, k, n", [(1, 64, 48), (5, 96, 130), (33, 40, 8)])
 def test_quantized_matmul_matches_numpy_reference(impl, m, k, n):
     rng = np.random.default_rng(m * k + n)

@@ -6,7 +6,7 @@ gemm takes its second operand in, so no transpose runs per step) with one float3
 channel: `w ≈ q * scale[:, None]`. Expert stacks keep the grouped-matmul layout [E, in, out] with
 scales [E, out]; `quantize` takes the reduction axis.
 
-`quantized_matmul` has two implementations:
+`quantized_matmul` has three implementations:
 
 - "fp8" (W8A8): each token's activations are quantized to e4m3 with their own scale (amax / 448,
   computed in the step), the product of the two e4m3 operands accumulates in float32 (Hopper's FP8
@@ -15,6 +15,11 @@ scales [E, out]; `quantize` takes the reduction axis.
 - "dequant" (weight-only, W8A16): the stored weight is converted to the activation dtype inside the
   dot and the channel scale multiplies the output. What int8 weights always run, and what FP8
   weights run where FP8 tensor cores are absent (compute capability < 8.9).
+- "mosaic": the "fp8" arithmetic in a Mosaic GPU weight-streaming kernel for few rows
+  (`pallas_kernels/fp8_matmul_mosaic.py`: swap-AB fp8 wgmma fed by a deep TMA ring, persistent
+  CTAs, split K), for Hopper (compute capability >= 9.0) steps of at most its MAX_ROWS rows. Off by
+  default (MOSAIC_DEFAULT) until the H200 measures it ahead of "dequant"
+  (benchmarks/bench_fp8_matmul.py); on the CPU it runs in Mosaic GPU's interpreter.
 
 On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
 """
@@ -31,13 +36,16 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 INT8_MAX = 127.0
 STORAGE = {"fp8": FP8, "int8": jnp.int8}
-IMPLS = ("fp8", "dequant")
+IMPLS = ("fp8", "dequant", "mosaic")
 # Rows (tokens) below which FP8 weights take the weight-only path on a GPU with FP8 tensor cores.
 # Measured on the H200 (benchmarks/bench_quant.py, Llama-3-8B's projections): at 8 rows cuBLASLt's
 # FP8 gemm streamed the weights at 0.97 TB/s, slower than the bf16 weights it replaces, while at
 # 256 rows it beat bf16 by 1.25x; below this the step is a weight stream, which the weight-only
 # dot reads at half the bf16 bytes.
 FP8_GEMM_MIN_ROWS = 128
+# Whether steps of fewer than FP8_GEMM_MIN_ROWS rows take the "mosaic" kernel by default on Hopper;
+# $JAXINFER_QUANT_IMPL=mosaic forces it either way.
+MOSAIC_DEFAULT = False
 
 
 def _qmax(dtype) -> float:
@@ -74,32 +82,55 @@ def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.cache
-def fp8_tensor_cores() -> bool:
-    """The default device has FP8 tensor cores (NVIDIA compute capability >= 8.9)."""
+def compute_capability() -> tuple[int, int]:
+    """The default device's NVIDIA compute capability; (0, 0) for any other device."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
-        return False
+        return 0, 0
     try:
         major, minor = (int(v) for v in str(dev.compute_capability).split(".")[:2])
     except (AttributeError, ValueError):
-        return False
-    return (major, minor) >= (8, 9)
+        return 0, 0
+    return major, minor
 
 
-def choose_impl(rows: int, weight_dtype) -> str:
-    """What `quantized_matmul` runs for `rows` tokens; $JAXINFER_QUANT_IMPL (one of IMPLS)
-    overrides it for FP8 weights, for benchmarks and bisection."""
+def fp8_tensor_cores() -> bool:
+    """The default device has FP8 tensor cores (NVIDIA compute capability >= 8.9)."""
+    return compute_capability() >= (8, 9)
+
+
+def mosaic_fits(rows: int, weight_shape: tuple[int, ...] | None) -> bool:
+    """The "mosaic" kernel takes this step: few enough rows and a weight [N, K] that it tiles."""
+    from pallas_kernels import fp8_matmul_mosaic as kernel
+    return (weight_shape is not None and rows <= kernel.MAX_ROWS
+            and kernel.supports(*weight_shape))
+
+
+def choose_impl(rows: int, weight_dtype, weight_shape: tuple[int, ...] | None = None) -> str:
+    """What `quantized_matmul` runs for `rows` tokens against a weight of `weight_shape` [N, K];
+    $JAXINFER_QUANT_IMPL (one of IMPLS) overrides it for FP8 weights, for benchmarks and
+    bisection ("mosaic" where the kernel takes the step, else the choice without the override)."""
     if jnp.dtype(weight_dtype) != jnp.dtype(FP8):
         return "dequant"
     forced = os.environ.get("JAXINFER_QUANT_IMPL")
     if forced:
         if forced not in IMPLS:
             raise ValueError(f"JAXINFER_QUANT_IMPL={forced!r}: expected one of {IMPLS}")
-        return forced
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
+        if forced != "mosaic" or mosaic_fits(rows, weight_shape):
+            return forced
+    if jax.devices()[0].platform == "cpu":
         return "fp8"  # the GPU's arithmetic, emulated: what accuracy tests should see
-    return "fp8" if fp8_tensor_cores() and rows >= FP8_GEMM_MIN_ROWS else "dequant"
+    return pick_impl(rows, compute_capability(), mosaic_fits(rows, weight_shape), MOSAIC_DEFAULT)
+
+
+def pick_impl(rows: int, capability: tuple[int, int], fits: bool, mosaic: bool) -> str:
+    """`choose_impl`'s rule for FP8 weights on a GPU of `capability` where the "mosaic" kernel
+    takes the step (`fits`) and is switched on (`mosaic`)."""
+    if rows >= FP8_GEMM_MIN_ROWS and capability >= (8, 9):
+        return "fp8"
+    if mosaic and fits and capability >= (9, 0):
+        return "mosaic"
+    return "dequant"
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | None = None,
@@ -109,7 +140,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    impl = impl or choose_impl(rows, w.dtype)
+    impl = impl or choose_impl(rows, w.dtype, w.shape)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if impl == "fp8":
         xq, xs = quantize_tokens(x)
@@ -119,6 +150,12 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
         xq, w = jax.lax.optimization_barrier((xq, w))
         y = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)
         return (y * xs * scale).astype(out_dtype)
+    if impl == "mosaic":
+        from pallas_kernels.fp8_matmul_mosaic import fp8_matmul
+        xq, xs = quantize_tokens(x.reshape(rows, x.shape[-1]))
+        y = fp8_matmul(xq, xs[:, 0], w, scale, out_dtype=out_dtype,
+                       interpret=jax.devices()[0].platform == "cpu")
+        return y.reshape(*x.shape[:-1], w.shape[0])
     if impl == "dequant":
         y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * scale).astype(out_dtype)

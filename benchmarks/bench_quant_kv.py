@@ -137,11 +137,31 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
         save()
 
 
+# The fp8 read paths worth timing beside the default (issue 26; paged_decode_smem.py): more ring
+# slots (the hand-over tile over the staging tiles), 128- and 256-token steps, V in 64-token chunks.
+FP8_VARIANTS = ("mosaic:shared", "mosaic:ft128", "mosaic:ft128:pv64", "mosaic:ft128:pv64:shared",
+                "mosaic:ft256:pv64:shared", "mosaic:s2")
+
+
+def summary_table(metrics: dict) -> str:
+    """The decode figures as a table (the last thing printed)."""
+    rows = [f"{'kernel':<44} {'us':>8} {'TB/s':>6} {'of HBM':>7}"]
+    for key in sorted(k for k in metrics if k.startswith("decode_") and k.endswith("_us")):
+        stem = key[:-3]
+        rows.append(f"{stem[len('decode_'):]:<44} {metrics[key]:8.1f} "
+                    f"{metrics[stem + '_tbps']:6.2f} {metrics[stem + '_frac_of_hbm']:7.1%}")
+    rows += [f"{k}: {v}" for k, v in metrics.items() if k.endswith("_error")]
+    rows += [f"{k}: {v:.2e}" for k, v in metrics.items() if "_rel_err_" in k]
+    return "\n".join(rows)
+
+
 def fp8_variant_config(name: str):
     """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
     plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "swap" / "plain" (the
     transposed consumer on / off), "vp" / "novp" (the V producer on / off), "up2" / "up4" / "8bit"
-    (the widening layout), "st<N>" (N ring stages); e.g. "mosaic:plain:novp"."""
+    (the widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
+    the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
+    per step on an fp8 cache); e.g. "mosaic:ft128:pv64:shared"."""
     from benchmarks.bench_decode import mosaic_config
     ours = {"swap": dict(fp8_swap=True), "plain": dict(fp8_swap=False),
             "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
@@ -149,6 +169,9 @@ def fp8_variant_config(name: str):
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
             "8bit": dict(fp8_widen_layout="WGMMA_8BIT")}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
+    ours.update(shared=dict(fp8_shared_scratch=True), noshared=dict(fp8_shared_scratch=False))
+    ours.update({f"pv{n}": dict(fp8_pv_tokens=n) for n in (64, 128, 256)})
+    ours.update({f"ft{n}": dict(fp8_tokens_per_step=n) for n in (64, 128, 256)})
     opts = name.split(":")
     config = mosaic_config(":".join(o for o in opts if o not in ours))
     for o in opts:
@@ -236,11 +259,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="check,decode,prefill,ppl,checkv")
     ap.add_argument("--ppl-window", type=int, default=256)
-    ap.add_argument("--fp8-variants", default="mosaic:swap",
+    ap.add_argument("--fp8-variants", default=",".join(FP8_VARIANTS),
                     help="comma list of fp8 decode kernel variants to time beside the default "
                          "(`fp8_variant_config` names)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton decode kernel")
-    ap.add_argument("--check-variants", default="mosaic:swap",
+    ap.add_argument("--check-variants", default=",".join(FP8_VARIANTS),
                     help="comma list of variants the 'checkv' part checks at the CHECKS shapes")
     ap.add_argument("--page32", action="store_true",
                     help="also time the default fp8 kernel on 32-token pages (diagnostic)")
@@ -275,6 +298,7 @@ def main(argv=None) -> None:
         else:
             raise SystemExit(f"unknown part {part!r} in --parts")
         save()
+    log(summary_table(metrics))
 
 
 if __name__ == "__main__":

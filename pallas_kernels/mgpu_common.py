@@ -1,10 +1,13 @@
 """Mosaic GPU pieces both Pallas kernels (paged decode, flash prefill) use: the PV product with
-its interpret-mode stand-in, and the producer's last look at the K/V ring before the kernel ends."""
+its interpret-mode stand-in, the producer's last look at the K/V ring before the kernel ends, and
+named profiler ranges."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -48,3 +51,16 @@ def observe_last_releases(total_steps, stages: int, *free_barriers) -> None:
         def _():
             for free in free_barriers:
                 plgpu.barrier_wait(free.at[i])
+
+
+def scoped(name: str):
+    """Decorator: the function is traced inside `jax.named_scope(name)`, a range in the
+    per-warpgroup timeline that Mosaic GPU's profiler records when `MosaicDecodeConfig.profile_dir`
+    is set (free otherwise)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return wrapped
+    return decorate

@@ -52,13 +52,15 @@ def tile_transforms(dtype, head_dim: int):
 
 def widen(tile, wide, free, layout: str = "WGMMA_8BIT") -> None:
     """fp8 ring tile -> its float16 copy in the warpgroup's staging tile `wide`, then arrive on
-    the slot's `free` barrier (the fp8 bytes are no longer needed). `layout`: the register layout
+    the slot's `free` barrier (the fp8 bytes are no longer needed; None: the caller will, after
+    widening the slot's other chunks). `layout`: the register layout
     of the copy (a `plgpu.Layout` name): WGMMA_8BIT moves 4 fp8 bytes per thread and load,
     WGMMA_UPCAST_2X / _4X 8 / 16."""
     with jax.named_scope("widen"):  # a range of the in-kernel profile (tools/profile_decode.py)
         wide[...] = plgpu.load(tile, layout=getattr(plgpu.Layout, layout)).astype(wide.dtype)
         plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
-    plgpu.barrier_arrive(free)
+    if free is not None:
+        plgpu.barrier_arrive(free)
 
 
 def widen_slot(ring, ready, free, slot, wide, layout: str = "WGMMA_8BIT") -> None:

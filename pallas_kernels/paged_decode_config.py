@@ -32,6 +32,12 @@ class MosaicDecodeConfig:
       copies issued by a second producer warpgroup (an fp8 step is half the bytes of a 16-bit
       one in as many copies; slower on the H200).
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
+    fp8_shared_scratch: the plain consumer's fp32 hand-over tile overlays the two V staging tiles
+      (warpgroup 1 hands over once warpgroup 0's last P @ V of the item is done, and widens again
+      once the merge has read it), so more ring slots fit (paged_decode_smem.py).
+    fp8_pv_tokens: V widened and P @ V run in chunks of this many tokens (a multiple of 64
+      dividing the step) through staging tiles of that size; None: the whole step.
+    fp8_tokens_per_step: tokens_per_step on an fp8 cache; None: tokens_per_step.
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
     tokens_per_step: int = 64
@@ -45,17 +51,26 @@ class MosaicDecodeConfig:
     fp8_swap: bool = False
     fp8_v_producer: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
+    fp8_shared_scratch: bool = False
+    fp8_pv_tokens: int | None = None
+    fp8_tokens_per_step: int | None = None
     profile_dir: str = ""
 
     def __post_init__(self):
-        if self.tokens_per_step <= 0 or self.tokens_per_step % 64:
-            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a positive multiple "
-                             f"of 64")
+        for name in ("tokens_per_step", "fp8_tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and (value <= 0 or value % 64):
+                raise ValueError(f"{name}={value} must be a positive multiple of 64")
         if self.stages is not None and (self.stages < 2 or self.stages % 2):
             raise ValueError(f"stages={self.stages} must be even and >= 2 (None: as many as fit)")
         for name in ("num_ctas", "split_workers", "num_splits"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be positive (or None)")
+        fp8_step = self.fp8_tokens_per_step or self.tokens_per_step
+        if self.fp8_pv_tokens is not None and (self.fp8_pv_tokens <= 0 or self.fp8_pv_tokens % 64
+                                               or fp8_step % self.fp8_pv_tokens):
+            raise ValueError(f"fp8_pv_tokens={self.fp8_pv_tokens} must be a positive multiple of "
+                             f"64 dividing the fp8 step ({fp8_step} tokens)")
         if self.bt_lookahead < 0:
             raise ValueError(f"bt_lookahead={self.bt_lookahead} must be >= 0")

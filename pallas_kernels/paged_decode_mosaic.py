@@ -20,15 +20,13 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   (`split_combine_mosaic`, which PDL may launch early) merges them; `combine_parts_xla` is the same
   merge in XLA (`MosaicDecodeConfig.combine_kernel=False`).
 - q is read unpadded where it can be: the G query heads of a kv head are rows [base, base + G)
-  of q viewed as [S * Hq, D] (a free reshape), and the producer copies the aligned 8-row TMA tile
-  that holds them (TMA into a tiled shared-memory buffer needs a tile-aligned start); rows of
-  other heads in it only produce rows that are never stored, and `r0 = base % 8` is where the
-  item's rows sit. That works when G divides 8 or 8 divides G, and S * Hq is a multiple of 8;
-  other shapes get q padded to [S, Hkv, Gp, D] (one small XLA op) and r0 = 0.
-- The G query heads are the first rows of a 64-row wgmma tile (wgmma's M is 64), so S = Q K^T is
-  [64, tokens] and O += P V is [64, D]. The tensor cores do 64/G times the useful work, which at
-  these sizes still fits under the memory time of a step (see docs/kernels/paged_decode.md).
-- Softmax runs in the log2 domain (exp2 with the scale folded in), accumulation is fp32.
+  of q viewed as [S * Hq, D], and the producer copies the aligned 8-row TMA tile holding them
+  (rows of other heads only produce rows never stored; the item's rows start at r0 = base % 8).
+  That needs G | 8 or 8 | G, and 8 | S * Hq; other shapes get q padded to [S, Hkv, Gp, D].
+- The G query heads are rows of a 64-row wgmma tile (wgmma's M is 64): S = Q K^T is [64, tokens],
+  O += P V is [64, D]; the tensor cores do 64/G times the useful work. Softmax runs in the log2
+  domain (exp2 with the scale folded in), accumulation is fp32.
+- fp8 cache: `mgpu_fp8.py`; what bounds it and the shared-memory plan: `paged_decode_smem.py`.
 - The kernel waits on `griddepcontrol.wait` before reading anything (programmatic dependent
   launch: its launch and set-up overlap the previous kernel's tail), and the producer reads block
   ids `bt_lookahead` steps ahead without waiting for the sequence length.
@@ -36,6 +34,7 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -46,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.device_info import num_sms
-from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
+from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases, scoped
 from pallas_kernels import mgpu_fp8
 from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms
 from pallas_kernels.paged_decode_config import MosaicDecodeConfig
@@ -56,50 +55,41 @@ from pallas_kernels.paged_decode_common import (
     check_decode_inputs,
     plan_splits,
 )
+from pallas_kernels.paged_decode_smem import PROFILE_EVENT_BYTES, fixed_bytes, ring_stages
+from pallas_kernels.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
 from pallas_kernels.paged_decode_swap import swap_consumer, swap_scratch
 from pallas_kernels.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
                                                  combine_split_parts)
 
-_WGMMA_ROWS = 64
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
-_SMEM_BUDGET = 227 * 1024 - 4096  # 227 KiB per block, less what Mosaic adds (barriers, alignment)
 _PROFILE_EVENTS = 128  # profiler events per warpgroup (16 bytes of shared memory each)
-
-
-def _scoped(name: str):
-    """Decorator: the function is traced inside `jax.named_scope(name)`, a range in the
-    per-warpgroup timeline that Mosaic GPU's profiler records when `MosaicDecodeConfig.profile_dir`
-    is set (free otherwise)."""
-    def decorate(fn):
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            with jax.named_scope(name):
-                return fn(*args, **kwargs)
-        return wrapped
-    return decorate
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, widen_layout: str,
-                   swap: bool, v_producer: bool):
+                   swap: bool, v_producer: bool, shared: bool, pv_tokens: int):
     # fp8 (widen): q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if widen else (None, refs)
-    if num_splits == 1:
-        (o_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, y_smem, q_bar, q_free,
-         k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
-        lse_ref = lse_smem = None
+    o_ref, *refs = refs
+    lse_ref, refs = (refs[0], refs[1:]) if num_splits > 1 else (None, refs)
+    (q_smem, k_smem, v_smem, tiles, vec_smem, out_tile, q_bar, q_free, k_bar, v_bar, k_free,
+     v_free, x_full, x_free, *refs) = refs
+    # shared (fp8_shared_scratch): the staging tiles, the hand-over tile and its unswizzled view
+    # share one allocation (`mosaic_decode_call`), and `wide_free` says warpgroup 0 is done with
+    # its staging tile for the item.
+    wide_free, refs = (refs[0], refs[1:]) if shared else (None, refs)
+    if shared:
+        wide_all, x_smem, x_plain = tiles
     else:
-        (o_ref, lse_ref, q_smem, k_smem, v_smem, (x_smem, x_plain), vec_smem, lse_smem, q_bar,
-         q_free, k_bar, v_bar, k_free, v_free, x_full, x_free, *p_smem) = refs
-        y_smem = None
+        (x_smem, x_plain), wide_all = tiles, (refs[-1] if widen else None)
+    y_smem, lse_smem = (out_tile, None) if num_splits == 1 else (None, out_tile)
     # Trailing scratch: the P tiles (interpret; swap: its P^T tiles), the fp8 V staging tiles.
     has_p = interpret or swap  # the P tiles: interpret mode's stand-in; swap's P^T operand
-    p_smem, wide_smem = (p_smem[0] if has_p else None), p_smem[has_p:]
-    widen_slot = functools.partial(mgpu_fp8.widen_slot, layout=widen_layout)
+    p_smem = refs[0] if has_p else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -194,7 +184,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             lax.fori_loop(0, steps, step, ahead)
             return g0 + steps
 
-        total_steps = lax.fori_loop(0, my_items, _scoped("producer_item")(item_body),
+        total_steps = lax.fori_loop(0, my_items, scoped("producer_item")(item_body),
                                     jnp.int32(0))
         # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
         # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
@@ -227,7 +217,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             # fp8: the item's logit scale carries 1 / c, q's scale in its fp8 tiles, and this
             # warpgroup's staging tile takes each step's V, widened while QK^T runs.
             item_scale = logit_scale * qinv_ref[seq * hkv + head] if widen else logit_scale
-            wide = wide_smem[0].at[wg] if widen else None
+            wide = wide_all.at[wg] if widen else None
+            chunks = tokens // pv_tokens  # fp8: V widened and P @ V run chunk by chunk
 
             def step(t, carry):
                 acc, m_i, l_i = carry
@@ -236,7 +227,15 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 with jax.named_scope("wait_k"):
                     plgpu.barrier_wait(k_bar.at[slot])
                 k_tile = k_smem.at[slot]
-                widen_v = widen and (lambda: widen_slot(v_smem, v_bar, v_free, slot, wide))
+
+                def widen_chunk(c):  # the last chunk's widening frees the fp8 slot
+                    mgpu_fp8.widen(v_smem.at[slot, pl.ds(c * pv_tokens, pv_tokens)], wide,
+                                   v_free.at[slot] if c == chunks - 1 else None, widen_layout)
+
+                def widen_v():
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    widen_chunk(0)
+                widen_v = widen and widen_v
 
                 def qk_fn(acc_ref):
                     if widen:  # (q_hi + q_lo) K^T, K straight from the ring
@@ -266,17 +265,19 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(wide.dtype if widen else q_smem.dtype)
-                if widen:
-                    v_tile = wide
-                else:
+                p_tile = None if p_smem is None else p_smem.at[wg]
+                if not widen:
                     with jax.named_scope("wait_v"):
                         plgpu.barrier_wait(v_bar.at[slot])
-                    v_tile = v_smem.at[slot]
-                with jax.named_scope("pv"):
-                    acc = accumulate_pv(acc, p16, v_tile,
-                                        None if p_smem is None else p_smem.at[wg])
-                if not widen:
+                    with jax.named_scope("pv"):
+                        acc = accumulate_pv(acc, p16, v_smem.at[slot], p_tile)
                     plgpu.barrier_arrive(v_free.at[slot])
+                for c in range(chunks if widen else 0):  # chunk c > 0: after chunk c - 1's P @ V
+                    if c:
+                        widen_chunk(c)
+                    p_c = p16[:, c * pv_tokens:(c + 1) * pv_tokens] if chunks > 1 else p16
+                    with jax.named_scope("pv"):
+                        acc = accumulate_pv(acc, p_c, wide, p_tile)
                 return acc, m_new, l_i
 
             init = (
@@ -287,21 +288,26 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             with jax.named_scope("kv_steps"):
                 acc, m_i, l_i = lax.fori_loop(0, my_steps, step, init)
             plgpu.barrier_arrive(q_free.at[qb])
+            if shared:  # warpgroup 0's last P @ V is done: its staging tile may take the hand-over
+                pl.when(wg == 0)(lambda: plgpu.barrier_arrive(wide_free.at[0]))
             _, base, r0 = q_rows(seq, head)
 
             @pl.when(wg == 1)
-            @_scoped("hand_over")
+            @scoped("hand_over")
             def _hand_over():  # warpgroup 1's softmax state -> warpgroup 0, via x_smem
-                @pl.when(it > 0)
-                def _():
-                    plgpu.barrier_wait(x_free.at[0])
+                if shared:  # x_smem overlays both staging tiles
+                    plgpu.barrier_wait(wide_free.at[0])
+                else:
+                    pl.when(it > 0)(lambda: plgpu.barrier_wait(x_free.at[0]))
                 x_smem[...] = acc
                 vec_smem.at[0][...] = m_i
                 vec_smem.at[1][...] = l_i
                 plgpu.barrier_arrive(x_full.at[0])
+                if shared:  # the merge's reads are done before this warpgroup widens again
+                    plgpu.barrier_wait(x_free.at[0])
 
             @pl.when(wg == 0)
-            @_scoped("merge_store")
+            @scoped("merge_store")
             def _merge_and_store():
                 plgpu.barrier_wait(x_full.at[0])
                 acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
@@ -340,7 +346,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             named = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
                          k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
                          vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
-                         p_smem=p_smem, wide=wide_smem[0], o_ref=o_ref, qinv_ref=qinv_ref)
+                         p_smem=p_smem, wide=wide_all, o_ref=o_ref, qinv_ref=qinv_ref)
             for w in range(_NUM_CONSUMERS):  # traced per warpgroup (its reduction scratch)
                 pl.when(wg == w)(functools.partial(
                     swap_consumer, wg=w, my_items=my_items, item_info=item_info, q_rows=q_rows,
@@ -350,9 +356,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         else:
             lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
-        @pl.when(wg == 1)
-        def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
-            plgpu.barrier_wait(x_free.at[0])
+        if not shared:  # (shared: warpgroup 1 waited on every release already)
+            @pl.when(wg == 1)
+            def _():  # observe warpgroup 0's last release of x_smem (interpret mode checks phases)
+                plgpu.barrier_wait(x_free.at[0])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -367,6 +374,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     cache_dtype, dtype = k_cache.dtype, compute_dtype(k_cache.dtype)  # fp8: computes in f16
+    if cache_dtype != dtype and config.fp8_tokens_per_step:
+        config = dataclasses.replace(config, tokens_per_step=config.fp8_tokens_per_step)
     if dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"k_cache dtype {dtype} not supported: the Mosaic kernel needs bf16, "
                          f"f16 or fp8")
@@ -387,27 +396,25 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     swap = widen and config.fp8_swap and plan.num_splits == 1
     v_producer = widen and config.fp8_v_producer
     num_threads = _NUM_CONSUMERS + 1 + v_producer
-    stage_bytes = 2 * config.tokens_per_step * d * jnp.dtype(cache_dtype).itemsize  # K and V
-    # Two q tiles, the fp32 hand-over tile, m/l/lse rows, and the final output tile (one split).
-    fixed_bytes = (2 * _WGMMA_ROWS * d * elem_bytes + _WGMMA_ROWS * d * 4 + 3 * _WGMMA_ROWS * 4
-                   + (_WGMMA_ROWS * d * elem_bytes if plan.num_splits == 1 else 0))
+    # fp8, plain consumer: the hand-over and output tiles may overlay the V staging tiles, which
+    # may hold a chunk of a step's tokens (paged_decode_smem.py).
+    shared = widen and config.fp8_shared_scratch and not swap
+    pv_tokens = (config.fp8_pv_tokens if widen and not swap else None) or config.tokens_per_step
     profiling = bool(config.profile_dir) and not interpret
-    if profiling:
-        fixed_bytes += num_threads * _PROFILE_EVENTS * 16
-    # The P tiles (interpret) and the fp8 V pages' 16-bit staging tiles, one per consumer.
-    fixed_bytes += (_NUM_CONSUMERS * config.tokens_per_step * elem_bytes
-                    * (_WGMMA_ROWS * interpret + d * widen))
+    profile_bytes = profiling * num_threads * _PROFILE_EVENTS * PROFILE_EVENT_BYTES
     gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
     if swap:  # small q, hand-over, output and P^T tiles instead of 64-row ones
         swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
                                   num_consumers=_NUM_CONSUMERS)
-        fixed_bytes = (swap_tiles["bytes"] + profiling * num_threads * _PROFILE_EVENTS * 16
-                       + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
-    stages = config.stages or 2 * ((_SMEM_BUDGET - fixed_bytes) // stage_bytes // 2)
-    if stages < 2 or stages % 2:
-        raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds "
-                         f"{(_SMEM_BUDGET - fixed_bytes) // stage_bytes} stages of "
-                         f"{config.tokens_per_step} tokens at head_dim {d})")
+        fixed = (swap_tiles["bytes"] + profile_bytes
+                 + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
+    else:
+        fixed = profile_bytes + fixed_bytes(
+            d=d, elem_bytes=elem_bytes, one_split=plan.num_splits == 1,
+            staging_tokens=pv_tokens * widen, shared=shared,
+            p_tokens=pv_tokens * interpret, num_consumers=_NUM_CONSUMERS)
+    stages = ring_stages(config.stages, fixed, tokens=config.tokens_per_step, d=d,
+                         cache_bytes=jnp.dtype(cache_dtype).itemsize)
     s, hkv, hq = shape.num_seqs, shape.num_kv_heads, shape.num_q_heads
     q_padded = not ((8 % g == 0 or g % 8 == 0) and (s * hq) % 8 == 0)
     q2 = q.reshape(s * hkv, g, d)
@@ -440,7 +447,11 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen,
-        widen_layout=config.fp8_widen_layout, swap=swap, v_producer=v_producer)
+        widen_layout=config.fp8_widen_layout, swap=swap, v_producer=v_producer, shared=shared,
+        pv_tokens=pv_tokens)
+    x_tiles = (plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
+               plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32))
+    wide_tiles = plgpu.SMEM((_NUM_CONSUMERS, pv_tokens, d), dtype, transforms=transforms)
     outs = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -449,10 +460,10 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             plgpu.SMEM((stages, tokens, d), cache_dtype, transforms=tile_transforms(cache_dtype, d)),
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
-            # conflicts; its unswizzled view stages the fp32 part when split.
+            # conflicts; its unswizzled view stages the fp32 part when split; shared: both over
+            # the V staging tiles.
             swap_tiles["x"] if swap else
-            plgpu.RefUnion(plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
-                           plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32)),
+            plgpu.RefUnion(wide_tiles, *x_tiles) if shared else plgpu.RefUnion(*x_tiles),
             swap_tiles["vec"] if swap else
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
             *((swap_tiles["out"],) if swap else out_scratch),
@@ -464,10 +475,11 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
+            *[plgpu.Barrier(num_barriers=1)] * shared,  # warpgroup 0's staging tile idle
             *([swap_tiles["p"]] if swap else
-              [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, tokens), dtype, transforms=transforms)]
+              [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, pv_tokens), dtype, transforms=transforms)]
               if interpret else []),
-            *[plgpu.SMEM((_NUM_CONSUMERS, tokens, d), dtype, transforms=transforms)] * widen,
+            *[wide_tiles] * (widen and not shared),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),

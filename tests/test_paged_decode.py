@@ -130,9 +130,13 @@ FP8_CASES = [CASES[3], CASES[5], CASES[6], CASES[7]]
 # The Mosaic kernel's fp8 read paths (mgpu_fp8.py): K read as fp8 by the QK^T wgmmas against q
 # split into two e4m3 tiles, V widened to float16. MosaicDecodeConfig fields over the default
 # ("mosaic"): V's copies from a second producer warpgroup; the transposed consumer
-# (paged_decode_swap.py, one split).
+# (paged_decode_swap.py, one split); the hand-over tile over the V staging tiles, alone and with
+# 128-token steps whose V is widened and multiplied in two 64-token chunks.
 FP8_PATHS = {
     "mosaic": {},
+    "mosaic_shared": dict(fp8_shared_scratch=True),
+    "mosaic_t128_pv64_shared": dict(tokens_per_step=128, fp8_pv_tokens=64,
+                                    fp8_shared_scratch=True),
     "mosaic_v_producer": dict(fp8_v_producer=True),
     "mosaic_swap": dict(fp8_swap=True),
     "mosaic_swap_v_producer": dict(fp8_swap=True, fp8_v_producer=True),
@@ -148,14 +152,16 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
                                                   workers=workers, interpret=True)
         # One split where the transposed consumer should run (several: the plain consumer).
         splits = 1 if kernel.startswith("mosaic_swap") else splits
-        cfg = MosaicDecodeConfig(tokens_per_step=64, stages=2, num_ctas=2, num_splits=splits,
-                                 **FP8_PATHS[kernel])
+        cfg = MosaicDecodeConfig(**{**dict(tokens_per_step=64, stages=2, num_ctas=2,
+                                           num_splits=splits), **FP8_PATHS[kernel]})
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
     run_case(case, fn, jnp.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("d,splits,kernel", [
-    (128, 1, "mosaic"), (64, 3, "mosaic"), (128, 1, "mosaic_v_producer"), (128, 1, "mosaic_swap")])
+    (128, 1, "mosaic"), (64, 3, "mosaic"), (128, 1, "mosaic_v_producer"), (128, 1, "mosaic_swap"),
+    (128, 1, "mosaic_shared"), (128, 1, "mosaic_t128_pv64_shared"),
+    (128, 3, "mosaic_t128_pv64_shared")])
 def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, kernel):
     """The fp8 paths' Mosaic GPU pieces (8-bit swizzled tiles, fp8 wgmmas, WGMMA_8BIT loads, the
     paired e4m3 -> f16 conversion, the f16 staging tiles, the transposed consumer's tiles and its
@@ -213,6 +219,10 @@ def test_mosaic_decode_config_rejects_bad_values():
         MosaicDecodeConfig(num_splits=0)
     with pytest.raises(ValueError, match="bt_lookahead"):
         MosaicDecodeConfig(bt_lookahead=-1)
+    with pytest.raises(ValueError, match="fp8_tokens_per_step"):
+        MosaicDecodeConfig(fp8_tokens_per_step=96)
+    with pytest.raises(ValueError, match="fp8_pv_tokens"):  # must divide the fp8 step
+        MosaicDecodeConfig(fp8_tokens_per_step=128, fp8_pv_tokens=256)
 
 
 def test_public_functions_have_the_backend_signature():

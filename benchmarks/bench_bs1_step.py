@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import gzip
 import os
+import re
 import sys
 import tempfile
 import time
@@ -102,6 +103,14 @@ VARIANTS: dict[str, dict] = {
     "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
     # W8A8 through the weight-streaming kernel (pallas_kernels/fp8_matmul_mosaic.py)
     "fp8w_mosaic": dict(fused=True, quant="fp8", impl="mosaic"),
+    # Whether XLA's command buffers (CUDA graphs) take the step's kernels: `dispatch_ms` is the
+    # host's launch of ~455-710 kernels without them.
+    "fp8w_cmdbuf": dict(fused=True, quant="fp8", options={
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
+    "fp8w_graph1": dict(fused=True, quant="fp8", options={"xla_gpu_graph_min_graph_size": 1}),
+    "fp8w_mosaic_cmdbuf": dict(fused=True, quant="fp8", impl="mosaic", options={
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
+        "xla_gpu_graph_min_graph_size": 1}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
@@ -358,6 +367,10 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                          read_gb=round(nbytes / 1e9, 3), tb_s=round(tbs, 3),
                          of_ceiling=round(tbs / ceiling, 3))
             hlo = exe.as_text()
+            # Kernel sequences XLA outlined into command buffers (CUDA graphs), and their calls.
+            entry["command_buffers"] = [
+                len(re.findall(r"^%?command_buffer[\w.\-]* ", hlo, re.M)),
+                len(re.findall(r"to_apply=%?command_buffer", hlo))]
             if name == hlo_variant and args.hlo_out:
                 Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
                 with gzip.open(args.hlo_out, "wt") as f:

@@ -2,7 +2,7 @@
 padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe.py [--sections kernels,qwen,mixtral]
-        [--deadline-s 560] [--save [DIR]]
+        [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]]
 
 Sections (each in its own process, time-limited; figures are saved after every part):
   kernels  ceilings (HBM read of 8 GiB; bf16 matmul 8192^3), then per model shape (Qwen3-30B-A3B:
@@ -12,8 +12,15 @@ Sections (each in its own process, time-limited; figures are saved after every p
            the time of the whole expert MLP (gate, up, down) per implementation and of our kernel's
            two calls per tiling (`mosaic`: the tiling `moe_experts` picks; `mosaic_i`: SWEEP's).
            TB/s counts the touched experts' weight bytes once; TF/s 2 * rows * hidden * inter * 3.
+           `--fp8`: beside them the same experts quantized to e4m3 (per-expert channel scales, as
+           `--quantization fp8` stores them): our kernel's fp8 path (`fp8_mosaic`: the tiling
+           `moe_experts` picks; `fp8_mosaic_i`: FP8_SWEEP's) and the XLA paths quantized experts
+           run without it (`fp8_padded`, `fp8_ragged`), checked against float32 `ragged_dot` on the
+           dequantized weights; their TB/s counts the e4m3 bytes. A table of both closes the run.
   qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
            --max-num-seqs 64: output tok/s and the median step while all 64 decode.
+           `--quantization fp8`: its experts (and every linear) e4m3, saved as part `qwen_fp8`
+           (the kernel path needs JAXINFER_MOE_FP8_KERNEL=1 in the environment).
   mixtral  the same on the Mixtral-8x7B shape.
 Parts go to $OUT/moe_h200.json as they finish; `--save` writes the record moe_<gpu>.json
 (`results_io`; its config keeps every part's raw figures).
@@ -49,6 +56,12 @@ SWEEP = {
                [(64, 128, 64, 6), (64, 256, 64, 4, "n", True)]),
     "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True)],
                 [(128, 128, 64, 6), (128, 128, 64, 4, "m", True)]),
+}
+# e4m3 tilings timed beside `fp8_mosaic`: half the bytes per panel, so deeper rings fit, and at
+# prefill consumers that split N (each widens only its half of the panel).
+FP8_SWEEP = {
+    "decode": ([(64, 128, 64, 6, "n")], [(64, 256, 64, 6, "n")]),
+    "prefill": ([(64, 256, 64, 3, "n")], [(64, 256, 64, 4, "n")]),
 }
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
@@ -103,8 +116,39 @@ def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
     return xs, ws, sizes, (x, chosen, probs / probs.sum(-1, keepdims=True))
 
 
+def fp8_case(ws, tokens: int, phase: str, sweep: bool, baselines) -> tuple:
+    """The experts `ws` quantized as `--quantization fp8` stores them: (stacks, scales, float32
+    reference inputs, calls: name -> f(x, stacks, scales, sizes), tilings)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model.quant.ops import dequantize, quantize
+    from pallas_kernels import grouped_matmul as gm
+
+    qs = [quantize(w, "fp8", axis=-2) for w in ws]
+    wq, sq = tuple(q for q, _ in qs), tuple(s for _, s in qs)
+    deq = tuple(dequantize(q, s, axis=-2) for q, s in qs)
+
+    def pair(up, down):
+        def f(x, ws, ss, sizes):
+            h = gm.gmm(x.astype(jnp.float16), ws[:2], sizes, make_config(up), scales=ss[:2])
+            return gm.gmm(h, ws[2:], sizes, make_config(down), scales=ss[2:], out_dtype=x.dtype)
+        return jax.jit(f)
+
+    def impl_call(impl):
+        return jax.jit(lambda x, ws, ss, sizes: gm.moe_experts(
+            x, ws, sizes, impl=impl, max_group_size=tokens, scales=ss))
+
+    ups, downs = FP8_SWEEP[phase] if sweep else ((), ())
+    tilings = {f"fp8_mosaic_{i}": p for i, p in enumerate(zip(ups, downs))}
+    calls = {f"fp8_{impl}": impl_call(impl) for impl in ("mosaic", *baselines)}
+    calls.update({name: pair(*p) for name, p in tilings.items()})
+    return wq, sq, deq, calls, tilings
+
+
 def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
-                   phases=tuple(PHASE_TOKENS), baselines=("ragged", "padded")) -> dict:
+                   phases=tuple(PHASE_TOKENS), baselines=("ragged", "padded"),
+                   fp8: bool = False, fp8_sweep: bool = True) -> dict:
     import functools
 
     import jax
@@ -136,6 +180,16 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
             reps=3, inner=10)
         return {k: round(v * 1e6, 1) for k, v in parts.items()}
 
+    def time_fp8_parts(xs, wq, sq, sizes, up, down):
+        x16 = xs.astype(jnp.float16)
+        up_f = functools.partial(gm.gmm, config=make_config(up), scales=sq[:2])
+        down_f = functools.partial(gm.gmm, config=make_config(down), scales=sq[2:],
+                                   out_dtype=xs.dtype)
+        h = up_f(x16, wq[:2], sizes)
+        parts = bench_interleaved({"up": (up_f, (x16, wq[:2], sizes)),
+                                   "down": (down_f, (h, wq[2:], sizes))}, reps=3, inner=10)
+        return {k: round(v * 1e6, 1) for k, v in parts.items()}
+
     def mosaic_pair(up, down):
         def f(x, ws, sizes):
             h = gm.gmm(x, ws[:2], sizes, make_config(up))
@@ -165,10 +219,20 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
             calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
             row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
                          "flops": flops, "errors": {}, "us": {}, "configs": pairs}
+            refs = {name: ref for name in calls}
+            if fp8:
+                wq, sq, deq, f8_calls, f8_tilings = fp8_case(ws, tokens, phase, fp8_sweep, baselines)
+                ref8 = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
+                    xs.astype(jnp.float32), deq, sizes)
+                del deq
+                calls.update({n: (f, (xs, wq, sq, sizes)) for n, f in f8_calls.items()})
+                refs.update({n: ref8 for n in f8_calls})
+                row["fp8_configs"] = f8_tilings
+                row["fp8_weight_bytes"] = nbytes // 2
             ok = {}
             for name, (f, args) in calls.items():
                 try:
-                    row["errors"][name] = rel_err(f(*args), ref)
+                    row["errors"][name] = rel_err(f(*args), refs[name])
                     ok[name] = (f, args)
                 except Exception as exc:  # a tiling that does not compile is a result, not a crash
                     row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -180,9 +244,14 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
             for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
                 if name in ok:
                     row.setdefault("parts_us", {})[name] = time_parts(xs, ws, sizes, up, down)
+            if fp8 and "fp8_mosaic" in ok:
+                up, down = (config_fields(c) for c in gm.mosaic_configs(rows, e))
+                row.setdefault("parts_us", {})["fp8_mosaic"] = time_fp8_parts(
+                    xs, wq, sq, sizes, up, down)
             for name, t in times.items():
                 row["us"][name] = round(t * 1e6, 1)
-            row["tbps"] = {n: round(nbytes / t / 1e12, 3) for n, t in times.items()}
+            row["tbps"] = {n: round((nbytes // 2 if n.startswith("fp8") else nbytes) / t / 1e12, 3)
+                           for n, t in times.items()}
             row["tfs"] = {n: round(flops / t / 1e12, 1) for n, t in times.items()}
             res[f"{model}_{phase}"] = row
             for key, pick in (("ours", "mosaic" if "mosaic" in times else None),
@@ -192,18 +261,26 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
                     frac = (nbytes / times[pick] / 1e12 / res["hbm_read_tbps"] if phase == "decode"
                             else flops / times[pick] / 1e12 / res["matmul_tfs"])
                     res[f"{model}_{phase}_{key}"] = {"name": pick, "frac": round(frac, 3)}
+            if "fp8_mosaic" in times:
+                t8 = times["fp8_mosaic"]
+                res[f"{model}_{phase}_fp8"] = {
+                    "frac_of_hbm": round(nbytes / 2 / t8 / 1e12 / res["hbm_read_tbps"], 3),
+                    "speedup_vs_bf16_mosaic": (round(times["mosaic"] / t8, 3)
+                                               if "mosaic" in times else None)}
             print(f"{model} {phase}: rows {rows}, touched {touched}: " + ", ".join(
                 f"{n} {row['us'][n]} us ({row['tbps'][n]} TB/s, {row['tfs'][n]} TF/s)"
                 for n in times), flush=True)
             print(f"  errors: {row['errors']}", flush=True)
             save_part("kernels", res)
-            del xs, ws, ref, calls, ok, layer_in
+            del xs, ws, ref, refs, calls, ok, layer_in
+            if fp8:
+                del wq, sq, ref8
     return res
 
 
 # ---- engine ------------------------------------------------------------------------------------
 def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
-                   layers: int | None = None) -> dict:
+                   layers: int | None = None, quantization: str | None = None) -> dict:
     import numpy as np
 
     from jaxinfer.engine.args import EngineArgs
@@ -218,6 +295,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
     args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
                       max_num_batched_tokens=2048, max_model_len=1024,
                       gpu_memory_utilization=0.9, attention_backend=backend,
+                      quantization=quantization,
                       background_compile=False)  # timed steps never run padded into a bigger bucket
     engine = LLMEngine.from_engine_args(args)
     ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
@@ -246,7 +324,9 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
             "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
             "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
             "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
-            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto")}
+            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto"),
+            "quantization": quantization,
+            "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "0")}
 
 
 def step_mix(start: float, stamps: list) -> dict:
@@ -272,14 +352,15 @@ def save_part(name: str, value) -> None:
     path.write_text(json.dumps(record, indent=1))
 
 
-def mosaic_passed(tolerance: float = 2e-2) -> bool:
-    """Whether some tiling of our kernel matched the reference in every kernel case measured."""
+def mosaic_passed(tolerance: float = 2e-2, prefix: str = "mosaic") -> bool:
+    """Whether some tiling of our kernel (bf16; prefix "fp8_mosaic": its e4m3 path) matched the
+    reference in every kernel case measured."""
     path = OUT / "moe_h200.json"
     kernels = json.loads(path.read_text()).get("parts", {}).get("kernels", {}) if path.exists() else {}
     rows = [r for r in kernels.values() if isinstance(r, dict) and "errors" in r]
     return bool(rows) and all(
         any(isinstance(v, float) and v < tolerance for n, v in r["errors"].items()
-            if n.startswith("mosaic")) for r in rows)
+            if n.startswith(prefix)) for r in rows)
 
 
 def metrics(parts: dict) -> dict:
@@ -290,15 +371,45 @@ def metrics(parts: dict) -> dict:
            "qwen3_30b_a3b_bs64_step_ms": q.get("decode_step_ms_median"),
            "mixtral_8x7b_c64_out_tok_s": m.get("out_tok_s"),
            "mixtral_8x7b_bs64_step_ms": m.get("decode_step_ms_median")}
+    q8 = parts.get("qwen_fp8", {})
+    if isinstance(q8, dict) and q8:
+        out["qwen3_30b_a3b_fp8_c64_out_tok_s"] = q8.get("out_tok_s")
+        out["qwen3_30b_a3b_fp8_bs64_step_ms"] = q8.get("decode_step_ms_median")
     for phase, key in (("decode", "gmm_decode_frac_of_hbm"), ("prefill", "gmm_prefill_frac_of_matmul")):
         ours = k.get(f"qwen3_30b_a3b_{phase}_ours") or k.get(f"qwen3_30b_a3b_{phase}_best")
         out[key] = ours and ours["frac"]
+        f8 = k.get(f"qwen3_30b_a3b_{phase}_fp8")
+        if f8:
+            out[f"gmm_fp8_{phase}_frac_of_hbm"] = f8["frac_of_hbm"]
+            out[f"gmm_fp8_{phase}_speedup_vs_bf16"] = f8["speedup_vs_bf16_mosaic"]
         for model in SHAPES:
             row = k.get(f"{model}_{phase}")
             if isinstance(row, dict):
                 for impl, t in row["us"].items():
                     out[f"{model}_{phase}_{impl}_us"] = t
     return out
+
+
+def summary_table(parts: dict) -> str:
+    """Per kernel case: us (TB/s of its weight bytes) of the bf16 kernel and of each e4m3 variant,
+    the kernels' errors; then the engine steps."""
+    k = parts.get("kernels", {})
+    lines = [f"HBM read ceiling {k.get('hbm_read_tbps', 0):.2f} TB/s",
+             f"{'case':<24}{'impl':<16}{'us':>9}{'TB/s':>8}{'err':>10}"]
+    for case, row in k.items():
+        if not (isinstance(row, dict) and "us" in row):
+            continue
+        for name in [n for n in row["us"] if n == "mosaic" or n.startswith("fp8")]:
+            err = row["errors"].get(name)
+            lines.append(f"{case:<24}{name:<16}{row['us'][name]:>9.1f}{row['tbps'][name]:>8.2f}"
+                         + (f"{err:>10.2e}" if isinstance(err, float) else f"{'-':>10}"))
+    for name in ("qwen", "qwen_fp8"):
+        e = parts.get(name)
+        if isinstance(e, dict):
+            lines.append(f"engine {name}: decode step {e.get('decode_step_ms_median')} ms, "
+                         f"{e.get('out_tok_s')} tok/s, ready {e.get('ready_s')} s, "
+                         f"fp8 kernel {e.get('fp8_kernel')}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -313,6 +424,12 @@ def main() -> None:
     ap.add_argument("--phases", default=",".join(PHASE_TOKENS), help="kernels: phases to time")
     ap.add_argument("--baselines", default="ragged,padded",
                     help="kernels: XLA paths timed beside ours (comma list; empty for none)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="kernels: the e4m3 experts too (our kernel's fp8 path, the XLA paths)")
+    ap.add_argument("--no-fp8-sweep", action="store_true",
+                    help="kernels: with --fp8, only the tiling moe_experts picks")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="engine: quantize the dummy weights (part qwen_fp8 / mixtral_fp8)")
     results_io.add_save_arg(ap, "moe_<gpu>")
     ap.add_argument("--from-parts", default=None,
                     help="write the record from a moe_h200.json of parts (from --run-section runs)")
@@ -323,11 +440,15 @@ def main() -> None:
         if args.run_section == "kernels":
             value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep,
                                    args.phases.split(","),
-                                   tuple(b for b in args.baselines.split(",") if b))
+                                   tuple(b for b in args.baselines.split(",") if b),
+                                   args.fp8, not args.no_fp8_sweep)
+            name = "kernels"
         else:
-            value = engine_section(args.run_section, layers=args.layers)
+            value = engine_section(args.run_section, layers=args.layers,
+                                   quantization=args.quantization)
+            name = args.run_section + (f"_{args.quantization}" if args.quantization else "")
         # A cut model's run is a step-mix probe, kept apart from the full model's figures.
-        save_part(args.run_section + (f"_{args.layers}_layers" if args.layers else ""), value)
+        save_part(name + (f"_{args.layers}_layers" if args.layers else ""), value)
         print(json.dumps(value)[:4000], flush=True)
         return
     if args.from_parts:  # the record of parts saved by earlier --run-section calls
@@ -345,7 +466,9 @@ def main() -> None:
         argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
                 "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
         argv += (["--layers", str(args.layers)] if args.layers else []) + (
-            ["--no-sweep"] if args.no_sweep else [])
+            ["--no-sweep"] if args.no_sweep else []) + (["--fp8"] if args.fp8 else []) + (
+            ["--no-fp8-sweep"] if args.no_fp8_sweep else []) + (
+            ["--quantization", args.quantization] if args.quantization else [])
         try:
             proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
                                   env=env)
@@ -358,14 +481,18 @@ def main() -> None:
             save_part(f"{name}_error", f"timed out after {limit:.0f} s")
         if name == "kernels" and not mosaic_passed():
             env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
+        if name == "kernels" and args.fp8 and not mosaic_passed(prefix="fp8_mosaic"):
+            env.pop("JAXINFER_MOE_FP8_KERNEL", None)  # a wrong kernel is not timed in the engine
     save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
 
 
 def save_record(parts: dict, args) -> None:
-    config = {"shapes": SHAPES, "phase_tokens": PHASE_TOKENS, "sweep": SWEEP, "parts": parts,
+    config = {"shapes": SHAPES, "phase_tokens": PHASE_TOKENS, "sweep": SWEEP,
+              "fp8_sweep": FP8_SWEEP, "parts": parts,
               "engine_workload": "64 prompts x 512 in / 256 out, max 64 seqs, dummy bf16"}
     figures = metrics(parts)
     print(json.dumps(figures, indent=1))
+    print(summary_table(parts), flush=True)
     if args.save:
         results_io.save(args.save, args.name or f"moe_{results_io.device_slug()}", config=config,
                         metrics=figures)

@@ -19,10 +19,14 @@ weights, so expert parallelism can wrap this one function (shard_map over the ex
   - `moe_experts_reference` / `grouped_matmul_reference`: pure jnp (every expert on every row,
     then a select), for tests.
 
-Quantized experts (8-bit stacks with float32 scales [E, out], jaxinfer/model/quant) run "padded" or
-"ragged": the stack is converted to the activation dtype inside the matmul and each row's output is
-multiplied by its expert's channel scales (exact: the scale is per output column). The Mosaic
-kernel takes 16-bit weights only.
+Quantized experts (8-bit stacks with float32 scales [E, out], jaxinfer/model/quant): "padded" and
+"ragged" convert the stack to the activation dtype inside the matmul and multiply each row's output
+by its expert's channel scales (exact: the scale is per output column). "mosaic" takes e4m3 stacks
+(`--quantization fp8`) into the warp-specialised kernel, which widens them after the TMA load and
+applies the scales in its epilogue (grouped_matmul_ws's docstring says why weight-only); x goes in
+as float16, the SwiGLU's output stays float16 between the two calls. On the GPU `choose_impl` gives
+e4m3 stacks the kernel only with $JAXINFER_MOE_FP8_KERNEL=1 until the H200 has timed it
+(`benchmarks/bench_moe.py --fp8`); int8 stacks never take it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
                                                   tile_table)
-from pallas_kernels.grouped_matmul_ws import WsConfig, grouped_matmul_ws
+from pallas_kernels.grouped_matmul_ws import FP8, FP8_COMPUTE, WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
 # Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per
@@ -46,6 +50,8 @@ IMPLS = ("mosaic", "padded", "ragged")
 # to 407.
 PADDED_MAX_FACTOR = 16
 PADDED_OVER_KERNEL = 4
+# Whether `choose_impl` gives e4m3 expert stacks the kernel ("1") or the XLA paths (unset, "0").
+FP8_KERNEL_ENV = "JAXINFER_MOE_FP8_KERNEL"
 Config = GmmConfig | WsConfig
 
 
@@ -71,15 +77,26 @@ def _fit(config: Config, n: int) -> Config:
     return GmmConfig(config.block_m, 64, config.block_k, config.stages)
 
 
-def gmm(x, weights, group_sizes, config: Config, interpret: bool = False, table=None):
-    """The grouped matmul (plain, or SwiGLU with two stacks) on the kernel `config` is for."""
+def gmm(x, weights, group_sizes, config: Config, interpret: bool = False, table=None,
+        scales=None, out_dtype=None):
+    """The grouped matmul (plain, or SwiGLU with two stacks) on the kernel `config` is for; with
+    `scales`, e4m3 stacks on the warp-specialised kernel (x float16)."""
+    if scales is not None:
+        return grouped_matmul_ws(x, weights, group_sizes, config=config, interpret=interpret,
+                                 table=table, scales=scales, out_dtype=out_dtype)
     kernel = grouped_matmul_ws if isinstance(config, WsConfig) else grouped_matmul_mosaic
     return kernel(x, weights, group_sizes, config=config, interpret=interpret, table=table)
 
 
-def mosaic_supports(hidden: int, inter: int, dtype) -> bool:
-    """The kernel's shape and dtype limits: 16-bit data, K and N multiples of 64 both ways."""
-    return jnp.dtype(dtype).itemsize == 2 and hidden % 64 == 0 and inter % 64 == 0
+def mosaic_supports(hidden: int, inter: int, dtype, weight_dtype=None) -> bool:
+    """The kernel's shape and dtype limits: 16-bit activations and K and N multiples of 64 both
+    ways with weights of their dtype; e4m3 weights (`weight_dtype`) take the warp-specialised
+    kernel only, so multiples of 128 (what its tilings narrow to: `_fit`)."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return False
+    if weight_dtype is None or jnp.dtype(weight_dtype) == jnp.dtype(dtype):
+        return hidden % 64 == 0 and inter % 64 == 0
+    return jnp.dtype(weight_dtype) == jnp.dtype(FP8) and hidden % 128 == 0 and inter % 128 == 0
 
 
 def _silu_glu(gate, up, dtype):
@@ -146,7 +163,7 @@ def _padded(x, weights, group_sizes, capacity: int, scales=None):
     return yp.at[gid, slot].get(mode="fill", fill_value=0)
 
 
-def _mosaic(x, weights, group_sizes, interpret: bool = False):
+def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None):
     w_gate, w_up, w_down = weights
     e, h, f = w_gate.shape
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e)
@@ -154,8 +171,14 @@ def _mosaic(x, weights, group_sizes, interpret: bool = False):
     table = None
     if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
         table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
-    y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
-    return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
+    if scales is None:
+        y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
+        return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
+    # e4m3 stacks: float16 x (exact for bf16 values in float16's range; the clip keeps an outlier
+    # past it finite), float16 SwiGLU output, the result in x's dtype.
+    x16 = jnp.clip(x, -65504.0, 65504.0).astype(FP8_COMPUTE)
+    y = gmm(x16, (w_gate, w_up), group_sizes, up_cfg, interpret, table, scales[:2])
+    return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table, scales[2:], x.dtype)
 
 
 @functools.cache
@@ -165,9 +188,10 @@ def _hopper() -> bool:
 
 
 def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype,
-                quantized: bool = False) -> str:
-    """The implementation `moe_experts` runs for this call shape on the default device;
-    $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
+                weight_dtype=None) -> str:
+    """The implementation `moe_experts` runs for this call shape on the default device (weights of
+    `weight_dtype`, default `dtype`; 8-bit ones take the kernel only with $JAXINFER_MOE_FP8_KERNEL
+    =1); $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
     forced = os.environ.get("JAXINFER_MOE_IMPL")
     if forced:
         if forced not in IMPLS:
@@ -175,9 +199,11 @@ def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dt
         return forced
     num_groups, hidden, inter = weight_shape
     gpu = jax.devices()[0].platform == "gpu"
+    quantized = weight_dtype is not None and jnp.dtype(weight_dtype) != jnp.dtype(dtype)
+    allowed = not quantized or os.environ.get(FP8_KERNEL_ENV, "0") == "1"
     return pick_impl(rows, num_groups, capacity, gpu=gpu,
-                     kernel=(gpu and not quantized and _hopper()
-                             and mosaic_supports(hidden, inter, dtype)))
+                     kernel=(gpu and allowed and _hopper()
+                             and mosaic_supports(hidden, inter, dtype, weight_dtype)))
 
 
 def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: bool) -> str:
@@ -204,12 +230,12 @@ def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Ar
     m = x_sorted.shape[0]
     capacity = min(m, max_group_size or m)
     impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype,
-                               quantized=scales is not None)
+                               weights[0].dtype)
     if impl == "mosaic":
-        if scales is not None:
-            raise ValueError("impl='mosaic' takes 16-bit expert weights; quantized experts run "
-                             "'padded' or 'ragged'")
-        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret)
+        if scales is not None and jnp.dtype(weights[0].dtype) != jnp.dtype(FP8):
+            raise ValueError(f"impl='mosaic' takes 16-bit or e4m3 expert weights, not "
+                             f"{weights[0].dtype}; run 'padded' or 'ragged'")
+        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret, scales=scales)
     if impl == "padded":
         return _padded(x_sorted, weights, group_sizes, capacity, scales)
     if impl == "ragged":

@@ -60,7 +60,9 @@ class GmmConfig:
     def smem_bytes(self, num_weights: int) -> int:
         return ring_smem_bytes(self, num_weights)
 
-    def check(self, num_weights: int) -> None:
+    def check(self, num_weights: int, weight_itemsize: int = 2) -> None:
+        if weight_itemsize != 2:
+            raise ValueError(f"{self}: the one-warpgroup kernel takes 16-bit weights")
         check_smem(self, num_weights)
         if num_weights * self.block_m * self.block_n > 128 * 128:
             raise ValueError(f"{self}: {num_weights} float32 accumulator(s) of block_m x block_n "
@@ -120,17 +122,19 @@ def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
     return jnp.stack([group, row0, load0 // 8, n_rows], axis=1).astype(jnp.int32)
 
 
-def check_inputs(x, weights, group_sizes, block_k: int, block_n: int) -> tuple[int, int]:
-    """Validate x [M, K], 1 or 2 weight stacks [G, K, N] of x's 16-bit dtype and group_sizes [G]
-    against the tiling's K step and N block; returns (G, N)."""
+def check_inputs(x, weights, group_sizes, block_k: int, block_n: int,
+                 weight_dtype=None) -> tuple[int, int]:
+    """Validate x [M, K] (16-bit), 1 or 2 weight stacks [G, K, N] of `weight_dtype` (default x's)
+    and group_sizes [G] against the tiling's K step and N block; returns (G, N)."""
     m, k = x.shape
     if len(weights) not in (1, 2):
         raise ValueError(f"weights: expected 1 (plain) or 2 (gate, up) stacks, got {len(weights)}")
     g, k2, n = weights[0].shape
+    weight_dtype = jnp.dtype(weight_dtype or x.dtype)
     for w in weights:
-        if w.shape != (g, k, n) or w.dtype != x.dtype:
-            raise ValueError(f"weights: {w.shape} {w.dtype} does not match x {x.shape} {x.dtype} "
-                             f"and {(g, k2, n)}")
+        if w.shape != (g, k, n) or w.dtype != weight_dtype:
+            raise ValueError(f"weights: {w.shape} {w.dtype} does not match x {x.shape}, "
+                             f"{(g, k2, n)} and {weight_dtype}")
     if group_sizes.shape != (g,):
         raise ValueError(f"group_sizes: shape {group_sizes.shape}, expected ({g},)")
     if jnp.dtype(x.dtype).itemsize != 2:
@@ -169,12 +173,12 @@ def store_rows(o_smem, o_ref, src, dst, n_rows, box: int, cols) -> None:
         size //= 2
 
 
-def plan(x, weights, group_sizes, cfg, table):
+def plan(x, weights, group_sizes, cfg, table, weight_dtype=None):
     """What both kernels set up before launching: the checks, x padded (`pad_rows`), the tile
     table (the caller's, or built here), N, the (tile, N block) work units and the persistent
     CTAs. Returns (x, table, n, units, num_ctas)."""
-    _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n)
-    cfg.check(len(weights))
+    _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n, weight_dtype)
+    cfg.check(len(weights), jnp.dtype(weight_dtype or x.dtype).itemsize)
     x, rows = pad_rows(x, cfg.block_m)
     if table is None:
         table = tile_table(group_sizes, rows, cfg.block_m)
@@ -250,19 +254,20 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
 
 
 def launch(body, x, weights, table, m: int, n: int, num_ctas: int, name: str, interpret: bool,
-           **threads) -> jax.Array:
-    """Run either kernel's body(table, x, *weights, out) on `num_ctas` persistent CTAs (`threads`:
-    the warp-specialised kernel's warpgroups); the output's rows past m (padding) are cut."""
+           scales: tuple = (), out_dtype=None, **threads) -> jax.Array:
+    """Run either kernel's body(table, x, *weights, *scales, out) on `num_ctas` persistent CTAs
+    (`threads`: the warp-specialised kernel's warpgroups); the output (in `out_dtype`, default x's)
+    has its rows past m (padding) cut."""
     rows = x.shape[0]
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        out_type=jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype),
         grid=(num_ctas,),
         grid_names=("cta",),
-        kernel_name=name + ("_swiglu" if len(weights) == 2 else ""),
+        kernel_name=name + ("_fp8" if scales else "") + ("_swiglu" if len(weights) == 2 else ""),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         **threads,
-    )(table, x, *weights)
+    )(table, x, *weights, *scales)
     return out[:m] if rows > m else out

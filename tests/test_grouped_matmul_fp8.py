@@ -1,0 +1,186 @@
+"""The grouped-matmul kernel with e4m3 expert stacks (`--quantization fp8`): CPU tests.
+
+  - The warp-specialised kernel with e4m3 weights and channel scales runs in Mosaic GPU's
+    interpreter against the float32 reference on the dequantized weights, on ragged group sizes
+    (empty groups, one hot group, rows past the groups), both consumer splits, plain and SwiGLU,
+    and with one ring across a CTA's units;
+  - it lowers for CUDA (the e4m3 -> float16 widening, the 64-byte-swizzled e4m3 panels, the scale
+    loads) at Qwen3-30B-A3B's decode and prefill shapes with the tilings `moe_experts` picks;
+  - `moe_experts(impl="mosaic", scales=)` matches the XLA paths, and a tiny Qwen3-MoE with FP8
+    weights predicts the same greedy tokens through the kernel as through `ragged_dot`;
+  - the dispatch gives e4m3 stacks the kernel only behind $JAXINFER_MOE_FP8_KERNEL.
+Speed is the H200's: `benchmarks/bench_moe.py --fp8`.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.quant.ops import FP8, dequantize, quantize
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.grouped_matmul_ws import WsConfig, grouped_matmul_ws
+from pallas_kernels.testing import ragged_group_sizes
+
+
+def _rel(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _stack(rng, shape):
+    """An e4m3 stack [G, K, N] with channel scales [G, N] (the loader's quantization)."""
+    w = jnp.asarray(rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32)
+    return quantize(w, "fp8", axis=-2)
+
+
+CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
+    (120, 128, 256, 3, 111, "random", WsConfig(64, 256, 64, 2, "n", num_ctas=3), False),
+    (203, 128, 128, 6, 190, "random", WsConfig(64, 128, 32, 3, "n", num_ctas=2), True),
+    (301, 128, 128, 6, 290, "random", WsConfig(128, 128, 64, 3, "m", num_ctas=3), True),
+    (136, 128, 128, 4, 133, "hot", WsConfig(128, 128, 64, 2, "m", True, num_ctas=3), True),
+    (200, 256, 256, 5, 197, "random", WsConfig(64, 256, 32, 4, "n", True, num_ctas=3), True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}g{c[3]}{c[5]}"
+                         f"-{c[6].split}{'-chain' if c[6].chain else ''}"
+                         f"{'-swiglu' if c[7] else ''}")
+def test_fp8_kernel_interpreted_matches_dequantized_reference(case):
+    rows, k, n, groups, split, kind, config, fused = case
+    rng = np.random.default_rng(rows + n)
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, split, kind), jnp.int32)
+    used = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float16)
+    stacks = [_stack(rng, (groups, k, n)) for _ in range(2 if fused else 1)]
+    out = grouped_matmul_ws(x, tuple(q for q, _ in stacks), sizes, config=config, interpret=True,
+                            scales=tuple(s for _, s in stacks), out_dtype=jnp.bfloat16)
+    deq = [dequantize(q, s, axis=-2) for q, s in stacks]
+    ref = gm.grouped_matmul_reference(x, deq[0], sizes)
+    if fused:
+        ref = jax.nn.silu(ref) * gm.grouped_matmul_reference(x, deq[1], sizes)
+    assert out.shape == (rows, n) and out.dtype == jnp.bfloat16
+    # float16 x and exact e4m3 -> float16 weights: only the bf16 output rounding is left.
+    assert _rel(out[:used], ref[:used]) < 5e-3
+
+
+def test_fp8_kernel_checks_its_inputs():
+    rng = np.random.default_rng(0)
+    q, s = _stack(rng, (4, 128, 128))
+    sizes = jnp.asarray([64, 0, 0, 0], jnp.int32)
+    x = jnp.zeros((64, 128), jnp.float16)
+    cfg = WsConfig(64, 128, 64, 2, "n")
+    with pytest.raises(ValueError, match="float16"):
+        grouped_matmul_ws(x.astype(jnp.bfloat16), (q,), sizes, config=cfg, scales=(s,))
+    with pytest.raises(ValueError, match="scales"):
+        grouped_matmul_ws(x, (q,), sizes, config=cfg, scales=(s[:, :64],))
+    with pytest.raises(ValueError, match="weights"):
+        grouped_matmul_ws(x, (q.astype(jnp.int8),), sizes, config=cfg, scales=(s,))
+    with pytest.raises(ValueError, match="8-bit weight"):
+        WsConfig(128, 128, 64, 5, "m").check(2, weight_itemsize=1)
+    # Half the ring bytes: a ring 6 deep fits beside the staging tiles where bf16's does not.
+    WsConfig(64, 128, 64, 6, "n").check(2, weight_itemsize=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        WsConfig(64, 128, 64, 6, "n").check(2)
+    with pytest.raises(ValueError, match="e4m3"):
+        gm.moe_experts(x, (q.astype(jnp.int8),) * 3, sizes, impl="mosaic", scales=(s,) * 3)
+
+
+def _lower_for_cuda(fn, *avals):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("tokens", [64, 2048], ids=["qwen3-decode", "qwen3-prefill"])
+def test_fp8_kernel_lowers_for_cuda(tokens):
+    experts, h, f, top_k = 128, 2048, 768, 8
+    s = jax.ShapeDtypeStruct
+    weights = (s((experts, h, f), FP8),) * 2 + (s((experts, f, h), FP8),)
+    scales = (s((experts, f), jnp.float32),) * 2 + (s((experts, h), jnp.float32),)
+
+    def layers(x, ws, ss, sizes):  # two layers: each kernel lowers once
+        for _ in range(2):
+            x = gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl="mosaic", scales=ss)
+        return x
+
+    text = _lower_for_cuda(layers, s((tokens * top_k, h), jnp.bfloat16), weights, scales,
+                           s((experts,), jnp.int32))
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+
+
+def test_moe_experts_fp8_kernel_matches_xla_paths():
+    rng = np.random.default_rng(5)
+    tokens, top_k, groups, h, f = 24, 2, 8, 128, 128
+    rows = tokens * top_k
+    sizes = jnp.asarray(ragged_group_sizes(rng, groups, rows - 5, "random"), jnp.int32)
+    used = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+    stacks = [_stack(rng, s) for s in [(groups, h, f), (groups, h, f), (groups, f, h)]]
+    ws, scales = tuple(q for q, _ in stacks), tuple(s for _, s in stacks)
+    ref = gm.moe_experts_reference(x, tuple(dequantize(q, s, axis=-2) for q, s in stacks), sizes)
+    outs = {impl: gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl=impl, scales=scales,
+                                 interpret=impl == "mosaic") for impl in gm.IMPLS}
+    assert outs["mosaic"].dtype == jnp.bfloat16
+    for impl, out in outs.items():
+        assert _rel(out[:used], ref[:used]) < 1e-2, impl
+    assert _rel(outs["mosaic"][:used], outs["ragged"][:used]) < 1e-2
+
+
+def test_fp8_dispatch_is_behind_its_switch(monkeypatch):
+    shape = (128, 2048, 768)
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16, FP8) == "ragged"  # CPU
+    assert gm.mosaic_supports(2048, 768, jnp.bfloat16, FP8)
+    assert not gm.mosaic_supports(2048, 768, jnp.bfloat16, jnp.int8)
+    assert not gm.mosaic_supports(2048, 192, jnp.bfloat16, FP8)  # 768 / TP 4: no 128 blocks
+    # On a Hopper GPU: bf16 stacks take the kernel, e4m3 ones only with the switch on.
+    gpu = type("Dev", (), {"platform": "gpu", "compute_capability": "9.0"})()
+    monkeypatch.setattr(jax, "devices", lambda *a: [gpu])
+    monkeypatch.setattr(gm, "_hopper", lambda: True)
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16) == "mosaic"
+    monkeypatch.delenv(gm.FP8_KERNEL_ENV, raising=False)
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16, FP8) == "padded"
+    monkeypatch.setenv(gm.FP8_KERNEL_ENV, "1")
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16, FP8) == "mosaic"
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16, jnp.int8) == "padded"
+
+
+# ---------------------------------------------------------------------- the model, interpreted
+def _tiny_qwen3_moe_fp8():
+    """One MoE layer at the kernel's sizes (hidden and expert intermediate 128), FP8 weights made
+    by the loader's dummy path (init, then quantized per channel)."""
+    from jaxinfer.model.weights import load_params
+    cfg = config_from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"})
+    cfg = dataclasses.replace(cfg, quantization="fp8")
+    return cfg, load_params(None, cfg, jnp.bfloat16, "dummy", progress=False, seed=3)
+
+
+def test_fp8_moe_model_greedy_tokens_through_kernel_equal_xla(monkeypatch):
+    from jaxinfer.model import experts
+    from jaxinfer.model.transformer import train_forward
+    cfg, params = _tiny_qwen3_moe_fp8()
+    assert params["layers_0"]["moe"]["w_gate"].dtype == FP8
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (1, 40)), jnp.int32)
+    logits = {}
+    for impl in ("ragged", "mosaic"):
+        monkeypatch.setattr(experts, "moe_experts", functools.partial(
+            gm.moe_experts, impl=impl, interpret=impl == "mosaic"))
+        logits[impl] = np.asarray(train_forward(params, cfg, tokens), np.float32)[0]
+    # Each position's greedy next token (40 predictions from one forward) is the same wherever the
+    # XLA path's bf16 logits do not tie: its top two more than one bf16 step (2^-7 relative)
+    # apart. (This random model's logits are within +-1, so a few positions tie exactly; the
+    # kernel's float16 SwiGLU output then picks either.)
+    top2 = np.sort(logits["ragged"], -1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 2.0 ** -7 * np.abs(top2[:, 1])
+    assert decided.sum() >= 35
+    np.testing.assert_array_equal(logits["mosaic"].argmax(-1)[decided],
+                                  logits["ragged"].argmax(-1)[decided])
+    assert np.abs(logits["mosaic"] - logits["ragged"]).max() <= 2.0 ** -7

@@ -28,7 +28,7 @@ class MosaicDecodeConfig:
       wgmmas against q split into two e4m3 tiles, V widened to float16; fp8_swap: the transposed
       consumer (KV tokens on wgmma's M side, the G query heads on N; paged_decode_swap.py) where
       the plan has one split (off: checked in the interpreter and lowered for CUDA, not yet run
-      on the device since warpgroup 1 got its own reduction scratch); fp8_v_producer: V's page
+      on the device since each consumer reduces in its own scratch); fp8_v_producer: V's page
       copies issued by a second producer warpgroup (an fp8 step is half the bytes of a 16-bit
       one in as many copies; slower on the H200).
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).

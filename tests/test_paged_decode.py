@@ -50,7 +50,7 @@ def make_case(seed, *, batch, hq, hkv, d, page, max_blocks, dtype=jnp.bfloat16):
     return q, k, v, jnp.asarray(bt, jnp.int32), jnp.asarray(lens, jnp.int32)
 
 
-def check(out, q, k, v, bt, lens, *, scale, softcap, tol=2e-2):
+def check(out, q, k, v, bt, lens, *, scale, softcap, tol=(2e-2, 1e-2)):
     ref = paged_decode_reference(q.astype(jnp.float32), k.astype(jnp.float32),
                                  v.astype(jnp.float32), bt, lens, scale=scale, softcap=softcap)
     out = np.asarray(out.astype(jnp.float32))
@@ -59,9 +59,9 @@ def check(out, q, k, v, bt, lens, *, scale, softcap, tol=2e-2):
     assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
     assert (out[np.asarray(lens) == 0] == 0).all(), "seq_lens == 0 rows must be exactly zero"
     # bf16 inputs, fp32 accumulation, bf16 output: error is the output's rounding (2^-9 relative).
-    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+    np.testing.assert_allclose(out, ref, atol=tol[0], rtol=tol[0])
     rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert rel < tol / 2, rel
+    assert rel < tol[1], rel
 
 
 # (seed, batch, hq, hkv, d, page, max_blocks, softcap): GQA 1/4/8, d 64/128, page 16/32, batch 1..33.
@@ -88,7 +88,7 @@ def mosaic_splits(case) -> int:
     return 2 if max_blocks * page > 64 else 1
 
 
-def run_case(case, kernel, cache_dtype=None, tol=2e-2):
+def run_case(case, kernel, cache_dtype=None, tol=(2e-2, 1e-2)):
     """A CASES row's inputs through `kernel(q, k, v, bt, lens, scale=, softcap=, workers=,
     splits=)`, checked against the oracle; workers (programs to aim for) = 3 x sequences x kv
     heads, splits = `mosaic_splits(case)`. `cache_dtype` fp8: K/V quantized (the oracle reads the
@@ -158,8 +158,9 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
         cfg = MosaicDecodeConfig(**{**dict(tokens_per_step=64, stages=2, num_ctas=2,
                                            num_splits=splits), **FP8_PATHS[kernel]})
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
-    # q1: q rounded to e4m3 alone (3 mantissa bits) moves the logits by ~2^-4 of |q| |k|.
-    run_case(case, fn, jnp.float8_e4m3fn, tol=0.1 if kernel.endswith("q1") else 2e-2)
+    # q1: q rounded to e4m3 alone (3 mantissa bits) moves the logits by up to 2^-4 of |q| |k|:
+    # ~2e-2 relative error (norm) against ~1e-3 with q_hi + q_lo (per element, tolerance, rel).
+    run_case(case, fn, jnp.float8_e4m3fn, tol=(0.3, 4e-2) if kernel.endswith("q1") else (2e-2, 1e-2))
 
 
 @pytest.mark.parametrize("d,splits,kernel", [

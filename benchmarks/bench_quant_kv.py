@@ -137,10 +137,10 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
         save()
 
 
-# The fp8 read paths worth timing beside the default (issue 26; paged_decode_smem.py): more ring
-# slots (the hand-over tile over the staging tiles), 128- and 256-token steps, V in 64-token chunks.
-FP8_VARIANTS = ("mosaic:shared", "mosaic:ft128", "mosaic:ft128:pv64", "mosaic:ft128:pv64:shared",
-                "mosaic:ft256:pv64:shared", "mosaic:s2")
+# The fp8 read paths worth timing beside the default (128-token steps, V in 64-token chunks, the
+# hand-over tile over the staging tiles; issue 26, docs/kernels/paged_decode.md): QK^T as one fp8
+# wgmma, two context splits (twice the items: a more even tail), the transposed consumer.
+FP8_VARIANTS = ("mosaic:q1", "mosaic:s2", "mosaic:swap:ft64", "mosaic:swap")
 
 
 def summary_table(metrics: dict) -> str:
@@ -161,13 +161,14 @@ def fp8_variant_config(name: str):
     transposed consumer on / off), "vp" / "novp" (the V producer on / off), "up2" / "up4" / "8bit"
     (the widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
     the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
-    per step on an fp8 cache); e.g. "mosaic:ft128:pv64:shared"."""
+    per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
+    "mosaic:ft128:pv64:shared"."""
     from benchmarks.bench_decode import mosaic_config
     ours = {"swap": dict(fp8_swap=True), "plain": dict(fp8_swap=False),
             "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
             "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
-            "8bit": dict(fp8_widen_layout="WGMMA_8BIT")}
+            "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
     ours.update(shared=dict(fp8_shared_scratch=True), noshared=dict(fp8_shared_scratch=False))
     ours.update({f"pv{n}": dict(fp8_pv_tokens=n) for n in (64, 128, 256)})

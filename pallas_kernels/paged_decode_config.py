@@ -28,7 +28,7 @@ class MosaicDecodeConfig:
       wgmmas against q split into two e4m3 tiles, V widened to float16; fp8_swap: the transposed
       consumer (KV tokens on wgmma's M side, the G query heads on N; paged_decode_swap.py) where
       the plan has one split (off: checked in the interpreter and lowered for CUDA, not yet run
-      on the device since warpgroup 1 got its own reduction scratch); fp8_v_producer: V's page
+      on the device since each consumer reduces in its own scratch); fp8_v_producer: V's page
       copies issued by a second producer warpgroup (an fp8 step is half the bytes of a 16-bit
       one in as many copies; slower on the H200).
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
@@ -38,6 +38,8 @@ class MosaicDecodeConfig:
     fp8_pv_tokens: V widened and P @ V run in chunks of this many tokens (a multiple of 64
       dividing the step) through staging tiles of that size; None: the whole step.
     fp8_tokens_per_step: tokens_per_step on an fp8 cache; None: tokens_per_step.
+    fp8_q_split: QK^T as two fp8 wgmmas against q_hi and q_lo (q to ~8 mantissa bits, bf16's);
+      False: one, against q_hi alone (q rounded to e4m3: half the QK^T tensor work, 3 bits).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
       here; see benchmarks/profile_decode.py."""
     tokens_per_step: int = 64
@@ -56,6 +58,7 @@ class MosaicDecodeConfig:
     fp8_shared_scratch: bool = True
     fp8_pv_tokens: int | None = 64
     fp8_tokens_per_step: int | None = 128
+    fp8_q_split: bool = True
     profile_dir: str = ""
 
     def __post_init__(self):

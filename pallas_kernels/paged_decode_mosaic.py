@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.device_info import num_sms
-from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases, scoped
+from pallas_kernels.mgpu_common import accumulate_pv, scoped
 from pallas_kernels import mgpu_fp8
 from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms
 from pallas_kernels.paged_decode_config import MosaicDecodeConfig
@@ -55,7 +55,8 @@ from pallas_kernels.paged_decode_common import (
     check_decode_inputs,
     plan_splits,
 )
-from pallas_kernels.paged_decode_smem import PROFILE_EVENT_BYTES, fixed_bytes, ring_stages
+from pallas_kernels.paged_decode_producer import produce
+from pallas_kernels.paged_decode_smem import fixed_bytes, profile_space, ring_stages
 from pallas_kernels.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
 from pallas_kernels.paged_decode_swap import swap_consumer, swap_scratch
 from pallas_kernels.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
@@ -63,14 +64,14 @@ from pallas_kernels.split_combine_mosaic import (DecodeLaunch, combine_parts_xla
 
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
-_PROFILE_EVENTS = 128  # profiler events per warpgroup (16 bytes of shared memory each)
+_PROFILE_EVENTS = 128  # the fewest profiler events per warpgroup (16 bytes of shared memory each)
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, widen_layout: str,
-                   swap: bool, v_producer: bool, shared: bool, pv_tokens: int):
+                   swap: bool, v_producer: bool, shared: bool, pv_tokens: int, q_parts: int):
     # fp8 (widen): q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if widen else (None, refs)
@@ -87,9 +88,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     else:
         (x_smem, x_plain), wide_all = tiles, (refs[-1] if widen else None)
     y_smem, lse_smem = (out_tile, None) if num_splits == 1 else (None, out_tile)
-    # Trailing scratch: the P tiles (interpret; swap: its P^T tiles), the fp8 V staging tiles.
+    # Trailing scratch: the P tiles (interpret; swap: its P^T tiles and reduction scratch), the
+    # fp8 V staging tiles.
     has_p = interpret or swap  # the P tiles: interpret mode's stand-in; swap's P^T operand
     p_smem = refs[0] if has_p else None
+    red_smem = refs[1] if swap else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -126,77 +129,16 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
         return seq, head, split, length, first, steps
 
-    def produce(with_q: bool, caches):
-        """A producer warpgroup: item after item, the q tile (`with_q`) and the pages of each
-        (cache_ref, ring, ready, free) in `caches` (K and V, or one of them with a V producer)."""
-        plgpu.set_max_registers(40, action="decrease")
-
-        def item_body(it, g0):
-            seq, head, _, _, first, steps = item_info(it)
-            qb = lax.rem(it, 2)
-            if with_q:
-                @pl.when(it >= 2)
-                def _():
-                    plgpu.barrier_wait(q_free.at[qb])
-                start, _, _ = q_rows(seq, head)
-                if widen:  # q_hi and q_lo, both on the tile's barrier
-                    for h in range(2):
-                        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(start, gp)],
-                                                q_smem.at[qb, h, pl.ds(0, gp)], q_bar.at[qb])
-                else:
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, gp)],
-                                            q_smem.at[qb, pl.ds(0, gp)], q_bar.at[qb])
-
-            def block_ids(j):
-                """Block ids of step j's pages, each read at its column (clamped to the table).
-                Columns past the sequence's last page hold the table's padding, a valid block id
-                (metadata.py), and their tokens are masked: reading them keeps the barrier count
-                fixed, and no read waits for the sequence length, so the first copy waits for
-                one global round trip (the table), not two (the length, then the table)."""
-                page0 = first + j * pages_per_step
-                return tuple(bt_ref[seq, jnp.minimum(page0 + i, shape.max_blocks - 1)]
-                             for i in range(pages_per_step))
-
-            def step(j, ahead):
-                gs = g0 + j
-                slot = lax.rem(gs, stages)
-                # Block ids are read before waiting for the slot (and, with a lookahead, that
-                # many steps early), so their load latency overlaps the wait and earlier copies.
-                if bt_lookahead:
-                    blocks, ahead = ahead[:pages_per_step], (
-                        *ahead[pages_per_step:], *block_ids(j + bt_lookahead))
-                else:
-                    blocks = block_ids(j)
-
-                def load(cache_ref, smem, ready, free):
-                    @pl.when(gs >= stages)
-                    def _():
-                        plgpu.barrier_wait(free.at[slot])
-                    for i, block in enumerate(blocks):
-                        plgpu.copy_gmem_to_smem(cache_ref.at[head, block],
-                                                smem.at[slot, pl.ds(i * bs, bs)], ready.at[slot])
-
-                for cache in caches:
-                    load(*cache)
-                return ahead
-
-            ahead = sum((block_ids(j) for j in range(bt_lookahead)), ())
-            lax.fori_loop(0, steps, step, ahead)
-            return g0 + steps
-
-        total_steps = lax.fori_loop(0, my_items, scoped("producer_item")(item_body),
-                                    jnp.int32(0))
-        # Drain: wait for the consumers to free the last fill of every slot and q tile, so no
-        # barrier phase is left unobserved when the kernel ends (GPU interpret mode checks this).
-        observe_last_releases(total_steps, stages, *(cache[3] for cache in caches))
-        if with_q:
-            observe_last_releases(my_items, 2, q_free)  # the two q tiles, one per item in turn
-
     k_load, v_load = (k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)
-    pl.when(wg == _NUM_CONSUMERS)(
-        lambda: produce(True, (k_load,) if v_producer else (k_load, v_load)))
+    producer = functools.partial(
+        produce, my_items=my_items, item_info=item_info, q_rows=q_rows, bt_ref=bt_ref,
+        head_pages=shape.max_blocks, bs=bs, pages_per_step=pages_per_step, stages=stages,
+        bt_lookahead=bt_lookahead, gp=gp)
+    q_load = (q_ref, q_smem, q_bar, q_free, 2 if widen else 1)  # fp8: q_hi, q_lo
+    pl.when(wg == _NUM_CONSUMERS)(lambda: producer(
+        (k_load,) if v_producer else (k_load, v_load), q_load=q_load))
     if v_producer:  # V's copies from a warpgroup of their own: half the issue work each
-        pl.when(wg == _NUM_CONSUMERS + 1)(lambda: produce(False, (v_load,)))
+        pl.when(wg == _NUM_CONSUMERS + 1)(lambda: producer((v_load,), q_load=None))
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
@@ -220,6 +162,22 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             wide = wide_all.at[wg] if widen else None
             chunks = tokens // pv_tokens  # fp8: V widened and P @ V run chunk by chunk
 
+            @scoped("softmax")
+            def softmax(s, valid, m_i, l_i, acc):
+                """One step's online softmax: -> (P in the matmul dtype, m, l, acc rescaled)."""
+                s = s * item_scale
+                if softcap:
+                    s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
+                col = plgpu.broadcasted_iota(jnp.int32, (_WGMMA_ROWS, tokens), 1,
+                                             layout=plgpu.Layout.WGMMA)
+                s = jnp.where(col < valid, s, NEG_INF)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return p.astype(wide.dtype if widen else q_smem.dtype), m_new, l_i, acc
+
             def step(t, carry):
                 acc, m_i, l_i = carry
                 j = j0 + 2 * t
@@ -238,8 +196,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 widen_v = widen and widen_v
 
                 def qk_fn(acc_ref):
-                    if widen:  # (q_hi + q_lo) K^T, K straight from the ring
-                        for h in range(2):
+                    if widen:  # (q_hi + q_lo) K^T (q_parts 1: q_hi K^T), K from the ring
+                        for h in range(q_parts):
                             plgpu.wgmma(acc_ref, q_tile.at[h], k_tile.transpose((1, 0)))
                     else:
                         plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
@@ -252,19 +210,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 if widen_v and interpret:  # no barrier wait inside a wgmma scope there
                     widen_v()
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * item_scale
-                if softcap:
-                    s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
-                col = plgpu.broadcasted_iota(jnp.int32, (_WGMMA_ROWS, tokens), 1,
-                                             layout=plgpu.Layout.WGMMA)
                 valid = length - (first + j * pages_per_step) * bs
-                s = jnp.where(col < valid, s, NEG_INF)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(wide.dtype if widen else q_smem.dtype)
+                p16, m_new, l_i, acc = softmax(s, valid, m_i, l_i, acc)
                 p_tile = None if p_smem is None else p_smem.at[wg]
                 if not widen:
                     with jax.named_scope("wait_v"):
@@ -309,7 +256,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             @pl.when(wg == 0)
             @scoped("merge_store")
             def _merge_and_store():
-                plgpu.barrier_wait(x_full.at[0])
+                with jax.named_scope("wait_x"):  # for warpgroup 1's hand-over
+                    plgpu.barrier_wait(x_full.at[0])
                 acc1 = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
                 m1 = plgpu.load(vec_smem.at[0], layout=row_layout, optimized=False)
                 l1 = plgpu.load(vec_smem.at[1], layout=row_layout, optimized=False)
@@ -346,13 +294,13 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
             named = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
                          k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
                          vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
-                         p_smem=p_smem, wide=wide_all, o_ref=o_ref, qinv_ref=qinv_ref)
-            for w in range(_NUM_CONSUMERS):  # traced per warpgroup (its reduction scratch)
+                         p_smem=p_smem, red_smem=red_smem, wide=wide_all, o_ref=o_ref, qinv_ref=qinv_ref)
+            for w in range(_NUM_CONSUMERS):  # traced per warpgroup (its end of an item)
                 pl.when(wg == w)(functools.partial(
                     swap_consumer, wg=w, my_items=my_items, item_info=item_info, q_rows=q_rows,
                     refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
                     stages=stages, logit_scale=logit_scale, softcap=softcap,
-                    interpret=interpret, widen_layout=widen_layout))
+                    interpret=interpret, widen_layout=widen_layout, q_parts=q_parts))
         else:
             lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
@@ -401,20 +349,26 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     shared = widen and config.fp8_shared_scratch and not swap
     pv_tokens = (config.fp8_pv_tokens if widen and not swap else None) or config.tokens_per_step
     profiling = bool(config.profile_dir) and not interpret
-    profile_bytes = profiling * num_threads * _PROFILE_EVENTS * PROFILE_EVENT_BYTES
     gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
     if swap:  # small q, hand-over, output and P^T tiles instead of 64-row ones
         swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
                                   num_consumers=_NUM_CONSUMERS)
-        fixed = (swap_tiles["bytes"] + profile_bytes
+        fixed = (swap_tiles["bytes"]
                  + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
     else:
-        fixed = profile_bytes + fixed_bytes(
+        fixed = fixed_bytes(
             d=d, elem_bytes=elem_bytes, one_split=plan.num_splits == 1,
             staging_tokens=pv_tokens * widen, shared=shared,
             p_tokens=pv_tokens * interpret, num_consumers=_NUM_CONSUMERS)
     stages = ring_stages(config.stages, fixed, tokens=config.tokens_per_step, d=d,
                          cache_bytes=jnp.dtype(cache_dtype).itemsize)
+    # The profiler's event buffers take the shared memory the ring leaves, so a profiled kernel
+    # keeps the ring of the timed one; with too little left, one slot pair less.
+    profile_events = profiling and profile_space(
+        fixed, stages, tokens=config.tokens_per_step, d=d,
+        cache_bytes=jnp.dtype(cache_dtype).itemsize, num_threads=num_threads)
+    if profiling and profile_events < _PROFILE_EVENTS:
+        stages, profile_events = max(2, stages - 2), _PROFILE_EVENTS
     s, hkv, hq = shape.num_seqs, shape.num_kv_heads, shape.num_q_heads
     q_padded = not ((8 % g == 0 or g % 8 == 0) and (s * hq) % 8 == 0)
     q2 = q.reshape(s * hkv, g, d)
@@ -448,7 +402,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen,
         widen_layout=config.fp8_widen_layout, swap=swap, v_producer=v_producer, shared=shared,
-        pv_tokens=pv_tokens)
+        pv_tokens=pv_tokens, q_parts=1 + config.fp8_q_split)
     x_tiles = (plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
                plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32))
     wide_tiles = plgpu.SMEM((_NUM_CONSUMERS, pv_tokens, d), dtype, transforms=transforms)
@@ -476,7 +430,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
             *[plgpu.Barrier(num_barriers=1)] * shared,  # warpgroup 0's staging tile idle
-            *([swap_tiles["p"]] if swap else
+            *([swap_tiles["p"], swap_tiles["red"]] if swap else
               [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, pv_tokens), dtype, transforms=transforms)]
               if interpret else []),
             *[wide_tiles] * (widen and not shared),
@@ -487,7 +441,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         num_threads=num_threads,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **(dict(profile_space=_PROFILE_EVENTS, profile_dir=config.profile_dir,
+            approx_math=True, **(dict(profile_space=profile_events, profile_dir=config.profile_dir,
                                       profile_bounds_check=True)
                                  if profiling else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,

@@ -53,3 +53,11 @@ def ring_stages(requested: int | None, fixed: int, *, tokens: int, d: int,
         raise ValueError(f"stages ({stages}) must be even and >= 2 (shared memory holds {fit} "
                          f"stages of {tokens} tokens at head_dim {d})")
     return stages
+
+
+def profile_space(fixed: int, stages: int, *, tokens: int, d: int, cache_bytes: int,
+                  num_threads: int, most: int = 1024) -> int:
+    """Profiler events per warpgroup (PROFILE_EVENT_BYTES each, `num_threads` warpgroups) that fit
+    beside `fixed` bytes and `stages` ring slots, at most `most`."""
+    left = SMEM_BUDGET - fixed - stages * 2 * tokens * d * cache_bytes
+    return max(0, min(most, left // (num_threads * PROFILE_EVENT_BYTES)))

@@ -49,27 +49,34 @@ def _pv(acc, v_t, p_t, interpret: bool):
     return pl.run_state(fn)(plgpu.ACC.init(acc))
 
 
-# Mosaic GPU's cross-warp reductions (the softmax's max and sum over the token axis, which spans
-# the warpgroup's 4 warps) go through a shared-memory scratch placed right after the shared memory
-# live at that point of the kernel; both consumers run the same code, so they would share it and
-# race. Warpgroup 1 reduces under an extra scoped allocation of that size, which moves its scratch
-# past warpgroup 0's (CompilerParams.reduction_scratch_bytes, Mosaic GPU's default).
-_REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+# The softmax's max and sum over the token axis span the warpgroup's 4 warps: a cross-warp
+# reduction through shared memory. Pallas gives it a scratch right after the shared memory live at
+# that point, the same for both consumers (which then race), and moving warpgroup 1's past it with
+# a thread-collective `run_scoped` puts a CTA-wide barrier (bar.sync 0) in warpgroup 1's step that
+# no other warpgroup reaches: the kernel hung on the H200. So each consumer reduces through
+# Mosaic GPU's own `reduce` with a scratch of its own (`swap_scratch`'s "red"), which synchronises
+# its warpgroup only (bar.sync 1 + wg).
+_REDUCTION_SCRATCH = 512  # float32s per consumer; Mosaic needs 4 warps x 32 lanes x vector width
 
 
-def _reduce(wg: int, fn, x, interpret: bool):
-    """fn(x), a cross-warp reduction, in warpgroup `wg`'s own scratch (see above; the interpreter
-    has no such scratch)."""
-    if wg == 0 or interpret:
-        return fn(x)
-    return pl.run_scoped(lambda _: fn(x),
-                         plgpu.SMEM((wg * _REDUCTION_SCRATCH_BYTES // 4,), jnp.float32),
-                         collective_axes="wg")
+def _reduce(op: str, x, scratch, interpret: bool):
+    """x [tokens, N] (WGMMA layout) reduced over the token axis with `op` ("max" or "add") in this
+    warpgroup's `scratch`; the interpreter has no cross-warp scratch and takes the jnp form."""
+    if interpret:
+        return x.max(axis=0) if op == "max" else x.sum(axis=0)
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((x.shape[1],), x.dtype,
+                                                          layout=layout.reduce(0)))
+    def reduce(_, arr, scratch_ref):
+        return arr.reduce(op, 0, scratch=scratch_ref)
+    return reduce(x, scratch)
 
 
 def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int, g: int, bs: int,
                   pages_per_step: int, stages: int, logit_scale: float, softcap: float | None,
-                  interpret: bool, widen_layout: str) -> None:
+                  interpret: bool, widen_layout: str, q_parts: int = 2) -> None:
     """Consumer warpgroup `wg` (0 or 1, static) of the transposed kernel: the steps of each item whose
     global slot parity is `wg`, then warpgroup 1 hands its state to warpgroup 0, which merges and
     stores the item's G output rows. `refs`: the kernel's refs by name."""
@@ -80,6 +87,7 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     wgd = lax.axis_index("wg")  # == wg, traced: refs indexed by a constant break run_state
     p_tile = r["p_smem"].at[wgd]
+    red = r["red_smem"].at[wgd]
     cols = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
 
     def item_body(it, g0):
@@ -104,7 +112,7 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
                 widen_slot(v_smem, r["v_bar"], r["v_free"], slot, wide, widen_layout)
 
             def qk_fn(acc_ref):
-                for h in range(2):  # q_hi, then q_lo
+                for h in range(q_parts):  # q_hi, then q_lo (q_parts 1: q_hi alone)
                     plgpu.wgmma(acc_ref, k_tile, q_smem.at[qb, h].transpose((1, 0)))
                 if not interpret:  # V widened while QK^T runs
                     widen_v()
@@ -121,7 +129,7 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
             row = plgpu.broadcasted_iota(jnp.int32, (tokens, n), 0, layout=plgpu.Layout.WGMMA)
             valid = length - (first + j * pages_per_step) * bs
             s = jnp.where(row < valid, s, NEG_INF)
-            m_new = jnp.maximum(m_i, _reduce(wg, lambda x: x.max(axis=0), s, interpret))
+            m_new = jnp.maximum(m_i, _reduce("max", s, red, interpret))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - cols(m_new, s.shape))
             l_acc = l_acc * cols(alpha, s.shape) + p  # summed over tokens once per item
@@ -140,7 +148,7 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
         with jax.named_scope("kv_steps"):
             acc, m_i, l_acc = lax.fori_loop(0, my_steps, step, init)
         plgpu.barrier_arrive(r["q_free"].at[qb])
-        l_i = _reduce(wg, lambda x: x.sum(axis=0), l_acc, interpret)
+        l_i = _reduce("add", l_acc, red, interpret)
         _, base, r0 = q_rows(seq, head)
         x_smem, vec_smem, y_smem = r["x_smem"], r["vec_smem"], r["y_smem"]
 
@@ -176,13 +184,15 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
 
 def swap_scratch(*, gp: int, d: int, tokens: int, dtype, num_consumers: int):
     """(q tiles' and per-consumer scratch shapes) of the transposed consumer: the kernel's q tile
-    pair, hand-over tile, m/l rows, output tile, and the P^T tiles; with their shared-memory
-    bytes."""
+    pair, hand-over tile, m/l rows, output tile, the P^T tiles and the reduction scratch; with
+    their shared-memory bytes."""
     q_bytes = 2 * 2 * gp * d  # two items, q_hi and q_lo, fp8
     return dict(
         x=plgpu.RefUnion(plgpu.SMEM((d, gp), jnp.float32), plgpu.SMEM((d, gp), jnp.float32)),
         vec=plgpu.SMEM((2, gp), jnp.float32),
         out=plgpu.SMEM((gp, d), dtype),  # untiled: the output copy starts at any row
         p=plgpu.SMEM((num_consumers, gp, tokens), dtype, transforms=tile_transforms(dtype, tokens)),
-        bytes=q_bytes + 4 * d * gp + 8 * gp + 2 * gp * d + 2 * num_consumers * gp * tokens,
+        red=plgpu.SMEM((num_consumers, _REDUCTION_SCRATCH), jnp.float32),
+        bytes=(q_bytes + 4 * d * gp + 8 * gp + 2 * gp * d + 2 * num_consumers * gp * tokens
+               + 4 * num_consumers * _REDUCTION_SCRATCH),
     )

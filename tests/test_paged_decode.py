@@ -50,7 +50,7 @@ def make_case(seed, *, batch, hq, hkv, d, page, max_blocks, dtype=jnp.bfloat16):
     return q, k, v, jnp.asarray(bt, jnp.int32), jnp.asarray(lens, jnp.int32)
 
 
-def check(out, q, k, v, bt, lens, *, scale, softcap):
+def check(out, q, k, v, bt, lens, *, scale, softcap, tol=(2e-2, 1e-2)):
     ref = paged_decode_reference(q.astype(jnp.float32), k.astype(jnp.float32),
                                  v.astype(jnp.float32), bt, lens, scale=scale, softcap=softcap)
     out = np.asarray(out.astype(jnp.float32))
@@ -59,9 +59,9 @@ def check(out, q, k, v, bt, lens, *, scale, softcap):
     assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
     assert (out[np.asarray(lens) == 0] == 0).all(), "seq_lens == 0 rows must be exactly zero"
     # bf16 inputs, fp32 accumulation, bf16 output: error is the output's rounding (2^-9 relative).
-    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(out, ref, atol=tol[0], rtol=tol[0])
     rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert rel < 1e-2, rel
+    assert rel < tol[1], rel
 
 
 # (seed, batch, hq, hkv, d, page, max_blocks, softcap): GQA 1/4/8, d 64/128, page 16/32, batch 1..33.
@@ -88,7 +88,7 @@ def mosaic_splits(case) -> int:
     return 2 if max_blocks * page > 64 else 1
 
 
-def run_case(case, kernel, cache_dtype=None):
+def run_case(case, kernel, cache_dtype=None, tol=(2e-2, 1e-2)):
     """A CASES row's inputs through `kernel(q, k, v, bt, lens, scale=, softcap=, workers=,
     splits=)`, checked against the oracle; workers (programs to aim for) = 3 x sequences x kv
     heads, splits = `mosaic_splits(case)`. `cache_dtype` fp8: K/V quantized (the oracle reads the
@@ -101,7 +101,7 @@ def run_case(case, kernel, cache_dtype=None):
     scale = d ** -0.5
     out = kernel(q, k, v, bt, lens, scale=scale, softcap=softcap, workers=3 * batch * hkv,
                  splits=mosaic_splits(case))
-    check(out, q, k, v, bt, lens, scale=scale, softcap=softcap)
+    check(out, q, k, v, bt, lens, scale=scale, softcap=softcap, tol=tol)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "s{}_b{}_hq{}_hkv{}_d{}_p{}".format(*c[:6]))
@@ -123,8 +123,9 @@ def test_mosaic_interpret_matches_reference(case):
     run_case(case, kernel)
 
 
-# d 128 one split + soft-cap, d 128 / d 64 split, G = 1 with q padded
-FP8_CASES = [CASES[3], CASES[5], CASES[6], CASES[7]]
+# d 128 one split + soft-cap, d 128 / d 64 split, G = 1 with q padded, and 32-token pages at
+# d 128 (4 pages per 128-token fp8 step; ragged lengths end mid-page and mid-step)
+FP8_CASES = [CASES[3], CASES[5], CASES[6], CASES[7], (9, 3, 8, 2, 128, 32, 7, None)]
 
 
 # The Mosaic kernel's fp8 read paths (mgpu_fp8.py): K read as fp8 by the QK^T wgmmas against q
@@ -140,6 +141,8 @@ FP8_PATHS = {
     "mosaic_v_producer": dict(fp8_v_producer=True),
     "mosaic_swap": dict(fp8_swap=True),
     "mosaic_swap_v_producer": dict(fp8_swap=True, fp8_v_producer=True),
+    "mosaic_q1": dict(fp8_q_split=False),
+    "mosaic_swap_q1": dict(fp8_swap=True, fp8_q_split=False),
 }
 
 
@@ -155,13 +158,15 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
         cfg = MosaicDecodeConfig(**{**dict(tokens_per_step=64, stages=2, num_ctas=2,
                                            num_splits=splits), **FP8_PATHS[kernel]})
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
-    run_case(case, fn, jnp.float8_e4m3fn)
+    # q1: q rounded to e4m3 alone (3 mantissa bits) moves the logits by up to 2^-4 of |q| |k|:
+    # ~2e-2 relative error (norm) against ~1e-3 with q_hi + q_lo (per element, tolerance, rel).
+    run_case(case, fn, jnp.float8_e4m3fn, tol=(0.3, 4e-2) if kernel.endswith("q1") else (2e-2, 1e-2))
 
 
 @pytest.mark.parametrize("d,splits,kernel", [
     (128, 1, "mosaic"), (64, 3, "mosaic"), (128, 1, "mosaic_v_producer"), (128, 1, "mosaic_swap"),
     (128, 1, "mosaic_shared"), (128, 1, "mosaic_t128_pv64_shared"),
-    (128, 3, "mosaic_t128_pv64_shared")])
+    (128, 3, "mosaic_t128_pv64_shared"), (128, 1, "mosaic_q1"), (128, 1, "mosaic_swap_q1")])
 def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, kernel):
     """The fp8 paths' Mosaic GPU pieces (8-bit swizzled tiles, fp8 wgmmas, WGMMA_8BIT loads, the
     paired e4m3 -> f16 conversion, the f16 staging tiles, the transposed consumer's tiles and its
@@ -177,6 +182,29 @@ def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, kernel):
     text = jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "cvt.rn.f16x2.e4m3x2" in text
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "mosaic_swap"])
+def test_mosaic_fp8_decode_has_no_cta_barrier_past_the_warpgroup_split(kernel):
+    """A CTA-wide barrier (bar.sync 0) that only some warpgroups reach never completes. The
+    transposed consumer's cross-warp reductions once took their scratch from a thread-collective
+    `run_scoped`, which puts one in warpgroup 1's steps alone: the kernel hung on the H200 (the
+    interpreter does not model it). Every CTA-wide barrier must come before the first
+    `setmaxnreg`, where the warpgroups' code diverges."""
+    import functools
+    import re
+    import jax
+    from tools.mosaic_ir import mosaic_modules
+    q = jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.float8_e4m3fn)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    fn = functools.partial(paged_decode_mosaic, scale=0.1,
+                           config=MosaicDecodeConfig(num_ctas=132, **FP8_PATHS[kernel]))
+    [text] = mosaic_modules(jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
+        lowering_platforms=("cuda",)))
+    split = text.index("setmaxnreg")
+    barriers = [m.start() for m in re.finditer(r'gpu\.barrier"', text)]
+    assert barriers and all(i < split for i in barriers), (len(barriers), split)
 
 
 def test_cases_cover_the_mosaic_kernels_one_and_several_split_paths():

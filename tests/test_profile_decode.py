@@ -58,3 +58,31 @@ def test_read_trace_summarises_the_newest_trace_file(tmp_path, monkeypatch):
     r = profile_decode.read_trace(tmp_path)
     assert r["ctas"] == 2 and r["sm_clock_ghz"] == 1.5 and r["trace"].endswith("k-1-trace.json")
     np.testing.assert_allclose(r["span_us"], 33.5, atol=0.05)
+
+
+def test_step_breakdown_gives_self_time_per_step_and_role():
+    from tools.profile_decode import breakdown_table, step_breakdown
+
+    def ranges(tid, spans):  # (name, start, end) -> B/E events
+        return [e for name, t0, t1 in spans for e in (
+            {"tid": tid, "name": name, "ph": "B", "ts": t0},
+            {"tid": tid, "name": name, "ph": "E", "ts": t1})]
+
+    step = lambda t: [("wait_k", t, t + 1), ("qk", t + 1, t + 4), ("widen", t + 2, t + 3),
+                      ("softmax", t + 4, t + 6)]
+    # CTA 0: consumer 0 (tid 1) two 7 µs steps in kv_steps; the producer (tid 3) two steps of
+    # two slot waits (K and V) in one item.
+    events = ranges(1, [("kv_steps", 0, 14), *step(0), *step(7)])
+    events += ranges(3, [("producer_item", 0, 10), ("wait_free", 1, 2), ("wait_free", 3, 3.5),
+                         ("wait_free", 5, 6), ("wait_free", 7, 7.5)])
+    b = step_breakdown(events, warpgroups=3)
+    c0, prod = b["consumer 0"], b["producer"]
+    assert c0["steps"] == 2 and prod["steps"] == 2
+    per = c0["us_per_step"]
+    np.testing.assert_allclose([per["wait_k"], per["qk"], per["widen"], per["softmax"]],
+                               [1, 2, 1, 2])  # qk less the widening nested in it
+    np.testing.assert_allclose(per["kv_steps"], 1)  # 14 µs less 2 x 6 in named ranges, per step
+    np.testing.assert_allclose(prod["us_per_step"]["wait_free"], 1.5)
+    np.testing.assert_allclose(prod["us_per_step"]["producer_item"], 3.5)
+    table = breakdown_table(b)
+    assert "| range | consumer 0 | producer |" in table and "| sum per step | 7.000 | 5.000 |" in table

@@ -5,14 +5,17 @@
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
 warpgroup of every CTA records global-timer stamps at the kernel's named ranges (producer_item,
-wait_q, kv_steps, hand_over, merge_store; per step wait_k, qk, wait_v, pv and, on an fp8 cache
-(`--fp8`), widen; the first ~16 steps of a warpgroup fill its event buffer; SM cycles within a
-warpgroup, converted to µs at the maximum SM clock). From that trace this prints, per shape: the kernel's
+wait_q, kv_steps, hand_over, merge_store with its wait_x; per step the producer's wait_free and the
+consumers' wait_k, qk, softmax, wait_v, pv and, on an fp8 cache (`--fp8`), widen; the event
+buffers take the shared memory the ring leaves, a few hundred events, so each warpgroup records
+its first ~20-60 steps; SM cycles within a warpgroup, converted to µs at the maximum SM clock).
+From that trace this prints, per shape: the kernel's
 span (first stamp to last, over all CTAs), how far apart the CTAs start and finish, when the first
 consumer starts streaming (the end of its q wait), and each range's mean and max length. The
 profiler's own stores cost a few cycles per stamp; the split-combine kernel (several splits) and the launch
-before the first stamp are outside the trace. Traces (Perfetto JSON) and a summary JSON go under
-$OUT/decode_profiles (or --out).
+before the first stamp are outside the trace. Then, per warpgroup role, µs per step in each range
+(`step_breakdown`). Traces (Perfetto JSON) and a summary JSON go under $OUT/decode_profiles (or
+--out).
 """
 
 from __future__ import annotations
@@ -96,6 +99,57 @@ def summarize(events: list[dict], warpgroups: int = 3) -> dict:
     }
 
 
+ROLES = ("consumer 0", "consumer 1", "producer", "V producer")  # by warpgroup index
+
+
+def step_breakdown(events: list[dict], warpgroups: int = 3) -> dict:
+    """Per warpgroup role (consumer 0 / 1, producer, V producer), over all CTAs: µs per pipeline
+    step of each range's self time (its length less the ranges nested in it, e.g. the widening
+    inside `qk`; the self time of `kv_steps` / `producer_item` is a step's unnamed work: loop
+    overhead, the producer's copy issue). Steps: a consumer's `wait_k` count; the producer's
+    `wait_free` count over the caches it loads (2, or 1 beside a V producer; the ring's first
+    fill has no wait, so the producer's figures are per steady-state step)."""
+    self_time: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    stacks: dict[int, list] = defaultdict(list)
+    for e in sorted(events, key=lambda e: (e["tid"], e["ts"], e["ph"] == "B")):
+        role = ROLES[(e["tid"] - 1) % warpgroups]
+        stack = stacks[e["tid"]]
+        if e["ph"] == "B":
+            stack.append([e["name"], e["ts"], 0.0])  # name, start, time in nested ranges
+        elif stack and stack[-1][0] == e["name"]:
+            name, start, nested = stack.pop()
+            self_time[role][name] += e["ts"] - start - nested
+            counts[role][name] += 1
+            if stack:
+                stack[-1][2] += e["ts"] - start
+    caches = 1 if warpgroups > 3 else 2
+    out = {}
+    for role, times in self_time.items():
+        c = counts[role]
+        steps = c.get("wait_k", 0) if role.startswith("consumer") else c.get("wait_free", 0) // (
+            1 if role == "V producer" else caches)
+        if steps:
+            out[role] = {"steps": steps, "us_per_step": {k: v / steps for k, v in times.items()},
+                         "count_per_step": {k: n / steps for k, n in c.items()}}
+    return out
+
+
+def breakdown_table(breakdown: dict) -> str:
+    """`step_breakdown` as a table: ranges down, roles across, µs per step."""
+    roles = [r for r in ROLES if r in breakdown]
+    names = sorted({n for r in roles for n in breakdown[r]["us_per_step"]})
+    rows = ["| range | " + " | ".join(roles) + " |", "|---" * (len(roles) + 1) + "|",
+            "| steps seen | " + " | ".join(str(breakdown[r]["steps"]) for r in roles) + " |"]
+    for name in names:
+        rows.append(f"| {name} | " + " | ".join(
+            f"{breakdown[r]['us_per_step'][name]:.3f}" if name in breakdown[r]["us_per_step"]
+            else "" for r in roles) + " |")
+    rows.append("| sum per step | " + " | ".join(
+        f"{sum(breakdown[r]['us_per_step'].values()):.3f}" for r in roles) + " |")
+    return "\n".join(rows)
+
+
 def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool = False) -> dict:
     case = make_paged_case(batch, ctx)
     if fp8:  # the same pages as an fp8 cache (kv_quant.py)
@@ -130,9 +184,9 @@ def read_trace(trace_dir: Path, warpgroups: int = 3) -> dict:
         data = json.load(fh)
     events = data["traceEvents"] if isinstance(data, dict) else data
     clock = sm_clock_ghz()
-    result = summarize(to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock),
-                       warpgroups)
-    return {**result, "trace": traces[-1], "sm_clock_ghz": clock}
+    events = to_microseconds([e for e in events if e.get("ph") in ("B", "E")], clock)
+    return {**summarize(events, warpgroups), "steps": step_breakdown(events, warpgroups),
+            "trace": traces[-1], "sm_clock_ghz": clock}
 
 
 def main(argv=None) -> None:
@@ -169,6 +223,10 @@ def main(argv=None) -> None:
               f"{r['cta_finish_median_us']:.1f} / {r['span_us']:.1f} | "
               f"{r['first_q_ready_us'] or 0:.1f} | {kv.get('mean', 0):.1f} / {kv.get('max', 0):.1f} | "
               f"{ms.get('mean', 0):.2f} |")
+    for r in rows:  # where each warpgroup's step goes
+        if r.get("steps"):
+            print(f"\n{r['batch']}x{r['ctx']} {r['variant']}: µs per step (self time; the first "
+                  f"events of each warpgroup)\n" + breakdown_table(r["steps"]))
 
 
 if __name__ == "__main__":

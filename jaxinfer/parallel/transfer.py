@@ -14,6 +14,7 @@ the sampler's signatures to one buffer layout per sampler variant.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -72,15 +73,33 @@ def put_tree(tree, sharding: jax.sharding.Sharding | None):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+# Step inputs placed apart from the packed buffer: large (a [S, max_model_len] token history, a
+# [S, V/32] bitmask: packing them is one more host copy), and the history is a host array only in
+# steps with a penalty request (else a device-resident one), which would give those steps a
+# layout, and an unpacking jit to compile, of their own.
+_APART = ("history", "token_bitmask")
+
+
 def place_step_inputs(batch, plan):
-    """A step's host arrays onto the replica's device(s) in one transfer per device (`put_tree`).
-    (Handed to the step's executables as numpy, each array takes the dispatch's own per-argument
-    placement: on the H200 that dispatch took 6.1 ms of host time for a 256-row decode step,
-    against 1.7 ms with the inputs already on the device.) A one-device replica on another device
-    than the default one (data parallelism, a disaggregated decode side) gets its numpy arrays
-    placed by the dispatch, on its own device."""
-    if plan is None or plan.tp == 1:
-        if plan is None or plan.mesh.devices.flat[0] == jax.devices()[0]:
-            return put_tree(batch, None)
+    """A step's host arrays onto the replica's device(s): one transfer per device of all but
+    the _APART ones (`put_tree`). (Handed to the step's executables as numpy, each array takes the
+    dispatch's own per-argument placement: on the H200 that dispatch took 6.1 ms of host time for
+    a 256-row decode step, against 1.7 ms with the inputs already on the device.) One unpacking
+    jit per layout, i.e. per step bucket and sampler variant: the bucket compiler runs each once
+    (`BucketCompiler`), so a step compiles none. A one-device replica on another device than the
+    default one (data parallelism, a disaggregated decode side) gets its numpy arrays placed by
+    the dispatch, on its own device."""
+    if plan is not None and plan.tp == 1 and plan.mesh.devices.flat[0] != jax.devices()[0]:
         return batch
-    return put_tree(batch, plan.replicated)
+    sharding = None if plan is None or plan.tp == 1 else plan.replicated
+    sampling = batch.sampling
+    apart = {}
+    if sampling is not None:
+        apart = {f: getattr(sampling, f) for f in _APART
+                 if isinstance(getattr(sampling, f), np.ndarray)}
+        sampling = dataclasses.replace(sampling, **dict.fromkeys(apart))
+    batch = put_tree(dataclasses.replace(batch, sampling=sampling), sharding)
+    if apart:
+        batch = dataclasses.replace(batch, sampling=dataclasses.replace(
+            batch.sampling, **jax.device_put(apart, sharding)))
+    return batch

@@ -33,7 +33,7 @@ import jax
 
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.worker.bucket_compiler import forward_key
-from tools.trace_engine_step import start_decoding, stop_requests
+from tools.trace_engine_step import single_steps, start_decoding, stop_requests
 
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compiles",
            "/jax/core/compile/jaxpr_trace_duration": "traces"}
@@ -113,11 +113,8 @@ def probe_host(engine, prompts: list[list[int]], steps: int = 32, replays: int =
     if runner.launcher is not None:
         return {"error": "probe_host measures one dispatched step per engine step on the engine's "
                          "thread (no async launch)"}
-    loop_steps, engine.scheduler.decode_steps_per_call = engine.scheduler.decode_steps_per_call, 1
-    try:
+    with single_steps(engine):
         return _probe(engine, prompts, steps, replays)
-    finally:
-        engine.scheduler.decode_steps_per_call = loop_steps
 
 
 def _probe(engine, prompts: list[list[int]], steps: int, replays: int) -> dict:

@@ -226,6 +226,8 @@ def executable_cache_checks(out: dict) -> None:
                       dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64,
                       block_size=4, compilation_cache_dir=cache_dir)
             outs = llm.generate(prompts, params, use_tqdm=False)
+            for r in llm.engine.replicas:  # (the decode loops compile in the background)
+                r.runner.compiler.wait()
             caches = [r.runner.executable_cache for r in llm.engine.replicas]
             out[f"exe_cache/{start}"] = {"tokens": [o.outputs[0].token_ids for o in outs],
                                          "hits": [c.hits for c in caches],
@@ -253,6 +255,7 @@ def sampler_layout_checks(out: dict) -> None:
                       max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, block_size=4,
                       decode_steps_per_call=2, compilation_cache_dir=None)
             runner = llm.engine.runner
+            runner.compiler.wait()  # (the decode loops compile in the background)
             found = {}
             for kind, table in (("sample", runner._sample_exe), ("loop", runner._loop_exe),
                                 ("forward", runner._forward_exe)):

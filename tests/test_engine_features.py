@@ -182,12 +182,13 @@ def test_mixed_workload_compiles_nothing_beyond_warmup_and_donates_the_cache():
         engine.warmup(progress=False)
         compiled = compilations[0]
         # The bound: forward per step bucket, sampler per sequence bucket x 3 variants (base, full,
-        # masked), loop per decode bucket x 2 (never masked), block copy per copy bucket. Forwards
-        # and loops see the pool size, which no other test uses, so they are fresh compilations; a
-        # sampler may come from an earlier test.
+        # masked), inputs' unpacking per step bucket x 3 variants, loop per decode bucket x 2
+        # (never masked), block copy per copy bucket. Forwards and loops see the pool size, which
+        # no other test uses, so they are fresh compilations; a sampler or an unpacking may come
+        # from an earlier test.
         shapes = engine.runner.warmup_shapes()
         fresh = [s for s in shapes if s[0] in ("mixed", "decode", "loop")]
-        assert len(fresh) <= compiled - before_warmup <= len(shapes) == 9
+        assert len(fresh) <= compiled - before_warmup <= len(shapes) == 18
         kv_before = engine.runner.kv_cache[0][0]
         kinds = [SamplingParams(max_tokens=9, **GREEDY),
                  SamplingParams(temperature=0.8, max_tokens=7, seed=3),
@@ -226,9 +227,12 @@ def test_engine_args_cli_round_trip_and_errors():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     ns = parser.parse_args(["--model", "m", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                             "--no-enable-prefix-caching", "--no-warmup", "--decode-steps-per-call",
-                            "8", "--block-size", "32", "--served-model-name", "demo"])
+                            "8", "--decode-loop-max-seqs", "2", "--block-size", "32",
+                            "--served-model-name", "demo"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.decode_steps_per_call) == (4, 64, 8)
+    assert args.decode_loop() == (8, 2)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).decode_steps_per_call is None
     assert not args.enable_prefix_caching and not args.warmup and args.block_size == 32
     assert args.model_name == "demo"
     with pytest.raises(ConfigError, match="max-num-batched-tokens"):

@@ -166,7 +166,10 @@ def test_sleep_frees_the_kv_cache_memory_and_wake_restores_a_working_engine():
     before = greedy_tokens(llm)
     engine = llm.engine
     kv_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.kv_cache))
-    engine.add_request("in-flight", PROMPTS[1], GREEDY)
+    # (long enough to be in flight after a step that is an 8-step decode loop: its prompt's last
+    # token is its only one not in the prefix cache)
+    engine.add_request("in-flight", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=32,
+                                                                ignore_eos=True))
     engine.step()
     live = live_bytes()
     outs = engine.sleep()

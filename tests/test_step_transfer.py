@@ -53,6 +53,17 @@ def test_put_tree_places_host_leaves_and_keeps_the_rest():
         np.testing.assert_array_equal(_bits(leaf), _bits(want))
 
 
+def test_put_tree_without_a_sharding_leaves_its_leaves_uncommitted():
+    """The one-device step path: placed on the default device but uncommitted, as a jit's own
+    placement of numpy arguments would leave them (jit keys its cache on that)."""
+    leaves = _leaves(np.random.default_rng(8))
+    placed = put_tree(leaves, None)
+    for want, leaf in zip(leaves, placed):
+        assert isinstance(leaf, jax.Array) and not leaf.committed
+        assert leaf.devices() == {jax.devices()[0]}
+        np.testing.assert_array_equal(_bits(leaf), _bits(want))
+
+
 def test_pack_refuses_leaves_that_are_not_four_bytes():
     with pytest.raises(TypeError, match="4-byte"):
         pack([np.zeros(3, np.int64)])

@@ -33,7 +33,7 @@ import jax
 
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.worker.bucket_compiler import forward_key
-from tools.trace_engine_step import start_decoding, stop_requests
+from tools.trace_engine_step import single_steps, start_decoding, stop_requests
 
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compiles",
            "/jax/core/compile/jaxpr_trace_duration": "traces"}
@@ -107,11 +107,18 @@ def _replay(runner, batch, variant, n: int) -> tuple[float, float]:
 
 def probe_host(engine, prompts: list[list[int]], steps: int = 32, replays: int = 16) -> dict:
     """The figures of the module docstring over `steps` steady decode steps of `prompts` (greedy,
-    no EOS); the requests are aborted after."""
+    no EOS), single steps (the engine's decode loop, if any, is off meanwhile); the requests are
+    aborted after."""
     runner = engine.runner
-    if runner.launcher is not None or engine.args.decode_steps_per_call > 1:
+    if runner.launcher is not None:
         return {"error": "probe_host measures one dispatched step per engine step on the engine's "
-                         "thread (no async launch, decode_steps_per_call 1)"}
+                         "thread (no async launch)"}
+    with single_steps(engine):
+        return _probe(engine, prompts, steps, replays)
+
+
+def _probe(engine, prompts: list[list[int]], steps: int, replays: int) -> dict:
+    runner = engine.runner
     rids = start_decoding(engine, prompts, steps + 8, "probe")
     for _ in range(3):  # past the first decode steps (their buckets' first calls)
         engine.step()

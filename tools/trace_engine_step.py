@@ -14,6 +14,7 @@ or between launches), the number of kernels per step, and the kernels with the m
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections import defaultdict
 
@@ -51,6 +52,16 @@ def summarize_steps(events: list[tuple[str, int, int]], steps: int, top: int = 1
                                  sorted(per_name.items(), key=lambda kv: -kv[1])[:top]})
 
 
+@contextlib.contextmanager
+def single_steps(engine):
+    """The engine's decode loop, if any, off while inside: one dispatched step per engine step."""
+    loop_steps, engine.scheduler.decode_steps_per_call = engine.scheduler.decode_steps_per_call, 1
+    try:
+        yield
+    finally:
+        engine.scheduler.decode_steps_per_call = loop_steps
+
+
 def start_decoding(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[str]:
     """Add greedy no-EOS requests for `prompts` and step until each has its first token, then
     once more (the steady state: a decode step in flight). -> their request ids"""
@@ -74,14 +85,16 @@ def stop_requests(engine, rids: list[str]) -> None:
 
 
 def profile_decode_steps(engine, prompts: list[list[int]], steps: int = 20) -> dict:
-    """Trace `steps` pure-decode steps of len(prompts) running requests (greedy, no EOS)."""
-    rids = start_decoding(engine, prompts, steps + 8, "trace")
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        for _ in range(steps):
-            engine.step()
-        jax.block_until_ready(engine.runner.last_tokens)
-        jax.profiler.stop_trace()
-        events = device_events(trace_dir)
-    stop_requests(engine, rids)
+    """Trace `steps` pure-decode steps of len(prompts) running requests (greedy, no EOS), single
+    steps (the engine's decode loop, if any, is off meanwhile)."""
+    with single_steps(engine):
+        rids = start_decoding(engine, prompts, steps + 8, "trace")
+        with tempfile.TemporaryDirectory() as trace_dir:
+            jax.profiler.start_trace(trace_dir)
+            for _ in range(steps):
+                engine.step()
+            jax.block_until_ready(engine.runner.last_tokens)
+            jax.profiler.stop_trace()
+            events = device_events(trace_dir)
+        stop_requests(engine, rids)
     return summarize_steps(events, steps)

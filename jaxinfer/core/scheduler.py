@@ -78,7 +78,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, long_prefill_chunk: int, max_model_len: int,
-                 decode_steps_per_call: int = 1,
+                 decode_steps_per_call: int = 1, decode_loop_max_seqs: int | None = None,
                  max_step_tokens_while_decoding: int | None = None,
                  make_choice: Callable[[Request, int, int], Sequence] | None = None):
         self.kv = kv_manager
@@ -87,6 +87,7 @@ class Scheduler:
         self.long_prefill_chunk = long_prefill_chunk
         self.max_model_len = max_model_len
         self.decode_steps_per_call = decode_steps_per_call
+        self.decode_loop_max_seqs = decode_loop_max_seqs or max_num_seqs
         self.max_step_tokens_while_decoding = max_step_tokens_while_decoding
         # Builds choice `index` of a request (n > 1 fork), given the tokens already computed.
         self.make_choice = make_choice
@@ -342,7 +343,7 @@ class Scheduler:
 
         out = SchedulerOutput(decodes, prefills, preempted, num_proposed=num_proposed)
         if (self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting
-                and not num_proposed):
+                and not num_proposed and len(decodes) <= self.decode_loop_max_seqs):
             out.decode_steps = self._reserve_decode_loop(decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
             get_block_ids = kv.get_block_ids
@@ -364,16 +365,19 @@ class Scheduler:
 
     def _reserve_decode_loop(self, decodes: list[ScheduledSeq]) -> int:
         """Reserve KV slots for up to decode_steps_per_call tokens per sequence (each capped at what
-        its limits still allow); the device loop stops at the first finished sequence anyway.
-        Returns the number of steps, 1 if the pool cannot reserve them or a sequence needs the host
-        every token (penalties read the token history, which the loop does not rebuild; a grammar
-        needs a fresh bitmask from its host-side matcher)."""
+        its limits still allow). Returns the number of steps, 1 if the pool cannot reserve them, if
+        a sequence needs the host every token (penalties read the token history, which the loop
+        does not rebuild; a grammar needs a fresh bitmask from its host-side matcher), or if every
+        sequence reaches its length limit sooner (the loop always runs all its steps: single steps
+        finish them without idle iterations)."""
         k = self.decode_steps_per_call
         if any(d.seq.request.params.uses_penalties or not d.emits or d.seq.grammar is not None
                for d in decodes):
             return 1
-        for d in decodes:
-            steps = min(k, d.seq.loop_steps_allowed())
-            if not self._grow(d.seq, d.start + steps):
+        steps = [min(k, d.seq.loop_steps_allowed()) for d in decodes]
+        if max(steps) < k:
+            return 1
+        for d, n in zip(decodes, steps):
+            if not self._grow(d.seq, d.start + n):
                 return 1
         return k  # num_computed covers the first token; later ones are counted as they arrive

@@ -24,6 +24,13 @@ DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
+# The on-device decode loop's default: this many steps per call while at most AUTO_LOOP_MAX_SEQS
+# sequences decode (the launch-bound regime). A request that arrives meanwhile waits for at most
+# one loop before its prefill (the scheduler starts no loop while one waits).
+AUTO_DECODE_STEPS = 8
+AUTO_LOOP_MAX_SEQS = 8
+
+
 def default_compilation_cache_dir() -> str:
     return str(paths.user_cache_dir() / "jax_compilation_cache")
 
@@ -51,7 +58,12 @@ class EngineArgs:
     warmup: bool = True
     # Ready once the first buckets are compiled; the rest compile in the background.
     background_compile: bool = True
-    decode_steps_per_call: int = 1
+    # Decode steps per on-device loop when only decodes run and nothing waits (1: no loop);
+    # None: AUTO_DECODE_STEPS, for at most decode_loop_max_seqs sequences.
+    decode_steps_per_call: int | None = None
+    # The most decoding sequences a loop runs for; None: AUTO_LOOP_MAX_SEQS with the automatic
+    # steps per call, no limit with a given number.
+    decode_loop_max_seqs: int | None = None
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)  # "" or None: no executable cache
     profile_dir: str | None = None
@@ -104,8 +116,10 @@ class EngineArgs:
         check(self.max_step_tokens_while_decoding is None
               or self.max_step_tokens_while_decoding >= 1, "max-step-tokens-while-decoding",
               self.max_step_tokens_while_decoding, "must be >= 1")
-        check(self.decode_steps_per_call >= 1, "decode-steps-per-call",
-              self.decode_steps_per_call, "must be >= 1")
+        check(self.decode_steps_per_call is None or self.decode_steps_per_call >= 1,
+              "decode-steps-per-call", self.decode_steps_per_call, "must be >= 1")
+        check(self.decode_loop_max_seqs is None or self.decode_loop_max_seqs >= 1,
+              "decode-loop-max-seqs", self.decode_loop_max_seqs, "must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
               self.max_model_len, "must be >= 2")
         check(self.tensor_parallel_size >= 1, "tensor-parallel-size", self.tensor_parallel_size,
@@ -132,6 +146,19 @@ class EngineArgs:
             lookup_max=self.ngram_prompt_lookup_max,
             disable_by_batch_size=self.speculative_disable_by_batch_size,
             config_json=self.speculative_config, min_acceptance=self.speculative_min_acceptance)
+
+    def decode_loop(self) -> tuple[int, int]:
+        """(steps per call, most decoding sequences) of the on-device decode loop; 1 step: none.
+        The automatic loop stays off with speculative decoding, whose verify steps serve the same
+        few-sequence regime and never run in a loop."""
+        steps = self.decode_steps_per_call
+        if steps is None:
+            steps = AUTO_DECODE_STEPS if self.spec_config() is None else 1
+            default_seqs = AUTO_LOOP_MAX_SEQS
+        else:
+            default_seqs = self.max_num_seqs
+        seqs = self.decode_loop_max_seqs
+        return steps, min(self.max_num_seqs, default_seqs if seqs is None else seqs)
 
     @property
     def model_path(self) -> str:
@@ -199,9 +226,17 @@ class EngineArgs:
                        action="store_false",
                        help="compile every step bucket before ready (default: ready once the "
                             "first buckets are compiled, the rest compiling in the background)")
-        s.add_argument("--decode-steps-per-call", type=int, default=1,
-                       help="decode steps run on the device per host round trip when no prefill "
-                            "is waiting (on-device loop; stops early when a sequence finishes)")
+        s.add_argument("--decode-steps-per-call", type=int, default=None,
+                       help="decode steps run on the device per host round trip when only "
+                            "decodes run and no request waits (an on-device loop of that many "
+                            "steps; a sequence that finishes inside it stops there, the others "
+                            "go on); 1: no loop (default: %d while at most "
+                            "--decode-loop-max-seqs sequences decode, else 1)" % AUTO_DECODE_STEPS)
+        s.add_argument("--decode-loop-max-seqs", type=int, default=None,
+                       help="most decoding sequences a decode loop runs for (default: %d with "
+                            "the default --decode-steps-per-call, no limit with a given one); "
+                            "a request arriving during a loop waits for its end"
+                       % AUTO_LOOP_MAX_SEQS)
         s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                        help="wait for each step's tokens before scheduling the next")
         s.add_argument("--async-launch", action="store_true",

@@ -105,12 +105,13 @@ class LLMEngine(TrainingLoopMixin):
         self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
+        loop_steps, loop_max_seqs = args.decode_loop()
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
-            decode_steps_per_call=args.decode_steps_per_call,
+            decode_steps_per_call=loop_steps, decode_loop_max_seqs=loop_max_seqs,
             max_step_tokens_while_decoding=args.max_step_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
@@ -121,7 +122,8 @@ class LLMEngine(TrainingLoopMixin):
             cfg, params, backend, num_blocks=num_blocks,
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_dtype=kv_dtype, decode_steps_per_call=args.decode_steps_per_call, plan=plan,
+            kv_dtype=kv_dtype, decode_steps_per_call=loop_steps,
+            decode_loop_max_seqs=loop_max_seqs, plan=plan,
             executable_cache=ExecutableCache.under(args.compilation_cache_dir))
         self.runner.set_async_launch(args.async_launch)
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,

@@ -6,12 +6,14 @@ tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with t
 in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LOOP_VARIANTS. A unit
 is *ready* once all its parts are; only then does `step_shape` route steps to it. The first set is
 the largest mixed bucket (every step fits it, so no step ever waits for a compile), the smallest
-decode bucket and its loop (a lone request decodes at its own size from the start), and the block
-copies of every copy bucket, also before ready. The other units follow in the background, smallest
-decode buckets first (concurrency grows from one), then loops, then mixed buckets; until a bucket
-is ready, its steps run padded up to the smallest ready bucket that fits, which gives the same
-tokens. A disaggregated pair's engines (`ModelRunner.compile_role`) differ: the decode engine takes
-every decode bucket first (a 64-row decode padded into the 2048-token mixed bucket costs a prefill
+decode bucket (a lone request decodes at its own size from the start), and the block copies of
+every copy bucket, also before ready. The other units follow in the background, smallest decode
+buckets first (concurrency grows from one), then loops (of the decode buckets the runner loops
+in, `ModelRunner.loop_buckets`; until one is ready its decodes take single steps, so the loop, on
+by default, adds nothing to the time to ready), then mixed buckets; until a bucket is ready, its
+steps run padded up to the smallest ready bucket that fits, which gives the same tokens. A
+disaggregated pair's engines (`ModelRunner.compile_role`) differ: the decode engine takes every
+decode bucket first (a 64-row decode padded into the 2048-token mixed bucket costs a prefill
 chunk per token), the prefill engine, which never runs a pure-decode step, compiles none.
 
 Lowering (Python: tracing, MLIR) runs on one thread and XLA's compiles on a pool, since XLA
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.core.kv_cache import copy_blocks
+from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
@@ -146,8 +149,7 @@ class BucketCompiler:
         decodes = [] if role == "prefill" else list(b.decode_buckets)
         units = ([Unit("mixed", t) for t in b.token_buckets]
                  + [Unit("decode", s) for s in decodes])
-        if runner.decode_steps_per_call > 1:
-            units += [Unit("loop", s) for s in decodes]
+        units += [Unit("loop", s) for s in decodes if s in runner.loop_buckets]
         self.units = units
         # The first decode bucket: the smallest that holds more than one sequence (a lone
         # sequence's own bucket, Buckets.lone_sequence, comes first in the background). A
@@ -161,8 +163,6 @@ class BucketCompiler:
         first = {Unit("mixed", b.token_buckets[-1])}
         for s in first_decodes:
             first.add(Unit("decode", s))
-            if runner.decode_steps_per_call > 1:
-                first.add(Unit("loop", s))
         self.first = [u for u in units if u in first]
         order = {"decode": 0, "loop": 1, "mixed": 2}
         self.rest = sorted((u for u in units if u not in first),
@@ -331,6 +331,7 @@ class BucketCompiler:
         r = self.runner
         params, kv, last = self._specs
         if unit.kind != "loop":
+            self._place_inputs(unit)
             batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
             return self._compile_or_load(unit.name, r._forward_fn,
                                          (params, kv, last, model_inputs(batch)), {},
@@ -407,15 +408,29 @@ class BucketCompiler:
                     r._copy_exe, size)
                 for size in r.buckets.copy_buckets]
 
-    def padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
-        """An all-padding batch of a bucket (running it writes no KV)."""
+    def _host_padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
         r = self.runner
         if kind == "mixed":
             t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
-        batch = build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
-                                 r.max_model_len, variant)
+        return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
+                                r.max_model_len, variant)
+
+    def _place_inputs(self, unit: Unit) -> None:
+        """Place a padding batch of the unit's bucket in each sampler variant, as a step places its
+        inputs: that compiles the unpacking jit of each layout (transfer.place_step_inputs), a
+        small one, before a step needs it."""
+        for variant in SAMPLE_VARIANTS:
+            if self._stop.is_set():
+                raise _Stopped
+            place_step_inputs(self._host_padding_batch(unit.kind, unit.size, variant),
+                              self.runner.plan)
+
+    def padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
+        """An all-padding batch of a bucket (running it writes no KV)."""
+        r = self.runner
+        batch = self._host_padding_batch(kind, size, variant)
         plan = r.plan
         if plan is None or plan.tp == 1:
             return batch

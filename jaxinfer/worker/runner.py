@@ -9,9 +9,10 @@ executable cache.
 
 `execute` only dispatches: JAX returns before the device finishes, so the engine can schedule and
 build step N+1 while step N runs, and calls `StepHandle.result()` (which blocks) only when it needs
-the sampled tokens. When only decodes are running, `decode_loop` runs up to `decode_steps_per_call`
-steps inside one `lax.while_loop` on the device (the JAX counterpart of CUDA-graph replay), stopping
-at the first sequence that hits EOS / a stop token id / its length limit.
+the sampled tokens. When only decodes are running, `_decode_loop` runs `decode_steps_per_call`
+steps inside one loop of a fixed trip count on the device (the JAX counterpart of CUDA-graph
+replay), masking each sequence from the step after it hits EOS / a stop token id / its length
+limit.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
 def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
                  cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant,
                  num_steps: int, block_size: int, plan: ShardingPlan | None = None):
-    """Up to num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
-    still sample (length limits). Stops after the step in which any row finishes."""
+    """num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
+    still sample (length limits). A row that samples a stop token id (past min_tokens) or reaches
+    its limit is masked from the next iteration on: a padding row (no KV write, nothing sampled
+    into last_tokens), its later tokens recorded as -1. The trip count is fixed, so XLA knows it
+    (the while's backend config `known_trip_count`) and the GPU runs the iterations back to back;
+    an exit on a device value (all rows finished) would make it copy the predicate to the host
+    and wait for it every iteration, exposing the next one's kernel launches."""
     md0, t0 = batch.md, batch.sampling
     s = md0.num_seqs
     valid = md0.seq_lens > 0
@@ -91,16 +97,13 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
                                jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32))
     record = jax.tree_util.tree_map(lambda a: jnp.zeros((num_steps, *a.shape), a.dtype), out_shape)
 
-    def cond(carry):
-        i, _, _, _, done = carry
-        return (i < num_steps) & ~done
-
-    def body(carry):
-        i, kv, last, rec, _ = carry
+    def body(i, carry):
+        kv, last, rec, done = carry
+        live = valid & ~done
         pos = batch.positions + i
-        seq_lens = jnp.where(valid, md0.seq_lens + i, 0)
+        seq_lens = jnp.where(live, md0.seq_lens + i, 0)
         blk = md0.block_tables[rows, pos // block_size]
-        slot_mapping = jnp.where(valid, blk * block_size + pos % block_size, -1)
+        slot_mapping = jnp.where(live, blk * block_size + pos % block_size, -1)
         md = AttentionMetadata(slot_mapping, md0.query_start_loc, seq_lens, md0.block_tables,
                                num_decodes=s)
         ids = last[jnp.minimum(slots, last.shape[0] - 1)]
@@ -109,15 +112,15 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
         t = dataclasses.replace(t0, out_pos=t0.out_pos + i)
         with jax.named_scope("sample"):  # laid out as in _sample_step
             out = sample_in_layout(functools.partial(sample, variant=variant), logits, t, plan)
-        last = last.at[slots].set(out.tokens, mode="drop")
-        rec = jax.tree_util.tree_map(lambda r, o: r.at[i].set(o), rec, out)
+        last = last.at[jnp.where(live, slots, last.shape[0])].set(out.tokens, mode="drop")
         hit_stop = jnp.any(out.tokens[:, None] == t.stop_ids, axis=-1) & (t.out_pos >= t.min_tokens)
-        finished = valid & (hit_stop | (i + 1 >= steps_allowed))
-        return i + 1, kv, last, rec, jnp.any(finished)
+        out = out._replace(tokens=jnp.where(live, out.tokens, -1))
+        rec = jax.tree_util.tree_map(lambda r, o: r.at[i].set(o), rec, out)
+        return kv, last, rec, done | (live & (hit_stop | (i + 1 >= steps_allowed)))
 
-    init = (jnp.int32(0), kv_cache, last_tokens, record, jnp.bool_(False))
-    n, kv_cache, last_tokens, record, _ = jax.lax.while_loop(cond, body, init)
-    return kv_cache, last_tokens, record, n
+    init = (kv_cache, last_tokens, record, ~valid)
+    kv_cache, last_tokens, record, _ = jax.lax.fori_loop(0, num_steps, body, init)
+    return kv_cache, last_tokens, record
 
 
 # Set to 1: the sampler runs without XLA's command buffers (CUDA graphs), a fallback should its
@@ -263,11 +266,12 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
-                 plan: ShardingPlan | None = None,
+                 decode_loop_max_seqs: int | None = None, plan: ShardingPlan | None = None,
                  executable_cache: ExecutableCache | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
         runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
-        forwards and decode loops (None: compile them every start)."""
+        forwards and decode loops (None: compile them every start). `decode_loop_max_seqs`: the
+        most sequences the scheduler runs a decode loop for (None: any number)."""
         self.cfg = cfg
         self.params = params
         self.plan = plan
@@ -278,6 +282,11 @@ class ModelRunner:
         self.decode_steps_per_call = decode_steps_per_call
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens,
                                     lone_sequence=is_fused(params))
+        # The decode buckets that run loops (the scheduler's decode_loop_max_seqs rounded up).
+        self.loop_buckets: tuple[int, ...] = ()
+        if decode_steps_per_call > 1:
+            top = self.buckets.decode_shape(min(decode_loop_max_seqs or max_num_seqs, max_num_seqs))
+            self.loop_buckets = tuple(s for s in self.buckets.decode_buckets if s <= top)
         self.launcher: StepLauncher | None = None  # set_async_launch
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,
@@ -287,8 +296,8 @@ class ModelRunner:
         self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
         self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
-        # (sequences, sampler variant) at num_steps == decode_steps_per_call; sampler per
-        # (sequences, sampler variant).
+        # (sequences in loop_buckets, sampler variant) at num_steps == decode_steps_per_call;
+        # sampler per (sequences, sampler variant).
         self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
         self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
@@ -332,16 +341,18 @@ class ModelRunner:
 
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
         """Every compilation warm-up makes (and the most a workload can cause): the forward of each
-        step bucket, the sampler of each sequence bucket x variant, the decode loop of each decode
-        bucket x variant when it is on, and the block copy of each copy bucket."""
+        step bucket, the sampler of each sequence bucket x variant, the unpacking of the inputs
+        (transfer.place_step_inputs) of each step bucket x variant, the decode loop of each decode
+        bucket that runs loops x variant, and the block copy of each copy bucket."""
         b = self.buckets
         shapes: list[tuple[str, int, SamplerVariant | None]] = []
         shapes += [("mixed", t, None) for t in b.token_buckets]
         shapes += [("decode", s, None) for s in b.decode_buckets]
         seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets} | set(b.decode_buckets))
         shapes += [("sample", s, v) for v in SAMPLE_VARIANTS for s in seq_buckets]
-        if self.decode_steps_per_call > 1:
-            shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in b.decode_buckets]
+        shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
+        shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
+        shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in self.loop_buckets]
         shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 
@@ -396,10 +407,10 @@ class ModelRunner:
             return self.speculation.execute(self, sched)
         batch, variant, is_loop = self.build(sched)
         allowed = None
-        if is_loop:
+        if is_loop:  # each row's steps: what the scheduler reserved KV slots for
             allowed = np.zeros(batch.md.num_seqs, np.int32)
             for r, entry in enumerate(sched.decodes):
-                allowed[r] = entry.seq.loop_steps_allowed()
+                allowed[r] = min(entry.seq.loop_steps_allowed(), sched.decode_steps)
         prompt_rows = gather_rows(sched.scheduled) if sched.prompt_logprobs and not is_loop else None
         launch = functools.partial(self._launch, batch, variant, sched.block_copies, allowed,
                                    sched.decode_steps, prompt_rows)
@@ -421,13 +432,15 @@ class ModelRunner:
         self._apply_copies(copies)
         if allowed is None:
             return (*self._run_step(batch, variant, prompt_rows), 1)
-        # A loop always runs decode_steps_per_call steps (the scheduler's `decode_steps`).
-        exe = self._loop_exe.get((batch.md.num_seqs, variant))
+        # A loop runs the scheduler's `decode_steps` steps: the compiled ones are of
+        # decode_steps_per_call (a benchmark may lower the scheduler's).
+        exe = (self._loop_exe.get((batch.md.num_seqs, variant))
+               if loop_steps == self.decode_steps_per_call else None)
         args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
-        self.kv_cache, self.last_tokens, out, n = (
+        self.kv_cache, self.last_tokens, out = (
             exe(*args) if exe is not None else
             self._loop_fn(*args, variant=variant, num_steps=loop_steps))
-        return out, None, n
+        return out, None, loop_steps
 
     def set_async_launch(self, on: bool) -> None:
         """Dispatch steps from a launcher thread (jaxinfer/worker/launcher.py) or not."""

@@ -1,0 +1,123 @@
+"""The engine's batch-1 TPOT along its host paths, in one engine (issue 26): Llama-3-8B shape, random
+weights (`--quantization fp8` by default), the engine's default flags otherwise.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_paths.py --save [DIR]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_paths.py --tiny   # CPU check
+
+paths, each `bs1` of bench_engine_llama8b (512-token prompt, `--out-len` greedy tokens, best of 2):
+  old      single steps, the step's inputs placed by `jax.device_put` of the StepBatch (one copy
+           per array), as the engine did before (the anchor: engine_llama8b_bs1_fp8w_h200.json);
+  packed   single steps, the inputs in one packed transfer (transfer.place_step_inputs);
+  default  the engine's default: at batch 1 the on-device decode loop (8 steps per call, fixed trip
+           count), packed inputs.
+`probe_old` / `probe_packed`: tools/engine_host_probe over 32 single steps on each placement path
+(host phases per step, dispatch cost, compiles). Record engine_bs1_paths_<gpu>; a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import results_io  # noqa: E402
+from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+from benchmarks.bench_engine_llama8b import bs1  # noqa: E402
+from jaxinfer.engine.args import EngineArgs  # noqa: E402
+from jaxinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxinfer.worker import runner as runner_module  # noqa: E402
+from tools.engine_host_probe import probe_host  # noqa: E402
+
+PATHS = ("old", "packed", "default")
+
+
+def tree_put(batch, plan):
+    """The placement before the packed transfer: one host-to-device copy per array."""
+    return jax.device_put(batch)
+
+
+def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
+    metrics: dict = {"quantization": quantization}
+    with tempfile.TemporaryDirectory() as work:
+        if tiny:
+            opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+                        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4)
+            prompt_len, out_len = 32, min(out_len, 64)
+        else:
+            (Path(work) / "config.json").write_text(json.dumps(LLAMA3_8B))
+            opts = dict(model=work, load_format="dummy", dtype="bfloat16",
+                        attention_backend="mosaic", max_model_len=2048,
+                        max_num_batched_tokens=2048, max_num_seqs=256)
+            prompt_len = 512
+        metrics["out_len"] = out_len
+        t0 = time.perf_counter()
+        # No warm-up: the first requests compile what batch 1 uses (the loop too, since
+        # without a bucket compiler a loop runs as soon as the scheduler asks for one).
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            **opts, quantization=quantization, num_blocks=2048, compilation_cache_dir="",
+            warmup=False))
+        loop_steps = engine.scheduler.decode_steps_per_call
+        metrics["default_decode_steps_per_call"] = loop_steps
+        rng = np.random.default_rng(0)
+
+        def prompt():
+            return rng.integers(3, engine.cfg.vocab_size, prompt_len).tolist()
+        bs1(engine, prompt(), 16)  # compiles the loop (and the single step's shapes)
+        engine.scheduler.decode_steps_per_call = 1
+        bs1(engine, prompt(), 16)
+        metrics["engine_ready_s"] = round(time.perf_counter() - t0, 1)
+        placement = runner_module.place_step_inputs
+        for path in PATHS:
+            engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
+            runner_module.place_step_inputs = tree_put if path == "old" else placement
+            try:
+                runs = [bs1(engine, prompt(), out_len) for _ in range(2)]
+                metrics[f"{path}_tpot_ms"] = min(r["tpot_ms"] for r in runs)
+                metrics[f"{path}_tpot_runs_ms"] = [r["tpot_ms"] for r in runs]
+                if path != "default":
+                    metrics[f"probe_{path}"] = probe_host(engine, [prompt()], steps=32)
+            finally:
+                runner_module.place_step_inputs = placement
+            save(metrics)
+    return metrics
+
+
+def table(m: dict) -> str:
+    rows = [f"{'path':8} {'tpot_ms':>8} {'launch_ms':>9} {'dispatch_ms':>11} {'step_ms':>8}"]
+    for path in PATHS:
+        p = m.get(f"probe_{path}", {})
+        host = p.get("host", {})
+        rows.append(f"{path:8} {m.get(f'{path}_tpot_ms', float('nan')):8.3f} "
+                    f"{host.get('launch', float('nan')):9.3f} "
+                    f"{p.get('dispatch_ms', float('nan')):11.3f} "
+                    f"{p.get('step_ms', float('nan')):8.3f}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="the demo model (a CPU check)")
+    ap.add_argument("--quantization", choices=("fp8", "int8", "none"), default="fp8")
+    ap.add_argument("--out-len", type=int, default=256)
+    results_io.add_save_arg(ap, "engine_bs1_paths_<gpu>")
+    args = ap.parse_args()
+    q = None if args.quantization == "none" else args.quantization
+    name = args.name or f"engine_bs1_paths_{results_io.device_slug()}"
+    m = run(args.tiny, q, args.out_len, lambda m: args.save and results_io.save(
+        args.save, name, config=dict(model="tiny" if args.tiny else "Llama-3-8B shape, random",
+                                     quantization=q, out_len=args.out_len), metrics=m))
+    print(json.dumps(m))
+    print(table(m), flush=True)
+
+
+if __name__ == "__main__":
+    main()

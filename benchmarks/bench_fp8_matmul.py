@@ -30,9 +30,8 @@ from benchmarks import results_io
 
 # name -> (N, K) of Llama-3-8B's projections as the engine serves them (q/k/v and gate/up fused).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TINY_SHAPES = {"qkv": (384, 512), "down": (256, 1024)}
-# 256/128/4 leaves no shared memory for down's x [8, 14336] (its check records the error).
-CONFIGS = "128/128/6/0,128/256/3/0,256/128/4/0,128/128/4/0"
+TINY_SHAPES = {"qkv": (384, 256), "down": (256, 512)}
+CONFIGS = "128/128/6/0,256/128/4/0,128/256/3/0,128/128/8/1"
 
 
 def parse_config(spec: str):
@@ -43,16 +42,19 @@ def parse_config(spec: str):
 
 def impl_fn(impl: str, config=None, interpret: bool = False):
     """jit(x, s, *ws) -> one projection per weight copy, through `quantized_matmul` (impl "fp8" or
-    "dequant") or the kernel with `config` (x quantized per token inside it, as impl "mosaic" runs
-    it)."""
+    "dequant") or the kernel with `config` (x quantized per token, as impl "mosaic" runs it)."""
     import jax
 
-    from jaxinfer.model.quant.ops import quantized_matmul
+    from jaxinfer.model.quant.ops import quantize_tokens, quantized_matmul
     from pallas_kernels.fp8_matmul_mosaic import fp8_matmul
     if impl != "mosaic":
         return jax.jit(lambda x, s, *ws: tuple(quantized_matmul(x, w, s, impl=impl) for w in ws))
-    return jax.jit(lambda x, s, *ws: tuple(fp8_matmul(x, w, s, config=config, interpret=interpret)
-                                           for w in ws))
+
+    def mosaic(x, s, *ws):
+        xq, xs = quantize_tokens(x)
+        return tuple(fp8_matmul(xq, xs[:, 0], w, s, config=config, interpret=interpret)
+                     for w in ws)
+    return jax.jit(mosaic)
 
 
 def check(fn, x, s, w) -> tuple[float, float]:

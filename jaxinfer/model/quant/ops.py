@@ -17,8 +17,7 @@ scales [E, out]; `quantize` takes the reduction axis.
   weights run where FP8 tensor cores are absent (compute capability < 8.9).
 - "mosaic": the "fp8" arithmetic in a Mosaic GPU weight-streaming kernel for few rows
   (`pallas_kernels/fp8_matmul_mosaic.py`: swap-AB fp8 wgmma fed by a deep TMA ring, persistent
-  CTAs, split K, x quantized per token inside the kernel from bf16), for Hopper (compute
-  capability >= 9.0) steps of at most its MAX_ROWS (8) rows. Off by
+  CTAs, split K), for Hopper (compute capability >= 9.0) steps of at most its MAX_ROWS rows. Off by
   default (MOSAIC_DEFAULT) until the H200 measures it ahead of "dequant"
   (benchmarks/bench_fp8_matmul.py); on the CPU it runs in Mosaic GPU's interpreter.
 
@@ -153,9 +152,9 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
         return (y * xs * scale).astype(out_dtype)
     if impl == "mosaic":
         from pallas_kernels.fp8_matmul_mosaic import fp8_matmul
-        # x is quantized per token inside the kernel (no XLA reduce/convert kernels around it).
-        y = fp8_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16), w, scale,
-                       out_dtype=out_dtype, interpret=jax.devices()[0].platform == "cpu")
+        xq, xs = quantize_tokens(x.reshape(rows, x.shape[-1]))
+        y = fp8_matmul(xq, xs[:, 0], w, scale, out_dtype=out_dtype,
+                       interpret=jax.devices()[0].platform == "cpu")
         return y.reshape(*x.shape[:-1], w.shape[0])
     if impl == "dequant":
         y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)

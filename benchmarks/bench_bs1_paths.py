@@ -4,7 +4,8 @@ weights (`--quantization fp8` by default), the engine's default flags otherwise.
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_paths.py --save [DIR]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_paths.py --tiny   # CPU check
 
-paths, each `bs1` of bench_engine_llama8b (512-token prompt, `--out-len` greedy tokens, best of 2):
+paths, each `bs1` of bench_engine_llama8b (512-token prompt, `--out-len` greedy tokens; best and
+median of RUNS):
   old      single steps, the step's inputs placed by `jax.device_put` of the StepBatch (one copy
            per array), as the engine did before (the anchor: engine_llama8b_bs1_fp8w_h200.json);
   packed   single steps, the inputs in one packed transfer (transfer.place_step_inputs);
@@ -38,11 +39,25 @@ from jaxinfer.worker import runner as runner_module  # noqa: E402
 from tools.engine_host_probe import probe_host  # noqa: E402
 
 PATHS = ("old", "packed", "default")
+RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 ms): min and median
 
 
 def tree_put(batch, plan):
     """The placement before the packed transfer: one host-to-device copy per array."""
     return jax.device_put(batch)
+
+
+def count_launches(runner) -> dict:
+    """Counts of the runner's device calls from now on, by kind ("step", "loop"); wraps the
+    instance's `_launch` (the caller deletes the wrapper)."""
+    calls = {"step": 0, "loop": 0}
+    launch = runner._launch
+
+    def counted(batch, variant, copies, allowed, *rest):
+        calls["step" if allowed is None else "loop"] += 1
+        return launch(batch, variant, copies, allowed, *rest)
+    runner._launch = counted
+    return calls
 
 
 def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
@@ -79,14 +94,20 @@ def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
         for path in PATHS:
             engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
             runner_module.place_step_inputs = tree_put if path == "old" else placement
+            calls = count_launches(engine.runner)
             try:
-                runs = [bs1(engine, prompt(), out_len) for _ in range(2)]
+                runs = [bs1(engine, prompt(), out_len) for _ in range(RUNS)]
                 metrics[f"{path}_tpot_ms"] = min(r["tpot_ms"] for r in runs)
+                metrics[f"{path}_tpot_median_ms"] = float(np.median([r["tpot_ms"] for r in runs]))
                 metrics[f"{path}_tpot_runs_ms"] = [r["tpot_ms"] for r in runs]
+                # Which device calls the runs made: a "default" figure from single steps only
+                # would mean the loop never ran.
+                metrics[f"{path}_launches"] = dict(calls)
                 if path != "default":
                     metrics[f"probe_{path}"] = probe_host(engine, [prompt()], steps=32)
             finally:
                 runner_module.place_step_inputs = placement
+                engine.runner.__dict__.pop("_launch", None)  # the method again
             save(metrics)
     return metrics
 

@@ -19,11 +19,10 @@ Sections (each in its own process, time-limited; figures are saved after every p
            dequantized weights; their TB/s counts the e4m3 bytes. A table of both closes the run.
   qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
            --max-num-seqs 64: output tok/s and the median step while all 64 decode.
-           `--quantization fp8`: its experts (and every linear) e4m3, saved as part `qwen_fp8`
-           (the kernel path needs JAXINFER_MOE_FP8_KERNEL=1 in the environment).
+           `--quantization fp8`: every linear and expert e4m3 (experts through the kernel unless
+           JAXINFER_MOE_FP8_KERNEL=0), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
-Parts go to $OUT/moe_h200.json as they finish; `--save` writes the record moe_<gpu>.json
-(`results_io`; its config keeps every part's raw figures).
+Parts go to $OUT/moe_h200.json as they finish; `--save` writes the record moe_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -326,7 +325,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
             "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
             "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto"),
             "quantization": quantization,
-            "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "0")}
+            "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "1")}
 
 
 def step_mix(start: float, stamps: list) -> dict:
@@ -482,7 +481,7 @@ def main() -> None:
         if name == "kernels" and not mosaic_passed():
             env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
         if name == "kernels" and args.fp8 and not mosaic_passed(prefix="fp8_mosaic"):
-            env.pop("JAXINFER_MOE_FP8_KERNEL", None)  # a wrong kernel is not timed in the engine
+            env["JAXINFER_MOE_FP8_KERNEL"] = "0"  # a wrong kernel is not timed in the engine
     save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
 
 

@@ -38,9 +38,11 @@ from jax import lax
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.flash_config import SMEM_LIMIT
+from pallas_kernels.grouped_matmul_mosaic import pad_rows, padded_rows
 
 FP8 = jnp.float8_e4m3fn
 MAX_ROWS = 64  # token rows the kernel takes (wgmma's N side; a consumer's accumulator: block_n/2 x 64)
+_ROW_STEP = 8  # token rows are padded to a multiple of wgmma's N step
 _PRODUCER_REGISTERS = 40  # the producer warpgroup only issues TMA
 # Per-unit cost of refilling the ring, in bytes of stream it is worth (the split choice's model:
 # ~1 us of HBM latency at an SM's share of the H200's bandwidth).
@@ -76,11 +78,6 @@ class Fp8Config:
         return (self.stages * (self.block_n + rows) * self.block_k + 4 * rows * self.block_n)
 
 
-def padded_rows(m: int) -> int:
-    """Token rows the kernel sees: m rounded up to a multiple of 8 (wgmma's N step)."""
-    return max(8, -(-m // 8) * 8)
-
-
 def choose_splits(n: int, k: int, cfg: Fp8Config, sms: int) -> int:
     """K splits for an [n, k] weight: the count (dividing k / block_k) that minimises the busiest
     CTA's stream, ceil(units / sms) units of block_n * k / splits bytes each plus a ring refill;
@@ -107,9 +104,10 @@ def check_inputs(xq, xs, w, ws, cfg: Fp8Config) -> None:
     if n % cfg.block_n or k % cfg.block_k:
         raise ValueError(f"N={n} / K={k} must be multiples of block_n={cfg.block_n} / "
                          f"block_k={cfg.block_k}")
-    if cfg.smem_bytes(padded_rows(m)) > SMEM_LIMIT:
-        raise ValueError(f"{cfg} needs {cfg.smem_bytes(padded_rows(m))} bytes of shared memory "
-                         f"at {padded_rows(m)} rows; the limit is {SMEM_LIMIT}")
+    rows = padded_rows(m, _ROW_STEP)
+    if cfg.smem_bytes(rows) > SMEM_LIMIT:
+        raise ValueError(f"{cfg} needs {cfg.smem_bytes(rows)} bytes of shared memory at {rows} "
+                         f"rows; the limit is {SMEM_LIMIT}")
 
 
 def supports(n: int, k: int, cfg: Fp8Config = Fp8Config()) -> bool:
@@ -210,9 +208,7 @@ def fp8_matmul(xq: jax.Array, xs: jax.Array, w: jax.Array, ws: jax.Array, *,
     check_inputs(xq, xs, w, ws, config)
     m, k = xq.shape
     n = w.shape[0]
-    rows = padded_rows(m)
-    if rows > m:
-        xq = jnp.pad(xq, ((0, rows - m), (0, 0)))
+    xq, _ = pad_rows(xq, _ROW_STEP)
     splits = config.splits or choose_splits(n, k, config, config.num_ctas or num_sms())
     if (k // config.block_k) % splits:
         raise ValueError(f"splits={splits} must divide K / block_k = {k // config.block_k}")

@@ -36,7 +36,7 @@ from benchmarks.bench_engine_llama8b import bs1  # noqa: E402
 from jaxinfer.engine.args import EngineArgs  # noqa: E402
 from jaxinfer.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxinfer.worker import runner as runner_module  # noqa: E402
-from tools.engine_host_probe import probe_host  # noqa: E402
+from tools.engine_host_probe import LaunchTimer, probe_host  # noqa: E402
 
 PATHS = ("old", "packed", "default")
 RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 ms): min and median
@@ -45,19 +45,6 @@ RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 
 def tree_put(batch, plan):
     """The placement before the packed transfer: one host-to-device copy per array."""
     return jax.device_put(batch)
-
-
-def count_launches(runner) -> dict:
-    """Counts of the runner's device calls from now on, by kind ("step", "loop"); wraps the
-    instance's `_launch` (the caller deletes the wrapper)."""
-    calls = {"step": 0, "loop": 0}
-    launch = runner._launch
-
-    def counted(batch, variant, copies, allowed, *rest):
-        calls["step" if allowed is None else "loop"] += 1
-        return launch(batch, variant, copies, allowed, *rest)
-    runner._launch = counted
-    return calls
 
 
 def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
@@ -94,20 +81,19 @@ def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
         for path in PATHS:
             engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
             runner_module.place_step_inputs = tree_put if path == "old" else placement
-            calls = count_launches(engine.runner)
             try:
-                runs = [bs1(engine, prompt(), out_len) for _ in range(RUNS)]
+                with LaunchTimer(engine.runner) as launches:
+                    runs = [bs1(engine, prompt(), out_len) for _ in range(RUNS)]
                 metrics[f"{path}_tpot_ms"] = min(r["tpot_ms"] for r in runs)
                 metrics[f"{path}_tpot_median_ms"] = float(np.median([r["tpot_ms"] for r in runs]))
                 metrics[f"{path}_tpot_runs_ms"] = [r["tpot_ms"] for r in runs]
                 # Which device calls the runs made: a "default" figure from single steps only
                 # would mean the loop never ran.
-                metrics[f"{path}_launches"] = dict(calls)
+                metrics[f"{path}_launches"] = launches.kinds
                 if path != "default":
                     metrics[f"probe_{path}"] = probe_host(engine, [prompt()], steps=32)
             finally:
                 runner_module.place_step_inputs = placement
-                engine.runner.__dict__.pop("_launch", None)  # the method again
             save(metrics)
     return metrics
 

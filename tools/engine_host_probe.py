@@ -65,22 +65,25 @@ def _counting():
         jax.monitoring.unregister_event_duration_listener(on_event)
 
 
-class _LaunchTimer:
+class LaunchTimer:
     """Wraps the runner's `_launch` (the launch phase when no launcher thread dispatches): this
-    thread's CPU time in it, and the last step's arguments for the replay."""
+    thread's CPU time in it, the launches by kind ("step", "loop": a decode loop), and the last
+    launch's arguments for the replay."""
 
     def __init__(self, runner):
         self.runner, self.launch = runner, runner._launch
         self.cpu_s, self.calls, self.last = 0.0, 0, None
+        self.kinds = {"step": 0, "loop": 0}
 
-    def __call__(self, batch, variant, *rest):
+    def __call__(self, batch, variant, copies, allowed, *rest):
         c0 = time.thread_time()
         try:
-            return self.launch(batch, variant, *rest)
+            return self.launch(batch, variant, copies, allowed, *rest)
         finally:
             self.cpu_s += time.thread_time() - c0
             self.calls += 1
-            self.last = (batch, variant, rest)
+            self.kinds["step" if allowed is None else "loop"] += 1
+            self.last = (batch, variant, (copies, allowed, *rest))
 
     def __enter__(self):
         self.runner._launch = self
@@ -126,7 +129,7 @@ def _probe(engine, prompts: list[list[int]], steps: int, replays: int) -> dict:
     transfer = None
     done = 0
     try:
-        with _LaunchTimer(runner) as timer, _counting() as counts:
+        with LaunchTimer(runner) as timer, _counting() as counts:
             t0 = time.perf_counter()
             with jax.transfer_guard("disallow"):
                 try:

@@ -18,10 +18,11 @@ scales [E, out]; `quantize` takes the reduction axis.
 - "mosaic": the "fp8" arithmetic in a Mosaic GPU weight-streaming kernel for few rows
   (`pallas_kernels/fp8_matmul_mosaic.py`: swap-AB fp8 wgmma fed by a deep TMA ring, persistent
   CTAs, split K), for Hopper (compute capability >= 9.0) steps of at most its MAX_ROWS rows. Off by
-  default (MOSAIC_DEFAULT) until the H200 measures it ahead of "dequant"
-  (benchmarks/bench_fp8_matmul.py); on the CPU it runs in Mosaic GPU's interpreter.
+  default (MOSAIC_DEFAULT): on the H200 it beats "dequant" per projection at one row but not in the
+  decode step, where the glue around each call (x's quantization, the split sum) adds a kernel
+  launch per piece (docs/quantization.md); on the CPU it runs in Mosaic GPU's interpreter.
 
-On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
+On the CPU all three are exact emulations of the GPU arithmetic (XLA upcasts the 8-bit operands).
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ sections:
   micro   plain jnp: a ~10 ms matmul chain, then a small jit with or without a `lax.cond` (and the
           cond with command buffers off): how long the second dispatch takes to return;
   engine  Llama-3-8B shape, random bf16 weights, one engine per sampler (a subprocess each):
-          `free` the sampler as built (no conditional in the base variant), `cond` the base
-          variant's former all-greedy `lax.cond` (skipping the noise). Per sampler: batch-1 TPOT on
-          the default decode loop and on single steps, and replays of captured launches (a batch-1
-          step, a batch-1 loop, a 2048-token prefill step): `dispatch_ms` (the launch call's
-          wall time, launches back to back) against `period_ms` (per launch, until the device is
-          done); dispatch close to period means each launch waited for the device.
+          `built` the sampler as built (its base variant skips the noise under `lax.cond` when
+          every row is greedy), `no_cond` that variant without the conditional. Per sampler:
+          batch-1 TPOT on the default decode loop and on single steps, and replays of captured
+          launches (a batch-1 step, a batch-1 loop, a prefill step): `dispatch_ms` (the launch
+          call's wall time, launches back to back) against `period_ms` (per launch, until the
+          device is done); dispatch close to period means each launch waited for the device.
+Measured on one H200 (dispatch_sync_h200.json): the micro conditional blocks (31 of 32 ms), the
+engine's launches do not, with or without the sampler's conditional (prefill 3.4 / 16.1 ms).
 Record dispatch_sync_<gpu>; a short table last.
 """
 
@@ -40,7 +42,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import results_io  # noqa: E402
 
-SAMPLERS = ("free", "cond")
+SAMPLERS = ("built", "no_cond")
 
 
 def _timed_pair(first, second, reps: int = 5) -> dict:
@@ -88,8 +90,9 @@ def micro(tiny: bool) -> dict:
 
 
 # ---- engine section (a subprocess per sampler) ---------------------------------------------------
-def _use_cond_sampler() -> None:
-    """The base variant's former all-greedy conditional, in place of the sampler's `sample`."""
+def _use_branch_free_sampler() -> None:
+    """The base variant without its all-greedy conditional (the noise drawn for every row), in
+    place of the sampler's `sample`."""
     from jaxinfer.worker import runner, sampler
 
     def sample(logits, t, variant):
@@ -97,10 +100,8 @@ def _use_cond_sampler() -> None:
             return built_sample(logits, t, variant)
         raw = logits
         logits, scaled, greedy = sampler.process_logits(logits, t, variant)
-        sampled = jax.lax.cond(
-            jnp.all(greedy), lambda sc: jnp.zeros(sc.shape[0], jnp.int32),
-            lambda sc: jnp.argmax(sc + sampler.row_gumbel(t.seed, t.out_pos, sc.shape[-1]),
-                                  axis=-1).astype(jnp.int32), scaled)
+        noise = sampler.row_gumbel(t.seed, t.out_pos, scaled.shape[-1])
+        sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
         tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
         return sampler.SamplerOutput(tokens, sampler.sampled_logprob(raw, tokens), None, None)
     built_sample = sampler.sample
@@ -143,8 +144,8 @@ def replay(runner, args, n: int) -> dict:
 
 
 def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
-    if sampler == "cond":
-        _use_cond_sampler()
+    if sampler == "no_cond":
+        _use_branch_free_sampler()
     from benchmarks.bench_engine_gpu import LLAMA3_8B
     from benchmarks.bench_engine_llama8b import bs1
     from jaxinfer.engine.args import EngineArgs

@@ -175,11 +175,12 @@ def sample(logits: jax.Array, t: SamplingTensors, variant: SamplerVariant) -> Sa
         logits = apply_token_bitmask(logits, t.token_bitmask)
     raw = logits
     logits, scaled, greedy = process_logits(logits, t, variant)
-    # The noise (S x V draws) for every row, greedy ones too (their draw is unused): no
-    # conditional on a device value in the base variant, which the engine runs for almost every
-    # step (docs/ARCHITECTURE.md, "No device-valued branches").
-    sampled = jnp.argmax(scaled + row_gumbel(t.seed, t.out_pos, scaled.shape[-1]), axis=-1
-                         ).astype(jnp.int32)
+    # The noise (S x V draws) only when some row samples: an all-greedy batch skips it.
+    sampled = jax.lax.cond(
+        jnp.all(greedy), lambda sc: jnp.zeros(sc.shape[0], jnp.int32),
+        lambda sc: jnp.argmax(sc + row_gumbel(t.seed, t.out_pos, sc.shape[-1]), axis=-1
+                              ).astype(jnp.int32),
+        scaled)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     if not variant.advanced:
         return SamplerOutput(tokens, sampled_logprob(raw, tokens), None, None)

@@ -58,29 +58,36 @@ def _params(i: int, cont: list[int]) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[cont[0]], min_tokens=3)
 
 
-def _run(decode_steps_per_call: int) -> tuple[dict, list]:
-    """The workload's results, and the token arrays of every loop the engine ran."""
+def _run(decode_steps_per_call: int) -> tuple[dict, list, int]:
+    """The workload's results, the token arrays of every loop the engine ran, and how many loops
+    were dispatched while the previous loop's tokens were still unprocessed."""
     engine = make_engine(decode_steps_per_call=decode_steps_per_call, **ROOMY)
     for i, (prompt, _) in enumerate(WORKLOAD):
         engine.add_request(f"r{i}", prompt, _params(i, oracle(prompt, 12)))
-    runner, loops = engine.runner, []
+    runner, loops, overlapped = engine.runner, [], 0
     execute = runner.execute
 
     def recording(sched):
+        nonlocal overlapped
+        previous = engine._inflight  # the engine processes it after this dispatch, if it overlaps
         handle = execute(sched)
         if handle.is_loop:
             loops.append(handle)
+            overlapped += previous is not None and previous.is_loop
         return handle
     runner.execute = recording
     results = run_all(engine)
     assert_all_free(engine)
-    return results, [h.result().tokens for h in loops]
+    return results, [h.result().tokens for h in loops], overlapped
 
 
 def test_rows_that_finish_mid_loop_match_single_steps():
-    stepped, no_loops = _run(1)
-    looped, loops = _run(K)
+    """Loops overlap like single steps (the next one is dispatched before the previous one's
+    tokens are processed; rows that finished in it are dropped from the next one's results)."""
+    stepped, no_loops, _ = _run(1)
+    looped, loops, overlapped = _run(K)
     assert not no_loops and looped == stepped
+    assert overlapped >= 1
     reasons = {r[0][2] for r in stepped.values()}
     assert reasons == {"stop", "length"}
     # Some loop masked a finished row (-1 after its last token) while another row went on to the

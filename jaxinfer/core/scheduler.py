@@ -355,6 +355,16 @@ class Scheduler:
             out.block_copies = kv.take_pending_copies()
         return out
 
+    @staticmethod
+    def loop_dispatched(decodes: list[ScheduledSeq], row_steps) -> None:
+        """A decode loop was dispatched running `row_steps[r]` steps for `decodes[r]`: its later
+        tokens count as pending and their KV as computed now, so the next step is scheduled (and
+        dispatched) before this one's tokens reach the host. Processing the loop takes them all
+        back from `num_pending`, also those a row did not get to (it finished earlier)."""
+        for entry, n in zip(decodes, row_steps):
+            entry.seq.num_pending += int(n) - 1
+            entry.seq.num_computed += int(n) - 1
+
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed
         seq.num_computed += n
@@ -380,4 +390,4 @@ class Scheduler:
         for d, n in zip(decodes, steps):
             if not self._grow(d.seq, d.start + n):
                 return 1
-        return k  # num_computed covers the first token; later ones are counted as they arrive
+        return k  # the later tokens are counted once the loop is dispatched (loop_dispatched)

@@ -378,7 +378,10 @@ class LLMEngine(TrainingLoopMixin):
         if h is None:
             return False
         # A hand-over hook (disaggregation) queues its KV copy ahead of the next step, not behind.
-        if not self.args.async_scheduling or h.is_loop or self.on_processed is not None:
+        # A decode loop overlaps the next step like a single step does (its tokens are counted as
+        # pending); a speculative step (also several tokens a row) does not.
+        if (not self.args.async_scheduling or (h.is_loop and h.loop_row_steps is None)
+                or self.on_processed is not None):
             return True
         if self.spec is not None and self.spec.active(len(self.scheduler.running),
                                                       self.scheduler.num_waiting):
@@ -412,6 +415,8 @@ class LLMEngine(TrainingLoopMixin):
             except Exception as e:  # noqa: BLE001 - one request's failure is not the engine's
                 self._dispatch_failed(sched, e)
             else:
+                if handle.loop_row_steps is not None:
+                    self.scheduler.loop_dispatched(sched.decodes, handle.loop_row_steps)
                 self.stats.record_dispatch(t0, t_sched, self.runner.built_at, handle.dispatch_time)
                 if processed_first:  # the device sat idle from the previous result to this dispatch
                     self.stats.sync_gaps += 1

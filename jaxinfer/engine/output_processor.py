@@ -51,7 +51,7 @@ class OutputProcessor:
                 continue
             try:
                 num_new_tokens += self._process_row(seq, entry, r, res, tokens, logprobs, steps,
-                                                    now, touched)
+                                                    now, touched, handle.loop_row_steps)
             except Exception as e:  # noqa: BLE001 - fails this row's request, not the step
                 self.failed.append((seq.request.request_id, e))
                 continue
@@ -63,15 +63,18 @@ class OutputProcessor:
         return list(touched.values()), live
 
     def _process_row(self, seq: Sequence, entry, r: int, res, tokens, logprobs, steps: int,
-                     now: float, touched: dict[str, Request]) -> int:
+                     now: float, touched: dict[str, Request], row_steps) -> int:
         num_new_tokens = 0
         if entry.emits:
+            # A decode loop counted each of its row's steps as pending when it was dispatched
+            # (Scheduler.loop_dispatched); a speculative step counts its first token only.
+            loop_steps = None if row_steps is None else int(row_steps[r])
             for j in range(steps):
-                if tokens[j][r] < 0:  # a verification step: past the row's last emitted token
+                if tokens[j][r] < 0:  # past the row's last token (finished, or rejected)
                     break
-                if j == 0:
+                if j == 0 or loop_steps is not None:
                     seq.num_pending -= 1
-                else:  # on-device loop: the previous token was this iteration's input
+                else:  # an accepted proposal: the previous token was this position's input
                     seq.num_computed += 1
                 store = seq.logprobs
                 if store is not None and logprobs is not None:
@@ -86,6 +89,8 @@ class OutputProcessor:
                 touched[seq.request.request_id] = seq.request
                 if seq.finish_reason is not None:
                     break
+            if loop_steps is not None:  # the steps after the row finished: never coming
+                seq.num_pending -= loop_steps - num_new_tokens
         return num_new_tokens
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:

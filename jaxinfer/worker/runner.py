@@ -207,9 +207,12 @@ class StepHandle:
 
     def __init__(self, sched: SchedulerOutput, out: SamplerOutput | None, num_steps,
                  dispatch_time: float, is_loop: bool, prompt_rows: PromptLogprobRows | None = None,
-                 prompt_out=None, launched: Future | None = None):
-        """`launched`: the launcher's future of (out, prompt_out, num_steps), given instead."""
+                 prompt_out=None, launched: Future | None = None,
+                 loop_row_steps: np.ndarray | None = None):
+        """`launched`: the launcher's future of (out, prompt_out, num_steps), given instead.
+        `loop_row_steps`: a decode loop's steps per row of `sched.decodes` (None: not one)."""
         self.sched = sched
+        self.loop_row_steps = loop_row_steps
         self._launched = launched
         self._out = out
         self.prompt_rows = prompt_rows  # rows predicting prompt tokens, with their owners
@@ -416,11 +419,13 @@ class ModelRunner:
                                    sched.decode_steps, prompt_rows)
         self.built_at = time.perf_counter()  # (the engine's host-time split)
         self.num_dispatches += 1
+        row_steps = None if allowed is None else allowed[:len(sched.decodes)]
         if self.launcher is not None:
             return StepHandle(sched, None, None, time.perf_counter(), is_loop, prompt_rows,
-                              launched=self.launcher.submit(launch))
+                              launched=self.launcher.submit(launch), loop_row_steps=row_steps)
         out, prompt_out, n = launch()
-        return StepHandle(sched, out, n, time.perf_counter(), is_loop, prompt_rows, prompt_out)
+        return StepHandle(sched, out, n, time.perf_counter(), is_loop, prompt_rows, prompt_out,
+                          loop_row_steps=row_steps)
 
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
                 allowed: np.ndarray | None, loop_steps: int,

@@ -136,6 +136,35 @@ def all_compiled(engines) -> float:
     return round(time.perf_counter() - t0, 1)
 
 
+def _engines(engine) -> dict:
+    """The LLMEngines inside a disaggregated or data-parallel engine, by role."""
+    if hasattr(engine, "replicas"):
+        return {f"replica{i}": e for i, e in enumerate(engine.replicas)}
+    return {"prefill": engine.prefill, "decode": engine.decode}
+
+
+def fresh_stats(engine) -> None:
+    """Zero the host-time counters before a timed pass."""
+    from jaxinfer.disagg.engine import DriverStats
+    from jaxinfer.engine.metrics import EngineStats
+    for e in _engines(engine).values():
+        e.stats = EngineStats()
+    if hasattr(engine, "driver"):
+        engine.driver = DriverStats()
+
+
+def host_phases(engine, tag: str) -> dict:
+    """Where the host's time went during a timed pass: each engine's step phases (ms per step:
+    schedule, build, launch, wait for tokens, process) and, for the disaggregated engine, its
+    driver's phases per driver step (jaxinfer/disagg/engine.py DriverStats). A driver spending
+    most of its time in one engine's phase while the other engine's device idles is the stall."""
+    out = {f"{tag}_host_{role}": {"steps": e.stats.steps, **e.stats.breakdown_ms()}
+           for role, e in _engines(engine).items()}
+    if hasattr(engine, "driver"):
+        out[f"{tag}_driver"] = engine.driver.per_step_ms()
+    return out
+
+
 def colocated(disagg, args):
     """Two colocated replicas on the disaggregated engine's devices, its weights and pool size."""
     from jaxinfer.disagg.args import role_args
@@ -253,9 +282,11 @@ def main() -> None:
             run_t0 = time.perf_counter()
             closed_loop(engine, warm_prompts, dataclasses.replace(params, max_tokens=WARM_OUT), c,
                         f"warm{c}")
+            fresh_stats(engine)
             got = closed_loop(engine, prompts, params, c, f"timed{c}")
             metrics[f"run_s/{kind}_c{c}"] = round(time.perf_counter() - run_t0, 1)
             out = {f"{kind}_c{c}_{k}": v for k, v in got.items()}
+            out.update(host_phases(engine, f"{kind}_c{c}"))
             if kind == "disagg":
                 tm = disagg.transfer_metrics
                 moved, secs = tm.transfer_bytes._value.get(), tm.transfer_seconds._sum.get()

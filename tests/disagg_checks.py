@@ -116,6 +116,7 @@ def parity_checks(out: dict) -> None:
                       for e in (engine.prefill, engine.decode)]
     out["preemptions"] = [e.scheduler.num_preemptions for e in (engine.prefill, engine.decode)]
     out["prefix_hits"] = engine.prefill.scheduler.kv.stats.hits
+    out["driver"] = engine.driver.per_step_ms()
     text = generate_latest(engine.metrics.registry).decode()
     out["metrics"] = [line for line in text.splitlines()
                       if line.startswith(("jaxinfer:kv_transfer", "jaxinfer:queue_depth",

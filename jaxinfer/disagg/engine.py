@@ -50,6 +50,36 @@ from jaxinfer.sampling_params import SamplingParams
 MAX_IN_FLIGHT = 4
 
 
+class DriverStats:
+    """Where `DisaggregatedEngine.step` spends the host's time, by phase (seconds, summed), and
+    how often each phase ran: the one thread drives both engines, so a phase that blocks (a
+    dispatch waiting on a device, a copy) delays the other engine's next step."""
+
+    def __init__(self):
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def clock(self):
+        """A function that charges the time since its previous call (or this one) to a phase."""
+        last = time.perf_counter()
+        self.counts["steps"] += 1
+
+        def charge(phase: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.seconds[phase] += now - last
+            self.counts[phase] += 1
+            last = now
+        return charge
+
+    def per_step_ms(self) -> dict:
+        """ms per driver step of each phase, and how many steps ran it."""
+        steps = max(self.counts["steps"], 1)
+        return {"steps": self.counts["steps"],
+                **{f"{p}_ms": round(1e3 * s / steps, 3) for p, s in sorted(self.seconds.items())},
+                **{f"{p}_count": n for p, n in sorted(self.counts.items()) if p != "steps"}}
+
+
 class DisaggregatedEngine:
     def __init__(self, prefill: LLMEngine, decode: LLMEngine):
         self.prefill, self.decode = prefill, decode
@@ -73,6 +103,7 @@ class DisaggregatedEngine:
         self._waiting: collections.deque[Handoff] = collections.deque()  # for decode room
         self._in_flight: list[Handoff] = []               # copies dispatched, in order
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxinfer-disagg")
+        self.driver = DriverStats()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> DisaggregatedEngine:
@@ -256,19 +287,27 @@ class DisaggregatedEngine:
         """Land finished copies and start the ones that now fit; step the prefill engine if its
         last step is done or nothing else can go on (then it waits for that step); step the
         decode engine, or, with nothing to decode, wait for the oldest copy in flight."""
+        clock = self.driver.clock()
         self._land()
         self._start_transfers()
+        clock("hand_over")
         outs: list[RequestOutput] = []
         decoding = self.decode.has_unfinished_requests()
-        if self.prefill.has_unfinished_requests() and not (
-                (decoding or self._in_flight) and self.prefill.step_in_flight):
-            outs += self._reported(self.prefill.step())
-            self._land()  # a copy the prefill step started may have landed while it dispatched
-            decoding = self.decode.has_unfinished_requests()
+        if self.prefill.has_unfinished_requests():
+            if (decoding or self._in_flight) and self.prefill.step_in_flight:
+                self.driver.counts["prefill_in_flight"] += 1
+            else:
+                outs += self._reported(self.prefill.step())
+                clock("prefill_step")
+                self._land()  # a copy the prefill step started may have landed while it dispatched
+                clock("hand_over")
+                decoding = self.decode.has_unfinished_requests()
         if decoding:
             outs += self.decode.step()
+            clock("decode_step")
         elif self._in_flight and not outs:
             self._land(wait=True)
+            clock("copy_wait")
         self._update_gauges()
         return outs
 

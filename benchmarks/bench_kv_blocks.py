@@ -10,6 +10,8 @@ Llama-3-8B's cache shape (32 layers, 8 KV heads, head_dim 128, 16-token blocks, 
 cache): `transfer` the engine's; `flat` the same on the cache viewed as [heads, blocks, 16 * 128]
 (each block one contiguous row per head); `sorted` destinations sorted, the buffer permuted to
 match, `indices_are_sorted`. Each is checked against the engine's result. Record kv_blocks_<gpu>.
+Measured on one H200 (kv_blocks_h200.json, 256 blocks): gather 1.84 ms, scatter 1.14 ms (`flat`
+1.36, `sorted` 1.27: the engine's stays), a plain read + write of 512 MiB 0.61 ms.
 """
 
 from __future__ import annotations

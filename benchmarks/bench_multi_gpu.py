@@ -20,6 +20,8 @@ one persistent compilation cache; with `--save` the record is rewritten after ea
   llama8b_tp1_*, llama8b_tp2_*  batch-1 variants (VARIANTS): XLA's command buffers off ("nocb") or
               taking the collectives ("cmdbuf"), XLA's one-shot all-reduce kernel ("oneshot"), the
               on-device decode loop of 8 steps per dispatch ("loop8"), the launcher thread ("async").
+  llama8b_tp2_procs  batch-1 TPOT at TP = 2 with one process per GPU (jax.distributed on
+              localhost, `--num-processes 2`): each process's host thread launches one GPU's work.
   moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
               (2048), on one GPU and at TP = 2 in both expert layouts ("ep": experts split over
               the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
@@ -245,6 +247,47 @@ def section_variant(cfg: dict, name: str) -> dict:
         f"{name}_bs1_tpot_ms": round(tpot, 3), f"{name}_ready_s": round(load_s + first, 1)})
 
 
+def section_llama8b_tp2_proc(cfg: dict) -> dict:
+    """One process of llama8b_tp2_procs: TP = 2 over two processes (jax.distributed on
+    localhost), this one driving the GPU its CUDA_VISIBLE_DEVICES names."""
+    pid = cfg["process_id"]
+    llm, load_s = _llm(cfg["llama8b"], tensor_parallel_size=2, **_engine_kw(cfg, 256),
+                       coordinator_address=f"127.0.0.1:{cfg['port']}", num_processes=2,
+                       process_id=pid)
+    out = _batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_tp2_procs", lambda tpot, first: {
+        "llama8b_tp2_procs_bs1_tpot_ms": round(tpot, 3),
+        "llama8b_tp2_procs_ready_s": round(load_s + first, 1)})
+    return out if pid == 0 else {}
+
+
+def section_llama8b_tp2_procs(cfg: dict) -> dict:
+    """TP = 2 with one process per GPU (`--num-processes 2`, the multi-host path on one host): each
+    host thread launches one device's kernels, where one process launches both (issue 21's batch-1
+    question: the TP = 2 step is bound by the host's launches). Both processes run the same
+    requests (replicated scheduling); process 0 reports."""
+    import socket
+    import subprocess
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+        if env.get("JAX_PLATFORMS", "").startswith("cpu"):  # one CPU device per process
+            env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(pid)
+        argv = [sys.executable, __file__, "--run-section", "llama8b_tp2_proc", "--config",
+                json.dumps({**cfg, "process_id": pid, "port": port})]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=ROOT, env=env))
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"a TP process failed (rc {p.returncode}):\n{err[-3000:]}")
+    return _last_json(outs[0][0])
+
+
 def section_llama8b_dp2(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama8b"], data_parallel_size=2, **_engine_kw(cfg, 256))
     return {"llama8b_dp2_c256_out_tok_s": round(_throughput(llm, 256, 64), 1),
@@ -339,6 +382,8 @@ SECTIONS = {"allreduce": (section_allreduce, 60),
             "llama8b_tp1": (section_llama8b_tp1, 90), "llama8b_tp2": (section_llama8b_tp2, 200),
             "llama8b_dp2": (section_llama8b_dp2, 200), "llama70b_tp2": (section_llama70b_tp2, 400),
             "moe_layouts": (section_moe_layouts, 120),
+            "llama8b_tp2_procs": (section_llama8b_tp2_procs, 150),
+            "llama8b_tp2_proc": (section_llama8b_tp2_proc, 150),  # (one of llama8b_tp2_procs')
             **{name: (functools.partial(section_variant, name=name), 120) for name in VARIANTS}}
 # Environment of a section's process beyond the driver's.
 # XLA flags a section's process adds to $XLA_FLAGS.
@@ -385,7 +430,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-mgpu-"))
     cfg = {"cache_dir": str(work / "cc"), "throughput": not args.batch1_only,
            "trace_steps": args.trace_steps}
-    for name, shape in (("llama8b", LLAMA3_8B), ("llama70b", LLAMA3_70B)):
+    shapes = (("llama8b", LLAMA3_8B), ("llama70b", LLAMA3_70B))
+    if os.environ.get("BENCH_TINY_SHAPES"):  # a CPU smoke run of the script (BENCH_BACKEND=reference)
+        shapes = tuple((name, {**shape, "hidden_size": 256, "intermediate_size": 512,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024})
+                       for name, shape in shapes)
+    for name, shape in shapes:
         (work / name).mkdir()
         (work / name / "config.json").write_text(json.dumps(shape))
         cfg[name] = str(work / name)

@@ -10,6 +10,10 @@ request only: its stream raises RequestFailedError, its blocks are freed, the lo
 else that escapes a step (the device's results lost, say) stops the loop: every stream raises
 EngineDeadError and `dead` is set, which the server turns into a non-zero exit so that a supervisor
 restarts it (instead of a process that answers 503 forever).
+
+In a multi-process run (jax.process_count() > 1) this is process 0's server: its engine calls are
+recorded and replayed on the other processes (parallel/request_stream.py), and stopping the loop,
+or its death, stops their replay too.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import logging
 import queue
 import threading
 from typing import AsyncIterator, Callable
+
+import jax
 
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.data_parallel import create_engine
@@ -45,6 +51,10 @@ class AsyncEngine:
             args.warmup = False  # compiled in start(), off the event loop
             engine = create_engine(args)
             args.warmup = warm
+        self._leader = None
+        if jax.process_count() > 1:  # every other process replays this engine's request stream
+            from jaxinfer.parallel.request_stream import StreamLeader
+            engine = self._leader = StreamLeader(engine)
         self.engine = engine
         self.args = engine.args
         self.tokenizer = engine.tokenizer
@@ -87,6 +97,7 @@ class AsyncEngine:
         """Let in-flight requests finish for up to grace_s seconds, abort the rest, stop the loop."""
         self.is_ready = False
         if self._thread is None:
+            self._stop_followers(None)  # never started: the other processes wait for step 0
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
@@ -218,8 +229,19 @@ class AsyncEngine:
             for loop, stream in self._streams.values():
                 loop.call_soon_threadsafe(stream.put_nowait, e)
             self._streams.clear()
+            self._stop_followers(e)
             if self._loop is not None and self.dead is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self.dead.set)
+        else:
+            self._stop_followers(None)
+
+    def _stop_followers(self, error: BaseException | None) -> None:
+        if self._leader is None:
+            return
+        try:
+            self._leader.publish_stop(error)
+        except Exception:  # noqa: BLE001 - the coordinator gone too: nothing left to tell
+            log.exception("could not tell the other processes to stop")
 
 
 def _settle(fut: asyncio.Future, error: BaseException | None) -> None:

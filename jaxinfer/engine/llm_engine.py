@@ -48,6 +48,7 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
 from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
@@ -185,6 +186,7 @@ class LLMEngine(TrainingLoopMixin):
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
                 num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan)
+            num_blocks = fewest_across_processes(num_blocks)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
                          plan=plan, draft=draft)
             jax.block_until_ready(engine.runner.kv_cache)

@@ -12,6 +12,7 @@ device work overlaps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,8 @@ from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.errors import RequestFailedError
 from jaxinfer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class DataParallelEngine:
@@ -156,7 +159,13 @@ def create_engine(args: EngineArgs):
     from jaxinfer.model.config import load_config
     from jaxinfer.parallel.distributed import initialize_distributed
     from jaxinfer.parallel.sharding import validate_parallel_sizes
-    initialize_distributed(args)
+    if initialize_distributed(args) and args.background_compile:
+        # A step runs in the smallest *compiled* bucket that fits: with buckets compiling in the
+        # background that depends on each process's compile timing, and the processes must
+        # dispatch the same step shapes. So a multi-process warmup compiles every bucket first.
+        log.info("multi-process run: compiling every step bucket before serving "
+                 "(--no-background-compile)")
+        args.background_compile = False
     if args.disaggregate:
         from jaxinfer.disagg.engine import DisaggregatedEngine
         return DisaggregatedEngine.from_engine_args(args)

@@ -10,8 +10,12 @@ built per step and a broadcast would put a blocking cross-host collective on the
 every step, while the request stream changes only when requests arrive; the sampled tokens each
 process reads back are replicated, so the processes' host states never diverge. `jaxinfer
 generate` and `LLM(...)` therefore run multi-host as they are, with the same prompts on every
-process; a server must deliver its request stream to every process (not built: see
-docs/multi_gpu.md).
+process. `jaxinfer serve` runs the same command on every process: process 0 serves HTTP and
+publishes its engine's request stream (adds, aborts) step by step through the coordination
+service's key-value store; the others bind no port and replay it (parallel/request_stream.py).
+Buckets compiling in the background would make a step's shape depend on each process's compile
+timing, so a multi-process run compiles them all before serving (create_engine), and the KV
+cache takes the fewest blocks any process planned (fewest_across_processes).
 """
 
 from __future__ import annotations
@@ -91,3 +95,17 @@ def initialize_distributed(args) -> bool:
     log.info("process %d of %d joined %s: %d devices in all", settings["process_id"],
              settings["num_processes"], settings["coordinator_address"], jax.device_count())
     return True
+
+
+def fewest_across_processes(n: int) -> int:
+    """The smallest of every process's `n` (itself in a single-process run): the KV planner sizes
+    the cache from each device's free memory, and every process must schedule over the same
+    number of blocks."""
+    if jax.process_count() == 1:
+        return n
+    import numpy as np
+    from jax.experimental import multihost_utils
+    fewest = int(np.min(multihost_utils.process_allgather(np.int64(n))))
+    if fewest != n:
+        log.info("KV cache: %d blocks, the fewest any process planned (this one: %d)", fewest, n)
+    return fewest

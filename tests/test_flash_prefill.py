@@ -52,8 +52,10 @@ def test_tile_table_covers_every_token_once(seed):
     pad = int(rng.integers(0, 20))
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
     t = int(q_lens.sum()) + pad
-    table = np.asarray(fp.tile_table(jnp.asarray(starts), jnp.asarray(q_lens),
-                                     jnp.asarray(q_lens + prefixes), jnp.arange(s), t, causal=True))
+    # jitted as the kernel's wrapper runs it (eagerly, each op compiles apart: ~1 s a case)
+    table = np.asarray(jax.jit(fp.tile_table, static_argnums=4, static_argnames="causal")(
+        jnp.asarray(starts), jnp.asarray(q_lens), jnp.asarray(q_lens + prefixes), jnp.arange(s), t,
+        causal=True))
     owner = np.full(t, -1)
     for row8, lead, n, q_pos0, ctx, kv in table:
         if n == 0:

@@ -40,7 +40,9 @@ def test_tile_table_covers_every_row_once(seed, block_m):
     sizes = ragged_group_sizes(rng, groups, int(rng.integers(0, rows + 1)),
                                "hot" if seed == 0 else "random")
     used = int(sizes.sum())
-    table = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), rows, block_m))
+    # jitted as the kernel's wrapper runs it (eagerly, each op compiles apart: ~1 s a case)
+    table = np.asarray(jax.jit(tile_table, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32),
+                                                                  rows, block_m))
     assert table.shape == (num_tiles(rows, groups, block_m), 4)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     owner = np.full(rows, -1)

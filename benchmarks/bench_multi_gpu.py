@@ -17,9 +17,12 @@ one persistent compilation cache; with `--save` the record is rewritten after ea
   llama8b_tp2 the same at TP = 2, then c = 256 random 512 in / 256 out, output tok/s.
   llama8b_dp2 two TP = 1 replicas (one per GPU) behind one front end, c = 256 512/256.
   llama70b_tp2  Llama-3-70B shape, dummy bf16, TP = 2: batch-1 output tok/s and c = 64 512/256.
-  llama8b_tp1_*, llama8b_tp2_*  batch-1 variants (VARIANTS): XLA's command buffers off ("nocb") or
-              taking the collectives ("cmdbuf"), XLA's one-shot all-reduce kernel ("oneshot"), the
-              on-device decode loop of 8 steps per dispatch ("loop8"), the launcher thread ("async").
+  (Batch-1 figures run the engine's default: since 2026-12-02 the on-device decode loop, 8 steps
+  a call for <= 8 sequences, overlapped with the host's processing of the previous loop.)
+  llama8b_tp1_*, llama8b_tp2_*  batch-1 variants (VARIANTS): single decode steps ("steps"),
+              XLA's command buffers off ("nocb") or taking the collectives ("cmdbuf"), XLA's
+              one-shot all-reduce kernel ("oneshot"), the decode loop asked for explicitly
+              ("loop8"), the launcher thread ("async").
   llama8b_tp2_procs  batch-1 TPOT at TP = 2 with one process per GPU (jax.distributed on
               localhost, `--num-processes 2`): each process's host thread launches one GPU's work.
   moe_layouts the routed experts of the Qwen3-30B-A3B shape, decode (64 tokens) and prefill
@@ -225,7 +228,9 @@ def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2", **engine) -> dic
 # Batch-1 variants of llama8b_tp1/tp2: name -> (TP, engine keywords, XLA flags its process adds).
 NO_CMDBUF = "--xla_gpu_enable_command_buffer="
 ONESHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
-VARIANTS = {"llama8b_tp2_cmdbuf": (2, {}, "--xla_gpu_enable_command_buffer=+COLLECTIVES"),
+VARIANTS = {"llama8b_tp1_steps": (1, {"decode_steps_per_call": 1}, ""),
+            "llama8b_tp2_steps": (2, {"decode_steps_per_call": 1}, ""),
+            "llama8b_tp2_cmdbuf": (2, {}, "--xla_gpu_enable_command_buffer=+COLLECTIVES"),
             "llama8b_tp2_oneshot": (2, {}, ONESHOT),
             "llama8b_tp2_loop8": (2, {"decode_steps_per_call": 8}, ""),
             "llama8b_tp2_cmdbuf_loop8": (2, {"decode_steps_per_call": 8},

@@ -4,6 +4,8 @@ weights (`--quantization fp8` by default), the engine's default flags otherwise.
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_paths.py --save [DIR]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_paths.py --tiny   # CPU check
 
+`--batches 4,8`: also N streams decoded together, single steps against the default loop
+(`b<N>_<path>_tpot_ms`, a stream's ms per token).
 paths, each `bs1` of bench_engine_llama8b (512-token prompt, `--out-len` greedy tokens; best and
 median of RUNS):
   old      single steps, the step's inputs placed by `jax.device_put` of the StepBatch (one copy
@@ -47,7 +49,7 @@ def tree_put(batch, plan):
     return jax.device_put(batch)
 
 
-def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
+def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) -> dict:
     metrics: dict = {"quantization": quantization}
     with tempfile.TemporaryDirectory() as work:
         if tiny:
@@ -95,7 +97,24 @@ def run(tiny: bool, quantization: str | None, out_len: int, save) -> dict:
             finally:
                 runner_module.place_step_inputs = placement
             save(metrics)
+        for n in batches:  # a few streams at once: single steps against the default loop
+            for path in ("packed", "default"):
+                engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
+                runs = [batch_tpot(engine, [prompt() for _ in range(n)], out_len)
+                        for _ in range(2)]
+                metrics[f"b{n}_{path}_tpot_ms"] = float(np.median(runs))
+                metrics[f"b{n}_{path}_tpot_runs_ms"] = runs
+            save(metrics)
     return metrics
+
+
+def batch_tpot(engine, prompts: list[list[int]], out_len: int) -> float:
+    """`prompts` decoded together (all added at once): ms per token of a stream, the median
+    over the streams of (last token - first token) / (tokens - 1)."""
+    from benchmarks.bench_engine_llama8b import token_times
+    run = token_times(engine, [(p, out_len) for p in prompts], len(prompts))
+    return round(float(np.median([1e3 * (t[-1] - t[0]) / (len(t) - 1)
+                                  for t in run["arrivals"].values()])), 3)
 
 
 def table(m: dict) -> str:
@@ -115,13 +134,17 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the demo model (a CPU check)")
     ap.add_argument("--quantization", choices=("fp8", "int8", "none"), default="fp8")
     ap.add_argument("--out-len", type=int, default=256)
+    ap.add_argument("--batches", default="",
+                    help="also time N streams at once, e.g. 4,8 (single steps vs the loop)")
     results_io.add_save_arg(ap, "engine_bs1_paths_<gpu>")
     args = ap.parse_args()
     q = None if args.quantization == "none" else args.quantization
     name = args.name or f"engine_bs1_paths_{results_io.device_slug()}"
+    batches = [int(b) for b in args.batches.split(",") if b]
     m = run(args.tiny, q, args.out_len, lambda m: args.save and results_io.save(
         args.save, name, config=dict(model="tiny" if args.tiny else "Llama-3-8B shape, random",
-                                     quantization=q, out_len=args.out_len), metrics=m))
+                                     quantization=q, out_len=args.out_len, batches=batches),
+        metrics=m), batches)
     print(json.dumps(m))
     print(table(m), flush=True)
 

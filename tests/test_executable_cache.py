@@ -6,6 +6,7 @@ unreadable entry is a miss."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -41,23 +42,36 @@ def cached_engine(tmp_path, **kwargs):
                        **kwargs)
 
 
-def test_warm_start_loads_every_step_and_keeps_greedy_tokens(tmp_path):
-    cold = cached_engine(tmp_path)
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """A cold start's engine over a new cache directory, built once for the tests below; they
+    read the directory or work on copies of it (it is built before the autouse fixture runs)."""
+    jax.clear_caches()
+    return cached_engine(tmp_path_factory.mktemp("cold"))
+
+
+def copy_of(engine, tmp_path):
+    shutil.copytree(engine.runner.executable_cache.dir, tmp_path / "executables")
+    return tmp_path
+
+
+def test_warm_start_loads_every_step_and_keeps_greedy_tokens(cold, tmp_path):
     cache = cold.runner.executable_cache
     r = cold.runner
     stored = len(r._forward_exe) + len(r._loop_exe) + len(r._sample_exe) + len(r._copy_exe)
     assert len(r._sample_exe) == 3 * len(r.buckets.decode_buckets)  # 3 variants per sequence bucket
     assert cache.hits == 0 and cache.misses == stored
-    assert len(list((tmp_path / "executables").glob("*.exe"))) == stored
+    assert len(list(cache.dir.glob("*.exe"))) == stored
     expected = greedy_tokens(cold)
 
-    warm = cached_engine(tmp_path)
+    warm = cached_engine(cache.dir.parent)
     assert warm.runner.executable_cache.hits == stored
     assert warm.runner.executable_cache.misses == 0
     assert greedy_tokens(warm) == expected
     assert warm.runner.num_dispatches > 0
 
     # A truncated entry is recompiled (and rewritten), the others still load.
+    copy_of(cold, tmp_path)
     victim = sorted((tmp_path / "executables").glob("*.exe"))[0]
     victim.write_bytes(victim.read_bytes()[:100])
     again = cached_engine(tmp_path)
@@ -66,11 +80,11 @@ def test_warm_start_loads_every_step_and_keeps_greedy_tokens(tmp_path):
     assert greedy_tokens(again) == expected
 
 
-def test_a_flag_that_shapes_the_step_misses(tmp_path):
-    cached_engine(tmp_path)
+def test_a_flag_that_shapes_the_step_misses(cold, tmp_path):
     # decode_steps_per_call is a static argument of the decode loop: its loops miss, the
     # forwards and samplers (which it does not shape) still load.
-    other = make_engine(warmup=True, compilation_cache_dir=str(tmp_path), decode_steps_per_call=2)
+    other = make_engine(warmup=True, compilation_cache_dir=str(copy_of(cold, tmp_path)),
+                        decode_steps_per_call=2)
     runner = other.runner
     assert runner.executable_cache.hits == (len(runner._forward_exe) + len(runner._sample_exe)
                                             + len(runner._copy_exe))

@@ -26,6 +26,11 @@ DRAFT = np.array([[0.2, 1.1, -0.2, 0.1, 0.4, -0.6],
                   [0.9, -0.3, 0.5, 0.0, -0.8, 0.2]], np.float32)    # [K, V]
 
 
+# Jitted as the engine runs them (eagerly, every op compiles on its own: ~10 s a test).
+_verify = jax.jit(verify, static_argnums=4)
+_sample = jax.jit(sample, static_argnums=2)
+
+
 def _softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -63,7 +68,7 @@ def _run(point_mass: bool, top_p: float):
     logits = jnp.broadcast_to(jnp.asarray(TARGET), (N, 3, V))
     t = tensors(N, top_p=np.full(N, top_p, np.float32))
     probs = None if point_mass else jnp.broadcast_to(jnp.asarray(q, jnp.float32), (N, 2, V))
-    out = jax.jit(verify, static_argnums=4)(logits, jnp.asarray(drafts, jnp.int32),
+    out = _verify(logits, jnp.asarray(drafts, jnp.int32),
                                             jnp.full(N, 2, jnp.int32), t, FULL_SAMPLER, probs)
     return np.asarray(out.sampled.tokens), np.asarray(out.num_accepted), drafts
 
@@ -101,7 +106,7 @@ def test_greedy_accepts_exactly_the_argmax_prefix():
     drafts[2, 0] = (best[2, 0] + 1) % V  # row 2: rejected at position 0
     num = np.array([3, 3, 3, 1], np.int32)  # row 3: one proposal only
     t = tensors(s, temperature=np.zeros(s, np.float32))
-    out = verify(logits, jnp.asarray(drafts, jnp.int32), jnp.asarray(num), t, BASE_SAMPLER)
+    out = _verify(logits, jnp.asarray(drafts, jnp.int32), jnp.asarray(num), t, BASE_SAMPLER)
     toks = np.asarray(out.sampled.tokens).T
     assert list(np.asarray(out.num_accepted)) == [3, 1, 0, 1]
     np.testing.assert_array_equal(toks[0], best[0])
@@ -114,8 +119,8 @@ def test_no_proposals_sample_what_the_sampler_samples():
     s = 64
     logits = jnp.asarray(np.random.default_rng(2).normal(size=(s, 3, V)), jnp.float32)
     t = tensors(s, out_pos=np.full(s, 5, np.int32), top_k=np.full(s, 4, np.int32))
-    out = verify(logits, jnp.zeros((s, 2), jnp.int32), jnp.zeros(s, jnp.int32), t, FULL_SAMPLER)
-    plain = sample(logits[:, 0], t, FULL_SAMPLER)
+    out = _verify(logits, jnp.zeros((s, 2), jnp.int32), jnp.zeros(s, jnp.int32), t, FULL_SAMPLER)
+    plain = _sample(logits[:, 0], t, FULL_SAMPLER)
     np.testing.assert_array_equal(np.asarray(out.sampled.tokens[0]), np.asarray(plain.tokens))
     np.testing.assert_allclose(np.asarray(out.sampled.logprob[0]), np.asarray(plain.logprob),
                                rtol=1e-6)
@@ -131,6 +136,6 @@ def test_penalties_count_the_proposals_before_each_position():
     hist[0, :2] = [0, 1]  # prompt of 2 tokens
     t = tensors(s, temperature=np.zeros(s, np.float32), frequency_penalty=np.full(s, 5.0, np.float32),
                 history=hist, prompt_len=np.full(s, 2, np.int32))
-    out = verify(logits, jnp.asarray([[2, 2]], jnp.int32), jnp.full(s, 2, jnp.int32), t, FULL_SAMPLER)
+    out = _verify(logits, jnp.asarray([[2, 2]], jnp.int32), jnp.full(s, 2, jnp.int32), t, FULL_SAMPLER)
     # position 0 accepts 2; position 1 has 2 penalised by 5 -> argmax is 0 -> rejection emits 0
     assert np.asarray(out.sampled.tokens)[:, 0].tolist() == [2, 0, -1]

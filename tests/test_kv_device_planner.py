@@ -13,6 +13,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import (CacheConfig, KVCacheManager, MemoryPlanError, activation_peak_bytes,
                                add_cache_arguments, allocate_kv_cache, copy_blocks,
                                device_memory_bytes, kv_bytes_per_token, plan_kv_cache, tree_nbytes)
+from jaxinfer.core.kv_cache.planner import CONTIGUOUS_SLACK, largest_free_block_bytes
 
 # Llama-3.1-8B's attention shape: 32 layers, 8 KV heads, head_dim 128.
 LLAMA8B = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
@@ -71,6 +72,23 @@ def test_plan_from_budget_by_hand():
     assert plan.num_blocks == (int(0.9 * device) - weights - acts) // block == 55317
     assert plan.max_tokens == 55317 * 16
     assert "55317 blocks" in plan.describe() and "weights" in plan.describe()
+
+
+def test_a_fragmented_device_bounds_the_cache_by_its_largest_free_region():
+    """Each K/V array is one allocation: free memory in holes smaller than one cannot hold it
+    (weights quantized on load leave such holes), so the plan stays within the largest free
+    region, less the activations and the slack; a region larger than the budget changes nothing."""
+    cache = CacheConfig(block_size=16, gpu_memory_utilization=0.9)
+    kw = dict(weight_bytes=16 * 2**30, activation_bytes=2**30, device_bytes=140 * 2**30)
+    free = plan_kv_cache(LLAMA8B, cache, **kw)
+    region = 60 * 2**30
+    capped = plan_kv_cache(LLAMA8B, cache, **kw, contiguous_bytes=region)
+    block = 16 * 131072
+    assert capped.num_blocks == (region - 2**30 - CONTIGUOUS_SLACK) // block < free.num_blocks
+    assert capped.contiguous_bytes == region and "largest free region" in capped.describe()
+    roomy = plan_kv_cache(LLAMA8B, cache, **kw, contiguous_bytes=200 * 2**30)
+    assert roomy.num_blocks == free.num_blocks and roomy.contiguous_bytes is None
+    assert largest_free_block_bytes(jax.devices()[:1]) is None  # the CPU reports no such figure
 
 
 def test_fp8_cache_fits_twice_the_blocks():

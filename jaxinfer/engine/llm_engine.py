@@ -35,7 +35,7 @@ from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_scales import kv_cache_backend
-from jaxinfer.core.kv_cache.planner import kv_bytes_per_block
+from jaxinfer.core.kv_cache.planner import kv_bytes_per_block, largest_free_block_bytes
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
@@ -221,8 +221,11 @@ class LLMEngine(TrainingLoopMixin):
             cache=ExecutableCache.under(args.compilation_cache_dir))
         # A block holds kv_heads_per_device heads on each device.
         device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
+        devices = plan.mesh.devices.flat if plan else jax.local_devices()[:1]
         kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),
-                                activation_bytes=activations, model_dtype=model_dtype)
+                                activation_bytes=activations, model_dtype=model_dtype,
+                                contiguous_bytes=largest_free_block_bytes(
+                                    [d for d in devices if d.process_index == jax.process_index()]))
         log.info(kv_plan.describe())
         return kv_plan.num_blocks
 

@@ -70,6 +70,17 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
     return int(stats["bytes_limit"])
 
 
+def largest_free_block_bytes(devices) -> int | None:
+    """The smallest, over `devices`, of the largest contiguous free region of JAX's allocator
+    (None where a device does not report it, e.g. the CPU)."""
+    sizes = [(d.memory_stats() or {}).get("largest_free_block_bytes") for d in devices]
+    return None if not sizes or None in sizes else int(min(sizes))
+
+
+# Room kept free of the KV cache in the largest free region (allocation rounding, small buffers).
+CONTIGUOUS_SLACK = 256 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCachePlan:
     num_blocks: int
@@ -81,6 +92,8 @@ class KVCachePlan:
     gpu_memory_utilization: float | None = None
     weight_bytes: int | None = None
     activation_bytes: int | None = None
+    # Set when the largest contiguous free region, not the budget, bounded num_blocks.
+    contiguous_bytes: int | None = None
 
     @property
     def kv_bytes(self) -> int:
@@ -96,19 +109,28 @@ class KVCachePlan:
                 f"tokens, {self.kv_bytes / GIB:.2f} GiB ({jnp.dtype(self.kv_dtype).name})")
         if self.device_bytes is None:
             return head + " (--num-blocks)"
-        return (head + f" = {self.gpu_memory_utilization:g} × {self.device_bytes / GIB:.2f} GiB device"
-                f" − {self.weight_bytes / GIB:.2f} GiB weights"
-                f" − {self.activation_bytes / GIB:.2f} GiB activations")
+        budget = (f" = {self.gpu_memory_utilization:g} × {self.device_bytes / GIB:.2f} GiB device"
+                  f" − {self.weight_bytes / GIB:.2f} GiB weights"
+                  f" − {self.activation_bytes / GIB:.2f} GiB activations")
+        if self.contiguous_bytes is None:
+            return head + budget
+        return (head + f", bounded by the largest free region of device memory "
+                f"({self.contiguous_bytes / GIB:.2f} GiB; the rest is fragmented, e.g. by weights "
+                f"quantized on load); the budget was{budget}")
 
 
 def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
                   activation_bytes: int = 0, device_bytes: int | None = None,
-                  model_dtype: str | None = None) -> KVCachePlan:
+                  model_dtype: str | None = None,
+                  contiguous_bytes: int | None = None) -> KVCachePlan:
     """Number of blocks for this model and cache config (see the module docstring for the formula).
 
     ``device_bytes`` defaults to device_memory_bytes(); ``model_dtype`` (for --kv-cache-dtype auto)
-    defaults to the config's dtype. Raises MemoryPlanError naming the flags to change when not
-    even one block fits."""
+    defaults to the config's dtype. ``contiguous_bytes``: the allocator's largest free region
+    (largest_free_block_bytes); the cache's arrays are each one allocation, so free memory in
+    smaller holes cannot hold them: the cache then stays within that region (less the
+    activations and CONTIGUOUS_SLACK). Raises MemoryPlanError naming the flags to change when
+    not even one block fits."""
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
     block_bytes = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
     if cache.num_blocks is not None:
@@ -117,6 +139,11 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
         device_bytes = device_memory_bytes()
     budget = int(cache.gpu_memory_utilization * device_bytes) - weight_bytes - activation_bytes
     num_blocks = budget // block_bytes if budget > 0 else 0
+    capped = None
+    if contiguous_bytes is not None:
+        room = max(contiguous_bytes - activation_bytes - CONTIGUOUS_SLACK, 0) // block_bytes
+        if room < num_blocks:
+            num_blocks, capped = room, contiguous_bytes
     if num_blocks < 1:
         raise MemoryPlanError(
             f"no room for the KV cache: {cache.gpu_memory_utilization:g} × "
@@ -125,4 +152,4 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
             f"= {budget / GIB:.2f} GiB < one {block_bytes}-byte block; raise "
             f"--gpu-memory-utilization, shrink the largest step bucket, or set --num-blocks")
     return KVCachePlan(int(num_blocks), cache.block_size, kv_dtype, block_bytes, device_bytes,
-                       cache.gpu_memory_utilization, weight_bytes, activation_bytes)
+                       cache.gpu_memory_utilization, weight_bytes, activation_bytes, capped)

@@ -128,6 +128,15 @@ def grouped_matmul_reference(x, w, group_sizes):
     return jnp.sum(jnp.where(mine[..., None], y, 0.0), axis=0)
 
 
+def gmm_reference(x, stacks, group_sizes):
+    """One kernel call's result in float32: x @ w for one weight stack, silu(x @ w_gate) *
+    (x @ w_up) for two (the fused SwiGLU call)."""
+    out = grouped_matmul_reference(x, stacks[0], group_sizes)
+    if len(stacks) == 2:
+        out = jax.nn.silu(out) * grouped_matmul_reference(x, stacks[1], group_sizes)
+    return out
+
+
 def moe_experts_reference(x, weights, group_sizes):
     """The expert MLP in float32 through `grouped_matmul_reference`."""
     w_gate, w_up, w_down = weights

@@ -108,26 +108,6 @@ def _use_branch_free_sampler() -> None:
     runner.sample = sample
 
 
-class LaunchCapture:
-    """Keeps the arguments of the runner's launches by kind: "step" (decode), "loop", "prefill"."""
-
-    def __init__(self, runner):
-        self.runner, self.launch, self.seen = runner, runner._launch, {}
-
-    def __call__(self, batch, variant, copies, allowed, *rest):
-        kind = ("loop" if allowed is not None else
-                "step" if batch.md.num_decodes == batch.md.num_seqs else "prefill")
-        self.seen[kind] = (batch, variant, [], allowed, *rest)
-        return self.launch(batch, variant, copies, allowed, *rest)
-
-    def __enter__(self):
-        self.runner._launch = self
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner._launch
-
-
 def replay(runner, args, n: int) -> dict:
     def done():
         jax.block_until_ready((runner.kv_cache, runner.last_tokens))
@@ -151,6 +131,7 @@ def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
+    from tools.engine_host_probe import LaunchTimer
     m: dict = {}
     with tempfile.TemporaryDirectory() as work:
         if tiny:
@@ -171,7 +152,7 @@ def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
         def prompt(n=prompt_len):
             return rng.integers(3, engine.cfg.vocab_size, n).tolist()
         loop_steps = engine.scheduler.decode_steps_per_call
-        with LaunchCapture(engine.runner) as cap:
+        with LaunchTimer(engine.runner) as cap:
             bs1(engine, prompt(), 16)                      # compiles the loop
             engine.scheduler.decode_steps_per_call = 1
             bs1(engine, prompt(), 16)                      # single steps

@@ -67,13 +67,15 @@ def _counting():
 
 class LaunchTimer:
     """Wraps the runner's `_launch` (the launch phase when no launcher thread dispatches): this
-    thread's CPU time in it, the launches by kind ("step", "loop": a decode loop), and the last
-    launch's arguments for the replay."""
+    thread's CPU time in it, the launches by kind ("step", "loop": a decode loop), the last
+    launch's arguments for the replay, and (`seen`) the last launch's arguments per kind of work
+    ("step": decodes only, "prefill", "loop"), block copies left out, as `_launch` takes them."""
 
     def __init__(self, runner):
         self.runner, self.launch = runner, runner._launch
         self.cpu_s, self.calls, self.last = 0.0, 0, None
         self.kinds = {"step": 0, "loop": 0}
+        self.seen: dict[str, tuple] = {}
 
     def __call__(self, batch, variant, copies, allowed, *rest):
         c0 = time.thread_time()
@@ -84,6 +86,9 @@ class LaunchTimer:
             self.calls += 1
             self.kinds["step" if allowed is None else "loop"] += 1
             self.last = (batch, variant, (copies, allowed, *rest))
+            work = ("loop" if allowed is not None else
+                    "step" if batch.md.num_decodes == batch.md.num_seqs else "prefill")
+            self.seen[work] = (batch, variant, [], allowed, *rest)
 
     def __enter__(self):
         self.runner._launch = self

@@ -1,7 +1,7 @@
 """Routed experts on the GPU, one device call: the grouped-matmul kernel beside `ragged_dot` and the
 padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe.py [--sections kernels,qwen,mixtral]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_moe [--sections kernels,qwen,mixtral]
         [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]]
 
 Sections (each in its own process, time-limited; figures are saved after every part):
@@ -462,7 +462,7 @@ def main() -> None:
             save_part(name, "skipped: call deadline")
             continue
         limit = min(limits[name], left)
-        argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
+        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--section-s", str(limit - 60),
                 "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
         argv += (["--layers", str(args.layers)] if args.layers else []) + (
             ["--no-sweep"] if args.no_sweep else []) + (["--fp8"] if args.fp8 else []) + (

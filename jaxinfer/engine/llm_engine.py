@@ -56,7 +56,7 @@ from jaxinfer.model.quant.scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
-from pallas_kernels.backend import get_backend
+from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
 

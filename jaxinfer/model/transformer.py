@@ -21,9 +21,10 @@ from jaxinfer.model.fused_projections import project
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.core.kv_cache.device_cache import KVCache
 from jaxinfer.parallel.experts import expert_dispatch
-from pallas_kernels.backend import REFERENCE, AttentionBackend
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import add_rms_norm_reference, causal_attention_reference
+from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
+from pallas_kernels.attention.reference import causal_attention_reference
+from pallas_kernels.norm.reference import add_rms_norm_reference
 
 Params = dict
 

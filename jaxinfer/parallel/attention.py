@@ -17,7 +17,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.parallel.sharding import TP, ShardingPlan, attention_specs
-from pallas_kernels.backend import AttentionBackend
+from pallas_kernels.attention.backend import AttentionBackend
 
 
 @dataclasses.dataclass(frozen=True)

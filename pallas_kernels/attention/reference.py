@@ -57,16 +57,6 @@ def _write_one(cache: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(cache, jnp.where(slot >= 0, row, old), start)
 
 
-def add_rms_norm_reference(x: jax.Array, residual: jax.Array, weight: jax.Array, *,
-                           eps: float) -> tuple[jax.Array, jax.Array]:
-    """(x + residual, RMSNorm(x + residual) * weight) in HF's order of operations: the add in the
-    input dtype, the normalisation in float32, cast back before the weight multiplies it."""
-    h = x + residual
-    hf = h.astype(jnp.float32)
-    y = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
-    return h, weight.astype(h.dtype) * y.astype(h.dtype)
-
-
 def gather_context(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
     """[Hkv, NB, B, D] paged cache -> [S, M*B, Hkv, D] contiguous per-sequence context."""
     hkv, _, bs, d = cache.shape

@@ -31,8 +31,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import reference
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention import reference
+from pallas_kernels.norm.reference import add_rms_norm_reference
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,9 @@ class AttentionBackend:
     # kernel gives each such row a whole query tile per *query* head (Hq/Hkv times the K/V reads of
     # the decode kernel, and a 128-row matmul for one row). The reference gains nothing from it.
     split_mixed_steps: bool = False
-    # The model's residual add + RMSNorm (`reference.add_rms_norm_reference`'s signature): GPU
-    # backends run it as one kernel at decode row counts (pallas_kernels/rms_norm.py).
-    add_rms_norm: Callable = reference.add_rms_norm_reference
+    # The model's residual add + RMSNorm (`add_rms_norm_reference`'s signature): GPU
+    # backends run it as one kernel at decode row counts (pallas_kernels/norm/rms_norm.py).
+    add_rms_norm: Callable = add_rms_norm_reference
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None,
@@ -144,5 +145,5 @@ def get_backend(name: str = "auto") -> AttentionBackend:
     return getattr(importlib.import_module(module), attr)
 
 
-register("mosaic", "pallas_kernels.gpu_backends:MOSAIC")
-register("triton", "pallas_kernels.gpu_backends:TRITON")
+register("mosaic", "pallas_kernels.attention.gpu_backends:MOSAIC")
+register("triton", "pallas_kernels.attention.gpu_backends:TRITON")

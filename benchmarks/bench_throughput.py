@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError

@@ -38,7 +38,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import results_io  # noqa: E402
-from jaxinfer.engine.llm import LLM  # noqa: E402
+from jaxinfer.frontends.llm import LLM  # noqa: E402
 from jaxinfer.engine.rollout import to_rollout_batch  # noqa: E402
 from jaxinfer.model.transformer import train_forward  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import IO
 
 from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import InvalidRequestError, TokenizerError
 from serve.batch_file import BatchLine, output_line
 from serve.chat import echo_prefix, full_chat

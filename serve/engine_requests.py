@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from serve.app_keys import ENGINE, MAX_WAITING
 from serve.errors import APIError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.metrics import EngineStats, observe_many
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine, prompt_ids, run_all

@@ -1,4 +1,4 @@
-"""The multi-host request stream (jaxinfer/parallel/request_stream.py) over an in-memory stand-in
+"""The multi-host request stream (jaxinfer/frontends/multihost.py) over an in-memory stand-in
 for the coordination service's key-value store: what process 0 records, what a follower replays,
 and the store's clean-up. The two-process server is tests/test_multihost_serve.py."""
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from jaxinfer.errors import ConfigError, InvalidRequestError
-from jaxinfer.parallel import request_stream as rs
+from jaxinfer.frontends import multihost as rs
 
 
 class FakeStore:

@@ -40,19 +40,19 @@ from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
-from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_bytes
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
-from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.core.stop_checker import OutputText
 from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.model.quant.scheme import resolve_quantization
+from jaxinfer.model.quant_scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
@@ -143,7 +143,8 @@ class LLMEngine(TrainingLoopMixin):
         self.asleep = False
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
         spec = args.spec_config()
-        self.spec = spec and Speculation(spec, self.scheduler, self.runner, self.metrics, draft)
+        self.spec = spec and Speculation(spec, self.scheduler, self.runner,
+                                         self.metrics.spec_decode(spec.num_speculative_tokens), draft)
         # Called with each processed step's live sequences before the scheduler frees the finished
         # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
         self.on_processed: Callable[[list[Sequence]], None] | None = None
@@ -168,7 +169,7 @@ class LLMEngine(TrainingLoopMixin):
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
-                                  "build the engine with jaxinfer.parallel.create_engine")
+                                  "build the engine with jaxinfer.frontends.factory.create_engine")
             validate_parallel_sizes(cfg, args.tensor_parallel_size, args.data_parallel_size,
                                     jax.device_count(), args.expert_layout)
             mesh = build_mesh(args.tensor_parallel_size)

@@ -88,7 +88,7 @@ class StreamLeader:
         if client is None and jax.process_index() != 0:
             raise ConfigError(f"process {jax.process_index()} cannot serve: only process 0 "
                               f"receives requests; the others run "
-                              f"jaxinfer.parallel.request_stream.follow (as `jaxinfer serve` does)")
+                              f"jaxinfer.frontends.multihost.follow (as `jaxinfer serve` does)")
         self._engine = engine
         self._client = client or _client()
         self._followers = (num_processes or jax.process_count()) - 1
@@ -305,7 +305,7 @@ def serve_as_follower(args) -> int:
     stop, and a second signal exits at once with status 1."""
     import jax
 
-    from jaxinfer.parallel.data_parallel import create_engine
+    from jaxinfer.frontends.factory import create_engine
     engine = create_engine(args)
     pid = jax.process_index()
 

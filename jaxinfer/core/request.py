@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.engine.outputs import TokenLogprob
-from jaxinfer.engine.sampled_logprobs import SampledLogprobs
+from jaxinfer.core.outputs import TokenLogprob
+from jaxinfer.core.sampled_logprobs import SampledLogprobs
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.stop_checker import OutputText
+    from jaxinfer.core.stop_checker import OutputText
     from jaxinfer.structured.grammar import CompiledGrammar
 
 

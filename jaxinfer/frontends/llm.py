@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.frontends.factory import create_engine
 from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 
@@ -16,7 +17,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
         if engine is None:
-            from jaxinfer.parallel.data_parallel import create_engine  # (imports LLMEngine)
             args = EngineArgs(**({"model": model} if model else {}), **kwargs)
             engine = create_engine(args)
         self.engine = engine

@@ -12,7 +12,7 @@ EngineDeadError and `dead` is set, which the server turns into a non-zero exit s
 restarts it (instead of a process that answers 503 forever).
 
 In a multi-process run (jax.process_count() > 1) this is process 0's server: its engine calls are
-recorded and replayed on the other processes (parallel/request_stream.py), and stopping the loop,
+recorded and replayed on the other processes (frontends/multihost.py), and stopping the loop,
 or its death, stops their replay too.
 """
 
@@ -28,10 +28,10 @@ from typing import AsyncIterator, Callable
 import jax
 
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.parallel.data_parallel import create_engine
+from jaxinfer.frontends.factory import create_engine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError, RequestFailedError
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.startup import STARTUP_LOG_PREFIX
 from jaxinfer.sampling_params import SamplingParams
 
@@ -53,7 +53,7 @@ class AsyncEngine:
             args.warmup = warm
         self._leader = None
         if jax.process_count() > 1:  # every other process replays this engine's request stream
-            from jaxinfer.parallel.request_stream import StreamLeader
+            from jaxinfer.frontends.multihost import StreamLeader
             engine = self._leader = StreamLeader(engine)
         self.engine = engine
         self.args = engine.args

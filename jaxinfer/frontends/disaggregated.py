@@ -32,17 +32,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jaxinfer.disagg.handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
+from jaxinfer.frontends.disagg_handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
                                      limit_to_first_token)
 from jaxinfer.disagg.transfer import KVTransfer
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.metrics import KVTransferMetrics
 from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.request import Sequence
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.request import Sequence
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.parallel.data_parallel import MergedMetrics
+from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
 # Copies in flight at once: each holds a request's KV outside both KV pools (on the decode devices

@@ -50,7 +50,7 @@ def test_final_output_only_requests_report_once_with_the_same_tokens():
     streamed = run_all(engine)
     reports: dict[str, int] = {}
     for i in range(3):
-        engine.add_request(f"f{i}", prompt_ids(i, 5), params).final_output_only = True
+        engine.add_request(f"f{i}", prompt_ids(i, 5), params, final_output_only=True)
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert out.finished

@@ -41,7 +41,8 @@ class FakeEngine:
         self.calls, self.requests, self._rng = [], set(), random.Random(0)
         self.tokenizer = "tok"
 
-    def add_request(self, rid, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, rid, prompt, params, priority=0, arrival_time=None, *,
+                    final_output_only=False):
         if prompt == "bad":
             raise InvalidRequestError("bad prompt", param="prompt")
         seed = self._rng.getrandbits(32)

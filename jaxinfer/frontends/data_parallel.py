@@ -12,24 +12,25 @@ device work overlaps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import RequestFailedError
 from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineClient):
     def __init__(self, replicas: list[LLMEngine]):
         self.replicas = replicas
         first = replicas[0]
         self.args, self.cfg, self.tokenizer = first.args, first.cfg, first.tokenizer
         self.max_model_len, self.model_name = first.max_model_len, first.model_name
         self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
+        self.startup = first.startup
         self.metrics = MergedMetrics([r.metrics for r in replicas])
         self.grammars = first.grammars  # one compiled-grammar cache for every replica
         for r in replicas:
@@ -51,13 +52,14 @@ class DataParallelEngine:
         return len(replica.requests) / replica.args.max_num_seqs + replica.scheduler.kv_cache_stats()[0]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None):
+                    arrival_time: float | None = None, *, final_output_only: bool = False):
         from jaxinfer.errors import InvalidRequestError
         if request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=self._load)
-        req = replica.add_request(request_id, prompt, params, priority, arrival_time)
+        req = replica.add_request(request_id, prompt, params, priority, arrival_time,
+                                  final_output_only=final_output_only)
         self._owner[request_id] = replica
         return req
 
@@ -111,7 +113,3 @@ class DataParallelEngine:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outs
-
-    def run_to_completion(self) -> Iterable[RequestOutput]:
-        while self.has_unfinished_requests():
-            yield from self.step()

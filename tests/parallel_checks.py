@@ -30,7 +30,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
+from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402

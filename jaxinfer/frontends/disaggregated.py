@@ -27,22 +27,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jaxinfer.disagg.handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
+from jaxinfer.frontends.disagg_handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
                                      limit_to_first_token)
 from jaxinfer.disagg.transfer import KVTransfer
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.metrics import KVTransferMetrics
 from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.request import Sequence
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.request import Sequence
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.parallel.data_parallel import MergedMetrics
+from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
 # Copies in flight at once: each holds a request's KV outside both KV pools (on the decode devices
@@ -80,7 +80,7 @@ class DriverStats:
                 **{f"{p}_count": n for p, n in sorted(self.counts.items()) if p != "steps"}}
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(EngineClient):
     def __init__(self, prefill: LLMEngine, decode: LLMEngine):
         self.prefill, self.decode = prefill, decode
         self.args, self.cfg, self.tokenizer = decode.args, decode.cfg, decode.tokenizer
@@ -88,6 +88,7 @@ class DisaggregatedEngine:
         self.grammars = decode.grammars = prefill.grammars
         self.max_model_len, self.model_name = decode.max_model_len, decode.model_name
         self.num_total_blocks = prefill.num_total_blocks + decode.num_total_blocks
+        self.startup = prefill.startup
         self.block_size = decode.args.block_size
         prefill.outputs = HandoffOutputProcessor(prefill.metrics, prefill.max_model_len,
                                                  prefill.eos_token_ids)
@@ -137,14 +138,15 @@ class DisaggregatedEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None):
+                    arrival_time: float | None = None, *, final_output_only: bool = False):
         if request_id in self._transit or request_id in self.decode.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: a disaggregated engine (--disaggregate) "
                                       f"serves n = 1 only", param="n")
-        req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time)
+        req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time,
+                                       final_output_only=final_output_only)
         limit_to_first_token(req)
         return req
 
@@ -312,20 +314,21 @@ class DisaggregatedEngine:
         return outs
 
     def _reported(self, outs: list[RequestOutput]) -> list[RequestOutput]:
-        """Prefill outputs as the client sees them: a handed-off request is still running."""
+        """Prefill outputs as the client sees them: a handed-off request is still running (and one
+        that reports only its final output reports nothing yet)."""
+        reported = []
         for out in outs:
             if out.request_id in self._transit:
+                if self._transit[out.request_id].request.final_output_only:
+                    continue
                 out.finished = False
                 for choice in out.outputs:
                     choice.finish_reason = None
-        return outs
+            reported.append(out)
+        return reported
 
     def _update_gauges(self) -> None:
         depth = self.transfer_metrics.queue_depth
         depth["prefill"].set(self.prefill.num_waiting)
         depth["transfer"].set(len(self._transit))
         depth["decode"].set(self.decode.num_waiting)
-
-    def run_to_completion(self) -> Iterable[RequestOutput]:
-        while self.has_unfinished_requests():
-            yield from self.step()

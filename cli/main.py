@@ -8,10 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
-from jaxinfer.cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
-from jaxinfer.cli import serve as cli_serve
+from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
+from cli import serve as cli_serve
 from jaxinfer.errors import ConfigError, JaxinferError
-from jaxinfer.model.quant.scheme import QUANTIZATIONS
+from jaxinfer.model.quant_scheme import QUANTIZATIONS
 
 DESCRIPTION = """\
 jaxinfer: LLM inference in JAX with Pallas GPU kernels.
@@ -44,8 +44,8 @@ def _run_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from jaxinfer.model.config import load_config
-    from jaxinfer.model.quant.scheme import resolve_quantization
-    from jaxinfer.model.quant.writer import write_quantized
+    from jaxinfer.model.quant_scheme import resolve_quantization
+    from jaxinfer.model.quant_writer import write_quantized
     from jaxinfer.model.weights import load_params, save_orbax
 
     cfg = load_config(args.hf_dir)

@@ -42,6 +42,7 @@ import signal
 import threading
 import time
 
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -79,16 +80,25 @@ def _rng_state(engine):
     return None if rng is None else rng.getstate()
 
 
-class StreamLeader:
-    """Process 0's engine, recording the calls that change its request stream. Every other
-    attribute is the engine's own."""
+def _engine_attr(name: str) -> property:
+    return property(lambda self: getattr(self._engine, name), doc=f"the engine's `{name}`")
+
+
+class StreamLeader(EngineClient):
+    """Process 0's front end: its engine, recording the calls that change the request stream."""
+
+    args, cfg, tokenizer = _engine_attr("args"), _engine_attr("cfg"), _engine_attr("tokenizer")
+    max_model_len, model_name = _engine_attr("max_model_len"), _engine_attr("model_name")
+    grammars, metrics = _engine_attr("grammars"), _engine_attr("metrics")
+    num_total_blocks, startup = _engine_attr("num_total_blocks"), _engine_attr("startup")
+    num_waiting, weight_version = _engine_attr("num_waiting"), _engine_attr("weight_version")
 
     def __init__(self, engine, client=None, num_processes: int | None = None):
         import jax
         if client is None and jax.process_index() != 0:
             raise ConfigError(f"process {jax.process_index()} cannot serve: only process 0 "
                               f"receives requests; the others run "
-                              f"jaxinfer.parallel.request_stream.follow (as `jaxinfer serve` does)")
+                              f"jaxinfer.frontends.multihost.follow (as `jaxinfer serve` does)")
         self._engine = engine
         self._client = client or _client()
         self._followers = (num_processes or jax.process_count()) - 1
@@ -105,17 +115,28 @@ class StreamLeader:
                                         daemon=True)
         self._sender.start()
 
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "_engine":
-            raise AttributeError(name)
-        return getattr(self._engine, name)
+    # ---- calls that leave the request stream as it is -------------------------------------------
+    def warmup(self, progress: bool = True) -> float:
+        return self._engine.warmup(progress)
+
+    def take_failed(self):
+        return self._engine.take_failed()
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def check_health(self) -> None:
+        self._raise_send_error()
 
     # ---- recorded calls -----------------------------------------------------------------------
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
-        event = _encode(("add", request_id, prompt, params, priority))  # as the engine got them
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, *,
+                    final_output_only: bool = False):
+        # as the engine got them (what is reported, final_output_only, is process 0's alone)
+        event = _encode(("add", request_id, prompt, params, priority))
         before = _rng_state(self._engine)
         try:
-            req = self._engine.add_request(request_id, prompt, params, priority, arrival_time)
+            req = self._engine.add_request(request_id, prompt, params, priority, arrival_time,
+                                           final_output_only=final_output_only)
         except Exception:
             # A failure after the request's seed was drawn (a grammar that does not compile):
             # followers replay it, and fail it too, so that their seed sources stay in step.
@@ -305,7 +326,7 @@ def serve_as_follower(args) -> int:
     stop, and a second signal exits at once with status 1."""
     import jax
 
-    from jaxinfer.parallel.data_parallel import create_engine
+    from jaxinfer.frontends.factory import create_engine
     engine = create_engine(args)
     pid = jax.process_index()
 

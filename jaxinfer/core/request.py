@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.engine.outputs import TokenLogprob
-from jaxinfer.engine.sampled_logprobs import SampledLogprobs
+from jaxinfer.core.outputs import TokenLogprob
+from jaxinfer.core.sampled_logprobs import SampledLogprobs
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.stop_checker import OutputText
+    from jaxinfer.core.stop_checker import OutputText
     from jaxinfer.structured.grammar import CompiledGrammar
 
 
@@ -40,7 +40,8 @@ class SeqStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, eos_token_ids: tuple[int, ...], priority: int = 0,
-                 arrival_time: float | None = None, grammar: CompiledGrammar | None = None):
+                 arrival_time: float | None = None, grammar: CompiledGrammar | None = None, *,
+                 weight_version: int = 0, final_output_only: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -69,9 +70,10 @@ class Request:
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
-        self.weight_version = 0  # set by the engine at admission (see RequestOutput)
-        # The caller reads only the finished output (LLM.generate): step() builds none before.
-        self.final_output_only = False
+        self.weight_version = weight_version  # the engine's at admission (see RequestOutput)
+        # The caller reads only the finished output (LLM.generate): step() builds none before,
+        # then one with every choice's whole text.
+        self.final_output_only = final_output_only
 
     @property
     def num_prompt_tokens(self) -> int:

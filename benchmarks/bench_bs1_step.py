@@ -52,7 +52,8 @@ from jaxinfer.model.transformer import forward, init_params
 from jaxinfer.model.weights import load_params
 from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
-from pallas_kernels.attention.reference import add_rms_norm_reference, scatter_kv
+from pallas_kernels.attention.reference import scatter_kv
+from pallas_kernels.norm.reference import add_rms_norm_reference
 from tools.trace_decode import device_events
 from tools.trace_engine_step import summarize_steps
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
-from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.core.outputs import CompletionOutput, RequestOutput
+from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 from jaxinfer.worker.runner import StepHandle
 
@@ -52,7 +52,7 @@ class OutputProcessor:
             try:
                 num_new_tokens += self._process_row(seq, entry, r, res, tokens, logprobs, steps,
                                                     now, touched, handle.loop_row_steps)
-            except Exception as e:  # noqa: BLE001 - fails this row's request, not the step
+            except Exception as e:  # fails this row's request, not the step
                 self.failed.append((seq.request.request_id, e))
                 continue
             live.append(seq)

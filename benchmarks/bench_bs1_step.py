@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.model.config import config_from_dict  # noqa: E402
 from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params  # noqa: E402

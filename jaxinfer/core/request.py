@@ -24,10 +24,11 @@ import numpy as np
 
 from jaxinfer.core.outputs import TokenLogprob
 from jaxinfer.core.sampled_logprobs import SampledLogprobs
+from jaxinfer.core.stop_checker import OutputText
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.core.stop_checker import OutputText
+    from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.structured.grammar import CompiledGrammar
 
 
@@ -181,3 +182,15 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed}, pending={self.num_pending})")
+
+
+def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
+                num_computed: int) -> Sequence:
+    """Choice `index` of `req` as a sequence over the whole prompt, `num_computed` tokens of which
+    already have KV (a fork of the n > 1 prompt sequence), with its output text state."""
+    seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids), num_computed)
+    p = req.params
+    seq.output = OutputText(tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                            p.skip_special_tokens)
+    req.choices[index] = seq
+    return seq

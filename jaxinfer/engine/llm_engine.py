@@ -238,22 +238,13 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         else:
             prompt_ids = list(prompt)
         if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise InvalidRequestError("prompt is empty (0 tokens)", param="prompt")
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary "
                                       f"[0, {self.cfg.vocab_size})", param="prompt")
         n = len(prompt_ids)
-        if n >= self.max_model_len or (params.max_tokens is not None
-                                       and n + params.max_tokens > self.max_model_len):
-            raise InvalidRequestError(
-                f"prompt of {n} tokens + max_tokens={params.max_tokens} exceeds the context "
-                f"length max_model_len={self.max_model_len}",
-                param="prompt" if n >= self.max_model_len else "max_tokens")
-        if n + params.min_tokens > self.max_model_len:  # (max_tokens None: nothing else bounds it)
-            raise InvalidRequestError(
-                f"prompt of {n} tokens + min_tokens={params.min_tokens} exceeds the context length "
-                f"max_model_len={self.max_model_len}", param="min_tokens")
+        self._check_context(n, params)
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
@@ -267,6 +258,26 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
             req.prompt_seq = Sequence(f"{request_id}#prompt", req, -1, prompt_ids[:-1])
             self.scheduler.add(req.prompt_seq)
         return req
+
+    def _check_context(self, n: int, params: SamplingParams) -> None:
+        """A prompt of `n` tokens and the outputs it asks for must fit max_model_len (OpenAI's
+        wording: the server answers it as is)."""
+        limit = self.max_model_len
+        if params.max_tokens is None and n >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{n} tokens, leaving no room for a completion.", param="prompt")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens")
+        if n + params.min_tokens > limit:  # (max_tokens None: nothing else bounds it)
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens}: a prompt of {n} tokens leaves room for at most "
+                f"{limit - n} tokens in this model's maximum context length of {limit} tokens",
+                param="min_tokens")
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Returns its final output (finish reason

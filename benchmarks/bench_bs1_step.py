@@ -4,9 +4,9 @@ attention-kernel configuration, XLA compile options), each timed on the device a
 kernel, all against the same weights (or their FP8 twin) and cache; then, with `--engine`, the
 engine itself at batch 1 (`--engine-quantization fp8`: with FP8 weights).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_step.py --save [DIR]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_bs1_step --save [DIR]
         [--ctx 768] [--max-blocks 128] [--variants old_s8,fused,...] [--deadline-s 55] [--engine]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_step.py --tiny   # CPU check
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_bs1_step --tiny   # CPU check
 
 The step is what the engine runs per decode token at batch 1 (`forward` over the decode rows, one
 real sequence with `--ctx` tokens of context, a block table `--max-blocks` wide as the engine
@@ -35,30 +35,29 @@ import functools
 import gzip
 import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.fused_projections import fuse_projections
+from jaxinfer.model.transformer import forward, init_params
+from jaxinfer.model.weights import load_params
+from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
+from pallas_kernels.attention.reference import scatter_kv
+from pallas_kernels.norm.reference import add_rms_norm_reference
+from tools.trace_decode import device_events
+from tools.trace_engine_step import summarize_steps
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
-from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
-from jaxinfer.model.config import config_from_dict  # noqa: E402
-from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
-from jaxinfer.model.transformer import forward, init_params  # noqa: E402
-from jaxinfer.model.weights import load_params  # noqa: E402
-from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
-from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
-from pallas_kernels.reference import add_rms_norm_reference, scatter_kv  # noqa: E402
-from tools.trace_decode import device_events  # noqa: E402
-from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
 IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's override
@@ -101,7 +100,7 @@ VARIANTS: dict[str, dict] = {
     "fp8w": dict(fused=True, quant="fp8"),  # the engine's FP8 decode step as it is
     "fp8w_unfused": dict(quant="fp8"),
     "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
-    # W8A8 through the weight-streaming kernel (pallas_kernels/fp8_matmul_mosaic.py)
+    # W8A8 through the weight-streaming kernel (pallas_kernels/matmul/fp8_matmul_mosaic.py)
     "fp8w_mosaic": dict(fused=True, quant="fp8", impl="mosaic"),
     # Whether XLA's command buffers (CUDA graphs) take the step's kernels: `dispatch_ms` is the
     # host's launch of ~455-710 kernels without them.
@@ -119,8 +118,8 @@ TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
 def backend_for(variant: dict, default: AttentionBackend) -> AttentionBackend:
     backend = default
     if "kernel" in variant:
-        from pallas_kernels.flash_prefill import flash_prefill_mosaic
-        from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+        from pallas_kernels.attention.flash_prefill import flash_prefill_mosaic
+        from pallas_kernels.attention.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
         config = MosaicDecodeConfig(**variant["kernel"])
         backend = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
                                    decode=functools.partial(paged_decode_mosaic, config=config),
@@ -206,7 +205,7 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     from tools.engine_host_probe import probe_host
     from tools.trace_engine_step import profile_decode_steps
     if norm == "xla":
-        from pallas_kernels import gpu_backends
+        from pallas_kernels.attention import gpu_backends
         gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
                                                   add_rms_norm=add_rms_norm_reference)
     with tempfile.TemporaryDirectory() as work:
@@ -244,13 +243,13 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
         # Whether the host is the critical path of a steady step, and why (issue 26).
         try:
             metrics["bs1_host_probe"] = probe_host(engine, [prompt()], steps=32)
-        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures above stand without it
+        except Exception as e:  # a diagnostic: the figures above stand without it
             metrics["bs1_host_probe_error"] = repr(e)[:400]
         save(metrics)
         if not tiny:
             try:
                 metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
-            except Exception as e:  # noqa: BLE001 - a diagnostic, as the probe above
+            except Exception as e:  # a diagnostic, as the probe above
                 metrics["bs1_profile_error"] = repr(e)[:400]
             params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
             figs = roofline_figures(measure_rooflines(params_bytes), engine.cfg, prompt_len,
@@ -321,7 +320,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
     if args.tiny:
         default = REFERENCE
     else:
-        from pallas_kernels.backend import get_backend
+        from pallas_kernels.attention.backend import get_backend
         default = get_backend("mosaic")
     weights = Weights(cfg)
     params = weights.get(None, False)
@@ -377,7 +376,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                     f.write(hlo)
             try:
                 entry["weight_reads"] = weight_reads(hlo, 16 << 10 if args.tiny else 1 << 20)
-            except Exception as e:  # noqa: BLE001 - a diagnostic: the timing stands without it
+            except Exception as e:  # a diagnostic: the timing stands without it
                 entry["weight_reads_error"] = repr(e)[:200]
             if (not args.tiny and i < args.traced
                     and time.perf_counter() - start < args.deadline_s - 6):
@@ -396,7 +395,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                          entry["dispatch_ms"]))
             print(name, entry, flush=True)
             kv = state[1]
-        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+        except Exception as e:  # one variant failing must not lose the others
             metrics[f"{name}_error"] = repr(e)[:400]
             print(name, "error", repr(e)[:400], flush=True)
             if kv[0][0].is_deleted():  # donated to a step that failed

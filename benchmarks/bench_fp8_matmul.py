@@ -1,10 +1,10 @@
-"""The FP8 weight-streaming kernel (pallas_kernels/fp8_matmul_mosaic.py) per Llama-3-8B projection
+"""The FP8 weight-streaming kernel (pallas_kernels/matmul/fp8_matmul_mosaic.py) per Llama-3-8B projection
 at decode row counts, against XLA's weight-only dot (what decode steps run now), XLA's W8A8 gemm and
 the HBM read ceiling measured in the same run; correctness first.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_fp8_matmul.py [--rows 1,8]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_fp8_matmul [--rows 1,8]
         [--configs 128/128/6/0,256/128/4/0,...] [--deadline-s 120] [--save [DIR]]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_fp8_matmul.py --tiny   # CPU check
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_fp8_matmul --tiny   # CPU check
 
 Per shape (the fused layout the engine serves on one GPU: qkv, o, gate_up, down), in order:
   check   `quantized_matmul` impl "mosaic" with each config against impl "fp8" (the same W8A8
@@ -35,7 +35,7 @@ CONFIGS = "128/128/6/0,256/128/4/0,128/256/3/0,128/128/8/1"
 
 
 def parse_config(spec: str):
-    from pallas_kernels.fp8_matmul_mosaic import Fp8Config
+    from pallas_kernels.matmul.fp8_matmul_mosaic import Fp8Config
     bn, bk, stages, splits = (int(v) for v in spec.split("/"))
     return Fp8Config(bn, bk, stages, splits)
 
@@ -46,7 +46,7 @@ def impl_fn(impl: str, config=None, interpret: bool = False):
     import jax
 
     from jaxinfer.model.quant.ops import quantize_tokens, quantized_matmul
-    from pallas_kernels.fp8_matmul_mosaic import fp8_matmul
+    from pallas_kernels.matmul.fp8_matmul_mosaic import fp8_matmul
     if impl != "mosaic":
         return jax.jit(lambda x, s, *ws: tuple(quantized_matmul(x, w, s, impl=impl) for w in ws))
 
@@ -118,7 +118,7 @@ def main() -> None:
                     m[key] = check(fn, x, s, ws[0])
                     if m[key][1] < 1e-2:
                         fns[f"mosaic_{c}"] = fn
-                except Exception as e:  # noqa: BLE001 - one config failing must not lose the rest
+                except Exception as e:  # one config failing must not lose the rest
                     m[key] = repr(e)[:300]
                 print(key, m[key], flush=True)
             for impl, fn in fns.items():

@@ -1,7 +1,7 @@
 """Flash prefill attention on the GPU: our Mosaic kernel beside cuDNN and the other anchors,
 measured in the same run.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill.py [--quick] [--shapes dense,paged] [--save [DIR]]
+    python -m benchmarks.bench_prefill [--quick] [--shapes dense,paged] [--save [DIR]]
 
 dense   causal B1 S8192 and B2 S4096, non-causal B2 S4096 (Hq 32 / Hkv 8, d 128): ours (Mosaic,
         bf16 and f16), cuDNN and XLA through jax.nn.dot_product_attention, jax's bundled
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from pallas_kernels import flash_mgpu, reference
-from pallas_kernels import flash_prefill as fp
-from pallas_kernels.flash_config import KernelConfig
-from pallas_kernels.testing import random_paged_batch
+from pallas_kernels.attention import flash_mgpu, reference
+from pallas_kernels.attention import flash_prefill as fp
+from pallas_kernels.attention.flash_config import KernelConfig
+from pallas_kernels.common.testing import random_paged_batch
 
 HQ, HKV, D = 32, 8, 128
 DENSE_SHAPES = [(1, 8192, True), (2, 4096, True), (2, 4096, False)]  # (B, L, causal)

@@ -39,8 +39,8 @@ from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.attention import shard_backend  # noqa: E402
 from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
 from jaxinfer.worker.runner import step_activation_bytes  # noqa: E402
-from pallas_kernels.backend import REFERENCE  # noqa: E402
-from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from pallas_kernels.attention.backend import REFERENCE  # noqa: E402
+from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 
 FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).

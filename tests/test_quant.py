@@ -37,7 +37,7 @@ from jaxinfer.model.transformer import param_shapes, train_forward
 from jaxinfer.model.weights import load_params
 from jaxinfer.parallel.sharding import param_spec
 from jax.sharding import PartitionSpec as P
-from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.moe import grouped_matmul as gm
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "models"

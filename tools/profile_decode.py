@@ -1,6 +1,6 @@
 """Where a paged-decode call's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 tools/profile_decode.py [--shapes 1x32768,64x4096] [--variants mosaic]
+    python -m tools.profile_decode [--shapes 1x32768,64x4096] [--variants mosaic]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
@@ -36,7 +36,7 @@ import numpy as np
 import jax
 
 from benchmarks.bench_decode import D, make_paged_case, mosaic_config
-from pallas_kernels.paged_decode import paged_decode_mosaic
+from pallas_kernels.attention.paged_decode import paged_decode_mosaic
 
 CONSUMERS = 2  # warpgroups 0 and 1; then the producer (and, fp8, the V producer)
 
@@ -153,7 +153,7 @@ def breakdown_table(breakdown: dict) -> str:
 def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool = False) -> dict:
     case = make_paged_case(batch, ctx)
     if fp8:  # the same pages as an fp8 cache (kv_quant.py)
-        from pallas_kernels.kv_quant import quantize
+        from pallas_kernels.attention.kv_quant import quantize
         case = dict(case, k=quantize(case["k"], 1.0), v=quantize(case["v"], 1.0))
         from benchmarks.bench_quant_kv import fp8_variant_config
         config = fp8_variant_config(variant)  # the fp8 options too (qk, wid, late, ...)

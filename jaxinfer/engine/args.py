@@ -178,7 +178,7 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        from pallas_kernels.backend import available_backends
+        from pallas_kernels.attention.backend import available_backends
         from jaxinfer.model.weights import LOAD_FORMATS
         from jaxinfer.parallel.distributed import add_parallel_arguments
         d = EngineArgs.__dataclass_fields__

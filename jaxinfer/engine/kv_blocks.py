@@ -18,7 +18,7 @@ from jaxinfer.worker.kv import plan_kv_cache
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
 from jaxinfer.worker.kv.planner import largest_free_block_bytes
 from jaxinfer.worker.runner import step_activation_bytes
-from pallas_kernels.backend import get_backend
+from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from jaxinfer.model.quant_scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
-from pallas_kernels.backend import get_backend
+from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
                 self.stats.idle_dispatches += 1  # overlapped, but the device got there first
             try:
                 handle = self.runner.execute(sched)
-            except Exception as e:  # noqa: BLE001 - one request's failure is not the engine's
+            except Exception as e:  # one request's failure is not the engine's
                 self._dispatch_failed(sched, e)
             else:
                 if handle.loop_row_steps is not None:

@@ -1,5 +1,5 @@
 """Routed experts after the router: rows sorted by expert, the grouped-matmul SwiGLU
-(`pallas_kernels.grouped_matmul.moe_experts`), rows put back in token order and summed with their
+(`pallas_kernels.moe.grouped_matmul.moe_experts`), rows put back in token order and summed with their
 routing weights.
 
 `routed_experts` runs on whatever experts it is handed: all of them (one device), every expert's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import moe_experts
+from pallas_kernels.moe.grouped_matmul import moe_experts
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,

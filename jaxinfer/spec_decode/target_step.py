@@ -38,7 +38,7 @@ from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
 from jaxinfer.worker.step_inputs import (StepBatch, build_step_batch, input_ids, sampler_variant,
                                          store_emitted)
-from pallas_kernels.backend import AttentionBackend
+from pallas_kernels.attention.backend import AttentionBackend
 
 
 @jax.tree_util.register_dataclass

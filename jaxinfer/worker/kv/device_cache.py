@@ -1,5 +1,5 @@
 """The device-side KV cache: per layer one K and one V array in the head-major paged layout
-[num_kv_heads, num_blocks, block_size, head_dim] (see pallas_kernels/reference.py for why)."""
+[num_kv_heads, num_blocks, block_size, head_dim] (see pallas_kernels/attention/reference.py for why)."""
 
 from __future__ import annotations
 

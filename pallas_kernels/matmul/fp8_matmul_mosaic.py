@@ -36,9 +36,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.flash_config import SMEM_LIMIT
-from pallas_kernels.grouped_matmul_mosaic import pad_rows, padded_rows
+from pallas_kernels.common.device_info import num_sms
+from pallas_kernels.common.device_info import SMEM_LIMIT
+from pallas_kernels.moe.grouped_matmul_mosaic import pad_rows, padded_rows
 
 FP8 = jnp.float8_e4m3fn
 MAX_ROWS = 64  # token rows the kernel takes (wgmma's N side; a consumer's accumulator: block_n/2 x 64)

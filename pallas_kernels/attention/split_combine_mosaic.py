@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.paged_decode_common import DecodeShape
+from pallas_kernels.attention.paged_decode_common import DecodeShape
 
 _WARPGROUP = 128
 _LSE_WIDTH = 64  # the decode kernel's lse row per item: its 64-row wgmma tile

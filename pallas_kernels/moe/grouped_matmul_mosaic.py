@@ -36,8 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.flash_config import SMEM_LIMIT
+from pallas_kernels.common.device_info import num_sms
+from pallas_kernels.common.device_info import SMEM_LIMIT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,12 +59,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.flash_config import (BLOCK_Q, PROFILE_EVENTS, Q_BUFFERS, SMEM_LIMIT, TILE_Q,
-                                         KernelConfig)
-from pallas_kernels.mgpu_common import accumulate_pv, observe_last_releases
-from pallas_kernels.mgpu_fp8 import tile_transforms, wgmma_tile
-from pallas_kernels.softmax_mgpu import redo_where_sums_overflow
+from pallas_kernels.common.device_info import SMEM_LIMIT, num_sms
+from pallas_kernels.attention.flash_config import (BLOCK_Q, PROFILE_EVENTS, Q_BUFFERS, TILE_Q,
+                                                   KernelConfig)
+from pallas_kernels.attention.mgpu_common import accumulate_pv, observe_last_releases
+from pallas_kernels.attention.mgpu_fp8 import tile_transforms, wgmma_tile
+from pallas_kernels.attention.softmax_mgpu import redo_where_sums_overflow
 
 LOG2E = math.log2(math.e)
 
@@ -258,7 +258,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # tracks each barrier's phase parity itself, one flip per wait, so a skipped phase
                 # would leave this warpgroup's parity one behind for the rest of the CTA's items
                 # (a later wait then passes before its data lands, or waits on a phase that never
-                # comes: the engine hang of benchmarks/RESULTS.md).
+                # comes: an engine hang).
                 slot = slot_of(g0 + j)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])

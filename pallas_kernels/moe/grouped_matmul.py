@@ -38,9 +38,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
-                                                  tile_table)
-from pallas_kernels.grouped_matmul_ws import FP8, FP8_COMPUTE, WsConfig, grouped_matmul_ws
+from pallas_kernels.moe.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
+                                                      tile_table)
+from pallas_kernels.moe.grouped_matmul_ws import FP8, FP8_COMPUTE, WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
 # Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per

@@ -4,7 +4,7 @@
 
 At one row XLA emits the residual add, the mean-square reduction and the scaling as three kernels
 (H200, batch-1 decode of the Llama-3-8B shape: ~4.7 µs of mostly launch per norm, two norms per
-layer); this is one program per row. The oracle is `reference.add_rms_norm_reference` (HF's
+layer); this is one program per row. The oracle is `norm.reference.add_rms_norm_reference` (HF's
 order of operations). `add_rms_norm_triton` runs the kernel where it applies (rows <= `max_rows`, a
 power-of-two hidden size: Triton block shapes) and the reference otherwise.
 """
@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.reference import add_rms_norm_reference
+from pallas_kernels.norm.reference import add_rms_norm_reference
 
 # Measured at one row (bench_bs1_step, H200: 24 µs less per batch-1 step); at 8 rows XLA already
 # emits the norm as one fusion beside the add, and the kernel is checked there for correctness only.

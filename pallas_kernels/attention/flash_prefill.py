@@ -24,10 +24,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import flash_mgpu, flash_triton
-from pallas_kernels.flash_config import TILE_Q, KernelConfig
-from pallas_kernels.kv_quant import is_fp8
-from pallas_kernels.mgpu_fp8 import compute_dtype
+from pallas_kernels.attention import flash_mgpu, flash_triton
+from pallas_kernels.attention.flash_config import TILE_Q, KernelConfig
+from pallas_kernels.attention.kv_quant import is_fp8
+from pallas_kernels.attention.mgpu_fp8 import compute_dtype
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)

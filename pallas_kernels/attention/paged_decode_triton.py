@@ -19,9 +19,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.paged_decode_common import (NEG_INF, check_decode_inputs, combine_splits,
-                                                pad_block_tables, plan_splits)
+from pallas_kernels.common.device_info import num_sms
+from pallas_kernels.attention.paged_decode_common import (NEG_INF, check_decode_inputs, combine_splits,
+                                                          pad_block_tables, plan_splits)
 
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 

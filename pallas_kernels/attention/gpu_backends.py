@@ -4,10 +4,10 @@
 portable path for other CUDA GPUs). Imported only when selected, so a CPU machine never compiles them.
 """
 
-from pallas_kernels.backend import AttentionBackend
-from pallas_kernels.flash_prefill import flash_prefill_mosaic, flash_prefill_triton
-from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
-from pallas_kernels.rms_norm import add_rms_norm_triton
+from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.flash_prefill import flash_prefill_mosaic, flash_prefill_triton
+from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton
+from pallas_kernels.norm.rms_norm import add_rms_norm_triton
 
 MOSAIC = AttentionBackend("mosaic", decode=paged_decode_mosaic, prefill=flash_prefill_mosaic,
                           split_mixed_steps=True, add_rms_norm=add_rms_norm_triton)

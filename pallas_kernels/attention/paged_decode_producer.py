@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import observe_last_releases, scoped
+from pallas_kernels.attention.mgpu_common import observe_last_releases, scoped
 
 
 def produce(caches, *, q_load, my_items, item_info, q_rows, bt_ref, head_pages: int, bs: int,

@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import NEG_INF
+from pallas_kernels.attention.reference import NEG_INF
 
 
 @dataclasses.dataclass(frozen=True)

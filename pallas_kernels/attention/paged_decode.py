@@ -14,9 +14,9 @@ Shared pieces (input checks, the flash-decoding split plan, the combine of parti
 `paged_decode_common.py`; the oracle is `reference.paged_decode_reference`.
 """
 
-from pallas_kernels.paged_decode_mosaic import MosaicDecodeConfig, paged_decode_mosaic
-from pallas_kernels.paged_decode_triton import (paged_decode_triton,
-                                                paged_decode_triton_configured)
+from pallas_kernels.attention.paged_decode_mosaic import MosaicDecodeConfig, paged_decode_mosaic
+from pallas_kernels.attention.paged_decode_triton import (paged_decode_triton,
+                                                          paged_decode_triton_configured)
 
 __all__ = ["MosaicDecodeConfig", "paged_decode_mosaic",
            "paged_decode_triton", "paged_decode_triton_configured"]

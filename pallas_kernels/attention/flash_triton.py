@@ -19,7 +19,7 @@ import jax.experimental.pallas.triton as pltriton
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.flash_config import TILE_Q
+from pallas_kernels.attention.flash_config import TILE_Q
 
 BLOCK_K = 64
 LOG2E = math.log2(math.e)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 
+SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
+
 
 def num_sms() -> int:
     """Streaming multiprocessors of the default device (132 on an H100/H200): one persistent CTA

@@ -1,4 +1,4 @@
-"""Mosaic GPU pieces for reading an fp8 KV cache (`pallas_kernels/kv_quant.py` has the scheme).
+"""Mosaic GPU pieces for reading an fp8 KV cache (`pallas_kernels/attention/kv_quant.py` has the scheme).
 
 Hopper's wgmma takes fp8 operands only as e4m3/e5m2 on both sides and only K-major. K is K-major
 for Q K^T (its rows run along the reduced head dimension), so an fp8 ring tile of K is a valid
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.attention.kv_quant import is_fp8
 
 
 def compute_dtype(cache_dtype) -> jnp.dtype:

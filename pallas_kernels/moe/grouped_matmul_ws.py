@@ -55,10 +55,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.flash_config import SMEM_LIMIT
-from pallas_kernels.grouped_matmul_mosaic import (check_ring, check_smem, launch, plan,
-                                                  ring_smem_bytes, silu_mul, store_rows,
-                                                  unit_of)
+from pallas_kernels.common.device_info import SMEM_LIMIT
+from pallas_kernels.moe.grouped_matmul_mosaic import (check_ring, check_smem, launch, plan,
+                                                      ring_smem_bytes, silu_mul, store_rows,
+                                                      unit_of)
 
 # Registers the producer warpgroup keeps (it only issues TMA); the consumers get the rest.
 _PRODUCER_REGISTERS = 40

@@ -7,7 +7,6 @@ import dataclasses
 
 BLOCK_Q = 64          # query rows per consumer warpgroup (wgmma M = 64)
 TILE_Q = 2 * BLOCK_Q  # query rows per CTA (two consumer warpgroups)
-SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per CTA
 REGISTER_FILE = 65536    # 32-bit registers per SM (one CTA of 3 warpgroups fills it)
 PROFILE_EVENTS = 256     # profiler events per warpgroup when profiling (16 bytes of SMEM each)
 Q_BUFFERS = 2            # Q/O buffers per consumer: a persistent consumer prefetches its next Q
@@ -36,7 +35,7 @@ class KernelConfig:
       the true max.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
-      benchmarks/profile_prefill.py)."""
+      tools/profile_prefill.py)."""
     block_kv: int = 128
     stages: int = 2
     num_ctas: int | None = None

@@ -44,23 +44,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.mgpu_common import accumulate_pv, scoped
-from pallas_kernels import mgpu_fp8
-from pallas_kernels.mgpu_fp8 import compute_dtype, tile_transforms
-from pallas_kernels.paged_decode_config import MosaicDecodeConfig
-from pallas_kernels.paged_decode_common import (
-    NEG_INF,
-    DecodeShape,
-    check_decode_inputs,
-    plan_splits,
-)
-from pallas_kernels.paged_decode_producer import produce
-from pallas_kernels.paged_decode_smem import fixed_bytes, profile_space, ring_stages
-from pallas_kernels.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
-from pallas_kernels.paged_decode_swap import swap_consumer, swap_scratch
-from pallas_kernels.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
-                                                 combine_split_parts)
+from pallas_kernels.common.device_info import num_sms
+from pallas_kernels.attention.mgpu_common import accumulate_pv, scoped
+from pallas_kernels.attention import mgpu_fp8
+from pallas_kernels.attention.mgpu_fp8 import compute_dtype, tile_transforms
+from pallas_kernels.attention.paged_decode_config import MosaicDecodeConfig
+from pallas_kernels.attention.paged_decode_common import (
+                                                          NEG_INF,
+                                                          DecodeShape,
+                                                          check_decode_inputs,
+                                                          plan_splits,
+                                                          )
+from pallas_kernels.attention.paged_decode_producer import produce
+from pallas_kernels.attention.paged_decode_smem import fixed_bytes, profile_space, ring_stages
+from pallas_kernels.attention.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
+from pallas_kernels.attention.paged_decode_swap import swap_consumer, swap_scratch
+from pallas_kernels.attention.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
+                                                           combine_split_parts)
 
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2

@@ -30,8 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_fp8 import tile_transforms, widen_slot
-from pallas_kernels.paged_decode_common import NEG_INF
+from pallas_kernels.attention.mgpu_fp8 import tile_transforms, widen_slot
+from pallas_kernels.attention.paged_decode_common import NEG_INF
 
 _LOG2E = math.log2(math.e)
 

@@ -426,10 +426,8 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         if self.on_processed is not None:
             self.on_processed(seqs)
         self.scheduler.update_from_output(seqs)
-        if self.outputs.failed:
-            failed, self.outputs.failed = self.outputs.failed, []
-            for rid, error in failed:
-                self._fail(rid, error)
+        for rid, error in self.outputs.take_failed():
+            self._fail(rid, error)
         self.stats.record_process(time.perf_counter() - t0, handle.wait_s)
         return touched
 

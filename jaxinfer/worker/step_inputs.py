@@ -223,12 +223,12 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
                      table: SamplingTable, max_model_len: int,
                      variant: SamplerVariant) -> SamplingTensors:
     num_seqs = table_rows.shape[0]
-    r = table.rows.take(table_rows)
-    out_pos = np.maximum(seq_lens - r.prompt_len, 0).astype(np.int32)
-    t = SamplingTensors(r.temperature, r.top_k, r.top_p, r.min_p, r.seed, out_pos, r.min_tokens,
-                        r.stop_ids)
+    per_row = table.rows.take(table_rows)
+    out_pos = np.maximum(seq_lens - per_row.prompt_len, 0).astype(np.int32)
+    t = SamplingTensors(per_row.temperature, per_row.top_k, per_row.top_p, per_row.min_p,
+                        per_row.seed, out_pos, per_row.min_tokens, per_row.stop_ids)
     if variant.advanced:
-        t = dataclasses.replace(t, num_top_logprobs=r.num_top_logprobs)
+        t = dataclasses.replace(t, num_top_logprobs=per_row.num_top_logprobs)
     if variant.penalties:
         rep = np.ones(num_seqs, np.float32)
         pres = np.zeros(num_seqs, np.float32)
@@ -245,7 +245,7 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
             history[r, :len(seq.token_ids)] = seq.token_ids
         t = dataclasses.replace(t, repetition_penalty=rep, presence_penalty=pres,
                                 frequency_penalty=freq, history=history,
-                                prompt_len=r.prompt_len)
+                                prompt_len=per_row.prompt_len)
     if variant.masked:
         t = dataclasses.replace(t, token_bitmask=step_bitmask(rows, num_seqs, table.vocab_size))
     return t

@@ -143,6 +143,36 @@ class Scheduler:
         self._priorities_used |= seq.request.priority != 0
         self._start_running(seq)
 
+    def enable_speculation(self, speculator) -> None:
+        """Let decodes carry proposals: `speculator` (spec_decode.proposer.Speculator) is the
+        policy asked each step and the proposer."""
+        self.speculator = speculator
+
+    # ---- disaggregation: prompts handed from a prefill engine's scheduler to a decode engine's ----
+    def hold_for_hand_over(self, seq: Sequence) -> tuple[str, list[int]]:
+        """A prompt handed off: cache its full blocks and hold them under a new id (a fork) until
+        the copy lands, whatever this scheduler does with `seq`. The holder id and its block ids."""
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
+        holder = f"{seq.seq_id}#transfer"
+        self.kv.fork(seq.seq_id, holder)
+        return holder, list(self.kv.get_block_ids(holder))
+
+    def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[int]] | None:
+        """Blocks for a sequence arriving from a prefill engine (its prompt + first token), after
+        matching the prompt against the prefix cache; not counted in the hit-rate stats (the
+        prefill side's lookup is the request's). (prompt tokens already cached, block ids), or None
+        when the pool cannot hold it now. `add_running` starts it once its KV has landed."""
+        prompt_len = seq.prompt_len
+        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False)
+        if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
+            self.kv.free(seq.seq_id)
+            return None
+        return cached, list(self.kv.get_block_ids(seq.seq_id))
+
+    def free_blocks(self, seq_id: str) -> None:
+        """Give back the blocks held under `seq_id` (a hold or reservation that ended)."""
+        self.kv.free(seq_id)
+
     def _requeue_front(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.request.priority, next(self._front), seq))

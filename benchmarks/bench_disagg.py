@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+from benchmarks.timed_window import TimedWindow  # noqa: E402
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
 TINY = dict(input_len=64, output_len=8, concurrency="4,8", backend="reference", requests_per_client=2,
@@ -58,6 +59,7 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
     """`concurrency` clients, each sending its next prompt when its previous request finished."""
     queue = list(enumerate(prompts))
     active, added, times = set(), {}, {}
+    window = TimedWindow(engine)
     t0 = time.perf_counter()
     while queue or active:
         while queue and len(active) < concurrency:
@@ -89,7 +91,7 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
             "second_token_gap_p99_ms": percentiles(second)[1],
             "out_tok_s": round(tokens / elapsed, 1), "wall_s": round(elapsed, 2),
             "prompt_tok_s_to_last_first_token": round(sum(map(len, prompts)) / first_span, 1),
-            "requests": len(added), "out_tokens": tokens}
+            "requests": len(added), "out_tokens": tokens, **window.figures()}
 
 
 def measure_transfer(engine, num_blocks: int, reps: int = 10) -> dict:

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import IO
 
+from jaxinfer.core.scheduler import PROMPT_INDEX_SEP
 from jaxinfer.engine.output_processor import make_request_output
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.errors import InvalidRequestError, TokenizerError
@@ -103,7 +104,7 @@ class BatchRunner:
             self._refuse(line, e)
             return
         engine_id, _ = req.ids("batch")
-        p = Pending(line, req, [f"{engine_id}-{i}" for i in range(len(req.prompts))])
+        p = Pending(line, req, [f"{engine_id}{PROMPT_INDEX_SEP}{i}" for i in range(len(req.prompts))])
         try:
             for rid, prompt in zip(p.engine_ids, req.prompts):
                 p.requests.append(self.engine.add_request(rid, prompt, req.params, req.priority))

@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate, serve, batch, convert, memory."""
+"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from jaxinfer.cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
-from jaxinfer.cli import serve as cli_serve
+from jaxinfer.cli import serve as cli_serve, warmup as cli_warmup
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant.scheme import QUANTIZATIONS
 
@@ -18,7 +18,8 @@ jaxinfer: LLM inference in JAX with Pallas GPU kernels.
 
 Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, run an
 OpenAI Batch file, convert
-Hugging Face checkpoints to orbax or quantize them, or size the KV cache for a model and accelerator."""
+Hugging Face checkpoints to orbax or quantize them, size the KV cache for a model and accelerator,
+or compile every step bucket into the cache before the first start (warmup)."""
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_batch.add_parser(sub)
     _add_convert(sub)
     cli_memory.add_parser(sub)
+    cli_warmup.add_parser(sub)
     return parser
 
 

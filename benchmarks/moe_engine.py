@@ -8,7 +8,9 @@ import os
 import tempfile
 import time
 from pathlib import Path
+
 from benchmarks.timed_window import TimedWindow
+
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,

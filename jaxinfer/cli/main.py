@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # The server's own status lines (where it listens, shutting down) are INFO records, shown
+    # unless --log-level asks for less than the default.
+    if args.log_level in ("warning", "info", "debug"):
+        logging.getLogger("serve.app").setLevel(min(logging.INFO, logging.getLogger().level))
     try:
         return int(args.func(args) or 0)
     except JaxinferError as e:

@@ -220,30 +220,39 @@ async def fetch_model_info(base_url: str, headers: dict) -> tuple[str, int | Non
     return card["id"], card.get("max_model_len")
 
 
-async def fetch_prefix_counters(base_url: str, headers: dict) -> tuple[float, float] | None:
-    """The server's prefix-cache counters from /metrics (prompt tokens looked up, of those found:
-    jaxinfer's and vLLM's `<prefix>:prefix_cache_{queries,hits}_total`), None if it has none."""
-    totals = {"queries": 0.0, "hits": 0.0}
-    seen = False
+async def fetch_server_counters(base_url: str, headers: dict) -> dict[str, float]:
+    """From the server's /metrics: the prefix cache's counters (prompt tokens looked up, of those
+    found: jaxinfer's and vLLM's `<prefix>:prefix_cache_{queries,hits}_total`) and jaxinfer's step
+    buckets (`compiled_buckets`, `total_buckets`); the keys the server exposes."""
+    names = ("prefix_cache_queries_total", "prefix_cache_hits_total", "compiled_buckets",
+             "total_buckets")
+    totals: dict[str, float] = {}
     async with aiohttp.ClientSession(headers=headers) as session:
         async with session.get(f"{base_url}/metrics") as resp:
             if resp.status != 200:
-                return None
+                return totals
             text = await resp.text()
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        for kind in totals:
-            if name.split("{")[0].endswith(f":prefix_cache_{kind}_total"):
-                totals[kind] += float(value.split()[0])
-                seen = True
-    return (totals["queries"], totals["hits"]) if seen else None
+        short = name.split("{")[0].rpartition(":")[2]
+        if short in names and not line.startswith("#"):
+            totals[short] = totals.get(short, 0.0) + float(value.split()[0])
+    return totals
 
 
-def prefix_hit_rate(before, after) -> float | None:
-    if before is None or after is None:
+def prefix_hit_rate(before: dict, after: dict) -> float | None:
+    key_q, key_h = "prefix_cache_queries_total", "prefix_cache_hits_total"
+    if key_q not in before or key_q not in after:
         return None
-    queries = after[0] - before[0]
-    return round((after[1] - before[1]) / queries, 4) if queries else 0.0
+    queries = after[key_q] - before[key_q]
+    return round((after[key_h] - before[key_h]) / queries, 4) if queries else 0.0
+
+
+def buckets_compiling(counters: dict) -> int | None:
+    """Step buckets the server was still compiling (its steps run padded meanwhile)."""
+    if "total_buckets" not in counters:
+        return None
+    return int(counters["total_buckets"] - counters.get("compiled_buckets", 0))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -339,12 +348,13 @@ def main(argv=None) -> int:
         requests = make_requests(args.seed + i)
         print(f"model={model} endpoint={args.endpoint} prompts={len(requests)} "
               f"request_rate={args.request_rate} max_concurrency={conc}")
-        before = asyncio.run(fetch_prefix_counters(base_url, headers))
+        before = asyncio.run(fetch_server_counters(base_url, headers))
         results, duration = asyncio.run(run_benchmark(url, model, chat, requests, args.request_rate, conc,
                                                       args.ignore_eos, args.seed))
         metrics = summarize(results, duration, args.request_rate, conc, args.goodput, args.metric_percentiles)
         metrics["prefix_hit_rate"] = prefix_hit_rate(
-            before, asyncio.run(fetch_prefix_counters(base_url, headers)))
+            before, asyncio.run(fetch_server_counters(base_url, headers)))
+        metrics["buckets_compiling"] = buckets_compiling(before)  # at the run's start
         print_result(metrics)
         rows.append(metrics)
         if args.save_result:

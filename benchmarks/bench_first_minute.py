@@ -85,7 +85,7 @@ def closed_loop(engine, vocab: int, shapes: dict, seed: int) -> float:
 def run_warm(cfg: dict) -> dict:
     from benchmarks.bench_multi_gpu import _throughput
     from jaxinfer.engine.args import EngineArgs
-    from jaxinfer.engine.llm import LLM
+    from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
 
@@ -143,7 +143,7 @@ def main() -> None:
     metrics: dict = {}
     phases: dict = {}
     t0 = time.perf_counter()
-    stdout, stderr, rc = child([sys.executable, "-m", "jaxinfer.cli.main", "warmup", *flags],
+    stdout, stderr, rc = child([sys.executable, "-m", "cli.main", "warmup", *flags],
                                args.deadline_s - 150)
     phases["cold"] = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc,
                       "stdout_tail": stdout[-300:]}

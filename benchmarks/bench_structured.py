@@ -24,7 +24,7 @@ import time
 from benchmarks import results_io
 from benchmarks.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured import StructuredOutputsParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from benchmarks.bench_multi_gpu import _throughput
 from benchmarks.timed_window import TimedWindow
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine
 

@@ -67,7 +67,8 @@ def check_model(body: dict, served_names: list[str]) -> None:
     """`model` is an identifier compared with the served names, never used as a path."""
     model = body.get("model")
     if model is not None and model not in served_names:
-        raise APIError(404, f"The model `{short_repr(model, 200)}` does not exist.", "model")
+        name = model if isinstance(model, str) and len(model) <= 200 else short_repr(model, 200)
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
 
 
 def _is_int(x: Any) -> bool:
@@ -235,9 +236,11 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
         prompts = [tokenizer.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))]
         texts = [text]
         # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        max_tokens = body.get(field)
+        if _is_int(max_tokens) and max_tokens < 1:  # (named as sent, not as the engine calls it)
+            raise bad_request(f"{field} must be an integer from 1 (got {max_tokens})", field)
     else:
         add_special = bool_field(body, "add_special_tokens", True)
         prompts, texts = [], []
@@ -256,6 +259,9 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
                 prompts.append(check_token_ids(p, vocab_size, "prompt", max_len))
                 texts.append(tokenizer.decode(p, skip_special_tokens=False))
         max_tokens = body.get("max_tokens", 16)
+        if _is_int(max_tokens) and max_tokens < 1 and not (max_tokens == 0 and echo):
+            raise bad_request(f"max_tokens must be an integer from 1, or 0 with echo (the prompt "
+                              f"scored, nothing generated); got {max_tokens}", "max_tokens")
     prompts, texts = _truncate(body, tokenizer, prompts, texts, max_len)
     generate_nothing = not chat and max_tokens == 0 and _is_int(max_tokens)
     # echo with logprobs reports the prompt tokens' logprobs too (vLLM: prompt_logprobs defaults

@@ -115,14 +115,13 @@ def test_moe_experts_every_impl_matches_reference():
         assert _rel(out[:used], ref[:used]) < 1e-2, impl
 
 
-def test_dispatch_choice_and_override(monkeypatch):
+def test_dispatch_choice_and_config():
     shape = (128, 2048, 768)
     assert gm.choose_impl(512, shape, 64, jnp.bfloat16) == "ragged"  # CPU: XLA's exact path
-    monkeypatch.setenv("JAXINFER_MOE_IMPL", "padded")
-    assert gm.choose_impl(512, shape, 64, jnp.bfloat16) == "padded"
-    monkeypatch.setenv("JAXINFER_MOE_IMPL", "fast")
-    with pytest.raises(ValueError, match="JAXINFER_MOE_IMPL"):
-        gm.choose_impl(512, shape, 64, jnp.bfloat16)
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="padded") == "padded"
+    assert gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="xla") == "ragged"
+    with pytest.raises(ValueError, match="moe_impl 'fast'"):
+        gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="fast")
     # Measured choices (bench_moe, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
     # kernel, Mixtral decode (8 experts, 16 rows each) on the padded einsum; without the kernel the
     # padded einsum (E / k = 16x the rows: it beat ragged_dot at both phases), ragged_dot past that.

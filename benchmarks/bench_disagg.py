@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation on two GPUs against two colocated replicas, one process, one run.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_disagg.py [--concurrency 32,64]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_disagg [--concurrency 32,64]
         [--input-len 4096] [--output-len 256] [--deadline-s 190] [--save [DIR]]
-    PYTHONPATH=. python3 benchmarks/bench_disagg.py --tiny   # the whole script on 2 CPU devices
+    python -m benchmarks.bench_disagg --tiny   # the whole script on 2 CPU devices
 
 A Llama-3-8B-shaped model (dummy bf16 weights, mosaic kernels). Parts, in order; the JSON record
 is rewritten after each, and a part that would not fit in what is left of --deadline-s is skipped:
@@ -29,16 +29,15 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from benchmarks.timed_window import TimedWindow
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
 TINY = dict(input_len=64, output_len=8, concurrency="4,8", backend="reference", requests_per_client=2,
@@ -58,6 +57,7 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
     """`concurrency` clients, each sending its next prompt when its previous request finished."""
     queue = list(enumerate(prompts))
     active, added, times = set(), {}, {}
+    window = TimedWindow(engine)
     t0 = time.perf_counter()
     while queue or active:
         while queue and len(active) < concurrency:
@@ -89,7 +89,7 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
             "second_token_gap_p99_ms": percentiles(second)[1],
             "out_tok_s": round(tokens / elapsed, 1), "wall_s": round(elapsed, 2),
             "prompt_tok_s_to_last_first_token": round(sum(map(len, prompts)) / first_span, 1),
-            "requests": len(added), "out_tokens": tokens}
+            "requests": len(added), "out_tokens": tokens, **window.figures()}
 
 
 def measure_transfer(engine, num_blocks: int, reps: int = 10) -> dict:
@@ -145,7 +145,7 @@ def _engines(engine) -> dict:
 
 def fresh_stats(engine) -> None:
     """Zero the host-time counters before a timed pass."""
-    from jaxinfer.disagg.engine import DriverStats
+    from jaxinfer.frontends.disaggregated import DriverStats
     from jaxinfer.engine.metrics import EngineStats
     for e in _engines(engine).values():
         e.stats = EngineStats()
@@ -156,7 +156,7 @@ def fresh_stats(engine) -> None:
 def host_phases(engine, tag: str) -> dict:
     """Where the host's time went during a timed pass: each engine's step phases (ms per step:
     schedule, build, launch, wait for tokens, process) and, for the disaggregated engine, its
-    driver's phases per driver step (jaxinfer/disagg/engine.py DriverStats). A driver spending
+    driver's phases per driver step (jaxinfer/frontends/disaggregated.py DriverStats). A driver spending
     most of its time in one engine's phase while the other engine's device idles is the stall."""
     out = {f"{tag}_host_{role}": {"steps": e.stats.steps, **e.stats.breakdown_ms()}
            for role, e in _engines(engine).items()}
@@ -169,7 +169,7 @@ def colocated(disagg, args):
     """Two colocated replicas on the disaggregated engine's devices, its weights and pool size."""
     from jaxinfer.disagg.args import role_args
     from jaxinfer.engine.llm_engine import LLMEngine
-    from jaxinfer.parallel.data_parallel import DataParallelEngine
+    from jaxinfer.frontends.data_parallel import DataParallelEngine
     replica_args = role_args(args, "decode")
     return DataParallelEngine([
         LLMEngine(e.cfg, e.runner.params, e.tokenizer, replica_args,
@@ -242,7 +242,7 @@ def main() -> None:
     def left() -> float:
         return a.deadline_s - (time.perf_counter() - start)
 
-    from jaxinfer.disagg.engine import DisaggregatedEngine
+    from jaxinfer.frontends.disaggregated import DisaggregatedEngine
     part_t0 = time.perf_counter()
     disagg = DisaggregatedEngine.from_engine_args(args)
     loaded = time.perf_counter() - part_t0

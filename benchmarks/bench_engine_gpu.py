@@ -1,6 +1,6 @@
 """The engine on the GPU, one device call: compile time and offline throughput at a real model size.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_engine_gpu.py [--sections ...]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_engine_gpu [--sections ...]
         [--deadline-s 540] [--backend mosaic|triton|reference] [--save [DIR]]
 
 Sections (each in its own process, so one that crashes or runs out of time keeps the others'
@@ -41,6 +41,8 @@ LLAMA3_8B = {
     "rope_theta": 500000.0, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 
 # The llama8b section's bench_throughput workload.
 LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-len", "512",
@@ -49,6 +51,15 @@ LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-le
 
 
 # ---- sections that run inside a child process ------------------------------------------------
+def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
+    """Seconds to generate exactly n greedy tokens for each prompt."""
+    from jaxinfer import SamplingParams
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def section_warmup(cache_dir: str) -> dict:
     import jax
 
@@ -103,7 +114,7 @@ def child(argv: list[str], timeout: float, grace_s: float = 15) -> tuple[str, st
 
 def throughput_argv(model: str, extra: list[str], json_path: Path, cache_dir: str,
                     backend: str = "mosaic") -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--model", model,
+    return [sys.executable, "-m", "benchmarks.bench_throughput", "--model", model,
             "--attention-backend", backend, "--dtype", "bfloat16", "--temperature", "0",
             "--compilation-cache-dir", cache_dir, "--output-json", str(json_path), *extra]
 
@@ -128,7 +139,8 @@ def main() -> None:
     llama_dir.mkdir()
     (llama_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     plans = {
-        "warmup": ([sys.executable, __file__, "--run-section", "warmup", "--cache-dir", cache_dir], 240),
+        "warmup": ([sys.executable, "-m", __spec__.name, "--run-section", "warmup",
+                    "--cache-dir", cache_dir], 240),
         "llama8b": (throughput_argv(str(llama_dir), LLAMA8B_WORKLOAD, work / "llama8b.json",
                                     cache_dir, args.backend), 300),
         "demo": (throughput_argv(str(ROOT / "checkpoints" / "demo-target"), [

@@ -2,9 +2,9 @@
 decode, concurrency 64 (inter-token latency) and 256 (throughput, host time), against rooflines
 measured in the same run.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_engine_llama8b.py --save
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_engine_llama8b --save
         [--deadline-s 190] [--caps 256,0,512] [--num-blocks 16384]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_engine_llama8b.py --tiny   # CPU check
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_engine_llama8b --tiny   # CPU check
 
 Two engine processes share one fresh `--compilation-cache-dir`:
   cold  process start -> `LLMEngine.from_engine_args` returns (first buckets compiled, the rest
@@ -45,11 +45,11 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from benchmarks.timed_window import TimedWindow
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULT = "RESULT "
 READY = "READY"
@@ -193,7 +193,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     import jax
     import numpy as np
 
-    from jaxinfer.engine.llm import LLM
+    from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
     engine = LLMEngine.from_engine_args(engine_args(opts))
@@ -233,7 +233,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         from tools.trace_engine_step import profile_decode_steps
         try:
             emit(bs1_profile=profile_decode_steps(engine, prompts(1)))
-        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+        except Exception as e:  # a diagnostic: the figures go on without it
             emit(bs1_profile_error=repr(e)[:300])
     if "bs1" in parts:
         bs1(engine, prompts(1)[0], 8)  # the now-ready decode buckets' first call
@@ -269,13 +269,14 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         engine.scheduler.decode_steps_per_call = loop_steps
         engine.runner.set_async_launch(run == "async")
         engine.stats.__init__()
+        window = TimedWindow(engine)
         t0 = time.perf_counter()
         outs = llm.generate(c256_prompts, SamplingParams(temperature=0.0, max_tokens=out_len,
                                                          ignore_eos=True), use_tqdm=False)
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         st = engine.stats
-        emit(**{f"{label}_out_tok_s": round(n_out / elapsed, 1),
+        emit(**window.figures(label), **{f"{label}_out_tok_s": round(n_out / elapsed, 1),
                 f"{label}_host_ms_per_step": round(st.host_ms_per_step, 3),
                 f"{label}_host_phases_ms": st.breakdown_ms(),
                 f"{label}_step_period_ms": round(1e3 * elapsed / max(st.steps, 1), 3),
@@ -293,7 +294,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
             return
         try:
             emit(**{key: fn(engine, c256_prompts, steps=16)})
-        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+        except Exception as e:  # a diagnostic: the figures go on without it
             emit(**{f"{key}_error": repr(e)[:300]})
 
     from tools.profile_host_step import launch_costs, launch_variants, profile_host_steps
@@ -325,11 +326,12 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
             continue
         engine.scheduler.max_step_tokens_while_decoding = budget or None
         engine.stats.__init__()
+        window = TimedWindow(engine)
         t0 = time.perf_counter()
         run = token_times(engine, list(zip(prompts(n64), lengths)), 64)  # (new: no prefix hits)
         figs = latency_figures(run, time.perf_counter() - t0)
         c64_runs[budget] = figs
-        emit(**{f"{label}_{k}": v for k, v in figs.items()},
+        emit(**window.figures(label), **{f"{label}_{k}": v for k, v in figs.items()},
              **{f"{label}_host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
                 "compiles_after_all_buckets": compiles[0]})
         engine.scheduler.decode_steps_per_call = engine.runner.decode_steps_per_call
@@ -444,7 +446,7 @@ def main() -> None:
         limit = (left - args.warm_reserve_s if mode == "cold" and "warm" in args.parts.split(",")
                  else left)
         spec = json.dumps(dict(opts=opts, mode=mode, left_s=limit - 5))
-        child = run_child([sys.executable, __file__, "--engine-process", spec, "--caps",
+        child = run_child([sys.executable, "-m", __spec__.name, "--engine-process", spec, "--caps",
                            args.caps, "--parts", args.parts, "--c256-runs", args.c256_runs]
                           + (["--tiny"] if args.tiny else []),
                           limit, on_result)

@@ -1,9 +1,9 @@
 """Start-up time: `jaxinfer serve` from process start to `/health` 200, cold and warm.
 
-    PYTHONPATH=. python benchmarks/bench_startup.py [--model DIR] [--warm-runs 2] [--save [DIR]]
+    python -m benchmarks.bench_startup [--model DIR] [--warm-runs 2] [--save [DIR]]
         [-- extra serve flags]
 
-Each run is a fresh `python -m jaxinfer.cli.main serve` process. The cold run gets an empty
+Each run is a fresh `python -m cli.main serve` process. The cold run gets an empty
 compilation cache directory (persistent XLA cache and executable cache); the warm runs reuse what
 the cold run wrote. The server logs its phases once ready (jaxinfer/engine/startup.py): config,
 tokenizer, weights, KV plan + allocation, warm-up, and inside warm-up jax's tracing, lowering, XLA
@@ -29,10 +29,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
 
-from benchmarks import results_io  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ENGINE_PHASES = ("config", "tokenizer", "weights", "kv_plan_and_alloc", "warmup")  # sequential
 PREFIX = "startup phases (s): "  # jaxinfer.engine.startup.STARTUP_LOG_PREFIX (older commits lack it)
@@ -55,7 +54,7 @@ def _healthy(port: int) -> bool:
 def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: float) -> dict:
     """One server start: seconds to /health 200 and the phases the server logged."""
     port = _free_port()
-    argv = [sys.executable, "-m", "jaxinfer.cli.main", "--log-level", "info", "serve",
+    argv = [sys.executable, "-m", "cli.main", "--log-level", "info", "serve",
             "--port", str(port), "--compilation-cache-dir", cache_dir, *extra]
     if model:
         argv += ["--model", model]

@@ -1,12 +1,15 @@
 """Offline throughput, shaped like vLLM's benchmark_throughput, plus the engine's host overhead.
 
-    python benchmarks/bench_throughput.py --model DIR --input-len 128 --output-len 128 --num-prompts 64
-    python benchmarks/bench_throughput.py --host-overhead --num-seqs 256
-    python benchmarks/bench_throughput.py --host-overhead --logprobs 0 --final-output-only
+    python -m benchmarks.bench_throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
+    python -m benchmarks.bench_throughput --host-overhead --num-seqs 256
+    python -m benchmarks.bench_throughput --host-overhead --logprobs 0 --final-output-only
 
 Throughput: N random-token prompts of --input-len tokens, each generating exactly --output-len tokens
 (ignore_eos), through `LLM.generate`; prints `Throughput: X requests/s, Y total tokens/s, Z output
-tokens/s` as vLLM does, after a warm-up (compilation is not timed).
+tokens/s` as vLLM does, after a warm-up on other prompts (compilation is not timed, and the timed
+prompts are new to the prefix cache); the result carries the timed window's `prefix_hit_rate` and
+the step buckets still compiling when it began (`buckets_compiling`; `--no-background-compile`
+compiles them all first).
 
 Host overhead: the host-side work of one steady-state decode step for --num-seqs running sequences,
 i.e. `Scheduler.schedule()` + `ModelRunner.build()` (the padded step arrays), with no device work;
@@ -32,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from jaxinfer.engine.llm import LLM
+from benchmarks.timed_window import TimedWindow, fresh_prompts
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError
@@ -44,13 +48,15 @@ def throughput(args: argparse.Namespace) -> dict:
     engine_args = EngineArgs.from_cli_args(args)
     engine = LLMEngine.from_engine_args(engine_args)
     llm = LLM(engine=engine)
-    rng = np.random.default_rng(0)
     vocab = engine.cfg.vocab_size
-    prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
+    prompts = fresh_prompts(vocab, args.num_prompts, args.input_len, seed=1, low=0)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                             ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    # The warm-up's prompts are not the timed ones: the prefix cache would skip their prefill.
+    llm.generate(fresh_prompts(vocab, 2, args.input_len, seed=0, low=0),
+                 SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     engine.stats.__init__()
+    window = TimedWindow(engine)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -62,7 +68,8 @@ def throughput(args: argparse.Namespace) -> dict:
                   tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
                   steps=st.steps, host_ms_per_step=st.host_ms_per_step,
                   overlapped_dispatches_device_already_idle=st.idle_dispatches,
-                  sync_gap_ms=st.sync_gap_ms, platform=jax.devices()[0].platform)
+                  sync_gap_ms=st.sync_gap_ms, platform=jax.devices()[0].platform,
+                  **window.figures())
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
@@ -105,10 +112,9 @@ def _host_overhead(args: argparse.Namespace, logprobs: int | None) -> dict:
     engine = LLMEngine(cfg, params, None, eargs, num_blocks=num_blocks)
     rng = np.random.default_rng(0)
     for i in range(n):
-        req = engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
-                                 SamplingParams(temperature=0.8, max_tokens=None, ignore_eos=True,
-                                                logprobs=logprobs))
-        req.final_output_only = args.final_output_only
+        engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
+                           SamplingParams(temperature=0.8, max_tokens=None, ignore_eos=True,
+                                          logprobs=logprobs), final_output_only=args.final_output_only)
     sched_ms, build_ms, process_ms = [], [], []
     scheduler, runner = engine.scheduler, engine.runner
     # Admit and "prefill" everyone without the device: schedule until every sequence decodes.

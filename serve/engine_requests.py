@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.scheduler import PROMPT_INDEX_SEP
 from jaxinfer.sampling_params import SamplingParams
 from serve.app_keys import ENGINE, MAX_WAITING
 from serve.errors import APIError
@@ -40,6 +41,10 @@ def engine_unavailable(app) -> APIError | None:
         return APIError(503, f"the engine failed to start: {start.exception()!r}")
     if engine.errored is not None:
         return APIError(503, f"the engine loop has stopped: {engine.errored!r}")
+    try:
+        engine.check_health()
+    except Exception as e:  # whatever stops it (the multi-host stream's sender, say): 503
+        return APIError(503, f"the engine cannot serve: {e!r}")
     if life.shutting_down:
         return APIError(503, "the server is shutting down")
     if not engine.is_ready:
@@ -71,7 +76,7 @@ class RequestGroup:
     def __init__(self, engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  priority: int = 0):
         self.engine = engine
-        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.request_ids = [f"{request_id}{PROMPT_INDEX_SEP}{i}" for i in range(len(prompts))]
         self._iters = [engine.generate(p, params, rid, priority=priority)
                        for p, rid in zip(prompts, self.request_ids)]
         self._first: list[RequestOutput] = []

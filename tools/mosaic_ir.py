@@ -11,9 +11,9 @@ kernel change), and tests/test_kernel_ir.py checks a few cheap ones in CI.
 Kernels (attention at benchmark shapes: Hq 32 / Hkv 8 / d 128, default configs): prefill-dense
 (bf16, non-causal B2 S4096), prefill-paged[-fp8] (8 sequences of 512 new tokens, page 16; bf16 or
 e4m3 cache), decode[-fp8] (batch 1 x 32768: the decode kernel and its split combine; -b64: batch 64
-x 4096, one split), gmm-decode /
-gmm-prefill[-fp8] (`moe_experts` on the Mosaic kernels, Qwen3-30B-A3B experts: 128 x 2048 x 768,
-64 and 8192 routed rows; bf16 or e4m3 stacks), rms-norm (the Triton add + RMSNorm, 1 x 4096).
+x 4096, one split), gmm-decode / gmm-prefill[-fp8] (`moe_experts` on the Mosaic kernels,
+Qwen3-30B-A3B experts: 128 x 2048 x 768, 64 and 8192 routed rows; bf16 or e4m3 stacks), rms-norm
+(the Triton add + RMSNorm, 1 x 4096).
 """
 
 from __future__ import annotations

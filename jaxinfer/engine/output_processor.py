@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
-from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.core.outputs import CompletionOutput, RequestOutput
+from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 from jaxinfer.worker.runner import StepHandle
 
@@ -29,6 +29,11 @@ class OutputProcessor:
         self.failed: list[tuple[str, BaseException]] = []
         # The step's inter-token gaps (seconds -> tokens), observed once per distinct gap.
         self._gaps: dict[float, int] = {}
+
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """The requests whose results could not be applied since the previous call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def process(self, handle: StepHandle) -> tuple[list[Request], list[Sequence]]:
         """Apply a step's results. Returns the requests that have something new to report, and the
@@ -52,7 +57,7 @@ class OutputProcessor:
             try:
                 num_new_tokens += self._process_row(seq, entry, r, res, tokens, logprobs, steps,
                                                     now, touched, handle.loop_row_steps)
-            except Exception as e:  # noqa: BLE001 - fails this row's request, not the step
+            except Exception as e:  # fails this row's request, not the step
                 self.failed.append((seq.request.request_id, e))
                 continue
             live.append(seq)

@@ -41,3 +41,10 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     ys = ys[rank].reshape(t, k, -1)
     ys = jnp.where(mine[..., None], ys.astype(jnp.float32), 0.0)  # rows past the groups: undefined
     return jnp.einsum("tkh,tk->th", ys, weights).astype(x.dtype)
+
+
+def expert_dispatch(backend):
+    """What the MoE layer calls with its routed rows: the attention backend's `routed_experts` when
+    it has one (parallel/attention.py's ShardedAttention: the shard_map over its replica's mesh),
+    else `routed_experts` on one device. The model never names a mesh."""
+    return getattr(backend, "routed_experts", routed_experts)

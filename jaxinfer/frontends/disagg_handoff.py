@@ -15,9 +15,8 @@ import dataclasses
 
 import jax
 
-from jaxinfer.engine.llm_engine import make_choice
 from jaxinfer.engine.output_processor import OutputProcessor
-from jaxinfer.engine.request import Request, Sequence
+from jaxinfer.core.request import Request, Sequence, make_choice
 from jaxinfer.model.tokenizer import Tokenizer
 
 HANDOFF = "handoff"  # a prefill-side finish reason no client sees
@@ -70,10 +69,11 @@ def continuation(tokenizer: Tokenizer | None, src: Request, src_seq: Sequence) -
                                                                                          Sequence]:
     """The decode side's request and sequence continuing `src` after its first token."""
     req = Request(src.request_id, src.prompt_token_ids, src.params, src.seed, (), src.priority,
-                  src.arrival_time)
+                  src.arrival_time, weight_version=src.weight_version,
+                  final_output_only=src.final_output_only)
     req.stop_ids_row, req.stop_id_set = src.stop_ids_row, src.stop_id_set
     for name in ("first_scheduled_time", "first_token_time", "last_token_time",
-                 "num_cached_tokens", "prompt_logprobs", "weight_version"):
+                 "num_cached_tokens", "prompt_logprobs"):
         setattr(req, name, getattr(src, name))
     seq = make_choice(tokenizer, req, 0, src_seq.prompt_len)
     seq.token_ids = list(src_seq.token_ids)

@@ -12,34 +12,27 @@ device work overlaps.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
 
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine.metrics import EngineMetrics
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.protocol import EngineClient
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import RequestFailedError
+from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
-log = logging.getLogger(__name__)
 
-
-class DataParallelEngine:
+class DataParallelEngine(EngineClient):
     def __init__(self, replicas: list[LLMEngine]):
         self.replicas = replicas
         first = replicas[0]
         self.args, self.cfg, self.tokenizer = first.args, first.cfg, first.tokenizer
         self.max_model_len, self.model_name = first.max_model_len, first.model_name
         self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
+        self.startup = first.startup
         self.metrics = MergedMetrics([r.metrics for r in replicas])
-        self.grammars = first.grammars  # one compiled-grammar cache for every replica
-        for r in replicas:
-            r.grammars = first.grammars
+        self.grammars = first.grammars  # (from_engine_args gives every replica this one)
         self._owner: dict[str, LLMEngine] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="jaxinfer-dp")
 
@@ -47,7 +40,12 @@ class DataParallelEngine:
     def from_engine_args(cls, args: EngineArgs) -> DataParallelEngine:
         from jaxinfer.parallel.sharding import build_mesh, replica_meshes
         mesh = build_mesh(args.tensor_parallel_size, args.data_parallel_size)
-        return cls([LLMEngine.from_engine_args(args, mesh=m) for m in replica_meshes(mesh)])
+        first, *rest = replica_meshes(mesh)
+        replicas = [LLMEngine.from_engine_args(args, mesh=first)]
+        # one compiled-grammar cache for every replica
+        replicas += [LLMEngine.from_engine_args(args, mesh=m, grammars=replicas[0].grammars)
+                     for m in rest]
+        return cls(replicas)
 
     def warmup(self, progress: bool = True) -> float:
         return max(self._pool.map(lambda r: r.warmup(progress), self.replicas))
@@ -57,13 +55,14 @@ class DataParallelEngine:
         return len(replica.requests) / replica.args.max_num_seqs + replica.scheduler.kv_cache_stats()[0]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None):
+                    arrival_time: float | None = None, *, final_output_only: bool = False):
         from jaxinfer.errors import InvalidRequestError
         if request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=self._load)
-        req = replica.add_request(request_id, prompt, params, priority, arrival_time)
+        req = replica.add_request(request_id, prompt, params, priority, arrival_time,
+                                  final_output_only=final_output_only)
         self._owner[request_id] = replica
         return req
 
@@ -117,60 +116,3 @@ class DataParallelEngine:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outs
-
-    def run_to_completion(self) -> Iterable[RequestOutput]:
-        while self.has_unfinished_requests():
-            yield from self.step()
-
-
-class MergedMetrics:
-    """The replicas' Prometheus metrics as one registry: counters, histograms and the request
-    gauges summed over replicas, the KV-cache usage averaged."""
-
-    def __init__(self, parts: list[EngineMetrics]):
-        self.parts = parts
-        self.model_name = parts[0].model_name
-        self.registry = CollectorRegistry()
-        self.registry.register(self)
-
-    def collect(self):
-        families: dict[str, Metric] = {}
-        samples: dict[str, dict[tuple, list]] = {}  # family -> sample key -> [sample, summed value]
-        for part in self.parts:
-            for family in part.registry.collect():
-                families.setdefault(family.name, family)
-                for s in family.samples:
-                    key = (s.name, tuple(sorted(s.labels.items())))
-                    entry = samples.setdefault(family.name, {}).setdefault(key, [s, 0.0])
-                    entry[1] += s.value
-        for name, family in families.items():
-            scale = 1 / len(self.parts) if name.endswith("kv_cache_usage_perc") else 1
-            out = Metric(family.name, family.documentation, family.type, family.unit)
-            out.samples = [s._replace(value=v * scale) for s, v in samples.get(name, {}).values()]
-            yield out
-
-
-def create_engine(args: EngineArgs):
-    """The engine the flags ask for: one LLMEngine, DataParallelEngine when --data-parallel-size > 1
-    (after joining a multi-process run when its flags are set), or DisaggregatedEngine with
-    --disaggregate."""
-    import jax
-
-    from jaxinfer.model.config import load_config
-    from jaxinfer.parallel.distributed import initialize_distributed
-    from jaxinfer.parallel.sharding import validate_parallel_sizes
-    if initialize_distributed(args) and args.background_compile:
-        # A step runs in the smallest *compiled* bucket that fits: with buckets compiling in the
-        # background that depends on each process's compile timing, and the processes must
-        # dispatch the same step shapes. So a multi-process warmup compiles every bucket first.
-        log.info("multi-process run: compiling every step bucket before serving "
-                 "(--no-background-compile)")
-        args.background_compile = False
-    if args.disaggregate:
-        from jaxinfer.disagg.engine import DisaggregatedEngine
-        return DisaggregatedEngine.from_engine_args(args)
-    if args.data_parallel_size > 1:
-        validate_parallel_sizes(load_config(args.model_path), args.tensor_parallel_size,
-                                args.data_parallel_size, jax.device_count(), args.expert_layout)
-        return DataParallelEngine.from_engine_args(args)
-    return LLMEngine.from_engine_args(args)

@@ -2,7 +2,7 @@
 
 Multi-host: the same command runs on every host with its own --process-id. Process 0 serves HTTP
 and publishes its request stream; every other process builds the same engine, binds no port and
-replays that stream (jaxinfer/parallel/request_stream.py) until process 0 shuts down."""
+replays that stream (jaxinfer/frontends/multihost.py) until process 0 shuts down."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def resolve_model_tag(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.frontends.async_engine import AsyncEngine
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.errors import ConfigError
-    from serve.app import check_server_args, serve_until_signal
+    from serve.app import check_port_free, check_server_args, serve_until_signal
 
     from jaxinfer.parallel.distributed import distributed_settings
 
@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
     multi = distributed_settings(engine_args)
     if multi is not None and multi["process_id"] != 0:
         # Only process 0 serves HTTP; this one replays its request stream until it stops.
-        from jaxinfer.parallel.request_stream import serve_as_follower
+        from jaxinfer.frontends.multihost import serve_as_follower
         return serve_as_follower(engine_args)
+    check_port_free(args.host, args.port)
     engine = AsyncEngine(engine_args)
     if engine.tokenizer is None:  # every API route takes or returns text
         raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: the server needs "

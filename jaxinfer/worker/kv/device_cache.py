@@ -9,9 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-
-# Per layer (k_cache, v_cache); a tuple so it is a pytree that jit can donate.
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+from jaxinfer.model.transformer import KVCache
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,

@@ -19,7 +19,7 @@ import collections.abc
 
 import numpy as np
 
-from jaxinfer.engine.outputs import TokenLogprob
+from jaxinfer.core.outputs import TokenLogprob
 
 
 class SampledLogprobs:

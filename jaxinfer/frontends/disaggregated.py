@@ -27,22 +27,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jaxinfer.disagg.handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
+from jaxinfer.frontends.disagg_handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
                                      limit_to_first_token)
 from jaxinfer.disagg.transfer import KVTransfer
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.metrics import KVTransferMetrics
 from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.request import Sequence
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.request import Sequence
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.parallel.data_parallel import MergedMetrics
+from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
 # Copies in flight at once: each holds a request's KV outside both KV pools (on the decode devices
@@ -80,21 +80,20 @@ class DriverStats:
                 **{f"{p}_count": n for p, n in sorted(self.counts.items()) if p != "steps"}}
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(EngineClient):
     def __init__(self, prefill: LLMEngine, decode: LLMEngine):
         self.prefill, self.decode = prefill, decode
         self.args, self.cfg, self.tokenizer = decode.args, decode.cfg, decode.tokenizer
-        # One structured-output grammar cache: a sequence keeps its matcher across the hand-over.
-        self.grammars = decode.grammars = prefill.grammars
+        if prefill.grammars is not decode.grammars or not isinstance(prefill.outputs,
+                                                                    HandoffOutputProcessor):
+            raise ConfigError("the disaggregated engines share one grammar cache and the prefill "
+                              "engine hands prompts off: build them with from_engine_args")
+        self.grammars = prefill.grammars
         self.max_model_len, self.model_name = decode.max_model_len, decode.model_name
         self.num_total_blocks = prefill.num_total_blocks + decode.num_total_blocks
+        self.startup = prefill.startup
         self.block_size = decode.args.block_size
-        prefill.outputs = HandoffOutputProcessor(prefill.metrics, prefill.max_model_len,
-                                                 prefill.eos_token_ids)
-        prefill.on_processed = self._hand_over
-        # Warm-up per role (bucket_compiler.py): decode buckets first on the decode side, none on
-        # the prefill side (its steps are all prompt chunks).
-        prefill.runner.compile_role, decode.runner.compile_role = "prefill", "decode"
+        prefill.hand_processed_steps_to(self._hand_over)
         self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
                                    decode.runner.max_blocks)
         self.metrics = MergedMetrics([prefill.metrics, decode.metrics])
@@ -119,10 +118,16 @@ class DisaggregatedEngine:
                 raise ConfigError(str(e).replace("--tensor-parallel-size",
                                                  f"--{role}-tensor-parallel-size")) from None
         meshes = role_meshes(args, jax.devices())
-        engines = {role: LLMEngine.from_engine_args(
-                       dataclasses.replace(role_args(args, role), warmup=False), mesh=meshes[role])
-                   for role in ("prefill", "decode")}
-        engine = cls(engines["prefill"], engines["decode"])
+        def build(role: str, **parts) -> LLMEngine:
+            # Warm-up per role (bucket_compiler.py): decode buckets first on the decode side,
+            # none on the prefill side (its steps are all prompt chunks).
+            return LLMEngine.from_engine_args(dataclasses.replace(role_args(args, role), warmup=False),
+                                              mesh=meshes[role], role=role, **parts)
+
+        prefill = build("prefill", outputs_cls=HandoffOutputProcessor)
+        # One structured-output grammar cache: a sequence keeps its matcher across the hand-over.
+        decode = build("decode", grammars=prefill.grammars)
+        engine = cls(prefill, decode)
         if args.warmup:
             engine.warmup()
         return engine
@@ -131,20 +136,21 @@ class DisaggregatedEngine:
         """Both engines' step buckets, compiled side by side, then every transfer bucket."""
         t0 = time.perf_counter()
         list(self._pool.map(lambda e: e.warmup(progress), (self.prefill, self.decode)))
-        self.decode.runner.kv_cache = self.transfer.warmup(self.prefill.runner.kv_cache,
-                                                           self.decode.runner.kv_cache)
+        self.decode.runner.replace_kv_cache(
+            lambda cache: self.transfer.warmup(self.prefill.runner.kv_cache, cache))
         return time.perf_counter() - t0
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None):
+                    arrival_time: float | None = None, *, final_output_only: bool = False):
         if request_id in self._transit or request_id in self.decode.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: a disaggregated engine (--disaggregate) "
                                       f"serves n = 1 only", param="n")
-        req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time)
+        req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time,
+                                       final_output_only=final_output_only)
         limit_to_first_token(req)
         return req
 
@@ -167,8 +173,8 @@ class DisaggregatedEngine:
             self._waiting.remove(h)
         if h in self._in_flight:
             self._in_flight.remove(h)
-        self.prefill.scheduler.kv.free(h.holder)
-        self.decode.scheduler.kv.free(h.seq.seq_id)
+        self.prefill.scheduler.free_blocks(h.holder)
+        self.decode.scheduler.free_blocks(h.seq.seq_id)
 
     def take_failed(self) -> list[tuple[str, RequestFailedError]]:
         return self.prefill.take_failed() + self.decode.take_failed()
@@ -214,15 +220,12 @@ class DisaggregatedEngine:
         """The prefill engine's processed step: hold the blocks of each sequence handed off (after
         caching its prompt's full blocks) and start the copies the decode side has room for,
         before the prefill engine dispatches its next step."""
-        kv = self.prefill.scheduler.kv
         for seq in seqs:
             if seq.finish_reason != HANDOFF:
                 continue
-            kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
-            holder = f"{seq.seq_id}#transfer"
-            kv.fork(seq.seq_id, holder)
+            holder, blocks = self.prefill.scheduler.hold_for_hand_over(seq)
             req, dseq = continuation(self.tokenizer, seq.request, seq)
-            h = Handoff(seq, req, dseq, holder, list(kv.get_block_ids(holder)))
+            h = Handoff(seq, req, dseq, holder, blocks)
             self._transit[req.request_id] = h
             self._waiting.append(h)
         self._start_transfers()
@@ -237,15 +240,11 @@ class DisaggregatedEngine:
         if sched.num_waiting or (sched.num_running + len(self._in_flight)
                                  >= self.decode.args.max_num_seqs):
             return False
-        kv, prompt_len = sched.kv, h.seq.prompt_len
-        stats = dataclasses.replace(kv.stats)
-        cached = kv.get_computed_blocks(h.seq.seq_id, h.seq.token_ids[:prompt_len])
-        kv.stats = stats
-        if not kv.allocate_slots(h.seq.seq_id, prompt_len + 1 - cached):
-            kv.free(h.seq.seq_id)
+        reserved = sched.reserve_hand_over(h.seq)
+        if reserved is None:
             return False
+        cached, h.dst_blocks = reserved
         h.first_block = cached // self.block_size
-        h.dst_blocks = list(kv.get_block_ids(h.seq.seq_id))
         return True
 
     def _start_transfers(self) -> None:
@@ -273,14 +272,13 @@ class DisaggregatedEngine:
             m.transfer_bytes.inc(h.buffer.nbytes)
             m.transfers.inc()
             last = -(-h.seq.prompt_len // self.block_size)
-            self.decode.runner.kv_cache = self.transfer.receive(
-                self.decode.runner.kv_cache, h.buffer, h.dst_blocks[h.first_block:last])
+            self.decode.runner.replace_kv_cache(
+                lambda cache: self.transfer.receive(cache, h.buffer, h.dst_blocks[h.first_block:last]))
             self._in_flight.remove(h)
             del self._transit[h.request_id]
-            self.prefill.scheduler.kv.free(h.holder)
+            self.prefill.scheduler.free_blocks(h.holder)
             h.sync_reported()
-            self.decode.requests[h.request_id] = h.request
-            self.decode.scheduler.add_running(h.seq)
+            self.decode.adopt_running(h.request, h.seq)
 
     # ---- steps --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -312,20 +310,21 @@ class DisaggregatedEngine:
         return outs
 
     def _reported(self, outs: list[RequestOutput]) -> list[RequestOutput]:
-        """Prefill outputs as the client sees them: a handed-off request is still running."""
+        """Prefill outputs as the client sees them: a handed-off request is still running (and one
+        that reports only its final output reports nothing yet)."""
+        reported = []
         for out in outs:
             if out.request_id in self._transit:
+                if self._transit[out.request_id].request.final_output_only:
+                    continue
                 out.finished = False
                 for choice in out.outputs:
                     choice.finish_reason = None
-        return outs
+            reported.append(out)
+        return reported
 
     def _update_gauges(self) -> None:
         depth = self.transfer_metrics.queue_depth
         depth["prefill"].set(self.prefill.num_waiting)
         depth["transfer"].set(len(self._transit))
         depth["decode"].set(self.decode.num_waiting)
-
-    def run_to_completion(self) -> Iterable[RequestOutput]:
-        while self.has_unfinished_requests():
-            yield from self.step()

@@ -56,7 +56,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from jaxinfer.engine.args import EngineArgs
-    from jaxinfer.parallel.data_parallel import create_engine
+    from jaxinfer.frontends.factory import create_engine
     from jaxinfer.sampling_params import SamplingParams
 
     prompts = _read_prompts(args)

@@ -12,7 +12,7 @@ EngineDeadError and `dead` is set, which the server turns into a non-zero exit s
 restarts it (instead of a process that answers 503 forever).
 
 In a multi-process run (jax.process_count() > 1) this is process 0's server: its engine calls are
-recorded and replayed on the other processes (parallel/request_stream.py), and stopping the loop,
+recorded and replayed on the other processes (frontends/multihost.py), and stopping the loop,
 or its death, stops their replay too.
 """
 
@@ -27,11 +27,12 @@ from typing import AsyncIterator, Callable
 
 import jax
 
-from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.parallel.data_parallel import create_engine
+from jaxinfer.engine.protocol import EngineClient
+from jaxinfer.frontends.factory import create_engine
+from jaxinfer.frontends.multihost import StreamLeader
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError, RequestFailedError
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.startup import STARTUP_LOG_PREFIX
 from jaxinfer.sampling_params import SamplingParams
 
@@ -43,7 +44,7 @@ class EngineDeadError(JaxinferError):
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, *, engine: LLMEngine | None = None):
+    def __init__(self, args: EngineArgs | None = None, *, engine: EngineClient | None = None):
         """Load the model and tokenizer (no compilation yet), or wrap a ready `engine`."""
         if engine is None:
             args = args or EngineArgs()
@@ -51,11 +52,10 @@ class AsyncEngine:
             args.warmup = False  # compiled in start(), off the event loop
             engine = create_engine(args)
             args.warmup = warm
-        self._leader = None
+        self._leader: StreamLeader | None = None
         if jax.process_count() > 1:  # every other process replays this engine's request stream
-            from jaxinfer.parallel.request_stream import StreamLeader
             engine = self._leader = StreamLeader(engine)
-        self.engine = engine
+        self.engine: EngineClient = engine
         self.args = engine.args
         self.tokenizer = engine.tokenizer
         self.model_config = engine.cfg
@@ -89,7 +89,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()
         self.is_ready = True
-        startup = getattr(self.engine, "startup", None)  # a data-parallel front end has none
+        startup = self.engine.startup
         if startup is not None:
             log.info("%s%s", STARTUP_LOG_PREFIX, json.dumps(startup.as_dict()))
 
@@ -109,6 +109,10 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+    def check_health(self) -> None:
+        """Raise if the front end can no longer serve (reads only: safe off the engine thread)."""
+        self.engine.check_health()
 
     @property
     def num_waiting(self) -> int:
@@ -240,7 +244,7 @@ class AsyncEngine:
             return
         try:
             self._leader.publish_stop(error)
-        except Exception:  # noqa: BLE001 - the coordinator gone too: nothing left to tell
+        except Exception:  # the coordinator gone too: nothing left to tell
             log.exception("could not tell the other processes to stop")
 
 

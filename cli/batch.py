@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.errors import ConfigError
-    from jaxinfer.parallel.data_parallel import create_engine
+    from jaxinfer.frontends.factory import create_engine
     from serve.batch import BatchRunner
     from serve.batch_file import done_ids, read_lines
     from serve.limits import RequestLimits

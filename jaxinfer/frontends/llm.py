@@ -5,21 +5,20 @@ to completion."""
 from __future__ import annotations
 
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.protocol import EngineClient
+from jaxinfer.frontends.factory import create_engine
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 
 class LLM:
     """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
+    def __init__(self, model: str | None = None, *, engine: EngineClient | None = None, **kwargs):
         if engine is None:
-            from jaxinfer.parallel.data_parallel import create_engine  # (imports LLMEngine)
             args = EngineArgs(**({"model": model} if model else {}), **kwargs)
             engine = create_engine(args)
-        self.engine = engine
+        self.engine: EngineClient = engine
         self._counter = 0
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
@@ -34,20 +33,26 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts",
                                       param="sampling_params")
-        ids, reqs = [], {}
+        ids, finals = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            reqs[rid] = self.engine.add_request(rid, prompt, p, priority[i] if priority else 0)
-            reqs[rid].final_output_only = True  # (the loop below reads only the finished outputs)
+            self.engine.add_request(rid, prompt, p, priority[i] if priority else 0,
+                                    final_output_only=True)
             ids.append(rid)
+        wanted = set(ids)
         from tqdm import tqdm
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
         for out in self.engine.run_to_completion():
-            if out.finished and out.request_id in reqs:
+            if out.finished and out.request_id in wanted:
+                finals[out.request_id] = out
                 bar.update(1)
         bar.close()
-        return [make_request_output(reqs[rid], full=True) for rid in ids]
+        failed = dict(self.engine.take_failed())
+        for rid in ids:
+            if rid in failed:  # (the engine freed it; the others are done)
+                raise failed[rid]
+        return [finals[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

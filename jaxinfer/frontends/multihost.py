@@ -42,6 +42,7 @@ import signal
 import threading
 import time
 
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def step_key(n: int) -> str:
 def _encode(event: tuple) -> bytes:
     try:
         return pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 - a callable in the params, say
+    except Exception as e:  # a callable in the params, say
         raise InvalidRequestError(f"the request cannot be sent to the other processes of this "
                                   f"multi-process server: {e!r}") from e
 
@@ -79,16 +80,25 @@ def _rng_state(engine):
     return None if rng is None else rng.getstate()
 
 
-class StreamLeader:
-    """Process 0's engine, recording the calls that change its request stream. Every other
-    attribute is the engine's own."""
+def _engine_attr(name: str) -> property:
+    return property(lambda self: getattr(self._engine, name), doc=f"the engine's `{name}`")
+
+
+class StreamLeader(EngineClient):
+    """Process 0's front end: its engine, recording the calls that change the request stream."""
+
+    args, cfg, tokenizer = _engine_attr("args"), _engine_attr("cfg"), _engine_attr("tokenizer")
+    max_model_len, model_name = _engine_attr("max_model_len"), _engine_attr("model_name")
+    grammars, metrics = _engine_attr("grammars"), _engine_attr("metrics")
+    num_total_blocks, startup = _engine_attr("num_total_blocks"), _engine_attr("startup")
+    num_waiting, weight_version = _engine_attr("num_waiting"), _engine_attr("weight_version")
 
     def __init__(self, engine, client=None, num_processes: int | None = None):
         import jax
         if client is None and jax.process_index() != 0:
             raise ConfigError(f"process {jax.process_index()} cannot serve: only process 0 "
                               f"receives requests; the others run "
-                              f"jaxinfer.parallel.request_stream.follow (as `jaxinfer serve` does)")
+                              f"jaxinfer.frontends.multihost.follow (as `jaxinfer serve` does)")
         self._engine = engine
         self._client = client or _client()
         self._followers = (num_processes or jax.process_count()) - 1
@@ -105,17 +115,28 @@ class StreamLeader:
                                         daemon=True)
         self._sender.start()
 
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "_engine":
-            raise AttributeError(name)
-        return getattr(self._engine, name)
+    # ---- calls that leave the request stream as it is -------------------------------------------
+    def warmup(self, progress: bool = True) -> float:
+        return self._engine.warmup(progress)
+
+    def take_failed(self):
+        return self._engine.take_failed()
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def check_health(self) -> None:
+        self._raise_send_error()
 
     # ---- recorded calls -----------------------------------------------------------------------
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
-        event = _encode(("add", request_id, prompt, params, priority))  # as the engine got them
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, *,
+                    final_output_only: bool = False):
+        # as the engine got them (what is reported, final_output_only, is process 0's alone)
+        event = _encode(("add", request_id, prompt, params, priority))
         before = _rng_state(self._engine)
         try:
-            req = self._engine.add_request(request_id, prompt, params, priority, arrival_time)
+            req = self._engine.add_request(request_id, prompt, params, priority, arrival_time,
+                                           final_output_only=final_output_only)
         except Exception:
             # A failure after the request's seed was drawn (a grammar that does not compile):
             # followers replay it, and fail it too, so that their seed sources stay in step.
@@ -202,7 +223,7 @@ class StreamLeader:
                 if (n + 1) % CHUNK == 0:
                     self._delete_read_chunks(n + 1)
                 self.set_s += time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - raised by the next publish
+            except BaseException as e:  # raised by the next publish
                 log.exception("could not publish step %d of the request stream", n)
                 self._send_error = e
                 return
@@ -222,7 +243,7 @@ def _apply(engine, event: tuple) -> None:
         _, request_id, prompt, params, priority = event
         try:
             engine.add_request(request_id, prompt, params, priority)
-        except Exception as e:  # noqa: BLE001 - the leader raised it too (to its client)
+        except Exception as e:  # the leader raised it too (to its client)
             log.debug("replayed request %s failed as on process 0: %r", request_id, e)
     elif kind == "abort":
         engine.abort(event[1], event[2])
@@ -249,7 +270,7 @@ def _fetch_loop(client, pid: int, out: queue.Queue) -> None:
         while True:
             try:
                 raw = client.blocking_key_value_get_bytes(step_key(n), POLL_MS)
-            except Exception as e:  # noqa: BLE001 - jax raises JaxRuntimeError(DEADLINE_EXCEEDED)
+            except Exception as e:  # jax raises JaxRuntimeError(DEADLINE_EXCEEDED)
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
                 continue  # idle
@@ -260,7 +281,7 @@ def _fetch_loop(client, pid: int, out: queue.Queue) -> None:
                 client.key_value_set(f"{ACKS}/{pid}", str(n), allow_overwrite=True)
             if any(e[0] == "stop" for e in events):
                 return
-    except BaseException as e:  # noqa: BLE001 - raised on the engine's thread
+    except BaseException as e:  # raised on the engine's thread
         out.put(e)
 
 
@@ -305,7 +326,7 @@ def serve_as_follower(args) -> int:
     stop, and a second signal exits at once with status 1."""
     import jax
 
-    from jaxinfer.parallel.data_parallel import create_engine
+    from jaxinfer.frontends.factory import create_engine
     engine = create_engine(args)
     pid = jax.process_index()
 

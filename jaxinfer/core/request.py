@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.engine.outputs import TokenLogprob
-from jaxinfer.engine.sampled_logprobs import SampledLogprobs
-from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxinfer.core.outputs import TokenLogprob
+from jaxinfer.core.sampled_logprobs import SampledLogprobs
+from jaxinfer.core.stop_checker import OutputText
+from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.stop_checker import OutputText
+    from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.structured.grammar import CompiledGrammar
 
 
@@ -40,7 +41,8 @@ class SeqStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, eos_token_ids: tuple[int, ...], priority: int = 0,
-                 arrival_time: float | None = None, grammar: CompiledGrammar | None = None):
+                 arrival_time: float | None = None, grammar: CompiledGrammar | None = None, *,
+                 weight_version: int = 0, final_output_only: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -69,9 +71,10 @@ class Request:
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
-        self.weight_version = 0  # set by the engine at admission (see RequestOutput)
-        # The caller reads only the finished output (LLM.generate): step() builds none before.
-        self.final_output_only = False
+        self.weight_version = weight_version  # the engine's at admission (see RequestOutput)
+        # The caller reads only the finished output (LLM.generate): step() builds none before,
+        # then one with every choice's whole text.
+        self.final_output_only = final_output_only
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -127,11 +130,6 @@ class Sequence:
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
         self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)
         self.max_output = params.max_tokens  # None: until the context is full
-        # The sampler's per-row constants (see step_inputs.sampling_tensors); validate() bounded
-        # each to what its int32 / float32 column holds.
-        temperature = params.temperature if params.temperature >= GREEDY_EPS else 0.0
-        self.sampling_row = (temperature, max(params.top_k, 0), params.top_p, params.min_p,
-                             self.seed, params.min_tokens, self.prompt_len, params.logprobs or 0)
         self.output: OutputText | None = None  # set by the engine for choice sequences
         # A choice's own matcher of the request's grammar, advanced by each accepted token.
         self.grammar = (request.grammar.new_matcher()
@@ -179,3 +177,15 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed}, pending={self.num_pending})")
+
+
+def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
+                num_computed: int) -> Sequence:
+    """Choice `index` of `req` as a sequence over the whole prompt, `num_computed` tokens of which
+    already have KV (a fork of the n > 1 prompt sequence), with its output text state."""
+    seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids), num_computed)
+    p = req.params
+    seq.output = OutputText(tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                            p.skip_special_tokens)
+    req.choices[index] = seq
+    return seq

@@ -138,9 +138,9 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
 
 
 # The fp8 read paths worth timing beside the default (128-token steps, V in 64-token chunks, the
-# hand-over tile over the staging tiles; issue 26, docs/kernels/paged_decode.md): QK^T as one fp8
-# wgmma, two context splits (twice the items: a more even tail), the transposed consumer.
-FP8_VARIANTS = ("mosaic:q1", "mosaic:s2", "mosaic:swap:ft64", "mosaic:swap")
+# hand-over tile over the staging tiles; docs/kernels/paged_decode.md): QK^T as one fp8 wgmma, two
+# context splits (twice the items: a more even tail).
+FP8_VARIANTS = ("mosaic:q1", "mosaic:s2")
 
 
 def summary_table(metrics: dict) -> str:
@@ -157,16 +157,13 @@ def summary_table(metrics: dict) -> str:
 
 def fp8_variant_config(name: str):
     """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
-    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "swap" / "plain" (the
-    transposed consumer on / off), "vp" / "novp" (the V producer on / off), "up2" / "up4" / "8bit"
-    (the widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
+    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "up2" / "up4" / "8bit" (the
+    widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
     the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
     per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
     "mosaic:ft128:pv64:shared"."""
     from benchmarks.bench_decode import mosaic_config
-    ours = {"swap": dict(fp8_swap=True), "plain": dict(fp8_swap=False),
-            "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
-            "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+    ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
             "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})

@@ -169,7 +169,8 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         with startup.phase("config"):
             cfg = load_config(model_dir)
             cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
-                args.quantization, cfg.quantization, args.load_format))
+                args.quantization, cfg.quantization, args.load_format),
+                moe_impl=args.moe_impl, quant_impl=args.quant_impl)
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from concurrent.futures import Future
 from typing import Callable
@@ -124,22 +123,6 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
     return kv_cache, last_tokens, record
 
 
-# Set to 1: the sampler runs without XLA's command buffers (CUDA graphs), a fallback should its
-# graph fail to instantiate again (docs/multi_gpu.md).
-NO_SAMPLER_COMMAND_BUFFERS_ENV = "JAXINFER_SAMPLER_NO_COMMAND_BUFFERS"
-
-
-def _sampler_compiler_options() -> dict | None:
-    """None, unless $JAXINFER_SAMPLER_NO_COMMAND_BUFFERS=1. (With collectives inside the sampler's
-    conditionals, the TP = 2 sampler's CUDA graph failed to instantiate under
-    --xla_gpu_enable_command_buffer=+COLLECTIVES, CUDA_ERROR_INVALID_VALUE on H200, jax 0.11.2,
-    and it ran without command buffers then; its layout now keeps them out,
-    parallel/sampling_logits.py.)"""
-    if os.environ.get(NO_SAMPLER_COMMAND_BUFFERS_ENV) != "1":
-        return None
-    return {"xla_gpu_enable_command_buffer": ""}
-
-
 @functools.lru_cache(maxsize=None)
 def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
                 plan: ShardingPlan | None = None):
@@ -150,7 +133,7 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
                            static_argnames=("with_hidden",), donate_argnums=(1,))
     sample_step = jax.jit(functools.partial(_sample_step, plan=plan), static_argnames=("variant",),
-                          donate_argnums=(1,), compiler_options=_sampler_compiler_options())
+                          donate_argnums=(1,))
     loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size,
                                      plan=plan),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))

@@ -23,6 +23,8 @@ from jaxinfer.model.config import config_from_dict
 from jaxinfer.parallel.distributed import distributed_settings
 from jaxinfer.parallel.sharding import validate_parallel_sizes
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE / "fixtures" / "models"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]

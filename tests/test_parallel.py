@@ -117,7 +117,7 @@ def test_memory_planner_inputs_are_per_device(runs):
     assert 0 < act2 < act1
 
 
-@pytest.mark.parametrize("mesh", ["tp2dp1", "tp1dp2", "tp2dp2"])
+@pytest.mark.parametrize("mesh", ["tp1dp2", "tp2dp2"])
 def test_engine_tokens_equal_across_meshes(runs, mesh):
     ref = runs["checks"]["engine/tp1dp1"]["tokens"]
     got = runs["checks"][f"engine/{mesh}"]

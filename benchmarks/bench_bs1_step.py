@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.fused_projections import fuse_projections
 from jaxinfer.model.transformer import forward, init_params

@@ -39,7 +39,7 @@ def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
     """jit fn(params, tokens[B, L]) -> float32 logits [B, L, V]: every row is one sequence
     prefilled in one step through a fresh paged cache of `kv_dtype` and `backend` (the engine's
     path: write_kv, then attention over the cache)."""
-    from jaxinfer.core.kv_cache import allocate_kv_cache
+    from jaxinfer.worker.kv import allocate_kv_cache
     from jaxinfer.model.transformer import forward
     from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -69,7 +69,7 @@ def demo_windows(tokenizer, length: int) -> np.ndarray:
 def demo_ppl(length: int = 256) -> dict:
     """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model."""
     from checkpoints.measure_demo import perplexity
-    from jaxinfer.core.kv_cache.kv_scales import calibrate_kv_scales, calibration_tokens
+    from jaxinfer.worker.kv.kv_scales import calibrate_kv_scales, calibration_tokens
     from jaxinfer.model.config import load_config
     from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.model.weights import load_params

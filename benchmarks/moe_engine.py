@@ -9,6 +9,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.timed_window import TimedWindow
+
+
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
     "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
@@ -54,6 +57,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
         engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
     stamps, n_out = [], 0
     engine.stats.__init__()
+    window = TimedWindow(engine)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         sched = engine.scheduler
@@ -72,7 +76,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
             "out_tok_s": round(n_out / elapsed, 1), "steps": len(stamps),
             "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
             "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
-            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix, **window.figures(),
             "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto"),
             "quantization": quantization,
             "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "1")}

@@ -86,6 +86,26 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process holds before the model loads (minutes), in one line. (A
+    race with a process that binds it meanwhile still fails at start-up.)"""
+    import socket
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host}: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e} "
+                             f"(choose another --port)") from None
+
+
 async def _start_engine(app: web.Application) -> None:
     engine = app[ENGINE]
     if engine.is_ready:  # started by the caller (tests share one warmed-up engine)
@@ -165,7 +185,7 @@ class Server:
         site = GuardedTCPSite(self._runner, self.host, self.port, header_timeout=self.header_timeout)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
-        logger.warning("serving %s on http://%s:%d (OpenAI API under /v1)",
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)",
                        self.app[ENGINE].model_name, self.host, self.port)
 
     async def stop(self) -> None:
@@ -202,7 +222,7 @@ async def serve_until_signal(engine, args: argparse.Namespace) -> int:
                      "the server", engine.errored)
         status = 1
     else:
-        logger.warning("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
+        logger.info("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
     signalled.cancel()
     died.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C interrupts the grace period

@@ -115,7 +115,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=True,
                          tool_options=request.app[TOOL_OPTIONS])
     prefix = echo_prefix(body.get("messages"), req)
-    check_capacity(request.app, req.params.n)
+    check_capacity(request.app, req.num_seqs)
     engine_id, response_id = req.ids("chatcmpl")
     created = now()
     async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:

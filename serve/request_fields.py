@@ -6,6 +6,7 @@ are ignored with a log line, as vLLM does."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -91,7 +92,7 @@ def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None
     unknown = sorted(set(body) - known)
     if unknown:
         logger.warning("%s: ignoring unknown request fields %s%s", endpoint,
-                       [short_repr(k, 40) for k in unknown[:8]],
+                       json.dumps([k[:40] for k in unknown[:8]]),
                        f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
 
 

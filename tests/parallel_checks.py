@@ -31,7 +31,7 @@ from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402

@@ -85,8 +85,7 @@ def test_unready_buckets_are_served_by_larger_ones_with_the_same_tokens(monkeypa
 def role_engine(monkeypatch, role: str):
     """An engine warmed up as one side of a disaggregated pair, only its first set ever ready."""
     monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
-    engine = make_engine(background_compile=True, **SHAPE)
-    engine.runner.compile_role = role
+    engine = make_engine(background_compile=True, role=role, **SHAPE)
     engine.warmup(progress=False)
     return engine
 

@@ -30,6 +30,11 @@ class OutputProcessor:
         # The step's inter-token gaps (seconds -> tokens), observed once per distinct gap.
         self._gaps: dict[float, int] = {}
 
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """The requests whose results could not be applied since the previous call."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def process(self, handle: StepHandle) -> tuple[list[Request], list[Sequence]]:
         """Apply a step's results. Returns the requests that have something new to report, and the
         step's sequences that were still live, in step order, for `Scheduler.update_from_output`.

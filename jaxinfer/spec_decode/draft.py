@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig, load_config

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,9 @@ from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, Buc
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.model.fused_projections import is_fused
-from jaxinfer.model.transformer import forward
+from jaxinfer.model.transformer import KVCache, forward
 from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
 from jaxinfer.core.scheduler import SchedulerOutput
@@ -165,7 +166,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     same layout: a step's activations do not depend on the number of blocks. Costs two
     compilations, unless `cache` holds the figure from an earlier start (same key parts as the
     executables: shapes, shardings, code, compiler)."""
-    from jaxinfer.core.kv_cache import activation_peak_bytes
+    from jaxinfer.worker.kv import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
@@ -262,15 +263,15 @@ class ModelRunner:
     # only after the queued dispatches (launcher.py).
     kv_cache = LaunchedState()
     last_tokens = LaunchedState()
-    # The engine's part in a disaggregated pair ("prefill" | "decode"; None: colocated): which
-    # step buckets warm-up compiles first, and whether decode buckets are compiled at all.
-    compile_role: str | None = None
+    # compile_role: the engine's part in a disaggregated pair ("prefill" | "decode"; None:
+    # colocated): which step buckets warm-up compiles first, and whether decode buckets are
+    # compiled at all.
 
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
                  decode_loop_max_seqs: int | None = None, plan: ShardingPlan | None = None,
-                 executable_cache: ExecutableCache | None = None):
+                 executable_cache: ExecutableCache | None = None, compile_role: str | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
         runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
         forwards and decode loops (None: compile them every start). `decode_loop_max_seqs`: the
@@ -278,6 +279,7 @@ class ModelRunner:
         self.cfg = cfg
         self.params = params
         self.plan = plan
+        self.compile_role = compile_role
         self.backend = backend = shard_backend(backend, plan)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -312,6 +314,20 @@ class ModelRunner:
         self.compiler: BucketCompiler | None = None  # warmup()'s; None: every shape compiles lazily
         # Runs the steps whose decodes carry proposals (spec_decode.target_step.SpeculativeStep).
         self.speculation = None
+
+    def enable_speculation(self, step) -> None:
+        """Run the steps whose decodes carry proposals with `step`
+        (spec_decode.target_step.SpeculativeStep)."""
+        self.speculation = step
+
+    def install_params(self, params) -> None:
+        """New weights, already placed like the running ones (LLMEngine.update_weights)."""
+        self.params = params
+
+    def replace_kv_cache(self, update: Callable[[KVCache], KVCache]) -> None:
+        """`update` takes the KV cache (donate it) and returns the one to run on: a disaggregated
+        decode engine scatters the blocks that arrived from the prefill engine this way."""
+        self.kv_cache = update(self.kv_cache)
 
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
@@ -406,8 +422,12 @@ class ModelRunner:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it;
         with a launcher (`set_async_launch`), hand the dispatch to its thread once the step's
         arrays are built."""
+        self.built_at = None
         if sched.num_proposed:
-            return self.speculation.execute(self, sched)
+            self._apply_copies(sched.block_copies)
+            self.num_dispatches += 1
+            self.kv_cache, self.last_tokens, handle = self.speculation.execute(self, sched)
+            return handle
         batch, variant, is_loop = self.build(sched)
         allowed = None
         if is_loop:  # each row's steps: what the scheduler reserved KV slots for

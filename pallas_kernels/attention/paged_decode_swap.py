@@ -76,7 +76,7 @@ def _reduce(op: str, x, scratch, interpret: bool):
 
 def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int, g: int, bs: int,
                   pages_per_step: int, stages: int, logit_scale: float, softcap: float | None,
-                  interpret: bool, widen_layout: str, q_parts: int = 2) -> None:
+                  window: int | None, interpret: bool, widen_layout: str, q_parts: int = 2) -> None:
     """Consumer warpgroup `wg` (0 or 1, static) of the transposed kernel: the steps of each item whose
     global slot parity is `wg`, then warpgroup 1 hands its state to warpgroup 0, which merges and
     stores the item's G output rows. `refs`: the kernel's refs by name."""
@@ -128,7 +128,10 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
                 s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
             row = plgpu.broadcasted_iota(jnp.int32, (tokens, n), 0, layout=plgpu.Layout.WGMMA)
             valid = length - (first + j * pages_per_step) * bs
-            s = jnp.where(row < valid, s, NEG_INF)
+            visible = row < valid
+            if window is not None:  # keys before length - window (first page; NEG_INF finite)
+                visible = visible & (row >= valid - window)
+            s = jnp.where(visible, s, NEG_INF)
             m_new = jnp.maximum(m_i, _reduce("max", s, red, interpret))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - cols(m_new, s.shape))
@@ -168,8 +171,14 @@ def swap_consumer(*, wg: int, my_items, item_info, q_rows, refs: dict, hkv: int,
             l1 = plgpu.load(vec_smem.at[1], layout=col_layout, optimized=False)
             plgpu.barrier_arrive(r["x_free"].at[0])  # acc1, m1, l1 are in registers
             m = jnp.maximum(m_i, m1)
+            if r["sink_ref"] is not None:  # the sink: one more denominator term
+                sink = plgpu.load(r["sink_ref"].at[seq * hkv + head, pl.ds(0, n)],
+                                  layout=col_layout, optimized=False)
+                m = jnp.maximum(m, sink)
             a0, a1 = jnp.exp2(m_i - m), jnp.exp2(m1 - m)
             l = l_i * a0 + l1 * a1
+            if r["sink_ref"] is not None:
+                l = l + jnp.exp2(sink - m)
             out = ((acc * cols(a0, acc.shape) + acc1 * cols(a1, acc.shape))
                    * cols(1.0 / jnp.maximum(l, 1e-30), acc.shape))  # empty rows: acc == 0
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output left

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server_harness import MODEL, NO_EOS, check_error_shape, post_raw, wait_pool_free
+
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
 
 EXAMPLES = 90  # per schema; about 20-40 s each on the 2-core CI machine
 

@@ -32,6 +32,7 @@ from serve.errors import error_middleware
 from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
 from serve.json_body import give_large_buffers_back, max_json_items
 from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
+from serve.reasoning.request import REASONING_PARSER, add_reasoning_args, parser_from_args
 from serve.tools import TOOL_OPTIONS, ToolOptions, add_tool_args, check_tool_args
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     add_limit_args(g)
     add_tool_args(parser.add_argument_group("tool calling"))
+    add_reasoning_args(parser.add_argument_group("reasoning"))
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -128,6 +130,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     limits = RequestLimits.from_args(args)
     app[LIMITS] = limits
     app[TOOL_OPTIONS] = ToolOptions.from_args(args)
+    app[REASONING_PARSER] = parser_from_args(args)
     app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
     app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
     app[OWNS_ENGINE] = owns_engine

@@ -33,6 +33,9 @@ from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_
 from serve.json_body import give_large_buffers_back, max_json_items
 from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
 from serve.reasoning.request import REASONING_PARSER, add_reasoning_args, parser_from_args
+from serve.responses import handlers as responses
+from serve.responses.store import (DEFAULT_STORE_SIZE, RESPONSE_STORE, ResponseStore, add_store_args,
+                                   check_store_args)
 from serve.tools import TOOL_OPTIONS, ToolOptions, add_tool_args, check_tool_args
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_limit_args(g)
     add_tool_args(parser.add_argument_group("tool calling"))
     add_reasoning_args(parser.add_argument_group("reasoning"))
+    add_store_args(parser.add_argument_group("Responses API"))
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -84,6 +88,7 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     check_limit_args(args)
     check_tool_args(args)
+    check_store_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
@@ -131,6 +136,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[LIMITS] = limits
     app[TOOL_OPTIONS] = ToolOptions.from_args(args)
     app[REASONING_PARSER] = parser_from_args(args)
+    app[RESPONSE_STORE] = ResponseStore(getattr(args, "responses_store_size", DEFAULT_STORE_SIZE))
     app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
     app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
     app[OWNS_ENGINE] = owns_engine
@@ -138,6 +144,9 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[CREATED] = now()
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
     app.router.add_get("/v1/models", info.list_models)
     app.router.add_get("/health", info.health)
     app.router.add_get("/ping", info.health)

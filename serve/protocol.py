@@ -149,7 +149,7 @@ def render_chat(tokenizer, body: dict, max_model_len: int, tools: list[dict] | N
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
     messages = normalize_messages(body.get("messages"))
-    check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_model_len, "messages")
+    check_text_length(sum(len(m["content"] or "") for m in messages), tokenizer, max_model_len, "messages")
     documents = body.get("documents")
     if documents is not None and not (isinstance(documents, list)
                                       and all(isinstance(d, dict) for d in documents)):

@@ -90,7 +90,8 @@ def test_function_call_round_trip_with_previous_response_id(client):
     ({"input": "x", "previous_response_id": 7}, "previous_response_id"),
 ])
 def test_bad_fields_are_400s_naming_them(server, body, param):
-    status, _, raw = post_raw(server.urls["main"], "/v1/responses", json.dumps({"model": MODEL, **body}).encode())
+    raw_body = json.dumps({"model": MODEL, **body}).encode()
+    status, _, raw = post_raw(server.urls["main"], "/v1/responses", raw_body)
     assert status == 400, raw
     check_error_shape(raw, 400, param)
 

@@ -20,7 +20,7 @@ PASSED = ("model", "temperature", "top_p", "stream", "user", "parallel_tool_call
           "stop", "min_p", "repetition_penalty", "ignore_eos", "priority", "chat_template_kwargs")
 # Chat field -> the Responses field a chat-path error names.
 RENAMED_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                  "response_format": "text", "messages": "input"}
+                  "response_format": "text", "messages": "input", "prompt": "input"}
 NO_OPS = {"background": (None, False), "truncation": (None, "disabled"), "service_level": (None,),
           "prompt": (None,), "conversation": (None,)}
 KNOWN = frozenset(PASSED) | frozenset(NO_OPS) | {

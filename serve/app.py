@@ -27,6 +27,7 @@ from serve.auth import make_auth_middleware
 from serve.choices import now
 from serve.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                DEFAULT_KEEPALIVE_TIMEOUT_S, GuardedTCPSite)
+from serve.embeddings import EMBEDDINGS, add_embedding_args, create_embedding, embeddings_config
 from serve.engine_requests import LIFECYCLE, Lifecycle
 from serve.errors import error_middleware
 from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
@@ -75,6 +76,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_tool_args(parser.add_argument_group("tool calling"))
     add_reasoning_args(parser.add_argument_group("reasoning"))
     add_store_args(parser.add_argument_group("Responses API"))
+    add_embedding_args(parser.add_argument_group("embeddings"))
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -136,6 +138,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[LIMITS] = limits
     app[TOOL_OPTIONS] = ToolOptions.from_args(args)
     app[REASONING_PARSER] = parser_from_args(args)
+    app[EMBEDDINGS] = embeddings_config(args, engine.args.model)
     app[RESPONSE_STORE] = ResponseStore(getattr(args, "responses_store_size", DEFAULT_STORE_SIZE))
     app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
     app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
@@ -147,6 +150,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app.router.add_post("/v1/responses", responses.create_response)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_get("/v1/models", info.list_models)
     app.router.add_get("/health", info.health)
     app.router.add_get("/ping", info.health)

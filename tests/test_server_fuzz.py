@@ -16,7 +16,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_harness import MODEL, NO_EOS, check_error_shape, post_raw, wait_pool_free
+from server_harness import MODEL, NO_EOS, add_app, check_error_shape, post_raw, wait_pool_free
 
 EXAMPLES = 90  # per schema; about 20-40 s each on the 2-core CI machine
 RESPONSES_EXAMPLES = 30  # /v1/responses: most of its path is chat's, fuzzed above
@@ -176,13 +176,23 @@ def bodies(schema: dict, required: str):
             if value is None and key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 continue  # null = until the context is full: 256 tokens, slow on CPU
             body[key] = value
-        if value_is_null_length(body, required):
+        if "max_output_tokens" in schema and value_is_null_length(body, required):
             body["max_output_tokens"] = 4
         if required == "messages" and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = 4  # chat's default is also "until the context is full"
         return body
 
     return st.tuples(plausible, mutations).map(mutate)
+
+
+HIDDEN = 64  # the tiny model's hidden size: the one `dimensions` it takes
+EMBEDDINGS = {
+    **{k: COMMON[k] for k in ("model", "user", "unknown_field")},
+    "input": COMPLETION["prompt"],
+    "encoding_format": field(st.sampled_from(["float", "base64"])),
+    "dimensions": field(st.sampled_from([HIDDEN, HIDDEN, 16])),  # (16: refused, no Matryoshka)
+    "add_special_tokens": field(st.booleans()),
+}
 
 
 def value_is_null_length(body: dict, required: str) -> bool:
@@ -299,13 +309,23 @@ def test_fuzz_both_schemas_never_5xx_and_greedy_unchanged(server):
     def fuzz_responses(body):
         sent("/v1/responses", body)
 
+    embed_url = add_app(server, "fuzz-embed", task="embed")
+
+    @settings(FUZZ_SETTINGS, max_examples=RESPONSES_EXAMPLES)
+    @given(bodies(EMBEDDINGS, "input"))
+    def fuzz_embeddings(body):
+        status, raw = send(embed_url, "/v1/embeddings", body)
+        statuses["/v1/embeddings", status] = statuses.get(("/v1/embeddings", status), 0) + 1
+        check_response("/v1/embeddings", body, status, raw)
+
     fuzz_completions()
     fuzz_chat()
     fuzz_responses()
+    fuzz_embeddings()
     print("fuzz statuses:", sorted(statuses.items()))
     # every endpoint reached the engine, and refusals
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
-        least = 3 if path == "/v1/responses" else 5
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"):
+        least = 3 if path in ("/v1/responses", "/v1/embeddings") else 5
         assert statuses.get((path, 200), 0) >= least and statuses.get((path, 400), 0) >= 4 * least, statuses
     assert server.engine.errored is None
     wait_pool_free(server, timeout=30)

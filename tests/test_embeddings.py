@@ -28,7 +28,7 @@ def reference_pool(cfg, params, prompts: list[list[int]], method: str) -> list[n
     """The dense causal forward over the prompts right-padded to one length (padding comes after
     every real position, so it changes none of them), pooled in numpy."""
     from jaxinfer.model.transformer import Transformer
-    from pallas_kernels.backend import REFERENCE
+    from pallas_kernels.attention.backend import REFERENCE
     length = max(len(p) for p in prompts)
     tokens = jnp.array([p + [0] * (length - len(p)) for p in prompts])
     positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
@@ -44,7 +44,7 @@ def reference_pool(cfg, params, prompts: list[list[int]], method: str) -> list[n
 @pytest.mark.parametrize("family", FAMILIES)
 def test_llm_embed_matches_the_float32_reference(family):
     from jaxinfer.engine.args import EngineArgs
-    from jaxinfer.engine.llm import LLM
+    from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.model.config import load_config
     from jaxinfer.model.weights import load_params

@@ -47,8 +47,8 @@ from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
 from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
-from pallas_kernels.backend import AttentionBackend
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ import dataclasses
 
 from aiohttp import web
 
-from jaxinfer.engine.pooling import PoolingConfig, check_dimensions, finish_embedding, pooling_config
+from jaxinfer.engine.pooling import (PoolingConfig, check_dimensions, check_embedding_engine,
+                                     finish_embedding, pooling_config)
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams, short_repr
 from serve.app_keys import ENGINE
@@ -107,6 +108,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     if cfg is None:
         raise APIError(400, f"{engine.model_name} is served for generation; start the server with "
                             "--task embed to serve /v1/embeddings", "model")
+    check_embedding_engine(engine.args)
     body = await read_json_body(request)
     req = await off_loop(parse_embedding, body, engine, request.app[LIMITS], cfg)
     check_capacity(request.app, len(req.prompts))

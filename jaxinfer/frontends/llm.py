@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.pooling import check_dimensions, finish_embedding, pooling_config
+from jaxinfer.engine.pooling import (check_dimensions, check_embedding_engine, finish_embedding,
+                                     pooling_config)
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.frontends.factory import create_engine
 from jaxinfer.core.outputs import RequestOutput
@@ -84,6 +85,7 @@ class LLM:
         """One float32 embedding per prompt: the final hidden states pooled ("last", "mean" or
         "cls"), truncated to `dimensions` (Matryoshka models only) and L2-normalized. Defaults:
         the model's sentence-transformers configuration, else last-token pooling, normalized."""
+        check_embedding_engine(self.engine.args)
         cfg = pooling_config(self.engine.args.model)
         check_dimensions(cfg, dimensions, self.engine.cfg.hidden_size)
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling or cfg.method)

@@ -128,23 +128,6 @@ def test_prefill_window_sinks_softcap(kernel):
     assert_close(out, reference.ragged_prefill_reference(q, *clean, *rest, **variant), atol=2e-2)
 
 
-def test_mosaic_fp8_transposed_decode_with_window_and_sinks_lowers_for_cuda():
-    """The transposed fp8 consumer (`fp8_swap`, off by default) reads the sinks in its own layout;
-    the interpreted tests run the plain consumer, so this one lowers it at the benchmark shape."""
-    import jax
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    cfg = MosaicDecodeConfig(num_ctas=132, num_splits=1, fp8_swap=True)
-
-    def fn(q, k, v, tables, lens, sinks):
-        return paged_decode_mosaic(q, k, v, tables, lens, scale=0.1, softcap=30.0, window=1024,
-                                   sinks=sinks, config=cfg)
-    cache = jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.float8_e4m3fn)
-    text = jax.jit(fn).trace(jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), cache, cache,
-                             i32(64, 256), i32(64), jax.ShapeDtypeStruct((32,), jnp.float32)
-                             ).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 def test_prefill_kernels_have_the_backend_signature():
     backend = list(inspect.signature(reference.ragged_prefill_reference).parameters)
     for fn in (fp.flash_prefill_mosaic, fp.flash_prefill_triton):

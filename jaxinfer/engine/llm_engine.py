@@ -50,6 +50,7 @@ from jaxinfer.spec_decode.speculation import Speculation
 from jaxinfer.engine.stop_checker import OutputText
 from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
+from jaxinfer.engine.lora import LoRAMixin, LoRARequest, with_lora_stacks
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.quant.scheme import resolve_quantization
@@ -80,7 +81,7 @@ def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
     return seq
 
 
-class LLMEngine(TrainingLoopMixin):
+class LLMEngine(TrainingLoopMixin, LoRAMixin):
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None,
                  plan: ShardingPlan | None = None, draft=None):
@@ -101,8 +102,7 @@ class LLMEngine(TrainingLoopMixin):
                 f"{num_blocks * args.block_size} tokens) cannot hold one sequence of max_model_len="
                 f"{self.max_model_len} tokens: raise --num-blocks (or --gpu-memory-utilization) or "
                 f"lower --max-model-len")
-        self.model_name = args.model_name
-        self.metrics = metrics or EngineMetrics(self.model_name)
+        self.model_name, self.metrics = args.model_name, metrics or EngineMetrics(args.model_name)
         self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
@@ -147,6 +147,7 @@ class LLMEngine(TrainingLoopMixin):
         # Called with each processed step's live sequences before the scheduler frees the finished
         # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
         self.on_processed: Callable[[list[Sequence]], None] | None = None
+        self._init_lora(plan)
 
     # ---- construction from flags ------------------------------------------------------------
     @classmethod
@@ -182,6 +183,7 @@ class LLMEngine(TrainingLoopMixin):
                             shardings=plan.params(param_shapes(cfg, dtype)))))
             draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
+            params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)
             num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
@@ -215,9 +217,9 @@ class LLMEngine(TrainingLoopMixin):
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
         activations = step_activation_bytes(
             cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
-            kv_dtype=kv_dtype,
-            block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,
+            kv_dtype=kv_dtype, block_size=args.block_size, max_model_len=max_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            plan=plan,
             cache=ExecutableCache.under(args.compilation_cache_dir))
         # A block holds kv_heads_per_device heads on each device.
         device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
@@ -245,8 +247,9 @@ class LLMEngine(TrainingLoopMixin):
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request. Raises InvalidRequestError (nothing is queued)."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
+        """Validate and queue a request (on `lora_request`'s adapter). Raises InvalidRequestError."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
@@ -285,7 +288,7 @@ class LLMEngine(TrainingLoopMixin):
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
                       grammar)
-        req.weight_version = self.weight_version
+        req.weight_version, req.lora_id = self.weight_version, self._lora_id(lora_request)
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
@@ -333,7 +336,6 @@ class LLMEngine(TrainingLoopMixin):
         """The requests failed since the previous call (each already aborted)."""
         failed, self._failed = self._failed, []
         return failed
-
 
     def _dispatch_failed(self, sched, error: Exception) -> None:
         """A step could not be built or dispatched. Undo what scheduling it did to its sequences (so
@@ -409,6 +411,7 @@ class LLMEngine(TrainingLoopMixin):
         self._maybe_profile()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self._fail_lora_admissions()
         t_sched = time.perf_counter()
         self.runner.built_at = None
         handle = None

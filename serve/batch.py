@@ -34,11 +34,17 @@ class EngineView:
     model_name: str
     served_model_names: list[str]
     grammars: object  # structured-output grammars (jaxinfer/structured/grammar.py)
+    lora_requests: dict = dataclasses.field(default_factory=dict)  # adapter name -> LoRARequest
+
+    @property
+    def model_names(self) -> list[str]:
+        return [*self.served_model_names, *self.lora_requests]
 
     @classmethod
     def of(cls, engine) -> "EngineView":
+        loras = {r.lora_name: r for r in getattr(engine, "list_loras", list)()}
         return cls(engine.tokenizer, engine.cfg, engine.max_model_len, engine.model_name,
-                   engine.args.served_model_names, engine.grammars)
+                   engine.args.served_model_names, engine.grammars, loras)
 
 
 class FinishedGroup:
@@ -106,7 +112,8 @@ class BatchRunner:
         p = Pending(line, req, [f"{engine_id}-{i}" for i in range(len(req.prompts))])
         try:
             for rid, prompt in zip(p.engine_ids, req.prompts):
-                p.requests.append(self.engine.add_request(rid, prompt, req.params, req.priority))
+                p.requests.append(self.engine.add_request(rid, prompt, req.params, req.priority,
+                                                          lora_request=req.lora_request))
         except InvalidRequestError as e:
             for rid in p.engine_ids[:len(p.requests)]:
                 self.engine.abort(rid)

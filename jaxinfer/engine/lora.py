@@ -67,6 +67,23 @@ class LoRAMixin:
         Raises LoRAAdapterError naming the field at fault, changing nothing."""
         self._lora_id(lora_request)
 
+    def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Register the adapter at `path` as `name` under a new lora_int_id (the server's
+        /v1/load_lora_adapter). Raises InvalidRequestError / LoRAAdapterError, changing nothing."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled: start with --enable-lora", "lora_name")
+        if not isinstance(name, str) or not name or name in self.args.served_model_names:
+            raise InvalidRequestError(f"lora_name {name!r} must be a non-empty string other than "
+                                      f"the base model's name", "lora_name")
+        if self.lora.id_of(name) is not None:
+            raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.",
+                                      "lora_name")
+        if not isinstance(path, str) or not path:
+            raise InvalidRequestError("lora_path must be a non-empty string", "lora_path")
+        request = LoRARequest(name, max(self.lora.registered, default=0) + 1, path)
+        self.lora.register(request)
+        return request
+
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.lora is None else [r.request for r in self.lora.registered.values()]
 

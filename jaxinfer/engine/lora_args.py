@@ -63,6 +63,9 @@ def check_lora_args(args) -> None:
         raise ConfigError("--enable-lora does not combine with speculative decoding yet")
     if args.disaggregate:
         raise ConfigError("--enable-lora does not combine with --disaggregate yet")
+    if args.data_parallel_size > 1 or (args.num_processes or 1) > 1:
+        raise ConfigError("--enable-lora does not combine with data parallelism or several "
+                          "processes yet")
     names = [r.lora_name for r in lora_modules(args.lora_modules)]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules names {names} are not unique")

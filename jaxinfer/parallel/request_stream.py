@@ -111,7 +111,11 @@ class StreamLeader:
         return getattr(self._engine, name)
 
     # ---- recorded calls -----------------------------------------------------------------------
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None,
+                    lora_request=None):
+        if lora_request is not None:  # (--enable-lora refuses several processes)
+            from jaxinfer.errors import InvalidRequestError
+            raise InvalidRequestError("LoRA adapters are not served by multi-process runs", "model")
         event = _encode(("add", request_id, prompt, params, priority))  # as the engine got them
         before = _rng_state(self._engine)
         try:

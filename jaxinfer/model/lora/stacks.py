@@ -52,9 +52,10 @@ def empty_stacks(cfg: ModelConfig, params: dict, max_loras: int, max_rank: int, 
     for (layer, module, name), parts in lora_layout(cfg, params).items():
         a, b = _leaf_shape(cfg, parts, max_rank)
         tree.setdefault(layer, {}).setdefault(module, {})[name] = {
-            "A": jnp.zeros((max_loras + 1, *a), dtype, device=sharding),
-            "B": jnp.zeros((max_loras + 1, *b), dtype, device=sharding)}
-    return tree
+            "A": jax.ShapeDtypeStruct((max_loras + 1, *a), dtype),
+            "B": jax.ShapeDtypeStruct((max_loras + 1, *b), dtype)}
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree),
+                   out_shardings=sharding)()
 
 
 def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, stacks: dict) -> dict:

@@ -74,6 +74,13 @@ def runs(tmp_path_factory):
     return json.loads(done.read_text())
 
 
+def test_lora_tp2_equals_single_device(runs):
+    """An adapter row and a base row in one batch (lora_parallel_checks.py)."""
+    checks = runs["checks"]
+    assert checks["lora/tp2"] == checks["lora/tp1"]
+    assert checks["lora/tp1"][0] != checks["lora/base"]  # the adapter row is not the base model's
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_greedy_tokens_equal_single_device(runs, family, tp):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.model.quant.scheme import checkpoint_quantization
+from jaxinfer.model.quant_scheme import checkpoint_quantization
 
 log = logging.getLogger(__name__)
 

@@ -108,7 +108,7 @@ def test_mixed_batch_delta_equals_per_row_reference_on_ragged_slots():
     n, fan_in, rank, fan_out = 4, 24, 8, 40
     a = jnp.asarray(rng.normal(size=(n + 1, fan_in, rank)), jnp.float32).at[0].set(0)
     b = jnp.asarray(rng.normal(size=(n + 1, rank, fan_out)), jnp.float32).at[0].set(0)
-    for t in (1, 7, 33):
+    for t in (5, 33):
         slot = jnp.asarray(rng.integers(0, n + 1, t), jnp.int32)
         x = jnp.asarray(rng.normal(size=(t, fan_in)), jnp.float32)
         got = np.asarray(delta(x, a, b, slot))

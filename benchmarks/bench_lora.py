@@ -112,7 +112,7 @@ def run_engine(work: Path, mode: str, tiny: bool) -> dict:
     out: dict = {}
     c, il, ol = s["conc"], s["in_len"], s["out_len"]
     # Warm-up: every adapter of the c64 run into its slot, every shape once (untimed prompts).
-    generate(prompts(c, il), 4, [lora_of(i) for i in range(c)])
+    generate(prompts(c, il), ol, [lora_of(i) for i in range(c)])  # (decode loops too)
     generate(prompts(1, s["prefill"]), 1, [lora_of(0)])
     stats = engine.scheduler.kv.stats
     q0, h0 = stats.queries, stats.hits

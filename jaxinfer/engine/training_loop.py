@@ -46,8 +46,7 @@ class TrainingLoopMixin:
         return outs
 
     def _install_weights(self, params) -> None:
-        lora = self.runner.params.get(LORA)
-        self.runner.params = params if lora is None else {**params, LORA: lora}
+        self.runner.install_params(params)
         self.owns_weights = True
         self.weight_version += 1
 

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, rope_inv_freq
 from jaxinfer.model.fused_projections import project
+from jaxinfer.model.lora.delta import apply_lora
+from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.model.experts import expert_dispatch
 from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
@@ -71,15 +73,17 @@ class Attention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv=None, md=None):
+    def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None):
         """Paged path: x [T, H] with kv=(k_cache, v_cache) and md. Dense path (training):
-        x [B, L, H] with kv=None, causal within each row."""
+        x [B, L, H] with kv=None, causal within each row. `lora_slot` i32[T]: each token's LoRA
+        slot (None: no LoRA)."""
         cfg = self.cfg
         d = cfg.head_dim
         dense = linear(cfg, self.dtype)
+        adapt = functools.partial(apply_lora, self, lora_slot)
         q, k, v = project(self, functools.partial(dense, use_bias=cfg.qkv_bias), x,
                           (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
-                           ("v_proj", cfg.num_kv_heads * d)), "qkv_proj")
+                           ("v_proj", cfg.num_kv_heads * d)), "qkv_proj", adapt)
         q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
         k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
         v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
@@ -101,7 +105,7 @@ class Attention(nn.Module):
             out = self.backend(q, k_cache, v_cache, md, scale=scale)
             new_kv = (k_cache, v_cache)
         out = out.reshape(*x.shape[:-1], cfg.num_heads * d)
-        return dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out), new_kv
+        return adapt("o_proj", out, dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out)), new_kv
 
 
 class MLP(nn.Module):
@@ -110,12 +114,14 @@ class MLP(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora_slot=None):
         dense = functools.partial(linear(self.cfg, self.dtype), use_bias=self.cfg.mlp_bias)
+        adapt = functools.partial(apply_lora, self, lora_slot)
         f = self.cfg.intermediate_size
-        gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj")
+        gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj",
+                           adapt)
         h = nn.silu(gate) * up
-        return dense(self.cfg.hidden_size, name="down_proj")(h)
+        return adapt("down_proj", h, dense(self.cfg.hidden_size, name="down_proj")(h))
 
 
 class MoE(nn.Module):
@@ -152,7 +158,7 @@ class DecoderLayer(nn.Module):
     moe: bool
 
     @nn.compact
-    def __call__(self, x, delta, cos, sin, kv=None, md=None):
+    def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None):
         """-> (residual stream, this layer's MLP output, new KV): the stream after the layer is
         their sum, which the next norm adds (`delta`: the previous layer's MLP output, None in the
         first layer), so a backend's add + norm kernel does both."""
@@ -164,11 +170,11 @@ class DecoderLayer(nn.Module):
         else:
             x, h = norm(name="input_norm")(x, delta)
         attn_out, new_kv = Attention(self.cfg, self.backend, self.dtype, name="attn")(
-            h, cos, sin, kv, md)
+            h, cos, sin, kv, md, lora_slot)
         x, h = norm(name="post_attn_norm")(x, attn_out)
-        mlp = (MoE(self.cfg, self.dtype, self.backend, name="moe") if self.moe
-               else MLP(self.cfg, self.dtype, name="mlp"))
-        return x, mlp(h), new_kv
+        if self.moe:
+            return x, MoE(self.cfg, self.dtype, self.backend, name="moe")(h), new_kv
+        return x, MLP(self.cfg, self.dtype, name="mlp")(h, lora_slot), new_kv
 
 
 class Transformer(nn.Module):
@@ -178,7 +184,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, token_ids, positions, kv_cache=None, md=None, logits_indices=None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, lora_slot=None):
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          name="embed")
@@ -190,7 +196,8 @@ class Transformer(nn.Module):
             backend = self.backend.for_layer(i)
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
-                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md)
+                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md,
+                                                                     lora_slot)
             new_cache.append(layer_kv)
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
                             name="final_norm")(x, delta)
@@ -224,14 +231,20 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             kv_cache: KVCache, md: AttentionMetadata, backend: AttentionBackend = REFERENCE,
-            logits_indices: jax.Array | None = None, return_hidden: bool = False):
+            logits_indices: jax.Array | None = None, return_hidden: bool = False,
+            lora_slot: jax.Array | None = None):
     """One step over a flat ragged batch. token_ids, positions: int32[T]. Returns float32 logits for
     every token (or only at `logits_indices`) and the updated cache; with `return_hidden` also the
-    final-normed hidden states of every token [T, H] (for `lm_head` on other rows)."""
+    final-normed hidden states of every token [T, H] (for `lm_head` on other rows). With LoRA
+    stacks in `params["lora"]` (lora/stacks.py), `lora_slot` i32[T] gives each token's adapter
+    slot (0: none)."""
     dtype = params["embed"]["embedding"].dtype
     model = Transformer(cfg, backend, dtype)
-    return model.apply({"params": params}, token_ids, positions, kv_cache, md, logits_indices,
-                       return_hidden)
+    variables = {"params": {k: v for k, v in params.items() if k != LORA}}
+    if LORA in params:
+        variables["lora"] = params[LORA]
+    return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
+                       return_hidden, lora_slot)
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

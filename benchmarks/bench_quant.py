@@ -301,8 +301,6 @@ def main() -> None:
                 metrics.setdefault(key, None)
         if args.save:
             config: dict = {"sections": sections}
-            if os.environ.get("JAXINFER_QUANT_IMPL"):  # the dispatch override in force
-                config["impl_env"] = {"JAXINFER_QUANT_IMPL": os.environ["JAXINFER_QUANT_IMPL"]}
             if any(s.startswith("llama8b") for s in sections):
                 config.update(
                     model="Llama-3-8B shape, dummy weights (bf16; fp8 quantized on load)",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from jaxinfer.core.kv_cache.planner import GIB, kv_bytes_per_token
+from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
 
 

@@ -51,8 +51,10 @@ def tiny_model():
     return cfg, params
 
 
-def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, **kwargs) -> LLMEngine:
-    """An engine over the tiny model. Defaults: 8 seqs, 32-token steps, 4-token blocks."""
+def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, role: str | None = None,
+                **kwargs) -> LLMEngine:
+    """An engine over the tiny model. Defaults: 8 seqs, 32-token steps, 4-token blocks. `role`:
+    a disaggregated pair's side (LLMEngine's)."""
     cfg, params = tiny_model()
     defaults = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
                     max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
@@ -60,7 +62,7 @@ def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, **kwargs)
                     background_compile=False)
     defaults.update(kwargs)
     args = EngineArgs(**defaults)
-    engine = LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=num_blocks)
+    engine = LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=num_blocks, role=role)
     if warmup:
         engine.warmup(progress=False)
     return engine

@@ -73,8 +73,9 @@ class SchedulerOutput:
     decode_steps: int = 1
     # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # Some row computes prompt tokens of a request that asked for prompt logprobs.
-    prompt_logprobs: bool = False
+    # Some row computes prompt tokens of a request that reads their hidden states (prompt
+    # logprobs, pooling: worker/hidden_reads.py).
+    reads_hidden: bool = False
     num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
 
     @property
@@ -158,6 +159,36 @@ class Scheduler:
         The caller checked that a slot is free."""
         self._priorities_used |= seq.request.priority != 0
         self._start_running(seq)
+
+    def enable_speculation(self, speculator) -> None:
+        """Let decodes carry proposals: `speculator` (spec_decode.proposer.Speculator) is the
+        policy asked each step and the proposer."""
+        self.speculator = speculator
+
+    # ---- disaggregation: prompts handed from a prefill engine's scheduler to a decode engine's ----
+    def hold_for_hand_over(self, seq: Sequence) -> tuple[str, list[int]]:
+        """A prompt handed off: cache its full blocks and hold them under a new id (a fork) until
+        the copy lands, whatever this scheduler does with `seq`. The holder id and its block ids."""
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
+        holder = f"{seq.seq_id}#transfer"
+        self.kv.fork(seq.seq_id, holder)
+        return holder, list(self.kv.get_block_ids(holder))
+
+    def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[int]] | None:
+        """Blocks for a sequence arriving from a prefill engine (its prompt + first token), after
+        matching the prompt against the prefix cache; not counted in the hit-rate stats (the
+        prefill side's lookup is the request's). (prompt tokens already cached, block ids), or None
+        when the pool cannot hold it now. `add_running` starts it once its KV has landed."""
+        prompt_len = seq.prompt_len
+        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False)
+        if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
+            self.kv.free(seq.seq_id)
+            return None
+        return cached, list(self.kv.get_block_ids(seq.seq_id))
+
+    def free_blocks(self, seq_id: str) -> None:
+        """Give back the blocks held under `seq_id` (a hold or reservation that ended)."""
+        self.kv.free(seq_id)
 
     def _requeue_front(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -339,9 +370,9 @@ class Scheduler:
             if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
                 break
             if not self.kv.has_request(seq.seq_id):
-                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                # Prompt logprobs and pooling need every prompt position computed: no prefix hit.
                 seq.num_computed = self.kv.get_computed_blocks(
-                    seq.seq_id, seq.token_ids, match=seq.request.prompt_logprobs is None)
+                    seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden)
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
@@ -366,9 +397,10 @@ class Scheduler:
             get_block_ids = kv.get_block_ids
             for entry in out.scheduled:
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
-                if (entry.seq.request.prompt_logprobs is not None
-                        and entry.start < entry.seq.request.num_prompt_tokens - 1):
-                    out.prompt_logprobs = True
+                req = entry.seq.request
+                if req.reads_prompt_hidden and entry.start < req.num_prompt_tokens - (
+                        req.params.pooling is None):
+                    out.reads_hidden = True
             out.block_copies = kv.take_pending_copies()
         return out
 

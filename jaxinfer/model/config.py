@@ -71,6 +71,11 @@ class ModelConfig:
     dtype: str = "bfloat16"
     # Weight quantization of the linear layers (jaxinfer/model/quant): None, "fp8" or "int8".
     quantization: str | None = None
+    # Kernel dispatch, from the engine's --moe-impl / --quant-impl ("auto": chosen per call shape
+    # and device): `moe_experts`' implementation (pallas_kernels/moe/grouped_matmul.py) and
+    # `quantized_matmul`'s (model/quant/ops.py). Part of the config, so of every compile cache key.
+    moe_impl: str = "auto"
+    quant_impl: str = "auto"
 
     @property
     def is_moe(self) -> bool:

@@ -35,7 +35,7 @@ EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": 
                 "w2": "w_down", "down_proj": "w_down"}
 # Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
 FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
-# Not params: KV-cache scales are read by core/kv_cache/kv_scales.py; FP8 checkpoints' static
+# Not params: KV-cache scales are read by worker/kv/kv_scales.py; FP8 checkpoints' static
 # activation scales are unused (activations are scaled per token at run time).
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.input_scale(_ub)?|self_attn\.(k_scale|v_scale|kv_scale))$")
 

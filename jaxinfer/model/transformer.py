@@ -140,7 +140,8 @@ class MoE(nn.Module):
         weights, experts = jax.lax.top_k(probs, k)  # [T, k]
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdims=True)
-        out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales)
+        out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales,
+                                            impl=cfg.moe_impl)
         return out.reshape(*lead, h)
 
 

@@ -33,13 +33,13 @@ class ShardedExperts:
     """`routed_experts` over the replica's mesh: same call, replicated inputs and output."""
     plan: ShardingPlan
 
-    def __call__(self, x, experts, weights, w, scales=None):
+    def __call__(self, x, experts, weights, w, scales=None, impl: str = "auto"):
         layout = self.plan.expert_layout
         held = self.plan.cfg.num_experts // self.plan.tp if layout == "ep" else None
 
         def local(x, experts, weights, w, scales=None):
             first = jax.lax.axis_index(TP) * held if held else 0
-            out = routed_experts(x, experts, weights, w, scales, first)
+            out = routed_experts(x, experts, weights, w, scales, first, impl)
             return jax.lax.psum(out, TP)
 
         args, specs = (x, experts, weights, tuple(w)), (P(), P(), P(), expert_specs(layout))

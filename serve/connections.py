@@ -11,8 +11,7 @@
 
 Also: a client that half-closes after its request (`shutdown(SHUT_WR)`, `nc -N`) gets its reply
 before the connection closes (asyncio closes a transport at EOF unless the protocol asks not to;
-a client that closed its socket altogether is then noticed when its reply, or a stream's next
-event, is written, which cancels the handler as before);
+see `eof_received` for how a client that left altogether is still told apart);
 malformed HTTP (aiohttp answers 400) is logged as one WARNING line, at most one a second with a
 count of those left out, instead of an ERROR with a traceback per request.
 
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 from aiohttp import web
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+PEER_POLL_S = 0.1  # after a client's EOF: how often its socket is checked for a reset
 
 
 class _RateLimitedWarning:
@@ -66,6 +67,7 @@ class GuardedRequestHandler(RequestHandler):
         super().__init__(manager, **kwargs)
         self._header_timeout = header_timeout
         self._head_timer: asyncio.TimerHandle | None = None
+        self._peer_timer: asyncio.TimerHandle | None = None  # after EOF: is the client still there
 
     def _waiting_for_head(self) -> bool:
         waiter = self._waiter
@@ -88,13 +90,36 @@ class GuardedRequestHandler(RequestHandler):
             self.force_close()  # (closes the transport and forgets it)
 
     def eof_received(self) -> bool | None:
-        """The client half-closed. With a request received and not answered yet, keep the socket
-        open for the reply and close after it (True: asyncio leaves the transport open); idle or
-        part-way through a head, close now."""
-        if self._messages or (self._waiter is None and self._request_count):
-            self.close()
-            return True
-        return None
+        """The client sent EOF: it half-closed (`nc -N`) and waits for the reply, or it closed its
+        socket and left; TCP cannot tell which until the server writes. With a request received
+        and not answered, keep the socket open (True: asyncio leaves the transport open), answer
+        `102 Processing` at once where the reply has not started (HTTP/1.1), and close after the
+        reply. A client that left answers those bytes with a reset, which `_watch_peer` sees
+        within PEER_POLL_S and turns into a closed connection (the handler is cancelled and the
+        request aborted, as before this change). Idle, or part-way through a head: close now."""
+        request = self._current_request
+        queued = self._messages[0][0] if self._messages else None
+        if request is None and queued is None:
+            return None
+        started = request is not None and request.writer.output_size > 0
+        version = request.version if request is not None else getattr(queued, "version", None)
+        if not started and version is not None and version >= (1, 1) and self.transport:
+            self.transport.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+        self.close()
+        self._watch_peer()
+        return True
+
+    def _watch_peer(self) -> None:
+        """Abort the connection once the socket reports an error (the client's reset)."""
+        self._peer_timer = None
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None:
+            return
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            transport.abort()  # -> connection_lost: the handler is cancelled
+            return
+        self._peer_timer = self._loop.call_later(PEER_POLL_S, self._watch_peer)
 
     def log_exception(self, *args, **kw) -> None:
         exc = kw.get("exc_info")
@@ -108,6 +133,9 @@ class GuardedRequestHandler(RequestHandler):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        if self._peer_timer is not None:
+            self._peer_timer.cancel()
+            self._peer_timer = None
         super().connection_lost(exc)
 
 

@@ -19,12 +19,14 @@ async def echo(request: web.Request) -> web.Response:
     return web.Response(text=f"got {len(body)} bytes")
 
 
-async def with_server(client, header_timeout: float = 5.0):
+async def with_server(client, header_timeout: float = 5.0, routes=()):
     loop = asyncio.get_running_loop()
     errors: list[dict] = []
     loop.set_exception_handler(lambda _, context: errors.append(context))
     app = web.Application()
     app.router.add_post("/", echo)
+    for path, handler in routes:
+        app.router.add_post(path, handler)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = GuardedTCPSite(runner, "127.0.0.1", 0, header_timeout=header_timeout)
@@ -56,7 +58,33 @@ def test_a_request_head_past_its_deadline_closes_without_a_loop_error():
 def test_a_half_closed_request_gets_its_reply():
     reply, _ = asyncio.run(with_server(lambda port: exchange(
         port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", half_close=True)))
-    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"got 5 bytes")
+    interim, _, final = reply.partition(b"\r\n\r\n")
+    assert interim == b"HTTP/1.1 102 Processing"  # (tells a client that left from one that waits)
+    assert final.startswith(b"HTTP/1.1 200") and final.endswith(b"got 5 bytes")
+
+
+def test_a_client_that_closed_its_socket_is_still_cancelled():
+    """EOF alone cannot tell a half-close from a client that left: the 102 it is sent draws a
+    reset from a closed socket, and the handler is cancelled within a poll or two."""
+    cancelled = []
+
+    async def slow(request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return web.Response(text="late")
+
+    async def client(port: int) -> None:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        await asyncio.sleep(0.1)
+        writer.close()  # gone: FIN, then a reset for whatever the server sends
+        await asyncio.sleep(0.8)
+
+    asyncio.run(with_server(client, routes=[("/slow", slow)]))
+    assert cancelled == [True]
 
 
 def test_malformed_http_is_one_warning_line(caplog):

@@ -17,6 +17,7 @@ from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 from serve.request_fields import EXTENSION_FIELDS, SAMPLING_FIELDS, check_fields
+from serve.reasoning.request import ReasoningRequest, reasoning_request
 from serve.structured import structured_params
 from serve.tools import ToolOptions, ToolRequest, template_message, tool_request
 
@@ -41,6 +42,7 @@ class GenerationRequest:
     priority: int = 0                 # the scheduler's: lower runs earlier
     request_id: str | None = None     # the client's id for the response (vLLM's `request_id`)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (serve/tools.py)
+    reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser (serve/reasoning/)
 
     @property
     def num_seqs(self) -> int:
@@ -156,7 +158,7 @@ def render_chat(tokenizer, body: dict, max_model_len: int, tools: list[dict] | N
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
     messages = normalize_messages(body.get("messages"))
-    check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_model_len, "messages")
+    check_text_length(sum(len(m["content"] or "") for m in messages), tokenizer, max_model_len, "messages")
     documents = body.get("documents")
     if documents is not None and not (isinstance(documents, list)
                                       and all(isinstance(d, dict) for d in documents)):
@@ -212,11 +214,11 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 
 
 def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
-                     tool_options: ToolOptions = ToolOptions()) -> GenerationRequest:
+                     tool_options: ToolOptions = ToolOptions(), reasoning_parser=None) -> GenerationRequest:
     """Validate a completions (chat=False) or chat (chat=True) body against the served model. Runs
     in a worker thread (it tokenizes): every size is bounded before the work it would cost."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
-    check_fields(body, chat)
+    check_fields(body, chat, reasoning=reasoning_parser is not None)
     check_model(body, engine.served_model_names)
     check_stop(body.get("stop"), limits)
     tokenizer, vocab_size, max_len = engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len
@@ -277,12 +279,17 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
         structured = tools.structured
     if structured is not None:
         engine.grammars.compile(structured)  # here, off the event loop; the engine finds it cached
+    reasoning = reasoning_request(body, reasoning_parser, texts[0], structured and structured.field) \
+        if chat else None
     params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
                              top_logprobs=top_logprobs,
                              prompt_logprobs=prompt_logprobs, structured=structured)
+    if reasoning is not None and reasoning.parser.keeps_special_tokens:
+        params.skip_special_tokens = False  # the parser reads the markers
     _check_best_of(body, params.n)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
-                             top_logprobs, generate_nothing, _priority(body), _request_id(body), tools)
+                             top_logprobs, generate_nothing, _priority(body), _request_id(body), tools,
+                             reasoning)
 
 
 def _truncate(body: dict, tokenizer, prompts: list[list[int]], texts: list[str],

@@ -23,6 +23,8 @@ from jaxinfer.model.config import config_from_dict
 from jaxinfer.parallel.distributed import distributed_settings
 from jaxinfer.parallel.sharding import validate_parallel_sizes
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE / "fixtures" / "models"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
@@ -115,7 +117,7 @@ def test_memory_planner_inputs_are_per_device(runs):
     assert 0 < act2 < act1
 
 
-@pytest.mark.parametrize("mesh", ["tp2dp1", "tp1dp2", "tp2dp2"])
+@pytest.mark.parametrize("mesh", ["tp1dp2", "tp2dp2"])
 def test_engine_tokens_equal_across_meshes(runs, mesh):
     ref = runs["checks"]["engine/tp1dp1"]["tokens"]
     got = runs["checks"][f"engine/{mesh}"]

@@ -68,6 +68,10 @@ class Request:
         # token has none), None when not requested.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids))
+        # An embedding request's pooled final hidden states (worker/hidden_reads.py), float32[H].
+        self.pooled: np.ndarray | None = None
+        # Every prompt position is computed (no prefix-cache hit) and its hidden states read.
+        self.reads_prompt_hidden = params.prompt_logprobs is not None or params.pooling is not None
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None

@@ -73,8 +73,9 @@ class SchedulerOutput:
     decode_steps: int = 1
     # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # Some row computes prompt tokens of a request that asked for prompt logprobs.
-    prompt_logprobs: bool = False
+    # Some row computes prompt tokens of a request that reads their hidden states (prompt
+    # logprobs, pooling: worker/hidden_reads.py).
+    reads_hidden: bool = False
     num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
 
     @property
@@ -369,9 +370,9 @@ class Scheduler:
             if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
                 break
             if not self.kv.has_request(seq.seq_id):
-                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                # Prompt logprobs and pooling need every prompt position computed: no prefix hit.
                 seq.num_computed = self.kv.get_computed_blocks(
-                    seq.seq_id, seq.token_ids, match=seq.request.prompt_logprobs is None)
+                    seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden)
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
@@ -396,9 +397,10 @@ class Scheduler:
             get_block_ids = kv.get_block_ids
             for entry in out.scheduled:
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
-                if (entry.seq.request.prompt_logprobs is not None
-                        and entry.start < entry.seq.request.num_prompt_tokens - 1):
-                    out.prompt_logprobs = True
+                req = entry.seq.request
+                if req.reads_prompt_hidden and entry.start < req.num_prompt_tokens - (
+                        req.params.pooling is None):
+                    out.reads_hidden = True
             out.block_copies = kv.take_pending_copies()
         return out
 

@@ -15,7 +15,7 @@ import time
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
 from jaxinfer.core.outputs import CompletionOutput, RequestOutput
 from jaxinfer.core.request import Request, Sequence, SeqStatus
-from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
+from jaxinfer.worker.hidden_reads import record as record_hidden_reads
 from jaxinfer.worker.runner import StepHandle
 
 
@@ -41,8 +41,8 @@ class OutputProcessor:
         A failure to fetch the results (the device) raises; a failure on one row is recorded in
         `failed` and its sequence left out of the live ones (the engine fails its request)."""
         res = handle.result()
-        if handle.prompt_rows is not None:  # before the tokens: the first output carries them
-            record_prompt_logprobs(handle.prompt_rows, res.prompt)
+        if handle.hidden_reads is not None:  # before the tokens: the first output carries them
+            record_hidden_reads(handle.hidden_reads, res.hidden)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         live: list[Sequence] = []
@@ -172,4 +172,5 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                          req.num_prompt_tokens, req.num_generated_tokens(), req.prompt_logprobs,
-                         req.num_cached_tokens, req.weight_version)
+                         req.num_cached_tokens, req.weight_version,
+                         None if req.pooled is None or not req.finished else req.pooled.tolist())

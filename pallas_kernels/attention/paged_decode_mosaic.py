@@ -27,6 +27,7 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   O += P V is [64, D]; the tensor cores do 64/G times the useful work. Softmax runs in the log2
   domain (exp2 with the scale folded in), accumulation is fp32.
 - fp8 cache: `mgpu_fp8.py`; what bounds it and the shared-memory plan: `paged_decode_smem.py`.
+- Window, sinks, softcap (cut tables, masks, sinks in the merge or combine): attention_variants.md.
 - The kernel waits on `griddepcontrol.wait` before reading anything (programmatic dependent
   launch: its launch and set-up overlap the previous kernel's tail), and the producer reads block
   ids `bt_lookahead` steps ahead without waiting for the sequence length.
@@ -50,16 +51,18 @@ from pallas_kernels.attention import mgpu_fp8
 from pallas_kernels.attention.mgpu_fp8 import compute_dtype, tile_transforms
 from pallas_kernels.attention.paged_decode_config import MosaicDecodeConfig
 from pallas_kernels.attention.paged_decode_common import (
-                                                          NEG_INF,
-                                                          DecodeShape,
-                                                          check_decode_inputs,
-                                                          plan_splits,
-                                                          )
+    NEG_INF,
+    DecodeShape,
+    check_decode_inputs,
+    check_variant,
+    plan_splits,
+    window_view,
+)
 from pallas_kernels.attention.paged_decode_producer import produce
 from pallas_kernels.attention.paged_decode_smem import fixed_bytes, profile_space, ring_stages
 from pallas_kernels.attention.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
 from pallas_kernels.attention.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
-                                                           combine_split_parts)
+                                                           combine_split_parts, sink_rows)
 
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
@@ -69,11 +72,13 @@ _PROFILE_EVENTS = 128  # the fewest profiler events per warpgroup (16 bytes of s
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, widen_layout: str,
+                   window: int | None, has_sinks: bool, bt_lookahead: int, pdl: bool,
+                   interpret: bool, widen: bool, widen_layout: str,
                    shared: bool, pv_tokens: int, q_parts: int):
     # fp8 (widen): q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if widen else (None, refs)
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     o_ref, *refs = refs
     lse_ref, refs = (refs[0], refs[1:]) if num_splits > 1 else (None, refs)
     (q_smem, k_smem, v_smem, tiles, vec_smem, out_tile, q_bar, q_free, k_bar, v_bar, k_free,
@@ -163,7 +168,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                     s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
                 col = plgpu.broadcasted_iota(jnp.int32, (_WGMMA_ROWS, tokens), 1,
                                              layout=plgpu.Layout.WGMMA)
-                s = jnp.where(col < valid, s, NEG_INF)
+                visible = col < valid
+                if window is not None:  # keys before length - window: in the first page only
+                    visible = visible & (col >= valid - window)
+                # NEG_INF is finite: a step with no visible key keeps m = NEG_INF and its terms
+                # get weight 0 once a visible key raises m (or in the merge).
+                s = jnp.where(visible, s, NEG_INF)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -256,9 +266,15 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 l1 = plgpu.load(vec_smem.at[1], layout=row_layout, optimized=False)
                 # NEG_INF is finite, so two empty states give weights 1 and 0 / 0 never happens.
                 m = jnp.maximum(m_i, m1)
+                if sink_ref is not None:  # one split: the sinks (split_combine_mosaic.sink_rows)
+                    sink = plgpu.load(sink_ref.at[seq * hkv + head], layout=row_layout,
+                                      optimized=False)
+                    m = jnp.maximum(m, sink)
                 a0, a1 = jnp.exp2(m_i - m), jnp.exp2(m1 - m)
                 col = lambda v: lax.broadcast_in_dim(v, acc.shape, [0])
                 l = l_i * a0 + l1 * a1
+                if sink_ref is not None:
+                    l = l + jnp.exp2(sink - m)
                 # Empty rows (l == 0) have acc == 0 and come out as 0.
                 out = (acc * col(a0) + acc1 * col(a1)) * col(1.0 / jnp.maximum(l, 1e-30))
                 if num_splits == 1:
@@ -293,7 +309,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
 
 def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                       softcap: float | None = None,
+                       softcap: float | None = None, window: int | None = None,
+                       sinks: jax.Array | None = None,
                        config: MosaicDecodeConfig = MosaicDecodeConfig(),
                        interpret: bool = False):
     """The kernel alone. Returns (outputs, launch): with one split per sequence outputs is
@@ -301,6 +318,9 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     normalised, lse [splits, S * Hkv, 64] fp32 in log2 units, row r0 + i of an item's 64 being its
     query head i) for `split_combine_mosaic.combine_split_parts` (or `combine_parts_xla`)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    check_variant(shape, window, sinks)
+    block_tables, seq_lens = window_view(block_tables, seq_lens, window, shape.block_size)
+    shape = dataclasses.replace(shape, max_blocks=block_tables.shape[1])
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     cache_dtype, dtype = k_cache.dtype, compute_dtype(k_cache.dtype)  # fp8: computes in f16
     if cache_dtype != dtype and config.fp8_tokens_per_step:
@@ -352,6 +372,9 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     if q_padded:
         q2 = jnp.pad(q2, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     q2 = q2.reshape(2, -1, d) if widen else q2.reshape(-1, d)
+    has_sinks = sinks is not None and plan.num_splits == 1  # else the combine takes them
+    if has_sinks:
+        extra_inputs += (sink_rows(sinks, shape, q_padded),)
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
@@ -371,7 +394,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     kernel = functools.partial(
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
-        num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
+        num_ctas=num_ctas, scale=scale, softcap=softcap, window=window, has_sinks=has_sinks,
+        bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen,
         widen_layout=config.fp8_widen_layout, shared=shared, pv_tokens=pv_tokens,
         q_parts=1 + config.fp8_q_split)
@@ -421,21 +445,24 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
 
 
 def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                        softcap: float | None = None,
+                        softcap: float | None = None, window: int | None = None,
+                        sinks: jax.Array | None = None,
                         config: MosaicDecodeConfig = MosaicDecodeConfig(),
                         interpret: bool = False) -> jax.Array:
     """Paged decode attention (backend `decode` signature), Mosaic GPU (Hopper). `config`: the
     kernel's tuning (the default is the production kernel). `interpret`: Mosaic GPU's interpreter
     (CPU tests)."""
     outs, launch = mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                      softcap=softcap, config=config, interpret=interpret)
+                                      softcap=softcap, window=window, sinks=sinks, config=config,
+                                      interpret=interpret)
+    sinks2 = None if sinks is None else sinks.astype(jnp.float32) * _LOG2E
     if launch.num_splits == 1:
         out = outs[0]
     elif config.combine_kernel:
         out = combine_split_parts(*outs, group=launch.shape.group, q_padded=launch.q_padded,
                                   dtype=compute_dtype(k_cache.dtype), pdl=config.pdl,
-                                  interpret=interpret)
+                                  sinks=sinks2, interpret=interpret)
     else:
-        out = combine_parts_xla(*outs, launch)
+        out = combine_parts_xla(*outs, launch, sinks2)
     return out.reshape(q.shape).astype(q.dtype)
 

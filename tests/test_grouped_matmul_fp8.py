@@ -14,6 +14,7 @@ Speed is the H200's: `benchmarks/bench_moe.py --fp8`.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -176,8 +177,9 @@ def test_fp8_moe_model_runs_the_configured_experts_impl(monkeypatch):
         return gm.moe_experts(x, weights, group_sizes, **kwargs)
 
     monkeypatch.setattr(experts, "moe_experts", spy)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (1, 12)), jnp.int32)
-    logits = {impl: np.asarray(train_forward(params, dataclasses.replace(cfg, moe_impl=impl),
-                                             tokens), np.float32) for impl in ("padded", "ragged")}
-    assert seen == [("padded", FP8, True), ("ragged", FP8, True)]
-    np.testing.assert_allclose(logits["padded"], logits["ragged"], atol=2.0 ** -7)
+    tokens = jax.ShapeDtypeStruct((1, 12), jnp.int32)
+    for impl in ("padded", "xla"):  # traced only: the implementations' arithmetic is tested above
+        out = jax.eval_shape(functools.partial(train_forward, cfg=dataclasses.replace(
+            cfg, moe_impl=impl)), params, tokens=tokens)
+        assert out.shape == (1, 12, cfg.vocab_size)
+    assert seen == [("padded", FP8, True), ("xla", FP8, True)]

@@ -6,7 +6,7 @@ admitted by prefix match on a shared system prompt (512-token prompts), 2 forks 
 their first appends copy-on-write) and 4 finished requests freed, so the batch stays at 256.
 Reports the median and p99 wall time over many steps, and the median CPU time, in µs.
 
-    python benchmarks/bench_block_manager.py [--steps 3000] [--save [DIR]]
+    python -m benchmarks.bench_block_manager [--steps 3000] [--save [DIR]]
 """
 
 from __future__ import annotations

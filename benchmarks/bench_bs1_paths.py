@@ -1,8 +1,8 @@
 """The engine's batch-1 TPOT along its host paths, in one engine (issue 26): Llama-3-8B shape, random
 weights (`--quantization fp8` by default), the engine's default flags otherwise.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_paths.py --save [DIR]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_paths.py --tiny   # CPU check
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_bs1_paths --save [DIR]
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_bs1_paths --tiny   # CPU check
 
 `--batches 4,8`: also N streams decoded together, single steps against the default loop
 (`b<N>_<path>_tpot_ms`, a stream's ms per token).
@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from benchmarks.bench_engine_llama8b import bs1
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.worker import runner as runner_module
+from tools.engine_host_probe import LaunchTimer, probe_host
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
-from benchmarks.bench_engine_llama8b import bs1  # noqa: E402
-from jaxinfer.engine.args import EngineArgs  # noqa: E402
-from jaxinfer.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxinfer.worker import runner as runner_module  # noqa: E402
-from tools.engine_host_probe import LaunchTimer, probe_host  # noqa: E402
 
 PATHS = ("old", "packed", "default")
 RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 ms): min and median

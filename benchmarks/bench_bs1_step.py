@@ -4,9 +4,9 @@ attention-kernel configuration, XLA compile options), each timed on the device a
 kernel, all against the same weights (or their FP8 twin) and cache; then, with `--engine`, the
 engine itself at batch 1 (`--engine-quantization fp8`: with FP8 weights).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_bs1_step.py --save [DIR]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_bs1_step --save [DIR]
         [--ctx 768] [--max-blocks 128] [--variants old_s8,fused,...] [--deadline-s 55] [--engine]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_bs1_step.py --tiny   # CPU check
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_bs1_step --tiny   # CPU check
 
 The step is what the engine runs per decode token at batch 1 (`forward` over the decode rows, one
 real sequence with `--ctx` tokens of context, a block table `--max-blocks` wide as the engine
@@ -35,30 +35,28 @@ import functools
 import gzip
 import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.fused_projections import fuse_projections
+from jaxinfer.model.transformer import forward, init_params
+from jaxinfer.model.weights import load_params
+from pallas_kernels.backend import REFERENCE, AttentionBackend
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.reference import add_rms_norm_reference, scatter_kv
+from tools.trace_decode import device_events
+from tools.trace_engine_step import summarize_steps
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
-from jaxinfer.model.config import config_from_dict  # noqa: E402
-from jaxinfer.model.fused_projections import fuse_projections  # noqa: E402
-from jaxinfer.model.transformer import forward, init_params  # noqa: E402
-from jaxinfer.model.weights import load_params  # noqa: E402
-from pallas_kernels.backend import REFERENCE, AttentionBackend  # noqa: E402
-from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
-from pallas_kernels.reference import add_rms_norm_reference, scatter_kv  # noqa: E402
-from tools.trace_decode import device_events  # noqa: E402
-from tools.trace_engine_step import summarize_steps  # noqa: E402
 
 BLOCK = 16
 IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's override
@@ -244,13 +242,13 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
         # Whether the host is the critical path of a steady step, and why (issue 26).
         try:
             metrics["bs1_host_probe"] = probe_host(engine, [prompt()], steps=32)
-        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures above stand without it
+        except Exception as e:  # a diagnostic: the figures above stand without it
             metrics["bs1_host_probe_error"] = repr(e)[:400]
         save(metrics)
         if not tiny:
             try:
                 metrics["bs1_profile"] = profile_decode_steps(engine, [prompt()])
-            except Exception as e:  # noqa: BLE001 - a diagnostic, as the probe above
+            except Exception as e:  # a diagnostic, as the probe above
                 metrics["bs1_profile_error"] = repr(e)[:400]
             params_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
             figs = roofline_figures(measure_rooflines(params_bytes), engine.cfg, prompt_len,
@@ -377,7 +375,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                     f.write(hlo)
             try:
                 entry["weight_reads"] = weight_reads(hlo, 16 << 10 if args.tiny else 1 << 20)
-            except Exception as e:  # noqa: BLE001 - a diagnostic: the timing stands without it
+            except Exception as e:  # a diagnostic: the timing stands without it
                 entry["weight_reads_error"] = repr(e)[:200]
             if (not args.tiny and i < args.traced
                     and time.perf_counter() - start < args.deadline_s - 6):
@@ -396,7 +394,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
                          entry["dispatch_ms"]))
             print(name, entry, flush=True)
             kv = state[1]
-        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+        except Exception as e:  # one variant failing must not lose the others
             metrics[f"{name}_error"] = repr(e)[:400]
             print(name, "error", repr(e)[:400], flush=True)
             if kv[0][0].is_deleted():  # donated to a step that failed

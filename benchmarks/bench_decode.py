@@ -1,7 +1,7 @@
 """Paged decode attention on the GPU: our kernels beside jax's bundled Pallas `paged_attention`, XLA
 on a gathered contiguous cache, and the HBM read ceiling measured in the same run.
 
-    python3 benchmarks/bench_decode.py [--batches 1,8,64,256] [--contexts 512,4096,32768]
+    python -m benchmarks.bench_decode [--batches 1,8,64,256] [--contexts 512,4096,32768]
                                        [--shapes BxCTX,...] [--variants mosaic,triton] [--save [DIR]]
 
 Figure of merit: TB/s of KV read = (K + V bytes of every sequence's context) / kernel time, and its
@@ -67,7 +67,7 @@ def warm_up_gpu(seconds: float = 1.5) -> None:
 
 
 def read_ceiling_tbps(nbytes: int = 8 * 1024**3) -> float:
-    """HBM read bandwidth: sum over 8 GiB of bf16 (shared/gpu/probe_extra.py's anchor), sums
+    """HBM read bandwidth: a float32 sum over 8 GiB of bf16, sums
     queued back to back. (`nbytes`: smaller, for a CPU smoke run.)"""
     x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation on two GPUs against two colocated replicas, one process, one run.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_disagg.py [--concurrency 32,64]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_disagg [--concurrency 32,64]
         [--input-len 4096] [--output-len 256] [--deadline-s 190] [--save [DIR]]
-    PYTHONPATH=. python3 benchmarks/bench_disagg.py --tiny   # the whole script on 2 CPU devices
+    python -m benchmarks.bench_disagg --tiny   # the whole script on 2 CPU devices
 
 A Llama-3-8B-shaped model (dummy bf16 weights, mosaic kernels). Parts, in order; the JSON record
 is rewritten after each, and a part that would not fit in what is left of --deadline-s is skipped:
@@ -29,16 +29,14 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
 TINY = dict(input_len=64, output_len=8, concurrency="4,8", backend="reference", requests_per_client=2,

@@ -4,8 +4,8 @@ for it, so the dispatch returns only once the device has reached it; the host th
 the next step while this one runs, and one thread driving two engines (disaggregation) waits on
 each in turn.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_dispatch_sync.py --save [DIR]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_dispatch_sync.py --tiny   # CPU check
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_dispatch_sync --save [DIR]
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_dispatch_sync --tiny   # CPU check
 
 sections:
   micro   plain jnp: a ~10 ms matmul chain, then a small jit with or without a `lax.cond` (and the
@@ -33,14 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import results_io  # noqa: E402
 
 SAMPLERS = ("built", "no_cond")
 
@@ -172,7 +171,7 @@ def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
 
 def run_engine(tiny: bool, sampler: str, out_len: int, timeout: float) -> dict:
     """engine_section in a subprocess (a fresh process per sampler: the patch is global)."""
-    cmd = [sys.executable, __file__, "--engine-only", sampler, "--out-len", str(out_len)]
+    cmd = [sys.executable, "-m", __spec__.name, "--engine-only", sampler, "--out-len", str(out_len)]
     if tiny:
         cmd.append("--tiny")
     try:

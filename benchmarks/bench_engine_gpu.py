@@ -1,6 +1,6 @@
 """The engine on the GPU, one device call: compile time and offline throughput at a real model size.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_engine_gpu.py [--sections ...]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_engine_gpu [--sections ...]
         [--deadline-s 540] [--backend mosaic|triton|reference] [--save [DIR]]
 
 Sections (each in its own process, so one that crashes or runs out of time keeps the others'
@@ -103,7 +103,7 @@ def child(argv: list[str], timeout: float, grace_s: float = 15) -> tuple[str, st
 
 def throughput_argv(model: str, extra: list[str], json_path: Path, cache_dir: str,
                     backend: str = "mosaic") -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--model", model,
+    return [sys.executable, "-m", "benchmarks.bench_throughput", "--model", model,
             "--attention-backend", backend, "--dtype", "bfloat16", "--temperature", "0",
             "--compilation-cache-dir", cache_dir, "--output-json", str(json_path), *extra]
 
@@ -128,7 +128,8 @@ def main() -> None:
     llama_dir.mkdir()
     (llama_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     plans = {
-        "warmup": ([sys.executable, __file__, "--run-section", "warmup", "--cache-dir", cache_dir], 240),
+        "warmup": ([sys.executable, "-m", __spec__.name, "--run-section", "warmup",
+                    "--cache-dir", cache_dir], 240),
         "llama8b": (throughput_argv(str(llama_dir), LLAMA8B_WORKLOAD, work / "llama8b.json",
                                     cache_dir, args.backend), 300),
         "demo": (throughput_argv(str(ROOT / "checkpoints" / "demo-target"), [

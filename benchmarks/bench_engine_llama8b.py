@@ -2,9 +2,9 @@
 decode, concurrency 64 (inter-token latency) and 256 (throughput, host time), against rooflines
 measured in the same run.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_engine_llama8b.py --save
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_engine_llama8b --save
         [--deadline-s 190] [--caps 256,0,512] [--num-blocks 16384]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_engine_llama8b.py --tiny   # CPU check
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_engine_llama8b --tiny   # CPU check
 
 Two engine processes share one fresh `--compilation-cache-dir`:
   cold  process start -> `LLMEngine.from_engine_args` returns (first buckets compiled, the rest
@@ -45,11 +45,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULT = "RESULT "
 READY = "READY"
@@ -233,7 +232,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         from tools.trace_engine_step import profile_decode_steps
         try:
             emit(bs1_profile=profile_decode_steps(engine, prompts(1)))
-        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+        except Exception as e:  # a diagnostic: the figures go on without it
             emit(bs1_profile_error=repr(e)[:300])
     if "bs1" in parts:
         bs1(engine, prompts(1)[0], 8)  # the now-ready decode buckets' first call
@@ -293,7 +292,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
             return
         try:
             emit(**{key: fn(engine, c256_prompts, steps=16)})
-        except Exception as e:  # noqa: BLE001 - a diagnostic: the figures go on without it
+        except Exception as e:  # a diagnostic: the figures go on without it
             emit(**{f"{key}_error": repr(e)[:300]})
 
     from tools.profile_host_step import launch_costs, launch_variants, profile_host_steps
@@ -444,7 +443,7 @@ def main() -> None:
         limit = (left - args.warm_reserve_s if mode == "cold" and "warm" in args.parts.split(",")
                  else left)
         spec = json.dumps(dict(opts=opts, mode=mode, left_s=limit - 5))
-        child = run_child([sys.executable, __file__, "--engine-process", spec, "--caps",
+        child = run_child([sys.executable, "-m", __spec__.name, "--engine-process", spec, "--caps",
                            args.caps, "--parts", args.parts, "--c256-runs", args.c256_runs]
                           + (["--tiny"] if args.tiny else []),
                           limit, on_result)

@@ -2,9 +2,9 @@
 at decode row counts, against XLA's weight-only dot (what decode steps run now), XLA's W8A8 gemm and
 the HBM read ceiling measured in the same run; correctness first.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_fp8_matmul.py [--rows 1,8]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_fp8_matmul [--rows 1,8]
         [--configs 128/128/6/0,256/128/4/0,...] [--deadline-s 120] [--save [DIR]]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_fp8_matmul.py --tiny   # CPU check
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_fp8_matmul --tiny   # CPU check
 
 Per shape (the fused layout the engine serves on one GPU: qkv, o, gate_up, down), in order:
   check   `quantized_matmul` impl "mosaic" with each config against impl "fp8" (the same W8A8
@@ -118,7 +118,7 @@ def main() -> None:
                     m[key] = check(fn, x, s, ws[0])
                     if m[key][1] < 1e-2:
                         fns[f"mosaic_{c}"] = fn
-                except Exception as e:  # noqa: BLE001 - one config failing must not lose the rest
+                except Exception as e:  # one config failing must not lose the rest
                     m[key] = repr(e)[:300]
                 print(key, m[key], flush=True)
             for impl, fn in fns.items():

@@ -1,8 +1,8 @@
 """Host-to-device costs of the research loop: placing weights from host numpy, and host arguments
 that make a dispatch wait for the device.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_host_transfers.py [--save [DIR]]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_host_transfers.py --tiny   # CPU check
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_host_transfers [--save [DIR]]
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_host_transfers --tiny   # CPU check
 
 weights   bf16 host numpy of Llama-3-8B shapes (the embedding and the first --layers layers) onto
           the device: `weight_update.place_like` (one thread per leaf) as the process's first
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,16 +31,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
-from jaxinfer.engine.weight_update import place_like  # noqa: E402
-from jaxinfer.model.config import load_config  # noqa: E402
-from jaxinfer.model.transformer import param_shapes  # noqa: E402
-from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS  # noqa: E402
-from jaxinfer.worker.runner import _sample_step  # noqa: E402
-from jaxinfer.worker.sampler import FULL_SAMPLER, SamplingTensors  # noqa: E402
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.engine.weight_update import place_like
+from jaxinfer.model.config import load_config
+from jaxinfer.model.transformer import param_shapes
+from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
+from jaxinfer.worker.runner import _sample_step
+from jaxinfer.worker.sampler import FULL_SAMPLER, SamplingTensors
 
 
 def timed(fn) -> float:

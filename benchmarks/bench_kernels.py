@@ -1,7 +1,7 @@
 """Both attention kernels on the GPU in one call: paged decode (bench_decode) and flash prefill
 (bench_prefill), each beside its anchors measured in the same run.
 
-    PYTHONPATH=. python3 benchmarks/bench_kernels.py [--only decode|prefill] [--quick] [--save [DIR]]
+    python -m benchmarks.bench_kernels [--only decode|prefill] [--quick] [--save [DIR]]
 
 --quick: decode at batch 1 and 64 x ctx 4096 / 32768 with the read ceiling only; prefill ours vs
 cuDNN on the dense shapes. --save writes both records (paged_decode_<gpu>.json,

@@ -2,8 +2,8 @@
 device, against a plain copy of as many bytes: the scatter runs on the decode GPU between decode
 steps, so its time is added to one inter-token gap of every running stream (issue 27's ITL p99).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_kv_blocks.py --save [DIR]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_kv_blocks.py --tiny
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_kv_blocks --save [DIR]
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_kv_blocks --tiny
 
 Llama-3-8B's cache shape (32 layers, 8 KV heads, head_dim 128, 16-token blocks, bf16), one prompt of
 `--blocks` blocks (256 = 4096 tokens, 512 MiB of K and V). Variants of the scatter (all donate the
@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+from jaxinfer.disagg import transfer as transfer_module
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import results_io  # noqa: E402
-from jaxinfer.disagg import transfer as transfer_module  # noqa: E402
 
 
 def scatter_flat(kv_cache, blocks, ids):

@@ -2,7 +2,7 @@
 
 Makes a model of a real shape with random weights (default: Qwen2.5-0.5B's config), saves it both
 ways, then times `load_params` for each (median of --repeats, after one untimed load so both read
-from the page cache). Usage: python benchmarks/bench_load.py [--preset qwen2.5-0.5b|llama-3-8b]
+from the page cache). Usage: python -m benchmarks.bench_load [--preset qwen2.5-0.5b|llama-3-8b]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Routed experts on the GPU, one device call: the grouped-matmul kernel beside `ragged_dot` and the
 padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe.py [--sections kernels,qwen,mixtral]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_moe [--sections kernels,qwen,mixtral]
         [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]]
 
 Sections (each in its own process, time-limited; figures are saved after every part):
@@ -22,325 +22,27 @@ Sections (each in its own process, time-limited; figures are saved after every p
            `--quantization fp8`: every linear and expert e4m3 (experts through the kernel unless
            JAXINFER_MOE_FP8_KERNEL=0), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
-Parts go to $OUT/moe_h200.json as they finish; `--save` writes the record moe_<gpu>.json.
+The kernel section is benchmarks/moe_kernels.py, the engine's benchmarks/moe_engine.py; this module
+runs each in its own process. Parts go to $OUT/moe_h200.json as they finish; `--save` writes the
+record moe_<gpu>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from benchmarks import results_io
+from benchmarks.moe_engine import engine_section
+from benchmarks.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kernel_section
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", "/tmp"))
-
-SHAPES = {  # experts, hidden, expert intermediate, top-k
-    "qwen3_30b_a3b": (128, 2048, 768, 8),
-    "mixtral_8x7b": (8, 4096, 14336, 2),
-}
-PHASE_TOKENS = {"decode": 64, "prefill": 2048}
-# Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
-# (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
-# the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
-SWEEP = {
-    "decode": ([(64, 128, 64, 4), (64, 128, 64, 4, "n", True)],
-               [(64, 128, 64, 6), (64, 256, 64, 4, "n", True)]),
-    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True)],
-                [(128, 128, 64, 6), (128, 128, 64, 4, "m", True)]),
-}
-# e4m3 tilings timed beside `fp8_mosaic`: half the bytes per panel, so deeper rings fit, and at
-# prefill consumers that split N (each widens only its half of the panel).
-FP8_SWEEP = {
-    "decode": ([(64, 128, 64, 6, "n")], [(64, 256, 64, 6, "n")]),
-    "prefill": ([(64, 256, 64, 3, "n")], [(64, 256, 64, 4, "n")]),
-}
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 151643, "eos_token_id": 151645,
-}
-MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-    "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
-ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_8x7b", MIXTRAL_8X7B)}
-
-
-# ---- kernels -----------------------------------------------------------------------------------
-def make_config(fields: tuple):
-    from pallas_kernels.grouped_matmul_mosaic import GmmConfig
-    from pallas_kernels.grouped_matmul_ws import WsConfig
-
-    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
-
-
-def config_fields(config) -> tuple:
-    """The inverse of `make_config` (num_ctas left at its default)."""
-    return dataclasses.astuple(config)[:6 if hasattr(config, "split") else 4]
-
-
-def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
-    """x sorted by expert, weights, group sizes, and the unsorted layer input (x, chosen experts,
-    routing weights): routing is top-k of a random router's softmax."""
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.key(seed), 5)
-    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
-    router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
-    probs, chosen = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ router), top_k)
-    flat = chosen.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = x[order // top_k]
-    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
-    std = hidden ** -0.5
-    ws = tuple((jax.random.normal(k, s, jnp.float32) * std).astype(jnp.bfloat16)
-               for k, s in zip(keys[2:], [(experts, hidden, inter), (experts, hidden, inter),
-                                          (experts, inter, hidden)]))
-    return xs, ws, sizes, (x, chosen, probs / probs.sum(-1, keepdims=True))
-
-
-def fp8_case(ws, tokens: int, phase: str, sweep: bool, baselines) -> tuple:
-    """The experts `ws` quantized as `--quantization fp8` stores them: (stacks, scales, float32
-    reference inputs, calls: name -> f(x, stacks, scales, sizes), tilings)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer.model.quant.ops import dequantize, quantize
-    from pallas_kernels import grouped_matmul as gm
-
-    qs = [quantize(w, "fp8", axis=-2) for w in ws]
-    wq, sq = tuple(q for q, _ in qs), tuple(s for _, s in qs)
-    deq = tuple(dequantize(q, s, axis=-2) for q, s in qs)
-
-    def pair(up, down):
-        def f(x, ws, ss, sizes):
-            h = gm.gmm(x.astype(jnp.float16), ws[:2], sizes, make_config(up), scales=ss[:2])
-            return gm.gmm(h, ws[2:], sizes, make_config(down), scales=ss[2:], out_dtype=x.dtype)
-        return jax.jit(f)
-
-    def impl_call(impl):
-        return jax.jit(lambda x, ws, ss, sizes: gm.moe_experts(
-            x, ws, sizes, impl=impl, max_group_size=tokens, scales=ss))
-
-    ups, downs = FP8_SWEEP[phase] if sweep else ((), ())
-    tilings = {f"fp8_mosaic_{i}": p for i, p in enumerate(zip(ups, downs))}
-    calls = {f"fp8_{impl}": impl_call(impl) for impl in ("mosaic", *baselines)}
-    calls.update({name: pair(*p) for name, p in tilings.items()})
-    return wq, sq, deq, calls, tilings
-
-
-def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
-                   phases=tuple(PHASE_TOKENS), baselines=("ragged", "padded"),
-                   fp8: bool = False, fp8_sweep: bool = True) -> dict:
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
-    from benchmarks.bench_prefill import bench_interleaved, rel_err
-    from jaxinfer.model.experts import routed_experts
-    from pallas_kernels import grouped_matmul as gm
-
-    start = time.perf_counter()
-    res: dict = {}
-    warm_up_gpu()
-    res["hbm_read_tbps"] = read_ceiling_tbps()
-    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    t = bench_interleaved({"mm": (mm, (a,))}, reps=5, inner=10)["mm"]
-    res["matmul_tfs"] = 2 * 8192 ** 3 / t / 1e12
-    del a
-    print(f"ceilings: HBM read {res['hbm_read_tbps']:.2f} TB/s, bf16 matmul {res['matmul_tfs']:.0f} "
-          f"TF/s", flush=True)
-    save_part("kernels", res)
-
-    def time_parts(xs, ws, sizes, up, down):
-        h = gm.gmm(xs, ws[:2], sizes, make_config(up))
-        parts = bench_interleaved({
-            "up": (functools.partial(gm.gmm, config=make_config(up)), (xs, ws[:2], sizes)),
-            "down": (functools.partial(gm.gmm, config=make_config(down)), (h, ws[2:], sizes))},
-            reps=3, inner=10)
-        return {k: round(v * 1e6, 1) for k, v in parts.items()}
-
-    def time_fp8_parts(xs, wq, sq, sizes, up, down):
-        x16 = xs.astype(jnp.float16)
-        up_f = functools.partial(gm.gmm, config=make_config(up), scales=sq[:2])
-        down_f = functools.partial(gm.gmm, config=make_config(down), scales=sq[2:],
-                                   out_dtype=xs.dtype)
-        h = up_f(x16, wq[:2], sizes)
-        parts = bench_interleaved({"up": (up_f, (x16, wq[:2], sizes)),
-                                   "down": (down_f, (h, wq[2:], sizes))}, reps=3, inner=10)
-        return {k: round(v * 1e6, 1) for k, v in parts.items()}
-
-    def mosaic_pair(up, down):
-        def f(x, ws, sizes):
-            h = gm.gmm(x, ws[:2], sizes, make_config(up))
-            return gm.gmm(h, ws[2:], sizes, make_config(down))
-        return jax.jit(f)
-
-    for model in models:
-        e, hidden, inter, k = SHAPES[model]
-        for phase in phases:
-            tokens = PHASE_TOKENS[phase]
-            if time.perf_counter() - start > deadline:
-                res[f"{model}_{phase}"] = "skipped: deadline"
-                continue
-            xs, ws, sizes, layer_in = routed_case(e, hidden, inter, k, tokens)
-            rows = xs.shape[0]
-            touched = int(jnp.sum(sizes > 0))
-            nbytes = touched * 3 * hidden * inter * 2
-            flops = 2 * rows * hidden * inter * 3
-            ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
-                xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
-            ups, downs = SWEEP[phase] if sweep else ((), ())
-            pairs = {"mosaic": tuple(config_fields(c) for c in gm.mosaic_configs(rows, e))}
-            pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
-            calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
-                                                      max_group_size=tokens)), (xs, ws, sizes))
-                     for impl in baselines}
-            calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
-            row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
-                         "flops": flops, "errors": {}, "us": {}, "configs": pairs}
-            refs = {name: ref for name in calls}
-            if fp8:
-                wq, sq, deq, f8_calls, f8_tilings = fp8_case(ws, tokens, phase, fp8_sweep, baselines)
-                ref8 = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
-                    xs.astype(jnp.float32), deq, sizes)
-                del deq
-                calls.update({n: (f, (xs, wq, sq, sizes)) for n, f in f8_calls.items()})
-                refs.update({n: ref8 for n in f8_calls})
-                row["fp8_configs"] = f8_tilings
-                row["fp8_weight_bytes"] = nbytes // 2
-            ok = {}
-            for name, (f, args) in calls.items():
-                try:
-                    row["errors"][name] = rel_err(f(*args), refs[name])
-                    ok[name] = (f, args)
-                except Exception as exc:  # a tiling that does not compile is a result, not a crash
-                    row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            # The whole routed layer as the model runs it (sort, gather, the dispatched experts,
-            # back to token order, weighted sum): its time past the experts' is routing overhead.
-            ok["layer"] = (jax.jit(lambda x, c, p, ws: routed_experts(x, c, p, ws)),
-                           (*layer_in, ws))
-            times = bench_interleaved(ok, reps=5, inner=10)
-            for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
-                if name in ok:
-                    row.setdefault("parts_us", {})[name] = time_parts(xs, ws, sizes, up, down)
-            if fp8 and "fp8_mosaic" in ok:
-                up, down = (config_fields(c) for c in gm.mosaic_configs(rows, e))
-                row.setdefault("parts_us", {})["fp8_mosaic"] = time_fp8_parts(
-                    xs, wq, sq, sizes, up, down)
-            for name, t in times.items():
-                row["us"][name] = round(t * 1e6, 1)
-            row["tbps"] = {n: round((nbytes // 2 if n.startswith("fp8") else nbytes) / t / 1e12, 3)
-                           for n, t in times.items()}
-            row["tfs"] = {n: round(flops / t / 1e12, 1) for n, t in times.items()}
-            res[f"{model}_{phase}"] = row
-            for key, pick in (("ours", "mosaic" if "mosaic" in times else None),
-                              ("best", min((n for n in times if n.startswith("mosaic")),
-                                           key=times.get, default=None))):
-                if pick:
-                    frac = (nbytes / times[pick] / 1e12 / res["hbm_read_tbps"] if phase == "decode"
-                            else flops / times[pick] / 1e12 / res["matmul_tfs"])
-                    res[f"{model}_{phase}_{key}"] = {"name": pick, "frac": round(frac, 3)}
-            if "fp8_mosaic" in times:
-                t8 = times["fp8_mosaic"]
-                res[f"{model}_{phase}_fp8"] = {
-                    "frac_of_hbm": round(nbytes / 2 / t8 / 1e12 / res["hbm_read_tbps"], 3),
-                    "speedup_vs_bf16_mosaic": (round(times["mosaic"] / t8, 3)
-                                               if "mosaic" in times else None)}
-            print(f"{model} {phase}: rows {rows}, touched {touched}: " + ", ".join(
-                f"{n} {row['us'][n]} us ({row['tbps'][n]} TB/s, {row['tfs'][n]} TF/s)"
-                for n in times), flush=True)
-            print(f"  errors: {row['errors']}", flush=True)
-            save_part("kernels", res)
-            del xs, ws, ref, refs, calls, ok, layer_in
-            if fp8:
-                del wq, sq, ref8
-    return res
-
-
-# ---- engine ------------------------------------------------------------------------------------
-def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
-                   layers: int | None = None, quantization: str | None = None) -> dict:
-    import numpy as np
-
-    from jaxinfer.engine.args import EngineArgs
-    from jaxinfer.engine.llm_engine import LLMEngine
-    from jaxinfer.sampling_params import SamplingParams
-
-    name, config = ENGINE_MODELS[model_key]
-    config = {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
-    work = Path(tempfile.mkdtemp(prefix="moe-"))
-    (work / "config.json").write_text(json.dumps(config))
-    t0 = time.perf_counter()
-    args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
-                      max_num_batched_tokens=2048, max_model_len=1024,
-                      gpu_memory_utilization=0.9, attention_backend=backend,
-                      quantization=quantization,
-                      background_compile=False)  # timed steps never run padded into a bigger bucket
-    engine = LLMEngine.from_engine_args(args)
-    ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
-    for i in range(prompts):
-        engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
-    stamps, n_out = [], 0
-    engine.stats.__init__()
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        sched = engine.scheduler
-        prefill = sched.num_waiting > 0 or any(s.num_computed < s.prompt_len for s in sched.running)
-        outs = engine.step()
-        stamps.append((time.perf_counter(), len(sched.running), prefill))
-        n_out += sum(o.num_generated_tokens for o in outs if o.finished)
-    elapsed = time.perf_counter() - start
-    # Steady decode: consecutive steps with all 64 sequences running, past the prefill steps.
-    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts
-            and not b[2]]
-    gaps = gaps[len(gaps) // 4:]
-    mix = step_mix(start, stamps)
-    return {"model": name, "layers": config["num_hidden_layers"], "ready_s": round(ready_s, 1),
-            "elapsed_s": round(elapsed, 2), "output_tokens": n_out,
-            "out_tok_s": round(n_out / elapsed, 1), "steps": len(stamps),
-            "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
-            "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
-            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
-            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto"),
-            "quantization": quantization,
-            "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "1")}
-
-
-def step_mix(start: float, stamps: list) -> dict:
-    """Where the wall time went: steps that carried prompt tokens against pure-decode steps (count,
-    summed and median wall ms between consecutive step returns)."""
-    import numpy as np
-
-    out = {}
-    times = [start] + [s[0] for s in stamps]
-    for kind, flag in (("prefill", True), ("decode", False)):
-        d = [b - a for a, b, s in zip(times, times[1:], stamps) if s[2] == flag]
-        out[f"{kind}_steps"] = len(d)
-        out[f"{kind}_wall_s"] = round(float(sum(d)), 3)
-        out[f"{kind}_step_ms_p50"] = round(1e3 * float(np.median(d)), 2) if d else None
-    return out
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -440,7 +142,8 @@ def main() -> None:
             value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep,
                                    args.phases.split(","),
                                    tuple(b for b in args.baselines.split(",") if b),
-                                   args.fp8, not args.no_fp8_sweep)
+                                   args.fp8, not args.no_fp8_sweep,
+                                   save=lambda res: save_part("kernels", res))
             name = "kernels"
         else:
             value = engine_section(args.run_section, layers=args.layers,
@@ -462,7 +165,7 @@ def main() -> None:
             save_part(name, "skipped: call deadline")
             continue
         limit = min(limits[name], left)
-        argv = [sys.executable, __file__, "--run-section", name, "--section-s", str(limit - 60),
+        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--section-s", str(limit - 60),
                 "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
         argv += (["--layers", str(args.layers)] if args.layers else []) + (
             ["--no-sweep"] if args.no_sweep else []) + (["--fp8"] if args.fp8 else []) + (

@@ -1,7 +1,7 @@
 """Tensor and data parallelism on two H200s, one script, one run: correctness first, then every
 figure beside its anchor.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py [--sections ...]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_multi_gpu [--sections ...]
         [--deadline-s 400] [--limits llama8b_tp2=90,...] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
@@ -65,7 +65,7 @@ LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
               "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 REQUIRED = ("llama8b_tp1_bs1_tpot_ms", "llama8b_tp2_bs1_tpot_ms", "llama8b_tp2_c256_out_tok_s",
             "llama8b_dp2_c256_out_tok_s", "llama70b_tp2_bs1_out_tok_s", "llama70b_tp2_c64_out_tok_s")
-ONE_GPU_C256_OUT_TOK_S = 8470.0  # the engine on one H200, 2026-11-30 (shared/gpu/README.md)
+ONE_GPU_C256_OUT_TOK_S = 8470.0  # bench_throughput on one H200, c = 256, bf16 (2026-11-30)
 IN_LEN, OUT_LEN = 512, 256
 BACKEND = os.environ.get("BENCH_BACKEND", "mosaic")  # `reference` smoke-tests the script on a CPU
 
@@ -283,7 +283,7 @@ def section_llama8b_tp2_procs(cfg: dict) -> dict:
             env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(pid)
-        argv = [sys.executable, __file__, "--run-section", "llama8b_tp2_proc", "--config",
+        argv = [sys.executable, "-m", __spec__.name, "--run-section", "llama8b_tp2_proc", "--config",
                 json.dumps({**cfg, "process_id": pid, "port": port})]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, cwd=ROOT, env=env))
@@ -390,7 +390,7 @@ def main() -> None:
             config["sections"][name] = "skipped: call deadline"
             continue
         t0 = time.perf_counter()
-        argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
+        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--config", json.dumps(cfg)]
         flags = [base_flags, SECTION_XLA_FLAGS.get(name, "")]
         flags += [TRACE_XLA_FLAGS] if args.trace_steps else []  # traced as it runs untraced
         os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)

@@ -1,8 +1,8 @@
 """FP8 weights (`--quantization fp8`) on the GPU, beside their bf16 anchors measured in the same run.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_quant.py [--sections ...]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_quant [--sections ...]
         [--deadline-s 140] [--matmul-rows 2048,8,256] [--kv-cache-dtype fp8] [--save [DIR]]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_quant.py --tiny \
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_quant --tiny \
         --sections llama8b_fp8w,llama8b_fp8w_c256   # CPU check: a 2-layer model, c = 8
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
@@ -287,7 +287,7 @@ def main() -> None:
             sections[name] = "skipped: call deadline"
             continue
         t0 = time.perf_counter()
-        argv = [sys.executable, __file__, "--run-section", name, "--config", json.dumps(cfg)]
+        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--config", json.dumps(cfg)]
         stdout, stderr, rc = child(argv, min(limits[name], left))
         got = _last_json(stdout)
         machine = got.pop("machine", machine)

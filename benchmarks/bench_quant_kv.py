@@ -1,7 +1,7 @@
 """FP8 KV cache: decode kernel speed on its bytes, kernel correctness on the device, and the demo
 model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
 
-    PYTHONPATH=. python3 benchmarks/bench_quant_kv.py [--parts check,decode,prefill,ppl,checkv]
+    python -m benchmarks.bench_quant_kv [--parts check,decode,prefill,ppl,checkv]
                                                       [--save [DIR]]
 
 - check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,

@@ -1,7 +1,7 @@
 """The engine inside a research loop: rollouts with logprobs, weight updates in place, sleep/wake.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_research_loop.py [--save [DIR]]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_research_loop.py --tiny   # CPU check
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_research_loop [--save [DIR]]
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_research_loop --tiny   # CPU check
 
 Default: a Llama-3-8B-shaped model (random bf16 weights, `--load-format dummy`) on one GPU, then
 the --parts (default updates,rollouts,sleep; each saved as it finishes, so a run cut short keeps
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,13 +41,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
-from jaxinfer.engine.llm import LLM  # noqa: E402
-from jaxinfer.engine.rollout import to_rollout_batch  # noqa: E402
-from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.rollout import to_rollout_batch
+from jaxinfer.sampling_params import SamplingParams
 
 
 T0 = time.perf_counter()

@@ -8,7 +8,7 @@ repository's benchmark record. `--sweep-concurrency 1,4,16` runs one benchmark p
 plots throughput and latency against it (`--plot`, needs matplotlib).
 
     jaxinfer serve --port 8000 &
-    python benchmarks/bench_serving.py --port 8000 --dataset-name random --num-prompts 200 \\
+    python -m benchmarks.bench_serving --port 8000 --dataset-name random --num-prompts 200 \\
         --random-input-len 128 --random-output-len 64 --max-concurrency 16 --save --name serving_cpu
 
 Definitions (as in vLLM's client): TTFT = request sent -> first chunk with choices; ITL = time between

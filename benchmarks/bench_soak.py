@@ -12,8 +12,8 @@ Reports: RSS over time (and its drift after the warm-up), leaked blocks, the cou
 p50/p99 latency of completed requests. Goal: RSS flat within +-10% after warm-up, 0 leaked blocks,
 0 responses >= 500.
 
-    python benchmarks/bench_soak.py --minutes 20 --save   # -> benchmarks/results/soak_cpu.json
-    python benchmarks/bench_soak.py --minutes 1 --port 8000 --pid $(pgrep -f "jaxinfer serve")
+    python -m benchmarks.bench_soak --minutes 20 --save   # -> benchmarks/results/soak_cpu.json
+    python -m benchmarks.bench_soak --minutes 1 --port 8000 --pid $(pgrep -f "jaxinfer serve")
 
 Only loopback addresses are targeted; the run stops by itself after --minutes (plus the drain).
 """
@@ -382,7 +382,7 @@ def main() -> int:
             *shlex.split(args.server_args),
         ]
         print("spawning:", " ".join(cmd), file=sys.stderr)
-        log = open(args.server_log, "w")  # noqa: SIM115 - the server's whole life
+        log = open(args.server_log, "w")  # the server's whole life
         proc = subprocess.Popen(
             cmd,
             cwd=REPO_ROOT,

@@ -1,7 +1,7 @@
 """Speculative decoding: time per output token with and without speculation, acceptance, and the
 overhead of the default policy at a large batch.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_spec_decode.py \
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_spec_decode \
         [--sections demo,ngram_edit,crossover,llama8b] [--k 4] [--output-len 128] [--save [DIR]]
         [--merge benchmarks/results/spec_decode_h200.json]
 
@@ -31,16 +31,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.bench_engine_gpu import LLAMA3_8B  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEMO = ROOT / "checkpoints" / "demo-target"
 DEMO_DRAFT = ROOT / "checkpoints" / "demo-draft"

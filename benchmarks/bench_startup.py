@@ -1,6 +1,6 @@
 """Start-up time: `jaxinfer serve` from process start to `/health` 200, cold and warm.
 
-    PYTHONPATH=. python benchmarks/bench_startup.py [--model DIR] [--warm-runs 2] [--save [DIR]]
+    python -m benchmarks.bench_startup [--model DIR] [--warm-runs 2] [--save [DIR]]
         [-- extra serve flags]
 
 Each run is a fresh `python -m jaxinfer.cli.main serve` process. The cold run gets an empty
@@ -29,10 +29,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results_io
 
-from benchmarks import results_io  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ENGINE_PHASES = ("config", "tokenizer", "weights", "kv_plan_and_alloc", "warmup")  # sequential
 PREFIX = "startup phases (s): "  # jaxinfer.engine.startup.STARTUP_LOG_PREFIX (older commits lack it)

@@ -1,7 +1,7 @@
 """The throughput cost of structured output: the same batch of --concurrency requests, each generating
 exactly --output-len tokens, run unconstrained, all constrained by a JSON schema, and half and half.
 
-    PYTHONPATH=. python benchmarks/bench_structured.py --dtype float32 --save   # demo model, c = 64
+    python -m benchmarks.bench_structured --dtype float32 --save   # demo model, c = 64
 
 Every row generates exactly --output-len tokens (min_tokens = max_tokens, and a schema that cannot
 close sooner: an array of at least 1000 digits), so the modes compare the same work. Reported per

@@ -1,8 +1,8 @@
 """Offline throughput, shaped like vLLM's benchmark_throughput, plus the engine's host overhead.
 
-    python benchmarks/bench_throughput.py --model DIR --input-len 128 --output-len 128 --num-prompts 64
-    python benchmarks/bench_throughput.py --host-overhead --num-seqs 256
-    python benchmarks/bench_throughput.py --host-overhead --logprobs 0 --final-output-only
+    python -m benchmarks.bench_throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
+    python -m benchmarks.bench_throughput --host-overhead --num-seqs 256
+    python -m benchmarks.bench_throughput --host-overhead --logprobs 0 --final-output-only
 
 Throughput: N random-token prompts of --input-len tokens, each generating exactly --output-len tokens
 (ignore_eos), through `LLM.generate`; prints `Throughput: X requests/s, Y total tokens/s, Z output

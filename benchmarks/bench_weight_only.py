@@ -2,7 +2,7 @@
 XLA's weight-only dot (what decode steps run) per projection shape, the bf16 LM head, and the
 prefill ratio (FP8 W8A8 over bf16).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_weight_only.py [--deadline-s 60]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_weight_only [--deadline-s 60]
         [--rows 8,1,64] [--prefill-layers 1] [--parts decode,prefill,head,rows] [--save [DIR]]
 
 Measured in --parts order until --deadline-s (the record is rewritten after each figure):

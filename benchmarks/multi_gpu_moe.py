@@ -18,7 +18,7 @@ def section_moe_layouts(_: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_moe import QWEN3_30B_A3B
+    from benchmarks.moe_engine import QWEN3_30B_A3B
     from benchmarks.bench_prefill import bench_interleaved, rel_err
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.parallel.experts import experts_on

@@ -77,6 +77,15 @@ def device_slug() -> str:
     return getattr(dev, "device_kind", dev.platform).split()[-1].lower().replace("-", "_")
 
 
+def invocation() -> str:
+    """How this process was started: `python -m benchmarks.bench_x` for a module run (how the
+    benchmarks and tools run), else the script's path."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.origin and Path(spec.origin).resolve() == Path(sys.argv[0]).resolve():
+        return f"python -m {spec.name}"
+    return Path(sys.argv[0]).as_posix()
+
+
 def record(name: str, *, config: dict, metrics: dict, command: str | None = None,
            date: str | None = None, commit: str | None = None,
            machine_info: dict | None = None) -> dict:
@@ -87,7 +96,7 @@ def record(name: str, *, config: dict, metrics: dict, command: str | None = None
         "date": date or datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": commit or git_commit(),
         "machine": machine_info if machine_info is not None else machine(),
-        "command": command or " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command or " ".join([invocation(), *sys.argv[1:]]),
         "config": config,
         "metrics": metrics,
     }

@@ -15,8 +15,8 @@ The objective's ratio compares the training forward's logprobs with the ones the
 with; with one gradient step per batch it is 1 up to numerics, and `logprob_drift` (mean absolute
 difference per token) reports how closely the engine's logprobs match the trainer's.
 
-    JAX_PLATFORMS=cpu python examples/grpo_demo.py --save           # a few minutes on a CPU
-    python examples/grpo_demo.py --steps 40 --group 16 --save        # an accelerator
+    JAX_PLATFORMS=cpu python -m examples.grpo_demo --save           # a few minutes on a CPU
+    python -m examples.grpo_demo --steps 40 --group 16 --save        # an accelerator
 
 Writes the reward curve to benchmarks/results/grpo_demo_<device>.png (needs matplotlib, the
 `bench` extra; skipped without it) and, with --save, the run's record (benchmarks/results_io.py).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import sys
 import time
 from pathlib import Path
 
@@ -35,13 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import results_io  # noqa: E402
-from jaxinfer.engine.llm import LLM  # noqa: E402
-from jaxinfer.engine.rollout import to_rollout_batch  # noqa: E402
-from jaxinfer.model.transformer import train_forward  # noqa: E402
-from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from benchmarks import results_io
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.rollout import to_rollout_batch
+from jaxinfer.model.transformer import train_forward
+from jaxinfer.sampling_params import SamplingParams
 
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "for i in range(10):\n",
            "if __name__ == '__main__':\n", "with open(path) as f:\n", "try:\n",

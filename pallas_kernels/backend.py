@@ -4,9 +4,18 @@ prefill part of a step, chosen by platform and the `--attention-backend` flag.
 A backend is three functions with fixed signatures (see `reference.py` for their meaning):
 
     write_kv(k_cache, v_cache, k[T,Hkv,D], v[T,Hkv,D], slot_mapping[T]) -> (k_cache, v_cache)
-    decode(q[S,Hq,D], k_cache, v_cache, block_tables[S,M], seq_lens[S], *, scale, softcap) -> [S,Hq,D]
+    decode(q[S,Hq,D], k_cache, v_cache, block_tables[S,M], seq_lens[S],
+           *, scale, softcap, window, sinks) -> [S,Hq,D]
     prefill(q[T,Hq,D], k_cache, v_cache, query_start_loc[S+1], seq_lens[S], block_tables[S,M],
-            *, scale, softcap) -> [T,Hq,D]
+            *, scale, softcap, window, sinks) -> [T,Hq,D]
+
+The attention variants, the same keywords on every backend and wrapper:
+- `softcap: float | None` (static): scores = softcap * tanh(scores / softcap) after the scale,
+  before masking (Gemma 2);
+- `window: int | None` (static): a query at position p sees keys at p - window < j <= p (HF's
+  sliding window); None = full causal;
+- `sinks: float32[Hq] | None` (traced): one learned logit per query head added to the softmax
+  denominator, its probability dropped (gpt-oss).
 
 Kernel modules register themselves in `_BACKENDS` lazily (importing a Mosaic GPU module on a CPU
 machine is fine, but compiling it is not), so adding a kernel touches this file only.
@@ -42,9 +51,11 @@ class AttentionBackend:
     add_rms_norm: Callable = reference.add_rms_norm_reference
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                 md: AttentionMetadata, *, scale: float, softcap: float | None = None) -> jax.Array:
+                 md: AttentionMetadata, *, scale: float, softcap: float | None = None,
+                 window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
         """Attention for every token of the step: decode tokens first, then the ragged prefill part."""
-        return _attend(self, q, k_cache, v_cache, md, scale=scale, softcap=softcap)
+        return _attend(self, q, k_cache, v_cache, md, sinks, scale=scale, softcap=softcap,
+                       window=window)
 
     def for_layer(self, i: int) -> "AttentionBackend":
         """The backend layer i calls: the same for every layer (`kv_quant.FP8KVAttention` gives
@@ -55,25 +66,27 @@ class AttentionBackend:
 # A nested jit: every layer calls attention with the same shapes, so the kernels are traced and
 # lowered once per step shape instead of once per layer (Mosaic GPU kernels are lowered in Python,
 # which is a large part of a step's compile time; XLA inlines the call, so nothing changes at run time).
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("scale", "softcap"))
-def _attend(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, *, scale, softcap):
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("scale", "softcap", "window"))
+def _attend(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, sinks, *,
+            scale, softcap, window):
+    variant = dict(scale=scale, softcap=softcap, window=window, sinks=sinks)
     nd = md.num_decodes
     t = q.shape[0]
     if nd == 0 and backend.split_mixed_steps and md.num_seqs:
-        return _attend_mixed(backend, q, k_cache, v_cache, md, scale=scale, softcap=softcap)
+        return _attend_mixed(backend, q, k_cache, v_cache, md, **variant)
     parts = []
     if nd:
         parts.append(backend.decode(q[:nd], k_cache, v_cache, md.block_tables[:nd],
-                                    md.seq_lens[:nd], scale=scale, softcap=softcap))
+                                    md.seq_lens[:nd], **variant))
     if t > nd:
         qsl = md.query_start_loc[nd:] - nd
         parts.append(backend.prefill(q[nd:], k_cache, v_cache, qsl, md.seq_lens[nd:],
-                                     md.block_tables[nd:], scale=scale, softcap=softcap))
+                                     md.block_tables[nd:], **variant))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
-def _attend_mixed(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, *,
-                  scale, softcap):
+def _attend_mixed(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata,
+                  **variant):
     """A mixed step whose decode count is only known on the device: the leading run of one-token
     sequences (the scheduler puts decodes first; a one-token prefill chunk there is the same
     attention) goes to `decode`, every later sequence to `prefill`. Both kernels run on static
@@ -85,9 +98,9 @@ def _attend_mixed(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionM
     num_decodes = jnp.sum(jnp.cumprod(one_token.astype(jnp.int32)))
     is_decode = jnp.arange(s) < num_decodes  # sequence i < num_decodes owns token i
     decoded = backend.decode(q[:s], k_cache, v_cache, md.block_tables,
-                             jnp.where(is_decode, md.seq_lens, 0), scale=scale, softcap=softcap)
+                             jnp.where(is_decode, md.seq_lens, 0), **variant)
     prefilled = backend.prefill(q, k_cache, v_cache, jnp.maximum(qsl, num_decodes), md.seq_lens,
-                                md.block_tables, scale=scale, softcap=softcap)
+                                md.block_tables, **variant)
     head = jnp.where(is_decode[:, None, None], decoded, prefilled[:s])
     return jnp.concatenate([head, prefilled[s:]], axis=0)
 

@@ -258,7 +258,7 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # tracks each barrier's phase parity itself, one flip per wait, so a skipped phase
                 # would leave this warpgroup's parity one behind for the rest of the CTA's items
                 # (a later wait then passes before its data lands, or waits on a phase that never
-                # comes: the engine hang of benchmarks/RESULTS.md).
+                # comes: an engine hang).
                 slot = slot_of(g0 + j)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])

@@ -68,9 +68,12 @@ class FP8LayerAttention:
         return self.inner.write_kv(k_cache, v_cache, quantize(k, self.k_scale, k_cache.dtype),
                                    quantize(v, self.v_scale, v_cache.dtype), slot_mapping)
 
-    def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None):
+    def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None,
+                 window: int | None = None, sinks: jax.Array | None = None):
+        # The k scale sits in q, so scores (and the softcap and sinks that act on them) are as
+        # with a bf16 cache.
         out = self.inner(_scaled(q, self.k_scale), k_cache, v_cache, md, scale=scale,
-                         softcap=softcap)
+                         softcap=softcap, window=window, sinks=sinks)
         return _scaled(out, self.v_scale)
 
 

@@ -79,18 +79,48 @@ def _softcap(scores: jax.Array, softcap: float | None) -> jax.Array:
     return scores if not softcap else softcap * jnp.tanh(scores / softcap)
 
 
+def in_window(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """Whether a query at q_pos sees the key at k_pos: causal, and with a sliding window only the
+    last `window` positions (HF's convention: q_pos - k_pos < window; the key at q_pos included)."""
+    visible = k_pos <= q_pos
+    return visible if window is None else visible & (q_pos - k_pos < window)
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r} must be a positive int (or None for full attention)")
+
+
+def masked_softmax_rows(scores: jax.Array, valid: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Probabilities over the last axis of float32 `scores` where `valid`; rows without a valid key
+    give zeros. `sinks` (broadcastable to scores[..., 0]) are one extra logit per row whose
+    probability is dropped: they only enlarge the denominator (gpt-oss)."""
+    scores = jnp.where(valid, scores, NEG_INF)
+    m = scores.max(-1)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks)
+    p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
+    denom = p.sum(-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks - m)
+    return p / jnp.maximum(denom, 1e-30)[..., None]
+
+
 # Queries are processed this many at a time, so the gathered context (chunk x L x Hkv x D) stays
 # small even when a step holds thousands of tokens of hundreds of sequences.
 QUERY_CHUNK = 32
 
 
 def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
-                 last_pos: jax.Array, *, scale: float, softcap: float | None) -> jax.Array:
+                 last_pos: jax.Array, *, scale: float, softcap: float | None,
+                 window: int | None, sinks: jax.Array | None) -> jax.Array:
     """Each query row attends to its own sequence's context positions 0..last_pos (inclusive;
-    last_pos < 0 = no keys, output 0). q: [N, Hq, D]; tables: [N, M] block table of each row's
-    sequence; last_pos: [N]. Rows are processed QUERY_CHUNK at a time."""
+    last_pos < 0 = no keys, output 0), only the last `window` of them with a window. q: [N, Hq, D];
+    tables: [N, M] block table of each row's sequence; last_pos: [N]; sinks: [Hq] or None. Rows
+    are processed QUERY_CHUNK at a time."""
     n, hq, d = q.shape
     hkv = k_cache.shape[0]
+    sink_g = None if sinks is None else sinks.astype(jnp.float32).reshape(hkv, hq // hkv)
 
     def one(row):
         qi, table, last = row
@@ -98,11 +128,9 @@ def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: j
         v = gather_context(v_cache, table[None])[0].astype(jnp.float32)
         qg = qi.astype(jnp.float32).reshape(hkv, hq // hkv, d)
         scores = _softcap(jnp.einsum("kgd,lkd->kgl", qg, k) * scale, softcap)
-        valid = jnp.arange(k.shape[0]) <= last
-        scores = jnp.where(valid, scores, NEG_INF)
-        p = jnp.where(valid, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
-        out = jnp.einsum("kgl,lkd->kgd", p, v) / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-        return out.reshape(hq, d)
+        valid = in_window(last, jnp.arange(k.shape[0]), window)
+        p = masked_softmax_rows(scores, valid, sink_g)
+        return jnp.einsum("kgl,lkd->kgd", p, v).reshape(hq, d)
 
     out = jax.lax.map(one, (q, tables, last_pos), batch_size=min(QUERY_CHUNK, max(n, 1)))
     return out.astype(q.dtype)
@@ -110,10 +138,13 @@ def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: j
 
 def paged_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, scale: float,
-                           softcap: float | None = None) -> jax.Array:
+                           softcap: float | None = None, window: int | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """One query token per sequence (the last of its context). q: [S, Hq, D] -> [S, Hq, D];
     seq_lens == 0 gives zeros."""
-    return _attend_rows(q, k_cache, v_cache, block_tables, seq_lens - 1, scale=scale, softcap=softcap)
+    check_window(window)
+    return _attend_rows(q, k_cache, v_cache, block_tables, seq_lens - 1, scale=scale,
+                        softcap=softcap, window=window, sinks=sinks)
 
 
 def token_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
@@ -131,28 +162,36 @@ def token_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
 def ragged_prefill_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                              query_start_loc: jax.Array, seq_lens: jax.Array,
                              block_tables: jax.Array, *, scale: float,
-                             softcap: float | None = None) -> jax.Array:
+                             softcap: float | None = None, window: int | None = None,
+                             sinks: jax.Array | None = None) -> jax.Array:
     """Ragged causal attention: sequence s owns tokens query_start_loc[s]:query_start_loc[s+1]; they
     are the last tokens of its context of seq_lens[s] tokens (earlier ones are already cached).
     q: [T, Hq, D] -> [T, Hq, D]; tokens that belong to no sequence give zeros."""
+    check_window(window)
     seq, pos = token_positions(query_start_loc, seq_lens, q.shape[0])
     owned = seq < seq_lens.shape[0]
     tables = block_tables[jnp.minimum(seq, seq_lens.shape[0] - 1)]
     return _attend_rows(q, k_cache, v_cache, tables, jnp.where(owned, pos, -1), scale=scale,
-                        softcap=softcap)
+                        softcap=softcap, window=window, sinks=sinks)
 
 
 def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
-                               softcap: float | None = None, causal: bool = True) -> jax.Array:
+                               softcap: float | None = None, causal: bool = True,
+                               window: int | None = None,
+                               sinks: jax.Array | None = None) -> jax.Array:
     """Dense batched attention without a cache (training and kernel tests).
-    q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]."""
+    q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. A window implies causal."""
+    check_window(window)
     b, l, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, l, hkv, hq // hkv, d)
     scores = _softcap(jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)) * scale, softcap)
-    if causal:
-        mask = jnp.tril(jnp.ones((l, l), dtype=bool))
-        scores = jnp.where(mask, scores, NEG_INF)
-    p = jax.nn.softmax(scores, axis=-1)
+    pos = jnp.arange(l)
+    if causal or window is not None:
+        valid = in_window(pos[:, None], pos[None, :], window)
+    else:
+        valid = jnp.ones((l, l), dtype=bool)
+    sink_g = None if sinks is None else sinks.astype(jnp.float32).reshape(hkv, hq // hkv, 1)
+    p = masked_softmax_rows(scores, valid, sink_g)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
     return out.reshape(b, l, hq, d).astype(q.dtype)

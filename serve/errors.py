@@ -89,7 +89,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             message = exc.reason
         return error_response(exc.status, message, headers={
             k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")})
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback to the client
+    except Exception as exc:  # the last line of defence: never a traceback to the client
         api_error = as_api_error(exc)
         if api_error is None:
             logger.exception("internal error while handling %s %s", request.method, request.path)

@@ -58,7 +58,7 @@ async def stream_chunks(request: web.Request, chunks: AsyncGenerator[dict, None]
             await sse.send(chunk)
     except ConnectionResetError:
         return sse.response
-    except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+    except Exception as exc:  # reported to the client in-band
         api_error = as_api_error(exc)
         if api_error is None:
             logger.exception("error while streaming %s", request.path)

@@ -20,6 +20,14 @@ def test_save_writes_the_record_with_every_key(tmp_path, monkeypatch):
     assert results_io.load("x_cpu", tmp_path) == rec
 
 
+def test_a_module_run_records_its_python_m_command(monkeypatch):
+    import benchmarks.bench_decode as module
+    monkeypatch.setattr("sys.argv", [module.__file__, "--tiny"])
+    monkeypatch.setitem(__import__("sys").modules, "__main__", module)
+    assert results_io.record("x", config={}, metrics={})["command"] == (
+        "python -m benchmarks.bench_decode --tiny")
+
+
 def test_historical_record_keeps_its_origin():
     rec = results_io.record("old", config={}, metrics={}, command="python3 b.py", date="2026-11-29",
                             commit="abc1234", machine_info={"device": "NVIDIA H200"})

@@ -1,6 +1,6 @@
 """Compile our Mosaic GPU kernels with Mosaic's dump flags and print what ptxas made of each (H200).
 
-    PYTHONPATH=. python3 tools/dump_kernels.py [--kernels prefill,decode]
+    python -m tools.dump_kernels [--kernels prefill,decode]
         [--prefill-configs default,spec] [--dir DIR]
 
 Mosaic GPU reads MOSAIC_GPU_DUMP_PTX / MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_TO when it compiles a

@@ -2,7 +2,7 @@
 replace the stored figures of the same keys, the rest stay, and `config.merged_from` lists every
 run that contributed (commit, date, command, the keys it set), so each figure keeps its source.
 
-    python tools/merge_record.py NEW.json benchmarks/results/NAME.json [--prefix P] [--only K,...]
+    python -m tools.merge_record NEW.json benchmarks/results/NAME.json [--prefix P] [--only K,...]
 
 --prefix renames the new keys (a variant run beside the production one); --only keeps the named
 keys of the new record.

@@ -2,7 +2,7 @@
 names and locations normalised, so the kernels of two commits can be diffed op for op. A refactor
 meant to change nothing in a kernel should show no difference.
 
-    PYTHONPATH=. python3 tools/mosaic_ir.py [--kernel prefill-dense] [--out FILE]
+    python -m tools.mosaic_ir [--kernel prefill-dense] [--out FILE]
     # e.g. in a worktree of another commit, then: diff A.mlir B.mlir
 
 Kernels (benchmark shapes: Hq 32 / Hkv 8 / d 128, bf16, default configs): prefill-dense (non-causal

@@ -1,6 +1,6 @@
 """Where a paged-decode call's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 tools/profile_decode.py [--shapes 1x32768,64x4096] [--variants mosaic]
+    python -m tools.profile_decode [--shapes 1x32768,64x4096] [--variants mosaic]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every

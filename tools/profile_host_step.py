@@ -5,7 +5,7 @@ with the most own time.
     from tools.profile_host_step import profile_host_steps
     summary = profile_host_steps(engine, [prompt_ids] * 256, steps=20)
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python tools/profile_host_step.py --num-seqs 256   # demo model
+    JAX_PLATFORMS=cpu python -m tools.profile_host_step --num-seqs 256   # demo model
 
 The requests are added and stepped until each has its first token (prefill done); then `steps`
 engine steps run under the profiler (and, separately, without it: the wall time per step and the

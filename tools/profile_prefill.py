@@ -1,6 +1,6 @@
 """Where a flash-prefill step's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    PYTHONPATH=. python3 tools/profile_prefill.py [--configs default,stages=3] [--causal]
+    python -m tools.profile_prefill [--configs default,stages=3] [--causal]
 
 Dense attention at B1 S2048 Hq 8 / Hkv 2 / d 128 (bf16): 16 query tiles x 8 heads = 128 items, one
 per CTA, each streaming 16 K/V steps -- every CTA busy at once, as in a large call, but few enough

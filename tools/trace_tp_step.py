@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes under tensor parallelism: the engine's steps traced with
 jax's profiler (CUPTI on a GPU), every device's timeline and the host's, summarised.
 
-    PYTHONPATH=. python3 tools/trace_tp_step.py [--shape llama8b] [--tp 2] [--steps 32]
+    python -m tools.trace_tp_step [--shape llama8b] [--tp 2] [--steps 32]
 
 It builds `LLM` on a model shape (dummy weights; `--shape` llama8b, llama70b or a model directory),
 serves one batch-1 request to compile, measures the batch-1 TPOT (difference of two generation

@@ -240,7 +240,7 @@ class AsyncEngine:
             return
         try:
             self._leader.publish_stop(error)
-        except Exception:  # noqa: BLE001 - the coordinator gone too: nothing left to tell
+        except Exception:  # the coordinator gone too: nothing left to tell
             log.exception("could not tell the other processes to stop")
 
 

@@ -417,7 +417,7 @@ class LLMEngine(TrainingLoopMixin):
                 self.stats.idle_dispatches += 1  # overlapped, but the device got there first
             try:
                 handle = self.runner.execute(sched)
-            except Exception as e:  # noqa: BLE001 - one request's failure is not the engine's
+            except Exception as e:  # one request's failure is not the engine's
                 self._dispatch_failed(sched, e)
             else:
                 if handle.loop_row_steps is not None:

@@ -52,7 +52,7 @@ class OutputProcessor:
             try:
                 num_new_tokens += self._process_row(seq, entry, r, res, tokens, logprobs, steps,
                                                     now, touched, handle.loop_row_steps)
-            except Exception as e:  # noqa: BLE001 - fails this row's request, not the step
+            except Exception as e:  # fails this row's request, not the step
                 self.failed.append((seq.request.request_id, e))
                 continue
             live.append(seq)

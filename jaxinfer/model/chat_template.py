@@ -69,7 +69,7 @@ class _TemplateDict:
 class _Namespace(jinja2.utils.Namespace):
     """jinja's namespace, refusing underscore-prefixed attributes (a sandbox escape route)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805 - jinja's Namespace takes self positionally too
+    def __init__(*args, **kwargs):  # jinja's Namespace takes self positionally too
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

@@ -51,11 +51,19 @@ class ShardedAttention:
         return _shard_map(local, self.plan, (cache, cache, new, new, P()), (cache, cache))(
             k_cache, v_cache, k, v, slot_mapping)
 
-    def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None):
+    def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None,
+                 window: int | None = None, sinks: jax.Array | None = None):
         specs = attention_specs(self.plan)
-        local = functools.partial(self.inner.__call__, scale=scale, softcap=softcap)
+        local = functools.partial(self.inner.__call__, scale=scale, softcap=softcap, window=window)
         in_specs = (specs["q"], specs["cache"], specs["cache"], specs["md"])
-        return _shard_map(local, self.plan, in_specs, specs["q"])(q, k_cache, v_cache, md)
+        if sinks is None:
+            return _shard_map(local, self.plan, in_specs, specs["q"])(q, k_cache, v_cache, md)
+        # Sinks are per query head: each device takes those of its own heads.
+        def with_sinks(q, kc, vc, md, sinks):
+            return local(q, kc, vc, md, sinks=sinks)
+
+        return _shard_map(with_sinks, self.plan, (*in_specs, specs["sinks"]), specs["q"])(
+            q, k_cache, v_cache, md, sinks)
 
 
 def _shard_map(fn, plan: ShardingPlan, in_specs, out_specs):

@@ -69,7 +69,7 @@ def step_key(n: int) -> str:
 def _encode(event: tuple) -> bytes:
     try:
         return pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 - a callable in the params, say
+    except Exception as e:  # a callable in the params, say
         raise InvalidRequestError(f"the request cannot be sent to the other processes of this "
                                   f"multi-process server: {e!r}") from e
 
@@ -202,7 +202,7 @@ class StreamLeader:
                 if (n + 1) % CHUNK == 0:
                     self._delete_read_chunks(n + 1)
                 self.set_s += time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - raised by the next publish
+            except BaseException as e:  # raised by the next publish
                 log.exception("could not publish step %d of the request stream", n)
                 self._send_error = e
                 return
@@ -222,7 +222,7 @@ def _apply(engine, event: tuple) -> None:
         _, request_id, prompt, params, priority = event
         try:
             engine.add_request(request_id, prompt, params, priority)
-        except Exception as e:  # noqa: BLE001 - the leader raised it too (to its client)
+        except Exception as e:  # the leader raised it too (to its client)
             log.debug("replayed request %s failed as on process 0: %r", request_id, e)
     elif kind == "abort":
         engine.abort(event[1], event[2])
@@ -249,7 +249,7 @@ def _fetch_loop(client, pid: int, out: queue.Queue) -> None:
         while True:
             try:
                 raw = client.blocking_key_value_get_bytes(step_key(n), POLL_MS)
-            except Exception as e:  # noqa: BLE001 - jax raises JaxRuntimeError(DEADLINE_EXCEEDED)
+            except Exception as e:  # jax raises JaxRuntimeError(DEADLINE_EXCEEDED)
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
                 continue  # idle
@@ -260,7 +260,7 @@ def _fetch_loop(client, pid: int, out: queue.Queue) -> None:
                 client.key_value_set(f"{ACKS}/{pid}", str(n), allow_overwrite=True)
             if any(e[0] == "stop" for e in events):
                 return
-    except BaseException as e:  # noqa: BLE001 - raised on the engine's thread
+    except BaseException as e:  # raised on the engine's thread
         out.put(e)
 
 

@@ -202,7 +202,7 @@ def attention_specs(plan: ShardingPlan) -> dict[str, P]:
     """shard_map specs of the attention seam: queries and outputs [T, Hq, D] over heads; the
     cache over its heads; new K/V [T, Hkv, D] over heads, or replicated when the cache is."""
     kv_new = P() if plan.kv_replicated else P(None, TP, None)
-    return {"q": P(None, TP, None), "cache": P(TP), "kv_new": kv_new, "md": P()}
+    return {"q": P(None, TP, None), "cache": P(TP), "kv_new": kv_new, "md": P(), "sinks": P(TP)}
 
 
 def per_device_bytes(tree) -> int:

@@ -247,7 +247,7 @@ class BucketCompiler:
                     run()
             except _Stopped:
                 pass
-            except Exception:  # noqa: BLE001 - a bucket that fails to compile is not the engine's
+            except Exception:  # a bucket that fails to compile is not the engine's
                 log.exception("background compilation failed; larger buckets serve its steps")
                 with self._done:
                     self._num_failed = len(self.units) - self._num_ready

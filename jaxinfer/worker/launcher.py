@@ -80,7 +80,7 @@ class StepLauncher:
                 continue
             try:
                 future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - delivered to whoever waits for the step
+            except BaseException as e:  # delivered to whoever waits for the step
                 future.set_exception(e)
 
 

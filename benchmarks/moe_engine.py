@@ -1,0 +1,93 @@
+"""The engine section of benchmarks/bench_moe.py: the engine end to end on an MoE model's shape
+(dummy weights), output tok/s, the median decode step at full batch and the step mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_8x7b", MIXTRAL_8X7B)}
+
+
+def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
+                   layers: int | None = None, quantization: str | None = None) -> dict:
+    import numpy as np
+
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.sampling_params import SamplingParams
+
+    name, config = ENGINE_MODELS[model_key]
+    config = {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
+    work = Path(tempfile.mkdtemp(prefix="moe-"))
+    (work / "config.json").write_text(json.dumps(config))
+    t0 = time.perf_counter()
+    args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
+                      max_num_batched_tokens=2048, max_model_len=1024,
+                      gpu_memory_utilization=0.9, attention_backend=backend,
+                      quantization=quantization,
+                      background_compile=False)  # timed steps never run padded into a bigger bucket
+    engine = LLMEngine.from_engine_args(args)
+    ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    for i in range(prompts):
+        engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
+    stamps, n_out = [], 0
+    engine.stats.__init__()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler
+        prefill = sched.num_waiting > 0 or any(s.num_computed < s.prompt_len for s in sched.running)
+        outs = engine.step()
+        stamps.append((time.perf_counter(), len(sched.running), prefill))
+        n_out += sum(o.num_generated_tokens for o in outs if o.finished)
+    elapsed = time.perf_counter() - start
+    # Steady decode: consecutive steps with all 64 sequences running, past the prefill steps.
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if a[1] == prompts and b[1] == prompts
+            and not b[2]]
+    gaps = gaps[len(gaps) // 4:]
+    mix = step_mix(start, stamps)
+    return {"model": name, "layers": config["num_hidden_layers"], "ready_s": round(ready_s, 1),
+            "elapsed_s": round(elapsed, 2), "output_tokens": n_out,
+            "out_tok_s": round(n_out / elapsed, 1), "steps": len(stamps),
+            "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
+            "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
+            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto"),
+            "quantization": quantization,
+            "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "1")}
+
+
+def step_mix(start: float, stamps: list) -> dict:
+    """Where the wall time went: steps that carried prompt tokens against pure-decode steps (count,
+    summed and median wall ms between consecutive step returns)."""
+    import numpy as np
+
+    out = {}
+    times = [start] + [s[0] for s in stamps]
+    for kind, flag in (("prefill", True), ("decode", False)):
+        d = [b - a for a, b, s in zip(times, times[1:], stamps) if s[2] == flag]
+        out[f"{kind}_steps"] = len(d)
+        out[f"{kind}_wall_s"] = round(float(sum(d)), 3)
+        out[f"{kind}_step_ms_p50"] = round(1e3 * float(np.median(d)), 2) if d else None
+    return out

@@ -125,3 +125,14 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
     assert _equal(load_params(tmp_path, cfg, jnp.float32, progress=False),
                   load_params(src, plain_cfg, jnp.float32, progress=False))
     shutil.rmtree(tmp_path)
+
+
+def test_memory_report_counts_windowed_reads():
+    from jaxinfer.cli.memory import ModelShape, memory_report, parse_accelerator
+    windows = (4, 4, None, 4, 4, None)  # 6 layers, 2 KV heads x 8, bf16: 384 B per token
+    shape = ModelShape(6, 2, 8, 4, 1000, 500, "bfloat16", None, windows)
+    r = memory_report(shape, kv_dtype="auto", seq_len=16, batch=2, block_size=16,
+                      accelerator=parse_accelerator("h200", None, None), gpu_memory_utilization=0.9)
+    assert r["kv_bytes_per_token"] == 384 and r["kv_bytes_per_sequence"] == 384 * 16
+    assert r["kv_read_bytes_per_token"] == 384 * (4 * 4 + 2 * 16) // (6 * 16)
+    assert r["decode_roofline"]["bytes_per_step"] == 1000 + 2 * 16 * 192

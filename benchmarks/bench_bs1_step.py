@@ -50,9 +50,10 @@ from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.fused_projections import fuse_projections
 from jaxinfer.model.transformer import forward, init_params
 from jaxinfer.model.weights import load_params
-from pallas_kernels.backend import REFERENCE, AttentionBackend
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import add_rms_norm_reference, scatter_kv
+from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
+from pallas_kernels.attention.reference import scatter_kv
+from pallas_kernels.norm.reference import add_rms_norm_reference
 from tools.trace_decode import device_events
 from tools.trace_engine_step import summarize_steps
 
@@ -99,7 +100,7 @@ VARIANTS: dict[str, dict] = {
     "fp8w": dict(fused=True, quant="fp8"),  # the engine's FP8 decode step as it is
     "fp8w_unfused": dict(quant="fp8"),
     "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
-    # W8A8 through the weight-streaming kernel (pallas_kernels/fp8_matmul_mosaic.py)
+    # W8A8 through the weight-streaming kernel (pallas_kernels/matmul/fp8_matmul_mosaic.py)
     "fp8w_mosaic": dict(fused=True, quant="fp8", impl="mosaic"),
     # Whether XLA's command buffers (CUDA graphs) take the step's kernels: `dispatch_ms` is the
     # host's launch of ~455-710 kernels without them.
@@ -117,8 +118,8 @@ TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
 def backend_for(variant: dict, default: AttentionBackend) -> AttentionBackend:
     backend = default
     if "kernel" in variant:
-        from pallas_kernels.flash_prefill import flash_prefill_mosaic
-        from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+        from pallas_kernels.attention.flash_prefill import flash_prefill_mosaic
+        from pallas_kernels.attention.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
         config = MosaicDecodeConfig(**variant["kernel"])
         backend = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
                                    decode=functools.partial(paged_decode_mosaic, config=config),
@@ -204,7 +205,7 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     from tools.engine_host_probe import probe_host
     from tools.trace_engine_step import profile_decode_steps
     if norm == "xla":
-        from pallas_kernels import gpu_backends
+        from pallas_kernels.attention import gpu_backends
         gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
                                                   add_rms_norm=add_rms_norm_reference)
     with tempfile.TemporaryDirectory() as work:
@@ -319,7 +320,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
     if args.tiny:
         default = REFERENCE
     else:
-        from pallas_kernels.backend import get_backend
+        from pallas_kernels.attention.backend import get_backend
         default = get_backend("mosaic")
     weights = Weights(cfg)
     params = weights.get(None, False)

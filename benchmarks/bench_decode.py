@@ -39,13 +39,13 @@ import numpy as np
 from jax import lax
 
 from benchmarks import results_io
-from pallas_kernels.paged_decode import (
-    MosaicDecodeConfig,
-    paged_decode_mosaic,
-    paged_decode_triton_configured,
-)
-from pallas_kernels.device_info import num_sms
-from pallas_kernels.paged_decode_mosaic import mosaic_decode_call
+from pallas_kernels.attention.paged_decode import (
+                                                   MosaicDecodeConfig,
+                                                   paged_decode_mosaic,
+                                                   paged_decode_triton_configured,
+                                                   )
+from pallas_kernels.common.device_info import num_sms
+from pallas_kernels.attention.paged_decode_mosaic import mosaic_decode_call
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_FLUSH_BYTES = 256 * 2**20  # read this much per measurement at least, so L2 (60 MB) can't serve it

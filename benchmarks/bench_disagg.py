@@ -143,7 +143,7 @@ def _engines(engine) -> dict:
 
 def fresh_stats(engine) -> None:
     """Zero the host-time counters before a timed pass."""
-    from jaxinfer.disagg.engine import DriverStats
+    from jaxinfer.frontends.disaggregated import DriverStats
     from jaxinfer.engine.metrics import EngineStats
     for e in _engines(engine).values():
         e.stats = EngineStats()
@@ -154,7 +154,7 @@ def fresh_stats(engine) -> None:
 def host_phases(engine, tag: str) -> dict:
     """Where the host's time went during a timed pass: each engine's step phases (ms per step:
     schedule, build, launch, wait for tokens, process) and, for the disaggregated engine, its
-    driver's phases per driver step (jaxinfer/disagg/engine.py DriverStats). A driver spending
+    driver's phases per driver step (jaxinfer/frontends/disaggregated.py DriverStats). A driver spending
     most of its time in one engine's phase while the other engine's device idles is the stall."""
     out = {f"{tag}_host_{role}": {"steps": e.stats.steps, **e.stats.breakdown_ms()}
            for role, e in _engines(engine).items()}
@@ -167,7 +167,7 @@ def colocated(disagg, args):
     """Two colocated replicas on the disaggregated engine's devices, its weights and pool size."""
     from jaxinfer.disagg.args import role_args
     from jaxinfer.engine.llm_engine import LLMEngine
-    from jaxinfer.parallel.data_parallel import DataParallelEngine
+    from jaxinfer.frontends.data_parallel import DataParallelEngine
     replica_args = role_args(args, "decode")
     return DataParallelEngine([
         LLMEngine(e.cfg, e.runner.params, e.tokenizer, replica_args,
@@ -240,7 +240,7 @@ def main() -> None:
     def left() -> float:
         return a.deadline_s - (time.perf_counter() - start)
 
-    from jaxinfer.disagg.engine import DisaggregatedEngine
+    from jaxinfer.frontends.disaggregated import DisaggregatedEngine
     part_t0 = time.perf_counter()
     disagg = DisaggregatedEngine.from_engine_args(args)
     loaded = time.perf_counter() - part_t0

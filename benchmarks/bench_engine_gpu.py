@@ -41,6 +41,8 @@ LLAMA3_8B = {
     "rope_theta": 500000.0, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 
 # The llama8b section's bench_throughput workload.
 LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-len", "512",
@@ -49,6 +51,15 @@ LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-le
 
 
 # ---- sections that run inside a child process ------------------------------------------------
+def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
+    """Seconds to generate exactly n greedy tokens for each prompt."""
+    from jaxinfer import SamplingParams
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def section_warmup(cache_dir: str) -> dict:
     import jax
 

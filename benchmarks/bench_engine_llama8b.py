@@ -192,7 +192,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     import jax
     import numpy as np
 
-    from jaxinfer.engine.llm import LLM
+    from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
     engine = LLMEngine.from_engine_args(engine_args(opts))

@@ -1,4 +1,4 @@
-"""The FP8 weight-streaming kernel (pallas_kernels/fp8_matmul_mosaic.py) per Llama-3-8B projection
+"""The FP8 weight-streaming kernel (pallas_kernels/matmul/fp8_matmul_mosaic.py) per Llama-3-8B projection
 at decode row counts, against XLA's weight-only dot (what decode steps run now), XLA's W8A8 gemm and
 the HBM read ceiling measured in the same run; correctness first.
 
@@ -35,7 +35,7 @@ CONFIGS = "128/128/6/0,256/128/4/0,128/256/3/0,128/128/8/1"
 
 
 def parse_config(spec: str):
-    from pallas_kernels.fp8_matmul_mosaic import Fp8Config
+    from pallas_kernels.matmul.fp8_matmul_mosaic import Fp8Config
     bn, bk, stages, splits = (int(v) for v in spec.split("/"))
     return Fp8Config(bn, bk, stages, splits)
 
@@ -46,7 +46,7 @@ def impl_fn(impl: str, config=None, interpret: bool = False):
     import jax
 
     from jaxinfer.model.quant.ops import quantize_tokens, quantized_matmul
-    from pallas_kernels.fp8_matmul_mosaic import fp8_matmul
+    from pallas_kernels.matmul.fp8_matmul_mosaic import fp8_matmul
     if impl != "mosaic":
         return jax.jit(lambda x, s, *ws: tuple(quantized_matmul(x, w, s, impl=impl) for w in ws))
 

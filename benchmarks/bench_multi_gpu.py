@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B, child
+from benchmarks.bench_engine_gpu import LLAMA3_8B, LLAMA3_70B, child, timed_generate
 from benchmarks.multi_gpu_moe import section_moe_layouts
 from tools.trace_tp_step import TRACE_XLA_FLAGS
 
@@ -61,8 +61,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 NAME = "multi_gpu_h200x2"
 GRACE_S = 5  # past a section's time limit: its stack dump, then it is killed
-LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 REQUIRED = ("llama8b_tp1_bs1_tpot_ms", "llama8b_tp2_bs1_tpot_ms", "llama8b_tp2_c256_out_tok_s",
             "llama8b_dp2_c256_out_tok_s", "llama70b_tp2_bs1_out_tok_s", "llama70b_tp2_c64_out_tok_s")
 ONE_GPU_C256_OUT_TOK_S = 8470.0  # bench_throughput on one H200, c = 256, bf16 (2026-11-30)
@@ -138,15 +136,6 @@ def _random_prompts(vocab: int, n: int) -> list[list[int]]:
     import numpy as np
     rng = np.random.default_rng(0)
     return [rng.integers(0, vocab, IN_LEN).tolist() for _ in range(n)]
-
-
-def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
-    """Seconds to generate exactly n greedy tokens for each prompt."""
-    from jaxinfer import SamplingParams
-    t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
-                 use_tqdm=False)
-    return time.perf_counter() - t0
 
 
 def _batch1(llm, cfg: dict, label: str, figures) -> dict:

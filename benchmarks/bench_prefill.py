@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from pallas_kernels import flash_mgpu, reference
-from pallas_kernels import flash_prefill as fp
-from pallas_kernels.flash_config import KernelConfig
-from pallas_kernels.testing import random_paged_batch
+from pallas_kernels.attention import flash_mgpu, reference
+from pallas_kernels.attention import flash_prefill as fp
+from pallas_kernels.attention.flash_config import KernelConfig
+from pallas_kernels.common.testing import random_paged_batch
 
 HQ, HKV, D = 32, 8, 128
 DENSE_SHAPES = [(1, 8192, True), (2, 4096, True), (2, 4096, False)]  # (B, L, causal)

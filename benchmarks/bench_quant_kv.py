@@ -41,7 +41,7 @@ def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
     path: write_kv, then attention over the cache)."""
     from jaxinfer.core.kv_cache import allocate_kv_cache
     from jaxinfer.model.transformer import forward
-    from pallas_kernels.metadata import AttentionMetadata
+    from pallas_kernels.attention.metadata import AttentionMetadata
 
     @jax.jit
     def logits(params, tokens):
@@ -73,8 +73,8 @@ def demo_ppl(length: int = 256) -> dict:
     from jaxinfer.model.config import load_config
     from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.model.weights import load_params
-    from pallas_kernels.backend import REFERENCE, get_backend
-    from pallas_kernels.kv_quant import FP8KVAttention
+    from pallas_kernels.attention.backend import REFERENCE, get_backend
+    from pallas_kernels.attention.kv_quant import FP8KVAttention
     cfg = load_config(DEMO)
     params = load_params(DEMO, cfg, jnp.bfloat16, progress=False)
     tok = Tokenizer.from_dir(DEMO)
@@ -114,9 +114,9 @@ CHECKS = ((64, 256, None, "mosaic"), (7, 40, 1, "mosaic"))
 def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
     """Max |Mosaic - reference| on fp8 pages (random, ragged), in units of the output's scale,
     into `errs` (saved after each)."""
-    from pallas_kernels.kv_quant import quantize
-    from pallas_kernels.paged_decode import paged_decode_mosaic
-    from pallas_kernels.reference import paged_decode_reference
+    from pallas_kernels.attention.kv_quant import quantize
+    from pallas_kernels.attention.paged_decode import paged_decode_mosaic
+    from pallas_kernels.attention.reference import paged_decode_reference
     for batch, max_blocks, splits, variant in checks:
         rng = np.random.default_rng(batch)
         nb = batch * max_blocks + 5
@@ -189,8 +189,8 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
     the Triton kernel on both."""
     from benchmarks.bench_decode import (D, make_paged_case, read_ceiling_tbps, tbps, time_paged,
                                          warm_up_gpu)
-    from pallas_kernels.kv_quant import quantize
-    from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
+    from pallas_kernels.attention.kv_quant import quantize
+    from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
     warm_up_gpu()
     ceiling = read_ceiling_tbps()
     log(f"read ceiling {ceiling:.2f} TB/s")
@@ -238,9 +238,9 @@ def prefill_speed(log) -> dict:
     """The paged prefill kernel over a bf16 and an fp8 cache: 8 sequences x 512 new tokens over
     8192 cached, page 16 (bench_prefill's paged shape), timed interleaved."""
     from benchmarks.bench_prefill import HKV, HQ, D, bench_interleaved
-    from pallas_kernels import flash_prefill as fp
-    from pallas_kernels.kv_quant import quantize
-    from pallas_kernels.testing import random_paged_batch
+    from pallas_kernels.attention import flash_prefill as fp
+    from pallas_kernels.attention.kv_quant import quantize
+    from pallas_kernels.common.testing import random_paged_batch
     s, new, cached = 8, 512, 8192
     q, k, v, *rest = random_paged_batch(np.random.default_rng(3), hq=HQ, hkv=HKV, d=D,
                                         block_size=16, q_lens=[new] * s, prefixes=[cached] * s)

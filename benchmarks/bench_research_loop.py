@@ -43,7 +43,7 @@ import numpy as np
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.rollout import to_rollout_batch
 from jaxinfer.sampling_params import SamplingParams
 

@@ -375,7 +375,7 @@ def main() -> int:
         cmd = [
             sys.executable,
             "-m",
-            "jaxinfer.cli.main",
+            "cli.main",
             "serve",
             "--port",
             str(port),

@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks import results_io
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured import StructuredOutputsParams

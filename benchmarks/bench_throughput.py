@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError
@@ -105,10 +105,9 @@ def _host_overhead(args: argparse.Namespace, logprobs: int | None) -> dict:
     engine = LLMEngine(cfg, params, None, eargs, num_blocks=num_blocks)
     rng = np.random.default_rng(0)
     for i in range(n):
-        req = engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
-                                 SamplingParams(temperature=0.8, max_tokens=None, ignore_eos=True,
-                                                logprobs=logprobs))
-        req.final_output_only = args.final_output_only
+        engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),
+                           SamplingParams(temperature=0.8, max_tokens=None, ignore_eos=True,
+                                          logprobs=logprobs), final_output_only=args.final_output_only)
     sched_ms, build_ms, process_ms = [], [], []
     scheduler, runner = engine.scheduler, engine.runner
     # Admit and "prefill" everyone without the device: schedule until every sequence decodes.

@@ -29,8 +29,8 @@ FP8_SWEEP = {
 }
 
 def make_config(fields: tuple):
-    from pallas_kernels.grouped_matmul_mosaic import GmmConfig
-    from pallas_kernels.grouped_matmul_ws import WsConfig
+    from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
+    from pallas_kernels.moe.grouped_matmul_ws import WsConfig
 
     return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
 
@@ -68,7 +68,7 @@ def fp8_case(ws, tokens: int, phase: str, sweep: bool, baselines) -> tuple:
     import jax.numpy as jnp
 
     from jaxinfer.model.quant.ops import dequantize, quantize
-    from pallas_kernels import grouped_matmul as gm
+    from pallas_kernels.moe import grouped_matmul as gm
 
     qs = [quantize(w, "fp8", axis=-2) for w in ws]
     wq, sq = tuple(q for q, _ in qs), tuple(s for _, s in qs)
@@ -102,7 +102,7 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
     from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
     from benchmarks.bench_prefill import bench_interleaved, rel_err
     from jaxinfer.model.experts import routed_experts
-    from pallas_kernels import grouped_matmul as gm
+    from pallas_kernels.moe import grouped_matmul as gm
 
     start = time.perf_counter()
     res: dict = {}

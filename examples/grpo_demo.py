@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from benchmarks import results_io
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.rollout import to_rollout_batch
 from jaxinfer.model.transformer import train_forward
 from jaxinfer.sampling_params import SamplingParams

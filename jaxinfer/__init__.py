@@ -2,10 +2,10 @@
 
 The offline API in one import: `from jaxinfer import LLM, SamplingParams`.
 """
-from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.async_engine import AsyncEngine
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
+from jaxinfer.core.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.frontends.async_engine import AsyncEngine
 
 ENGINE: web.AppKey[AsyncEngine] = web.AppKey("engine")
 MAX_WAITING: web.AppKey[int] = web.AppKey("max_waiting")              # --max-waiting

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import IO
 
-from jaxinfer.engine.output_processor import make_request_output
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.errors import InvalidRequestError, TokenizerError
 from serve.batch_file import BatchLine, output_line
 from serve.chat import echo_prefix, full_chat
@@ -59,12 +59,13 @@ class Pending:
     line: BatchLine
     req: GenerationRequest
     engine_ids: list[str]
-    requests: list = dataclasses.field(default_factory=list)  # the engine's Request objects
+    outputs: dict[str, RequestOutput] = dataclasses.field(default_factory=dict)  # final, by id
     remaining: int = 0
 
 
 class BatchRunner:
-    def __init__(self, engine, out: IO[str], limits: RequestLimits | None = None, max_pending: int = 1024,
+    def __init__(self, engine: EngineClient, out: IO[str], limits: RequestLimits | None = None,
+                 max_pending: int = 1024,
                  tool_options: ToolOptions = ToolOptions()):
         self.engine = engine
         self.view = EngineView.of(engine)
@@ -104,11 +105,13 @@ class BatchRunner:
             return
         engine_id, _ = req.ids("batch")
         p = Pending(line, req, [f"{engine_id}-{i}" for i in range(len(req.prompts))])
+        added = 0
         try:
             for rid, prompt in zip(p.engine_ids, req.prompts):
-                p.requests.append(self.engine.add_request(rid, prompt, req.params, req.priority))
+                self.engine.add_request(rid, prompt, req.params, req.priority, final_output_only=True)
+                added += 1
         except InvalidRequestError as e:
-            for rid in p.engine_ids[:len(p.requests)]:
+            for rid in p.engine_ids[:added]:
                 self.engine.abort(rid)
             self._refuse(line, e)
             return
@@ -118,8 +121,7 @@ class BatchRunner:
         self.open_lines += 1
 
     def _finish(self, p: Pending) -> None:
-        outputs = [make_request_output(r, full=True) for r in p.requests]
-        group, req = FinishedGroup(outputs), p.req
+        group, req = FinishedGroup([p.outputs[rid] for rid in p.engine_ids]), p.req
         _, response_id = req.ids("chatcmpl" if p.line.chat else "cmpl")
         if p.line.chat:
             body = full_chat(self.view, group, req, echo_prefix(p.line.body.get("messages"), req),
@@ -139,6 +141,7 @@ class BatchRunner:
             p = self.pending.get(out.request_id)
             if p is None or not out.finished:
                 continue
+            p.outputs[out.request_id] = out
             p.remaining -= 1
             if p.remaining == 0:
                 self._close(p)

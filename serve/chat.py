@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
-from jaxinfer.engine.outputs import TokenLogprob
+from jaxinfer.core.outputs import TokenLogprob
 from serve.app_keys import ENGINE
 from serve.choices import UsageCounter, collect_choices, now, safe_logprob, token_text
 from serve.engine_requests import RequestGroup, check_capacity

@@ -7,7 +7,7 @@ import dataclasses
 import time
 import uuid
 
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from jaxinfer.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 # JSON has no -Infinity; vLLM clamps logprobs the same way.
 MIN_LOGPROB = -9999.0

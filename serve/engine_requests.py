@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from serve.app_keys import ENGINE, MAX_WAITING
 from serve.errors import APIError
@@ -40,6 +40,10 @@ def engine_unavailable(app) -> APIError | None:
         return APIError(503, f"the engine failed to start: {start.exception()!r}")
     if engine.errored is not None:
         return APIError(503, f"the engine loop has stopped: {engine.errored!r}")
+    try:
+        engine.check_health()
+    except Exception as e:  # whatever stops it (the multi-host stream's sender, say): 503
+        return APIError(503, f"the engine cannot serve: {e!r}")
     if life.shutting_down:
         return APIError(503, "the server is shutting down")
     if not engine.is_ready:

@@ -3,7 +3,7 @@ id to {logprob, rank, decoded_token} holding the prompt token itself and its top
 
 from __future__ import annotations
 
-from jaxinfer.engine.outputs import TokenLogprob
+from jaxinfer.core.outputs import TokenLogprob
 from serve.choices import safe_logprob, token_text
 
 

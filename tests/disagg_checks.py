@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
+from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.errors import ConfigError, InvalidRequestError  # noqa: E402
 
 MODEL = str(HERE / "fixtures" / "models" / "llama")

@@ -30,7 +30,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.engine.async_engine import AsyncEngine  # noqa: E402
+from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
@@ -39,8 +39,8 @@ from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.attention import shard_backend  # noqa: E402
 from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
 from jaxinfer.worker.runner import step_activation_bytes  # noqa: E402
-from pallas_kernels.backend import REFERENCE  # noqa: E402
-from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from pallas_kernels.attention.backend import REFERENCE  # noqa: E402
+from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 
 FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).

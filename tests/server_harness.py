@@ -95,7 +95,7 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        from jaxinfer.engine.async_engine import AsyncEngine
+        from jaxinfer.frontends.async_engine import AsyncEngine
         from serve.app import create_app, server_for
         self.engine = AsyncEngine(self.engine_args)
         await self.engine.start()

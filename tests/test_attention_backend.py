@@ -1,4 +1,4 @@
-"""The attention dispatch (`pallas_kernels/backend.py`): mixed steps split on the device into the
+"""The attention dispatch (`pallas_kernels/attention/backend.py`): mixed steps split on the device into the
 decode part (leading one-token sequences) and the prefill part must give exactly what sending the
 whole step through the prefill path gives. Checked with the jnp reference as both parts, so the
 split logic is what is under test (the kernels are tested against the reference on their own)."""
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import REFERENCE
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.testing import random_paged_batch
+from pallas_kernels.attention.backend import REFERENCE
+from pallas_kernels.attention.metadata import AttentionMetadata
+from pallas_kernels.common.testing import random_paged_batch
 
 SPLIT = dataclasses.replace(REFERENCE, name="reference-split", split_mixed_steps=True)
 

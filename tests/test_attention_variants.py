@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference
-from pallas_kernels.backend import REFERENCE
-from pallas_kernels.kv_quant import FP8KVAttention
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.testing import random_paged_batch
+from pallas_kernels.attention import reference
+from pallas_kernels.attention.backend import REFERENCE
+from pallas_kernels.attention.kv_quant import FP8KVAttention
+from pallas_kernels.attention.metadata import AttentionMetadata
+from pallas_kernels.common.testing import random_paged_batch
 
 
 def naive_ragged(q, k_cache, v_cache, qsl, seq_lens, tables, *, scale, softcap, window, sinks):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from prometheus_client import generate_latest
 
-from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.frontends.async_engine import AsyncEngine
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine, prompt_ids

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured import StructuredOutputsParams

@@ -20,10 +20,10 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.transformer import init_params
 from jaxinfer.sampling_params import SamplingParams
-from pallas_kernels import backend as attention_backends
-from pallas_kernels.flash_config import KernelConfig
-from pallas_kernels.flash_prefill import flash_prefill_mosaic
-from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+from pallas_kernels.attention import backend as attention_backends
+from pallas_kernels.attention.flash_config import KernelConfig
+from pallas_kernels.attention.flash_prefill import flash_prefill_mosaic
+from pallas_kernels.attention.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
 from test_engine_support import prompt_ids, run_all, assert_all_free, tiny_tokenizer
 
 MOSAIC_INTERPRETED = attention_backends.AttentionBackend(

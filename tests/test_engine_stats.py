@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.metrics import EngineStats, observe_many
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine, prompt_ids, run_all
@@ -50,7 +50,7 @@ def test_final_output_only_requests_report_once_with_the_same_tokens():
     streamed = run_all(engine)
     reports: dict[str, int] = {}
     for i in range(3):
-        engine.add_request(f"f{i}", prompt_ids(i, 5), params).final_output_only = True
+        engine.add_request(f"f{i}", prompt_ids(i, 5), params, final_output_only=True)
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert out.finished

@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_prefill as fp
-from pallas_kernels import reference
-from pallas_kernels.flash_config import TILE_Q, KernelConfig
-from pallas_kernels.kv_quant import quantize
-from pallas_kernels.testing import random_paged_batch
+from pallas_kernels.attention import flash_prefill as fp
+from pallas_kernels.attention import reference
+from pallas_kernels.attention.flash_config import TILE_Q, KernelConfig
+from pallas_kernels.attention.kv_quant import quantize
+from pallas_kernels.common.testing import random_paged_batch
 
 
 def _paged_batch(rng, *, extra=0, **kwargs):

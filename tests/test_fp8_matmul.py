@@ -1,4 +1,4 @@
-"""The FP8 weight-streaming matmul (pallas_kernels/fp8_matmul_mosaic.py): CPU tests.
+"""The FP8 weight-streaming matmul (pallas_kernels/matmul/fp8_matmul_mosaic.py): CPU tests.
 
 What runs where:
   - The kernel runs in Mosaic GPU's interpreter against `quantized_matmul`'s "fp8" (W8A8) path on
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.model.quant import ops
-from pallas_kernels.fp8_matmul_mosaic import Fp8Config, choose_splits, fp8_matmul
+from pallas_kernels.matmul.fp8_matmul_mosaic import Fp8Config, choose_splits, fp8_matmul
 
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
              "down": (4096, 14336)}

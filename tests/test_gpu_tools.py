@@ -79,7 +79,7 @@ def test_mosaic_ir_prints_each_kernel_normalised():
     import jax
 
     from tools import mosaic_ir
-    from pallas_kernels import flash_prefill as fp
+    from pallas_kernels.attention import flash_prefill as fp
     assert (mosaic_ir.normalise('%12 = "a.b"(%arg3, %7#1) : (i32) -> i32 loc("x"(#loc1))')
             == '%v = "a.b"(%v, %v) : (i32) -> i32')
     q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)

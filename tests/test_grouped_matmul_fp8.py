@@ -22,9 +22,9 @@ import pytest
 
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.quant.ops import FP8, dequantize, quantize
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.grouped_matmul_ws import WsConfig, grouped_matmul_ws
-from pallas_kernels.testing import ragged_group_sizes
+from pallas_kernels.moe import grouped_matmul as gm
+from pallas_kernels.moe.grouped_matmul_ws import WsConfig, grouped_matmul_ws
+from pallas_kernels.common.testing import ragged_group_sizes
 
 
 def _rel(out, ref) -> float:

@@ -14,8 +14,8 @@ from jaxinfer.model.config import load_config
 from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
-from pallas_kernels.backend import REFERENCE
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention.backend import REFERENCE
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())

@@ -17,10 +17,10 @@ from jaxinfer.core.kv_cache.kv_scales import (calibrate_kv_scales, calibration_t
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.transformer import forward
 from jaxinfer.sampling_params import SamplingParams
-from pallas_kernels import reference
-from pallas_kernels.backend import REFERENCE
-from pallas_kernels.kv_quant import FP8KVAttention, dequantize, fp8_max, quantize
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention import reference
+from pallas_kernels.attention.backend import REFERENCE
+from pallas_kernels.attention.kv_quant import FP8KVAttention, dequantize, fp8_max, quantize
+from pallas_kernels.attention.metadata import AttentionMetadata
 from test_engine_support import make_engine, prompt_ids, run_all, tiny_model, tiny_tokenizer
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -48,7 +48,7 @@ def test_split_q_holds_q_to_bf16_precision_per_item():
     """The fp8 QK^T path's q: per item, q_hi + q_lo = q * c with c a power of two that keeps the
     item's largest |q| within e4m3's range, to ~2^-8 of that largest value (bf16 keeps 2^-9 of
     each value); q_hi alone is off by up to 2^-4 relative; an all-zero item stays zero."""
-    from pallas_kernels.mgpu_fp8 import split_q
+    from pallas_kernels.attention.mgpu_fp8 import split_q
     rng = np.random.default_rng(0)
     mags = np.array([1e-3, 0.05, 1.0, 30.0, 0.0])[:, None, None]  # items of very different range
     q = jnp.asarray(rng.standard_normal((5, 8, 128)) * mags, jnp.float32)

@@ -1,4 +1,4 @@
-"""`jaxinfer memory` (jaxinfer.cli.memory.run) against figures computed by hand."""
+"""`jaxinfer memory` (cli.memory.run) against figures computed by hand."""
 
 import argparse
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.cli import memory as cli_memory
+from cli import memory as cli_memory
 from jaxinfer.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"

@@ -1,4 +1,4 @@
-"""`jaxinfer serve` across two processes (jaxinfer/parallel/request_stream.py): the same command on
+"""`jaxinfer serve` across two processes (jaxinfer/frontends/multihost.py): the same command on
 both, joined through jax.distributed on localhost with TP = 2 over one CPU device each (gloo).
 Process 0 serves HTTP; process 1 binds no port and replays process 0's request stream. Concurrent
 greedy completions (one aborted mid-stream by its client) equal a single-process run's, and
@@ -48,7 +48,7 @@ def two_servers(tmp_path_factory):
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(model_dir),
+        [sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir),
          "--port", str(port), "--shutdown-grace", "0", *ENGINE_FLAGS,
          "--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
          "--num-processes", "2", "--process-id", str(i)],

@@ -23,11 +23,11 @@ import pytest
 
 import jax.numpy as jnp
 
-from pallas_kernels.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
-                                         paged_decode_triton_configured)
-from pallas_kernels.paged_decode_common import DecodeShape, plan_splits
-from pallas_kernels.kv_quant import quantize
-from pallas_kernels.reference import paged_decode_reference
+from pallas_kernels.attention.paged_decode import (MosaicDecodeConfig, paged_decode_mosaic,
+                                                   paged_decode_triton_configured)
+from pallas_kernels.attention.paged_decode_common import DecodeShape, plan_splits
+from pallas_kernels.attention.kv_quant import quantize
+from pallas_kernels.attention.reference import paged_decode_reference
 
 
 def make_case(seed, *, batch, hq, hkv, d, page, max_blocks, dtype=jnp.bfloat16):
@@ -259,8 +259,8 @@ def test_mosaic_decode_config_rejects_bad_values():
 
 def test_public_functions_have_the_backend_signature():
     import inspect
-    from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
-    from pallas_kernels.reference import paged_decode_reference as ref
+    from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton
+    from pallas_kernels.attention.reference import paged_decode_reference as ref
     backend = list(inspect.signature(ref).parameters)
     for fn in (paged_decode_mosaic, paged_decode_triton):
         params = inspect.signature(fn).parameters

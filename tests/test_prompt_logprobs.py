@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.model.transformer import train_forward
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.errors import InvalidRequestError

@@ -26,18 +26,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxinfer.cli import memory as cli_memory
-from jaxinfer.cli.main import main
+from cli import memory as cli_memory
+from cli.main import main
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.model.quant import ops, st_format
-from jaxinfer.model.quant.scheme import resolve_quantization
+from jaxinfer.model.quant_scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes, train_forward
 from jaxinfer.model.weights import load_params
 from jaxinfer.parallel.sharding import param_spec
 from jax.sharding import PartitionSpec as P
-from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.moe import grouped_matmul as gm
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "models"
@@ -345,7 +345,7 @@ def test_engine_greedy_with_fp8_weights_equals_the_dense_forward(demo_fp8_llm):
 
 
 def test_weight_bytes_are_counted_in_metrics_and_memory(demo_fp8_llm, capsys):
-    from jaxinfer.cli.memory import quantized_weight_bytes
+    from cli.memory import quantized_weight_bytes
     engine = demo_fp8_llm.engine
     gauge = engine.metrics.registry.get_sample_value("jaxinfer:weight_bytes",
                                                      {"model_name": engine.model_name})

@@ -1,4 +1,4 @@
-"""The multi-host request stream (jaxinfer/parallel/request_stream.py) over an in-memory stand-in
+"""The multi-host request stream (jaxinfer/frontends/multihost.py) over an in-memory stand-in
 for the coordination service's key-value store: what process 0 records, what a follower replays,
 and the store's clean-up. The two-process server is tests/test_multihost_serve.py."""
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from jaxinfer.errors import ConfigError, InvalidRequestError
-from jaxinfer.parallel import request_stream as rs
+from jaxinfer.frontends import multihost as rs
 
 
 class FakeStore:
@@ -41,7 +41,8 @@ class FakeEngine:
         self.calls, self.requests, self._rng = [], set(), random.Random(0)
         self.tokenizer = "tok"
 
-    def add_request(self, rid, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, rid, prompt, params, priority=0, arrival_time=None, *,
+                    final_output_only=False):
         if prompt == "bad":
             raise InvalidRequestError("bad prompt", param="prompt")
         seed = self._rng.getrandbits(32)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.rollout import to_rollout_batch

@@ -1,4 +1,4 @@
-"""The residual add + RMSNorm kernel (pallas_kernels/rms_norm.py, run in Pallas' interpreter here)
+"""The residual add + RMSNorm kernel (pallas_kernels/norm/rms_norm.py, run in Pallas' interpreter here)
 against its jnp reference on random shapes, the shapes it leaves to the reference, and a model
 whose backend carries it against the reference backend."""
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.model.transformer import Transformer, train_forward
-from pallas_kernels.backend import REFERENCE
-from pallas_kernels.reference import add_rms_norm_reference
-from pallas_kernels.rms_norm import add_rms_norm_triton
+from pallas_kernels.attention.backend import REFERENCE
+from pallas_kernels.norm.reference import add_rms_norm_reference
+from pallas_kernels.norm.rms_norm import add_rms_norm_triton
 from test_engine_support import tiny_model
 
 KERNEL = functools.partial(add_rms_norm_triton, interpret=True, max_rows=8)

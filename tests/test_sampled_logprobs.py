@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxinfer.engine.llm import LLM
-from jaxinfer.engine.outputs import TokenLogprob
+from jaxinfer.frontends.llm import LLM
+from jaxinfer.core.outputs import TokenLogprob
 from jaxinfer.engine.rollout import to_rollout_batch
-from jaxinfer.engine.sampled_logprobs import LogprobsView, SampledLogprobs
+from jaxinfer.core.sampled_logprobs import LogprobsView, SampledLogprobs
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine, prompt_ids
 

@@ -13,7 +13,7 @@ from server_harness import MODEL, free_port, make_tiny_model_dir, server_args, w
 
 def test_engine_death_exits_nonzero(tmp_path):
     from jaxinfer.engine.args import EngineArgs
-    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.frontends.async_engine import AsyncEngine
     from serve.app import serve_until_signal
 
     model_dir = make_tiny_model_dir(tmp_path / "model")

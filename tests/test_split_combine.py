@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_decode_common import NEG_INF, DecodeShape
-from pallas_kernels.split_combine_mosaic import DecodeLaunch, combine_parts_xla
-from pallas_kernels.split_combine_mosaic import combine_split_parts
+from pallas_kernels.attention.paged_decode_common import NEG_INF, DecodeShape
+from pallas_kernels.attention.split_combine_mosaic import DecodeLaunch, combine_parts_xla
+from pallas_kernels.attention.split_combine_mosaic import combine_split_parts
 
 
 def make_parts(seed, *, seqs, hq, hkv, d, splits):

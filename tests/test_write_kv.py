@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import scatter_kv, write_kv
+from pallas_kernels.attention.reference import scatter_kv, write_kv
 
 
 @pytest.mark.parametrize("slot", [0, 5, 17, 63, -1])

@@ -23,7 +23,7 @@ def compile_prefill(config_name: str = "default") -> None:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import flash_prefill as fp
+    from pallas_kernels.attention import flash_prefill as fp
     from tools.prefill_config import prefill_config
     config = prefill_config(config_name)
     b, l, hq, hkv, d = 2, 4096, 32, 8, 128
@@ -38,7 +38,7 @@ def compile_decode() -> None:
     import jax
 
     from benchmarks import bench_decode as bd
-    from pallas_kernels.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
+    from pallas_kernels.attention.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     case = bd.make_paged_case(1, 32768)
     jax.block_until_ready(jax.jit(lambda q, k, v, bt, lens: paged_decode_mosaic(
         q, k, v, bt, lens, scale=bd.D ** -0.5, config=MosaicDecodeConfig()))(

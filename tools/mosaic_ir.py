@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxlib.mlir import ir
 
-from pallas_kernels import flash_prefill as fp
-from pallas_kernels.paged_decode_mosaic import paged_decode_mosaic
+from pallas_kernels.attention import flash_prefill as fp
+from pallas_kernels.attention.paged_decode_mosaic import paged_decode_mosaic
 
 
 def normalise(text: str) -> str:

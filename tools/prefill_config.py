@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from pallas_kernels.flash_config import KernelConfig
+from pallas_kernels.attention.flash_config import KernelConfig
 
 
 def prefill_config(spec: str) -> KernelConfig:

@@ -36,7 +36,7 @@ import numpy as np
 import jax
 
 from benchmarks.bench_decode import D, make_paged_case, mosaic_config
-from pallas_kernels.paged_decode import paged_decode_mosaic
+from pallas_kernels.attention.paged_decode import paged_decode_mosaic
 
 CONSUMERS = 2  # warpgroups 0 and 1; then the producer (and, fp8, the V producer)
 
@@ -153,7 +153,7 @@ def breakdown_table(breakdown: dict) -> str:
 def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool = False) -> dict:
     case = make_paged_case(batch, ctx)
     if fp8:  # the same pages as an fp8 cache (kv_quant.py)
-        from pallas_kernels.kv_quant import quantize
+        from pallas_kernels.attention.kv_quant import quantize
         case = dict(case, k=quantize(case["k"], 1.0), v=quantize(case["v"], 1.0))
         from benchmarks.bench_quant_kv import fp8_variant_config
         config = fp8_variant_config(variant)  # the fp8 options too (qk, wid, late, ...)

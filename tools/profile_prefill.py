@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from tools.prefill_config import prefill_config
 from tools.profile_decode import read_trace
-from pallas_kernels import flash_prefill as fp
+from pallas_kernels.attention import flash_prefill as fp
 
 B, L, HQ, HKV, D = 1, 2048, 8, 2, 128
 

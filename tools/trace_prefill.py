@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from benchmarks.bench_prefill import HKV, HQ, D, dense_flops
 from tools.trace_decode import RUNS, device_events, summarize
-from pallas_kernels import flash_mgpu
-from pallas_kernels import flash_prefill as fp
+from pallas_kernels.attention import flash_mgpu
+from pallas_kernels.attention import flash_prefill as fp
 
 SCALE = D ** -0.5
 

@@ -109,8 +109,7 @@ def cfg_len(model: str) -> int:
 
 
 def build_llm(shape: str, tp: int, work: Path, decode_steps: int = 1):
-    from benchmarks.bench_engine_gpu import LLAMA3_8B
-    from benchmarks.bench_multi_gpu import LLAMA3_70B
+    from benchmarks.bench_engine_gpu import LLAMA3_8B, LLAMA3_70B
     from jaxinfer import LLM
     shapes = {"llama8b": LLAMA3_8B, "llama70b": LLAMA3_70B}
     model = shape
@@ -141,7 +140,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_XLA_FLAGS}".strip()
     import jax
 
-    from benchmarks.bench_multi_gpu import timed_generate
+    from benchmarks.bench_engine_gpu import timed_generate
     label = args.label or f"{Path(args.shape).name}_tp{args.tp}"
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "tp_traces"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import time
 from typing import Callable, Iterable
 
 from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
-from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.core.request import Request, Sequence, SeqStatus
 
 
 @dataclasses.dataclass(slots=True)

@@ -15,7 +15,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
 from jaxinfer.model.hub import is_hub_id, resolve_model
-from jaxinfer.model.quant.scheme import QUANTIZATIONS
+from jaxinfer.model.quant_scheme import QUANTIZATIONS
 from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from jaxinfer.spec_decode.config import (SpeculativeConfig, add_speculative_arguments,
                                          speculative_config)
@@ -178,7 +178,7 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        from pallas_kernels.backend import available_backends
+        from pallas_kernels.attention.backend import available_backends
         from jaxinfer.model.weights import LOAD_FORMATS
         from jaxinfer.parallel.distributed import add_parallel_arguments
         d = EngineArgs.__dataclass_fields__

@@ -23,7 +23,7 @@ import logging
 import math
 import random
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,26 +37,27 @@ from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_scales import kv_cache_backend
 from jaxinfer.core.kv_cache.planner import kv_bytes_per_block, largest_free_block_bytes
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
+from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
-from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_bytes
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
-from jaxinfer.engine.stop_checker import OutputText
+from jaxinfer.core.stop_checker import OutputText
 from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.model.quant.scheme import resolve_quantization
+from jaxinfer.model.quant_scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
-from pallas_kernels.backend import get_backend
+from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,11 @@ def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
     return seq
 
 
-class LLMEngine(TrainingLoopMixin):
+class LLMEngine(TrainingLoopMixin, EngineClient):
+    """One engine: a scheduler, a runner and an output processor on one replica's devices."""
+
+    weight_version = 0  # +1 per update_weights; on every RequestOutput
+
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None,
                  plan: ShardingPlan | None = None, draft=None):
@@ -139,11 +144,11 @@ class LLMEngine(TrainingLoopMixin):
         self._preempt_seen = 0
         # Requests failed by the engine itself (see `_fail`), for the caller to report: (id, error).
         self._failed: list[tuple[str, RequestFailedError]] = []
-        self.weight_version = 0  # +1 per update_weights; on every RequestOutput
         self.asleep = False
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
         spec = args.spec_config()
-        self.spec = spec and Speculation(spec, self.scheduler, self.runner, self.metrics, draft)
+        self.spec = spec and Speculation(spec, self.scheduler, self.runner,
+                                         self.metrics.spec_decode(spec.num_speculative_tokens), draft)
         # Called with each processed step's live sequences before the scheduler frees the finished
         # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
         self.on_processed: Callable[[list[Sequence]], None] | None = None
@@ -168,7 +173,7 @@ class LLMEngine(TrainingLoopMixin):
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
-                                  "build the engine with jaxinfer.parallel.create_engine")
+                                  "build the engine with jaxinfer.frontends.factory.create_engine")
             validate_parallel_sizes(cfg, args.tensor_parallel_size, args.data_parallel_size,
                                     jax.device_count(), args.expert_layout)
             mesh = build_mesh(args.tensor_parallel_size)
@@ -245,7 +250,8 @@ class LLMEngine(TrainingLoopMixin):
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None, *,
+                    final_output_only: bool = False) -> Request:
         """Validate and queue a request. Raises InvalidRequestError (nothing is queued)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
@@ -284,8 +290,8 @@ class LLMEngine(TrainingLoopMixin):
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
-                      grammar)
-        req.weight_version = self.weight_version
+                      grammar, weight_version=self.weight_version,
+                      final_output_only=final_output_only)
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
@@ -458,7 +464,7 @@ class LLMEngine(TrainingLoopMixin):
             seen.add(req.request_id)
             if req.final_output_only and not req.finished:
                 continue
-            out = make_request_output(req)
+            out = make_request_output(req, full=req.final_output_only)
             if out.outputs:
                 outs.append(out)
             if req.finished:
@@ -491,7 +497,3 @@ class LLMEngine(TrainingLoopMixin):
             jax.profiler.stop_trace()
             log.info("wrote a profiler trace of %d steps to %s", self.args.profile_steps,
                      self.args.profile_dir)
-
-    def run_to_completion(self) -> Iterable[RequestOutput]:
-        while self.has_unfinished_requests():
-            yield from self.step()

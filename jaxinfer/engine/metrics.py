@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
+
 REGISTRY = CollectorRegistry()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -72,6 +74,15 @@ class EngineMetrics:
                                       "Step buckets compiled and in use (the rest compiling)")
         self.total_buckets = gauge("jaxinfer:total_buckets", "Step buckets of the engine")
         self._prefix_seen = (0, 0)
+        self._spec_decode: SpecDecodeMetrics | None = None
+
+    def spec_decode(self, num_speculative_tokens: int) -> SpecDecodeMetrics:
+        """Speculative decoding's counters: one set per registry, made by the first engine that
+        speculates (an engine rebuilt on the same metrics keeps counting on them)."""
+        if self._spec_decode is None:
+            self._spec_decode = SpecDecodeMetrics(self.registry, self.model_name,
+                                                  num_speculative_tokens)
+        return self._spec_decode
 
     def set_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int,
                          bytes_per_block: int) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
-from jaxinfer.engine.request import Request, Sequence, SeqStatus
+from jaxinfer.core.outputs import CompletionOutput, RequestOutput
+from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 from jaxinfer.worker.runner import StepHandle
 

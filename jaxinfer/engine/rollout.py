@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxinfer.engine.outputs import RequestOutput, TokenLogprob
-from jaxinfer.engine.sampled_logprobs import LogprobsView
+from jaxinfer.core.outputs import RequestOutput, TokenLogprob
+from jaxinfer.core.sampled_logprobs import LogprobsView
 
 
 @dataclasses.dataclass

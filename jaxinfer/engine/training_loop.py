@@ -4,7 +4,7 @@ act on; see docs/engine.md."""
 
 from __future__ import annotations
 
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.weight_update import PartialUpdateError, check_params, place_like
 from jaxinfer.model.fused_projections import fuse_projections, is_fused
 

@@ -18,7 +18,7 @@ from typing import Any
 from jaxinfer.errors import ConfigError
 from jaxinfer.model import families
 from jaxinfer.model.families import required
-from jaxinfer.model.quant.scheme import checkpoint_quantization
+from jaxinfer.model.quant_scheme import checkpoint_quantization
 from jaxinfer.model.rope import RopeConfig, parse_rope
 from jaxinfer.model.rope import rope_inv_freq as _inv_freq
 

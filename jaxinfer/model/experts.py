@@ -1,5 +1,5 @@
 """Routed experts after the router: rows sorted by expert, the grouped-matmul SwiGLU
-(`pallas_kernels.grouped_matmul.moe_experts`), rows put back in token order and summed with their
+(`pallas_kernels.moe.grouped_matmul.moe_experts`), rows put back in token order and summed with their
 routing weights.
 
 `routed_experts` runs on whatever experts it is handed: all of them (one device), every expert's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import moe_experts
+from pallas_kernels.moe.grouped_matmul import moe_experts
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
@@ -43,3 +43,10 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     ys = ys[rank].reshape(t, k, -1)
     ys = jnp.where(mine[..., None], ys.astype(jnp.float32), 0.0)  # rows past the groups: undefined
     return jnp.einsum("tkh,tk->th", ys, weights).astype(x.dtype)
+
+
+def expert_dispatch(backend):
+    """What the MoE layer calls with its routed rows: the attention backend's `routed_experts` when
+    it has one (parallel/attention.py's ShardedAttention: the shard_map over its replica's mesh),
+    else `routed_experts` on one device. The model never names a mesh."""
+    return getattr(backend, "routed_experts", routed_experts)

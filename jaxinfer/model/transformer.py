@@ -22,12 +22,16 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig, RopeConfig, rope_inv_freq
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.quant.layers import expert_weights, linear
-from jaxinfer.core.kv_cache.device_cache import KVCache
-from jaxinfer.parallel.experts import expert_dispatch
-from pallas_kernels.backend import REFERENCE, AttentionBackend
-from pallas_kernels.grouped_matmul import ClampedSwiGLU
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import add_rms_norm_reference, causal_attention_reference
+from jaxinfer.model.experts import expert_dispatch
+from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
+from pallas_kernels.attention.reference import causal_attention_reference
+from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
+from pallas_kernels.norm.reference import add_rms_norm_reference
+
+# Per layer (k_cache, v_cache) in the head-major paged layout [num_kv_heads, num_blocks, block_size,
+# head_dim]; a tuple so it is a pytree that jit can donate. Allocated by the worker.
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 Params = dict
 
@@ -144,7 +148,7 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts. Routing (top-k, renormalisation) happens here; the routed rows go
     through `expert_dispatch(backend)`: `routed_experts` on one device, its `shard_map` over the
-    replica's mesh under tensor parallelism (jaxinfer/parallel/experts.py).
+    replica's mesh under tensor parallelism (the backend's, jaxinfer/parallel/attention.py).
 
     gpt-oss: the router has a bias and the weights are a softmax over the top-k logits; the
     experts have biases and the clamped SwiGLU (`ClampedSwiGLU`). Gate/up biases go in with the

@@ -16,8 +16,9 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.parallel.experts import experts_on
 from jaxinfer.parallel.sharding import TP, ShardingPlan, attention_specs
-from pallas_kernels.backend import AttentionBackend
+from pallas_kernels.attention.backend import AttentionBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,11 @@ class ShardedAttention:
         """[T, Hkv, D] replicated -> [T, 1, D]: the KV head this device's query heads read."""
         idx = jax.lax.axis_index(TP) * self.plan.cfg.num_kv_heads // self.plan.tp
         return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=1)
+
+    @property
+    def routed_experts(self):
+        """The MoE layer's expert call on this replica's mesh (model/experts.expert_dispatch)."""
+        return experts_on(self.plan)
 
     def for_layer(self, i: int) -> "ShardedAttention":
         return dataclasses.replace(self, inner=self.inner.for_layer(i))

@@ -12,7 +12,7 @@ process reads back are replicated, so the processes' host states never diverge. 
 generate` and `LLM(...)` therefore run multi-host as they are, with the same prompts on every
 process. `jaxinfer serve` runs the same command on every process: process 0 serves HTTP and
 publishes its engine's request stream (adds, aborts) step by step through the coordination
-service's key-value store; the others bind no port and replay it (parallel/request_stream.py).
+service's key-value store; the others bind no port and replay it (frontends/multihost.py).
 Buckets compiling in the background would make a step's shape depend on each process's compile
 timing, so a multi-process run compiles them all before serving (create_engine), and the KV
 cache takes the fewest blocks any process planned (fewest_across_processes).

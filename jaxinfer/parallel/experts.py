@@ -54,12 +54,6 @@ class ShardedExperts:
                              check_vma=False)(*args)
 
 
-def expert_dispatch(backend):
-    """What the MoE layer calls with its routed rows; the attention backend carries the replica's
-    plan when it runs under a mesh (`ShardedAttention`)."""
-    return experts_on(getattr(backend, "plan", None))
-
-
 def experts_on(plan: ShardingPlan | None):
     """`routed_experts` on one device, its shard_map over the plan's mesh under tensor parallelism."""
     if plan is None or plan.tp == 1:

@@ -40,8 +40,8 @@ from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_
 from jaxinfer.worker.rejection_sampler import expand_positions
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors, process_logits, row_gumbel
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
-from pallas_kernels.backend import AttentionBackend
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
 

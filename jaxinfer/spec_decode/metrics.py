@@ -5,14 +5,12 @@ carried proposals), draft tokens, accepted tokens, and accepted tokens by positi
 from __future__ import annotations
 
 import numpy as np
-from prometheus_client import Counter
-
-from jaxinfer.engine.metrics import EngineMetrics
+from prometheus_client import CollectorRegistry, Counter
 
 
 class SpecDecodeMetrics:
-    def __init__(self, metrics: EngineMetrics, num_speculative_tokens: int):
-        name, r = metrics.model_name, metrics.registry
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_speculative_tokens: int):
+        name, r = model_name, registry
 
         def counter(metric, doc, labels=()):
             return Counter(metric, doc, ["model_name", *labels], registry=r)

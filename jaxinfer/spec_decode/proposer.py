@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from jaxinfer.spec_decode.gate import AcceptanceGate
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.request import Sequence
+    from jaxinfer.core.request import Sequence
     from jaxinfer.spec_decode.config import SpeculativeConfig
 
 

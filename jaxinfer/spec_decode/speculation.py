@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.errors import ConfigError
 from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
@@ -17,7 +16,7 @@ from jaxinfer.spec_decode.target_step import SpeculativeStep
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, scheduler, runner, metrics: EngineMetrics,
+    def __init__(self, config: SpeculativeConfig, scheduler, runner, metrics: SpecDecodeMetrics,
                  draft=None):
         """`draft`: a loaded `spec_decode.draft.DraftModel` (method draft_model), else None."""
         self.config = config
@@ -33,9 +32,7 @@ class Speculation:
         scheduler.speculator = self.speculator
         runner.speculation = SpeculativeStep(runner.cfg, runner.backend,
                                              config.num_speculative_tokens, draft, runner.plan)
-        existing = getattr(metrics, "spec_decode", None)  # one set per registry
-        self.metrics = existing or SpecDecodeMetrics(metrics, config.num_speculative_tokens)
-        metrics.spec_decode = self.metrics
+        self.metrics = metrics
 
     def active(self, num_running: int, num_waiting: int) -> bool:
         return self.speculator.active(num_running, num_waiting)

@@ -37,7 +37,7 @@ from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
 from jaxinfer.worker.sampler import SamplerVariant
 from jaxinfer.worker.step_inputs import (StepBatch, build_step_batch, input_ids, sampler_variant,
                                          store_emitted)
-from pallas_kernels.backend import AttentionBackend
+from pallas_kernels.attention.backend import AttentionBackend
 
 
 @jax.tree_util.register_dataclass

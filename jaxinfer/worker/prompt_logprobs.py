@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.outputs import TokenLogprob
+from jaxinfer.core.outputs import TokenLogprob
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.transformer import lm_head
 from jaxinfer.sampling_params import MAX_LOGPROBS

@@ -47,8 +47,8 @@ from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
 from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
-from pallas_kernels.backend import AttentionBackend
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Host side of a step: flatten the scheduled sequences into padded numpy arrays (one bucket shape).
 
 Layout of a step of S sequence rows and T tokens: decode rows first (one token each), then prefill
-chunks, then padding (slot -1, seq_len 0, see pallas_kernels/metadata.py). A decode whose input token
-is still on the device (sampled by the previous, in-flight step) gets `input_slot` = its sequence's
-row in the device array of last sampled tokens, so the host never waits for it.
+chunks, then padding (slot -1, seq_len 0, see pallas_kernels/attention/metadata.py). A decode whose
+input token is still on the device (sampled by the previous, in-flight step) gets `input_slot` =
+its sequence's row in the device array of last sampled tokens, so the host never waits for it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER,
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxinfer.core.scheduler import ScheduledSeq
 from jaxinfer.structured.grammar import step_bitmask
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 
 @jax.tree_util.register_dataclass

@@ -10,7 +10,7 @@ import numpy as np
 from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.transformer import forward, init_params
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.attention.metadata import AttentionMetadata
 
 PAGE, MAX_BLOCKS = 16, 32
 PROMPT_LENS = np.array([37, 150, 300, 5])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.engine.llm import LLM
+from jaxinfer.frontends.llm import LLM
 from jaxinfer.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_prefill as fp
-from pallas_kernels import reference
-from pallas_kernels.backend import AttentionBackend, get_backend
-from pallas_kernels.kv_quant import quantize
-from pallas_kernels.testing import random_paged_batch
+from pallas_kernels.attention import flash_prefill as fp
+from pallas_kernels.attention import reference
+from pallas_kernels.attention.backend import AttentionBackend, get_backend
+from pallas_kernels.attention.kv_quant import quantize
+from pallas_kernels.common.testing import random_paged_batch
 from small_model import greedy_decode, small_llama
 
 pytestmark = pytest.mark.gpu

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.grouped_matmul_mosaic import GmmConfig
-from pallas_kernels.grouped_matmul_ws import WsConfig
-from pallas_kernels.testing import ragged_group_sizes
+from pallas_kernels.moe import grouped_matmul as gm
+from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
+from pallas_kernels.moe.grouped_matmul_ws import WsConfig
+from pallas_kernels.common.testing import ragged_group_sizes
 
 pytestmark = pytest.mark.gpu
 

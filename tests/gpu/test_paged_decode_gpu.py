@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference
-from pallas_kernels.backend import AttentionBackend, get_backend
-from pallas_kernels.kv_quant import quantize
-from pallas_kernels.paged_decode import paged_decode_mosaic, paged_decode_triton
+from pallas_kernels.attention import reference
+from pallas_kernels.attention.backend import AttentionBackend, get_backend
+from pallas_kernels.attention.kv_quant import quantize
+from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton
 from small_model import greedy_decode, small_llama
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ all-or-nothing: ``allocate(n)`` either returns n blocks or raises ``OutOfBlocksE
 changed nothing.
 
 Block 0 is an ordinary block: no block id is reserved. Padding tokens in a step use slot -1
-(see ``pallas_kernels/metadata.py``), never a reserved block.
+(see ``pallas_kernels/attention/metadata.py``), never a reserved block.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxinfer.errors import ConfigError
 
 # --kv-cache-dtype values. "auto" means the model's dtype. 1-byte types halve the KV footprint;
-# they are stored with per-layer scales (kv_scales.py, pallas_kernels/kv_quant.py).
+# they are stored with per-layer scales (kv_scales.py, pallas_kernels/attention/kv_quant.py).
 KV_CACHE_DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,

@@ -1,5 +1,5 @@
 """The device-side KV cache: per layer one K and one V array in the head-major paged layout
-[num_kv_heads, num_blocks, block_size, head_dim] (see pallas_kernels/reference.py for why)."""
+[num_kv_heads, num_blocks, block_size, head_dim] (see pallas_kernels/attention/reference.py for why)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-
-# Per layer (k_cache, v_cache); a tuple so it is a pytree that jit can donate.
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+from jaxinfer.model.transformer import KVCache
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,

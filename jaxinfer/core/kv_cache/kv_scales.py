@@ -6,7 +6,7 @@ Where they come from (`--kv-cache-scales`):
 - `calibrate`: one dense forward over a fixed calibration text (`calibration_tokens`), taking
   each layer's largest |K| (after the k norm, bounded over every RoPE rotation) and |V|;
   scale = that maximum / the fp8 maximum, rounded up to a power of two (so scaling q and the
-  output by it is exact, see `pallas_kernels/kv_quant.py`; e4m3 keeps its 3-bit mantissa over its
+  output by it is exact, see `pallas_kernels/attention/kv_quant.py`; e4m3 keeps its 3-bit mantissa over its
   whole normal range, so the up to 2x headroom costs no precision).
 - `auto` (default): the checkpoint's tensors when it has them, else `calibrate`.
 - a number: that scale for every layer's K and V (1.0: values stored as they are).
@@ -26,7 +26,7 @@ import numpy as np
 from jaxinfer.core.kv_cache.cache_config import SCALE_MODES, check_scales_flag
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
-from pallas_kernels.kv_quant import FP8KVAttention, fp8_max, is_fp8
+from pallas_kernels.attention.kv_quant import FP8KVAttention, fp8_max, is_fp8
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
     """(k scales, v scales): per layer, the K and V maxima of one dense forward over `tokens`
     (see the module docstring)."""
     from jaxinfer.model.transformer import Transformer
-    from pallas_kernels.backend import REFERENCE
+    from pallas_kernels.attention.backend import REFERENCE
 
     def maxima(params, tokens):
         model = Transformer(cfg, REFERENCE, params["embed"]["embedding"].dtype)

@@ -20,7 +20,7 @@ request tables that hold it; free + used == num_blocks; every holder of a cached
 whole cached prefix (so eviction can go leaf first, see prefix_cache.py).
 
 Block 0 is not reserved: every block id in [0, num_blocks) can be handed out. Padding tokens use
-slot -1 and padding block-table entries are never read (pallas_kernels/metadata.py).
+slot -1 and padding block-table entries are never read (pallas_kernels/attention/metadata.py).
 """
 
 from __future__ import annotations

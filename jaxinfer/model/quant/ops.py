@@ -16,7 +16,7 @@ scales [E, out]; `quantize` takes the reduction axis.
   dot and the channel scale multiplies the output. What int8 weights always run, and what FP8
   weights run where FP8 tensor cores are absent (compute capability < 8.9).
 - "mosaic": the "fp8" arithmetic in a Mosaic GPU weight-streaming kernel for few rows
-  (`pallas_kernels/fp8_matmul_mosaic.py`: swap-AB fp8 wgmma fed by a deep TMA ring, persistent
+  (`pallas_kernels/matmul/fp8_matmul_mosaic.py`: swap-AB fp8 wgmma fed by a deep TMA ring, persistent
   CTAs, split K), for Hopper (compute capability >= 9.0) steps of at most its MAX_ROWS rows. Off by
   default (MOSAIC_DEFAULT): on the H200 it beats "dequant" per projection at one row but not in the
   decode step, where the glue around each call (x's quantization, the split sum) adds a kernel
@@ -102,7 +102,7 @@ def fp8_tensor_cores() -> bool:
 
 def mosaic_fits(rows: int, weight_shape: tuple[int, ...] | None) -> bool:
     """The "mosaic" kernel takes this step: few enough rows and a weight [N, K] that it tiles."""
-    from pallas_kernels import fp8_matmul_mosaic as kernel
+    from pallas_kernels.matmul import fp8_matmul_mosaic as kernel
     return (weight_shape is not None and rows <= kernel.MAX_ROWS
             and kernel.supports(*weight_shape))
 
@@ -152,7 +152,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str | N
         y = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)
         return (y * xs * scale).astype(out_dtype)
     if impl == "mosaic":
-        from pallas_kernels.fp8_matmul_mosaic import fp8_matmul
+        from pallas_kernels.matmul.fp8_matmul_mosaic import fp8_matmul
         xq, xs = quantize_tokens(x.reshape(rows, x.shape[-1]))
         y = fp8_matmul(xq, xs[:, 0], w, scale, out_dtype=out_dtype,
                        interpret=jax.devices()[0].platform == "cpu")

@@ -1,0 +1,100 @@
+"""`jaxinfer` command line: generate, serve, batch, convert, memory."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
+from cli import serve as cli_serve
+from jaxinfer.errors import ConfigError, JaxinferError
+from jaxinfer.model.quant_scheme import QUANTIZATIONS
+
+DESCRIPTION = """\
+jaxinfer: LLM inference in JAX with Pallas GPU kernels.
+
+Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, run an
+OpenAI Batch file, convert
+Hugging Face checkpoints to orbax or quantize them, or size the KV cache for a model and accelerator."""
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a Hugging Face model directory to an orbax checkpoint "
+                                       "or a quantized one",
+                       description="Write an orbax checkpoint of HF_DIR's weights (plus its config and "
+                                   "tokenizer files) to OUT_DIR; with --quantization, a quantized "
+                                   "safetensors checkpoint in the compressed-tensors layout instead. "
+                                   "jaxinfer loads OUT_DIR like HF_DIR.")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the converted model")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the stored weights (default: %(default)s)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="quantize the linear layers' weights (fp8: e4m3, int8: weight-only; one "
+                        "scale per output channel) and write safetensors")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import shutil
+
+    import jax.numpy as jnp
+
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.quant_scheme import resolve_quantization
+    from jaxinfer.model.quant_writer import write_quantized
+    from jaxinfer.model.weights import load_params, save_orbax
+
+    cfg = load_config(args.hf_dir)
+    if cfg.quantization and not args.quantization:
+        raise ConfigError(f"'{args.hf_dir}' is {cfg.quantization}-quantized; an orbax checkpoint "
+                          f"holds unquantized weights only (pass --quantization "
+                          f"{cfg.quantization} to rewrite it as safetensors)")
+    cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
+        args.quantization, cfg.quantization, "safetensors"))
+    params = load_params(args.hf_dir, cfg, getattr(jnp, args.dtype), load_format="safetensors")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(args.hf_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    path = write_quantized(params, cfg, args.hf_dir, out) if cfg.quantization else save_orbax(params, out)
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"], help="default: %(default)s")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    cli_generate.add_parser(sub)
+    cli_serve.add_parser(sub)
+    cli_batch.add_parser(sub)
+    _add_convert(sub)
+    cli_memory.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except JaxinferError as e:
+        print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # invalid flag values found after parsing (e.g. sampling parameters)
+        print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""`jaxinfer memory`: KV-cache sizing and the decode roofline for a model on an accelerator.
+
+Everything follows from the per-token KV footprint 2 × L × H_kv × d_k × bytes (K and V, every layer,
+every KV head). Decode reads all weights plus every sequence's whole KV cache once per step and
+produces one token per sequence, so its arithmetic intensity is small next to an accelerator's
+ridge point (peak FLOP/s ÷ memory bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds
+a step from below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+
+import jax.numpy as jnp
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.planner import GIB, kv_bytes_per_token
+from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes/s
+    bf16_flops: float  # dense FLOP/s
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP per byte above which a kernel is compute-bound."""
+        return self.bf16_flops / self.bandwidth
+
+
+# Vendor datasheet figures (SXM parts; memory in 10^9 bytes as the datasheets state it).
+ACCELERATORS = {
+    "h200": Accelerator("h200", 141 * 10**9, 4.8e12, 989e12),
+    "h100-80gb": Accelerator("h100-80gb", 80 * 10**9, 3.35e12, 989e12),
+    "a100-80gb": Accelerator("a100-80gb", 80 * 10**9, 2.039e12, 312e12),
+    "a100-40gb": Accelerator("a100-40gb", 40 * 10**9, 1.555e12, 312e12),
+    "l4": Accelerator("l4", 24 * 10**9, 0.3e12, 121e12),
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'16060522496', '16.06GB', '14.96 GiB' -> bytes; ConfigError naming ``flag`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{flag} '{text}' is not a size (examples: 16060522496, 16GB, 14.9GiB)")
+    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_accelerator(text: str, bandwidth_tbs: float | None, tflops: float | None) -> Accelerator:
+    """A named accelerator, or a memory size in GiB (roofline then needs --bandwidth/--tflops)."""
+    for flag, value in (("--bandwidth", bandwidth_tbs), ("--tflops", tflops)):
+        if value is not None and not value > 0:  # (also NaN)
+            raise ConfigError(f"{flag} must be > 0; got {value}")
+    base = ACCELERATORS.get(text.lower())
+    if base is None:
+        try:
+            gib = float(text)
+        except ValueError:
+            raise ConfigError(f"--accelerator-memory '{text}' is neither a size in GiB nor one of "
+                              f"{', '.join(ACCELERATORS)}") from None
+        if gib <= 0:
+            raise ConfigError(f"--accelerator-memory must be > 0 GiB; got {text}")
+        base = Accelerator(f"{gib:g} GiB", int(gib * GIB), 0.0, 0.0)
+    return dataclasses.replace(
+        base, bandwidth=bandwidth_tbs * 1e12 if bandwidth_tbs is not None else base.bandwidth,
+        bf16_flops=tflops * 1e12 if tflops is not None else base.bf16_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the memory figures need from a model."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int
+    weight_bytes: int
+    active_params: int  # parameters one token multiplies with (MoE: routed experts only)
+    weight_dtype: str
+    quantization: str | None = None  # weight quantization (jaxinfer/model/quant)
+    layer_windows: tuple[int | None, ...] = ()  # sliding windows (None: a global layer)
+
+    def kv_read_fraction(self, seq_len: int) -> float:
+        """The share of a sequence's KV a decode step reads at context `seq_len`: a windowed
+        layer reads at most its window (the kernels skip the pages outside it)."""
+        if not self.layer_windows:
+            return 1.0
+        return sum(min(seq_len, w or seq_len) for w in self.layer_windows) / (
+            len(self.layer_windows) * seq_len)
+
+
+def _shape_from_args(args: argparse.Namespace) -> ModelShape:
+    flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim,
+             "--heads": args.heads}
+    if args.model:
+        given = [f for f, v in flags.items() if v is not None]
+        if given:
+            raise ConfigError(f"{given[0]} cannot be combined with --model (the model's "
+                              f"config.json defines it)")
+        from jaxinfer.model.config import load_config
+        from jaxinfer.model.hub import resolve_model
+        cfg = load_config(resolve_model(args.model))
+        quant = resolve_quantization(args.quantization, cfg.quantization, "safetensors")
+        dtype = args.dtype or cfg.dtype
+        nbytes = _dtype_bytes(dtype, "--dtype" if args.dtype else f"{args.model}/config.json torch_dtype")
+        params = cfg.num_params()
+        inactive = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers)) * (
+            cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        if args.weight_bytes:
+            weights = parse_size(args.weight_bytes, "--weight-bytes")
+        elif quant:  # 8-bit linears plus their scales: the bytes of the param tree itself
+            weights = quantized_weight_bytes(dataclasses.replace(cfg, quantization=quant), dtype)
+        else:
+            weights = params * nbytes
+        return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
+                          params - inactive, dtype, quant, cfg.layer_windows)
+    if args.quantization:
+        raise ConfigError("--quantization needs --model (without it, give the quantized size as "
+                          "--weight-bytes)")
+    for flag in ("--layers", "--kv-heads", "--head-dim"):
+        if flags[flag] is None:
+            raise ConfigError(f"{flag} is required without --model")
+    for flag, value in flags.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1; got {value}")
+    dtype = args.dtype or "bfloat16"
+    nbytes = _dtype_bytes(dtype, "--dtype")
+    heads = args.heads or args.kv_heads
+    if heads % args.kv_heads:
+        raise ConfigError(f"--heads {heads} is not a multiple of --kv-heads {args.kv_heads}")
+    weights = parse_size(args.weight_bytes, "--weight-bytes") if args.weight_bytes else 0
+    return ModelShape(args.layers, args.kv_heads, args.head_dim, heads, weights, weights // nbytes,
+                      dtype)
+
+
+def quantized_weight_bytes(cfg, dtype: str) -> int:
+    """Bytes of the model's param tree under cfg.quantization (no arrays are made)."""
+    import jax
+
+    from jaxinfer.model.transformer import param_shapes
+    leaves = jax.tree_util.tree_leaves(param_shapes(cfg, jnp.dtype(KV_CACHE_DTYPES[dtype])))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
+def _dtype_bytes(name: str, flag: str) -> int:
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{flag} '{name}' is not supported (choose from {', '.join(KV_CACHE_DTYPES)})")
+    return jnp.dtype(KV_CACHE_DTYPES[name]).itemsize
+
+
+def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int, block_size: int,
+                  accelerator: Accelerator, gpu_memory_utilization: float) -> dict:
+    """All figures of `jaxinfer memory` as a JSON-ready dict (bytes, tokens, FLOP, seconds)."""
+    kv_bytes = jnp.dtype(resolve_kv_cache_dtype(kv_dtype, shape.weight_dtype)).itemsize
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_bytes)
+    usable = int(gpu_memory_utilization * accelerator.memory_bytes) - shape.weight_bytes
+    kv_room = max(usable, 0)
+    tokens_fit = kv_room // per_token
+    report = {
+        "model": dataclasses.asdict(shape),
+        "kv_cache_dtype_bytes": kv_bytes,
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_block": per_token * block_size,
+        "block_size": block_size,
+        "seq_len": seq_len,
+        "batch": batch,
+        "kv_bytes_per_sequence": per_token * seq_len,
+        "kv_bytes_per_batch": per_token * seq_len * batch,
+        # What a decode step reads per context token (less than the pool holds when layers have
+        # sliding windows: the pool keeps every layer's blocks, docs/kv_cache.md)
+        "kv_read_bytes_per_token": round(per_token * shape.kv_read_fraction(seq_len)),
+        "accelerator": dataclasses.asdict(accelerator),
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_budget_bytes": usable,  # before activations, which only a compiled step can tell
+        "tokens_fit": tokens_fit,
+        "blocks_fit": kv_room // (per_token * block_size),
+        "sequences_fit": tokens_fit // seq_len,
+        "batch_fits": tokens_fit >= seq_len * batch,
+    }
+    # Decode step at (batch, seq_len): every active weight is a multiply-add per token, attention
+    # is QK^T and PV over the context (4 × H_q × d_k FLOP per layer per context token).
+    flops = batch * (2 * shape.active_params
+                     + 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len)
+    bytes_read = shape.weight_bytes + batch * seq_len * report["kv_read_bytes_per_token"]
+    intensity = flops / bytes_read
+    roofline = {"flops_per_step": flops, "bytes_per_step": bytes_read,
+                "arithmetic_intensity": intensity}
+    if accelerator.bandwidth and accelerator.bf16_flops:
+        step_s = max(bytes_read / accelerator.bandwidth, flops / accelerator.bf16_flops)
+        roofline.update(ridge_point=accelerator.ridge_point,
+                        bound="memory" if intensity < accelerator.ridge_point else "compute",
+                        min_step_seconds=step_s, max_tokens_per_second=batch / step_s)
+    report["decode_roofline"] = roofline
+    return report
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_report(r: dict) -> str:
+    m, acc, rf = r["model"], r["accelerator"], r["decode_roofline"]
+    lines = [
+        f"model: {m['num_layers']} layers, {m['num_kv_heads']} KV heads × head_dim {m['head_dim']} "
+        f"({m['num_heads']} query heads), weights {_fmt_bytes(m['weight_bytes'])}",
+        f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
+        f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B",
+        f"KV per block:    {_fmt_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
+        *([f"KV read per context token at {r['seq_len']} tokens: {r['kv_read_bytes_per_token']} B "
+           f"(windowed layers read at most their window; the pool still holds every layer's "
+           f"blocks)"] if r["kv_read_bytes_per_token"] != r["kv_bytes_per_token"] else []),
+        f"KV per sequence: {_fmt_bytes(r['kv_bytes_per_sequence'])} ({r['seq_len']} tokens)",
+        f"KV per batch:    {_fmt_bytes(r['kv_bytes_per_batch'])} ({r['batch']} × {r['seq_len']} tokens)",
+        f"accelerator {acc['name']}: {_fmt_bytes(acc['memory_bytes'])}; KV room "
+        f"{r['gpu_memory_utilization']:g} × memory − weights = {_fmt_bytes(r['kv_budget_bytes'])} "
+        f"(activations not counted)",
+        f"fits: {r['tokens_fit']} tokens = {r['blocks_fit']} blocks = {r['sequences_fit']} sequences "
+        f"of {r['seq_len']} tokens; the batch of {r['batch']} "
+        + ("fits" if r["batch_fits"] else "does NOT fit"),
+        f"decode step at batch {r['batch']}, context {r['seq_len']}: {rf['flops_per_step'] / 1e9:.1f} "
+        f"GFLOP over {_fmt_bytes(rf['bytes_per_step'])} read = {rf['arithmetic_intensity']:.1f} FLOP/B",
+    ]
+    if "ridge_point" in rf:
+        lines.append(
+            f"roofline: ridge point {rf['ridge_point']:.0f} FLOP/B, so decode is {rf['bound']}-bound "
+            f"(each step reads all weights and all {r['batch']} KV caches to make {r['batch']} "
+            f"tokens): ≥ {rf['min_step_seconds'] * 1e3:.3g} ms/step, ≤ "
+            f"{rf['max_tokens_per_second']:.0f} tokens/s")
+    else:
+        lines.append("roofline: pass --bandwidth and --tflops (or a named accelerator) for the ridge point")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch),
+                        ("--block-size", args.block_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1; got {value}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
+    shape = _shape_from_args(args)
+    accelerator = parse_accelerator(args.accelerator_memory, args.bandwidth, args.tflops)
+    report = memory_report(shape, kv_dtype=args.kv_cache_dtype, seq_len=args.seq_len,
+                           batch=args.batch, block_size=args.block_size, accelerator=accelerator,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "memory", help="size the KV cache and the decode roofline for a model and accelerator",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n", 1)[1].strip() + "\n\nExamples:\n"
+        "  jaxinfer memory --model ./Llama-3.1-8B --accelerator-memory h200 --seq-len 8192 --batch 64\n"
+        "  jaxinfer memory --layers 32 --kv-heads 8 --head-dim 128 --weight-bytes 16.06GB --json")
+    src = p.add_argument_group("model (a directory, or its shape as flags)")
+    src.add_argument("--model", metavar="DIR", help="model directory with a config.json")
+    src.add_argument("--layers", type=int, help="number of transformer layers")
+    src.add_argument("--kv-heads", type=int, help="number of key/value heads")
+    src.add_argument("--head-dim", type=int, help="dimension of one attention head")
+    src.add_argument("--heads", type=int, help="query heads, for attention FLOPs (default: --kv-heads)")
+    src.add_argument("--weight-bytes", metavar="SIZE",
+                     help="weight bytes, e.g. 16.06GB (default: parameters × --dtype bytes with "
+                          "--model, else 0)")
+    src.add_argument("--dtype", choices=list(KV_CACHE_DTYPES),
+                     help="weight dtype (default: the model's, else bfloat16)")
+    src.add_argument("--quantization", choices=QUANTIZATIONS,
+                     help="weight quantization: 8-bit linear layers plus per-channel scales "
+                          "(default: the checkpoint's quantization_config)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                   help="KV-cache element type (default: --dtype)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--batch", type=int, default=32, help="concurrent sequences (default 32)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--accelerator-memory", default="h200", metavar="GIB|NAME",
+                   help=f"device memory in GiB, or one of {', '.join(ACCELERATORS)} (datasheet "
+                        f"memory, bandwidth and dense bf16 FLOP/s); default h200")
+    p.add_argument("--bandwidth", type=float, metavar="TB/S", help="memory bandwidth override, TB/s")
+    p.add_argument("--tflops", type=float, help="dense bf16 TFLOP/s override")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory for weights + KV (default 0.9)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=run)
+    return p

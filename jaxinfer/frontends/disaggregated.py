@@ -1,0 +1,334 @@
+"""DisaggregatedEngine: a prefill engine on one device group and a decode engine on another, driven
+by one process behind LLMEngine's interface (so `LLM`, `AsyncEngine` and the server use it as is).
+
+A request's path:
+1. the prefill engine (an LLMEngine on its own mesh, prefix cache on) computes the prompt and
+   samples the first token, which is reported to the client at once;
+2. when that step is processed (the `on_processed` hook, before the prefill scheduler frees the
+   sequence), the prompt's full blocks enter the prefill prefix cache and a fork (`holder`) keeps
+   the blocks; the hand-over waits for decode room: a free sequence slot and blocks in the decode
+   pool (admission against both pools). The decode side first matches the prompt against its own
+   prefix cache: blocks it already holds are not moved;
+3. the remaining blocks are gathered on the prefill devices and copied to the decode devices
+   (transfer.py), queued before the prefill engine's next step, whose compute the copy overlaps;
+4. at a later `step()`, a landed copy is scattered into the decode cache, the prefill holder is
+   freed (the blocks stay in the prefill prefix cache, evictable) and the sequence joins the decode
+   scheduler as running (preemptible from then on) with the first token as its next input.
+   Preemption on either side is the engines' own (recompute: a decode-side victim recomputes on
+   the decode devices).
+
+`step()` never waits for a prefill step while decodes run: the prefill engine is stepped only when
+its in-flight step has finished, so a long prompt does not stall the running streams. Both engines
+are stepped from the caller's thread; all host state is single-threaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+
+from jaxinfer.frontends.disagg_handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
+                                     limit_to_first_token)
+from jaxinfer.disagg.transfer import KVTransfer
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.protocol import EngineClient
+from jaxinfer.engine.metrics import KVTransferMetrics
+from jaxinfer.engine.output_processor import make_request_output
+from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.request import Sequence
+from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
+from jaxinfer.frontends.merged_metrics import MergedMetrics
+from jaxinfer.sampling_params import SamplingParams
+
+# Copies in flight at once: each holds a request's KV outside both KV pools (on the decode devices
+# until it is scattered), so this bounds that memory to a few prompts' worth.
+MAX_IN_FLIGHT = 4
+
+
+class DriverStats:
+    """Where `DisaggregatedEngine.step` spends the host's time, by phase (seconds, summed), and
+    how often each phase ran: the one thread drives both engines, so a phase that blocks (a
+    dispatch waiting on a device, a copy) delays the other engine's next step."""
+
+    def __init__(self):
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def clock(self):
+        """A function that charges the time since its previous call (or this one) to a phase."""
+        last = time.perf_counter()
+        self.counts["steps"] += 1
+
+        def charge(phase: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.seconds[phase] += now - last
+            self.counts[phase] += 1
+            last = now
+        return charge
+
+    def per_step_ms(self) -> dict:
+        """ms per driver step of each phase, and how many steps ran it."""
+        steps = max(self.counts["steps"], 1)
+        return {"steps": self.counts["steps"],
+                **{f"{p}_ms": round(1e3 * s / steps, 3) for p, s in sorted(self.seconds.items())},
+                **{f"{p}_count": n for p, n in sorted(self.counts.items()) if p != "steps"}}
+
+
+class DisaggregatedEngine(EngineClient):
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine):
+        self.prefill, self.decode = prefill, decode
+        self.args, self.cfg, self.tokenizer = decode.args, decode.cfg, decode.tokenizer
+        # One structured-output grammar cache: a sequence keeps its matcher across the hand-over.
+        self.grammars = decode.grammars = prefill.grammars
+        self.max_model_len, self.model_name = decode.max_model_len, decode.model_name
+        self.num_total_blocks = prefill.num_total_blocks + decode.num_total_blocks
+        self.startup = prefill.startup
+        self.block_size = decode.args.block_size
+        prefill.outputs = HandoffOutputProcessor(prefill.metrics, prefill.max_model_len,
+                                                 prefill.eos_token_ids)
+        prefill.on_processed = self._hand_over
+        # Warm-up per role (bucket_compiler.py): decode buckets first on the decode side, none on
+        # the prefill side (its steps are all prompt chunks).
+        prefill.runner.compile_role, decode.runner.compile_role = "prefill", "decode"
+        self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
+                                   decode.runner.max_blocks)
+        self.metrics = MergedMetrics([prefill.metrics, decode.metrics])
+        self.transfer_metrics = KVTransferMetrics(self.model_name, self.metrics.registry)
+        self._transit: dict[str, Handoff] = {}            # request id -> its hand-over
+        self._waiting: collections.deque[Handoff] = collections.deque()  # for decode room
+        self._in_flight: list[Handoff] = []               # copies dispatched, in order
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxinfer-disagg")
+        self.driver = DriverStats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> DisaggregatedEngine:
+        from jaxinfer.disagg.args import role_args, role_meshes
+        from jaxinfer.model.config import load_config
+        from jaxinfer.parallel.sharding import validate_parallel_sizes
+        cfg = load_config(args.model_path)
+        for role in ("prefill", "decode"):
+            tp = getattr(args, f"{role}_tensor_parallel_size")
+            try:
+                validate_parallel_sizes(cfg, tp, 1, jax.device_count())
+            except ConfigError as e:  # name the role's flag, not --tensor-parallel-size
+                raise ConfigError(str(e).replace("--tensor-parallel-size",
+                                                 f"--{role}-tensor-parallel-size")) from None
+        meshes = role_meshes(args, jax.devices())
+        engines = {role: LLMEngine.from_engine_args(
+                       dataclasses.replace(role_args(args, role), warmup=False), mesh=meshes[role])
+                   for role in ("prefill", "decode")}
+        engine = cls(engines["prefill"], engines["decode"])
+        if args.warmup:
+            engine.warmup()
+        return engine
+
+    def warmup(self, progress: bool = True) -> float:
+        """Both engines' step buckets, compiled side by side, then every transfer bucket."""
+        t0 = time.perf_counter()
+        list(self._pool.map(lambda e: e.warmup(progress), (self.prefill, self.decode)))
+        self.decode.runner.kv_cache = self.transfer.warmup(self.prefill.runner.kv_cache,
+                                                           self.decode.runner.kv_cache)
+        return time.perf_counter() - t0
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, *, final_output_only: bool = False):
+        if request_id in self._transit or request_id in self.decode.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
+                                      param="request_id")
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n}: a disaggregated engine (--disaggregate) "
+                                      f"serves n = 1 only", param="n")
+        req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time,
+                                       final_output_only=final_output_only)
+        limit_to_first_token(req)
+        return req
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        if request_id in self.prefill.requests:
+            return self.prefill.abort(request_id, reason)
+        h = self._transit.pop(request_id, None)
+        if h is None:
+            return self.decode.abort(request_id, reason)
+        self._release(h)
+        h.sync_reported()
+        self.decode.outputs.finish(h.seq, reason, None)
+        out = make_request_output(h.request)
+        h.request.detach()
+        return out
+
+    def _release(self, h: Handoff) -> None:
+        """Drop a hand-over that will not complete: both sides' blocks back to their pools."""
+        if h in self._waiting:
+            self._waiting.remove(h)
+        if h in self._in_flight:
+            self._in_flight.remove(h)
+        self.prefill.scheduler.kv.free(h.holder)
+        self.decode.scheduler.kv.free(h.seq.seq_id)
+
+    def take_failed(self) -> list[tuple[str, RequestFailedError]]:
+        return self.prefill.take_failed() + self.decode.take_failed()
+
+    # ---- the research loop: both engines alike ------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.decode.weight_version
+
+    def _abort_transit(self) -> list[RequestOutput]:
+        return [o for o in map(self.abort, list(self._transit)) if o is not None]
+
+    def update_weights(self, params) -> list[RequestOutput]:
+        """Both engines take the new weights; every request in flight is aborted (see
+        LLMEngine.update_weights), those between the engines too (finishing the prefill
+        engine's in-flight step may hand some over)."""
+        outs = self._reported(self.prefill.update_weights(params)) + self._abort_transit()
+        return outs + self.decode.update_weights(params)
+
+    def sleep(self) -> list[RequestOutput]:
+        outs = self._reported(self.prefill.sleep()) + self._abort_transit()
+        return outs + self.decode.sleep()
+
+    def wake(self) -> None:
+        self.prefill.wake()
+        self.decode.wake()
+
+    def has_unfinished_requests(self) -> bool:
+        return (bool(self._transit) or self.prefill.has_unfinished_requests()
+                or self.decode.has_unfinished_requests())
+
+    @property
+    def num_waiting(self) -> int:
+        return self.prefill.num_waiting + len(self._waiting) + self.decode.num_waiting
+
+    @property
+    def requests(self) -> dict:
+        return {**self.prefill.requests, **{rid: h.request for rid, h in self._transit.items()},
+                **self.decode.requests}
+
+    # ---- the hand-over ------------------------------------------------------------------------
+    def _hand_over(self, seqs: list[Sequence]) -> None:
+        """The prefill engine's processed step: hold the blocks of each sequence handed off (after
+        caching its prompt's full blocks) and start the copies the decode side has room for,
+        before the prefill engine dispatches its next step."""
+        kv = self.prefill.scheduler.kv
+        for seq in seqs:
+            if seq.finish_reason != HANDOFF:
+                continue
+            kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
+            holder = f"{seq.seq_id}#transfer"
+            kv.fork(seq.seq_id, holder)
+            req, dseq = continuation(self.tokenizer, seq.request, seq)
+            h = Handoff(seq, req, dseq, holder, list(kv.get_block_ids(holder)))
+            self._transit[req.request_id] = h
+            self._waiting.append(h)
+        self._start_transfers()
+
+    def _reserve_decode(self, h: Handoff) -> bool:
+        """Admission on the decode side: a sequence slot and blocks for the prompt + the first
+        token, after matching the prompt against the decode prefix cache (not counted in its
+        hit-rate metrics: the prefill side's lookup is the request's). The decode side's own
+        waiting (preempted) sequences go first: reserved blocks cannot be preempted until their
+        sequence runs, so taking them ahead of a preempted one could leave it waiting forever."""
+        sched = self.decode.scheduler
+        if sched.num_waiting or (sched.num_running + len(self._in_flight)
+                                 >= self.decode.args.max_num_seqs):
+            return False
+        kv, prompt_len = sched.kv, h.seq.prompt_len
+        stats = dataclasses.replace(kv.stats)
+        cached = kv.get_computed_blocks(h.seq.seq_id, h.seq.token_ids[:prompt_len])
+        kv.stats = stats
+        if not kv.allocate_slots(h.seq.seq_id, prompt_len + 1 - cached):
+            kv.free(h.seq.seq_id)
+            return False
+        h.first_block = cached // self.block_size
+        h.dst_blocks = list(kv.get_block_ids(h.seq.seq_id))
+        return True
+
+    def _start_transfers(self) -> None:
+        """Dispatch the waiting hand-overs' copies, in order, while the decode side has room."""
+        while self._waiting and len(self._in_flight) < MAX_IN_FLIGHT:
+            h = self._waiting[0]
+            if not self._reserve_decode(h):
+                return
+            self._waiting.popleft()
+            last = -(-h.seq.prompt_len // self.block_size)
+            h.buffer = self.transfer.send(self.prefill.runner.kv_cache,
+                                          h.src_blocks[h.first_block:last])
+            h.started = time.perf_counter()
+            self._in_flight.append(h)
+            self.transfer_metrics.blocks_skipped.inc(h.first_block)
+
+    def _land(self, wait: bool = False) -> None:
+        """Scatter every landed copy into the decode cache and pass its sequence to the decode
+        scheduler; `wait`: block for the oldest copy first (nothing else to do)."""
+        if wait and self._in_flight:
+            self._in_flight[0].buffer.block_until_ready()
+        m = self.transfer_metrics
+        for h in [h for h in self._in_flight if h.buffer.is_ready()]:
+            m.transfer_seconds.observe(time.perf_counter() - h.started)
+            m.transfer_bytes.inc(h.buffer.nbytes)
+            m.transfers.inc()
+            last = -(-h.seq.prompt_len // self.block_size)
+            self.decode.runner.kv_cache = self.transfer.receive(
+                self.decode.runner.kv_cache, h.buffer, h.dst_blocks[h.first_block:last])
+            self._in_flight.remove(h)
+            del self._transit[h.request_id]
+            self.prefill.scheduler.kv.free(h.holder)
+            h.sync_reported()
+            self.decode.requests[h.request_id] = h.request
+            self.decode.scheduler.add_running(h.seq)
+
+    # ---- steps --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Land finished copies and start the ones that now fit; step the prefill engine if its
+        last step is done or nothing else can go on (then it waits for that step); step the
+        decode engine, or, with nothing to decode, wait for the oldest copy in flight."""
+        clock = self.driver.clock()
+        self._land()
+        self._start_transfers()
+        clock("hand_over")
+        outs: list[RequestOutput] = []
+        decoding = self.decode.has_unfinished_requests()
+        if self.prefill.has_unfinished_requests():
+            if (decoding or self._in_flight) and self.prefill.step_in_flight:
+                self.driver.counts["prefill_in_flight"] += 1
+            else:
+                outs += self._reported(self.prefill.step())
+                clock("prefill_step")
+                self._land()  # a copy the prefill step started may have landed while it dispatched
+                clock("hand_over")
+                decoding = self.decode.has_unfinished_requests()
+        if decoding:
+            outs += self.decode.step()
+            clock("decode_step")
+        elif self._in_flight and not outs:
+            self._land(wait=True)
+            clock("copy_wait")
+        self._update_gauges()
+        return outs
+
+    def _reported(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Prefill outputs as the client sees them: a handed-off request is still running (and one
+        that reports only its final output reports nothing yet)."""
+        reported = []
+        for out in outs:
+            if out.request_id in self._transit:
+                if self._transit[out.request_id].request.final_output_only:
+                    continue
+                out.finished = False
+                for choice in out.outputs:
+                    choice.finish_reason = None
+            reported.append(out)
+        return reported
+
+    def _update_gauges(self) -> None:
+        depth = self.transfer_metrics.queue_depth
+        depth["prefill"].set(self.prefill.num_waiting)
+        depth["transfer"].set(len(self._transit))
+        depth["decode"].set(self.decode.num_waiting)

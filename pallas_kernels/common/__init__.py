@@ -1,0 +1,1 @@
+"""What the kernel kinds share: device facts and random test inputs."""

@@ -1,0 +1,1 @@
+"""Dense matmul kernels (FP8 weight streaming)."""

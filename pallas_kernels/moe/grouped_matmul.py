@@ -1,0 +1,310 @@
+"""Routed experts' SwiGLU MLP over rows sorted by expert: the model's one MoE dispatch point.
+
+`moe_experts(x_sorted, weights, group_sizes)` returns down(silu(x @ gate) * (x @ up)) per row, with
+each row's expert given by the group it falls in. It is the only place the model touches expert
+weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
+`weights` and `group_sizes`). Implementations:
+
+  - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
+    warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step
+    (`mosaic_configs`), the one-warpgroup kernel (`grouped_matmul_mosaic`) where N does not fit
+    those tilings.
+  - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
+    a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
+    with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
+    The portable GPU path at decode; with many tokens it would multiply the work, so it is used only
+    while the padded rows stay within `PADDED_MAX_FACTOR` x the real ones. On Hopper it also takes
+    decode steps of models with few experts (`PADDED_OVER_KERNEL`), where it measured faster.
+  - "ragged": `jax.lax.ragged_dot` (XLA): exact everywhere, what CPUs run.
+  - `moe_experts_reference` / `grouped_matmul_reference`: pure jnp (every expert on every row,
+    then a select), for tests.
+
+Quantized experts (8-bit stacks with float32 scales [E, out], jaxinfer/model/quant): "padded" and
+"ragged" convert the stack to the activation dtype inside the matmul and multiply each row's output
+by its expert's channel scales (exact: the scale is per output column). "mosaic" takes e4m3 stacks
+(`--quantization fp8`) into the warp-specialised kernel, which widens them after the TMA load and
+applies the scales in its epilogue (grouped_matmul_ws's docstring says why weight-only); x goes in
+as float16, the SwiGLU's output stays float16 between the two calls. On the GPU `choose_impl` gives
+e4m3 stacks the kernel only with $JAXINFER_MOE_FP8_KERNEL=1 until the H200 has timed it
+(`benchmarks/bench_moe.py --fp8`); int8 stacks never take it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
+                                                      tile_table)
+from pallas_kernels.moe.grouped_matmul_ws import FP8, FP8_COMPUTE, WsConfig, grouped_matmul_ws
+
+IMPLS = ("mosaic", "padded", "ragged")
+# Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per
+# step). With it, "padded" runs only at decode with few experts (E * capacity <= PADDED_OVER_KERNEL
+# * rows): measured on the H200, XLA's batched matmul streamed Mixtral's 8 experts at 3.84 TB/s
+# against the kernel's 3.55, while at Qwen3-MoE's 128 experts (16x padding) the kernel won 329 us
+# to 407.
+PADDED_MAX_FACTOR = 16
+PADDED_OVER_KERNEL = 4
+# Whether `choose_impl` gives e4m3 expert stacks the kernel ("1", the default) or the XLA paths
+# ("0"). On the H200 the kernel beat the XLA path e4m3 stacks took before: Qwen3-30B-A3B shape,
+# decode 270 us against 364, prefill 616 against 6,209 (moe_h200.json).
+FP8_KERNEL_ENV = "JAXINFER_MOE_FP8_KERNEL"
+Config = GmmConfig | WsConfig
+
+
+def mosaic_configs(rows: int, num_groups: int, fp8: bool = False) -> tuple[Config, Config]:
+    """(gate/up config, down config) for `rows` routed rows over `num_groups` experts: the
+    warp-specialised kernel (`WsConfig`), tilings from benchmarks/bench_moe.py on the H200. Few
+    rows per expert (decode) is a weight stream: 64-row windows whose two consumers split N.
+    Many (prefill) is compute: 128-row windows whose consumers take 64 rows each (a consumer with
+    none of the tile's rows idles, so a group's short last tile costs half a window). `fp8`
+    (e4m3 stacks): half the bytes per panel, so a 6-deep ring at decode, and at prefill consumers
+    that split N, each widening only its half of the panel (Qwen3-30B-A3B shape: 270 us against
+    280 at decode, 616 against 675 at prefill; moe_h200.json)."""
+    if rows / num_groups <= 16:
+        if fp8:
+            return WsConfig(64, 128, 64, 6, "n"), WsConfig(64, 256, 64, 6, "n")
+        return WsConfig(64, 128, 64, 4, "n"), WsConfig(64, 256, 64, 4, "n")
+    if fp8:
+        return WsConfig(64, 256, 64, 3, "n"), WsConfig(64, 256, 64, 4, "n")
+    return WsConfig(128, 128, 64, 3, "m"), WsConfig(128, 128, 64, 4, "m")
+
+
+def _fit(config: Config, n: int) -> Config:
+    """The config narrowed where its block_n does not divide N: for the warp-specialised kernel
+    128 when its consumers split N, else the one-warpgroup kernel on the same rows with 64-column
+    blocks (N is a multiple of 64: `mosaic_supports`)."""
+    if n % config.block_n == 0:
+        return config
+    if isinstance(config, WsConfig) and config.split == "n" and n % 128 == 0:
+        return dataclasses.replace(config, block_n=128)
+    return GmmConfig(config.block_m, 64, config.block_k, config.stages)
+
+
+def gmm(x, weights, group_sizes, config: Config, interpret: bool = False, table=None,
+        scales=None, out_dtype=None):
+    """The grouped matmul (plain, or SwiGLU with two stacks) on the kernel `config` is for; with
+    `scales`, e4m3 stacks on the warp-specialised kernel (x float16)."""
+    if scales is not None:
+        return grouped_matmul_ws(x, weights, group_sizes, config=config, interpret=interpret,
+                                 table=table, scales=scales, out_dtype=out_dtype)
+    kernel = grouped_matmul_ws if isinstance(config, WsConfig) else grouped_matmul_mosaic
+    return kernel(x, weights, group_sizes, config=config, interpret=interpret, table=table)
+
+
+def mosaic_supports(hidden: int, inter: int, dtype, weight_dtype=None) -> bool:
+    """The kernel's shape and dtype limits: 16-bit activations and K and N multiples of 64 both
+    ways with weights of their dtype; e4m3 weights (`weight_dtype`) take the warp-specialised
+    kernel only, so multiples of 128 (what its tilings narrow to: `_fit`)."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return False
+    if weight_dtype is None or jnp.dtype(weight_dtype) == jnp.dtype(dtype):
+        return hidden % 64 == 0 and inter % 64 == 0
+    return jnp.dtype(weight_dtype) == jnp.dtype(FP8) and hidden % 128 == 0 and inter % 128 == 0
+
+
+def _silu_glu(gate, up, dtype):
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (HF's GptOssExperts): the gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). In the activations' dtype, as HF
+    computes it."""
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate, up, dtype):
+        gate = jnp.minimum(gate.astype(dtype), self.limit)
+        up = jnp.clip(up.astype(dtype), -self.limit, self.limit)
+        return ((up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))).astype(dtype)
+
+
+def _with_bias(y, bias, gid, dtype):
+    """y [M, N] plus each row's group's bias [E, N] (rows past the groups: the last group's; their
+    output is undefined anyway), in `dtype`."""
+    if bias is None:
+        return y.astype(dtype)
+    return (y.astype(dtype) + bias[jnp.minimum(gid, bias.shape[0] - 1)].astype(dtype)).astype(dtype)
+
+
+def _row_groups(group_sizes, m: int):
+    """Each row's group (E for rows past the groups) and its first row's index."""
+    ends = jnp.cumsum(group_sizes)
+    gid = jnp.sum(jnp.arange(m)[:, None] >= ends[None, :], axis=1)
+    return gid, ends - group_sizes
+
+
+def grouped_matmul_reference(x, w, group_sizes):
+    """out[r] = x[r] @ w[group of r] in float32 (every group on every row, then a select); rows
+    past the groups are 0."""
+    gid, _ = _row_groups(group_sizes, x.shape[0])
+    y = jnp.einsum("mk,ekn->emn", x.astype(jnp.float32), w.astype(jnp.float32))
+    mine = jnp.arange(w.shape[0])[:, None] == gid[None, :]
+    return jnp.sum(jnp.where(mine[..., None], y, 0.0), axis=0)
+
+
+def gmm_reference(x, stacks, group_sizes):
+    """One kernel call's result in float32: x @ w for one weight stack, silu(x @ w_gate) *
+    (x @ w_up) for two (the fused SwiGLU call)."""
+    out = grouped_matmul_reference(x, stacks[0], group_sizes)
+    if len(stacks) == 2:
+        out = jax.nn.silu(out) * grouped_matmul_reference(x, stacks[1], group_sizes)
+    return out
+
+
+def moe_experts_reference(x, weights, group_sizes):
+    """The expert MLP in float32 through `grouped_matmul_reference`."""
+    w_gate, w_up, w_down = weights
+    h = _silu_glu(grouped_matmul_reference(x, w_gate, group_sizes),
+                  grouped_matmul_reference(x, w_up, group_sizes), jnp.float32)
+    return grouped_matmul_reference(h, w_down, group_sizes).astype(x.dtype)
+
+
+def _ragged(x, weights, group_sizes, scales=None, glu=_silu_glu, biases=None):
+    """`jax.lax.ragged_dot` per stack; with `scales`, each row's output times its group's; with
+    `biases` (gate, up [E, F]), each row's group's added before `glu`."""
+    gid = (None if scales is None and biases is None
+           else jnp.minimum(_row_groups(group_sizes, x.shape[0])[0], weights[0].shape[0] - 1))
+
+    def mm(a, i):
+        if scales is None:
+            return jax.lax.ragged_dot(a, weights[i], group_sizes)
+        y = jax.lax.ragged_dot(a, weights[i].astype(a.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return (y * scales[i][gid]).astype(a.dtype)
+
+    b = biases or (None, None)
+    h = glu(_with_bias(mm(x, 0), b[0], gid, x.dtype), _with_bias(mm(x, 1), b[1], gid, x.dtype),
+            x.dtype)
+    return mm(h, 2)
+
+
+def _padded(x, weights, group_sizes, capacity: int, scales=None, glu=_silu_glu, biases=None):
+    """Rows scattered into [E, capacity, K] (slot = row's place in its group), three batched
+    einsums, rows gathered back. Rows past sum(group_sizes) come back as zeros."""
+    e = weights[0].shape[0]
+    m = x.shape[0]
+    gid, starts = _row_groups(group_sizes, m)
+    slot = jnp.arange(m) - starts[jnp.minimum(gid, e - 1)]
+    xp = jnp.zeros((e, capacity, x.shape[1]), x.dtype).at[gid, slot].set(x, mode="drop")
+
+    def mm(a, i):
+        if scales is None:
+            return jnp.einsum("eck,ekn->ecn", a, weights[i])
+        y = jnp.einsum("eck,ekn->ecn", a, weights[i].astype(a.dtype),
+                       preferred_element_type=jnp.float32)
+        return (y * scales[i][:, None, :]).astype(a.dtype)
+
+    gate, up = mm(xp, 0), mm(xp, 1)
+    if biases is not None:  # [E, F] per group: broadcast over the capacity slots
+        gate = (gate + biases[0][:, None, :].astype(gate.dtype)).astype(x.dtype)
+        up = (up + biases[1][:, None, :].astype(up.dtype)).astype(x.dtype)
+    yp = mm(glu(gate, up, x.dtype), 2)
+    return yp.at[gid, slot].get(mode="fill", fill_value=0)
+
+
+def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None, glu=None,
+            biases=None):
+    w_gate, w_up, w_down = weights
+    e, h, f = w_gate.shape
+    up_cfg, down_cfg = mosaic_configs(x.shape[0], e, fp8=scales is not None)
+    up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
+    table = None
+    if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
+        table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
+    if glu is not None or biases is not None:
+        # Another activation or biases (gpt-oss): the kernel's SwiGLU epilogue does not apply, so
+        # gate and up run as plain grouped matmuls and the activation runs in XLA between them.
+        gid = jnp.minimum(_row_groups(group_sizes, x.shape[0])[0], e - 1)
+        b = biases or (None, None)
+        gate = _with_bias(gmm(x, (w_gate,), group_sizes, up_cfg, interpret, table), b[0], gid,
+                          x.dtype)
+        up = _with_bias(gmm(x, (w_up,), group_sizes, up_cfg, interpret, table), b[1], gid, x.dtype)
+        y = (glu or _silu_glu)(gate, up, x.dtype)
+        return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
+    if scales is None:
+        y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
+        return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
+    # e4m3 stacks: float16 x (exact for bf16 values in float16's range; the clip keeps an outlier
+    # past it finite), float16 SwiGLU output, the result in x's dtype.
+    x16 = jnp.clip(x, -65504.0, 65504.0).astype(FP8_COMPUTE)
+    y = gmm(x16, (w_gate, w_up), group_sizes, up_cfg, interpret, table, scales[:2])
+    return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table, scales[2:], x.dtype)
+
+
+@functools.cache
+def _hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
+def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype,
+                weight_dtype=None) -> str:
+    """The implementation `moe_experts` runs for this call shape on the default device (weights of
+    `weight_dtype`, default `dtype`; e4m3 ones take the kernel unless $JAXINFER_MOE_FP8_KERNEL
+    =0); $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
+    forced = os.environ.get("JAXINFER_MOE_IMPL")
+    if forced:
+        if forced not in IMPLS:
+            raise ValueError(f"JAXINFER_MOE_IMPL={forced!r}: expected one of {IMPLS}")
+        return forced
+    num_groups, hidden, inter = weight_shape
+    gpu = jax.devices()[0].platform == "gpu"
+    quantized = weight_dtype is not None and jnp.dtype(weight_dtype) != jnp.dtype(dtype)
+    allowed = not quantized or os.environ.get(FP8_KERNEL_ENV, "1") == "1"
+    return pick_impl(rows, num_groups, capacity, gpu=gpu,
+                     kernel=(gpu and allowed and _hopper()
+                             and mosaic_supports(hidden, inter, dtype, weight_dtype)))
+
+
+def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: bool) -> str:
+    """`choose_impl`'s rule for a device with (`gpu`) and without the Mosaic kernel (`kernel`)."""
+    if not gpu:
+        return "ragged"
+    padding = num_groups * capacity
+    if kernel:
+        decode_like = rows <= 16 * num_groups
+        return "padded" if decode_like and padding <= PADDED_OVER_KERNEL * rows else "mosaic"
+    return "padded" if padding <= PADDED_MAX_FACTOR * rows else "ragged"
+
+
+def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
+                group_sizes: jax.Array, *, max_group_size: int | None = None,
+                impl: str | None = None, interpret: bool = False,
+                scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                glu: Callable | None = None,
+                biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
+    [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
+    (the step's token count; default M). impl: one of IMPLS, None = `choose_impl`. interpret: run
+    the Mosaic kernel in its interpreter (CPU tests). scales: float32 [E, out] per stack when the
+    weights are 8-bit (w = q * scale). glu: the gated activation `glu(gate, up, dtype)` (default
+    SwiGLU; `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it. Returns
+    [M, H] in x's dtype; rows past sum(group_sizes) are undefined."""
+    m = x_sorted.shape[0]
+    capacity = min(m, max_group_size or m)
+    impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype,
+                               weights[0].dtype)
+    if impl == "mosaic" and scales is not None and (glu is not None or biases is not None):
+        # The kernel's plain (unfused) calls take 16-bit stacks only: 8-bit gpt-oss experts
+        # take the XLA paths.
+        impl = pick_impl(m, weights[0].shape[0], capacity, gpu=True, kernel=False)
+    if impl == "mosaic":
+        if scales is not None and jnp.dtype(weights[0].dtype) != jnp.dtype(FP8):
+            raise ValueError(f"impl='mosaic' takes 16-bit or e4m3 expert weights, not "
+                             f"{weights[0].dtype}; run 'padded' or 'ragged'")
+        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret, scales=scales,
+                       glu=glu, biases=biases)
+    if impl == "padded":
+        return _padded(x_sorted, weights, group_sizes, capacity, scales, glu or _silu_glu, biases)
+    if impl == "ragged":
+        return _ragged(x_sorted, weights, group_sizes, scales, glu or _silu_glu, biases)
+    raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

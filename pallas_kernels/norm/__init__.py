@@ -1,0 +1,1 @@
+"""Residual add + RMSNorm: the Triton-lowered kernel and its jnp reference."""

@@ -98,10 +98,10 @@ def test_mxfp4_round_trip_and_values():
 def test_mxfp4_checkpoint_loads_the_same_params_exactly():
     cfg = load_config(FIXTURES / "gpt_oss_mxfp4")
     assert cfg == load_config(FIXTURES / "gpt_oss") and cfg.quantization is None
-    for dtype in (jnp.float32, jnp.bfloat16):  # exact in bf16 too
-        plain = load_params(FIXTURES / "gpt_oss", cfg, dtype, progress=False)
-        packed = load_params(FIXTURES / "gpt_oss_mxfp4", cfg, dtype, progress=False)
-        assert _equal(plain, packed)
+    # bf16: the dequantized values are exact in it (the fixture's experts are on the MXFP4 grid)
+    plain = load_params(FIXTURES / "gpt_oss", cfg, jnp.bfloat16, progress=False)
+    packed = load_params(FIXTURES / "gpt_oss_mxfp4", cfg, jnp.bfloat16, progress=False)
+    assert _equal(plain, packed)
 
 
 def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):

@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import functools
 import gzip
-import os
 import re
 import tempfile
 import time
@@ -45,7 +44,7 @@ import numpy as np
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.fused_projections import fuse_projections
 from jaxinfer.model.transformer import forward, init_params
@@ -60,7 +59,6 @@ from tools.trace_engine_step import summarize_steps
 ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK = 16
-IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's override
 # name -> what the variant changes in the step (every key optional):
 #   seqs     decode rows (default 1): one real sequence and seqs - 1 padding rows, as an engine
 #            whose smallest decode bucket is seqs runs batch 1;
@@ -72,10 +70,9 @@ IMPL_ENV = "JAXINFER_QUANT_IMPL"  # jaxinfer/model/quant/ops.choose_impl's overr
 #   options  XLA compile options;
 #   quant    the same weights quantized on load as `--quantization` does ("fp8": e4m3 + channel
 #            scales; fused with `fused`, as the engine serves them on one GPU);
-#   impl     $JAXINFER_QUANT_IMPL while the step is traced: "fp8" W8A8 (per-token e4m3
-#            activations, FP8 x FP8 scaled gemm), "dequant" weight-only (what the engine picks
-#            below FP8_GEMM_MIN_ROWS rows, so at batch 1), "mosaic" W8A8 in the Mosaic GPU
-#            weight-streaming kernel.
+#   impl     the model's quant_impl (`--quant-impl`): "fp8" W8A8 (per-token e4m3 activations,
+#            FP8 x FP8 scaled gemm) or "dequant" weight-only (what the engine picks below
+#            FP8_GEMM_MIN_ROWS rows, so at batch 1).
 VARIANTS: dict[str, dict] = {
     "base": {},
     "fused": dict(fused=True),
@@ -100,16 +97,11 @@ VARIANTS: dict[str, dict] = {
     "fp8w": dict(fused=True, quant="fp8"),  # the engine's FP8 decode step as it is
     "fp8w_unfused": dict(quant="fp8"),
     "fp8w_w8a8": dict(fused=True, quant="fp8", impl="fp8"),
-    # W8A8 through the weight-streaming kernel (pallas_kernels/matmul/fp8_matmul_mosaic.py)
-    "fp8w_mosaic": dict(fused=True, quant="fp8", impl="mosaic"),
     # Whether XLA's command buffers (CUDA graphs) take the step's kernels: `dispatch_ms` is the
     # host's launch of ~455-710 kernels without them.
     "fp8w_cmdbuf": dict(fused=True, quant="fp8", options={
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
     "fp8w_graph1": dict(fused=True, quant="fp8", options={"xla_gpu_graph_min_graph_size": 1}),
-    "fp8w_mosaic_cmdbuf": dict(fused=True, quant="fp8", impl="mosaic", options={
-        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
-        "xla_gpu_graph_min_graph_size": 1}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
@@ -289,18 +281,9 @@ class Weights:
 
 
 def compile_variant(variant: dict, cfg, backend, state):
-    """The variant's step compiled, with $JAXINFER_QUANT_IMPL set to its `impl` while traced."""
-    saved = os.environ.get(IMPL_ENV)
-    if "impl" in variant:
-        os.environ[IMPL_ENV] = variant["impl"]
-    try:
-        return make_step(cfg, backend, variant.get("width")).lower(*state).compile(
-            compiler_options=variant.get("options"))
-    finally:
-        if saved is None:
-            os.environ.pop(IMPL_ENV, None)
-        else:
-            os.environ[IMPL_ENV] = saved
+    """The variant's step compiled (`cfg` carries its `impl`)."""
+    return make_step(cfg, backend, variant.get("width")).lower(*state).compile(
+        compiler_options=variant.get("options"))
 
 
 def weight_reads(hlo: str, min_bytes: int) -> dict:
@@ -348,7 +331,8 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             t0 = time.perf_counter()
             inputs = decode_inputs(args.ctx, args.max_blocks, args.num_blocks,
                                    variant.get("seqs", 1))
-            vcfg = dataclasses.replace(cfg, quantization=variant.get("quant"))
+            vcfg = dataclasses.replace(cfg, quantization=variant.get("quant"),
+                                       quant_impl=variant.get("impl", "auto"))
             tree = weights.get(variant.get("quant"), bool(variant.get("fused")))
             nbytes = step_bytes(tree, cfg, kv, args.ctx)
             state = (tree, kv, *inputs)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B
+from benchmarks.timed_window import TimedWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,6 +57,7 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
     """`concurrency` clients, each sending its next prompt when its previous request finished."""
     queue = list(enumerate(prompts))
     active, added, times = set(), {}, {}
+    window = TimedWindow(engine)
     t0 = time.perf_counter()
     while queue or active:
         while queue and len(active) < concurrency:
@@ -87,7 +89,7 @@ def closed_loop(engine, prompts: list[list[int]], params, concurrency: int, tag:
             "second_token_gap_p99_ms": percentiles(second)[1],
             "out_tok_s": round(tokens / elapsed, 1), "wall_s": round(elapsed, 2),
             "prompt_tok_s_to_last_first_token": round(sum(map(len, prompts)) / first_span, 1),
-            "requests": len(added), "out_tokens": tokens}
+            "requests": len(added), "out_tokens": tokens, **window.figures()}
 
 
 def measure_transfer(engine, num_blocks: int, reps: int = 10) -> dict:

@@ -19,8 +19,8 @@ Sections (each in its own process, time-limited; figures are saved after every p
            dequantized weights; their TB/s counts the e4m3 bytes. A table of both closes the run.
   qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
            --max-num-seqs 64: output tok/s and the median step while all 64 decode.
-           `--quantization fp8`: every linear and expert e4m3 (experts through the kernel unless
-           JAXINFER_MOE_FP8_KERNEL=0), saved as part `qwen_fp8`.
+           `--quantization fp8`: every linear and expert e4m3 (experts on the kernel unless
+           `--moe-impl xla`, or its check failed in `kernels`), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
 The kernel section is benchmarks/moe_kernels.py, the engine's benchmarks/moe_engine.py; this module
 runs each in its own process. Parts go to $OUT/moe_h200.json as they finish; `--save` writes the
@@ -109,7 +109,7 @@ def summary_table(parts: dict) -> str:
         if isinstance(e, dict):
             lines.append(f"engine {name}: decode step {e.get('decode_step_ms_median')} ms, "
                          f"{e.get('out_tok_s')} tok/s, ready {e.get('ready_s')} s, "
-                         f"fp8 kernel {e.get('fp8_kernel')}")
+                         f"moe_impl {e.get('moe_impl')}")
     return "\n".join(lines)
 
 
@@ -131,6 +131,7 @@ def main() -> None:
                     help="kernels: with --fp8, only the tiling moe_experts picks")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="engine: quantize the dummy weights (part qwen_fp8 / mixtral_fp8)")
+    ap.add_argument("--moe-impl", default="auto", help="engine: the engine's --moe-impl")
     results_io.add_save_arg(ap, "moe_<gpu>")
     ap.add_argument("--from-parts", default=None,
                     help="write the record from a moe_h200.json of parts (from --run-section runs)")
@@ -147,7 +148,7 @@ def main() -> None:
             name = "kernels"
         else:
             value = engine_section(args.run_section, layers=args.layers,
-                                   quantization=args.quantization)
+                                   quantization=args.quantization, moe_impl=args.moe_impl)
             name = args.run_section + (f"_{args.quantization}" if args.quantization else "")
         # A cut model's run is a step-mix probe, kept apart from the full model's figures.
         save_part(name + (f"_{args.layers}_layers" if args.layers else ""), value)
@@ -158,7 +159,7 @@ def main() -> None:
         return
     start = time.perf_counter()
     limits = {"kernels": 180, "qwen": 330, "mixtral": 360}
-    env = dict(os.environ)
+    moe_impl = args.moe_impl
     for name in args.sections.split(","):
         left = args.deadline_s - (time.perf_counter() - start)
         if left < 60:
@@ -170,10 +171,10 @@ def main() -> None:
         argv += (["--layers", str(args.layers)] if args.layers else []) + (
             ["--no-sweep"] if args.no_sweep else []) + (["--fp8"] if args.fp8 else []) + (
             ["--no-fp8-sweep"] if args.no_fp8_sweep else []) + (
-            ["--quantization", args.quantization] if args.quantization else [])
+            ["--quantization", args.quantization] if args.quantization else []) + [
+            "--moe-impl", moe_impl]
         try:
-            proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True,
-                                  env=env)
+            proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True)
             print(proc.stdout[-6000:], flush=True)
             if proc.returncode:
                 print(proc.stderr[-4000:], flush=True)
@@ -182,9 +183,10 @@ def main() -> None:
             print(f"[{name} timed out after {limit:.0f} s]", str(exc.stdout or "")[-3000:], flush=True)
             save_part(f"{name}_error", f"timed out after {limit:.0f} s")
         if name == "kernels" and not mosaic_passed():
-            env["JAXINFER_MOE_IMPL"] = "padded"  # the engine figures then say which path ran
-        if name == "kernels" and args.fp8 and not mosaic_passed(prefix="fp8_mosaic"):
-            env["JAXINFER_MOE_FP8_KERNEL"] = "0"  # a wrong kernel is not timed in the engine
+            moe_impl = "padded"  # the engine figures then say which path ran
+        if name == "kernels" and args.fp8 and args.quantization and not mosaic_passed(
+                prefix="fp8_mosaic"):
+            moe_impl = "xla"  # a wrong kernel is not timed in the engine
     save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
 
 

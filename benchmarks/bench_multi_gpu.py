@@ -30,7 +30,9 @@ one persistent compilation cache; with `--save` the record is rewritten after ea
               the GPUs, "tp": inside every expert), the all-reduce included: µs per layer.
 Every engine is built with the limits of its largest workload (a batch-1 decode therefore runs in
 the 8-row decode bucket) and compiles lazily; each concurrency run is preceded by an untimed run
-of the same prompts with fewer output tokens, which compiles the shapes the timed run meets.
+of other prompts of the same length with fewer output tokens, which compiles the shapes the timed
+run meets without putting the timed prompts in the prefix cache (each throughput figure carries its
+window's `_prefix_hit_rate`, 0 here, and `_buckets_compiling`).
 "Ready" is weights loaded + the first batch-1 request served (its compiles included).
 `--save DIR` writes DIR/multi_gpu_h200x2.json through `results_io` (`config.sections` keeps each
 section's wall time and, when it failed, its stderr).
@@ -55,6 +57,7 @@ from pathlib import Path
 from benchmarks import results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B, LLAMA3_70B, child, timed_generate
 from benchmarks.multi_gpu_moe import section_moe_layouts
+from benchmarks.timed_window import TimedWindow, fresh_prompts
 from tools.trace_tp_step import TRACE_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,18 +181,26 @@ def _trace(run, cfg: dict, label: str) -> dict:
     return flat
 
 
-def _throughput(llm, concurrency: int, warm_out: int) -> float:
-    """Output tok/s of `concurrency` random 512-token prompts generating 256 tokens each, all
-    submitted at once, after an untimed run of the same prompts generating `warm_out`."""
+def _throughput(llm, concurrency: int, warm_out: int, label: str, in_len: int = IN_LEN,
+                out_len: int = OUT_LEN) -> dict:
+    """`{label}_out_tok_s`: output tok/s of `concurrency` random `in_len`-token prompts generating
+    `out_len` tokens each, all submitted at once, after an untimed run of *other* prompts of the
+    same length generating `warm_out` (it compiles the shapes the timed run meets and leaves
+    nothing in the prefix cache that the timed prompts could hit); with the timed window's
+    `{label}_prefix_hit_rate` (0 unless the engine reused something) and
+    `{label}_buckets_compiling` (timed_window.py)."""
     from jaxinfer import SamplingParams
-    prompts = _random_prompts(llm.engine.cfg.vocab_size, concurrency)
-    llm.generate(prompts, SamplingParams(max_tokens=warm_out, ignore_eos=True, temperature=0),
-                 use_tqdm=False)
+    vocab = llm.engine.cfg.vocab_size
+    llm.generate(fresh_prompts(vocab, concurrency, in_len, seed=0),
+                 SamplingParams(max_tokens=warm_out, ignore_eos=True, temperature=0), use_tqdm=False)
+    prompts = fresh_prompts(vocab, concurrency, in_len, seed=1)
+    window = TimedWindow(llm.engine)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, ignore_eos=True,
+    outs = llm.generate(prompts, SamplingParams(max_tokens=out_len, ignore_eos=True,
                                                 temperature=0), use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    tok_s = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    return {f"{label}_out_tok_s": round(tok_s, 1), **window.figures(label)}
 
 
 def _engine_kw(cfg: dict, seqs: int) -> dict:
@@ -211,7 +222,7 @@ def section_llama8b_tp2(cfg: dict, prefix: str = "llama8b_tp2", **engine) -> dic
         f"{prefix}_load_s": round(load_s, 1)})
     print(json.dumps(out), flush=True)  # kept if the throughput run times out
     if cfg["throughput"]:
-        out[f"{prefix}_c256_out_tok_s"] = round(_throughput(llm, 256, 64), 1)
+        out.update(_throughput(llm, 256, 64, f"{prefix}_c256"))
     return out
 
 
@@ -285,8 +296,7 @@ def section_llama8b_tp2_procs(cfg: dict) -> dict:
 
 def section_llama8b_dp2(cfg: dict) -> dict:
     llm, load_s = _llm(cfg["llama8b"], data_parallel_size=2, **_engine_kw(cfg, 256))
-    return {"llama8b_dp2_c256_out_tok_s": round(_throughput(llm, 256, 64), 1),
-            "llama8b_dp2_load_s": round(load_s, 1)}
+    return {**_throughput(llm, 256, 64, "llama8b_dp2_c256"), "llama8b_dp2_load_s": round(load_s, 1)}
 
 
 def section_llama70b_tp2(cfg: dict) -> dict:
@@ -296,7 +306,7 @@ def section_llama70b_tp2(cfg: dict) -> dict:
         "llama70b_tp2_ready_s": round(load_s + first, 1), "llama70b_tp2_load_s": round(load_s, 1)})
     print(json.dumps(out), flush=True)
     if cfg["throughput"]:
-        out["llama70b_tp2_c64_out_tok_s"] = round(_throughput(llm, 64, 24), 1)
+        out.update(_throughput(llm, 64, 24, "llama70b_tp2_c64"))
     return out
 
 

@@ -198,7 +198,7 @@ def section_llama8b_fp8w_c256(cfg: dict) -> dict:
     llm, ready_s = _compiled_llm(cfg)
     out = {"llama8b_fp8w_c256_ready_s": round(ready_s, 1)}
     print(json.dumps(out), flush=True)
-    return {**out, "llama8b_fp8w_c256_out_tok_s": round(_throughput(llm, cfg["concurrency"], 32), 1)}
+    return {**out, **_throughput(llm, cfg["concurrency"], 32, "llama8b_fp8w_c256")}
 
 
 def section_llama8b_fp8w_fp8kv(cfg: dict) -> dict:
@@ -207,8 +207,7 @@ def section_llama8b_fp8w_fp8kv(cfg: dict) -> dict:
     llm, ready_s = _compiled_llm(cfg, kv_cache_dtype=cfg["kv_cache_dtype"])
     print(json.dumps({"llama8b_fp8w_fp8kv_ready_s": round(ready_s, 1)}), flush=True)
     out = {"llama8b_fp8w_fp8kv_ready_s": round(ready_s, 1),
-           "llama8b_fp8w_fp8kv_c256_out_tok_s": round(
-               _throughput(llm, cfg["concurrency"], 32), 1)}
+           **_throughput(llm, cfg["concurrency"], 32, "llama8b_fp8w_fp8kv_c256")}
     print(json.dumps(out), flush=True)  # kept if the batch-1 run times out
     return {**out, **_batch1(llm, {**cfg, "trace_steps": 0}, "llama8b_fp8w_fp8kv",
                              lambda tpot, first: {
@@ -302,8 +301,6 @@ def main() -> None:
                 metrics.setdefault(key, None)
         if args.save:
             config: dict = {"sections": sections}
-            if os.environ.get("JAXINFER_QUANT_IMPL"):  # the dispatch override in force
-                config["impl_env"] = {"JAXINFER_QUANT_IMPL": os.environ["JAXINFER_QUANT_IMPL"]}
             if any(s.startswith("llama8b") for s in sections):
                 config.update(
                     model="Llama-3-8B shape, dummy weights (bf16; fp8 quantized on load)",

@@ -39,7 +39,7 @@ def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
     """jit fn(params, tokens[B, L]) -> float32 logits [B, L, V]: every row is one sequence
     prefilled in one step through a fresh paged cache of `kv_dtype` and `backend` (the engine's
     path: write_kv, then attention over the cache)."""
-    from jaxinfer.core.kv_cache import allocate_kv_cache
+    from jaxinfer.worker.kv import allocate_kv_cache
     from jaxinfer.model.transformer import forward
     from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -69,7 +69,7 @@ def demo_windows(tokenizer, length: int) -> np.ndarray:
 def demo_ppl(length: int = 256) -> dict:
     """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model."""
     from checkpoints.measure_demo import perplexity
-    from jaxinfer.core.kv_cache.kv_scales import calibrate_kv_scales, calibration_tokens
+    from jaxinfer.worker.kv.kv_scales import calibrate_kv_scales, calibration_tokens
     from jaxinfer.model.config import load_config
     from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.model.weights import load_params
@@ -138,9 +138,9 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
 
 
 # The fp8 read paths worth timing beside the default (128-token steps, V in 64-token chunks, the
-# hand-over tile over the staging tiles; issue 26, docs/kernels/paged_decode.md): QK^T as one fp8
-# wgmma, two context splits (twice the items: a more even tail), the transposed consumer.
-FP8_VARIANTS = ("mosaic:q1", "mosaic:s2", "mosaic:swap:ft64", "mosaic:swap")
+# hand-over tile over the staging tiles; docs/kernels/paged_decode.md): QK^T as one fp8 wgmma, two
+# context splits (twice the items: a more even tail).
+FP8_VARIANTS = ("mosaic:q1", "mosaic:s2")
 
 
 def summary_table(metrics: dict) -> str:
@@ -157,16 +157,13 @@ def summary_table(metrics: dict) -> str:
 
 def fp8_variant_config(name: str):
     """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
-    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "swap" / "plain" (the
-    transposed consumer on / off), "vp" / "novp" (the V producer on / off), "up2" / "up4" / "8bit"
-    (the widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
+    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "up2" / "up4" / "8bit" (the
+    widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
     the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
     per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
     "mosaic:ft128:pv64:shared"."""
     from benchmarks.bench_decode import mosaic_config
-    ours = {"swap": dict(fp8_swap=True), "plain": dict(fp8_swap=False),
-            "vp": dict(fp8_v_producer=True), "novp": dict(fp8_v_producer=False),
-            "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+    ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
             "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})

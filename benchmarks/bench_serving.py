@@ -220,6 +220,41 @@ async def fetch_model_info(base_url: str, headers: dict) -> tuple[str, int | Non
     return card["id"], card.get("max_model_len")
 
 
+async def fetch_server_counters(base_url: str, headers: dict) -> dict[str, float]:
+    """From the server's /metrics: the prefix cache's counters (prompt tokens looked up, of those
+    found: jaxinfer's and vLLM's `<prefix>:prefix_cache_{queries,hits}_total`) and jaxinfer's step
+    buckets (`compiled_buckets`, `total_buckets`); the keys the server exposes."""
+    names = ("prefix_cache_queries_total", "prefix_cache_hits_total", "compiled_buckets",
+             "total_buckets")
+    totals: dict[str, float] = {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return totals
+            text = await resp.text()
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        short = name.split("{")[0].rpartition(":")[2]
+        if short in names and not line.startswith("#"):
+            totals[short] = totals.get(short, 0.0) + float(value.split()[0])
+    return totals
+
+
+def prefix_hit_rate(before: dict, after: dict) -> float | None:
+    key_q, key_h = "prefix_cache_queries_total", "prefix_cache_hits_total"
+    if key_q not in before or key_q not in after:
+        return None
+    queries = after[key_q] - before[key_q]
+    return round((after[key_h] - before[key_h]) / queries, 4) if queries else 0.0
+
+
+def buckets_compiling(counters: dict) -> int | None:
+    """Step buckets the server was still compiling (its steps run padded meanwhile)."""
+    if "total_buckets" not in counters:
+        return None
+    return int(counters["total_buckets"] - counters.get("compiled_buckets", 0))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
@@ -294,22 +329,32 @@ def main(argv=None) -> int:
     model = args.model or served
     chat = args.endpoint == "/v1/chat/completions"
     tokenizer = load_tokenizer(args.tokenizer)
-    if args.dataset_name == "random":
-        requests = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_range_ratio, np.random.default_rng(args.seed), as_text=chat)
-    else:
-        requests = sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, max_model_len or 1 << 30,
-                                     args.sharegpt_output_len, random.Random(args.seed))
+
+    def make_requests(seed: int) -> list[BenchRequest]:
+        if args.dataset_name == "random":
+            return random_requests(tokenizer, args.num_prompts, args.random_input_len,
+                                   args.random_output_len, args.random_range_ratio,
+                                   np.random.default_rng(seed), as_text=chat)
+        return sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts,
+                                 max_model_len or 1 << 30, args.sharegpt_output_len,
+                                 random.Random(seed))
     url = base_url + args.endpoint
     concurrencies = ([int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency
                      else [args.max_concurrency])
     rows = []
-    for conc in concurrencies:
+    for i, conc in enumerate(concurrencies):
+        # Each sweep point its own random prompts: the server's prefix cache holds the last
+        # point's, which would skip their prefill (`prefix_hit_rate` says what it skipped).
+        requests = make_requests(args.seed + i)
         print(f"model={model} endpoint={args.endpoint} prompts={len(requests)} "
               f"request_rate={args.request_rate} max_concurrency={conc}")
+        before = asyncio.run(fetch_server_counters(base_url, headers))
         results, duration = asyncio.run(run_benchmark(url, model, chat, requests, args.request_rate, conc,
                                                       args.ignore_eos, args.seed))
         metrics = summarize(results, duration, args.request_rate, conc, args.goodput, args.metric_percentiles)
+        metrics["prefix_hit_rate"] = prefix_hit_rate(
+            before, asyncio.run(fetch_server_counters(base_url, headers)))
+        metrics["buckets_compiling"] = buckets_compiling(before)  # at the run's start
         print_result(metrics)
         rows.append(metrics)
         if args.save_result:

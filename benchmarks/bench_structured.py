@@ -10,18 +10,19 @@ all alike), process CPU time per output token (steadier than wall time on a shar
 host's bitmask time per masked step, and how often the engine processed a step before scheduling
 the next (constrained rows need their matcher up to date) with the device-idle time that cost; plus
 constrained and mixed throughput relative to unconstrained, both ways. Compilation is not timed (an
-untimed first run of each mode compiles its shapes).
+untimed first run of each mode compiles its shapes). Every run has its own random prompts (each
+run's `prefix_hit_rate` shows the prefix cache skipped no prefill).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
-import numpy as np
-
 from benchmarks import results_io
+from benchmarks.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
@@ -52,6 +53,7 @@ def run_once(llm: LLM, prompts, params_list, timer: MaskTimer) -> dict:
     engine = llm.engine
     engine.stats.__init__()
     timer.seconds, timer.calls = 0.0, 0
+    window = TimedWindow(engine)
     start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params_list, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -62,7 +64,7 @@ def run_once(llm: LLM, prompts, params_list, timer: MaskTimer) -> dict:
                 cpu_ms_per_output_token=round(1e3 * cpu / n_out, 3), steps=st.steps,
                 mask_ms_per_masked_step=round(1e3 * timer.seconds / max(timer.calls, 1), 3),
                 masked_steps=timer.calls, sync_gaps=st.sync_gaps, sync_gap_ms=round(st.sync_gap_ms, 3),
-                host_ms_per_step=round(st.host_ms_per_step, 3))
+                host_ms_per_step=round(st.host_ms_per_step, 3), **window.figures())
 
 
 def main() -> None:
@@ -80,10 +82,12 @@ def main() -> None:
     llm = LLM(engine=engine)
     timer = MaskTimer()
     step_inputs.step_bitmask = timer
-    rng = np.random.default_rng(0)
     vocab = engine.cfg.vocab_size
     c = args.concurrency
-    prompts = [rng.integers(3, vocab, args.input_len).tolist() for _ in range(c)]
+    seeds = itertools.count()  # every run its own prompts: none is in the prefix cache
+
+    def prompts() -> list[list[int]]:
+        return fresh_prompts(vocab, c, args.input_len, seed=next(seeds))
     n = args.output_len
     free = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
     constrained = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n,
@@ -91,12 +95,12 @@ def main() -> None:
     modes = {"unconstrained": [free] * c, "constrained": [constrained] * c,
              "mixed": [constrained if i % 2 else free for i in range(c)]}
     for params_list in modes.values():  # compiles each mode's shapes
-        llm.generate(prompts, params_list, use_tqdm=False)
+        llm.generate(prompts(), params_list, use_tqdm=False)
     metrics: dict = {}
     all_runs: dict = {name: [] for name in modes}
     for _ in range(args.repeats):
         for name, params_list in modes.items():
-            run = run_once(llm, prompts, params_list, timer)
+            run = run_once(llm, prompts(), params_list, timer)
             print(name, run, flush=True)
             all_runs[name].append(run)
             if name not in metrics or run["output_tokens_per_s"] > metrics[name]["output_tokens_per_s"]:

@@ -6,7 +6,10 @@
 
 Throughput: N random-token prompts of --input-len tokens, each generating exactly --output-len tokens
 (ignore_eos), through `LLM.generate`; prints `Throughput: X requests/s, Y total tokens/s, Z output
-tokens/s` as vLLM does, after a warm-up (compilation is not timed).
+tokens/s` as vLLM does, after a warm-up on other prompts (compilation is not timed, and the timed
+prompts are new to the prefix cache); the result carries the timed window's `prefix_hit_rate` and
+the step buckets still compiling when it began (`buckets_compiling`; `--no-background-compile`
+compiles them all first).
 
 Host overhead: the host-side work of one steady-state decode step for --num-seqs running sequences,
 i.e. `Scheduler.schedule()` + `ModelRunner.build()` (the padded step arrays), with no device work;
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
+from benchmarks.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
@@ -44,13 +48,15 @@ def throughput(args: argparse.Namespace) -> dict:
     engine_args = EngineArgs.from_cli_args(args)
     engine = LLMEngine.from_engine_args(engine_args)
     llm = LLM(engine=engine)
-    rng = np.random.default_rng(0)
     vocab = engine.cfg.vocab_size
-    prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
+    prompts = fresh_prompts(vocab, args.num_prompts, args.input_len, seed=1, low=0)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                             ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    # The warm-up's prompts are not the timed ones: the prefix cache would skip their prefill.
+    llm.generate(fresh_prompts(vocab, 2, args.input_len, seed=0, low=0),
+                 SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     engine.stats.__init__()
+    window = TimedWindow(engine)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -62,7 +68,8 @@ def throughput(args: argparse.Namespace) -> dict:
                   tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
                   steps=st.steps, host_ms_per_step=st.host_ms_per_step,
                   overlapped_dispatches_device_already_idle=st.idle_dispatches,
-                  sync_gap_ms=st.sync_gap_ms, platform=jax.devices()[0].platform)
+                  sync_gap_ms=st.sync_gap_ms, platform=jax.devices()[0].platform,
+                  **window.figures())
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s")

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.timed_window import TimedWindow
+
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
@@ -29,7 +31,8 @@ ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_
 
 
 def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
-                   layers: int | None = None, quantization: str | None = None) -> dict:
+                   layers: int | None = None, quantization: str | None = None,
+                   moe_impl: str = "auto") -> dict:
     import numpy as np
 
     from jaxinfer.engine.args import EngineArgs
@@ -44,7 +47,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
     args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
                       max_num_batched_tokens=2048, max_model_len=1024,
                       gpu_memory_utilization=0.9, attention_backend=backend,
-                      quantization=quantization,
+                      quantization=quantization, moe_impl=moe_impl,
                       background_compile=False)  # timed steps never run padded into a bigger bucket
     engine = LLMEngine.from_engine_args(args)
     ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
@@ -54,6 +57,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
         engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
     stamps, n_out = [], 0
     engine.stats.__init__()
+    window = TimedWindow(engine)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         sched = engine.scheduler
@@ -72,10 +76,8 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
             "out_tok_s": round(n_out / elapsed, 1), "steps": len(stamps),
             "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
             "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
-            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix,
-            "moe_impl": os.environ.get("JAXINFER_MOE_IMPL", "auto"),
-            "quantization": quantization,
-            "fp8_kernel": os.environ.get("JAXINFER_MOE_FP8_KERNEL", "1")}
+            "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix, **window.figures(),
+            "moe_impl": moe_impl, "quantization": quantization}
 
 
 def step_mix(start: float, stamps: list) -> dict:

@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate, serve, batch, convert, memory."""
+"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
-from cli import serve as cli_serve
+from cli import serve as cli_serve, warmup as cli_warmup
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 
@@ -18,7 +18,8 @@ jaxinfer: LLM inference in JAX with Pallas GPU kernels.
 
 Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, run an
 OpenAI Batch file, convert
-Hugging Face checkpoints to orbax or quantize them, or size the KV cache for a model and accelerator."""
+Hugging Face checkpoints to orbax or quantize them, size the KV cache for a model and accelerator,
+or compile every step bucket into the cache before the first start (warmup)."""
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_batch.add_parser(sub)
     _add_convert(sub)
     cli_memory.add_parser(sub)
+    cli_warmup.add_parser(sub)
     return parser
 
 
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # The server's own status lines (where it listens, shutting down) are INFO records, shown
+    # unless --log-level asks for less than the default.
+    if args.log_level in ("warning", "info", "debug"):
+        logging.getLogger("serve.app").setLevel(min(logging.INFO, logging.getLogger().level))
     try:
         return int(args.func(args) or 0)
     except JaxinferError as e:

@@ -10,6 +10,7 @@ a step from below.
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import json
 import re
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from jaxinfer.core.kv_cache.planner import GIB, kv_bytes_per_token
+from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
 
 
@@ -66,10 +67,10 @@ def parse_accelerator(text: str, bandwidth_tbs: float | None, tflops: float | No
         try:
             gib = float(text)
         except ValueError:
-            raise ConfigError(f"--accelerator-memory '{text}' is neither a size in GiB nor one of "
+            raise ConfigError(f"--accelerator '{text}' is neither a size in GiB nor one of "
                               f"{', '.join(ACCELERATORS)}") from None
         if gib <= 0:
-            raise ConfigError(f"--accelerator-memory must be > 0 GiB; got {text}")
+            raise ConfigError(f"--accelerator must be > 0 GiB; got {text}")
         base = Accelerator(f"{gib:g} GiB", int(gib * GIB), 0.0, 0.0)
     return dataclasses.replace(
         base, bandwidth=bandwidth_tbs * 1e12 if bandwidth_tbs is not None else base.bandwidth,
@@ -87,6 +88,7 @@ class ModelShape:
     active_params: int  # parameters one token multiplies with (MoE: routed experts only)
     weight_dtype: str
     quantization: str | None = None  # weight quantization (jaxinfer/model/quant)
+    max_position_embeddings: int | None = None  # the model's context (None: shape given as flags)
     layer_windows: tuple[int | None, ...] = ()  # sliding windows (None: a global layer)
 
     def kv_read_fraction(self, seq_len: int) -> float:
@@ -122,7 +124,8 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         else:
             weights = params * nbytes
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
-                          params - inactive, dtype, quant, cfg.layer_windows)
+                          params - inactive, dtype, quant, cfg.max_position_embeddings,
+                          cfg.layer_windows)
     if args.quantization:
         raise ConfigError("--quantization needs --model (without it, give the quantized size as "
                           "--weight-bytes)")
@@ -251,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
     shape = _shape_from_args(args)
+    if shape.max_position_embeddings and args.seq_len > shape.max_position_embeddings:
+        print(f"warning: --seq-len {args.seq_len} is longer than the model's context "
+              f"({shape.max_position_embeddings} tokens, max_position_embeddings): the engine "
+              f"would not serve such sequences", file=sys.stderr)
     accelerator = parse_accelerator(args.accelerator_memory, args.bandwidth, args.tflops)
     report = memory_report(shape, kv_dtype=args.kv_cache_dtype, seq_len=args.seq_len,
                            batch=args.batch, block_size=args.block_size, accelerator=accelerator,
@@ -264,7 +271,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "memory", help="size the KV cache and the decode roofline for a model and accelerator",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n", 1)[1].strip() + "\n\nExamples:\n"
-        "  jaxinfer memory --model ./Llama-3.1-8B --accelerator-memory h200 --seq-len 8192 --batch 64\n"
+        "  jaxinfer memory --model ./Llama-3.1-8B --accelerator h200 --seq-len 8192 --batch 64\n"
         "  jaxinfer memory --layers 32 --kv-heads 8 --head-dim 128 --weight-bytes 16.06GB --json")
     src = p.add_argument_group("model (a directory, or its shape as flags)")
     src.add_argument("--model", metavar="DIR", help="model directory with a config.json")
@@ -285,7 +292,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, default=32, help="concurrent sequences (default 32)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--accelerator-memory", default="h200", metavar="GIB|NAME",
+    p.add_argument("--accelerator", "--accelerator-memory", dest="accelerator_memory",
+                   default="h200", metavar="NAME|GIB",
                    help=f"device memory in GiB, or one of {', '.join(ACCELERATORS)} (datasheet "
                         f"memory, bandwidth and dense bf16 FLOP/s); default h200")
     p.add_argument("--bandwidth", type=float, metavar="TB/S", help="memory bandwidth override, TB/s")

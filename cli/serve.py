@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxinfer.frontends.async_engine import AsyncEngine
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.errors import ConfigError
-    from serve.app import check_server_args, serve_until_signal
+    from serve.app import check_port_free, check_server_args, serve_until_signal
 
     from jaxinfer.parallel.distributed import distributed_settings
 
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         # Only process 0 serves HTTP; this one replays its request stream until it stops.
         from jaxinfer.frontends.multihost import serve_as_follower
         return serve_as_follower(engine_args)
+    check_port_free(args.host, args.port)
     engine = AsyncEngine(engine_args)
     if engine.tokenizer is None:  # every API route takes or returns text
         raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: the server needs "

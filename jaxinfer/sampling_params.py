@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 32
 # Most choices per request (each one is a sequence holding KV blocks).
 MAX_N = 64
+POOLING_METHODS = ("last", "mean", "cls")  # SamplingParams.pooling (worker/hidden_reads.py)
 # Every numeric field reaches the jitted step as an int32 or float32: values are bounded to what those
 # hold exactly (a JSON integer may have 400 digits; float32 overflows to inf past FLOAT32_MAX).
 INT32_MAX = 2**31 - 1
@@ -71,6 +72,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # False opts this request out of speculative decoding (a jaxinfer field; vLLM ignores it).
     speculative_decoding: bool = True
+    # An embedding request: pool the prompt's final hidden states ("last", "mean" or "cls") and
+    # generate nothing (n 1, max_tokens 1, whose token is not reported).
+    pooling: str | None = None
 
     def __post_init__(self):
         # Accept a single stop string (OpenAI allows `stop: "###"`).
@@ -158,6 +162,11 @@ class SamplingParams:
                       "speculative_decoding"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be true or false")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_METHODS:
+                bad("pooling", f"must be one of {', '.join(POOLING_METHODS)} (or None)")
+            if self.n != 1 or self.max_tokens != 1 or self.structured_outputs is not None:
+                bad("pooling", "an embedding request has n=1, max_tokens=1 and no structured output")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")

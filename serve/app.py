@@ -27,11 +27,16 @@ from serve.auth import make_auth_middleware
 from serve.choices import now
 from serve.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                DEFAULT_KEEPALIVE_TIMEOUT_S, GuardedTCPSite)
+from serve.embeddings import EMBEDDINGS, add_embedding_args, create_embedding, embeddings_config
 from serve.engine_requests import LIFECYCLE, Lifecycle
 from serve.errors import error_middleware
 from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
 from serve.json_body import give_large_buffers_back, max_json_items
 from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
+from serve.reasoning.request import REASONING_PARSER, add_reasoning_args, parser_from_args
+from serve.responses import handlers as responses
+from serve.responses.store import (DEFAULT_STORE_SIZE, RESPONSE_STORE, ResponseStore, add_store_args,
+                                   check_store_args)
 from serve.tools import TOOL_OPTIONS, ToolOptions, add_tool_args, check_tool_args
 
 logger = logging.getLogger(__name__)
@@ -69,6 +74,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     add_limit_args(g)
     add_tool_args(parser.add_argument_group("tool calling"))
+    add_reasoning_args(parser.add_argument_group("reasoning"))
+    add_store_args(parser.add_argument_group("Responses API"))
+    add_embedding_args(parser.add_argument_group("embeddings"))
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -82,8 +90,29 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     check_limit_args(args)
     check_tool_args(args)
+    check_store_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process holds before the model loads (minutes), in one line. (A
+    race with a process that binds it meanwhile still fails at start-up.)"""
+    import socket
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host}: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e} "
+                             f"(choose another --port)") from None
 
 
 async def _start_engine(app: web.Application) -> None:
@@ -128,6 +157,9 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     limits = RequestLimits.from_args(args)
     app[LIMITS] = limits
     app[TOOL_OPTIONS] = ToolOptions.from_args(args)
+    app[REASONING_PARSER] = parser_from_args(args)
+    app[EMBEDDINGS] = embeddings_config(args, engine.args.model)
+    app[RESPONSE_STORE] = ResponseStore(getattr(args, "responses_store_size", DEFAULT_STORE_SIZE))
     app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
     app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
     app[OWNS_ENGINE] = owns_engine
@@ -135,6 +167,10 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[CREATED] = now()
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_get("/v1/models", info.list_models)
     app.router.add_get("/health", info.health)
     app.router.add_get("/ping", info.health)
@@ -165,7 +201,7 @@ class Server:
         site = GuardedTCPSite(self._runner, self.host, self.port, header_timeout=self.header_timeout)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
-        logger.warning("serving %s on http://%s:%d (OpenAI API under /v1)",
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)",
                        self.app[ENGINE].model_name, self.host, self.port)
 
     async def stop(self) -> None:
@@ -202,7 +238,7 @@ async def serve_until_signal(engine, args: argparse.Namespace) -> int:
                      "the server", engine.errored)
         status = 1
     else:
-        logger.warning("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
+        logger.info("shutting down: finishing in-flight requests (up to %.1f s)", args.shutdown_grace)
     signalled.cancel()
     died.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C interrupts the grace period

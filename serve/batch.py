@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import IO
 
 from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.scheduler import PROMPT_INDEX_SEP
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.errors import InvalidRequestError, TokenizerError
 from serve.batch_file import BatchLine, output_line
@@ -104,7 +105,7 @@ class BatchRunner:
             self._refuse(line, e)
             return
         engine_id, _ = req.ids("batch")
-        p = Pending(line, req, [f"{engine_id}-{i}" for i in range(len(req.prompts))])
+        p = Pending(line, req, [f"{engine_id}{PROMPT_INDEX_SEP}{i}" for i in range(len(req.prompts))])
         added = 0
         try:
             for rid, prompt in zip(p.engine_ids, req.prompts):

@@ -16,6 +16,7 @@ from serve.json_body import off_loop
 from serve.limits import LIMITS
 from serve.prompt_logprobs import vllm_prompt_logprobs
 from serve.protocol import GenerationRequest, parse_generation, read_json_body
+from serve.reasoning.request import REASONING_PARSER, ReasoningStream
 from serve.sse import stream_chunks
 from serve.tool_parsers import ToolStream
 from serve.tools import TOOL_OPTIONS, ToolRequest
@@ -56,7 +57,15 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         if req.top_logprobs is not None:
             logprobs = chat_logprobs(engine.tokenizer, state.logprobs, req.top_logprobs)
         tools = req.tools or NO_TOOLS
-        message, called = tools.message(state.text, prefix)
+        text = state.text
+        if req.reasoning is not None:
+            reasoning, content = req.reasoning.split(text)
+            text = content or ""  # the tool parser sees only the answer
+        message, called = tools.message(text, prefix)
+        if req.reasoning is not None:
+            if not message["content"]:
+                message["content"] = None
+            message["reasoning_content"] = message["reasoning"] = reasoning
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
                         "finish_reason": tools.finish_reason(state.finish_reason, called),
                         "stop_reason": state.stop_reason})
@@ -71,6 +80,7 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
     started: set[int] = set()  # choices whose role chunk went out
     tools = req.tools if req.tools is not None and req.tools.parser is not None else None
     tool_streams: dict[int, ToolStream] = {}  # per choice, when the output may hold tool calls
+    reasoning_streams: dict[int, ReasoningStream] = {}  # per choice, with --reasoning-parser
 
     def chunk(choice: dict) -> dict:
         out = {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -82,7 +92,10 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
     async for _, out in group.outputs():
         usage.update(0, out)
         for c in out.outputs:
-            text, calls, finish = c.new_text, [], c.finish_reason
+            text, calls, finish, reasoning = c.new_text, [], c.finish_reason, ""
+            if req.reasoning is not None:
+                rs = reasoning_streams.setdefault(c.index, req.reasoning.stream())
+                reasoning, text = rs.feed(text, finish is not None)
             if tools is not None:
                 stream = tool_streams.setdefault(c.index, tools.parser.stream())
                 text, calls = tools.stream_deltas(stream, text, finish is not None)
@@ -92,11 +105,17 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
                 yield chunk({"index": c.index, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
                              "finish_reason": None})
                 text = prefix + text
-            if not text and not calls and finish is None and req.top_logprobs is None:
-                continue  # text held back (half a UTF-8 character, a possible tool call): nothing yet
             logprobs = None
             if req.top_logprobs is not None:
                 logprobs = chat_logprobs(engine.tokenizer, c.new_logprobs or [], req.top_logprobs)
+            if reasoning:  # reasoning first, in a chunk of its own; the answer's text follows
+                delta = {"reasoning_content": reasoning, "reasoning": reasoning}
+                yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+                if not text and not calls and finish is None:
+                    continue
+                logprobs = None if logprobs is None else {"content": []}
+            elif not text and not calls and finish is None and req.top_logprobs is None:
+                continue  # text held back (half a UTF-8 character, a possible tool call): nothing yet
             delta = {"content": text} if text or not calls else {}
             if calls:
                 delta["tool_calls"] = calls
@@ -113,9 +132,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await read_json_body(request)
     req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=True,
-                         tool_options=request.app[TOOL_OPTIONS])
+                         tool_options=request.app[TOOL_OPTIONS],
+                         reasoning_parser=request.app[REASONING_PARSER])
     prefix = echo_prefix(body.get("messages"), req)
-    check_capacity(request.app, req.params.n)
+    check_capacity(request.app, req.num_seqs)
     engine_id, response_id = req.ids("chatcmpl")
     created = now()
     async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:

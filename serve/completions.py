@@ -125,7 +125,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await read_json_body(request)
     req = await off_loop(parse_generation, body, engine, request.app[LIMITS], chat=False)
-    check_capacity(request.app, len(req.prompts) * req.params.n)
+    check_capacity(request.app, req.num_seqs)
     engine_id, response_id = req.ids("cmpl")
     created = now()
     async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from jaxinfer.core.outputs import RequestOutput
+from jaxinfer.core.scheduler import PROMPT_INDEX_SEP
 from jaxinfer.sampling_params import SamplingParams
 from serve.app_keys import ENGINE, MAX_WAITING
 from serve.errors import APIError
@@ -75,7 +76,7 @@ class RequestGroup:
     def __init__(self, engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  priority: int = 0):
         self.engine = engine
-        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.request_ids = [f"{request_id}{PROMPT_INDEX_SEP}{i}" for i in range(len(prompts))]
         self._iters = [engine.generate(p, params, rid, priority=priority)
                        for p, rid in zip(prompts, self.request_ids)]
         self._first: list[RequestOutput] = []

@@ -17,6 +17,7 @@ from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 from serve.request_fields import EXTENSION_FIELDS, SAMPLING_FIELDS, check_fields
+from serve.reasoning.request import ReasoningRequest, reasoning_request
 from serve.structured import structured_params
 from serve.tools import ToolOptions, ToolRequest, template_message, tool_request
 
@@ -41,6 +42,15 @@ class GenerationRequest:
     priority: int = 0                 # the scheduler's: lower runs earlier
     request_id: str | None = None     # the client's id for the response (vLLM's `request_id`)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (serve/tools.py)
+    reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser (serve/reasoning/)
+
+    @property
+    def num_seqs(self) -> int:
+        """The sequences it starts (n x prompts), counted before the engine validates n: an
+        invalid n counts 1 here, and the engine refuses it naming the field."""
+        n = self.params.n
+        valid = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        return len(self.prompts) * (n if valid else 1)
 
     def ids(self, prefix: str) -> tuple[str, str]:
         """(engine request id, response id). The engine's stay unique whatever `request_id` a client
@@ -59,7 +69,8 @@ def check_model(body: dict, served_names: list[str]) -> None:
     """`model` is an identifier compared with the served names, never used as a path."""
     model = body.get("model")
     if model is not None and model not in served_names:
-        raise APIError(404, f"The model `{short_repr(model, 200)}` does not exist.", "model")
+        name = model if isinstance(model, str) and len(model) <= 200 else short_repr(model, 200)
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
 
 
 def _is_int(x: Any) -> bool:
@@ -147,7 +158,7 @@ def render_chat(tokenizer, body: dict, max_model_len: int, tools: list[dict] | N
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
     messages = normalize_messages(body.get("messages"))
-    check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_model_len, "messages")
+    check_text_length(sum(len(m["content"] or "") for m in messages), tokenizer, max_model_len, "messages")
     documents = body.get("documents")
     if documents is not None and not (isinstance(documents, list)
                                       and all(isinstance(d, dict) for d in documents)):
@@ -179,38 +190,15 @@ def _top_logprobs(body: dict, chat: bool) -> int | None:
     return top
 
 
-def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None, vocab_size: int,
+def sampling_params(body: dict, *, max_tokens: Any, top_logprobs: int | None,
                     prompt_logprobs: Any = None, structured=None) -> SamplingParams:
-    """SamplingParams from the body; `validate` bounds every number to what int32 / float32 hold and
-    names the field of the first bad one."""
+    """SamplingParams from the body, as sent: the engine validates them where the request enters it
+    (SamplingParams.validate, the context length), naming the field of the first bad one (a 400)."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS + EXTENSION_FIELDS
               if body.get(name) is not None}
     params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs,
                             prompt_logprobs=prompt_logprobs, structured_outputs=structured)
-    params.validate(vocab_size)  # raises InvalidRequestError(param=<field>) -> 400
     return params
-
-
-def check_context_length(prompts: list[list[int]], max_tokens: int | None, max_model_len: int,
-                         min_tokens: int = 0) -> None:
-    for ids in prompts:
-        if not ids:
-            raise bad_request("prompt is empty (0 tokens)", "prompt")
-        if max_tokens is None:
-            if len(ids) >= max_model_len:
-                raise bad_request(
-                    f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                    f"has {len(ids)} tokens, leaving no room for a completion.", "prompt")
-        elif len(ids) + max_tokens > max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the length of the prompt or completion.", "max_tokens")
-        if len(ids) + min_tokens > max_model_len:
-            raise bad_request(
-                f"min_tokens={min_tokens}: a prompt of {len(ids)} tokens leaves room for at most "
-                f"{max_model_len - len(ids)} tokens in this model's maximum context length of "
-                f"{max_model_len} tokens", "min_tokens")
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -226,11 +214,11 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 
 
 def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
-                     tool_options: ToolOptions = ToolOptions()) -> GenerationRequest:
+                     tool_options: ToolOptions = ToolOptions(), reasoning_parser=None) -> GenerationRequest:
     """Validate a completions (chat=False) or chat (chat=True) body against the served model. Runs
     in a worker thread (it tokenizes): every size is bounded before the work it would cost."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
-    check_fields(body, chat)
+    check_fields(body, chat, reasoning=reasoning_parser is not None)
     check_model(body, engine.served_model_names)
     check_stop(body.get("stop"), limits)
     tokenizer, vocab_size, max_len = engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len
@@ -250,9 +238,11 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
         prompts = [tokenizer.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))]
         texts = [text]
         # Chat's default is "until the context is full"; max_completion_tokens supersedes max_tokens.
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        max_tokens = body.get(field)
+        if _is_int(max_tokens) and max_tokens < 1:  # (named as sent, not as the engine calls it)
+            raise bad_request(f"{field} must be an integer from 1 (got {max_tokens})", field)
     else:
         add_special = bool_field(body, "add_special_tokens", True)
         prompts, texts = [], []
@@ -271,6 +261,9 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
                 prompts.append(check_token_ids(p, vocab_size, "prompt", max_len))
                 texts.append(tokenizer.decode(p, skip_special_tokens=False))
         max_tokens = body.get("max_tokens", 16)
+        if _is_int(max_tokens) and max_tokens < 1 and not (max_tokens == 0 and echo):
+            raise bad_request(f"max_tokens must be an integer from 1, or 0 with echo (the prompt "
+                              f"scored, nothing generated); got {max_tokens}", "max_tokens")
     prompts, texts = _truncate(body, tokenizer, prompts, texts, max_len)
     generate_nothing = not chat and max_tokens == 0 and _is_int(max_tokens)
     # echo with logprobs reports the prompt tokens' logprobs too (vLLM: prompt_logprobs defaults
@@ -286,13 +279,17 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
         structured = tools.structured
     if structured is not None:
         engine.grammars.compile(structured)  # here, off the event loop; the engine finds it cached
+    reasoning = reasoning_request(body, reasoning_parser, texts[0], structured and structured.field) \
+        if chat else None
     params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
-                             top_logprobs=top_logprobs, vocab_size=vocab_size,
+                             top_logprobs=top_logprobs,
                              prompt_logprobs=prompt_logprobs, structured=structured)
+    if reasoning is not None and reasoning.parser.keeps_special_tokens:
+        params.skip_special_tokens = False  # the parser reads the markers
     _check_best_of(body, params.n)
-    check_context_length(prompts, params.max_tokens, max_len, params.min_tokens)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
-                             top_logprobs, generate_nothing, _priority(body), _request_id(body), tools)
+                             top_logprobs, generate_nothing, _priority(body), _request_id(body), tools,
+                             reasoning)
 
 
 def _truncate(body: dict, tokenizer, prompts: list[list[int]], texts: list[str],

@@ -6,6 +6,7 @@ are ignored with a log line, as vLLM does."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -91,15 +92,18 @@ def log_unknown_fields(body: dict, known: frozenset[str], endpoint: str) -> None
     unknown = sorted(set(body) - known)
     if unknown:
         logger.warning("%s: ignoring unknown request fields %s%s", endpoint,
-                       [short_repr(k, 40) for k in unknown[:8]],
+                       json.dumps([k[:40] for k in unknown[:8]]),
                        f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
 
 
-def check_fields(body: dict, chat: bool) -> None:
-    """Refuse the first field that asks for something unsupported; log the unknown ones."""
+def check_fields(body: dict, chat: bool, reasoning: bool = False) -> None:
+    """Refuse the first field that asks for something unsupported; log the unknown ones. With a
+    reasoning parser (`reasoning`), include_reasoning is honoured (serve/reasoning/)."""
     log_unknown_fields(body, (CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(EXTENSION_FIELDS),
                        "/v1/chat/completions" if chat else "/v1/completions")
     for name in sorted(REFUSED_CHAT if chat else REFUSED_COMPLETION):
         accepts, why = REFUSED[name]
+        if name == "include_reasoning" and reasoning:
+            continue
         if name in body and not accepts(body[name]):
             raise bad_request(f"{name}={short_repr(body[name], 80)}: {why}", name)

@@ -14,8 +14,10 @@ from serve.errors import APIError, as_api_error, error_body
 logger = logging.getLogger(__name__)
 
 
-def encode_event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def encode_event(payload: dict, name: str | None = None) -> bytes:
+    head = b"" if name is None else b"event: " + name.encode() + b"\n"
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return head + b"data: " + data + b"\n\n"
 
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -37,25 +39,29 @@ class SSEWriter:
     async def start(self) -> None:
         await self.response.prepare(self._request)
 
-    async def send(self, payload: dict) -> None:
+    async def send(self, payload: dict, name: str | None = None) -> None:
         # Raises ConnectionResetError when the client went away; callers abort their request then.
-        await self.response.write(encode_event(payload))
+        await self.response.write(encode_event(payload, name))
 
-    async def finish(self) -> web.StreamResponse:
-        await self.response.write(DONE_EVENT)
+    async def finish(self, done: bool = True) -> web.StreamResponse:
+        if done:
+            await self.response.write(DONE_EVENT)
         await self.response.write_eof()
         return self.response
 
 
-async def stream_chunks(request: web.Request, chunks: AsyncGenerator[dict, None]) -> web.StreamResponse:
+async def stream_chunks(request: web.Request, chunks: AsyncGenerator[dict, None],
+                        named: bool = False) -> web.StreamResponse:
     """Send every chunk as an event, then [DONE]. An error raised after the stream began cannot be a
     status code any more: it goes out as a `data: {"error": ...}` event followed by [DONE], as in
-    vLLM. A client that went away ends the stream quietly (the caller aborts its engine requests)."""
+    vLLM. A client that went away ends the stream quietly (the caller aborts its engine requests).
+    `named` (the Responses API): each event carries `event: <its type>`, an error is an `error`
+    event, and no [DONE] follows."""
     sse = SSEWriter(request)
     try:
         await sse.start()
         async for chunk in chunks:
-            await sse.send(chunk)
+            await sse.send(chunk, chunk["type"] if named else None)
     except ConnectionResetError:
         return sse.response
     except Exception as exc:  # reported to the client in-band
@@ -64,12 +70,13 @@ async def stream_chunks(request: web.Request, chunks: AsyncGenerator[dict, None]
             logger.exception("error while streaming %s", request.path)
             api_error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
         try:
-            await sse.send(error_body(api_error.status, api_error.message, api_error.param))
+            body = error_body(api_error.status, api_error.message, api_error.param)
+            await sse.send({"type": "error", **body["error"]} if named else body, "error" if named else None)
         except ConnectionResetError:
             return sse.response
     finally:
         await chunks.aclose()
     try:
-        return await sse.finish()
+        return await sse.finish(done=not named)
     except ConnectionResetError:
         return sse.response

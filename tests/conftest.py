@@ -80,7 +80,33 @@ def _group_files(items):
             if not fixture.baseid or fixture.scope not in ("package", "session"):
                 continue  # pytest's and plugins' own fixtures (tmp_path_factory, ...), module ones
             parent[find(file)] = find(f"fixture:{fixture.argname}")
+    groups = {}
     for item in items:
         root = find(str(item.path))
         name = root.removeprefix("fixture:") if root.startswith("fixture:") else item.path.stem
         item.add_marker(pytest.mark.xdist_group(name))
+        groups[item] = name
+    _longest_first(items, groups)
+
+
+def _longest_first(items, groups: dict) -> None:
+    """Orders the groups for xdist as the longest-first rule does: a worker takes the next group
+    when it is free, so a long group taken last leaves the other worker idle for its length. Groups
+    holding a test marked `slow` (a file's `pytestmark`: the files that take a minute or more)
+    go first, the rest by their number of tests (xdist's own order, which conftest's
+    pytest_configure turns off so this one holds); a file's tests keep their order."""
+    size: dict[str, int] = {}
+    slow: set[str] = set()
+    for item in items:
+        size[groups[item]] = size.get(groups[item], 0) + 1
+        if item.get_closest_marker("slow"):
+            slow.add(groups[item])
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(groups[item], i)
+    items.sort(key=lambda it: (groups[it] not in slow, -size[groups[it]], first[groups[it]]))
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set above
+        config.option.loadscopereorder = False

@@ -31,7 +31,7 @@ from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
@@ -46,9 +46,12 @@ FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
-# Windowed families (sinks sharded by head, gpt-oss's expert biases split with their stacks):
-# TP = 2 only, to keep the run short.
+# Windowed families (sinks sharded by head, gpt-oss's expert biases split with their stacks).
 WINDOWED = ["gemma2", "gemma3", "gpt_oss"]
+# (TP size, expert layout, the families checked so): see model_checks.
+MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED), (4, "tp", ["qwen2", "qwen3_moe"]),
+                 (2, "ep", ["qwen3_moe", "gpt_oss"]), (4, "ep", ["mixtral"])]
+WIDE_FAMILIES = ["llama", "qwen2", "qwen3_moe"]
 BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
 _step = jax.jit(forward, static_argnames=("cfg", "backend"))
 
@@ -85,17 +88,18 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
 
 
 def model_checks(out: dict) -> None:
-    """Greedy tokens at TP = 2, 4 (4 > the fixtures' 2 KV heads: replicated KV) of every family,
-    and of the MoE families with experts split over the devices (expert layout "ep"), weights
-    loaded straight into their shards (TP = 1's are the fixtures' golden tokens, which
-    tests/test_hf_parity.py checks); TP = 1 and 8 on each family widened to 8 query heads (random
-    weights generated sharded)."""
+    """Greedy tokens, weights loaded straight into their shards (TP = 1's are the fixtures' golden
+    tokens, which tests/test_hf_parity.py checks): TP = 2 on every family (the windowed Gemma 2/3
+    and gpt-oss too); TP = 4 (> the fixtures' 2 KV heads: replicated KV) on the families whose
+    parameters hold every kind a dense or MoE layer has (qwen2: biases, tied embeddings;
+    qwen3_moe: q/k norms, experts, a dense layer); the MoE families with experts split over the
+    devices (expert layout "ep") at 2 and 4 devices (gpt-oss at 2). TP = 1 and 8 on llama, qwen2
+    and qwen3_moe widened to 8 query heads (random weights generated sharded). mistral's and
+    qwen3's layers are llama's and qwen3_moe's parts at any TP size."""
     for fam in FAMILIES + WINDOWED:
         cfg = load_config(FIXTURES / fam)
         prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]
-        layouts = [(2, "tp"), (4, "tp")] + ([(2, "ep"), (4, "ep")] if fam in MOE_FAMILIES else [])
-        if fam in WINDOWED:
-            layouts = [(2, "tp")] + ([(2, "ep")] if cfg.is_moe else [])
+        layouts = [(tp, layout) for tp, layout, families in MODEL_LAYOUTS if fam in families]
         for tp, layout in layouts:
             plan = ShardingPlan(build_mesh(tp), cfg, layout)
             params = load_params(FIXTURES / fam, cfg, jnp.float32, progress=False,
@@ -103,7 +107,7 @@ def model_checks(out: dict) -> None:
             tokens, logits = greedy(cfg, params, plan, prompt, STEPS)
             key = f"{fam}/tp{tp}" + ("-ep" if layout == "ep" else "")
             out[key] = {"tokens": tokens, "logits": logits.tolist()}
-        if fam in WINDOWED:
+        if fam not in WIDE_FAMILIES:
             continue
         wide = dataclasses.replace(cfg, num_heads=8)
         for tp in (1, 8):
@@ -155,14 +159,15 @@ def shard_checks(out: dict) -> None:
 
 
 def engine_checks(out: dict) -> None:
-    """LLM(...) end to end: TP = 1 vs TP = 2 vs DP = 2 vs DP = 2 x TP = 2 (mixtral: MoE, a
-    request of each prompt, greedy), and the flags' refusals."""
+    """LLM(...) end to end: TP = 1 vs DP = 2 vs DP = 2 x TP = 2 (mixtral: MoE, a request of each
+    prompt, greedy; each replica of the last is the TP = 2 engine, on a sub-mesh), and the flags'
+    refusals."""
     golden = np.load(FIXTURES / "mixtral" / "golden.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)] + [golden["greedy_prompt"].tolist()]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64,
               block_size=4, warmup=False, compilation_cache_dir=None)
-    for tp, dp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+    for tp, dp in ((1, 1), (1, 2), (2, 2)):
         llm = LLM(str(FIXTURES / "mixtral"), tensor_parallel_size=tp, data_parallel_size=dp, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         entry = {"tokens": [o.outputs[0].token_ids for o in outs]}

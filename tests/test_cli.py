@@ -50,5 +50,23 @@ def test_bad_input_is_one_clear_line(argv, message, capsys):
 
 def test_help_lists_every_command():
     text = build_parser().format_help()
-    for command in ("generate", "serve", "convert", "memory"):
+    for command in ("generate", "serve", "convert", "memory", "warmup"):
         assert command in text
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(capsys):
+    """Issue 38: a busy --port loaded the model first, then printed a 30-line traceback. The
+    server's "serving ... on" status line is an INFO record, shown at the default --log-level."""
+    import logging
+    import socket
+    import time
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.perf_counter()
+        assert main(["serve", "--port", str(port), *FAST]) == 2
+        assert time.perf_counter() - t0 < 5  # (loading the demo model takes longer)
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+    assert logging.getLogger("serve.app").isEnabledFor(logging.INFO)

@@ -25,6 +25,8 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import load_config
 from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 HERE = Path(__file__).resolve().parent
 ABORTED = {"r6": "waiting", "r7": "transfer", "r2": "decode"}
 

@@ -24,12 +24,12 @@ from tools.engine_host_probe import probe_host
 STEPS = 12
 
 
-def fused_engine(quantization: str | None) -> LLMEngine:
+def fused_engine(quantization: str | None, quant_impl: str = "auto") -> LLMEngine:
     """The tiny model as one GPU serves it (fuse_for_serving): fused, FP8 as `--quantization fp8`
-    quantizes it on load."""
+    quantizes it on load, its matmuls `quant_impl`'s (`--quant-impl`)."""
     cfg, params = tiny_model()
     if quantization:
-        cfg = dataclasses.replace(cfg, quantization=quantization)
+        cfg = dataclasses.replace(cfg, quantization=quantization, quant_impl=quant_impl)
         flat = {k: jnp.array(v) for k, v in _flat_paths(params).items()}  # the loader deletes
         params = {}
         for key, leaf in loading.quantize_unquantized(
@@ -42,9 +42,8 @@ def fused_engine(quantization: str | None) -> LLMEngine:
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_steady_batch1_steps_compile_nothing_and_sync_nothing(quantization, monkeypatch):
-    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")  # what the GPU runs at batch 1
-    engine = fused_engine(quantization)
+def test_steady_batch1_steps_compile_nothing_and_sync_nothing(quantization):
+    engine = fused_engine(quantization, quant_impl="dequant")  # what the GPU runs at batch 1
     probe = probe_host(engine, [prompt_ids(5, 9)], steps=STEPS, replays=4)
     assert probe["steps"] == STEPS and probe["implicit_transfer"] is None
     assert probe["compiles"] == probe["traces"] == probe["python_dispatches"] == 0

@@ -51,10 +51,11 @@ def tiny_model():
     return cfg, params
 
 
-def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, model=None,
-                **kwargs) -> LLMEngine:
+def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, role: str | None = None,
+                model=None, **kwargs) -> LLMEngine:
     """An engine over the tiny model (or `model`, a (cfg, params) pair over the tiny tokenizer's
-    vocabulary). Defaults: 8 seqs, 32-token steps, 4-token blocks."""
+    vocabulary). Defaults: 8 seqs, 32-token steps, 4-token blocks. `role`: a disaggregated pair's
+    side (LLMEngine's)."""
     cfg, params = model or tiny_model()
     defaults = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
                     max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
@@ -62,7 +63,7 @@ def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, model=Non
                     background_compile=False)
     defaults.update(kwargs)
     args = EngineArgs(**defaults)
-    engine = LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=num_blocks)
+    engine = LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=num_blocks, role=role)
     if warmup:
         engine.warmup(progress=False)
     return engine

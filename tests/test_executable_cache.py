@@ -175,3 +175,11 @@ def test_the_planners_activation_figure_is_cached(tmp_path):
         assert compilations[0] == 0  # read back, not compiled
     plan(cache, max_num_seqs=4)  # another step shape: a new figure
     assert len(list(tmp_path.glob("*.figure"))) == 2
+
+
+def test_a_warm_start_is_ready_with_every_cached_bucket(cold):
+    """Issue 38: every bucket the cache holds is loaded before ready, so a warm start after one
+    complete start (or `jaxinfer warmup`) runs nothing in the background beside its first steps."""
+    warm = cached_engine(cold.runner.executable_cache.dir.parent, background_compile=True)
+    compiler = warm.runner.compiler
+    assert compiler.num_ready == compiler.num_units and compiler._thread is None

@@ -209,8 +209,8 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
         assert op not in text, op
 
 
+# The default config lowers in test_mosaic_paged_prefill_lowers_for_cuda.
 @pytest.mark.parametrize("config", [
-    KernelConfig(),
     KernelConfig(block_kv=192),
     KernelConfig(stages=3),
     KernelConfig(rescale_threshold=2.0, consumer_registers=232, producer_registers=40)],

@@ -74,7 +74,7 @@ def test_an_engine_on_fused_weights_decodes_alike_and_takes_separate_updates():
     assert tokens(fused) == tokens(separate)
 
 
-def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin(monkeypatch):
+def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin():
     """FP8 weights quantized as `--quantization fp8` loads them, fused as the engine serves them on
     one GPU (fuse_for_serving): q/k/v and gate/up stay e4m3 with their channel scales concatenated,
     the engine takes the lone-sequence bucket, and at batch-1 sizes (weight-only arithmetic, what
@@ -83,9 +83,8 @@ def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin(monkeypa
     from jaxinfer.model.transformer import param_shapes
     from jaxinfer.model.weights import _flat_paths, _set
 
-    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")
     cfg, params = tiny_model()
-    qcfg = dataclasses.replace(cfg, quantization="fp8")
+    qcfg = dataclasses.replace(cfg, quantization="fp8", quant_impl="dequant")
     flat = {k: jnp.array(v) for k, v in _flat_paths(params).items()}  # copies: the loader deletes
     quantized: dict = {}
     for key, leaf in loading.quantize_unquantized(

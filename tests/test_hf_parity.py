@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.model.config import load_config
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
 from pallas_kernels.attention.backend import REFERENCE

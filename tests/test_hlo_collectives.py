@@ -73,12 +73,3 @@ def test_logits_layout_rule():
     assert logits_spec(Plan(), rows, vocab) == P()
     assert logits_spec(Plan(), 2 * rows, vocab) == P("tp", None)
     assert logits_spec(Plan(), 2 * rows + 1, vocab) == P()  # rows not divisible by tp
-
-
-def test_sampler_command_buffers_are_on_unless_the_fallback_is_set(monkeypatch):
-    from jaxinfer.worker.runner import NO_SAMPLER_COMMAND_BUFFERS_ENV, _sampler_compiler_options
-    monkeypatch.delenv(NO_SAMPLER_COMMAND_BUFFERS_ENV, raising=False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=+COLLECTIVES")
-    assert _sampler_compiler_options() is None
-    monkeypatch.setenv(NO_SAMPLER_COMMAND_BUFFERS_ENV, "1")
-    assert _sampler_compiler_options() == {"xla_gpu_enable_command_buffer": ""}

@@ -34,9 +34,10 @@ def statements(body: list[ast.stmt]):
             yield from statements(getattr(node, field, None) or [])
 
 
-def module_graph(root: Path, packages: tuple[str, ...]) -> Graph:
+def module_graph(root: Path, packages: tuple[str, ...], missing: list[str] | None = None) -> Graph:
     """module -> the modules of `packages` it imports. `from p import x` is an edge to p.x when
-    that is a module, else to p."""
+    that is a module, else to p. Imports of modules of `packages` that do not exist (a stale path
+    after a move) go to `missing`."""
     files = {module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
 
     def resolve(name: str) -> str | None:
@@ -50,16 +51,21 @@ def module_graph(root: Path, packages: tuple[str, ...]) -> Graph:
         edges = graph.setdefault(mod, set())
         for node in statements(ast.parse(path.read_text(), str(path)).body):
             if isinstance(node, ast.Import):
-                targets = [resolve(a.name) for a in node.names]
+                names = [a.name for a in node.names]
+                targets = [resolve(n) for n in names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     parent = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(parent + ([base] if base else []))
+                names = [base]
                 targets = [resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in files else resolve(base)
                            for a in node.names]
             else:
                 continue
+            if missing is not None:
+                missing += [f"{mod} imports {n}" for n in names
+                            if n.split(".")[0] in packages and n not in files]
             edges.update(t for t in targets if t and t != mod)
     return graph
 
@@ -171,9 +177,17 @@ def layered(graph: Graph) -> Graph:
     return {m: t for m, t in graph.items() if m.split(".")[0] in LAYERED}
 
 
+MISSING: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def graph() -> Graph:
-    return module_graph(ROOT, LAYERED + ("benchmarks", "tools"))
+    MISSING.clear()
+    return module_graph(ROOT, LAYERED + ("benchmarks", "tools"), MISSING)
+
+
+def test_every_import_exists(graph):
+    assert MISSING == []
 
 
 def test_no_module_cycles(graph):
@@ -216,12 +230,14 @@ def test_checker_finds_each_kind_of_violation(tmp_path):
         "jaxinfer/util/y.py": "from jaxinfer.helpers.z import f\n",
         "jaxinfer/helpers/__init__.py": "",
         "jaxinfer/helpers/z.py": "from jaxinfer.util.x import g\nfrom benchmarks.results_io import w\n",
-        "jaxinfer/stray.py": "",
+        "jaxinfer/stray.py": "from jaxinfer.gone import f\n",
         "benchmarks/__init__.py": "",
         "benchmarks/results_io.py": "",
     })
-    g = module_graph(tmp_path, ("serve", "jaxinfer", "benchmarks"))
+    missing: list[str] = []
+    g = module_graph(tmp_path, ("serve", "jaxinfer", "benchmarks"), missing)
     assert g["jaxinfer.core.sched"] == {"jaxinfer.engine.core_api"}
+    assert missing == ["jaxinfer.stray imports jaxinfer.gone"]
     assert sorted(cycles(g)) == [["jaxinfer.core.a", "jaxinfer.core.b"],
                                  ["jaxinfer.core.sched", "jaxinfer.engine.core_api"]]
     assert ["jaxinfer.helpers", "jaxinfer.util"] in package_cycles(g)

@@ -10,10 +10,10 @@ import pytest
 
 from jaxinfer.model.config import ModelConfig, RopeConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.core.kv_cache import (CacheConfig, KVCacheManager, MemoryPlanError, activation_peak_bytes,
-                               add_cache_arguments, allocate_kv_cache, copy_blocks,
-                               device_memory_bytes, kv_bytes_per_token, plan_kv_cache, tree_nbytes)
-from jaxinfer.core.kv_cache.planner import CONTIGUOUS_SLACK, largest_free_block_bytes
+from jaxinfer.core.kv_cache import CacheConfig, KVCacheManager, add_cache_arguments
+from jaxinfer.worker.kv import (MemoryPlanError, activation_peak_bytes, allocate_kv_cache, copy_blocks,
+                                device_memory_bytes, kv_bytes_per_token, plan_kv_cache, tree_nbytes)
+from jaxinfer.worker.kv.planner import CONTIGUOUS_SLACK, largest_free_block_bytes
 
 # Llama-3.1-8B's attention shape: 32 layers, 8 KV heads, head_dim 128.
 LLAMA8B = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,

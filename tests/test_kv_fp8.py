@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from prometheus_client import generate_latest
 from safetensors.numpy import save_file
 
-from jaxinfer.core.kv_cache import CacheConfig, allocate_kv_cache, copy_blocks
-from jaxinfer.core.kv_cache.kv_scales import (calibrate_kv_scales, calibration_tokens,
+from jaxinfer.core.kv_cache import CacheConfig
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv.kv_scales import (calibrate_kv_scales, calibration_tokens,
                                               checkpoint_kv_scales, resolve_kv_scales)
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.transformer import forward

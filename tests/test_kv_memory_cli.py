@@ -69,7 +69,7 @@ def test_text_report_explains_the_roofline(capsys):
 
 @pytest.mark.parametrize("argv, flag", [
     (["--kv-heads", "8", "--head-dim", "128"], "--layers"),
-    ([*LLAMA8B_FLAGS, "--accelerator-memory", "tpu9000"], "--accelerator-memory"),
+    ([*LLAMA8B_FLAGS, "--accelerator-memory", "tpu9000"], "--accelerator"),
     (["--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--weight-bytes", "lots"],
      "--weight-bytes"),
     (["--model", "x", "--layers", "2"], "--layers"),
@@ -81,3 +81,20 @@ def test_text_report_explains_the_roofline(capsys):
 def test_errors_name_the_bad_flag(argv, flag, capsys):
     with pytest.raises(ConfigError, match=flag):
         memory(argv, capsys)
+
+
+def test_accelerator_is_a_flag_of_its_own_and_a_long_seq_len_warns(capsys):
+    """Issue 38: `--accelerator h200` worked only as an argparse abbreviation of
+    `--accelerator-memory`; a --seq-len past the model's context passed silently."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    cli_memory.add_parser(parser.add_subparsers())
+    model = str(FIXTURES / "llama")
+    args = parser.parse_args(["memory", "--model", model, "--accelerator", "l4", "--seq-len",
+                              "100000"])
+    assert args.func(args) == 0
+    out = capsys.readouterr()
+    assert "accelerator l4" in out.out
+    assert "--seq-len 100000 is longer than the model's context" in out.err
+    args = parser.parse_args(["memory", "--model", model, "--seq-len", "16"])
+    assert args.func(args) == 0
+    assert "longer than" not in capsys.readouterr().err

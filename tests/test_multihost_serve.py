@@ -26,6 +26,8 @@ import pytest
 
 from server_harness import FIXTURE, free_port, make_tiny_model_dir, wait_healthy
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_FLAGS = ["--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                 "--block-size", "16", "--max-model-len", "256",

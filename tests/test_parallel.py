@@ -23,6 +23,8 @@ from jaxinfer.model.config import config_from_dict
 from jaxinfer.parallel.distributed import distributed_settings
 from jaxinfer.parallel.sharding import validate_parallel_sizes
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE / "fixtures" / "models"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
@@ -74,9 +76,10 @@ def runs(tmp_path_factory):
     return json.loads(done.read_text())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family, tp", [(f, 2) for f in FAMILIES] + [("qwen2", 4), ("qwen3_moe", 4)])
 def test_tp_greedy_tokens_equal_single_device(runs, family, tp):
+    """Every family at TP = 2; at TP = 4 (KV heads replicated) the two whose parameters hold every
+    kind the others have (tests/parallel_checks.py, model_checks)."""
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
     got = runs["checks"][f"{family}/tp{tp}"]["tokens"]
     assert got == golden[:len(got)].tolist()  # TP = 1 gives the golden tokens (test_hf_parity)
@@ -90,17 +93,16 @@ def test_windowed_families_at_tp2_equal_single_device(runs, family, layout):
     assert got == golden[:len(got)].tolist()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family, tp", [("qwen3_moe", 2), ("mixtral", 4)])
 def test_expert_parallel_greedy_tokens_equal_single_device(runs, family, tp):
     """Whole experts split over the devices (--expert-layout ep), the other MoE layout beside the
-    default's test above."""
+    default's test above: two experts per device, then mixtral's four over four."""
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
     got = runs["checks"][f"{family}/tp{tp}-ep"]["tokens"]
     assert got == golden[:len(got)].tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_tp8_on_eight_heads_equals_tp1(runs, family):
     one, eight = runs["checks"][f"{family}-wide/tp1"], runs["checks"][f"{family}-wide/tp8"]
     assert eight["tokens"] == one["tokens"]
@@ -123,7 +125,7 @@ def test_memory_planner_inputs_are_per_device(runs):
     assert 0 < act2 < act1
 
 
-@pytest.mark.parametrize("mesh", ["tp2dp1", "tp1dp2", "tp2dp2"])
+@pytest.mark.parametrize("mesh", ["tp1dp2", "tp2dp2"])
 def test_engine_tokens_equal_across_meshes(runs, mesh):
     ref = runs["checks"]["engine/tp1dp1"]["tokens"]
     got = runs["checks"][f"engine/{mesh}"]

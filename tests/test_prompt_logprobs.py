@@ -90,8 +90,8 @@ def test_preemption_keeps_prompt_logprobs_and_plain_requests_skip_them(monkeypat
     prompts = [prompt_ids(60 + i, 17) for i in range(4)]
     calls = []
     import jaxinfer.worker.runner as runner_mod
-    real = runner_mod.gather_rows
-    monkeypatch.setattr(runner_mod, "gather_rows", lambda rows: calls.append(1) or real(rows))
+    real = runner_mod.gather_hidden_reads
+    monkeypatch.setattr(runner_mod, "gather_hidden_reads", lambda rows: calls.append(1) or real(rows))
     first, last = _run(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0,
                                                        ignore_eos=True, prompt_logprobs=K))
     assert engine.scheduler.num_preemptions > 0

@@ -81,7 +81,6 @@ def _reference_matmul(x, q, s, impl):
     return (xq @ w.T) * xs * np.asarray(s)
 
 
-# "mosaic" (a kernel tiling N and K by 128) has its own tests: tests/test_fp8_matmul.py.
 @pytest.mark.parametrize("impl", ["fp8", "dequant"])
 @pytest.mark.parametrize("m, k, n", [(1, 64, 48), (5, 96, 130), (33, 40, 8)])
 def test_quantized_matmul_matches_numpy_reference(impl, m, k, n):
@@ -95,16 +94,21 @@ def test_quantized_matmul_matches_numpy_reference(impl, m, k, n):
     assert np.linalg.norm(np.asarray(got) - exact) <= 0.06 * np.linalg.norm(exact)
 
 
-def test_dispatch_picks_weight_only_for_int8_and_honours_the_override(monkeypatch):
+def test_dispatch_picks_weight_only_for_int8_and_honours_the_config():
     assert ops.choose_impl(4, jnp.int8) == "dequant"
     assert ops.choose_impl(4, ops.FP8) == "fp8"  # the CPU emulates the GPU's W8A8
-    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")
-    assert ops.choose_impl(4, ops.FP8) == "dequant"
-    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "fp8")
-    assert ops.choose_impl(4, jnp.int8) == "dequant"  # int8 weights have no W8A8 path
-    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "bogus")
-    with pytest.raises(ValueError, match="JAXINFER_QUANT_IMPL"):
-        ops.choose_impl(4, ops.FP8)
+    assert ops.choose_impl(4, ops.FP8, "dequant") == "dequant"
+    assert ops.choose_impl(4, jnp.int8, "fp8") == "dequant"  # int8 weights have no W8A8 path
+    with pytest.raises(ValueError, match="quant_impl 'bogus'"):
+        ops.choose_impl(4, ops.FP8, "bogus")
+    hopper = (9, 0)
+    assert ops.pick_impl(8, hopper) == "dequant"
+    assert ops.pick_impl(ops.FP8_GEMM_MIN_ROWS, hopper) == "fp8"
+    assert ops.pick_impl(ops.FP8_GEMM_MIN_ROWS, (8, 0)) == "dequant"  # no FP8 tensor cores
+    with pytest.raises(ConfigError, match="--quant-impl"):
+        EngineArgs(quant_impl="mosaic")
+    with pytest.raises(ConfigError, match="--moe-impl"):
+        EngineArgs(moe_impl="dense")
 
 
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
@@ -210,7 +214,7 @@ def _write_pair(tmp_path, family: str, layout: str):
                                             ("llama", "fp8-block"), ("llama", "int8-channel"),
                                             ("llama", "fbgemm-channel"),
                                             ("qwen3_moe", "fp8-channel")])
-def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, monkeypatch, family, layout):
+def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, family, layout):
     qdir, tdir = _write_pair(tmp_path, family, layout)
     qcfg, tcfg = load_config(qdir), load_config(tdir)
     assert qcfg.quantization == ("int8" if layout.startswith("int8") else "fp8")
@@ -239,7 +243,7 @@ def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, monkeypatch
         return  # re-quantized: the logits of this random model move with every rounding
     # ... and the model computes what the twin computes (weight-only arithmetic: no activation
     # rounding, so only the float32 summation order differs).
-    monkeypatch.setenv("JAXINFER_QUANT_IMPL", "dequant")
+    qcfg = dataclasses.replace(qcfg, quant_impl="dequant")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, tcfg.vocab_size, (1, 12)), jnp.int32)
     got, want = train_forward(qp, qcfg, tokens), train_forward(tp, tcfg, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3 * float(jnp.abs(want).max()))

@@ -253,6 +253,9 @@ def test_bench_serving_writes_vllms_result_file(server, tmp_path):
     assert all(1 <= n <= 4 for n in result["output_lens"])  # EOS may end a reply early
     record = json.loads((tmp_path / "serving_test.json").read_text(), parse_constant=pytest.fail)
     assert record["config"]["ignore_eos"] is False and record["metrics"]["cinf_completed"] == 3
+    # The run's own prefix-cache hit rate and the buckets still compiling, from /metrics (issue 38).
+    assert 0.0 <= record["metrics"]["cinf_prefix_hit_rate"] <= 1.0
+    assert record["metrics"]["cinf_buckets_compiling"] >= 0
 
 
 # ---- metrics -------------------------------------------------------------------------------------

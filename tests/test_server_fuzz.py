@@ -1,6 +1,7 @@
-"""Property-based fuzzing of both request schemas (/v1/completions and /v1/chat/completions) against the
-server over loopback: wrong types, huge / negative / NaN / infinite numbers, integers of hundreds of
-digits, unicode edge cases (lone surrogates, NUL, astral characters), deep nesting, oversized lists.
+"""Property-based fuzzing of the request schemas (/v1/completions, /v1/chat/completions,
+/v1/responses) against the server over loopback: wrong types, huge / negative / NaN / infinite
+numbers, integers of hundreds of digits, unicode edge cases (lone surrogates, NUL, astral
+characters), deep nesting, oversized lists.
 
 Properties: no response is >= 500; every refusal is an OpenAI-shaped 4xx whose `param` names a field
 of the request (or whose message says the body itself is wrong); a stream that starts ends with
@@ -12,12 +13,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_harness import MODEL, NO_EOS, check_error_shape, post_raw, wait_pool_free
+from server_harness import MODEL, NO_EOS, add_app, check_error_shape, post_raw, wait_pool_free
+
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
 
 EXAMPLES = 90  # per schema; about 20-40 s each on the 2-core CI machine
+RESPONSES_EXAMPLES = 30  # /v1/responses: most of its path is chat's, fuzzed above
 
 # ---- values --------------------------------------------------------------------------------------
 
@@ -137,6 +142,29 @@ CHAT = {
 }
 
 
+input_item = st.one_of(
+    message,
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": weird_text, "name": weird_text,
+                           "arguments": weird_text}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": weird_text,
+                           "output": weird_text}),
+)
+RESPONSES = {
+    **{k: COMMON[k] for k in ("model", "temperature", "top_p", "stream", "user", "seed", "unknown_field")},
+    "input": field(st.one_of(weird_text, st.lists(input_item, min_size=1, max_size=3))),
+    "instructions": field(weird_text),
+    "max_output_tokens": field(SMALL_TOKENS, nullable=False),
+    "text": field(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])),
+    "tools": field(st.sampled_from([[], [{"type": "function", "name": "f",
+                                          "parameters": {"type": "object"}}]])),
+    "tool_choice": field(st.just("none")),
+    "reasoning": field(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high"])})),
+    "previous_response_id": field(st.none()),  # (a miss is a 404; garbage swaps in other values)
+    "store": field(st.booleans()),
+    "metadata": field(st.dictionaries(weird_text, weird_text, max_size=2)),
+}
+
+
 def bodies(schema: dict, required: str):
     """A body of plausible fields (each optional one present or not), then 0-3 fields (present or
     not) replaced by garbage: most requests fail on one thing, many get through to the engine."""
@@ -148,14 +176,31 @@ def bodies(schema: dict, required: str):
         body, changes = args
         body = dict(body)
         for key, value in changes:
-            if value is None and key in ("max_tokens", "max_completion_tokens"):
+            if value is None and key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 continue  # null = until the context is full: 256 tokens, slow on CPU
             body[key] = value
+        if "max_output_tokens" in schema and value_is_null_length(body, required):
+            body["max_output_tokens"] = 4
         if required == "messages" and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = 4  # chat's default is also "until the context is full"
         return body
 
     return st.tuples(plausible, mutations).map(mutate)
+
+
+HIDDEN = 64  # the tiny model's hidden size: the one `dimensions` it takes
+EMBEDDINGS = {
+    **{k: COMMON[k] for k in ("model", "user", "unknown_field")},
+    "input": COMPLETION["prompt"],
+    "encoding_format": field(st.sampled_from(["float", "base64"])),
+    "dimensions": field(st.sampled_from([HIDDEN, HIDDEN, 16])),  # (16: refused, no Matryoshka)
+    "add_special_tokens": field(st.booleans()),
+}
+
+
+def value_is_null_length(body: dict, required: str) -> bool:
+    """A Responses body without max_output_tokens would run to the end of the context."""
+    return required == "input" and "max_output_tokens" not in body
 
 
 # ---- the property --------------------------------------------------------------------------------
@@ -166,19 +211,29 @@ def check_response(path: str, body: dict, status: int, raw: bytes) -> None:
     if status >= 400:
         error = check_error_shape(raw, status)
         if status == 404:
-            assert error["param"] == "model", error
+            assert error["param"] in ("model", "previous_response_id"), error
         elif status == 400:
             named = error["param"] is not None and (
                 error["param"] in body
                 or error["param"] in ("prompt", "messages", "max_tokens", "top_logprobs", "n")
             )
             named = named or any(isinstance(v, Deep) for v in body.values())  # refused as a body
+            named = named or (error["param"] == "tool_choice" and "tools" in body)  # its default
             assert named or error["message"].startswith("request body"), (error, sorted(body))
         else:
             assert status in (413, 503), error
         return
     assert status == 200, raw[:500]
-    if body.get("stream") is True:
+    if body.get("stream") is True and path == "/v1/responses":
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1].startswith(b"event: response.completed\n") \
+            or events[-1].startswith(b"event: error\n"), raw[-300:]
+        for e in events:
+            name, data = e.split(b"\n", 1)
+            event = json.loads(data[len(b"data: "):])
+            assert name == b"event: " + event["type"].encode(), e
+            assert event["type"] != "error" or event["code"] < 500, event
+    elif body.get("stream") is True:
         events = raw.split(b"\n\n")
         assert events[-2] == b"data: [DONE]", raw[-300:]
         for e in events[:-2]:
@@ -252,11 +307,29 @@ def test_fuzz_both_schemas_never_5xx_and_greedy_unchanged(server):
     def fuzz_chat(body):
         sent("/v1/chat/completions", body)
 
+    @settings(FUZZ_SETTINGS, max_examples=RESPONSES_EXAMPLES)
+    @given(bodies(RESPONSES, "input"))
+    def fuzz_responses(body):
+        sent("/v1/responses", body)
+
+    embed_url = add_app(server, "fuzz-embed", task="embed")
+
+    @settings(FUZZ_SETTINGS, max_examples=RESPONSES_EXAMPLES)
+    @given(bodies(EMBEDDINGS, "input"))
+    def fuzz_embeddings(body):
+        status, raw = send(embed_url, "/v1/embeddings", body)
+        statuses["/v1/embeddings", status] = statuses.get(("/v1/embeddings", status), 0) + 1
+        check_response("/v1/embeddings", body, status, raw)
+
     fuzz_completions()
     fuzz_chat()
+    fuzz_responses()
+    fuzz_embeddings()
     print("fuzz statuses:", sorted(statuses.items()))
-    for path in ("/v1/completions", "/v1/chat/completions"):  # both reached the engine, and refusals
-        assert statuses.get((path, 200), 0) >= 5 and statuses.get((path, 400), 0) >= 20, statuses
+    # every endpoint reached the engine, and refusals
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"):
+        least = 3 if path in ("/v1/responses", "/v1/embeddings") else 5
+        assert statuses.get((path, 200), 0) >= least and statuses.get((path, 400), 0) >= 4 * least, statuses
     assert server.engine.errored is None
     wait_pool_free(server, timeout=30)
     assert greedy_tokens(url) == before

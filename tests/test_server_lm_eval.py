@@ -55,9 +55,15 @@ def _log_softmax(engine):
     return jax.jit(lambda toks: jax.nn.log_softmax(train_forward(params, cfg, toks), axis=-1))
 
 
+DENSE_LEN = 32  # every sequence `dense` scores is padded to this length: one compile for all
+
+
 def dense(server, tokens: list[int], ctxlen: int) -> tuple[float, bool]:
-    """Sum of log p(tokens[i] | tokens[:i]) over the continuation, and whether it is greedy."""
-    lp = np.asarray(_log_softmax(server.engine.engine)(jnp.asarray([tokens], jnp.int32)))[0]
+    """Sum of log p(tokens[i] | tokens[:i]) over the continuation, and whether it is greedy. The
+    padding after the tokens changes none of their logits (causal attention)."""
+    assert len(tokens) <= DENSE_LEN
+    padded = tokens + [0] * (DENSE_LEN - len(tokens))
+    lp = np.asarray(_log_softmax(server.engine.engine)(jnp.asarray([padded], jnp.int32)))[0]
     cont = range(ctxlen, len(tokens))
     return (float(sum(lp[i - 1, tokens[i]] for i in cont)),
             all(int(np.argmax(lp[i - 1])) == tokens[i] for i in cont))

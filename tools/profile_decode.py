@@ -168,7 +168,7 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool =
     profiled = jax.jit(functools.partial(
         call, config=dataclasses.replace(config, profile_dir=str(trace_dir))))
     jax.block_until_ready(profiled(*args))
-    warpgroups = 3 + (fp8 and config.fp8_v_producer)  # the kernel's: paged_decode_mosaic.py
+    warpgroups = 3  # the kernel's: two consumers and a producer (paged_decode_mosaic.py)
     return {**read_trace(trace_dir, warpgroups), "batch": batch, "ctx": ctx, "variant": variant}
 
 

@@ -53,3 +53,6 @@ class RequestOutput:
     # Which weights produced the tokens: 0 as loaded, +1 per LLMEngine.update_weights. A request
     # runs on one version only (an update aborts the requests in flight).
     weight_version: int = 0
+    # An embedding request's pooled hidden state (SamplingParams.pooling), once it has finished:
+    # raw (not normalized), float32 values as Python floats.
+    embedding: list[float] | None = None

@@ -24,10 +24,11 @@ import numpy as np
 
 from jaxinfer.core.outputs import TokenLogprob
 from jaxinfer.core.sampled_logprobs import SampledLogprobs
-from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxinfer.core.stop_checker import OutputText
+from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.core.stop_checker import OutputText
+    from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.structured.grammar import CompiledGrammar
 
 
@@ -67,6 +68,10 @@ class Request:
         # token has none), None when not requested.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids))
+        # An embedding request's pooled final hidden states (worker/hidden_reads.py), float32[H].
+        self.pooled: np.ndarray | None = None
+        # Every prompt position is computed (no prefix-cache hit) and its hidden states read.
+        self.reads_prompt_hidden = params.prompt_logprobs is not None or params.pooling is not None
         # Choice sequences by index; filled at admission (n == 1) or at the fork (n > 1).
         self.choices: list[Sequence | None] = [None] * params.n
         self.prompt_seq: Sequence | None = None
@@ -129,11 +134,6 @@ class Sequence:
         # Per-choice seed, so the n choices differ and choice 0 samples as an n == 1 request would.
         self.seed = (request.seed + max(index, 0) * 0x9E3779B9) % (1 << 32)
         self.max_output = params.max_tokens  # None: until the context is full
-        # The sampler's per-row constants (see step_inputs.sampling_tensors); validate() bounded
-        # each to what its int32 / float32 column holds.
-        temperature = params.temperature if params.temperature >= GREEDY_EPS else 0.0
-        self.sampling_row = (temperature, max(params.top_k, 0), params.top_p, params.min_p,
-                             self.seed, params.min_tokens, self.prompt_len, params.logprobs or 0)
         self.output: OutputText | None = None  # set by the engine for choice sequences
         # A choice's own matcher of the request's grammar, advanced by each accepted token.
         self.grammar = (request.grammar.new_matcher()
@@ -181,3 +181,15 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed}, pending={self.num_pending})")
+
+
+def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
+                num_computed: int) -> Sequence:
+    """Choice `index` of `req` as a sequence over the whole prompt, `num_computed` tokens of which
+    already have KV (a fork of the n > 1 prompt sequence), with its output text state."""
+    seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids), num_computed)
+    p = req.params
+    seq.output = OutputText(tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                            p.skip_special_tokens)
+    req.choices[index] = seq
+    return seq

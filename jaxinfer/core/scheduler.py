@@ -10,9 +10,14 @@ Every step (vLLM V1's policy, chunked prefill always on):
    recently admitted running sequence is preempted, so prefills never wait for each other forever;
    when the step decodes, steps 2 and 3 fill it up to `max_step_tokens_while_decoding` tokens in
    all (at least a quarter of that);
-3. then, if nothing was preempted, waiting sequences are admitted FCFS (lower `priority` value
-   first when priorities are given) while the budget, `max_num_seqs` and free blocks (after the
-   prefix-cache match) allow.
+3. then, if nothing was preempted, waiting sequences are admitted while the budget,
+   `max_num_seqs` and free blocks (after the prefix-cache match) allow, in the order (priority,
+   prompt index, arrival): lower `priority` value first, then round-robin across requests. A
+   request of several prompts names each `<id>#<i>` (serve/engine_requests.py, `prompt_index`):
+   its prompt i waits behind every other request's prompts of a lower index, so one request's 32
+   long prompts admitted one after another cannot hold up a request that arrives after them (its
+   prompt 0 goes next); a request of one prompt is FCFS, as before. (vLLM's FCFS queue has no such
+   rule: each prompt there is a request of its own.)
 
 The scheduler never looks at token *values*, so the engine can schedule step N+1 while step N's
 sampled tokens are still on the device (see llm_engine.py). Sequences whose known + in-flight tokens
@@ -34,6 +39,15 @@ from typing import Callable, Iterable
 
 from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
 from jaxinfer.core.request import Request, Sequence, SeqStatus
+
+PROMPT_INDEX_SEP = "#"
+
+
+def prompt_index(request_id: str) -> int:
+    """i of a request id `<id>#<i>` (prompt i of a request of several prompts), else 0: the
+    admission order's round-robin key."""
+    _, sep, tail = request_id.rpartition(PROMPT_INDEX_SEP)
+    return int(tail) if sep and tail.isascii() and tail.isdigit() else 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,8 +73,9 @@ class SchedulerOutput:
     decode_steps: int = 1
     # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # Some row computes prompt tokens of a request that asked for prompt logprobs.
-    prompt_logprobs: bool = False
+    # Some row computes prompt tokens of a request that reads their hidden states (prompt
+    # logprobs, pooling: worker/hidden_reads.py).
+    reads_hidden: bool = False
     num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
 
     @property
@@ -91,8 +106,9 @@ class Scheduler:
         self.max_step_tokens_while_decoding = max_step_tokens_while_decoding
         # Builds choice `index` of a request (n > 1 fork), given the tokens already computed.
         self.make_choice = make_choice
-        # Heap of (priority, order, seq); order < 0 for preempted sequences puts them in front.
-        self._waiting: list[tuple[int, int, Sequence]] = []
+        # Heap of (priority, prompt index, order, seq); preempted sequences go in front (index -1,
+        # order < 0).
+        self._waiting: list[tuple[int, int, int, Sequence]] = []
         self._num_waiting = 0
         self._front = itertools.count(-1, -1)
         self._back = itertools.count()
@@ -133,7 +149,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self._priorities_used |= seq.request.priority != 0
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.request.priority, next(self._back), seq))
+        heapq.heappush(self._waiting, (seq.request.priority, prompt_index(seq.request.request_id),
+                                       next(self._back), seq))
         self._num_waiting += 1
 
     def add_running(self, seq: Sequence) -> None:
@@ -143,16 +160,46 @@ class Scheduler:
         self._priorities_used |= seq.request.priority != 0
         self._start_running(seq)
 
+    def enable_speculation(self, speculator) -> None:
+        """Let decodes carry proposals: `speculator` (spec_decode.proposer.Speculator) is the
+        policy asked each step and the proposer."""
+        self.speculator = speculator
+
+    # ---- disaggregation: prompts handed from a prefill engine's scheduler to a decode engine's ----
+    def hold_for_hand_over(self, seq: Sequence) -> tuple[str, list[int]]:
+        """A prompt handed off: cache its full blocks and hold them under a new id (a fork) until
+        the copy lands, whatever this scheduler does with `seq`. The holder id and its block ids."""
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
+        holder = f"{seq.seq_id}#transfer"
+        self.kv.fork(seq.seq_id, holder)
+        return holder, list(self.kv.get_block_ids(holder))
+
+    def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[int]] | None:
+        """Blocks for a sequence arriving from a prefill engine (its prompt + first token), after
+        matching the prompt against the prefix cache; not counted in the hit-rate stats (the
+        prefill side's lookup is the request's). (prompt tokens already cached, block ids), or None
+        when the pool cannot hold it now. `add_running` starts it once its KV has landed."""
+        prompt_len = seq.prompt_len
+        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False)
+        if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
+            self.kv.free(seq.seq_id)
+            return None
+        return cached, list(self.kv.get_block_ids(seq.seq_id))
+
+    def free_blocks(self, seq_id: str) -> None:
+        """Give back the blocks held under `seq_id` (a hold or reservation that ended)."""
+        self.kv.free(seq_id)
+
     def _requeue_front(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.request.priority, next(self._front), seq))
+        heapq.heappush(self._waiting, (seq.request.priority, -1, next(self._front), seq))
         self._num_waiting += 1
 
     def _peek_waiting(self) -> Sequence | None:
         # Finished (aborted) entries are dropped lazily.
-        while self._waiting and self._waiting[0][2].status is not SeqStatus.WAITING:
+        while self._waiting and self._waiting[0][3].status is not SeqStatus.WAITING:
             heapq.heappop(self._waiting)
-        return self._waiting[0][2] if self._waiting else None
+        return self._waiting[0][3] if self._waiting else None
 
     def finish(self, seq: Sequence) -> None:
         """Finished or aborted: free the blocks and the slot now (the same step)."""
@@ -314,7 +361,8 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
 
-        # 3. admissions, FCFS / priority, only when nothing had to be preempted.
+        # 3. admissions (priority, round-robin across requests, FCFS), only when nothing had to be
+        # preempted.
         while not preempted and budget > 0:
             seq = self._peek_waiting()
             if seq is None or seq.num_pending:  # a preempted seq whose last token is in flight
@@ -322,9 +370,9 @@ class Scheduler:
             if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
                 break
             if not self.kv.has_request(seq.seq_id):
-                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                # Prompt logprobs and pooling need every prompt position computed: no prefix hit.
                 seq.num_computed = self.kv.get_computed_blocks(
-                    seq.seq_id, seq.token_ids, match=seq.request.prompt_logprobs is None)
+                    seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden)
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
@@ -349,9 +397,10 @@ class Scheduler:
             get_block_ids = kv.get_block_ids
             for entry in out.scheduled:
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
-                if (entry.seq.request.prompt_logprobs is not None
-                        and entry.start < entry.seq.request.num_prompt_tokens - 1):
-                    out.prompt_logprobs = True
+                req = entry.seq.request
+                if req.reads_prompt_hidden and entry.start < req.num_prompt_tokens - (
+                        req.params.pooling is None):
+                    out.reads_hidden = True
             out.block_copies = kv.take_pending_copies()
         return out
 

@@ -55,6 +55,10 @@ class EngineArgs:
     max_step_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # The MoE experts' and quantized matmuls' implementations (ModelConfig.moe_impl / quant_impl;
+    # "auto": chosen per call shape and device).
+    moe_impl: str = "auto"
+    quant_impl: str = "auto"
     warmup: bool = True
     # Ready once the first buckets are compiled; the rest compile in the background.
     background_compile: bool = True
@@ -128,6 +132,12 @@ class EngineArgs:
               "must be >= 1")
         check(self.expert_layout in EXPERT_LAYOUTS, "expert-layout", self.expert_layout,
               f"choose from {', '.join(EXPERT_LAYOUTS)}")
+        from jaxinfer.model.quant.ops import CHOICES as QUANT_IMPLS
+        from pallas_kernels.moe.grouped_matmul import CHOICES as MOE_IMPLS
+        check(self.moe_impl in MOE_IMPLS, "moe-impl", self.moe_impl,
+              f"choose from {', '.join(MOE_IMPLS)}")
+        check(self.quant_impl in QUANT_IMPLS, "quant-impl", self.quant_impl,
+              f"choose from {', '.join(QUANT_IMPLS)}")
         self.cache_config()  # validates the KV-cache flags
         self.spec_config()  # validates the speculative-decoding flags
         check_disagg_args(self)
@@ -179,6 +189,8 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         from pallas_kernels.attention.backend import available_backends
+        from pallas_kernels.moe.grouped_matmul import CHOICES as MOE_IMPLS
+        from jaxinfer.model.quant.ops import CHOICES as QUANT_IMPLS
         from jaxinfer.model.weights import LOAD_FORMATS
         from jaxinfer.parallel.distributed import add_parallel_arguments
         d = EngineArgs.__dataclass_fields__
@@ -220,6 +232,13 @@ class EngineArgs:
                             "chunks get at least a quarter of it (default: the whole step "
                             "budget); lower keeps inter-token latency smooth under load")
         s.add_argument("--attention-backend", default="auto", choices=available_backends())
+        s.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
+                       help="the MoE experts' grouped matmul: auto (per step shape: the Mosaic "
+                            "kernel on Hopper, else XLA's padded einsum or ragged_dot), xla (auto "
+                            "without the kernel) or one forced (benchmarks, bisection)")
+        s.add_argument("--quant-impl", default="auto", choices=QUANT_IMPLS,
+                       help="FP8 weights' matmul: auto (per step rows: weight-only below 128, "
+                            "W8A8 on FP8 tensor cores above), fp8 (W8A8) or dequant (weight-only)")
         s.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="do not compile every step bucket at start-up")
         s.add_argument("--no-background-compile", dest="background_compile",

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import random
 import time
 from typing import Callable
@@ -32,23 +31,23 @@ from jax.sharding import Mesh
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.core.kv_cache import KVCacheManager, plan_kv_cache
+from jaxinfer.core.kv_cache import KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
-from jaxinfer.core.kv_cache.kv_scales import kv_cache_backend
-from jaxinfer.core.kv_cache.planner import kv_bytes_per_block, largest_free_block_bytes
+from jaxinfer.worker.kv.kv_scales import kv_cache_backend
+from jaxinfer.worker.kv.planner import kv_bytes_per_block
+from jaxinfer.engine.kv_blocks import params_dtype_name, plan_num_blocks
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.startup import StartupTimes
 from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor, make_request_output
 from jaxinfer.core.outputs import RequestOutput
-from jaxinfer.core.request import Request, Sequence, SeqStatus
-from jaxinfer.worker.runner import ModelRunner, StepHandle, step_activation_bytes
+from jaxinfer.core.request import Request, Sequence, SeqStatus, make_choice
+from jaxinfer.worker.runner import ModelRunner, StepHandle
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
-from jaxinfer.core.stop_checker import OutputText
 from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.structured.grammar import GrammarCompiler
@@ -64,23 +63,6 @@ log = logging.getLogger(__name__)
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
-def params_dtype_name(params) -> str:
-    """The weights' dtype ("bfloat16", ...): the model dtype the KV cache follows by default."""
-    return jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
-
-
-def make_choice(tokenizer: Tokenizer | None, req: Request, index: int,
-                num_computed: int) -> Sequence:
-    """Choice `index` of `req` as a sequence over the whole prompt, `num_computed` tokens of which
-    already have KV (a fork of the n > 1 prompt sequence), with its output text state."""
-    seq = Sequence(f"{req.request_id}#{index}", req, index, list(req.prompt_token_ids), num_computed)
-    p = req.params
-    seq.output = OutputText(tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                            p.skip_special_tokens)
-    req.choices[index] = seq
-    return seq
-
-
 class LLMEngine(TrainingLoopMixin, EngineClient):
     """One engine: a scheduler, a runner and an output processor on one replica's devices."""
 
@@ -88,9 +70,14 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
 
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None,
-                 plan: ShardingPlan | None = None, draft=None):
+                 plan: ShardingPlan | None = None, draft=None, role: str | None = None,
+                 grammars: GrammarCompiler | None = None,
+                 outputs_cls: type[OutputProcessor] = OutputProcessor):
         """`plan`: the replica's mesh and shardings, params already placed by it (None: the
-        default device). `draft`: the loaded draft model of --speculative-model."""
+        default device). `draft`: the loaded draft model of --speculative-model. A front end
+        over several engines passes `role` (a disaggregated pair's "prefill" | "decode": what
+        warm-up compiles first), `grammars` (one compiled-grammar cache for all its engines) and
+        `outputs_cls` (the prefill engine's hand-off output processor)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.args = args
@@ -130,12 +117,12 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=loop_steps,
             decode_loop_max_seqs=loop_max_seqs, plan=plan,
-            executable_cache=ExecutableCache.under(args.compilation_cache_dir))
+            executable_cache=ExecutableCache.under(args.compilation_cache_dir), compile_role=role)
         self.runner.set_async_launch(args.async_launch)
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       kv_bytes_per_block(cfg, args.block_size, kv_dtype))
-        self.outputs = OutputProcessor(self.metrics, self.max_model_len, self.eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.outputs = outputs_cls(self.metrics, self.max_model_len, self.eos_token_ids)
+        self.grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._inflight: StepHandle | None = None
@@ -154,11 +141,24 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         self.on_processed: Callable[[list[Sequence]], None] | None = None
 
     # ---- construction from flags ------------------------------------------------------------
+    def adopt_running(self, req: Request, seq: Sequence) -> None:
+        """Take over a request whose sequence's KV blocks this engine's scheduler already holds
+        (reserved with `Scheduler.reserve_hand_over`, filled by a disaggregated transfer): it runs
+        from the next step."""
+        self.requests[req.request_id] = req
+        self.scheduler.add_running(seq)
+
+    def hand_processed_steps_to(self, callback: Callable[[list[Sequence]], None]) -> None:
+        """Call `callback` with each processed step's live sequences, before the scheduler frees
+        the finished ones' blocks (a disaggregated prefill engine hands prompts over there)."""
+        self.on_processed = callback
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
-                         mesh: Mesh | None = None) -> "LLMEngine":
+                         mesh: Mesh | None = None, **parts) -> "LLMEngine":
         """`mesh`: this replica's sub-mesh (DataParallelEngine passes one per replica); default:
-        the first --tensor-parallel-size devices."""
+        the first --tensor-parallel-size devices. `parts`: `role`, `grammars`, `outputs_cls`
+        (see __init__)."""
         from jaxinfer.model.fused_projections import fuse_for_serving
         from jaxinfer.model.weights import load_params
         startup = StartupTimes()
@@ -169,7 +169,8 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         with startup.phase("config"):
             cfg = load_config(model_dir)
             cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
-                args.quantization, cfg.quantization, args.load_format))
+                args.quantization, cfg.quantization, args.load_format),
+                moe_impl=args.moe_impl, quant_impl=args.quant_impl)
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
@@ -187,52 +188,19 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
                             shardings=plan.params(param_shapes(cfg, dtype)))))
             draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
-            num_blocks = cls.plan_num_blocks(cfg, args, params, plan)
+            num_blocks = plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
                 num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan)
             num_blocks = fewest_across_processes(num_blocks)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
-                         plan=plan, draft=draft)
+                         plan=plan, draft=draft, **parts)
             jax.block_until_ready(engine.runner.kv_cache)
         engine.startup = startup
         engine.owns_weights = True  # loaded here: an update may free them
         if args.warmup:
             engine.warmup()
         return engine
-
-    @staticmethod
-    def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
-                        plan: ShardingPlan | None = None) -> int:
-        """--num-blocks, else the memory planner, per device (device memory x utilization - this
-        device's weight shards - the largest step's activations, over the bytes a block takes on
-        one device); a CPU reports no memory size: there, enough blocks for max_num_seqs
-        full-length sequences, at most 4096."""
-        max_len = args.max_model_len or cfg.max_position_embeddings
-        cache = args.cache_config()
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        if jax.devices()[0].platform == "cpu":
-            blocks = min(4096, args.max_num_seqs * math.ceil(max_len / args.block_size))
-            log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
-            return blocks
-        model_dtype = params_dtype_name(params)
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
-        activations = step_activation_bytes(
-            cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
-            kv_dtype=kv_dtype,
-            block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,
-            cache=ExecutableCache.under(args.compilation_cache_dir))
-        # A block holds kv_heads_per_device heads on each device.
-        device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
-        devices = plan.mesh.devices.flat if plan else jax.local_devices()[:1]
-        kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),
-                                activation_bytes=activations, model_dtype=model_dtype,
-                                contiguous_bytes=largest_free_block_bytes(
-                                    [d for d in devices if d.process_index == jax.process_index()]))
-        log.info(kv_plan.describe())
-        return kv_plan.num_blocks
 
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
@@ -271,22 +239,13 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         else:
             prompt_ids = list(prompt)
         if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise InvalidRequestError("prompt is empty (0 tokens)", param="prompt")
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary "
                                       f"[0, {self.cfg.vocab_size})", param="prompt")
         n = len(prompt_ids)
-        if n >= self.max_model_len or (params.max_tokens is not None
-                                       and n + params.max_tokens > self.max_model_len):
-            raise InvalidRequestError(
-                f"prompt of {n} tokens + max_tokens={params.max_tokens} exceeds the context "
-                f"length max_model_len={self.max_model_len}",
-                param="prompt" if n >= self.max_model_len else "max_tokens")
-        if n + params.min_tokens > self.max_model_len:  # (max_tokens None: nothing else bounds it)
-            raise InvalidRequestError(
-                f"prompt of {n} tokens + min_tokens={params.min_tokens} exceeds the context length "
-                f"max_model_len={self.max_model_len}", param="min_tokens")
+        self._check_context(n, params)
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
@@ -300,6 +259,26 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
             req.prompt_seq = Sequence(f"{request_id}#prompt", req, -1, prompt_ids[:-1])
             self.scheduler.add(req.prompt_seq)
         return req
+
+    def _check_context(self, n: int, params: SamplingParams) -> None:
+        """A prompt of `n` tokens and the outputs it asks for must fit max_model_len (OpenAI's
+        wording: the server answers it as is)."""
+        limit = self.max_model_len
+        if params.max_tokens is None and n >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{n} tokens, leaving no room for a completion.", param="prompt")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens")
+        if n + params.min_tokens > limit:  # (max_tokens None: nothing else bounds it)
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens}: a prompt of {n} tokens leaves room for at most "
+                f"{limit - n} tokens in this model's maximum context length of {limit} tokens",
+                param="min_tokens")
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Returns its final output (finish reason
@@ -416,7 +395,6 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t_sched = time.perf_counter()
-        self.runner.built_at = None
         handle = None
         if sched:
             if self._inflight is not None and self._inflight.is_ready():
@@ -449,10 +427,8 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         if self.on_processed is not None:
             self.on_processed(seqs)
         self.scheduler.update_from_output(seqs)
-        if self.outputs.failed:
-            failed, self.outputs.failed = self.outputs.failed, []
-            for rid, error in failed:
-                self._fail(rid, error)
+        for rid, error in self.outputs.take_failed():
+            self._fail(rid, error)
         self.stats.record_process(time.perf_counter() - t0, handle.wait_s)
         return touched
 

@@ -15,7 +15,7 @@ import time
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
 from jaxinfer.core.outputs import CompletionOutput, RequestOutput
 from jaxinfer.core.request import Request, Sequence, SeqStatus
-from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
+from jaxinfer.worker.hidden_reads import record as record_hidden_reads
 from jaxinfer.worker.runner import StepHandle
 
 
@@ -30,14 +30,19 @@ class OutputProcessor:
         # The step's inter-token gaps (seconds -> tokens), observed once per distinct gap.
         self._gaps: dict[float, int] = {}
 
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """The requests whose results could not be applied since the previous call."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def process(self, handle: StepHandle) -> tuple[list[Request], list[Sequence]]:
         """Apply a step's results. Returns the requests that have something new to report, and the
         step's sequences that were still live, in step order, for `Scheduler.update_from_output`.
         A failure to fetch the results (the device) raises; a failure on one row is recorded in
         `failed` and its sequence left out of the live ones (the engine fails its request)."""
         res = handle.result()
-        if handle.prompt_rows is not None:  # before the tokens: the first output carries them
-            record_prompt_logprobs(handle.prompt_rows, res.prompt)
+        if handle.hidden_reads is not None:  # before the tokens: the first output carries them
+            record_hidden_reads(handle.hidden_reads, res.hidden)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         live: list[Sequence] = []
@@ -167,4 +172,5 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
             seq.finish_reported = True
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                          req.num_prompt_tokens, req.num_generated_tokens(), req.prompt_logprobs,
-                         req.num_cached_tokens, req.weight_version)
+                         req.num_cached_tokens, req.weight_version,
+                         None if req.pooled is None or not req.finished else req.pooled.tolist())

@@ -44,7 +44,7 @@ class TrainingLoopMixin:
         return outs
 
     def _install_weights(self, params) -> None:
-        self.runner.params = params
+        self.runner.install_params(params)
         self.owns_weights = True
         self.weight_version += 1
 

@@ -32,9 +32,7 @@ class DataParallelEngine(EngineClient):
         self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
         self.startup = first.startup
         self.metrics = MergedMetrics([r.metrics for r in replicas])
-        self.grammars = first.grammars  # one compiled-grammar cache for every replica
-        for r in replicas:
-            r.grammars = first.grammars
+        self.grammars = first.grammars  # (from_engine_args gives every replica this one)
         self._owner: dict[str, LLMEngine] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="jaxinfer-dp")
 
@@ -42,7 +40,12 @@ class DataParallelEngine(EngineClient):
     def from_engine_args(cls, args: EngineArgs) -> DataParallelEngine:
         from jaxinfer.parallel.sharding import build_mesh, replica_meshes
         mesh = build_mesh(args.tensor_parallel_size, args.data_parallel_size)
-        return cls([LLMEngine.from_engine_args(args, mesh=m) for m in replica_meshes(mesh)])
+        first, *rest = replica_meshes(mesh)
+        replicas = [LLMEngine.from_engine_args(args, mesh=first)]
+        # one compiled-grammar cache for every replica
+        replicas += [LLMEngine.from_engine_args(args, mesh=m, grammars=replicas[0].grammars)
+                     for m in rest]
+        return cls(replicas)
 
     def warmup(self, progress: bool = True) -> float:
         return max(self._pool.map(lambda r: r.warmup(progress), self.replicas))

@@ -15,9 +15,8 @@ import dataclasses
 
 import jax
 
-from jaxinfer.engine.llm_engine import make_choice
 from jaxinfer.engine.output_processor import OutputProcessor
-from jaxinfer.core.request import Request, Sequence
+from jaxinfer.core.request import Request, Sequence, make_choice
 from jaxinfer.model.tokenizer import Tokenizer
 
 HANDOFF = "handoff"  # a prefill-side finish reason no client sees

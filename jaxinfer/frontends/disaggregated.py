@@ -84,18 +84,16 @@ class DisaggregatedEngine(EngineClient):
     def __init__(self, prefill: LLMEngine, decode: LLMEngine):
         self.prefill, self.decode = prefill, decode
         self.args, self.cfg, self.tokenizer = decode.args, decode.cfg, decode.tokenizer
-        # One structured-output grammar cache: a sequence keeps its matcher across the hand-over.
-        self.grammars = decode.grammars = prefill.grammars
+        if prefill.grammars is not decode.grammars or not isinstance(prefill.outputs,
+                                                                    HandoffOutputProcessor):
+            raise ConfigError("the disaggregated engines share one grammar cache and the prefill "
+                              "engine hands prompts off: build them with from_engine_args")
+        self.grammars = prefill.grammars
         self.max_model_len, self.model_name = decode.max_model_len, decode.model_name
         self.num_total_blocks = prefill.num_total_blocks + decode.num_total_blocks
         self.startup = prefill.startup
         self.block_size = decode.args.block_size
-        prefill.outputs = HandoffOutputProcessor(prefill.metrics, prefill.max_model_len,
-                                                 prefill.eos_token_ids)
-        prefill.on_processed = self._hand_over
-        # Warm-up per role (bucket_compiler.py): decode buckets first on the decode side, none on
-        # the prefill side (its steps are all prompt chunks).
-        prefill.runner.compile_role, decode.runner.compile_role = "prefill", "decode"
+        prefill.hand_processed_steps_to(self._hand_over)
         self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
                                    decode.runner.max_blocks)
         self.metrics = MergedMetrics([prefill.metrics, decode.metrics])
@@ -120,10 +118,16 @@ class DisaggregatedEngine(EngineClient):
                 raise ConfigError(str(e).replace("--tensor-parallel-size",
                                                  f"--{role}-tensor-parallel-size")) from None
         meshes = role_meshes(args, jax.devices())
-        engines = {role: LLMEngine.from_engine_args(
-                       dataclasses.replace(role_args(args, role), warmup=False), mesh=meshes[role])
-                   for role in ("prefill", "decode")}
-        engine = cls(engines["prefill"], engines["decode"])
+        def build(role: str, **parts) -> LLMEngine:
+            # Warm-up per role (bucket_compiler.py): decode buckets first on the decode side,
+            # none on the prefill side (its steps are all prompt chunks).
+            return LLMEngine.from_engine_args(dataclasses.replace(role_args(args, role), warmup=False),
+                                              mesh=meshes[role], role=role, **parts)
+
+        prefill = build("prefill", outputs_cls=HandoffOutputProcessor)
+        # One structured-output grammar cache: a sequence keeps its matcher across the hand-over.
+        decode = build("decode", grammars=prefill.grammars)
+        engine = cls(prefill, decode)
         if args.warmup:
             engine.warmup()
         return engine
@@ -132,8 +136,8 @@ class DisaggregatedEngine(EngineClient):
         """Both engines' step buckets, compiled side by side, then every transfer bucket."""
         t0 = time.perf_counter()
         list(self._pool.map(lambda e: e.warmup(progress), (self.prefill, self.decode)))
-        self.decode.runner.kv_cache = self.transfer.warmup(self.prefill.runner.kv_cache,
-                                                           self.decode.runner.kv_cache)
+        self.decode.runner.replace_kv_cache(
+            lambda cache: self.transfer.warmup(self.prefill.runner.kv_cache, cache))
         return time.perf_counter() - t0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -169,8 +173,8 @@ class DisaggregatedEngine(EngineClient):
             self._waiting.remove(h)
         if h in self._in_flight:
             self._in_flight.remove(h)
-        self.prefill.scheduler.kv.free(h.holder)
-        self.decode.scheduler.kv.free(h.seq.seq_id)
+        self.prefill.scheduler.free_blocks(h.holder)
+        self.decode.scheduler.free_blocks(h.seq.seq_id)
 
     def take_failed(self) -> list[tuple[str, RequestFailedError]]:
         return self.prefill.take_failed() + self.decode.take_failed()
@@ -216,15 +220,12 @@ class DisaggregatedEngine(EngineClient):
         """The prefill engine's processed step: hold the blocks of each sequence handed off (after
         caching its prompt's full blocks) and start the copies the decode side has room for,
         before the prefill engine dispatches its next step."""
-        kv = self.prefill.scheduler.kv
         for seq in seqs:
             if seq.finish_reason != HANDOFF:
                 continue
-            kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
-            holder = f"{seq.seq_id}#transfer"
-            kv.fork(seq.seq_id, holder)
+            holder, blocks = self.prefill.scheduler.hold_for_hand_over(seq)
             req, dseq = continuation(self.tokenizer, seq.request, seq)
-            h = Handoff(seq, req, dseq, holder, list(kv.get_block_ids(holder)))
+            h = Handoff(seq, req, dseq, holder, blocks)
             self._transit[req.request_id] = h
             self._waiting.append(h)
         self._start_transfers()
@@ -239,15 +240,11 @@ class DisaggregatedEngine(EngineClient):
         if sched.num_waiting or (sched.num_running + len(self._in_flight)
                                  >= self.decode.args.max_num_seqs):
             return False
-        kv, prompt_len = sched.kv, h.seq.prompt_len
-        stats = dataclasses.replace(kv.stats)
-        cached = kv.get_computed_blocks(h.seq.seq_id, h.seq.token_ids[:prompt_len])
-        kv.stats = stats
-        if not kv.allocate_slots(h.seq.seq_id, prompt_len + 1 - cached):
-            kv.free(h.seq.seq_id)
+        reserved = sched.reserve_hand_over(h.seq)
+        if reserved is None:
             return False
+        cached, h.dst_blocks = reserved
         h.first_block = cached // self.block_size
-        h.dst_blocks = list(kv.get_block_ids(h.seq.seq_id))
         return True
 
     def _start_transfers(self) -> None:
@@ -275,14 +272,13 @@ class DisaggregatedEngine(EngineClient):
             m.transfer_bytes.inc(h.buffer.nbytes)
             m.transfers.inc()
             last = -(-h.seq.prompt_len // self.block_size)
-            self.decode.runner.kv_cache = self.transfer.receive(
-                self.decode.runner.kv_cache, h.buffer, h.dst_blocks[h.first_block:last])
+            self.decode.runner.replace_kv_cache(
+                lambda cache: self.transfer.receive(cache, h.buffer, h.dst_blocks[h.first_block:last]))
             self._in_flight.remove(h)
             del self._transit[h.request_id]
-            self.prefill.scheduler.kv.free(h.holder)
+            self.prefill.scheduler.free_blocks(h.holder)
             h.sync_reported()
-            self.decode.requests[h.request_id] = h.request
-            self.decode.scheduler.add_running(h.seq)
+            self.decode.adopt_running(h.request, h.seq)
 
     # ---- steps --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

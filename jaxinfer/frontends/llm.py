@@ -4,7 +4,11 @@ to completion."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.pooling import (check_dimensions, check_embedding_engine, finish_embedding,
+                                     pooling_config)
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.frontends.factory import create_engine
 from jaxinfer.core.outputs import RequestOutput
@@ -74,6 +78,20 @@ class LLM:
                        conv, add_generation_prompt=add_generation_prompt, **kwargs),
                    add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: str | list[int] | list[str] | list[list[int]], *,
+              pooling: str | None = None, normalize: bool | None = None, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[np.ndarray]:
+        """One float32 embedding per prompt: the final hidden states pooled ("last", "mean" or
+        "cls"), truncated to `dimensions` (Matryoshka models only) and L2-normalized. Defaults:
+        the model's sentence-transformers configuration, else last-token pooling, normalized."""
+        check_embedding_engine(self.engine.args)
+        cfg = pooling_config(self.engine.args.model)
+        check_dimensions(cfg, dimensions, self.engine.cfg.hidden_size)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling or cfg.method)
+        outs = self.generate(prompts, params, use_tqdm)
+        keep = cfg.normalize if normalize is None else normalize
+        return [finish_embedding(o.embedding, keep, dimensions) for o in outs]
 
     def update_weights(self, params) -> None:
         """New weights for the next `generate` (see LLMEngine.update_weights)."""

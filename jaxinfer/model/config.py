@@ -77,6 +77,11 @@ class ModelConfig:
     topk_then_softmax: bool = False
     expert_bias: bool = False
     swiglu_clamp: tuple[float, float] | None = None  # (alpha, limit)
+    # Kernel dispatch, from the engine's --moe-impl / --quant-impl ("auto": chosen per call shape
+    # and device): `moe_experts`' implementation (pallas_kernels/moe/grouped_matmul.py) and
+    # `quantized_matmul`'s (model/quant/ops.py). Part of the config, so of every compile cache key.
+    moe_impl: str = "auto"
+    quant_impl: str = "auto"
 
     @property
     def is_moe(self) -> bool:

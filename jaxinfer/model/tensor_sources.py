@@ -42,7 +42,7 @@ FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(g
 # down_proj [E, F, H], their biases, or MXFP4 `_blocks` + `_scales` of the [E, out, in] matrices.
 GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
                              r"(_bias|_blocks|_scales)?")
-# Not params: KV-cache scales are read by core/kv_cache/kv_scales.py; FP8 checkpoints' static
+# Not params: KV-cache scales are read by worker/kv/kv_scales.py; FP8 checkpoints' static
 # activation scales are unused (activations are scaled per token at run time).
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.input_scale(_ub)?|self_attn\.(k_scale|v_scale|kv_scale))$")
 

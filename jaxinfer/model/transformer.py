@@ -187,7 +187,8 @@ class MoE(nn.Module):
             b_down = self.param("down_bias", zeros, (e, h), self.dtype)
         if cfg.swiglu_clamp:
             extra["glu"] = ClampedSwiGLU(*cfg.swiglu_clamp)
-        out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales, **extra)
+        out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales,
+                                            impl=cfg.moe_impl, **extra)
         if cfg.expert_bias:
             down = jnp.einsum("tkh,tk->th", b_down[experts].astype(jnp.float32), weights)
             out = (out.astype(jnp.float32) + down).astype(x.dtype)

@@ -34,13 +34,14 @@ class ShardedExperts:
     """`routed_experts` over the replica's mesh: same call, replicated inputs and output."""
     plan: ShardingPlan
 
-    def __call__(self, x, experts, weights, w, scales=None, *, glu=None, biases=None):
+    def __call__(self, x, experts, weights, w, scales=None, impl: str = "auto", *, glu=None,
+                 biases=None):
         layout = self.plan.expert_layout
         held = self.plan.cfg.num_experts // self.plan.tp if layout == "ep" else None
 
         def local(x, experts, weights, w, scales, biases):
             first = jax.lax.axis_index(TP) * held if held else 0
-            out = routed_experts(x, experts, weights, w, scales or None, first, glu=glu,
+            out = routed_experts(x, experts, weights, w, scales or None, first, impl, glu=glu,
                                  biases=biases or None)
             return jax.lax.psum(out, TP)
 

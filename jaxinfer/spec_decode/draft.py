@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig, load_config
@@ -227,7 +227,9 @@ def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype,
     shards over the target's devices."""
     from jaxinfer.model.tokenizer import load_tokenizer
     from jaxinfer.model.weights import load_params
-    cfg = load_config(model_dir)
+    # The engine's kernel choices (--moe-impl, --quant-impl) hold for the draft too.
+    cfg = dataclasses.replace(load_config(model_dir), moe_impl=target_cfg.moe_impl,
+                              quant_impl=target_cfg.quant_impl)
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError(f"--speculative-model {model_dir!r}: its vocabulary has "
                           f"{cfg.vocab_size} tokens, the target's {target_cfg.vocab_size}; the "

@@ -29,9 +29,9 @@ class Speculation:
             draft.attach(runner, scheduler.kv.num_blocks, runner.kv_cache[0][0].dtype,
                          config.num_speculative_tokens)
         self.speculator = Speculator(config, proposer)
-        scheduler.speculator = self.speculator
-        runner.speculation = SpeculativeStep(runner.cfg, runner.backend,
-                                             config.num_speculative_tokens, draft, runner.plan)
+        scheduler.enable_speculation(self.speculator)
+        runner.enable_speculation(SpeculativeStep(runner.cfg, runner.backend,
+                                                  config.num_speculative_tokens, draft, runner.plan))
         self.metrics = metrics
 
     def active(self, num_running: int, num_waiting: int) -> bool:

@@ -34,6 +34,7 @@ from jaxinfer.model.transformer import forward
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
+from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
 from jaxinfer.worker.step_inputs import (StepBatch, build_step_batch, input_ids, sampler_variant,
                                          store_emitted)
@@ -126,14 +127,14 @@ class SpeculativeStep:
         self._verify = jitted_verify_step(cfg, backend, plan)
 
     def execute(self, runner, sched: SchedulerOutput):
-        from jaxinfer.worker.runner import StepHandle
+        """Dispatch the verifying step on the runner's state (its block copies already applied);
+        the new KV cache and last tokens, for the runner to keep, and the step's handle."""
         batch, v, variant = build_verify_batch(runner, sched, self.k)
-        runner._apply_copies(sched.block_copies)
         draft_probs = None
         if self.draft is not None:
             v, draft_probs = self.draft.propose(sched, batch, v, variant)
-        runner.num_dispatches += 1
-        runner.kv_cache, runner.last_tokens, out = self._verify(
+        kv_cache, last_tokens, out = self._verify(
             runner.params, runner.kv_cache, runner.last_tokens, batch, v, draft_probs,
             variant=variant)
-        return StepHandle(sched, out.sampled, self.k + 1, time.perf_counter(), True)
+        return kv_cache, last_tokens, StepHandle(sched, out.sampled, self.k + 1,
+                                                 time.perf_counter(), True)

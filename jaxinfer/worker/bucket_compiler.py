@@ -7,7 +7,9 @@ in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LO
 is *ready* once all its parts are; only then does `step_shape` route steps to it. The first set is
 the largest mixed bucket (every step fits it, so no step ever waits for a compile), the smallest
 decode bucket (a lone request decodes at its own size from the start), and the block copies of
-every copy bucket, also before ready. The other units follow in the background, smallest decode
+every copy bucket, also before ready, and then every unit the executable cache already holds (a
+load, no tracing: after one complete start, a warm start is ready with all of them and compiles
+nothing beside its steps). The other units follow in the background, smallest decode
 buckets first (concurrency grows from one), then loops (of the decode buckets the runner loops
 in, `ModelRunner.loop_buckets`; until one is ready its decodes take single steps, so the loop, on
 by default, adds nothing to the time to ready), then mixed buckets; until a bucket is ready, its
@@ -41,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.core.kv_cache import copy_blocks
+from jaxinfer.worker.kv import copy_blocks
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
@@ -185,7 +187,7 @@ class BucketCompiler:
         # Before the pool's own exit hook joins its threads (hooks run last-registered first):
         # a stopped compiler submits nothing more. (threading's hook, as concurrent.futures uses.)
         register = getattr(threading, "_register_atexit", atexit.register)
-        register(lambda: (c := ref()) is not None and c.stop())
+        register(lambda: (c := ref()) is not None and c.stop(at_exit=True))
 
     # ---- progress -------------------------------------------------------------------------
     @property
@@ -203,9 +205,15 @@ class BucketCompiler:
                                          or self._stop.is_set()), timeout)
             return self._num_ready == len(self.units)
 
-    def stop(self) -> None:
+    def stop(self, at_exit: bool = False) -> None:
         """Cancel the compiles not started and wait for the background thread (an XLA compile
-        already running finishes first)."""
+        already running finishes first). At interpreter exit, say what the next start will have to
+        compile again."""
+        left = len(self.units) - self._num_ready - self._num_failed
+        if at_exit and left and not self._stop.is_set():
+            log.warning("exiting with %d of %d step buckets not compiled: the next start compiles "
+                        "them again (`jaxinfer warmup` with the same flags compiles every bucket "
+                        "into the cache and exits)", left, len(self.units))
         self._stop.set()
         with self._done:
             self._done.notify_all()
@@ -216,8 +224,9 @@ class BucketCompiler:
 
     # ---- compiling ----------------------------------------------------------------------------
     def compile_first(self, progress_bar=None) -> None:
-        """The first set and the block copies, blocking: on return the engine can serve every
-        step (each fits the largest mixed bucket)."""
+        """The first set and the block copies, blocking, then every unit the executable cache
+        already holds: on return the engine can serve every step (each fits the largest mixed
+        bucket)."""
         futures = [self._submit(u) for u in self.first] + self._compile_copies()
         for f in futures:
             f.result()
@@ -230,6 +239,18 @@ class BucketCompiler:
             self._mark_ready(u)
             if progress_bar is not None:
                 progress_bar.update()
+        # Every other unit the executable cache holds is loaded now too (no tracing, a file read
+        # and a deserialization each): after one complete start, a warm start is ready with
+        # every bucket, and nothing runs beside its first steps (issue 38: loading the rest in
+        # the background still traced each unit's input placement while steps ran).
+        cached = [u for u in self.rest if self._all_cached(u)]
+        for u in cached:
+            for f in [self._submit(u), *self._sampler_parts(u)]:
+                f.result()
+            self._mark_ready(u)
+            if progress_bar is not None:
+                progress_bar.update()
+        self.rest = [u for u in self.rest if u not in cached]
 
     def compile_rest(self, background: bool, progress_bar=None) -> None:
         """The other units: on a background thread, or here, blocking until all are ready."""
@@ -306,45 +327,60 @@ class BucketCompiler:
     def _rows(self, unit: Unit) -> int:
         return self.runner.buckets.mixed_shape(unit.size)[1] if unit.kind == "mixed" else unit.size
 
-    def _sampler_parts(self, unit: Unit) -> list[Future]:
-        """The samplers a forward unit needs (each compiled once, shared between units of the same
-        row count); none for a loop, which samples inside."""
+    def _sampler_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
+        """(name, args, static arguments, table key) of each sampler a forward unit needs; none
+        for a loop, which samples inside."""
         if unit.kind == "loop":
             return []
         s = self._rows(unit)
-        parts = []
+        specs = []
         for variant in SAMPLE_VARIANTS:
-            f = self._samplers.get((s, variant))
+            batch = self.padding_batch("decode", s, variant)
+            logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
+                                          sharding=self._logits_sharding)
+            specs.append((f"sample {s} {variant_label(variant)}",
+                          (logits, self._specs[2], batch.sampling, batch.emit_slot),
+                          dict(variant=variant), (s, variant)))
+        return specs
+
+    def _step_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
+        """(name, args, static arguments, table key) of the unit's forward, or of its two loops."""
+        r = self.runner
+        params, kv, last = self._specs
+        if unit.kind != "loop":
+            batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
+            return [(unit.name, (params, kv, last, model_inputs(batch)), {}, forward_key(batch))]
+        specs = []
+        for variant in LOOP_VARIANTS:
+            batch = self.padding_batch("decode", unit.size, variant)
+            allowed = np.zeros(unit.size, np.int32)
+            specs.append((f"loop {unit.size} {variant_label(variant)}",
+                          (params, kv, last, batch, allowed),
+                          dict(variant=variant, num_steps=r.decode_steps_per_call),
+                          (unit.size, variant)))
+        return specs
+
+    def _sampler_parts(self, unit: Unit) -> list[Future]:
+        """The samplers a forward unit needs (each compiled once, shared between units of the same
+        row count)."""
+        parts = []
+        for name, args, static, key in self._sampler_specs(unit):
+            f = self._samplers.get(key)
             if f is None:
-                batch = self.padding_batch("decode", s, variant)
-                logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
-                                              sharding=self._logits_sharding)
-                f = self._samplers[(s, variant)] = self._compile_or_load(
-                    f"sample {s} {variant_label(variant)}", self.runner._sample_fn,
-                    (logits, self._specs[2], batch.sampling, batch.emit_slot),
-                    dict(variant=variant), self.runner._sample_exe, (s, variant))
+                f = self._samplers[key] = self._compile_or_load(
+                    name, self.runner._sample_fn, args, static, self.runner._sample_exe, key)
             parts.append(f)
         return parts
 
     def _submit(self, unit: Unit) -> Future:
         """The unit's forward (or its two loops, as one future)."""
         r = self.runner
-        params, kv, last = self._specs
         if unit.kind != "loop":
             self._place_inputs(unit)
-            batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
-            return self._compile_or_load(unit.name, r._forward_fn,
-                                         (params, kv, last, model_inputs(batch)), {},
-                                         r._forward_exe, forward_key(batch))
-        loops = []
-        for variant in LOOP_VARIANTS:
-            batch = self.padding_batch("decode", unit.size, variant)
-            allowed = np.zeros(unit.size, np.int32)
-            loops.append(self._compile_or_load(
-                f"loop {unit.size} {variant_label(variant)}", r._loop_fn,
-                (params, kv, last, batch, allowed),
-                dict(variant=variant, num_steps=r.decode_steps_per_call), r._loop_exe,
-                (unit.size, variant)))
+            (name, args, static, key), = self._step_specs(unit)
+            return self._compile_or_load(name, r._forward_fn, args, static, r._forward_exe, key)
+        loops = [self._compile_or_load(name, r._loop_fn, args, static, r._loop_exe, key)
+                 for name, args, static, key in self._step_specs(unit)]
         both: Future = Future()
 
         def one_done(_):
@@ -360,6 +396,14 @@ class BucketCompiler:
         for f in loops:
             f.add_done_callback(one_done)
         return both
+
+    def _all_cached(self, unit: Unit) -> bool:
+        """Whether the executable cache holds every part of the unit (a file check per part)."""
+        r = self.runner
+        cache = r.executable_cache
+        return cache is not None and all(
+            cache.has(r.cached_step_key(name, args, static))
+            for name, args, static, _ in self._step_specs(unit) + self._sampler_specs(unit))
 
     def _compile_or_load(self, name: str, fn, args: tuple, static: dict, table: dict,
                          key) -> Future:

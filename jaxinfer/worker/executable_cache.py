@@ -106,6 +106,9 @@ class ExecutableCache:
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}.exe"
 
+    def has(self, key: str) -> bool:
+        return self._path(key).exists()
+
     def load(self, key: str) -> jax.stages.Compiled | None:
         start = time.perf_counter()
         try:

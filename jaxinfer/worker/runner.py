@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,9 @@ from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, Buc
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.core.kv_cache import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.model.fused_projections import is_fused
-from jaxinfer.model.transformer import forward
+from jaxinfer.model.transformer import KVCache, forward
 from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
 from jaxinfer.core.scheduler import SchedulerOutput
@@ -44,7 +44,7 @@ from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
-from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
+from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
 from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
 from pallas_kernels.attention.backend import AttentionBackend
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
                   backend: AttentionBackend, with_hidden: bool = False):
     """The model part of a step: -> (logits of the sampled rows [S, V], updated KV cache), plus the
-    final hidden states [T, H] `with_hidden` (a step holding prompt-logprob rows)."""
+    final hidden states [T, H] `with_hidden` (a step with prompt-logprob or pooling rows)."""
     scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
     with jax.named_scope(scope):
         return forward(params, cfg, input_ids(batch, last_tokens), batch.positions, kv_cache,
@@ -123,22 +123,6 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
     return kv_cache, last_tokens, record
 
 
-# Set to 1: the sampler runs without XLA's command buffers (CUDA graphs), a fallback should its
-# graph fail to instantiate again (docs/multi_gpu.md).
-NO_SAMPLER_COMMAND_BUFFERS_ENV = "JAXINFER_SAMPLER_NO_COMMAND_BUFFERS"
-
-
-def _sampler_compiler_options() -> dict | None:
-    """None, unless $JAXINFER_SAMPLER_NO_COMMAND_BUFFERS=1. (With collectives inside the sampler's
-    conditionals, the TP = 2 sampler's CUDA graph failed to instantiate under
-    --xla_gpu_enable_command_buffer=+COLLECTIVES, CUDA_ERROR_INVALID_VALUE on H200, jax 0.11.2,
-    and it ran without command buffers then; its layout now keeps them out,
-    parallel/sampling_logits.py.)"""
-    if os.environ.get(NO_SAMPLER_COMMAND_BUFFERS_ENV) != "1":
-        return None
-    return {"xla_gpu_enable_command_buffer": ""}
-
-
 @functools.lru_cache(maxsize=None)
 def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
                 plan: ShardingPlan | None = None):
@@ -149,7 +133,7 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
                            static_argnames=("with_hidden",), donate_argnums=(1,))
     sample_step = jax.jit(functools.partial(_sample_step, plan=plan), static_argnames=("variant",),
-                          donate_argnums=(1,), compiler_options=_sampler_compiler_options())
+                          donate_argnums=(1,))
     loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size,
                                      plan=plan),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
@@ -165,7 +149,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     same layout: a step's activations do not depend on the number of blocks. Costs two
     compilations, unless `cache` holds the figure from an earlier start (same key parts as the
     executables: shapes, shardings, code, compiler)."""
-    from jaxinfer.core.kv_cache import activation_peak_bytes
+    from jaxinfer.worker.kv import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
@@ -199,24 +183,24 @@ class StepResult:
     logprob: np.ndarray | None       # f32[K, rows]
     top_ids: np.ndarray | None       # i32[K, rows, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None  # f32[K, rows, MAX_LOGPROBS]
-    prompt: dict[str, np.ndarray] | None = None  # prompt_logprobs.prompt_logprobs' arrays
+    hidden: dict | None = None  # hidden_reads.read_hidden's arrays (prompt logprobs, pooled)
 
 
 class StepHandle:
     """A dispatched step; `result()` waits for its sampled tokens (device -> host)."""
 
     def __init__(self, sched: SchedulerOutput, out: SamplerOutput | None, num_steps,
-                 dispatch_time: float, is_loop: bool, prompt_rows: PromptLogprobRows | None = None,
-                 prompt_out=None, launched: Future | None = None,
+                 dispatch_time: float, is_loop: bool, hidden_reads: HiddenReads | None = None,
+                 hidden_out=None, launched: Future | None = None,
                  loop_row_steps: np.ndarray | None = None):
-        """`launched`: the launcher's future of (out, prompt_out, num_steps), given instead.
+        """`launched`: the launcher's future of (out, hidden_out, num_steps), given instead.
         `loop_row_steps`: a decode loop's steps per row of `sched.decodes` (None: not one)."""
         self.sched = sched
         self.loop_row_steps = loop_row_steps
         self._launched = launched
         self._out = out
-        self.prompt_rows = prompt_rows  # rows predicting prompt tokens, with their owners
-        self._prompt_out = prompt_out
+        self.hidden_reads = hidden_reads  # what the step reads from its hidden states
+        self._hidden_out = hidden_out
         self._num_steps = num_steps
         self.dispatch_time = dispatch_time
         self.is_loop = is_loop
@@ -227,7 +211,7 @@ class StepHandle:
     def _take_launched(self) -> None:
         """The launcher's outputs of this step (raises what its dispatch raised)."""
         if self._launched is not None:
-            self._out, self._prompt_out, self._num_steps = self._launched.result()
+            self._out, self._hidden_out, self._num_steps = self._launched.result()
             self._launched = None
 
     def is_ready(self) -> bool:
@@ -243,7 +227,7 @@ class StepHandle:
             t0 = time.perf_counter()
             self._take_launched()
             k = int(self._num_steps) if self.is_loop else 1
-            out, prompt = jax.device_get((self._out, self._prompt_out))
+            out, hidden = jax.device_get((self._out, self._hidden_out))
             self.ready_time = time.perf_counter()
             self.wait_s = self.ready_time - t0
 
@@ -253,7 +237,7 @@ class StepHandle:
                 a = np.asarray(a)
                 return a[:k, :n] if self.is_loop else a[None, :n]
             self._result = StepResult(cut(out.tokens), cut(out.logprob), cut(out.top_ids),
-                                      cut(out.top_logprobs), prompt)
+                                      cut(out.top_logprobs), hidden)
         return self._result
 
 
@@ -262,15 +246,15 @@ class ModelRunner:
     # only after the queued dispatches (launcher.py).
     kv_cache = LaunchedState()
     last_tokens = LaunchedState()
-    # The engine's part in a disaggregated pair ("prefill" | "decode"; None: colocated): which
-    # step buckets warm-up compiles first, and whether decode buckets are compiled at all.
-    compile_role: str | None = None
+    # compile_role: the engine's part in a disaggregated pair ("prefill" | "decode"; None:
+    # colocated): which step buckets warm-up compiles first, and whether decode buckets are
+    # compiled at all.
 
     def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
                  decode_loop_max_seqs: int | None = None, plan: ShardingPlan | None = None,
-                 executable_cache: ExecutableCache | None = None):
+                 executable_cache: ExecutableCache | None = None, compile_role: str | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
         runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
         forwards and decode loops (None: compile them every start). `decode_loop_max_seqs`: the
@@ -278,6 +262,7 @@ class ModelRunner:
         self.cfg = cfg
         self.params = params
         self.plan = plan
+        self.compile_role = compile_role
         self.backend = backend = shard_backend(backend, plan)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -312,6 +297,20 @@ class ModelRunner:
         self.compiler: BucketCompiler | None = None  # warmup()'s; None: every shape compiles lazily
         # Runs the steps whose decodes carry proposals (spec_decode.target_step.SpeculativeStep).
         self.speculation = None
+
+    def enable_speculation(self, step) -> None:
+        """Run the steps whose decodes carry proposals with `step`
+        (spec_decode.target_step.SpeculativeStep)."""
+        self.speculation = step
+
+    def install_params(self, params) -> None:
+        """New weights, already placed like the running ones (LLMEngine.update_weights)."""
+        self.params = params
+
+    def replace_kv_cache(self, update: Callable[[KVCache], KVCache]) -> None:
+        """`update` takes the KV cache (donate it) and returns the one to run on: a disaggregated
+        decode engine scatters the blocks that arrived from the prefill engine this way."""
+        self.kv_cache = update(self.kv_cache)
 
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
@@ -406,37 +405,42 @@ class ModelRunner:
         """Dispatch one step (or one on-device decode loop) and return without waiting for it;
         with a launcher (`set_async_launch`), hand the dispatch to its thread once the step's
         arrays are built."""
+        self.built_at = None
         if sched.num_proposed:
-            return self.speculation.execute(self, sched)
+            self._apply_copies(sched.block_copies)
+            self.num_dispatches += 1
+            self.kv_cache, self.last_tokens, handle = self.speculation.execute(self, sched)
+            return handle
         batch, variant, is_loop = self.build(sched)
         allowed = None
         if is_loop:  # each row's steps: what the scheduler reserved KV slots for
             allowed = np.zeros(batch.md.num_seqs, np.int32)
             for r, entry in enumerate(sched.decodes):
                 allowed[r] = min(entry.seq.loop_steps_allowed(), sched.decode_steps)
-        prompt_rows = gather_rows(sched.scheduled) if sched.prompt_logprobs and not is_loop else None
+        hidden_reads = (gather_hidden_reads(sched.scheduled)
+                       if sched.reads_hidden and not is_loop else None)
         launch = functools.partial(self._launch, batch, variant, sched.block_copies, allowed,
-                                   sched.decode_steps, prompt_rows)
+                                   sched.decode_steps, hidden_reads)
         self.built_at = time.perf_counter()  # (the engine's host-time split)
         self.num_dispatches += 1
         row_steps = None if allowed is None else allowed[:len(sched.decodes)]
         if self.launcher is not None:
-            return StepHandle(sched, None, None, time.perf_counter(), is_loop, prompt_rows,
+            return StepHandle(sched, None, None, time.perf_counter(), is_loop, hidden_reads,
                               launched=self.launcher.submit(launch), loop_row_steps=row_steps)
-        out, prompt_out, n = launch()
-        return StepHandle(sched, out, n, time.perf_counter(), is_loop, prompt_rows, prompt_out,
+        out, hidden_out, n = launch()
+        return StepHandle(sched, out, n, time.perf_counter(), is_loop, hidden_reads, hidden_out,
                           loop_row_steps=row_steps)
 
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
                 allowed: np.ndarray | None, loop_steps: int,
-                prompt_rows: PromptLogprobRows | None):
+                hidden_reads: HiddenReads | None):
         """The device side of `execute`: the step's inputs onto the device, block copies, then the
-        step or (`allowed` given) the decode loop. -> (SamplerOutput, prompt logprob arrays or
+        step or (`allowed` given) the decode loop. -> (SamplerOutput, hidden-read arrays or
         None, steps run)"""
         batch = place_step_inputs(batch, self.plan)
         self._apply_copies(copies)
         if allowed is None:
-            return (*self._run_step(batch, variant, prompt_rows), 1)
+            return (*self._run_step(batch, variant, hidden_reads), 1)
         # A loop runs the scheduler's `decode_steps` steps: the compiled ones are of
         # decode_steps_per_call (a benchmark may lower the scheduler's).
         exe = (self._loop_exe.get((batch.md.num_seqs, variant))
@@ -456,12 +460,12 @@ class ModelRunner:
             launcher.close()
 
     def _run_step(self, batch: StepBatch, variant: SamplerVariant,
-                  prompt_rows: PromptLogprobRows | None = None):
+                  hidden_reads: HiddenReads | None = None):
         """Forward (the warm-up's compiled executable of this bucket, else the jit) then sampling,
-        and the prompt logprobs of `prompt_rows`; all only dispatch. Updates the KV cache and the
-        last-token array in place (donated). -> (SamplerOutput, prompt logprob arrays or None)"""
-        prompt_out = None
-        if prompt_rows is None:
+        and the `hidden_reads` (prompt logprobs, pooling); all only dispatch. Updates the KV cache
+        and the last-token array in place (donated). -> (SamplerOutput, hidden-read arrays or None)"""
+        hidden_out = None
+        if hidden_reads is None:
             forward_step = self._forward_exe.get(forward_key(batch), self._forward_fn)
             logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
                                                  model_inputs(batch))
@@ -469,10 +473,9 @@ class ModelRunner:
             logits, self.kv_cache, hidden = self._forward_fn(
                 self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
                 with_hidden=True)
-            prompt_out = prompt_logprobs_fn(self.cfg)(self.params, hidden, prompt_rows.token_index,
-                                                      prompt_rows.targets)
+            hidden_out = read_hidden(self.params, self.cfg, hidden, hidden_reads)
         sample_step = self._sample_exe.get((batch.md.num_seqs, variant))
         args = (logits, self.last_tokens, batch.sampling, batch.emit_slot)
         self.last_tokens, out = (sample_step(*args) if sample_step is not None
                                  else self._sample_fn(*args, variant=variant))
-        return out, prompt_out
+        return out, hidden_out

@@ -9,7 +9,9 @@ its sequence's row in the device array of last sampled tokens, so the host never
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ import numpy as np
 from jaxinfer.errors import RequestFailedError
 from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant,
                                      SamplingTensors)
-from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
+from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS
+from jaxinfer.core.request import Sequence
 from jaxinfer.core.scheduler import ScheduledSeq
 from jaxinfer.structured.grammar import step_bitmask
 from pallas_kernels.attention.metadata import AttentionMetadata
@@ -48,12 +51,51 @@ def store_emitted(last_tokens: jax.Array, emit_slot: jax.Array, tokens: jax.Arra
     return last_tokens.at[dst].set(tokens, mode="drop")
 
 
+class SamplingRows(NamedTuple):
+    """A persistent batch's sampling constants (vLLM's InputBatch idea): one numpy array per field,
+    one row per sequence slot, each row written once when a sequence takes its slot (`write`) and
+    gathered per step with one index (`take`). SamplingParams.validate bounded every value to what
+    its int32 / float32 column holds. Fresh rows are padding: greedy, every filter off."""
+    temperature: np.ndarray       # f32; 0 = greedy
+    top_k: np.ndarray             # i32; 0 = off
+    top_p: np.ndarray             # f32; 1 = off
+    min_p: np.ndarray             # f32; 0 = off
+    seed: np.ndarray              # u32: the choice's own seed
+    min_tokens: np.ndarray        # i32
+    prompt_len: np.ndarray        # i32: where the row's outputs start
+    num_top_logprobs: np.ndarray  # i32
+    stop_ids: np.ndarray          # i32[MAX_STOP_TOKEN_IDS]: EOS + stop_token_ids, -1 = none
+
+    @classmethod
+    def padding(cls, num_rows: int) -> SamplingRows:
+        zeros = functools.partial(np.zeros, num_rows)
+        return cls(zeros(np.float32), zeros(np.int32), np.ones(num_rows, np.float32),
+                   zeros(np.float32), zeros(np.uint32), zeros(np.int32), zeros(np.int32),
+                   zeros(np.int32), np.full((num_rows, MAX_STOP_TOKEN_IDS), -1, np.int32))
+
+    def write(self, row: int, seq: Sequence) -> None:
+        """Row `row` from a sequence's request (the one place a request's sampling parameters
+        become per-row values)."""
+        p = seq.request.params
+        self.temperature[row] = p.temperature if p.temperature >= GREEDY_EPS else 0.0
+        self.top_k[row] = max(p.top_k, 0)
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.seed[row] = seq.seed
+        self.min_tokens[row] = p.min_tokens
+        self.prompt_len[row] = seq.prompt_len
+        self.num_top_logprobs[row] = p.logprobs or 0
+        self.stop_ids[row] = seq.request.stop_ids_row
+
+    def take(self, rows: np.ndarray) -> SamplingRows:
+        return SamplingRows(*(field[rows] for field in self))
+
+
 class SamplingTable:
-    """Each sequence row's sampling constants (temperature, top_k, top_p, min_p, seed, min_tokens,
-    prompt_len, number of top logprobs) and stop ids, kept on the host by slot and written once per
-    sequence, so a step gathers them with one numpy index instead of converting 256 Python tuples.
-    The extra last row holds padding defaults (also used by n > 1 prompt sequences, which have no
-    slot and no sample). `vocab_size` sizes the masked sampler variant's token bitmask; `sharding`
+    """The sequence rows' `SamplingRows`, kept on the host by slot and written once per sequence,
+    so a step gathers them with one numpy index instead of converting 256 Python objects. The
+    extra last row holds padding defaults (also used by n > 1 prompt sequences, which have no slot
+    and no sample). `vocab_size` sizes the masked sampler variant's token bitmask; `sharding`
     places the device-resident inputs (`no_history`) like the step's others (None: default device)."""
 
     def __init__(self, num_slots: int, vocab_size: int = 0,
@@ -62,9 +104,7 @@ class SamplingTable:
         self.vocab_size = vocab_size
         self.sharding = sharding
         self._no_history: dict[tuple[int, int], jax.Array] = {}
-        self.consts = np.zeros((num_slots + 1, 8), np.float64)  # float64 holds each value exactly
-        self.consts[:, 2] = 1.0  # top_p off
-        self.stop_ids = np.full((num_slots + 1, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        self.rows = SamplingRows.padding(num_slots + 1)
         self._owner: list[object] = [None] * num_slots
 
     def no_history(self, num_seqs: int, length: int) -> jax.Array:
@@ -83,8 +123,7 @@ class SamplingTable:
             return self.pad
         if self._owner[slot] is not seq:  # a new occupant of this slot
             self._owner[slot] = seq
-            self.consts[slot] = seq.sampling_row
-            self.stop_ids[slot] = seq.request.stop_ids_row
+            self.rows.write(slot, seq)
         return slot
 
 
@@ -184,14 +223,12 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
                      table: SamplingTable, max_model_len: int,
                      variant: SamplerVariant) -> SamplingTensors:
     num_seqs = table_rows.shape[0]
-    consts = table.consts[table_rows]
-    out_pos = np.maximum(seq_lens - consts[:, 6].astype(np.int32), 0).astype(np.int32)
-    t = SamplingTensors(consts[:, 0].astype(np.float32), consts[:, 1].astype(np.int32),
-                        consts[:, 2].astype(np.float32), consts[:, 3].astype(np.float32),
-                        consts[:, 4].astype(np.uint32), out_pos, consts[:, 5].astype(np.int32),
-                        table.stop_ids[table_rows])
+    per_row = table.rows.take(table_rows)
+    out_pos = np.maximum(seq_lens - per_row.prompt_len, 0).astype(np.int32)
+    t = SamplingTensors(per_row.temperature, per_row.top_k, per_row.top_p, per_row.min_p,
+                        per_row.seed, out_pos, per_row.min_tokens, per_row.stop_ids)
     if variant.advanced:
-        t = dataclasses.replace(t, num_top_logprobs=consts[:, 7].astype(np.int32))
+        t = dataclasses.replace(t, num_top_logprobs=per_row.num_top_logprobs)
     if variant.penalties:
         rep = np.ones(num_seqs, np.float32)
         pres = np.zeros(num_seqs, np.float32)
@@ -208,7 +245,7 @@ def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens:
             history[r, :len(seq.token_ids)] = seq.token_ids
         t = dataclasses.replace(t, repetition_penalty=rep, presence_penalty=pres,
                                 frequency_penalty=freq, history=history,
-                                prompt_len=consts[:, 6].astype(np.int32))
+                                prompt_len=per_row.prompt_len)
     if variant.masked:
         t = dataclasses.replace(t, token_bitmask=step_bitmask(rows, num_seqs, table.vocab_size))
     return t

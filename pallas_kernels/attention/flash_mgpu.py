@@ -37,6 +37,11 @@ tile, 8-aligned), lead (rows before the sequence's first token), n_rows (the seq
 tile; 0 = empty tile, skip), q_pos0 (context position of row 0), ctx_len (keys the tile may see),
 kv_ref (contiguous: flat row of the sequence's first key // 8; paged: row of block_tables).
 
+Sliding window: a tile's K/V steps start at the block of its first row's first key (`first_step`,
+for producer and consumers), so blocks wholly before the window are never loaded. Keys a row sees
+causally but outside its window get a finite logit (-2^20, log2 units): a row whose first steps
+hold none of its keys keeps a finite max, not exp2(-inf + inf) = NaN. Sinks join the final 1 / l.
+
 Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half (the
 ragged end of a sequence) goes out as predicated 8-row and 1-row TMA stores from an unswizzled view
 of the same shared memory (a RefUnion: Q is dead by then), so no CTA ever writes a row of another
@@ -67,6 +72,9 @@ from pallas_kernels.attention.mgpu_fp8 import tile_transforms, wgmma_tile
 from pallas_kernels.attention.softmax_mgpu import redo_where_sums_overflow
 
 LOG2E = math.log2(math.e)
+# Logit of keys outside a row's window (module docstring): small enough that exp2(s * f - m), one
+# FMA against a rounded m, stays within 2^+-0.125 of 1 (at -1e30 it came out inf).
+_WINDOW_MASKED_LOG2 = -(2.0 ** 20)
 
 
 class WorkItem(NamedTuple):
@@ -80,7 +88,8 @@ class WorkItem(NamedTuple):
 
 
 def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool, scale: float,
-                     softcap: float | None, config: KernelConfig = KernelConfig(),
+                     softcap: float | None, window: int | None = None,
+                     sinks: jax.Array | None = None, config: KernelConfig = KernelConfig(),
                      interpret: bool = False):
     """q: [T, Hq, D] (T a multiple of 8); k, v: see module doc; tiles: int32[NT, 6]; block_tables:
     int32[S, M] (paged) or int32[1, 1] (contiguous, unused). Returns [T, Hq, D]; rows no tile covers
@@ -118,8 +127,11 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
     # Logits go to log2 units so exp2 replaces exp; the factor is folded into the exp2 argument as
     # one FMA (s * c - m) rather than a separate multiply of the whole score tile.
     log2_factor = (softcap if softcap else scale) * LOG2E
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal=True")
+    window_masked = _WINDOW_MASKED_LOG2 / log2_factor  # as a raw score (before the factor)
 
-    def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, sink_ref, out_ref, scoped):
         (qo_union, k_smem, v_smem, *p_smem), (k_bar, v_bar, q_bar), (k_free, v_free), turn = scoped
         wide = p_smem[-1].at[lax.axis_index("wg")] if widen else None
         qo_all, o_all = qo_union  # swizzled Q/O view, unswizzled ragged-output view: same bytes
@@ -144,8 +156,13 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             kv_end = jnp.minimum(it.ctx_len, last_row_pos + 1) if causal else it.ctx_len
             return lax.div(kv_end + (bkv - 1), jnp.int32(bkv))
 
+        def first_step(it):  # the step holding the first key of the tile's first row's window
+            if window is None:
+                return jnp.int32(0)
+            return lax.div(jnp.maximum(it.q_pos0 - (window - 1), 0), jnp.int32(bkv))
+
         def item_steps(it):  # steps the producer streams for the item (the later half's needs)
-            n = num_steps(it, it.q_pos0 + TILE_Q - 1)
+            n = num_steps(it, it.q_pos0 + TILE_Q - 1) - first_step(it)
             return jnp.where(it.n_rows > 0, n, 0)
 
         def over_items(body):
@@ -208,14 +225,22 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             hi = jnp.clip(it.lead + it.n_rows - wg * BLOCK_Q, 0, BLOCK_Q)
             out_row = it.row0 + wg * BLOCK_Q
             cta_steps = item_steps(it)
-            # Both consumers have steps >= 1 unless the tile has no keys (padding pseudo-sequence);
-            # causal rows of warpgroup 0 may stop earlier than the tile's (it then drains the rest).
-            steps = num_steps(it, q_pos_first + BLOCK_Q - 1)
-            # Steps whose every key is visible to every row of this warpgroup need no mask.
+            # Step j holds keys from (first + j) * bkv. Both consumers have steps >= 1 unless the
+            # tile has no keys (padding pseudo-sequence); causal rows of warpgroup 0 may stop
+            # earlier than the tile's (it then drains the rest).
+            first = first_step(it)
+            steps = num_steps(it, q_pos_first + BLOCK_Q - 1) - first
+            # Steps whose every key is visible to every row of this warpgroup need no mask: from
+            # the first whose keys are all inside the last row's window, to the causal limit.
             full_steps = lax.div(it.ctx_len, jnp.int32(bkv))
             if causal:
                 full_steps = jnp.minimum(full_steps, lax.div(q_pos_first + 1, jnp.int32(bkv)))
-            full_steps = jnp.minimum(full_steps, steps)
+            full_steps = jnp.clip(full_steps - first, 0, steps)
+            window_start = jnp.int32(0)  # the first step inside the last row's window
+            if window is not None:
+                last_first_key = jnp.maximum(q_pos_first + BLOCK_Q - window, 0)
+                window_start = jnp.clip(lax.div(last_first_key + bkv - 1, jnp.int32(bkv)) - first,
+                                        0, steps)
             plgpu.barrier_wait(q_bar.at[b * 2 + wg])
 
             def visible_scores(s, j, masked):
@@ -225,11 +250,13 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    kpos = cols + j * bkv
+                    kpos = cols + (first + j) * bkv
                     visible = kpos < it.ctx_len
                     if causal:
                         visible = visible & (kpos <= rows + q_pos_first)
                     s = jnp.where(visible, s, -jnp.inf)
+                    if window is not None:  # finite: see the module docstring
+                        s = jnp.where(kpos <= rows + q_pos_first - window, window_masked, s)
                 return s
 
             def online_softmax(s, m_i, j, masked):
@@ -267,10 +294,15 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 take_turn()
                 pass_turn()
 
-            def finish(acc, l_i):
+            def finish(acc, m_i, l_i):
                 pass_turn()  # after the last PV
                 lax.fori_loop(steps, cta_steps, drain_step, None)
                 prefetch_next()
+                if sink_ref is not None:  # the head's sink: one more denominator term
+                    sink = sink_ref[it.head]
+                    m_f = jnp.maximum(m_i, sink)  # acc, l re-based to m_f: no exp2 overflow
+                    alpha = jnp.exp2(m_i - m_f)
+                    acc, l_i = rows_scale(acc, alpha), l_i * alpha + jnp.exp2(sink - m_f)
                 inv_l = 1.0 / jnp.maximum(l_i, 1e-30)
                 store_output(it, rows_scale(acc, inv_l).astype(dtype), qo_smem, o_smem, lo, hi,
                              out_row)
@@ -341,14 +373,18 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 # The first step (steps >= 1 here) runs on its own: on the plain path from
                 # m = -inf with no rescale of the zero accumulator, since the stale-max step
                 # would take its exps against -inf only to redo them.
-                carry = kv_step(0, (acc_init, m_init, l_init), full_steps <= 0, peeled=True)
-                unmasked_end = jnp.maximum(full_steps, 1)
-                carry = lax.fori_loop(1, unmasked_end, functools.partial(kv_step, masked=False),
-                                      carry)
+                carry = kv_step(0, (acc_init, m_init, l_init),
+                                (full_steps <= 0) | (window_start > 0), peeled=True)
+                unmasked_start = jnp.maximum(window_start, 1)
+                unmasked_end = jnp.maximum(full_steps, unmasked_start)
+                if window is not None:  # steps with keys before the last row's window
+                    carry = lax.fori_loop(1, unmasked_start,
+                                          functools.partial(kv_step, masked=True), carry)
+                carry = lax.fori_loop(unmasked_start, unmasked_end,
+                                      functools.partial(kv_step, masked=False), carry)
                 carry = lax.fori_loop(unmasked_end, steps, functools.partial(kv_step, masked=True),
                                       carry)
-                acc, _, l_i = carry
-                finish(acc, l_i)
+                finish(*carry)
 
             pl.when(steps > 0)(kv_loop)
 
@@ -388,18 +424,20 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                 it = item(r)
                 kv_head = lax.div(it.head, jnp.int32(group))
 
+                first_kv = first_step(it)
+
                 def page_ids(step):
                     if kv_mode == "contiguous":
                         return None
                     # Pages past the end of the block table are clamped to its last entry (a valid
                     # page; those keys lie past ctx_len and are masked).
-                    first = step * pages_per_tile
+                    first = (first_kv + step) * pages_per_tile
                     return [bt_ref[it.kv_ref, jnp.minimum(first + i, max_pages - 1)]
                             for i in range(pages_per_tile)]
 
                 def load(src_ref, dst_smem, bar, step, slot, ids):
                     if kv_mode == "contiguous":  # kv_ref holds the first key's flat row // 8
-                        rows = (pl.ds(it.kv_ref * 8 + step * bkv, bkv), kv_head)
+                        rows = (pl.ds(it.kv_ref * 8 + (first_kv + step) * bkv, bkv), kv_head)
                         plgpu.copy_gmem_to_smem(src_ref.at[rows], dst_smem.at[slot], bar.at[slot])
                         return
                     for i, pid in enumerate(ids):  # one TMA copy per page, all on the slot's barrier
@@ -422,7 +460,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
 
             observe_last_releases(over_items(producer_round), stages, k_free, v_free)
 
-    def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref):
+    def entry(q_ref, k_ref, v_ref, tiles_ref, bt_ref, *refs):
+        sink_ref, out_ref = refs if sinks is not None else (None, *refs)
         tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
         swizzle = plgpu.SwizzleTransform(128)
         qo = plgpu.SMEM((Q_BUFFERS, 2, BLOCK_Q, d), dtype, transforms=(tiling, swizzle))
@@ -440,7 +479,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                   plgpu.Barrier(num_barriers=2 * Q_BUFFERS))
         freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_barriers=2)
-        pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, out_ref, s),
+        pl.run_scoped(lambda *s: kernel(q_ref, k_ref, v_ref, tiles_ref, bt_ref, sink_ref, out_ref,
+                                        s),
                       smem, loaded, freed, turn, collective_axes="wg")
 
     return plgpu.kernel(
@@ -456,4 +496,5 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
                                       profile_bounds_check=True)
                                  if cfg.profile_dir and not interpret else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, tiles, block_tables)
+    )(q, k, v, tiles, block_tables,
+      *(() if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)))

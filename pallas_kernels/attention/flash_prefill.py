@@ -17,6 +17,10 @@ bound NT = cdiv(T + 7(S+1), TILE_Q) + S + 1 (each sequence wastes at most one pa
 alignment rows; the +1 is the tail of padding tokens, a pseudo-sequence with no keys whose rows
 come out as zeros). Tiles are
 ordered by decreasing number of K/V steps so the longest causal tiles start first (less tail).
+
+Sliding window (paged entry points): a tile's K/V loop starts at the block holding the first key its
+first row sees, so pages wholly before the window are never read; sinks join the final 1 / l
+(docs/kernels/attention_variants.md).
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from pallas_kernels.attention import flash_mgpu, flash_triton
 from pallas_kernels.attention.flash_config import TILE_Q, KernelConfig
 from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.mgpu_fp8 import compute_dtype
+from pallas_kernels.attention.reference import check_window
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref: jax.Array,
-               num_tokens: int, *, causal: bool) -> jax.Array:
+               num_tokens: int, *, causal: bool, window: int | None = None) -> jax.Array:
     """int32[NT, 6] rows (row0 // 8, lead, n_rows, q_pos0, ctx_len, kv_ref) — see `flash_mgpu` —
     for every query tile of the ragged batch, longest first; unused rows have n_rows == 0.
 
@@ -68,6 +73,8 @@ def tile_table(starts: jax.Array, q_lens: jax.Array, ctx_lens: jax.Array, kv_ref
     n_rows = jnp.where(i < ends[-1], jnp.clip(n_rows, 0, TILE_Q), 0)
     q_pos0 = jnp.where(ctx[seq] > 0, ctx[seq] - q_len[seq] + (row0 - start[seq]), 0)
     visible = jnp.minimum(ctx[seq], q_pos0 + TILE_Q) if causal else ctx[seq]
+    if window is not None:  # the keys before the first row's window are skipped
+        visible = visible - jnp.maximum(q_pos0 - window + 1, 0)
     order = jnp.argsort(jnp.where(n_rows > 0, -visible, 1), stable=True)
     table = jnp.stack([row0 // 8, tile_lead, n_rows, q_pos0, ctx[seq], kv[seq]], axis=1)
     return table[order].astype(jnp.int32)
@@ -88,13 +95,16 @@ def _check_softcap(softcap: float | None) -> None:
 
 
 def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, softcap,
-                   extra_rows: int, block_kv: int):
+                   window, sinks, extra_rows: int, block_kv: int):
     """Validate the prefill arguments; pad q's token axis to a multiple of 8 plus `extra_rows` and
     build the tile table. Returns (padded q, tiles)."""
-    t, _, d = q.shape
+    t, hq, d = q.shape
     hkv, _, block_size, dk = k_cache.shape
     _check_q(q, hkv, "q")
     _check_softcap(softcap)
+    check_window(window)
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks must be [num_q_heads={hq}], got {sinks.shape}")
     if k_cache.shape != v_cache.shape or dk != d:
         raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} do not match q {q.shape}")
     if v_cache.dtype != k_cache.dtype or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
@@ -110,37 +120,42 @@ def _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     # buckets normally are, so this costs nothing there).
     tp = -(-t // 8) * 8
     tiles = tile_table(qsl[:-1], qsl[1:] - qsl[:-1], seq_lens, jnp.arange(s, dtype=jnp.int32), tp,
-                       causal=True)
+                       causal=True, window=window)
     tp += extra_rows
     qp = jnp.pad(q, ((0, tp - t), (0, 0), (0, 0))) if tp != t else q
     return qp.astype(compute_dtype(k_cache.dtype) if is_fp8(k_cache.dtype) else q.dtype), tiles
 
 
 def flash_prefill_mosaic(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                         scale: float, softcap: float | None = None,
-                         config: KernelConfig = KernelConfig(), interpret: bool = False):
+                         scale: float, softcap: float | None = None, window: int | None = None,
+                         sinks: jax.Array | None = None, config: KernelConfig = KernelConfig(),
+                         interpret: bool = False):
     """Ragged causal prefill over the paged cache (the backend's `prefill`): [T, Hq, D] -> [T, Hq, D].
     `config`: the kernel's tuning (the default is the production kernel). `interpret`: Mosaic GPU's
     interpreter (CPU tests; see `flash_mgpu.mosaic_attention`)."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               softcap, extra_rows=0, block_kv=config.block_kv)
+                               softcap, window, sinks, extra_rows=0, block_kv=config.block_kv)
     out = flash_mgpu.mosaic_attention(qp, k_cache, v_cache, tiles, block_tables.astype(jnp.int32),
                                       kv_mode="paged", causal=True, scale=scale, softcap=softcap,
-                                      config=config, interpret=interpret)
+                                      window=window, sinks=sinks, config=config,
+                                      interpret=interpret)
     return out[:t].astype(q.dtype)
 
 
 def flash_prefill_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                         scale: float, softcap: float | None = None, interpret: bool = False):
+                         scale: float, softcap: float | None = None, window: int | None = None,
+                         sinks: jax.Array | None = None, interpret: bool = False):
     """The same ragged causal prefill as a Triton-lowered pallas_call (portable; CPU-interpretable).
     q is padded by one tile of rows so every tile's block of rows lies inside the array."""
     t = q.shape[0]
     qp, tiles = _ragged_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               softcap, extra_rows=TILE_Q, block_kv=KernelConfig().block_kv)
+                               softcap, window, sinks, extra_rows=TILE_Q,
+                               block_kv=KernelConfig().block_kv)
     out = flash_triton.triton_paged_attention(qp, k_cache, v_cache, tiles,
                                               block_tables.astype(jnp.int32), scale=scale,
-                                              softcap=softcap, interpret=interpret)
+                                              softcap=softcap, window=window, sinks=sinks,
+                                              interpret=interpret)
     return out[:t].astype(q.dtype)
 
 

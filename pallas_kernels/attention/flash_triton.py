@@ -6,6 +6,8 @@ program per (query tile of TILE_Q rows, query head). A program walks its sequenc
 blocks of BLOCK_K keys; each block is gathered from BLOCK_K / block_size cache pages named by the
 block table (`k_ref[page_ids]`), so K/V are read in place, never copied into a contiguous buffer.
 GQA: query head h reads KV head h // (Hq // Hkv) through the BlockSpec index map.
+Sliding window: the loop starts at the first block holding a key the tile's first row sees
+(earlier pages are never read); sinks (one per program: its query head) join the final 1 / l.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ BLOCK_K = 64
 LOG2E = math.log2(math.e)
 
 
-def _kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, softcap, block_k):
+def _kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale, softcap, window, block_k):
+    sink_ref, o_ref = refs if len(refs) == 2 else (None, *refs)
     tile = pl.program_id(0)
     row0 = tiles_ref[tile, 0] * 8
     lead = tiles_ref[tile, 1]
@@ -44,6 +47,8 @@ def _kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, softcap, bl
     q_pos = q_pos0 + r
     kv_end = jnp.minimum(ctx_len, q_pos0 + TILE_Q)  # causal: the tile's last row sees up to here
     steps = jnp.where(n_rows > 0, (kv_end + block_k - 1) // block_k, 0)
+    # The block of the first key row 0 sees (rows before it see no more than it does).
+    first = 0 if window is None else jnp.maximum(q_pos0 - window + 1, 0) // block_k
 
     def body(j, carry):
         acc, m_i, l_i = carry
@@ -58,6 +63,8 @@ def _kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, softcap, bl
             s = softcap * jnp.tanh(s / softcap)
         kpos = j * block_k + jnp.arange(block_k)
         visible = (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] < ctx_len)
+        if window is not None:
+            visible = visible & (q_pos[:, None] - kpos[None, :] < window)
         s = jnp.where(visible, s * LOG2E, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         # Rows with nothing visible yet keep m = -inf: shift by 0 there so exp2 gives 0, not NaN.
@@ -69,20 +76,29 @@ def _kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, softcap, bl
 
     init = (jnp.zeros((TILE_Q, d), jnp.float32), jnp.full((TILE_Q,), -jnp.inf, jnp.float32),
             jnp.zeros((TILE_Q,), jnp.float32))
-    acc, _, l_i = lax.fori_loop(0, steps, body, init)
+    acc, m_i, l_i = lax.fori_loop(first, steps, body, init)
+    if sink_ref is not None:  # the head's sink (log2 units): one more denominator term
+        sink = sink_ref[pl.program_id(1)]
+        m_f = jnp.maximum(m_i, sink)
+        alpha = jnp.exp2(m_i - m_f)
+        acc, l_i = acc * alpha[:, None], l_i * alpha + jnp.exp2(sink - m_f)
     out = acc / jnp.maximum(l_i, 1e-30)[:, None]  # no visible key (padding rows) -> 0
     pltriton.store(o_ref.at[pl.ds(row0, TILE_Q), :], out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
 def triton_paged_attention(q, k_cache, v_cache, tiles, block_tables, *, scale: float,
-                           softcap: float | None, interpret: bool = False):
+                           softcap: float | None, window: int | None = None,
+                           sinks: jax.Array | None = None, interpret: bool = False):
     """q: [Tp, Hq, D] with Tp >= every tile's row0 + TILE_Q (the caller pads); tiles from
-    `flash_prefill.tile_table` with kv_ref = block-table row. Returns [Tp, Hq, D]."""
+    `flash_prefill.tile_table` with kv_ref = block-table row; sinks: [Hq] (natural-log units) or
+    None. Returns [Tp, Hq, D]."""
     tp, hq, d = q.shape
     hkv, nb, page, _ = k_cache.shape
     group = hq // hkv
     block_k = max(BLOCK_K, page)
-    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, block_k=block_k)
+    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, window=window,
+                               block_k=block_k)
+    sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
@@ -93,10 +109,11 @@ def triton_paged_attention(q, k_cache, v_cache, tiles, block_tables, *, scale: f
             pl.BlockSpec((tp, None, d), lambda t, h: (0, h, 0)),
             pl.BlockSpec((None, nb, page, d), lambda t, h: (h // group, 0, 0, 0)),
             pl.BlockSpec((None, nb, page, d), lambda t, h: (h // group, 0, 0, 0)),
+            *[whole((hq,))] * len(sink_inputs),
         ],
         out_specs=pl.BlockSpec((tp, None, d), lambda t, h: (0, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=2),
         interpret=interpret,
         name="flash_prefill_triton",
-    )(tiles, block_tables, q, k_cache, v_cache)
+    )(tiles, block_tables, q, k_cache, v_cache, *sink_inputs)

@@ -63,12 +63,6 @@ def widen(tile, wide, free, layout: str = "WGMMA_8BIT") -> None:
         plgpu.barrier_arrive(free)
 
 
-def widen_slot(ring, ready, free, slot, wide, layout: str = "WGMMA_8BIT") -> None:
-    """Wait for ring slot `slot` to land, then `widen` it into `wide`."""
-    plgpu.barrier_wait(ready.at[slot])
-    widen(ring.at[slot], wide, free.at[slot], layout)
-
-
 def wgmma_tile(tile, wide, free, layout: str = "WGMMA_8BIT"):
     """The 16-bit tile a wgmma reads for ring slot `tile`: the tile itself (`wide` None; the caller
     arrives on `free` after its wgmma), or its float16 copy made now (`widen`)."""

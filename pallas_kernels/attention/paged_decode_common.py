@@ -8,6 +8,13 @@ fp32 output row `o`, the running max `m` (natural-log units) and the softmax den
 `combine_splits` merges the splits; an item with no tokens emits m = NEG_INF, l = 0, o = 0 and so
 contributes nothing, which is also how `seq_lens == 0` rows come out as zeros. (The Mosaic kernel
 emits normalised parts with their log-sum-exp; `split_combine_mosaic` merges those.)
+
+Sliding window (`window_view`): a decode query at position len - 1 sees keys len - window .. len - 1,
+at most `window_pages` pages. Before either kernel runs, each sequence's block table is cut to the
+pages from the one holding its first visible key (`first`), and its length shifted by first * B,
+so the kernels, the split plan and the producers see a short sequence whose keys before
+`length - window` (inside its first page only) are masked: pages before the window are never
+read, and the splits divide the windowed range only.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.reference import NEG_INF
+from pallas_kernels.attention.reference import NEG_INF, check_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +117,27 @@ def plan_splits(shape: DecodeShape, *, pages_per_step: int, workers: int,
     return SplitPlan(math.ceil(shape.max_blocks / pages_per_split), pages_per_split)
 
 
+def window_pages(window: int, block_size: int) -> int:
+    """The most pages `window` consecutive positions can touch (starting at a page's last slot)."""
+    return (window + block_size - 2) // block_size + 1
+
+
+def window_view(block_tables: jax.Array, seq_lens: jax.Array, window: int | None,
+                block_size: int) -> tuple[jax.Array, jax.Array]:
+    """(block_tables, seq_lens) of each sequence's windowed tail: the table from the page holding
+    its first visible key (len - window), width min(M, window_pages), and the length counted from
+    that page. Keys at relative positions < length - window (the same rule as before the shift)
+    still need masking in the first page. No window, or a window as wide as the table: unchanged."""
+    m = block_tables.shape[1]
+    if window is None or window_pages(window, block_size) >= m:
+        return block_tables, seq_lens
+    lens = seq_lens.astype(jnp.int32)
+    first = jnp.maximum(lens - window, 0) // block_size
+    cols = jnp.minimum(first[:, None] + jnp.arange(window_pages(window, block_size)), m - 1)
+    return (jnp.take_along_axis(block_tables.astype(jnp.int32), cols, axis=1),
+            lens - first * block_size)
+
+
 def pad_block_tables(block_tables: jax.Array, plan: SplitPlan) -> jax.Array:
     """Pad the table's width to splits * pages_per_split with block 0 (a valid id; the tokens it
     would cover are past seq_lens and masked), so every split reads a full-width slice."""
@@ -119,18 +147,31 @@ def pad_block_tables(block_tables: jax.Array, plan: SplitPlan) -> jax.Array:
 
 
 def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array, shape: DecodeShape,
-                   dtype) -> jax.Array:
+                   dtype, sinks: jax.Array | None = None) -> jax.Array:
     """o: [S, Hkv, C, Gp, D] unnormalised fp32; m, l: [S, Hkv, C, Gp] (Gp >= G rows, extra rows
-    are padding). Returns the attention output [S, Hq, D] in `dtype`."""
+    are padding); sinks: [Hq] logits (natural-log units, as m) added to every row's denominator.
+    Returns the attention output [S, Hq, D] in `dtype`."""
     g = shape.group
     o, m, l = o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]
     m_max = m.max(axis=2, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, shape.num_kv_heads, 1, g)
+        m_max = jnp.maximum(m_max, sink)
     w = jnp.exp(m - m_max)  # empty splits have m = NEG_INF: weight 0 unless every split is empty
     num = (w[..., None] * o).sum(axis=2)
     den = (w * l).sum(axis=2)
+    if sinks is not None:
+        den = den + jnp.exp(sink - m_max)[:, :, 0]
     out = num / jnp.maximum(den, 1e-30)[..., None]  # den == 0 only for empty rows, where num == 0
     return out.reshape(shape.num_seqs, shape.num_q_heads, shape.head_dim).astype(dtype)
 
 
-__all__ = ["NEG_INF", "DecodeShape", "SplitPlan", "check_decode_inputs", "plan_splits",
-           "pad_block_tables", "combine_splits"]
+def check_variant(shape: DecodeShape, window: int | None, sinks: jax.Array | None) -> None:
+    """The decode kernels' window and sinks arguments; errors name the field."""
+    check_window(window)
+    if sinks is not None and sinks.shape != (shape.num_q_heads,):
+        raise ValueError(f"sinks must be [num_q_heads={shape.num_q_heads}], got {sinks.shape}")
+
+
+__all__ = ["NEG_INF", "DecodeShape", "SplitPlan", "check_decode_inputs", "check_variant",
+           "plan_splits", "pad_block_tables", "combine_splits", "window_pages", "window_view"]

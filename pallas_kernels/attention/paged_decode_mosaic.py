@@ -27,6 +27,7 @@ Design (numbers for the target shape Hq 32 / Hkv 8 / D 128 / page 16, bf16):
   O += P V is [64, D]; the tensor cores do 64/G times the useful work. Softmax runs in the log2
   domain (exp2 with the scale folded in), accumulation is fp32.
 - fp8 cache: `mgpu_fp8.py`; what bounds it and the shared-memory plan: `paged_decode_smem.py`.
+- Window, sinks, softcap (cut tables, masks, sinks in the merge or combine): attention_variants.md.
 - The kernel waits on `griddepcontrol.wait` before reading anything (programmatic dependent
   launch: its launch and set-up overlap the previous kernel's tail), and the producer reads block
   ids `bt_lookahead` steps ahead without waiting for the sequence length.
@@ -50,17 +51,18 @@ from pallas_kernels.attention import mgpu_fp8
 from pallas_kernels.attention.mgpu_fp8 import compute_dtype, tile_transforms
 from pallas_kernels.attention.paged_decode_config import MosaicDecodeConfig
 from pallas_kernels.attention.paged_decode_common import (
-                                                          NEG_INF,
-                                                          DecodeShape,
-                                                          check_decode_inputs,
-                                                          plan_splits,
-                                                          )
+    NEG_INF,
+    DecodeShape,
+    check_decode_inputs,
+    check_variant,
+    plan_splits,
+    window_view,
+)
 from pallas_kernels.attention.paged_decode_producer import produce
 from pallas_kernels.attention.paged_decode_smem import fixed_bytes, profile_space, ring_stages
 from pallas_kernels.attention.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
-from pallas_kernels.attention.paged_decode_swap import swap_consumer, swap_scratch
 from pallas_kernels.attention.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
-                                                           combine_split_parts)
+                                                           combine_split_parts, sink_rows)
 
 _LOG2E = math.log2(math.e)
 _NUM_CONSUMERS = 2
@@ -70,11 +72,13 @@ _PROFILE_EVENTS = 128  # the fewest profiler events per warpgroup (16 bytes of s
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeShape, gp: int,
                    q_padded: bool, num_splits: int, pages_per_split: int, pages_per_step: int,
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
-                   bt_lookahead: int, pdl: bool, interpret: bool, widen: bool, widen_layout: str,
-                   swap: bool, v_producer: bool, shared: bool, pv_tokens: int, q_parts: int):
+                   window: int | None, has_sinks: bool, bt_lookahead: int, pdl: bool,
+                   interpret: bool, widen: bool, widen_layout: str,
+                   shared: bool, pv_tokens: int, q_parts: int):
     # fp8 (widen): q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if widen else (None, refs)
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     o_ref, *refs = refs
     lse_ref, refs = (refs[0], refs[1:]) if num_splits > 1 else (None, refs)
     (q_smem, k_smem, v_smem, tiles, vec_smem, out_tile, q_bar, q_free, k_bar, v_bar, k_free,
@@ -88,11 +92,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     else:
         (x_smem, x_plain), wide_all = tiles, (refs[-1] if widen else None)
     y_smem, lse_smem = (out_tile, None) if num_splits == 1 else (None, out_tile)
-    # Trailing scratch: the P tiles (interpret; swap: its P^T tiles and reduction scratch), the
-    # fp8 V staging tiles.
-    has_p = interpret or swap  # the P tiles: interpret mode's stand-in; swap's P^T operand
-    p_smem = refs[0] if has_p else None
-    red_smem = refs[1] if swap else None
+    # Trailing scratch: the P tiles (interpret mode's stand-in), the fp8 V staging tiles.
+    p_smem = refs[0] if interpret else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -135,14 +136,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
         head_pages=shape.max_blocks, bs=bs, pages_per_step=pages_per_step, stages=stages,
         bt_lookahead=bt_lookahead, gp=gp)
     q_load = (q_ref, q_smem, q_bar, q_free, 2 if widen else 1)  # fp8: q_hi, q_lo
-    pl.when(wg == _NUM_CONSUMERS)(lambda: producer(
-        (k_load,) if v_producer else (k_load, v_load), q_load=q_load))
-    if v_producer:  # V's copies from a warpgroup of their own: half the issue work each
-        pl.when(wg == _NUM_CONSUMERS + 1)(lambda: producer((v_load,), q_load=None))
+    pl.when(wg == _NUM_CONSUMERS)(lambda: producer((k_load, v_load), q_load=q_load))
 
     @pl.when(wg < _NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(216 if v_producer else 232, action="increase")
+        plgpu.set_max_registers(232, action="increase")
         logit_scale = scale * (1.0 if softcap else _LOG2E)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -170,7 +168,12 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                     s = (softcap * _LOG2E) * jnp.tanh(s * (1.0 / softcap))
                 col = plgpu.broadcasted_iota(jnp.int32, (_WGMMA_ROWS, tokens), 1,
                                              layout=plgpu.Layout.WGMMA)
-                s = jnp.where(col < valid, s, NEG_INF)
+                visible = col < valid
+                if window is not None:  # keys before length - window: in the first page only
+                    visible = visible & (col >= valid - window)
+                # NEG_INF is finite: a step with no visible key keeps m = NEG_INF and its terms
+                # get weight 0 once a visible key raises m (or in the merge).
+                s = jnp.where(visible, s, NEG_INF)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -263,9 +266,15 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                 l1 = plgpu.load(vec_smem.at[1], layout=row_layout, optimized=False)
                 # NEG_INF is finite, so two empty states give weights 1 and 0 / 0 never happens.
                 m = jnp.maximum(m_i, m1)
+                if sink_ref is not None:  # one split: the sinks (split_combine_mosaic.sink_rows)
+                    sink = plgpu.load(sink_ref.at[seq * hkv + head], layout=row_layout,
+                                      optimized=False)
+                    m = jnp.maximum(m, sink)
                 a0, a1 = jnp.exp2(m_i - m), jnp.exp2(m1 - m)
                 col = lambda v: lax.broadcast_in_dim(v, acc.shape, [0])
                 l = l_i * a0 + l1 * a1
+                if sink_ref is not None:
+                    l = l + jnp.exp2(sink - m)
                 # Empty rows (l == 0) have acc == 0 and come out as 0.
                 out = (acc * col(a0) + acc1 * col(a1)) * col(1.0 / jnp.maximum(l, 1e-30))
                 if num_splits == 1:
@@ -290,19 +299,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
             return g0 + steps
 
-        if swap:
-            named = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
-                         k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
-                         vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
-                         p_smem=p_smem, red_smem=red_smem, wide=wide_all, o_ref=o_ref, qinv_ref=qinv_ref)
-            for w in range(_NUM_CONSUMERS):  # traced per warpgroup (its end of an item)
-                pl.when(wg == w)(functools.partial(
-                    swap_consumer, wg=w, my_items=my_items, item_info=item_info, q_rows=q_rows,
-                    refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
-                    stages=stages, logit_scale=logit_scale, softcap=softcap,
-                    interpret=interpret, widen_layout=widen_layout, q_parts=q_parts))
-        else:
-            lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+        lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
         if not shared:  # (shared: warpgroup 1 waited on every release already)
             @pl.when(wg == 1)
@@ -312,7 +309,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
 
 def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                       softcap: float | None = None,
+                       softcap: float | None = None, window: int | None = None,
+                       sinks: jax.Array | None = None,
                        config: MosaicDecodeConfig = MosaicDecodeConfig(),
                        interpret: bool = False):
     """The kernel alone. Returns (outputs, launch): with one split per sequence outputs is
@@ -320,6 +318,9 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     normalised, lse [splits, S * Hkv, 64] fp32 in log2 units, row r0 + i of an item's 64 being its
     query head i) for `split_combine_mosaic.combine_split_parts` (or `combine_parts_xla`)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    check_variant(shape, window, sinks)
+    block_tables, seq_lens = window_view(block_tables, seq_lens, window, shape.block_size)
+    shape = dataclasses.replace(shape, max_blocks=block_tables.shape[1])
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     cache_dtype, dtype = k_cache.dtype, compute_dtype(k_cache.dtype)  # fp8: computes in f16
     if cache_dtype != dtype and config.fp8_tokens_per_step:
@@ -340,26 +341,17 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
                        workers=config.split_workers or num_ctas, num_splits=config.num_splits)
     elem_bytes = jnp.dtype(dtype).itemsize
     widen = cache_dtype != dtype  # fp8: q split in two e4m3 tiles, V widened to float16
-    # The transposed consumer (paged_decode_swap.py) takes one-split plans only.
-    swap = widen and config.fp8_swap and plan.num_splits == 1
-    v_producer = widen and config.fp8_v_producer
-    num_threads = _NUM_CONSUMERS + 1 + v_producer
-    # fp8, plain consumer: the hand-over and output tiles may overlay the V staging tiles, which
-    # may hold a chunk of a step's tokens (paged_decode_smem.py).
-    shared = widen and config.fp8_shared_scratch and not swap
-    pv_tokens = (config.fp8_pv_tokens if widen and not swap else None) or config.tokens_per_step
+    num_threads = _NUM_CONSUMERS + 1
+    # fp8: the hand-over and output tiles may overlay the V staging tiles, which may hold a chunk
+    # of a step's tokens (paged_decode_smem.py).
+    shared = widen and config.fp8_shared_scratch
+    pv_tokens = (config.fp8_pv_tokens if widen else None) or config.tokens_per_step
     profiling = bool(config.profile_dir) and not interpret
     gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
-    if swap:  # small q, hand-over, output and P^T tiles instead of 64-row ones
-        swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
-                                  num_consumers=_NUM_CONSUMERS)
-        fixed = (swap_tiles["bytes"]
-                 + _NUM_CONSUMERS * config.tokens_per_step * d * elem_bytes)  # + staging
-    else:
-        fixed = fixed_bytes(
-            d=d, elem_bytes=elem_bytes, one_split=plan.num_splits == 1,
-            staging_tokens=pv_tokens * widen, shared=shared,
-            p_tokens=pv_tokens * interpret, num_consumers=_NUM_CONSUMERS)
+    fixed = fixed_bytes(
+        d=d, elem_bytes=elem_bytes, one_split=plan.num_splits == 1,
+        staging_tokens=pv_tokens * widen, shared=shared,
+        p_tokens=pv_tokens * interpret, num_consumers=_NUM_CONSUMERS)
     stages = ring_stages(config.stages, fixed, tokens=config.tokens_per_step, d=d,
                          cache_bytes=jnp.dtype(cache_dtype).itemsize)
     # The profiler's event buffers take the shared memory the ring leaves, so a profiled kernel
@@ -380,12 +372,15 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     if q_padded:
         q2 = jnp.pad(q2, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     q2 = q2.reshape(2, -1, d) if widen else q2.reshape(-1, d)
+    has_sinks = sinks is not None and plan.num_splits == 1  # else the combine takes them
+    if has_sinks:
+        extra_inputs += (sink_rows(sinks, shape, q_padded),)
     num_ctas = min(num_ctas, s * hkv * plan.num_splits)
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
     f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
-    q_tiles = (plgpu.SMEM((2, 2, gp if swap else _WGMMA_ROWS, d), cache_dtype,
+    q_tiles = (plgpu.SMEM((2, 2, _WGMMA_ROWS, d), cache_dtype,
                           transforms=tile_transforms(cache_dtype, d)) if widen else
                plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms))
     tokens = config.tokens_per_step
@@ -399,10 +394,11 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     kernel = functools.partial(
         _decode_kernel, shape=shape, gp=gp, q_padded=q_padded, num_splits=plan.num_splits,
         pages_per_split=plan.pages_per_split, pages_per_step=pages_per_step, stages=stages,
-        num_ctas=num_ctas, scale=scale, softcap=softcap, bt_lookahead=config.bt_lookahead,
+        num_ctas=num_ctas, scale=scale, softcap=softcap, window=window, has_sinks=has_sinks,
+        bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen,
-        widen_layout=config.fp8_widen_layout, swap=swap, v_producer=v_producer, shared=shared,
-        pv_tokens=pv_tokens, q_parts=1 + config.fp8_q_split)
+        widen_layout=config.fp8_widen_layout, shared=shared, pv_tokens=pv_tokens,
+        q_parts=1 + config.fp8_q_split)
     x_tiles = (plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
                plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32))
     wide_tiles = plgpu.SMEM((_NUM_CONSUMERS, pv_tokens, d), dtype, transforms=transforms)
@@ -416,11 +412,9 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
             # conflicts; its unswizzled view stages the fp32 part when split; shared: both over
             # the V staging tiles.
-            swap_tiles["x"] if swap else
             plgpu.RefUnion(wide_tiles, *x_tiles) if shared else plgpu.RefUnion(*x_tiles),
-            swap_tiles["vec"] if swap else
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
-            *((swap_tiles["out"],) if swap else out_scratch),
+            *out_scratch,
             plgpu.Barrier(num_arrivals=1 + widen, num_barriers=2),  # q tile filled
             plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
@@ -430,9 +424,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
             *[plgpu.Barrier(num_barriers=1)] * shared,  # warpgroup 0's staging tile idle
-            *([swap_tiles["p"], swap_tiles["red"]] if swap else
-              [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, pv_tokens), dtype, transforms=transforms)]
-              if interpret else []),
+            *[plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, pv_tokens), dtype, transforms=transforms)]
+            * interpret,
             *[wide_tiles] * (widen and not shared),
         ),
         grid=(num_ctas,),
@@ -452,21 +445,24 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
 
 
 def paged_decode_mosaic(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                        softcap: float | None = None,
+                        softcap: float | None = None, window: int | None = None,
+                        sinks: jax.Array | None = None,
                         config: MosaicDecodeConfig = MosaicDecodeConfig(),
                         interpret: bool = False) -> jax.Array:
     """Paged decode attention (backend `decode` signature), Mosaic GPU (Hopper). `config`: the
     kernel's tuning (the default is the production kernel). `interpret`: Mosaic GPU's interpreter
     (CPU tests)."""
     outs, launch = mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                      softcap=softcap, config=config, interpret=interpret)
+                                      softcap=softcap, window=window, sinks=sinks, config=config,
+                                      interpret=interpret)
+    sinks2 = None if sinks is None else sinks.astype(jnp.float32) * _LOG2E
     if launch.num_splits == 1:
         out = outs[0]
     elif config.combine_kernel:
         out = combine_split_parts(*outs, group=launch.shape.group, q_padded=launch.q_padded,
                                   dtype=compute_dtype(k_cache.dtype), pdl=config.pdl,
-                                  interpret=interpret)
+                                  sinks=sinks2, interpret=interpret)
     else:
-        out = combine_parts_xla(*outs, launch)
+        out = combine_parts_xla(*outs, launch, sinks2)
     return out.reshape(q.shape).astype(q.dtype)
 

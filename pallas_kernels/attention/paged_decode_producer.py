@@ -19,26 +19,24 @@ from pallas_kernels.attention.mgpu_common import observe_last_releases, scoped
 def produce(caches, *, q_load, my_items, item_info, q_rows, bt_ref, head_pages: int, bs: int,
             pages_per_step: int, stages: int, bt_lookahead: int, gp: int) -> None:
     """Producer warpgroup body. caches: (cache_ref [Hkv, blocks, bs, D], ring, ready, free) for K
-    and V (or one of them, with a V producer). q_load: (q_ref, q_smem, q_bar, q_free, q_tiles) to
-    load each item's q (q_tiles 2: q_hi and q_lo of an fp8 cache, else 1), or None. head_pages:
-    the block table's width."""
+    and V. q_load: (q_ref, q_smem, q_bar, q_free, q_tiles) to load each item's q (q_tiles 2: q_hi
+    and q_lo of an fp8 cache, else 1). head_pages: the block table's width."""
     plgpu.set_max_registers(40, action="decrease")
 
     def item_body(it, g0):
         seq, head, _, _, first, steps = item_info(it)
-        if q_load is not None:
-            q_ref, q_smem, q_bar, q_free, q_tiles = q_load
-            qb = lax.rem(it, 2)
+        q_ref, q_smem, q_bar, q_free, q_tiles = q_load
+        qb = lax.rem(it, 2)
 
-            @pl.when(it >= 2)
-            def _():
-                plgpu.barrier_wait(q_free.at[qb])
-            start, _, _ = q_rows(seq, head)
-            for h in range(q_tiles):  # fp8: q_hi and q_lo, both on the tile's barrier
-                src = q_ref.at[h] if q_tiles > 1 else q_ref
-                dst = q_smem.at[qb, h] if q_tiles > 1 else q_smem.at[qb]
-                plgpu.copy_gmem_to_smem(src.at[pl.ds(start, gp)], dst.at[pl.ds(0, gp)],
-                                        q_bar.at[qb])
+        @pl.when(it >= 2)
+        def _():
+            plgpu.barrier_wait(q_free.at[qb])
+        start, _, _ = q_rows(seq, head)
+        for h in range(q_tiles):  # fp8: q_hi and q_lo, both on the tile's barrier
+            src = q_ref.at[h] if q_tiles > 1 else q_ref
+            dst = q_smem.at[qb, h] if q_tiles > 1 else q_smem.at[qb]
+            plgpu.copy_gmem_to_smem(src.at[pl.ds(start, gp)], dst.at[pl.ds(0, gp)],
+                                    q_bar.at[qb])
 
         def block_ids(j):
             """Block ids of step j's pages, each read at its column (clamped to the table).
@@ -78,5 +76,4 @@ def produce(caches, *, q_load, my_items, item_info, q_rows, bt_ref, head_pages: 
     # Drain: wait for the consumers to free the last fill of every slot and q tile, so no barrier
     # phase is left unobserved when the kernel ends (GPU interpret mode checks this).
     observe_last_releases(total_steps, stages, *(cache[3] for cache in caches))
-    if q_load is not None:
-        observe_last_releases(my_items, 2, q_load[3])  # the two q tiles, one per item in turn
+    observe_last_releases(my_items, 2, q_load[3])  # the two q tiles, one per item in turn

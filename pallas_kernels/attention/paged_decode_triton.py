@@ -6,10 +6,14 @@ One program per (sequence, kv head, context split). All G query heads that share
 The program walks its pages `pages_per_step` at a time through the block table (a gather of whole
 [block_size, D] pages), keeps an online softmax in fp32, and writes unnormalised partial results
 that `combine_splits` merges (flash-decoding).
+
+Sliding window: the wrapper cuts each block table to the window (`window_view`), and the kernel
+masks the keys before `length - window`, which lie in the first page; sinks join in the combine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -20,15 +24,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.common.device_info import num_sms
-from pallas_kernels.attention.paged_decode_common import (NEG_INF, check_decode_inputs, combine_splits,
-                                                          pad_block_tables, plan_splits)
+from pallas_kernels.attention.paged_decode_common import (NEG_INF, check_decode_inputs,
+                                                          check_variant, combine_splits,
+                                                          pad_block_tables, plan_splits,
+                                                          window_view)
 
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float,
-                   softcap: float | None, block_size: int, pages_per_step: int,
-                   pages_per_split: int):
+                   softcap: float | None, window: int | None, block_size: int,
+                   pages_per_step: int, pages_per_split: int):
     split = pl.program_id(2)
     length = lens_ref[0]
     first_page = split * pages_per_split
@@ -49,8 +55,13 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
             s = softcap * jnp.tanh(s / softcap)
         token = (first_page + i * pages_per_step) * block_size + lax.broadcasted_iota(
             jnp.int32, (gp, tokens_per_step), 1)
-        s = jnp.where(token < length, s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=1))  # every step holds >= 1 valid token: m_new finite
+        visible = token < length
+        if window is not None:
+            visible = visible & (token >= length - window)
+        s = jnp.where(visible, s, NEG_INF)
+        # NEG_INF is finite: a step (or split) with no visible key keeps m = NEG_INF, and its terms
+        # get weight exp(NEG_INF - m) = 0 once a visible key raises m (here or in the combine).
+        m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = alpha * l + p.sum(axis=1)
@@ -66,7 +77,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
 
 
 def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                                   softcap: float | None = None, pages_per_step: int | None = None,
+                                   softcap: float | None = None, window: int | None = None,
+                                   sinks: jax.Array | None = None,
+                                   pages_per_step: int | None = None,
                                    workers: int | None = None, num_warps: int = 4,
                                    num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """`paged_decode_triton` with its tuning knobs exposed (benchmarks, CPU tests in interpret mode).
@@ -74,6 +87,9 @@ def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, 
     pages_per_step: pages per inner step (default: 128 tokens' worth); workers: programs the GPU
     runs at once, for the split plan (default: 4 per SM)."""
     shape = check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    check_variant(shape, window, sinks)
+    block_tables, seq_lens = window_view(block_tables, seq_lens, window, shape.block_size)
+    shape = dataclasses.replace(shape, max_blocks=block_tables.shape[1])
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     if pages_per_step is None:
         pages_per_step = max(1, 128 // bs)
@@ -93,7 +109,8 @@ def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, 
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     s, hkv, c, nb = shape.num_seqs, shape.num_kv_heads, plan.num_splits, k_cache.shape[1]
 
-    kernel = functools.partial(_decode_kernel, scale=scale, softcap=softcap, block_size=bs,
+    kernel = functools.partial(_decode_kernel, scale=scale, softcap=softcap, window=window,
+                               block_size=bs,
                                pages_per_step=pages_per_step, pages_per_split=plan.pages_per_split)
     o, m, l = pl.pallas_call(
         kernel,
@@ -119,11 +136,12 @@ def paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, 
         interpret=interpret,
         name="paged_decode_triton",
     )(seq_lens.astype(jnp.int32), bt, qg, k_cache, v_cache)
-    return combine_splits(o, m, l, shape, q.dtype)
+    return combine_splits(o, m, l, shape, q.dtype, sinks)
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float,
-                        softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None, window: int | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array:
     """Paged decode attention (backend `decode` signature), Triton-lowered Pallas."""
     return paged_decode_triton_configured(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                          softcap=softcap)
+                                          softcap=softcap, window=window, sinks=sinks)

@@ -3,7 +3,9 @@
 `moe_experts(x_sorted, weights, group_sizes)` returns down(silu(x @ gate) * (x @ up)) per row, with
 each row's expert given by the group it falls in. It is the only place the model touches expert
 weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
-`weights` and `group_sizes`). Implementations:
+`weights` and `group_sizes`). `impl` (the engine's `--moe-impl`, `ModelConfig.moe_impl`) is one of
+CHOICES: "auto" picks per call shape and device (`choose_impl`), "xla" the same without the Mosaic
+kernel, or one of the implementations:
 
   - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
     warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step
@@ -24,16 +26,15 @@ Quantized experts (8-bit stacks with float32 scales [E, out], jaxinfer/model/qua
 by its expert's channel scales (exact: the scale is per output column). "mosaic" takes e4m3 stacks
 (`--quantization fp8`) into the warp-specialised kernel, which widens them after the TMA load and
 applies the scales in its epilogue (grouped_matmul_ws's docstring says why weight-only); x goes in
-as float16, the SwiGLU's output stays float16 between the two calls. On the GPU `choose_impl` gives
-e4m3 stacks the kernel only with $JAXINFER_MOE_FP8_KERNEL=1 until the H200 has timed it
-(`benchmarks/bench_moe.py --fp8`); int8 stacks never take it.
+as float16, the SwiGLU's output stays float16 between the two calls. On Hopper "auto" gives e4m3
+stacks the kernel (timed by `benchmarks/bench_moe.py --fp8`, moe_h200.json); int8 stacks never
+take it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Callable
 
 import jax
@@ -44,6 +45,7 @@ from pallas_kernels.moe.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_
 from pallas_kernels.moe.grouped_matmul_ws import FP8, FP8_COMPUTE, WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
+CHOICES = ("auto", "xla", *IMPLS)  # --moe-impl
 # Without the kernel, "padded" runs while E * capacity <= PADDED_MAX_FACTOR * rows (few tokens per
 # step). With it, "padded" runs only at decode with few experts (E * capacity <= PADDED_OVER_KERNEL
 # * rows): measured on the H200, XLA's batched matmul streamed Mixtral's 8 experts at 3.84 TB/s
@@ -51,10 +53,6 @@ IMPLS = ("mosaic", "padded", "ragged")
 # to 407.
 PADDED_MAX_FACTOR = 16
 PADDED_OVER_KERNEL = 4
-# Whether `choose_impl` gives e4m3 expert stacks the kernel ("1", the default) or the XLA paths
-# ("0"). On the H200 the kernel beat the XLA path e4m3 stacks took before: Qwen3-30B-A3B shape,
-# decode 270 us against 364, prefill 616 against 6,209 (moe_h200.json).
-FP8_KERNEL_ENV = "JAXINFER_MOE_FP8_KERNEL"
 Config = GmmConfig | WsConfig
 
 
@@ -247,21 +245,18 @@ def _hopper() -> bool:
 
 
 def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype,
-                weight_dtype=None) -> str:
+                weight_dtype=None, impl: str = "auto") -> str:
     """The implementation `moe_experts` runs for this call shape on the default device (weights of
-    `weight_dtype`, default `dtype`; e4m3 ones take the kernel unless $JAXINFER_MOE_FP8_KERNEL
-    =0); $JAXINFER_MOE_IMPL (one of IMPLS) overrides it, for benchmarks and bisection."""
-    forced = os.environ.get("JAXINFER_MOE_IMPL")
-    if forced:
-        if forced not in IMPLS:
-            raise ValueError(f"JAXINFER_MOE_IMPL={forced!r}: expected one of {IMPLS}")
-        return forced
+    `weight_dtype`, default `dtype`): `impl` (one of CHOICES) where it names one, else
+    `pick_impl`'s rule, with the Mosaic kernel where it applies unless `impl` is "xla"."""
+    if impl not in CHOICES:
+        raise ValueError(f"moe_impl {impl!r}: expected one of {', '.join(CHOICES)}")
+    if impl in IMPLS:
+        return impl
     num_groups, hidden, inter = weight_shape
     gpu = jax.devices()[0].platform == "gpu"
-    quantized = weight_dtype is not None and jnp.dtype(weight_dtype) != jnp.dtype(dtype)
-    allowed = not quantized or os.environ.get(FP8_KERNEL_ENV, "1") == "1"
     return pick_impl(rows, num_groups, capacity, gpu=gpu,
-                     kernel=(gpu and allowed and _hopper()
+                     kernel=(impl == "auto" and gpu and _hopper()
                              and mosaic_supports(hidden, inter, dtype, weight_dtype)))
 
 
@@ -278,21 +273,20 @@ def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: b
 
 def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
                 group_sizes: jax.Array, *, max_group_size: int | None = None,
-                impl: str | None = None, interpret: bool = False,
+                impl: str = "auto", interpret: bool = False,
                 scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                 glu: Callable | None = None,
                 biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
     [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
-    (the step's token count; default M). impl: one of IMPLS, None = `choose_impl`. interpret: run
+    (the step's token count; default M). impl: one of CHOICES (`choose_impl`). interpret: run
     the Mosaic kernel in its interpreter (CPU tests). scales: float32 [E, out] per stack when the
     weights are 8-bit (w = q * scale). glu: the gated activation `glu(gate, up, dtype)` (default
     SwiGLU; `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it. Returns
     [M, H] in x's dtype; rows past sum(group_sizes) are undefined."""
     m = x_sorted.shape[0]
     capacity = min(m, max_group_size or m)
-    impl = impl or choose_impl(m, weights[0].shape, capacity, x_sorted.dtype,
-                               weights[0].dtype)
+    impl = choose_impl(m, weights[0].shape, capacity, x_sorted.dtype, weights[0].dtype, impl)
     if impl == "mosaic" and scales is not None and (glu is not None or biases is not None):
         # The kernel's plain (unfused) calls take 16-bit stacks only: 8-bit gpt-oss experts
         # take the XLA paths.
@@ -305,6 +299,4 @@ def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Ar
                        glu=glu, biases=biases)
     if impl == "padded":
         return _padded(x_sorted, weights, group_sizes, capacity, scales, glu or _silu_glu, biases)
-    if impl == "ragged":
-        return _ragged(x_sorted, weights, group_sizes, scales, glu or _silu_glu, biases)
-    raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    return _ragged(x_sorted, weights, group_sizes, scales, glu or _silu_glu, biases)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.core.kv_cache.device_cache import allocate_kv_cache
+from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.transformer import forward, init_params
 from pallas_kernels.attention.metadata import AttentionMetadata

@@ -116,7 +116,7 @@ class KVCacheManager:
 
     # ---- admission -----------------------------------------------------------------------
     def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int],
-                            match: bool = True) -> int:
+                            match: bool = True, count: bool = True) -> int:
         """Register a new request and give it the longest cached whole-block prefix of its tokens.
 
         The matched blocks are referenced by the request right away (they cannot be evicted under
@@ -128,7 +128,8 @@ class KVCacheManager:
         Returns the number of tokens whose KV is already cached: a multiple of block_size, always
         < len(token_ids); 0 when prefix caching is off or `match` is False (the request computes
         every token, e.g. for prompt logprobs; its blocks still enter the cache). A match counts
-        one query of len(token_ids) tokens and the hits in ``stats``. Raises ValueError if the
+        one query of len(token_ids) tokens and the hits in ``stats`` (unless `count` is False: a
+        lookup made for a request whose own lookup counted elsewhere). Raises ValueError if the
         request already holds blocks."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already registered with the KV cache "
@@ -147,6 +148,8 @@ class KVCacheManager:
             incref(b)
         num_computed = len(blocks) * self.block_size
         self._requests[request_id] = _RequestBlocks(blocks, num_computed, len(blocks), node)
+        if not count:
+            return num_computed
         self.stats.requests += 1
         self.stats.queries += len(token_ids)
         self.stats.hits += num_computed

@@ -31,6 +31,7 @@ class QuantLinear(nn.Module):
     mode: str
     use_bias: bool = True
     dtype: jnp.dtype = jnp.bfloat16
+    impl: str = "auto"  # quantized_matmul's implementation (ModelConfig.quant_impl)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -38,7 +39,7 @@ class QuantLinear(nn.Module):
         weight = self.param("weight", nn.initializers.zeros, (self.features, k), STORAGE[self.mode])
         scale = self.param(scale_name("weight"), nn.initializers.ones, (self.features,),
                            jnp.float32)
-        y = quantized_matmul(x.astype(self.dtype), weight, scale)
+        y = quantized_matmul(x.astype(self.dtype), weight, scale, impl=self.impl)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)
@@ -49,7 +50,8 @@ def linear(cfg: ModelConfig, dtype) -> functools.partial:
     """The Dense layer class of this model: nn.Dense, or QuantLinear under `cfg.quantization`
     (call it with features, use_bias= and name=)."""
     if cfg.quantization:
-        return functools.partial(QuantLinear, mode=cfg.quantization, dtype=dtype)
+        return functools.partial(QuantLinear, mode=cfg.quantization, dtype=dtype,
+                                 impl=cfg.quant_impl)
     return functools.partial(nn.Dense, dtype=dtype, param_dtype=dtype)
 
 

@@ -1,0 +1,118 @@
+"""Embedding throughput: 512-token inputs at batch 256 through the engine's pooling requests
+(prefill only, last-token pooling), against the prefill matmul roofline measured in the same run.
+
+    python -m benchmarks.bench_embeddings [--shape qwen3_0_6b|llama3_8b] [--save [DIR]]
+    BENCH_TINY_SHAPES=1 python -m benchmarks.bench_embeddings --save   # CPU smoke, tiny shapes
+
+Random bf16 weights of the shape (`--load-format dummy`), token-id inputs. One batch of 256 inputs
+compiles the steps; a second batch of other random inputs is timed (pooling requests never take
+prefix-cache hits: `prefix_hit_rate` 0). The roofline: every token's linear layers (2 x matmul
+parameters FLOPs; attention and the embedding lookup left out) at the bf16 matmul rate of an
+8192^3 product measured here. Metrics: `embed_inputs_s`, `embed_512_tokens_s`,
+`roofline_tokens_s`, `embed_over_roofline` (goal >= 0.7), `matmul_tflop_s`, `prefix_hit_rate`.
+The record is embeddings_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import results_io
+from benchmarks.bench_engine_gpu import LLAMA3_8B
+
+QWEN3_EMBEDDING_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151669,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 512, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32"}
+SHAPES = {"qwen3_0_6b": QWEN3_EMBEDDING_0_6B, "llama3_8b": LLAMA3_8B}
+
+
+def matmul_flop_s(n: int, dtype) -> float:
+    """Best of 5 rate of an n^3 product (2 n^3 FLOPs)."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda p, q: p @ q)
+    jax.block_until_ready(f(a, a))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, a))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def matmul_params(cfg) -> int:
+    """Parameters every token multiplies by in its linear layers (attention and MLP projections;
+    MoE: the routed experts a token uses)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    experts = cfg.num_experts_per_tok if cfg.num_experts else 1
+    return cfg.num_layers * (attn + 3 * h * cfg.intermediate_size * experts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_0_6b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--step-tokens", type=int, default=8192, help="--max-num-batched-tokens")
+    ap.add_argument("--backend", default="mosaic")
+    results_io.add_save_arg(ap, "embeddings_<device>")
+    args = ap.parse_args()
+    tiny = os.environ.get("BENCH_TINY_SHAPES") == "1"
+    from jaxinfer.frontends.llm import LLM
+
+    batch, length = (16, 64) if tiny else (args.batch, args.input_len)
+    shape = TINY if tiny else SHAPES[args.shape]
+    work = Path(tempfile.mkdtemp(prefix="bench_embeddings_"))
+    (work / "config.json").write_text(json.dumps(shape))
+    opts = dict(model=str(work), load_format="dummy", dtype="float32" if tiny else "bfloat16",
+                attention_backend="reference" if tiny else args.backend,
+                max_num_seqs=min(batch, 256), max_num_batched_tokens=256 if tiny else args.step_tokens,
+                max_model_len=2 * length, compilation_cache_dir=str(work / "cache"))
+    llm = LLM(**opts)
+    cfg = llm.engine.cfg
+    rng = np.random.default_rng(0)
+
+    def inputs() -> list[list[int]]:
+        return rng.integers(0, cfg.vocab_size, (batch, length)).tolist()
+
+    t0 = time.perf_counter()
+    llm.embed(inputs(), use_tqdm=False)  # compiles; other inputs are timed below
+    warm_s = time.perf_counter() - t0
+    timed = inputs()
+    t0 = time.perf_counter()
+    out = llm.embed(timed, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert len(out) == batch and all(np.isfinite(v).all() for v in out)
+    rate = matmul_flop_s(1024 if tiny else 8192, jnp.float32 if tiny else jnp.bfloat16)
+    roofline = rate / (2 * matmul_params(cfg))
+    tokens_s = batch * length / elapsed
+    metrics = dict(embed_inputs_s=round(batch / elapsed, 2), embed_512_tokens_s=round(tokens_s, 1),
+                   roofline_tokens_s=round(roofline, 1), embed_over_roofline=round(tokens_s / roofline, 3),
+                   matmul_tflop_s=round(rate / 1e12, 3), elapsed_s=round(elapsed, 3),
+                   warmup_s=round(warm_s, 1), prefix_hit_rate=0.0)
+    print(json.dumps(metrics, indent=1), flush=True)
+    if args.save:
+        results_io.save(args.save, args.name or f"embeddings_{results_io.device_slug()}",
+                        config=dict(shape="tiny" if tiny else args.shape, batch=batch, input_len=length,
+                                    pooling="last", engine=opts), metrics=metrics)
+
+
+if __name__ == "__main__":
+    main()

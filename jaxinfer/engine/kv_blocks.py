@@ -1,0 +1,61 @@
+"""How many KV-cache blocks an engine gets: --num-blocks, else the memory planner's figure."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes
+from jaxinfer.worker.executable_cache import ExecutableCache
+from jaxinfer.worker.kv import plan_kv_cache
+from jaxinfer.worker.kv.kv_scales import kv_cache_backend
+from jaxinfer.worker.kv.planner import largest_free_block_bytes
+from jaxinfer.worker.runner import step_activation_bytes
+from pallas_kernels.attention.backend import get_backend
+
+log = logging.getLogger(__name__)
+
+
+def params_dtype_name(params) -> str:
+    """The weights' dtype ("bfloat16", ...): the model dtype the KV cache follows by default."""
+    return jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+
+
+def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
+                    plan: ShardingPlan | None = None) -> int:
+    """--num-blocks, else the memory planner, per device (device memory x utilization - this
+    device's weight shards - the largest step's activations, over the bytes a block takes on
+    one device); a CPU reports no memory size: there, enough blocks for max_num_seqs
+    full-length sequences, at most 4096."""
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    cache = args.cache_config()
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if jax.devices()[0].platform == "cpu":
+        blocks = min(4096, args.max_num_seqs * math.ceil(max_len / args.block_size))
+        log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
+        return blocks
+    model_dtype = params_dtype_name(params)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
+    activations = step_activation_bytes(
+        cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
+        kv_dtype=kv_dtype,
+        block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,
+        cache=ExecutableCache.under(args.compilation_cache_dir))
+    # A block holds kv_heads_per_device heads on each device.
+    device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
+    devices = plan.mesh.devices.flat if plan else jax.local_devices()[:1]
+    kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),
+                            activation_bytes=activations, model_dtype=model_dtype,
+                            contiguous_bytes=largest_free_block_bytes(
+                                [d for d in devices if d.process_index == jax.process_index()]))
+    log.info(kv_plan.describe())
+    return kv_plan.num_blocks

@@ -1,1 +1,0 @@
-"""Dense matmul kernels (FP8 weight streaming)."""

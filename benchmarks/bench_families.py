@@ -176,7 +176,7 @@ def child(model: str) -> None:
 
     if long:
         # Pool use of one long sequence: the blocks it holds once its first token is out.
-        from jaxinfer.core.kv_cache.planner import kv_bytes_per_block
+        from jaxinfer.worker.kv.planner import kv_bytes_per_block
         from jaxinfer.sampling_params import SamplingParams
         kv = engine.scheduler.kv
         block = engine.args.block_size

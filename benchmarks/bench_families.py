@@ -1,8 +1,12 @@
 """The windowed families end to end on one GPU, dummy bf16 weights: Gemma-3-27B and gpt-oss-20b
 shapes through the engine, against the HBM rate measured in the same run.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --save [--models gemma3_27b,gptoss_20b]
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gemma3_27b --save --merge
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gptoss_20b --save --merge
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_families   # CPU check
+
+(`--merge` keeps the record's other keys: the other model's, the decode-kernel section's from
+benchmarks/bench_window_decode.py.)
 
 Each model runs in its own process (the driver never imports jax, so each child has the whole
 GPU); a child prints `RESULT {json}` lines and the driver writes families_<gpu>.json after each.
@@ -202,7 +206,8 @@ def main() -> None:
     parser.add_argument("--child", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=460, help="per model process")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the saved record's metrics of models this run does not measure")
+                        help="keep the saved record's other metrics (another model's, the decode "
+                             "kernel section's) and config")
     results_io.add_save_arg(parser, "families_<gpu>")
     args = parser.parse_args()
     if args.child:
@@ -227,12 +232,14 @@ def main() -> None:
         if args.save:  # after each model, so a run cut short keeps what it measured
             name = args.name or f"families_{metrics.get('device_slug', 'cpu')}"
             record = {k: v for k, v in metrics.items() if k not in ("machine", "device_slug")}
+            config = {"families": dict(workload(), models=args.models.split(","), tiny=TINY,
+                                       weights="dummy bf16")}
             saved = Path(args.save) / f"{name}.json"
-            if args.merge and saved.is_file():
-                record = {**json.loads(saved.read_text())["metrics"], **record}
-            results_io.save(args.save, name,
-                            config=dict(workload(), models=args.models.split(","), tiny=TINY,
-                                        weights="dummy bf16"), metrics=record,
+            if args.merge and saved.is_file():  # e.g. the decode-kernel section's keys
+                old = json.loads(saved.read_text())
+                record = {**old["metrics"], **record}
+                config = {**old["config"], **config}
+            results_io.save(args.save, name, config=config, metrics=record,
                             machine_info=metrics.get("machine"))
 
 

@@ -21,8 +21,8 @@ import signal
 from aiohttp import web
 
 from serve import chat, completions, info
-from serve.app_keys import (BODY_TIMEOUT, CREATED, ENGINE, MAX_JSON_ITEMS, MAX_REQUEST_BYTES,
-                            MAX_WAITING, OWNS_ENGINE, SHUTDOWN_GRACE)
+from serve.app_keys import (ALLOW_LORA_UPDATES, BODY_TIMEOUT, CREATED, ENGINE, MAX_JSON_ITEMS,
+                            MAX_REQUEST_BYTES, MAX_WAITING, OWNS_ENGINE, SHUTDOWN_GRACE)
 from serve.auth import make_auth_middleware
 from serve.choices import now
 from serve.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
@@ -32,6 +32,7 @@ from serve.engine_requests import LIFECYCLE, Lifecycle
 from serve.errors import error_middleware
 from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
 from serve.json_body import give_large_buffers_back, max_json_items
+from serve.lora_routes import add_lora_routes, add_lora_server_args
 from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
 from serve.reasoning.request import REASONING_PARSER, add_reasoning_args, parser_from_args
 from serve.responses import handlers as responses
@@ -73,6 +74,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S,
                    help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     add_limit_args(g)
+    add_lora_server_args(g)
     add_tool_args(parser.add_argument_group("tool calling"))
     add_reasoning_args(parser.add_argument_group("reasoning"))
     add_store_args(parser.add_argument_group("Responses API"))
@@ -165,6 +167,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[OWNS_ENGINE] = owns_engine
     app[LIFECYCLE] = Lifecycle()
     app[CREATED] = now()
+    app[ALLOW_LORA_UPDATES] = getattr(args, "allow_runtime_lora_updating", False)
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_post("/v1/responses", responses.create_response)
@@ -172,6 +175,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
     app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_get("/v1/models", info.list_models)
+    add_lora_routes(app)
     app.router.add_get("/health", info.health)
     app.router.add_get("/ping", info.health)
     app.router.add_get("/version", info.get_version)

@@ -35,11 +35,17 @@ class EngineView:
     model_name: str
     served_model_names: list[str]
     grammars: object  # structured-output grammars (jaxinfer/structured/grammar.py)
+    lora_requests: dict = dataclasses.field(default_factory=dict)  # adapter name -> LoRARequest
+
+    @property
+    def model_names(self) -> list[str]:
+        return [*self.served_model_names, *self.lora_requests]
 
     @classmethod
     def of(cls, engine) -> "EngineView":
+        loras = {r.lora_name: r for r in engine.list_loras()}
         return cls(engine.tokenizer, engine.cfg, engine.max_model_len, engine.model_name,
-                   engine.args.served_model_names, engine.grammars)
+                   engine.args.served_model_names, engine.grammars, loras)
 
 
 class FinishedGroup:
@@ -109,7 +115,8 @@ class BatchRunner:
         added = 0
         try:
             for rid, prompt in zip(p.engine_ids, req.prompts):
-                self.engine.add_request(rid, prompt, req.params, req.priority, final_output_only=True)
+                self.engine.add_request(rid, prompt, req.params, req.priority, final_output_only=True,
+                                        lora_request=req.lora_request)
                 added += 1
         except InvalidRequestError as e:
             for rid in p.engine_ids[:added]:

@@ -138,7 +138,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_capacity(request.app, req.num_seqs)
     engine_id, response_id = req.ids("chatcmpl")
     created = now()
-    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:
+    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority,
+                            req.lora_request) as group:
         await group.start()
         if req.stream:
             return await stream_chunks(request, chat_chunks(engine, group, req, prefix, response_id, created))

@@ -128,7 +128,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     check_capacity(request.app, req.num_seqs)
     engine_id, response_id = req.ids("cmpl")
     created = now()
-    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:
+    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority,
+                            req.lora_request) as group:
         await group.start()
         if req.stream:
             return await stream_chunks(request, completion_chunks(engine, group, req, response_id, created))

@@ -74,10 +74,10 @@ def check_capacity(app, num_seqs: int = 1) -> None:
 
 class RequestGroup:
     def __init__(self, engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int = 0):
+                 priority: int = 0, lora_request=None):
         self.engine = engine
         self.request_ids = [f"{request_id}{PROMPT_INDEX_SEP}{i}" for i in range(len(prompts))]
-        self._iters = [engine.generate(p, params, rid, priority=priority)
+        self._iters = [engine.generate(p, params, rid, priority=priority, lora_request=lora_request)
                        for p, rid in zip(prompts, self.request_ids)]
         self._first: list[RequestOutput] = []
         self._pending: dict[int, asyncio.Task] = {}  # prompt index -> task awaiting its next output

@@ -40,6 +40,10 @@ async def list_models(request: web.Request) -> web.Response:
               "owned_by": "jaxinfer", "root": engine.model_name, "parent": None,
               "max_model_len": engine.max_model_len, "permission": []}
              for name in engine.served_model_names]
+    cards += [{"id": name, "object": "model", "created": request.app[CREATED],
+               "owned_by": "jaxinfer", "root": lora.lora_path, "parent": engine.model_name,
+               "max_model_len": engine.max_model_len, "permission": []}
+              for name, lora in engine.lora_requests.items()]
     return web.json_response({"object": "list", "data": cards})
 
 
@@ -60,7 +64,7 @@ def _tokenize(engine, body: dict) -> list[int]:
     for generation requests."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
     log_unknown_fields(body, TOKENIZE_FIELDS, "/tokenize")
-    check_model(body, engine.served_model_names)
+    check_model(body, engine.model_names)
     tok = engine.tokenizer
     if "messages" in body:
         text = render_chat(tok, body, engine.max_model_len)
@@ -76,7 +80,7 @@ def _detokenize(engine, body: dict) -> str:
     """Runs in a worker thread."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
     log_unknown_fields(body, frozenset({"model", "tokens"}), "/detokenize")
-    check_model(body, engine.served_model_names)
+    check_model(body, engine.model_names)
     ids = body.get("tokens")
     if not isinstance(ids, list):
         raise APIError(400, "detokenize needs 'tokens': a list of token ids", "tokens")

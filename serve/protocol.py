@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
 from serve.app_keys import BODY_TIMEOUT, MAX_JSON_ITEMS
 from serve.choices import new_response_id
@@ -43,6 +44,7 @@ class GenerationRequest:
     request_id: str | None = None     # the client's id for the response (vLLM's `request_id`)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (serve/tools.py)
     reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser (serve/reasoning/)
+    lora_request: LoRARequest | None = None  # the LoRA adapter `model` names (None: the base)
 
     @property
     def num_seqs(self) -> int:
@@ -219,7 +221,7 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
     in a worker thread (it tokenizes): every size is bounded before the work it would cost."""
     check_strings(body, engine.tokenizer, engine.max_model_len)
     check_fields(body, chat, reasoning=reasoning_parser is not None)
-    check_model(body, engine.served_model_names)
+    check_model(body, engine.model_names)
     check_stop(body.get("stop"), limits)
     tokenizer, vocab_size, max_len = engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len
     stream = bool_field(body, "stream", False)
@@ -289,7 +291,7 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
     _check_best_of(body, params.n)
     return GenerationRequest(prompts, texts, params, stream, include_usage, continuous_usage, echo,
                              top_logprobs, generate_nothing, _priority(body), _request_id(body), tools,
-                             reasoning)
+                             reasoning, engine.lora_requests.get(body.get("model")))
 
 
 def _truncate(body: dict, tokenizer, prompts: list[list[int]], texts: list[str],

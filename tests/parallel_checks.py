@@ -34,6 +34,7 @@ from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
+from lora_parallel_checks import lora_checks  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
 from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.attention import shard_backend  # noqa: E402
@@ -357,7 +358,7 @@ def spec_decode_checks(out: dict) -> None:
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     checks = (model_checks, shard_checks, engine_checks, sampler_layout_checks,
-              spec_decode_checks, executable_cache_checks)
+              spec_decode_checks, executable_cache_checks, lora_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
     for check in checks:

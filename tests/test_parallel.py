@@ -76,6 +76,13 @@ def runs(tmp_path_factory):
     return json.loads(done.read_text())
 
 
+def test_lora_tp2_equals_single_device(runs):
+    """An adapter row and a base row in one batch (lora_parallel_checks.py)."""
+    checks = runs["checks"]
+    assert checks["lora/tp2"] == checks["lora/tp1"]
+    assert checks["lora/tp1"][0] != checks["lora/base"]  # the adapter row is not the base model's
+
+
 @pytest.mark.parametrize("family, tp", [(f, 2) for f in FAMILIES] + [("qwen2", 4), ("qwen3_moe", 4)])
 def test_tp_greedy_tokens_equal_single_device(runs, family, tp):
     """Every family at TP = 2; at TP = 4 (KV heads replicated) the two whose parameters hold every

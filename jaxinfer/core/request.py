@@ -54,6 +54,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.lora_id = 0  # its LoRA adapter's lora_int_id (0: the base model)
         stop = [] if params.ignore_eos else list(eos_token_ids)
         stop += [t for t in params.stop_token_ids if t not in stop]
         # EOS ids + stop_token_ids, fixed width for the jitted step (validated to fit).
@@ -123,6 +124,7 @@ class Sequence:
         self.num_computed = num_computed
         self.status = SeqStatus.WAITING
         self.slot = -1  # row of the device's last-sampled-token array while running
+        self.lora_slot = 0  # its adapter's slot in the LoRA stacks while running (0: none)
         self.admit_order = -1
         self.scheduled_in = -1  # the scheduler step that last scheduled it
         self.token_limit = 1 << 62  # set when it starts running (set_token_limit)

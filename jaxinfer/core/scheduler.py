@@ -121,6 +121,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Speculative decoding policy and proposer (spec_decode.proposer.Speculator), or None.
         self.speculator = None
+        # LoRA adapters' device slots (core/lora_slots.py), or None (no LoRA): a sequence is
+        # admitted only once its adapter has a slot. Requests whose adapter could not be loaded
+        # at admission: (request id, error), for the engine to fail (`take_failed`).
+        self.lora_slots = None
+        self._failed: list[tuple[str, Exception]] = []
 
     # ---- queues ---------------------------------------------------------------------------
     @property
@@ -229,6 +234,26 @@ class Scheduler:
         self.running.remove(seq)
         self._slots_reserved -= self._slot_cost(seq)
         self._release_slot(seq)
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq)
+
+    def _acquire_lora(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter (if any) has a slot now; a failed load fails the request."""
+        if self.lora_slots is None:
+            return True
+        try:
+            return self.lora_slots.acquire(seq)
+        except Exception as e:  # noqa: BLE001 - one adapter's failure is its requests'
+            self._failed.append((seq.request.request_id, e))
+            return False
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _cache_namespace(self, seq: Sequence):
+        lora_id = getattr(seq.request, "lora_id", 0)
+        return self.lora_slots.namespace(lora_id) if self.lora_slots is not None else None
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -259,6 +284,7 @@ class Scheduler:
             for i in range(request.params.n):
                 child = self.make_choice(request, i, p.num_computed)
                 self.kv.fork(p.seq_id, child.seq_id)
+                self._acquire_lora(child)  # (the adapter's slot is still its: no load)
                 self._start_running(child)
             self.kv.free(p.seq_id)
 
@@ -369,14 +395,19 @@ class Scheduler:
                 break
             if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
                 break
+            if not self._acquire_lora(seq):  # every adapter slot busy: wait for one
+                break
             if not self.kv.has_request(seq.seq_id):
                 # Prompt logprobs and pooling need every prompt position computed: no prefix hit.
                 seq.num_computed = self.kv.get_computed_blocks(
-                    seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden)
+                    seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden,
+                    namespace=self._cache_namespace(seq))
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
                 seq.num_computed = 0
+                if self.lora_slots is not None:
+                    self.lora_slots.release(seq)
                 break
             heapq.heappop(self._waiting)
             self._num_waiting -= 1

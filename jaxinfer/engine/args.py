@@ -14,6 +14,7 @@ from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
+from jaxinfer.engine.lora_args import add_lora_arguments, check_lora_args
 from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
@@ -103,6 +104,12 @@ class EngineArgs:
     decode_tensor_parallel_size: int = 1
     prefill_devices: str | list[int] | None = None  # device indices; default: the first ones
     decode_devices: str | list[int] | None = None   # default: the ones after the prefill group
+    # LoRA adapters (engine/lora_args.py, docs/lora.md).
+    enable_lora: bool = False
+    lora_modules: list | None = None  # "name=path" or {"name": ..., "path": ...} entries
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     def __post_init__(self):
         def check(ok: bool, flag: str, value, why: str):
@@ -141,6 +148,7 @@ class EngineArgs:
         self.cache_config()  # validates the KV-cache flags
         self.spec_config()  # validates the speculative-decoding flags
         check_disagg_args(self)
+        check_lora_args(self)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size,
@@ -270,6 +278,7 @@ class EngineArgs:
         add_parallel_arguments(parser)
         add_speculative_arguments(parser)
         add_disagg_arguments(parser)
+        add_lora_arguments(parser)
         return parser
 
     @classmethod

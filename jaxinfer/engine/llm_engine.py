@@ -50,6 +50,7 @@ from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
 from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
+from jaxinfer.engine.lora import LoRAMixin, with_lora_stacks
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.quant_scheme import resolve_quantization
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
-class LLMEngine(TrainingLoopMixin, EngineClient):
+class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
     """One engine: a scheduler, a runner and an output processor on one replica's devices."""
 
     weight_version = 0  # +1 per update_weights; on every RequestOutput
@@ -78,9 +79,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         over several engines passes `role` (a disaggregated pair's "prefill" | "decode": what
         warm-up compiles first), `grammars` (one compiled-grammar cache for all its engines) and
         `outputs_cls` (the prefill engine's hand-off output processor)."""
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.args = args
+        self.cfg, self.tokenizer, self.args = cfg, tokenizer, args
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -93,8 +92,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
                 f"{num_blocks * args.block_size} tokens) cannot hold one sequence of max_model_len="
                 f"{self.max_model_len} tokens: raise --num-blocks (or --gpu-memory-utilization) or "
                 f"lower --max-model-len")
-        self.model_name = args.model_name
-        self.metrics = metrics or EngineMetrics(self.model_name)
+        self.model_name, self.metrics = args.model_name, metrics or EngineMetrics(args.model_name)
         self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
@@ -139,6 +137,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         # Called with each processed step's live sequences before the scheduler frees the finished
         # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
         self.on_processed: Callable[[list[Sequence]], None] | None = None
+        self._init_lora(plan)
 
     # ---- construction from flags ------------------------------------------------------------
     def adopt_running(self, req: Request, seq: Sequence) -> None:
@@ -188,6 +187,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
                             shardings=plan.params(param_shapes(cfg, dtype)))))
             draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
+            params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)
             num_blocks = plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
@@ -219,8 +219,8 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None, *,
-                    final_output_only: bool = False) -> Request:
-        """Validate and queue a request. Raises InvalidRequestError (nothing is queued)."""
+                    final_output_only: bool = False, lora_request=None) -> Request:
+        """Validate and queue a request (on `lora_request`'s adapter). Raises InvalidRequestError."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
@@ -251,6 +251,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
                       grammar, weight_version=self.weight_version,
                       final_output_only=final_output_only)
+        req.lora_id = self._lora_id(lora_request)
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
@@ -318,7 +319,6 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         """The requests failed since the previous call (each already aborted)."""
         failed, self._failed = self._failed, []
         return failed
-
 
     def _dispatch_failed(self, sched, error: Exception) -> None:
         """A step could not be built or dispatched. Undo what scheduling it did to its sequences (so
@@ -394,6 +394,7 @@ class LLMEngine(TrainingLoopMixin, EngineClient):
         self._maybe_profile()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self._fail_lora_admissions()
         t_sched = time.perf_counter()
         handle = None
         if sched:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.core.outputs import RequestOutput
-from jaxinfer.errors import RequestFailedError
+from jaxinfer.errors import InvalidRequestError, RequestFailedError
 from jaxinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,9 +41,10 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None, *,
-                    final_output_only: bool = False) -> object:
+                    final_output_only: bool = False, lora_request=None) -> object:
         """Validate and queue a request; raises InvalidRequestError (nothing queued). With
-        `final_output_only` the request reports once, when it finishes: every choice, whole text."""
+        `final_output_only` the request reports once, when it finishes: every choice, whole text.
+        `lora_request`: its LoRA adapter (a LoRARequest; docs/lora.md), None for the base model."""
 
     @abc.abstractmethod
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
@@ -89,6 +90,19 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def wake(self) -> None: ...
+
+    # ---- LoRA adapters (served by LLMEngine; the other front ends refuse them) ----------------
+    def list_loras(self) -> list:
+        return []
+
+    def load_lora_adapter(self, name: str, path: str):
+        raise InvalidRequestError(f"{type(self).__name__} serves no LoRA adapters", "lora_name")
+
+    def remove_lora(self, name: str) -> None:
+        raise InvalidRequestError(f"{type(self).__name__} serves no LoRA adapters", "lora_name")
+
+    def update_lora(self, name: str, params: dict) -> None:
+        raise InvalidRequestError(f"{type(self).__name__} serves no LoRA adapters", "lora_name")
 
     def check_health(self) -> None:
         """Raise if the front end can no longer serve (the server's /health). Called from any

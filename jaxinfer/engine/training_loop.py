@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.weight_update import PartialUpdateError, check_params, place_like
 from jaxinfer.model.fused_projections import fuse_projections, is_fused
+from jaxinfer.model.lora.stacks import LORA
 
 
 class TrainingLoopMixin:
@@ -32,11 +33,12 @@ class TrainingLoopMixin:
         PartialUpdateError), the engine keeps the mix of new and old parameters it then holds."""
         if is_fused(self.runner.params):  # the engine serves q/k/v and gate/up fused
             params = fuse_projections(params)
-        check_params(params, self.runner.params)  # (a refusal before anything changes)
+        base = {k: v for k, v in self.runner.params.items() if k != LORA}  # (adapters stay)
+        check_params(params, base)  # (a refusal before anything changes)
         outs = self._abort_all()
         self.scheduler.reset_prefix_cache()
         try:
-            placed = place_like(params, self.runner.params, release_old=self.owns_weights)
+            placed = place_like(params, base, release_old=self.owns_weights)
         except PartialUpdateError as e:
             self._install_weights(e.params)
             raise

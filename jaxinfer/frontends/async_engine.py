@@ -34,6 +34,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError, RequestFailedError
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.startup import STARTUP_LOG_PREFIX
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
         self.served_model_names = engine.args.served_model_names
+        # The LoRA adapters requests may name as their `model` (a copy for the event loop's side,
+        # updated when a load or unload has run on the engine thread).
+        self.lora_requests: dict[str, LoRARequest] = {
+            r.lora_name: r for r in engine.list_loras()}
         self.metrics = engine.metrics
         self.num_total_blocks = engine.num_total_blocks
         self.is_ready = False
@@ -129,16 +134,49 @@ class AsyncEngine:
                 self._unadded[request_id] = count
 
     # ---- requests -----------------------------------------------------------------------------
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request's `model` may give: the served names, then the adapters'."""
+        return [*self.served_model_names, *self.lora_requests]
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Register a new adapter (read and checked on the engine thread; raises
+        InvalidRequestError / LoRAAdapterError, changing nothing)."""
+        lora = await self._on_engine_thread(lambda: self.engine.load_lora_adapter(name, path))
+        self.lora_requests[name] = lora
+        return lora
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._on_engine_thread(lambda: self.engine.remove_lora(name))
+        self.lora_requests.pop(name, None)
+
+    async def _on_engine_thread(self, fn: Callable):
+        """Run `fn` between steps on the engine thread; its result or exception."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def command():
+            try:
+                result = fn()
+            except BaseException as e:  # the caller's to report, the loop goes on
+                loop.call_soon_threadsafe(_settle, done, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, None, result)
+
+        self._submit(command)
+        return await done
+
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Validation errors (InvalidRequestError) raise on the first
         __anext__; leaving the iteration early (break, cancellation) aborts the request and frees
         its KV blocks. Its sequences count as waiting from this call on."""
         n = params.n if isinstance(params.n, int) and params.n > 0 else 1
         self._set_unadded(request_id, n)
-        return self._generate(prompt, params, request_id, priority)
+        return self._generate(prompt, params, request_id, priority, lora_request)
 
-    async def _generate(self, prompt, params, request_id, priority):
+    async def _generate(self, prompt, params, request_id, priority, lora_request):
         if self.errored is not None:
             self._set_unadded(request_id, None)
             raise EngineDeadError("the engine loop has died") from self.errored
@@ -148,7 +186,8 @@ class AsyncEngine:
 
         def add():
             try:
-                self.engine.add_request(request_id, prompt, params, priority)
+                self.engine.add_request(request_id, prompt, params, priority,
+                                        lora_request=lora_request)
             except BaseException as e:  # reported to the caller, the loop goes on
                 loop.call_soon_threadsafe(_settle, added, e)
                 return
@@ -248,10 +287,10 @@ class AsyncEngine:
             log.exception("could not tell the other processes to stop")
 
 
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, error: BaseException | None, result=None) -> None:
     if fut.done():
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

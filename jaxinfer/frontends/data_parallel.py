@@ -55,8 +55,11 @@ class DataParallelEngine(EngineClient):
         return len(replica.requests) / replica.args.max_num_seqs + replica.scheduler.kv_cache_stats()[0]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, *, final_output_only: bool = False):
+                    arrival_time: float | None = None, *, final_output_only: bool = False,
+                    lora_request=None):
         from jaxinfer.errors import InvalidRequestError
+        if lora_request is not None:  # (--enable-lora refuses data parallelism)
+            raise InvalidRequestError("LoRA adapters are not served with data parallelism", "model")
         if request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")

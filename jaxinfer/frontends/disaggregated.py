@@ -142,7 +142,10 @@ class DisaggregatedEngine(EngineClient):
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, *, final_output_only: bool = False):
+                    arrival_time: float | None = None, *, final_output_only: bool = False,
+                    lora_request=None):
+        if lora_request is not None:  # (--enable-lora refuses --disaggregate)
+            raise InvalidRequestError("LoRA adapters are not served disaggregated", "model")
         if request_id in self._transit or request_id in self.decode.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")

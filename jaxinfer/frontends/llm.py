@@ -13,6 +13,7 @@ from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.frontends.factory import create_engine
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
 class LLM:
@@ -27,9 +28,12 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); returns one final RequestOutput per prompt,
-        in prompt order, with every choice's full text and token ids."""
+        in prompt order, with every choice's full text and token ids. `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -37,12 +41,16 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts",
                                       param="sampling_params")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(prompts)} prompts",
+                                      param="lora_request")
         ids, finals = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             rid = f"offline-{self._counter}"
             self._counter += 1
             self.engine.add_request(rid, prompt, p, priority[i] if priority else 0,
-                                    final_output_only=True)
+                                    final_output_only=True, lora_request=loras[i])
             ids.append(rid)
         wanted = set(ids)
         from tqdm import tqdm
@@ -96,6 +104,10 @@ class LLM:
     def update_weights(self, params) -> None:
         """New weights for the next `generate` (see LLMEngine.update_weights)."""
         self.engine.update_weights(params)
+
+    def update_lora(self, name: str, params: dict) -> None:
+        """New weights for a loaded LoRA adapter, in place (see LLMEngine.update_lora)."""
+        self.engine.update_lora(name, params)
 
     def sleep(self) -> None:
         """Release the KV cache's device memory until `wake()` (see LLMEngine.sleep)."""

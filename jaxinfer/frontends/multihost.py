@@ -130,7 +130,10 @@ class StreamLeader(EngineClient):
 
     # ---- recorded calls -----------------------------------------------------------------------
     def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, *,
-                    final_output_only: bool = False):
+                    final_output_only: bool = False, lora_request=None):
+        if lora_request is not None:  # (--enable-lora refuses several processes)
+            from jaxinfer.errors import InvalidRequestError
+            raise InvalidRequestError("LoRA adapters are not served by multi-process runs", "model")
         # as the engine got them (what is reported, final_output_only, is process 0's alone)
         event = _encode(("add", request_id, prompt, params, priority))
         before = _rng_state(self._engine)

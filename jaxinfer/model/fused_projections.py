@@ -79,11 +79,13 @@ def fuse_for_serving(params: dict) -> dict:
 
 
 def project(module, dense: Callable, x: jax.Array, parts: Sequence[tuple[str, int]],
-            fused: str) -> list[jax.Array]:
+            fused: str, adapt: Callable | None = None) -> list[jax.Array]:
     """The outputs of the projections `parts` ((name, features), in fused order) of `x`: one
     matmul when `module`'s params hold them fused as `fused`, else one each. `dense(features,
-    name=...)` makes a projection layer."""
+    name=...)` makes a projection layer; `adapt(name, x, y)` adds to a projection's output what
+    else belongs to it (the LoRA delta, lora/delta.py), before a fused output is split."""
+    adapt = adapt or (lambda name, x, y: y)
     if module.has_variable("params", fused):
-        y = dense(sum(f for _, f in parts), name=fused)(x)
+        y = adapt(fused, x, dense(sum(f for _, f in parts), name=fused)(x))
         return jnp.split(y, list(itertools.accumulate(f for _, f in parts))[:-1], axis=-1)
-    return [dense(f, name=n)(x) for n, f in parts]
+    return [adapt(n, x, dense(f, name=n)(x)) for n, f in parts]

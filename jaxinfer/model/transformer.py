@@ -21,6 +21,8 @@ import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, RopeConfig, rope_inv_freq
 from jaxinfer.model.fused_projections import project
+from jaxinfer.model.lora.delta import apply_lora
+from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.model.experts import expert_dispatch
 from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
@@ -91,15 +93,17 @@ class Attention(nn.Module):
     window: int | None = None  # this layer's sliding window; None: full attention
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv=None, md=None):
+    def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None):
         """Paged path: x [T, H] with kv=(k_cache, v_cache) and md. Dense path (training):
-        x [B, L, H] with kv=None, causal within each row."""
+        x [B, L, H] with kv=None, causal within each row. `lora_slot` i32[T]: each token's LoRA
+        slot (None: no LoRA)."""
         cfg = self.cfg
         d = cfg.head_dim
         dense = linear(cfg, self.dtype)
+        adapt = functools.partial(apply_lora, self, lora_slot)
         q, k, v = project(self, functools.partial(dense, use_bias=cfg.qkv_bias), x,
                           (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
-                           ("v_proj", cfg.num_kv_heads * d)), "qkv_proj")
+                           ("v_proj", cfg.num_kv_heads * d)), "qkv_proj", adapt)
         q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
         k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
         v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
@@ -124,7 +128,7 @@ class Attention(nn.Module):
             out = self.backend(q, k_cache, v_cache, md, **variant)
             new_kv = (k_cache, v_cache)
         out = out.reshape(*x.shape[:-1], cfg.num_heads * d)
-        return dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out), new_kv
+        return adapt("o_proj", out, dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out)), new_kv
 
 
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(nn.gelu, approximate=True)}
@@ -137,12 +141,14 @@ class MLP(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora_slot=None):
         dense = functools.partial(linear(self.cfg, self.dtype), use_bias=self.cfg.mlp_bias)
+        adapt = functools.partial(apply_lora, self, lora_slot)
         f = self.cfg.intermediate_size
-        gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj")
+        gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj",
+                           adapt)
         h = ACTIVATIONS[self.cfg.hidden_act](gate) * up
-        return dense(self.cfg.hidden_size, name="down_proj")(h)
+        return adapt("down_proj", h, dense(self.cfg.hidden_size, name="down_proj")(h))
 
 
 class MoE(nn.Module):
@@ -203,7 +209,7 @@ class DecoderLayer(nn.Module):
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, delta, cos, sin, kv=None, md=None):
+    def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None):
         """-> (residual stream, this layer's MLP output, new KV): the stream after the layer is
         their sum, which the next norm adds (`delta`: the previous layer's MLP output, None in the
         first layer), so a backend's add + norm kernel does both."""
@@ -216,15 +222,16 @@ class DecoderLayer(nn.Module):
         else:
             x, h = norm(name="input_norm")(x, delta)
         attn_out, new_kv = Attention(cfg, self.backend, self.dtype, self.window, name="attn")(
-            h, cos, sin, kv, md)
+            h, cos, sin, kv, md, lora_slot)
         if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
             attn_out = norm(name="post_attn_norm")(attn_out)
             x, h = norm(name="pre_ff_norm")(x, attn_out)
         else:
             x, h = norm(name="post_attn_norm")(x, attn_out)
-        mlp = (MoE(cfg, self.dtype, self.backend, name="moe") if self.moe
-               else MLP(cfg, self.dtype, name="mlp"))
-        out = mlp(h)
+        if self.moe:
+            out = MoE(cfg, self.dtype, self.backend, name="moe")(h)
+        else:
+            out = MLP(cfg, self.dtype, name="mlp")(h, lora_slot)
         if cfg.sandwich_norms:
             out = norm(name="post_ff_norm")(out)
         return x, out, new_kv
@@ -237,7 +244,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, token_ids, positions, kv_cache=None, md=None, logits_indices=None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, lora_slot=None):
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          name="embed")
@@ -254,7 +261,8 @@ class Transformer(nn.Module):
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
                                                   cfg.layer_window(i),
-                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md)
+                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md,
+                                                                     lora_slot)
             new_cache.append(layer_kv)
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
                             cfg.norm_offset, name="final_norm")(x, delta)
@@ -295,14 +303,20 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             kv_cache: KVCache, md: AttentionMetadata, backend: AttentionBackend = REFERENCE,
-            logits_indices: jax.Array | None = None, return_hidden: bool = False):
+            logits_indices: jax.Array | None = None, return_hidden: bool = False,
+            lora_slot: jax.Array | None = None):
     """One step over a flat ragged batch. token_ids, positions: int32[T]. Returns float32 logits for
     every token (or only at `logits_indices`) and the updated cache; with `return_hidden` also the
-    final-normed hidden states of every token [T, H] (for `lm_head` on other rows)."""
+    final-normed hidden states of every token [T, H] (for `lm_head` on other rows). With LoRA
+    stacks in `params["lora"]` (lora/stacks.py), `lora_slot` i32[T] gives each token's adapter
+    slot (0: none)."""
     dtype = params["embed"]["embedding"].dtype
     model = Transformer(cfg, backend, dtype)
-    return model.apply({"params": params}, token_ids, positions, kv_cache, md, logits_indices,
-                       return_hidden)
+    variables = {"params": {k: v for k, v in params.items() if k != LORA}}
+    if LORA in params:
+        variables["lora"] = params[LORA]
+    return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
+                       return_hidden, lora_slot)
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -35,6 +35,7 @@ from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.model.fused_projections import is_fused
+from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache, forward
 from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
@@ -60,7 +61,8 @@ def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: Model
     scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
     with jax.named_scope(scope):
         return forward(params, cfg, input_ids(batch, last_tokens), batch.positions, kv_cache,
-                       batch.md, backend, batch.logits_indices, return_hidden=with_hidden)
+                       batch.md, backend, batch.logits_indices, return_hidden=with_hidden,
+                       lora_slot=batch.lora_slot)
 
 
 def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
@@ -108,7 +110,8 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
                                num_decodes=s)
         ids = last[jnp.minimum(slots, last.shape[0] - 1)]
         with jax.named_scope("decode"):
-            logits, kv = forward(params, cfg, ids, pos, kv, md, backend, batch.logits_indices)
+            logits, kv = forward(params, cfg, ids, pos, kv, md, backend, batch.logits_indices,
+                                 lora_slot=batch.lora_slot)  # (T == S: one token a row)
         t = dataclasses.replace(t0, out_pos=t0.out_pos + i)
         with jax.named_scope("sample"):  # laid out as in _sample_step
             out = sample_in_layout(functools.partial(sample, variant=variant), logits, t, plan)
@@ -304,8 +307,9 @@ class ModelRunner:
         self.speculation = step
 
     def install_params(self, params) -> None:
-        """New weights, already placed like the running ones (LLMEngine.update_weights)."""
-        self.params = params
+        """New weights placed like the running ones (LLMEngine.update_weights); LoRA stays."""
+        lora = self.params.get(LORA)
+        self.params = params if lora is None else {**params, LORA: lora}
 
     def replace_kv_cache(self, update: Callable[[KVCache], KVCache]) -> None:
         """`update` takes the KV cache (donate it) and returns the one to run on: a disaggregated
@@ -331,6 +335,21 @@ class ModelRunner:
         self.kv_cache = jax.tree_util.tree_unflatten(
             treedef, [jnp.zeros(shape, dtype, device=where) for shape, dtype, where in specs])
         self._kv_spec = None
+
+    # ---- LoRA adapter slots (model/lora/stacks.py) ---------------------------------------------
+    @property
+    def has_lora(self) -> bool:
+        return LORA in self.params
+
+    def write_lora_slot(self, slot: int, arrays: dict) -> None:
+        """Replace one slot of the LoRA stacks (slot_arrays' host tree) by a donated in-place
+        update, queued behind the steps already dispatched (on the launcher thread, if any)."""
+        def write():
+            self.params = {**self.params, LORA: write_slot(self.params[LORA], slot, arrays)}
+        if self.launcher is not None:
+            self.launcher.submit(write).result()
+        else:
+            write()
 
     # ---- compilation ------------------------------------------------------------------------
     def cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:
@@ -395,7 +414,7 @@ class ModelRunner:
         t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
                               compiler and compiler.ready_forwards)
         batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
-                                 self.max_blocks, self.max_model_len, variant)
+                                 self.max_blocks, self.max_model_len, variant, self.has_lora)
         # A loop runs only once compiled (else: one step; the scheduler's reserve is harmless).
         is_loop = sched.decode_steps > 1 and not sched.prefills and (
             compiler is None or (nd == s and s in compiler.ready_loops))

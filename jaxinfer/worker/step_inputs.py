@@ -37,6 +37,8 @@ class StepBatch:
     logits_indices: jax.Array  # i32[S]: the last new token of each row
     emit_slot: jax.Array       # i32[S]: >= 0 -> store the row's sampled token in last_tokens
     sampling: SamplingTensors
+    # i32[T]: each token's LoRA slot (its row's adapter; 0: none), None when LoRA is off.
+    lora_slot: jax.Array | None = None
 
 
 def input_ids(batch: StepBatch, last_tokens: jax.Array) -> jax.Array:
@@ -139,10 +141,10 @@ def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
 def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
                      num_seqs: int, table: SamplingTable,
                      block_size: int, max_blocks: int, max_model_len: int,
-                     variant: SamplerVariant) -> StepBatch:
+                     variant: SamplerVariant, lora: bool = False) -> StepBatch:
     """rows: decodes first, each with its block ids. num_decode_rows: the static decode count
     (T == S == num_decode_rows for a pure-decode bucket, 0 for a mixed step). Returns numpy
-    arrays (the caller device_puts).
+    arrays (the caller device_puts). `lora`: the batch carries each token's LoRA slot.
 
     The per-row work is plain list appends; every array is then made by a few vectorized numpy
     operations (this runs every step: 256 rows must cost well under a millisecond)."""
@@ -216,7 +218,12 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     md = AttentionMetadata(slot_mapping, qsl, seq_lens, block_tables, num_decodes=num_decode_rows)
     sampling = sampling_tensors(rows, padded(table_rows, num_seqs, table.pad), seq_lens, table,
                                 max_model_len, variant)
-    return StepBatch(token_ids, input_slot, positions, md, logits_indices, emit_slot, sampling)
+    lora_slot = None
+    if lora:
+        lora_slot = np.zeros(num_tokens, i32)
+        lora_slot[:t] = np.repeat([entry.seq.lora_slot for entry in rows], q_lens)
+    return StepBatch(token_ids, input_slot, positions, md, logits_indices, emit_slot, sampling,
+                     lora_slot)
 
 
 def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens: np.ndarray,

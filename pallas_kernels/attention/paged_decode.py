@@ -2,8 +2,8 @@
 
 Both have the attention backend's `decode` signature (see `backend.py`):
 
-    decode(q[S, Hq, D], k_cache, v_cache, block_tables[S, M], seq_lens[S], *, scale, softcap)
-        -> [S, Hq, D]
+    decode(q[S, Hq, D], k_cache, v_cache, block_tables[S, M], seq_lens[S], *, scale, softcap,
+           window, sinks) -> [S, Hq, D]
 
 - `paged_decode_mosaic` (`paged_decode_mosaic.py`): Mosaic GPU for Hopper — persistent CTAs,
   block-table-driven TMA page loads, a warp-specialised multi-stage pipeline, wgmma.

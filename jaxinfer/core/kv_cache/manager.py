@@ -116,7 +116,8 @@ class KVCacheManager:
 
     # ---- admission -----------------------------------------------------------------------
     def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int],
-                            match: bool = True, count: bool = True) -> int:
+                            match: bool = True, count: bool = True,
+                            namespace: Hashable = None) -> int:
         """Register a new request and give it the longest cached whole-block prefix of its tokens.
 
         The matched blocks are referenced by the request right away (they cannot be evicted under
@@ -129,8 +130,9 @@ class KVCacheManager:
         < len(token_ids); 0 when prefix caching is off or `match` is False (the request computes
         every token, e.g. for prompt logprobs; its blocks still enter the cache). A match counts
         one query of len(token_ids) tokens and the hits in ``stats`` (unless `count` is False: a
-        lookup made for a request whose own lookup counted elsewhere). Raises ValueError if the
-        request already holds blocks."""
+        lookup made for a request whose own lookup counted elsewhere). `namespace` keys the
+        prefix (a LoRA adapter's blocks are matched only by requests of that adapter: None is
+        the base model's). Raises ValueError if the request already holds blocks."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already registered with the KV cache "
                              f"manager; free() it before matching its prefix again")
@@ -139,10 +141,10 @@ class KVCacheManager:
             self._requests[request_id] = _RequestBlocks([], 0, 0, None)
             return 0
         if not match:
-            self._requests[request_id] = _RequestBlocks([], 0, 0, cache.root)
+            self._requests[request_id] = _RequestBlocks([], 0, 0, cache.root_of(namespace))
             return 0
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        blocks, node = cache.match(token_ids, max_blocks)
+        blocks, node = cache.match(token_ids, max_blocks, namespace)
         incref = self.pool.incref
         for b in blocks:
             incref(b)

@@ -16,11 +16,14 @@ KV-cache manager guarantees:
    its parent, and a prefix hit takes the whole path out of the LRU at once.
 
 So the LRU head is always a leaf; ``_on_evict`` checks it anyway and raises if the invariant breaks.
+
+A *namespace* (a LoRA adapter and its weight version; None for the base model) has a root of its
+own, so the same tokens under another namespace never match: their KV differs.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
 
@@ -42,6 +45,7 @@ class PrefixCache:
         self.pool = pool
         self.block_size = block_size
         self.root = _Node(None, -1, None)
+        self._roots: dict[Hashable, _Node] = {None: self.root}
         self._node_of_block: dict[int, _Node] = {}
         pool.on_evict = self._on_evict
 
@@ -52,13 +56,21 @@ class PrefixCache:
     def node_of(self, block_id: int) -> _Node | None:
         return self._node_of_block.get(block_id)
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], _Node]:
-        """Longest cached run of whole blocks that prefixes ``token_ids``, at most ``max_blocks``.
+    def root_of(self, namespace: Hashable = None) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node(None, -1, None)
+        return root
+
+    def match(self, token_ids: Sequence[int], max_blocks: int,
+              namespace: Hashable = None) -> tuple[list[int], _Node]:
+        """Longest cached run of whole blocks that prefixes ``token_ids`` under ``namespace``, at
+        most ``max_blocks``.
 
         Returns the block ids (not yet referenced: the caller increfs them) and the deepest node
-        matched (the root when nothing matched)."""
+        matched (the namespace's root when nothing matched)."""
         bs = self.block_size
-        node, blocks = self.root, []
+        node, blocks = self.root_of(namespace), []
         for i in range(max_blocks):
             child = node.children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
             if child is None:
@@ -99,4 +111,5 @@ class PrefixCache:
             self.pool.uncache(block_id)
         self._node_of_block.clear()
         self.root = _Node(None, -1, None)
+        self._roots = {None: self.root}
         return freed

@@ -1,0 +1,71 @@
+"""The LoRA flags (vLLM's names and meanings): --enable-lora, --lora-modules name=path ...,
+--max-loras, --max-lora-rank, --max-cpu-loras."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.lora_request import LoRARequest
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters over the base model (docs/lora.md)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters to serve from the start, as name=path or a JSON object "
+                        '{"name": ..., "path": ...}; a request picks one by its `model` field')
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="adapters one step can serve at once (device slots; default: 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest adapter rank (r) accepted; every slot is this wide (default: 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras); others are read "
+                        "from their files again when needed")
+
+
+def lora_modules(specs) -> list[LoRARequest]:
+    """--lora-modules' entries as LoRARequests, ids 1, 2, ... in order."""
+    out = []
+    for spec in specs or ():
+        if isinstance(spec, dict):
+            entry = spec
+        elif spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--lora-modules {spec!r}: not valid JSON: {e}") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {spec!r}: expected name=path")
+            entry = {"name": name, "path": path}
+        if not isinstance(entry, dict) or not {"name", "path"} <= set(entry):
+            raise ConfigError(f"--lora-modules {spec!r}: needs a name and a path")
+        out.append(LoRARequest(str(entry["name"]), len(out) + 1, str(entry["path"])))
+    return out
+
+
+def check_lora_args(args) -> None:
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return
+    for flag, value in (("max-loras", args.max_loras), ("max-lora-rank", args.max_lora_rank)):
+        if value < 1:
+            raise ConfigError(f"--{flag} {value}: must be >= 1")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise ConfigError(f"--max-cpu-loras {args.max_cpu_loras}: must be >= --max-loras "
+                          f"({args.max_loras})")
+    if args.spec_config() is not None:
+        raise ConfigError("--enable-lora does not combine with speculative decoding yet")
+    if args.disaggregate:
+        raise ConfigError("--enable-lora does not combine with --disaggregate yet")
+    if args.data_parallel_size > 1 or (args.num_processes or 1) > 1:
+        raise ConfigError("--enable-lora does not combine with data parallelism or several "
+                          "processes yet")
+    names = [r.lora_name for r in lora_modules(args.lora_modules)]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--lora-modules names {names} are not unique")

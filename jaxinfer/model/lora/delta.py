@@ -1,0 +1,42 @@
+"""The LoRA delta of a mixed batch: y += s * (x A[slot]) B[slot], each token with its row's slot.
+
+`lora_delta` is the XLA path: the shrink runs against every slot's A at once ([T, N+1, R], N+1
+small), each token keeps its own slot's R columns (the others zeroed), and one matmul against the
+slots' B matrices laid end to end ([(N+1) R, out]) expands it: the zeroed columns add exactly zero,
+so a row of no adapter (slot 0, zeros) gets its base output bit for bit, and the shapes never
+depend on which slots the batch uses. It costs (N+1) R (in + out) multiply-adds per token (at
+N = 8, R = 16 on Llama-3-8B's seven projections about 5 % of the base model's) and reads every
+slot's weights once per step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array) -> jax.Array:
+    """x [T, in]; a [N+1, in, R]; b [N+1, R, out] (scale folded in); slot i32[T] -> f32 [T, out]."""
+    n1, _, r = a.shape
+    xa = jnp.einsum("ti,nir->tnr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    own = slot[:, None] == jnp.arange(n1, dtype=slot.dtype)  # [T, N+1]
+    xa = jnp.where(own[:, :, None], xa, 0.0).astype(x.dtype).reshape(x.shape[0], n1 * r)
+    return jnp.dot(xa, b.reshape(n1 * r, -1).astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def lora_delta_gather(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array) -> jax.Array:
+    """The plain reference: each token's slot gathered, float32 throughout (tests)."""
+    xf = x.astype(jnp.float32)
+    xa = jnp.einsum("ti,tir->tr", xf, a[slot].astype(jnp.float32))
+    return jnp.einsum("tr,tro->to", xa, b[slot].astype(jnp.float32))
+
+
+def apply_lora(module, slot: jax.Array | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """`y` (the projection `name` of `x`, inside flax `module`) plus its LoRA delta, when the
+    "lora" variables hold a stack for it and the step carries slots; else `y`."""
+    if slot is None or not module.has_variable("lora", name):
+        return y
+    w = module.get_variable("lora", name)
+    lead = x.shape[:-1]
+    d = lora_delta(x.reshape(-1, x.shape[-1]), w["A"], w["B"], slot.reshape(-1))
+    return y + d.reshape(*lead, -1).astype(y.dtype)

@@ -1,0 +1,115 @@
+"""LoRA over HTTP: --enable-lora --lora-modules; /v1/models lists the adapters with their parent;
+a request's `model` picks its adapter; /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+shapes) and every refusal: a 400 naming the field, nothing changed."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.model.config import load_config
+from jaxinfer.model.lora.peft import save_adapter
+from lora_support import random_adapter
+from server_harness import (MAX_MODEL_LEN, MODEL, ServerThread, check_error_shape,
+                            make_tiny_model_dir, post_raw, raw_json, server_args)
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-server")
+    model_dir = make_tiny_model_dir(root / "model")
+    cfg = load_config(model_dir)
+    paths = {"sql": save_adapter(random_adapter(cfg, 4, 1, scale=0.5), cfg, root / "sql")}
+    paths["big"] = save_adapter(random_adapter(cfg, 16, 2), cfg, root / "big")  # over rank 8
+    wrong = random_adapter(cfg, 4, 3)
+    wrong.weights = {k: (a[:-1], b) for k, (a, b) in wrong.weights.items()}  # in features - 1
+    paths["wrong"] = save_adapter(wrong, cfg, root / "wrong")
+    for name, field, value in (("embed", "target_modules", ["q_proj", "embed_tokens"]),
+                               ("saves", "modules_to_save", ["lm_head"])):
+        paths[name] = save_adapter(random_adapter(cfg, 4, 4), cfg, root / name)
+        conf = json.loads((paths[name] / "adapter_config.json").read_text())
+        conf[field] = value
+        (paths[name] / "adapter_config.json").write_text(json.dumps(conf))
+    args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
+                      max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=64, max_num_seqs=4,
+                      max_num_batched_tokens=32, compilation_cache_dir="",
+                      attention_backend="reference", warmup=False, decode_steps_per_call=1,
+                      enable_lora=True, lora_modules=[f"sql={paths['sql']}"], max_loras=2,
+                      max_lora_rank=8)
+    st = ServerThread(args, {"main": server_args(allow_runtime_lora_updating=True),
+                             "locked": server_args()}).start()
+    st.paths = paths
+    yield st
+    st.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _complete(client, model: str) -> str:
+    out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    return out.choices[0].text
+
+
+def _models(client) -> dict:
+    return {m.id: m for m in client.models.list().data}
+
+
+def test_adapters_are_models_and_pick_their_weights(lora_server):
+    client = _client(lora_server.urls["main"])
+    models = _models(client)
+    assert models["sql"].parent == MODEL and models[MODEL].parent is None
+    base, sql = _complete(client, MODEL), _complete(client, "sql")
+    assert sql != base
+    url = lora_server.urls["main"]
+    status, _, body = post_raw(url, "/v1/load_lora_adapter", raw_json(
+        {"lora_name": "sql2", "lora_path": str(lora_server.paths["sql"])}))
+    assert (status, body) == (200, b"Success: LoRA adapter 'sql2' added successfully.")
+    assert _models(client)["sql2"].parent == MODEL
+    assert _complete(client, "sql2") == sql and _complete(client, MODEL) == base
+    status, _, body = post_raw(url, "/v1/unload_lora_adapter", raw_json({"lora_name": "sql2"}))
+    assert (status, body) == (200, b"Success: LoRA adapter 'sql2' removed successfully.")
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "sql2")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"lora_name": "x", "lora_path": "/does/not/exist"}, 400, "lora_path"),
+    ({"lora_name": "x", "lora_path": "big"}, 400, "r"),
+    ({"lora_name": "x", "lora_path": "wrong"}, 400, "r"),
+    ({"lora_name": "x", "lora_path": "embed"}, 400, "target_modules"),
+    ({"lora_name": "x", "lora_path": "saves"}, 400, "modules_to_save"),
+    ({"lora_name": "sql", "lora_path": "sql"}, 400, "lora_name"),
+    ({"lora_name": MODEL, "lora_path": "sql"}, 400, "lora_name"),
+    ({"lora_path": "sql"}, 400, "lora_name"),
+    ({"lora_name": "x"}, 400, "lora_path"),
+])
+def test_bad_loads_are_refused_by_field_and_change_nothing(lora_server, body, status, param):
+    client = _client(lora_server.urls["main"])
+    before = sorted(_models(client))
+    if body.get("lora_path") in lora_server.paths:
+        body = {**body, "lora_path": str(lora_server.paths[body["lora_path"]])}
+    got, _, raw = post_raw(lora_server.urls["main"], "/v1/load_lora_adapter", raw_json(body))
+    assert got == status, raw
+    check_error_shape(raw, status, param)
+    assert sorted(_models(client)) == before
+
+
+def test_unload_refusals_and_the_flag(lora_server):
+    url = lora_server.urls["main"]
+    status, _, raw = post_raw(url, "/v1/unload_lora_adapter", raw_json({"lora_name": "nope"}))
+    check_error_shape(raw, 404, "lora_name")
+    status, _, raw = post_raw(url, "/v1/unload_lora_adapter",
+                              raw_json({"lora_name": "sql", "lora_int_id": 99}))
+    check_error_shape(raw, 400, "lora_int_id")
+    locked = lora_server.urls["locked"]
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "sql"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "sql"})):
+        status, _, raw = post_raw(locked, path, raw_json(body))
+        assert status == 400 and b"--allow-runtime-lora-updating" in raw
+    assert "sql" in _models(_client(url))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 
 from jaxinfer.errors import InvalidRequestError
@@ -28,13 +30,20 @@ def _parse(body: dict, history_of, engine, app):
     history = history_of(rr.previous_response_id) if rr.previous_response_id else []
     system = rr.chat_body["messages"][:len(rr.chat_body["messages"]) - len(rr.input_messages)]
     chat_body = {**rr.chat_body, "messages": system + history + rr.input_messages}
-    try:
+    with responses_params():
         req = parse_generation(chat_body, engine, app[LIMITS], chat=True, tool_options=app[TOOL_OPTIONS],
                                reasoning_parser=app[REASONING_PARSER])
-    except (APIError, InvalidRequestError) as exc:  # name the Responses field, not the chat one
+    return rr, req, history
+
+
+@contextlib.contextmanager
+def responses_params():
+    """Errors of the chat path (and the engine's checks) name the Responses field, not the chat one."""
+    try:
+        yield
+    except (APIError, InvalidRequestError) as exc:
         exc.param = RENAMED_PARAMS.get(exc.param, exc.param)
         raise
-    return rr, req, history
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -61,7 +70,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             store.put(StoredResponse(final, history + turn))
 
     async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:
-        await group.start()
+        with responses_params():
+            await group.start()
         if req.stream:
             events = response_events(group, req, skeleton, on_complete)
             return await stream_chunks(request, events, named=True)

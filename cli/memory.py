@@ -89,6 +89,15 @@ class ModelShape:
     weight_dtype: str
     quantization: str | None = None  # weight quantization (jaxinfer/model/quant)
     max_position_embeddings: int | None = None  # the model's context (None: shape given as flags)
+    layer_windows: tuple[int | None, ...] = ()  # sliding windows (None: a global layer)
+
+    def kv_read_fraction(self, seq_len: int) -> float:
+        """The share of a sequence's KV a decode step reads at context `seq_len`: a windowed
+        layer reads at most its window (the kernels skip the pages outside it)."""
+        if not self.layer_windows:
+            return 1.0
+        return sum(min(seq_len, w or seq_len) for w in self.layer_windows) / (
+            len(self.layer_windows) * seq_len)
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
@@ -115,7 +124,8 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         else:
             weights = params * nbytes
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
-                          params - inactive, dtype, quant, cfg.max_position_embeddings)
+                          params - inactive, dtype, quant, cfg.max_position_embeddings,
+                          cfg.layer_windows)
     if args.quantization:
         raise ConfigError("--quantization needs --model (without it, give the quantized size as "
                           "--weight-bytes)")
@@ -168,6 +178,9 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
         "batch": batch,
         "kv_bytes_per_sequence": per_token * seq_len,
         "kv_bytes_per_batch": per_token * seq_len * batch,
+        # What a decode step reads per context token (less than the pool holds when layers have
+        # sliding windows: the pool keeps every layer's blocks, docs/kv_cache.md)
+        "kv_read_bytes_per_token": round(per_token * shape.kv_read_fraction(seq_len)),
         "accelerator": dataclasses.asdict(accelerator),
         "gpu_memory_utilization": gpu_memory_utilization,
         "kv_budget_bytes": usable,  # before activations, which only a compiled step can tell
@@ -180,7 +193,7 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
     # is QK^T and PV over the context (4 × H_q × d_k FLOP per layer per context token).
     flops = batch * (2 * shape.active_params
                      + 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len)
-    bytes_read = shape.weight_bytes + batch * seq_len * per_token
+    bytes_read = shape.weight_bytes + batch * seq_len * report["kv_read_bytes_per_token"]
     intensity = flops / bytes_read
     roofline = {"flops_per_step": flops, "bytes_per_step": bytes_read,
                 "arithmetic_intensity": intensity}
@@ -208,6 +221,9 @@ def format_report(r: dict) -> str:
         f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
         f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B",
         f"KV per block:    {_fmt_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
+        *([f"KV read per context token at {r['seq_len']} tokens: {r['kv_read_bytes_per_token']} B "
+           f"(windowed layers read at most their window; the pool still holds every layer's "
+           f"blocks)"] if r["kv_read_bytes_per_token"] != r["kv_bytes_per_token"] else []),
         f"KV per sequence: {_fmt_bytes(r['kv_bytes_per_sequence'])} ({r['seq_len']} tokens)",
         f"KV per batch:    {_fmt_bytes(r['kv_bytes_per_batch'])} ({r['batch']} × {r['seq_len']} tokens)",
         f"accelerator {acc['name']}: {_fmt_bytes(acc['memory_bytes'])}; KV room "

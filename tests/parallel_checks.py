@@ -46,9 +46,12 @@ from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 FIXTURES = HERE / "fixtures" / "models"
 # One fixture per family (the *_fused ones are the same models in another file layout).
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe"]
+# Windowed families (sinks sharded by head, gpt-oss's expert biases split with their stacks).
+WINDOWED = ["gemma2", "gemma3", "gpt_oss"]
 # (TP size, expert layout, the families checked so): see model_checks.
-MODEL_LAYOUTS = [(2, "tp", FAMILIES), (4, "tp", ["qwen2", "qwen3_moe"]),
-                 (2, "ep", ["qwen3_moe"]), (4, "ep", ["mixtral"])]
+MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED), (4, "tp", ["qwen2", "qwen3_moe"]),
+                 (2, "ep", ["qwen3_moe", "gpt_oss"]), (4, "ep", ["mixtral"])]
 WIDE_FAMILIES = ["llama", "qwen2", "qwen3_moe"]
 BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
 _step = jax.jit(forward, static_argnames=("cfg", "backend"))
@@ -87,13 +90,14 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
 
 def model_checks(out: dict) -> None:
     """Greedy tokens, weights loaded straight into their shards (TP = 1's are the fixtures' golden
-    tokens, which tests/test_hf_parity.py checks): TP = 2 on every family; TP = 4 (> the fixtures'
-    2 KV heads: replicated KV) on the families whose parameters hold every kind a dense or MoE
-    layer has (qwen2: biases, tied embeddings; qwen3_moe: q/k norms, experts, a dense layer); the
-    MoE families with experts split over the devices (expert layout "ep") at 2 and 4 devices. TP = 1
-    and 8 on llama, qwen2 and qwen3_moe widened to 8 query heads (random weights generated
-    sharded). mistral's and qwen3's layers are llama's and qwen3_moe's parts at any TP size."""
-    for fam in FAMILIES:
+    tokens, which tests/test_hf_parity.py checks): TP = 2 on every family (the windowed Gemma 2/3
+    and gpt-oss too); TP = 4 (> the fixtures' 2 KV heads: replicated KV) on the families whose
+    parameters hold every kind a dense or MoE layer has (qwen2: biases, tied embeddings;
+    qwen3_moe: q/k norms, experts, a dense layer); the MoE families with experts split over the
+    devices (expert layout "ep") at 2 and 4 devices (gpt-oss at 2). TP = 1 and 8 on llama, qwen2
+    and qwen3_moe widened to 8 query heads (random weights generated sharded). mistral's and
+    qwen3's layers are llama's and qwen3_moe's parts at any TP size."""
+    for fam in FAMILIES + WINDOWED:
         cfg = load_config(FIXTURES / fam)
         prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]
         layouts = [(tp, layout) for tp, layout, families in MODEL_LAYOUTS if fam in families]

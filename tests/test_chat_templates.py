@@ -1,6 +1,7 @@
 """Chat templates render exactly as HF transformers' `apply_chat_template` does: goldens made by
 tests/fixtures/chat_templates/make_goldens.py with transformers from the public templates of
-Llama-3.1-Instruct, Qwen2.5-Instruct, Qwen3, Mistral-7B-Instruct-v0.3, the demo model's and a
+Llama-3.1-Instruct, Qwen2.5-Instruct, Qwen3, Mistral-7B-Instruct-v0.3, Gemma 2 and 3 (turn format),
+gpt-oss (harmony: channels, reasoning effort, builtin and function tools), the demo model's and a
 template exercising the rest of the environment (documents, loop controls, tojson options,
 namespace, generation blocks, reasoning fields); conversations with system prompts, several
 turns, tools and template kwargs. A template that raises in transformers raises here too."""
@@ -8,12 +9,14 @@ turns, tools and template kwargs. A template that raises in transformers raises 
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 from pathlib import Path
 
 import pytest
 
 from jaxinfer.errors import TokenizerError
+from jaxinfer.model import chat_template
 from jaxinfer.model.chat_template import render_chat_template
 from jaxinfer.model.tokenizer import Tokenizer
 
@@ -28,8 +31,15 @@ def _source(name: str) -> str:
     return (HERE / f"{name}.jinja").read_text()
 
 
+@pytest.fixture
+def goldens_day(monkeypatch):
+    """`strftime_now` on the day the goldens were rendered (gpt-oss's template prints the date)."""
+    today = datetime.date.fromisoformat(json.loads((HERE / "goldens.json").read_text())["today"])
+    monkeypatch.setattr(chat_template, "_strftime_now", today.strftime)
+
+
 @pytest.mark.parametrize("case", GOLDENS, ids=lambda c: f"{c['template']}-{c['case']}")
-def test_renders_like_transformers(case):
+def test_renders_like_transformers(case, goldens_day):
     inputs = copy.deepcopy(case["inputs"])
     messages = inputs.pop("messages")
     expected = case["expected"]

@@ -52,10 +52,11 @@ def tiny_model():
 
 
 def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, role: str | None = None,
-                **kwargs) -> LLMEngine:
-    """An engine over the tiny model. Defaults: 8 seqs, 32-token steps, 4-token blocks. `role`:
-    a disaggregated pair's side (LLMEngine's)."""
-    cfg, params = tiny_model()
+                model=None, **kwargs) -> LLMEngine:
+    """An engine over the tiny model (or `model`, a (cfg, params) pair over the tiny tokenizer's
+    vocabulary). Defaults: 8 seqs, 32-token steps, 4-token blocks. `role`: a disaggregated pair's
+    side (LLMEngine's)."""
+    cfg, params = model or tiny_model()
     defaults = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
                     max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
                     compilation_cache_dir=None, warmup=False, dtype="float32",

@@ -92,6 +92,14 @@ def test_tp_greedy_tokens_equal_single_device(runs, family, tp):
     assert got == golden[:len(got)].tolist()  # TP = 1 gives the golden tokens (test_hf_parity)
 
 
+@pytest.mark.parametrize("family, layout", [("gemma2", "tp"), ("gemma3", "tp"), ("gpt_oss", "tp"),
+                                            ("gpt_oss", "ep")])
+def test_windowed_families_at_tp2_equal_single_device(runs, family, layout):
+    golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
+    got = runs["checks"][f"{family}/tp2" + ("-ep" if layout == "ep" else "")]["tokens"]
+    assert got == golden[:len(got)].tolist()
+
+
 @pytest.mark.parametrize("family, tp", [("qwen3_moe", 2), ("mixtral", 4)])
 def test_expert_parallel_greedy_tokens_equal_single_device(runs, family, tp):
     """Whole experts split over the devices (--expert-layout ep), the other MoE layout beside the

@@ -40,7 +40,7 @@ def test_legacy_rope_scaling_keys_equal_rope_parameters():
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures 'GPT2LMHeadModel' is not supported"),
     ({"architectures": []}, "'architectures' is missing"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ({"hidden_size": None}, "'hidden_size' is missing"),

@@ -93,7 +93,9 @@ def compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
+    # strftime_now resolves `_strftime_now` per call, so tests can fix the date under a cached
+    # template
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: _strftime_now(f),
                        dict=_TemplateDict(), namespace=_Namespace)
     try:
         return env.from_string(source)

@@ -19,12 +19,14 @@ from pallas_kernels.moe.grouped_matmul import moe_experts
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
                    w: tuple[jax.Array, jax.Array, jax.Array], scales=None,
-                   first_expert=0, impl: str = "auto") -> jax.Array:
+                   first_expert=0, impl: str = "auto", *, glu=None,
+                   biases=None) -> jax.Array:
     """x [T, H]; experts int32[T, k] and weights f32[T, k] from the router; w (w_gate [E', H, F'],
     w_up [E', H, F'], w_down [E', F', H]) holding experts first_expert .. first_expert + E' - 1
     (first_expert may be traced); scales: their per-output-channel scales [E', out] when the stacks
-    are 8-bit (jaxinfer/model/quant), else None; impl: `moe_experts`' (ModelConfig.moe_impl).
-    Returns sum over the token's held experts of weight * expert(x), [T, H] in x's dtype."""
+    are 8-bit (jaxinfer/model/quant), else None; impl: `moe_experts`' (ModelConfig.moe_impl);
+    glu, biases (gate, up [E', F']): gpt-oss's activation and biases (`moe_experts`). Returns sum
+    over the token's held experts of weight * expert(x), [T, H] in x's dtype."""
     t, k = experts.shape
     held = w[0].shape[0]
     local = experts - first_expert
@@ -34,7 +36,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     xs = x[order // k]  # rows grouped by expert
     group_sizes = jnp.bincount(flat, length=held).astype(jnp.int32)  # the `held` ids dropped
     # A token's k experts are distinct, so no expert gets more than T rows.
-    ys = moe_experts(xs, w, group_sizes, max_group_size=t, scales=scales, impl=impl)
+    ys = moe_experts(xs, w, group_sizes, max_group_size=t, scales=scales, impl=impl, glu=glu,
+                     biases=biases)
     # Back to token order by a gather through the inverse permutation (an int32 scatter of T * k
     # ids) rather than a scatter of the [T * k, H] rows: XLA fuses the gather into the weighted sum.
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))

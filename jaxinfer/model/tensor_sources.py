@@ -20,9 +20,12 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
+from jaxinfer.model import mxfp4
 from jaxinfer.model.quant import st_format
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+# Packed bytes: MXFP4 blocks and scales (jaxinfer/model/mxfp4.py), never a param as stored.
+PACKED = "U8"
 # Quantized weights (jaxinfer/model/quant), read from the file directly: the numpy binding of
 # safetensors has no float8 type.
 QUANTIZED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "I8": np.int8}
@@ -35,6 +38,10 @@ EXPERT_PARAM = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": 
                 "w2": "w_down", "down_proj": "w_down"}
 # Fused expert tensors (transformers >= 5): gate_up_proj [E, 2F, H], down_proj [E, H, F].
 FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+# gpt-oss experts: gate_up_proj [E, H, 2F] (gate and up interleaved: even columns gate),
+# down_proj [E, F, H], their biases, or MXFP4 `_blocks` + `_scales` of the [E, out, in] matrices.
+GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
+                             r"(_bias|_blocks|_scales)?")
 # Not params: KV-cache scales are read by worker/kv/kv_scales.py; FP8 checkpoints' static
 # activation scales are unused (activations are scaled per token at run time).
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.input_scale(_ub)?|self_attn\.(k_scale|v_scale|kv_scale))$")
@@ -74,7 +81,7 @@ class Checkpoint:
                 raise CheckpointError(f"cannot read '{path}': {e}") from None
             for name in handle.keys():
                 st_dtype = handle.get_slice(name).get_dtype()
-                if st_dtype not in DTYPES and st_dtype not in QUANTIZED_DTYPES:
+                if st_dtype not in DTYPES and st_dtype not in QUANTIZED_DTYPES and st_dtype != PACKED:
                     raise CheckpointError(f"'{path.name}': tensor '{name}' has dtype {st_dtype}; "
                                           f"supported: {', '.join([*DTYPES, *QUANTIZED_DTYPES])}")
                 self.handles[name] = (path, handle)
@@ -141,3 +148,39 @@ def fused_down(ckpt: Checkpoint, name: str) -> Source:
     """A fused down_proj [E, H, F] as [E, F, H]."""
     e, h, f = ckpt.shape(name)
     return Source((e, f, h), lambda idx: ckpt.read(name, (idx[0], idx[2], idx[1])).transpose(0, 2, 1))
+
+
+def mxfp4_experts(ckpt: Checkpoint, blocks: str, scales: str) -> Source:
+    """An MXFP4 expert stack (`blocks` [E, out, in/32, 16], `scales` [E, out, in/32]) dequantized
+    and read as [E, in, out]; each read decodes only the blocks its slice covers."""
+    e, out_dim, groups, _ = ckpt.shape(blocks)
+    if ckpt.shape(scales) != (e, out_dim, groups):
+        raise CheckpointError(f"'{scales}' has shape {list(ckpt.shape(scales))}, its blocks "
+                              f"'{blocks}' imply {[e, out_dim, groups]}")
+    in_dim = groups * mxfp4.BLOCK
+
+    def read(idx: Index) -> np.ndarray:
+        ins = _bounds(idx[1], in_dim)
+        g = slice(ins.start // mxfp4.BLOCK, -(-ins.stop // mxfp4.BLOCK))
+        part = mxfp4.dequantize(ckpt.read(blocks, (idx[0], idx[2], g, slice(None))),
+                                ckpt.read(scales, (idx[0], idx[2], g)))
+        first = g.start * mxfp4.BLOCK
+        return part[..., ins.start - first:ins.stop - first].transpose(0, 2, 1)
+    return Source((e, in_dim, out_dim), read, "MXFP4")
+
+
+def stored(ckpt: Checkpoint, name: str) -> Source:
+    """A tensor read as stored ([E, in, out] expert stacks of gpt-oss, biases)."""
+    return plain(ckpt, name, transpose=False)
+
+
+def interleaved(src: Source, half: int) -> Source:
+    """Every other column of `src`'s last axis, from `half` (0: even, 1: odd): gpt-oss's gate and
+    up, interleaved in gate_up_proj and its bias."""
+    *lead, two_f = src.shape
+
+    def read(idx: Index) -> np.ndarray:
+        cols = _bounds(idx[-1], two_f // 2)
+        both = src.read((*idx[:-1], slice(2 * cols.start, 2 * cols.stop)))
+        return both[..., half::2]
+    return Source((*lead, two_f // 2), read, src.dtype)

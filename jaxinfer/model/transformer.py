@@ -2,7 +2,9 @@
 
 `forward` is a pure function of (params, token ids, positions, KV cache, attention metadata) that
 returns (logits, updated KV cache), so the engine jits it with the cache donated. Family differences
-(biases, q/k norm, tied embeddings, MoE layers) are `ModelConfig` fields.
+(biases, q/k norm, tied embeddings, MoE layers; Gemma's (1 + w) sandwich norms, GeGLU, scaled
+embeddings and soft-caps; sliding windows, sinks and per-layer rope; gpt-oss's experts) are
+`ModelConfig` fields (families.py says which family sets which).
 
 Shapes: T tokens of a flat (ragged) batch; H hidden; Hq / Hkv heads; D head_dim; E experts.
 """
@@ -10,13 +12,14 @@ Shapes: T tokens of a flat (ragged) batch; H hidden; Hq / Hkv heads; D head_dim;
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model.config import ModelConfig, rope_inv_freq
+from jaxinfer.model.config import ModelConfig, RopeConfig, rope_inv_freq
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.lora.delta import apply_lora
 from jaxinfer.model.lora.stacks import LORA
@@ -25,6 +28,7 @@ from jaxinfer.model.experts import expert_dispatch
 from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.attention.reference import causal_attention_reference
+from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
 from pallas_kernels.norm.reference import add_rms_norm_reference
 
 # Per layer (k_cache, v_cache) in the head-major paged layout [num_kv_heads, num_blocks, block_size,
@@ -36,26 +40,41 @@ Params = dict
 
 class RMSNorm(nn.Module):
     """RMSNorm of x; with `residual`, of x + residual, returning (x + residual, the norm) through
-    `add_norm` (a backend's one-kernel add + norm, else the jnp reference)."""
+    `add_norm` (a backend's one-kernel add + norm, else the jnp reference). `offset` (Gemma): the
+    stored weight w scales by (1 + w), in float32 before the cast back, as HF's Gemma norms do."""
     eps: float
     dtype: jnp.dtype
     add_norm: Callable | None = None
+    offset: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        if residual is not None:
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        if residual is not None and not self.offset:
             return (self.add_norm or add_rms_norm_reference)(x, residual, weight, eps=self.eps)
+        if residual is not None:
+            x = x + residual
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return weight.astype(x.dtype) * xf.astype(x.dtype)
+        if self.offset:
+            y = (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        else:
+            y = weight.astype(x.dtype) * xf.astype(x.dtype)
+        return y if residual is None else (x, y)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [..., D/2] in float32 for the given positions."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+def rope_tables(cfg: ModelConfig, positions: jax.Array,
+                rope: RopeConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., D/2] in float32 for the given positions (of the model's rope, or `rope`);
+    YaRN's attention factor multiplies both, as HF applies it."""
+    rope = rope or cfg.rope
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, rope), jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -71,6 +90,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     backend: AttentionBackend
     dtype: jnp.dtype
+    window: int | None = None  # this layer's sliding window; None: full attention
 
     @nn.compact
     def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None):
@@ -87,29 +107,36 @@ class Attention(nn.Module):
         q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
         k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
         v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim, per head, before RoPE
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, offset=cfg.norm_offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, offset=cfg.norm_offset, name="k_norm")(k)
         # What the KV cache will hold, before RoPE, for fp8 scale calibration (kv_scales.py); a
         # no-op unless applied with mutable "intermediates". Sown here, not captured from the
         # projections, so fused (qkv_proj) and split layouts calibrate alike.
         self.sow("intermediates", "k", k)
         self.sow("intermediates", "v", v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        scale = d ** -0.5
+        variant = dict(scale=cfg.score_scale, softcap=cfg.attn_softcap, window=self.window)
+        if cfg.attn_sinks:  # gpt-oss: one logit per query head in the softmax denominator
+            sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_heads,), self.dtype)
+            variant["sinks"] = sinks.astype(jnp.float32)
         if kv is None:
-            out = causal_attention_reference(q, k, v, scale=scale)
+            out = causal_attention_reference(q, k, v, **variant)
             new_kv = None
         else:
             k_cache, v_cache = self.backend.write_kv(*kv, k, v, md.slot_mapping)
-            out = self.backend(q, k_cache, v_cache, md, scale=scale)
+            out = self.backend(q, k_cache, v_cache, md, **variant)
             new_kv = (k_cache, v_cache)
         out = out.reshape(*x.shape[:-1], cfg.num_heads * d)
         return adapt("o_proj", out, dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out)), new_kv
 
 
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(nn.gelu, approximate=True)}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up may be stored fused (fused_projections)."""
+    """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu) or GeGLU (Gemma: gelu, tanh
+    approximation); gate and up may be stored fused (fused_projections)."""
     cfg: ModelConfig
     dtype: jnp.dtype
 
@@ -120,14 +147,19 @@ class MLP(nn.Module):
         f = self.cfg.intermediate_size
         gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj",
                            adapt)
-        h = nn.silu(gate) * up
+        h = ACTIVATIONS[self.cfg.hidden_act](gate) * up
         return adapt("down_proj", h, dense(self.cfg.hidden_size, name="down_proj")(h))
 
 
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts. Routing (top-k, renormalisation) happens here; the routed rows go
     through `expert_dispatch(backend)`: `routed_experts` on one device, its `shard_map` over the
-    replica's mesh under tensor parallelism (the backend's, jaxinfer/parallel/attention.py)."""
+    replica's mesh under tensor parallelism (the backend's, jaxinfer/parallel/attention.py).
+
+    gpt-oss: the router has a bias and the weights are a softmax over the top-k logits; the
+    experts have biases and the clamped SwiGLU (`ClampedSwiGLU`). Gate/up biases go in with the
+    routed rows; the down bias is added here, weighted by the routing weights, once per token
+    (inside, a tensor-parallel partial sum would add it once per device)."""
     cfg: ModelConfig
     dtype: jnp.dtype
     backend: AttentionBackend = REFERENCE
@@ -142,12 +174,30 @@ class MoE(nn.Module):
         experts_w, scales = expert_weights(self, cfg, self.dtype)
 
         logits = jnp.dot(x, router, preferred_element_type=jnp.float32)  # [T, E]
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, k)  # [T, k]
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdims=True)
+        if cfg.router_bias:
+            logits = logits + self.param("router_bias", nn.initializers.zeros, (e,),
+                                         self.dtype).astype(jnp.float32)
+        if cfg.topk_then_softmax:
+            top, experts = jax.lax.top_k(logits, k)  # [T, k]
+            weights = jax.nn.softmax(top, axis=-1)
+        else:
+            weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+            if cfg.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdims=True)
+        extra = {}
+        if cfg.expert_bias:
+            f = cfg.moe_intermediate_size
+            zeros = nn.initializers.zeros
+            extra["biases"] = (self.param("gate_bias", zeros, (e, f), self.dtype),
+                               self.param("up_bias", zeros, (e, f), self.dtype))
+            b_down = self.param("down_bias", zeros, (e, h), self.dtype)
+        if cfg.swiglu_clamp:
+            extra["glu"] = ClampedSwiGLU(*cfg.swiglu_clamp)
         out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales,
-                                            impl=cfg.moe_impl)
+                                            impl=cfg.moe_impl, **extra)
+        if cfg.expert_bias:
+            down = jnp.einsum("tkh,tk->th", b_down[experts].astype(jnp.float32), weights)
+            out = (out.astype(jnp.float32) + down).astype(x.dtype)
         return out.reshape(*lead, h)
 
 
@@ -156,6 +206,7 @@ class DecoderLayer(nn.Module):
     backend: AttentionBackend
     dtype: jnp.dtype
     moe: bool
+    window: int | None = None
 
     @nn.compact
     def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None):
@@ -163,18 +214,27 @@ class DecoderLayer(nn.Module):
         their sum, which the next norm adds (`delta`: the previous layer's MLP output, None in the
         first layer), so a backend's add + norm kernel does both."""
         # Wrappers (tensor parallelism, fp8 KV scales) carry no norm kernel: the jnp reference.
-        norm = functools.partial(RMSNorm, self.cfg.rms_norm_eps, self.dtype,
-                                 getattr(self.backend, "add_rms_norm", None))
+        cfg = self.cfg
+        norm = functools.partial(RMSNorm, cfg.rms_norm_eps, self.dtype,
+                                 getattr(self.backend, "add_rms_norm", None), cfg.norm_offset)
         if delta is None:
             h = norm(name="input_norm")(x)
         else:
             x, h = norm(name="input_norm")(x, delta)
-        attn_out, new_kv = Attention(self.cfg, self.backend, self.dtype, name="attn")(
+        attn_out, new_kv = Attention(cfg, self.backend, self.dtype, self.window, name="attn")(
             h, cos, sin, kv, md, lora_slot)
-        x, h = norm(name="post_attn_norm")(x, attn_out)
+        if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
+            attn_out = norm(name="post_attn_norm")(attn_out)
+            x, h = norm(name="pre_ff_norm")(x, attn_out)
+        else:
+            x, h = norm(name="post_attn_norm")(x, attn_out)
         if self.moe:
-            return x, MoE(self.cfg, self.dtype, self.backend, name="moe")(h), new_kv
-        return x, MLP(self.cfg, self.dtype, name="mlp")(h, lora_slot), new_kv
+            out = MoE(cfg, self.dtype, self.backend, name="moe")(h)
+        else:
+            out = MLP(cfg, self.dtype, name="mlp")(h, lora_slot)
+        if cfg.sandwich_norms:
+            out = norm(name="post_ff_norm")(out)
+        return x, out, new_kv
 
 
 class Transformer(nn.Module):
@@ -189,27 +249,38 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          name="embed")
         x, delta = embed(token_ids), None
-        cos, sin = rope_tables(cfg, positions)
+        if cfg.embed_scale:  # Gemma: sqrt(hidden) rounded to the embedding dtype, as HF does
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
+        ropes = {rope: rope_tables(cfg, positions, rope)
+                 for rope in {cfg.layer_rope(i) for i in range(cfg.num_layers)}}
         new_cache = []
         for i in range(cfg.num_layers):
             kv = None if kv_cache is None else kv_cache[i]
             backend = self.backend.for_layer(i)
+            cos, sin = ropes[cfg.layer_rope(i)]
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
+                                                  cfg.layer_window(i),
                                                   name=f"layers_{i}")(x, delta, cos, sin, kv, md,
                                                                      lora_slot)
             new_cache.append(layer_kv)
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
-                            name="final_norm")(x, delta)
+                            cfg.norm_offset, name="final_norm")(x, delta)
         x = hidden if logits_indices is None else hidden[logits_indices]
         if cfg.tie_word_embeddings:
             logits = _tied_head(x, embed.embedding)
         else:
             logits = _dense_head(cfg, self.dtype, "lm_head")(x).astype(jnp.float32)
+        logits = _softcap(logits, cfg.final_softcap)
         new_kv = None if kv_cache is None else tuple(new_cache)
         if return_hidden:
             return logits, new_kv, hidden
         return logits, new_kv
+
+
+def _softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's final-logit soft-cap: cap * tanh(logits / cap)."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def _tied_head(x: jax.Array, embedding: jax.Array) -> jax.Array:
@@ -224,9 +295,10 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """float32 logits of final-normed hidden states [N, H] -> [N, V], the same computation as the
     head inside `forward` (for rows whose logits `forward` did not produce: prompt logprobs)."""
     if cfg.tie_word_embeddings:
-        return _tied_head(hidden, params["embed"]["embedding"])
+        return _softcap(_tied_head(hidden, params["embed"]["embedding"]), cfg.final_softcap)
     dtype = params["embed"]["embedding"].dtype
-    return _dense_head(cfg, dtype).apply({"params": params["lm_head"]}, hidden).astype(jnp.float32)
+    logits = _dense_head(cfg, dtype).apply({"params": params["lm_head"]}, hidden)
+    return _softcap(logits.astype(jnp.float32), cfg.final_softcap)
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
@@ -275,8 +347,8 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float
 
     def make(path, leaf, key, place):
         name = jax.tree_util.keystr(path)
-        if "norm" in name:
-            return jnp.ones(leaf.shape, leaf.dtype, device=place)
+        if "norm" in name:  # Gemma's norms scale by (1 + w)
+            return jnp.full(leaf.shape, 0.0 if cfg.norm_offset else 1.0, leaf.dtype, device=place)
         if "bias" in name:
             return jnp.zeros(leaf.shape, leaf.dtype, device=place)
         return _normal(key, leaf.shape, leaf.dtype, std, place)

@@ -4,13 +4,18 @@
 HF stores linear weights as [out, in]; Flax Dense kernels are [in, out], so they are transposed on
 load and on save. MoE experts are stacked into [E, in, out] arrays for grouped matmuls; both the
 per-expert hub layout (`experts.{e}.w1` / `experts.{e}.gate_proj`) and the fused layout newer
-transformers versions write (`experts.gate_up_proj`, `experts.down_proj`) are read.
+transformers versions write (`experts.gate_up_proj`, `experts.down_proj`) are read; gpt-oss's
+experts ([E, in, out] with gate and up interleaved, biases, or MXFP4 blocks dequantized on load:
+mxfp4.py) have their own names. Gemma3ForConditionalGeneration checkpoints load their language
+model (`language_model.model.*` in hub checkpoints, `model.language_model.*` as transformers 5
+writes them); the vision tower and projector are skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -26,9 +31,10 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.model.quant import loading as quant_loading
 from jaxinfer.model.quant import st_format
 from jaxinfer.model.quant.layers import scale_name
-from jaxinfer.model.tensor_sources import (EXPERT, EXPERT_PARAM, FUSED, IGNORED, QUANTIZED_DTYPES,
-                                           Checkpoint, Source, fused_down, fused_gate_up, plain,
-                                           stacked_as_stored, stacked_experts)
+from jaxinfer.model.tensor_sources import (EXPERT, EXPERT_PARAM, FUSED, GPT_OSS_EXPERTS, IGNORED,
+                                           PACKED, QUANTIZED_DTYPES, Checkpoint, Source,
+                                           fused_down, fused_gate_up, interleaved, mxfp4_experts,
+                                           plain, stacked_as_stored, stacked_experts, stored)
 from jaxinfer.model.transformer import Params, init_params, param_shapes
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
@@ -36,7 +42,13 @@ ORBAX_SUBDIR = "orbax"
 
 # Param-path components that are spelled differently in HF tensor names.
 _HF_MODULE = {"attn": "self_attn", "input_norm": "input_layernorm",
-              "post_attn_norm": "post_attention_layernorm", "kernel": "weight", "embedding": "weight"}
+              "post_attn_norm": "post_attention_layernorm", "pre_ff_norm": "pre_feedforward_layernorm",
+              "post_ff_norm": "post_feedforward_layernorm", "kernel": "weight", "embedding": "weight"}
+GPT_OSS = "GptOssForCausalLM"
+# Gemma3ForConditionalGeneration: the language model's prefixes, and the tensors not loaded.
+_MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_VISION = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..*")
 _MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 
 
@@ -88,14 +100,41 @@ def hf_name(key: tuple[str, ...], cfg: ModelConfig) -> str:
         return "lm_head.weight"
     layer = key[0].removeprefix("layers_")
     if key[1:] == ("moe", "router"):
-        return _moe_prefix(cfg, layer) + ".gate.weight"
+        router = "router" if cfg.architecture == GPT_OSS else "gate"
+        return f"{_moe_prefix(cfg, layer)}.{router}.weight"
+    if key[1:] == ("moe", "router_bias"):
+        return _moe_prefix(cfg, layer) + ".router.bias"
     return ".".join([f"model.layers.{layer}", *(_HF_MODULE.get(k, k) for k in key[1:])])
 
 
 def _canonical(name: str) -> str:
     """Mixtral's hub layout says block_sparse_moe where transformers 5's fused layout says mlp;
-    FP8 checkpoints with block scales name them weight_scale_inv (a multiplier all the same)."""
+    FP8 checkpoints with block scales name them weight_scale_inv (a multiplier all the same);
+    a multimodal checkpoint's language model is the model."""
+    for prefix, plain_prefix in _MULTIMODAL_PREFIXES:
+        if name.startswith(prefix):
+            name = plain_prefix + name[len(prefix):]
     return name.replace(".block_sparse_moe.", ".mlp.").replace(".weight_scale_inv", ".weight_scale")
+
+
+def _gpt_oss_experts(ckpt: Checkpoint, name: str, m: re.Match) -> dict[tuple[str, ...], Source]:
+    """The params one gpt-oss expert tensor fills (none for `_scales`: read with their blocks)."""
+    layer, proj, kind = m.groups()
+    key = (f"layers_{layer}", "moe")
+    if kind == "_scales":
+        return {}
+    if kind == "_bias":
+        if proj == "down_proj":
+            return {(*key, "down_bias"): stored(ckpt, name)}
+        src = stored(ckpt, name)
+        return {(*key, "gate_bias"): interleaved(src, 0), (*key, "up_bias"): interleaved(src, 1)}
+    if kind == "_blocks":
+        src = mxfp4_experts(ckpt, name, name.removesuffix("_blocks") + "_scales")
+    else:
+        src = stored(ckpt, name)
+    if proj == "down_proj":
+        return {(*key, "w_down"): src}
+    return {(*key, "w_gate"): interleaved(src, 0), (*key, "w_up"): interleaved(src, 1)}
 
 
 def _from_hf(key: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
@@ -107,11 +146,15 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
              source: Path) -> dict[tuple[str, ...], Source]:
     """Map every checkpoint tensor to the param it fills (headers only; nothing is read yet)."""
     by_name = {_canonical(hf_name(k, cfg)): k for k in expected
-               if not (k[1:2] == ("moe",) and k[2] != "router")}
+               if not (k[1:2] == ("moe",) and k[2] not in ("router", "router_bias"))}
     sources: dict[tuple[str, ...], Source] = {}
     experts: dict[tuple[str, ...], dict[int, str]] = {}
+    multimodal = cfg.architecture == "Gemma3ForConditionalGeneration"
     for name in ckpt.names():
-        if IGNORED.fullmatch(name):
+        if IGNORED.fullmatch(name) or (multimodal and _VISION.fullmatch(name)):
+            continue
+        if cfg.architecture == GPT_OSS and (m := GPT_OSS_EXPERTS.fullmatch(name)):
+            sources.update(_gpt_oss_experts(ckpt, name, m))
             continue
         if m := EXPERT.fullmatch(name):
             layer, e, proj, tensor = m.groups()
@@ -165,6 +208,9 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
         want = expected.get(key)
         if want is None:
             raise CheckpointError(f"'{model_dir}': unexpected parameter {'/'.join(key)}")
+        if src.dtype == PACKED:
+            raise CheckpointError(f"'{model_dir}': parameter {'/'.join(key)} is stored as packed "
+                                  f"bytes (U8); only gpt-oss's MXFP4 expert blocks are read so")
         if src.dtype in QUANTIZED_DTYPES and key not in quantized:
             raise CheckpointError(f"'{model_dir}': parameter {'/'.join(key)} is stored as "
                                   f"{src.dtype}, but config.json declares no quantization_config "
@@ -219,6 +265,8 @@ def _hf_items(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarra
 def save_safetensors(params: Params, cfg: ModelConfig, out_dir: str | Path,
                      filename: str = "model.safetensors") -> Path:
     """Write params under HF tensor names (the hub's per-expert layout for MoE)."""
+    if cfg.architecture in (GPT_OSS, "Gemma3ForConditionalGeneration"):
+        raise CheckpointError(f"writing {cfg.architecture} checkpoints is not supported")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_items(params, cfg))

@@ -25,7 +25,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model.experts import routed_experts
-from jaxinfer.parallel.sharding import TP, ShardingPlan, expert_scale_specs, expert_specs
+from jaxinfer.parallel.sharding import (TP, ShardingPlan, expert_bias_specs,
+                                       expert_scale_specs, expert_specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,18 +34,23 @@ class ShardedExperts:
     """`routed_experts` over the replica's mesh: same call, replicated inputs and output."""
     plan: ShardingPlan
 
-    def __call__(self, x, experts, weights, w, scales=None, impl: str = "auto"):
+    def __call__(self, x, experts, weights, w, scales=None, impl: str = "auto", *, glu=None,
+                 biases=None):
         layout = self.plan.expert_layout
         held = self.plan.cfg.num_experts // self.plan.tp if layout == "ep" else None
 
-        def local(x, experts, weights, w, scales=None):
+        def local(x, experts, weights, w, scales, biases):
             first = jax.lax.axis_index(TP) * held if held else 0
-            out = routed_experts(x, experts, weights, w, scales, first, impl)
+            out = routed_experts(x, experts, weights, w, scales or None, first, impl, glu=glu,
+                                 biases=biases or None)
             return jax.lax.psum(out, TP)
 
-        args, specs = (x, experts, weights, tuple(w)), (P(), P(), P(), expert_specs(layout))
-        if scales is not None:  # 8-bit stacks: their scales split like them
-            args, specs = (*args, tuple(scales)), (*specs, expert_scale_specs(layout))
+        # 8-bit stacks' scales and gpt-oss's gate/up biases split like the stacks' outputs; an
+        # absent one is an empty tuple (an empty pytree).
+        args = (x, experts, weights, tuple(w), tuple(scales or ()), tuple(biases or ()))
+        specs = (P(), P(), P(), expert_specs(layout),
+                 expert_scale_specs(layout) if scales is not None else (),
+                 expert_bias_specs(layout) if biases is not None else ())
         return jax.shard_map(local, mesh=self.plan.mesh, in_specs=specs, out_specs=P(),
                              check_vma=False)(*args)
 

@@ -160,9 +160,12 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
     if owner in _ROW:  # scale and bias are per output: replicated, applied after the all-reduce
         return {"kernel": P(TP, None), "weight": P(None, TP)}.get(leaf, P())
     if owner == "moe" and leaf in EXPERT_LEAVES:
-        specs = expert_specs(expert_layout) + expert_scale_specs(expert_layout)
+        specs = (expert_specs(expert_layout) + expert_scale_specs(expert_layout)
+                 + expert_bias_specs(expert_layout))
         return dict(zip(EXPERT_LEAVES, specs))[leaf]
-    return P()  # norms, router
+    if owner == "attn" and leaf == "sinks":  # [Hq]: each device's query heads
+        return P(TP)
+    return P()  # norms, router, the experts' down bias (added after the all-reduce)
 
 
 def expert_specs(expert_layout: str) -> tuple[P, P, P]:
@@ -173,8 +176,10 @@ def expert_specs(expert_layout: str) -> tuple[P, P, P]:
     return P(None, None, TP), P(None, None, TP), P(None, TP, None)
 
 
-# Expert stacks, then their per-output-channel scales [E, out] (quantized checkpoints only).
-EXPERT_LEAVES = ("w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale", "w_down_scale")
+# Expert stacks, their per-output-channel scales [E, out] (quantized checkpoints only), then the
+# gate/up biases [E, F] (gpt-oss).
+EXPERT_LEAVES = ("w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale", "w_down_scale",
+                 "gate_bias", "up_bias")
 
 
 def expert_scale_specs(expert_layout: str) -> tuple[P, P, P]:
@@ -183,6 +188,13 @@ def expert_scale_specs(expert_layout: str) -> tuple[P, P, P]:
     if expert_layout == "ep":
         return P(TP, None), P(TP, None), P(TP, None)
     return P(None, TP), P(None, TP), P()
+
+
+def expert_bias_specs(expert_layout: str) -> tuple[P, P]:
+    """Specs of gpt-oss's gate and up biases [E, F]: split like w_gate's and w_up's outputs."""
+    if expert_layout == "ep":
+        return P(TP, None), P(TP, None)
+    return P(None, TP), P(None, TP)
 
 
 @functools.cache

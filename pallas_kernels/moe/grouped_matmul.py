@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,28 @@ def _silu_glu(gate, up, dtype):
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (HF's GptOssExperts): the gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). In the activations' dtype, as HF
+    computes it."""
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate, up, dtype):
+        gate = jnp.minimum(gate.astype(dtype), self.limit)
+        up = jnp.clip(up.astype(dtype), -self.limit, self.limit)
+        return ((up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))).astype(dtype)
+
+
+def _with_bias(y, bias, gid, dtype):
+    """y [M, N] plus each row's group's bias [E, N] (rows past the groups: the last group's; their
+    output is undefined anyway), in `dtype`."""
+    if bias is None:
+        return y.astype(dtype)
+    return (y.astype(dtype) + bias[jnp.minimum(gid, bias.shape[0] - 1)].astype(dtype)).astype(dtype)
+
+
 def _row_groups(group_sizes, m: int):
     """Each row's group (E for rows past the groups) and its first row's index."""
     ends = jnp.cumsum(group_sizes)
@@ -143,10 +166,11 @@ def moe_experts_reference(x, weights, group_sizes):
     return grouped_matmul_reference(h, w_down, group_sizes).astype(x.dtype)
 
 
-def _ragged(x, weights, group_sizes, scales=None):
-    """`jax.lax.ragged_dot` per stack; with `scales`, each row's output times its group's."""
-    gid = None if scales is None else jnp.minimum(_row_groups(group_sizes, x.shape[0])[0],
-                                                  weights[0].shape[0] - 1)
+def _ragged(x, weights, group_sizes, scales=None, glu=_silu_glu, biases=None):
+    """`jax.lax.ragged_dot` per stack; with `scales`, each row's output times its group's; with
+    `biases` (gate, up [E, F]), each row's group's added before `glu`."""
+    gid = (None if scales is None and biases is None
+           else jnp.minimum(_row_groups(group_sizes, x.shape[0])[0], weights[0].shape[0] - 1))
 
     def mm(a, i):
         if scales is None:
@@ -155,11 +179,13 @@ def _ragged(x, weights, group_sizes, scales=None):
                                preferred_element_type=jnp.float32)
         return (y * scales[i][gid]).astype(a.dtype)
 
-    h = _silu_glu(mm(x, 0), mm(x, 1), x.dtype)
+    b = biases or (None, None)
+    h = glu(_with_bias(mm(x, 0), b[0], gid, x.dtype), _with_bias(mm(x, 1), b[1], gid, x.dtype),
+            x.dtype)
     return mm(h, 2)
 
 
-def _padded(x, weights, group_sizes, capacity: int, scales=None):
+def _padded(x, weights, group_sizes, capacity: int, scales=None, glu=_silu_glu, biases=None):
     """Rows scattered into [E, capacity, K] (slot = row's place in its group), three batched
     einsums, rows gathered back. Rows past sum(group_sizes) come back as zeros."""
     e = weights[0].shape[0]
@@ -175,11 +201,16 @@ def _padded(x, weights, group_sizes, capacity: int, scales=None):
                        preferred_element_type=jnp.float32)
         return (y * scales[i][:, None, :]).astype(a.dtype)
 
-    yp = mm(_silu_glu(mm(xp, 0), mm(xp, 1), x.dtype), 2)
+    gate, up = mm(xp, 0), mm(xp, 1)
+    if biases is not None:  # [E, F] per group: broadcast over the capacity slots
+        gate = (gate + biases[0][:, None, :].astype(gate.dtype)).astype(x.dtype)
+        up = (up + biases[1][:, None, :].astype(up.dtype)).astype(x.dtype)
+    yp = mm(glu(gate, up, x.dtype), 2)
     return yp.at[gid, slot].get(mode="fill", fill_value=0)
 
 
-def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None):
+def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None, glu=None,
+            biases=None):
     w_gate, w_up, w_down = weights
     e, h, f = w_gate.shape
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e, fp8=scales is not None)
@@ -187,6 +218,16 @@ def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None):
     table = None
     if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
         table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
+    if glu is not None or biases is not None:
+        # Another activation or biases (gpt-oss): the kernel's SwiGLU epilogue does not apply, so
+        # gate and up run as plain grouped matmuls and the activation runs in XLA between them.
+        gid = jnp.minimum(_row_groups(group_sizes, x.shape[0])[0], e - 1)
+        b = biases or (None, None)
+        gate = _with_bias(gmm(x, (w_gate,), group_sizes, up_cfg, interpret, table), b[0], gid,
+                          x.dtype)
+        up = _with_bias(gmm(x, (w_up,), group_sizes, up_cfg, interpret, table), b[1], gid, x.dtype)
+        y = (glu or _silu_glu)(gate, up, x.dtype)
+        return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
     if scales is None:
         y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
         return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
@@ -233,21 +274,29 @@ def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: b
 def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
                 group_sizes: jax.Array, *, max_group_size: int | None = None,
                 impl: str = "auto", interpret: bool = False,
-                scales: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                glu: Callable | None = None,
+                biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
     [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
     (the step's token count; default M). impl: one of CHOICES (`choose_impl`). interpret: run
     the Mosaic kernel in its interpreter (CPU tests). scales: float32 [E, out] per stack when the
-    weights are 8-bit (w = q * scale). Returns [M, H] in x's dtype; rows past sum(group_sizes)
-    are undefined."""
+    weights are 8-bit (w = q * scale). glu: the gated activation `glu(gate, up, dtype)` (default
+    SwiGLU; `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it. Returns
+    [M, H] in x's dtype; rows past sum(group_sizes) are undefined."""
     m = x_sorted.shape[0]
     capacity = min(m, max_group_size or m)
     impl = choose_impl(m, weights[0].shape, capacity, x_sorted.dtype, weights[0].dtype, impl)
+    if impl == "mosaic" and scales is not None and (glu is not None or biases is not None):
+        # The kernel's plain (unfused) calls take 16-bit stacks only: 8-bit gpt-oss experts
+        # take the XLA paths.
+        impl = pick_impl(m, weights[0].shape[0], capacity, gpu=True, kernel=False)
     if impl == "mosaic":
         if scales is not None and jnp.dtype(weights[0].dtype) != jnp.dtype(FP8):
             raise ValueError(f"impl='mosaic' takes 16-bit or e4m3 expert weights, not "
                              f"{weights[0].dtype}; run 'padded' or 'ragged'")
-        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret, scales=scales)
+        return _mosaic(x_sorted, weights, group_sizes, interpret=interpret, scales=scales,
+                       glu=glu, biases=biases)
     if impl == "padded":
-        return _padded(x_sorted, weights, group_sizes, capacity, scales)
-    return _ragged(x_sorted, weights, group_sizes, scales)
+        return _padded(x_sorted, weights, group_sizes, capacity, scales, glu or _silu_glu, biases)
+    return _ragged(x_sorted, weights, group_sizes, scales, glu or _silu_glu, biases)

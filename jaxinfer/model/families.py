@@ -1,0 +1,221 @@
+"""What each supported architecture's config.json means for `ModelConfig`: a family is data (HF's
+config defaults, which hub configs rely on) plus `fields`, the few settings that differ from
+Llama's. Adding a family touches this file, the model's switches it sets (transformer.py) and the
+tensor names it stores (weights.py); never the scheduler or the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.rope import parse_rope
+
+log = logging.getLogger(__name__)
+
+Raw = dict[str, Any]
+
+
+def required(raw: Raw, key: str) -> Any:
+    if raw.get(key) is None:
+        raise ConfigError(f"config.json: required field '{key}' is missing")
+    return raw[key]
+
+
+def _silu_only(raw: Raw) -> Raw:
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ConfigError(f"config.json: hidden_act '{act}' is not supported (only 'silu')")
+    return raw
+
+
+def _cap_at_sliding_window(raw: Raw, arch: str) -> dict:
+    """Llama-style families run every layer with full attention; a `sliding_window` shorter than
+    the context caps the context at the window (as vLLM does for these families), so nothing the
+    window would hide is ever attended."""
+    max_pos = int(raw.get("max_position_embeddings") or 4096)
+    window = raw.get("sliding_window")
+    if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
+        return {}
+    if window is None or window >= max_pos:
+        return {}
+    log.warning("config.json: sliding_window=%d < max_position_embeddings=%d; this family runs "
+                "full attention, so the context is capped at %d tokens", window, max_pos, window)
+    return {"max_position_embeddings": int(window)}
+
+
+def layer_windows(raw: Raw, layers: int, sliding: Callable[[int], bool]) -> tuple[int | None, ...]:
+    """Each layer's window from `layer_types` (transformers >= 4.54), else the family's pattern
+    `sliding(i)` (Gemma 3's `sliding_window_pattern`, gpt-oss's and Gemma 2's alternation)."""
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if sliding(i) else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ConfigError(f"config.json: layer_types has {len(types)} entries for "
+                          f"num_hidden_layers={layers}")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ConfigError(f"config.json: layer_types {bad} are not supported "
+                          f"(supported: 'sliding_attention', 'full_attention')")
+    window = raw.get("sliding_window")
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"config.json: sliding_window={window!r} must be a positive integer "
+                          f"for layers of type 'sliding_attention'")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _llama(raw: Raw, layers: int) -> dict:
+    bias = bool(raw.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(raw.get("mlp_bias", False)),
+                **_cap_at_sliding_window(raw, "LlamaForCausalLM"))
+
+
+def _mistral(raw: Raw, layers: int) -> dict:
+    return _cap_at_sliding_window(raw, "MistralForCausalLM")
+
+
+def _qwen2(raw: Raw, layers: int) -> dict:
+    return dict(qkv_bias=True, **_cap_at_sliding_window(raw, "Qwen2ForCausalLM"))
+
+
+def _qwen3(raw: Raw, layers: int) -> dict:
+    bias = bool(raw.get("attention_bias", False))
+    return dict(qk_norm=True, qkv_bias=bias, o_bias=bias,
+                **_cap_at_sliding_window(raw, "Qwen3ForCausalLM"))
+
+
+def _mixtral(raw: Raw, layers: int) -> dict:
+    return dict(num_experts=int(required(raw, "num_local_experts")),
+                num_experts_per_tok=int(required(raw, "num_experts_per_tok")),
+                moe_intermediate_size=int(required(raw, "intermediate_size")),
+                norm_topk_prob=True, moe_layers=(True,) * layers,
+                **_cap_at_sliding_window(raw, "MixtralForCausalLM"))
+
+
+def _qwen3_moe(raw: Raw, layers: int) -> dict:
+    # Hub configs say num_experts; transformers 5 writes num_local_experts (its attribute_map).
+    experts = int(raw.get("num_experts") or required(raw, "num_local_experts"))
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense_only = set(raw.get("mlp_only_layers") or [])
+    return dict(_qwen3(raw, layers), num_experts=experts,
+                num_experts_per_tok=int(required(raw, "num_experts_per_tok")),
+                moe_intermediate_size=int(required(raw, "moe_intermediate_size")),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                moe_layers=tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0
+                                 for i in range(layers)))
+
+
+# --- Gemma 2 / Gemma 3 ---------------------------------------------------------------------------
+
+# HF's Gemma2Config / Gemma3TextConfig defaults: hub configs leave many of these out.
+_GEMMA_COMMON = dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                     tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                     attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+GEMMA2_DEFAULTS = dict(_GEMMA_COMMON, vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                       max_position_embeddings=8192, rope_theta=10000.0,
+                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+GEMMA3_DEFAULTS = dict(_GEMMA_COMMON, vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                       max_position_embeddings=131072, rope_theta=1_000_000.0,
+                       rope_local_base_freq=10_000.0, sliding_window_pattern=6,
+                       final_logit_softcapping=None, attn_logit_softcapping=None)
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def _gemma_defaults(defaults: Raw) -> Callable[[Raw], Raw]:
+    def normalize(raw: Raw) -> Raw:
+        if raw.get("use_bidirectional_attention"):
+            raise ConfigError("config.json: use_bidirectional_attention=true is not supported "
+                              "(causal language models only)")
+        return {**defaults, **raw}
+    return normalize
+
+
+def _gemma3_multimodal(raw: Raw) -> Raw:
+    """Gemma3ForConditionalGeneration: its language model's config (`text_config`) with the
+    top-level token ids and dtype; the vision tower is not loaded (image inputs are refused)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("config.json: Gemma3ForConditionalGeneration needs a 'text_config' object")
+    top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
+                               "dtype", "tie_word_embeddings", "quantization_config")
+           if raw.get(k) is not None}
+    return _gemma_defaults(GEMMA3_DEFAULTS)({**top, **text, "architectures": raw["architectures"]})
+
+
+def _gemma_common(raw: Raw) -> dict:
+    act = raw.get("hidden_activation") or raw.get("hidden_act")
+    if act not in GELU_TANH:
+        raise ConfigError(f"config.json: hidden_activation '{act}' is not supported for Gemma "
+                          f"(supported: {', '.join(GELU_TANH)})")
+    if raw.get("attention_bias"):
+        raise ConfigError("config.json: attention_bias=true is not supported for Gemma")
+    return dict(hidden_act="gelu_tanh", norm_offset=True, sandwich_norms=True, embed_scale=True,
+                attn_scale=float(required(raw, "query_pre_attn_scalar")) ** -0.5,
+                attn_softcap=raw.get("attn_logit_softcapping"),
+                final_softcap=raw.get("final_logit_softcapping"))
+
+
+def _gemma2(raw: Raw, layers: int) -> dict:
+    return dict(_gemma_common(raw), layer_windows=layer_windows(raw, layers, lambda i: i % 2 == 0))
+
+
+def _gemma3(raw: Raw, layers: int) -> dict:
+    pattern = int(raw.get("sliding_window_pattern") or 6)
+    windows = layer_windows(raw, layers, lambda i: bool((i + 1) % pattern))
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers >= 5
+        rope = parse_rope(raw, params.get("full_attention") or {}, 1_000_000.0)
+        local = parse_rope(raw, params.get("sliding_attention") or {},
+                           float(raw.get("rope_local_base_freq", 10_000.0)))
+    else:  # hub configs: rope_theta + rope_scaling for global layers, rope_local_base_freq
+        rope = parse_rope(raw)
+        local = parse_rope({}, {"rope_theta": float(raw["rope_local_base_freq"])})
+    return dict(_gemma_common(raw), qk_norm=True, layer_windows=windows, rope=rope,
+                local_rope=local)
+
+
+# --- gpt-oss -------------------------------------------------------------------------------------
+
+def _gpt_oss_normalize(raw: Raw) -> Raw:
+    """MXFP4 expert weights are dequantized on load (exact in bf16: weights.py), so the model
+    runs unquantized and the quantization_config is consumed here."""
+    qc = raw.get("quantization_config") or {}
+    if qc.get("quant_method") == "mxfp4":
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    return raw
+
+
+def _gpt_oss(raw: Raw, layers: int) -> dict:
+    bias = bool(raw.get("attention_bias", True))
+    experts = int(required(raw, "num_local_experts"))
+    return dict(qkv_bias=bias, o_bias=bias, attn_sinks=True,
+                layer_windows=layer_windows(raw, layers, lambda i: i % 2 == 0),
+                num_experts=experts, num_experts_per_tok=int(required(raw, "num_experts_per_tok")),
+                moe_intermediate_size=int(required(raw, "intermediate_size")),
+                moe_layers=(True,) * layers, router_bias=True, topk_then_softmax=True,
+                expert_bias=True, swiglu_clamp=(float(raw.get("swiglu_alpha", 1.702)),
+                                                float(raw.get("swiglu_limit", 7.0))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    fields: Callable[[Raw, int], dict]
+    normalize: Callable[[Raw], Raw] = _silu_only
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(_llama),
+    "MistralForCausalLM": Family(_mistral),
+    "Qwen2ForCausalLM": Family(_qwen2),
+    "Qwen3ForCausalLM": Family(_qwen3),
+    "MixtralForCausalLM": Family(_mixtral),
+    "Qwen3MoeForCausalLM": Family(_qwen3_moe),
+    "Gemma2ForCausalLM": Family(_gemma2, _gemma_defaults(GEMMA2_DEFAULTS)),
+    "Gemma3ForCausalLM": Family(_gemma3, _gemma_defaults(GEMMA3_DEFAULTS)),
+    "Gemma3ForConditionalGeneration": Family(_gemma3, _gemma3_multimodal),
+    "GptOssForCausalLM": Family(_gpt_oss, _gpt_oss_normalize),
+}

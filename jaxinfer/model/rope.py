@@ -1,0 +1,117 @@
+"""Rotary position embeddings: the `rope_scaling` / `rope_parameters` of a config.json, and the
+inverse frequencies (with HF's scaling rules) computed once on the host.
+
+A model has one `RopeConfig`, or two when its windowed layers rotate with their own base (Gemma 3:
+`rope_local_base_freq`, or transformers 5's per-layer-type `rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxinfer.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 and yarn
+    original_max_position_embeddings: int = 8192
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # yarn only (gpt-oss): the ramp between interpolated and extrapolated frequencies, and the
+    # factor cos/sin are multiplied by
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+def parse_rope(raw: dict[str, Any], params: dict[str, Any] | None = None,
+               theta_default: float = 10000.0) -> RopeConfig:
+    """The rope of a config.json: transformers >= 5 writes `rope_parameters` (or `params`, one
+    layer type's entry); older configs write rope_theta + rope_scaling."""
+    if params is None:
+        params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", theta_default)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"config.json: rope_scaling.rope_type '{rope_type}' is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = float(params.get("factor", 1.0))
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    original = int(params.get("original_max_position_embeddings", 8192))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=theta, rope_type="llama3", factor=factor,
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=original)
+    for field in ("mscale", "mscale_all_dim"):
+        if params.get(field):
+            raise ConfigError(f"config.json: rope_scaling.{field} (yarn) is not supported")
+    attention = params.get("attention_factor")
+    if attention is None:  # the paper's suggestion, as HF computes it
+        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor,
+                      original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32.0),
+                      beta_slow=float(params.get("beta_slow") or 1.0),
+                      truncate=bool(params.get("truncate", True)),
+                      attention_factor=float(attention))
+
+
+def _yarn(r: RopeConfig, inv: list[float], d: int) -> list[float]:
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(r.theta)))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    out = []
+    for i, f in enumerate(inv):
+        extrapolation = 1 - min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(f / r.factor * (1 - extrapolation) + f * extrapolation)
+    return out
+
+
+def rope_inv_freq(r: RopeConfig, head_dim: int) -> list[float]:
+    """Inverse frequencies [head_dim / 2] with HF's scaling rules."""
+    d = head_dim
+    inv = [1.0 / (r.theta ** (i / d)) for i in range(0, d, 2)]
+    if r.rope_type == "linear":
+        return [f / r.factor for f in inv]
+    if r.rope_type == "yarn":
+        return _yarn(r, inv, d)
+    if r.rope_type == "llama3":
+        low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+        high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / r.factor)
+            else:
+                smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (
+                    r.high_freq_factor - r.low_freq_factor)
+                out.append((1 - smooth) * f / r.factor + smooth * f)
+        return out
+    return inv

@@ -227,9 +227,8 @@ def main() -> None:
         name = args.name or ("lora_tiny_" if args.tiny else "lora_") + results_io.device_slug()
         results_io.save(args.save, name, metrics=metrics, config=dict(
             model="llama3-8b-shape dummy" if not args.tiny else "tiny llama dummy",
-            adapters=NUM_ADAPTERS, max_loras=8, rank=shapes(args.tiny)["rank"],
-            projections="q,k,v,o,gate,up,down", lora_path="XLA (model/lora/delta.py)",
-            **shapes(args.tiny)))
+            adapters=NUM_ADAPTERS, max_loras=8, projections="q,k,v,o,gate,up,down",
+            lora_path="XLA (model/lora/delta.py)", **shapes(args.tiny)))
 
 
 if __name__ == "__main__":

@@ -42,10 +42,9 @@ for producer and consumers), so blocks wholly before the window are never loaded
 causally but outside its window get a finite logit (-2^20, log2 units): a row whose first steps
 hold none of its keys keeps a finite max, not exp2(-inf + inf) = NaN. Sinks join the final 1 / l.
 
-Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half (the
-ragged end of a sequence) goes out as predicated 8-row and 1-row TMA stores from an unswizzled view
-of the same shared memory (a RefUnion: Q is dead by then), so no CTA ever writes a row of another
-sequence and the ragged path costs no SMEM that a K/V stage could use.
+Outputs: full 64-row halves go out as one TMA store from the swizzled Q/O buffer; a partial half
+(a sequence's ragged end) as predicated 8- and 1-row TMA stores from an unswizzled view of the same
+SMEM (a RefUnion: Q is dead by then): no CTA writes another sequence's row, at no K/V-stage SMEM.
 
 CPU tests run it in Mosaic GPU's interpreter (`interpret=True`), which also checks that every
 thread observes every phase of each barrier it waits on; three parts change there (no register A
@@ -235,7 +234,8 @@ def mosaic_attention(q, k, v, tiles, block_tables, *, kv_mode: str, causal: bool
             full_steps = lax.div(it.ctx_len, jnp.int32(bkv))
             if causal:
                 full_steps = jnp.minimum(full_steps, lax.div(q_pos_first + 1, jnp.int32(bkv)))
-            full_steps = jnp.clip(full_steps - first, 0, steps)
+            full_steps = (jnp.minimum(full_steps, steps) if window is None  # first == 0
+                          else jnp.clip(full_steps - first, 0, steps))
             window_start = jnp.int32(0)  # the first step inside the last row's window
             if window is not None:
                 last_first_key = jnp.maximum(q_pos_first + BLOCK_Q - window, 0)

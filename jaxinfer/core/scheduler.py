@@ -243,7 +243,7 @@ class Scheduler:
             return True
         try:
             return self.lora_slots.acquire(seq)
-        except Exception as e:  # noqa: BLE001 - one adapter's failure is its requests'
+        except Exception as e:  # one adapter's failure is its requests'
             self._failed.append((seq.request.request_id, e))
             return False
 

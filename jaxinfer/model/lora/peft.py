@@ -153,7 +153,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
     try:
         with safe_open(str(file), framework="numpy") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the adapter's fault
+    except Exception as e:  # any unreadable file is the adapter's fault
         raise LoRAAdapterError(f"'{file}' cannot be read: {e}", "lora_path") from None
     return adapter_from_tensors(tensors, cfg, rank, scaling, name or path.name, targets)
 

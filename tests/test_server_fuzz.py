@@ -328,7 +328,7 @@ def test_fuzz_both_schemas_never_5xx_and_greedy_unchanged(server):
     print("fuzz statuses:", sorted(statuses.items()))
     # every endpoint reached the engine, and refusals
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"):
-        least = 3 if path in ("/v1/responses", "/v1/embeddings") else 5
+        least = {"/v1/responses": 2, "/v1/embeddings": 3}.get(path, 5)  # (fewer examples)
         assert statuses.get((path, 200), 0) >= least and statuses.get((path, 400), 0) >= 4 * least, statuses
     assert server.engine.errored is None
     wait_pool_free(server, timeout=30)

@@ -265,7 +265,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
         """A prompt of `n` tokens and the outputs it asks for must fit max_model_len (OpenAI's
         wording: the server answers it as is)."""
         limit = self.max_model_len
-        if params.max_tokens is None and n >= limit:
+        if n >= limit:  # the prompt alone fills the context, whatever max_tokens asks
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
                 f"{n} tokens, leaving no room for a completion.", param="prompt")

@@ -18,8 +18,8 @@ from serve.protocol import parse_generation
 
 DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo-target"
 ENGINE = SimpleNamespace(tokenizer=load_tokenizer(DEMO), max_model_len=1024,
-                         served_model_names=["demo"], model_config=SimpleNamespace(vocab_size=4096),
-                         grammars=None)
+                         served_model_names=["demo"], model_names=["demo"], lora_requests={},
+                         model_config=SimpleNamespace(vocab_size=4096), grammars=None)
 CHAT = [{"role": "user", "content": "hi"}]
 
 

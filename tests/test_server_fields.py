@@ -179,9 +179,9 @@ def test_priority_reaches_the_engine(server):
     engine = server.engine
     original = engine.generate
 
-    def spy(prompt, params, request_id, priority=0):
+    def spy(prompt, params, request_id, priority=0, **kwargs):
         seen.append(priority)
-        return original(prompt, params, request_id, priority=priority)
+        return original(prompt, params, request_id, priority=priority, **kwargs)
 
     engine.generate = spy
     try:
@@ -199,9 +199,9 @@ def test_speculative_decoding_opt_out_reaches_the_engine(server):
     engine = server.engine
     original = engine.generate
 
-    def spy(prompt, params, request_id, priority=0):
+    def spy(prompt, params, request_id, priority=0, **kwargs):
         seen.append(params.speculative_decoding)
-        return original(prompt, params, request_id, priority=priority)
+        return original(prompt, params, request_id, priority=priority, **kwargs)
 
     engine.generate = spy
     try:

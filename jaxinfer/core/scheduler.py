@@ -38,6 +38,7 @@ import time
 from typing import Callable, Iterable
 
 from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
+from jaxinfer.core.kv_loads import KVLoads, KVTransfers
 from jaxinfer.core.request import Request, Sequence, SeqStatus
 
 PROMPT_INDEX_SEP = "#"
@@ -77,6 +78,8 @@ class SchedulerOutput:
     # logprobs, pooling: worker/hidden_reads.py).
     reads_hidden: bool = False
     num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
+    # The host KV tier's copies, made before anything else of the step (also with no rows).
+    kv_transfers: KVTransfers | None = None
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -126,6 +129,8 @@ class Scheduler:
         # at admission: (request id, error), for the engine to fail (`take_failed`).
         self.lora_slots = None
         self._failed: list[tuple[str, Exception]] = []
+        # Sequences whose prefix is coming back from the host KV tier (None: no host tier).
+        self.loads = KVLoads(kv_manager) if kv_manager.host is not None else None
 
     # ---- queues ---------------------------------------------------------------------------
     @property
@@ -146,10 +151,10 @@ class Scheduler:
         # An n > 1 prompt sequence reserves room for all the choices it will fork into.
         return seq.request.params.n if seq.is_prompt_seq else 1
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (new weights, or a released KV cache): how many blocks that
-        returned to the free list."""
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_host: bool = False) -> int:
+        """Forget every cached prefix (new weights, or a released KV cache; `keep_host`: not the
+        host tier's, for a released cache): how many blocks that returned to the free list."""
+        return self.kv.reset_prefix_cache(keep_host)
 
     def add(self, seq: Sequence) -> None:
         self._priorities_used |= seq.request.priority != 0
@@ -212,8 +217,15 @@ class Scheduler:
             self._stop_running(seq)
         elif seq.status is SeqStatus.WAITING:
             self._num_waiting -= 1
+        elif seq.status is SeqStatus.WAITING_FOR_KV:
+            self.loads.cancel(seq)
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.seq_id)
+
+    def loads_landed(self, seq_ids: Iterable[str]) -> None:
+        """The host tier's copies for these sequences landed: they wait in front again."""
+        for seq in self.loads.landed(seq_ids):
+            self._requeue_front(seq)
 
     def update_from_output(self, seqs: Iterable[Sequence]) -> None:
         """A processed step's sequences, in step order (`OutputProcessor.process`): each that
@@ -402,6 +414,12 @@ class Scheduler:
                 seq.num_computed = self.kv.get_computed_blocks(
                     seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden,
                     namespace=self._cache_namespace(seq))
+                if self.loads is not None and self.loads.start(seq):  # host hit: WAITING_FOR_KV
+                    heapq.heappop(self._waiting)
+                    self._num_waiting -= 1
+                    if self.lora_slots is not None:
+                        self.lora_slots.release(seq)
+                    continue
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
@@ -433,6 +451,8 @@ class Scheduler:
                         req.params.pooling is None):
                     out.reads_hidden = True
             out.block_copies = kv.take_pending_copies()
+        if self.loads is not None:
+            out.kv_transfers = self.loads.take()
         return out
 
     @staticmethod

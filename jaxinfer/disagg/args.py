@@ -72,6 +72,8 @@ def check_disagg_args(args) -> None:
     if args.coordinator_address is not None:
         _refuse("coordinator-address", args.coordinator_address,
                 "multi-process runs are not built with --disaggregate (docs/disaggregation.md)")
+    if getattr(args, "kv_offload", False):  # (the hand-over writes blocks the tier would read)
+        _refuse("kv-offload", True, "the host KV tier is not built together with --disaggregate")
     for flag in ("speculative_method", "speculative_model", "speculative_config"):
         if getattr(args, flag, None) is not None:
             _refuse(flag.replace("_", "-"), getattr(args, flag),

@@ -50,6 +50,7 @@ from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
 from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
+from jaxinfer.engine.kv_tier import KVTierMixin, host_tier_for
 from jaxinfer.engine.lora import LoRAMixin, with_lora_stacks
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
-class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
+class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
     """One engine: a scheduler, a runner and an output processor on one replica's devices."""
 
     weight_version = 0  # +1 per update_weights; on every RequestOutput
@@ -97,15 +98,16 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
         loop_steps, loop_max_seqs = args.decode_loop()
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
+            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                           host_tier_for(cfg, args, kv_dtype)),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=loop_steps, decode_loop_max_seqs=loop_max_seqs,
             max_step_tokens_while_decoding=args.max_step_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         backend = kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg, params,
                                    scales=args.kv_cache_scales, tokenizer=tokenizer,
                                    model_dir=None if args.load_format == "dummy" else args.model_path)
@@ -117,6 +119,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
             decode_loop_max_seqs=loop_max_seqs, plan=plan,
             executable_cache=ExecutableCache.under(args.compilation_cache_dir), compile_role=role)
         self.runner.set_async_launch(args.async_launch)
+        self._init_kv_tier()
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       kv_bytes_per_block(cfg, args.block_size, kv_dtype))
         self.outputs = outputs_cls(self.metrics, self.max_model_len, self.eos_token_ids)
@@ -393,8 +396,10 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
             self._inflight = None
         self._maybe_profile()
         t0 = time.perf_counter()
+        self._poll_kv_loads()
         sched = self.scheduler.schedule()
         self._fail_lora_admissions()
+        self._move_kv(sched)
         t_sched = time.perf_counter()
         handle = None
         if sched:

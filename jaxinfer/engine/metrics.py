@@ -75,6 +75,7 @@ class EngineMetrics:
         self.total_buckets = gauge("jaxinfer:total_buckets", "Step buckets of the engine")
         self._prefix_seen = (0, 0)
         self._spec_decode: SpecDecodeMetrics | None = None
+        self._host_kv: HostKVMetrics | None = None
 
     def spec_decode(self, num_speculative_tokens: int) -> SpecDecodeMetrics:
         """Speculative decoding's counters: one set per registry, made by the first engine that
@@ -83,6 +84,12 @@ class EngineMetrics:
             self._spec_decode = SpecDecodeMetrics(self.registry, self.model_name,
                                                   num_speculative_tokens)
         return self._spec_decode
+
+    def host_kv(self) -> HostKVMetrics:
+        """The host KV tier's metrics (--kv-offload): one set per registry, like spec_decode's."""
+        if self._host_kv is None:
+            self._host_kv = HostKVMetrics(self.model_name, self.registry)
+        return self._host_kv
 
     def set_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int,
                          bytes_per_block: int) -> None:
@@ -198,3 +205,34 @@ class KVTransferMetrics:
                       "scheduled), transfer (waiting for decode room or in flight), decode (to be "
                       "scheduled)", ["model_name", "stage"], registry=r)
         self.queue_depth = {s: queue.labels(model_name, s) for s in ("prefill", "transfer", "decode")}
+
+
+class HostKVMetrics:
+    """The host KV tier (--kv-offload): prefix tokens served from host, bytes copied each way,
+    the host -> device copies' time, host blocks in use. `update` feeds monotonic totals."""
+
+    _FIELDS = ("hit_tokens", "bytes_to_host", "bytes_to_device")
+
+    def __init__(self, model_name: str, registry: CollectorRegistry):
+        label, r = ["model_name"], registry
+        self.hit_tokens = Counter("jaxinfer:kv_host_hit_tokens", "Prompt tokens whose KV came back "
+                                  "from the host tier", label, registry=r).labels(model_name)
+        self.bytes_to_host = Counter("jaxinfer:kv_host_offload_bytes", "KV bytes copied device -> "
+                                     "host (evicted prefix blocks)", label,
+                                     registry=r).labels(model_name)
+        self.bytes_to_device = Counter("jaxinfer:kv_host_load_bytes", "KV bytes copied host -> "
+                                       "device (host prefix hits)", label,
+                                       registry=r).labels(model_name)
+        self.load_seconds = Histogram(
+            "jaxinfer:kv_host_load_seconds", "A host -> device copy, dispatch to seen landed "
+            "(host poll)", label, buckets=_TRANSFER_BUCKETS, registry=r).labels(model_name)
+        self.used_blocks = Gauge("jaxinfer:kv_host_used_blocks", "Host tier blocks holding KV",
+                                 label, registry=r).labels(model_name)
+        self._seen = dict.fromkeys(self._FIELDS, 0)
+
+    def update(self, used_blocks: int, **totals: int) -> None:
+        self.used_blocks.set(used_blocks)
+        for name, total in totals.items():
+            if total > self._seen[name]:
+                getattr(self, name).inc(total - self._seen[name])
+            self._seen[name] = total

@@ -37,6 +37,7 @@ class TrainingLoopMixin:
         check_params(params, base)  # (a refusal before anything changes)
         outs = self._abort_all()
         self.scheduler.reset_prefix_cache()
+        self._drop_host_kv()
         try:
             placed = place_like(params, base, release_old=self.owns_weights)
         except PartialUpdateError as e:
@@ -53,11 +54,14 @@ class TrainingLoopMixin:
     def sleep(self) -> list[RequestOutput]:
         """Free the KV cache's device memory (e.g. for a colocated trainer) until `wake()`.
         Requests in flight are aborted as by `update_weights` (their outputs are returned) and the
-        prefix cache is emptied; requests added while asleep wait, and `step()` refuses to run."""
+        prefix cache is emptied; requests added while asleep wait, and `step()` refuses to run.
+        With a host KV tier the cached blocks are copied to the host first and kept there: after
+        `wake()` their prefixes still hit (from the host) unless new weights came meanwhile."""
         if self.asleep:
             return []
         outs = self._abort_all()
-        self.scheduler.reset_prefix_cache()
+        self._offload_for_sleep()
+        self.scheduler.reset_prefix_cache(keep_host=True)
         self.runner.release_kv_cache()
         self.asleep = True
         return outs

@@ -55,6 +55,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     kv_cache_scales: str = "auto"  # fp8 caches: see kv_scales.py
+    kv_offload: bool = False  # a host tier under the prefix cache (host_tier.py)
+    kv_host_gib: float = 16.0  # its size
 
     def __post_init__(self):
         bs = self.block_size
@@ -70,13 +72,20 @@ class CacheConfig:
             raise ConfigError(f"--kv-cache-dtype '{self.kv_cache_dtype}' is not supported "
                               f"(choose from auto, {', '.join(KV_CACHE_DTYPES)})")
         check_scales_flag(self.kv_cache_scales)
+        if self.kv_offload and not self.enable_prefix_caching:
+            raise ConfigError("--kv-offload keeps evicted prefix-cache blocks on the host: it "
+                              "needs --enable-prefix-caching")
+        if not (self.kv_host_gib > 0 and math.isfinite(self.kv_host_gib)):
+            raise ConfigError(f"--kv-host-gib must be a positive number of GiB; "
+                              f"got {self.kv_host_gib}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheConfig:
         return cls(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                    num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype,
                    enable_prefix_caching=args.enable_prefix_caching,
-                   kv_cache_scales=args.kv_cache_scales)
+                   kv_cache_scales=args.kv_cache_scales, kv_offload=args.kv_offload,
+                   kv_host_gib=args.kv_host_gib)
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,3 +107,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         "one number for all (default auto)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes across requests (default on)")
+    g.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep prefix-cache blocks the device evicts in host memory and copy them "
+                        "back on a later prefix hit instead of recomputing them (default off)")
+    g.add_argument("--kv-host-gib", type=float, default=16.0,
+                   help="host memory for --kv-offload, in GiB over all of a replica's devices "
+                        "(default 16)")

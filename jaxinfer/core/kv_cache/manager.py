@@ -30,6 +30,7 @@ import sys
 from typing import Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
+from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.kv_cache.prefix_cache import PrefixCache, _Node
 
 # num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
@@ -42,10 +43,15 @@ class PrefixCacheStats:
     requests: int = 0  # get_computed_blocks calls with caching on
     queries: int = 0   # prompt tokens looked up
     hits: int = 0      # of those, tokens found cached
+    host_hits: int = 0  # of those, tokens found in the host tier past the device match
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hits / self.queries if self.queries else 0.0
 
 
 class _RequestBlocks:
@@ -67,17 +73,28 @@ class KVCacheManager:
 
     Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 host_tier: HostTier | None = None):
+        """`host_tier`: the host pool's bookkeeping (host_tier.py), or None: an evicted block's
+        KV is gone. Needs prefix caching."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("a host KV tier needs prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.host = host_tier
+        self.prefix_cache = (PrefixCache(self.pool, block_size, digests=host_tier is not None)
+                             if enable_prefix_caching else None)
+        if host_tier is not None:
+            self.prefix_cache.on_drop = self._offload
         self.stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         # Pending copy-on-write device copies, dst block -> src block (see take_pending_copies).
         self._pending_copies: dict[int, int] = {}
+        # Evicted device blocks to copy to the host before they are reused: (block, host slot).
+        self._pending_offloads: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -156,6 +173,58 @@ class KVCacheManager:
         self.stats.queries += len(token_ids)
         self.stats.hits += num_computed
         return num_computed
+
+    def match_host(self, request_id: Hashable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Continue a request's prefix match (get_computed_blocks, just called) into the host tier:
+        the host blocks that follow its device-cached prefix get fresh device blocks, appended to
+        its table, and their host slots are pinned until `loaded`. Returns the copies to make,
+        (host slot, device block) in order; [] without a host tier or a host hit. The request's
+        `num_tokens` grows by the blocks' tokens: the caller treats them as computed once copied.
+        At most as many blocks as are free now (a shorter hit rather than a preemption)."""
+        host, req = self.host, self._requests[request_id]
+        if host is None or req.cache_node is None or len(req.block_ids) != req.num_cached_blocks:
+            return []
+        bs = self.block_size
+        max_blocks = max(len(token_ids) - 1, 0) // bs
+        slots = host.match(req.cache_node.digest, token_ids, len(req.block_ids), max_blocks, bs)
+        slots = slots[:self.pool.num_free_blocks]
+        if not slots:
+            return []
+        host.pin(slots)  # (first: the allocation below may offload, which must not take them)
+        blocks = self.pool.allocate(len(slots))
+        req.block_ids.extend(blocks)
+        req.num_tokens += len(blocks) * bs
+        host.stats.hit_blocks += len(blocks)
+        self.stats.host_hits += len(blocks) * bs
+        return list(zip(slots, blocks))
+
+    def loaded(self, slots: Sequence[int], landed: bool = True) -> None:
+        """A copy from these host slots (match_host's) landed, or was dropped (`landed` False: its
+        request ended first): unpin them."""
+        self.host.unpin(slots)
+        if landed:
+            self.host.stats.loaded_blocks += len(slots)
+
+    def _offload(self, node: _Node) -> None:
+        slot = self.host.store(node.digest)
+        if slot is not None:
+            self._pending_offloads.append((node.block_id, slot))
+
+    def take_pending_offloads(self) -> list[tuple[int, int]]:
+        """(device block, host slot) copies of blocks evicted since the last call, and clear them.
+        The worker must read every one before a step writes into those blocks again."""
+        out, self._pending_offloads = self._pending_offloads, []
+        return out
+
+    def offload_cached(self) -> int:
+        """Queue every unreferenced cached device block for the host (before the device cache is
+        released, e.g. LLMEngine.sleep), least recently used first; how many were queued."""
+        if self.host is None:
+            return 0
+        before = len(self._pending_offloads)
+        for b in self.pool.evictable_block_ids():
+            self._offload(self.prefix_cache.node_of(b))
+        return len(self._pending_offloads) - before
 
     # ---- growth --------------------------------------------------------------------------
     def allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
@@ -316,14 +385,19 @@ class KVCacheManager:
         self._pending_copies.clear()
         return copies
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, keep_host: bool = False) -> int:
         """Forget every cached prefix (e.g. after loading new weights). Unreferenced cached blocks
         go back to the free list (returned: how many). Blocks held by live requests stay theirs,
         uncached; those requests insert nothing more (unrelated requests may now share uncached
-        blocks, which the new tree could not keep consistent), requests admitted later do."""
+        blocks, which the new tree could not keep consistent), requests admitted later do.
+        The host tier is emptied too unless `keep_host` (the device cache released, the weights
+        unchanged: LLMEngine.sleep)."""
         cache = self.prefix_cache
         if cache is None:
             return 0
+        if self.host is not None and not keep_host:
+            self.host.clear()
+            self._pending_offloads.clear()
         freed = cache.clear()
         for req in self._requests.values():
             req.num_cached_blocks = _NEVER_CACHE

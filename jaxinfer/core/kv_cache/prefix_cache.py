@@ -23,30 +23,38 @@ own, so the same tokens under another namespace never match: their KV differs.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
+from jaxinfer.core.kv_cache.host_tier import block_digest, root_digest
 
 
 class _Node:
-    __slots__ = ("key", "block_id", "parent", "children")
+    __slots__ = ("key", "block_id", "parent", "children", "digest")
 
-    def __init__(self, key: tuple[int, ...] | None, block_id: int, parent: _Node | None):
+    def __init__(self, key: tuple[int, ...] | None, block_id: int, parent: _Node | None,
+                 digest: bytes | None = None):
         self.key = key
         self.block_id = block_id
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
+        self.digest = digest  # the host tier's chained name of the prefix (None: no host tier)
 
 
 class PrefixCache:
     """The radix tree; shares the ``BlockPool`` whose evictable blocks it names."""
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, digests: bool = False):
+        """`digests`: name every node by its chained SHA-256 (host_tier.py), for a host tier."""
         self.pool = pool
         self.block_size = block_size
-        self.root = _Node(None, -1, None)
-        self._roots: dict[Hashable, _Node] = {None: self.root}
+        self.digests = digests
+        self._roots: dict[Hashable, _Node] = {}
+        self.root = self.root_of(None)
         self._node_of_block: dict[int, _Node] = {}
+        # Called with each node the pool evicts (its block's KV still intact until the step that
+        # reuses the block): the host tier copies it out. Set by KVCacheManager.
+        self.on_drop: Callable[[_Node], None] | None = None
         pool.on_evict = self._on_evict
 
     @property
@@ -59,7 +67,8 @@ class PrefixCache:
     def root_of(self, namespace: Hashable = None) -> _Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = _Node(None, -1, None)
+            root = self._roots[namespace] = _Node(
+                None, -1, None, root_digest(namespace) if self.digests else None)
         return root
 
     def match(self, token_ids: Sequence[int], max_blocks: int,
@@ -89,7 +98,8 @@ class PrefixCache:
             return existing
         if block_id in self._node_of_block:
             raise RuntimeError(f"prefix cache: block {block_id} is already cached under another prefix")
-        node = _Node(key, block_id, parent)
+        node = _Node(key, block_id, parent,
+                     block_digest(parent.digest, key) if self.digests else None)
         parent.children[key] = node
         self._node_of_block[block_id] = node
         self.pool.mark_cached(block_id)
@@ -101,6 +111,8 @@ class PrefixCache:
             raise RuntimeError(f"prefix cache: evicting block {block_id}, which still has cached "
                                f"children (leaf-first invariant broken)")
         del node.parent.children[node.key]
+        if self.on_drop is not None:
+            self.on_drop(node)
 
     def clear(self) -> int:
         """Forget every cached block. Unreferenced ones go to the free list (returned: how many);
@@ -110,6 +122,6 @@ class PrefixCache:
             freed += self.pool.ref_counts[block_id] == 0
             self.pool.uncache(block_id)
         self._node_of_block.clear()
-        self.root = _Node(None, -1, None)
-        self._roots = {None: self.root}
+        self._roots = {}
+        self.root = self.root_of(None)
         return freed

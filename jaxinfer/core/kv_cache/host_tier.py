@@ -1,0 +1,144 @@
+"""The host tier's bookkeeping: which prefix blocks the host pool holds, in which slot, in LRU order.
+
+The host pool (`--kv-host-gib`) is a second level under the device prefix cache: a full cached
+block the device pool evicts is copied to a host slot instead of being forgotten, and a later
+prompt whose prefix continues past the device cache's match into host blocks gets them copied back
+into fresh device blocks instead of recomputing them (docs/kv_cache.md, "Host tier").
+
+A host block is named by its *digest*: SHA-256 chained over the block's token ids, its parent
+block's digest and the namespace (LoRA adapter) at the root, so a digest stands for the whole
+prefix up to and including the block, as a radix-tree node does on the device. A 256-bit chained
+hash makes serving a block for another prefix as unlikely as a SHA-256 collision (vLLM's
+`--prefix-caching-hash-algo sha256` makes the same trade); a plain Python hash would not do.
+
+This module only counts slots: the bytes are the worker's (`jaxinfer/worker/kv/host_store.py`),
+indexed by the slot numbers handed out here, as device block ids index the device cache.
+
+A slot is *pinned* while a copy back to the device has been planned from it and has not landed,
+so an offload in a later step cannot take the slot over meanwhile; pinned slots are never evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+import numpy as np
+
+
+def root_digest(namespace: Hashable = None) -> bytes:
+    """The digest a namespace's first block chains from (None: the base model)."""
+    return hashlib.sha256(b"jaxinfer-kv-root:" + repr(namespace).encode()).digest()
+
+
+def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The digest of a full block of `token_ids` whose prefix before it has digest `parent`."""
+    return hashlib.sha256(parent + np.asarray(token_ids, np.int64).tobytes()).digest()
+
+
+@dataclasses.dataclass
+class HostTierStats:
+    """Monotonic counters (blocks), for metrics and benchmarks."""
+    hit_blocks: int = 0        # blocks found on the host by prompt lookups (copied back)
+    offloaded_blocks: int = 0  # device -> host copies planned
+    loaded_blocks: int = 0     # host -> device copies that landed
+    evicted_blocks: int = 0    # host blocks dropped for room (LRU)
+
+
+class HostTier:
+    """`num_slots` host blocks: digest -> slot, LRU of unpinned slots, pin counts."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one slot (got {num_slots})")
+        self.num_slots = num_slots
+        self._slot_of: dict[bytes, int] = {}
+        self._digest_of: list[bytes | None] = [None] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        # Unpinned occupied slots, least recently used first: the next eviction victim.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._pins = [0] * num_slots
+        self.stats = HostTierStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, digest: bytes) -> int | None:
+        return self._slot_of.get(digest)
+
+    def lru_slots(self) -> list[int]:
+        """Unpinned occupied slots, next victim first (tests)."""
+        return list(self._lru)
+
+    def match(self, parent: bytes, token_ids: Sequence[int], first_block: int, max_blocks: int,
+              block_size: int) -> list[int]:
+        """Slots of the longest run of host blocks continuing a prefix: block i (from
+        `first_block`, below `max_blocks`) of `token_ids` under the chain starting at `parent`
+        (the digest of the blocks before `first_block`). Touches them as most recently used."""
+        slots = []
+        for i in range(first_block, max_blocks):
+            parent = block_digest(parent, token_ids[i * block_size:(i + 1) * block_size])
+            slot = self._slot_of.get(parent)
+            if slot is None:
+                break
+            slots.append(slot)
+            if slot in self._lru:
+                self._lru.move_to_end(slot)
+        return slots
+
+    # ---- pins (a planned copy back to the device) ----------------------------------------
+    def pin(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            if self._digest_of[s] is None:
+                raise RuntimeError(f"host tier: slot {s} is empty; only held slots can be pinned")
+            self._pins[s] += 1
+            self._lru.pop(s, None)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            if self._pins[s] <= 0:
+                raise RuntimeError(f"host tier: slot {s} unpinned more often than pinned")
+            self._pins[s] -= 1
+            if self._pins[s] == 0:
+                if self._digest_of[s] is not None:
+                    self._lru[s] = None
+                else:  # cleared while pinned (clear()): free only now
+                    self._free.append(s)
+
+    # ---- offload (a device block evicted) -------------------------------------------------
+    def store(self, digest: bytes) -> int | None:
+        """A slot to copy the block of `digest` into, evicting the least recently used unpinned
+        block when full; None when the host already has it (nothing to copy: it becomes most
+        recently used) or every slot is pinned (the block is dropped, as without a host tier)."""
+        slot = self._slot_of.get(digest)
+        if slot is not None:
+            if slot in self._lru:
+                self._lru.move_to_end(slot)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        elif self._lru:
+            slot, _ = self._lru.popitem(last=False)
+            del self._slot_of[self._digest_of[slot]]
+            self.stats.evicted_blocks += 1
+        else:
+            return None
+        self._slot_of[digest] = slot
+        self._digest_of[slot] = digest
+        self._lru[slot] = None
+        self.stats.offloaded_blocks += 1
+        return slot
+
+    def clear(self) -> None:
+        """Forget every host block (new weights: their KV is stale). Pins stay counted, so the
+        loads in flight still unpin; a pinned slot is not handed out again until then."""
+        for slot in list(self._slot_of.values()):
+            self._digest_of[slot] = None
+            if self._pins[slot] == 0:
+                self._free.append(slot)
+        self._slot_of.clear()
+        self._lru.clear()

@@ -1,0 +1,89 @@
+"""The engine's side of the host KV tier (`--kv-offload`, docs/kv_cache.md "Host tier"): sizing
+it, handing each step's copies to the worker's store before the step's dispatch, telling the
+scheduler which copies have landed, and keeping host copies across `sleep`. Mixed into
+`LLMEngine`; the bookkeeping is core/kv_cache/host_tier.py and core/kv_loads.py, the bytes
+worker/kv/host_store.py."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxinfer.core.kv_cache.host_tier import HostTier
+from jaxinfer.worker.kv.host_store import HostKVStore
+from jaxinfer.worker.kv.planner import kv_bytes_per_block
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def host_tier_for(cfg, args, kv_dtype) -> HostTier | None:
+    """The host tier's bookkeeping for --kv-offload (None when off): as many blocks as
+    --kv-host-gib holds, a block being every layer's K and V of all the replica's heads."""
+    if not args.kv_offload:
+        return None
+    slots = int(args.kv_host_gib * GIB // kv_bytes_per_block(cfg, args.block_size, kv_dtype))
+    log.info("host KV tier: %d blocks (%.1f GiB, %d tokens of prefix)", slots, args.kv_host_gib,
+             slots * args.block_size)
+    return HostTier(max(slots, 1))
+
+
+class KVTierMixin:
+    host_kv: HostKVStore | None = None  # the host tier's bytes (None: --no-kv-offload)
+
+    def _init_kv_tier(self) -> None:
+        host = self.scheduler.kv.host
+        if host is not None:
+            self.host_kv = HostKVStore(host.num_slots, self.runner.kv_cache)
+            self._host_metrics = self.metrics.host_kv()
+
+    def _poll_kv_loads(self) -> None:
+        """Before scheduling: the host -> device copies that landed (no sync) rejoin the queue."""
+        store = self.host_kv
+        if store is None:
+            return
+        landed = store.landed()
+        if landed:
+            self.scheduler.loads_landed(landed)
+        for seconds in store.take_load_seconds():
+            self._host_metrics.load_seconds.observe(seconds)
+
+    def _move_kv(self, sched) -> None:
+        """The step's host-tier copies, dispatched ahead of the step on the thread that dispatches
+        steps (so in step order); with nothing else to run, wait for a copy in flight to land."""
+        store, transfers = self.host_kv, sched.kv_transfers
+        if store is None:
+            return
+        if transfers:
+            runner = self.runner
+
+            def apply():
+                runner.replace_kv_cache(lambda cache: store.apply(cache, transfers))
+            if runner.launcher is not None:
+                runner.launcher.submit(apply)
+            else:
+                apply()
+        if not sched and self._inflight is None and len(self.scheduler.loads):
+            store.wait_any()
+        host = self.scheduler.kv.host
+        self._host_metrics.update(host.num_used_slots,
+                                  hit_tokens=self.scheduler.kv.stats.host_hits,
+                                  bytes_to_host=store.bytes_to_host,
+                                  bytes_to_device=store.bytes_to_device)
+
+    def _offload_for_sleep(self) -> None:
+        """Copy every cached device block to the host tier and wait for the copies, so `sleep`
+        can free the device cache and a later prompt still finds its prefix (on the host)."""
+        if self.host_kv is None or not self.scheduler.kv.offload_cached():
+            return
+        self.runner.replace_kv_cache(
+            lambda cache: self.host_kv.apply(cache, self.scheduler.loads.take()))
+        jax.block_until_ready([a for a in map(self.host_kv.slot_array,
+                                              range(self.host_kv.num_slots)) if a is not None])
+
+    def _drop_host_kv(self) -> None:
+        """New weights: the host copies are stale (the scheduler's reset forgot their names)."""
+        if self.host_kv is not None:
+            self.host_kv.drop()

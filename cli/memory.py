@@ -161,7 +161,8 @@ def _dtype_bytes(name: str, flag: str) -> int:
 
 
 def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int, block_size: int,
-                  accelerator: Accelerator, gpu_memory_utilization: float) -> dict:
+                  accelerator: Accelerator, gpu_memory_utilization: float,
+                  kv_host_gib: float = 16.0) -> dict:
     """All figures of `jaxinfer memory` as a JSON-ready dict (bytes, tokens, FLOP, seconds)."""
     kv_bytes = jnp.dtype(resolve_kv_cache_dtype(kv_dtype, shape.weight_dtype)).itemsize
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_bytes)
@@ -188,6 +189,9 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
         "blocks_fit": kv_room // (per_token * block_size),
         "sequences_fit": tokens_fit // seq_len,
         "batch_fits": tokens_fit >= seq_len * batch,
+        # The host KV tier (--kv-offload --kv-host-gib): whole blocks of prefix it holds.
+        "kv_host_gib": kv_host_gib,
+        "host_tokens_fit": int(kv_host_gib * (1 << 30)) // (per_token * block_size) * block_size,
     }
     # Decode step at (batch, seq_len): every active weight is a multiply-add per token, attention
     # is QK^T and PV over the context (4 × H_q × d_k FLOP per layer per context token).
@@ -232,6 +236,9 @@ def format_report(r: dict) -> str:
         f"fits: {r['tokens_fit']} tokens = {r['blocks_fit']} blocks = {r['sequences_fit']} sequences "
         f"of {r['seq_len']} tokens; the batch of {r['batch']} "
         + ("fits" if r["batch_fits"] else "does NOT fit"),
+        f"host tier (--kv-offload --kv-host-gib {r['kv_host_gib']:g}): {r['host_tokens_fit']} "
+        f"tokens of prefix = {r['host_tokens_fit'] // max(r['seq_len'], 1)} sequences of "
+        f"{r['seq_len']} tokens",
         f"decode step at batch {r['batch']}, context {r['seq_len']}: {rf['flops_per_step'] / 1e9:.1f} "
         f"GFLOP over {_fmt_bytes(rf['bytes_per_step'])} read = {rf['arithmetic_intensity']:.1f} FLOP/B",
     ]
@@ -261,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
     accelerator = parse_accelerator(args.accelerator_memory, args.bandwidth, args.tflops)
     report = memory_report(shape, kv_dtype=args.kv_cache_dtype, seq_len=args.seq_len,
                            batch=args.batch, block_size=args.block_size, accelerator=accelerator,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           kv_host_gib=args.kv_host_gib)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -300,6 +308,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tflops", type=float, help="dense bf16 TFLOP/s override")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + KV (default 0.9)")
+    p.add_argument("--kv-host-gib", type=float, default=16.0,
+                   help="host memory of the host KV tier, for its row (default 16)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
     return p

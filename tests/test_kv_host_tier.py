@@ -1,0 +1,166 @@
+"""The host KV tier (--kv-offload): the host pool's LRU and pins, chained digests (a host block
+is never served for another prefix), the store's copies (a block's offload reads it before a
+donated overwrite; fp8 bytes round-trip), and the engine: greedy tokens with offload = without on
+a pool so small that every turn's prefix goes through the host, sleep keeping host copies, and an
+abort while a copy is in flight leaking nothing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.core.kv_cache import KVCacheManager
+from jaxinfer.core.kv_cache.host_tier import HostTier, block_digest, root_digest
+from jaxinfer.core.kv_loads import KVTransfers
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.worker.kv import copy_blocks
+from jaxinfer.worker.kv.host_store import HostKVStore
+from test_engine_support import assert_all_free, make_engine, prompt_ids, run_all
+
+BS = 4
+
+
+def _digests(tokens, n, namespace=None):
+    d, out = root_digest(namespace), []
+    for i in range(n):
+        d = block_digest(d, tokens[i * BS:(i + 1) * BS])
+        out.append(d)
+    return out
+
+
+# ---- bookkeeping ----------------------------------------------------------------------------
+def test_host_lru_evicts_least_recently_used_and_never_a_pinned_slot():
+    tier = HostTier(3)
+    a, b, c, d, e = (bytes([i]) * 32 for i in range(5))
+    sa, sb, sc = tier.store(a), tier.store(b), tier.store(c)
+    assert tier.store(a) is None  # already held: no copy, now most recent
+    assert tier.lru_slots() == [sb, sc, sa]
+    tier.pin([sb])
+    assert tier.store(d) == sc  # b is pinned: c is the least recently used unpinned
+    assert tier.slot_of(c) is None and tier.slot_of(b) == sb
+    tier.pin([sa])
+    tier.pin([sc])  # (d's slot)
+    assert tier.store(e) is None  # every slot pinned: dropped
+    tier.unpin([sa, sb, sc])
+    assert tier.stats.evicted_blocks == 1
+    tier.clear()
+    assert tier.num_used_slots == 0 and len(tier._free) == 3
+
+
+def test_host_block_is_never_served_for_another_prefix():
+    mgr = KVCacheManager(4, BS, host_tier=HostTier(8))
+    x = [9, 9, 9, 9]
+    p_a, p_b, p_c = [1, 2, 3, 4] + x + [7], [5, 6, 7, 8] + x + [7], [0, 0, 0, 0] + x + [7]
+    for rid, p in (("a", p_a), ("b", p_b)):  # compute, cache, free: both prefixes evictable
+        mgr.get_computed_blocks(rid, p)
+        assert mgr.allocate_slots(rid, len(p))
+        mgr.cache_blocks(rid, p, len(p))
+        mgr.free(rid)
+    assert mgr.allocate_slots("filler", 4 * BS)  # evicts all four cached blocks to the host
+    assert len(mgr.take_pending_offloads()) == 4
+    mgr.free("filler")
+    # Same second block under another first block: no hit at all.
+    assert mgr.get_computed_blocks("c", p_c) == 0 and mgr.match_host("c", p_c) == []
+    assert mgr.get_computed_blocks("a2", p_a) == 0
+    loads = mgr.match_host("a2", p_a)
+    slots = [mgr.host.slot_of(d) for d in _digests(p_a, 2)]
+    assert [s for s, _ in loads] == slots
+    # Under another namespace (LoRA adapter) the same tokens do not match either.
+    mgr.loaded([s for s, _ in loads])
+    assert mgr.host.match(root_digest("adapter"), p_a, 0, 2, BS) == []
+
+
+def test_offload_reads_the_block_before_a_donated_overwrite_and_fp8_round_trips():
+    for dtype in (jnp.float32, jnp.float8_e4m3fn):
+        rng = np.random.default_rng(0)
+        cache = tuple((jnp.asarray(rng.normal(size=(2, 6, BS, 8)), dtype),
+                       jnp.asarray(rng.normal(size=(2, 6, BS, 8)), dtype)) for _ in range(3))
+        before = [np.asarray(k[:, 1].astype(jnp.float32)) for k, _ in cache]
+        store = HostKVStore(4, cache)
+        cache = store.apply(cache, KVTransfers(offloads=[(1, 2)]))
+        # Overwrite block 1 right away (dispatch order: after the gather), cache donated.
+        cache = copy_blocks(cache, jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))
+        host = store.slot_array(2)
+        assert host.sharding.memory_kind == store.host_kind == "pinned_host"
+        got = np.asarray(host.astype(jnp.float32))
+        for layer in range(3):
+            np.testing.assert_array_equal(got[layer, 0], before[layer])
+        cache = store.apply(cache, KVTransfers(load_starts=[("r", [2])]))
+        jax.block_until_ready(store._loads["r"][0])
+        assert store.landed() == ["r"] and store.landed() == []
+        cache = store.apply(cache, KVTransfers(load_scatters=[("r", [5])]))
+        for layer, (k, _) in enumerate(cache):
+            np.testing.assert_array_equal(np.asarray(k[:, 5].astype(jnp.float32)), before[layer])
+        assert store.bytes_to_host == store.bytes_to_device == store.block_bytes
+
+
+# ---- the engine -------------------------------------------------------------------------------
+GREEDY = dict(temperature=0.0)
+
+
+def conversations(engine, nconv=4, turns=4) -> dict:
+    """Multi-turn chats: per group (conversation parity) a shared 8-token system prompt; each turn
+    appends the last answer and a new 5-token question. Greedy outputs by (chat, turn)."""
+    hist = {c: prompt_ids(100 + c % 2, 8) + prompt_ids(200 + c, 3) for c in range(nconv)}
+    outs = {}
+    for t in range(turns):
+        for c in range(nconv):
+            engine.add_request(f"c{c}t{t}", hist[c], SamplingParams(max_tokens=4, **GREEDY))
+        res = run_all(engine)
+        for c in range(nconv):
+            outs[(c, t)] = res[f"c{c}t{t}"][0][0]
+            hist[c] = hist[c] + outs[(c, t)] + prompt_ids(300 + 10 * c + t, 5)
+    return outs
+
+
+def assert_host_unpinned(engine):
+    host = engine.scheduler.kv.host
+    assert not any(host._pins) and not len(engine.scheduler.loads)
+    assert engine.host_kv.num_loading == 0
+
+
+@pytest.fixture(scope="module")
+def without_offload():
+    return conversations(make_engine(num_blocks=16))
+
+
+def test_greedy_tokens_with_offload_equal_without(without_offload):
+    # 16 blocks of 4 tokens: one 64-token context. Four chats' prefixes cannot stay on the device.
+    engine = make_engine(num_blocks=16, kv_offload=True, kv_host_gib=1e-3)
+    assert conversations(engine) == without_offload
+    stats, host = engine.scheduler.kv.stats, engine.scheduler.kv.host.stats
+    assert stats.host_hits > 0 and host.loaded_blocks == host.hit_blocks > 0
+    assert engine.host_kv.bytes_to_device == host.loaded_blocks * engine.host_kv.block_bytes
+    assert_all_free(engine)
+    assert_host_unpinned(engine)
+    # sleep keeps the host copies: after wake, a prompt's prefix comes back from the host.
+    engine.sleep()
+    engine.wake()
+    before = stats.host_hits
+    p = prompt_ids(100, 8) + prompt_ids(200, 3)
+    engine.add_request("again", p, SamplingParams(max_tokens=4, **GREEDY))
+    assert run_all(engine)["again"][0][0] == without_offload[(0, 0)]
+    assert stats.host_hits - before == 8
+    assert_all_free(engine)
+
+
+def test_abort_while_a_copy_is_in_flight_leaks_nothing():
+    engine = make_engine(num_blocks=16, kv_offload=True, kv_host_gib=1e-3)
+    shared = prompt_ids(100, 12)
+    engine.add_request("a", shared + [5], SamplingParams(max_tokens=2, **GREEDY))
+    run_all(engine)
+    engine.add_request("fill", prompt_ids(7, 60), SamplingParams(max_tokens=1, **GREEDY))
+    run_all(engine)  # evicts a's blocks to the host
+    engine.add_request("b", shared + [6], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("c", shared + [7], SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()  # b and c start loading their 3 host blocks
+    seq_b = engine.requests["b"].choices[0]
+    assert seq_b.status.value == "waiting_for_kv"
+    engine.abort("b")
+    engine.abort("c")
+    run_all(engine)
+    assert_all_free(engine)
+    assert_host_unpinned(engine)
+    assert not engine.host_kv._loads

@@ -69,8 +69,8 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
                         "finish_reason": tools.finish_reason(state.finish_reason, called),
                         "stop_reason": state.stop_reason})
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": req.model_name(engine.model_name),
-            "choices": choices, "usage": usage.as_dict(),
+    return {"id": response_id, "object": "chat.completion", "created": created,
+            "model": req.model_name(engine.model_name), "choices": choices, "usage": usage.as_dict(),
             "prompt_logprobs": vllm_prompt_logprobs(engine.tokenizer, state.prompt_logprobs)}
 
 

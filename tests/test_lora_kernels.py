@@ -1,14 +1,25 @@
 """The slot-grouped LoRA kernels (pallas_kernels/lora/segment_matmul.py) in the Pallas interpreter
-against the XLA path on a ragged mixed batch; the grouping on its own (pure jnp, no kernel)."""
+against the XLA path on a ragged mixed batch and inside the model (--lora-impl pallas); the
+grouping on its own (pure jnp, no kernel)."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model.lora.delta import lora_delta
-from pallas_kernels.lora.segment_matmul import lora_shrink_expand, segment_plan
+from jaxinfer.model.config import load_config
+from jaxinfer.model.lora.delta import group_slots, lora_delta
+from jaxinfer.model.lora.stacks import empty_stacks, slot_arrays
+from jaxinfer.model.transformer import REFERENCE, Transformer
+from jaxinfer.model.weights import load_params
+from lora_support import random_adapter
+from pallas_kernels.lora.segment_matmul import block_m_for, lora_shrink_expand, segment_plan
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
 
 def test_plan_gives_each_adapter_row_one_place_in_a_tile_of_its_slot():
@@ -42,3 +53,48 @@ def test_kernels_equal_the_xla_path_and_never_read_unused_slots():
                                         interpret=True, block_k=32, splits=2))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got[slot == 0], np.asarray(y)[slot == 0])
+
+
+def test_model_with_the_kernels_equals_the_xla_path():
+    """The llama fixture with an adapter on layer 0's o_proj only (one kernel pair): logits of a
+    batch mixing two adapters and the base model equal the XLA path's on the same stacks."""
+    cfg = load_config(FIXTURES / "llama")
+    params = load_params(FIXTURES / "llama", cfg, jnp.float32, progress=False)
+    stacks = empty_stacks(cfg, params, 3, 4, jnp.float32, pow2=True)
+    for slot, seed in ((1, 1), (3, 2)):
+        arrays = slot_arrays(random_adapter(cfg, 4, seed), cfg, stacks)
+        stacks = jax.tree.map(lambda s, v, i=slot: s.at[i].set(v), stacks, arrays)
+    stacks = {"layers_0": {"attn": {"o_proj": stacks["layers_0"]["attn"]["o_proj"]}}}
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 8)), jnp.int32)
+    slots = jnp.asarray([[1] * 8, [0] * 8, [3] * 8], jnp.int32)
+    model = Transformer(cfg, REFERENCE, jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(8), tokens.shape)
+
+    @jax.jit
+    def logits(lora_slot):
+        return model.apply({"params": params, "lora": stacks}, tokens, positions,
+                           lora_slot=lora_slot)[0]
+
+    xla = np.asarray(logits(slots))
+    got = np.asarray(logits(group_slots(slots.reshape(-1), 4)))
+    np.testing.assert_allclose(got, xla, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(xla[0], xla[1], atol=1e-3)  # the adapter does change the logits
+
+
+def test_kernels_lower_to_triton_at_llama3_8b_shapes(monkeypatch):
+    """Triton's rules the interpreter does not check (power-of-two blocks, dot sizes), lowered for
+    an H200 on this CPU machine: down_proj at decode (K 14336 split) and gate_up at prefill."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+
+    def delta(x, a, b, y, slot):
+        return lora_shrink_expand(x, a, b, y, segment_plan(slot, a.shape[0],
+                                                           block_m_for(x.shape[0])))
+
+    for t, k, w, n in ((64, 14336, 16, 4096), (2048, 4096, 32, 28672)):
+        bf16 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+        args = (bf16((t, k)), bf16((9, k, w)), bf16((9, w, n)), bf16((t, n)),
+                jax.ShapeDtypeStruct((t,), jnp.int32))
+        text = jax.jit(delta).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2  # shrink and expand

@@ -89,10 +89,13 @@ def supported(fan_in: int, width: int, fan_out: int) -> bool:
 
 
 def _splits(chunks: int, tiles: int) -> int:
-    """K splits: enough programs to fill the GPU twice over with the tiles a step fills (a
-    divisor of the K chunks, so every split gets as many)."""
+    """K splits: enough programs to fill the GPU twice over with the tiles a step fills; a power
+    of two (the expand loads all splits' partials as one block) dividing the K chunks."""
     want = max(1, 2 * num_sms() // max(tiles, 1))
-    return max(d for d in range(1, chunks + 1) if chunks % d == 0 and d <= want)
+    splits = 1
+    while chunks % (2 * splits) == 0 and 2 * splits <= want:
+        splits *= 2
+    return splits
 
 
 def _shrink_kernel(tile_slot_ref, rows_ref, x_ref, a_ref, out_ref, *, block_m, block_k,

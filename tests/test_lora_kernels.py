@@ -1,9 +1,10 @@
-"""The slot-grouped LoRA kernels (pallas_kernels/lora/segment_matmul.py) in the Pallas interpreter
-against the XLA path on a ragged mixed batch and inside the model (--lora-impl pallas); the
-grouping on its own (pure jnp, no kernel)."""
+"""The slot-grouped LoRA kernels (pallas_kernels/lora/segment_matmul.py): in the Pallas interpreter
+inside the model against the XLA path on a ragged mixed batch; lowered for the H200 at real shapes;
+the grouping on its own (pure jnp, no kernel)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.model.config import load_config
-from jaxinfer.model.lora.delta import group_slots, lora_delta
+from jaxinfer.model.lora.delta import group_slots
 from jaxinfer.model.lora.stacks import empty_stacks, slot_arrays
 from jaxinfer.model.transformer import REFERENCE, Transformer
 from jaxinfer.model.weights import load_params
 from lora_support import random_adapter
+from pallas_kernels.lora import segment_matmul
 from pallas_kernels.lora.segment_matmul import block_m_for, lora_shrink_expand, segment_plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -35,50 +37,40 @@ def test_plan_gives_each_adapter_row_one_place_in_a_tile_of_its_slot():
             assert (slot[tile[tile >= 0]] == s).all() and (s > 0 or (tile < 0).all())
 
 
-def test_kernels_equal_the_xla_path_and_never_read_unused_slots():
-    """Slots 0 (no adapter) and 3 (unused) hold NaN: were either read into a row, it would show.
-    K split two ways, two K blocks a split, three N blocks; rows of slot 0 keep y bit for bit."""
-    rng = np.random.default_rng(0)
-    t, k, w, n, g = 37, 128, 32, 96, 5
-    slot = rng.choice([0, 1, 2, 4], t).astype(np.int32)
-    a = rng.normal(size=(g, k, w)).astype(np.float32)
-    b = rng.normal(size=(g, w, n)).astype(np.float32) * 0.1
-    x = jnp.asarray(rng.normal(size=(t, k)), jnp.float32)
-    y = jnp.asarray(rng.normal(size=(t, n)), jnp.float32)
-    want = y + lora_delta(x, jnp.asarray(a).at[0].set(0), jnp.asarray(b).at[0].set(0),
-                          jnp.asarray(slot))
-    a[[0, 3]], b[[0, 3]] = np.nan, np.nan
-    plan = segment_plan(jnp.asarray(slot), g, 16)
-    got = np.asarray(lora_shrink_expand(x, jnp.asarray(a), jnp.asarray(b), y, plan,
-                                        interpret=True, block_k=32, splits=2))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(got[slot == 0], np.asarray(y)[slot == 0])
-
-
-def test_model_with_the_kernels_equals_the_xla_path():
-    """The llama fixture with an adapter on layer 0's o_proj only (one kernel pair): logits of a
-    batch mixing two adapters and the base model equal the XLA path's on the same stacks."""
+def test_kernels_in_the_model_equal_the_xla_path_and_read_only_used_slots(monkeypatch):
+    """The llama fixture cut to one layer, adapters in slots 1 and 3 on its o_proj (one kernel
+    pair), each token of a ragged mix of slots 0, 1, 3: the logits equal the XLA path's. Then
+    slots 0 (no adapter) and 2 (unused) are filled with NaN: were either read into a row it would
+    show. Blocks of 16 and a 2-SM device give K two splits of two blocks and N four blocks."""
+    monkeypatch.setattr(segment_matmul, "MAX_BLOCK", 16)
+    monkeypatch.setattr(segment_matmul, "num_sms", lambda: 2)
     cfg = load_config(FIXTURES / "llama")
     params = load_params(FIXTURES / "llama", cfg, jnp.float32, progress=False)
+    cfg = dataclasses.replace(cfg, num_layers=1)
+    params = {k: v for k, v in params.items() if k != "layers_1"}
     stacks = empty_stacks(cfg, params, 3, 4, jnp.float32, pow2=True)
     for slot, seed in ((1, 1), (3, 2)):
         arrays = slot_arrays(random_adapter(cfg, 4, seed), cfg, stacks)
         stacks = jax.tree.map(lambda s, v, i=slot: s.at[i].set(v), stacks, arrays)
-    stacks = {"layers_0": {"attn": {"o_proj": stacks["layers_0"]["attn"]["o_proj"]}}}
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 8)), jnp.int32)
-    slots = jnp.asarray([[1] * 8, [0] * 8, [3] * 8], jnp.int32)
-    model = Transformer(cfg, REFERENCE, jnp.float32)
+    o_proj = stacks["layers_0"]["attn"]["o_proj"]
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 8)), jnp.int32)
+    slots = jnp.asarray(rng.choice([0, 1, 3], (3, 8)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8), tokens.shape)
+    model = Transformer(cfg, REFERENCE, jnp.float32)
 
     @jax.jit
-    def logits(lora_slot):
-        return model.apply({"params": params, "lora": stacks}, tokens, positions,
+    def logits(lora, lora_slot):
+        stack = {"layers_0": {"attn": {"o_proj": lora}}}
+        return model.apply({"params": params, "lora": stack}, tokens, positions,
                            lora_slot=lora_slot)[0]
 
-    xla = np.asarray(logits(slots))
-    got = np.asarray(logits(group_slots(slots.reshape(-1), 4)))
+    xla = np.asarray(logits(o_proj, slots))
+    poisoned = jax.tree.map(lambda w: w.at[jnp.asarray([0, 2])].set(jnp.nan), o_proj)
+    got = np.asarray(logits(poisoned, group_slots(slots.reshape(-1), 4)))
     np.testing.assert_allclose(got, xla, rtol=1e-4, atol=1e-4)
-    assert not np.allclose(xla[0], xla[1], atol=1e-3)  # the adapter does change the logits
+    base = np.asarray(logits(o_proj, jnp.zeros_like(slots)))
+    assert not np.allclose(xla, base, atol=1e-3)  # the adapters do change the logits
 
 
 def test_kernels_lower_to_triton_at_llama3_8b_shapes(monkeypatch):

@@ -6,7 +6,7 @@ projections), each figure divided by the base model's measured in the same run:
 
 Three engine processes, one after the other on the same GPU: `base` (no LoRA), then one per LoRA
 implementation (`--lora-impl xla` and `pallas`, each --enable-lora --max-loras 8
---max-lora-rank 16). Each runs the same workload:
+--max-lora-rank 16; `--impls pallas` measures one). Each runs the same workload:
 - c64: 64 requests of 512 random prompt tokens, 256 output tokens each (ignore_eos), submitted at
   once; in the lora process request i runs adapter i % 8 -> `lora_c64_8adapters_over_base`
   (output tok/s ratio, goal >= 0.85);
@@ -193,6 +193,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", default=bool(os.environ.get("BENCH_TINY_SHAPES")),
                     help="tiny shapes (CPU check; also $BENCH_TINY_SHAPES=1)")
+    ap.add_argument("--impls", default=",".join(MODES[1:]),
+                    help="the --lora-impl values to measure, comma-separated (default: all)")
     ap.add_argument("--engine-process", nargs=2, metavar=("WORK", "MODE"), help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "lora_<gpu>")
     args = ap.parse_args()
@@ -205,7 +207,10 @@ def main() -> None:
     write_inputs(work, args.tiny)
     print(f"inputs written in {time.perf_counter() - t0:.1f} s", flush=True)
     runs = {}
-    for mode in MODES:
+    impls = [i for i in MODES[1:] if i in args.impls.split(",")]
+    if not impls:
+        sys.exit(f"--impls {args.impls!r}: choose from {', '.join(MODES[1:])}")
+    for mode in ["base", *impls]:
         cmd = [sys.executable, "-m", "benchmarks.bench_lora", "--engine-process", str(work), mode]
         cmd += ["--tiny"] if args.tiny else []
         t0 = time.perf_counter()
@@ -217,7 +222,7 @@ def main() -> None:
         print(mode, f"({time.perf_counter() - t0:.0f} s)", runs[mode], flush=True)
     default = EngineArgs.lora_impl
     metrics = {}
-    for impl in MODES[1:]:
+    for impl in impls:
         for key, value in impl_metrics(runs["base"], runs[impl]).items():
             metrics[f"{key}_{impl}"] = value
             if impl == default:
@@ -235,7 +240,7 @@ def main() -> None:
             model="llama3-8b-shape dummy" if not args.tiny else "tiny llama dummy",
             adapters=NUM_ADAPTERS, max_loras=8, projections="q,k,v,o,gate,up,down",
             lora_impls="xla (model/lora/delta.py), pallas (pallas_kernels/lora)",
-            default_lora_impl=default, **shapes(args.tiny)))
+            default_lora_impl=default, measured_impls=impls, **shapes(args.tiny)))
 
 
 def impl_metrics(base: dict, lora: dict) -> dict:

@@ -51,12 +51,15 @@ class KVLoads:
     def __len__(self) -> int:
         return len(self._loading)
 
-    def start(self, seq: Sequence) -> bool:
+    def start(self, seq: Sequence, chunk_tokens: int) -> bool:
         """After the sequence's device prefix match: start loading its host hits, if any (the
-        sequence is then WAITING_FOR_KV, its num_computed covering them). False: none to load."""
+        sequence is then WAITING_FOR_KV, its num_computed covering them), leaving free the blocks
+        of a first chunk of `chunk_tokens` (so loads cannot fill the pool with sequences that
+        then cannot run). False: none to load."""
         if seq.request.reads_prompt_hidden:  # computes every prompt position: no hit at all
             return False
-        pairs = self.kv.match_host(seq.seq_id, seq.token_ids)
+        bs = self.kv.block_size
+        pairs = self.kv.match_host(seq.seq_id, seq.token_ids, -(-chunk_tokens // bs) + 1)
         if not pairs:
             return False
         slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]

@@ -414,7 +414,8 @@ class Scheduler:
                 seq.num_computed = self.kv.get_computed_blocks(
                     seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden,
                     namespace=self._cache_namespace(seq))
-                if self.loads is not None and self.loads.start(seq):  # host hit: WAITING_FOR_KV
+                if self.loads is not None and self.loads.start(  # host hit: WAITING_FOR_KV
+                        seq, min(budget, self.long_prefill_chunk)):
                     heapq.heappop(self._waiting)
                     self._num_waiting -= 1
                     if self.lora_slots is not None:

@@ -96,6 +96,11 @@ class KVLoads:
         self.kv.loaded(slots, landed=False)
         self._next.load_cancels.append(seq.seq_id)
 
+    def take_cancels(self) -> list[str]:
+        """The cancelled copies not yet handed over (an abort between steps), and clear them."""
+        out, self._next.load_cancels = self._next.load_cancels, []
+        return out
+
     def take(self) -> KVTransfers:
         """The transfers for the step being scheduled (the manager's offloads included)."""
         out, self._next = self._next, KVTransfers()

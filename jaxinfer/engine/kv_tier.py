@@ -11,6 +11,7 @@ import logging
 import jax
 
 from jaxinfer.core.kv_cache.host_tier import HostTier
+from jaxinfer.core.kv_loads import KVTransfers
 from jaxinfer.worker.kv.host_store import HostKVStore
 from jaxinfer.worker.kv.planner import kv_bytes_per_block
 
@@ -50,6 +51,26 @@ class KVTierMixin:
         for seconds in store.take_load_seconds():
             self._host_metrics.load_seconds.observe(seconds)
 
+    def _drop_cancelled_loads(self) -> None:
+        """After an abort: the store drops aborted loads' buffers now, not at the next step
+        (there may be none)."""
+        if self.host_kv is None:
+            return
+        cancels = self.scheduler.loads.take_cancels()
+        if cancels:
+            self._dispatch_kv(KVTransfers(load_cancels=cancels))
+
+    def _dispatch_kv(self, transfers) -> None:
+        """Apply `transfers` on the thread that dispatches steps (so in step order)."""
+        store, runner = self.host_kv, self.runner
+
+        def apply():
+            runner.replace_kv_cache(lambda cache: store.apply(cache, transfers))
+        if runner.launcher is not None:
+            runner.launcher.submit(apply)
+        else:
+            apply()
+
     def _move_kv(self, sched) -> None:
         """The step's host-tier copies, dispatched ahead of the step on the thread that dispatches
         steps (so in step order); with nothing else to run, wait for a copy in flight to land."""
@@ -57,14 +78,7 @@ class KVTierMixin:
         if store is None:
             return
         if transfers:
-            runner = self.runner
-
-            def apply():
-                runner.replace_kv_cache(lambda cache: store.apply(cache, transfers))
-            if runner.launcher is not None:
-                runner.launcher.submit(apply)
-            else:
-                apply()
+            self._dispatch_kv(transfers)
         if not sched and self._inflight is None and len(self.scheduler.loads):
             store.wait_any()
         host = self.scheduler.kv.host

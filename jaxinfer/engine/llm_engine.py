@@ -302,6 +302,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
                 self.scheduler.finish(seq)
         out = make_request_output(req)
         req.detach()
+        self._drop_cancelled_loads()
         self._update_gauges()  # an abort at idle is followed by no step: the gauges show it now
         return out
 

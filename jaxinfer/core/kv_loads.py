@@ -58,8 +58,7 @@ class KVLoads:
         then cannot run). False: none to load."""
         if seq.request.reads_prompt_hidden:  # computes every prompt position: no hit at all
             return False
-        bs = self.kv.block_size
-        pairs = self.kv.match_host(seq.seq_id, seq.token_ids, -(-chunk_tokens // bs) + 1)
+        pairs = self.kv.match_host(seq.seq_id, seq.token_ids, chunk_tokens)
         if not pairs:
             return False
         slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]

@@ -164,6 +164,16 @@ class HostKVStore:
                                 padded)
         return kv_cache
 
+    def warmup(self, kv_cache: KVCache) -> KVCache:
+        """Compile the gather and scatter of every padded count (the scatters write nowhere):
+        the cache to run on."""
+        n = 1
+        while n <= self.max_blocks_per_call:
+            blocks = _gather(kv_cache, np.zeros(n, np.int32))
+            kv_cache = _scatter(kv_cache, blocks, np.full(n, -1, np.int32))
+            n *= 2
+        return jax.block_until_ready(kv_cache)
+
     # ---- readiness, polled by the engine -------------------------------------------------
     def landed(self) -> list[str]:
         """Sequences whose host -> device copy has landed (no sync); each is reported once."""

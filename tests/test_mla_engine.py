@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.transformer import param_shapes, train_forward
@@ -29,6 +30,34 @@ CONFIG = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=32, intermedi
               torch_dtype="float32",
               rope_scaling={"type": "yarn", "factor": 2.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "original_max_position_embeddings": 16})
+
+
+# DeepSeek-V2-Lite's hub config.json (the fields that matter).
+V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], hidden_size=2048, intermediate_size=10944,
+               kv_lora_rank=512, max_position_embeddings=163840, moe_intermediate_size=1408,
+               moe_layer_freq=1, n_group=1, n_routed_experts=64, n_shared_experts=2,
+               norm_topk_prob=False, num_attention_heads=16, num_experts_per_tok=6,
+               num_hidden_layers=27, num_key_value_heads=16, q_lora_rank=None,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-6,
+               rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                             "type": "yarn"},
+               rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", topk_group=1,
+               topk_method="greedy", v_head_dim=128, vocab_size=102400, first_k_dense_replace=1,
+               torch_dtype="bfloat16", bos_token_id=100000, eos_token_id=100001)
+
+
+def test_v2_lite_config_parses_to_its_shape():
+    cfg = config_from_dict(V2_LITE)
+    m = cfg.mla
+    assert m.q_lora_rank is None and m.latent_width == 576 and m.qk_head_dim == 192
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_head_dim) == (1, 576, 64)
+    assert cfg.moe_layers == (False,) + (True,) * 26 and cfg.n_shared_experts == 2
+    assert (cfg.router_scoring, cfg.n_group, cfg.norm_topk_prob) == ("softmax", 1, False)
+    # mscale == mscale_all_dim: no cos/sin factor; the scores scale by mscale(40, 0.707) ** 2
+    assert cfg.rope.attention_factor == 1.0
+    assert cfg.score_scale == pytest.approx(192 ** -0.5 * (0.1 * 0.707 * np.log(40) + 1) ** 2)
+    assert cfg.num_params() == pytest.approx(15.7e9, rel=0.01)  # "15.7 B total"
 
 
 @functools.lru_cache(maxsize=None)

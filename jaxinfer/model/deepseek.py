@@ -114,11 +114,13 @@ def deepseek_fields(raw: Raw, layers: int) -> dict:
         raise ConfigError(f"config.json: n_group={n_group} must divide n_routed_experts={experts} "
                           f"and topk_group={topk_group} must not exceed it")
     dense = int(raw.get("first_k_dense_replace") or 0)
+    freq = int(raw.get("moe_layer_freq") or 1)
     k = int(raw.get("num_experts_per_tok") or 0)
     return dict(mla=mla, attn_scale=_softmax_scale(raw, mla.qk_head_dim),
                 num_experts=experts, num_experts_per_tok=k,
                 moe_intermediate_size=int(raw["moe_intermediate_size"]),
-                moe_layers=tuple(experts > 0 and i >= dense for i in range(layers)),
+                moe_layers=tuple(experts > 0 and i >= dense and i % freq == 0
+                                 for i in range(layers)),
                 # HF's V2 router scales and never renormalizes; V3's renormalizes, then scales.
                 norm_topk_prob=bool(raw.get("norm_topk_prob")) and v3,
                 n_shared_experts=int(raw.get("n_shared_experts") or 0),

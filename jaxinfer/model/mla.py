@@ -17,6 +17,7 @@ arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope
 from jaxinfer.model.quant.layers import linear
-from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
 from pallas_kernels.attention.reference import causal_attention_reference
 
 
@@ -35,6 +36,16 @@ def deinterleave(x: jax.Array) -> jax.Array:
     turns them into the rotate-half layout `apply_rope` turns (as HF's V3 interleave path does;
     V2's complex rotation differs only in the output order, which q . k does not see)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def latent_backend(backend):
+    """What MLA attention runs on: the jnp reference's paged decode and prefill (over the latent
+    as one 576-wide KV head), inside the same wrappers (tensor parallelism's shard_map). The GPU
+    backends' kernels stop at head dim 256; a Mosaic latent decode kernel is not built yet
+    (docs/MLA.md)."""
+    if isinstance(backend, AttentionBackend):
+        return REFERENCE
+    return dataclasses.replace(backend, inner=latent_backend(backend.inner))
 
 
 class _Kernel(nn.Module):
@@ -86,9 +97,9 @@ class MLAttention(nn.Module):
             out = causal_attention_reference(q_abs, latent, latent, scale=cfg.score_scale)
             new_kv = None
         else:
-            latent_cache, empty = self.backend.write_kv(*kv, latent, latent[..., :0],
-                                                        md.slot_mapping)
-            out = self.backend(q_abs, latent_cache, latent_cache, md, scale=cfg.score_scale)
+            backend = latent_backend(self.backend)
+            latent_cache, empty = backend.write_kv(*kv, latent, latent[..., :0], md.slot_mapping)
+            out = backend(q_abs, latent_cache, latent_cache, md, scale=cfg.score_scale)
             new_kv = (latent_cache, empty)
         out = jnp.einsum("...hr,rhv->...hv", out[..., :r].astype(q.dtype), w_uv,
                          preferred_element_type=jnp.float32).astype(q.dtype)

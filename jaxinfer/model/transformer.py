@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
 
 import flax.linen as nn
 import jax

@@ -9,6 +9,7 @@ from jaxinfer.worker.kv.planner import (KVCachePlan, MemoryPlanError, activation
                                         tree_nbytes)
 
 __all__ = [
-    "allocate_kv_cache", "copy_blocks", "kv_block_shapes", "KVCachePlan", "MemoryPlanError", "activation_peak_bytes",
+    "allocate_kv_cache", "copy_blocks", "kv_block_shapes", "KVCachePlan", "MemoryPlanError",
+    "activation_peak_bytes",
     "device_memory_bytes", "kv_bytes_per_token", "plan_kv_cache", "tree_nbytes",
 ]

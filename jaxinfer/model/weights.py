@@ -48,6 +48,7 @@ GPT_OSS = "GptOssForCausalLM"
 # Gemma3ForConditionalGeneration: the language model's prefixes, and the tensors not loaded.
 _MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                         ("language_model.lm_head.", "lm_head."))
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _VISION = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..*")
 _MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 # MoE params stored under their own names (the expert stacks are gathered by pattern).
@@ -162,6 +163,8 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
     for name in ckpt.names():
         if IGNORED.fullmatch(name) or (multimodal and _VISION.fullmatch(name)):
             continue
+        if cfg.mla and (m := _LAYER.match(name)) and int(m[1]) >= cfg.num_layers:
+            continue  # DeepSeek-V3's multi-token-prediction layer (not loaded: docs/MLA.md)
         if cfg.architecture == GPT_OSS and (m := GPT_OSS_EXPERTS.fullmatch(name)):
             sources.update(_gpt_oss_experts(ckpt, name, m))
             continue

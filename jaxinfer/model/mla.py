@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope
 from jaxinfer.model.quant.layers import linear
-from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
+from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.latent_reference import LATENT_REFERENCE
 from pallas_kernels.attention.reference import causal_attention_reference
 
 
@@ -39,12 +40,13 @@ def deinterleave(x: jax.Array) -> jax.Array:
 
 
 def latent_backend(backend):
-    """What MLA attention runs on: the jnp reference's paged decode and prefill (over the latent
-    as one 576-wide KV head), inside the same wrappers (tensor parallelism's shard_map). The GPU
-    backends' kernels stop at head dim 256; a Mosaic latent decode kernel is not built yet
-    (docs/MLA.md)."""
+    """What MLA attention runs on: the jnp latent decode (one gather of each sequence's latent
+    pages for every head: pallas_kernels/attention/latent_reference.py) and the jnp reference's
+    ragged prefill over the latent as one 576-wide KV head, inside the same wrappers (tensor
+    parallelism's shard_map). The GPU backends' kernels stop at head dim 256; a Mosaic latent
+    decode kernel is not built yet (docs/MLA.md)."""
     if isinstance(backend, AttentionBackend):
-        return REFERENCE
+        return LATENT_REFERENCE
     return dataclasses.replace(backend, inner=latent_backend(backend.inner))
 
 

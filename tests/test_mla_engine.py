@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.transformer import param_shapes, train_forward
 from jaxinfer.sampling_params import SamplingParams
@@ -116,3 +117,8 @@ def test_batched_chunked_preempted_and_prefix_cached_runs_match_the_oracle():
     assert run_all(engine)["hit"][0][0] == oracle(prompt, 6)
     assert engine.scheduler.kv_cache_stats()[-1].hits - hits == 20
     assert_all_free(engine)
+
+
+def test_disaggregated_roles_are_refused_for_mla():
+    with pytest.raises(ConfigError, match="MLA latent cache"):
+        make_engine(model=model(), role="prefill")

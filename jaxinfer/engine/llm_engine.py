@@ -80,6 +80,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
         warm-up compiles first), `grammars` (one compiled-grammar cache for all its engines) and
         `outputs_cls` (the prefill engine's hand-off output processor)."""
         self.cfg, self.tokenizer, self.args = cfg, tokenizer, args
+        if role and cfg.mla:  # disagg/transfer.py stacks K and V blocks: equal widths only
+            raise ConfigError(f"disaggregated prefill/decode does not carry an MLA latent cache "
+                              f"({cfg.architecture}) yet")
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "

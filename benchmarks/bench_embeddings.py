@@ -12,9 +12,11 @@ prefix-cache hits: `prefix_hit_rate` 0). An embedding step is one large prefill:
 The roofline is the model's own linear layers alone: every layer's projections (q, k, v, o, gate,
 up, down; attention and the embedding lookup left out) as one jitted chain of matmuls over a
 step's tokens at the model's shapes, queued back to back (one product timed alone measures its
-launch and the clock ramp), best of 5: `roofline_tokens_s` = step tokens / that time. Metrics:
+launch and the clock ramp; benchmarks/anchors.py), median of 5: `roofline_tokens_s` = step
+tokens / that time. Metrics:
 `embed_inputs_s`, `embed_512_tokens_s`, `roofline_tokens_s`, `embed_over_roofline` (goal >= 0.7),
-`matmul_tflop_s` (the anchor's rate), `steps`, `tokens_per_step`, `host_ms_per_step` (the
+`matmul_tflop_s` (the anchor's rate; `matmul_tflops_best`: the best plain bf16 product of
+benchmarks/anchors.py, for comparison), `steps`, `tokens_per_step`, `host_ms_per_step` (the
 engine's host phases), `sync_gaps` (steps the device waited for), `prefix_hit_rate`. The record
 is embeddings_<device>.json.
 """
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from benchmarks import anchors, results_io
 from benchmarks.bench_engine_gpu import LLAMA3_8B
 
 QWEN3_EMBEDDING_0_6B = {
@@ -49,11 +51,11 @@ TINY = {
 SHAPES = {"qwen3_0_6b": QWEN3_EMBEDDING_0_6B, "llama3_8b": LLAMA3_8B}
 
 
-def linear_layers_s(cfg, tokens: int, dtype, reps: int = 3) -> float:
+def linear_layers_s(cfg, tokens: int, dtype) -> float:
     """Seconds of every layer's linear layers over `tokens` tokens at the model's shapes: per layer
     x @ W_qkv, (its q part) @ W_o, @ W_gate_up, (its gate part) @ W_down, chained through the
-    layers (one layer's random weights reused: the same FLOPs and shapes, 1/L of the memory),
-    `reps` calls queued back to back, best of 5."""
+    layers (one layer's random weights reused: the same FLOPs and shapes, 1/L of the memory), each
+    call's output the next one's input, queued back to back (benchmarks/anchors.py)."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, qkv = cfg.num_heads * d, (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     experts = cfg.num_experts_per_tok if cfg.num_experts else 1
@@ -71,14 +73,7 @@ def linear_layers_s(cfg, tokens: int, dtype, reps: int = 3) -> float:
             a = (x @ w_qkv)[:, :q] @ w_o
             x = (a @ w_gu)[:, :inter * experts] @ w_down
         return x
-    for _ in range(2):
-        jax.block_until_ready(layers(x, *w))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready([layers(x, *w) for _ in range(reps)])
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+    return anchors.queued_time(lambda x: layers(x, *w), x)
 
 
 def matmul_params(cfg) -> int:
@@ -102,6 +97,7 @@ def main() -> None:
     tiny = os.environ.get("BENCH_TINY_SHAPES") == "1"
     from jaxinfer.engine.metrics import EngineStats
     from jaxinfer.frontends.llm import LLM
+    from jaxinfer.model.config import load_config
 
     batch, length = (16, 64) if tiny else (args.batch, args.input_len)
     shape = TINY if tiny else SHAPES[args.shape]
@@ -110,7 +106,14 @@ def main() -> None:
     opts = dict(model=str(work), load_format="dummy", dtype="float32" if tiny else "bfloat16",
                 attention_backend="reference" if tiny else args.backend,
                 max_num_seqs=min(batch, 256), max_num_batched_tokens=512 if tiny else args.step_tokens,
-                max_model_len=2 * length, compilation_cache_dir=str(work / "cache"))
+                max_model_len=2 * length, compilation_cache_dir=str(work / "cache"),
+                warmup=False, background_compile=False)  # the untimed first batch compiles its shapes
+    # The anchors first: the engine then takes most of the device memory for its KV cache.
+    if not tiny:
+        anchors.warm_up()
+    best_mm = anchors.matmul_rates(((512, 512, 512),) if tiny else anchors.matmul_rates.__defaults__[0])
+    step_tokens = opts["max_num_batched_tokens"]
+    anchor_s = linear_layers_s(load_config(work), step_tokens, jnp.float32 if tiny else jnp.bfloat16)
     llm = LLM(**opts)
     cfg = llm.engine.cfg
     rng = np.random.default_rng(0)
@@ -129,13 +132,13 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     steps = llm.engine.runner.num_dispatches - steps0
     assert len(out) == batch and all(np.isfinite(v).all() for v in out)
-    step_tokens = opts["max_num_batched_tokens"]
-    anchor_s = linear_layers_s(cfg, step_tokens, jnp.float32 if tiny else jnp.bfloat16)
     roofline = step_tokens / anchor_s
     tokens_s = batch * length / elapsed
     metrics = dict(embed_inputs_s=round(batch / elapsed, 2), embed_512_tokens_s=round(tokens_s, 1),
                    roofline_tokens_s=round(roofline, 1), embed_over_roofline=round(tokens_s / roofline, 3),
                    matmul_tflop_s=round(2 * matmul_params(cfg) * step_tokens / anchor_s / 1e12, 3),
+                   matmul_tflops_best=round(max(best_mm.values()) / 1e12, 2),
+                   matmul_shape_best=max(best_mm, key=best_mm.get),
                    steps=steps, tokens_per_step=round(batch * length / max(steps, 1), 1),
                    host_ms_per_step=llm.engine.stats.breakdown_ms(),
                    sync_gaps=llm.engine.stats.sync_gaps,

@@ -131,9 +131,14 @@ CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "Hello world"}], 
             temperature=0, extra_body=NO_EOS)
 
 
-def test_server_reasoning_apart_from_content_streamed_equals_whole(reasoning_client):
+@pytest.fixture(scope="module")
+def free_reply(reasoning_client):
+    return reasoning_client.chat.completions.create(**CHAT).choices[0].message
+
+
+def test_server_reasoning_apart_from_content_streamed_equals_whole(reasoning_client, free_reply):
     """Random weights never close the think block: deepseek_r1 calls all of it reasoning."""
-    whole = reasoning_client.chat.completions.create(**CHAT).choices[0].message
+    whole = free_reply
     reasoning = whole.model_extra["reasoning_content"]
     assert reasoning and whole.model_extra["reasoning"] == reasoning and whole.content is None
     chunks = list(reasoning_client.chat.completions.create(**CHAT, stream=True))
@@ -165,26 +170,25 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["pick"],
 FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
 
 
-def test_structured_output_constrains_the_answer_not_the_reasoning(reasoning_client):
+def test_structured_output_constrains_the_answer_not_the_reasoning(reasoning_client, free_reply):
     """deepseek_r1 thinks from the first token and random weights never close the think block: with
     a schema the thinking is the same free text as without one (the grammar waits for `</think>`),
     streamed = non-streamed, chat and Responses alike. (That the grammar starts after the marker:
     tests/test_structured_output.py, on the engine.)"""
-    free = reasoning_client.chat.completions.create(**CHAT).choices[0].message.model_extra
+    free = free_reply.model_extra["reasoning_content"]
     msg = reasoning_client.chat.completions.create(**CHAT, response_format=FORMAT).choices[0].message
-    assert msg.model_extra["reasoning_content"] == free["reasoning_content"] and msg.content is None
+    assert msg.model_extra["reasoning_content"] == free and msg.content is None
     chunks = list(reasoning_client.chat.completions.create(**CHAT, response_format=FORMAT, stream=True))
     assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
-                   for c in chunks if c.choices) == free["reasoning_content"]
+                   for c in chunks if c.choices) == free
     fmt = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA}}
-    resp = reasoning_client.responses.create(model=MODEL, input="Hello world", max_output_tokens=8,
-                                             temperature=0, text=fmt, extra_body=NO_EOS)
-    assert [i.type for i in resp.output] == ["reasoning", "message"] and resp.output_text == ""
-    assert resp.output[0].content[0].text == free["reasoning_content"]
-    events = reasoning_client.responses.create(model=MODEL, input="Hello world", max_output_tokens=8,
-                                               temperature=0, text=fmt, extra_body=NO_EOS, stream=True)
-    assert "".join(e.delta for e in events
-                   if e.type == "response.reasoning_text.delta") == free["reasoning_content"]
+    events = list(reasoning_client.responses.create(
+        model=MODEL, input="Hello world", max_output_tokens=8, temperature=0, text=fmt,
+        extra_body=NO_EOS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == free
+    done = events[-1].response
+    assert [i.type for i in done.output] == ["reasoning", "message"] and done.output_text == ""
+    assert done.output[0].content[0].text == free
 
 
 def test_the_grammar_waits_for_each_parsers_end_marker(tokenizer):

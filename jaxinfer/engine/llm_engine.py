@@ -250,7 +250,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
         n = len(prompt_ids)
         self._check_context(n, params)
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
-        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
+        so = params.structured_outputs
+        grammar = so and self.grammars.compile(so).after_reasoning(so.reasoning_end_token_ids)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
                       grammar, weight_version=self.weight_version,
                       final_output_only=final_output_only)

@@ -245,6 +245,9 @@ def main() -> None:
                    help="add this run's metrics to the saved record instead of replacing it")
     results_io.add_save_arg(p, NAME)
     args = p.parse_args()
+    if TINY:  # (a stuck CPU check shows where)
+        import faulthandler
+        faulthandler.dump_traceback_later(600, exit=True)
     metrics = {}
     if args.part in ("multiturn", "all"):
         metrics.update(part_multiturn())

@@ -46,6 +46,9 @@ class KVLoads:
         self.kv = kv
         # seq id -> (sequence, host slots, device blocks) while its copy is in flight.
         self._loading: dict[str, tuple[Sequence, list[int], list[int]]] = {}
+        # seq id -> blocks its first chunk after the load will need: other loads leave them free,
+        # so loading sequences cannot take each other's room and then all fail to run.
+        self._room: dict[str, int] = {}
         self._next = KVTransfers()
 
     def __len__(self) -> int:
@@ -58,9 +61,12 @@ class KVLoads:
         then cannot run). False: none to load."""
         if seq.request.reads_prompt_hidden:  # computes every prompt position: no hit at all
             return False
-        pairs = self.kv.match_host(seq.seq_id, seq.token_ids, chunk_tokens)
+        pairs = self.kv.match_host(seq.seq_id, seq.token_ids, chunk_tokens,
+                                   sum(self._room.values()))
         if not pairs:
             return False
+        left = len(seq.token_ids) - seq.num_computed - len(pairs) * self.kv.block_size
+        self._room[seq.seq_id] = 1 + -(-min(chunk_tokens, left) // self.kv.block_size)
         slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]
         seq.status = SeqStatus.WAITING_FOR_KV
         seq.num_computed += len(blocks) * self.kv.block_size
@@ -77,6 +83,7 @@ class KVLoads:
             entry = self._loading.pop(sid, None)
             if entry is None:
                 continue
+            del self._room[sid]
             seq, slots, blocks = entry
             self.kv.loaded(slots)
             self.kv.cache_blocks(sid, seq.token_ids, seq.num_computed)
@@ -92,6 +99,7 @@ class KVLoads:
         """The loading sequence ends (abort): unpin its slots and drop its copy. The caller frees
         its device blocks."""
         _, slots, _ = self._loading.pop(seq.seq_id)
+        del self._room[seq.seq_id]
         self.kv.loaded(slots, landed=False)
         self._next.load_cancels.append(seq.seq_id)
 

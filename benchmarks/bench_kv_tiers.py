@@ -226,7 +226,7 @@ def part_long() -> dict:
     weights = per_device_bytes(engine.runner.params)
     bw, flops = rates()
     n_params = weights / (4 if TINY else 2)
-    attn = 2 * 2 * cfg.num_layers * cfg.num_attention_heads * cfg.head_dim * LONG ** 2 / 2
+    attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * LONG ** 2 / 2
     prefill_flops = 2 * n_params * LONG + attn
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * LONG
     return dict(prefill_128k_tokens=LONG, prefill_128k_ttft_s=round(ttft, 3),

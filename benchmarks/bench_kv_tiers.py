@@ -51,7 +51,7 @@ TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "vocab_size": 512, "torch_dtype": "float32"}
 # Workload: (groups, conversations, turns, system prompt tokens, device pool blocks of 16).
-WORK = (2, 8, 3, 32, 16) if TINY else (4, 32, 4, 1024, 1536)
+WORK = (2, 8, 3, 32, 16) if TINY else (4, 32, 4, 1024, 896)
 QUESTION, ANSWER = ((12, 0.8), (16, 0.6)) if TINY else ((120, 0.8), (220, 0.6))
 
 
@@ -113,7 +113,7 @@ def conversations(engine, seed: int) -> dict:
             hist[int(rid.split("c")[1].split("t")[0])] += toks
     wall = time.perf_counter() - t0
     q = max(st.queries - q0, 1)
-    working_set = sum(len(h) for h in hist.values())
+    working_set = groups * system + sum(len(h) - system for h in hist.values())  # (unique)
     return dict(ttft_p50_ms=round(1e3 * float(np.percentile(ttfts, 50)), 1),
                 ttft_p99_ms=round(1e3 * float(np.percentile(ttfts, 99)), 1),
                 out_tok_s=round(out_tokens / wall, 1), wall_s=round(wall, 2),

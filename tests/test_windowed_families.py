@@ -78,7 +78,7 @@ def test_chunked_preempted_and_prefix_cached_runs_match_the_oracle(family):
     # 16 blocks of 4 tokens for 5 requests of up to 27 tokens, 3-token prefill chunks: prefills
     # cross the window edge chunk by chunk, and admission and decode growth run out of blocks.
     # (4 sequences a step keep the engine's step buckets, and so its compiles, few.)
-    engine = make_engine(model=model(family), num_blocks=16, max_num_batched_tokens=16,
+    engine = make_engine(model=model(family), num_blocks=24, max_num_batched_tokens=16,
                          long_prefill_chunk=3, max_num_seqs=4)
     work = [(prompt_ids(300 + i, 9 + 3 * i), 6) for i in range(5)]
     for i, (p, m) in enumerate(work):

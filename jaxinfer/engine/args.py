@@ -55,6 +55,7 @@ class EngineArgs:
     # long prefill chunk does not stall the running streams.
     max_step_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True  # sliding-window layers drop blocks out of their window
     attention_backend: str = "auto"
     # The MoE experts' and quantized matmuls' implementations (ModelConfig.moe_impl / quant_impl;
     # "auto": chosen per call shape and device).
@@ -155,6 +156,7 @@ class EngineArgs:
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
                            enable_prefix_caching=self.enable_prefix_caching,
+                           hybrid_kv_cache=self.hybrid_kv_cache,
                            kv_cache_scales=self.kv_cache_scales)
 
     def spec_config(self) -> SpeculativeConfig | None:

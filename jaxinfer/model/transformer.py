@@ -253,17 +253,21 @@ class Transformer(nn.Module):
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
         ropes = {rope: rope_tables(cfg, positions, rope)
                  for rope in {cfg.layer_rope(i) for i in range(cfg.num_layers)}}
-        new_cache = []
+        # One K/V array pair per cache slot; with KV groups layers of different groups share a
+        # slot (md.kv_layout), each writing only its own group's blocks.
+        new_cache = None if kv_cache is None else list(kv_cache)
         for i in range(cfg.num_layers):
-            kv = None if kv_cache is None else kv_cache[i]
+            slot, layer_md = (i, md) if md is None else md.for_layer(i)
+            kv = None if kv_cache is None else new_cache[slot]
             backend = self.backend.for_layer(i)
             cos, sin = ropes[cfg.layer_rope(i)]
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
                                                   cfg.layer_window(i),
-                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md,
-                                                                     lora_slot)
-            new_cache.append(layer_kv)
+                                                  name=f"layers_{i}")(x, delta, cos, sin, kv,
+                                                                     layer_md, lora_slot)
+            if new_cache is not None:
+                new_cache[slot] = layer_kv
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
                             cfg.norm_offset, name="final_norm")(x, delta)
         x = hidden if logits_indices is None else hidden[logits_indices]

@@ -135,6 +135,9 @@ class DraftModel:
         plan = self.sharding_plan
         inner = runner.backend.inner if isinstance(runner.backend, ShardedAttention) else \
             runner.backend
+        if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
+            raise ConfigError("a draft model needs a target with a full-attention layer, or "
+                              "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
@@ -179,7 +182,9 @@ class DraftModel:
             seq.draft_computed = start + len(entry.proposal)
         self._run_catch_up(behind)
         self.kv_cache, drafts, q = self._loop(self.params, self.kv_cache, first_ids, first_pos,
-                                              v.num_drafts, batch.md.block_tables, batch.sampling,
+                                              v.num_drafts, batch.md.block_tables[0]  # group 0
+                                              if batch.md.kv_layout else batch.md.block_tables,
+                                              batch.sampling,
                                               variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
 

@@ -100,7 +100,8 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
     variant = sampler_variant(rows)
     t, s = runner.buckets.mixed_shape(sched.num_tokens)
     batch = build_step_batch(rows, 0, t, s, runner.sampling_table, runner.block_size,
-                             runner.max_blocks, runner.max_model_len, variant)
+                             runner.max_blocks, runner.max_model_len, variant,
+                             kv_layout=runner.kv_groups.kv_layout)
     num = np.zeros(s, np.int32)
     drafts = np.zeros((s, k_max), np.int32)
     for r, entry in enumerate(sched.decodes):

@@ -34,6 +34,7 @@ from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
+from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache, forward
@@ -104,10 +105,10 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
         live = valid & ~done
         pos = batch.positions + i
         seq_lens = jnp.where(live, md0.seq_lens + i, 0)
-        blk = md0.block_tables[rows, pos // block_size]
+        blk = md0.block_tables[..., rows, pos // block_size]  # [S], or [G, S] with KV groups
         slot_mapping = jnp.where(live, blk * block_size + pos % block_size, -1)
         md = AttentionMetadata(slot_mapping, md0.query_start_loc, seq_lens, md0.block_tables,
-                               num_decodes=s)
+                               num_decodes=s, kv_layout=md0.kv_layout)
         ids = last[jnp.minimum(slots, last.shape[0] - 1)]
         with jax.named_scope("decode"):
             logits, kv = forward(params, cfg, ids, pos, kv, md, backend, batch.logits_indices,
@@ -146,7 +147,8 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
 def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
                           block_size: int, max_model_len: int, max_num_seqs: int,
                           max_num_batched_tokens: int, plan: ShardingPlan | None = None,
-                          cache: ExecutableCache | None = None) -> int:
+                          cache: ExecutableCache | None = None,
+                          kv_groups: KVCacheGroups | None = None) -> int:
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
     device under tensor parallelism), from compiling that step against a one-block cache of the
     same layout: a step's activations do not depend on the number of blocks. Costs two
@@ -156,12 +158,13 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
+    groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
     batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
-                             max_model_len, FULL_SAMPLER)
+                             max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
     heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
     one_block = jax.ShapeDtypeStruct((heads, 1, block_size, cfg.head_dim), kv_dtype,
                                      sharding=plan and plan.kv_cache)
-    kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
+    kv = tuple((one_block, one_block) for _ in range(groups.num_slots))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
     backend = shard_backend(backend, plan)
     key = cache and step_key("activation bytes", (cfg, backend, block_size),
@@ -257,11 +260,13 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
                  decode_loop_max_seqs: int | None = None, plan: ShardingPlan | None = None,
-                 executable_cache: ExecutableCache | None = None, compile_role: str | None = None):
+                 executable_cache: ExecutableCache | None = None, compile_role: str | None = None,
+                 kv_groups: KVCacheGroups | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
         runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
         forwards and decode loops (None: compile them every start). `decode_loop_max_seqs`: the
-        most sequences the scheduler runs a decode loop for (None: any number)."""
+        most sequences the scheduler runs a decode loop for (None: any number). `kv_groups`: the
+        KV manager's groups (one array per layer, one table, when None)."""
         self.cfg = cfg
         self.params = params
         self.plan = plan
@@ -279,7 +284,9 @@ class ModelRunner:
             top = self.buckets.decode_shape(min(decode_loop_max_seqs or max_num_seqs, max_num_seqs))
             self.loop_buckets = tuple(s for s in self.buckets.decode_buckets if s <= top)
         self.launcher: StepLauncher | None = None  # set_async_launch
+        self.kv_groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
+                                          num_slots=self.kv_groups.num_slots,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
         self._kv_spec = None  # the released cache's layout while asleep
@@ -414,7 +421,8 @@ class ModelRunner:
         t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
                               compiler and compiler.ready_forwards)
         batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
-                                 self.max_blocks, self.max_model_len, variant, self.has_lora)
+                                 self.max_blocks, self.max_model_len, variant, self.has_lora,
+                                 self.kv_groups.kv_layout)
         # A loop runs only once compiled (else: one step; the scheduler's reserve is harmless).
         is_loop = sched.decode_steps > 1 and not sched.prefills and (
             compiler is None or (nd == s and s in compiler.ready_loops))

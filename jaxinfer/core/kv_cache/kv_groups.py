@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from jaxinfer.model.config import ModelConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroups:
@@ -65,6 +67,31 @@ class KVCacheGroups:
                     layer_slot[layer] = slot
                 group_windows.append(w)
         return cls(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, hybrid: bool = True) -> KVCacheGroups:
+        """The model's groups from its layers' windows; `hybrid` False (--no-hybrid-kv-cache):
+        one group, every layer keeping every block (the windows still apply in the kernels)."""
+        if not hybrid:
+            return cls.full_attention(cfg.num_layers)
+        return cls.from_layer_windows([cfg.layer_window(i) for i in range(cfg.num_layers)])
+
+    @property
+    def kv_layout(self) -> tuple[tuple[int, int], ...] | None:
+        """Per layer (cache array, group) for AttentionMetadata.kv_layout; None for one group."""
+        if self.num_groups == 1:
+            return None
+        return tuple(zip(self.layer_slot, self.layer_group))
+
+    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once when its prompt is computed
+        in chunks of at most `chunk` tokens: a windowed group holds its window plus the chunk
+        (it skips blocks only before a chunk starts), and one block for alignment."""
+        full = -(-num_tokens // block_size)
+        total = 0
+        for w in self.windows:
+            total += full if w is None else min(full, -(-(min(chunk, num_tokens) + w) // block_size) + 1)
+        return total
 
     @property
     def num_groups(self) -> int:

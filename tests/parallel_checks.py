@@ -39,7 +39,7 @@ from jaxinfer.model.transformer import forward, init_params, param_shapes  # noq
 from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.attention import shard_backend  # noqa: E402
 from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
-from jaxinfer.worker.runner import step_activation_bytes  # noqa: E402
+from jaxinfer.worker.activation_bytes import step_activation_bytes  # noqa: E402
 from pallas_kernels.attention.backend import REFERENCE  # noqa: E402
 from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 

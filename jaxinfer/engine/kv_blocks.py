@@ -17,7 +17,7 @@ from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.worker.kv import plan_kv_cache
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
 from jaxinfer.worker.kv.planner import largest_free_block_bytes
-from jaxinfer.worker.runner import step_activation_bytes
+from jaxinfer.worker.activation_bytes import step_activation_bytes
 from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)

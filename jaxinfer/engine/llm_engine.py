@@ -199,7 +199,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
             num_blocks = plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
-                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan)
+                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan,
+                                          KVCacheGroups.for_model(cfg, args.hybrid_kv_cache).num_slots)
             num_blocks = fewest_across_processes(num_blocks)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
                          plan=plan, draft=draft, **parts)

@@ -266,15 +266,15 @@ def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype,
 
 
 def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,
-                 kv_dtype, plan: ShardingPlan | None = None) -> int:
+                 kv_dtype, plan: ShardingPlan | None = None, num_slots: int | None = None) -> int:
     """The planner sized the pool for the target alone (per device, `plan`: the target's): the
     same memory holds the draft's weights and, per block, the draft's KV as well. (A CPU pool is
-    not sized from memory: kept.)"""
+    not sized from memory: kept.) `num_slots`: the target's cache arrays (KVCacheGroups)."""
     if jax.devices()[0].platform == "cpu":
         return num_blocks
     itemsize = jnp.dtype(kv_dtype).itemsize
     heads = plan.kv_heads_per_device if plan else target_cfg.num_kv_heads
-    target = block_size * 2 * target_cfg.num_layers * heads * target_cfg.head_dim * itemsize
+    target = block_size * 2 * (num_slots or target_cfg.num_layers) * heads * target_cfg.head_dim * itemsize
     weights = per_device_bytes(draft.params)
     return max(1, (num_blocks * target - weights) // (target + draft.block_bytes(block_size,
                                                                                  itemsize)))

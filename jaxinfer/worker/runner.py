@@ -38,7 +38,7 @@ from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache, forward
-from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
+from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
@@ -144,45 +144,6 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     return forward_step, sample_step, loop
 
 
-def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
-                          block_size: int, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int, plan: ShardingPlan | None = None,
-                          cache: ExecutableCache | None = None,
-                          kv_groups: KVCacheGroups | None = None) -> int:
-    """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
-    device under tensor parallelism), from compiling that step against a one-block cache of the
-    same layout: a step's activations do not depend on the number of blocks. Costs two
-    compilations, unless `cache` holds the figure from an earlier start (same key parts as the
-    executables: shapes, shardings, code, compiler)."""
-    from jaxinfer.worker.kv import activation_peak_bytes
-    buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
-    t, s = buckets.mixed_shape(buckets.token_buckets[-1])
-    max_blocks = -(-max_model_len // block_size)
-    groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
-    batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
-                             max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
-    heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
-    one_block = jax.ShapeDtypeStruct((heads, 1, block_size, cfg.head_dim), kv_dtype,
-                                     sharding=plan and plan.kv_cache)
-    kv = tuple((one_block, one_block) for _ in range(groups.num_slots))
-    last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
-    backend = shard_backend(backend, plan)
-    key = cache and step_key("activation bytes", (cfg, backend, block_size),
-                             (params, kv, last, batch))
-    cached = key and cache.load_figure(key)
-    if cached is not None:
-        return cached
-    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size, plan)
-    logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
-    peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
-                                                     model_inputs(batch)).compile())
-            + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
-                                                      variant=FULL_SAMPLER).compile()))
-    if key:
-        cache.store_figure(key, peak)
-    return peak
-
-
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray               # i32[K, rows]: K = decode steps run (1 for a normal step)
@@ -265,8 +226,7 @@ class ModelRunner:
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
         runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
         forwards and decode loops (None: compile them every start). `decode_loop_max_seqs`: the
-        most sequences the scheduler runs a decode loop for (None: any number). `kv_groups`: the
-        KV manager's groups (one array per layer, one table, when None)."""
+        most sequences the scheduler runs a decode loop for (None: any number)."""
         self.cfg = cfg
         self.params = params
         self.plan = plan
@@ -284,6 +244,7 @@ class ModelRunner:
             top = self.buckets.decode_shape(min(decode_loop_max_seqs or max_num_seqs, max_num_seqs))
             self.loop_buckets = tuple(s for s in self.buckets.decode_buckets if s <= top)
         self.launcher: StepLauncher | None = None  # set_async_launch
+        # The KV manager's layer groups (None: one table, one cache array per layer).
         self.kv_groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_slots=self.kv_groups.num_slots,
@@ -309,8 +270,7 @@ class ModelRunner:
         self.speculation = None
 
     def enable_speculation(self, step) -> None:
-        """Run the steps whose decodes carry proposals with `step`
-        (spec_decode.target_step.SpeculativeStep)."""
+        """Run the steps whose decodes carry proposals with `step` (target_step.SpeculativeStep)."""
         self.speculation = step
 
     def install_params(self, params) -> None:
@@ -459,8 +419,7 @@ class ModelRunner:
                           loop_row_steps=row_steps)
 
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
-                allowed: np.ndarray | None, loop_steps: int,
-                hidden_reads: HiddenReads | None):
+                allowed: np.ndarray | None, loop_steps: int, hidden_reads: HiddenReads | None):
         """The device side of `execute`: the step's inputs onto the device, block copies, then the
         step or (`allowed` given) the decode loop. -> (SamplerOutput, hidden-read arrays or
         None, steps run)"""
@@ -468,8 +427,7 @@ class ModelRunner:
         self._apply_copies(copies)
         if allowed is None:
             return (*self._run_step(batch, variant, hidden_reads), 1)
-        # A loop runs the scheduler's `decode_steps` steps: the compiled ones are of
-        # decode_steps_per_call (a benchmark may lower the scheduler's).
+        # The scheduler's `decode_steps`; compiled: decode_steps_per_call (a benchmark may lower it)
         exe = (self._loop_exe.get((batch.md.num_seqs, variant))
                if loop_steps == self.decode_steps_per_call else None)
         args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)

@@ -147,3 +147,17 @@ def test_forks_truncates_and_aborts_leak_nothing():
     assert mgr.pool.num_free_blocks == 40
     mgr.reset_prefix_cache()
     assert len(mgr.pool.free_block_ids()) == 40
+
+
+def test_every_layer_windowed_mistral_style():
+    mgr = manager(12, windows=(8, 8))  # one group, two cache arrays
+    assert mgr.groups.windows == (8,) and mgr.groups.num_slots == 2
+    prompt = list(range(400, 440))  # 10 blocks through a 12-block pool
+    run_prompt(mgr, "a", prompt)
+    assert mgr.num_held_blocks("a") <= 4
+    mgr.free("a")
+    assert mgr.get_computed_blocks("b", prompt + [1]) == 40  # the window's blocks are cached
+    assert mgr.num_held_blocks("b") == 2  # a query at 40 sees keys 33.. -> blocks 8, 9
+    mgr.free("b")
+    mgr.pool.allocate(12)  # evicts everything: nodes without blocks or children are pruned
+    assert mgr.num_cached_blocks == 0 and not mgr.prefix_cache.root.children

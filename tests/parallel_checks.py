@@ -32,6 +32,7 @@ from prometheus_client import generate_latest  # noqa: E402
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.core.kv_cache import KVCacheGroups  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
 from lora_parallel_checks import lora_checks  # noqa: E402
@@ -62,18 +63,27 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
     returns the tokens and the prefill's last logits. Every call has the prefill's shapes (a decode
     is one token padded to the prompt's length), so each model and mesh compiles once."""
     backend = shard_backend(REFERENCE, plan)
+    # Windowed models in the KV manager's layout: a table per KV group, layers of different
+    # groups sharing cache arrays at disjoint blocks (jaxinfer/core/kv_cache/kv_groups.py).
+    groups = KVCacheGroups.for_model(cfg)
     cache = allocate_kv_cache(cfg, NUM_BLOCKS, BLOCK, jnp.float32, num_heads=plan.stored_kv_heads,
-                              sharding=plan.kv_cache)
+                              sharding=plan.kv_cache, num_slots=groups.num_slots)
     n, total = len(prompt), len(prompt) + steps
-    table = np.random.default_rng(n).permutation(NUM_BLOCKS)[:-(-total // BLOCK)]
-    slots = np.array([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(total)], np.int32)
-    tables = jnp.asarray(table[None], jnp.int32)
+    nb = -(-total // BLOCK)
+    table = np.random.default_rng(n).permutation(NUM_BLOCKS)[:groups.num_groups * nb]
+    table = table.reshape(groups.num_groups, nb)
+    slots = (table[:, np.arange(total) // BLOCK] * BLOCK + np.arange(total) % BLOCK).astype(np.int32)
+    tables = jnp.asarray(table[:, None], jnp.int32)
+    if groups.kv_layout is None:
+        slots, tables = slots[0], tables[0]
 
     def run(ids, first_pos, count):
         pad = n - count
-        md = AttentionMetadata(np.concatenate([slots[first_pos:first_pos + count], np.full(pad, -1)]),
+        md = AttentionMetadata(np.concatenate([slots[..., first_pos:first_pos + count],
+                                               np.full(slots.shape[:-1] + (pad,), -1)], axis=-1),
                                jnp.array([0, count], jnp.int32),
-                               jnp.array([first_pos + count], jnp.int32), tables)
+                               jnp.array([first_pos + count], jnp.int32), tables,
+                               kv_layout=groups.kv_layout)
         positions = np.concatenate([np.arange(first_pos, first_pos + count), np.zeros(pad, int)])
         return _step(params, cfg, jnp.asarray(np.concatenate([ids, np.zeros(pad, int)]), jnp.int32),
                      jnp.asarray(positions, jnp.int32), cache, md, backend,

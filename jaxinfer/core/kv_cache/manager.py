@@ -226,8 +226,8 @@ class KVCacheManager:
         new_tokens = old_tokens + num_new_tokens
         num_new_blocks = (new_tokens + bs - 1) // bs - len(tables[0])
         pool = self.pool
-        partial = old_tokens % bs != 0
-        cow = [g for g, t in enumerate(tables) if partial and pool.ref_counts[t[-1]] > 1]
+        cow = ([g for g, t in enumerate(tables) if pool.ref_counts[t[-1]] > 1]
+               if old_tokens % bs else ())
         if num_new_blocks == 0 and not cow:  # the common decode step: room in place
             req.num_tokens = new_tokens
             return True
@@ -366,6 +366,10 @@ class KVCacheManager:
             req.family.discard(req)
         release = self._release
         tables, skipped = req.tables, req.skipped
+        if len(tables) == 1:
+            for b in reversed(tables[0][skipped[0]:]):
+                release(b)
+            return True
         for i in range(len(tables[0]) - 1, -1, -1):  # last block first, every group at once
             for table, k in zip(tables, skipped):
                 if i >= k:

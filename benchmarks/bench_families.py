@@ -131,7 +131,8 @@ def child(model: str, parts: str) -> None:
     from jaxinfer.engine.llm_engine import LLMEngine
 
     w = workload()
-    rate = hbm_bytes_s()  # before the engine takes the memory its 8 GiB buffer needs
+    # before the engine takes the memory its 8 GiB buffer needs (the timed runs' roofline only)
+    rate = hbm_bytes_s() if parts == "all" else None
     config = {**MODELS[model], **(TINY_OVERRIDES if TINY else {})}
     work = Path(tempfile.mkdtemp(prefix="families-"))
     (work / "config.json").write_text(json.dumps(config))
@@ -149,13 +150,13 @@ def child(model: str, parts: str) -> None:
         return [rng.integers(3, cfg.vocab_size, length).tolist() for _ in range(n)]
 
     if parts == "all":
-        timed_runs(engine, model, w, prompts)
+        timed_runs(engine, model, w, prompts, rate)
     if long:
         long_sequence_kv(engine, long, prompts(1, long)[0])
     emit(machine=results_io.machine(), device_slug=results_io.device_slug())
 
 
-def timed_runs(engine, model: str, w: dict, prompts) -> None:
+def timed_runs(engine, model: str, w: dict, prompts, rate: float) -> None:
     """bs1 TPOT against its roofline, and c64 throughput (after their warm-up)."""
     cfg = engine.cfg
     # Warm-up: the bs1 and c64 step shapes, with prompts the timed runs never see.

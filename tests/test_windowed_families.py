@@ -102,15 +102,15 @@ def test_gemma3_sequence_fits_only_because_window_blocks_are_freed():
     # take 12 blocks per group: 36 if every layer kept every block, but the pool has 26 (the
     # engine's floor for 64 tokens in 8-token chunks: 16 + 2 x 5).
     engine = make_engine(model=model("gemma3"), num_blocks=26, max_num_batched_tokens=8,
-                         long_prefill_chunk=8, max_num_seqs=2)
+                         long_prefill_chunk=8, max_num_seqs=1, decode_steps_per_call=1)
     assert engine.scheduler.kv.groups.windows == (None, WINDOW, WINDOW)
     prompt = prompt_ids(500, 36)
     engine.add_request("long", prompt, SamplingParams(max_tokens=12, **GREEDY))
     out = run_all(engine)["long"][0][0]
     assert out == oracle("gemma3", prompt, 12)
     # A hit past the window: its 44 computed tokens (the windowed groups resume from block 9
-    # and 10, the last ones the finished request held), then requests aborted mid-prefill and
-    # mid-decode.
+    # and 10, the last ones the finished request held), then a request aborted mid-decode and one
+    # while it waits.
     again = prompt + out + prompt_ids(501, 3)
     engine.add_request("hit", again, SamplingParams(max_tokens=4, **GREEDY))
     assert run_all(engine)["hit"][0][0] == oracle("gemma3", again, 4)

@@ -13,6 +13,7 @@ from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.bucket_compiler import model_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
+from jaxinfer.worker.kv import kv_block_shapes
 from jaxinfer.worker.runner import _jitted_fns
 from jaxinfer.worker.sampler import FULL_SAMPLER
 from jaxinfer.worker.step_inputs import SamplingTable, build_step_batch
@@ -37,9 +38,9 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
                              max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
     heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
-    one_block = jax.ShapeDtypeStruct((heads, 1, block_size, cfg.head_dim), kv_dtype,
-                                     sharding=plan and plan.kv_cache)
-    kv = tuple((one_block, one_block) for _ in range(groups.num_slots))
+    one_block = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
+                      for shape in kv_block_shapes(cfg, heads, 1, block_size))
+    kv = tuple(one_block for _ in range(groups.num_slots))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
     backend = shard_backend(backend, plan)
     key = cache and step_key("activation bytes", (cfg, backend, block_size),

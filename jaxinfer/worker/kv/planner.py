@@ -39,12 +39,20 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+def latent_bytes_per_token(num_layers: int, latent_width: int, dtype_bytes: int) -> int:
+    """An MLA model's cache bytes per token: one latent entry (no separate V) per layer."""
+    return num_layers * latent_width * dtype_bytes
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: jnp.dtype,
                        num_slots: int | None = None) -> int:
     """A block's bytes: block_size tokens of `num_slots` layers (KVCacheGroups.num_slots; all
     layers when None), since with KV groups a block id spans one page of each cache array."""
-    return block_size * kv_bytes_per_token(num_slots or cfg.num_layers, cfg.num_kv_heads,
-                                           cfg.head_dim, jnp.dtype(kv_dtype).itemsize)
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    layers = num_slots or cfg.num_layers
+    if cfg.mla:
+        return block_size * latent_bytes_per_token(layers, cfg.head_dim, itemsize)
+    return block_size * kv_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, itemsize)
 
 
 def tree_nbytes(tree: Any) -> int:

@@ -22,10 +22,11 @@ from jaxinfer.errors import InvalidRequestError
 from server_harness import MODEL, add_app, check_error_shape, post_raw, wait_pool_free
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
-# <family>_fused/ holds its family's weights in another file layout, which loads to the same params
-# (test_hf_parity.py checks both layouts): an engine on it would run the same computation.
+# <family>_fused/ and gpt_oss_mxfp4/ hold their family's weights in another file layout, which loads
+# to the same params (test_hf_parity.py, test_families_config.py): an engine on them would run the
+# same computation.
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir()
-                  if (p / "config.json").is_file() and not p.name.endswith("_fused"))
+                  if (p / "config.json").is_file() and not p.name.endswith(("_fused", "_mxfp4")))
 METHODS = ("last", "mean", "cls")
 
 

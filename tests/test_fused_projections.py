@@ -17,14 +17,11 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.model.config import load_config
 from jaxinfer.model.fused_projections import fuse_projections, is_fused
-from jaxinfer.model.transformer import train_forward as _train_forward
+from jaxinfer.model.transformer import train_forward
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, prompt_ids, run_all, tiny_model,
                                  tiny_tokenizer)
-
-# jitted: run eagerly, each of the forward's ops compiles apart (several times the cost)
-train_forward = jax.jit(_train_forward, static_argnums=1)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 

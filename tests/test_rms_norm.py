@@ -51,8 +51,7 @@ def test_a_model_on_the_kernel_matches_the_reference_backend():
     cfg, params = tiny_model()
     backend = dataclasses.replace(REFERENCE, name="reference+norm-kernel", add_rms_norm=KERNEL)
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (1, 6)), jnp.int32)
-    # jitted: run eagerly, each of the forwards' ops compiles apart (several times the cost)
-    got = jax.jit(lambda p, t: Transformer(cfg, backend, jnp.float32).apply(
-        {"params": p}, t, jnp.zeros((1, 1), jnp.int32))[0])(params, tokens[:, :1])
-    want = jax.jit(train_forward, static_argnums=1)(params, cfg, tokens[:, :1])
+    got = Transformer(cfg, backend, jnp.float32).apply({"params": params}, tokens[:, :1],
+                                                       jnp.zeros((1, 1), jnp.int32))[0]
+    want = train_forward(params, cfg, tokens[:, :1])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -178,8 +178,10 @@ def engine_checks(out: dict) -> None:
     golden = np.load(FIXTURES / "mixtral" / "golden.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)] + [golden["greedy_prompt"].tolist()]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    # No decode loop: its compile under TP is the costliest here, and tokens are the same with
+    # it (tests/test_decode_loop.py); sampler_layout_checks compiles it at TP = 2.
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64,
-              block_size=4, warmup=False, compilation_cache_dir=None)
+              block_size=4, warmup=False, compilation_cache_dir=None, decode_steps_per_call=1)
     for tp, dp in ((1, 1), (1, 2), (2, 2)):
         llm = LLM(str(FIXTURES / "mixtral"), tensor_parallel_size=tp, data_parallel_size=dp, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -240,8 +242,9 @@ async def _through_async_engine(engine, prompt, params) -> list[int]:
 
 def executable_cache_checks(out: dict) -> None:
     """DP = 2 x TP = 2 with warm-up and an executable cache, started twice: the second start loads
-    every step (replica 2's onto its own sub-mesh, devices 2-3) and decodes the same tokens. Last:
-    it turns jax's persistent cache on for the process."""
+    every step (replica 2's onto its own sub-mesh, devices 2-3) and decodes the same tokens. No
+    decode loop (its TP compile is the costliest step; the loop's own caching is
+    tests/test_executable_cache.py's). Last: it turns jax's persistent cache on for the process."""
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -249,9 +252,9 @@ def executable_cache_checks(out: dict) -> None:
         for start in ("cold", "warm"):
             llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, data_parallel_size=2,
                       dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64,
-                      block_size=4, compilation_cache_dir=cache_dir)
+                      block_size=4, compilation_cache_dir=cache_dir, decode_steps_per_call=1)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            for r in llm.engine.replicas:  # (the decode loops compile in the background)
+            for r in llm.engine.replicas:  # (buckets may compile in the background)
                 r.runner.compiler.wait()
             caches = [r.runner.executable_cache for r in llm.engine.replicas]
             out[f"exe_cache/{start}"] = {"tokens": [o.outputs[0].token_ids for o in outs],

@@ -258,6 +258,8 @@ class Transformer(nn.Module):
             kv = None if kv_cache is None else kv_cache[i]
             backend = self.backend.for_layer(i)
             cos, sin = ropes[cfg.layer_rope(i)]
+            if self.is_mutable_collection("aux"):  # EAGLE-3's streams entering layers (forward_aux)
+                self.sow("aux", f"layer_{i}", x if delta is None else x + delta)
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
                                                   cfg.layer_window(i),
@@ -317,6 +319,23 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
         variables["lora"] = params[LORA]
     return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
                        return_hidden, lora_slot)
+
+
+def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+                kv_cache: KVCache | None, md: AttentionMetadata | None,
+                backend: AttentionBackend = REFERENCE, logits_indices: jax.Array | None = None,
+                *, layers: tuple[int, ...]):
+    """`forward` (kv_cache None: the dense causal path, token_ids [B, L]) that also returns the
+    residual streams entering `layers`, concatenated: [..., len(layers) * H] (an EAGLE-3 head's
+    input; the same pass, no second forward)."""
+    dtype = params["embed"]["embedding"].dtype
+    variables = {"params": {k: v for k, v in params.items() if k != LORA}}
+    if kv_cache is None:
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1]), token_ids.shape)
+    (logits, kv), state = Transformer(cfg, backend, dtype).apply(
+        variables, token_ids, positions, kv_cache, md, logits_indices, mutable=["aux"])
+    aux = jnp.concatenate([state["aux"][f"layer_{i}"][0] for i in layers], axis=-1)
+    return logits, kv, aux
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -30,15 +30,13 @@ import dataclasses
 import functools
 import itertools
 import math
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from benchmarks import results_io
+from benchmarks import anchors, results_io
 from pallas_kernels.attention.paged_decode import (
                                                    MosaicDecodeConfig,
                                                    paged_decode_mosaic,
@@ -57,46 +55,20 @@ MARGINAL_CHAINS = (2, 6)  # chain lengths whose difference gives the per-call ti
 
 
 def warm_up_gpu(seconds: float = 1.5) -> None:
-    """Run matmuls for a while so the clocks are up before anything is timed."""
-    a = jax.random.normal(jax.random.key(9), (8192, 8192), jnp.bfloat16)
-    f = jax.jit(lambda a: (a @ a) * 1e-3)
-    t = time.perf_counter()
-    while time.perf_counter() - t < seconds:
-        a = f(a)
-        jax.block_until_ready(a)
+    anchors.warm_up(seconds)
 
 
 def read_ceiling_tbps(nbytes: int = 8 * 1024**3) -> float:
-    """HBM read bandwidth: a float32 sum over 8 GiB of bf16, sums
-    queued back to back. (`nbytes`: smaller, for a CPU smoke run.)"""
-    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    t = _queued_time(lambda _, x=x: f(x), None, min_seconds=0.05)
-    del x
-    return tbps(nbytes, t)
+    """HBM read bandwidth: the best of benchmarks.anchors' plain read kernels over `nbytes` of
+    bf16, queued back to back. (`nbytes`: smaller, for a CPU smoke run.)"""
+    return max(anchors.read_rates(nbytes).values()) / 1e12
 
 
 def tbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e12
 
 
-def _queued_time(call, state, *, min_seconds: float = 0.03, reps: int = 5) -> float:
-    """Seconds per `call(state) -> state`, calls queued without host synchronisation (so launch
-    and dispatch overlap the GPU's work), enough of them to keep the GPU busy >= min_seconds;
-    median over `reps` such runs."""
-    for _ in range(2):
-        state = jax.block_until_ready(call(state))
-    t = time.perf_counter()
-    state = jax.block_until_ready(call(state))
-    n = max(1, int(min_seconds / max(time.perf_counter() - t, 1e-6)))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            state = call(state)
-        jax.block_until_ready(state)
-        ts.append((time.perf_counter() - t) / n)
-    return float(np.median(ts))
+_queued_time = anchors.queued_time
 
 
 def make_paged_case(batch: int, ctx: int, *, seed: int = 0, hq=HQ, hkv=HKV, d=D, page=PAGE,

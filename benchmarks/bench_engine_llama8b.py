@@ -15,7 +15,8 @@ Two engine processes share one fresh `--compilation-cache-dir`:
               token over 255 gaps), `bs1_out_tok_s` (256 over arrival to last token); measured
               once while the background compile still runs and again after it, between them
               `bs1_profile` (tools/trace_engine_step.py): a decode step's kernels and idle time;
-        roofline  HBM read bandwidth (a 4 GiB sum) and bf16 matmul rate (8192^3) measured here, and
+        roofline  the best plain HBM read rate and bf16 matmul rate (benchmarks.anchors: several
+                  read kernels and product shapes, queued; the winners named) measured here, and
                   from them the batch-1 TPOT floor (weights + KV read per token) and the c256
                   output rate ceiling (prefill FLOPs + per-step weight and KV reads);
         c256  256 prompts at once (512 / 256), `LLM.generate`: out tok/s, host ms per step;
@@ -132,26 +133,13 @@ def bs1(engine, prompt: list[int], out_len: int) -> dict:
 
 
 def measure_rooflines(weight_bytes: int) -> dict:
-    """HBM read bandwidth from summing 4 GiB (decode reads, it hardly writes), bf16 matmul rate
-    from 8192^3; best of 5 each."""
-    import jax
-    import jax.numpy as jnp
-
-    def best(fn, *args):
-        jax.block_until_ready(fn(*args))
-        runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - t0)
-        return min(runs)
-
-    x = jnp.ones((1 << 31,), jnp.bfloat16)  # 4 GiB
-    bw = x.nbytes / best(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x)
-    del x
-    a = jnp.ones((8192, 8192), jnp.bfloat16)
-    flops = 2 * 8192 ** 3 / best(jax.jit(lambda p, q: p @ q), a, a)
-    return dict(hbm_bytes_s=bw, matmul_flop_s=flops, weight_bytes=weight_bytes)
+    """The best plain read rate and bf16 matmul rate of benchmarks.anchors, measured now (2 GiB
+    reads: the engine's pool holds most of the memory)."""
+    from benchmarks import anchors
+    m = anchors.measure(read_bytes=2 << 30)
+    return dict(hbm_bytes_s=m["read_tbps"] * 1e12, matmul_flop_s=m["matmul_tflops"] * 1e12,
+                weight_bytes=weight_bytes, read_kernel=m["read_kernel"],
+                read_tbps_by_kernel=m["read_tbps_by_kernel"], matmul_shape=m["matmul_shape"])
 
 
 def roofline_figures(r: dict, cfg, prompt_len: int, out_len: int, seqs: int) -> dict:
@@ -163,6 +151,8 @@ def roofline_figures(r: dict, cfg, prompt_len: int, out_len: int, seqs: int) -> 
     step_s = (r["weight_bytes"] + seqs * mean_ctx * kv_token) / r["hbm_bytes_s"]
     prefill_s = 2 * n_params * prompt_len * seqs / r["matmul_flop_s"]
     return dict(roofline_hbm_tb_s=round(r["hbm_bytes_s"] / 1e12, 3),
+                roofline_read_kernel=r.get("read_kernel"),
+                roofline_read_tbps_by_kernel=r.get("read_tbps_by_kernel"),
                 roofline_matmul_tflop_s=round(r["matmul_flop_s"] / 1e12, 1),
                 roofline_weight_gb=round(r["weight_bytes"] / 1e9, 3),
                 roofline_bs1_tpot_ms=round(1e3 * bs1_bytes / r["hbm_bytes_s"], 3),

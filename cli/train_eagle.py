@@ -215,7 +215,7 @@ def run(args) -> int:
             evaluate(step)
             save(step)
     bar.close()
-    if step > start or not log["eval"]:
+    if manager.latest_step() != step:
         evaluate(step)
         save(step)
     job.update(end_step=step, seconds=round(time.monotonic() - t0, 1))

@@ -37,25 +37,11 @@ from jaxinfer.model.transformer import forward, param_shapes
 from jaxinfer.parallel.attention import ShardedAttention, shard_backend
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_parallel_sizes
-from jaxinfer.worker.rejection_sampler import expand_positions
-from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors, process_logits, row_gumbel
+from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
+from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
-
-DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
-
-
-def propose_tokens(logits, ti: SamplingTensors, *, variant: SamplerVariant):
-    """One draft position of S rows: -> (proposals i32[S], their distributions q f32[S, V])."""
-    processed, scaled, greedy = process_logits(logits, ti, variant)
-    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, logits.shape[-1])
-    d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
-    q = jnp.where(greedy[:, None], jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32),
-                  jax.nn.softmax(scaled, axis=-1))
-    return d, q
-
 
 def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: SamplingTensors,
                   *, cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,

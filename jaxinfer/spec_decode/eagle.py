@@ -18,7 +18,7 @@ the head catches up on positions draft_computed .. s - 2 (one ragged call, token
 then one jitted chain of k steps: step 0 at position s - 1 (x_s, the streams of s - 1) proposes
 d_1; step i at position s - 1 + i reads d_i and step i - 1's output stream (EAGLE's
 training-time test trains exactly this). After it positions < s are real: draft_computed = s.
-Proposals are sampled as the draft model's are (`draft.propose_tokens`: the request's
+Proposals are sampled as the draft model's are (`rejection_sampler.propose_tokens`: the request's
 transforms, q returned for the exact rejection sampler); tokens outside the head's draft
 vocabulary have probability 0.
 """
@@ -36,9 +36,8 @@ from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.transformer import forward_aux
 from jaxinfer.spec_decode import eagle_head as head
-from jaxinfer.spec_decode.draft import propose_tokens
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
-from jaxinfer.worker.rejection_sampler import expand_positions
+from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, input_ids
 from pallas_kernels.attention.backend import AttentionBackend

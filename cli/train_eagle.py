@@ -85,7 +85,7 @@ def generate_data(args, tokenizer) -> tuple[np.ndarray, np.ndarray]:
                 break
     n_new = args.seq_len + 1 - args.prompt_tokens
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, max_model_len=args.seq_len + 8, max_num_seqs=64, warmup=False,
+        model=args.model, max_model_len=args.seq_len + 8, max_num_seqs=256, warmup=False,
         compilation_cache_dir=None, seed=args.seed))
     out: dict[str, list[int]] = {}
     from tqdm.auto import tqdm
@@ -150,10 +150,10 @@ def run(args) -> int:
     data_path = work / "data.npz"
     if data_path.is_file():
         data = np.load(data_path)
-        tokens, mask = data["tokens"], data["mask"]
+        tokens, mask = data["tokens"], data["mask"].astype(np.float32)
     else:
         tokens, mask = generate_data(args, load_tokenizer(args.model))
-        np.savez(data_path, tokens=tokens, mask=mask)
+        np.savez(data_path, tokens=tokens, mask=mask.astype(np.uint8))
     n_eval = min(args.eval_sequences, len(tokens) // 4)
     train_tok, train_mask = tokens[n_eval:], mask[n_eval:]
     eval_tok, eval_mask = tokens[:n_eval], mask[:n_eval]

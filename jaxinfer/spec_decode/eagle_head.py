@@ -205,8 +205,10 @@ def layer(p: dict, cfg: Eagle3Config, embed_table, tokens, hidden, positions,
 
 
 def draft_logits(p: dict, normed: jax.Array) -> jax.Array:
-    """f32 logits over the draft vocabulary [..., Vd]."""
-    return jnp.dot(normed, p["lm_head"], preferred_element_type=jnp.float32)
+    """f32 logits over the draft vocabulary [..., Vd] (the product in the weights' dtype: XLA:CPU
+    has no bf16 x bf16 -> f32 dot inside a loop; q only has to be the distribution proposals are
+    drawn from, which it is at any precision)."""
+    return jnp.dot(normed, p["lm_head"]).astype(jnp.float32)
 
 
 def target_logits(p: dict, normed: jax.Array, vocab_size: int) -> jax.Array:

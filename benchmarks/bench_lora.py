@@ -4,8 +4,9 @@ projections), each figure divided by the base model's measured in the same run:
     python -m benchmarks.bench_lora --save                       # H200: benchmarks/results/lora_h200.json
     BENCH_TINY_SHAPES=1 JAX_PLATFORMS=cpu python -m benchmarks.bench_lora   # CPU check
 
-Two engine processes, one after the other on the same GPU: `base` (no LoRA) and `lora`
-(--enable-lora --max-loras 8 --max-lora-rank 16). Each runs the same workload:
+Three engine processes, one after the other on the same GPU: `base` (no LoRA), then one per LoRA
+implementation (`--lora-impl xla` and `pallas`, each --enable-lora --max-loras 8
+--max-lora-rank 16; `--impls pallas` measures one). Each runs the same workload:
 - c64: 64 requests of 512 random prompt tokens, 256 output tokens each (ignore_eos), submitted at
   once; in the lora process request i runs adapter i % 8 -> `lora_c64_8adapters_over_base`
   (output tok/s ratio, goal >= 0.85);
@@ -18,9 +19,12 @@ Two engine processes, one after the other on the same GPU: `base` (no LoRA) and 
   the host read + check + the slot write until the device has it, `lora_load_itl_p99_ms` the
   inter-token latency p99 of the running streams over that run (anchor: `itl_p99_ms` of the same
   run without the load).
-Every timed prompt is new (random tokens never used before), so the prefix cache cannot skip
-prefill; `prefix_hit_rate` is recorded. Compilation is not timed: the engines compile lazily, and
-untimed runs of every shape come first (bs1 and prefill take the best of 3).
+Every metric is written per implementation (`<key>_xla`, `<key>_pallas`); the unsuffixed keys are
+the default implementation's (`default_lora_impl`, EngineArgs.lora_impl), so the record stays
+comparable with earlier runs. Every timed prompt is new (random tokens never used before), so the
+prefix cache cannot skip prefill; `prefix_hit_rate` is recorded. Compilation is not timed: the
+engines compile lazily, and untimed runs of every shape come first (bs1 and prefill take the best
+of 3).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import results_io
+from jaxinfer.engine.args import EngineArgs
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -78,8 +83,11 @@ def write_inputs(work: Path, tiny: bool) -> None:
         save_adapter(LoRAAdapter(f"a{i}", rank, 2.0, weights), cfg, work / f"a{i}")
 
 
+MODES = ("base", "xla", "pallas")  # no LoRA, then each --lora-impl
+
+
 def run_engine(work: Path, mode: str, tiny: bool) -> dict:
-    """One engine process's measurements (mode "base" or "lora")."""
+    """One engine process's measurements (mode: one of MODES)."""
     import jax
     from jaxinfer import LLM, LoRARequest, SamplingParams
     s = shapes(tiny)
@@ -88,20 +96,21 @@ def run_engine(work: Path, mode: str, tiny: bool) -> dict:
               warmup=False, compilation_cache_dir=None)  # (the warm-up runs compile what is timed)
     kw.update(dict(dtype="float32", num_blocks=256) if tiny else
               dict(dtype="bfloat16", gpu_memory_utilization=0.85))
-    if mode == "lora":
+    lora = mode != "base"
+    if lora:
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=s["rank"],
-                  max_cpu_loras=NUM_ADAPTERS)
+                  max_cpu_loras=NUM_ADAPTERS, lora_impl=mode)
     llm = LLM(str(work / "model"), **kw)
     engine = llm.engine
     vocab = engine.cfg.vocab_size
-    rng = np.random.default_rng({"base": 1, "lora": 2}[mode])
+    rng = np.random.default_rng(MODES.index(mode) + 1)
     loras = [LoRARequest(f"a{i}", i + 1, str(work / f"a{i}")) for i in range(NUM_ADAPTERS)]
 
     def prompts(n: int, length: int) -> list[list[int]]:  # never seen before: no prefix hits
         return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
 
     def lora_of(i: int, count: int = 8):
-        return loras[i % count] if mode == "lora" else None
+        return loras[i % count] if lora else None
 
     def generate(ps, max_tokens: int, adapters) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -124,7 +133,7 @@ def run_engine(work: Path, mode: str, tiny: bool) -> dict:
     out["bs1_tpot_ms"] = (tn - t1) / (s["bs1_out"] - 1) * 1e3
     out["prefill_2048_s"] = min(generate(prompts(1, s["prefill"]), 1, one) for _ in range(3))
     out["itl_p99_ms"] = itl_run(engine, prompts(c, il), ol, [lora_of(i, 7) for i in range(c)])
-    if mode == "lora":
+    if lora:
         load = {}
         out["load_itl_p99_ms"] = itl_run(engine, prompts(c, il), ol,
                                          [lora_of(i, 7) for i in range(c)],
@@ -184,6 +193,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", default=bool(os.environ.get("BENCH_TINY_SHAPES")),
                     help="tiny shapes (CPU check; also $BENCH_TINY_SHAPES=1)")
+    ap.add_argument("--impls", default=",".join(MODES[1:]),
+                    help="the --lora-impl values to measure, comma-separated (default: all)")
     ap.add_argument("--engine-process", nargs=2, metavar=("WORK", "MODE"), help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "lora_<gpu>")
     args = ap.parse_args()
@@ -196,40 +207,55 @@ def main() -> None:
     write_inputs(work, args.tiny)
     print(f"inputs written in {time.perf_counter() - t0:.1f} s", flush=True)
     runs = {}
-    for mode in ("base", "lora"):
+    impls = [i for i in MODES[1:] if i in args.impls.split(",")]
+    if not impls:
+        sys.exit(f"--impls {args.impls!r}: choose from {', '.join(MODES[1:])}")
+    for mode in ["base", *impls]:
         cmd = [sys.executable, "-m", "benchmarks.bench_lora", "--engine-process", str(work), mode]
         cmd += ["--tiny"] if args.tiny else []
+        t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"the {mode} engine failed:\n{proc.stderr[-4000:]}")
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
         runs[mode] = json.loads(line[len("RESULT "):])
-        print(mode, runs[mode], flush=True)
-    base, lora = runs["base"], runs["lora"]
-    metrics = {
-        "lora_c64_8adapters_over_base": round(lora["c64_output_tok_s"] / base["c64_output_tok_s"], 3),
-        "lora_bs1_tpot_over_base": round(lora["bs1_tpot_ms"] / base["bs1_tpot_ms"], 3),
-        "lora_prefill_2048_over_base": round(lora["prefill_2048_s"] / base["prefill_2048_s"], 3),
-        "lora_load_s": round(lora["load_s"], 3),
-        "lora_load_itl_p99_ms": round(lora["load_itl_p99_ms"], 2),
-        "itl_p99_ms": round(lora["itl_p99_ms"], 2),
-        "base_itl_p99_ms": round(base["itl_p99_ms"], 2),
-        "base_c64_output_tok_s": round(base["c64_output_tok_s"], 1),
-        "lora_c64_output_tok_s": round(lora["c64_output_tok_s"], 1),
-        "base_bs1_tpot_ms": round(base["bs1_tpot_ms"], 3),
-        "lora_bs1_tpot_ms": round(lora["bs1_tpot_ms"], 3),
-        "base_prefill_2048_s": round(base["prefill_2048_s"], 4),
-        "lora_prefill_2048_s": round(lora["prefill_2048_s"], 4),
-        "prefix_hit_rate": max(base["prefix_hit_rate"], lora["prefix_hit_rate"]),
-    }
+        print(mode, f"({time.perf_counter() - t0:.0f} s)", runs[mode], flush=True)
+    default = EngineArgs.lora_impl
+    metrics = {}
+    for impl in impls:
+        for key, value in impl_metrics(runs["base"], runs[impl]).items():
+            metrics[f"{key}_{impl}"] = value
+            if impl == default:
+                metrics[key] = value
+    base = runs["base"]
+    metrics.update(base_itl_p99_ms=round(base["itl_p99_ms"], 2),
+                   base_c64_output_tok_s=round(base["c64_output_tok_s"], 1),
+                   base_bs1_tpot_ms=round(base["bs1_tpot_ms"], 3),
+                   base_prefill_2048_s=round(base["prefill_2048_s"], 4),
+                   prefix_hit_rate=max(r["prefix_hit_rate"] for r in runs.values()))
     print(json.dumps(metrics, indent=2))
     if args.save:
         name = args.name or ("lora_tiny_" if args.tiny else "lora_") + results_io.device_slug()
         results_io.save(args.save, name, metrics=metrics, config=dict(
             model="llama3-8b-shape dummy" if not args.tiny else "tiny llama dummy",
             adapters=NUM_ADAPTERS, max_loras=8, projections="q,k,v,o,gate,up,down",
-            lora_path="XLA (model/lora/delta.py)", **shapes(args.tiny)))
+            lora_impls="xla (model/lora/delta.py), pallas (pallas_kernels/lora)",
+            default_lora_impl=default, measured_impls=impls, **shapes(args.tiny)))
 
+
+def impl_metrics(base: dict, lora: dict) -> dict:
+    """One LoRA implementation's figures, measured against the base model's of the same run."""
+    return {
+        "lora_c64_8adapters_over_base": round(lora["c64_output_tok_s"] / base["c64_output_tok_s"], 3),
+        "lora_bs1_tpot_over_base": round(lora["bs1_tpot_ms"] / base["bs1_tpot_ms"], 3),
+        "lora_prefill_2048_over_base": round(lora["prefill_2048_s"] / base["prefill_2048_s"], 3),
+        "lora_load_s": round(lora["load_s"], 3),
+        "lora_load_itl_p99_ms": round(lora["load_itl_p99_ms"], 2),
+        "itl_p99_ms": round(lora["itl_p99_ms"], 2),
+        "lora_c64_output_tok_s": round(lora["c64_output_tok_s"], 1),
+        "lora_bs1_tpot_ms": round(lora["bs1_tpot_ms"], 3),
+        "lora_prefill_2048_s": round(lora["prefill_2048_s"], 4),
+    }
 
 if __name__ == "__main__":
     main()

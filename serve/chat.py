@@ -69,8 +69,8 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
                         "finish_reason": tools.finish_reason(state.finish_reason, called),
                         "stop_reason": state.stop_reason})
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": engine.model_name,
-            "choices": choices, "usage": usage.as_dict(),
+    return {"id": response_id, "object": "chat.completion", "created": created,
+            "model": req.model_name(engine.model_name), "choices": choices, "usage": usage.as_dict(),
             "prompt_logprobs": vllm_prompt_logprobs(engine.tokenizer, state.prompt_logprobs)}
 
 
@@ -84,7 +84,7 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
 
     def chunk(choice: dict) -> dict:
         out = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-               "model": engine.model_name, "choices": [choice]}
+               "model": req.model_name(engine.model_name), "choices": [choice]}
         if req.continuous_usage:
             out["usage"] = usage.as_dict()
         return out
@@ -125,7 +125,7 @@ async def chat_chunks(engine, group: RequestGroup, req: GenerationRequest, prefi
             yield chunk(choice)
     if req.include_usage:
         yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
-               "model": engine.model_name, "choices": [], "usage": usage.as_dict()}
+               "model": req.model_name(engine.model_name), "choices": [], "usage": usage.as_dict()}
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

@@ -74,8 +74,9 @@ async def full_completion(engine, group: RequestGroup, req: GenerationRequest, r
                         "finish_reason": state.finish_reason, "stop_reason": state.stop_reason,
                         "prompt_logprobs": vllm_prompt_logprobs(engine.tokenizer,
                                                                 state.prompt_logprobs)})
-    return {"id": response_id, "object": "text_completion", "created": created, "model": engine.model_name,
-            "choices": choices, "usage": usage.as_dict(), "system_fingerprint": None}
+    return {"id": response_id, "object": "text_completion", "created": created,
+            "model": req.model_name(engine.model_name), "choices": choices, "usage": usage.as_dict(),
+            "system_fingerprint": None}
 
 
 async def completion_chunks(engine, group: RequestGroup, req: GenerationRequest, response_id: str,
@@ -85,7 +86,7 @@ async def completion_chunks(engine, group: RequestGroup, req: GenerationRequest,
 
     def chunk(choices: list[dict]) -> dict:
         return {"id": response_id, "object": "text_completion", "created": created,
-                "model": engine.model_name, "choices": choices,
+                "model": req.model_name(engine.model_name), "choices": choices,
                 "usage": usage.as_dict() if req.continuous_usage else None}
 
     async for prompt_index, out in group.outputs():

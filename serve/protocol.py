@@ -54,6 +54,11 @@ class GenerationRequest:
         valid = isinstance(n, int) and not isinstance(n, bool) and n >= 1
         return len(self.prompts) * (n if valid else 1)
 
+    def model_name(self, base: str) -> str:
+        """The response's `model`: the adapter's name for a request that picked one (as vLLM),
+        else `base` (the engine's model name)."""
+        return base if self.lora_request is None else self.lora_request.lora_name
+
     def ids(self, prefix: str) -> tuple[str, str]:
         """(engine request id, response id). The engine's stay unique whatever `request_id` a client
         sends; the response shows the client's."""

@@ -113,3 +113,18 @@ def test_unload_refusals_and_the_flag(lora_server):
         status, _, raw = post_raw(locked, path, raw_json(body))
         assert status == 400 and b"--allow-runtime-lora-updating" in raw
     assert "sql" in _models(_client(url))
+
+
+def test_responses_name_the_adapter_they_ran(lora_server):
+    """`model` of a response is the adapter's name when the request picked one (vLLM's), the base
+    model's otherwise: completions, chat, their streams, and /v1/responses."""
+    client = _client(lora_server.urls["main"])
+    kw = dict(model="sql", max_tokens=1, temperature=0)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert client.completions.create(prompt="Hi", **kw).model == "sql"
+    assert {c.model for c in client.completions.create(prompt="Hi", stream=True, **kw)} == {"sql"}
+    assert client.chat.completions.create(messages=msgs, **kw).model == "sql"
+    chunks = client.chat.completions.create(messages=msgs, stream=True, **kw)
+    assert {c.model for c in chunks} == {"sql"}
+    assert client.responses.create(model="sql", input="Hi", max_output_tokens=1).model == "sql"
+    assert client.chat.completions.create(messages=msgs, **{**kw, "model": MODEL}).model == MODEL

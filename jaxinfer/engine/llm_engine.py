@@ -169,7 +169,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
             cfg = load_config(model_dir)
             cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
                 args.quantization, cfg.quantization, args.load_format),
-                moe_impl=args.moe_impl, quant_impl=args.quant_impl)
+                moe_impl=args.moe_impl, quant_impl=args.quant_impl, lora_impl=args.lora_impl)
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

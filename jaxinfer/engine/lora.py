@@ -22,7 +22,7 @@ def with_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
         return params
     dtype = params["embed"]["embedding"].dtype
     stacks = empty_stacks(cfg, params, args.max_loras, args.max_lora_rank, jnp.dtype(dtype),
-                          plan and plan.replicated)
+                          plan and plan.replicated, pow2=args.lora_impl == "pallas")
     return {**params, LORA: stacks}
 
 

@@ -8,6 +8,7 @@ import json
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.lora_request import LoRARequest
+from jaxinfer.model.lora.delta import LORA_IMPLS
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,10 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras); others are read "
                         "from their files again when needed")
+    g.add_argument("--lora-impl", default="xla", choices=LORA_IMPLS,
+                   help="the LoRA matmuls: xla (every slot's weights, no sorting) or pallas (the "
+                        "slot-grouped Triton kernels of pallas_kernels/lora: reads only the "
+                        "slots a step uses); docs/lora.md")
 
 
 def lora_modules(specs) -> list[LoRARequest]:
@@ -66,6 +71,11 @@ def check_lora_args(args) -> None:
     if args.data_parallel_size > 1 or (args.num_processes or 1) > 1:
         raise ConfigError("--enable-lora does not combine with data parallelism or several "
                           "processes yet")
+    if args.lora_impl not in LORA_IMPLS:
+        raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from {', '.join(LORA_IMPLS)}")
+    if args.lora_impl == "pallas" and args.tensor_parallel_size > 1:
+        raise ConfigError("--lora-impl pallas does not combine with tensor parallelism yet "
+                          "(the kernels are not partitioned); use --lora-impl xla")
     names = [r.lora_name for r in lora_modules(args.lora_modules)]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules names {names} are not unique")

@@ -82,6 +82,7 @@ class ModelConfig:
     # `quantized_matmul`'s (model/quant/ops.py). Part of the config, so of every compile cache key.
     moe_impl: str = "auto"
     quant_impl: str = "auto"
+    lora_impl: str = "xla"  # --lora-impl: the LoRA delta's (model/lora/delta.py)
 
     @property
     def is_moe(self) -> bool:

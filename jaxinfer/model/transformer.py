@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, RopeConfig, rope_inv_freq
 from jaxinfer.model.fused_projections import project
-from jaxinfer.model.lora.delta import apply_lora
+from jaxinfer.model.lora.delta import apply_lora, group_slots
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.model.experts import expert_dispatch
@@ -317,6 +317,9 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     variables = {"params": {k: v for k, v in params.items() if k != LORA}}
     if LORA in params:
         variables["lora"] = params[LORA]
+        if lora_slot is not None and cfg.lora_impl == "pallas":
+            num_slots = jax.tree.leaves(params[LORA])[0].shape[0]
+            lora_slot = group_slots(lora_slot, num_slots)
     return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
                        return_hidden, lora_slot)
 

@@ -59,8 +59,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     response_id, created = new_id("resp"), now()
 
     def skeleton(status: str, output: list[dict], usage_dict: dict | None, finish_reason=None) -> dict:
-        out = response_object(response_id, created, engine.model_name, rr.echo_fields, rr.metadata,
-                              status, output, usage_dict, finish_reason)
+        out = response_object(response_id, created, req.model_name(engine.model_name), rr.echo_fields,
+                              rr.metadata, status, output, usage_dict, finish_reason)
         out["store"] = rr.store
         return out
 
@@ -69,7 +69,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             turn = rr.input_messages + conversation_messages(final["output"])
             store.put(StoredResponse(final, history + turn))
 
-    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority) as group:
+    async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority,
+                            req.lora_request) as group:
         with responses_params():
             await group.start()
         if req.stream:

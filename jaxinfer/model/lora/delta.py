@@ -7,12 +7,36 @@ so a row of no adapter (slot 0, zeros) gets its base output bit for bit, and the
 depend on which slots the batch uses. It costs (N+1) R (in + out) multiply-adds per token (at
 N = 8, R = 16 on Llama-3-8B's seven projections about 5 % of the base model's) and reads every
 slot's weights once per step.
+
+`--lora-impl pallas` (ModelConfig.lora_impl) runs the Triton kernels of
+pallas_kernels/lora/segment_matmul.py instead: `forward` groups the step's tokens by slot once
+(`group_slots`), and each projection's shrink and expand read only the slots its rows use, the
+expand adding onto y in place. A projection whose shapes the kernels do not take (`supported`)
+falls back to `lora_delta`. Off the GPU the kernels run in the Pallas interpreter (tests).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.lora.segment_matmul import (SegmentPlan, block_m_for, lora_shrink_expand,
+                                                segment_plan, supported)
+
+LORA_IMPLS = ("xla", "pallas")  # --lora-impl
+
+
+class GroupedSlots(NamedTuple):
+    """A step's slots (i32[T]) with their grouping for the Pallas kernels."""
+    slot: jax.Array
+    plan: SegmentPlan
+
+
+def group_slots(slot: jax.Array, num_slots: int) -> GroupedSlots:
+    """`slot` grouped once for every projection of the step (`num_slots`: the stacks' slots)."""
+    return GroupedSlots(slot, segment_plan(slot, num_slots, block_m_for(slot.shape[0])))
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array) -> jax.Array:
@@ -38,5 +62,12 @@ def apply_lora(module, slot: jax.Array | None, name: str, x: jax.Array, y: jax.A
         return y
     w = module.get_variable("lora", name)
     lead = x.shape[:-1]
-    d = lora_delta(x.reshape(-1, x.shape[-1]), w["A"], w["B"], slot.reshape(-1))
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(slot, GroupedSlots):
+        if supported(x2.shape[1], w["A"].shape[2], w["B"].shape[2]):
+            interpret = jax.default_backend() != "gpu"
+            return lora_shrink_expand(x2, w["A"], w["B"], y.reshape(x2.shape[0], -1), slot.plan,
+                                      interpret=interpret).reshape(y.shape)
+        slot = slot.slot
+    d = lora_delta(x2, w["A"], w["B"], slot.reshape(-1))
     return y + d.reshape(*lead, -1).astype(y.dtype)

@@ -39,18 +39,28 @@ def lora_layout(cfg: ModelConfig, params: dict) -> dict[tuple[str, str, str], tu
     return layout
 
 
-def _leaf_shape(cfg: ModelConfig, parts: tuple[str, ...], rank: int) -> tuple[tuple, tuple]:
+def stack_width(parts: int, rank: int, pow2: bool) -> int:
+    """The rank columns of a stack of `parts` projections: P * R, or with `pow2` (the Pallas
+    kernels' dot needs it) the next power of two >= 16; part p's columns start at p * (W // P)."""
+    width = parts * rank
+    return max(16, 1 << (width - 1).bit_length()) if pow2 else width
+
+
+def _leaf_shape(cfg: ModelConfig, parts: tuple[str, ...], rank: int,
+                pow2: bool) -> tuple[tuple, tuple]:
     fan_in = projection_shape(cfg, parts[0])[0]
     out = sum(projection_shape(cfg, p)[1] for p in parts)
-    return (fan_in, rank * len(parts)), (rank * len(parts), out)
+    width = stack_width(len(parts), rank, pow2)
+    return (fan_in, width), (width, out)
 
 
 def empty_stacks(cfg: ModelConfig, params: dict, max_loras: int, max_rank: int, dtype,
-                 sharding=None) -> dict:
-    """Zeroed stacks for `max_loras` adapter slots (+ slot 0) of rank up to `max_rank`."""
+                 sharding=None, pow2: bool = False) -> dict:
+    """Zeroed stacks for `max_loras` adapter slots (+ slot 0) of rank up to `max_rank`; `pow2`:
+    widths rounded up for the Pallas kernels (`stack_width`)."""
     tree: dict = {}
     for (layer, module, name), parts in lora_layout(cfg, params).items():
-        a, b = _leaf_shape(cfg, parts, max_rank)
+        a, b = _leaf_shape(cfg, parts, max_rank, pow2)
         tree.setdefault(layer, {}).setdefault(module, {})[name] = {
             "A": jax.ShapeDtypeStruct((max_loras + 1, *a), dtype),
             "B": jax.ShapeDtypeStruct((max_loras + 1, *b), dtype)}
@@ -68,7 +78,7 @@ def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, stacks: dict) -> 
                 a_full = np.zeros(leaf["A"].shape[1:], np.float32)
                 b_full = np.zeros(leaf["B"].shape[1:], np.float32)
                 parts = GROUPS[module][1] if name == GROUPS[module][0] else (name,)
-                rank = a_full.shape[1] // len(parts)
+                rank = a_full.shape[1] // len(parts)  # (stack_width's part stride)
                 col = 0
                 for p, proj in enumerate(parts):
                     width = projection_shape(cfg, proj)[1]

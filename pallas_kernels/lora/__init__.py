@@ -1,0 +1,1 @@
+"""LoRA kernels: the shrink/expand matmuls of mixed-adapter batches, grouped by slot."""

@@ -114,7 +114,7 @@ def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *,
     """The runner's forward that also writes the step's streams (`_forward_step`'s result)."""
     logits, kv_cache, aux = forward_aux(params, cfg, input_ids(batch, last_tokens),
                                         batch.positions, kv_cache, batch.md, backend,
-                                        batch.logits_indices, layers=layers)
+                                        batch.logits_indices, batch.lora_slot, layers=layers)
     return logits, kv_cache, write_streams(streams, aux, batch.md.slot_mapping)
 
 

@@ -131,7 +131,6 @@ def plot(path: Path, log: dict) -> bool:
 
 
 def run(args) -> int:
-    import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
@@ -165,7 +164,7 @@ def run(args) -> int:
     cfg = head.eagle3_config(dict(head_layer_config(target_cfg), draft_vocab_size=vd),
                              target_cfg)
     counts = np.bincount(train_tok[train_mask > 0].ravel(), minlength=target_cfg.vocab_size)
-    hp = head.init_head(cfg, jax.random.key(args.seed), jnp.float32)
+    hp = head.init_head(cfg, args.seed, jnp.float32)
     d2t = train.draft_vocab(counts, vd)
     settings = train.TrainSettings(k=args.k, lr=args.lr, warmup_steps=args.warmup_steps,
                                    total_steps=args.steps, compute_dtype=args.compute_dtype)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,7 +36,7 @@ def random_head(target_cfg, key=0, std=0.3) -> tuple[head.Eagle3Config, dict]:
          "intermediate_size": 2 * target_cfg.hidden_size, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
          "max_position_embeddings": target_cfg.max_position_embeddings}, target_cfg)
-    params = head.init_head(cfg, jax.random.key(key), jnp.float32, std=std)
+    params = head.init_head(cfg, key, jnp.float32, std=std)
     params["d2t"] = jnp.arange(vd, dtype=jnp.int32)  # draft i -> target 2 i
     return cfg, params
 

@@ -92,7 +92,7 @@ def hf_config(cfg: Eagle3Config, target_raw: dict) -> dict:
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)}}
 
 
-def init_head(cfg: Eagle3Config, key, dtype=jnp.float32, std: float = 0.02,
+def init_head(cfg: Eagle3Config, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
               with_embed: bool = False) -> dict:
     """Random weights (norms at 1; d2t: the first Vd target tokens)."""
     c = cfg.layer
@@ -103,9 +103,9 @@ def init_head(cfg: Eagle3Config, key, dtype=jnp.float32, std: float = 0.02,
               "down_proj": (f, h), "lm_head": (h, cfg.draft_vocab_size)}
     if with_embed:
         shapes["embed"] = (c.vocab_size, h)
-    keys = jax.random.split(key, len(shapes))
-    p = {n: (jax.random.normal(k, s, jnp.float32) * std).astype(dtype)
-         for (n, s), k in zip(shapes.items(), keys)}
+    rng = np.random.default_rng(seed)  # on the host: one small array each, no compilations
+    p = {n: jnp.asarray(rng.standard_normal(s, np.float32) * std, dtype)
+         for n, s in shapes.items()}
     p.update({n: jnp.ones((h,), dtype) for n in NORMS})
     p["d2t"] = jnp.zeros((cfg.draft_vocab_size,), jnp.int32)
     return p
@@ -135,7 +135,7 @@ def load_head(model_dir: str, target: ModelConfig, dtype) -> tuple[Eagle3Config,
     vd = cfg.draft_vocab_size
     d2t = names.get("d2t", np.zeros(vd, np.int64))
     params["d2t"] = jnp.asarray(d2t, jnp.int32)
-    expect = init_head(cfg, jax.random.key(0), with_embed="embed" in params)
+    expect = jax.eval_shape(lambda: init_head(cfg, with_embed="embed" in params))
     bad = [n for n, a in expect.items() if params[n].shape != a.shape]
     ids = np.arange(vd) + np.asarray(d2t)
     if bad or ids.min() < 0 or ids.max() >= target.vocab_size:

@@ -1,10 +1,11 @@
 """`jaxinfer memory`: KV-cache sizing and the decode roofline for a model on an accelerator.
 
-Everything follows from the per-token KV footprint 2 × L × H_kv × d_k × bytes (K and V, every layer,
-every KV head). Decode reads all weights plus every sequence's whole KV cache once per step and
-produces one token per sequence, so its arithmetic intensity is small next to an accelerator's
-ridge point (peak FLOP/s ÷ memory bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds
-a step from below.
+Everything follows from the per-token KV footprint 2 × L × H_kv × d_k × bytes (K and V, every
+layer, every KV head), or L × (kv_lora_rank + rope dim) × bytes for multi-head latent attention
+(DeepSeek: one latent per token and layer, shared by every head; docs/MLA.md). Decode reads all
+weights plus every sequence's whole KV cache once per step and produces one token per sequence,
+so its arithmetic intensity is small next to an accelerator's ridge point (peak FLOP/s ÷ memory
+bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds a step from below.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token
+from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token, latent_bytes_per_token
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
 
 
@@ -90,6 +91,22 @@ class ModelShape:
     quantization: str | None = None  # weight quantization (jaxinfer/model/quant)
     max_position_embeddings: int | None = None  # the model's context (None: shape given as flags)
     layer_windows: tuple[int | None, ...] = ()  # sliding windows (None: a global layer)
+    # Multi-head latent attention: the cached latent's width (kv_lora_rank + rope dim) and the
+    # part of it the values are (kv_lora_rank); 0: not MLA.
+    mla_latent: int = 0
+    mla_value: int = 0
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.mla_latent:
+            return latent_bytes_per_token(self.num_layers, self.mla_latent, dtype_bytes)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+
+    def attention_flops_per_context_token(self) -> int:
+        """QK^T and PV per context token of one decode row: 2 × H_q × (d_k + d_v) per layer;
+        MLA's absorbed form scores the 576-wide latent and sums its 512-wide value part."""
+        if self.mla_latent:
+            return 2 * self.num_layers * self.num_heads * (self.mla_latent + self.mla_value)
+        return 4 * self.num_layers * self.num_heads * self.head_dim
 
     def kv_read_fraction(self, seq_len: int) -> float:
         """The share of a sequence's KV a decode step reads at context `seq_len`: a windowed
@@ -102,7 +119,7 @@ class ModelShape:
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim,
-             "--heads": args.heads}
+             "--heads": args.heads, "--kv-lora-rank": args.kv_lora_rank}
     if args.model:
         given = [f for f, v in flags.items() if v is not None]
         if given:
@@ -123,15 +140,20 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
             weights = quantized_weight_bytes(dataclasses.replace(cfg, quantization=quant), dtype)
         else:
             weights = params * nbytes
+        mla = (cfg.mla.latent_width, cfg.mla.kv_lora_rank) if cfg.mla else (0, 0)
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
                           params - inactive, dtype, quant, cfg.max_position_embeddings,
-                          cfg.layer_windows)
+                          cfg.layer_windows, *mla)
     if args.quantization:
         raise ConfigError("--quantization needs --model (without it, give the quantized size as "
                           "--weight-bytes)")
+    if args.kv_lora_rank is not None:  # MLA: one latent "KV head" of kv_lora_rank + rope dim
+        args.kv_heads = args.kv_heads or 1
+        args.head_dim = args.head_dim or args.kv_lora_rank + args.qk_rope_dim
     for flag in ("--layers", "--kv-heads", "--head-dim"):
-        if flags[flag] is None:
+        if getattr(args, flag[2:].replace("-", "_")) is None:
             raise ConfigError(f"{flag} is required without --model")
+    flags.update({"--kv-heads": args.kv_heads, "--head-dim": args.head_dim})
     for flag, value in flags.items():
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1; got {value}")
@@ -141,8 +163,10 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     if heads % args.kv_heads:
         raise ConfigError(f"--heads {heads} is not a multiple of --kv-heads {args.kv_heads}")
     weights = parse_size(args.weight_bytes, "--weight-bytes") if args.weight_bytes else 0
+    mla = ((args.kv_lora_rank + args.qk_rope_dim, args.kv_lora_rank)
+           if args.kv_lora_rank is not None else (0, 0))
     return ModelShape(args.layers, args.kv_heads, args.head_dim, heads, weights, weights // nbytes,
-                      dtype)
+                      dtype, mla_latent=mla[0], mla_value=mla[1])
 
 
 def quantized_weight_bytes(cfg, dtype: str) -> int:
@@ -164,7 +188,7 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
                   accelerator: Accelerator, gpu_memory_utilization: float) -> dict:
     """All figures of `jaxinfer memory` as a JSON-ready dict (bytes, tokens, FLOP, seconds)."""
     kv_bytes = jnp.dtype(resolve_kv_cache_dtype(kv_dtype, shape.weight_dtype)).itemsize
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_bytes)
+    per_token = shape.kv_bytes_per_token(kv_bytes)
     usable = int(gpu_memory_utilization * accelerator.memory_bytes) - shape.weight_bytes
     kv_room = max(usable, 0)
     tokens_fit = kv_room // per_token
@@ -190,9 +214,9 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
         "batch_fits": tokens_fit >= seq_len * batch,
     }
     # Decode step at (batch, seq_len): every active weight is a multiply-add per token, attention
-    # is QK^T and PV over the context (4 × H_q × d_k FLOP per layer per context token).
+    # is QK^T and PV over the context (ModelShape.attention_flops_per_context_token).
     flops = batch * (2 * shape.active_params
-                     + 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len)
+                     + shape.attention_flops_per_context_token() * seq_len)
     bytes_read = shape.weight_bytes + batch * seq_len * report["kv_read_bytes_per_token"]
     intensity = flops / bytes_read
     roofline = {"flops_per_step": flops, "bytes_per_step": bytes_read,
@@ -218,8 +242,11 @@ def format_report(r: dict) -> str:
     lines = [
         f"model: {m['num_layers']} layers, {m['num_kv_heads']} KV heads × head_dim {m['head_dim']} "
         f"({m['num_heads']} query heads), weights {_fmt_bytes(m['weight_bytes'])}",
-        f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
-        f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B",
+        (f"KV per token:    {r['kv_bytes_per_token']} B = {m['num_layers']} × latent "
+         f"{m['mla_latent']} × {r['kv_cache_dtype_bytes']} B (MLA: one latent for all heads)"
+         if m["mla_latent"] else
+         f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
+         f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B"),
         f"KV per block:    {_fmt_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
         *([f"KV read per context token at {r['seq_len']} tokens: {r['kv_read_bytes_per_token']} B "
            f"(windowed layers read at most their window; the pool still holds every layer's "
@@ -272,13 +299,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n", 1)[1].strip() + "\n\nExamples:\n"
         "  jaxinfer memory --model ./Llama-3.1-8B --accelerator h200 --seq-len 8192 --batch 64\n"
-        "  jaxinfer memory --layers 32 --kv-heads 8 --head-dim 128 --weight-bytes 16.06GB --json")
+        "  jaxinfer memory --layers 32 --kv-heads 8 --head-dim 128 --weight-bytes 16.06GB --json\n"
+        "  jaxinfer memory --layers 27 --kv-lora-rank 512 --heads 16 --weight-bytes 31.4GB  "
+        "# DeepSeek-V2-Lite")
     src = p.add_argument_group("model (a directory, or its shape as flags)")
     src.add_argument("--model", metavar="DIR", help="model directory with a config.json")
     src.add_argument("--layers", type=int, help="number of transformer layers")
     src.add_argument("--kv-heads", type=int, help="number of key/value heads")
     src.add_argument("--head-dim", type=int, help="dimension of one attention head")
     src.add_argument("--heads", type=int, help="query heads, for attention FLOPs (default: --kv-heads)")
+    src.add_argument("--kv-lora-rank", type=int,
+                     help="multi-head latent attention (DeepSeek): the latent's rank, e.g. 512; "
+                          "the cache then holds one kv_lora_rank + --qk-rope-dim entry per token "
+                          "and layer (--kv-heads/--head-dim not needed)")
+    src.add_argument("--qk-rope-dim", type=int, default=64,
+                     help="MLA's decoupled RoPE key width (default 64)")
     src.add_argument("--weight-bytes", metavar="SIZE",
                      help="weight bytes, e.g. 16.06GB (default: parameters × --dtype bytes with "
                           "--model, else 0)")

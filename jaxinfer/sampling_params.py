@@ -171,3 +171,5 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+            if any(t >= vocab_size for t in self.structured_outputs.reasoning_end_token_ids or ()):
+                bad("structured_outputs", f"reasoning_end_token_ids must be token ids in [0, {vocab_size})")

@@ -18,7 +18,7 @@ from serve.errors import APIError, bad_request
 from serve.json_body import off_loop, parse_json_object, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 from serve.request_fields import EXTENSION_FIELDS, SAMPLING_FIELDS, check_fields
-from serve.reasoning.request import ReasoningRequest, reasoning_request
+from serve.reasoning.request import ReasoningRequest, constrain_answer_only, reasoning_request
 from serve.structured import structured_params
 from serve.tools import ToolOptions, ToolRequest, template_message, tool_request
 
@@ -286,8 +286,8 @@ def parse_generation(body: dict, engine, limits: RequestLimits, *, chat: bool,
         structured = tools.structured
     if structured is not None:
         engine.grammars.compile(structured)  # here, off the event loop; the engine finds it cached
-    reasoning = reasoning_request(body, reasoning_parser, texts[0], structured and structured.field) \
-        if chat else None
+    reasoning = reasoning_request(body, reasoning_parser, texts[0]) if chat else None
+    structured = constrain_answer_only(structured, reasoning, tokenizer)
     params = sampling_params(body, max_tokens=1 if generate_nothing else max_tokens,
                              top_logprobs=top_logprobs,
                              prompt_logprobs=prompt_logprobs, structured=structured)

@@ -50,8 +50,10 @@ MOE_FAMILIES = ["mixtral", "qwen3_moe"]
 # Windowed families (sinks sharded by head, gpt-oss's expert biases split with their stacks).
 WINDOWED = ["gemma2", "gemma3", "gpt_oss"]
 # (TP size, expert layout, the families checked so): see model_checks.
-MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED), (4, "tp", ["qwen2", "qwen3_moe"]),
-                 (2, "ep", ["qwen3_moe", "gpt_oss"]), (4, "ep", ["mixtral"])]
+# MLA families (one latent KV head: every device keeps the whole latent cache).
+MLA = ["deepseek_v2", "deepseek_v3"]
+MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED + ["deepseek_v3"]), (4, "tp", ["qwen2", "qwen3_moe"]),
+                 (2, "ep", ["qwen3_moe", "gpt_oss", "deepseek_v2"]), (4, "ep", ["mixtral"])]
 WIDE_FAMILIES = ["llama", "qwen2", "qwen3_moe"]
 BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
 _step = jax.jit(forward, static_argnames=("cfg", "backend"))
@@ -97,7 +99,7 @@ def model_checks(out: dict) -> None:
     devices (expert layout "ep") at 2 and 4 devices (gpt-oss at 2). TP = 1 and 8 on llama, qwen2
     and qwen3_moe widened to 8 query heads (random weights generated sharded). mistral's and
     qwen3's layers are llama's and qwen3_moe's parts at any TP size."""
-    for fam in FAMILIES + WINDOWED:
+    for fam in FAMILIES + WINDOWED + MLA:
         cfg = load_config(FIXTURES / fam)
         prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]
         layouts = [(tp, layout) for tp, layout, families in MODEL_LAYOUTS if fam in families]

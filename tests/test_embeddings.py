@@ -70,6 +70,27 @@ def test_llm_embed_matches_the_float32_reference(family):
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
+def test_device_pooling_of_ragged_chunks_matches_numpy():
+    """A step's flat rows: a decode row, then chunks of embedding requests (mean over a middle
+    chunk, last in and not in its chunk, cls) and a plain prefill; each request's sum is one
+    segment of the step, summed on the device."""
+    from types import SimpleNamespace as NS
+    from jaxinfer.worker.hidden_reads import gather_pooling_rows, pool
+
+    def entry(method, n, start, num):
+        params = NS(pooling=method)
+        return NS(seq=NS(request=NS(params=params, num_prompt_tokens=n)), start=start, num_tokens=num)
+    rows = [entry(None, 9, 8, 1), entry("mean", 30, 10, 12), entry("last", 7, 0, 7),
+            entry("last", 40, 0, 16), entry(None, 5, 0, 5), entry("cls", 6, 0, 6)]
+    hidden = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    p = gather_pooling_rows(rows)
+    got = np.asarray(pool(jnp.asarray(hidden), p.start, p.count, p.weight))
+    want = [hidden[1:13].sum(0) / 30, hidden[19], np.zeros(8), hidden[41]]
+    assert len(p.owners) == 4 and got.shape == (4, 8)
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-6)
+    assert [from_start for _, from_start in p.owners] == [False, True, True, True]
+
+
 def test_pooling_config_from_sentence_transformers_files(tmp_path):
     assert pooling_config(tmp_path) == PoolingConfig("last", True, False, None)
     (tmp_path / "modules.json").write_text(json.dumps([

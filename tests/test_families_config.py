@@ -68,8 +68,6 @@ def test_gemma_fields_and_hf_defaults():
     ({**GEMMA3, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({**GEMMA2, "hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
     ({**GEMMA2, "attention_bias": True}, "attention_bias"),
-    ({**GPT_OSS, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}},
-     "rope_scaling.mscale"),
     ({**GPT_OSS, "rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
     ({**GPT_OSS, "num_experts_per_tok": 5}, "num_experts_per_tok=5"),
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, "'text_config'"),

@@ -1,7 +1,7 @@
 """jaxinfer's logits and greedy tokens match HF transformers' on tiny random checkpoints of every
-supported family (fixtures made by tests/fixtures/make_golden.py with torch + transformers). The
-windowed families' (Gemma 2, Gemma 3, gpt-oss: 8-token windows) 29-token prompt and greedy runs
-go past the window."""
+supported family (fixtures made by tests/fixtures/make_golden.py and make_golden_deepseek.py with
+torch + transformers). The windowed families' (Gemma 2, Gemma 3, gpt-oss: 8-token windows)
+29-token prompt and greedy runs go past the window."""
 
 from pathlib import Path
 
@@ -31,11 +31,12 @@ def _prefill_metadata(n: int, num_blocks: int) -> tuple[AttentionMetadata, np.nd
     return md, table
 
 
-def test_all_nine_families_have_fixtures():
+def test_all_eleven_families_have_fixtures():
     archs = {load_config(FIXTURES / f).architecture for f in FAMILIES}
     assert archs == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                      "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                     "Gemma3ForCausalLM", "GptOssForCausalLM"}
+                     "Gemma3ForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
+                     "DeepseekV3ForCausalLM"}
 
 
 def _batch_metadata(lengths: list[int], num_blocks: int) -> AttentionMetadata:

@@ -43,6 +43,22 @@ def test_llama_8b_on_h200_by_hand(capsys):
     assert rf["min_step_seconds"] == pytest.approx(50_419_738_368 / 4.8e12)
 
 
+def test_mla_latent_rows_next_to_llama(capsys):
+    """DeepSeek-V2-Lite (27 layers) and V3 (61 layers) cache one 512 + 64 latent per token and
+    layer: 31,104 and 70,272 B per token next to Llama-3-8B's 131,072 (docs/MLA.md's table)."""
+    lite = memory(["--layers", "27", "--kv-lora-rank", "512", "--heads", "16", "--weight-bytes",
+                   "31.4GB", "--seq-len", "32768", "--json"], capsys)
+    assert lite["kv_bytes_per_token"] == 27 * 576 * 2 == 31104
+    assert lite["model"]["num_kv_heads"] == 1 and lite["model"]["head_dim"] == 576
+    # absorbed decode: scores over 576 and values over 512 per head and layer
+    assert lite["decode_roofline"]["flops_per_step"] == 32 * (
+        2 * (31_400_000_000 // 2) + 2 * 27 * 16 * (576 + 512) * 32768)
+    v3 = memory(["--layers", "61", "--kv-lora-rank", "512", "--heads", "128", "--json"], capsys)
+    assert v3["kv_bytes_per_token"] == 61 * 576 * 2 == 70272
+    text = memory(["--layers", "27", "--kv-lora-rank", "512"], capsys)
+    assert "31104 B = 27 × latent 576 × 2 B (MLA" in text
+
+
 def test_fp8_cache_and_custom_memory(capsys):
     r = memory([*LLAMA8B_FLAGS, "--kv-cache-dtype", "fp8", "--accelerator-memory", "80",
                 "--bandwidth", "2", "--tflops", "300", "--gpu-memory-utilization", "0.5", "--json"],

@@ -100,6 +100,15 @@ def test_windowed_families_at_tp2_equal_single_device(runs, family, layout):
     assert got == golden[:len(got)].tolist()
 
 
+@pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp"), ("deepseek_v2", "ep")])
+def test_mla_families_at_tp2_equal_single_device(runs, family, layout):
+    """Query heads (q_b_proj / kv_b_proj columns) split over the devices; the one latent KV head
+    is replicated, each device keeping the whole latent cache."""
+    golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
+    got = runs["checks"][f"{family}/tp2" + ("-ep" if layout == "ep" else "")]["tokens"]
+    assert got == golden[:len(got)].tolist()
+
+
 @pytest.mark.parametrize("family, tp", [("qwen3_moe", 2), ("mixtral", 4)])
 def test_expert_parallel_greedy_tokens_equal_single_device(runs, family, tp):
     """Whole experts split over the devices (--expert-layout ep), the other MoE layout beside the

@@ -3,7 +3,7 @@ any re-chunking of the stream (hypothesis) and for a fixture tokenizer's token-b
 stream (every marker straddles tokens there), tool calls parsed from the answer after the
 reasoning, enable_thinking reaching the qwen3 template; and, through the official openai client on
 the shared server with --reasoning-parser deepseek_r1, reasoning apart from content, streamed =
-non-streamed, include_reasoning=false, and the structured-output refusal."""
+non-streamed, include_reasoning=false, and structured output constraining the answer only."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve.reasoning.parsers import REASONING_PARSERS, DeepSeekR1Parser, GptOssParser, Qwen3Parser
-from serve.reasoning.request import ReasoningRequest, reasoning_request
+from serve.reasoning.request import ReasoningRequest
 from serve.tool_parsers import HermesParser
 from server_harness import MODEL, NO_EOS, add_app, check_error_shape, post_raw
 
@@ -131,9 +131,14 @@ CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "Hello world"}], 
             temperature=0, extra_body=NO_EOS)
 
 
-def test_server_reasoning_apart_from_content_streamed_equals_whole(reasoning_client):
+@pytest.fixture(scope="module")
+def free_reply(reasoning_client):
+    return reasoning_client.chat.completions.create(**CHAT).choices[0].message
+
+
+def test_server_reasoning_apart_from_content_streamed_equals_whole(reasoning_client, free_reply):
     """Random weights never close the think block: deepseek_r1 calls all of it reasoning."""
-    whole = reasoning_client.chat.completions.create(**CHAT).choices[0].message
+    whole = free_reply
     reasoning = whole.model_extra["reasoning_content"]
     assert reasoning and whole.model_extra["reasoning"] == reasoning and whole.content is None
     chunks = list(reasoning_client.chat.completions.create(**CHAT, stream=True))
@@ -153,19 +158,51 @@ def test_server_include_reasoning_false_drops_it(reasoning_client):
                    if c.choices)
 
 
-@pytest.mark.parametrize("extra,param", [({"include_reasoning": "no"}, "include_reasoning"),
-                                         ({"guided_regex": "[a-z]+"}, "guided_regex")])
-def test_server_reasoning_fields_are_checked(server, reasoning_client, extra, param):
-    body = {"model": MODEL, "messages": CHAT["messages"], "max_tokens": 2, **extra}
+def test_server_reasoning_fields_are_checked(server, reasoning_client):
+    body = {"model": MODEL, "messages": CHAT["messages"], "max_tokens": 2, "include_reasoning": "no"}
     status, _, raw = post_raw(server.urls["reasoning"], "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400
-    check_error_shape(raw, 400, param)
+    check_error_shape(raw, 400, "include_reasoning")
 
 
-def test_structured_output_is_refused_only_while_thinking():
-    from serve.errors import APIError
-    with pytest.raises(APIError, match="constrain the reasoning"):
-        reasoning_request({}, Qwen3Parser(), "", "response_format")
-    off = {"chat_template_kwargs": {"enable_thinking": False}}
-    assert reasoning_request(off, Qwen3Parser(), "", "response_format").include
-    assert reasoning_request({}, None, "", "response_format") is None
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["pick"],
+          "properties": {"pick": {"enum": ["fox", "dog"]}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+
+
+def test_structured_output_constrains_the_answer_not_the_reasoning(reasoning_client, free_reply):
+    """deepseek_r1 thinks from the first token and random weights never close the think block: with
+    a schema the thinking is the same free text as without one (the grammar waits for `</think>`),
+    streamed = non-streamed, chat and Responses alike. (That the grammar starts after the marker:
+    tests/test_structured_output.py, on the engine.)"""
+    free = free_reply.model_extra["reasoning_content"]
+    msg = reasoning_client.chat.completions.create(**CHAT, response_format=FORMAT).choices[0].message
+    assert msg.model_extra["reasoning_content"] == free and msg.content is None
+    chunks = list(reasoning_client.chat.completions.create(**CHAT, response_format=FORMAT, stream=True))
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                   for c in chunks if c.choices) == free
+    fmt = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA}}
+    events = list(reasoning_client.responses.create(
+        model=MODEL, input="Hello world", max_output_tokens=8, temperature=0, text=fmt,
+        extra_body=NO_EOS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == free
+    done = events[-1].response
+    assert [i.type for i in done.output] == ["reasoning", "message"] and done.output_text == ""
+    assert done.output[0].content[0].text == free
+
+
+def test_the_grammar_waits_for_each_parsers_end_marker(tokenizer):
+    from jaxinfer.structured.params import StructuredOutputsParams
+    from serve.reasoning.request import constrain_answer_only
+    so = StructuredOutputsParams(json=SCHEMA)
+
+    def end_text(parser, prompt: str) -> str | None:
+        gated = constrain_answer_only(so, ReasoningRequest(parser, prompt), tokenizer)
+        ids = gated.reasoning_end_token_ids
+        return None if ids is None else tokenizer.decode(list(ids), skip_special_tokens=False)
+    assert end_text(DeepSeekR1Parser(), "") == "</think>"
+    assert end_text(Qwen3Parser(), "<|im_start|>assistant\n") == "</think>"
+    assert end_text(Qwen3Parser(), "assistant\n<think>\n\n</think>\n\n") is None  # enable_thinking off
+    assert end_text(GptOssParser(), "") == "<|channel|>final<|message|>"
+    assert constrain_answer_only(so, None, tokenizer) is so
+    assert constrain_answer_only(None, ReasoningRequest(Qwen3Parser(), ""), tokenizer) is None

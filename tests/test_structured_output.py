@@ -138,9 +138,17 @@ def test_regex_choice_and_grammar_constrain_the_demo_model(llm):
         assert out.outputs[0].finish_reason == "stop"
 
 
-def test_free_rows_of_a_mixed_batch_sample_what_they_sample_alone(llm):
-    free = SamplingParams(max_tokens=12, temperature=0.0)
-    alone = llm.generate(PROMPTS[:3], free, use_tqdm=False)
+FREE = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Three prompts' free greedy outputs (two tests compare with them)."""
+    return llm.generate(PROMPTS[:3], FREE, use_tqdm=False)
+
+
+def test_free_rows_of_a_mixed_batch_sample_what_they_sample_alone(llm, alone):
+    free = FREE
     mixed = llm.generate(PROMPTS[:3] + PROMPTS[3:], [free] * 3 + [so(json=RECORD)] * 3, use_tqdm=False)
     for a, m in zip(alone, mixed[:3]):
         assert a.outputs[0].token_ids == m.outputs[0].token_ids
@@ -154,7 +162,32 @@ def test_free_rows_of_a_mixed_batch_sample_what_they_sample_alone(llm):
         validate(json.loads(c.text), DIGITS)
 
 
+def test_grammar_starts_after_the_reasoning_end_marker(llm, alone):
+    """The thinking is what the model samples unconstrained, up to and with the first occurrence
+    of the end marker; the answer after it matches the schema. The marker here is two tokens the
+    demo model emits greedily anyway (random weights never write `</think>`). The shapes are the
+    mixed-batch test's: nothing new to compile."""
+    free_ids = [o.outputs[0].token_ids for o in alone]
+    # the first output with a token pair at 2 or later that does not occur before it: the marker
+    k, at = next((k, i) for k, free in enumerate(free_ids) for i in range(2, len(free) - 1)
+                 if all(free[j:j + 2] != free[i:i + 2] for j in range(i)))
+    free, thinking = free_ids[k], at + 2
+    gated = so(json=DIGITS, max_tokens=24, reasoning_end_token_ids=tuple(free[at:thinking]))
+    # a marker the output never writes leaves the whole output unconstrained
+    never = so(json=DIGITS, max_tokens=12, reasoning_end_token_ids=(free[0],) * 13)
+    outs = [o.outputs[0] for o in llm.generate(
+        PROMPTS[:3], [gated if r == k else never for r in range(3)], use_tqdm=False)]
+    out = outs[k]
+    assert list(out.token_ids[:thinking]) == list(free[:thinking])
+    assert out.finish_reason == "stop"
+    validate(json.loads(llm.engine.tokenizer.decode(out.token_ids[thinking:])), DIGITS)
+    for r in set(range(3)) - {k}:
+        assert list(outs[r].token_ids) == list(free_ids[r])
+
+
 @pytest.mark.parametrize("params,message", [
+    (StructuredOutputsParams(json={}, reasoning_end_token_ids=()), "reasoning_end_token_ids"),
+    (StructuredOutputsParams(json={}, reasoning_end_token_ids=(10**9,)), "reasoning_end_token_ids"),
     (StructuredOutputsParams(regex="a("), "unclosed group"),
     (StructuredOutputsParams(json='{"type": "objec'), "not valid JSON"),
     (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}),

@@ -80,6 +80,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
         warm-up compiles first), `grammars` (one compiled-grammar cache for all its engines) and
         `outputs_cls` (the prefill engine's hand-off output processor)."""
         self.cfg, self.tokenizer, self.args = cfg, tokenizer, args
+        if role and cfg.mla:  # disagg/transfer.py stacks K and V blocks: equal widths only
+            raise ConfigError(f"disaggregated prefill/decode does not carry an MLA latent cache "
+                              f"({cfg.architecture}) yet")
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -247,7 +250,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, EngineClient):
         n = len(prompt_ids)
         self._check_context(n, params)
         seed = params.seed % (1 << 32) if params.seed is not None else self._rng.getrandbits(32)
-        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
+        so = params.structured_outputs
+        grammar = so and self.grammars.compile(so).after_reasoning(so.reasoning_end_token_ids)
         req = Request(request_id, prompt_ids, params, seed, self.eos_token_ids, priority, arrival_time,
                       grammar, weight_version=self.weight_version,
                       final_output_only=final_output_only)

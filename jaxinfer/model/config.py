@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model import families
+from jaxinfer.model.deepseek import MLAConfig
 from jaxinfer.model.families import required
 from jaxinfer.model.quant_scheme import checkpoint_quantization
 from jaxinfer.model.rope import RopeConfig, parse_rope
@@ -77,6 +78,17 @@ class ModelConfig:
     topk_then_softmax: bool = False
     expert_bias: bool = False
     swiglu_clamp: tuple[float, float] | None = None  # (alpha, limit)
+    # DeepSeek (deepseek.py): multi-head latent attention; always-on shared experts (one MLP of
+    # n_shared_experts x moe_intermediate_size); router scores softmax or sigmoid (+ a learned
+    # correction bias for the choice only), top-k within the topk_group best of n_group expert
+    # groups, weights times routed_scaling_factor.
+    mla: MLAConfig | None = None
+    n_shared_experts: int = 0
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False
     # Kernel dispatch, from the engine's --moe-impl / --quant-impl ("auto": chosen per call shape
     # and device): `moe_experts`' implementation (pallas_kernels/moe/grouped_matmul.py) and
     # `quantized_matmul`'s (model/quant/ops.py). Part of the config, so of every compile cache key.
@@ -103,6 +115,16 @@ class ModelConfig:
         return self.local_rope if self.local_rope and self.layer_window(layer) else self.rope
 
     @property
+    def rope_head_dim(self) -> int:
+        """Width the rotary embedding turns: MLA's decoupled rope dims, else the head."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_widths(self) -> tuple[int, int]:
+        """Widths of one cached (K, V) head: MLA caches the latent alone (the V array is empty)."""
+        return (self.head_dim, 0) if self.mla else (self.head_dim, self.head_dim)
+
+    @property
     def score_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
@@ -110,6 +132,8 @@ class ModelConfig:
         """Parameter count (embeddings counted once when tied)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.mla:
+            attn = _mla_params(self.mla, h, self.num_heads)
         attn += (d * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
         attn += 2 * d if self.qk_norm else 0
         attn += self.num_heads if self.attn_sinks else 0
@@ -117,14 +141,24 @@ class ModelConfig:
         for layer in range(self.num_layers):
             if self.layer_is_moe(layer):
                 f = self.moe_intermediate_size
-                mlp = self.num_experts * (3 * h * f + h)
+                mlp = self.num_experts * 3 * h * f
                 mlp += self.num_experts if self.router_bias else 0
                 mlp += self.num_experts * (2 * f + h) if self.expert_bias else 0
+                mlp += 3 * h * f * self.n_shared_experts + self.num_experts * (
+                    h + int(self.score_correction_bias))
             else:
                 mlp = 3 * h * self.intermediate_size
             total += attn + mlp + (4 if self.sandwich_norms else 2) * h
         emb = self.vocab_size * h
         return total + h + emb * (1 if self.tie_word_embeddings else 2)
+
+
+def _mla_params(m: MLAConfig, h: int, heads: int) -> int:
+    q = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+         if m.q_lora_rank else h * heads * m.qk_head_dim)
+    kv = h * m.latent_width + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim
+                                                                         + m.v_head_dim)
+    return q + kv + heads * m.v_head_dim * h
 
 
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -197,4 +231,4 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 def rope_inv_freq(cfg: ModelConfig, rope: RopeConfig | None = None) -> list[float]:
     """Inverse frequencies of `rope` (default: the model's global rope) for the model's heads."""
-    return _inv_freq(rope or cfg.rope, cfg.head_dim)
+    return _inv_freq(rope or cfg.rope, cfg.rope_head_dim)

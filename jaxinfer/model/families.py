@@ -11,6 +11,7 @@ import logging
 from typing import Any, Callable
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.model import deepseek
 from jaxinfer.model.rope import parse_rope
 
 log = logging.getLogger(__name__)
@@ -218,4 +219,6 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(_gemma3, _gemma_defaults(GEMMA3_DEFAULTS)),
     "Gemma3ForConditionalGeneration": Family(_gemma3, _gemma3_multimodal),
     "GptOssForCausalLM": Family(_gpt_oss, _gpt_oss_normalize),
+    "DeepseekV2ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v2),
+    "DeepseekV3ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v3),
 }

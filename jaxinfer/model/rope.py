@@ -59,18 +59,23 @@ def parse_rope(raw: dict[str, Any], params: dict[str, Any] | None = None,
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=original)
-    for field in ("mscale", "mscale_all_dim"):
-        if params.get(field):
-            raise ConfigError(f"config.json: rope_scaling.{field} (yarn) is not supported")
     attention = params.get("attention_factor")
-    if attention is None:  # the paper's suggestion, as HF computes it
-        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    if attention is None:  # the paper's suggestion, as HF computes it (DeepSeek: a ratio)
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and all_dim:
+            attention = _mscale(factor, float(mscale)) / _mscale(factor, float(all_dim))
+        else:
+            attention = _mscale(factor)
     return RopeConfig(theta=theta, rope_type="yarn", factor=factor,
                       original_max_position_embeddings=original,
                       beta_fast=float(params.get("beta_fast") or 32.0),
                       beta_slow=float(params.get("beta_slow") or 1.0),
                       truncate=bool(params.get("truncate", True)),
                       attention_factor=float(attention))
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _yarn(r: RopeConfig, inv: list[float], d: int) -> list[float]:

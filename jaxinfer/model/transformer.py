@@ -11,79 +11,33 @@ Shapes: T tokens of a flat (ragged) batch; H hidden; Hq / Hkv heads; D head_dim;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model.config import ModelConfig, RopeConfig, rope_inv_freq
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.lora.delta import apply_lora, group_slots
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.model.experts import expert_dispatch
+from jaxinfer.model.mla import MLAttention
+from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
+from jaxinfer.model.routing import route
 from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.attention.reference import causal_attention_reference
 from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
-from pallas_kernels.norm.reference import add_rms_norm_reference
 
 # Per layer (k_cache, v_cache) in the head-major paged layout [num_kv_heads, num_blocks, block_size,
 # head_dim]; a tuple so it is a pytree that jit can donate. Allocated by the worker.
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 Params = dict
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm of x; with `residual`, of x + residual, returning (x + residual, the norm) through
-    `add_norm` (a backend's one-kernel add + norm, else the jnp reference). `offset` (Gemma): the
-    stored weight w scales by (1 + w), in float32 before the cast back, as HF's Gemma norms do."""
-    eps: float
-    dtype: jnp.dtype
-    add_norm: Callable | None = None
-    offset: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        init = nn.initializers.zeros if self.offset else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
-        if residual is not None and not self.offset:
-            return (self.add_norm or add_rms_norm_reference)(x, residual, weight, eps=self.eps)
-        if residual is not None:
-            x = x + residual
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            y = (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-        else:
-            y = weight.astype(x.dtype) * xf.astype(x.dtype)
-        return y if residual is None else (x, y)
-
-
-def rope_tables(cfg: ModelConfig, positions: jax.Array,
-                rope: RopeConfig | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [..., D/2] in float32 for the given positions (of the model's rope, or `rope`);
-    YaRN's attention factor multiplies both, as HF applies it."""
-    rope = rope or cfg.rope
-    inv_freq = jnp.asarray(rope_inv_freq(cfg, rope), jnp.float32)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if rope.attention_factor != 1.0:
-        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
-    return cos, sin
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF's non-interleaved layout). x: [..., heads, D]; cos/sin: [..., D/2]."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[..., None, :], sin[..., None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 class Attention(nn.Module):
@@ -167,7 +121,7 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        e, k, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+        e, h = cfg.num_experts, cfg.hidden_size
         lead = x.shape[:-1]
         x = x.reshape(-1, h)
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
@@ -177,13 +131,9 @@ class MoE(nn.Module):
         if cfg.router_bias:
             logits = logits + self.param("router_bias", nn.initializers.zeros, (e,),
                                          self.dtype).astype(jnp.float32)
-        if cfg.topk_then_softmax:
-            top, experts = jax.lax.top_k(logits, k)  # [T, k]
-            weights = jax.nn.softmax(top, axis=-1)
-        else:
-            weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-            if cfg.norm_topk_prob:
-                weights = weights / weights.sum(-1, keepdims=True)
+        score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), self.dtype)
+                      if cfg.score_correction_bias else None)
+        weights, experts = route(cfg, logits, score_bias)  # [T, k]
         extra = {}
         if cfg.expert_bias:
             f = cfg.moe_intermediate_size
@@ -198,6 +148,10 @@ class MoE(nn.Module):
         if cfg.expert_bias:
             down = jnp.einsum("tkh,tk->th", b_down[experts].astype(jnp.float32), weights)
             out = (out.astype(jnp.float32) + down).astype(x.dtype)
+        if cfg.n_shared_experts:  # DeepSeek: one always-on MLP beside the routed experts
+            shared = dataclasses.replace(
+                cfg, intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size)
+            out = out + MLP(shared, self.dtype, name="shared_experts")(x)
         return out.reshape(*lead, h)
 
 
@@ -221,8 +175,9 @@ class DecoderLayer(nn.Module):
             h = norm(name="input_norm")(x)
         else:
             x, h = norm(name="input_norm")(x, delta)
-        attn_out, new_kv = Attention(cfg, self.backend, self.dtype, self.window, name="attn")(
-            h, cos, sin, kv, md, lora_slot)
+        attention = (MLAttention(cfg, self.backend, self.dtype, name="attn") if cfg.mla
+                     else Attention(cfg, self.backend, self.dtype, self.window, name="attn"))
+        attn_out, new_kv = attention(h, cos, sin, kv, md, lora_slot)
         if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
             attn_out = norm(name="post_attn_norm")(attn_out)
             x, h = norm(name="pre_ff_norm")(x, attn_out)

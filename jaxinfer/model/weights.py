@@ -48,8 +48,13 @@ GPT_OSS = "GptOssForCausalLM"
 # Gemma3ForConditionalGeneration: the language model's prefixes, and the tensors not loaded.
 _MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                         ("language_model.lm_head.", "lm_head."))
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _VISION = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..*")
 _MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+# MoE params stored under their own names (the expert stacks are gathered by pattern).
+_MOE_NAMED = ("router", "router_bias", "score_bias", "shared_experts")
+_NOT_WRITTEN = (GPT_OSS, "Gemma3ForConditionalGeneration", "DeepseekV2ForCausalLM",
+                "DeepseekV3ForCausalLM")
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -104,6 +109,11 @@ def hf_name(key: tuple[str, ...], cfg: ModelConfig) -> str:
         return f"{_moe_prefix(cfg, layer)}.{router}.weight"
     if key[1:] == ("moe", "router_bias"):
         return _moe_prefix(cfg, layer) + ".router.bias"
+    if key[1:] == ("moe", "score_bias"):  # DeepSeek-V3
+        return _moe_prefix(cfg, layer) + ".gate.e_score_correction_bias"
+    if key[1:3] == ("moe", "shared_experts"):  # DeepSeek
+        return ".".join([_moe_prefix(cfg, layer), "shared_experts",
+                         *(_HF_MODULE.get(k, k) for k in key[3:])])
     return ".".join([f"model.layers.{layer}", *(_HF_MODULE.get(k, k) for k in key[1:])])
 
 
@@ -146,13 +156,15 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
              source: Path) -> dict[tuple[str, ...], Source]:
     """Map every checkpoint tensor to the param it fills (headers only; nothing is read yet)."""
     by_name = {_canonical(hf_name(k, cfg)): k for k in expected
-               if not (k[1:2] == ("moe",) and k[2] not in ("router", "router_bias"))}
+               if not (k[1:2] == ("moe",) and k[2] not in _MOE_NAMED)}
     sources: dict[tuple[str, ...], Source] = {}
     experts: dict[tuple[str, ...], dict[int, str]] = {}
     multimodal = cfg.architecture == "Gemma3ForConditionalGeneration"
     for name in ckpt.names():
         if IGNORED.fullmatch(name) or (multimodal and _VISION.fullmatch(name)):
             continue
+        if cfg.mla and (m := _LAYER.match(name)) and int(m[1]) >= cfg.num_layers:
+            continue  # DeepSeek-V3's multi-token-prediction layer (not loaded: docs/MLA.md)
         if cfg.architecture == GPT_OSS and (m := GPT_OSS_EXPERTS.fullmatch(name)):
             sources.update(_gpt_oss_experts(ckpt, name, m))
             continue
@@ -265,7 +277,7 @@ def _hf_items(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarra
 def save_safetensors(params: Params, cfg: ModelConfig, out_dir: str | Path,
                      filename: str = "model.safetensors") -> Path:
     """Write params under HF tensor names (the hub's per-expert layout for MoE)."""
-    if cfg.architecture in (GPT_OSS, "Gemma3ForConditionalGeneration"):
+    if cfg.architecture in _NOT_WRITTEN:
         raise CheckpointError(f"writing {cfg.architecture} checkpoints is not supported")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,9 @@ class ShardedAttention:
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         specs = attention_specs(self.plan)
+        if v_cache.shape[-1] == 0:  # MLA's empty V cache: kept out of shard_map (XLA's CPU
+            # partitioner crashes on zero-size operands), nothing to write
+            return self._write_k(k_cache, k, slot_mapping, specs), v_cache
 
         def local(kc, vc, k, v, slots):
             if self.plan.kv_replicated:
@@ -56,6 +59,15 @@ class ShardedAttention:
         cache, new = specs["cache"], specs["kv_new"]
         return _shard_map(local, self.plan, (cache, cache, new, new, P()), (cache, cache))(
             k_cache, v_cache, k, v, slot_mapping)
+
+    def _write_k(self, k_cache, k, slot_mapping, specs):
+        def local(kc, k, slots):
+            if self.plan.kv_replicated:
+                k = self._own_kv_head(k)
+            return self.inner.write_kv(kc, kc[..., :0], k, k[..., :0], slots)[0]
+
+        return _shard_map(local, self.plan, (specs["cache"], specs["kv_new"], P()),
+                          specs["cache"])(k_cache, k, slot_mapping)
 
     def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None,
                  window: int | None = None, sinks: jax.Array | None = None):

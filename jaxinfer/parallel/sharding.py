@@ -35,7 +35,8 @@ from jaxinfer.model.config import ModelConfig
 DP, TP = "dp", "tp"
 
 # Param-path leaf owner -> how its kernel [in, out] is split over tp ("col": out, "row": in).
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+           "q_b_proj", "kv_b_proj")  # MLA's per-head up-projections (out = heads x dims)
 _ROW = ("o_proj", "down_proj")
 # How MoE experts split over tp: "ep" whole experts per device, "tp" every expert's intermediate
 # size (jaxinfer/parallel/experts.py).

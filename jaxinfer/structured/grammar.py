@@ -64,14 +64,53 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(bitmask.ctypes.data + row * row_bytes, row_bytes)
 
 
+class AfterReasoningMatcher:
+    """A matcher whose grammar starts after the reasoning: until the output has generated the
+    reasoning end marker (token ids), every token is allowed and none reaches the grammar; the
+    token after the marker is the grammar's first (vLLM's reasoning + structured outputs)."""
+
+    __slots__ = ("_grammar", "_end", "_tail", "started")
+
+    def __init__(self, grammar: GrammarMatcher, end_token_ids: tuple[int, ...]):
+        self._grammar = grammar
+        self._end = list(end_token_ids)
+        self._tail: list[int] = []  # the last len(end) tokens while reasoning
+        self.started = False
+
+    def accept(self, token: int) -> None:
+        if self.started:
+            self._grammar.accept(token)
+            return
+        self._tail = (self._tail + [token])[-len(self._end):]
+        self.started = self._tail == self._end
+
+    @property
+    def terminated(self) -> bool:
+        return self.started and self._grammar.terminated
+
+    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
+        if self.started:
+            self._grammar.fill_mask(bitmask, row)
+        else:
+            bitmask[row] = -1
+
+
 class CompiledGrammar:
-    """A grammar compiled against the engine's tokenizer; `new_matcher` is cheap (a copy)."""
+    """A grammar compiled against the engine's tokenizer; `new_matcher` is cheap (a copy). With
+    `reasoning_end` (token ids), each matcher starts after the output's reasoning."""
 
-    def __init__(self, template):
+    def __init__(self, template, reasoning_end: tuple[int, ...] | None = None):
         self._template = template
+        self.reasoning_end = reasoning_end
 
-    def new_matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+    def new_matcher(self) -> GrammarMatcher | AfterReasoningMatcher:
+        matcher = GrammarMatcher(self._template.deep_copy())
+        return matcher if self.reasoning_end is None else AfterReasoningMatcher(matcher, self.reasoning_end)
+
+    def after_reasoning(self, end_token_ids: tuple[int, ...] | None) -> "CompiledGrammar":
+        """This grammar, applied after the reasoning end marker `end_token_ids` (None: from the
+        first token)."""
+        return self if end_token_ids is None else CompiledGrammar(self._template, tuple(end_token_ids))
 
 
 class _DecodedTokens:

@@ -13,6 +13,7 @@ from jaxinfer.errors import InvalidRequestError
 # grammar is compiled on the host, so its size is bounded like every other size a client controls.
 MAX_CHOICES = 1024
 MAX_CONSTRAINT_CHARS = 1 << 20
+MAX_REASONING_END_TOKENS = 64  # the longest reasoning end marker, in tokens
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -25,6 +26,11 @@ class StructuredOutputsParams:
     grammar: str | None = None          # a Lark or GBNF (llama.cpp / vLLM EBNF) grammar
     json_object: bool | None = None     # any JSON object
     whitespace_pattern: str | None = None  # JSON: the regex of whitespace between tokens
+    # A reasoning model's output thinks first: the constraint applies to the answer only, from the
+    # token after the first occurrence of these token ids (the reasoning parser's end marker, e.g.
+    # `</think>`); before it sampling is unconstrained. None: the constraint applies from the first
+    # output token.
+    reasoning_end_token_ids: tuple[int, ...] | None = None
     # The request field it came from, for error messages ("response_format", "guided_json", ...).
     field: str = dataclasses.field(default="structured_outputs", compare=False)
 
@@ -66,6 +72,12 @@ class StructuredOutputsParams:
             bad = "json_object must be true or false"
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             bad = "whitespace_pattern must be a string"
+        end = self.reasoning_end_token_ids
+        if end is not None and not (
+                isinstance(end, tuple) and 1 <= len(end) <= MAX_REASONING_END_TOKENS
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in end)):
+            bad = (f"reasoning_end_token_ids must be a tuple of 1 to {MAX_REASONING_END_TOKENS} "
+                   "token ids")
         if bad:
             raise InvalidRequestError(f"{self.field}: {bad}", param=self.field)
 

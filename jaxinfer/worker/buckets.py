@@ -29,6 +29,12 @@ def _powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
     return out
 
 
+def pow2_rows(n: int, least: int) -> int:
+    """The padded size of a per-step array of n rows (prompt-logprob rows, pooled segments): a
+    power of two from `least`, so a few shapes compile."""
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     token_buckets: tuple[int, ...]

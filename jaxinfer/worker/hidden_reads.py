@@ -3,12 +3,15 @@
 
 An embedding request (`SamplingParams.pooling`: "last", "mean" or "cls") runs as a prompt-only
 request: its prefill steps run the forward variant that returns the final-normed hidden states,
-and `pool` reduces the request's rows of each step to one float32 vector per request on the
-device: every pooling method is a weighted sum of rows (last: the last prompt token's row, weight
-1; cls: the first's; mean: each row 1/L), so a prompt prefilled in several chunks adds its
-chunks' sums up on the host (`record`). Such a request takes no prefix-cache hit (every position
-is computed) and ends after its prefill (max_tokens 1): its KV blocks go back then. A recomputation
-after preemption starts again at position 0, which resets the sum.
+and `pool` reduces them to one float32 vector per request on the device. Every pooling method is a
+weighted sum over one contiguous run of the step's rows (last: the last prompt token's row, cls:
+the first's, weight 1; mean: the chunk's rows, weight 1/L), so the host describes each request by
+a segment (first row, row count, weight), not per token, and the device sums all segments at once
+as one [segments, T] 0/1 matrix times the hidden states (f32 accumulation). A prompt prefilled in
+several chunks adds its chunks' sums up on the host (`record`). Such a request takes no
+prefix-cache hit (every position is computed) and ends after its prefill (max_tokens 1): its KV
+blocks go back then. A recomputation after preemption starts again at position 0, which resets
+the sum.
 """
 
 from __future__ import annotations
@@ -19,30 +22,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.worker.buckets import pow2_rows
 from jaxinfer.worker.prompt_logprobs import PromptLogprobRows, gather_rows, prompt_logprobs_fn
 from jaxinfer.worker.prompt_logprobs import record as record_prompt_logprobs
 
-MIN_ROWS, MIN_SEGMENTS = 16, 4
+MIN_SEGMENTS = 4
 
 
 @dataclasses.dataclass
 class PoolingRows:
-    """The rows of one step that embedding requests pool (host data)."""
-    token_index: np.ndarray  # i32[P]: row in the step's flat token array; padding 0
-    weights: np.ndarray      # f32[P]: the row's weight in its request's sum; padding 0
-    segment: np.ndarray      # i32[P]: which owner the row adds to
+    """One segment per embedding request of the step (host data), padded with empty segments."""
+    start: np.ndarray   # i32[P]: the segment's first row in the step's flat token array
+    count: np.ndarray   # i32[P]: its rows (0: this chunk holds none of them; padding)
+    weight: np.ndarray  # f32[P]: each row's weight in the request's sum
     owners: list[tuple[object, bool]]  # (request, this step starts at its position 0)
 
 
-def _pow2(n: int, least: int) -> int:
-    return max(least, 1 << (max(n, 1) - 1).bit_length())
-
-
 def gather_pooling_rows(rows) -> PoolingRows | None:
-    """From a step's scheduled sequences in flat token order, the rows embedding requests pool."""
-    index: list[int] = []
-    weights: list[float] = []
-    segment: list[int] = []
+    """From a step's scheduled sequences in flat token order, the segments embedding requests pool."""
+    segments: list[tuple[int, int, float]] = []
     owners: list[tuple[object, bool]] = []
     offset = 0
     for entry in rows:
@@ -52,35 +50,33 @@ def gather_pooling_rows(rows) -> PoolingRows | None:
             n = req.num_prompt_tokens
             end = min(entry.start + entry.num_tokens, n)
             if method == "mean":
-                positions, w = range(entry.start, end), 1.0 / n
+                segments.append((offset, max(end - entry.start, 0), 1.0 / n))
             else:
                 target = n - 1 if method == "last" else 0
-                positions, w = [target] if entry.start <= target < end else [], 1.0
-            for j in positions:
-                index.append(offset + j - entry.start)
-                weights.append(w)
-                segment.append(len(owners))
+                hit = entry.start <= target < end
+                segments.append((offset + target - entry.start if hit else offset, int(hit), 1.0))
             owners.append((req, entry.start == 0))
         offset += entry.num_tokens
     if not owners:
         return None
-    size = _pow2(len(index), MIN_ROWS)
-
-    def pad(values, dtype):
-        out = np.zeros(size, dtype)
-        out[:len(values)] = values
-        return out
-    return PoolingRows(pad(index, np.int32), pad(weights, np.float32), pad(segment, np.int32), owners)
-
-
-def pool(hidden: jax.Array, token_index: jax.Array, weights: jax.Array, segment: jax.Array, *,
-         num_segments: int) -> jax.Array:
-    """hidden [T, H] -> f32[num_segments, H]: each segment's weighted sum of its rows."""
-    rows = hidden[token_index].astype(jnp.float32) * weights[:, None]
-    return jax.ops.segment_sum(rows, segment, num_segments=num_segments)
+    size = pow2_rows(len(owners), MIN_SEGMENTS)
+    start = np.zeros(size, np.int32)
+    count = np.zeros(size, np.int32)
+    weight = np.zeros(size, np.float32)
+    start[:len(segments)], count[:len(segments)], weight[:len(segments)] = zip(*segments)
+    return PoolingRows(start, count, weight, owners)
 
 
-_pool_fn = jax.jit(pool, static_argnames=("num_segments",))
+def pool(hidden: jax.Array, start: jax.Array, count: jax.Array, weight: jax.Array) -> jax.Array:
+    """hidden [T, H] -> f32[P, H]: segment p's rows start[p] .. start[p] + count[p], summed and
+    times weight[p]."""
+    t = jnp.arange(hidden.shape[0], dtype=jnp.int32)
+    member = (t >= start[:, None]) & (t < (start + count)[:, None])  # [P, T]
+    sums = jnp.dot(member.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    return sums * weight[:, None]
+
+
+_pool_fn = jax.jit(pool)
 
 
 @dataclasses.dataclass
@@ -102,8 +98,7 @@ def read_hidden(params, cfg, hidden: jax.Array, reads: HiddenReads) -> dict:
                                                 reads.prompt.targets)
     if reads.pooling is not None:
         p = reads.pooling
-        out["pooled"] = _pool_fn(hidden, p.token_index, p.weights, p.segment,
-                                 num_segments=_pow2(len(p.owners), MIN_SEGMENTS))
+        out["pooled"] = _pool_fn(hidden, p.start, p.count, p.weight)
     return out
 
 

@@ -28,6 +28,7 @@ from jaxinfer.core.outputs import TokenLogprob
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.transformer import lm_head
 from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.worker.buckets import pow2_rows
 
 # Rows whose [rows, vocab] logits exist at once on the device.
 ROW_CHUNK = 64
@@ -61,7 +62,7 @@ def gather_rows(rows) -> PromptLogprobRows | None:
         offset += entry.num_tokens
     if not owners:
         return None
-    size = max(MIN_ROWS, 1 << (len(owners) - 1).bit_length())
+    size = pow2_rows(len(owners), MIN_ROWS)
     token_index = np.zeros(size, np.int32)
     token_index[:len(index)] = index
     target_ids = np.zeros(size, np.int32)

@@ -33,7 +33,7 @@ from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, Buc
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks, kv_block_shapes
 from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache, forward
@@ -159,9 +159,9 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
                              max_model_len, FULL_SAMPLER)
     heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
-    one_block = jax.ShapeDtypeStruct((heads, 1, block_size, cfg.head_dim), kv_dtype,
-                                     sharding=plan and plan.kv_cache)
-    kv = tuple((one_block, one_block) for _ in range(cfg.num_layers))
+    one_block = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
+                      for shape in kv_block_shapes(cfg, heads, 1, block_size))
+    kv = tuple(one_block for _ in range(cfg.num_layers))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
     backend = shard_backend(backend, plan)
     key = cache and step_key("activation bytes", (cfg, backend, block_size),

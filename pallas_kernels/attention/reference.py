@@ -34,11 +34,12 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 def scatter_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
                slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`write_kv` for any T: one XLA scatter per cache."""
-    hkv, nb, bs, d = k_cache.shape
+    hkv, nb, bs, _ = k_cache.shape
     num_slots = nb * bs
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
 
-    def put(cache, new):
+    def put(cache, new):  # K and V may differ in width (MLA's V cache is empty)
+        d = cache.shape[-1]
         flat = cache.reshape(hkv, num_slots, d)
         flat = flat.at[:, slots].set(new.astype(cache.dtype).swapaxes(0, 1), mode="drop")
         return flat.reshape(hkv, nb, bs, d)

@@ -34,6 +34,11 @@ class ReasoningParser:
     def start_state(self, prompt_text: str) -> str:
         raise NotImplementedError
 
+    def answer_marker(self, prompt_text: str) -> str | None:
+        """The text whose tokens end the reasoning (a structured-output grammar starts after them),
+        or None when the output starts with the answer."""
+        raise NotImplementedError
+
     def stream(self, prompt_text: str = "") -> MarkerSplitter:
         return MarkerSplitter(self.states(), self.start_state(prompt_text))
 
@@ -60,6 +65,9 @@ class DeepSeekR1Parser(ReasoningParser):
     def start_state(self, prompt_text: str) -> str:
         return "start"
 
+    def answer_marker(self, prompt_text: str) -> str | None:
+        return END_THINK
+
 
 class Qwen3Parser(ReasoningParser):
     name = "qwen3"
@@ -72,9 +80,14 @@ class Qwen3Parser(ReasoningParser):
         opened = prompt_text.rfind(THINK)
         return "think" if opened >= 0 and prompt_text.rfind(END_THINK) < opened else "start"
 
+    def answer_marker(self, prompt_text: str) -> str | None:
+        # enable_thinking=false: the template closed an empty think block at the prompt's end.
+        return None if prompt_text.rstrip().endswith(END_THINK) else END_THINK
+
 
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+FINAL_CHANNEL = CHANNEL + "final" + MESSAGE  # the answer's channel opens (vLLM's end of reasoning)
 
 
 def _harmony_channel(header: str) -> str:
@@ -98,6 +111,9 @@ class GptOssParser(ReasoningParser):
 
     def start_state(self, prompt_text: str) -> str:
         return "start"
+
+    def answer_marker(self, prompt_text: str) -> str | None:
+        return FINAL_CHANNEL
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -8,6 +8,7 @@ import dataclasses
 
 from aiohttp import web
 
+from jaxinfer.structured.params import StructuredOutputsParams
 from serve.errors import bad_request
 from serve.reasoning.parsers import REASONING_PARSERS, ReasoningParser
 from serve.reasoning.splitter import MarkerSplitter
@@ -55,17 +56,9 @@ class ReasoningStream:
         return (reasoning if self._include else ""), content
 
 
-def thinking_disabled(body: dict) -> bool:
-    kwargs = body.get("chat_template_kwargs")
-    return isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False
-
-
-def reasoning_request(body: dict, parser: ReasoningParser | None, prompt_text: str,
-                      structured_field: str | None) -> ReasoningRequest | None:
-    """The request's reasoning split, or None without a parser. A structured-output constraint
-    would apply from the first token, so it would constrain the thinking too (vLLM starts it after
-    the end of reasoning; this server cannot start a grammar late yet): refused unless the template
-    turns thinking off."""
+def reasoning_request(body: dict, parser: ReasoningParser | None,
+                      prompt_text: str) -> ReasoningRequest | None:
+    """The request's reasoning split, or None without a parser."""
     if parser is None:
         return None
     include = body.get("include_reasoning", True)
@@ -73,8 +66,18 @@ def reasoning_request(body: dict, parser: ReasoningParser | None, prompt_text: s
         include = True
     if not isinstance(include, bool):
         raise bad_request(f"include_reasoning={include!r}: must be true or false", "include_reasoning")
-    if structured_field is not None and not thinking_disabled(body):
-        raise bad_request(f"{structured_field}: structured output with --reasoning-parser would constrain "
-                          "the reasoning too; send chat_template_kwargs {\"enable_thinking\": false} or "
-                          "drop the constraint", structured_field)
     return ReasoningRequest(parser, prompt_text, include)
+
+
+def constrain_answer_only(structured: StructuredOutputsParams | None, reasoning: ReasoningRequest | None,
+                          tokenizer) -> StructuredOutputsParams | None:
+    """A structured-output constraint of a reasoning request applies to the answer, not the
+    thinking (as in vLLM): the engine starts the grammar after the parser's end-of-reasoning
+    marker, which travels with the request as token ids."""
+    if structured is None or reasoning is None:
+        return structured
+    marker = reasoning.parser.answer_marker(reasoning.prompt_text)
+    if marker is None:
+        return structured
+    end = tuple(tokenizer.encode(marker, add_special_tokens=False))
+    return dataclasses.replace(structured, reasoning_end_token_ids=end)

@@ -69,8 +69,10 @@ def projection_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
 
 
 def layer_projections(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
-    """The projections of `layer` an adapter may target (a MoE layer's experts are not)."""
-    return ATTN_PROJS if cfg.layer_is_moe(layer) else PROJS
+    """The projections of `layer` an adapter may target (a MoE layer's experts are not, nor MLA's
+    latent projections: model/mla.py)."""
+    attn = () if cfg.mla else ATTN_PROJS
+    return attn if cfg.layer_is_moe(layer) else attn + MLP_PROJS
 
 
 def _read_config(path: Path) -> dict:

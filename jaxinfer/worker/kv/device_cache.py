@@ -17,9 +17,17 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       sharding: jax.sharding.Sharding | None = None) -> KVCache:
     """Zeroed cache; under tensor parallelism `num_heads` and `sharding` come from the replica's
     ShardingPlan (stored_kv_heads, kv_cache), so each device allocates only its heads."""
-    shape = (num_heads or cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
-                 for _ in range(cfg.num_layers))
+    k_shape, v_shape = kv_block_shapes(cfg, num_heads or cfg.num_kv_heads, num_blocks, block_size)
+    return tuple((jnp.zeros(k_shape, dtype, device=sharding),
+                  jnp.zeros(v_shape, dtype, device=sharding)) for _ in range(cfg.num_layers))
+
+
+def kv_block_shapes(cfg: ModelConfig, heads: int, num_blocks: int,
+                    block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One layer's K and V cache shapes; an MLA model's V is empty (its K is the latent cache:
+    ModelConfig.kv_widths)."""
+    k_width, v_width = cfg.kv_widths
+    return ((heads, num_blocks, block_size, k_width), (heads, num_blocks, block_size, v_width))
 
 
 

@@ -130,6 +130,9 @@ def kv_cache_backend(backend, kv_dtype, cfg: ModelConfig, params=None, *, scales
             raise ConfigError(f"--kv-cache-scales {scales} needs an fp8 --kv-cache-dtype "
                               f"(the cache is {jnp.dtype(kv_dtype).name})")
         return backend
+    if cfg.mla:
+        raise ConfigError(f"--kv-cache-dtype {jnp.dtype(kv_dtype).name}: an fp8 latent cache "
+                          f"(MLA, {cfg.architecture}) is not supported; use bfloat16")
     if params is None:
         unit = (1.0,) * cfg.num_layers
         return FP8KVAttention(backend, unit, unit)

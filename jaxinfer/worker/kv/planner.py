@@ -37,9 +37,17 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+def latent_bytes_per_token(num_layers: int, latent_width: int, dtype_bytes: int) -> int:
+    """An MLA model's cache bytes per token: one latent entry (no separate V) per layer."""
+    return num_layers * latent_width * dtype_bytes
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: jnp.dtype) -> int:
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    if cfg.mla:
+        return block_size * latent_bytes_per_token(cfg.num_layers, cfg.head_dim, itemsize)
     return block_size * kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                           jnp.dtype(kv_dtype).itemsize)
+                                           itemsize)
 
 
 def tree_nbytes(tree: Any) -> int:

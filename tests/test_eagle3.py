@@ -86,7 +86,7 @@ def tiny_engine(proposer=None, **kwargs) -> LLMEngine:
 
 
 def test_sampled_outputs_follow_the_same_distribution():
-    """Temperature 1: the second generated token (the first a proposal can stand for) of 240
+    """Temperature 1: the second generated token (the first a proposal can stand for) of 160
     seeded requests, with a random head and without speculation: a two-sample chi-square over
     token classes finds no difference; some proposals are accepted, some rejected."""
     params = dict(temperature=1.0, max_tokens=3, ignore_eos=True)
@@ -96,7 +96,7 @@ def test_sampled_outputs_follow_the_same_distribution():
 
     def second_tokens(e):
         out = {}
-        for batch in range(0, 240, 8):  # no request waits: every step may speculate
+        for batch in range(0, 160, 8):  # no request waits: every step may speculate
             for i in range(batch, batch + 8):
                 e.add_request(f"s{i}", prompt, SamplingParams(seed=1000 + i, **params))
             out.update(run_all(e))
@@ -105,7 +105,7 @@ def test_sampled_outputs_follow_the_same_distribution():
     spec = tiny_engine(EagleProposer(cfg, hp))
     a, b = second_tokens(spec), second_tokens(tiny_engine())
     m = spec.spec.metrics
-    assert m.draft_tokens >= 200 and 0 < m.accepted < m.draft_tokens
+    assert m.draft_tokens >= 150 and 0 < m.accepted < m.draft_tokens
     classes = np.unique(np.concatenate([a, b]))
     counts = np.array([[np.sum(x == c) for c in classes] for x in (a, b)], float)
     keep = counts.sum(0) >= 10  # rare tokens pooled into one class

@@ -216,6 +216,8 @@ class Transformer(nn.Module):
             kv = None if kv_cache is None else new_cache[slot]
             backend = self.backend.for_layer(i)
             cos, sin = ropes[cfg.layer_rope(i)]
+            if self.is_mutable_collection("aux"):  # EAGLE-3's streams entering layers (forward_aux)
+                self.sow("aux", f"layer_{i}", x if delta is None else x + delta)
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
                                                   cfg.layer_window(i),
@@ -271,14 +273,39 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     slot (0: none)."""
     dtype = params["embed"]["embedding"].dtype
     model = Transformer(cfg, backend, dtype)
+    variables, lora_slot = _variables(params, cfg, lora_slot)
+    return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
+                       return_hidden, lora_slot)
+
+
+def _variables(params: Params, cfg: ModelConfig, lora_slot: jax.Array | None):
+    """The flax variables of `params` (LoRA stacks apart) and the slots as the LoRA impl takes
+    them."""
     variables = {"params": {k: v for k, v in params.items() if k != LORA}}
     if LORA in params:
         variables["lora"] = params[LORA]
         if lora_slot is not None and cfg.lora_impl == "pallas":
             num_slots = jax.tree.leaves(params[LORA])[0].shape[0]
             lora_slot = group_slots(lora_slot, num_slots)
-    return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
-                       return_hidden, lora_slot)
+    return variables, lora_slot
+
+
+def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+                kv_cache: KVCache | None, md: AttentionMetadata | None,
+                backend: AttentionBackend = REFERENCE, logits_indices: jax.Array | None = None,
+                lora_slot: jax.Array | None = None, *, layers: tuple[int, ...]):
+    """`forward` (kv_cache None: the dense causal path, token_ids [B, L]) that also returns the
+    residual streams entering `layers`, concatenated: [..., len(layers) * H] (an EAGLE-3 head's
+    input; the same pass, no second forward)."""
+    dtype = params["embed"]["embedding"].dtype
+    variables, lora_slot = _variables(params, cfg, lora_slot)
+    if kv_cache is None:
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1]), token_ids.shape)
+    (logits, kv), state = Transformer(cfg, backend, dtype).apply(
+        variables, token_ids, positions, kv_cache, md, logits_indices, False, lora_slot,
+        mutable=["aux"])
+    aux = jnp.concatenate([state["aux"][f"layer_{i}"][0] for i in layers], axis=-1)
+    return logits, kv, aux
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

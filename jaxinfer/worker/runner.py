@@ -155,7 +155,6 @@ class StepResult:
 
 class StepHandle:
     """A dispatched step; `result()` waits for its sampled tokens (device -> host)."""
-
     def __init__(self, sched: SchedulerOutput, out: SamplerOutput | None, num_steps,
                  dispatch_time: float, is_loop: bool, hidden_reads: HiddenReads | None = None,
                  hidden_out=None, launched: Future | None = None,
@@ -450,7 +449,10 @@ class ModelRunner:
         and the `hidden_reads` (prompt logprobs, pooling); all only dispatch. Updates the KV cache
         and the last-token array in place (donated). -> (SamplerOutput, hidden-read arrays or None)"""
         hidden_out = None
-        if hidden_reads is None:
+        writer = self.speculation and self.speculation.stream_writer  # an EAGLE-3 head's
+        if writer is not None and hidden_reads is None:
+            logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
+        elif hidden_reads is None:
             forward_step = self._forward_exe.get(forward_key(batch), self._forward_fn)
             logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
                                                  model_inputs(batch))

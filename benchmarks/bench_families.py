@@ -3,6 +3,8 @@ shapes through the engine, against the HBM rate measured in the same run.
 
     PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gemma3_27b --save --merge
     PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gptoss_20b --save --merge
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gemma3_27b --parts kv32k \
+        --save --merge                                           # only the 32k KV section
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_families   # CPU check
 
 (`--merge` keeps the record's other keys: the other model's, the decode-kernel section's from
@@ -24,11 +26,13 @@ Per model (`<m>` = gemma3_27b or gptoss_20b):
            the mean context (prompt + half the output), a windowed layer's over at most its
            window (the decode kernel never loads pages outside it);
   c64      64 requests at once, 512 / 256: `<m>_c64_out_tok_s`, with `prefix_hit_rate`;
-  32k      (Gemma only) one 32,768-token prompt prefilled: `gemma3_27b_32k_kv_gib`, the KV pool
-           bytes the sequence holds (blocks held x block bytes) once its first token is out,
-           beside `gemma3_27b_32k_kv_all_global_gib` (the same model with every layer global)
-           and their ratio. The KV manager allocates every layer's blocks for the whole context
-           (the window-aware allocator is not built: docs/kv_cache.md), so the ratio is 1.0.
+  32k      (Gemma only; `--parts kv32k` runs only this) one 32,768-token prompt, 3 output
+           tokens: `gemma3_27b_32k_kv_gib`, the KV pool bytes the sequence holds (blocks held x
+           block bytes) once it decodes (the hybrid allocator has freed the windowed layers'
+           blocks before their window), beside `gemma3_27b_32k_kv_all_global_gib` (the same model
+           with every layer global: --no-hybrid-kv-cache) and their ratio (goal <= 0.25);
+           `gemma3_27b_32k_kv_peak_gib`: the most it held during the prefill, whose 2,048-token
+           chunks each hold their own blocks until the next chunk starts.
 """
 
 from __future__ import annotations
@@ -120,15 +124,15 @@ def run_requests(engine, prompts: list[list[int]], out: int) -> dict:
     return {"start": start, "end": time.perf_counter(), "arrivals": arrivals}
 
 
-def child(model: str) -> None:
-    import jax.numpy as jnp
+def child(model: str, parts: str) -> None:
     import numpy as np
 
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
 
     w = workload()
-    rate = hbm_bytes_s()  # before the engine takes the memory its 8 GiB buffer needs
+    # before the engine takes the memory its 8 GiB buffer needs (the timed runs' roofline only)
+    rate = hbm_bytes_s() if parts == "all" else None
     config = {**MODELS[model], **(TINY_OVERRIDES if TINY else {})}
     work = Path(tempfile.mkdtemp(prefix="families-"))
     (work / "config.json").write_text(json.dumps(config))
@@ -145,6 +149,16 @@ def child(model: str) -> None:
     def prompts(n: int, length: int) -> list[list[int]]:
         return [rng.integers(3, cfg.vocab_size, length).tolist() for _ in range(n)]
 
+    if parts == "all":
+        timed_runs(engine, model, w, prompts, rate)
+    if long:
+        long_sequence_kv(engine, long, prompts(1, long)[0])
+    emit(machine=results_io.machine(), device_slug=results_io.device_slug())
+
+
+def timed_runs(engine, model: str, w: dict, prompts, rate: float) -> None:
+    """bs1 TPOT against its roofline, and c64 throughput (after their warm-up)."""
+    cfg = engine.cfg
     # Warm-up: the bs1 and c64 step shapes, with prompts the timed runs never see.
     t0 = time.perf_counter()
     run_requests(engine, prompts(1, w["prompt"]), 16)
@@ -170,26 +184,29 @@ def child(model: str) -> None:
             f"{model}_c64_prefix_hit_rate": round((stats.hits - h0) / max(stats.queries - q0, 1),
                                                   4)})
 
-    if long:
-        # Pool use of one long sequence: the blocks it holds once its first token is out.
-        from jaxinfer.worker.kv.planner import kv_bytes_per_block
-        from jaxinfer.sampling_params import SamplingParams
-        kv = engine.scheduler.kv
-        block = engine.args.block_size
-        block_bytes = kv_bytes_per_block(cfg, block, jnp.bfloat16)
-        used0 = kv.pool.num_used_blocks
-        engine.add_request("long", prompts(1, long)[0], SamplingParams(max_tokens=1,
-                                                                        ignore_eos=True))
-        held = 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            held = max(held, kv.pool.num_used_blocks - used0)
-        all_global = -(-long // block) * block * 2 * cfg.num_kv_heads * cfg.head_dim * 2 \
-            * cfg.num_layers
-        emit(gemma3_27b_32k_kv_gib=round(held * block_bytes / 2 ** 30, 3),
-             gemma3_27b_32k_kv_all_global_gib=round(all_global / 2 ** 30, 3),
-             gemma3_27b_32k_kv_over_all_global=round(held * block_bytes / all_global, 4))
-    emit(machine=results_io.machine(), device_slug=results_io.device_slug())
+
+def long_sequence_kv(engine, long: int, prompt: list[int]) -> None:
+    """Pool use of one long sequence: the blocks it holds once it decodes, and at most."""
+    import jax.numpy as jnp
+
+    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.worker.kv.planner import kv_bytes_per_block
+    cfg, kv, block = engine.cfg, engine.scheduler.kv, engine.args.block_size
+    block_bytes = kv_bytes_per_block(cfg, block, jnp.bfloat16, kv.groups.num_slots)
+    used0 = kv.pool.num_used_blocks
+    engine.add_request("long", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    held = []  # after each step; the last step finishes the request and frees its blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+        held.append(kv.pool.num_used_blocks - used0)
+    decoding = held[-2]  # after the step of its second token, whose allocation freed blocks
+    all_global = -(-long // block) * block * 2 * cfg.num_kv_heads * cfg.head_dim * 2 \
+        * cfg.num_layers
+    emit(gemma3_27b_32k_kv_gib=round(decoding * block_bytes / 2 ** 30, 3),
+         gemma3_27b_32k_kv_all_global_gib=round(all_global / 2 ** 30, 3),
+         gemma3_27b_32k_kv_over_all_global=round(decoding * block_bytes / all_global, 4),
+         gemma3_27b_32k_kv_peak_gib=round(max(held) * block_bytes / 2 ** 30, 3),
+         gemma3_27b_kv_groups=kv.groups.num_groups)
 
 
 def main() -> None:
@@ -197,19 +214,21 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--child", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=460, help="per model process")
+    parser.add_argument("--parts", choices=["all", "kv32k"], default="all",
+                        help="kv32k: only Gemma's 32k-token KV pool section (no timed runs)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the saved record's other metrics (another model's, the decode "
                              "kernel section's) and config")
     results_io.add_save_arg(parser, "families_<gpu>")
     args = parser.parse_args()
     if args.child:
-        return child(args.child)
+        return child(args.child, args.parts)
     metrics: dict = {}
     for model in args.models.split(","):
         try:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_families", "--child",
-                                   model], capture_output=True, text=True, timeout=args.timeout_s,
-                                  cwd=Path(__file__).resolve().parent.parent)
+                                   model, "--parts", args.parts], capture_output=True, text=True,
+                                  timeout=args.timeout_s, cwd=Path(__file__).resolve().parent.parent)
             out, err, failed = proc.stdout, proc.stderr, proc.returncode != 0
         except subprocess.TimeoutExpired as e:  # keep what it measured before the limit
             out, err, failed = e.stdout or "", f"timed out after {args.timeout_s} s", True

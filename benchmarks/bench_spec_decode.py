@@ -10,6 +10,12 @@ are shared by engines of the same model, and every workload runs twice untimed f
 caching off, so the timed pass repeats its schedule and no compilation is timed):
   demo        the demo target alone and with the demo draft (--speculative-model), c = 1, greedy,
               prompts cut from checkpoints/heldout_sample.txt: TPOT of each, the acceptance rate;
+  eagle       the demo target alone and with its EAGLE-3 head (--demo-eagle, method eagle3,
+              --eagle-k proposals, default 5), c = 1: demo_c1_tpot_ms_eagle / _nospec,
+              demo_eagle_mean_accepted_len (tokens emitted per verifying row-step: 1 + accepted
+              proposals), the acceptance rate;
+  eagle_crossover  the same pair under the default policy (threshold 16, acceptance gate) at
+              c = 1, 4, 16, 64 (--eagle-crossover): TPOT and output throughput of each;
   ngram_edit  the demo target alone and with n-gram prompt lookup, c = 1, greedy, an editing
               workload: "rewrite this function" prompts that contain the code being rewritten;
   crossover   demo target alone and with the demo draft, the batch-size policy and the acceptance
@@ -42,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DEMO = ROOT / "checkpoints" / "demo-target"
 DEMO_DRAFT = ROOT / "checkpoints" / "demo-draft"
+DEMO_EAGLE = ROOT / "checkpoints" / "demo-eagle3"
 HELDOUT = ROOT / "checkpoints" / "heldout_sample.txt"
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -111,11 +118,13 @@ def measure(e, prompts, output_len: int, concurrency: int) -> dict:
     for _ in range(2):  # compiles every shape the workload uses
         timed_run(e, prompts, output_len, concurrency)
     spec = e.spec and e.spec.metrics
-    before = (spec.draft_tokens, spec.accepted) if spec else (0, 0)
+    before = (spec.draft_tokens, spec.accepted, spec.drafts) if spec else (0, 0, 0)
     out = timed_run(e, prompts, output_len, concurrency)
     if spec:
         drafted, accepted = spec.draft_tokens - before[0], spec.accepted - before[1]
         out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
+        steps = spec.drafts - before[2]  # row-steps that verified proposals
+        out["mean_accepted_len"] = round(1 + accepted / steps, 3) if steps else 1.0
     return out
 
 
@@ -154,6 +163,35 @@ def section_demo(a, m: dict) -> None:
     m["demo_c1_tpot_ms_draft"] = compare_c1(a, m, "demo", demo_prompts(a.num_prompts),
                                             speculative_model=str(a.demo_draft),
                                             num_speculative_tokens=a.k)
+
+
+def eagle_flags(a) -> dict:
+    return dict(speculative_config=json.dumps({"method": "eagle3", "model": str(a.demo_eagle),
+                                               "num_speculative_tokens": a.eagle_k}))
+
+
+def section_eagle(a, m: dict) -> None:
+    base, fast = with_and_without(a, demo_prompts(a.num_prompts), 1, **eagle_flags(a))
+    m.update({"demo_c1_tpot_ms_nospec": base["tpot_ms"], "demo_c1_tpot_ms_eagle": fast["tpot_ms"],
+              "demo_eagle_over_nospec_tpot": round(fast["tpot_ms"] / base["tpot_ms"], 3),
+              "demo_eagle_mean_accepted_len": fast["mean_accepted_len"],
+              "demo_eagle_acceptance_rate": fast["acceptance_rate"],
+              "demo_eagle_k": a.eagle_k, "demo_eagle_greedy_identical": identical(base, fast)})
+
+
+def section_eagle_crossover(a, m: dict) -> None:
+    ratio = {}
+    for c in a.eagle_crossover:
+        base, spec = with_and_without(a, demo_prompts(2 * c), c, **eagle_flags(a))
+        for key, run in (("nospec", base), ("eagle", spec)):
+            m[f"eagle_crossover_c{c}_tpot_ms_{key}"] = run["tpot_ms"]
+            m[f"eagle_crossover_c{c}_output_tok_s_{key}"] = run["output_tok_s"]
+        m[f"eagle_crossover_c{c}_mean_accepted_len"] = spec["mean_accepted_len"]
+        ratio[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
+        m["eagle_crossover_spec_over_nospec"] = dict(ratio)
+        print(f"eagle crossover c={c}: tpot {base['tpot_ms']} -> {spec['tpot_ms']} ms, "
+              f"throughput x{ratio[f'c{c}']}", flush=True)
+        a.checkpoint()
 
 
 def section_ngram_edit(a, m: dict) -> None:
@@ -221,7 +259,8 @@ def section_llama8b_nogate(a, m: dict) -> None:
     llama8b_runs(a, m, {"spec_nogate": dict(speculative_min_acceptance=0.0)})
 
 
-SECTIONS = {"demo": section_demo, "ngram_edit": section_ngram_edit, "crossover": section_crossover,
+SECTIONS = {"demo": section_demo, "eagle": section_eagle, "eagle_crossover": section_eagle_crossover,
+            "ngram_edit": section_ngram_edit, "crossover": section_crossover,
             "llama8b": section_llama8b, "llama8b_nogate": section_llama8b_nogate}
 
 
@@ -231,6 +270,11 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     p.add_argument("--demo-target", type=Path, default=DEMO, help="the demo target's directory")
     p.add_argument("--demo-draft", type=Path, default=DEMO_DRAFT, help="the demo draft's directory")
+    p.add_argument("--demo-eagle", type=Path, default=DEMO_EAGLE,
+                   help="the demo target's EAGLE-3 head (HF format)")
+    p.add_argument("--eagle-k", type=int, default=5, help="proposals per step of the eagle sections")
+    p.add_argument("--eagle-crossover", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 4, 16, 64])
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--crossover", type=lambda s: [int(x) for x in s.split(",")],
@@ -254,6 +298,8 @@ def main() -> None:
                             config=dict(k=a.k, output_len=a.output_len, num_prompts=a.num_prompts,
                                         crossover=a.crossover, demo_target=str(a.demo_target),
                                         demo_draft=str(a.demo_draft), sections=a.sections,
+                                        demo_eagle=str(a.demo_eagle), eagle_k=a.eagle_k,
+                                        eagle_crossover=a.eagle_crossover,
                                         backend=jax.devices()[0].platform, merged_from=merged),
                             metrics=metrics)
     a.checkpoint = checkpoint

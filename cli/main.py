@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup."""
+"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup, train-eagle."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
-from cli import serve as cli_serve, warmup as cli_warmup
+from cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 
@@ -19,7 +19,8 @@ jaxinfer: LLM inference in JAX with Pallas GPU kernels.
 Serve a model over an OpenAI-compatible HTTP API, generate text from the command line, run an
 OpenAI Batch file, convert
 Hugging Face checkpoints to orbax or quantize them, size the KV cache for a model and accelerator,
-or compile every step bucket into the cache before the first start (warmup)."""
+or compile every step bucket into the cache before the first start (warmup), or train an
+EAGLE-3 speculative-decoding head for a model (train-eagle)."""
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     cli_memory.add_parser(sub)
     cli_warmup.add_parser(sub)
+    cli_train_eagle.add_parser(sub)
     return parser
 
 

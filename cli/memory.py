@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token, latent_bytes_per_token
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
 
@@ -116,6 +117,16 @@ class ModelShape:
         return sum(min(seq_len, w or seq_len) for w in self.layer_windows) / (
             len(self.layer_windows) * seq_len)
 
+    def kv_pool_fraction(self, seq_len: int, block_size: int) -> float:
+        """The share of the all-global KV the block pool holds for one sequence of `seq_len`
+        tokens with the hybrid KV allocator (kv_groups.py: windowed layers keep their window's
+        blocks; every KV group pads to the same number of layers)."""
+        if not self.layer_windows:
+            return 1.0
+        groups = KVCacheGroups.from_layer_windows(self.layer_windows)
+        return groups.tokens_held(seq_len, block_size) * groups.num_slots / (
+            self.num_layers * seq_len)
+
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim,
@@ -192,7 +203,9 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
     per_token = shape.kv_bytes_per_token(kv_bytes)
     usable = int(gpu_memory_utilization * accelerator.memory_bytes) - shape.weight_bytes
     kv_room = max(usable, 0)
-    tokens_fit = kv_room // per_token
+    tokens_fit = kv_room // per_token  # all-global tokens (the pool's blocks)
+    pool_fraction = shape.kv_pool_fraction(seq_len, block_size)
+    pool_per_seq = round(per_token * seq_len * pool_fraction)
     report = {
         "model": dataclasses.asdict(shape),
         "kv_cache_dtype_bytes": kv_bytes,
@@ -201,18 +214,21 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
         "block_size": block_size,
         "seq_len": seq_len,
         "batch": batch,
-        "kv_bytes_per_sequence": per_token * seq_len,
-        "kv_bytes_per_batch": per_token * seq_len * batch,
-        # What a decode step reads per context token (less than the pool holds when layers have
-        # sliding windows: the pool keeps every layer's blocks, docs/kv_cache.md)
+        # What the pool holds per context token of a sequence at seq_len (less than the above
+        # when layers have sliding windows: the hybrid allocator frees blocks out of the window,
+        # docs/kv_cache.md); the per-sequence, per-batch and fit figures use it.
+        "kv_pool_bytes_per_token": round(per_token * pool_fraction),
+        "kv_bytes_per_sequence": pool_per_seq,
+        "kv_bytes_per_batch": pool_per_seq * batch,
+        # What a decode step reads per context token (windowed layers read at most their window)
         "kv_read_bytes_per_token": round(per_token * shape.kv_read_fraction(seq_len)),
         "accelerator": dataclasses.asdict(accelerator),
         "gpu_memory_utilization": gpu_memory_utilization,
         "kv_budget_bytes": usable,  # before activations, which only a compiled step can tell
         "tokens_fit": tokens_fit,
         "blocks_fit": kv_room // (per_token * block_size),
-        "sequences_fit": tokens_fit // seq_len,
-        "batch_fits": tokens_fit >= seq_len * batch,
+        "sequences_fit": kv_room // pool_per_seq,
+        "batch_fits": kv_room >= pool_per_seq * batch,
         # The host KV tier (--kv-offload --kv-host-gib): whole blocks of prefix it holds.
         "kv_host_gib": kv_host_gib,
         "host_tokens_fit": int(kv_host_gib * (1 << 30)) // (per_token * block_size) * block_size,
@@ -252,9 +268,10 @@ def format_report(r: dict) -> str:
          f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
          f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B"),
         f"KV per block:    {_fmt_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
-        *([f"KV read per context token at {r['seq_len']} tokens: {r['kv_read_bytes_per_token']} B "
-           f"(windowed layers read at most their window; the pool still holds every layer's "
-           f"blocks)"] if r["kv_read_bytes_per_token"] != r["kv_bytes_per_token"] else []),
+        *([f"KV held per context token at {r['seq_len']} tokens: {r['kv_pool_bytes_per_token']} "
+           f"B (windowed layers keep only their window's blocks); read per decode step: "
+           f"{r['kv_read_bytes_per_token']} B"]
+          if r["kv_read_bytes_per_token"] != r["kv_bytes_per_token"] else []),
         f"KV per sequence: {_fmt_bytes(r['kv_bytes_per_sequence'])} ({r['seq_len']} tokens)",
         f"KV per batch:    {_fmt_bytes(r['kv_bytes_per_batch'])} ({r['batch']} × {r['seq_len']} tokens)",
         f"accelerator {acc['name']}: {_fmt_bytes(acc['memory_bytes'])}; KV room "

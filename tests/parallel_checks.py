@@ -32,6 +32,7 @@ from prometheus_client import generate_latest  # noqa: E402
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.core.kv_cache import KVCacheGroups  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
 from lora_parallel_checks import lora_checks  # noqa: E402
@@ -39,7 +40,7 @@ from jaxinfer.model.transformer import forward, init_params, param_shapes  # noq
 from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.attention import shard_backend  # noqa: E402
 from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
-from jaxinfer.worker.runner import step_activation_bytes  # noqa: E402
+from jaxinfer.worker.activation_bytes import step_activation_bytes  # noqa: E402
 from pallas_kernels.attention.backend import REFERENCE  # noqa: E402
 from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 
@@ -64,18 +65,27 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
     returns the tokens and the prefill's last logits. Every call has the prefill's shapes (a decode
     is one token padded to the prompt's length), so each model and mesh compiles once."""
     backend = shard_backend(REFERENCE, plan)
+    # Windowed models in the KV manager's layout: a table per KV group, layers of different
+    # groups sharing cache arrays at disjoint blocks (jaxinfer/core/kv_cache/kv_groups.py).
+    groups = KVCacheGroups.for_model(cfg)
     cache = allocate_kv_cache(cfg, NUM_BLOCKS, BLOCK, jnp.float32, num_heads=plan.stored_kv_heads,
-                              sharding=plan.kv_cache)
+                              sharding=plan.kv_cache, num_slots=groups.num_slots)
     n, total = len(prompt), len(prompt) + steps
-    table = np.random.default_rng(n).permutation(NUM_BLOCKS)[:-(-total // BLOCK)]
-    slots = np.array([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(total)], np.int32)
-    tables = jnp.asarray(table[None], jnp.int32)
+    nb = -(-total // BLOCK)
+    table = np.random.default_rng(n).permutation(NUM_BLOCKS)[:groups.num_groups * nb]
+    table = table.reshape(groups.num_groups, nb)
+    slots = (table[:, np.arange(total) // BLOCK] * BLOCK + np.arange(total) % BLOCK).astype(np.int32)
+    tables = jnp.asarray(table[:, None], jnp.int32)
+    if groups.kv_layout is None:
+        slots, tables = slots[0], tables[0]
 
     def run(ids, first_pos, count):
         pad = n - count
-        md = AttentionMetadata(np.concatenate([slots[first_pos:first_pos + count], np.full(pad, -1)]),
+        md = AttentionMetadata(np.concatenate([slots[..., first_pos:first_pos + count],
+                                               np.full(slots.shape[:-1] + (pad,), -1)], axis=-1),
                                jnp.array([0, count], jnp.int32),
-                               jnp.array([first_pos + count], jnp.int32), tables)
+                               jnp.array([first_pos + count], jnp.int32), tables,
+                               kv_layout=groups.kv_layout)
         positions = np.concatenate([np.arange(first_pos, first_pos + count), np.zeros(pad, int)])
         return _step(params, cfg, jnp.asarray(np.concatenate([ids, np.zeros(pad, int)]), jnp.int32),
                      jnp.asarray(positions, jnp.int32), cache, md, backend,
@@ -168,8 +178,10 @@ def engine_checks(out: dict) -> None:
     golden = np.load(FIXTURES / "mixtral" / "golden.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)] + [golden["greedy_prompt"].tolist()]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    # No decode loop: its compile under TP is the costliest here, and tokens are the same with
+    # it (tests/test_decode_loop.py); sampler_layout_checks compiles it at TP = 2.
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64,
-              block_size=4, warmup=False, compilation_cache_dir=None)
+              block_size=4, warmup=False, compilation_cache_dir=None, decode_steps_per_call=1)
     for tp, dp in ((1, 1), (1, 2), (2, 2)):
         llm = LLM(str(FIXTURES / "mixtral"), tensor_parallel_size=tp, data_parallel_size=dp, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -230,8 +242,9 @@ async def _through_async_engine(engine, prompt, params) -> list[int]:
 
 def executable_cache_checks(out: dict) -> None:
     """DP = 2 x TP = 2 with warm-up and an executable cache, started twice: the second start loads
-    every step (replica 2's onto its own sub-mesh, devices 2-3) and decodes the same tokens. Last:
-    it turns jax's persistent cache on for the process."""
+    every step (replica 2's onto its own sub-mesh, devices 2-3) and decodes the same tokens. No
+    decode loop (its TP compile is the costliest step; the loop's own caching is
+    tests/test_executable_cache.py's). Last: it turns jax's persistent cache on for the process."""
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -239,9 +252,9 @@ def executable_cache_checks(out: dict) -> None:
         for start in ("cold", "warm"):
             llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, data_parallel_size=2,
                       dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64,
-                      block_size=4, compilation_cache_dir=cache_dir)
+                      block_size=4, compilation_cache_dir=cache_dir, decode_steps_per_call=1)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            for r in llm.engine.replicas:  # (the decode loops compile in the background)
+            for r in llm.engine.replicas:  # (buckets may compile in the background)
                 r.runner.compiler.wait()
             caches = [r.runner.executable_cache for r in llm.engine.replicas]
             out[f"exe_cache/{start}"] = {"tokens": [o.outputs[0].token_ids for o in outs],

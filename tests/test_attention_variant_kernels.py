@@ -23,6 +23,8 @@ from pallas_kernels.attention.paged_decode import (MosaicDecodeConfig, paged_dec
                                                    paged_decode_triton_configured)
 from pallas_kernels.common.testing import random_paged_batch
 
+import kernel_references
+
 KV_STEP = 64  # the prefill kernels' K/V step in these tests (Mosaic block_kv, Triton BLOCK_K)
 
 
@@ -58,7 +60,7 @@ def decode_case(seed, *, prefixes, window, hq=4, hkv=1, d=64, block_size=16, cac
 
 def decode_reference(q, clean, tables, lens, **variant):
     k, v = (c.astype(jnp.float32) for c in clean)
-    return reference.paged_decode_reference(q.astype(jnp.float32), k, v, tables, lens, **variant)
+    return kernel_references.paged_decode_reference(q.astype(jnp.float32), k, v, tables, lens, **variant)
 
 
 # Lengths: empty, shorter than the window, and several pages past it.
@@ -125,7 +127,7 @@ def test_prefill_window_sinks_softcap(kernel):
                                       config=KernelConfig(block_kv=KV_STEP, num_ctas=2))
     else:
         out = fp.flash_prefill_triton(q, *dirty, *rest, interpret=True, **variant)
-    assert_close(out, reference.ragged_prefill_reference(q, *clean, *rest, **variant), atol=2e-2)
+    assert_close(out, kernel_references.ragged_prefill_reference(q, *clean, *rest, **variant), atol=2e-2)
 
 
 def test_prefill_kernels_have_the_backend_signature():

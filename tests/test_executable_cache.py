@@ -157,7 +157,7 @@ def test_nothing_is_stored_while_jax_persistent_cache_is_on(tmp_path):
 
 def test_the_planners_activation_figure_is_cached(tmp_path):
     from jaxinfer.worker.executable_cache import ExecutableCache
-    from jaxinfer.worker.runner import step_activation_bytes
+    from jaxinfer.worker.activation_bytes import step_activation_bytes
     from pallas_kernels.attention.backend import get_backend
     from test_engine_features import counting_compilations
     cfg, params = tiny_model()

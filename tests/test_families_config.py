@@ -134,3 +134,14 @@ def test_memory_report_counts_windowed_reads():
     assert r["kv_bytes_per_token"] == 384 and r["kv_bytes_per_sequence"] == 384 * 16
     assert r["kv_read_bytes_per_token"] == 384 * (4 * 4 + 2 * 16) // (6 * 16)
     assert r["decode_roofline"]["bytes_per_step"] == 1000 + 2 * 16 * 192
+
+
+def test_memory_report_counts_the_hybrid_pool():
+    from cli.memory import ModelShape, memory_report, parse_accelerator
+    shape = ModelShape(6, 2, 8, 4, 1000, 500, "bfloat16", layer_windows=(4, 4, None, 4, 4, None))
+    r = memory_report(shape, kv_dtype="auto", seq_len=64, batch=2, block_size=4,
+                      accelerator=parse_accelerator("h200", None, None), gpu_memory_utilization=0.9)
+    # groups: the 2 global layers, the 4 windowed ones as 2 groups of 2 (2 cache arrays): 16
+    # blocks + 1 + 1 (the window's block) of 2 layers' pages, against 16 blocks of 6
+    assert r["kv_pool_bytes_per_token"] == 384 * (18 * 2) // (16 * 6)
+    assert r["kv_bytes_per_sequence"] == 384 * 64 * 36 // 96

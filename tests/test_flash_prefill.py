@@ -26,10 +26,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import flash_prefill as fp
-from pallas_kernels.attention import reference
 from pallas_kernels.attention.flash_config import TILE_Q, KernelConfig
 from pallas_kernels.attention.kv_quant import quantize
 from pallas_kernels.common.testing import random_paged_batch
+
+import kernel_references as reference
 
 
 def _paged_batch(rng, *, extra=0, **kwargs):

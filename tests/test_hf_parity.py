@@ -14,21 +14,11 @@ from jaxinfer.model.config import load_config
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
-from pallas_kernels.attention.backend import REFERENCE
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
 BLOCK = 4
-
-
-def _prefill_metadata(n: int, num_blocks: int) -> tuple[AttentionMetadata, np.ndarray]:
-    # A shuffled block table, so the test exercises real paging rather than contiguous slots.
-    table = np.random.default_rng(n).permutation(num_blocks)[: -(-n // BLOCK)]
-    slots = np.array([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)], np.int32)
-    md = AttentionMetadata(jnp.asarray(slots), jnp.array([0, n], jnp.int32), jnp.array([n], jnp.int32),
-                           jnp.asarray(table[None], jnp.int32))
-    return md, table
 
 
 def test_all_eleven_families_have_fixtures():
@@ -39,13 +29,16 @@ def test_all_eleven_families_have_fixtures():
                      "DeepseekV3ForCausalLM"}
 
 
-def _batch_metadata(lengths: list[int], num_blocks: int) -> AttentionMetadata:
-    """The prompts as one ragged prefill step, each sequence on its own shuffled blocks."""
+def _batch_metadata(lengths: list[int], num_blocks: int,
+                    capacity: list[int] | None = None) -> AttentionMetadata:
+    """The prompts as one ragged prefill step, each sequence on its own shuffled blocks (a real
+    paging, not contiguous slots), enough of them for `capacity` tokens (default: its length)."""
     perm = np.random.default_rng(len(lengths)).permutation(num_blocks)
     tables, slots, used = [], [], 0
-    width = max(-(-n // BLOCK) for n in lengths)
-    for n in lengths:
-        table = perm[used:used + -(-n // BLOCK)]
+    capacity = capacity or lengths
+    width = max(-(-c // BLOCK) for c in capacity)
+    for n, c in zip(lengths, capacity):
+        table = perm[used:used + -(-c // BLOCK)]
         used += len(table)
         slots += [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)]
         tables.append(np.pad(table, (0, width - len(table))))
@@ -60,30 +53,27 @@ def test_logits_and_greedy_match_transformers(family):
     params = load_params(FIXTURES / family, cfg, jnp.float32, progress=False)
     golden = np.load(FIXTURES / family / "golden.npz")
     step = jax.jit(forward, static_argnames=("cfg", "backend"))
-    # The three prompts in one step (one compile): each sequence attends only to its own blocks.
-    prompts = [golden[f"prompt_{i}"] for i in range(3)]
-    md = _batch_metadata([len(p) for p in prompts], 32)
+    # The three prompts and the greedy prompt in one prefill step (one compile): each sequence
+    # attends only to its own blocks; the greedy one's leave room for its continuation.
+    prompts = [golden[f"prompt_{i}"] for i in range(3)] + [golden["greedy_prompt"]]
+    expected = golden["greedy_tokens"]
+    lengths = [len(p) for p in prompts]
+    md = _batch_metadata(lengths, 32, capacity=lengths[:3] + [lengths[3] + len(expected)])
     positions = np.concatenate([np.arange(len(p)) for p in prompts])
-    logits, _ = step(params, cfg, jnp.asarray(np.concatenate(prompts)), jnp.asarray(positions),
-                     allocate_kv_cache(cfg, 32, BLOCK, jnp.float32), md)
-    for i, (start, p) in enumerate(zip(np.asarray(md.query_start_loc), prompts)):
-        np.testing.assert_allclose(np.asarray(logits[start:start + len(p)]),
+    logits, cache = step(params, cfg, jnp.asarray(np.concatenate(prompts)), jnp.asarray(positions),
+                         allocate_kv_cache(cfg, 32, BLOCK, jnp.float32), md)
+    starts = np.asarray(md.query_start_loc)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(logits[starts[i]:starts[i + 1]]),
                                    golden[f"logits_{i}"], atol=1e-4, rtol=0)
 
-    # Greedy: prefill the prompt, then decode one token at a time through the paged cache.
-    prompt, expected = golden["greedy_prompt"], golden["greedy_tokens"]
-    total = len(prompt) + len(expected)
-    md, table = _prefill_metadata(total, 16)
-    cache = allocate_kv_cache(cfg, 16, BLOCK, jnp.float32)
-    n = len(prompt)
-    pre = AttentionMetadata(md.slot_mapping[:n], jnp.array([0, n], jnp.int32), jnp.array([n], jnp.int32),
-                            md.block_tables)
-    logits, cache = step(params, cfg, jnp.asarray(prompt), jnp.arange(n), cache, pre, REFERENCE,
-                         jnp.array([n - 1]))
-    tokens = [int(jnp.argmax(logits[-1]))]
-    for pos in range(n, total - 1):
-        dec = AttentionMetadata(md.slot_mapping[pos:pos + 1], jnp.array([0, 1], jnp.int32),
-                                jnp.array([pos + 1], jnp.int32), md.block_tables, num_decodes=1)
+    # Greedy: from the prefilled prompt, decode one token at a time through the paged cache.
+    n, table = lengths[3], md.block_tables[3:]
+    tokens = [int(jnp.argmax(logits[starts[4] - 1]))]
+    for pos in range(n, n + len(expected) - 1):
+        slot = int(table[0, pos // BLOCK]) * BLOCK + pos % BLOCK
+        dec = AttentionMetadata(jnp.array([slot], jnp.int32), jnp.array([0, 1], jnp.int32),
+                                jnp.array([pos + 1], jnp.int32), table, num_decodes=1)
         logits, cache = step(params, cfg, jnp.array([tokens[-1]]), jnp.array([pos]), cache, dec)
         tokens.append(int(jnp.argmax(logits[0])))
     assert tokens == expected.tolist()

@@ -6,6 +6,8 @@ abort while a copy is in flight leaking nothing."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,10 @@ import pytest
 
 from jaxinfer.core.kv_cache import KVCacheManager
 from jaxinfer.core.kv_cache.host_tier import HostTier, block_digest, root_digest
+from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.core.kv_loads import KVTransfers
+from jaxinfer.engine.kv_tier import host_tier_for
+from jaxinfer.errors import ConfigError
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.worker.kv import copy_blocks
 from jaxinfer.worker.kv.host_store import HostKVStore
@@ -47,6 +52,19 @@ def test_host_lru_evicts_least_recently_used_and_never_a_pinned_slot():
     assert tier.stats.evicted_blocks == 1
     tier.clear()
     assert tier.num_used_slots == 0 and len(tier._free) == 3
+
+
+def test_offload_is_refused_for_windowed_groups_and_mla():
+    args = SimpleNamespace(kv_offload=True, kv_host_gib=1.0, block_size=BS)
+    windowed = KVCacheGroups.from_layer_windows([None, 8])
+    gemma = SimpleNamespace(architecture="Gemma3ForCausalLM", mla=None)
+    with pytest.raises(ConfigError, match="--kv-offload.*--no-hybrid-kv-cache"):
+        host_tier_for(gemma, args, jnp.bfloat16, windowed)
+    with pytest.raises(ValueError, match="one KV group"):
+        KVCacheManager(8, BS, groups=windowed, host_tier=HostTier(4))
+    deepseek = SimpleNamespace(architecture="DeepseekV3ForCausalLM", mla=object())
+    with pytest.raises(ConfigError, match="--kv-offload.*MLA"):
+        host_tier_for(deepseek, args, jnp.bfloat16, KVCacheGroups.full_attention(2))
 
 
 def test_host_block_is_never_served_for_another_prefix():

@@ -27,7 +27,8 @@ from pallas_kernels.attention.paged_decode import (MosaicDecodeConfig, paged_dec
                                                    paged_decode_triton_configured)
 from pallas_kernels.attention.paged_decode_common import DecodeShape, plan_splits
 from pallas_kernels.attention.kv_quant import quantize
-from pallas_kernels.attention.reference import paged_decode_reference
+
+from kernel_references import paged_decode_reference
 
 
 def make_case(seed, *, batch, hq, hkv, d, page, max_blocks, dtype=jnp.bfloat16):

@@ -50,9 +50,11 @@ def test_unsupported_config_is_refused_by_name(change, message):
         config_from_dict({**BASE, **change})
 
 
-def test_sliding_window_shorter_than_context_caps_the_context():
+def test_sliding_window_shorter_than_context_windows_mistral_and_caps_others():
     cfg = config_from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 64})
-    assert cfg.max_position_embeddings == 64
+    assert cfg.max_position_embeddings == 128 and set(cfg.layer_windows) == {64}
+    llama = config_from_dict({**BASE, "sliding_window": 64})
+    assert llama.max_position_embeddings == 64 and not llama.layer_windows
     qwen = config_from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
                              "use_sliding_window": False})
     assert qwen.max_position_embeddings == 128

@@ -78,7 +78,7 @@ def test_chunked_preempted_and_prefix_cached_runs_match_the_oracle(family):
     # 16 blocks of 4 tokens for 5 requests of up to 27 tokens, 3-token prefill chunks: prefills
     # cross the window edge chunk by chunk, and admission and decode growth run out of blocks.
     # (4 sequences a step keep the engine's step buckets, and so its compiles, few.)
-    engine = make_engine(model=model(family), num_blocks=16, max_num_batched_tokens=16,
+    engine = make_engine(model=model(family), num_blocks=24, max_num_batched_tokens=16,
                          long_prefill_chunk=3, max_num_seqs=4)
     work = [(prompt_ids(300 + i, 9 + 3 * i), 6) for i in range(5)]
     for i, (p, m) in enumerate(work):
@@ -94,4 +94,31 @@ def test_chunked_preempted_and_prefix_cached_runs_match_the_oracle(family):
     engine.add_request("hit", prompt, SamplingParams(max_tokens=6, **GREEDY))
     assert run_all(engine)["hit"][0][0] == oracle(family, prompt, 6)
     assert engine.scheduler.kv_cache_stats()[-1].hits - hits == 20
+    assert_all_free(engine)
+
+
+def test_gemma3_sequence_fits_only_because_window_blocks_are_freed():
+    # Groups: full, window 5, window 5 (one layer each; a block is one layer's page). 48 tokens
+    # take 12 blocks per group: 36 if every layer kept every block, but the pool has 26 (the
+    # engine's floor for 64 tokens in 8-token chunks: 16 + 2 x 5).
+    engine = make_engine(model=model("gemma3"), num_blocks=26, max_num_batched_tokens=8,
+                         long_prefill_chunk=8, max_num_seqs=1, decode_steps_per_call=1)
+    assert engine.scheduler.kv.groups.windows == (None, WINDOW, WINDOW)
+    prompt = prompt_ids(500, 36)
+    engine.add_request("long", prompt, SamplingParams(max_tokens=12, **GREEDY))
+    out = run_all(engine)["long"][0][0]
+    assert out == oracle("gemma3", prompt, 12)
+    # A hit past the window: its 44 computed tokens (the windowed groups resume from block 9
+    # and 10, the last ones the finished request held), then a request aborted mid-decode and one
+    # while it waits.
+    again = prompt + out + prompt_ids(501, 3)
+    engine.add_request("hit", again, SamplingParams(max_tokens=4, **GREEDY))
+    assert run_all(engine)["hit"][0][0] == oracle("gemma3", again, 4)
+    assert engine.scheduler.kv_cache_stats()[-1].hits == 44
+    for i in range(2):
+        engine.add_request(f"x{i}", prompt_ids(510 + i, 19), SamplingParams(max_tokens=9, **GREEDY))
+    for _ in range(4):
+        engine.step()
+    for i in range(2):
+        engine.abort(f"x{i}")
     assert_all_free(engine)

@@ -60,6 +60,8 @@ class ScheduledSeq:
     # Its physical KV block ids in logical order (its block-table row), set once the step is
     # scheduled: the KV manager's own list, to read before the scheduler runs again.
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # With several KV groups (a model with sliding windows): every group's row, block_ids first.
+    group_block_ids: list[list[int]] | None = None
     # Speculative decoding: tokens proposed after the decode's input (num_tokens = 1 + len), which
     # the step verifies (jaxinfer/spec_decode/); placeholders when the device proposes them.
     proposal: list[int] = dataclasses.field(default_factory=list)
@@ -444,9 +446,12 @@ class Scheduler:
                 and not num_proposed and len(decodes) <= self.decode_loop_max_seqs):
             out.decode_steps = self._reserve_decode_loop(decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
-            get_block_ids = kv.get_block_ids
+            get_block_ids, get_tables = kv.get_block_ids, kv.get_block_tables
+            grouped = kv.groups.num_groups > 1
             for entry in out.scheduled:
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
+                if grouped:
+                    entry.group_block_ids = get_tables(entry.seq.seq_id)
                 req = entry.seq.request
                 if req.reads_prompt_hidden and entry.start < req.num_prompt_tokens - (
                         req.params.pooling is None):

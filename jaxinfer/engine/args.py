@@ -55,6 +55,7 @@ class EngineArgs:
     # long prefill chunk does not stall the running streams.
     max_step_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True  # sliding-window layers drop blocks out of their window
     kv_offload: bool = False  # host KV tier (core/kv_cache/host_tier.py)
     kv_host_gib: float = 16.0
     attention_backend: str = "auto"
@@ -159,6 +160,7 @@ class EngineArgs:
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
                            enable_prefix_caching=self.enable_prefix_caching,
+                           hybrid_kv_cache=self.hybrid_kv_cache,
                            kv_cache_scales=self.kv_cache_scales, kv_offload=self.kv_offload,
                            kv_host_gib=self.kv_host_gib)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes
@@ -17,7 +17,7 @@ from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.worker.kv import plan_kv_cache
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
 from jaxinfer.worker.kv.planner import largest_free_block_bytes
-from jaxinfer.worker.runner import step_activation_bytes
+from jaxinfer.worker.activation_bytes import step_activation_bytes
 from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
     if cache.num_blocks is not None:
         return cache.num_blocks
     if jax.devices()[0].platform == "cpu":
-        blocks = min(4096, args.max_num_seqs * math.ceil(max_len / args.block_size))
+        per_seq = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache).blocks_for_sequence(
+            max_len, args.max_num_batched_tokens, args.block_size)
+        blocks = max(min(4096, args.max_num_seqs * per_seq), per_seq)
         log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
         return blocks
     model_dtype = params_dtype_name(params)
@@ -49,6 +51,7 @@ def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
         kv_dtype=kv_dtype,
         block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,
+        kv_groups=KVCacheGroups.for_model(cfg, args.hybrid_kv_cache),
         cache=ExecutableCache.under(args.compilation_cache_dir))
     # A block holds kv_heads_per_device heads on each device.
     device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.core.kv_cache import KVCacheManager
+from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
 from jaxinfer.worker.kv.planner import kv_bytes_per_block
@@ -90,12 +90,18 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
                               f"max_position_embeddings {cfg.max_position_embeddings}")
         # A sequence may grow to max_model_len tokens; in a smaller pool it would wait forever for
         # blocks that no other sequence can free.
-        if num_blocks * args.block_size < self.max_model_len:
+        groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
+        if role is not None and groups.num_groups > 1:  # the hand-over copies one table
+            raise ConfigError("disaggregated prefill does not hand over sliding-window KV groups "
+                              "yet: pass --no-hybrid-kv-cache")
+        need = groups.blocks_for_sequence(self.max_model_len, args.max_num_batched_tokens,
+                                          args.block_size)
+        if num_blocks < need:
             raise ConfigError(
-                f"the KV cache ({num_blocks} blocks x {args.block_size} tokens = "
-                f"{num_blocks * args.block_size} tokens) cannot hold one sequence of max_model_len="
-                f"{self.max_model_len} tokens: raise --num-blocks (or --gpu-memory-utilization) or "
-                f"lower --max-model-len")
+                f"the KV cache ({num_blocks} blocks x {args.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens ({need} blocks over "
+                f"{groups.num_groups} KV group(s)): raise --num-blocks (or "
+                f"--gpu-memory-utilization) or lower --max-model-len")
         self.model_name, self.metrics = args.model_name, metrics or EngineMetrics(args.model_name)
         self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
@@ -103,8 +109,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         loop_steps, loop_max_seqs = args.decode_loop()
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                           host_tier_for(cfg, args, kv_dtype)),
+            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, groups,
+                           host_tier_for(cfg, args, kv_dtype, groups)),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
@@ -120,11 +126,13 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=loop_steps,
             decode_loop_max_seqs=loop_max_seqs, plan=plan,
-            executable_cache=ExecutableCache.under(args.compilation_cache_dir), compile_role=role)
+            executable_cache=ExecutableCache.under(args.compilation_cache_dir), compile_role=role,
+            kv_groups=groups)
         self.runner.set_async_launch(args.async_launch)
         self._init_kv_tier()
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
-                                      kv_bytes_per_block(cfg, args.block_size, kv_dtype))
+                                      kv_bytes_per_block(cfg, args.block_size, kv_dtype,
+                                                         groups.num_slots))
         self.outputs = outputs_cls(self.metrics, self.max_model_len, self.eos_token_ids)
         self.grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -197,7 +205,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             num_blocks = plan_num_blocks(cfg, args, params, plan)
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
-                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan)
+                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan,
+                                          KVCacheGroups.for_model(cfg, args.hybrid_kv_cache).num_slots)
             num_blocks = fewest_across_processes(num_blocks)
             engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
                          plan=plan, draft=draft, **parts)

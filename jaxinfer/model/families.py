@@ -74,7 +74,12 @@ def _llama(raw: Raw, layers: int) -> dict:
 
 
 def _mistral(raw: Raw, layers: int) -> dict:
-    return _cap_at_sliding_window(raw, "MistralForCausalLM")
+    """Mistral's `sliding_window` (Mistral-7B-v0.1: 4,096) windows every layer, as HF does; the KV
+    manager then keeps only each sequence's window of blocks (docs/kv_cache.md)."""
+    window = raw.get("sliding_window")
+    if window is None or window >= int(raw.get("max_position_embeddings") or 4096):
+        return {}
+    return dict(layer_windows=layer_windows(raw, layers, lambda i: True))
 
 
 def _qwen2(raw: Raw, layers: int) -> dict:

@@ -208,17 +208,23 @@ class Transformer(nn.Module):
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
         ropes = {rope: rope_tables(cfg, positions, rope)
                  for rope in {cfg.layer_rope(i) for i in range(cfg.num_layers)}}
-        new_cache = []
+        # One K/V array pair per cache slot; with KV groups layers of different groups share a
+        # slot (md.kv_layout), each writing only its own group's blocks.
+        new_cache = None if kv_cache is None else list(kv_cache)
         for i in range(cfg.num_layers):
-            kv = None if kv_cache is None else kv_cache[i]
+            slot, layer_md = (i, md) if md is None else md.for_layer(i)
+            kv = None if kv_cache is None else new_cache[slot]
             backend = self.backend.for_layer(i)
             cos, sin = ropes[cfg.layer_rope(i)]
+            if self.is_mutable_collection("aux"):  # EAGLE-3's streams entering layers (forward_aux)
+                self.sow("aux", f"layer_{i}", x if delta is None else x + delta)
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
                                                   cfg.layer_window(i),
-                                                  name=f"layers_{i}")(x, delta, cos, sin, kv, md,
-                                                                     lora_slot)
-            new_cache.append(layer_kv)
+                                                  name=f"layers_{i}")(x, delta, cos, sin, kv,
+                                                                     layer_md, lora_slot)
+            if new_cache is not None:
+                new_cache[slot] = layer_kv
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
                             cfg.norm_offset, name="final_norm")(x, delta)
         x = hidden if logits_indices is None else hidden[logits_indices]
@@ -267,14 +273,39 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     slot (0: none)."""
     dtype = params["embed"]["embedding"].dtype
     model = Transformer(cfg, backend, dtype)
+    variables, lora_slot = _variables(params, cfg, lora_slot)
+    return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
+                       return_hidden, lora_slot)
+
+
+def _variables(params: Params, cfg: ModelConfig, lora_slot: jax.Array | None):
+    """The flax variables of `params` (LoRA stacks apart) and the slots as the LoRA impl takes
+    them."""
     variables = {"params": {k: v for k, v in params.items() if k != LORA}}
     if LORA in params:
         variables["lora"] = params[LORA]
         if lora_slot is not None and cfg.lora_impl == "pallas":
             num_slots = jax.tree.leaves(params[LORA])[0].shape[0]
             lora_slot = group_slots(lora_slot, num_slots)
-    return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
-                       return_hidden, lora_slot)
+    return variables, lora_slot
+
+
+def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+                kv_cache: KVCache | None, md: AttentionMetadata | None,
+                backend: AttentionBackend = REFERENCE, logits_indices: jax.Array | None = None,
+                lora_slot: jax.Array | None = None, *, layers: tuple[int, ...]):
+    """`forward` (kv_cache None: the dense causal path, token_ids [B, L]) that also returns the
+    residual streams entering `layers`, concatenated: [..., len(layers) * H] (an EAGLE-3 head's
+    input; the same pass, no second forward)."""
+    dtype = params["embed"]["embedding"].dtype
+    variables, lora_slot = _variables(params, cfg, lora_slot)
+    if kv_cache is None:
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1]), token_ids.shape)
+    (logits, kv), state = Transformer(cfg, backend, dtype).apply(
+        variables, token_ids, positions, kv_cache, md, logits_indices, False, lora_slot,
+        mutable=["aux"])
+    aux = jnp.concatenate([state["aux"][f"layer_{i}"][0] for i in layers], axis=-1)
+    return logits, kv, aux
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

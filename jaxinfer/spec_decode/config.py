@@ -2,6 +2,8 @@
 
     --speculative-method ngram --num-speculative-tokens 4 [--ngram-prompt-lookup-min/max N]
     --speculative-model DIR --num-speculative-tokens 4          (method draft_model implied)
+    --speculative-config '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 5}'
+                                            (an EAGLE-3 head in vLLM's / SGLang's HF format)
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_max": 4, "disable_by_batch_size": 16}'
 
@@ -20,7 +22,7 @@ import json
 
 from jaxinfer.errors import ConfigError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 # Running sequences above which steps stop speculating (docs/spec_decode.md: the crossover).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 # Acceptance rate under which speculation pauses: below it a verifying step (k + 1 positions per
@@ -36,9 +38,9 @@ _JSON_KEYS = {"method": "method", "model": "model",
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str                      # "ngram" | "draft_model"
+    method: str                      # "ngram" | "draft_model" | "eagle3"
     num_speculative_tokens: int      # K: most proposals verified per sequence and step
-    model: str | None = None         # the draft model's directory (draft_model)
+    model: str | None = None         # the draft model's / EAGLE-3 head's directory
     prompt_lookup_min: int = 1       # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -55,12 +57,12 @@ class SpeculativeConfig:
               and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
               "num-speculative-tokens", self.num_speculative_tokens,
               f"must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}")
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle3"):
             check(bool(self.model), "speculative-model", self.model,
-                  "the draft_model method needs a draft model directory")
+                  f"the {self.method} method needs a model directory")
         else:
             check(self.model is None, "speculative-model", self.model,
-                  "a draft model is only used by --speculative-method draft_model")
+                  "a draft model is only used by the draft_model and eagle3 methods")
         check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
               "ngram-prompt-lookup-min", self.prompt_lookup_min, "must be an integer >= 1")
         check(isinstance(self.prompt_lookup_max, int)
@@ -123,7 +125,8 @@ def speculative_config(*, method: str | None, model: str | None, num_tokens: int
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (docs/spec_decode.md)")
     g.add_argument("--speculative-method", default=None, choices=METHODS,
-                   help="propose tokens by n-gram prompt lookup or with a draft model")
+                   help="propose tokens by n-gram prompt lookup, with a draft model or with an "
+                        "EAGLE-3 head (eagle3: --speculative-model is the head's directory)")
     g.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="draft model directory (same tokenizer as the target); implies "
                         "--speculative-method draft_model")

@@ -37,25 +37,11 @@ from jaxinfer.model.transformer import forward, param_shapes
 from jaxinfer.parallel.attention import ShardedAttention, shard_backend
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_parallel_sizes
-from jaxinfer.worker.rejection_sampler import expand_positions
-from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors, process_logits, row_gumbel
+from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
+from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
-
-DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
-
-
-def _propose(logits, ti: SamplingTensors, *, variant: SamplerVariant):
-    """One draft position of S rows: -> (proposals i32[S], their distributions q f32[S, V])."""
-    processed, scaled, greedy = process_logits(logits, ti, variant)
-    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, logits.shape[-1])
-    d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
-    q = jnp.where(greedy[:, None], jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32),
-                  jax.nn.softmax(scaled, axis=-1))
-    return d, q
-
 
 def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: SamplingTensors,
                   *, cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,
@@ -83,7 +69,7 @@ def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: 
                                     expand_positions(t, drafts))
         # Under TP the rows are made whole first, as the sampler's (parallel/sampling_logits.py):
         # no collective inside process_logits' conditionals (within this loop's body).
-        d, q = sample_in_layout(functools.partial(_propose, variant=variant), logits, ti, plan)
+        d, q = sample_in_layout(functools.partial(propose_tokens, variant=variant), logits, ti, plan)
         drafts = drafts.at[:, i].set(jnp.where(valid, d, 0))
         return kv, drafts, probs.at[:, i].set(q)
 
@@ -135,6 +121,9 @@ class DraftModel:
         plan = self.sharding_plan
         inner = runner.backend.inner if isinstance(runner.backend, ShardedAttention) else \
             runner.backend
+        if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
+            raise ConfigError("a draft model needs a target with a full-attention layer, or "
+                              "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
@@ -179,7 +168,9 @@ class DraftModel:
             seq.draft_computed = start + len(entry.proposal)
         self._run_catch_up(behind)
         self.kv_cache, drafts, q = self._loop(self.params, self.kv_cache, first_ids, first_pos,
-                                              v.num_drafts, batch.md.block_tables, batch.sampling,
+                                              v.num_drafts, batch.md.block_tables[0]  # group 0
+                                              if batch.md.kv_layout else batch.md.block_tables,
+                                              batch.sampling,
                                               variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
 
@@ -249,27 +240,30 @@ def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype,
 
 
 def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype,
-                     plan: ShardingPlan | None = None) -> DraftModel | None:
-    """The engine's draft model when --speculative-model is set, else None; `plan`: the
-    target's (the draft is split over the same devices)."""
+                     plan: ShardingPlan | None = None):
+    """The engine's draft model when --speculative-model is set (an `eagle.EagleProposer` for
+    method eagle3), else None; `plan`: the target's (the draft is split over the same devices)."""
     spec = args.spec_config()
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in ("draft_model", "eagle3"):
         return None
     if args.data_parallel_size > 1:
         raise ConfigError("--speculative-model cannot be combined with --data-parallel-size > 1")
+    if spec.method == "eagle3":
+        from jaxinfer.spec_decode.eagle import load_eagle
+        return load_eagle(spec.model, target_cfg, dtype)
     return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed, plan)
 
 
 def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,
-                 kv_dtype, plan: ShardingPlan | None = None) -> int:
+                 kv_dtype, plan: ShardingPlan | None = None, num_slots: int | None = None) -> int:
     """The planner sized the pool for the target alone (per device, `plan`: the target's): the
     same memory holds the draft's weights and, per block, the draft's KV as well. (A CPU pool is
-    not sized from memory: kept.)"""
+    not sized from memory: kept.) `num_slots`: the target's cache arrays (KVCacheGroups)."""
     if jax.devices()[0].platform == "cpu":
         return num_blocks
     itemsize = jnp.dtype(kv_dtype).itemsize
     heads = plan.kv_heads_per_device if plan else target_cfg.num_kv_heads
-    target = block_size * 2 * target_cfg.num_layers * heads * target_cfg.head_dim * itemsize
+    target = block_size * 2 * (num_slots or target_cfg.num_layers) * heads * target_cfg.head_dim * itemsize
     weights = per_device_bytes(draft.params)
     return max(1, (num_blocks * target - weights) // (target + draft.block_bytes(block_size,
                                                                                  itemsize)))

@@ -30,9 +30,10 @@ import numpy as np
 
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.transformer import forward
+from jaxinfer.model.transformer import forward, forward_aux
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
+from jaxinfer.spec_decode.eagle import write_streams
 from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
@@ -63,14 +64,23 @@ def _verify_rows(logits, inputs, *, variant: SamplerVariant) -> VerifyOutput:
 
 
 def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
-                 *, cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant,
-                 plan: ShardingPlan | None = None):
+                 streams=None, *, cfg: ModelConfig, backend: AttentionBackend,
+                 variant: SamplerVariant, plan: ShardingPlan | None = None,
+                 layers: tuple[int, ...] = ()):
+    """`layers` (an EAGLE-3 head's): the residual streams entering them are written into
+    `streams` at the step's slots, from the same pass."""
     s, k1 = v.verify_indices.shape
     with jax.named_scope("verify"):
         ids = input_ids(batch, last_tokens)
         ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
-        logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md, backend,
-                                   v.verify_indices.reshape(-1))
+        if layers:
+            logits, kv_cache, aux = forward_aux(params, cfg, ids, batch.positions, kv_cache,
+                                                batch.md, backend, v.verify_indices.reshape(-1),
+                                                layers=layers)
+            streams = write_streams(streams, aux, batch.md.slot_mapping)
+        else:
+            logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md,
+                                       backend, v.verify_indices.reshape(-1))
     with jax.named_scope("sample"):
         # Under TP each row's k + 1 logits are made whole on one device first, as the sampler's
         # are (parallel/sampling_logits.py): verification's conditionals (penalties, truncation,
@@ -80,16 +90,18 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
                                (batch.sampling, v.drafts, v.num_drafts, draft_probs), plan)
         out = dataclasses.replace(out, sampled=_swap01(out.sampled))
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
-    return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out
+    return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out, streams
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_verify_step(cfg: ModelConfig, backend: AttentionBackend,
-                       plan: ShardingPlan | None = None):
-    """The compiled verification step of a model (cache and last tokens donated), shared by every
-    runner of that model and mesh in the process; compiled per token bucket and sampler variant."""
-    return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend, plan=plan),
-                   static_argnames=("variant",), donate_argnums=(1, 2))
+                       plan: ShardingPlan | None = None, layers: tuple[int, ...] = ()):
+    """The compiled verification step of a model (cache, last tokens and streams donated), shared
+    by every runner of that model and mesh in the process; compiled per token bucket and sampler
+    variant."""
+    return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend, plan=plan,
+                                     layers=layers),
+                   static_argnames=("variant",), donate_argnums=(1, 2, 6))
 
 
 def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
@@ -100,7 +112,8 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
     variant = sampler_variant(rows)
     t, s = runner.buckets.mixed_shape(sched.num_tokens)
     batch = build_step_batch(rows, 0, t, s, runner.sampling_table, runner.block_size,
-                             runner.max_blocks, runner.max_model_len, variant)
+                             runner.max_blocks, runner.max_model_len, variant,
+                             kv_layout=runner.kv_groups.kv_layout)
     num = np.zeros(s, np.int32)
     drafts = np.zeros((s, k_max), np.int32)
     for r, entry in enumerate(sched.decodes):
@@ -123,8 +136,12 @@ class SpeculativeStep:
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, num_speculative_tokens: int,
                  draft=None, plan: ShardingPlan | None = None):
         self.k = num_speculative_tokens
-        self.draft = draft  # spec_decode.draft.DraftModel, or None (host-side proposals)
-        self._verify = jitted_verify_step(cfg, backend, plan)
+        # spec_decode.draft.DraftModel or eagle.EagleProposer, or None (host-side proposals)
+        self.draft = draft
+        # An EAGLE-3 head reads the target's streams: every target step writes them.
+        self.stream_writer = draft if getattr(draft, "aux_layers", None) else None
+        self._verify = jitted_verify_step(cfg, backend, plan,
+                                          tuple(getattr(draft, "aux_layers", ())))
 
     def execute(self, runner, sched: SchedulerOutput):
         """Dispatch the verifying step on the runner's state (its block copies already applied);
@@ -133,8 +150,11 @@ class SpeculativeStep:
         draft_probs = None
         if self.draft is not None:
             v, draft_probs = self.draft.propose(sched, batch, v, variant)
-        kv_cache, last_tokens, out = self._verify(
+        writer = self.stream_writer
+        kv_cache, last_tokens, out, streams = self._verify(
             runner.params, runner.kv_cache, runner.last_tokens, batch, v, draft_probs,
-            variant=variant)
+            writer and writer.streams, variant=variant)
+        if writer is not None:
+            writer.streams = streams
         return kv_cache, last_tokens, StepHandle(sched, out.sampled, self.k + 1,
                                                  time.perf_counter(), True)

@@ -459,7 +459,7 @@ class BucketCompiler:
         else:
             t = s = nd = size
         return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
-                                r.max_model_len, variant, r.has_lora)
+                                r.max_model_len, variant, r.has_lora, r.kv_groups.kv_layout)
 
     def _place_inputs(self, unit: Unit) -> None:
         """Place a padding batch of the unit's bucket in each sampler variant, as a step places its

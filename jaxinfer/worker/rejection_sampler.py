@@ -126,3 +126,19 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     lp = raw_logprobs(raw, flat_tokens, flat_t)
     return VerifyOutput(SamplerOutput(tokens_t, by_position(lp.logprob), by_position(lp.top_ids),
                                       by_position(lp.top_logprobs)), num_accepted)
+
+
+DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
+
+
+def propose_tokens(logits, ti: SamplingTensors, *, variant: SamplerVariant):
+    """One draft position of S rows (a draft model's or an EAGLE head's logits): -> (proposals
+    i32[S], their distributions q f32[S, V]) under the request's transforms; greedy rows propose
+    the argmax, a point mass."""
+    processed, scaled, greedy = process_logits(logits, ti, variant)
+    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, logits.shape[-1])
+    d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
+    q = jnp.where(greedy[:, None], jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32),
+                  jax.nn.softmax(scaled, axis=-1))
+    return d, q

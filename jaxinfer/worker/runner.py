@@ -33,11 +33,12 @@ from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, Buc
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks, kv_block_shapes
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
+from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache, forward
-from jaxinfer.worker.sampler import (FULL_SAMPLER, SamplerOutput, SamplerVariant, SamplingTensors,
+from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
 from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.attention import shard_backend
@@ -104,10 +105,10 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
         live = valid & ~done
         pos = batch.positions + i
         seq_lens = jnp.where(live, md0.seq_lens + i, 0)
-        blk = md0.block_tables[rows, pos // block_size]
+        blk = md0.block_tables[..., rows, pos // block_size]  # [S], or [G, S] with KV groups
         slot_mapping = jnp.where(live, blk * block_size + pos % block_size, -1)
         md = AttentionMetadata(slot_mapping, md0.query_start_loc, seq_lens, md0.block_tables,
-                               num_decodes=s)
+                               num_decodes=s, kv_layout=md0.kv_layout)
         ids = last[jnp.minimum(slots, last.shape[0] - 1)]
         with jax.named_scope("decode"):
             logits, kv = forward(params, cfg, ids, pos, kv, md, backend, batch.logits_indices,
@@ -143,43 +144,6 @@ def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
     return forward_step, sample_step, loop
 
 
-def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
-                          block_size: int, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int, plan: ShardingPlan | None = None,
-                          cache: ExecutableCache | None = None) -> int:
-    """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
-    device under tensor parallelism), from compiling that step against a one-block cache of the
-    same layout: a step's activations do not depend on the number of blocks. Costs two
-    compilations, unless `cache` holds the figure from an earlier start (same key parts as the
-    executables: shapes, shardings, code, compiler)."""
-    from jaxinfer.worker.kv import activation_peak_bytes
-    buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
-    t, s = buckets.mixed_shape(buckets.token_buckets[-1])
-    max_blocks = -(-max_model_len // block_size)
-    batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
-                             max_model_len, FULL_SAMPLER)
-    heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
-    one_block = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
-                      for shape in kv_block_shapes(cfg, heads, 1, block_size))
-    kv = tuple(one_block for _ in range(cfg.num_layers))
-    last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
-    backend = shard_backend(backend, plan)
-    key = cache and step_key("activation bytes", (cfg, backend, block_size),
-                             (params, kv, last, batch))
-    cached = key and cache.load_figure(key)
-    if cached is not None:
-        return cached
-    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size, plan)
-    logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
-    peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
-                                                     model_inputs(batch)).compile())
-            + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
-                                                      variant=FULL_SAMPLER).compile()))
-    if key:
-        cache.store_figure(key, peak)
-    return peak
-
-
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray               # i32[K, rows]: K = decode steps run (1 for a normal step)
@@ -191,7 +155,6 @@ class StepResult:
 
 class StepHandle:
     """A dispatched step; `result()` waits for its sampled tokens (device -> host)."""
-
     def __init__(self, sched: SchedulerOutput, out: SamplerOutput | None, num_steps,
                  dispatch_time: float, is_loop: bool, hidden_reads: HiddenReads | None = None,
                  hidden_out=None, launched: Future | None = None,
@@ -257,7 +220,8 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
                  decode_loop_max_seqs: int | None = None, plan: ShardingPlan | None = None,
-                 executable_cache: ExecutableCache | None = None, compile_role: str | None = None):
+                 executable_cache: ExecutableCache | None = None, compile_role: str | None = None,
+                 kv_groups: KVCacheGroups | None = None):
         """`plan`: the replica's mesh and shardings (params must already be placed by it); None
         runs on the default device. `executable_cache`: where warm-up loads and stores the compiled
         forwards and decode loops (None: compile them every start). `decode_loop_max_seqs`: the
@@ -279,7 +243,10 @@ class ModelRunner:
             top = self.buckets.decode_shape(min(decode_loop_max_seqs or max_num_seqs, max_num_seqs))
             self.loop_buckets = tuple(s for s in self.buckets.decode_buckets if s <= top)
         self.launcher: StepLauncher | None = None  # set_async_launch
+        # The KV manager's layer groups (None: one table, one cache array per layer).
+        self.kv_groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
+                                          num_slots=self.kv_groups.num_slots,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
         self._kv_spec = None  # the released cache's layout while asleep
@@ -302,8 +269,7 @@ class ModelRunner:
         self.speculation = None
 
     def enable_speculation(self, step) -> None:
-        """Run the steps whose decodes carry proposals with `step`
-        (spec_decode.target_step.SpeculativeStep)."""
+        """Run the steps whose decodes carry proposals with `step` (target_step.SpeculativeStep)."""
         self.speculation = step
 
     def install_params(self, params) -> None:
@@ -414,7 +380,8 @@ class ModelRunner:
         t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
                               compiler and compiler.ready_forwards)
         batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
-                                 self.max_blocks, self.max_model_len, variant, self.has_lora)
+                                 self.max_blocks, self.max_model_len, variant, self.has_lora,
+                                 self.kv_groups.kv_layout)
         # A loop runs only once compiled (else: one step; the scheduler's reserve is harmless).
         is_loop = sched.decode_steps > 1 and not sched.prefills and (
             compiler is None or (nd == s and s in compiler.ready_loops))
@@ -451,8 +418,7 @@ class ModelRunner:
                           loop_row_steps=row_steps)
 
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
-                allowed: np.ndarray | None, loop_steps: int,
-                hidden_reads: HiddenReads | None):
+                allowed: np.ndarray | None, loop_steps: int, hidden_reads: HiddenReads | None):
         """The device side of `execute`: the step's inputs onto the device, block copies, then the
         step or (`allowed` given) the decode loop. -> (SamplerOutput, hidden-read arrays or
         None, steps run)"""
@@ -460,8 +426,7 @@ class ModelRunner:
         self._apply_copies(copies)
         if allowed is None:
             return (*self._run_step(batch, variant, hidden_reads), 1)
-        # A loop runs the scheduler's `decode_steps` steps: the compiled ones are of
-        # decode_steps_per_call (a benchmark may lower the scheduler's).
+        # The scheduler's `decode_steps`; compiled: decode_steps_per_call (a benchmark may lower it)
         exe = (self._loop_exe.get((batch.md.num_seqs, variant))
                if loop_steps == self.decode_steps_per_call else None)
         args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
@@ -484,7 +449,10 @@ class ModelRunner:
         and the `hidden_reads` (prompt logprobs, pooling); all only dispatch. Updates the KV cache
         and the last-token array in place (donated). -> (SamplerOutput, hidden-read arrays or None)"""
         hidden_out = None
-        if hidden_reads is None:
+        writer = self.speculation and self.speculation.stream_writer  # an EAGLE-3 head's
+        if writer is not None and hidden_reads is None:
+            logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
+        elif hidden_reads is None:
             forward_step = self._forward_exe.get(forward_key(batch), self._forward_fn)
             logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
                                                  model_inputs(batch))

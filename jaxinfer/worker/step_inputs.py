@@ -141,10 +141,13 @@ def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
 def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
                      num_seqs: int, table: SamplingTable,
                      block_size: int, max_blocks: int, max_model_len: int,
-                     variant: SamplerVariant, lora: bool = False) -> StepBatch:
+                     variant: SamplerVariant, lora: bool = False,
+                     kv_layout: tuple[tuple[int, int], ...] | None = None) -> StepBatch:
     """rows: decodes first, each with its block ids. num_decode_rows: the static decode count
     (T == S == num_decode_rows for a pure-decode bucket, 0 for a mixed step). Returns numpy
     arrays (the caller device_puts). `lora`: the batch carries each token's LoRA slot.
+    `kv_layout` (KVCacheGroups.kv_layout): one block table and slot mapping per KV group, from
+    each row's `group_block_ids`.
 
     The per-row work is plain list appends; every array is then made by a few vectorized numpy
     operations (this runs every step: 256 rows must cost well under a millisecond)."""
@@ -162,7 +165,7 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     for entry in rows:
         seq, start, k = entry.seq, entry.start, entry.num_tokens
         try:  # (free when nothing raises) a row that cannot be built fails its own request only
-            tables.append(entry.block_ids)
+            tables.append(entry.group_block_ids if kv_layout else (entry.block_ids,))
             table_rows.append(row_of(seq))
         except Exception as e:
             rid = seq.request.request_id
@@ -204,18 +207,23 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
         qsl[n + 1:] = t
     logits_indices = np.zeros(num_seqs, i32)
     logits_indices[:n] = qsl[1:n + 1] - 1
-    block_tables = np.zeros((num_seqs, max_blocks), i32)
-    if n:
-        counts = np.fromiter(map(len, tables), i32, n)
-        flat = np.fromiter(itertools.chain.from_iterable(tables), i32, int(counts.sum()))
+    num_groups = 1 + max(g for _, g in kv_layout) if kv_layout else 1
+    block_tables = np.zeros((num_groups, num_seqs, max_blocks), i32)
+    if n:  # every group's table of a row has the same length
+        counts = np.fromiter((len(ts[0]) for ts in tables), i32, n)
         table_row = np.repeat(np.arange(n), counts)
-        table_col = np.arange(flat.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        block_tables[table_row, table_col] = flat
+        table_col = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        for g in range(num_groups):
+            block_tables[g, table_row, table_col] = np.fromiter(
+                itertools.chain.from_iterable(ts[g] for ts in tables), i32, table_col.size)
     token_row = np.repeat(np.arange(n), q_lens)
-    blk = block_tables[token_row, positions[:t] // block_size]
-    slot_mapping = np.full(num_tokens, -1, i32)
-    slot_mapping[:t] = blk * block_size + positions[:t] % block_size
-    md = AttentionMetadata(slot_mapping, qsl, seq_lens, block_tables, num_decodes=num_decode_rows)
+    blk = block_tables[:, token_row, positions[:t] // block_size]
+    slot_mapping = np.full((num_groups, num_tokens), -1, i32)
+    slot_mapping[:, :t] = blk * block_size + positions[:t] % block_size
+    if not kv_layout:
+        block_tables, slot_mapping = block_tables[0], slot_mapping[0]
+    md = AttentionMetadata(slot_mapping, qsl, seq_lens, block_tables, num_decodes=num_decode_rows,
+                           kv_layout=kv_layout)
     sampling = sampling_tensors(rows, padded(table_rows, num_seqs, table.pad), seq_lens, table,
                                 max_model_len, variant)
     lora_slot = None

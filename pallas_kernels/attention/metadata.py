@@ -34,6 +34,19 @@ class AttentionMetadata:
     block_tables: jax.Array
     # Static: the first num_decodes sequences are single-token decodes (tokens 0..num_decodes-1).
     num_decodes: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # Static, KV groups (jaxinfer/core/kv_cache/kv_groups.py): per layer (cache array, group).
+    # With it, slot_mapping is int32[G, T] and block_tables int32[G, S, M], one per group; None:
+    # one group, layer i in cache array i (the arrays above as documented).
+    kv_layout: tuple[tuple[int, int], ...] | None = dataclasses.field(
+        default=None, metadata=dict(static=True))
+
+    def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
+        """(cache array, metadata with that layer's group's slot mapping and block table)."""
+        if self.kv_layout is None:
+            return layer, self
+        slot, group = self.kv_layout[layer]
+        return slot, dataclasses.replace(self, slot_mapping=self.slot_mapping[group],
+                                         block_tables=self.block_tables[group], kv_layout=None)
 
     @property
     def num_seqs(self) -> int:

@@ -55,6 +55,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     kv_cache_scales: str = "auto"  # fp8 caches: see kv_scales.py
+    hybrid_kv_cache: bool = True  # KV groups per layer window (kv_groups.py)
     kv_offload: bool = False  # a host tier under the prefix cache (host_tier.py)
     kv_host_gib: float = 16.0  # its size
 
@@ -84,7 +85,8 @@ class CacheConfig:
         return cls(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                    num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype,
                    enable_prefix_caching=args.enable_prefix_caching,
-                   kv_cache_scales=args.kv_cache_scales, kv_offload=args.kv_offload,
+                   kv_cache_scales=args.kv_cache_scales,
+                   hybrid_kv_cache=args.hybrid_kv_cache, kv_offload=args.kv_offload,
                    kv_host_gib=args.kv_host_gib)
 
 
@@ -107,6 +109,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         "one number for all (default auto)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes across requests (default on)")
+    g.add_argument("--hybrid-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="models with sliding-window layers (Gemma 2/3, gpt-oss): give those "
+                        "layers their own block tables and free blocks that leave the window "
+                        "(default on; off: every layer keeps every block, as vLLM's "
+                        "--disable-hybrid-kv-cache-manager)")
     g.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=False,
                    help="keep prefix-cache blocks the device evicts in host memory and copy them "
                         "back on a later prefix hit instead of recomputing them (default off)")

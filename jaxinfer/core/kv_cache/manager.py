@@ -15,9 +15,15 @@ This is the whole host-side KV API; the scheduler is its only caller (shaped lik
     mgr.free(rid)                               # finished / aborted / preempted
 
 Invariants (checked by tests/test_kv_manager_properties.py): a request holds exactly
-``ceil(num_tokens / block_size)`` distinct blocks; a block's reference count equals the number of
-request tables that hold it; free + used == num_blocks; every holder of a cached block holds its
-whole cached prefix (so eviction can go leaf first, see prefix_cache.py).
+``ceil(num_tokens / block_size)`` distinct blocks per full-attention group; a block's reference
+count equals the number of request tables that hold it; free + used == num_blocks; every holder of
+a cached block holds its whole cached prefix (so eviction can go leaf first, see prefix_cache.py).
+
+KV groups (kv_groups.py): a model with sliding-window layers has one table per group of layers.
+All of a request's tables have the same length (its logical blocks), but a windowed group's
+leading entries that no later query can see are *skipped*: released to the pool as the request
+grows (``allocate_slots``) and left in the table as block 0, which no kernel reads for them (the
+windowed kernels start at the window; a page they touch for tile alignment is masked out).
 
 Block 0 is not reserved: every block id in [0, num_blocks) can be handed out. Padding tokens use
 slot -1 and padding block-table entries are never read (pallas_kernels/attention/metadata.py).
@@ -31,10 +37,13 @@ from typing import Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
 from jaxinfer.core.kv_cache.host_tier import HostTier
-from jaxinfer.core.kv_cache.prefix_cache import PrefixCache, _Node
+from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
+from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, _Node
 
 # num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
 _NEVER_CACHE = sys.maxsize
+# The table entry of a skipped block (out of its group's window, no longer held).
+SKIPPED_BLOCK = 0
 
 
 @dataclasses.dataclass
@@ -55,11 +64,12 @@ class PrefixCacheStats:
 
 
 class _RequestBlocks:
-    __slots__ = ("block_ids", "num_tokens", "num_cached_blocks", "cache_node", "family")
+    __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family")
 
-    def __init__(self, block_ids: list[int], num_tokens: int, num_cached_blocks: int, cache_node,
-                 family: set[_RequestBlocks] | None = None):
-        self.block_ids = block_ids            # physical blocks, logical order
+    def __init__(self, tables: list[list[int]], skipped: list[int], num_tokens: int,
+                 num_cached_blocks: int, cache_node, family: set[_RequestBlocks] | None = None):
+        self.tables = tables                  # per group: physical blocks, logical order
+        self.skipped = skipped                # per group: leading entries no longer held
         self.num_tokens = num_tokens          # tokens with a slot (computed or scheduled)
         self.num_cached_blocks = num_cached_blocks  # leading blocks registered in the prefix cache
         self.cache_node = cache_node          # tree node of the last of those (root if none)
@@ -74,18 +84,25 @@ class KVCacheManager:
     Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 host_tier: HostTier | None = None):
+                 groups: KVCacheGroups | None = None, host_tier: HostTier | None = None):
         """`host_tier`: the host pool's bookkeeping (host_tier.py), or None: an evicted block's
-        KV is gone. Needs prefix caching."""
+        KV is gone. Needs prefix caching and one KV group."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if host_tier is not None and not enable_prefix_caching:
             raise ValueError("a host KV tier needs prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Which layers share a table (one full-attention group unless the model has windows).
+        self.groups = groups or KVCacheGroups.full_attention(1)
+        self._num_groups = self.groups.num_groups
+        self._windowed = [g for g, w in enumerate(self.groups.windows) if w is not None]
+        if host_tier is not None and self._num_groups > 1:
+            raise ValueError("a host KV tier needs a model with one KV group (no sliding windows)")
         self.pool = BlockPool(num_blocks)
         self.host = host_tier
-        self.prefix_cache = (PrefixCache(self.pool, block_size, digests=host_tier is not None)
+        self.prefix_cache = (PrefixCache(self.pool, block_size, self.groups.windows,
+                                         digests=host_tier is not None)
                              if enable_prefix_caching else None)
         if host_tier is not None:
             self.prefix_cache.on_drop = self._offload
@@ -124,12 +141,27 @@ class KVCacheManager:
         return self._requests[request_id].num_tokens
 
     def get_block_ids(self, request_id: Hashable) -> list[int]:
-        """The request's physical block ids in logical order (its row of the step's block table).
+        """The request's physical block ids in logical order (its row of the step's block table),
+        of the first group: the only one unless the model has sliding windows.
 
         Returns the manager's own list: read it, do not mutate or keep it. Re-read it every step
         after allocate_slots / cache_blocks: allocation appends, copy-on-write replaces the last
         id, and cache_blocks may swap a full block for an identical cached one (deduplication)."""
-        return self._requests[request_id].block_ids
+        return self._requests[request_id].tables[0]
+
+    def get_block_tables(self, request_id: Hashable) -> list[list[int]]:
+        """Every group's table (same length; a windowed group's skipped entries read
+        SKIPPED_BLOCK). The manager's own lists, as get_block_ids."""
+        return self._requests[request_id].tables
+
+    def num_held_blocks(self, request_id: Hashable) -> int:
+        """Blocks the request holds over all groups (skipped entries excluded)."""
+        req = self._requests[request_id]
+        return sum(len(t) - k for t, k in zip(req.tables, req.skipped))
+
+    def _new_request(self, node) -> _RequestBlocks:
+        g = self._num_groups
+        return _RequestBlocks([[] for _ in range(g)], [0] * g, 0, 0, node)
 
     # ---- admission -----------------------------------------------------------------------
     def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int],
@@ -155,18 +187,25 @@ class KVCacheManager:
                              f"manager; free() it before matching its prefix again")
         cache = self.prefix_cache
         if cache is None:
-            self._requests[request_id] = _RequestBlocks([], 0, 0, None)
+            self._requests[request_id] = self._new_request(None)
             return 0
         if not match:
-            self._requests[request_id] = _RequestBlocks([], 0, 0, cache.root_of(namespace))
+            self._requests[request_id] = self._new_request(cache.root_of(namespace))
             return 0
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        blocks, node = cache.match(token_ids, max_blocks, namespace)
+        tables, node, n = cache.match(token_ids, max_blocks, namespace)
         incref = self.pool.incref
-        for b in blocks:
-            incref(b)
-        num_computed = len(blocks) * self.block_size
-        self._requests[request_id] = _RequestBlocks(blocks, num_computed, len(blocks), node)
+        skipped = []
+        for table in tables:
+            k = 0
+            while k < n and table[k] == _ABSENT:  # before a window: placeholders
+                table[k] = SKIPPED_BLOCK
+                k += 1
+            skipped.append(k)
+            for b in table[k:]:
+                incref(b)
+        num_computed = n * self.block_size
+        self._requests[request_id] = _RequestBlocks(tables, skipped, num_computed, n, node)
         if not count:
             return num_computed
         self.stats.requests += 1
@@ -186,20 +225,21 @@ class KVCacheManager:
         `chunk_tokens` of what is left to compute, plus one) and `reserved_blocks` (the next
         chunks of other loading requests): loads never take the room that would let one run."""
         host, req = self.host, self._requests[request_id]
-        if host is None or req.cache_node is None or len(req.block_ids) != req.num_cached_blocks:
+        table = req.tables[0]  # the only group: a host tier needs one (__init__)
+        if host is None or req.cache_node is None or len(table) != req.num_cached_blocks:
             return []
         bs = self.block_size
         max_blocks = max(len(token_ids) - 1, 0) // bs
-        slots = host.match(req.cache_node.digest, token_ids, len(req.block_ids), max_blocks, bs)
+        slots = host.match(req.cache_node.digest, token_ids, len(table), max_blocks, bs)
         if chunk_tokens is not None:
-            left = len(token_ids) - (len(req.block_ids) + len(slots)) * bs
+            left = len(token_ids) - (len(table) + len(slots)) * bs
             room = self.pool.num_free_blocks - reserved_blocks - 1
             slots = slots[:max(room - -(-min(chunk_tokens, left) // bs), 0)]
         if not slots:
             return []
         host.pin(slots)  # (first: the allocation below may offload, which must not take them)
         blocks = self.pool.allocate(len(slots))
-        req.block_ids.extend(blocks)
+        table.extend(blocks)
         req.num_tokens += len(blocks) * bs
         host.stats.hit_blocks += len(blocks)
         self.stats.host_hits += len(blocks) * bs
@@ -212,10 +252,10 @@ class KVCacheManager:
         if landed:
             self.host.stats.loaded_blocks += len(slots)
 
-    def _offload(self, node: _Node) -> None:
+    def _offload(self, node: _Node, block_id: int) -> None:
         slot = self.host.store(node.digest)
         if slot is not None:
-            self._pending_offloads.append((node.block_id, slot))
+            self._pending_offloads.append((block_id, slot))
 
     def take_pending_offloads(self) -> list[tuple[int, int]]:
         """(device block, host slot) copies of blocks evicted since the last call, and clear them.
@@ -230,7 +270,7 @@ class KVCacheManager:
             return 0
         before = len(self._pending_offloads)
         for b in self.pool.evictable_block_ids():
-            self._offload(self.prefix_cache.node_of(b))
+            self._offload(self.prefix_cache.node_of(b), b)
         return len(self._pending_offloads) - before
 
     # ---- growth --------------------------------------------------------------------------
@@ -241,33 +281,42 @@ class KVCacheManager:
         is partly filled and shared with a fork, it is first copied into a fresh block
         (copy-on-write) and the (src, dst) device copy is queued for take_pending_copies.
 
-        Returns True on success. Returns False, having changed nothing, when the pool has too few
-        free + evictable blocks: the scheduler then preempts (free()s) a request and retries.
-        An unknown request id is registered with an empty table (no prefix match)."""
+        Returns True on success. Returns False, having changed nothing (but for skipping blocks
+        no query can see any more, below), when the pool has too few free + evictable blocks:
+        the scheduler then preempts (free()s) a request and retries. An unknown request id is
+        registered with an empty table (no prefix match).
+
+        Windowed groups first release the blocks wholly before the window of a query at the
+        request's current length (where the new tokens start; no earlier query is scheduled
+        again), so the new blocks can reuse them."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
         req = self._requests.get(request_id)
         registered_here = req is None
         if registered_here:
-            req = _RequestBlocks([], 0, 0, self.prefix_cache.root if self.prefix_cache else None)
+            req = self._new_request(self.prefix_cache.root if self.prefix_cache else None)
             self._requests[request_id] = req
         if num_new_tokens == 0:
             return True
         bs = self.block_size
-        blocks = req.block_ids
+        tables = req.tables
         old_tokens = req.num_tokens
         new_tokens = old_tokens + num_new_tokens
-        num_new_blocks = (new_tokens + bs - 1) // bs - len(blocks)
+        num_new_blocks = (new_tokens + bs - 1) // bs - len(tables[0])
         pool = self.pool
-        copy_on_write = old_tokens % bs != 0 and pool.ref_counts[blocks[-1]] > 1
-        if num_new_blocks == 0 and not copy_on_write:  # the common decode step: room in place
+        cow = ([g for g, t in enumerate(tables) if pool.ref_counts[t[-1]] > 1]
+               if old_tokens % bs else ())
+        if num_new_blocks == 0 and not cow:  # the common decode step: room in place
             req.num_tokens = new_tokens
             return True
-        if num_new_blocks + copy_on_write > pool.num_free_blocks:
+        if self._windowed:
+            self._skip_out_of_window(req, old_tokens)
+        if num_new_blocks * len(tables) + len(cow) > pool.num_free_blocks:
             if registered_here:
                 del self._requests[request_id]  # leave no trace of a request we registered
             return False
-        if copy_on_write:
+        for g in cow:
+            blocks = tables[g]
             src = blocks[-1]
             (dst,) = pool.allocate(1)
             pool.decref(src)  # still held by the fork that shares it (count was > 1)
@@ -276,9 +325,21 @@ class KVCacheManager:
             # copies of a step read the cache before any writes (see device_cache.copy_blocks).
             self._pending_copies[dst] = self._pending_copies.get(src, src)
         if num_new_blocks > 0:
-            blocks.extend(pool.allocate(num_new_blocks))
+            for blocks in tables:
+                blocks.extend(pool.allocate(num_new_blocks))
         req.num_tokens = new_tokens
         return True
+
+    def _skip_out_of_window(self, req: _RequestBlocks, first_query_pos: int) -> None:
+        """Release each windowed group's blocks that no query at `first_query_pos` or later sees."""
+        first_needed = self.groups.first_needed_block
+        for g in self._windowed:
+            table = req.tables[g]
+            end = min(first_needed(g, first_query_pos, self.block_size), len(table))
+            for i in range(req.skipped[g], end):
+                self._release(table[i])
+                table[i] = SKIPPED_BLOCK
+            req.skipped[g] = max(req.skipped[g], end)
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
         """Give back the slots past the first ``num_tokens`` (speculative decoding: the proposals
@@ -292,9 +353,12 @@ class KVCacheManager:
         if num_tokens < 0 or keep < cached:
             raise ValueError(f"truncate({request_id!r}, {num_tokens}): below the request's "
                              f"{req.num_cached_blocks} cached blocks")
-        blocks = req.block_ids
-        while len(blocks) > keep:
-            self._release(blocks.pop())
+        for g, blocks in enumerate(req.tables):
+            while len(blocks) > keep:
+                b = blocks.pop()
+                if len(blocks) >= req.skipped[g]:
+                    self._release(b)
+            req.skipped[g] = min(req.skipped[g], keep)
         req.num_tokens = num_tokens
 
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int],
@@ -323,19 +387,23 @@ class KVCacheManager:
             raise ValueError(
                 f"cache_blocks({request_id!r}): num_computed_tokens={num_computed_tokens} exceeds "
                 f"the request's {req.num_tokens} allocated tokens or its {len(token_ids)} token ids")
-        blocks, pool, node = req.block_ids, self.pool, req.cache_node
+        tables, skipped, pool, node = req.tables, req.skipped, self.pool, req.cache_node
         for i in range(first, num_full):
-            own = blocks[i]
+            own = [t[i] if i >= k else _ABSENT for t, k in zip(tables, skipped)]
             node = cache.insert(node, tuple(token_ids[i * bs:(i + 1) * bs]), own)
-            if node.block_id != own:
-                # Identical block already cached: share it, drop ours. Every holder of `own` (an
+            for g, b in enumerate(own):
+                cached = node.block_ids[g]
+                if b == _ABSENT or cached == b:
+                    continue
+                # Identical block already cached: share it, drop ours. Every holder of `b` (an
                 # uncached block, so shared only by forks) switches, which keeps "a holder of a
                 # cached block holds its whole cached prefix" true for the blocks inserted next.
                 for holder in req.family or (req,):
-                    if len(holder.block_ids) > i and holder.block_ids[i] == own:
-                        pool.incref(node.block_id)
-                        holder.block_ids[i] = node.block_id
-                        self._release(own)
+                    table = holder.tables[g]
+                    if len(table) > i >= holder.skipped[g] and table[i] == b:
+                        pool.incref(cached)
+                        table[i] = cached
+                        self._release(b)
         req.num_cached_blocks = num_full
         req.cache_node = node
         return num_full - first
@@ -352,12 +420,14 @@ class KVCacheManager:
         if parent is None:
             raise KeyError(f"fork: unknown parent request {parent_id!r}")
         incref = self.pool.incref
-        for b in parent.block_ids:
-            incref(b)
+        for table, k in zip(parent.tables, parent.skipped):
+            for b in table[k:]:
+                incref(b)
         if parent.family is None:
             parent.family = {parent}
-        child = _RequestBlocks(list(parent.block_ids), parent.num_tokens, parent.num_cached_blocks,
-                               parent.cache_node, parent.family)
+        child = _RequestBlocks([list(t) for t in parent.tables], list(parent.skipped),
+                               parent.num_tokens, parent.num_cached_blocks, parent.cache_node,
+                               parent.family)
         parent.family.add(child)
         self._requests[child_id] = child
 
@@ -373,8 +443,15 @@ class KVCacheManager:
         if req.family is not None:
             req.family.discard(req)
         release = self._release
-        for b in reversed(req.block_ids):
-            release(b)
+        tables, skipped = req.tables, req.skipped
+        if len(tables) == 1:
+            for b in reversed(tables[0][skipped[0]:]):
+                release(b)
+            return True
+        for i in range(len(tables[0]) - 1, -1, -1):  # last block first, every group at once
+            for table, k in zip(tables, skipped):
+                if i >= k:
+                    release(table[i])
         return True
 
     def _release(self, block_id: int) -> None:

@@ -29,90 +29,176 @@ from jaxinfer.core.kv_cache.block_pool import BlockPool
 from jaxinfer.core.kv_cache.host_tier import block_digest, root_digest
 
 
-class _Node:
-    __slots__ = ("key", "block_id", "parent", "children", "digest")
+_ABSENT = -1  # a group's entry in a node whose block was never cached or was evicted
 
-    def __init__(self, key: tuple[int, ...] | None, block_id: int, parent: _Node | None,
+
+class _Node:
+    __slots__ = ("key", "block_ids", "parent", "children", "digest")
+
+    def __init__(self, key: tuple[int, ...] | None, block_ids: list[int], parent: _Node | None,
                  digest: bytes | None = None):
         self.key = key
-        self.block_id = block_id
+        self.block_ids = block_ids  # per KV group: the block holding this prefix's last block
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.digest = digest  # the host tier's chained name of the prefix (None: no host tier)
 
+    @property
+    def block_id(self) -> int:
+        """The first group's block (the only one for a one-group model)."""
+        return self.block_ids[0]
+
 
 class PrefixCache:
-    """The radix tree; shares the ``BlockPool`` whose evictable blocks it names."""
+    """The radix tree; shares the ``BlockPool`` whose evictable blocks it names.
 
-    def __init__(self, pool: BlockPool, block_size: int, digests: bool = False):
+    With several KV groups (kv_groups.py) a node holds one block per group. Full-attention groups
+    keep the leaf-first order above. A sliding-window group's entry may be missing anywhere (its
+    block left the window of the request that held it and was evicted, or was freed before it
+    could be cached): a match only needs, per windowed group, the blocks a query at the resume
+    point can see (``match``)."""
+
+    def __init__(self, pool: BlockPool, block_size: int,
+                 windows: Sequence[int | None] = (None,), digests: bool = False):
         """`digests`: name every node by its chained SHA-256 (host_tier.py), for a host tier."""
         self.pool = pool
         self.block_size = block_size
+        self.windows = tuple(windows)
         self.digests = digests
-        self._roots: dict[Hashable, _Node] = {}
-        self.root = self.root_of(None)
-        self._node_of_block: dict[int, _Node] = {}
-        # Called with each node the pool evicts (its block's KV still intact until the step that
-        # reuses the block): the host tier copies it out. Set by KVCacheManager.
-        self.on_drop: Callable[[_Node], None] | None = None
+        self._full = [g for g, w in enumerate(self.windows) if w is None]
+        self.root = self._new_root(None)
+        self._roots: dict[Hashable, _Node] = {None: self.root}
+        self._node_of_block: dict[int, tuple[_Node, int]] = {}
+        # Called with the node and block of each full group's block the pool evicts (its KV still
+        # intact until the step that reuses the block): the host tier copies it out. Set by
+        # KVCacheManager, which allows a host tier only for one-group models.
+        self.on_drop: Callable[[_Node, int], None] | None = None
         pool.on_evict = self._on_evict
+
+    def _new_root(self, namespace: Hashable) -> _Node:
+        return _Node(None, [_ABSENT] * len(self.windows), None,
+                     root_digest(namespace) if self.digests else None)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._node_of_block)
 
     def node_of(self, block_id: int) -> _Node | None:
-        return self._node_of_block.get(block_id)
+        entry = self._node_of_block.get(block_id)
+        return None if entry is None else entry[0]
 
     def root_of(self, namespace: Hashable = None) -> _Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = _Node(
-                None, -1, None, root_digest(namespace) if self.digests else None)
+            root = self._roots[namespace] = self._new_root(namespace)
         return root
 
     def match(self, token_ids: Sequence[int], max_blocks: int,
-              namespace: Hashable = None) -> tuple[list[int], _Node]:
-        """Longest cached run of whole blocks that prefixes ``token_ids`` under ``namespace``, at
-        most ``max_blocks``.
+              namespace: Hashable = None) -> tuple[list[list[int]], _Node, int]:
+        """Longest cached prefix of whole blocks of ``token_ids`` under ``namespace`` that every
+        group can resume from, at most ``max_blocks``.
 
-        Returns the block ids (not yet referenced: the caller increfs them) and the deepest node
-        matched (the namespace's root when nothing matched)."""
+        A full group needs all n blocks; a windowed group needs the blocks a query at token
+        n * block_size sees, walked from the right as vLLM's SlidingWindowManager does (the
+        blocks before them stay placeholders). Returns per group the block ids (placeholders
+        ``_ABSENT`` before a window; not yet referenced: the caller increfs the others), the
+        node of block n (the namespace's root when n = 0) and n."""
         bs = self.block_size
-        node, blocks = self.root_of(namespace), []
+        path = [self.root_of(namespace)]
         for i in range(max_blocks):
-            child = node.children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
+            child = path[-1].children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
             if child is None:
                 break
-            blocks.append(child.block_id)
-            node = child
-        return blocks, node
+            path.append(child)
+        n = len(path) - 1
+        for g in self._full:  # prefix-closed: the first missing block caps n
+            n = next((i for i in range(n) if path[i + 1].block_ids[g] == _ABSENT), n)
+        while True:  # each windowed group lowers n to where its window's blocks are all there
+            lowered = n
+            for g, w in enumerate(self.windows):
+                if w is not None:
+                    lowered = self._window_resume(path, g, w, lowered)
+            if lowered == n:
+                break
+            n = lowered
+        blocks = []
+        for g, w in enumerate(self.windows):
+            first = 0 if w is None else max(n * bs - w + 1, 0) // bs
+            blocks.append([_ABSENT] * first + [path[i + 1].block_ids[g] for i in range(first, n)])
+        return blocks, path[n], n
 
-    def insert(self, parent: _Node, key: tuple[int, ...], block_id: int) -> _Node:
-        """Register the held, full ``block_id`` with content ``key`` under ``parent``.
+    def _window_resume(self, path: list[_Node], g: int, window: int, n: int) -> int:
+        """The largest m <= n whose blocks [first(m), m) of group g are all cached."""
+        bs = self.block_size
+        while n > 0:
+            first = max(n * bs - window + 1, 0) // bs
+            gap = next((i for i in range(n - 1, first - 1, -1)
+                        if path[i + 1].block_ids[g] == _ABSENT), None)
+            if gap is None:
+                return n
+            n = gap  # resuming at the gap block's start needs no block from it onward
+        return 0
 
-        If ``parent`` already has a child with this content (another request computed the same
-        block), that node is returned unchanged; the caller decides what to do with its copy."""
-        existing = parent.children.get(key)
-        if existing is not None:
-            return existing
-        if block_id in self._node_of_block:
-            raise RuntimeError(f"prefix cache: block {block_id} is already cached under another prefix")
-        node = _Node(key, block_id, parent,
-                     block_digest(parent.digest, key) if self.digests else None)
-        parent.children[key] = node
-        self._node_of_block[block_id] = node
-        self.pool.mark_cached(block_id)
+    def insert(self, parent: _Node, key: tuple[int, ...], block_ids: Sequence[int]) -> _Node:
+        """Register the held, full blocks ``block_ids`` (one per group, ``_ABSENT`` for a group
+        whose block is gone) with content ``key`` under ``parent``.
+
+        If ``parent`` already has a child with this content, its missing entries are filled from
+        ``block_ids`` and its present ones stay; the caller compares them with its own blocks."""
+        node = parent.children.get(key)
+        if node is None:
+            node = _Node(key, [_ABSENT] * len(self.windows), parent,
+                         block_digest(parent.digest, key) if self.digests else None)
+            parent.children[key] = node
+        for g, b in enumerate(block_ids):
+            if b != _ABSENT and node.block_ids[g] == _ABSENT:
+                if b in self._node_of_block:
+                    raise RuntimeError(f"prefix cache: block {b} is already cached under another "
+                                       f"prefix")
+                node.block_ids[g] = b
+                self._node_of_block[b] = (node, g)
+                self.pool.mark_cached(b)
         return node
 
     def _on_evict(self, block_id: int) -> None:
-        node = self._node_of_block.pop(block_id)
-        if node.children:
-            raise RuntimeError(f"prefix cache: evicting block {block_id}, which still has cached "
-                               f"children (leaf-first invariant broken)")
-        del node.parent.children[node.key]
-        if self.on_drop is not None:
-            self.on_drop(node)
+        node, g = self._node_of_block.pop(block_id)
+        node.block_ids[g] = _ABSENT
+        if self.windows[g] is None:
+            # A full group's block goes leaf first; without it nothing at or below the node can
+            # be matched, so the windowed groups' blocks there are dropped too.
+            for child in node.children.values():
+                if any(child.block_ids[f] != _ABSENT for f in self._full):
+                    raise RuntimeError(f"prefix cache: evicting block {block_id}, which still has "
+                                       f"cached children (leaf-first invariant broken)")
+            self._drop_subtree(node)
+            if self.on_drop is not None:
+                self.on_drop(node, block_id)
+        self._prune(node)
+
+    def _drop_subtree(self, node: _Node) -> None:
+        """Uncache every block at or below ``node`` (none is held: a holder of a block also holds
+        the full groups' blocks of its prefix, and those are gone) and cut its children off."""
+        stack = list(node.children.values())
+        node.children.clear()
+        for g, b in enumerate(node.block_ids):
+            if b != _ABSENT:
+                node.block_ids[g] = _ABSENT
+                del self._node_of_block[b]
+                self.pool.uncache(b)
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            for b in n.block_ids:
+                if b != _ABSENT:
+                    del self._node_of_block[b]
+                    self.pool.uncache(b)
+
+    def _prune(self, node: _Node) -> None:
+        """Remove ``node`` and empty ancestors that hold no block and have no children."""
+        while (node.parent is not None and not node.children
+               and all(b == _ABSENT for b in node.block_ids)):
+            del node.parent.children[node.key]
+            node = node.parent
 
     def clear(self) -> int:
         """Forget every cached block. Unreferenced ones go to the free list (returned: how many);
@@ -122,6 +208,6 @@ class PrefixCache:
             freed += self.pool.ref_counts[block_id] == 0
             self.pool.uncache(block_id)
         self._node_of_block.clear()
-        self._roots = {}
-        self.root = self.root_of(None)
+        self.root = self._new_root(None)
+        self._roots = {None: self.root}
         return freed

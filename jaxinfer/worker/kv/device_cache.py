@@ -14,12 +14,15 @@ from jaxinfer.model.transformer import KVCache
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       dtype: jnp.dtype = jnp.bfloat16, *, num_heads: int | None = None,
-                      sharding: jax.sharding.Sharding | None = None) -> KVCache:
+                      sharding: jax.sharding.Sharding | None = None,
+                      num_slots: int | None = None) -> KVCache:
     """Zeroed cache; under tensor parallelism `num_heads` and `sharding` come from the replica's
-    ShardingPlan (stored_kv_heads, kv_cache), so each device allocates only its heads."""
+    ShardingPlan (stored_kv_heads, kv_cache), so each device allocates only its heads.
+    `num_slots`: how many K/V array pairs (KVCacheGroups.num_slots; None: one per layer)."""
     k_shape, v_shape = kv_block_shapes(cfg, num_heads or cfg.num_kv_heads, num_blocks, block_size)
     return tuple((jnp.zeros(k_shape, dtype, device=sharding),
-                  jnp.zeros(v_shape, dtype, device=sharding)) for _ in range(cfg.num_layers))
+                  jnp.zeros(v_shape, dtype, device=sharding))
+                 for _ in range(num_slots or cfg.num_layers))
 
 
 def kv_block_shapes(cfg: ModelConfig, heads: int, num_blocks: int,

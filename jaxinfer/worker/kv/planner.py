@@ -3,6 +3,7 @@
     kv budget  = gpu_memory_utilization × device memory − weight bytes − activation peak
     num_blocks = floor(kv budget / bytes per block)
     bytes per block = block_size × 2 × num_layers × num_kv_heads × head_dim × dtype bytes
+                      (num_layers: the cache arrays, KVCacheGroups.num_slots, for windowed models)
 
 "Device memory" is what JAX's allocator may use (``memory_stats()['bytes_limit']``). With JAX's
 default preallocation that is 75% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), so the engine's GPU
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.core.kv_cache.cache_config import CacheConfig, resolve_kv_cache_dtype
+from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 
 GIB = 1 << 30
 
@@ -42,12 +44,15 @@ def latent_bytes_per_token(num_layers: int, latent_width: int, dtype_bytes: int)
     return num_layers * latent_width * dtype_bytes
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: jnp.dtype) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: jnp.dtype,
+                       num_slots: int | None = None) -> int:
+    """A block's bytes: block_size tokens of `num_slots` layers (KVCacheGroups.num_slots; all
+    layers when None), since with KV groups a block id spans one page of each cache array."""
     itemsize = jnp.dtype(kv_dtype).itemsize
+    layers = num_slots or cfg.num_layers
     if cfg.mla:
-        return block_size * latent_bytes_per_token(cfg.num_layers, cfg.head_dim, itemsize)
-    return block_size * kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                           itemsize)
+        return block_size * latent_bytes_per_token(layers, cfg.head_dim, itemsize)
+    return block_size * kv_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, itemsize)
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -140,7 +145,8 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
     activations and CONTIGUOUS_SLACK). Raises MemoryPlanError naming the flags to change when
     not even one block fits."""
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
-    block_bytes = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
+    num_slots = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache).num_slots
+    block_bytes = kv_bytes_per_block(cfg, cache.block_size, kv_dtype, num_slots)
     if cache.num_blocks is not None:
         return KVCachePlan(cache.num_blocks, cache.block_size, kv_dtype, block_bytes)
     if device_bytes is None:

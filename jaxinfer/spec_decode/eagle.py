@@ -1,0 +1,251 @@
+"""The EAGLE-3 proposer (`--speculative-config '{"method": "eagle3", "model": DIR, ...}'`): a
+one-layer head (`eagle_head.py`) drafts k tokens per speculating decode from the target's own
+residual streams at three layers, on the device, right before the target step that verifies them.
+
+State, both over the target's block ids (so block tables, copy-on-write and preemption need
+nothing new): the head's paged KV cache (one layer), and the **stream cache**: per KV slot, the
+target's three streams of the token at that position (f32-free: the target's dtype, 3 Ht wide),
+written by every target step the runner runs while this proposer is attached (prefill chunks,
+single decode steps, verification steps: `forward_aux` returns them from the same pass) at the
+step's slot mapping. The on-device multi-step decode loop (runs only while speculation is off)
+does not write them: positions it computed hold stale streams, which lowers acceptance, never
+changes outputs (verification is exact for any q).
+
+The head at position t reads token t + 1 and the target's streams of position t, and predicts
+token t + 2. A decode whose input token is x_s at position s (streams known up to s - 1):
+`Sequence.draft_computed` counts the positions whose head KV comes from the target's streams;
+the head catches up on positions draft_computed .. s - 2 (one ragged call, tokens shifted by one),
+then one jitted chain of k steps: step 0 at position s - 1 (x_s, the streams of s - 1) proposes
+d_1; step i at position s - 1 + i reads d_i and step i - 1's output stream (EAGLE's
+training-time test trains exactly this). After it positions < s are real: draft_computed = s.
+Proposals are sampled as the draft model's are (`rejection_sampler.propose_tokens`: the request's
+transforms, q returned for the exact rejection sampler); tokens outside the head's draft
+vocabulary have probability 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.transformer import forward_aux
+from jaxinfer.spec_decode import eagle_head as head
+from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
+from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
+from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, input_ids
+from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.metadata import AttentionMetadata
+
+
+def write_streams(streams: jax.Array, aux: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """The target's streams of a step's tokens into their slots (padding, slot -1, dropped)."""
+    dst = jnp.where(slot_mapping < 0, streams.shape[0], slot_mapping)
+    return streams.at[dst].set(aux.astype(streams.dtype), mode="drop")
+
+
+def _paged_attend(backend: AttentionBackend, cfg: head.Eagle3Config, kv, md: AttentionMetadata):
+    """`attend` for the head's layer over its paged cache; the new cache goes into `out`."""
+    out = {}
+
+    def attend(q, k, v):
+        k_cache, v_cache = backend.write_kv(*kv[0], k, v, md.slot_mapping)
+        out["kv"] = ((k_cache, v_cache),)
+        return backend(q, k_cache, v_cache, md, scale=cfg.layer.score_scale)
+    return attend, out
+
+
+def _catch_up(params, embed, kv, streams, ids, positions, md, *, cfg, backend):
+    """The head's KV at positions whose streams the target wrote (ids: the next tokens)."""
+    hidden = head.fuse(params, streams[jnp.maximum(md.slot_mapping, 0)])
+    attend, out = _paged_attend(backend, cfg, kv, md)
+    with jax.named_scope("eagle_catch_up"):
+        head.layer(params, cfg, embed, ids, hidden, positions, attend)
+    return out["kv"]
+
+
+def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
+           t: SamplingTensors, *, cfg, backend, block_size: int, k: int, variant: SamplerVariant):
+    """k head steps over S rows (step 0 at first_pos: the input token and the target's streams of
+    first_pos; step i: proposal i and step i - 1's stream). Rows with num <= i are padding in step
+    i. -> (kv cache, drafts i32[S, k], q f32[S, k, V])"""
+    s = first_ids.shape[0]
+    vocab = embed.shape[0]
+    rows = jnp.arange(s)
+    qsl = jnp.arange(s + 1, dtype=jnp.int32)
+    max_blocks = block_tables.shape[1]
+
+    def slot(pos, valid):
+        blk = block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
+        return jnp.where(valid, blk * block_size + pos % block_size, -1)
+
+    first_slot = slot(first_pos, num > 0)
+    hidden0 = head.fuse(params, streams[jnp.maximum(first_slot, 0)])
+
+    def body(i, carry):
+        kv, hidden, drafts, probs = carry
+        ids = jnp.where(i == 0, first_ids, drafts[:, jnp.maximum(i - 1, 0)])
+        pos = first_pos + i
+        valid = i < num
+        md = AttentionMetadata(slot(pos, valid), qsl, jnp.where(valid, pos + 1, 0),
+                               block_tables, num_decodes=s)
+        attend, out = _paged_attend(backend, cfg, kv, md)
+        with jax.named_scope("eagle_draft"):
+            normed, stream = head.layer(params, cfg, embed, ids, hidden, pos, attend)
+            logits = head.target_logits(params, normed, vocab)
+        ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i], expand_positions(t, drafts))
+        d, q = propose_tokens(logits, ti, variant=variant)
+        drafts = drafts.at[:, i].set(jnp.where(valid, d, 0))
+        return out["kv"], stream.astype(hidden.dtype), drafts, probs.at[:, i].set(q)
+
+    init = (kv, hidden0, jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, vocab), jnp.float32))
+    kv, _, drafts, probs = jax.lax.fori_loop(0, k, body, init)
+    return kv, drafts, probs
+
+
+def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *, cfg, backend,
+                    layers):
+    """The runner's forward that also writes the step's streams (`_forward_step`'s result)."""
+    logits, kv_cache, aux = forward_aux(params, cfg, input_ids(batch, last_tokens),
+                                        batch.positions, kv_cache, batch.md, backend,
+                                        batch.logits_indices, batch.lora_slot, layers=layers)
+    return logits, kv_cache, write_streams(streams, aux, batch.md.slot_mapping)
+
+
+def _copy_rows(streams, src, dst, block_size: int):
+    """Copy-on-write of whole blocks in the stream cache (dst -1: none)."""
+    offs = jnp.arange(block_size)
+    n = streams.shape[0]
+    s = (jnp.clip(src, 0)[:, None] * block_size + offs).reshape(-1)
+    d = jnp.where(dst[:, None] < 0, n, dst[:, None] * block_size + offs).reshape(-1)
+    return streams.at[d].set(streams[s], mode="drop")
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(cfg: head.Eagle3Config, target_cfg, backend: AttentionBackend, block_size: int,
+            k: int):
+    chain = jax.jit(functools.partial(_chain, cfg=cfg, backend=backend, block_size=block_size,
+                                      k=k), static_argnames=("variant",), donate_argnums=(2,))
+    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
+                       donate_argnums=(2,))
+    target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, backend=backend,
+                                       layers=cfg.aux_layers), donate_argnums=(1, 4))
+    copy = jax.jit(functools.partial(_copy_rows, block_size=block_size), donate_argnums=(0,))
+    return chain, catch_up, target, copy
+
+
+class EagleProposer:
+    """A loaded EAGLE-3 head; `attach` gives it its KV and stream caches once the pool is sized."""
+    on_device = True
+
+    def __init__(self, cfg: head.Eagle3Config, params: dict):
+        self.cfg = cfg
+        self.params = params
+        self.aux_layers = cfg.aux_layers
+        self.k = 0
+        self.kv_cache = None
+        self.streams = None
+
+    def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
+        if runner.plan is not None and runner.plan.tp > 1:
+            raise ConfigError("--speculative-config method eagle3 does not run under tensor "
+                              "parallelism yet")
+        self.runner, self.k = runner, k
+        target_embed = runner.params["embed"]["embedding"]
+        self.embed = self.params.get("embed", target_embed)
+        self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size, kv_dtype)
+        self.streams = jnp.zeros((num_blocks * runner.block_size, 3 * self.cfg.target_hidden_size),
+                                 target_embed.dtype)
+        self._chain, self._catch_up, self._target, self._copy = _jitted(
+            self.cfg, runner.cfg, runner.backend, runner.block_size, k)
+
+    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        """Bytes one block of its KV and stream caches takes."""
+        c = self.cfg.layer
+        return block_size * (2 * c.num_kv_heads * c.head_dim + 3 * self.cfg.target_hidden_size
+                             ) * dtype_bytes
+
+    def target_forward(self, runner, batch: StepBatch):
+        """The runner's forward of an ordinary step, writing its streams. -> (logits, kv cache)"""
+        logits, kv, self.streams = self._target(runner.params, runner.kv_cache,
+                                                runner.last_tokens, batch, self.streams)
+        return logits, kv
+
+    # ---- Proposer ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        pass
+
+    def plan(self, seq, max_tokens: int) -> list[int]:
+        return [0] * max_tokens  # placeholders: `propose` fills them on the device
+
+    def propose(self, sched: SchedulerOutput, batch: StepBatch, v, variant: SamplerVariant):
+        """Catch up, then the k-step chain for the step's speculating rows. -> (VerifyInputs with
+        the proposals, q f32[S, K, V])"""
+        runner = self.runner
+        if sched.block_copies:
+            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.block_copies))
+            size = runner.buckets.copy_shape(len(src))
+            src = np.pad(src, (0, size - len(src)), constant_values=-1)
+            dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
+            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+            self.streams = self._copy(self.streams, src, dst)
+        s = batch.md.num_seqs
+        first_ids = np.zeros(s, np.int32)
+        first_pos = np.zeros(s, np.int32)
+        behind = []
+        for r, entry in enumerate(sched.decodes):
+            if not entry.proposal:
+                continue
+            seq, start = entry.seq, entry.start
+            first_ids[r], first_pos[r] = seq.token_ids[start], start - 1
+            seen = min(seq.draft_computed, start - 1)
+            if seen < start - 1:
+                behind.append((entry, seen))
+            seq.draft_computed = start
+        self._run_catch_up(behind)
+        self.kv_cache, drafts, q = self._chain(
+            self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
+            v.num_drafts, batch.md.block_tables, batch.sampling, variant=variant)
+        return dataclasses.replace(v, drafts=drafts), q
+
+    def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
+        """Head KV at each row's positions seen .. start - 2, in chunks of at most the largest
+        token bucket; each position reads the token after it."""
+        runner = self.runner
+        cap = runner.buckets.token_buckets[-1]
+        pieces = [ScheduledSeq(e.seq, lo, min(cap, e.start - 1 - lo), False, e.block_ids)
+                  for e, seen in behind for lo in range(seen, e.start - 1, cap)]
+        chunk: list[ScheduledSeq] = []
+        used = 0
+        for piece in pieces + [None]:
+            if piece is None or used + piece.num_tokens > cap or (
+                    len(chunk) == runner.buckets.max_num_seqs):
+                if chunk:
+                    self._catch_up_chunk(chunk, used)
+                chunk, used = [], 0
+            if piece is not None:
+                chunk.append(piece)
+                used += piece.num_tokens
+
+    def _catch_up_chunk(self, chunk: list[ScheduledSeq], used: int) -> None:
+        runner = self.runner
+        t, s = runner.buckets.mixed_shape(used)
+        batch = build_step_batch(chunk, 0, t, s, runner.sampling_table, runner.block_size,
+                                 runner.max_blocks, runner.max_model_len, SamplerVariant())
+        ids = np.zeros(t, np.int32)
+        for piece, lo in zip(chunk, batch.md.query_start_loc):
+            ids[lo:lo + piece.num_tokens] = piece.seq.token_ids[
+                piece.start + 1:piece.start + 1 + piece.num_tokens]
+        self.kv_cache = self._catch_up(self.params, self.embed, self.kv_cache, self.streams, ids,
+                                       batch.positions, batch.md)
+
+
+def load_eagle(model_dir: str, target_cfg, dtype) -> EagleProposer:
+    cfg, params = head.load_head(model_dir, target_cfg, dtype)
+    return EagleProposer(cfg, params)

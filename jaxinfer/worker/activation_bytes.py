@@ -1,0 +1,59 @@
+"""The activation figure the memory planner subtracts (worker/kv/planner.py): what the largest
+step bucket needs beyond its inputs, from compiling that step against a one-block cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.core.kv_cache import KVCacheGroups
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.parallel.attention import shard_backend
+from jaxinfer.parallel.sharding import ShardingPlan
+from jaxinfer.worker.bucket_compiler import model_inputs
+from jaxinfer.worker.buckets import Buckets
+from jaxinfer.worker.executable_cache import ExecutableCache, step_key
+from jaxinfer.worker.kv import kv_block_shapes
+from jaxinfer.worker.runner import _jitted_fns
+from jaxinfer.worker.sampler import FULL_SAMPLER
+from jaxinfer.worker.step_inputs import SamplingTable, build_step_batch
+from pallas_kernels.attention.backend import AttentionBackend
+
+
+def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
+                          block_size: int, max_model_len: int, max_num_seqs: int,
+                          max_num_batched_tokens: int, plan: ShardingPlan | None = None,
+                          cache: ExecutableCache | None = None,
+                          kv_groups: KVCacheGroups | None = None) -> int:
+    """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
+    device under tensor parallelism), from compiling that step against a one-block cache of the
+    same layout: a step's activations do not depend on the number of blocks. Costs two
+    compilations, unless `cache` holds the figure from an earlier start (same key parts as the
+    executables: shapes, shardings, code, compiler)."""
+    from jaxinfer.worker.kv import activation_peak_bytes
+    buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
+    t, s = buckets.mixed_shape(buckets.token_buckets[-1])
+    max_blocks = -(-max_model_len // block_size)
+    groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
+    batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
+                             max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
+    heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
+    one_block = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
+                      for shape in kv_block_shapes(cfg, heads, 1, block_size))
+    kv = tuple(one_block for _ in range(groups.num_slots))
+    last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
+    backend = shard_backend(backend, plan)
+    key = cache and step_key("activation bytes", (cfg, backend, block_size),
+                             (params, kv, last, batch))
+    cached = key and cache.load_figure(key)
+    if cached is not None:
+        return cached
+    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size, plan)
+    logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
+    peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
+                                                     model_inputs(batch)).compile())
+            + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
+                                                      variant=FULL_SAMPLER).compile()))
+    if key:
+        cache.store_figure(key, peak)
+    return peak

@@ -1,0 +1,137 @@
+"""EAGLE-3 speculative decoding on CPU: greedy output with a random head (HF format, a reduced
+draft vocabulary mapped by d2t) identical to the HF golden continuation on several families'
+fixtures; sampled outputs distributed as without speculation; the head's loading refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import load_config
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.spec_decode import eagle_head as head
+from jaxinfer.spec_decode.eagle import EagleProposer, load_eagle
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
+                                 tiny_model, tiny_tokenizer)
+
+pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def random_head(target_cfg, key=0, std=0.3) -> tuple[head.Eagle3Config, dict]:
+    """A random head over a reduced draft vocabulary (every other token, offsets in d2t)."""
+    vd = target_cfg.vocab_size // 2
+    cfg = head.eagle3_config(
+        {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": target_cfg.vocab_size,
+         "draft_vocab_size": vd, "hidden_size": target_cfg.hidden_size,
+         "intermediate_size": 2 * target_cfg.hidden_size, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": target_cfg.max_position_embeddings}, target_cfg)
+    params = head.init_head(cfg, key, jnp.float32, std=std)
+    params["d2t"] = jnp.arange(vd, dtype=jnp.int32)  # draft i -> target 2 i
+    return cfg, params
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tmp_path_factory):
+    out = {}
+    for family in ("llama", "qwen3", "gemma2"):
+        target = load_config(FIXTURES / family)
+        cfg, params = random_head(target)
+        path = tmp_path_factory.mktemp(f"eagle_{family}")
+        head.save_head(params, cfg, json.loads((FIXTURES / family / "config.json").read_text()),
+                       path)
+        out[family] = path
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_greedy_matches_transformers_with_an_eagle3_head(family, head_dirs):
+    golden = np.load(FIXTURES / family / "golden.npz")
+    spec = {"method": "eagle3", "model": str(head_dirs[family]), "num_speculative_tokens": 4}
+    args = EngineArgs(model=str(FIXTURES / family), speculative_config=json.dumps(spec),
+                      dtype="float32", max_model_len=64, block_size=BLOCK, num_blocks=64,
+                      max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir=None,
+                      warmup=False, speculative_min_acceptance=0.0)
+    e = LLMEngine.from_engine_args(args)
+    assert isinstance(e.spec.speculator.proposer, EagleProposer)
+    e.add_request("g", golden["greedy_prompt"].tolist(),
+                  SamplingParams(max_tokens=len(golden["greedy_tokens"]), **GREEDY))
+    assert run_all(e)["g"][0][0] == golden["greedy_tokens"].tolist()
+    assert e.spec.metrics.drafts > 0
+    assert_all_free(e)
+
+
+def tiny_engine(proposer=None, **kwargs) -> LLMEngine:
+    cfg, params = tiny_model()
+    args = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
+                compilation_cache_dir=None, warmup=False, dtype="float32")
+    if proposer is not None:
+        args.update(speculative_config={"method": "eagle3", "model": "in-process",
+                                        "num_speculative_tokens": 2},
+                    speculative_min_acceptance=0.0)
+    args.update(kwargs)
+    return LLMEngine(cfg, params, tiny_tokenizer(), EngineArgs(**args), num_blocks=NUM_BLOCKS,
+                     draft=proposer)
+
+
+def test_sampled_outputs_follow_the_same_distribution():
+    """Temperature 1: the second generated token (the first a proposal can stand for) of 160
+    seeded requests, with a random head and without speculation: a two-sample chi-square over
+    token classes finds no difference; some proposals are accepted, some rejected."""
+    params = dict(temperature=1.0, max_tokens=3, ignore_eos=True)
+    prompt = prompt_ids(5, 6)
+    target_cfg, _ = tiny_model()
+    cfg, hp = random_head(target_cfg, std=0.05)
+
+    def second_tokens(e):
+        out = {}
+        for batch in range(0, 160, 8):  # no request waits: every step may speculate
+            for i in range(batch, batch + 8):
+                e.add_request(f"s{i}", prompt, SamplingParams(seed=1000 + i, **params))
+            out.update(run_all(e))
+        return np.array([v[0][0][1] for v in out.values()])
+
+    spec = tiny_engine(EagleProposer(cfg, hp))
+    a, b = second_tokens(spec), second_tokens(tiny_engine())
+    m = spec.spec.metrics
+    assert m.draft_tokens >= 150 and 0 < m.accepted < m.draft_tokens
+    classes = np.unique(np.concatenate([a, b]))
+    counts = np.array([[np.sum(x == c) for c in classes] for x in (a, b)], float)
+    keep = counts.sum(0) >= 10  # rare tokens pooled into one class
+    counts = np.concatenate([counts[:, keep], counts[:, ~keep].sum(1, keepdims=True)], axis=1)
+    expected = counts.sum(1, keepdims=True) * counts.sum(0, keepdims=True) / counts.sum()
+    stat = ((counts - expected) ** 2 / np.maximum(expected, 1e-9)).sum()
+    df = counts.shape[1] - 1
+    assert stat < df + 4 * np.sqrt(2 * df) + 10, (stat, df)
+
+
+def test_head_loading_round_trip_and_refusals(tmp_path):
+    target = load_config(FIXTURES / "llama")
+    cfg, params = random_head(target)
+    raw = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    head.save_head(params, cfg, raw, tmp_path / "ok")
+    loaded = load_eagle(str(tmp_path / "ok"), target, jnp.float32)
+    assert loaded.cfg == cfg
+    np.testing.assert_array_equal(loaded.params["d2t"], params["d2t"])
+    np.testing.assert_allclose(loaded.params["q_proj"], params["q_proj"], atol=2e-2, rtol=2e-2)
+    small = load_config(FIXTURES / "llama")
+    with pytest.raises(ConfigError, match="vocab_size"):
+        head.eagle3_config(dict(head.hf_config(cfg, raw), vocab_size=7), small)
+    bad = dict(params, fc=params["fc"][:-1])
+    head.save_head(bad, cfg, raw, tmp_path / "bad")
+    with pytest.raises(ConfigError, match="fc"):
+        load_eagle(str(tmp_path / "bad"), target, jnp.float32)
+    with pytest.raises(ConfigError, match="model directory"):
+        EngineArgs(model="x", speculative_config={"method": "eagle3",
+                                                  "num_speculative_tokens": 2}).spec_config()

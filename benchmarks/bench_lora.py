@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import results_io
-from jaxinfer.engine.args import EngineArgs
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -220,7 +219,8 @@ def main() -> None:
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
         runs[mode] = json.loads(line[len("RESULT "):])
         print(mode, f"({time.perf_counter() - t0:.0f} s)", runs[mode], flush=True)
-    default = EngineArgs.lora_impl
+    # --lora-impl auto's choice on the children's platform (lora_args.resolved_lora_impl, TP 1)
+    default = "pallas" if runs["base"].get("platform") == "gpu" else "xla"
     metrics = {}
     for impl in impls:
         for key, value in impl_metrics(runs["base"], runs[impl]).items():

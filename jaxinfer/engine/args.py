@@ -112,8 +112,9 @@ class EngineArgs:
     lora_modules: list | None = None  # "name=path" or {"name": ..., "path": ...} entries
     max_loras: int = 1
     max_lora_rank: int = 16
-    # The LoRA delta's implementation (ModelConfig.lora_impl; model/lora/delta.py): xla or pallas.
-    lora_impl: str = "xla"
+    # The LoRA delta's implementation (ModelConfig.lora_impl; model/lora/delta.py): xla, pallas,
+    # or auto (lora_args.resolved_lora_impl).
+    lora_impl: str = "auto"
     max_cpu_loras: int | None = None  # None: max_loras
 
     def __post_init__(self):

@@ -52,6 +52,7 @@ from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.engine.kv_tier import KVTierMixin, host_tier_for
 from jaxinfer.engine.lora import LoRAMixin, with_lora_stacks
+from jaxinfer.engine.lora_args import resolved_lora_impl
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.quant_scheme import resolve_quantization
@@ -183,7 +184,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             cfg = load_config(model_dir)
             cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
                 args.quantization, cfg.quantization, args.load_format),
-                moe_impl=args.moe_impl, quant_impl=args.quant_impl, lora_impl=args.lora_impl)
+                moe_impl=args.moe_impl, quant_impl=args.quant_impl,
+                lora_impl=resolved_lora_impl(args))
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.core.lora_slots import LoRASlots
-from jaxinfer.engine.lora_args import lora_modules
+from jaxinfer.engine.lora_args import lora_modules, resolved_lora_impl
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.model.lora.peft import LoRAAdapter, adapter_from_tensors
@@ -22,7 +22,7 @@ def with_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
         return params
     dtype = params["embed"]["embedding"].dtype
     stacks = empty_stacks(cfg, params, args.max_loras, args.max_lora_rank, jnp.dtype(dtype),
-                          plan and plan.replicated, pow2=args.lora_impl == "pallas")
+                          plan and plan.replicated, pow2=resolved_lora_impl(args) == "pallas")
     return {**params, LORA: stacks}
 
 

@@ -25,10 +25,11 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras); others are read "
                         "from their files again when needed")
-    g.add_argument("--lora-impl", default="xla", choices=LORA_IMPLS,
+    g.add_argument("--lora-impl", default="auto", choices=("auto", *LORA_IMPLS),
                    help="the LoRA matmuls: xla (every slot's weights, no sorting) or pallas (the "
                         "slot-grouped Triton kernels of pallas_kernels/lora: reads only the "
-                        "slots a step uses); docs/lora.md")
+                        "slots a step uses); auto (default): pallas on a GPU without tensor "
+                        "parallelism (measured faster: docs/lora.md), else xla")
 
 
 def lora_modules(specs) -> list[LoRARequest]:
@@ -71,11 +72,21 @@ def check_lora_args(args) -> None:
     if args.data_parallel_size > 1 or (args.num_processes or 1) > 1:
         raise ConfigError("--enable-lora does not combine with data parallelism or several "
                           "processes yet")
-    if args.lora_impl not in LORA_IMPLS:
-        raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from {', '.join(LORA_IMPLS)}")
+    if args.lora_impl not in ("auto", *LORA_IMPLS):
+        raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from auto, "
+                          f"{', '.join(LORA_IMPLS)}")
     if args.lora_impl == "pallas" and args.tensor_parallel_size > 1:
         raise ConfigError("--lora-impl pallas does not combine with tensor parallelism yet "
                           "(the kernels are not partitioned); use --lora-impl xla")
     names = [r.lora_name for r in lora_modules(args.lora_modules)]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules names {names} are not unique")
+
+
+def resolved_lora_impl(args) -> str:
+    """--lora-impl with "auto" decided: the Triton kernels on a GPU (lora_h200.json: faster than
+    xla on all three workloads) unless tensor parallelism splits the weights they read."""
+    if args.lora_impl != "auto":
+        return args.lora_impl
+    import jax
+    return "pallas" if jax.default_backend() == "gpu" and args.tensor_parallel_size == 1 else "xla"

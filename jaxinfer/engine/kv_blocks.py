@@ -62,3 +62,17 @@ def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
                                 [d for d in devices if d.process_index == jax.process_index()]))
     log.info(kv_plan.describe())
     return kv_plan.num_blocks
+
+
+def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs) -> EngineArgs:
+    """`args` with --hybrid-kv-cache off when a draft model or an EAGLE-3 head keeps its KV in the
+    target's first group and every group is windowed (a Mistral with `sliding_window`): those
+    blocks would leave with the window. The windows still apply in the kernels."""
+    spec = args.spec_config()
+    if not args.hybrid_kv_cache or spec is None or spec.method == "ngram":
+        return args
+    if KVCacheGroups.for_model(cfg).windows[0] is None:
+        return args
+    log.info("KV groups off (--no-hybrid-kv-cache): the %s drafter keeps its KV in the target's "
+             "blocks and no target layer has full attention", spec.method)
+    return dataclasses.replace(args, hybrid_kv_cache=False)

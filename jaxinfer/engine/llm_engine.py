@@ -35,7 +35,8 @@ from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
 from jaxinfer.worker.kv.planner import kv_bytes_per_block
-from jaxinfer.engine.kv_blocks import params_dtype_name, plan_num_blocks
+from jaxinfer.engine.kv_blocks import (params_dtype_name, plan_num_blocks,
+                                       with_hybrid_kv_decided)
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.startup import StartupTimes
@@ -186,6 +187,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
                 args.quantization, cfg.quantization, args.load_format),
                 moe_impl=args.moe_impl, quant_impl=args.quant_impl,
                 lora_impl=resolved_lora_impl(args))
+            args = with_hybrid_kv_decided(cfg, args)
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

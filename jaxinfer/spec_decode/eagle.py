@@ -63,6 +63,7 @@ def _paged_attend(backend: AttentionBackend, cfg: head.Eagle3Config, kv, md: Att
 
 def _catch_up(params, embed, kv, streams, ids, positions, md, *, cfg, backend):
     """The head's KV at positions whose streams the target wrote (ids: the next tokens)."""
+    md = md.group(0)  # the head's KV and streams live in the full-attention group's blocks
     hidden = head.fuse(params, streams[jnp.maximum(md.slot_mapping, 0)])
     attend, out = _paged_attend(backend, cfg, kv, md)
     with jax.named_scope("eagle_catch_up"):
@@ -115,7 +116,7 @@ def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *,
     logits, kv_cache, aux = forward_aux(params, cfg, input_ids(batch, last_tokens),
                                         batch.positions, kv_cache, batch.md, backend,
                                         batch.logits_indices, batch.lora_slot, layers=layers)
-    return logits, kv_cache, write_streams(streams, aux, batch.md.slot_mapping)
+    return logits, kv_cache, write_streams(streams, aux, batch.md.group(0).slot_mapping)
 
 
 def _copy_rows(streams, src, dst, block_size: int):
@@ -156,6 +157,9 @@ class EagleProposer:
         if runner.plan is not None and runner.plan.tp > 1:
             raise ConfigError("--speculative-config method eagle3 does not run under tensor "
                               "parallelism yet")
+        if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
+            raise ConfigError("an eagle3 head needs a target with a full-attention layer, or "
+                              "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
         self.runner, self.k = runner, k
         target_embed = runner.params["embed"]["embedding"]
         self.embed = self.params.get("embed", target_embed)
@@ -211,7 +215,7 @@ class EagleProposer:
         self._run_catch_up(behind)
         self.kv_cache, drafts, q = self._chain(
             self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
-            v.num_drafts, batch.md.block_tables, batch.sampling, variant=variant)
+            v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
 
     def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:

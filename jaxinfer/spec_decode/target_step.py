@@ -77,7 +77,7 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
             logits, kv_cache, aux = forward_aux(params, cfg, ids, batch.positions, kv_cache,
                                                 batch.md, backend, v.verify_indices.reshape(-1),
                                                 layers=layers)
-            streams = write_streams(streams, aux, batch.md.slot_mapping)
+            streams = write_streams(streams, aux, batch.md.group(0).slot_mapping)
         else:
             logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md,
                                        backend, v.verify_indices.reshape(-1))

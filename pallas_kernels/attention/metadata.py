@@ -45,8 +45,14 @@ class AttentionMetadata:
         if self.kv_layout is None:
             return layer, self
         slot, group = self.kv_layout[layer]
-        return slot, dataclasses.replace(self, slot_mapping=self.slot_mapping[group],
-                                         block_tables=self.block_tables[group], kv_layout=None)
+        return slot, self.group(group)
+
+    def group(self, g: int) -> AttentionMetadata:
+        """KV group g's slot mapping and block table alone (one group: this metadata)."""
+        if self.kv_layout is None:
+            return self
+        return dataclasses.replace(self, slot_mapping=self.slot_mapping[g],
+                                   block_tables=self.block_tables[g], kv_layout=None)
 
     @property
     def num_seqs(self) -> int:

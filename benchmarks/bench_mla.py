@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
+from benchmarks.bench_families import run_requests
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 
@@ -87,21 +87,6 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     t_mla = anchors.queued_time(lambda _: attend(q, cache, tables, lens), None)
     return {"mla_s": t_mla, "plain_s": read / plain, "frac": read / t_mla / plain,
             "plain_bytes_s": plain}
-
-
-def run_requests(engine, prompts: list[list[int]], out: int) -> dict:
-    from jaxinfer.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-    arrivals = {f"q{i}": [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, params)
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            arrivals[o.request_id] += [now] * len(o.outputs[0].new_token_ids)
-    return {"start": start, "end": time.perf_counter(), "arrivals": arrivals}
 
 
 def decode_read_bytes(cfg, context: float) -> float:

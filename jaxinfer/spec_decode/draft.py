@@ -168,10 +168,8 @@ class DraftModel:
             seq.draft_computed = start + len(entry.proposal)
         self._run_catch_up(behind)
         self.kv_cache, drafts, q = self._loop(self.params, self.kv_cache, first_ids, first_pos,
-                                              v.num_drafts, batch.md.block_tables[0]  # group 0
-                                              if batch.md.kv_layout else batch.md.block_tables,
-                                              batch.sampling,
-                                              variant=variant)
+                                              v.num_drafts, batch.md.group(0).block_tables,
+                                              batch.sampling, variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
 
     def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:

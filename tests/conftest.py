@@ -2,6 +2,8 @@
 the test server that test_server_api.py and test_server_faults.py share."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -65,7 +67,9 @@ def _group_files(items):
     parallel-checks subprocesses would be built twice; grouped, each is built once and its tests
     run in file order, as in a serial run. A file's tests also share what its module caches (a
     model, jitted steps: jax compiles each once per process), so split test by test over two
-    workers, a file's compiles were paid twice (a sample of six engine files: -21 % CPU time)."""
+    workers, a file's compiles were paid twice (a sample of six engine files: -21 % CPU time).
+    A file too long to leave to one worker marks its tests with `part(name)`: each part is a group
+    of its own (test_parallel.py: one subprocess per part, shared through module-scoped fixtures)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -84,6 +88,9 @@ def _group_files(items):
     for item in items:
         root = find(str(item.path))
         name = root.removeprefix("fixture:") if root.startswith("fixture:") else item.path.stem
+        part = item.get_closest_marker("part")
+        if part and not root.startswith("fixture:"):  # a slow file's parts, apart
+            name = f"{name}[{part.args[0]}]"
         item.add_marker(pytest.mark.xdist_group(name))
         groups[item] = name
     _longest_first(items, groups)
@@ -107,6 +114,50 @@ def _longest_first(items, groups: dict) -> None:
     items.sort(key=lambda it: (groups[it] not in slow, -size[groups[it]], first[groups[it]]))
 
 
+@pytest.fixture(scope="module")
+def without_jax_persistent_cache():
+    """jax's persistent compilation cache off for a module's tests, as in a process that never set
+    it: jaxinfer's executable cache stores nothing while it is on, and an executable jax loaded
+    from it re-serializes without its kernels' code. jax decides once per process whether the
+    cache is in use (compilation_cache.is_cache_used): that decision is reset on the way in and
+    out, and the executables in memory, maybe loaded from it, are dropped."""
+    from jax.experimental.compilation_cache import compilation_cache
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+        compilation_cache.reset_cache()
+
+
+def _use_persistent_cache(config) -> None:
+    """jax's persistent compilation cache, one directory per test run: many tests build the same
+    tiny engines, whose steps then compile once per run, not once per process (the two xdist
+    workers, the subprocesses of test_parallel.py, the servers) nor again where a test drops
+    jax's in-memory executables. Set in the environment before xdist starts its workers, so they
+    and every subprocess a test starts inherit it, and in this process's jax; the process that made
+    the directory removes it (pytest_unconfigure). A directory the caller set is used and kept.
+    Tests of jaxinfer's own executable cache turn it off (`without_jax_persistent_cache`)."""
+    if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # an xdist worker (its jax read the environment) or the caller's directory
+    config._jax_cache_dir = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-cache-")
+    settings = {"jax_compilation_cache_dir": config._jax_cache_dir,
+                "jax_persistent_cache_min_compile_time_secs": 0,  # every compile
+                "jax_persistent_cache_min_entry_size_bytes": -1}  # every size
+    for name, value in settings.items():
+        os.environ[name.upper()] = str(value)
+        jax.config.update(name, value)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_jax_cache_dir", None):
+        shutil.rmtree(config._jax_cache_dir, ignore_errors=True)
+
+
 def pytest_configure(config):
+    _use_persistent_cache(config)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set above
         config.option.loadscopereorder = False

@@ -1,8 +1,9 @@
-"""The tensor/data-parallel checks that need several devices, run in one subprocess of
+"""The tensor/data-parallel checks that need several devices, run in subprocesses of
 tests/test_parallel.py with 8 CPU devices (jax fixes its device count when it starts, and the rest
-of the suite runs on one). Prints one JSON object: per check, the values the test compares.
+of the suite runs on one), a few checks each (its PARTS). Prints one JSON object: per check, the
+values the test compares.
 
-    python tests/parallel_checks.py
+    python tests/parallel_checks.py [CHECK ...]
 """
 
 import json
@@ -203,13 +204,9 @@ def engine_checks(out: dict) -> None:
                                      [o.weight_version for o in again],
                                      [r.weight_version for r in llm.engine.replicas]]
         out[f"engine/tp{tp}dp{dp}"] = entry
-    llama = load_config(FIXTURES / "llama")  # the multi-process test's single-device reference
+    llama = load_config(FIXTURES / "llama")
+    llama_tp1_checks(out)
     lg = np.load(FIXTURES / "llama" / "golden.npz")
-    outs = LLM(str(FIXTURES / "llama"), **kw).generate(
-        [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()],
-        SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True),
-        use_tqdm=False)
-    out["llama/engine_tp1"] = [o.outputs[0].token_ids for o in outs]
     # An fp8 cache under TP = 2 (each device quantizes and reads its own KV heads with the
     # layer's scales) against one device.
     out["llama/fp8"] = {tp: [o.outputs[0].token_ids for o in LLM(
@@ -229,6 +226,19 @@ def engine_checks(out: dict) -> None:
     out["llama_heads"] = [llama.num_heads, llama.num_kv_heads]
 
 
+def llama_tp1_checks(out: dict) -> None:
+    """The single-device reference of the TP = 2 runs on the llama fixture (two processes, the
+    sampler layouts, speculation): its prompts' greedy tokens through LLM(...) on one device."""
+    lg = np.load(FIXTURES / "llama" / "golden.npz")
+    outs = LLM(str(FIXTURES / "llama"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+               num_blocks=64, block_size=4, warmup=False, compilation_cache_dir=None,
+               decode_steps_per_call=1).generate(
+        [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()],
+        SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True),
+        use_tqdm=False)
+    out["llama/engine_tp1"] = [o.outputs[0].token_ids for o in outs]
+
+
 async def _through_async_engine(engine, prompt, params) -> list[int]:
     """One request through the server's AsyncEngine wrapped around the data-parallel engine."""
     async_engine = AsyncEngine(engine=engine)
@@ -244,7 +254,8 @@ def executable_cache_checks(out: dict) -> None:
     """DP = 2 x TP = 2 with warm-up and an executable cache, started twice: the second start loads
     every step (replica 2's onto its own sub-mesh, devices 2-3) and decodes the same tokens. No
     decode loop (its TP compile is the costliest step; the loop's own caching is
-    tests/test_executable_cache.py's). Last: it turns jax's persistent cache on for the process."""
+    tests/test_executable_cache.py's). Run without jax's persistent cache (test_parallel.py's
+    cache_lora part): the executable cache stores nothing while that is on."""
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -332,7 +343,7 @@ def spec_decode_checks(out: dict) -> None:
     the collectives inside a conditional or while loop of each verification step, draft loop and
     draft catch-up that ran (one request asks for logprobs: the full sampler variant), and the
     greedy tokens of the prompts of "llama/engine_tp1". The engine flags are the sampler check's,
-    so the forwards it compiled (run before this) apply again."""
+    so the forwards it compiled apply again (in one process, or through jax's persistent cache)."""
     from jaxinfer.parallel import sampling_logits
     from jaxinfer.spec_decode import draft as draft_module
     from jaxinfer.spec_decode import target_step
@@ -372,10 +383,12 @@ def spec_decode_checks(out: dict) -> None:
 
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
-    checks = (model_checks, shard_checks, engine_checks, sampler_layout_checks,
+    checks = (model_checks, shard_checks, engine_checks, llama_tp1_checks, sampler_layout_checks,
               spec_decode_checks, executable_cache_checks, lora_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
+    else:  # (engine_checks runs it)
+        checks = [c for c in checks if c is not llama_tp1_checks]
     for check in checks:
         t0 = time.perf_counter()
         check(out)

@@ -1,9 +1,9 @@
-"""Embeddings: LLM.embed on every family's fixture equals a float32 reference of the same pooling
-(the model's dense forward run directly; cosine >= 0.99999), with prompts prefilled in several
-chunks and batched together; the pooling configuration read from sentence-transformers files;
-Matryoshka `dimensions`; and /v1/embeddings through the official openai client on the shared
-server (--task embed): float and base64, strings and token arrays, batched, errors naming the
-field, KV blocks all back afterwards."""
+"""Embeddings: LLM.embed on a fixture of each kind of family equals a float32 reference of the same
+pooling (the model's dense forward run directly; cosine >= 0.99999), with prompts prefilled in
+several chunks and batched together; the pooling configuration read from sentence-transformers
+files; Matryoshka `dimensions`; and /v1/embeddings through the official openai client on the shared
+server (--task embed): float and base64, strings and token arrays, batched, errors naming the field,
+KV blocks all back afterwards."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from jaxinfer.errors import InvalidRequestError
 from server_harness import MODEL, add_app, check_error_shape, post_raw, wait_pool_free
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
-# <family>_fused/ and gpt_oss_mxfp4/ hold their family's weights in another file layout, which loads
-# to the same params (test_hf_parity.py, test_families_config.py): an engine on them would run the
-# same computation.
-FAMILIES = sorted(p.name for p in FIXTURES.iterdir()
-                  if (p / "config.json").is_file() and not p.name.endswith(("_fused", "_mxfp4")))
+# One family per kind of forward whose hidden states the pooling reads (the pooling is the same
+# code for all; each family's compile is the cost, and every family's forward is
+# test_hf_parity's): llama, mistral_window (a sliding window), gemma3 (Gemma's norms and scaled
+# embeddings, sliding and full layers), gpt_oss (sinks, MoE), deepseek_v2 (MLA), qwen3_moe (q/k
+# norms, MoE). The *_fused/ and *_mxfp4/ fixtures are other files of the same weights.
+FAMILIES = ["deepseek_v2", "gemma3", "gpt_oss", "llama", "mistral_window", "qwen3_moe"]
 METHODS = ("last", "mean", "cls")
 
 

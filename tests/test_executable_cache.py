@@ -21,8 +21,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 WORKLOAD = [(prompt_ids(300 + i, 3 + 5 * i), 6 + i) for i in range(5)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_persistent_cache(without_jax_persistent_cache):
+    """These tests store executables: jax's persistent cache (tests/conftest.py) off here."""
+
+
 @pytest.fixture(autouse=True)
-def fresh_process_compiles():
+def fresh_process_compiles(no_persistent_cache):
     """Each test here starts as a fresh process would: with jax's in-memory executables dropped.
     Otherwise an engine an earlier test built with the same shapes hands its samplers over, and
     XLA CPU cannot serialize a sort that has already run ("`LessThan` is not serializable"), so
@@ -43,7 +48,7 @@ def cached_engine(tmp_path, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
+def cold(tmp_path_factory, no_persistent_cache):
     """A cold start's engine over a new cache directory, built once for the tests below; they
     read the directory or work on copies of it (it is built before the autouse fixture runs)."""
     jax.clear_caches()

@@ -32,6 +32,8 @@ from pallas_kernels.common.testing import random_paged_batch
 
 import kernel_references as reference
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 
 def _paged_batch(rng, *, extra=0, **kwargs):
     return random_paged_batch(rng, extra_tokens=extra, spare_blocks=3, **kwargs)

@@ -2,12 +2,12 @@
 every family, weights loaded into their shards, DP replicas, the two-process TP = 2 run, and the
 flags' refusals.
 
-The multi-device checks run in subprocesses started once per session: tests/parallel_checks.py with
-8 CPU devices, and two tests/multihost_worker.py processes (one CPU device each) joined through
-jax.distributed on localhost. All three start together and run while the cheap tests below do.
+The multi-device checks run in subprocesses: tests/parallel_checks.py with 8 CPU devices, and two
+tests/multihost_worker.py processes (one CPU device each) joined through jax.distributed on
+localhost. They run in parts (PARTS), one subprocess each, whose tests are marked `part`: under
+`make test` each part is an xdist group of its own, so the two workers share the minutes they take.
 """
 
-import fcntl
 import json
 import os
 import socket
@@ -23,12 +23,21 @@ from jaxinfer.model.config import config_from_dict
 from jaxinfer.parallel.distributed import distributed_settings
 from jaxinfer.parallel.sharding import validate_parallel_sizes
 
-pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its groups first (conftest.py)
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE / "fixtures" / "models"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 TIMEOUT_S = 600
+# The checks of tests/parallel_checks.py each part runs, split so the parts take similar times
+# (60-90 s each on one core). Each TP = 2 run on the llama fixture is compared with the same
+# engine on one device in its own part (llama_tp1_checks; engine_checks runs it).
+PARTS = {"models": ["model_checks"],
+         "engine": ["shard_checks", "engine_checks"],
+         "sampler": ["llama_tp1_checks", "sampler_layout_checks"],
+         "spec": ["llama_tp1_checks", "spec_decode_checks"],
+         "cache_lora": ["executable_cache_checks", "lora_checks"]}
+models, engine, sampler, spec, cache_lora = (pytest.mark.part(name) for name in PARTS)
 
 
 def _free_port() -> int:
@@ -44,89 +53,122 @@ def _result(proc: subprocess.Popen, marker: str = "") -> dict:
     return json.loads(line[len(marker):])
 
 
-def _run_all() -> dict:
+def _env(persistent_cache: bool = True) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     env.pop("XLA_FLAGS", None)
-    py = [sys.executable]
-    checks = subprocess.Popen([*py, str(HERE / "parallel_checks.py")], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    port = str(_free_port())
-    workers = [subprocess.Popen([*py, str(HERE / "multihost_worker.py"), port, str(i)], env=env,
-                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for i in range(2)]
+    if not persistent_cache:  # (conftest.py turns jax's on for the run)
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+def _start(script: str, *args: str, persistent_cache: bool = True) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / script), *args], env=_env(persistent_cache),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _run_part(part: str, with_hosts: bool = False) -> dict:
+    # The executable cache's checks store executables, which it refuses to do while jax's
+    # persistent cache is on; the two processes of one TP run stay out of it too (each would
+    # read what the other wrote mid-run).
+    procs = [_start("parallel_checks.py", *PARTS[part],
+                    persistent_cache=part != "cache_lora")]
+    if with_hosts:
+        port = str(_free_port())
+        procs += [_start("multihost_worker.py", port, str(i), persistent_cache=False)
+                  for i in range(2)]
     try:
-        return {"checks": _result(checks, "RESULT "), "hosts": [_result(w) for w in workers]}
+        checks = _result(procs[0], "RESULT ")
+        if with_hosts:
+            checks["hosts"] = [_result(w) for w in procs[1:]]
+        return checks
     finally:
-        for p in (checks, *workers):
+        for p in procs:
             p.kill()
 
 
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """The subprocesses' results, computed once per test run: under pytest-xdist the first worker
-    to take the lock runs them and the others read its file."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # per-worker dirs under this run's common one
-        shared = shared.parent
-    done = shared / "parallel_runs.json"
-    with open(shared / "parallel_runs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            done.write_text(json.dumps(_run_all()))
-    return json.loads(done.read_text())
+@pytest.fixture(scope="module")
+def models_run() -> dict:
+    return _run_part("models")
 
 
-def test_lora_tp2_equals_single_device(runs):
+@pytest.fixture(scope="module")
+def engine_run() -> dict:
+    return _run_part("engine", with_hosts=True)
+
+
+@pytest.fixture(scope="module")
+def sampler_run() -> dict:
+    return _run_part("sampler")
+
+
+@pytest.fixture(scope="module")
+def spec_run() -> dict:
+    return _run_part("spec")
+
+
+@pytest.fixture(scope="module")
+def cache_lora_run() -> dict:
+    return _run_part("cache_lora")
+
+
+@cache_lora
+def test_lora_tp2_equals_single_device(cache_lora_run):
     """An adapter row and a base row in one batch (lora_parallel_checks.py)."""
-    checks = runs["checks"]
+    checks = cache_lora_run
     assert checks["lora/tp2"] == checks["lora/tp1"]
     assert checks["lora/tp1"][0] != checks["lora/base"]  # the adapter row is not the base model's
 
 
+@models
 @pytest.mark.parametrize("family, tp", [(f, 2) for f in FAMILIES] + [("qwen2", 4), ("qwen3_moe", 4)])
-def test_tp_greedy_tokens_equal_single_device(runs, family, tp):
+def test_tp_greedy_tokens_equal_single_device(models_run, family, tp):
     """Every family at TP = 2; at TP = 4 (KV heads replicated) the two whose parameters hold every
     kind the others have (tests/parallel_checks.py, model_checks)."""
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
-    got = runs["checks"][f"{family}/tp{tp}"]["tokens"]
+    got = models_run[f"{family}/tp{tp}"]["tokens"]
     assert got == golden[:len(got)].tolist()  # TP = 1 gives the golden tokens (test_hf_parity)
 
 
 @pytest.mark.parametrize("family, layout", [("gemma2", "tp"), ("gemma3", "tp"), ("gpt_oss", "tp"),
                                             ("gpt_oss", "ep")])
-def test_windowed_families_at_tp2_equal_single_device(runs, family, layout):
+@models
+def test_windowed_families_at_tp2_equal_single_device(models_run, family, layout):
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
-    got = runs["checks"][f"{family}/tp2" + ("-ep" if layout == "ep" else "")]["tokens"]
+    got = models_run[f"{family}/tp2" + ("-ep" if layout == "ep" else "")]["tokens"]
     assert got == golden[:len(got)].tolist()
 
 
+@models
 @pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp"), ("deepseek_v2", "ep")])
-def test_mla_families_at_tp2_equal_single_device(runs, family, layout):
+def test_mla_families_at_tp2_equal_single_device(models_run, family, layout):
     """Query heads (q_b_proj / kv_b_proj columns) split over the devices; the one latent KV head
     is replicated, each device keeping the whole latent cache."""
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
-    got = runs["checks"][f"{family}/tp2" + ("-ep" if layout == "ep" else "")]["tokens"]
+    got = models_run[f"{family}/tp2" + ("-ep" if layout == "ep" else "")]["tokens"]
     assert got == golden[:len(got)].tolist()
 
 
+@models
 @pytest.mark.parametrize("family, tp", [("qwen3_moe", 2), ("mixtral", 4)])
-def test_expert_parallel_greedy_tokens_equal_single_device(runs, family, tp):
+def test_expert_parallel_greedy_tokens_equal_single_device(models_run, family, tp):
     """Whole experts split over the devices (--expert-layout ep), the other MoE layout beside the
     default's test above: two experts per device, then mixtral's four over four."""
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
-    got = runs["checks"][f"{family}/tp{tp}-ep"]["tokens"]
+    got = models_run[f"{family}/tp{tp}-ep"]["tokens"]
     assert got == golden[:len(got)].tolist()
 
 
+@models
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
-def test_tp8_on_eight_heads_equals_tp1(runs, family):
-    one, eight = runs["checks"][f"{family}-wide/tp1"], runs["checks"][f"{family}-wide/tp8"]
+def test_tp8_on_eight_heads_equals_tp1(models_run, family):
+    one, eight = models_run[f"{family}-wide/tp1"], models_run[f"{family}-wide/tp8"]
     assert eight["tokens"] == one["tokens"]
     np.testing.assert_allclose(eight["logits"], one["logits"], atol=2e-5, rtol=0)
 
 
-def test_each_device_holds_exactly_its_slice(runs):
-    shards = runs["checks"]["shards"]
+@engine
+def test_each_device_holds_exactly_its_slice(engine_run):
+    shards = engine_run["shards"]
     assert shards["mismatches"] == []
     assert shards["split_leaves"] > 0
     # TP = 4 over 2 KV heads: K/V projections replicated, one KV head stored per device.
@@ -135,16 +177,18 @@ def test_each_device_holds_exactly_its_slice(runs):
     assert shards["w_down_ep"] == "P('tp', None, None)"
 
 
-def test_memory_planner_inputs_are_per_device(runs):
-    (w1, act1), (w2, act2) = runs["checks"]["planner"]["1"], runs["checks"]["planner"]["2"]
+@engine
+def test_memory_planner_inputs_are_per_device(engine_run):
+    (w1, act1), (w2, act2) = engine_run["planner"]["1"], engine_run["planner"]["2"]
     assert w1 * 0.5 <= w2 < w1 * 0.6  # norms and K/V biases replicated: a little over half
     assert 0 < act2 < act1
 
 
+@engine
 @pytest.mark.parametrize("mesh", ["tp1dp2", "tp2dp2"])
-def test_engine_tokens_equal_across_meshes(runs, mesh):
-    ref = runs["checks"]["engine/tp1dp1"]["tokens"]
-    got = runs["checks"][f"engine/{mesh}"]
+def test_engine_tokens_equal_across_meshes(engine_run, mesh):
+    ref = engine_run["engine/tp1dp1"]["tokens"]
+    got = engine_run[f"engine/{mesh}"]
     assert got["tokens"] == ref
     if "per_replica" in got:  # both replicas served requests, on disjoint devices
         assert all(n > 0 for n in got["per_replica"])
@@ -157,16 +201,18 @@ def test_engine_tokens_equal_across_meshes(runs, mesh):
         assert got["after_update"] == [ref[:2], [1, 1], [1, 1]]
 
 
-def test_fp8_kv_cache_under_tp2_equals_single_device(runs):
-    fp8 = runs["checks"]["llama/fp8"]
+@engine
+def test_fp8_kv_cache_under_tp2_equals_single_device(engine_run):
+    fp8 = engine_run["llama/fp8"]
     assert fp8["2"] == fp8["1"] and all(len(t) == 10 for t in fp8["1"])
 
 
-def test_two_processes_tp2_equal_single_device(runs):
-    hosts = runs["hosts"]
+@engine
+def test_two_processes_tp2_equal_single_device(engine_run):
+    hosts = engine_run["hosts"]
     assert [h["process"] for h in hosts] == [0, 1]
     assert all(h["devices"] == 2 and h["local_devices"] == 1 for h in hosts)
-    assert hosts[0]["tokens"] == hosts[1]["tokens"] == runs["checks"]["llama/engine_tp1"]
+    assert hosts[0]["tokens"] == hosts[1]["tokens"] == engine_run["llama/engine_tp1"]
 
 
 @pytest.mark.parametrize("case, flag", [
@@ -175,17 +221,19 @@ def test_two_processes_tp2_equal_single_device(runs):
     ("dp3tp4", "--data-parallel-size 3: x --tensor-parallel-size 4 = 12 exceeds the 8 device"),
     ("tp0", "--tensor-parallel-size 0: must be >= 1"),
 ])
-def test_engine_refuses_bad_sizes_by_flag(runs, case, flag):
-    assert flag in runs["checks"]["refusals"][case]
+@engine
+def test_engine_refuses_bad_sizes_by_flag(engine_run, case, flag):
+    assert flag in engine_run["refusals"][case]
 
 
+@sampler
 @pytest.mark.parametrize("layout", ["replicated", "rows"])
-def test_tp2_sampler_has_no_collective_inside_control_flow(runs, layout):
+def test_tp2_sampler_has_no_collective_inside_control_flow(sampler_run, layout):
     """No collective inside a conditional of the TP = 2 samplers, decode forwards and decode loops
     (with one, the sampler's CUDA graph failed to instantiate when XLA's command buffers take
     collectives), nor inside a while loop of a sampler; the decode loop's while body holds the
     forward's all-reduces by design. Greedy tokens as on one device, in either layout."""
-    got = runs["checks"][f"sampler_layout/{layout}"]
+    got = sampler_run[f"sampler_layout/{layout}"]
     sites = got["sites"]
     assert {k.split()[0] for k in sites} == {"sample", "loop", "forward"}
     assert sum(k.startswith("sample") for k in sites) == 3  # base, full, masked
@@ -193,17 +241,18 @@ def test_tp2_sampler_has_no_collective_inside_control_flow(runs, layout):
         assert found["conditional"] == [], step
         if not step.startswith("loop"):
             assert found["while"] == [], step
-    assert got["tokens"] == runs["checks"]["llama/engine_tp1"]
+    assert got["tokens"] == sampler_run["llama/engine_tp1"]
 
 
+@spec
 @pytest.mark.parametrize("layout", ["replicated", "rows"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_tp2_speculation_has_no_collective_inside_a_conditional(runs, method, layout):
+def test_tp2_speculation_has_no_collective_inside_a_conditional(spec_run, method, layout):
     """Speculative decoding at TP = 2 (n-gram; a draft model split over the target's devices):
     no collective inside a conditional of the verification steps, draft loops and draft
     catch-ups (the draft loop's while body holds its forward's all-reduces, as the decode
     loop's does), and greedy tokens as on one device without speculation, in either layout."""
-    got = runs["checks"][f"spec/{method}/{layout}"]
+    got = spec_run[f"spec/{method}/{layout}"]
     sites = got["sites"]
     names = {k.split()[0] for k in sites}
     assert names == ({"verify", "draft_loop", "catch_up"} if method == "draft" else {"verify"})
@@ -212,7 +261,7 @@ def test_tp2_speculation_has_no_collective_inside_a_conditional(runs, method, la
         assert found["conditional"] == [], step
         if not step.startswith("draft_loop"):
             assert found["while"] == [], step
-    assert got["tokens"] == runs["checks"]["llama/engine_tp1"]
+    assert got["tokens"] == spec_run["llama/engine_tp1"]
     assert got["drafts"] > 0
     if method == "draft":  # the target proposing for itself: every proposal accepted
         assert got["accepted"] == got["draft_tokens"] > 0
@@ -225,10 +274,11 @@ MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 12, "num
        "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
-def test_executable_cache_warm_start_on_sub_meshes(runs):
+@cache_lora
+def test_executable_cache_warm_start_on_sub_meshes(cache_lora_run):
     """Each data-parallel replica stores its own steps (their shardings name its devices) and a
     second start loads all of them, with the same greedy tokens."""
-    cold, warm = runs["checks"]["exe_cache/cold"], runs["checks"]["exe_cache/warm"]
+    cold, warm = cache_lora_run["exe_cache/cold"], cache_lora_run["exe_cache/warm"]
     assert cold["hits"] == [0, 0] and min(cold["misses"]) > 0
     assert warm["hits"] == cold["misses"] and warm["misses"] == [0, 0]
     assert warm["tokens"] == cold["tokens"]

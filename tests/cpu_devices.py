@@ -7,7 +7,9 @@ import os
 def start_jax(num_devices: int):
     """Set the CPU platform and device count, import jax, use full-precision float32 matmuls."""
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    # Optimization level 0: compile-bound tiny programs, as in tests/conftest.py.
+    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={num_devices} "
+                               "--xla_backend_optimization_level=0")
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     return jax

@@ -7,26 +7,24 @@ values the test compares.
 """
 
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from cpu_devices import start_jax  # noqa: E402
+
+jax = start_jax(8)
+
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
 
 from prometheus_client import generate_latest  # noqa: E402
 

@@ -40,7 +40,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.latent_reference import paged_latent_decode
 from pallas_kernels.attention.mgpu_common import accumulate_pv, observe_last_releases
-from pallas_kernels.attention.paged_decode_common import NEG_INF, DecodeShape, plan_splits
+from pallas_kernels.attention.paged_decode_common import (NEG_INF, DecodeShape, SplitPlan,
+                                                          plan_splits)
 from pallas_kernels.attention.paged_decode_smem import SMEM_BUDGET, WGMMA_ROWS
 from pallas_kernels.attention.split_combine_mosaic import combine_split_parts
 from pallas_kernels.common.device_info import num_sms
@@ -98,6 +99,16 @@ def unsupported(q_shape, cache_shape, cache_dtype, value_width: int,
         return (f"block size {bs} (a multiple of 8) x pages_per_step {config.pages_per_step} "
                 f"must be a multiple of {cols} (the swizzle's width)")
     return None
+
+
+def split_plan(num_seqs: int, heads: int, width: int, block_size: int, max_blocks: int,
+               config: LatentDecodeConfig) -> SplitPlan:
+    """The flash-decoding split of each sequence's pages: items (sequence, head block, split)
+    spread over one CTA per SM (the ring and q tile fill an SM's shared memory)."""
+    head_blocks = heads // min(heads, WGMMA_ROWS)
+    shape = DecodeShape(num_seqs, heads, head_blocks, width, block_size, max_blocks)
+    return plan_splits(shape, pages_per_step=config.pages_per_step, workers=num_sms(),
+                       num_splits=config.num_splits)
 
 
 def _stages(requested: int | None, *, tokens: int, width: int, value_width: int,
@@ -246,9 +257,7 @@ def latent_decode_call(q, cache, block_tables, seq_lens, *, scale: float, value_
     head_blocks = h // heads_here
     rows = -(-heads_here // 8) * 8  # q rows per item: whole 8-row TMA tiles
     tokens = config.pages_per_step * bs
-    shape = DecodeShape(s, h, head_blocks, w, bs, block_tables.shape[1])
-    plan = plan_splits(shape, pages_per_step=config.pages_per_step, workers=num_sms(),
-                       num_splits=config.num_splits)
+    plan = split_plan(s, h, w, bs, block_tables.shape[1], config)
     c = plan.num_splits
     stages = _stages(config.stages, tokens=tokens, width=w, value_width=value_width,
                      elem_bytes=jnp.dtype(dtype).itemsize)

@@ -86,3 +86,15 @@ def test_unsupported_shapes_fall_back_to_the_reference():
     got = MosaicLatentDecode(32)(q, cache, cache, tables, lens, scale=0.3)
     want = paged_latent_decode(q, cache, cache, tables, lens, scale=0.3)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_mla_on_the_mosaic_backend_decodes_with_the_kernel():
+    from jaxinfer.model.mla import latent_backend
+    from pallas_kernels.attention.backend import REFERENCE
+    from pallas_kernels.attention.gpu_backends import MOSAIC, TRITON
+    from pallas_kernels.attention.latent_reference import LATENT_REFERENCE
+    backend = latent_backend(MOSAIC, 512)
+    assert backend.decode == MosaicLatentDecode(512)  # by value: one trace per step shape
+    assert backend.prefill is LATENT_REFERENCE.prefill
+    assert latent_backend(TRITON, 512) is LATENT_REFERENCE
+    assert latent_backend(REFERENCE, 512) is LATENT_REFERENCE

@@ -1,7 +1,8 @@
 """GPU attention backends: each pairs a decode kernel with a prefill kernel.
 
-`mosaic` (Hopper: TMA + wgmma through Mosaic GPU; also MLA's latent decode kernel) and `triton` (Triton-lowered `pallas_call`, the
-portable path for other CUDA GPUs). Imported only when selected, so a CPU machine never compiles them.
+`mosaic` (Hopper: TMA + wgmma through Mosaic GPU; with MLA's latent decode kernel) and `triton`
+(Triton-lowered `pallas_call`, the portable path for other CUDA GPUs; MLA decodes with the jnp
+latent reference there). Imported only when selected, so a CPU machine never compiles them.
 """
 
 from pallas_kernels.attention.backend import AttentionBackend

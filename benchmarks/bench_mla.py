@@ -79,10 +79,12 @@ BLOCK = 16
 
 
 # Kernel configs timed side by side (LatentDecodeConfig fields; "splits": a split count per
-# shape key instead of the planned one). `t64` is the production default.
+# shape key instead of the planned one). `t64` is the production default: 4 pages (64 tokens)
+# per ring slot, 128-byte swizzle (2 slots), heads-minor at 16 heads (S^T = K Q^T).
 KERNEL_VARIANTS = {
-    "t64": {},  # 4 pages (64 tokens) per slot, 128-byte swizzle: 2 ring slots
-    "t32": dict(pages_per_step=2, swizzle=64),  # 32 tokens per slot: 4 slots, finer hand-off
+    "t64": {},
+    "t64_heads_major": dict(heads_minor=False),  # S = Q K^T, heads padded to wgmma's M = 64
+    "t32_heads_major": dict(pages_per_step=2, swizzle=64),  # 32-token slots: 4 of them
     "t64_alt_splits": dict(splits={"b64x4096": 4, "b1x32k": 64}),  # planned: 2 / 128
 }
 

@@ -31,15 +31,17 @@ def _case(heads: int, lens, pages: int, value: int, seed: int):
 
 
 @pytest.mark.parametrize("heads, lens, config", [
-    # one split, 64-token slots: empty, one token, partial pages, the full table
-    (16, [0, 1, 17, 100, 112], LatentDecodeConfig(num_splits=1)),
-    # three splits (one of them empty for short rows), 32-token slots, the combine kernel
-    (16, [1, 40, 112, 0], LatentDecodeConfig(num_splits=3, pages_per_step=2, swizzle=64)),
-    # two head blocks of 64, two splits
-    (128, [33, 112], LatentDecodeConfig(num_splits=2)),
+    # heads-minor (the default at 16 heads), one split: a partial page, the full table
+    (16, [17, 80], LatentDecodeConfig(num_splits=1)),
+    # heads-minor, two splits (both empty for the empty row): parts merged in XLA
+    (16, [0, 80], LatentDecodeConfig(num_splits=2)),
+    # heads-major, 32-token slots (64-byte swizzle), two splits: the combine kernel
+    (16, [1, 71], LatentDecodeConfig(num_splits=2, pages_per_step=2, swizzle=64)),
+    # heads-major, two head blocks of 64, one split
+    (128, [33], LatentDecodeConfig(num_splits=1)),
 ])
 def test_kernel_matches_the_latent_reference(heads, lens, config):
-    value, pages = 128, 7
+    value, pages = 128, 5
     q, cache, tables, seq_lens = _case(heads, lens, pages, value, seed=heads + len(lens))
     got = latent_decode_mosaic(q, cache, cache, tables, seq_lens, scale=0.12, value_width=value,
                                config=config, interpret=True)
@@ -64,13 +66,14 @@ def _lower(heads: int, seqs: int, pages: int, config: LatentDecodeConfig) -> str
 
 
 @pytest.mark.parametrize("heads, seqs, config, qk, pv", [
-    (16, 64, LatentDecodeConfig(), "m64n64k16", "m64n256k16"),  # 2 splits of 128 pages
+    (16, 64, LatentDecodeConfig(), "m64n16k16", "m64n16k16"),  # heads-minor, 2 splits
+    (16, 1, LatentDecodeConfig(heads_minor=True, num_splits=1), "m64n16k16", "m64n16k16"),
     (16, 8, LatentDecodeConfig(pages_per_step=2, swizzle=64), "m64n32k16", "m64n256k16"),
     (128, 2, LatentDecodeConfig(num_splits=1), "m64n64k16", "m64n256k16"),
 ])
 def test_production_shapes_lower_for_the_gpu(heads, seqs, config, qk, pv):
     text = _lower(heads, seqs, 256, config)
-    assert f"wgmma.mma_async.sync.aligned.{qk}" in text  # S = Q K^T over one slot
+    assert f"wgmma.mma_async.sync.aligned.{qk}" in text  # S = Q K^T (or S^T) over one slot
     assert f"wgmma.mma_async.sync.aligned.{pv}" in text  # O_w += P V_w, half of 512 columns
 
 

@@ -227,7 +227,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     if not parts <= {"kernel", "engine"}:
         parser.error(f"--parts {args.parts}: the sections are kernel and engine")
-    w = (dict(prompt=24, out=8, seqs=4, shapes=((2, 64), (1, 128)), heads=4, latent=192,
+    w = (dict(prompt=24, out=8, seqs=4, shapes=((2, 64), (1, 128)), heads=8, latent=192,
               value=128) if TINY else
          dict(prompt=512, out=256, seqs=64, shapes=((64, 4096), (1, 32768)), heads=16,
               latent=576, value=512))

@@ -138,14 +138,23 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     want = np.asarray(want, np.float32)
     for name in KERNEL_VARIANTS:
         config, fn = _variant(name, key, value, interpret)
-        t, got = run(fn)
+        try:
+            t, got = run(fn)
+        except Exception as e:  # a config that does not compile costs its keys, not the run
+            m[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{key} {name}: {m[f'{name}_error']}", flush=True)
+            continue
         err = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
         splits = split_plan(batch, heads, latent, BLOCK, pages, config).num_splits
         m.update({f"{name}_us": t * 1e6, f"{name}_frac_of_hbm": read / t / plain,
                   f"{name}_splits": splits, f"{name}_max_err": float(err)})
-    best = min(KERNEL_VARIANTS, key=lambda n: m[f"{n}_us"])
-    m.update(us=m["t64_us"], frac_of_hbm=m["t64_frac_of_hbm"], kernel_max_err=m["t64_max_err"],
-             best_variant=best, plain_bytes_s=plain)
+    timed_ok = [n for n in KERNEL_VARIANTS if f"{n}_us" in m]
+    if timed_ok:
+        m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])
+    if "t64_us" in m:  # the production kernel's figures under the keys
+        m.update(us=m["t64_us"], frac_of_hbm=m["t64_frac_of_hbm"],
+                 kernel_max_err=m["t64_max_err"])
+    m["plain_bytes_s"] = plain
     return m
 
 
@@ -240,7 +249,7 @@ def main() -> None:
             rates.append(r.pop("plain_bytes_s"))
             metrics.update({f"mla_decode_{key}_{k}": round(v, 4) if isinstance(v, float) else v
                             for k, v in r.items()})
-            print(json.dumps({key: metrics[f"mla_decode_{key}_frac_of_hbm"]}), flush=True)
+            print(json.dumps({key: metrics.get(f"mla_decode_{key}_frac_of_hbm")}), flush=True)
         metrics["plain_read_tb_s"] = round(max(rates) / 1e12, 4)
         config.update(decode_heads=w["heads"], latent_width=w["latent"],
                       kernel_variants=KERNEL_VARIANTS,

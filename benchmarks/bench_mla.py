@@ -151,9 +151,10 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     timed_ok = [n for n in KERNEL_VARIANTS if f"{n}_us" in m]
     if timed_ok:
         m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])
-    if "t64_us" in m:  # the production kernel's figures under the keys
-        m.update(us=m["t64_us"], frac_of_hbm=m["t64_frac_of_hbm"],
-                 kernel_max_err=m["t64_max_err"])
+    # The production kernel's figures under the keys (None if it failed: a --merge must
+    # not keep an older run's).
+    m.update(us=m.get("t64_us"), frac_of_hbm=m.get("t64_frac_of_hbm"),
+             kernel_max_err=m.get("t64_max_err"))
     m["plain_bytes_s"] = plain
     return m
 

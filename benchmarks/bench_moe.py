@@ -27,7 +27,7 @@ Sections (each in its own process, time-limited; figures are saved after every p
            `--moe-impl xla`, or its check failed in `kernels`), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
 The kernel section is benchmarks/moe_kernels.py, the engine's benchmarks/moe_engine.py; this module
-runs each in its own process. Parts go to $OUT/moe_h200.json as they finish; `--save` writes the
+runs each in its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
 record moe_<gpu>.json (`--merge`: folded into a stored record, its other keys kept).
 BENCH_TINY_SHAPES=1: tiny shapes (moe_kernels.py, moe_engine.py), no Mosaic kernel timed.
 """
@@ -48,11 +48,12 @@ from benchmarks.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kerne
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", "/tmp"))
+PARTS = OUT / "moe_parts.json"  # not the record's name: `--save $OUT` must not overwrite it
 
 
 # ---- driver ------------------------------------------------------------------------------------
 def save_part(name: str, value) -> None:
-    path = OUT / "moe_h200.json"
+    path = PARTS
     record = json.loads(path.read_text()) if path.exists() else {}
     record.setdefault("parts", {})[name] = value
     path.write_text(json.dumps(record, indent=1))
@@ -61,7 +62,7 @@ def save_part(name: str, value) -> None:
 def mosaic_passed(tolerance: float = 2e-2, prefix: str = "mosaic") -> bool:
     """Whether some tiling of our kernel (bf16; prefix "fp8_mosaic": its e4m3 path) matched the
     reference in every kernel case measured."""
-    path = OUT / "moe_h200.json"
+    path = PARTS
     kernels = json.loads(path.read_text()).get("parts", {}).get("kernels", {}) if path.exists() else {}
     rows = [r for r in kernels.values() if isinstance(r, dict) and "errors" in r]
     return bool(rows) and all(
@@ -149,7 +150,7 @@ def main() -> None:
     results_io.add_save_arg(ap, "moe_<gpu>")
     results_io.add_merge_arg(ap)
     ap.add_argument("--from-parts", default=None,
-                    help="write the record from a moe_h200.json of parts (from --run-section runs)")
+                    help="write the record from a moe_parts.json (from --run-section runs)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -202,7 +203,7 @@ def main() -> None:
         if name == "kernels" and args.fp8 and args.quantization and not mosaic_passed(
                 prefix="fp8_mosaic"):
             moe_impl = "xla"  # a wrong kernel is not timed in the engine
-    save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
+    save_record(json.loads(PARTS.read_text()).get("parts", {}), args)
 
 
 def save_record(parts: dict, args) -> None:

@@ -86,13 +86,16 @@ def generate_data(args, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
     rng = np.random.default_rng(args.seed)
+    # Prompt starts uniform over the corpus's token positions (a long file gives more prompts
+    # than a short one; num_prompts is not capped by the number of files).
+    docs = [d for d in corpus_documents(args.corpus, args.num_prompts, args.seed, tokenizer)
+            if len(d) > args.prompt_tokens]
+    room = np.asarray([len(d) - args.prompt_tokens for d in docs], np.float64)
+    which = rng.choice(len(docs), size=args.num_prompts, p=room / room.sum())
     prompts = []
-    for ids in corpus_documents(args.corpus, args.num_prompts, args.seed, tokenizer):
-        while len(ids) > args.prompt_tokens and len(prompts) < args.num_prompts:
-            start = int(rng.integers(0, len(ids) - args.prompt_tokens))
-            prompts.append(ids[start:start + args.prompt_tokens])
-            if rng.random() < 0.5:
-                break
+    for i in which:
+        start = int(rng.integers(0, len(docs[i]) - args.prompt_tokens))
+        prompts.append(list(docs[i][start:start + args.prompt_tokens]))
     n_new = args.seq_len + 1 - args.prompt_tokens
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, max_model_len=args.seq_len + 8, max_num_seqs=256, warmup=False,

@@ -14,8 +14,8 @@
 # demo_corpus/heldout.npy demo_corpus/tokenizer`). Python packages missing from the image are
 # installed from .whl/ (carried) when it exists.
 # Leaves under $OUT:
-#   checkpoints.tar.part-*  the demo-target/, demo-draft/, demo-eagle3/ this job made, in the
-#                           repository's layout: cat checkpoints.tar.part-* | tar -xf -
+#   checkpoints.tar.part-*  the demo-target/, demo-draft/, demo-eagle3/ this job made (also of a
+#                           stage cut short), in the repository's layout: cat ... | tar -xf -
 #   benchmarks/results/train_demo_<gpu>.json (+ .png with matplotlib)   the record (demo_record.py)
 #   demo_train.tar.part-*   a stage cut short (its state): cat them > build/demo_train.tar, carry
 #                           it, run the stage again (the EAGLE head: ~40 MB)
@@ -33,7 +33,7 @@ WORK=build/demo_train
 CORPUS=build/demo_corpus
 TARGET_ARGS=(--model target)
 DRAFT_ARGS=(--model draft)
-EAGLE_ARGS=(--steps 6000 --batch-size 64 --seq-len 256 --prompt-tokens 64 --num-prompts 4096 --k 5
+EAGLE_ARGS=(--steps 6000 --batch-size 64 --seq-len 256 --prompt-tokens 64 --num-prompts 8192 --k 5
             --draft-vocab-size 2048 --lr 1e-3 --warmup-steps 200 --save-every 500)
 if [ "${DEMO_TRAIN_SMOKE:-0}" = 1 ]; then
   TINY=(--seq-len 64 --batch-size 2 --eval-windows 4 --eval-batch-size 4 --steps-per-call 5
@@ -74,15 +74,19 @@ want() {
   fi
   echo "== $1 (budget $2 s) at $(( SECONDS - start )) s"
 }
-# Runs stage $1 (output checkpoint $2; the command after): a stage that fails or is cut short
-# (train_demo.py prints "NOT done", train-eagle's last line says "done": false) is unfinished,
-# and the job goes on to package what the others made.
+# Runs stage $1 (output checkpoint $2; the command after). A stage that exits 0 has its model
+# packaged, also when cut short (train_demo.py prints "NOT done", train-eagle's last line says
+# "done": false: the best / latest weights so far); cut short or failed, it is unfinished and its
+# state is handed back for the next job.
 run_stage() {
   local stage=$1 ckpt=$2; shift 2
-  if "$@" 2>&1 | tee "$WORK/$stage.log" && ! grep -q -e "NOT done" -e '"done": false' "$WORK/$stage.log"; then
+  if "$@" 2>&1 | tee "$WORK/$stage.log"; then
     made+=("$ckpt")
+    if grep -q -e "NOT done" -e '"done": false' "$WORK/$stage.log"; then
+      echo "== $stage: cut short (resumable)"; unfinished+=("$stage")
+    fi
   else
-    echo "== $stage: failed or cut short"; unfinished+=("$stage")
+    echo "== $stage: failed"; unfinished+=("$stage")
   fi
 }
 

@@ -125,16 +125,16 @@ def speculative_tokens_per_step(match: np.ndarray, k: int) -> float:
     return made / steps
 
 
-def readme_example(target: Path) -> str:
+def readme_example(target: Path, prompt: str = README_PROMPT) -> str:
     """The README's example as markdown: the curl request and the completion the engine returns
     (what `make serve` answers; the id and fields left out by the server's null-dropping as in
     the README)."""
     from jaxinfer import LLM, SamplingParams
     llm = LLM(model=str(target), warmup=False, compilation_cache_dir=None)
-    out = llm.generate(README_PROMPT, SamplingParams(max_tokens=README_TOKENS, temperature=0.0),
+    out = llm.generate(prompt, SamplingParams(max_tokens=README_TOKENS, temperature=0.0),
                        use_tqdm=False)[0]
     text, n_prompt = out.outputs[0].text, len(out.prompt_token_ids)
-    body = json.dumps({"model": "demo-target", "prompt": README_PROMPT, "max_tokens": README_TOKENS,
+    body = json.dumps({"model": "demo-target", "prompt": prompt, "max_tokens": README_TOKENS,
                        "temperature": 0})
     return (f"```bash\ncurl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
             f"  -d '{body}'\n```\n```json\n"
@@ -143,14 +143,14 @@ def readme_example(target: Path) -> str:
             f'   "text": {json.dumps(text)}}}],\n'
             f' "usage": {{"prompt_tokens": {n_prompt}, "completion_tokens": {README_TOKENS}, '
             f'"total_tokens": {n_prompt + README_TOKENS}}}}}\n```\n'
-            f"That text, as Python:\n```python\n{README_PROMPT}{text}\n```\n")
+            f"That text, as Python:\n```python\n{prompt}{text}\n```\n")
 
 
-def refresh_readme(readme: Path, target: Path) -> None:
+def refresh_readme(readme: Path, target: Path, prompt: str = README_PROMPT) -> None:
     old = readme.read_text()
     if not README_BLOCK.search(old):
         raise SystemExit(f"{readme}: no <!-- demo-example --> ... <!-- /demo-example --> block")
-    example = readme_example(target)
+    example = readme_example(target, prompt)
     readme.write_text(README_BLOCK.sub(lambda m: m.group(1) + example + m.group(2), old, count=1))
     print(f"{readme}: example rewritten from {target}:\n{example}", flush=True)
 
@@ -168,9 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--golden-out", type=Path, default=REPO / "checkpoints" / "demo_golden.json")
     p.add_argument("--readme", type=Path, help="also rewrite this README's demo example")
     p.add_argument("--readme-only", action="store_true", help="only rewrite README.md's example")
+    p.add_argument("--readme-prompt", default=README_PROMPT,
+                   help="the example's prompt (end it without whitespace: see checkpoints/README.md)")
     args = p.parse_args(argv)
     if args.readme_only:
-        refresh_readme(args.readme or REPO / "README.md", args.target)
+        refresh_readme(args.readme or REPO / "README.md", args.target, args.readme_prompt)
         return
 
     heldout = np.load(args.data / "heldout.npy").astype(np.int32)
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{result['agreement']['spec_tokens_per_target_step']}", flush=True)
 
     golden = []
-    for prompt in GOLDEN_PROMPTS:
+    # The README's prompt is always among them (tests/test_demo_model.py checks the README).
+    for prompt in dict.fromkeys((*GOLDEN_PROMPTS, args.readme_prompt)):
         ids = tok.encode(prompt)
         entry = {"prompt": prompt, "prompt_ids": ids}
         for name, (_, params) in models.items():
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                                           indent=1) + "\n")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.readme is not None:
-        refresh_readme(args.readme, args.target)
+        refresh_readme(args.readme, args.target, args.readme_prompt)
 
 
 if __name__ == "__main__":

@@ -133,3 +133,19 @@ def test_wsd_schedule_holds_the_peak_then_decays_linearly():
     assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
     assert lrs[10:80] == [1.0] * 70  # decay: the last 30% of the 100 post-warmup steps
     assert lrs[80:] == pytest.approx([1 - 0.9 * (s - 80) / 30 for s in range(80, 110)])
+
+
+def test_readme_example_is_the_served_target_continuation():
+    """README.md's first example (rewritten by `python -m checkpoints.measure_demo --readme-only`)
+    starts with the target's golden continuation of the same prompt: a retrained target whose
+    goldens were refreshed without the README fails here."""
+    import re
+    from checkpoints.measure_demo import README_BLOCK
+    block = README_BLOCK.search((REPO / "README.md").read_text())
+    assert block, "README.md lost its <!-- demo-example --> markers"
+    request = json.loads(re.search(r"-d '(\{.*\})'", block.group(0)).group(1))
+    text = json.loads(re.search(r'"text": ("(?:[^"\\]|\\.)*")', block.group(0)).group(1))
+    golden = {c["prompt"]: c["target"]["text"]
+              for c in json.loads((CKPT / "demo_golden.json").read_text())["cases"]}
+    assert request["prompt"] in golden, "the README's prompt has no golden continuation"
+    assert text.startswith(golden[request["prompt"]])

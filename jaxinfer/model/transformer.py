@@ -131,7 +131,10 @@ class MoE(nn.Module):
         if cfg.router_bias:
             logits = logits + self.param("router_bias", nn.initializers.zeros, (e,),
                                          self.dtype).astype(jnp.float32)
-        score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), self.dtype)
+        # DeepSeek-V3's e_score_correction_bias stays float32 whatever the model dtype (HF keeps
+        # it so: _keep_in_fp32_modules_strict): its values differ between experts by less than
+        # bf16 resolves, and they decide the routing.
+        score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), jnp.float32)
                       if cfg.score_correction_bias else None)
         weights, experts = route(cfg, logits, score_bias)  # [T, k]
         extra = {}

@@ -43,6 +43,11 @@ if [ "${DEMO_TRAIN_SMOKE:-0}" = 1 ]; then
   EAGLE_ARGS+=(--steps 4 --batch-size 4 --seq-len 48 --prompt-tokens 16 --num-prompts 8
                --draft-vocab-size 256 --save-every 2 --compute-dtype float32)
 fi
+# Extra flags per stage, e.g. TARGET_EXTRA="--attention xla" (if cuDNN's kernel fails at run
+# time), TARGET_EXTRA="--lr 3e-3 --extra", EAGLE_EXTRA="--steps 8000".
+read -r -a extra <<< "${TARGET_EXTRA:-}"; TARGET_ARGS+=("${extra[@]}")
+read -r -a extra <<< "${DRAFT_EXTRA:-}"; DRAFT_ARGS+=("${extra[@]}")
+read -r -a extra <<< "${EAGLE_EXTRA:-}"; EAGLE_ARGS+=("${extra[@]}")
 start=$SECONDS
 mkdir -p "$OUT" "$WORK/checkpoints"
 exec > >(tee -a "$OUT/train.log") 2>&1

@@ -2,7 +2,7 @@
 model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
 
     python -m benchmarks.bench_quant_kv [--parts check,decode,prefill,ppl,checkv]
-        [--fp8-variants mosaic:swap,...] [--save [DIR]] [--name NAME] [--merge RECORD.json]
+        [--fp8-variants mosaic:q1,...] [--save [DIR]] [--name NAME] [--merge RECORD.json]
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_quant_kv \
         --parts check,decode,checkv --no-triton                      # CPU smoke run
 
@@ -12,8 +12,8 @@ model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16
 - decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
   bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
   (the best of `benchmarks.anchors`' plain reads over 8 GiB, named in `read_kernel`) measured in
-  the same run; the fp8 variants named beside the default, e.g. "mosaic:swap" (the transposed
-  consumer, `MosaicDecodeConfig.fp8_swap`) as `decode_fp8kv_b64x4096_mosaic_swap_*`.
+  the same run; the fp8 variants named beside the default, e.g. "mosaic:q1" (QK^T as one fp8
+  wgmma) as `decode_fp8kv_b64x4096_mosaic_q1_*`.
 - prefill: the Mosaic paged prefill kernel over a bf16 and an fp8 cache (GPU only).
 - ppl: the demo model (bf16 weights) over `checkpoints/heldout_sample.txt` in windows, through
   the paged cache and the jnp reference: perplexity and the share of positions whose argmax is
@@ -150,10 +150,9 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
 
 
 # The fp8 read paths worth timing beside the default (128-token steps, V in 64-token chunks, the
-# hand-over tile over the staging tiles; docs/kernels/paged_decode.md): the transposed consumer
-# (one split: batch x kv heads fills the GPU), QK^T as one fp8 wgmma, two context splits (twice
-# the items: a more even tail).
-FP8_VARIANTS = ("mosaic:swap", "mosaic:q1", "mosaic:s2")
+# hand-over tile over the staging tiles; docs/kernels/paged_decode.md): QK^T as one fp8 wgmma,
+# two context splits (twice the items: a more even tail).
+FP8_VARIANTS = ("mosaic:q1", "mosaic:s2")
 
 
 def summary_table(metrics: dict) -> str:
@@ -170,14 +169,13 @@ def summary_table(metrics: dict) -> str:
 
 def fp8_variant_config(name: str):
     """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
-    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "swap" (the transposed consumer,
-    `fp8_swap`), "up2" / "up4" / "8bit" (the
+    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "up2" / "up4" / "8bit" (the
     widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
     the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
     per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
     "mosaic:ft128:pv64:shared"."""
     from benchmarks.bench_decode import mosaic_config
-    ours = {"swap": dict(fp8_swap=True), "up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+    ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
             "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
     ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})

@@ -146,15 +146,13 @@ FP8_CASES = [CASES[3], CASES[7], (9, 3, 8, 2, 128, 32, 7, None)]
 # split into two e4m3 tiles, V widened to float16. "mosaic" is the production config (128-token
 # steps, V in 64-token chunks, the hand-over tile over the V staging tiles); the others change
 # MosaicDecodeConfig fields over it: 64-token steps with a whole-step V (the earlier default), QK^T
-# against q_hi alone, the transposed consumer (paged_decode_swap.py; one split). Every case runs
-# the production config; the variants run the case that covers splits, 32-token pages and lengths
-# ending mid-page and mid-step; the Triton kernel (whose fp8 path is one cast) the one-split and
-# the 32-token-page cases.
+# against q_hi alone. Every case runs the production config; the variants run the case that covers
+# splits, 32-token pages and lengths ending mid-page and mid-step; the Triton kernel (whose fp8
+# path is one cast) the one-split and the 32-token-page cases.
 FP8_PATHS = {
     "mosaic": {},
     "mosaic_t64": dict(fp8_tokens_per_step=64, fp8_pv_tokens=None, fp8_shared_scratch=False),
     "mosaic_q1": dict(fp8_q_split=False),
-    "mosaic_swap": dict(fp8_swap=True),
 }
 FP8_RUNS = ([(c, "mosaic") for c in FP8_CASES] + [(FP8_CASES[i], "triton") for i in (0, 2)]
             + [(FP8_CASES[2], k) for k in FP8_PATHS if k != "mosaic"])
@@ -167,8 +165,6 @@ def test_kernels_over_an_fp8_cache_match_reference(case, kernel):
         if kernel == "triton":
             return paged_decode_triton_configured(*args, **kwargs, pages_per_step=1,
                                                   workers=workers, interpret=True)
-        # One split where the transposed consumer should run (several: the plain consumer).
-        splits = 1 if kernel == "mosaic_swap" else splits
         cfg = MosaicDecodeConfig(**{**dict(tokens_per_step=64, stages=2, num_ctas=2,
                                            num_splits=splits), **FP8_PATHS[kernel]})
         return paged_decode_mosaic(*args, **kwargs, config=cfg, interpret=True)
@@ -195,29 +191,6 @@ def test_mosaic_fp8_decode_lowers_for_cuda(d, splits, kernel):
     text = jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "cvt.rn.f16x2.e4m3x2" in text
-
-
-def test_mosaic_fp8_swap_has_no_cta_barrier_past_the_warpgroup_split():
-    """The transposed consumer lowers for CUDA at the benchmark shape, and no CTA-wide barrier
-    (bar.sync 0), which only some warpgroups would reach, follows the first `setmaxnreg` (where
-    the warpgroups' code diverges): its cross-warp reductions once took their scratch from a
-    thread-collective `run_scoped`, which put one in warpgroup 1's steps alone and hung the H200
-    (the interpreter models neither)."""
-    import functools
-    import re
-    import jax
-    from tools.mosaic_ir import mosaic_modules
-    q = jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.float8_e4m3fn)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    fn = functools.partial(paged_decode_mosaic, scale=0.1,
-                           config=MosaicDecodeConfig(num_ctas=132, fp8_swap=True))
-    [text] = mosaic_modules(jax.jit(fn).trace(q, cache, cache, i32(64, 256), i32(64)).lower(
-        lowering_platforms=("cuda",)))
-    assert "cvt.rn.f16x2.e4m3x2" in text
-    split = text.index("setmaxnreg")
-    barriers = [m.start() for m in re.finditer(r'gpu\.barrier"', text)]
-    assert barriers and all(i < split for i in barriers), (len(barriers), split)
 
 
 def test_cases_cover_the_mosaic_kernels_one_and_several_split_paths():

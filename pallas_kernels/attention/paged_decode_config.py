@@ -26,9 +26,6 @@ class MosaicDecodeConfig:
     The fp8_* knobs: how the kernel reads an fp8 cache (mgpu_fp8.py; docs/kernels/paged_decode.md,
     "FP8 KV cache"): K straight from the ring into fp8 QK^T wgmmas against q split into two e4m3
     tiles, V widened to float16.
-    fp8_swap: the transposed consumer (KV tokens on wgmma's M side, the G query heads on N;
-      paged_decode_swap.py) where the plan has one split and no window or sinks. Off until timed
-      beside the plain consumer (`benchmarks/bench_quant_kv.py`, variant "mosaic:swap").
     fp8_widen_layout: the register layout the fp8 tiles are widened through (`mgpu_fp8.widen`).
     fp8_shared_scratch: the plain consumer's fp32 hand-over tile overlays the two V staging tiles
       (warpgroup 1 hands over once warpgroup 0's last P @ V of the item is done, and widens again
@@ -48,7 +45,6 @@ class MosaicDecodeConfig:
     bt_lookahead: int = 2
     pdl: bool = True
     combine_kernel: bool = True
-    fp8_swap: bool = False
     fp8_widen_layout: str = "WGMMA_8BIT"
     # 128-token fp8 steps, V in 64-token chunks, shared staging: 181 us at B64 x 4096 on the H200
     # (64.6 % of the read ceiling) against 228 us for 64-token steps (quant_kv_h200.json).

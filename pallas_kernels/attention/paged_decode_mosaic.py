@@ -61,7 +61,6 @@ from pallas_kernels.attention.paged_decode_common import (
 from pallas_kernels.attention.paged_decode_producer import produce
 from pallas_kernels.attention.paged_decode_smem import fixed_bytes, profile_space, ring_stages
 from pallas_kernels.attention.paged_decode_smem import WGMMA_ROWS as _WGMMA_ROWS
-from pallas_kernels.attention.paged_decode_swap import swap_consumer, swap_scratch
 from pallas_kernels.attention.split_combine_mosaic import (DecodeLaunch, combine_parts_xla,
                                                            combine_split_parts, sink_rows)
 
@@ -75,7 +74,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
                    stages: int, num_ctas: int, scale: float, softcap: float | None,
                    window: int | None, has_sinks: bool, bt_lookahead: int, pdl: bool,
                    interpret: bool, widen: bool, widen_layout: str,
-                   swap: bool, shared: bool, pv_tokens: int, q_parts: int):
+                   shared: bool, pv_tokens: int, q_parts: int):
     # fp8 (widen): q_ref holds [2 (q_hi, q_lo), rows, D] in e4m3, and the first ref after it the
     # per-item 1 / c of `mgpu_fp8.split_q`.
     qinv_ref, refs = (refs[0], refs[1:]) if widen else (None, refs)
@@ -93,10 +92,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
     else:
         (x_smem, x_plain), wide_all = tiles, (refs[-1] if widen else None)
     y_smem, lse_smem = (out_tile, None) if num_splits == 1 else (None, out_tile)
-    # Trailing scratch: the P tiles (interpret mode's stand-in; swap: its P^T operand) and with
-    # swap its reduction scratch, the fp8 V staging tiles.
-    p_smem = refs[0] if interpret or swap else None
-    red_smem = refs[1] if swap else None
+    # Trailing scratch: the P tiles (interpret mode's stand-in), the fp8 V staging tiles.
+    p_smem = refs[0] if interpret else None
     bs, d, g = shape.block_size, shape.head_dim, shape.group
     tokens = pages_per_step * bs
     hkv = shape.num_kv_heads
@@ -302,20 +299,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, shape: DecodeSh
 
             return g0 + steps
 
-        if swap:  # the transposed consumer (paged_decode_swap.py), traced per warpgroup
-            named = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
-                         k_free=k_free, v_free=v_free, q_bar=q_bar, q_free=q_free, x_smem=x_plain,
-                         vec_smem=vec_smem, y_smem=y_smem, x_full=x_full, x_free=x_free,
-                         p_smem=p_smem, red_smem=red_smem, wide=wide_all, o_ref=o_ref,
-                         qinv_ref=qinv_ref)
-            for w in range(_NUM_CONSUMERS):
-                pl.when(wg == w)(functools.partial(
-                    swap_consumer, wg=w, my_items=my_items, item_info=item_info, q_rows=q_rows,
-                    refs=named, hkv=hkv, g=g, bs=bs, pages_per_step=pages_per_step,
-                    stages=stages, logit_scale=logit_scale, softcap=softcap,
-                    interpret=interpret, widen_layout=widen_layout, q_parts=q_parts))
-        else:
-            lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+        lax.fori_loop(0, my_items, item_body, jnp.int32(0))
 
         if not shared:  # (shared: warpgroup 1 waited on every release already)
             @pl.when(wg == 1)
@@ -358,24 +342,16 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     elem_bytes = jnp.dtype(dtype).itemsize
     widen = cache_dtype != dtype  # fp8: q split in two e4m3 tiles, V widened to float16
     num_threads = _NUM_CONSUMERS + 1
-    # The transposed consumer (`fp8_swap`, paged_decode_swap.py): one-split plans, no window or
-    # sinks; else the plain consumer.
-    swap = widen and config.fp8_swap and plan.num_splits == 1 and window is None and sinks is None
-    # fp8, plain consumer: the hand-over and output tiles may overlay the V staging tiles, which
-    # may hold a chunk of a step's tokens (paged_decode_smem.py).
-    shared = widen and config.fp8_shared_scratch and not swap
-    pv_tokens = (config.fp8_pv_tokens if widen and not swap else None) or config.tokens_per_step
+    # fp8: the hand-over and output tiles may overlay the V staging tiles, which may hold a chunk
+    # of a step's tokens (paged_decode_smem.py).
+    shared = widen and config.fp8_shared_scratch
+    pv_tokens = (config.fp8_pv_tokens if widen else None) or config.tokens_per_step
     profiling = bool(config.profile_dir) and not interpret
     gp = max(8, -(-g // 8) * 8)  # rows per q tile copy: G rounded up to whole 8-row TMA tiles
-    if swap:  # gp-row q, hand-over, output and P^T tiles instead of 64-row ones
-        swap_tiles = swap_scratch(gp=gp, d=d, tokens=config.tokens_per_step, dtype=dtype,
-                                  num_consumers=_NUM_CONSUMERS)
-        fixed = swap_tiles["bytes"]
-    else:
-        fixed = fixed_bytes(
-            d=d, elem_bytes=elem_bytes, one_split=plan.num_splits == 1,
-            staging_tokens=pv_tokens * widen, shared=shared,
-            p_tokens=pv_tokens * interpret, num_consumers=_NUM_CONSUMERS)
+    fixed = fixed_bytes(
+        d=d, elem_bytes=elem_bytes, one_split=plan.num_splits == 1,
+        staging_tokens=pv_tokens * widen, shared=shared,
+        p_tokens=pv_tokens * interpret, num_consumers=_NUM_CONSUMERS)
     stages = ring_stages(config.stages, fixed, tokens=config.tokens_per_step, d=d,
                          cache_bytes=jnp.dtype(cache_dtype).itemsize)
     # The profiler's event buffers take the shared memory the ring leaves, so a profiled kernel
@@ -404,7 +380,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
     transforms = (plgpu.TilingTransform((8, swizzle // elem_bytes)),
                   plgpu.SwizzleTransform(swizzle))
     f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
-    q_tiles = (plgpu.SMEM((2, 2, gp if swap else _WGMMA_ROWS, d), cache_dtype,
+    q_tiles = (plgpu.SMEM((2, 2, _WGMMA_ROWS, d), cache_dtype,
                           transforms=tile_transforms(cache_dtype, d)) if widen else
                plgpu.SMEM((2, _WGMMA_ROWS, d), dtype, transforms=transforms))
     tokens = config.tokens_per_step
@@ -421,7 +397,7 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
         num_ctas=num_ctas, scale=scale, softcap=softcap, window=window, has_sinks=has_sinks,
         bt_lookahead=config.bt_lookahead,
         pdl=config.pdl and not interpret, interpret=interpret, widen=widen,
-        widen_layout=config.fp8_widen_layout, swap=swap, shared=shared, pv_tokens=pv_tokens,
+        widen_layout=config.fp8_widen_layout, shared=shared, pv_tokens=pv_tokens,
         q_parts=1 + config.fp8_q_split)
     x_tiles = (plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32, transforms=f32_transforms),
                plgpu.SMEM((_WGMMA_ROWS, d), jnp.float32))
@@ -436,11 +412,9 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             # The hand-over tile, swizzled so the WGMMA-layout store and load are free of bank
             # conflicts; its unswizzled view stages the fp32 part when split; shared: both over
             # the V staging tiles.
-            swap_tiles["x"] if swap else
             plgpu.RefUnion(wide_tiles, *x_tiles) if shared else plgpu.RefUnion(*x_tiles),
-            swap_tiles["vec"] if swap else
             plgpu.SMEM((2, _WGMMA_ROWS), jnp.float32),  # warpgroup 1's m and l
-            *((swap_tiles["out"],) if swap else out_scratch),
+            *out_scratch,
             plgpu.Barrier(num_arrivals=1 + widen, num_barriers=2),  # q tile filled
             plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=2),  # q tile free
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=stages),
@@ -450,9 +424,8 @@ def mosaic_decode_call(q, k_cache, v_cache, block_tables, seq_lens, *, scale: fl
             plgpu.Barrier(num_barriers=1),  # hand-over tile filled (warpgroup 1 -> 0)
             plgpu.Barrier(num_barriers=1),  # hand-over tile free (warpgroup 0 -> 1)
             *[plgpu.Barrier(num_barriers=1)] * shared,  # warpgroup 0's staging tile idle
-            *([swap_tiles["p"], swap_tiles["red"]] if swap else
-              [plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, pv_tokens), dtype, transforms=transforms)]
-              * interpret),
+            *[plgpu.SMEM((_NUM_CONSUMERS, _WGMMA_ROWS, pv_tokens), dtype, transforms=transforms)]
+            * interpret,
             *[wide_tiles] * (widen and not shared),
         ),
         grid=(num_ctas,),

@@ -80,9 +80,12 @@ BLOCK = 16
 
 # Kernel configs timed side by side (LatentDecodeConfig fields; "splits": a split count per
 # shape key instead of the planned one). `t64` is the production default: 4 pages (64 tokens)
-# per ring slot, 128-byte swizzle (2 slots), heads-minor at 16 heads (S^T = K Q^T).
+# per ring slot, 128-byte swizzle (2 slots), the orientation by the split count (heads-minor,
+# S^T = K Q^T, above 4 splits at 16 heads; LatentDecodeConfig.heads_minor); both orientations
+# are also timed forced.
 KERNEL_VARIANTS = {
     "t64": {},
+    "t64_heads_minor": dict(heads_minor=True),  # S^T = K Q^T, the heads on wgmma's N
     "t64_heads_major": dict(heads_minor=False),  # S = Q K^T, heads padded to wgmma's M = 64
     "t32_heads_major": dict(pages_per_step=2, swizzle=64),  # 32-token slots: 4 of them
     "t64_alt_splits": dict(splits={"b64x4096": 4, "b1x32k": 64}),  # planned: 2 / 128
@@ -112,7 +115,7 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     variant vs the best plain read of as many bytes (benchmarks.anchors; all timed queued back
     to back). -> metrics."""
     from benchmarks import anchors
-    from pallas_kernels.attention.latent_decode_mosaic import split_plan
+    from pallas_kernels.attention.latent_decode_mosaic import heads_minor, split_plan
     from pallas_kernels.attention.latent_reference import paged_latent_decode
     interpret = jax.devices()[0].platform == "cpu"
     timed = (functools.partial(anchors.queued_time, min_seconds=0.0, reps=1) if interpret
@@ -146,8 +149,10 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
             continue
         err = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
         splits = split_plan(batch, heads, latent, BLOCK, pages, config).num_splits
+        tokens = config.pages_per_step * BLOCK
         m.update({f"{name}_us": t * 1e6, f"{name}_frac_of_hbm": read / t / plain,
-                  f"{name}_splits": splits, f"{name}_max_err": float(err)})
+                  f"{name}_splits": splits, f"{name}_max_err": float(err),
+                  f"{name}_heads_minor": heads_minor(heads, tokens, splits, config)})
     timed_ok = [n for n in KERNEL_VARIANTS if f"{n}_us" in m]
     if timed_ok:
         m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])

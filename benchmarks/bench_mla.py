@@ -18,7 +18,9 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
            of as many bytes (benchmarks.anchors' kernels, measured before the engine starts;
            all timed queued back to back). Goals 0.8 / 0.7;
   mla_decode_<key>_<variant>_us / _frac_of_hbm  each kernel config (`KERNEL_VARIANTS`: ring
-           slot size, split count; its splits in `mla_decode_<key>_<variant>_splits`), and
+           slot size, split count, both orientations forced; its splits and orientation in
+           `mla_decode_<key>_<variant>_splits` / `_orientation`; `t64` is the production
+           default, whose orientation follows the split count), and
            `mla_decode_<key>_best_variant`;
   mla_decode_<key>_jnp_us / _jnp_frac_of_hbm   the jnp latent decode (latent_reference.py) the
            kernel replaced; mla_decode_<key>_kernel_max_err: max |kernel - jnp| over the value
@@ -152,7 +154,8 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
         tokens = config.pages_per_step * BLOCK
         m.update({f"{name}_us": t * 1e6, f"{name}_frac_of_hbm": read / t / plain,
                   f"{name}_splits": splits, f"{name}_max_err": float(err),
-                  f"{name}_heads_minor": heads_minor(heads, tokens, splits, config)})
+                  f"{name}_orientation": ("heads_minor" if heads_minor(heads, tokens, splits,
+                                                                       config) else "heads_major")})
     timed_ok = [n for n in KERNEL_VARIANTS if f"{n}_us" in m]
     if timed_ok:
         m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])

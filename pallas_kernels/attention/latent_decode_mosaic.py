@@ -81,10 +81,11 @@ class LatentDecodeConfig:
       1 x 32k tokens, 128 splits: heads-minor 0.997, heads-major 0.675; 64 x 4096, 2 splits:
       heads-minor 0.765, heads-major 0.807 (a guess, not profiled: long splits stream pages,
       where heads-major's P from registers saves heads-minor's per-step P^T round trip
-      through shared memory; short ones pay the q tile and the part per CTA). The crossover lies between 2 and 128
-      splits and is not measured in between; 4 keeps both measured points on their winner
-      and leaves the in-between batch sizes (8-32 splits) on the orientation that won with
-      short splits. True / False: force it (benchmarks, tests)."""
+      through shared memory; short ones pay the q tile and the part per CTA). The crossover
+      lies between 2 and 128 splits, unmeasured in between; 4 keeps both measured points on
+      their winner and sends only long splits (each a quarter of the context or more: at 4k
+      tokens, batches of ~32 and up on 132 SMs) to heads-major. True / False: force it
+      (benchmarks, tests)."""
     pages_per_step: int = 4
     stages: int | None = None
     num_splits: int | None = None

@@ -41,6 +41,7 @@ from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, input_ids
 from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 
@@ -145,6 +146,9 @@ class EagleProposer:
         if runner.plan is not None and runner.plan.tp > 1:
             raise ConfigError("--speculative-config methods eagle3 and mtp do not run under "
                               "tensor parallelism yet")
+        if is_fp8(kv_dtype):  # its cache would need scales of its own (kv_quant.py)
+            raise ConfigError("--speculative-config methods eagle3 and mtp do not run over an "
+                              "fp8 --kv-cache-dtype yet")
         if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
             raise ConfigError("an eagle3 head needs a target with a full-attention layer, or "
                               "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")

@@ -30,6 +30,8 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
            context) / the best plain-read rate above: weights = every param but the input
            embedding and the routed experts a token does not use (58 of 64);
   dsv2lite_c64_out_tok_s 64 requests at once, 512 / 256, with dsv2lite_c64_prefix_hit_rate;
+  dsv2lite_bs1_profile   (GPU) 20 traced batch-1 decode steps (tools/trace_engine_step.py):
+           step period, kernel-busy and idle time, kernels per step, the top kernels;
   dsv2lite_max_concurrent_32k  32,768-token sequences the engine's planned pool holds, beside
            llama3_8b_max_concurrent_32k: Llama-3-8B's 131,072 B/token over the same budget
            (0.9 x device memory - its 16.06 GB of weights - the activation bytes the V2-Lite
@@ -222,6 +224,14 @@ def engine_metrics(w: dict, rate: float) -> dict:
         "dsv2lite_max_concurrent_32k": pool_tokens // 32768,
     }
     if jax.devices()[0].platform != "cpu":
+        # Where bs1's time goes (docs/MLA.md, "batch-1 gap"): kernels per step, busy vs idle,
+        # the top kernels; a diagnostic, the figures above stand without it.
+        from tools.trace_engine_step import profile_decode_steps
+        try:
+            metrics["dsv2lite_bs1_profile"] = profile_decode_steps(engine,
+                                                                   prompts(1, w["prompt"]))
+        except Exception as e:
+            metrics["dsv2lite_bs1_profile_error"] = repr(e)[:400]
         budget = 0.9 * device_memory_bytes()
         weights = tree_nbytes(engine.runner.params)
         activations = budget - weights - engine.num_total_blocks * kv_bytes_per_block(

@@ -78,7 +78,9 @@ class HostTier:
               block_size: int) -> list[int]:
         """Slots of the longest run of host blocks continuing a prefix: block i (from
         `first_block`, below `max_blocks`) of `token_ids` under the chain starting at `parent`
-        (the digest of the blocks before `first_block`). Touches them as most recently used."""
+        (the digest of the blocks before `first_block`). Touches them as most recently used,
+        last block first (the head of a prefix is evicted last: without it the rest is
+        unreachable)."""
         slots = []
         for i in range(first_block, max_blocks):
             parent = block_digest(parent, token_ids[i * block_size:(i + 1) * block_size])
@@ -86,6 +88,7 @@ class HostTier:
             if slot is None:
                 break
             slots.append(slot)
+        for slot in reversed(slots):
             if slot in self._lru:
                 self._lru.move_to_end(slot)
         return slots

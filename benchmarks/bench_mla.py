@@ -1,18 +1,28 @@
-"""DeepSeek MLA on one GPU, dummy bf16 weights: the latent-cache decode attention against a plain
-read of the same bytes, and DeepSeek-V2-Lite's shape through the engine.
+"""DeepSeek MLA on one GPU, dummy bf16 weights: the latent-cache decode attention (the Mosaic
+latent decode kernel, and the jnp path it replaced) against a plain read of the same bytes, and
+DeepSeek-V2-Lite's shape through the engine.
 
     PYTHONUNBUFFERED=1 python -m benchmarks.bench_mla --save            # H200, ~5-8 min
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_mla --parts kernel --save --merge  # ~2 min
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_mla  # CPU check
 
-Metrics (all measured in this run):
-  mla_decode_b64x4096_frac_of_hbm, mla_decode_b1x32k_frac_of_hbm
+`--parts kernel` / `--parts engine` run one section; `--merge` keeps the saved record's other
+metrics (read from the --save directory, else from benchmarks/results).
+
+Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
+  mla_decode_<key>_frac_of_hbm
            one layer's absorbed decode attention (16 query heads x 576-wide latent, 16-token
-           pages, shuffled block tables) over batch x context tokens: latent bytes read / its
-           time, over the best plain read rate of as many bytes (benchmarks.anchors' kernels,
-           measured before the engine starts; both timed queued back to back). MLA attention
-           runs a jnp paged decode (one gather of the pages + einsums:
-           pallas_kernels/attention/latent_reference.py) until a Mosaic latent kernel exists,
-           so expect well under the issue's 0.8 / 0.7 goals;
+           pages, shuffled block tables) over batch x context tokens, run by the production
+           Mosaic latent decode kernel (pallas_kernels/attention/latent_decode_mosaic.py, the
+           default config `t64`): latent bytes read / its time, over the best plain read rate
+           of as many bytes (benchmarks.anchors' kernels, measured before the engine starts;
+           all timed queued back to back). Goals 0.8 / 0.7;
+  mla_decode_<key>_<variant>_us / _frac_of_hbm  each kernel config (`KERNEL_VARIANTS`: ring
+           slot size, split count; its splits in `mla_decode_<key>_<variant>_splits`), and
+           `mla_decode_<key>_best_variant`;
+  mla_decode_<key>_jnp_us / _jnp_frac_of_hbm   the jnp latent decode (latent_reference.py) the
+           kernel replaced; mla_decode_<key>_kernel_max_err: max |kernel - jnp| over the value
+           columns, over max |jnp| (both bf16);
   dsv2lite_bs1_tpot_ms   one request, 512 prompt / 256 output tokens, greedy, best of two;
   dsv2lite_bs1_roofline_ms  (weights a decode token reads + its latent cache over the mean
            context) / the best plain-read rate above: weights = every param but the input
@@ -22,12 +32,14 @@ Metrics (all measured in this run):
            llama3_8b_max_concurrent_32k: Llama-3-8B's 131,072 B/token over the same budget
            (0.9 x device memory - its 16.06 GB of weights - the activation bytes the V2-Lite
            engine reserved).
-The timed prompts are random token ids never seen by the warm-up, so no prefix hits.
+The timed prompts are random token ids never seen by the warm-up, so no prefix hits. On the CPU
+the kernel runs in Mosaic GPU's interpreter (a smoke run, not a timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -66,27 +78,85 @@ LLAMA3_8B_WEIGHT_BYTES = 16_060_000_000
 BLOCK = 16
 
 
-def decode_attention(batch: int, context: int, heads: int, latent: int, value: int) -> dict:
-    """One layer's absorbed decode over a paged latent cache vs the best plain read of as many
-    bytes (benchmarks.anchors; both timed queued back to back)."""
+# Kernel configs timed side by side (LatentDecodeConfig fields; "splits": a split count per
+# shape key instead of the planned one). `t64` is the production default: 4 pages (64 tokens)
+# per ring slot, 128-byte swizzle (2 slots), heads-minor at 16 heads (S^T = K Q^T).
+KERNEL_VARIANTS = {
+    "t64": {},
+    "t64_heads_major": dict(heads_minor=False),  # S = Q K^T, heads padded to wgmma's M = 64
+    "t32_heads_major": dict(pages_per_step=2, swizzle=64),  # 32-token slots: 4 of them
+    "t64_alt_splits": dict(splits={"b64x4096": 4, "b1x32k": 64}),  # planned: 2 / 128
+}
+
+
+def _variant(name: str, key: str, value: int, interpret: bool):
+    from pallas_kernels.attention.latent_decode_mosaic import (LatentDecodeConfig,
+                                                               latent_decode_mosaic)
+    knobs = dict(KERNEL_VARIANTS[name])
+    splits = knobs.pop("splits", {}).get(key)
+    config = LatentDecodeConfig(**knobs, num_splits=splits if not TINY else splits and 2)
+    return config, functools.partial(latent_decode_mosaic, value_width=value, config=config,
+                                     interpret=interpret)
+
+
+def plain_read_rate(nbytes: int) -> float:
+    """Bytes/s of the best plain read of `nbytes` (benchmarks.anchors)."""
     from benchmarks import anchors
-    from jaxinfer.model.mla import latent_backend
-    from pallas_kernels.attention.backend import REFERENCE
-    backend = latent_backend(REFERENCE)
+    mib = 1 << 20  # the read kernels reshape to rows of 8192: whole MiB (exact at full size)
+    return max(anchors.read_rates(-(-nbytes // mib) * mib).values())
+
+
+def decode_attention(batch: int, context: int, heads: int, latent: int, value: int,
+                     key: str) -> dict:
+    """One layer's absorbed decode over a paged latent cache: the jnp path and each kernel
+    variant vs the best plain read of as many bytes (benchmarks.anchors; all timed queued back
+    to back). -> metrics."""
+    from benchmarks import anchors
+    from pallas_kernels.attention.latent_decode_mosaic import split_plan
+    from pallas_kernels.attention.latent_reference import paged_latent_decode
+    interpret = jax.devices()[0].platform == "cpu"
+    timed = (functools.partial(anchors.queued_time, min_seconds=0.0, reps=1) if interpret
+             else anchors.queued_time)
     pages = -(-context // BLOCK)
     read = batch * context * latent * 2
-    mib = 1 << 20  # the read kernels reshape to rows of 8192: whole MiB (exact at full size)
-    plain = max(anchors.read_rates(-(-read // mib) * mib).values())
+    plain = plain_read_rate(read)
     rng = np.random.default_rng(0)
     cache = jnp.asarray(rng.normal(size=(1, batch * pages, BLOCK, latent)), jnp.bfloat16)
     tables = jnp.asarray(rng.permutation(batch * pages).reshape(batch, pages), jnp.int32)
     lens = jnp.full((batch,), context, jnp.int32)
     q = jnp.asarray(rng.normal(size=(batch, heads, latent)), jnp.bfloat16)
-    attend = jax.jit(lambda q, c, t, s: backend.decode(q, c, c, t, s, scale=0.1, softcap=None,
-                                                       window=None, sinks=None)[..., :value])
-    t_mla = anchors.queued_time(lambda _: attend(q, cache, tables, lens), None)
-    return {"mla_s": t_mla, "plain_s": read / plain, "frac": read / t_mla / plain,
-            "plain_bytes_s": plain}
+    m = {"plain_read_us": read / plain * 1e6}
+    kw = dict(scale=latent ** -0.5, softcap=None, window=None, sinks=None)
+
+    def run(fn) -> tuple[float, jax.Array]:
+        attend = jax.jit(lambda q, c, t, s: fn(q, c, c, t, s, **kw)[..., :value])
+        return timed(lambda _: attend(q, cache, tables, lens), None), attend(q, cache, tables,
+                                                                             lens)
+
+    t_jnp, want = run(paged_latent_decode)
+    m.update(jnp_us=t_jnp * 1e6, jnp_frac_of_hbm=read / t_jnp / plain)
+    want = np.asarray(want, np.float32)
+    for name in KERNEL_VARIANTS:
+        config, fn = _variant(name, key, value, interpret)
+        try:
+            t, got = run(fn)
+        except Exception as e:  # a config that does not compile costs its keys, not the run
+            m[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{key} {name}: {m[f'{name}_error']}", flush=True)
+            continue
+        err = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
+        splits = split_plan(batch, heads, latent, BLOCK, pages, config).num_splits
+        m.update({f"{name}_us": t * 1e6, f"{name}_frac_of_hbm": read / t / plain,
+                  f"{name}_splits": splits, f"{name}_max_err": float(err)})
+    timed_ok = [n for n in KERNEL_VARIANTS if f"{n}_us" in m]
+    if timed_ok:
+        m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])
+    # The production kernel's figures under the issue's keys (None if it failed: a --merge must
+    # not keep an older run's).
+    m.update(us=m.get("t64_us"), frac_of_hbm=m.get("t64_frac_of_hbm"),
+             kernel_max_err=m.get("t64_max_err"))
+    m["plain_bytes_s"] = plain
+    return m
 
 
 def decode_read_bytes(cfg, context: float) -> float:
@@ -157,32 +227,54 @@ def engine_metrics(w: dict, rate: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="kernel,engine",
+                        help="comma-separated sections: kernel (the decode attention), engine")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the saved record's other metrics and config (from the --save "
+                             "directory, else benchmarks/results)")
     results_io.add_save_arg(parser, "mla_<gpu>")
     args = parser.parse_args()
-    w = (dict(prompt=24, out=8, seqs=4, shapes=((4, 64), (1, 256)), heads=4, latent=40, value=32)
-         if TINY else dict(prompt=512, out=256, seqs=64, shapes=((64, 4096), (1, 32768)),
-                           heads=16, latent=576, value=512))
+    parts = set(args.parts.split(","))
+    if not parts <= {"kernel", "engine"}:
+        parser.error(f"--parts {args.parts}: the sections are kernel and engine")
+    w = (dict(prompt=24, out=8, seqs=4, shapes=((2, 64), (1, 128)), heads=8, latent=192,
+              value=128) if TINY else
+         dict(prompt=512, out=256, seqs=64, shapes=((64, 4096), (1, 32768)), heads=16,
+              latent=576, value=512))
     metrics: dict = {}
-    rates = []
-    for (batch, context), key in zip(w["shapes"], ("b64x4096", "b1x32k")):
-        r = decode_attention(batch, context, w["heads"], w["latent"], w["value"])
-        rates.append(r["plain_bytes_s"])
-        metrics[f"mla_decode_{key}_frac_of_hbm"] = round(r["frac"], 4)
-        metrics[f"mla_decode_{key}_us"] = round(r["mla_s"] * 1e6, 1)
-        metrics[f"mla_decode_{key}_plain_read_us"] = round(r["plain_s"] * 1e6, 1)
-        print(json.dumps({key: metrics[f"mla_decode_{key}_frac_of_hbm"]}), flush=True)
-    rate = max(rates)
-    metrics["plain_read_tb_s"] = round(rate / 1e12, 4)
-    metrics.update(engine_metrics(w, rate))
+    config: dict = {}
+    if "kernel" in parts:
+        rates = []
+        for (batch, context), key in zip(w["shapes"], ("b64x4096", "b1x32k")):
+            r = decode_attention(batch, context, w["heads"], w["latent"], w["value"], key)
+            rates.append(r.pop("plain_bytes_s"))
+            metrics.update({f"mla_decode_{key}_{k}": round(v, 4) if isinstance(v, float) else v
+                            for k, v in r.items()})
+            print(json.dumps({key: metrics.get(f"mla_decode_{key}_frac_of_hbm")}), flush=True)
+        metrics["plain_read_tb_s"] = round(max(rates) / 1e12, 4)
+        config.update(decode_heads=w["heads"], latent_width=w["latent"],
+                      kernel_variants=KERNEL_VARIANTS,
+                      mla_attention="Mosaic latent decode kernel (latent_decode_mosaic.py)")
+    if "engine" in parts:
+        if "plain_read_tb_s" not in metrics:  # the roofline's rate: the larger shape's read
+            (batch, context), = w["shapes"][:1]
+            metrics["plain_read_tb_s"] = round(
+                plain_read_rate(batch * context * w["latent"] * 2) / 1e12, 4)
+        metrics.update(engine_metrics(w, metrics["plain_read_tb_s"] * 1e12))
+        config.update(workload={k: w[k] for k in ("prompt", "out", "seqs")})
     print(json.dumps(metrics, indent=1), flush=True)
     if args.save:
         name = args.name or f"mla_{results_io.device_slug()}"
-        results_io.save(args.save, name, config={
-            "model": "DeepSeek-V2-Lite shape, dummy bf16 weights" + (" (tiny)" if TINY else ""),
-            "decode_heads": w["heads"], "latent_width": w["latent"], "block_size": BLOCK,
-            "workload": {k: w[k] for k in ("prompt", "out", "seqs")},
-            "mla_attention": "jnp latent decode (no Mosaic latent kernel yet)"},
-            metrics=metrics)
+        config = {"model": "DeepSeek-V2-Lite shape, dummy bf16 weights" + (" (tiny)" if TINY
+                                                                           else ""),
+                  "block_size": BLOCK, **config}
+        if args.merge:
+            for base in (Path(args.save), results_io.RESULTS_DIR):
+                if (base / f"{name}.json").is_file():
+                    old = results_io.load(name, base)
+                    metrics, config = {**old["metrics"], **metrics}, {**old["config"], **config}
+                    break
+        results_io.save(args.save, name, config=config, metrics=metrics)
 
 
 if __name__ == "__main__":

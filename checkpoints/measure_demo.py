@@ -10,8 +10,12 @@
 3. Golden continuations: greedy continuations of fixed prompts, committed to demo_golden.json for
    tests/test_demo_model.py, with the smallest top-1/top-2 logit gap along each (how far the
    golden path is from an argmax tie).
+4. `--readme README.md` (or `--readme-only`): the README's first example -- the request and what
+   the server returns for it -- rewritten from the target as served (jaxinfer's engine, the
+   checkpoint's bf16 weights, greedy), between the `<!-- demo-example -->` markers.
 
-    python checkpoints/measure_demo.py [--out checkpoints/demo_metrics.json]
+    python -m checkpoints.measure_demo [--out checkpoints/demo_metrics.json] [--readme README.md]
+    python -m checkpoints.measure_demo --readme-only      # README only (~30 s on a CPU)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -42,6 +47,8 @@ GOLDEN_PROMPTS = ('class Stack:\n    """A last-in, first-out stack."""\n\n    de
                   "import os\nimport sys\n\n\ndef main():")
 GOLDEN_TOKENS = 24
 SPEC_K = (1, 2, 3, 4, 5)
+README_PROMPT, README_TOKENS = "import os\nimport sys\n\n\ndef main():", 48
+README_BLOCK = re.compile(r"(<!-- demo-example[^>]*-->\n).*?(<!-- /demo-example -->)", re.S)
 
 
 def load(model_dir: Path, dtype=jnp.float32):
@@ -118,6 +125,36 @@ def speculative_tokens_per_step(match: np.ndarray, k: int) -> float:
     return made / steps
 
 
+def readme_example(target: Path, prompt: str = README_PROMPT) -> str:
+    """The README's example as markdown: the curl request and the completion the engine returns
+    (what `make serve` answers; the id and fields left out by the server's null-dropping as in
+    the README)."""
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(model=str(target), warmup=False, compilation_cache_dir=None)
+    out = llm.generate(prompt, SamplingParams(max_tokens=README_TOKENS, temperature=0.0),
+                       use_tqdm=False)[0]
+    text, n_prompt = out.outputs[0].text, len(out.prompt_token_ids)
+    body = json.dumps({"model": "demo-target", "prompt": prompt, "max_tokens": README_TOKENS,
+                       "temperature": 0})
+    return (f"```bash\ncurl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"  -d '{body}'\n```\n```json\n"
+            '{"id": "cmpl-…", "object": "text_completion", "model": "demo-target",\n'
+            ' "choices": [{"index": 0, "finish_reason": "length",\n'
+            f'   "text": {json.dumps(text)}}}],\n'
+            f' "usage": {{"prompt_tokens": {n_prompt}, "completion_tokens": {README_TOKENS}, '
+            f'"total_tokens": {n_prompt + README_TOKENS}}}}}\n```\n'
+            f"That text, as Python:\n```python\n{prompt}{text}\n```\n")
+
+
+def refresh_readme(readme: Path, target: Path, prompt: str = README_PROMPT) -> None:
+    old = readme.read_text()
+    if not README_BLOCK.search(old):
+        raise SystemExit(f"{readme}: no <!-- demo-example --> ... <!-- /demo-example --> block")
+    example = readme_example(target, prompt)
+    readme.write_text(README_BLOCK.sub(lambda m: m.group(1) + example + m.group(2), old, count=1))
+    print(f"{readme}: example rewritten from {target}:\n{example}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=TARGET_DIR)
@@ -129,7 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=REPO / "checkpoints" / "demo_metrics.json")
     p.add_argument("--golden-out", type=Path, default=REPO / "checkpoints" / "demo_golden.json")
+    p.add_argument("--readme", type=Path, help="also rewrite this README's demo example")
+    p.add_argument("--readme-only", action="store_true", help="only rewrite README.md's example")
+    p.add_argument("--readme-prompt", default=README_PROMPT,
+                   help="the example's prompt (end it without whitespace: see checkpoints/README.md)")
     args = p.parse_args(argv)
+    if args.readme_only:
+        refresh_readme(args.readme or REPO / "README.md", args.target, args.readme_prompt)
+        return
 
     heldout = np.load(args.data / "heldout.npy").astype(np.int32)
     tok = Tokenizer.from_dir(args.target)
@@ -169,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{result['agreement']['spec_tokens_per_target_step']}", flush=True)
 
     golden = []
-    for prompt in GOLDEN_PROMPTS:
+    # The README's prompt is always among them (tests/test_demo_model.py checks the README).
+    for prompt in dict.fromkeys((*GOLDEN_PROMPTS, args.readme_prompt)):
         ids = tok.encode(prompt)
         entry = {"prompt": prompt, "prompt_ids": ids}
         for name, (_, params) in models.items():
@@ -181,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     args.golden_out.write_text(json.dumps({"tokens": GOLDEN_TOKENS, "dtype": "float32", "cases": golden},
                                           indent=1) + "\n")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.readme is not None:
+        refresh_readme(args.readme, args.target, args.readme_prompt)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="tokens the head proposes (default: the target's whole vocabulary)")
-    p.add_argument("--corpus", default=None, help="text file or directory of .py files")
+    p.add_argument("--corpus", default=None,
+                   help="text file, directory of .py files, or .npy token stream (default: the "
+                        "Python standard library)")
     p.add_argument("--num-prompts", type=int, default=2048)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy continuations")
@@ -59,14 +61,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def corpus_texts(corpus: str | None, limit: int, seed: int) -> list[str]:
+def corpus_documents(corpus: str | None, limit: int, seed: int, tokenizer) -> list[list[int]]:
+    """Up to `limit` documents as token ids: a text file (one document), a directory of .py
+    files, or a .npy token stream split at the tokenizer's first EOS id (build_corpus.py's
+    train.npy: the target's own training split, no held-out file among the prompts)."""
     path = Path(corpus or sysconfig.get_paths()["stdlib"])
-    if path.is_file():
-        return [path.read_text(errors="replace")]
-    files = sorted(f for f in path.rglob("*.py") if "site-packages" not in f.parts)
     rng = np.random.default_rng(seed)
+    if path.suffix == ".npy":
+        stream = np.load(path).astype(np.int64)
+        ends = np.flatnonzero(stream == tokenizer.eos_token_ids[0]) + 1
+        docs = [d for d in np.split(stream, ends) if d.size]
+        picked = rng.choice(len(docs), size=min(limit, len(docs)), replace=False)
+        return [docs[i].tolist() for i in sorted(picked)]
+    if path.is_file():
+        return [tokenizer.encode(path.read_text(errors="replace"))]
+    files = sorted(f for f in path.rglob("*.py") if "site-packages" not in f.parts)
     picked = rng.choice(len(files), size=min(limit, len(files)), replace=False)
-    return [files[i].read_text(errors="replace") for i in sorted(picked)]
+    return [tokenizer.encode(files[i].read_text(errors="replace")) for i in sorted(picked)]
 
 
 def generate_data(args, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -75,14 +86,16 @@ def generate_data(args, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
     rng = np.random.default_rng(args.seed)
+    # Prompt starts uniform over the corpus's token positions (a long file gives more prompts
+    # than a short one; num_prompts is not capped by the number of files).
+    docs = [d for d in corpus_documents(args.corpus, args.num_prompts, args.seed, tokenizer)
+            if len(d) > args.prompt_tokens]
+    room = np.asarray([len(d) - args.prompt_tokens for d in docs], np.float64)
+    which = rng.choice(len(docs), size=args.num_prompts, p=room / room.sum())
     prompts = []
-    for text in corpus_texts(args.corpus, args.num_prompts, args.seed):
-        ids = tokenizer.encode(text)
-        while len(ids) > args.prompt_tokens and len(prompts) < args.num_prompts:
-            start = int(rng.integers(0, len(ids) - args.prompt_tokens))
-            prompts.append(ids[start:start + args.prompt_tokens])
-            if rng.random() < 0.5:
-                break
+    for i in which:
+        start = int(rng.integers(0, len(docs[i]) - args.prompt_tokens))
+        prompts.append(list(docs[i][start:start + args.prompt_tokens]))
     n_new = args.seq_len + 1 - args.prompt_tokens
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, max_model_len=args.seq_len + 8, max_num_seqs=256, warmup=False,

@@ -94,8 +94,9 @@ def test_heldout_perplexity_below_bound(model, tokenizer):
 
 def test_training_script_toy_run_lowers_the_loss(tmp_path, tokenizer):
     """A few steps of checkpoints/train_demo.py at toy scale on a small corpus made of this
-    repository's own source: the held-out loss falls well below its start (ln 4096 = 8.3), and
-    the output directory loads like any HF checkpoint."""
+    repository's own source, in two jobs (the first stops after 20 of 40 steps and saves its
+    state, the second resumes it): the held-out loss falls well below its start (ln 4096 = 8.3),
+    and the output directory loads like any HF checkpoint."""
     from checkpoints import train_demo
     data = tmp_path / "data"
     (data / "tokenizer").mkdir(parents=True)
@@ -108,8 +109,13 @@ def test_training_script_toy_run_lowers_the_loss(tmp_path, tokenizer):
     np.save(data / "heldout.npy", np.asarray(tokenizer.encode((CKPT / "heldout_sample.txt").read_text()),
                                              np.uint16))
     out = tmp_path / "toy"
-    summary = train_demo.main(["--toy", "--data", str(data), "--out", str(out), "--max-steps", "40",
-                               "--eval-windows", "8"])
+    argv = ["--toy", "--data", str(data), "--out", str(out), "--max-steps", "40", "--eval-windows", "8",
+            "--state", str(tmp_path / "state")]
+    first = train_demo.main([*argv, "--job-steps", "20"])
+    assert (first["steps"], first["done"]) == (20, False)
+    summary = train_demo.main([*argv, "--resume"])
+    assert (summary["steps"], summary["done"], summary["schedule_steps"]) == (40, True, 40)
+    assert [e["step"] for e in summary["evals"]] == [0, 10, 20, 30, 40]
     evals = [e["heldout_loss"] for e in summary["evals"]]
     assert evals[0] > 7.5, evals
     assert evals[-1] < evals[0] - 0.8, evals
@@ -119,3 +125,27 @@ def test_training_script_toy_run_lowers_the_loss(tmp_path, tokenizer):
     assert cfg.num_params() == summary["params"]
     assert params["embed"]["embedding"].shape == (4096, cfg.hidden_size)
     assert Tokenizer.from_dir(out).eos_token_ids == (0, 2)
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly():
+    from checkpoints.train_demo import lr_at
+    lrs = [lr_at(s, 110, 1.0, 10, 0.1, "wsd", 0.3) for s in range(110)]
+    assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert lrs[10:80] == [1.0] * 70  # decay: the last 30% of the 100 post-warmup steps
+    assert lrs[80:] == pytest.approx([1 - 0.9 * (s - 80) / 30 for s in range(80, 110)])
+
+
+def test_readme_example_is_the_served_target_continuation():
+    """README.md's first example (rewritten by `python -m checkpoints.measure_demo --readme-only`)
+    starts with the target's golden continuation of the same prompt: a retrained target whose
+    goldens were refreshed without the README fails here."""
+    import re
+    from checkpoints.measure_demo import README_BLOCK
+    block = README_BLOCK.search((REPO / "README.md").read_text())
+    assert block, "README.md lost its <!-- demo-example --> markers"
+    request = json.loads(re.search(r"-d '(\{.*\})'", block.group(0)).group(1))
+    text = json.loads(re.search(r'"text": ("(?:[^"\\]|\\.)*")', block.group(0)).group(1))
+    golden = {c["prompt"]: c["target"]["text"]
+              for c in json.loads((CKPT / "demo_golden.json").read_text())["cases"]}
+    assert request["prompt"] in golden, "the README's prompt has no golden continuation"
+    assert text.startswith(golden[request["prompt"]])

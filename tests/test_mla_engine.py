@@ -93,6 +93,40 @@ def test_latent_cache_geometry():
     assert kv_bytes_per_block(cfg, 4, jnp.float32) == 4 * 2 * 20 * 4
 
 
+def test_v3_score_correction_bias_loads_in_float32_in_a_bf16_model():
+    """HF keeps e_score_correction_bias in float32 (its differences between experts can be below
+    bf16's resolution, and they choose the experts); a bf16 model keeps the file's values."""
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.weights import load_safetensors
+    fixture = Path(__file__).parent / "fixtures" / "models" / "deepseek_v3"
+    cfg = load_config(fixture)
+    params = load_safetensors(fixture, cfg, jnp.bfloat16, progress=False)
+    stored = load_file(fixture / "model.safetensors")
+    layer = next(i for i in range(cfg.num_layers) if cfg.layer_is_moe(i))
+    bias = params[f"layers_{layer}"]["moe"]["score_bias"]
+    want = stored[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == jnp.float32 and want.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(bias), want)
+    assert not np.array_equal(want.astype(jnp.bfloat16).astype(np.float32), want)  # bf16 rounds
+    assert params[f"layers_{layer}"]["moe"]["router"].dtype == jnp.bfloat16
+
+
+def test_draft_sizing_counts_the_latent_once():
+    """A draft model beside an MLA target: the target's block holds the latent alone (V is
+    zero-wide), as the planner counts it, not K and V of head_dim each."""
+    from jaxinfer.spec_decode.draft import kv_block_bytes
+    cfg, _ = model()
+    assert kv_block_bytes(cfg, 4, cfg.num_layers, 1, 4) == kv_bytes_per_block(cfg, 4, jnp.float32)
+    llama = config_from_dict(dict(architectures=["LlamaForCausalLM"], hidden_size=32,
+                                  intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    assert kv_block_bytes(llama, 4, 2, 2, 2) == kv_bytes_per_block(llama, 4, jnp.bfloat16)
+
+
 def test_batched_chunked_preempted_and_prefix_cached_runs_match_the_oracle():
     # 16 blocks of 4 tokens for 5 requests of up to 27 tokens, 3-token prefill chunks: admission
     # and decode growth run out of blocks (preemption), prefills are split across steps.

@@ -1,12 +1,13 @@
 """Compile our Mosaic GPU kernels with Mosaic's dump flags and print what ptxas made of each (H200).
 
-    python -m tools.dump_kernels [--kernels prefill,decode]
+    python -m tools.dump_kernels [--kernels prefill,decode,latent]
         [--prefill-configs default,spec] [--dir DIR]
 
 Mosaic GPU reads MOSAIC_GPU_DUMP_PTX / MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_TO when it compiles a
 kernel (in XLA's compile, so on the GPU machine). This script sets them, compiles and runs each
 kernel once at a benchmark shape (prefill: dense non-causal B2 S4096 Hq 32 / Hkv 8 / d 128; decode:
-batch 1 x 32768), then prints ptxas's report per kernel: registers per thread, spill stores and
+batch 1 x 32768; latent: MLA's latent decode at batch 64 x 4096, 16 heads, heads-minor and
+heads-major), then prints ptxas's report per kernel: registers per thread, spill stores and
 loads, and any warning (e.g. a "wgmma ... serialized" note, where a kernel loses its tensor-core
 overlap without an error). The PTX stays in DIR (default $OUT/mosaic_dump or /tmp/mosaic_dump):
 `ptxas -arch=sm_90a` and `nvdisasm` from the CUDA toolkit turn it into SASS on any machine.
@@ -45,6 +46,24 @@ def compile_decode() -> None:
         case["q"], case["k"], case["v"], case["bts"][0], case["lens"]))
 
 
+def compile_latent(heads_minor: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention.latent_decode_mosaic import (LatentDecodeConfig,
+                                                               latent_decode_mosaic)
+    batch, pages, heads, width = 64, 256, 16, 576
+    ks = jax.random.split(jax.random.key(0), 2)
+    cache = jax.random.normal(ks[0], (1, batch * pages, 16, width), jnp.bfloat16)
+    q = jax.random.normal(ks[1], (batch, heads, width), jnp.bfloat16)
+    tables = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+    lens = jnp.full((batch,), pages * 16, jnp.int32)
+    config = LatentDecodeConfig(heads_minor=heads_minor)
+    jax.block_until_ready(jax.jit(lambda q, c, t, s: latent_decode_mosaic(
+        q, c, c, t, s, scale=width ** -0.5, value_width=512, config=config))(q, cache, tables,
+                                                                            lens))
+
+
 def ptxas_reports(dump_dir: Path) -> list[str]:
     """One line per dumped kernel: its name, then ptxas's register / spill / warning lines."""
     lines = []
@@ -68,6 +87,9 @@ def main(argv=None) -> None:
     if "prefill" in args.kernels.split(","):
         jobs += [(f"prefill_{c}", lambda c=c: compile_prefill(c))
                  for c in args.prefill_configs.split(",")]
+    if "latent" in args.kernels.split(","):
+        jobs += [(f"latent_{name}", lambda hm=hm: compile_latent(hm))
+                 for name, hm in (("heads_minor", True), ("heads_major", False))]
     root.mkdir(parents=True, exist_ok=True)
     os.environ.update(MOSAIC_GPU_DUMP_TO=str(root), MOSAIC_GPU_DUMP_PTX="1",
                       MOSAIC_GPU_DUMP_PTXAS="1")

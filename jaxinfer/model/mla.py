@@ -39,15 +39,19 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def latent_backend(backend):
-    """What MLA attention runs on: the jnp latent decode (one gather of each sequence's latent
-    pages for every head: pallas_kernels/attention/latent_reference.py) and the jnp reference's
-    ragged prefill over the latent as one 576-wide KV head, inside the same wrappers (tensor
-    parallelism's shard_map). The GPU backends' kernels stop at head dim 256; a Mosaic latent
-    decode kernel is not built yet (docs/MLA.md)."""
+def latent_backend(backend, value_width: int):
+    """What MLA attention runs on, inside the same wrappers (tensor parallelism's shard_map):
+    decode is the backend's latent decode kernel with `value_width` (kv_lora_rank) bound where it
+    has one (the Mosaic backend: pallas_kernels/attention/latent_decode_mosaic.py, all heads of a
+    sequence on each latent page), else the jnp latent decode (latent_reference.py); prefill is
+    the jnp reference's ragged prefill over the latent as one 576-wide KV head (the GPU backends'
+    prefill kernels stop at head dim 256)."""
     if isinstance(backend, AttentionBackend):
-        return LATENT_REFERENCE
-    return dataclasses.replace(backend, inner=latent_backend(backend.inner))
+        if backend.latent_decode is None:
+            return LATENT_REFERENCE
+        return dataclasses.replace(LATENT_REFERENCE, name=f"{backend.name}-latent",
+                                   decode=backend.latent_decode(value_width))
+    return dataclasses.replace(backend, inner=latent_backend(backend.inner, value_width))
 
 
 class _Kernel(nn.Module):
@@ -99,7 +103,7 @@ class MLAttention(nn.Module):
             out = causal_attention_reference(q_abs, latent, latent, scale=cfg.score_scale)
             new_kv = None
         else:
-            backend = latent_backend(self.backend)
+            backend = latent_backend(self.backend, r)
             latent_cache, empty = backend.write_kv(*kv, latent, latent[..., :0], md.slot_mapping)
             out = backend(q_abs, latent_cache, latent_cache, md, scale=cfg.score_scale)
             new_kv = (latent_cache, empty)

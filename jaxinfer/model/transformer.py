@@ -74,8 +74,8 @@ class Attention(nn.Module):
         if cfg.attn_sinks:  # gpt-oss: one logit per query head in the softmax denominator
             sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_heads,), self.dtype)
             variant["sinks"] = sinks.astype(jnp.float32)
-        if kv is None:
-            out = causal_attention_reference(q, k, v, **variant)
+        if kv is None:  # wrappers (tensor parallelism, fp8 KV scales) carry no dense path
+            out = getattr(self.backend, "dense", causal_attention_reference)(q, k, v, **variant)
             new_kv = None
         else:
             k_cache, v_cache = self.backend.write_kv(*kv, k, v, md.slot_mapping)
@@ -131,7 +131,10 @@ class MoE(nn.Module):
         if cfg.router_bias:
             logits = logits + self.param("router_bias", nn.initializers.zeros, (e,),
                                          self.dtype).astype(jnp.float32)
-        score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), self.dtype)
+        # DeepSeek-V3's e_score_correction_bias stays float32 whatever the model dtype (HF keeps
+        # it so: _keep_in_fp32_modules_strict): its values differ between experts by less than
+        # bf16 resolves, and they decide the routing.
+        score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), jnp.float32)
                       if cfg.score_correction_bias else None)
         weights, experts = route(cfg, logits, score_bias)  # [T, k]
         extra = {}
@@ -308,11 +311,13 @@ def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, position
     return logits, kv, aux
 
 
-def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Dense causal forward without a cache, for training: tokens int32[B, L] -> logits [B, L, V]."""
+def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array,
+                  backend: AttentionBackend = REFERENCE) -> jax.Array:
+    """Dense causal forward without a cache, for training: tokens int32[B, L] -> logits [B, L, V].
+    Attention runs `backend.dense` (the jnp reference unless `dense_fused.with_fused_dense`)."""
     dtype = params["embed"]["embedding"].dtype
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits, _ = Transformer(cfg, REFERENCE, dtype).apply({"params": params}, tokens, positions)
+    logits, _ = Transformer(cfg, backend, dtype).apply({"params": params}, tokens, positions)
     return logits
 
 

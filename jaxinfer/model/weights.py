@@ -232,7 +232,6 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
                                   f"{list(src.shape)}, the config implies {list(want.shape)}")
     flat_shardings = (_flat_paths(shardings) if shardings is not None else {})
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    np_dtype = np.dtype(dtype)
     params: dict = {}
     for key in tqdm(expected, desc="Loading weights", unit="tensor", disable=not progress):
         if key in scale_keys:
@@ -249,7 +248,10 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16
             _set(params, key, q)
             _set(params, quantized[key], s)
             continue
-        read = (lambda idx, src=src: np.ascontiguousarray(src.read(idx), dtype=np_dtype))
+        # Each param in its declared dtype: the model's, but float32 where the model keeps it
+        # so (DeepSeek-V3's score correction bias).
+        read = (lambda idx, src=src, t=np.dtype(expected[key].dtype):
+                np.ascontiguousarray(src.read(idx), dtype=t))
         _set(params, key, jax.make_array_from_callback(tuple(src.shape),
                                                        flat_shardings.get(key, default), read))
     return params

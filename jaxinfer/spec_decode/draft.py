@@ -134,7 +134,7 @@ class DraftModel:
         """Bytes one block of its KV cache takes on one device."""
         c = self.cfg
         heads = self.sharding_plan.kv_heads_per_device if self.sharding_plan else c.num_kv_heads
-        return block_size * 2 * c.num_layers * heads * c.head_dim * dtype_bytes
+        return kv_block_bytes(c, block_size, c.num_layers, heads, dtype_bytes)
 
     # ---- Proposer ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -252,6 +252,13 @@ def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype,
     return load_draft(spec.model, target_cfg, tokenizer, dtype, args.load_format, args.seed, plan)
 
 
+def kv_block_bytes(cfg: ModelConfig, block_size: int, layers: int, heads: int,
+                   itemsize: int) -> int:
+    """One block's cache bytes on one device: K and V widths per head (an MLA model's V is
+    empty: its latent is the K array alone, ModelConfig.kv_widths)."""
+    return block_size * layers * heads * sum(cfg.kv_widths) * itemsize
+
+
 def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, block_size: int,
                  kv_dtype, plan: ShardingPlan | None = None, num_slots: int | None = None) -> int:
     """The planner sized the pool for the target alone (per device, `plan`: the target's): the
@@ -261,7 +268,8 @@ def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, bl
         return num_blocks
     itemsize = jnp.dtype(kv_dtype).itemsize
     heads = plan.kv_heads_per_device if plan else target_cfg.num_kv_heads
-    target = block_size * 2 * (num_slots or target_cfg.num_layers) * heads * target_cfg.head_dim * itemsize
+    target = kv_block_bytes(target_cfg, block_size, num_slots or target_cfg.num_layers, heads,
+                            itemsize)
     weights = per_device_bytes(draft.params)
     return max(1, (num_blocks * target - weights) // (target + draft.block_bytes(block_size,
                                                                                  itemsize)))

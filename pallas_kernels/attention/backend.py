@@ -50,6 +50,12 @@ class AttentionBackend:
     # The model's residual add + RMSNorm (`add_rms_norm_reference`'s signature): GPU
     # backends run it as one kernel at decode row counts (pallas_kernels/norm/rms_norm.py).
     add_rms_norm: Callable = add_rms_norm_reference
+    # The dense causal path without a cache (training: `train_forward`), `causal_attention_reference`'s
+    # signature; `dense_fused.with_fused_dense` swaps in cuDNN's fused kernel.
+    dense: Callable = reference.causal_attention_reference
+    # MLA's decode over its latent cache (one [W]-wide head as both K and V): value_width ->
+    # a `decode` (jaxinfer/model/mla.py binds kv_lora_rank). None: the jnp latent reference.
+    latent_decode: Callable[[int], Callable] | None = None
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None,

@@ -8,15 +8,15 @@
 sends the conversation so far (system prompt, every earlier question and answer) plus a new
 question, and all conversations' turn t run together. Lengths are drawn like ShareGPT chat
 (lognormal, medians ~ the dataset's: question 120 tokens (sigma 0.8), answer 220 (sigma 0.6),
-each clipped to [16, 4x median]); answers are generated with max_tokens = the drawn length
+clipped to [16, 4x median] and [16, 2x median]); answers are generated with max_tokens = the drawn length
 (ignore_eos). The device pool is sized down (`--num-blocks`) so the working set of prefixes (every
 conversation's last history) is >= 3x it: without the tier most turns recompute their history.
-The same workload runs twice, `--kv-offload` on and off, each after a warm-up round of
-WARM_TURNS turns on other prompts (never re-timed; the second engine loads the first one's
-compiled steps from a shared executable cache): TTFT p50/p99, output tok/s, device and host
-prefix hit rates (one lookup per admission), `prefill_over_prompt` (prompt tokens actually
-computed over prompt tokens sent: what the hits saved, preemptions' recomputation included) and
-preemptions.
+The same workload runs twice, `--kv-offload` on and off, each after a warm-up round of it on
+other prompts (never re-timed; a shorter warm-up left step shapes to compile in the timed run;
+the second engine loads the first one's compiled steps from a shared executable cache):
+TTFT p50/p99, output tok/s, device and host prefix hit rates (one lookup per admission),
+`prefill_over_prompt` (prompt tokens actually computed over prompt tokens sent: what the hits
+saved, preemptions' recomputation included) and preemptions.
 `kv_host_restore_gbps`: the tier's own host -> device copy (~512 MiB of its host pieces, one
 batched device_put as the engine's loads do it), beside `pinned_h2d_gbps`, one plain pinned host
 array of the same size device_put in the same run; `kv_host_piece_blocks_mean`: blocks per host
@@ -58,8 +58,10 @@ TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "vocab_size": 512, "torch_dtype": "float32"}
 # Workload: (groups, conversations, turns, system prompt tokens, device pool blocks of 16).
 WORK = (2, 8, 3, 32, 16) if TINY else (4, 32, 3, 1024, 768)
-WARM_TURNS = 2  # the warm-up round's turns (other prompts): every step shape, in less time
 QUESTION, ANSWER = ((12, 0.8), (16, 0.6)) if TINY else ((120, 0.8), (220, 0.6))
+# Answers are clipped at 2x their median (12 % of draws): a turn lasts as long as its longest
+# answer's decode, and 4x made the run twice as long for the same meaning.
+ANSWER_TOP = 2
 
 
 def model_dir(max_len: int) -> str:
@@ -79,9 +81,9 @@ def make_engine(max_len: int, **kw):
     return LLMEngine.from_engine_args(EngineArgs(**{**opts, **kw}))
 
 
-def draw(rng, median_sigma) -> int:
+def draw(rng, median_sigma, top: float = 4) -> int:
     median, sigma = median_sigma
-    return int(np.clip(rng.lognormal(np.log(median), sigma), 16 if not TINY else 4, 4 * median))
+    return int(np.clip(rng.lognormal(np.log(median), sigma), 16 if not TINY else 4, top * median))
 
 
 def run_batch(engine, prompts: dict[str, tuple[list[int], int]]) -> dict:
@@ -112,11 +114,10 @@ def count_prefill_tokens(engine) -> list[int]:
     return counter
 
 
-def conversations(engine, seed: int, turns: int | None = None) -> dict:
+def conversations(engine, seed: int) -> dict:
     """The multi-turn workload (module docstring); TTFTs, output tokens, wall time, hit rates,
     prompt tokens computed over prompt tokens sent, preemptions."""
-    groups, n, all_turns, system, _ = WORK
-    turns = turns or all_turns
+    groups, n, turns, system, _ = WORK
     vocab = engine.cfg.vocab_size
     prefilled = getattr(engine, "_bench_prefilled", None)
     if prefilled is None:
@@ -132,7 +133,7 @@ def conversations(engine, seed: int, turns: int | None = None) -> dict:
         batch = {}
         for c in range(n):
             hist[c] += rng.integers(3, vocab, draw(rng, QUESTION)).tolist()
-            batch[f"s{seed}c{c}t{t}"] = (list(hist[c]), draw(rng, ANSWER))
+            batch[f"s{seed}c{c}t{t}"] = (list(hist[c]), draw(rng, ANSWER, ANSWER_TOP))
             sent += len(hist[c])
         for rid, (ttft, toks) in run_batch(engine, batch).items():
             ttfts.append(ttft)
@@ -203,10 +204,14 @@ def part_multiturn() -> dict:
         if engine.host_kv is not None:  # the tier's gather / scatter shapes
             engine.runner.replace_kv_cache(engine.host_kv.warmup)
         # Warm-up on other prompts: compiles the step shapes; never re-timed.
-        conversations(engine, seed=1, turns=WARM_TURNS)
+        t0 = time.perf_counter()
+        conversations(engine, seed=1)
         store = engine.host_kv
         before = load_counters(store) if store is not None else None
+        t1 = time.perf_counter()
         r = conversations(engine, seed=2)
+        print(f"multiturn offload={offload}: warm-up {t1 - t0:.0f} s, timed "
+              f"{time.perf_counter() - t1:.0f} s", flush=True)
         tag = "offload" if offload else "no_offload"
         out.update({f"multiturn_{k}_{tag}": v for k, v in r.items()})
         if store is not None:
@@ -216,7 +221,10 @@ def part_multiturn() -> dict:
             out["kv_host_load_ms_mean"] = round(1e3 * seconds / max(loads, 1), 2)
             out["kv_host_loads"] = loads
             out.update(restore_rates(engine))
-            out["kv_host_used_blocks"] = engine.scheduler.kv.host.num_used_slots
+            used = out["kv_host_used_blocks"] = engine.scheduler.kv.host.num_used_slots
+            # host memory the pieces hold over the slots in use (> 1: pieces evicted in part)
+            out["kv_host_alive_over_used"] = round(
+                sum(a.shape[0] for a in store.host_arrays()) / max(used, 1), 3)
         out["device_pool_tokens"] = num_blocks * 16
         del engine, store
         gc.collect()
@@ -300,7 +308,8 @@ def main() -> None:
         config = dict(model="Llama-3-8B shape, dummy bf16, llama3 RoPE x8", block_size=16,
                       multiturn=dict(zip(("groups", "conversations", "turns", "system_tokens",
                                           "device_blocks"), WORK)),
-                      question_lognormal=QUESTION, answer_lognormal=ANSWER, long_tokens=LONG,
+                      question_lognormal=QUESTION, answer_lognormal=ANSWER,
+                      answer_max_over_median=ANSWER_TOP, long_tokens=LONG,
                       tiny=TINY)
         if args.merge:
             try:

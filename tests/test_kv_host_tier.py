@@ -6,6 +6,7 @@ abort while a copy is in flight leaking nothing."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import jax
@@ -135,6 +136,11 @@ def test_a_run_goes_as_power_of_two_pieces_and_a_load_takes_only_its_rows():
     assert store.bytes_to_device == 3 * store.block_bytes
     jax.block_until_ready([a for a, _ in store._loads["r"][0]])
     assert store.landed() == ["r"]
+    for _ in range(200):  # the timer thread times the step's batched copy once
+        if store.copy_seconds:
+            break
+        time.sleep(0.01)
+    assert len(store.copy_seconds) == 1 and store.copy_seconds[0] > 0
     untouched = np.asarray(cache[0][0][:, 11])
     cache = store.apply(cache, KVTransfers(load_scatters=[("r", [8, 9, 10])]))
     for block, src in ((8, 4), (9, 5), (10, 2)):

@@ -22,7 +22,8 @@ them before the step is dispatched, on the thread that dispatches steps (in the 
 3. load starts: one batched `jax.device_put` of every host piece the step's loads read, each piece
    once and whole (one large contiguous copy; rows a load does not need are skipped by its
    scatter); the buffers wait here, keyed by sequence id, until `landed()` sees them ready
-   (`is_ready()`, no sync) and the scheduler sends the scatter.
+   (`is_ready()`, no sync) and the scheduler sends the scatter. A timer thread waits on each
+   step's batch only to time the copy itself (`copy_seconds`; seen-landed waits for the poll).
 4. load scatters: one jitted scatter per piece a load read writes its rows into their device
    blocks, cache donated (in place), before the step that first reads them.
 
@@ -45,6 +46,8 @@ see `KVTierStore` and docs/kv_cache.md.
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 import time
 from typing import Protocol
 
@@ -138,6 +141,10 @@ class HostKVStore:
         self.host_copies = 0  # device_put calls' arrays, both ways
         self.load_seconds = 0.0  # dispatch -> seen landed, summed over loads
         self.loads_landed = 0
+        # Per step's batched load copy, dispatch -> the copy done (a timer thread waits on it:
+        # the copy's own time, where seen-landed is bounded below by the poll, once a step).
+        self.copy_seconds: list[float] = []
+        self._timer: queue.SimpleQueue | None = None
         self._recent_seconds: list[float] = []  # per landed load, until take_load_seconds
 
     def slot_array(self, slot: int) -> jax.Array | None:
@@ -191,15 +198,33 @@ class HostKVStore:
                 array, _ = self._slots[s]
                 arrays.setdefault(id(array), array)
         host = list(arrays.values())
+        now = time.perf_counter()
         device = dict(zip(arrays, jax.device_put(
             host, [a.sharding.with_memory_kind("device") for a in host])))
-        now = time.perf_counter()
         for sid, slots in starts:
             rows = [(device[id(self._slots[s][0])], self._slots[s][1]) for s in slots]
             self._loads[sid] = (rows, now)
             self.bytes_to_device += len(slots) * self.block_bytes
         self.bytes_copied_to_device += sum(a.shape[0] for a in host) * self.block_bytes
         self.host_copies += len(host)
+        self._time_copy(list(device.values()), now)
+
+    def _time_copy(self, arrays: list[jax.Array], t0: float) -> None:
+        if self._timer is None:
+            self._timer = queue.SimpleQueue()
+            threading.Thread(target=self._copy_timer, args=(self._timer, self.copy_seconds),
+                             name="jaxinfer-kv-load-timer", daemon=True).start()
+        self._timer.put((arrays, t0))
+
+    @staticmethod
+    def _copy_timer(work: queue.SimpleQueue, seconds: list[float]) -> None:
+        while True:
+            arrays, t0 = work.get()
+            try:
+                jax.block_until_ready(arrays)
+            except Exception:  # (a failed copy surfaces where its scatter uses it)
+                continue
+            seconds.append(time.perf_counter() - t0)
 
     @staticmethod
     def _scatter_rows(kv_cache: KVCache, rows: list[tuple[jax.Array, int]],

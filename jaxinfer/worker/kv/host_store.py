@@ -222,9 +222,10 @@ class HostKVStore:
             arrays, t0 = work.get()
             try:
                 jax.block_until_ready(arrays)
+                seconds.append(time.perf_counter() - t0)
             except Exception:  # (a failed copy surfaces where its scatter uses it)
-                continue
-            seconds.append(time.perf_counter() - t0)
+                pass
+            del arrays  # (the buffers are the scatter's to free, not this thread's to keep)
 
     @staticmethod
     def _scatter_rows(kv_cache: KVCache, rows: list[tuple[jax.Array, int]],

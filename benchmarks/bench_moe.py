@@ -2,15 +2,19 @@
 padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
 
     PYTHONUNBUFFERED=1 python -m benchmarks.bench_moe [--sections kernels,qwen,mixtral]
-        [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]]
+        [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]] [--merge RECORD.json]
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_moe --fp8 \
+        --quantization fp8 --sections kernels,qwen         # CPU smoke run: tiny shapes
 
 Sections (each in its own process, time-limited; figures are saved after every part):
-  kernels  ceilings (HBM read of 8 GiB; bf16 matmul 8192^3), then per model shape (Qwen3-30B-A3B:
+  kernels  ceilings (benchmarks.anchors: the best plain read of 8 GiB and bf16 matmul, named),
+           then per model shape (Qwen3-30B-A3B:
            128 experts, hidden 2048, expert inter 768, top-8; Mixtral-8x7B: 8 experts, 4096,
            14336, top-2) and phase (decode: 64 tokens; prefill: 2048 tokens), with routing from a
            random router: correctness of every implementation against float32 `ragged_dot`, then
            the time of the whole expert MLP (gate, up, down) per implementation and of our kernel's
-           two calls per tiling (`mosaic`: the tiling `moe_experts` picks; `mosaic_i`: SWEEP's).
+           two calls per tiling (`mosaic`: the tiling `moe_experts` picks; `mosaic_i`: SWEEP's),
+           and the share of the rows its wgmmas compute that are real (`real_row_frac`).
            TB/s counts the touched experts' weight bytes once; TF/s 2 * rows * hidden * inter * 3.
            `--fp8`: beside them the same experts quantized to e4m3 (per-expert channel scales, as
            `--quantization fp8` stores them): our kernel's fp8 path (`fp8_mosaic`: the tiling
@@ -23,8 +27,9 @@ Sections (each in its own process, time-limited; figures are saved after every p
            `--moe-impl xla`, or its check failed in `kernels`), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
 The kernel section is benchmarks/moe_kernels.py, the engine's benchmarks/moe_engine.py; this module
-runs each in its own process. Parts go to $OUT/moe_h200.json as they finish; `--save` writes the
-record moe_<gpu>.json.
+runs each in its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
+record moe_<gpu>.json (`--merge`: folded into a stored record, its other keys kept).
+BENCH_TINY_SHAPES=1: tiny shapes (moe_kernels.py, moe_engine.py), no Mosaic kernel timed.
 """
 
 from __future__ import annotations
@@ -43,11 +48,12 @@ from benchmarks.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kerne
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", "/tmp"))
+PARTS = OUT / "moe_parts.json"  # not the record's name: `--save $OUT` must not overwrite it
 
 
 # ---- driver ------------------------------------------------------------------------------------
 def save_part(name: str, value) -> None:
-    path = OUT / "moe_h200.json"
+    path = PARTS
     record = json.loads(path.read_text()) if path.exists() else {}
     record.setdefault("parts", {})[name] = value
     path.write_text(json.dumps(record, indent=1))
@@ -56,7 +62,7 @@ def save_part(name: str, value) -> None:
 def mosaic_passed(tolerance: float = 2e-2, prefix: str = "mosaic") -> bool:
     """Whether some tiling of our kernel (bf16; prefix "fp8_mosaic": its e4m3 path) matched the
     reference in every kernel case measured."""
-    path = OUT / "moe_h200.json"
+    path = PARTS
     kernels = json.loads(path.read_text()).get("parts", {}).get("kernels", {}) if path.exists() else {}
     rows = [r for r in kernels.values() if isinstance(r, dict) and "errors" in r]
     return bool(rows) and all(
@@ -68,6 +74,7 @@ def metrics(parts: dict) -> dict:
     k = parts.get("kernels", {})
     q, m = parts.get("qwen", {}), parts.get("mixtral", {})
     out = {"hbm_read_tbps": k.get("hbm_read_tbps"), "matmul_tfs": k.get("matmul_tfs"),
+           "read_kernel": k.get("read_kernel"), "matmul_shape": k.get("matmul_shape"),
            "qwen3_30b_a3b_c64_out_tok_s": q.get("out_tok_s"),
            "qwen3_30b_a3b_bs64_step_ms": q.get("decode_step_ms_median"),
            "mixtral_8x7b_c64_out_tok_s": m.get("out_tok_s"),
@@ -79,6 +86,14 @@ def metrics(parts: dict) -> dict:
     for phase, key in (("decode", "gmm_decode_frac_of_hbm"), ("prefill", "gmm_prefill_frac_of_matmul")):
         ours = k.get(f"qwen3_30b_a3b_{phase}_ours") or k.get(f"qwen3_30b_a3b_{phase}_best")
         out[key] = ours and ours["frac"]
+        best = k.get(f"qwen3_30b_a3b_{phase}_best")
+        if best:  # the fastest tiling timed, which may not be the dispatched one
+            out[f"gmm_{phase}_best_tiling"] = best["name"]
+            out[f"gmm_{phase}_best_frac"] = best["frac"]
+        case = k.get(f"qwen3_30b_a3b_{phase}")
+        if isinstance(case, dict) and "real_row_frac" in case:
+            for call, frac in case["real_row_frac"].items():
+                out[f"gmm_{phase}_{call}_real_row_frac"] = frac
         f8 = k.get(f"qwen3_30b_a3b_{phase}_fp8")
         if f8:
             out[f"gmm_fp8_{phase}_frac_of_hbm"] = f8["frac_of_hbm"]
@@ -133,8 +148,9 @@ def main() -> None:
                     help="engine: quantize the dummy weights (part qwen_fp8 / mixtral_fp8)")
     ap.add_argument("--moe-impl", default="auto", help="engine: the engine's --moe-impl")
     results_io.add_save_arg(ap, "moe_<gpu>")
+    results_io.add_merge_arg(ap)
     ap.add_argument("--from-parts", default=None,
-                    help="write the record from a moe_h200.json of parts (from --run-section runs)")
+                    help="write the record from a moe_parts.json (from --run-section runs)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -187,7 +203,7 @@ def main() -> None:
         if name == "kernels" and args.fp8 and args.quantization and not mosaic_passed(
                 prefix="fp8_mosaic"):
             moe_impl = "xla"  # a wrong kernel is not timed in the engine
-    save_record(json.loads((OUT / "moe_h200.json").read_text()).get("parts", {}), args)
+    save_record(json.loads(PARTS.read_text()).get("parts", {}), args)
 
 
 def save_record(parts: dict, args) -> None:
@@ -199,7 +215,8 @@ def save_record(parts: dict, args) -> None:
     print(summary_table(parts), flush=True)
     if args.save:
         results_io.save(args.save, args.name or f"moe_{results_io.device_slug()}", config=config,
-                        metrics=figures)
+                        metrics={k: v for k, v in figures.items() if v is not None},
+                        merge=args.merge)
 
 
 if __name__ == "__main__":

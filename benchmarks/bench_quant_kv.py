@@ -2,19 +2,26 @@
 model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
 
     python -m benchmarks.bench_quant_kv [--parts check,decode,prefill,ppl,checkv]
-                                                      [--save [DIR]]
+        [--fp8-variants mosaic:q1,...] [--save [DIR]] [--name NAME] [--merge RECORD.json]
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_quant_kv \
+        --parts check,decode,checkv --no-triton                      # CPU smoke run
 
 - check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,
   ragged lengths (GPU only); checkv: the same for `--check-variants`, last (a variant that fails
   or hangs costs nothing measured before it).
 - decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
   bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
-  (a sum over 8 GiB) measured in the same run (GPU only).
+  (the best of `benchmarks.anchors`' plain reads over 8 GiB, named in `read_kernel`) measured in
+  the same run; the fp8 variants named beside the default, e.g. "mosaic:q1" (QK^T as one fp8
+  wgmma) as `decode_fp8kv_b64x4096_mosaic_q1_*`.
 - prefill: the Mosaic paged prefill kernel over a bf16 and an fp8 cache (GPU only).
 - ppl: the demo model (bf16 weights) over `checkpoints/heldout_sample.txt` in windows, through
   the paged cache and the jnp reference: perplexity and the share of positions whose argmax is
   the bf16 cache's, fp8 scales calibrated as the engine does (`kv_scales.calibrate_kv_scales`).
-`--save` writes benchmarks/results/quant_kv_<gpu>.json.
+`--save` writes benchmarks/results/quant_kv_<gpu>.json (`--name` another record, `--merge` keeps a
+stored record's other keys). BENCH_TINY_SHAPES=1 (CPU): batch 2 x 256 tokens at Hq 8 / Hkv 2; the
+checks run the Mosaic kernel in its interpreter, the timed parts the jnp reference in its place
+(the script's plumbing and keys, no speed).
 """
 
 from __future__ import annotations
@@ -22,17 +29,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from benchmarks import anchors, results_io
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo-target"
-BATCH, CTX = 64, 4096
+TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
+BATCH, CTX = (2, 256) if TINY else (64, 4096)
+HQ, HKV = (8, 2) if TINY else (32, 8)
 
 
 def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
@@ -108,7 +118,8 @@ def demo_ppl(length: int = 256) -> dict:
 
 # (batch, max blocks, forced splits, variant): the default kernel at the target shape and with one
 # split forced at batch 7 (ragged lengths, several steps per item).
-CHECKS = ((64, 256, None, "mosaic"), (7, 40, 1, "mosaic"))
+CHECKS = ((2, 6, None, "mosaic"), (3, 5, 1, "mosaic")) if TINY else (
+    (64, 256, None, "mosaic"), (7, 40, 1, "mosaic"))
 
 
 def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
@@ -120,15 +131,16 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
     for batch, max_blocks, splits, variant in checks:
         rng = np.random.default_rng(batch)
         nb = batch * max_blocks + 5
-        q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
-        k8 = quantize(jnp.asarray(rng.standard_normal((8, nb, 16, 128)), jnp.float32), 0.25)
-        v8 = quantize(jnp.asarray(rng.standard_normal((8, nb, 16, 128)), jnp.float32), 0.25)
+        q = jnp.asarray(rng.standard_normal((batch, HQ, 128)), jnp.bfloat16)
+        k8 = quantize(jnp.asarray(rng.standard_normal((HKV, nb, 16, 128)), jnp.float32), 0.25)
+        v8 = quantize(jnp.asarray(rng.standard_normal((HKV, nb, 16, 128)), jnp.float32), 0.25)
         bt = jnp.asarray(rng.permutation(nb)[: batch * max_blocks].reshape(batch, max_blocks),
                          jnp.int32)
         lens = jnp.asarray(rng.integers(0, max_blocks * 16 + 1, batch), jnp.int32).at[0].set(1)
-        out = paged_decode_mosaic(q, k8, v8, bt, lens, scale=128 ** -0.5,
-                                  config=dataclasses.replace(fp8_variant_config(variant),
-                                                             num_splits=splits))
+        config = dataclasses.replace(fp8_variant_config(variant), num_splits=splits,
+                                     **(dict(num_ctas=2, stages=2) if TINY else {}))
+        out = paged_decode_mosaic(q, k8, v8, bt, lens, scale=128 ** -0.5, config=config,
+                                  interpret=TINY)
         ref = paged_decode_reference(q.astype(jnp.float32), k8, v8, bt, lens, scale=128 ** -0.5)
         err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
         key = f"fp8kv_{variant.replace(':', '_')}_rel_err_b{batch}x{max_blocks * 16}"
@@ -138,8 +150,8 @@ def check_mosaic(log, errs: dict, save, checks=CHECKS) -> None:
 
 
 # The fp8 read paths worth timing beside the default (128-token steps, V in 64-token chunks, the
-# hand-over tile over the staging tiles; docs/kernels/paged_decode.md): QK^T as one fp8 wgmma, two
-# context splits (twice the items: a more even tail).
+# hand-over tile over the staging tiles; docs/kernels/paged_decode.md): QK^T as one fp8 wgmma,
+# two context splits (twice the items: a more even tail).
 FP8_VARIANTS = ("mosaic:q1", "mosaic:s2")
 
 
@@ -184,29 +196,35 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
     """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
     production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
     the Triton kernel on both."""
-    from benchmarks.bench_decode import (D, make_paged_case, read_ceiling_tbps, tbps, time_paged,
-                                         warm_up_gpu)
+    from benchmarks.bench_decode import D, make_paged_case, tbps, time_paged
     from pallas_kernels.attention.kv_quant import quantize
     from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
-    warm_up_gpu()
-    ceiling = read_ceiling_tbps()
-    log(f"read ceiling {ceiling:.2f} TB/s")
-    out["hbm_read_tbps"] = ceiling
-    case = make_paged_case(BATCH, CTX)
+    from pallas_kernels.attention.reference import paged_decode_reference
+    rates = anchors.measure()  # warms the clocks up first on a GPU
+    ceiling = rates["read_tbps"]
+    log(f"read ceiling {ceiling:.2f} TB/s ({rates['read_kernel']})")
+    out.update(hbm_read_tbps=ceiling, read_kernel=rates["read_kernel"],
+               read_tbps_by_kernel=rates["read_tbps_by_kernel"])
+    case = make_paged_case(BATCH, CTX, hq=HQ, hkv=HKV, **(dict(chain=1) if TINY else {}))
     scale = D ** -0.5
-    mosaic = functools.partial(paged_decode_mosaic, scale=scale)
+
+    def kernel(config=None):  # TINY: the reference stands in for every kernel (no speed)
+        if TINY:
+            return functools.partial(paged_decode_reference, scale=scale)
+        return functools.partial(paged_decode_mosaic, scale=scale,
+                                 **({} if config is None else dict(config=config)))
+    mosaic = kernel()
     shape = f"b{BATCH}x{CTX}"
     cases = {"bf16": case, "fp8kv": dict(case, k=quantize(case["k"], 1.0),
                                          v=quantize(case["v"], 1.0), kv_bytes=case["kv_bytes"] // 2)}
     runs = [("mosaic", mosaic, "bf16"), ("mosaic", mosaic, "fp8kv")]
-    runs += [(name.replace(":", "_"), functools.partial(
-        paged_decode_mosaic, scale=scale, config=fp8_variant_config(name)), "fp8kv")
-        for name in fp8_variants]
+    runs += [(name.replace(":", "_"), kernel(fp8_variant_config(name)), "fp8kv")
+             for name in fp8_variants]
     if triton:
         fn = functools.partial(paged_decode_triton_configured, scale=scale)
         runs += [("triton", fn, "bf16"), ("triton", fn, "fp8kv")]
     if page32:  # diagnostic: 32-token pages, each TMA copy as many bytes as a bf16 page of 16
-        c32 = make_paged_case(BATCH, CTX, page=32)
+        c32 = make_paged_case(BATCH, CTX, page=32, hq=HQ, hkv=HKV)
         cases["fp8kv_page32"] = dict(c32, k=quantize(c32["k"], 1.0), v=quantize(c32["v"], 1.0),
                                      kv_bytes=c32["kv_bytes"] // 2)
         del c32
@@ -266,16 +284,21 @@ def main(argv=None) -> None:
     ap.add_argument("--page32", action="store_true",
                     help="also time the default fp8 kernel on 32-token pages (diagnostic)")
     results_io.add_save_arg(ap, "quant_kv_<gpu>")
+    results_io.add_merge_arg(ap)
     args = ap.parse_args(argv)
+    if TINY:  # before the backend starts: Mosaic GPU's interpreter (the checks) deadlocks under
+        # XLA CPU's concurrency-optimized scheduler (tests/conftest.py says how)
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+            os.environ.get("XLA_FLAGS"), "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))
     parts = args.parts.split(",")
     metrics: dict = {}
     name = args.name or f"quant_kv_{results_io.device_slug()}"
 
     def save():
         if args.save:
-            results_io.save(args.save, name, metrics=metrics,
-                            config=dict(batch=BATCH, ctx=CTX, hq=32, hkv=8, d=128, page=16,
-                                        kv_dtype="float8_e4m3fn", parts=parts,
+            results_io.save(args.save, name, metrics=metrics, merge=args.merge,
+                            config=dict(batch=BATCH, ctx=CTX, hq=HQ, hkv=HKV, d=128, page=16,
+                                        kv_dtype="float8_e4m3fn", parts=parts, tiny=TINY,
                                         ppl_window=args.ppl_window, jax=jax.__version__))
 
     log = functools.partial(print, flush=True)

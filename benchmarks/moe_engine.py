@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.timed_window import TimedWindow
+
+TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 
 
 QWEN3_30B_A3B = {
@@ -28,6 +31,14 @@ MIXTRAL_8X7B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
 ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_8x7b", MIXTRAL_8X7B)}
+# BENCH_TINY_SHAPES=1: the same architectures at a CPU's size (the FP8 path needs hidden and
+# expert intermediate multiples of 128 only on the kernel, not on the XLA paths a CPU runs).
+TINY_SIZES = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "vocab_size": 512, "num_experts": 8, "num_local_experts": 4,
+              "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
+# (prompts, prompt tokens, output tokens, max_model_len, max_num_batched_tokens)
+WORKLOAD = (4, 32, 8, 128, 256) if TINY else (64, 512, 256, 1024, 2048)
 
 
 def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
@@ -40,21 +51,27 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
     from jaxinfer.sampling_params import SamplingParams
 
     name, config = ENGINE_MODELS[model_key]
+    if TINY:  # (on the CPU "auto" is the jnp attention)
+        config = {**config, **{k: v for k, v in TINY_SIZES.items() if k in config}}
+        backend = "auto"
     config = {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
+    prompts, prompt_len, out_len, max_len, batched = WORKLOAD if TINY else (
+        prompts, *WORKLOAD[1:])
     work = Path(tempfile.mkdtemp(prefix="moe-"))
     (work / "config.json").write_text(json.dumps(config))
     t0 = time.perf_counter()
-    args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=64,
-                      max_num_batched_tokens=2048, max_model_len=1024,
+    args = EngineArgs(model=str(work), load_format="dummy", dtype="bfloat16", max_num_seqs=prompts,
+                      max_num_batched_tokens=batched, max_model_len=max_len,
                       gpu_memory_utilization=0.9, attention_backend=backend,
                       quantization=quantization, moe_impl=moe_impl,
                       background_compile=False)  # timed steps never run padded into a bigger bucket
     engine = LLMEngine.from_engine_args(args)
     ready_s = time.perf_counter() - t0  # weights made on device + every bucket compiled
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     for i in range(prompts):
-        engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], 512).tolist(), params)
+        engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], prompt_len).tolist(),
+                           params)
     stamps, n_out = [], 0
     engine.stats.__init__()
     window = TimedWindow(engine)

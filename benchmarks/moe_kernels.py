@@ -1,26 +1,32 @@
 """The kernel section of benchmarks/bench_moe.py: the routed experts' whole MLP (gate, up, down) in
 one device call, per model shape and phase, our grouped-matmul kernel beside `ragged_dot` and the
-padded einsum (and with `fp8`, the e4m3 experts), against ceilings measured in the same run."""
+padded einsum (and with `fp8`, the e4m3 experts), against ceilings measured in the same run.
+BENCH_TINY_SHAPES=1 (a CPU smoke run): tiny shapes under the same names, the XLA paths and the
+routed layer only (the Mosaic kernels run in the interpreter in tests/, not timed here)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
+TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 SHAPES = {  # experts, hidden, expert intermediate, top-k
-    "qwen3_30b_a3b": (128, 2048, 768, 8),
-    "mixtral_8x7b": (8, 4096, 14336, 2),
+    "qwen3_30b_a3b": (8, 128, 128, 2) if TINY else (128, 2048, 768, 8),
+    "mixtral_8x7b": (4, 128, 256, 2) if TINY else (8, 4096, 14336, 2),
 }
-PHASE_TOKENS = {"decode": 64, "prefill": 2048}
+PHASE_TOKENS = {"decode": 8, "prefill": 64} if TINY else {"decode": 64, "prefill": 2048}
 # Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
 # (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
 # the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
 SWEEP = {
     "decode": ([(64, 128, 64, 4), (64, 128, 64, 4, "n", True)],
                [(64, 128, 64, 6), (64, 256, 64, 4, "n", True)]),
-    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True)],
-                [(128, 128, 64, 6), (128, 128, 64, 4, "m", True)]),
+    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True), (128, 128, 64, 3, "m")],
+                [(128, 128, 64, 6), (128, 128, 64, 4, "m", True), (128, 256, 64, 3, "m")]),
 }
+# mosaic_2 at prefill: the dispatched gate/up, down on 128 x 256 tiles (half the units of K = 768
+# each, so half the per-unit ring fill and epilogue; docs/kernels/grouped_matmul.md).
 # e4m3 tilings timed beside `fp8_mosaic`: half the bytes per panel, so deeper rings fit, and at
 # prefill consumers that split N (each widens only its half of the panel).
 FP8_SWEEP = {
@@ -38,6 +44,26 @@ def make_config(fields: tuple):
 def config_fields(config) -> tuple:
     """The inverse of `make_config` (num_ctas left at its default)."""
     return dataclasses.astuple(config)[:6 if hasattr(config, "split") else 4]
+
+
+def computed_rows(group_sizes, rows: int, config) -> int:
+    """Rows a kernel call's wgmmas compute (real and past a group's end) for `group_sizes` over
+    `rows` rows of x under `config`: per used tile of `tile_table`, block_m rows, or with split
+    "m" block_m / 2 per consumer half holding rows of the tile (the other half skips its wgmma)."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels.moe.grouped_matmul_mosaic import padded_rows, tile_table
+
+    t = np.asarray(jax.jit(tile_table, static_argnums=(1, 2))(
+        group_sizes, padded_rows(rows, config.block_m), config.block_m))
+    used = t[t[:, 3] > 0]
+    if getattr(config, "split", None) != "m":
+        return int(len(used) * config.block_m)
+    first = used[:, 1] - used[:, 2] * 8  # the tile's first row in its window
+    last = first + used[:, 3]
+    half = config.block_m // 2
+    return int(half * (np.sum(first < half) + np.sum(last > half)))
 
 
 def routed_case(experts, hidden, inter, top_k, tokens, seed=0):
@@ -99,22 +125,20 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_decode import read_ceiling_tbps, warm_up_gpu
+    from benchmarks import anchors
     from benchmarks.bench_prefill import bench_interleaved, rel_err
     from jaxinfer.model.experts import routed_experts
     from pallas_kernels.moe import grouped_matmul as gm
 
     start = time.perf_counter()
     res: dict = {}
-    warm_up_gpu()
-    res["hbm_read_tbps"] = read_ceiling_tbps()
-    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    t = bench_interleaved({"mm": (mm, (a,))}, reps=5, inner=10)["mm"]
-    res["matmul_tfs"] = 2 * 8192 ** 3 / t / 1e12
-    del a
-    print(f"ceilings: HBM read {res['hbm_read_tbps']:.2f} TB/s, bf16 matmul {res['matmul_tfs']:.0f} "
-          f"TF/s", flush=True)
+    rates = anchors.measure()  # the best plain read and bf16 matmul of this run, named
+    res.update(hbm_read_tbps=rates["read_tbps"], read_kernel=rates["read_kernel"],
+               matmul_tfs=rates["matmul_tflops"], matmul_shape=rates["matmul_shape"])
+    if TINY:
+        sweep, fp8_sweep = False, False
+    print(f"ceilings: HBM read {res['hbm_read_tbps']:.2f} TB/s ({res['read_kernel']}), bf16 "
+          f"matmul {res['matmul_tfs']:.0f} TF/s ({res['matmul_shape']})", flush=True)
     save(res)
 
     def time_parts(xs, ws, sizes, up, down):
@@ -156,17 +180,23 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
             ref = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
                 xs.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws), sizes)
             ups, downs = SWEEP[phase] if sweep else ((), ())
-            pairs = {"mosaic": tuple(config_fields(c) for c in gm.mosaic_configs(rows, e))}
+            dispatched = gm.mosaic_configs(rows, e)
+            pairs = {} if TINY else {"mosaic": tuple(config_fields(c) for c in dispatched)}
             pairs.update({f"mosaic_{i}": p for i, p in enumerate(zip(ups, downs))})
             calls = {impl: (jax.jit(functools.partial(gm.moe_experts, impl=impl,
                                                       max_group_size=tokens)), (xs, ws, sizes))
                      for impl in baselines}
             calls.update({name: (mosaic_pair(*p), (xs, ws, sizes)) for name, p in pairs.items()})
             row: dict = {"rows": rows, "touched_experts": touched, "weight_bytes": nbytes,
-                         "flops": flops, "errors": {}, "us": {}, "configs": pairs}
+                         "flops": flops, "errors": {}, "us": {}, "configs": pairs,
+                         # real rows over the rows the dispatched tilings' wgmmas compute
+                         "real_row_frac": {name: round(rows / computed_rows(sizes, rows, c), 3)
+                                           for name, c in zip(("up", "down"), dispatched)}}
             refs = {name: ref for name in calls}
             if fp8:
                 wq, sq, deq, f8_calls, f8_tilings = fp8_case(ws, tokens, phase, fp8_sweep, baselines)
+                if TINY:  # the XLA paths on e4m3 stacks only
+                    f8_calls.pop("fp8_mosaic")
                 ref8 = jax.jit(functools.partial(gm.moe_experts, impl="ragged"))(
                     xs.astype(jnp.float32), deq, sizes)
                 del deq
@@ -185,7 +215,7 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
             # back to token order, weighted sum): its time past the experts' is routing overhead.
             ok["layer"] = (jax.jit(lambda x, c, p, ws: routed_experts(x, c, p, ws)),
                            (*layer_in, ws))
-            times = bench_interleaved(ok, reps=5, inner=10)
+            times = bench_interleaved(ok, reps=2 if TINY else 5, inner=2 if TINY else 10)
             for name, (up, down) in pairs.items():  # each kernel alone: where the time goes
                 if name in ok:
                     row.setdefault("parts_us", {})[name] = time_parts(xs, ws, sizes, up, down)

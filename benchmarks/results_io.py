@@ -103,13 +103,18 @@ def record(name: str, *, config: dict, metrics: dict, command: str | None = None
 
 
 def save(directory: str | Path | None, name: str, *, config: dict, metrics: dict,
-         **kwargs) -> Path:
+         merge: str | Path | None = None, **kwargs) -> Path:
     """Writes record(name, ...) to DIRECTORY/<name>.json (default benchmarks/results) and
-    returns the path."""
+    returns the path. `merge`: a stored record (`add_merge_arg`) this run's metrics are folded
+    into (`tools.merge_record.merge`: its other keys kept, `config.merged_from` naming each run);
+    absent file: this run's record alone."""
     directory = Path(directory or RESULTS_DIR)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     rec = record(name, config=config, metrics=metrics, **kwargs)
+    if merge is not None and Path(merge).is_file():
+        from tools.merge_record import merge as fold
+        rec = dict(fold(rec, json.loads(Path(merge).read_text())), name=name)
     path.write_text(json.dumps(rec, indent=1, sort_keys=False) + "\n")
     print(f"saved {path}", flush=True)
     return path
@@ -117,6 +122,14 @@ def save(directory: str | Path | None, name: str, *, config: dict, metrics: dict
 
 def load(name: str, directory: str | Path | None = None) -> dict:
     return json.loads((Path(directory or RESULTS_DIR) / f"{name}.json").read_text())
+
+
+def add_merge_arg(parser) -> None:
+    """--merge RECORD.json: fold this run's metrics into that stored record (`save`'s `merge`),
+    e.g. --save $OUT --name quant_h200 --merge benchmarks/results/quant_h200.json."""
+    parser.add_argument("--merge", default=None, metavar="RECORD.json",
+                        help="a stored record whose other metrics the saved one keeps (this "
+                             "run's keys replace its figures of the same names)")
 
 
 def add_save_arg(parser, default_name: str = "") -> None:

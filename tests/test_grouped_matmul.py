@@ -222,3 +222,28 @@ def test_config_and_inputs_are_checked():
         grouped_matmul_mosaic(x, (w.astype(jnp.float16),), jnp.zeros(4, jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="impl"):
         gm.moe_experts(x, (w, w, w), jnp.zeros(4, jnp.int32), impl="dense")
+
+
+@pytest.mark.parametrize("block_m,split", [(128, "m"), (64, "n")])
+def test_bench_counts_the_rows_the_kernel_computes(block_m, split):
+    """benchmarks/moe_kernels.computed_rows (the record's `real_row_frac`) against a count per
+    group of the windows it takes (8-row-aligned start, block_m rows, the last clamped inside x)
+    and, split "m", of the halves holding its rows; ragged sizes with empty groups, one giant
+    group and sizes off the tile size."""
+    from benchmarks.moe_kernels import computed_rows
+    from pallas_kernels.moe.grouped_matmul_mosaic import padded_rows
+    rng = np.random.default_rng(block_m)
+    for sizes in (ragged_group_sizes(rng, 9, 517, "random"), ragged_group_sizes(rng, 5, 300, "hot"),
+                  np.array([0, 131, 0, 64, 7, 250, 1])):
+        rows = int(sizes.sum())
+        padded, want = padded_rows(rows, block_m), 0
+        for start, size in zip(np.cumsum(sizes) - sizes, sizes):
+            for w in range(start // 8 * 8, start + size, block_m) if size else ():
+                load0 = min(w, padded - block_m)
+                lo, hi = max(start, w) - load0, min(start + size, w + block_m) - load0
+                if split == "n":
+                    want += block_m
+                else:
+                    want += block_m // 2 * (int(lo < block_m // 2) + int(hi > block_m // 2))
+        config = WsConfig(block_m, 128, 64, 3, split)
+        assert computed_rows(jnp.asarray(sizes, jnp.int32), rows, config) == want

@@ -55,6 +55,21 @@ def test_host_lru_evicts_least_recently_used_and_never_a_pinned_slot():
     assert tier.num_used_slots == 0 and len(tier._free) == 3
 
 
+def test_host_lru_evicts_a_slot_with_its_piece_but_not_a_pinned_sibling():
+    tier = HostTier(4)
+    a, b, c, d, e, f, g = (bytes([i]) * 32 for i in range(7))
+    sa, sb, sc, sd = map(tier.store, (a, b, c, d))
+    tier.group([sa, sb])  # one host array: evicted together
+    assert tier.store(e) == sa  # a is the LRU victim; b goes with it (to the free list)
+    assert tier.slot_of(b) is None and tier.store(f) == sb
+    assert tier.stats.evicted_blocks == 2
+    tier.group([sc, sd])
+    tier.pin([sd])  # a load in flight from d: it stays
+    assert tier.store(g) == sc and tier.slot_of(d) == sd
+    tier.unpin([sd])
+    assert tier.lru_slots()[-1] == sd and tier.num_used_slots == 4
+
+
 def test_offload_is_refused_for_windowed_groups_and_mla():
     args = SimpleNamespace(kv_offload=True, kv_host_gib=1.0, block_size=BS)
     windowed = KVCacheGroups.from_layer_windows([None, 8])

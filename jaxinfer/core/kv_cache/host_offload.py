@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
+from jaxinfer.core.kv_cache.host_tier import piece_sizes
+
 
 class HostOffloadMixin:
     def _init_host_offload(self) -> None:
@@ -92,8 +94,14 @@ class HostOffloadMixin:
 
     def take_pending_offloads(self) -> list[list[tuple[int, int]]]:
         """Runs of (device block, host slot) queued since the last call, and clear them. The
-        worker must read every one before a step writes into those blocks again."""
+        worker must read every one before a step writes into those blocks again; it copies each
+        run as `piece_sizes` pieces, which the host tier from now on evicts whole."""
         out, self._pending_offloads, self._evict_run = self._pending_offloads, [], None
+        for run in out:
+            i = 0
+            for size in piece_sizes(len(run)):
+                self.host.group([s for _, s in run[i:i + size]])
+                i += size
         return out
 
     def offload_cached(self) -> int:

@@ -37,7 +37,8 @@ the engine's life (kv_scales.py), so nothing per block travels with them. Under 
 parallelism the cache's head axis is sharded: the gathered pieces keep that sharding, their host
 copies too (`with_memory_kind`), so each device offloads and reloads its own heads.
 
-Piece sizes are powers of two up to `max_blocks_per_call`, so a few shapes compile (warmup).
+Piece sizes are powers of two up to MAX_PIECE_BLOCKS (`piece_sizes`, shared with the tier's
+bookkeeping, which evicts a piece as a whole), so a few shapes compile (warmup).
 
 A further tier (local disk, a remote store) would sit behind the same four operations on slots:
 see `KVTierStore` and docs/kv_cache.md.
@@ -55,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.core.kv_cache.host_tier import MAX_PIECE_BLOCKS, piece_sizes
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.transformer import KVCache
 
@@ -72,21 +74,6 @@ class KVTierStore(Protocol):
     def wait_any(self) -> None: ...
 
     def drop(self) -> None: ...
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _pieces(n: int, cap: int) -> list[int]:
-    """`n` blocks as power-of-two pieces, largest first, each at most `cap` (a power of two):
-    100 -> [64, 32, 4]. A piece is one gather and one host array, with no padding."""
-    out = []
-    while n:
-        size = min(cap, 1 << (n.bit_length() - 1))
-        out.append(size)
-        n -= size
-    return out
 
 
 @jax.jit
@@ -123,11 +110,10 @@ def host_memory_kind(device) -> str:
 class HostKVStore:
     """`num_slots` host blocks and the copies in flight; see the module docstring."""
 
-    def __init__(self, num_slots: int, kv_cache: KVCache, max_blocks_per_call: int = 256):
+    def __init__(self, num_slots: int, kv_cache: KVCache):
         self.num_slots = num_slots
         # slot -> (host array of a piece, row): a piece stays alive while any slot names it.
         self._slots: list[tuple[jax.Array, int] | None] = [None] * num_slots
-        self.max_blocks_per_call = _bucket(max_blocks_per_call)
         k = kv_cache[0][0]
         self.host_kind = host_memory_kind(next(iter(k.sharding.device_set)))
         num_layers = len(kv_cache)
@@ -176,7 +162,7 @@ class HostKVStore:
         pieces, slots = [], []
         for run in runs:
             i = 0
-            for size in _pieces(len(run), self.max_blocks_per_call):
+            for size in piece_sizes(len(run)):
                 chunk = run[i:i + size]
                 i += size
                 pieces.append(_gather(kv_cache, np.asarray([b for b, _ in chunk], np.int32)))
@@ -246,7 +232,7 @@ class HostKVStore:
         """Compile the gather and scatter of every piece size (the scatters write nowhere): the
         cache to run on."""
         n = 1
-        while n <= self.max_blocks_per_call:
+        while n <= MAX_PIECE_BLOCKS:
             rows = _gather(kv_cache, np.zeros(n, np.int32))
             kv_cache = _scatter(kv_cache, rows, np.full(n, -1, np.int32))
             n *= 2

@@ -109,7 +109,8 @@ def test_host_block_is_never_served_for_another_prefix():
 
 
 def test_release_writes_the_prefix_through_head_evicted_last_and_retries_count_once():
-    mgr = KVCacheManager(8, BS, host_tier=HostTier(8))
+    # (the host holds twice the device pool: write-through; smaller, at eviction: below)
+    mgr = KVCacheManager(8, BS, host_tier=HostTier(16))
     p = list(range(1, 3 * BS + 2))  # three full blocks and one token
     mgr.get_computed_blocks("a", p)
     assert mgr.allocate_slots("a", len(p))
@@ -133,6 +134,15 @@ def test_release_writes_the_prefix_through_head_evicted_last_and_retries_count_o
     assert mgr.get_computed_blocks("c", p) == 3 * BS
     mgr.free("c", admitted=False)
     assert (mgr.stats.queries, mgr.stats.hits, mgr.stats.requests) == before
+    # A host smaller than twice the device pool gets blocks at eviction only, one run a step.
+    small = KVCacheManager(4, BS, host_tier=HostTier(7))
+    small.get_computed_blocks("a", p)
+    assert small.allocate_slots("a", len(p))
+    small.cache_blocks("a", p, len(p))
+    small.free("a")
+    assert small.take_pending_offloads() == []
+    assert small.allocate_slots("filler", 4 * BS)
+    assert [len(run) for run in small.take_pending_offloads()] == [3]
 
 
 def test_a_run_goes_as_power_of_two_pieces_and_a_load_takes_only_its_rows():
@@ -236,6 +246,18 @@ def test_greedy_tokens_with_offload_equal_without(without_offload):
     assert run_all(engine)["again"][0][0] == without_offload[(0, 0)]
     assert stats.host_hits - before == 8
     assert_all_free(engine)
+
+
+def test_greedy_tokens_exact_through_a_host_evicting_whole_pieces(without_offload):
+    # Four host slots of the tiny model's 1 KiB blocks, under a 16-block pool: offloads at
+    # eviction only, and the host's LRU evicts pieces while the chats still hit it.
+    engine = make_engine(num_blocks=16, kv_offload=True, kv_host_gib=4 * 1024 / 2 ** 30)
+    assert engine.scheduler.kv.host.num_slots == 4
+    assert conversations(engine) == without_offload
+    host = engine.scheduler.kv.host.stats
+    assert host.evicted_blocks > 0 and host.loaded_blocks == host.hit_blocks > 0
+    assert_all_free(engine)
+    assert_host_unpinned(engine)
 
 
 def test_abort_while_a_copy_is_in_flight_leaks_nothing():

@@ -1,13 +1,14 @@
 """The KV cache manager's side of the host tier (host_tier.py): what to copy to the host and when,
 and matching a prompt's prefix past the device cache into host blocks. Mixed into KVCacheManager.
 
-*Write-through at release.* When a request frees its blocks (finished, preempted, aborted), every
-block of its cached prefix the host does not hold yet is queued for the host at once, as one *run*
-(SGLang HiCache's write-through policy). A run is copied as a few large pieces
-(worker/kv/host_store.py), so a later load of that prefix reads a few large host arrays instead of
-one small one per block; and the device's later eviction of those blocks copies nothing. A block
-evicted without having been written through (e.g. `offload_cached` before sleep) is queued at
-eviction, as before. Either way the copy is dispatched before the step that could reuse the block.
+*Write-through at release*, when the host holds at least twice the device pool's blocks: when a
+request frees its blocks (finished, preempted, aborted), every block of its cached prefix the host
+does not hold yet is queued for the host at once, as one *run* (SGLang HiCache's write-through
+policy). A run is copied as a few large pieces (worker/kv/host_store.py), so a later load of that
+prefix reads a few large host arrays instead of one small one per block; and the device's later
+eviction of those blocks copies nothing. A smaller host would spend itself on copies of blocks the
+device still holds, so it only gets blocks at eviction: the blocks the pool evicts between two
+steps are one run. Either way the copy is dispatched before the step that could reuse the block.
 
 *Host LRU order.* A run is stored, and a host match touches its blocks, last block first, so a
 prefix's first blocks are the most recently used: the host evicts the tail of a prefix before its
@@ -28,6 +29,8 @@ class HostOffloadMixin:
         # entry is the slot's owner).
         self._pending_offloads: list[list[tuple[int, int]]] = []
         self._evict_run: list[tuple[int, int]] | None = None  # the run evictions append to
+        self._writes_through = (self.host is not None
+                                and self.host.num_slots >= 2 * self.pool.num_blocks)
 
     def match_host(self, request_id: Hashable, token_ids: Sequence[int],
                    chunk_tokens: int | None = None,
@@ -72,6 +75,8 @@ class HostOffloadMixin:
     def _write_through(self, node) -> None:
         """A request releasing its blocks: queue its cached prefix's blocks the host lacks (one
         run, last block first), ending at `node`, its last cached block's node."""
+        if not self._writes_through:
+            return
         run, store = [], self.host.store
         while node is not None and node.parent is not None:
             slot = store(node.digest)

@@ -1,6 +1,6 @@
 """The host KV tier and long contexts at Llama-3-8B shape (dummy bf16 weights), one H200:
 
-    python -m benchmarks.bench_kv_tiers --part multiturn --save          # ~4 min
+    python -m benchmarks.bench_kv_tiers --part multiturn --save --merge  # ~4 min
     python -m benchmarks.bench_kv_tiers --part long --save --merge       # ~3 min, same record
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_kv_tiers --part all  # CPU
 
@@ -8,23 +8,30 @@
 sends the conversation so far (system prompt, every earlier question and answer) plus a new
 question, and all conversations' turn t run together. Lengths are drawn like ShareGPT chat
 (lognormal, medians ~ the dataset's: question 120 tokens (sigma 0.8), answer 220 (sigma 0.6),
-each clipped to [16, 4x median]); answers are generated with max_tokens = the drawn length
+clipped to [16, 4x median] and [16, 2x median]); answers are generated with max_tokens = the drawn length
 (ignore_eos). The device pool is sized down (`--num-blocks`) so the working set of prefixes (every
 conversation's last history) is >= 3x it: without the tier most turns recompute their history.
-The same workload runs twice, `--kv-offload` on and off, each after a warm-up round on other
-prompts (never re-timed): TTFT p50/p99, output tok/s, device and host prefix hit rates.
-`kv_host_restore_gbps`: the tier's own host -> device copy (its host blocks, device_put as the
-engine does it) of 512 MiB, beside `pinned_h2d_gbps`, one plain pinned host array of the same size
-device_put in the same run; `kv_host_restore_engine_gbps`: the engine's loads, bytes over
-dispatch-to-seen-landed (bounded by the host's poll, once per step).
+The same workload runs twice, `--kv-offload` on and off, each after a warm-up round of it on
+other prompts (never re-timed; a shorter warm-up left step shapes to compile in the timed run;
+the second engine loads the first one's compiled steps from a shared executable cache):
+TTFT p50/p99, output tok/s, device and host prefix hit rates (one lookup per admission),
+`prefill_over_prompt` (prompt tokens actually computed over prompt tokens sent: what the hits
+saved, preemptions' recomputation included) and preemptions.
+`kv_host_restore_gbps`: the tier's own host -> device copy (~512 MiB of its host pieces, one
+batched device_put as the engine's loads do it), beside `pinned_h2d_gbps`, one plain pinned host
+array of the same size device_put in the same run; `kv_host_piece_blocks_mean`: blocks per host
+piece. `kv_host_restore_engine_gbps`: the timed run's loads, the pieces' bytes over their
+copies' time (dispatch to the copy done, timed by a thread waiting on each step's batch);
+`kv_host_load_ms_mean`: dispatch to seen landed per load (bounded below by the poll, once a step).
 
 `long`: one 131,071-token prompt (llama3 RoPE scaling, factor 8 over 8k) through chunked prefill
 (8,192-token chunks), then 64 decode steps at that context (the same request, max_tokens 65):
-`prefill_128k_ttft_s` against
-`prefill_128k_roofline_s` = (2 x params x tokens + causal attention 2 x 2 x layers x heads x
-head_dim x tokens^2 / 2) FLOPs over the bf16 matmul rate measured here (8192^3), and
-`decode_b1x128k_tpot_ms` against `decode_b1x128k_roofline_ms` = (weights + 128k tokens of KV)
-bytes over the HBM read rate measured here (a 4 GiB sum).
+`prefill_128k_ttft_s` against `prefill_128k_roofline_s` = (2 x the weights a token multiplies
+with x tokens + causal attention 2 x 2 x layers x heads x head_dim x tokens^2 / 2) FLOPs over
+the best bf16 matmul rate, and `decode_b1x128k_tpot_ms` against `decode_b1x128k_roofline_ms` =
+(weights a token reads + 128k tokens of KV) bytes over the best HBM read rate; both rates from
+benchmarks.anchors (best of several kernels, queued), measured first, before any engine takes
+the device's memory.
 """
 
 from __future__ import annotations
@@ -51,8 +58,11 @@ TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "vocab_size": 512, "torch_dtype": "float32"}
 # Workload: (groups, conversations, turns, system prompt tokens, device pool blocks of 16).
-WORK = (2, 8, 3, 32, 16) if TINY else (4, 32, 4, 1024, 896)
+WORK = (2, 8, 3, 32, 16) if TINY else (4, 32, 3, 1024, 768)
 QUESTION, ANSWER = ((12, 0.8), (16, 0.6)) if TINY else ((120, 0.8), (220, 0.6))
+# Answers are clipped at 2x their median (12 % of draws): a turn lasts as long as its longest
+# answer's decode, and 4x made the run twice as long for the same meaning.
+ANSWER_TOP = 2
 
 
 def model_dir(max_len: int) -> str:
@@ -72,9 +82,9 @@ def make_engine(max_len: int, **kw):
     return LLMEngine.from_engine_args(EngineArgs(**{**opts, **kw}))
 
 
-def draw(rng, median_sigma) -> int:
+def draw(rng, median_sigma, top: float = 4) -> int:
     median, sigma = median_sigma
-    return int(np.clip(rng.lognormal(np.log(median), sigma), 16 if not TINY else 4, 4 * median))
+    return int(np.clip(rng.lognormal(np.log(median), sigma), 16 if not TINY else 4, top * median))
 
 
 def run_batch(engine, prompts: dict[str, tuple[list[int], int]]) -> dict:
@@ -92,10 +102,28 @@ def run_batch(engine, prompts: dict[str, tuple[list[int], int]]) -> dict:
     return {rid: (first[rid] - added[rid], outs[rid]) for rid in prompts}
 
 
+def count_prefill_tokens(engine) -> list[int]:
+    """A one-item list the engine's scheduler adds each step's prefill tokens to: prompt tokens
+    actually computed (a prefix hit, device or host, skips its tokens; a preemption recomputes)."""
+    counter, schedule = [0], engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        counter[0] += sum(e.num_tokens for e in out.prefills)
+        return out
+    engine.scheduler.schedule = counting
+    return counter
+
+
 def conversations(engine, seed: int) -> dict:
-    """The multi-turn workload (module docstring); TTFTs, output tokens, wall time, hit rates."""
+    """The multi-turn workload (module docstring); TTFTs, output tokens, wall time, hit rates,
+    prompt tokens computed over prompt tokens sent, preemptions."""
     groups, n, turns, system, _ = WORK
     vocab = engine.cfg.vocab_size
+    prefilled = getattr(engine, "_bench_prefilled", None)
+    if prefilled is None:
+        prefilled = engine._bench_prefilled = count_prefill_tokens(engine)
+    p0, pre0, sent = prefilled[0], engine.scheduler.num_preemptions, 0
     rng = np.random.default_rng(seed)
     sys_prompts = [rng.integers(3, vocab, system).tolist() for _ in range(groups)]
     hist = {c: list(sys_prompts[c % groups]) for c in range(n)}
@@ -106,7 +134,8 @@ def conversations(engine, seed: int) -> dict:
         batch = {}
         for c in range(n):
             hist[c] += rng.integers(3, vocab, draw(rng, QUESTION)).tolist()
-            batch[f"s{seed}c{c}t{t}"] = (list(hist[c]), draw(rng, ANSWER))
+            batch[f"s{seed}c{c}t{t}"] = (list(hist[c]), draw(rng, ANSWER, ANSWER_TOP))
+            sent += len(hist[c])
         for rid, (ttft, toks) in run_batch(engine, batch).items():
             ttfts.append(ttft)
             out_tokens += len(toks)
@@ -119,18 +148,25 @@ def conversations(engine, seed: int) -> dict:
                 out_tok_s=round(out_tokens / wall, 1), wall_s=round(wall, 2),
                 device_hit_rate=round((st.hits - h0) / q, 4),
                 host_hit_rate=round((st.host_hits - hh0) / q, 4),
+                prefill_over_prompt=round((prefilled[0] - p0) / sent, 4),
+                preemptions=engine.scheduler.num_preemptions - pre0,
                 working_set_tokens=working_set)
 
 
 def restore_rates(engine) -> dict:
-    """The tier's host -> device copy of its own host blocks vs one plain pinned array."""
+    """The tier's host -> device copy of its own host pieces (~512 MiB of them, slot order, one
+    batched device_put as the engine's loads do it) vs one plain pinned array of the same bytes."""
     import jax
     import jax.numpy as jnp
     store = engine.host_kv
-    blocks = [a for a in map(store.slot_array, range(store.num_slots)) if a is not None]
-    want = max(1, min(len(blocks), (64 if TINY else 512 << 20) // store.block_bytes))
-    blocks = blocks[:want]
-    nbytes = len(blocks) * store.block_bytes
+    pieces, blocks, want = [], 0, 64 if TINY else (512 << 20) // store.block_bytes
+    all_pieces = store.host_arrays()
+    for a in all_pieces:
+        if blocks >= want:
+            break
+        pieces.append(a)
+        blocks += a.shape[0]
+    nbytes = blocks * store.block_bytes
 
     def best(fn):
         runs = []
@@ -140,37 +176,61 @@ def restore_rates(engine) -> dict:
             runs.append(time.perf_counter() - t0)
         return min(runs)
 
-    device = [b.sharding.with_memory_kind("device") for b in blocks]
-    tier_s = best(lambda: jax.device_put(blocks, device))
+    device = [a.sharding.with_memory_kind("device") for a in pieces]
+    tier_s = best(lambda: jax.device_put(pieces, device))
     plain = jax.device_put(jnp.zeros(nbytes // 2, jnp.bfloat16),
                            device[0].with_memory_kind(store.host_kind))
     plain_s = best(lambda: jax.device_put(plain, device[0]))
-    engine_gbps = store.bytes_to_device / max(store.load_seconds, 1e-9) / 1e9
     return dict(kv_host_restore_gbps=round(nbytes / tier_s / 1e9, 2),
                 pinned_h2d_gbps=round(nbytes / plain_s / 1e9, 2),
-                kv_host_restore_over_pinned=round(plain_s / tier_s, 3),
-                kv_host_restore_engine_gbps=round(engine_gbps, 2), restore_bytes=nbytes)
+                kv_host_restore_over_pinned=round(plain_s / tier_s, 3), restore_bytes=nbytes,
+                kv_host_piece_blocks_mean=round(
+                    sum(a.shape[0] for a in all_pieces) / max(len(all_pieces), 1), 1))
+
+
+def load_counters(store) -> tuple[int, float, int, float]:
+    return (store.bytes_copied_to_device, store.load_seconds, store.loads_landed,
+            sum(store.copy_seconds))
 
 
 def part_multiturn() -> dict:
     groups, n, turns, system, num_blocks = WORK
     max_len = 8192 if not TINY else 256
+    cache_dir = tempfile.mkdtemp(prefix="kv-tiers-xla-")  # the second engine loads the first's
     out = {}
     for offload in (True, False):
         engine = make_engine(max_len, num_blocks=num_blocks, kv_offload=offload,
                              kv_host_gib=0.01 if TINY else 32, max_num_seqs=n,
-                             max_num_batched_tokens=256 if TINY else 4096)
+                             max_num_batched_tokens=256 if TINY else 4096,
+                             compilation_cache_dir=cache_dir)
         if engine.host_kv is not None:  # the tier's gather / scatter shapes
             engine.runner.replace_kv_cache(engine.host_kv.warmup)
-        conversations(engine, seed=1)  # warm-up: compiles the step shapes; never re-timed
+        # Warm-up on other prompts: compiles the step shapes; never re-timed.
+        t0 = time.perf_counter()
+        conversations(engine, seed=1)
+        store = engine.host_kv
+        before = load_counters(store) if store is not None else None
+        t1 = time.perf_counter()
         r = conversations(engine, seed=2)
+        print(f"multiturn offload={offload}: warm-up {t1 - t0:.0f} s, timed "
+              f"{time.perf_counter() - t1:.0f} s", flush=True)
         tag = "offload" if offload else "no_offload"
         out.update({f"multiturn_{k}_{tag}": v for k, v in r.items()})
-        if offload:
+        if store is not None:
+            time.sleep(0.1)  # (the copy timer thread's last entries)
+            nbytes, seconds, loads, copy_s = (x - y for x, y in zip(load_counters(store), before))
+            # the timed run's loads: bytes over their copies' time (dispatch -> copy done, a
+            # thread waiting on each step's batch); dispatch -> seen landed (once a step) per load
+            out["kv_host_restore_engine_gbps"] = round(nbytes / max(copy_s, 1e-9) / 1e9, 2)
+            out["kv_host_load_ms_mean"] = round(1e3 * seconds / max(loads, 1), 2)
+            out["kv_host_loads"] = loads
             out.update(restore_rates(engine))
-            out["kv_host_used_blocks"] = engine.scheduler.kv.host.num_used_slots
+            used = out["kv_host_used_blocks"] = engine.scheduler.kv.host.num_used_slots
+            # host memory the pieces hold over the slots in use (> 1: pieces evicted in part)
+            out["kv_host_alive_over_used"] = round(
+                sum(a.shape[0] for a in store.host_arrays()) / max(used, 1), 3)
         out["device_pool_tokens"] = num_blocks * 16
-        del engine
+        del engine, store
         gc.collect()
     out["multiturn_working_set_over_pool"] = round(
         out["multiturn_working_set_tokens_offload"] / out["device_pool_tokens"], 2)
@@ -181,29 +241,16 @@ def part_multiturn() -> dict:
     return out
 
 
-def rates() -> tuple[float, float]:
-    """(HBM read bytes/s from a 4 GiB sum, bf16 matmul FLOP/s from 8192^3), best of 5."""
-    import jax
-    import jax.numpy as jnp
-
-    def best(fn, *args):
-        jax.block_until_ready(fn(*args))
-        runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - t0)
-        return min(runs)
-    size, m = (1 << 22, 256) if TINY else (1 << 31, 8192)
-    x = jnp.ones((size,), jnp.bfloat16)
-    bw = x.nbytes / best(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x)
-    del x
-    a = jnp.ones((m, m), jnp.bfloat16)
-    return bw, 2 * m ** 3 / best(jax.jit(lambda p, q: p @ q), a, a)
+def anchor_rates() -> dict:
+    """benchmarks.anchors' best read and matmul rates, measured before any engine takes memory."""
+    from benchmarks import anchors
+    r = anchors.measure(tiny=TINY)
+    return dict(hbm_tb_s=r["read_tbps"], hbm_read_kernel=r["read_kernel"],
+                matmul_tflop_s=r["matmul_tflops"], matmul_shape=r["matmul_shape"])
 
 
-def part_long() -> dict:
-    from jaxinfer.parallel.sharding import per_device_bytes
+def part_long(rates: dict) -> dict:
+    from benchmarks.bench_families import decode_read_bytes
     max_len = LONG + 1 + 64
     chunk = 64 if TINY else 8192
     engine = make_engine(max_len, num_blocks=-(-max_len // 16) + 8, max_num_seqs=2,
@@ -223,19 +270,22 @@ def part_long() -> dict:
             times += [time.perf_counter()] * len(o.outputs[0].new_token_ids)
     ttft = times[0] - t0
     tpot = (times[-1] - times[0]) / (len(times) - 1)
-    weights = per_device_bytes(engine.runner.params)
-    bw, flops = rates()
-    n_params = weights / (4 if TINY else 2)
+    bw, flops = rates["hbm_tb_s"] * 1e12, rates["matmul_tflop_s"] * 1e12
+    # Prefill: 2 FLOPs per weight a token multiplies with (not the input embedding table) per
+    # token, plus causal attention (QK^T and PV over half the square).
+    n_params = cfg.num_params() - (0 if cfg.tie_word_embeddings
+                                   else cfg.vocab_size * cfg.hidden_size)
     attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * LONG ** 2 / 2
     prefill_flops = 2 * n_params * LONG + attn
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * LONG
+    # Decode at the 128k context: the weights a token reads and every layer's KV (bf16; fp32 on
+    # the CPU check's tiny float32 model: its bytes only matter to the smoke run).
+    decode_bytes = decode_read_bytes(cfg, LONG + 32) * (2 if TINY else 1)
     return dict(prefill_128k_tokens=LONG, prefill_128k_ttft_s=round(ttft, 3),
                 prefill_128k_roofline_s=round(prefill_flops / flops, 3),
                 prefill_128k_over_roofline=round(ttft / (prefill_flops / flops), 3),
                 decode_b1x128k_tpot_ms=round(1e3 * tpot, 3),
-                decode_b1x128k_roofline_ms=round(1e3 * (weights + kv) / bw, 3),
-                decode_b1x128k_over_roofline=round(tpot / ((weights + kv) / bw), 3),
-                hbm_tb_s=round(bw / 1e12, 3), matmul_tflop_s=round(flops / 1e12, 1))
+                decode_b1x128k_roofline_ms=round(1e3 * decode_bytes / bw, 3),
+                decode_b1x128k_over_roofline=round(tpot / (decode_bytes / bw), 3), **rates)
 
 
 def main() -> None:
@@ -249,18 +299,21 @@ def main() -> None:
         import faulthandler
         faulthandler.dump_traceback_later(600, exit=True)
     metrics = {}
+    # The rooflines' anchors first: before any engine takes 90 % of the device memory.
+    rates = anchor_rates() if args.part in ("long", "all") else None
     if args.part in ("multiturn", "all"):
         metrics.update(part_multiturn())
         print(json.dumps(metrics), flush=True)
     if args.part in ("long", "all"):
-        metrics.update(part_long())
+        metrics.update(part_long(rates))
     print(json.dumps(metrics, indent=1), flush=True)
     if args.save:
         name = args.name or (NAME if not TINY else "kv_tiers_tiny")
         config = dict(model="Llama-3-8B shape, dummy bf16, llama3 RoPE x8", block_size=16,
                       multiturn=dict(zip(("groups", "conversations", "turns", "system_tokens",
                                           "device_blocks"), WORK)),
-                      question_lognormal=QUESTION, answer_lognormal=ANSWER, long_tokens=LONG,
+                      question_lognormal=QUESTION, answer_lognormal=ANSWER,
+                      answer_max_over_median=ANSWER_TOP, long_tokens=LONG,
                       tiny=TINY)
         if args.merge:
             try:

@@ -18,7 +18,9 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
            of as many bytes (benchmarks.anchors' kernels, measured before the engine starts;
            all timed queued back to back). Goals 0.8 / 0.7;
   mla_decode_<key>_<variant>_us / _frac_of_hbm  each kernel config (`KERNEL_VARIANTS`: ring
-           slot size, split count; its splits in `mla_decode_<key>_<variant>_splits`), and
+           slot size, split count, both orientations forced; its splits and orientation in
+           `mla_decode_<key>_<variant>_splits` / `_orientation`; `t64` is the production
+           default, whose orientation follows the split count), and
            `mla_decode_<key>_best_variant`;
   mla_decode_<key>_jnp_us / _jnp_frac_of_hbm   the jnp latent decode (latent_reference.py) the
            kernel replaced; mla_decode_<key>_kernel_max_err: max |kernel - jnp| over the value
@@ -28,6 +30,8 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
            context) / the best plain-read rate above: weights = every param but the input
            embedding and the routed experts a token does not use (58 of 64);
   dsv2lite_c64_out_tok_s 64 requests at once, 512 / 256, with dsv2lite_c64_prefix_hit_rate;
+  dsv2lite_bs1_profile   (GPU) 20 traced batch-1 decode steps (tools/trace_engine_step.py):
+           step period, kernel-busy and idle time, kernels per step, the top kernels;
   dsv2lite_max_concurrent_32k  32,768-token sequences the engine's planned pool holds, beside
            llama3_8b_max_concurrent_32k: Llama-3-8B's 131,072 B/token over the same budget
            (0.9 x device memory - its 16.06 GB of weights - the activation bytes the V2-Lite
@@ -80,9 +84,12 @@ BLOCK = 16
 
 # Kernel configs timed side by side (LatentDecodeConfig fields; "splits": a split count per
 # shape key instead of the planned one). `t64` is the production default: 4 pages (64 tokens)
-# per ring slot, 128-byte swizzle (2 slots), heads-minor at 16 heads (S^T = K Q^T).
+# per ring slot, 128-byte swizzle (2 slots), the orientation by the split count (heads-minor,
+# S^T = K Q^T, above 4 splits at 16 heads; LatentDecodeConfig.heads_minor); both orientations
+# are also timed forced.
 KERNEL_VARIANTS = {
     "t64": {},
+    "t64_heads_minor": dict(heads_minor=True),  # S^T = K Q^T, the heads on wgmma's N
     "t64_heads_major": dict(heads_minor=False),  # S = Q K^T, heads padded to wgmma's M = 64
     "t32_heads_major": dict(pages_per_step=2, swizzle=64),  # 32-token slots: 4 of them
     "t64_alt_splits": dict(splits={"b64x4096": 4, "b1x32k": 64}),  # planned: 2 / 128
@@ -112,7 +119,7 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     variant vs the best plain read of as many bytes (benchmarks.anchors; all timed queued back
     to back). -> metrics."""
     from benchmarks import anchors
-    from pallas_kernels.attention.latent_decode_mosaic import split_plan
+    from pallas_kernels.attention.latent_decode_mosaic import heads_minor, split_plan
     from pallas_kernels.attention.latent_reference import paged_latent_decode
     interpret = jax.devices()[0].platform == "cpu"
     timed = (functools.partial(anchors.queued_time, min_seconds=0.0, reps=1) if interpret
@@ -146,8 +153,11 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
             continue
         err = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
         splits = split_plan(batch, heads, latent, BLOCK, pages, config).num_splits
+        tokens = config.pages_per_step * BLOCK
         m.update({f"{name}_us": t * 1e6, f"{name}_frac_of_hbm": read / t / plain,
-                  f"{name}_splits": splits, f"{name}_max_err": float(err)})
+                  f"{name}_splits": splits, f"{name}_max_err": float(err),
+                  f"{name}_orientation": ("heads_minor" if heads_minor(heads, tokens, splits,
+                                                                       config) else "heads_major")})
     timed_ok = [n for n in KERNEL_VARIANTS if f"{n}_us" in m]
     if timed_ok:
         m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])
@@ -214,6 +224,14 @@ def engine_metrics(w: dict, rate: float) -> dict:
         "dsv2lite_max_concurrent_32k": pool_tokens // 32768,
     }
     if jax.devices()[0].platform != "cpu":
+        # Where bs1's time goes (docs/MLA.md, "batch-1 gap"): kernels per step, busy vs idle,
+        # the top kernels; a diagnostic, the figures above stand without it.
+        from tools.trace_engine_step import profile_decode_steps
+        try:
+            metrics["dsv2lite_bs1_profile"] = profile_decode_steps(engine,
+                                                                   prompts(1, w["prompt"]))
+        except Exception as e:
+            metrics["dsv2lite_bs1_profile_error"] = repr(e)[:400]
         budget = 0.9 * device_memory_bytes()
         weights = tree_nbytes(engine.runner.params)
         activations = budget - weights - engine.num_total_blocks * kv_bytes_per_block(

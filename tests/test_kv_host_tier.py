@@ -6,6 +6,7 @@ abort while a copy is in flight leaking nothing."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import jax
@@ -54,6 +55,21 @@ def test_host_lru_evicts_least_recently_used_and_never_a_pinned_slot():
     assert tier.num_used_slots == 0 and len(tier._free) == 3
 
 
+def test_host_lru_evicts_a_slot_with_its_piece_but_not_a_pinned_sibling():
+    tier = HostTier(4)
+    a, b, c, d, e, f, g = (bytes([i]) * 32 for i in range(7))
+    sa, sb, sc, sd = map(tier.store, (a, b, c, d))
+    tier.group([sa, sb])  # one host array: evicted together
+    assert tier.store(e) == sa  # a is the LRU victim; b goes with it (to the free list)
+    assert tier.slot_of(b) is None and tier.store(f) == sb
+    assert tier.stats.evicted_blocks == 2
+    tier.group([sc, sd])
+    tier.pin([sd])  # a load in flight from d: it stays
+    assert tier.store(g) == sc and tier.slot_of(d) == sd
+    tier.unpin([sd])
+    assert tier.lru_slots()[-1] == sd and tier.num_used_slots == 4
+
+
 def test_offload_is_refused_for_windowed_groups_and_mla():
     args = SimpleNamespace(kv_offload=True, kv_host_gib=1.0, block_size=BS)
     windowed = KVCacheGroups.from_layer_windows([None, 8])
@@ -76,8 +92,10 @@ def test_host_block_is_never_served_for_another_prefix():
         assert mgr.allocate_slots(rid, len(p))
         mgr.cache_blocks(rid, p, len(p))
         mgr.free(rid)
-    assert mgr.allocate_slots("filler", 4 * BS)  # evicts all four cached blocks to the host
-    assert len(mgr.take_pending_offloads()) == 4
+    # Written through to the host as each request released them (one run each).
+    assert [len(run) for run in mgr.take_pending_offloads()] == [2, 2]
+    assert mgr.allocate_slots("filler", 4 * BS)  # evicts all four cached blocks: no copy now
+    assert mgr.take_pending_offloads() == []
     mgr.free("filler")
     # Same second block under another first block: no hit at all.
     assert mgr.get_computed_blocks("c", p_c) == 0 and mgr.match_host("c", p_c) == []
@@ -90,6 +108,72 @@ def test_host_block_is_never_served_for_another_prefix():
     assert mgr.host.match(root_digest("adapter"), p_a, 0, 2, BS) == []
 
 
+def test_release_writes_the_prefix_through_head_evicted_last_and_retries_count_once():
+    # (the host holds twice the device pool: write-through; smaller, at eviction: below)
+    mgr = KVCacheManager(8, BS, host_tier=HostTier(16))
+    p = list(range(1, 3 * BS + 2))  # three full blocks and one token
+    mgr.get_computed_blocks("a", p)
+    assert mgr.allocate_slots("a", len(p))
+    mgr.cache_blocks("a", p, len(p))
+    table = list(mgr.get_block_ids("a"))
+    mgr.free("a")
+    # One run, last block first; the host's LRU then evicts the tail before the head.
+    digests = _digests(p, 3)
+    (run,) = mgr.take_pending_offloads()
+    assert run == [(table[i], mgr.host.slot_of(digests[i])) for i in (2, 1, 0)]
+    assert mgr.host.lru_slots() == [s for _, s in run]
+    # A host match touches the blocks last first too (their order in the LRU stays head last).
+    mgr.host.match(root_digest(), p, 0, 3, BS)
+    assert mgr.host.lru_slots() == [s for _, s in run]
+    # Freed again (a second request over the same prefix): nothing new to copy.
+    mgr.get_computed_blocks("b", p)
+    mgr.free("b")
+    assert mgr.take_pending_offloads() == []
+    # An admission that found no room and gave its prefix back counts no query.
+    before = (mgr.stats.queries, mgr.stats.hits, mgr.stats.requests)
+    assert mgr.get_computed_blocks("c", p) == 3 * BS
+    mgr.free("c", admitted=False)
+    assert (mgr.stats.queries, mgr.stats.hits, mgr.stats.requests) == before
+    # A host smaller than twice the device pool gets blocks at eviction only, one run a step.
+    small = KVCacheManager(4, BS, host_tier=HostTier(7))
+    small.get_computed_blocks("a", p)
+    assert small.allocate_slots("a", len(p))
+    small.cache_blocks("a", p, len(p))
+    small.free("a")
+    assert small.take_pending_offloads() == []
+    assert small.allocate_slots("filler", 4 * BS)
+    assert [len(run) for run in small.take_pending_offloads()] == [3]
+
+
+def test_a_run_goes_as_power_of_two_pieces_and_a_load_takes_only_its_rows():
+    rng = np.random.default_rng(1)
+    cache = tuple((jnp.asarray(rng.normal(size=(2, 12, BS, 8)), jnp.float32),
+                   jnp.asarray(rng.normal(size=(2, 12, BS, 8)), jnp.float32)) for _ in range(2))
+    want = [[np.asarray(k[:, b]) for k, _ in cache] for b in range(12)]
+    store = HostKVStore(8, cache)
+    # Blocks 1..5 into slots 0..4: pieces of 4 and 1 blocks, one device_put for both.
+    cache = store.apply(cache, KVTransfers(offloads=[[(1 + i, i) for i in range(5)]]))
+    assert store.host_copies == 2 and len(store.host_arrays()) == 2
+    assert sorted(a.shape[0] for a in store.host_arrays()) == [1, 4]
+    # Load slots 3 (row 3 of the 4-piece), 4 (the 1-piece) and 1 into blocks 8, 9, 10.
+    cache = store.apply(cache, KVTransfers(load_starts=[("r", [3, 4, 1])]))
+    assert store.bytes_copied_to_device == 5 * store.block_bytes
+    assert store.bytes_to_device == 3 * store.block_bytes
+    jax.block_until_ready([a for a, _ in store._loads["r"][0]])
+    assert store.landed() == ["r"]
+    for _ in range(200):  # the timer thread times the step's batched copy once
+        if store.copy_seconds:
+            break
+        time.sleep(0.01)
+    assert len(store.copy_seconds) == 1 and store.copy_seconds[0] > 0
+    untouched = np.asarray(cache[0][0][:, 11])
+    cache = store.apply(cache, KVTransfers(load_scatters=[("r", [8, 9, 10])]))
+    for block, src in ((8, 4), (9, 5), (10, 2)):
+        for layer, (k, _) in enumerate(cache):
+            np.testing.assert_array_equal(np.asarray(k[:, block]), want[src][layer])
+    np.testing.assert_array_equal(np.asarray(cache[0][0][:, 11]), untouched)
+
+
 def test_offload_reads_the_block_before_a_donated_overwrite_and_fp8_round_trips():
     for dtype in (jnp.float32, jnp.float8_e4m3fn):
         rng = np.random.default_rng(0)
@@ -97,16 +181,16 @@ def test_offload_reads_the_block_before_a_donated_overwrite_and_fp8_round_trips(
                        jnp.asarray(rng.normal(size=(2, 6, BS, 8)), dtype)) for _ in range(2))
         before = [np.asarray(k[:, 1].astype(jnp.float32)) for k, _ in cache]
         store = HostKVStore(4, cache)
-        cache = store.apply(cache, KVTransfers(offloads=[(1, 2)]))
+        cache = store.apply(cache, KVTransfers(offloads=[[(1, 2)]]))
         # Overwrite block 1 right away (dispatch order: after the gather), cache donated.
         cache = copy_blocks(cache, jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))
         host = store.slot_array(2)
         assert host.sharding.memory_kind == store.host_kind == "pinned_host"
         got = np.asarray(host.astype(jnp.float32))
         for layer in range(2):
-            np.testing.assert_array_equal(got[layer, 0], before[layer])
+            np.testing.assert_array_equal(got[0, layer, 0], before[layer])
         cache = store.apply(cache, KVTransfers(load_starts=[("r", [2])]))
-        jax.block_until_ready(store._loads["r"][0])
+        jax.block_until_ready([a for a, _ in store._loads["r"][0]])
         assert store.landed() == ["r"] and store.landed() == []
         cache = store.apply(cache, KVTransfers(load_scatters=[("r", [5])]))
         for layer, (k, _) in enumerate(cache):
@@ -162,6 +246,18 @@ def test_greedy_tokens_with_offload_equal_without(without_offload):
     assert run_all(engine)["again"][0][0] == without_offload[(0, 0)]
     assert stats.host_hits - before == 8
     assert_all_free(engine)
+
+
+def test_greedy_tokens_exact_through_a_host_evicting_whole_pieces(without_offload):
+    # Four host slots of the tiny model's 1 KiB blocks, under a 16-block pool: offloads at
+    # eviction only, and the host's LRU evicts pieces while the chats still hit it.
+    engine = make_engine(num_blocks=16, kv_offload=True, kv_host_gib=4 * 1024 / 2 ** 30)
+    assert engine.scheduler.kv.host.num_slots == 4
+    assert conversations(engine) == without_offload
+    host = engine.scheduler.kv.host.stats
+    assert host.evicted_blocks > 0 and host.loaded_blocks == host.hit_blocks > 0
+    assert_all_free(engine)
+    assert_host_unpinned(engine)
 
 
 def test_abort_while_a_copy_is_in_flight_leaks_nothing():

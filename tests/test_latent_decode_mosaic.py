@@ -33,8 +33,9 @@ def _case(heads: int, lens, pages: int, value: int, seed: int):
 @pytest.mark.parametrize("heads, lens, config", [
     # heads-minor (the default at 16 heads), one split: a partial page, the full table
     (16, [17, 80], LatentDecodeConfig(num_splits=1)),
-    # heads-minor, two splits (both empty for the empty row): parts merged in XLA
-    (16, [0, 80], LatentDecodeConfig(num_splits=2)),
+    # heads-minor (forced: 2 splits default to heads-major), two splits (both empty for the
+    # empty row): parts merged in XLA
+    (16, [0, 80], LatentDecodeConfig(num_splits=2, heads_minor=True)),
     # heads-major, 32-token slots (64-byte swizzle), two splits: the combine kernel
     (16, [1, 71], LatentDecodeConfig(num_splits=2, pages_per_step=2, swizzle=64)),
     # heads-major, two head blocks of 64, one split
@@ -66,8 +67,8 @@ def _lower(heads: int, seqs: int, pages: int, config: LatentDecodeConfig) -> str
 
 
 @pytest.mark.parametrize("heads, seqs, config, qk, pv", [
-    (16, 64, LatentDecodeConfig(), "m64n16k16", "m64n16k16"),  # heads-minor, 2 splits
-    (16, 1, LatentDecodeConfig(heads_minor=True, num_splits=1), "m64n16k16", "m64n16k16"),
+    (16, 64, LatentDecodeConfig(), "m64n64k16", "m64n256k16"),  # 2 splits: heads-major
+    (16, 1, LatentDecodeConfig(), "m64n16k16", "m64n16k16"),  # 128 splits: heads-minor
     (16, 8, LatentDecodeConfig(pages_per_step=2, swizzle=64), "m64n32k16", "m64n256k16"),
     (128, 2, LatentDecodeConfig(num_splits=1), "m64n64k16", "m64n256k16"),
 ])
@@ -75,6 +76,16 @@ def test_production_shapes_lower_for_the_gpu(heads, seqs, config, qk, pv):
     text = _lower(heads, seqs, 256, config)
     assert f"wgmma.mma_async.sync.aligned.{qk}" in text  # S = Q K^T (or S^T) over one slot
     assert f"wgmma.mma_async.sync.aligned.{pv}" in text  # O_w += P V_w, half of 512 columns
+
+
+def test_orientation_follows_the_split_count():
+    from pallas_kernels.attention.latent_decode_mosaic import heads_minor
+    auto = LatentDecodeConfig()
+    assert heads_minor(16, 64, 128, auto) and heads_minor(16, 64, 5, auto)
+    assert not heads_minor(16, 64, 4, auto) and not heads_minor(16, 64, 2, auto)
+    assert not heads_minor(64, 64, 128, auto)  # more heads than the accumulator holds
+    assert heads_minor(16, 64, 2, LatentDecodeConfig(heads_minor=True))
+    assert not heads_minor(16, 64, 128, LatentDecodeConfig(heads_minor=False))
 
 
 def test_unsupported_shapes_fall_back_to_the_reference():

@@ -156,3 +156,44 @@ def test_batched_chunked_preempted_and_prefix_cached_runs_match_the_oracle():
 def test_disaggregated_roles_are_refused_for_mla():
     with pytest.raises(ConfigError, match="MLA latent cache"):
         make_engine(model=model(), role="prefill")
+
+
+def test_fp8_latent_cache_stays_within_fp8_tolerance():
+    """--kv-cache-dtype fp8 on an MLA model: one calibrated power-of-two scale per layer for the
+    whole latent (K and V alike: the values are the latent's columns), the cache holds the
+    latent to e4m3's 2^-4, and a prefill then a decode step over it give the dense oracle's
+    logits within fp8's rounding (the argmax unchanged)."""
+    from jaxinfer.model.transformer import forward
+    from jaxinfer.worker.kv import allocate_kv_cache
+    from jaxinfer.worker.kv.kv_scales import kv_cache_backend
+    from pallas_kernels.attention.backend import REFERENCE
+    from pallas_kernels.attention.kv_quant import fp8_max
+    from pallas_kernels.attention.metadata import AttentionMetadata
+    e4m3 = jnp.float8_e4m3fn
+    cfg, params = model()
+    fp8 = kv_cache_backend(REFERENCE, e4m3, cfg, params, scales="calibrate")
+    assert fp8.k_scales == fp8.v_scales
+    assert all(s > 0 and np.log2(s) == round(np.log2(s)) for s in fp8.k_scales)
+
+    prompt = prompt_ids(7, 12)
+    n, block, blocks = len(prompt), 4, 8
+    tables = jnp.arange(blocks, dtype=jnp.int32)[None]
+    step = jax.jit(lambda p, ids, pos, kv, md: forward(p, cfg, ids, pos, kv, md, fp8))
+    kv = allocate_kv_cache(cfg, blocks, block, e4m3)
+    md = AttentionMetadata(jnp.arange(n - 1, dtype=jnp.int32), jnp.asarray([0, n - 1], jnp.int32),
+                           jnp.asarray([n - 1], jnp.int32), tables)
+    _, kv = step(params, jnp.asarray(prompt[:-1]), jnp.arange(n - 1), kv, md)
+    md = AttentionMetadata(jnp.asarray([n - 1], jnp.int32), jnp.asarray([0, 1], jnp.int32),
+                           jnp.asarray([n], jnp.int32), tables, num_decodes=1)
+    got, kv = step(params, jnp.asarray(prompt[-1:]), jnp.asarray([n - 1]), kv, md)
+    assert kv[0][0].dtype == e4m3 and kv[0][1].shape[-1] == 0
+    for latent, _ in kv:  # calibrated: nothing saturates
+        assert np.abs(np.asarray(latent, np.float32)).max() < fp8_max(e4m3)
+
+    buf = np.zeros((1, MAX_LEN), np.int32)
+    buf[0, :n] = prompt
+    want = np.asarray(_dense()(jnp.asarray(buf))[0, n - 1])
+    got = np.asarray(got[0])
+    err = np.abs(got - want).max()
+    assert 0 < err <= 0.08 * np.abs(want).max()  # fp8 rounds (2^-4), averaged by attention
+    assert got.argmax() == want.argmax()

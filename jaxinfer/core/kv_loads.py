@@ -26,8 +26,9 @@ from jaxinfer.core.request import Sequence, SeqStatus
 @dataclasses.dataclass
 class KVTransfers:
     """The host tier's copies a step's dispatch makes first, in this order (worker/kv/host_store)."""
-    # (device block, host slot): evicted blocks to copy out before anything writes them again.
-    offloads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Runs of (device block, host slot): blocks to copy out before anything writes them again
+    # (a released request's prefix, or evicted blocks; core/kv_cache/host_offload.py).
+    offloads: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
     # Copies whose sequence ended: drop their device buffers (seq ids).
     load_cancels: list[str] = dataclasses.field(default_factory=list)
     # (seq id, host slots): start the host -> device copy into a buffer of the worker's.

@@ -425,7 +425,7 @@ class Scheduler:
                     continue
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
-                self.kv.free(seq.seq_id)  # give the matched prefix back; try again next step
+                self.kv.free(seq.seq_id, admitted=False)  # the prefix back; again next step
                 seq.num_computed = 0
                 if self.lora_slots is not None:
                     self.lora_slots.release(seq)

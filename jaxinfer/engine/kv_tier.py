@@ -111,8 +111,7 @@ class KVTierMixin:
             return
         self.runner.replace_kv_cache(
             lambda cache: self.host_kv.apply(cache, self.scheduler.loads.take()))
-        jax.block_until_ready([a for a in map(self.host_kv.slot_array,
-                                              range(self.host_kv.num_slots)) if a is not None])
+        jax.block_until_ready(self.host_kv.host_arrays())
 
     def _drop_host_kv(self) -> None:
         """New weights: the host copies are stale (the scheduler's reset forgot their names)."""

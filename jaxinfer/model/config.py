@@ -89,6 +89,10 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
+    # DeepSeek-V3's multi-token-prediction modules (num_nextn_predict_layers): checkpoint layers
+    # num_layers .. num_layers + mtp_layers - 1, read only by spec_decode/mtp.py (moe_layers
+    # covers them too).
+    mtp_layers: int = 0
     # Kernel dispatch, from the engine's --moe-impl / --quant-impl ("auto": chosen per call shape
     # and device): `moe_experts`' implementation (pallas_kernels/moe/grouped_matmul.py) and
     # `quantized_matmul`'s (model/quant/ops.py). Part of the config, so of every compile cache key.

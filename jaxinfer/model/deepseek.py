@@ -116,14 +116,15 @@ def deepseek_fields(raw: Raw, layers: int) -> dict:
     dense = int(raw.get("first_k_dense_replace") or 0)
     freq = int(raw.get("moe_layer_freq") or 1)
     k = int(raw.get("num_experts_per_tok") or 0)
+    mtp = int(raw.get("num_nextn_predict_layers") or 0)
     return dict(mla=mla, attn_scale=_softmax_scale(raw, mla.qk_head_dim),
                 num_experts=experts, num_experts_per_tok=k,
                 moe_intermediate_size=int(raw["moe_intermediate_size"]),
                 moe_layers=tuple(experts > 0 and i >= dense and i % freq == 0
-                                 for i in range(layers)),
+                                 for i in range(layers + mtp)),  # the MTP modules' too
                 # HF's V2 router scales and never renormalizes; V3's renormalizes, then scales.
                 norm_topk_prob=bool(raw.get("norm_topk_prob")) and v3,
                 n_shared_experts=int(raw.get("n_shared_experts") or 0),
                 router_scoring=scoring, n_group=n_group, topk_group=topk_group,
                 routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-                score_correction_bias=v3)
+                score_correction_bias=v3, mtp_layers=mtp)

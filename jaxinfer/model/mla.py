@@ -90,6 +90,10 @@ class MLAttention(nn.Module):
         k_pe = compressed[..., None, r:]  # [..., 1, rope]: one key for all heads
         if m.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        # What the latent cache will hold, before RoPE, for fp8 scale calibration (kv_scales.py;
+        # a no-op unless applied with mutable "intermediates").
+        self.sow("intermediates", "c", c)
+        self.sow("intermediates", "k_pe", k_pe)
         q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
 
         w_kv_b = _Kernel((r, heads * (nope + m.v_head_dim)), self.dtype, name="kv_b_proj")()

@@ -230,6 +230,9 @@ class Transformer(nn.Module):
                 new_cache[slot] = layer_kv
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
                             cfg.norm_offset, name="final_norm")(x, delta)
+        if self.is_mutable_collection("aux"):  # "entering" the layer after the last: what an MTP
+            # module reads (DeepSeek-V3's, spec_decode/mtp.py: the final-normed hidden, as vLLM)
+            self.sow("aux", f"layer_{cfg.num_layers}", hidden)
         x = hidden if logits_indices is None else hidden[logits_indices]
         if cfg.tie_word_embeddings:
             logits = _tied_head(x, embed.embedding)
@@ -299,7 +302,8 @@ def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, position
                 lora_slot: jax.Array | None = None, *, layers: tuple[int, ...]):
     """`forward` (kv_cache None: the dense causal path, token_ids [B, L]) that also returns the
     residual streams entering `layers`, concatenated: [..., len(layers) * H] (an EAGLE-3 head's
-    input; the same pass, no second forward)."""
+    input; the same pass, no second forward). Layer `cfg.num_layers` is the final-normed hidden
+    state (an MTP module's input)."""
     dtype = params["embed"]["embedding"].dtype
     variables, lora_slot = _variables(params, cfg, lora_slot)
     if kv_cache is None:

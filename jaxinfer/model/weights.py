@@ -57,7 +57,7 @@ _NOT_WRITTEN = (GPT_OSS, "Gemma3ForConditionalGeneration", "DeepseekV2ForCausalL
                 "DeepseekV3ForCausalLM")
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -200,14 +200,17 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
 
 
 def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16,
-                     progress: bool = True, shardings=None) -> Params:
+                     progress: bool = True, shardings=None,
+                     checkpoint: Checkpoint | None = None) -> Params:
     """Each param is made with `jax.make_array_from_callback`: every device (shard of
     `shardings`, a pytree of Shardings like the params; default: the first device) reads only its
-    slice of the memory-mapped files."""
+    slice of the memory-mapped files. `checkpoint`: read these tensors instead of the
+    directory's (a renamed view: spec_decode/mtp.py's MTP module as a one-layer model)."""
     model_dir = Path(model_dir)
     shapes = param_shapes(cfg, dtype)
     expected = _flat_paths(shapes)
-    sources = _sources(Checkpoint(_safetensors_files(model_dir)), cfg, expected, model_dir)
+    ckpt = checkpoint or Checkpoint(safetensors_files(model_dir))
+    sources = _sources(ckpt, cfg, expected, model_dir)
     if cfg.tie_word_embeddings:
         sources.pop(("lm_head", "kernel"), None)  # some tied checkpoints still store a copy
     quantized = quant_loading.quantized_keys(expected)

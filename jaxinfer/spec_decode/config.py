@@ -4,6 +4,9 @@
     --speculative-model DIR --num-speculative-tokens 4          (method draft_model implied)
     --speculative-config '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 5}'
                                             (an EAGLE-3 head in vLLM's / SGLang's HF format)
+    --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
+                                            (DeepSeek-V3's multi-token-prediction module, from
+                                             the target's checkpoint; vLLM's "deepseek_mtp" too)
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_max": 4, "disable_by_batch_size": 16}'
 
@@ -22,7 +25,9 @@ import json
 
 from jaxinfer.errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# Other names of a method (vLLM's older spelling).
+_ALIASES = {"deepseek_mtp": "mtp"}
 # Running sequences above which steps stop speculating (docs/spec_decode.md: the crossover).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 # Acceptance rate under which speculation pauses: below it a verifying step (k + 1 positions per
@@ -38,7 +43,7 @@ _JSON_KEYS = {"method": "method", "model": "model",
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str                      # "ngram" | "draft_model" | "eagle3"
+    method: str                      # "ngram" | "draft_model" | "eagle3" | "mtp"
     num_speculative_tokens: int      # K: most proposals verified per sequence and step
     model: str | None = None         # the draft model's / EAGLE-3 head's directory
     prompt_lookup_min: int = 1       # n-gram sizes tried, longest first
@@ -62,7 +67,8 @@ class SpeculativeConfig:
                   f"the {self.method} method needs a model directory")
         else:
             check(self.model is None, "speculative-model", self.model,
-                  "a draft model is only used by the draft_model and eagle3 methods")
+                  "a draft model is only used by the draft_model and eagle3 methods (mtp reads "
+                  "the target's own checkpoint)")
         check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
               "ngram-prompt-lookup-min", self.prompt_lookup_min, "must be an integer >= 1")
         check(isinstance(self.prompt_lookup_max, int)
@@ -90,7 +96,10 @@ def _parse_json(text: str | dict) -> dict:
     if unknown:
         raise ConfigError(f"--speculative-config: unsupported key(s) {', '.join(unknown)} "
                           f"(supported: {', '.join(_JSON_KEYS)})")
-    return {_JSON_KEYS[k]: v for k, v in raw.items() if v is not None}
+    fields = {_JSON_KEYS[k]: v for k, v in raw.items() if v is not None}
+    if isinstance(fields.get("method"), str):
+        fields["method"] = _ALIASES.get(fields["method"], fields["method"])
+    return fields
 
 
 def speculative_config(*, method: str | None, model: str | None, num_tokens: int | None,
@@ -125,8 +134,9 @@ def speculative_config(*, method: str | None, model: str | None, num_tokens: int
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (docs/spec_decode.md)")
     g.add_argument("--speculative-method", default=None, choices=METHODS,
-                   help="propose tokens by n-gram prompt lookup, with a draft model or with an "
-                        "EAGLE-3 head (eagle3: --speculative-model is the head's directory)")
+                   help="propose tokens by n-gram prompt lookup, with a draft model, with an "
+                        "EAGLE-3 head (eagle3: --speculative-model is the head's directory) or "
+                        "with the checkpoint's DeepSeek MTP module (mtp)")
     g.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="draft model directory (same tokenizer as the target); implies "
                         "--speculative-method draft_model")

@@ -240,12 +240,16 @@ def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype,
 def draft_for_engine(args, target_cfg: ModelConfig, tokenizer, dtype,
                      plan: ShardingPlan | None = None):
     """The engine's draft model when --speculative-model is set (an `eagle.EagleProposer` for
-    method eagle3), else None; `plan`: the target's (the draft is split over the same devices)."""
+    method eagle3, or the checkpoint's MTP module for method mtp), else None; `plan`: the
+    target's (the draft is split over the same devices)."""
     spec = args.spec_config()
-    if spec is None or spec.method not in ("draft_model", "eagle3"):
+    if spec is None or spec.method not in ("draft_model", "eagle3", "mtp"):
         return None
     if args.data_parallel_size > 1:
         raise ConfigError("--speculative-model cannot be combined with --data-parallel-size > 1")
+    if spec.method == "mtp":
+        from jaxinfer.spec_decode.mtp import load_mtp
+        return load_mtp(args.model_path, target_cfg, dtype)
     if spec.method == "eagle3":
         from jaxinfer.spec_decode.eagle import load_eagle
         return load_eagle(spec.model, target_cfg, dtype)

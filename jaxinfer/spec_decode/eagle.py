@@ -41,6 +41,7 @@ from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, input_ids
 from pallas_kernels.attention.backend import AttentionBackend
+from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 
@@ -50,25 +51,13 @@ def write_streams(streams: jax.Array, aux: jax.Array, slot_mapping: jax.Array) -
     return streams.at[dst].set(aux.astype(streams.dtype), mode="drop")
 
 
-def _paged_attend(backend: AttentionBackend, cfg: head.Eagle3Config, kv, md: AttentionMetadata):
-    """`attend` for the head's layer over its paged cache; the new cache goes into `out`."""
-    out = {}
-
-    def attend(q, k, v):
-        k_cache, v_cache = backend.write_kv(*kv[0], k, v, md.slot_mapping)
-        out["kv"] = ((k_cache, v_cache),)
-        return backend(q, k_cache, v_cache, md, scale=cfg.layer.score_scale)
-    return attend, out
-
-
 def _catch_up(params, embed, kv, streams, ids, positions, md, *, cfg, backend):
     """The head's KV at positions whose streams the target wrote (ids: the next tokens)."""
     md = md.group(0)  # the head's KV and streams live in the full-attention group's blocks
-    hidden = head.fuse(params, streams[jnp.maximum(md.slot_mapping, 0)])
-    attend, out = _paged_attend(backend, cfg, kv, md)
+    hidden = cfg.fuse(params, streams[jnp.maximum(md.slot_mapping, 0)])
     with jax.named_scope("eagle_catch_up"):
-        head.layer(params, cfg, embed, ids, hidden, positions, attend)
-    return out["kv"]
+        _, _, kv = cfg.step(params, embed, ids, hidden, positions, kv, md, backend)
+    return kv
 
 
 def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
@@ -87,7 +76,7 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
         return jnp.where(valid, blk * block_size + pos % block_size, -1)
 
     first_slot = slot(first_pos, num > 0)
-    hidden0 = head.fuse(params, streams[jnp.maximum(first_slot, 0)])
+    hidden0 = cfg.fuse(params, streams[jnp.maximum(first_slot, 0)])
 
     def body(i, carry):
         kv, hidden, drafts, probs = carry
@@ -96,14 +85,12 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
         valid = i < num
         md = AttentionMetadata(slot(pos, valid), qsl, jnp.where(valid, pos + 1, 0),
                                block_tables, num_decodes=s)
-        attend, out = _paged_attend(backend, cfg, kv, md)
         with jax.named_scope("eagle_draft"):
-            normed, stream = head.layer(params, cfg, embed, ids, hidden, pos, attend)
-            logits = head.target_logits(params, normed, vocab)
+            logits, stream, kv = cfg.step(params, embed, ids, hidden, pos, kv, md, backend)
         ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i], expand_positions(t, drafts))
         d, q = propose_tokens(logits, ti, variant=variant)
         drafts = drafts.at[:, i].set(jnp.where(valid, d, 0))
-        return out["kv"], stream.astype(hidden.dtype), drafts, probs.at[:, i].set(q)
+        return kv, stream.astype(hidden.dtype), drafts, probs.at[:, i].set(q)
 
     init = (kv, hidden0, jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, vocab), jnp.float32))
     kv, _, drafts, probs = jax.lax.fori_loop(0, k, body, init)
@@ -129,7 +116,7 @@ def _copy_rows(streams, src, dst, block_size: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg: head.Eagle3Config, target_cfg, backend: AttentionBackend, block_size: int,
+def _jitted(cfg, target_cfg, backend: AttentionBackend, block_size: int,
             k: int):
     chain = jax.jit(functools.partial(_chain, cfg=cfg, backend=backend, block_size=block_size,
                                       k=k), static_argnames=("variant",), donate_argnums=(2,))
@@ -142,10 +129,12 @@ def _jitted(cfg: head.Eagle3Config, target_cfg, backend: AttentionBackend, block
 
 
 class EagleProposer:
-    """A loaded EAGLE-3 head; `attach` gives it its KV and stream caches once the pool is sized."""
+    """A loaded EAGLE-3 head (`cfg` an `eagle_head.Eagle3Config`) or DeepSeek MTP module
+    (`mtp.MTPConfig`: the same interface, `layer`, `aux_layers`, `stream_width`, `fuse`,
+    `step`); `attach` gives it its KV and stream caches once the pool is sized."""
     on_device = True
 
-    def __init__(self, cfg: head.Eagle3Config, params: dict):
+    def __init__(self, cfg, params: dict):
         self.cfg = cfg
         self.params = params
         self.aux_layers = cfg.aux_layers
@@ -155,8 +144,11 @@ class EagleProposer:
 
     def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
         if runner.plan is not None and runner.plan.tp > 1:
-            raise ConfigError("--speculative-config method eagle3 does not run under tensor "
-                              "parallelism yet")
+            raise ConfigError("--speculative-config methods eagle3 and mtp do not run under "
+                              "tensor parallelism yet")
+        if is_fp8(kv_dtype):  # its cache would need scales of its own (kv_quant.py)
+            raise ConfigError("--speculative-config methods eagle3 and mtp do not run over an "
+                              "fp8 --kv-cache-dtype yet")
         if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
             raise ConfigError("an eagle3 head needs a target with a full-attention layer, or "
                               "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
@@ -164,7 +156,7 @@ class EagleProposer:
         target_embed = runner.params["embed"]["embedding"]
         self.embed = self.params.get("embed", target_embed)
         self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size, kv_dtype)
-        self.streams = jnp.zeros((num_blocks * runner.block_size, 3 * self.cfg.target_hidden_size),
+        self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
                                  target_embed.dtype)
         self._chain, self._catch_up, self._target, self._copy = _jitted(
             self.cfg, runner.cfg, runner.backend, runner.block_size, k)
@@ -172,7 +164,7 @@ class EagleProposer:
     def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes one block of its KV and stream caches takes."""
         c = self.cfg.layer
-        return block_size * (2 * c.num_kv_heads * c.head_dim + 3 * self.cfg.target_hidden_size
+        return block_size * (c.num_kv_heads * sum(c.kv_widths) + self.cfg.stream_width
                              ) * dtype_bytes
 
     def target_forward(self, runner, batch: StepBatch):

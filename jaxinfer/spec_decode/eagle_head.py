@@ -53,6 +53,26 @@ class Eagle3Config:
     def hidden_size(self) -> int:
         return self.layer.hidden_size
 
+    # The proposer's interface (spec_decode/eagle.py; spec_decode/mtp.py's MTPConfig has it too).
+    @property
+    def stream_width(self) -> int:
+        return 3 * self.target_hidden_size
+
+    def fuse(self, p: dict, streams: jax.Array) -> jax.Array:
+        return fuse(p, streams)
+
+    def step(self, p: dict, embed, ids, hidden, positions, kv, md, backend):
+        """One head step over ragged rows with its paged cache `kv` (one layer's pair).
+        -> (f32 logits over the target's vocabulary, the stream, the new kv tuple)"""
+        out = {}
+
+        def attend(q, k, v):
+            k_cache, v_cache = backend.write_kv(*kv[0], k, v, md.slot_mapping)
+            out["kv"] = ((k_cache, v_cache),)
+            return backend(q, k_cache, v_cache, md, scale=self.layer.score_scale)
+        normed, stream = layer(p, self, embed, ids, hidden, positions, attend)
+        return target_logits(p, normed, embed.shape[0]), stream, out["kv"]
+
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """vLLM's (2, L // 2, L - 3), clamped into a small target's layers."""

@@ -19,9 +19,9 @@ class Speculation:
     def __init__(self, config: SpeculativeConfig, scheduler, runner, metrics: SpecDecodeMetrics,
                  draft=None):
         """`draft`: a loaded `spec_decode.draft.DraftModel` (method draft_model) or
-        `spec_decode.eagle.EagleProposer` (eagle3), else None."""
+        `spec_decode.eagle.EagleProposer` (eagle3, mtp), else None."""
         self.config = config
-        if config.method in ("draft_model", "eagle3") and draft is None:
+        if config.method in ("draft_model", "eagle3", "mtp") and draft is None:
             raise ConfigError("--speculative-model: no draft model was loaded (build the engine "
                               "with LLMEngine.from_engine_args, or pass draft=)")
         proposer = draft if draft is not None else NgramProposer(config.prompt_lookup_min,

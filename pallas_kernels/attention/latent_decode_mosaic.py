@@ -16,11 +16,12 @@ Design (docs/MLA.md, "The latent decode kernel"):
 - Two consumer warpgroups both take every slot: each computes all the scores (the same f32 online
   softmax in both) and P . V for its half of the value columns (a [64, V/2] or [V/2, heads] f32
   accumulator: one warpgroup cannot hold all 512 columns of 64 rows).
-- Heads-major (H > 32): S = Q . K^T ([64, W] x [W, T], the heads padded to wgmma's M = 64) and
-  O_w += P . V_w ([64, T] x [T, V/2], P from registers). Heads-minor (H <= 32, the default
-  there): S^T = K . Q^T ([T, W] x [W, H]: the tokens on M, the heads on N, no padding) and
-  O_w^T += V_w^T . P^T ([V/2, T] x [T, H], P^T through shared memory): at 16 heads a quarter of
-  the tensor work and of the q reads, which keeps the kernel bound by HBM, not the SM.
+- Heads-major (H > 32, or few splits): S = Q . K^T ([64, W] x [W, T], the heads padded to
+  wgmma's M = 64) and O_w += P . V_w ([64, T] x [T, V/2], P from registers). Heads-minor
+  (H <= 32 and many splits, the default there): S^T = K . Q^T ([T, W] x [W, H]: the tokens on M,
+  the heads on N, no padding) and O_w^T += V_w^T . P^T ([V/2, T] x [T, H], P^T through shared
+  memory): at 16 heads a quarter of the tensor work and of the q reads, which keeps a short
+  split bound by HBM, not the SM (`LatentDecodeConfig.heads_minor` has the measured rule).
 - Splits (flash-decoding) come from `plan_splits`; several splits store normalised f32 parts and
   their log2-sum-exp, merged by `split_combine_mosaic.combine_split_parts` (the paged decode
   kernel's combine). One split stores the output directly.
@@ -52,6 +53,9 @@ from pallas_kernels.common.device_info import num_sms
 _LOG2E = math.log2(math.e)
 _CONSUMERS = 2  # each owns half of the value columns
 _HEADS_MINOR_MAX = 32
+# The default orientation is heads-major at this many splits per sequence or fewer
+# (`LatentDecodeConfig.heads_minor`).
+HEADS_MAJOR_MAX_SPLITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +75,17 @@ class LatentDecodeConfig:
       columns on wgmma's M, the heads on N, P^T through shared memory) instead of S = Q K^T with
       the heads padded to M = 64: at 16 heads a quarter of the tensor work and shared-memory
       reads of q; needs T a multiple of 64 and the heads a multiple of 8, at most 32 (the
-      accumulator's registers). None: where it can run."""
+      accumulator's registers). None: heads-minor where it can run and the split plan gives
+      more than HEADS_MAJOR_MAX_SPLITS (4) splits per sequence, else heads-major. Measured on
+      one H200 at 16 heads (benchmarks/results/mla_h200.json, fraction of a plain HBM read):
+      1 x 32k tokens, 128 splits: heads-minor 0.997, heads-major 0.675; 64 x 4096, 2 splits:
+      heads-minor 0.765, heads-major 0.807 (a guess, not profiled: long splits stream pages,
+      where heads-major's P from registers saves heads-minor's per-step P^T round trip
+      through shared memory; short ones pay the q tile and the part per CTA). The crossover
+      lies between 2 and 128 splits, unmeasured in between; 4 keeps both measured points on
+      their winner and sends only long splits (each a quarter of the context or more: at 4k
+      tokens, batches of ~32 and up on 132 SMs) to heads-major. True / False: force it
+      (benchmarks, tests)."""
     pages_per_step: int = 4
     stages: int | None = None
     num_splits: int | None = None
@@ -96,10 +110,11 @@ def _heads_minor_fits(heads: int, tokens: int) -> bool:
     return tokens % 64 == 0 and heads % 8 == 0 and heads <= _HEADS_MINOR_MAX
 
 
-def heads_minor(heads: int, tokens: int, config: LatentDecodeConfig) -> bool:
-    """Whether the kernel runs heads-minor (`LatentDecodeConfig.heads_minor`)."""
+def heads_minor(heads: int, tokens: int, splits: int, config: LatentDecodeConfig) -> bool:
+    """Whether the kernel runs heads-minor with `splits` splits per sequence
+    (`LatentDecodeConfig.heads_minor`)."""
     if config.heads_minor is None:
-        return _heads_minor_fits(heads, tokens)
+        return splits > HEADS_MAJOR_MAX_SPLITS and _heads_minor_fits(heads, tokens)
     return config.heads_minor
 
 
@@ -320,7 +335,7 @@ def latent_decode_call(q, cache, block_tables, seq_lens, *, scale: float, value_
     tokens = config.pages_per_step * bs
     plan = split_plan(s, h, w, bs, block_tables.shape[1], config)
     c = plan.num_splits
-    hm = heads_minor(h, tokens, config)
+    hm = heads_minor(h, tokens, c, config)
     q_rows = rows if hm else WGMMA_ROWS  # the q tile: wgmma's N (heads-minor) or M
     stages = _stages(config.stages, tokens=tokens, width=w, value_width=value_width,
                      elem_bytes=jnp.dtype(dtype).itemsize, q_rows=q_rows,

@@ -3,7 +3,8 @@ tested against, and what MLA decode runs until one exists (jaxinfer/model/mla.py
 
 The cache is one "KV head" [1, NB, B, W] (W = kv_lora_rank + rope dim = 576 for DeepSeek) that
 is both the keys and, in its first kv_lora_rank columns, the values (docs/MLA.md). So each
-sequence's pages are gathered once, in the cache dtype, for every query head:
+sequence's pages are gathered once, in the cache dtype (an fp8 cache widened to q's), for every
+query head:
 
     scores[s, h, l] = scale * q[s, h] . latent[s, l]          (f32 accumulation)
     out[s, h]       = sum_l softmax(scores)[s, h, l] * latent[s, l]
@@ -38,6 +39,8 @@ def paged_latent_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     s, m = block_tables.shape
     _, _, bs, w = k_cache.shape
     ctx = k_cache[0][block_tables].reshape(s, m * bs, w)  # [S, L, W], gathered once
+    if ctx.dtype.itemsize < jnp.dtype(q.dtype).itemsize:  # an fp8 cache: widened (exactly)
+        ctx = ctx.astype(q.dtype)
     scores = jnp.einsum("shw,slw->shl", q.astype(ctx.dtype), ctx,
                         preferred_element_type=jnp.float32) * scale
     valid = (jnp.arange(m * bs)[None, :] < seq_lens[:, None])[:, None, :]

@@ -28,6 +28,22 @@ from typing import Hashable, Sequence
 import numpy as np
 
 
+# The largest host piece (blocks copied as one host array, worker/kv/host_store.py).
+MAX_PIECE_BLOCKS = 256
+
+
+def piece_sizes(n: int, cap: int = MAX_PIECE_BLOCKS) -> list[int]:
+    """A run of `n` blocks as host pieces: powers of two, largest first, each at most `cap` (a
+    power of two): 100 -> [64, 32, 4]. The worker copies each as one array (no padding); the
+    tier evicts each as a whole (`group`)."""
+    out = []
+    while n:
+        size = min(cap, 1 << (n.bit_length() - 1))
+        out.append(size)
+        n -= size
+    return out
+
+
 def root_digest(namespace: Hashable = None) -> bytes:
     """The digest a namespace's first block chains from (None: the base model)."""
     return hashlib.sha256(b"jaxinfer-kv-root:" + repr(namespace).encode()).digest()
@@ -60,6 +76,12 @@ class HostTier:
         # Unpinned occupied slots, least recently used first: the next eviction victim.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pins = [0] * num_slots
+        # The host piece (one host array) each slot's bytes live in, and each piece's slots: a
+        # piece stays in host memory while any of its slots is held, so the LRU evicts a slot's
+        # whole piece at once (its unpinned slots) instead of leaving the array mostly dead.
+        self._piece_of = [-1] * num_slots
+        self._pieces: dict[int, list[int]] = {}
+        self._next_piece = 0
         self.stats = HostTierStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -78,7 +100,9 @@ class HostTier:
               block_size: int) -> list[int]:
         """Slots of the longest run of host blocks continuing a prefix: block i (from
         `first_block`, below `max_blocks`) of `token_ids` under the chain starting at `parent`
-        (the digest of the blocks before `first_block`). Touches them as most recently used."""
+        (the digest of the blocks before `first_block`). Touches them as most recently used,
+        last block first (the head of a prefix is evicted last: without it the rest is
+        unreachable)."""
         slots = []
         for i in range(first_block, max_blocks):
             parent = block_digest(parent, token_ids[i * block_size:(i + 1) * block_size])
@@ -86,6 +110,7 @@ class HostTier:
             if slot is None:
                 break
             slots.append(slot)
+        for slot in reversed(slots):
             if slot in self._lru:
                 self._lru.move_to_end(slot)
         return slots
@@ -123,15 +148,38 @@ class HostTier:
             slot = self._free.pop()
         elif self._lru:
             slot, _ = self._lru.popitem(last=False)
-            del self._slot_of[self._digest_of[slot]]
-            self.stats.evicted_blocks += 1
+            self._evict_piece(slot)
         else:
             return None
         self._slot_of[digest] = slot
         self._digest_of[slot] = digest
+        self._piece_of[slot] = -1  # (until its run is grouped)
         self._lru[slot] = None
         self.stats.offloaded_blocks += 1
         return slot
+
+    def group(self, slots: Sequence[int]) -> None:
+        """These slots' blocks are copied as one host piece: evicted together from now on."""
+        pid, self._next_piece = self._next_piece, self._next_piece + 1
+        self._pieces[pid] = list(slots)
+        for s in slots:  # (a slot named twice in a run: the later piece owns it)
+            self._piece_of[s] = pid
+
+    def _evict_piece(self, victim: int) -> None:
+        """Drop `victim` (taken off the LRU; its slot is reused by the caller) and the other
+        unpinned slots of its piece (to the free list)."""
+        pid = self._piece_of[victim]
+        siblings = self._pieces.pop(pid, []) if pid >= 0 else []
+        for s in [victim] + [t for t in siblings if t != victim and self._piece_of[t] == pid]:
+            self._piece_of[s] = -1
+            if s != victim:
+                if s not in self._lru:  # pinned (a load in flight): it stays
+                    continue
+                del self._lru[s]
+                self._free.append(s)
+            del self._slot_of[self._digest_of[s]]
+            self._digest_of[s] = None
+            self.stats.evicted_blocks += 1
 
     def clear(self) -> None:
         """Forget every host block (new weights: their KV is stale). Pins stay counted, so the
@@ -142,3 +190,5 @@ class HostTier:
                 self._free.append(slot)
         self._slot_of.clear()
         self._lru.clear()
+        self._piece_of = [-1] * self.num_slots
+        self._pieces.clear()

@@ -36,6 +36,7 @@ import sys
 from typing import Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
+from jaxinfer.core.kv_cache.host_offload import HostOffloadMixin
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, _Node
@@ -64,7 +65,8 @@ class PrefixCacheStats:
 
 
 class _RequestBlocks:
-    __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family")
+    __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family",
+                 "counted")
 
     def __init__(self, tables: list[list[int]], skipped: list[int], num_tokens: int,
                  num_cached_blocks: int, cache_node, family: set[_RequestBlocks] | None = None):
@@ -76,9 +78,11 @@ class _RequestBlocks:
         # Live requests related by fork (shared set), None if never forked: the only other
         # holders of this request's uncached blocks, which a dedup must update too.
         self.family = family
+        # What its prefix lookup added to `stats`, [queries, hits], while it can be taken back.
+        self.counted: list[int] | None = None
 
 
-class KVCacheManager:
+class KVCacheManager(HostOffloadMixin):
     """Block tables for every live request over one pool of ``num_blocks`` blocks.
 
     Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
@@ -110,8 +114,7 @@ class KVCacheManager:
         self._requests: dict[Hashable, _RequestBlocks] = {}
         # Pending copy-on-write device copies, dst block -> src block (see take_pending_copies).
         self._pending_copies: dict[int, int] = {}
-        # Evicted device blocks to copy to the host before they are reused: (block, host slot).
-        self._pending_offloads: list[tuple[int, int]] = []
+        self._init_host_offload()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -211,67 +214,8 @@ class KVCacheManager:
         self.stats.requests += 1
         self.stats.queries += len(token_ids)
         self.stats.hits += num_computed
+        self._requests[request_id].counted = [len(token_ids), num_computed]
         return num_computed
-
-    def match_host(self, request_id: Hashable, token_ids: Sequence[int],
-                   chunk_tokens: int | None = None,
-                   reserved_blocks: int = 0) -> list[tuple[int, int]]:
-        """Continue a request's prefix match (get_computed_blocks, just called) into the host tier:
-        the host blocks that follow its device-cached prefix get fresh device blocks, appended to
-        its table, and their host slots are pinned until `loaded`. Returns the copies to make,
-        (host slot, device block) in order; [] without a host tier or a host hit. The request's
-        `num_tokens` grows by the blocks' tokens: the caller treats them as computed once copied.
-        At most as many blocks as are free now less those of the request's next chunk (at most
-        `chunk_tokens` of what is left to compute, plus one) and `reserved_blocks` (the next
-        chunks of other loading requests): loads never take the room that would let one run."""
-        host, req = self.host, self._requests[request_id]
-        table = req.tables[0]  # the only group: a host tier needs one (__init__)
-        if host is None or req.cache_node is None or len(table) != req.num_cached_blocks:
-            return []
-        bs = self.block_size
-        max_blocks = max(len(token_ids) - 1, 0) // bs
-        slots = host.match(req.cache_node.digest, token_ids, len(table), max_blocks, bs)
-        if chunk_tokens is not None:
-            left = len(token_ids) - (len(table) + len(slots)) * bs
-            room = self.pool.num_free_blocks - reserved_blocks - 1
-            slots = slots[:max(room - -(-min(chunk_tokens, left) // bs), 0)]
-        if not slots:
-            return []
-        host.pin(slots)  # (first: the allocation below may offload, which must not take them)
-        blocks = self.pool.allocate(len(slots))
-        table.extend(blocks)
-        req.num_tokens += len(blocks) * bs
-        host.stats.hit_blocks += len(blocks)
-        self.stats.host_hits += len(blocks) * bs
-        return list(zip(slots, blocks))
-
-    def loaded(self, slots: Sequence[int], landed: bool = True) -> None:
-        """A copy from these host slots (match_host's) landed, or was dropped (`landed` False: its
-        request ended first): unpin them."""
-        self.host.unpin(slots)
-        if landed:
-            self.host.stats.loaded_blocks += len(slots)
-
-    def _offload(self, node: _Node, block_id: int) -> None:
-        slot = self.host.store(node.digest)
-        if slot is not None:
-            self._pending_offloads.append((block_id, slot))
-
-    def take_pending_offloads(self) -> list[tuple[int, int]]:
-        """(device block, host slot) copies of blocks evicted since the last call, and clear them.
-        The worker must read every one before a step writes into those blocks again."""
-        out, self._pending_offloads = self._pending_offloads, []
-        return out
-
-    def offload_cached(self) -> int:
-        """Queue every unreferenced cached device block for the host (before the device cache is
-        released, e.g. LLMEngine.sleep), least recently used first; how many were queued."""
-        if self.host is None:
-            return 0
-        before = len(self._pending_offloads)
-        for b in self.pool.evictable_block_ids():
-            self._offload(self.prefix_cache.node_of(b), b)
-        return len(self._pending_offloads) - before
 
     # ---- growth --------------------------------------------------------------------------
     def allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
@@ -431,15 +375,25 @@ class KVCacheManager:
         parent.family.add(child)
         self._requests[child_id] = child
 
-    def free(self, request_id: Hashable) -> bool:
+    def free(self, request_id: Hashable, admitted: bool = True) -> bool:
         """Release all the request's blocks (finished, aborted or preempted).
 
         Blocks whose count reaches 0 return to the free list, or to the evictable set if cached;
         they are released last block first so cached leaves become evictable before their
-        parents. Idempotent: returns False for an unknown (or already freed) request."""
+        parents. `admitted` False: the admission its prefix lookup was for did not happen (no
+        room; the scheduler looks again next step), so the lookup leaves `stats`: a request
+        waiting for room counts one query, not one a step. Idempotent: returns False for an
+        unknown (or already freed) request."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if not admitted and req.counted is not None:
+            st = self.stats
+            st.requests -= 1
+            st.queries -= req.counted[0]
+            st.hits -= req.counted[1]
+        if self.host is not None:
+            self._write_through(req.cache_node)
         if req.family is not None:
             req.family.discard(req)
         release = self._release
@@ -482,6 +436,7 @@ class KVCacheManager:
         if self.host is not None and not keep_host:
             self.host.clear()
             self._pending_offloads.clear()
+            self._evict_run = None
         freed = cache.clear()
         for req in self._requests.values():
             req.num_cached_blocks = _NEVER_CACHE

@@ -10,6 +10,10 @@ Where they come from (`--kv-cache-scales`):
   whole normal range, so the up to 2x headroom costs no precision).
 - `auto` (default): the checkpoint's tensors when it has them, else `calibrate`.
 - a number: that scale for every layer's K and V (1.0: values stored as they are).
+
+An MLA latent cache (DeepSeek) has one scale per layer for the whole 576-wide latent ([c, rope
+key]; the values are its first columns, so the v scale is the k scale): calibrated over |c| and
+the rope key's pair norms; from a checkpoint, its k_scale.
 """
 
 from __future__ import annotations
@@ -75,6 +79,15 @@ def _pow2_scale(amax: float, dtype) -> float:
     return float(2.0 ** math.ceil(math.log2(amax / fp8_max(dtype))))
 
 
+def _latent_amax(c: jax.Array, k_pe: jax.Array) -> jax.Array:
+    """An MLA latent's largest |value| at any position: |c|, and the rope key's (rotate-half
+    layout) pair norms, which every RoPE rotation keeps."""
+    k_pe = k_pe.astype(jnp.float32)
+    half = k_pe.shape[-1] // 2
+    pairs = jnp.sqrt(k_pe[..., :half] ** 2 + k_pe[..., half:] ** 2)
+    return jnp.maximum(jnp.abs(c.astype(jnp.float32)).max(), pairs.max())
+
+
 def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.float8_e4m3fn):
     """(k scales, v scales): per layer, the K and V maxima of one dense forward over `tokens`
     (see the module docstring)."""
@@ -88,6 +101,10 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
         out = []
         for i in range(cfg.num_layers):
             attn = state["intermediates"][f"layers_{i}"]["attn"]  # Attention sows k and v
+            if cfg.mla:  # MLAttention sows c and the rope key: the latent is K and V at once
+                amax = _latent_amax(attn["c"][0], attn["k_pe"][0])
+                out.append((amax, amax))
+                continue
             k = attn["k"][0].astype(jnp.float32)
             half = cfg.head_dim // 2  # a RoPE rotation keeps each (x_j, x_j+half) pair's norm
             k_amax = jnp.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2).max()
@@ -130,13 +147,12 @@ def kv_cache_backend(backend, kv_dtype, cfg: ModelConfig, params=None, *, scales
             raise ConfigError(f"--kv-cache-scales {scales} needs an fp8 --kv-cache-dtype "
                               f"(the cache is {jnp.dtype(kv_dtype).name})")
         return backend
-    if cfg.mla:
-        raise ConfigError(f"--kv-cache-dtype {jnp.dtype(kv_dtype).name}: an fp8 latent cache "
-                          f"(MLA, {cfg.architecture}) is not supported; use bfloat16")
     if params is None:
         unit = (1.0,) * cfg.num_layers
         return FP8KVAttention(backend, unit, unit)
     k, v, source = resolve_kv_scales(scales, cfg, params, model_dir=model_dir,
                                      tokenizer=tokenizer, kv_dtype=kv_dtype)
+    if cfg.mla:  # the latent's stored values are its keys': one scale, the k scale, for both
+        v = k
     log.info("fp8 KV cache scales (%s): k %s, v %s", source, k, v)
     return FP8KVAttention(backend, k, v)

@@ -1,0 +1,143 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) module as a speculative proposer
+(`--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`; vLLM's names `mtp` and
+`deepseek_mtp`), for checkpoints with `num_nextn_predict_layers` >= 1.
+
+The module is checkpoint layer L = num_hidden_layers (`model.layers.L.*`): `enorm`, `hnorm`,
+`eh_proj` [H, 2 H], a full decoder layer (MLA + MoE, the target's `DecoderLayer`) and
+`shared_head.{norm,head}`. At position t it reads token t + 1 and the target's final-normed hidden
+state of position t (what vLLM's deepseek_mtp reads) and predicts token t + 2:
+
+    e = embed(token) (zero at position 0, as vLLM masks it)
+    x = eh_proj [enorm(e), hnorm(h)]
+    s = x + attn(input_norm(x)) ; s = s + mlp(post_attn_norm(s))     (the decoder layer)
+    logits = shared_head.head(shared_head.norm(s)),   s: the next draft step's h
+
+It runs in the EAGLE proposer's machinery (spec_decode/eagle.py: the target writes the streams
+of every step it runs, the module's one-layer paged cache lives in the target's block ids, a
+catch-up pass, then a chain of k steps, the same module each step: vLLM's and TensorRT-LLM's
+"MTP Eagle" mode for k above the checkpoint's one module). Only the first MTP module is used.
+The embedding is the target's (DeepSeek shares it; the copy under layer L is not kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.norm_rope import RMSNorm, rope_tables
+from jaxinfer.model.tensor_sources import Checkpoint
+from jaxinfer.model.transformer import DecoderLayer
+from jaxinfer.model.weights import load_safetensors, safetensors_files
+
+# The module's own tensors (beside its decoder layer), read under these names.
+_OWN = ("enorm", "hnorm", "eh_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """The module as a one-layer model: `layer` (the target's config, one layer, MoE as layer L
+    is) sizes its paged cache; its input stream is the target's final-normed hidden state."""
+    layer: ModelConfig
+    target_layers: int
+
+    @property
+    def aux_layers(self) -> tuple[int]:
+        return (self.target_layers,)  # forward_aux: the final-normed hidden
+
+    @property
+    def stream_width(self) -> int:
+        return self.layer.hidden_size
+
+    def fuse(self, p: dict, streams: jax.Array) -> jax.Array:
+        return streams  # one stream, read as is (hnorm is part of the step)
+
+    def step(self, p: dict, embed, ids, hidden, positions, kv, md, backend):
+        """One module application over ragged rows (paged: kv is its one (latent, empty) pair).
+        -> (f32 logits [..., V], the stream [..., H] for the next step, the new kv tuple)"""
+        c = self.layer
+        dtype = p["eh_proj"].dtype
+
+        def norm(w, x):
+            return RMSNorm(c.rms_norm_eps, dtype).apply({"params": {"weight": w}}, x)
+
+        e = jnp.where((positions == 0)[..., None], 0, embed[ids].astype(dtype))
+        x = jnp.dot(jnp.concatenate([norm(p["enorm"], e), norm(p["hnorm"], hidden.astype(dtype))],
+                                    axis=-1), p["eh_proj"])
+        cos, sin = rope_tables(c, positions)
+        x, delta, new_kv = DecoderLayer(c, backend, dtype, c.layer_is_moe(0)).apply(
+            {"params": p["layers_0"]}, x, None, cos, sin, kv[0], md)
+        stream = x + delta
+        normed = norm(p["final_norm"]["weight"], stream)
+        logits = jnp.dot(normed, p["lm_head"]["kernel"], preferred_element_type=jnp.float32)
+        return logits, stream, (new_kv,)
+
+
+def mtp_config(target: ModelConfig) -> MTPConfig:
+    if not target.mtp_layers:
+        raise ConfigError("--speculative-config method mtp: the model has no multi-token-"
+                          "prediction layer (config.json num_nextn_predict_layers is 0)")
+    moe = target.layer_is_moe(target.num_layers)
+    layer = dataclasses.replace(target, num_layers=1, moe_layers=(moe,), mtp_layers=0,
+                                layer_windows=())
+    return MTPConfig(layer, target.num_layers)
+
+
+class _ModuleView(Checkpoint):
+    """The checkpoint's MTP module L as a one-layer model's tensors: its decoder layer as layer 0,
+    shared_head.norm / .head as the final norm and LM head, the target's embedding; its own
+    enorm / hnorm / eh_proj apart (`own`)."""
+
+    def __init__(self, base: Checkpoint, layer: int):
+        prefix = f"model.layers.{layer}."
+        self.base, self.alias, self.own = base, {}, {}
+        for name in base.names():
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix):]
+            if rest.split(".")[0] in _OWN:
+                self.own[rest.split(".")[0]] = name
+            elif rest == "shared_head.norm.weight":
+                self.alias["model.norm.weight"] = name
+            elif rest == "shared_head.head.weight":
+                self.alias["lm_head.weight"] = name
+            elif rest != "embed_tokens.weight":
+                self.alias["model.layers.0." + rest] = name
+        self.alias["model.embed_tokens.weight"] = "model.embed_tokens.weight"
+        self.dtypes = {new: base.dtypes[old] for new, old in self.alias.items()}
+        self.raw = {}
+
+    def names(self) -> list[str]:
+        return list(self.alias)
+
+    def file_of(self, name: str):
+        return self.base.file_of(self.alias[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.base.shape(self.alias[name])
+
+    def read(self, name: str, index) -> jax.Array:
+        return self.base.read(self.alias[name], index)
+
+
+def load_mtp(model_dir: str, target: ModelConfig, dtype):
+    """The first MTP module of the checkpoint in `model_dir` as an EAGLE-style proposer."""
+    from jaxinfer.spec_decode.eagle import EagleProposer
+    cfg = mtp_config(target)
+    base = Checkpoint(safetensors_files(Path(model_dir)))
+    view = _ModuleView(base, target.num_layers)
+    missing = [n for n in _OWN if n not in view.own]
+    if missing or "lm_head.weight" not in view.alias:
+        raise ConfigError(f"--speculative-config method mtp: '{model_dir}' has no "
+                          f"model.layers.{target.num_layers}.{(missing or ['shared_head'])[0]} "
+                          f"tensor (num_nextn_predict_layers says the MTP module is there)")
+    params = load_safetensors(model_dir, cfg.layer, dtype, progress=False, checkpoint=view)
+    params.pop("embed")
+    for name, full in view.own.items():
+        w = base.read(full, (slice(None),) * len(base.shape(full)))
+        params[name] = jnp.asarray(w.T if name == "eh_proj" else w, dtype)
+    return EagleProposer(cfg, params)

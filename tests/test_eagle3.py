@@ -18,13 +18,13 @@ from jaxinfer.model.config import load_config
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode import eagle_head as head
 from jaxinfer.spec_decode.eagle import EagleProposer, load_eagle
-from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS,
+                                 assert_speculative_greedy_matches_golden, prompt_ids, run_all,
                                  tiny_model, tiny_tokenizer)
 
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def random_head(target_cfg, key=0, std=0.3) -> tuple[head.Eagle3Config, dict]:
@@ -58,17 +58,7 @@ def head_dirs(tmp_path_factory):
 def test_greedy_matches_transformers_with_an_eagle3_head(family, head_dirs):
     golden = np.load(FIXTURES / family / "golden.npz")
     spec = {"method": "eagle3", "model": str(head_dirs[family]), "num_speculative_tokens": 4}
-    args = EngineArgs(model=str(FIXTURES / family), speculative_config=json.dumps(spec),
-                      dtype="float32", max_model_len=64, block_size=BLOCK, num_blocks=64,
-                      max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir=None,
-                      warmup=False, speculative_min_acceptance=0.0)
-    e = LLMEngine.from_engine_args(args)
-    assert isinstance(e.spec.speculator.proposer, EagleProposer)
-    e.add_request("g", golden["greedy_prompt"].tolist(),
-                  SamplingParams(max_tokens=len(golden["greedy_tokens"]), **GREEDY))
-    assert run_all(e)["g"][0][0] == golden["greedy_tokens"].tolist()
-    assert e.spec.metrics.drafts > 0
-    assert_all_free(e)
+    assert_speculative_greedy_matches_golden(FIXTURES / family, spec, golden, block_size=BLOCK)
 
 
 def tiny_engine(proposer=None, **kwargs) -> LLMEngine:

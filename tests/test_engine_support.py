@@ -91,6 +91,28 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert not engine.scheduler.running and engine.num_waiting == 0
 
 
+def assert_speculative_greedy_matches_golden(model_dir, spec: dict, golden, block_size: int):
+    """An engine speculating with `spec` (a --speculative-config dict) over `model_dir` gives the
+    fixture's HF greedy tokens, proposed drafts, and leaks nothing; returns the engine."""
+    import json
+
+    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.spec_decode.eagle import EagleProposer
+    args = EngineArgs(model=str(model_dir), speculative_config=json.dumps(spec), dtype="float32",
+                      max_model_len=64, block_size=block_size, num_blocks=64, max_num_seqs=2,
+                      max_num_batched_tokens=16, compilation_cache_dir=None, warmup=False,
+                      speculative_min_acceptance=0.0)
+    e = LLMEngine.from_engine_args(args)
+    assert isinstance(e.spec.speculator.proposer, EagleProposer)
+    e.add_request("g", golden["greedy_prompt"].tolist(),
+                  SamplingParams(max_tokens=len(golden["greedy_tokens"]), temperature=0.0,
+                                 ignore_eos=True))
+    assert run_all(e)["g"][0][0] == golden["greedy_tokens"].tolist()
+    assert e.spec.metrics.drafts > 0
+    assert_all_free(e)
+    return e
+
+
 def test_tiny_tokenizer_round_trip():
     tok = tiny_tokenizer()
     text = "abcd ## stop e x"

@@ -17,21 +17,17 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import load_config
 from jaxinfer.model.transformer import DecoderLayer, rope_tables
 from jaxinfer.model.weights import load_params
-from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.mtp import load_mtp
 from jaxinfer.worker.kv import allocate_kv_cache
 from pallas_kernels.attention.latent_reference import LATENT_REFERENCE
 from pallas_kernels.attention.metadata import AttentionMetadata
-from test_engine_support import assert_all_free, run_all
+from test_engine_support import assert_speculative_greedy_matches_golden
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "deepseek_v3"
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def _with_mtp_module(out: Path) -> Path:
@@ -113,17 +109,7 @@ def test_module_forward_matches_the_formula(mtp_dir):
 def test_greedy_with_mtp_speculation_matches_transformers(mtp_dir):
     golden = np.load(mtp_dir / "golden.npz")
     spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
-    args = EngineArgs(model=str(mtp_dir), speculative_config=json.dumps(spec), dtype="float32",
-                      max_model_len=64, block_size=4, num_blocks=64, max_num_seqs=2,
-                      max_num_batched_tokens=16, compilation_cache_dir=None, warmup=False,
-                      speculative_min_acceptance=0.0)
-    e = LLMEngine.from_engine_args(args)
-    assert isinstance(e.spec.speculator.proposer, EagleProposer)
-    e.add_request("g", golden["greedy_prompt"].tolist(),
-                  SamplingParams(max_tokens=len(golden["greedy_tokens"]), **GREEDY))
-    assert run_all(e)["g"][0][0] == golden["greedy_tokens"].tolist()
-    assert e.spec.metrics.drafts > 0
-    assert_all_free(e)
+    assert_speculative_greedy_matches_golden(mtp_dir, spec, golden, block_size=4)
 
 
 def test_mtp_refusals(tmp_path):

@@ -150,8 +150,9 @@ class EagleProposer:
             raise ConfigError("--speculative-config methods eagle3 and mtp do not run over an "
                               "fp8 --kv-cache-dtype yet")
         if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
-            raise ConfigError("an eagle3 head needs a target with a full-attention layer, or "
-                              "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
+            raise ConfigError("--speculative-config methods eagle3 and mtp need a target with a "
+                              "full-attention layer, or --no-hybrid-kv-cache: they keep their KV "
+                              "in the first group's blocks")
         self.runner, self.k = runner, k
         target_embed = runner.params["embed"]["embedding"]
         self.embed = self.params.get("embed", target_embed)

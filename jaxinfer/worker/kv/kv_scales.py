@@ -79,13 +79,17 @@ def _pow2_scale(amax: float, dtype) -> float:
     return float(2.0 ** math.ceil(math.log2(amax / fp8_max(dtype))))
 
 
+def _rope_pair_amax(x: jax.Array) -> jax.Array:
+    """The largest (x_j, x_j+half) pair norm of a rotate-half RoPE key: what any rotation keeps,
+    so the largest |value| the key can take at any position."""
+    x = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    return jnp.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).max()
+
+
 def _latent_amax(c: jax.Array, k_pe: jax.Array) -> jax.Array:
-    """An MLA latent's largest |value| at any position: |c|, and the rope key's (rotate-half
-    layout) pair norms, which every RoPE rotation keeps."""
-    k_pe = k_pe.astype(jnp.float32)
-    half = k_pe.shape[-1] // 2
-    pairs = jnp.sqrt(k_pe[..., :half] ** 2 + k_pe[..., half:] ** 2)
-    return jnp.maximum(jnp.abs(c.astype(jnp.float32)).max(), pairs.max())
+    """An MLA latent's largest |value| at any position: |c| and the rope key's pair norms."""
+    return jnp.maximum(jnp.abs(c.astype(jnp.float32)).max(), _rope_pair_amax(k_pe))
 
 
 def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.float8_e4m3fn):
@@ -105,9 +109,7 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
                 amax = _latent_amax(attn["c"][0], attn["k_pe"][0])
                 out.append((amax, amax))
                 continue
-            k = attn["k"][0].astype(jnp.float32)
-            half = cfg.head_dim // 2  # a RoPE rotation keeps each (x_j, x_j+half) pair's norm
-            k_amax = jnp.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2).max()
+            k_amax = _rope_pair_amax(attn["k"][0])
             v_amax = jnp.abs(attn["v"][0].astype(jnp.float32)).max()
             out.append((k_amax, v_amax))
         return out

@@ -78,11 +78,13 @@ def metrics(parts: dict) -> dict:
            "qwen3_30b_a3b_c64_out_tok_s": q.get("out_tok_s"),
            "qwen3_30b_a3b_bs64_step_ms": q.get("decode_step_ms_median"),
            "mixtral_8x7b_c64_out_tok_s": m.get("out_tok_s"),
-           "mixtral_8x7b_bs64_step_ms": m.get("decode_step_ms_median")}
+           "mixtral_8x7b_bs64_step_ms": m.get("decode_step_ms_median"),
+           "qwen3_30b_a3b_c64_prefix_hit_rate": q.get("prefix_hit_rate")}
     q8 = parts.get("qwen_fp8", {})
     if isinstance(q8, dict) and q8:
         out["qwen3_30b_a3b_fp8_c64_out_tok_s"] = q8.get("out_tok_s")
         out["qwen3_30b_a3b_fp8_bs64_step_ms"] = q8.get("decode_step_ms_median")
+        out["qwen3_30b_a3b_fp8_c64_prefix_hit_rate"] = q8.get("prefix_hit_rate")
     for phase, key in (("decode", "gmm_decode_frac_of_hbm"), ("prefill", "gmm_prefill_frac_of_matmul")):
         ours = k.get(f"qwen3_30b_a3b_{phase}_ours") or k.get(f"qwen3_30b_a3b_{phase}_best")
         out[key] = ours and ours["frac"]

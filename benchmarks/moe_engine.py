@@ -73,6 +73,8 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
         engine.add_request(f"r{i}", rng.integers(0, config["vocab_size"], prompt_len).tolist(),
                            params)
     stamps, n_out = [], 0
+    kv_stats = engine.scheduler.kv.stats
+    q0, h0 = kv_stats.queries, kv_stats.hits
     engine.stats.__init__()
     window = TimedWindow(engine)
     start = time.perf_counter()
@@ -94,6 +96,7 @@ def engine_section(model_key: str, backend: str = "mosaic", prompts: int = 64,
             "decode_step_ms_median": round(1e3 * float(np.median(gaps)), 2) if gaps else None,
             "host_ms_per_step": round(engine.stats.host_ms_per_step, 3),
             "sync_gap_ms": round(engine.stats.sync_gap_ms, 3), **mix, **window.figures(),
+            "prefix_hit_rate": round((kv_stats.hits - h0) / max(kv_stats.queries - q0, 1), 4),
             "moe_impl": moe_impl, "quantization": quantization}
 
 

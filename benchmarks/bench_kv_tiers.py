@@ -4,19 +4,22 @@
     python -m benchmarks.bench_kv_tiers --part long --save --merge       # ~3 min, same record
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_kv_tiers --part all  # CPU
 
-`multiturn`: N conversations x T turns in G groups; each group shares a system prompt, each turn
-sends the conversation so far (system prompt, every earlier question and answer) plus a new
-question, and all conversations' turn t run together. Lengths are drawn like ShareGPT chat
-(lognormal, medians ~ the dataset's: question 120 tokens (sigma 0.8), answer 220 (sigma 0.6),
-clipped to [16, 4x median] and [16, 2x median]); answers are generated with max_tokens = the drawn length
-(ignore_eos). The device pool is sized down (`--num-blocks`) so the working set of prefixes (every
-conversation's last history) is >= 3x it: without the tier most turns recompute their history.
-The same workload runs twice, `--kv-offload` on and off, each after a warm-up round of it on
-other prompts (never re-timed; a shorter warm-up left step shapes to compile in the timed run;
-the second engine loads the first one's compiled steps from a shared executable cache):
-TTFT p50/p99, output tok/s, device and host prefix hit rates (one lookup per admission),
-`prefill_over_prompt` (prompt tokens actually computed over prompt tokens sent: what the hits
-saved, preemptions' recomputation included) and preemptions.
+`multiturn`: N conversations x T turns in G groups, served by C clients; each group shares a
+system prompt, each turn sends the conversation so far (system prompt, every earlier question and
+answer) plus a new question. A client sends its next turn when its last one finished, taking
+turns round-robin over the conversations (every conversation's turn t before any turn t + 1), so
+between two turns of one conversation the other N - 1 conversations each take a turn: the device
+pool (`--num-blocks`) holds the C turns in flight, but the working set of prefixes (every
+conversation's history) is >= 3x it, so without the tier a turn finds its history evicted and
+recomputes it. (All N at once instead would make the run capacity-bound: N histories in flight
+do not fit the pool whatever the tier does.) Lengths are drawn like ShareGPT chat (lognormal,
+medians ~ the dataset's: question 120 tokens (sigma 0.8), answer 220 (sigma 0.6), clipped to
+[16, 4x median] and [16, 2x median]); answers are generated with max_tokens = the drawn length
+(ignore_eos). The same workload runs twice, `--kv-offload` on and off, each after a warm-up run of
+a quarter of it on other prompts (never re-timed; the second engine loads the first one's compiled
+steps from a shared executable cache): TTFT p50/p99, output tok/s, device and host prefix hit
+rates (one lookup per admission), `prefill_over_prompt` (prompt tokens actually computed over
+prompt tokens sent: what the hits saved, preemptions' recomputation included) and preemptions.
 `kv_host_restore_gbps`: the tier's own host -> device copy (~512 MiB of its host pieces, one
 batched device_put as the engine's loads do it), beside `pinned_h2d_gbps`, one plain pinned host
 array of the same size device_put in the same run; `kv_host_piece_blocks_mean`: blocks per host
@@ -57,8 +60,9 @@ ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "vocab_size": 512, "torch_dtype": "float32"}
-# Workload: (groups, conversations, turns, system prompt tokens, device pool blocks of 16).
-WORK = (2, 8, 3, 32, 16) if TINY else (4, 32, 3, 1024, 768)
+# Workload: (groups, conversations, turns, clients, system prompt tokens, device pool blocks of
+# 16): a working set >= 3x the pool, the clients' turns in flight well inside it.
+WORK = (2, 24, 3, 4, 32, 48) if TINY else (4, 64, 4, 8, 1024, 1792)
 QUESTION, ANSWER = ((12, 0.8), (16, 0.6)) if TINY else ((120, 0.8), (220, 0.6))
 # Answers are clipped at 2x their median (12 % of draws): a turn lasts as long as its longest
 # answer's decode, and 4x made the run twice as long for the same meaning.
@@ -115,10 +119,13 @@ def count_prefill_tokens(engine) -> list[int]:
     return counter
 
 
-def conversations(engine, seed: int) -> dict:
-    """The multi-turn workload (module docstring); TTFTs, output tokens, wall time, hit rates,
-    prompt tokens computed over prompt tokens sent, preemptions."""
-    groups, n, turns, system, _ = WORK
+def conversations(engine, seed: int, scale: int = 1) -> dict:
+    """The multi-turn workload (module docstring; `scale` > 1: 1/scale of the conversations, a
+    warm-up); TTFTs, output tokens, wall time, hit rates, prompt tokens computed over prompt
+    tokens sent, preemptions."""
+    from jaxinfer.sampling_params import SamplingParams
+    groups, n, turns, clients, system, _ = WORK
+    n //= scale
     vocab = engine.cfg.vocab_size
     prefilled = getattr(engine, "_bench_prefilled", None)
     if prefilled is None:
@@ -127,19 +134,39 @@ def conversations(engine, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     sys_prompts = [rng.integers(3, vocab, system).tolist() for _ in range(groups)]
     hist = {c: list(sys_prompts[c % groups]) for c in range(n)}
+    todo = [(c, t) for t in range(turns) for c in range(n)]  # round-robin over conversations
     st = engine.scheduler.kv.stats
     q0, h0, hh0 = st.queries, st.hits, st.host_hits
-    ttfts, out_tokens, t0 = [], 0, time.perf_counter()
-    for t in range(turns):
-        batch = {}
-        for c in range(n):
-            hist[c] += rng.integers(3, vocab, draw(rng, QUESTION)).tolist()
-            batch[f"s{seed}c{c}t{t}"] = (list(hist[c]), draw(rng, ANSWER, ANSWER_TOP))
-            sent += len(hist[c])
-        for rid, (ttft, toks) in run_batch(engine, batch).items():
-            ttfts.append(ttft)
-            out_tokens += len(toks)
-            hist[int(rid.split("c")[1].split("t")[0])] += toks
+    ttfts, out_tokens, added, in_flight = [], 0, {}, {}
+
+    def send() -> bool:
+        """The next turn of a conversation not in flight (n >> clients: the next in order)."""
+        i = next((i for i, (c, _) in enumerate(todo) if c not in in_flight.values()), None)
+        if i is None:
+            return False
+        c, t = todo.pop(i)
+        hist[c] += rng.integers(3, vocab, draw(rng, QUESTION)).tolist()
+        rid = f"s{seed}c{c}t{t}"
+        in_flight[rid], added[rid] = c, time.perf_counter()
+        engine.add_request(rid, list(hist[c]), SamplingParams(
+            temperature=0.0, max_tokens=draw(rng, ANSWER, ANSWER_TOP), ignore_eos=True))
+        nonlocal sent
+        sent += len(hist[c])
+        return True
+
+    t0 = time.perf_counter()
+    while len(in_flight) < clients and todo and send():
+        pass
+    while in_flight:
+        for o in engine.step():
+            if o.request_id in added and o.outputs[0].token_ids:
+                ttfts.append(time.perf_counter() - added.pop(o.request_id))
+            if o.finished:
+                toks = list(o.outputs[0].token_ids)
+                hist[in_flight.pop(o.request_id)] += toks
+                out_tokens += len(toks)
+                while len(in_flight) < clients and todo and send():
+                    pass
     wall = time.perf_counter() - t0
     q = max(st.queries - q0, 1)
     working_set = groups * system + sum(len(h) - system for h in hist.values())  # (unique)
@@ -194,20 +221,20 @@ def load_counters(store) -> tuple[int, float, int, float]:
 
 
 def part_multiturn() -> dict:
-    groups, n, turns, system, num_blocks = WORK
+    groups, n, turns, clients, system, num_blocks = WORK
     max_len = 8192 if not TINY else 256
     cache_dir = tempfile.mkdtemp(prefix="kv-tiers-xla-")  # the second engine loads the first's
     out = {}
     for offload in (True, False):
         engine = make_engine(max_len, num_blocks=num_blocks, kv_offload=offload,
-                             kv_host_gib=0.01 if TINY else 32, max_num_seqs=n,
+                             kv_host_gib=0.01 if TINY else 32, max_num_seqs=clients,
                              max_num_batched_tokens=256 if TINY else 4096,
                              compilation_cache_dir=cache_dir)
         if engine.host_kv is not None:  # the tier's gather / scatter shapes
             engine.runner.replace_kv_cache(engine.host_kv.warmup)
         # Warm-up on other prompts: compiles the step shapes; never re-timed.
         t0 = time.perf_counter()
-        conversations(engine, seed=1)
+        conversations(engine, seed=1, scale=4)
         store = engine.host_kv
         before = load_counters(store) if store is not None else None
         t1 = time.perf_counter()
@@ -310,8 +337,8 @@ def main() -> None:
     if args.save:
         name = args.name or (NAME if not TINY else "kv_tiers_tiny")
         config = dict(model="Llama-3-8B shape, dummy bf16, llama3 RoPE x8", block_size=16,
-                      multiturn=dict(zip(("groups", "conversations", "turns", "system_tokens",
-                                          "device_blocks"), WORK)),
+                      multiturn=dict(zip(("groups", "conversations", "turns", "clients",
+                                          "system_tokens", "device_blocks"), WORK)),
                       question_lognormal=QUESTION, answer_lognormal=ANSWER,
                       answer_max_over_median=ANSWER_TOP, long_tokens=LONG,
                       tiny=TINY)

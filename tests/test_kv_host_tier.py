@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,21 +152,21 @@ def test_a_run_goes_as_power_of_two_pieces_and_a_load_takes_only_its_rows():
     store = HostKVStore(8, cache)
     # Blocks 1..5 into slots 0..4: pieces of 4 and 1 blocks, one device_put for both.
     cache = store.apply(cache, KVTransfers(offloads=[[(1 + i, i) for i in range(5)]]))
+    store.flush()  # (the copier has put both pieces in host memory)
     assert store.host_copies == 2 and len(store.host_arrays()) == 2
     assert sorted(a.shape[0] for a in store.host_arrays()) == [1, 4]
+    assert {a.sharding.memory_kind for a in store.host_arrays()} == {store.host_kind}
     # Load slots 3 (row 3 of the 4-piece), 4 (the 1-piece) and 1 into blocks 8, 9, 10.
-    cache = store.apply(cache, KVTransfers(load_starts=[("r", [3, 4, 1])]))
+    untouched = np.asarray(cache[0][0][:, 11])
+    cache = store.apply(cache, KVTransfers(loads=[([3, 4, 1], [8, 9, 10])]))
     assert store.bytes_copied_to_device == 5 * store.block_bytes
     assert store.bytes_to_device == 3 * store.block_bytes
-    jax.block_until_ready([a for a, _ in store._loads["r"][0]])
-    assert store.landed() == ["r"]
     for _ in range(200):  # the timer thread times the step's batched copy once
         if store.copy_seconds:
             break
         time.sleep(0.01)
     assert len(store.copy_seconds) == 1 and store.copy_seconds[0] > 0
-    untouched = np.asarray(cache[0][0][:, 11])
-    cache = store.apply(cache, KVTransfers(load_scatters=[("r", [8, 9, 10])]))
+    assert store.take_copy_seconds() == store.copy_seconds and store.take_copy_seconds() == []
     for block, src in ((8, 4), (9, 5), (10, 2)):
         for layer, (k, _) in enumerate(cache):
             np.testing.assert_array_equal(np.asarray(k[:, block]), want[src][layer])
@@ -184,15 +183,13 @@ def test_offload_reads_the_block_before_a_donated_overwrite_and_fp8_round_trips(
         cache = store.apply(cache, KVTransfers(offloads=[[(1, 2)]]))
         # Overwrite block 1 right away (dispatch order: after the gather), cache donated.
         cache = copy_blocks(cache, jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))
+        store.flush()
         host = store.slot_array(2)
         assert host.sharding.memory_kind == store.host_kind == "pinned_host"
         got = np.asarray(host.astype(jnp.float32))
         for layer in range(2):
             np.testing.assert_array_equal(got[0, layer, 0], before[layer])
-        cache = store.apply(cache, KVTransfers(load_starts=[("r", [2])]))
-        jax.block_until_ready([a for a, _ in store._loads["r"][0]])
-        assert store.landed() == ["r"] and store.landed() == []
-        cache = store.apply(cache, KVTransfers(load_scatters=[("r", [5])]))
+        cache = store.apply(cache, KVTransfers(loads=[([2], [5])]))
         for layer, (k, _) in enumerate(cache):
             np.testing.assert_array_equal(np.asarray(k[:, 5].astype(jnp.float32)), before[layer])
         assert store.bytes_to_host == store.bytes_to_device == store.block_bytes
@@ -219,8 +216,7 @@ def conversations(engine, nconv=3, turns=3) -> dict:
 
 def assert_host_unpinned(engine):
     host = engine.scheduler.kv.host
-    assert not any(host._pins) and not len(engine.scheduler.loads)
-    assert engine.host_kv.num_loading == 0
+    assert not any(host._pins)
 
 
 @pytest.fixture(scope="module")
@@ -260,21 +256,23 @@ def test_greedy_tokens_exact_through_a_host_evicting_whole_pieces(without_offloa
     assert_host_unpinned(engine)
 
 
-def test_abort_while_a_copy_is_in_flight_leaks_nothing():
+def test_a_host_hit_runs_in_its_load_step_and_an_abort_right_after_leaks_nothing():
     engine = make_engine(num_blocks=16, kv_offload=True, kv_host_gib=1e-3)
     shared = prompt_ids(100, 12)
     engine.add_request("a", shared + [5], SamplingParams(max_tokens=2, **GREEDY))
     run_all(engine)
     engine.add_request("fill", prompt_ids(7, 60), SamplingParams(max_tokens=1, **GREEDY))
     run_all(engine)  # evicts a's blocks to the host
+    loaded = engine.scheduler.kv.host.stats.hit_blocks
     engine.add_request("b", shared + [6], SamplingParams(max_tokens=2, **GREEDY))
     engine.add_request("c", shared + [7], SamplingParams(max_tokens=2, **GREEDY))
-    engine.step()  # b and c start loading their 3 host blocks
+    engine.step()  # b loads its host blocks and computes its last token in the same step
     seq_b = engine.requests["b"].choices[0]
-    assert seq_b.status.value == "waiting_for_kv"
-    engine.abort("b")
+    assert engine.scheduler.kv.host.stats.hit_blocks > loaded
+    assert seq_b.status.value == "running" and seq_b.num_computed == len(shared) + 1
+    assert not any(engine.scheduler.kv.host._pins)  # unpinned once the step took its loads
+    engine.abort("b")  # (its copy may still be on the device's queue)
     engine.abort("c")
     run_all(engine)
     assert_all_free(engine)
     assert_host_unpinned(engine)
-    assert not engine.host_kv._loads

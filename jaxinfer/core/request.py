@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
-    WAITING_FOR_KV = "waiting_for_kv"  # its prefix's KV is being copied back from the host tier
     RUNNING = "running"
     FINISHED = "finished"
 

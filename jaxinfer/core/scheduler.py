@@ -219,15 +219,8 @@ class Scheduler:
             self._stop_running(seq)
         elif seq.status is SeqStatus.WAITING:
             self._num_waiting -= 1
-        elif seq.status is SeqStatus.WAITING_FOR_KV:
-            self.loads.cancel(seq)
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.seq_id)
-
-    def loads_landed(self, seq_ids: Iterable[str]) -> None:
-        """The host tier's copies for these sequences landed: they wait in front again."""
-        for seq in self.loads.landed(seq_ids):
-            self._requeue_front(seq)
 
     def update_from_output(self, seqs: Iterable[Sequence]) -> None:
         """A processed step's sequences, in step order (`OutputProcessor.process`): each that
@@ -416,13 +409,8 @@ class Scheduler:
                 seq.num_computed = self.kv.get_computed_blocks(
                     seq.seq_id, seq.token_ids, match=not seq.request.reads_prompt_hidden,
                     namespace=self._cache_namespace(seq))
-                if self.loads is not None and self.loads.start(  # host hit: WAITING_FOR_KV
-                        seq, min(budget, self.long_prefill_chunk)):
-                    heapq.heappop(self._waiting)
-                    self._num_waiting -= 1
-                    if self.lora_slots is not None:
-                        self.lora_slots.release(seq)
-                    continue
+                if self.loads is not None:  # host hits come back with this step
+                    self.loads.start(seq, min(budget, self.long_prefill_chunk))
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
             if not self._grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id, admitted=False)  # the prefix back; again next step

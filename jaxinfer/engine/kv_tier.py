@@ -1,6 +1,6 @@
 """The engine's side of the host KV tier (`--kv-offload`, docs/kv_cache.md "Host tier"): sizing
-it, handing each step's copies to the worker's store before the step's dispatch, telling the
-scheduler which copies have landed, and keeping host copies across `sleep`. Mixed into
+it, handing each step's copies to the worker's store before the step's dispatch, and keeping
+host copies across `sleep`. Mixed into
 `LLMEngine`; the bookkeeping is core/kv_cache/host_tier.py and core/kv_loads.py, the bytes
 worker/kv/host_store.py."""
 
@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import logging
 
-import jax
 
 from jaxinfer.core.kv_cache.host_tier import HostTier
-from jaxinfer.core.kv_loads import KVTransfers
 from jaxinfer.errors import ConfigError
 from jaxinfer.worker.kv.host_store import HostKVStore
 from jaxinfer.worker.kv.planner import kv_bytes_per_block
@@ -57,26 +55,6 @@ class KVTierMixin:
             self.host_kv = HostKVStore(host.num_slots, self.runner.kv_cache)
             self._host_metrics = self.metrics.host_kv()
 
-    def _poll_kv_loads(self) -> None:
-        """Before scheduling: the host -> device copies that landed (no sync) rejoin the queue."""
-        store = self.host_kv
-        if store is None:
-            return
-        landed = store.landed()
-        if landed:
-            self.scheduler.loads_landed(landed)
-        for seconds in store.take_load_seconds():
-            self._host_metrics.load_seconds.observe(seconds)
-
-    def _drop_cancelled_loads(self) -> None:
-        """After an abort: the store drops aborted loads' buffers now, not at the next step
-        (there may be none)."""
-        if self.host_kv is None:
-            return
-        cancels = self.scheduler.loads.take_cancels()
-        if cancels:
-            self._dispatch_kv(KVTransfers(load_cancels=cancels))
-
     def _dispatch_kv(self, transfers) -> None:
         """Apply `transfers` on the thread that dispatches steps (so in step order)."""
         store, runner = self.host_kv, self.runner
@@ -90,14 +68,14 @@ class KVTierMixin:
 
     def _move_kv(self, sched) -> None:
         """The step's host-tier copies, dispatched ahead of the step on the thread that dispatches
-        steps (so in step order); with nothing else to run, wait for a copy in flight to land."""
+        steps (so in step order)."""
         store, transfers = self.host_kv, sched.kv_transfers
         if store is None:
             return
         if transfers:
             self._dispatch_kv(transfers)
-        if not sched and self._inflight is None and len(self.scheduler.loads):
-            store.wait_any()
+        for seconds in store.take_copy_seconds():
+            self._host_metrics.load_seconds.observe(seconds)
         host = self.scheduler.kv.host
         self._host_metrics.update(host.num_used_slots,
                                   hit_tokens=self.scheduler.kv.stats.host_hits,
@@ -107,11 +85,12 @@ class KVTierMixin:
     def _offload_for_sleep(self) -> None:
         """Copy every cached device block to the host tier and wait for the copies, so `sleep`
         can free the device cache and a later prompt still finds its prefix (on the host)."""
-        if self.host_kv is None or not self.scheduler.kv.offload_cached():
+        if self.host_kv is None:
             return
-        self.runner.replace_kv_cache(
-            lambda cache: self.host_kv.apply(cache, self.scheduler.loads.take()))
-        jax.block_until_ready(self.host_kv.host_arrays())
+        if self.scheduler.kv.offload_cached():
+            self.runner.replace_kv_cache(
+                lambda cache: self.host_kv.apply(cache, self.scheduler.loads.take()))
+        self.host_kv.flush()  # (earlier offloads' device pieces too)
 
     def _drop_host_kv(self) -> None:
         """New weights: the host copies are stale (the scheduler's reset forgot their names)."""

@@ -319,7 +319,6 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
                 self.scheduler.finish(seq)
         out = make_request_output(req)
         req.detach()
-        self._drop_cancelled_loads()
         self._update_gauges()  # an abort at idle is followed by no step: the gauges show it now
         return out
 
@@ -414,7 +413,6 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             self._inflight = None
         self._maybe_profile()
         t0 = time.perf_counter()
-        self._poll_kv_loads()
         sched = self.scheduler.schedule()
         self._fail_lora_admissions()
         self._move_kv(sched)

@@ -224,8 +224,9 @@ class HostKVMetrics:
                                        "device (host prefix hits)", label,
                                        registry=r).labels(model_name)
         self.load_seconds = Histogram(
-            "jaxinfer:kv_host_load_seconds", "A host -> device copy, dispatch to seen landed "
-            "(host poll)", label, buckets=_TRANSFER_BUCKETS, registry=r).labels(model_name)
+            "jaxinfer:kv_host_load_seconds", "A step's host -> device copies, dispatch to done "
+            "(the compute queued ahead of them included)", label, buckets=_TRANSFER_BUCKETS,
+            registry=r).labels(model_name)
         self.used_blocks = Gauge("jaxinfer:kv_host_used_blocks", "Host tier blocks holding KV",
                                  label, registry=r).labels(model_name)
         self._seen = dict.fromkeys(self._FIELDS, 0)

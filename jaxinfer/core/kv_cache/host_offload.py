@@ -33,16 +33,15 @@ class HostOffloadMixin:
                                 and self.host.num_slots >= 2 * self.pool.num_blocks)
 
     def match_host(self, request_id: Hashable, token_ids: Sequence[int],
-                   chunk_tokens: int | None = None,
-                   reserved_blocks: int = 0) -> list[tuple[int, int]]:
+                   chunk_tokens: int | None = None) -> list[tuple[int, int]]:
         """Continue a request's prefix match (get_computed_blocks, just called) into the host tier:
         the host blocks that follow its device-cached prefix get fresh device blocks, appended to
         its table, and their host slots are pinned until `loaded`. Returns the copies to make,
         (host slot, device block) in order; [] without a host tier or a host hit. The request's
         `num_tokens` grows by the blocks' tokens: the caller treats them as computed once copied.
         At most as many blocks as are free now less those of the request's next chunk (at most
-        `chunk_tokens` of what is left to compute, plus one) and `reserved_blocks` (the next
-        chunks of other loading requests): loads never take the room that would let one run."""
+        `chunk_tokens` of what is left to compute, plus one): a load never takes the room its
+        own prefill needs."""
         host, req = self.host, self._requests[request_id]
         table = req.tables[0]  # the only group: a host tier needs one (__init__)
         if host is None or req.cache_node is None or len(table) != req.num_cached_blocks:
@@ -52,7 +51,7 @@ class HostOffloadMixin:
         slots = host.match(req.cache_node.digest, token_ids, len(table), max_blocks, bs)
         if chunk_tokens is not None:
             left = len(token_ids) - (len(table) + len(slots)) * bs
-            room = self.pool.num_free_blocks - reserved_blocks - 1
+            room = self.pool.num_free_blocks - 1
             slots = slots[:max(room - -(-min(chunk_tokens, left) // bs), 0)]
         if not slots:
             return []

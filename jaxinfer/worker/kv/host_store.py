@@ -8,9 +8,13 @@ them before the step is dispatched, on the thread that dispatches steps (in the 
 1. offloads, as *runs* (a released request's prefix: core/kv_cache/host_offload.py): each run is
    cut into power-of-two *pieces* (100 blocks: 64 + 32 + 4); one jitted gather per piece reads
    its blocks out of the cache into one device array `[n, layers, 2 (K, V), heads, block_size,
-   head_dim]`, and one batched `jax.device_put` starts every piece's copy into host memory
-   (`pinned_host` where the backend has it: DMA, while the steps run). Nothing waits. A slot then
-   names (its piece's host array, row); a piece lives while any slot names it.
+   head_dim]`, and a copier thread moves the pieces to host memory (`pinned_host` where the
+   backend has it) once each gather has run. The step's thread never waits: a device -> host
+   `device_put` of a piece not yet computed blocks its caller until the queued steps ahead of it
+   have run (measured on the H200: 130-280 ms of dispatch at a time), which on the step's thread
+   emptied the host/device overlap at every release. Until its copy is made a slot names its
+   device piece, which a load then reads as it is. A slot names (its piece's array, row); a piece
+   lives while any slot names it.
    *Why a block is never overwritten before its copy has read it:* the gather is dispatched before
    the step that writes into the reused block, and that step takes the cache donated. JAX orders
    executions on one device in dispatch order, and a donated buffer is only reused once every
@@ -18,14 +22,12 @@ them before the step is dispatched, on the thread that dispatches steps (in the 
    events before handing its memory to the donating computation), so the gather always reads
    the old content (tests/test_kv_host_tier.py checks this with a donated overwrite dispatched
    right after the gather).
-2. load cancels: drop a cancelled copy's device buffers.
-3. load starts: one batched `jax.device_put` of every host piece the step's loads read, each piece
-   once and whole (one large contiguous copy; rows a load does not need are skipped by its
-   scatter); the buffers wait here, keyed by sequence id, until `landed()` sees them ready
-   (`is_ready()`, no sync) and the scheduler sends the scatter. A timer thread waits on each
-   step's batch only to time the copy itself (`copy_seconds`; seen-landed waits for the poll).
-4. load scatters: one jitted scatter per piece a load read writes its rows into their device
-   blocks, cache donated (in place), before the step that first reads them.
+2. loads: one batched `jax.device_put` of every host piece the step's loads read (each piece once
+   and whole: one large contiguous copy; rows no load needs are skipped by the scatter), then one
+   jitted scatter per piece writes its rows into their device blocks, cache donated (in place),
+   ahead of the step's forward (core/kv_loads.py: why not waited for apart). A timer thread waits
+   on each step's batch only to time the copy (`copy_seconds`: dispatch to done, which includes
+   the compute queued ahead of it).
 
 Why pieces: one host array per block made a restore one small copy per block (2 MiB at
 Llama-3-8B shape), each with its own fixed cost: 22.9 GB/s where one pinned array of the same
@@ -64,14 +66,13 @@ from jaxinfer.model.transformer import KVCache
 class KVTierStore(Protocol):
     """What the engine needs of a tier below the device cache, slot-addressed like `HostKVStore`
     (the bookkeeping, HostTier, is the same for any tier). A disk or remote tier implements it
-    with its own `landed` readiness (a file read or network fetch into pinned host memory, then
-    the same device_put), not built yet."""
+    with its reads into pinned host memory made ahead (a load is planned only for blocks the
+    tier holds; a slow tier would prefetch on a host match and let the sequence wait for the
+    fetch before its step), then the same device_put; not built yet."""
 
     def apply(self, kv_cache: KVCache, transfers) -> KVCache: ...
 
-    def landed(self) -> list[str]: ...
-
-    def wait_any(self) -> None: ...
+    def flush(self) -> None: ...
 
     def drop(self) -> None: ...
 
@@ -108,38 +109,36 @@ def host_memory_kind(device) -> str:
 
 
 class HostKVStore:
-    """`num_slots` host blocks and the copies in flight; see the module docstring."""
+    """`num_slots` host blocks and the copies to and from them; see the module docstring."""
 
     def __init__(self, num_slots: int, kv_cache: KVCache):
         self.num_slots = num_slots
-        # slot -> (host array of a piece, row): a piece stays alive while any slot names it.
+        # slot -> (a piece's array, row): the device piece until the copier has made its host
+        # copy, then the host array. A piece stays alive while any slot names it.
         self._slots: list[tuple[jax.Array, int] | None] = [None] * num_slots
+        self._lock = threading.Lock()  # _slots: the copier swaps entries the step's thread sets
         k = kv_cache[0][0]
         self.host_kind = host_memory_kind(next(iter(k.sharding.device_set)))
         num_layers = len(kv_cache)
         self.block_bytes = num_layers * 2 * k.nbytes // k.shape[1]
-        # seq id -> (per loaded block (device array, row), dispatch time; -1 once seen landed).
-        self._loads: dict[str, tuple[list[tuple[jax.Array, int]], float]] = {}
         # Counters for metrics and benchmarks.
         self.bytes_to_host = 0
         self.bytes_to_device = 0  # blocks loaded (what the loads needed)
-        self.bytes_copied_to_device = 0  # whole pieces copied (>= bytes_to_device)
+        self.bytes_copied_to_device = 0  # whole host pieces copied (>= bytes_to_device)
         self.host_copies = 0  # device_put calls' arrays, both ways
-        self.load_seconds = 0.0  # dispatch -> seen landed, summed over loads
-        self.loads_landed = 0
-        # Per step's batched load copy, dispatch -> the copy done (a timer thread waits on it:
-        # the copy's own time, where seen-landed is bounded below by the poll, once a step).
+        # Per step's batched load copy, dispatch -> the copy done (a timer thread waits on it).
         self.copy_seconds: list[float] = []
+        self._timed = 0  # copy_seconds already taken by take_copy_seconds
         self._timer: queue.SimpleQueue | None = None
-        self._recent_seconds: list[float] = []  # per landed load, until take_load_seconds
+        self._copier: queue.Queue | None = None
 
     def slot_array(self, slot: int) -> jax.Array | None:
-        """The host array holding `slot`'s block (a piece of several blocks), or None."""
+        """The array holding `slot`'s block (a piece of several blocks), or None."""
         entry = self._slots[slot]
         return None if entry is None else entry[0]
 
     def host_arrays(self) -> list[jax.Array]:
-        """Every live host piece, once each."""
+        """Every live piece, once each (after `flush`: all in host memory)."""
         return list({id(a): a for a, _ in filter(None, self._slots)}.values())
 
     # ---- the step's transfers -----------------------------------------------------------
@@ -147,53 +146,82 @@ class HostKVStore:
         """Make a step's KVTransfers (dispatch only); the cache to run on (donated by scatters)."""
         if transfers.offloads:
             self._offload(kv_cache, transfers.offloads)
-        for sid in transfers.load_cancels:
-            self._loads.pop(sid, None)
-        if transfers.load_starts:
-            self._start_loads(transfers.load_starts)
-        for sid, ids in transfers.load_scatters:
-            rows, _ = self._loads.pop(sid)
-            kv_cache = self._scatter_rows(kv_cache, rows, ids)
+        if transfers.loads:
+            kv_cache = self._load(kv_cache, transfers.loads)
         return kv_cache
 
     def _offload(self, kv_cache: KVCache, runs: list[list[tuple[int, int]]]) -> None:
         """Each run (a prefix's consecutive blocks) as power-of-two pieces: one gather each into
-        one device array, then one batched device_put of every piece to the host."""
-        pieces, slots = [], []
+        one device array, handed to the copier for host memory."""
+        pieces = []
         for run in runs:
             i = 0
             for size in piece_sizes(len(run)):
                 chunk = run[i:i + size]
                 i += size
-                pieces.append(_gather(kv_cache, np.asarray([b for b, _ in chunk], np.int32)))
-                slots.append([s for _, s in chunk])
-        host = jax.device_put(pieces, [p.sharding.with_memory_kind(self.host_kind)
-                                       for p in pieces])
-        for array, piece_slots in zip(host, slots):
-            for row, slot in enumerate(piece_slots):
-                self._slots[slot] = (array, row)
-            self.bytes_to_host += len(piece_slots) * self.block_bytes
-        self.host_copies += len(host)
+                piece = _gather(kv_cache, np.asarray([b for b, _ in chunk], np.int32))
+                pieces.append((piece, [s for _, s in chunk]))
+                self.bytes_to_host += len(chunk) * self.block_bytes
+        with self._lock:
+            for piece, piece_slots in pieces:
+                for row, slot in enumerate(piece_slots):
+                    self._slots[slot] = (piece, row)
+        if self._copier is None:
+            self._copier = queue.Queue()
+            threading.Thread(target=self._copy_to_host, args=(self._copier,),
+                             name="jaxinfer-kv-offload", daemon=True).start()
+        self._copier.put(pieces)
 
-    def _start_loads(self, starts: list[tuple[str, list[int]]]) -> None:
-        """One batched device_put of every host piece the step's loads read (each piece once,
-        whole: a piece is one contiguous copy; rows a load does not need are skipped later)."""
-        arrays: dict[int, jax.Array] = {}
-        for _, slots in starts:
-            for s in slots:
-                array, _ = self._slots[s]
-                arrays.setdefault(id(array), array)
-        host = list(arrays.values())
+    def _copy_to_host(self, work: queue.Queue) -> None:
+        """The copier thread: each batch of pieces to host memory once computed, then each slot
+        still naming its device piece names the host copy."""
+        while True:
+            pieces = work.get()
+            try:
+                arrays = [p for p, _ in pieces]
+                jax.block_until_ready(arrays)
+                host = jax.device_put(arrays, [a.sharding.with_memory_kind(self.host_kind)
+                                               for a in arrays])
+                self.host_copies += len(host)
+                with self._lock:
+                    for (piece, piece_slots), copy in zip(pieces, host):
+                        for row, slot in enumerate(piece_slots):
+                            entry = self._slots[slot]
+                            if entry is not None and entry[0] is piece:
+                                self._slots[slot] = (copy, row)
+            except Exception:  # (the slots keep their device pieces: loads still read them)
+                pass
+            finally:
+                del pieces
+                work.task_done()
+
+    def _load(self, kv_cache: KVCache, loads: list[tuple[list[int], list[int]]]) -> KVCache:
+        """One batched device_put of every piece the loads read (each once, whole: a piece is
+        one contiguous copy), then one scatter per piece into the loads' device blocks."""
+        dst: dict[int, tuple[jax.Array, np.ndarray]] = {}
+        with self._lock:
+            for slots, blocks in loads:
+                for slot, block in zip(slots, blocks):
+                    array, row = self._slots[slot]
+                    entry = dst.get(id(array))
+                    if entry is None:
+                        entry = dst[id(array)] = (array, np.full(array.shape[0], -1, np.int32))
+                    entry[1][row] = block
+                self.bytes_to_device += len(slots) * self.block_bytes
+        pieces = [(a, to) for a, to in dst.values() if (to >= 0).any()]
+        if not pieces:
+            return kv_cache
+        arrays = [a for a, _ in pieces]
+        on_host = [a for a in arrays if a.sharding.memory_kind != "device"]
         now = time.perf_counter()
-        device = dict(zip(arrays, jax.device_put(
-            host, [a.sharding.with_memory_kind("device") for a in host])))
-        for sid, slots in starts:
-            rows = [(device[id(self._slots[s][0])], self._slots[s][1]) for s in slots]
-            self._loads[sid] = (rows, now)
-            self.bytes_to_device += len(slots) * self.block_bytes
-        self.bytes_copied_to_device += sum(a.shape[0] for a in host) * self.block_bytes
-        self.host_copies += len(host)
-        self._time_copy(list(device.values()), now)
+        device = jax.device_put(arrays, [a.sharding.with_memory_kind("device") for a in arrays])
+        self.bytes_copied_to_device += sum(a.shape[0] for a in on_host) * self.block_bytes
+        self.host_copies += len(on_host)
+        if on_host:
+            self._time_copy(device, now)
+        for array, (_, to) in zip(device, pieces):
+            kv_cache = _scatter(kv_cache, array, to)
+        return kv_cache
 
     def _time_copy(self, arrays: list[jax.Array], t0: float) -> None:
         if self._timer is None:
@@ -213,20 +241,11 @@ class HostKVStore:
                 pass
             del arrays  # (the buffers are the scatter's to free, not this thread's to keep)
 
-    @staticmethod
-    def _scatter_rows(kv_cache: KVCache, rows: list[tuple[jax.Array, int]],
-                      ids: list[int]) -> KVCache:
-        """A landed load into its device blocks: one scatter per piece it read."""
-        dst: dict[int, tuple[jax.Array, np.ndarray]] = {}
-        for (array, row), block in zip(rows, ids):
-            entry = dst.get(id(array))
-            if entry is None:
-                entry = dst[id(array)] = (array, np.full(array.shape[0], -1, np.int32))
-            entry[1][row] = block
-        for array, to in dst.values():
-            if (to >= 0).any():
-                kv_cache = _scatter(kv_cache, array, to)
-        return kv_cache
+    def take_copy_seconds(self) -> list[float]:
+        """Each step's load copy time (dispatch -> done) since the last call."""
+        n = len(self.copy_seconds)
+        out, self._timed = self.copy_seconds[self._timed:n], n
+        return out
 
     def warmup(self, kv_cache: KVCache) -> KVCache:
         """Compile the gather and scatter of every piece size (the scatters write nowhere): the
@@ -238,35 +257,13 @@ class HostKVStore:
             n *= 2
         return jax.block_until_ready(kv_cache)
 
-    # ---- readiness, polled by the engine -------------------------------------------------
-    def landed(self) -> list[str]:
-        """Sequences whose host -> device copy has landed (no sync); each is reported once."""
-        out, now = [], time.perf_counter()
-        for sid, (rows, t0) in self._loads.items():
-            if t0 >= 0 and all(a.is_ready() for a, _ in rows):
-                out.append(sid)
-                self.load_seconds += now - t0
-                self.loads_landed += 1
-                self._recent_seconds.append(now - t0)
-        for sid in out:  # (the buffers stay until the scatter takes them)
-            self._loads[sid] = (self._loads[sid][0], -1.0)
-        return out
-
-    def take_load_seconds(self) -> list[float]:
-        """Each load's copy time (dispatch -> seen landed) since the last call."""
-        out, self._recent_seconds = self._recent_seconds, []
-        return out
-
-    @property
-    def num_loading(self) -> int:
-        return sum(t0 >= 0 for _, t0 in self._loads.values())
-
-    def wait_any(self) -> None:
-        """Block until some copy in flight lands (the engine has nothing else to run)."""
-        pending = [[a for a, _ in rows] for rows, t0 in self._loads.values() if t0 >= 0]
-        if pending:
-            jax.block_until_ready(pending[0])
+    def flush(self) -> None:
+        """Wait until every offload so far is in host memory (before `sleep` frees the device)."""
+        if self._copier is not None:
+            self._copier.join()
+        jax.block_until_ready(self.host_arrays())
 
     def drop(self) -> None:
         """Forget every host block (the weights changed: their KV is stale)."""
-        self._slots = [None] * self.num_slots
+        with self._lock:
+            self._slots = [None] * self.num_slots

@@ -223,14 +223,14 @@ def load_counters(store) -> tuple[int, float, int]:
     return store.bytes_copied_to_device, sum(store.copy_seconds), len(store.copy_seconds)
 
 
-def part_multiturn() -> dict:
+def part_multiturn(tiers: tuple[bool, ...] = (True, False)) -> dict:
     groups, n, turns, clients, system, num_blocks = WORK
     max_len = 8192 if not TINY else 256
     cache_dir = tempfile.mkdtemp(prefix="kv-tiers-xla-")  # the second engine loads the first's
     out = {}
-    for offload in (True, False):
+    for offload in tiers:
         engine = make_engine(max_len, num_blocks=num_blocks, kv_offload=offload,
-                             kv_host_gib=0.01 if TINY else 32, max_num_seqs=clients,
+                             kv_host_gib=0.01 if TINY else 24, max_num_seqs=clients,
                              max_num_batched_tokens=256 if TINY else 4096,
                              compilation_cache_dir=cache_dir, warmup=True,
                              background_compile=False)
@@ -263,6 +263,9 @@ def part_multiturn() -> dict:
         out["device_pool_tokens"] = num_blocks * 16
         del engine, store
         gc.collect()
+        print(json.dumps({k: v for k, v in out.items() if k.endswith(tag)}), flush=True)
+    if len(tiers) < 2:
+        return out
     out["multiturn_working_set_over_pool"] = round(
         out["multiturn_working_set_tokens_offload"] / out["device_pool_tokens"], 2)
     out["multiturn_ttft_p50_ratio"] = round(out["multiturn_ttft_p50_ms_offload"]
@@ -322,6 +325,8 @@ def part_long(rates: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("multiturn", "long", "all"), default="all")
+    p.add_argument("--tiers", choices=("both", "on", "off"), default="both",
+                   help="multiturn: run the tier on, off or both (the ratios need both)")
     p.add_argument("--merge", action="store_true",
                    help="add this run's metrics to the saved record instead of replacing it")
     results_io.add_save_arg(p, NAME)
@@ -333,7 +338,8 @@ def main() -> None:
     # The rooflines' anchors first: before any engine takes 90 % of the device memory.
     rates = anchor_rates() if args.part in ("long", "all") else None
     if args.part in ("multiturn", "all"):
-        metrics.update(part_multiturn())
+        metrics.update(part_multiturn({"both": (True, False), "on": (True,),
+                                       "off": (False,)}[args.tiers]))
         print(json.dumps(metrics), flush=True)
     if args.part in ("long", "all"):
         metrics.update(part_long(rates))

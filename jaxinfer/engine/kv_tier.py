@@ -53,6 +53,10 @@ class KVTierMixin:
         host = self.scheduler.kv.host
         if host is not None:
             self.host_kv = HostKVStore(host.num_slots, self.runner.kv_cache)
+            log.info("host KV tier: pinning %.1f GiB of host memory",
+                     host.num_slots * self.host_kv.block_bytes / GIB)
+            seconds = self.host_kv.reserve(self.runner.kv_cache)
+            log.info("host KV tier: pinned in %.1f s", seconds)
             self._host_metrics = self.metrics.host_kv()
 
     def _dispatch_kv(self, transfers) -> None:

@@ -250,9 +250,25 @@ def test_acceptance_gate_window_threshold_and_probe():
     assert never.open
 
 
-def test_acceptance_gate_pauses_a_draft_that_is_rejected():
+def test_acceptance_gate_waits_out_the_start_of_a_batch():
+    """Rows admitted together propose their least predictable tokens together: a batch's first
+    steps (at c16 one step holds more than the token window) must not close the gate; a low rate
+    kept over the step window still does."""
+    from jaxinfer.spec_decode import gate as g
+    gate = g.AcceptanceGate(0.1)
+    gate.observe(80, 7)           # the demo's EAGLE-3 head at c16, first step: 9% accepted
+    assert gate.open
+    for _ in range(g.WINDOW_STEPS - 2):
+        gate.observe(80, 7)
+    assert gate.open and gate.closings == 0
+    gate.observe(80, 7)           # still 9% over the whole step window
+    assert not gate.open and gate.closings == 1
+
+
+def test_acceptance_gate_pauses_a_draft_that_is_rejected(monkeypatch):
     """A draft whose proposals fall under --speculative-min-acceptance stops being asked (outputs
     unchanged); its steps run unspeculated until the gate probes again."""
+    monkeypatch.setattr("jaxinfer.spec_decode.gate.WINDOW_STEPS", 4)  # the workload is short
     e = engine(other_draft(), speculative_model="draft", num_speculative_tokens=3,
                speculative_min_acceptance=1.0)  # any rejection in a full window closes it
     proposed = []

@@ -30,7 +30,7 @@ FIXTURES = HERE / "fixtures" / "models"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 TIMEOUT_S = 600
 # The checks of tests/parallel_checks.py each part runs, split so the parts take similar times
-# (30-60 s each on one core). Each TP = 2 run on the llama fixture is compared with the same
+# (20-60 s each on one core). Each TP = 2 run on the llama fixture is compared with the same
 # engine on one device in its own part (llama_tp1_checks; engine_checks runs it). The sampler
 # and speculation checks share a part: the speculating engines reuse the TP = 2 forwards the
 # sampler's engines compiled.

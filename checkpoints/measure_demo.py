@@ -84,9 +84,15 @@ def quantized_accuracy(model_dir: Path, mode: str, dtype=jnp.bfloat16) -> dict:
     argmax = {}
     for label, c in (("", cfg), ("_quantized", dataclasses.replace(cfg, quantization=mode))):
         params = load_params(model_dir, c, dtype, progress=False)
-        fn = make_logits_fn(c)
-        out[f"ppl{label}"] = perplexity(fn, params, window)
-        argmax[label] = np.asarray(fn(params, jnp.asarray(window[:, :-1])).argmax(-1))
+        fn, tops = make_logits_fn(c), []
+
+        def recording(params, tokens, fn=fn, tops=tops):  # one forward for both measures
+            logits = fn(params, tokens)
+            tops.append(np.asarray(logits.argmax(-1)))
+            return logits
+
+        out[f"ppl{label}"] = perplexity(recording, params, window)
+        argmax[label] = np.concatenate(tops)
     out["top1_agreement"] = float((argmax[""] == argmax["_quantized"]).mean())
     return out
 

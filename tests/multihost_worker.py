@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+# Optimization level 0: compile-bound tiny programs, as in tests/conftest.py.
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=1 "
+                           "--xla_backend_optimization_level=0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax

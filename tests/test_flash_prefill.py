@@ -186,14 +186,21 @@ def _lower_for_cuda(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,d,block_size,softcap", [
-    (jnp.bfloat16, jnp.bfloat16, 128, 16, None), (jnp.float16, jnp.float16, 64, 32, 50.0),
-    (jnp.bfloat16, jnp.float8_e4m3fn, 128, 16, None), (jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, None)])
-def test_mosaic_paged_prefill_lowers_for_cuda(dtype, cache_dtype, d, block_size, softcap):
+# Every supported dtype / head_dim / page size, each case with one of the kernel configs in use
+# (a lowering costs ~5 s, whatever its shape: the configs ride on the dtype cases).
+@pytest.mark.parametrize("dtype,cache_dtype,d,block_size,softcap,config", [
+    (jnp.bfloat16, jnp.bfloat16, 128, 16, None, KernelConfig()),
+    (jnp.float16, jnp.float16, 64, 32, 50.0, KernelConfig(block_kv=192)),
+    (jnp.bfloat16, jnp.float8_e4m3fn, 128, 16, None,
+     KernelConfig(rescale_threshold=2.0, consumer_registers=232, producer_registers=40)),
+    (jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, None, KernelConfig(stages=3))],
+    ids=["bf16-d128-p16", "f16-d64-p32-softcap-block_kv192", "fp8-d128-p16-rescale-registers",
+         "fp8-d64-p32-stages3"])
+def test_mosaic_paged_prefill_lowers_for_cuda(dtype, cache_dtype, d, block_size, softcap, config):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     cache = jax.ShapeDtypeStruct((2, 40, block_size, d), cache_dtype)
     text = _lower_for_cuda(
-        functools.partial(fp.flash_prefill_mosaic, scale=0.1, softcap=softcap),
+        functools.partial(fp.flash_prefill_mosaic, scale=0.1, softcap=softcap, config=config),
         jax.ShapeDtypeStruct((300, 8, d), dtype), cache, cache, i32(4), i32(3), i32(3, 9))
     assert "mosaic_gpu" in text
     # The tile table's search is one fused compare: no while loop (on the GPU, possibly a
@@ -210,21 +217,6 @@ def test_mosaic_dense_attention_lowers_for_cuda(causal):
     # Dense shapes are static: the tile table is a constant, no device op builds it.
     for op in ("stablehlo.sort", "stablehlo.while", "stablehlo.gather", "stablehlo.iota"):
         assert op not in text, op
-
-
-# The default config lowers in test_mosaic_paged_prefill_lowers_for_cuda.
-@pytest.mark.parametrize("config", [
-    KernelConfig(block_kv=192),
-    KernelConfig(stages=3),
-    KernelConfig(rescale_threshold=2.0, consumer_registers=232, producer_registers=40)],
-    ids=str)
-def test_mosaic_kernel_configs_lower_for_cuda(config):
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    cache = jax.ShapeDtypeStruct((2, 40, 32, 64), jnp.bfloat16)
-    text = _lower_for_cuda(functools.partial(fp.flash_prefill_mosaic, scale=0.1, config=config),
-                           jax.ShapeDtypeStruct((300, 8, 64), jnp.bfloat16), cache, cache, i32(4),
-                           i32(3), i32(3, 9))
-    assert "mosaic_gpu" in text
 
 
 def test_kernel_config_rejects_bad_values():

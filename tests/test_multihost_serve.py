@@ -47,7 +47,8 @@ def two_servers(tmp_path_factory):
     model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("multihost") / "model")
     port, coordinator = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           # Optimization level 0: compile-bound tiny programs, as in tests/conftest.py.
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
            "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir),

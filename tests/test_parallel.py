@@ -30,14 +30,15 @@ FIXTURES = HERE / "fixtures" / "models"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 TIMEOUT_S = 600
 # The checks of tests/parallel_checks.py each part runs, split so the parts take similar times
-# (60-90 s each on one core). Each TP = 2 run on the llama fixture is compared with the same
-# engine on one device in its own part (llama_tp1_checks; engine_checks runs it).
+# (20-60 s each on one core). Each TP = 2 run on the llama fixture is compared with the same
+# engine on one device in its own part (llama_tp1_checks; engine_checks runs it). The sampler
+# and speculation checks share a part: the speculating engines reuse the TP = 2 forwards the
+# sampler's engines compiled.
 PARTS = {"models": ["model_checks"],
          "engine": ["shard_checks", "engine_checks"],
-         "sampler": ["llama_tp1_checks", "sampler_layout_checks"],
-         "spec": ["llama_tp1_checks", "spec_decode_checks"],
+         "sampler_spec": ["llama_tp1_checks", "sampler_layout_checks", "spec_decode_checks"],
          "cache_lora": ["executable_cache_checks", "lora_checks"]}
-models, engine, sampler, spec, cache_lora = (pytest.mark.part(name) for name in PARTS)
+models, engine, sampler_spec, cache_lora = (pytest.mark.part(name) for name in PARTS)
 
 
 def _free_port() -> int:
@@ -97,13 +98,8 @@ def engine_run() -> dict:
 
 
 @pytest.fixture(scope="module")
-def sampler_run() -> dict:
-    return _run_part("sampler")
-
-
-@pytest.fixture(scope="module")
-def spec_run() -> dict:
-    return _run_part("spec")
+def sampler_spec_run() -> dict:
+    return _run_part("sampler_spec")
 
 
 @pytest.fixture(scope="module")
@@ -226,14 +222,14 @@ def test_engine_refuses_bad_sizes_by_flag(engine_run, case, flag):
     assert flag in engine_run["refusals"][case]
 
 
-@sampler
+@sampler_spec
 @pytest.mark.parametrize("layout", ["replicated", "rows"])
-def test_tp2_sampler_has_no_collective_inside_control_flow(sampler_run, layout):
+def test_tp2_sampler_has_no_collective_inside_control_flow(sampler_spec_run, layout):
     """No collective inside a conditional of the TP = 2 samplers, decode forwards and decode loops
     (with one, the sampler's CUDA graph failed to instantiate when XLA's command buffers take
     collectives), nor inside a while loop of a sampler; the decode loop's while body holds the
     forward's all-reduces by design. Greedy tokens as on one device, in either layout."""
-    got = sampler_run[f"sampler_layout/{layout}"]
+    got = sampler_spec_run[f"sampler_layout/{layout}"]
     sites = got["sites"]
     assert {k.split()[0] for k in sites} == {"sample", "loop", "forward"}
     assert sum(k.startswith("sample") for k in sites) == 3  # base, full, masked
@@ -241,18 +237,18 @@ def test_tp2_sampler_has_no_collective_inside_control_flow(sampler_run, layout):
         assert found["conditional"] == [], step
         if not step.startswith("loop"):
             assert found["while"] == [], step
-    assert got["tokens"] == sampler_run["llama/engine_tp1"]
+    assert got["tokens"] == sampler_spec_run["llama/engine_tp1"]
 
 
-@spec
+@sampler_spec
 @pytest.mark.parametrize("layout", ["replicated", "rows"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_tp2_speculation_has_no_collective_inside_a_conditional(spec_run, method, layout):
+def test_tp2_speculation_has_no_collective_inside_a_conditional(sampler_spec_run, method, layout):
     """Speculative decoding at TP = 2 (n-gram; a draft model split over the target's devices):
     no collective inside a conditional of the verification steps, draft loops and draft
     catch-ups (the draft loop's while body holds its forward's all-reduces, as the decode
     loop's does), and greedy tokens as on one device without speculation, in either layout."""
-    got = spec_run[f"spec/{method}/{layout}"]
+    got = sampler_spec_run[f"spec/{method}/{layout}"]
     sites = got["sites"]
     names = {k.split()[0] for k in sites}
     assert names == ({"verify", "draft_loop", "catch_up"} if method == "draft" else {"verify"})
@@ -261,7 +257,7 @@ def test_tp2_speculation_has_no_collective_inside_a_conditional(spec_run, method
         assert found["conditional"] == [], step
         if not step.startswith("draft_loop"):
             assert found["while"] == [], step
-    assert got["tokens"] == spec_run["llama/engine_tp1"]
+    assert got["tokens"] == sampler_spec_run["llama/engine_tp1"]
     assert got["drafts"] > 0
     if method == "draft":  # the target proposing for itself: every proposal accepted
         assert got["accepted"] == got["draft_tokens"] > 0

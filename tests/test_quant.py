@@ -384,7 +384,7 @@ def test_demo_accuracy_with_fp8_weights():
 _SHARDED_CHECK = """
 import dataclasses, json, os
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 import jax, jax.numpy as jnp, numpy as np
 from jaxinfer.model.config import load_config
 from jaxinfer.model.transformer import param_shapes

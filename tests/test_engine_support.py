@@ -69,10 +69,19 @@ def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, role: str
     return engine
 
 
+PROMPT_DRAW = 4096  # tokens drawn per seed: one shape, so one compile (modules call this at import)
+
+
 def prompt_ids(seed: int, length: int) -> list[int]:
-    """A reproducible random prompt of token ids (no EOS)."""
+    """A reproducible random prompt of token ids (no EOS): the first `length` of the seed's draw
+    (threefry is partitionable, so a prefix of a longer draw equals the shorter draw)."""
+    return _prompt_draw(seed, max(length, PROMPT_DRAW))[:length]
+
+
+@functools.lru_cache(maxsize=None)
+def _prompt_draw(seed: int, length: int) -> list[int]:
     vocab = tiny_tokenizer().vocab_size
-    return [int(t) for t in jax.random.randint(jax.random.key(seed), (length,), 2, vocab)]
+    return jax.random.randint(jax.random.key(seed), (length,), 2, vocab).tolist()
 
 
 def run_all(engine: LLMEngine) -> dict:

@@ -78,7 +78,7 @@ def demo_windows(tokenizer, length: int) -> np.ndarray:
 
 def demo_ppl(length: int = 256) -> dict:
     """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model."""
-    from checkpoints.measure_demo import perplexity
+    from checkpoints.measure_demo import perplexity_and_top1
     from jaxinfer.worker.kv.kv_scales import calibrate_kv_scales, calibration_tokens
     from jaxinfer.model.config import load_config
     from jaxinfer.model.tokenizer import Tokenizer
@@ -95,18 +95,9 @@ def demo_ppl(length: int = 256) -> dict:
     if jax.default_backend() == "gpu":  # the same through the Mosaic kernels (prefill + decode)
         fns["fp8kv_mosaic"] = paged_logits_fn(cfg, FP8KVAttention(get_backend("mosaic"), k, v),
                                               jnp.float8_e4m3fn)
-    out, top = {}, {name: [] for name in fns}
-
-    def recording(name):  # the argmax of every position perplexity() sees, one forward for both
-        def fn(params, tokens):
-            logits = fns[name](params, tokens)
-            top[name].append(np.asarray(logits.argmax(-1)))
-            return logits
-        return fn
-
-    for name in fns:
-        out[f"demo_ppl_{name}"] = perplexity(recording(name), params, windows)
-    top = {name: np.concatenate(v) for name, v in top.items()}
+    out, top = {}, {}
+    for name, fn in fns.items():
+        out[f"demo_ppl_{name}"], top[name] = perplexity_and_top1(fn, params, windows)
     for name in fns:
         if name != "bf16":
             out[f"demo_top1_agreement_{name}"] = float((top["bf16"] == top[name]).mean())

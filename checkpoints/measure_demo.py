@@ -72,6 +72,17 @@ def perplexity(logits_fn, params, windows: np.ndarray, batch: int = 8) -> float:
     return math.exp(total / count)
 
 
+def perplexity_and_top1(logits_fn, params, windows: np.ndarray) -> tuple[float, np.ndarray]:
+    """`perplexity` and the argmax of every position it scores, from the same forwards."""
+    tops = []
+
+    def recording(params, tokens):
+        logits = logits_fn(params, tokens)
+        tops.append(np.asarray(logits.argmax(-1)))
+        return logits
+    return perplexity(recording, params, windows), np.concatenate(tops)
+
+
 def quantized_accuracy(model_dir: Path, mode: str, dtype=jnp.bfloat16) -> dict:
     """The model's held-out perplexity with unquantized and `mode`-quantized weights (quantized on
     load; activations in `dtype`), and how often the quantized model's top-1 token equals the
@@ -84,15 +95,7 @@ def quantized_accuracy(model_dir: Path, mode: str, dtype=jnp.bfloat16) -> dict:
     argmax = {}
     for label, c in (("", cfg), ("_quantized", dataclasses.replace(cfg, quantization=mode))):
         params = load_params(model_dir, c, dtype, progress=False)
-        fn, tops = make_logits_fn(c), []
-
-        def recording(params, tokens, fn=fn, tops=tops):  # one forward for both measures
-            logits = fn(params, tokens)
-            tops.append(np.asarray(logits.argmax(-1)))
-            return logits
-
-        out[f"ppl{label}"] = perplexity(recording, params, window)
-        argmax[label] = np.concatenate(tops)
+        out[f"ppl{label}"], argmax[label] = perplexity_and_top1(make_logits_fn(c), params, window)
     out["top1_agreement"] = float((argmax[""] == argmax["_quantized"]).mean())
     return out
 

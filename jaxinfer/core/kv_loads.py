@@ -48,16 +48,16 @@ class KVLoads:
         self._next = KVTransfers()
         self._pinned: list[int] = []  # the planned loads' host slots, unpinned at `take`
 
-    def start(self, seq: Sequence, chunk_tokens: int) -> int:
+    def start(self, seq: Sequence, chunk_tokens: int) -> None:
         """After the sequence's device prefix match: load its host hits, if any, with the step
         being scheduled, leaving free the blocks of a first chunk of `chunk_tokens` (so a load
         never takes the room its own prefill needs). Its num_computed grows by the loaded
-        tokens; returns how many."""
+        tokens."""
         if seq.request.reads_prompt_hidden:  # computes every prompt position: no hit at all
-            return 0
+            return
         pairs = self.kv.match_host(seq.seq_id, seq.token_ids, chunk_tokens)
         if not pairs:
-            return 0
+            return
         bs = self.kv.block_size
         slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]
         first = seq.num_computed // bs
@@ -68,7 +68,6 @@ class KVLoads:
         self._next.loads.append(
             (slots, [b if table[first + i] == b else -1 for i, b in enumerate(blocks)]))
         self._pinned += slots
-        return len(blocks) * bs
 
     def take(self) -> KVTransfers:
         """The transfers for the step being scheduled (the manager's offloads included)."""

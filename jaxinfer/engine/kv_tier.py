@@ -1,13 +1,11 @@
 """The engine's side of the host KV tier (`--kv-offload`, docs/kv_cache.md "Host tier"): sizing
 it, handing each step's copies to the worker's store before the step's dispatch, and keeping
-host copies across `sleep`. Mixed into
-`LLMEngine`; the bookkeeping is core/kv_cache/host_tier.py and core/kv_loads.py, the bytes
-worker/kv/host_store.py."""
+host copies across `sleep`. Mixed into `LLMEngine`; the bookkeeping is core/kv_cache/host_tier.py
+and core/kv_loads.py, the bytes worker/kv/host_store.py."""
 
 from __future__ import annotations
 
 import logging
-
 
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.errors import ConfigError
@@ -55,7 +53,7 @@ class KVTierMixin:
             self.host_kv = HostKVStore(host.num_slots, self.runner.kv_cache)
             log.info("host KV tier: pinning %.1f GiB of host memory",
                      host.num_slots * self.host_kv.block_bytes / GIB)
-            seconds = self.host_kv.reserve(self.runner.kv_cache)
+            seconds = self.host_kv.reserve()
             log.info("host KV tier: pinned in %.1f s", seconds)
             self._host_metrics = self.metrics.host_kv()
 

@@ -118,7 +118,8 @@ class HostKVStore:
         self._slots: list[tuple[jax.Array, int] | None] = [None] * num_slots
         self._lock = threading.Lock()  # _slots: the copier swaps entries the step's thread sets
         k = kv_cache[0][0]
-        self.host_kind = host_memory_kind(next(iter(k.sharding.device_set)))
+        self._devices = sorted(k.sharding.device_set, key=lambda d: d.id)
+        self.host_kind = host_memory_kind(self._devices[0])
         num_layers = len(kv_cache)
         self.block_bytes = num_layers * 2 * k.nbytes // k.shape[1]
         # Counters for metrics and benchmarks.
@@ -132,16 +133,14 @@ class HostKVStore:
         self._timer: queue.SimpleQueue | None = None
         self._copier: queue.Queue | None = None
 
-    def reserve(self, kv_cache: KVCache) -> float:
+    def reserve(self) -> float:
         """Pin the tier's host memory now, by allocating it and letting it go; the seconds taken.
         The runtime's pinned-host pool grows on demand and keeps what it grew: on the H200 growing
         costs ~1 s per GB, up to 6 s in one call, while reusing freed pinned memory takes 0.7 ms
         per 18 MiB copy (tools/probe_h2d_order.py, `--pinned-growth`), and a growth in the
         middle of serving stalled the steps (the first H200 multi-turn run). Per device: each
         holds its own heads' share."""
-        t0 = time.perf_counter()
-        k = kv_cache[0][0]
-        devices = sorted(k.sharding.device_set, key=lambda d: d.id)
+        t0, devices = time.perf_counter(), self._devices
         per_device = self.num_slots * self.block_bytes // len(devices)
         chunk = min(max(MAX_PIECE_BLOCKS * self.block_bytes // len(devices), 1 << 29), per_device)
         held = []
@@ -205,8 +204,8 @@ class HostKVStore:
                 jax.block_until_ready(arrays)
                 host = jax.device_put(arrays, [a.sharding.with_memory_kind(self.host_kind)
                                                for a in arrays])
-                self.host_copies += len(host)
-                with self._lock:
+                with self._lock:  # (host_copies too: both threads add to it)
+                    self.host_copies += len(host)
                     for (piece, piece_slots), copy in zip(pieces, host):
                         for row, slot in enumerate(piece_slots):
                             entry = self._slots[slot]
@@ -239,7 +238,8 @@ class HostKVStore:
         now = time.perf_counter()
         device = jax.device_put(arrays, [a.sharding.with_memory_kind("device") for a in arrays])
         self.bytes_copied_to_device += sum(a.shape[0] for a in on_host) * self.block_bytes
-        self.host_copies += len(on_host)
+        with self._lock:
+            self.host_copies += len(on_host)
         if on_host:
             self._time_copy(device, now)
         for array, (_, to) in zip(device, pieces):

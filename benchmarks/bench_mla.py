@@ -6,8 +6,9 @@ DeepSeek-V2-Lite's shape through the engine.
     PYTHONUNBUFFERED=1 python -m benchmarks.bench_mla --parts kernel --save --merge  # ~2 min
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_mla  # CPU check
 
-`--parts kernel` / `--parts engine` run one section; `--merge` keeps the saved record's other
-metrics (read from the --save directory, else from benchmarks/results).
+`--parts kernel` / `--parts engine` run one section (`--parts bs1`: the engine's batch-1 figures
+alone, ~2 min); `--merge` keeps the saved record's other metrics (read from the --save directory,
+else from benchmarks/results).
 
 Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
   mla_decode_<key>_frac_of_hbm
@@ -194,7 +195,8 @@ def decode_read_bytes(cfg, context: float) -> float:
     return 2 * params + cfg.num_layers * cfg.head_dim * 2 * context
 
 
-def engine_metrics(w: dict, rate: float) -> dict:
+def engine_metrics(w: dict, rate: float, full: bool = True) -> dict:
+    """The V2-Lite engine's figures; not `full`: batch 1 only (no c = 64, profile or pool)."""
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.worker.kv.planner import device_memory_bytes, kv_bytes_per_block, tree_nbytes
@@ -214,22 +216,25 @@ def engine_metrics(w: dict, rate: float) -> dict:
         return [rng.integers(3, cfg.vocab_size, length).tolist() for _ in range(n)]
 
     run_requests(engine, prompts(1, w["prompt"]), 16)  # warm-up: the timed step shapes
-    run_requests(engine, prompts(w["seqs"], w["prompt"]), 16)
     tpots = []
     for _ in range(2):
         times = run_requests(engine, prompts(1, w["prompt"]), w["out"])["arrivals"]["q0"]
         tpots.append(1e3 * (times[-1] - times[0]) / (len(times) - 1))
     read = decode_read_bytes(cfg, w["prompt"] + w["out"] / 2)
+    bs1 = {"dsv2lite_bs1_tpot_ms": round(min(tpots), 3),
+           "dsv2lite_bs1_tpot_runs_ms": [round(t, 3) for t in tpots],
+           "dsv2lite_bs1_roofline_ms": round(1e3 * read / rate, 3),
+           "dsv2lite_bs1_read_gb": round(read / 1e9, 3)}
+    if not full:
+        return bs1
+    run_requests(engine, prompts(w["seqs"], w["prompt"]), 16)
     stats0 = engine.scheduler.kv_cache_stats()[-1]
     run = run_requests(engine, prompts(w["seqs"], w["prompt"]), w["out"])
     stats = engine.scheduler.kv_cache_stats()[-1]
     n_out = sum(len(t) for t in run["arrivals"].values())
     pool_tokens = engine.num_total_blocks * BLOCK
     metrics = {
-        "dsv2lite_bs1_tpot_ms": round(min(tpots), 3),
-        "dsv2lite_bs1_tpot_runs_ms": [round(t, 3) for t in tpots],
-        "dsv2lite_bs1_roofline_ms": round(1e3 * read / rate, 3),
-        "dsv2lite_bs1_read_gb": round(read / 1e9, 3),
+        **bs1,
         "dsv2lite_c64_out_tok_s": round(n_out / (run["end"] - run["start"]), 1),
         "dsv2lite_c64_prefix_hit_rate": round((stats.hits - stats0.hits)
                                               / max(stats.queries - stats0.queries, 1), 4),
@@ -260,7 +265,8 @@ def engine_metrics(w: dict, rate: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="kernel,engine",
-                        help="comma-separated sections: kernel (the decode attention), engine")
+                        help="comma-separated sections: kernel (the decode attention), engine, "
+                             "bs1 (the engine's batch-1 figures alone)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the saved record's other metrics and config (from the --save "
                              "directory, else benchmarks/results)")
@@ -272,8 +278,8 @@ def main() -> None:
     if "t64" not in variants or not set(variants) <= set(KERNEL_VARIANTS):
         parser.error(f"--variants {args.variants}: t64 and others of {', '.join(KERNEL_VARIANTS)}")
     parts = set(args.parts.split(","))
-    if not parts <= {"kernel", "engine"}:
-        parser.error(f"--parts {args.parts}: the sections are kernel and engine")
+    if not parts <= {"kernel", "engine", "bs1"}:
+        parser.error(f"--parts {args.parts}: the sections are kernel, engine and bs1")
     w = (dict(prompt=24, out=8, seqs=4, shapes=((2, 64), (1, 128)), heads=8, latent=192,
               value=128) if TINY else
          dict(prompt=512, out=256, seqs=64, shapes=((64, 4096), (1, 32768)), heads=16,
@@ -293,12 +299,12 @@ def main() -> None:
         config.update(decode_heads=w["heads"], latent_width=w["latent"],
                       kernel_variants={v: KERNEL_VARIANTS[v] for v in variants},
                       mla_attention="Mosaic latent decode kernel (latent_decode_mosaic.py)")
-    if "engine" in parts:
+    if parts & {"engine", "bs1"}:
         if "plain_read_tb_s" not in metrics:  # the roofline's rate: the larger shape's read
             (batch, context), = w["shapes"][:1]
             metrics["plain_read_tb_s"] = round(
                 plain_read_rate(batch * context * w["latent"] * 2) / 1e12, 4)
-        metrics.update(engine_metrics(w, metrics["plain_read_tb_s"] * 1e12))
+        metrics.update(engine_metrics(w, metrics["plain_read_tb_s"] * 1e12, "engine" in parts))
         config.update(workload={k: w[k] for k in ("prompt", "out", "seqs")})
     print(json.dumps(metrics, indent=1), flush=True)
     if args.save:

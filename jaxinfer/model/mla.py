@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.gemm_rows import gemm_rows
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope
 from jaxinfer.model.quant.layers import linear
 from pallas_kernels.attention.backend import AttentionBackend
@@ -99,8 +101,9 @@ class MLAttention(nn.Module):
         w_kv_b = _Kernel((r, heads * (nope + m.v_head_dim)), self.dtype, name="kv_b_proj")()
         w_kv_b = w_kv_b.reshape(r, heads, nope + m.v_head_dim)
         w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
-        q_latent = jnp.einsum("...hn,rhn->...hr", q_nope, w_uk,
-                              preferred_element_type=jnp.float32).astype(q.dtype)
+        q_latent = gemm_rows(lambda q: jnp.einsum("...hn,rhn->...hr", q, w_uk,
+                                                  preferred_element_type=jnp.float32),
+                             q_nope, math.prod(lead), heads * nope * r).astype(q.dtype)
         q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [..., heads, r + rope]
         latent = jnp.concatenate([c[..., None, :], k_pe], axis=-1)  # [..., 1, r + rope]
         if kv is None:
@@ -111,7 +114,9 @@ class MLAttention(nn.Module):
             latent_cache, empty = backend.write_kv(*kv, latent, latent[..., :0], md.slot_mapping)
             out = backend(q_abs, latent_cache, latent_cache, md, scale=cfg.score_scale)
             new_kv = (latent_cache, empty)
-        out = jnp.einsum("...hr,rhv->...hv", out[..., :r].astype(q.dtype), w_uv,
-                         preferred_element_type=jnp.float32).astype(q.dtype)
+        out = gemm_rows(lambda o: jnp.einsum("...hr,rhv->...hv", o, w_uv,
+                                             preferred_element_type=jnp.float32),
+                        out[..., :r].astype(q.dtype), math.prod(lead),
+                        heads * r * m.v_head_dim).astype(q.dtype)
         out = out.reshape(*lead, heads * m.v_head_dim)
         return dense(cfg.hidden_size, name="o_proj")(out), new_kv

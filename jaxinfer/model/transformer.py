@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.fused_projections import project
+from jaxinfer.model.gemm_rows import Dense, gemm_rows
 from jaxinfer.model.lora.delta import apply_lora, group_slots
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
@@ -127,7 +128,8 @@ class MoE(nn.Module):
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
         experts_w, scales = expert_weights(self, cfg, self.dtype)
 
-        logits = jnp.dot(x, router, preferred_element_type=jnp.float32)  # [T, E]
+        logits = gemm_rows(lambda x: jnp.dot(x, router, preferred_element_type=jnp.float32),
+                           x, x.shape[0], h * e)  # [T, E]
         if cfg.router_bias:
             logits = logits + self.param("router_bias", nn.initializers.zeros, (e,),
                                          self.dtype).astype(jnp.float32)
@@ -255,7 +257,7 @@ def _tied_head(x: jax.Array, embedding: jax.Array) -> jax.Array:
 
 
 def _dense_head(cfg: ModelConfig, dtype, name: str | None = None) -> nn.Dense:
-    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+    return Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -3,8 +3,8 @@ transformer uses, and `expert_weights` declares the MoE expert stacks.
 
 A quantized linear holds `weight` [out, in] in the storage dtype, `weight_scale` [out] float32 and
 (when the layer has one) `bias` [out] in the model dtype: the tensor names a compressed-tensors
-checkpoint uses, so loading and saving map names one to one. Unquantized models keep `nn.Dense`
-(`kernel` [in, out]) untouched.
+checkpoint uses, so loading and saving map names one to one. Unquantized models keep nn.Dense's
+params (`kernel` [in, out]), through gemm_rows.Dense.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.gemm_rows import Dense
 from jaxinfer.model.quant.ops import STORAGE, quantized_matmul
 
 EXPERT_PROJS = ("w_gate", "w_up", "w_down")
@@ -47,12 +48,12 @@ class QuantLinear(nn.Module):
 
 
 def linear(cfg: ModelConfig, dtype) -> functools.partial:
-    """The Dense layer class of this model: nn.Dense, or QuantLinear under `cfg.quantization`
+    """The Dense layer class of this model: gemm_rows.Dense, or QuantLinear under `cfg.quantization`
     (call it with features, use_bias= and name=)."""
     if cfg.quantization:
         return functools.partial(QuantLinear, mode=cfg.quantization, dtype=dtype,
                                  impl=cfg.quant_impl)
-    return functools.partial(nn.Dense, dtype=dtype, param_dtype=dtype)
+    return functools.partial(Dense, dtype=dtype, param_dtype=dtype)
 
 
 def expert_weights(module: nn.Module, cfg: ModelConfig, dtype) -> tuple[tuple, tuple | None]:

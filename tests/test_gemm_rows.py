@@ -1,0 +1,40 @@
+"""gemm_rows: one token's small products run on two rows (as on a GPU) give the same outputs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.model import gemm_rows
+from jaxinfer.model.transformer import train_forward
+from test_mla_engine import model
+
+
+def test_one_row_runs_twice_behind_a_barrier_and_keeps_its_value():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 8)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 8, 16)), jnp.float32)
+
+    def f(x):
+        return jnp.einsum("thk,hkn->thn", x, w)
+    got = jax.jit(lambda x: gemm_rows.gemm_rows(f, x, 1, 512, force=True))
+    assert "optimization_barrier" in got.lower(x).as_text()
+    assert "2x4x8" in got.lower(x).as_text()  # the product's operand: the token twice
+    np.testing.assert_allclose(got(x), f(x), rtol=1e-5)
+    # Past XLA's threshold, or with more than one row, the product is left as it is.
+    for y, macs in ((x, gemm_rows.XLA_STRENGTH_REDUCE_BELOW), (jnp.concatenate([x, x]), 512)):
+        text = jax.jit(lambda y: gemm_rows.gemm_rows(f, y, y.shape[0], macs, force=True)
+                       ).lower(y).as_text()
+        assert "optimization_barrier" not in text
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mla_model_outputs_are_unchanged_by_the_second_row(monkeypatch, tokens):
+    """DeepSeek's projections, router and absorbed per-head products, one token and several."""
+    cfg, params = model()
+    toks = jnp.asarray([[5, 9, 2][:tokens]], jnp.int32)
+    want = train_forward(params, cfg, toks)
+    monkeypatch.setattr(gemm_rows, "_on_gpu", lambda: True)
+    fn = jax.jit(lambda t: train_forward(params, cfg, t))
+    assert ("optimization_barrier" in fn.lower(toks).as_text()) == (tokens == 1)
+    np.testing.assert_allclose(fn(toks), want, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
   mla_decode_<key>_<variant>_us / _frac_of_hbm  each kernel config (`KERNEL_VARIANTS`: ring
            slot size, split count, both orientations forced; its splits and orientation in
            `mla_decode_<key>_<variant>_splits` / `_orientation`; `t64` is the production
-           default, whose orientation follows the split count), and
+           default, heads-minor at 16 heads), and
            `mla_decode_<key>_best_variant`;
   mla_decode_<key>_jnp_us / _jnp_frac_of_hbm   the jnp latent decode (latent_reference.py) the
            kernel replaced; mla_decode_<key>_kernel_max_err: max |kernel - jnp| over the value
@@ -87,9 +87,8 @@ BLOCK = 16
 
 # Kernel configs timed side by side (LatentDecodeConfig fields; "splits": a split count per
 # shape key instead of the planned one). `t64` is the production default: 4 pages (64 tokens)
-# per ring slot, 128-byte swizzle (2 slots), the orientation by the split count (heads-minor,
-# S^T = K Q^T, above 4 splits at 16 heads; LatentDecodeConfig.heads_minor); both orientations
-# are also timed forced.
+# per ring slot, 128-byte swizzle (2 slots), heads-minor (S^T = K Q^T) at 16 heads
+# (LatentDecodeConfig.heads_minor); both orientations are also timed forced.
 KERNEL_VARIANTS = {
     "t64": {},
     "t64_heads_minor": dict(heads_minor=True),  # S^T = K Q^T, the heads on wgmma's N
@@ -171,8 +170,8 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
         tokens = config.pages_per_step * BLOCK
         m.update({f"{name}_us": t * 1e6, f"{name}_frac_of_hbm": read / t / plain,
                   f"{name}_splits": splits, f"{name}_max_err": float(err),
-                  f"{name}_orientation": ("heads_minor" if heads_minor(heads, tokens, splits,
-                                                                       config) else "heads_major")})
+                  f"{name}_orientation": ("heads_minor" if heads_minor(heads, tokens, config)
+                                          else "heads_major")})
     timed_ok = [n for n in variants if f"{n}_us" in m]
     if timed_ok:
         m["best_variant"] = min(timed_ok, key=lambda n: m[f"{n}_us"])

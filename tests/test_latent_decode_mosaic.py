@@ -67,8 +67,8 @@ def _lower(heads: int, seqs: int, pages: int, config: LatentDecodeConfig) -> str
 
 
 @pytest.mark.parametrize("heads, seqs, config, qk, pv", [
-    (16, 64, LatentDecodeConfig(), "m64n64k16", "m64n256k16"),  # 2 splits: heads-major
-    (16, 1, LatentDecodeConfig(), "m64n16k16", "m64n16k16"),  # 128 splits: heads-minor
+    (16, 64, LatentDecodeConfig(), "m64n16k16", "m64n16k16"),  # 2 splits: heads-minor
+    (16, 1, LatentDecodeConfig(), "m64n16k16", "m64n16k16"),  # 128 splits
     (16, 8, LatentDecodeConfig(pages_per_step=2, swizzle=64), "m64n32k16", "m64n256k16"),
     (128, 2, LatentDecodeConfig(num_splits=1), "m64n64k16", "m64n256k16"),
 ])
@@ -78,14 +78,13 @@ def test_production_shapes_lower_for_the_gpu(heads, seqs, config, qk, pv):
     assert f"wgmma.mma_async.sync.aligned.{pv}" in text  # O_w += P V_w, half of 512 columns
 
 
-def test_orientation_follows_the_split_count():
+def test_orientation_is_heads_minor_where_it_fits():
     from pallas_kernels.attention.latent_decode_mosaic import heads_minor
     auto = LatentDecodeConfig()
-    assert heads_minor(16, 64, 128, auto) and heads_minor(16, 64, 5, auto)
-    assert not heads_minor(16, 64, 4, auto) and not heads_minor(16, 64, 2, auto)
-    assert not heads_minor(64, 64, 128, auto)  # more heads than the accumulator holds
-    assert heads_minor(16, 64, 2, LatentDecodeConfig(heads_minor=True))
-    assert not heads_minor(16, 64, 128, LatentDecodeConfig(heads_minor=False))
+    assert heads_minor(16, 64, auto) and heads_minor(32, 64, auto)
+    assert not heads_minor(64, 64, auto)  # more heads than the accumulator holds
+    assert not heads_minor(16, 32, auto)  # 32-token slots: T is wgmma's M
+    assert not heads_minor(16, 64, LatentDecodeConfig(heads_minor=False))
 
 
 def test_unsupported_shapes_fall_back_to_the_reference():

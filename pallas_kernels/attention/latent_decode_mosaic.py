@@ -53,9 +53,6 @@ from pallas_kernels.common.device_info import num_sms
 _LOG2E = math.log2(math.e)
 _CONSUMERS = 2  # each owns half of the value columns
 _HEADS_MINOR_MAX = 32
-# The default orientation is heads-major at this many splits per sequence or fewer
-# (`LatentDecodeConfig.heads_minor`).
-HEADS_MAJOR_MAX_SPLITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +72,12 @@ class LatentDecodeConfig:
       columns on wgmma's M, the heads on N, P^T through shared memory) instead of S = Q K^T with
       the heads padded to M = 64: at 16 heads a quarter of the tensor work and shared-memory
       reads of q; needs T a multiple of 64 and the heads a multiple of 8, at most 32 (the
-      accumulator's registers). None: heads-minor where it can run and the split plan gives
-      more than HEADS_MAJOR_MAX_SPLITS (4) splits per sequence, else heads-major. Measured on
-      one H200 at 16 heads (benchmarks/results/mla_h200.json, fraction of a plain HBM read):
-      1 x 32k tokens, 128 splits: heads-minor 0.997, heads-major 0.675; 64 x 4096, 2 splits:
-      heads-minor 0.765, heads-major 0.807 (a guess, not profiled: long splits stream pages,
-      where heads-major's P from registers saves heads-minor's per-step P^T round trip
-      through shared memory; short ones pay the q tile and the part per CTA). The crossover
-      lies between 2 and 128 splits, unmeasured in between; 4 keeps both measured points on
-      their winner and sends only long splits (each a quarter of the context or more: at 4k
-      tokens, batches of ~32 and up on 132 SMs) to heads-major. True / False: force it
+      accumulator's registers). None: heads-minor where it can run, else heads-major.
+      Measured on one H200 at 16 heads, inputs off L2 (benchmarks/results/mla_h200.json,
+      fraction of a plain read of the same bytes), heads-minor vs heads-major: 64 x 4096 with
+      2 splits 0.826 vs 0.776 (two earlier runs 0.847 / 0.779, 0.855 / 0.791; one older run
+      0.765 / 0.807), with 4 splits 0.699 vs 0.725 and 0.715 vs 0.705; 1 x 32k with 128 splits
+      0.442 vs 0.418, with 64 splits 0.376 vs 0.355. True / False: force it
       (benchmarks, tests)."""
     pages_per_step: int = 4
     stages: int | None = None
@@ -110,11 +103,10 @@ def _heads_minor_fits(heads: int, tokens: int) -> bool:
     return tokens % 64 == 0 and heads % 8 == 0 and heads <= _HEADS_MINOR_MAX
 
 
-def heads_minor(heads: int, tokens: int, splits: int, config: LatentDecodeConfig) -> bool:
-    """Whether the kernel runs heads-minor with `splits` splits per sequence
-    (`LatentDecodeConfig.heads_minor`)."""
+def heads_minor(heads: int, tokens: int, config: LatentDecodeConfig) -> bool:
+    """Whether the kernel runs heads-minor (`LatentDecodeConfig.heads_minor`)."""
     if config.heads_minor is None:
-        return splits > HEADS_MAJOR_MAX_SPLITS and _heads_minor_fits(heads, tokens)
+        return _heads_minor_fits(heads, tokens)
     return config.heads_minor
 
 
@@ -335,7 +327,7 @@ def latent_decode_call(q, cache, block_tables, seq_lens, *, scale: float, value_
     tokens = config.pages_per_step * bs
     plan = split_plan(s, h, w, bs, block_tables.shape[1], config)
     c = plan.num_splits
-    hm = heads_minor(h, tokens, c, config)
+    hm = heads_minor(h, tokens, config)
     q_rows = rows if hm else WGMMA_ROWS  # the q tile: wgmma's N (heads-minor) or M
     stages = _stages(config.stages, tokens=tokens, width=w, value_width=value_width,
                      elem_bytes=jnp.dtype(dtype).itemsize, q_rows=q_rows,

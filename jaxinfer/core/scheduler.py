@@ -80,6 +80,8 @@ class SchedulerOutput:
     # logprobs, pooling: worker/hidden_reads.py).
     reads_hidden: bool = False
     num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
+    # > 1: its decodes run this many verifying iterations on the device (spec_decode/spec_loop.py)
+    spec_iterations: int = 1
     # The host KV tier's copies, made before anything else of the step (also with no rows).
     kv_transfers: KVTransfers | None = None
 
@@ -433,6 +435,8 @@ class Scheduler:
         if (self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting
                 and not num_proposed and len(decodes) <= self.decode_loop_max_seqs):
             out.decode_steps = self._reserve_decode_loop(decodes)
+        elif spec is not None and num_proposed and not prefills:
+            out.spec_iterations = spec.loop_iterations(self, decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
             get_block_ids, get_tables = kv.get_block_ids, kv.get_block_tables
             grouped = kv.groups.num_groups > 1

@@ -184,14 +184,7 @@ class EagleProposer:
     def propose(self, sched: SchedulerOutput, batch: StepBatch, v, variant: SamplerVariant):
         """Catch up, then the k-step chain for the step's speculating rows. -> (VerifyInputs with
         the proposals, q f32[S, K, V])"""
-        runner = self.runner
-        if sched.block_copies:
-            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.block_copies))
-            size = runner.buckets.copy_shape(len(src))
-            src = np.pad(src, (0, size - len(src)), constant_values=-1)
-            dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
-            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
-            self.streams = self._copy(self.streams, src, dst)
+        self.copy_blocks(sched.block_copies)
         s = batch.md.num_seqs
         first_ids = np.zeros(s, np.int32)
         first_pos = np.zeros(s, np.int32)
@@ -210,6 +203,17 @@ class EagleProposer:
             self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
             v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """A step's copy-on-write block copies, in the head's KV and stream caches too."""
+        if not copies:
+            return
+        src, dst = (np.asarray(x, np.int32) for x in zip(*copies))
+        size = self.runner.buckets.copy_shape(len(src))
+        src = np.pad(src, (0, size - len(src)), constant_values=-1)
+        dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
+        self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+        self.streams = self._copy(self.streams, src, dst)
 
     def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
         """Head KV at each row's positions seen .. start - 2, in chunks of at most the largest

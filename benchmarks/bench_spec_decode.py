@@ -13,7 +13,9 @@ caching off, so the timed pass repeats its schedule and no compilation is timed)
   eagle       the demo target alone and with its EAGLE-3 head (--demo-eagle, method eagle3,
               --eagle-k proposals, default 5), c = 1: demo_c1_tpot_ms_eagle / _nospec,
               demo_eagle_mean_accepted_len (tokens emitted per verifying row-step: 1 + accepted
-              proposals), the acceptance rate;
+              proposals), the acceptance rate, demo_eagle_spec_loop_iters_per_dispatch
+              (verifying iterations per verifying dispatch: > 1 when the on-device
+              speculative loop ran, spec_decode/spec_loop.py);
   eagle_crossover  the same pair under the default policy (threshold 16, acceptance gate) at
               c = 1, 4, 16, 64 (--eagle-crossover): TPOT and output throughput of each;
   ngram_edit  the demo target alone and with n-gram prompt lookup, c = 1, greedy, an editing
@@ -119,13 +121,29 @@ def measure(e, prompts, output_len: int, concurrency: int) -> dict:
         timed_run(e, prompts, output_len, concurrency)
     spec = e.spec and e.spec.metrics
     before = (spec.draft_tokens, spec.accepted, spec.drafts) if spec else (0, 0, 0)
+    dispatches = verify_dispatches(e)
     out = timed_run(e, prompts, output_len, concurrency)
+    if spec:
+        loops, singles, per_loop = (a - b for a, b in zip(verify_dispatches(e), dispatches))
+        # verifying iterations per verifying dispatch: 1 without the on-device loop
+        out["spec_loop_iters_per_dispatch"] = round(
+            (loops * per_loop + singles) / max(loops + singles, 1), 3)
     if spec:
         drafted, accepted = spec.draft_tokens - before[0], spec.accepted - before[1]
         out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
         steps = spec.drafts - before[2]  # row-steps that verified proposals
         out["mean_accepted_len"] = round(1 + accepted / steps, 3) if steps else 1.0
     return out
+
+
+def verify_dispatches(e) -> tuple[int, int, int]:
+    """(on-device loops, single verifying steps, iterations per loop) dispatched so far."""
+    step = e.spec and e.spec.step
+    if not step:
+        return 0, 0, 0
+    loop = step.loop
+    return (loop.dispatches if loop else 0, step.single_steps,
+            loop.iterations if loop else 0)
 
 
 def identical(a: dict, b: dict) -> str:
@@ -176,7 +194,8 @@ def section_eagle(a, m: dict) -> None:
               "demo_eagle_over_nospec_tpot": round(fast["tpot_ms"] / base["tpot_ms"], 3),
               "demo_eagle_mean_accepted_len": fast["mean_accepted_len"],
               "demo_eagle_acceptance_rate": fast["acceptance_rate"],
-              "demo_eagle_k": a.eagle_k, "demo_eagle_greedy_identical": identical(base, fast)})
+              "demo_eagle_k": a.eagle_k, "demo_eagle_greedy_identical": identical(base, fast),
+              "demo_eagle_spec_loop_iters_per_dispatch": fast["spec_loop_iters_per_dispatch"]})
 
 
 def section_eagle_crossover(a, m: dict) -> None:
@@ -187,6 +206,8 @@ def section_eagle_crossover(a, m: dict) -> None:
             m[f"eagle_crossover_c{c}_tpot_ms_{key}"] = run["tpot_ms"]
             m[f"eagle_crossover_c{c}_output_tok_s_{key}"] = run["output_tok_s"]
         m[f"eagle_crossover_c{c}_mean_accepted_len"] = spec["mean_accepted_len"]
+        m[f"eagle_crossover_c{c}_spec_loop_iters_per_dispatch"] = spec[
+            "spec_loop_iters_per_dispatch"]
         ratio[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
         m["eagle_crossover_spec_over_nospec"] = dict(ratio)
         print(f"eagle crossover c={c}: tpot {base['tpot_ms']} -> {spec['tpot_ms']} ms, "

@@ -155,12 +155,14 @@ class SpeculativeStep:
         self._verify = jitted_verify_step(cfg, backend, plan,
                                           tuple(getattr(draft, "aux_layers", ())))
         self.loop = None  # spec_loop.SpecLoop: runs the steps scheduled as loops
+        self.single_steps = 0  # verifying steps run one per dispatch (benchmarks, tests)
 
     def execute(self, runner, sched: SchedulerOutput):
         """Dispatch the verifying step on the runner's state (its block copies already applied);
         the new KV cache and last tokens, for the runner to keep, and the step's handle."""
         if sched.spec_iterations > 1:
             return self.loop.execute(runner, sched)
+        self.single_steps += 1
         batch, v, variant = build_verify_batch(runner, sched, self.k)
         draft_probs = None
         if self.draft is not None:

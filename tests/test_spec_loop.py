@@ -1,0 +1,173 @@
+"""The on-device speculative loop (spec_decode/spec_loop.py) on CPU: greedy outputs (tokens, texts,
+finish reasons, logprobs) identical to no speculation and to the host-driven verifying steps, for
+the demo model with its EAGLE-3 head (rows of different lengths, stop token ids with and without
+min_tokens, stop strings, max_tokens reached part-way through an iteration); loops really ran
+(several iterations' tokens in one dispatch, fewer dispatches); preemption, an abort right after
+a loop and a pool too small to reserve a loop leak no block; the acceptance metrics still
+counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.spec_decode.eagle import EagleProposer
+from jaxinfer.spec_decode.spec_loop import SpecLoopHandle
+from test_eagle3 import random_head
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
+                                 tiny_model, tiny_tokenizer)
+
+pytestmark = [pytest.mark.filterwarnings("error:Some donated buffers were not usable"),
+              pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "checkpoints" / "demo-target"
+DEMO_EAGLE = ROOT / "checkpoints" / "demo-eagle3"
+K = 3
+PROMPTS = ["import re\n\n\ndef parse_version(version):",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):",
+           "def fib(n):",
+           "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
+           "    for i in range(10):\n        if i % 2 == 0:"]
+
+
+def demo_engine(loop_iterations: int | None = None, spec: bool = True, **kwargs) -> LLMEngine:
+    args = dict(model=str(DEMO), warmup=False, compilation_cache_dir=None, num_blocks=256,
+                dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    if spec:
+        args.update(speculative_config=json.dumps({"method": "eagle3", "model": str(DEMO_EAGLE),
+                                                   "num_speculative_tokens": K}),
+                    speculative_min_acceptance=0.0, spec_loop_iterations=loop_iterations)
+    args.update(kwargs)
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def run_collecting(engine: LLMEngine, requests: dict) -> tuple[dict, list]:
+    """{id: (token ids, text, finish reason, logprobs)} and the handles of every dispatch."""
+    handles = []
+    execute = engine.runner.execute
+
+    def recording(sched):
+        handles.append(execute(sched))
+        return handles[-1]
+    engine.runner.execute = recording
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out = {}
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            c = r.outputs[0]
+            lps = None if c.logprobs is None else [
+                (lp.token_id, round(lp.logprob, 3)) for lp in c.logprobs]
+            out[r.request_id] = (c.token_ids, c.text, c.finish_reason, lps)
+    assert_all_free(engine)
+    return out, handles
+
+
+@pytest.fixture(scope="module")
+def continuations():
+    """Each prompt's greedy continuation without speculation (limits are chosen from them)."""
+    e = demo_engine(spec=False)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    out, _ = run_collecting(e, {f"c{i}": (p, params) for i, p in enumerate(PROMPTS)})
+    return [out[f"c{i}"] for i in range(len(PROMPTS))]
+
+
+def workload(conts) -> dict:
+    g = dict(temperature=0.0, ignore_eos=True)
+    # (the sampler bans it before min_tokens: a token that comes back often stops it after)
+    tail = conts[3][0][6:]
+    frequent = max(set(tail), key=tail.count)
+    return {
+        "len23": (PROMPTS[0], SamplingParams(max_tokens=23, **g)),
+        "len37": (PROMPTS[1], SamplingParams(max_tokens=37, **g)),
+        "stop": (PROMPTS[2], SamplingParams(max_tokens=40, stop_token_ids=[conts[2][0][9]], **g)),
+        "stop_min": (PROMPTS[3], SamplingParams(max_tokens=30, min_tokens=6,
+                                                stop_token_ids=[frequent], **g)),
+        "stop_str_logprobs": (PROMPTS[4], SamplingParams(
+            max_tokens=29, logprobs=2, stop=[conts[4][1][len(conts[4][1]) * 2 // 3:][:3]], **g)),
+    }
+
+
+def test_greedy_loop_matches_no_speculation_and_the_host_driven_steps(continuations):
+    requests = workload(continuations)
+    base, _ = run_collecting(demo_engine(spec=False), requests)
+    host_engine = demo_engine(loop_iterations=1)
+    host, host_handles = run_collecting(host_engine, requests)
+    loop_engine = demo_engine(loop_iterations=4)
+    looped, handles = run_collecting(loop_engine, requests)
+    assert looped == base == host
+    assert {r: v[2] for r, v in looped.items()} == {
+        "len23": "length", "len37": "length", "stop": "stop", "stop_min": "stop",
+        "stop_str_logprobs": "stop"}
+    loops = [h for h in handles if isinstance(h, SpecLoopHandle)]
+    assert loop_engine.spec.step.loop.dispatches == len(loops) > 0
+    assert host_engine.spec.step.loop is None
+    # several iterations' tokens came back from one dispatch, in fewer dispatches in all
+    assert max((h.result().tokens >= 0).sum(axis=0).max() for h in loops) > K + 1
+    assert len(handles) < len(host_handles)
+    m, hm = loop_engine.spec.metrics, host_engine.spec.metrics
+    assert m.drafts > 0 and 0 < m.accepted <= m.draft_tokens
+    assert m.accepted >= hm.accepted * 0.9  # the same proposals, counted per iteration
+
+
+def test_the_default_configuration_runs_loops(continuations):
+    e = demo_engine()
+    run_collecting(e, {"a": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24))})
+    assert e.spec.step.loop.dispatches > 0
+
+
+def tiny_loop_engine(proposer: bool = True, num_blocks: int = NUM_BLOCKS) -> LLMEngine:
+    """The tiny model, with a random EAGLE-3 head speculating in loops of 4 iterations."""
+    cfg, params = tiny_model()
+    args = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
+                max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
+                compilation_cache_dir=None, warmup=False, dtype="float32")
+    draft = None
+    if proposer:
+        head_cfg, hp = random_head(cfg, std=0.05)
+        draft = EagleProposer(head_cfg, hp)
+        args.update(speculative_config={"method": "eagle3", "model": "in-process",
+                                        "num_speculative_tokens": 2},
+                    speculative_min_acceptance=0.0, spec_loop_iterations=4)
+    return LLMEngine(cfg, params, tiny_tokenizer(), EngineArgs(**args), num_blocks=num_blocks,
+                     draft=draft)
+
+
+TINY = {f"t{i}": (prompt_ids(20 + i, 6 + 5 * i),
+                  SamplingParams(temperature=0.0, max_tokens=18 + 3 * i, ignore_eos=True))
+        for i in range(4)}
+
+
+def run_tiny(e: LLMEngine, rids=tuple(TINY)) -> dict:
+    for rid in rids:
+        e.add_request(rid, *TINY[rid])
+    return run_all(e)
+
+
+def test_preemption_and_a_pool_too_small_to_reserve_a_loop_leak_nothing():
+    """A pool that holds two of the four sequences: preemptions, loops whose reservation fails
+    (single verifying steps instead), and the same greedy outputs."""
+    e = tiny_loop_engine(num_blocks=26)
+    assert run_tiny(e) == run_tiny(tiny_loop_engine(proposer=False, num_blocks=26))
+    assert e.scheduler.num_preemptions > 0 and e.spec.step.loop.dispatches > 0
+    assert_all_free(e)
+
+
+def test_an_abort_right_after_a_loop_leaks_nothing():
+    e = tiny_loop_engine()
+    for rid in TINY:
+        e.add_request(rid, *TINY[rid])
+    while e.spec.step.loop.dispatches == 0:
+        e.step()
+    e.step()  # processes that loop (and dispatches the next step, likely a loop)
+    e.abort("t1")
+    rest = run_all(e)
+    assert_all_free(e)
+    expected = run_tiny(tiny_loop_engine(proposer=False), ("t0", "t2", "t3"))
+    assert {rid: rest[rid] for rid in expected} == expected

@@ -124,7 +124,8 @@ def measure(e, prompts, output_len: int, concurrency: int) -> dict:
     dispatches = verify_dispatches(e)
     out = timed_run(e, prompts, output_len, concurrency)
     if spec:
-        loops, singles, per_loop = (a - b for a, b in zip(verify_dispatches(e), dispatches))
+        (loops, singles, per_loop), (loops0, singles0, _) = verify_dispatches(e), dispatches
+        loops, singles = loops - loops0, singles - singles0
         # verifying iterations per verifying dispatch: 1 without the on-device loop
         out["spec_loop_iters_per_dispatch"] = round(
             (loops * per_loop + singles) / max(loops + singles, 1), 3)

@@ -97,7 +97,7 @@ def test_sampled_outputs_follow_the_same_distribution(loop_iterations):
     spec = tiny_engine(EagleProposer(cfg, hp), spec_loop_iterations=loop_iterations)
     a, b = second_tokens(spec), second_tokens(tiny_engine())
     assert (spec.spec.step.loop is not None) == (loop_iterations > 1)
-    assert spec.spec.step.loop is None or spec.spec.step.loop.dispatches >= 20
+    assert spec.spec.step.loop is None or spec.spec.step.loop.dispatches >= 10
     m = spec.spec.metrics
     assert m.draft_tokens >= 150 and 0 < m.accepted < m.draft_tokens
     classes = np.unique(np.concatenate([a, b]))

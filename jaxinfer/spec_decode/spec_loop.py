@@ -8,8 +8,9 @@ run, every one of them speculates and at most `decode_loop_max_seqs` do, the sch
 KV slots for N (k + 1) tokens per row (`Speculator.loop_iterations`) and the runner runs N
 iterations of
 
-    head catch-up on the previous iteration's accepted positions -> the k-step head chain ->
-    the target's verify of each row's k + 1 tokens -> exact rejection sampling -> advance each row
+    the k-step head chain (its first step also catching the head up on the previous iteration's
+    accepted positions) -> the target's verify of each row's k + 1 tokens -> exact rejection
+    sampling -> advance each row
 
 inside one `lax.fori_loop` of a fixed trip count (as runner._decode_loop: an exit on a device
 value would copy it to the host and wait for it every iteration). Every iteration's metadata
@@ -17,7 +18,8 @@ value would copy it to the host and wait for it every iteration). Every iteratio
 on the device from per-row state; a row that emits a stop token id (past min_tokens) or reaches
 its length limit is masked from the next iteration on.
 
-An iteration does for a row what the host-driven path does (`eagle._catch_up`, `eagle._chain`,
+An iteration does for a row what the host-driven path does (`eagle._chain`, whose first step
+takes the catch-up positions as one ragged query per row instead of a call of their own, then
 `target_step.verify_forward` over the same ragged layout, out_pos and proposal count), so greedy
 outputs are the same and sampled ones are distributed the same. The result has the verifying
 step's layout with each row's emitted tokens packed ([N (k + 1), rows], -1 past a row's last):
@@ -39,7 +41,7 @@ import numpy as np
 
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.sharding import ShardingPlan
-from jaxinfer.spec_decode.eagle import _catch_up, _chain
+from jaxinfer.spec_decode.eagle import CatchUp, _chain, ragged, slots
 from jaxinfer.spec_decode.target_step import verify_forward
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
@@ -51,35 +53,6 @@ from pallas_kernels.attention.metadata import AttentionMetadata
 # Iterations per loop when --spec-loop-iterations is not given: each emits ~1 + accepted tokens
 # per row, and a request arriving meanwhile waits for the whole loop (as for the decode loop).
 AUTO_SPEC_LOOP_ITERATIONS = 4
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class CatchUp:
-    """Head catch-up due before an iteration's chain: per row `num` (<= k) positions from `pos`,
-    each reading the token after it, `ids[:, j]`."""
-    ids: jax.Array  # i32[S, K]
-    pos: jax.Array  # i32[S]
-    num: jax.Array  # i32[S]
-
-
-def ragged(q_lens: jax.Array, total: int):
-    """Rows of q_lens tokens packed from token 0 and padded to `total` (the host's mixed-step
-    layout): -> (query_start_loc i32[S + 1], each token's row (S: padding), its index in it)."""
-    s = q_lens.shape[0]
-    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
-    t = jnp.arange(total, dtype=jnp.int32)
-    row = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
-    return qsl, row, t - qsl[jnp.minimum(row, s - 1)]
-
-
-def slots(tables: jax.Array, row: jax.Array, pos: jax.Array, valid: jax.Array,
-          block_size: int) -> jax.Array:
-    """Cache slots of tokens (row, pos) from block tables [S, M] (or [G, S, M]: [G, T]); -1 where
-    not valid (not written)."""
-    r = jnp.minimum(row, tables.shape[-2] - 1)
-    blk = tables[..., r, jnp.clip(pos // block_size, 0, tables.shape[-1] - 1)]
-    return jnp.where(valid, blk * block_size + pos % block_size, -1)
 
 
 def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, streams,
@@ -109,22 +82,13 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         live = ~done
         n = jnp.where(live, jnp.clip(room - adv - 1, 0, k), 0)  # the host's min(K, limit - 1)
         t = dataclasses.replace(t0, out_pos=t0.out_pos + adv)
-        # 1. the head's KV at the previous iteration's accepted positions (the target's streams)
-        cn = jnp.where(live, cu.num, 0)
-        qsl, r, j = ragged(cn, s * k)
-        owned = r < s
-        rr = jnp.minimum(r, s - 1)
-        cpos = jnp.where(owned, cu.pos[rr] + j, 0)
-        cids = jnp.where(owned, cu.ids[rr, jnp.clip(j, 0, k - 1)], 0)
-        cmd = AttentionMetadata(slots(tables0, r, cpos, owned, block_size), qsl,
-                                jnp.where(cn > 0, cu.pos + cn, 0), tables0)
-        hkv = _catch_up(head_params, embed, hkv, strm, cids, cpos, cmd, cfg=head_cfg,
-                        backend=backend)
-        # 2. k proposals per row
+        # 1. k proposals per row, the head's KV at the previous iteration's accepted positions
+        # (the target's streams) computed by the chain's first step
         hkv, drafts, q = _chain(head_params, embed, hkv, strm, tok, pos - 1, n, tables0, t,
+                                CatchUp(cu.ids, cu.pos, jnp.where(live, cu.num, 0)),
                                 cfg=head_cfg, backend=backend, block_size=block_size, k=k,
                                 variant=variant)
-        # 3. the target's verify: rows of n + 1 tokens packed as the host packs them
+        # 2. the target's verify: rows of n + 1 tokens packed as the host packs them
         qsl, r, j = ragged(jnp.where(live, n + 1, 0), s * k1)
         owned = r < s
         rr = jnp.minimum(r, s - 1)
@@ -136,7 +100,7 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         kv, out, strm = verify_forward(params, kv, strm, jnp.where(owned, ids, 0), vpos, md, vidx,
                                        t, drafts, n, q, cfg=cfg, backend=backend,
                                        variant=variant, plan=plan, layers=layers)
-        # 4. each live row advances by what it emitted: its tokens go to the record packed
+        # 3. each live row advances by what it emitted: its tokens go to the record packed
         acc = out.num_accepted
         emitted = jnp.where(live, acc + 1, 0)
         keep = jk < emitted[None, :]

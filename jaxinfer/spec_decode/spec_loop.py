@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.sharding import ShardingPlan
+from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.spec_decode.eagle import CatchUp, _chain, ragged, slots
 from jaxinfer.spec_decode.target_step import verify_forward
 from jaxinfer.worker.rejection_sampler import verify
@@ -56,14 +57,17 @@ AUTO_SPEC_LOOP_ITERATIONS = 4
 
 
 def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, streams,
-               batch: StepBatch, room, catch: CatchUp, *, cfg, head_cfg,
+               batch: StepBatch, rows, *, cfg, head_cfg,
                backend: AttentionBackend, block_size: int, k: int, iterations: int,
                variant: SamplerVariant, plan: ShardingPlan | None, layers: tuple[int, ...]):
     """`batch`: the rows as one-token decodes (positions: each row's input position, token_ids
-    its input token, sampling.out_pos that token's output index); room i32[S]: tokens each row
-    may still add (0: padding). -> (kv cache, last tokens, head KV, streams, packed SamplerOutput
-    [N (k + 1), S], (draft_computed i32[S], proposed i32[N, S], accepted i32[N, S]))"""
+    its input token, sampling.out_pos that token's output index). rows i32[S, 3 + k] (one host
+    array, one transfer): the tokens each row may still add (0: padding), then the head catch-up
+    owed before its first chain (`CatchUp`: pos, num, ids). -> (kv cache, last tokens, head KV,
+    streams, packed SamplerOutput [N (k + 1), S], (draft_computed i32[S], proposed i32[N, S],
+    accepted i32[N, S]))"""
     md0, t0 = batch.md, batch.sampling
+    room, catch = rows[:, 0], CatchUp(rows[:, 3:], rows[:, 1], rows[:, 2])
     s, k1, width = md0.num_seqs, k + 1, iterations * (k + 1)
     tables, tables0 = md0.block_tables, md0.group(0).block_tables
     cols = jnp.arange(s)[None, :]
@@ -179,23 +183,23 @@ class SpecLoop:
         batch = build_step_batch(rows, s, s, s, runner.sampling_table, runner.block_size,
                                  runner.max_blocks, runner.max_model_len, variant,
                                  kv_layout=runner.kv_groups.kv_layout)
-        room = np.zeros(s, np.int32)
-        ids, pos, num = np.zeros((s, k), np.int32), np.zeros(s, np.int32), np.zeros(s, np.int32)
+        state = np.zeros((s, 3 + k), np.int32)  # room, then the catch-up: pos, num, ids
         behind = []  # rows further behind than one iteration's catch-up: one host-built call
         for r, e in enumerate(sched.decodes):
             seq, start = e.seq, e.start
-            room[r] = seq.token_limit - len(seq.token_ids)
+            state[r, 0] = seq.token_limit - len(seq.token_ids)
             seen = min(seq.draft_computed, start - 1)
             if start - 1 - seen > k:
                 behind.append((e, seen))
                 seen = start - 1
-            pos[r], num[r] = seen, max(start - 1 - seen, 0)
-            ids[r, :num[r]] = seq.token_ids[seen + 1:start]
+            num = max(start - 1 - seen, 0)
+            state[r, 1:3] = seen, num
+            state[r, 3:3 + num] = seq.token_ids[seen + 1:start]
             seq.draft_computed = start  # at least; processing the loop sets where it ended
         p._run_catch_up(behind)
         kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = self._fn(
             runner.params, runner.kv_cache, runner.last_tokens, p.params, p.embed, p.kv_cache,
-            p.streams, batch, room, CatchUp(ids, pos, num), variant=variant)
+            p.streams, place_step_inputs(batch, runner.plan), state, variant=variant)
         self.dispatches += 1
         return kv_cache, last_tokens, SpecLoopHandle(sched, out, self.iterations * (k + 1),
                                                      extras)

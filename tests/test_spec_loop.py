@@ -1,10 +1,10 @@
 """The on-device speculative loop (spec_decode/spec_loop.py) on CPU: greedy outputs (tokens, texts,
 finish reasons, logprobs) identical to no speculation and to the host-driven verifying steps, for
 the demo model with its EAGLE-3 head (rows of different lengths, stop token ids with and without
-min_tokens, stop strings, max_tokens reached part-way through an iteration); loops really ran
-(several iterations' tokens in one dispatch, fewer dispatches); preemption, an abort right after
-a loop and a pool too small to reserve a loop leak no block; the acceptance metrics still
-counted."""
+min_tokens, stop strings, max_tokens reached part-way through an iteration, logprobs; the tiny
+model: the context limit, n = 2); loops really ran (several iterations' tokens in one dispatch,
+fewer dispatches); preemption, an abort right after a loop and a pool too small to reserve a
+loop leak no block; the acceptance metrics count what host-driven steps count."""
 
 from __future__ import annotations
 
@@ -192,3 +192,23 @@ def test_an_abort_right_after_a_loop_leaks_nothing():
     assert_all_free(e)
     expected = run_tiny(tiny_loop_engine(proposer=False), ("t0", "t2", "t3"))
     assert {rid: rest[rid] for rid in expected} == expected
+
+
+def test_rows_at_the_context_limit_and_n2_choices():
+    """Rows that run into max_model_len (no max_tokens) and two choices of one request: loops stop
+    each at its limit; outputs as without speculation."""
+    requests = {"ctx": (prompt_ids(30, 44), SamplingParams(temperature=0.0, max_tokens=None,
+                                                           ignore_eos=True)),
+                "n2": (prompt_ids(31, 12), SamplingParams(n=2, temperature=0.0, max_tokens=21,
+                                                          ignore_eos=True))}
+
+    def run(e):
+        for rid, (prompt, params) in requests.items():
+            e.add_request(rid, prompt, params)
+        out = run_all(e)
+        assert_all_free(e)
+        return out
+    e = tiny_loop_engine()
+    looped = run(e)
+    assert looped == run(tiny_loop_engine(proposer=False))
+    assert len(looped["ctx"][0][0]) == MAX_LEN - 44 and e.spec.step.loop.dispatches > 0

@@ -278,8 +278,9 @@ class Scheduler:
         self.num_preemptions += 1
         self._requeue_front(seq)
 
-    def _grow(self, seq: Sequence, target_tokens: int) -> bool:
-        """Make sure `seq` has KV slots for its first `target_tokens` tokens."""
+    def grow(self, seq: Sequence, target_tokens: int) -> bool:
+        """Make sure `seq` has KV slots for its first `target_tokens` tokens (also the
+        speculator's, for an on-device speculative loop)."""
         need = target_tokens - (self.kv.num_tokens(seq.seq_id) if self.kv.has_request(seq.seq_id)
                                 else 0)
         return need <= 0 or self.kv.allocate_slots(seq.seq_id, need)
@@ -380,7 +381,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
-            if self._grow(seq, seq.num_computed + n):
+            if self.grow(seq, seq.num_computed + n):
                 prefills.append(self._chunk(seq, n))
                 seq.scheduled_in = step
                 budget -= n
@@ -414,7 +415,7 @@ class Scheduler:
                 if self.loads is not None:  # host hits come back with this step
                     self.loads.start(seq, min(budget, self.long_prefill_chunk))
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
-            if not self._grow(seq, seq.num_computed + n):
+            if not self.grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id, admitted=False)  # the prefix back; again next step
                 seq.num_computed = 0
                 if self.lora_slots is not None:
@@ -486,6 +487,6 @@ class Scheduler:
         if max(steps) < k:
             return 1
         for d, n in zip(decodes, steps):
-            if not self._grow(d.seq, d.start + n):
+            if not self.grow(d.seq, d.start + n):
                 return 1
         return k  # the later tokens are counted once the loop is dispatched (loop_dispatched)

@@ -9,9 +9,9 @@ import numpy as np
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
 from jaxinfer.spec_decode.ngram import NgramProposer
-from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.proposer import Speculator
 from jaxinfer.spec_decode.spec_loop import AUTO_SPEC_LOOP_ITERATIONS, SpecLoop, SpecLoopHandle
 from jaxinfer.spec_decode.target_step import SpeculativeStep

@@ -4,7 +4,8 @@ the demo model with its EAGLE-3 head (rows of different lengths, stop token ids 
 min_tokens, stop strings, max_tokens reached part-way through an iteration, logprobs; the tiny
 model: the context limit, n = 2); loops really ran (several iterations' tokens in one dispatch,
 fewer dispatches); preemption, an abort right after a loop and a pool too small to reserve a
-loop leak no block; the acceptance metrics count what host-driven steps count."""
+loop leak no block; the acceptance metrics count what host-driven steps count, and the
+acceptance gate takes each iteration as a verifying step."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def test_the_default_configuration_runs_loops(continuations):
     assert e.spec.step.loop.dispatches > 0
 
 
-def tiny_loop_engine(proposer: bool = True, num_blocks: int = NUM_BLOCKS) -> LLMEngine:
+def tiny_loop_engine(proposer: bool = True, num_blocks: int = NUM_BLOCKS,
+                     min_acceptance: float = 0.0) -> LLMEngine:
     """The tiny model, with a random EAGLE-3 head speculating in loops of 4 iterations."""
     cfg, params = tiny_model()
     args = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
@@ -147,7 +149,7 @@ def tiny_loop_engine(proposer: bool = True, num_blocks: int = NUM_BLOCKS) -> LLM
         draft = EagleProposer(head_cfg, hp)
         args.update(speculative_config={"method": "eagle3", "model": "in-process",
                                         "num_speculative_tokens": 2},
-                    speculative_min_acceptance=0.0, spec_loop_iterations=4)
+                    speculative_min_acceptance=min_acceptance, spec_loop_iterations=4)
     return LLMEngine(cfg, params, tiny_tokenizer(), EngineArgs(**args), num_blocks=num_blocks,
                      draft=draft)
 
@@ -212,3 +214,23 @@ def test_rows_at_the_context_limit_and_n2_choices():
     looped = run(e)
     assert looped == run(tiny_loop_engine(proposer=False))
     assert len(looped["ctx"][0][0]) == MAX_LEN - 44 and e.spec.step.loop.dispatches > 0
+
+
+def test_the_acceptance_gate_counts_each_iteration_as_a_step(monkeypatch):
+    """A random head under --speculative-min-acceptance 1: a full window of loop iterations (each
+    one verifying step to the gate) closes it, and the rest runs without speculation."""
+    monkeypatch.setattr("jaxinfer.spec_decode.gate.WINDOW_STEPS", 4)
+    e = tiny_loop_engine(min_acceptance=1.0)
+    proposed = []
+    schedule = e.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        proposed.append(out.num_proposed)
+        return out
+    e.scheduler.schedule = spy
+    assert run_tiny(e) == run_tiny(tiny_loop_engine(proposer=False))
+    gate = e.spec.speculator.gate
+    assert gate.closings == 1 and not gate.open and e.spec.step.loop.dispatches >= 1
+    assert e.spec.metrics.draft_tokens >= 64  # the window filled from loops' iterations
+    assert proposed[-1] == 0

@@ -186,7 +186,8 @@ def section_demo(a, m: dict) -> None:
 
 def eagle_flags(a) -> dict:
     return dict(speculative_config=json.dumps({"method": "eagle3", "model": str(a.demo_eagle),
-                                               "num_speculative_tokens": a.eagle_k}))
+                                               "num_speculative_tokens": a.eagle_k}),
+                spec_loop_iterations=a.spec_loop_iterations)
 
 
 def section_eagle(a, m: dict) -> None:
@@ -295,6 +296,8 @@ def main() -> None:
     p.add_argument("--demo-eagle", type=Path, default=DEMO_EAGLE,
                    help="the demo target's EAGLE-3 head (HF format)")
     p.add_argument("--eagle-k", type=int, default=5, help="proposals per step of the eagle sections")
+    p.add_argument("--spec-loop-iterations", type=int, default=None,
+                   help="--spec-loop-iterations of the eagle sections (default: the engine's)")
     p.add_argument("--eagle-crossover", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4, 16, 64])
     p.add_argument("--output-len", type=int, default=128)
@@ -321,6 +324,7 @@ def main() -> None:
                                         crossover=a.crossover, demo_target=str(a.demo_target),
                                         demo_draft=str(a.demo_draft), sections=a.sections,
                                         demo_eagle=str(a.demo_eagle), eagle_k=a.eagle_k,
+                                        spec_loop_iterations=a.spec_loop_iterations,
                                         eagle_crossover=a.eagle_crossover,
                                         backend=jax.devices()[0].platform, merged_from=merged),
                             metrics=metrics)

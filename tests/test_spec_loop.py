@@ -9,6 +9,7 @@ acceptance gate takes each iteration as a verifying step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.spec_loop import SpecLoopHandle
+from pallas_kernels.attention.backend import REFERENCE, register
 from test_eagle3 import random_head
 from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
                                  tiny_model, tiny_tokenizer)
@@ -136,13 +138,19 @@ def test_the_default_configuration_runs_loops(continuations):
     assert e.spec.step.loop.dispatches > 0
 
 
+# The reference kernels behind a GPU backend's mixed-step rule (one-token rows of a ragged call
+# found on the device and sent to the decode kernel), which the loop turns off for its calls.
+SPLIT_REFERENCE = dataclasses.replace(REFERENCE, name="reference_split", split_mixed_steps=True)
+register("reference_split", "test_spec_loop:SPLIT_REFERENCE")
+
+
 def tiny_loop_engine(proposer: bool = True, num_blocks: int = NUM_BLOCKS,
-                     min_acceptance: float = 0.0) -> LLMEngine:
+                     min_acceptance: float = 0.0, **kwargs) -> LLMEngine:
     """The tiny model, with a random EAGLE-3 head speculating in loops of 4 iterations."""
     cfg, params = tiny_model()
     args = dict(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=num_blocks,
                 max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
-                compilation_cache_dir=None, warmup=False, dtype="float32")
+                compilation_cache_dir=None, warmup=False, dtype="float32", **kwargs)
     draft = None
     if proposer:
         head_cfg, hp = random_head(cfg, std=0.05)
@@ -196,9 +204,11 @@ def test_an_abort_right_after_a_loop_leaks_nothing():
     assert {rid: rest[rid] for rid in expected} == expected
 
 
-def test_rows_at_the_context_limit_and_n2_choices():
+@pytest.mark.parametrize("backend", ["reference", "reference_split"])
+def test_rows_at_the_context_limit_and_n2_choices(backend):
     """Rows that run into max_model_len (no max_tokens) and two choices of one request: loops stop
-    each at its limit; outputs as without speculation."""
+    each at its limit; outputs as without speculation (also over a backend that splits mixed
+    steps, as the GPU ones do)."""
     requests = {"ctx": (prompt_ids(30, 44), SamplingParams(temperature=0.0, max_tokens=None,
                                                            ignore_eos=True)),
                 "n2": (prompt_ids(31, 12), SamplingParams(n=2, temperature=0.0, max_tokens=21,
@@ -210,7 +220,7 @@ def test_rows_at_the_context_limit_and_n2_choices():
         out = run_all(e)
         assert_all_free(e)
         return out
-    e = tiny_loop_engine()
+    e = tiny_loop_engine(attention_backend=backend)
     looped = run(e)
     assert looped == run(tiny_loop_engine(proposer=False))
     assert len(looped["ctx"][0][0]) == MAX_LEN - 44 and e.spec.step.loop.dispatches > 0

@@ -136,7 +136,12 @@ def jitted_spec_loop(cfg, head_cfg, backend: AttentionBackend, block_size: int, 
                      iterations: int, plan: ShardingPlan | None, layers: tuple[int, ...]):
     """The compiled loop of a target and head (KV cache, last tokens, head KV and stream cache
     donated), shared by every runner of them in the process; compiled per decode bucket and
-    sampler variant."""
+    sampler variant. Its ragged calls (the verify, the head's first step) send every row to the
+    backend's prefill kernel: their rows hold several tokens, so looking for one-token rows on
+    the device (`split_mixed_steps`) would launch a decode kernel per layer for next to nothing
+    (a row proposing nothing, at its limit, is the only one)."""
+    if isinstance(backend, AttentionBackend) and backend.split_mixed_steps:
+        backend = dataclasses.replace(backend, split_mixed_steps=False)
     return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg, backend=backend,
                                      block_size=block_size, k=k, iterations=iterations,
                                      plan=plan, layers=layers),

@@ -13,7 +13,9 @@ caching off, so the timed pass repeats its schedule and no compilation is timed)
   eagle       the demo target alone and with its EAGLE-3 head (--demo-eagle, method eagle3,
               --eagle-k proposals, default 5), c = 1: demo_c1_tpot_ms_eagle / _nospec,
               demo_eagle_mean_accepted_len (tokens emitted per verifying row-step: 1 + accepted
-              proposals), the acceptance rate;
+              proposals), the acceptance rate, demo_eagle_spec_loop_iters_per_dispatch
+              (verifying iterations per verifying dispatch: > 1 when the on-device
+              speculative loop ran, spec_decode/spec_loop.py);
   eagle_crossover  the same pair under the default policy (threshold 16, acceptance gate) at
               c = 1, 4, 16, 64 (--eagle-crossover): TPOT and output throughput of each;
   ngram_edit  the demo target alone and with n-gram prompt lookup, c = 1, greedy, an editing
@@ -119,13 +121,30 @@ def measure(e, prompts, output_len: int, concurrency: int) -> dict:
         timed_run(e, prompts, output_len, concurrency)
     spec = e.spec and e.spec.metrics
     before = (spec.draft_tokens, spec.accepted, spec.drafts) if spec else (0, 0, 0)
+    dispatches = verify_dispatches(e)
     out = timed_run(e, prompts, output_len, concurrency)
+    if spec:
+        (loops, singles, per_loop), (loops0, singles0, _) = verify_dispatches(e), dispatches
+        loops, singles = loops - loops0, singles - singles0
+        # verifying iterations per verifying dispatch: 1 without the on-device loop
+        out["spec_loop_iters_per_dispatch"] = round(
+            (loops * per_loop + singles) / max(loops + singles, 1), 3)
     if spec:
         drafted, accepted = spec.draft_tokens - before[0], spec.accepted - before[1]
         out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
         steps = spec.drafts - before[2]  # row-steps that verified proposals
         out["mean_accepted_len"] = round(1 + accepted / steps, 3) if steps else 1.0
     return out
+
+
+def verify_dispatches(e) -> tuple[int, int, int]:
+    """(on-device loops, single verifying steps, iterations per loop) dispatched so far."""
+    step = e.spec and e.spec.step
+    if not step:
+        return 0, 0, 0
+    loop = step.loop
+    return (loop.dispatches if loop else 0, step.single_steps,
+            loop.iterations if loop else 0)
 
 
 def identical(a: dict, b: dict) -> str:
@@ -167,7 +186,8 @@ def section_demo(a, m: dict) -> None:
 
 def eagle_flags(a) -> dict:
     return dict(speculative_config=json.dumps({"method": "eagle3", "model": str(a.demo_eagle),
-                                               "num_speculative_tokens": a.eagle_k}))
+                                               "num_speculative_tokens": a.eagle_k}),
+                spec_loop_iterations=a.spec_loop_iterations)
 
 
 def section_eagle(a, m: dict) -> None:
@@ -176,7 +196,8 @@ def section_eagle(a, m: dict) -> None:
               "demo_eagle_over_nospec_tpot": round(fast["tpot_ms"] / base["tpot_ms"], 3),
               "demo_eagle_mean_accepted_len": fast["mean_accepted_len"],
               "demo_eagle_acceptance_rate": fast["acceptance_rate"],
-              "demo_eagle_k": a.eagle_k, "demo_eagle_greedy_identical": identical(base, fast)})
+              "demo_eagle_k": a.eagle_k, "demo_eagle_greedy_identical": identical(base, fast),
+              "demo_eagle_spec_loop_iters_per_dispatch": fast["spec_loop_iters_per_dispatch"]})
 
 
 def section_eagle_crossover(a, m: dict) -> None:
@@ -187,6 +208,8 @@ def section_eagle_crossover(a, m: dict) -> None:
             m[f"eagle_crossover_c{c}_tpot_ms_{key}"] = run["tpot_ms"]
             m[f"eagle_crossover_c{c}_output_tok_s_{key}"] = run["output_tok_s"]
         m[f"eagle_crossover_c{c}_mean_accepted_len"] = spec["mean_accepted_len"]
+        m[f"eagle_crossover_c{c}_spec_loop_iters_per_dispatch"] = spec[
+            "spec_loop_iters_per_dispatch"]
         ratio[f"c{c}"] = round(spec["output_tok_s"] / base["output_tok_s"], 3)
         m["eagle_crossover_spec_over_nospec"] = dict(ratio)
         print(f"eagle crossover c={c}: tpot {base['tpot_ms']} -> {spec['tpot_ms']} ms, "
@@ -273,6 +296,8 @@ def main() -> None:
     p.add_argument("--demo-eagle", type=Path, default=DEMO_EAGLE,
                    help="the demo target's EAGLE-3 head (HF format)")
     p.add_argument("--eagle-k", type=int, default=5, help="proposals per step of the eagle sections")
+    p.add_argument("--spec-loop-iterations", type=int, default=None,
+                   help="--spec-loop-iterations of the eagle sections (default: the engine's)")
     p.add_argument("--eagle-crossover", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4, 16, 64])
     p.add_argument("--output-len", type=int, default=128)
@@ -299,6 +324,7 @@ def main() -> None:
                                         crossover=a.crossover, demo_target=str(a.demo_target),
                                         demo_draft=str(a.demo_draft), sections=a.sections,
                                         demo_eagle=str(a.demo_eagle), eagle_k=a.eagle_k,
+                                        spec_loop_iterations=a.spec_loop_iterations,
                                         eagle_crossover=a.eagle_crossover,
                                         backend=jax.devices()[0].platform, merged_from=merged),
                             metrics=metrics)

@@ -75,10 +75,12 @@ def tiny_engine(proposer=None, **kwargs) -> LLMEngine:
                      draft=proposer)
 
 
-def test_sampled_outputs_follow_the_same_distribution():
+@pytest.mark.parametrize("loop_iterations", [1, 4])
+def test_sampled_outputs_follow_the_same_distribution(loop_iterations):
     """Temperature 1: the second generated token (the first a proposal can stand for) of 160
     seeded requests, with a random head and without speculation: a two-sample chi-square over
-    token classes finds no difference; some proposals are accepted, some rejected."""
+    token classes finds no difference; some proposals are accepted, some rejected. With
+    host-driven verifying steps and with the on-device loop (spec_decode/spec_loop.py)."""
     params = dict(temperature=1.0, max_tokens=3, ignore_eos=True)
     prompt = prompt_ids(5, 6)
     target_cfg, _ = tiny_model()
@@ -92,8 +94,10 @@ def test_sampled_outputs_follow_the_same_distribution():
             out.update(run_all(e))
         return np.array([v[0][0][1] for v in out.values()])
 
-    spec = tiny_engine(EagleProposer(cfg, hp))
+    spec = tiny_engine(EagleProposer(cfg, hp), spec_loop_iterations=loop_iterations)
     a, b = second_tokens(spec), second_tokens(tiny_engine())
+    assert (spec.spec.step.loop is not None) == (loop_iterations > 1)
+    assert spec.spec.step.loop is None or spec.spec.step.loop.dispatches >= 10
     m = spec.spec.metrics
     assert m.draft_tokens >= 150 and 0 < m.accepted < m.draft_tokens
     classes = np.unique(np.concatenate([a, b]))

@@ -94,7 +94,7 @@ def test_served_proposals_equal_the_dense_head():
                         if e.proposal)
             return v, q
 
-    e = tiny_engine(Recording(cfg, hp))
+    e = tiny_engine(Recording(cfg, hp), spec_loop_iterations=1)  # host-driven: `propose` runs
     e.add_request("a", prompt_ids(3, 9), SamplingParams(max_tokens=14, temperature=0.0,
                                                         ignore_eos=True))
     out = run_all(e)["a"][0][0]

@@ -80,6 +80,8 @@ class SchedulerOutput:
     # logprobs, pooling: worker/hidden_reads.py).
     reads_hidden: bool = False
     num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
+    # > 1: its decodes run this many verifying iterations on the device (spec_decode/spec_loop.py)
+    spec_iterations: int = 1
     # The host KV tier's copies, made before anything else of the step (also with no rows).
     kv_transfers: KVTransfers | None = None
 
@@ -276,8 +278,9 @@ class Scheduler:
         self.num_preemptions += 1
         self._requeue_front(seq)
 
-    def _grow(self, seq: Sequence, target_tokens: int) -> bool:
-        """Make sure `seq` has KV slots for its first `target_tokens` tokens."""
+    def grow(self, seq: Sequence, target_tokens: int) -> bool:
+        """Make sure `seq` has KV slots for its first `target_tokens` tokens (also the
+        speculator's, for an on-device speculative loop)."""
         need = target_tokens - (self.kv.num_tokens(seq.seq_id) if self.kv.has_request(seq.seq_id)
                                 else 0)
         return need <= 0 or self.kv.allocate_slots(seq.seq_id, need)
@@ -378,7 +381,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
-            if self._grow(seq, seq.num_computed + n):
+            if self.grow(seq, seq.num_computed + n):
                 prefills.append(self._chunk(seq, n))
                 seq.scheduled_in = step
                 budget -= n
@@ -412,7 +415,7 @@ class Scheduler:
                 if self.loads is not None:  # host hits come back with this step
                     self.loads.start(seq, min(budget, self.long_prefill_chunk))
             n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
-            if not self._grow(seq, seq.num_computed + n):
+            if not self.grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id, admitted=False)  # the prefix back; again next step
                 seq.num_computed = 0
                 if self.lora_slots is not None:
@@ -433,6 +436,8 @@ class Scheduler:
         if (self.decode_steps_per_call > 1 and not prefills and decodes and not self.num_waiting
                 and not num_proposed and len(decodes) <= self.decode_loop_max_seqs):
             out.decode_steps = self._reserve_decode_loop(decodes)
+        elif spec is not None and num_proposed and not prefills:
+            out.spec_iterations = spec.loop_iterations(self, decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
             get_block_ids, get_tables = kv.get_block_ids, kv.get_block_tables
             grouped = kv.groups.num_groups > 1
@@ -482,6 +487,6 @@ class Scheduler:
         if max(steps) < k:
             return 1
         for d, n in zip(decodes, steps):
-            if not self._grow(d.seq, d.start + n):
+            if not self.grow(d.seq, d.start + n):
                 return 1
         return k  # the later tokens are counted once the loop is dispatched (loop_dispatched)

@@ -72,6 +72,9 @@ class EngineArgs:
     # The most decoding sequences a loop runs for; None: AUTO_LOOP_MAX_SEQS with the automatic
     # steps per call, no limit with a given number.
     decode_loop_max_seqs: int | None = None
+    # Verifying iterations per on-device loop of an EAGLE-3 / MTP head while at most
+    # decode_loop_max_seqs sequences decode (spec_decode/spec_loop.py); None: automatic; 1: none.
+    spec_loop_iterations: int | None = None
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)  # "" or None: no executable cache
     profile_dir: str | None = None
@@ -137,6 +140,8 @@ class EngineArgs:
               "decode-steps-per-call", self.decode_steps_per_call, "must be >= 1")
         check(self.decode_loop_max_seqs is None or self.decode_loop_max_seqs >= 1,
               "decode-loop-max-seqs", self.decode_loop_max_seqs, "must be >= 1")
+        check(self.spec_loop_iterations is None or self.spec_loop_iterations >= 1,
+              "spec-loop-iterations", self.spec_loop_iterations, "must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
               self.max_model_len, "must be >= 2")
         check(self.tensor_parallel_size >= 1, "tensor-parallel-size", self.tensor_parallel_size,
@@ -272,6 +277,11 @@ class EngineArgs:
                             "the default --decode-steps-per-call, no limit with a given one); "
                             "a request arriving during a loop waits for its end"
                        % AUTO_LOOP_MAX_SEQS)
+        s.add_argument("--spec-loop-iterations", type=int, default=None,
+                       help="with an EAGLE-3 / MTP head: verifying iterations (head catch-up, "
+                            "k proposals, verify) per on-device loop while only decodes run, "
+                            "all speculate and at most --decode-loop-max-seqs do; 1: none "
+                            "(default: 4)")
         s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                        help="wait for each step's tokens before scheduling the next")
         s.add_argument("--async-launch", action="store_true",

@@ -149,7 +149,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
         spec = args.spec_config()
         self.spec = spec and Speculation(spec, self.scheduler, self.runner,
-                                         self.metrics.spec_decode(spec.num_speculative_tokens), draft)
+                                         self.metrics.spec_decode(spec.num_speculative_tokens), draft,
+                                         args.spec_loop_iterations)
         # Called with each processed step's live sequences before the scheduler frees the finished
         # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
         self.on_processed: Callable[[list[Sequence]], None] | None = None

@@ -60,11 +60,44 @@ def _catch_up(params, embed, kv, streams, ids, positions, md, *, cfg, backend):
     return kv
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CatchUp:
+    """Head KV still owed before a chain's step 0: per row `num` (<= k) positions from `pos` (up
+    to the step's own position), each reading the token after it, `ids[:, j]`."""
+    ids: jax.Array  # i32[S, K]
+    pos: jax.Array  # i32[S]
+    num: jax.Array  # i32[S]
+
+
+def ragged(q_lens: jax.Array, total: int):
+    """Rows of q_lens tokens packed from token 0 and padded to `total` (the host's mixed-step
+    layout): -> (query_start_loc i32[S + 1], each token's row (S: padding), its index in it)."""
+    s = q_lens.shape[0]
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    t = jnp.arange(total, dtype=jnp.int32)
+    row = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
+    return qsl, row, t - qsl[jnp.minimum(row, s - 1)]
+
+
+def slots(tables: jax.Array, row: jax.Array, pos: jax.Array, valid: jax.Array,
+          block_size: int) -> jax.Array:
+    """Cache slots of tokens (row, pos) from block tables [S, M] (or [G, S, M]: [G, T]); -1 where
+    not valid (not written)."""
+    r = jnp.minimum(row, tables.shape[-2] - 1)
+    blk = tables[..., r, jnp.clip(pos // block_size, 0, tables.shape[-1] - 1)]
+    return jnp.where(valid, blk * block_size + pos % block_size, -1)
+
+
 def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
-           t: SamplingTensors, *, cfg, backend, block_size: int, k: int, variant: SamplerVariant):
+           t: SamplingTensors, behind: CatchUp | None = None, *, cfg, backend, block_size: int,
+           k: int, variant: SamplerVariant):
     """k head steps over S rows (step 0 at first_pos: the input token and the target's streams of
     first_pos; step i: proposal i and step i - 1's stream). Rows with num <= i are padding in step
-    i. -> (kv cache, drafts i32[S, k], q f32[S, k, V])"""
+    i. `behind`: head KV owed at the positions just before first_pos, computed by step 0 in the
+    same call (one ragged query per row: those positions, then step 0's) rather than by a catch-up
+    call of its own (a proposing row's; one that proposes nothing is at its limit and ends).
+    -> (kv cache, drafts i32[S, k], q f32[S, k, V])"""
     s = first_ids.shape[0]
     vocab = embed.shape[0]
     rows = jnp.arange(s)
@@ -75,8 +108,10 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
         blk = block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
         return jnp.where(valid, blk * block_size + pos % block_size, -1)
 
-    first_slot = slot(first_pos, num > 0)
-    hidden0 = cfg.fuse(params, streams[jnp.maximum(first_slot, 0)])
+    def propose(i, logits, drafts, probs):
+        ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i], expand_positions(t, drafts))
+        d, q = propose_tokens(logits, ti, variant=variant)
+        return drafts.at[:, i].set(jnp.where(i < num, d, 0)), probs.at[:, i].set(q)
 
     def body(i, carry):
         kv, hidden, drafts, probs = carry
@@ -87,13 +122,31 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
                                block_tables, num_decodes=s)
         with jax.named_scope("eagle_draft"):
             logits, stream, kv = cfg.step(params, embed, ids, hidden, pos, kv, md, backend)
-        ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i], expand_positions(t, drafts))
-        d, q = propose_tokens(logits, ti, variant=variant)
-        drafts = drafts.at[:, i].set(jnp.where(valid, d, 0))
-        return kv, stream.astype(hidden.dtype), drafts, probs.at[:, i].set(q)
+        drafts, probs = propose(i, logits, drafts, probs)
+        return kv, stream.astype(hidden.dtype), drafts, probs
 
-    init = (kv, hidden0, jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, vocab), jnp.float32))
-    kv, _, drafts, probs = jax.lax.fori_loop(0, k, body, init)
+    drafts, probs = jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, vocab), jnp.float32)
+    if behind is None:
+        hidden0 = cfg.fuse(params, streams[jnp.maximum(slot(first_pos, num > 0), 0)])
+        kv, _, drafts, probs = jax.lax.fori_loop(0, k, body, (kv, hidden0, drafts, probs))
+        return kv, drafts, probs
+    owed = jnp.where(num > 0, behind.num, 0)
+    step_qsl, r, j = ragged(jnp.where(num > 0, owed + 1, 0), s * (k + 1))
+    owned = r < s
+    rr = jnp.minimum(r, s - 1)
+    pos = jnp.where(owned, first_pos[rr] - owed[rr] + j, 0)
+    ids = jnp.where(j == owed[rr], first_ids[rr], behind.ids[rr, jnp.clip(j, 0, k - 1)])
+    step_slots = slots(block_tables, r, pos, owned, block_size)
+    hidden = cfg.fuse(params, streams[jnp.maximum(step_slots, 0)])
+    md = AttentionMetadata(step_slots, step_qsl, jnp.where(num > 0, first_pos + 1, 0),
+                           block_tables)
+    with jax.named_scope("eagle_draft"):
+        logits, stream, kv = cfg.step(params, embed, jnp.where(owned, ids, 0), hidden, pos, kv,
+                                      md, backend)
+    last = jnp.maximum(step_qsl[1:] - 1, 0)  # each row's step-0 token
+    drafts, probs = propose(0, logits[last], drafts, probs)
+    carry = (kv, stream[last].astype(hidden.dtype), drafts, probs)
+    kv, _, drafts, probs = jax.lax.fori_loop(1, k, body, carry)
     return kv, drafts, probs
 
 
@@ -184,14 +237,7 @@ class EagleProposer:
     def propose(self, sched: SchedulerOutput, batch: StepBatch, v, variant: SamplerVariant):
         """Catch up, then the k-step chain for the step's speculating rows. -> (VerifyInputs with
         the proposals, q f32[S, K, V])"""
-        runner = self.runner
-        if sched.block_copies:
-            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.block_copies))
-            size = runner.buckets.copy_shape(len(src))
-            src = np.pad(src, (0, size - len(src)), constant_values=-1)
-            dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
-            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
-            self.streams = self._copy(self.streams, src, dst)
+        self.copy_blocks(sched.block_copies)
         s = batch.md.num_seqs
         first_ids = np.zeros(s, np.int32)
         first_pos = np.zeros(s, np.int32)
@@ -210,6 +256,17 @@ class EagleProposer:
             self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
             v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """A step's copy-on-write block copies, in the head's KV and stream caches too."""
+        if not copies:
+            return
+        src, dst = (np.asarray(x, np.int32) for x in zip(*copies))
+        size = self.runner.buckets.copy_shape(len(src))
+        src = np.pad(src, (0, size - len(src)), constant_values=-1)
+        dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
+        self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+        self.streams = self._copy(self.streams, src, dst)
 
     def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
         """Head KV at each row's positions seen .. start - 2, in chunks of at most the largest

@@ -15,6 +15,7 @@ from jaxinfer.spec_decode.gate import AcceptanceGate
 
 if TYPE_CHECKING:
     from jaxinfer.core.request import Sequence
+    from jaxinfer.core.scheduler import ScheduledSeq
     from jaxinfer.spec_decode.config import SpeculativeConfig
 
 
@@ -42,6 +43,8 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.gate = AcceptanceGate(config.min_acceptance)
+        # Verifying iterations per on-device loop (spec_decode/spec_loop.py); 1: no loop.
+        self.iterations = 1
 
     def active(self, num_running: int, num_waiting: int) -> bool:
         return (num_running <= self.config.disable_by_batch_size and not num_waiting
@@ -60,3 +63,20 @@ class Speculator:
         k = min(self.config.num_speculative_tokens, budget - 1,
                 seq.token_limit - len(seq.token_ids) - 1)
         return self.proposer.plan(seq, k) if k > 0 else []
+
+    def loop_iterations(self, scheduler, decodes: list[ScheduledSeq]) -> int:
+        """Iterations to run a step's speculating decodes for in one on-device loop, 1 for none:
+        a loop needs every decode speculating (so all rows take the same path), at most the
+        decode loop's sequences, none reading its token history on the host (penalties), room in
+        the step's token budget, and KV slots for each row's N (k + 1) tokens (capped where its
+        limit stops it: a row proposes at most limit - 1 tokens past its input), reserved here."""
+        n, k = self.iterations, self.config.num_speculative_tokens
+        if (n <= 1 or len(decodes) > scheduler.decode_loop_max_seqs
+                or len(decodes) * (k + 1) > scheduler.max_num_batched_tokens
+                or any(not d.proposal or not d.emits or d.seq.request.params.uses_penalties
+                       for d in decodes)):
+            return 1
+        for d in decodes:
+            if not scheduler.grow(d.seq, min(d.start + n * (k + 1), d.seq.token_limit - 1)):
+                return 1  # what it did reserve goes back with the proposals' (truncate)
+        return n

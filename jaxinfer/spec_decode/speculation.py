@@ -9,17 +9,21 @@ import numpy as np
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
 from jaxinfer.spec_decode.ngram import NgramProposer
 from jaxinfer.spec_decode.proposer import Speculator
+from jaxinfer.spec_decode.spec_loop import AUTO_SPEC_LOOP_ITERATIONS, SpecLoop, SpecLoopHandle
 from jaxinfer.spec_decode.target_step import SpeculativeStep
 
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, scheduler, runner, metrics: SpecDecodeMetrics,
-                 draft=None):
+                 draft=None, loop_iterations: int | None = None):
         """`draft`: a loaded `spec_decode.draft.DraftModel` (method draft_model) or
-        `spec_decode.eagle.EagleProposer` (eagle3, mtp), else None."""
+        `spec_decode.eagle.EagleProposer` (eagle3, mtp), else None. `loop_iterations`: verifying
+        iterations per on-device loop of an EagleProposer (spec_loop.py; None:
+        AUTO_SPEC_LOOP_ITERATIONS; 1: none)."""
         self.config = config
         if config.method in ("draft_model", "eagle3", "mtp") and draft is None:
             raise ConfigError("--speculative-model: no draft model was loaded (build the engine "
@@ -31,8 +35,15 @@ class Speculation:
                          config.num_speculative_tokens)
         self.speculator = Speculator(config, proposer)
         scheduler.enable_speculation(self.speculator)
-        runner.enable_speculation(SpeculativeStep(runner.cfg, runner.backend,
-                                                  config.num_speculative_tokens, draft, runner.plan))
+        step = SpeculativeStep(runner.cfg, runner.backend, config.num_speculative_tokens, draft,
+                               runner.plan)
+        if loop_iterations is None:
+            loop_iterations = AUTO_SPEC_LOOP_ITERATIONS
+        if isinstance(draft, EagleProposer) and loop_iterations > 1:
+            step.loop = SpecLoop(runner, draft, config.num_speculative_tokens, loop_iterations)
+            self.speculator.iterations = loop_iterations
+        runner.enable_speculation(step)
+        self.step = step
         self.metrics = metrics
 
     def active(self, num_running: int, num_waiting: int) -> bool:
@@ -43,9 +54,23 @@ class Speculation:
         if not handle.sched.num_proposed:
             self.speculator.gate.observe(0, 0)
             return
+        if isinstance(handle, SpecLoopHandle):
+            self._record_loop(handle)
+            return
         tokens = handle.result().tokens  # [K + 1, rows]
         rows = [r for r, e in enumerate(handle.sched.decodes) if e.proposal]
         num_drafts = np.array([len(handle.sched.decodes[r].proposal) for r in rows])
         emitted = (tokens[:, rows] >= 0).sum(axis=0)
         self.metrics.record(num_drafts, emitted - 1)
         self.speculator.gate.observe(int(num_drafts.sum()), int((emitted - 1).sum()))
+
+    def _record_loop(self, handle: SpecLoopHandle) -> None:
+        """A loop's iterations, each as the verifying step it stands for; its rows' head position."""
+        handle.result()
+        draft_computed, proposed, accepted = handle.extras
+        for entry, dc in zip(handle.sched.decodes, draft_computed):
+            entry.seq.draft_computed = int(dc)
+        for num, acc in zip(proposed, accepted):
+            ran = num > 0
+            self.metrics.record(num[ran], acc[ran])
+            self.speculator.gate.observe(int(num.sum()), int(acc.sum()))

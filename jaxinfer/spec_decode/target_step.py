@@ -63,32 +63,44 @@ def _verify_rows(logits, inputs, *, variant: SamplerVariant) -> VerifyOutput:
     return dataclasses.replace(out, sampled=_swap01(out.sampled))
 
 
-def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
-                 streams=None, *, cfg: ModelConfig, backend: AttentionBackend,
-                 variant: SamplerVariant, plan: ShardingPlan | None = None,
-                 layers: tuple[int, ...] = ()):
-    """`layers` (an EAGLE-3 head's): the residual streams entering them are written into
-    `streams` at the step's slots, from the same pass."""
-    s, k1 = v.verify_indices.shape
+def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices, sampling,
+                   drafts, num_drafts, draft_probs, *, cfg: ModelConfig,
+                   backend: AttentionBackend, variant: SamplerVariant,
+                   plan: ShardingPlan | None = None, layers: tuple[int, ...] = ()):
+    """The target's forward over ragged rows of k + 1 tokens (input token, then the proposals;
+    `ids` already holds them) and the rejection sampler at `verify_indices` i32[S, K + 1].
+    `layers` (an EAGLE-3 head's): the residual streams entering them are written into `streams`
+    at the step's slots, from the same pass. -> (kv cache, VerifyOutput [K + 1, S], streams)"""
+    s, k1 = verify_indices.shape
     with jax.named_scope("verify"):
-        ids = input_ids(batch, last_tokens)
-        ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
         if layers:
-            logits, kv_cache, aux = forward_aux(params, cfg, ids, batch.positions, kv_cache,
-                                                batch.md, backend, v.verify_indices.reshape(-1),
+            logits, kv_cache, aux = forward_aux(params, cfg, ids, positions, kv_cache, md,
+                                                backend, verify_indices.reshape(-1),
                                                 layers=layers)
-            streams = write_streams(streams, aux, batch.md.group(0).slot_mapping)
+            streams = write_streams(streams, aux, md.group(0).slot_mapping)
         else:
-            logits, kv_cache = forward(params, cfg, ids, batch.positions, kv_cache, batch.md,
-                                       backend, v.verify_indices.reshape(-1))
+            logits, kv_cache = forward(params, cfg, ids, positions, kv_cache, md, backend,
+                                       verify_indices.reshape(-1))
     with jax.named_scope("sample"):
         # Under TP each row's k + 1 logits are made whole on one device first, as the sampler's
         # are (parallel/sampling_logits.py): verification's conditionals (penalties, truncation,
         # top logprobs) then hold no collective, and its vocabulary reductions are TP = 1's.
         out = sample_in_layout(functools.partial(_verify_rows, variant=variant),
                                logits.reshape(s, k1, -1),
-                               (batch.sampling, v.drafts, v.num_drafts, draft_probs), plan)
-        out = dataclasses.replace(out, sampled=_swap01(out.sampled))
+                               (sampling, drafts, num_drafts, draft_probs), plan)
+    return kv_cache, dataclasses.replace(out, sampled=_swap01(out.sampled)), streams
+
+
+def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
+                 streams=None, *, cfg: ModelConfig, backend: AttentionBackend,
+                 variant: SamplerVariant, plan: ShardingPlan | None = None,
+                 layers: tuple[int, ...] = ()):
+    ids = input_ids(batch, last_tokens)
+    ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
+    kv_cache, out, streams = verify_forward(
+        params, kv_cache, streams, ids, batch.positions, batch.md, v.verify_indices,
+        batch.sampling, v.drafts, v.num_drafts, draft_probs, cfg=cfg, backend=backend,
+        variant=variant, plan=plan, layers=layers)
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
     return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out, streams
 
@@ -142,10 +154,15 @@ class SpeculativeStep:
         self.stream_writer = draft if getattr(draft, "aux_layers", None) else None
         self._verify = jitted_verify_step(cfg, backend, plan,
                                           tuple(getattr(draft, "aux_layers", ())))
+        self.loop = None  # spec_loop.SpecLoop: runs the steps scheduled as loops
+        self.single_steps = 0  # verifying steps run one per dispatch (benchmarks, tests)
 
     def execute(self, runner, sched: SchedulerOutput):
         """Dispatch the verifying step on the runner's state (its block copies already applied);
         the new KV cache and last tokens, for the runner to keep, and the step's handle."""
+        if sched.spec_iterations > 1:
+            return self.loop.execute(runner, sched)
+        self.single_steps += 1
         batch, v, variant = build_verify_batch(runner, sched, self.k)
         draft_probs = None
         if self.draft is not None:

@@ -8,7 +8,7 @@ picks at batch 1 on Hopper). Traced on the CPU with abstract weights (nothing is
 
 The count is a proxy for launched kernels: on the GPU, XLA fuses elementwise ops into their
 neighbours but gives (nearly) every matmul, reduction, gather / scatter, sort / top-k and Pallas
-call a kernel of its own. docs/MLA.md ("batch-1 gap") reads it.
+call a kernel of its own.
 """
 
 from __future__ import annotations

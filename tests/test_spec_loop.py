@@ -59,25 +59,46 @@ def run_collecting(engine: LLMEngine, requests: dict) -> tuple[dict, list]:
         handles.append(execute(sched))
         return handles[-1]
     engine.runner.execute = recording
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for r in engine.step():
-            c = r.outputs[0]
-            lps = None if c.logprobs is None else [
-                (lp.token_id, round(lp.logprob, 3)) for lp in c.logprobs]
-            out[r.request_id] = (c.token_ids, c.text, c.finish_reason, lps)
+    try:
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        out = {}
+        while engine.has_unfinished_requests():
+            for r in engine.step():
+                c = r.outputs[0]
+                lps = None if c.logprobs is None else [
+                    (lp.token_id, round(lp.logprob, 3)) for lp in c.logprobs]
+                out[r.request_id] = (c.token_ids, c.text, c.finish_reason, lps)
+    finally:
+        engine.runner.execute = execute
     assert_all_free(engine)
     return out, handles
 
 
 @pytest.fixture(scope="module")
-def continuations():
+def engines() -> dict[str, LLMEngine]:
+    """The demo model without speculation, with host-driven EAGLE-3 steps (loops of 1) and with
+    the default configuration (loops of AUTO_SPEC_LOOP_ITERATIONS), shared by the tests."""
+    return {"base": demo_engine(spec=False), "host": demo_engine(loop_iterations=1),
+            "loop": demo_engine()}
+
+
+def counts(e: LLMEngine) -> tuple[int, int, int, int]:
+    """(loops dispatched, drafts, draft tokens, accepted) so far."""
+    m, loop = e.spec.metrics, e.spec.step.loop
+    return (loop.dispatches if loop else 0), m.drafts, m.draft_tokens, m.accepted
+
+
+def since(e: LLMEngine, before) -> tuple[int, ...]:
+    return tuple(a - b for a, b in zip(counts(e), before))
+
+
+@pytest.fixture(scope="module")
+def continuations(engines):
     """Each prompt's greedy continuation without speculation (limits are chosen from them)."""
-    e = demo_engine(spec=False)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    out, _ = run_collecting(e, {f"c{i}": (p, params) for i, p in enumerate(PROMPTS)})
+    out, _ = run_collecting(engines["base"],
+                            {f"c{i}": (p, params) for i, p in enumerate(PROMPTS)})
     return [out[f"c{i}"] for i in range(len(PROMPTS))]
 
 
@@ -97,45 +118,42 @@ def workload(conts) -> dict:
     }
 
 
-def test_greedy_loop_matches_no_speculation_and_the_host_driven_steps(continuations):
+def test_greedy_loop_matches_no_speculation_and_the_host_driven_steps(engines, continuations):
+    """The default configuration runs loops; their outputs are no speculation's and the
+    host-driven steps'."""
     requests = workload(continuations)
-    base, _ = run_collecting(demo_engine(spec=False), requests)
-    host_engine = demo_engine(loop_iterations=1)
+    host_engine, loop_engine = engines["host"], engines["loop"]
+    base, _ = run_collecting(engines["base"], requests)
+    host0, loop0 = counts(host_engine), counts(loop_engine)
     host, host_handles = run_collecting(host_engine, requests)
-    loop_engine = demo_engine(loop_iterations=4)
     looped, handles = run_collecting(loop_engine, requests)
     assert looped == base == host
     assert {r: v[2] for r, v in looped.items()} == {
         "len23": "length", "len37": "length", "stop": "stop", "stop_min": "stop",
         "stop_str_logprobs": "stop"}
     loops = [h for h in handles if isinstance(h, SpecLoopHandle)]
-    assert loop_engine.spec.step.loop.dispatches == len(loops) > 0
+    (dispatches, drafts, draft_tokens, accepted), hm = since(loop_engine, loop0), since(
+        host_engine, host0)
+    assert dispatches == len(loops) > 0
     assert host_engine.spec.step.loop is None
     # several iterations' tokens came back from one dispatch, in fewer dispatches in all
     assert max((h.result().tokens >= 0).sum(axis=0).max() for h in loops) > K + 1
     assert len(handles) < len(host_handles)
-    m, hm = loop_engine.spec.metrics, host_engine.spec.metrics
-    assert m.drafts > 0 and 0 < m.accepted <= m.draft_tokens
+    assert drafts > 0 and 0 < accepted <= draft_tokens
     # (more: the loop computes a row its stop string ended until the loop ends)
-    assert m.accepted >= hm.accepted
+    assert accepted >= hm[3]
 
 
-def test_loop_iterations_propose_and_accept_what_host_steps_do(continuations):
+def test_loop_iterations_propose_and_accept_what_host_steps_do(engines, continuations):
     """Without stop strings every loop iteration is a host-driven step's twin: the same rows,
     proposal counts and accepted proposals (the head's catch-up and chain are exact), counted
     into the metrics the same."""
     requests = {r: v for r, v in workload(continuations).items() if not v[1].stop}
-    host_engine, loop_engine = demo_engine(loop_iterations=1), demo_engine(loop_iterations=3)
+    host_engine, loop_engine = engines["host"], engines["loop"]
+    host0, loop0 = counts(host_engine), counts(loop_engine)
     assert run_collecting(host_engine, requests)[0] == run_collecting(loop_engine, requests)[0]
-    m, hm = loop_engine.spec.metrics, host_engine.spec.metrics
-    assert (m.drafts, m.draft_tokens, m.accepted) == (hm.drafts, hm.draft_tokens, hm.accepted)
-    assert loop_engine.spec.step.loop.dispatches > 0
-
-
-def test_the_default_configuration_runs_loops(continuations):
-    e = demo_engine()
-    run_collecting(e, {"a": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24))})
-    assert e.spec.step.loop.dispatches > 0
+    looped = since(loop_engine, loop0)
+    assert looped[1:] == since(host_engine, host0)[1:] and looped[0] > 0
 
 
 # The reference kernels behind a GPU backend's mixed-step rule (one-token rows of a ragged call

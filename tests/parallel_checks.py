@@ -381,10 +381,29 @@ def spec_decode_checks(out: dict) -> None:
             draft_module._jitted.cache_clear()
 
 
+def quant_shard_checks(out: dict) -> None:
+    """FP8 weights quantized on load (safetensors and dummy) onto a TP = 2 mesh against the
+    single-device load (the row-parallel channel maximum is reduced across the shards), and the
+    shape of device 0's slice of each weight and scale of layer 0 (tests/test_parallel.py)."""
+    for family, fmt in (("llama", "safetensors"), ("qwen3_moe", "safetensors"), ("llama", "dummy")):
+        cfg = dataclasses.replace(load_config(FIXTURES / family), quantization="fp8")
+        plan = ShardingPlan(build_mesh(2), cfg)
+        sharded = load_params(FIXTURES / family, cfg, jnp.float32, fmt, progress=False,
+                              shardings=plan.params(param_shapes(cfg, jnp.float32)))
+        single = load_params(FIXTURES / family, cfg, jnp.float32, fmt, progress=False)
+        same = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+            lambda a, b: a.dtype == b.dtype and bool((np.asarray(a) == np.asarray(b)).all()),
+            sharded, single))
+        shards = {"/".join(k.key for k in path): list(leaf.addressable_shards[0].data.shape)
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(sharded)[0]
+                  if path[0].key == "layers_0"}
+        out[f"quant/{family}/{fmt}"] = {"equal": all(same), "shards": shards}
+
+
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     checks = (model_checks, shard_checks, engine_checks, llama_tp1_checks, sampler_layout_checks,
-              spec_decode_checks, executable_cache_checks, lora_checks)
+              spec_decode_checks, executable_cache_checks, lora_checks, quant_shard_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
     else:  # (engine_checks runs it)

@@ -37,7 +37,7 @@ TIMEOUT_S = 600
 PARTS = {"models": ["model_checks"],
          "engine": ["shard_checks", "engine_checks"],
          "sampler_spec": ["llama_tp1_checks", "sampler_layout_checks", "spec_decode_checks"],
-         "cache_lora": ["executable_cache_checks", "lora_checks"]}
+         "cache_lora": ["executable_cache_checks", "lora_checks", "quant_shard_checks"]}
 models, engine, sampler_spec, cache_lora = (pytest.mark.part(name) for name in PARTS)
 
 
@@ -113,6 +113,24 @@ def test_lora_tp2_equals_single_device(cache_lora_run):
     checks = cache_lora_run
     assert checks["lora/tp2"] == checks["lora/tp1"]
     assert checks["lora/tp1"][0] != checks["lora/base"]  # the adapter row is not the base model's
+
+
+@cache_lora
+def test_fp8_sharded_loading_equals_single_device_and_scales_follow_their_weights(cache_lora_run):
+    """TP = 2: FP8 params quantized on load (safetensors and dummy) equal the single-device ones
+    (the row-parallel channel maximum is reduced across the shards), and each device holds its
+    slice of every weight and scale (parallel_checks.py, quant_shard_checks)."""
+    res = {k.removeprefix("quant/"): v for k, v in cache_lora_run.items() if k.startswith("quant/")}
+    assert len(res) == 3
+    for name, r in res.items():
+        assert r["equal"], name
+    s = res["llama/safetensors"]["shards"]  # hidden 64, q 4 x 16, kv 2 x 16, intermediate 128
+    assert s["layers_0/attn/q_proj/weight"] == [32, 64] and s["layers_0/attn/q_proj/weight_scale"] == [32]
+    assert s["layers_0/attn/o_proj/weight"] == [64, 32] and s["layers_0/attn/o_proj/weight_scale"] == [64]
+    assert s["layers_0/mlp/down_proj/weight"] == [64, 64]
+    m = res["qwen3_moe/safetensors"]["shards"]
+    assert m["layers_0/moe/w_gate"][2] * 2 == 24 and m["layers_0/moe/w_gate_scale"] == [8, 12]
+    assert m["layers_0/moe/w_down_scale"] == [8, 64]
 
 
 @models

@@ -208,7 +208,10 @@ def test_demo_engine_over_an_fp8_cache_ranks_the_bf16_greedy_tokens_first():
     heldout = (Path(__file__).resolve().parent.parent / "checkpoints" / "heldout_sample.txt")
     lines = [ln for ln in heldout.read_text().splitlines() if ln.strip()]
     prompts = ["\n".join(lines[i:i + 3]) for i in range(0, 24, 3)]
-    common = dict(max_num_seqs=8, max_model_len=128, warmup=False, compilation_cache_dir="")
+    # (no decode loop: its compile would cost more than the 24 steps it runs; the tokens are a
+    # single step's, tests/test_decode_loop.py)
+    common = dict(max_num_seqs=8, max_model_len=128, warmup=False, compilation_cache_dir="",
+                  decode_steps_per_call=1)
     bf16 = LLM(**common)
     outs = bf16.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                          use_tqdm=False)

@@ -325,9 +325,12 @@ def test_scales_shard_with_their_weights():
 # ---------------------------------------------------------------------------- engine and memory
 @pytest.fixture(scope="module")
 def demo_fp8_llm():
+    """No decode loop (one decode step per call): its compile is most of the engine's first
+    steps, and the greedy tokens are a single step's (tests/test_decode_loop.py)."""
     from jaxinfer import LLM
     return LLM(str(DEMO), quantization="fp8", dtype="float32", warmup=False, num_blocks=64,
-               max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, compilation_cache_dir="")
+               max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, compilation_cache_dir="",
+               decode_steps_per_call=1)
 
 
 def test_engine_greedy_with_fp8_weights_equals_the_dense_forward(demo_fp8_llm):

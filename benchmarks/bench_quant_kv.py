@@ -45,15 +45,15 @@ BATCH, CTX = (2, 256) if TINY else (64, 4096)
 HQ, HKV = (8, 2) if TINY else (32, 8)
 
 
-def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16):
+def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16, compiler_options=None):
     """jit fn(params, tokens[B, L]) -> float32 logits [B, L, V]: every row is one sequence
     prefilled in one step through a fresh paged cache of `kv_dtype` and `backend` (the engine's
-    path: write_kv, then attention over the cache)."""
+    path: write_kv, then attention over the cache), compiled with XLA's `compiler_options`."""
     from jaxinfer.worker.kv import allocate_kv_cache
     from jaxinfer.model.transformer import forward
     from pallas_kernels.attention.metadata import AttentionMetadata
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def logits(params, tokens):
         b, length = tokens.shape
         per_seq = -(-length // block_size)
@@ -76,8 +76,9 @@ def demo_windows(tokenizer, length: int) -> np.ndarray:
     return ids[: n * length + 1][np.arange(n)[:, None] * length + np.arange(length + 1)]
 
 
-def demo_ppl(length: int = 256) -> dict:
-    """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model."""
+def demo_ppl(length: int = 256, compiler_options=None) -> dict:
+    """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model; the
+    forwards compiled with XLA's `compiler_options`."""
     from checkpoints.measure_demo import perplexity_and_top1
     from jaxinfer.worker.kv.kv_scales import calibrate_kv_scales, calibration_tokens
     from jaxinfer.model.config import load_config
@@ -90,8 +91,10 @@ def demo_ppl(length: int = 256) -> dict:
     tok = Tokenizer.from_dir(DEMO)
     windows = demo_windows(tok, length)
     k, v = calibrate_kv_scales(cfg, params, calibration_tokens(tok, cfg.vocab_size, 512))
-    fns = {"bf16": paged_logits_fn(cfg, REFERENCE, jnp.bfloat16),
-           "fp8kv": paged_logits_fn(cfg, FP8KVAttention(REFERENCE, k, v), jnp.float8_e4m3fn)}
+    fns = {"bf16": paged_logits_fn(cfg, REFERENCE, jnp.bfloat16,
+                                   compiler_options=compiler_options),
+           "fp8kv": paged_logits_fn(cfg, FP8KVAttention(REFERENCE, k, v), jnp.float8_e4m3fn,
+                                    compiler_options=compiler_options)}
     if jax.default_backend() == "gpu":  # the same through the Mosaic kernels (prefill + decode)
         fns["fp8kv_mosaic"] = paged_logits_fn(cfg, FP8KVAttention(get_backend("mosaic"), k, v),
                                               jnp.float8_e4m3fn)

@@ -95,7 +95,8 @@ def _group_files(items):
         name = root.removeprefix("fixture:") if root.startswith("fixture:") else item.path.stem
         part = item.get_closest_marker("part")
         if part and not root.startswith("fixture:"):  # a slow file's parts, apart
-            name = f"{name}[{part.args[0]}]"
+            # (no "]" in a group name: xdist then takes the whole test id for the group)
+            name = f"{name}.{part.args[0]}"
         item.add_marker(pytest.mark.xdist_group(name))
         groups[item] = name
     _longest_first(items, groups)

@@ -44,8 +44,10 @@ from pallas_kernels.attention.backend import REFERENCE  # noqa: E402
 from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 
 FIXTURES = HERE / "fixtures" / "models"
-# One fixture per family (the *_fused ones are the same models in another file layout).
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+# One fixture per family (the *_fused ones are the same models in another file layout); mistral's
+# and qwen3's layers are llama's and qwen3_moe's parts (their rope and head_dim are no sharding's
+# concern), so they are not run apart.
+FAMILIES = ["llama", "qwen2", "mixtral", "qwen3_moe"]
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
 # Windowed families (sinks sharded by head, gpt-oss's expert biases split with their stacks).
 WINDOWED = ["gemma2", "gemma3", "gpt_oss"]
@@ -102,12 +104,12 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
 def model_checks(out: dict) -> None:
     """Greedy tokens, weights loaded straight into their shards (TP = 1's are the fixtures' golden
     tokens, which tests/test_hf_parity.py checks): TP = 2 on every family (the windowed Gemma 2/3
-    and gpt-oss too); TP = 4 (> the fixtures' 2 KV heads: replicated KV) on the families whose
-    parameters hold every kind a dense or MoE layer has (qwen2: biases, tied embeddings;
-    qwen3_moe: q/k norms, experts, a dense layer); the MoE families with experts split over the
-    devices (expert layout "ep") at 2 and 4 devices (gpt-oss at 2). TP = 1 and 8 on llama, qwen2
-    and qwen3_moe widened to 8 query heads (random weights generated sharded). mistral's and
-    qwen3's layers are llama's and qwen3_moe's parts at any TP size."""
+    and gpt-oss too; not mistral and qwen3, see FAMILIES); TP = 4 (> the fixtures' 2 KV heads:
+    replicated KV) on the families whose parameters hold every kind a dense or MoE layer has
+    (qwen2: biases, tied embeddings; qwen3_moe: q/k norms, experts, a dense layer); the MoE
+    families with experts split over the devices (expert layout "ep") at 2 and 4 devices (gpt-oss
+    at 2). TP = 1 and 8 on llama, qwen2 and qwen3_moe widened to 8 query heads (random weights
+    generated sharded)."""
     for fam in FAMILIES + WINDOWED + MLA:
         cfg = load_config(FIXTURES / fam)
         prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]
@@ -171,9 +173,9 @@ def shard_checks(out: dict) -> None:
 
 
 def engine_checks(out: dict) -> None:
-    """LLM(...) end to end: TP = 1 vs DP = 2 vs DP = 2 x TP = 2 (mixtral: MoE, a request of each
-    prompt, greedy; each replica of the last is the TP = 2 engine, on a sub-mesh), and the flags'
-    refusals."""
+    """LLM(...) end to end: TP = 1 vs DP = 2 x TP = 2 (mixtral: MoE, a request of each prompt,
+    greedy; each replica is the TP = 2 engine, on a sub-mesh: DP = 2 at TP = 1 is the same
+    replica code over sub-meshes of one device, not run apart), and the flags' refusals."""
     golden = np.load(FIXTURES / "mixtral" / "golden.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)] + [golden["greedy_prompt"].tolist()]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -181,7 +183,7 @@ def engine_checks(out: dict) -> None:
     # it (tests/test_decode_loop.py); sampler_layout_checks compiles it at TP = 2.
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64,
               block_size=4, warmup=False, compilation_cache_dir=None, decode_steps_per_call=1)
-    for tp, dp in ((1, 1), (1, 2), (2, 2)):
+    for tp, dp in ((1, 1), (2, 2)):
         llm = LLM(str(FIXTURES / "mixtral"), tensor_parallel_size=tp, data_parallel_size=dp, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         entry = {"tokens": [o.outputs[0].token_ids for o in outs]}
@@ -379,10 +381,29 @@ def spec_decode_checks(out: dict) -> None:
             draft_module._jitted.cache_clear()
 
 
+def quant_shard_checks(out: dict) -> None:
+    """FP8 weights quantized on load (safetensors and dummy) onto a TP = 2 mesh against the
+    single-device load (the row-parallel channel maximum is reduced across the shards), and the
+    shape of device 0's slice of each weight and scale of layer 0 (tests/test_parallel.py)."""
+    for family, fmt in (("llama", "safetensors"), ("qwen3_moe", "safetensors"), ("llama", "dummy")):
+        cfg = dataclasses.replace(load_config(FIXTURES / family), quantization="fp8")
+        plan = ShardingPlan(build_mesh(2), cfg)
+        sharded = load_params(FIXTURES / family, cfg, jnp.float32, fmt, progress=False,
+                              shardings=plan.params(param_shapes(cfg, jnp.float32)))
+        single = load_params(FIXTURES / family, cfg, jnp.float32, fmt, progress=False)
+        same = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+            lambda a, b: a.dtype == b.dtype and bool((np.asarray(a) == np.asarray(b)).all()),
+            sharded, single))
+        shards = {"/".join(k.key for k in path): list(leaf.addressable_shards[0].data.shape)
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(sharded)[0]
+                  if path[0].key == "layers_0"}
+        out[f"quant/{family}/{fmt}"] = {"equal": all(same), "shards": shards}
+
+
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     checks = (model_checks, shard_checks, engine_checks, llama_tp1_checks, sampler_layout_checks,
-              spec_decode_checks, executable_cache_checks, lora_checks)
+              spec_decode_checks, executable_cache_checks, lora_checks, quant_shard_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
     else:  # (engine_checks runs it)

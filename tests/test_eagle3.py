@@ -54,11 +54,14 @@ def head_dirs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-def test_greedy_matches_transformers_with_an_eagle3_head(family, head_dirs):
+@pytest.mark.parametrize("family, loop_iterations", [("llama", None), ("qwen3", 1), ("gemma2", 1)])
+def test_greedy_matches_transformers_with_an_eagle3_head(family, loop_iterations, head_dirs):
+    """Through the default on-device loop (llama) and host-driven verifying steps (the loop runs
+    the same forward for every family: test_spec_loop.py checks it against those steps)."""
     golden = np.load(FIXTURES / family / "golden.npz")
     spec = {"method": "eagle3", "model": str(head_dirs[family]), "num_speculative_tokens": 4}
-    assert_speculative_greedy_matches_golden(FIXTURES / family, spec, golden, block_size=BLOCK)
+    assert_speculative_greedy_matches_golden(FIXTURES / family, spec, golden, block_size=BLOCK,
+                                             spec_loop_iterations=loop_iterations)
 
 
 def tiny_engine(proposer=None, **kwargs) -> LLMEngine:

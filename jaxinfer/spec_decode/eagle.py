@@ -102,11 +102,6 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
     vocab = embed.shape[0]
     rows = jnp.arange(s)
     qsl = jnp.arange(s + 1, dtype=jnp.int32)
-    max_blocks = block_tables.shape[1]
-
-    def slot(pos, valid):
-        blk = block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
-        return jnp.where(valid, blk * block_size + pos % block_size, -1)
 
     def propose(i, logits, drafts, probs):
         ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i], expand_positions(t, drafts))
@@ -118,8 +113,8 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
         ids = jnp.where(i == 0, first_ids, drafts[:, jnp.maximum(i - 1, 0)])
         pos = first_pos + i
         valid = i < num
-        md = AttentionMetadata(slot(pos, valid), qsl, jnp.where(valid, pos + 1, 0),
-                               block_tables, num_decodes=s)
+        md = AttentionMetadata(slots(block_tables, rows, pos, valid, block_size), qsl,
+                               jnp.where(valid, pos + 1, 0), block_tables, num_decodes=s)
         with jax.named_scope("eagle_draft"):
             logits, stream, kv = cfg.step(params, embed, ids, hidden, pos, kv, md, backend)
         drafts, probs = propose(i, logits, drafts, probs)
@@ -127,7 +122,8 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
 
     drafts, probs = jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, vocab), jnp.float32)
     if behind is None:
-        hidden0 = cfg.fuse(params, streams[jnp.maximum(slot(first_pos, num > 0), 0)])
+        first_slots = slots(block_tables, rows, first_pos, num > 0, block_size)
+        hidden0 = cfg.fuse(params, streams[jnp.maximum(first_slots, 0)])
         kv, _, drafts, probs = jax.lax.fori_loop(0, k, body, (kv, hidden0, drafts, probs))
         return kv, drafts, probs
     owed = jnp.where(num > 0, behind.num, 0)
@@ -251,7 +247,7 @@ class EagleProposer:
             if seen < start - 1:
                 behind.append((entry, seen))
             seq.draft_computed = start
-        self._run_catch_up(behind)
+        self.run_catch_up(behind)
         self.kv_cache, drafts, q = self._chain(
             self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
             v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant)
@@ -268,7 +264,7 @@ class EagleProposer:
         self.kv_cache = copy_blocks(self.kv_cache, src, dst)
         self.streams = self._copy(self.streams, src, dst)
 
-    def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
+    def run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
         """Head KV at each row's positions seen .. start - 2, in chunks of at most the largest
         token bucket; each position reads the token after it."""
         runner = self.runner

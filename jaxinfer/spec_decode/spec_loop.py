@@ -201,7 +201,7 @@ class SpecLoop:
             state[r, 1:3] = seen, num
             state[r, 3:3 + num] = seq.token_ids[seen + 1:start]
             seq.draft_computed = start  # at least; processing the loop sets where it ended
-        p._run_catch_up(behind)
+        p.run_catch_up(behind)
         kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = self._fn(
             runner.params, runner.kv_cache, runner.last_tokens, p.params, p.embed, p.kv_cache,
             p.streams, place_step_inputs(batch, runner.plan), state, variant=variant)

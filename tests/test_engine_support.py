@@ -123,6 +123,18 @@ def assert_speculative_greedy_matches_golden(model_dir, spec: dict, golden, bloc
     return e
 
 
+def record_proposed(engine) -> list[int]:
+    """A list the engine's scheduler appends each step's proposed-token count to."""
+    proposed, schedule = [], engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        proposed.append(out.num_proposed)
+        return out
+    engine.scheduler.schedule = spy
+    return proposed
+
+
 def test_tiny_tokenizer_round_trip():
     tok = tiny_tokenizer()
     text = "abcd ## stop e x"

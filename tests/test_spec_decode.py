@@ -23,8 +23,8 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode.config import speculative_config
 from jaxinfer.spec_decode.draft import DraftModel, load_draft
 from jaxinfer.spec_decode.ngram import propose_ngram
-from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
-                                 tiny_model, tiny_tokenizer)
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids,
+                                 record_proposed, run_all, tiny_model, tiny_tokenizer)
 
 pytestmark = [pytest.mark.filterwarnings("error:Some donated buffers were not usable"),
               pytest.mark.slow]  # minutes on the CI machine: xdist starts its group first
@@ -273,14 +273,7 @@ def test_acceptance_gate_pauses_a_draft_that_is_rejected(monkeypatch):
     monkeypatch.setattr("jaxinfer.spec_decode.gate.WINDOW_STEPS", 4)  # the workload is short
     e = engine(other_draft(), speculative_model="draft", num_speculative_tokens=3,
                speculative_min_acceptance=1.0)  # any rejection in a full window closes it
-    proposed = []
-    schedule = e.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        proposed.append(out.num_proposed)
-        return out
-    e.scheduler.schedule = spy
+    proposed = record_proposed(e)
     assert run_workload(e) == baseline()
     gate = e.spec.speculator.gate
     assert gate.closings == 1 and not gate.open

@@ -22,8 +22,8 @@ from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.spec_loop import SpecLoopHandle
 from pallas_kernels.attention.backend import REFERENCE, register
 from test_eagle3 import random_head
-from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
-                                 tiny_model, tiny_tokenizer)
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids,
+                                 record_proposed, run_all, tiny_model, tiny_tokenizer)
 
 pytestmark = [pytest.mark.filterwarnings("error:Some donated buffers were not usable"),
               pytest.mark.slow]
@@ -252,14 +252,7 @@ def test_the_acceptance_gate_counts_each_iteration_as_a_step(monkeypatch):
     one verifying step to the gate) closes it, and the rest runs without speculation."""
     monkeypatch.setattr("jaxinfer.spec_decode.gate.WINDOW_STEPS", 4)
     e = tiny_loop_engine(min_acceptance=1.0)
-    proposed = []
-    schedule = e.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        proposed.append(out.num_proposed)
-        return out
-    e.scheduler.schedule = spy
+    proposed = record_proposed(e)
     assert run_tiny(e) == run_tiny(tiny_loop_engine(proposer=False))
     gate = e.spec.speculator.gate
     assert gate.closings == 1 and not gate.open and e.spec.step.loop.dispatches >= 1

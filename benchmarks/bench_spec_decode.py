@@ -129,7 +129,6 @@ def measure(e, prompts, output_len: int, concurrency: int) -> dict:
         # verifying iterations per verifying dispatch: 1 without the on-device loop
         out["spec_loop_iters_per_dispatch"] = round(
             (loops * per_loop + singles) / max(loops + singles, 1), 3)
-    if spec:
         drafted, accepted = spec.draft_tokens - before[0], spec.accepted - before[1]
         out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
         steps = spec.drafts - before[2]  # row-steps that verified proposals

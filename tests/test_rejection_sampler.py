@@ -1,6 +1,7 @@
 """The rejection sampler on given p / q (no model): emitted tokens follow the target distribution
 (chi-square at temperature 1, with and without top-p), greedy accepts exactly the argmax prefix,
-and a row without proposals samples what the ordinary sampler samples."""
+(also through the all-greedy fast path), and a row without proposals samples what the ordinary
+sampler samples."""
 
 from __future__ import annotations
 
@@ -97,7 +98,10 @@ def test_acceptance_rate_matches_the_overlap_of_p_and_q():
     assert abs((accepted >= 1).mean() - expected) < 0.03
 
 
-def test_greedy_accepts_exactly_the_argmax_prefix():
+@pytest.mark.parametrize("variant", [BASE_SAMPLER, FULL_SAMPLER], ids=["base", "full"])
+def test_greedy_accepts_exactly_the_argmax_prefix(variant):
+    """Through the general path and the all-greedy fast path (greedy_only), which must agree on
+    every output, logprobs included."""
     s = 4
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(s, 4, V)), jnp.float32)
     best = np.asarray(jnp.argmax(logits, -1))
@@ -106,7 +110,10 @@ def test_greedy_accepts_exactly_the_argmax_prefix():
     drafts[2, 0] = (best[2, 0] + 1) % V  # row 2: rejected at position 0
     num = np.array([3, 3, 3, 1], np.int32)  # row 3: one proposal only
     t = tensors(s, temperature=np.zeros(s, np.float32))
-    out = _verify(logits, jnp.asarray(drafts, jnp.int32), jnp.asarray(num), t, BASE_SAMPLER)
+    out, fast = (jax.jit(verify, static_argnums=(4, 6))(
+        logits, jnp.asarray(drafts, jnp.int32), jnp.asarray(num), t, variant, None, greedy)
+        for greedy in (False, True))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, out, fast)
     toks = np.asarray(out.sampled.tokens).T
     assert list(np.asarray(out.num_accepted)) == [3, 1, 0, 1]
     np.testing.assert_array_equal(toks[0], best[0])

@@ -39,7 +39,7 @@ from jaxinfer.spec_decode import eagle_head as head
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, input_ids
+from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, input_ids
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
@@ -91,12 +91,13 @@ def slots(tables: jax.Array, row: jax.Array, pos: jax.Array, valid: jax.Array,
 
 def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
            t: SamplingTensors, behind: CatchUp | None = None, *, cfg, backend, block_size: int,
-           k: int, variant: SamplerVariant):
+           k: int, variant: SamplerVariant, greedy_only: bool = False):
     """k head steps over S rows (step 0 at first_pos: the input token and the target's streams of
     first_pos; step i: proposal i and step i - 1's stream). Rows with num <= i are padding in step
     i. `behind`: head KV owed at the positions just before first_pos, computed by step 0 in the
     same call (one ragged query per row: those positions, then step 0's) rather than by a catch-up
     call of its own (a proposing row's; one that proposes nothing is at its limit and ends).
+    `greedy_only` (static): every row is greedy; q is None.
     -> (kv cache, drafts i32[S, k], q f32[S, k, V])"""
     s = first_ids.shape[0]
     vocab = embed.shape[0]
@@ -105,8 +106,9 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
 
     def propose(i, logits, drafts, probs):
         ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i], expand_positions(t, drafts))
-        d, q = propose_tokens(logits, ti, variant=variant)
-        return drafts.at[:, i].set(jnp.where(i < num, d, 0)), probs.at[:, i].set(q)
+        d, q = propose_tokens(logits, ti, variant=variant, greedy_only=greedy_only)
+        drafts = drafts.at[:, i].set(jnp.where(i < num, d, 0))
+        return drafts, None if greedy_only else probs.at[:, i].set(q)
 
     def body(i, carry):
         kv, hidden, drafts, probs = carry
@@ -120,7 +122,8 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
         drafts, probs = propose(i, logits, drafts, probs)
         return kv, stream.astype(hidden.dtype), drafts, probs
 
-    drafts, probs = jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k, vocab), jnp.float32)
+    drafts = jnp.zeros((s, k), jnp.int32)
+    probs = None if greedy_only else jnp.zeros((s, k, vocab), jnp.float32)
     if behind is None:
         first_slots = slots(block_tables, rows, first_pos, num > 0, block_size)
         hidden0 = cfg.fuse(params, streams[jnp.maximum(first_slots, 0)])
@@ -168,7 +171,8 @@ def _copy_rows(streams, src, dst, block_size: int):
 def _jitted(cfg, target_cfg, backend: AttentionBackend, block_size: int,
             k: int):
     chain = jax.jit(functools.partial(_chain, cfg=cfg, backend=backend, block_size=block_size,
-                                      k=k), static_argnames=("variant",), donate_argnums=(2,))
+                                      k=k), static_argnames=("variant", "greedy_only"),
+                    donate_argnums=(2,))
     catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
                        donate_argnums=(2,))
     target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, backend=backend,
@@ -250,7 +254,8 @@ class EagleProposer:
         self.run_catch_up(behind)
         self.kv_cache, drafts, q = self._chain(
             self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
-            v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant)
+            v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant,
+            greedy_only=all_greedy(sched.scheduled))
         return dataclasses.replace(v, drafts=drafts), q
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -47,7 +47,7 @@ from jaxinfer.spec_decode.target_step import verify_forward
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch, sampler_variant
+from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, sampler_variant
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -59,7 +59,8 @@ AUTO_SPEC_LOOP_ITERATIONS = 4
 def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, streams,
                batch: StepBatch, rows, *, cfg, head_cfg,
                backend: AttentionBackend, block_size: int, k: int, iterations: int,
-               variant: SamplerVariant, plan: ShardingPlan | None, layers: tuple[int, ...]):
+               variant: SamplerVariant, plan: ShardingPlan | None, layers: tuple[int, ...],
+               greedy_only: bool = False):
     """`batch`: the rows as one-token decodes (positions: each row's input position, token_ids
     its input token, sampling.out_pos that token's output index). rows i32[S, 3 + k] (one host
     array, one transfer): the tokens each row may still add (0: padding), then the head catch-up
@@ -91,7 +92,7 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         hkv, drafts, q = _chain(head_params, embed, hkv, strm, tok, pos - 1, n, tables0, t,
                                 CatchUp(cu.ids, cu.pos, jnp.where(live, cu.num, 0)),
                                 cfg=head_cfg, backend=backend, block_size=block_size, k=k,
-                                variant=variant)
+                                variant=variant, greedy_only=greedy_only)
         # 2. the target's verify: rows of n + 1 tokens packed as the host packs them
         qsl, r, j = ragged(jnp.where(live, n + 1, 0), s * k1)
         owned = r < s
@@ -103,7 +104,8 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         vidx = jnp.minimum(qsl[:-1, None] + jnp.minimum(jk.T, n[:, None]), s * k1 - 1)
         kv, out, strm = verify_forward(params, kv, strm, jnp.where(owned, ids, 0), vpos, md, vidx,
                                        t, drafts, n, q, cfg=cfg, backend=backend,
-                                       variant=variant, plan=plan, layers=layers)
+                                       variant=variant, plan=plan, layers=layers,
+                                       greedy_only=greedy_only)
         # 3. each live row advances by what it emitted: its tokens go to the record packed
         acc = out.num_accepted
         emitted = jnp.where(live, acc + 1, 0)
@@ -145,7 +147,7 @@ def jitted_spec_loop(cfg, head_cfg, backend: AttentionBackend, block_size: int, 
     return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg, backend=backend,
                                      block_size=block_size, k=k, iterations=iterations,
                                      plan=plan, layers=layers),
-                   static_argnames=("variant",), donate_argnums=(1, 2, 5, 6))
+                   static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 5, 6))
 
 
 class SpecLoopHandle(StepHandle):
@@ -204,7 +206,8 @@ class SpecLoop:
         p.run_catch_up(behind)
         kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = self._fn(
             runner.params, runner.kv_cache, runner.last_tokens, p.params, p.embed, p.kv_cache,
-            p.streams, place_step_inputs(batch, runner.plan), state, variant=variant)
+            p.streams, place_step_inputs(batch, runner.plan), state, variant=variant,
+            greedy_only=all_greedy(rows))
         self.dispatches += 1
         return kv_cache, last_tokens, SpecLoopHandle(sched, out, self.iterations * (k + 1),
                                                      extras)

@@ -37,8 +37,8 @@ from jaxinfer.spec_decode.eagle import write_streams
 from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import (StepBatch, build_step_batch, input_ids, sampler_variant,
-                                         store_emitted)
+from jaxinfer.worker.step_inputs import (StepBatch, all_greedy, build_step_batch, input_ids,
+                                         sampler_variant, store_emitted)
 from pallas_kernels.attention.backend import AttentionBackend
 
 
@@ -55,20 +55,22 @@ def _swap01(tree):
     return jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), tree)
 
 
-def _verify_rows(logits, inputs, *, variant: SamplerVariant) -> VerifyOutput:
+def _verify_rows(logits, inputs, *, variant: SamplerVariant, greedy_only: bool) -> VerifyOutput:
     """`verify` with every output leaf row-first ([S, K + 1, ...]), as `sample_in_layout` takes
     them; inputs: (sampling tensors, drafts, num_drafts, draft_probs), every leaf [S, ...]."""
     t, drafts, num_drafts, draft_probs = inputs
-    out = verify(logits, drafts, num_drafts, t, variant, draft_probs)
+    out = verify(logits, drafts, num_drafts, t, variant, draft_probs, greedy_only)
     return dataclasses.replace(out, sampled=_swap01(out.sampled))
 
 
 def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices, sampling,
                    drafts, num_drafts, draft_probs, *, cfg: ModelConfig,
                    backend: AttentionBackend, variant: SamplerVariant,
-                   plan: ShardingPlan | None = None, layers: tuple[int, ...] = ()):
+                   plan: ShardingPlan | None = None, layers: tuple[int, ...] = (),
+                   greedy_only: bool = False):
     """The target's forward over ragged rows of k + 1 tokens (input token, then the proposals;
-    `ids` already holds them) and the rejection sampler at `verify_indices` i32[S, K + 1].
+    `ids` already holds them) and the rejection sampler at `verify_indices` i32[S, K + 1]
+    (`greedy_only`: every row is greedy, `rejection_sampler.verify`'s fast path).
     `layers` (an EAGLE-3 head's): the residual streams entering them are written into `streams`
     at the step's slots, from the same pass. -> (kv cache, VerifyOutput [K + 1, S], streams)"""
     s, k1 = verify_indices.shape
@@ -85,7 +87,8 @@ def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices
         # Under TP each row's k + 1 logits are made whole on one device first, as the sampler's
         # are (parallel/sampling_logits.py): verification's conditionals (penalties, truncation,
         # top logprobs) then hold no collective, and its vocabulary reductions are TP = 1's.
-        out = sample_in_layout(functools.partial(_verify_rows, variant=variant),
+        out = sample_in_layout(functools.partial(_verify_rows, variant=variant,
+                                                 greedy_only=greedy_only),
                                logits.reshape(s, k1, -1),
                                (sampling, drafts, num_drafts, draft_probs), plan)
     return kv_cache, dataclasses.replace(out, sampled=_swap01(out.sampled)), streams
@@ -94,13 +97,13 @@ def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices
 def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
                  streams=None, *, cfg: ModelConfig, backend: AttentionBackend,
                  variant: SamplerVariant, plan: ShardingPlan | None = None,
-                 layers: tuple[int, ...] = ()):
+                 layers: tuple[int, ...] = (), greedy_only: bool = False):
     ids = input_ids(batch, last_tokens)
     ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
     kv_cache, out, streams = verify_forward(
         params, kv_cache, streams, ids, batch.positions, batch.md, v.verify_indices,
         batch.sampling, v.drafts, v.num_drafts, draft_probs, cfg=cfg, backend=backend,
-        variant=variant, plan=plan, layers=layers)
+        variant=variant, plan=plan, layers=layers, greedy_only=greedy_only)
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
     return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out, streams
 
@@ -113,7 +116,7 @@ def jitted_verify_step(cfg: ModelConfig, backend: AttentionBackend,
     variant."""
     return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend, plan=plan,
                                      layers=layers),
-                   static_argnames=("variant",), donate_argnums=(1, 2, 6))
+                   static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 6))
 
 
 def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
@@ -170,7 +173,7 @@ class SpeculativeStep:
         writer = self.stream_writer
         kv_cache, last_tokens, out, streams = self._verify(
             runner.params, runner.kv_cache, runner.last_tokens, batch, v, draft_probs,
-            writer and writer.streams, variant=variant)
+            writer and writer.streams, variant=variant, greedy_only=all_greedy(sched.scheduled))
         if writer is not None:
             writer.streams = streams
         return kv_cache, last_tokens, StepHandle(sched, out.sampled, self.k + 1,

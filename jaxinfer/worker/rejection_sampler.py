@@ -75,10 +75,13 @@ class VerifyOutput:
 
 
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: SamplingTensors,
-           variant: SamplerVariant, draft_probs: jax.Array | None = None) -> VerifyOutput:
+           variant: SamplerVariant, draft_probs: jax.Array | None = None,
+           greedy_only: bool = False) -> VerifyOutput:
     """logits f32[S, K+1, V] (the target at each row's k + 1 positions), drafts i32[S, K] with
     num_drafts i32[S] of them real, draft_probs f32[S, K, V] (None: each proposal is a point mass),
-    t: the rows' tensors with out_pos at the first position -> the emitted tokens."""
+    t: the rows' tensors with out_pos at the first position -> the emitted tokens.
+    `greedy_only` (static): every row is greedy, so only the argmax is computed (the same tokens;
+    no distribution, noise or residual)."""
     s, k1, v = logits.shape
     flat_t = expand_positions(t, drafts)
     raw = logits.reshape(s * k1, v)
@@ -87,6 +90,8 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     processed, scaled, greedy = process_logits(raw, flat_t, variant)
     processed, scaled = processed.reshape(s, k1, v), scaled.reshape(s, k1, v)
     greedy = greedy.reshape(s, k1)[:, 0]
+    if greedy_only:
+        return _verify_greedy(raw, processed, drafts, num_drafts, flat_t, variant)
     p = jax.nn.softmax(scaled, axis=-1)
     noise = row_gumbel(flat_t.seed, flat_t.out_pos, v).reshape(s, k1, v)
     argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)              # [S, K+1]
@@ -112,31 +117,53 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     # The token at the first non-accepted position: a residual sample after a rejection, the plain
     # sample of p after the last proposal (the bonus token; with no proposals, the usual sample).
     last = jnp.where(greedy[:, None], argmax, jnp.where(real, resampled, plain))
+    return _emitted(raw, d, last, num_accepted, flat_t, variant)
+
+
+def _verify_greedy(raw, processed, drafts, num_drafts, flat_t: SamplingTensors,
+                   variant: SamplerVariant) -> VerifyOutput:
+    """`verify` for rows that are all greedy: a proposal is accepted iff it is the argmax, and the
+    argmax follows the last accepted one."""
+    s, k1, _ = processed.shape
+    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)              # [S, K+1]
+    d = jnp.concatenate([drafts, jnp.zeros((s, 1), drafts.dtype)], axis=1)
+    accept = (d == argmax) & (jnp.arange(k1)[None, :] < num_drafts[:, None])
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    return _emitted(raw, d, argmax, num_accepted, flat_t, variant)
+
+
+def _emitted(raw, d, last, num_accepted, flat_t: SamplingTensors,
+             variant: SamplerVariant) -> VerifyOutput:
+    """Each row's accepted proposals `d`, then `last` at the first non-accepted position, -1 past
+    it ([K + 1, S] fields), with their logprobs."""
+    s, k1 = d.shape
     pos = jnp.arange(k1)[None, :]
     tokens = jnp.where(pos < num_accepted[:, None], d,
                        jnp.where(pos == num_accepted[:, None], last, -1)).astype(jnp.int32)
-    tokens_t = tokens.T                                                     # [K+1, S]
 
     def by_position(a):
         return jnp.swapaxes(a.reshape(s, k1, *a.shape[1:]), 0, 1)
     flat_tokens = jnp.maximum(tokens, 0).reshape(-1)
     if not variant.advanced:
-        return VerifyOutput(SamplerOutput(tokens_t, by_position(sampled_logprob(raw, flat_tokens)),
+        return VerifyOutput(SamplerOutput(tokens.T, by_position(sampled_logprob(raw, flat_tokens)),
                                           None, None), num_accepted)
     lp = raw_logprobs(raw, flat_tokens, flat_t)
-    return VerifyOutput(SamplerOutput(tokens_t, by_position(lp.logprob), by_position(lp.top_ids),
+    return VerifyOutput(SamplerOutput(tokens.T, by_position(lp.logprob), by_position(lp.top_ids),
                                       by_position(lp.top_logprobs)), num_accepted)
 
 
 DRAFT_STREAM = 0x0D5AF7ED  # xor-ed into a row's seed for the draft's own noise
 
 
-def propose_tokens(logits, ti: SamplingTensors, *, variant: SamplerVariant):
+def propose_tokens(logits, ti: SamplingTensors, *, variant: SamplerVariant,
+                   greedy_only: bool = False):
     """One draft position of S rows (a draft model's or an EAGLE head's logits): -> (proposals
     i32[S], their distributions q f32[S, V]) under the request's transforms; greedy rows propose
-    the argmax, a point mass."""
+    the argmax, a point mass. `greedy_only` (static: every row is greedy): q is None."""
     processed, scaled, greedy = process_logits(logits, ti, variant)
     best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return best, None
     noise = row_gumbel(ti.seed ^ jnp.uint32(DRAFT_STREAM), ti.out_pos, logits.shape[-1])
     d = jnp.where(greedy, best, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32))
     q = jnp.where(greedy[:, None], jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32),

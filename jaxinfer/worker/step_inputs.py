@@ -138,6 +138,12 @@ def sampler_variant(rows: list[ScheduledSeq]) -> SamplerVariant:
     return FULL_SAMPLER if any(r.seq.request.needs_full_sampler for r in rows) else BASE_SAMPLER
 
 
+def all_greedy(rows: list[ScheduledSeq]) -> bool:
+    """Every row samples greedily: speculative steps then compute argmaxes only
+    (`rejection_sampler.verify`'s greedy_only)."""
+    return all(r.seq.request.params.temperature <= 0.0 for r in rows)
+
+
 def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
                      num_seqs: int, table: SamplingTable,
                      block_size: int, max_blocks: int, max_model_len: int,

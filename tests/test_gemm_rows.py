@@ -36,3 +36,32 @@ def test_mla_model_outputs_are_unchanged_by_the_second_row(monkeypatch):
     fn = jax.jit(lambda t: train_forward(params, cfg, t))
     assert "optimization_barrier" in fn.lower(toks).as_text()
     np.testing.assert_allclose(fn(toks), want, rtol=1e-5, atol=1e-5)
+
+
+def test_eagle_head_step_outputs_are_unchanged_by_the_second_row(monkeypatch):
+    """An EAGLE-3 head's chain steps after the first run one token a row: its fc, projections and
+    draft lm head stay products on the GPU too."""
+    from jaxinfer.spec_decode import eagle_head as head
+    from test_eagle3 import random_head
+    from test_engine_support import tiny_model
+    target_cfg, target_params = tiny_model()
+    cfg, hp = random_head(target_cfg, std=0.2)
+    embed = target_params["embed"]["embedding"]
+    aux = jnp.asarray(np.random.default_rng(3).normal(size=(1, cfg.stream_width)), jnp.float32)
+
+    def step(ids, aux):
+        def attend(q, k, v):  # the token attends to itself alone
+            g = q.shape[-2] // k.shape[-2]
+            k, v = (jnp.repeat(a, g, axis=-2) for a in (k, v))
+            w = jax.nn.softmax(jnp.einsum("thd,shd->hts", q, k), axis=-1)
+            return jnp.einsum("hts,shd->thd", w, v)
+        normed, stream = head.layer(hp, cfg, embed, ids, head.fuse(hp, aux), jnp.zeros(1, int),
+                                    attend)
+        return head.draft_logits(hp, normed), stream
+    ids = jnp.asarray([7], jnp.int32)
+    want = jax.jit(step)(ids, aux)
+    monkeypatch.setattr(gemm_rows, "_on_gpu", lambda: True)
+    fn = jax.jit(lambda i, a: step(i, a))  # a new trace: _on_gpu is read while tracing
+    assert fn.lower(ids, aux).as_text().count("optimization_barrier") == 9
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                           fn(ids, aux), want)

@@ -44,6 +44,12 @@ def gemm_rows(matmul: Callable[[jax.Array], jax.Array], x: jax.Array, tokens: in
     return y[:1]
 
 
+def dot(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+    """jnp.dot(x [..., K], w [K, N], **kwargs) through `gemm_rows`."""
+    return gemm_rows(lambda a: jnp.dot(a, w, **kwargs), x, math.prod(x.shape[:-1]),
+                     x.shape[-1] * w.shape[-1])
+
+
 class Dense(nn.Dense):
     """nn.Dense (the same params) whose one-token products stay GEMMs (`gemm_rows`)."""
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig, config_from_dict
+from jaxinfer.model.gemm_rows import dot
 from jaxinfer.model.transformer import apply_rope, rope_tables
 
 NORMS = ("input_norm", "hidden_norm", "post_attn_norm", "norm")
@@ -196,7 +197,7 @@ def rms(x, w, eps):
 
 def fuse(p: dict, aux: jax.Array) -> jax.Array:
     """The target's three streams [..., 3 Ht] -> the head's hidden input [..., H]."""
-    return jnp.dot(aux.astype(p["fc"].dtype), p["fc"])
+    return dot(aux.astype(p["fc"].dtype), p["fc"])
 
 
 def layer(p: dict, cfg: Eagle3Config, embed_table, tokens, hidden, positions,
@@ -212,14 +213,14 @@ def layer(p: dict, cfg: Eagle3Config, embed_table, tokens, hidden, positions,
     x = jnp.concatenate([rms(embeds, p["input_norm"], c.rms_norm_eps),
                          rms(hidden, p["hidden_norm"], c.rms_norm_eps)], axis=-1)
     lead = x.shape[:-1]
-    q = jnp.dot(x, p["q_proj"]).reshape(*lead, c.num_heads, c.head_dim)
-    k = jnp.dot(x, p["k_proj"]).reshape(*lead, c.num_kv_heads, c.head_dim)
-    v = jnp.dot(x, p["v_proj"]).reshape(*lead, c.num_kv_heads, c.head_dim)
+    q = dot(x, p["q_proj"]).reshape(*lead, c.num_heads, c.head_dim)
+    k = dot(x, p["k_proj"]).reshape(*lead, c.num_kv_heads, c.head_dim)
+    v = dot(x, p["v_proj"]).reshape(*lead, c.num_kv_heads, c.head_dim)
     cos, sin = rope_tables(c, positions)
     out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    stream = jnp.dot(out.reshape(*lead, -1).astype(dtype), p["o_proj"]) + hidden
+    stream = dot(out.reshape(*lead, -1).astype(dtype), p["o_proj"]) + hidden
     h = rms(stream, p["post_attn_norm"], c.rms_norm_eps)
-    stream = stream + jnp.dot(jax.nn.silu(jnp.dot(h, p["gate_proj"])) * jnp.dot(h, p["up_proj"]),
+    stream = stream + dot(jax.nn.silu(dot(h, p["gate_proj"])) * dot(h, p["up_proj"]),
                               p["down_proj"])
     return rms(stream, p["norm"], c.rms_norm_eps), stream
 
@@ -228,7 +229,7 @@ def draft_logits(p: dict, normed: jax.Array) -> jax.Array:
     """f32 logits over the draft vocabulary [..., Vd] (the product in the weights' dtype: XLA:CPU
     has no bf16 x bf16 -> f32 dot inside a loop; q only has to be the distribution proposals are
     drawn from, which it is at any precision)."""
-    return jnp.dot(normed, p["lm_head"]).astype(jnp.float32)
+    return dot(normed, p["lm_head"]).astype(jnp.float32)
 
 
 def target_logits(p: dict, normed: jax.Array, vocab_size: int) -> jax.Array:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.gemm_rows import dot
 from jaxinfer.model.norm_rope import RMSNorm, rope_tables
 from jaxinfer.model.tensor_sources import Checkpoint
 from jaxinfer.model.transformer import DecoderLayer
@@ -66,14 +67,14 @@ class MTPConfig:
             return RMSNorm(c.rms_norm_eps, dtype).apply({"params": {"weight": w}}, x)
 
         e = jnp.where((positions == 0)[..., None], 0, embed[ids].astype(dtype))
-        x = jnp.dot(jnp.concatenate([norm(p["enorm"], e), norm(p["hnorm"], hidden.astype(dtype))],
-                                    axis=-1), p["eh_proj"])
+        x = dot(jnp.concatenate([norm(p["enorm"], e), norm(p["hnorm"], hidden.astype(dtype))],
+                                axis=-1), p["eh_proj"])
         cos, sin = rope_tables(c, positions)
         x, delta, new_kv = DecoderLayer(c, backend, dtype, c.layer_is_moe(0)).apply(
             {"params": p["layers_0"]}, x, None, cos, sin, kv[0], md)
         stream = x + delta
         normed = norm(p["final_norm"]["weight"], stream)
-        logits = jnp.dot(normed, p["lm_head"]["kernel"], preferred_element_type=jnp.float32)
+        logits = dot(normed, p["lm_head"]["kernel"], preferred_element_type=jnp.float32)
         return logits, stream, (new_kv,)
 
 

@@ -1,6 +1,8 @@
 """gemm_rows: one token's small products run on two rows (as on a GPU) give the same outputs."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +42,8 @@ def test_mla_model_outputs_are_unchanged_by_the_second_row(monkeypatch):
 
 def test_eagle_head_step_outputs_are_unchanged_by_the_second_row(monkeypatch):
     """An EAGLE-3 head's chain steps after the first run one token a row: its fc, projections and
-    draft lm head stay products on the GPU too."""
+    draft lm head stay products on the GPU too; the serving layout (q/k/v and gate/up fused) runs
+    six of them with the same outputs."""
     from jaxinfer.spec_decode import eagle_head as head
     from test_eagle3 import random_head
     from test_engine_support import tiny_model
@@ -49,7 +52,7 @@ def test_eagle_head_step_outputs_are_unchanged_by_the_second_row(monkeypatch):
     embed = target_params["embed"]["embedding"]
     aux = jnp.asarray(np.random.default_rng(3).normal(size=(1, cfg.stream_width)), jnp.float32)
 
-    def step(ids, aux):
+    def step(ids, aux, hp=hp):
         def attend(q, k, v):  # the token attends to itself alone
             g = q.shape[-2] // k.shape[-2]
             k, v = (jnp.repeat(a, g, axis=-2) for a in (k, v))
@@ -63,5 +66,8 @@ def test_eagle_head_step_outputs_are_unchanged_by_the_second_row(monkeypatch):
     monkeypatch.setattr(gemm_rows, "_on_gpu", lambda: True)
     fn = jax.jit(lambda i, a: step(i, a))  # a new trace: _on_gpu is read while tracing
     assert fn.lower(ids, aux).as_text().count("optimization_barrier") == 9
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
-                           fn(ids, aux), want)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+    jax.tree_util.tree_map(close, fn(ids, aux), want)
+    fused = jax.jit(lambda i, a: step(i, a, head.fuse_projections(hp)))
+    assert fused.lower(ids, aux).as_text().count("optimization_barrier") == 6
+    jax.tree_util.tree_map(close, fused(ids, aux), want)

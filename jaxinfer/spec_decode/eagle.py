@@ -303,4 +303,4 @@ class EagleProposer:
 
 def load_eagle(model_dir: str, target_cfg, dtype) -> EagleProposer:
     cfg, params = head.load_head(model_dir, target_cfg, dtype)
-    return EagleProposer(cfg, params)
+    return EagleProposer(cfg, head.fuse_projections(params))

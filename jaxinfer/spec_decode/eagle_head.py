@@ -207,22 +207,40 @@ def layer(p: dict, cfg: Eagle3Config, embed_table, tokens, hidden, positions,
     caller's attention (paged or training-time-test). -> (final-normed [..., H], the stream
     [..., H] that is the next step's hidden input)."""
     c = cfg.layer
-    dtype = p["q_proj"].dtype
+    dtype = p["o_proj"].dtype
     embeds = embed_table[tokens].astype(dtype)
     hidden = hidden.astype(dtype)
     x = jnp.concatenate([rms(embeds, p["input_norm"], c.rms_norm_eps),
                          rms(hidden, p["hidden_norm"], c.rms_norm_eps)], axis=-1)
     lead = x.shape[:-1]
-    q = dot(x, p["q_proj"]).reshape(*lead, c.num_heads, c.head_dim)
-    k = dot(x, p["k_proj"]).reshape(*lead, c.num_kv_heads, c.head_dim)
-    v = dot(x, p["v_proj"]).reshape(*lead, c.num_kv_heads, c.head_dim)
+    if "qkv_proj" in p:  # the serving layout (`fuse_projections`)
+        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = jnp.split(dot(x, p["qkv_proj"]), [nq, nq + nk], axis=-1)
+    else:
+        q, k, v = (dot(x, p[f"{n}_proj"]) for n in "qkv")
+    q = q.reshape(*lead, c.num_heads, c.head_dim)
+    k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
+    v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
     cos, sin = rope_tables(c, positions)
     out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
     stream = dot(out.reshape(*lead, -1).astype(dtype), p["o_proj"]) + hidden
     h = rms(stream, p["post_attn_norm"], c.rms_norm_eps)
-    stream = stream + dot(jax.nn.silu(dot(h, p["gate_proj"])) * dot(h, p["up_proj"]),
-                              p["down_proj"])
+    if "gate_up_proj" in p:
+        gate, up = jnp.split(dot(h, p["gate_up_proj"]), 2, axis=-1)
+    else:
+        gate, up = dot(h, p["gate_proj"]), dot(h, p["up_proj"])
+    stream = stream + dot(jax.nn.silu(gate) * up, p["down_proj"])
     return rms(stream, p["norm"], c.rms_norm_eps), stream
+
+
+def fuse_projections(p: dict) -> dict:
+    """The serving layout: q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (a chain step
+    is one token a row: one product reads the weights of two or three, as the target's
+    `model/fused_projections.py` does). Training and the HF files keep them apart."""
+    p = dict(p)
+    p["qkv_proj"] = jnp.concatenate([p.pop(f"{n}_proj") for n in "qkv"], axis=1)
+    p["gate_up_proj"] = jnp.concatenate([p.pop("gate_proj"), p.pop("up_proj")], axis=1)
+    return p
 
 
 def draft_logits(p: dict, normed: jax.Array) -> jax.Array:

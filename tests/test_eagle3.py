@@ -134,3 +134,21 @@ def test_head_loading_round_trip_and_refusals(tmp_path):
     with pytest.raises(ConfigError, match="model directory"):
         EngineArgs(model="x", speculative_config={"method": "eagle3",
                                                   "num_speculative_tokens": 2}).spec_config()
+
+
+def test_warmup_compiles_the_stream_writing_forward():
+    """With a head attached, warm-up compiles the head's stream-writing forward for every step
+    bucket (the ordinary steps run it, not the runner's own forward), so serving compiles none."""
+    target_cfg, _ = tiny_model()
+    cfg, hp = random_head(target_cfg)
+    proposer = EagleProposer(cfg, hp)
+    e = tiny_engine(proposer, max_num_batched_tokens=16, background_compile=False)
+    e.warmup(progress=False)
+    buckets = e.runner.buckets
+    assert len(proposer.target_exe) == len(buckets.token_buckets) + len(buckets.decode_buckets)
+    assert not e.runner._forward_exe  # the runner's own forward is not compiled
+    calls = []
+    jitted, proposer.target_fn = proposer.target_fn, lambda *a: calls.append(1) or jitted(*a)
+    e.add_request("a", prompt_ids(3, 20), SamplingParams(temperature=0.0, max_tokens=6))
+    run_all(e)
+    assert not calls and e.spec.metrics.draft_tokens  # prefill ran an executable; it speculated

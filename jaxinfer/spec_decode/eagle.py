@@ -36,6 +36,7 @@ from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.transformer import forward_aux
 from jaxinfer.spec_decode import eagle_head as head
+from jaxinfer.worker.bucket_compiler import forward_key
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
@@ -194,6 +195,9 @@ class EagleProposer:
         self.k = 0
         self.kv_cache = None
         self.streams = None
+        # The stream-writing forward's executables per step bucket (forward_key), compiled at
+        # warm-up in place of the runner's own (bucket_compiler); else `target_fn` compiles.
+        self.target_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
 
     def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
         if runner.plan is not None and runner.plan.tp > 1:
@@ -212,7 +216,7 @@ class EagleProposer:
         self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size, kv_dtype)
         self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
                                  target_embed.dtype)
-        self._chain, self._catch_up, self._target, self._copy = _jitted(
+        self._chain, self._catch_up, self.target_fn, self._copy = _jitted(
             self.cfg, runner.cfg, runner.backend, runner.block_size, k)
 
     def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
@@ -223,8 +227,9 @@ class EagleProposer:
 
     def target_forward(self, runner, batch: StepBatch):
         """The runner's forward of an ordinary step, writing its streams. -> (logits, kv cache)"""
-        logits, kv, self.streams = self._target(runner.params, runner.kv_cache,
-                                                runner.last_tokens, batch, self.streams)
+        fn = self.target_exe.get(forward_key(batch), self.target_fn)
+        logits, kv, self.streams = fn(runner.params, runner.kv_cache, runner.last_tokens, batch,
+                                      self.streams)
         return logits, kv
 
     # ---- Proposer ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ by default, adds nothing to the time to ready), then mixed buckets; until a buck
 steps run padded up to the smallest ready bucket that fits, which gives the same tokens. A
 disaggregated pair's engines (`ModelRunner.compile_role`) differ: the decode engine takes every
 decode bucket first (a 64-row decode padded into the 2048-token mixed bucket costs a prefill
-chunk per token), the prefill engine, which never runs a pure-decode step, compiles none.
+chunk per token), the prefill engine, which never runs a pure-decode step, compiles none. With an
+EAGLE-3 head attached, a forward unit is the head's stream-writing forward, which its steps run.
 
 Lowering (Python: tracing, MLIR) runs on one thread and XLA's compiles on a pool, since XLA
 releases the GIL. Steps are lowered against shape-and-sharding specs of the weights, KV cache and
@@ -173,6 +174,8 @@ class BucketCompiler:
         self.ready_loops: set[int] = set()
         self.seconds: dict[str, float] = {}  # part name -> compile (or cache load) seconds
         self._specs = _spec((runner.params, runner.kv_cache, runner.last_tokens))
+        # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
+        self._writer = runner.speculation and runner.speculation.stream_writer
         self._logits_sharding = None
         self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
         self._done = threading.Condition()
@@ -231,7 +234,7 @@ class BucketCompiler:
         for f in futures:
             f.result()
         # The samplers take the forwards' logits: compiled for exactly their sharding.
-        first_forward = next(iter(self.runner._forward_exe.values()))
+        first_forward = next(iter(self._forward()[1].values()))
         self._logits_sharding = first_forward.output_shardings[0]
         for u in self.first:
             for f in self._sampler_parts(u):
@@ -349,7 +352,11 @@ class BucketCompiler:
         params, kv, last = self._specs
         if unit.kind != "loop":
             batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
-            return [(unit.name, (params, kv, last, model_inputs(batch)), {}, forward_key(batch))]
+            args, w = (params, kv, last, model_inputs(batch)), self._writer
+            if w is not None:
+                return [(f"{unit.name} streams {w.aux_layers}", (*args, _spec(w.streams)), {},
+                         forward_key(batch))]
+            return [(unit.name, args, {}, forward_key(batch))]
         specs = []
         for variant in LOOP_VARIANTS:
             batch = self.padding_batch("decode", unit.size, variant)
@@ -368,9 +375,16 @@ class BucketCompiler:
             f = self._samplers.get(key)
             if f is None:
                 f = self._samplers[key] = self._compile_or_load(
-                    name, self.runner._sample_fn, args, static, self.runner._sample_exe, key)
+                    name, self.runner._sample_fn, self.runner._sample_exe, args, static, key)
             parts.append(f)
         return parts
+
+    def _forward(self) -> tuple:
+        """(function, executable table) of the forward: the runner's, or the stream-writing one of
+        an attached EAGLE-3 head (`EagleProposer.target_forward` runs its executables)."""
+        w = self._writer
+        return ((self.runner._forward_fn, self.runner._forward_exe) if w is None
+                else (w.target_fn, w.target_exe))
 
     def _submit(self, unit: Unit) -> Future:
         """The unit's forward (or its two loops, as one future)."""
@@ -378,8 +392,8 @@ class BucketCompiler:
         if unit.kind != "loop":
             self._place_inputs(unit)
             (name, args, static, key), = self._step_specs(unit)
-            return self._compile_or_load(name, r._forward_fn, args, static, r._forward_exe, key)
-        loops = [self._compile_or_load(name, r._loop_fn, args, static, r._loop_exe, key)
+            return self._compile_or_load(name, *self._forward(), args, static, key)
+        loops = [self._compile_or_load(name, r._loop_fn, r._loop_exe, args, static, key)
                  for name, args, static, key in self._step_specs(unit)]
         both: Future = Future()
 
@@ -405,7 +419,7 @@ class BucketCompiler:
             cache.has(r.cached_step_key(name, args, static))
             for name, args, static, _ in self._step_specs(unit) + self._sampler_specs(unit))
 
-    def _compile_or_load(self, name: str, fn, args: tuple, static: dict, table: dict,
+    def _compile_or_load(self, name: str, fn, table: dict, args: tuple, static: dict,
                          key) -> Future:
         """Load from the executable cache, else lower here and compile on the pool; the executable
         goes into `table[key]`. A future of None."""
@@ -447,9 +461,8 @@ class BucketCompiler:
         """Every copy bucket's block copy (one executable each, like the steps)."""
         r = self.runner
         return [self._compile_or_load(
-                    f"copy {size}", copy_blocks,
-                    (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {},
-                    r._copy_exe, size)
+                    f"copy {size}", copy_blocks, r._copy_exe,
+                    (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {}, size)
                 for size in r.buckets.copy_buckets]
 
     def _host_padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:

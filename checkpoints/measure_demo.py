@@ -47,7 +47,8 @@ GOLDEN_PROMPTS = ('class Stack:\n    """A last-in, first-out stack."""\n\n    de
                   "import os\nimport sys\n\n\ndef main():")
 GOLDEN_TOKENS = 24
 SPEC_K = (1, 2, 3, 4, 5)
-README_PROMPT, README_TOKENS = "import os\nimport sys\n\n\ndef main():", 48
+README_PROMPT, README_TOKENS = ('class Point:\n    """A point in the plane."""\n\n'
+                                 "    def __init__(self, x, y):"), 48
 README_BLOCK = re.compile(r"(<!-- demo-example[^>]*-->\n).*?(<!-- /demo-example -->)", re.S)
 
 

@@ -136,9 +136,11 @@ def test_head_loading_round_trip_and_refusals(tmp_path):
                                                   "num_speculative_tokens": 2}).spec_config()
 
 
-def test_warmup_compiles_the_stream_writing_forward():
+def test_warmup_compiles_the_stream_writing_forward_and_the_spec_loop():
     """With a head attached, warm-up compiles the head's stream-writing forward for every step
-    bucket (the ordinary steps run it, not the runner's own forward), so serving compiles none."""
+    bucket (the ordinary steps run it, not the runner's own forward) and the on-device
+    speculative loop of each loop bucket (sampler variants x greedy-only or not), so serving
+    compiles none of them."""
     target_cfg, _ = tiny_model()
     cfg, hp = random_head(target_cfg)
     proposer = EagleProposer(cfg, hp)
@@ -147,8 +149,16 @@ def test_warmup_compiles_the_stream_writing_forward():
     buckets = e.runner.buckets
     assert len(proposer.target_exe) == len(buckets.token_buckets) + len(buckets.decode_buckets)
     assert not e.runner._forward_exe  # the runner's own forward is not compiled
+    loop = e.runner.speculation.loop
+    assert e.runner.spec_loop_buckets == buckets.decode_buckets == (8,)  # 8 sequences at most
+    assert sorted((s, v.advanced, g) for s, v, g in loop.exe) == [
+        (8, False, False), (8, False, True), (8, True, False), (8, True, True)]
     calls = []
     jitted, proposer.target_fn = proposer.target_fn, lambda *a: calls.append(1) or jitted(*a)
-    e.add_request("a", prompt_ids(3, 20), SamplingParams(temperature=0.0, max_tokens=6))
-    run_all(e)
-    assert not calls and e.spec.metrics.draft_tokens  # prefill ran an executable; it speculated
+    loop_fn, loop.fn = loop.fn, lambda *a, **k: calls.append(2) or loop_fn(*a, **k)
+    for temperature in (0.0, 0.8):
+        e.add_request(f"t{temperature}", prompt_ids(3, 20),
+                      SamplingParams(temperature=temperature, max_tokens=12, seed=1))
+        run_all(e)
+    # Prefill ran an executable, the decodes speculated in compiled loops, nothing through jit.
+    assert not calls and e.spec.metrics.draft_tokens and loop.dispatches >= 2

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 
 import jax
@@ -44,6 +45,7 @@ from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.spec_decode.eagle import CatchUp, _chain, ragged, slots
 from jaxinfer.spec_decode.target_step import verify_forward
+from jaxinfer.worker.bucket_compiler import shape_specs, variant_label
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
@@ -174,9 +176,27 @@ class SpecLoop:
 
     def __init__(self, runner, proposer, k: int, iterations: int):
         self.proposer, self.k, self.iterations = proposer, k, iterations
-        self._fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.backend, runner.block_size, k,
+        self.fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.backend, runner.block_size, k,
                                     iterations, runner.plan, tuple(proposer.aux_layers))
+        # Executables compiled at warm-up (worker/bucket_compiler.py), by (rows, sampler variant,
+        # greedy only); a loop without one compiles through jit on its first call.
+        self.exe: dict[tuple[int, SamplerVariant, bool], object] = {}
         self.dispatches = 0  # loops run (benchmarks, tests)
+
+    def compile_specs(self, target_specs: tuple, batch: StepBatch,
+                      variant: SamplerVariant) -> list[tuple[str, tuple, dict, tuple]]:
+        """(name, lowering arguments, static arguments, `exe` key) of the loop over `batch`'s rows
+        (an all-padding batch of `variant`), greedy-only and sampled. `target_specs`: the runner's
+        (params, KV cache, last tokens) as shape specs."""
+        p, s = self.proposer, batch.token_ids.shape[0]
+        head = shape_specs((p.params, p.embed, p.kv_cache, p.streams))
+        args = (*target_specs, *head, batch, jax.ShapeDtypeStruct((s, 3 + self.k), jnp.int32))
+        # The executable cache keys on argument shapes and static arguments: the head's config,
+        # k and N go in the name.
+        tag = hashlib.sha256(repr((p.cfg, tuple(p.aux_layers))).encode()).hexdigest()[:12]
+        return [(f"spec loop {s} {variant_label(variant)}{' greedy' if g else ''} k{self.k} "
+                 f"x{self.iterations} head {tag}", args, dict(variant=variant, greedy_only=g),
+                 (s, variant, g)) for g in (True, False)]
 
     def execute(self, runner, sched: SchedulerOutput):
         """Dispatch the loop on the runner's state (its block copies already applied): the new
@@ -204,10 +224,12 @@ class SpecLoop:
             state[r, 3:3 + num] = seq.token_ids[seen + 1:start]
             seq.draft_computed = start  # at least; processing the loop sets where it ended
         p.run_catch_up(behind)
-        kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = self._fn(
+        greedy = all_greedy(rows)
+        exe = self.exe.get((s, variant, greedy))
+        fn = exe or functools.partial(self.fn, variant=variant, greedy_only=greedy)
+        kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = fn(
             runner.params, runner.kv_cache, runner.last_tokens, p.params, p.embed, p.kv_cache,
-            p.streams, place_step_inputs(batch, runner.plan), state, variant=variant,
-            greedy_only=all_greedy(rows))
+            p.streams, place_step_inputs(batch, runner.plan), state)
         self.dispatches += 1
         return kv_cache, last_tokens, SpecLoopHandle(sched, out, self.iterations * (k + 1),
                                                      extras)

@@ -17,7 +17,10 @@ steps run padded up to the smallest ready bucket that fits, which gives the same
 disaggregated pair's engines (`ModelRunner.compile_role`) differ: the decode engine takes every
 decode bucket first (a 64-row decode padded into the 2048-token mixed bucket costs a prefill
 chunk per token), the prefill engine, which never runs a pure-decode step, compiles none. With an
-EAGLE-3 head attached, a forward unit is the head's stream-writing forward, which its steps run.
+EAGLE-3 head attached, a forward unit is the head's stream-writing forward, which its steps run,
+and each loop bucket also gets a *spec* unit: the on-device speculative loop
+(`spec_decode/spec_loop.py`) of each LOOP_VARIANTS variant, greedy-only and sampled; a loop not yet
+compiled compiles through jit on its first call, as before warm-up had them.
 
 Lowering (Python: tracing, MLIR) runs on one thread and XLA's compiles on a pool, since XLA
 releases the GIL. Steps are lowered against shape-and-sharding specs of the weights, KV cache and
@@ -30,11 +33,9 @@ at interpreter exit too) leaves only the compiles already running in XLA to fini
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.kv import copy_blocks
+from jaxinfer.worker.responsive_gil import responsive_gil
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
@@ -98,7 +100,7 @@ def step_shape(buckets: Buckets, num_tokens: int, num_rows: int, pure_decode: bo
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    kind: str  # "mixed" | "decode" | "loop"
+    kind: str  # "mixed" | "decode" | "loop" | "spec"
     size: int  # tokens (mixed) or sequences (decode, loop)
 
     @property
@@ -106,35 +108,11 @@ class Unit:
         return f"{self.kind} {self.size}"
 
 
-_SWITCH_INTERVAL_S = 0.0005
-_switch_lock = threading.Lock()
-_switch_users = [0, 0.0]  # background compiles running, the interval before the first
-
-
-@contextlib.contextmanager
-def _responsive_gil():
-    """While a background compile traces (pure Python, holding the GIL for long stretches), hand
-    the GIL over every 0.5 ms instead of Python's 5: the step loop needs it a few times per step.
-    (On the H200, batch-1 decode took 78 ms per token while buckets compiled, 4.6 ms after.)"""
-    with _switch_lock:
-        if not _switch_users[0]:
-            _switch_users[1] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_switch_users[1], _SWITCH_INTERVAL_S))
-        _switch_users[0] += 1
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_users[0] -= 1
-            if not _switch_users[0]:
-                sys.setswitchinterval(_switch_users[1])
-
-
 class _Stopped(Exception):
     """The compiler was stopped: submit nothing more."""
 
 
-def _spec(tree):
+def shape_specs(tree):
     """Shapes, dtypes and shardings of live arrays; an uncommitted array's spec names no sharding,
     so the executable's outputs stay uncommitted too (jit keys later calls on that)."""
     return jax.tree_util.tree_map(
@@ -153,6 +131,11 @@ class BucketCompiler:
         units = ([Unit("mixed", t) for t in b.token_buckets]
                  + [Unit("decode", s) for s in decodes])
         units += [Unit("loop", s) for s in decodes if s in runner.loop_buckets]
+        # An EAGLE-3 head's or MTP module's on-device speculative loop, in its buckets (its
+        # steps carry no LoRA inputs: a LoRA runner's padding batches have another layout).
+        self._spec_loop = runner.speculation and runner.speculation.loop
+        if self._spec_loop is not None and not runner.has_lora:
+            units += [Unit("spec", s) for s in decodes if s in runner.spec_loop_buckets]
         self.units = units
         # The first decode bucket: the smallest that holds more than one sequence (a lone
         # sequence's own bucket, Buckets.lone_sequence, comes first in the background). A
@@ -167,13 +150,13 @@ class BucketCompiler:
         for s in first_decodes:
             first.add(Unit("decode", s))
         self.first = [u for u in units if u in first]
-        order = {"decode": 0, "loop": 1, "mixed": 2}
+        order = {"decode": 0, "loop": 1, "spec": 2, "mixed": 3}
         self.rest = sorted((u for u in units if u not in first),
                            key=lambda u: (order[u.kind], u.size))
         self.ready_forwards: set[tuple[int, int, int]] = set()
         self.ready_loops: set[int] = set()
         self.seconds: dict[str, float] = {}  # part name -> compile (or cache load) seconds
-        self._specs = _spec((runner.params, runner.kv_cache, runner.last_tokens))
+        self._specs = shape_specs((runner.params, runner.kv_cache, runner.last_tokens))
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
         self._logits_sharding = None
@@ -267,7 +250,7 @@ class BucketCompiler:
 
         def background_run():
             try:
-                with _responsive_gil():
+                with responsive_gil():
                     run()
             except _Stopped:
                 pass
@@ -316,6 +299,8 @@ class BucketCompiler:
         b = self.runner.buckets
         if unit.kind == "loop":
             self.ready_loops.add(unit.size)
+        elif unit.kind == "spec":
+            pass  # until ready, a speculative loop compiles through jit on its first call
         elif unit.kind == "decode":
             self.ready_forwards.add((unit.size,) * 3)
         else:
@@ -333,7 +318,7 @@ class BucketCompiler:
     def _sampler_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
         """(name, args, static arguments, table key) of each sampler a forward unit needs; none
         for a loop, which samples inside."""
-        if unit.kind == "loop":
+        if unit.kind in ("loop", "spec"):
             return []
         s = self._rows(unit)
         specs = []
@@ -347,14 +332,17 @@ class BucketCompiler:
         return specs
 
     def _step_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
-        """(name, args, static arguments, table key) of the unit's forward, or of its two loops."""
+        """(name, args, static arguments, table key) of the unit's forward, or of its loops."""
         r = self.runner
         params, kv, last = self._specs
+        if unit.kind == "spec":
+            return [spec for variant in LOOP_VARIANTS for spec in self._spec_loop.compile_specs(
+                self._specs, self.padding_batch("decode", unit.size, variant), variant)]
         if unit.kind != "loop":
             batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
             args, w = (params, kv, last, model_inputs(batch)), self._writer
             if w is not None:
-                return [(f"{unit.name} streams {w.aux_layers}", (*args, _spec(w.streams)), {},
+                return [(f"{unit.name} streams {w.aux_layers}", (*args, shape_specs(w.streams)), {},
                          forward_key(batch))]
             return [(unit.name, args, {}, forward_key(batch))]
         specs = []
@@ -387,13 +375,15 @@ class BucketCompiler:
                 else (w.target_fn, w.target_exe))
 
     def _submit(self, unit: Unit) -> Future:
-        """The unit's forward (or its two loops, as one future)."""
+        """The unit's forward (or its loops, as one future)."""
         r = self.runner
-        if unit.kind != "loop":
+        if unit.kind not in ("loop", "spec"):
             self._place_inputs(unit)
             (name, args, static, key), = self._step_specs(unit)
             return self._compile_or_load(name, *self._forward(), args, static, key)
-        loops = [self._compile_or_load(name, r._loop_fn, r._loop_exe, args, static, key)
+        fn, table = ((r._loop_fn, r._loop_exe) if unit.kind == "loop"
+                     else (self._spec_loop.fn, self._spec_loop.exe))
+        loops = [self._compile_or_load(name, fn, table, args, static, key)
                  for name, args, static, key in self._step_specs(unit)]
         both: Future = Future()
 

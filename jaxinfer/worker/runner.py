@@ -237,11 +237,11 @@ class ModelRunner:
         self.decode_steps_per_call = decode_steps_per_call
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens,
                                     lone_sequence=is_fused(params))
-        # The decode buckets that run loops (the scheduler's decode_loop_max_seqs rounded up).
-        self.loop_buckets: tuple[int, ...] = ()
-        if decode_steps_per_call > 1:
-            top = self.buckets.decode_shape(min(decode_loop_max_seqs or max_num_seqs, max_num_seqs))
-            self.loop_buckets = tuple(s for s in self.buckets.decode_buckets if s <= top)
+        # The decode buckets that run on-device loops (the scheduler's decode_loop_max_seqs rounded
+        # up): the speculative loop's, and the decode loop's when it takes several steps.
+        top = self.buckets.decode_shape(min(decode_loop_max_seqs or max_num_seqs, max_num_seqs))
+        self.spec_loop_buckets = tuple(s for s in self.buckets.decode_buckets if s <= top)
+        self.loop_buckets = self.spec_loop_buckets if decode_steps_per_call > 1 else ()
         self.launcher: StepLauncher | None = None  # set_async_launch
         # The KV manager's layer groups (None: one table, one cache array per layer).
         self.kv_groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
@@ -330,7 +330,8 @@ class ModelRunner:
         """Every compilation warm-up makes (and the most a workload can cause): the forward of each
         step bucket, the sampler of each sequence bucket x variant, the unpacking of the inputs
         (transfer.place_step_inputs) of each step bucket x variant, the decode loop of each decode
-        bucket that runs loops x variant, and the block copy of each copy bucket."""
+        bucket that runs loops x variant (and the speculative loop's), and the block copy of each copy
+        bucket."""
         b = self.buckets
         shapes: list[tuple[str, int, SamplerVariant | None]] = []
         shapes += [("mixed", t, None) for t in b.token_buckets]
@@ -340,6 +341,9 @@ class ModelRunner:
         shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
         shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
         shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in self.loop_buckets]
+        if self.speculation and self.speculation.loop and not self.has_lora:  # greedy + sampled
+            shapes += [("spec loop", s, v)
+                       for v in LOOP_VARIANTS for s in self.spec_loop_buckets] * 2
         shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 

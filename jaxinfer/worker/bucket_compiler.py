@@ -131,10 +131,9 @@ class BucketCompiler:
         units = ([Unit("mixed", t) for t in b.token_buckets]
                  + [Unit("decode", s) for s in decodes])
         units += [Unit("loop", s) for s in decodes if s in runner.loop_buckets]
-        # An EAGLE-3 head's or MTP module's on-device speculative loop, in its buckets (its
-        # steps carry no LoRA inputs: a LoRA runner's padding batches have another layout).
+        # An EAGLE-3 head's or MTP module's on-device speculative loop, in its buckets.
         self._spec_loop = runner.speculation and runner.speculation.loop
-        if self._spec_loop is not None and not runner.has_lora:
+        if self._spec_loop is not None:
             units += [Unit("spec", s) for s in decodes if s in runner.spec_loop_buckets]
         self.units = units
         # The first decode bucket: the smallest that holds more than one sequence (a lone
@@ -335,9 +334,9 @@ class BucketCompiler:
         """(name, args, static arguments, table key) of the unit's forward, or of its loops."""
         r = self.runner
         params, kv, last = self._specs
-        if unit.kind == "spec":
+        if unit.kind == "spec":  # its steps carry no LoRA inputs (SpecLoop.execute)
             return [spec for variant in LOOP_VARIANTS for spec in self._spec_loop.compile_specs(
-                self._specs, self.padding_batch("decode", unit.size, variant), variant)]
+                self._specs, self.padding_batch("decode", unit.size, variant, lora=False), variant)]
         if unit.kind != "loop":
             batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
             args, w = (params, kv, last, model_inputs(batch)), self._writer
@@ -455,14 +454,17 @@ class BucketCompiler:
                     (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {}, size)
                 for size in r.buckets.copy_buckets]
 
-    def _host_padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
+    def _host_padding_batch(self, kind: str, size: int, variant: SamplerVariant,
+                            lora: bool | None = None) -> StepBatch:
+        """`lora`: whether the batch carries LoRA inputs (None: as the runner's steps do)."""
         r = self.runner
         if kind == "mixed":
             t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
         return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
-                                r.max_model_len, variant, r.has_lora, r.kv_groups.kv_layout)
+                                r.max_model_len, variant, r.has_lora if lora is None else lora,
+                                r.kv_groups.kv_layout)
 
     def _place_inputs(self, unit: Unit) -> None:
         """Place a padding batch of the unit's bucket in each sampler variant, as a step places its
@@ -474,10 +476,11 @@ class BucketCompiler:
             place_step_inputs(self._host_padding_batch(unit.kind, unit.size, variant),
                               self.runner.plan)
 
-    def padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
+    def padding_batch(self, kind: str, size: int, variant: SamplerVariant,
+                      lora: bool | None = None) -> StepBatch:
         """An all-padding batch of a bucket (running it writes no KV)."""
         r = self.runner
-        batch = self._host_padding_batch(kind, size, variant)
+        batch = self._host_padding_batch(kind, size, variant, lora)
         plan = r.plan
         if plan is None or plan.tp == 1:
             return batch

@@ -29,4 +29,3 @@ def responsive_gil():
             _switch_users[0] -= 1
             if not _switch_users[0]:
                 sys.setswitchinterval(_switch_users[1])
-

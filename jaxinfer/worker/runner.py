@@ -341,7 +341,7 @@ class ModelRunner:
         shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
         shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
         shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in self.loop_buckets]
-        if self.speculation and self.speculation.loop and not self.has_lora:  # greedy + sampled
+        if self.speculation and self.speculation.loop:  # greedy-only and sampled
             shapes += [("spec loop", s, v)
                        for v in LOOP_VARIANTS for s in self.spec_loop_buckets] * 2
         shapes += [("copy", c, None) for c in b.copy_buckets]

@@ -73,6 +73,7 @@ BLOCK = 16
 #   impl     the model's quant_impl (`--quant-impl`): "fp8" W8A8 (per-token e4m3 activations,
 #            FP8 x FP8 scaled gemm) or "dequant" weight-only (what the engine picks below
 #            FP8_GEMM_MIN_ROWS rows, so at batch 1).
+EXHAUSTIVE = "xla_gpu_exhaustive_tiling_search"
 VARIANTS: dict[str, dict] = {
     "base": {},
     "fused": dict(fused=True),
@@ -102,6 +103,11 @@ VARIANTS: dict[str, dict] = {
     "fp8w_cmdbuf": dict(fused=True, quant="fp8", options={
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"}),
     "fp8w_graph1": dict(fused=True, quant="fp8", options={"xla_gpu_graph_min_graph_size": 1}),
+    # The Triton gemm autotuner's whole search space (run each in a process of its own:
+    # XLA's in-process autotuning cache does not key on these options).
+    "fused_exh": dict(fused=True, options={EXHAUSTIVE: True}),
+    "fused_cublas": dict(fused=True, options={"xla_gpu_enable_triton_gemm": False}),
+    "fp8w_exh": dict(fused=True, quant="fp8", options={EXHAUSTIVE: True}),
 }
 TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)

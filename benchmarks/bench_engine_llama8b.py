@@ -19,7 +19,8 @@ Two engine processes share one fresh `--compilation-cache-dir`:
                   read kernels and product shapes, queued; the winners named) measured here, and
                   from them the batch-1 TPOT floor (weights + KV read per token) and the c256
                   output rate ceiling (prefill FLOPs + per-step weight and KV reads);
-        c256  256 prompts at once (512 / 256), `LLM.generate`: out tok/s, host ms per step;
+        c256  256 prompts at once (512 / 256): out tok/s, host ms per step, the prefill phase
+              (until every prompt had its first token) and the decode step after it;
         c64   closed loop, 64 requests in flight (a new one as one finishes), 512-token prompts,
               128-384 output tokens: out tok/s, inter-token latency p50/p99 (each token's gap to
               the previous token of its request, as a streaming client sees it: the engine hands
@@ -132,6 +133,18 @@ def bs1(engine, prompt: list[int], out_len: int) -> dict:
                 out_tok_s=round(len(times) / (times[-1] - t0), 1))
 
 
+def c256_phases(run: dict, t0: float, label: str) -> dict:
+    """Where a c256 run's time went: until every prompt had its first token (the prefill phase,
+    decode rows riding along), and the decode steps after it (inter-token gaps of every request
+    from then on; the median is the decode step's period)."""
+    firsts = [times[0] for times in run["arrivals"].values() if times]
+    prefill_end = max(firsts)
+    gaps = sorted(b - a for times in run["arrivals"].values()
+                  for a, b in zip(times, times[1:]) if a >= prefill_end)
+    return {f"{label}_prefill_phase_s": round(prefill_end - t0, 3),
+            f"{label}_decode_step_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None}
+
+
 def measure_rooflines(weight_bytes: int) -> dict:
     """The best plain read rate and bf16 matmul rate of benchmarks.anchors, measured now (2 GiB
     reads: the engine's pool holds most of the memory)."""
@@ -183,9 +196,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
     import jax
     import numpy as np
 
-    from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine
-    from jaxinfer.sampling_params import SamplingParams
     engine = LLMEngine.from_engine_args(engine_args(opts))
     print(READY, flush=True)
     dev = jax.devices()[0]
@@ -256,18 +267,17 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         if runs_done[0]:
             c256_prompts = prompts(256)
         runs_done[0] += 1
-        llm = LLM(engine=engine)
         engine.scheduler.decode_steps_per_call = loop_steps
         engine.runner.set_async_launch(run == "async")
         engine.stats.__init__()
         window = TimedWindow(engine)
         t0 = time.perf_counter()
-        outs = llm.generate(c256_prompts, SamplingParams(temperature=0.0, max_tokens=out_len,
-                                                         ignore_eos=True), use_tqdm=False)
+        timed = token_times(engine, [(p, out_len) for p in c256_prompts], len(c256_prompts))
         elapsed = time.perf_counter() - t0
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_out = sum(len(t) for t in timed["arrivals"].values())
         st = engine.stats
-        emit(**window.figures(label), **{f"{label}_out_tok_s": round(n_out / elapsed, 1),
+        emit(**window.figures(label), **c256_phases(timed, t0, label),
+             **{f"{label}_out_tok_s": round(n_out / elapsed, 1),
                 f"{label}_host_ms_per_step": round(st.host_ms_per_step, 3),
                 f"{label}_host_phases_ms": st.breakdown_ms(),
                 f"{label}_step_period_ms": round(1e3 * elapsed / max(st.steps, 1), 3),
@@ -387,6 +397,8 @@ def main() -> None:
                     help="c256 runs in one process: base, async (--async-launch), loop<K> "
                          "(--decode-steps-per-call K; the engine compiles the decode loops for "
                          "the largest K); keys c256_* for base, c256_<run>_* for the others")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="the engine's step token budget (its default: 2048)")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
     args = ap.parse_args()
@@ -408,7 +420,7 @@ def main() -> None:
         (model / "config.json").write_text(json.dumps(LLAMA3_8B))
         opts = dict(model=str(model), load_format="dummy", dtype="bfloat16",
                     attention_backend=args.backend, max_num_seqs=256,
-                    max_num_batched_tokens=2048, max_model_len=2048,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048,
                     num_blocks=args.num_blocks or None, gpu_memory_utilization=0.85)
     opts["compilation_cache_dir"] = args.cache_dir or str(work / "cache")
     loops = [int(r[4:]) for r in args.c256_runs.split(",") if r.startswith("loop")]

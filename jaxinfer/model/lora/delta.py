@@ -15,7 +15,9 @@ projections about 5 % of the base model's) and reads every slot's weights once p
 pallas_kernels/lora/segment_matmul.py instead: `forward` groups the step's tokens by slot once
 (`group_slots`), and each projection's shrink and expand read only the slots its rows use, the
 expand adding onto y in place. A projection whose shapes the kernels do not take (`supported`)
-falls back to `lora_delta`. Off the GPU the kernels run in the Pallas interpreter (tests).
+falls back to `lora_delta`. Off the GPU the kernels run in the Pallas interpreter (tests). They
+need no select: a tile multiplies only its own slot's weights and padding rows are masked on the
+store, so a poisoned slot reaches no row of another there either.
 """
 
 from __future__ import annotations

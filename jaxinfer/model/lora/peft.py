@@ -21,6 +21,7 @@ step through the XLA path's expand (delta.py selects such entries away as well).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -231,12 +232,20 @@ def _targets(config: dict) -> frozenset[str] | str:
     return frozenset(targets)
 
 
+@functools.lru_cache(maxsize=64)
+def _regex_targeted(pattern: str, modules: tuple[str, ...]) -> tuple[bool, ...]:
+    # Cached: an adapter dropped from the host cache is read again on the engine thread at
+    # admission (core/lora_slots.py), where a child process would stall every running row.
+    # A refusal raises, and is not cached.
+    return tuple(fullmatches(pattern, list(modules)))
+
+
 def _targeted(targets: frozenset[str] | str, modules: list[str]) -> list[bool]:
     """Whether `targets` names each of `modules` (paths `model.layers.{i}.{block}.{proj}`)."""
     if not isinstance(targets, str):
         return [m.rpartition(".")[2] in targets for m in modules]
     try:
-        return fullmatches(targets, modules)
+        return list(_regex_targeted(targets, tuple(modules)))
     except TargetRegexError as e:
         raise LoRAAdapterError(f"adapter_config.json: target_modules: {e}", "target_modules") \
             from None

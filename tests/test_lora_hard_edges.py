@@ -120,6 +120,9 @@ def lora_server(tmp_path_factory):
         nested = "[" * depth + "]" * depth
         (paths[name] / "adapter_config.json").write_text(
             text.replace('"modules_to_save": null', f'"modules_to_save": {nested}'))
+    paths["oversized"] = save_adapter(random_adapter(cfg, 4, 15), cfg, root / "oversized")
+    with open(paths["oversized"] / "adapter_model.safetensors", "ab") as f:
+        f.truncate(64 << 20)  # sparse: past any rank-4 adapter of this model, read or not
     args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
                       max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=64, max_num_seqs=4,
                       max_num_batched_tokens=32, compilation_cache_dir="",
@@ -191,6 +194,13 @@ def test_former_500s_are_400s_naming_the_field_and_register_nothing(lora_server,
     before = _models(lora_server.urls["main"])
     status, raw = _load(lora_server, name, path)
     _assert_refused_and_nothing_registered(lora_server, status, raw, param, before)
+
+
+def test_a_weights_file_larger_than_any_adapter_is_refused_unread(lora_server):
+    before = _models(lora_server.urls["main"])
+    status, raw = _load(lora_server, "x", "oversized")
+    _assert_refused_and_nothing_registered(lora_server, status, raw, "lora_path", before)
+    assert "a rank-4 adapter of this model is at most" in json.loads(raw)["error"]["message"]
 
 
 def test_unloading_a_bad_name_is_a_400(lora_server):

@@ -10,12 +10,13 @@ attention projections of a MoE layer; anything that would change other weights o
 or for a module the model does not have, and a missing file.
 
 The directory is a client's input (/v1/load_lora_adapter), so reading it is bounded: the path's
-length and characters are checked before the file system sees it, adapter_config.json is at most
-MAX_CONFIG_BYTES, nesting deeper than json.loads recurses and integers of over MAX_INT_DIGITS digits
-are refused, a regex `target_modules` is matched in a child process under a time limit
-(target_regex.py), the scaling is finite and at most MAX_LORA_SCALING in magnitude, and every
-weight (times the scaling) is finite: one NaN in a slot would otherwise reach every row of a
-step through the XLA path's expand (delta.py selects such entries away as well).
+length and characters are checked before the file system sees it; adapter_config.json is at most
+MAX_CONFIG_BYTES and the weights file no larger than a valid adapter of the model; nesting deeper
+than json.loads recurses and integers of over MAX_INT_DIGITS digits are refused; a regex
+`target_modules` is matched in a child process under a time limit (target_regex.py); the scaling
+is finite and at most MAX_LORA_SCALING in magnitude, and every weight (times the scaling) is
+finite: one NaN in a slot would otherwise reach every row of a step through the XLA path's expand
+(delta.py selects such entries away as well).
 """
 
 from __future__ import annotations
@@ -251,6 +252,14 @@ def _targeted(targets: frozenset[str] | str, modules: list[str]) -> list[bool]:
             from None
 
 
+def _max_weights_bytes(cfg: ModelConfig, rank: int) -> int:
+    """The largest adapter_model.safetensors of rank `rank` for `cfg`: every projection targeted,
+    in float64, plus a header of up to 1 MiB and 512 bytes per tensor."""
+    pairs = [projection_shape(cfg, p) for i in range(cfg.num_layers)
+             for p in layer_projections(cfg, i)]
+    return 8 * rank * sum(i + o for i, o in pairs) + (1 << 20) + 1024 * len(pairs)
+
+
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
                  name: str | None = None) -> LoRAAdapter:
     """Read and check a PEFT adapter directory against `cfg`. Raises LoRAAdapterError."""
@@ -264,6 +273,10 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
         if not file.is_file():
             raise LoRAAdapterError(f"'{path}' has no {WEIGHTS_FILE} (other formats are not read)",
                                    "lora_path")
+        size, most = file.stat().st_size, _max_weights_bytes(cfg, rank)
+        if size > most:  # refused before it is read into memory (on the engine thread)
+            raise LoRAAdapterError(f"'{file}' is {size} bytes; a rank-{rank} adapter of this model "
+                                   f"is at most {most}", "lora_path")
         with safe_open(str(file), framework="numpy") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except LoRAAdapterError:

@@ -156,7 +156,8 @@ def _read_config(path: Path) -> dict:
                                    f"is about 1 KB", "lora_path")
         text = data.decode()
     except OSError as e:  # permissions, a name too long for this file system, ...
-        raise LoRAAdapterError(f"'{path}' cannot be read: {e.strerror}", "lora_path") from None
+        raise LoRAAdapterError(f"'{path}' cannot be read: {e.strerror or type(e).__name__}",
+                               "lora_path") from None
     except UnicodeDecodeError as e:
         raise LoRAAdapterError(f"'{file}' is not UTF-8: {e.reason}", "lora_path") from None
     try:

@@ -7,6 +7,7 @@ and register nothing."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -22,6 +23,7 @@ from jaxinfer.model.config import load_config
 from jaxinfer.model.lora.delta import lora_delta, lora_delta_gather
 from jaxinfer.model.lora.peft import (LoRAAdapter, LoRAAdapterError, adapter_from_tensors,
                                       peft_tensors, save_adapter)
+from jaxinfer.model.lora.target_regex import TargetRegexError, fullmatches
 from lora_support import random_adapter
 from pallas_kernels.lora.segment_matmul import lora_shrink_expand, segment_plan
 from server_harness import (FIXTURE, MAX_MODEL_LEN, MODEL, ServerThread, check_error_shape,
@@ -79,6 +81,21 @@ def test_update_lora_tensors_with_nan_are_refused():
     with pytest.raises(LoRAAdapterError, match="NaN") as e:
         adapter_from_tensors(tensors, cfg, 4, 2.0, "x")
     assert e.value.param == "lora_path"
+
+
+def test_regex_targets_match_as_re_fullmatch_in_a_time_limited_child():
+    paths = [f"model.layers.{i}.{block}.{proj}" for i in (0, 11)
+             for block, proj in (("self_attn", "q_proj"), ("self_attn", "v_proj"), ("mlp", "up_proj"))]
+    pattern = r".*\.1\d\.self_attn\.(q|v)_proj"
+    assert fullmatches(pattern, paths) == [re.fullmatch(pattern, p) is not None for p in paths]
+    with pytest.raises(TargetRegexError, match="not a valid regex"):
+        fullmatches("(q_proj", paths)
+    with pytest.raises(TargetRegexError, match="characters long"):
+        fullmatches("a" * 1001, paths)
+    start = time.monotonic()
+    with pytest.raises(TargetRegexError, match="within 0.5 s"):
+        fullmatches(PATHOLOGICAL, paths, timeout_s=0.5)
+    assert time.monotonic() - start < 1.5
 
 
 # ---- the server --------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from typing import Callable
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.lora.peft import LoRAAdapter, LoRAAdapterError, load_adapter
+from jaxinfer.model.lora.peft import LoRAAdapter, LoRAAdapterError, check_lora_name, load_adapter
+from jaxinfer.sampling_params import short_repr
 
 
 @dataclasses.dataclass
@@ -60,10 +61,13 @@ class LoRASlots:
 
     def register(self, request: LoRARequest) -> None:
         """Know `request`'s adapter (reading and checking it if new). Raises LoRAAdapterError or
-        InvalidRequestError (name or id taken by another adapter), changing nothing."""
-        if not isinstance(request.lora_int_id, int) or request.lora_int_id < 1:
+        InvalidRequestError (a bad name, or a name or id taken by another adapter), changing
+        nothing."""
+        check_lora_name(request.lora_name)
+        if (not isinstance(request.lora_int_id, int) or isinstance(request.lora_int_id, bool)
+                or request.lora_int_id < 1):
             raise InvalidRequestError(f"lora_int_id must be a positive integer, got "
-                                      f"{request.lora_int_id!r}", "lora_int_id")
+                                      f"{short_repr(request.lora_int_id)}", "lora_int_id")
         known = self.registered.get(request.lora_int_id)
         if known is not None:
             if known.request.lora_name != request.lora_name:

@@ -11,7 +11,7 @@ from jaxinfer.core.lora_slots import LoRASlots
 from jaxinfer.engine.lora_args import lora_modules, resolved_lora_impl
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.lora_request import LoRARequest
-from jaxinfer.model.lora.peft import LoRAAdapter, adapter_from_tensors
+from jaxinfer.model.lora.peft import LoRAAdapter, adapter_from_tensors, check_lora_name
 from jaxinfer.model.lora.stacks import LORA, empty_stacks, slot_arrays
 
 
@@ -72,9 +72,8 @@ class LoRAMixin:
         /v1/load_lora_adapter). Raises InvalidRequestError / LoRAAdapterError, changing nothing."""
         if self.lora is None:
             raise InvalidRequestError("LoRA is not enabled: start with --enable-lora", "lora_name")
-        if not isinstance(name, str) or not name or name in self.args.served_model_names:
-            raise InvalidRequestError(f"lora_name {name!r} must be a non-empty string other than "
-                                      f"the base model's name", "lora_name")
+        if check_lora_name(name) in self.args.served_model_names:
+            raise InvalidRequestError(f"lora_name '{name}' is the base model's name", "lora_name")
         if self.lora.id_of(name) is not None:
             raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.",
                                       "lora_name")

@@ -4,15 +4,20 @@
 small), each token keeps its own slot's R columns (the others zeroed), and one matmul against the
 slots' B matrices laid end to end ([(N+1) R, out]) expands it: the zeroed columns add exactly zero,
 so a row of no adapter (slot 0, zeros) gets its base output bit for bit, and the shapes never
-depend on which slots the batch uses. It costs (N+1) R (in + out) multiply-adds per token (at
-N = 8, R = 16 on Llama-3-8B's seven projections about 5 % of the base model's) and reads every
-slot's weights once per step.
+depend on which slots the batch uses. Both sides select rather than multiply by zero: the other
+slots' shrink columns are dropped by a `where`, and B's non-finite entries are replaced by zeros
+before the expand (0 x NaN is NaN), so a slot holding NaN or inf never reaches a row of another
+slot (tests/test_lora_hard_edges.py); the select is one elementwise pass over B per projection.
+It costs (N+1) R (in + out) multiply-adds per token (at N = 8, R = 16 on Llama-3-8B's seven
+projections about 5 % of the base model's) and reads every slot's weights once per step.
 
 `--lora-impl pallas` (ModelConfig.lora_impl) runs the Triton kernels of
 pallas_kernels/lora/segment_matmul.py instead: `forward` groups the step's tokens by slot once
 (`group_slots`), and each projection's shrink and expand read only the slots its rows use, the
 expand adding onto y in place. A projection whose shapes the kernels do not take (`supported`)
-falls back to `lora_delta`. Off the GPU the kernels run in the Pallas interpreter (tests).
+falls back to `lora_delta`. Off the GPU the kernels run in the Pallas interpreter (tests). They
+need no select: a tile multiplies only its own slot's weights and padding rows are masked on the
+store, so a poisoned slot reaches no row of another there either.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array) -> jax
     xa = jnp.einsum("ti,nir->tnr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
     own = slot[:, None] == jnp.arange(n1, dtype=slot.dtype)  # [T, N+1]
     xa = jnp.where(own[:, :, None], xa, 0.0).astype(x.dtype).reshape(x.shape[0], n1 * r)
-    return jnp.dot(xa, b.reshape(n1 * r, -1).astype(x.dtype), preferred_element_type=jnp.float32)
+    # Every token's zeroed columns meet every slot's B: 0 x inf is NaN, so a non-finite weight is
+    # selected away rather than multiplied by zero (a slot's own rows see it as 0; loading refuses
+    # such adapters, this keeps the other rows exact should one reach a slot anyway).
+    b = b.reshape(n1 * r, -1).astype(x.dtype)
+    b = jnp.where(jnp.isfinite(b), b, jnp.zeros((), b.dtype))
+    return jnp.dot(xa, b, preferred_element_type=jnp.float32)
 
 
 def lora_delta_gather(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array) -> jax.Array:

@@ -8,7 +8,8 @@
         output_text.done, content_part.done, output_item.done
     per function call: output_item.added, function_call_arguments.delta,
         function_call_arguments.done, output_item.done
-    response.completed (status "completed", or "incomplete" when max_output_tokens ran out)
+    response.completed, or response.incomplete (status "incomplete") when max_output_tokens ran
+    out: OpenAI's last event names how the response ended
 
 The reasoning split and the tool parser run on the text deltas exactly as for a streamed chat
 completion, so the items are those of the same request answered whole."""
@@ -137,4 +138,5 @@ async def response_events(group, req, skeleton: Callable[..., dict],
             yield e
     final = skeleton("completed", w.items, usage(counter), finish_reason)
     on_complete(final)
-    yield w.event("response.completed", response=final)
+    last = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield w.event(last, response=final)

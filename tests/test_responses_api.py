@@ -8,6 +8,7 @@ store's LRU bounds, entries and bytes, and the request keys it does not keep."""
 from __future__ import annotations
 
 import json
+import sys
 
 import openai
 import pytest
@@ -106,13 +107,13 @@ def test_bad_fields_are_400s_naming_them(server, body, param):
 def test_store_is_a_bounded_lru():
     store = ResponseStore(2)
     for i in range(3):
-        store.put(StoredResponse({"id": f"r{i}"}, []))
+        store.put(StoredResponse({"id": f"r{i}"}, []), 1)
         if i == 1:
             store.get("r0")  # r0 used: r1 is now the least recently used
     assert len(store) == 2 and store.get("r0") and store.get("r2")
     with pytest.raises(Exception, match="r1"):
         store.get("r1")
-    ResponseStore(0).put(StoredResponse({"id": "x"}, []))
+    assert not ResponseStore(0).put(StoredResponse({"id": "x"}, []), 1)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -135,23 +136,27 @@ def test_lone_surrogates_are_400s_before_the_stream_starts(server, stream, extra
 def test_store_bounds_its_bytes():
     def entry(i: int, chars: int) -> StoredResponse:
         return StoredResponse({"id": f"r{i}", "output": ["x" * chars]}, [{"role": "user", "content": "hi"}])
-    size = footprint(entry(0, 1000).response, entry(0, 1000).conversation)
-    assert size > 1000  # every byte of the text counts, and the objects around it
+
+    def put(store: ResponseStore, e: StoredResponse) -> bool:
+        return store.put(e, e.footprint())
+    size = entry(0, 1000).footprint()
+    assert size > 1000 + sys.getsizeof({})  # every byte of the text counts, and the objects around it
+    assert footprint(["x" * 1000] * 3) == footprint(["x" * 1000]) + 2 * 8  # a shared string counts once
     store = ResponseStore(100, max_bytes=3 * size + 10)
     for i in range(9):
-        assert store.put(entry(i, 1000))
+        assert put(store, entry(i, 1000))
         assert store.nbytes == min(i + 1, 3) * size <= store.max_bytes
     assert len(store) == 3 and [store.get(f"r{i}").response["id"] for i in (6, 7, 8)]  # the newest
     with pytest.raises(APIError, match="r5"):
         store.get("r5")
-    assert not store.put(entry(9, 4 * size))  # larger than the whole bound: not kept...
+    assert not put(store, entry(9, 4 * size))  # larger than the whole bound: not kept...
     assert len(store) == 3 and store.nbytes == 3 * size  # ...and nothing forgotten for it
     with pytest.raises(APIError) as e:
         store.get("r9", "previous_response_id")
     assert e.value.status == 404 and e.value.param == "previous_response_id"
     store.delete("r7")
     assert store.nbytes == 2 * size
-    assert not ResponseStore(10, max_bytes=0).put(entry(0, 0))
+    assert not put(ResponseStore(10, max_bytes=0), entry(0, 0))
 
 
 def _store_of(server, url: str) -> ResponseStore:
@@ -201,5 +206,5 @@ async def _accounted(store: ResponseStore, ids: list[str]) -> int:
             entry = store.get(response_id)
         except APIError:
             continue
-        total += footprint(entry.response, entry.conversation)
+        total += entry.footprint()
     return total

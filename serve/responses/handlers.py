@@ -68,10 +68,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         out["store"] = rr.store
         return out
 
-    def on_complete(final: dict) -> None:
+    async def on_complete(final: dict) -> None:
         if rr.store:
             turn = rr.input_messages + conversation_messages(final["output"])
-            store.put(StoredResponse(final, history + turn))
+            entry = StoredResponse(final, history + turn)
+            store.put(entry, await off_loop(entry.footprint))
 
     async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority,
                             req.lora_request) as group:
@@ -88,7 +89,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     message, _ = (req.tools or NO_TOOLS).message(text or "")
     final = skeleton("completed", output_items(reasoning, message["content"], message["tool_calls"]),
                      usage(counter), state.finish_reason)
-    on_complete(final)
+    await on_complete(final)
     return web.json_response(final)
 
 

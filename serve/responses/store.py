@@ -28,6 +28,11 @@ class StoredResponse:
     response: dict
     conversation: list[dict]  # chat messages, without the request's instructions
 
+    def footprint(self) -> int:
+        """Its bytes in memory: one step per object it holds (a tool schema may hold a million),
+        so servers measure it off the event loop."""
+        return footprint(self.response, self.conversation)
+
 
 def footprint(*roots) -> int:
     """Bytes of memory the objects reachable from `roots` hold (sys.getsizeof of every dict, list,
@@ -63,12 +68,12 @@ class ResponseStore:
         return cls(getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
                    int(getattr(args, "responses_store_mib", DEFAULT_STORE_MIB) * MIB))
 
-    def put(self, entry: StoredResponse) -> bool:
-        """Keep `entry` (forgetting the least recently used ones it needs room from); False when it
-        alone is larger than the byte bound, or the store keeps nothing."""
+    def put(self, entry: StoredResponse, size: int) -> bool:
+        """Keep `entry`, of `size` bytes (its footprint()), forgetting the least recently used ones
+        it needs room from; False when it alone is larger than the byte bound, or the store keeps
+        nothing."""
         if self.capacity <= 0:
             return False
-        size = footprint(entry.response, entry.conversation)
         if size > self.max_bytes:
             logger.info("response %s not stored: %d bytes, more than --responses-store-mib (%d bytes)",
                         entry.response["id"], size, self.max_bytes)

@@ -36,8 +36,7 @@ from serve.lora_routes import add_lora_routes, add_lora_server_args
 from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
 from serve.reasoning.request import REASONING_PARSER, add_reasoning_args, parser_from_args
 from serve.responses import handlers as responses
-from serve.responses.store import (DEFAULT_STORE_SIZE, RESPONSE_STORE, ResponseStore, add_store_args,
-                                   check_store_args)
+from serve.responses.store import RESPONSE_STORE, ResponseStore, add_store_args, check_store_args
 from serve.tools import TOOL_OPTIONS, ToolOptions, add_tool_args, check_tool_args
 
 logger = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[TOOL_OPTIONS] = ToolOptions.from_args(args)
     app[REASONING_PARSER] = parser_from_args(args)
     app[EMBEDDINGS] = embeddings_config(args, engine.args.model)
-    app[RESPONSE_STORE] = ResponseStore(getattr(args, "responses_store_size", DEFAULT_STORE_SIZE))
+    app[RESPONSE_STORE] = ResponseStore.from_args(args)
     app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
     app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
     app[OWNS_ENGINE] = owns_engine

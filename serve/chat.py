@@ -57,15 +57,15 @@ async def full_chat(engine, group: RequestGroup, req: GenerationRequest, prefix:
         if req.top_logprobs is not None:
             logprobs = chat_logprobs(engine.tokenizer, state.logprobs, req.top_logprobs)
         tools = req.tools or NO_TOOLS
-        text = state.text
+        text, reasoning = state.text, None
         if req.reasoning is not None:
             reasoning, content = req.reasoning.split(text)
             text = content or ""  # the tool parser sees only the answer
         message, called = tools.message(text, prefix)
-        if req.reasoning is not None:
-            if not message["content"]:
-                message["content"] = None
-            message["reasoning_content"] = message["reasoning"] = reasoning
+        if req.reasoning is not None and not message["content"]:
+            message["content"] = None
+        # null without a parser, as in vLLM: clients read message.reasoning_content unconditionally
+        message["reasoning_content"] = message["reasoning"] = reasoning
         choices.append({"index": idx, "message": message, "logprobs": logprobs,
                         "finish_reason": tools.finish_reason(state.finish_reason, called),
                         "stop_reason": state.stop_reason})

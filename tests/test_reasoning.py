@@ -3,7 +3,8 @@ any re-chunking of the stream (hypothesis) and for a fixture tokenizer's token-b
 stream (every marker straddles tokens there), tool calls parsed from the answer after the
 reasoning, enable_thinking reaching the qwen3 template; and, through the official openai client on
 the shared server with --reasoning-parser deepseek_r1, reasoning apart from content, streamed =
-non-streamed, include_reasoning=false, and structured output constraining the answer only."""
+non-streamed, include_reasoning=false, and structured output constraining the answer only; without
+a parser, a reply's reasoning_content is null."""
 
 from __future__ import annotations
 
@@ -156,6 +157,17 @@ def test_server_include_reasoning_false_drops_it(reasoning_client):
         **{**CHAT, "extra_body": {**NO_EOS, "include_reasoning": False}}, stream=True)
     assert not any((c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in chunks
                    if c.choices)
+
+
+def test_without_a_parser_reasoning_content_is_null(client):
+    """As vLLM: the whole message always carries its reasoning fields (null without a parser), so
+    the README's `message.reasoning_content` reads None instead of raising AttributeError; stream
+    deltas leave them out (vLLM's chunks are dumped with exclude_unset)."""
+    msg = client.chat.completions.create(**CHAT).choices[0].message
+    assert msg.reasoning_content is None and msg.reasoning is None and msg.content
+    chunks = list(client.chat.completions.create(**CHAT, stream=True))
+    deltas = [c.choices[0].delta.model_extra or {} for c in chunks if c.choices]
+    assert deltas and not any("reasoning_content" in d or "reasoning" in d for d in deltas)
 
 
 def test_server_reasoning_fields_are_checked(server, reasoning_client):

@@ -226,8 +226,8 @@ def check_response(path: str, body: dict, status: int, raw: bytes) -> None:
     assert status == 200, raw[:500]
     if body.get("stream") is True and path == "/v1/responses":
         events = [e for e in raw.split(b"\n\n") if e]
-        assert events[-1].startswith(b"event: response.completed\n") \
-            or events[-1].startswith(b"event: error\n"), raw[-300:]
+        assert events[-1].startswith((b"event: response.completed\n", b"event: response.incomplete\n",
+                                      b"event: error\n")), raw[-300:]
         for e in events:
             name, data = e.split(b"\n", 1)
             event = json.loads(data[len(b"data: "):])

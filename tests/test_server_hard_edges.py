@@ -113,6 +113,16 @@ SURROGATE_CASES = [
         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
         "messages",
     ),
+    # Streamed: refused before the first byte, wherever the string sits (a field nothing reads too).
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "unread": "\ud800"}, "unread"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+         "stream_options": {"include_usage": True, "unread": "\ud800"}},
+        "stream_options",
+    ),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "stream": True, "metadata": {"k": "\ud800"}},
+     "metadata"),
     ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, "prompt"),
     ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ("/detokenize", {"model": MODEL, "tokens": [1], "\ud800": 1}, "\ud800"),

@@ -8,14 +8,15 @@
         output_text.done, content_part.done, output_item.done
     per function call: output_item.added, function_call_arguments.delta,
         function_call_arguments.done, output_item.done
-    response.completed (status "completed", or "incomplete" when max_output_tokens ran out)
+    response.completed, or response.incomplete (status "incomplete") when max_output_tokens ran
+    out: OpenAI's last event names how the response ended
 
 The reasoning split and the tool parser run on the text deltas exactly as for a streamed chat
 completion, so the items are those of the same request answered whole."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from serve.choices import UsageCounter
 from serve.responses.output import (function_call_item, message_item, new_id, reasoning_item,
@@ -99,7 +100,7 @@ class _EventWriter:
 
 
 async def response_events(group, req, skeleton: Callable[..., dict],
-                          on_complete: Callable[[dict], None]) -> AsyncGenerator[dict, None]:
+                          on_complete: Callable[[dict], Awaitable[None]]) -> AsyncGenerator[dict, None]:
     """The events of one response. `skeleton(status, output, usage, finish_reason)` makes the
     response object; `on_complete` receives the final one (the store)."""
     w = _EventWriter()
@@ -136,5 +137,6 @@ async def response_events(group, req, skeleton: Callable[..., dict],
         for e in w.add_text("message", "") + w.close():  # an empty answer is still a message
             yield e
     final = skeleton("completed", w.items, usage(counter), finish_reason)
-    on_complete(final)
-    yield w.event("response.completed", response=final)
+    await on_complete(final)
+    last = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield w.event(last, response=final)

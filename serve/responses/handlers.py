@@ -13,7 +13,7 @@ from serve.choices import UsageCounter, collect_choices, now
 from serve.engine_requests import RequestGroup, check_capacity
 from serve.errors import APIError
 from serve.json_body import off_loop
-from serve.limits import LIMITS
+from serve.limits import LIMITS, check_strings
 from serve.protocol import parse_generation, read_json_body
 from serve.reasoning.request import REASONING_PARSER
 from serve.responses.events import response_events
@@ -26,6 +26,10 @@ from serve.tools import TOOL_OPTIONS
 
 def _parse(body: dict, history_of, engine, app):
     """(the Responses request, the chat request it runs as, the conversation before this turn)."""
+    # Every string of the body, not only those the chat request carries: the response echoes some of
+    # the others (metadata), and a lone surrogate found while a stream is being written could no
+    # longer be a 400.
+    check_strings(body, engine.tokenizer, engine.max_model_len)
     rr = parse_responses_body(body)
     history = history_of(rr.previous_response_id) if rr.previous_response_id else []
     system = rr.chat_body["messages"][:len(rr.chat_body["messages"]) - len(rr.input_messages)]
@@ -64,10 +68,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         out["store"] = rr.store
         return out
 
-    def on_complete(final: dict) -> None:
+    async def on_complete(final: dict) -> None:
         if rr.store:
             turn = rr.input_messages + conversation_messages(final["output"])
-            store.put(StoredResponse(final, history + turn))
+            entry = StoredResponse(final, history + turn)
+            store.put(entry, await off_loop(entry.footprint))
 
     async with RequestGroup(engine, engine_id, req.prompts, req.params, req.priority,
                             req.lora_request) as group:
@@ -84,7 +89,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     message, _ = (req.tools or NO_TOOLS).message(text or "")
     final = skeleton("completed", output_items(reasoning, message["content"], message["tool_calls"]),
                      usage(counter), state.finish_reason)
-    on_complete(final)
+    await on_complete(final)
     return web.json_response(final)
 
 

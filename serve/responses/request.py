@@ -15,6 +15,7 @@ from serve.request_fields import log_unknown_fields
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 EFFORTS = ("minimal", "low", "medium", "high")
+SUMMARIES = ("auto", "concise", "detailed")
 # Fields taken as they are: checked by the chat path, whose field names the errors then carry.
 PASSED = ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", "top_k", "seed",
           "stop", "min_p", "repetition_penalty", "ignore_eos", "priority", "chat_template_kwargs")
@@ -98,56 +99,76 @@ def input_messages(value: Any) -> list[dict]:
     return out
 
 
-def _text_format(value: Any) -> dict | None:
-    """`text: {format: {...}}` -> chat's response_format."""
+def _text_format(value: Any) -> tuple[dict | None, dict]:
+    """`text: {format: {...}}` -> (chat's response_format, the `text` the response echoes: only the
+    format's own fields, whatever else the object carried)."""
     if not isinstance(value, dict):
         raise bad_request("text must be an object with a 'format'", "text")
     fmt = value.get("format")
     if fmt is None:
-        return None
+        return None, {"format": {"type": "text"}}
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise bad_request("text.format must be an object with a string 'type'", "text")
     kind = fmt["type"]
     if kind in ("text", "json_object"):
-        return {"type": kind}
+        return {"type": kind}, {"format": {"type": kind}}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise bad_request("text.format.schema must be a JSON schema object", "text")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
+        for key, kinds in (("name", str), ("description", str), ("strict", bool)):
+            if fmt.get(key) is not None and not isinstance(fmt[key], kinds):
+                raise bad_request(f"text.format.{key} must be a {kinds.__name__}", "text")
+        echo = {"type": "json_schema", **{k: fmt[k] for k in ("name", "schema", "description", "strict")
+                                          if fmt.get(k) is not None}}
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}, \
+            {"format": echo}
     raise bad_request(f"text.format.type {short_repr(kind)} is not supported (text, json_object, "
                       "json_schema)", "text")
 
 
 def _tools(value: Any) -> list[dict]:
-    """Responses' flat function tools -> chat's nested ones."""
+    """Responses' flat function tools (their own fields only: what the response echoes)."""
     if not isinstance(value, list):
         raise bad_request("tools must be a list of function tools", "tools")
     out = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(f"tools[{i}]: only tools of type 'function' are supported", "tools")
-        out.append({"type": "function", "function": {
-            k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}})
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise bad_request(f"tools[{i}].strict must be true or false", "tools")
+        out.append({"type": "function", **{k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                           if tool.get(k) is not None}})
     return out
 
 
-def _tool_choice(value: Any) -> Any:
+def _chat_tools(tools: list[dict]) -> list[dict]:
+    """Responses' flat function tools -> chat's nested ones."""
+    return [{"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                              if k in tool}} for tool in tools]
+
+
+def _tool_choice(value: Any) -> tuple[Any, Any]:
+    """(chat's tool_choice, the Responses one the response echoes)."""
     if value is None or isinstance(value, str):
-        return value
+        return value, value or "auto"
     if isinstance(value, dict) and value.get("type") == "function":
-        return {"type": "function", "function": {"name": value.get("name")}}
+        return {"type": "function", "function": {"name": value.get("name")}}, \
+            {"type": "function", "name": value.get("name")}
     raise bad_request(f"tool_choice={short_repr(value)}: must be 'none', 'auto', 'required' or "
                       "{'type': 'function', 'name': ...}", "tool_choice")
 
 
-def _reasoning_effort(value: Any) -> str | None:
+def _reasoning(value: Any) -> dict:
+    """`reasoning` as the response echoes it: its effort and summary, nothing else it carried."""
     if not isinstance(value, dict):
         raise bad_request("reasoning must be an object", "reasoning")
-    effort = value.get("effort")
-    if effort is not None and effort not in EFFORTS:
-        raise bad_request(f"reasoning.effort={short_repr(effort)}: must be one of {', '.join(EFFORTS)}",
-                          "reasoning")
-    return effort
+    out = {}
+    for key, accepted in (("effort", EFFORTS), ("summary", SUMMARIES)):
+        if value.get(key) is not None and value[key] not in accepted:
+            raise bad_request(f"reasoning.{key}={short_repr(value[key])}: must be one of "
+                              f"{', '.join(accepted)}", "reasoning")
+        out[key] = value.get(key)
+    return out
 
 
 def _metadata(value: Any) -> dict:
@@ -188,13 +209,19 @@ def parse_responses_body(body: dict) -> ResponsesRequest:
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
-    if body.get("text") is not None and (fmt := _text_format(body["text"])) is not None:
-        chat["response_format"] = fmt
-    if body.get("tools"):
-        chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    if body.get("reasoning") is not None and (effort := _reasoning_effort(body["reasoning"])):
+    text = {"format": {"type": "text"}}
+    if body.get("text") is not None:
+        fmt, text = _text_format(body["text"])
+        if fmt is not None:
+            chat["response_format"] = fmt
+    tools = _tools(body["tools"]) if body.get("tools") else []
+    if tools:
+        chat["tools"] = _chat_tools(tools)
+    choice, echo_choice = _tool_choice(body.get("tool_choice"))
+    if choice is not None:
+        chat["tool_choice"] = choice
+    reasoning = _reasoning(body["reasoning"]) if body.get("reasoning") is not None else None
+    if reasoning is not None and (effort := reasoning["effort"]):
         kwargs = chat.get("chat_template_kwargs")
         if isinstance(kwargs, dict):  # (anything else is the chat path's 400)
             chat["chat_template_kwargs"] = {"reasoning_effort": effort, **kwargs}
@@ -202,11 +229,12 @@ def parse_responses_body(body: dict) -> ResponsesRequest:
             chat["chat_template_kwargs"] = {"reasoning_effort": effort}
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat["messages"] = system + messages  # the previous turns go between (handlers.py)
+    # What the response repeats of the request, as checked and normalized above: keys of these
+    # objects that nothing reads are neither echoed nor stored (serve/responses/store.py).
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "tools": tools, "tool_choice": echo_choice,
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-            "text": body.get("text") or {"format": {"type": "text"}},
-            "reasoning": body.get("reasoning"), "previous_response_id": previous}
+            "text": text, "reasoning": reasoning, "previous_response_id": previous}
     return ResponsesRequest(chat, messages, previous, _bool(body, "store", True),
                             _metadata(body.get("metadata")), echo)

@@ -19,7 +19,7 @@ from collections import deque
 
 import numpy as np
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from jaxinfer.core.kv_cache import KVCacheManager
 
 SYSTEM_PROMPT = list(range(1000, 1256))  # 256 tokens = 16 blocks of 16, shared by every request

@@ -28,8 +28,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 from benchmarks.bench_engine_llama8b import bs1
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.fused_projections import fuse_projections
@@ -304,7 +304,7 @@ def weight_reads(hlo: str, min_bytes: int) -> dict:
 def run_variants(args, names: list[str], start: float, save) -> None:
     """Every variant in `names` against one set of weights (or its FP8 twin) and one cache;
     `save(metrics)` after each; a table last."""
-    from benchmarks.bench_decode import read_ceiling_tbps
+    from jaxinfer.bench.kernel_decode import read_ceiling_tbps
     cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
     if args.tiny:
         default = REFERENCE

@@ -11,8 +11,8 @@ ones compiled):
               goes (jaxpr tracing, lowering to MLIR — which includes lowering the Mosaic kernels — and
               XLA's backend compile), from jax's monitoring events. Cold cache.
   llama8b     Llama-3-8B-shaped model (random bf16 weights, `--load-format dummy`), mosaic backend:
-              bench_throughput.py, 64 prompts x 512 in / 256 out, max 64 sequences.
-  demo        bench_throughput.py on the demo model, 256 prompts x 256 in / 256 out.
+              `jaxinfer bench throughput`, 64 prompts x 512 in / 256 out, max 64 sequences.
+  demo        `jaxinfer bench throughput` on the demo model, 256 prompts x 256 in / 256 out.
 Prints a short table last; `--save` writes the record engine_<gpu>.json (`results_io`) with
 `warmup_s`, `<section>_output_tok_s` and `<section>_total_tok_s`. The greedy parity of the kernels'
 backend with the reference one is tests/gpu/test_engine_parity_gpu.py.
@@ -30,21 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
-LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
-
-# The llama8b section's bench_throughput workload.
+# The llama8b section's `jaxinfer bench throughput` workload (the llama8b preset's).
 LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-len", "512",
                     "--output-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens",
                     "2048", "--max-model-len", "2048", "--gpu-memory-utilization", "0.85"]
@@ -114,7 +105,7 @@ def child(argv: list[str], timeout: float, grace_s: float = 15) -> tuple[str, st
 
 def throughput_argv(model: str, extra: list[str], json_path: Path, cache_dir: str,
                     backend: str = "mosaic") -> list[str]:
-    return [sys.executable, "-m", "benchmarks.bench_throughput", "--model", model,
+    return [sys.executable, "-m", "jaxinfer.bench.cli", "throughput", "--model", model,
             "--attention-backend", backend, "--dtype", "bfloat16", "--temperature", "0",
             "--compilation-cache-dir", cache_dir, "--output-json", str(json_path), *extra]
 

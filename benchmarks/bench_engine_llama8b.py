@@ -47,9 +47,9 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
-from benchmarks.timed_window import TimedWindow
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
+from jaxinfer.bench.timed_window import TimedWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def c256_phases(run: dict, t0: float, label: str) -> dict:
 def measure_rooflines(weight_bytes: int) -> dict:
     """The best plain read rate and bf16 matmul rate of benchmarks.anchors, measured now (2 GiB
     reads: the engine's pool holds most of the memory)."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     m = anchors.measure(read_bytes=2 << 30)
     return dict(hbm_bytes_s=m["read_tbps"] * 1e12, matmul_flop_s=m["matmul_tflops"] * 1e12,
                 weight_bytes=weight_bytes, read_kernel=m["read_kernel"],

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 
 RESULT = "RESULT "
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
@@ -89,7 +89,7 @@ def emit(**metrics) -> None:
 
 def hbm_bytes_s() -> float:
     """The best plain HBM read rate of benchmarks.anchors' read kernels (64 MiB on a CPU)."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     return max(anchors.read_rates((64 << 20) if TINY else (8 << 30)).values())
 
 

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.engine.weight_update import place_like
 from jaxinfer.model.config import load_config
 from jaxinfer.model.transformer import param_shapes

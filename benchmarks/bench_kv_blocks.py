@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from jaxinfer.disagg import transfer as transfer_module
 
 ROOT = Path(__file__).resolve().parent.parent

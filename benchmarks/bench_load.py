@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.weights import load_params, save_orbax, save_safetensors
 

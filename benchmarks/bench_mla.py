@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from benchmarks.bench_families import run_requests
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
@@ -113,7 +113,7 @@ def _variant(name: str, key: str, value: int, interpret: bool):
 
 def plain_read_rate(nbytes: int) -> float:
     """Bytes/s of the best plain read of `nbytes` (benchmarks.anchors)."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     mib = 1 << 20  # the read kernels reshape to rows of 8192: whole MiB (exact at full size)
     return max(anchors.read_rates(-(-nbytes // mib) * mib).values())
 
@@ -123,7 +123,7 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     """One layer's absorbed decode over a paged latent cache: the jnp path and each kernel
     variant vs the best plain read of as many bytes (benchmarks.anchors; all timed queued back
     to back). -> metrics."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     from pallas_kernels.attention.latent_decode_mosaic import heads_minor, split_plan
     from pallas_kernels.attention.latent_reference import paged_latent_decode
     interpret = jax.devices()[0].platform == "cpu"

@@ -54,10 +54,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B, LLAMA3_70B, child, timed_generate
+from jaxinfer.bench import results_io
+from benchmarks.bench_engine_gpu import child, timed_generate
+from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
 from benchmarks.multi_gpu_moe import section_moe_layouts
-from benchmarks.timed_window import TimedWindow, fresh_prompts
+from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from tools.trace_tp_step import TRACE_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent

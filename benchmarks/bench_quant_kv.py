@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import anchors, results_io
+from jaxinfer.bench import anchors, results_io
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo-target"
@@ -168,7 +168,7 @@ def fp8_variant_config(name: str):
     the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
     per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
     "mosaic:ft128:pv64:shared"."""
-    from benchmarks.bench_decode import mosaic_config
+    from jaxinfer.bench.kernel_decode import mosaic_config
     ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
             "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
             "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
@@ -190,7 +190,7 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
     """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
     production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
     the Triton kernel on both."""
-    from benchmarks.bench_decode import D, make_paged_case, tbps, time_paged
+    from jaxinfer.bench.kernel_decode import D, make_paged_case, tbps, time_paged
     from pallas_kernels.attention.kv_quant import quantize
     from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
     from pallas_kernels.attention.reference import paged_decode_reference
@@ -246,7 +246,7 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
 def prefill_speed(log) -> dict:
     """The paged prefill kernel over a bf16 and an fp8 cache: 8 sequences x 512 new tokens over
     8192 cached, page 16 (bench_prefill's paged shape), timed interleaved."""
-    from benchmarks.bench_prefill import HKV, HQ, D, bench_interleaved
+    from jaxinfer.bench.kernel_prefill import HKV, HQ, D, bench_interleaved
     from pallas_kernels.attention import flash_prefill as fp
     from pallas_kernels.attention.kv_quant import quantize
     from pallas_kernels.common.testing import random_paged_batch

@@ -21,8 +21,8 @@ import itertools
 import statistics
 import time
 
-from benchmarks import results_io
-from benchmarks.timed_window import TimedWindow, fresh_prompts
+from jaxinfer.bench import results_io
+from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine

@@ -29,8 +29,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks import results_io
-from benchmarks.bench_decode import HKV, HQ, D, PAGE, make_paged_case, time_paged, warm_up_gpu
+from jaxinfer.bench import results_io
+from jaxinfer.bench.kernel_decode import HKV, HQ, D, PAGE, make_paged_case, time_paged, warm_up_gpu
 from pallas_kernels.attention.paged_decode import paged_decode_mosaic
 from pallas_kernels.attention.reference import paged_decode_reference
 

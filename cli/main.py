@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
 from cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
+from jaxinfer.bench import cli as cli_bench
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_memory.add_parser(sub)
     cli_warmup.add_parser(sub)
     cli_train_eagle.add_parser(sub)
+    cli_bench.add_parser(sub)
     return parser
 
 

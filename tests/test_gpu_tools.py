@@ -5,7 +5,7 @@ H200)."""
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import bench_decode
+from jaxinfer.bench import kernel_decode as bench_decode
 
 
 def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
@@ -38,7 +38,7 @@ def test_dump_kernels_reports_registers_and_spills(tmp_path):
 
 
 def test_prefill_timing_interleaves_the_implementations():
-    from benchmarks import bench_prefill
+    from jaxinfer.bench import kernel_prefill as bench_prefill
     log = []
 
     def call(name):

@@ -1,4 +1,4 @@
-"""benchmarks/results_io.py: the record every benchmark's --save writes, and the kernel benchmarks'
+"""jaxinfer/bench/results_io.py: the record every benchmark's --save writes, and the kernel benchmarks'
 metric names that RESULTS.md and the issue's checks read."""
 
 import json
@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from benchmarks import bench_decode, bench_prefill, results_io
+from jaxinfer.bench import kernel_decode as bench_decode, kernel_prefill as bench_prefill
+from jaxinfer.bench import results_io
 
 
 def test_save_writes_the_record_with_every_key(tmp_path, monkeypatch):
@@ -21,11 +22,11 @@ def test_save_writes_the_record_with_every_key(tmp_path, monkeypatch):
 
 
 def test_a_module_run_records_its_python_m_command(monkeypatch):
-    import benchmarks.bench_decode as module
+    import jaxinfer.bench.kernel_decode as module
     monkeypatch.setattr("sys.argv", [module.__file__, "--tiny"])
     monkeypatch.setitem(__import__("sys").modules, "__main__", module)
     assert results_io.record("x", config={}, metrics={})["command"] == (
-        "python -m benchmarks.bench_decode --tiny")
+        "python -m jaxinfer.bench.kernel_decode --tiny")
 
 
 def test_historical_record_keeps_its_origin():

@@ -38,7 +38,7 @@ def compile_prefill(config_name: str = "default") -> None:
 def compile_decode() -> None:
     import jax
 
-    from benchmarks import bench_decode as bd
+    from jaxinfer.bench import kernel_decode as bd
     from pallas_kernels.attention.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
     case = bd.make_paged_case(1, 32768)
     jax.block_until_ready(jax.jit(lambda q, k, v, bt, lens: paged_decode_mosaic(

@@ -35,7 +35,7 @@ import numpy as np
 
 import jax
 
-from benchmarks.bench_decode import D, make_paged_case, mosaic_config
+from jaxinfer.bench.kernel_decode import D, make_paged_case, mosaic_config
 from pallas_kernels.attention.paged_decode import paged_decode_mosaic
 
 CONSUMERS = 2  # warpgroups 0 and 1; then the producer (and, fp8, the V producer)

@@ -27,7 +27,7 @@ import numpy as np
 
 import jax
 
-from benchmarks.bench_decode import D, chained_calls, make_paged_case, mosaic_config
+from jaxinfer.bench.kernel_decode import D, chained_calls, make_paged_case, mosaic_config
 from pallas_kernels.attention.paged_decode import paged_decode_mosaic
 
 RUNS = 3

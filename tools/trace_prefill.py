@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_prefill import HKV, HQ, D, dense_flops
+from jaxinfer.bench.kernel_prefill import HKV, HQ, D, dense_flops
 from tools.trace_decode import RUNS, device_events, summarize
 from pallas_kernels.attention import flash_mgpu
 from pallas_kernels.attention import flash_prefill as fp

@@ -1,7 +1,7 @@
 """Paged decode attention on the GPU: our kernels beside jax's bundled Pallas `paged_attention`, XLA
 on a gathered contiguous cache, and the HBM read ceiling measured in the same run.
 
-    python -m benchmarks.bench_decode [--batches 1,8,64,256] [--contexts 512,4096,32768]
+    python -m jaxinfer.bench.kernel_decode [--batches 1,8,64,256] [--contexts 512,4096,32768]
                                        [--shapes BxCTX,...] [--variants mosaic,triton] [--save [DIR]]
 
 Figure of merit: TB/s of KV read = (K + V bytes of every sequence's context) / kernel time, and its
@@ -20,7 +20,7 @@ tools/trace_decode.py gives the device timeline of the same chains.
 `--save` writes the record paged_decode_<gpu>.json (`results_io`): per shape
 `decode_b{B}x{CTX}_us`, `_tbps` and `_frac_of_hbm` for the default Mosaic kernel, every other
 variant as `decode_b{B}x{CTX}_<variant>_tbps`, and the read ceiling as `hbm_read_tbps`.
-`bench_kernels.py` calls `run_grid`.
+`jaxinfer bench kernels` runs it (kernels.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks import anchors, results_io
+from jaxinfer.bench import anchors, results_io
 from pallas_kernels.attention.paged_decode import (
                                                    MosaicDecodeConfig,
                                                    paged_decode_mosaic,

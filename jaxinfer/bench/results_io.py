@@ -1,10 +1,12 @@
-"""Benchmark results as data: one JSON record per benchmark name under benchmarks/results/.
+"""Benchmark results as data: one JSON record per benchmark name under benchmarks/results/ (in a
+checkout; elsewhere ./bench_results/), the project's own record, beside the vLLM-shaped file that
+`jaxinfer bench serve --save-result` writes.
 
 A record is `{name, date, commit, machine, command, config, metrics}`; anchors and ceilings
 measured in the same run go inside `metrics` beside the figures they anchor. Only the latest run
 per name is kept in the tree (git keeps the history). A benchmark uses it in two lines:
 
-    results_io.add_save_arg(parser, "soak_<gpu>")        # --save [DIR], --name NAME
+    results_io.add_save_arg(parser, "soak_<gpu>")        # --save [DIR], --name NAME (--record)
     ...
     if args.save:
         name = args.name or f"soak_{results_io.device_slug()}"
@@ -24,7 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The checkout's records when this package runs from one (jaxinfer/bench/ -> the repository root),
+# else a directory under the working directory (an installed wheel has no benchmarks/).
+_CHECKOUT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS_DIR = _CHECKOUT_RESULTS if _CHECKOUT_RESULTS.is_dir() else Path("bench_results")
 KEYS = ("name", "date", "commit", "machine", "command", "config", "metrics")
 
 
@@ -78,8 +83,10 @@ def device_slug() -> str:
 
 
 def invocation() -> str:
-    """How this process was started: `python -m benchmarks.bench_x` for a module run (how the
-    benchmarks and tools run), else the script's path."""
+    """How this process was started: `jaxinfer` for the installed command, `python -m
+    benchmarks.bench_x` for a module run, else the script's path."""
+    if Path(sys.argv[0]).name == "jaxinfer":
+        return "jaxinfer"
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.origin and Path(spec.origin).resolve() == Path(sys.argv[0]).resolve():
         return f"python -m {spec.name}"
@@ -102,18 +109,37 @@ def record(name: str, *, config: dict, metrics: dict, command: str | None = None
     }
 
 
+def fold(new: dict, stored: dict | None, *, prefix: str = "", only: list[str] | None = None) -> dict:
+    """`new` folded into the `stored` record of the same name: the new run's metrics (renamed with
+    `prefix`, `only` those keys) replace the stored figures of the same keys, the rest stay, and
+    `config.merged_from` lists every run that contributed (commit, date, command, the keys it
+    set), so each figure keeps its source."""
+    metrics = {prefix + k: v for k, v in new["metrics"].items() if only is None or k in only}
+    if stored is None:
+        out = dict(new, metrics=metrics)
+        out["config"] = dict(new.get("config", {}), merged_from=[])
+    else:
+        out = dict(stored, metrics={**stored["metrics"], **metrics})
+        out["config"] = dict(stored.get("config", {}))
+        out["config"].setdefault("merged_from", [])
+        out["date"], out["commit"] = new["date"], new["commit"]
+    out["config"]["merged_from"] = out["config"]["merged_from"] + [
+        {"commit": new.get("commit"), "date": new.get("date"), "command": new.get("command"),
+         "keys": sorted(metrics)}]
+    return out
+
+
 def save(directory: str | Path | None, name: str, *, config: dict, metrics: dict,
          merge: str | Path | None = None, **kwargs) -> Path:
     """Writes record(name, ...) to DIRECTORY/<name>.json (default benchmarks/results) and
     returns the path. `merge`: a stored record (`add_merge_arg`) this run's metrics are folded
-    into (`tools.merge_record.merge`: its other keys kept, `config.merged_from` naming each run);
-    absent file: this run's record alone."""
+    into (`merge`: its other keys kept, `config.merged_from` naming each run); absent file: this
+    run's record alone."""
     directory = Path(directory or RESULTS_DIR)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     rec = record(name, config=config, metrics=metrics, **kwargs)
     if merge is not None and Path(merge).is_file():
-        from tools.merge_record import merge as fold
         rec = dict(fold(rec, json.loads(Path(merge).read_text())), name=name)
     path.write_text(json.dumps(rec, indent=1, sort_keys=False) + "\n")
     print(f"saved {path}", flush=True)
@@ -136,8 +162,9 @@ def add_save_arg(parser, default_name: str = "") -> None:
     """--save [DIR]: write this run's record to DIR/<name>.json (default benchmarks/results);
     --name NAME: the record's name instead of the benchmark's default (`args.name`)."""
     parser.add_argument("--save", nargs="?", const=str(RESULTS_DIR), default=None, metavar="DIR",
-                        help="write the run's JSON record to DIR/<name>.json "
-                             "(default: benchmarks/results)")
-    parser.add_argument("--name", default=None,
+                        help="write the run's project record ({name, date, commit, machine, "
+                             "command, config, metrics}) to DIR/<name>.json (default: "
+                             f"{RESULTS_DIR})")
+    parser.add_argument("--name", "--record", dest="name", default=None,
                         help="the record's name" + (f" (default: {default_name})" if default_name
                                                     else ""))

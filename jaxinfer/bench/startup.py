@@ -1,16 +1,16 @@
-"""Start-up time: `jaxinfer serve` from process start to `/health` 200, cold and warm.
+"""`jaxinfer bench startup`: `jaxinfer serve` from process start to `/health` 200, cold and warm.
 
-    python -m benchmarks.bench_startup [--model DIR] [--warm-runs 2] [--save [DIR]]
-        [-- extra serve flags]
+    jaxinfer bench startup [--model DIR] [--warm-runs 2] [--save [DIR]] [-- extra serve flags]
 
-Each run is a fresh `python -m cli.main serve` process. The cold run gets an empty
+Each run is a fresh `jaxinfer serve` process (the Python module the installed `jaxinfer` command
+runs). The cold run gets an empty
 compilation cache directory (persistent XLA cache and executable cache); the warm runs reuse what
 the cold run wrote. The server logs its phases once ready (jaxinfer/engine/startup.py): config,
 tokenizer, weights, KV plan + allocation, warm-up, and inside warm-up jax's tracing, lowering, XLA
 compile and cache-read seconds (summed over threads) and the executables loaded from the
 executable cache. `before_engine_s` is the rest: process start, imports, server set-up.
 
-`--save` writes startup_<device>.json (results_io) with `time_to_ready_cold_s`,
+`--save` writes startup_<device>.json (results_io.py) with `time_to_ready_cold_s`,
 `time_to_ready_warm_s` (the fastest warm run) and each run's phases; `--baseline FILE` copies the
 metrics of an earlier record (e.g. this script run at the parent commit) in as `baseline_*` keys.
 """
@@ -27,11 +27,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from importlib import metadata
 from pathlib import Path
 
-from benchmarks import results_io
-
-ROOT = Path(__file__).resolve().parent.parent
+from jaxinfer.bench import common, results_io
 
 ENGINE_PHASES = ("config", "tokenizer", "weights", "kv_plan_and_alloc", "warmup")  # sequential
 PREFIX = "startup phases (s): "  # jaxinfer.engine.startup.STARTUP_LOG_PREFIX (older commits lack it)
@@ -51,18 +50,24 @@ def _healthy(port: int) -> bool:
         return False
 
 
+def cli_module() -> str:
+    """The module behind the installed `jaxinfer` command (its console-script entry point)."""
+    (entry,) = metadata.entry_points(group="console_scripts", name="jaxinfer")
+    return entry.module
+
+
 def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: float) -> dict:
     """One server start: seconds to /health 200 and the phases the server logged."""
     port = _free_port()
-    argv = [sys.executable, "-m", "cli.main", "--log-level", "info", "serve",
+    argv = [sys.executable, "-m", cli_module(), "--log-level", "info", "serve",
             "--port", str(port), "--compilation-cache-dir", cache_dir, *extra]
     if model:
         argv += ["--model", model]
     log_path = Path(cache_dir).parent / f"serve_{port}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1"}
     with open(log_path, "w") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while not _healthy(port):
                 if proc.poll() is not None:
@@ -85,16 +90,23 @@ def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: f
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    ap.add_argument("--warm-runs", type=int, default=2)
-    ap.add_argument("--timeout-s", type=float, default=300.0)
-    ap.add_argument("--baseline", default=None,
-                    help="an earlier record's JSON whose metrics become baseline_* keys")
-    results_io.add_save_arg(ap, "startup_<device>")
-    ap.add_argument("serve_args", nargs="*", help="extra `jaxinfer serve` flags (after --)")
-    args = ap.parse_args()
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("startup", help="time `jaxinfer serve` to ready, cold and warm caches",
+                       description=__doc__, formatter_class=common.HelpFormatter,
+                       usage=common.USAGE)
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--warm-runs", type=int, default=2, help="starts after the cold one")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per start")
+    p.add_argument("--baseline", default=None,
+                   help="an earlier record's JSON whose metrics become baseline_* keys")
+    common.add_output_json(p, "the metrics")
+    common.add_record_args(p, "startup_<device>")
+    p.add_argument("serve_args", nargs="*", help="extra `jaxinfer serve` flags (after --)")
+    p.set_defaults(func=run, _parser=p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         cache = str(Path(tmp) / "cache")
         cold = serve_once(args.model, cache, args.serve_args, args.timeout_s)
@@ -114,6 +126,8 @@ def main() -> None:
                         if not k.startswith("baseline_")})
         metrics["baseline_commit"] = base["commit"]
     print(json.dumps(metrics, indent=1))
+    if args.output_json:
+        common.write_json(args.output_json, metrics)
     if args.save:
         import jax  # noqa: F401  (results_io.machine() names the device jax sees)
         name = args.name or f"startup_{results_io.device_slug()}"
@@ -121,7 +135,4 @@ def main() -> None:
                                                  "serve_args": args.serve_args,
                                                  "warm_runs": args.warm_runs},
                         metrics=metrics)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

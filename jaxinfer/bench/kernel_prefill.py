@@ -1,7 +1,7 @@
 """Flash prefill attention on the GPU: our Mosaic kernel beside cuDNN and the other anchors,
 measured in the same run.
 
-    python -m benchmarks.bench_prefill [--quick] [--shapes dense,paged] [--save [DIR]]
+    python -m jaxinfer.bench.kernel_prefill [--quick] [--shapes dense,paged] [--save [DIR]]
 
 dense   causal B1 S8192 and B2 S4096, non-causal B2 S4096 (Hq 32 / Hkv 8, d 128): ours (Mosaic,
         bf16 and f16), cuDNN and XLA through jax.nn.dot_product_attention, jax's bundled
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from pallas_kernels.attention import flash_mgpu, reference
 from pallas_kernels.attention import flash_prefill as fp
 from pallas_kernels.attention.flash_config import KernelConfig

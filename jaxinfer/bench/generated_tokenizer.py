@@ -4,7 +4,7 @@ another model's tokenizer (the demo's 4,096 tokens beside Llama-3's 128,256 ids)
 decode to nothing, so a streamed reply arrives in bursts and a serving benchmark's inter-token
 latency measures the detokenizer, not the engine (issue 38).
 
-    python -m benchmarks.generated_tokenizer DIR   # DIR/config.json's vocab_size -> DIR/tokenizer*.json
+    python -m jaxinfer.bench.generated_tokenizer DIR   # DIR/config.json's vocab_size -> DIR/tokenizer*.json
 
 Token i (i >= 3) is the word `w<i>`; 0, 1, 2 are `<s>`, `</s>` (EOS) and `<unk>`; a chat template
 joins the messages' contents. Text round-trips through it: random ids make random text of about

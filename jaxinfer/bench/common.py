@@ -1,0 +1,75 @@
+"""What the `jaxinfer bench` drivers share: the engine flags (with --preset), the project record
+(--save/--record through results_io), the vLLM-shaped --output-json file, and the engine with the
+prompts an offline driver times."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jaxinfer.bench import presets, results_io
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions kept as written; a flag's default after its help where it has one worth
+    saying (not None or False) and the help does not name it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and action.option_strings):
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+
+USAGE = "%(prog)s [options]"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's own flags (as `jaxinfer serve` takes them) and --preset."""
+    from jaxinfer.engine.args import EngineArgs
+    g = parser.add_argument_group("preset")
+    g.add_argument("--preset", choices=sorted(presets.PRESETS), default=None,
+                   help="a model shape and workload from benchmarks/results' records; flags given "
+                        "on the command line win. " + "; ".join(
+                            f"{k}: {p.description}" for k, p in sorted(presets.PRESETS.items())))
+    EngineArgs.add_cli_args(parser)
+
+
+def add_record_args(parser: argparse.ArgumentParser, default_name: str) -> None:
+    g = parser.add_argument_group("project record (benchmarks/results/<name>.json)")
+    results_io.add_save_arg(g, default_name)
+
+
+def add_output_json(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help=f"write {what} as JSON (the file `vllm bench` writes)")
+
+
+def write_json(path: str | Path, obj: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=4, allow_nan=False))
+    print(f"wrote {path}")
+    return path
+
+
+def record_config(args: argparse.Namespace) -> dict:
+    """The flags of the run, for the record's `config` (the driver plumbing left out)."""
+    skip = {"save", "name", "output_json", "func", "command", "bench_command", "log_level"}
+    return {k: v for k, v in vars(args).items() if k not in skip and not k.startswith("_")}
+
+
+def numeric(result: dict) -> dict:
+    """The scalar figures of a result, for the record's `metrics`."""
+    return {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def build_llm(args: argparse.Namespace):
+    """The offline front end over an engine made from the parsed engine flags."""
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.frontends.llm import LLM
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    return LLM(engine=engine)

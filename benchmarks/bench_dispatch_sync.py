@@ -130,7 +130,7 @@ def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
-    from tools.engine_host_probe import LaunchTimer
+    from jaxinfer.bench.profile.engine_host_probe import LaunchTimer
     m: dict = {}
     with tempfile.TemporaryDirectory() as work:
         if tiny:

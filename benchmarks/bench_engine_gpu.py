@@ -42,15 +42,6 @@ LLAMA8B_WORKLOAD = ["--load-format", "dummy", "--num-prompts", "64", "--input-le
 
 
 # ---- sections that run inside a child process ------------------------------------------------
-def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
-    """Seconds to generate exactly n greedy tokens for each prompt."""
-    from jaxinfer import SamplingParams
-    t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
-                 use_tqdm=False)
-    return time.perf_counter() - t0
-
-
 def section_warmup(cache_dir: str) -> dict:
     import jax
 

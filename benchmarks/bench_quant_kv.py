@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.bench import anchors, results_io
+from jaxinfer.bench.kernel_decode import fp8_variant_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo-target"
@@ -159,30 +160,6 @@ def summary_table(metrics: dict) -> str:
     rows += [f"{k}: {v}" for k, v in metrics.items() if k.endswith("_error")]
     rows += [f"{k}: {v:.2e}" for k, v in metrics.items() if "_rel_err_" in k]
     return "\n".join(rows)
-
-
-def fp8_variant_config(name: str):
-    """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
-    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "up2" / "up4" / "8bit" (the
-    widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
-    the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
-    per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
-    "mosaic:ft128:pv64:shared"."""
-    from jaxinfer.bench.kernel_decode import mosaic_config
-    ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
-            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
-            "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
-    ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
-    ours.update(shared=dict(fp8_shared_scratch=True), noshared=dict(fp8_shared_scratch=False))
-    ours.update({f"pv{n}": dict(fp8_pv_tokens=n) for n in (64, 128, 256)})
-    ours.update({f"ft{n}": dict(fp8_tokens_per_step=n) for n in (64, 128, 256)})
-    opts = name.split(":")
-    config = mosaic_config(":".join(o for o in opts if o not in ours))
-    for o in opts:
-        config = dataclasses.replace(config, **ours.get(o, {}))
-    if config.profile_dir:
-        raise ValueError("timed kernels take no profiler (its dump is a host callback)")
-    return config
 
 
 def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,

@@ -149,3 +149,18 @@ def test_preset_fills_only_the_flags_left_at_their_defaults(tmp_path):
     assert args.num_prompts == 8 and args.input_len == 512 and args.load_format == "dummy"
     config = json.loads((Path(args.model) / "config.json").read_text())
     assert config["hidden_size"] == 4096 and (Path(args.model) / "tokenizer.json").is_file()
+
+
+def test_bench_latency_profiles_the_steady_decode_step(tmp_path):
+    """--profile host probe device: the host's phase split and hot functions, the probe's verdict,
+    and (on the CPU) the device trace's refusal, in the output JSON beside vLLM's keys."""
+    out = tmp_path / "latency.json"
+    assert cli.main(["latency", *TINY_ENGINE, "--input-len", "8", "--output-len", "2", "--batch-size", "2",
+                     "--num-iters-warmup", "0", "--num-iters", "1", "--output-json", str(out),
+                     "--profile", "host", "probe", "device", "--profile-decode-steps", "4"]) == 0
+    profile = json.loads(out.read_text())["profile"]
+    host = profile["host"]
+    assert host["num_seqs"] == 2 and host["steps"] == 4 and host["ms_per_step"] > 0
+    assert host["profiled_top_own_ms"] and all(v >= 0 for v in host["profiled_top_own_ms"].values())
+    assert profile["probe"]["compiles"] == 0  # the steady steps reuse the run's executables
+    assert "needs a GPU" in profile["device"]["error"]

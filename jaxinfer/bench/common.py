@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from jaxinfer.bench import presets, results_io
@@ -73,3 +74,12 @@ def build_llm(args: argparse.Namespace):
     from jaxinfer.frontends.llm import LLM
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     return LLM(engine=engine)
+
+
+def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
+    """Seconds to generate exactly n greedy tokens for each prompt."""
+    from jaxinfer.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - t0

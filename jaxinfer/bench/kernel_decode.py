@@ -16,7 +16,7 @@ figures swing by several µs between runs. `--chain N` forces one length for eve
 jit call also pays one XLA executable launch (~6 µs on the H200), a quarter of which lands in
 every per-call figure of a 4-call chain; the "marginal" variant reports the Mosaic call's cost
 inside a larger program instead, as the slope between chains of 2 and 6 calls (`time_marginal`);
-tools/trace_decode.py gives the device timeline of the same chains.
+jaxinfer/bench/profile/trace_decode.py gives the device timeline of the same chains.
 `--save` writes the record paged_decode_<gpu>.json (`results_io`): per shape
 `decode_b{B}x{CTX}_us`, `_tbps` and `_frac_of_hbm` for the default Mosaic kernel, every other
 variant as `decode_b{B}x{CTX}_<variant>_tbps`, and the read ceiling as `hbm_read_tbps`.
@@ -378,6 +378,29 @@ def metrics(result) -> dict:
             if name in ("mosaic", "read_same_size"):
                 out[f"{prefix}_frac_of_hbm"] = round(rec["pct_ceiling"] / 100, 4)
     return out
+
+
+def fp8_variant_config(name: str):
+    """A variant name's Mosaic config: `mosaic_config`'s options over the default,
+    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "up2" / "up4" / "8bit" (the
+    widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
+    the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
+    per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
+    "mosaic:ft128:pv64:shared"."""
+    ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
+            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
+            "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
+    ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
+    ours.update(shared=dict(fp8_shared_scratch=True), noshared=dict(fp8_shared_scratch=False))
+    ours.update({f"pv{n}": dict(fp8_pv_tokens=n) for n in (64, 128, 256)})
+    ours.update({f"ft{n}": dict(fp8_tokens_per_step=n) for n in (64, 128, 256)})
+    opts = name.split(":")
+    config = mosaic_config(":".join(o for o in opts if o not in ours))
+    for o in opts:
+        config = dataclasses.replace(config, **ours.get(o, {}))
+    if config.profile_dir:
+        raise ValueError("timed kernels take no profiler (its dump is a host callback)")
+    return config
 
 
 def main(argv=None):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxinfer.bench import common, presets, results_io
+from jaxinfer.bench.profile import engine_profile
 from jaxinfer.bench.timed_window import fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
 
@@ -47,6 +48,9 @@ def latency(args: argparse.Namespace) -> dict:
     print(f"Std latency: {result['std_latency']} seconds")
     for p, v in zip(PERCENTILES, pct):
         print(f"{p}% percentile latency: {v} seconds")
+    if args.profile:
+        result["profile"] = engine_profile.profile_engine(llm.engine, prompts, args.profile,
+                                                          args.profile_decode_steps)
     return result
 
 
@@ -63,6 +67,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     common.add_output_json(g, "the latencies")
     common.add_record_args(p, "latency_<model>_<device>")
+    engine_profile.add_profile_args(p)
     common.add_engine_args(p)
     p.set_defaults(func=run, _parser=p, enable_prefix_caching=False)
     return p

@@ -40,6 +40,22 @@ MIXTRAL_8X7B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
 
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+    "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400,
+    "first_k_dense_replace": 1, "torch_dtype": "bfloat16", "bos_token_id": 100000,
+    "eos_token_id": 100001,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Preset:

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 
 from jaxinfer.bench import common, host_overhead, presets, results_io
+from jaxinfer.bench.profile import engine_profile
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
 
@@ -59,6 +60,11 @@ def throughput(args: argparse.Namespace) -> dict:
     print(f"Total num output tokens:  {n_out}")
     print(f"Engine steps: {st.steps}, host (schedule + build + dispatch) {st.host_ms_per_step:.3f} "
           f"ms/step, overlapped dispatches that found the device idle: {st.idle_dispatches}")
+    if args.profile:
+        batch = fresh_prompts(vocab, min(args.num_prompts, engine.args.max_num_seqs), args.input_len,
+                              seed=2, low=0)
+        result["profile"] = engine_profile.profile_engine(engine, batch, args.profile,
+                                                          args.profile_decode_steps)
     return result
 
 
@@ -83,6 +89,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--final-output-only", action="store_true",
                    help="no RequestOutput until a request finishes (as LLM.generate)")
     common.add_record_args(p, "throughput_<model>_<device> or host_overhead_<device>")
+    engine_profile.add_profile_args(p)
     common.add_engine_args(p)
     p.set_defaults(func=run, _parser=p)
     return p

@@ -2,7 +2,7 @@
 an 8-bit weight reaches its matmul directly (converted inside the matmul's own kernel) or through a
 separate fusion that writes a wider copy of it every call.
 
-    python -m tools.hlo_weight_reads STEP.txt.gz [--min-bytes 1048576] [--json] [--rows 40]
+    python -m jaxinfer.bench.profile.hlo_weight_reads STEP.txt.gz [--min-bytes 1048576] [--json] [--rows 40]
 
 A decode step at batch 1 streams its weights, so its time is the bytes it moves: an e4m3 weight
 read by the matmul costs 1 byte per value, one upcast to bf16 first costs 1 + 2 (the copy written)
@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-from tools.hlo_text import Instr, Module, parse
+from jaxinfer.bench.profile.hlo_text import Instr, Module, parse
 
 VIEWS = {"bitcast", "reshape"}  # no bytes move (XLA's GPU layouts make reshapes bitcasts)
 MATMULS = {"dot", "scaled-dot", "convolution", "ragged-dot"}

@@ -2,10 +2,10 @@
 running requests, the engine's own phase split (`EngineStats.breakdown_ms`), and the functions
 with the most own time.
 
-    from tools.profile_host_step import profile_host_steps
+    from jaxinfer.bench.profile.profile_host_step import profile_host_steps
     summary = profile_host_steps(engine, [prompt_ids] * 256, steps=20)
 
-    JAX_PLATFORMS=cpu python -m tools.profile_host_step --num-seqs 256   # demo model
+    JAX_PLATFORMS=cpu python -m jaxinfer.bench.profile.profile_host_step --num-seqs 256   # demo model
 
 The requests are added and stepped until each has its first token (prefill done); then `steps`
 engine steps run under the profiler (and, separately, without it: the wall time per step and the
@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from tools.trace_engine_step import start_decoding, stop_requests
+from jaxinfer.paths import DEFAULT_MODEL
+from jaxinfer.bench.profile.trace_engine_step import start_decoding, stop_requests
 
 
 def top_functions(stats: pstats.Stats, steps: int, top: int) -> dict[str, float]:
@@ -135,8 +136,7 @@ def launch_variants(engine, variants: dict[str, dict], size: int = 256, reps: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "checkpoints"
-                                           / "demo-target"))
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--synthetic", action="store_true",
                     help="a one-layer 64-wide model instead (the device's share kept small)")
     ap.add_argument("--num-seqs", type=int, default=256)

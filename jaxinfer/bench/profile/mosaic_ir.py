@@ -5,8 +5,8 @@ change nothing in a kernel should show no difference: `--check` compares every k
 sha256 digests in tests/fixtures/kernel_ir.json (`--digest` rewrites them after a deliberate
 kernel change), and tests/test_kernel_ir.py checks a few cheap ones in CI.
 
-    python -m tools.mosaic_ir [--kernel prefill-dense] [--out FILE]
-    python -m tools.mosaic_ir --check    # or --digest
+    python -m jaxinfer.bench.profile.mosaic_ir [--kernel prefill-dense] [--out FILE]
+    python -m jaxinfer.bench.profile.mosaic_ir --check    # or --digest
 
 Kernels (attention at benchmark shapes: Hq 32 / Hkv 8 / d 128, default configs): prefill-dense
 (bf16, non-causal B2 S4096), prefill-paged[-fp8] (8 sequences of 512 new tokens, page 16; bf16 or
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh
 from jaxlib.mlir import ir
 
+from jaxinfer.paths import REPO_ROOT
 from pallas_kernels.attention import flash_prefill as fp
 from pallas_kernels.attention.paged_decode_mosaic import paged_decode_mosaic
 from pallas_kernels.moe.grouped_matmul import moe_experts
@@ -134,7 +135,8 @@ KERNELS = ("prefill-dense", "prefill-paged", "prefill-paged-fp8", "decode", "dec
            "decode-b64", "decode-fp8-b64", "gmm-decode", "gmm-prefill", "gmm-decode-fp8",
            "gmm-prefill-fp8", "rms-norm")
 # The digests of the production kernels as the last deliberate kernel change left them.
-DIGESTS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "kernel_ir.json"
+# The checkout's digests (a kernel developer's tool: the wheel has no tests/).
+DIGESTS = REPO_ROOT / "tests" / "fixtures" / "kernel_ir.json"
 
 
 def lower(kernel: str):

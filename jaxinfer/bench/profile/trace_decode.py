@@ -2,7 +2,7 @@
 call, its duration and the idle gap before it, so the time a call spends outside the decode kernel
 (the split combine, launch gaps) is measured rather than inferred.
 
-    python -m tools.trace_decode [--shapes 1x32768,8x32768] [--variants mosaic]
+    python -m jaxinfer.bench.profile.trace_decode [--shapes 1x32768,8x32768] [--variants mosaic]
                                                     [--lens 64]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, full context, the same chained jit as

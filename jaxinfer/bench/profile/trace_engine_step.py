@@ -1,12 +1,12 @@
 """Where a steady decode step of the engine spends its device time: jax's profiler (CUPTI) around a
 few decode steps of running requests, summarized per kernel name.
 
-    from tools.trace_engine_step import profile_decode_steps
+    from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
     summary = profile_decode_steps(engine, [prompt_ids], steps=20)
 
 The requests are added and stepped until each has its first token (prefill done); then `steps`
 engine steps run under `jax.profiler.trace`, and the requests are aborted. From the GPU plane
-(tools/trace_decode.device_events): the period of one step (first kernel start to last kernel end,
+(trace_decode.device_events): the period of one step (first kernel start to last kernel end,
 over the steps), the kernel-busy time and the idle time per step (the device waiting for the host
 or between launches), the number of kernels per step, and the kernels with the most time per step
 (names cut to 60 characters; a name's calls summed).
@@ -21,7 +21,7 @@ from collections import defaultdict
 import jax
 
 from jaxinfer.sampling_params import SamplingParams
-from tools.trace_decode import device_events
+from jaxinfer.bench.profile.trace_decode import device_events
 
 
 def busy_ns(events: list[tuple[str, int, int]]) -> int:

@@ -4,7 +4,7 @@ the same layer count, both with the H200's kernels (the Mosaic backend: latent /
 the Triton add + RMSNorm; the Mosaic grouped matmul for the experts, which `--moe-impl auto`
 picks at batch 1 on Hopper). Traced on the CPU with abstract weights (nothing is allocated).
 
-    python -m tools.step_op_census [--context 768] [--json]
+    python -m jaxinfer.bench.profile.step_op_census [--context 768] [--json]
 
 The count is a proxy for launched kernels: on the GPU, XLA fuses elementwise ops into their
 neighbours but gives (nearly) every matmul, reduction, gather / scatter, sort / top-k and Pallas
@@ -88,7 +88,7 @@ def census(raw: dict, context: int) -> dict:
 
 
 def main() -> None:
-    from benchmarks.bench_mla import V2_LITE
+    from jaxinfer.bench.presets import DEEPSEEK_V2_LITE as V2_LITE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=768, help="tokens in the cache")
     parser.add_argument("--json", action="store_true")

@@ -1,6 +1,6 @@
 """Compile our Mosaic GPU kernels with Mosaic's dump flags and print what ptxas made of each (H200).
 
-    python -m tools.dump_kernels [--kernels prefill,decode,latent]
+    python -m jaxinfer.bench.profile.dump_kernels [--kernels prefill,decode,latent]
         [--prefill-configs default,spec] [--dir DIR]
 
 Mosaic GPU reads MOSAIC_GPU_DUMP_PTX / MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_TO when it compiles a
@@ -25,7 +25,7 @@ def compile_prefill(config_name: str = "default") -> None:
     import jax.numpy as jnp
 
     from pallas_kernels.attention import flash_prefill as fp
-    from tools.prefill_config import prefill_config
+    from jaxinfer.bench.profile.prefill_config import prefill_config
     config = prefill_config(config_name)
     b, l, hq, hkv, d = 2, 4096, 32, 8, 128
     ks = jax.random.split(jax.random.key(0), 3)
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="prefill,decode")
     ap.add_argument("--prefill-configs", default="default",
-                    help="comma list of configurations (tools/prefill_config.py); each dumps into its own "
+                    help="comma list of configurations (prefill_config.py); each dumps into its own "
                          "folder")
     ap.add_argument("--dir", default=None, help="dump directory")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Where a paged-decode call's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    python -m tools.profile_decode [--shapes 1x32768,64x4096] [--variants mosaic]
+    python -m jaxinfer.bench.profile.profile_decode [--shapes 1x32768,64x4096] [--variants mosaic]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, every sequence at full context) the kernel runs
 once unprofiled (compile, warm-up) and once with `MosaicDecodeConfig.profile_dir` set: every
@@ -155,7 +155,7 @@ def profile_shape(batch: int, ctx: int, variant: str, out_dir: Path, fp8: bool =
     if fp8:  # the same pages as an fp8 cache (kv_quant.py)
         from pallas_kernels.attention.kv_quant import quantize
         case = dict(case, k=quantize(case["k"], 1.0), v=quantize(case["v"], 1.0))
-        from benchmarks.bench_quant_kv import fp8_variant_config
+        from jaxinfer.bench.kernel_decode import fp8_variant_config
         config = fp8_variant_config(variant)  # the fp8 options too (qk, wid, late, ...)
         variant += ":fp8"
     else:
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8", action="store_true", help="also profile each on an fp8 cache")
     ap.add_argument("--fp8-only", action="store_true",
                     help="profile each on an fp8 cache only (variants may use the fp8 options of "
-                         "bench_quant_kv.fp8_variant_config)")
+                         "kernel_decode.fp8_variant_config)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "decode_profiles"))
     rows = []

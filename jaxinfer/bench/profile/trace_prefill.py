@@ -3,7 +3,7 @@ its duration and the gap before it, for our flash kernel, the same kernel with i
 by device ops inside the call (as the engine's ragged entry builds it), and cuDNN. It sets
 kernel-only TF/s beside whole-call TF/s, and measures what the table costs a call.
 
-    python -m tools.trace_prefill [--shapes 1x8192c,2x4096c,2x4096n] [--calls 4]
+    python -m jaxinfer.bench.profile.trace_prefill [--shapes 1x8192c,2x4096c,2x4096n] [--calls 4]
 
 Shapes are BxL plus c (causal) or n (non-causal); Hq 32 / Hkv 8 / d 128, bf16, as in
 `bench_prefill.py`. Each implementation is compiled and warmed up, then runs 3 x `calls` calls under
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.bench.kernel_prefill import HKV, HQ, D, dense_flops
-from tools.trace_decode import RUNS, device_events, summarize
+from jaxinfer.bench.profile.trace_decode import RUNS, device_events, summarize
 from pallas_kernels.attention import flash_mgpu
 from pallas_kernels.attention import flash_prefill as fp
 

@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes under tensor parallelism: the engine's steps traced with
 jax's profiler (CUPTI on a GPU), every device's timeline and the host's, summarised.
 
-    python -m tools.trace_tp_step [--shape llama8b] [--tp 2] [--steps 32]
+    python -m jaxinfer.bench.profile.trace_tp_step [--shape llama8b] [--tp 2] [--steps 32]
 
 It builds `LLM` on a model shape (dummy weights; `--shape` llama8b, llama70b or a model directory),
 serves one batch-1 request to compile, measures the batch-1 TPOT (difference of two generation
@@ -109,7 +109,7 @@ def cfg_len(model: str) -> int:
 
 
 def build_llm(shape: str, tp: int, work: Path, decode_steps: int = 1):
-    from benchmarks.bench_engine_gpu import LLAMA3_8B, LLAMA3_70B
+    from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
     from jaxinfer import LLM
     shapes = {"llama8b": LLAMA3_8B, "llama70b": LLAMA3_70B}
     model = shape
@@ -140,7 +140,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_XLA_FLAGS}".strip()
     import jax
 
-    from benchmarks.bench_engine_gpu import timed_generate
+    from jaxinfer.bench.common import timed_generate
     label = args.label or f"{Path(args.shape).name}_tp{args.tp}"
     out_dir = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "tp_traces"))
     out_dir.mkdir(parents=True, exist_ok=True)

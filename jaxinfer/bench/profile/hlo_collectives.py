@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tools.hlo_text import Instr, parse
+from jaxinfer.bench.profile.hlo_text import Instr, parse
 
 # Collective opcodes; their async "-start" forms count as them (the "-done" halves only wait).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",

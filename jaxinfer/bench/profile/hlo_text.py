@@ -1,6 +1,7 @@
 """A reader of optimized HLO text (what `jax.jit(f).lower(...).compile().as_text()` prints): its
 computations, their instructions (name, type, opcode, operands, attributes) and which computations
-each instruction runs. Shared by tools/hlo_weight_reads.py and tools/hlo_collectives.py.
+each instruction runs. Shared by hlo_weight_reads.py and
+hlo_collectives.py.
 """
 
 from __future__ import annotations

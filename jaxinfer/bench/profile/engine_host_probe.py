@@ -2,7 +2,7 @@
 over `steps` engine steps of running requests (issue 26: at batch 1 the FP8-weight engine left
 the H200 idle between steps where the bf16 engine overlapped its host work with the device).
 
-    from tools.engine_host_probe import probe_host
+    from jaxinfer.bench.profile.engine_host_probe import probe_host
     figures = probe_host(engine, [prompt_ids], steps=32)
 
 What it reports, per step:
@@ -33,7 +33,7 @@ import jax
 
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.worker.bucket_compiler import forward_key
-from tools.trace_engine_step import single_steps, start_decoding, stop_requests
+from jaxinfer.bench.profile.trace_engine_step import single_steps, start_decoding, stop_requests
 
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compiles",
            "/jax/core/compile/jaxpr_trace_duration": "traces"}

@@ -1,11 +1,11 @@
 """Where a flash-prefill step's time goes, from Mosaic GPU's in-kernel profiler (on the H200).
 
-    python -m tools.profile_prefill [--configs default,stages=3] [--causal]
+    python -m jaxinfer.bench.profile.profile_prefill [--configs default,stages=3] [--causal]
 
 Dense attention at B1 S2048 Hq 8 / Hkv 2 / d 128 (bf16): 16 query tiles x 8 heads = 128 items, one
 per CTA, each streaming 16 K/V steps -- every CTA busy at once, as in a large call, but few enough
 events per warpgroup for the profiler's shared-memory buffer. Each configuration ("default" or
-field overrides such as "stages=3", `tools/prefill_config.py`) runs once unprofiled and once with
+field overrides such as "stages=3", `prefill_config.py`) runs once unprofiled and once with
 `KernelConfig.profile_dir` set; the summary gives each named range's mean and max per occurrence
 in µs (at the maximum SM clock):
   consumers: qk (issue QK, hand the turn over, wait for S), softmax, wait_v_turn (V landed and
@@ -27,8 +27,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tools.prefill_config import prefill_config
-from tools.profile_decode import read_trace
+from jaxinfer.bench.profile.prefill_config import prefill_config
+from jaxinfer.bench.profile.profile_decode import read_trace
 from pallas_kernels.attention import flash_prefill as fp
 
 B, L, HQ, HKV, D = 1, 2048, 8, 2, 128

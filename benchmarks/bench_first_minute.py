@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import results_io
-from benchmarks.bench_engine_gpu import child
+from jaxinfer.bench.common import child
 from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.timed_window import buckets_compiling, fresh_prompts
 

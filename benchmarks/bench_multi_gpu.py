@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import results_io
-from benchmarks.bench_engine_gpu import child
+from jaxinfer.bench.common import child
 from jaxinfer.bench.common import timed_generate
 from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
 from benchmarks.multi_gpu_moe import section_moe_layouts

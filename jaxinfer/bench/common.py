@@ -1,11 +1,14 @@
-"""What the `jaxinfer bench` drivers share: the engine flags (with --preset), the project record
-(--save/--record through results_io), the vLLM-shaped --output-json file, and the engine with the
-prompts an offline driver times."""
+"""What the `jaxinfer bench` drivers and the benchmarks/ suites share: the engine flags (with
+--preset), the project record (--save/--record through results_io), the vLLM-shaped --output-json
+file, the engine an offline driver times, and a section run in a child process."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -83,3 +86,24 @@ def timed_generate(llm, prompts: list[list[int]], n: int) -> float:
     llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
                  use_tqdm=False)
     return time.perf_counter() - t0
+
+
+def child(argv: list[str], timeout: float, grace_s: float = 15) -> tuple[str, str, int | None]:
+    """Runs a benchmark section in its own process (one that crashes or hangs leaves the others'
+    figures) -> (stdout, stderr, returncode, None when it timed out). Past `timeout` it gets
+    SIGABRT first, so faulthandler (on in the child) prints every thread's Python stack into
+    stderr (where a hung step waits is then on record); `grace_s` later it is killed."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return stdout, stderr, proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        stderr = "\n".join(l for l in stderr.splitlines() if "/s]" not in l)  # no progress bars
+        return stdout, stderr + f"\n[timed out after {timeout:.0f} s]", None

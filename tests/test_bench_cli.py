@@ -164,3 +164,19 @@ def test_bench_latency_profiles_the_steady_decode_step(tmp_path):
     assert host["profiled_top_own_ms"] and all(v >= 0 for v in host["profiled_top_own_ms"].values())
     assert profile["probe"]["compiles"] == 0  # the steady steps reuse the run's executables
     assert "needs a GPU" in profile["device"]["error"]
+
+
+def test_bench_startup_times_a_checkpoint_load(tmp_path, monkeypatch):
+    """--checkpoint-load: both formats loaded and timed, the record under load_<shape>_<device>."""
+    from jaxinfer.bench import checkpoint_load
+    monkeypatch.setitem(checkpoint_load.SHAPES, "tiny", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    out = tmp_path / "load.json"
+    assert cli.main(["startup", "--checkpoint-load", "--shape", "tiny", "--repeats", "1",
+                     "--output-json", str(out), "--save", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"safetensors", "orbax"} and all(result["seconds"].values())
+    assert result["bytes"] > 0
+    (record,) = tmp_path.glob("load_tiny_*.json")
+    assert json.loads(record.read_text())["metrics"]["safetensors_s"] >= 0

@@ -1,6 +1,7 @@
 """`jaxinfer bench startup`: `jaxinfer serve` from process start to `/health` 200, cold and warm.
 
     jaxinfer bench startup [--model DIR] [--warm-runs 2] [--save [DIR]] [-- extra serve flags]
+    jaxinfer bench startup --checkpoint-load [--shape qwen2.5-0.5b]   # load time alone
 
 Each run is a fresh `jaxinfer serve` process (the Python module the installed `jaxinfer` command
 runs). The cold run gets an empty
@@ -30,7 +31,7 @@ import urllib.request
 from importlib import metadata
 from pathlib import Path
 
-from jaxinfer.bench import common, results_io
+from jaxinfer.bench import checkpoint_load, common, results_io
 
 ENGINE_PHASES = ("config", "tokenizer", "weights", "kv_plan_and_alloc", "warmup")  # sequential
 PREFIX = "startup phases (s): "  # jaxinfer.engine.startup.STARTUP_LOG_PREFIX (older commits lack it)
@@ -102,11 +103,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     common.add_output_json(p, "the metrics")
     common.add_record_args(p, "startup_<device>")
     p.add_argument("serve_args", nargs="*", help="extra `jaxinfer serve` flags (after --)")
+    checkpoint_load.add_args(p)
     p.set_defaults(func=run, _parser=p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.checkpoint_load:
+        result = checkpoint_load.run(args)
+        if args.output_json:
+            common.write_json(args.output_json, result)
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         cache = str(Path(tmp) / "cache")
         cold = serve_once(args.model, cache, args.serve_args, args.timeout_s)

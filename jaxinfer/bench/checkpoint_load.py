@@ -1,9 +1,14 @@
-"""Checkpoint load time: HF safetensors vs orbax restore for the same weights.
+"""`jaxinfer bench startup --checkpoint-load`: checkpoint load time, HF safetensors vs orbax
+restore of the same weights.
 
 Makes a model of a real shape with random weights (default: Qwen2.5-0.5B's config), saves it both
 ways, then times `load_params` for each (median of --repeats, after one untimed load so both read
-from the page cache). Usage: python -m benchmarks.bench_load [--preset qwen2.5-0.5b|llama-3-8b]
+from the page cache).
+
+    jaxinfer bench startup --checkpoint-load [--shape qwen2.5-0.5b|llama-3-8b] [--save]
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -12,14 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 from jaxinfer.bench import results_io
-from jaxinfer.model.config import config_from_dict
-from jaxinfer.model.weights import load_params, save_orbax, save_safetensors
 
-PRESETS = {
+SHAPES = {
     "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True),
@@ -29,13 +29,23 @@ PRESETS = {
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS))
-    ap.add_argument("--repeats", type=int, default=3)
-    results_io.add_save_arg(ap, "load_<preset>_<device>")
-    args = ap.parse_args()
-    raw = PRESETS[args.preset]
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoint load (--checkpoint-load)")
+    g.add_argument("--checkpoint-load", action="store_true",
+                   help="time loading a checkpoint (safetensors, orbax) instead of serving")
+    g.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES),
+                   help="the model shape, random weights")
+    g.add_argument("--repeats", type=int, default=3, help="timed loads per format")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Loads each format --repeats times; the record (--save) is load_<shape>_<device>."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model.config import config_from_dict
+    from jaxinfer.model.weights import load_params, save_orbax, save_safetensors
+    raw = SHAPES[args.shape]
     cfg = config_from_dict(raw)
     params = load_params(None, cfg, jnp.bfloat16, load_format="dummy")
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
@@ -55,19 +65,16 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
                 del p
             results[fmt] = statistics.median(times)
-    out = dict(preset=args.preset, params=cfg.num_params(), bytes=nbytes, device=str(jax.devices()[0]),
+    out = dict(shape=args.shape, params=cfg.num_params(), bytes=nbytes, device=str(jax.devices()[0]),
                seconds=results, gb_per_s={k: nbytes / v / 1e9 for k, v in results.items()})
-    print(f"{args.preset}: {cfg.num_params() / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB bf16 on "
+    print(f"{args.shape}: {cfg.num_params() / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB bf16 on "
           f"{jax.devices()[0]}")
     for fmt, sec in results.items():
         print(f"  {fmt:12s} {sec:6.2f} s  {nbytes / sec / 1e9:5.2f} GB/s")
     if args.save:
         metrics = {f"{fmt}_s": round(sec, 3) for fmt, sec in results.items()}
         metrics.update({f"{fmt}_gb_per_s": round(nbytes / sec / 1e9, 3) for fmt, sec in results.items()})
-        results_io.save(args.save, args.name or f"load_{args.preset}_{results_io.device_slug()}",
-                        config={"preset": args.preset, "repeats": args.repeats, "params": out["params"],
+        results_io.save(args.save, args.name or f"load_{args.shape}_{results_io.device_slug()}",
+                        config={"preset": args.shape, "repeats": args.repeats, "params": out["params"],
                                 "bytes": nbytes}, metrics=metrics)
-
-
-if __name__ == "__main__":
-    main()
+    return out

@@ -8,7 +8,7 @@ shapes through the engine, against the HBM rate measured in the same run.
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_families   # CPU check
 
 (`--merge` keeps the record's other keys: the other model's, the decode-kernel section's from
-benchmarks/bench_window_decode.py.)
+jaxinfer/bench/kernel_window_decode.py.)
 
 Each model runs in its own process (the driver never imports jax, so each child has the whole
 GPU); a child prints `RESULT {json}` lines and the driver writes families_<gpu>.json after each.

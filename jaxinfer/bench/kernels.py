@@ -1,8 +1,10 @@
-"""`jaxinfer bench kernels`: both attention kernels on the GPU in one call, paged decode
+"""`jaxinfer bench kernels`: the attention kernels on the GPU in one call, paged decode
 (kernel_decode.py) and flash prefill (kernel_prefill.py), each beside its anchors measured in the
-same run.
+same run; `--only window-decode` times sliding-window decode against full contexts instead
+(kernel_window_decode.py, into the families_<gpu> record).
 
-    jaxinfer bench kernels [--only decode|prefill] [--quick] [--save [DIR]] [-- KERNEL FLAGS]
+    jaxinfer bench kernels [--only decode|prefill|window-decode] [--quick] [--save [DIR]]
+        [-- KERNEL FLAGS]
 
 --quick: decode at batch 1 and 64 x ctx 4096 / 32768 with the read ceiling only; prefill ours vs
 cuDNN on the dense shapes. Flags after `--` go to the one kernel's own benchmark (with --only;
@@ -24,7 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("kernels", help="GPU: the paged-decode and flash-prefill attention kernels",
                        description=__doc__, formatter_class=common.HelpFormatter,
                        usage=common.USAGE)
-    p.add_argument("--only", choices=["decode", "prefill"], default=None)
+    p.add_argument("--only", choices=["decode", "prefill", "window-decode"], default=None,
+                   help="one benchmark (default: decode, then prefill)")
     p.add_argument("--quick", action="store_true", help="the headline shapes only")
     results_io.add_save_arg(p)
     p.add_argument("kernel_args", nargs="*", help="the kernel benchmark's own flags (after --)")
@@ -37,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if args.kernel_args and args.only is None:
         args._parser.error("flags after -- need --only decode or --only prefill")
     save = ["--save", args.save] if args.save else []
+    if args.only == "window-decode":
+        from jaxinfer.bench import kernel_window_decode
+        kernel_window_decode.main(args.kernel_args + save)
+        return 0
     if args.only in (None, "decode"):
         kernel_decode.main((QUICK_DECODE if args.quick else []) + args.kernel_args + save)
     if args.only in (None, "prefill"):

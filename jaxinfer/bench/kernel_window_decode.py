@@ -2,18 +2,18 @@
 context against the same kernel over a 1k context (what a window must cost: the window's pages,
 not the context's).
 
-    python -m benchmarks.bench_window_decode [--save [DIR]] [--name NAME]
+    jaxinfer bench kernels --only window-decode [--save [DIR]]
 
 First a correctness check at the real size (a few sequences of each timed case against the jnp
 reference: the window, then the window with gpt-oss's sinks), then per-call times as
-`bench_decode.time_paged` measures them (chained calls inside one jit, queued, median): B64 x 32k
+`kernel_decode.time_paged` measures them (chained calls inside one jit, queued, median): B64 x 32k
 with window 1,024 (`decode_window1k_b64x32k_us`, including the XLA gather that cuts the block
 tables to the window), the same with sinks (`decode_window1k_sinks_b64x32k_us`), the full 1k
 context (`decode_full_b64x1k_us`, the goal: window / full <= 1.3) and the full 32k context for
-scale (`decode_full_b64x32k_us`). Shape: bench_decode's (Hq 32, Hkv 8, D 128, page 16, bf16).
+scale (`decode_full_b64x32k_us`). Shape: kernel_decode's (Hq 32, Hkv 8, D 128, page 16, bf16).
 
-The metrics go into the record families_<gpu>.json, which `bench_families` (the model-level
-metrics) writes too: a saved record's other metrics are kept, these keys replaced.
+The metrics go into the record families_<gpu>.json, which benchmarks/bench_families.py (the
+model-level metrics) writes too: a saved record's other metrics are kept, these keys replaced.
 BENCH_TINY_SHAPES=1: a CPU smoke run of the script with tiny shapes and the jnp reference as
 the kernel.
 """

@@ -180,3 +180,28 @@ def test_bench_startup_times_a_checkpoint_load(tmp_path, monkeypatch):
     assert result["bytes"] > 0
     (record,) = tmp_path.glob("load_tiny_*.json")
     assert json.loads(record.read_text())["metrics"]["safetensors_s"] >= 0
+
+
+def test_bench_serve_names_an_unreachable_server(capsys):
+    from server_harness import free_port
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--port", str(free_port()), "--num-prompts", "1"])
+    assert exit_.value.code == 2 and "no server answers at http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_bench_serve_appends_vllm_lines_with_metadata(server, tmp_path):
+    """--backend openai-chat calls the chat API; --append-result adds one JSON line per run, with
+    --metadata's keys; --num-warmups' requests are not counted."""
+    argv = ["serve", "--base-url", server.urls["main"], "--tokenizer", server.engine_args.model,
+            "--backend", "openai-chat", "--num-prompts", "2", "--random-input-len", "6",
+            "--random-output-len", "2", "--num-warmups", "1", "--top-p", "0.9", "--save-result",
+            "--append-result", "--result-dir", str(tmp_path), "--result-filename", "runs.jsonl",
+            "--metadata", "gpu=cpu", "tp=1"]
+    assert cli.main(argv) == 0 and cli.main(argv) == 0
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        result = json.loads(line)
+        assert result["backend"] == result["endpoint_type"] == "openai-chat"
+        assert result["completed"] == 2 and result["total_output_tokens"] == 4
+        assert (result["gpu"], result["tp"]) == ("cpu", "1")

@@ -108,12 +108,21 @@ async def run_benchmark(url: str, model: str, chat: bool, requests: list[BenchRe
         return results, time.perf_counter() - t0
 
 
-async def fetch_model_info(base_url: str, headers: dict) -> dict:
-    """The server's first model card (`id`, and where the server says them `root`, `max_model_len`)."""
+async def fetch_model_info(base_url: str, headers: dict, wait_s: float = 0.0) -> dict:
+    """The server's first model card (`id`, and where the server says them `root`, `max_model_len`);
+    a server not answering yet is asked again for up to `wait_s` seconds (one that is still
+    starting)."""
+    deadline = time.monotonic() + wait_s
     async with aiohttp.ClientSession(headers=headers) as session:
-        async with session.get(f"{base_url}/v1/models") as resp:
-            resp.raise_for_status()
-            return (await resp.json())["data"][0]
+        while True:
+            try:
+                async with session.get(f"{base_url}/v1/models") as resp:
+                    resp.raise_for_status()
+                    return (await resp.json())["data"][0]
+            except aiohttp.ClientError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
 
 async def fetch_server_counters(base_url: str, headers: dict) -> dict[str, float]:

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
 from jaxinfer.bench import common, http_client, results_io, serving_metrics
 from jaxinfer.bench.datasets import DATASETS, BenchRequest, load_tokenizer, random_requests, sharegpt_requests
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's --backend names of the OpenAI-compatible APIs -> the endpoint each calls.
+BACKENDS = {"openai": ENDPOINTS[0], "vllm": ENDPOINTS[0], "openai-chat": ENDPOINTS[1]}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -37,12 +41,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                     "(default: http://HOST:PORT)")
     g.add_argument("--host", default="127.0.0.1", help="server host, without --base-url")
     g.add_argument("--port", type=int, default=8000, help="server port, without --base-url")
-    g.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS, help="the API to call")
+    g.add_argument("--backend", default="openai", choices=sorted(BACKENDS),
+                   help="vLLM's name of the API: openai and vllm call /v1/completions, "
+                        "openai-chat /v1/chat/completions")
+    g.add_argument("--endpoint", default=None, choices=ENDPOINTS,
+                   help="the API to call (default: --backend's)")
     g.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     g.add_argument("--tokenizer", default=None,
                    help="directory with tokenizer.json, to build prompts and count their tokens "
                         "(default: the served model's directory, else the demo model's)")
     g.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    g.add_argument("--header", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="more headers sent with every request")
+    g.add_argument("--ready-check-timeout-sec", type=float, default=0,
+                   help="wait up to this long for the server's /v1/models to answer first")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random", choices=DATASETS, help="where prompts come from")
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
@@ -64,7 +76,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly the requested lengths, past EOS (default: on for "
                         "--dataset-name random, as vLLM)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sent with every request")
+    g.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent (and not counted) before the timed run")
+    g = p.add_argument_group("sampling (sent with every request)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
     g = p.add_argument_group("results (vLLM's result file)")
     g.add_argument("--percentile-metrics", default=",".join(serving_metrics.DEFAULT_PERCENTILE_METRICS),
                    help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el")
@@ -77,7 +94,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--result-dir", default=".", help="where --save-result writes")
     g.add_argument("--result-filename", default=None,
                    help="default: {label}-{request_rate}qps[-concurrency{N}]-{model}-{date}.json")
-    g.add_argument("--label", default=None, help="the file's label (default: the endpoint type)")
+    g.add_argument("--append-result", action="store_true",
+                   help="append the result to the file as one JSON line (as vLLM)")
+    g.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="extra keys written into the result file")
+    g.add_argument("--label", default=None, help="the file's label (default: --backend)")
     g.add_argument("--plot", default="serving_sweep.png", help="PNG path for --sweep-concurrency")
     common.add_record_args(p, "serving")
     p.set_defaults(func=run, _parser=p)
@@ -103,6 +124,24 @@ def check_args(args: argparse.Namespace) -> None:
         p.error(f"--burstiness must be > 0, got {args.burstiness}")
     if args.ignore_eos is None:
         args.ignore_eos = args.dataset_name == "random"
+    if args.num_warmups < 0:
+        p.error(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if args.endpoint is None:
+        args.endpoint = BACKENDS[args.backend]
+    elif BACKENDS[args.backend] != args.endpoint:  # --endpoint names the API; the file says it
+        args.backend = "openai-chat" if args.endpoint == ENDPOINTS[1] else "openai"
+    args.header = _pairs(p, "--header", args.header)
+    args.metadata = _pairs(p, "--metadata", args.metadata)
+
+
+def _pairs(parser, flag: str, items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def default_tokenizer(card: dict) -> str:
@@ -159,20 +198,32 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 def save_result(args, metrics: dict, model: str, tokenizer: str, num_prompts: int) -> Path:
     result = serving_metrics.vllm_result(metrics, endpoint=args.endpoint, model=model,
                                          tokenizer=tokenizer, num_prompts=num_prompts,
-                                         label=args.label, detailed=args.save_detailed)
+                                         label=args.label, detailed=args.save_detailed,
+                                         backend=args.backend, metadata=args.metadata)
     conc = "" if metrics["max_concurrency"] is None else f"-concurrency{metrics['max_concurrency']}"
-    name = args.result_filename or (f"{args.label or result['backend']}-{args.request_rate}qps{conc}-"
+    name = args.result_filename or (f"{args.label or args.backend}-{args.request_rate}qps{conc}-"
                                     f"{Path(model).name}-{result['date']}.json")
     if args.result_filename and args.sweep_concurrency:  # one file per concurrency
         name = f"{Path(name).stem}{conc}{Path(name).suffix}"
-    return common.write_json(Path(args.result_dir) / name, result)
+    path = Path(args.result_dir) / name
+    if not args.append_result:
+        return common.write_json(path, result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:  # vLLM's: one JSON document per line
+        f.write(("\n" if f.tell() else "") + json.dumps(result, allow_nan=False))
+    print(f"appended to {path}")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    card = asyncio.run(http_client.fetch_model_info(base_url, headers))
+    headers = {**args.header, **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})}
+    try:
+        card = asyncio.run(http_client.fetch_model_info(base_url, headers, args.ready_check_timeout_sec))
+    except aiohttp.ClientError as e:
+        args._parser.exit(2, f"jaxinfer bench serve: error: no server answers at {base_url}/v1/models "
+                             f"({type(e).__name__}: {e})\n")
     model = args.model or card["id"]
     tokenizer_path = args.tokenizer or default_tokenizer(card)
     chat = args.endpoint == "/v1/chat/completions"
@@ -196,10 +247,16 @@ def run(args: argparse.Namespace) -> int:
         requests = make_requests(args.seed + i)
         print(f"model={model} endpoint={args.endpoint} prompts={len(requests)} "
               f"request_rate={args.request_rate} burstiness={args.burstiness} max_concurrency={conc}")
+        sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                      ("top_k", args.top_k)) if v is not None}
+        if args.num_warmups:  # compiles and caches warmed, outside the timed run
+            asyncio.run(http_client.run_benchmark(
+                url, model, chat, make_requests(args.seed + 1000 + i)[:args.num_warmups],
+                float("inf"), conc, args.ignore_eos, args.seed, headers=headers, sampling=sampling))
         before = asyncio.run(http_client.fetch_server_counters(base_url, headers))
         results, duration = asyncio.run(http_client.run_benchmark(
             url, model, chat, requests, args.request_rate, conc, args.ignore_eos, args.seed,
-            burstiness=args.burstiness, headers=headers, sampling={"temperature": args.temperature}))
+            burstiness=args.burstiness, headers=headers, sampling=sampling))
         metrics = serving_metrics.summarize(results, duration, args.request_rate, conc, args.goodput,
                                             args.metric_percentiles, args.percentile_metrics)
         metrics["burstiness"] = args.burstiness

@@ -123,13 +123,14 @@ def summarize(results: list[RequestResult], duration: float, request_rate: float
 
 
 def vllm_result(metrics: dict, *, endpoint: str, model: str, tokenizer: str, num_prompts: int,
-                label: str | None = None, detailed: bool = True) -> dict:
+                label: str | None = None, detailed: bool = True, backend: str | None = None,
+                metadata: dict | None = None) -> dict:
     """The whole file `vllm bench serve --save-result` writes: the run's description, then its
     figures; without `detailed` (--save-detailed), the per-request arrays left out, as vLLM."""
-    backend = "openai-chat" if endpoint.endswith("chat/completions") else "openai"
+    backend = backend or ("openai-chat" if endpoint.endswith("chat/completions") else "openai")
     head = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend,
             "backend": backend, "label": label, "model_id": model, "tokenizer_id": tokenizer,
-            "num_prompts": num_prompts}
+            "num_prompts": num_prompts, **(metadata or {})}
     return {**head, **{k: v for k, v in metrics.items() if detailed or k not in DETAILED}}
 
 

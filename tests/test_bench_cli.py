@@ -205,3 +205,15 @@ def test_bench_serve_appends_vllm_lines_with_metadata(server, tmp_path):
         assert result["backend"] == result["endpoint_type"] == "openai-chat"
         assert result["completed"] == 2 and result["total_output_tokens"] == 4
         assert (result["gpu"], result["tp"]) == ("cpu", "1")
+
+
+def test_bench_throughput_times_the_kv_manager_step(tmp_path):
+    """--kv-manager: the KV-cache manager's step alone, its record named by the block size."""
+    out = tmp_path / "kv.json"
+    assert cli.main(["throughput", "--kv-manager", "--num-seqs", "16", "--steps", "20", "--block-size", "32",
+                     "--output-json", str(out), "--save", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert result["running"] == 16 and result["steps"] == 20 and result["block_size"] == 32
+    assert 0 < result["median_us"] <= result["p99_us"] and 0 < result["prefix_hit_rate"] <= 1
+    record = json.loads((tmp_path / "kv_manager_block32.json").read_text())
+    assert record["config"]["running"] == 16 and record["metrics"]["median_us"] == result["median_us"]

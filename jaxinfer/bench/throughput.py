@@ -7,11 +7,13 @@ timed prompts are new to the prefix cache). --output-json writes vLLM's keys (el
 num_requests, total_num_tokens, requests_per_second, tokens_per_second) and the engine's own:
 steps, host ms per step, the timed window's `prefix_hit_rate` and the step buckets still compiling
 when it began (`buckets_compiling`; `--no-background-compile` compiles them all first).
---host-overhead times the engine's host work per decode step instead (host_overhead.py).
+--host-overhead times the engine's host work per decode step instead (host_overhead.py), and
+--kv-manager the KV-cache manager's alone (kv_manager_overhead.py).
 
     jaxinfer bench throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
     jaxinfer bench throughput --preset llama8b --save          # Llama-3-8B shape, dummy weights
     jaxinfer bench throughput --host-overhead --num-seqs 256
+    jaxinfer bench throughput --kv-manager --steps 3000 --block-size 16
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.bench import common, host_overhead, presets, results_io
+from jaxinfer.bench import common, host_overhead, kv_manager_overhead, presets, results_io
 from jaxinfer.bench.profile import engine_profile
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
@@ -88,6 +90,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="every request asks for logprobs=K; the same steps without are timed too")
     g.add_argument("--final-output-only", action="store_true",
                    help="no RequestOutput until a request finishes (as LLM.generate)")
+    g.add_argument("--kv-manager", action="store_true",
+                   help="the KV-cache manager's own work per step instead (allocate, prefix-match, "
+                        "fork, free; kv_manager_overhead.py); with --block-size, --num-blocks, "
+                        "--seed")
     common.add_record_args(p, "throughput_<model>_<device> or host_overhead_<device>")
     engine_profile.add_profile_args(p)
     common.add_engine_args(p)
@@ -97,6 +103,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     presets.apply(args, args._parser)
+    if args.kv_manager:  # saves its own record (kv_manager_block<N>)
+        result = kv_manager_overhead.run(args)
+        if args.output_json:
+            common.write_json(args.output_json, result)
+        return 0
     result = host_overhead.host_overhead(args) if args.host_overhead else throughput(args)
     if args.output_json:
         common.write_json(args.output_json, result)

@@ -6,7 +6,8 @@ admitted by prefix match on a shared system prompt (512-token prompts), 2 forks 
 their first appends copy-on-write) and 4 finished requests freed, so the batch stays at 256.
 Reports the median and p99 wall time over many steps, and the median CPU time, in µs.
 
-    python -m benchmarks.bench_block_manager [--steps 3000] [--save [DIR]]
+    jaxinfer bench throughput --host-overhead --kv-manager [--num-seqs 256] [--steps 3000]
+        [--block-size 16] [--num-blocks 65536] [--save [DIR]]   # record kv_manager_block<N>
 """
 
 from __future__ import annotations
@@ -85,47 +86,43 @@ class Workload:
         assert num_block_entries > 0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--running", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=65536)
-    ap.add_argument("--seed", type=int, default=0)
-    results_io.add_save_arg(ap, "kv_manager_block<N>")
-    args = ap.parse_args()
+WARMUP_STEPS = 200  # untimed first: the pool's free lists and the prefix cache settle
+DEFAULT_NUM_BLOCKS = 65536
 
-    w = Workload(args.running, args.num_blocks, args.block_size, args.seed,
-                 num_prompts=2 * (args.warmup + args.steps))
+
+def run(args: argparse.Namespace) -> dict:
+    """The throughput driver's flags: --num-seqs running sequences, --steps timed steps,
+    --block-size, --num-blocks (default 65536), --seed."""
+    running, warmup, steps = args.num_seqs, WARMUP_STEPS, args.steps
+    block_size, num_blocks = args.block_size, args.num_blocks or DEFAULT_NUM_BLOCKS
+    w = Workload(running, num_blocks, block_size, args.seed,
+                 num_prompts=2 * (warmup + steps))
     times, cpu_times = [], []  # wall clock, and CPU time of this thread (robust to a busy host)
-    for i in range(args.warmup + args.steps):
+    for i in range(warmup + steps):
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         w.step()
-        if i >= args.warmup:
+        if i >= warmup:
             times.append((time.perf_counter_ns() - t0) / 1e3)
             cpu_times.append((time.thread_time_ns() - c0) / 1e3)
     times.sort()
     stats = w.mgr.stats
     result = {
-        "running": args.running, "steps": args.steps, "block_size": args.block_size,
-        "num_blocks": args.num_blocks,
+        "running": running, "steps": steps, "block_size": block_size,
+        "num_blocks": num_blocks,
         "median_us": statistics.median(times), "p99_us": times[int(0.99 * len(times))],
         "mean_us": statistics.fmean(times), "median_cpu_us": statistics.median(cpu_times),
         "prefix_hit_rate": stats.hit_rate, "usage_at_end": w.mgr.usage,
     }
-    print(f"KV-cache manager, one step: {args.running} decodes + 2 prefix-matched admissions + "
-          f"2 forks + 4 frees (block size {args.block_size})")
+    print(f"KV-cache manager, one step: {running} decodes + 2 prefix-matched admissions + "
+          f"2 forks + 4 frees (block size {block_size})")
     print(f"  median {result['median_us']:.0f} µs   p99 {result['p99_us']:.0f} µs   "
           f"mean {result['mean_us']:.0f} µs   (CPU time: median {result['median_cpu_us']:.0f} µs)   "
-          f"over {args.steps} steps")
+          f"over {steps} steps")
     print(f"  prefix hit rate {stats.hit_rate:.1%}, pool usage {w.mgr.usage:.1%}")
     if args.save:
-        config = {k: v for k, v in vars(args).items() if k not in ("save", "name")}
+        config = dict(running=running, steps=steps, warmup=warmup, block_size=block_size,
+                      num_blocks=num_blocks, seed=args.seed)
         metrics = {k: v for k, v in result.items() if k not in config}
-        results_io.save(args.save, args.name or f"kv_manager_block{args.block_size}", config=config,
+        results_io.save(args.save, args.name or f"kv_manager_block{block_size}", config=config,
                         metrics=metrics)
-
-
-if __name__ == "__main__":
-    main()
+    return result

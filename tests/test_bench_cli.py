@@ -217,3 +217,17 @@ def test_bench_throughput_times_the_kv_manager_step(tmp_path):
     assert 0 < result["median_us"] <= result["p99_us"] and 0 < result["prefix_hit_rate"] <= 1
     record = json.loads((tmp_path / "kv_manager_block32.json").read_text())
     assert record["config"]["running"] == 16 and record["metrics"]["median_us"] == result["median_us"]
+
+
+def test_bench_throughput_prices_structured_output(tmp_path):
+    """--structured-output: the batch unconstrained, constrained and mixed, each row exactly
+    --output-len tokens, and the ratios to unconstrained."""
+    out = tmp_path / "structured.json"
+    assert cli.main(["throughput", "--structured-output", *TINY_ENGINE, "--num-prompts", "2",
+                     "--input-len", "4", "--output-len", "3", "--repeats", "1",
+                     "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for mode in ("unconstrained", "constrained", "mixed"):
+        assert result[mode]["output_tokens"] == 6 and result[mode]["prefix_hit_rate"] == 0.0
+    assert result["constrained"]["masked_steps"] > 0 == result["unconstrained"]["masked_steps"]
+    assert result["constrained_vs_unconstrained"] > 0 and result["mixed_vs_unconstrained_cpu_time"] > 0

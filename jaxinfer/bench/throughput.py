@@ -8,7 +8,8 @@ num_requests, total_num_tokens, requests_per_second, tokens_per_second) and the 
 steps, host ms per step, the timed window's `prefix_hit_rate` and the step buckets still compiling
 when it began (`buckets_compiling`; `--no-background-compile` compiles them all first).
 --host-overhead times the engine's host work per decode step instead (host_overhead.py), and
---kv-manager the KV-cache manager's alone (kv_manager_overhead.py).
+--kv-manager the KV-cache manager's alone (kv_manager_overhead.py); --structured-output compares
+constrained with unconstrained decoding (structured_cost.py).
 
     jaxinfer bench throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
     jaxinfer bench throughput --preset llama8b --save          # Llama-3-8B shape, dummy weights
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.bench import common, host_overhead, kv_manager_overhead, presets, results_io
+from jaxinfer.bench import (common, host_overhead, kv_manager_overhead, presets, results_io,
+                            structured_cost)
 from jaxinfer.bench.profile import engine_profile
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
@@ -80,6 +82,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--num-prompts", type=int, default=64, help="requests in the batch")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     common.add_output_json(g, "the result")
+    g.add_argument("--structured-output", action="store_true",
+                   help="the cost of JSON-schema-constrained decoding instead: the batch "
+                        "unconstrained, all constrained and half and half (structured_cost.py)")
+    g.add_argument("--repeats", type=int, default=3, help="(--structured-output) runs per mode")
     g = p.add_argument_group("host overhead (--host-overhead)")
     g.add_argument("--host-overhead", action="store_true",
                    help="time the scheduler, input building and output processing per decode "
@@ -103,8 +109,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     presets.apply(args, args._parser)
-    if args.kv_manager:  # saves its own record (kv_manager_block<N>)
-        result = kv_manager_overhead.run(args)
+    if args.kv_manager or args.structured_output:  # each saves its own record
+        result = (kv_manager_overhead if args.kv_manager else structured_cost).run(args)
         if args.output_json:
             common.write_json(args.output_json, result)
         return 0

@@ -1,7 +1,9 @@
-"""The throughput cost of structured output: the same batch of --concurrency requests, each generating
-exactly --output-len tokens, run unconstrained, all constrained by a JSON schema, and half and half.
+"""`jaxinfer bench throughput --structured-output`: the throughput cost of structured output. The
+same batch of --num-prompts requests, each generating exactly --output-len tokens, run
+unconstrained, all constrained by a JSON schema, and half and half.
 
-    python -m benchmarks.bench_structured --dtype float32 --save   # demo model, c = 64
+    jaxinfer bench throughput --structured-output --dtype float32 --input-len 32 --output-len 64 \
+        --repeats 3 --save                                     # demo model, c = 64
 
 Every row generates exactly --output-len tokens (min_tokens = max_tokens, and a schema that cannot
 close sooner: an array of at least 1000 digits), so the modes compare the same work. Reported per
@@ -67,15 +69,10 @@ def run_once(llm: LLM, prompts, params_list, timer: MaskTimer) -> dict:
                 host_ms_per_step=round(st.host_ms_per_step, 3), **window.figures())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    EngineArgs.add_cli_args(p)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    results_io.add_save_arg(p, "structured_<device>")
-    args = p.parse_args()
+def run(args: argparse.Namespace) -> dict:
+    """The throughput driver's flags: --num-prompts rows (the batch), --input-len, --output-len,
+    --repeats, the engine's; the record (--save) is structured_<device>."""
+    args.concurrency = args.num_prompts
     # One batch of `concurrency` rows; the shapes it uses compile in each mode's untimed first run.
     args.max_num_seqs, args.warmup = args.concurrency, False
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
@@ -126,7 +123,4 @@ def main() -> None:
             repeats=args.repeats, schema=SCHEMA, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
             decode_steps_per_call=args.decode_steps_per_call), metrics=metrics)
-
-
-if __name__ == "__main__":
-    main()
+    return metrics

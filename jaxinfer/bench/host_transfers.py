@@ -1,8 +1,8 @@
 """Host-to-device costs of the research loop: placing weights from host numpy, and host arguments
 that make a dispatch wait for the device.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_host_transfers [--save [DIR]]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_host_transfers --tiny   # CPU check
+    jaxinfer bench kernels --only host-transfers [--save [DIR]]
+    JAX_PLATFORMS=cpu jaxinfer bench kernels --only host-transfers -- --tiny   # CPU check
 
 weights   bf16 host numpy of Llama-3-8B shapes (the embedding and the first --layers layers) onto
           the device: `weight_update.place_like` (one thread per leaf) as the process's first
@@ -132,12 +132,12 @@ def dispatch_section(busy_n: int, vocab: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes (CPU check)")
     ap.add_argument("--layers", type=int, default=6, help="layers placed besides the embedding")
     results_io.add_save_arg(ap, "host_transfers_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tiny:
         cfg, busy_n, vocab = load_config("checkpoints/demo-target"), 512, 512
     else:

@@ -2,8 +2,8 @@
 device, against a plain copy of as many bytes: the scatter runs on the decode GPU between decode
 steps, so its time is added to one inter-token gap of every running stream (issue 27's ITL p99).
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_kv_blocks --save [DIR]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_kv_blocks --tiny
+    jaxinfer bench kernels --only kv-blocks --save [DIR]
+    JAX_PLATFORMS=cpu jaxinfer bench kernels --only kv-blocks -- --tiny
 
 Llama-3-8B's cache shape (32 layers, 8 KV heads, head_dim 128, 16-token blocks, bf16), one prompt of
 `--blocks` blocks (256 = 4096 tokens, 512 MiB of K and V). Variants of the scatter (all donate the
@@ -113,13 +113,13 @@ def run(tiny: bool, n_blocks: int, reps: int) -> dict:
     return m
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--reps", type=int, default=10)
     results_io.add_save_arg(ap, "kv_blocks_<gpu>")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     m = run(a.tiny, a.blocks, a.reps)
     if a.save:
         results_io.save(a.save, a.name or f"kv_blocks_{results_io.device_slug()}",

@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup, train-eagle."""
+"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup, train-eagle, bench."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ Serve a model over an OpenAI-compatible HTTP API, generate text from the command
 OpenAI Batch file, convert
 Hugging Face checkpoints to orbax or quantize them, size the KV cache for a model and accelerator,
 or compile every step bucket into the cache before the first start (warmup), or train an
-EAGLE-3 speculative-decoding head for a model (train-eagle)."""
+EAGLE-3 speculative-decoding head for a model (train-eagle), or benchmark a server or the engine
+as `vllm bench` does (bench)."""
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:

@@ -111,7 +111,8 @@ def test_bench_serve_without_save_detailed_leaves_the_arrays_out(server, tmp_pat
 
 def test_bench_throughput_on_the_demo_model(tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    assert cli.main(["throughput", *TINY_ENGINE, "--input-len", "8", "--output-len", "4",
+    tiny_engine = TINY_ENGINE[2:]  # --model left at its default (a Path): the demo model
+    assert cli.main(["throughput", *tiny_engine, "--input-len", "8", "--output-len", "4",
                      "--num-prompts", "3", "--output-json", str(out), "--save", str(tmp_path),
                      "--name", "tp"]) == 0
     result = json.loads(out.read_text())
@@ -123,6 +124,7 @@ def test_bench_throughput_on_the_demo_model(tmp_path, capsys):
     assert "Throughput: " in capsys.readouterr().out
     record = json.loads((tmp_path / "tp.json").read_text())
     assert record["metrics"]["num_output_tokens"] == 12 and record["config"]["input_len"] == 8
+    assert record["config"]["model"] == str(DEMO)
 
 
 def test_bench_latency_on_the_demo_model(tmp_path):

@@ -69,3 +69,19 @@ def test_prefill_metrics_carry_the_ratio_to_cudnn():
     assert m["prefill_causal_b1s8192_over_cudnn"] == 1.2
     assert m["prefill_causal_b1s8192_cudnn_tflops"] == 500.0
     assert m["prefill_causal_b1s8192_xla_bf16_tflops"] == 50.0
+
+
+def test_the_installed_command_records_itself(monkeypatch):
+    """`jaxinfer bench ...` (the console script) is the record's command, not the script's path."""
+    monkeypatch.setattr("sys.argv", ["/venv/bin/jaxinfer", "bench", "latency", "--save"])
+    assert results_io.record("x", config={}, metrics={})["command"] == "jaxinfer bench latency --save"
+
+
+def test_fold_keeps_the_stored_figures_and_names_each_run():
+    stored = {"name": "q", "date": "d0", "commit": "c0", "command": "old", "config": {"a": 1},
+              "metrics": {"x": 1, "y": 2}}
+    new = {"name": "q", "date": "d1", "commit": "c1", "command": "new", "config": {}, "metrics": {"y": 3}}
+    out = results_io.fold(new, stored, prefix="v_")
+    assert out["metrics"] == {"x": 1, "y": 2, "v_y": 3} and (out["date"], out["commit"]) == ("d1", "c1")
+    assert out["config"]["a"] == 1 and out["config"]["merged_from"] == [
+        {"commit": "c1", "date": "d1", "command": "new", "keys": ["v_y"]}]

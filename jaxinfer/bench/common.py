@@ -60,9 +60,11 @@ def write_json(path: str | Path, obj: dict) -> Path:
 
 
 def record_config(args: argparse.Namespace) -> dict:
-    """The flags of the run, for the record's `config` (the driver plumbing left out)."""
+    """The flags of the run, for the record's `config` (the driver plumbing left out; paths and
+    other values JSON has no type for as their text)."""
     skip = {"save", "name", "output_json", "func", "command", "bench_command", "log_level"}
-    return {k: v for k, v in vars(args).items() if k not in skip and not k.startswith("_")}
+    flags = {k: v for k, v in vars(args).items() if k not in skip and not k.startswith("_")}
+    return json.loads(json.dumps(flags, default=str))
 
 
 def numeric(result: dict) -> dict:

@@ -13,7 +13,7 @@ median of RUNS):
   packed   single steps, the inputs in one packed transfer (transfer.place_step_inputs);
   default  the engine's default: at batch 1 the on-device decode loop (8 steps per call, fixed trip
            count), packed inputs.
-`probe_old` / `probe_packed`: tools/engine_host_probe over 32 single steps on each placement path
+`probe_old` / `probe_packed`: profile/engine_host_probe over 32 single steps on each placement path
 (host phases per step, dispatch cost, compiles). Record engine_bs1_paths_<gpu>; a short table last.
 """
 
@@ -28,13 +28,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 from benchmarks.bench_engine_llama8b import bs1
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.worker import runner as runner_module
-from tools.engine_host_probe import LaunchTimer, probe_host
+from jaxinfer.bench.profile.engine_host_probe import LaunchTimer, probe_host
 
 ROOT = Path(__file__).resolve().parent.parent
 

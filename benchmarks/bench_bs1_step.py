@@ -14,11 +14,11 @@ passes it for `--max-model-len 2048`), without the host: the next step's token i
 argmax, on the device. `step_ms`: the best of 3 runs of `--steps` queued steps (the host only
 dispatches; `dispatch_ms`: the host time of one dispatch, the least a step can take when the host
 is the critical path). For the first `--traced` variants a trace of 5 steps
-(tools/trace_engine_step.summarize_steps): busy time, kernels per step, the top kernels; for the
+(profile/trace_engine_step.summarize_steps): busy time, kernels per step, the top kernels; for the
 first two also one layer's kernels in launch order (duration, gap before). Each variant's
 `read_gb` (its weights but the embedding, and the sequence's K/V), `tb_s` (that over `step_ms`)
 and `of_ceiling` (over `read_ceiling_tbs`, an XLA sum over 8 GiB measured first), and
-`weight_reads`: tools/hlo_weight_reads.py's verdict on its optimized HLO (whether FP8 weights reach
+`weight_reads`: profile/hlo_weight_reads.py's verdict on its optimized HLO (whether FP8 weights reach
 their matmuls directly or through a bf16 copy). `--hlo-out`: `--hlo-variant`'s optimized HLO
 (default the first fp8 variant), gzipped. Before the variants the backend's add + RMSNorm kernel
 is checked against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips
@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.fused_projections import fuse_projections
@@ -53,8 +53,8 @@ from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.attention.reference import scatter_kv
 from pallas_kernels.norm.reference import add_rms_norm_reference
-from tools.trace_decode import device_events
-from tools.trace_engine_step import summarize_steps
+from jaxinfer.bench.profile.trace_decode import device_events
+from jaxinfer.bench.profile.trace_engine_step import summarize_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,11 +187,11 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
                quantization: str | None = None, decode_steps: int = 1) -> dict:
     """The engine at batch 1 (bench_engine_llama8b's `bs1`: one 512-token prompt, `out_len`
     greedy tokens, best of 2 runs after a first request compiled its steps), its decode step traced
-    (tools/trace_engine_step), and the HBM roofline measured here. `norm` "xla": the GPU backends'
+    (profile/trace_engine_step), and the HBM roofline measured here. `norm` "xla": the GPU backends'
     residual add + RMSNorm as XLA emits it instead of their kernel (for attribution).
     `quantization`: the engine's --quantization (the dummy weights quantized on load);
     `bs1_read_gb` / `bs1_tb_s`: the bytes a step reads (step_bytes at the mean context) and the
-    rate the TPOT implies; `bs1_host_probe`: tools/engine_host_probe over 32 steady steps (host
+    rate the TPOT implies; `bs1_host_probe`: profile/engine_host_probe over 32 steady steps (host
     phases per step, dispatch cost, compiles, Python-path jit calls, implicit transfers).
     `decode_steps`: the engine's --decode-steps-per-call (an on-device loop of that many decode
     steps per dispatch: hides a host that is slower than the step)."""
@@ -200,8 +200,8 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
-    from tools.engine_host_probe import probe_host
-    from tools.trace_engine_step import profile_decode_steps
+    from jaxinfer.bench.profile.engine_host_probe import probe_host
+    from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
     if norm == "xla":
         from pallas_kernels.attention import gpu_backends
         gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
@@ -293,9 +293,9 @@ def compile_variant(variant: dict, cfg, backend, state):
 
 
 def weight_reads(hlo: str, min_bytes: int) -> dict:
-    """tools/hlo_weight_reads' summary of the step: whether 8-bit weights reach their matmuls
+    """profile/hlo_weight_reads' summary of the step: whether 8-bit weights reach their matmuls
     directly or through a wider copy, and the ops that read them."""
-    from tools.hlo_weight_reads import report
+    from jaxinfer.bench.profile.hlo_weight_reads import report
     s = report(hlo, min_bytes)["summary"]
     return dict(verdict=s["verdict"], readers=s["readers"],
                 bytes_moved_gb=round(s["bytes_moved_estimate"] / 1e9, 3))
@@ -304,7 +304,7 @@ def weight_reads(hlo: str, min_bytes: int) -> dict:
 def run_variants(args, names: list[str], start: float, save) -> None:
     """Every variant in `names` against one set of weights (or its FP8 twin) and one cache;
     `save(metrics)` after each; a table last."""
-    from benchmarks.bench_decode import read_ceiling_tbps
+    from jaxinfer.bench.kernel_decode import read_ceiling_tbps
     cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
     if args.tiny:
         default = REFERENCE
@@ -409,7 +409,7 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=55.0, help="for the variants")
     ap.add_argument("--hlo-out", default=None,
                     help="write --hlo-variant's optimized HLO here (gzipped text; read it with "
-                         "tools/hlo_weight_reads.py)")
+                         "jaxinfer/bench/profile/hlo_weight_reads.py)")
     ap.add_argument("--hlo-variant", default=None,
                     help="the variant --hlo-out writes (default: the first fp8 one, else the first)")
     ap.add_argument("--traced", type=int, default=3, help="trace the first N variants")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,12 +125,12 @@ def replay(runner, args, n: int) -> dict:
 def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
     if sampler == "no_cond":
         _use_branch_free_sampler()
-    from benchmarks.bench_engine_gpu import LLAMA3_8B
+    from jaxinfer.bench.presets import LLAMA3_8B
     from benchmarks.bench_engine_llama8b import bs1
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
-    from tools.engine_host_probe import LaunchTimer
+    from jaxinfer.bench.profile.engine_host_probe import LaunchTimer
     m: dict = {}
     with tempfile.TemporaryDirectory() as work:
         if tiny:

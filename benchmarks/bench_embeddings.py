@@ -12,11 +12,11 @@ prefix-cache hits: `prefix_hit_rate` 0). An embedding step is one large prefill:
 The roofline is the model's own linear layers alone: every layer's projections (q, k, v, o, gate,
 up, down; attention and the embedding lookup left out) as one jitted chain of matmuls over a
 step's tokens at the model's shapes, queued back to back (one product timed alone measures its
-launch and the clock ramp; benchmarks/anchors.py), median of 5: `roofline_tokens_s` = step
+launch and the clock ramp; jaxinfer/bench/anchors.py), median of 5: `roofline_tokens_s` = step
 tokens / that time. Metrics:
 `embed_inputs_s`, `embed_512_tokens_s`, `roofline_tokens_s`, `embed_over_roofline` (goal >= 0.7),
 `matmul_tflop_s` (the anchor's rate; `matmul_tflops_best`: the best plain bf16 product of
-benchmarks/anchors.py, for comparison), `steps`, `tokens_per_step`, `host_ms_per_step` (the
+jaxinfer/bench/anchors.py, for comparison), `steps`, `tokens_per_step`, `host_ms_per_step` (the
 engine's host phases), `sync_gaps` (steps the device waited for), `prefix_hit_rate`. The record
 is embeddings_<device>.json.
 """
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import anchors, results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import anchors, results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 
 QWEN3_EMBEDDING_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
@@ -55,7 +55,7 @@ def linear_layers_s(cfg, tokens: int, dtype) -> float:
     """Seconds of every layer's linear layers over `tokens` tokens at the model's shapes: per layer
     x @ W_qkv, (its q part) @ W_o, @ W_gate_up, (its gate part) @ W_down, chained through the
     layers (one layer's random weights reused: the same FLOPs and shapes, 1/L of the memory), each
-    call's output the next one's input, queued back to back (benchmarks/anchors.py)."""
+    call's output the next one's input, queued back to back (jaxinfer/bench/anchors.py)."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, qkv = cfg.num_heads * d, (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     experts = cfg.num_experts_per_tok if cfg.num_experts else 1

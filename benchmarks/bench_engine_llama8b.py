@@ -14,7 +14,7 @@ Two engine processes share one fresh `--compilation-cache-dir`:
               decode loop (8 steps per call at batch 1): `bs1_tpot_ms` (first to last
               token over 255 gaps), `bs1_out_tok_s` (256 over arrival to last token); measured
               once while the background compile still runs and again after it, then
-              `bs1_profile` (tools/trace_engine_step.py): a decode step's kernels and idle time;
+              `bs1_profile` (profile/trace_engine_step.py): a decode step's kernels and idle time;
         roofline  the best plain HBM read rate and bf16 matmul rate (benchmarks.anchors: several
                   read kernels and product shapes, queued; the winners named) measured here, and
                   from them the batch-1 TPOT floor (weights + KV read per token) and the c256
@@ -47,9 +47,9 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
-from benchmarks.timed_window import TimedWindow
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
+from jaxinfer.bench.timed_window import TimedWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def c256_phases(run: dict, t0: float, label: str) -> dict:
 def measure_rooflines(weight_bytes: int) -> dict:
     """The best plain read rate and bf16 matmul rate of benchmarks.anchors, measured now (2 GiB
     reads: the engine's pool holds most of the memory)."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     m = anchors.measure(read_bytes=2 << 30)
     return dict(hbm_bytes_s=m["read_tbps"] * 1e12, matmul_flop_s=m["matmul_tflops"] * 1e12,
                 weight_bytes=weight_bytes, read_kernel=m["read_kernel"],
@@ -238,7 +238,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
              bs1_tpot_runs_ms=[x["tpot_ms"] for x in runs])
     # After the timed runs: a traced process may keep some of the tracer's cost.
     if not tiny and "bs1" in parts:
-        from tools.trace_engine_step import profile_decode_steps
+        from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
         try:
             emit(bs1_profile=profile_decode_steps(engine, prompts(1)))
         except Exception as e:  # a diagnostic: the figures go on without it
@@ -298,8 +298,8 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         except Exception as e:  # a diagnostic: the figures go on without it
             emit(**{f"{key}_error": repr(e)[:300]})
 
-    from tools.profile_host_step import launch_costs, launch_variants, profile_host_steps
-    from tools.trace_engine_step import profile_decode_steps
+    from jaxinfer.bench.profile.profile_host_step import launch_costs, launch_variants, profile_host_steps
+    from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
     # The first c256 run, the device trace (the figure most worth having), the other decode-loop
     # lengths, then the host profiles; the scheduler takes single steps in the profiles.
     if "c256" in parts:

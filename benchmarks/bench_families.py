@@ -8,7 +8,7 @@ shapes through the engine, against the HBM rate measured in the same run.
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_families   # CPU check
 
 (`--merge` keeps the record's other keys: the other model's, the decode-kernel section's from
-benchmarks/bench_window_decode.py.)
+jaxinfer/bench/kernel_window_decode.py.)
 
 Each model runs in its own process (the driver never imports jax, so each child has the whole
 GPU); a child prints `RESULT {json}` lines and the driver writes families_<gpu>.json after each.
@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 
 RESULT = "RESULT "
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
@@ -89,7 +89,7 @@ def emit(**metrics) -> None:
 
 def hbm_bytes_s() -> float:
     """The best plain HBM read rate of benchmarks.anchors' read kernels (64 MiB on a CPU)."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     return max(anchors.read_rates((64 << 20) if TINY else (8 << 30)).values())
 
 

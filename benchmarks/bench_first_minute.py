@@ -34,9 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B, child
-from benchmarks.timed_window import buckets_compiling, fresh_prompts
+from jaxinfer.bench import results_io
+from jaxinfer.bench.common import child
+from jaxinfer.bench.presets import LLAMA3_8B
+from jaxinfer.bench.timed_window import buckets_compiling, fresh_prompts
 
 IN_LEN, OUT_LEN, CONCURRENCY, WINDOW_S = 512, 256, 256, 30.0
 TINY_SHAPES = dict(in_len=32, out_len=16, concurrency=8, window_s=4.0)

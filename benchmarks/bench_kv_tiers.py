@@ -51,8 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 NAME = "kv_tiers_h200"
@@ -277,7 +277,7 @@ def part_multiturn(tiers: tuple[bool, ...] = (True, False)) -> dict:
 
 def anchor_rates() -> dict:
     """benchmarks.anchors' best read and matmul rates, measured before any engine takes memory."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     r = anchors.measure(tiny=TINY)
     return dict(hbm_tb_s=r["read_tbps"], hbm_read_kernel=r["read_kernel"],
                 matmul_tflop_s=r["matmul_tflops"], matmul_shape=r["matmul_shape"])

@@ -34,7 +34,7 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
            context) / the best plain-read rate above: weights = every param but the input
            embedding and the routed experts a token does not use (58 of 64);
   dsv2lite_c64_out_tok_s 64 requests at once, 512 / 256, with dsv2lite_c64_prefix_hit_rate;
-  dsv2lite_bs1_profile   (GPU) 20 traced batch-1 decode steps (tools/trace_engine_step.py):
+  dsv2lite_bs1_profile   (GPU) 20 traced batch-1 decode steps (jaxinfer/bench/profile/trace_engine_step.py):
            step period, kernel-busy and idle time, kernels per step, the top kernels;
   dsv2lite_max_concurrent_32k  32,768-token sequences the engine's planned pool holds, beside
            llama3_8b_max_concurrent_32k: Llama-3-8B's 131,072 B/token over the same budget
@@ -57,26 +57,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import DEEPSEEK_V2_LITE as V2_LITE
 from benchmarks.bench_families import run_requests
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
-    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
-    "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                     "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
-    "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400,
-    "first_k_dense_replace": 1, "torch_dtype": "bfloat16", "bos_token_id": 100000,
-    "eos_token_id": 100001,
-}
 TINY_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
@@ -113,7 +99,7 @@ def _variant(name: str, key: str, value: int, interpret: bool):
 
 def plain_read_rate(nbytes: int) -> float:
     """Bytes/s of the best plain read of `nbytes` (benchmarks.anchors)."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     mib = 1 << 20  # the read kernels reshape to rows of 8192: whole MiB (exact at full size)
     return max(anchors.read_rates(-(-nbytes // mib) * mib).values())
 
@@ -123,7 +109,7 @@ def decode_attention(batch: int, context: int, heads: int, latent: int, value: i
     """One layer's absorbed decode over a paged latent cache: the jnp path and each kernel
     variant vs the best plain read of as many bytes (benchmarks.anchors; all timed queued back
     to back). -> metrics."""
-    from benchmarks import anchors
+    from jaxinfer.bench import anchors
     from pallas_kernels.attention.latent_decode_mosaic import heads_minor, split_plan
     from pallas_kernels.attention.latent_reference import paged_latent_decode
     interpret = jax.devices()[0].platform == "cpu"
@@ -250,7 +236,7 @@ def engine_metrics(w: dict, rate: float, full: bool = True) -> dict:
     if jax.devices()[0].platform != "cpu":
         # Where bs1's time goes (docs/MLA.md, "batch-1 gap"): kernels per step, busy vs idle,
         # the top kernels; a diagnostic, the figures above stand without it.
-        from tools.trace_engine_step import profile_decode_steps
+        from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
         try:
             metrics["dsv2lite_bs1_profile"] = profile_decode_steps(engine,
                                                                    prompts(1, w["prompt"]))

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from benchmarks.moe_engine import engine_section
 from benchmarks.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kernel_section
 

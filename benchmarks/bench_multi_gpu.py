@@ -54,11 +54,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B, LLAMA3_70B, child, timed_generate
+from jaxinfer.bench import results_io
+from jaxinfer.bench.common import child
+from jaxinfer.bench.common import timed_generate
+from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
 from benchmarks.multi_gpu_moe import section_moe_layouts
-from benchmarks.timed_window import TimedWindow, fresh_prompts
-from tools.trace_tp_step import TRACE_XLA_FLAGS
+from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
+from jaxinfer.bench.profile.trace_tp_step import TRACE_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,7 +146,7 @@ def _random_prompts(vocab: int, n: int) -> list[list[int]]:
 def _batch1(llm, cfg: dict, label: str, figures) -> dict:
     """figures(batch-1 TPOT in ms, seconds of the first request with its compiles) -> the
     section's figures, printed at once (kept if what follows fails), then with the flat figures of
-    a device trace of cfg["trace_steps"] decode steps (tools/trace_tp_step.py's summary; the whole
+    a device trace of cfg["trace_steps"] decode steps (profile/trace_tp_step.py's summary; the whole
     of it in $OUT/trace_<label>.json)."""
     prompt = _random_prompts(llm.engine.cfg.vocab_size, 1)
 
@@ -165,7 +167,7 @@ def _trace(run, cfg: dict, label: str) -> dict:
         return {}
     import jax
 
-    from tools.trace_tp_step import print_summary, summarize
+    from jaxinfer.bench.profile.trace_tp_step import print_summary, summarize
     trace_dir = Path(tempfile.mkdtemp(prefix=f"trace-{label}-"))
     with jax.profiler.trace(str(trace_dir)):
         run()
@@ -345,7 +347,7 @@ def main() -> None:
                     help="per-section time limits overriding the defaults: name=seconds,...")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="after each batch-1 TPOT, trace this many decode steps and summarise the "
-                         "device and host timelines (tools/trace_tp_step.py)")
+                         "device and host timelines (jaxinfer/bench/profile/trace_tp_step.py)")
     ap.add_argument("--batch1-only", action="store_true",
                     help="skip the concurrency runs of llama8b_tp2 and llama70b_tp2")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)

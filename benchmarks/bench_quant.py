@@ -40,8 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B, child
+from jaxinfer.bench import results_io
+from jaxinfer.bench.common import child
+from jaxinfer.bench.presets import LLAMA3_8B
 from benchmarks.bench_multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import anchors, results_io
+from jaxinfer.bench import anchors, results_io
+from jaxinfer.bench.kernel_decode import fp8_variant_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "checkpoints" / "demo-target"
@@ -161,36 +162,12 @@ def summary_table(metrics: dict) -> str:
     return "\n".join(rows)
 
 
-def fp8_variant_config(name: str):
-    """A variant name's Mosaic config: bench_decode's `mosaic_config` options over the default,
-    plus the fp8 read paths (`MosaicDecodeConfig`'s fp8 fields): "up2" / "up4" / "8bit" (the
-    widening layout), "st<N>" (N ring stages), "shared" / "noshared" (the hand-over tile over
-    the V staging tiles), "pv<N>" (V widened and multiplied in N-token chunks), "ft<N>" (N tokens
-    per step on an fp8 cache), "q1" (QK^T as one fp8 wgmma against q_hi alone); e.g.
-    "mosaic:ft128:pv64:shared"."""
-    from benchmarks.bench_decode import mosaic_config
-    ours = {"up2": dict(fp8_widen_layout="WGMMA_UPCAST_2X"),
-            "up4": dict(fp8_widen_layout="WGMMA_UPCAST_4X"),
-            "8bit": dict(fp8_widen_layout="WGMMA_8BIT"), "q1": dict(fp8_q_split=False)}
-    ours.update({f"st{n}": dict(stages=n) for n in range(2, 17, 2)})
-    ours.update(shared=dict(fp8_shared_scratch=True), noshared=dict(fp8_shared_scratch=False))
-    ours.update({f"pv{n}": dict(fp8_pv_tokens=n) for n in (64, 128, 256)})
-    ours.update({f"ft{n}": dict(fp8_tokens_per_step=n) for n in (64, 128, 256)})
-    opts = name.split(":")
-    config = mosaic_config(":".join(o for o in opts if o not in ours))
-    for o in opts:
-        config = dataclasses.replace(config, **ours.get(o, {}))
-    if config.profile_dir:
-        raise ValueError("timed kernels take no profiler (its dump is a host callback)")
-    return config
-
-
 def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
                  page32: bool = False) -> None:
     """Fills `out` (saving after every figure: a job cut short keeps what it measured): the
     production kernel on bf16 and fp8 caches, the fp8 variants named (`fp8_variant_config`), and
     the Triton kernel on both."""
-    from benchmarks.bench_decode import D, make_paged_case, tbps, time_paged
+    from jaxinfer.bench.kernel_decode import D, make_paged_case, tbps, time_paged
     from pallas_kernels.attention.kv_quant import quantize
     from pallas_kernels.attention.paged_decode import paged_decode_mosaic, paged_decode_triton_configured
     from pallas_kernels.attention.reference import paged_decode_reference
@@ -246,7 +223,7 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
 def prefill_speed(log) -> dict:
     """The paged prefill kernel over a bf16 and an fp8 cache: 8 sequences x 512 new tokens over
     8192 cached, page 16 (bench_prefill's paged shape), timed interleaved."""
-    from benchmarks.bench_prefill import HKV, HQ, D, bench_interleaved
+    from jaxinfer.bench.kernel_prefill import HKV, HQ, D, bench_interleaved
     from pallas_kernels.attention import flash_prefill as fp
     from pallas_kernels.attention.kv_quant import quantize
     from pallas_kernels.common.testing import random_paged_batch

@@ -41,8 +41,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.rollout import to_rollout_batch
 from jaxinfer.sampling_params import SamplingParams

@@ -43,8 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import results_io
-from benchmarks.bench_engine_gpu import LLAMA3_8B
+from jaxinfer.bench import results_io
+from jaxinfer.bench.presets import LLAMA3_8B
 
 ROOT = Path(__file__).resolve().parent.parent
 

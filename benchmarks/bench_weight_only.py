@@ -28,7 +28,7 @@ import json
 import os
 import time
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 
 # name -> (N, K) of Llama-3-8B's projections as the model calls them, and how many per layer.
 SHAPES = {"gate_up": (14336, 4096), "down": (4096, 14336), "q_o": (4096, 4096), "kv": (1024, 4096)}
@@ -39,7 +39,7 @@ MIN_BYTES = 512 << 20
 
 def _timed(fn, *args) -> float:
     """Seconds per call, queued (bench_decode's `_queued_time`)."""
-    from benchmarks.bench_decode import _queued_time
+    from jaxinfer.bench.kernel_decode import _queued_time
     return _queued_time(lambda _: fn(*args), None)
 
 
@@ -70,7 +70,7 @@ def _prefill(m: dict, layers: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_engine_gpu import LLAMA3_8B
+    from jaxinfer.bench.presets import LLAMA3_8B
     from benchmarks.bench_quant import _layer_stack_fn, _projections
     from jaxinfer.model.quant.ops import quantize
     shapes = _projections(LLAMA3_8B)
@@ -108,7 +108,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_decode import read_ceiling_tbps
+    from jaxinfer.bench.kernel_decode import read_ceiling_tbps
 
     def left() -> float:
         return args.deadline_s - (time.perf_counter() - start)

@@ -9,27 +9,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.timed_window import TimedWindow
+from jaxinfer.bench.presets import MIXTRAL_8X7B, QWEN3_30B_A3B
+from jaxinfer.bench.timed_window import TimedWindow
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 
 
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 151643, "eos_token_id": 151645,
-}
-MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-    "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
 ENGINE_MODELS = {"qwen": ("qwen3_30b_a3b", QWEN3_30B_A3B), "mixtral": ("mixtral_8x7b", MIXTRAL_8X7B)}
 # BENCH_TINY_SHAPES=1: the same architectures at a CPU's size (the FP8 path needs hidden and
 # expert intermediate multiples of 128 only on the kernel, not on the XLA paths a CPU runs).

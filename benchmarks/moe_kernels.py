@@ -125,8 +125,8 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import anchors
-    from benchmarks.bench_prefill import bench_interleaved, rel_err
+    from jaxinfer.bench import anchors
+    from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
     from jaxinfer.model.experts import routed_experts
     from pallas_kernels.moe import grouped_matmul as gm
 

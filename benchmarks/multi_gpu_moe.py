@@ -19,7 +19,7 @@ def section_moe_layouts(_: dict) -> dict:
     import jax.numpy as jnp
 
     from benchmarks.moe_engine import QWEN3_30B_A3B
-    from benchmarks.bench_prefill import bench_interleaved, rel_err
+    from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.parallel.experts import experts_on
     from jaxinfer.parallel.sharding import ShardingPlan, build_mesh

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 
 # The run the retraining replaces (checkpoints/README.md): 32 x 1024 tokens per step, f32
 # reference attention, one dispatch per step, grain input pipeline.

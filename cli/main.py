@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup, train-eagle."""
+"""`jaxinfer` command line: generate, serve, batch, convert, memory, warmup, train-eagle, bench."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
 from cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
+from jaxinfer.bench import cli as cli_bench
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 
@@ -20,7 +21,8 @@ Serve a model over an OpenAI-compatible HTTP API, generate text from the command
 OpenAI Batch file, convert
 Hugging Face checkpoints to orbax or quantize them, size the KV cache for a model and accelerator,
 or compile every step bucket into the cache before the first start (warmup), or train an
-EAGLE-3 speculative-decoding head for a model (train-eagle)."""
+EAGLE-3 speculative-decoding head for a model (train-eagle), or benchmark a server or the engine
+as `vllm bench` does (bench)."""
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_memory.add_parser(sub)
     cli_warmup.add_parser(sub)
     cli_train_eagle.add_parser(sub)
+    cli_bench.add_parser(sub)
     return parser
 
 

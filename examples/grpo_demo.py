@@ -19,7 +19,7 @@ difference per token) reports how closely the engine's logprobs match the traine
     python -m examples.grpo_demo --steps 40 --group 16 --save        # an accelerator
 
 Writes the reward curve to benchmarks/results/grpo_demo_<device>.png (needs matplotlib, the
-`bench` extra; skipped without it) and, with --save, the run's record (benchmarks/results_io.py).
+`bench` extra; skipped without it) and, with --save, the run's record (jaxinfer/bench/results_io.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks import results_io
+from jaxinfer.bench import results_io
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.rollout import to_rollout_batch
 from jaxinfer.model.transformer import train_forward

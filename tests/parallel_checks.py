@@ -279,7 +279,7 @@ def sampler_layout_checks(out: dict) -> None:
     a conditional or while loop of each sampler, decode forward and decode loop; and the greedy
     tokens of the prompts of "llama/engine_tp1"."""
     from jaxinfer.parallel import sampling_logits
-    from tools.hlo_collectives import collectives_in_control_flow
+    from jaxinfer.bench.profile.hlo_collectives import collectives_in_control_flow
     from jaxinfer.worker import runner as runner_module
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
@@ -318,7 +318,7 @@ def _compiled_once(fn, name: str, found: dict):
     """The jitted `fn` run through its ahead-of-time compiled executable, one per call signature,
     each one's collectives inside control flow kept in `found`: the check reads the HLO of exactly
     what ran, compiled once."""
-    from tools.hlo_collectives import collectives_in_control_flow
+    from jaxinfer.bench.profile.hlo_collectives import collectives_in_control_flow
     executables = {}
 
     def call(*args, **static):

@@ -5,7 +5,7 @@ which is 0 for its random (non-reuse) workload."""
 from __future__ import annotations
 
 from benchmarks.bench_multi_gpu import _throughput
-from benchmarks.timed_window import TimedWindow
+from jaxinfer.bench.timed_window import TimedWindow
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import make_engine

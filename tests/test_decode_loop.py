@@ -16,7 +16,7 @@ from jaxinfer.worker.bucket_compiler import BucketCompiler
 from jaxinfer.worker.sampler import BASE_SAMPLER
 from test_engine_greedy import WORKLOAD, oracle
 from test_engine_support import assert_all_free, make_engine, run_all, tiny_tokenizer
-from tools.hlo_text import parse
+from jaxinfer.bench.profile.hlo_text import parse
 
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 

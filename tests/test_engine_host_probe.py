@@ -1,4 +1,4 @@
-"""tools/engine_host_probe.py on the CPU: the steady batch-1 decode steps of an engine on fused
+"""bench/profile/engine_host_probe.py on the CPU: the steady batch-1 decode steps of an engine on fused
 weights, bf16 and FP8 (issue 26), compile, trace and transfer nothing implicitly and dispatch on
 jit's fast path in the lone-sequence bucket; and the probe does see a step that re-traces or
 copies host data implicitly."""
@@ -19,7 +19,7 @@ from jaxinfer.model.quant import loading
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.model.weights import _flat_paths, _set
 from test_engine_support import BLOCK, MAX_LEN, NUM_BLOCKS, prompt_ids, tiny_model, tiny_tokenizer
-from tools.engine_host_probe import probe_host
+from jaxinfer.bench.profile.engine_host_probe import probe_host
 
 STEPS = 12
 

@@ -1,4 +1,4 @@
-"""benchmarks/generated_tokenizer.py: a dummy model's tokenizer covers its whole vocabulary, so
+"""jaxinfer/bench/generated_tokenizer.py: a dummy model's tokenizer covers its whole vocabulary, so
 every id the engine samples decodes to text (issue 38: the demo tokenizer left a 128k-vocabulary
 model's ids undecodable and a serving benchmark timed detokenizer bursts)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.generated_tokenizer import write_generated_tokenizer
+from jaxinfer.bench.generated_tokenizer import write_generated_tokenizer
 from jaxinfer.model.tokenizer import Tokenizer
 
 

@@ -5,7 +5,7 @@ H200)."""
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import bench_decode
+from jaxinfer.bench import kernel_decode as bench_decode
 
 
 def test_marginal_time_cancels_the_per_jit_launch(monkeypatch):
@@ -26,7 +26,7 @@ def test_paged_case_takes_the_chain_it_is_given():
 
 
 def test_dump_kernels_reports_registers_and_spills(tmp_path):
-    from tools.dump_kernels import ptxas_reports
+    from jaxinfer.bench.profile.dump_kernels import ptxas_reports
     (tmp_path / "flash_attention_0.ptxas").write_text(
         "ptxas warning : Registers are spilled to local memory in function 'k', 8 bytes spill "
         "stores, 8 bytes spill loads\nptxas info    : Compile time = 1 ms\n"
@@ -38,7 +38,7 @@ def test_dump_kernels_reports_registers_and_spills(tmp_path):
 
 
 def test_prefill_timing_interleaves_the_implementations():
-    from benchmarks import bench_prefill
+    from jaxinfer.bench import kernel_prefill as bench_prefill
     log = []
 
     def call(name):
@@ -78,7 +78,7 @@ def test_mosaic_ir_prints_each_kernel_normalised():
 
     import jax
 
-    from tools import mosaic_ir
+    from jaxinfer.bench.profile import mosaic_ir
     from pallas_kernels.attention import flash_prefill as fp
     assert (mosaic_ir.normalise('%12 = "a.b"(%arg3, %7#1) : (i32) -> i32 loc("x"(#loc1))')
             == '%v = "a.b"(%v, %v) : (i32) -> i32')

@@ -1,10 +1,10 @@
-"""tools/hlo_collectives.py on HLO text: collectives found through conditionals, while
+"""jaxinfer/bench/profile/hlo_collectives.py on HLO text: collectives found through conditionals, while
 loops and the computations they call; the sampler's logits layout rule and its command-buffer
 fallback."""
 
 from jax.sharding import PartitionSpec as P
 
-from tools.hlo_collectives import collectives_in_control_flow, count_collectives
+from jaxinfer.bench.profile.hlo_collectives import collectives_in_control_flow, count_collectives
 from jaxinfer.parallel.sampling_logits import REPLICATE_MAX_BYTES, logits_spec
 
 HLO = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}

@@ -1,4 +1,4 @@
-"""tools/hlo_weight_reads.py: which ops read a module's weights, and whether an 8-bit weight
+"""jaxinfer/bench/profile/hlo_weight_reads.py: which ops read a module's weights, and whether an 8-bit weight
 reaches its matmul directly or through a wider copy. On a CPU-compiled module (the CPU upcasts
 e4m3 weights in a fusion of their own, then dots in f32) and on a module in the GPU's form (a
 Triton gemm fusion inside a command buffer, a convert fusion feeding cuBLAS, a dot rewritten as a
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.quant.ops import quantize, quantized_matmul
-from tools import hlo_weight_reads as hwr
+from jaxinfer.bench.profile import hlo_weight_reads as hwr
 
 GPU_HLO = """HloModule jit_step, is_scheduled=true, input_output_alias={ {2}: (3, {}, may-alias) }, entry_computation_layout={(f8e4m3fn[6144,4096]{1,0})->bf16[1]{0}}
 

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERED = ("cli", "serve", "jaxinfer", "pallas_kernels")  # the layers doc orders these
-OUTSIDE = ("benchmarks", "tools", "tests", "examples", "checkpoints")  # may import any layer
+OUTSIDE = ("benchmarks", "tests", "examples", "checkpoints")  # may import any layer
 
 Graph = dict[str, set[str]]
 
@@ -157,7 +157,7 @@ def layer_of(mod: str, layers: list[list[str]]) -> int | None:
 
 
 def layer_violations(graph: Graph, layers: list[list[str]]) -> list[str]:
-    """Upward imports (to an earlier layer), imports of the outside (benchmarks, tools, tests), and
+    """Upward imports (to an earlier layer), imports of the outside (benchmarks, tests), and
     modules no layer holds."""
     found = []
     for a in sorted(graph):
@@ -183,7 +183,7 @@ MISSING: list[str] = []
 @pytest.fixture(scope="module")
 def graph() -> Graph:
     MISSING.clear()
-    return module_graph(ROOT, LAYERED + ("benchmarks", "tools"), MISSING)
+    return module_graph(ROOT, LAYERED + ("benchmarks",), MISSING)
 
 
 def test_every_import_exists(graph):
@@ -195,8 +195,7 @@ def test_no_module_cycles(graph):
 
 
 def test_no_package_cycles(graph):
-    # benchmarks/ and tools/ are scripts sharing cases both ways: their modules only must not cycle
-    assert package_cycles(layered(graph)) == []
+    assert package_cycles(graph) == []
 
 
 def test_no_upward_imports(graph):

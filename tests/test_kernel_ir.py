@@ -1,11 +1,13 @@
 """The production kernels lower, on the CPU for CUDA, to the Mosaic GPU and Triton modules whose
-digests tests/fixtures/kernel_ir.json holds (tools/mosaic_ir.py): a change meant to leave the
-kernels alone (a move, a rename, a dispatch change) leaves their lowered modules byte-identical.
+digests tests/fixtures/kernel_ir.json holds (jaxinfer/bench/profile/mosaic_ir.py): a change meant
+to leave the kernels alone (a move, a rename, a dispatch change) leaves their lowered modules
+byte-identical.
 
 Here the cheap ones: the fp8 decode kernel at batch 64 x 4096 (one split: its own output store),
-the e4m3 grouped matmuls at decode rows and the Triton add + RMSNorm. `python -m tools.mosaic_ir
---check` compares every kernel (the flash prefill ones take ~30 s each to lower); after a
-deliberate kernel change, checked on the H200, `python -m tools.mosaic_ir --digest` rewrites them.
+the e4m3 grouped matmuls at decode rows and the Triton add + RMSNorm.
+`python -m jaxinfer.bench.profile.mosaic_ir --check` compares every kernel (the flash prefill ones
+take ~30 s each to lower); after a deliberate kernel change, checked on the H200,
+`python -m jaxinfer.bench.profile.mosaic_ir --digest` rewrites them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 
 import pytest
 
-from tools import mosaic_ir
+from jaxinfer.bench.profile import mosaic_ir
 
 CHEAP = ("decode-fp8-b64", "gmm-decode-fp8", "rms-norm")
 
@@ -35,7 +37,8 @@ def test_every_kernel_has_a_digest():
 def test_kernel_lowers_to_its_digest(kernel):
     want = json.loads(mosaic_ir.DIGESTS.read_text())[kernel]
     assert hashlib.sha256(text(kernel).encode()).hexdigest() == want, (
-        f"{kernel}'s lowered module changed: diff `python -m tools.mosaic_ir --kernel {kernel}` "
+        f"{kernel}'s lowered module changed: diff `python -m jaxinfer.bench.profile.mosaic_ir "
+        f"--kernel {kernel}` "
         f"against the last commit's, and if the change is meant, run `--digest`")
 
 

@@ -1,4 +1,4 @@
-"""`tools/profile_decode.py` reads the traces Mosaic GPU's profiler writes: here a trace is
+"""`jaxinfer/bench/profile/profile_decode.py` reads the traces Mosaic GPU's profiler writes: here a trace is
 made by the profiler's own `ProfilerSpec.dump` from a synthetic buffer (2 CTAs x 3 warpgroups)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from jax.experimental.mosaic.gpu import profiler
 
-from tools.profile_decode import summarize, to_microseconds
+from jaxinfer.bench.profile.profile_decode import summarize, to_microseconds
 
 
 def synthetic_trace(clock_ghz: float) -> list[dict]:
@@ -51,7 +51,7 @@ def test_summary_of_a_profiler_trace_in_microseconds():
 
 
 def test_read_trace_summarises_the_newest_trace_file(tmp_path, monkeypatch):
-    from tools import profile_decode
+    from jaxinfer.bench.profile import profile_decode
     monkeypatch.setattr(profile_decode, "sm_clock_ghz", lambda: 1.5)
     assert "error" in profile_decode.read_trace(tmp_path)
     (tmp_path / "k-1-trace.json").write_text(json.dumps({"traceEvents": synthetic_trace(1.5)}))
@@ -61,7 +61,7 @@ def test_read_trace_summarises_the_newest_trace_file(tmp_path, monkeypatch):
 
 
 def test_step_breakdown_gives_self_time_per_step_and_role():
-    from tools.profile_decode import breakdown_table, step_breakdown
+    from jaxinfer.bench.profile.profile_decode import breakdown_table, step_breakdown
 
     def ranges(tid, spans):  # (name, start, end) -> B/E events
         return [e for name, t0, t1 in spans for e in (

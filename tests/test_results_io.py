@@ -1,4 +1,4 @@
-"""benchmarks/results_io.py: the record every benchmark's --save writes, and the kernel benchmarks'
+"""jaxinfer/bench/results_io.py: the record every benchmark's --save writes, and the kernel benchmarks'
 metric names that RESULTS.md and the issue's checks read."""
 
 import json
@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from benchmarks import bench_decode, bench_prefill, results_io
+from jaxinfer.bench import kernel_decode as bench_decode, kernel_prefill as bench_prefill
+from jaxinfer.bench import results_io
 
 
 def test_save_writes_the_record_with_every_key(tmp_path, monkeypatch):
@@ -21,11 +22,11 @@ def test_save_writes_the_record_with_every_key(tmp_path, monkeypatch):
 
 
 def test_a_module_run_records_its_python_m_command(monkeypatch):
-    import benchmarks.bench_decode as module
+    import jaxinfer.bench.kernel_decode as module
     monkeypatch.setattr("sys.argv", [module.__file__, "--tiny"])
     monkeypatch.setitem(__import__("sys").modules, "__main__", module)
     assert results_io.record("x", config={}, metrics={})["command"] == (
-        "python -m benchmarks.bench_decode --tiny")
+        "python -m jaxinfer.bench.kernel_decode --tiny")
 
 
 def test_historical_record_keeps_its_origin():
@@ -68,3 +69,19 @@ def test_prefill_metrics_carry_the_ratio_to_cudnn():
     assert m["prefill_causal_b1s8192_over_cudnn"] == 1.2
     assert m["prefill_causal_b1s8192_cudnn_tflops"] == 500.0
     assert m["prefill_causal_b1s8192_xla_bf16_tflops"] == 50.0
+
+
+def test_the_installed_command_records_itself(monkeypatch):
+    """`jaxinfer bench ...` (the console script) is the record's command, not the script's path."""
+    monkeypatch.setattr("sys.argv", ["/venv/bin/jaxinfer", "bench", "latency", "--save"])
+    assert results_io.record("x", config={}, metrics={})["command"] == "jaxinfer bench latency --save"
+
+
+def test_fold_keeps_the_stored_figures_and_names_each_run():
+    stored = {"name": "q", "date": "d0", "commit": "c0", "command": "old", "config": {"a": 1},
+              "metrics": {"x": 1, "y": 2}}
+    new = {"name": "q", "date": "d1", "commit": "c1", "command": "new", "config": {}, "metrics": {"y": 3}}
+    out = results_io.fold(new, stored, prefix="v_")
+    assert out["metrics"] == {"x": 1, "y": 2, "v_y": 3} and (out["date"], out["commit"]) == ("d1", "c1")
+    assert out["config"]["a"] == 1 and out["config"]["merged_from"] == [
+        {"commit": "c1", "date": "d1", "command": "new", "keys": ["v_y"]}]

@@ -207,55 +207,28 @@ def test_error_after_stream_start_is_an_event():
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_bench_serving_client(server, capsys, chat):
-    """benchmarks/bench_serving.py parses this server's streams: every request succeeds, the token
-    counts come from usage, and vLLM's result block is printed."""
+    """`jaxinfer bench serve`'s client parses this server's streams: every request succeeds, the
+    token counts come from usage, and vLLM's result block is printed."""
     import numpy as np
 
-    from benchmarks import bench_serving
+    from jaxinfer.bench import http_client, serving_metrics
+    from jaxinfer.bench.datasets import random_requests
 
-    requests = bench_serving.random_requests(server.engine.tokenizer, 6, 8, 4, 0.0, np.random.default_rng(0),
-                                             as_text=chat)
+    requests = random_requests(server.engine.tokenizer, 6, 8, 4, 0.0, np.random.default_rng(0), as_text=chat)
     url = server.urls["main"] + ("/v1/chat/completions" if chat else "/v1/completions")
-    results, duration = asyncio.run(bench_serving.run_benchmark(url, MODEL, chat, requests, float("inf"), 2,
-                                                                ignore_eos=True, seed=0))
-    metrics = bench_serving.summarize(results, duration, float("inf"), 2)
+    results, duration = asyncio.run(http_client.run_benchmark(url, MODEL, chat, requests, float("inf"), 2,
+                                                              ignore_eos=True, seed=0))
+    metrics = serving_metrics.summarize(results, duration, float("inf"), 2)
     assert metrics["completed"] == 6 and metrics["failed"] == 0, metrics["errors"]
     assert metrics["total_output_tokens"] == 24 and metrics["mean_ttft_ms"] > 0 and metrics["mean_itl_ms"] > 0
     assert metrics["output_lens"] == [4] * 6 and metrics["itls"] == [r.itl for r in results]
     assert metrics["ttfts"] == [r.ttft for r in results] and metrics["errors"] == [""] * 6
+    # At most 2 in flight (the cap), and the busiest second saw at least one token.
+    assert 1 <= metrics["max_concurrent_requests"] <= 2 and metrics["max_output_tokens_per_s"] >= 1
     texts = [r.generated_text for r in results]
     assert all(texts) and metrics["generated_texts"] == texts
-    bench_serving.print_result(metrics)
+    serving_metrics.print_result(metrics)
     assert "============ Serving Benchmark Result ============" in capsys.readouterr().out
-
-
-def test_bench_serving_writes_vllms_result_file(server, tmp_path):
-    """The CLI end to end: vLLM's result file (valid JSON, its keys, per-request arrays, goodput) and
-    the repository's record, EOS honoured by default."""
-    from benchmarks import bench_serving
-
-    argv = ["--base-url", server.urls["main"], "--tokenizer", server.engine_args.model, "--num-prompts", "3",
-            "--random-input-len", "8", "--random-output-len", "4", "--goodput", "ttft:600000", "e2el:600000",
-            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "vllm.json",
-            "--save", str(tmp_path), "--name", "serving_test"]
-    assert bench_serving.main(argv) == 0
-    result = json.loads((tmp_path / "vllm.json").read_text(), parse_constant=pytest.fail)
-    for key in ("date", "endpoint_type", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
-                "burstiness", "max_concurrency", "duration", "completed", "total_input_tokens",
-                "total_output_tokens", "request_throughput", "request_goodput:", "output_throughput",
-                "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "generated_texts",
-                "errors", *(f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99")
-                            for m in ("ttft", "tpot", "itl", "e2el"))):
-        assert key in result, key
-    assert result["request_rate"] == "inf" and result["endpoint_type"] == "openai"
-    assert result["completed"] == 3 and result["request_goodput:"] == pytest.approx(3 / result["duration"])
-    assert len(result["ttfts"]) == len(result["itls"]) == len(result["errors"]) == 3
-    assert all(1 <= n <= 4 for n in result["output_lens"])  # EOS may end a reply early
-    record = json.loads((tmp_path / "serving_test.json").read_text(), parse_constant=pytest.fail)
-    assert record["config"]["ignore_eos"] is False and record["metrics"]["cinf_completed"] == 3
-    # The run's own prefix-cache hit rate and the buckets still compiling, from /metrics (issue 38).
-    assert 0.0 <= record["metrics"]["cinf_prefix_hit_rate"] <= 1.0
-    assert record["metrics"]["cinf_buckets_compiling"] >= 0
 
 
 # ---- metrics -------------------------------------------------------------------------------------

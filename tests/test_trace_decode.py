@@ -1,6 +1,6 @@
-"""tools/trace_decode.py's timeline summary (the GPU trace itself needs the H200)."""
+"""jaxinfer/bench/profile/trace_decode.py's timeline summary (the GPU trace itself needs the H200)."""
 
-from tools.trace_decode import RUNS, summarize
+from jaxinfer.bench.profile.trace_decode import RUNS, summarize
 
 
 def chained(call, period_ns, calls=2):
@@ -27,7 +27,7 @@ def test_summary_tells_same_named_kernels_apart_and_shows_overlap():
 
 
 def test_prefill_timeline_row_separates_the_attention_kernel():
-    from tools.trace_prefill import timeline_row
+    from jaxinfer.bench.profile.trace_prefill import timeline_row
     # Each call: two 2 µs table ops, 1 µs idle, a 900 µs attention kernel, 1 µs idle.
     call = [("fusion", 0, 2_000), ("sort", 2_000, 4_000), ("flash_attention", 5_000, 905_000)]
     row = timeline_row(chained(call, 906_000, calls=4), calls=4, flops=540e12 * 900e-6)
@@ -41,7 +41,7 @@ def test_prefill_trace_implementations_lower_for_cuda():
     import jax
     import jax.numpy as jnp
 
-    from tools.trace_prefill import implementations
+    from jaxinfer.bench.profile.trace_prefill import implementations
     bf16, i32 = jnp.bfloat16, jnp.int32
     args = (jax.ShapeDtypeStruct((2, 256, 32, 128), bf16),
             *[jax.ShapeDtypeStruct((2, 256, 8, 128), bf16)] * 2,

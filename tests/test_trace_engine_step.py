@@ -1,6 +1,7 @@
-"""tools/trace_engine_step.py's summary of a profiled decode step, on synthetic device events."""
+"""bench/profile/trace_engine_step.py's summary of a profiled decode step, on synthetic device
+events."""
 
-from tools.trace_engine_step import busy_ns, summarize_steps
+from jaxinfer.bench.profile.trace_engine_step import busy_ns, summarize_steps
 
 
 def test_busy_time_counts_overlapping_kernels_once_and_gaps_as_idle():

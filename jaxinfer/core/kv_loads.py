@@ -9,7 +9,7 @@ so the device runs copy, scatter and forward in that order.
 
 Why the copy is not waited for in a state of its own, as the first design did: on the H200 (jax
 0.11.2) a pinned-host -> device copy lands only once the compute dispatched before it has run
-(tools/probe_h2d_order.py: 3.8 ms idle, 53 ms behind ten queued 5.6 ms matmuls), so it
+(42b733b:tools/probe_h2d_order.py: 3.8 ms idle, 53 ms behind ten queued 5.6 ms matmuls), so it
 overlaps nothing either way; waiting for it apart added the queue's depth, a poll and one more
 step to every hit's time to first token (54 ms per load, and the tier lost to recomputing the
 prefix: `kv_tiers_h200.json`'s earlier run). Loaded this way a hit costs the copy plus its step.

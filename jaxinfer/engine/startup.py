@@ -2,7 +2,7 @@
 KV cache allocation, warm-up) and, inside warm-up, the seconds jax reports for its compilation
 stages through `jax.monitoring` (jaxpr tracing, lowering to MLIR, XLA's backend compile, persistent
 cache reads). The engine keeps one `StartupTimes` (`LLMEngine.startup`); the server logs it once
-ready (`STARTUP_LOG_PREFIX` + JSON) and benchmarks/bench_startup.py reads that line.
+ready (`STARTUP_LOG_PREFIX` + JSON) and `jaxinfer bench startup` reads that line.
 
 The jax stages are summed over threads (warm-up compiles on a pool), so they can exceed the
 warm-up's wall time.

@@ -35,7 +35,7 @@ class KernelConfig:
       the true max.
     profile_dir: write each call's per-warpgroup timeline of the named ranges (qk, softmax,
       wait_v_turn, pv; producer: wait_free) here with Mosaic GPU's profiler (GPU only;
-      tools/profile_prefill.py)."""
+      jaxinfer/bench/profile/profile_prefill.py)."""
     block_kv: int = 128
     stages: int = 2
     num_ctas: int | None = None

@@ -56,7 +56,7 @@ def widen(tile, wide, free, layout: str = "WGMMA_8BIT") -> None:
     widening the slot's other chunks). `layout`: the register layout
     of the copy (a `plgpu.Layout` name): WGMMA_8BIT moves 4 fp8 bytes per thread and load,
     WGMMA_UPCAST_2X / _4X 8 / 16."""
-    with jax.named_scope("widen"):  # a range of the in-kernel profile (tools/profile_decode.py)
+    with jax.named_scope("widen"):  # a range of the in-kernel profile (bench/profile/profile_decode.py)
         wide[...] = plgpu.load(tile, layout=getattr(plgpu.Layout, layout)).astype(wide.dtype)
         plgpu.commit_smem()  # the stores -> visible to wgmma (async proxy), every thread's done
     if free is not None:

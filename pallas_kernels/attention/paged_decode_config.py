@@ -36,7 +36,7 @@ class MosaicDecodeConfig:
     fp8_q_split: QK^T as two fp8 wgmmas against q_hi and q_lo (q to ~8 mantissa bits, bf16's);
       False: one, against q_hi alone (q rounded to e4m3: half the QK^T tensor work, 3 bits).
     profile_dir: write each call's per-warpgroup timeline (Mosaic GPU's profiler, a Perfetto JSON)
-      here; see tools/profile_decode.py."""
+      here; see jaxinfer/bench/profile/profile_decode.py."""
     tokens_per_step: int = 64
     stages: int | None = None
     num_ctas: int | None = None

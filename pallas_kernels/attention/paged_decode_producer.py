@@ -1,7 +1,7 @@
 """The paged decode kernel's producer warpgroup (`paged_decode_mosaic`): item after item, an item's
 q tile and its K/V pages into the shared-memory ring, one TMA copy per page, block ids read ahead.
 
-Profiler ranges (tools/profile_decode.py): `producer_item` per item and, per step, `wait_free`
+Profiler ranges (bench/profile/profile_decode.py): `producer_item` per item and, per step, `wait_free`
 around each wait for a consumer to release the slot; the rest of a step is issuing copies.
 """
 

@@ -137,7 +137,7 @@ class HostKVStore:
         """Pin the tier's host memory now, by allocating it and letting it go; the seconds taken.
         The runtime's pinned-host pool grows on demand and keeps what it grew: on the H200 growing
         costs ~1 s per GB, up to 6 s in one call, while reusing freed pinned memory takes 0.7 ms
-        per 18 MiB copy (tools/probe_h2d_order.py, `--pinned-growth`), and a growth in the
+        per 18 MiB copy (git show 42b733b:tools/probe_h2d_order.py), and a growth in the
         middle of serving stalled the steps (the first H200 multi-turn run). Per device: each
         holds its own heads' share."""
         t0, devices = time.perf_counter(), self._devices

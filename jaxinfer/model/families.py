@@ -180,8 +180,12 @@ def _gemma3(raw: Raw, layers: int) -> dict:
     else:  # hub configs: rope_theta + rope_scaling for global layers, rope_local_base_freq
         rope = parse_rope(raw)
         local = parse_rope({}, {"rope_theta": float(raw["rope_local_base_freq"])})
+    if raw.get("attn_logit_softcapping") is not None:
+        log.warning("config.json: attn_logit_softcapping=%s is ignored: Gemma 3's attention has no "
+                    "soft-cap (HF transformers' Gemma3Attention never applies it)",
+                    raw["attn_logit_softcapping"])
     return dict(_gemma_common(raw), qk_norm=True, layer_windows=windows, rope=rope,
-                local_rope=local)
+                local_rope=local, attn_softcap=None)
 
 
 # --- gpt-oss -------------------------------------------------------------------------------------

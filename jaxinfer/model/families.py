@@ -146,14 +146,18 @@ def _gemma_defaults(defaults: Raw) -> Callable[[Raw], Raw]:
 
 def _gemma3_multimodal(raw: Raw) -> Raw:
     """Gemma3ForConditionalGeneration: its language model's config (`text_config`) with the
-    top-level token ids and dtype; the vision tower is not loaded (image inputs are refused)."""
+    top-level token ids and dtype; the vision tower is not loaded (image inputs are refused).
+    Whether lm_head is the embedding is the top-level tie_word_embeddings (Gemma3Config's, default
+    true), as in HF, which never reads the text_config's."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("config.json: Gemma3ForConditionalGeneration needs a 'text_config' object")
     top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
-                               "dtype", "tie_word_embeddings", "quantization_config")
+                               "dtype", "quantization_config")
            if raw.get(k) is not None}
-    return _gemma_defaults(GEMMA3_DEFAULTS)({**top, **text, "architectures": raw["architectures"]})
+    return _gemma_defaults(GEMMA3_DEFAULTS)({
+        **top, **text, "architectures": raw["architectures"],
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))})
 
 
 def _gemma_common(raw: Raw) -> dict:
@@ -189,6 +193,14 @@ def _gemma3(raw: Raw, layers: int) -> dict:
                     raw["attn_logit_softcapping"])
     return dict(_gemma_common(raw), qk_norm=True, layer_windows=windows, rope=rope,
                 local_rope=local, attn_softcap=None)
+
+
+def _gemma3_multimodal_fields(raw: Raw, layers: int) -> dict:
+    if raw.get("final_logit_softcapping") is not None:
+        log.warning("config.json: final_logit_softcapping=%s is ignored: HF transformers' "
+                    "Gemma3ForConditionalGeneration never applies it",
+                    raw["final_logit_softcapping"])
+    return dict(_gemma3(raw, layers), final_softcap=None)
 
 
 # --- gpt-oss -------------------------------------------------------------------------------------
@@ -234,7 +246,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(_qwen3_moe),
     "Gemma2ForCausalLM": Family(_gemma2, _gemma_defaults(GEMMA2_DEFAULTS)),
     "Gemma3ForCausalLM": Family(_gemma3, _gemma_defaults(GEMMA3_DEFAULTS)),
-    "Gemma3ForConditionalGeneration": Family(_gemma3, _gemma3_multimodal),
+    "Gemma3ForConditionalGeneration": Family(_gemma3_multimodal_fields, _gemma3_multimodal),
     "GptOssForCausalLM": Family(_gpt_oss, _gpt_oss_normalize),
     "DeepseekV2ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v2),
     "DeepseekV3ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v3),

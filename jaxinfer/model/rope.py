@@ -102,8 +102,9 @@ def _factor(params: dict[str, Any], rope_type: str) -> float:
 
 def _max_positions(raw: dict[str, Any], rope_type: str) -> int:
     if raw.get("max_position_embeddings") is None:
-        raise ConfigError(f"config.json: rope_type '{rope_type}' needs max_position_embeddings "
-                          f"or rope_scaling.original_max_position_embeddings")
+        raise ConfigError(f"config.json: max_position_embeddings is required for rope_type "
+                          f"'{rope_type}' without rope_scaling.original_max_position_embeddings "
+                          f"or factor")
     return int(raw["max_position_embeddings"])
 
 

@@ -35,8 +35,9 @@ lint: $(STAMP)
 ## Regenerate the HF-parity fixtures (needs torch + transformers in a separate Python 3.11 venv).
 goldens:
 	@test -x .goldenvenv/bin/python || python3 -m venv .goldenvenv
-	.goldenvenv/bin/pip install -q torch==2.13.0 transformers safetensors numpy
+	.goldenvenv/bin/pip install -q torch==2.13.0 transformers==5.24.0 safetensors numpy
 	.goldenvenv/bin/python tests/fixtures/make_golden.py
+	.goldenvenv/bin/python tests/fixtures/make_golden_rope.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,8 +1,10 @@
 """jaxinfer's logits and greedy tokens match HF transformers' on tiny random checkpoints of every
 supported family (fixtures made by tests/fixtures/make_golden.py and make_golden_deepseek.py with
 torch + transformers). The windowed families' (Gemma 2, Gemma 3, gpt-oss: 8-token windows)
-29-token prompt and greedy runs go past the window."""
+29-token prompt and greedy runs go past the window. The rope of config.json spellings whose fields
+fall back or default (rope_golden.json, made by make_golden_rope.py) matches HF's per case."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -10,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.model.config import load_config
+from jaxinfer.model.config import (SUPPORTED_ARCHITECTURES, config_from_dict, load_config,
+                                   rope_inv_freq)
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
@@ -18,15 +21,13 @@ from pallas_kernels.attention.metadata import AttentionMetadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
+ROPE_CASES = json.loads((FIXTURES.parent / "rope_golden.json").read_text())["cases"]
 BLOCK = 4
 
 
-def test_all_eleven_families_have_fixtures():
+def test_every_supported_architecture_has_a_fixture():
     archs = {load_config(FIXTURES / f).architecture for f in FAMILIES}
-    assert archs == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                     "Gemma3ForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
-                     "DeepseekV3ForCausalLM"}
+    assert archs == set(SUPPORTED_ARCHITECTURES)
 
 
 def _batch_metadata(lengths: list[int], num_blocks: int,
@@ -77,3 +78,16 @@ def test_logits_and_greedy_match_transformers(family):
         logits, cache = step(params, cfg, jnp.array([tokens[-1]]), jnp.array([pos]), cache, dec)
         tokens.append(int(jnp.argmax(logits[0])))
     assert tokens == expected.tolist()
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_matches_transformers(case):
+    """Each config.json spelling's inverse frequencies and cos/sin factor, per layer type, are
+    those of HF's rotary embedding (fixture made by tests/fixtures/make_golden_rope.py)."""
+    cfg = config_from_dict(ROPE_CASES[case]["config"])
+    ropes = {"all": cfg.rope, "full_attention": cfg.rope, "sliding_attention": cfg.local_rope}
+    for layer_type, golden in ROPE_CASES[case]["rope"].items():
+        rope = ropes[layer_type]
+        np.testing.assert_allclose(np.float32(rope_inv_freq(cfg, rope)), golden["inv_freq"],
+                                   rtol=1e-5, atol=0, err_msg=layer_type)
+        assert rope.attention_factor == pytest.approx(golden["attention_factor"], rel=1e-6)

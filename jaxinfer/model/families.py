@@ -100,6 +100,10 @@ def _mixtral(raw: Raw, layers: int) -> dict:
                 **_cap_at_sliding_window(raw, "MixtralForCausalLM"))
 
 
+def _mixtral_normalize(raw: Raw) -> Raw:
+    return _silu_only({"rope_theta": 1_000_000.0, **raw})  # MixtralConfig's default_theta
+
+
 def _qwen3_moe(raw: Raw, layers: int) -> dict:
     # Hub configs say num_experts; transformers 5 writes num_local_experts (its attribute_map).
     experts = int(raw.get("num_experts") or required(raw, "num_local_experts"))
@@ -142,14 +146,18 @@ def _gemma_defaults(defaults: Raw) -> Callable[[Raw], Raw]:
 
 def _gemma3_multimodal(raw: Raw) -> Raw:
     """Gemma3ForConditionalGeneration: its language model's config (`text_config`) with the
-    top-level token ids and dtype; the vision tower is not loaded (image inputs are refused)."""
+    top-level token ids and dtype; the vision tower is not loaded (image inputs are refused).
+    Whether lm_head is the embedding is the top-level tie_word_embeddings (Gemma3Config's, default
+    true), as in HF, which never reads the text_config's."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("config.json: Gemma3ForConditionalGeneration needs a 'text_config' object")
     top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
-                               "dtype", "tie_word_embeddings", "quantization_config")
+                               "dtype", "quantization_config")
            if raw.get(k) is not None}
-    return _gemma_defaults(GEMMA3_DEFAULTS)({**top, **text, "architectures": raw["architectures"]})
+    return _gemma_defaults(GEMMA3_DEFAULTS)({
+        **top, **text, "architectures": raw["architectures"],
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))})
 
 
 def _gemma_common(raw: Raw) -> dict:
@@ -172,23 +180,39 @@ def _gemma2(raw: Raw, layers: int) -> dict:
 def _gemma3(raw: Raw, layers: int) -> dict:
     pattern = int(raw.get("sliding_window_pattern") or 6)
     windows = layer_windows(raw, layers, lambda i: bool((i + 1) % pattern))
+    # As Gemma3TextConfig: transformers 5's per-layer-type rope_parameters (a flat one is not
+    # read), rope_scaling updating the global layers' entry, and the thetas' defaults.
     params = raw.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:  # transformers >= 5
-        rope = parse_rope(raw, params.get("full_attention") or {}, 1_000_000.0)
-        local = parse_rope(raw, params.get("sliding_attention") or {},
-                           float(raw.get("rope_local_base_freq", 10_000.0)))
-    else:  # hub configs: rope_theta + rope_scaling for global layers, rope_local_base_freq
-        rope = parse_rope(raw)
-        local = parse_rope({}, {"rope_theta": float(raw["rope_local_base_freq"])})
+    full = {**(params.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
+    rope = parse_rope(raw, full, float(raw["rope_theta"]))
+    local = parse_rope(raw, params.get("sliding_attention") or {},
+                       float(raw["rope_local_base_freq"]))
+    if raw.get("attn_logit_softcapping") is not None:
+        log.warning("config.json: attn_logit_softcapping=%s is ignored: Gemma 3's attention has no "
+                    "soft-cap (HF transformers' Gemma3Attention never applies it)",
+                    raw["attn_logit_softcapping"])
     return dict(_gemma_common(raw), qk_norm=True, layer_windows=windows, rope=rope,
-                local_rope=local)
+                local_rope=local, attn_softcap=None)
+
+
+def _gemma3_multimodal_fields(raw: Raw, layers: int) -> dict:
+    if raw.get("final_logit_softcapping") is not None:
+        log.warning("config.json: final_logit_softcapping=%s is ignored: HF transformers' "
+                    "Gemma3ForConditionalGeneration never applies it",
+                    raw["final_logit_softcapping"])
+    return dict(_gemma3(raw, layers), final_softcap=None)
 
 
 # --- gpt-oss -------------------------------------------------------------------------------------
 
+# HF's GptOssConfig defaults that its YaRN reads (hub configs set both).
+GPT_OSS_DEFAULTS = dict(rope_theta=150000.0, max_position_embeddings=131072)
+
+
 def _gpt_oss_normalize(raw: Raw) -> Raw:
-    """MXFP4 expert weights are dequantized on load (exact in bf16: weights.py), so the model
-    runs unquantized and the quantization_config is consumed here."""
+    """HF's defaults; MXFP4 expert weights are dequantized on load (exact in bf16: weights.py),
+    so the model runs unquantized and the quantization_config is consumed here."""
+    raw = {**GPT_OSS_DEFAULTS, **raw}
     qc = raw.get("quantization_config") or {}
     if qc.get("quant_method") == "mxfp4":
         raw = {k: v for k, v in raw.items() if k != "quantization_config"}
@@ -218,11 +242,11 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(_mistral),
     "Qwen2ForCausalLM": Family(_qwen2),
     "Qwen3ForCausalLM": Family(_qwen3),
-    "MixtralForCausalLM": Family(_mixtral),
+    "MixtralForCausalLM": Family(_mixtral, _mixtral_normalize),
     "Qwen3MoeForCausalLM": Family(_qwen3_moe),
     "Gemma2ForCausalLM": Family(_gemma2, _gemma_defaults(GEMMA2_DEFAULTS)),
     "Gemma3ForCausalLM": Family(_gemma3, _gemma_defaults(GEMMA3_DEFAULTS)),
-    "Gemma3ForConditionalGeneration": Family(_gemma3, _gemma3_multimodal),
+    "Gemma3ForConditionalGeneration": Family(_gemma3_multimodal_fields, _gemma3_multimodal),
     "GptOssForCausalLM": Family(_gpt_oss, _gpt_oss_normalize),
     "DeepseekV2ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v2),
     "DeepseekV3ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v3),

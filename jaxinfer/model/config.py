@@ -145,8 +145,9 @@ class ModelConfig:
 
     @property
     def kv_widths(self) -> tuple[int, int]:
-        """Widths of one cached (K, V) head: MLA caches the latent alone (the V array is empty)."""
-        return (self.head_dim, 0) if self.mla else (self.head_dim, self.head_dim)
+        """Widths of one cached (K, V) head: MLA caches the latent alone (the V array is empty).
+        Every layer's (KVCacheGroups refuses layers whose pages differ)."""
+        return self.layer_kv_specs()[0].stored_widths
 
     @property
     def score_scale(self) -> float:

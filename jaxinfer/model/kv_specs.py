@@ -16,7 +16,8 @@ freeing and prefix-matching rules of its ``single_type_kv_cache_manager.py`` fol
 Every spec answers the same questions, so nothing above it asks which kind a layer is:
 ``page_bytes`` (bytes per block per layer), ``first_needed_block`` (blocks before it can be
 freed), ``keeps_every_block`` (the prefix cache's leaf-first order and the host tier need it),
-``blocks_for_sequence`` (sizing) and ``stored_widths`` (the K and V arrays' widths). A prefix
+``blocks_for_sequence`` (sizing), ``stacks_as_kv`` (what the KV copies between caches need) and,
+for attention, ``stored_widths`` (the K and V arrays' widths). A prefix
 match resuming at block n needs exactly blocks [first_needed_block(n * block_size), n), which
 is how ``prefix_cache.PrefixCache.match`` reads these specs.
 
@@ -47,6 +48,7 @@ class KVCacheSpec(abc.ABC):
     """What one layer keeps per block. Subclasses set the rules; equal specs share a group."""
     # Groups are ordered by (rank, span): kinds that keep every block first, as vLLM does.
     rank: ClassVar[int] = 0
+    label: ClassVar[str] = "KV"  # the kind, for messages ("a {label} cache")
 
     @property
     def span(self) -> int:
@@ -65,6 +67,12 @@ class KVCacheSpec(abc.ABC):
     @abc.abstractmethod
     def page_bytes(self, block_size: int, dtype) -> int:
         """Bytes one block of this layer takes in a cache of element type `dtype`."""
+
+    @property
+    def stacks_as_kv(self) -> bool:
+        """Whether a page is K and V rows of one shape, which the disaggregated hand-over
+        (disagg/transfer.py) and the host tier's store (worker/kv/host_store.py) stack."""
+        return False
 
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         """The first block a query at `first_query_pos` or later still reads: the blocks before
@@ -102,6 +110,11 @@ class AttentionSpec(KVCacheSpec):
         then serves both."""
         return self.stored_widths[1] == 0
 
+    @property
+    def stacks_as_kv(self) -> bool:
+        k_width, v_width = self.stored_widths
+        return k_width == v_width
+
     def page_bytes(self, block_size: int, dtype) -> int:
         """block_size tokens of every stored head's K and V."""
         return block_size * self.num_kv_heads * sum(self.stored_widths) * _itemsize(dtype)
@@ -110,6 +123,7 @@ class AttentionSpec(KVCacheSpec):
 @dataclasses.dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
     """Every head's K and V for every token (Llama, Qwen, Mistral without a window, ...)."""
+    label: ClassVar[str] = "full-attention KV"
     kv_heads: int
     head_dim: int
 
@@ -135,6 +149,7 @@ class SlidingWindowSpec(FullAttentionSpec):
     """A query at p sees keys p - window < j <= p (Gemma 2/3's and gpt-oss's local layers)."""
     sliding_window: int
     rank: ClassVar[int] = 1
+    label: ClassVar[str] = "sliding-window KV"
 
     def __post_init__(self):
         super().__post_init__()
@@ -168,6 +183,7 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
     layers, ``attention_chunk_size``): the blocks of finished chunks are freed."""
     attention_chunk: int
     rank: ClassVar[int] = 2
+    label: ClassVar[str] = "chunked local attention KV"
 
     def __post_init__(self):
         super().__post_init__()
@@ -198,6 +214,7 @@ class MLAAttentionSpec(AttentionSpec):
     are what the heads sum as values. Its K rows are its V rows, so one fp8 scale serves both."""
     latent_width: int
     value_width: int
+    label: ClassVar[str] = "MLA latent"
 
     def __post_init__(self):
         if not 0 < self.value_width <= self.latent_width:
@@ -223,6 +240,7 @@ class FixedStateSpec(KVCacheSpec):
     page_bytes (KVCacheGroups refuses others)."""
     state_bytes: int
     rank: ClassVar[int] = 3
+    label: ClassVar[str] = "fixed-state"
 
     def __post_init__(self):
         if self.state_bytes < 1:

@@ -234,8 +234,9 @@ class MLAAttentionSpec(AttentionSpec):
 class FixedStateSpec(KVCacheSpec):
     """A state of `state_bytes` per layer and sequence, whatever its length (a state-space
     layer's convolution and SSM state): a block's page is the state after that block's last
-    token. A query needs only the state before it, so every earlier block is freed, a sequence
-    holds one block between steps, and a prefix match needs only the block it resumes after.
+    token. A query needs only the state before it, so every earlier block is freed (a sequence
+    holds the block of the state before a step and those the step writes), and a prefix match
+    needs only the block it resumes after.
     Its page does not grow with block_size, so it shares a pool only with specs of equal
     page_bytes (KVCacheGroups refuses others)."""
     state_bytes: int

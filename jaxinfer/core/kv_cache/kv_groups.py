@@ -71,7 +71,9 @@ class KVCacheGroups:
             kinds.setdefault(spec, []).append(layer)
         if len(kinds) == 1 and specs[0].keeps_every_block:
             return cls.full_attention(len(specs), specs[0])
-        pages = {spec.page_bytes(16, "float32") for spec in kinds}
+        # Compared at two block sizes: a page that does not grow with the block (a fixed state)
+        # never matches one that does, whatever the engine's block size.
+        pages = {(spec.page_bytes(1, "int8"), spec.page_bytes(16, "float32")) for spec in kinds}
         if len(pages) > 1:
             raise ValueError(f"layers whose cache pages differ in size cannot share one block "
                              f"pool: {sorted(kinds, key=str)}")

@@ -6,20 +6,20 @@ freeing and prefix-matching rules of its ``single_type_kv_cache_manager.py`` fol
 - ``FullAttentionSpec``: K and V of every head for every token; keeps every block.
 - ``SlidingWindowSpec``: a query at p sees keys p - window < j <= p (HF's convention); blocks
   wholly before that window are freed.
-- ``ChunkedLocalAttentionSpec``: a query sees the keys of its own chunk of ``chunk`` tokens
-  (Llama 4's local layers); blocks of finished chunks are freed.
+- ``ChunkedLocalAttentionSpec``: a query sees the keys of its own chunk of
+  ``attention_chunk`` tokens (Llama 4's local layers); blocks of finished chunks are freed.
 - ``MLAAttentionSpec``: one latent per token shared by every head, K and V at once (DeepSeek;
   the V array is empty); keeps every block.
 - ``FixedStateSpec``: a state of fixed size per sequence (state-space layers), its page the
-  state after a block's last token; only the latest block is kept.
+  state after a block's last token; only the block of the latest state is kept.
 
 Every spec answers the same questions, so nothing above it asks which kind a layer is:
 ``page_bytes`` (bytes per block per layer), ``first_needed_block`` (blocks before it can be
 freed), ``keeps_every_block`` (the prefix cache's leaf-first order and the host tier need it),
-``blocks_for_sequence`` (sizing), ``stacks_as_kv`` (what the KV copies between caches need) and,
-for attention, ``stored_widths`` (the K and V arrays' widths). A prefix
-match resuming at block n needs exactly blocks [first_needed_block(n * block_size), n), which
-is how ``prefix_cache.PrefixCache.match`` reads these specs.
+``blocks_for_sequence`` (sizing), ``stacks_as_kv`` (what the KV copies between caches need)
+and, for attention, ``stored_widths`` (the K and V arrays' widths). A prefix match resuming at
+block n needs exactly blocks [first_needed_block(n * block_size), n), which is how
+``prefix_cache.PrefixCache.match`` reads these specs.
 
 The model's layers get their specs from ``ModelConfig.layer_kv_specs`` (config.py), the one
 place that reads a family's attention kinds. This module sits in model/ because the layers

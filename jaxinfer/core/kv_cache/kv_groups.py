@@ -123,8 +123,8 @@ class KVCacheGroups:
 
     def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
         """The most blocks one sequence of `num_tokens` holds at once when its prompt is computed
-        in chunks of at most `chunk` tokens: a windowed group holds its window plus the chunk
-        (it skips blocks only before a chunk starts), and one block for alignment."""
+        in chunks of at most `chunk` tokens, summed over the groups (KVCacheSpec's rule each:
+        a windowed group holds its window plus the chunk and one block for alignment)."""
         return sum(spec.blocks_for_sequence(num_tokens, chunk, block_size) for spec in self.specs)
 
     @property

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from jaxinfer.core.kv_cache import KVCacheGroups
+from jaxinfer.core.kv_cache import KVCacheGroups, MLAAttentionSpec
 from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token, latent_bytes_per_token
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
 
@@ -151,7 +151,9 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
             weights = quantized_weight_bytes(dataclasses.replace(cfg, quantization=quant), dtype)
         else:
             weights = params * nbytes
-        mla = (cfg.mla.latent_width, cfg.mla.kv_lora_rank) if cfg.mla else (0, 0)
+        spec = cfg.layer_kv_specs()[0]  # MLA models are latent in every layer
+        mla = ((spec.latent_width, spec.value_width) if isinstance(spec, MLAAttentionSpec)
+               else (0, 0))
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
                           params - inactive, dtype, quant, cfg.max_position_embeddings,
                           cfg.layer_windows, *mla)

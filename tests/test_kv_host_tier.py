@@ -16,6 +16,7 @@ import pytest
 from jaxinfer.core.kv_cache import KVCacheManager
 from jaxinfer.core.kv_cache.host_tier import HostTier, block_digest, root_digest
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
+from jaxinfer.model.kv_specs import MLAAttentionSpec
 from jaxinfer.core.kv_loads import KVTransfers
 from jaxinfer.engine.kv_tier import host_tier_for
 from jaxinfer.errors import ConfigError
@@ -77,9 +78,10 @@ def test_offload_is_refused_for_windowed_groups_and_mla():
         host_tier_for(gemma, args, jnp.bfloat16, windowed)
     with pytest.raises(ValueError, match="one KV group"):
         KVCacheManager(8, BS, groups=windowed, host_tier=HostTier(4))
-    deepseek = SimpleNamespace(architecture="DeepseekV3ForCausalLM", mla=object())
+    deepseek = SimpleNamespace(architecture="DeepseekV3ForCausalLM")
+    latent = KVCacheGroups.full_attention(2, MLAAttentionSpec(576, 512))
     with pytest.raises(ConfigError, match="--kv-offload.*MLA"):
-        host_tier_for(deepseek, args, jnp.bfloat16, KVCacheGroups.full_attention(2))
+        host_tier_for(deepseek, args, jnp.bfloat16, latent)
 
 
 def test_host_block_is_never_served_for_another_prefix():

@@ -71,7 +71,7 @@ def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs) -> EngineArgs:
     spec = args.spec_config()
     if not args.hybrid_kv_cache or spec is None or spec.method == "ngram":
         return args
-    if KVCacheGroups.for_model(cfg).windows[0] is None:
+    if KVCacheGroups.for_model(cfg).specs[0].keeps_every_block:
         return args
     log.info("KV groups off (--no-hybrid-kv-cache): the %s drafter keeps its KV in the target's "
              "blocks and no target layer has full attention", spec.method)

@@ -10,7 +10,6 @@ import logging
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.errors import ConfigError
 from jaxinfer.worker.kv.host_store import HostKVStore
-from jaxinfer.worker.kv.planner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
 
@@ -21,24 +20,24 @@ def host_tier_for(cfg, args, kv_dtype, groups) -> HostTier | None:
     """The host tier's bookkeeping for --kv-offload (None when off): as many blocks as
     --kv-host-gib holds, a block being every layer's K and V of all the replica's heads.
 
-    Refused (ConfigError) where a host block would not be a whole prefix block: a model with
-    sliding-window KV groups (kv_groups.py: a prefix node holds one block per group, some of
-    them dropped out of the window) and an MLA latent cache (K 576 wide, V empty: the store's
-    gather stacks K and V of one shape). A draft model's or EAGLE-3 head's state over the target's
-    block ids (its KV, the stream cache) is not offloaded: a block loaded from the host holds
-    another block's, which lowers acceptance and never changes outputs (verification is exact),
-    as a device prefix hit on a block computed without speculation does."""
+    Refused (ConfigError, docs/feature_matrix.md) where a host block would not be a whole prefix
+    block: several KV groups (kv_groups.py: a prefix node holds one block per group, some of
+    them freed out of a window) and a page the store cannot stack (KVCacheSpec.stacks_as_kv:
+    the MLA latent is K 576 wide with an empty V). A draft model's or
+    EAGLE-3 head's state over the target's block ids (its KV, the stream cache) is not
+    offloaded: a block loaded from the host holds another block's, which lowers acceptance and
+    never changes outputs (verification is exact), as a device prefix hit on a block computed
+    without speculation does."""
     if not args.kv_offload:
         return None
     if groups.num_groups > 1:
         raise ConfigError(f"--kv-offload does not offload sliding-window KV groups "
                           f"({cfg.architecture} has {groups.num_groups}) yet: pass "
                           f"--no-hybrid-kv-cache or leave --kv-offload off")
-    if cfg.mla is not None:
-        raise ConfigError(f"--kv-offload does not offload an MLA latent cache "
-                          f"({cfg.architecture}) yet")
-    slots = int(args.kv_host_gib * GIB // kv_bytes_per_block(cfg, args.block_size, kv_dtype,
-                                                             groups.num_slots))
+    if not groups.page_spec.stacks_as_kv:
+        raise ConfigError(f"--kv-offload does not offload an {groups.page_spec.label} cache "
+                          f"({cfg.architecture}: its K and V rows differ in width) yet")
+    slots = int(args.kv_host_gib * GIB // groups.page_bytes(args.block_size, kv_dtype))
     log.info("host KV tier: %d blocks (%.1f GiB, %d tokens of prefix)", slots, args.kv_host_gib,
              slots * args.block_size)
     return HostTier(max(slots, 1))

@@ -34,7 +34,6 @@ from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
-from jaxinfer.worker.kv.planner import kv_bytes_per_block
 from jaxinfer.engine.kv_blocks import (params_dtype_name, plan_num_blocks,
                                        with_hybrid_kv_decided)
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
@@ -83,9 +82,6 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         warm-up compiles first), `grammars` (one compiled-grammar cache for all its engines) and
         `outputs_cls` (the prefill engine's hand-off output processor)."""
         self.cfg, self.tokenizer, self.args = cfg, tokenizer, args
-        if role and cfg.mla:  # disagg/transfer.py stacks K and V blocks: equal widths only
-            raise ConfigError(f"disaggregated prefill/decode does not carry an MLA latent cache "
-                              f"({cfg.architecture}) yet")
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -93,6 +89,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # A sequence may grow to max_model_len tokens; in a smaller pool it would wait forever for
         # blocks that no other sequence can free.
         groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
+        if role and not groups.page_spec.stacks_as_kv:  # disagg/transfer.py stacks K and V
+            raise ConfigError(f"disaggregated prefill/decode does not carry an "
+                              f"{groups.page_spec.label} cache ({cfg.architecture}) yet")
         if role is not None and groups.num_groups > 1:  # the hand-over copies one table
             raise ConfigError("disaggregated prefill does not hand over sliding-window KV groups "
                               "yet: pass --no-hybrid-kv-cache")
@@ -133,8 +132,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.runner.set_async_launch(args.async_launch)
         self._init_kv_tier()
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
-                                      kv_bytes_per_block(cfg, args.block_size, kv_dtype,
-                                                         groups.num_slots))
+                                      groups.page_bytes(args.block_size, kv_dtype))
         self.outputs = outputs_cls(self.metrics, self.max_model_len, self.eos_token_ids)
         self.grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}

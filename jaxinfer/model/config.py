@@ -19,6 +19,8 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.model import families
 from jaxinfer.model.deepseek import MLAConfig
 from jaxinfer.model.families import required
+from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
+                                     SlidingWindowSpec)
 from jaxinfer.model.quant_scheme import checkpoint_quantization
 from jaxinfer.model.rope import RopeConfig, parse_rope
 from jaxinfer.model.rope import rope_inv_freq as _inv_freq
@@ -115,6 +117,24 @@ class ModelConfig:
         """Layer `layer`'s sliding window (keys p - window < j <= p), None for full attention."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def layer_kv_specs(self) -> tuple[KVCacheSpec, ...]:
+        """Per layer, what it keeps in the KV cache (kv_specs.py): the one place that turns the
+        family's attention kinds into cache rules, which everything from the memory planner to
+        the prefix cache reads instead of the config."""
+        if self.mla:
+            if self.layer_windows:
+                raise ConfigError(f"{self.architecture}: MLA with sliding windows is not "
+                                  f"supported")
+            latent = MLAAttentionSpec(self.mla.latent_width, self.mla.kv_lora_rank)
+            return (latent,) * self.num_layers
+        specs = []
+        for layer in range(self.num_layers):
+            window = self.layer_window(layer)
+            specs.append(FullAttentionSpec(self.num_kv_heads, self.head_dim) if window is None
+                         else SlidingWindowSpec(self.num_kv_heads, self.head_dim,
+                                                sliding_window=window))
+        return tuple(specs)
+
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.local_rope if self.local_rope and self.layer_window(layer) else self.rope
 
@@ -125,8 +145,9 @@ class ModelConfig:
 
     @property
     def kv_widths(self) -> tuple[int, int]:
-        """Widths of one cached (K, V) head: MLA caches the latent alone (the V array is empty)."""
-        return (self.head_dim, 0) if self.mla else (self.head_dim, self.head_dim)
+        """Widths of one cached (K, V) head: MLA caches the latent alone (the V array is empty).
+        Every layer's (KVCacheGroups refuses layers whose pages differ)."""
+        return self.layer_kv_specs()[0].stored_widths
 
     @property
     def score_scale(self) -> float:

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.gemm_rows import Dense, gemm_rows
@@ -26,6 +27,8 @@ from jaxinfer.model.lora.delta import apply_lora, group_slots
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
 from jaxinfer.model.experts import expert_dispatch
+from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
+                                     SlidingWindowSpec)
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
 from jaxinfer.model.routing import route
@@ -160,12 +163,24 @@ class MoE(nn.Module):
         return out.reshape(*lead, h)
 
 
+def _attention(cfg: ModelConfig, spec: KVCacheSpec, backend: AttentionBackend,
+               dtype: jnp.dtype) -> nn.Module:
+    """The attention module a layer of this KV-cache spec runs (kv_specs.py): the spec, not the
+    family, picks the kernels and their window."""
+    if isinstance(spec, MLAAttentionSpec):
+        return MLAttention(cfg, backend, dtype, name="attn")
+    if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
+        return Attention(cfg, backend, dtype, spec.window, name="attn")
+    raise ConfigError(f"{cfg.architecture}: no attention kernel runs {spec.label} layers yet "
+                      f"(docs/feature_matrix.md)")
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     backend: AttentionBackend
     dtype: jnp.dtype
     moe: bool
-    window: int | None = None
+    kv_spec: KVCacheSpec | None = None  # this layer's (None: the config's first layer's)
 
     @nn.compact
     def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None):
@@ -180,9 +195,9 @@ class DecoderLayer(nn.Module):
             h = norm(name="input_norm")(x)
         else:
             x, h = norm(name="input_norm")(x, delta)
-        attention = (MLAttention(cfg, self.backend, self.dtype, name="attn") if cfg.mla
-                     else Attention(cfg, self.backend, self.dtype, self.window, name="attn"))
-        attn_out, new_kv = attention(h, cos, sin, kv, md, lora_slot)
+        spec = self.kv_spec or cfg.layer_kv_specs()[0]
+        attn_out, new_kv = _attention(cfg, spec, self.backend, self.dtype)(
+            h, cos, sin, kv, md, lora_slot)
         if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
             attn_out = norm(name="post_attn_norm")(attn_out)
             x, h = norm(name="pre_ff_norm")(x, attn_out)
@@ -216,6 +231,7 @@ class Transformer(nn.Module):
         # One K/V array pair per cache slot; with KV groups layers of different groups share a
         # slot (md.kv_layout), each writing only its own group's blocks.
         new_cache = None if kv_cache is None else list(kv_cache)
+        kv_specs = cfg.layer_kv_specs()
         for i in range(cfg.num_layers):
             slot, layer_md = (i, md) if md is None else md.for_layer(i)
             kv = None if kv_cache is None else new_cache[slot]
@@ -225,7 +241,7 @@ class Transformer(nn.Module):
                 self.sow("aux", f"layer_{i}", x if delta is None else x + delta)
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
-                                                  cfg.layer_window(i),
+                                                  kv_specs[i],
                                                   name=f"layers_{i}")(x, delta, cos, sin, kv,
                                                                      layer_md, lora_slot)
             if new_cache is not None:

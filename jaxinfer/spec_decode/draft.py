@@ -121,7 +121,7 @@ class DraftModel:
         plan = self.sharding_plan
         inner = runner.backend.inner if isinstance(runner.backend, ShardedAttention) else \
             runner.backend
-        if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
+        if not runner.kv_groups.specs[0].keeps_every_block:  # its blocks would be freed
             raise ConfigError("a draft model needs a target with a full-attention layer, or "
                               "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype,

@@ -206,7 +206,7 @@ class EagleProposer:
         if is_fp8(kv_dtype):  # its cache would need scales of its own (kv_quant.py)
             raise ConfigError("--speculative-config methods eagle3 and mtp do not run over an "
                               "fp8 --kv-cache-dtype yet")
-        if runner.kv_groups.windows[0] is not None:  # its blocks would leave with the window
+        if not runner.kv_groups.specs[0].keeps_every_block:  # its blocks would be freed
             raise ConfigError("--speculative-config methods eagle3 and mtp need a target with a "
                               "full-attention layer, or --no-hybrid-kv-cache: they keep their KV "
                               "in the first group's blocks")

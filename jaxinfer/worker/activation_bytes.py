@@ -34,7 +34,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
-    groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
+    groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
     batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
                              max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
     heads = plan.stored_kv_heads if plan else cfg.num_kv_heads

@@ -244,7 +244,7 @@ class ModelRunner:
         self.loop_buckets = self.spec_loop_buckets if decode_steps_per_call > 1 else ()
         self.launcher: StepLauncher | None = None  # set_async_launch
         # The KV manager's layer groups (None: one table, one cache array per layer).
-        self.kv_groups = kv_groups or KVCacheGroups.full_attention(cfg.num_layers)
+        self.kv_groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_slots=self.kv_groups.num_slots,
                                           num_heads=plan and plan.stored_kv_heads,

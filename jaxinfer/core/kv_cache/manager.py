@@ -19,11 +19,13 @@ Invariants (checked by tests/test_kv_manager_properties.py): a request holds exa
 count equals the number of request tables that hold it; free + used == num_blocks; every holder of
 a cached block holds its whole cached prefix (so eviction can go leaf first, see prefix_cache.py).
 
-KV groups (kv_groups.py): a model with sliding-window layers has one table per group of layers.
-All of a request's tables have the same length (its logical blocks), but a windowed group's
-leading entries that no later query can see are *skipped*: released to the pool as the request
-grows (``allocate_slots``) and left in the table as block 0, which no kernel reads for them (the
-windowed kernels start at the window; a page they touch for tile alignment is masked out).
+KV groups (kv_groups.py): a model whose layers keep different blocks (sliding windows next to
+full attention) has one table per group of layers with one KV-cache spec (kv_specs.py). All of
+a request's tables have the same length (its logical blocks), but the leading entries of a
+group no later query reads (its spec's ``first_needed_block``: before a window, a finished
+chunk) are *skipped*: released to the pool as the request grows (``allocate_slots``) and left
+in the table as block 0, which no kernel reads for them (the windowed kernels start at the
+window; a page they touch for tile alignment is masked out).
 
 Block 0 is not reserved: every block id in [0, num_blocks) can be handed out. Padding tokens use
 slot -1 and padding block-table entries are never read (pallas_kernels/attention/metadata.py).
@@ -100,12 +102,13 @@ class KVCacheManager(HostOffloadMixin):
         # Which layers share a table (one full-attention group unless the model has windows).
         self.groups = groups or KVCacheGroups.full_attention(1)
         self._num_groups = self.groups.num_groups
-        self._windowed = [g for g, w in enumerate(self.groups.windows) if w is not None]
+        self._partial = [g for g, spec in enumerate(self.groups.specs)  # groups that free blocks
+                          if not spec.keeps_every_block]
         if host_tier is not None and self._num_groups > 1:
             raise ValueError("a host KV tier needs a model with one KV group (no sliding windows)")
         self.pool = BlockPool(num_blocks)
         self.host = host_tier
-        self.prefix_cache = (PrefixCache(self.pool, block_size, self.groups.windows,
+        self.prefix_cache = (PrefixCache(self.pool, block_size, self.groups,
                                          digests=host_tier is not None)
                              if enable_prefix_caching else None)
         if host_tier is not None:
@@ -230,9 +233,9 @@ class KVCacheManager(HostOffloadMixin):
         the scheduler then preempts (free()s) a request and retries. An unknown request id is
         registered with an empty table (no prefix match).
 
-        Windowed groups first release the blocks wholly before the window of a query at the
-        request's current length (where the new tokens start; no earlier query is scheduled
-        again), so the new blocks can reuse them."""
+        Groups that free blocks (windowed, chunked) first release those no query from the
+        request's current length on reads (the new tokens start there; no earlier query is
+        scheduled again), so the new blocks can reuse them."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
         req = self._requests.get(request_id)
@@ -253,8 +256,8 @@ class KVCacheManager(HostOffloadMixin):
         if num_new_blocks == 0 and not cow:  # the common decode step: room in place
             req.num_tokens = new_tokens
             return True
-        if self._windowed:
-            self._skip_out_of_window(req, old_tokens)
+        if self._partial:
+            self._skip_unneeded(req, old_tokens)
         if num_new_blocks * len(tables) + len(cow) > pool.num_free_blocks:
             if registered_here:
                 del self._requests[request_id]  # leave no trace of a request we registered
@@ -274,10 +277,10 @@ class KVCacheManager(HostOffloadMixin):
         req.num_tokens = new_tokens
         return True
 
-    def _skip_out_of_window(self, req: _RequestBlocks, first_query_pos: int) -> None:
-        """Release each windowed group's blocks that no query at `first_query_pos` or later sees."""
+    def _skip_unneeded(self, req: _RequestBlocks, first_query_pos: int) -> None:
+        """Release each freeing group's blocks that no query at `first_query_pos` or later reads."""
         first_needed = self.groups.first_needed_block
-        for g in self._windowed:
+        for g in self._partial:
             table = req.tables[g]
             end = min(first_needed(g, first_query_pos, self.block_size), len(table))
             for i in range(req.skipped[g], end):

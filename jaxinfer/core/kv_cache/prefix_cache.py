@@ -27,6 +27,7 @@ from typing import Callable, Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
 from jaxinfer.core.kv_cache.host_tier import block_digest, root_digest
+from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 
 
 _ABSENT = -1  # a group's entry in a node whose block was never cached or was evicted
@@ -52,20 +53,21 @@ class _Node:
 class PrefixCache:
     """The radix tree; shares the ``BlockPool`` whose evictable blocks it names.
 
-    With several KV groups (kv_groups.py) a node holds one block per group. Full-attention groups
-    keep the leaf-first order above. A sliding-window group's entry may be missing anywhere (its
-    block left the window of the request that held it and was evicted, or was freed before it
-    could be cached): a match only needs, per windowed group, the blocks a query at the resume
-    point can see (``match``)."""
+    With several KV groups (kv_groups.py) a node holds one block per group. Groups whose spec
+    keeps every block (full attention, MLA) keep the leaf-first order above. Another group's
+    entry may be missing anywhere (its block left the window or chunk of the request that held
+    it and was evicted, or was freed before it could be cached): a match only needs, per such
+    group, the blocks a query at the resume point still reads (``match``)."""
 
     def __init__(self, pool: BlockPool, block_size: int,
-                 windows: Sequence[int | None] = (None,), digests: bool = False):
+                 groups: KVCacheGroups = KVCacheGroups.full_attention(1), digests: bool = False):
         """`digests`: name every node by its chained SHA-256 (host_tier.py), for a host tier."""
         self.pool = pool
         self.block_size = block_size
-        self.windows = tuple(windows)
+        self.specs = groups.specs
         self.digests = digests
-        self._full = [g for g, w in enumerate(self.windows) if w is None]
+        self._full = [g for g, spec in enumerate(self.specs) if spec.keeps_every_block]
+        self._partial = [g for g, spec in enumerate(self.specs) if not spec.keeps_every_block]
         self.root = self._new_root(None)
         self._roots: dict[Hashable, _Node] = {None: self.root}
         self._node_of_block: dict[int, tuple[_Node, int]] = {}
@@ -76,7 +78,7 @@ class PrefixCache:
         pool.on_evict = self._on_evict
 
     def _new_root(self, namespace: Hashable) -> _Node:
-        return _Node(None, [_ABSENT] * len(self.windows), None,
+        return _Node(None, [_ABSENT] * len(self.specs), None,
                      root_digest(namespace) if self.digests else None)
 
     @property
@@ -98,11 +100,12 @@ class PrefixCache:
         """Longest cached prefix of whole blocks of ``token_ids`` under ``namespace`` that every
         group can resume from, at most ``max_blocks``.
 
-        A full group needs all n blocks; a windowed group needs the blocks a query at token
-        n * block_size sees, walked from the right as vLLM's SlidingWindowManager does (the
-        blocks before them stay placeholders). Returns per group the block ids (placeholders
-        ``_ABSENT`` before a window; not yet referenced: the caller increfs the others), the
-        node of block n (the namespace's root when n = 0) and n."""
+        A group keeping every block needs all n blocks; another group needs the blocks from its
+        spec's ``first_needed_block`` at token n * block_size on, walked from the right as vLLM's
+        SlidingWindowManager does (the blocks before them stay placeholders). Returns per group
+        the block ids (placeholders ``_ABSENT`` before that block; not yet referenced: the
+        caller increfs the others), the node of block n (the namespace's root when n = 0) and
+        n."""
         bs = self.block_size
         path = [self.root_of(namespace)]
         for i in range(max_blocks):
@@ -113,25 +116,25 @@ class PrefixCache:
         n = len(path) - 1
         for g in self._full:  # prefix-closed: the first missing block caps n
             n = next((i for i in range(n) if path[i + 1].block_ids[g] == _ABSENT), n)
-        while True:  # each windowed group lowers n to where its window's blocks are all there
+        while True:  # each other group lowers n to where the blocks it needs are all there
             lowered = n
-            for g, w in enumerate(self.windows):
-                if w is not None:
-                    lowered = self._window_resume(path, g, w, lowered)
+            for g in self._partial:
+                lowered = self._resume(path, g, lowered)
             if lowered == n:
                 break
             n = lowered
         blocks = []
-        for g, w in enumerate(self.windows):
-            first = 0 if w is None else max(n * bs - w + 1, 0) // bs
+        for g, spec in enumerate(self.specs):
+            first = spec.first_needed_block(n * bs, bs)
             blocks.append([_ABSENT] * first + [path[i + 1].block_ids[g] for i in range(first, n)])
         return blocks, path[n], n
 
-    def _window_resume(self, path: list[_Node], g: int, window: int, n: int) -> int:
+    def _resume(self, path: list[_Node], g: int, n: int) -> int:
         """The largest m <= n whose blocks [first(m), m) of group g are all cached."""
         bs = self.block_size
+        first_needed = self.specs[g].first_needed_block
         while n > 0:
-            first = max(n * bs - window + 1, 0) // bs
+            first = first_needed(n * bs, bs)
             gap = next((i for i in range(n - 1, first - 1, -1)
                         if path[i + 1].block_ids[g] == _ABSENT), None)
             if gap is None:
@@ -147,7 +150,7 @@ class PrefixCache:
         ``block_ids`` and its present ones stay; the caller compares them with its own blocks."""
         node = parent.children.get(key)
         if node is None:
-            node = _Node(key, [_ABSENT] * len(self.windows), parent,
+            node = _Node(key, [_ABSENT] * len(self.specs), parent,
                          block_digest(parent.digest, key) if self.digests else None)
             parent.children[key] = node
         for g, b in enumerate(block_ids):
@@ -163,9 +166,9 @@ class PrefixCache:
     def _on_evict(self, block_id: int) -> None:
         node, g = self._node_of_block.pop(block_id)
         node.block_ids[g] = _ABSENT
-        if self.windows[g] is None:
+        if self.specs[g].keeps_every_block:
             # A full group's block goes leaf first; without it nothing at or below the node can
-            # be matched, so the windowed groups' blocks there are dropped too.
+            # be matched, so the other groups' blocks there are dropped too.
             for child in node.children.values():
                 if any(child.block_ids[f] != _ABSENT for f in self._full):
                     raise RuntimeError(f"prefix cache: evicting block {block_id}, which still has "

@@ -103,9 +103,9 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
         positions = jnp.arange(tokens.shape[1])[None]
         _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
         out = []
-        for i in range(cfg.num_layers):
+        for i, spec in enumerate(cfg.layer_kv_specs()):
             attn = state["intermediates"][f"layers_{i}"]["attn"]  # Attention sows k and v
-            if cfg.mla:  # MLAttention sows c and the rope key: the latent is K and V at once
+            if spec.values_in_keys:  # MLAttention sows c and the rope key: K and V at once
                 amax = _latent_amax(attn["c"][0], attn["k_pe"][0])
                 out.append((amax, amax))
                 continue
@@ -154,7 +154,8 @@ def kv_cache_backend(backend, kv_dtype, cfg: ModelConfig, params=None, *, scales
         return FP8KVAttention(backend, unit, unit)
     k, v, source = resolve_kv_scales(scales, cfg, params, model_dir=model_dir,
                                      tokenizer=tokenizer, kv_dtype=kv_dtype)
-    if cfg.mla:  # the latent's stored values are its keys': one scale, the k scale, for both
-        v = k
+    specs = cfg.layer_kv_specs()
+    # A layer whose values are read out of its keys (the MLA latent): one scale, the k scale.
+    v = tuple(k_i if spec.values_in_keys else v_i for k_i, v_i, spec in zip(k, v, specs))
     log.info("fp8 KV cache scales (%s): k %s, v %s", source, k, v)
     return FP8KVAttention(backend, k, v)

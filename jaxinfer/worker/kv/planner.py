@@ -2,8 +2,9 @@
 
     kv budget  = gpu_memory_utilization × device memory − weight bytes − activation peak
     num_blocks = floor(kv budget / bytes per block)
-    bytes per block = block_size × 2 × num_layers × num_kv_heads × head_dim × dtype bytes
-                      (num_layers: the cache arrays, KVCacheGroups.num_slots, for windowed models)
+    bytes per block = cache arrays (KVCacheGroups.num_slots: num_layers but for windowed models)
+                      × the layers' page (kv_specs.py: block_size × 2 × num_kv_heads × head_dim
+                      × dtype bytes for attention, block_size × latent width × dtype bytes for MLA)
 
 "Device memory" is what JAX's allocator may use (``memory_stats()['bytes_limit']``). With JAX's
 default preallocation that is 75% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), so the engine's GPU
@@ -46,13 +47,12 @@ def latent_bytes_per_token(num_layers: int, latent_width: int, dtype_bytes: int)
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: jnp.dtype,
                        num_slots: int | None = None) -> int:
-    """A block's bytes: block_size tokens of `num_slots` layers (KVCacheGroups.num_slots; all
-    layers when None), since with KV groups a block id spans one page of each cache array."""
-    itemsize = jnp.dtype(kv_dtype).itemsize
-    layers = num_slots or cfg.num_layers
-    if cfg.mla:
-        return block_size * latent_bytes_per_token(layers, cfg.head_dim, itemsize)
-    return block_size * kv_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, itemsize)
+    """A block's bytes: one page (the layer's KV-cache spec, kv_specs.py) of each of `num_slots`
+    layers (KVCacheGroups.num_slots; all layers when None), since with KV groups a block id spans
+    one page of each cache array. KVCacheGroups refuses layers whose pages differ, so the first
+    layer's page is every layer's."""
+    page = cfg.layer_kv_specs()[0].page_bytes(block_size, kv_dtype)
+    return (num_slots or cfg.num_layers) * page
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -145,8 +145,8 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
     activations and CONTIGUOUS_SLACK). Raises MemoryPlanError naming the flags to change when
     not even one block fits."""
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
-    num_slots = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache).num_slots
-    block_bytes = kv_bytes_per_block(cfg, cache.block_size, kv_dtype, num_slots)
+    groups = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache)
+    block_bytes = groups.page_bytes(cache.block_size, kv_dtype)
     if cache.num_blocks is not None:
         return KVCachePlan(cache.num_blocks, cache.block_size, kv_dtype, block_bytes)
     if device_bytes is None:

@@ -27,7 +27,9 @@ from jaxinfer.errors import ConfigError
 
 AUTO = "auto"
 AUTO_FACTOR = 2.0  # "auto": a decoding step may take this many idle decode steps' time
-MIN_PREFILL_TOKENS = 4  # the cap leaves prompts at least this beside the running sequences
+MIN_PREFILL_TOKENS = 4  # the cap leaves prompts at least this beside the step's decodes
+# ...or, where no step with prompt tokens fits the target, prompts skip at most this many steps
+MAX_STEPS_WITHOUT_PROMPTS = 7
 WINDOW = 8  # recent steps kept per size class; medians, so one slow step moves nothing
 
 
@@ -151,6 +153,7 @@ class ItlTarget:
         self.model = model or StepTimeModel()
         self._last_ready: float | None = None
         self._shapes_seen: set[tuple[bool, int]] = set()
+        self._steps_without_prompts = 0
 
     @classmethod
     def for_engine(cls, args, buckets) -> "ItlTarget":
@@ -193,13 +196,45 @@ class ItlTarget:
         return None if idle is None else AUTO_FACTOR * idle
 
     def cap(self, num_decodes: int) -> int | None:
-        """Most tokens of a step with `num_decodes` decodes."""
+        """Most tokens of a step with `num_decodes` decodes (0: no prompt tokens)."""
         target = self.target_seconds(num_decodes) if num_decodes else None
         if target is None:
             return self.static_cap
         fit = self.model.tokens_within(target) or 0
-        sizes = self.buckets.token_buckets
-        if fit >= sizes[0]:  # fill a bucket rather than pay for the next one
-            fit = sizes[min(bisect.bisect_right(sizes, fit), len(sizes)) - 1]
-        cap = max(fit, num_decodes + MIN_PREFILL_TOKENS)
+        floor = num_decodes + MIN_PREFILL_TOKENS
+        if fit >= floor:
+            self._steps_without_prompts = 0
+            cap = self._fill_bucket(fit, down=True)
+        else:
+            cap = self._duty_cycle(num_decodes, self._fill_bucket(floor, down=False), target)
         return cap if self.static_cap is None else min(cap, self.static_cap)
+
+    def _fill_bucket(self, tokens: int, down: bool) -> int:
+        """The token bucket at or below (`down`) or above `tokens`; `tokens` itself below the
+        smallest bucket (going down) or past the largest (going up)."""
+        sizes = self.buckets.token_buckets
+        if down:
+            i = bisect.bisect_right(sizes, tokens)
+            return sizes[i - 1] if i else tokens
+        i = bisect.bisect_left(sizes, tokens)
+        return sizes[i] if i < len(sizes) else tokens
+
+    def _duty_cycle(self, num_decodes: int, prompt_step: int, target: float) -> int:
+        """Even the smallest step with prompt tokens (`prompt_step` tokens) is predicted past the
+        target: run it once every `period` steps and decode alone between, so that the steps'
+        mean stays within the target: period = (prompt step - decode step) / (target - decode
+        step), at most MAX_STEPS_WITHOUT_PROMPTS + 1; every step when the decodes alone miss it."""
+        decode = self.model.predict(num_decodes)
+        prompt = self.model.predict(prompt_step)
+        if decode is None or decode >= target:
+            period = 1
+        elif prompt is None:
+            period = MAX_STEPS_WITHOUT_PROMPTS + 1
+        else:
+            period = min(math.ceil((prompt - decode) / (target - decode)),
+                         MAX_STEPS_WITHOUT_PROMPTS + 1)
+        self._steps_without_prompts += 1
+        if self._steps_without_prompts >= period:
+            self._steps_without_prompts = 0
+            return prompt_step
+        return 0

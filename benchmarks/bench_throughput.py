@@ -19,6 +19,18 @@ update, the RequestOutputs and gauges), fed a fixed token per row. `--logprobs K
 request for logprobs (the step then carries a logprob, and K top alternatives, per row) and also
 times the same steps without (`process_outputs_no_logprobs_ms`); `--final-output-only` builds no
 RequestOutput until a request finishes, as `LLM.generate` does (an RL rollout's path).
+
+Prefill burst (`--prefill-burst`, issue 61): --streams requests decode while one request of
+--burst-prompts x --burst-len fresh prompts arrives (ids `<id>#<i>`, as the server names them);
+each run with the ITL target off and on (--itl-target-ms, default auto), after a first pass of
+both: the streams' inter-token latency p99 before the burst (`idle_itl_p99_ms`) and during it
+(`burst_itl_p99_ms`, `..._no_target`), and the burst's prompt tokens over the time until its last
+prompt had its first token (`burst_prefill_tok_s`, `..._no_target`); `prefix_hit_rate` over the
+timed windows. `--shape llama3-8b` serves the Llama-3-8B shape with random weights; `--smoke` the
+demo model at tiny sizes (a CPU check):
+
+    python -m benchmarks.bench_throughput --prefill-burst --shape llama3-8b --save --name fairness_h200
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_throughput --prefill-burst --smoke
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results_io
-from benchmarks.timed_window import TimedWindow, fresh_prompts
+from benchmarks.timed_window import TimedWindow, fresh_prompts, prefix_counters
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.args import EngineArgs
@@ -161,6 +174,108 @@ def _host_overhead(args: argparse.Namespace, logprobs: int | None) -> dict:
     return result
 
 
+def prefill_burst(args: argparse.Namespace) -> dict:
+    """Streams decoding while a burst of long prompts arrives, with the ITL target off and on."""
+    if args.streams + 1 > args.max_num_seqs:
+        raise ValueError(f"--streams {args.streams} leave the burst no slot of --max-num-seqs "
+                         f"{args.max_num_seqs}")
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    target = args.itl_target_ms or "auto"
+    vocab, seed = engine.cfg.vocab_size, iter(range(1, 1 << 20))
+    window_counts = [0, 0]  # prompt tokens looked up and found over the timed windows
+
+    def run(itl_target, tag: str) -> dict:
+        engine.itl.target = itl_target
+        streams = [f"{tag}-s{i}" for i in range(args.streams)]
+        for rid, prompt in zip(streams, fresh_prompts(vocab, args.streams, args.stream_len,
+                                                      next(seed))):
+            engine.add_request(rid, prompt, SamplingParams(temperature=0.0, ignore_eos=True,
+                               max_tokens=engine.max_model_len - args.stream_len - 1))
+        arrivals: dict[str, list[float]] = {rid: [] for rid in streams}
+
+        def step() -> list:
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                if o.request_id in arrivals:
+                    arrivals[o.request_id] += [now] * len(o.outputs[0].new_token_ids)
+            return outs
+
+        while not all(arrivals.values()):
+            step()
+        window = TimedWindow(engine)
+        idle_start = time.perf_counter()
+        for _ in range(args.idle_steps):
+            step()
+        burst = [f"{tag}-burst#{i}" for i in range(args.burst_prompts)]
+        burst_start = time.perf_counter()
+        for rid, prompt in zip(burst, fresh_prompts(vocab, args.burst_prompts, args.burst_len,
+                                                    next(seed))):
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        left, steps = set(burst), 0
+        while left:
+            left -= {o.request_id for o in step() if o.finished}
+            steps += 1
+        burst_end = time.perf_counter()
+        queries, hits = window.start
+        now_queries, now_hits = prefix_counters(engine)
+        window_counts[0] += now_queries - queries
+        window_counts[1] += now_hits - hits
+        for rid in streams:
+            engine.abort(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+        def itl_p99(lo: float, hi: float) -> float:
+            gaps = sorted(b - a for times in arrivals.values() for a, b in zip(times, times[1:])
+                          if lo < b <= hi)
+            return round(1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2)
+        return dict(idle_itl_p99_ms=itl_p99(idle_start, burst_start),
+                    burst_itl_p99_ms=itl_p99(burst_start, burst_end),
+                    burst_prefill_tok_s=round(len(burst) * args.burst_len
+                                              / (burst_end - burst_start), 1),
+                    burst_s=round(burst_end - burst_start, 3), burst_steps=steps)
+
+    runs = []
+    for rep in range(2):  # the first pass meets every step shape once (and fits the step times)
+        runs.append({"off": run(None, f"r{rep}off"), "on": run(target, f"r{rep}on")})
+    off, on = runs[-1]["off"], runs[-1]["on"]
+    result = dict(idle_itl_p99_ms=on["idle_itl_p99_ms"],
+                  idle_itl_p99_ms_no_target=off["idle_itl_p99_ms"],
+                  burst_itl_p99_ms=on["burst_itl_p99_ms"],
+                  burst_itl_p99_ms_no_target=off["burst_itl_p99_ms"],
+                  burst_prefill_tok_s=on["burst_prefill_tok_s"],
+                  burst_prefill_tok_s_no_target=off["burst_prefill_tok_s"],
+                  burst_s=on["burst_s"], burst_s_no_target=off["burst_s"],
+                  burst_steps=on["burst_steps"], burst_steps_no_target=off["burst_steps"],
+                  itl_target=target, itl_target_ms_at_streams=round(
+                      1e3 * (engine.itl.target_seconds(args.streams) or 0), 2),
+                  step_ms_by_tokens={int(x): round(1e3 * t, 2)
+                                     for x, t in zip(*engine.itl.model.curve())},
+                  prefix_hit_rate=round(window_counts[1] / max(window_counts[0], 1), 4),
+                  first_pass=runs[0], platform=jax.devices()[0].platform)
+    result["burst_itl_over_idle"] = round(result["burst_itl_p99_ms"] / result["idle_itl_p99_ms"], 3)
+    result["burst_prefill_over_no_target"] = round(
+        result["burst_prefill_tok_s"] / result["burst_prefill_tok_s_no_target"], 3)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def burst_model(args: argparse.Namespace) -> None:
+    """--shape / --smoke: the model and the sizes they stand for."""
+    if args.shape == "llama3-8b":
+        from benchmarks.bench_engine_gpu import LLAMA3_8B
+        model = Path(tempfile.mkdtemp(prefix="llama3-8b-shape-"))
+        (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+        args.model, args.load_format = str(model), "dummy"
+    if args.smoke:
+        args.model = str(Path(__file__).resolve().parent.parent / "checkpoints" / "demo-target")
+        args.dtype, args.max_num_seqs, args.max_num_batched_tokens = "float32", 16, 128
+        args.max_model_len, args.num_blocks, args.compilation_cache_dir = 512, 512, ""
+        args.streams, args.stream_len, args.idle_steps = 8, 16, 16
+        args.burst_prompts, args.burst_len = 4, 256
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", type=int, default=128)
@@ -177,12 +292,26 @@ def main() -> None:
     p.add_argument("--final-output-only", action="store_true",
                    help="(--host-overhead) no RequestOutput until a request finishes (as "
                         "LLM.generate)")
+    p.add_argument("--prefill-burst", action="store_true",
+                   help="streams decoding beside a burst of long prompts, ITL target off and on")
+    p.add_argument("--streams", type=int, default=64, help="(--prefill-burst) decoding requests")
+    p.add_argument("--stream-len", type=int, default=128, help="(--prefill-burst) their prompts")
+    p.add_argument("--idle-steps", type=int, default=64,
+                   help="(--prefill-burst) steps timed before the burst")
+    p.add_argument("--burst-prompts", type=int, default=32, help="(--prefill-burst) prompts")
+    p.add_argument("--burst-len", type=int, default=2048, help="(--prefill-burst) their tokens")
+    p.add_argument("--shape", choices=["llama3-8b"], default=None,
+                   help="serve this model shape with random weights (instead of --model)")
+    p.add_argument("--smoke", action="store_true",
+                   help="(--prefill-burst) the demo model at tiny sizes (a CPU check)")
     p.add_argument("--output-json", default=None, help="the raw result dict (bench_engine_gpu reads it)")
     results_io.add_save_arg(p, "throughput_<model>_<device> or host_overhead_<device>")
     EngineArgs.add_cli_args(p)
     args = p.parse_args()
+    burst_model(args)
     try:
-        result = host_overhead(args) if args.host_overhead else throughput(args)
+        result = (host_overhead(args) if args.host_overhead else
+                  prefill_burst(args) if args.prefill_burst else throughput(args))
     except (JaxinferError, ValueError) as e:  # a bad flag or model directory: say which, no trace
         p.exit(2, f"{p.prog}: error: {e}\n")
     if args.output_json:
@@ -191,9 +320,11 @@ def main() -> None:
         slug = results_io.device_slug()
         lp = "" if args.logprobs is None else f"_logprobs{args.logprobs}"
         default = (f"host_overhead{lp}_{slug}" if args.host_overhead
+                   else f"fairness_{slug}" if args.prefill_burst
                    else f"throughput_{Path(args.model).name}_{slug}")
         config = {k: v for k, v in vars(args).items() if k not in ("save", "name", "output_json")}
-        metrics = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+        metrics = result if args.prefill_burst else {
+            k: v for k, v in result.items() if isinstance(v, (int, float))}
         results_io.save(args.save, args.name or default, config=config, metrics=metrics)
 
 

@@ -51,8 +51,15 @@ def test_the_model_reaches_one_doubling_past_its_largest_step():
 def test_one_slow_step_moves_nothing_and_times_never_fall_with_more_tokens():
     m = StepTimeModel()
     linear(m, [64, 512])
-    m.observe(512, 5.0)  # a compile, a preempted host
+    m.observe(512, 5.0)  # a compile, a preempted host: not kept
     assert m.predict(512) == pytest.approx(20.24 * MS)
+    assert m._steps[9][-1][1] == pytest.approx(20.24 * MS)
+    m.observe(512, 5.0)
+    m.observe(512, 5.0)  # two in a row: the step did get slower
+    assert m.predict(512) == pytest.approx(20.24 * MS)  # (still the median of the last 8)
+    for _ in range(3):
+        m.observe(512, 5.0)
+    assert m.predict(512) == 5.0
     m = StepTimeModel()
     for t in (30, 31, 29):
         m.observe(64, t * MS)

@@ -31,6 +31,7 @@ MIN_PREFILL_TOKENS = 4  # the cap leaves prompts at least this beside the step's
 # ...or, where no step with prompt tokens fits the target, prompts skip at most this many steps
 MAX_STEPS_WITHOUT_PROMPTS = 7
 WINDOW = 8  # recent steps kept per size class; medians, so one slow step moves nothing
+OUTLIER_FACTOR = 4.0  # a step this many times its prediction is not kept alone (a compile)
 
 
 class StepTimeModel:
@@ -49,8 +50,18 @@ class StepTimeModel:
         self._steps: dict[int, collections.deque] = {}
         self._window = window
         self._curve: tuple[list[float], list[float]] | None = None
+        self._slow_last = False
 
     def observe(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` scheduled tokens took `seconds`. One over OUTLIER_FACTOR x the
+        prediction is not kept unless the step before was one too: a lone slow step is a compile
+        (a sampler variant's) or the host stalled, and one kept where the cap then never goes
+        again would hold the cap down for good (the curve only rises with tokens)."""
+        expected = self.predict(tokens)
+        slow = expected is not None and seconds > OUTLIER_FACTOR * expected
+        lone, self._slow_last = slow and not self._slow_last, slow
+        if lone:
+            return
         size_class = (max(tokens, 1) - 1).bit_length()
         steps = self._steps.get(size_class)
         if steps is None:

@@ -102,6 +102,9 @@ def test_a_fixed_target_caps_a_decoding_step_at_the_bucket_that_fits():
     # 20 ms fit 500 tokens; the step pads to a bucket, so the cap is the bucket below: 256.
     assert target.cap(64) == 256
     assert target.cap(0) is None  # no decodes: the cap does not apply
+    # 250 decodes: 500 tokens fit, but in the bucket below (256) prompts' quarter of the cap would
+    # spill the step into 512 anyway, so the cap is what fits.
+    assert target.cap(250) == 500
     assert ItlTarget(20.0, 128, BUCKETS, target.model).cap(64) == 128  # the flag bounds it too
     assert ItlTarget(None, 128, BUCKETS, target.model).cap(64) == 128  # off: the flag alone
     assert ItlTarget(None, None, BUCKETS, target.model).cap(64) is None

@@ -4,9 +4,10 @@ processed step from step times the engine measures as it runs. Sarathi-Serve's s
 (OSDI 2024), its token budget derived online instead of from an offline profile.
 
 A step that decodes is every running stream's inter-token gap, so it may carry only the prompt
-tokens that keep it under the target; a long prompt still advances every step: the cap is never
-below the step's decodes + MIN_PREFILL_TOKENS, and the scheduler gives prompts at least a
-quarter of the cap.
+tokens that keep it under the target. A long prompt keeps advancing: the cap is never below the
+step's decodes + MIN_PREFILL_TOKENS (the scheduler gives prompts at least a quarter of it), or,
+where no step with prompt tokens fits the target, such a step runs at least once in every
+MAX_STEPS_WITHOUT_PROMPTS + 1 (a duty cycle that keeps the steps' mean within the target).
 
 `StepTimeModel` is the measurement (step seconds vs scheduled tokens); `ItlTarget` turns a target
 into the largest token count predicted to fit it, rounded down to the runner's token bucket when
@@ -215,7 +216,11 @@ class ItlTarget:
         floor = num_decodes + MIN_PREFILL_TOKENS
         if fit >= floor:
             self._steps_without_prompts = 0
-            cap = self._fill_bucket(fit, down=True)
+            # The bucket below, unless prompts' share of it (the scheduler gives them at least a
+            # quarter of the cap) would spill the step past it anyway.
+            bucket = self._fill_bucket(fit, down=True)
+            fits = bucket - num_decodes >= max(bucket // 4, MIN_PREFILL_TOKENS)
+            cap = bucket if fits else fit
         else:
             cap = self._duty_cycle(num_decodes, self._fill_bucket(floor, down=False), target)
         return cap if self.static_cap is None else min(cap, self.static_cap)

@@ -14,7 +14,8 @@ from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
-from jaxinfer.engine.itl_target import AUTO_FACTOR, check_itl_target, parse_itl_target
+from jaxinfer.engine.itl_target import (AUTO_FACTOR, MAX_STEPS_WITHOUT_PROMPTS, check_itl_target,
+                                        parse_itl_target)
 from jaxinfer.engine.lora_args import add_lora_arguments, check_lora_args
 from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
@@ -262,9 +263,10 @@ class EngineArgs:
                        help="inter-token latency target of the decoding streams: a step that "
                             "decodes carries only the prompt tokens that keep it under this "
                             "many ms, from step times measured as the engine runs (a long prompt "
-                            "still gets some every step); 'auto': %g x the measured time of a "
-                            "step of the running decodes alone; 'off' (default: auto for "
-                            "`serve`, off otherwise)" % AUTO_FACTOR)
+                            "still advances, at least one step in %d); 'auto': %g x the measured "
+                            "time of a step of the running decodes alone; 'off' (default: auto "
+                            "for `serve`, off otherwise)"
+                       % (MAX_STEPS_WITHOUT_PROMPTS + 1, AUTO_FACTOR))
         s.add_argument("--attention-backend", default="auto", choices=available_backends())
         s.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
                        help="the MoE experts' grouped matmul: auto (per step shape: the Mosaic "

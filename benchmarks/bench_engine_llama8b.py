@@ -325,7 +325,8 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
         if time.perf_counter() > deadline - 14:
             emit(**{f"{label}_skipped": "deadline"})
             continue
-        engine.scheduler.max_step_tokens_while_decoding = budget or None
+        # (the engine's ITL target object holds the flag's bound and sets the scheduler's cap)
+        engine.itl.static_cap = engine.scheduler.max_step_tokens_while_decoding = budget or None
         engine.stats.__init__()
         window = TimedWindow(engine)
         t0 = time.perf_counter()
@@ -337,7 +338,7 @@ def engine_process(opts: dict, mode: str, tiny: bool, caps: list[int], left_s: f
                 "compiles_after_all_buckets": compiles[0]})
         engine.scheduler.decode_steps_per_call = engine.runner.decode_steps_per_call
         engine.runner.set_async_launch(False)
-    engine.scheduler.max_step_tokens_while_decoding = None
+    engine.itl.static_cap = engine.scheduler.max_step_tokens_while_decoding = None
     if c64_runs:
         emit(**c64_headline(c64_runs))
 

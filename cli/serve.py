@@ -25,7 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="model directory (the same as --model; default: the bundled demo model)")
     EngineArgs.add_cli_args(p)
     add_server_args(p)
-    p.set_defaults(func=run)
+    # Streams see every step's time: a server keeps their inter-token latency to a target
+    # (docs/engine.md, "Inter-token latency target"); offline runs keep whole prefill chunks.
+    p.set_defaults(func=run, itl_target_ms="auto")
 
 
 def resolve_model_tag(args: argparse.Namespace) -> None:

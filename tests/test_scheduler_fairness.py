@@ -8,6 +8,9 @@ fixed token): no device work, no compiles."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import numpy as np
 
 from jaxinfer.core.scheduler import prompt_index
@@ -67,3 +70,52 @@ def test_a_small_request_is_not_held_behind_a_many_prompt_request():
 def test_prompt_index_names_the_round_robin_key():
     assert [prompt_index(r) for r in ("cmpl-1#0", "cmpl-1#12", "offline-3", "a#b", "#7")] == [
         0, 12, 0, 0, 7]
+
+
+DEMO = Path(__file__).resolve().parents[1] / "checkpoints" / "demo-target"
+
+
+def test_a_short_request_beside_a_prefill_burst_keeps_its_pace():
+    """Issue 61: once admitted, the short request's every decode step carried the burst's prefill
+    chunk (65-83 s for 16 tokens beside 32 x 900-token prompts on the demo server, 0.41 s idle).
+    With the ITL target (auto) its 16 tokens take at most 3 x their time alone, measured here.
+    The step budget is scaled down (64 tokens, 32-token chunks) so that a step with a full chunk
+    costs a few idle steps on a CPU (without the target: ~10 x). Each figure is the best of three runs
+    after one that compiles (a loaded 2-core host); the burst keeps advancing meanwhile."""
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.llm_engine import LLMEngine
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(DEMO), dtype="float32", max_model_len=1024, block_size=16, num_blocks=2048,
+        max_num_seqs=8, max_num_batched_tokens=64, long_prefill_chunk=32, warmup=False,
+        compilation_cache_dir="", itl_target_ms="auto"))
+    rng = np.random.default_rng(0)
+
+    def seconds(tag: str, burst: bool) -> float:
+        """The short request's time from its arrival to its last token; with `burst`, it arrives
+        with a request of 32 x 900-token prompts (fresh: no prefix-cache hits)."""
+        if burst:
+            for i in range(32):
+                engine.add_request(f"{tag}-big#{i}", rng.integers(3, 4096, 900).tolist(),
+                                   greedy(1))
+        start = time.perf_counter()
+        engine.add_request(f"{tag}-short", rng.integers(3, 4096, 8).tolist(), greedy(16))
+        while not any(o.request_id == f"{tag}-short" and o.finished for o in engine.step()):
+            pass
+        elapsed = time.perf_counter() - start
+        if burst:
+            assert engine.requests[f"{tag}-big#0"].choices[0].num_computed > 0  # not starved
+            for i in range(32):
+                engine.abort(f"{tag}-big#{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    seconds("compile-idle", False)
+    seconds("compile-burst", True)
+    idles, busys = [], []
+    for r in range(3):
+        idles.append(seconds(f"idle{r}", False))
+        busys.append(seconds(f"burst{r}", True))
+    idle, busy = min(idles), min(busys)
+    print(f"short request: {idles} s alone, {busys} s beside the burst")
+    assert busy <= 3 * idle, (busy, idle)

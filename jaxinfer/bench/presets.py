@@ -87,6 +87,10 @@ PRESETS = {
                            LLAMA3_8B, {**_ENGINE, "num_prompts": 256, "input_len": 512,
                                        "output_len": 256, "max_num_seqs": 256,
                                        "max_model_len": 2048}),
+    # fairness_<gpu>.json: 64 streams beside a 32 x 2048 burst (--prefill-burst), room for both
+    "llama8b_burst": Preset("Llama-3-8B shape, 64 decoding streams beside 32 x 2048-token prompts",
+                            LLAMA3_8B, {**_ENGINE, "max_num_seqs": 256, "max_model_len": 4096,
+                                        "num_blocks": 16384, "background_compile": False}),
     "llama70b": Preset("Llama-3-70B shape (needs tensor parallelism), 64 x 512 / 256",
                        LLAMA3_70B, {**_ENGINE, "num_prompts": 64, "input_len": 512,
                                     "output_len": 256, "max_num_seqs": 64, "max_model_len": 2048}),

@@ -9,12 +9,14 @@ steps, host ms per step, the timed window's `prefix_hit_rate` and the step bucke
 when it began (`buckets_compiling`; `--no-background-compile` compiles them all first).
 --host-overhead times the engine's host work per decode step instead (host_overhead.py), and
 --kv-manager the KV-cache manager's alone (kv_manager_overhead.py); --structured-output compares
-constrained with unconstrained decoding (structured_cost.py).
+constrained with unconstrained decoding (structured_cost.py); --prefill-burst times decoding
+streams beside a burst of long prompts with the ITL target off and on (prefill_burst.py).
 
     jaxinfer bench throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
     jaxinfer bench throughput --preset llama8b --save          # Llama-3-8B shape, dummy weights
     jaxinfer bench throughput --host-overhead --num-seqs 256
     jaxinfer bench throughput --kv-manager --steps 3000 --block-size 16
+    jaxinfer bench throughput --prefill-burst --preset llama8b_burst --save --name fairness_h200
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.bench import (common, host_overhead, kv_manager_overhead, presets, results_io,
-                            structured_cost)
+from jaxinfer.bench import (common, host_overhead, kv_manager_overhead, prefill_burst, presets,
+                            results_io, structured_cost)
 from jaxinfer.bench.profile import engine_profile
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
@@ -100,7 +102,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the KV-cache manager's own work per step instead (allocate, prefix-match, "
                         "fork, free; kv_manager_overhead.py); with --block-size, --num-blocks, "
                         "--seed")
-    common.add_record_args(p, "throughput_<model>_<device> or host_overhead_<device>")
+    prefill_burst.add_args(p)
+    common.add_record_args(p, "throughput_<model>_<device>, host_overhead_<device> or "
+                              "fairness_<device>")
     engine_profile.add_profile_args(p)
     common.add_engine_args(p)
     p.set_defaults(func=run, _parser=p)
@@ -109,19 +113,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     presets.apply(args, args._parser)
+    prefill_burst.apply_smoke(args)
     if args.kv_manager or args.structured_output:  # each saves its own record
         result = (kv_manager_overhead if args.kv_manager else structured_cost).run(args)
         if args.output_json:
             common.write_json(args.output_json, result)
         return 0
-    result = host_overhead.host_overhead(args) if args.host_overhead else throughput(args)
+    result = (host_overhead.host_overhead(args) if args.host_overhead else
+              prefill_burst.prefill_burst(args) if args.prefill_burst else throughput(args))
     if args.output_json:
         common.write_json(args.output_json, result)
     if args.save:
         slug = results_io.device_slug()
         lp = "" if args.logprobs is None else f"_logprobs{args.logprobs}"
         default = (f"host_overhead{lp}_{slug}" if args.host_overhead
+                   else f"fairness_{slug}" if args.prefill_burst
                    else f"throughput_{args.preset or Path(args.model).name}_{slug}")
         results_io.save(args.save, args.name or default, config=common.record_config(args),
-                        metrics=common.numeric(result))
+                        metrics=result if args.prefill_burst else common.numeric(result))
     return 0

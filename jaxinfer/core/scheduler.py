@@ -9,7 +9,7 @@ Every step (vLLM V1's policy, chunked prefill always on):
    that cannot get blocks waits, unless no sequence at all could be scheduled: then the most
    recently admitted running sequence is preempted, so prefills never wait for each other forever;
    when the step decodes, steps 2 and 3 fill it up to `max_step_tokens_while_decoding` tokens in
-   all (at least a quarter of that);
+   all (at least a quarter of that; 0: none), a cap the engine's ITL target may set every step;
 3. then, if nothing was preempted, waiting sequences are admitted while the budget,
    `max_num_seqs` and free blocks (after the prefix-cache match) allow, in the order (priority,
    prompt index, arrival): lower `priority` value first, then round-robin across requests. A
@@ -369,9 +369,11 @@ class Scheduler:
         # every running stream's inter-token latency, and it is padded to a token bucket: a bound
         # on the total fills the bucket instead of spilling into the next). Prompts keep a quarter
         # of it even when the decodes alone reach it, so admissions never wait for decodes to end.
+        # The engine's ITL target may set it every step (engine/itl_target.py); its 0 makes this
+        # step decode only (the target's duty cycle, where the smallest prompt step is too slow).
         cap = self.max_step_tokens_while_decoding
         if decodes and cap is not None:
-            budget = min(budget, max(cap - len(decodes), cap // 4, 1))
+            budget = min(budget, max(cap - len(decodes), cap // 4, 1)) if cap else 0
 
         # 2. running prefills (chunked); they wait for blocks instead of preempting (but see below).
         prefill_stalled = False

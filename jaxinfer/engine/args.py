@@ -14,6 +14,8 @@ from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
+from jaxinfer.engine.itl_target import (AUTO_FACTOR, MAX_STEPS_WITHOUT_PROMPTS, check_itl_target,
+                                        parse_itl_target)
 from jaxinfer.engine.lora_args import add_lora_arguments, check_lora_args
 from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
@@ -54,6 +56,10 @@ class EngineArgs:
     # Tokens (decodes + prompt chunks) of a step that decodes (None: the whole step budget), so a
     # long prefill chunk does not stall the running streams.
     max_step_tokens_while_decoding: int | None = None
+    # Inter-token latency target of the decoding streams (engine/itl_target.py): ms, "auto"
+    # (AUTO_FACTOR x the measured idle decode step) or None (off; `jaxinfer serve`: "auto").
+    # It lowers max_step_tokens_while_decoding step by step from measured step times.
+    itl_target_ms: float | str | None = None
     enable_prefix_caching: bool = True
     hybrid_kv_cache: bool = True  # sliding-window layers drop blocks out of their window
     kv_offload: bool = False  # host KV tier (core/kv_cache/host_tier.py)
@@ -136,6 +142,7 @@ class EngineArgs:
         check(self.max_step_tokens_while_decoding is None
               or self.max_step_tokens_while_decoding >= 1, "max-step-tokens-while-decoding",
               self.max_step_tokens_while_decoding, "must be >= 1")
+        self.itl_target_ms = check_itl_target(self.itl_target_ms)
         check(self.decode_steps_per_call is None or self.decode_steps_per_call >= 1,
               "decode-steps-per-call", self.decode_steps_per_call, "must be >= 1")
         check(self.decode_loop_max_seqs is None or self.decode_loop_max_seqs >= 1,
@@ -252,6 +259,14 @@ class EngineArgs:
                        help="most tokens (decodes + prompt chunks) in a step that decodes; prompt "
                             "chunks get at least a quarter of it (default: the whole step "
                             "budget); lower keeps inter-token latency smooth under load")
+        s.add_argument("--itl-target-ms", type=parse_itl_target, default=None,
+                       help="inter-token latency target of the decoding streams: a step that "
+                            "decodes carries only the prompt tokens that keep it under this "
+                            "many ms, from step times measured as the engine runs (a long prompt "
+                            "still advances, at least one step in %d); 'auto': %g x the measured "
+                            "time of a step of the running decodes alone; 'off' (default: auto "
+                            "for `serve`, off otherwise)"
+                       % (MAX_STEPS_WITHOUT_PROMPTS + 1, AUTO_FACTOR))
         s.add_argument("--attention-backend", default="auto", choices=available_backends())
         s.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
                        help="the MoE experts' grouped matmul: auto (per step shape: the Mosaic "

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
@@ -130,6 +131,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             executable_cache=ExecutableCache.under(args.compilation_cache_dir), compile_role=role,
             kv_groups=groups)
         self.runner.set_async_launch(args.async_launch)
+        # Sets the scheduler's cap on a decoding step's tokens after every step (itl_target.py).
+        self.itl = ItlTarget.for_engine(args, self.runner.buckets)
         self._init_kv_tier()
         self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
                                       groups.page_bytes(args.block_size, kv_dtype))
@@ -448,6 +451,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         if self.on_processed is not None:
             self.on_processed(seqs)
         self.scheduler.update_from_output(seqs)
+        self.scheduler.max_step_tokens_while_decoding = self.itl.step_done(
+            handle, len(self.scheduler.running))
         for rid, error in self.outputs.take_failed():
             self._fail(rid, error)
         self.stats.record_process(time.perf_counter() - t0, handle.wait_s)

@@ -85,3 +85,10 @@ def test_fold_keeps_the_stored_figures_and_names_each_run():
     assert out["metrics"] == {"x": 1, "y": 2, "v_y": 3} and (out["date"], out["commit"]) == ("d1", "c1")
     assert out["config"]["a"] == 1 and out["config"]["merged_from"] == [
         {"commit": "c1", "date": "d1", "command": "new", "keys": ["v_y"]}]
+
+
+def test_record_slug_names_the_card_not_its_memory():
+    from jaxinfer.bench.results_io import kind_slug
+    assert kind_slug("NVIDIA H200") == "h200"
+    assert kind_slug("NVIDIA H100 80GB HBM3") == "h100"  # was "hbm3": the last word
+    assert kind_slug("gpu") == "gpu"

@@ -19,6 +19,7 @@ $BENCH_COMMIT where the benchmark runs from a copy without git (the GPU machine)
 from __future__ import annotations
 
 import datetime
+import re
 import json
 import os
 import platform
@@ -74,12 +75,22 @@ def machine() -> dict:
 
 
 def device_slug() -> str:
-    """The accelerator's short name for record names ("h200" for an NVIDIA H200), else "cpu"."""
+    """The accelerator's short name for record names ("h200" for an NVIDIA H200, "h100" for an
+    "NVIDIA H100 80GB HBM3"), else "cpu"."""
     import jax
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return "cpu"
-    return getattr(dev, "device_kind", dev.platform).split()[-1].lower().replace("-", "_")
+    return kind_slug(getattr(dev, "device_kind", dev.platform))
+
+
+def kind_slug(kind: str) -> str:
+    """The model token of a device kind: the first word of letters then digits that is not a
+    memory type (HBM3), else the last word."""
+    words = kind.split()
+    model = next((w for w in words if re.fullmatch(r"[A-Za-z]+\d\w*", w)
+                  and not w.upper().startswith("HBM")), words[-1])
+    return model.lower().replace("-", "_")
 
 
 def invocation() -> str:

@@ -1,0 +1,51 @@
+"""The ragged batch every recurrent-layer kernel takes, and its checks.
+
+A step's tokens are packed on one axis T. Sequence s owns tokens cu_seqlens[s] : cu_seqlens[s+1]
+(its new tokens of this step: a whole prompt, one chunk of a chunked prefill, or the one token of
+a decode row); tokens from cu_seqlens[-1] to T are padding (outputs zero, no state touched).
+Its recurrent state lives in slot slots[s] of a state pool [num_slots, ...]; slots[s] < 0 marks a
+padding sequence (nothing read, nothing written, outputs zero). has_initial_state[s] False starts
+the sequence from zeros whatever the slot holds (a new request in a reused slot); True continues
+from the slot (the next chunk of a prefill, or decode). The kernels write each sequence's final
+state back into its slot in place (the pool is aliased to the output; donate it to the enclosing
+jit), leaving every other slot untouched; the slots of one call's live sequences must differ.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_ragged(num_tokens: int, cu_seqlens: jax.Array, slots: jax.Array,
+                 has_initial_state: jax.Array | None) -> int:
+    """The number of sequences S, after checking the batch arrays agree on it."""
+    s = slots.shape[0]
+    if cu_seqlens.shape != (s + 1,):
+        raise ValueError(f"cu_seqlens {cu_seqlens.shape} must be [num_seqs + 1] = [{s + 1}] "
+                         f"(slots is {slots.shape})")
+    if has_initial_state is not None and has_initial_state.shape != (s,):
+        raise ValueError(f"has_initial_state {has_initial_state.shape} must be [num_seqs={s}]")
+    if num_tokens < 1:
+        raise ValueError("the packed batch has no token rows")
+    return s
+
+
+def token_sequence(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
+    """i32[T]: the sequence each token belongs to; S for the padding tokens past cu_seqlens[-1]."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    return jnp.searchsorted(cu_seqlens[1:].astype(jnp.int32), t, side="right",
+                            method="compare_all").astype(jnp.int32)
+
+
+def live_tokens(cu_seqlens: jax.Array, slots: jax.Array, num_tokens: int) -> jax.Array:
+    """bool[T]: the tokens of live sequences (not padding tokens, not of a slot < 0 sequence)."""
+    seq = token_sequence(cu_seqlens, num_tokens)
+    s = slots.shape[0]
+    return (seq < s) & (jnp.concatenate([slots, -jnp.ones((1,), slots.dtype)])[seq] >= 0)
+
+
+def initial_flags(slots: jax.Array, has_initial_state: jax.Array | None) -> jax.Array:
+    """i32[S]: 1 where a sequence continues from its slot's state."""
+    init = jnp.ones(slots.shape, bool) if has_initial_state is None else has_initial_state
+    return (init & (slots >= 0)).astype(jnp.int32)

@@ -89,7 +89,7 @@ def test_prefill_in_two_chunks_equals_one():
     t, cu, slots, init = batch(5, lens, extra=0, dead=0)
     x, w, b, state = inputs(5, t)
     y_all, s_all = prefill(x, w, b, state, cu, slots, init)
-    # Row 1's second part starts with less history than the width: part of it is row 0's input.
+    # Row 1's first part is one token: the state it leaves mixes that input with older ones.
     idx1, cu1, idx2, cu2 = split_batch(cu, [19, 1, 0, 7])
     y1, s1 = prefill(x[idx1], w, b, state, jnp.asarray(cu1), slots, init)
     y2, s2 = prefill(x[idx2], w, b, s1, jnp.asarray(cu2), slots, jnp.ones_like(init))

@@ -6,7 +6,8 @@ a decode row); tokens from cu_seqlens[-1] to T are padding (outputs zero, no sta
 Its recurrent state lives in slot slots[s] of a state pool [num_slots, ...]; slots[s] < 0 marks a
 padding sequence (nothing read, nothing written, outputs zero). has_initial_state[s] False starts
 the sequence from zeros whatever the slot holds (a new request in a reused slot); True continues
-from the slot (the next chunk of a prefill, or decode). The kernels write each sequence's final
+from the slot (the next chunk of a prefill, or decode); has_initial_state=None: every sequence
+continues. The kernels write each sequence's final
 state back into its slot in place (the pool is aliased to the output; donate it to the enclosing
 jit), leaving every other slot untouched; the slots of one call's live sequences must differ.
 """

@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels.common.testing import random_ragged_batch
 from pallas_kernels.ssm import gated_deltanet as gdn
+from pallas_kernels.ssm.batch import chunk_table, live_tokens
 from pallas_kernels.ssm.reference import gdn_gating
 from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda,
                          split_batch)
@@ -152,6 +153,24 @@ def test_mixed_step_decode_rows_as_length_one_sequences():
     assert_close(p_mixed[dec_slots], p_dec[dec_slots], 2e-5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_chunk_table_covers_every_live_token_once(seed):
+    rng = np.random.default_rng(seed)
+    lens = list(rng.integers(0, 60, int(rng.integers(1, 6))))
+    t, cu, slots, _ = random_ragged_batch(rng, lens, NUM_SLOTS, extra_tokens=5,
+                                          dead=int(rng.integers(0, 2)))
+    table = np.asarray(jax.jit(chunk_table, static_argnums=(2, 3))(cu, slots, t, CHUNK))
+    owner = np.zeros(t, int)
+    for row0, n in table:
+        assert 0 <= n <= CHUNK
+        owner[row0:row0 + n] += 1
+        if n:  # one sequence's rows, starting a whole number of chunks into it
+            s = int(np.searchsorted(np.asarray(cu[1:]), row0, side="right"))
+            assert row0 + n <= cu[s + 1] and (row0 - cu[s]) % CHUNK == 0
+    live = np.asarray(live_tokens(cu, slots, t))
+    np.testing.assert_array_equal(owner, live.astype(int))
+
+
 def test_unit_lower_inverse_is_the_inverse():
     rng = np.random.default_rng(9)
     lower = np.tril(rng.normal(size=(16, 16)), -1).astype(np.float32) * 0.3
@@ -189,7 +208,7 @@ def test_kernels_lower_for_cuda():
                           sd((t, hv, d), bf), sd((t, hv), f32), sd((t, hv), f32),
                           sd((n, hv, d, d), f32), sd((s + 1,), i32), sd((s,), i32),
                           sd((s,), bool))
-    assert "gdn_prefill" in text
+    assert "gdn_prefill_wy" in text and "gdn_prefill_state" in text
     text = lower_for_cuda(gdn.gdn_decode, sd((s, hk, d), bf), sd((s, hk, d), bf),
                           sd((s, hv, d), bf), sd((s, hv), f32), sd((s, hv), f32),
                           sd((n, hv, d, d), f32), sd((s,), i32))

@@ -50,3 +50,21 @@ def initial_flags(slots: jax.Array, has_initial_state: jax.Array | None) -> jax.
     """i32[S]: 1 where a sequence continues from its slot's state."""
     init = jnp.ones(slots.shape, bool) if has_initial_state is None else has_initial_state
     return (init & (slots >= 0)).astype(jnp.int32)
+
+
+def chunk_table(cu_seqlens: jax.Array, slots: jax.Array, num_tokens: int, chunk: int) -> jax.Array:
+    """i32[NC, 2] rows (first packed row, rows) of every chunk of every live sequence: a
+    sequence's tokens cut into `chunk`-row pieces from its first token (a chunk never crosses
+    into the next sequence), in order; rows past the live chunks have 0 rows. NC =
+    cdiv(num_tokens, chunk) + S bounds the count for any batch (each sequence adds at most one
+    partial chunk)."""
+    s = slots.shape[0]
+    cu = cu_seqlens.astype(jnp.int32)
+    lens = jnp.where(slots >= 0, cu[1:] - cu[:-1], 0)
+    n = (lens + chunk - 1) // chunk
+    ends = jnp.cumsum(n)
+    i = jnp.arange(-(-num_tokens // chunk) + s, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), s - 1)
+    row0 = cu[seq] + (i - (ends[seq] - n[seq])) * chunk
+    rows = jnp.where(i < ends[-1], jnp.clip(cu[seq + 1] - row0, 0, chunk), 0)
+    return jnp.stack([row0, rows], axis=1).astype(jnp.int32)

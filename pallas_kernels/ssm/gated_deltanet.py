@@ -13,13 +13,15 @@ h // (Hv // Hk): no repeated copy of q/k is made), g [T, Hv] the log decay (<= 0
 `batch.py`. use_qk_l2norm: q and k L2-normalised in the kernel (HF passes True). q is scaled by
 K^-1/2. The references are `reference.gdn_chunked_reference` / `gdn_decode_reference`.
 
-Prefill: grid (S, Hv, V / block_v); a program walks its sequence's chunks of `chunk_size` tokens,
-its [K, block_v] slice of the state in registers. Per chunk (the WY form; all of it factorises
-over V, so V-blocks only recompute the [chunk, chunk] parts):
-  gc = cumsum(g); D = exp(gc_i - gc_j) (i >= j); T = (I + strictly-lower(beta_i k_i.k_j D))^-1
-  (the UT transform, by forward substitution in registers); u = T (beta v);
-  w = T (beta exp(gc) k); v' = u - w S; o = (q exp(gc)) S + (q k^T * D) v';
-  S <- exp(gc_last) S + (k exp(gc_last - gc))^T v'.
+Prefill, two kernels (fla's split: the UT transform off the serial path). Per chunk of
+`chunk_size` tokens, the WY form: gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j),
+T = (I + strictly-lower(beta_i k_i.k_j D))^-1 (the UT transform, by forward substitution in
+registers), u = T (beta v), w = T (beta exp(gc) k); then v' = u - w S,
+o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^T v'.
+  1. `_wy_kernel`, grid (chunk, Hv): w and u of every chunk of every sequence at once (chunks
+     from `batch.chunk_table`; they never cross sequences), written to HBM in k's / v's dtype;
+  2. `_state_kernel`, grid (S, Hv, V / block_v): a program walks its sequence's chunks in order
+     with its [K, block_v] slice of the state in registers (all of step 2 factorises over V).
 Rows past a sequence's end load as k = v = beta = g = 0, which is the identity step, so a partial
 last chunk needs no other masking. Matmul operands are cast to q's dtype (bf16 in serving, as fla
 does), accumulating in float32; the state stays float32.
@@ -39,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import check_ragged, initial_flags, live_tokens
+from pallas_kernels.ssm.batch import check_ragged, chunk_table, initial_flags, live_tokens
 from pallas_kernels.ssm.reference import L2NORM_EPS
 
 
@@ -72,14 +74,46 @@ def _normed(x, l2: bool, scale: float = 1.0):
     return x * scale if scale != 1.0 else x
 
 
-def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h_out_ref, *,
-                    chunk: int, l2: bool):
+def _chunk_decay(g, chunk):
+    """gc = the cumsum of g within the chunk, and D_ij = exp(gc_i - gc_j) for i >= j, else 0."""
+    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    gc = jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+    return gc, jnp.exp(jnp.where(r >= c, gc[:, None] - gc[None, :], -jnp.inf))
+
+
+def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: int, l2: bool):
+    """One (chunk, value head): the UT transform T and w = T (beta exp(gc) k), u = T (beta v)."""
+    row0, n = chunks_ref[pl.program_id(0), 0], chunks_ref[pl.program_id(0), 1]
+    dtype = k_ref.dtype
+    ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
+
+    @pl.when(n > 0)
+    def _():
+        load = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                          other=0)
+        k = _normed(load2(k_ref), l2)
+        v = load2(v_ref).astype(jnp.float32)
+        beta = load(b_ref).astype(jnp.float32)
+        gc, decay = _chunk_decay(load(g_ref).astype(jnp.float32), chunk)
+        r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+        c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+        lower = jnp.where(r > c, beta[:, None] * _dot(k, k, dtype, trans_b=True) * decay, 0.0)
+        tmat = unit_lower_inverse(lower)
+        store = lambda ref, x: pltriton.store(ref.at[pl.ds(row0, chunk), :], x.astype(ref.dtype),
+                                              mask=ok[:, None])
+        store(u_ref, _dot(tmat, beta[:, None] * v, dtype))
+        store(w_ref, _dot(tmat, (beta * jnp.exp(gc))[:, None] * k, dtype))
+
+
+def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_out_ref, *,
+                  chunk: int, l2: bool):
+    """One (sequence, value head, V block): the chunks in order, the state in registers."""
     s = pl.program_id(0)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     kd = q_ref.shape[-1]
     dtype = q_ref.dtype
-    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
     @pl.when(slot >= 0)
@@ -87,21 +121,13 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h
         def step(j, h):
             row0 = start + j * chunk
             ok = j * chunk + rows < length
-            load = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
             load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
                                               other=0)
             q = _normed(load2(q_ref), l2, kd ** -0.5)
             k = _normed(load2(k_ref), l2)
-            v = load2(v_ref).astype(jnp.float32)
-            g = load(g_ref).astype(jnp.float32)
-            beta = load(b_ref).astype(jnp.float32)
-            gc = jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)   # cumsum within the chunk
-            decay = jnp.exp(jnp.where(r >= c, gc[:, None] - gc[None, :], -jnp.inf))
-            lower = jnp.where(r > c, beta[:, None] * _dot(k, k, dtype, trans_b=True) * decay, 0.0)
-            tmat = unit_lower_inverse(lower)
-            u = _dot(tmat, beta[:, None] * v, dtype)
-            w = _dot(tmat, (beta * jnp.exp(gc))[:, None] * k, dtype)
-            v_new = u - _dot(w, h, dtype)
+            g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
+            v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
             o = (_dot(q * jnp.exp(gc)[:, None], h, dtype)
                  + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype))
             pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype),
@@ -127,7 +153,7 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
         raise ValueError(f"state_pool {state_pool.shape} {state_pool.dtype} must be float32 "
                          f"[num_slots, Hv={hv}, K={kd}, V={vd}]")
     bv = min(block_v, vd)
-    for name, n in (("K", kd), ("block_v", bv)):
+    for name, n in (("K", kd), ("V", vd), ("block_v", bv)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"{name}={n} must be a power of two >= 16 (Triton block shapes)")
     if vd % bv:
@@ -149,28 +175,45 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     cu = cu_seqlens.astype(jnp.int32)
     info = jnp.stack([cu[:-1], cu[1:] - cu[:-1], slots.astype(jnp.int32),
                       initial_flags(slots, has_initial_state)], axis=1)
+    chunks = chunk_table(cu, slots, t, chunk_size)
     pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))
-    n = state_pool.shape[0]
-    rep = hv // hk
-    tp = t + chunk_size
+    q, k, v, g = pad(q), pad(k), pad(v), pad(g.astype(jnp.float32))
+    n, rep, tp = state_pool.shape[0], hv // hk, t + chunk_size
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    # WY: every chunk of every head at once (the UT transform is off the serial path).
+    key_spec = pl.BlockSpec((tp, None, kd), lambda i, h: (0, h // rep, 0))
+    head_spec = lambda d: pl.BlockSpec((tp, None, d), lambda i, h: (0, h, 0))
+    gate_spec = pl.BlockSpec((tp, None), lambda i, h: (0, h))
+    w, u = pl.pallas_call(
+        functools.partial(_wy_kernel, chunk=chunk_size, l2=use_qk_l2norm),
+        grid=(chunks.shape[0], hv),
+        in_specs=[pl.BlockSpec(chunks.shape, lambda i, h: (0, 0)), key_spec, head_spec(vd),
+                  gate_spec, gate_spec],
+        out_specs=[head_spec(kd), head_spec(vd)],
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, kd), k.dtype),
+                   jax.ShapeDtypeStruct((tp, hv, vd), v.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_wy",
+    )(chunks, k, v, g, pad(beta.astype(jnp.float32)))
+    # The state pass: each sequence's chunks in order.
     qk_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
+    w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
     v_spec = pl.BlockSpec((tp, None, bv), lambda i, h, j: (0, h, j))
-    gate_spec = pl.BlockSpec((tp, None), lambda i, h, j: (0, h))
     state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
     o, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, chunk=chunk_size, l2=use_qk_l2norm),
+        functools.partial(_state_kernel, chunk=chunk_size, l2=use_qk_l2norm),
         grid=(s, hv, vd // bv),
-        in_specs=[pl.BlockSpec((s, 4), lambda i, h, j: (0, 0)), qk_spec, qk_spec, v_spec,
-                  gate_spec, gate_spec, state_spec],
+        in_specs=[pl.BlockSpec((s, 4), lambda i, h, j: (0, 0)), qk_spec, qk_spec, w_spec, v_spec,
+                  pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
         out_specs=[v_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={6: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=params,
         interpret=interpret,
-        name="gdn_prefill",
-    )(info, pad(q), pad(k), pad(v), pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32)),
-      state_pool)
+        name="gdn_prefill_state",
+    )(info, q, k, w, u, g, state_pool)
     live = live_tokens(cu, slots, t)[:, None, None]
     return jnp.where(live, o[:t], 0).astype(v.dtype), pool
 

@@ -27,8 +27,9 @@ def check_ragged(num_tokens: int, cu_seqlens: jax.Array, slots: jax.Array,
                          f"(slots is {slots.shape})")
     if has_initial_state is not None and has_initial_state.shape != (s,):
         raise ValueError(f"has_initial_state {has_initial_state.shape} must be [num_seqs={s}]")
-    if num_tokens < 1:
-        raise ValueError("the packed batch has no token rows")
+    if num_tokens < 1 or s < 1:
+        raise ValueError(f"the packed batch needs a token row and a sequence ({num_tokens} "
+                         f"tokens, {s} sequences)")
     return s
 
 

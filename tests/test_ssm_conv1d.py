@@ -26,14 +26,15 @@ LENS = [37, 0, 1, 2, 16, 9, 5]  # blocks of 16, empty, shorter than the width, a
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
-def prefill(x, w, b, state, cu, slots, init, activation="silu"):
-    return conv1d.causal_conv1d(x, w, b, state, cu, slots, init, activation=activation,
-                                block_t=16, block_c=32, interpret=True)
+def prefill(x, w, b, state, cu, slots, init, src_slots=None, activation="silu"):
+    return conv1d.causal_conv1d(x, w, b, state, cu, slots, init, src_slots=src_slots,
+                                activation=activation, block_t=16, block_c=32, interpret=True)
 
 
 @jax.jit
-def update(x, w, b, state, slots):
-    return conv1d.causal_conv1d_update(x, w, b, state, slots, block_c=32, interpret=True)
+def update(x, w, b, state, slots, src_slots=None):
+    return conv1d.causal_conv1d_update(x, w, b, state, slots, src_slots=src_slots, block_c=32,
+                                       interpret=True)
 
 
 def inputs(seed, t, width=4, dtype=jnp.float32):
@@ -121,6 +122,25 @@ def test_update_matches_reference_and_leaves_other_slots():
     np.testing.assert_array_equal(np.asarray(new), np.asarray(s_ref))
     assert_other_slots_untouched(state, new, slots)
     assert not np.asarray(y[2]).any()
+
+
+def test_states_move_from_source_to_destination_slots():
+    t, cu, src, init = batch(10, [23, 1, 7], extra=0, dead=0)
+    x, w, b, state = inputs(10, t)
+    dst = jnp.asarray(np.setdiff1d(np.arange(NUM_SLOTS), np.asarray(src))[:3], jnp.int32)
+    y, new = prefill(x, w, b, state, cu, dst, init, src_slots=src)
+    y_in_place, s_in_place = prefill(x, w, b, state, cu, src, init)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_in_place))
+    np.testing.assert_array_equal(np.asarray(new)[np.asarray(dst)],
+                                  np.asarray(s_in_place)[np.asarray(src)])
+    assert_other_slots_untouched(state, new, dst)
+    rows = np.asarray(cu[:-1])
+    y, moved = update(x[rows], w, b, state, dst, src_slots=src)
+    y_ref, s_ref = reference.causal_conv1d_update_reference(x[rows], w, b, state, dst,
+                                                            src_slots=src)
+    assert_close(y, y_ref, 1e-5)
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(s_ref))
+    assert_other_slots_untouched(state, moved, dst)
 
 
 def test_bad_arguments_are_named():

@@ -27,14 +27,17 @@ NUM_SLOTS = 8
 
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "block_v"))
-def prefill(q, k, v, g, beta, pool, cu, slots, init, use_qk_l2norm=True, block_v=16):
-    return gdn.gdn_prefill(q, k, v, g, beta, pool, cu, slots, init, use_qk_l2norm=use_qk_l2norm,
-                           chunk_size=CHUNK, block_v=block_v, interpret=True)
+def prefill(q, k, v, g, beta, pool, cu, slots, init, src_slots=None, use_qk_l2norm=True,
+            block_v=16):
+    return gdn.gdn_prefill(q, k, v, g, beta, pool, cu, slots, init, src_slots=src_slots,
+                           use_qk_l2norm=use_qk_l2norm, chunk_size=CHUNK, block_v=block_v,
+                           interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",))
-def decode(q, k, v, g, beta, pool, slots, block_v=16):
-    return gdn.gdn_decode(q, k, v, g, beta, pool, slots, block_v=block_v, interpret=True)
+def decode(q, k, v, g, beta, pool, slots, src_slots=None, block_v=16):
+    return gdn.gdn_decode(q, k, v, g, beta, pool, slots, src_slots=src_slots, block_v=block_v,
+                          interpret=True)
 
 
 def inputs(seed, t, *, hk=2, hv=4, kd=16, vd=32, dtype=jnp.float32):
@@ -151,6 +154,31 @@ def test_mixed_step_decode_rows_as_length_one_sequences():
     o_dec, p_dec = decode(*[x[rows] for x in (q, k, v, g, beta)], pool, dec_slots)
     assert_close(o_mixed[rows], o_dec, 2e-5)
     assert_close(p_mixed[dec_slots], p_dec[dec_slots], 2e-5)
+
+
+def test_states_move_from_source_to_destination_slots():
+    """A state cache keeping each block's state in its own page reads one slot and writes
+    another: the results are the in-place ones, moved; the sources keep their bits."""
+    t, cu, src, init = batch(10, [23, 1, 7], extra=0, dead=0)
+    q, k, v, g, beta, pool = inputs(10, t)
+    dst = jnp.asarray(np.setdiff1d(np.arange(NUM_SLOTS), np.asarray(src))[:3], jnp.int32)
+    o, new = prefill(q, k, v, g, beta, pool, cu, dst, init, src_slots=src)
+    o_in_place, p_in_place = prefill(q, k, v, g, beta, pool, cu, src, init)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_in_place))
+    np.testing.assert_array_equal(np.asarray(new)[np.asarray(dst)],
+                                  np.asarray(p_in_place)[np.asarray(src)])
+    assert_other_slots_untouched(pool, new, dst)
+    o_ref, p_ref = reference.gdn_recurrent_reference(q, k, v, g, beta, pool, cu, dst, init,
+                                                     src_slots=src)
+    assert_close(o, o_ref, 2e-5)
+    assert_close(new, p_ref, 2e-5)
+    rows = np.asarray(cu[:-1])
+    o, moved = decode(*[x[rows] for x in (q, k, v, g, beta)], pool, dst, src_slots=src)
+    o_ref, p_ref = reference.gdn_decode_reference(*[x[rows] for x in (q, k, v, g, beta)], pool,
+                                                  dst, src_slots=src)
+    assert_close(o, o_ref, 1e-5)
+    assert_close(moved, p_ref, 1e-5)
+    assert_other_slots_untouched(pool, moved, dst)
 
 
 @pytest.mark.parametrize("seed", range(3))

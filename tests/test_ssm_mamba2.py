@@ -27,14 +27,15 @@ LENS = [37, 0, 1, 16, 9, 5]  # several chunks, empty, decode-sized, one exact ch
 
 
 @functools.partial(jax.jit, static_argnames=("block_p",))
-def prefill(x, dt, a, b, c, pool, cu, slots, init, d, block_p=16):
-    return mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d, chunk_size=CHUNK,
-                              block_p=block_p, interpret=True)
+def prefill(x, dt, a, b, c, pool, cu, slots, init, d, src_slots=None, block_p=16):
+    return mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d, src_slots=src_slots,
+                              chunk_size=CHUNK, block_p=block_p, interpret=True)
 
 
 @jax.jit
-def decode(x, dt, a, b, c, pool, slots, d):
-    return mamba2.ssd_decode(x, dt, a, b, c, pool, slots, d=d, block_p=16, interpret=True)
+def decode(x, dt, a, b, c, pool, slots, d, src_slots=None):
+    return mamba2.ssd_decode(x, dt, a, b, c, pool, slots, d=d, src_slots=src_slots, block_p=16,
+                             interpret=True)
 
 
 def inputs(seed, t, *, h=4, g=2, p=32, n=16, dtype=jnp.float32):
@@ -55,9 +56,9 @@ def batch(seed, lens, *, extra=3, dead=1):
                                dead=dead)
 
 
-def run(fn, tokens, a, pool, *rest, d):
+def run(fn, tokens, a, pool, *rest, **kwargs):
     x, dt, b, c = tokens
-    return fn(x, dt, a, b, c, pool, *rest, d=d)
+    return fn(x, dt, a, b, c, pool, *rest, **kwargs)
 
 
 def rows_of(tokens, idx):
@@ -155,6 +156,27 @@ def test_mixed_step_decode_rows_as_length_one_sequences():
     y_dec, p_dec = run(decode, rows_of(tokens, rows), a, pool, dec_slots, d=d)
     assert_close(y_mixed[rows], y_dec, 2e-5)
     assert_close(p_mixed[dec_slots], p_dec[dec_slots], 2e-5)
+
+
+def test_states_move_from_source_to_destination_slots():
+    """A state cache keeping each block's state in its own page reads one slot and writes
+    another: the results are the in-place ones, moved; the sources keep their bits."""
+    t, cu, src, init = batch(10, [23, 1, 7], extra=0, dead=0)
+    tokens, a, d, pool = inputs(10, t)
+    dst = jnp.asarray(np.setdiff1d(np.arange(NUM_SLOTS), np.asarray(src))[:3], jnp.int32)
+    y, new = run(prefill, tokens, a, pool, cu, dst, init, d=d, src_slots=src)
+    y_in_place, p_in_place = run(prefill, tokens, a, pool, cu, src, init, d=d)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_in_place))
+    np.testing.assert_array_equal(np.asarray(new)[np.asarray(dst)],
+                                  np.asarray(p_in_place)[np.asarray(src)])
+    assert_other_slots_untouched(pool, new, dst)
+    rows = np.asarray(cu[:-1])
+    y, moved = run(decode, rows_of(tokens, rows), a, pool, dst, d=d, src_slots=src)
+    y_ref, p_ref = run(reference.ssd_decode_reference, rows_of(tokens, rows), a, pool, dst, d=d,
+                       src_slots=src)
+    assert_close(y, y_ref, 1e-5)
+    assert_close(moved, p_ref, 1e-5)
+    assert_other_slots_untouched(pool, moved, dst)
 
 
 def test_flops_count_real_rows():

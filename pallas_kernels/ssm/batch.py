@@ -7,9 +7,12 @@ Its recurrent state lives in slot slots[s] of a state pool [num_slots, ...]; slo
 padding sequence (nothing read, nothing written, outputs zero). has_initial_state[s] False starts
 the sequence from zeros whatever the slot holds (a new request in a reused slot); True continues
 from the slot (the next chunk of a prefill, or decode); has_initial_state=None: every sequence
-continues. The kernels write each sequence's final
-state back into its slot in place (the pool is aliased to the output; donate it to the enclosing
-jit), leaving every other slot untouched; the slots of one call's live sequences must differ.
+continues. src_slots (optional, default slots) names the slot a continuing sequence reads its
+state from, when that is not the one its final state goes to (a state cache that keeps the state
+after each block in that block's page). The kernels write each sequence's final state into
+slots[s] in place (the pool is aliased to the output; donate it to the enclosing jit), leaving
+every other slot untouched. Within one call the live sequences' destination slots must differ
+and no destination may be another sequence's source (several may read one source).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import jax.numpy as jnp
 
 
 def check_ragged(num_tokens: int, cu_seqlens: jax.Array, slots: jax.Array,
-                 has_initial_state: jax.Array | None) -> int:
+                 has_initial_state: jax.Array | None, src_slots: jax.Array | None = None) -> int:
     """The number of sequences S, after checking the batch arrays agree on it."""
     s = slots.shape[0]
+    check_sources(slots, src_slots)
     if cu_seqlens.shape != (s + 1,):
         raise ValueError(f"cu_seqlens {cu_seqlens.shape} must be [num_seqs + 1] = [{s + 1}] "
                          f"(slots is {slots.shape})")
@@ -47,10 +51,37 @@ def live_tokens(cu_seqlens: jax.Array, slots: jax.Array, num_tokens: int) -> jax
     return (seq < s) & (jnp.concatenate([slots, -jnp.ones((1,), slots.dtype)])[seq] >= 0)
 
 
-def initial_flags(slots: jax.Array, has_initial_state: jax.Array | None) -> jax.Array:
-    """i32[S]: 1 where a sequence continues from its slot's state."""
+def check_sources(slots: jax.Array, src_slots: jax.Array | None) -> None:
+    if slots.ndim != 1 or (src_slots is not None and src_slots.shape != slots.shape):
+        raise ValueError(f"slots {slots.shape} and src_slots "
+                         f"{None if src_slots is None else src_slots.shape} must be [num_seqs]")
+
+
+def initial_flags(slots: jax.Array, has_initial_state: jax.Array | None,
+                  src_slots: jax.Array | None = None) -> jax.Array:
+    """i32[S]: 1 where a live sequence continues from a state (its source slot's)."""
     init = jnp.ones(slots.shape, bool) if has_initial_state is None else has_initial_state
-    return (init & (slots >= 0)).astype(jnp.int32)
+    src = slots if src_slots is None else src_slots
+    return (init & (slots >= 0) & (src >= 0)).astype(jnp.int32)
+
+
+def slot_table(slots: jax.Array, has_initial_state: jax.Array | None,
+               src_slots: jax.Array | None) -> jax.Array:
+    """i32[S, 3] rows (destination slot, continues, source slot) that the decode kernels read
+    per sequence."""
+    src = slots if src_slots is None else src_slots
+    init = initial_flags(slots, has_initial_state, src_slots)
+    return jnp.stack([slots.astype(jnp.int32), init,
+                      jnp.where(init > 0, src, 0).astype(jnp.int32)], axis=1)
+
+
+def sequence_table(cu_seqlens: jax.Array, slots: jax.Array, has_initial_state: jax.Array | None,
+                   src_slots: jax.Array | None) -> jax.Array:
+    """i32[S, 5] rows (first packed row, tokens, destination slot, continues, source slot) that
+    the prefill kernels read per sequence."""
+    cu = cu_seqlens.astype(jnp.int32)
+    return jnp.concatenate([jnp.stack([cu[:-1], cu[1:] - cu[:-1]], axis=1),
+                            slot_table(slots, has_initial_state, src_slots)], axis=1)
 
 
 def chunk_table(cu_seqlens: jax.Array, slots: jax.Array, num_tokens: int, chunk: int) -> jax.Array:

@@ -3,9 +3,10 @@ padding=W-1)[:L] + SiLU; causal_conv1d_fn / causal_conv1d_update) as Triton-lowe
 kernels, carrying each sequence's last W-1 inputs in a conv state pool.
 
     causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_state=None, *,
-                  activation="silu", block_t=32, block_c=128) -> (y [T, C], conv_state)
-    causal_conv1d_update(x, weight, bias, conv_state, slots, *, activation="silu",
-                         block_c=128) -> (y [S, C], conv_state)
+                  src_slots=None, activation="silu", block_t=32, block_c=128)
+        -> (y [T, C], conv_state)
+    causal_conv1d_update(x, weight, bias, conv_state, slots, *, src_slots=None,
+                         activation="silu", block_c=128) -> (y [S, C], conv_state)
 
 x [T, C] packed tokens (the ragged batch of `batch.py`), weight [W, C] (HF's conv1d.weight
 [C, 1, W] transposed), bias [C] or None, conv_state [num_slots, W-1, C] (the inputs before a
@@ -30,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import check_ragged, initial_flags, live_tokens
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
+                                      slot_table)
 
 
 def _activate(y, activation):
@@ -41,13 +43,14 @@ def _prefill_kernel(info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *,
                     activation):
     s = pl.program_id(0)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src = info_ref[s, 4]
     width = w_ref.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
 
     @pl.when(slot >= 0)
     def _():
         weights = [w_ref[i, :].astype(jnp.float32) for i in range(width)]
-        hist = [jnp.where(init > 0, st_ref[slot, m, :].astype(jnp.float32), 0.0)
+        hist = [jnp.where(init > 0, st_ref[src, m, :].astype(jnp.float32), 0.0)
                 for m in range(width - 1)]
         bias = b_ref[...].astype(jnp.float32)
 
@@ -104,23 +107,22 @@ def _check_activation(activation):
 
 
 def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_state=None, *,
-                  activation="silu", block_t: int = 32, block_c: int = 128,
+                  src_slots=None, activation="silu", block_t: int = 32, block_c: int = 128,
                   num_warps: int = 4, interpret: bool = False):
     """The causal conv over a ragged batch (module docstring). Returns (y [T, C] in x's dtype,
     zeros on padding/dead rows; conv_state with each live sequence's last W-1 inputs)."""
     _check_activation(activation)
     w, c, bc, bias = _check_conv(x, weight, bias, conv_state, block_c)
     t = x.shape[0]
-    s = check_ragged(t, cu_seqlens, slots, has_initial_state)
+    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     cu = cu_seqlens.astype(jnp.int32)
-    info = jnp.stack([cu[:-1], cu[1:] - cu[:-1], slots.astype(jnp.int32),
-                      initial_flags(slots, has_initial_state)], axis=1)
+    info = sequence_table(cu, slots, has_initial_state, src_slots)
     xp = jnp.pad(x, ((w - 1, block_t), (0, 0)))
     n = conv_state.shape[0]
     y, pool = pl.pallas_call(
         functools.partial(_prefill_kernel, block_t=block_t, activation=activation),
         grid=(s, c // bc),
-        in_specs=[pl.BlockSpec((s, 4), lambda i, j: (0, 0)),
+        in_specs=[pl.BlockSpec((s, 5), lambda i, j: (0, 0)),
                   pl.BlockSpec((xp.shape[0], bc), lambda i, j: (0, j)),
                   pl.BlockSpec((w, bc), lambda i, j: (0, j)),
                   pl.BlockSpec((bc,), lambda i, j: (j,)),
@@ -138,12 +140,14 @@ def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_st
 
 
 def _update_kernel(slot_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *, activation):
-    slot = slot_ref[pl.program_id(0)]
+    i = pl.program_id(0)
+    slot, init, src = slot_ref[i, 0], slot_ref[i, 1], slot_ref[i, 2]
     width = w_ref.shape[0]
 
     @pl.when(slot >= 0)
     def _():
-        window = [st_ref[slot, m, :] for m in range(width - 1)] + [x_ref[...]]
+        window = [jnp.where(init > 0, st_ref[src, m, :], 0) for m in range(width - 1)]
+        window.append(x_ref[...])
         acc = b_ref[...].astype(jnp.float32)
         for i in range(width):
             acc = acc + w_ref[i, :].astype(jnp.float32) * window[i].astype(jnp.float32)
@@ -156,13 +160,15 @@ def _update_kernel(slot_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *, 
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def causal_conv1d_update(x, weight, bias, conv_state, slots, *, activation="silu",
+def causal_conv1d_update(x, weight, bias, conv_state, slots, *, src_slots=None, activation="silu",
                          block_c: int = 128, num_warps: int = 4, interpret: bool = False):
     """One token per sequence: x [S, C], slots [S] (< 0: padding row, zeros out, nothing
-    written); each slot's inputs shift by one in place. Returns (y [S, C], conv_state)."""
+    written), src_slots [S] the inputs each continues from (default: slots); each destination
+    gets its source's inputs shifted by one. Returns (y [S, C], conv_state)."""
     _check_activation(activation)
     w, c, bc, bias = _check_conv(x, weight, bias, conv_state, block_c)
     s = x.shape[0]
+    check_sources(slots, src_slots)
     if slots.shape != (s,):
         raise ValueError(f"slots {slots.shape} must be [num_seqs={s}]")
     n = conv_state.shape[0]
@@ -171,7 +177,7 @@ def causal_conv1d_update(x, weight, bias, conv_state, slots, *, activation="silu
     return pl.pallas_call(
         functools.partial(_update_kernel, activation=activation),
         grid=(s, c // bc),
-        in_specs=[pl.BlockSpec((s,), lambda i, j: (0,)), row,
+        in_specs=[pl.BlockSpec((s, 3), lambda i, j: (0, 0)), row,
                   pl.BlockSpec((w, bc), lambda i, j: (0, j)),
                   pl.BlockSpec((bc,), lambda i, j: (j,)), state_spec],
         out_specs=[row, state_spec],
@@ -181,4 +187,4 @@ def causal_conv1d_update(x, weight, bias, conv_state, slots, *, activation="silu
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="causal_conv1d_update",
-    )(slots.astype(jnp.int32), x, weight, bias, conv_state)
+    )(slot_table(slots, None, src_slots), x, weight, bias, conv_state)

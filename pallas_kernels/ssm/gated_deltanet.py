@@ -2,9 +2,10 @@
 over a ragged batch and a one-token decode, both updating the state pool in place.
 
     gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
-                use_qk_l2norm=True, chunk_size=64, block_v=64) -> (o [T, Hv, V], state_pool)
-    gdn_decode(q, k, v, g, beta, state_pool, slots, *, use_qk_l2norm=True, block_v=64)
-        -> (o [S, Hv, V], state_pool)
+                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64)
+        -> (o [T, Hv, V], state_pool)
+    gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm=True,
+               block_v=64) -> (o [S, Hv, V], state_pool)
 
 Inputs as HF's Qwen3NextGatedDeltaNet passes them to fla's chunk_gated_delta_rule (after the conv,
 before the gated RMSNorm): q, k [T, Hk, K], v [T, Hv, V] (value head h reads key head
@@ -41,7 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import check_ragged, chunk_table, initial_flags, live_tokens
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, live_tokens,
+                                      sequence_table, slot_table)
 from pallas_kernels.ssm.reference import L2NORM_EPS
 
 
@@ -112,6 +114,7 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
     """One (sequence, value head, V block): the chunks in order, the state in registers."""
     s = pl.program_id(0)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src = info_ref[s, 4]
     kd = q_ref.shape[-1]
     dtype = q_ref.dtype
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -136,7 +139,7 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
             return (h * jnp.exp(last)
                     + _dot(k * jnp.exp(last - gc)[:, None], v_new, dtype, trans_a=True))
 
-        h0 = h_ref[slot].astype(jnp.float32)
+        h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
 
@@ -162,19 +165,18 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
-                use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
+                src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
                 num_warps: int = 4, interpret: bool = False):
     """The chunked gated delta rule over a ragged batch (module docstring). Returns
     (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
     final state in its slot). chunk_size: a power of two >= 16."""
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     t, vd = q.shape[0], v.shape[2]
-    s = check_ragged(t, cu_seqlens, slots, has_initial_state)
+    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
     cu = cu_seqlens.astype(jnp.int32)
-    info = jnp.stack([cu[:-1], cu[1:] - cu[:-1], slots.astype(jnp.int32),
-                      initial_flags(slots, has_initial_state)], axis=1)
+    info = sequence_table(cu, slots, has_initial_state, src_slots)
     chunks = chunk_table(cu, slots, t, chunk_size)
     pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))
     q, k, v, g = pad(q), pad(k), pad(v), pad(g.astype(jnp.float32))
@@ -204,7 +206,7 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     o, pool = pl.pallas_call(
         functools.partial(_state_kernel, chunk=chunk_size, l2=use_qk_l2norm),
         grid=(s, hv, vd // bv),
-        in_specs=[pl.BlockSpec((s, 4), lambda i, h, j: (0, 0)), qk_spec, qk_spec, w_spec, v_spec,
+        in_specs=[pl.BlockSpec((s, 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec, w_spec, v_spec,
                   pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
         out_specs=[v_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), v.dtype),
@@ -221,13 +223,13 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h_out_ref, *,
                    l2: bool):
     s, head = pl.program_id(0), pl.program_id(1)
-    slot = slot_ref[s]
+    slot, init, src = slot_ref[s, 0], slot_ref[s, 1], slot_ref[s, 2]
     q = _normed(q_ref[...], l2, q_ref.shape[-1] ** -0.5)
     k = _normed(k_ref[...], l2)
 
     @pl.when(slot >= 0)
     def _():
-        h = h_ref[slot].astype(jnp.float32) * jnp.exp(g_ref[s, head])
+        h = jnp.where(init > 0, h_ref[src].astype(jnp.float32), 0.0) * jnp.exp(g_ref[s, head])
         delta = (v_ref[...].astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0)) * b_ref[s, head]
         h = h + k[:, None] * delta[None, :]
         o_ref[...] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
@@ -238,12 +240,14 @@ def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h_
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def gdn_decode(q, k, v, g, beta, state_pool, slots, *, use_qk_l2norm: bool = True,
+def gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm: bool = True,
                block_v: int = 64, num_warps: int = 4, interpret: bool = False):
     """One token per sequence: q, k [S, Hk, K], v [S, Hv, V], g, beta [S, Hv]; slots [S] (< 0:
-    padding row, zeros out, nothing written). Returns (o [S, Hv, V], state_pool updated in place)."""
+    padding row, zeros out, nothing written), src_slots [S] where each reads its state (default:
+    slots; < 0: from zeros). Returns (o [S, Hv, V], state_pool updated in place)."""
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     s, vd = q.shape[0], v.shape[2]
+    check_sources(slots, src_slots)
     if slots.shape != (s,):
         raise ValueError(f"slots {slots.shape} must be [num_seqs={s}]")
     n, rep = state_pool.shape[0], hv // hk
@@ -254,7 +258,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, *, use_qk_l2norm: bool = Tru
     return pl.pallas_call(
         functools.partial(_decode_kernel, l2=use_qk_l2norm),
         grid=(s, hv, vd // bv),
-        in_specs=[whole((s,)), qk_spec, qk_spec, v_spec, whole((s, hv)), whole((s, hv)),
+        in_specs=[whole((s, 3)), qk_spec, qk_spec, v_spec, whole((s, hv)), whole((s, hv)),
                   state_spec],
         out_specs=[v_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -263,7 +267,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, *, use_qk_l2norm: bool = Tru
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_decode",
-    )(slots.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+    )(slot_table(slots, None, src_slots), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
       state_pool)
 
 

@@ -2,8 +2,9 @@
 batch and a one-token decode, both updating the state pool in place.
 
     ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
-                chunk_size=64, block_p=64) -> (y [T, H, P], state_pool)
-    ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, block_p=64) -> (y [S, H, P], state_pool)
+                src_slots=None, chunk_size=64, block_p=64) -> (y [T, H, P], state_pool)
+    ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None, block_p=64)
+        -> (y [S, H, P], state_pool)
 
 Inputs as HF's Mamba2Mixer / mamba_ssm's mamba_chunk_scan_combined take them after the conv and
 the split of xBC: x [T, H, P], dt [T, H] the step size after softplus and clamping
@@ -33,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import check_ragged, initial_flags, live_tokens
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
+                                      slot_table)
 
 
 def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -45,6 +47,7 @@ def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, 
                     *, chunk: int):
     s, head = pl.program_id(0), pl.program_id(1)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src = info_ref[s, 4]
     a, skip = a_ref[head], d_ref[head]
     dtype = x_ref.dtype
     r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
@@ -71,7 +74,7 @@ def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, 
             return (h * jnp.exp(last)
                     + _dot(x * (dt * jnp.exp(last - cs))[:, None], b, dtype, trans_a=True))
 
-        h0 = h_ref[slot].astype(jnp.float32)
+        h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
 
@@ -98,19 +101,18 @@ def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
 
 
 def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
-                chunk_size: int = 64, block_p: int = 64, num_warps: int = 4,
+                src_slots=None, chunk_size: int = 64, block_p: int = 64, num_warps: int = 4,
                 interpret: bool = False):
     """The chunked SSD scan over a ragged batch (module docstring). Returns (y [T, H, P] in x's
     dtype, zeros on padding/dead rows; state_pool with each live sequence's final state in its
     slot). chunk_size: a power of two >= 16."""
     h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
     t = x.shape[0]
-    s = check_ragged(t, cu_seqlens, slots, has_initial_state)
+    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
     cu = cu_seqlens.astype(jnp.int32)
-    info = jnp.stack([cu[:-1], cu[1:] - cu[:-1], slots.astype(jnp.int32),
-                      initial_flags(slots, has_initial_state)], axis=1)
+    info = sequence_table(cu, slots, has_initial_state, src_slots)
     pad = lambda v: jnp.pad(v, ((0, chunk_size),) + ((0, 0),) * (v.ndim - 1))
     slots_n, rep, tp = state_pool.shape[0], h // g, t + chunk_size
     x_spec = pl.BlockSpec((tp, None, bp), lambda i, hh, j: (0, hh, j))
@@ -120,7 +122,7 @@ def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state
     y, pool = pl.pallas_call(
         functools.partial(_prefill_kernel, chunk=chunk_size),
         grid=(s, h, p // bp),
-        in_specs=[whole((s, 4)), whole((h,)), whole((h,)), x_spec,
+        in_specs=[whole((s, 5)), whole((h,)), whole((h,)), x_spec,
                   pl.BlockSpec((tp, None), lambda i, hh, j: (0, hh)), bc_spec, bc_spec,
                   state_spec],
         out_specs=[x_spec, state_spec],
@@ -138,13 +140,13 @@ def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state
 
 def _decode_kernel(slot_ref, a_ref, d_ref, dt_ref, x_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref):
     s, head = pl.program_id(0), pl.program_id(1)
-    slot = slot_ref[s]
+    slot, init, src = slot_ref[s, 0], slot_ref[s, 1], slot_ref[s, 2]
     x = x_ref[...].astype(jnp.float32)
     dt = dt_ref[s, head]
 
     @pl.when(slot >= 0)
     def _():
-        h = (h_ref[slot].astype(jnp.float32) * jnp.exp(dt * a_ref[head])
+        h = (jnp.where(init > 0, h_ref[src].astype(jnp.float32), 0.0) * jnp.exp(dt * a_ref[head])
              + (dt * x)[:, None] * b_ref[...].astype(jnp.float32)[None, :])
         y = jnp.sum(h * c_ref[...].astype(jnp.float32)[None, :], axis=1) + d_ref[head] * x
         y_ref[...] = y.astype(y_ref.dtype)
@@ -155,12 +157,14 @@ def _decode_kernel(slot_ref, a_ref, d_ref, dt_ref, x_ref, b_ref, c_ref, h_ref, y
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, block_p: int = 64,
+def ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None, block_p: int = 64,
                num_warps: int = 4, interpret: bool = False):
     """One token per sequence: x [S, H, P], dt [S, H], b, c [S, G, N]; slots [S] (< 0: padding
-    row, zeros out, nothing written). Returns (y [S, H, P], state_pool updated in place)."""
+    row, zeros out, nothing written), src_slots [S] where each reads its state (default: slots).
+    Returns (y [S, H, P], state_pool updated in place)."""
     h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
     s = x.shape[0]
+    check_sources(slots, src_slots)
     if slots.shape != (s,):
         raise ValueError(f"slots {slots.shape} must be [num_seqs={s}]")
     slots_n, rep = state_pool.shape[0], h // g
@@ -171,7 +175,7 @@ def ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, block_p: int = 64,
     return pl.pallas_call(
         _decode_kernel,
         grid=(s, h, p // bp),
-        in_specs=[whole((s,)), whole((h,)), whole((h,)), whole((s, h)), x_spec, bc_spec, bc_spec,
+        in_specs=[whole((s, 3)), whole((h,)), whole((h,)), whole((s, h)), x_spec, bc_spec, bc_spec,
                   state_spec],
         out_specs=[x_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -180,7 +184,8 @@ def ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, block_p: int = 64,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="ssd_decode",
-    )(slots.astype(jnp.int32), a.astype(jnp.float32), skip, dt.astype(jnp.float32), x, b, c,
+    )(slot_table(slots, None, src_slots), a.astype(jnp.float32), skip, dt.astype(jnp.float32), x,
+      b, c,
       state_pool)
 
 

@@ -106,15 +106,22 @@ def _activate(y, activation):
 
 
 # ------------------------------------------------------------------------------ ragged machinery
-def _recurrence(step, pool, cu_seqlens, slots, has_initial_state, xs):
+def _initial_states(pool, slots, has_initial_state, src_slots):
+    """float32 [S, ...]: each sequence's source slot, or zeros where it starts fresh."""
+    init = initial_flags(slots, has_initial_state, src_slots).astype(bool)
+    src = slots if src_slots is None else src_slots
+    states = pool[jnp.maximum(src, 0)].astype(jnp.float32)
+    return jnp.where(init.reshape(init.shape + (1,) * (states.ndim - 1)), states, 0.0)
+
+
+def _recurrence(step, pool, cu_seqlens, slots, has_initial_state, src_slots, xs):
     """Scan step(state, *x_t) -> (state, y_t) over the packed tokens, each sequence starting from
-    its slot (or zeros), and write the final states back. Returns (ys [T, ...], pool)."""
+    its source slot (or zeros), and write the final states to `slots`. Returns (ys [T, ...],
+    pool)."""
     t = xs[0].shape[0]
     s = slots.shape[0]
     seq, live = token_sequence(cu_seqlens, t), live_tokens(cu_seqlens, slots, t)
-    init = initial_flags(slots, has_initial_state).astype(bool)
-    states = pool[jnp.maximum(slots, 0)].astype(jnp.float32)
-    states = jnp.where(init.reshape((s,) + (1,) * (states.ndim - 1)), states, 0.0)
+    states = _initial_states(pool, slots, has_initial_state, src_slots)
 
     def body(states, inp):
         i, ok, x = inp
@@ -131,9 +138,10 @@ def _write_back(pool, states, slots):
     return pool.at[dest].set(states.astype(pool.dtype), mode="drop")
 
 
-def _decode(step, pool, slots, xs):
-    """One step for each sequence from its slot; slots < 0 give zeros and write nothing."""
-    new, y = jax.vmap(step)(pool[jnp.maximum(slots, 0)].astype(jnp.float32), *xs)
+def _decode(step, pool, slots, src_slots, xs):
+    """One step for each sequence from its source slot into its slot; slots < 0 give zeros and
+    write nothing."""
+    new, y = jax.vmap(step)(_initial_states(pool, slots, None, src_slots), *xs)
     y = jnp.where((slots >= 0).reshape((-1,) + (1,) * (y.ndim - 1)), y, 0.0)
     return y, _write_back(pool, new, slots)
 
@@ -158,16 +166,14 @@ def _packed(y, cu_seqlens, slots):
     return jnp.where(live.reshape((t,) + (1,) * (y.ndim - 2)), y[i, j], 0)
 
 
-def _chunked(chunk_fn, pool, cu_seqlens, slots, has_initial_state, xs, chunk):
+def _chunked(chunk_fn, pool, cu_seqlens, slots, has_initial_state, src_slots, xs, chunk):
     """Run chunk_fn(states [S, ...], chunk inputs [S, H, BT, ...]) -> (states, y) over every
     sequence padded to whole chunks (padding rows are zeros: the identity step for both layers).
     xs: per-token inputs [T, H, ...]. Returns (y [T, H, ...], pool)."""
     t = xs[0].shape[0]
     s = slots.shape[0]
     nc = -(-t // chunk)
-    init = initial_flags(slots, has_initial_state).astype(bool)
-    states = pool[jnp.maximum(slots, 0)].astype(jnp.float32)
-    states = jnp.where(init.reshape((s,) + (1,) * (states.ndim - 1)), states, 0.0)
+    states = _initial_states(pool, slots, has_initial_state, src_slots)
 
     def chunks(x):  # [T, H, ...] -> [nc, S, H, BT, ...]
         x = _per_sequence(x, cu_seqlens, nc * chunk).reshape((s, nc, chunk) + x.shape[1:])
@@ -185,12 +191,13 @@ def _causal(n):
 
 # ----------------------------------------------------------------------------- Gated DeltaNet
 def gdn_recurrent_reference(q, k, v, g, beta, state_pool, cu_seqlens, slots,
-                            has_initial_state=None, *, use_qk_l2norm: bool = True):
+                            has_initial_state=None, *, src_slots=None,
+                            use_qk_l2norm: bool = True):
     """The gated delta rule token by token over a ragged batch. q, k [T, Hk, K], v [T, Hv, V],
     g (log decay) and beta [T, Hv], state_pool [num_slots, Hv, K, V] float32.
     Returns (o [T, Hv, V] in v's dtype, state_pool)."""
     q, k = _gdn_qk(q, k, v.shape[1], use_qk_l2norm)
-    o, pool = _recurrence(gdn_step, state_pool, cu_seqlens, slots, has_initial_state,
+    o, pool = _recurrence(gdn_step, state_pool, cu_seqlens, slots, has_initial_state, src_slots,
                           (q, k, v.astype(jnp.float32), g.astype(jnp.float32),
                            beta.astype(jnp.float32)))
     return o.astype(v.dtype), pool
@@ -223,22 +230,23 @@ def _gdn_chunk(h, c):
 
 
 def gdn_chunked_reference(q, k, v, g, beta, state_pool, cu_seqlens, slots,
-                          has_initial_state=None, *, use_qk_l2norm: bool = True,
-                          chunk_size: int = 64):
+                          has_initial_state=None, *, src_slots=None,
+                          use_qk_l2norm: bool = True, chunk_size: int = 64):
     """`gdn_recurrent_reference` in the chunked WY form (HF's torch_chunk_gated_delta_rule, with
     the triangular solve for its row loop)."""
     q, k = _gdn_qk(q, k, v.shape[1], use_qk_l2norm)
     xs = (q, k, v.astype(jnp.float32), g.astype(jnp.float32)[..., None],
           beta.astype(jnp.float32)[..., None])
     o, pool = _chunked(lambda h, c: _gdn_chunk(h, (*c[:3], c[3][..., 0], c[4][..., 0])),
-                       state_pool, cu_seqlens, slots, has_initial_state, xs, chunk_size)
+                       state_pool, cu_seqlens, slots, has_initial_state, src_slots, xs, chunk_size)
     return o.astype(v.dtype), pool
 
 
-def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, *, use_qk_l2norm: bool = True):
+def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, *, src_slots=None,
+                         use_qk_l2norm: bool = True):
     """One token per sequence: q, k [S, Hk, K], v [S, Hv, V], g, beta [S, Hv]."""
     q, k = _gdn_qk(q, k, v.shape[1], use_qk_l2norm)
-    o, pool = _decode(gdn_step, state_pool, slots,
+    o, pool = _decode(gdn_step, state_pool, slots, src_slots,
                       (q, k, v.astype(jnp.float32), g.astype(jnp.float32),
                        beta.astype(jnp.float32)))
     return o.astype(v.dtype), pool
@@ -250,14 +258,14 @@ def _with_skip(y, x, d):
 
 
 def ssd_recurrent_reference(x, dt, a, b, c, state_pool, cu_seqlens, slots,
-                            has_initial_state=None, *, d=None):
+                            has_initial_state=None, *, d=None, src_slots=None):
     """Mamba-2's SSM token by token over a ragged batch. x [T, H, P], dt [T, H] (after softplus:
     `mamba2_dt`), a [H] (= -exp(A_log)), b, c [T, G, N], d [H] or None (the skip D x),
     state_pool [num_slots, H, P, N] float32. Returns (y [T, H, P] in x's dtype, state_pool)."""
     h = x.shape[1]
     b, c = _ssd_bc(b, c, h)
     av = jnp.broadcast_to(a.astype(jnp.float32), dt.shape)
-    y, pool = _recurrence(ssd_step, state_pool, cu_seqlens, slots, has_initial_state,
+    y, pool = _recurrence(ssd_step, state_pool, cu_seqlens, slots, has_initial_state, src_slots,
                           (x.astype(jnp.float32), dt.astype(jnp.float32), av, b, c))
     live = live_tokens(cu_seqlens, slots, x.shape[0])[:, None, None]
     return jnp.where(live, _with_skip(y, x, d), 0).astype(x.dtype), pool
@@ -280,24 +288,25 @@ def _ssd_chunk(h, c):
 
 
 def ssd_chunked_reference(x, dt, a, b, c, state_pool, cu_seqlens, slots,
-                          has_initial_state=None, *, d=None, chunk_size: int = 64):
+                          has_initial_state=None, *, d=None, src_slots=None,
+                          chunk_size: int = 64):
     """`ssd_recurrent_reference` in the chunked (SSD) form of mamba_chunk_scan_combined."""
     h = x.shape[1]
     b, c = _ssd_bc(b, c, h)
     av = jnp.broadcast_to(a.astype(jnp.float32), dt.shape)
     xs = (x.astype(jnp.float32), dt.astype(jnp.float32)[..., None], av[..., None], b, c)
     y, pool = _chunked(lambda s, ch: _ssd_chunk(s, (ch[0], ch[1][..., 0], ch[2][..., 0], *ch[3:])),
-                       state_pool, cu_seqlens, slots, has_initial_state, xs, chunk_size)
+                       state_pool, cu_seqlens, slots, has_initial_state, src_slots, xs, chunk_size)
     live = live_tokens(cu_seqlens, slots, x.shape[0])[:, None, None]
     return jnp.where(live, _with_skip(y, x, d), 0).astype(x.dtype), pool
 
 
-def ssd_decode_reference(x, dt, a, b, c, state_pool, slots, *, d=None):
+def ssd_decode_reference(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None):
     """One token per sequence: x [S, H, P], dt [S, H], b, c [S, G, N]."""
     h = x.shape[1]
     b, c = _ssd_bc(b, c, h)
     av = jnp.broadcast_to(a.astype(jnp.float32), dt.shape)
-    y, pool = _decode(ssd_step, state_pool, slots,
+    y, pool = _decode(ssd_step, state_pool, slots, src_slots,
                       (x.astype(jnp.float32), dt.astype(jnp.float32), av, b, c))
     y = jnp.where((slots >= 0)[:, None, None], _with_skip(y, x, d), 0)
     return y.astype(x.dtype), pool
@@ -311,22 +320,23 @@ def _conv_step_fn(weight, bias, activation):
 
 
 def causal_conv1d_recurrent_reference(x, weight, bias, conv_state, cu_seqlens, slots,
-                                      has_initial_state=None, *, activation="silu"):
+                                      has_initial_state=None, *, src_slots=None,
+                                      activation="silu"):
     """The causal depthwise conv token by token: x [T, C], weight [W, C], bias [C] or None,
     conv_state [num_slots, W-1, C] (each slot's last W-1 inputs, oldest first).
     Returns (y [T, C] in x's dtype, conv_state)."""
     y, pool = _recurrence(_conv_step_fn(weight, bias, activation), conv_state, cu_seqlens, slots,
-                          has_initial_state, (x.astype(jnp.float32),))
+                          has_initial_state, src_slots, (x.astype(jnp.float32),))
     return y.astype(x.dtype), pool
 
 
 def causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, slots,
-                            has_initial_state=None, *, activation="silu"):
+                            has_initial_state=None, *, src_slots=None,
+                                      activation="silu"):
     """`causal_conv1d_recurrent_reference` as one windowed sum per sequence (HF's
     F.conv1d(padding=W-1)[:L] with the cached inputs in front)."""
     t, w = x.shape[0], weight.shape[0]
-    init = initial_flags(slots, has_initial_state).astype(bool)
-    hist = jnp.where(init[:, None, None], conv_state[jnp.maximum(slots, 0)].astype(jnp.float32), 0)
+    hist = _initial_states(conv_state, slots, has_initial_state, src_slots)
     ext = jnp.concatenate([hist, _per_sequence(x.astype(jnp.float32), cu_seqlens, t)], axis=1)
     wf = weight.astype(jnp.float32)
     y = sum(wf[i] * ext[:, i:i + t] for i in range(w))
@@ -336,8 +346,9 @@ def causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, slots,
     return _packed(y, cu_seqlens, slots).astype(x.dtype), _write_back(conv_state, new, slots)
 
 
-def causal_conv1d_update_reference(x, weight, bias, conv_state, slots, *, activation="silu"):
+def causal_conv1d_update_reference(x, weight, bias, conv_state, slots, *, src_slots=None,
+                                   activation="silu"):
     """One token per sequence: x [S, C]; each slot's inputs shift by one."""
-    y, pool = _decode(_conv_step_fn(weight, bias, activation), conv_state, slots,
+    y, pool = _decode(_conv_step_fn(weight, bias, activation), conv_state, slots, src_slots,
                       (x.astype(jnp.float32),))
     return y.astype(x.dtype), pool

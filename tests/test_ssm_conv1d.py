@@ -20,6 +20,8 @@ from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_c
 
 import kernel_references as reference
 
+pytestmark = pytest.mark.slow  # ~1 min on the loaded 2-core CI machine: its xdist group first
+
 NUM_SLOTS = 8
 CHANNELS = 64
 LENS = [37, 0, 1, 2, 16, 9, 5]  # blocks of 16, empty, shorter than the width, a dead row

@@ -22,6 +22,8 @@ from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_c
 
 import kernel_references as reference
 
+pytestmark = pytest.mark.slow  # ~1 min on the loaded 2-core CI machine: its xdist group first
+
 CHUNK = 16
 NUM_SLOTS = 8
 

@@ -21,6 +21,8 @@ from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_c
 
 import kernel_references as reference
 
+pytestmark = pytest.mark.slow  # ~1 min on the loaded 2-core CI machine: its xdist group first
+
 CHUNK = 16
 NUM_SLOTS = 8
 LENS = [37, 0, 1, 16, 9, 5]  # several chunks, empty, decode-sized, one exact chunk, a dead row

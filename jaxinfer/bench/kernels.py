@@ -6,6 +6,8 @@ same run. `--only` runs one benchmark instead, among them the device primitives 
   kv-blocks       the disaggregated hand-over's block gather and scatter (kv_blocks.py)
   host-transfers  weight placement from host numpy, host arguments that make a dispatch wait
                   (host_transfers.py)
+  ssm             the hybrid models' recurrent-layer kernels: Gated DeltaNet, Mamba-2 SSD,
+                  causal conv1d (kernel_ssm.py)
 
     jaxinfer bench kernels [--only NAME] [--quick] [--save [DIR]] [-- ITS OWN FLAGS]
 
@@ -24,7 +26,7 @@ from jaxinfer.bench import common, results_io
 
 # --only NAME -> the module whose main(argv) runs it alone.
 SINGLE = {"window-decode": "kernel_window_decode", "kv-blocks": "kv_blocks",
-          "host-transfers": "host_transfers"}
+          "host-transfers": "host_transfers", "ssm": "kernel_ssm"}
 QUICK_DECODE = ["--shapes", "1x4096,1x32768,64x4096,64x32768", "--variants", "mosaic"]
 QUICK_PREFILL = ["--quick", "--shapes", "dense"]
 

@@ -42,3 +42,20 @@ def ragged_group_sizes(rng: np.random.Generator, groups: int, total: int, kind: 
     sizes = np.diff(np.concatenate([[0], cuts, [total]]))
     sizes[rng.choice(groups, max(1, groups // 3), replace=False)] = 0  # empty experts
     return sizes
+
+
+def random_ragged_batch(rng: np.random.Generator, lens: list[int], num_slots: int, *,
+                        extra_tokens: int = 0, dead: int = 0) -> tuple:
+    """A ragged batch for the recurrent-layer kernels (pallas_kernels/ssm/batch.py): sequences
+    of `lens` tokens packed in order, `extra_tokens` padding tokens after them, each live sequence
+    in its own random slot of `num_slots`, the last `dead` sequences marked padding (slot -1), and
+    a random half continuing from their slot (has_initial_state). Returns (num_tokens,
+    cu_seqlens, slots, has_initial_state) with jnp arrays."""
+    s = len(lens)
+    if s - dead > num_slots:
+        raise ValueError(f"{s - dead} live sequences do not fit {num_slots} slots")
+    slots = rng.permutation(num_slots)[:s].astype(np.int32)
+    slots[s - dead:] = -1
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    init = rng.random(s) < 0.5
+    return (int(cu[-1]) + extra_tokens, jnp.asarray(cu), jnp.asarray(slots), jnp.asarray(init))

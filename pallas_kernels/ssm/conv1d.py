@@ -1,0 +1,190 @@
+"""The causal depthwise conv1d before Gated DeltaNet and Mamba-2 (HF's nn.Conv1d(groups=C,
+padding=W-1)[:L] + SiLU; causal_conv1d_fn / causal_conv1d_update) as Triton-lowered Pallas
+kernels, carrying each sequence's last W-1 inputs in a conv state pool.
+
+    causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_state=None, *,
+                  src_slots=None, activation="silu", block_t=32, block_c=128)
+        -> (y [T, C], conv_state)
+    causal_conv1d_update(x, weight, bias, conv_state, slots, *, src_slots=None,
+                         activation="silu", block_c=128) -> (y [S, C], conv_state)
+
+x [T, C] packed tokens (the ragged batch of `batch.py`), weight [W, C] (HF's conv1d.weight
+[C, 1, W] transposed), bias [C] or None, conv_state [num_slots, W-1, C] (the inputs before a
+sequence's first token, oldest first; has_initial_state False reads them as zeros), activation
+"silu" or None. y[t] = act(bias + sum_i weight[i] x[t - (W-1) + i]), inputs before the sequence's
+first token taken from its conv state; the sequence's last W-1 inputs (its state's tail when it
+has fewer tokens) go back to its slot in place. The references are
+`reference.causal_conv1d_reference` / `causal_conv1d_update_reference`.
+
+Prefill: grid (S, C / block_c); a program walks its sequence in blocks of block_t rows, reading
+each tap's rows as one shifted load of x (x is padded by W-1 rows in front so the first
+sequence's shifted loads stay in bounds); the first block adds the history's terms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
+                                      slot_table)
+
+
+def _activate(y, activation):
+    return y * jax.nn.sigmoid(y) if activation == "silu" else y
+
+
+def _prefill_kernel(info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *, block_t: int,
+                    activation):
+    s = pl.program_id(0)
+    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src = info_ref[s, 4]
+    width = w_ref.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+
+    @pl.when(slot >= 0)
+    def _():
+        weights = [w_ref[i, :].astype(jnp.float32) for i in range(width)]
+        hist = [jnp.where(init > 0, st_ref[src, m, :].astype(jnp.float32), 0.0)
+                for m in range(width - 1)]
+        bias = b_ref[...].astype(jnp.float32)
+
+        def block(j, first: bool):
+            j0 = j * block_t
+            ok = j0 + rows < length
+            acc = jnp.zeros((block_t, bias.shape[0]), jnp.float32) + bias[None, :]
+            for i in range(width):  # tap i reads position row - (W-1) + i, padded row start+row+i
+                seen = ok & (j0 + rows - (width - 1) + i >= 0)
+                xi = pltriton.load(x_ref.at[pl.ds(start + j0 + i, block_t), :],
+                                   mask=seen[:, None], other=0)
+                acc = acc + weights[i][None, :] * xi.astype(jnp.float32)
+                if first:  # positions before the sequence: history row m = row + i
+                    for m in range(i, width - 1):
+                        at = (rows == m - i) & ok
+                        acc = acc + jnp.where(at[:, None], (weights[i] * hist[m])[None, :], 0.0)
+            pltriton.store(y_ref.at[pl.ds(start + j0, block_t), :],
+                           _activate(acc, activation).astype(y_ref.dtype), mask=ok[:, None])
+
+        @pl.when(length > 0)
+        def _():
+            block(0, True)
+
+        def later(j, carry):
+            block(j, False)
+            return carry
+
+        lax.fori_loop(1, pl.cdiv(length, block_t), later, 0)
+        for m in range(width - 1):  # position length - (W-1) + m of the history-extended input
+            x_row = x_ref[start + length + m, :].astype(jnp.float32)
+            old = sum(jnp.where(length + m == mm, hist[mm], 0.0) for mm in range(width - 1))
+            new = jnp.where(length + m >= width - 1, x_row, old)
+            st_out_ref[slot, m, :] = new.astype(st_out_ref.dtype)
+
+
+def _check_conv(x, weight, bias, conv_state, block_c):
+    c = x.shape[1]
+    w = weight.shape[0]
+    if x.ndim != 2 or weight.shape != (w, c) or w < 2:
+        raise ValueError(f"x {x.shape} must be [T, C] and weight {weight.shape} [W >= 2, C]")
+    if bias is not None and bias.shape != (c,):
+        raise ValueError(f"bias {bias.shape} must be [C={c}]")
+    if conv_state.shape[1:] != (w - 1, c):
+        raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, W-1={w - 1}, C={c}]")
+    bc = min(block_c, c)
+    if bc & (bc - 1) or c % bc:
+        raise ValueError(f"block_c={bc} must be a power of two dividing C={c}")
+    return w, c, bc, (jnp.zeros((c,), jnp.float32) if bias is None else bias)
+
+
+def _check_activation(activation):
+    if activation not in ("silu", None):
+        raise ValueError(f"activation={activation!r}: 'silu' or None")
+
+
+def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_state=None, *,
+                  src_slots=None, activation="silu", block_t: int = 32, block_c: int = 128,
+                  num_warps: int = 4, interpret: bool = False):
+    """The causal conv over a ragged batch (module docstring). Returns (y [T, C] in x's dtype,
+    zeros on padding/dead rows; conv_state with each live sequence's last W-1 inputs)."""
+    _check_activation(activation)
+    w, c, bc, bias = _check_conv(x, weight, bias, conv_state, block_c)
+    t = x.shape[0]
+    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
+    cu = cu_seqlens.astype(jnp.int32)
+    info = sequence_table(cu, slots, has_initial_state, src_slots)
+    xp = jnp.pad(x, ((w - 1, block_t), (0, 0)))
+    n = conv_state.shape[0]
+    y, pool = pl.pallas_call(
+        functools.partial(_prefill_kernel, block_t=block_t, activation=activation),
+        grid=(s, c // bc),
+        in_specs=[pl.BlockSpec((s, 5), lambda i, j: (0, 0)),
+                  pl.BlockSpec((xp.shape[0], bc), lambda i, j: (0, j)),
+                  pl.BlockSpec((w, bc), lambda i, j: (0, j)),
+                  pl.BlockSpec((bc,), lambda i, j: (j,)),
+                  pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j))],
+        out_specs=[pl.BlockSpec((t + block_t, bc), lambda i, j: (0, j)),
+                   pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((t + block_t, c), x.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+        input_output_aliases={4: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="causal_conv1d",
+    )(info, xp, weight, bias, conv_state)
+    return jnp.where(live_tokens(cu, slots, t)[:, None], y[:t], 0).astype(x.dtype), pool
+
+
+def _update_kernel(slot_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *, activation):
+    i = pl.program_id(0)
+    slot, init, src = slot_ref[i, 0], slot_ref[i, 1], slot_ref[i, 2]
+    width = w_ref.shape[0]
+
+    @pl.when(slot >= 0)
+    def _():
+        window = [jnp.where(init > 0, st_ref[src, m, :], 0) for m in range(width - 1)]
+        window.append(x_ref[...])
+        acc = b_ref[...].astype(jnp.float32)
+        for i in range(width):
+            acc = acc + w_ref[i, :].astype(jnp.float32) * window[i].astype(jnp.float32)
+        y_ref[...] = _activate(acc, activation).astype(y_ref.dtype)
+        for m in range(width - 1):
+            st_out_ref[slot, m, :] = window[m + 1].astype(st_out_ref.dtype)
+
+    @pl.when(slot < 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+
+
+def causal_conv1d_update(x, weight, bias, conv_state, slots, *, src_slots=None, activation="silu",
+                         block_c: int = 128, num_warps: int = 4, interpret: bool = False):
+    """One token per sequence: x [S, C], slots [S] (< 0: padding row, zeros out, nothing
+    written), src_slots [S] the inputs each continues from (default: slots); each destination
+    gets its source's inputs shifted by one. Returns (y [S, C], conv_state)."""
+    _check_activation(activation)
+    w, c, bc, bias = _check_conv(x, weight, bias, conv_state, block_c)
+    s = x.shape[0]
+    check_sources(slots, src_slots)
+    if slots.shape != (s,):
+        raise ValueError(f"slots {slots.shape} must be [num_seqs={s}]")
+    n = conv_state.shape[0]
+    row = pl.BlockSpec((None, bc), lambda i, j: (i, j))
+    state_spec = pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j))
+    return pl.pallas_call(
+        functools.partial(_update_kernel, activation=activation),
+        grid=(s, c // bc),
+        in_specs=[pl.BlockSpec((s, 3), lambda i, j: (0, 0)), row,
+                  pl.BlockSpec((w, bc), lambda i, j: (0, j)),
+                  pl.BlockSpec((bc,), lambda i, j: (j,)), state_spec],
+        out_specs=[row, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+        input_output_aliases={4: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="causal_conv1d_update",
+    )(slot_table(slots, None, src_slots), x, weight, bias, conv_state)

@@ -1,0 +1,286 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) as Triton-lowered Pallas kernels: a chunked prefill
+over a ragged batch and a one-token decode, both updating the state pool in place.
+
+    gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
+                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64)
+        -> (o [T, Hv, V], state_pool)
+    gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm=True,
+               block_v=64) -> (o [S, Hv, V], state_pool)
+
+Inputs as HF's Qwen3NextGatedDeltaNet passes them to fla's chunk_gated_delta_rule (after the conv,
+before the gated RMSNorm): q, k [T, Hk, K], v [T, Hv, V] (value head h reads key head
+h // (Hv // Hk): no repeated copy of q/k is made), g [T, Hv] the log decay (<= 0) and beta [T, Hv]
+(`reference.gdn_gating`), state_pool [num_slots, Hv, K, V] float32; the ragged batch of
+`batch.py`. use_qk_l2norm: q and k L2-normalised in the kernel (HF passes True). q is scaled by
+K^-1/2. The references are `reference.gdn_chunked_reference` / `gdn_decode_reference`.
+
+Prefill, two kernels (fla's split: the UT transform off the serial path). Per chunk of
+`chunk_size` tokens, the WY form: gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j),
+T = (I + strictly-lower(beta_i k_i.k_j D))^-1 (the UT transform, by forward substitution in
+registers), u = T (beta v), w = T (beta exp(gc) k); then v' = u - w S,
+o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^T v'.
+  1. `_wy_kernel`, grid (chunk, Hv): w and u of every chunk of every sequence at once (chunks
+     from `batch.chunk_table`; they never cross sequences), written to HBM in k's / v's dtype;
+  2. `_state_kernel`, grid (S, Hv, V / block_v): a program walks its sequence's chunks in order
+     with its [K, block_v] slice of the state in registers (all of step 2 factorises over V).
+Rows past a sequence's end load as k = v = beta = g = 0, which is the identity step, so a partial
+last chunk needs no other masking. Matmul operands are cast to q's dtype (bf16 in serving, as fla
+does), accumulating in float32; the state stays float32.
+Decode: grid (S, Hv, V / block_v): the recurrence's one step (`reference.gdn_step`) on the slot.
+
+Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill's packed batch
+(one partial chunk each); `gdn_decode` is the fast path of a step with only decode rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, live_tokens,
+                                      sequence_table, slot_table)
+from pallas_kernels.ssm.reference import L2NORM_EPS
+
+
+def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
+    return pltriton.dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a,
+                        trans_b=trans_b).astype(jnp.float32)
+
+
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + lower)^-1 for a strictly lower-triangular float32 [n, n], row by row (forward
+    substitution: row i = e_i - lower[i] @ rows < i), with selects and reductions only (Triton
+    cannot index a register tensor). HF's torch_chunk_gated_delta_rule row loop, exactly."""
+    n = lower.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    cols = lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+    def row(i, t):
+        li = jnp.sum(jnp.where(r == i, lower, 0.0), axis=0)       # lower[i, :] along the columns
+        new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(li[:, None] * t, axis=0)
+        return jnp.where(r == i, new[None, :], t)
+
+    return lax.fori_loop(1, n, row, (r == c).astype(jnp.float32))
+
+
+def _normed(x, l2: bool, scale: float = 1.0):
+    x = x.astype(jnp.float32)
+    if l2:
+        x = x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+    return x * scale if scale != 1.0 else x
+
+
+def _chunk_decay(g, chunk):
+    """gc = the cumsum of g within the chunk, and D_ij = exp(gc_i - gc_j) for i >= j, else 0."""
+    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    gc = jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+    return gc, jnp.exp(jnp.where(r >= c, gc[:, None] - gc[None, :], -jnp.inf))
+
+
+def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: int, l2: bool):
+    """One (chunk, value head): the UT transform T and w = T (beta exp(gc) k), u = T (beta v)."""
+    row0, n = chunks_ref[pl.program_id(0), 0], chunks_ref[pl.program_id(0), 1]
+    dtype = k_ref.dtype
+    ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
+
+    @pl.when(n > 0)
+    def _():
+        load = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                          other=0)
+        k = _normed(load2(k_ref), l2)
+        v = load2(v_ref).astype(jnp.float32)
+        beta = load(b_ref).astype(jnp.float32)
+        gc, decay = _chunk_decay(load(g_ref).astype(jnp.float32), chunk)
+        r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+        c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+        lower = jnp.where(r > c, beta[:, None] * _dot(k, k, dtype, trans_b=True) * decay, 0.0)
+        tmat = unit_lower_inverse(lower)
+        store = lambda ref, x: pltriton.store(ref.at[pl.ds(row0, chunk), :], x.astype(ref.dtype),
+                                              mask=ok[:, None])
+        store(u_ref, _dot(tmat, beta[:, None] * v, dtype))
+        store(w_ref, _dot(tmat, (beta * jnp.exp(gc))[:, None] * k, dtype))
+
+
+def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_out_ref, *,
+                  chunk: int, l2: bool):
+    """One (sequence, value head, V block): the chunks in order, the state in registers."""
+    s = pl.program_id(0)
+    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src = info_ref[s, 4]
+    kd = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(j, h):
+            row0 = start + j * chunk
+            ok = j * chunk + rows < length
+            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                              other=0)
+            q = _normed(load2(q_ref), l2, kd ** -0.5)
+            k = _normed(load2(k_ref), l2)
+            g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
+            v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
+            o = (_dot(q * jnp.exp(gc)[:, None], h, dtype)
+                 + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype))
+            pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype),
+                           mask=ok[:, None])
+            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
+            return (h * jnp.exp(last)
+                    + _dot(k * jnp.exp(last - gc)[:, None], v_new, dtype, trans_a=True))
+
+        h0 = h_ref[src].astype(jnp.float32)
+        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+
+def _check_gdn(q, k, v, g, beta, state_pool, block_v):
+    t, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != t or hv % hk:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: q and k must be [T, Hk, K] and "
+                         f"v [T, Hv, V] with Hk dividing Hv")
+    if g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(f"g {g.shape} and beta {beta.shape} must be [T, Hv] = [{t}, {hv}]")
+    if state_pool.shape[1:] != (hv, kd, vd) or state_pool.dtype != jnp.float32:
+        raise ValueError(f"state_pool {state_pool.shape} {state_pool.dtype} must be float32 "
+                         f"[num_slots, Hv={hv}, K={kd}, V={vd}]")
+    bv = min(block_v, vd)
+    for name, n in (("K", kd), ("V", vd), ("block_v", bv)):
+        if n & (n - 1) or n < 16:
+            raise ValueError(f"{name}={n} must be a power of two >= 16 (Triton block shapes)")
+    if vd % bv:
+        raise ValueError(f"V={vd} must be a multiple of block_v={bv}")
+    return hk, hv, kd, bv
+
+
+def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
+                src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
+                num_warps: int = 4, interpret: bool = False):
+    """The chunked gated delta rule over a ragged batch (module docstring). Returns
+    (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
+    final state in its slot). chunk_size: a power of two >= 16."""
+    hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
+    t, vd = q.shape[0], v.shape[2]
+    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
+    if chunk_size & (chunk_size - 1) or chunk_size < 16:
+        raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
+    cu = cu_seqlens.astype(jnp.int32)
+    info = sequence_table(cu, slots, has_initial_state, src_slots)
+    chunks = chunk_table(cu, slots, t, chunk_size)
+    pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))
+    q, k, v, g = pad(q), pad(k), pad(v), pad(g.astype(jnp.float32))
+    n, rep, tp = state_pool.shape[0], hv // hk, t + chunk_size
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    # WY: every chunk of every head at once (the UT transform is off the serial path).
+    key_spec = pl.BlockSpec((tp, None, kd), lambda i, h: (0, h // rep, 0))
+    head_spec = lambda d: pl.BlockSpec((tp, None, d), lambda i, h: (0, h, 0))
+    gate_spec = pl.BlockSpec((tp, None), lambda i, h: (0, h))
+    w, u = pl.pallas_call(
+        functools.partial(_wy_kernel, chunk=chunk_size, l2=use_qk_l2norm),
+        grid=(chunks.shape[0], hv),
+        in_specs=[pl.BlockSpec(chunks.shape, lambda i, h: (0, 0)), key_spec, head_spec(vd),
+                  gate_spec, gate_spec],
+        out_specs=[head_spec(kd), head_spec(vd)],
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, kd), k.dtype),
+                   jax.ShapeDtypeStruct((tp, hv, vd), v.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_wy",
+    )(chunks, k, v, g, pad(beta.astype(jnp.float32)))
+    # The state pass: each sequence's chunks in order.
+    qk_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
+    w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
+    v_spec = pl.BlockSpec((tp, None, bv), lambda i, h, j: (0, h, j))
+    state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
+    o, pool = pl.pallas_call(
+        functools.partial(_state_kernel, chunk=chunk_size, l2=use_qk_l2norm),
+        grid=(s, hv, vd // bv),
+        in_specs=[pl.BlockSpec((s, 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec, w_spec, v_spec,
+                  pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
+        out_specs=[v_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), v.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={6: 1},
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_state",
+    )(info, q, k, w, u, g, state_pool)
+    live = live_tokens(cu, slots, t)[:, None, None]
+    return jnp.where(live, o[:t], 0).astype(v.dtype), pool
+
+
+def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h_out_ref, *,
+                   l2: bool):
+    s, head = pl.program_id(0), pl.program_id(1)
+    slot, init, src = slot_ref[s, 0], slot_ref[s, 1], slot_ref[s, 2]
+    q = _normed(q_ref[...], l2, q_ref.shape[-1] ** -0.5)
+    k = _normed(k_ref[...], l2)
+
+    @pl.when(slot >= 0)
+    def _():
+        h = jnp.where(init > 0, h_ref[src].astype(jnp.float32), 0.0) * jnp.exp(g_ref[s, head])
+        delta = (v_ref[...].astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0)) * b_ref[s, head]
+        h = h + k[:, None] * delta[None, :]
+        o_ref[...] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+    @pl.when(slot < 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm: bool = True,
+               block_v: int = 64, num_warps: int = 4, interpret: bool = False):
+    """One token per sequence: q, k [S, Hk, K], v [S, Hv, V], g, beta [S, Hv]; slots [S] (< 0:
+    padding row, zeros out, nothing written), src_slots [S] where each reads its state (default:
+    slots; < 0: from zeros). Returns (o [S, Hv, V], state_pool updated in place)."""
+    hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
+    s, vd = q.shape[0], v.shape[2]
+    check_sources(slots, src_slots)
+    if slots.shape != (s,):
+        raise ValueError(f"slots {slots.shape} must be [num_seqs={s}]")
+    n, rep = state_pool.shape[0], hv // hk
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h, j: (0,) * len(shape))
+    qk_spec = pl.BlockSpec((None, None, kd), lambda i, h, j: (i, h // rep, 0))
+    v_spec = pl.BlockSpec((None, None, bv), lambda i, h, j: (i, h, j))
+    state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
+    return pl.pallas_call(
+        functools.partial(_decode_kernel, l2=use_qk_l2norm),
+        grid=(s, hv, vd // bv),
+        in_specs=[whole((s, 3)), qk_spec, qk_spec, v_spec, whole((s, hv)), whole((s, hv)),
+                  state_spec],
+        out_specs=[v_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={6: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_decode",
+    )(slot_table(slots, None, src_slots), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+      state_pool)
+
+
+def gdn_prefill_flops(seq_lens, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                      chunk_size: int = 64) -> float:
+    """Useful FLOPs of a chunked prefill (for `gdn_prefill_frac_of_matmul`): per chunk of n rows
+    and value head, the matmuls kk^T, w, qk^T (2n^2 K each), u, (qk^T D) v' (2n^2 V each),
+    w S, q S, k^T v' (2nKV each) and the triangular solve (n^3 / 3). Partial chunks count their
+    real rows."""
+    kd, vd = head_k_dim, head_v_dim
+    total = 0.0
+    for length in seq_lens:
+        full, rest = divmod(int(length), chunk_size)
+        for n, times in ((chunk_size, full), (rest, 1 if rest else 0)):
+            total += times * (6 * n * n * kd + 4 * n * n * vd + 6 * n * kd * vd + n ** 3 / 3)
+    return total * num_v_heads

@@ -1,0 +1,203 @@
+"""Mamba-2's SSM (the SSD scan) as Triton-lowered Pallas kernels: a chunked prefill over a ragged
+batch and a one-token decode, both updating the state pool in place.
+
+    ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
+                src_slots=None, chunk_size=64, block_p=64) -> (y [T, H, P], state_pool)
+    ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None, block_p=64)
+        -> (y [S, H, P], state_pool)
+
+Inputs as HF's Mamba2Mixer / mamba_ssm's mamba_chunk_scan_combined take them after the conv and
+the split of xBC: x [T, H, P], dt [T, H] the step size after softplus and clamping
+(`reference.mamba2_dt`), a [H] = -exp(A_log), b and c [T, G, N] (head h reads group
+h // (H // G)), d [H] or None (the skip y += D x), state_pool [num_slots, H, P, N] float32 (the
+mamba_ssm layout); the ragged batch of `batch.py`. The gated RMSNorm with z is the caller's.
+The references are `reference.ssd_chunked_reference` / `ssd_decode_reference`.
+
+Prefill: grid (S, H, P / block_p); a program walks its sequence's chunks, its [block_p, N] slice
+of the state in registers. Per chunk: cs = cumsum(dt a); L = exp(cs_i - cs_j) (i >= j);
+y = ((C B^T) * L * dt_j) x + exp(cs) (C S^T) + D x;
+S <- exp(cs_last) S + (x dt exp(cs_last - cs))^T B. Rows past a sequence's end load as dt = 0,
+x = B = 0: the identity step. Matmul operands in x's dtype, float32 accumulation and state.
+Decode: grid (S, H, P / block_p): `reference.ssd_step` on the slot.
+
+Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill's packed batch;
+`ssd_decode` is the fast path of a step with only decode rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
+                                      slot_table)
+
+
+def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
+    return pltriton.dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a,
+                        trans_b=trans_b).astype(jnp.float32)
+
+
+def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref,
+                    *, chunk: int):
+    s, head = pl.program_id(0), pl.program_id(1)
+    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src = info_ref[s, 4]
+    a, skip = a_ref[head], d_ref[head]
+    dtype = x_ref.dtype
+    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(j, h):
+            row0 = start + j * chunk
+            ok = j * chunk + rows < length
+            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                              other=0).astype(jnp.float32)
+            x, b, c = load2(x_ref), load2(b_ref), load2(c_ref)
+            dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk)], mask=ok, other=0).astype(jnp.float32)
+            cs = jnp.sum(jnp.where(r >= col, (dt * a)[None, :], 0.0), axis=1)  # cumsum
+            decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
+            scores = _dot(c, b, dtype, trans_b=True) * decay * dt[None, :]
+            y = (_dot(scores, x, dtype) + jnp.exp(cs)[:, None] * _dot(c, h, dtype, trans_b=True)
+                 + skip * x)
+            pltriton.store(y_ref.at[pl.ds(row0, chunk), :], y.astype(y_ref.dtype),
+                           mask=ok[:, None])
+            last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
+            return (h * jnp.exp(last)
+                    + _dot(x * (dt * jnp.exp(last - cs))[:, None], b, dtype, trans_a=True))
+
+        h0 = h_ref[src].astype(jnp.float32)
+        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+
+def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
+    t, h, p = x.shape
+    g, n = b.shape[1], b.shape[2]
+    if dt.shape != (t, h) or a.shape != (h,) or (d is not None and d.shape != (h,)):
+        raise ValueError(f"x {x.shape}, dt {dt.shape}, a {a.shape}, d "
+                         f"{None if d is None else d.shape}: need [T, H, P], [T, H], [H], [H]")
+    if b.shape != c.shape or b.shape[0] != t or h % g:
+        raise ValueError(f"b {b.shape} and c {c.shape} must be [T, G, N] with G dividing H={h}")
+    if state_pool.shape[1:] != (h, p, n) or state_pool.dtype != jnp.float32:
+        raise ValueError(f"state_pool {state_pool.shape} {state_pool.dtype} must be float32 "
+                         f"[num_slots, H={h}, P={p}, N={n}]")
+    bp = min(block_p, p)
+    for name, v in (("N", n), ("block_p", bp)):
+        if v & (v - 1) or v < 16:
+            raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton block shapes)")
+    if p % bp:
+        raise ValueError(f"P={p} must be a multiple of block_p={bp}")
+    skip = jnp.zeros((h,), jnp.float32) if d is None else d.astype(jnp.float32)
+    return h, p, g, n, bp, skip
+
+
+def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
+                src_slots=None, chunk_size: int = 64, block_p: int = 64, num_warps: int = 4,
+                interpret: bool = False):
+    """The chunked SSD scan over a ragged batch (module docstring). Returns (y [T, H, P] in x's
+    dtype, zeros on padding/dead rows; state_pool with each live sequence's final state in its
+    slot). chunk_size: a power of two >= 16."""
+    h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
+    t = x.shape[0]
+    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
+    if chunk_size & (chunk_size - 1) or chunk_size < 16:
+        raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
+    cu = cu_seqlens.astype(jnp.int32)
+    info = sequence_table(cu, slots, has_initial_state, src_slots)
+    pad = lambda v: jnp.pad(v, ((0, chunk_size),) + ((0, 0),) * (v.ndim - 1))
+    slots_n, rep, tp = state_pool.shape[0], h // g, t + chunk_size
+    x_spec = pl.BlockSpec((tp, None, bp), lambda i, hh, j: (0, hh, j))
+    bc_spec = pl.BlockSpec((tp, None, n), lambda i, hh, j: (0, hh // rep, 0))
+    state_spec = pl.BlockSpec((slots_n, None, bp, n), lambda i, hh, j: (0, hh, j, 0))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, hh, j: (0,) * len(shape))
+    y, pool = pl.pallas_call(
+        functools.partial(_prefill_kernel, chunk=chunk_size),
+        grid=(s, h, p // bp),
+        in_specs=[whole((s, 5)), whole((h,)), whole((h,)), x_spec,
+                  pl.BlockSpec((tp, None), lambda i, hh, j: (0, hh)), bc_spec, bc_spec,
+                  state_spec],
+        out_specs=[x_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct((tp, h, p), x.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={7: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="ssd_prefill",
+    )(info, a.astype(jnp.float32), skip, pad(x), pad(dt.astype(jnp.float32)), pad(b), pad(c),
+      state_pool)
+    live = live_tokens(cu, slots, t)[:, None, None]
+    return jnp.where(live, y[:t], 0).astype(x.dtype), pool
+
+
+def _decode_kernel(slot_ref, a_ref, d_ref, dt_ref, x_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref):
+    s, head = pl.program_id(0), pl.program_id(1)
+    slot, init, src = slot_ref[s, 0], slot_ref[s, 1], slot_ref[s, 2]
+    x = x_ref[...].astype(jnp.float32)
+    dt = dt_ref[s, head]
+
+    @pl.when(slot >= 0)
+    def _():
+        h = (jnp.where(init > 0, h_ref[src].astype(jnp.float32), 0.0) * jnp.exp(dt * a_ref[head])
+             + (dt * x)[:, None] * b_ref[...].astype(jnp.float32)[None, :])
+        y = jnp.sum(h * c_ref[...].astype(jnp.float32)[None, :], axis=1) + d_ref[head] * x
+        y_ref[...] = y.astype(y_ref.dtype)
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+    @pl.when(slot < 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+
+
+def ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None, block_p: int = 64,
+               num_warps: int = 4, interpret: bool = False):
+    """One token per sequence: x [S, H, P], dt [S, H], b, c [S, G, N]; slots [S] (< 0: padding
+    row, zeros out, nothing written), src_slots [S] where each reads its state (default: slots).
+    Returns (y [S, H, P], state_pool updated in place)."""
+    h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
+    s = x.shape[0]
+    check_sources(slots, src_slots)
+    if slots.shape != (s,):
+        raise ValueError(f"slots {slots.shape} must be [num_seqs={s}]")
+    slots_n, rep = state_pool.shape[0], h // g
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, hh, j: (0,) * len(shape))
+    x_spec = pl.BlockSpec((None, None, bp), lambda i, hh, j: (i, hh, j))
+    bc_spec = pl.BlockSpec((None, None, n), lambda i, hh, j: (i, hh // rep, 0))
+    state_spec = pl.BlockSpec((slots_n, None, bp, n), lambda i, hh, j: (0, hh, j, 0))
+    return pl.pallas_call(
+        _decode_kernel,
+        grid=(s, h, p // bp),
+        in_specs=[whole((s, 3)), whole((h,)), whole((h,)), whole((s, h)), x_spec, bc_spec, bc_spec,
+                  state_spec],
+        out_specs=[x_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={7: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="ssd_decode",
+    )(slot_table(slots, None, src_slots), a.astype(jnp.float32), skip, dt.astype(jnp.float32), x,
+      b, c,
+      state_pool)
+
+
+def ssd_prefill_flops(seq_lens, num_heads: int, head_dim: int, state_dim: int,
+                      chunk_size: int = 64) -> float:
+    """Useful FLOPs of a chunked prefill (for `ssd_prefill_frac_of_matmul`): per chunk of n rows
+    and head, C B^T (2n^2 N), the scores times x (2n^2 P), C S^T and x^T B (2nPN each). Partial
+    chunks count their real rows; B/C shared by a group are counted per head, as computed."""
+    p, n_state = head_dim, state_dim
+    total = 0.0
+    for length in seq_lens:
+        full, rest = divmod(int(length), chunk_size)
+        for n, times in ((chunk_size, full), (rest, 1 if rest else 0)):
+            total += times * (2 * n * n * (n_state + p) + 4 * n * p * n_state)
+    return total * num_heads

@@ -3,7 +3,7 @@
     python -m benchmarks.bench_startup [--model DIR] [--warm-runs 2] [--save [DIR]]
         [-- extra serve flags]
 
-Each run is a fresh `python -m cli.main serve` process. The cold run gets an empty
+Each run is a fresh `python -m jaxinfer.cli.main serve` process. The cold run gets an empty
 compilation cache directory (persistent XLA cache and executable cache); the warm runs reuse what
 the cold run wrote. The server logs its phases once ready (jaxinfer/engine/startup.py): config,
 tokenizer, weights, KV plan + allocation, warm-up, and inside warm-up jax's tracing, lowering, XLA
@@ -54,7 +54,7 @@ def _healthy(port: int) -> bool:
 def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: float) -> dict:
     """One server start: seconds to /health 200 and the phases the server logged."""
     port = _free_port()
-    argv = [sys.executable, "-m", "cli.main", "--log-level", "info", "serve",
+    argv = [sys.executable, "-m", "jaxinfer.cli.main", "--log-level", "info", "serve",
             "--port", str(port), "--compilation-cache-dir", cache_dir, *extra]
     if model:
         argv += ["--model", model]

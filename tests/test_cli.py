@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser, main
+from jaxinfer.cli.main import build_parser, main
 from jaxinfer.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

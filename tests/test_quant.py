@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cli import memory as cli_memory
-from cli.main import main
+from jaxinfer.cli import memory as cli_memory
+from jaxinfer.cli.main import main
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.model.config import config_from_dict, load_config
@@ -352,7 +352,7 @@ def test_engine_greedy_with_fp8_weights_equals_the_dense_forward(demo_fp8_llm):
 
 
 def test_weight_bytes_are_counted_in_metrics_and_memory(demo_fp8_llm, capsys):
-    from cli.memory import quantized_weight_bytes
+    from jaxinfer.cli.memory import quantized_weight_bytes
     engine = demo_fp8_llm.engine
     gauge = engine.metrics.registry.get_sample_value("jaxinfer:weight_bytes",
                                                      {"model_name": engine.model_name})

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cli.main import build_parser, main
-from cli.serve import resolve_model_tag
+from jaxinfer.cli.main import build_parser, main
+from jaxinfer.cli.serve import resolve_model_tag
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.tokenizer import load_tokenizer as _load_tokenizer
 from jaxinfer.errors import ConfigError, TokenizerError

@@ -24,9 +24,10 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64", "--no-warmup",
-         "--compilation-cache-dir", "", "--attention-backend", "reference", "--shutdown-grace", "0"],
+        [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(model_dir),
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64",
+         "--no-warmup", "--compilation-cache-dir", "", "--attention-backend", "reference",
+         "--shutdown-grace", "0"],
         env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         async def scenario():

@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
-from cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
+from jaxinfer.cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
+from jaxinfer.cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 

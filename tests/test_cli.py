@@ -39,7 +39,8 @@ def test_generate_prompts_file_prints_one_json_line_per_prompt(tmp_path, capsys)
     (["generate", "--prompt", "x", "--model", "/nonexistent/model"],
      "model directory '/nonexistent/model' does not exist"),
     (["generate", "--prompt", "x", "--temperature", "-1", *FAST], "temperature=-1.0"),
-    (["serve", "--model", str(ROOT / "tests" / "fixtures" / "models" / "llama"), *FAST],
+    # --port 0: the default port may be in use (`make serve`), which is refused before the model
+    (["serve", "--model", str(ROOT / "tests" / "fixtures" / "models" / "llama"), "--port", "0", *FAST],
      "has no tokenizer.json"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys):

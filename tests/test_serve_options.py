@@ -60,7 +60,9 @@ def test_bad_tokenizer_and_template_flags_are_clear_errors(tmp_path, capsys):
     with pytest.raises(TokenizerError, match="does not parse"):
         load_tokenizer(EngineArgs(model=str(DEMO), chat_template="{% for %}"))
     shutil.copytree(LLAMA, tmp_path / "m")
-    assert main(["serve", str(tmp_path / "m"), "--no-warmup", "--compilation-cache-dir", ""]) == 2
+    # --port 0: the default port may be in use (`make serve`), which is refused before the model
+    assert main(["serve", str(tmp_path / "m"), "--port", "0", "--no-warmup",
+                 "--compilation-cache-dir", ""]) == 2
     assert "has no tokenizer.json" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""Where things live: the bundled demo model and the on-disk compilation cache."""
+"""Where things live: the bundled demo model and the on-disk caches."""
 
 import os
 from pathlib import Path
@@ -10,6 +10,10 @@ from pathlib import Path
 DEFAULT_MODEL = (Path(__file__).parent / "demo_models" / "demo-target").resolve()
 
 
+def cache_home() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache (the XDG base directories, which huggingface_hub follows too)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 def user_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jaxinfer"
+    return cache_home() / "jaxinfer"

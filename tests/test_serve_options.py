@@ -119,6 +119,25 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
     assert EngineArgs(model="demo-org/demo-target").model_path == str(snapshot)
 
 
+@pytest.mark.parametrize("env, hub, own", [
+    ({"HF_HUB_CACHE": "/a", "HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}, "/a", "/x/jaxinfer"),
+    ({"HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}, "/h/hub", "/x/jaxinfer"),
+    ({"XDG_CACHE_HOME": "/x"}, "/x/huggingface/hub", "/x/jaxinfer"),
+    ({}, "~/.cache/huggingface/hub", "~/.cache/jaxinfer"),
+])
+def test_caches_follow_huggingface_hub_and_xdg(env, hub, own, monkeypatch):
+    """HF_HUB_CACHE > HF_HOME/hub > XDG_CACHE_HOME/huggingface/hub > ~/.cache/huggingface/hub, as
+    huggingface_hub finds its cache; jaxinfer's own under XDG_CACHE_HOME too."""
+    from jaxinfer.engine.args import default_compilation_cache_dir
+    from jaxinfer.model.hub import hub_cache_dir
+    for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hub_cache_dir() == Path(hub).expanduser()
+    assert Path(default_compilation_cache_dir()) == Path(own).expanduser() / "jax_compilation_cache"
+
+
 def test_chat_template_kwargs_with_any_name_never_break_the_server(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
             "chat_template_kwargs": {"special_tokens": 1, "source": 2, "eos_token": "x"}}

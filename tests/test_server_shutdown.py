@@ -1,5 +1,6 @@
-"""`jaxinfer serve` as a process: SIGTERM stops accepting, ends in-flight streams cleanly (a final
-chunk with a finish_reason, then [DONE]) once the grace period is over, and the process exits 0."""
+"""`jaxinfer serve` as a process: it says when it is ready; SIGTERM stops accepting, ends in-flight
+streams cleanly (a final chunk with a finish_reason, then [DONE]) once the grace period is over, and
+the process exits 0."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
         # No grace: the in-flight stream is aborted, and still gets its final chunk and [DONE].
         assert last["choices"][0]["finish_reason"] == "abort"
         assert proc.wait(timeout=30) == 0
+        # At the default --log-level: where it listens, then (once /health answered 200) "ready".
+        log = [line for line in proc.communicate()[1].splitlines() if line.startswith("INFO")]
+        assert log[0].endswith(f"on {url} (OpenAI API under /v1)")
+        assert log[1] == f"INFO serve.app: ready: serving on {url}"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,6 +7,7 @@ sources it builds."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -55,10 +56,14 @@ def test_wheel_carries_the_demo_model(wheel):
 def test_installed_wheel_resolves_its_own_demo_model(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    # PYTHONPATH comes before the editable install's finder: this imports the extracted jaxinfer
-    probe = ("from jaxinfer import paths; from jaxinfer.model.config import load_config; "
-             "load_config(paths.DEFAULT_MODEL); print(paths.DEFAULT_MODEL)")
+    # PYTHONPATH comes before the editable install's finder: this imports the extracted jaxinfer,
+    # and runs `jaxinfer memory` (which loads the default model's config.json) from it.
+    probe = ("import sys; from jaxinfer import paths; print(paths.DEFAULT_MODEL); "
+             "from jaxinfer.cli.main import main; sys.exit(main(['memory', '--seq-len', '1024', '--json']))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()) == (site / DEMO).resolve()
+    path, report = done.stdout.split("\n", 1)
+    assert Path(path) == (site / DEMO).resolve()
+    assert json.loads(report)["model"]["num_layers"] == json.loads(
+        (ROOT / "checkpoints" / "demo-target" / "config.json").read_text())["num_hidden_layers"]

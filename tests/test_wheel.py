@@ -27,9 +27,11 @@ DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tok
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
+    # The checkout as git has it (all of it, so that a stray top-level package would show), less
+    # .gitignore's build outputs and environments
     shutil.copytree(ROOT, src, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", ".goldenvenv", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis",
-        "build", "dist"))
+        ".ruff_cache", "build", "dist", "out", ".whl", ".gl"))
     out = tmp_path_factory.mktemp("dist")
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(out)], check=True, capture_output=True, text=True)

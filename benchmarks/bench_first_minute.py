@@ -144,7 +144,7 @@ def main() -> None:
     metrics: dict = {}
     phases: dict = {}
     t0 = time.perf_counter()
-    stdout, stderr, rc = child([sys.executable, "-m", "cli.main", "warmup", *flags],
+    stdout, stderr, rc = child([sys.executable, "-m", "jaxinfer.cli.main", "warmup", *flags],
                                args.deadline_s - 150)
     phases["cold"] = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc,
                       "stdout_tail": stdout[-300:]}

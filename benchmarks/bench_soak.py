@@ -375,7 +375,7 @@ def main() -> int:
         cmd = [
             sys.executable,
             "-m",
-            "cli.main",
+            "jaxinfer.cli.main",
             "serve",
             "--port",
             str(port),

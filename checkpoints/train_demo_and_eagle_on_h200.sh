@@ -108,7 +108,7 @@ if want draft "$DRAFT_SECONDS"; then
     --teacher "$(model demo-target)" --out "$WORK/checkpoints/demo-draft" --max-seconds "$DRAFT_SECONDS"
 fi
 if want eagle "$EAGLE_SECONDS"; then
-  run_stage eagle demo-eagle3 $PY -m cli.main train-eagle --model "$(model demo-target)" \
+  run_stage eagle demo-eagle3 $PY -m jaxinfer.cli.main train-eagle --model "$(model demo-target)" \
     --out "$WORK/checkpoints/demo-eagle3" --work "$WORK/eagle" --resume \
     --max-seconds "$EAGLE_SECONDS" --corpus "$CORPUS/train.npy" "${EAGLE_ARGS[@]}"
   if [ -f "$WORK/eagle/log.json" ] && [ -d "$WORK/checkpoints/demo-eagle3" ]; then

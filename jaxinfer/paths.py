@@ -1,13 +1,19 @@
-"""Where things live: the bundled demo model and the on-disk compilation cache."""
+"""Where things live: the bundled demo model and the on-disk caches."""
 
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # The small model jaxinfer trained itself (checkpoints/README.md); used when no --model is given.
-DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "demo-target"
+# It ships in the wheel as package data. In a checkout jaxinfer/demo_models/demo-target is a
+# symlink to checkpoints/demo-target, which the wheel build copies through, so the one path serves
+# a checkout and an installed wheel alike (resolved: a checkout names checkpoints/demo-target).
+DEFAULT_MODEL = (Path(__file__).parent / "demo_models" / "demo-target").resolve()
+
+
+def cache_home() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache (the XDG base directories, which huggingface_hub follows too)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def user_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jaxinfer"
+    return cache_home() / "jaxinfer"

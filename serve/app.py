@@ -125,6 +125,12 @@ async def _start_engine(app: web.Application) -> None:
     app[LIFECYCLE].engine_start = task
 
 
+def _log_ready(start: asyncio.Task, url: str) -> None:
+    """The moment /health turns 200: the engine's start has returned."""
+    if not start.cancelled() and start.exception() is None:
+        logger.info("ready: serving on %s", url)
+
+
 def _log_start_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("engine failed to start: %r", task.exception())
@@ -204,8 +210,11 @@ class Server:
         site = GuardedTCPSite(self._runner, self.host, self.port, header_timeout=self.header_timeout)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)",
-                       self.app[ENGINE].model_name, self.host, self.port)
+        url = f"http://{self.host}:{self.port}"
+        logger.info("serving %s on %s (OpenAI API under /v1)", self.app[ENGINE].model_name, url)
+        start = self.app[LIFECYCLE].engine_start
+        if start is not None:  # None: the caller started the engine (tests share one)
+            start.add_done_callback(lambda task: _log_ready(task, url))
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from cli.main import main
+from jaxinfer.cli.main import main
 from server_harness import MODEL, NO_EOS, post_raw
 
 COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser, main
+from jaxinfer.cli.main import build_parser, main
 from jaxinfer.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +38,13 @@ def test_generate_prompts_file_prints_one_json_line_per_prompt(tmp_path, capsys)
      "--prompts-file '/nonexistent/p.txt' does not exist"),
     (["generate", "--prompt", "x", "--model", "/nonexistent/model"],
      "model directory '/nonexistent/model' does not exist"),
+    (["generate", "--prompt", "x", "--model", str(DEMO / "config.json")],
+     f"'{DEMO / 'config.json'}' is a file; a model directory is expected"),
+    (["memory", "--model", str(DEMO / "config.json")],
+     f"'{DEMO / 'config.json'}' is a file; a model directory is expected"),
     (["generate", "--prompt", "x", "--temperature", "-1", *FAST], "temperature=-1.0"),
-    (["serve", "--model", str(ROOT / "tests" / "fixtures" / "models" / "llama"), *FAST],
+    # --port 0: the default port may be in use (`make serve`), which is refused before the model
+    (["serve", "--model", str(ROOT / "tests" / "fixtures" / "models" / "llama"), "--port", "0", *FAST],
      "has no tokenizer.json"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys):
@@ -70,3 +75,59 @@ def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(capsys):
     err = capsys.readouterr().err
     assert f"cannot serve on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
     assert logging.getLogger("serve.app").isEnabledFor(logging.INFO)
+
+
+@pytest.mark.parametrize("argv, level", [
+    (["serve", "--log-level", "INFO"], "info"),  # after the command too, in any case
+    (["--log-level", "Debug", "serve"], "debug"),
+    (["--log-level", "error", "memory", "--log-level", "info"], "info"),  # the later one
+    (["serve"], "warning"),
+])
+def test_log_level_goes_before_or_after_the_command(argv, level):
+    assert build_parser().parse_args(argv).log_level == level
+
+
+def test_memory_defaults_to_the_demo_model(capsys):
+    assert main(["memory", "--seq-len", "1024", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    config = json.loads((DEMO / "config.json").read_text())
+    assert (model["num_layers"], model["num_kv_heads"]) == (config["num_hidden_layers"],
+                                                            config["num_key_value_heads"])
+    assert main(["memory", "--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["num_layers"] == 2  # shape flags: no model
+
+
+# Ctrl-C while `jaxinfer serve` imports jax: a finder that sends the process SIGINT when `jax` is
+# first looked up, in the child only.
+INTERRUPT_AT_JAX_IMPORT = """
+import os, signal, sys
+
+class InterruptAtJax:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptAtJax())
+from jaxinfer.cli.main import main
+sys.exit(main(["serve", "--port", "0"]))
+"""
+
+
+def test_ctrl_c_while_starting_is_one_line_and_status_130(tmp_path):
+    import os
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", INTERRUPT_AT_JAX_IMPORT], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert (done.returncode, done.stderr) == (130, "jaxinfer: interrupted\n")
+
+
+def test_ctrl_c_while_running_is_one_line_and_status_130(monkeypatch, capsys):
+    from jaxinfer.cli import serve as cli_serve
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_serve, "run", interrupted)
+    assert main(["serve", "--port", "0"]) == 130
+    assert capsys.readouterr().err == "jaxinfer serve: interrupted\n"

@@ -17,7 +17,7 @@ from jaxinfer.frontends.multihost import StreamLeader
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVERS = ["jaxinfer/frontends/llm.py", "jaxinfer/frontends/async_engine.py", "serve/batch.py",
-           "cli/generate.py", "cli/batch.py"]
+           "jaxinfer/cli/generate.py", "jaxinfer/cli/batch.py"]
 
 
 @pytest.mark.parametrize("cls", [LLMEngine, DataParallelEngine, DisaggregatedEngine, StreamLeader])

@@ -126,7 +126,7 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
 
 
 def test_memory_report_counts_windowed_reads():
-    from cli.memory import ModelShape, memory_report, parse_accelerator
+    from jaxinfer.cli.memory import ModelShape, memory_report, parse_accelerator
     windows = (4, 4, None, 4, 4, None)  # 6 layers, 2 KV heads x 8, bf16: 384 B per token
     shape = ModelShape(6, 2, 8, 4, 1000, 500, "bfloat16", layer_windows=windows)
     r = memory_report(shape, kv_dtype="auto", seq_len=16, batch=2, block_size=16,
@@ -137,7 +137,7 @@ def test_memory_report_counts_windowed_reads():
 
 
 def test_memory_report_counts_the_hybrid_pool():
-    from cli.memory import ModelShape, memory_report, parse_accelerator
+    from jaxinfer.cli.memory import ModelShape, memory_report, parse_accelerator
     shape = ModelShape(6, 2, 8, 4, 1000, 500, "bfloat16", layer_windows=(4, 4, None, 4, 4, None))
     r = memory_report(shape, kv_dtype="auto", seq_len=64, batch=2, block_size=4,
                       accelerator=parse_accelerator("h200", None, None), gpu_memory_utilization=0.9)

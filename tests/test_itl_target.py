@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from cli.main import build_parser
+from jaxinfer.cli.main import build_parser
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.itl_target import (AUTO, MAX_STEPS_WITHOUT_PROMPTS, MIN_PREFILL_TOKENS,
                                         ItlTarget, StepTimeModel, parse_itl_target)

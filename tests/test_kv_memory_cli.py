@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import memory as cli_memory
+from jaxinfer.cli import memory as cli_memory
 from jaxinfer.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"

@@ -51,7 +51,7 @@ def two_servers(tmp_path_factory):
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
            "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir),
+        [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(model_dir),
          "--port", str(port), "--shutdown-grace", "0", *ENGINE_FLAGS,
          "--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
          "--num-processes", "2", "--process-id", str(i)],

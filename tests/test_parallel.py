@@ -347,7 +347,7 @@ def test_distributed_flags_are_checked(values, message, monkeypatch):
     (["--coordinator-address", "127.0.0.1:1"], "--num-processes is required"),
 ])
 def test_cli_refuses_more_devices_than_there_are(flags, message, capsys):
-    from cli.main import main
+    from jaxinfer.cli.main import main
     argv = ["generate", "--prompt", "x", "--model", str(FIXTURES / "llama"), "--no-warmup",
             "--compilation-cache-dir", "", *flags]
     assert main(argv) == 2

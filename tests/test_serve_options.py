@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cli.main import build_parser, main
-from cli.serve import resolve_model_tag
+from jaxinfer.cli.main import build_parser, main
+from jaxinfer.cli.serve import resolve_model_tag
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.tokenizer import load_tokenizer as _load_tokenizer
 from jaxinfer.errors import ConfigError, TokenizerError
@@ -60,7 +60,9 @@ def test_bad_tokenizer_and_template_flags_are_clear_errors(tmp_path, capsys):
     with pytest.raises(TokenizerError, match="does not parse"):
         load_tokenizer(EngineArgs(model=str(DEMO), chat_template="{% for %}"))
     shutil.copytree(LLAMA, tmp_path / "m")
-    assert main(["serve", str(tmp_path / "m"), "--no-warmup", "--compilation-cache-dir", ""]) == 2
+    # --port 0: the default port may be in use (`make serve`), which is refused before the model
+    assert main(["serve", str(tmp_path / "m"), "--port", "0", "--no-warmup",
+                 "--compilation-cache-dir", ""]) == 2
     assert "has no tokenizer.json" in capsys.readouterr().err
 
 
@@ -115,6 +117,25 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
         EngineArgs(model="demo-org/absent").model_path
     (repo / "refs" / "main").unlink()  # no ref: the single snapshot is taken
     assert EngineArgs(model="demo-org/demo-target").model_path == str(snapshot)
+
+
+@pytest.mark.parametrize("env, hub, own", [
+    ({"HF_HUB_CACHE": "/a", "HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}, "/a", "/x/jaxinfer"),
+    ({"HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}, "/h/hub", "/x/jaxinfer"),
+    ({"XDG_CACHE_HOME": "/x"}, "/x/huggingface/hub", "/x/jaxinfer"),
+    ({}, "~/.cache/huggingface/hub", "~/.cache/jaxinfer"),
+])
+def test_caches_follow_huggingface_hub_and_xdg(env, hub, own, monkeypatch):
+    """HF_HUB_CACHE > HF_HOME/hub > XDG_CACHE_HOME/huggingface/hub > ~/.cache/huggingface/hub, as
+    huggingface_hub finds its cache; jaxinfer's own under XDG_CACHE_HOME too."""
+    from jaxinfer.engine.args import default_compilation_cache_dir
+    from jaxinfer.model.hub import hub_cache_dir
+    for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hub_cache_dir() == Path(hub).expanduser()
+    assert Path(default_compilation_cache_dir()) == Path(own).expanduser() / "jax_compilation_cache"
 
 
 def test_chat_template_kwargs_with_any_name_never_break_the_server(server):

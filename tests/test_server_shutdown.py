@@ -1,5 +1,6 @@
-"""`jaxinfer serve` as a process: SIGTERM stops accepting, ends in-flight streams cleanly (a final
-chunk with a finish_reason, then [DONE]) once the grace period is over, and the process exits 0."""
+"""`jaxinfer serve` as a process: it says when it is ready; SIGTERM stops accepting, ends in-flight
+streams cleanly (a final chunk with a finish_reason, then [DONE]) once the grace period is over, and
+the process exits 0."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64", "--no-warmup",
-         "--compilation-cache-dir", "", "--attention-backend", "reference", "--shutdown-grace", "0"],
+        [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(model_dir),
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64",
+         "--no-warmup", "--compilation-cache-dir", "", "--attention-backend", "reference",
+         "--shutdown-grace", "0"],
         env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         async def scenario():
@@ -47,6 +49,10 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(tmp_path):
         # No grace: the in-flight stream is aborted, and still gets its final chunk and [DONE].
         assert last["choices"][0]["finish_reason"] == "abort"
         assert proc.wait(timeout=30) == 0
+        # At the default --log-level: where it listens, then (once /health answered 200) "ready".
+        log = [line for line in proc.communicate()[1].splitlines() if line.startswith("INFO")]
+        assert log[0].endswith(f"on {url} (OpenAI API under /v1)")
+        assert log[1] == f"INFO serve.app: ready: serving on {url}"
     finally:
         if proc.poll() is None:
             proc.kill()

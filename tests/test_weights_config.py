@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from cli.main import main
+from jaxinfer.cli.main import main
 from jaxinfer.model.config import config_from_dict, load_config, rope_inv_freq
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.model.weights import load_params

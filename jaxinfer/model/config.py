@@ -241,10 +241,20 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def not_a_model_dir(model_dir: str | Path) -> str | None:
+    """Why `model_dir` cannot be a model directory (the message), or None when it is a directory."""
+    if Path(model_dir).is_file():
+        return (f"'{model_dir}' is a file; a model directory is expected (config.json, the "
+                f"weights, tokenizer.json)")
+    if not Path(model_dir).is_dir():
+        return f"model directory '{model_dir}' does not exist"
+    return None
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        raise ConfigError(f"model directory '{model_dir}' does not exist")
+    if (problem := not_a_model_dir(model_dir)) is not None:
+        raise ConfigError(problem)
     if not path.is_file():
         raise ConfigError(f"'{path}' not found: a model directory needs a config.json")
     try:

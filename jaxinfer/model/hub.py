@@ -3,8 +3,9 @@
 jaxinfer never downloads: a model given by hub id must already be in the cache that
 `huggingface-cli download` (or transformers) fills, laid out as
 `<cache>/models--<org>--<name>/snapshots/<commit>/`, with `refs/<revision>` naming the commit. The
-cache is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, as huggingface_hub
-finds it, so offline machines (HF_HUB_OFFLINE=1) resolve the same ids.
+cache is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
+`~/.cache/huggingface/hub`, as huggingface_hub finds it, so offline machines (HF_HUB_OFFLINE=1)
+resolve the same ids.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from pathlib import Path
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.paths import cache_home
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -23,7 +25,7 @@ def hub_cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"])
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]) / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
+    return cache_home() / "huggingface" / "hub"
 
 
 def is_hub_id(name: str) -> bool:

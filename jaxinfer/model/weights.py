@@ -26,7 +26,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.config import ModelConfig, not_a_model_dir
 from jaxinfer.errors import CheckpointError
 from jaxinfer.model.quant import loading as quant_loading
 from jaxinfer.model.quant import st_format
@@ -367,8 +367,8 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, dtype=jnp.bfloat
     if load_format == "dummy":
         return init_params(cfg, jax.random.key(seed), dtype, shardings=shardings)
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"model directory '{model_dir}' does not exist")
+    if (problem := not_a_model_dir(model_dir)) is not None:
+        raise CheckpointError(problem)
     if load_format == "auto":
         has_orbax = (model_dir / ORBAX_SUBDIR).is_dir()
         has_st = any(model_dir.glob("*.safetensors"))

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.serve import resolve_model_tag
+    from jaxinfer.cli.serve import resolve_model_tag
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.errors import ConfigError
     from jaxinfer.frontends.factory import create_engine

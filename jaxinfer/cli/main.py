@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
-from cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
-from jaxinfer.bench import cli as cli_bench
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 DESCRIPTION = """\
 jaxinfer: LLM inference in JAX with Pallas GPU kernels.
@@ -70,11 +73,21 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default, type=str.lower, choices=LOG_LEVELS,
+                        help="default: warning")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # The sub-commands' modules import jax and the engine: imported here, inside main()'s Ctrl-C
+    # handling, not when this module loads.
+    from jaxinfer.cli import batch as cli_batch, generate as cli_generate, memory as cli_memory
+    from jaxinfer.bench import cli as cli_bench
+    from jaxinfer.cli import serve as cli_serve, train_eagle as cli_train_eagle, warmup as cli_warmup
+
     parser = argparse.ArgumentParser(prog="jaxinfer", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="warning",
-                        choices=["debug", "info", "warning", "error"], help="default: %(default)s")
+    _add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     cli_generate.add_parser(sub)
     cli_serve.add_parser(sub)
@@ -84,12 +97,48 @@ def build_parser() -> argparse.ArgumentParser:
     cli_warmup.add_parser(sub)
     cli_train_eagle.add_parser(sub)
     cli_bench.add_parser(sub)
+    for command in sub.choices.values():
+        # Also after the command (`jaxinfer serve --log-level info`); SUPPRESS keeps a level given
+        # before it when none is given after.
+        _add_log_level(command, argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """The `jaxinfer` command. Ctrl-C at any point before the server takes signals over (imports,
+    model loading, compiling) exits with status 130 and one line."""
+    with _exit_on_interrupt():
+        args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"jaxinfer {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _exit_interrupted(signum, frame) -> None:
+    sys.stderr.write("jaxinfer: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def _exit_on_interrupt():
+    """Ctrl-C exits at once while jax and the engine import (the command's first seconds): raised
+    inside a C extension's initialisation (numpy's, under jaxlib's), a KeyboardInterrupt is printed
+    there, traceback and all, and replaced by an ImportError. Nothing is written yet to lose."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield  # SIGINT ignored (a background job), or handled by whoever called main()
+        return
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # The server's own status lines (where it listens, shutting down) are INFO records, shown
     # unless --log-level asks for less than the default.
@@ -103,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # invalid flag values found after parsing (e.g. sampling parameters)
         print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

@@ -131,6 +131,9 @@ class ModelShape:
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim,
              "--heads": args.heads, "--kv-lora-rank": args.kv_lora_rank}
+    if args.model is None and all(v is None for v in flags.values()):
+        from jaxinfer.paths import DEFAULT_MODEL  # as `jaxinfer serve` without a model
+        args.model = str(DEFAULT_MODEL)
     if args.model:
         given = [f for f, v in flags.items() if v is not None]
         if given:
@@ -330,7 +333,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "  jaxinfer memory --layers 27 --kv-lora-rank 512 --heads 16 --weight-bytes 31.4GB  "
         "# DeepSeek-V2-Lite")
     src = p.add_argument_group("model (a directory, or its shape as flags)")
-    src.add_argument("--model", metavar="DIR", help="model directory with a config.json")
+    src.add_argument("--model", metavar="DIR",
+                     help="model directory with a config.json, or a cached hub id (default: the "
+                          "bundled demo model, unless the shape flags below are given)")
     src.add_argument("--layers", type=int, help="number of transformer layers")
     src.add_argument("--kv-heads", type=int, help="number of key/value heads")
     src.add_argument("--head-dim", type=int, help="dimension of one attention head")

@@ -58,7 +58,7 @@ from jaxinfer.bench import results_io
 from jaxinfer.bench.common import child
 from jaxinfer.bench.common import timed_generate
 from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
-from benchmarks.multi_gpu_moe import section_moe_layouts
+from jaxinfer.bench.suites.multi_gpu_moe import section_moe_layouts
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.bench.profile.trace_tp_step import TRACE_XLA_FLAGS
 

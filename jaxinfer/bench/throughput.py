@@ -9,12 +9,15 @@ steps, host ms per step, the timed window's `prefix_hit_rate` and the step bucke
 when it began (`buckets_compiling`; `--no-background-compile` compiles them all first).
 --host-overhead times the engine's host work per decode step instead (host_overhead.py), and
 --kv-manager the KV-cache manager's alone (kv_manager_overhead.py); --structured-output compares
-constrained with unconstrained decoding (structured_cost.py).
+constrained with unconstrained decoding (structured_cost.py). --suite NAME runs one of the model
+and feature suites instead (jaxinfer/bench/suites/: moe, multi-gpu, families, mla, kv-tiers, lora,
+spec-decode, research-loop, disagg, embeddings), its own flags after `--`.
 
     jaxinfer bench throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
     jaxinfer bench throughput --preset llama8b --save          # Llama-3-8B shape, dummy weights
     jaxinfer bench throughput --host-overhead --num-seqs 256
     jaxinfer bench throughput --kv-manager --steps 3000 --block-size 16
+    jaxinfer bench throughput --suite lora -- --impls pallas --save
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax
 from jaxinfer.bench import (common, host_overhead, kv_manager_overhead, presets, results_io,
                             structured_cost)
 from jaxinfer.bench.profile import engine_profile
+from jaxinfer.bench.suites import add_suite_args, run_suite
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
 
@@ -100,6 +104,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the KV-cache manager's own work per step instead (allocate, prefix-match, "
                         "fork, free; kv_manager_overhead.py); with --block-size, --num-blocks, "
                         "--seed")
+    add_suite_args(p)
     common.add_record_args(p, "throughput_<model>_<device> or host_overhead_<device>")
     engine_profile.add_profile_args(p)
     common.add_engine_args(p)
@@ -108,6 +113,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite_args and not args.suite:
+        args._parser.error("flags after -- need --suite NAME")
+    if args.suite:
+        return run_suite(args)
     presets.apply(args, args._parser)
     if args.kv_manager or args.structured_output:  # each saves its own record
         result = (kv_manager_overhead if args.kv_manager else structured_cost).run(args)

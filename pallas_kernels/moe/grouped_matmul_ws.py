@@ -20,7 +20,7 @@ both the decode weight stream and the compute-bound prefill tiles run faster on 
 
 The SwiGLU fusion as in the one-warpgroup kernel: two weight stacks (gate, up), each consumer holds two
 float32 accumulators and writes silu(gate) * up. CPU tests run it in Mosaic GPU's interpreter and
-lower it for CUDA; `benchmarks/bench_moe.py` times it on the H200.
+lower it for CUDA; `jaxinfer/bench/suites/moe.py` times it on the H200.
 
 FP8 (e4m3) weights (`scales` given: float32 [G, N] per stack, w = q * scale, the stacks
 `--quantization fp8` makes) are widened after the TMA load: weight-only, x stays 16-bit. Why not

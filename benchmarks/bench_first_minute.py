@@ -84,7 +84,7 @@ def closed_loop(engine, vocab: int, shapes: dict, seed: int) -> float:
 
 
 def run_warm(cfg: dict) -> dict:
-    from benchmarks.bench_multi_gpu import _throughput
+    from jaxinfer.bench.suites.multi_gpu import _throughput
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine

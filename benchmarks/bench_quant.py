@@ -22,9 +22,10 @@ one persistent compilation cache; the record is rewritten after each):
   llama8b_fp8w_c256  FP8 weights: c = 256 random 512 in / 256 out (bf16 KV cache).
   llama8b_fp8w_fp8kv  c = 256 with FP8 weights and --kv-cache-dtype (default fp8), then batch 1
                 in the same engine.
-Engines: 256 sequences, 2048-token steps, max_model_len 1024 (see bench_multi_gpu.py, whose timing
-helpers these sections share). Batch-1 sections compile their two step shapes lazily; c = 256
-sections compile every bucket before they are timed (bench_moe's engine section: with background
+Engines: 256 sequences, 2048-token steps, max_model_len 1024 (see
+jaxinfer/bench/suites/multi_gpu.py, whose timing helpers these sections share). Batch-1 sections
+compile their two step shapes lazily; c = 256 sections compile every bucket before they are timed
+(the MoE suite's engine section: with background
 compilation the decode steps run padded into the 2048-token bucket until their own is ready, and
 lazy compiles would stall the warm-up run; `<section>_ready_s` is load + every bucket).
 """
@@ -43,7 +44,7 @@ from pathlib import Path
 from jaxinfer.bench import results_io
 from jaxinfer.bench.common import child
 from jaxinfer.bench.presets import LLAMA3_8B
-from benchmarks.bench_multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
+from jaxinfer.bench.suites.multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = "2048,8,256"  # in the order measured: the prefill ratio first, then decode sizes

@@ -27,8 +27,8 @@ by its expert's channel scales (exact: the scale is per output column). "mosaic"
 (`--quantization fp8`) into the warp-specialised kernel, which widens them after the TMA load and
 applies the scales in its epilogue (grouped_matmul_ws's docstring says why weight-only); x goes in
 as float16, the SwiGLU's output stays float16 between the two calls. On Hopper "auto" gives e4m3
-stacks the kernel (timed by `jaxinfer/bench/suites/moe.py --fp8`, moe_h200.json); int8 stacks never
-take it.
+stacks the kernel (timed by `jaxinfer bench kernels --only moe -- --fp8`, moe_h200.json); int8
+stacks never take it.
 """
 
 from __future__ import annotations

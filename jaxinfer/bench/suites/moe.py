@@ -26,8 +26,8 @@ Sections (each in its own process, time-limited; figures are saved after every p
            `--quantization fp8`: every linear and expert e4m3 (experts on the kernel unless
            `--moe-impl xla`, or its check failed in `kernels`), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
-The kernel section is jaxinfer/bench/suites/moe_kernels.py, the engine's jaxinfer/bench/suites/moe_engine.py; this module
-runs each in its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
+The kernel section is moe_kernels.py, the engine's moe_engine.py (beside this module), each run in
+its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
 record moe_<gpu>.json (`--merge`: folded into a stored record, its other keys kept).
 BENCH_TINY_SHAPES=1: tiny shapes (moe_kernels.py, moe_engine.py), no Mosaic kernel timed.
 """

@@ -1,7 +1,7 @@
 """Tensor and data parallelism on two H200s, one script, one run: correctness first, then every
 figure beside its anchor.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_multi_gpu [--sections ...]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite multi-gpu -- [--sections ...]
         [--deadline-s 400] [--limits llama8b_tp2=90,...] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
@@ -61,8 +61,9 @@ from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
 from jaxinfer.bench.suites.multi_gpu_moe import section_moe_layouts
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.bench.profile.trace_tp_step import TRACE_XLA_FLAGS
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 
 NAME = "multi_gpu_h200x2"
 GRACE_S = 5  # past a section's time limit: its stack dump, then it is killed
@@ -339,7 +340,7 @@ def _last_json(text: str) -> dict:
     return merged
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--deadline-s", type=float, default=400.0)
@@ -353,7 +354,7 @@ def main() -> None:
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, NAME)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_section:
         fn = SECTIONS[args.run_section][0]
         print(json.dumps(fn(json.loads(args.config))), flush=True)

@@ -7,7 +7,7 @@ padded einsum, against ceilings measured in the same run; then the engine end to
         --quantization fp8 --sections kernels,qwen         # CPU smoke run: tiny shapes
 
 Sections (each in its own process, time-limited; figures are saved after every part):
-  kernels  ceilings (benchmarks.anchors: the best plain read of 8 GiB and bf16 matmul, named),
+  kernels  ceilings (jaxinfer.bench.anchors: the best plain read of 8 GiB and bf16 matmul, named),
            then per model shape (Qwen3-30B-A3B:
            128 experts, hidden 2048, expert inter 768, top-8; Mixtral-8x7B: 8 experts, 4096,
            14336, top-2) and phase (decode: 64 tokens; prefill: 2048 tokens), with routing from a

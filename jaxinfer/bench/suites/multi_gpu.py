@@ -392,11 +392,11 @@ def main(argv: list[str] | None = None) -> None:
             config["sections"][name] = "skipped: call deadline"
             continue
         t0 = time.perf_counter()
-        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--config", json.dumps(cfg)]
+        cmd = [sys.executable, "-m", __spec__.name, "--run-section", name, "--config", json.dumps(cfg)]
         flags = [base_flags, SECTION_XLA_FLAGS.get(name, "")]
         flags += [TRACE_XLA_FLAGS] if args.trace_steps else []  # traced as it runs untraced
         os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
-        stdout, stderr, rc = child(argv, min(limit, left), grace_s=GRACE_S)
+        stdout, stderr, rc = child(cmd, min(limit, left), grace_s=GRACE_S)
         entry_flags = os.environ["XLA_FLAGS"]
         os.environ["XLA_FLAGS"] = base_flags
         got = _last_json(stdout)

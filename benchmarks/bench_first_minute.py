@@ -17,7 +17,7 @@ Two processes over one new compilation cache directory:
           then, every bucket surely compiled (`compiler.wait()`), the same 30 s again:
           `compiled30_out_tok_s`, and `first30_over_compiled` (goal >= 0.9);
         - `llama8b_fp8w_fp8kv_c256_out_tok_s`: 256 random 512 in / 256 out all at once, after an
-          untimed run of other prompts (bench_multi_gpu._throughput), with its window's
+          untimed run of other prompts (suites.multi_gpu._throughput), with its window's
           `_prefix_hit_rate` (0: the timed prompts are new) and `_buckets_compiling`.
 Every timed prompt is new to the prefix cache. Expected time on one H200: cold about 4.5 min
 (quant_h200's llama8b_fp8w_fp8kv_ready_s, 276 s, compiled every bucket), warm about 2 min.

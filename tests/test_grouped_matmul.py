@@ -145,7 +145,7 @@ def test_dispatch_choice_and_config():
     assert gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="xla") == "ragged"
     with pytest.raises(ValueError, match="moe_impl 'fast'"):
         gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="fast")
-    # Measured choices (bench_moe, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
+    # Measured choices (the MoE suite, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
     # kernel, Mixtral decode (8 experts, 16 rows each) on the padded einsum; without the kernel the
     # padded einsum (E / k = 16x the rows: it beat ragged_dot at both phases), ragged_dot past that.
     pick = functools.partial(gm.pick_impl, gpu=True)

@@ -3,7 +3,7 @@
 Same contract, tile table and output ladder as `grouped_matmul_mosaic` (rows sorted by group; a
 tile is a window of one group's rows starting at the 8-row boundary at or before the group's first
 row; no group's m-tiles are padded to the largest group), on a producer/consumer schedule that
-both the decode weight stream and the compute-bound prefill tiles run faster on (bench_moe, H200):
+both the decode weight stream and the compute-bound prefill tiles run faster on (the MoE suite, H200):
 
   - one producer warpgroup runs a `stages`-deep TMA ring over K (x window + weight panels), the two
     consumer warpgroups only wait and issue wgmma, so loads, matmuls and the epilogue of one unit

@@ -1,4 +1,4 @@
-"""bench_multi_gpu's `moe_layouts` section: the routed experts of a MoE shape on one GPU and at
+"""The multi-GPU suite's `moe_layouts` section: the routed experts of a MoE shape on one GPU and at
 TP = 2 in both expert layouts (jaxinfer/parallel/experts.py), the all-reduce included."""
 
 from __future__ import annotations

@@ -374,8 +374,8 @@ def test_weight_bytes_are_counted_in_metrics_and_memory(demo_fp8_llm, capsys):
 
 def test_demo_accuracy_with_fp8_weights():
     """Held-out perplexity within +1.5 % of the unquantized model, top-1 agreement >= 97 % over
-    1,024 positions (the issue's accuracy bar, measured as bench_quant.py measures it)."""
-    from checkpoints.measure_demo import quantized_accuracy
+    1,024 positions (the issue's accuracy bar, measured as jaxinfer/bench/suites/quant.py measures it)."""
+    from jaxinfer.bench.perplexity import quantized_accuracy
     acc = quantized_accuracy(DEMO, "fp8")
     assert acc["positions"] >= 1000
     assert acc["ppl_quantized"] <= 1.015 * acc["ppl"], acc

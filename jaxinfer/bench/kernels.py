@@ -10,6 +10,8 @@ same run. `--only` runs one benchmark instead, among them the device primitives 
                   einsum on the Qwen3-30B-A3B and Mixtral shapes (suites/moe.py's kernels
                   section, into the moe_<gpu> record; its engine sections are
                   `jaxinfer bench throughput --suite moe`)
+  weight-only     Llama-3-8B's projections at batch 1-8 with FP8 / int8 weights against bf16 and
+                  the HBM read ceiling (suites/weight_only.py, weight_only_<gpu>)
 
     jaxinfer bench kernels [--only NAME] [--quick] [--save [DIR]] [-- ITS OWN FLAGS]
 
@@ -28,7 +30,7 @@ from jaxinfer.bench import common, results_io
 
 # --only NAME -> the module whose main(argv) runs it alone.
 SINGLE = {"window-decode": "kernel_window_decode", "kv-blocks": "kv_blocks",
-          "host-transfers": "host_transfers", "moe": "suites.moe"}
+          "host-transfers": "host_transfers", "moe": "suites.moe", "weight-only": "suites.weight_only"}
 # Flags an --only benchmark runs with ahead of the ones after `--` (which win).
 SINGLE_ARGS = {"moe": ["--sections", "kernels"]}
 QUICK_DECODE = ["--shapes", "1x4096,1x32768,64x4096,64x32768", "--variants", "mosaic"]

@@ -104,7 +104,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the KV-cache manager's own work per step instead (allocate, prefix-match, "
                         "fork, free; kv_manager_overhead.py); with --block-size, --num-blocks, "
                         "--seed")
-    add_suite_args(p)
+    add_suite_args(p, "throughput")
     common.add_record_args(p, "throughput_<model>_<device> or host_overhead_<device>")
     engine_profile.add_profile_args(p)
     common.add_engine_args(p)

@@ -1,48 +1,68 @@
-"""The model and feature suites of `jaxinfer bench throughput --suite NAME [-- ITS OWN FLAGS]`:
-multi-section GPU harnesses (MoE, multi-GPU, model families, MLA, KV tiers, LoRA, speculative
-decoding, the research loop, disaggregation, embeddings), each one module whose `main(argv)` runs
-its sections (most in a process of their own, under a deadline) and saves its record under the
-record name and metric keys the project's documents cite. Each has a CPU mode at tiny sizes
+"""The model and feature suites of the `jaxinfer bench` drivers, `jaxinfer bench DRIVER --suite
+NAME [-- ITS OWN FLAGS]`: multi-section GPU harnesses (Llama-3-8B at batch 1 and under load, MoE,
+multi-GPU, model families, MLA, quantization, KV tiers, LoRA, speculative decoding, the research
+loop, disaggregation, embeddings, the first minute, the soak), each one module whose `main(argv)`
+runs its sections (most in a process of their own, under a deadline) and saves its record under
+the record name and metric keys the project's documents cite. Each has a CPU mode at tiny sizes
 (`BENCH_TINY_SHAPES=1`, or its `--tiny`) that produces the same keys."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 
-# --suite NAME -> its module under jaxinfer.bench.suites and the record(s) it writes.
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    module: str  # under jaxinfer.bench.suites
+    driver: str  # the `jaxinfer bench` driver whose --suite runs it
+    records: str  # what it measures, into which record
+
+
 SUITES = {
-    "moe": ("moe", "moe_<gpu>: grouped-matmul kernels and the engine on Qwen3-30B-A3B / Mixtral"),
-    "multi-gpu": ("multi_gpu", "multi_gpu_<gpu>x<n>: all-reduce, tensor / data / expert parallel"),
-    "families": ("families", "families_<gpu>: Gemma 3 and gpt-oss shapes, sliding windows"),
-    "mla": ("mla", "mla_<gpu>: DeepSeek-V2-Lite's latent attention, kernel to engine"),
-    "kv-tiers": ("kv_tiers", "kv_tiers_<gpu>: host-memory KV tier, multi-turn and long context"),
-    "lora": ("lora", "lora_<gpu>: multi-adapter LoRA decode against the base model"),
-    "spec-decode": ("spec_decode", "spec_decode_<gpu>: EAGLE-3 and draft-model speculation"),
-    "research-loop": ("research_loop", "research_loop_<gpu>: rollouts, weight swaps, log-probs"),
-    "disagg": ("disagg", "disagg_<gpu>x2: prefill / decode on separate GPUs against one"),
-    "embeddings": ("embeddings", "embeddings_<gpu>: pooled embeddings per second"),
+    "moe": Suite("moe", "throughput", "moe_<gpu>: grouped-matmul kernels, the engine on "
+                                      "Qwen3-30B-A3B / Mixtral"),
+    "multi-gpu": Suite("multi_gpu", "throughput", "multi_gpu_<gpu>x<n>: all-reduce, tensor, data "
+                                                  "and expert parallel"),
+    "families": Suite("families", "throughput", "families_<gpu>: Gemma 3 and gpt-oss shapes"),
+    "mla": Suite("mla", "throughput", "mla_<gpu>: DeepSeek-V2-Lite's latent attention"),
+    "kv-tiers": Suite("kv_tiers", "throughput", "kv_tiers_<gpu>: the host-memory KV tier"),
+    "lora": Suite("lora", "throughput", "lora_<gpu>: multi-adapter LoRA against the base model"),
+    "spec-decode": Suite("spec_decode", "throughput", "spec_decode_<gpu>: EAGLE-3 and draft models"),
+    "research-loop": Suite("research_loop", "throughput", "research_loop_<gpu>: rollouts, weight "
+                                                          "swaps"),
+    "disagg": Suite("disagg", "throughput", "disagg_<gpu>x2: prefill and decode on separate GPUs"),
+    "embeddings": Suite("embeddings", "throughput", "embeddings_<gpu>: pooled embeddings"),
 }
 
 
-def add_suite_args(parser: argparse.ArgumentParser) -> None:
+def add_suite_args(parser: argparse.ArgumentParser, driver: str, positional: bool = True) -> None:
+    """--suite NAME among `driver`'s suites, and (`positional`) the flags after `--` as
+    `suite_args` (a driver that already takes its own positional flags passes them on itself)."""
+    names = sorted(k for k, s in SUITES.items() if s.driver == driver)
     g = parser.add_argument_group("suites (--suite NAME [-- ITS OWN FLAGS])")
-    g.add_argument("--suite", choices=sorted(SUITES), default=None,
+    g.add_argument("--suite", choices=names, default=None,
                    help="run a model or feature suite instead (its own flags after --; "
                         "`--suite NAME -- --help` lists them): " + "; ".join(
-                            f"{k}: {v[1]}" for k, v in sorted(SUITES.items())))
-    g.add_argument("suite_args", nargs="*", help=argparse.SUPPRESS)
+                            f"{k}: {SUITES[k].records}" for k in names))
+    if positional:
+        g.add_argument("suite_args", nargs="*", help=argparse.SUPPRESS)
 
 
 def module(name: str):
-    return importlib.import_module(f"jaxinfer.bench.suites.{SUITES[name][0]}")
+    return importlib.import_module(f"jaxinfer.bench.suites.{SUITES[name].module}")
 
 
-def run_suite(args: argparse.Namespace) -> int:
-    """Runs args.suite with the flags after `--`, and the driver's --save/--name passed on."""
+def suite_argv(args: argparse.Namespace) -> list[str]:
+    """The suite's own flags: those after `--`, then the driver's --save/--name passed on."""
     argv = list(args.suite_args)
     if getattr(args, "save", None):
         argv += ["--save", args.save]
     if getattr(args, "name", None):
         argv += ["--name", args.name]
-    return int(module(args.suite).main(argv) or 0)
+    return argv
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    return int(module(args.suite).main(suite_argv(args)) or 0)

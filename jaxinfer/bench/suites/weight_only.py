@@ -2,7 +2,7 @@
 XLA's weight-only dot (what decode steps run) per projection shape, the bf16 LM head, and the
 prefill ratio (FP8 W8A8 over bf16).
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_weight_only [--deadline-s 60]
+    PYTHONUNBUFFERED=1 jaxinfer bench kernels --only weight-only -- [--deadline-s 60]
         [--rows 8,1,64] [--prefill-layers 1] [--parts decode,prefill,head,rows] [--save [DIR]]
 
 Measured in --parts order until --deadline-s (the record is rewritten after each figure):
@@ -71,7 +71,7 @@ def _prefill(m: dict, layers: int) -> None:
     import jax.numpy as jnp
 
     from jaxinfer.bench.presets import LLAMA3_8B
-    from benchmarks.bench_quant import _layer_stack_fn, _projections
+    from jaxinfer.bench.suites.quant import _layer_stack_fn, _projections
     from jaxinfer.model.quant.ops import quantize
     shapes = _projections(LLAMA3_8B)
     normal = jax.jit(lambda key, shape: (jax.random.normal(key, shape) * 0.02).astype(jnp.bfloat16),
@@ -93,7 +93,7 @@ def _prefill(m: dict, layers: int) -> None:
     print(json.dumps({k: v for k, v in m.items() if k.startswith("prefill")}), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deadline-s", type=float, default=60.0,
                     help="stop starting new measurements past this many seconds")
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--parts", default="decode,prefill,head,rows",
                     help="what to measure, in order: decode, prefill, head, rows")
     results_io.add_save_arg(ap, "weight_only_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     start = time.perf_counter()
 
     import jax

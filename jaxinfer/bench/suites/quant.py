@@ -1,8 +1,8 @@
 """FP8 weights (`--quantization fp8`) on the GPU, beside their bf16 anchors measured in the same run.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_quant [--sections ...]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite quant -- [--sections ...]
         [--deadline-s 140] [--matmul-rows 2048,8,256] [--kv-cache-dtype fp8] [--save [DIR]]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_quant --tiny \
+    JAX_PLATFORMS=cpu jaxinfer bench throughput --suite quant -- --tiny \
         --sections llama8b_fp8w,llama8b_fp8w_c256   # CPU check: a 2-layer model, c = 8
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
@@ -45,8 +45,9 @@ from jaxinfer.bench import results_io
 from jaxinfer.bench.common import child
 from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.suites.multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 ROWS = "2048,8,256"  # in the order measured: the prefill ratio first, then decode sizes
 LAYERS = 4
 CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
@@ -159,7 +160,7 @@ def section_matmul(cfg: dict) -> dict:
 
 def section_demo_ppl(cfg: dict) -> dict:
     _announce_machine()
-    from checkpoints.measure_demo import quantized_accuracy
+    from jaxinfer.bench.perplexity import quantized_accuracy
     acc = quantized_accuracy(ROOT / "checkpoints" / "demo-target", "fp8")
     return {"demo_ppl_bf16": round(acc["ppl"], 4), "demo_ppl_fp8w": round(acc["ppl_quantized"], 4),
             "demo_fp8w_top1_agreement": round(acc["top1_agreement"], 4),
@@ -240,7 +241,7 @@ def derive(m: dict) -> None:
         m["demo_ppl_fp8w_over_bf16"] = round(m["demo_ppl_fp8w"] / m["demo_ppl_bf16"], 4)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--deadline-s", type=float, default=400.0)
@@ -255,7 +256,7 @@ def main() -> None:
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "quant_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_section:
         print(json.dumps(SECTIONS[args.run_section][0](json.loads(args.config))), flush=True)
         return

@@ -34,6 +34,22 @@ SUITES = {
                                                           "swaps"),
     "disagg": Suite("disagg", "throughput", "disagg_<gpu>x2: prefill and decode on separate GPUs"),
     "embeddings": Suite("embeddings", "throughput", "embeddings_<gpu>: pooled embeddings"),
+    "quant": Suite("quant", "throughput", "quant_<gpu>: FP8 / int8 weights in the engine, the "
+                                          "matmuls, the demo model's perplexity"),
+    "quant-kv": Suite("quant_kv", "throughput", "quant_kv_<gpu>: the FP8 KV cache's decode "
+                                                "kernels and perplexity"),
+    "llama8b": Suite("llama8b", "latency", "engine_llama8b_<gpu>: Llama-3-8B at batch 1 against "
+                                           "its rooflines, and at c = 256"),
+    "bs1-step": Suite("bs1_step", "latency", "bs1_step_<gpu>: the batch-1 decode step's "
+                                             "variants, kernel by kernel"),
+    "bs1-paths": Suite("bs1_paths", "latency", "engine_bs1_paths_<gpu>: the batch-1 engine's "
+                                               "host and device paths"),
+    "dispatch-sync": Suite("dispatch_sync", "latency", "dispatch_sync_<gpu>: where a step's "
+                                                       "dispatch waits on the device"),
+    "first-minute": Suite("first_minute", "startup", "first_minute_<gpu>: a fresh machine's "
+                                                     "first minute, compile to first tokens"),
+    "soak": Suite("soak", "serve", "soak_cpu: minutes of mixed load and disconnects against "
+                                   "`jaxinfer serve` (RSS, leaks, 5xx)"),
 }
 
 

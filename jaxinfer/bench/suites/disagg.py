@@ -38,7 +38,6 @@ from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.timed_window import TimedWindow
 from jaxinfer.paths import REPO_ROOT
 
-ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
 TINY = dict(input_len=64, output_len=8, concurrency="4,8", backend="reference", requests_per_client=2,
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     concurrencies = [int(c) for c in a.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-disagg-"))
     if a.tiny:
-        model = str(ROOT / "checkpoints" / "demo-target")
+        model = str(REPO_ROOT / "checkpoints" / "demo-target")
     else:
         (work / "llama8b").mkdir()
         (work / "llama8b" / "config.json").write_text(json.dumps(LLAMA3_8B))

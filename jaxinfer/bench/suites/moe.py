@@ -47,7 +47,6 @@ from jaxinfer.bench.suites.moe_engine import engine_section
 from jaxinfer.bench.suites.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kernel_section
 from jaxinfer.paths import REPO_ROOT
 
-ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 OUT = Path(os.environ.get("OUT", "/tmp"))
 PARTS = OUT / "moe_parts.json"  # not the record's name: `--save $OUT` must not overwrite it
 
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             ["--quantization", args.quantization] if args.quantization else []) + [
             "--moe-impl", moe_impl]
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, timeout=limit, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, timeout=limit, capture_output=True, text=True)
             print(proc.stdout[-6000:], flush=True)
             if proc.returncode:
                 print(proc.stderr[-4000:], flush=True)

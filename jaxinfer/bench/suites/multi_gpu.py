@@ -63,7 +63,6 @@ from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.bench.profile.trace_tp_step import TRACE_XLA_FLAGS
 from jaxinfer.paths import REPO_ROOT
 
-ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 
 NAME = "multi_gpu_h200x2"
 GRACE_S = 5  # past a section's time limit: its stack dump, then it is killed
@@ -123,13 +122,13 @@ def _llm(model: str, **kw):
 
 def section_parity(cfg: dict) -> dict:
     from jaxinfer import SamplingParams
-    text = (ROOT / "checkpoints" / "heldout_sample.txt").read_text()
+    text = (REPO_ROOT / "checkpoints" / "heldout_sample.txt").read_text()
     lines = [line for line in text.splitlines() if line.strip()]
     prompts = ["\n".join(lines[i:i + 3]) for i in range(0, 24, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = {}
     for tp in (1, 2):
-        llm, _ = _llm(str(ROOT / "checkpoints" / "demo-target"), tensor_parallel_size=tp,
+        llm, _ = _llm(str(REPO_ROOT / "checkpoints" / "demo-target"), tensor_parallel_size=tp,
                       max_num_seqs=8, max_num_batched_tokens=256, num_blocks=1024,
                       cache_dir=cfg["cache_dir"])
         tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -289,7 +288,7 @@ def section_llama8b_tp2_procs(cfg: dict) -> dict:
         argv = [sys.executable, "-m", __spec__.name, "--run-section", "llama8b_tp2_proc", "--config",
                 json.dumps({**cfg, "process_id": pid, "port": port})]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, cwd=ROOT, env=env))
+                                      text=True, cwd=REPO_ROOT, env=env))
     outs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode != 0:
@@ -325,7 +324,6 @@ SECTIONS = {"allreduce": (section_allreduce, 60),
 # XLA flags a section's process adds to $XLA_FLAGS.
 SECTION_XLA_FLAGS = {"allreduce_oneshot": ONESHOT,
                      **{name: flags for name, (_, _, flags) in VARIANTS.items() if flags}}
-
 
 
 # ---- the driver -------------------------------------------------------------------------------

@@ -47,7 +47,6 @@ from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.suites.multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
 from jaxinfer.paths import REPO_ROOT
 
-ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 ROWS = "2048,8,256"  # in the order measured: the prefill ratio first, then decode sizes
 LAYERS = 4
 CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
@@ -161,7 +160,7 @@ def section_matmul(cfg: dict) -> dict:
 def section_demo_ppl(cfg: dict) -> dict:
     _announce_machine()
     from jaxinfer.bench.perplexity import quantized_accuracy
-    acc = quantized_accuracy(ROOT / "checkpoints" / "demo-target", "fp8")
+    acc = quantized_accuracy(REPO_ROOT / "checkpoints" / "demo-target", "fp8")
     return {"demo_ppl_bf16": round(acc["ppl"], 4), "demo_ppl_fp8w": round(acc["ppl_quantized"], 4),
             "demo_fp8w_top1_agreement": round(acc["top1_agreement"], 4),
             "demo_positions": acc["positions"]}
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-quant-"))
     (work / "llama8b").mkdir()
     if args.tiny:
-        from benchmarks.bench_bs1_step import TINY
+        from jaxinfer.bench.suites.bs1_step import TINY
         os.environ.setdefault("BENCH_BACKEND", "reference")  # read by the sections' processes
     (work / "llama8b" / "config.json").write_text(json.dumps(TINY if args.tiny else LLAMA3_8B))
     cfg = {"cache_dir": str(work / "cc"), "llama8b": str(work / "llama8b"),

@@ -47,12 +47,11 @@ from jaxinfer.bench import results_io
 from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.paths import REPO_ROOT
 
-ROOT = REPO_ROOT  # the checkout (checkpoints/, benchmarks/)
 
-DEMO = ROOT / "checkpoints" / "demo-target"
-DEMO_DRAFT = ROOT / "checkpoints" / "demo-draft"
-DEMO_EAGLE = ROOT / "checkpoints" / "demo-eagle3"
-HELDOUT = ROOT / "checkpoints" / "heldout_sample.txt"
+DEMO = REPO_ROOT / "checkpoints" / "demo-target"
+DEMO_DRAFT = REPO_ROOT / "checkpoints" / "demo-draft"
+DEMO_EAGLE = REPO_ROOT / "checkpoints" / "demo-eagle3"
+HELDOUT = REPO_ROOT / "checkpoints" / "heldout_sample.txt"
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                   tie_word_embeddings=True)

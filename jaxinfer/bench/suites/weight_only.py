@@ -6,17 +6,17 @@ prefill ratio (FP8 W8A8 over bf16).
         [--rows 8,1,64] [--prefill-layers 1] [--parts decode,prefill,head,rows] [--save [DIR]]
 
 Measured in --parts order until --deadline-s (the record is rewritten after each figure):
-  read_ceiling_tbs  XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps), always first;
+  read_ceiling_tbs  XLA sum over 8 GiB of bf16 (kernel_decode.read_ceiling_tbps), always first;
   decode   8 rows (the batch-1 decode bucket): XLA's weight-only dot on e4m3 weights
            (`xla_dequant_<shape>_m8`), in TB/s of weight bytes and us per call, with
            `..._frac_of_ceiling`; `xla_dequant_m8_layer_us`: one layer's projections (q, o, 2 kv,
            2 gate_up, down);
-  prefill  M = 2048 through --prefill-layers layers of the seven projections (bench_quant's
+  prefill  M = 2048 through --prefill-layers layers of the seven projections (quant.py's
            stack), bf16 and FP8 W8A8: ms, TF/s and `prefill_matmul_fp8_over_bf16`;
   head     the bf16 LM head [in, out] at 8 rows through XLA's dot;
   rows     XLA's weight-only dot at the other --rows.
 Each timed call runs over enough distinct weight copies (>= 512 MB) that nothing is served from L2,
-unrolled in one jit, and calls are queued without host synchronisation (bench_decode's timing).
+unrolled in one jit, and calls are queued without host synchronisation (kernel_decode's timing).
 The Pallas weight-only kernel this script once compared (33-45 % of the ceiling against XLA's
 60-72 %, `results/weight_only_h200.json`) was removed; git history has it.
 """
@@ -38,7 +38,7 @@ MIN_BYTES = 512 << 20
 
 
 def _timed(fn, *args) -> float:
-    """Seconds per call, queued (bench_decode's `_queued_time`)."""
+    """Seconds per call, queued (kernel_decode's `_queued_time`)."""
     from jaxinfer.bench.kernel_decode import _queued_time
     return _queued_time(lambda _: fn(*args), None)
 

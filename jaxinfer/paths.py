@@ -8,6 +8,9 @@ from pathlib import Path
 # symlink to checkpoints/demo-target, which the wheel build copies through, so the one path serves
 # a checkout and an installed wheel alike (resolved: a checkout names checkpoints/demo-target).
 DEFAULT_MODEL = (Path(__file__).parent / "demo_models" / "demo-target").resolve()
+# A checkout's root: the benchmark suites that read checkpoints/ beyond the default model (the draft
+# and EAGLE-3 demo models, the held-out text) run from a checkout, not from an installed wheel.
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def cache_home() -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.bench import cli, presets, startup
+from jaxinfer.bench import cli, common, presets
 
 DEMO = Path(__file__).parents[1] / "checkpoints" / "demo-target"
 # The demo model at a CPU's size: tiny buckets, compiled when first used.
@@ -22,7 +22,7 @@ TINY_ENGINE = ["--model", str(DEMO), "--dtype", "float32", "--max-model-len", "6
 
 def test_jaxinfer_bench_help_lists_the_drivers():
     """Through the installed command's own module: `bench` is registered on `jaxinfer`."""
-    out = subprocess.run([sys.executable, "-m", startup.cli_module(), "bench", "--help"],
+    out = subprocess.run([sys.executable, "-m", common.cli_module(), "bench", "--help"],
                          capture_output=True, text=True, check=True).stdout
     for driver in ("serve", "throughput", "latency", "startup", "kernels"):
         assert f"\n    {driver}" in out, out

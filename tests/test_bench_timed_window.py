@@ -4,7 +4,7 @@ which is 0 for its random (non-reuse) workload."""
 
 from __future__ import annotations
 
-from benchmarks.bench_multi_gpu import _throughput
+from jaxinfer.bench.suites.multi_gpu import _throughput
 from jaxinfer.bench.timed_window import TimedWindow
 from jaxinfer.frontends.llm import LLM
 from jaxinfer.sampling_params import SamplingParams

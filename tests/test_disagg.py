@@ -98,7 +98,7 @@ def test_metrics(run):
     generated = sum(len(t) for t in run["disagg"]["tokens"].values())
     assert _metric(run, "jaxinfer:generation_tokens_total") == generated
     assert _metric(run, "jaxinfer:queue_depth") == 0
-    # the driver's host-time split (bench_disagg records it): both engines were stepped
+    # the driver's host-time split (the disagg suite records it): both engines were stepped
     driver = run["driver"]
     assert driver["prefill_step_count"] > 0 and driver["decode_step_count"] > 0
     assert driver["decode_step_count"] <= driver["steps"] and driver["decode_step_ms"] > 0

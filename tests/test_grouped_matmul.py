@@ -8,7 +8,7 @@ What runs where:
     output stores carry across units), and is *lowered* for CUDA (Pallas -> Mosaic GPU MLIR:
     layout, tiling and TMA-alignment errors) at model shapes with the tilings `moe_experts` picks.
   - `moe_experts` is checked against the reference for every implementation.
-Real sizes and speed are checked on the H200 by `benchmarks/bench_moe.py`.
+Real sizes and speed are checked on the H200 by `jaxinfer/bench/suites/moe.py`.
 """
 
 import functools
@@ -145,7 +145,7 @@ def test_dispatch_choice_and_config():
     assert gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="xla") == "ragged"
     with pytest.raises(ValueError, match="moe_impl 'fast'"):
         gm.choose_impl(512, shape, 64, jnp.bfloat16, impl="fast")
-    # Measured choices (bench_moe, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
+    # Measured choices (the MoE suite, H200): Qwen3-MoE decode and prefill and Mixtral prefill on the
     # kernel, Mixtral decode (8 experts, 16 rows each) on the padded einsum; without the kernel the
     # padded einsum (E / k = 16x the rows: it beat ragged_dot at both phases), ragged_dot past that.
     pick = functools.partial(gm.pick_impl, gpu=True)
@@ -226,11 +226,11 @@ def test_config_and_inputs_are_checked():
 
 @pytest.mark.parametrize("block_m,split", [(128, "m"), (64, "n")])
 def test_bench_counts_the_rows_the_kernel_computes(block_m, split):
-    """benchmarks/moe_kernels.computed_rows (the record's `real_row_frac`) against a count per
+    """jaxinfer.bench.suites.moe_kernels.computed_rows (the record's `real_row_frac`) against a count per
     group of the windows it takes (8-row-aligned start, block_m rows, the last clamped inside x)
     and, split "m", of the halves holding its rows; ragged sizes with empty groups, one giant
     group and sizes off the tile size."""
-    from benchmarks.moe_kernels import computed_rows
+    from jaxinfer.bench.suites.moe_kernels import computed_rows
     from pallas_kernels.moe.grouped_matmul_mosaic import padded_rows
     rng = np.random.default_rng(block_m)
     for sizes in (ragged_group_sizes(rng, 9, 517, "random"), ragged_group_sizes(rng, 5, 300, "hot"),

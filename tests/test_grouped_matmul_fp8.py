@@ -10,7 +10,7 @@
   - `moe_experts(impl="mosaic", scales=)` matches the XLA paths, and a tiny Qwen3-MoE with FP8
     weights runs the implementation its config names (`--moe-impl`);
   - the dispatch gives e4m3 stacks the kernel unless `--moe-impl xla`.
-Speed is the H200's: `benchmarks/bench_moe.py --fp8`.
+Speed is the H200's: `jaxinfer bench throughput --suite moe -- --fp8`.
 """
 
 import dataclasses

@@ -190,7 +190,7 @@ def test_demo_model_perplexity_and_top1_agreement_with_an_fp8_cache():
     cache's perplexity, and the same argmax at >= 97 % of >= 1000 positions. The forwards are
     compiled with XLA CPU's default optimization, not the tests' level 0 (conftest.py): they are
     the rare test programs whose run costs more than their compile (25 s -> 5 s)."""
-    from benchmarks.bench_quant_kv import demo_ppl
+    from jaxinfer.bench.suites.quant_kv import demo_ppl
     m = demo_ppl(compiler_options={"xla_backend_optimization_level": 3})
     assert m["demo_positions"] >= 1000
     assert m["demo_ppl_bf16"] < 12.5  # the model as committed (test_demo_model.py)

@@ -384,8 +384,8 @@ FP8_TOP1_AGREEMENT_MIN = 978 / 1024
 
 def test_demo_accuracy_with_fp8_weights():
     """Held-out perplexity within +1.5 % of the unquantized model and top-1 agreement above
-    FP8_TOP1_AGREEMENT_MIN over 1,024 positions (measured as bench_quant.py measures them)."""
-    from checkpoints.measure_demo import quantized_accuracy
+    FP8_TOP1_AGREEMENT_MIN over 1,024 positions (measured as jaxinfer/bench/suites/quant.py measures them)."""
+    from jaxinfer.bench.perplexity import quantized_accuracy
     acc = quantized_accuracy(DEMO, "fp8")
     assert acc["positions"] >= 1000
     assert acc["ppl_quantized"] <= 1.015 * acc["ppl"], acc

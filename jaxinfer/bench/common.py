@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 
 from jaxinfer.bench import presets, results_io
@@ -57,6 +58,13 @@ def write_json(path: str | Path, obj: dict) -> Path:
     path.write_text(json.dumps(obj, indent=4, allow_nan=False))
     print(f"wrote {path}")
     return path
+
+
+def cli_module() -> str:
+    """The module behind the installed `jaxinfer` command (its console-script entry point), for
+    starting `jaxinfer serve` as `python -m MODULE`."""
+    (entry,) = metadata.entry_points(group="console_scripts", name="jaxinfer")
+    return entry.module
 
 
 def record_config(args: argparse.Namespace) -> dict:

@@ -12,7 +12,7 @@ tables to the window), the same with sinks (`decode_window1k_sinks_b64x32k_us`),
 context (`decode_full_b64x1k_us`, the goal: window / full <= 1.3) and the full 32k context for
 scale (`decode_full_b64x32k_us`). Shape: kernel_decode's (Hq 32, Hkv 8, D 128, page 16, bf16).
 
-The metrics go into the record families_<gpu>.json, which benchmarks/bench_families.py (the
+The metrics go into the record families_<gpu>.json, which jaxinfer/bench/suites/families.py (the
 model-level metrics) writes too: a saved record's other metrics are kept, these keys replaced.
 BENCH_TINY_SHAPES=1: a CPU smoke run of the script with tiny shapes and the jnp reference as
 the kernel.

@@ -8,6 +8,12 @@ same run. `--only` runs one benchmark instead, among them the device primitives 
                   (host_transfers.py)
   ssm             the hybrid models' recurrent-layer kernels: Gated DeltaNet, Mamba-2 SSD,
                   causal conv1d (kernel_ssm.py)
+  moe             routed experts: the grouped-matmul kernel beside ragged_dot and the padded
+                  einsum on the Qwen3-30B-A3B and Mixtral shapes (suites/moe.py's kernels
+                  section, into the moe_<gpu> record; its engine sections are
+                  `jaxinfer bench throughput --suite moe`)
+  weight-only     Llama-3-8B's projections at batch 1-8 with FP8 / int8 weights against bf16 and
+                  the HBM read ceiling (suites/weight_only.py, weight_only_<gpu>)
 
     jaxinfer bench kernels [--only NAME] [--quick] [--save [DIR]] [-- ITS OWN FLAGS]
 
@@ -26,7 +32,10 @@ from jaxinfer.bench import common, results_io
 
 # --only NAME -> the module whose main(argv) runs it alone.
 SINGLE = {"window-decode": "kernel_window_decode", "kv-blocks": "kv_blocks",
-          "host-transfers": "host_transfers", "ssm": "kernel_ssm"}
+           "host-transfers": "host_transfers", "ssm": "kernel_ssm", "moe": "suites.moe",
+           "weight-only": "suites.weight_only"}
+# Flags an --only benchmark runs with ahead of the ones after `--` (which win).
+SINGLE_ARGS = {"moe": ["--sections", "kernels"]}
 QUICK_DECODE = ["--shapes", "1x4096,1x32768,64x4096,64x32768", "--variants", "mosaic"]
 QUICK_PREFILL = ["--quick", "--shapes", "dense"]
 
@@ -50,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         args._parser.error("flags after -- need --only decode or --only prefill")
     save = ["--save", args.save] if args.save else []
     if args.only in SINGLE:
-        importlib.import_module(f"jaxinfer.bench.{SINGLE[args.only]}").main(args.kernel_args + save)
+        importlib.import_module(f"jaxinfer.bench.{SINGLE[args.only]}").main(
+            SINGLE_ARGS.get(args.only, []) + args.kernel_args + save)
         return 0
     if args.only in (None, "decode"):
         kernel_decode.main((QUICK_DECODE if args.quick else []) + args.kernel_args + save)

@@ -5,10 +5,13 @@ tokens (ignore_eos), through `LLM.generate`, --num-iters-warmup times untimed an
 --num-iters times timed; prints the mean and the 10/25/50/75/90/99th percentiles in seconds, and
 --output-json writes vLLM's file (avg_latency, std_latency, latencies, percentiles). The prefix
 cache is off by default, as in vLLM: every iteration sends the same prompts, and with the cache
-on the later ones would skip their prefill.
+on the later ones would skip their prefill. --suite NAME runs one of the Llama-3-8B suites
+instead (jaxinfer/bench/suites/: llama8b, bs1-step, bs1-paths, dispatch-sync), its own flags after
+`--`.
 
     jaxinfer bench latency --input-len 32 --output-len 128 --batch-size 8
     jaxinfer bench latency --preset llama8b --batch-size 1 --output-json bs1.json
+    jaxinfer bench latency --suite llama8b --save -- --parts bs1
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from jaxinfer.bench import common, presets, results_io
 from jaxinfer.bench.profile import engine_profile
+from jaxinfer.bench.suites import add_suite_args, run_suite
 from jaxinfer.bench.timed_window import fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
 
@@ -66,6 +70,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first")
     g.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     common.add_output_json(g, "the latencies")
+    add_suite_args(p, "latency")
     common.add_record_args(p, "latency_<model>_<device>")
     engine_profile.add_profile_args(p)
     common.add_engine_args(p)
@@ -74,6 +79,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite_args and not args.suite:
+        args._parser.error("flags after -- need --suite NAME")
+    if args.suite:
+        return run_suite(args)
     presets.apply(args, args._parser)
     for flag in ("batch_size", "n", "num_iters"):
         if getattr(args, flag) < 1:

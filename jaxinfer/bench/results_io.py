@@ -95,7 +95,7 @@ def kind_slug(kind: str) -> str:
 
 def invocation() -> str:
     """How this process was started: `jaxinfer` for the installed command, `python -m
-    benchmarks.bench_x` for a module run, else the script's path."""
+    jaxinfer.bench.suites.x` for a module run, else the script's path."""
     if Path(sys.argv[0]).name == "jaxinfer":
         return "jaxinfer"
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

@@ -7,6 +7,8 @@ vLLM's result block. --save-result writes the JSON file `vllm bench serve --save
 (the same keys; --save-detailed adds the per-request arrays), so vLLM's plotting scripts read it;
 --save/--record NAME writes the project's record instead. --sweep-concurrency 1,4,16 runs one
 benchmark per concurrency (one result file each) and plots throughput and latency against it.
+--suite soak runs the soak instead (minutes of mixed load and disconnects against a server it
+starts; jaxinfer/bench/suites/soak.py), its own flags after `--`.
 
     jaxinfer serve --port 8000 &
     jaxinfer bench serve --port 8000 --dataset-name random --num-prompts 200 \\
@@ -26,6 +28,7 @@ import numpy as np
 
 from jaxinfer.bench import common, http_client, results_io, serving_metrics
 from jaxinfer.bench.datasets import DATASETS, BenchRequest, load_tokenizer, random_requests, sharegpt_requests
+from jaxinfer.bench.suites import add_suite_args, run_suite
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's --backend names of the OpenAI-compatible APIs -> the endpoint each calls.
@@ -100,6 +103,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="extra keys written into the result file")
     g.add_argument("--label", default=None, help="the file's label (default: --backend)")
     g.add_argument("--plot", default="serving_sweep.png", help="PNG path for --sweep-concurrency")
+    add_suite_args(p, "serve")
     common.add_record_args(p, "serving")
     p.set_defaults(func=run, _parser=p)
     return p
@@ -216,6 +220,10 @@ def save_result(args, metrics: dict, model: str, tokenizer: str, num_prompts: in
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite_args and not args.suite:
+        args._parser.error("flags after -- need --suite NAME")
+    if args.suite:
+        return run_suite(args)
     check_args(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {**args.header, **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})}

@@ -28,10 +28,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from importlib import metadata
 from pathlib import Path
 
 from jaxinfer.bench import checkpoint_load, common, results_io
+from jaxinfer.bench.suites import add_suite_args, run_suite
 
 ENGINE_PHASES = ("config", "tokenizer", "weights", "kv_plan_and_alloc", "warmup")  # sequential
 PREFIX = "startup phases (s): "  # jaxinfer.engine.startup.STARTUP_LOG_PREFIX (older commits lack it)
@@ -51,16 +51,10 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def cli_module() -> str:
-    """The module behind the installed `jaxinfer` command (its console-script entry point)."""
-    (entry,) = metadata.entry_points(group="console_scripts", name="jaxinfer")
-    return entry.module
-
-
 def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: float) -> dict:
     """One server start: seconds to /health 200 and the phases the server logged."""
     port = _free_port()
-    argv = [sys.executable, "-m", cli_module(), "--log-level", "info", "serve",
+    argv = [sys.executable, "-m", common.cli_module(), "--log-level", "info", "serve",
             "--port", str(port), "--compilation-cache-dir", cache_dir, *extra]
     if model:
         argv += ["--model", model]
@@ -102,13 +96,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="an earlier record's JSON whose metrics become baseline_* keys")
     common.add_output_json(p, "the metrics")
     common.add_record_args(p, "startup_<device>")
-    p.add_argument("serve_args", nargs="*", help="extra `jaxinfer serve` flags (after --)")
+    p.add_argument("serve_args", nargs="*",
+                   help="extra `jaxinfer serve` flags (after --; with --suite, the suite's flags)")
+    add_suite_args(p, "startup", positional=False)
     checkpoint_load.add_args(p)
     p.set_defaults(func=run, _parser=p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite:
+        args.suite_args = args.serve_args
+        return run_suite(args)
     if args.checkpoint_load:
         result = checkpoint_load.run(args)
         if args.output_json:

@@ -11,12 +11,16 @@ when it began (`buckets_compiling`; `--no-background-compile` compiles them all 
 --kv-manager the KV-cache manager's alone (kv_manager_overhead.py); --structured-output compares
 constrained with unconstrained decoding (structured_cost.py); --prefill-burst times decoding
 streams beside a burst of long prompts with the ITL target off and on (prefill_burst.py).
+--suite NAME runs one of the model and feature suites instead (jaxinfer/bench/suites/: moe,
+multi-gpu, families, mla, kv-tiers, lora, spec-decode, research-loop, disagg, embeddings), its
+own flags after `--`.
 
     jaxinfer bench throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64
     jaxinfer bench throughput --preset llama8b --save          # Llama-3-8B shape, dummy weights
     jaxinfer bench throughput --host-overhead --num-seqs 256
     jaxinfer bench throughput --kv-manager --steps 3000 --block-size 16
     jaxinfer bench throughput --prefill-burst --preset llama8b_burst --save --name fairness_h200
+    jaxinfer bench throughput --suite lora -- --impls pallas --save
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax
 from jaxinfer.bench import (common, host_overhead, kv_manager_overhead, prefill_burst, presets,
                             results_io, structured_cost)
 from jaxinfer.bench.profile import engine_profile
+from jaxinfer.bench.suites import add_suite_args, run_suite
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.sampling_params import SamplingParams
 
@@ -103,6 +108,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "fork, free; kv_manager_overhead.py); with --block-size, --num-blocks, "
                         "--seed")
     prefill_burst.add_args(p)
+    add_suite_args(p, "throughput")
     common.add_record_args(p, "throughput_<model>_<device>, host_overhead_<device> or "
                               "fairness_<device>")
     engine_profile.add_profile_args(p)
@@ -112,6 +118,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite_args and not args.suite:
+        args._parser.error("flags after -- need --suite NAME")
+    if args.suite:
+        return run_suite(args)
     presets.apply(args, args._parser)
     prefill_burst.apply_smoke(args)
     if args.kv_manager or args.structured_output:  # each saves its own record

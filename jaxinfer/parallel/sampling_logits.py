@@ -18,7 +18,7 @@ So every row is made whole on a device before the sampler's first conditional, b
 Either way a row's vocabulary reductions run on one device over the whole row, as at TP = 1:
 greedy tokens are TP = 1's given the same logits. (The vocab-split sampler's traffic was a few
 small gathers, less than the first bullet's; which is faster at batch 1 with command buffers is
-for the H200 to say: benchmarks/bench_multi_gpu.py's llama8b_tp2_cmdbuf.)
+for the H200 to say: jaxinfer/bench/suites/multi_gpu.py's llama8b_tp2_cmdbuf.)
 
 The speculative path goes through it too: the verifying step (a row: its k + 1 positions' logits)
 and a draft model's proposals (spec_decode/target_step.py, draft.py).

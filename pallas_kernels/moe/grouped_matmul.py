@@ -27,8 +27,8 @@ by its expert's channel scales (exact: the scale is per output column). "mosaic"
 (`--quantization fp8`) into the warp-specialised kernel, which widens them after the TMA load and
 applies the scales in its epilogue (grouped_matmul_ws's docstring says why weight-only); x goes in
 as float16, the SwiGLU's output stays float16 between the two calls. On Hopper "auto" gives e4m3
-stacks the kernel (timed by `benchmarks/bench_moe.py --fp8`, moe_h200.json); int8 stacks never
-take it.
+stacks the kernel (timed by `jaxinfer bench kernels --only moe -- --fp8`, moe_h200.json); int8
+stacks never take it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ Config = GmmConfig | WsConfig
 
 def mosaic_configs(rows: int, num_groups: int, fp8: bool = False) -> tuple[Config, Config]:
     """(gate/up config, down config) for `rows` routed rows over `num_groups` experts: the
-    warp-specialised kernel (`WsConfig`), tilings from benchmarks/bench_moe.py on the H200. Few
+    warp-specialised kernel (`WsConfig`), tilings from jaxinfer/bench/suites/moe.py on the H200. Few
     rows per expert (decode) is a weight stream: 64-row windows whose two consumers split N.
     Many (prefill) is compute: 128-row windows whose consumers take 64 rows each (a consumer with
     none of the tile's rows idles, so a group's short last tile costs half a window). `fp8`

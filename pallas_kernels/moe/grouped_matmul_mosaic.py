@@ -22,7 +22,7 @@ row of another group.
 (x @ w_up), computed in float32 from the accumulators; the intermediate never touches HBM.
 
 CPU tests run the kernel in Mosaic GPU's interpreter (`interpret=True`) and lower it for CUDA; the
-H200 checks it at real sizes in `benchmarks/bench_moe.py`.
+H200 checks it at real sizes in `jaxinfer/bench/suites/moe.py`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Same contract, tile table and output ladder as `grouped_matmul_mosaic` (rows sorted by group; a
 tile is a window of one group's rows starting at the 8-row boundary at or before the group's first
 row; no group's m-tiles are padded to the largest group), on a producer/consumer schedule that
-both the decode weight stream and the compute-bound prefill tiles run faster on (bench_moe, H200):
+both the decode weight stream and the compute-bound prefill tiles run faster on (the MoE suite, H200):
 
   - one producer warpgroup runs a `stages`-deep TMA ring over K (x window + weight panels), the two
     consumer warpgroups only wait and issue wgmma, so loads, matmuls and the epilogue of one unit
@@ -20,7 +20,7 @@ both the decode weight stream and the compute-bound prefill tiles run faster on 
 
 The SwiGLU fusion as in the one-warpgroup kernel: two weight stacks (gate, up), each consumer holds two
 float32 accumulators and writes silu(gate) * up. CPU tests run it in Mosaic GPU's interpreter and
-lower it for CUDA; `benchmarks/bench_moe.py` times it on the H200.
+lower it for CUDA; `jaxinfer/bench/suites/moe.py` times it on the H200.
 
 FP8 (e4m3) weights (`scales` given: float32 [G, N] per stack, w = q * scale, the stacks
 `--quantization fp8` makes) are widened after the TMA load: weight-only, x stays 16-bit. Why not

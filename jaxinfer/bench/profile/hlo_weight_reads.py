@@ -7,10 +7,10 @@ separate fusion that writes a wider copy of it every call.
 A decode step at batch 1 streams its weights, so its time is the bytes it moves: an e4m3 weight
 read by the matmul costs 1 byte per value, one upcast to bf16 first costs 1 + 2 (the copy written)
 + 2 (the copy read by the matmul) = 5, more than the bf16 weight it replaces. The input is what
-`jax.jit(f).lower(...).compile().as_text()` prints (benchmarks/bench_bs1_step.py --hlo-out writes
-it gzipped), from any backend: the GPU's Triton gemm fusions (`__triton_gemm`, nested gemm fusions),
-cuBLAS custom calls behind a separate convert fusion, a dot rewritten as multiply + reduce, command
-buffers (`call`); the CPU's convert fusions and plain `dot`s.
+`jax.jit(f).lower(...).compile().as_text()` prints (`jaxinfer bench latency --suite bs1-step --
+--hlo-out` writes it gzipped), from any backend: the GPU's Triton gemm fusions (`__triton_gemm`,
+nested gemm fusions), cuBLAS custom calls behind a separate convert fusion, a dot rewritten as
+multiply + reduce, command buffers (`call`); the CPU's convert fusions and plain `dot`s.
 
 Weights are the entry computation's parameters of at least --min-bytes. Each is followed through
 bitcasts, reshapes and calls to the ops that read it, which are classed:

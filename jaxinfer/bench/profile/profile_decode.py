@@ -192,7 +192,7 @@ def read_trace(trace_dir: Path, warpgroups: int = 3) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768,8x32768,64x4096")
-    ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
+    ap.add_argument("--variants", default="mosaic", help="kernel_decode.py variant names")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", action="store_true", help="also profile each on an fp8 cache")
     ap.add_argument("--fp8-only", action="store_true",

@@ -6,7 +6,7 @@ call, its duration and the idle gap before it, so the time a call spends outside
                                                     [--lens 64]
 
 For each shape (Hq 32 / Hkv 8 / d 128 / page 16, full context, the same chained jit as
-`bench_decode.py`: each call's q is the previous call's output, page sets cycled past L2) the jit
+`kernel_decode.py`: each call's q is the previous call's output, page sets cycled past L2) the jit
 runs once to compile and warm up, then 3 times under `jax.profiler.trace`. From the GPU plane of the
 trace it prints, per kernel of a call (in launch order), its mean duration and the mean signed gap
 before it, and the mean period of one call; `--out` keeps the trace (default $OUT/decode_traces).
@@ -95,7 +95,7 @@ def trace_shape(batch: int, ctx: int, variant: str, out_dir: Path,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768,8x32768")
-    ap.add_argument("--variants", default="mosaic", help="bench_decode.py variant names")
+    ap.add_argument("--variants", default="mosaic", help="kernel_decode.py variant names")
     ap.add_argument("--lens", type=int, default=None,
                     help="sequence length (default: the full context): with a short one, the call "
                          "keeps the context's grid and split plan, so its time is the fixed cost")

@@ -6,7 +6,7 @@ kernel-only TF/s beside whole-call TF/s, and measures what the table costs a cal
     python -m jaxinfer.bench.profile.trace_prefill [--shapes 1x8192c,2x4096c,2x4096n] [--calls 4]
 
 Shapes are BxL plus c (causal) or n (non-causal); Hq 32 / Hkv 8 / d 128, bf16, as in
-`bench_prefill.py`. Each implementation is compiled and warmed up, then runs 3 x `calls` calls under
+`kernel_prefill.py`. Each implementation is compiled and warmed up, then runs 3 x `calls` calls under
 `jax.profiler.trace`; the summary is `trace_decode.summarize`'s (the middle run). Traces are kept
 under `--out` (default $OUT/prefill_traces).
 """

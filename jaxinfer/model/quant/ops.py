@@ -34,7 +34,7 @@ STORAGE = {"fp8": FP8, "int8": jnp.int8}
 IMPLS = ("fp8", "dequant")
 CHOICES = ("auto", *IMPLS)  # --quant-impl
 # Rows (tokens) below which FP8 weights take the weight-only path on a GPU with FP8 tensor cores.
-# Measured on the H200 (benchmarks/bench_quant.py, Llama-3-8B's projections): at 8 rows cuBLASLt's
+# Measured on the H200 (jaxinfer/bench/suites/quant.py, Llama-3-8B's projections): at 8 rows cuBLASLt's
 # FP8 gemm streamed the weights at 0.97 TB/s, slower than the bf16 weights it replaces, while at
 # 256 rows it beat bf16 by 1.25x; below this the step is a weight stream, which the weight-only
 # dot reads at half the bf16 bytes.

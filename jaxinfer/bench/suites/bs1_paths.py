@@ -1,8 +1,8 @@
 """The engine's batch-1 TPOT along its host paths, in one engine (issue 26): Llama-3-8B shape, random
 weights (`--quantization fp8` by default), the engine's default flags otherwise.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_bs1_paths --save [DIR]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_bs1_paths --tiny   # CPU check
+    PYTHONUNBUFFERED=1 jaxinfer bench latency --suite bs1-paths -- --save [DIR]
+    JAX_PLATFORMS=cpu jaxinfer bench latency --suite bs1-paths -- --tiny   # CPU check
 
 `--batches 4,8`: also N streams decoded together, single steps against the default loop
 (`b<N>_<path>_tpot_ms`, a stream's ms per token).
@@ -30,13 +30,13 @@ import numpy as np
 
 from jaxinfer.bench import results_io
 from jaxinfer.bench.presets import LLAMA3_8B
-from benchmarks.bench_engine_llama8b import bs1
+from jaxinfer.bench.suites.llama8b import bs1
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.worker import runner as runner_module
 from jaxinfer.bench.profile.engine_host_probe import LaunchTimer, probe_host
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 PATHS = ("old", "packed", "default")
 RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 ms): min and median
@@ -51,7 +51,7 @@ def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) ->
     metrics: dict = {"quantization": quantization}
     with tempfile.TemporaryDirectory() as work:
         if tiny:
-            opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+            opts = dict(model=str(REPO_ROOT / "checkpoints" / "demo-target"), dtype="float32",
                         max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4)
             prompt_len, out_len = 32, min(out_len, 64)
         else:
@@ -109,7 +109,7 @@ def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) ->
 def batch_tpot(engine, prompts: list[list[int]], out_len: int) -> float:
     """`prompts` decoded together (all added at once): ms per token of a stream, the median
     over the streams of (last token - first token) / (tokens - 1)."""
-    from benchmarks.bench_engine_llama8b import token_times
+    from jaxinfer.bench.suites.llama8b import token_times
     run = token_times(engine, [(p, out_len) for p in prompts], len(prompts))
     return round(float(np.median([1e3 * (t[-1] - t[0]) / (len(t) - 1)
                                   for t in run["arrivals"].values()])), 3)
@@ -127,7 +127,7 @@ def table(m: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the demo model (a CPU check)")
     ap.add_argument("--quantization", choices=("fp8", "int8", "none"), default="fp8")
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--batches", default="",
                     help="also time N streams at once, e.g. 4,8 (single steps vs the loop)")
     results_io.add_save_arg(ap, "engine_bs1_paths_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     q = None if args.quantization == "none" else args.quantization
     name = args.name or f"engine_bs1_paths_{results_io.device_slug()}"
     batches = [int(b) for b in args.batches.split(",") if b]

@@ -2,9 +2,9 @@
 decode, concurrency 64 (inter-token latency) and 256 (throughput, host time), against rooflines
 measured in the same run.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_engine_llama8b --save
+    PYTHONUNBUFFERED=1 jaxinfer bench latency --suite llama8b -- --save
         [--deadline-s 190] [--caps 256,0,512] [--num-blocks 16384]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_engine_llama8b --tiny   # CPU check
+    JAX_PLATFORMS=cpu jaxinfer bench latency --suite llama8b -- --tiny   # CPU check
 
 Two engine processes share one fresh `--compilation-cache-dir`:
   cold  process start -> `LLMEngine.from_engine_args` returns (first buckets compiled, the rest
@@ -15,7 +15,7 @@ Two engine processes share one fresh `--compilation-cache-dir`:
               token over 255 gaps), `bs1_out_tok_s` (256 over arrival to last token); measured
               once while the background compile still runs and again after it, then
               `bs1_profile` (profile/trace_engine_step.py): a decode step's kernels and idle time;
-        roofline  the best plain HBM read rate and bf16 matmul rate (benchmarks.anchors: several
+        roofline  the best plain HBM read rate and bf16 matmul rate (jaxinfer.bench.anchors: several
                   read kernels and product shapes, queued; the winners named) measured here, and
                   from them the batch-1 TPOT floor (weights + KV read per token) and the c256
                   output rate ceiling (prefill FLOPs + per-step weight and KV reads);
@@ -50,8 +50,8 @@ from pathlib import Path
 from jaxinfer.bench import results_io
 from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.timed_window import TimedWindow
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 RESULT = "RESULT "
 READY = "READY"
@@ -146,7 +146,7 @@ def c256_phases(run: dict, t0: float, label: str) -> dict:
 
 
 def measure_rooflines(weight_bytes: int) -> dict:
-    """The best plain read rate and bf16 matmul rate of benchmarks.anchors, measured now (2 GiB
+    """The best plain read rate and bf16 matmul rate of jaxinfer.bench.anchors, measured now (2 GiB
     reads: the engine's pool holds most of the memory)."""
     from jaxinfer.bench import anchors
     m = anchors.measure(read_bytes=2 << 30)
@@ -350,7 +350,7 @@ def run_child(argv: list[str], limit_s: float, on_result) -> dict:
     env = {**os.environ, "PYTHONFAULTHANDLER": "1", "TQDM_DISABLE": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env)
+                            cwd=REPO_ROOT, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
@@ -377,7 +377,7 @@ def run_child(argv: list[str], limit_s: float, on_result) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the demo model at tiny sizes (CPU check)")
     ap.add_argument("--deadline-s", type=float, default=190.0)
@@ -402,7 +402,7 @@ def main() -> None:
                     help="the engine's step token budget (its default: 2048)")
     ap.add_argument("--engine-process", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "engine_llama8b_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.engine_process:
         spec = json.loads(args.engine_process)
         return engine_process(spec["opts"], spec["mode"], args.tiny,
@@ -412,7 +412,7 @@ def main() -> None:
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_llama8b_"))
     if args.tiny:
-        opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+        opts = dict(model=str(REPO_ROOT / "checkpoints" / "demo-target"), dtype="float32",
                     max_num_seqs=64, max_num_batched_tokens=256, max_model_len=256,
                     num_blocks=args.num_blocks and 1024)
     else:

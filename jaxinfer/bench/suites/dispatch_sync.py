@@ -4,8 +4,8 @@ for it, so the dispatch returns only once the device has reached it; the host th
 the next step while this one runs, and one thread driving two engines (disaggregation) waits on
 each in turn.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_dispatch_sync --save [DIR]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_dispatch_sync --tiny   # CPU check
+    PYTHONUNBUFFERED=1 jaxinfer bench latency --suite dispatch-sync -- --save [DIR]
+    JAX_PLATFORMS=cpu jaxinfer bench latency --suite dispatch-sync -- --tiny   # CPU check
 
 sections:
   micro   plain jnp: a ~10 ms matmul chain, then a small jit with or without a `lax.cond` (and the
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.bench import results_io
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 SAMPLERS = ("built", "no_cond")
 
@@ -126,7 +126,7 @@ def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
     if sampler == "no_cond":
         _use_branch_free_sampler()
     from jaxinfer.bench.presets import LLAMA3_8B
-    from benchmarks.bench_engine_llama8b import bs1
+    from jaxinfer.bench.suites.llama8b import bs1
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.sampling_params import SamplingParams
@@ -134,7 +134,7 @@ def engine_section(tiny: bool, sampler: str, out_len: int) -> dict:
     m: dict = {}
     with tempfile.TemporaryDirectory() as work:
         if tiny:
-            opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+            opts = dict(model=str(REPO_ROOT / "checkpoints" / "demo-target"), dtype="float32",
                         max_model_len=512, max_num_batched_tokens=128, max_num_seqs=4)
             prompt_len, long_len, out_len = 32, 256, min(out_len, 32)
         else:
@@ -176,7 +176,7 @@ def run_engine(tiny: bool, sampler: str, out_len: int, timeout: float) -> dict:
         cmd.append("--tiny")
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     for line in reversed(p.stdout.splitlines()):
@@ -204,7 +204,7 @@ def table(m: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes, the demo model (a CPU check)")
     ap.add_argument("--out-len", type=int, default=128)
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--engine-timeout-s", type=float, default=240)
     ap.add_argument("--engine-only", choices=SAMPLERS, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "dispatch_sync_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.engine_only:
         print(json.dumps(engine_section(args.tiny, args.engine_only, args.out_len)), flush=True)
         return

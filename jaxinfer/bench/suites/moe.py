@@ -1,13 +1,13 @@
 """Routed experts on the GPU, one device call: the grouped-matmul kernel beside `ragged_dot` and the
 padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_moe [--sections kernels,qwen,mixtral]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite moe -- [--sections kernels,qwen,mixtral]
         [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]] [--merge RECORD.json]
-    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_moe --fp8 \
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite moe -- --fp8 \
         --quantization fp8 --sections kernels,qwen         # CPU smoke run: tiny shapes
 
 Sections (each in its own process, time-limited; figures are saved after every part):
-  kernels  ceilings (benchmarks.anchors: the best plain read of 8 GiB and bf16 matmul, named),
+  kernels  ceilings (jaxinfer.bench.anchors: the best plain read of 8 GiB and bf16 matmul, named),
            then per model shape (Qwen3-30B-A3B:
            128 experts, hidden 2048, expert inter 768, top-8; Mixtral-8x7B: 8 experts, 4096,
            14336, top-2) and phase (decode: 64 tokens; prefill: 2048 tokens), with routing from a
@@ -26,8 +26,8 @@ Sections (each in its own process, time-limited; figures are saved after every p
            `--quantization fp8`: every linear and expert e4m3 (experts on the kernel unless
            `--moe-impl xla`, or its check failed in `kernels`), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
-The kernel section is benchmarks/moe_kernels.py, the engine's benchmarks/moe_engine.py; this module
-runs each in its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
+The kernel section is moe_kernels.py, the engine's moe_engine.py (beside this module), each run in
+its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
 record moe_<gpu>.json (`--merge`: folded into a stored record, its other keys kept).
 BENCH_TINY_SHAPES=1: tiny shapes (moe_kernels.py, moe_engine.py), no Mosaic kernel timed.
 """
@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import results_io
-from benchmarks.moe_engine import engine_section
-from benchmarks.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kernel_section
+from jaxinfer.bench.suites.moe_engine import engine_section
+from jaxinfer.bench.suites.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kernel_section
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", "/tmp"))
 PARTS = OUT / "moe_parts.json"  # not the record's name: `--save $OUT` must not overwrite it
 
@@ -130,7 +130,7 @@ def summary_table(parts: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="kernels,qwen,mixtral")
     ap.add_argument("--deadline-s", type=float, default=560.0)
@@ -155,7 +155,7 @@ def main() -> None:
                     help="write the record from a moe_parts.json (from --run-section runs)")
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--section-s", type=float, default=200.0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_section:
         if args.run_section == "kernels":
             value = kernel_section(args.section_s, args.models.split(","), not args.no_sweep,
@@ -184,15 +184,15 @@ def main() -> None:
             save_part(name, "skipped: call deadline")
             continue
         limit = min(limits[name], left)
-        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--section-s", str(limit - 60),
-                "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
-        argv += (["--layers", str(args.layers)] if args.layers else []) + (
+        cmd = [sys.executable, "-m", __spec__.name, "--run-section", name, "--section-s", str(limit - 60),
+               "--models", args.models, "--phases", args.phases, "--baselines", args.baselines]
+        cmd += (["--layers", str(args.layers)] if args.layers else []) + (
             ["--no-sweep"] if args.no_sweep else []) + (["--fp8"] if args.fp8 else []) + (
             ["--no-fp8-sweep"] if args.no_fp8_sweep else []) + (
             ["--quantization", args.quantization] if args.quantization else []) + [
             "--moe-impl", moe_impl]
         try:
-            proc = subprocess.run(argv, cwd=ROOT, timeout=limit, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, timeout=limit, capture_output=True, text=True)
             print(proc.stdout[-6000:], flush=True)
             if proc.returncode:
                 print(proc.stderr[-4000:], flush=True)

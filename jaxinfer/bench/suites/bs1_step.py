@@ -4,9 +4,9 @@ attention-kernel configuration, XLA compile options), each timed on the device a
 kernel, all against the same weights (or their FP8 twin) and cache; then, with `--engine`, the
 engine itself at batch 1 (`--engine-quantization fp8`: with FP8 weights).
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_bs1_step --save [DIR]
+    PYTHONUNBUFFERED=1 jaxinfer bench latency --suite bs1-step -- --save [DIR]
         [--ctx 768] [--max-blocks 128] [--variants old_s8,fused,...] [--deadline-s 55] [--engine]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_bs1_step --tiny   # CPU check
+    JAX_PLATFORMS=cpu jaxinfer bench latency --suite bs1-step -- --tiny   # CPU check
 
 The step is what the engine runs per decode token at batch 1 (`forward` over the decode rows, one
 real sequence with `--ctx` tokens of context, a block table `--max-blocks` wide as the engine
@@ -55,8 +55,8 @@ from pallas_kernels.attention.reference import scatter_kv
 from pallas_kernels.norm.reference import add_rms_norm_reference
 from jaxinfer.bench.profile.trace_decode import device_events
 from jaxinfer.bench.profile.trace_engine_step import summarize_steps
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK = 16
 # name -> what the variant changes in the step (every key optional):
@@ -197,7 +197,7 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     steps per dispatch: hides a host that is slower than the step)."""
     metrics: dict = {"norm": norm, "quantization": quantization, "decode_steps_per_call": decode_steps}
     import json
-    from benchmarks.bench_engine_llama8b import bs1, measure_rooflines, roofline_figures
+    from jaxinfer.bench.suites.llama8b import bs1, measure_rooflines, roofline_figures
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.bench.profile.engine_host_probe import probe_host
@@ -208,7 +208,7 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
                                                   add_rms_norm=add_rms_norm_reference)
     with tempfile.TemporaryDirectory() as work:
         if tiny:
-            opts = dict(model=str(ROOT / "checkpoints" / "demo-target"), dtype="float32",
+            opts = dict(model=str(REPO_ROOT / "checkpoints" / "demo-target"), dtype="float32",
                         max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4,
                         quantization=quantization)
             prompt_len = 32
@@ -398,7 +398,7 @@ def run_variants(args, names: list[str], start: float, save) -> None:
         print(f"{r[0]:12} {r[1]:8.3f} {r[2]:6.3f} {str(r[3]):>8} {str(r[4]):>8} {r[5]:9.1f} {r[6]:11.3f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, reference attention")
     ap.add_argument("--ctx", type=int, default=768)
@@ -423,7 +423,7 @@ def main() -> None:
     ap.add_argument("--engine-decode-steps", type=int, default=1,
                     help="the engine's --decode-steps-per-call (record name ends _loop<N>)")
     results_io.add_save_arg(ap, "bs1_step_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     start = time.perf_counter()
     model = "tiny" if args.tiny else "Llama-3-8B shape, random bf16"
     names = [n for n in args.variants.split(",") if n]

@@ -1,8 +1,8 @@
 """Embedding throughput: 512-token inputs at batch 256 through the engine's pooling requests
 (prefill only, last-token pooling), against the prefill matmul roofline measured in the same run.
 
-    python -m benchmarks.bench_embeddings [--shape qwen3_0_6b|llama3_8b] [--save [DIR]]
-    BENCH_TINY_SHAPES=1 python -m benchmarks.bench_embeddings --save   # CPU smoke, tiny shapes
+    jaxinfer bench throughput --suite embeddings -- [--shape qwen3_0_6b|llama3_8b] [--save [DIR]]
+    BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite embeddings -- --save   # CPU smoke, tiny shapes
 
 Random bf16 weights of the shape (`--load-format dummy`), token-id inputs. One batch of 256 inputs
 compiles the steps; a second batch of other random inputs is timed (pooling requests never take
@@ -85,7 +85,7 @@ def matmul_params(cfg) -> int:
     return cfg.num_layers * (attn + 3 * h * cfg.intermediate_size * experts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_0_6b")
     ap.add_argument("--batch", type=int, default=256)
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=16384, help="--max-num-batched-tokens")
     ap.add_argument("--backend", default="mosaic")
     results_io.add_save_arg(ap, "embeddings_<device>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tiny = os.environ.get("BENCH_TINY_SHAPES") == "1"
     from jaxinfer.engine.metrics import EngineStats
     from jaxinfer.frontends.llm import LLM

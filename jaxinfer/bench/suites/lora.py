@@ -1,8 +1,8 @@
 """LoRA serving cost at Llama-3-8B shape (dummy weights, rank-16 adapters on all seven
 projections), each figure divided by the base model's measured in the same run:
 
-    python -m benchmarks.bench_lora --save                       # H200: benchmarks/results/lora_h200.json
-    BENCH_TINY_SHAPES=1 JAX_PLATFORMS=cpu python -m benchmarks.bench_lora   # CPU check
+    jaxinfer bench throughput --suite lora --save      # H200: benchmarks/results/lora_h200.json
+    BENCH_TINY_SHAPES=1 JAX_PLATFORMS=cpu jaxinfer bench throughput --suite lora   # CPU check
 
 Three engine processes, one after the other on the same GPU: `base` (no LoRA), then one per LoRA
 implementation (`--lora-impl xla` and `pallas`, each --enable-lora --max-loras 8
@@ -188,7 +188,7 @@ def itl_run(engine, prompts, out_len: int, adapters, cold=None) -> float:
     return float(np.percentile(gaps, 99) * 1e3) if gaps else 0.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", default=bool(os.environ.get("BENCH_TINY_SHAPES")),
                     help="tiny shapes (CPU check; also $BENCH_TINY_SHAPES=1)")
@@ -196,7 +196,7 @@ def main() -> None:
                     help="the --lora-impl values to measure, comma-separated (default: all)")
     ap.add_argument("--engine-process", nargs=2, metavar=("WORK", "MODE"), help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "lora_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.engine_process:
         work, mode = args.engine_process
         print("RESULT " + json.dumps(run_engine(Path(work), mode, args.tiny)), flush=True)
@@ -210,7 +210,7 @@ def main() -> None:
     if not impls:
         sys.exit(f"--impls {args.impls!r}: choose from {', '.join(MODES[1:])}")
     for mode in ["base", *impls]:
-        cmd = [sys.executable, "-m", "benchmarks.bench_lora", "--engine-process", str(work), mode]
+        cmd = [sys.executable, "-m", "jaxinfer.bench.suites.lora", "--engine-process", str(work), mode]
         cmd += ["--tiny"] if args.tiny else []
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""The kernel section of benchmarks/bench_moe.py: the routed experts' whole MLP (gate, up, down) in
+"""The kernel section of jaxinfer/bench/suites/moe.py: the routed experts' whole MLP (gate, up, down) in
 one device call, per model shape and phase, our grouped-matmul kernel beside `ragged_dot` and the
 padded einsum (and with `fp8`, the e4m3 experts), against ceilings measured in the same run.
 BENCH_TINY_SHAPES=1 (a CPU smoke run): tiny shapes under the same names, the XLA paths and the

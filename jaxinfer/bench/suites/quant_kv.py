@@ -1,17 +1,17 @@
 """FP8 KV cache: decode kernel speed on its bytes, kernel correctness on the device, and the demo
 model's held-out perplexity and top-1 agreement with an fp8 cache against a bf16 one.
 
-    python -m benchmarks.bench_quant_kv [--parts check,decode,prefill,ppl,checkv]
+    jaxinfer bench throughput --suite quant-kv -- [--parts check,decode,prefill,ppl,checkv]
         [--fp8-variants mosaic:q1,...] [--save [DIR]] [--name NAME] [--merge RECORD.json]
-    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_quant_kv \
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite quant-kv -- \
         --parts check,decode,checkv --no-triton                      # CPU smoke run
 
 - check: the Mosaic decode kernel on an fp8 cache against the jnp reference on the same fp8 pages,
   ragged lengths (GPU only); checkv: the same for `--check-variants`, last (a variant that fails
   or hangs costs nothing measured before it).
-- decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (bench_decode's shape and timing),
+- decode: B64 x ctx 4096, Hq 32 / Hkv 8 / d 128 / page 16 (kernel_decode's shape and timing),
   bf16 and fp8 caches, each as TB/s of its own KV bytes and as a fraction of the HBM read ceiling
-  (the best of `benchmarks.anchors`' plain reads over 8 GiB, named in `read_kernel`) measured in
+  (the best of `jaxinfer.bench.anchors`' plain reads over 8 GiB, named in `read_kernel`) measured in
   the same run; the fp8 variants named beside the default, e.g. "mosaic:q1" (QK^T as one fp8
   wgmma) as `decode_fp8kv_b64x4096_mosaic_q1_*`.
 - prefill: the Mosaic paged prefill kernel over a bf16 and an fp8 cache (GPU only).
@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +37,9 @@ import numpy as np
 
 from jaxinfer.bench import anchors, results_io
 from jaxinfer.bench.kernel_decode import fp8_variant_config
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "checkpoints" / "demo-target"
+DEMO = REPO_ROOT / "checkpoints" / "demo-target"
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 BATCH, CTX = (2, 256) if TINY else (64, 4096)
 HQ, HKV = (8, 2) if TINY else (32, 8)
@@ -72,7 +71,7 @@ def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16, compiler_optio
 
 
 def demo_windows(tokenizer, length: int) -> np.ndarray:
-    ids = np.asarray(tokenizer.encode((ROOT / "checkpoints" / "heldout_sample.txt").read_text()))
+    ids = np.asarray(tokenizer.encode((REPO_ROOT / "checkpoints" / "heldout_sample.txt").read_text()))
     n = (len(ids) - 1) // length
     return ids[: n * length + 1][np.arange(n)[:, None] * length + np.arange(length + 1)]
 
@@ -80,7 +79,7 @@ def demo_windows(tokenizer, length: int) -> np.ndarray:
 def demo_ppl(length: int = 256, compiler_options=None) -> dict:
     """Perplexity (bf16 cache, fp8 cache) and fp8's top-1 agreement with bf16, demo model; the
     forwards compiled with XLA's `compiler_options`."""
-    from checkpoints.measure_demo import perplexity_and_top1
+    from jaxinfer.bench.perplexity import perplexity_and_top1
     from jaxinfer.worker.kv.kv_scales import calibrate_kv_scales, calibration_tokens
     from jaxinfer.model.config import load_config
     from jaxinfer.model.tokenizer import Tokenizer
@@ -222,7 +221,7 @@ def decode_speed(log, out: dict, save, fp8_variants=(), triton: bool = True,
 
 def prefill_speed(log) -> dict:
     """The paged prefill kernel over a bf16 and an fp8 cache: 8 sequences x 512 new tokens over
-    8192 cached, page 16 (bench_prefill's paged shape), timed interleaved."""
+    8192 cached, page 16 (kernel_prefill's paged shape), timed interleaved."""
     from jaxinfer.bench.kernel_prefill import HKV, HQ, D, bench_interleaved
     from pallas_kernels.attention import flash_prefill as fp
     from pallas_kernels.attention.kv_quant import quantize

@@ -1,11 +1,11 @@
 """The windowed families end to end on one GPU, dummy bf16 weights: Gemma-3-27B and gpt-oss-20b
 shapes through the engine, against the HBM rate measured in the same run.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gemma3_27b --save --merge
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gptoss_20b --save --merge
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_families --models gemma3_27b --parts kv32k \
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite families -- --models gemma3_27b --save --merge
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite families -- --models gptoss_20b --save --merge
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite families -- --models gemma3_27b --parts kv32k \
         --save --merge                                           # only the 32k KV section
-    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_families   # CPU check
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite families --   # CPU check
 
 (`--merge` keeps the record's other keys: the other model's, the decode-kernel section's from
 jaxinfer/bench/kernel_window_decode.py.)
@@ -20,7 +20,7 @@ Per model (`<m>` = gemma3_27b or gptoss_20b):
   bs1      one request, 512 prompt / 256 output tokens, greedy: `<m>_bs1_tpot_ms` (first to
            last token over 255 gaps), best of two;
   roofline `<m>_bs1_roofline_ms` = (weights one decode token reads + its KV read) / the HBM
-           read rate measured here (benchmarks.anchors, before the engine starts): weights =
+           read rate measured here (jaxinfer.bench.anchors, before the engine starts): weights =
            every param but the input embedding
            table and the experts a token is not routed to; KV = each layer's keys and values over
            the mean context (prompt + half the output), a windowed layer's over at most its
@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import results_io
+from jaxinfer.paths import REPO_ROOT
 
 RESULT = "RESULT "
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
@@ -88,7 +89,7 @@ def emit(**metrics) -> None:
 
 
 def hbm_bytes_s() -> float:
-    """The best plain HBM read rate of benchmarks.anchors' read kernels (64 MiB on a CPU)."""
+    """The best plain HBM read rate of jaxinfer.bench.anchors' read kernels (64 MiB on a CPU)."""
     from jaxinfer.bench import anchors
     return max(anchors.read_rates((64 << 20) if TINY else (8 << 30)).values())
 
@@ -209,7 +210,7 @@ def long_sequence_kv(engine, long: int, prompt: list[int]) -> None:
          gemma3_27b_kv_groups=kv.groups.num_groups)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--child", choices=list(MODELS), help=argparse.SUPPRESS)
@@ -220,15 +221,15 @@ def main() -> None:
                         help="keep the saved record's other metrics (another model's, the decode "
                              "kernel section's) and config")
     results_io.add_save_arg(parser, "families_<gpu>")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         return child(args.child, args.parts)
     metrics: dict = {}
     for model in args.models.split(","):
         try:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_families", "--child",
+            proc = subprocess.run([sys.executable, "-m", "jaxinfer.bench.suites.families", "--child",
                                    model, "--parts", args.parts], capture_output=True, text=True,
-                                  timeout=args.timeout_s, cwd=Path(__file__).resolve().parent.parent)
+                                  timeout=args.timeout_s, cwd=REPO_ROOT)
             out, err, failed = proc.stdout, proc.stderr, proc.returncode != 0
         except subprocess.TimeoutExpired as e:  # keep what it measured before the limit
             out, err, failed = e.stdout or "", f"timed out after {args.timeout_s} s", True

@@ -12,8 +12,8 @@ Reports: RSS over time (and its drift after the warm-up), leaked blocks, the cou
 p50/p99 latency of completed requests. Goal: RSS flat within +-10% after warm-up, 0 leaked blocks,
 0 responses >= 500.
 
-    python -m benchmarks.bench_soak --minutes 20 --save   # -> benchmarks/results/soak_cpu.json
-    python -m benchmarks.bench_soak --minutes 1 --port 8000 --pid $(pgrep -f "jaxinfer serve")
+    jaxinfer bench serve --suite soak --save -- --minutes 20   # -> benchmarks/results/soak_cpu.json
+    jaxinfer bench serve --suite soak -- --minutes 1 --port 8000 --pid $(pgrep -f "jaxinfer serve")
 
 Only loopback addresses are targeted; the run stops by itself after --minutes (plus the drain).
 """
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import random
 import shlex
 import socket
@@ -35,9 +33,10 @@ import time
 from pathlib import Path
 
 import aiohttp
+from jaxinfer.bench import results_io
+from jaxinfer.bench.common import cli_module
+from jaxinfer.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULT = REPO_ROOT / "benchmarks" / "results" / "soak_cpu.json"
 WORDS = (
     "the quick brown fox jumps over a lazy dog once upon a time there was a little robot who "
     "liked to count numbers serving language models over http with streaming"
@@ -337,16 +336,7 @@ def summarize(args, stats: Stats, series: list, final: dict) -> dict:
     }
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=8, help="clients, each one request at a time")
@@ -363,10 +353,10 @@ def main() -> int:
         "--server-log", default="/tmp/jaxinfer_soak_server.log", help="the spawned server's stderr goes here"
     )
     ap.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
-    ap.add_argument("--save", action="store_true", help=f"write {RESULT.relative_to(REPO_ROOT)}")
-    args = ap.parse_args()
+    results_io.add_save_arg(ap, "soak_cpu")
+    args = ap.parse_args(argv)
 
-    commit = git_commit()  # of the code the server runs (read now: the tree may change during the run)
+    commit = results_io.git_commit()  # of the code the server runs (the tree may change during the run)
     proc = None
     if args.port:
         port, pid = args.port, args.pid
@@ -375,7 +365,7 @@ def main() -> int:
         cmd = [
             sys.executable,
             "-m",
-            "jaxinfer.cli.main",
+            cli_module(),
             "serve",
             "--port",
             str(port),
@@ -404,26 +394,13 @@ def main() -> int:
                 proc.kill()
                 exit_status = proc.wait()
     metrics["server_exit_status"] = exit_status
-    result = {
-        "name": "soak_cpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "note": args.note,
-        },
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "config": {k: v for k, v in vars(args).items() if k != "save"},
-        "metrics": metrics,
-    }
     summary = {k: v for k, v in metrics.items() if k not in ("series", "outcomes")}
     print(json.dumps(summary, indent=2))
-    if args.save:
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {RESULT}", file=sys.stderr)
+    if args.save:  # the client runs no jax: the machine is the host, the server's note beside it
+        results_io.save(args.save, args.name or "soak_cpu", commit=commit,
+                        machine_info={**results_io.machine(), "note": args.note},
+                        config={k: v for k, v in vars(args).items() if k not in ("save", "name")},
+                        metrics=metrics)
     ok = (
         metrics["responses_5xx"] == 0
         and not metrics["leaked_blocks"]

@@ -1,8 +1,8 @@
 """FP8 weights (`--quantization fp8`) on the GPU, beside their bf16 anchors measured in the same run.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_quant [--sections ...]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite quant -- [--sections ...]
         [--deadline-s 140] [--matmul-rows 2048,8,256] [--kv-cache-dtype fp8] [--save [DIR]]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_quant --tiny \
+    JAX_PLATFORMS=cpu jaxinfer bench throughput --suite quant -- --tiny \
         --sections llama8b_fp8w,llama8b_fp8w_c256   # CPU check: a 2-layer model, c = 8
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
@@ -22,9 +22,10 @@ one persistent compilation cache; the record is rewritten after each):
   llama8b_fp8w_c256  FP8 weights: c = 256 random 512 in / 256 out (bf16 KV cache).
   llama8b_fp8w_fp8kv  c = 256 with FP8 weights and --kv-cache-dtype (default fp8), then batch 1
                 in the same engine.
-Engines: 256 sequences, 2048-token steps, max_model_len 1024 (see bench_multi_gpu.py, whose timing
-helpers these sections share). Batch-1 sections compile their two step shapes lazily; c = 256
-sections compile every bucket before they are timed (bench_moe's engine section: with background
+Engines: 256 sequences, 2048-token steps, max_model_len 1024 (see
+jaxinfer/bench/suites/multi_gpu.py, whose timing helpers these sections share). Batch-1 sections
+compile their two step shapes lazily; c = 256 sections compile every bucket before they are timed
+(the MoE suite's engine section: with background
 compilation the decode steps run padded into the 2048-token bucket until their own is ready, and
 lazy compiles would stall the warm-up run; `<section>_ready_s` is load + every bucket).
 """
@@ -43,9 +44,9 @@ from pathlib import Path
 from jaxinfer.bench import results_io
 from jaxinfer.bench.common import child
 from jaxinfer.bench.presets import LLAMA3_8B
-from benchmarks.bench_multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
+from jaxinfer.bench.suites.multi_gpu import _batch1, _engine_kw, _last_json, _llm, _throughput
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 ROWS = "2048,8,256"  # in the order measured: the prefill ratio first, then decode sizes
 LAYERS = 4
 CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
@@ -158,8 +159,8 @@ def section_matmul(cfg: dict) -> dict:
 
 def section_demo_ppl(cfg: dict) -> dict:
     _announce_machine()
-    from checkpoints.measure_demo import quantized_accuracy
-    acc = quantized_accuracy(ROOT / "checkpoints" / "demo-target", "fp8")
+    from jaxinfer.bench.perplexity import quantized_accuracy
+    acc = quantized_accuracy(REPO_ROOT / "checkpoints" / "demo-target", "fp8")
     return {"demo_ppl_bf16": round(acc["ppl"], 4), "demo_ppl_fp8w": round(acc["ppl_quantized"], 4),
             "demo_fp8w_top1_agreement": round(acc["top1_agreement"], 4),
             "demo_positions": acc["positions"]}
@@ -239,7 +240,7 @@ def derive(m: dict) -> None:
         m["demo_ppl_fp8w_over_bf16"] = round(m["demo_ppl_fp8w"] / m["demo_ppl_bf16"], 4)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--deadline-s", type=float, default=400.0)
@@ -254,7 +255,7 @@ def main() -> None:
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "quant_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_section:
         print(json.dumps(SECTIONS[args.run_section][0](json.loads(args.config))), flush=True)
         return
@@ -272,7 +273,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-quant-"))
     (work / "llama8b").mkdir()
     if args.tiny:
-        from benchmarks.bench_bs1_step import TINY
+        from jaxinfer.bench.suites.bs1_step import TINY
         os.environ.setdefault("BENCH_BACKEND", "reference")  # read by the sections' processes
     (work / "llama8b" / "config.json").write_text(json.dumps(TINY if args.tiny else LLAMA3_8B))
     cfg = {"cache_dir": str(work / "cc"), "llama8b": str(work / "llama8b"),

@@ -1,7 +1,7 @@
 """The engine inside a research loop: rollouts with logprobs, weight updates in place, sleep/wake.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_research_loop [--save [DIR]]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_research_loop --tiny   # CPU check
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite research-loop -- [--save [DIR]]
+    JAX_PLATFORMS=cpu jaxinfer bench throughput --suite research-loop -- --tiny   # CPU check
 
 Default: a Llama-3-8B-shaped model (random bf16 weights, `--load-format dummy`) on one GPU, then
 the --parts (default updates,rollouts,sleep; each saved as it finishes, so a run cut short keeps
@@ -89,7 +89,7 @@ def rollout_tok_s(llm: LLM, prompts, params: SamplingParams, as_arrays: bool) ->
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the demo model, tiny sizes (CPU check)")
     ap.add_argument("--num-prompts", type=int, default=None)
@@ -112,7 +112,7 @@ def main() -> None:
                     help="engine flags (JSON) over the defaults, e.g. a --compilation-cache-dir "
                          "and the shapes another benchmark's engine compiled, to start warm")
     results_io.add_save_arg(ap, "research_loop_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     parts = args.parts.split(",")
     if not parts or set(parts) - set(PARTS) or len(set(parts)) < len(parts):
         ap.error(f"--parts: a comma-separated list of distinct parts from {','.join(PARTS)}")

@@ -2,21 +2,21 @@
 XLA's weight-only dot (what decode steps run) per projection shape, the bf16 LM head, and the
 prefill ratio (FP8 W8A8 over bf16).
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_weight_only [--deadline-s 60]
+    PYTHONUNBUFFERED=1 jaxinfer bench kernels --only weight-only -- [--deadline-s 60]
         [--rows 8,1,64] [--prefill-layers 1] [--parts decode,prefill,head,rows] [--save [DIR]]
 
 Measured in --parts order until --deadline-s (the record is rewritten after each figure):
-  read_ceiling_tbs  XLA sum over 8 GiB of bf16 (bench_decode.read_ceiling_tbps), always first;
+  read_ceiling_tbs  XLA sum over 8 GiB of bf16 (kernel_decode.read_ceiling_tbps), always first;
   decode   8 rows (the batch-1 decode bucket): XLA's weight-only dot on e4m3 weights
            (`xla_dequant_<shape>_m8`), in TB/s of weight bytes and us per call, with
            `..._frac_of_ceiling`; `xla_dequant_m8_layer_us`: one layer's projections (q, o, 2 kv,
            2 gate_up, down);
-  prefill  M = 2048 through --prefill-layers layers of the seven projections (bench_quant's
+  prefill  M = 2048 through --prefill-layers layers of the seven projections (quant.py's
            stack), bf16 and FP8 W8A8: ms, TF/s and `prefill_matmul_fp8_over_bf16`;
   head     the bf16 LM head [in, out] at 8 rows through XLA's dot;
   rows     XLA's weight-only dot at the other --rows.
 Each timed call runs over enough distinct weight copies (>= 512 MB) that nothing is served from L2,
-unrolled in one jit, and calls are queued without host synchronisation (bench_decode's timing).
+unrolled in one jit, and calls are queued without host synchronisation (kernel_decode's timing).
 The Pallas weight-only kernel this script once compared (33-45 % of the ceiling against XLA's
 60-72 %, `results/weight_only_h200.json`) was removed; git history has it.
 """
@@ -38,7 +38,7 @@ MIN_BYTES = 512 << 20
 
 
 def _timed(fn, *args) -> float:
-    """Seconds per call, queued (bench_decode's `_queued_time`)."""
+    """Seconds per call, queued (kernel_decode's `_queued_time`)."""
     from jaxinfer.bench.kernel_decode import _queued_time
     return _queued_time(lambda _: fn(*args), None)
 
@@ -71,7 +71,7 @@ def _prefill(m: dict, layers: int) -> None:
     import jax.numpy as jnp
 
     from jaxinfer.bench.presets import LLAMA3_8B
-    from benchmarks.bench_quant import _layer_stack_fn, _projections
+    from jaxinfer.bench.suites.quant import _layer_stack_fn, _projections
     from jaxinfer.model.quant.ops import quantize
     shapes = _projections(LLAMA3_8B)
     normal = jax.jit(lambda key, shape: (jax.random.normal(key, shape) * 0.02).astype(jnp.bfloat16),
@@ -93,7 +93,7 @@ def _prefill(m: dict, layers: int) -> None:
     print(json.dumps({k: v for k, v in m.items() if k.startswith("prefill")}), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deadline-s", type=float, default=60.0,
                     help="stop starting new measurements past this many seconds")
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--parts", default="decode,prefill,head,rows",
                     help="what to measure, in order: decode, prefill, head, rows")
     results_io.add_save_arg(ap, "weight_only_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     start = time.perf_counter()
 
     import jax

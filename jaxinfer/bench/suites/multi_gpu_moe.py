@@ -1,4 +1,4 @@
-"""bench_multi_gpu's `moe_layouts` section: the routed experts of a MoE shape on one GPU and at
+"""The multi-GPU suite's `moe_layouts` section: the routed experts of a MoE shape on one GPU and at
 TP = 2 in both expert layouts (jaxinfer/parallel/experts.py), the all-reduce included."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def section_moe_layouts(_: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.moe_engine import QWEN3_30B_A3B
+    from jaxinfer.bench.suites.moe_engine import QWEN3_30B_A3B
     from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.parallel.experts import experts_on

@@ -1,4 +1,4 @@
-"""The engine section of benchmarks/bench_moe.py: the engine end to end on an MoE model's shape
+"""The engine section of jaxinfer/bench/suites/moe.py: the engine end to end on an MoE model's shape
 (dummy weights), output tok/s, the median decode step at full batch and the step mix."""
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 latent decode kernel, and the jnp path it replaced) against a plain read of the same bytes, and
 DeepSeek-V2-Lite's shape through the engine.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_mla --save            # H200, ~5-8 min
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_mla --parts kernel --save --merge  # ~2 min
-    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_mla  # CPU check
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite mla -- --save            # H200, ~5-8 min
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite mla -- --parts kernel --save --merge  # ~2 min
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite mla --  # CPU check
 
 `--parts kernel` / `--parts engine` run one section (`--parts bs1`: the engine's batch-1 figures
 alone, ~2 min); `--merge` keeps the saved record's other metrics (read from the --save directory,
@@ -16,7 +16,7 @@ Metrics (all measured in this run; <key> = b64x4096 or b1x32k):
            pages, shuffled block tables) over batch x context tokens, run by the production
            Mosaic latent decode kernel (pallas_kernels/attention/latent_decode_mosaic.py, the
            default config `t64`): latent bytes read / its time, over the best plain read rate
-           of as many bytes (benchmarks.anchors' kernels, measured before the engine starts;
+           of as many bytes (jaxinfer.bench.anchors' kernels, measured before the engine starts;
            all timed queued back to back; small inputs are read in turn from copies of 256 MB
            in all, in one jitted call, so none comes from L2 or runs at the host's pace).
            Goals 0.8 / 0.7;
@@ -59,7 +59,7 @@ import numpy as np
 
 from jaxinfer.bench import results_io
 from jaxinfer.bench.presets import DEEPSEEK_V2_LITE as V2_LITE
-from benchmarks.bench_families import run_requests
+from jaxinfer.bench.suites.families import run_requests
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
 
@@ -98,7 +98,7 @@ def _variant(name: str, key: str, value: int, interpret: bool):
 
 
 def plain_read_rate(nbytes: int) -> float:
-    """Bytes/s of the best plain read of `nbytes` (benchmarks.anchors)."""
+    """Bytes/s of the best plain read of `nbytes` (jaxinfer.bench.anchors)."""
     from jaxinfer.bench import anchors
     mib = 1 << 20  # the read kernels reshape to rows of 8192: whole MiB (exact at full size)
     return max(anchors.read_rates(-(-nbytes // mib) * mib).values())
@@ -107,7 +107,7 @@ def plain_read_rate(nbytes: int) -> float:
 def decode_attention(batch: int, context: int, heads: int, latent: int, value: int,
                      key: str, variants=tuple(KERNEL_VARIANTS)) -> dict:
     """One layer's absorbed decode over a paged latent cache: the jnp path and each kernel
-    variant vs the best plain read of as many bytes (benchmarks.anchors; all timed queued back
+    variant vs the best plain read of as many bytes (jaxinfer.bench.anchors; all timed queued back
     to back). -> metrics."""
     from jaxinfer.bench import anchors
     from pallas_kernels.attention.latent_decode_mosaic import heads_minor, split_plan
@@ -253,7 +253,7 @@ def engine_metrics(w: dict, rate: float, full: bool = True) -> dict:
     return metrics
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="kernel,engine",
                         help="comma-separated sections: kernel (the decode attention), engine, "
@@ -264,7 +264,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(KERNEL_VARIANTS),
                         help="kernel configs to time (of KERNEL_VARIANTS; t64 is the default's)")
     results_io.add_save_arg(parser, "mla_<gpu>")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     variants = args.variants.split(",")
     if "t64" not in variants or not set(variants) <= set(KERNEL_VARIANTS):
         parser.error(f"--variants {args.variants}: t64 and others of {', '.join(KERNEL_VARIANTS)}")

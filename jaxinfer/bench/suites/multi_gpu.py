@@ -1,7 +1,7 @@
 """Tensor and data parallelism on two H200s, one script, one run: correctness first, then every
 figure beside its anchor.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_multi_gpu [--sections ...]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite multi-gpu -- [--sections ...]
         [--deadline-s 400] [--limits llama8b_tp2=90,...] [--save [DIR]]
 
 Sections (each in its own process, so a crash or a timeout keeps the others' figures; they share
@@ -58,11 +58,11 @@ from jaxinfer.bench import results_io
 from jaxinfer.bench.common import child
 from jaxinfer.bench.common import timed_generate
 from jaxinfer.bench.presets import LLAMA3_8B, LLAMA3_70B
-from benchmarks.multi_gpu_moe import section_moe_layouts
+from jaxinfer.bench.suites.multi_gpu_moe import section_moe_layouts
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
 from jaxinfer.bench.profile.trace_tp_step import TRACE_XLA_FLAGS
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 NAME = "multi_gpu_h200x2"
 GRACE_S = 5  # past a section's time limit: its stack dump, then it is killed
@@ -122,13 +122,13 @@ def _llm(model: str, **kw):
 
 def section_parity(cfg: dict) -> dict:
     from jaxinfer import SamplingParams
-    text = (ROOT / "checkpoints" / "heldout_sample.txt").read_text()
+    text = (REPO_ROOT / "checkpoints" / "heldout_sample.txt").read_text()
     lines = [line for line in text.splitlines() if line.strip()]
     prompts = ["\n".join(lines[i:i + 3]) for i in range(0, 24, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = {}
     for tp in (1, 2):
-        llm, _ = _llm(str(ROOT / "checkpoints" / "demo-target"), tensor_parallel_size=tp,
+        llm, _ = _llm(str(REPO_ROOT / "checkpoints" / "demo-target"), tensor_parallel_size=tp,
                       max_num_seqs=8, max_num_batched_tokens=256, num_blocks=1024,
                       cache_dir=cfg["cache_dir"])
         tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -288,7 +288,7 @@ def section_llama8b_tp2_procs(cfg: dict) -> dict:
         argv = [sys.executable, "-m", __spec__.name, "--run-section", "llama8b_tp2_proc", "--config",
                 json.dumps({**cfg, "process_id": pid, "port": port})]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, cwd=ROOT, env=env))
+                                      text=True, cwd=REPO_ROOT, env=env))
     outs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode != 0:
@@ -326,7 +326,6 @@ SECTION_XLA_FLAGS = {"allreduce_oneshot": ONESHOT,
                      **{name: flags for name, (_, _, flags) in VARIANTS.items() if flags}}
 
 
-
 # ---- the driver -------------------------------------------------------------------------------
 def _last_json(text: str) -> dict:
     merged: dict = {}
@@ -339,7 +338,7 @@ def _last_json(text: str) -> dict:
     return merged
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--deadline-s", type=float, default=400.0)
@@ -353,7 +352,7 @@ def main() -> None:
     ap.add_argument("--run-section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, NAME)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_section:
         fn = SECTIONS[args.run_section][0]
         print(json.dumps(fn(json.loads(args.config))), flush=True)
@@ -391,11 +390,11 @@ def main() -> None:
             config["sections"][name] = "skipped: call deadline"
             continue
         t0 = time.perf_counter()
-        argv = [sys.executable, "-m", __spec__.name, "--run-section", name, "--config", json.dumps(cfg)]
+        cmd = [sys.executable, "-m", __spec__.name, "--run-section", name, "--config", json.dumps(cfg)]
         flags = [base_flags, SECTION_XLA_FLAGS.get(name, "")]
         flags += [TRACE_XLA_FLAGS] if args.trace_steps else []  # traced as it runs untraced
         os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
-        stdout, stderr, rc = child(argv, min(limit, left), grace_s=GRACE_S)
+        stdout, stderr, rc = child(cmd, min(limit, left), grace_s=GRACE_S)
         entry_flags = os.environ["XLA_FLAGS"]
         os.environ["XLA_FLAGS"] = base_flags
         got = _last_json(stdout)

@@ -1,8 +1,8 @@
 """The host KV tier and long contexts at Llama-3-8B shape (dummy bf16 weights), one H200:
 
-    python -m benchmarks.bench_kv_tiers --part multiturn --save --merge  # ~4 min
-    python -m benchmarks.bench_kv_tiers --part long --save --merge       # ~3 min, same record
-    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 python -m benchmarks.bench_kv_tiers --part all  # CPU
+    jaxinfer bench throughput --suite kv-tiers -- --part multiturn --save --merge  # ~4 min
+    jaxinfer bench throughput --suite kv-tiers -- --part long --save --merge       # ~3 min, same record
+    JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite kv-tiers -- --part all  # CPU
 
 `multiturn`: N conversations x T turns in G groups, served by C clients; each group shares a
 system prompt, each turn sends the conversation so far (system prompt, every earlier question and
@@ -35,7 +35,7 @@ compute queued ahead of a copy included); `kv_host_copy_ms_mean`: that time per 
 with x tokens + causal attention 2 x 2 x layers x heads x head_dim x tokens^2 / 2) FLOPs over
 the best bf16 matmul rate, and `decode_b1x128k_tpot_ms` against `decode_b1x128k_roofline_ms` =
 (weights a token reads + 128k tokens of KV) bytes over the best HBM read rate; both rates from
-benchmarks.anchors (best of several kernels, queued), measured first, before any engine takes
+jaxinfer.bench.anchors (best of several kernels, queued), measured first, before any engine takes
 the device's memory.
 """
 
@@ -276,7 +276,7 @@ def part_multiturn(tiers: tuple[bool, ...] = (True, False)) -> dict:
 
 
 def anchor_rates() -> dict:
-    """benchmarks.anchors' best read and matmul rates, measured before any engine takes memory."""
+    """jaxinfer.bench.anchors' best read and matmul rates, measured before any engine takes memory."""
     from jaxinfer.bench import anchors
     r = anchors.measure(tiny=TINY)
     return dict(hbm_tb_s=r["read_tbps"], hbm_read_kernel=r["read_kernel"],
@@ -284,7 +284,7 @@ def anchor_rates() -> dict:
 
 
 def part_long(rates: dict) -> dict:
-    from benchmarks.bench_families import decode_read_bytes
+    from jaxinfer.bench.suites.families import decode_read_bytes
     max_len = LONG + 1 + 64
     chunk = 64 if TINY else 8192
     engine = make_engine(max_len, num_blocks=-(-max_len // 16) + 8, max_num_seqs=2,
@@ -322,7 +322,7 @@ def part_long(rates: dict) -> dict:
                 decode_b1x128k_over_roofline=round(tpot / (decode_bytes / bw), 3), **rates)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("multiturn", "long", "all"), default="all")
     p.add_argument("--tiers", choices=("both", "on", "off"), default="both",
@@ -330,7 +330,7 @@ def main() -> None:
     p.add_argument("--merge", action="store_true",
                    help="add this run's metrics to the saved record instead of replacing it")
     results_io.add_save_arg(p, NAME)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if TINY:  # (a stuck CPU check shows where)
         import faulthandler
         faulthandler.dump_traceback_later(600, exit=True)

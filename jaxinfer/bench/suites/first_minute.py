@@ -1,7 +1,7 @@
 """The first minute after a warm start (issue 38), and the FP8 c = 256 figure with fresh prompts.
 
-    python -m benchmarks.bench_first_minute [--save [DIR]] [--deadline-s 470]
-    JAX_PLATFORMS=cpu python -m benchmarks.bench_first_minute --tiny   # CPU check of the script
+    jaxinfer bench startup --suite first-minute -- [--save [DIR]] [--deadline-s 470]
+    JAX_PLATFORMS=cpu jaxinfer bench startup --suite first-minute -- --tiny   # CPU check of the script
 
 Llama-3-8B shape, dummy weights, FP8 weights + FP8 KV cache (`--quantization fp8
 --kv-cache-dtype fp8`), 256 sequences, 2048-token steps, max_model_len 1024, mosaic attention.
@@ -17,7 +17,7 @@ Two processes over one new compilation cache directory:
           then, every bucket surely compiled (`compiler.wait()`), the same 30 s again:
           `compiled30_out_tok_s`, and `first30_over_compiled` (goal >= 0.9);
         - `llama8b_fp8w_fp8kv_c256_out_tok_s`: 256 random 512 in / 256 out all at once, after an
-          untimed run of other prompts (bench_multi_gpu._throughput), with its window's
+          untimed run of other prompts (suites.multi_gpu._throughput), with its window's
           `_prefix_hit_rate` (0: the timed prompts are new) and `_buckets_compiling`.
 Every timed prompt is new to the prefix cache. Expected time on one H200: cold about 4.5 min
 (quant_h200's llama8b_fp8w_fp8kv_ready_s, 276 s, compiled every bucket), warm about 2 min.
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from jaxinfer.bench import results_io
-from jaxinfer.bench.common import child
+from jaxinfer.bench.common import child, cli_module
 from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.timed_window import buckets_compiling, fresh_prompts
 
@@ -84,7 +84,7 @@ def closed_loop(engine, vocab: int, shapes: dict, seed: int) -> float:
 
 
 def run_warm(cfg: dict) -> dict:
-    from benchmarks.bench_multi_gpu import _throughput
+    from jaxinfer.bench.suites.multi_gpu import _throughput
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.frontends.llm import LLM
     from jaxinfer.engine.llm_engine import LLMEngine
@@ -124,13 +124,13 @@ def run_warm(cfg: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, c = 8, 4 s windows")
     ap.add_argument("--deadline-s", type=float, default=470.0)
     ap.add_argument("--run-warm", default=None, help=argparse.SUPPRESS)
     results_io.add_save_arg(ap, "first_minute_<gpu>")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_warm:
         print("RESULT " + json.dumps(run_warm(json.loads(args.run_warm))), flush=True)
         return
@@ -138,13 +138,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-first-minute-"))
     (work / "model").mkdir()
     if args.tiny:
-        from benchmarks.bench_bs1_step import TINY
+        from jaxinfer.bench.suites.bs1_step import TINY
     (work / "model" / "config.json").write_text(json.dumps(TINY if args.tiny else LLAMA3_8B))
     flags = engine_flags(str(work / "model"), str(work / "cc"), args.tiny)
     metrics: dict = {}
     phases: dict = {}
     t0 = time.perf_counter()
-    stdout, stderr, rc = child([sys.executable, "-m", "jaxinfer.cli.main", "warmup", *flags],
+    stdout, stderr, rc = child([sys.executable, "-m", cli_module(), "warmup", *flags],
                                args.deadline_s - 150)
     phases["cold"] = {"wall_s": round(time.perf_counter() - t0, 1), "rc": rc,
                       "stdout_tail": stdout[-300:]}
@@ -154,7 +154,7 @@ def main() -> None:
     print(f"== cold: {json.dumps(phases['cold'])}", flush=True)
     t0 = time.perf_counter()
     left = args.deadline_s - (time.perf_counter() - start)
-    stdout, stderr, rc = child([sys.executable, "-m", "benchmarks.bench_first_minute", "--run-warm",
+    stdout, stderr, rc = child([sys.executable, "-m", __spec__.name, "--run-warm",
                                 json.dumps({"flags": flags, "tiny": args.tiny})], left)
     got = {}
     for line in stdout.splitlines():  # the last figures printed, kept if the phase timed out

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation on two GPUs against two colocated replicas, one process, one run.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_disagg [--concurrency 32,64]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite disagg -- [--concurrency 32,64]
         [--input-len 4096] [--output-len 256] [--deadline-s 190] [--save [DIR]]
-    python -m benchmarks.bench_disagg --tiny   # the whole script on 2 CPU devices
+    jaxinfer bench throughput --suite disagg -- --tiny   # the whole script on 2 CPU devices
 
 A Llama-3-8B-shaped model (dummy bf16 weights, mosaic kernels). Parts, in order; the JSON record
 is rewritten after each, and a part that would not fit in what is left of --deadline-s is skipped:
@@ -36,8 +36,8 @@ from pathlib import Path
 from jaxinfer.bench import results_io
 from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.timed_window import TimedWindow
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # What --tiny changes: the demo model shape on 2 CPU devices, the jnp reference attention.
 TINY = dict(input_len=64, output_len=8, concurrency="4,8", backend="reference", requests_per_client=2,
@@ -177,7 +177,7 @@ def colocated(disagg, args):
         for e in (disagg.prefill, disagg.decode)])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="32,64")
     ap.add_argument("--input-len", type=int, default=4096)
@@ -189,7 +189,7 @@ def main() -> None:
                     help="step token budget, also the prefill chunk")
     ap.add_argument("--tiny", action="store_true", help="demo-model shape on 2 CPU devices")
     results_io.add_save_arg(ap)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     start = time.perf_counter()
     if a.tiny:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -204,7 +204,7 @@ def main() -> None:
     concurrencies = [int(c) for c in a.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="jaxinfer-disagg-"))
     if a.tiny:
-        model = str(ROOT / "checkpoints" / "demo-target")
+        model = str(REPO_ROOT / "checkpoints" / "demo-target")
     else:
         (work / "llama8b").mkdir()
         (work / "llama8b" / "config.json").write_text(json.dumps(LLAMA3_8B))

@@ -1,7 +1,7 @@
 """Speculative decoding: time per output token with and without speculation, acceptance, and the
 overhead of the default policy at a large batch.
 
-    PYTHONUNBUFFERED=1 python -m benchmarks.bench_spec_decode \
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite spec-decode -- \
         [--sections demo,ngram_edit,crossover,llama8b] [--k 4] [--output-len 128] [--save [DIR]]
         [--merge benchmarks/results/spec_decode_h200.json]
 
@@ -45,13 +45,13 @@ from pathlib import Path
 
 from jaxinfer.bench import results_io
 from jaxinfer.bench.presets import LLAMA3_8B
+from jaxinfer.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
-DEMO = ROOT / "checkpoints" / "demo-target"
-DEMO_DRAFT = ROOT / "checkpoints" / "demo-draft"
-DEMO_EAGLE = ROOT / "checkpoints" / "demo-eagle3"
-HELDOUT = ROOT / "checkpoints" / "heldout_sample.txt"
+DEMO = REPO_ROOT / "checkpoints" / "demo-target"
+DEMO_DRAFT = REPO_ROOT / "checkpoints" / "demo-draft"
+DEMO_EAGLE = REPO_ROOT / "checkpoints" / "demo-eagle3"
+HELDOUT = REPO_ROOT / "checkpoints" / "heldout_sample.txt"
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                   tie_word_embeddings=True)
@@ -286,7 +286,7 @@ SECTIONS = {"demo": section_demo, "eagle": section_eagle, "eagle_crossover": sec
             "llama8b": section_llama8b, "llama8b_nogate": section_llama8b_nogate}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default="demo,ngram_edit,crossover,llama8b")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
@@ -307,7 +307,7 @@ def main() -> None:
                    help="an earlier record of this benchmark: its metrics are kept beside this "
                         "run's (sections run in several device calls); the config names it")
     results_io.add_save_arg(p, "spec_decode_<gpu>")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     import jax
     metrics: dict = {}
     merged = None

@@ -63,7 +63,7 @@ from checkpoints.train_state import restore_state, save_state
 from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.model.transformer import init_params, train_forward
 from jaxinfer.model.weights import load_params, save_safetensors
-from pallas_kernels.attention.backend import REFERENCE
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from pallas_kernels.attention.dense_fused import with_fused_dense
 
 REPO = Path(__file__).resolve().parent.parent
@@ -269,7 +269,8 @@ def parse_args(argv):
 def attention_backend(choice: str):
     if choice == "auto":
         choice = "cudnn" if jax.default_backend() == "gpu" else "reference"
-    return REFERENCE if choice == "reference" else with_fused_dense(REFERENCE, choice)
+    return REFERENCE_KERNELS if choice == "reference" else with_fused_dense(REFERENCE_KERNELS,
+                                                                            choice)
 
 
 def compile_steps(args, cfg, optimizer, compute_dtype, t_cfg, example):

@@ -84,7 +84,7 @@ def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin():
     from jaxinfer.model.weights import _flat_paths, _set
 
     cfg, params = tiny_model()
-    qcfg = dataclasses.replace(cfg, quantization="fp8", quant_impl="dequant")
+    qcfg = dataclasses.replace(cfg, quantization="fp8")
     flat = {k: jnp.array(v) for k, v in _flat_paths(params).items()}  # copies: the loader deletes
     quantized: dict = {}
     for key, leaf in loading.quantize_unquantized(

@@ -51,17 +51,17 @@ def count(jaxpr, counts: collections.Counter) -> None:
 
 
 def census(raw: dict, context: int) -> dict:
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.model.transformer import forward, param_shapes
     from jaxinfer.worker.kv.device_cache import kv_block_shapes
-    from pallas_kernels.attention.gpu_backends import MOSAIC
+    from jaxinfer.model.kernel_table import Platform, resolve_kernels
     from pallas_kernels.attention.metadata import AttentionMetadata
-    cfg = dataclasses.replace(config_from_dict(raw), moe_impl="mosaic")
+    cfg = config_from_dict(raw)
+    # The H200's table, whatever this machine is (only traced), the experts on the kernel.
+    kernels = resolve_kernels(Platform("gpu", (9, 0)), attention="mosaic", moe="mosaic")
     block = 16
     blocks = -(-context // block)
     params = param_shapes(cfg, jnp.bfloat16)
@@ -73,7 +73,7 @@ def census(raw: dict, context: int) -> dict:
                            jax.ShapeDtypeStruct((1,), i32),
                            jax.ShapeDtypeStruct((1, blocks), i32), num_decodes=1)
     ids = jax.ShapeDtypeStruct((1,), i32)
-    jaxpr = jax.make_jaxpr(lambda p, t, pos, kv, md: forward(p, cfg, t, pos, kv, md, MOSAIC))(
+    jaxpr = jax.make_jaxpr(lambda p, t, pos, kv, md: forward(p, cfg, t, pos, kv, md, kernels))(
         params, ids, ids, kv, md)
     counts: collections.Counter = collections.Counter()
     count(jaxpr.jaxpr, counts)

@@ -60,8 +60,9 @@ def test_train_forward_attends_through_the_backends_dense_path():
         return causal_attention_reference(q, k, v, **variant)
 
     fused = with_fused_dense(REFERENCE_KERNELS, "xla")
-    assert fused.name == "reference+dense_xla"
-    backend = dataclasses.replace(fused, dense=spy)
+    assert fused.dense_attention.func is fused_causal_attention
+    assert fused.dense_attention.keywords == {"implementation": "xla"}
+    backend = dataclasses.replace(fused, dense_attention=spy)
     tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
     out = jax.eval_shape(lambda p, t: train_forward(p, cfg, t, backend), param_shapes(cfg), tokens)
     assert out.shape == (2, 5, 64)

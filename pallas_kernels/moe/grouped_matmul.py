@@ -3,9 +3,10 @@
 `moe_experts(x_sorted, weights, group_sizes)` returns down(silu(x @ gate) * (x @ up)) per row, with
 each row's expert given by the group it falls in. It is the only place the model touches expert
 weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
-`weights` and `group_sizes`). `impl` (the engine's `--moe-impl`, `ModelConfig.moe_impl`) is one of
-CHOICES: "auto" picks per call shape and device (`choose_impl`), "xla" the same without the Mosaic
-kernel, or one of the implementations:
+`weights` and `group_sizes`). `impl` (the engine's `--moe-impl`, bound in the kernel table's
+routed-experts slot) is one of CHOICES: "auto" picks per call shape and device (`choose_impl`: the
+kernel table passes the device's kind; direct callers may leave it to the probe here), "xla" the
+same without the Mosaic kernel, or one of the implementations:
 
   - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
     warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step

@@ -1,8 +1,9 @@
 """What one batch-1 decode step is made of: the primitives of the jitted step's jaxpr (every
 nested call expanded, as it runs), for DeepSeek-V2-Lite's shape beside a Llama-3-8B shape with
-the same layer count, both with the H200's kernels (the Mosaic backend: latent / paged decode,
-the Triton add + RMSNorm; the Mosaic grouped matmul for the experts, which `--moe-impl auto`
-picks at batch 1 on Hopper). Traced on the CPU with abstract weights (nothing is allocated).
+the same layer count, both with the H200's kernel table (`resolve_kernels` for a Hopper GPU: the
+Mosaic backend's latent / paged decode, the Triton add + RMSNorm, two-row GEMMs; the Mosaic
+grouped matmul for the experts, which `--moe-impl auto` picks at batch 1 on Hopper). Traced on
+the CPU with abstract weights (nothing is allocated).
 
     python -m jaxinfer.bench.profile.step_op_census [--context 768] [--json]
 

@@ -63,7 +63,7 @@ from checkpoints.train_state import restore_state, save_state
 from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.model.transformer import init_params, train_forward
 from jaxinfer.model.weights import load_params, save_safetensors
-from pallas_kernels.attention.backend import REFERENCE
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from pallas_kernels.attention.dense_fused import with_fused_dense
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,12 +146,12 @@ def early_decay_total(step: int, warmup: int, decay_frac: float, multiple: int) 
     return -(-total // multiple) * multiple
 
 
-def build_steps(cfg, optimizer, compute_dtype, backend, teacher_cfg=None, distill_weight: float = 0.0):
+def build_steps(cfg, optimizer, compute_dtype, kernels, teacher_cfg=None, distill_weight: float = 0.0):
     """-> (train_steps, eval_loss_sum). train_steps(params, opt_state, batches [S, B, L + 1],
     lrs f32[S], teacher_params) runs S optimizer steps in one call (params and state donated) and
     returns (params, opt_state, losses f32[S], grad norms f32[S]). With `teacher_cfg` the loss also
     matches the teacher's next-token distribution."""
-    forward = lambda params, tokens: train_forward(params, cfg, tokens, backend)
+    forward = lambda params, tokens: train_forward(params, cfg, tokens, kernels)
 
     def loss_fn(params, batch, teacher_params):
         compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
@@ -159,7 +159,7 @@ def build_steps(cfg, optimizer, compute_dtype, backend, teacher_cfg=None, distil
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
         if teacher_cfg is None:
             return loss
-        t_logits = train_forward(teacher_params, teacher_cfg, batch[:, :-1], backend)
+        t_logits = train_forward(teacher_params, teacher_cfg, batch[:, :-1], kernels)
         soft = optax.softmax_cross_entropy(logits.astype(jnp.float32),
                                            jax.nn.softmax(t_logits.astype(jnp.float32))).mean()
         return (1 - distill_weight) * loss + distill_weight * soft
@@ -266,10 +266,13 @@ def parse_args(argv):
     return args
 
 
-def attention_backend(choice: str):
+def training_kernels(choice: str):
+    """(the kernel table, its name in the record) of --attention `choice`."""
     if choice == "auto":
         choice = "cudnn" if jax.default_backend() == "gpu" else "reference"
-    return REFERENCE if choice == "reference" else with_fused_dense(REFERENCE, choice)
+    if choice == "reference":
+        return REFERENCE_KERNELS, "reference"
+    return with_fused_dense(REFERENCE_KERNELS, choice), f"reference+dense_{choice}"
 
 
 def compile_steps(args, cfg, optimizer, compute_dtype, t_cfg, example):
@@ -278,11 +281,11 @@ def compile_steps(args, cfg, optimizer, compute_dtype, t_cfg, example):
     choices = [args.attention] if args.attention != "auto" or jax.default_backend() != "gpu" \
         else ["cudnn", "xla"]
     for i, choice in enumerate(choices):
-        backend = attention_backend(choice)
-        train_steps, eval_loss_sum = build_steps(cfg, optimizer, compute_dtype, backend, t_cfg,
+        kernels, name = training_kernels(choice)
+        train_steps, eval_loss_sum = build_steps(cfg, optimizer, compute_dtype, kernels, t_cfg,
                                                  args.distill_weight)
         try:
-            return train_steps.lower(*example).compile(), eval_loss_sum, backend.name
+            return train_steps.lower(*example).compile(), eval_loss_sum, name
         except Exception as e:  # any compile failure: try the next attention
             if i + 1 == len(choices):
                 raise

@@ -37,10 +37,10 @@ from jaxinfer.model.config import load_config  # noqa: E402
 from lora_parallel_checks import lora_checks  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
 from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
-from jaxinfer.parallel.attention import shard_backend  # noqa: E402
+from jaxinfer.parallel.kernels import shard_kernels  # noqa: E402
 from jaxinfer.parallel.sharding import ShardingPlan, build_mesh, per_device_bytes  # noqa: E402
 from jaxinfer.worker.activation_bytes import step_activation_bytes  # noqa: E402
-from pallas_kernels.attention.backend import REFERENCE  # noqa: E402
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS  # noqa: E402
 from pallas_kernels.attention.metadata import AttentionMetadata  # noqa: E402
 
 FIXTURES = HERE / "fixtures" / "models"
@@ -58,14 +58,14 @@ MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED + ["deepseek_v3"]), (4, "tp", ["q
                  (2, "ep", ["qwen3_moe", "gpt_oss", "deepseek_v2"]), (4, "ep", ["mixtral"])]
 WIDE_FAMILIES = ["llama", "qwen2", "qwen3_moe"]
 BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
-_step = jax.jit(forward, static_argnames=("cfg", "backend"))
+_step = jax.jit(forward, static_argnames=("cfg", "kernels"))
 
 
 def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray]:
     """Prefill `prompt` through a shuffled block table, then decode `steps` - 1 tokens one at a time;
     returns the tokens and the prefill's last logits. Every call has the prefill's shapes (a decode
     is one token padded to the prompt's length), so each model and mesh compiles once."""
-    backend = shard_backend(REFERENCE, plan)
+    kernels = shard_kernels(REFERENCE_KERNELS, plan)
     # Windowed models in the KV manager's layout: a table per KV group, layers of different
     # groups sharing cache arrays at disjoint blocks (jaxinfer/core/kv_cache/kv_groups.py).
     groups = KVCacheGroups.for_model(cfg)
@@ -89,7 +89,7 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
                                kv_layout=groups.kv_layout)
         positions = np.concatenate([np.arange(first_pos, first_pos + count), np.zeros(pad, int)])
         return _step(params, cfg, jnp.asarray(np.concatenate([ids, np.zeros(pad, int)]), jnp.int32),
-                     jnp.asarray(positions, jnp.int32), cache, md, backend,
+                     jnp.asarray(positions, jnp.int32), cache, md, kernels,
                      jnp.array([count - 1]))
 
     logits, cache = run(np.asarray(prompt), 0, n)
@@ -161,7 +161,7 @@ def shard_checks(out: dict) -> None:
         weights = load_params(FIXTURES / "llama", llama, jnp.float32, progress=False,
                               shardings=plan2.params(param_shapes(llama, jnp.float32)))
         planned[tp] = [per_device_bytes(weights), step_activation_bytes(
-            llama, weights, REFERENCE, kv_dtype=jnp.float32, block_size=BLOCK, max_model_len=64,
+            llama, weights, REFERENCE_KERNELS, kv_dtype=jnp.float32, block_size=BLOCK, max_model_len=64,
             max_num_seqs=8, max_num_batched_tokens=64, plan=plan2)]
     out["planner"] = planned
     out["shards"] = {"mismatches": mismatches, "split_leaves": split,

@@ -13,7 +13,7 @@ import pytest
 
 from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.transformer import param_shapes, train_forward
-from pallas_kernels.attention.backend import REFERENCE
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from pallas_kernels.attention.dense_fused import fused_causal_attention, with_fused_dense
 from pallas_kernels.attention.reference import causal_attention_reference
 
@@ -44,7 +44,7 @@ def test_variants_without_a_fused_mask_stay_on_the_reference():
         fused_causal_attention(q, k, v, scale=0.3, window=2, implementation="xla"),
         causal_attention_reference(q, k, v, scale=0.3, window=2))
     with pytest.raises(ValueError, match="not one of"):
-        with_fused_dense(REFERENCE, "flash")
+        with_fused_dense(REFERENCE_KERNELS, "flash")
 
 
 def test_train_forward_attends_through_the_backends_dense_path():
@@ -59,9 +59,10 @@ def test_train_forward_attends_through_the_backends_dense_path():
         calls.append((q.shape, k.shape))
         return causal_attention_reference(q, k, v, **variant)
 
-    fused = with_fused_dense(REFERENCE, "xla")
-    assert fused.name == "reference+dense_xla"
-    backend = dataclasses.replace(fused, dense=spy)
+    fused = with_fused_dense(REFERENCE_KERNELS, "xla")
+    assert fused.dense_attention.func is fused_causal_attention
+    assert fused.dense_attention.keywords == {"implementation": "xla"}
+    backend = dataclasses.replace(fused, dense_attention=spy)
     tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
     out = jax.eval_shape(lambda p, t: train_forward(p, cfg, t, backend), param_shapes(cfg), tokens)
     assert out.shape == (2, 5, 64)

@@ -36,8 +36,8 @@ def _hidden(cfg, params, tokens, positions):
     """The final hidden states, jitted: run eagerly, each of the forward's ops compiled apart
     (~45 s a family on CI)."""
     from jaxinfer.model.transformer import Transformer
-    from pallas_kernels.attention.backend import REFERENCE
-    return Transformer(cfg, REFERENCE, jnp.float32).apply({"params": params}, tokens, positions,
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+    return Transformer(cfg, REFERENCE_KERNELS, jnp.float32).apply({"params": params}, tokens, positions,
                                                           return_hidden=True)[2]
 
 

@@ -29,7 +29,7 @@ def fused_engine(quantization: str | None, quant_impl: str = "auto") -> LLMEngin
     quantizes it on load, its matmuls `quant_impl`'s (`--quant-impl`)."""
     cfg, params = tiny_model()
     if quantization:
-        cfg = dataclasses.replace(cfg, quantization=quantization, quant_impl=quant_impl)
+        cfg = dataclasses.replace(cfg, quantization=quantization)
         flat = {k: jnp.array(v) for k, v in _flat_paths(params).items()}  # the loader deletes
         params = {}
         for key, leaf in loading.quantize_unquantized(
@@ -37,7 +37,7 @@ def fused_engine(quantization: str | None, quant_impl: str = "auto") -> LLMEngin
             _set(params, key, leaf)
     args = EngineArgs(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=NUM_BLOCKS,
                       max_num_seqs=8, max_num_batched_tokens=32, compilation_cache_dir=None,
-                      warmup=False, dtype="float32")
+                      warmup=False, dtype="float32", quant_impl=quant_impl)
     return LLMEngine(cfg, fuse_projections(params), tiny_tokenizer(), args, num_blocks=NUM_BLOCKS)
 
 

@@ -163,13 +163,13 @@ def test_nothing_is_stored_while_jax_persistent_cache_is_on(tmp_path):
 def test_the_planners_activation_figure_is_cached(tmp_path):
     from jaxinfer.worker.executable_cache import ExecutableCache
     from jaxinfer.worker.activation_bytes import step_activation_bytes
-    from pallas_kernels.attention.backend import get_backend
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
     from test_engine_features import counting_compilations
     cfg, params = tiny_model()
     cache = ExecutableCache(tmp_path)
 
     def plan(cache, max_num_seqs=8):
-        return step_activation_bytes(cfg, params, get_backend("reference"), kv_dtype=jnp.float32,
+        return step_activation_bytes(cfg, params, REFERENCE_KERNELS, kv_dtype=jnp.float32,
                                      block_size=4, max_model_len=64, max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=32, cache=cache)
 

@@ -84,7 +84,7 @@ def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin():
     from jaxinfer.model.weights import _flat_paths, _set
 
     cfg, params = tiny_model()
-    qcfg = dataclasses.replace(cfg, quantization="fp8", quant_impl="dequant")
+    qcfg = dataclasses.replace(cfg, quantization="fp8")
     flat = {k: jnp.array(v) for k, v in _flat_paths(params).items()}  # copies: the loader deletes
     quantized: dict = {}
     for key, leaf in loading.quantize_unquantized(
@@ -104,7 +104,7 @@ def test_an_fp8_engine_on_fused_weights_decodes_as_its_dequantized_twin():
     args = EngineArgs(model="tiny", max_model_len=MAX_LEN, block_size=BLOCK, num_blocks=NUM_BLOCKS,
                       max_num_seqs=8, max_num_batched_tokens=32, long_prefill_chunk=32,
                       compilation_cache_dir=None, warmup=False, dtype="float32",
-                      background_compile=False)
+                      background_compile=False, quant_impl="dequant")
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engines = {name: LLMEngine(c, p, tiny_tokenizer(), args, num_blocks=NUM_BLOCKS)
                for name, c, p in (("fp8", qcfg, fp8), ("twin", cfg, dequantized(fp8)))}

@@ -164,9 +164,11 @@ def _tiny_qwen3_moe_fp8():
 
 
 def test_fp8_moe_model_runs_the_configured_experts_impl(monkeypatch):
-    """`--moe-impl` reaches `moe_experts` through the model's config, with the loader's e4m3 stacks
-    and their scales (the kernel itself on them: test_moe_experts_fp8_kernel_matches_xla_paths)."""
+    """`--moe-impl` reaches `moe_experts` through the model's kernel table, with the loader's e4m3
+    stacks and their scales (the kernel itself on them: test_moe_experts_fp8_kernel_matches_xla_paths)."""
     from jaxinfer.model import experts
+    from jaxinfer.model.experts import RoutedExperts
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
     from jaxinfer.model.transformer import train_forward
     cfg, params = _tiny_qwen3_moe_fp8()
     assert params["layers_0"]["moe"]["w_gate"].dtype == FP8
@@ -179,8 +181,9 @@ def test_fp8_moe_model_runs_the_configured_experts_impl(monkeypatch):
     monkeypatch.setattr(experts, "moe_experts", spy)
     tokens = jax.ShapeDtypeStruct((1, 12), jnp.int32)
     for impl in ("padded", "xla"):  # traced only: the implementations' arithmetic is tested above
-        out = jax.eval_shape(functools.partial(train_forward, cfg=dataclasses.replace(
-            cfg, moe_impl=impl)), params, tokens=tokens)
+        kernels = dataclasses.replace(REFERENCE_KERNELS, routed_experts=RoutedExperts(impl))
+        out = jax.eval_shape(functools.partial(train_forward, cfg=cfg, kernels=kernels), params,
+                             tokens=tokens)
         assert out.shape == (1, 12, cfg.vocab_size)
     assert seen == [("padded", FP8, True), ("xla", FP8, True)]
 

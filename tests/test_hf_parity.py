@@ -53,7 +53,7 @@ def test_logits_and_greedy_match_transformers(family):
     cfg = load_config(FIXTURES / family)
     params = load_params(FIXTURES / family, cfg, jnp.float32, progress=False)
     golden = np.load(FIXTURES / family / "golden.npz")
-    step = jax.jit(forward, static_argnames=("cfg", "backend"))
+    step = jax.jit(forward, static_argnames=("cfg", "kernels"))
     # The three prompts and the greedy prompt in one prefill step (one compile): each sequence
     # attends only to its own blocks; the greedy one's leave room for its continuation.
     prompts = [golden[f"prompt_{i}"] for i in range(3)] + [golden["greedy_prompt"]]

@@ -102,12 +102,17 @@ def test_unsupported_shapes_fall_back_to_the_reference():
 
 
 def test_mla_on_the_mosaic_backend_decodes_with_the_kernel():
+    from jaxinfer.model.kernel_table import Platform, resolve_kernels
     from jaxinfer.model.mla import latent_backend
-    from pallas_kernels.attention.backend import REFERENCE
-    from pallas_kernels.attention.gpu_backends import MOSAIC, TRITON
     from pallas_kernels.attention.latent_reference import LATENT_REFERENCE
-    backend = latent_backend(MOSAIC, 512)
+    hopper, ampere = Platform("gpu", (9, 0)), Platform("gpu", (8, 0))
+
+    def latent(platform, name):
+        kernels = resolve_kernels(platform, attention=name)
+        return latent_backend(kernels.attention, kernels.latent_decode, 512)
+    backend = latent(hopper, "mosaic")
     assert backend.decode == MosaicLatentDecode(512)  # by value: one trace per step shape
     assert backend.prefill is LATENT_REFERENCE.prefill
-    assert latent_backend(TRITON, 512) is LATENT_REFERENCE
-    assert latent_backend(REFERENCE, 512) is LATENT_REFERENCE
+    assert latent(ampere, "triton") is LATENT_REFERENCE
+    assert latent(hopper, "triton") is LATENT_REFERENCE
+    assert latent(hopper, "reference") is LATENT_REFERENCE

@@ -23,7 +23,7 @@ from jaxinfer.model.fused_projections import fuse_projections
 from jaxinfer.model.lora.delta import lora_delta, lora_delta_gather
 from jaxinfer.model.lora.peft import LoRAAdapterError, load_adapter, save_adapter
 from jaxinfer.model.lora.stacks import LORA, empty_stacks, slot_arrays
-from jaxinfer.model.transformer import REFERENCE, Transformer
+from jaxinfer.model.transformer import REFERENCE_KERNELS, Transformer
 from jaxinfer.model.weights import load_params
 from lora_support import merged, random_adapter
 
@@ -122,7 +122,7 @@ def _logits(cfg, params, tokens, slots):
     every call passes stacks, slot 0 running the weights as they are)."""
     variables = {"params": {k: v for k, v in params.items() if k != LORA}, "lora": params[LORA]}
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits, _ = Transformer(cfg, REFERENCE, jnp.float32).apply(
+    logits, _ = Transformer(cfg, REFERENCE_KERNELS, jnp.float32).apply(
         variables, tokens, positions, lora_slot=slots)
     return logits
 

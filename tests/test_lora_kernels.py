@@ -15,7 +15,7 @@ import numpy as np
 from jaxinfer.model.config import load_config
 from jaxinfer.model.lora.delta import group_slots
 from jaxinfer.model.lora.stacks import empty_stacks, slot_arrays
-from jaxinfer.model.transformer import REFERENCE, Transformer
+from jaxinfer.model.transformer import REFERENCE_KERNELS, Transformer
 from jaxinfer.model.weights import load_params
 from lora_support import random_adapter
 from pallas_kernels.lora import segment_matmul
@@ -57,7 +57,7 @@ def test_kernels_in_the_model_equal_the_xla_path_and_read_only_used_slots(monkey
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 8)), jnp.int32)
     slots = jnp.asarray(rng.choice([0, 1, 3], (3, 8)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8), tokens.shape)
-    model = Transformer(cfg, REFERENCE, jnp.float32)
+    model = Transformer(cfg, REFERENCE_KERNELS, jnp.float32)
 
     @jax.jit
     def logits(lora, lora_slot):

@@ -165,15 +165,15 @@ def test_fp8_latent_cache_stays_within_fp8_tolerance():
     logits within fp8's rounding (the argmax unchanged)."""
     from jaxinfer.model.transformer import forward
     from jaxinfer.worker.kv import allocate_kv_cache
-    from jaxinfer.worker.kv.kv_scales import kv_cache_backend
-    from pallas_kernels.attention.backend import REFERENCE
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+    from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
     from pallas_kernels.attention.kv_quant import fp8_max
     from pallas_kernels.attention.metadata import AttentionMetadata
     e4m3 = jnp.float8_e4m3fn
     cfg, params = model()
-    fp8 = kv_cache_backend(REFERENCE, e4m3, cfg, params, scales="calibrate")
-    assert fp8.k_scales == fp8.v_scales
-    assert all(s > 0 and np.log2(s) == round(np.log2(s)) for s in fp8.k_scales)
+    fp8 = kv_cache_kernels(REFERENCE_KERNELS, e4m3, cfg, params, scales="calibrate")
+    assert fp8.attention.k_scales == fp8.attention.v_scales
+    assert all(s > 0 and np.log2(s) == round(np.log2(s)) for s in fp8.attention.k_scales)
 
     prompt = prompt_ids(7, 12)
     n, block, blocks = len(prompt), 4, 8

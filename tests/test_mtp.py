@@ -23,6 +23,7 @@ from jaxinfer.model.transformer import DecoderLayer, rope_tables
 from jaxinfer.model.weights import load_params
 from jaxinfer.spec_decode.mtp import load_mtp
 from jaxinfer.worker.kv import allocate_kv_cache
+from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.latent_reference import LATENT_REFERENCE
 from pallas_kernels.attention.metadata import AttentionMetadata
 from test_engine_support import assert_speculative_greedy_matches_golden
@@ -88,7 +89,7 @@ def test_module_forward_matches_the_formula(mtp_dir):
                         _rms(hidden, np.asarray(p["hnorm"]), eps)], -1) @ np.asarray(p["eh_proj"])
     pos = np.arange(n - 1)
     cos, sin = rope_tables(cfg.layer, jnp.asarray(pos)[None])
-    layer = DecoderLayer(cfg.layer, LATENT_REFERENCE, jnp.float32, True)
+    layer = DecoderLayer(cfg.layer, KernelTable(LATENT_REFERENCE), jnp.float32, True)
     s, delta, _ = jax.jit(lambda prm, x: layer.apply({"params": prm}, x, None, cos, sin))(
         p["layers_0"], jnp.asarray(x)[None])
     stream = np.asarray(s + delta)[0]
@@ -99,7 +100,7 @@ def test_module_forward_matches_the_formula(mtp_dir):
     kv = allocate_kv_cache(cfg.layer, 4, block, jnp.float32)
     md = AttentionMetadata(jnp.arange(n - 1, dtype=jnp.int32), jnp.asarray([0, n - 1], jnp.int32),
                            jnp.asarray([n - 1], jnp.int32), jnp.arange(4, dtype=jnp.int32)[None])
-    step = jax.jit(lambda *a: cfg.step(*a, LATENT_REFERENCE)[:2])
+    step = jax.jit(lambda *a: cfg.step(*a, KernelTable(LATENT_REFERENCE))[:2])
     logits, got_stream = step(p, params["embed"]["embedding"], jnp.asarray(tokens[1:]),
                               jnp.asarray(hidden), jnp.asarray(pos), kv, md)
     np.testing.assert_allclose(np.asarray(got_stream), stream, rtol=1e-4, atol=1e-4)

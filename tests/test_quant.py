@@ -31,6 +31,7 @@ from jaxinfer.cli.main import main
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.model.config import config_from_dict, load_config
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from jaxinfer.model.quant import ops, st_format
 from jaxinfer.model.quant_scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes, train_forward
@@ -243,9 +244,9 @@ def test_quantized_checkpoint_matches_its_dequantized_twin(tmp_path, family, lay
         return  # re-quantized: the logits of this random model move with every rounding
     # ... and the model computes what the twin computes (weight-only arithmetic: no activation
     # rounding, so only the float32 summation order differs).
-    qcfg = dataclasses.replace(qcfg, quant_impl="dequant")
+    dequant = dataclasses.replace(REFERENCE_KERNELS, quantized_matmul=ops.QuantizedMatmul("dequant"))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, tcfg.vocab_size, (1, 12)), jnp.int32)
-    got, want = train_forward(qp, qcfg, tokens), train_forward(tp, tcfg, tokens)
+    got, want = train_forward(qp, qcfg, tokens, dequant), train_forward(tp, tcfg, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3 * float(jnp.abs(want).max()))
 
 

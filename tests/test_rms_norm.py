@@ -1,6 +1,6 @@
 """The residual add + RMSNorm kernel (pallas_kernels/norm/rms_norm.py, run in Pallas' interpreter here)
 against its jnp reference on random shapes, the shapes it leaves to the reference, and a model
-whose backend carries it against the reference backend."""
+whose kernel table carries it against the reference table."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.model.transformer import Transformer, train_forward
-from pallas_kernels.attention.backend import REFERENCE
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from pallas_kernels.norm.reference import add_rms_norm_reference
 from pallas_kernels.norm.rms_norm import add_rms_norm_triton
 from test_engine_support import tiny_model
@@ -49,9 +49,9 @@ def test_other_shapes_run_the_reference(shape):
 
 def test_a_model_on_the_kernel_matches_the_reference_backend():
     cfg, params = tiny_model()
-    backend = dataclasses.replace(REFERENCE, name="reference+norm-kernel", add_rms_norm=KERNEL)
+    kernels = dataclasses.replace(REFERENCE_KERNELS, add_rms_norm=KERNEL)
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (1, 6)), jnp.int32)
-    got = Transformer(cfg, backend, jnp.float32).apply({"params": params}, tokens[:, :1],
+    got = Transformer(cfg, kernels, jnp.float32).apply({"params": params}, tokens[:, :1],
                                                        jnp.zeros((1, 1), jnp.int32))[0]
     want = train_forward(params, cfg, tokens[:, :1])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

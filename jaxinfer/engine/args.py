@@ -65,8 +65,8 @@ class EngineArgs:
     kv_offload: bool = False  # host KV tier (core/kv_cache/host_tier.py)
     kv_host_gib: float = 16.0
     attention_backend: str = "auto"
-    # The MoE experts' and quantized matmuls' implementations (ModelConfig.moe_impl / quant_impl;
-    # "auto": chosen per call shape and device).
+    # The MoE experts' and quantized matmuls' implementations (the kernel table's slots,
+    # model/kernel_table.py; "auto": chosen per call shape and device).
     moe_impl: str = "auto"
     quant_impl: str = "auto"
     warmup: bool = True
@@ -121,8 +121,8 @@ class EngineArgs:
     lora_modules: list | None = None  # "name=path" or {"name": ..., "path": ...} entries
     max_loras: int = 1
     max_lora_rank: int = 16
-    # The LoRA delta's implementation (ModelConfig.lora_impl; model/lora/delta.py): xla, pallas,
-    # or auto (lora_args.resolved_lora_impl).
+    # The LoRA delta's implementation (the kernel table's slot; model/lora/delta.py): xla,
+    # pallas, or auto (kernel_table.lora_impl).
     lora_impl: str = "auto"
     max_cpu_loras: int | None = None  # None: max_loras
 

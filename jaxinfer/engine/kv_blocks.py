@@ -15,10 +15,10 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes
 from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.worker.kv import plan_kv_cache
-from jaxinfer.worker.kv.kv_scales import kv_cache_backend
+from jaxinfer.engine.kernels import engine_kernels
+from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
 from jaxinfer.worker.kv.planner import largest_free_block_bytes
 from jaxinfer.worker.activation_bytes import step_activation_bytes
-from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def plan_num_blocks(cfg: ModelConfig, args: EngineArgs, params,
     model_dtype = params_dtype_name(params)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
     activations = step_activation_bytes(
-        cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
+        cfg, params, kv_cache_kernels(engine_kernels(args), kv_dtype, cfg),
         kv_dtype=kv_dtype,
         block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, plan=plan,

@@ -34,7 +34,7 @@ from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
-from jaxinfer.worker.kv.kv_scales import kv_cache_backend
+from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
 from jaxinfer.engine.kv_blocks import (params_dtype_name, plan_num_blocks,
                                        with_hybrid_kv_decided)
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
@@ -53,14 +53,13 @@ from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.engine.kv_tier import KVTierMixin, host_tier_for
 from jaxinfer.engine.lora import LoRAMixin, with_lora_stacks
-from jaxinfer.engine.lora_args import resolved_lora_impl
+from jaxinfer.engine.kernels import engine_kernels
 from jaxinfer.structured.grammar import GrammarCompiler
 from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.model.quant_scheme import resolve_quantization
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
                                         validate_parallel_sizes)
-from pallas_kernels.attention.backend import get_backend
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +118,11 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             decode_steps_per_call=loop_steps, decode_loop_max_seqs=loop_max_seqs,
             max_step_tokens_while_decoding=args.max_step_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
-        backend = kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg, params,
+        kernels = kv_cache_kernels(engine_kernels(args), kv_dtype, cfg, params,
                                    scales=args.kv_cache_scales, tokenizer=tokenizer,
                                    model_dir=None if args.load_format == "dummy" else args.model_path)
         self.runner = ModelRunner(
-            cfg, params, backend, num_blocks=num_blocks,
+            cfg, params, kernels, num_blocks=num_blocks,
             block_size=args.block_size, max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=loop_steps,
@@ -177,6 +176,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         the first --tensor-parallel-size devices. `parts`: `role`, `grammars`, `outputs_cls`
         (see __init__)."""
         from jaxinfer.model.fused_projections import fuse_for_serving
+        from jaxinfer.model.kernel_table import current_platform
         from jaxinfer.model.weights import load_params
         startup = StartupTimes()
         # --compilation-cache-dir holds the executable cache (the runner's), not jax's persistent
@@ -186,9 +186,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         with startup.phase("config"):
             cfg = load_config(model_dir)
             cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
-                args.quantization, cfg.quantization, args.load_format),
-                moe_impl=args.moe_impl, quant_impl=args.quant_impl,
-                lora_impl=resolved_lora_impl(args))
+                args.quantization, cfg.quantization, args.load_format))
             args = with_hybrid_kv_decided(cfg, args)
         if mesh is None:
             if args.data_parallel_size > 1:
@@ -204,7 +202,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         with startup.phase("weights"):
             params = jax.block_until_ready(fuse_for_serving(
                 load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
-                            shardings=plan.params(param_shapes(cfg, dtype)))))
+                            shardings=plan.params(param_shapes(cfg, dtype))), current_platform()))
             draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
             params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)

@@ -8,6 +8,7 @@ import json
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.lora_request import LoRARequest
+from jaxinfer.model.kernel_table import current_platform, lora_impl
 from jaxinfer.model.lora.delta import LORA_IMPLS
 
 
@@ -84,9 +85,6 @@ def check_lora_args(args) -> None:
 
 
 def resolved_lora_impl(args) -> str:
-    """--lora-impl with "auto" decided: the Triton kernels on a GPU (lora_h200.json: faster than
-    xla on all three workloads) unless tensor parallelism splits the weights they read."""
-    if args.lora_impl != "auto":
-        return args.lora_impl
-    import jax
-    return "pallas" if jax.default_backend() == "gpu" and args.tensor_parallel_size == 1 else "xla"
+    """--lora-impl with "auto" decided as the engine's kernel table decides it
+    (kernel_table.lora_impl)."""
+    return lora_impl(current_platform(), args.lora_impl, args.tensor_parallel_size)

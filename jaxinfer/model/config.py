@@ -95,12 +95,6 @@ class ModelConfig:
     # num_layers .. num_layers + mtp_layers - 1, read only by spec_decode/mtp.py (moe_layers
     # covers them too).
     mtp_layers: int = 0
-    # Kernel dispatch, from the engine's --moe-impl / --quant-impl ("auto": chosen per call shape
-    # and device): `moe_experts`' implementation (pallas_kernels/moe/grouped_matmul.py) and
-    # `quantized_matmul`'s (model/quant/ops.py). Part of the config, so of every compile cache key.
-    moe_impl: str = "auto"
-    quant_impl: str = "auto"
-    lora_impl: str = "xla"  # --lora-impl: the LoRA delta's (model/lora/delta.py)
 
     @property
     def is_moe(self) -> bool:

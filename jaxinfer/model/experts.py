@@ -6,10 +6,13 @@ routing weights.
 slice of the intermediate size (tensor parallelism inside the experts: the result is a partial sum)
 or a contiguous range of whole experts starting at `first_expert` (expert parallelism: rows routed
 elsewhere contribute zero). jaxinfer/parallel/experts.py runs it per device under `shard_map` and
-sums the partial results over the devices.
+sums the partial results over the devices. `RoutedExperts` is the kernel table's slot for it on
+one device.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +23,12 @@ from pallas_kernels.moe.grouped_matmul import moe_experts
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
                    w: tuple[jax.Array, jax.Array, jax.Array], scales=None,
                    first_expert=0, impl: str = "auto", *, glu=None,
-                   biases=None) -> jax.Array:
+                   biases=None, gpu: bool | None = None, hopper: bool | None = None) -> jax.Array:
     """x [T, H]; experts int32[T, k] and weights f32[T, k] from the router; w (w_gate [E', H, F'],
     w_up [E', H, F'], w_down [E', F', H]) holding experts first_expert .. first_expert + E' - 1
     (first_expert may be traced); scales: their per-output-channel scales [E', out] when the stacks
-    are 8-bit (jaxinfer/model/quant), else None; impl: `moe_experts`' (ModelConfig.moe_impl);
-    glu, biases (gate, up [E', F']): gpt-oss's activation and biases (`moe_experts`). Returns sum
+    are 8-bit (jaxinfer/model/quant), else None; impl, gpu, hopper: `moe_experts`' (--moe-impl and
+    the platform); glu, biases (gate, up [E', F']): gpt-oss's activation and biases. Returns sum
     over the token's held experts of weight * expert(x), [T, H] in x's dtype."""
     t, k = experts.shape
     held = w[0].shape[0]
@@ -37,7 +40,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     group_sizes = jnp.bincount(flat, length=held).astype(jnp.int32)  # the `held` ids dropped
     # A token's k experts are distinct, so no expert gets more than T rows.
     ys = moe_experts(xs, w, group_sizes, max_group_size=t, scales=scales, impl=impl, glu=glu,
-                     biases=biases)
+                     biases=biases, gpu=gpu, hopper=hopper)
     # Back to token order by a gather through the inverse permutation (an int32 scatter of T * k
     # ids) rather than a scatter of the [T * k, H] rows: XLA fuses the gather into the weighted sum.
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
@@ -46,8 +49,15 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     return jnp.einsum("tkh,tk->th", ys, weights).astype(x.dtype)
 
 
-def expert_dispatch(backend):
-    """What the MoE layer calls with its routed rows: the attention backend's `routed_experts` when
-    it has one (parallel/attention.py's ShardedAttention: the shard_map over its replica's mesh),
-    else `routed_experts` on one device. The model never names a mesh."""
-    return getattr(backend, "routed_experts", routed_experts)
+@dataclasses.dataclass(frozen=True)
+class RoutedExperts:
+    """The kernel table's routed-experts slot on one device: `routed_experts` with --moe-impl and
+    the platform bound once per engine."""
+    impl: str = "auto"
+    gpu: bool = False
+    hopper: bool = False
+
+    def __call__(self, x, experts, weights, w, scales=None, first_expert=0, *, glu=None,
+                 biases=None) -> jax.Array:
+        return routed_experts(x, experts, weights, w, scales, first_expert, self.impl, glu=glu,
+                              biases=biases, gpu=self.gpu, hopper=self.hopper)

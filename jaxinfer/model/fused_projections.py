@@ -68,12 +68,13 @@ def is_fused(params: dict) -> bool:
                if name.startswith("layers_") for module, (fused, _) in GROUPS.items())
 
 
-def fuse_for_serving(params: dict) -> dict:
-    """The tree an engine serves: fused (the loaded buffers donated) when every leaf lives on one
-    GPU, where the fused matmuls are measured faster; else as loaded (a tree sharded over several
-    devices; the CPU, where XLA's matmuls have no such tail)."""
+def fuse_for_serving(params: dict, platform) -> dict:
+    """The tree an engine serves on `platform` (kernel_table.Platform): fused (the loaded buffers
+    donated) when every leaf lives on one GPU, where the fused matmuls are measured faster; else
+    as loaded (a tree sharded over several devices; the CPU, where XLA's matmuls have no such
+    tail)."""
     devices = {d for leaf in jax.tree.leaves(params) for d in leaf.sharding.device_set}
-    if len(devices) == 1 and next(iter(devices)).platform == "gpu":
+    if len(devices) == 1 and platform.gpu:
         return fuse_projections(params, donate=True)
     return params
 

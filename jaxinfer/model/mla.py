@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.gemm_rows import gemm_rows
+from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope
 from jaxinfer.model.quant.layers import linear
 from pallas_kernels.attention.backend import AttentionBackend
@@ -41,19 +41,21 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def latent_backend(backend, value_width: int):
-    """What MLA attention runs on, inside the same wrappers (tensor parallelism's shard_map):
-    decode is the backend's latent decode kernel with `value_width` (kv_lora_rank) bound where it
-    has one (the Mosaic backend: pallas_kernels/attention/latent_decode_mosaic.py, all heads of a
-    sequence on each latent page), else the jnp latent decode (latent_reference.py); prefill is
-    the jnp reference's ragged prefill over the latent as one 576-wide KV head (the GPU backends'
-    prefill kernels stop at head dim 256)."""
+def latent_backend(backend, latent_decode, value_width: int):
+    """What MLA attention runs on, inside the same wrappers as `backend` (tensor parallelism's
+    shard_map, fp8 KV scales): decode is the kernel table's `latent_decode` with `value_width`
+    (kv_lora_rank) bound where it has one (on Hopper under the Mosaic backend:
+    pallas_kernels/attention/latent_decode_mosaic.py, all heads of a sequence on each latent
+    page), else the jnp latent decode (latent_reference.py); prefill is the jnp reference's ragged
+    prefill over the latent as one 576-wide KV head (the GPU backends' prefill kernels stop at
+    head dim 256)."""
     if isinstance(backend, AttentionBackend):
-        if backend.latent_decode is None:
+        if latent_decode is None:
             return LATENT_REFERENCE
         return dataclasses.replace(LATENT_REFERENCE, name=f"{backend.name}-latent",
-                                   decode=backend.latent_decode(value_width))
-    return dataclasses.replace(backend, inner=latent_backend(backend.inner, value_width))
+                                   decode=latent_decode(value_width))
+    return dataclasses.replace(backend, inner=latent_backend(backend.inner, latent_decode,
+                                                             value_width))
 
 
 class _Kernel(nn.Module):
@@ -68,7 +70,7 @@ class _Kernel(nn.Module):
 
 class MLAttention(nn.Module):
     cfg: ModelConfig
-    backend: AttentionBackend
+    kernels: KernelTable
     dtype: jnp.dtype
 
     @nn.compact
@@ -77,7 +79,8 @@ class MLAttention(nn.Module):
         (x [B, L, H], kv None). LoRA adapters do not cover MLA's projections (peft.py refuses)."""
         cfg, m = self.cfg, self.cfg.mla
         heads, nope, r = cfg.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
-        dense = functools.partial(linear(cfg, self.dtype), use_bias=False)
+        dense = functools.partial(linear(cfg, self.dtype, self.kernels), use_bias=False)
+        gemm_rows = self.kernels.gemm_rows
         norm = functools.partial(RMSNorm, cfg.rms_norm_eps, self.dtype)
         lead = x.shape[:-1]
         if m.q_lora_rank:
@@ -110,7 +113,7 @@ class MLAttention(nn.Module):
             out = causal_attention_reference(q_abs, latent, latent, scale=cfg.score_scale)
             new_kv = None
         else:
-            backend = latent_backend(self.backend, r)
+            backend = latent_backend(self.kernels.attention, self.kernels.latent_decode, r)
             latent_cache, empty = backend.write_kv(*kv, latent, latent[..., :0], md.slot_mapping)
             out = backend(q_abs, latent_cache, latent_cache, md, scale=cfg.score_scale)
             new_kv = (latent_cache, empty)

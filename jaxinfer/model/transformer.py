@@ -4,7 +4,9 @@
 returns (logits, updated KV cache), so the engine jits it with the cache donated. Family differences
 (biases, q/k norm, tied embeddings, MoE layers; Gemma's (1 + w) sandwich norms, GeGLU, scaled
 embeddings and soft-caps; sliding windows, sinks and per-layer rope; gpt-oss's experts) are
-`ModelConfig` fields (families.py says which family sets which).
+`ModelConfig` fields (families.py says which family sets which). Every kernel (attention, the
+add + norm, experts, quantized matmuls, LoRA) comes from the kernel table the caller passes
+(kernel_table.py).
 
 Shapes: T tokens of a flat (ragged) batch; H hidden; Hq / Hkv heads; D head_dim; E experts.
 """
@@ -22,19 +24,16 @@ import jax.numpy as jnp
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.fused_projections import project
-from jaxinfer.model.gemm_rows import Dense, gemm_rows
-from jaxinfer.model.lora.delta import apply_lora, group_slots
+from jaxinfer.model.gemm_rows import Dense
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS, KernelTable
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
-from jaxinfer.model.experts import expert_dispatch
 from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
                                      SlidingWindowSpec)
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
 from jaxinfer.model.routing import route
-from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
-from pallas_kernels.attention.reference import causal_attention_reference
 from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
 
 # Per layer (k_cache, v_cache) in the head-major paged layout [num_kv_heads, num_blocks, block_size,
@@ -46,7 +45,7 @@ Params = dict
 
 class Attention(nn.Module):
     cfg: ModelConfig
-    backend: AttentionBackend
+    kernels: KernelTable
     dtype: jnp.dtype
     window: int | None = None  # this layer's sliding window; None: full attention
 
@@ -57,8 +56,8 @@ class Attention(nn.Module):
         slot (None: no LoRA)."""
         cfg = self.cfg
         d = cfg.head_dim
-        dense = linear(cfg, self.dtype)
-        adapt = functools.partial(apply_lora, self, lora_slot)
+        dense = linear(cfg, self.dtype, self.kernels)
+        adapt = functools.partial(self.kernels.lora_delta, self, lora_slot)
         q, k, v = project(self, functools.partial(dense, use_bias=cfg.qkv_bias), x,
                           (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
                            ("v_proj", cfg.num_kv_heads * d)), "qkv_proj", adapt)
@@ -78,12 +77,13 @@ class Attention(nn.Module):
         if cfg.attn_sinks:  # gpt-oss: one logit per query head in the softmax denominator
             sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_heads,), self.dtype)
             variant["sinks"] = sinks.astype(jnp.float32)
-        if kv is None:  # wrappers (tensor parallelism, fp8 KV scales) carry no dense path
-            out = getattr(self.backend, "dense", causal_attention_reference)(q, k, v, **variant)
+        if kv is None:
+            out = self.kernels.dense_attention(q, k, v, **variant)
             new_kv = None
         else:
-            k_cache, v_cache = self.backend.write_kv(*kv, k, v, md.slot_mapping)
-            out = self.backend(q, k_cache, v_cache, md, **variant)
+            attention = self.kernels.attention
+            k_cache, v_cache = attention.write_kv(*kv, k, v, md.slot_mapping)
+            out = attention(q, k_cache, v_cache, md, **variant)
             new_kv = (k_cache, v_cache)
         out = out.reshape(*x.shape[:-1], cfg.num_heads * d)
         return adapt("o_proj", out, dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out)), new_kv
@@ -97,11 +97,13 @@ class MLP(nn.Module):
     approximation); gate and up may be stored fused (fused_projections)."""
     cfg: ModelConfig
     dtype: jnp.dtype
+    kernels: KernelTable = REFERENCE_KERNELS
 
     @nn.compact
     def __call__(self, x, lora_slot=None):
-        dense = functools.partial(linear(self.cfg, self.dtype), use_bias=self.cfg.mlp_bias)
-        adapt = functools.partial(apply_lora, self, lora_slot)
+        dense = functools.partial(linear(self.cfg, self.dtype, self.kernels),
+                                  use_bias=self.cfg.mlp_bias)
+        adapt = functools.partial(self.kernels.lora_delta, self, lora_slot)
         f = self.cfg.intermediate_size
         gate, up = project(self, dense, x, (("gate_proj", f), ("up_proj", f)), "gate_up_proj",
                            adapt)
@@ -111,8 +113,8 @@ class MLP(nn.Module):
 
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts. Routing (top-k, renormalisation) happens here; the routed rows go
-    through `expert_dispatch(backend)`: `routed_experts` on one device, its `shard_map` over the
-    replica's mesh under tensor parallelism (the backend's, jaxinfer/parallel/attention.py).
+    through the kernel table's `routed_experts`: `routed_experts` on one device, its `shard_map`
+    over the replica's mesh under tensor parallelism (jaxinfer/parallel/kernels.py).
 
     gpt-oss: the router has a bias and the weights are a softmax over the top-k logits; the
     experts have biases and the clamped SwiGLU (`ClampedSwiGLU`). Gate/up biases go in with the
@@ -120,7 +122,7 @@ class MoE(nn.Module):
     (inside, a tensor-parallel partial sum would add it once per device)."""
     cfg: ModelConfig
     dtype: jnp.dtype
-    backend: AttentionBackend = REFERENCE
+    kernels: KernelTable = REFERENCE_KERNELS
 
     @nn.compact
     def __call__(self, x):
@@ -131,8 +133,9 @@ class MoE(nn.Module):
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
         experts_w, scales = expert_weights(self, cfg, self.dtype)
 
-        logits = gemm_rows(lambda x: jnp.dot(x, router, preferred_element_type=jnp.float32),
-                           x, x.shape[0], h * e)  # [T, E]
+        logits = self.kernels.gemm_rows(
+            lambda x: jnp.dot(x, router, preferred_element_type=jnp.float32), x, x.shape[0],
+            h * e)  # [T, E]
         if cfg.router_bias:
             logits = logits + self.param("router_bias", nn.initializers.zeros, (e,),
                                          self.dtype).astype(jnp.float32)
@@ -151,33 +154,32 @@ class MoE(nn.Module):
             b_down = self.param("down_bias", zeros, (e, h), self.dtype)
         if cfg.swiglu_clamp:
             extra["glu"] = ClampedSwiGLU(*cfg.swiglu_clamp)
-        out = expert_dispatch(self.backend)(x, experts, weights, experts_w, scales,
-                                            impl=cfg.moe_impl, **extra)
+        out = self.kernels.routed_experts(x, experts, weights, experts_w, scales, **extra)
         if cfg.expert_bias:
             down = jnp.einsum("tkh,tk->th", b_down[experts].astype(jnp.float32), weights)
             out = (out.astype(jnp.float32) + down).astype(x.dtype)
         if cfg.n_shared_experts:  # DeepSeek: one always-on MLP beside the routed experts
             shared = dataclasses.replace(
                 cfg, intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size)
-            out = out + MLP(shared, self.dtype, name="shared_experts")(x)
+            out = out + MLP(shared, self.dtype, self.kernels, name="shared_experts")(x)
         return out.reshape(*lead, h)
 
 
-def _attention(cfg: ModelConfig, spec: KVCacheSpec, backend: AttentionBackend,
+def _attention(cfg: ModelConfig, spec: KVCacheSpec, kernels: KernelTable,
                dtype: jnp.dtype) -> nn.Module:
     """The attention module a layer of this KV-cache spec runs (kv_specs.py): the spec, not the
     family, picks the kernels and their window."""
     if isinstance(spec, MLAAttentionSpec):
-        return MLAttention(cfg, backend, dtype, name="attn")
+        return MLAttention(cfg, kernels, dtype, name="attn")
     if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
-        return Attention(cfg, backend, dtype, spec.window, name="attn")
+        return Attention(cfg, kernels, dtype, spec.window, name="attn")
     raise ConfigError(f"{cfg.architecture}: no attention kernel runs {spec.label} layers yet "
                       f"(docs/feature_matrix.md)")
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
-    backend: AttentionBackend
+    kernels: KernelTable
     dtype: jnp.dtype
     moe: bool
     kv_spec: KVCacheSpec | None = None  # this layer's (None: the config's first layer's)
@@ -186,17 +188,16 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None):
         """-> (residual stream, this layer's MLP output, new KV): the stream after the layer is
         their sum, which the next norm adds (`delta`: the previous layer's MLP output, None in the
-        first layer), so a backend's add + norm kernel does both."""
-        # Wrappers (tensor parallelism, fp8 KV scales) carry no norm kernel: the jnp reference.
+        first layer), so the table's add + norm kernel does both."""
         cfg = self.cfg
         norm = functools.partial(RMSNorm, cfg.rms_norm_eps, self.dtype,
-                                 getattr(self.backend, "add_rms_norm", None), cfg.norm_offset)
+                                 self.kernels.add_rms_norm, cfg.norm_offset)
         if delta is None:
             h = norm(name="input_norm")(x)
         else:
             x, h = norm(name="input_norm")(x, delta)
         spec = self.kv_spec or cfg.layer_kv_specs()[0]
-        attn_out, new_kv = _attention(cfg, spec, self.backend, self.dtype)(
+        attn_out, new_kv = _attention(cfg, spec, self.kernels, self.dtype)(
             h, cos, sin, kv, md, lora_slot)
         if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
             attn_out = norm(name="post_attn_norm")(attn_out)
@@ -204,9 +205,9 @@ class DecoderLayer(nn.Module):
         else:
             x, h = norm(name="post_attn_norm")(x, attn_out)
         if self.moe:
-            out = MoE(cfg, self.dtype, self.backend, name="moe")(h)
+            out = MoE(cfg, self.dtype, self.kernels, name="moe")(h)
         else:
-            out = MLP(cfg, self.dtype, name="mlp")(h, lora_slot)
+            out = MLP(cfg, self.dtype, self.kernels, name="mlp")(h, lora_slot)
         if cfg.sandwich_norms:
             out = norm(name="post_ff_norm")(out)
         return x, out, new_kv
@@ -214,7 +215,7 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     cfg: ModelConfig
-    backend: AttentionBackend = REFERENCE
+    kernels: KernelTable = REFERENCE_KERNELS
     dtype: jnp.dtype = jnp.bfloat16
 
     @nn.compact
@@ -235,18 +236,18 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             slot, layer_md = (i, md) if md is None else md.for_layer(i)
             kv = None if kv_cache is None else new_cache[slot]
-            backend = self.backend.for_layer(i)
+            kernels = self.kernels.for_layer(i)
             cos, sin = ropes[cfg.layer_rope(i)]
             if self.is_mutable_collection("aux"):  # EAGLE-3's streams entering layers (forward_aux)
                 self.sow("aux", f"layer_{i}", x if delta is None else x + delta)
             with jax.named_scope(f"layer_{i}"):
-                x, delta, layer_kv = DecoderLayer(cfg, backend, self.dtype, cfg.layer_is_moe(i),
+                x, delta, layer_kv = DecoderLayer(cfg, kernels, self.dtype, cfg.layer_is_moe(i),
                                                   kv_specs[i],
                                                   name=f"layers_{i}")(x, delta, cos, sin, kv,
                                                                      layer_md, lora_slot)
             if new_cache is not None:
                 new_cache[slot] = layer_kv
-        _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, getattr(backend, "add_rms_norm", None),
+        _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernels.add_rms_norm,
                             cfg.norm_offset, name="final_norm")(x, delta)
         if self.is_mutable_collection("aux"):  # "entering" the layer after the last: what an MTP
             # module reads (DeepSeek-V3's, spec_decode/mtp.py: the final-normed hidden, as vLLM)
@@ -255,7 +256,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             logits = _tied_head(x, embed.embedding)
         else:
-            logits = _dense_head(cfg, self.dtype, "lm_head")(x).astype(jnp.float32)
+            logits = _dense_head(cfg, self.dtype, self.kernels, "lm_head")(x).astype(jnp.float32)
         logits = _softcap(logits, cfg.final_softcap)
         new_kv = None if kv_cache is None else tuple(new_cache)
         if return_hidden:
@@ -272,8 +273,10 @@ def _tied_head(x: jax.Array, embedding: jax.Array) -> jax.Array:
     return jnp.dot(x, embedding.T, preferred_element_type=jnp.float32)
 
 
-def _dense_head(cfg: ModelConfig, dtype, name: str | None = None) -> nn.Dense:
-    return Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+def _dense_head(cfg: ModelConfig, dtype, kernels: KernelTable = REFERENCE_KERNELS,
+                name: str | None = None) -> nn.Dense:
+    return Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                 rows=kernels.gemm_rows, name=name)
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -287,7 +290,7 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
-            kv_cache: KVCache, md: AttentionMetadata, backend: AttentionBackend = REFERENCE,
+            kv_cache: KVCache, md: AttentionMetadata, kernels: KernelTable = REFERENCE_KERNELS,
             logits_indices: jax.Array | None = None, return_hidden: bool = False,
             lora_slot: jax.Array | None = None):
     """One step over a flat ragged batch. token_ids, positions: int32[T]. Returns float32 logits for
@@ -296,37 +299,37 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     stacks in `params["lora"]` (lora/stacks.py), `lora_slot` i32[T] gives each token's adapter
     slot (0: none)."""
     dtype = params["embed"]["embedding"].dtype
-    model = Transformer(cfg, backend, dtype)
-    variables, lora_slot = _variables(params, cfg, lora_slot)
+    model = Transformer(cfg, kernels, dtype)
+    variables, lora_slot = _variables(params, kernels, lora_slot)
     return model.apply(variables, token_ids, positions, kv_cache, md, logits_indices,
                        return_hidden, lora_slot)
 
 
-def _variables(params: Params, cfg: ModelConfig, lora_slot: jax.Array | None):
-    """The flax variables of `params` (LoRA stacks apart) and the slots as the LoRA impl takes
-    them."""
+def _variables(params: Params, kernels: KernelTable, lora_slot: jax.Array | None):
+    """The flax variables of `params` (LoRA stacks apart) and the slots as the table's LoRA delta
+    takes them."""
     variables = {"params": {k: v for k, v in params.items() if k != LORA}}
     if LORA in params:
         variables["lora"] = params[LORA]
-        if lora_slot is not None and cfg.lora_impl == "pallas":
+        if lora_slot is not None:
             num_slots = jax.tree.leaves(params[LORA])[0].shape[0]
-            lora_slot = group_slots(lora_slot, num_slots)
+            lora_slot = kernels.lora_delta.step_slots(lora_slot, num_slots)
     return variables, lora_slot
 
 
 def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
                 kv_cache: KVCache | None, md: AttentionMetadata | None,
-                backend: AttentionBackend = REFERENCE, logits_indices: jax.Array | None = None,
+                kernels: KernelTable = REFERENCE_KERNELS, logits_indices: jax.Array | None = None,
                 lora_slot: jax.Array | None = None, *, layers: tuple[int, ...]):
     """`forward` (kv_cache None: the dense causal path, token_ids [B, L]) that also returns the
     residual streams entering `layers`, concatenated: [..., len(layers) * H] (an EAGLE-3 head's
     input; the same pass, no second forward). Layer `cfg.num_layers` is the final-normed hidden
     state (an MTP module's input)."""
     dtype = params["embed"]["embedding"].dtype
-    variables, lora_slot = _variables(params, cfg, lora_slot)
+    variables, lora_slot = _variables(params, kernels, lora_slot)
     if kv_cache is None:
         positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1]), token_ids.shape)
-    (logits, kv), state = Transformer(cfg, backend, dtype).apply(
+    (logits, kv), state = Transformer(cfg, kernels, dtype).apply(
         variables, token_ids, positions, kv_cache, md, logits_indices, False, lora_slot,
         mutable=["aux"])
     aux = jnp.concatenate([state["aux"][f"layer_{i}"][0] for i in layers], axis=-1)
@@ -334,18 +337,19 @@ def forward_aux(params: Params, cfg: ModelConfig, token_ids: jax.Array, position
 
 
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array,
-                  backend: AttentionBackend = REFERENCE) -> jax.Array:
+                  kernels: KernelTable = REFERENCE_KERNELS) -> jax.Array:
     """Dense causal forward without a cache, for training: tokens int32[B, L] -> logits [B, L, V].
-    Attention runs `backend.dense` (the jnp reference unless `dense_fused.with_fused_dense`)."""
+    Attention runs `kernels.dense_attention` (the jnp reference unless
+    `dense_fused.with_fused_dense`)."""
     dtype = params["embed"]["embedding"].dtype
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits, _ = Transformer(cfg, backend, dtype).apply({"params": params}, tokens, positions)
+    logits, _ = Transformer(cfg, kernels, dtype).apply({"params": params}, tokens, positions)
     return logits
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
     """The parameter pytree's shapes and dtypes, derived from the modules themselves."""
-    model = Transformer(cfg, REFERENCE, dtype)
+    model = Transformer(cfg, REFERENCE_KERNELS, dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 

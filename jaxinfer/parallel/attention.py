@@ -16,7 +16,6 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.parallel.experts import experts_on
 from jaxinfer.parallel.sharding import TP, ShardingPlan, attention_specs
 from pallas_kernels.attention.backend import AttentionBackend
 
@@ -36,11 +35,6 @@ class ShardedAttention:
         """[T, Hkv, D] replicated -> [T, 1, D]: the KV head this device's query heads read."""
         idx = jax.lax.axis_index(TP) * self.plan.cfg.num_kv_heads // self.plan.tp
         return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=1)
-
-    @property
-    def routed_experts(self):
-        """The MoE layer's expert call on this replica's mesh (model/experts.expert_dispatch)."""
-        return experts_on(self.plan)
 
     def for_layer(self, i: int) -> "ShardedAttention":
         return dataclasses.replace(self, inner=self.inner.for_layer(i))
@@ -88,10 +82,3 @@ def _shard_map(fn, plan: ShardingPlan, in_specs, out_specs):
     # check_vma off: the Pallas kernels' outputs carry no varying-axis annotations.
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
-
-
-def shard_backend(backend: AttentionBackend, plan: ShardingPlan | None):
-    """The backend a replica's model calls: the plain one on one device, else the shard_map'd one."""
-    if plan is None or plan.tp == 1:
-        return backend
-    return ShardedAttention(backend, plan)

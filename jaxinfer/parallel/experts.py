@@ -1,4 +1,5 @@
-"""Routed experts under tensor parallelism: `routed_experts` per device under `shard_map`, in one of
+"""Routed experts under tensor parallelism: the kernel table's one-device routed-experts kernel
+(`RoutedExperts`) per device under `shard_map`, in one of
 two layouts (`ShardingPlan.expert_layout`), then one all-reduce of the [T, H] result.
 
   "tp"  tensor parallelism inside every expert: each device holds F/N of every expert's
@@ -24,25 +25,25 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.model.experts import routed_experts
+from jaxinfer.model.experts import RoutedExperts
 from jaxinfer.parallel.sharding import (TP, ShardingPlan, expert_bias_specs,
                                        expert_scale_specs, expert_specs)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardedExperts:
-    """`routed_experts` over the replica's mesh: same call, replicated inputs and output."""
+    """`inner` over the replica's mesh: same call, replicated inputs and output."""
     plan: ShardingPlan
+    inner: RoutedExperts
 
-    def __call__(self, x, experts, weights, w, scales=None, impl: str = "auto", *, glu=None,
-                 biases=None):
+    def __call__(self, x, experts, weights, w, scales=None, *, glu=None, biases=None):
         layout = self.plan.expert_layout
         held = self.plan.cfg.num_experts // self.plan.tp if layout == "ep" else None
 
         def local(x, experts, weights, w, scales, biases):
             first = jax.lax.axis_index(TP) * held if held else 0
-            out = routed_experts(x, experts, weights, w, scales or None, first, impl, glu=glu,
-                                 biases=biases or None)
+            out = self.inner(x, experts, weights, w, scales or None, first, glu=glu,
+                             biases=biases or None)
             return jax.lax.psum(out, TP)
 
         # 8-bit stacks' scales and gpt-oss's gate/up biases split like the stacks' outputs; an
@@ -53,10 +54,3 @@ class ShardedExperts:
                  expert_bias_specs(layout) if biases is not None else ())
         return jax.shard_map(local, mesh=self.plan.mesh, in_specs=specs, out_specs=P(),
                              check_vma=False)(*args)
-
-
-def experts_on(plan: ShardingPlan | None):
-    """`routed_experts` on one device, its shard_map over the plan's mesh under tensor parallelism."""
-    if plan is None or plan.tp == 1:
-        return routed_experts
-    return ShardedExperts(plan)

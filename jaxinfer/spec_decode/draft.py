@@ -34,17 +34,17 @@ from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.transformer import forward, param_shapes
-from jaxinfer.parallel.attention import ShardedAttention, shard_backend
+from jaxinfer.parallel.kernels import shard_kernels, unsharded
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_parallel_sizes
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
-from pallas_kernels.attention.backend import AttentionBackend
+from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: SamplingTensors,
-                  *, cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,
+                  *, cfg: ModelConfig, kernels: KernelTable, block_size: int, k: int,
                   variant: SamplerVariant, plan: ShardingPlan | None = None):
     """k draft decode steps over S rows: step i reads the token at position first_pos + i (the
     row's last known token, then its own proposals), writes its KV and proposes the next token.
@@ -64,7 +64,7 @@ def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: 
         md = AttentionMetadata(jnp.where(valid, blk * block_size + pos % block_size, -1), qsl,
                                jnp.where(valid, pos + 1, 0), block_tables, num_decodes=s)
         with jax.named_scope("draft"):
-            logits, kv = forward(params, cfg, ids, pos, kv, md, backend, rows)
+            logits, kv = forward(params, cfg, ids, pos, kv, md, kernels, rows)
         ti = jax.tree_util.tree_map(lambda a: a[rows * (k + 1) + i],
                                     expand_positions(t, drafts))
         # Under TP the rows are made whole first, as the sampler's (parallel/sampling_logits.py):
@@ -77,21 +77,21 @@ def _propose_loop(params, kv_cache, first_ids, first_pos, num, block_tables, t: 
     return jax.lax.fori_loop(0, k, body, init)
 
 
-def _catch_up(params, kv_cache, batch: StepBatch, *, cfg: ModelConfig, backend: AttentionBackend):
+def _catch_up(params, kv_cache, batch: StepBatch, *, cfg: ModelConfig, kernels: KernelTable):
     """The draft's forward over tokens it has not seen (KV only; the logits are not needed)."""
     with jax.named_scope("draft_catch_up"):
         _, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
-                              backend, batch.logits_indices[:1])
+                              kernels, batch.logits_indices[:1])
     return kv_cache
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg: ModelConfig, backend: AttentionBackend, block_size: int, k: int,
+def _jitted(cfg: ModelConfig, kernels: KernelTable, block_size: int, k: int,
             plan: ShardingPlan | None = None):
-    loop = jax.jit(functools.partial(_propose_loop, cfg=cfg, backend=backend,
+    loop = jax.jit(functools.partial(_propose_loop, cfg=cfg, kernels=kernels,
                                      block_size=block_size, k=k, plan=plan),
                    static_argnames=("variant",), donate_argnums=(1,))
-    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
+    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=kernels),
                        donate_argnums=(1,))
     return loop, catch_up
 
@@ -119,16 +119,14 @@ class DraftModel:
             self.sharding_plan = draft_plan(self.cfg, runner.plan, "the draft model")
             self.params = jax.device_put(self.params, self.sharding_plan.params(self.params))
         plan = self.sharding_plan
-        inner = runner.backend.inner if isinstance(runner.backend, ShardedAttention) else \
-            runner.backend
         if not runner.kv_groups.specs[0].keeps_every_block:  # its blocks would be freed
             raise ConfigError("a draft model needs a target with a full-attention layer, or "
                               "--no-hybrid-kv-cache: it keeps its KV in the first group's blocks")
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, runner.block_size, kv_dtype,
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
-        self._loop, self._catch_up = _jitted(self.cfg, shard_backend(inner, plan),
-                                             runner.block_size, self.k, plan)
+        kernels = shard_kernels(unsharded(runner.kernels), plan)  # the target's, on its own plan
+        self._loop, self._catch_up = _jitted(self.cfg, kernels, runner.block_size, self.k, plan)
 
     def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes one block of its KV cache takes on one device."""
@@ -216,9 +214,7 @@ def load_draft(model_dir: str, target_cfg: ModelConfig, target_tokenizer, dtype,
     shards over the target's devices."""
     from jaxinfer.model.tokenizer import load_tokenizer
     from jaxinfer.model.weights import load_params
-    # The engine's kernel choices (--moe-impl, --quant-impl) hold for the draft too.
-    cfg = dataclasses.replace(load_config(model_dir), moe_impl=target_cfg.moe_impl,
-                              quant_impl=target_cfg.quant_impl)
+    cfg = load_config(model_dir)  # it runs on the target's kernel table (`attach`)
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError(f"--speculative-model {model_dir!r}: its vocabulary has "
                           f"{cfg.vocab_size} tokens, the target's {target_cfg.vocab_size}; the "

@@ -41,7 +41,7 @@ from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, input_ids
-from pallas_kernels.attention.backend import AttentionBackend
+from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -52,12 +52,12 @@ def write_streams(streams: jax.Array, aux: jax.Array, slot_mapping: jax.Array) -
     return streams.at[dst].set(aux.astype(streams.dtype), mode="drop")
 
 
-def _catch_up(params, embed, kv, streams, ids, positions, md, *, cfg, backend):
+def _catch_up(params, embed, kv, streams, ids, positions, md, *, cfg, kernels):
     """The head's KV at positions whose streams the target wrote (ids: the next tokens)."""
     md = md.group(0)  # the head's KV and streams live in the full-attention group's blocks
-    hidden = cfg.fuse(params, streams[jnp.maximum(md.slot_mapping, 0)])
+    hidden = cfg.fuse(params, streams[jnp.maximum(md.slot_mapping, 0)], kernels.gemm_rows)
     with jax.named_scope("eagle_catch_up"):
-        _, _, kv = cfg.step(params, embed, ids, hidden, positions, kv, md, backend)
+        _, _, kv = cfg.step(params, embed, ids, hidden, positions, kv, md, kernels)
     return kv
 
 
@@ -91,7 +91,7 @@ def slots(tables: jax.Array, row: jax.Array, pos: jax.Array, valid: jax.Array,
 
 
 def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
-           t: SamplingTensors, behind: CatchUp | None = None, *, cfg, backend, block_size: int,
+           t: SamplingTensors, behind: CatchUp | None = None, *, cfg, kernels, block_size: int,
            k: int, variant: SamplerVariant, greedy_only: bool = False):
     """k head steps over S rows (step 0 at first_pos: the input token and the target's streams of
     first_pos; step i: proposal i and step i - 1's stream). Rows with num <= i are padding in step
@@ -119,7 +119,7 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
         md = AttentionMetadata(slots(block_tables, rows, pos, valid, block_size), qsl,
                                jnp.where(valid, pos + 1, 0), block_tables, num_decodes=s)
         with jax.named_scope("eagle_draft"):
-            logits, stream, kv = cfg.step(params, embed, ids, hidden, pos, kv, md, backend)
+            logits, stream, kv = cfg.step(params, embed, ids, hidden, pos, kv, md, kernels)
         drafts, probs = propose(i, logits, drafts, probs)
         return kv, stream.astype(hidden.dtype), drafts, probs
 
@@ -127,7 +127,7 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
     probs = None if greedy_only else jnp.zeros((s, k, vocab), jnp.float32)
     if behind is None:
         first_slots = slots(block_tables, rows, first_pos, num > 0, block_size)
-        hidden0 = cfg.fuse(params, streams[jnp.maximum(first_slots, 0)])
+        hidden0 = cfg.fuse(params, streams[jnp.maximum(first_slots, 0)], kernels.gemm_rows)
         kv, _, drafts, probs = jax.lax.fori_loop(0, k, body, (kv, hidden0, drafts, probs))
         return kv, drafts, probs
     owed = jnp.where(num > 0, behind.num, 0)
@@ -137,12 +137,12 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
     pos = jnp.where(owned, first_pos[rr] - owed[rr] + j, 0)
     ids = jnp.where(j == owed[rr], first_ids[rr], behind.ids[rr, jnp.clip(j, 0, k - 1)])
     step_slots = slots(block_tables, r, pos, owned, block_size)
-    hidden = cfg.fuse(params, streams[jnp.maximum(step_slots, 0)])
+    hidden = cfg.fuse(params, streams[jnp.maximum(step_slots, 0)], kernels.gemm_rows)
     md = AttentionMetadata(step_slots, step_qsl, jnp.where(num > 0, first_pos + 1, 0),
                            block_tables)
     with jax.named_scope("eagle_draft"):
         logits, stream, kv = cfg.step(params, embed, jnp.where(owned, ids, 0), hidden, pos, kv,
-                                      md, backend)
+                                      md, kernels)
     last = jnp.maximum(step_qsl[1:] - 1, 0)  # each row's step-0 token
     drafts, probs = propose(0, logits[last], drafts, probs)
     carry = (kv, stream[last].astype(hidden.dtype), drafts, probs)
@@ -150,11 +150,11 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
     return kv, drafts, probs
 
 
-def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *, cfg, backend,
+def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *, cfg, kernels,
                     layers):
     """The runner's forward that also writes the step's streams (`_forward_step`'s result)."""
     logits, kv_cache, aux = forward_aux(params, cfg, input_ids(batch, last_tokens),
-                                        batch.positions, kv_cache, batch.md, backend,
+                                        batch.positions, kv_cache, batch.md, kernels,
                                         batch.logits_indices, batch.lora_slot, layers=layers)
     return logits, kv_cache, write_streams(streams, aux, batch.md.group(0).slot_mapping)
 
@@ -169,14 +169,14 @@ def _copy_rows(streams, src, dst, block_size: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg, target_cfg, backend: AttentionBackend, block_size: int,
+def _jitted(cfg, target_cfg, kernels: KernelTable, block_size: int,
             k: int):
-    chain = jax.jit(functools.partial(_chain, cfg=cfg, backend=backend, block_size=block_size,
+    chain = jax.jit(functools.partial(_chain, cfg=cfg, kernels=kernels, block_size=block_size,
                                       k=k), static_argnames=("variant", "greedy_only"),
                     donate_argnums=(2,))
-    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
+    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=kernels),
                        donate_argnums=(2,))
-    target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, backend=backend,
+    target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, kernels=kernels,
                                        layers=cfg.aux_layers), donate_argnums=(1, 4))
     copy = jax.jit(functools.partial(_copy_rows, block_size=block_size), donate_argnums=(0,))
     return chain, catch_up, target, copy
@@ -217,7 +217,7 @@ class EagleProposer:
         self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
                                  target_embed.dtype)
         self._chain, self._catch_up, self.target_fn, self._copy = _jitted(
-            self.cfg, runner.cfg, runner.backend, runner.block_size, k)
+            self.cfg, runner.cfg, runner.kernels, runner.block_size, k)
 
     def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes one block of its KV and stream caches takes."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig, config_from_dict
-from jaxinfer.model.gemm_rows import dot
+from jaxinfer.model.gemm_rows import Rows, dot, plain_rows
 from jaxinfer.model.transformer import apply_rope, rope_tables
 
 NORMS = ("input_norm", "hidden_norm", "post_attn_norm", "norm")
@@ -59,20 +59,20 @@ class Eagle3Config:
     def stream_width(self) -> int:
         return 3 * self.target_hidden_size
 
-    def fuse(self, p: dict, streams: jax.Array) -> jax.Array:
-        return fuse(p, streams)
+    def fuse(self, p: dict, streams: jax.Array, rows: Rows = plain_rows) -> jax.Array:
+        return fuse(p, streams, rows)
 
-    def step(self, p: dict, embed, ids, hidden, positions, kv, md, backend):
+    def step(self, p: dict, embed, ids, hidden, positions, kv, md, kernels):
         """One head step over ragged rows with its paged cache `kv` (one layer's pair).
         -> (f32 logits over the target's vocabulary, the stream, the new kv tuple)"""
         out = {}
 
         def attend(q, k, v):
-            k_cache, v_cache = backend.write_kv(*kv[0], k, v, md.slot_mapping)
+            k_cache, v_cache = kernels.attention.write_kv(*kv[0], k, v, md.slot_mapping)
             out["kv"] = ((k_cache, v_cache),)
-            return backend(q, k_cache, v_cache, md, scale=self.layer.score_scale)
-        normed, stream = layer(p, self, embed, ids, hidden, positions, attend)
-        return target_logits(p, normed, embed.shape[0]), stream, out["kv"]
+            return kernels.attention(q, k_cache, v_cache, md, scale=self.layer.score_scale)
+        normed, stream = layer(p, self, embed, ids, hidden, positions, attend, kernels.gemm_rows)
+        return target_logits(p, normed, embed.shape[0], kernels.gemm_rows), stream, out["kv"]
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -195,13 +195,14 @@ def rms(x, w, eps):
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def fuse(p: dict, aux: jax.Array) -> jax.Array:
-    """The target's three streams [..., 3 Ht] -> the head's hidden input [..., H]."""
-    return dot(aux.astype(p["fc"].dtype), p["fc"])
+def fuse(p: dict, aux: jax.Array, rows: Rows = plain_rows) -> jax.Array:
+    """The target's three streams [..., 3 Ht] -> the head's hidden input [..., H]. `rows`: the
+    kernel table's `gemm_rows` (every product of the head goes through it)."""
+    return dot(aux.astype(p["fc"].dtype), p["fc"], rows)
 
 
 def layer(p: dict, cfg: Eagle3Config, embed_table, tokens, hidden, positions,
-          attend: Callable) -> tuple[jax.Array, jax.Array]:
+          attend: Callable, rows: Rows = plain_rows) -> tuple[jax.Array, jax.Array]:
     """The head's decoder layer. tokens [...], hidden [..., H] (fused streams or the previous
     step's output), positions [...]; `attend(q, k, v)` (q [..., Hq, D], k/v [..., Hkv, D]) is the
     caller's attention (paged or training-time-test). -> (final-normed [..., H], the stream
@@ -215,21 +216,21 @@ def layer(p: dict, cfg: Eagle3Config, embed_table, tokens, hidden, positions,
     lead = x.shape[:-1]
     if "qkv_proj" in p:  # the serving layout (`fuse_projections`)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = jnp.split(dot(x, p["qkv_proj"]), [nq, nq + nk], axis=-1)
+        q, k, v = jnp.split(dot(x, p["qkv_proj"], rows), [nq, nq + nk], axis=-1)
     else:
-        q, k, v = (dot(x, p[f"{n}_proj"]) for n in "qkv")
+        q, k, v = (dot(x, p[f"{n}_proj"], rows) for n in "qkv")
     q = q.reshape(*lead, c.num_heads, c.head_dim)
     k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
     v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
     cos, sin = rope_tables(c, positions)
     out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    stream = dot(out.reshape(*lead, -1).astype(dtype), p["o_proj"]) + hidden
+    stream = dot(out.reshape(*lead, -1).astype(dtype), p["o_proj"], rows) + hidden
     h = rms(stream, p["post_attn_norm"], c.rms_norm_eps)
     if "gate_up_proj" in p:
-        gate, up = jnp.split(dot(h, p["gate_up_proj"]), 2, axis=-1)
+        gate, up = jnp.split(dot(h, p["gate_up_proj"], rows), 2, axis=-1)
     else:
-        gate, up = dot(h, p["gate_proj"]), dot(h, p["up_proj"])
-    stream = stream + dot(jax.nn.silu(gate) * up, p["down_proj"])
+        gate, up = dot(h, p["gate_proj"], rows), dot(h, p["up_proj"], rows)
+    stream = stream + dot(jax.nn.silu(gate) * up, p["down_proj"], rows)
     return rms(stream, p["norm"], c.rms_norm_eps), stream
 
 
@@ -243,16 +244,17 @@ def fuse_projections(p: dict) -> dict:
     return p
 
 
-def draft_logits(p: dict, normed: jax.Array) -> jax.Array:
+def draft_logits(p: dict, normed: jax.Array, rows: Rows = plain_rows) -> jax.Array:
     """f32 logits over the draft vocabulary [..., Vd] (the product in the weights' dtype: XLA:CPU
     has no bf16 x bf16 -> f32 dot inside a loop; q only has to be the distribution proposals are
     drawn from, which it is at any precision)."""
-    return dot(normed, p["lm_head"]).astype(jnp.float32)
+    return dot(normed, p["lm_head"], rows).astype(jnp.float32)
 
 
-def target_logits(p: dict, normed: jax.Array, vocab_size: int) -> jax.Array:
+def target_logits(p: dict, normed: jax.Array, vocab_size: int,
+                  rows: Rows = plain_rows) -> jax.Array:
     """f32 logits over the target's vocabulary, -inf outside the draft vocabulary (d2t)."""
-    small = draft_logits(p, normed)
+    small = draft_logits(p, normed, rows)
     ids = jnp.arange(small.shape[-1]) + p["d2t"]
     full = jnp.full((*small.shape[:-1], vocab_size), -jnp.inf, jnp.float32)
     return full.at[..., ids].set(small)

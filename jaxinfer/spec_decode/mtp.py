@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.gemm_rows import dot
+from jaxinfer.model.gemm_rows import Rows, dot, plain_rows
 from jaxinfer.model.norm_rope import RMSNorm, rope_tables
 from jaxinfer.model.tensor_sources import Checkpoint
 from jaxinfer.model.transformer import DecoderLayer
@@ -54,10 +54,11 @@ class MTPConfig:
     def stream_width(self) -> int:
         return self.layer.hidden_size
 
-    def fuse(self, p: dict, streams: jax.Array) -> jax.Array:
-        return streams  # one stream, read as is (hnorm is part of the step)
+    def fuse(self, p: dict, streams: jax.Array, rows: Rows = plain_rows) -> jax.Array:
+        return streams  # one stream, read as is (hnorm is part of the step): no product
 
-    def step(self, p: dict, embed, ids, hidden, positions, kv, md, backend):
+
+    def step(self, p: dict, embed, ids, hidden, positions, kv, md, kernels):
         """One module application over ragged rows (paged: kv is its one (latent, empty) pair).
         -> (f32 logits [..., V], the stream [..., H] for the next step, the new kv tuple)"""
         c = self.layer
@@ -68,13 +69,14 @@ class MTPConfig:
 
         e = jnp.where((positions == 0)[..., None], 0, embed[ids].astype(dtype))
         x = dot(jnp.concatenate([norm(p["enorm"], e), norm(p["hnorm"], hidden.astype(dtype))],
-                                axis=-1), p["eh_proj"])
+                                axis=-1), p["eh_proj"], kernels.gemm_rows)
         cos, sin = rope_tables(c, positions)
-        x, delta, new_kv = DecoderLayer(c, backend, dtype, c.layer_is_moe(0)).apply(
+        x, delta, new_kv = DecoderLayer(c, kernels, dtype, c.layer_is_moe(0)).apply(
             {"params": p["layers_0"]}, x, None, cos, sin, kv[0], md)
         stream = x + delta
         normed = norm(p["final_norm"]["weight"], stream)
-        logits = dot(normed, p["lm_head"]["kernel"], preferred_element_type=jnp.float32)
+        logits = dot(normed, p["lm_head"]["kernel"], kernels.gemm_rows,
+                     preferred_element_type=jnp.float32)
         return logits, stream, (new_kv,)
 
 

@@ -50,6 +50,7 @@ from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
 from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, sampler_variant
+from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -60,7 +61,7 @@ AUTO_SPEC_LOOP_ITERATIONS = 4
 
 def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, streams,
                batch: StepBatch, rows, *, cfg, head_cfg,
-               backend: AttentionBackend, block_size: int, k: int, iterations: int,
+               kernels: KernelTable, block_size: int, k: int, iterations: int,
                variant: SamplerVariant, plan: ShardingPlan | None, layers: tuple[int, ...],
                greedy_only: bool = False):
     """`batch`: the rows as one-token decodes (positions: each row's input position, token_ids
@@ -93,7 +94,7 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         # (the target's streams) computed by the chain's first step
         hkv, drafts, q = _chain(head_params, embed, hkv, strm, tok, pos - 1, n, tables0, t,
                                 CatchUp(cu.ids, cu.pos, jnp.where(live, cu.num, 0)),
-                                cfg=head_cfg, backend=backend, block_size=block_size, k=k,
+                                cfg=head_cfg, kernels=kernels, block_size=block_size, k=k,
                                 variant=variant, greedy_only=greedy_only)
         # 2. the target's verify: rows of n + 1 tokens packed as the host packs them
         qsl, r, j = ragged(jnp.where(live, n + 1, 0), s * k1)
@@ -105,7 +106,7 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
                                jnp.where(live, pos + n + 1, 0), tables, kv_layout=md0.kv_layout)
         vidx = jnp.minimum(qsl[:-1, None] + jnp.minimum(jk.T, n[:, None]), s * k1 - 1)
         kv, out, strm = verify_forward(params, kv, strm, jnp.where(owned, ids, 0), vpos, md, vidx,
-                                       t, drafts, n, q, cfg=cfg, backend=backend,
+                                       t, drafts, n, q, cfg=cfg, kernels=kernels,
                                        variant=variant, plan=plan, layers=layers,
                                        greedy_only=greedy_only)
         # 3. each live row advances by what it emitted: its tokens go to the record packed
@@ -136,7 +137,7 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_spec_loop(cfg, head_cfg, backend: AttentionBackend, block_size: int, k: int,
+def jitted_spec_loop(cfg, head_cfg, kernels: KernelTable, block_size: int, k: int,
                      iterations: int, plan: ShardingPlan | None, layers: tuple[int, ...]):
     """The compiled loop of a target and head (KV cache, last tokens, head KV and stream cache
     donated), shared by every runner of them in the process; compiled per decode bucket and
@@ -144,9 +145,10 @@ def jitted_spec_loop(cfg, head_cfg, backend: AttentionBackend, block_size: int, 
     backend's prefill kernel: their rows hold several tokens, so looking for one-token rows on
     the device (`split_mixed_steps`) would launch a decode kernel per layer for next to nothing
     (a row proposing nothing, at its limit, is the only one)."""
-    if isinstance(backend, AttentionBackend) and backend.split_mixed_steps:
-        backend = dataclasses.replace(backend, split_mixed_steps=False)
-    return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg, backend=backend,
+    if isinstance(kernels.attention, AttentionBackend) and kernels.attention.split_mixed_steps:
+        kernels = dataclasses.replace(kernels, attention=dataclasses.replace(
+            kernels.attention, split_mixed_steps=False))
+    return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg, kernels=kernels,
                                      block_size=block_size, k=k, iterations=iterations,
                                      plan=plan, layers=layers),
                    static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 5, 6))
@@ -176,7 +178,7 @@ class SpecLoop:
 
     def __init__(self, runner, proposer, k: int, iterations: int):
         self.proposer, self.k, self.iterations = proposer, k, iterations
-        self.fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.backend, runner.block_size, k,
+        self.fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.kernels, runner.block_size, k,
                                     iterations, runner.plan, tuple(proposer.aux_layers))
         # Executables compiled at warm-up (worker/bucket_compiler.py), by (rows, sampler variant,
         # greedy only); a loop without one compiles through jit on its first call.

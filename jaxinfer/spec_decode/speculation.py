@@ -35,7 +35,7 @@ class Speculation:
                          config.num_speculative_tokens)
         self.speculator = Speculator(config, proposer)
         scheduler.enable_speculation(self.speculator)
-        step = SpeculativeStep(runner.cfg, runner.backend, config.num_speculative_tokens, draft,
+        step = SpeculativeStep(runner.cfg, runner.kernels, config.num_speculative_tokens, draft,
                                runner.plan)
         if loop_iterations is None:
             loop_iterations = AUTO_SPEC_LOOP_ITERATIONS

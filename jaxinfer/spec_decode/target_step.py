@@ -39,7 +39,7 @@ from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
 from jaxinfer.worker.step_inputs import (StepBatch, all_greedy, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
-from pallas_kernels.attention.backend import AttentionBackend
+from jaxinfer.model.kernel_table import KernelTable
 
 
 @jax.tree_util.register_dataclass
@@ -65,7 +65,7 @@ def _verify_rows(logits, inputs, *, variant: SamplerVariant, greedy_only: bool) 
 
 def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices, sampling,
                    drafts, num_drafts, draft_probs, *, cfg: ModelConfig,
-                   backend: AttentionBackend, variant: SamplerVariant,
+                   kernels: KernelTable, variant: SamplerVariant,
                    plan: ShardingPlan | None = None, layers: tuple[int, ...] = (),
                    greedy_only: bool = False):
     """The target's forward over ragged rows of k + 1 tokens (input token, then the proposals;
@@ -77,11 +77,11 @@ def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices
     with jax.named_scope("verify"):
         if layers:
             logits, kv_cache, aux = forward_aux(params, cfg, ids, positions, kv_cache, md,
-                                                backend, verify_indices.reshape(-1),
+                                                kernels, verify_indices.reshape(-1),
                                                 layers=layers)
             streams = write_streams(streams, aux, md.group(0).slot_mapping)
         else:
-            logits, kv_cache = forward(params, cfg, ids, positions, kv_cache, md, backend,
+            logits, kv_cache = forward(params, cfg, ids, positions, kv_cache, md, kernels,
                                        verify_indices.reshape(-1))
     with jax.named_scope("sample"):
         # Under TP each row's k + 1 logits are made whole on one device first, as the sampler's
@@ -95,26 +95,26 @@ def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices
 
 
 def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInputs, draft_probs,
-                 streams=None, *, cfg: ModelConfig, backend: AttentionBackend,
+                 streams=None, *, cfg: ModelConfig, kernels: KernelTable,
                  variant: SamplerVariant, plan: ShardingPlan | None = None,
                  layers: tuple[int, ...] = (), greedy_only: bool = False):
     ids = input_ids(batch, last_tokens)
     ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
     kv_cache, out, streams = verify_forward(
         params, kv_cache, streams, ids, batch.positions, batch.md, v.verify_indices,
-        batch.sampling, v.drafts, v.num_drafts, draft_probs, cfg=cfg, backend=backend,
+        batch.sampling, v.drafts, v.num_drafts, draft_probs, cfg=cfg, kernels=kernels,
         variant=variant, plan=plan, layers=layers, greedy_only=greedy_only)
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
     return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out, streams
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_verify_step(cfg: ModelConfig, backend: AttentionBackend,
+def jitted_verify_step(cfg: ModelConfig, kernels: KernelTable,
                        plan: ShardingPlan | None = None, layers: tuple[int, ...] = ()):
     """The compiled verification step of a model (cache, last tokens and streams donated), shared
     by every runner of that model and mesh in the process; compiled per token bucket and sampler
     variant."""
-    return jax.jit(functools.partial(_verify_step, cfg=cfg, backend=backend, plan=plan,
+    return jax.jit(functools.partial(_verify_step, cfg=cfg, kernels=kernels, plan=plan,
                                      layers=layers),
                    static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 6))
 
@@ -148,14 +148,14 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
 class SpeculativeStep:
     """The runner's part of speculative decoding: runs the steps that carry proposals."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, num_speculative_tokens: int,
+    def __init__(self, cfg: ModelConfig, kernels: KernelTable, num_speculative_tokens: int,
                  draft=None, plan: ShardingPlan | None = None):
         self.k = num_speculative_tokens
         # spec_decode.draft.DraftModel or eagle.EagleProposer, or None (host-side proposals)
         self.draft = draft
         # An EAGLE-3 head reads the target's streams: every target step writes them.
         self.stream_writer = draft if getattr(draft, "aux_layers", None) else None
-        self._verify = jitted_verify_step(cfg, backend, plan,
+        self._verify = jitted_verify_step(cfg, kernels, plan,
                                           tuple(getattr(draft, "aux_layers", ())))
         self.loop = None  # spec_loop.SpecLoop: runs the steps scheduled as loops
         self.single_steps = 0  # verifying steps run one per dispatch (benchmarks, tests)

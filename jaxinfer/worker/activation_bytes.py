@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.parallel.attention import shard_backend
+from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.bucket_compiler import model_inputs
 from jaxinfer.worker.buckets import Buckets
@@ -17,10 +17,10 @@ from jaxinfer.worker.kv import kv_block_shapes
 from jaxinfer.worker.runner import _jitted_fns
 from jaxinfer.worker.sampler import FULL_SAMPLER
 from jaxinfer.worker.step_inputs import SamplingTable, build_step_batch
-from pallas_kernels.attention.backend import AttentionBackend
+from jaxinfer.model.kernel_table import KernelTable
 
 
-def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *, kv_dtype,
+def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_dtype,
                           block_size: int, max_model_len: int, max_num_seqs: int,
                           max_num_batched_tokens: int, plan: ShardingPlan | None = None,
                           cache: ExecutableCache | None = None,
@@ -42,13 +42,13 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                       for shape in kv_block_shapes(cfg, heads, 1, block_size))
     kv = tuple(one_block for _ in range(groups.num_slots))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
-    backend = shard_backend(backend, plan)
-    key = cache and step_key("activation bytes", (cfg, backend, block_size),
+    kernels = shard_kernels(kernels, plan)
+    key = cache and step_key("activation bytes", (cfg, kernels, block_size),
                              (params, kv, last, batch))
     cached = key and cache.load_figure(key)
     if cached is not None:
         return cached
-    forward_step, sample_step, _ = _jitted_fns(cfg, backend, block_size, plan)
+    forward_step, sample_step, _ = _jitted_fns(cfg, kernels, block_size, plan)
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
     peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
                                                      model_inputs(batch)).compile())

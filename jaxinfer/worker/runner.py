@@ -41,7 +41,7 @@ from jaxinfer.model.transformer import KVCache, forward
 from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
 from jaxinfer.core.scheduler import SchedulerOutput
-from jaxinfer.parallel.attention import shard_backend
+from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
@@ -49,20 +49,20 @@ from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
 from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
-from pallas_kernels.attention.backend import AttentionBackend
+from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
 
 def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
-                  backend: AttentionBackend, with_hidden: bool = False):
+                  kernels: KernelTable, with_hidden: bool = False):
     """The model part of a step: -> (logits of the sampled rows [S, V], updated KV cache), plus the
     final hidden states [T, H] `with_hidden` (a step with prompt-logprob or pooling rows)."""
     scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
     with jax.named_scope(scope):
         return forward(params, cfg, input_ids(batch, last_tokens), batch.positions, kv_cache,
-                       batch.md, backend, batch.logits_indices, return_hidden=with_hidden,
+                       batch.md, kernels, batch.logits_indices, return_hidden=with_hidden,
                        lora_slot=batch.lora_slot)
 
 
@@ -78,7 +78,7 @@ def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
 
 
 def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
-                 cfg: ModelConfig, backend: AttentionBackend, variant: SamplerVariant,
+                 cfg: ModelConfig, kernels: KernelTable, variant: SamplerVariant,
                  num_steps: int, block_size: int, plan: ShardingPlan | None = None):
     """num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
     still sample (length limits). A row that samples a stop token id (past min_tokens) or reaches
@@ -111,7 +111,7 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
                                num_decodes=s, kv_layout=md0.kv_layout)
         ids = last[jnp.minimum(slots, last.shape[0] - 1)]
         with jax.named_scope("decode"):
-            logits, kv = forward(params, cfg, ids, pos, kv, md, backend, batch.logits_indices,
+            logits, kv = forward(params, cfg, ids, pos, kv, md, kernels, batch.logits_indices,
                                  lora_slot=batch.lora_slot)  # (T == S: one token a row)
         t = dataclasses.replace(t0, out_pos=t0.out_pos + i)
         with jax.named_scope("sample"):  # laid out as in _sample_step
@@ -128,17 +128,17 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_fns(cfg: ModelConfig, backend: AttentionBackend, block_size: int,
+def _jitted_fns(cfg: ModelConfig, kernels: KernelTable, block_size: int,
                 plan: ShardingPlan | None = None):
     """The jitted forward, sampler and decode loop of a model, shared by every runner of that model
     and mesh in the process (so engines built one after another, e.g. in tests, reuse each other's
     compilations; the plan, hence the mesh, is part of the key). The KV cache (forward, loop) and
     the last-token array (sampler, loop) are donated."""
-    forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, backend=backend),
+    forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, kernels=kernels),
                            static_argnames=("with_hidden",), donate_argnums=(1,))
     sample_step = jax.jit(functools.partial(_sample_step, plan=plan), static_argnames=("variant",),
                           donate_argnums=(1,))
-    loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, backend=backend, block_size=block_size,
+    loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, kernels=kernels, block_size=block_size,
                                      plan=plan),
                    static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
     return forward_step, sample_step, loop
@@ -216,7 +216,7 @@ class ModelRunner:
     # colocated): which step buckets warm-up compiles first, and whether decode buckets are
     # compiled at all.
 
-    def __init__(self, cfg: ModelConfig, params, backend: AttentionBackend, *, num_blocks: int,
+    def __init__(self, cfg: ModelConfig, params, kernels: KernelTable, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=jnp.bfloat16, decode_steps_per_call: int = 1,
                  decode_loop_max_seqs: int | None = None, plan: ShardingPlan | None = None,
@@ -230,7 +230,7 @@ class ModelRunner:
         self.params = params
         self.plan = plan
         self.compile_role = compile_role
-        self.backend = backend = shard_backend(backend, plan)
+        self.kernels = kernels = shard_kernels(kernels, plan)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
@@ -252,7 +252,7 @@ class ModelRunner:
         self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
         self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
-        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, backend, block_size, plan)
+        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, kernels, block_size, plan)
         # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
         # (sequences in loop_buckets, sampler variant) at num_steps == decode_steps_per_call;
         # sampler per (sequences, sampler variant).
@@ -323,7 +323,7 @@ class ModelRunner:
         shape it beyond its inputs' shapes and shardings."""
         if self.executable_cache is None:
             return None
-        return step_key(name, (self.cfg, self.backend, self.block_size, sorted(static.items(),
+        return step_key(name, (self.cfg, self.kernels, self.block_size, sorted(static.items(),
                                                                                 key=str)), args)
 
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:

@@ -1,5 +1,6 @@
-"""The one dispatch point for attention: which implementation runs the decode part and which the
-prefill part of a step, chosen by platform and the `--attention-backend` flag.
+"""The one dispatch point for paged attention: which implementation runs the decode part and which
+the prefill part of a step, by the `--attention-backend` name (jaxinfer/model/kernel_table.py
+decides "auto" from the platform and puts the backend in the model's kernel table).
 
 A backend is three functions with fixed signatures (see `reference.py` for their meaning):
 
@@ -32,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import reference
-from pallas_kernels.norm.reference import add_rms_norm_reference
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 
@@ -47,15 +47,6 @@ class AttentionBackend:
     # kernel gives each such row a whole query tile per *query* head (Hq/Hkv times the K/V reads of
     # the decode kernel, and a 128-row matmul for one row). The reference gains nothing from it.
     split_mixed_steps: bool = False
-    # The model's residual add + RMSNorm (`add_rms_norm_reference`'s signature): GPU
-    # backends run it as one kernel at decode row counts (pallas_kernels/norm/rms_norm.py).
-    add_rms_norm: Callable = add_rms_norm_reference
-    # The dense causal path without a cache (training: `train_forward`), `causal_attention_reference`'s
-    # signature; `dense_fused.with_fused_dense` swaps in cuDNN's fused kernel.
-    dense: Callable = reference.causal_attention_reference
-    # MLA's decode over its latent cache (one [W]-wide head as both K and V): value_width ->
-    # a `decode` (jaxinfer/model/mla.py binds kv_lora_rank). None: the jnp latent reference.
-    latent_decode: Callable[[int], Callable] | None = None
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None,
@@ -123,26 +114,17 @@ def register(name: str, target: str) -> None:
     _BACKENDS[name] = target
 
 
+def registered() -> list[str]:
+    """The registered kernel backends' names (the reference is always there)."""
+    return sorted(_BACKENDS)
+
+
 def available_backends() -> list[str]:
     return ["auto", "reference", *sorted(_BACKENDS)]
 
 
-def _is_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and getattr(dev, "compute_capability", "0").startswith("9")
-
-
-def get_backend(name: str = "auto") -> AttentionBackend:
-    """Resolve a backend name. `auto`: Mosaic GPU kernels on Hopper, Triton-lowered Pallas on other
-    CUDA GPUs, the jnp reference elsewhere (CPU)."""
-    if name == "auto":
-        platform = jax.devices()[0].platform
-        if platform == "gpu" and _is_hopper() and "mosaic" in _BACKENDS:
-            name = "mosaic"
-        elif platform == "gpu" and "triton" in _BACKENDS:
-            name = "triton"
-        else:
-            name = "reference"
+def get_backend(name: str) -> AttentionBackend:
+    """The backend registered as `name` ("auto" is the kernel table's to decide)."""
     if name == "reference":
         return REFERENCE
     if name not in _BACKENDS:

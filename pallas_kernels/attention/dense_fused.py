@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.reference import causal_attention_reference
 
 IMPLEMENTATIONS = ("cudnn", "xla")
@@ -38,10 +37,11 @@ def fused_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: f
                                         implementation=implementation)
 
 
-def with_fused_dense(backend: AttentionBackend, implementation: str = "cudnn") -> AttentionBackend:
-    """`backend` whose dense path (`train_forward`) is `fused_causal_attention`."""
+def with_fused_dense(kernels, implementation: str = "cudnn"):
+    """`kernels` (the model's kernel table, jaxinfer/model/kernel_table.py) whose dense attention
+    slot (`train_forward`) is `fused_causal_attention`."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"dense attention '{implementation}' is not one of {IMPLEMENTATIONS}")
     return dataclasses.replace(
-        backend, name=f"{backend.name}+dense_{implementation}",
-        dense=functools.partial(fused_causal_attention, implementation=implementation))
+        kernels, dense_attention=functools.partial(fused_causal_attention,
+                                                   implementation=implementation))

@@ -3,9 +3,10 @@
 `moe_experts(x_sorted, weights, group_sizes)` returns down(silu(x @ gate) * (x @ up)) per row, with
 each row's expert given by the group it falls in. It is the only place the model touches expert
 weights, so expert parallelism can wrap this one function (shard_map over the expert axis of
-`weights` and `group_sizes`). `impl` (the engine's `--moe-impl`, `ModelConfig.moe_impl`) is one of
-CHOICES: "auto" picks per call shape and device (`choose_impl`), "xla" the same without the Mosaic
-kernel, or one of the implementations:
+`weights` and `group_sizes`). `impl` (the engine's `--moe-impl`, bound in the kernel table's
+routed-experts slot) is one of CHOICES: "auto" picks per call shape and device (`choose_impl`: the
+kernel table passes the device's kind; direct callers may leave it to the probe here), "xla" the
+same without the Mosaic kernel, or one of the implementations:
 
   - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
     warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step
@@ -245,18 +246,21 @@ def _hopper() -> bool:
 
 
 def choose_impl(rows: int, weight_shape: tuple[int, int, int], capacity: int, dtype,
-                weight_dtype=None, impl: str = "auto") -> str:
-    """The implementation `moe_experts` runs for this call shape on the default device (weights of
-    `weight_dtype`, default `dtype`): `impl` (one of CHOICES) where it names one, else
-    `pick_impl`'s rule, with the Mosaic kernel where it applies unless `impl` is "xla"."""
+                weight_dtype=None, impl: str = "auto", *, gpu: bool | None = None,
+                hopper: bool | None = None) -> str:
+    """The implementation `moe_experts` runs for this call shape on a device that is a `gpu`
+    (`hopper`; None: the default device's) with weights of `weight_dtype` (default `dtype`):
+    `impl` (one of CHOICES) where it names one, else `pick_impl`'s rule, with the Mosaic kernel
+    where it applies unless `impl` is "xla"."""
     if impl not in CHOICES:
         raise ValueError(f"moe_impl {impl!r}: expected one of {', '.join(CHOICES)}")
     if impl in IMPLS:
         return impl
     num_groups, hidden, inter = weight_shape
-    gpu = jax.devices()[0].platform == "gpu"
+    gpu = jax.devices()[0].platform == "gpu" if gpu is None else gpu
+    hopper = _hopper() if hopper is None else hopper
     return pick_impl(rows, num_groups, capacity, gpu=gpu,
-                     kernel=(impl == "auto" and gpu and _hopper()
+                     kernel=(impl == "auto" and gpu and hopper
                              and mosaic_supports(hidden, inter, dtype, weight_dtype)))
 
 
@@ -276,17 +280,20 @@ def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Ar
                 impl: str = "auto", interpret: bool = False,
                 scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                 glu: Callable | None = None,
-                biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                biases: tuple[jax.Array, jax.Array] | None = None, gpu: bool | None = None,
+                hopper: bool | None = None) -> jax.Array:
     """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
     [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
     (the step's token count; default M). impl: one of CHOICES (`choose_impl`). interpret: run
     the Mosaic kernel in its interpreter (CPU tests). scales: float32 [E, out] per stack when the
     weights are 8-bit (w = q * scale). glu: the gated activation `glu(gate, up, dtype)` (default
-    SwiGLU; `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it. Returns
+    SwiGLU; `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it. gpu, hopper:
+    the device's kind (`choose_impl`). Returns
     [M, H] in x's dtype; rows past sum(group_sizes) are undefined."""
     m = x_sorted.shape[0]
     capacity = min(m, max_group_size or m)
-    impl = choose_impl(m, weights[0].shape, capacity, x_sorted.dtype, weights[0].dtype, impl)
+    impl = choose_impl(m, weights[0].shape, capacity, x_sorted.dtype, weights[0].dtype, impl,
+                       gpu=gpu, hopper=hopper)
     if impl == "mosaic" and scales is not None and (glu is not None or biases is not None):
         # The kernel's plain (unfused) calls take 16-bit stacks only: 8-bit gpt-oss experts
         # take the XLA paths.

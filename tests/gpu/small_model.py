@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.transformer import forward, init_params
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -34,7 +35,7 @@ def greedy_decode(cfg, params, prefill_backend, decode_backend, steps: int = 24,
     bt = np.random.default_rng(0).permutation(batch * MAX_BLOCKS).reshape(batch, MAX_BLOCKS)
     prompts = [np.random.default_rng(100 + i).integers(0, cfg.vocab_size, n)
                for i, n in enumerate(PROMPT_LENS)]
-    step = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnums=(4,))
+    step = jax.jit(forward, static_argnames=("cfg", "kernels"), donate_argnums=(4,))
     cache = allocate_kv_cache(cfg, batch * MAX_BLOCKS, PAGE, jnp.bfloat16)
 
     def run(backend, cache, seqs, starts, ends, num_decodes, last=None):
@@ -46,7 +47,7 @@ def greedy_decode(cfg, params, prefill_backend, decode_backend, steps: int = 24,
         md = AttentionMetadata(slots, qsl, jnp.asarray(ends, jnp.int32),
                                jnp.asarray(bt, jnp.int32), num_decodes=num_decodes)
         return step(params, cfg, jnp.asarray(toks, jnp.int32), jnp.asarray(pos, jnp.int32),
-                    cache, md, backend=backend,
+                    cache, md, kernels=KernelTable(attention=backend),
                     logits_indices=None if last is None else jnp.asarray(last, jnp.int32))
 
     half = PROMPT_LENS // 2

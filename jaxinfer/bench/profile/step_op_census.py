@@ -1,8 +1,9 @@
 """What one batch-1 decode step is made of: the primitives of the jitted step's jaxpr (every
 nested call expanded, as it runs), for DeepSeek-V2-Lite's shape beside a Llama-3-8B shape with
-the same layer count, both with the H200's kernels (the Mosaic backend: latent / paged decode,
-the Triton add + RMSNorm; the Mosaic grouped matmul for the experts, which `--moe-impl auto`
-picks at batch 1 on Hopper). Traced on the CPU with abstract weights (nothing is allocated).
+the same layer count, both with the H200's kernel table (`resolve_kernels` for a Hopper GPU: the
+Mosaic backend's latent / paged decode, the Triton add + RMSNorm, two-row GEMMs; the Mosaic
+grouped matmul for the experts, which `--moe-impl auto` picks at batch 1 on Hopper). Traced on
+the CPU with abstract weights (nothing is allocated).
 
     python -m jaxinfer.bench.profile.step_op_census [--context 768] [--json]
 
@@ -51,17 +52,17 @@ def count(jaxpr, counts: collections.Counter) -> None:
 
 
 def census(raw: dict, context: int) -> dict:
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.model.transformer import forward, param_shapes
     from jaxinfer.worker.kv.device_cache import kv_block_shapes
-    from pallas_kernels.attention.gpu_backends import MOSAIC
+    from jaxinfer.model.kernel_table import Platform, resolve_kernels
     from pallas_kernels.attention.metadata import AttentionMetadata
-    cfg = dataclasses.replace(config_from_dict(raw), moe_impl="mosaic")
+    cfg = config_from_dict(raw)
+    # The H200's table, whatever this machine is (only traced), the experts on the kernel.
+    kernels = resolve_kernels(Platform("gpu", (9, 0)), attention="mosaic", moe="mosaic")
     block = 16
     blocks = -(-context // block)
     params = param_shapes(cfg, jnp.bfloat16)
@@ -73,7 +74,7 @@ def census(raw: dict, context: int) -> dict:
                            jax.ShapeDtypeStruct((1,), i32),
                            jax.ShapeDtypeStruct((1, blocks), i32), num_decodes=1)
     ids = jax.ShapeDtypeStruct((1,), i32)
-    jaxpr = jax.make_jaxpr(lambda p, t, pos, kv, md: forward(p, cfg, t, pos, kv, md, MOSAIC))(
+    jaxpr = jax.make_jaxpr(lambda p, t, pos, kv, md: forward(p, cfg, t, pos, kv, md, kernels))(
         params, ids, ids, kv, md)
     counts: collections.Counter = collections.Counter()
     count(jaxpr.jaxpr, counts)

@@ -20,7 +20,7 @@ first two also one layer's kernels in launch order (duration, gap before). Each 
 and `of_ceiling` (over `read_ceiling_tbs`, an XLA sum over 8 GiB measured first), and
 `weight_reads`: profile/hlo_weight_reads.py's verdict on its optimized HLO (whether FP8 weights reach
 their matmuls directly or through a bf16 copy). `--hlo-out`: `--hlo-variant`'s optimized HLO
-(default the first fp8 variant), gzipped. Before the variants the backend's add + RMSNorm kernel
+(default the first fp8 variant), gzipped. Before the variants the kernel table's add + RMSNorm kernel
 is checked against its reference on this device (`norm_kernel_max_abs_diff`). The deadline skips
 variants that would not finish; results are saved after every variant (record bs1_step_<gpu>).
 `--engine`: `engine_bs1` (record engine_llama8b_bs1_<gpu>, with FP8 engine_llama8b_bs1_fp8w_<gpu>),
@@ -49,7 +49,8 @@ from jaxinfer.model.config import config_from_dict
 from jaxinfer.model.fused_projections import fuse_projections
 from jaxinfer.model.transformer import forward, init_params
 from jaxinfer.model.weights import load_params
-from pallas_kernels.attention.backend import REFERENCE, AttentionBackend
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS, KernelTable
+from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.attention.reference import scatter_kv
 from pallas_kernels.norm.reference import add_rms_norm_reference
@@ -113,21 +114,25 @@ TINY = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
 
 
-def backend_for(variant: dict, default: AttentionBackend) -> AttentionBackend:
-    backend = default
+def kernels_for(variant: dict, default: KernelTable) -> KernelTable:
+    """The kernel table of `variant`: `default` with its attention, norm, KV write and quantized
+    matmul implementation replaced where the variant names them."""
+    kernels = dataclasses.replace(default, quantized_matmul=dataclasses.replace(
+        default.quantized_matmul, impl=variant.get("impl", "auto")))
+    attention = kernels.attention
     if "kernel" in variant:
         from pallas_kernels.attention.flash_prefill import flash_prefill_mosaic
         from pallas_kernels.attention.paged_decode import MosaicDecodeConfig, paged_decode_mosaic
         config = MosaicDecodeConfig(**variant["kernel"])
-        backend = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
-                                   decode=functools.partial(paged_decode_mosaic, config=config),
-                                   prefill=flash_prefill_mosaic)
+        attention = AttentionBackend(f"mosaic{config}", split_mixed_steps=True,
+                                     decode=functools.partial(paged_decode_mosaic, config=config),
+                                     prefill=flash_prefill_mosaic)
     if variant.get("norm") == "xla":
-        backend = dataclasses.replace(backend, name=backend.name + "+xlanorm",
-                                      add_rms_norm=add_rms_norm_reference)
+        kernels = dataclasses.replace(kernels, add_rms_norm=add_rms_norm_reference)
     if variant.get("write") == "scatter":
-        backend = dataclasses.replace(backend, name=backend.name + "+scatter", write_kv=scatter_kv)
-    return backend
+        attention = dataclasses.replace(attention, name=attention.name + "+scatter",
+                                        write_kv=scatter_kv)
+    return dataclasses.replace(kernels, attention=attention)
 
 
 def decode_inputs(ctx: int, max_blocks: int, num_blocks: int, seqs: int = 1):
@@ -150,11 +155,11 @@ def decode_inputs(ctx: int, max_blocks: int, num_blocks: int, seqs: int = 1):
             md)
 
 
-def make_step(cfg, backend, table_width: int | None = None):
+def make_step(cfg, kernels, table_width: int | None = None):
     def step(params, kv, ids, pos, md):
         if table_width:
             md = dataclasses.replace(md, block_tables=md.block_tables[:, :table_width])
-        logits, kv = forward(params, cfg, ids, pos, kv, md, backend)
+        logits, kv = forward(params, cfg, ids, pos, kv, md, kernels)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
     return jax.jit(step, donate_argnums=(1,))
 
@@ -202,10 +207,11 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.bench.profile.engine_host_probe import probe_host
     from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
-    if norm == "xla":
-        from pallas_kernels.attention import gpu_backends
-        gpu_backends.MOSAIC = dataclasses.replace(gpu_backends.MOSAIC,
-                                                  add_rms_norm=add_rms_norm_reference)
+    if norm == "xla":  # the engine's kernel table with the jnp norm (no flag picks it: patched)
+        from jaxinfer.engine import kernels, kv_blocks, llm_engine
+        with_xla_norm = lambda args: dataclasses.replace(  # noqa: E731
+            kernels.engine_kernels(args), add_rms_norm=add_rms_norm_reference)
+        llm_engine.engine_kernels = kv_blocks.engine_kernels = with_xla_norm
     with tempfile.TemporaryDirectory() as work:
         if tiny:
             opts = dict(model=str(REPO_ROOT / "checkpoints" / "demo-target"), dtype="float32",
@@ -286,9 +292,9 @@ class Weights:
         return self.trees[key]
 
 
-def compile_variant(variant: dict, cfg, backend, state):
+def compile_variant(variant: dict, cfg, kernels, state):
     """The variant's step compiled (`cfg` carries its `impl`)."""
-    return make_step(cfg, backend, variant.get("width")).lower(*state).compile(
+    return make_step(cfg, kernels, variant.get("width")).lower(*state).compile(
         compiler_options=variant.get("options"))
 
 
@@ -307,10 +313,10 @@ def run_variants(args, names: list[str], start: float, save) -> None:
     from jaxinfer.bench.kernel_decode import read_ceiling_tbps
     cfg = config_from_dict(TINY if args.tiny else LLAMA3_8B)
     if args.tiny:
-        default = REFERENCE
+        default = REFERENCE_KERNELS
     else:
-        from pallas_kernels.attention.backend import get_backend
-        default = get_backend("mosaic")
+        from jaxinfer.model.kernel_table import current_platform, resolve_kernels
+        default = resolve_kernels(current_platform(), attention="mosaic")
     weights = Weights(cfg)
     params = weights.get(None, False)
     kv = allocate_kv_cache(cfg, args.num_blocks, BLOCK)
@@ -337,12 +343,11 @@ def run_variants(args, names: list[str], start: float, save) -> None:
             t0 = time.perf_counter()
             inputs = decode_inputs(args.ctx, args.max_blocks, args.num_blocks,
                                    variant.get("seqs", 1))
-            vcfg = dataclasses.replace(cfg, quantization=variant.get("quant"),
-                                       quant_impl=variant.get("impl", "auto"))
+            vcfg = dataclasses.replace(cfg, quantization=variant.get("quant"))
             tree = weights.get(variant.get("quant"), bool(variant.get("fused")))
             nbytes = step_bytes(tree, cfg, kv, args.ctx)
             state = (tree, kv, *inputs)
-            exe = compile_variant(variant, vcfg, backend_for(variant, default), state)
+            exe = compile_variant(variant, vcfg, kernels_for(variant, default), state)
             compile_s = time.perf_counter() - t0
             state = run_steps(exe, state, 5)
             times, dispatch = [], []

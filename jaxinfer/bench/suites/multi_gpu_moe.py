@@ -21,7 +21,8 @@ def section_moe_layouts(_: dict) -> dict:
     from jaxinfer.bench.suites.moe_engine import QWEN3_30B_A3B
     from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
     from jaxinfer.model.config import config_from_dict
-    from jaxinfer.parallel.experts import experts_on
+    from jaxinfer.model.kernel_table import current_platform, resolve_kernels
+    from jaxinfer.parallel.kernels import shard_kernels
     from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
 
     cfg = config_from_dict(QWEN3_30B_A3B)
@@ -38,7 +39,7 @@ def section_moe_layouts(_: dict) -> dict:
         for layout, tp in (("one", 1), ("ep", 2), ("tp", 2)):
             plan = ShardingPlan(build_mesh(tp), cfg, "tp" if layout == "one" else layout)
             rep = plan.replicated
-            dispatch = experts_on(plan)
+            dispatch = shard_kernels(resolve_kernels(current_platform()), plan).routed_experts
             layers = [tuple(_normal_sharded(jax.random.key(10 * i + j), shapes[n],
                                             plan.param(("layers_0", "moe", n), shapes[n]))
                             for j, n in enumerate(shapes)) for i in range(MOE_LAYERS)]

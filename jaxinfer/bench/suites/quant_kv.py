@@ -45,9 +45,9 @@ BATCH, CTX = (2, 256) if TINY else (64, 4096)
 HQ, HKV = (8, 2) if TINY else (32, 8)
 
 
-def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16, compiler_options=None):
+def paged_logits_fn(cfg, kernels, kv_dtype, block_size: int = 16, compiler_options=None):
     """jit fn(params, tokens[B, L]) -> float32 logits [B, L, V]: every row is one sequence
-    prefilled in one step through a fresh paged cache of `kv_dtype` and `backend` (the engine's
+    prefilled in one step through a fresh paged cache of `kv_dtype` and `kernels` (the engine's
     path: write_kv, then attention over the cache), compiled with XLA's `compiler_options`."""
     from jaxinfer.worker.kv import allocate_kv_cache
     from jaxinfer.model.transformer import forward
@@ -64,7 +64,7 @@ def paged_logits_fn(cfg, backend, kv_dtype, block_size: int = 16, compiler_optio
         md = AttentionMetadata(slots[:, :length].reshape(-1),
                                jnp.arange(b + 1, dtype=jnp.int32) * length,
                                jnp.full((b,), length, jnp.int32), tables)
-        out, _ = forward(params, cfg, tokens.reshape(-1), pos, cache, md, backend)
+        out, _ = forward(params, cfg, tokens.reshape(-1), pos, cache, md, kernels)
         return out.reshape(b, length, -1)
 
     return logits
@@ -84,20 +84,23 @@ def demo_ppl(length: int = 256, compiler_options=None) -> dict:
     from jaxinfer.model.config import load_config
     from jaxinfer.model.tokenizer import Tokenizer
     from jaxinfer.model.weights import load_params
-    from pallas_kernels.attention.backend import REFERENCE, get_backend
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS, current_platform, resolve_kernels
     from pallas_kernels.attention.kv_quant import FP8KVAttention
     cfg = load_config(DEMO)
     params = load_params(DEMO, cfg, jnp.bfloat16, progress=False)
     tok = Tokenizer.from_dir(DEMO)
     windows = demo_windows(tok, length)
     k, v = calibrate_kv_scales(cfg, params, calibration_tokens(tok, cfg.vocab_size, 512))
-    fns = {"bf16": paged_logits_fn(cfg, REFERENCE, jnp.bfloat16,
+    def fp8(kernels):
+        return dataclasses.replace(kernels, attention=FP8KVAttention(kernels.attention, k, v))
+
+    fns = {"bf16": paged_logits_fn(cfg, REFERENCE_KERNELS, jnp.bfloat16,
                                    compiler_options=compiler_options),
-           "fp8kv": paged_logits_fn(cfg, FP8KVAttention(REFERENCE, k, v), jnp.float8_e4m3fn,
+           "fp8kv": paged_logits_fn(cfg, fp8(REFERENCE_KERNELS), jnp.float8_e4m3fn,
                                     compiler_options=compiler_options)}
-    if jax.default_backend() == "gpu":  # the same through the Mosaic kernels (prefill + decode)
-        fns["fp8kv_mosaic"] = paged_logits_fn(cfg, FP8KVAttention(get_backend("mosaic"), k, v),
-                                              jnp.float8_e4m3fn)
+    if current_platform().gpu:  # the same through the Mosaic kernels (prefill + decode)
+        fns["fp8kv_mosaic"] = paged_logits_fn(
+            cfg, fp8(resolve_kernels(current_platform(), attention="mosaic")), jnp.float8_e4m3fn)
     out, top = {}, {}
     for name, fn in fns.items():
         out[f"demo_ppl_{name}"], top[name] = perplexity_and_top1(fn, params, windows)

@@ -11,9 +11,9 @@ slot (tests/test_lora_hard_edges.py); the select is one elementwise pass over B 
 It costs (N+1) R (in + out) multiply-adds per token (at N = 8, R = 16 on Llama-3-8B's seven
 projections about 5 % of the base model's) and reads every slot's weights once per step.
 
-`--lora-impl pallas` (ModelConfig.lora_impl) runs the Triton kernels of
+`--lora-impl pallas` (the kernel table's `LoraDelta` slot) runs the Triton kernels of
 pallas_kernels/lora/segment_matmul.py instead: `forward` groups the step's tokens by slot once
-(`group_slots`), and each projection's shrink and expand read only the slots its rows use, the
+(`LoraDelta.step_slots`), and each projection's shrink and expand read only the slots its rows use, the
 expand adding onto y in place. A projection whose shapes the kernels do not take (`supported`)
 falls back to `lora_delta`. Off the GPU the kernels run in the Pallas interpreter (tests). They
 need no select: a tile multiplies only its own slot's weights and padding rows are masked on the
@@ -22,6 +22,7 @@ store, so a poisoned slot reaches no row of another there either.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -65,19 +66,30 @@ def lora_delta_gather(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array)
     return jnp.einsum("tr,tro->to", xa, b[slot].astype(jnp.float32))
 
 
-def apply_lora(module, slot: jax.Array | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    """`y` (the projection `name` of `x`, inside flax `module`) plus its LoRA delta, when the
-    "lora" variables hold a stack for it and the step carries slots; else `y`."""
-    if slot is None or not module.has_variable("lora", name):
-        return y
-    w = module.get_variable("lora", name)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if isinstance(slot, GroupedSlots):
-        if supported(x2.shape[1], w["A"].shape[2], w["B"].shape[2]):
-            interpret = jax.default_backend() != "gpu"
-            return lora_shrink_expand(x2, w["A"], w["B"], y.reshape(x2.shape[0], -1), slot.plan,
-                                      interpret=interpret).reshape(y.shape)
-        slot = slot.slot
-    d = lora_delta(x2, w["A"], w["B"], slot.reshape(-1))
-    return y + d.reshape(*lead, -1).astype(y.dtype)
+@dataclasses.dataclass(frozen=True)
+class LoraDelta:
+    """The kernel table's LoRA slot: --lora-impl (one of LORA_IMPLS) and whether the Pallas
+    kernels run in their interpreter (off the GPU)."""
+    impl: str = "xla"
+    interpret: bool = True
+
+    def step_slots(self, slot: jax.Array, num_slots: int) -> jax.Array | GroupedSlots:
+        """The step's slots as this implementation takes them: grouped once for the kernels."""
+        return group_slots(slot, num_slots) if self.impl == "pallas" else slot
+
+    def __call__(self, module, slot, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+        """`y` (the projection `name` of `x`, inside flax `module`) plus its LoRA delta, when the
+        "lora" variables hold a stack for it and the step carries slots; else `y`. Grouped slots
+        (`step_slots`) take the kernels where their shapes are `supported`."""
+        if slot is None or not module.has_variable("lora", name):
+            return y
+        w = module.get_variable("lora", name)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if isinstance(slot, GroupedSlots):
+            if supported(x2.shape[1], w["A"].shape[2], w["B"].shape[2]):
+                return lora_shrink_expand(x2, w["A"], w["B"], y.reshape(x2.shape[0], -1),
+                                          slot.plan, interpret=self.interpret).reshape(y.shape)
+            slot = slot.slot
+        d = lora_delta(x2, w["A"], w["B"], slot.reshape(-1))
+        return y + d.reshape(*lead, -1).astype(y.dtype)

@@ -1,4 +1,4 @@
-"""The model's quantized layers: `linear(cfg, dtype)` is the Dense factory every projection of the
+"""The model's quantized layers: `linear(cfg, dtype, kernels)` is the Dense factory every projection of the
 transformer uses, and `expert_weights` declares the MoE expert stacks.
 
 A quantized linear holds `weight` [out, in] in the storage dtype, `weight_scale` [out] float32 and
@@ -10,6 +10,7 @@ params (`kernel` [in, out]), through gemm_rows.Dense.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.gemm_rows import Dense
-from jaxinfer.model.quant.ops import STORAGE, quantized_matmul
+from jaxinfer.model.quant.ops import STORAGE, QuantizedMatmul
 
 EXPERT_PROJS = ("w_gate", "w_up", "w_down")
 
@@ -32,7 +33,7 @@ class QuantLinear(nn.Module):
     mode: str
     use_bias: bool = True
     dtype: jnp.dtype = jnp.bfloat16
-    impl: str = "auto"  # quantized_matmul's implementation (ModelConfig.quant_impl)
+    matmul: Callable = QuantizedMatmul()  # the kernel table's `quantized_matmul`
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -40,20 +41,20 @@ class QuantLinear(nn.Module):
         weight = self.param("weight", nn.initializers.zeros, (self.features, k), STORAGE[self.mode])
         scale = self.param(scale_name("weight"), nn.initializers.ones, (self.features,),
                            jnp.float32)
-        y = quantized_matmul(x.astype(self.dtype), weight, scale, impl=self.impl)
+        y = self.matmul(x.astype(self.dtype), weight, scale)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)
         return y
 
 
-def linear(cfg: ModelConfig, dtype) -> functools.partial:
-    """The Dense layer class of this model: gemm_rows.Dense, or QuantLinear under `cfg.quantization`
-    (call it with features, use_bias= and name=)."""
+def linear(cfg: ModelConfig, dtype, kernels) -> functools.partial:
+    """The Dense layer class of this model on `kernels` (the kernel table): gemm_rows.Dense, or
+    QuantLinear under `cfg.quantization` (call it with features, use_bias= and name=)."""
     if cfg.quantization:
         return functools.partial(QuantLinear, mode=cfg.quantization, dtype=dtype,
-                                 impl=cfg.quant_impl)
-    return functools.partial(Dense, dtype=dtype, param_dtype=dtype)
+                                 matmul=kernels.quantized_matmul)
+    return functools.partial(Dense, dtype=dtype, param_dtype=dtype, rows=kernels.gemm_rows)
 
 
 def expert_weights(module: nn.Module, cfg: ModelConfig, dtype) -> tuple[tuple, tuple | None]:

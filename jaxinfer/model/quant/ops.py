@@ -6,8 +6,8 @@ gemm takes its second operand in, so no transpose runs per step) with one float3
 channel: `w ≈ q * scale[:, None]`. Expert stacks keep the grouped-matmul layout [E, in, out] with
 scales [E, out]; `quantize` takes the reduction axis.
 
-`quantized_matmul` has two implementations (`--quant-impl` / `ModelConfig.quant_impl` forces one
-for FP8 weights; "auto" picks by rows and device, `choose_impl`):
+`quantized_matmul` has two implementations (`--quant-impl`, the kernel table's `QuantizedMatmul`
+slot, forces one for FP8 weights; "auto" picks by rows and device, `choose_impl`):
 
 - "fp8" (W8A8): each token's activations are quantized to e4m3 with their own scale (amax / 448,
   computed in the step), the product of the two e4m3 operands accumulates in float32 (Hopper's FP8
@@ -22,7 +22,7 @@ On the CPU both are exact emulations of the GPU arithmetic (XLA upcasts the 8-bi
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -74,38 +74,22 @@ def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, s[..., None]
 
 
-@functools.cache
-def compute_capability() -> tuple[int, int]:
-    """The default device's NVIDIA compute capability; (0, 0) for any other device."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return 0, 0
-    try:
-        major, minor = (int(v) for v in str(dev.compute_capability).split(".")[:2])
-    except (AttributeError, ValueError):
-        return 0, 0
-    return major, minor
-
-
-def fp8_tensor_cores() -> bool:
-    """The default device has FP8 tensor cores (NVIDIA compute capability >= 8.9)."""
-    return compute_capability() >= (8, 9)
-
-
-def choose_impl(rows: int, weight_dtype, impl: str = "auto") -> str:
+def choose_impl(rows: int, weight_dtype, impl: str = "auto",
+                capability: tuple[int, int] | None = None) -> str:
     """What `quantized_matmul` runs for `rows` tokens against a weight of `weight_dtype`: int8
     weights always "dequant"; FP8 ones `impl` (one of CHOICES: `--quant-impl`), or with "auto" the
-    rule of `pick_impl` on a GPU and "fp8" on the CPU (the GPU's arithmetic, emulated: what
-    accuracy tests should see)."""
+    rule of `pick_impl` on an accelerator of `capability` (NVIDIA compute capability; (0, 0): none)
+    and "fp8" on the CPU, `capability` None (the GPU's arithmetic, emulated: what accuracy tests
+    should see)."""
     if impl not in CHOICES:
         raise ValueError(f"quant_impl {impl!r}: expected one of {', '.join(CHOICES)}")
     if jnp.dtype(weight_dtype) != jnp.dtype(FP8):
         return "dequant"
     if impl != "auto":
         return impl
-    if jax.devices()[0].platform == "cpu":
+    if capability is None:
         return "fp8"
-    return pick_impl(rows, compute_capability())
+    return pick_impl(rows, capability)
 
 
 def pick_impl(rows: int, capability: tuple[int, int]) -> str:
@@ -116,14 +100,14 @@ def pick_impl(rows: int, capability: tuple[int, int]) -> str:
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str = "auto",
-                     out_dtype=None) -> jax.Array:
+                     out_dtype=None, capability: tuple[int, int] | None = None) -> jax.Array:
     """x [..., K] @ dequantize(w [N, K], scale [N]).T -> [..., N] in x's dtype (or `out_dtype`);
-    `impl`: one of CHOICES (`choose_impl`)."""
+    `impl`: one of CHOICES, `capability` the device's (`choose_impl`)."""
     out_dtype = out_dtype or x.dtype
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    impl = choose_impl(rows, w.dtype, impl)
+    impl = choose_impl(rows, w.dtype, impl, capability)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if impl == "fp8":
         xq, xs = quantize_tokens(x)
@@ -135,3 +119,14 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, impl: str = "
         return (y * xs * scale).astype(out_dtype)
     y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedMatmul:
+    """The kernel table's quantized-matmul slot: `quantized_matmul` with `--quant-impl` and the
+    device's compute capability (None: the CPU) bound once per engine."""
+    impl: str = "auto"
+    capability: tuple[int, int] | None = None
+
+    def __call__(self, x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+        return quantized_matmul(x, w, scale, self.impl, out_dtype, self.capability)

@@ -18,6 +18,7 @@ the rope key's pair norms; from a checkpoint, its k_scale.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -30,6 +31,7 @@ import numpy as np
 from jaxinfer.core.kv_cache.cache_config import SCALE_MODES, check_scales_flag
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.kv_quant import FP8KVAttention, fp8_max, is_fp8
 
 log = logging.getLogger(__name__)
@@ -96,10 +98,9 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
     """(k scales, v scales): per layer, the K and V maxima of one dense forward over `tokens`
     (see the module docstring)."""
     from jaxinfer.model.transformer import Transformer
-    from pallas_kernels.attention.backend import REFERENCE
 
     def maxima(params, tokens):
-        model = Transformer(cfg, REFERENCE, params["embed"]["embedding"].dtype)
+        model = Transformer(cfg, dtype=params["embed"]["embedding"].dtype)
         positions = jnp.arange(tokens.shape[1])[None]
         _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
         out = []
@@ -139,23 +140,25 @@ def resolve_kv_scales(mode: str, cfg: ModelConfig, params, *, model_dir: str | N
     return k, v, "calibrated"
 
 
-def kv_cache_backend(backend, kv_dtype, cfg: ModelConfig, params=None, *, scales: str = "auto",
-                     model_dir: str | None = None, tokenizer=None):
-    """The backend the model runs with this cache dtype: `backend` itself for 16/32-bit caches;
-    for fp8 the `FP8KVAttention` wrapper with the scales of `scales` (params None: unit scales,
-    e.g. to measure a step's activations)."""
+def kv_cache_kernels(kernels: KernelTable, kv_dtype, cfg: ModelConfig, params=None, *,
+                     scales: str = "auto", model_dir: str | None = None,
+                     tokenizer=None) -> KernelTable:
+    """The kernel table the model runs with this cache dtype: `kernels` itself for 16/32-bit
+    caches; for fp8 its attention slot in the `FP8KVAttention` wrapper with the scales of
+    `scales` (params None: unit scales, e.g. to measure a step's activations), every other slot
+    as it is."""
     if not is_fp8(kv_dtype):
         if scales != "auto":
             raise ConfigError(f"--kv-cache-scales {scales} needs an fp8 --kv-cache-dtype "
                               f"(the cache is {jnp.dtype(kv_dtype).name})")
-        return backend
+        return kernels
     if params is None:
         unit = (1.0,) * cfg.num_layers
-        return FP8KVAttention(backend, unit, unit)
+        return dataclasses.replace(kernels, attention=FP8KVAttention(kernels.attention, unit, unit))
     k, v, source = resolve_kv_scales(scales, cfg, params, model_dir=model_dir,
                                      tokenizer=tokenizer, kv_dtype=kv_dtype)
     specs = cfg.layer_kv_specs()
     # A layer whose values are read out of its keys (the MLA latent): one scale, the k scale.
     v = tuple(k_i if spec.values_in_keys else v_i for k_i, v_i, spec in zip(k, v, specs))
     log.info("fp8 KV cache scales (%s): k %s, v %s", source, k, v)
-    return FP8KVAttention(backend, k, v)
+    return dataclasses.replace(kernels, attention=FP8KVAttention(kernels.attention, k, v))

@@ -14,6 +14,7 @@ import argparse
 import base64
 import dataclasses
 
+import numpy as np
 from aiohttp import web
 
 from jaxinfer.engine.pooling import (PoolingConfig, check_dimensions, check_embedding_engine,
@@ -98,6 +99,10 @@ def parse_embedding(body: dict, engine, limits: RequestLimits, cfg: PoolingConfi
 
 
 def _encode(vector, as_base64: bool):
+    """The vector as the response carries it. A non-finite value (a model that overflowed) is an
+    error of the server's, not a NaN in the body: JSON has no NaN, and clients' parsers reject it."""
+    if not np.isfinite(vector).all():
+        raise APIError(500, "the model produced a non-finite embedding; no vector is returned")
     if as_base64:
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()

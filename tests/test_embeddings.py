@@ -171,3 +171,14 @@ def test_generation_server_refuses_embeddings(server):
     status, _, raw = post_raw(server.urls["main"], "/v1/embeddings", b'{"input": "hi"}')
     assert status == 400
     check_error_shape(raw, 400, "model")
+
+
+def test_a_non_finite_embedding_is_an_error_not_invalid_json():
+    from serve.embeddings import _encode
+    from serve.errors import APIError
+    assert _encode(np.array([0.5, -1.0], np.float32), False) == [0.5, -1.0]
+    for bad in (np.nan, np.inf):
+        for as_base64 in (False, True):
+            with pytest.raises(APIError) as e:
+                _encode(np.array([0.5, bad], np.float32), as_base64)
+            assert e.value.status == 500

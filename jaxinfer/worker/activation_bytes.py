@@ -24,10 +24,13 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                           block_size: int, max_model_len: int, max_num_seqs: int,
                           max_num_batched_tokens: int, plan: ShardingPlan | None = None,
                           cache: ExecutableCache | None = None,
-                          kv_groups: KVCacheGroups | None = None) -> int:
+                          kv_groups: KVCacheGroups | None = None, probe_blocks: int = 1) -> int:
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
-    device under tensor parallelism), from compiling that step against a one-block cache of the
-    same layout: a step's activations do not depend on the number of blocks. Costs two
+    device under tensor parallelism), from compiling that step against a `probe_blocks`-block
+    cache of the same layout: the pool's size is a static shape of the executables, so the real
+    ones cannot be compiled before it is planned, but the cache is donated to the step and
+    aliased to its output, so a step's activations do not depend on the number of blocks
+    (tests/test_memory_plan.py checks that on the CPU). Costs two
     compilations, unless `cache` holds the figure from an earlier start (same key parts as the
     executables: shapes, shardings, code, compiler)."""
     from jaxinfer.worker.kv import activation_peak_bytes
@@ -39,7 +42,7 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                              max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
     heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
     one_block = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
-                      for shape in kv_block_shapes(cfg, heads, 1, block_size))
+                      for shape in kv_block_shapes(cfg, heads, probe_blocks, block_size))
     kv = tuple(one_block for _ in range(groups.num_slots))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
     backend = shard_backend(backend, plan)
@@ -57,3 +60,16 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     if key:
         cache.store_figure(key, peak)
     return peak
+
+
+def compiled_steps_peak_bytes(runner) -> tuple[int, int]:
+    """(peak, executables): the measured counterpart of `step_activation_bytes` over every step
+    executable the runner holds now (the buckets compiled so far, at the real pool size): the
+    largest forward or decode loop plus the largest sampler, as a step runs one after the other."""
+    from jaxinfer.worker.kv import activation_peak_bytes
+    # Copies first: the background compiler adds to these tables meanwhile.
+    steps = [*runner._forward_exe.copy().values(), *runner._loop_exe.copy().values()]
+    samplers = list(runner._sample_exe.copy().values())
+    peak = (max(map(activation_peak_bytes, steps), default=0)
+            + max(map(activation_peak_bytes, samplers), default=0))
+    return peak, len(steps) + len(samplers)

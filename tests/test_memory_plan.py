@@ -1,0 +1,125 @@
+"""The memory plan on a CPU with a stand-in device size ($JAXINFER_DEVICE_MEMORY): a model that
+cannot fit is refused before any weights file is read, with the numbers; the KV pool follows the
+activations the compiled probe measures; those do not depend on the pool's size."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxinfer.model.tensor_sources as tensor_sources
+import jaxinfer.model.weights as weights
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.kv_blocks import plan_kv_blocks
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.memory_preflight import preflight
+from jaxinfer.model.config import load_config
+from jaxinfer.model.transformer import param_shapes
+from jaxinfer.worker.activation_bytes import step_activation_bytes
+from jaxinfer.worker.kv import MemoryPlanError
+from jaxinfer.worker.kv.compile_scratch import REDZONE_BYTES, gemm_autotune_bytes
+from jaxinfer.worker.kv.planner import DEVICE_MEMORY_ENV, format_bytes
+from pallas_kernels.attention.backend import get_backend
+from test_engine_support import tiny_model
+
+DEMO = Path(__file__).parents[1] / "checkpoints" / "demo-target"
+MIB = 1 << 20
+
+
+def _spy_on_weight_reads(monkeypatch) -> list:
+    """Every weights read the engine could start: load_params and safetensors' file opening."""
+    reads = []
+    real_load, real_open = weights.load_params, tensor_sources.safe_open
+    monkeypatch.setattr(weights, "load_params",
+                        lambda *a, **k: reads.append(("load_params", a[0])) or real_load(*a, **k))
+    monkeypatch.setattr(tensor_sources, "safe_open",
+                        lambda path, **k: reads.append(("safe_open", path)) or real_open(path, **k))
+    return reads
+
+
+def test_a_model_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch):
+    """The demo model's bf16 weights (~27 MiB) and one 1024-token sequence (4 MiB of KV) on a
+    32 MiB device at 0.9: refused with the figures and a --max-model-len that fits, and no
+    weights file opened; on a 64 MiB device the same engine loads (the spy sees the read)."""
+    reads = _spy_on_weight_reads(monkeypatch)
+    args = EngineArgs(model=str(DEMO), max_model_len=1024, max_num_seqs=4,
+                      max_num_batched_tokens=64, warmup=False, compilation_cache_dir=None)
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "32MiB")
+    with pytest.raises(MemoryPlanError) as refused:
+        LLMEngine.from_engine_args(args)
+    message = str(refused.value)
+    assert reads == []
+    cfg = load_config(DEMO)
+    figures = preflight(cfg, args, param_shapes(cfg, jnp.bfloat16), None, jnp.bfloat16)
+    assert not figures.fits and 0 < figures.fitting_model_len < 1024
+    assert figures.sequence_kv_bytes == 1024 * 2 * 8 * 2 * 64 * 2  # tokens × 2 × L × H × d × 2 B
+    for text in (f"{format_bytes(figures.weight_bytes)} for weights",
+                 "4.00 MiB of KV cache for one sequence of max_model_len=1024",
+                 "the device has 32.00 MiB, 28.80 MiB at --gpu-memory-utilization 0.9",
+                 f"lower --max-model-len to {figures.fitting_model_len}"):
+        assert text in message, (text, message)
+    # The length it names fits: the same check passes there.
+    shorter = dataclasses.replace(args, max_model_len=figures.fitting_model_len)
+    assert preflight(cfg, shorter, param_shapes(cfg, jnp.bfloat16), None, jnp.bfloat16).fits
+
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "64MiB")
+    engine = LLMEngine.from_engine_args(args)
+    assert reads and reads[0][0] == "load_params"
+    assert engine.memory_plan["preflight"]["fits"]
+    assert engine.memory_plan["kv"]["device_bytes"] == 64 * MIB
+
+
+def test_weights_alone_too_large_say_so(monkeypatch):
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "16MiB")
+    reads = _spy_on_weight_reads(monkeypatch)
+    with pytest.raises(MemoryPlanError, match="the weights alone leave no room"):
+        LLMEngine.from_engine_args(EngineArgs(model=str(DEMO), max_model_len=256, warmup=False,
+                                              compilation_cache_dir=None))
+    assert reads == []
+
+
+def _probe(cfg, params, tokens: int, probe_blocks: int = 1) -> int:
+    return step_activation_bytes(cfg, params, get_backend("reference"), kv_dtype=jnp.float32,
+                                 block_size=4, max_model_len=64, max_num_seqs=8,
+                                 max_num_batched_tokens=tokens, probe_blocks=probe_blocks)
+
+
+def test_the_measured_activations_do_not_depend_on_the_pool_size():
+    """The pool's size is a static shape of the step executables, so the planner measures at a
+    one-block probe pool: the cache is donated and aliased, and the temp is the same at 64."""
+    cfg, params = tiny_model()
+    assert _probe(cfg, params, 32, probe_blocks=1) == _probe(cfg, params, 32, probe_blocks=64)
+
+
+def test_the_pool_follows_the_measured_activations(monkeypatch):
+    """On a stand-in 8 MiB device, a larger largest bucket measures more activations and the
+    pool shrinks by exactly those bytes (to the block)."""
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "8MiB")
+    cfg, params = tiny_model()
+    plans = {}
+    for tokens in (32, 512):
+        args = EngineArgs(model="tiny", max_model_len=64, max_num_seqs=8, block_size=4,
+                          max_num_batched_tokens=tokens, dtype="float32",
+                          attention_backend="reference", compilation_cache_dir=None)
+        plans[tokens] = plan_kv_blocks(cfg, args, params)
+        assert plans[tokens].activation_bytes == _probe(cfg, params, tokens)
+    small, large = plans[32], plans[512]
+    grown = large.activation_bytes - small.activation_bytes
+    assert grown > 0 and large.num_blocks < small.num_blocks
+    assert small.num_blocks - large.num_blocks == pytest.approx(grown / small.bytes_per_block,
+                                                                abs=1)
+    assert small.compile_scratch_bytes == 0  # only a GPU autotunes on the device
+
+
+def test_the_autotuner_scratch_is_the_lm_head_for_llama8b():
+    """Issue 60's OOM: 1018 MiB = the 128256 × 4096 bf16 LM head + 2 redzones; the estimate
+    covers that weight, its activations and the redzones of its four buffers."""
+    head = jax.ShapeDtypeStruct((4096, 128256), jnp.bfloat16)
+    mlp = jax.ShapeDtypeStruct((4096, 28672), jnp.bfloat16)
+    got = gemm_autotune_bytes({"head": head, "mlp": mlp}, vocab_size=128256, max_rows=2048,
+                              max_logit_rows=256)
+    lm_head = 4096 * 128256 * 2
+    assert lm_head + 2 * REDZONE_BYTES == 1018 * MIB
+    assert got == lm_head + 256 * (4096 * 2 + 2 * 128256 * 4) + 8 * REDZONE_BYTES

@@ -42,7 +42,7 @@ def _spy_on_weight_reads(monkeypatch) -> list:
 def test_a_model_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch):
     """The demo model's bf16 weights (~27 MiB) and one 1024-token sequence (4 MiB of KV) on a
     32 MiB device at 0.9: refused with the figures and a --max-model-len that fits, and no
-    weights file opened; on a 64 MiB device the same engine loads (the spy sees the read)."""
+    weights file opened; on a 256 MiB device the same engine loads (the spy sees the read)."""
     reads = _spy_on_weight_reads(monkeypatch)
     args = EngineArgs(model=str(DEMO), max_model_len=1024, max_num_seqs=4,
                       max_num_batched_tokens=64, warmup=False, compilation_cache_dir=None)
@@ -64,11 +64,11 @@ def test_a_model_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch)
     shorter = dataclasses.replace(args, max_model_len=figures.fitting_model_len)
     assert preflight(cfg, shorter, param_shapes(cfg, jnp.bfloat16), None, jnp.bfloat16).fits
 
-    monkeypatch.setenv(DEVICE_MEMORY_ENV, "64MiB")
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "256MiB")
     engine = LLMEngine.from_engine_args(args)
     assert reads and reads[0][0] == "load_params"
     assert engine.memory_plan["preflight"]["fits"]
-    assert engine.memory_plan["kv"]["device_bytes"] == 64 * MIB
+    assert engine.memory_plan["kv"]["device_bytes"] == 256 * MIB
 
 
 def test_weights_alone_too_large_say_so(monkeypatch):
@@ -80,7 +80,7 @@ def test_weights_alone_too_large_say_so(monkeypatch):
     assert reads == []
 
 
-def _probe(cfg, params, tokens: int, probe_blocks: int = 1) -> int:
+def _probe(cfg, params, tokens: int, probe_blocks: int = 2) -> int:
     return step_activation_bytes(cfg, params, get_backend("reference"), kv_dtype=jnp.float32,
                                  block_size=4, max_model_len=64, max_num_seqs=8,
                                  max_num_batched_tokens=tokens, probe_blocks=probe_blocks)
@@ -88,9 +88,13 @@ def _probe(cfg, params, tokens: int, probe_blocks: int = 1) -> int:
 
 def test_the_measured_activations_do_not_depend_on_the_pool_size():
     """The pool's size is a static shape of the step executables, so the planner measures at a
-    one-block probe pool: the cache is donated and aliased, and the temp is the same at 64."""
+    two-block probe pool: the cache is donated and aliased, and the figure is the same at 64 and
+    1024 blocks. (One block is degenerate: XLA simplifies its gathers, the temp comes out
+    smaller.)"""
     cfg, params = tiny_model()
-    assert _probe(cfg, params, 32, probe_blocks=1) == _probe(cfg, params, 32, probe_blocks=64)
+    probe = _probe(cfg, params, 32)
+    assert probe == _probe(cfg, params, 32, probe_blocks=64)
+    assert probe == _probe(cfg, params, 32, probe_blocks=1024)
 
 
 def test_the_pool_follows_the_measured_activations(monkeypatch):

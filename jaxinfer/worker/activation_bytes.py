@@ -1,5 +1,6 @@
 """The activation figure the memory planner subtracts (worker/kv/planner.py): what the largest
-step bucket needs beyond its inputs, from compiling that step against a one-block cache."""
+step bucket needs beyond its inputs, from compiling that step against a two-block cache; and the
+same figure over the executables compiled at the real pool size, to check the plan."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
                           block_size: int, max_model_len: int, max_num_seqs: int,
                           max_num_batched_tokens: int, plan: ShardingPlan | None = None,
                           cache: ExecutableCache | None = None,
-                          kv_groups: KVCacheGroups | None = None, probe_blocks: int = 1) -> int:
+                          kv_groups: KVCacheGroups | None = None, probe_blocks: int = 2) -> int:
     """Device memory the largest step bucket needs beyond its inputs (for the memory planner; per
     device under tensor parallelism), from compiling that step against a `probe_blocks`-block
     cache of the same layout: the pool's size is a static shape of the executables, so the real
     ones cannot be compiled before it is planned, but the cache is donated to the step and
     aliased to its output, so a step's activations do not depend on the number of blocks
-    (tests/test_memory_plan.py checks that on the CPU). Costs two
+    (tests/test_memory_plan.py checks that on the CPU) -- from two blocks on: XLA simplifies the
+    page gathers of a one-block cache, whose temp comes out smaller. Costs two
     compilations, unless `cache` holds the figure from an earlier start (same key parts as the
     executables: shapes, shardings, code, compiler)."""
     from jaxinfer.worker.kv import activation_peak_bytes

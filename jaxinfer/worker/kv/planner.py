@@ -12,8 +12,9 @@ default preallocation that is 75% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), s
 entry point should raise that fraction (e.g. to 0.95) before JAX starts if it wants most of the
 card. The activation peak is measured, not guessed: compile the step for the largest bucket and
 pass ``activation_peak_bytes(compiled)``; the KV cache is donated to the step, so its size does not
-change that figure and a small cache can be used for the measurement. ``--num-blocks`` skips all
-of this. ``JAXINFER_DEVICE_MEMORY`` (a size: 80GB, 16GiB, bytes) stands in for the device's figure,
+change that figure and a two-block cache serves for the measurement (activation_bytes.py). The
+compile scratch is what XLA's GPU autotuner allocates while the buckets compile beside the cache
+(compile_scratch.py). ``--num-blocks`` skips all of this. ``JAXINFER_DEVICE_MEMORY`` (a size: 80GB, 16GiB, bytes) stands in for the device's figure,
 e.g. to plan on a CPU as on a GPU in tests.
 """
 
@@ -203,10 +204,10 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
     if num_blocks < 1:
         raise MemoryPlanError(
             f"no room for the KV cache: {cache.gpu_memory_utilization:g} × "
-            f"{device_bytes / GIB:.2f} GiB (--gpu-memory-utilization × device) − "
-            f"{weight_bytes / GIB:.2f} GiB weights − {activation_bytes / GIB:.2f} GiB activations "
-            f"− {compile_scratch_bytes / GIB:.2f} GiB compile scratch "
-            f"= {budget / GIB:.2f} GiB < one {block_bytes}-byte block; raise "
+            f"{format_bytes(device_bytes)} (--gpu-memory-utilization × device) − "
+            f"{format_bytes(weight_bytes)} weights − {format_bytes(activation_bytes)} activations "
+            f"− {format_bytes(compile_scratch_bytes)} compile scratch "
+            f"= {format_bytes(budget)} < one {block_bytes}-byte block; raise "
             f"--gpu-memory-utilization, shrink the largest step bucket, or set --num-blocks")
     return KVCachePlan(int(num_blocks), cache.block_size, kv_dtype, block_bytes, device_bytes,
                        cache.gpu_memory_utilization, weight_bytes, activation_bytes, capped,

@@ -127,3 +127,22 @@ def test_the_autotuner_scratch_is_the_lm_head_for_llama8b():
     lm_head = 4096 * 128256 * 2
     assert lm_head + 2 * REDZONE_BYTES == 1018 * MIB
     assert got == lm_head + 256 * (4096 * 2 + 2 * 128256 * 4) + 8 * REDZONE_BYTES
+
+
+def test_jaxinfer_memory_shows_the_engines_own_check(capsys):
+    """`jaxinfer memory --model` reports the same pre-load figures the engine refuses with, on
+    JAX's 0.75 share of the accelerator."""
+    import json
+    from cli.main import build_parser
+    parser = build_parser()
+    args = parser.parse_args(["memory", "--model", str(DEMO), "--accelerator", "1",
+                              "--seq-len", "1024", "--batch", "4", "--json"])
+    assert args.func(args) == 0
+    plan = json.loads(capsys.readouterr().out)["engine_plan"]
+    assert plan["device_bytes"] == int(0.75 * 2**30) and plan["fits"]
+    assert plan["compile_scratch_bytes"] > 8 * 8 * REDZONE_BYTES  # 8 compiles' redzones at least
+    cfg = load_config(DEMO)
+    args = EngineArgs(model=str(DEMO), max_model_len=1024, max_num_seqs=4)
+    same = preflight(cfg, args, param_shapes(cfg, jnp.bfloat16), None, jnp.bfloat16,
+                     device_bytes=plan["device_bytes"], platform="gpu", workers=8)
+    assert {**same.as_dict(), "allocator_fraction": 0.75} == plan

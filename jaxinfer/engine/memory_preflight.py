@@ -92,10 +92,12 @@ def activation_floor_bytes(cfg: ModelConfig, args: EngineArgs, dtype) -> int:
 
 
 def preflight(cfg: ModelConfig, args: EngineArgs, param_shapes, plan: ShardingPlan | None,
-              dtype, device_bytes: int | None = None) -> Preflight | None:
+              dtype, device_bytes: int | None = None, platform: str | None = None,
+              workers: int | None = None) -> Preflight | None:
     """The figures for `cfg` under `args` on one device, or None where the device reports no
-    memory size (a CPU without $JAXINFER_DEVICE_MEMORY)."""
-    platform = jax.devices()[0].platform
+    memory size (a CPU without $JAXINFER_DEVICE_MEMORY). `device_bytes`, `platform` ("gpu") and
+    `workers` (concurrent compiles) describe another machine than this one (`jaxinfer memory`)."""
+    platform = platform or jax.devices()[0].platform
     if device_bytes is None:
         if platform == "cpu" and device_memory_override() is None:
             return None
@@ -110,7 +112,7 @@ def preflight(cfg: ModelConfig, args: EngineArgs, param_shapes, plan: ShardingPl
     scratch = compile_scratch_bytes(
         placed, vocab_size=cfg.vocab_size, max_rows=args.max_num_batched_tokens,
         max_logit_rows=min(args.max_num_seqs, args.max_num_batched_tokens),
-        workers=compile_workers(), platform=platform)
+        workers=workers or compile_workers(), platform=platform)
     first = jax.tree_util.tree_leaves(param_shapes)[0].dtype
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(first).name)
     device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg

@@ -59,10 +59,13 @@ LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
 SAMPLE_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
 
 
+MAX_COMPILE_WORKERS = 8
+
+
 def compile_workers() -> int:
     """How many XLA compiles the bucket compiler runs at once (the planner keeps room for as
     many GPU autotunes, kv/compile_scratch.py)."""
-    return min(8, os.cpu_count() or 1)
+    return min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
 
 
 def variant_label(variant: SamplerVariant | None) -> str:

@@ -146,3 +146,21 @@ def test_jaxinfer_memory_shows_the_engines_own_check(capsys):
     same = preflight(cfg, args, param_shapes(cfg, jnp.bfloat16), None, jnp.bfloat16,
                      device_bytes=plan["device_bytes"], platform="gpu", workers=8)
     assert {**same.as_dict(), "allocator_fraction": 0.75} == plan
+
+
+def test_the_probe_covers_every_compiled_bucket():
+    """After warm-up at the real pool size, the planned figure (largest mixed forward + the
+    masked sampler) is at least what every compiled forward, loop and sampler measure."""
+    from jaxinfer.engine.kv_blocks import with_compiled_peak
+    from test_engine_support import make_engine
+    engine = make_engine(warmup=False, background_compile=False)
+    engine.warmup(progress=False)
+    a, r = engine.args, engine.runner
+    planned = step_activation_bytes(engine.cfg, r.params, get_backend("reference"),
+                                    kv_dtype=r.kv_cache[0][0].dtype, block_size=a.block_size,
+                                    max_model_len=engine.max_model_len,
+                                    max_num_seqs=a.max_num_seqs,
+                                    max_num_batched_tokens=a.max_num_batched_tokens)
+    plan = with_compiled_peak({"kv": {"activation_bytes": planned}}, r)
+    assert plan["compiled_executables"] >= 3
+    assert 0 < plan["compiled_peak_bytes"] <= planned

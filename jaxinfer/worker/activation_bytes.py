@@ -11,12 +11,12 @@ from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.attention import shard_backend
 from jaxinfer.parallel.sharding import ShardingPlan
-from jaxinfer.worker.bucket_compiler import model_inputs
+from jaxinfer.worker.bucket_compiler import SAMPLE_VARIANTS, model_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.worker.kv import kv_block_shapes
 from jaxinfer.worker.runner import _jitted_fns
-from jaxinfer.worker.sampler import FULL_SAMPLER
+from jaxinfer.worker.sampler import MASKED_SAMPLER
 from jaxinfer.worker.step_inputs import SamplingTable, build_step_batch
 from pallas_kernels.attention.backend import AttentionBackend
 
@@ -32,20 +32,23 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     ones cannot be compiled before it is planned, but the cache is donated to the step and
     aliased to its output, so a step's activations do not depend on the number of blocks
     (tests/test_memory_plan.py checks that on the CPU) -- from two blocks on: XLA simplifies the
-    page gathers of a one-block cache, whose temp comes out smaller. Costs two
-    compilations, unless `cache` holds the figure from an earlier start (same key parts as the
-    executables: shapes, shardings, code, compiler)."""
+    page gathers of a one-block cache, whose temp comes out smaller. The sampler is measured in
+    each variant the engine compiles (which is largest depends on XLA's choices). Costs four
+    compilations (the forward, three small samplers), unless `cache` holds the figure from an
+    earlier start (same key parts as the executables: shapes, shardings, code, compiler)."""
     from jaxinfer.worker.kv import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     max_blocks = -(-max_model_len // block_size)
     groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
-    batch = build_step_batch([], 0, t, s, SamplingTable(max_num_seqs), block_size, max_blocks,
-                             max_model_len, FULL_SAMPLER, kv_layout=groups.kv_layout)
+    batches = {v: build_step_batch([], 0, t, s, SamplingTable(max_num_seqs, cfg.vocab_size),
+                                   block_size, max_blocks, max_model_len, v,
+                                   kv_layout=groups.kv_layout) for v in SAMPLE_VARIANTS}
+    batch = batches[MASKED_SAMPLER]
     heads = plan.stored_kv_heads if plan else cfg.num_kv_heads
-    one_block = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
+    probe_pages = tuple(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=plan and plan.kv_cache)
                       for shape in kv_block_shapes(cfg, heads, probe_blocks, block_size))
-    kv = tuple(one_block for _ in range(groups.num_slots))
+    kv = tuple(probe_pages for _ in range(groups.num_slots))
     last = jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=plan and plan.replicated)
     backend = shard_backend(backend, plan)
     key = cache and step_key("activation bytes", (cfg, backend, block_size),
@@ -57,8 +60,9 @@ def step_activation_bytes(cfg: ModelConfig, params, backend: AttentionBackend, *
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
     peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
                                                      model_inputs(batch)).compile())
-            + activation_peak_bytes(sample_step.lower(logits, last, batch.sampling, batch.emit_slot,
-                                                      variant=FULL_SAMPLER).compile()))
+            + max(activation_peak_bytes(sample_step.lower(logits, last, b.sampling, b.emit_slot,
+                                                          variant=v).compile())
+                  for v, b in batches.items()))
     if key:
         cache.store_figure(key, peak)
     return peak

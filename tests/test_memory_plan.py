@@ -164,3 +164,43 @@ def test_the_probe_covers_every_compiled_bucket():
     plan = with_compiled_peak({"kv": {"activation_bytes": planned}}, r)
     assert plan["compiled_executables"] >= 3
     assert 0 < plan["compiled_peak_bytes"] <= planned
+
+
+def test_bench_memory_plan_tells_an_oom_from_a_refusal_and_a_death(monkeypatch, tmp_path, capsys):
+    """`jaxinfer bench memory-plan`'s record, with each model's process stood in for: one ran,
+    one was refused before loading, one raised RESOURCE_EXHAUSTED, one died in XLA."""
+    import json
+    from jaxinfer.bench import memory_plan as bench
+    outcomes = {
+        "llama8b": {"oom": False, "peak_bytes_in_use": 7, "device_kind": "NVIDIA H100 80GB HBM3",
+                    "memory_plan": {"kv": {"num_blocks": 3, "activation_bytes": 5},
+                                    "compiled_peak_bytes": 4}},
+        "llama8b_fp8": MemoryPlanError("the model does not fit"),
+        "qwen3_30b_a3b": RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                      "allocate 1018.00MiB"),
+    }
+
+    def fake_child(argv, timeout):
+        name = argv[argv.index("--child") + 1]
+        if name == "gpt_oss_20b":
+            return "", "F external/xla/...: Out of memory allocating 1 bytes\nAborted", -6
+        outcome = outcomes[name]
+        if isinstance(outcome, Exception):
+            monkeypatch.setattr(bench, "run_model", lambda *_: (_ for _ in ()).throw(outcome))
+        else:
+            monkeypatch.setattr(bench, "run_model", lambda *_: dict(outcome))
+        monkeypatch.setattr(bench, "_device_memory", lambda: {})
+        bench._child(name, None)
+        return capsys.readouterr().out, "", 0
+
+    monkeypatch.setattr(bench.common, "child", fake_child)
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["memory-plan", "--save", str(tmp_path)])
+    assert bench.run(args) == 1  # an OOM fails the run
+    m = json.loads((tmp_path / "memory_plan_h100.json").read_text())["metrics"]
+    assert m["llama8b_oom"] is False and m["llama8b_plan_num_blocks"] == 3
+    assert m["llama8b_compiled_peak_bytes"] == 4 and m["llama8b_peak_bytes_in_use"] == 7
+    assert m["llama8b_fp8_refused"] is True and m["llama8b_fp8_oom"] is False
+    assert m["qwen3_30b_a3b_oom"] is True and m["gpt_oss_20b_oom"] is True
+    assert m["any_oom"] is True

@@ -17,9 +17,9 @@ from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes
 from jaxinfer.worker.executable_cache import ExecutableCache
 from jaxinfer.worker.bucket_compiler import compile_workers
 from jaxinfer.worker.kv import KVCachePlan, plan_kv_cache
-from jaxinfer.worker.kv.compile_scratch import compile_scratch_bytes
+from jaxinfer.worker.kv.compile_scratch import plan_compiles
 from jaxinfer.worker.kv.kv_scales import kv_cache_backend
-from jaxinfer.worker.kv.planner import (GIB, device_memory_override,
+from jaxinfer.worker.kv.planner import (GIB, device_memory_bytes, device_memory_override,
                                         largest_free_block_bytes)
 from jaxinfer.worker.activation_bytes import compiled_steps_peak_bytes, step_activation_bytes
 from pallas_kernels.attention.backend import get_backend
@@ -61,13 +61,16 @@ def plan_kv_blocks(cfg: ModelConfig, args: EngineArgs, params,
     # A block holds kv_heads_per_device heads on each device.
     device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
     devices = plan.mesh.devices.flat if plan else jax.local_devices()[:1]
-    scratch = compile_scratch_bytes(
+    device_bytes = device_memory_bytes()
+    compiles = plan_compiles(
         params, vocab_size=cfg.vocab_size, max_rows=args.max_num_batched_tokens,
         max_logit_rows=min(args.max_num_seqs, args.max_num_batched_tokens),
-        workers=compile_workers(), platform=platform)
+        device_bytes=device_bytes, max_workers=compile_workers(), platform=platform)
     kv_plan = plan_kv_cache(device_cfg, cache, weight_bytes=per_device_bytes(params),
                             activation_bytes=activations, model_dtype=model_dtype,
-                            compile_scratch_bytes=scratch,
+                            device_bytes=device_bytes,
+                            compile_scratch_bytes=compiles.scratch_bytes,
+                            compile_workers=compiles.workers,
                             contiguous_bytes=largest_free_block_bytes(
                                 [d for d in devices if d.process_index == jax.process_index()]))
     log.info(kv_plan.describe())

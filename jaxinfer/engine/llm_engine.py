@@ -234,7 +234,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
 
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
-            seconds = self.runner.warmup(progress, background=self.args.background_compile)
+            # (as many compiles at once as the memory plan kept autotune room for)
+            workers = (self.memory_plan.get("kv") or {}).get("compile_workers")
+            seconds = self.runner.warmup(progress, workers, background=self.args.background_compile)
         self.metrics.track_compiler(self.runner.compiler)
         cache = self.runner.executable_cache
         if cache is not None:

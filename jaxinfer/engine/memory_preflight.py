@@ -23,7 +23,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.bucket_compiler import compile_workers
-from jaxinfer.worker.kv.compile_scratch import compile_scratch_bytes
+from jaxinfer.worker.kv.compile_scratch import plan_compiles
 from jaxinfer.worker.kv.planner import (MemoryPlanError, device_memory_bytes,
                                         device_memory_override, format_bytes)
 
@@ -109,10 +109,11 @@ def preflight(cfg: ModelConfig, args: EngineArgs, param_shapes, plan: ShardingPl
     placed = (jax.tree_util.tree_map(
         lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
         param_shapes, shardings) if shardings is not None else param_shapes)
-    scratch = compile_scratch_bytes(
+    scratch = plan_compiles(
         placed, vocab_size=cfg.vocab_size, max_rows=args.max_num_batched_tokens,
         max_logit_rows=min(args.max_num_seqs, args.max_num_batched_tokens),
-        workers=workers or compile_workers(), platform=platform)
+        device_bytes=device_bytes, max_workers=workers or compile_workers(),
+        platform=platform).scratch_bytes
     first = jax.tree_util.tree_leaves(param_shapes)[0].dtype
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(first).name)
     device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg

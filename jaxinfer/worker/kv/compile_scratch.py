@@ -7,12 +7,16 @@ buffers it allocates from the same allocator as the KV cache: the GEMM's operand
 usually the LM head: issue 60's FP8 Llama-8B died allocating 1018 MiB = its 128256 × 4096 bf16
 weight (1002 MiB) + 2 × 8 MiB of redzone. The bucket compiler runs up to ``workers`` compiles at
 once, and the buckets compile after the KV cache is allocated (their executables take its shape;
-the rest compile in the background while the engine serves), so the planner keeps room for
-``workers`` such GEMMs at once. Figures are per device (shard shapes under tensor parallelism).
+the rest compile in the background while the engine serves), so the planner keeps room for as
+many such GEMMs at once as compiles run. That room is at most SCRATCH_SHARE of the device's memory:
+where one autotune is large (a big vocabulary's LM head: Gemma-3's is 2.6 GiB) fewer compiles
+run at once (at least one), which costs cold-start time instead of KV blocks. Figures are per
+device (shard shapes under tensor parallelism).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -21,6 +25,8 @@ import jax
 REDZONE_BYTES = 8 << 20
 # Buffers the autotuner allocates per GEMM: lhs, rhs, output and a reference output.
 AUTOTUNE_BUFFERS = 4
+# The most of the device's memory kept for concurrent autotunes (one compile's always fits).
+SCRATCH_SHARE = 0.1
 # Bytes of an activation element the autotuner allocates (bf16 operands; f32 for the logits,
 # counted apart).
 ACTIVATION_BYTES = 2
@@ -53,11 +59,20 @@ def gemm_autotune_bytes(params, *, vocab_size: int, max_rows: int, max_logit_row
     return worst + AUTOTUNE_BUFFERS * 2 * REDZONE_BYTES if worst else 0
 
 
-def compile_scratch_bytes(params, *, vocab_size: int, max_rows: int, max_logit_rows: int,
-                          workers: int, platform: str) -> int:
-    """Room for `workers` concurrent autotunes on a GPU (none elsewhere: only XLA's GPU backend
-    autotunes on the device)."""
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+    workers: int  # XLA compiles at once (BucketCompiler's pool)
+    scratch_bytes: int  # device memory kept for their autotunes
+
+
+def plan_compiles(params, *, vocab_size: int, max_rows: int, max_logit_rows: int,
+                  device_bytes: int, max_workers: int, platform: str) -> CompilePlan:
+    """How many compiles run at once and the room their autotunes take: `max_workers` unless
+    that would take more than SCRATCH_SHARE of `device_bytes`. Only XLA's GPU backend autotunes
+    on the device: elsewhere, `max_workers` and no room."""
     if platform != "gpu":
-        return 0
-    return workers * gemm_autotune_bytes(params, vocab_size=vocab_size, max_rows=max_rows,
-                                         max_logit_rows=max_logit_rows)
+        return CompilePlan(max_workers, 0)
+    one = gemm_autotune_bytes(params, vocab_size=vocab_size, max_rows=max_rows,
+                              max_logit_rows=max_logit_rows)
+    workers = max(1, min(max_workers, int(SCRATCH_SHARE * device_bytes) // max(one, 1)))
+    return CompilePlan(workers, workers * one)

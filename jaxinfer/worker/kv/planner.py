@@ -142,6 +142,7 @@ class KVCachePlan:
     # Set when the largest contiguous free region, not the budget, bounded num_blocks.
     contiguous_bytes: int | None = None
     compile_scratch_bytes: int = 0
+    compile_workers: int | None = None  # the compiles at once the scratch is kept for
 
     @property
     def kv_bytes(self) -> int:
@@ -166,7 +167,8 @@ class KVCachePlan:
         budget = (f" = {self.gpu_memory_utilization:g} × {self.device_bytes / GIB:.2f} GiB device"
                   f" − {self.weight_bytes / GIB:.2f} GiB weights"
                   f" − {self.activation_bytes / GIB:.2f} GiB activations"
-                  f" − {self.compile_scratch_bytes / GIB:.2f} GiB compile scratch")
+                  f" − {self.compile_scratch_bytes / GIB:.2f} GiB compile scratch"
+                  f" ({self.compile_workers} compiles at once)")
         if self.contiguous_bytes is None:
             return head + budget
         return (head + f", bounded by the largest free region of device memory "
@@ -177,7 +179,8 @@ class KVCachePlan:
 def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
                   activation_bytes: int = 0, device_bytes: int | None = None,
                   model_dtype: str | None = None, contiguous_bytes: int | None = None,
-                  compile_scratch_bytes: int = 0) -> KVCachePlan:
+                  compile_scratch_bytes: int = 0,
+                  compile_workers: int | None = None) -> KVCachePlan:
     """Number of blocks for this model and cache config (see the module docstring for the formula).
 
     ``device_bytes`` defaults to device_memory_bytes(); ``model_dtype`` (for --kv-cache-dtype auto)
@@ -211,4 +214,4 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
             f"--gpu-memory-utilization, shrink the largest step bucket, or set --num-blocks")
     return KVCachePlan(int(num_blocks), cache.block_size, kv_dtype, block_bytes, device_bytes,
                        cache.gpu_memory_utilization, weight_bytes, activation_bytes, capped,
-                       compile_scratch_bytes)
+                       compile_scratch_bytes, compile_workers)

@@ -45,21 +45,21 @@ def plan_kv_blocks(cfg: ModelConfig, args: EngineArgs, params,
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
     groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
     platform = jax.devices()[0].platform
+    # A block holds kv_heads_per_device heads on each device.
+    device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
     if cache.num_blocks is None and platform == "cpu" and device_memory_override() is None:
         per_seq = groups.blocks_for_sequence(max_len, args.max_num_batched_tokens, args.block_size)
         blocks = max(min(4096, args.max_num_seqs * per_seq), per_seq)
         log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
         cache = dataclasses.replace(cache, num_blocks=blocks)
     if cache.num_blocks is not None:
-        return plan_kv_cache(cfg, cache, weight_bytes=0, model_dtype=model_dtype)
+        return plan_kv_cache(device_cfg, cache, weight_bytes=0, model_dtype=model_dtype)
     activations = step_activation_bytes(
         cfg, params, kv_cache_backend(get_backend(args.attention_backend), kv_dtype, cfg),
         kv_dtype=kv_dtype,
         block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, plan=plan, kv_groups=groups,
         cache=ExecutableCache.under(args.compilation_cache_dir))
-    # A block holds kv_heads_per_device heads on each device.
-    device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
     devices = plan.mesh.devices.flat if plan else jax.local_devices()[:1]
     device_bytes = device_memory_bytes()
     compiles = plan_compiles(

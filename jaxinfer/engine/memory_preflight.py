@@ -12,6 +12,7 @@ is refused here with those numbers, instead of after minutes of loading. The eng
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -26,6 +27,8 @@ from jaxinfer.worker.bucket_compiler import compile_workers
 from jaxinfer.worker.kv.compile_scratch import plan_compiles
 from jaxinfer.worker.kv.planner import (MemoryPlanError, device_memory_bytes,
                                         device_memory_override, format_bytes)
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +149,14 @@ def refuse_if_it_cannot_fit(cfg: ModelConfig, args: EngineArgs, param_shapes,
     if args.num_blocks is not None:
         return None
     figures = preflight(cfg, args, param_shapes, plan, dtype)
-    if figures is not None and not figures.fits:
+    if figures is None:
+        return None
+    if not figures.fits:
         raise MemoryPlanError(figures.refusal())
+    f = format_bytes
+    log.info("memory before loading (per device): %g × %s − %s weights − ≥ %s activations − %s "
+             "compile scratch = %s for the KV cache; one sequence of %d tokens takes %s",
+             figures.gpu_memory_utilization, f(figures.device_bytes), f(figures.weight_bytes),
+             f(figures.activation_floor_bytes), f(figures.compile_scratch_bytes),
+             f(figures.room_bytes), figures.max_model_len, f(figures.sequence_kv_bytes))
     return figures

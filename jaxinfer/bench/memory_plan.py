@@ -79,10 +79,14 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
             prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0),
             use_tqdm=False)
         run_s = time.perf_counter() - t0
+    memory = _device_memory()
+    # What the allocator never had to hand out: the margin the plan left in practice.
+    headroom = ({"headroom_bytes": memory["bytes_limit"] - memory["peak_bytes_in_use"]}
+                if "peak_bytes_in_use" in memory else {})
     return {"oom": False, "ready_s": round(ready_s, 2), "run_s": round(run_s, 2),
             "num_blocks": engine.num_total_blocks,
             "gpu_memory_utilization": engine_args.gpu_memory_utilization,
-            "memory_plan": engine.memory_plan, **_device_memory()}
+            "memory_plan": engine.memory_plan, **memory, **headroom}
 
 
 def _child(name: str, args: argparse.Namespace) -> int:

@@ -14,14 +14,14 @@ import argparse
 import sys
 import dataclasses
 import json
-import re
 
 import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache import KVCacheGroups, MLAAttentionSpec
-from jaxinfer.worker.kv.planner import GIB, kv_bytes_per_token, latent_bytes_per_token
+from jaxinfer.worker.kv.planner import (GIB, kv_bytes_per_token, latent_bytes_per_token,
+                                        format_bytes, parse_size)
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
 
 
@@ -46,18 +46,6 @@ ACCELERATORS = {
     "a100-40gb": Accelerator("a100-40gb", 40 * 10**9, 1.555e12, 312e12),
     "l4": Accelerator("l4", 24 * 10**9, 0.3e12, 121e12),
 }
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'16060522496', '16.06GB', '14.96 GiB' -> bytes; ConfigError naming ``flag`` otherwise."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(f"{flag} '{text}' is not a size (examples: 16060522496, 16GB, 14.9GiB)")
-    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
 
 def parse_accelerator(text: str, bandwidth_tbs: float | None, tflops: float | None) -> Accelerator:
     """A named accelerator, or a memory size in GiB (roofline then needs --bandwidth/--tflops)."""
@@ -255,32 +243,25 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
     return report
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def format_report(r: dict) -> str:
     m, acc, rf = r["model"], r["accelerator"], r["decode_roofline"]
     lines = [
         f"model: {m['num_layers']} layers, {m['num_kv_heads']} KV heads × head_dim {m['head_dim']} "
-        f"({m['num_heads']} query heads), weights {_fmt_bytes(m['weight_bytes'])}",
+        f"({m['num_heads']} query heads), weights {format_bytes(m['weight_bytes'])}",
         (f"KV per token:    {r['kv_bytes_per_token']} B = {m['num_layers']} × latent "
          f"{m['mla_latent']} × {r['kv_cache_dtype_bytes']} B (MLA: one latent for all heads)"
          if m["mla_latent"] else
          f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
          f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B"),
-        f"KV per block:    {_fmt_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
+        f"KV per block:    {format_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
         *([f"KV held per context token at {r['seq_len']} tokens: {r['kv_pool_bytes_per_token']} "
            f"B (windowed layers keep only their window's blocks); read per decode step: "
            f"{r['kv_read_bytes_per_token']} B"]
           if r["kv_read_bytes_per_token"] != r["kv_bytes_per_token"] else []),
-        f"KV per sequence: {_fmt_bytes(r['kv_bytes_per_sequence'])} ({r['seq_len']} tokens)",
-        f"KV per batch:    {_fmt_bytes(r['kv_bytes_per_batch'])} ({r['batch']} × {r['seq_len']} tokens)",
-        f"accelerator {acc['name']}: {_fmt_bytes(acc['memory_bytes'])}; KV room "
-        f"{r['gpu_memory_utilization']:g} × memory − weights = {_fmt_bytes(r['kv_budget_bytes'])} "
+        f"KV per sequence: {format_bytes(r['kv_bytes_per_sequence'])} ({r['seq_len']} tokens)",
+        f"KV per batch:    {format_bytes(r['kv_bytes_per_batch'])} ({r['batch']} × {r['seq_len']} tokens)",
+        f"accelerator {acc['name']}: {format_bytes(acc['memory_bytes'])}; KV room "
+        f"{r['gpu_memory_utilization']:g} × memory − weights = {format_bytes(r['kv_budget_bytes'])} "
         f"(activations not counted)",
         f"fits: {r['tokens_fit']} tokens = {r['blocks_fit']} blocks = {r['sequences_fit']} sequences "
         f"of {r['seq_len']} tokens; the batch of {r['batch']} "
@@ -289,7 +270,7 @@ def format_report(r: dict) -> str:
         f"tokens of prefix = {r['host_tokens_fit'] // max(r['seq_len'], 1)} sequences of "
         f"{r['seq_len']} tokens",
         f"decode step at batch {r['batch']}, context {r['seq_len']}: {rf['flops_per_step'] / 1e9:.1f} "
-        f"GFLOP over {_fmt_bytes(rf['bytes_per_step'])} read = {rf['arithmetic_intensity']:.1f} FLOP/B",
+        f"GFLOP over {format_bytes(rf['bytes_per_step'])} read = {rf['arithmetic_intensity']:.1f} FLOP/B",
     ]
     if "ridge_point" in rf:
         lines.append(
@@ -299,7 +280,55 @@ def format_report(r: dict) -> str:
             f"{rf['max_tokens_per_second']:.0f} tokens/s")
     else:
         lines.append("roofline: pass --bandwidth and --tflops (or a named accelerator) for the ridge point")
+    p = r.get("engine_plan")
+    if p:
+        lines.append(
+            f"engine (one device, as `jaxinfer serve` checks before loading): "
+            f"{p['gpu_memory_utilization']:g} × {format_bytes(p['device_bytes'])} (JAX's "
+            f"{p['allocator_fraction']:g} of the card) − {format_bytes(p['weight_bytes'])} weights − "
+            f"≥ {format_bytes(p['activation_floor_bytes'])} activations − "
+            f"{format_bytes(p['compile_scratch_bytes'])} compile scratch = "
+            f"{format_bytes(p['room_bytes'])} for the KV cache; one sequence of "
+            f"{p['max_model_len']} tokens takes {format_bytes(p['sequence_kv_bytes'])}: "
+            + ("fits" if p["fits"] else
+               f"REFUSED (longest that fits: {p['fitting_model_len']} tokens)"))
     return "\n".join(lines)
+
+
+# JAX's allocator takes this share of a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION): the
+# "device memory" the engine's planner sees (memory_stats()['bytes_limit']).
+JAX_DEFAULT_MEM_FRACTION = 0.75
+
+
+def engine_plan(args: argparse.Namespace, accelerator: Accelerator) -> dict | None:
+    """The engine's own pre-load check (engine/memory_preflight.py) for --model on the
+    accelerator, one sequence of --seq-len and --batch sequences per step: weights, one sequence's
+    KV, the activations' floor and the GPU compile scratch (of the most concurrent compiles, as
+    on a host of 8 cores or more) against the allocator's share of the card
+    (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75). None without --model."""
+    if not args.model:
+        return None
+    import os
+
+    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.memory_preflight import preflight
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.hub import resolve_model
+    from jaxinfer.model.transformer import param_shapes
+    from jaxinfer.worker.bucket_compiler import MAX_COMPILE_WORKERS
+    cfg = load_config(resolve_model(args.model))
+    cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
+        args.quantization, cfg.quantization, "safetensors"))
+    dtype = jnp.dtype(KV_CACHE_DTYPES[args.dtype or cfg.dtype])
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_MEM_FRACTION))
+    engine_args = EngineArgs(model=args.model, max_model_len=args.seq_len,
+                             max_num_seqs=args.batch, block_size=args.block_size,
+                             kv_cache_dtype=args.kv_cache_dtype,
+                             gpu_memory_utilization=args.gpu_memory_utilization)
+    figures = preflight(cfg, engine_args, param_shapes(cfg, dtype), None, dtype,
+                        device_bytes=int(fraction * accelerator.memory_bytes), platform="gpu",
+                        workers=MAX_COMPILE_WORKERS)
+    return {**figures.as_dict(), "allocator_fraction": fraction}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,6 +348,9 @@ def run(args: argparse.Namespace) -> int:
                            batch=args.batch, block_size=args.block_size, accelerator=accelerator,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            kv_host_gib=args.kv_host_gib)
+    plan = engine_plan(args, accelerator)
+    if plan is not None:
+        report["engine_plan"] = plan
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

@@ -35,8 +35,9 @@ from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
-from jaxinfer.engine.kv_blocks import (params_dtype_name, plan_num_blocks,
-                                       with_hybrid_kv_decided)
+from jaxinfer.engine.kv_blocks import (params_dtype_name, plan_kv_blocks,
+                                       with_compiled_peak, with_hybrid_kv_decided)
+from jaxinfer.engine.memory_preflight import refuse_if_it_cannot_fit
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.startup import StartupTimes
@@ -70,6 +71,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
     """One engine: a scheduler, a runner and an output processor on one replica's devices."""
 
     weight_version = 0  # +1 per update_weights; on every RequestOutput
+    # The memory plan's figures (from_engine_args: pre-load check, KV plan, compiled peak).
+    memory_plan: dict = {}
 
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None, args: EngineArgs,
                  *, num_blocks: int, metrics: EngineMetrics | None = None,
@@ -199,14 +202,18 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         with startup.phase("tokenizer"):
             tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
         dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
+        shapes = param_shapes(cfg, dtype)
+        with startup.phase("memory_preflight"):  # what cannot fit is said before the weights load
+            preflight = refuse_if_it_cannot_fit(cfg, args, shapes, plan, dtype)
         with startup.phase("weights"):
             params = jax.block_until_ready(fuse_for_serving(
                 load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
-                            shardings=plan.params(param_shapes(cfg, dtype))), current_platform()))
+                            shardings=plan.params(shapes)), current_platform()))
             draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
             params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)
-            num_blocks = plan_num_blocks(cfg, args, params, plan)
+            kv_plan = plan_kv_blocks(cfg, args, params, plan)
+            num_blocks = kv_plan.num_blocks
             if draft is not None and args.num_blocks is None:
                 kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
                 num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan,
@@ -216,6 +223,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
                          plan=plan, draft=draft, **parts)
             jax.block_until_ready(engine.runner.kv_cache)
         engine.startup = startup
+        engine.memory_plan = {"preflight": preflight and preflight.as_dict(),
+                              "kv": kv_plan.as_dict(), "num_blocks": num_blocks}
         engine.owns_weights = True  # loaded here: an update may free them
         if args.warmup:
             engine.warmup()
@@ -223,13 +232,16 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
 
     def warmup(self, progress: bool = True) -> float:
         with self.startup.compiling(), self.startup.phase("warmup"):
-            seconds = self.runner.warmup(progress, background=self.args.background_compile)
+            # (as many compiles at once as the memory plan kept autotune room for)
+            workers = (self.memory_plan.get("kv") or {}).get("compile_workers")
+            seconds = self.runner.warmup(progress, workers, background=self.args.background_compile)
         self.metrics.track_compiler(self.runner.compiler)
         cache = self.runner.executable_cache
         if cache is not None:
             self.startup.counts.update(executables_loaded=cache.hits,
                                        executable_cache_read_s=round(cache.load_seconds, 3),
                                        executable_cache_write_s=round(cache.store_seconds, 3))
+        self.memory_plan = with_compiled_peak(self.memory_plan, self.runner)
         slowest = sorted(self.runner.warmup_seconds.items(), key=lambda kv: -kv[1])[:3]
         log.info("compiled %d step shapes in %.1f s (slowest: %s)", len(self.runner.warmup_seconds),
                  seconds, ", ".join(f"{name} {s:.1f} s" for name, s in slowest))

@@ -59,6 +59,15 @@ LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
 SAMPLE_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
 
 
+MAX_COMPILE_WORKERS = 8
+
+
+def compile_workers() -> int:
+    """How many XLA compiles the bucket compiler runs at once (the planner keeps room for as
+    many GPU autotunes, kv/compile_scratch.py)."""
+    return min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
+
+
 def variant_label(variant: SamplerVariant | None) -> str:
     if variant is None:
         return ""
@@ -165,7 +174,7 @@ class BucketCompiler:
         self._num_failed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        workers = max_workers or min(8, os.cpu_count() or 1)
+        workers = max_workers or compile_workers()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxinfer-compile")
         self._slots = threading.Semaphore(workers)  # compiles submitted and not finished
         ref = weakref.ref(self)

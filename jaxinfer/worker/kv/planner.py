@@ -1,6 +1,7 @@
 """Memory planner: how many KV-cache blocks fit on the device.
 
     kv budget  = gpu_memory_utilization × device memory − weight bytes − activation peak
+                 − compile scratch (compile_scratch.py: the GPU autotuner's buffers)
     num_blocks = floor(kv budget / bytes per block)
     bytes per block = cache arrays (KVCacheGroups.num_slots: num_layers but for windowed models)
                       × the layers' page (kv_specs.py: block_size × 2 × num_kv_heads × head_dim
@@ -11,24 +12,39 @@ default preallocation that is 75% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), s
 entry point should raise that fraction (e.g. to 0.95) before JAX starts if it wants most of the
 card. The activation peak is measured, not guessed: compile the step for the largest bucket and
 pass ``activation_peak_bytes(compiled)``; the KV cache is donated to the step, so its size does not
-change that figure and a small cache can be used for the measurement. ``--num-blocks`` skips all
-of this.
+change that figure and a two-block cache serves for the measurement (activation_bytes.py). The
+compile scratch is what XLA's GPU autotuner allocates while the buckets compile beside the cache
+(compile_scratch.py). ``--num-blocks`` skips all of this. ``JAXINFER_DEVICE_MEMORY`` (a size:
+80GB, 16GiB, bytes) stands in for the device's figure, e.g. to plan on a CPU as on a GPU in tests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.core.kv_cache.cache_config import CacheConfig, resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 
 GIB = 1 << 30
+DEVICE_MEMORY_ENV = "JAXINFER_DEVICE_MEMORY"
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit they reach: '16.06 GiB', '4.00 MiB', '12 B'."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 class MemoryPlanError(JaxinferError):
@@ -73,8 +89,26 @@ def activation_peak_bytes(compiled: Any) -> int:
     return int(stats.temp_size_in_bytes + stats.generated_code_size_in_bytes + fresh_outputs)
 
 
+def parse_size(text: str, what: str) -> int:
+    """'16060522496', '16.06GB', '14.96 GiB' -> bytes; ConfigError naming ``what`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{what} '{text}' is not a size (examples: 16060522496, 16GB, 14.9GiB)")
+    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def device_memory_override() -> int | None:
+    """$JAXINFER_DEVICE_MEMORY in bytes, or None when unset."""
+    text = os.environ.get(DEVICE_MEMORY_ENV)
+    return parse_size(text, DEVICE_MEMORY_ENV) if text else None
+
+
 def device_memory_bytes(device: jax.Device | None = None) -> int:
-    """Bytes JAX's allocator may use on the device. CPU reports none: MemoryPlanError."""
+    """Bytes JAX's allocator may use on the device ($JAXINFER_DEVICE_MEMORY when set). CPU reports
+    none: MemoryPlanError."""
+    override = device_memory_override()
+    if override is not None:
+        return override
     device = device or jax.devices()[0]
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
@@ -107,6 +141,8 @@ class KVCachePlan:
     activation_bytes: int | None = None
     # Set when the largest contiguous free region, not the budget, bounded num_blocks.
     contiguous_bytes: int | None = None
+    compile_scratch_bytes: int = 0
+    compile_workers: int | None = None  # the compiles at once the scratch is kept for
 
     @property
     def kv_bytes(self) -> int:
@@ -116,6 +152,12 @@ class KVCachePlan:
     def max_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def as_dict(self) -> dict:
+        """The plan's figures, JSON-ready (bytes), as the startup log and benchmarks record them."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "kv_dtype"}
+        return {**out, "kv_dtype": jnp.dtype(self.kv_dtype).name, "kv_bytes": self.kv_bytes,
+                "max_tokens": self.max_tokens}
+
     def describe(self) -> str:
         """One log line: the figures behind the number of blocks."""
         head = (f"KV cache: {self.num_blocks} blocks × {self.block_size} tokens = {self.max_tokens} "
@@ -124,7 +166,9 @@ class KVCachePlan:
             return head + " (--num-blocks)"
         budget = (f" = {self.gpu_memory_utilization:g} × {self.device_bytes / GIB:.2f} GiB device"
                   f" − {self.weight_bytes / GIB:.2f} GiB weights"
-                  f" − {self.activation_bytes / GIB:.2f} GiB activations")
+                  f" − {self.activation_bytes / GIB:.2f} GiB activations"
+                  f" − {self.compile_scratch_bytes / GIB:.2f} GiB compile scratch"
+                  f" ({self.compile_workers} compiles at once)")
         if self.contiguous_bytes is None:
             return head + budget
         return (head + f", bounded by the largest free region of device memory "
@@ -134,16 +178,17 @@ class KVCachePlan:
 
 def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
                   activation_bytes: int = 0, device_bytes: int | None = None,
-                  model_dtype: str | None = None,
-                  contiguous_bytes: int | None = None) -> KVCachePlan:
+                  model_dtype: str | None = None, contiguous_bytes: int | None = None,
+                  compile_scratch_bytes: int = 0,
+                  compile_workers: int | None = None) -> KVCachePlan:
     """Number of blocks for this model and cache config (see the module docstring for the formula).
 
     ``device_bytes`` defaults to device_memory_bytes(); ``model_dtype`` (for --kv-cache-dtype auto)
     defaults to the config's dtype. ``contiguous_bytes``: the allocator's largest free region
     (largest_free_block_bytes); the cache's arrays are each one allocation, so free memory in
     smaller holes cannot hold them: the cache then stays within that region (less the
-    activations and CONTIGUOUS_SLACK). Raises MemoryPlanError naming the flags to change when
-    not even one block fits."""
+    activations, the compile scratch and CONTIGUOUS_SLACK). Raises MemoryPlanError naming the flags
+    to change when not even one block fits."""
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
     groups = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache)
     block_bytes = groups.page_bytes(cache.block_size, kv_dtype)
@@ -151,19 +196,22 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
         return KVCachePlan(cache.num_blocks, cache.block_size, kv_dtype, block_bytes)
     if device_bytes is None:
         device_bytes = device_memory_bytes()
-    budget = int(cache.gpu_memory_utilization * device_bytes) - weight_bytes - activation_bytes
+    reserved = activation_bytes + compile_scratch_bytes
+    budget = int(cache.gpu_memory_utilization * device_bytes) - weight_bytes - reserved
     num_blocks = budget // block_bytes if budget > 0 else 0
     capped = None
     if contiguous_bytes is not None:
-        room = max(contiguous_bytes - activation_bytes - CONTIGUOUS_SLACK, 0) // block_bytes
+        room = max(contiguous_bytes - reserved - CONTIGUOUS_SLACK, 0) // block_bytes
         if room < num_blocks:
             num_blocks, capped = room, contiguous_bytes
     if num_blocks < 1:
         raise MemoryPlanError(
             f"no room for the KV cache: {cache.gpu_memory_utilization:g} × "
-            f"{device_bytes / GIB:.2f} GiB (--gpu-memory-utilization × device) − "
-            f"{weight_bytes / GIB:.2f} GiB weights − {activation_bytes / GIB:.2f} GiB activations "
-            f"= {budget / GIB:.2f} GiB < one {block_bytes}-byte block; raise "
+            f"{format_bytes(device_bytes)} (--gpu-memory-utilization × device) − "
+            f"{format_bytes(weight_bytes)} weights − {format_bytes(activation_bytes)} activations "
+            f"− {format_bytes(compile_scratch_bytes)} compile scratch "
+            f"= {format_bytes(budget)} < one {block_bytes}-byte block; raise "
             f"--gpu-memory-utilization, shrink the largest step bucket, or set --num-blocks")
     return KVCachePlan(int(num_blocks), cache.block_size, kv_dtype, block_bytes, device_bytes,
-                       cache.gpu_memory_utilization, weight_bytes, activation_bytes, capped)
+                       cache.gpu_memory_utilization, weight_bytes, activation_bytes, capped,
+                       compile_scratch_bytes, compile_workers)

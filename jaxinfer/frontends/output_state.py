@@ -3,7 +3,8 @@ OutputProcessor, vllm/v1/engine/output_processor.py): it turns the core's token-
 RequestOutputs, detokenizing, matching stop strings and keeping the logprobs here.
 
 Each choice's state grows by the new tokens only: nothing cumulative is copied per step
-(`CompletionOutput.token_ids` is the choice's own list, read when the output is handled).
+(`CompletionOutput.token_ids` is an `IdsSoFar` view of the choice's own list, fixed at the
+output's length: a stream may read an output after later ones were applied).
 A stop string found here ends the choice here; the client then finishes it in the core
 (`finish_choice`), whose tokens for it that were already on their way are dropped.
 The text rules are the engine's own (OutputProcessor._append): a stop token's text is left out
@@ -12,6 +13,7 @@ unless include_stop_str_in_output, stop strings count only past min_tokens.
 
 from __future__ import annotations
 
+import collections.abc
 import pickle
 
 from jaxinfer.core.outputs import CompletionOutput, RequestOutput
@@ -19,6 +21,38 @@ from jaxinfer.core.sampled_logprobs import SampledLogprobs
 from jaxinfer.core.stop_checker import OutputText
 from jaxinfer.frontends.core_messages import ChoiceDelta, CoreOutput
 from jaxinfer.sampling_params import SamplingParams
+
+
+class IdsSoFar(collections.abc.Sequence):
+    """The first `n` ids of a list that only grows: a choice's token_ids as of one output."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: list[int]):
+        self._ids, self._n = ids, len(ids)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[:self._n][index]
+        if not -self._n <= index < self._n:
+            raise IndexError("token index out of range")
+        return self._ids[index % self._n]
+
+    def __iter__(self):
+        return iter(self._ids[:self._n])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (IdsSoFar, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"IdsSoFar({list(self)!r})"
 
 
 class ChoiceState:
@@ -124,8 +158,8 @@ class RequestState:
             new_text = c.text.take_new_text()
             lps = c.logprobs
             outs.append(CompletionOutput(
-                index=index, text=c.text.emitted_text, token_ids=c.token_ids, new_text=new_text,
-                new_token_ids=new,
+                index=index, text=c.text.emitted_text, token_ids=IdsSoFar(c.token_ids),
+                new_text=new_text, new_token_ids=new,
                 new_logprobs=None if lps is None else lps.view(c.num_logprobs_reported),
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 logprobs=None if lps is None else lps.view()))
@@ -152,8 +186,8 @@ class RequestState:
             if c.finish_reason is None:
                 c.finish(reason, None)
                 new_text = c.text.take_new_text()
-                outs.append(CompletionOutput(i, c.text.emitted_text, c.token_ids, new_text, [], None,
-                                             reason, None,
-                                             None if c.logprobs is None else c.logprobs.view()))
+                outs.append(CompletionOutput(
+                    i, c.text.emitted_text, IdsSoFar(c.token_ids), new_text, [], None, reason, None,
+                    None if c.logprobs is None else c.logprobs.view()))
                 c.finish_reported = True
         return self._request_output(outs)

@@ -1,0 +1,84 @@
+"""The engine-core process's life as the server sees it: a core killed mid-stream gives the open
+stream an error event and makes the server exit non-zero (a supervisor restarts it), never an
+endless 503; a request the core refuses is a 400 naming the field; a stop string found in the
+server process frees the request's blocks in the core."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import aiohttp
+
+from server_harness import free_port, make_tiny_model_dir, server_args, tiny_engine_args, wait_healthy
+
+
+def test_killing_the_core_mid_stream_errors_the_stream_and_exits_nonzero(tmp_path):
+    from jaxinfer.frontends.core_client import CoreProcessEngine
+    from serve.app import serve_until_signal
+
+    engine = CoreProcessEngine(tiny_engine_args(make_tiny_model_dir(tmp_path / "model")))
+    args = server_args(port=free_port(), shutdown_grace=0.0)
+    url = f"http://127.0.0.1:{args.port}"
+
+    async def scenario():
+        serving = asyncio.create_task(serve_until_signal(engine, args))
+
+        def alive():
+            assert not serving.done(), serving
+
+        await wait_healthy(url, alive)
+        events = []
+        async with aiohttp.ClientSession() as s:
+            # a refusal by the core's own validation: the client's 400, the core goes on
+            async with s.post(url + "/v1/completions",
+                              json={"prompt": [5, 6, 7], "max_tokens": 4, "n": 17}) as r:
+                refused = r.status, await r.json()
+            body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].strip())
+                        if len(events) == 2:
+                            os.kill(engine.proc.pid, signal.SIGKILL)
+        return refused, events, await asyncio.wait_for(serving, 60)
+
+    (status, refusal), events, exit_status = asyncio.run(scenario())
+    assert status == 400 and refusal["error"]["param"] == "n", refusal
+    assert exit_status == 1
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "engine-core process died" in error["message"], error
+    assert engine.errored is not None and engine.proc.returncode == -signal.SIGKILL
+
+
+def test_a_stop_string_found_in_the_server_frees_the_request_in_the_core(tmp_path):
+    from jaxinfer.frontends.core_client import CoreProcessEngine
+    from jaxinfer.sampling_params import SamplingParams
+
+    engine = CoreProcessEngine(tiny_engine_args(make_tiny_model_dir(tmp_path / "model")))
+
+    async def scenario():
+        await engine.start()
+        try:
+            greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+            text = ""
+            async for out in engine.generate([5, 6, 7], SamplingParams(**greedy), "full"):
+                text += out.outputs[0].new_text
+            stop = text[len(text) // 2:][:2]  # certainly in the text, well before its end
+            outs = [o async for o in engine.generate([5, 6, 7], SamplingParams(**greedy, stop=[stop]),
+                                                      "stopped")]
+            await asyncio.sleep(0.2)  # the finish_choice call reaches the core
+            return text, stop, outs, await engine.call("kv_pool_state"), \
+                await engine.call("live_request_ids")
+        finally:
+            await engine.shutdown()
+
+    text, stop, outs, (free, total, holders), live = asyncio.run(scenario())
+    last = outs[-1].outputs[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert text.startswith(last.text) and stop not in last.text and len(last.token_ids) < 40
+    assert free == total and not holders and not live

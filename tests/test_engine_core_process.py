@@ -43,7 +43,7 @@ def test_killing_the_core_mid_stream_errors_the_stream_and_exits_nonzero(tmp_pat
                     if line.startswith(b"data: "):
                         events.append(line[6:].strip())
                         if len(events) == 2:
-                            os.kill(engine.proc.pid, signal.SIGKILL)
+                            os.kill(engine.cores.procs[0].pid, signal.SIGKILL)
         return refused, events, await asyncio.wait_for(serving, 60)
 
     (status, refusal), events, exit_status = asyncio.run(scenario())
@@ -52,7 +52,7 @@ def test_killing_the_core_mid_stream_errors_the_stream_and_exits_nonzero(tmp_pat
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == 503 and "engine-core process died" in error["message"], error
-    assert engine.errored is not None and engine.proc.returncode == -signal.SIGKILL
+    assert engine.errored is not None and engine.cores.procs[0].returncode == -signal.SIGKILL
 
 
 def test_a_stop_string_found_in_the_server_frees_the_request_in_the_core(tmp_path):
@@ -82,3 +82,44 @@ def test_a_stop_string_found_in_the_server_frees_the_request_in_the_core(tmp_pat
     assert (last.finish_reason, last.stop_reason) == ("stop", stop)
     assert text.startswith(last.text) and stop not in last.text and len(last.token_ids) < 40
     assert free == total and not holders and not live
+
+
+def test_data_parallel_replicas_are_core_processes_of_their_own(tmp_path):
+    """--data-parallel-size 2: two core processes, requests spread over both, /metrics summed over
+    them, and greedy tokens equal to one in-process engine's."""
+    from jaxinfer.frontends.server_engine import create_server_engine
+    from jaxinfer.sampling_params import SamplingParams
+    model_dir = make_tiny_model_dir(tmp_path / "model")
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    async def run(mode: str, dp: int):
+        args = tiny_engine_args(model_dir)
+        args.data_parallel_size = dp
+        engine = create_server_engine(args, mode)
+        await engine.start()
+
+        async def one(i):
+            return [t async for o in engine.generate([5, 6, 7 + i], greedy, f"r{i}")
+                    for t in o.outputs[0].new_token_ids]
+        try:
+            tokens = await asyncio.gather(*(one(i) for i in range(6)))
+            if mode == "in-process":
+                return tokens, None
+            per_core = [await engine.call("metrics_text", core=c) for c in range(dp)]
+            return tokens, (per_core, await engine.metrics_text(), engine.num_total_blocks)
+        finally:
+            await engine.shutdown()
+
+    tokens, (per_core, merged, blocks) = asyncio.run(run("process", 2))
+    expected, _ = asyncio.run(run("in-process", 1))
+    assert tokens == expected
+    generated = [_sample(text, "jaxinfer:generation_tokens_total") for text in per_core]
+    assert all(g > 0 for g in generated) and sum(generated) == 60, generated
+    assert _sample(merged, "jaxinfer:generation_tokens_total") == 60
+    assert blocks == 2 * tiny_engine_args(model_dir).num_blocks
+
+
+def _sample(text: bytes, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples
+               if s.name == name)

@@ -49,7 +49,8 @@ async def _run(url: str, model: str, streams: int, output_len: int, body_mb: flo
         tasks = [_stream(session, url, model, output_len, gaps, i) for i in range(streams)]
         big = None
         if body_mb:
-            big = asyncio.ensure_future(_post_big(session, url, model, body_mb, 0.5))
+            # posted once every stream is well under way (and far from its end)
+            big = asyncio.ensure_future(_post_big(session, url, model, body_mb, 0.2))
         await asyncio.gather(*tasks)
         status, seconds = await big if big is not None else (None, None)
     ms = np.asarray(gaps) * 1e3
@@ -59,7 +60,7 @@ async def _run(url: str, model: str, streams: int, output_len: int, body_mb: flo
 
 def big_body(url: str, model: str, streams: int = 8, output_len: int = 200,
              body_mb: float = 30.0) -> dict:
-    asyncio.run(_run(url, model, streams, 8, None))  # warm: the step shapes compiled
+    asyncio.run(_run(url, model, streams, output_len, None))  # warm: every step shape compiled
     quiet = asyncio.run(_run(url, model, streams, output_len, None))
     loaded = asyncio.run(_run(url, model, streams, output_len, body_mb))
     result = {"quiet_" + k: v for k, v in quiet.items() if v is not None}

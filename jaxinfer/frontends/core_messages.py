@@ -53,6 +53,7 @@ class CoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     # Replies to calls: (call id, pickled (ok, value-or-exception)).
     replies: list[tuple[int, bytes]] = []
     num_waiting: int = 0  # the scheduler's waiting sequences after this iteration's adds
+    engine_index: int = 0  # which core (data-parallel replica) sent it
     # Set on the last message of a core loop that died: the repr of what killed it.
     dead: str | None = None
 

@@ -9,10 +9,10 @@ new token ids (diffs: `token_deltas`), the engine's failed requests and the call
 engine keeps no output text (`LLMEngine.emit_token_deltas`); the server finishes a choice at a
 stop string with the `finish_choice` call.
 
-Run as `python -m jaxinfer.frontends.engine_core IN_ADDRESS OUT_ADDRESS` with the pickled
-EngineArgs on stdin. It exits when told to (`shutdown`), when its server process is gone, or,
-with status 1 after a last `CoreOutputs(dead=...)`, when a step raises past the engine's own
-per-request failure handling.
+Run as `python -m jaxinfer.frontends.engine_core IN_ADDRESS OUT_ADDRESS [REPLICA]` with the
+pickled EngineArgs on stdin (core_processes.py starts it). It exits when told to (`shutdown`),
+when its server process is gone, or, with status 1 after a last `CoreOutputs(dead=...)`, when a
+step raises past the engine's own per-request failure handling.
 """
 
 from __future__ import annotations
@@ -152,15 +152,20 @@ class EngineCore:
             send(CoreOutputs(outs, failed, num_waiting=engine.num_waiting))
 
 
-def serve_core(engine_args, in_address: str, out_address: str) -> int:
-    """The process's life: load, describe itself, then the loop until shut down or orphaned."""
+def serve_core(engine_args, in_address: str, out_address: str, index: int = 0) -> int:
+    """The process's life: load, describe itself, then the loop until shut down or orphaned.
+    `index`: its data-parallel replica, on every message it sends."""
     import zmq
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(in_address)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(out_address)
-    send = lambda msg: outbox.send(OUTPUTS_ENCODER.encode(msg), copy=False)
+
+    def send(msg: CoreOutputs) -> None:
+        msg.engine_index = index
+        outbox.send(OUTPUTS_ENCODER.encode(msg), copy=False)
+
     parent = os.getppid()
     try:
         core = EngineCore(LLMEngine.from_engine_args(engine_args))
@@ -200,7 +205,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     engine_args = pickle.load(sys.stdin.buffer)
     t0 = time.perf_counter()
-    status = serve_core(engine_args, argv[0], argv[1])
+    status = serve_core(engine_args, argv[0], argv[1], int(argv[2]) if len(argv) > 2 else 0)
     log.info("engine-core exits with status %d after %.1f s", status, time.perf_counter() - t0)
     return status
 

@@ -1,6 +1,7 @@
-"""The engine `jaxinfer serve` runs on: the engine core in its own process (core_client.py, the
-default) or in the server process (async_engine.py: `--engine-core in-process`, for debugging
-and comparison, and what the front ends the core process does not run yet take)."""
+"""The engine `jaxinfer serve` runs on: the engine core in processes of its own (core_client.py,
+the default; one per data-parallel replica) or in the server process (async_engine.py:
+`--engine-core in-process`, for debugging and comparison, and what the front ends the core process
+does not run yet take: disaggregated prefill/decode, multi-process runs)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ ENGINE_CORE_MODES = ("process", "in-process")
 def in_process_reason(args: EngineArgs) -> str | None:
     """Why these flags keep the engine core in the server process, or None."""
     from jaxinfer.parallel.distributed import distributed_settings
-    if args.data_parallel_size > 1:
-        return "--data-parallel-size > 1 (one core process per replica is not built yet)"
     if args.disaggregate:
         return "--disaggregate"
     if distributed_settings(args) is not None:

@@ -4,7 +4,7 @@ which the server parses and tokenizes before refusing it for its length) is post
 run; the same streams run again without it. Reports the streams' inter-token latency p50 / p99
 both times and the p99's difference (`big_body_itl_p99_delta_ms`).
 
-    jaxinfer bench serve --big-body --base-url http://127.0.0.1:8000 --model NAME
+    jaxinfer bench serve --big-body 30 --port 8000 [--max-concurrency 8 --random-output-len 200]
 """
 
 from __future__ import annotations

@@ -49,12 +49,14 @@ class CoreProcesses:
         self._dir = tempfile.mkdtemp(prefix="jaxinfer-core-")
         self._zmq = zmq.Context()
         self.outputs = self._zmq.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.bind(f"ipc://{self._dir}/out")
         self._inputs: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         replica_args = dataclasses.replace(args, data_parallel_size=1)
         for i in range(self.num):
             sock = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # a burst of requests queues; never blocks the event loop
             sock.bind(f"ipc://{self._dir}/in{i}")
             self._inputs.append(sock)
             proc = subprocess.Popen(

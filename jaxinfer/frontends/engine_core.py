@@ -158,8 +158,10 @@ def serve_core(engine_args, in_address: str, out_address: str, index: int = 0) -
     import zmq
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
     inbox.connect(in_address)
     outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # a server busy for a while (a huge body) never stalls a step
     outbox.connect(out_address)
 
     def send(msg: CoreOutputs) -> None:

@@ -123,3 +123,21 @@ def _sample(text: bytes, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
     return sum(s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples
                if s.name == name)
+
+
+def test_a_core_that_cannot_load_raises_the_engines_own_error(tmp_path):
+    """The server process raises what the core's engine raised (as `--engine-core in-process`
+    would), and no core process is left behind."""
+    import pytest
+
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.frontends.core_processes import CoreProcesses
+    args = tiny_engine_args(make_tiny_model_dir(tmp_path / "model"))
+    args.max_model_len = 100_000
+    cores = CoreProcesses(args)
+    try:
+        with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings 256"):
+            cores.wait_loaded()
+    finally:
+        cores.close()
+    assert all(p.returncode == 1 for p in cores.procs)

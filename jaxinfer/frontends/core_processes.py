@@ -68,15 +68,18 @@ class CoreProcesses:
             self.procs.append(proc)
 
     def wait_loaded(self) -> list[dict]:
-        """Each core's description of its engine, in replica order; raises ConfigError when one
-        fails to load."""
+        """Each core's description of its engine, in replica order; raises what a core's engine
+        raised when it failed to load (ConfigError when that cannot be told)."""
         infos: list[dict | None] = [None] * self.num
         while any(i is None for i in infos):
             if self.outputs.poll(POLL_MS):
                 msg = OUTPUTS_DECODER.decode(self.outputs.recv())
-                if msg.dead is not None:
+                ok, value = pickle.loads(msg.replies[0][1]) if msg.replies else (False, None)
+                if not ok:
+                    if isinstance(value, Exception):
+                        raise value  # the engine's own error (a ConfigError, say)
                     raise ConfigError(f"engine-core process {msg.engine_index} failed: {msg.dead}")
-                infos[msg.engine_index] = pickle.loads(msg.replies[0][1])[1]
+                infos[msg.engine_index] = value
                 continue
             if (status := self.exit_status()) is not None:
                 raise ConfigError(f"an engine-core process exited with status {status} while "

@@ -171,8 +171,8 @@ def serve_core(engine_args, in_address: str, out_address: str, index: int = 0) -
     parent = os.getppid()
     try:
         core = EngineCore(LLMEngine.from_engine_args(engine_args))
-    except BaseException as e:  # the server reports it as the engine's failure to start
-        send(CoreOutputs(dead=f"the engine failed to load: {e!r}"))
+    except BaseException as e:  # the server raises it as its own (the same error as in-process)
+        send(CoreOutputs(replies=[(0, encode_reply(False, e))], dead=f"the engine failed to load: {e!r}"))
         log.exception("engine-core failed to load")
         return 1
     send(CoreOutputs(replies=[(0, encode_reply(True, core.describe()))]))

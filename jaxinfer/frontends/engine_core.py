@@ -96,9 +96,6 @@ class EngineCore:
         self.engine.warmup(progress)
         return None if self.engine.startup is None else self.engine.startup.as_dict()
 
-    def check_health(self) -> None:
-        self.engine.check_health()
-
     def load_lora_adapter(self, name: str, path: str):
         return self.engine.load_lora_adapter(name, path)
 

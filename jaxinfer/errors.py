@@ -26,6 +26,9 @@ class RequestFailedError(JaxinferError):
         super().__init__(message)
         self.request_ids = tuple(request_ids)
 
+    def __reduce__(self):  # pickled whole across the engine-core process boundary
+        return type(self), (str(self), self.request_ids)
+
 
 class InvalidRequestError(JaxinferError, ValueError):
     """A request's parameters or prompt are invalid; `param` names the offending field
@@ -34,3 +37,6 @@ class InvalidRequestError(JaxinferError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self):  # pickled whole across the engine-core process boundary
+        return type(self), (str(self), self.param)

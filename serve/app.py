@@ -72,6 +72,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S,
                    help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    g.add_argument("--engine-core", choices=("process", "in-process"), default="process",
+                   help="where the engine core (scheduler, device steps) runs: its own process, so "
+                        "HTTP, tokenizing and streaming never hold up a step, or this one, for "
+                        "debugging and comparison (default: %(default)s; docs/engine_core.md)")
     add_limit_args(g)
     add_lora_server_args(g)
     add_tool_args(parser.add_argument_group("tool calling"))

@@ -67,7 +67,7 @@ class ChoiceState:
 
     def add(self, c: CompletionOutput) -> None:
         self.text = c.text
-        self.token_ids = list(c.token_ids)
+        self.token_ids = c.token_ids  # (no copy per output: the last one holds every id)
         if c.new_logprobs:
             self.logprobs.extend(c.new_logprobs)
         self.finish_reason = c.finish_reason

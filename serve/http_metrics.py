@@ -51,6 +51,6 @@ def make_metrics_middleware(metrics: ServerMetrics):
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[ENGINE].metrics.registry)
+    body = await request.app[ENGINE].metrics_text()  # (the engine-core process's, maybe)
     body += generate_latest(request.app[SERVER_METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

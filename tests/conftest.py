@@ -27,9 +27,20 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The tiny-llama server (tests/server_harness.py), started once per test process."""
+    """The tiny-llama server (tests/server_harness.py), started once per test process; its engine
+    core runs in a process of its own, as `jaxinfer serve` runs it."""
     from server_harness import start_shared_server
     st = start_shared_server(tmp_path_factory.mktemp("tiny-llama"))
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
+def in_process_server(tmp_path_factory):
+    """The tiny-llama server with the engine core in the test process (`--engine-core
+    in-process`), for tests that reach into the engine's objects (fault injection)."""
+    from server_harness import start_shared_server
+    st = start_shared_server(tmp_path_factory.mktemp("tiny-llama-in-process"), "in-process")
     yield st
     st.stop()
 

@@ -74,10 +74,14 @@ def server_args(**overrides) -> argparse.Namespace:
 
 
 class ServerThread:
-    """One engine, several apps over it (each its own port and flags), on a private event loop."""
+    """One engine, several apps over it (each its own port and flags), on a private event loop.
+    `engine_core`: as `jaxinfer serve --engine-core`; "process" (the default, as served) unless a
+    test reaches into the engine's objects."""
 
-    def __init__(self, engine_args, app_args: dict[str, argparse.Namespace]):
+    def __init__(self, engine_args, app_args: dict[str, argparse.Namespace],
+                 engine_core: str = "process"):
         self.engine_args = engine_args
+        self.engine_core = engine_core
         self.app_args = app_args
         self.loop = asyncio.new_event_loop()
         self.urls: dict[str, str] = {}
@@ -95,9 +99,9 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        from jaxinfer.frontends.async_engine import AsyncEngine
+        from jaxinfer.frontends.server_engine import create_server_engine
         from serve.app import create_app, server_for
-        self.engine = AsyncEngine(self.engine_args)
+        self.engine = create_server_engine(self.engine_args, self.engine_core)
         await self.engine.start()
         for name, args in self.app_args.items():
             server = server_for(create_app(self.engine, args, owns_engine=False), args)
@@ -118,21 +122,25 @@ class ServerThread:
             self._thread.join(timeout=10)
 
 
-def start_shared_server(model_dir: Path) -> ServerThread:
-    """The tiny model served twice over one engine: "main" with default flags, "strict" with auth, a
-    small body limit and no waiting queue."""
+def tiny_engine_args(model_dir: Path):
+    """The shared server's engine flags."""
     from jaxinfer.engine.args import EngineArgs
-    make_tiny_model_dir(model_dir)
     # Small batches keep the CPU compile count low (shapes compile lazily, warm-up off); 64 concurrent
     # streams then also exercise the waiting queue.
-    engine_args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
-                             max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=256, max_num_seqs=16,
-                             max_num_batched_tokens=64, compilation_cache_dir="",
-                             attention_backend="reference", warmup=False)
-    return ServerThread(engine_args, {
+    return EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
+                      max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=256, max_num_seqs=16,
+                      max_num_batched_tokens=64, compilation_cache_dir="",
+                      attention_backend="reference", warmup=False)
+
+
+def start_shared_server(model_dir: Path, engine_core: str = "process") -> ServerThread:
+    """The tiny model served twice over one engine: "main" with default flags, "strict" with auth, a
+    small body limit and no waiting queue."""
+    make_tiny_model_dir(model_dir)
+    return ServerThread(tiny_engine_args(model_dir), {
         "main": server_args(),
         "strict": server_args(api_key=API_KEY, max_request_bytes=2048, max_waiting=0),
-    }).start()
+    }, engine_core).start()
 
 
 DEMO = Path(__file__).parents[1] / "checkpoints" / "demo-target"
@@ -157,10 +165,13 @@ def start_demo_server() -> ServerThread:
 # ---- reading the server's state ------------------------------------------------------------------
 
 def kv_pool_state(server: ServerThread) -> tuple[int, int, list]:
+    """(free blocks, blocks, request ids holding blocks), read between the engine's steps."""
     async def read():
+        if hasattr(server.engine, "call"):  # the engine-core process: an admin call
+            return await server.engine.call("kv_pool_state")
         m = server.engine.engine.scheduler.kv
         return m.num_free_blocks, m.num_blocks, m.request_ids()
-    return server.call(read())
+    return tuple(server.call(read()))
 
 
 def wait_pool_free(server: ServerThread, timeout: float = 10.0) -> None:

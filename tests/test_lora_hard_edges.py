@@ -146,7 +146,8 @@ def lora_server(tmp_path_factory):
                       attention_backend="reference", warmup=False, decode_steps_per_call=1,
                       enable_lora=True, lora_modules=[f"good={paths['good']}"], max_loras=2,
                       max_lora_rank=8)
-    st = ServerThread(args, {"main": server_args(allow_runtime_lora_updating=True)}).start()
+    st = ServerThread(args, {"main": server_args(allow_runtime_lora_updating=True)},
+                      engine_core="in-process").start()  # (a test writes a slot itself)
     st.paths, st.cfg = paths, cfg
     yield st
     st.stop()

@@ -84,14 +84,19 @@ async def until(condition, what: str, limit_s: float = 120.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_client_timeouts_then_new_request_is_fast(server, client, monkeypatch):
+def test_client_timeouts_then_new_request_is_fast(in_process_server, monkeypatch):
     """200 clients time out mid-request, after the engine has taken every one and is decoding; a
-    new request is then served at once, every one of the 200 was aborted and none ran on.
+    new request is then served at once, every one of the 200 was aborted and none ran on. (The
+    engine core in this process: the test holds its steps.)
 
     The timeouts fire on events, not after a fixed time (0.3 s let no request reach the engine on a
     loaded machine): the engine's steps are held until all 200 requests are in it, then the
     timeouts fire once the first stream has its first token. Each client's deadline is an
     asyncio.timeout, as aiohttp's ClientTimeout is: the task is cancelled and its connection closed."""
+    import openai
+    server = in_process_server
+    client = openai.OpenAI(base_url=server.urls["main"] + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
     url = server.urls["main"] + "/v1/completions"
     engine = server.engine.engine
     steps_allowed, first_token = threading.Event(), asyncio.Event()

@@ -384,9 +384,11 @@ def test_prompt_count_and_sequence_limits(server):
     assert status == 200, raw
 
 
-def test_multi_prompt_request_counts_every_sequence_against_max_waiting(server):
+def test_multi_prompt_request_counts_every_sequence_against_max_waiting(in_process_server):
     """With the engine thread held, submitted sequences wait: a request whose sequences would pass
-    --max-waiting is refused whole (503 + Retry-After), one that fits is taken whole."""
+    --max-waiting is refused whole (503 + Retry-After), one that fits is taken whole. (The engine
+    core in this process: the test holds its thread.)"""
+    server = in_process_server
     url = add_app(server, "queue8", max_waiting=8)
     engine = server.engine
     release = threading.Event()

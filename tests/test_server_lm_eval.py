@@ -24,6 +24,13 @@ from server_harness import MODEL
 EOT = 382  # the tiny tokenizer's <|im_end|>, lm-eval's prefix token for rolling windows
 
 
+@pytest.fixture(scope="module")
+def server(in_process_server):
+    """The shared tiny server with its engine core in this process:
+    the scores read the engine's own weights."""
+    return in_process_server
+
+
 def post_raw(server, body: dict) -> str:
     async def go():
         async with aiohttp.ClientSession() as s:

@@ -29,6 +29,13 @@ from server_harness import (
 MARK_SEED = 4242  # requests with this seed are the ones the injected faults hit
 
 
+@pytest.fixture(scope="module")
+def server(in_process_server):
+    """The shared tiny server with its engine core in this process:
+    faults are injected into the engine's objects."""
+    return in_process_server
+
+
 def run_with_faulty_request(server, stream: bool) -> tuple[tuple, list]:
     url = server.urls["main"]
     others: list = []

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxinfer.bench import kernels, latency, memory_plan, serve, startup, throughput
+from jaxinfer.bench import (host_path_suite, kernels, latency, memory_plan, serve, startup,
+                            throughput)
 
-DRIVERS = (serve, throughput, latency, startup, kernels, memory_plan)
+DRIVERS = (serve, throughput, latency, startup, kernels, memory_plan, host_path_suite)
 DESCRIPTION = """\
 Benchmark jaxinfer, or any OpenAI-compatible server, with the flags and result files of
 `vllm bench` (`jaxinfer bench BENCHMARK --help` for each). `--save [DIR] --name NAME` on any of

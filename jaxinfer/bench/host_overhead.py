@@ -40,7 +40,8 @@ def host_overhead(args: argparse.Namespace) -> dict:
     return result
 
 
-def _host_overhead(args: argparse.Namespace, logprobs: int | None) -> dict:
+def _host_overhead(args: argparse.Namespace, logprobs: int | None, setup=None) -> dict:
+    """`setup(engine)`: called once the engine is built (host_path.py: token diffs)."""
     from jaxinfer.model.config import config_from_dict
     from jaxinfer.model.transformer import init_params
     from jaxinfer.sampling_params import MAX_LOGPROBS
@@ -56,6 +57,8 @@ def _host_overhead(args: argparse.Namespace, logprobs: int | None) -> dict:
                        num_blocks=num_blocks, max_num_seqs=n, max_num_batched_tokens=max(2048, n),
                        compilation_cache_dir=None, warmup=False, dtype="float32")
     engine = LLMEngine(cfg, params, None, eargs, num_blocks=num_blocks)
+    if setup is not None:
+        setup(engine)
     rng = np.random.default_rng(0)
     for i in range(n):
         engine.add_request(f"r{i}", rng.integers(2, cfg.vocab_size, args.input_len).tolist(),

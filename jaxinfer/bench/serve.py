@@ -74,6 +74,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    g.add_argument("--big-body", type=float, default=None, metavar="MB",
+                   help="instead: the ITL p99 of --max-concurrency (default 8) streams of "
+                        "--random-output-len tokens with and without one MB-sized body posted "
+                        "meanwhile (big_body.py)")
     g.add_argument("--sweep-concurrency", default=None, metavar="N,N,...",
                    help="one benchmark per concurrency, plus a plot (--plot)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
@@ -233,6 +237,14 @@ def run(args: argparse.Namespace) -> int:
         args._parser.exit(2, f"jaxinfer bench serve: error: no server answers at {base_url}/v1/models "
                              f"({type(e).__name__}: {e})\n")
     model = args.model or card["id"]
+    if args.big_body:
+        from jaxinfer.bench.big_body import big_body
+        result = big_body(base_url, model, args.max_concurrency or 8, args.random_output_len,
+                          args.big_body)
+        if args.save:
+            results_io.save(args.save, args.name or f"big_body_{results_io.device_slug()}",
+                            config=common.record_config(args), metrics=common.numeric(result))
+        return 0
     tokenizer_path = args.tokenizer or default_tokenizer(card)
     chat = args.endpoint == "/v1/chat/completions"
     tokenizer = load_tokenizer(tokenizer_path)

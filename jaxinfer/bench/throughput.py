@@ -8,9 +8,10 @@ num_requests, total_num_tokens, requests_per_second, tokens_per_second) and the 
 steps, host ms per step, the timed window's `prefix_hit_rate` and the step buckets still compiling
 when it began (`buckets_compiling`; `--no-background-compile` compiles them all first).
 --host-overhead times the engine's host work per decode step instead (host_overhead.py), and
---kv-manager the KV-cache manager's alone (kv_manager_overhead.py); --structured-output compares
-constrained with unconstrained decoding (structured_cost.py); --prefill-burst times decoding
-streams beside a burst of long prompts with the ITL target off and on (prefill_burst.py).
+--kv-manager the KV-cache manager's alone (kv_manager_overhead.py), --host-path the serving
+host path's split over the engine-core and server processes (host_path.py); --structured-output
+compares constrained with unconstrained decoding (structured_cost.py); --prefill-burst times
+decoding streams beside a burst of long prompts with the ITL target off and on (prefill_burst.py).
 --suite NAME runs one of the model and feature suites instead (jaxinfer/bench/suites/: moe,
 multi-gpu, families, mla, kv-tiers, lora, spec-decode, research-loop, disagg, embeddings), its
 own flags after `--`.
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.bench import (common, host_overhead, kv_manager_overhead, prefill_burst, presets,
-                            results_io, structured_cost)
+from jaxinfer.bench import (common, host_overhead, host_path, kv_manager_overhead, prefill_burst,
+                            presets, results_io, structured_cost)
 from jaxinfer.bench.profile import engine_profile
 from jaxinfer.bench.suites import add_suite_args, run_suite
 from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
@@ -97,6 +98,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--host-overhead", action="store_true",
                    help="time the scheduler, input building and output processing per decode "
                         "step instead, with no device work")
+    g.add_argument("--host-path", action="store_true",
+                   help="the serving host path's costs per decode step instead: the engine core's "
+                        "output side, the IPC, the server's detokenizing (host_path.py)")
     g.add_argument("--num-seqs", type=int, default=256, help="running sequences")
     g.add_argument("--steps", type=int, default=50, help="steps to time")
     g.add_argument("--logprobs", type=int, default=None,
@@ -129,14 +133,16 @@ def run(args: argparse.Namespace) -> int:
         if args.output_json:
             common.write_json(args.output_json, result)
         return 0
-    result = (host_overhead.host_overhead(args) if args.host_overhead else
+    result = (host_path.host_path(args) if args.host_path else
+              host_overhead.host_overhead(args) if args.host_overhead else
               prefill_burst.prefill_burst(args) if args.prefill_burst else throughput(args))
     if args.output_json:
         common.write_json(args.output_json, result)
     if args.save:
         slug = results_io.device_slug()
         lp = "" if args.logprobs is None else f"_logprobs{args.logprobs}"
-        default = (f"host_overhead{lp}_{slug}" if args.host_overhead
+        default = (f"host_path{lp}_{slug}" if args.host_path
+                   else f"host_overhead{lp}_{slug}" if args.host_overhead
                    else f"fairness_{slug}" if args.prefill_burst
                    else f"throughput_{args.preset or Path(args.model).name}_{slug}")
         results_io.save(args.save, args.name or default, config=common.record_config(args),

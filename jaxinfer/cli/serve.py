@@ -1,4 +1,5 @@
-"""`jaxinfer serve`: the OpenAI-compatible HTTP server (serve/) over an AsyncEngine.
+"""`jaxinfer serve`: the OpenAI-compatible HTTP server (serve/) over an engine-core process
+(--engine-core process, the default) or an in-process AsyncEngine.
 
 Multi-host: the same command runs on every host with its own --process-id. Process 0 serves HTTP
 and publishes its request stream; every other process builds the same engine, binds no port and
@@ -44,8 +45,8 @@ def resolve_model_tag(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxinfer.frontends.async_engine import AsyncEngine
     from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.frontends.server_engine import create_server_engine
     from jaxinfer.errors import ConfigError
     from serve.app import check_port_free, check_server_args, serve_until_signal
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         from jaxinfer.frontends.multihost import serve_as_follower
         return serve_as_follower(engine_args)
     check_port_free(args.host, args.port)
-    engine = AsyncEngine(engine_args)
+    engine = create_server_engine(engine_args, args.engine_core)
     if engine.tokenizer is None:  # every API route takes or returns text
         raise ConfigError(f"model directory '{args.model}' has no tokenizer.json: the server needs "
                           f"one (token-id-only models can be run with the offline LLM API)")

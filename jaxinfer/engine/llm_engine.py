@@ -141,6 +141,10 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.outputs = outputs_cls(self.metrics, self.max_model_len, self.eos_token_ids)
         self.grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # What step() reports per advanced request, and the tokenizer of the choices' output text:
+        # see emit_token_deltas.
+        self.make_output: Callable[..., object] = make_request_output
+        self._text_tokenizer = tokenizer
         self._rng = random.Random(args.seed)
         self._inflight: StepHandle | None = None
         self._profiling_left = args.profile_steps if args.profile_dir else 0
@@ -166,6 +170,29 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         from the next step."""
         self.requests[req.request_id] = req
         self.scheduler.add_running(seq)
+
+    def emit_token_deltas(self, make_output: Callable[..., object]) -> None:
+        """Report each step's new token ids only, built by `make_output(req, full=False)`, and
+        keep no output text: the engine-core process (frontends/engine_core.py), whose server
+        process detokenizes and matches stop strings (and finishes choices with finish_choice)."""
+        self.make_output = make_output
+        self._text_tokenizer = None
+        self.scheduler.make_choice = functools.partial(make_choice, None)
+
+    def finish_choice(self, request_id: str, index: int, stop_reason: str) -> None:
+        """Finish choice `index` with "stop" at a stop string its server process matched; the
+        request leaves the engine once every choice has finished."""
+        req = self.requests.get(request_id)
+        seq = None if req is None or index >= len(req.choices) else req.choices[index]
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return
+        self.outputs.finish(seq, "stop", stop_reason)
+        self.scheduler.finish(seq)
+        seq.new_token_ids = []
+        if req.finished:
+            self.requests.pop(request_id, None)
+            req.detach()
+        self._update_gauges()
 
     def hand_processed_steps_to(self, callback: Callable[[list[Sequence]], None]) -> None:
         """Call `callback` with each processed step's live sequences, before the scheduler frees
@@ -287,7 +314,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.requests[request_id] = req
         if params.n == 1 or n == 1:  # (a 1-token prompt has nothing to share before its last token)
             for i in range(params.n):
-                self.scheduler.add(make_choice(self.tokenizer, req, i, 0))
+                self.scheduler.add(make_choice(self._text_tokenizer, req, i, 0))
         else:
             req.prompt_seq = Sequence(f"{request_id}#prompt", req, -1, prompt_ids[:-1])
             self.scheduler.add(req.prompt_seq)
@@ -323,7 +350,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             self.scheduler.finish(req.prompt_seq)
         for i, seq in enumerate(req.choices):
             if seq is None:  # an n > 1 choice not forked yet: report it aborted too
-                seq = make_choice(self.tokenizer, req, i, 0)
+                seq = make_choice(self._text_tokenizer, req, i, 0)
                 seq.status = SeqStatus.FINISHED
                 self.outputs.finish(seq, reason, None)
             elif seq.status is not SeqStatus.FINISHED:
@@ -476,7 +503,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             seen.add(req.request_id)
             if req.final_output_only and not req.finished:
                 continue
-            out = make_request_output(req, full=req.final_output_only)
+            out = self.make_output(req, full=req.final_output_only)
             if out.outputs:
                 outs.append(out)
             if req.finished:

@@ -139,6 +139,12 @@ class AsyncEngine:
         """Every name a request's `model` may give: the served names, then the adapters'."""
         return [*self.served_model_names, *self.lora_requests]
 
+    async def metrics_text(self) -> bytes:
+        """The engine's Prometheus metrics, as text (read off the engine thread, as /metrics
+        always has: the client library's collectors lock their own values)."""
+        from prometheus_client import generate_latest
+        return generate_latest(self.engine.metrics.registry)
+
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """Register a new adapter (read and checked on the engine thread; raises
         InvalidRequestError / LoRAAdapterError, changing nothing)."""

@@ -34,3 +34,24 @@ class MergedMetrics:
             out = Metric(family.name, family.documentation, family.type, family.unit)
             out.samples = [s._replace(value=v * scale) for s, v in samples.get(name, {}).values()]
             yield out
+
+
+class _Exposition:
+    """One engine's metrics as read back from their text exposition (an engine-core process's)."""
+
+    def __init__(self, text: bytes):
+        self.registry = self
+        self.model_name = ""
+        self._text = text.decode()
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+        return text_string_to_metric_families(self._text)
+
+
+def merge_expositions(texts: list[bytes]) -> bytes:
+    """Several engines' /metrics texts as one (summed as MergedMetrics sums registries)."""
+    if len(texts) == 1:
+        return texts[0]
+    from prometheus_client import generate_latest
+    return generate_latest(MergedMetrics([_Exposition(t) for t in texts]).registry)

@@ -1,0 +1,124 @@
+"""`jaxinfer bench host-path`: the serving host path's figures in one record (the
+`host_path_<device>` keys of docs/engine_core.md), each section in a process of its own:
+
+- bs1_host_ms_per_step, c256_host_ms_per_step, offline_c256_out_tok_s: `jaxinfer bench
+  throughput` with 1 and --concurrency prompts (the engine's host ms per step);
+- served_c1_itl_p50_ms, served_c1_tpot_ms, served_c256_out_tok_s: `jaxinfer serve` (its engine
+  core in a process of its own; --engine-core in-process to compare) under `jaxinfer bench serve`
+  at concurrency 1 and --concurrency;
+- big_body_itl_p99_delta_ms: bench/big_body.py against the same server.
+
+    jaxinfer bench host-path --model DIR [--engine-core in-process] --save [--name host_path_h200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from jaxinfer.bench import common, results_io
+from jaxinfer.bench.big_body import big_body
+
+BENCH = [sys.executable, "-m", "jaxinfer.bench.cli"]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("host-path", help="the serving host path's figures (engine core process)",
+                       description=__doc__, formatter_class=common.HelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--engine-core", choices=("process", "in-process"), default="process")
+    p.add_argument("--concurrency", type=int, default=256, help="the batched runs' requests")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--body-mb", type=float, default=30.0, help="the big body's size")
+    p.add_argument("--port", type=int, default=8123, help="the server's port")
+    p.add_argument("--serve-args", default="", help="more `jaxinfer serve` flags, one string")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per section")
+    common.add_output_json(p, "the figures")
+    common.add_record_args(p, "host_path_<device>")
+    p.set_defaults(func=run)
+    return p
+
+
+def _json_out(argv: list[str], timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        stdout, stderr, code = common.child([*argv, "--output-json", str(out)], timeout)
+        if code != 0 or not out.is_file():
+            raise RuntimeError(f"{' '.join(argv)} failed ({code}):\n{stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def offline(args, model: list[str]) -> dict:
+    def run(n: int) -> dict:
+        return _json_out([*BENCH, "throughput", *model, "--num-prompts", str(n), "--input-len",
+                          str(args.input_len), "--output-len", str(args.output_len)], args.timeout)
+    bs1, batched = run(1), run(args.concurrency)
+    return {"bs1_host_ms_per_step": bs1["host_ms_per_step"],
+            "c256_host_ms_per_step": batched["host_ms_per_step"],
+            "offline_c256_out_tok_s": batched["output_tokens_per_second"]}
+
+
+def served(args, model: list[str]) -> dict:
+    serve = subprocess.Popen([str(Path(sys.executable).with_name("jaxinfer")), "serve", *model, "--port",
+                              str(args.port), "--engine-core", args.engine_core,
+                              *args.serve_args.split()])
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        _wait_healthy(url, serve, args.timeout)
+        out = {}
+        for conc, prompts in ((1, 16), (args.concurrency, 2 * args.concurrency)):
+            with tempfile.TemporaryDirectory() as tmp:
+                stdout, stderr, code = common.child([
+                    *BENCH, "serve", "--base-url", url, "--dataset-name", "random",
+                    "--num-prompts", str(prompts), "--max-concurrency", str(conc),
+                    "--random-input-len", str(args.input_len), "--random-output-len",
+                    str(args.output_len), "--ignore-eos", "--num-warmups", str(min(conc, 16)),
+                    "--save-result", "--result-dir", tmp, "--result-filename", "r.json"],
+                    args.timeout)
+                if code != 0:
+                    raise RuntimeError(f"bench serve at concurrency {conc} failed ({code}):\n"
+                                       f"{stdout[-2000:]}\n{stderr[-3000:]}")
+                out[conc] = json.loads((Path(tmp) / "r.json").read_text())
+        figures = {"served_c1_itl_p50_ms": out[1]["median_itl_ms"],
+                   "served_c1_tpot_ms": out[1]["median_tpot_ms"],
+                   "served_c256_out_tok_s": out[args.concurrency]["output_throughput"]}
+        model_name = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
+        bb = big_body(url, model_name, 8, args.output_len, args.body_mb)
+        figures["big_body_itl_p99_delta_ms"] = bb["big_body_itl_p99_delta_ms"]
+        return figures
+    finally:
+        serve.terminate()
+        serve.wait(60)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jaxinfer serve exited with status {proc.returncode}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("jaxinfer serve did not become healthy")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = ["--model", args.model] if args.model else []
+    metrics = {**offline(args, model), **served(args, model)}
+    print(json.dumps(metrics, indent=1))
+    if args.output_json:
+        common.write_json(args.output_json, metrics)
+    if args.save:
+        results_io.save(args.save, args.name or f"host_path_{results_io.device_slug()}",
+                        config={**common.record_config(args)}, metrics=common.numeric(metrics))
+    return 0
+

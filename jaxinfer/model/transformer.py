@@ -32,7 +32,6 @@ from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentio
                                      SlidingWindowSpec)
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
-from jaxinfer.model.routing import route
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
 
@@ -144,8 +143,8 @@ class MoE(nn.Module):
         # bf16 resolves, and they decide the routing.
         score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), jnp.float32)
                       if cfg.score_correction_bias else None)
-        weights, experts = route(cfg, logits, score_bias)  # [T, k]
-        extra = {}
+        weights, experts, dispatch = self.kernels.routing(cfg, logits, score_bias)  # [T, k]
+        extra = {} if dispatch is None else {"dispatch": dispatch}
         if cfg.expert_bias:
             f = cfg.moe_intermediate_size
             zeros = nn.initializers.zeros

@@ -40,7 +40,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
         group_sizes, order, rank = sorted_dispatch(jnp.where(mine, local, held), held)
     else:  # the fused router's: the permutation from its inverse, an int32 scatter, no sort
         group_sizes, rank = dispatch
-        order = _inverse(rank)
+        order = inverse_permutation(rank)
     xs = x[order // k]  # rows grouped by expert
     # A token's k experts are distinct, so no expert gets more than T rows.
     ys = moe_experts(xs, w, group_sizes, max_group_size=t, scales=scales, impl=impl, glu=glu,
@@ -52,7 +52,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array,
     return jnp.einsum("tkh,tk->th", ys, weights).astype(x.dtype)
 
 
-def _inverse(permutation: jax.Array) -> jax.Array:
+def inverse_permutation(permutation: jax.Array) -> jax.Array:
+    """p -> q with q[p[i]] = i: an int32 scatter of len(p) ids."""
     n = permutation.shape[0]
     return jnp.zeros_like(permutation).at[permutation].set(jnp.arange(n, dtype=permutation.dtype))
 
@@ -64,7 +65,7 @@ def sorted_dispatch(experts: jax.Array, num_experts: int):
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return group_sizes, order, _inverse(order)
+    return group_sizes, order, inverse_permutation(order)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 
 from jaxinfer.model.config import load_config
 from jaxinfer.model.experts import routed_experts, sorted_dispatch
-from jaxinfer.model.routing import Router, route, routing_spec
+from jaxinfer.model.routing import Router, route, routing_spec, with_shared
 from pallas_kernels.moe.routing_kernel import MAX_TOKENS, fused_route
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -53,12 +53,13 @@ def _bias(cfg, key):
     return jax.random.normal(key, (cfg.num_experts,), jnp.float32) * 0.1
 
 
-def _assert_same(cfg, logits, bias=None):
-    weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg), bias, interpret=True)
-    ref_weights, ref_experts = route(cfg, logits, bias)
+def _assert_same(cfg, logits, bias=None, shared=0):
+    weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg, shared), bias,
+                                                interpret=True)
+    ref_weights, ref_experts = with_shared(*route(cfg, logits, bias), cfg.num_experts, shared)
     np.testing.assert_array_equal(np.asarray(experts), np.asarray(ref_experts))
     np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_weights), rtol=2e-6, atol=1e-7)
-    ref_sizes, _, ref_rank = sorted_dispatch(ref_experts, cfg.num_experts)
+    ref_sizes, _, ref_rank = sorted_dispatch(ref_experts, cfg.num_experts + shared)
     np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
     np.testing.assert_array_equal(np.asarray(rank), np.asarray(ref_rank))
 
@@ -70,6 +71,20 @@ def test_random_logits_route_and_dispatch_as_the_reference(kind, tokens):
     k1, k2 = jax.random.split(jax.random.key(tokens))
     logits = jax.random.normal(k1, (tokens, cfg.num_experts), jnp.float32) * 3.0
     _assert_same(cfg, logits, _bias(cfg, k2))
+
+
+@pytest.mark.parametrize("kind", ["v2_group_limited", "v3_sigmoid_groups_bias", "sigmoid_top1"])
+@pytest.mark.parametrize("shared", [1, 2])
+def test_shared_experts_join_every_token_after_its_routed_ones(kind, shared):
+    """Shared experts stored as experts E .. E + S - 1: every token's k routed rows, then its S
+    shared rows of weight 1, in the same dispatch as the reference's sort."""
+    cfg = KINDS[kind]
+    k1, k2 = jax.random.split(jax.random.key(shared))
+    logits = jax.random.normal(k1, (9, cfg.num_experts), jnp.float32)
+    _assert_same(cfg, logits, _bias(cfg, k2), shared)
+    _, experts, sizes, _ = fused_route(logits, routing_spec(cfg, shared), _bias(cfg, k2),
+                                       interpret=True)
+    assert np.asarray(sizes)[cfg.num_experts:].tolist() == [9] * shared
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

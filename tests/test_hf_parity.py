@@ -18,6 +18,7 @@ from jaxinfer.model.config import (SUPPORTED_ARCHITECTURES, config_from_dict, lo
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from jaxinfer.model.routing import Router
+from jaxinfer.model.shared_experts import fuse_shared_experts
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
 from pallas_kernels.attention.metadata import AttentionMetadata
@@ -25,6 +26,7 @@ from pallas_kernels.attention.metadata import AttentionMetadata
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
 MOE_FAMILIES = [f for f in FAMILIES if load_config(FIXTURES / f).num_experts]
+SHARED_FAMILIES = [f for f in MOE_FAMILIES if load_config(FIXTURES / f).n_shared_experts]
 # The fused MoE router (its Pallas kernel interpreted) in place of `route` and the sort.
 FUSED_ROUTING = dataclasses.replace(REFERENCE_KERNELS, routing=Router(fused=True, interpret=True))
 ROPE_CASES = json.loads((FIXTURES.parent / "rope_golden.json").read_text())["cases"]
@@ -64,9 +66,21 @@ def test_moe_families_match_transformers_through_the_fused_router(family):
     _check_parity(family, FUSED_ROUTING)
 
 
-def _check_parity(family, kernels):
+@pytest.mark.parametrize("family", SHARED_FAMILIES)
+@pytest.mark.parametrize("kernels", [REFERENCE_KERNELS, FUSED_ROUTING], ids=["route", "fused"])
+def test_shared_experts_in_the_expert_stacks_match_transformers(family, kernels):
+    """The serving layout on a GPU: the shared MLP as always-on experts of the grouped call."""
+    _check_parity(family, kernels, fuse_shared_experts)
+
+
+def _check_parity(family, kernels, rewrite=None):
     cfg = load_config(FIXTURES / family)
     params = load_params(FIXTURES / family, cfg, jnp.float32, progress=False)
+    if rewrite is not None:
+        params = rewrite(params)
+        layer = next(v for k, v in params.items() if k.startswith("layers_") and "moe" in v)
+        assert "shared_experts" not in layer["moe"]
+        assert layer["moe"]["w_gate"].shape[0] == cfg.num_experts + cfg.n_shared_experts
     golden = np.load(FIXTURES / family / "golden.npz")
     step = jax.jit(forward, static_argnames=("cfg", "kernels"))
     # The three prompts and the greedy prompt in one prefill step (one compile): each sequence

@@ -64,14 +64,27 @@ def _keep_best_groups(cfg: ModelConfig, choice: jax.Array) -> jax.Array:
     return jnp.where(keep[:, :, None], grouped, masked).reshape(t, e)
 
 
-def routing_spec(cfg: ModelConfig) -> RoutingSpec:
-    """The fused kernel's statement of `route`'s rule for this config."""
+def with_shared(weights: jax.Array, experts: jax.Array, num_experts: int,
+                shared: int) -> tuple[jax.Array, jax.Array]:
+    """`route`'s choice with `shared` always-on experts (ids num_experts ..) after each token's k,
+    weight 1: the shared experts stored as extra experts of the stacks (model/shared_experts.py)."""
+    if not shared:
+        return weights, experts
+    t = experts.shape[0]
+    ids = jnp.broadcast_to(num_experts + jnp.arange(shared, dtype=experts.dtype), (t, shared))
+    return (jnp.concatenate([weights, jnp.ones((t, shared), weights.dtype)], axis=1),
+            jnp.concatenate([experts, ids], axis=1))
+
+
+def routing_spec(cfg: ModelConfig, shared: int = 0) -> RoutingSpec:
+    """The fused kernel's statement of `route`'s rule for this config (with `with_shared`'s
+    `shared` always-on experts)."""
     return RoutingSpec(k=cfg.num_experts_per_tok, scoring=cfg.router_scoring,
                        topk_then_softmax=cfg.topk_then_softmax,
                        bias=cfg.score_correction_bias, n_group=cfg.n_group,
                        topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                        norm_eps=1e-20 if cfg.mla else 0.0,
-                       scaling=cfg.routed_scaling_factor)
+                       scaling=cfg.routed_scaling_factor, shared=shared)
 
 
 class Dispatch(NamedTuple):
@@ -90,15 +103,17 @@ class Routed(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Router:
     """The kernel table's routing slot: with `fused`, the Pallas kernel for steps of at most
-    `max_tokens` tokens (`interpret`: its interpreter, CPU tests), `route` above; else `route`."""
+    `max_tokens` tokens (`interpret`: its interpreter, CPU tests), `route` above; else `route`.
+    `shared`: always-on experts stored after the routed ones (`with_shared`)."""
     fused: bool = False
     interpret: bool = False
     max_tokens: int = MAX_TOKENS
 
     def __call__(self, cfg: ModelConfig, logits: jax.Array,
-                 score_bias: jax.Array | None = None) -> Routed:
+                 score_bias: jax.Array | None = None, shared: int = 0) -> Routed:
         if not self.fused or logits.shape[0] > min(self.max_tokens, MAX_TOKENS):
-            return Routed(*route(cfg, logits, score_bias), None)
-        weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg), score_bias,
+            weights, experts = route(cfg, logits, score_bias)
+            return Routed(*with_shared(weights, experts, cfg.num_experts, shared), None)
+        weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg, shared), score_bias,
                                                     interpret=self.interpret)
         return Routed(weights, experts, Dispatch(sizes, rank))

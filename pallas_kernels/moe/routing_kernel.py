@@ -42,7 +42,8 @@ class RoutingSpec:
     added for the choice only (DeepSeek-V3); group-limited choice among the `topk_group` best of
     `n_group` groups (a group's score: its best expert's for softmax, its two best's sum for
     sigmoid); weights renormalised over the k when `norm_topk_prob` (denominator + `norm_eps`),
-    then times `scaling`."""
+    then times `scaling`. `shared`: always-on experts E .. E + shared - 1 (shared experts stored
+    after the routed ones), routed to by every token with weight 1 after its k."""
     k: int
     scoring: str = "softmax"
     topk_then_softmax: bool = False
@@ -52,6 +53,7 @@ class RoutingSpec:
     norm_topk_prob: bool = False
     norm_eps: float = 0.0
     scaling: float = 1.0
+    shared: int = 0
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -137,6 +139,13 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
         picked = [p / (total + spec.norm_eps) if spec.norm_eps else p / total for p in picked]
     if not spec.topk_then_softmax:
         picked = [p * spec.scaling for p in picked]
+    for s in range(spec.shared):
+        idx = jnp.full((tp, 1), num_experts + s, jnp.int32)
+        hot = col == idx
+        counts = counts + jnp.where(hot & row_real, 1.0, 0.0)
+        hots.append(hot)
+        ids.append(idx)
+        picked.append(jnp.ones((tp, 1), jnp.float32))
 
     # Exclusive prefix sums as 0/1 matmuls: over tokens ([Tp, Tp] strictly lower) and experts.
     r = jax.lax.broadcasted_iota(jnp.int32, (tp, tp), 0)
@@ -155,7 +164,7 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
     weights = jnp.zeros((tp, kp), jnp.float32)
     experts = jnp.zeros((tp, kp), jnp.int32)
     rank = jnp.zeros((tp, kp), jnp.int32)
-    for j in range(spec.k):
+    for j in range(spec.k + spec.shared):
         here = kcol == j
         weights = jnp.where(here, picked[j], weights)
         experts = jnp.where(here, ids[j], experts)
@@ -168,15 +177,17 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
 
 def fused_route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = None, *,
                 interpret: bool = False):
-    """logits f32[T, E] (T <= MAX_TOKENS), bias f32[E] when `spec.bias` -> (weights f32[T, k],
-    experts int32[T, k], group_sizes int32[E], rank int32[T * k]): rank[t * k + j] is row
-    t * k + j's place in the rows sorted stably by expert."""
+    """logits f32[T, E] (T <= MAX_TOKENS), bias f32[E] when `spec.bias` -> (weights f32[T, k'],
+    experts int32[T, k'], group_sizes int32[E'], rank int32[T * k']) with k' = k + spec.shared
+    and E' = E + spec.shared: rank[t * k' + j] is row t * k' + j's place in the rows sorted
+    stably by expert."""
     t, e = logits.shape
     if t > MAX_TOKENS:
         raise ValueError(f"fused_route takes at most {MAX_TOKENS} tokens, got {t}")
     if spec.n_group > 1 and e % spec.n_group:
         raise ValueError(f"{e} experts do not split into {spec.n_group} groups")
-    tp, ep, kp = _pow2(t), _pow2(e), _pow2(spec.k, 1)
+    k = spec.k + spec.shared
+    tp, ep, kp = _pow2(t), _pow2(e + spec.shared), _pow2(k, 1)
     padded = jnp.zeros((tp, ep), jnp.float32).at[:t, :e].set(logits.astype(jnp.float32))
     b = jnp.zeros((1, ep), jnp.float32)
     if spec.bias:
@@ -189,5 +200,5 @@ def fused_route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = N
                    jax.ShapeDtypeStruct((1, ep), jnp.int32)),
         interpret=interpret,
     )(padded, b)
-    k = spec.k
-    return weights[:t, :k], experts[:t, :k], sizes[0, :e], rank[:t, :k].reshape(-1)
+    return (weights[:t, :k], experts[:t, :k], sizes[0, :e + spec.shared],
+            rank[:t, :k].reshape(-1))

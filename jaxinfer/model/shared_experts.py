@@ -64,6 +64,12 @@ def fuse_shared_experts(params: dict, *, donate: bool = False) -> dict:
     return out
 
 
+def has_shared_mlp(params: dict) -> bool:
+    """Whether some MoE layer of `params` holds its shared experts as a separate MLP."""
+    return any(SHARED in layer.get("moe", {}) for name, layer in params.items()
+               if name.startswith("layers_"))
+
+
 def stacked_shared(module, n_shared: int) -> bool:
     """Whether `module` (the MoE layer) runs its shared experts from its stacks: the config has
     them and the loaded params hold no separate MLP (never while initialising, which declares the

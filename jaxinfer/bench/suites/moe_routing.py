@@ -2,7 +2,8 @@
 (the Pallas kernel of pallas_kernels/moe/routing_kernel.py) against unfused (`route`, then the
 argsort / bincount / inverse permutation of `sorted_dispatch`), from the hidden states (the gate
 GEMM runs before both) to what the grouped matmul takes: weights, experts, rows per expert and the
-row permutation both ways. Per model shape at T = 1, 8, 64, 2048 tokens; past the kernel's token
+row permutation both ways (DeepSeek-V2-Lite's two shared experts among them, as served on one
+GPU: model/shared_experts.py). Per model shape at T = 1, 8, 64, 2048 tokens; past the kernel's token
 limit (`MAX_TOKENS`) the fused figure is absent (the table's slot sorts there). A step whose two
 dispatches differ is reported, not timed.
 BENCH_TINY_SHAPES=1 (a CPU smoke run): tiny shapes, the kernel in its interpreter."""
@@ -13,11 +14,12 @@ import os
 import time
 
 TINY = os.environ.get("BENCH_TINY_SHAPES") == "1"
-# experts, hidden, top-k, and the routing rule's config fields beside them.
+# experts, hidden, top-k, shared experts (in the stacks, as served on one GPU), and the routing
+# rule's config fields beside them.
 ROUTING_SHAPES = {
-    "qwen3_30b_a3b": (8 if TINY else 128, 64 if TINY else 2048, 8 if not TINY else 2,
+    "qwen3_30b_a3b": (8 if TINY else 128, 64 if TINY else 2048, 8 if not TINY else 2, 0,
                       dict(norm_topk_prob=True)),
-    "deepseek_v2_lite": (8 if TINY else 64, 64 if TINY else 2048, 6 if not TINY else 2,
+    "deepseek_v2_lite": (8 if TINY else 64, 64 if TINY else 2048, 6 if not TINY else 2, 2,
                          dict(norm_topk_prob=False, routed_scaling_factor=1.0)),
 }
 ROUTING_TOKENS = (1, 8, 64) if TINY else (1, 8, 64, 2048)
@@ -40,14 +42,14 @@ def routing_section(deadline: float, save=lambda res: None) -> dict:
     from jaxinfer.bench.kernel_prefill import bench_interleaved
     from jaxinfer.model.experts import inverse_permutation, sorted_dispatch
     from jaxinfer.model.kernel_table import current_platform
-    from jaxinfer.model.routing import Router, route
+    from jaxinfer.model.routing import Router, route, with_shared
     from pallas_kernels.moe.routing_kernel import MAX_TOKENS
 
     start = time.perf_counter()
     fused_router = Router(fused=True, interpret=current_platform().interpret)
     res: dict = {"max_tokens": MAX_TOKENS}
-    for model, (e, h, k, fields) in ROUTING_SHAPES.items():
-        cfg = _config(e, h, k, fields)
+    for model, (e, h, k, shared, fields) in ROUTING_SHAPES.items():
+        cfg = _config(e, h, k, dict(fields, n_shared_experts=shared))
         key = jax.random.key(0)
         gate = (jax.random.normal(key, (h, e), jnp.float32) * h ** -0.5).astype(jnp.bfloat16)
 
@@ -56,13 +58,13 @@ def routing_section(deadline: float, save=lambda res: None) -> dict:
 
         @jax.jit
         def unfused(x):
-            weights, experts = route(cfg, logits_of(x))
-            sizes, order, rank = sorted_dispatch(experts, e)
+            weights, experts = with_shared(*route(cfg, logits_of(x)), e, shared)
+            sizes, order, rank = sorted_dispatch(experts, e + shared)
             return weights, experts, sizes, order, rank
 
         @jax.jit
         def fused(x):
-            weights, experts, (sizes, rank) = fused_router(cfg, logits_of(x))
+            weights, experts, (sizes, rank) = fused_router(cfg, logits_of(x), None, shared)
             return weights, experts, sizes, inverse_permutation(rank), rank
 
         for t in ROUTING_TOKENS:

@@ -1,6 +1,7 @@
 """Shared experts stored as extra experts of the routed stacks (model/shared_experts.py): the
-rewrite of host (numpy) and device trees alike, only where a plain shared MLP exists, and the
-split MLP's sum equal to the whole one."""
+rewrite of host (numpy) and device trees alike, only where a plain shared MLP exists, the
+split MLP's sum equal to the whole one, and an engine on them that decodes alike and takes
+separate updates."""
 
 import jax
 import jax.numpy as jnp
@@ -56,3 +57,28 @@ def test_quantized_shared_mlps_stay_separate():
     tree["layers_0"]["moe"]["shared_experts"]["gate_proj"] = {"weight": jnp.zeros((S * F, H)),
                                                               "scale": jnp.ones((S * F,))}
     assert "shared_experts" in fuse_shared_experts(tree)["layers_0"]["moe"]
+
+
+def test_an_engine_on_stacked_shared_experts_decodes_alike_and_takes_separate_updates():
+    from test_engine_support import make_engine, prompt_ids, run_all
+    from test_mla_engine import model
+
+    from jaxinfer.sampling_params import SamplingParams
+
+    cfg, params = model()  # a tiny DeepSeek-V3 with one shared expert
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def tokens(engine):
+        for i in range(3):
+            engine.add_request(f"r{i}", prompt_ids(40 + i, 7), greedy)
+        return {rid: out[0][0] for rid, out in run_all(engine).items()}
+
+    separate = make_engine(model=(cfg, params))
+    stacked = make_engine(model=(cfg, fuse_shared_experts(params)))
+    assert not has_shared_mlp(stacked.runner.params)
+    assert tokens(stacked) == tokens(separate)
+    update = jax.tree.map(lambda a: np.asarray(a) * 0.5, params)  # separate, on the host
+    stacked.update_weights(update)
+    separate.update_weights(update)
+    assert not has_shared_mlp(stacked.runner.params)
+    assert tokens(stacked) == tokens(separate)

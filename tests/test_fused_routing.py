@@ -15,7 +15,7 @@ import pytest
 from jaxinfer.model.config import load_config
 from jaxinfer.model.experts import routed_experts, sorted_dispatch
 from jaxinfer.model.routing import Router, route, routing_spec, with_shared
-from pallas_kernels.moe.routing_kernel import MAX_TOKENS, fused_route
+from pallas_kernels.moe.routing_kernel import TOKEN_LIMIT, fused_route
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 QWEN3_MOE = load_config(FIXTURES / "qwen3_moe")
@@ -116,8 +116,10 @@ def test_equal_group_scores_keep_the_lower_groups():
 def test_most_tokens_one_expert_and_the_largest_step():
     """Adversarial load: every token's logits favour the same experts (one group holds all rows),
     at the kernel's token limit."""
+    with pytest.raises(ValueError, match="at most"):
+        fused_route(jnp.zeros((TOKEN_LIMIT + 1, 8)), routing_spec(KINDS["softmax_topk_norm"]))
     cfg = KINDS["softmax_topk_norm"]
-    noise = jax.random.normal(jax.random.key(3), (MAX_TOKENS, cfg.num_experts)) * 1e-3
+    noise = jax.random.normal(jax.random.key(3), (TOKEN_LIMIT, cfg.num_experts)) * 1e-3
     logits = noise + jnp.arange(cfg.num_experts, dtype=jnp.float32) * 0.5
     _assert_same(cfg, logits)
 

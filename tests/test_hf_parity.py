@@ -21,14 +21,17 @@ from jaxinfer.model.routing import Router
 from jaxinfer.model.shared_experts import fuse_shared_experts
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
+from pallas_kernels.moe.routing_kernel import TOKEN_LIMIT
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
 MOE_FAMILIES = [f for f in FAMILIES if load_config(FIXTURES / f).num_experts]
 SHARED_FAMILIES = [f for f in MOE_FAMILIES if load_config(FIXTURES / f).n_shared_experts]
-# The fused MoE router (its Pallas kernel interpreted) in place of `route` and the sort.
-FUSED_ROUTING = dataclasses.replace(REFERENCE_KERNELS, routing=Router(fused=True, interpret=True))
+# The fused MoE router (its Pallas kernel interpreted) in place of `route` and the sort, at
+# every step these tests run (prefill included).
+FUSED_ROUTING = dataclasses.replace(REFERENCE_KERNELS, routing=Router(fused=True, interpret=True,
+                                                                      max_tokens=TOKEN_LIMIT))
 ROPE_CASES = json.loads((FIXTURES.parent / "rope_golden.json").read_text())["cases"]
 BLOCK = 4
 

@@ -1,6 +1,6 @@
 """The MoE router and its dispatch in one Pallas kernel: router logits [T, E] in; each token's k
 experts, their weights, every routed row's place in the expert-sorted order and the rows per expert
-out. No sort: at the few tokens it takes (`MAX_TOKENS`), the counting sort is two small matmuls of
+out. No sort: at the few tokens it takes (`TOKEN_LIMIT`), the counting sort is two small matmuls of
 one-hots inside the kernel.
 
 What it computes is `jaxinfer.model.routing.route` (the reference, which says which family scores
@@ -30,9 +30,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
 
-# Tokens per step the kernel takes (one program holds a [T, T] prefix matrix); above, the sort.
-MAX_TOKENS = 256
+# Tokens per step the kernel can take (one program holds [T, E] tiles, a [T, T] prefix matrix).
+TOKEN_LIMIT = 256
+# Tokens per step the model routes by the kernel by default (above: the sort): decode buckets and
+# small prefill chunks; `jaxinfer bench kernels --only moe` (routing section) times both sides.
+MAX_TOKENS = 64
+# One program's threads share the [T, E] tiles (64 x 256 floats for DeepSeek-V3): 16 warps keep
+# each thread's share of the few live tiles within its registers.
+NUM_WARPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +125,7 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
     row_real = jax.lax.broadcasted_iota(jnp.int32, (tp, ep), 0) < tokens
     taken = jnp.zeros((tp, ep), bool)
     counts = jnp.zeros((tp, ep), jnp.float32)
-    hots, picked, ids = [], [], []
+    picked, ids = [], []
     for _ in range(spec.k):
         best = jnp.max(jnp.where(taken, -jnp.inf, choice), axis=1, keepdims=True)
         hit = (choice == best) & ~taken
@@ -126,7 +133,6 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
         hot = col == idx
         taken = taken | hot
         counts = counts + jnp.where(hot & row_real, 1.0, 0.0)
-        hots.append(hot)
         ids.append(idx)
         picked.append(jnp.sum(jnp.where(hot, scores, 0.0), axis=1, keepdims=True))
 
@@ -141,9 +147,7 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
         picked = [p * spec.scaling for p in picked]
     for s in range(spec.shared):
         idx = jnp.full((tp, 1), num_experts + s, jnp.int32)
-        hot = col == idx
-        counts = counts + jnp.where(hot & row_real, 1.0, 0.0)
-        hots.append(hot)
+        counts = counts + jnp.where((col == idx) & row_real, 1.0, 0.0)
         ids.append(idx)
         picked.append(jnp.ones((tp, 1), jnp.float32))
 
@@ -168,7 +172,7 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
         here = kcol == j
         weights = jnp.where(here, picked[j], weights)
         experts = jnp.where(here, ids[j], experts)
-        slot = jnp.sum(jnp.where(hots[j], place, 0.0), axis=1, keepdims=True)
+        slot = jnp.sum(jnp.where(col == ids[j], place, 0.0), axis=1, keepdims=True)
         rank = jnp.where(here, slot.astype(jnp.int32), rank)
     weights_ref[...] = weights
     experts_ref[...] = experts
@@ -177,13 +181,13 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
 
 def fused_route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = None, *,
                 interpret: bool = False):
-    """logits f32[T, E] (T <= MAX_TOKENS), bias f32[E] when `spec.bias` -> (weights f32[T, k'],
+    """logits f32[T, E] (T <= TOKEN_LIMIT), bias f32[E] when `spec.bias` -> (weights f32[T, k'],
     experts int32[T, k'], group_sizes int32[E'], rank int32[T * k']) with k' = k + spec.shared
     and E' = E + spec.shared: rank[t * k' + j] is row t * k' + j's place in the rows sorted
     stably by expert."""
     t, e = logits.shape
-    if t > MAX_TOKENS:
-        raise ValueError(f"fused_route takes at most {MAX_TOKENS} tokens, got {t}")
+    if t > TOKEN_LIMIT:
+        raise ValueError(f"fused_route takes at most {TOKEN_LIMIT} tokens, got {t}")
     if spec.n_group > 1 and e % spec.n_group:
         raise ValueError(f"{e} experts do not split into {spec.n_group} groups")
     k = spec.k + spec.shared
@@ -199,6 +203,7 @@ def fused_route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = N
                    jax.ShapeDtypeStruct((tp, kp), jnp.int32),
                    jax.ShapeDtypeStruct((1, ep), jnp.int32)),
         interpret=interpret,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
     )(padded, b)
     return (weights[:t, :k], experts[:t, :k], sizes[0, :e + spec.shared],
             rank[:t, :k].reshape(-1))

@@ -22,8 +22,8 @@ Sections (each in its own process, time-limited; figures are saved after every p
            run without it (`fp8_padded`, `fp8_ragged`), checked against float32 `ragged_dot` on the
            dequantized weights; their TB/s counts the e4m3 bytes. A table of both closes the run.
   routing  one MoE layer's router + dispatch, the fused Pallas kernel against `route` and the sort
-           (moe_routing.py), on the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes at 1, 8, 64 and 2048
-           tokens: microseconds each, whether both dispatches are identical.
+           (moe_routing.py), on the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes at 1, 8, 64, 256 and
+           2048 tokens: microseconds each, whether both dispatches are identical.
   qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
            --max-num-seqs 64: output tok/s and the median step while all 64 decode.
            `--quantization fp8`: every linear and expert e4m3 (experts on the kernel unless

@@ -3,9 +3,10 @@
 argsort / bincount / inverse permutation of `sorted_dispatch`), from the hidden states (the gate
 GEMM runs before both) to what the grouped matmul takes: weights, experts, rows per expert and the
 row permutation both ways (DeepSeek-V2-Lite's two shared experts among them, as served on one
-GPU: model/shared_experts.py). Per model shape at T = 1, 8, 64, 2048 tokens; past the kernel's token
-limit (`MAX_TOKENS`) the fused figure is absent (the table's slot sorts there). A step whose two
-dispatches differ is reported, not timed.
+GPU: model/shared_experts.py). Per model shape at T = 1, 8, 64, 256, 2048 tokens: the kernel up
+to what it can take (`TOKEN_LIMIT`; 2048 is past it: no fused figure), so the figures place the
+model's default switch to the sort (`MAX_TOKENS`). A step whose two dispatches differ is reported,
+not timed.
 BENCH_TINY_SHAPES=1 (a CPU smoke run): tiny shapes, the kernel in its interpreter."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ROUTING_SHAPES = {
     "deepseek_v2_lite": (8 if TINY else 64, 64 if TINY else 2048, 6 if not TINY else 2, 2,
                          dict(norm_topk_prob=False, routed_scaling_factor=1.0)),
 }
-ROUTING_TOKENS = (1, 8, 64) if TINY else (1, 8, 64, 2048)
+ROUTING_TOKENS = (1, 8, 64) if TINY else (1, 8, 64, 256, 2048)
 
 
 def _config(experts: int, hidden: int, top_k: int, fields: dict):
@@ -43,11 +44,12 @@ def routing_section(deadline: float, save=lambda res: None) -> dict:
     from jaxinfer.model.experts import inverse_permutation, sorted_dispatch
     from jaxinfer.model.kernel_table import current_platform
     from jaxinfer.model.routing import Router, route, with_shared
-    from pallas_kernels.moe.routing_kernel import MAX_TOKENS
+    from pallas_kernels.moe.routing_kernel import MAX_TOKENS, TOKEN_LIMIT
 
     start = time.perf_counter()
-    fused_router = Router(fused=True, interpret=current_platform().interpret)
-    res: dict = {"max_tokens": MAX_TOKENS}
+    fused_router = Router(fused=True, interpret=current_platform().interpret,
+                          max_tokens=TOKEN_LIMIT)
+    res: dict = {"max_tokens": MAX_TOKENS, "token_limit": TOKEN_LIMIT}
     for model, (e, h, k, shared, fields) in ROUTING_SHAPES.items():
         cfg = _config(e, h, k, dict(fields, n_shared_experts=shared))
         key = jax.random.key(0)
@@ -74,7 +76,7 @@ def routing_section(deadline: float, save=lambda res: None) -> dict:
             x = jax.random.normal(jax.random.key(t), (t, h), jnp.float32).astype(jnp.bfloat16)
             calls = {"unfused": (unfused, (x,))}
             row: dict = {"tokens": t}
-            if t <= MAX_TOKENS:
+            if t <= TOKEN_LIMIT:
                 got, want = fused(x), unfused(x)
                 same = all(np.array_equal(np.asarray(a), np.asarray(b))
                            for a, b in zip(got[1:], want[1:]))

@@ -2,7 +2,8 @@
 reference (`route`, then `sorted_dispatch`'s stable sort by expert) for every routing kind in the
 tree, on random logits and on constructed ties: the same experts in the same order (equal scores:
 the lower expert index first, as `jax.lax.top_k`), the same weights, the same rows per expert and
-the same place of every row in the sorted order (the dispatch is identical, not just equivalent)."""
+the same place of every row in the sorted order (the dispatch is identical, not just equivalent),
+so the same grouped-matmul tile table."""
 
 import dataclasses
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from jaxinfer.model.config import load_config
 from jaxinfer.model.experts import routed_experts, sorted_dispatch
 from jaxinfer.model.routing import Router, route, routing_spec, with_shared
+from pallas_kernels.moe.grouped_matmul_mosaic import padded_rows, tile_table
 from pallas_kernels.moe.routing_kernel import TOKEN_LIMIT, fused_route
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -62,6 +64,10 @@ def _assert_same(cfg, logits, bias=None, shared=0):
     ref_sizes, _, ref_rank = sorted_dispatch(ref_experts, cfg.num_experts + shared)
     np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
     np.testing.assert_array_equal(np.asarray(rank), np.asarray(ref_rank))
+    # The grouped matmul's tile table is a function of the rows per expert: identical too.
+    rows = padded_rows(rank.shape[0], 64)
+    np.testing.assert_array_equal(np.asarray(tile_table(sizes, rows, 64)),
+                                  np.asarray(tile_table(ref_sizes, rows, 64)))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -14,6 +14,10 @@ how) followed by the stable sort by expert that `jaxinfer.model.experts.sorted_d
     other rows never count. Both prefix sums are matmuls of 0/1 matrices (exact in bf16 with f32
     accumulation), which tensor cores run where a scan would be a serial loop.
 
+The grouped matmul's tile table (`grouped_matmul_mosaic.tile_table`) is a function of the rows
+per expert, built from them by a compare-and-sum (no sort), so the kernel hands over those and
+the tables are identical to the sort's.
+
 The gate matmul stays a GEMM before the kernel: it is a weight read of H x E that the model's
 GEMM path already streams at the read roofline, and inside this single-program kernel it would
 read the router weights on one SM.

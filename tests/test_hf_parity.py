@@ -4,6 +4,7 @@ torch + transformers). The windowed families' (Gemma 2, Gemma 3, gpt-oss: 8-toke
 29-token prompt and greedy runs go past the window. The rope of config.json spellings whose fields
 fall back or default (rope_golden.json, made by make_golden_rope.py) matches HF's per case."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,12 +16,22 @@ import pytest
 from jaxinfer.model.config import (SUPPORTED_ARCHITECTURES, config_from_dict, load_config,
                                    rope_inv_freq)
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
+from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+from jaxinfer.model.routing import Router
+from jaxinfer.model.shared_experts import fuse_shared_experts
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
+from pallas_kernels.moe.routing_kernel import TOKEN_LIMIT
 from pallas_kernels.attention.metadata import AttentionMetadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
+MOE_FAMILIES = [f for f in FAMILIES if load_config(FIXTURES / f).num_experts]
+SHARED_FAMILIES = [f for f in MOE_FAMILIES if load_config(FIXTURES / f).n_shared_experts]
+# The fused MoE router (its Pallas kernel interpreted) in place of `route` and the sort, at
+# every step these tests run (prefill included).
+FUSED_ROUTING = dataclasses.replace(REFERENCE_KERNELS, routing=Router(fused=True, interpret=True,
+                                                                      max_tokens=TOKEN_LIMIT))
 ROPE_CASES = json.loads((FIXTURES.parent / "rope_golden.json").read_text())["cases"]
 BLOCK = 4
 
@@ -50,8 +61,29 @@ def _batch_metadata(lengths: list[int], num_blocks: int,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_greedy_match_transformers(family):
+    _check_parity(family, REFERENCE_KERNELS)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_families_match_transformers_through_the_fused_router(family):
+    _check_parity(family, FUSED_ROUTING)
+
+
+@pytest.mark.parametrize("family", SHARED_FAMILIES)
+@pytest.mark.parametrize("kernels", [REFERENCE_KERNELS, FUSED_ROUTING], ids=["route", "fused"])
+def test_shared_experts_in_the_expert_stacks_match_transformers(family, kernels):
+    """The serving layout on a GPU: the shared MLP as always-on experts of the grouped call."""
+    _check_parity(family, kernels, fuse_shared_experts)
+
+
+def _check_parity(family, kernels, rewrite=None):
     cfg = load_config(FIXTURES / family)
     params = load_params(FIXTURES / family, cfg, jnp.float32, progress=False)
+    if rewrite is not None:
+        params = rewrite(params)
+        layer = next(v for k, v in params.items() if k.startswith("layers_") and "moe" in v)
+        assert "shared_experts" not in layer["moe"]
+        assert layer["moe"]["w_gate"].shape[0] == cfg.num_experts + cfg.n_shared_experts
     golden = np.load(FIXTURES / family / "golden.npz")
     step = jax.jit(forward, static_argnames=("cfg", "kernels"))
     # The three prompts and the greedy prompt in one prefill step (one compile): each sequence
@@ -62,7 +94,7 @@ def test_logits_and_greedy_match_transformers(family):
     md = _batch_metadata(lengths, 32, capacity=lengths[:3] + [lengths[3] + len(expected)])
     positions = np.concatenate([np.arange(len(p)) for p in prompts])
     logits, cache = step(params, cfg, jnp.asarray(np.concatenate(prompts)), jnp.asarray(positions),
-                         allocate_kv_cache(cfg, 32, BLOCK, jnp.float32), md)
+                         allocate_kv_cache(cfg, 32, BLOCK, jnp.float32), md, kernels=kernels)
     starts = np.asarray(md.query_start_loc)
     for i in range(3):
         np.testing.assert_allclose(np.asarray(logits[starts[i]:starts[i + 1]]),
@@ -75,7 +107,8 @@ def test_logits_and_greedy_match_transformers(family):
         slot = int(table[0, pos // BLOCK]) * BLOCK + pos % BLOCK
         dec = AttentionMetadata(jnp.array([slot], jnp.int32), jnp.array([0, 1], jnp.int32),
                                 jnp.array([pos + 1], jnp.int32), table, num_decodes=1)
-        logits, cache = step(params, cfg, jnp.array([tokens[-1]]), jnp.array([pos]), cache, dec)
+        logits, cache = step(params, cfg, jnp.array([tokens[-1]]), jnp.array([pos]), cache, dec,
+                             kernels=kernels)
         tokens.append(int(jnp.argmax(logits[0])))
     assert tokens == expected.tolist()
 

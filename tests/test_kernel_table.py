@@ -21,6 +21,7 @@ from jaxinfer.model.gemm_rows import gemm_rows, plain_rows
 from jaxinfer.model.kernel_table import CPU, REFERENCE_KERNELS, Platform, resolve_kernels
 from jaxinfer.model.lora.delta import LoraDelta
 from jaxinfer.model.quant.ops import QuantizedMatmul
+from jaxinfer.model.routing import Router
 from pallas_kernels.attention.backend import REFERENCE
 from pallas_kernels.attention.kv_quant import FP8KVAttention
 from pallas_kernels.norm.reference import add_rms_norm_reference
@@ -69,6 +70,7 @@ def test_cpu_resolves_to_the_reference_table():
     assert REFERENCE_KERNELS.gemm_rows is plain_rows
     assert REFERENCE_KERNELS.lora_delta == LoraDelta("xla", interpret=True)
     assert REFERENCE_KERNELS.quantized_matmul == QuantizedMatmul("auto", None)
+    assert REFERENCE_KERNELS.routing == Router(fused=False)
 
 
 def test_gpu_tables_take_the_kernels_their_platform_supports():
@@ -79,6 +81,7 @@ def test_gpu_tables_take_the_kernels_their_platform_supports():
     for table in (hopper, ampere):
         assert table.add_rms_norm is add_rms_norm_triton and table.gemm_rows is gemm_rows
         assert table.lora_delta == LoraDelta("pallas", interpret=False)
+        assert table.routing == Router(fused=True, interpret=False)
     assert hopper.latent_decode is MosaicLatentDecode and ampere.latent_decode is None
     assert hopper.routed_experts == RoutedExperts("auto", gpu=True, hopper=True)
     assert ampere.quantized_matmul == QuantizedMatmul("auto", (8, 0))

@@ -9,8 +9,9 @@ same run. `--only` runs one benchmark instead, among them the device primitives 
   ssm             the hybrid models' recurrent-layer kernels: Gated DeltaNet, Mamba-2 SSD,
                   causal conv1d (kernel_ssm.py)
   moe             routed experts: the grouped-matmul kernel beside ragged_dot and the padded
-                  einsum on the Qwen3-30B-A3B and Mixtral shapes (suites/moe.py's kernels
-                  section, into the moe_<gpu> record; its engine sections are
+                  einsum on the Qwen3-30B-A3B and Mixtral shapes, and the fused router against
+                  the unfused one (suites/moe.py's kernels and routing sections, into the
+                  moe_<gpu> record; its engine sections are
                   `jaxinfer bench throughput --suite moe`)
   weight-only     Llama-3-8B's projections at batch 1-8 with FP8 / int8 weights against bf16 and
                   the HBM read ceiling (suites/weight_only.py, weight_only_<gpu>)
@@ -35,7 +36,7 @@ SINGLE = {"window-decode": "kernel_window_decode", "kv-blocks": "kv_blocks",
            "host-transfers": "host_transfers", "ssm": "kernel_ssm", "moe": "suites.moe",
            "weight-only": "suites.weight_only"}
 # Flags an --only benchmark runs with ahead of the ones after `--` (which win).
-SINGLE_ARGS = {"moe": ["--sections", "kernels"]}
+SINGLE_ARGS = {"moe": ["--sections", "kernels,routing"]}
 QUICK_DECODE = ["--shapes", "1x4096,1x32768,64x4096,64x32768", "--variants", "mosaic"]
 QUICK_PREFILL = ["--quick", "--shapes", "dense"]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.weight_update import PartialUpdateError, check_params, place_like
 from jaxinfer.model.fused_projections import fuse_projections, is_fused
+from jaxinfer.model.shared_experts import fuse_shared_experts, has_shared_mlp
 from jaxinfer.model.lora.stacks import LORA
 
 
@@ -33,6 +34,8 @@ class TrainingLoopMixin:
         PartialUpdateError), the engine keeps the mix of new and old parameters it then holds."""
         if is_fused(self.runner.params):  # the engine serves q/k/v and gate/up fused
             params = fuse_projections(params)
+        if has_shared_mlp(params) and not has_shared_mlp(self.runner.params):
+            params = fuse_shared_experts(params)  # it serves shared experts in the stacks
         base = {k: v for k, v in self.runner.params.items() if k != LORA}  # (adapters stay)
         check_params(params, base)  # (a refusal before anything changes)
         outs = self._abort_all()

@@ -27,6 +27,7 @@ from jaxinfer.model.experts import RoutedExperts
 from jaxinfer.model.gemm_rows import gemm_rows, plain_rows
 from jaxinfer.model.lora.delta import LoraDelta
 from jaxinfer.model.quant.ops import QuantizedMatmul
+from jaxinfer.model.routing import Router
 from pallas_kernels.attention.backend import REFERENCE, get_backend, registered
 from pallas_kernels.attention.reference import causal_attention_reference
 from pallas_kernels.norm.reference import add_rms_norm_reference
@@ -85,6 +86,8 @@ class KernelTable:
     add_rms_norm: Callable = add_rms_norm_reference
     # Matmuls of one token kept as GEMMs (model/gemm_rows.py): `gemm_rows` on GPUs, else as is.
     gemm_rows: Callable = plain_rows
+    # The MoE router (model/routing.py): `route` + the experts' sort, or the fused Pallas kernel.
+    routing: Router = Router()
     # The MoE layer's routed rows: `RoutedExperts` on one device, `ShardedExperts` over a mesh.
     routed_experts: Callable = RoutedExperts()
     # Every quantized linear layer's matmul (model/quant/ops.py).
@@ -130,7 +133,8 @@ def resolve_kernels(platform: Platform, *, attention: str = "auto", moe: str = "
                     quant: str = "auto", lora: str = "auto",
                     tensor_parallel: int = 1) -> KernelTable:
     """The table of `platform` under the flags (--attention-backend, --moe-impl, --quant-impl,
-    --lora-impl; "auto" decided here): on a GPU the Triton add + norm kernel and two-row GEMMs,
+    --lora-impl; "auto" decided here): on a GPU the Triton add + norm kernel, two-row GEMMs and
+    the fused MoE router (its own token limit sends larger steps to the sort),
     on Hopper under the Mosaic attention backend MLA's latent decode kernel; the per-call-shape
     choices of the MoE and quantized matmuls see the platform through their slots."""
     name = attention_name(platform, attention)
@@ -143,7 +147,8 @@ def resolve_kernels(platform: Platform, *, attention: str = "auto", moe: str = "
                              interpret=platform.interpret))
     if platform.gpu:
         from pallas_kernels.norm.rms_norm import add_rms_norm_triton
-        table = dataclasses.replace(table, add_rms_norm=add_rms_norm_triton, gemm_rows=gemm_rows)
+        table = dataclasses.replace(table, add_rms_norm=add_rms_norm_triton, gemm_rows=gemm_rows,
+                                    routing=Router(fused=True))
     if platform.hopper and name == "mosaic":
         from pallas_kernels.attention.latent_decode_mosaic import MosaicLatentDecode
         table = dataclasses.replace(table, latent_decode=MosaicLatentDecode)

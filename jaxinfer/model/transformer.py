@@ -32,7 +32,7 @@ from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentio
                                      SlidingWindowSpec)
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
-from jaxinfer.model.routing import route
+from jaxinfer.model.shared_experts import stacked_shared
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
 
@@ -131,7 +131,11 @@ class MoE(nn.Module):
         lead = x.shape[:-1]
         x = x.reshape(-1, h)
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
-        experts_w, scales = expert_weights(self, cfg, self.dtype)
+        # Shared experts stored after the routed ones (model/shared_experts.py): the router sends
+        # every token to them too, weight 1, and the one grouped call runs them.
+        in_stacks = cfg.n_shared_experts if stacked_shared(self, cfg.n_shared_experts) else 0
+        experts_w, scales = expert_weights(
+            self, dataclasses.replace(cfg, num_experts=e + in_stacks), self.dtype)
 
         logits = self.kernels.gemm_rows(
             lambda x: jnp.dot(x, router, preferred_element_type=jnp.float32), x, x.shape[0],
@@ -144,8 +148,9 @@ class MoE(nn.Module):
         # bf16 resolves, and they decide the routing.
         score_bias = (self.param("score_bias", nn.initializers.zeros, (e,), jnp.float32)
                       if cfg.score_correction_bias else None)
-        weights, experts = route(cfg, logits, score_bias)  # [T, k]
-        extra = {}
+        weights, experts, dispatch = self.kernels.routing(cfg, logits, score_bias,
+                                                          in_stacks)  # [T, k + in_stacks]
+        extra = {} if dispatch is None else {"dispatch": dispatch}
         if cfg.expert_bias:
             f = cfg.moe_intermediate_size
             zeros = nn.initializers.zeros
@@ -158,7 +163,7 @@ class MoE(nn.Module):
         if cfg.expert_bias:
             down = jnp.einsum("tkh,tk->th", b_down[experts].astype(jnp.float32), weights)
             out = (out.astype(jnp.float32) + down).astype(x.dtype)
-        if cfg.n_shared_experts:  # DeepSeek: one always-on MLP beside the routed experts
+        if cfg.n_shared_experts and not in_stacks:  # DeepSeek: an always-on MLP beside them
             shared = dataclasses.replace(
                 cfg, intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size)
             out = out + MLP(shared, self.dtype, self.kernels, name="shared_experts")(x)

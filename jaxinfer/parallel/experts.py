@@ -36,7 +36,10 @@ class ShardedExperts:
     plan: ShardingPlan
     inner: RoutedExperts
 
-    def __call__(self, x, experts, weights, w, scales=None, *, glu=None, biases=None):
+    def __call__(self, x, experts, weights, w, scales=None, *, glu=None, biases=None,
+                 dispatch=None):
+        # The fused router's dispatch sorts all experts' rows; each device re-sorts its own.
+        del dispatch
         layout = self.plan.expert_layout
         held = self.plan.cfg.num_experts // self.plan.tp if layout == "ep" else None
 

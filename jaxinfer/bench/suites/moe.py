@@ -1,7 +1,7 @@
 """Routed experts on the GPU, one device call: the grouped-matmul kernel beside `ragged_dot` and the
 padded einsum, against ceilings measured in the same run; then the engine end to end on MoE shapes.
 
-    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite moe -- [--sections kernels,qwen,mixtral]
+    PYTHONUNBUFFERED=1 jaxinfer bench throughput --suite moe -- [--sections kernels,routing,qwen,mixtral]
         [--deadline-s 560] [--fp8] [--quantization fp8] [--save [DIR]] [--merge RECORD.json]
     JAX_PLATFORMS=cpu BENCH_TINY_SHAPES=1 jaxinfer bench throughput --suite moe -- --fp8 \
         --quantization fp8 --sections kernels,qwen         # CPU smoke run: tiny shapes
@@ -21,15 +21,19 @@ Sections (each in its own process, time-limited; figures are saved after every p
            `moe_experts` picks; `fp8_mosaic_i`: FP8_SWEEP's) and the XLA paths quantized experts
            run without it (`fp8_padded`, `fp8_ragged`), checked against float32 `ragged_dot` on the
            dequantized weights; their TB/s counts the e4m3 bytes. A table of both closes the run.
+  routing  one MoE layer's router + dispatch, the fused Pallas kernel against `route` and the sort
+           (moe_routing.py), on the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes at 1, 8, 64, 256 and
+           2048 tokens: microseconds each, whether both dispatches are identical.
   qwen     the engine on the Qwen3-30B-A3B shape (dummy bf16), 64 prompts x 512 in / 256 out,
            --max-num-seqs 64: output tok/s and the median step while all 64 decode.
            `--quantization fp8`: every linear and expert e4m3 (experts on the kernel unless
            `--moe-impl xla`, or its check failed in `kernels`), saved as part `qwen_fp8`.
   mixtral  the same on the Mixtral-8x7B shape.
-The kernel section is moe_kernels.py, the engine's moe_engine.py (beside this module), each run in
-its own process. Parts go to $OUT/moe_parts.json as they finish; `--save` writes the
-record moe_<gpu>.json (`--merge`: folded into a stored record, its other keys kept).
-BENCH_TINY_SHAPES=1: tiny shapes (moe_kernels.py, moe_engine.py), no Mosaic kernel timed.
+The kernel section is moe_kernels.py, the routing section moe_routing.py, the engine's
+moe_engine.py (beside this module), each run in its own process. Parts go to
+$OUT/moe_parts.json as they finish; `--save` writes the record moe_<gpu>.json (`--merge`: folded
+into a stored record, its other keys kept). BENCH_TINY_SHAPES=1: tiny shapes (moe_kernels.py,
+moe_routing.py, moe_engine.py), no Mosaic kernel timed, the routing kernel interpreted.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pathlib import Path
 from jaxinfer.bench import results_io
 from jaxinfer.bench.suites.moe_engine import engine_section
 from jaxinfer.bench.suites.moe_kernels import FP8_SWEEP, PHASE_TOKENS, SHAPES, SWEEP, kernel_section
+from jaxinfer.bench.suites.moe_routing import ROUTING_SHAPES, ROUTING_TOKENS, routing_section
 from jaxinfer.paths import REPO_ROOT
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -164,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
                                    args.fp8, not args.no_fp8_sweep,
                                    save=lambda res: save_part("kernels", res))
             name = "kernels"
+        elif args.run_section == "routing":
+            value = routing_section(args.section_s, save=lambda res: save_part("routing", res))
+            name = "routing"
         else:
             value = engine_section(args.run_section, layers=args.layers,
                                    quantization=args.quantization, moe_impl=args.moe_impl)
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         save_record(json.loads(Path(args.from_parts).read_text())["parts"], args)
         return
     start = time.perf_counter()
-    limits = {"kernels": 180, "qwen": 330, "mixtral": 360}
+    limits = {"kernels": 180, "routing": 120, "qwen": 330, "mixtral": 360}
     moe_impl = args.moe_impl
     for name in args.sections.split(","):
         left = args.deadline_s - (time.perf_counter() - start)
@@ -210,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def save_record(parts: dict, args) -> None:
     config = {"shapes": SHAPES, "phase_tokens": PHASE_TOKENS, "sweep": SWEEP,
-              "fp8_sweep": FP8_SWEEP, "parts": parts,
+              "fp8_sweep": FP8_SWEEP, "routing_shapes": ROUTING_SHAPES,
+              "routing_tokens": ROUTING_TOKENS, "parts": parts,
               "engine_workload": "64 prompts x 512 in / 256 out, max 64 seqs, dummy bf16"}
     figures = metrics(parts)
     print(json.dumps(figures, indent=1))

@@ -279,6 +279,7 @@ FAMILIES: dict[str, Family] = {
 
 # Families in a module of their own: architecture -> the module that declares its `FAMILY`.
 MODULES: dict[str, str] = {
+    "Glm4MoeForCausalLM": "jaxinfer.model.glm4_moe",
 }
 
 SUPPORTED_ARCHITECTURES = (*FAMILIES, *MODULES)

@@ -17,6 +17,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import config_from_dict, load_config
+from jaxinfer.model.kv_specs import ChunkedLocalAttentionSpec, FullAttentionSpec
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
 from test_engine_support import assert_all_free, run_all
@@ -35,7 +36,7 @@ def engine_for(family: str, num_blocks: int, max_num_seqs: int) -> LLMEngine:
     return LLMEngine(cfg, params, None, args, num_blocks=num_blocks)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe"])
+@pytest.mark.parametrize("family", ["glm4_moe", "llama4"])
 def test_engine_matches_transformers(family):
     golden = np.load(FIXTURES / family / "golden.npz")
     prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
@@ -93,3 +94,21 @@ def test_glm4_moe_config():
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         config_from_dict({**raw, "partial_rotary_factor": 0.1})
 
+
+def test_llama4_config():
+    cfg = load_config(FIXTURES / "llama4")
+    specs = cfg.layer_kv_specs()
+    assert [type(s) for s in specs] == [ChunkedLocalAttentionSpec] * 3 + [FullAttentionSpec]
+    assert specs[0].attention_chunk == 8
+    assert cfg.family_options.rope_layers == (True, True, True, False)
+    assert cfg.moe_layers == (False, True, False, True)
+    assert (cfg.intermediate_size, cfg.moe_intermediate_size) == (96, 24)
+    raw = {"architectures": ["Llama4ForCausalLM"], "vocab_size": 32, "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_hidden_layers": 4}
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        config_from_dict({**raw, "num_experts_per_tok": 2})
+    with pytest.raises(ConfigError, match="attention_chunk_size"):
+        config_from_dict({**raw, "attention_chunk_size": 0})
+    # Without attention_chunk_size every layer attends globally (the RoPE layers too).
+    assert config_from_dict({**raw, "attention_chunk_size": None}).layer_chunks == ()

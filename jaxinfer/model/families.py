@@ -280,6 +280,7 @@ FAMILIES: dict[str, Family] = {
 # Families in a module of their own: architecture -> the module that declares its `FAMILY`.
 MODULES: dict[str, str] = {
     "Glm4MoeForCausalLM": "jaxinfer.model.glm4_moe",
+    "Llama4ForCausalLM": "jaxinfer.model.llama4",
 }
 
 SUPPORTED_ARCHITECTURES = (*FAMILIES, *MODULES)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.families import Family, Raw, required
 
 # HF's Glm4MoeConfig defaults (hub configs rely on some of them).
@@ -71,7 +72,7 @@ def fields(raw: Raw, layers: int) -> dict:
                 score_correction_bias=True)
 
 
-def tensor_sources(ckpt, name: str, cfg) -> dict | None:
+def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
     """Hub checkpoints hold the multi-token-prediction layer(s) after the last layer
     (num_nextn_predict_layers); HF's model does not load them, nor does this one."""
     m = _LAYER.match(name)

@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.families import Family, Raw, required
+from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.mla import deinterleave
 from jaxinfer.model.norm_rope import apply_rope
 from jaxinfer.model.quant.layers import expert_weights
@@ -135,9 +137,9 @@ class Llama4Attention(Attention):
 class Llama4MoE(nn.Module):
     """Top-1 routed SwiGLU experts whose input is scaled by the router's sigmoid score, and the
     shared expert (params named as transformer.MoE's)."""
-    cfg: object
+    cfg: ModelConfig
     dtype: jnp.dtype
-    kernels: object
+    kernels: KernelTable
 
     @nn.compact
     def __call__(self, x):
@@ -170,7 +172,7 @@ def _half(src: Source, half: int) -> Source:
     return Source((e, h, f), read, src.dtype)
 
 
-def tensor_sources(ckpt, name: str, cfg) -> dict | None:
+def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
     """The experts as HF stores them: gate_up_proj [E, H, 2F] (gate, then up), down_proj
     [E, F, H], already the [E, in, out] stacks the model holds."""
     m = _EXPERTS.fullmatch(name)

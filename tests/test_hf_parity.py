@@ -1,7 +1,8 @@
 """jaxinfer's logits and greedy tokens match HF transformers' on tiny random checkpoints of every
-supported family (fixtures made by tests/fixtures/make_golden.py and make_golden_deepseek.py with
-torch + transformers). The windowed families' (Gemma 2, Gemma 3, gpt-oss: 8-token windows)
-29-token prompt and greedy runs go past the window. The rope of config.json spellings whose fields
+supported family (fixtures made by tests/fixtures/make_golden.py, make_golden_deepseek.py and
+make_golden_families.py with torch + transformers). The windowed families' (Gemma 2, Gemma 3,
+gpt-oss: 8-token windows) 29-token prompt and greedy runs go past the window, Llama 4's past its
+8-token attention chunks. The rope of config.json spellings whose fields
 fall back or default (rope_golden.json, made by make_golden_rope.py) matches HF's per case."""
 
 import dataclasses

@@ -161,3 +161,21 @@ def test_every_layer_windowed_mistral_style():
     mgr.free("b")
     mgr.pool.allocate(12)  # evicts everything: nodes without blocks or children are pruned
     assert mgr.num_cached_blocks == 0 and not mgr.prefix_cache.root.children
+
+
+def test_slots_reserved_ahead_keep_the_blocks_of_the_first_querys_chunk():
+    """A decode loop reserves slots for its later steps before its first step runs: the blocks
+    that step's query reads (its attention chunk) stay held, and go once a later reservation's
+    first query is past them."""
+    from jaxinfer.model.kv_specs import ChunkedLocalAttentionSpec, FullAttentionSpec
+    groups = KVCacheGroups.from_layer_specs([FullAttentionSpec(1, 8),
+                                             ChunkedLocalAttentionSpec(1, 8, attention_chunk=8)])
+    mgr = KVCacheManager(16, BS, groups=groups)
+    assert mgr.allocate_slots("a", 8)  # tokens 0..7: the first chunk, blocks 0 and 1
+    # the loop's first query is at 7 (still chunk 0); slots for 8..11 are reserved with it
+    assert mgr.allocate_slots("a", 4, first_query_pos=7)
+    assert SKIPPED_BLOCK not in mgr.get_block_tables("a")[1]
+    assert mgr.allocate_slots("a", 4, first_query_pos=12)  # the next loop starts in chunk 1
+    assert mgr.get_block_tables("a")[1][:2] == [SKIPPED_BLOCK] * 2
+    mgr.free("a")
+    assert mgr.pool.num_free_blocks == 16

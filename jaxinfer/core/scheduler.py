@@ -278,12 +278,13 @@ class Scheduler:
         self.num_preemptions += 1
         self._requeue_front(seq)
 
-    def grow(self, seq: Sequence, target_tokens: int) -> bool:
+    def grow(self, seq: Sequence, target_tokens: int, first_query_pos: int | None = None) -> bool:
         """Make sure `seq` has KV slots for its first `target_tokens` tokens (also the
-        speculator's, for an on-device speculative loop)."""
+        speculator's, for an on-device speculative loop). `first_query_pos`: a device loop's
+        first query, when it comes before the slots held now (allocate_slots)."""
         need = target_tokens - (self.kv.num_tokens(seq.seq_id) if self.kv.has_request(seq.seq_id)
                                 else 0)
-        return need <= 0 or self.kv.allocate_slots(seq.seq_id, need)
+        return need <= 0 or self.kv.allocate_slots(seq.seq_id, need, first_query_pos)
 
     # ---- n > 1: fork the choices once the shared prompt part is scheduled -------------------
     def _fork_ready_prompts(self) -> None:
@@ -489,6 +490,6 @@ class Scheduler:
         if max(steps) < k:
             return 1
         for d, n in zip(decodes, steps):
-            if not self.grow(d.seq, d.start + n):
+            if not self.grow(d.seq, d.start + n, first_query_pos=d.start):
                 return 1
         return k  # the later tokens are counted once the loop is dispatched (loop_dispatched)

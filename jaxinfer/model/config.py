@@ -1,11 +1,11 @@
 """Model configuration parsed from a Hugging Face `config.json`.
 
-One transformer serves every supported family: the differences between Llama, Mistral, Qwen2,
-Qwen3, Mixtral, Qwen3-MoE, Gemma 2, Gemma 3 and gpt-oss are fields of `ModelConfig` (biases, q/k
-norm, tied embeddings, MoE shape, norms, windows, soft-caps), never separate model code; how each
-architecture's config.json sets them is `families.py`. Anything the model does not implement is
-refused there or here, with the field and value in the message, rather than silently computing
-something else.
+One transformer serves every supported family: most differences between families are fields of
+`ModelConfig` (biases, q/k norm, tied embeddings, MoE shape, norms, windows, chunks, soft-caps);
+a family with layers of its own swaps them in (families.py: `Family.attention`, `Family.moe`).
+How each architecture's config.json sets them is `families.py` or the family's module. Anything
+the model does not implement is refused there or here, with the field and value in the message,
+rather than silently computing something else.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.model import families
 from jaxinfer.model.deepseek import MLAConfig
 from jaxinfer.model.families import required
-from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
-                                     SlidingWindowSpec)
+from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec,
+                                     MLAAttentionSpec, SlidingWindowSpec)
 from jaxinfer.model.quant_scheme import checkpoint_quantization
 from jaxinfer.model.rope import RopeConfig, parse_rope
 from jaxinfer.model.rope import rope_inv_freq as _inv_freq
 
-SUPPORTED_ARCHITECTURES = tuple(families.FAMILIES)
+SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
 __all__ = ["ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES", "config_from_dict",
            "load_config", "rope_inv_freq"]
 
@@ -74,6 +74,12 @@ class ModelConfig:
     attn_sinks: bool = False
     layer_windows: tuple[int | None, ...] = ()
     local_rope: RopeConfig | None = None
+    # Rope over the first rotary_dim dims of each head only (HF's partial_rotary_factor; the rest
+    # pass through); None: the whole head.
+    rotary_dim: int | None = None
+    # Each layer's attention chunk (Llama 4's chunked local layers: a query at p sees keys
+    # p - p % chunk <= j <= p); None: not chunked; () none is.
+    layer_chunks: tuple[int | None, ...] = ()
     # gpt-oss experts: router bias, softmax over the top-k logits (not top-k of the softmax),
     # expert biases and the clamped SwiGLU (up + 1) * gate * sigmoid(alpha * gate).
     router_bias: bool = False
@@ -91,6 +97,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
+    # A family module's own settings (families.py), read by its own layers: a frozen dataclass
+    # of that module's, None for the families of shared layers only.
+    family_options: Any = None
     # DeepSeek-V3's multi-token-prediction modules (num_nextn_predict_layers): checkpoint layers
     # num_layers .. num_layers + mtp_layers - 1, read only by spec_decode/mtp.py (moe_layers
     # covers them too).
@@ -124,9 +133,18 @@ class ModelConfig:
         specs = []
         for layer in range(self.num_layers):
             window = self.layer_window(layer)
-            specs.append(FullAttentionSpec(self.num_kv_heads, self.head_dim) if window is None
-                         else SlidingWindowSpec(self.num_kv_heads, self.head_dim,
-                                                sliding_window=window))
+            chunk = self.layer_chunks[layer] if self.layer_chunks else None
+            if window is not None and chunk is not None:
+                raise ConfigError(f"{self.architecture}: layer {layer} has both a sliding window "
+                                  f"and an attention chunk")
+            if window is not None:
+                specs.append(SlidingWindowSpec(self.num_kv_heads, self.head_dim,
+                                               sliding_window=window))
+            elif chunk is not None:
+                specs.append(ChunkedLocalAttentionSpec(self.num_kv_heads, self.head_dim,
+                                                       attention_chunk=chunk))
+            else:
+                specs.append(FullAttentionSpec(self.num_kv_heads, self.head_dim))
         return tuple(specs)
 
     def layer_rope(self, layer: int) -> RopeConfig:
@@ -134,8 +152,9 @@ class ModelConfig:
 
     @property
     def rope_head_dim(self) -> int:
-        """Width the rotary embedding turns: MLA's decoupled rope dims, else the head."""
-        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+        """Width the rotary embedding turns: MLA's decoupled rope dims, else the head's first
+        rotary_dim (partial rotary), else the head."""
+        return self.mla.qk_rope_head_dim if self.mla else (self.rotary_dim or self.head_dim)
 
     @property
     def kv_widths(self) -> tuple[int, int]:
@@ -185,7 +204,7 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     if not archs:
         raise ConfigError("config.json: field 'architectures' is missing or empty")
     arch = archs[0]
-    family = families.FAMILIES.get(arch)
+    family = families.family(arch)
     if family is None:
         raise ConfigError(
             f"config.json: architectures '{arch}' is not supported "

@@ -1,12 +1,19 @@
-"""What each supported architecture's config.json means for `ModelConfig`: a family is data (HF's
-config defaults, which hub configs rely on) plus `fields`, the few settings that differ from
-Llama's. Adding a family touches this file, the model's switches it sets (transformer.py) and the
-tensor names it stores (weights.py); never the scheduler or the runner.
+"""The model families: architecture name -> `Family`, what its config.json means for
+`ModelConfig` (HF's config defaults, which hub configs rely on, plus `fields`, the settings that
+differ from Llama's), the layers it runs instead of the shared ones, and its tensor names.
+
+A family whose only differences are switches of the shared model is a `Family` entry in
+`FAMILIES` below. A family with layers of its own is one module of jaxinfer/model (e.g.
+glm4_moe.py, llama4.py) that declares `FAMILY = Family(...)`, composed from the shared layers
+(transformer.py, mla.py, routing.py, experts.py), and one line in `MODULES`; it is imported the
+first time a config names its architecture (so the model's modules can look a family up here
+without importing it). docs/ARCHITECTURE.md ("Adding a model family") walks through one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from typing import Any, Callable
 
@@ -233,8 +240,23 @@ def _gpt_oss(raw: Raw, layers: int) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+    """What a family declares.
+
+    - fields(raw, num_layers) -> ModelConfig fields (the settings that differ from Llama's);
+    - normalize(raw) -> raw: HF's config defaults filled in (and what the family refuses);
+    - attention / moe: the flax modules its layers run instead of transformer.py's `Attention`
+      and `MoE` (same constructor and call; None: the shared ones);
+    - tensor_sources(ckpt, name, cfg) -> {param path: Source} for checkpoint tensors stored in a
+      layout of its own ({}: skip the tensor; None: the shared loader maps it);
+    - rename(name) -> name: its checkpoint names spelled as the shared loader's (weights.hf_name);
+    - writable: whether weights.save_safetensors writes its checkpoints in HF's names."""
     fields: Callable[[Raw, int], dict]
     normalize: Callable[[Raw], Raw] = _silu_only
+    attention: Any = None
+    moe: Any = None
+    tensor_sources: Callable | None = None
+    rename: Callable[[str], str] | None = None
+    writable: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -246,8 +268,28 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(_qwen3_moe),
     "Gemma2ForCausalLM": Family(_gemma2, _gemma_defaults(GEMMA2_DEFAULTS)),
     "Gemma3ForCausalLM": Family(_gemma3, _gemma_defaults(GEMMA3_DEFAULTS)),
-    "Gemma3ForConditionalGeneration": Family(_gemma3_multimodal_fields, _gemma3_multimodal),
-    "GptOssForCausalLM": Family(_gpt_oss, _gpt_oss_normalize),
-    "DeepseekV2ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v2),
-    "DeepseekV3ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v3),
+    "Gemma3ForConditionalGeneration": Family(_gemma3_multimodal_fields, _gemma3_multimodal,
+                                             writable=False),
+    "GptOssForCausalLM": Family(_gpt_oss, _gpt_oss_normalize, writable=False),
+    "DeepseekV2ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v2,
+                                    writable=False),
+    "DeepseekV3ForCausalLM": Family(deepseek.deepseek_fields, deepseek.normalize_v3,
+                                    writable=False),
 }
+
+# Families in a module of their own: architecture -> the module that declares its `FAMILY`.
+MODULES: dict[str, str] = {
+    "Glm4MoeForCausalLM": "jaxinfer.model.glm4_moe",
+    "Llama4ForCausalLM": "jaxinfer.model.llama4",
+}
+
+SUPPORTED_ARCHITECTURES = (*FAMILIES, *MODULES)
+
+
+def family(architecture: str) -> Family | None:
+    """The family of `architecture` (its module imported on first use), None if unsupported."""
+    if architecture in FAMILIES:
+        return FAMILIES[architecture]
+    if architecture in MODULES:
+        return importlib.import_module(MODULES[architecture]).FAMILY
+    return None

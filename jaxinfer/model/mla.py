@@ -74,7 +74,7 @@ class MLAttention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None):
+    def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None, positions=None):
         """As `Attention`: paged (x [T, H], kv = (latent cache, empty V cache), md) or dense
         (x [B, L, H], kv None). LoRA adapters do not cover MLA's projections (peft.py refuses)."""
         cfg, m = self.cfg, self.cfg.mla

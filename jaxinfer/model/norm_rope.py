@@ -53,9 +53,10 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF's non-interleaved layout). x: [..., heads, D]; cos/sin: [..., D/2]."""
+    """Rotate-half RoPE (HF's non-interleaved layout). x: [..., heads, D]; cos/sin: [..., R/2]
+    turning the first R dims (R < D: partial rotary, the rest pass through as HF's)."""
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
+    half = cos.shape[-1]
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
     c, s = cos[..., None, :], sin[..., None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype)

@@ -3,8 +3,10 @@
 `forward` is a pure function of (params, token ids, positions, KV cache, attention metadata) that
 returns (logits, updated KV cache), so the engine jits it with the cache donated. Family differences
 (biases, q/k norm, tied embeddings, MoE layers; Gemma's (1 + w) sandwich norms, GeGLU, scaled
-embeddings and soft-caps; sliding windows, sinks and per-layer rope; gpt-oss's experts) are
-`ModelConfig` fields (families.py says which family sets which). Every kernel (attention, the
+embeddings and soft-caps; sliding windows, chunks, sinks, partial and per-layer rope; gpt-oss's
+experts) are `ModelConfig` fields (families.py says which family sets which); a family with
+layers of its own (glm4_moe.py, llama4.py) composes them from these and swaps them in through its
+`Family` (the attention of each layer, the MoE). Every kernel (attention, the
 add + norm, experts, quantized matmuls, LoRA) comes from the kernel table the caller passes
 (kernel_table.py).
 
@@ -22,14 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.model import families
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.gemm_rows import Dense
 from jaxinfer.model.kernel_table import REFERENCE_KERNELS, KernelTable
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
-from jaxinfer.model.kv_specs import (FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
-                                     SlidingWindowSpec)
+from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec,
+                                     MLAAttentionSpec, SlidingWindowSpec)
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
 from jaxinfer.model.shared_experts import stacked_shared
@@ -48,45 +51,69 @@ class Attention(nn.Module):
     kernels: KernelTable
     dtype: jnp.dtype
     window: int | None = None  # this layer's sliding window; None: full attention
+    chunk: int | None = None  # this layer's attention chunk (chunked local); None: not chunked
+    layer: int = 0  # which layer (a family's attention may differ per layer)
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None):
+    def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None, positions=None):
         """Paged path: x [T, H] with kv=(k_cache, v_cache) and md. Dense path (training):
         x [B, L, H] with kv=None, causal within each row. `lora_slot` i32[T]: each token's LoRA
-        slot (None: no LoRA)."""
+        slot (None: no LoRA). `positions` (x's leading shape): unused here, read by a family's
+        attention (Llama 4's temperature tuning)."""
         cfg = self.cfg
-        d = cfg.head_dim
+        q, k, v = self.qkv(x, lora_slot)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim, per head, before RoPE
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, offset=cfg.norm_offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, offset=cfg.norm_offset, name="k_norm")(k)
+        self.sow_kv(k, v)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, new_kv = self.attend(q, k, v, kv, md)
+        return self.output(out, lora_slot), new_kv
+
+    # The steps of __call__, which a family's attention (families.py) composes with its own.
+
+    def qkv(self, x, lora_slot=None):
+        """q [..., Hq, D], k and v [..., Hkv, D] of x [..., H]."""
+        cfg, d = self.cfg, self.cfg.head_dim
         dense = linear(cfg, self.dtype, self.kernels)
         adapt = functools.partial(self.kernels.lora_delta, self, lora_slot)
         q, k, v = project(self, functools.partial(dense, use_bias=cfg.qkv_bias), x,
                           (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
                            ("v_proj", cfg.num_kv_heads * d)), "qkv_proj", adapt)
-        q = q.reshape(*x.shape[:-1], cfg.num_heads, d)
-        k = k.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
-        v = v.reshape(*x.shape[:-1], cfg.num_kv_heads, d)
-        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim, per head, before RoPE
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, offset=cfg.norm_offset, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, offset=cfg.norm_offset, name="k_norm")(k)
-        # What the KV cache will hold, before RoPE, for fp8 scale calibration (kv_scales.py); a
-        # no-op unless applied with mutable "intermediates". Sown here, not captured from the
-        # projections, so fused (qkv_proj) and split layouts calibrate alike.
+        return (q.reshape(*x.shape[:-1], cfg.num_heads, d),
+                k.reshape(*x.shape[:-1], cfg.num_kv_heads, d),
+                v.reshape(*x.shape[:-1], cfg.num_kv_heads, d))
+
+    def sow_kv(self, k, v):
+        """What the KV cache will hold, before RoPE, for fp8 scale calibration (kv_scales.py); a
+        no-op unless applied with mutable "intermediates". Sown here, not captured from the
+        projections, so fused (qkv_proj) and split layouts calibrate alike."""
         self.sow("intermediates", "k", k)
         self.sow("intermediates", "v", v)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q, k, v, kv=None, md=None):
+        """-> (attention output [..., Hq, D], the new (k_cache, v_cache) or None): the paged
+        kernels with kv and md, else the dense causal path; this layer's window or chunk."""
+        cfg = self.cfg
         variant = dict(scale=cfg.score_scale, softcap=cfg.attn_softcap, window=self.window)
+        if self.chunk is not None:
+            variant["chunk"] = self.chunk
         if cfg.attn_sinks:  # gpt-oss: one logit per query head in the softmax denominator
             sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_heads,), self.dtype)
             variant["sinks"] = sinks.astype(jnp.float32)
         if kv is None:
-            out = self.kernels.dense_attention(q, k, v, **variant)
-            new_kv = None
-        else:
-            attention = self.kernels.attention
-            k_cache, v_cache = attention.write_kv(*kv, k, v, md.slot_mapping)
-            out = attention(q, k_cache, v_cache, md, **variant)
-            new_kv = (k_cache, v_cache)
-        out = out.reshape(*x.shape[:-1], cfg.num_heads * d)
-        return adapt("o_proj", out, dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out)), new_kv
+            return self.kernels.dense_attention(q, k, v, **variant), None
+        attention = self.kernels.attention
+        k_cache, v_cache = attention.write_kv(*kv, k, v, md.slot_mapping)
+        return attention(q, k_cache, v_cache, md, **variant), (k_cache, v_cache)
+
+    def output(self, out, lora_slot=None):
+        """o_proj of the heads' outputs [..., Hq, D] -> [..., H]."""
+        cfg = self.cfg
+        dense = linear(cfg, self.dtype, self.kernels)
+        adapt = functools.partial(self.kernels.lora_delta, self, lora_slot)
+        out = out.reshape(*out.shape[:-2], cfg.num_heads * cfg.head_dim)
+        return adapt("o_proj", out, dense(cfg.hidden_size, use_bias=cfg.o_bias, name="o_proj")(out))
 
 
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(nn.gelu, approximate=True)}
@@ -171,13 +198,17 @@ class MoE(nn.Module):
 
 
 def _attention(cfg: ModelConfig, spec: KVCacheSpec, kernels: KernelTable,
-               dtype: jnp.dtype) -> nn.Module:
-    """The attention module a layer of this KV-cache spec runs (kv_specs.py): the spec, not the
-    family, picks the kernels and their window."""
+               dtype: jnp.dtype, layer: int) -> nn.Module:
+    """The attention module a layer of this KV-cache spec runs (kv_specs.py): the spec picks the
+    kernels and their window or chunk; a family with attention of its own (families.py) swaps
+    its module in for `Attention`."""
     if isinstance(spec, MLAAttentionSpec):
         return MLAttention(cfg, kernels, dtype, name="attn")
+    module = families.family(cfg.architecture).attention or Attention
     if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
-        return Attention(cfg, kernels, dtype, spec.window, name="attn")
+        return module(cfg, kernels, dtype, spec.window, layer=layer, name="attn")
+    if type(spec) is ChunkedLocalAttentionSpec:
+        return module(cfg, kernels, dtype, chunk=spec.attention_chunk, layer=layer, name="attn")
     raise ConfigError(f"{cfg.architecture}: no attention kernel runs {spec.label} layers yet "
                       f"(docs/feature_matrix.md)")
 
@@ -188,9 +219,10 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     moe: bool
     kv_spec: KVCacheSpec | None = None  # this layer's (None: the config's first layer's)
+    layer: int = 0
 
     @nn.compact
-    def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None):
+    def __call__(self, x, delta, cos, sin, kv=None, md=None, lora_slot=None, positions=None):
         """-> (residual stream, this layer's MLP output, new KV): the stream after the layer is
         their sum, which the next norm adds (`delta`: the previous layer's MLP output, None in the
         first layer), so the table's add + norm kernel does both."""
@@ -202,15 +234,16 @@ class DecoderLayer(nn.Module):
         else:
             x, h = norm(name="input_norm")(x, delta)
         spec = self.kv_spec or cfg.layer_kv_specs()[0]
-        attn_out, new_kv = _attention(cfg, spec, self.kernels, self.dtype)(
-            h, cos, sin, kv, md, lora_slot)
+        attn_out, new_kv = _attention(cfg, spec, self.kernels, self.dtype, self.layer)(
+            h, cos, sin, kv, md, lora_slot, positions)
         if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
             attn_out = norm(name="post_attn_norm")(attn_out)
             x, h = norm(name="pre_ff_norm")(x, attn_out)
         else:
             x, h = norm(name="post_attn_norm")(x, attn_out)
         if self.moe:
-            out = MoE(cfg, self.dtype, self.kernels, name="moe")(h)
+            moe = families.family(cfg.architecture).moe or MoE
+            out = moe(cfg, self.dtype, self.kernels, name="moe")(h)
         else:
             out = MLP(cfg, self.dtype, self.kernels, name="mlp")(h, lora_slot)
         if cfg.sandwich_norms:
@@ -247,9 +280,8 @@ class Transformer(nn.Module):
                 self.sow("aux", f"layer_{i}", x if delta is None else x + delta)
             with jax.named_scope(f"layer_{i}"):
                 x, delta, layer_kv = DecoderLayer(cfg, kernels, self.dtype, cfg.layer_is_moe(i),
-                                                  kv_specs[i],
-                                                  name=f"layers_{i}")(x, delta, cos, sin, kv,
-                                                                     layer_md, lora_slot)
+                                                  kv_specs[i], i, name=f"layers_{i}")(
+                    x, delta, cos, sin, kv, layer_md, lora_slot, positions)
             if new_cache is not None:
                 new_cache[slot] = layer_kv
         _, hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernels.add_rms_norm,

@@ -26,6 +26,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from jaxinfer.model import families
 from jaxinfer.model.config import ModelConfig, not_a_model_dir
 from jaxinfer.errors import CheckpointError
 from jaxinfer.model.quant import loading as quant_loading
@@ -53,8 +54,6 @@ _VISION = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..*")
 _MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 # MoE params stored under their own names (the expert stacks are gathered by pattern).
 _MOE_NAMED = ("router", "router_bias", "score_bias", "shared_experts")
-_NOT_WRITTEN = (GPT_OSS, "Gemma3ForConditionalGeneration", "DeepseekV2ForCausalLM",
-                "DeepseekV3ForCausalLM")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -160,8 +159,12 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
     sources: dict[tuple[str, ...], Source] = {}
     experts: dict[tuple[str, ...], dict[int, str]] = {}
     multimodal = cfg.architecture == "Gemma3ForConditionalGeneration"
+    family = families.family(cfg.architecture)
     for name in ckpt.names():
         if IGNORED.fullmatch(name) or (multimodal and _VISION.fullmatch(name)):
+            continue
+        if family.tensor_sources and (own := family.tensor_sources(ckpt, name, cfg)) is not None:
+            sources.update(own)
             continue
         if cfg.mla and (m := _LAYER.match(name)) and int(m[1]) >= cfg.num_layers:
             continue  # DeepSeek-V3's multi-token-prediction layer (not loaded: docs/MLA.md)
@@ -182,7 +185,8 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, expected: dict,
                 sources[(*key, "w_gate")] = fused_gate_up(ckpt, name, 0)
                 sources[(*key, "w_up")] = fused_gate_up(ckpt, name, 1)
             continue
-        key = by_name.get(_canonical(name))
+        # (a family's own spelling renamed as the shared loader spells it)
+        key = by_name.get(_canonical(family.rename(name) if family.rename else name))
         if key is None:
             raise CheckpointError(f"'{ckpt.file_of(name).name}': unexpected tensor '{name}' (shape "
                                   f"{list(ckpt.shape(name))}) for a {cfg.architecture} with this "
@@ -282,7 +286,7 @@ def _hf_items(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarra
 def save_safetensors(params: Params, cfg: ModelConfig, out_dir: str | Path,
                      filename: str = "model.safetensors") -> Path:
     """Write params under HF tensor names (the hub's per-expert layout for MoE)."""
-    if cfg.architecture in _NOT_WRITTEN:
+    if not families.family(cfg.architecture).writable:
         raise CheckpointError(f"writing {cfg.architecture} checkpoints is not supported")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

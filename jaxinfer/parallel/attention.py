@@ -64,9 +64,11 @@ class ShardedAttention:
                           specs["cache"])(k_cache, k, slot_mapping)
 
     def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None,
-                 window: int | None = None, sinks: jax.Array | None = None):
+                 window: int | None = None, sinks: jax.Array | None = None,
+                 chunk: int | None = None):
         specs = attention_specs(self.plan)
-        local = functools.partial(self.inner.__call__, scale=scale, softcap=softcap, window=window)
+        local = functools.partial(self.inner.__call__, scale=scale, softcap=softcap, window=window,
+                                  chunk=chunk)
         in_specs = (specs["q"], specs["cache"], specs["cache"], specs["md"])
         if sinks is None:
             return _shard_map(local, self.plan, in_specs, specs["q"])(q, k_cache, v_cache, md)

@@ -77,6 +77,7 @@ class Speculator:
                        for d in decodes)):
             return 1
         for d in decodes:
-            if not scheduler.grow(d.seq, min(d.start + n * (k + 1), d.seq.token_limit - 1)):
+            if not scheduler.grow(d.seq, min(d.start + n * (k + 1), d.seq.token_limit - 1),
+                                  first_query_pos=d.start):
                 return 1  # what it did reserve goes back with the proposals' (truncate)
         return n

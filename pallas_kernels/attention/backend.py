@@ -16,7 +16,10 @@ The attention variants, the same keywords on every backend and wrapper:
 - `window: int | None` (static): a query at position p sees keys at p - window < j <= p (HF's
   sliding window); None = full causal;
 - `sinks: float32[Hq] | None` (traced): one learned logit per query head added to the softmax
-  denominator, its probability dropped (gpt-oss).
+  denominator, its probability dropped (gpt-oss);
+- `chunk: int | None` (static, the wrapper's only): a query at p sees keys p - p % chunk <= j <= p
+  (Llama 4's chunked local layers). A backend whose kernels take it says `chunked_local`; the
+  others run those layers on the reference's decode and prefill (correct, not fast).
 
 Kernel modules register themselves in `_BACKENDS` lazily (importing a Mosaic GPU module on a CPU
 machine is fine, but compiling it is not), so adding a kernel touches this file only.
@@ -47,13 +50,21 @@ class AttentionBackend:
     # kernel gives each such row a whole query tile per *query* head (Hq/Hkv times the K/V reads of
     # the decode kernel, and a 128-row matmul for one row). The reference gains nothing from it.
     split_mixed_steps: bool = False
+    # Whether `decode` and `prefill` take the `chunk` keyword (the module docstring).
+    chunked_local: bool = False
 
     def __call__(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  md: AttentionMetadata, *, scale: float, softcap: float | None = None,
-                 window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
+                 window: int | None = None, sinks: jax.Array | None = None,
+                 chunk: int | None = None) -> jax.Array:
         """Attention for every token of the step: decode tokens first, then the ragged prefill part."""
-        return _attend(self, q, k_cache, v_cache, md, sinks, scale=scale, softcap=softcap,
-                       window=window)
+        backend = self
+        if chunk is not None and not self.chunked_local:
+            backend = dataclasses.replace(self, decode=reference.paged_decode_reference,
+                                          prefill=reference.ragged_prefill_reference,
+                                          split_mixed_steps=False, chunked_local=True)
+        return _attend(backend, q, k_cache, v_cache, md, sinks, scale=scale, softcap=softcap,
+                       window=window, chunk=chunk)
 
     def for_layer(self, i: int) -> "AttentionBackend":
         """The backend layer i calls: the same for every layer (`kv_quant.FP8KVAttention` gives
@@ -64,10 +75,13 @@ class AttentionBackend:
 # A nested jit: every layer calls attention with the same shapes, so the kernels are traced and
 # lowered once per step shape instead of once per layer (Mosaic GPU kernels are lowered in Python,
 # which is a large part of a step's compile time; XLA inlines the call, so nothing changes at run time).
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("scale", "softcap", "window"))
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("scale", "softcap", "window", "chunk"))
 def _attend(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionMetadata, sinks, *,
-            scale, softcap, window):
+            scale, softcap, window, chunk=None):
     variant = dict(scale=scale, softcap=softcap, window=window, sinks=sinks)
+    if chunk is not None:
+        variant["chunk"] = chunk
     nd = md.num_decodes
     t = q.shape[0]
     if nd == 0 and backend.split_mixed_steps and md.num_seqs:
@@ -104,7 +118,7 @@ def _attend_mixed(backend: AttentionBackend, q, k_cache, v_cache, md: AttentionM
 
 
 REFERENCE = AttentionBackend("reference", reference.paged_decode_reference,
-                             reference.ragged_prefill_reference)
+                             reference.ragged_prefill_reference, chunked_local=True)
 
 # name -> "module:attribute" of an AttentionBackend, imported on first use.
 _BACKENDS: dict[str, str] = {}

@@ -69,11 +69,12 @@ class FP8LayerAttention:
                                    quantize(v, self.v_scale, v_cache.dtype), slot_mapping)
 
     def __call__(self, q, k_cache, v_cache, md, *, scale: float, softcap: float | None = None,
-                 window: int | None = None, sinks: jax.Array | None = None):
+                 window: int | None = None, sinks: jax.Array | None = None,
+                 chunk: int | None = None):
         # The k scale sits in q, so scores (and the softcap and sinks that act on them) are as
         # with a bf16 cache.
         out = self.inner(_scaled(q, self.k_scale), k_cache, v_cache, md, scale=scale,
-                         softcap=softcap, window=window, sinks=sinks)
+                         softcap=softcap, window=window, sinks=sinks, chunk=chunk)
         return _scaled(out, self.v_scale)
 
 

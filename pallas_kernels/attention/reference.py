@@ -70,16 +70,25 @@ def _softcap(scores: jax.Array, softcap: float | None) -> jax.Array:
     return scores if not softcap else softcap * jnp.tanh(scores / softcap)
 
 
-def in_window(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+def in_window(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
+              chunk: int | None = None) -> jax.Array:
     """Whether a query at q_pos sees the key at k_pos: causal, and with a sliding window only the
-    last `window` positions (HF's convention: q_pos - k_pos < window; the key at q_pos included)."""
+    last `window` positions (HF's convention: q_pos - k_pos < window; the key at q_pos included);
+    with a chunk only the keys of its own chunk, q_pos - q_pos % chunk <= k_pos (Llama 4's
+    chunked local attention)."""
     visible = k_pos <= q_pos
-    return visible if window is None else visible & (q_pos - k_pos < window)
+    if window is not None:
+        visible = visible & (q_pos - k_pos < window)
+    if chunk is not None:
+        visible = visible & (k_pos >= q_pos - q_pos % chunk)
+    return visible
 
 
-def check_window(window: int | None) -> None:
+def check_window(window: int | None, chunk: int | None = None) -> None:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window={window!r} must be a positive int (or None for full attention)")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk={chunk!r} must be a positive int (or None for no chunks)")
 
 
 def masked_softmax_rows(scores: jax.Array, valid: jax.Array, sinks: jax.Array | None) -> jax.Array:
@@ -104,7 +113,8 @@ QUERY_CHUNK = 32
 
 def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
                  last_pos: jax.Array, *, scale: float, softcap: float | None,
-                 window: int | None, sinks: jax.Array | None) -> jax.Array:
+                 window: int | None, sinks: jax.Array | None,
+                 chunk: int | None = None) -> jax.Array:
     """Each query row attends to its own sequence's context positions 0..last_pos (inclusive;
     last_pos < 0 = no keys, output 0), only the last `window` of them with a window. q: [N, Hq, D];
     tables: [N, M] block table of each row's sequence; last_pos: [N]; sinks: [Hq] or None. Rows
@@ -119,7 +129,7 @@ def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: j
         v = gather_context(v_cache, table[None])[0].astype(jnp.float32)
         qg = qi.astype(jnp.float32).reshape(hkv, hq // hkv, d)
         scores = _softcap(jnp.einsum("kgd,lkd->kgl", qg, k) * scale, softcap)
-        valid = in_window(last, jnp.arange(k.shape[0]), window)
+        valid = in_window(last, jnp.arange(k.shape[0]), window, chunk)
         p = masked_softmax_rows(scores, valid, sink_g)
         return jnp.einsum("kgl,lkd->kgd", p, v).reshape(hq, d)
 
@@ -130,12 +140,12 @@ def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: j
 def paged_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, scale: float,
                            softcap: float | None = None, window: int | None = None,
-                           sinks: jax.Array | None = None) -> jax.Array:
+                           sinks: jax.Array | None = None, chunk: int | None = None) -> jax.Array:
     """One query token per sequence (the last of its context). q: [S, Hq, D] -> [S, Hq, D];
     seq_lens == 0 gives zeros."""
-    check_window(window)
+    check_window(window, chunk)
     return _attend_rows(q, k_cache, v_cache, block_tables, seq_lens - 1, scale=scale,
-                        softcap=softcap, window=window, sinks=sinks)
+                        softcap=softcap, window=window, sinks=sinks, chunk=chunk)
 
 
 def token_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
@@ -154,32 +164,34 @@ def ragged_prefill_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
                              query_start_loc: jax.Array, seq_lens: jax.Array,
                              block_tables: jax.Array, *, scale: float,
                              softcap: float | None = None, window: int | None = None,
-                             sinks: jax.Array | None = None) -> jax.Array:
+                             sinks: jax.Array | None = None,
+                             chunk: int | None = None) -> jax.Array:
     """Ragged causal attention: sequence s owns tokens query_start_loc[s]:query_start_loc[s+1]; they
     are the last tokens of its context of seq_lens[s] tokens (earlier ones are already cached).
     q: [T, Hq, D] -> [T, Hq, D]; tokens that belong to no sequence give zeros."""
-    check_window(window)
+    check_window(window, chunk)
     seq, pos = token_positions(query_start_loc, seq_lens, q.shape[0])
     owned = seq < seq_lens.shape[0]
     tables = block_tables[jnp.minimum(seq, seq_lens.shape[0] - 1)]
     return _attend_rows(q, k_cache, v_cache, tables, jnp.where(owned, pos, -1), scale=scale,
-                        softcap=softcap, window=window, sinks=sinks)
+                        softcap=softcap, window=window, sinks=sinks, chunk=chunk)
 
 
 def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                                softcap: float | None = None, causal: bool = True,
                                window: int | None = None,
-                               sinks: jax.Array | None = None) -> jax.Array:
+                               sinks: jax.Array | None = None,
+                               chunk: int | None = None) -> jax.Array:
     """Dense batched attention without a cache (training and kernel tests).
-    q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. A window implies causal."""
-    check_window(window)
+    q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. A window or chunk implies causal."""
+    check_window(window, chunk)
     b, l, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, l, hkv, hq // hkv, d)
     scores = _softcap(jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)) * scale, softcap)
     pos = jnp.arange(l)
-    if causal or window is not None:
-        valid = in_window(pos[:, None], pos[None, :], window)
+    if causal or window is not None or chunk is not None:
+        valid = in_window(pos[:, None], pos[None, :], window, chunk)
     else:
         valid = jnp.ones((l, l), dtype=bool)
     sink_g = None if sinks is None else sinks.astype(jnp.float32).reshape(hkv, hq // hkv, 1)

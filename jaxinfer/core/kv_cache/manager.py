@@ -221,7 +221,8 @@ class KVCacheManager(HostOffloadMixin):
         return num_computed
 
     # ---- growth --------------------------------------------------------------------------
-    def allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
+    def allocate_slots(self, request_id: Hashable, num_new_tokens: int,
+                       first_query_pos: int | None = None) -> bool:
         """Give the request slots for ``num_new_tokens`` more tokens (a prefill chunk or a decode).
 
         Allocates blocks on demand as tokens cross block boundaries. If the request's last block
@@ -235,7 +236,9 @@ class KVCacheManager(HostOffloadMixin):
 
         Groups that free blocks (windowed, chunked) first release those no query from the
         request's current length on reads (the new tokens start there; no earlier query is
-        scheduled again), so the new blocks can reuse them."""
+        scheduled again), so the new blocks can reuse them; `first_query_pos` instead when slots
+        are reserved ahead for a device loop whose first query comes earlier (a decode loop's
+        first step: the blocks it reads must not be handed to another sequence of the loop)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
         req = self._requests.get(request_id)
@@ -257,7 +260,8 @@ class KVCacheManager(HostOffloadMixin):
             req.num_tokens = new_tokens
             return True
         if self._partial:
-            self._skip_unneeded(req, old_tokens)
+            self._skip_unneeded(req, old_tokens if first_query_pos is None
+                                else min(first_query_pos, old_tokens))
         if num_new_blocks * len(tables) + len(cow) > pool.num_free_blocks:
             if registered_here:
                 del self._requests[request_id]  # leave no trace of a request we registered

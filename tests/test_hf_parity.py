@@ -19,7 +19,7 @@ from jaxinfer.model.config import (SUPPORTED_ARCHITECTURES, config_from_dict, lo
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.kernel_table import REFERENCE_KERNELS
 from jaxinfer.model.routing import Router
-from jaxinfer.model.shared_experts import fuse_shared_experts
+from jaxinfer.model.shared_experts import fuse_shared_experts, stackable
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
 from pallas_kernels.moe.routing_kernel import TOKEN_LIMIT
@@ -28,7 +28,8 @@ from pallas_kernels.attention.metadata import AttentionMetadata
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
 MOE_FAMILIES = [f for f in FAMILIES if load_config(FIXTURES / f).num_experts]
-SHARED_FAMILIES = [f for f in MOE_FAMILIES if load_config(FIXTURES / f).n_shared_experts]
+SHARED_FAMILIES = [f for f in MOE_FAMILIES if load_config(FIXTURES / f).n_shared_experts
+                   and stackable(load_config(FIXTURES / f))]
 # The fused MoE router (its Pallas kernel interpreted) in place of `route` and the sort, at
 # every step these tests run (prefill included).
 FUSED_ROUTING = dataclasses.replace(REFERENCE_KERNELS, routing=Router(fused=True, interpret=True,

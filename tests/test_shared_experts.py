@@ -3,6 +3,8 @@ rewrite of host (numpy) and device trees alike, only where a plain shared MLP ex
 split MLP's sum equal to the whole one, and an engine on them that decodes alike and takes
 separate updates."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,14 @@ def test_an_engine_on_stacked_shared_experts_decodes_alike_and_takes_separate_up
     separate.update_weights(update)
     assert not has_shared_mlp(stacked.runner.params)
     assert tokens(stacked) == tokens(separate)
+
+
+def test_a_family_with_its_own_moe_keeps_the_checkpoint_layout():
+    """Llama 4's MoE layer (llama4.py) reads its shared expert as a separate MLP: the serving
+    rewrite leaves it alone, while the shared MoE's families are rewritten."""
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.shared_experts import stackable
+    fixtures = Path(__file__).parent / "fixtures" / "models"
+    assert not stackable(load_config(fixtures / "llama4"))
+    assert stackable(load_config(fixtures / "deepseek_v3"))
+    assert stackable(None)

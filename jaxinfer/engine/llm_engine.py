@@ -235,7 +235,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         with startup.phase("weights"):
             params = jax.block_until_ready(fuse_for_serving(
                 load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
-                            shardings=plan.params(shapes)), current_platform()))
+                            shardings=plan.params(shapes)), current_platform(), cfg))
             draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
         with startup.phase("kv_plan_and_alloc"):
             params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model.shared_experts import fuse_shared_experts
+from jaxinfer.model.shared_experts import fuse_shared_experts, stackable
 
 # module name in a layer -> (fused projection, the projections it replaces, in output order)
 GROUPS = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -70,15 +70,17 @@ def is_fused(params: dict) -> bool:
                if name.startswith("layers_") for module, (fused, _) in GROUPS.items())
 
 
-def fuse_for_serving(params: dict, platform) -> dict:
+def fuse_for_serving(params: dict, platform, cfg=None) -> dict:
     """The tree an engine serves on `platform` (kernel_table.Platform): fused (the loaded buffers
     donated) when every leaf lives on one GPU, where the fused matmuls are measured faster, and
     the shared experts stored in the expert stacks (shared_experts.py: one grouped call); else
     as loaded (a tree sharded over several devices; the CPU, where XLA's matmuls have no such
-    tail)."""
+    tail). `cfg`: the model's config, whose family may run an MoE layer of its own that reads
+    only the checkpoint's layout (shared_experts.stackable)."""
     devices = {d for leaf in jax.tree.leaves(params) for d in leaf.sharding.device_set}
     if len(devices) == 1 and platform.gpu:
-        return fuse_shared_experts(fuse_projections(params, donate=True), donate=True)
+        fused = fuse_projections(params, donate=True)
+        return fuse_shared_experts(fused, donate=True) if stackable(cfg) else fused
     return params
 
 

@@ -64,6 +64,15 @@ def fuse_shared_experts(params: dict, *, donate: bool = False) -> dict:
     return out
 
 
+def stackable(cfg) -> bool:
+    """Whether the model's MoE layers run their shared experts from the stacks: transformer.MoE
+    does (`stacked_shared`); a family's own MoE layer (families.Family.moe: Llama 4's) reads the
+    checkpoint's layout only. None (no config): the shared MoE."""
+    from jaxinfer.model.families import family
+    fam = cfg and family(cfg.architecture)
+    return fam is None or fam.moe is None
+
+
 def has_shared_mlp(params: dict) -> bool:
     """Whether some MoE layer of `params` holds its shared experts as a separate MLP."""
     return any(SHARED in layer.get("moe", {}) for name, layer in params.items()

@@ -15,11 +15,13 @@ The objective's ratio compares the training forward's logprobs with the ones the
 with; with one gradient step per batch it is 1 up to numerics, and `logprob_drift` (mean absolute
 difference per token) reports how closely the engine's logprobs match the trainer's.
 
-    JAX_PLATFORMS=cpu python -m examples.grpo_demo --save           # a few minutes on a CPU
-    python -m examples.grpo_demo --steps 40 --group 16 --save        # an accelerator
+    JAX_PLATFORMS=cpu python -m examples.grpo_demo                  # a few minutes on a CPU
+    python -m examples.grpo_demo --steps 40 --group 16 --save out/   # an accelerator
 
-Writes the reward curve to benchmarks/results/grpo_demo_<device>.png (needs matplotlib, the
-`bench` extra; skipped without it) and, with --save, the run's record (jaxinfer/bench/results_io.py).
+Writes the reward curve to DIR/grpo_demo_<device>.png (needs matplotlib, the `bench` extra;
+skipped without it) and, with --save DIR, the run's record there (jaxinfer/bench/results_io.py).
+DIR is ./bench_results without --save: a demo run never rewrites the checkout's tracked record,
+which only `--save benchmarks/results` replaces.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def plot(path: Path, rewards: list[float], title: str) -> bool:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
     return True
@@ -118,7 +121,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
-    results_io.add_save_arg(ap, "grpo_demo_<device>")
+    ap.add_argument("--save", default=None, metavar="DIR",
+                    help="write the run's record and plot to DIR (benchmarks/results replaces "
+                         "the checkout's tracked record; default: no record, plot to "
+                         "./bench_results)")
+    ap.add_argument("--name", "--record", dest="name", default=None,
+                    help="the record's name (default: grpo_demo_<device>)")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, dtype="float32", max_model_len=256, block_size=16,
@@ -162,7 +170,7 @@ def main() -> None:
     slope = float(np.polyfit(np.arange(len(rewards)), rewards, 1)[0]) if len(rewards) > 1 else 0.0
     device = results_io.device_slug()
     name = args.name or f"grpo_demo_{device}"
-    png = Path(args.save or results_io.RESULTS_DIR) / f"{name}.png"
+    png = Path(args.save or "bench_results") / f"{name}.png"
     plotted = plot(png, rewards, f"GRPO demo ({Path(args.model).name}, {len(PROMPTS)} prompts x "
                                  f"{args.group}, {args.max_tokens} tokens, lr {args.lr:g})\n"
                                  f"reward: share of line prefixes that parse as Python")

@@ -19,7 +19,7 @@ from test_engine_support import make_engine, prompt_ids, run_all
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # 16 sequences, 64-token steps: token buckets 16/32/64, decode buckets 8/16. The first set is
-# mixed 64 + decode 8; decode 16, mixed 16 and mixed 32 come later.
+# mixed 64, mixed 32 (a short prompt's) + decode 8; decode 16 and mixed 16 come later.
 SHAPE = dict(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_chunk=24)
 # 12 requests side by side: prefill chunks of every size, then pure decodes of 12 rows (decode 16).
 WORKLOAD = [(prompt_ids(500 + i, 3 + 4 * i), 5 + i % 4) for i in range(12)]
@@ -72,14 +72,15 @@ def test_unready_buckets_are_served_by_larger_ones_with_the_same_tokens(monkeypa
     monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
     engine = make_engine(warmup=True, background_compile=True, **SHAPE)
     compiler = engine.runner.compiler
-    assert compiler.ready_forwards == {(64, 16, 0), (8, 8, 8)}
-    assert compiler.num_ready == 2 and compiler.num_units == 6  # + the default decode loop's
+    assert compiler.ready_forwards == {(64, 16, 0), (32, 16, 0), (8, 8, 8)}
+    assert compiler.num_ready == 3 and compiler.num_units == 6  # + the default decode loop's
     shapes = record_shapes(engine)
     with counting_compilations() as compilations:
         assert greedy_tokens(engine) == expected
         assert compilations[0] == 0  # no step waited for a compile
-    assert set(shapes) == {(64, 16, 0), (8, 8, 8)}
-    assert shapes.count((8, 8, 8)) > 0 and shapes.count((64, 16, 0)) > 4
+    # 12-row decodes (decode 16 not ready) and 16-token steps (mixed 16) ran in larger buckets
+    assert set(shapes) == {(64, 16, 0), (32, 16, 0), (8, 8, 8)}
+    assert shapes.count((64, 16, 0)) > 4
 
 
 def role_engine(monkeypatch, role: str):
@@ -96,7 +97,7 @@ def test_a_decode_engine_has_every_decode_bucket_before_ready(monkeypatch):
     # chunk's compute per token) until the background compile reached decode 16.
     engine = role_engine(monkeypatch, "decode")
     compiler = engine.runner.compiler
-    assert compiler.ready_forwards == {(64, 16, 0), (8, 8, 8), (16, 16, 16)}
+    assert compiler.ready_forwards == {(64, 16, 0), (32, 16, 0), (8, 8, 8), (16, 16, 16)}
     pure, build = [], engine.runner.build
 
     def recording(sched):
@@ -114,7 +115,7 @@ def test_a_decode_engine_has_every_decode_bucket_before_ready(monkeypatch):
 def test_a_prefill_engine_compiles_no_decode_bucket(monkeypatch):
     engine = role_engine(monkeypatch, "prefill")
     compiler = engine.runner.compiler
-    assert compiler.num_units == 3 and compiler.ready_forwards == {(64, 16, 0)}
+    assert compiler.num_units == 3 and compiler.ready_forwards == {(64, 16, 0), (32, 16, 0)}
     assert not engine.runner._loop_exe
 
 
@@ -169,3 +170,75 @@ def test_the_process_exits_cleanly_while_buckets_compile(tmp_path):
     ready, units = map(int, proc.stdout.split()[1:3])
     assert ready < units == 14  # 6 mixed, 4 decode, 4 loops: it exited part-way through
     assert "Traceback" not in proc.stderr and "Fatal" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_readme_request_runs_in_buckets_compiled_before_ready(monkeypatch):
+    """The README's request (27 prompt tokens, 48 out), sent as soon as `serve` is ready: its
+    prefill and its decodes run in buckets of the first set, none padded to the largest (on a
+    cold CPU start, seconds per request while the rest compiled: issue 62)."""
+    monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
+    engine = make_engine(warmup=True, background_compile=True, max_num_seqs=256,
+                         max_num_batched_tokens=2048)  # `serve`'s defaults
+    shapes = record_shapes(engine)
+    engine.add_request("readme", prompt_ids(7, 27), SamplingParams(max_tokens=4, **GREEDY))
+    run_all(engine)
+    assert shapes[0] == (32, 32, 0)  # the prefill, at its own size
+    assert set(shapes[1:]) == {(8, 8, 8)}  # the decodes, in the first decode bucket
+
+
+def test_background_compiles_run_at_the_lowest_cpu_priority(monkeypatch):
+    """A cold serve on two cores: the first requests took 10x their steady time while the other
+    buckets compiled beside them at the steps' own priority."""
+    import os
+    import threading
+
+    import pytest
+
+    from jaxinfer.worker import bucket_compiler
+    if not sys.platform.startswith("linux"):
+        pytest.skip("thread priorities are set on Linux only")
+    holding, release = threading.Event(), threading.Event()
+
+    def held(self):  # the background thread stops before its first unit until released
+        holding.set()
+        release.wait(60)
+    monkeypatch.setattr(BucketCompiler, "_yield_to_steps", held)
+    engine = make_engine(warmup=True, background_compile=True, **SHAPE)
+    compiler = engine.runner.compiler
+    try:
+        assert holding.wait(60)
+        nice = compiler._pool.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(60)
+        assert nice == bucket_compiler.BACKGROUND_NICE
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < nice  # the steps'
+    finally:
+        release.set()
+    assert compiler.wait(timeout=300)
+
+
+def test_background_lowering_waits_for_a_quiet_engine_but_not_forever(monkeypatch):
+    import threading
+    import time
+
+    from jaxinfer.worker import bucket_compiler
+    monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
+    compiler = make_engine(warmup=True, background_compile=True, **SHAPE).runner.compiler
+    monkeypatch.setattr(bucket_compiler, "QUIET_S", 0.3)
+    monkeypatch.setattr(bucket_compiler, "MAX_PAUSE_S", 1.5)
+    compiler.step_seen()  # a step just now: wait until QUIET_S has passed since it
+    t0 = time.monotonic()
+    compiler._yield_to_steps()
+    assert time.monotonic() - t0 >= 0.25
+    stepping = threading.Event()
+
+    def steps():  # an engine that never goes quiet
+        while not stepping.is_set():
+            compiler.step_seen()
+            time.sleep(0.01)
+    threading.Thread(target=steps, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        compiler._yield_to_steps()  # gives up after MAX_PAUSE_S
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        stepping.set()

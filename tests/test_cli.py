@@ -131,3 +131,21 @@ def test_ctrl_c_while_running_is_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli_serve, "run", interrupted)
     assert main(["serve", "--port", "0"]) == 130
     assert capsys.readouterr().err == "jaxinfer serve: interrupted\n"
+
+
+@pytest.mark.parametrize("argv", [["memory"], ["memory", "--json"]])
+def test_a_reader_that_left_is_no_traceback(argv, tmp_path):
+    """`jaxinfer memory | head`: the reader closes the pipe before the report is written."""
+    import os
+    import subprocess
+    import sys
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "jaxinfer.cli.main", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 141

@@ -110,10 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     with _exit_on_interrupt():
         args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        status = _run(args)
+        sys.stdout.flush()  # inside the try: a reader gone by now breaks the pipe here
+        return status
     except KeyboardInterrupt:
         print(f"jaxinfer {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`jaxinfer memory | head`): what it took is all it wanted.
+    stdout goes to /dev/null so the interpreter's flush at exit cannot raise a second time, and
+    the status is a shell's for a command SIGPIPE ended (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + int(signal.SIGPIPE)
 
 
 def _exit_interrupted(signum, frame) -> None:

@@ -5,7 +5,8 @@ A *unit* is what must be compiled before a bucket can take a step: a mixed bucke
 tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with the sampler of its S
 in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LOOP_VARIANTS. A unit
 is *ready* once all its parts are; only then does `step_shape` route steps to it. The first set is
-the largest mixed bucket (every step fits it, so no step ever waits for a compile), the smallest
+the largest mixed bucket (every step fits it, so no step ever waits for a compile), the one of a
+short prompt (SHORT_PROMPT_TOKENS: a first request's prefill runs at its size), the smallest
 decode bucket (a lone request decodes at its own size from the start), and the block copies of
 every copy bucket, also before ready, and then every unit the executable cache already holds (a
 load, no tracing: after one complete start, a warm start is ready with all of them and compiles
@@ -28,14 +29,23 @@ last-token array taken when the compiler is built, never the live arrays, which 
 donate. Each part is first looked up in the executable cache (no tracing on a hit) and stored
 there once compiled. At most one compile per pool thread is queued at a time, so `stop()` (called
 at interpreter exit too) leaves only the compiles already running in XLA to finish.
+
+In the background, the compiles give way to the steps they run beside: on a CPU of two cores
+the first requests of a cold `serve` took 10x their steady time while the rest of the buckets
+compiled. Their XLA compiles run on threads at the lowest CPU priority (nice 19, Linux), and the
+lowering thread, which needs the GIL the steps need too, starts no new unit while the engine is
+stepping (a step within `QUIET_S`), for at most `MAX_PAUSE_S` per unit, so that a server under
+constant load still gets its buckets.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -53,6 +63,11 @@ from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, 
 from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
 
 log = logging.getLogger(__name__)
+
+SHORT_PROMPT_TOKENS = 32
+QUIET_S = 0.25
+MAX_PAUSE_S = 5.0
+BACKGROUND_NICE = 19
 
 LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
 # The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
@@ -117,6 +132,14 @@ class Unit:
         return f"{self.kind} {self.size}"
 
 
+def _lowest_priority() -> None:
+    """Pool initializer: this thread, and those XLA starts from it, at BACKGROUND_NICE. Linux
+    only, where a thread id names one thread (elsewhere PRIO_PROCESS would name a process)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
 class _Stopped(Exception):
     """The compiler was stopped: submit nothing more."""
 
@@ -154,7 +177,11 @@ class BucketCompiler:
             first_decodes = decodes
         else:
             first_decodes = [next((s for s in decodes if s > 1), decodes[0])]
-        first = {Unit("mixed", b.token_buckets[-1])}
+        # The largest mixed bucket (every step fits it) and a short prompt's: a request sent at
+        # ready (the README's, 27 tokens) would otherwise run its prefill padded to the largest,
+        # seconds on a CPU (issue 62).
+        short = b.mixed_shape(min(SHORT_PROMPT_TOKENS, b.token_buckets[-1]))[0]
+        first = {Unit("mixed", b.token_buckets[-1]), Unit("mixed", short)}
         for s in first_decodes:
             first.add(Unit("decode", s))
         self.first = [u for u in units if u in first]
@@ -174,7 +201,8 @@ class BucketCompiler:
         self._num_failed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        workers = max_workers or compile_workers()
+        self._last_step = 0.0  # time.monotonic() of the engine's last step (`step_seen`)
+        workers = self._workers = max_workers or compile_workers()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxinfer-compile")
         self._slots = threading.Semaphore(workers)  # compiles submitted and not finished
         ref = weakref.ref(self)
@@ -191,6 +219,10 @@ class BucketCompiler:
     @property
     def num_units(self) -> int:
         return len(self.units)
+
+    def step_seen(self) -> None:
+        """The engine is building a step: background lowering waits for a quiet moment."""
+        self._last_step = time.monotonic()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every unit is ready (or stopped, or `timeout`): whether all are ready."""
@@ -251,6 +283,8 @@ class BucketCompiler:
         def run() -> list[Future]:
             parts: list[Future] = []
             for u in self.rest:
+                if background:
+                    self._yield_to_steps()
                 unit_parts = [self._submit(u), *self._sampler_parts(u)]
                 self._when_all(unit_parts, u, progress_bar)
                 parts += unit_parts
@@ -269,6 +303,10 @@ class BucketCompiler:
                     self._done.notify_all()
 
         if background and self.rest:
+            first_pool, self._pool = self._pool, ThreadPoolExecutor(
+                max_workers=self._workers, thread_name_prefix="jaxinfer-compile-background",
+                initializer=_lowest_priority)
+            first_pool.shutdown(wait=False)  # its compiles are all done
             self._thread = threading.Thread(target=background_run, name="jaxinfer-bucket-compiler",
                                             daemon=True)
             self._thread.start()
@@ -276,6 +314,13 @@ class BucketCompiler:
             for f in run():
                 f.result()  # a failed compile raises here
             self.wait()
+
+    def _yield_to_steps(self) -> None:
+        """Wait while the engine steps (one within QUIET_S), for at most MAX_PAUSE_S."""
+        give_up = time.monotonic() + MAX_PAUSE_S
+        while time.monotonic() - self._last_step < QUIET_S and time.monotonic() < give_up:
+            if self._stop.wait(0.05):
+                raise _Stopped
 
     def _when_all(self, parts: list[Future], unit: Unit, progress_bar) -> None:
         left = [len(parts)]

@@ -381,6 +381,8 @@ class ModelRunner:
         rows = sched.scheduled
         variant = sampler_variant(rows)
         compiler = self.compiler
+        if compiler is not None:
+            compiler.step_seen()
         t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
                               compiler and compiler.ready_forwards)
         batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,

@@ -15,8 +15,8 @@ one persistent compilation cache; the record is rewritten after each):
                 e4m3 activations, XLA's cuBLASLt FP8 gemm) and, at decode sizes, FP8 weight-only
                 ("dequant": e4m3 converted inside XLA's dot): ms per call, weight-read GB/s, TF/s,
                 and whether the optimized HLO holds the `__cublas$lt$matmul$f8` custom call.
-  demo_ppl      the bundled demo model in bf16, its weights unquantized and FP8: held-out
-                perplexity (checkpoints/heldout_sample.txt) and greedy top-1 agreement.
+  demo_ppl      the bundled demo model in bf16, its weights unquantized, FP8 and int8 weight-only:
+                held-out perplexity (checkpoints/heldout_sample.txt) and greedy top-1 agreement.
   llama8b_bf16  Llama-3-8B shape, dummy bf16 weights: batch-1 TPOT (the anchor).
   llama8b_fp8w  the same weights quantized on load: batch-1 TPOT.
   llama8b_fp8w_c256  FP8 weights: c = 256 random 512 in / 256 out (bf16 KV cache).
@@ -160,9 +160,12 @@ def section_matmul(cfg: dict) -> dict:
 def section_demo_ppl(cfg: dict) -> dict:
     _announce_machine()
     from jaxinfer.bench.perplexity import quantized_accuracy
-    acc = quantized_accuracy(REPO_ROOT / "checkpoints" / "demo-target", "fp8")
+    demo = REPO_ROOT / "checkpoints" / "demo-target"
+    acc, int8 = quantized_accuracy(demo, "fp8"), quantized_accuracy(demo, "int8")
     return {"demo_ppl_bf16": round(acc["ppl"], 4), "demo_ppl_fp8w": round(acc["ppl_quantized"], 4),
             "demo_fp8w_top1_agreement": round(acc["top1_agreement"], 4),
+            "demo_ppl_int8w": round(int8["ppl_quantized"], 4),
+            "demo_int8w_top1_agreement": round(int8["top1_agreement"], 4),
             "demo_positions": acc["positions"]}
 
 

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-from pallas_kernels.moe.routing_kernel import MAX_TOKENS, TOKEN_LIMIT, RoutingSpec, fused_route
+from pallas_kernels.moe.routing_kernel import (MAX_CELLS, MAX_TOKENS, TOKEN_LIMIT, RoutingSpec,
+                                              fused_route)
 
 
 def route(cfg: ModelConfig, logits: jax.Array,
@@ -103,8 +104,8 @@ class Routed(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Router:
     """The kernel table's routing slot: with `fused`, the Pallas kernel for steps of at most
-    `max_tokens` (at most TOKEN_LIMIT) tokens (`interpret`: its interpreter, CPU tests), `route`
-    above; else `route`.
+    `max_tokens` (at most TOKEN_LIMIT) tokens whose tokens x experts fit one program (MAX_CELLS;
+    `interpret`: its interpreter, CPU tests, with no such bound), `route` above; else `route`.
     `shared`: always-on experts stored after the routed ones (`with_shared`)."""
     fused: bool = False
     interpret: bool = False
@@ -112,7 +113,9 @@ class Router:
 
     def __call__(self, cfg: ModelConfig, logits: jax.Array,
                  score_bias: jax.Array | None = None, shared: int = 0) -> Routed:
-        if not self.fused or logits.shape[0] > min(self.max_tokens, TOKEN_LIMIT):
+        t, e = logits.shape
+        if (not self.fused or t > min(self.max_tokens, TOKEN_LIMIT)
+                or (not self.interpret and t * (e + shared) > MAX_CELLS)):
             weights, experts = route(cfg, logits, score_bias)
             return Routed(*with_shared(weights, experts, cfg.num_experts, shared), None)
         weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg, shared), score_bias,

@@ -41,6 +41,9 @@ TOKEN_LIMIT = 256
 # Tokens per step the model routes by the kernel by default (above: the sort): decode buckets and
 # small prefill chunks; `jaxinfer bench kernels --only moe` (routing section) times both sides.
 MAX_TOKENS = 64
+# Tokens x experts one program holds on a GPU: 64 x 128 (Qwen3-30B-A3B) compiled and ran on an
+# H100 (moe_h100.json, routing); 256 x 128 asked 288 KiB of shared memory, over the 227 KiB there.
+MAX_CELLS = 64 * 128
 # One program's threads share the [T, E] tiles (64 x 256 floats for DeepSeek-V3): 16 warps keep
 # each thread's share of the few live tiles within its registers.
 NUM_WARPS = 16

@@ -44,6 +44,16 @@ def demo_server():
 
 
 @pytest.fixture(scope="session")
+def lora_server(tmp_path_factory):
+    """The tiny model with LoRA on behind the server (tests/lora_support.py), started once per test
+    process for test_lora_server.py and test_lora_hard_edges.py."""
+    from lora_support import start_lora_server
+    st = start_lora_server(tmp_path_factory.mktemp("lora-server"))
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
 def client(server):
     """The official openai client on the server's "main" app."""
     import openai

@@ -1,5 +1,5 @@
-"""Shared test setup: CPU, float32 matmuls at full precision, a tiny tokenizer built in-process, and
-the test server that test_server_api.py and test_server_faults.py share."""
+"""Shared test setup: CPU, float32 matmuls at full precision, the test servers that files share (the
+tiny model, the demo model, the tiny model with LoRA), and how xdist groups the files."""
 
 import os
 import shutil

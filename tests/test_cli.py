@@ -98,13 +98,9 @@ def test_memory_defaults_to_the_demo_model(capsys):
 
 
 # Ctrl-C while `jaxinfer serve` imports jax: a finder that sends the process SIGINT when `jax` is
-# first looked up, in the child only. The child takes Python's own SIGINT handler first: a test run
-# started in the background (`cmd &` in a script) ignores SIGINT, the child inherited that, and
-# served on until the 300 s timeout.
+# first looked up, in the child only.
 INTERRUPT_AT_JAX_IMPORT = """
 import os, signal, sys
-
-signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class InterruptAtJax:
     def find_spec(self, name, path=None, target=None):

@@ -19,8 +19,9 @@ serve: $(STAMP)
 	$(VENV)/bin/jaxinfer serve $(ARGS)
 
 ## The CPU test suite (what CI runs). Tests marked `gpu` (tests/gpu/) are skipped on a CPU.
-## Two workers; loadgroup keeps each file, and files sharing a session fixture, on one, and the
-## groups of files marked slow start first (tests/conftest.py).
+## Two workers; loadgroup keeps each file, and files sharing a session fixture, on one (the
+## tiny-model server's files: on two groups, one server each), and the groups of files marked slow
+## start first (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup --timeout 900 -p no:cacheprovider
 

@@ -1,5 +1,5 @@
-"""Shared test setup: CPU, float32 matmuls at full precision, a tiny tokenizer built in-process, and
-the test server that test_server_api.py and test_server_faults.py share."""
+"""Shared test setup: CPU, float32 matmuls at full precision, the test servers that files share (the
+tiny model, the demo model, the tiny model with LoRA), and how xdist groups the files."""
 
 import os
 import shutil
@@ -55,6 +55,16 @@ def demo_server():
 
 
 @pytest.fixture(scope="session")
+def lora_server(tmp_path_factory):
+    """The tiny model with LoRA on behind the server (tests/lora_support.py), started once per test
+    process for test_lora_server.py and test_lora_hard_edges.py."""
+    from lora_support import start_lora_server
+    st = start_lora_server(tmp_path_factory.mktemp("lora-server"))
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
 def client(server):
     """The official openai client on the server's "main" app."""
     import openai
@@ -85,7 +95,9 @@ def _group_files(items):
     model, jitted steps: jax compiles each once per process), so split test by test over two
     workers, a file's compiles were paid twice (a sample of six engine files: -21 % CPU time).
     A file too long to leave to one worker marks its tests with `part(name)`: each part is a group
-    of its own (test_parallel.py: one subprocess per part, shared through module-scoped fixtures)."""
+    of its own (test_parallel.py: one subprocess per part, shared through module-scoped fixtures).
+    The files of a fixture in SHARDED_FIXTURES are dealt over that many groups instead (a fixture
+    cheap next to its files' length: built once per shard, so on both workers)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -100,10 +112,13 @@ def _group_files(items):
             if not fixture.baseid or fixture.scope not in ("package", "session"):
                 continue  # pytest's and plugins' own fixtures (tmp_path_factory, ...), module ones
             parent[find(file)] = find(f"fixture:{fixture.argname}")
+    shard_of = _shard_files(items, find)
     groups = {}
     for item in items:
         root = find(str(item.path))
         name = root.removeprefix("fixture:") if root.startswith("fixture:") else item.path.stem
+        if str(item.path) in shard_of:
+            name = f"{name}.{shard_of[str(item.path)]}"
         part = item.get_closest_marker("part")
         if part and not root.startswith("fixture:"):  # a slow file's parts, apart
             # (no "]" in a group name: xdist then takes the whole test id for the group)
@@ -111,6 +126,45 @@ def _group_files(items):
         item.add_marker(pytest.mark.xdist_group(name))
         groups[item] = name
     _longest_first(items, groups)
+
+
+# Session fixtures cheap to build again next to the length of the files that share them: their
+# files are dealt over this many groups (one fixture per worker that runs one), so that the
+# longest set of files, the tiny-model server's (`server`, and `client` over it: a dozen files,
+# test_server_fuzz.py among them), does not run on one worker while the other idles.
+SHARDED_FIXTURES = {"server": 2, "client": 2}
+# A file marked `slow` takes a minute or more; the sharded files' other tests a fraction of a
+# second each: one slow file weighs as many tests.
+SLOW_FILE_WEIGHT = 100
+
+
+def _shard_files(items, find) -> dict[str, int]:
+    """The shard of each file joined to others only through SHARDED_FIXTURES: the files of one such
+    set, heaviest first (a test is 1, a slow file SLOW_FILE_WEIGHT), each to its lightest shard.
+    A set that also shares an unsharded fixture (a demo server) stays whole."""
+    fixtures: dict[str, set[str]] = {}
+    weight: dict[str, int] = {}
+    for item in items:
+        file = str(item.path)
+        root = find(file)
+        if not root.startswith("fixture:"):
+            continue
+        fixtures.setdefault(root, set()).update(
+            name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+            if defs[-1].baseid and defs[-1].scope in ("package", "session"))
+        slow = item.get_closest_marker("slow") is not None
+        weight[file] = max(weight.get(file, 0) + 1, SLOW_FILE_WEIGHT if slow else 0)
+    shard_of = {}
+    for root, names in fixtures.items():
+        if not names <= SHARDED_FIXTURES.keys():
+            continue
+        files = sorted((f for f in weight if find(f) == root), key=lambda f: (-weight[f], f))
+        loads = [0] * min(SHARDED_FIXTURES[n] for n in names)
+        for file in files:
+            k = loads.index(min(loads))
+            shard_of[file] = k
+            loads[k] += weight[file]
+    return shard_of
 
 
 def _longest_first(items, groups: dict) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 from jaxinfer.bench import cli, common, presets
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 DEMO = Path(__file__).parents[1] / "checkpoints" / "demo-target"
 # The demo model at a CPU's size: tiny buckets, compiled when first used.
 TINY_ENGINE = ["--model", str(DEMO), "--dtype", "float32", "--max-model-len", "64", "--block-size", "16",

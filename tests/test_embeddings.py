@@ -21,6 +21,8 @@ from jaxinfer.engine.pooling import PoolingConfig, check_dimensions, finish_embe
 from jaxinfer.errors import InvalidRequestError
 from server_harness import MODEL, add_app, check_error_shape, post_raw, wait_pool_free
 
+pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
+
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 # One family per kind of forward whose hidden states the pooling reads (the pooling is the same
 # code for all; each family's compile is the cost, and every family's forward is

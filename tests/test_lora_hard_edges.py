@@ -18,19 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.args import EngineArgs
 from jaxinfer.model.config import load_config
 from jaxinfer.model.lora.delta import lora_delta, lora_delta_gather
 from jaxinfer.model.lora.peft import (LoRAAdapter, LoRAAdapterError, adapter_from_tensors,
-                                      peft_tensors, save_adapter)
+                                      peft_tensors)
 from jaxinfer.model.lora.target_regex import TargetRegexError, fullmatches
-from lora_support import random_adapter
+from lora_support import PATHOLOGICAL, random_adapter
 from pallas_kernels.lora.segment_matmul import lora_shrink_expand, segment_plan
-from server_harness import (FIXTURE, MAX_MODEL_LEN, MODEL, ServerThread, check_error_shape,
-                            make_tiny_model_dir, post_raw, raw_json, server_args)
-
-PATHOLOGICAL = "(.+)+Z"  # re.fullmatch backtracks 2^30 times on a 31-character module path
-
+from server_harness import (FIXTURE, MODEL, check_error_shape,
+                            post_raw, raw_json)
 
 # ---- the delta: a NaN slot stays in its own rows --------------------------------------------
 def _stacks(rng, n: int, fan_in: int, rank: int, fan_out: int):
@@ -99,60 +95,6 @@ def test_regex_targets_match_as_re_fullmatch_in_a_time_limited_child():
 
 
 # ---- the server --------------------------------------------------------------------------------
-def _write_config(path, **changes) -> None:
-    conf = json.loads((path / "adapter_config.json").read_text())
-    conf.update(changes)
-    (path / "adapter_config.json").write_text(json.dumps(conf))
-
-
-@pytest.fixture(scope="module")
-def lora_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-hard")
-    model_dir = make_tiny_model_dir(root / "model")
-    cfg = load_config(model_dir)
-    paths = {name: save_adapter(random_adapter(cfg, 4, seed, scale=0.5), cfg, root / name)
-             for seed, name in enumerate(("good", "victim", "regex", "rslora"), 1)}
-    _write_config(paths["regex"], target_modules=r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj")
-    _write_config(paths["rslora"], use_rslora=True, lora_alpha=1e308)
-    for name, poison in (("nan", np.nan), ("inf", np.inf)):
-        bad = random_adapter(cfg, 4, 9)
-        key = next(iter(bad.weights))
-        a, b = bad.weights[key]
-        bad.weights[key] = (a, b.copy())
-        bad.weights[key][1][1, 2] = poison
-        paths[name] = save_adapter(bad, cfg, root / name)
-    huge = random_adapter(cfg, 4, 10)
-    huge.weights = {k: (a, b * 1e36) for k, (a, b) in huge.weights.items()}  # x 1e4 overflows
-    paths["huge_b"] = save_adapter(huge, cfg, root / "huge_b", lora_alpha=4e4)
-    for name, alpha in (("alpha", 1e308), ("alpha_nan", float("nan"))):
-        paths[name] = save_adapter(random_adapter(cfg, 4, 11), cfg, root / name, lora_alpha=alpha)
-    paths["slow_regex"] = save_adapter(random_adapter(cfg, 4, 12), cfg, root / "slow_regex")
-    _write_config(paths["slow_regex"], target_modules=PATHOLOGICAL)
-    paths["digits"] = save_adapter(random_adapter(cfg, 4, 13), cfg, root / "digits")
-    text = (paths["digits"] / "adapter_config.json").read_text()
-    (paths["digits"] / "adapter_config.json").write_text(text.replace('"r": 4', '"r": ' + "9" * 5000))
-    for name, depth in (("deep", 100_000), ("deepish", 900)):
-        paths[name] = save_adapter(random_adapter(cfg, 4, 14), cfg, root / name)
-        text = (paths[name] / "adapter_config.json").read_text()
-        nested = "[" * depth + "]" * depth
-        (paths[name] / "adapter_config.json").write_text(
-            text.replace('"modules_to_save": null', f'"modules_to_save": {nested}'))
-    paths["oversized"] = save_adapter(random_adapter(cfg, 4, 15), cfg, root / "oversized")
-    with open(paths["oversized"] / "adapter_model.safetensors", "ab") as f:
-        f.truncate(64 << 20)  # sparse: past any rank-4 adapter of this model, read or not
-    args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
-                      max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=64, max_num_seqs=4,
-                      max_num_batched_tokens=32, compilation_cache_dir="",
-                      attention_backend="reference", warmup=False, decode_steps_per_call=1,
-                      enable_lora=True, lora_modules=[f"good={paths['good']}"], max_loras=2,
-                      max_lora_rank=8)
-    st = ServerThread(args, {"main": server_args(allow_runtime_lora_updating=True)},
-                      engine_core="in-process").start()  # (a test writes a slot itself)
-    st.paths, st.cfg = paths, cfg
-    yield st
-    st.stop()
-
-
 def _models(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         return sorted(m["id"] for m in json.loads(r.read())["data"])

@@ -4,46 +4,12 @@ shapes) and every refusal: a 400 naming the field, nothing changed."""
 
 from __future__ import annotations
 
-import json
 
 import openai
 import pytest
 
-from jaxinfer.engine.args import EngineArgs
-from jaxinfer.model.config import load_config
-from jaxinfer.model.lora.peft import save_adapter
-from lora_support import random_adapter
-from server_harness import (MAX_MODEL_LEN, MODEL, ServerThread, check_error_shape,
-                            make_tiny_model_dir, post_raw, raw_json, server_args)
-
-
-@pytest.fixture(scope="module")
-def lora_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-server")
-    model_dir = make_tiny_model_dir(root / "model")
-    cfg = load_config(model_dir)
-    paths = {"sql": save_adapter(random_adapter(cfg, 4, 1, scale=0.5), cfg, root / "sql")}
-    paths["big"] = save_adapter(random_adapter(cfg, 16, 2), cfg, root / "big")  # over rank 8
-    wrong = random_adapter(cfg, 4, 3)
-    wrong.weights = {k: (a[:-1], b) for k, (a, b) in wrong.weights.items()}  # in features - 1
-    paths["wrong"] = save_adapter(wrong, cfg, root / "wrong")
-    for name, field, value in (("embed", "target_modules", ["q_proj", "embed_tokens"]),
-                               ("saves", "modules_to_save", ["lm_head"])):
-        paths[name] = save_adapter(random_adapter(cfg, 4, 4), cfg, root / name)
-        conf = json.loads((paths[name] / "adapter_config.json").read_text())
-        conf[field] = value
-        (paths[name] / "adapter_config.json").write_text(json.dumps(conf))
-    args = EngineArgs(model=str(model_dir), served_model_name=MODEL, dtype="float32",
-                      max_model_len=MAX_MODEL_LEN, block_size=16, num_blocks=64, max_num_seqs=4,
-                      max_num_batched_tokens=32, compilation_cache_dir="",
-                      attention_backend="reference", warmup=False, decode_steps_per_call=1,
-                      enable_lora=True, lora_modules=[f"sql={paths['sql']}"], max_loras=2,
-                      max_lora_rank=8)
-    st = ServerThread(args, {"main": server_args(allow_runtime_lora_updating=True),
-                             "locked": server_args()}).start()
-    st.paths = paths
-    yield st
-    st.stop()
+from server_harness import (MODEL, check_error_shape,
+                            post_raw, raw_json)
 
 
 def _client(url: str) -> openai.OpenAI:

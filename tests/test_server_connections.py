@@ -67,21 +67,28 @@ def test_a_client_that_closed_its_socket_is_still_cancelled():
     """EOF alone cannot tell a half-close from a client that left: the 102 it is sent draws a
     reset from a closed socket, and the handler is cancelled within a poll or two."""
     cancelled = []
+    entered = asyncio.Event()
+    done = asyncio.Event()  # the handler ended, cancelled or not
 
     async def slow(request: web.Request) -> web.Response:
+        entered.set()
         try:
-            await asyncio.sleep(5)
+            await asyncio.sleep(30)
         except asyncio.CancelledError:
             cancelled.append(True)
             raise
+        finally:
+            done.set()
         return web.Response(text="late")
 
     async def client(port: int) -> None:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(entered.wait(), 10)
         writer.close()  # gone: FIN, then a reset for whatever the server sends
-        await asyncio.sleep(0.8)
+        # Waits on the handler, not on a guess of the poll's pace: a loaded machine only waits
+        # longer; a handler never cancelled runs its 30 s and is seen uncancelled.
+        await asyncio.wait_for(done.wait(), 60)
 
     asyncio.run(with_server(client, routes=[("/slow", slow)]))
     assert cancelled == [True]

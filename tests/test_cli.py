@@ -98,9 +98,12 @@ def test_memory_defaults_to_the_demo_model(capsys):
 
 
 # Ctrl-C while `jaxinfer serve` imports jax: a finder that sends the process SIGINT when `jax` is
-# first looked up, in the child only.
+# first looked up, in the child only. The child takes SIGINT as a terminal's process does: under
+# pytest-xdist the worker ignores SIGINT and its children inherit that, and an ignored SIGINT
+# would leave `jaxinfer serve` serving.
 INTERRUPT_AT_JAX_IMPORT = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class InterruptAtJax:
     def find_spec(self, name, path=None, target=None):
@@ -119,7 +122,7 @@ def test_ctrl_c_while_starting_is_one_line_and_status_130(tmp_path):
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-c", INTERRUPT_AT_JAX_IMPORT], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+                          cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
     assert (done.returncode, done.stderr) == (130, "jaxinfer: interrupted\n")
 
 

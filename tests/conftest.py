@@ -211,13 +211,17 @@ def _use_persistent_cache(config) -> None:
     jax's in-memory executables. Set in the environment before xdist starts its workers, so they
     and every subprocess a test starts inherit it, and in this process's jax; the process that made
     the directory removes it (pytest_unconfigure). A directory the caller set is used and kept.
-    Tests of jaxinfer's own executable cache turn it off (`without_jax_persistent_cache`)."""
+    Tests of jaxinfer's own executable cache turn it off (`without_jax_persistent_cache`).
+    A size bound turns on jax's file lock around each read and write (jax/_src/lru_cache.py):
+    unbounded, a write is a plain write_bytes, and another process reading the same key mid-write
+    loads a torn executable (a worker died of a segfault in a full `-n 2` run, and xdist then hung)."""
     if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return  # an xdist worker (its jax read the environment) or the caller's directory
     config._jax_cache_dir = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-cache-")
     settings = {"jax_compilation_cache_dir": config._jax_cache_dir,
                 "jax_persistent_cache_min_compile_time_secs": 0,  # every compile
-                "jax_persistent_cache_min_entry_size_bytes": -1}  # every size
+                "jax_persistent_cache_min_entry_size_bytes": -1,  # every size
+                "jax_compilation_cache_max_size": 16 << 30}  # locked reads and writes (above)
     for name, value in settings.items():
         os.environ[name.upper()] = str(value)
         jax.config.update(name, value)

@@ -13,6 +13,8 @@ unless include_stop_str_in_output, stop strings count only past min_tokens.
 
 from __future__ import annotations
 
+import functools
+
 import collections.abc
 import pickle
 
@@ -82,14 +84,21 @@ class RequestState:
         self.prompt_ids = prompt_ids
         self.params = params
         self.tokenizer = tokenizer
-        stop = [] if params.ignore_eos else list(eos_token_ids)
-        self.stop_ids = frozenset(stop + list(params.stop_token_ids))
+        self.eos_token_ids = eos_token_ids
         n = params.n if isinstance(params.n, int) and params.n > 0 else 1
         self.choices: list[ChoiceState | None] = [None] * n
         self.num_cached_tokens = 0
         self.weight_version = 0
         self.prompt_logprobs = None
         self.embedding = None
+
+    @functools.cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """Read at the first output, after the core has validated `params`: the state is made
+        before the request is sent, and an unchecked field (`stop_token_ids: false`) must get
+        the core's 400, not fail here."""
+        stop = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        return frozenset(stop + list(self.params.stop_token_ids))
 
     def _choice(self, index: int) -> ChoiceState:
         c = self.choices[index]

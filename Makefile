@@ -23,7 +23,7 @@ serve: $(STAMP)
 ## tiny-model server's files: on two groups, one server each), and the groups of files marked slow
 ## start first (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup --timeout 900 -p no:cacheprovider
+	$(PY) -m pytest -n 2 --dist loadgroup --timeout 900 --max-worker-restart 0 -p no:cacheprovider
 
 ## The GPU checks (tests/gpu/: the kernels at real sizes, engine parity); needs a CUDA GPU and '.[gpu]'.
 test-gpu: $(STAMP)

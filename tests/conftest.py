@@ -1,6 +1,7 @@
 """Shared test setup: CPU, float32 matmuls at full precision, the test servers that files share (the
 tiny model, the demo model, the tiny model with LoRA), and how xdist groups the files."""
 
+import gc
 import os
 
 import pytest
@@ -202,10 +203,21 @@ def without_jax_persistent_cache():
         compilation_cache.reset_cache()
 
 
-# No jax persistent compilation cache in the test run: writing an entry serializes the executable,
-# and XLA CPU's serialize() segfaulted in two of this suite's full `-n 2` runs (in
-# put_executable_and_time, two different programs), after which xdist hung. Each process compiles
-# its own programs instead.
+# No jax persistent compilation cache in the test run: each process compiles its own programs. (Its
+# writes segfaulted in XLA CPU's serialize() in full `-n 2` runs; most likely the mappings limit
+# that `release_executables` below keeps the workers under.)
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set above
         config.option.loadscopereorder = False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_executables():
+    """Drop jax's compiled programs after each file. XLA CPU maps each executable's code into
+    memory regions of its own, and a worker that kept every program of its files passed the
+    kernel's 65,530 mappings per process (vm.max_map_count) late in a full run: LLVM's next
+    mmap failed and the compile segfaulted (three files kept 13,350 mappings, 620 with this).
+    A file's own programs stay cached while its tests run."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -76,10 +76,12 @@ def rel_err(got, want) -> float:
     return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
-def pool_time(fn, pool) -> float:
-    """Seconds per call of fn(pool) -> (out, pool), the pool donated and fed back."""
+def pool_time(fn, pool, *inputs) -> float:
+    """Seconds per call of fn(pool, *inputs) -> (out, pool), the pool donated and fed back. The
+    inputs are arguments, not closed over: XLA would fold megabytes of constants into the program
+    (an 8192-token prefill's compile did not finish)."""
     f = jax.jit(fn, donate_argnums=0)
-    return anchors.queued_time(lambda st: f(st[1]), (None, pool))
+    return anchors.queued_time(lambda st: f(st[1], *inputs), (None, pool))
 
 
 def check(m, tiny, interpret):
@@ -128,43 +130,45 @@ def run(tiny: bool, sweep: bool) -> dict:
         t, s = sum(lens), len(lens)
         ins, pool = gdn_args(t, s, **gs)
         for bv in blocks:
-            sec = pool_time(lambda p, bv=bv: gated_deltanet.gdn_prefill(
-                *ins, p, cu, slots, init, block_v=bv, interpret=interpret), pool)
+            sec = pool_time(lambda p, ins, cu, slots, init, bv=bv: gated_deltanet.gdn_prefill(
+                *ins, p, cu, slots, init, block_v=bv, interpret=interpret),
+                pool, ins, cu, slots, init)
             key = f"gdn_prefill_{case}" + ("" if bv == 64 else f"_bv{bv}")
             m[f"{key}_us"] = round(sec * 1e6, 1)
         flops = gated_deltanet.gdn_prefill_flops(lens, gs["hv"], gs["kd"], gs["vd"])
         m[f"gdn_prefill_{case}_tflops"] = round(flops / m[f"gdn_prefill_{case}_us"] / 1e6, 2)
         (x, dt, a, b, c), pool = ssd_args(t, s, **ss)
         for bp in blocks:
-            sec = pool_time(lambda p, bp=bp: mamba2.ssd_prefill(
-                x, dt, a, b, c, p, cu, slots, init, block_p=bp, interpret=interpret), pool)
+            sec = pool_time(lambda p, ins, cu, slots, init, bp=bp: mamba2.ssd_prefill(
+                *ins, p, cu, slots, init, block_p=bp, interpret=interpret),
+                pool, (x, dt, a, b, c), cu, slots, init)
             m[f"ssd_prefill_{case}" + ("" if bp == 64 else f"_bp{bp}") + "_us"] = round(sec * 1e6, 1)
         flops = mamba2.ssd_prefill_flops(lens, ss["h"], ss["p"], ss["n"])
         m[f"ssd_prefill_{case}_tflops"] = round(flops / m[f"ssd_prefill_{case}_us"] / 1e6, 2)
         xc = jax.random.normal(jax.random.key(1), (t, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
         st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
-        sec = pool_time(lambda p: conv1d.causal_conv1d(xc, w, None, p, cu, slots, init,
-                                                       interpret=interpret), st)
+        sec = pool_time(lambda p, xc, w, cu, slots, init: conv1d.causal_conv1d(
+            xc, w, None, p, cu, slots, init, interpret=interpret), st, xc, w, cu, slots, init)
         m[f"conv1d_prefill_{case}_us"] = round(sec * 1e6, 1)
         m[f"conv1d_prefill_{case}_frac_of_hbm"] = round(2 * xc.nbytes / sec / hbm, 3)
     for s in decodes:
         slots = jnp.arange(s, dtype=jnp.int32)
         ins, pool = gdn_args(s, s, **gs)
-        sec = pool_time(lambda p: gated_deltanet.gdn_decode(*ins, p, slots, interpret=interpret),
-                        pool)
+        sec = pool_time(lambda p, ins, slots: gated_deltanet.gdn_decode(
+            *ins, p, slots, interpret=interpret), pool, ins, slots)
         m[f"gdn_decode_b{s}_us"] = round(sec * 1e6, 2)
         m[f"gdn_decode_b{s}_frac_of_hbm"] = round(2 * pool.nbytes / sec / hbm, 3)
         (x, dt, a, b, c), pool = ssd_args(s, s, **ss)
-        sec = pool_time(lambda p: mamba2.ssd_decode(x, dt, a, b, c, p, slots,
-                                                    interpret=interpret), pool)
+        sec = pool_time(lambda p, ins, slots: mamba2.ssd_decode(
+            *ins, p, slots, interpret=interpret), pool, (x, dt, a, b, c), slots)
         m[f"ssd_decode_b{s}_us"] = round(sec * 1e6, 2)
         m[f"ssd_decode_b{s}_frac_of_hbm"] = round(2 * pool.nbytes / sec / hbm, 3)
         xc = jax.random.normal(jax.random.key(1), (s, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
         st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
-        sec = pool_time(lambda p: conv1d.causal_conv1d_update(xc, w, None, p, slots,
-                                                              interpret=interpret), st)
+        sec = pool_time(lambda p, xc, w, slots: conv1d.causal_conv1d_update(
+            xc, w, None, p, slots, interpret=interpret), st, xc, w, slots)
         m[f"conv1d_update_b{s}_us"] = round(sec * 1e6, 2)
     if not tiny:
         for name in ("gdn", "ssd"):

@@ -8,7 +8,11 @@
   at concurrency 1 and --concurrency;
 - big_body_itl_p99_delta_ms: bench/big_body.py against the same server.
 
-    jaxinfer bench host-path --model DIR [--engine-core in-process] --save [--name host_path_h200]
+Every section runs with --decode-steps-per-call 1 unless told (the host's cost per step, and a
+stream that gets every token as its step ends, not in the on-device loop's bursts). --preset
+llama8b: the Llama-3-8B shape with dummy bf16 weights and a generated tokenizer (bench/presets.py).
+
+    jaxinfer bench host-path --preset llama8b [--engine-core in-process] --save [--name host_path_h200]
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from jaxinfer.bench import common, results_io
+from jaxinfer.bench import common, presets, results_io
 from jaxinfer.bench.big_body import big_body
 
 BENCH = [sys.executable, "-m", "jaxinfer.bench.cli"]
@@ -32,6 +36,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("host-path", help="the serving host path's figures (engine core process)",
                        description=__doc__, formatter_class=common.HelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--preset", choices=sorted(presets.PRESETS), default=None,
+                   help="a preset's model shape with dummy weights (its workload flags unused)")
+    p.add_argument("--decode-steps-per-call", type=int, default=1,
+                   help="the engine's on-device decode loop (1: off)")
     p.add_argument("--engine-core", choices=("process", "in-process"), default="process")
     p.add_argument("--concurrency", type=int, default=256, help="the batched runs' requests")
     p.add_argument("--input-len", type=int, default=128)
@@ -61,8 +69,10 @@ def offline(args, model: list[str]) -> dict:
                           str(args.input_len), "--output-len", str(args.output_len)], args.timeout)
     bs1, batched = run(1), run(args.concurrency)
     return {"bs1_host_ms_per_step": bs1["host_ms_per_step"],
+            "offline_bs1_ms_per_token": 1e3 * bs1["elapsed_time"] / args.output_len,  # prefill in
             "c256_host_ms_per_step": batched["host_ms_per_step"],
-            "offline_c256_out_tok_s": batched["output_tokens_per_second"]}
+            "offline_c256_out_tok_s": batched["output_tokens_per_second"],
+            "offline_c256_prefix_hit_rate": batched.get("prefix_hit_rate")}
 
 
 def served(args, model: list[str]) -> dict:
@@ -88,7 +98,8 @@ def served(args, model: list[str]) -> dict:
                 out[conc] = json.loads((Path(tmp) / "r.json").read_text())
         figures = {"served_c1_itl_p50_ms": out[1]["median_itl_ms"],
                    "served_c1_tpot_ms": out[1]["median_tpot_ms"],
-                   "served_c256_out_tok_s": out[args.concurrency]["output_throughput"]}
+                   "served_c256_out_tok_s": out[args.concurrency]["output_throughput"],
+                   "served_c256_prefix_hit_rate": out[args.concurrency].get("prefix_hit_rate")}
         model_name = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
         bb = big_body(url, model_name, 8, args.output_len, args.body_mb)
         figures["big_body_itl_p99_delta_ms"] = bb["big_body_itl_p99_delta_ms"]
@@ -111,8 +122,18 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("jaxinfer serve did not become healthy")
 
 
+def engine_flags(args) -> list[str]:
+    """The model and engine flags every section's engine gets."""
+    flags = ["--decode-steps-per-call", str(args.decode_steps_per_call)]
+    if args.preset:
+        preset = presets.PRESETS[args.preset]
+        flags += ["--load-format", preset.flags["load_format"], "--dtype", preset.flags["dtype"]]
+        args.model = args.model or str(preset.model_dir(args.preset))
+    return ["--model", args.model, *flags] if args.model else flags
+
+
 def run(args: argparse.Namespace) -> int:
-    model = ["--model", args.model] if args.model else []
+    model = engine_flags(args)
     metrics = {**offline(args, model), **served(args, model)}
     print(json.dumps(metrics, indent=1))
     if args.output_json:

@@ -212,9 +212,25 @@ def refusal_checks(out: dict) -> None:
     out["refusals"] = refusals
 
 
+def page_kind_checks(out: dict) -> None:
+    """DeepSeek-V2's latent pages (K only) and Gemma 2's windowed layers (one KV group once
+    disaggregated): greedy tokens handed over = colocated."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 380, int(k)).tolist() for k in (21, 6, 13)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = {**ENGINE, "num_blocks": 64}  # (Gemma 2 colocated: two groups' blocks)
+    for family in ("deepseek_v2", "gemma2"):
+        model = str(HERE / "fixtures" / "models" / family)
+        got = [[o.outputs[0].token_ids for o in LLM(model, **engine, **extra).generate(
+            prompts, greedy, use_tqdm=False)]
+            for extra in ({}, {"disaggregate": True})]
+        out[f"page_kind_{family}"] = got
+
+
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     parity_checks(out)
+    page_kind_checks(out)
     server_checks(out)
     refusal_checks(out)
     print("RESULT " + json.dumps(out))

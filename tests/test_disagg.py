@@ -56,6 +56,12 @@ def test_tokens_identical_to_colocated(run):
         assert disagg["finish"][rid] == colocated["finish"][rid], rid
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "gemma2"])
+def test_latent_and_windowed_pages_hand_over(run, family):
+    colocated, disagg = run[f"page_kind_{family}"]
+    assert disagg == colocated and all(len(t) == 12 for t in disagg)
+
+
 def test_aborts_at_every_stage(run):
     colocated, disagg = run["colocated"], run["disagg"]
     for rid in ABORTED:

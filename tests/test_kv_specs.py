@@ -176,13 +176,6 @@ def test_pages_of_different_sizes_cannot_share_the_pool():
         KVCacheGroups.from_layer_specs([MLAAttentionSpec(576, 512), FullAttentionSpec(1, 576)])
 
 
-def test_what_copies_between_caches_can_stack():
-    assert FullAttentionSpec(2, 8).stacks_as_kv
-    assert SlidingWindowSpec(2, 8, sliding_window=4).stacks_as_kv
-    assert not MLAAttentionSpec(20, 16).stacks_as_kv and MLAAttentionSpec(20, 16).values_in_keys
-    assert not FixedStateSpec(8).stacks_as_kv
-
-
 @pytest.mark.parametrize("make", [
     lambda: FullAttentionSpec(0, 8), lambda: SlidingWindowSpec(1, 8, sliding_window=0),
     lambda: ChunkedLocalAttentionSpec(1, 8, attention_chunk=-1),

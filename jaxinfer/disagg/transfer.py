@@ -2,7 +2,8 @@
 
 A transfer is three dispatches, none of which waits:
 1. `gather` on the prefill devices: the request's blocks of every layer's K and V into one buffer
-   `[layers, 2, heads, blocks, block_size, head_dim]` (heads sharded like the cache);
+   of a row per block (model/kv_block_rows.py; heads sharded like the cache), whatever the K and
+   V widths (the MLA latent's V is empty);
 2. `jax.device_put` of that buffer onto the decode devices (NVLink between GPUs of one host), which
    runs beside the prefill engine's next step;
 3. once the copy has landed, `scatter` into the decode cache: a jitted update with the cache
@@ -16,11 +17,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.model.kv_block_rows import gather_rows, scatter_rows
 from jaxinfer.parallel.sharding import TP, ShardingPlan
 
 
@@ -29,27 +30,13 @@ def block_bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _gather(kv_cache, ids):
-    return jnp.stack([jnp.stack((k[:, ids], v[:, ids])) for k, v in kv_cache])
-
-
-def _scatter(kv_cache, blocks, ids):
-    num_blocks = kv_cache[0][0].shape[1]
-    # Padding goes to distinct out-of-range blocks (dropped), so the indices are unique and XLA
-    # may write the blocks in parallel.
-    dst = jnp.where(ids < 0, num_blocks + jnp.arange(ids.shape[0]), ids)
-    return tuple((k.at[:, dst].set(blocks[i, 0], mode="drop", unique_indices=True),
-                  v.at[:, dst].set(blocks[i, 1], mode="drop", unique_indices=True))
-                 for i, (k, v) in enumerate(kv_cache))
-
-
 @functools.lru_cache(maxsize=None)
 def _jitted(src: ShardingPlan, dst: ShardingPlan):
     """gather on the source mesh, scatter on the destination's (cache donated), and the buffer's
     sharding on the destination; cached per pair of plans, like the runner's steps."""
-    buffer_spec = P(None, None, TP)
-    gather = jax.jit(_gather, out_shardings=src.named(buffer_spec))
-    scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=dst.kv_cache)
+    buffer_spec = P(None, None, TP)  # the rows' head axis
+    gather = jax.jit(gather_rows, out_shardings=src.named(buffer_spec))
+    scatter = jax.jit(scatter_rows, donate_argnums=0, out_shardings=dst.kv_cache)
     return gather, scatter, dst.named(buffer_spec)
 
 

@@ -20,10 +20,9 @@ def host_tier_for(cfg, args, kv_dtype, groups) -> HostTier | None:
     """The host tier's bookkeeping for --kv-offload (None when off): as many blocks as
     --kv-host-gib holds, a block being every layer's K and V of all the replica's heads.
 
-    Refused (ConfigError, docs/feature_matrix.md) where a host block would not be a whole prefix
-    block: several KV groups (kv_groups.py: a prefix node holds one block per group, some of
-    them freed out of a window) and a page the store cannot stack (KVCacheSpec.stacks_as_kv:
-    the MLA latent is K 576 wide with an empty V). A draft model's or
+    One KV group only (from_engine_args turns --hybrid-kv-cache off for the tier: a prefix node
+    of several groups holds one block per group, some of them freed out of a window). A draft
+    model's or
     EAGLE-3 head's state over the target's block ids (its KV, the stream cache) is not
     offloaded: a block loaded from the host holds another block's, which lowers acceptance and
     never changes outputs (verification is exact), as a device prefix hit on a block computed
@@ -31,12 +30,8 @@ def host_tier_for(cfg, args, kv_dtype, groups) -> HostTier | None:
     if not args.kv_offload:
         return None
     if groups.num_groups > 1:
-        raise ConfigError(f"--kv-offload does not offload sliding-window KV groups "
-                          f"({cfg.architecture} has {groups.num_groups}) yet: pass "
-                          f"--no-hybrid-kv-cache or leave --kv-offload off")
-    if not groups.page_spec.stacks_as_kv:
-        raise ConfigError(f"--kv-offload does not offload an {groups.page_spec.label} cache "
-                          f"({cfg.architecture}: its K and V rows differ in width) yet")
+        raise ConfigError(f"--kv-offload takes one KV group ({cfg.architecture} has "
+                          f"{groups.num_groups}): pass --no-hybrid-kv-cache")
     slots = int(args.kv_host_gib * GIB // groups.page_bytes(args.block_size, kv_dtype))
     log.info("host KV tier: %d blocks (%.1f GiB, %d tokens of prefix)", slots, args.kv_host_gib,
              slots * args.block_size)

@@ -92,12 +92,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # A sequence may grow to max_model_len tokens; in a smaller pool it would wait forever for
         # blocks that no other sequence can free.
         groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
-        if role and not groups.page_spec.stacks_as_kv:  # disagg/transfer.py stacks K and V
-            raise ConfigError(f"disaggregated prefill/decode does not carry an "
-                              f"{groups.page_spec.label} cache ({cfg.architecture}) yet")
         if role is not None and groups.num_groups > 1:  # the hand-over copies one table
-            raise ConfigError("disaggregated prefill does not hand over sliding-window KV groups "
-                              "yet: pass --no-hybrid-kv-cache")
+            raise ConfigError("a disaggregated engine takes one KV group: build it with "
+                              "from_engine_args, which turns --hybrid-kv-cache off")
         need = groups.blocks_for_sequence(self.max_model_len, args.max_num_batched_tokens,
                                           args.block_size)
         if num_blocks < need:
@@ -217,7 +214,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             cfg = load_config(model_dir)
             cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
                 args.quantization, cfg.quantization, args.load_format))
-            args = with_hybrid_kv_decided(cfg, args)
+            args = with_hybrid_kv_decided(cfg, args, parts.get("role"))
         if mesh is None:
             if args.data_parallel_size > 1:
                 raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

@@ -16,8 +16,8 @@ freeing and prefix-matching rules of its ``single_type_kv_cache_manager.py`` fol
 Every spec answers the same questions, so nothing above it asks which kind a layer is:
 ``page_bytes`` (bytes per block per layer), ``first_needed_block`` (blocks before it can be
 freed), ``keeps_every_block`` (the prefix cache's leaf-first order and the host tier need it),
-``blocks_for_sequence`` (sizing), ``stacks_as_kv`` (what the KV copies between caches need)
-and, for attention, ``stored_widths`` (the K and V arrays' widths). A prefix match resuming at
+``blocks_for_sequence`` (sizing) and, for attention, ``stored_widths`` (the K and V arrays'
+widths; the copies between caches carry them side by side, model/kv_block_rows.py). A prefix match resuming at
 block n needs exactly blocks [first_needed_block(n * block_size), n), which is how
 ``prefix_cache.PrefixCache.match`` reads these specs.
 
@@ -68,12 +68,6 @@ class KVCacheSpec(abc.ABC):
     def page_bytes(self, block_size: int, dtype) -> int:
         """Bytes one block of this layer takes in a cache of element type `dtype`."""
 
-    @property
-    def stacks_as_kv(self) -> bool:
-        """Whether a page is K and V rows of one shape, which the disaggregated hand-over
-        (disagg/transfer.py) and the host tier's store (worker/kv/host_store.py) stack."""
-        return False
-
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         """The first block a query at `first_query_pos` or later still reads: the blocks before
         it can be freed (and a prefix match need not find them)."""
@@ -109,11 +103,6 @@ class AttentionSpec(KVCacheSpec):
         """Whether the V rows are read out of the K rows (no V array of its own): K's fp8 scale
         then serves both."""
         return self.stored_widths[1] == 0
-
-    @property
-    def stacks_as_kv(self) -> bool:
-        k_width, v_width = self.stored_widths
-        return k_width == v_width
 
     def page_bytes(self, block_size: int, dtype) -> int:
         """block_size tokens of every stored head's K and V."""

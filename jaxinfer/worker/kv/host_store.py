@@ -6,15 +6,15 @@ the scheduler hands this store each step's `KVTransfers` (core/kv_loads.py), and
 them before the step is dispatched, on the thread that dispatches steps (in the same order):
 
 1. offloads, as *runs* (a released request's prefix: core/kv_cache/host_offload.py): each run is
-   cut into power-of-two *pieces* (100 blocks: 64 + 32 + 4); one jitted gather per piece reads
-   its blocks out of the cache into one device array `[n, layers, 2 (K, V), heads, block_size,
-   head_dim]`, and a copier thread moves the pieces to host memory (`pinned_host` where the
-   backend has it) once each gather has run. The step's thread never waits: a device -> host
-   `device_put` of a piece not yet computed blocks its caller until the queued steps ahead of it
-   have run (measured on the H200: 130-280 ms of dispatch at a time), which on the step's thread
-   emptied the host/device overlap at every release. Until its copy is made a slot names its
-   device piece, which a load then reads as it is. A slot names (its piece's array, row); a piece
-   lives while any slot names it.
+   cut into power-of-two *pieces* (100 blocks: 64 + 32 + 4); one jitted gather per piece reads its
+   blocks out of the cache into one device array of a row per block (model/kv_block_rows.py: `[n,
+   layers, heads, block_size, K and V widths]`), and a copier thread moves the pieces to host
+   memory (`pinned_host` where the backend has it) once each gather has run. The step's thread
+   never waits: a device -> host `device_put` of a piece not yet computed blocks its caller until
+   the queued steps ahead of it have run (measured on the H200: 130-280 ms of dispatch at a time),
+   which on the step's thread emptied the host/device overlap at every release. Until its copy is
+   made a slot names its device piece, which a load then reads as it is. A slot names (its piece's
+   array, row); a piece lives while any slot names it.
    *Why a block is never overwritten before its copy has read it:* the gather is dispatched before
    the step that writes into the reused block, and that step takes the cache donated. JAX orders
    executions on one device in dispatch order, and a donated buffer is only reused once every
@@ -48,7 +48,6 @@ see `KVTierStore` and docs/kv_cache.md.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -60,6 +59,7 @@ import numpy as np
 
 from jaxinfer.core.kv_cache.host_tier import MAX_PIECE_BLOCKS, piece_sizes
 from jaxinfer.errors import ConfigError
+from jaxinfer.model.kv_block_rows import gather_rows, row_bytes, scatter_rows
 from jaxinfer.model.transformer import KVCache
 
 
@@ -77,24 +77,8 @@ class KVTierStore(Protocol):
     def drop(self) -> None: ...
 
 
-@jax.jit
-def _gather(kv_cache: KVCache, ids: jax.Array) -> jax.Array:
-    """Blocks `ids` of every layer as one array [n, layers, 2, heads, block_size, head_dim]."""
-    stacked = jnp.stack([jnp.stack((k[:, ids], v[:, ids])) for k, v in kv_cache])
-    return jnp.moveaxis(stacked, 3, 0)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(kv_cache: KVCache, rows: jax.Array, ids: jax.Array) -> KVCache:
-    """Row i of `rows` ([n, layers, 2, heads, block_size, head_dim]) into block ids[i] of every
-    layer; ids[i] < 0: nowhere (a row the load does not need, or padding)."""
-    stacked = jnp.moveaxis(rows, 0, 3)  # [layers, 2, heads, n, block_size, head_dim]
-    num_blocks = kv_cache[0][0].shape[1]
-    # Skipped rows go to distinct out-of-range blocks (dropped), so the indices stay unique.
-    dst = jnp.where(ids < 0, num_blocks + jnp.arange(ids.shape[0]), ids)
-    return tuple((k.at[:, dst].set(stacked[i, 0], mode="drop", unique_indices=True),
-                  v.at[:, dst].set(stacked[i, 1], mode="drop", unique_indices=True))
-                 for i, (k, v) in enumerate(kv_cache))
+_gather = jax.jit(gather_rows)
+_scatter = jax.jit(scatter_rows, donate_argnums=0)
 
 
 def host_memory_kind(device) -> str:
@@ -120,8 +104,7 @@ class HostKVStore:
         k = kv_cache[0][0]
         self._devices = sorted(k.sharding.device_set, key=lambda d: d.id)
         self.host_kind = host_memory_kind(self._devices[0])
-        num_layers = len(kv_cache)
-        self.block_bytes = num_layers * 2 * k.nbytes // k.shape[1]
+        self.block_bytes = row_bytes(kv_cache)
         # Counters for metrics and benchmarks.
         self.bytes_to_host = 0
         self.bytes_to_device = 0  # blocks loaded (what the loads needed)

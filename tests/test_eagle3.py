@@ -18,7 +18,7 @@ from jaxinfer.model.config import load_config
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode import eagle_head as head
 from jaxinfer.spec_decode.eagle import EagleProposer, load_eagle
-from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS,
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free,
                                  assert_speculative_greedy_matches_golden, prompt_ids, run_all,
                                  tiny_model, tiny_tokenizer)
 
@@ -162,3 +162,28 @@ def test_warmup_compiles_the_stream_writing_forward_and_the_spec_loop():
         run_all(e)
     # Prefill ran an executable, the decodes speculated in compiled loops, nothing through jit.
     assert not calls and e.spec.metrics.draft_tokens and loop.dispatches >= 2
+
+
+@pytest.mark.parametrize("loop_iterations", [1, 4])
+def test_greedy_over_an_fp8_cache_equals_the_target_alone(loop_iterations):
+    """Over an fp8 KV cache the head keeps its own layer's cache in its weights' dtype (no fp8
+    scales of its own): greedy tokens with speculation are the fp8 target's alone, through
+    host-driven verifying steps and the on-device loop."""
+    target_cfg, _ = tiny_model()
+    cfg, hp = random_head(target_cfg, std=0.02)
+    prompts = [prompt_ids(3 + i, 9 + 3 * i) for i in range(3)]
+
+    def greedy(e):
+        for i, p in enumerate(prompts):
+            e.add_request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=10,
+                                                    ignore_eos=True))
+        return run_all(e)
+
+    proposer = EagleProposer(cfg, hp)
+    spec = tiny_engine(proposer, kv_cache_dtype="fp8", spec_loop_iterations=loop_iterations)
+    assert jnp.dtype(spec.runner.kv_cache[0][0].dtype).itemsize == 1
+    assert proposer.kv_cache[0][0].dtype == jnp.float32
+    assert greedy(spec) == greedy(tiny_engine(kv_cache_dtype="fp8"))
+    assert spec.spec.metrics.draft_tokens > 0
+    assert (spec.spec.step.loop is not None) == (loop_iterations > 1)
+    assert_all_free(spec)

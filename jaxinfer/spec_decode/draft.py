@@ -128,11 +128,11 @@ class DraftModel:
         kernels = shard_kernels(unsharded(runner.kernels), plan)  # the target's, on its own plan
         self._loop, self._catch_up = _jitted(self.cfg, kernels, runner.block_size, self.k, plan)
 
-    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+    def block_bytes(self, block_size: int, kv_dtype) -> int:
         """Bytes one block of its KV cache takes on one device."""
         c = self.cfg
         heads = self.sharding_plan.kv_heads_per_device if self.sharding_plan else c.num_kv_heads
-        return kv_block_bytes(c, block_size, c.num_layers, heads, dtype_bytes)
+        return kv_block_bytes(c, block_size, c.num_layers, heads, jnp.dtype(kv_dtype).itemsize)
 
     # ---- Proposer ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -272,4 +272,4 @@ def share_blocks(num_blocks: int, draft: DraftModel, target_cfg: ModelConfig, bl
                             itemsize)
     weights = per_device_bytes(draft.params)
     return max(1, (num_blocks * target - weights) // (target + draft.block_bytes(block_size,
-                                                                                 itemsize)))
+                                                                                 kv_dtype)))

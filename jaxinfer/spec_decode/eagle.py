@@ -169,12 +169,12 @@ def _copy_rows(streams, src, dst, block_size: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg, target_cfg, kernels: KernelTable, block_size: int,
+def _jitted(cfg, target_cfg, kernels: KernelTable, head_kernels: KernelTable, block_size: int,
             k: int):
-    chain = jax.jit(functools.partial(_chain, cfg=cfg, kernels=kernels, block_size=block_size,
-                                      k=k), static_argnames=("variant", "greedy_only"),
-                    donate_argnums=(2,))
-    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=kernels),
+    chain = jax.jit(functools.partial(_chain, cfg=cfg, kernels=head_kernels,
+                                      block_size=block_size, k=k),
+                    static_argnames=("variant", "greedy_only"), donate_argnums=(2,))
+    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=head_kernels),
                        donate_argnums=(2,))
     target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, kernels=kernels,
                                        layers=cfg.aux_layers), donate_argnums=(1, 4))
@@ -195,6 +195,7 @@ class EagleProposer:
         self.k = 0
         self.kv_cache = None
         self.streams = None
+        self.head_kernels: KernelTable | None = None  # the runner's, or unscaled over fp8 KV
         # The stream-writing forward's executables per step bucket (forward_key), compiled at
         # warm-up in place of the runner's own (bucket_compiler); else `target_fn` compiles.
         self.target_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
@@ -203,9 +204,6 @@ class EagleProposer:
         if runner.plan is not None and runner.plan.tp > 1:
             raise ConfigError("--speculative-config methods eagle3 and mtp do not run under "
                               "tensor parallelism yet")
-        if is_fp8(kv_dtype):  # its cache would need scales of its own (kv_quant.py)
-            raise ConfigError("--speculative-config methods eagle3 and mtp do not run over an "
-                              "fp8 --kv-cache-dtype yet")
         if not runner.kv_groups.specs[0].keeps_every_block:  # its blocks would be freed
             raise ConfigError("--speculative-config methods eagle3 and mtp need a target with a "
                               "full-attention layer, or --no-hybrid-kv-cache: they keep their KV "
@@ -213,17 +211,34 @@ class EagleProposer:
         self.runner, self.k = runner, k
         target_embed = runner.params["embed"]["embedding"]
         self.embed = self.params.get("embed", target_embed)
-        self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size, kv_dtype)
+        head_kernels = runner.kernels
+        if is_fp8(kv_dtype):  # the head's cache in the model's dtype, read without scales
+            head_kernels = dataclasses.replace(head_kernels, attention=head_kernels.attention.inner)
+        self.head_kernels = head_kernels
+        self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size,
+                                          self.cache_dtype(kv_dtype))
         self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
                                  target_embed.dtype)
         self._chain, self._catch_up, self.target_fn, self._copy = _jitted(
-            self.cfg, runner.cfg, runner.kernels, runner.block_size, k)
+            self.cfg, runner.cfg, runner.kernels, head_kernels, runner.block_size, k)
 
-    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+    def cache_dtype(self, kv_dtype):
+        """The head's KV-cache dtype: the target's, except that over an fp8 cache the head keeps
+        its one layer in its weights' dtype (fp8 would need calibrated scales of its own,
+        kv_quant.py, for a cache a fraction of the target's size)."""
+        return self.params_dtype if is_fp8(kv_dtype) else kv_dtype
+
+    @property
+    def params_dtype(self):
+        """Its weights' dtype (the first float leaf: `d2t` is a token map)."""
+        return next(x.dtype for x in jax.tree.leaves(self.params)
+                    if jnp.issubdtype(x.dtype, jnp.floating))
+
+    def block_bytes(self, block_size: int, kv_dtype) -> int:
         """Bytes one block of its KV and stream caches takes."""
         c = self.cfg.layer
-        return block_size * (c.num_kv_heads * sum(c.kv_widths) + self.cfg.stream_width
-                             ) * dtype_bytes
+        kv = c.num_kv_heads * sum(c.kv_widths) * jnp.dtype(self.cache_dtype(kv_dtype)).itemsize
+        return block_size * (kv + self.cfg.stream_width * jnp.dtype(self.params_dtype).itemsize)
 
     def target_forward(self, runner, batch: StepBatch):
         """The runner's forward of an ordinary step, writing its streams. -> (logits, kv cache)"""

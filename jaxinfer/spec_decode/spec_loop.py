@@ -61,7 +61,8 @@ AUTO_SPEC_LOOP_ITERATIONS = 4
 
 def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, streams,
                batch: StepBatch, rows, *, cfg, head_cfg,
-               kernels: KernelTable, block_size: int, k: int, iterations: int,
+               kernels: KernelTable, head_kernels: KernelTable, block_size: int, k: int,
+               iterations: int,
                variant: SamplerVariant, plan: ShardingPlan | None, layers: tuple[int, ...],
                greedy_only: bool = False):
     """`batch`: the rows as one-token decodes (positions: each row's input position, token_ids
@@ -94,7 +95,7 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         # (the target's streams) computed by the chain's first step
         hkv, drafts, q = _chain(head_params, embed, hkv, strm, tok, pos - 1, n, tables0, t,
                                 CatchUp(cu.ids, cu.pos, jnp.where(live, cu.num, 0)),
-                                cfg=head_cfg, kernels=kernels, block_size=block_size, k=k,
+                                cfg=head_cfg, kernels=head_kernels, block_size=block_size, k=k,
                                 variant=variant, greedy_only=greedy_only)
         # 2. the target's verify: rows of n + 1 tokens packed as the host packs them
         qsl, r, j = ragged(jnp.where(live, n + 1, 0), s * k1)
@@ -137,21 +138,27 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_spec_loop(cfg, head_cfg, kernels: KernelTable, block_size: int, k: int,
-                     iterations: int, plan: ShardingPlan | None, layers: tuple[int, ...]):
+def jitted_spec_loop(cfg, head_cfg, kernels: KernelTable, head_kernels: KernelTable,
+                     block_size: int, k: int, iterations: int, plan: ShardingPlan | None,
+                     layers: tuple[int, ...]):
     """The compiled loop of a target and head (KV cache, last tokens, head KV and stream cache
     donated), shared by every runner of them in the process; compiled per decode bucket and
     sampler variant. Its ragged calls (the verify, the head's first step) send every row to the
     backend's prefill kernel: their rows hold several tokens, so looking for one-token rows on
     the device (`split_mixed_steps`) would launch a decode kernel per layer for next to nothing
     (a row proposing nothing, at its limit, is the only one)."""
-    if isinstance(kernels.attention, AttentionBackend) and kernels.attention.split_mixed_steps:
-        kernels = dataclasses.replace(kernels, attention=dataclasses.replace(
-            kernels.attention, split_mixed_steps=False))
-    return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg, kernels=kernels,
+    return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg,
+                                     kernels=_unsplit(kernels), head_kernels=_unsplit(head_kernels),
                                      block_size=block_size, k=k, iterations=iterations,
                                      plan=plan, layers=layers),
                    static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 5, 6))
+
+
+def _unsplit(kernels: KernelTable) -> KernelTable:
+    if isinstance(kernels.attention, AttentionBackend) and kernels.attention.split_mixed_steps:
+        return dataclasses.replace(kernels, attention=dataclasses.replace(
+            kernels.attention, split_mixed_steps=False))
+    return kernels
 
 
 class SpecLoopHandle(StepHandle):
@@ -178,8 +185,9 @@ class SpecLoop:
 
     def __init__(self, runner, proposer, k: int, iterations: int):
         self.proposer, self.k, self.iterations = proposer, k, iterations
-        self.fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.kernels, runner.block_size, k,
-                                    iterations, runner.plan, tuple(proposer.aux_layers))
+        self.fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.kernels,
+                                   proposer.head_kernels, runner.block_size, k, iterations,
+                                   runner.plan, tuple(proposer.aux_layers))
         # Executables compiled at warm-up (worker/bucket_compiler.py), by (rows, sampler variant,
         # greedy only); a loop without one compiles through jit on its first call.
         self.exe: dict[tuple[int, SamplerVariant, bool], object] = {}

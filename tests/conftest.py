@@ -211,13 +211,24 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+# XLA CPU maps each executable's code into memory regions of its own. A worker that kept every
+# program of its files passed the kernel's limit of mappings per process (vm.max_map_count,
+# 65,530) late in a full run: LLVM's next mmap failed and the compile segfaulted (then xdist hung).
+# Three engine files alone kept 13,350 mappings. Past this many, the programs are dropped.
+MAX_MAPPINGS_KEPT = 24_000
+
+
 @pytest.fixture(scope="module", autouse=True)
 def release_executables():
-    """Drop jax's compiled programs after each file. XLA CPU maps each executable's code into
-    memory regions of its own, and a worker that kept every program of its files passed the
-    kernel's 65,530 mappings per process (vm.max_map_count) late in a full run: LLVM's next
-    mmap failed and the compile segfaulted (three files kept 13,350 mappings, 620 with this).
-    A file's own programs stay cached while its tests run."""
+    """After each file, drop jax's compiled programs if the process holds more than
+    MAX_MAPPINGS_KEPT memory mappings (always where /proc cannot tell). Kept otherwise: the next
+    files build the same tiny engines, and compiling again costs more than running them."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as maps:
+            mappings = sum(1 for _ in maps)
+    except OSError:
+        mappings = MAX_MAPPINGS_KEPT + 1
+    if mappings > MAX_MAPPINGS_KEPT:
+        jax.clear_caches()
+        gc.collect()

@@ -28,8 +28,20 @@ def lora_checks(out: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = save_adapter(random_adapter(cfg, 4, 5, scale=0.5), cfg, Path(tmp) / "a")
         lora = LoRARequest("a", 1, str(path))
-        for tp in (1, 2):
-            llm = LLM(str(model), tensor_parallel_size=tp, **kw)
-            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[lora, None])
-            out[f"lora/tp{tp}"] = [o.outputs[0].token_ids for o in outs]
+        for name, sizes in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2}),
+                            ("dp2", {"data_parallel_size": 2})):
+            llm = LLM(str(model), **sizes, **kw)
+            # dp2: requests go to the less loaded replica, ties to the first: each replica gets
+            # an adapter row, then a base row
+            outs = llm.generate(prompts * 2, params, use_tqdm=False,
+                                lora_request=[lora, lora, None, None])
+            out[f"lora/{name}"] = [o.outputs[0].token_ids for o in outs]
         out["lora/base"] = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+        out["lora/dp2_replicas"] = [r.list_loras() != [] for r in llm.engine.replicas]
+        # The admin calls reach every replica, under one id.
+        dp = llm.engine
+        added = dp.load_lora_adapter("b", str(path))
+        out["lora/dp2_loaded"] = [sorted((x.lora_name, x.lora_int_id) for x in r.list_loras())
+                                  for r in dp.replicas] + [added.lora_int_id]
+        dp.remove_lora("b")
+        out["lora/dp2_removed"] = [[x.lora_name for x in r.list_loras()] for r in dp.replicas]

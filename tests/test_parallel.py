@@ -108,10 +108,16 @@ def cache_lora_run() -> dict:
 
 
 @cache_lora
-def test_lora_tp2_equals_single_device(cache_lora_run):
-    """An adapter row and a base row in one batch (lora_parallel_checks.py)."""
+def test_lora_tp2_and_dp2_equal_single_device(cache_lora_run):
+    """An adapter row and a base row in one batch, under TP = 2 and over two data-parallel
+    replicas (lora_parallel_checks.py)."""
     checks = cache_lora_run
-    assert checks["lora/tp2"] == checks["lora/tp1"]
+    assert checks["lora/tp2"] == checks["lora/dp2"] == checks["lora/tp1"]
+    assert checks["lora/tp1"][2] == checks["lora/base"]
+    assert checks["lora/dp2_replicas"] == [True, True]  # each replica served the adapter
+    *loaded, new_id = checks["lora/dp2_loaded"]
+    assert loaded[0] == loaded[1] and ["b", new_id] in loaded[0]
+    assert checks["lora/dp2_removed"] == [["a"], ["a"]]
     assert checks["lora/tp1"][0] != checks["lora/base"]  # the adapter row is not the base model's
 
 

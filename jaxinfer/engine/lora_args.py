@@ -70,9 +70,8 @@ def check_lora_args(args) -> None:
         raise ConfigError("--enable-lora does not combine with speculative decoding yet")
     if args.disaggregate:
         raise ConfigError("--enable-lora does not combine with --disaggregate yet")
-    if args.data_parallel_size > 1 or (args.num_processes or 1) > 1:
-        raise ConfigError("--enable-lora does not combine with data parallelism or several "
-                          "processes yet")
+    if (args.num_processes or 1) > 1:
+        raise ConfigError("--enable-lora does not combine with several processes yet")
     if args.lora_impl not in ("auto", *LORA_IMPLS):
         raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from auto, "
                           f"{', '.join(LORA_IMPLS)}")

@@ -58,14 +58,12 @@ class DataParallelEngine(EngineClient):
                     arrival_time: float | None = None, *, final_output_only: bool = False,
                     lora_request=None):
         from jaxinfer.errors import InvalidRequestError
-        if lora_request is not None:  # (--enable-lora refuses data parallelism)
-            raise InvalidRequestError("LoRA adapters are not served with data parallelism", "model")
         if request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         replica = min(self.replicas, key=self._load)
         req = replica.add_request(request_id, prompt, params, priority, arrival_time,
-                                  final_output_only=final_output_only)
+                                  final_output_only=final_output_only, lora_request=lora_request)
         self._owner[request_id] = replica
         return req
 
@@ -99,6 +97,36 @@ class DataParallelEngine(EngineClient):
     def wake(self) -> None:
         for r in self.replicas:
             r.wake()
+
+    # ---- LoRA adapters: registered in every replica under one id --------------------------------
+    # Each change is made on the first replica, which checks it and raises changing nothing, then
+    # on the others, which accept what the first did (the same files, the same ids).
+    def list_loras(self) -> list:
+        return self.replicas[0].list_loras()
+
+    def add_lora(self, lora_request) -> None:
+        for r in self.replicas:
+            r.add_lora(lora_request)
+
+    def load_lora_adapter(self, name: str, path: str):
+        request = self.replicas[0].load_lora_adapter(name, path)
+        for r in self.replicas[1:]:
+            r.add_lora(request)
+        return request
+
+    def remove_lora(self, name: str) -> None:
+        from jaxinfer.errors import InvalidRequestError
+        lora_id = next((r.lora_int_id for r in self.list_loras() if r.lora_name == name), None)
+        users = [rid for rid, req in self.requests.items() if lora_id and req.lora_id == lora_id]
+        if users:  # (a replica's own check would leave the others without it)
+            raise InvalidRequestError(f"LoRA adapter '{name}' is in use by {len(users)} "
+                                      f"unfinished request(s)", "lora_name")
+        for r in self.replicas:
+            r.remove_lora(name)
+
+    def update_lora(self, name: str, params: dict) -> None:
+        for r in self.replicas:
+            r.update_lora(name, params)
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

@@ -11,6 +11,13 @@ tokenizer, weights, KV plan + allocation, warm-up, and inside warm-up jax's trac
 compile and cache-read seconds (summed over threads) and the executables loaded from the
 executable cache. `before_engine_s` is the rest: process start, imports, server set-up.
 
+Then, as a user does after `make serve` says it is serving, the README's first request (the
+demo's `class Point` completion, 48 greedy tokens) goes out at once: `first_request_s`. Once the
+server's background compiles are done (`jaxinfer:compiled_buckets` = `total_buckets` on
+/metrics, or after 120 s) the same request five more times: `steady_request_s` (median; the
+prompt's blocks then hit the prefix cache, as a user's repeat would), and
+`first_over_steady` (the goal: <= 3 on a cold cache).
+
 `--save` writes startup_<device>.json (results_io.py) with `time_to_ready_cold_s`,
 `time_to_ready_warm_s` (the fastest warm run) and each run's phases; `--baseline FILE` copies the
 metrics of an earlier record (e.g. this script run at the parent commit) in as `baseline_*` keys.
@@ -35,6 +42,10 @@ from jaxinfer.bench.suites import add_suite_args, run_suite
 
 ENGINE_PHASES = ("config", "tokenizer", "weights", "kv_plan_and_alloc", "warmup")  # sequential
 PREFIX = "startup phases (s): "  # jaxinfer.engine.startup.STARTUP_LOG_PREFIX (older commits lack it)
+# README.md's first request (its demo-example block).
+FIRST_REQUEST = {"prompt": 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):',
+                 "max_tokens": 48, "temperature": 0}
+COMPILE_WAIT_S = 120.0
 
 
 def _free_port() -> int:
@@ -49,6 +60,44 @@ def _healthy(port: int) -> bool:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def _get(port: int, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return r.read()
+
+
+def _completion_s(port: int, model: str) -> float:
+    body = json.dumps({"model": model, **FIRST_REQUEST}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+    return time.perf_counter() - start
+
+
+def _buckets(port: int) -> tuple[float, float]:
+    """(compiled, total) step buckets from /metrics (summed over the server's engines)."""
+    got = {"jaxinfer:compiled_buckets": 0.0, "jaxinfer:total_buckets": 0.0}
+    for line in _get(port, "/metrics").decode().splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in got:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["jaxinfer:compiled_buckets"], got["jaxinfer:total_buckets"]
+
+
+def first_and_steady(port: int) -> dict:
+    """The README's first request right at ready, then its steady time (module docstring)."""
+    model = json.loads(_get(port, "/v1/models"))["data"][0]["id"]
+    first = _completion_s(port, model)
+    deadline = time.perf_counter() + COMPILE_WAIT_S
+    while (buckets := _buckets(port))[0] < buckets[1] and time.perf_counter() < deadline:
+        time.sleep(0.5)
+    steady = sorted(_completion_s(port, model) for _ in range(5))[2]
+    return {"first_request_s": round(first, 3), "steady_request_s": round(steady, 3),
+            "first_over_steady": round(first / steady, 2),
+            "buckets_compiled_at_steady": f"{buckets[0]:.0f}/{buckets[1]:.0f}"}
 
 
 def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: float) -> dict:
@@ -71,6 +120,7 @@ def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: f
                     raise TimeoutError(f"not ready after {timeout_s} s:\n{log_path.read_text()}")
                 time.sleep(0.05)
             ready = time.perf_counter() - start
+            requests = first_and_steady(port)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -79,7 +129,7 @@ def serve_once(model: str | None, cache_dir: str, extra: list[str], timeout_s: f
         if PREFIX in line:
             phases = json.loads(line.split(PREFIX, 1)[1])
     timed = sum(phases.get(k, 0.0) for k in ENGINE_PHASES)
-    out = {"time_to_ready_s": round(ready, 2), **phases}
+    out = {"time_to_ready_s": round(ready, 2), **requests, **phases}
     if phases:
         out["before_engine_s"] = round(ready - timed, 2)
     return out
@@ -124,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     best = min(warm, key=lambda r: r["time_to_ready_s"]) if warm else None
     metrics = {"time_to_ready_cold_s": cold["time_to_ready_s"],
                "time_to_ready_warm_s": best and best["time_to_ready_s"],
+               "first_over_steady_cold": cold["first_over_steady"],
+               "first_over_steady_warm": best and best["first_over_steady"],
                "cold_phases_s": cold, "warm_phases_s": best,
                "warm_runs_s": [r["time_to_ready_s"] for r in warm]}
     if args.baseline:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes
 from jaxinfer.worker.executable_cache import ExecutableCache
@@ -44,6 +45,7 @@ def plan_kv_blocks(cfg: ModelConfig, args: EngineArgs, params,
     model_dtype = params_dtype_name(params)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
     groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
+    refuse_what_fixed_state_lacks(groups, args, kv_dtype)  # before sizing a page it cannot use
     platform = jax.devices()[0].platform
     # A block holds kv_heads_per_device heads on each device.
     device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg

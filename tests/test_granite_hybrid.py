@@ -176,3 +176,54 @@ def test_config_parsing():
                        ({"position_embedding_type": "alibi"}, "position_embedding_type")):
         with pytest.raises(ConfigError, match=match):
             config_from_dict({**raw, **bad})
+
+
+def test_pallas_kernels_through_the_mixer():
+    """The table's Pallas kernels (interpreted) in the mixer give the references' logits: a
+    ragged prefill of 5, 20 and 1 tokens, then a pure-decode step (the one-token kernels), on
+    shapes the Triton blocks take (C = 128 conv channels, P = N = 16)."""
+    import dataclasses
+
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+    from jaxinfer.model.ssm_kernels import Mamba2Kernels
+    from jaxinfer.model.transformer import forward, init_params
+    from jaxinfer.worker.kv.device_cache import allocate_kv_cache
+    from pallas_kernels.attention.metadata import AttentionMetadata
+
+    cfg = config_from_dict({
+        "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+        "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16,
+        "num_local_experts": 0, "shared_intermediate_size": 64, "torch_dtype": "float32"})
+    block = cfg.layer_kv_specs()[0].smallest_block_size(jnp.float32)
+    params = init_params(cfg, jax.random.key(0), jnp.float32, std=0.2)
+    groups = KVCacheGroups.for_model(cfg)
+    lengths = np.array([5, 20, 1])
+    # Sequence s of group g on blocks 2 (g * 3 + s) and the next.
+    tables = np.arange(2 * 3 * groups.num_groups, dtype=np.int32).reshape(groups.num_groups, 3, 2)
+
+    def metadata(first, count, **kw):
+        pos = np.concatenate([np.arange(f, f + c) for f, c in zip(first, count)])
+        seq = np.repeat(np.arange(3), count)
+        slots = tables[:, seq, pos // block] * block + pos % block
+        starts = np.concatenate([[0], np.cumsum(count)]).astype(np.int32)
+        return pos, AttentionMetadata(jnp.asarray(slots), jnp.asarray(starts),
+                                      jnp.asarray(first + count, jnp.int32), jnp.asarray(tables),
+                                      kv_layout=groups.kv_layout, **kw)
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, lengths.sum()), jnp.int32)
+    prefill_pos, prefill = metadata(np.zeros(3, int), lengths)
+    decode_pos, decode = metadata(lengths, np.ones(3, int), num_decodes=3)
+    logits = {}
+    pallas = dataclasses.replace(REFERENCE_KERNELS, mamba2=Mamba2Kernels(pallas=True,
+                                                                         interpret=True))
+    for name, kernels in (("reference", REFERENCE_KERNELS), ("pallas", pallas)):
+        cache = allocate_kv_cache(cfg, 12, block, jnp.float32, num_slots=groups.num_slots)
+        first, cache = forward(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
+                               kernels)
+        second, _ = forward(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
+                            jnp.asarray(decode_pos), cache, decode, kernels)
+        logits[name] = (first, second)
+    for ref, got in zip(logits["reference"], logits["pallas"]):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

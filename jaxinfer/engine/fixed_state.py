@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
 from jaxinfer.errors import ConfigError
+from pallas_kernels.attention.kv_quant import is_fp8
 
 
 def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None:
@@ -27,6 +28,12 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None
     if args.tensor_parallel_size > 1:
         raise ConfigError("--tensor-parallel-size > 1: state-space layers' states are not "
                           "sharded over devices yet")
+    if is_fp8(kv_dtype):
+        # The fp8 scales are calibrated per layer from the attention's K and V, which a
+        # state-space layer has none of.
+        raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: an fp8 KV cache beside "
+                          f"state-space layers is not built (their states would share its "
+                          f"pages); use the model dtype")
     need = max(state.smallest_block_size(kv_dtype) for state in states)
     if not all(state.fits(args.block_size, kv_dtype) for state in states):
         raise ConfigError(f"--block-size {args.block_size}: a state-space layer's state "

@@ -131,6 +131,10 @@ def test_state_in_the_attention_page():
     assert groups.specs == (page, state, state, state) and groups.num_slots == 1
     # A sequence's KV at 32 tokens: 4 attention blocks, one block of each state group.
     assert groups.tokens_held(32, BLOCK) == (4 + 3) * BLOCK
+    # The planner's block is one attention page (num_slots = 1); while a 16-token chunk runs, a
+    # state group holds the block before it and the two it spans (the engine's sizing floor).
+    assert groups.page_bytes(BLOCK, jnp.float32) == BLOCK * 2 * 2 * 16 * 4
+    assert groups.blocks_for_sequence(32, 16, BLOCK) == 4 + 3 * 3
 
 
 def test_memory_counts_the_state():

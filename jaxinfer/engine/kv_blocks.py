@@ -92,29 +92,15 @@ def with_compiled_peak(memory_plan: dict, runner) -> dict:
     return memory_plan
 
 
-def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs,
-                           role: str | None = None) -> EngineArgs:
-    """`args` with --hybrid-kv-cache off (one KV group, every layer keeping every block; the
-    windows still apply in the kernels) where a feature needs whole prefix blocks, logged:
-    - the host tier (--kv-offload): a host block is one prefix block of every layer, and a
-      windowed group's block of an old prefix may be gone;
-    - a disaggregated engine (`role`): the hand-over carries one block table per request;
-    - a draft model or an EAGLE-3 head over a target whose every group is windowed (a Mistral
-      with `sliding_window`): the drafter keeps its KV in the first group's blocks, which would
-      leave with the window."""
-    if not args.hybrid_kv_cache:
-        return args
-    groups = KVCacheGroups.for_model(cfg)
+def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs) -> EngineArgs:
+    """`args` with --hybrid-kv-cache off when a draft model or an EAGLE-3 head keeps its KV in the
+    target's first group and every group is windowed (a Mistral with `sliding_window`): those
+    blocks would leave with the window. The windows still apply in the kernels."""
     spec = args.spec_config()
-    if args.kv_offload and groups.num_groups > 1:
-        why = "the host tier (--kv-offload) keeps whole prefix blocks"
-    elif role is not None and groups.num_groups > 1:
-        why = "the disaggregated hand-over carries one block table per request"
-    elif (spec is not None and spec.method != "ngram"
-          and not groups.specs[0].keeps_every_block):
-        why = (f"the {spec.method} drafter keeps its KV in the target's blocks and no target "
-               f"layer has full attention")
-    else:
+    if not args.hybrid_kv_cache or spec is None or spec.method == "ngram":
         return args
-    log.info("KV groups off (--no-hybrid-kv-cache): %s", why)
+    if KVCacheGroups.for_model(cfg).specs[0].keeps_every_block:
+        return args
+    log.info("KV groups off (--no-hybrid-kv-cache): the %s drafter keeps its KV in the target's "
+             "blocks and no target layer has full attention", spec.method)
     return dataclasses.replace(args, hybrid_kv_cache=False)

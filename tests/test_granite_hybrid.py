@@ -157,6 +157,7 @@ def test_memory_counts_the_state():
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
     (dict(block_size=4), "--block-size 4"),
     (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+    (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)

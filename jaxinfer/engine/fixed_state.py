@@ -15,6 +15,9 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None
     states = [spec for spec in groups.specs if isinstance(spec, FixedStateSpec)]
     if not states:
         return
+    if args.kv_offload:
+        raise ConfigError("--kv-offload: the host tier keeps prefix-cache blocks, and prefix "
+                          "caching of state-space layers' states is not built")
     if args.enable_prefix_caching:
         # A state group's block holds the state after the last token its sequence wrote there,
         # not after the block's last token: a prefix hit would resume from a wrong state.

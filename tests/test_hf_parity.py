@@ -18,6 +18,7 @@ from jaxinfer.model.config import (SUPPORTED_ARCHITECTURES, config_from_dict, lo
                                    rope_inv_freq)
 from jaxinfer.worker.kv.device_cache import allocate_kv_cache
 from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+from jaxinfer.model.kv_specs import FixedStateSpec
 from jaxinfer.model.routing import Router
 from jaxinfer.model.shared_experts import fuse_shared_experts, stackable
 from jaxinfer.model.transformer import forward
@@ -43,18 +44,24 @@ def test_every_supported_architecture_has_a_fixture():
     assert archs == set(SUPPORTED_ARCHITECTURES)
 
 
-def _batch_metadata(lengths: list[int], num_blocks: int,
-                    capacity: list[int] | None = None) -> AttentionMetadata:
+def _block_size(cfg) -> int:
+    """BLOCK, or the smallest block whose page holds a state-space layer's state."""
+    states = [s for s in cfg.layer_kv_specs() if isinstance(s, FixedStateSpec)]
+    return max([BLOCK] + [s.smallest_block_size(jnp.float32) for s in states])
+
+
+def _batch_metadata(lengths: list[int], num_blocks: int, capacity: list[int] | None = None,
+                    block: int = BLOCK) -> AttentionMetadata:
     """The prompts as one ragged prefill step, each sequence on its own shuffled blocks (a real
     paging, not contiguous slots), enough of them for `capacity` tokens (default: its length)."""
     perm = np.random.default_rng(len(lengths)).permutation(num_blocks)
     tables, slots, used = [], [], 0
     capacity = capacity or lengths
-    width = max(-(-c // BLOCK) for c in capacity)
+    width = max(-(-c // block) for c in capacity)
     for n, c in zip(lengths, capacity):
-        table = perm[used:used + -(-c // BLOCK)]
+        table = perm[used:used + -(-c // block)]
         used += len(table)
-        slots += [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)]
+        slots += [table[i // block] * block + i % block for i in range(n)]
         tables.append(np.pad(table, (0, width - len(table))))
     starts = np.concatenate([[0], np.cumsum(lengths)])
     return AttentionMetadata(jnp.asarray(slots, jnp.int32), jnp.asarray(starts, jnp.int32),
@@ -93,10 +100,12 @@ def _check_parity(family, kernels, rewrite=None):
     prompts = [golden[f"prompt_{i}"] for i in range(3)] + [golden["greedy_prompt"]]
     expected = golden["greedy_tokens"]
     lengths = [len(p) for p in prompts]
-    md = _batch_metadata(lengths, 32, capacity=lengths[:3] + [lengths[3] + len(expected)])
+    block = _block_size(cfg)
+    md = _batch_metadata(lengths, 32, capacity=lengths[:3] + [lengths[3] + len(expected)],
+                         block=block)
     positions = np.concatenate([np.arange(len(p)) for p in prompts])
     logits, cache = step(params, cfg, jnp.asarray(np.concatenate(prompts)), jnp.asarray(positions),
-                         allocate_kv_cache(cfg, 32, BLOCK, jnp.float32), md, kernels=kernels)
+                         allocate_kv_cache(cfg, 32, block, jnp.float32), md, kernels=kernels)
     starts = np.asarray(md.query_start_loc)
     for i in range(3):
         np.testing.assert_allclose(np.asarray(logits[starts[i]:starts[i + 1]]),
@@ -106,7 +115,7 @@ def _check_parity(family, kernels, rewrite=None):
     n, table = lengths[3], md.block_tables[3:]
     tokens = [int(jnp.argmax(logits[starts[4] - 1]))]
     for pos in range(n, n + len(expected) - 1):
-        slot = int(table[0, pos // BLOCK]) * BLOCK + pos % BLOCK
+        slot = int(table[0, pos // block]) * block + pos % block
         dec = AttentionMetadata(jnp.array([slot], jnp.int32), jnp.array([0, 1], jnp.int32),
                                 jnp.array([pos + 1], jnp.int32), table, num_decodes=1)
         logits, cache = step(params, cfg, jnp.array([tokens[-1]]), jnp.array([pos]), cache, dec,

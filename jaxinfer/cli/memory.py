@@ -1,8 +1,10 @@
 """`jaxinfer memory`: KV-cache sizing and the decode roofline for a model on an accelerator.
 
 Everything follows from the per-token KV footprint 2 × L × H_kv × d_k × bytes (K and V, every
-layer, every KV head), or L × (kv_lora_rank + rope dim) × bytes for multi-head latent attention
-(DeepSeek: one latent per token and layer, shared by every head; docs/MLA.md). Decode reads all
+attention layer, every KV head), or L × (kv_lora_rank + rope dim) × bytes for multi-head latent
+attention (DeepSeek: one latent per token and layer, shared by every head; docs/MLA.md). A
+hybrid's state-space layers (Mamba-2) add one state per sequence, whatever its length, stored in
+an attention page (kv_specs.FixedStateSpec). Decode reads all
 weights plus every sequence's whole KV cache once per step and produces one token per sequence,
 so its arithmetic intensity is small next to an accelerator's ridge point (peak FLOP/s ÷ memory
 bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds a step from below.
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache.cache_config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from jaxinfer.core.kv_cache import KVCacheGroups, MLAAttentionSpec
+from jaxinfer.core.kv_cache import (FixedStateSpec, FullAttentionSpec, KVCacheGroups,
+                                    MLAAttentionSpec, SlidingWindowSpec)
 from jaxinfer.worker.kv.planner import (GIB, kv_bytes_per_token, latent_bytes_per_token,
                                         format_bytes, parse_size)
 from jaxinfer.model.quant_scheme import QUANTIZATIONS, resolve_quantization
@@ -84,18 +87,26 @@ class ModelShape:
     # part of it the values are (kv_lora_rank); 0: not MLA.
     mla_latent: int = 0
     mla_value: int = 0
+    # Per layer whether it is a state-space layer (a fixed state per sequence, no K/V per
+    # token); () none is.
+    state_layers: tuple[bool, ...] = ()
+
+    @property
+    def attention_layers(self) -> int:
+        return self.num_layers - sum(self.state_layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         if self.mla_latent:
             return latent_bytes_per_token(self.num_layers, self.mla_latent, dtype_bytes)
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+        return kv_bytes_per_token(self.attention_layers, self.num_kv_heads, self.head_dim,
+                                  dtype_bytes)
 
     def attention_flops_per_context_token(self) -> int:
         """QK^T and PV per context token of one decode row: 2 × H_q × (d_k + d_v) per layer;
         MLA's absorbed form scores the 576-wide latent and sums its 512-wide value part."""
         if self.mla_latent:
             return 2 * self.num_layers * self.num_heads * (self.mla_latent + self.mla_value)
-        return 4 * self.num_layers * self.num_heads * self.head_dim
+        return 4 * self.attention_layers * self.num_heads * self.head_dim
 
     def kv_read_fraction(self, seq_len: int) -> float:
         """The share of a sequence's KV a decode step reads at context `seq_len`: a windowed
@@ -106,14 +117,24 @@ class ModelShape:
             len(self.layer_windows) * seq_len)
 
     def kv_pool_fraction(self, seq_len: int, block_size: int) -> float:
-        """The share of the all-global KV the block pool holds for one sequence of `seq_len`
-        tokens with the hybrid KV allocator (kv_groups.py: windowed layers keep their window's
-        blocks; every KV group pads to the same number of layers)."""
-        if not self.layer_windows:
+        """What the block pool holds for one sequence of `seq_len` tokens with the hybrid KV
+        allocator (kv_groups.py: windowed layers keep their window's blocks, a state-space
+        layer the block of its latest state, an attention page; every KV group pads to the
+        same number of layers), over the attention layers' K and V of every token."""
+        if not self.layer_windows and not self.state_layers:
             return 1.0
-        groups = KVCacheGroups.from_layer_windows(self.layer_windows)
+        groups = KVCacheGroups.from_layer_specs(self._unit_specs())
         return groups.tokens_held(seq_len, block_size) * groups.num_slots / (
-            self.num_layers * seq_len)
+            self.attention_layers * seq_len)
+
+    def _unit_specs(self) -> list:
+        """Each layer's spec over one unit attention page (only the layout is asked)."""
+        unit = FullAttentionSpec(1, 1)
+        windows = self.layer_windows or (None,) * self.num_layers
+        states = self.state_layers or (False,) * self.num_layers
+        return [FixedStateSpec(1, page_of=unit) if state else
+                unit if window is None else SlidingWindowSpec(1, 1, sliding_window=window)
+                for window, state in zip(windows, states)]
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
@@ -133,7 +154,7 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         quant = resolve_quantization(args.quantization, cfg.quantization, "safetensors")
         dtype = args.dtype or cfg.dtype
         nbytes = _dtype_bytes(dtype, "--dtype" if args.dtype else f"{args.model}/config.json torch_dtype")
-        params = cfg.num_params()
+        params = cfg.num_params() if not cfg.layer_states else _param_count(cfg)
         inactive = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers)) * (
             cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
         if args.weight_bytes:
@@ -147,7 +168,8 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
                else (0, 0))
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
                           params - inactive, dtype, quant, cfg.max_position_embeddings,
-                          cfg.layer_windows, *mla)
+                          cfg.layer_windows, *mla,
+                          state_layers=tuple(s is not None for s in cfg.layer_states))
     if args.quantization:
         raise ConfigError("--quantization needs --model (without it, give the quantized size as "
                           "--weight-bytes)")
@@ -171,6 +193,15 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
            if args.kv_lora_rank is not None else (0, 0))
     return ModelShape(args.layers, args.kv_heads, args.head_dim, heads, weights, weights // nbytes,
                       dtype, mla_latent=mla[0], mla_value=mla[1])
+
+
+def _param_count(cfg) -> int:
+    """Parameters of the model's param tree (a hybrid's layers differ from the attention
+    layers ModelConfig.num_params counts)."""
+    import jax
+
+    from jaxinfer.model.transformer import param_shapes
+    return sum(leaf.size for leaf in jax.tree_util.tree_leaves(param_shapes(cfg)))
 
 
 def quantized_weight_bytes(cfg, dtype: str) -> int:
@@ -230,7 +261,11 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
     # is QK^T and PV over the context (ModelShape.attention_flops_per_context_token).
     flops = batch * (2 * shape.active_params
                      + shape.attention_flops_per_context_token() * seq_len)
-    bytes_read = shape.weight_bytes + batch * seq_len * report["kv_read_bytes_per_token"]
+    # A state-space layer reads and writes its state's page (an attention layer's, padded)
+    # once per sequence and step.
+    state_page = kv_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_bytes) * block_size
+    bytes_read = (shape.weight_bytes + batch * seq_len * report["kv_read_bytes_per_token"]
+                  + batch * sum(shape.state_layers) * 2 * state_page)
     intensity = flops / bytes_read
     roofline = {"flops_per_step": flops, "bytes_per_step": bytes_read,
                 "arithmetic_intensity": intensity}
@@ -251,7 +286,8 @@ def format_report(r: dict) -> str:
         (f"KV per token:    {r['kv_bytes_per_token']} B = {m['num_layers']} × latent "
          f"{m['mla_latent']} × {r['kv_cache_dtype_bytes']} B (MLA: one latent for all heads)"
          if m["mla_latent"] else
-         f"KV per token:    {r['kv_bytes_per_token']} B = 2 × {m['num_layers']} × "
+         f"KV per token:    {r['kv_bytes_per_token']} B = 2 × "
+         f"{m['num_layers'] - sum(m['state_layers'])} × "
          f"{m['num_kv_heads']} × {m['head_dim']} × {r['kv_cache_dtype_bytes']} B"),
         f"KV per block:    {format_bytes(r['kv_bytes_per_block'])} ({r['block_size']} tokens)",
         *([f"KV held per context token at {r['seq_len']} tokens: {r['kv_pool_bytes_per_token']} "

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
 from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
@@ -109,6 +110,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.num_total_blocks = num_blocks
         loop_steps, loop_max_seqs = args.decode_loop()
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
+        refuse_what_fixed_state_lacks(groups, args, kv_dtype)
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, groups,
                            host_tier_for(cfg, args, kv_dtype, groups)),

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.bucket_compiler import compile_workers
@@ -145,7 +146,12 @@ def preflight(cfg: ModelConfig, args: EngineArgs, param_shapes, plan: ShardingPl
 def refuse_if_it_cannot_fit(cfg: ModelConfig, args: EngineArgs, param_shapes,
                             plan: ShardingPlan | None, dtype) -> Preflight | None:
     """`preflight`, raising MemoryPlanError with its numbers when one sequence cannot fit
-    (--num-blocks skips the memory figures: the engine checks that count against a sequence)."""
+    (--num-blocks skips the memory figures: the engine checks that count against a sequence).
+    First what a model of state-space layers cannot run (engine/fixed_state.py), before any
+    weight loads."""
+    first = jax.tree_util.tree_leaves(param_shapes)[0].dtype
+    refuse_what_fixed_state_lacks(KVCacheGroups.for_model(cfg, args.hybrid_kv_cache), args,
+                                  resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(first).name))
     if args.num_blocks is not None:
         return None
     figures = preflight(cfg, args, param_shapes, plan, dtype)

@@ -19,8 +19,9 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.model import families
 from jaxinfer.model.deepseek import MLAConfig
 from jaxinfer.model.families import required
-from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec,
-                                     MLAAttentionSpec, SlidingWindowSpec)
+from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FixedStateSpec,
+                                     FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
+                                     SlidingWindowSpec)
 from jaxinfer.model.quant_scheme import checkpoint_quantization
 from jaxinfer.model.rope import RopeConfig, parse_rope
 from jaxinfer.model.rope import rope_inv_freq as _inv_freq
@@ -104,6 +105,15 @@ class ModelConfig:
     # num_layers .. num_layers + mtp_layers - 1, read only by spec_decode/mtp.py (moe_layers
     # covers them too).
     mtp_layers: int = 0
+    # State-space layers (a Mamba-2 hybrid's, run by its family's `state_layer`): per layer the
+    # bytes of its fixed state (float32 conv + SSM state), None for an attention layer; () none.
+    layer_states: tuple[int | None, ...] = ()
+    # Granite's muP multipliers: embeddings times embedding_multiplier, each layer's attention
+    # (or mixer) and MLP outputs times residual_multiplier before the residual add, the final
+    # logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def is_moe(self) -> bool:
@@ -132,6 +142,11 @@ class ModelConfig:
             return (latent,) * self.num_layers
         specs = []
         for layer in range(self.num_layers):
+            if self.layer_states and self.layer_states[layer] is not None:
+                # Stored in the attention layers' page (padded), so both share one pool.
+                page = FullAttentionSpec(self.num_kv_heads, self.head_dim)
+                specs.append(FixedStateSpec(self.layer_states[layer], page_of=page))
+                continue
             window = self.layer_window(layer)
             chunk = self.layer_chunks[layer] if self.layer_chunks else None
             if window is not None and chunk is not None:
@@ -159,8 +174,10 @@ class ModelConfig:
     @property
     def kv_widths(self) -> tuple[int, int]:
         """Widths of one cached (K, V) head: MLA caches the latent alone (the V array is empty).
-        Every layer's (KVCacheGroups refuses layers whose pages differ)."""
-        return self.layer_kv_specs()[0].stored_widths
+        Every attention layer's (KVCacheGroups refuses layers whose pages differ; a fixed state
+        is stored in the attention layers' pages)."""
+        spec = self.layer_kv_specs()[0]
+        return (spec.page_of if isinstance(spec, FixedStateSpec) else spec).stored_widths
 
     @property
     def score_scale(self) -> float:

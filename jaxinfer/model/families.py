@@ -246,6 +246,8 @@ class Family:
     - normalize(raw) -> raw: HF's config defaults filled in (and what the family refuses);
     - attention / moe: the flax modules its layers run instead of transformer.py's `Attention`
       and `MoE` (same constructor and call; None: the shared ones);
+    - state_layer: the flax module its fixed-state layers run (ModelConfig.layer_states: a
+      Mamba-2 mixer), constructed (cfg, kernels, dtype, layer=) and called as `Attention`;
     - tensor_sources(ckpt, name, cfg) -> {param path: Source} for checkpoint tensors stored in a
       layout of its own ({}: skip the tensor; None: the shared loader maps it);
     - rename(name) -> name: its checkpoint names spelled as the shared loader's (weights.hf_name);
@@ -254,6 +256,7 @@ class Family:
     normalize: Callable[[Raw], Raw] = _silu_only
     attention: Any = None
     moe: Any = None
+    state_layer: Any = None
     tensor_sources: Callable | None = None
     rename: Callable[[str], str] | None = None
     writable: bool = True
@@ -281,6 +284,7 @@ FAMILIES: dict[str, Family] = {
 MODULES: dict[str, str] = {
     "Glm4MoeForCausalLM": "jaxinfer.model.glm4_moe",
     "Llama4ForCausalLM": "jaxinfer.model.llama4",
+    "GraniteMoeHybridForCausalLM": "jaxinfer.model.granitemoehybrid",
 }
 
 SUPPORTED_ARCHITECTURES = (*FAMILIES, *MODULES)

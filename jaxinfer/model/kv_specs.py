@@ -11,7 +11,8 @@ freeing and prefix-matching rules of its ``single_type_kv_cache_manager.py`` fol
 - ``MLAAttentionSpec``: one latent per token shared by every head, K and V at once (DeepSeek;
   the V array is empty); keeps every block.
 - ``FixedStateSpec``: a state of fixed size per sequence (state-space layers), its page the
-  state after a block's last token; only the block of the latest state is kept.
+  state after a block's last token; only the block of the latest state is kept. Beside
+  attention layers its page is theirs, the state padded into it (``page_of``).
 
 Every spec answers the same questions, so nothing above it asks which kind a layer is:
 ``page_bytes`` (bytes per block per layer), ``first_needed_block`` (blocks before it can be
@@ -226,9 +227,13 @@ class FixedStateSpec(KVCacheSpec):
     token. A query needs only the state before it, so every earlier block is freed (a sequence
     holds the block of the state before a step and those the step writes), and a prefix match
     needs only the block it resumes after.
-    Its page does not grow with block_size, so it shares a pool only with specs of equal
-    page_bytes (KVCacheGroups refuses others)."""
+    Alone, its page does not grow with block_size, so it shares a pool only with specs of equal
+    page_bytes (KVCacheGroups refuses others). With `page_of` (a hybrid model's attention spec)
+    the state is stored in a page of that spec's size, padded, as vLLM's hybrid allocator pads
+    its Mamba pages: the pages are then equal at every block size, and the state must fit
+    (`fits`: the block size decides)."""
     state_bytes: int
+    page_of: AttentionSpec | None = None
     rank: ClassVar[int] = 3
     label: ClassVar[str] = "fixed-state"
 
@@ -241,7 +246,22 @@ class FixedStateSpec(KVCacheSpec):
         return False
 
     def page_bytes(self, block_size: int, dtype) -> int:
+        if self.page_of is not None:
+            return self.page_of.page_bytes(block_size, dtype)
         return self.state_bytes
+
+    def fits(self, block_size: int, dtype) -> bool:
+        """Whether the state fits one page (in whole 4-byte words: a state is float32)."""
+        page = self.page_bytes(block_size, dtype)
+        return page % 4 == 0 and self.state_bytes <= page
+
+    def smallest_block_size(self, dtype) -> int:
+        """The smallest power-of-two block size whose page holds the state (1 without
+        `page_of`: the page is the state)."""
+        size = 1
+        while self.page_of is not None and not self.fits(size, dtype):
+            size *= 2
+        return size
 
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         return max(first_query_pos - 1, 0) // block_size

@@ -31,8 +31,9 @@ from jaxinfer.model.gemm_rows import Dense
 from jaxinfer.model.kernel_table import REFERENCE_KERNELS, KernelTable
 from jaxinfer.model.lora.stacks import LORA
 from jaxinfer.model.quant.layers import expert_weights, linear
-from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec,
-                                     MLAAttentionSpec, SlidingWindowSpec)
+from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FixedStateSpec,
+                                     FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
+                                     SlidingWindowSpec)
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
 from jaxinfer.model.shared_experts import stacked_shared
@@ -204,7 +205,10 @@ def _attention(cfg: ModelConfig, spec: KVCacheSpec, kernels: KernelTable,
     its module in for `Attention`."""
     if isinstance(spec, MLAAttentionSpec):
         return MLAttention(cfg, kernels, dtype, name="attn")
-    module = families.family(cfg.architecture).attention or Attention
+    family = families.family(cfg.architecture)
+    if isinstance(spec, FixedStateSpec) and family.state_layer is not None:
+        return family.state_layer(cfg, kernels, dtype, layer=layer, name="mamba")
+    module = family.attention or Attention
     if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
         return module(cfg, kernels, dtype, spec.window, layer=layer, name="attn")
     if type(spec) is ChunkedLocalAttentionSpec:
@@ -236,6 +240,7 @@ class DecoderLayer(nn.Module):
         spec = self.kv_spec or cfg.layer_kv_specs()[0]
         attn_out, new_kv = _attention(cfg, spec, self.kernels, self.dtype, self.layer)(
             h, cos, sin, kv, md, lora_slot, positions)
+        attn_out = _times(attn_out, cfg.residual_multiplier)
         if cfg.sandwich_norms:  # Gemma: attention and MLP outputs are normed before the add
             attn_out = norm(name="post_attn_norm")(attn_out)
             x, h = norm(name="pre_ff_norm")(x, attn_out)
@@ -246,6 +251,7 @@ class DecoderLayer(nn.Module):
             out = moe(cfg, self.dtype, self.kernels, name="moe")(h)
         else:
             out = MLP(cfg, self.dtype, self.kernels, name="mlp")(h, lora_slot)
+        out = _times(out, cfg.residual_multiplier)
         if cfg.sandwich_norms:
             out = norm(name="post_ff_norm")(out)
         return x, out, new_kv
@@ -265,6 +271,7 @@ class Transformer(nn.Module):
         x, delta = embed(token_ids), None
         if cfg.embed_scale:  # Gemma: sqrt(hidden) rounded to the embedding dtype, as HF does
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
+        x = _times(x, cfg.embedding_multiplier)
         ropes = {rope: rope_tables(cfg, positions, rope)
                  for rope in {cfg.layer_rope(i) for i in range(cfg.num_layers)}}
         # One K/V array pair per cache slot; with KV groups layers of different groups share a
@@ -294,15 +301,24 @@ class Transformer(nn.Module):
             logits = _tied_head(x, embed.embedding)
         else:
             logits = _dense_head(cfg, self.dtype, self.kernels, "lm_head")(x).astype(jnp.float32)
-        logits = _softcap(logits, cfg.final_softcap)
+        logits = _final_logits(cfg, logits)
         new_kv = None if kv_cache is None else tuple(new_cache)
         if return_hidden:
             return logits, new_kv, hidden
         return logits, new_kv
 
 
-def _softcap(logits: jax.Array, cap: float | None) -> jax.Array:
-    """Gemma 2's final-logit soft-cap: cap * tanh(logits / cap)."""
+def _times(x: jax.Array, multiplier: float) -> jax.Array:
+    """x times a config multiplier (Granite's muP ones), in x's dtype; x itself at 1."""
+    return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
+
+
+def _final_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """The head's float32 logits divided by Granite's logits_scaling, then Gemma 2's soft-cap
+    cap * tanh(logits / cap)."""
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
+    cap = cfg.final_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
@@ -320,10 +336,10 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """float32 logits of final-normed hidden states [N, H] -> [N, V], the same computation as the
     head inside `forward` (for rows whose logits `forward` did not produce: prompt logprobs)."""
     if cfg.tie_word_embeddings:
-        return _softcap(_tied_head(hidden, params["embed"]["embedding"]), cfg.final_softcap)
+        return _final_logits(cfg, _tied_head(hidden, params["embed"]["embedding"]))
     dtype = params["embed"]["embedding"].dtype
     logits = _dense_head(cfg, dtype).apply({"params": params["lm_head"]}, hidden)
-    return _softcap(logits.astype(jnp.float32), cfg.final_softcap)
+    return _final_logits(cfg, logits.astype(jnp.float32))
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,

@@ -1,0 +1,44 @@
+"""What an engine over fixed-state layers (FixedStateSpec: a Mamba-2 hybrid's state-space
+layers) does not run yet, refused at start with the flag that asks for it
+(docs/feature_matrix.md), and the block size its state needs."""
+
+from __future__ import annotations
+
+from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
+from jaxinfer.errors import ConfigError
+from pallas_kernels.attention.kv_quant import is_fp8
+
+
+def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None:
+    """ConfigError naming the flag when the model has fixed-state layers and `args` (EngineArgs)
+    ask for what they do not support; none for a model without them."""
+    states = [spec for spec in groups.specs if isinstance(spec, FixedStateSpec)]
+    if not states:
+        return
+    if args.kv_offload:
+        raise ConfigError("--kv-offload: the host tier keeps prefix-cache blocks, and prefix "
+                          "caching of state-space layers' states is not built")
+    if args.enable_prefix_caching:
+        # A state group's block holds the state after the last token its sequence wrote there,
+        # not after the block's last token: a prefix hit would resume from a wrong state.
+        raise ConfigError("--enable-prefix-caching: prefix caching of state-space layers' "
+                          "states is not built; pass --no-enable-prefix-caching for this model")
+    spec = args.spec_config()
+    if spec is not None:
+        raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "
+                          f"state-space layers is not built (a rejected token would need the "
+                          f"state rolled back)")
+    if args.tensor_parallel_size > 1:
+        raise ConfigError("--tensor-parallel-size > 1: state-space layers' states are not "
+                          "sharded over devices yet")
+    if is_fp8(kv_dtype):
+        # The fp8 scales are calibrated per layer from the attention's K and V, which a
+        # state-space layer has none of.
+        raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: an fp8 KV cache beside "
+                          f"state-space layers is not built (their states would share its "
+                          f"pages); use the model dtype")
+    need = max(state.smallest_block_size(kv_dtype) for state in states)
+    if not all(state.fits(args.block_size, kv_dtype) for state in states):
+        raise ConfigError(f"--block-size {args.block_size}: a state-space layer's state "
+                          f"({max(s.state_bytes for s in states)} bytes) is stored in one "
+                          f"attention page, which holds it from --block-size {need} on")

@@ -1,0 +1,52 @@
+"""The kernel table's slot for Mamba-2's layers (kernel_table.KernelTable.mamba2): the causal
+conv1d and the SSD scan over a ragged batch, as the Triton-lowered Pallas kernels
+(pallas_kernels/ssm: GPU) or their jnp references (elsewhere), one call shape for both.
+
+Every call takes a state pool and the batch of pallas_kernels/ssm/batch.py (cu_seqlens, slots,
+has_initial_state) and returns (output, the pool with each live sequence's final state); a
+step of one token per sequence (`decode`) takes the one-token forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.ssm import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Kernels:
+    """`pallas`: the Pallas kernels (`interpret` runs them in the interpreter: CPU tests);
+    else the references (the conv's windowed sum, SSD's chunked form)."""
+    pallas: bool = False
+    interpret: bool = False
+
+    def conv(self, x, weight, bias, pool, cu_seqlens, slots, has_initial_state, *,
+             decode: bool = False):
+        """Causal depthwise conv + SiLU: x [T, C], weight [W, C], pool [n, W-1, C]."""
+        if self.pallas:
+            from pallas_kernels.ssm.conv1d import causal_conv1d, causal_conv1d_update
+            if decode:
+                return causal_conv1d_update(x, weight, bias, pool, slots,
+                                            interpret=self.interpret)
+            return causal_conv1d(x, weight, bias, pool, cu_seqlens, slots, has_initial_state,
+                                 interpret=self.interpret)
+        if decode:
+            return reference.causal_conv1d_update_reference(x, weight, bias, pool, slots)
+        return reference.causal_conv1d_reference(x, weight, bias, pool, cu_seqlens, slots,
+                                                 has_initial_state)
+
+    def ssd(self, x, dt, a, b, c, d, pool, cu_seqlens, slots, has_initial_state, *,
+            chunk_size: int, decode: bool = False):
+        """The SSM: x [T, H, P], dt [T, H] (after softplus), a, d [H], b, c [T, G, N],
+        pool [n, H, P, N] float32."""
+        if self.pallas:
+            from pallas_kernels.ssm.mamba2 import ssd_decode, ssd_prefill
+            if decode:
+                return ssd_decode(x, dt, a, b, c, pool, slots, d=d, interpret=self.interpret)
+            return ssd_prefill(x, dt, a, b, c, pool, cu_seqlens, slots, has_initial_state, d=d,
+                               chunk_size=chunk_size, interpret=self.interpret)
+        if decode:
+            return reference.ssd_decode_reference(x, dt, a, b, c, pool, slots, d=d)
+        return reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu_seqlens, slots,
+                                               has_initial_state, d=d, chunk_size=chunk_size)

@@ -1,0 +1,235 @@
+"""Granite 4.0-H (GraniteMoeHybridForCausalLM, a Mamba-2 hybrid: granitemoehybrid.py, mamba2.py)
+through the engine against HF transformers' goldens (tests/fixtures/make_golden_hybrid.py):
+greedy tokens under 3-token prefill chunks and preemption by recompute in a tiny pool, a fork
+(n = 2) whose state block is copied on write, a ragged batch of three prompts scored beside
+decoding rows (mixed prefill + decode steps), aborts that leave no block held; the state's
+place in the KV groups and the memory figures; what the engine refuses for such a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.core.kv_cache import FixedStateSpec, FullAttentionSpec, KVCacheGroups
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import config_from_dict, load_config
+from jaxinfer.model.transformer import train_forward
+from jaxinfer.model.weights import load_params
+from jaxinfer.sampling_params import SamplingParams
+from test_engine_support import assert_all_free, run_all
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+MOE, DENSE = FIXTURES / "granitemoehybrid", FIXTURES / "granitemoehybrid_dense"
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+BLOCK = 8  # the smallest power of two whose attention page holds a layer's state
+
+
+def _load(model_dir: Path):
+    cfg = load_config(model_dir)
+    return cfg, load_params(model_dir, cfg, jnp.float32, progress=False)
+
+
+def _args(model_dir: Path, num_blocks: int, **overrides) -> EngineArgs:
+    args = dict(model=str(model_dir), max_model_len=32, block_size=BLOCK, num_blocks=num_blocks,
+                max_num_seqs=4, max_num_batched_tokens=16, long_prefill_chunk=3,
+                compilation_cache_dir=None, warmup=False, dtype="float32",
+                background_compile=False, attention_backend="reference",
+                enable_prefix_caching=False)
+    return EngineArgs(**{**args, **overrides})
+
+
+def _prompt_logprobs(golden, i: int) -> np.ndarray:
+    prompt = golden[f"prompt_{i}"]
+    want = np.asarray(jax.nn.log_softmax(golden[f"logits_{i}"], axis=-1))
+    return want[np.arange(len(prompt) - 1), prompt[1:]]
+
+
+def test_engine_matches_transformers():
+    cfg, params = _load(MOE)
+    golden = np.load(MOE / "golden.npz")
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    # Per sequence of 21 tokens: 3 blocks of the attention group and, per state group (three:
+    # one Mamba-2 layer each, as the one attention layer sets num_slots), the block of its
+    # latest state and those a step writes. 4 such sequences need about 36; 16 preempt.
+    engine = LLMEngine(cfg, params, None, _args(MOE, 16), num_blocks=16)
+    for i in range(3):
+        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    engine.add_request("fork", prompt, SamplingParams(n=2, max_tokens=len(expected), **GREEDY))
+    results = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for i in range(3):
+        assert results[f"g{i}"][0][0] == expected, i
+    assert results["fork"][0][0] == results["fork"][1][0] == expected
+    assert_all_free(engine)
+
+    # A ragged batch: prompts of 1, 7 and 29 tokens scored in 3-token chunks while a greedy run
+    # decodes beside them (steps mixing decode rows and prefill chunks).
+    engine.add_request("decode", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    engine.step()
+    for i in range(3):
+        engine.add_request(f"p{i}", golden[f"prompt_{i}"].tolist(),
+                           SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY))
+    scored, firsts = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs and out.request_id not in scored:
+                scored[out.request_id] = [e.logprob for e in out.prompt_logprobs[1:]]
+            if out.finished:
+                firsts[out.request_id] = out.outputs[0].token_ids
+    assert firsts["decode"] == expected
+    for i in range(3):
+        assert firsts[f"p{i}"] == [int(np.argmax(golden[f"logits_{i}"][-1]))], i
+        np.testing.assert_allclose(scored.get(f"p{i}", []), _prompt_logprobs(golden, i),
+                                   atol=1e-4, rtol=0)
+    assert_all_free(engine)
+
+    # Aborts mid-prefill and mid-decode give every block back.
+    for i in range(3):
+        engine.add_request(f"a{i}", golden["prompt_2"].tolist(),
+                           SamplingParams(max_tokens=3, **GREEDY))
+    for _ in range(4):
+        engine.step()
+    for i in range(3):
+        engine.abort(f"a{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_dense_variant_matches_transformers():
+    """No experts, RoPE on the attention layer, untied head: whole-prompt logits (the dense
+    path, fresh states) as HF's."""
+    cfg, params = _load(DENSE)
+    assert not cfg.is_moe and cfg.family_options.rope and not cfg.tie_word_embeddings
+    golden = np.load(DENSE / "golden.npz")
+    logits = train_forward(params, cfg, jnp.asarray(golden["prompt_2"])[None])[0]
+    np.testing.assert_allclose(logits, golden["logits_2"], atol=1e-4, rtol=0)
+
+
+def test_state_in_the_attention_page():
+    cfg = load_config(MOE)
+    dims = cfg.family_options.mamba
+    # (W - 1) x conv channels + H x P x N, float32: 3 x 80 + 4 x 16 x 4 words.
+    assert dims.state_bytes == 4 * (3 * 80 + 4 * 16 * 4)
+    specs = cfg.layer_kv_specs()
+    page = FullAttentionSpec(2, 16)
+    assert specs == (FixedStateSpec(dims.state_bytes, page_of=page), page,
+                     FixedStateSpec(dims.state_bytes, page_of=page),
+                     FixedStateSpec(dims.state_bytes, page_of=page))
+    state = specs[0]
+    assert state.page_bytes(BLOCK, jnp.float32) == page.page_bytes(BLOCK, jnp.float32)
+    assert not state.fits(4, jnp.float32) and state.fits(8, jnp.float32)
+    assert state.smallest_block_size(jnp.float32) == 8
+    assert state.smallest_block_size(jnp.bfloat16) == 16  # half the page, the same state
+    groups = KVCacheGroups.for_model(cfg)
+    assert groups.specs == (page, state, state, state) and groups.num_slots == 1
+    # A sequence's KV at 32 tokens: 4 attention blocks, one block of each state group.
+    assert groups.tokens_held(32, BLOCK) == (4 + 3) * BLOCK
+    # The planner's block is one attention page (num_slots = 1); while a 16-token chunk runs, a
+    # state group holds the block before it and the two it spans (the engine's sizing floor).
+    assert groups.page_bytes(BLOCK, jnp.float32) == BLOCK * 2 * 2 * 16 * 4
+    assert groups.blocks_for_sequence(32, 16, BLOCK) == 4 + 3 * 3
+
+
+def test_memory_counts_the_state():
+    from jaxinfer.cli.memory import ACCELERATORS, _shape_from_args, memory_report
+    import argparse
+    args = argparse.Namespace(model=str(MOE), layers=None, kv_heads=None, head_dim=None,
+                              heads=None, kv_lora_rank=None, quantization=None, dtype=None,
+                              weight_bytes=None, qk_rope_dim=64)
+    shape = _shape_from_args(args)
+    report = memory_report(shape, kv_dtype="auto", seq_len=32, batch=1, block_size=BLOCK,
+                           accelerator=ACCELERATORS["l4"], gpu_memory_utilization=0.9)
+    page = 2 * 2 * 16 * 4  # K and V of 2 heads x 16, float32, per token
+    assert report["kv_bytes_per_token"] == page  # the one attention layer
+    # 32 tokens of the attention layer plus each Mamba-2 layer's state page (padded).
+    assert report["kv_bytes_per_sequence"] == 32 * page + 3 * BLOCK * page
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
+    (dict(block_size=4), "--block-size 4"),
+    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+    (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),
+])
+def test_refused_at_start(overrides, flag):
+    cfg, params = _load(DENSE)
+    with pytest.raises(ConfigError, match=flag):
+        LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
+
+
+def test_config_parsing():
+    raw = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 32,
+           "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "mamba_n_heads": 4,
+           "mamba_d_state": 8, "num_local_experts": 0, "time_step_limit": [0.0, 8.0]}
+    cfg = config_from_dict(raw)
+    dims = cfg.family_options.mamba
+    assert (dims.heads, dims.head_dim, dims.dt_limit) == (4, 32, (0.0, 8.0))  # expand 2 x 64 / 4
+    assert not cfg.family_options.rope and cfg.layer_states[1] is None
+    assert config_from_dict({**raw, "layer_types": None,
+                             "layers_block_type": ["attention", "mamba"]}).layer_states[0] is None
+    for bad, match in (({"layer_types": ["mamba", "conv"]}, "layer_types"),
+                       ({"layer_types": ["mamba", "mamba"]}, "no attention layer"),
+                       ({"mamba_n_heads": 5}, "mamba_n_heads"),
+                       ({"position_embedding_type": "alibi"}, "position_embedding_type")):
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({**raw, **bad})
+
+
+def test_pallas_kernels_through_the_mixer():
+    """The table's Pallas kernels (interpreted) in the mixer give the references' logits: a
+    ragged prefill of 5, 20 and 1 tokens, then a pure-decode step (the one-token kernels), on
+    shapes the Triton blocks take (C = 128 conv channels, P = N = 16)."""
+    import dataclasses
+
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+    from jaxinfer.model.ssm_kernels import Mamba2Kernels
+    from jaxinfer.model.transformer import forward, init_params
+    from jaxinfer.worker.kv.device_cache import allocate_kv_cache
+    from pallas_kernels.attention.metadata import AttentionMetadata
+
+    cfg = config_from_dict({
+        "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+        "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16,
+        "num_local_experts": 0, "shared_intermediate_size": 64, "torch_dtype": "float32"})
+    block = cfg.layer_kv_specs()[0].smallest_block_size(jnp.float32)
+    params = init_params(cfg, jax.random.key(0), jnp.float32, std=0.2)
+    groups = KVCacheGroups.for_model(cfg)
+    lengths = np.array([5, 20, 1])
+    # Sequence s of group g on blocks 2 (g * 3 + s) and the next.
+    tables = np.arange(2 * 3 * groups.num_groups, dtype=np.int32).reshape(groups.num_groups, 3, 2)
+
+    def metadata(first, count, **kw):
+        pos = np.concatenate([np.arange(f, f + c) for f, c in zip(first, count)])
+        seq = np.repeat(np.arange(3), count)
+        slots = tables[:, seq, pos // block] * block + pos % block
+        starts = np.concatenate([[0], np.cumsum(count)]).astype(np.int32)
+        return pos, AttentionMetadata(jnp.asarray(slots), jnp.asarray(starts),
+                                      jnp.asarray(first + count, jnp.int32), jnp.asarray(tables),
+                                      kv_layout=groups.kv_layout, **kw)
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, lengths.sum()), jnp.int32)
+    prefill_pos, prefill = metadata(np.zeros(3, int), lengths)
+    decode_pos, decode = metadata(lengths, np.ones(3, int), num_decodes=3)
+    logits = {}
+    pallas = dataclasses.replace(REFERENCE_KERNELS, mamba2=Mamba2Kernels(pallas=True,
+                                                                         interpret=True))
+    for name, kernels in (("reference", REFERENCE_KERNELS), ("pallas", pallas)):
+        cache = allocate_kv_cache(cfg, 12, block, jnp.float32, num_slots=groups.num_slots)
+        first, cache = forward(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
+                               kernels)
+        second, _ = forward(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
+                            jnp.asarray(decode_pos), cache, decode, kernels)
+        logits[name] = (first, second)
+    for ref, got in zip(logits["reference"], logits["pallas"]):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

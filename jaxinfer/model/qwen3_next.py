@@ -100,9 +100,10 @@ def _gdn_dims(raw: Raw) -> GatedDeltaNetDims:
 def fields(raw: Raw, layers: int) -> dict:
     dims = _gdn_dims(raw)
     state = _state_layers(raw, layers)
-    # Qwen3-MoE's attention biases, q/k norms, experts and sparse layers.
-    qwen3_moe = FAMILIES["Qwen3MoeForCausalLM"].fields(raw, layers)
-    return dict(qwen3_moe, norm_offset=True, rotary_dim=partial_rotary_dim(raw),
+    # Qwen3-MoE's attention biases, q/k norms, experts and sparse layers (Qwen3's without
+    # experts: every layer's MLP dense, as HF's model runs num_experts = 0).
+    qwen3 = FAMILIES["Qwen3MoeForCausalLM" if raw["num_experts"] else "Qwen3ForCausalLM"]
+    return dict(qwen3.fields(raw, layers), norm_offset=True, rotary_dim=partial_rotary_dim(raw),
                 layer_states=tuple(dims.state_bytes if s else None for s in state),
                 family_options=Qwen3NextOptions(dims,
                                                 int(raw["shared_expert_intermediate_size"])))

@@ -166,17 +166,32 @@ def test_config_parsing():
             config_from_dict({**RAW, **bad})
 
 
+def test_a_state_no_page_holds_is_refused():
+    """Qwen3-Next-80B's Gated DeltaNet state (2.1 MB) fits no attention page up to the largest
+    block size: refused as such, not with a block size the flag cannot take."""
+    from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
+    cfg = config_from_dict({**RAW, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                            "num_attention_heads": 16, "head_dim": 256, "hidden_size": 2048})
+    assert cfg.layer_kv_specs()[0].state_bytes == 4 * (3 * 8192 + 32 * 128 * 128)
+    with pytest.raises(ConfigError, match="does not hold it at any --block-size up to 256"):
+        refuse_what_fixed_state_lacks(KVCacheGroups.for_model(cfg), _args(8, block_size=256),
+                                      jnp.bfloat16)
+
+
 def test_pallas_kernels_through_the_layer():
     """The table's Pallas kernels (interpreted) in the Gated DeltaNet layers give the
     references' logits: a ragged prefill of 5, 20 and 1 tokens, then a pure-decode step (the
-    one-token kernels), on shapes the Triton blocks take (C = 128 conv channels, K = V = 16)."""
+    one-token kernels), on shapes the Triton blocks take (C = 128 conv channels, K = 16,
+    V = 32; two value heads keep the interpreted grids small)."""
     from jaxinfer.model.kernel_table import REFERENCE_KERNELS
     from jaxinfer.model.ssm_kernels import GatedDeltaNetKernels
     from jaxinfer.model.transformer import forward, init_params
     from jaxinfer.worker.kv.device_cache import allocate_kv_cache
     from pallas_kernels.attention.metadata import AttentionMetadata
 
-    cfg = config_from_dict({**RAW, "num_hidden_layers": 2,
+    cfg = config_from_dict({**RAW, "num_hidden_layers": 2, "linear_num_value_heads": 2,
+                            "linear_value_head_dim": 32,
                             "layer_types": ["linear_attention", "full_attention"]})
     params = init_params(cfg, jax.random.key(0), jnp.float32, std=0.2)
     groups = KVCacheGroups.for_model(cfg)
@@ -198,13 +213,14 @@ def test_pallas_kernels_through_the_layer():
     decode_pos, decode = metadata(lengths, np.ones(3, int), num_decodes=3)
     pallas = dataclasses.replace(REFERENCE_KERNELS,
                                  gdn=GatedDeltaNetKernels(pallas=True, interpret=True))
+    step = jax.jit(forward, static_argnames=("cfg", "kernels"))
     logits = {}
     for name, kernels in (("reference", REFERENCE_KERNELS), ("pallas", pallas)):
         cache = allocate_kv_cache(cfg, 12, BLOCK, jnp.float32, num_slots=groups.num_slots)
-        first, cache = forward(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
-                               kernels)
-        second, _ = forward(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
-                            jnp.asarray(decode_pos), cache, decode, kernels)
+        first, cache = step(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
+                            kernels=kernels)
+        second, _ = step(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
+                         jnp.asarray(decode_pos), cache, decode, kernels=kernels)
         logits[name] = (first, second)
     for ref, got in zip(logits["reference"], logits["pallas"]):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

@@ -103,15 +103,17 @@ def fields(raw: Raw, layers: int) -> dict:
     # Qwen3-MoE's attention biases, q/k norms, experts and sparse layers (Qwen3's without
     # experts: every layer's MLP dense, as HF's model runs num_experts = 0).
     qwen3 = FAMILIES["Qwen3MoeForCausalLM" if raw["num_experts"] else "Qwen3ForCausalLM"]
-    return dict(qwen3.fields(raw, layers), norm_offset=True, rotary_dim=partial_rotary_dim(raw),
+    return dict(qwen3.fields(raw, layers), norm_offset=True, attn_output_gate=True,
+                rotary_dim=partial_rotary_dim(raw),
                 layer_states=tuple(dims.state_bytes if s else None for s in state),
                 family_options=Qwen3NextOptions(dims,
                                                 int(raw["shared_expert_intermediate_size"])))
 
 
 class Qwen3NextAttention(Attention):
-    """transformer.Attention's steps with q_proj's per-head output gate: q_proj gives [q, gate]
-    per head, and the heads' output is times sigmoid(gate) before o_proj."""
+    """transformer.Attention's steps with q_proj's per-head output gate
+    (ModelConfig.attn_output_gate): q_proj gives [q, gate] per head, and the heads' output is
+    times sigmoid(gate) before o_proj."""
 
     @nn.compact
     def __call__(self, x, cos, sin, kv=None, md=None, lora_slot=None, positions=None):

@@ -130,6 +130,25 @@ def test_memory_counts_the_state():
     assert report["kv_bytes_per_sequence"] == 32 * page + 3 * BLOCK * page
 
 
+def test_quantized_on_load():
+    """--quantization int8 on the float checkpoint: the shared expert (read by the family's
+    tensor_sources) becomes QuantLinear weights [out, in] that dequantize to the checkpoint's,
+    and the model runs."""
+    from jaxinfer.model.quant import ops
+    from jaxinfer.model.transformer import train_forward
+    cfg = dataclasses.replace(load_config(MODEL), quantization="int8")
+    params = load_params(MODEL, cfg, jnp.float32, progress=False)
+    dense = load_params(MODEL, load_config(MODEL), jnp.float32, progress=False)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        q = params["layers_3"]["moe"]["shared_expert"][proj]
+        want = np.asarray(dense["layers_3"]["moe"]["shared_expert"][proj]["kernel"]).T
+        got = np.asarray(ops.dequantize(q["weight"], q["weight_scale"], -1))
+        assert np.abs(got - want).max() <= np.abs(want).max() / 127, proj
+    golden = np.load(MODEL / "golden.npz")
+    logits = train_forward(params, cfg, jnp.asarray(golden["prompt_1"])[None])[0]
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 @pytest.mark.parametrize("overrides, flag", [
     (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),

@@ -46,7 +46,8 @@ DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
                 partial_rotary_factor=0.25, full_attention_interval=4, rope_theta=10000.0)
 LINEAR, FULL = "linear_attention", "full_attention"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(linear_attn\.conv1d\.weight|"
-                    r"mlp\.shared_expert\.(gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight)")
+                    r"mlp\.shared_expert\.(gate|up|down)_proj\.(weight|weight_scale(?:_inv)?)|"
+                    r"mlp\.shared_expert_gate\.weight)")
 _MTP = re.compile(r"mtp\..*")
 
 
@@ -165,7 +166,13 @@ def tensor_sources(ckpt, name: str, cfg) -> dict | None:
     if part.startswith("linear_attn."):
         return {(layer, "linear_attn", "conv1d_weight"): depthwise_conv_weight(ckpt, name)}
     if m[3] is not None:
-        return {(layer, "moe", "shared_expert", f"{m[3]}_proj", "kernel"): plain(ckpt, name, True)}
+        proj = (layer, "moe", "shared_expert", f"{m[3]}_proj")
+        if m[4] != "weight":  # a quantized checkpoint's scales, stored as the model keeps them
+            return {(*proj, "weight_scale"): plain(ckpt, name, False)}
+        # Under quantization a QuantLinear's weight [out, in], else a Dense kernel [in, out].
+        if cfg.quantization:
+            return {(*proj, "weight"): plain(ckpt, name, False)}
+        return {(*proj, "kernel"): plain(ckpt, name, True)}
     return {(layer, "moe", "shared_expert_gate"): plain(ckpt, name, True)}
 
 

@@ -145,7 +145,8 @@ def test_quantized_on_load():
         got = np.asarray(ops.dequantize(q["weight"], q["weight_scale"], -1))
         assert np.abs(got - want).max() <= np.abs(want).max() / 127, proj
     golden = np.load(MODEL / "golden.npz")
-    logits = train_forward(params, cfg, jnp.asarray(golden["prompt_1"])[None])[0]
+    logits = jax.jit(train_forward, static_argnums=1)(params, cfg,
+                                                      jnp.asarray(golden["prompt_1"])[None])[0]
     assert np.isfinite(np.asarray(logits)).all()
 
 

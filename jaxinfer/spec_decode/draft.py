@@ -39,7 +39,7 @@ from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_parallel_sizes
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
+from jaxinfer.worker.step_inputs import StepBatch
 from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -171,30 +171,11 @@ class DraftModel:
         return dataclasses.replace(v, drafts=drafts), q
 
     def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
-        """Draft KV for each (row, first unseen position) up to the row's input token, in chunks of
-        at most the largest token bucket."""
-        runner = self.runner
-        cap = runner.buckets.token_buckets[-1]
-        pieces: list[ScheduledSeq] = []
-        for entry, seen in behind:
-            for lo in range(seen, entry.start, cap):
-                n = min(cap, entry.start - lo)
-                pieces.append(ScheduledSeq(entry.seq, lo, n, False, entry.block_ids))
-        chunk: list[ScheduledSeq] = []
-        used = 0
-        for piece in pieces + [None]:
-            if piece is None or used + piece.num_tokens > cap or len(chunk) == runner.buckets.max_num_seqs:
-                if chunk:
-                    t, s = runner.buckets.mixed_shape(used)
-                    batch = build_step_batch(chunk, 0, t, s, runner.sampling_table,
-                                             runner.block_size, runner.max_blocks,
-                                             runner.max_model_len, SamplerVariant())
-                    self.kv_cache = self._catch_up(self.params, self.kv_cache,
-                                                   dataclasses.replace(batch, sampling=None))
-                chunk, used = [], 0
-            if piece is not None:
-                chunk.append(piece)
-                used += piece.num_tokens
+        """Draft KV for each (row, first unseen position) up to the row's input token."""
+        spans = [(entry, seen, entry.start) for entry, seen in behind]
+        for _, batch in self.runner.catch_up_batches(spans):
+            self.kv_cache = self._catch_up(self.params, self.kv_cache,
+                                           dataclasses.replace(batch, sampling=None))
 
 
 def draft_plan(cfg: ModelConfig, target: ShardingPlan, name: str) -> ShardingPlan:

@@ -40,7 +40,7 @@ from jaxinfer.worker.bucket_compiler import forward_key
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
-from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, input_ids
+from jaxinfer.worker.step_inputs import StepBatch, all_greedy, input_ids
 from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
@@ -275,35 +275,16 @@ class EagleProposer:
         self.streams = self._copy(self.streams, src, dst)
 
     def run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
-        """Head KV at each row's positions seen .. start - 2, in chunks of at most the largest
-        token bucket; each position reads the token after it."""
-        runner = self.runner
-        cap = runner.buckets.token_buckets[-1]
-        pieces = [ScheduledSeq(e.seq, lo, min(cap, e.start - 1 - lo), False, e.block_ids)
-                  for e, seen in behind for lo in range(seen, e.start - 1, cap)]
-        chunk: list[ScheduledSeq] = []
-        used = 0
-        for piece in pieces + [None]:
-            if piece is None or used + piece.num_tokens > cap or (
-                    len(chunk) == runner.buckets.max_num_seqs):
-                if chunk:
-                    self._catch_up_chunk(chunk, used)
-                chunk, used = [], 0
-            if piece is not None:
-                chunk.append(piece)
-                used += piece.num_tokens
-
-    def _catch_up_chunk(self, chunk: list[ScheduledSeq], used: int) -> None:
-        runner = self.runner
-        t, s = runner.buckets.mixed_shape(used)
-        batch = build_step_batch(chunk, 0, t, s, runner.sampling_table, runner.block_size,
-                                 runner.max_blocks, runner.max_model_len, SamplerVariant())
-        ids = np.zeros(t, np.int32)
-        for piece, lo in zip(chunk, batch.md.query_start_loc):
-            ids[lo:lo + piece.num_tokens] = piece.seq.token_ids[
-                piece.start + 1:piece.start + 1 + piece.num_tokens]
-        self.kv_cache = self._catch_up(self.params, self.embed, self.kv_cache, self.streams, ids,
-                                       batch.positions, batch.md)
+        """Head KV at each row's positions seen .. start - 2; each position reads the token after
+        it."""
+        for chunk, batch in self.runner.catch_up_batches([(e, seen, e.start - 1)
+                                                          for e, seen in behind]):
+            ids = np.zeros(batch.token_ids.shape[0], np.int32)
+            for piece, lo in zip(chunk, batch.md.query_start_loc):
+                ids[lo:lo + piece.num_tokens] = piece.seq.token_ids[
+                    piece.start + 1:piece.start + 1 + piece.num_tokens]
+            self.kv_cache = self._catch_up(self.params, self.embed, self.kv_cache, self.streams,
+                                           ids, batch.positions, batch.md)
 
 
 def load_eagle(model_dir: str, target_cfg, dtype) -> EagleProposer:

@@ -49,7 +49,7 @@ from jaxinfer.worker.bucket_compiler import shape_specs, variant_label
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, sampler_variant
+from jaxinfer.worker.step_inputs import StepBatch, all_greedy, sampler_variant
 from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
@@ -209,9 +209,7 @@ class SpecLoop:
                 for e in sched.decodes]
         s = runner.buckets.decode_shape(len(rows))
         variant = sampler_variant(rows)
-        batch = build_step_batch(rows, s, s, s, runner.sampling_table, runner.block_size,
-                                 runner.max_blocks, runner.max_model_len, variant,
-                                 kv_layout=runner.kv_groups.kv_layout)
+        batch = runner.step_batch(rows, s, s, s, variant, lora=False)
         state = np.zeros((s, 3 + k), np.int32)  # room, then the catch-up: pos, num, ids
         behind = []  # rows further behind than one iteration's catch-up: one host-built call
         for r, e in enumerate(sched.decodes):

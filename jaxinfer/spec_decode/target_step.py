@@ -37,8 +37,8 @@ from jaxinfer.spec_decode.eagle import write_streams
 from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import (StepBatch, all_greedy, build_step_batch, input_ids,
-                                         sampler_variant, store_emitted)
+from jaxinfer.worker.step_inputs import (StepBatch, all_greedy, input_ids, sampler_variant,
+                                         store_emitted)
 from jaxinfer.model.kernel_table import KernelTable
 
 
@@ -126,9 +126,7 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
     rows = sched.scheduled
     variant = sampler_variant(rows)
     t, s = runner.buckets.mixed_shape(sched.num_tokens)
-    batch = build_step_batch(rows, 0, t, s, runner.sampling_table, runner.block_size,
-                             runner.max_blocks, runner.max_model_len, variant,
-                             kv_layout=runner.kv_groups.kv_layout)
+    batch = runner.step_batch(rows, 0, t, s, variant, lora=False)
     num = np.zeros(s, np.int32)
     drafts = np.zeros((s, k_max), np.int32)
     for r, entry in enumerate(sched.decodes):

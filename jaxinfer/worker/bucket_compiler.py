@@ -60,7 +60,7 @@ from jaxinfer.worker.responsive_gil import responsive_gil
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
+from jaxinfer.worker.step_inputs import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -516,9 +516,7 @@ class BucketCompiler:
             t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
-        return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
-                                r.max_model_len, variant, r.has_lora if lora is None else lora,
-                                r.kv_groups.kv_layout)
+        return r.step_batch([], nd, t, s, variant, lora=lora)
 
     def _place_inputs(self, unit: Unit) -> None:
         """Place a padding batch of the unit's bucket in each sampler variant, as a step places its

@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache, forward
 from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
                                      sample)
-from jaxinfer.core.scheduler import SchedulerOutput
+from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
@@ -376,6 +376,42 @@ class ModelRunner:
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
         self.kv_cache = self._copy_exe.get(size, copy_blocks)(self.kv_cache, src, dst)
 
+    # ---- step batches: built here only (the proposers' and the compiler's too) --------------
+    def step_batch(self, rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
+                   num_seqs: int, variant: SamplerVariant, *, lora: bool | None = None,
+                   grouped: bool = True) -> StepBatch:
+        """The padded host arrays of `rows` in a (tokens, rows, decode rows) bucket
+        (step_inputs.build_step_batch). `lora`: carry each token's LoRA slot (None: as the
+        runner's own steps do). `grouped`: one block table per KV group; False: the first group's
+        alone (a proposer's cache lives in those blocks)."""
+        return build_step_batch(rows, num_decode_rows, num_tokens, num_seqs, self.sampling_table,
+                                self.block_size, self.max_blocks, self.max_model_len, variant,
+                                self.has_lora if lora is None else lora,
+                                self.kv_groups.kv_layout if grouped else None)
+
+    def catch_up_batches(self, spans: list[tuple[ScheduledSeq, int, int]]
+                         ) -> Iterator[tuple[list[ScheduledSeq], StepBatch]]:
+        """A proposer's catch-up over positions the target computed: each (row, first, end)
+        span's positions first .. end - 1 as prompt-like pieces, packed into mixed-bucket batches
+        of at most the largest token bucket and max_num_seqs rows (first group's blocks, no LoRA).
+        -> (the batch's pieces, the batch)"""
+        cap = self.buckets.token_buckets[-1]
+        pieces = [ScheduledSeq(e.seq, lo, min(cap, end - lo), False, e.block_ids)
+                  for e, first, end in spans for lo in range(first, end, cap)]
+        chunk: list[ScheduledSeq] = []
+        used = 0
+        for piece in pieces + [None]:
+            if piece is None or used + piece.num_tokens > cap or (
+                    len(chunk) == self.buckets.max_num_seqs):
+                if chunk:
+                    t, s = self.buckets.mixed_shape(used)
+                    yield chunk, self.step_batch(chunk, 0, t, s, SamplerVariant(), lora=False,
+                                                 grouped=False)
+                chunk, used = [], 0
+            if piece is not None:
+                chunk.append(piece)
+                used += piece.num_tokens
+
     def build(self, sched: SchedulerOutput) -> tuple[StepBatch, SamplerVariant, bool]:
         """The padded host arrays of a step (also used by the host-overhead benchmark)."""
         rows = sched.scheduled
@@ -385,9 +421,7 @@ class ModelRunner:
             compiler.step_seen()
         t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
                               compiler and compiler.ready_forwards)
-        batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
-                                 self.max_blocks, self.max_model_len, variant, self.has_lora,
-                                 self.kv_groups.kv_layout)
+        batch = self.step_batch(rows, nd, t, s, variant)
         # A loop runs only once compiled (else: one step; the scheduler's reserve is harmless).
         is_loop = sched.decode_steps > 1 and not sched.prefills and (
             compiler is None or (nd == s and s in compiler.ready_loops))

@@ -282,6 +282,21 @@ class ModelRunner:
         decode engine scatters the blocks that arrived from the prefill engine this way."""
         self.kv_cache = update(self.kv_cache)
 
+    def update_kv_cache_in_step_order(self, update: Callable[[KVCache], KVCache]) -> None:
+        """`replace_kv_cache`, queued behind the steps already dispatched (on the launcher thread,
+        if any): a step's host-tier copies go ahead of the step."""
+        self._in_step_order(lambda: self.replace_kv_cache(update), wait=False)
+
+    def _in_step_order(self, change: Callable[[], None], wait: bool) -> None:
+        """Run `change` to the device state on the thread that dispatches steps, after those
+        queued there (here, without a launcher); `wait`: until it has run."""
+        if self.launcher is None:
+            change()
+            return
+        done = self.launcher.submit(change)
+        if wait:
+            done.result()
+
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
         """Delete the KV cache's device buffers now (not when the garbage collector gets to them),
@@ -307,15 +322,17 @@ class ModelRunner:
     def has_lora(self) -> bool:
         return LORA in self.params
 
+    def attach_lora_stacks(self, stacks: dict) -> None:
+        """Serve LoRA adapters from `stacks` (model/lora/stacks.py, every slot zeroed) beside the
+        weights; before warm-up, whose steps then carry each token's slot."""
+        self.params = {**self.params, LORA: stacks}
+
     def write_lora_slot(self, slot: int, arrays: dict) -> None:
         """Replace one slot of the LoRA stacks (slot_arrays' host tree) by a donated in-place
         update, queued behind the steps already dispatched (on the launcher thread, if any)."""
         def write():
             self.params = {**self.params, LORA: write_slot(self.params[LORA], slot, arrays)}
-        if self.launcher is not None:
-            self.launcher.submit(write).result()
-        else:
-            write()
+        self._in_step_order(write, wait=True)
 
     # ---- compilation ------------------------------------------------------------------------
     def cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:

@@ -116,7 +116,7 @@ def test_a_prefill_engine_compiles_no_decode_bucket(monkeypatch):
     engine = role_engine(monkeypatch, "prefill")
     compiler = engine.runner.compiler
     assert compiler.num_units == 3 and compiler.ready_forwards == {(64, 16, 0), (32, 16, 0)}
-    assert not engine.runner._loop_exe
+    assert not engine.runner.programs.compiled["decode loop"]
 
 
 def test_the_background_compile_finishes_and_its_buckets_are_then_used():

@@ -34,9 +34,9 @@ def test_the_loop_has_a_trip_count_xla_knows():
         batch = compiler.padding_batch("decode", 8, BASE_SAMPLER)
     finally:
         compiler.stop()
-    hlo = runner._loop_fn.lower(runner.params, runner.kv_cache, runner.last_tokens, batch,
-                                np.zeros(8, np.int32), variant=BASE_SAMPLER,
-                                num_steps=K).compile().as_text()
+    hlo = runner.programs.jitted["decode loop"].lower(
+        runner.params, runner.kv_cache, runner.last_tokens, batch, np.zeros(8, np.int32),
+        variant=BASE_SAMPLER, num_steps=K).compile().as_text()
     module = parse(hlo)
     loops = [i for i in module.comps[module.entry] if i.opcode == "while"]
     assert len(loops) == 1

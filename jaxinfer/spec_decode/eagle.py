@@ -26,7 +26,6 @@ vocabulary have probability 0.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,6 @@ from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
 from jaxinfer.worker.step_inputs import StepBatch, all_greedy, input_ids
-from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -168,25 +166,13 @@ def _copy_rows(streams, src, dst, block_size: int):
     return streams.at[d].set(streams[s], mode="drop")
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(cfg, target_cfg, kernels: KernelTable, block_size: int,
-            k: int):
-    chain = jax.jit(functools.partial(_chain, cfg=cfg, kernels=kernels, block_size=block_size,
-                                      k=k), static_argnames=("variant", "greedy_only"),
-                    donate_argnums=(2,))
-    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=kernels),
-                       donate_argnums=(2,))
-    target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, kernels=kernels,
-                                       layers=cfg.aux_layers), donate_argnums=(1, 4))
-    copy = jax.jit(functools.partial(_copy_rows, block_size=block_size), donate_argnums=(0,))
-    return chain, catch_up, target, copy
-
-
 class EagleProposer:
     """A loaded EAGLE-3 head (`cfg` an `eagle_head.Eagle3Config`) or DeepSeek MTP module
     (`mtp.MTPConfig`: the same interface, `layer`, `aux_layers`, `stream_width`, `fuse`,
     `step`); `attach` gives it its KV and stream caches once the pool is sized."""
     on_device = True
+    # The runner's ordinary steps run this program (its forward that writes the streams).
+    forward_program = "forward writing streams"
 
     def __init__(self, cfg, params: dict):
         self.cfg = cfg
@@ -195,9 +181,6 @@ class EagleProposer:
         self.k = 0
         self.kv_cache = None
         self.streams = None
-        # The stream-writing forward's executables per step bucket (forward_key), compiled at
-        # warm-up in place of the runner's own (bucket_compiler); else `target_fn` compiles.
-        self.target_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
 
     def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
         if runner.plan is not None and runner.plan.tp > 1:
@@ -216,8 +199,18 @@ class EagleProposer:
         self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size, kv_dtype)
         self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
                                  target_embed.dtype)
-        self._chain, self._catch_up, self.target_fn, self._copy = _jitted(
-            self.cfg, runner.cfg, runner.kernels, runner.block_size, k)
+        # Its programs, in the runner's table: the stream-writing forward (compiled at warm-up
+        # per step bucket in place of the runner's own), the chain, catch-up and stream copy.
+        programs, kernels = runner.programs, runner.kernels
+        programs.add(self.forward_program, _target_forward, donate_argnums=(1, 4), cfg=runner.cfg,
+                     kernels=kernels, layers=self.cfg.aux_layers)
+        programs.add("eagle chain", _chain, static_argnames=("variant", "greedy_only"),
+                     donate_argnums=(2,), cfg=self.cfg, kernels=kernels,
+                     block_size=runner.block_size, k=k)
+        programs.add("eagle catch-up", _catch_up, donate_argnums=(2,), cfg=self.cfg,
+                     kernels=kernels)
+        programs.add("eagle stream copy", _copy_rows, donate_argnums=(0,),
+                     block_size=runner.block_size)
 
     def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes one block of its KV and stream caches takes."""
@@ -227,9 +220,9 @@ class EagleProposer:
 
     def target_forward(self, runner, batch: StepBatch):
         """The runner's forward of an ordinary step, writing its streams. -> (logits, kv cache)"""
-        fn = self.target_exe.get(forward_key(batch), self.target_fn)
-        logits, kv, self.streams = fn(runner.params, runner.kv_cache, runner.last_tokens, batch,
-                                      self.streams)
+        logits, kv, self.streams = runner.programs.run(
+            self.forward_program, runner.params, runner.kv_cache, runner.last_tokens, batch,
+            self.streams, key=forward_key(batch))
         return logits, kv
 
     # ---- Proposer ---------------------------------------------------------------------------
@@ -257,8 +250,8 @@ class EagleProposer:
                 behind.append((entry, seen))
             seq.draft_computed = start
         self.run_catch_up(behind)
-        self.kv_cache, drafts, q = self._chain(
-            self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
+        self.kv_cache, drafts, q = self.runner.programs.run(
+            "eagle chain", self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
             v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant,
             greedy_only=all_greedy(sched.scheduled))
         return dataclasses.replace(v, drafts=drafts), q
@@ -272,7 +265,7 @@ class EagleProposer:
         src = np.pad(src, (0, size - len(src)), constant_values=-1)
         dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
         self.kv_cache = copy_blocks(self.kv_cache, src, dst)
-        self.streams = self._copy(self.streams, src, dst)
+        self.streams = self.runner.programs.run("eagle stream copy", self.streams, src, dst)
 
     def run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
         """Head KV at each row's positions seen .. start - 2; each position reads the token after
@@ -283,8 +276,9 @@ class EagleProposer:
             for piece, lo in zip(chunk, batch.md.query_start_loc):
                 ids[lo:lo + piece.num_tokens] = piece.seq.token_ids[
                     piece.start + 1:piece.start + 1 + piece.num_tokens]
-            self.kv_cache = self._catch_up(self.params, self.embed, self.kv_cache, self.streams,
-                                           ids, batch.positions, batch.md)
+            self.kv_cache = self.runner.programs.run(
+                "eagle catch-up", self.params, self.embed, self.kv_cache, self.streams, ids,
+                batch.positions, batch.md)
 
 
 def load_eagle(model_dir: str, target_cfg, dtype) -> EagleProposer:

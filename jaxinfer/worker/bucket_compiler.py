@@ -55,7 +55,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.worker.kv import copy_blocks
 from jaxinfer.worker.responsive_gil import responsive_gil
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.buckets import Buckets
@@ -154,8 +153,7 @@ def shape_specs(tree):
 
 class BucketCompiler:
     def __init__(self, runner, max_workers: int | None = None):
-        """`runner`: the ModelRunner whose executable tables (`_forward_exe`, `_sample_exe`,
-        `_loop_exe`, `_copy_exe`) this fills."""
+        """`runner`: the ModelRunner whose program table (programs.py) this fills."""
         self.runner = runner
         b: Buckets = runner.buckets
         role = runner.compile_role
@@ -194,6 +192,7 @@ class BucketCompiler:
         self._specs = shape_specs((runner.params, runner.kv_cache, runner.last_tokens))
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
+        self._forward_program = "forward" if self._writer is None else self._writer.forward_program
         self._logits_sharding = None
         self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
         self._done = threading.Condition()
@@ -257,7 +256,7 @@ class BucketCompiler:
         for f in futures:
             f.result()
         # The samplers take the forwards' logits: compiled for exactly their sharding.
-        first_forward = next(iter(self._forward()[1].values()))
+        first_forward = next(iter(self.runner.programs.compiled[self._forward_program].values()))
         self._logits_sharding = first_forward.output_shardings[0]
         for u in self.first:
             for f in self._sampler_parts(u):
@@ -415,28 +414,18 @@ class BucketCompiler:
         for name, args, static, key in self._sampler_specs(unit):
             f = self._samplers.get(key)
             if f is None:
-                f = self._samplers[key] = self._compile_or_load(
-                    name, self.runner._sample_fn, self.runner._sample_exe, args, static, key)
+                f = self._samplers[key] = self._compile_or_load(name, "sample", args, static, key)
             parts.append(f)
         return parts
 
-    def _forward(self) -> tuple:
-        """(function, executable table) of the forward: the runner's, or the stream-writing one of
-        an attached EAGLE-3 head (`EagleProposer.target_forward` runs its executables)."""
-        w = self._writer
-        return ((self.runner._forward_fn, self.runner._forward_exe) if w is None
-                else (w.target_fn, w.target_exe))
-
     def _submit(self, unit: Unit) -> Future:
         """The unit's forward (or its loops, as one future)."""
-        r = self.runner
         if unit.kind not in ("loop", "spec"):
             self._place_inputs(unit)
             (name, args, static, key), = self._step_specs(unit)
-            return self._compile_or_load(name, *self._forward(), args, static, key)
-        fn, table = ((r._loop_fn, r._loop_exe) if unit.kind == "loop"
-                     else (self._spec_loop.fn, self._spec_loop.exe))
-        loops = [self._compile_or_load(name, fn, table, args, static, key)
+            return self._compile_or_load(name, self._forward_program, args, static, key)
+        program = "decode loop" if unit.kind == "loop" else self._spec_loop.program
+        loops = [self._compile_or_load(name, program, args, static, key)
                  for name, args, static, key in self._step_specs(unit)]
         both: Future = Future()
 
@@ -462,10 +451,12 @@ class BucketCompiler:
             cache.has(r.cached_step_key(name, args, static))
             for name, args, static, _ in self._step_specs(unit) + self._sampler_specs(unit))
 
-    def _compile_or_load(self, name: str, fn, table: dict, args: tuple, static: dict,
+    def _compile_or_load(self, name: str, program: str, args: tuple, static: dict,
                          key) -> Future:
         """Load from the executable cache, else lower here and compile on the pool; the executable
-        goes into `table[key]`. A future of None."""
+        goes into the runner's table as `program`'s for `key`. A future of None."""
+        programs = self.runner.programs
+        table = programs.compiled[program]
         start = time.perf_counter()
         cache = self.runner.executable_cache
         cache_key = self.runner.cached_step_key(name, args, static)
@@ -478,7 +469,7 @@ class BucketCompiler:
             return done
         if self._stop.is_set():
             raise _Stopped
-        lowered = fn.lower(*args, **static)
+        lowered = programs.jitted[program].lower(*args, **static)
 
         def compile_part():
             try:
@@ -504,7 +495,7 @@ class BucketCompiler:
         """Every copy bucket's block copy (one executable each, like the steps)."""
         r = self.runner
         return [self._compile_or_load(
-                    f"copy {size}", copy_blocks, r._copy_exe,
+                    f"copy {size}", "copy",
                     (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {}, size)
                 for size in r.buckets.copy_buckets]
 

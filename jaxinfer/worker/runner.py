@@ -46,6 +46,7 @@ from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
+from jaxinfer.worker.programs import ProgramTable
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
 from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
                                          sampler_variant, store_emitted)
@@ -127,21 +128,22 @@ def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed,
     return kv_cache, last_tokens, record
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_fns(cfg: ModelConfig, kernels: KernelTable, block_size: int,
-                plan: ShardingPlan | None = None):
-    """The jitted forward, sampler and decode loop of a model, shared by every runner of that model
-    and mesh in the process (so engines built one after another, e.g. in tests, reuse each other's
-    compilations; the plan, hence the mesh, is part of the key). The KV cache (forward, loop) and
-    the last-token array (sampler, loop) are donated."""
-    forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, kernels=kernels),
-                           static_argnames=("with_hidden",), donate_argnums=(1,))
-    sample_step = jax.jit(functools.partial(_sample_step, plan=plan), static_argnames=("variant",),
-                          donate_argnums=(1,))
-    loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, kernels=kernels, block_size=block_size,
-                                     plan=plan),
-                   static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
-    return forward_step, sample_step, loop
+def step_programs(cfg: ModelConfig, kernels: KernelTable, block_size: int,
+                  plan: ShardingPlan | None = None) -> ProgramTable:
+    """A runner's table with its own programs: "forward", "sample", "decode loop" and "copy".
+    Warm-up compiles the forward per (tokens, sequences, decodes) bucket, the sampler per
+    (sequences, sampler variant), the decode loop per (sequences in loop_buckets, sampler variant)
+    at num_steps == decode_steps_per_call, the block copy per copy bucket. The KV cache (forward,
+    loop, copy) and the last-token array (sampler, loop) are donated."""
+    programs = ProgramTable()
+    programs.add("forward", _forward_step, static_argnames=("with_hidden",), donate_argnums=(1,),
+                 cfg=cfg, kernels=kernels)
+    programs.add("sample", _sample_step, static_argnames=("variant",), donate_argnums=(1,),
+                 plan=plan)
+    programs.add("decode loop", _decode_loop, static_argnames=("variant", "num_steps"),
+                 donate_argnums=(1, 2), cfg=cfg, kernels=kernels, block_size=block_size, plan=plan)
+    programs.register("copy", copy_blocks)
+    return programs
 
 
 @dataclasses.dataclass
@@ -252,14 +254,8 @@ class ModelRunner:
         self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
         self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
-        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, kernels, block_size, plan)
-        # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
-        # (sequences in loop_buckets, sampler variant) at num_steps == decode_steps_per_call;
-        # sampler per (sequences, sampler variant).
-        self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
-        self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
-        self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
-        self._copy_exe: dict[int, jax.stages.Compiled] = {}  # per copy bucket
+        # Every compiled program of the runner, a proposer's too (programs.py).
+        self.programs = step_programs(cfg, kernels, block_size, plan)
         self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.built_at: float | None = None  # when execute() finished building its step's arrays
@@ -391,7 +387,7 @@ class ModelRunner:
         src = np.full(size, -1, np.int32)
         dst = np.full(size, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_cache = self._copy_exe.get(size, copy_blocks)(self.kv_cache, src, dst)
+        self.kv_cache = self.programs.run("copy", self.kv_cache, src, dst, key=size)
 
     # ---- step batches: built here only (the proposers' and the compiler's too) --------------
     def step_batch(self, rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
@@ -484,12 +480,10 @@ class ModelRunner:
         if allowed is None:
             return (*self._run_step(batch, variant, hidden_reads), 1)
         # The scheduler's `decode_steps`; compiled: decode_steps_per_call (a benchmark may lower it)
-        exe = (self._loop_exe.get((batch.md.num_seqs, variant))
-               if loop_steps == self.decode_steps_per_call else None)
-        args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
-        self.kv_cache, self.last_tokens, out = (
-            exe(*args) if exe is not None else
-            self._loop_fn(*args, variant=variant, num_steps=loop_steps))
+        key = (batch.md.num_seqs, variant) if loop_steps == self.decode_steps_per_call else None
+        self.kv_cache, self.last_tokens, out = self.programs.run(
+            "decode loop", self.params, self.kv_cache, self.last_tokens, batch, allowed, key=key,
+            variant=variant, num_steps=loop_steps)
         return out, None, loop_steps
 
     def set_async_launch(self, on: bool) -> None:
@@ -510,16 +504,15 @@ class ModelRunner:
         if writer is not None and hidden_reads is None:
             logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
         elif hidden_reads is None:
-            forward_step = self._forward_exe.get(forward_key(batch), self._forward_fn)
-            logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
-                                                 model_inputs(batch))
+            logits, self.kv_cache = self.programs.run(
+                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
+                key=forward_key(batch))
         else:
-            logits, self.kv_cache, hidden = self._forward_fn(
-                self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
+            logits, self.kv_cache, hidden = self.programs.run(
+                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
                 with_hidden=True)
             hidden_out = read_hidden(self.params, self.cfg, hidden, hidden_reads)
-        sample_step = self._sample_exe.get((batch.md.num_seqs, variant))
-        args = (logits, self.last_tokens, batch.sampling, batch.emit_slot)
-        self.last_tokens, out = (sample_step(*args) if sample_step is not None
-                                 else self._sample_fn(*args, variant=variant))
+        self.last_tokens, out = self.programs.run(
+            "sample", logits, self.last_tokens, batch.sampling, batch.emit_slot,
+            key=(batch.md.num_seqs, variant), variant=variant)
         return out, hidden_out

@@ -1,4 +1,4 @@
-"""The on-device decode loop (`--decode-steps-per-call K`, runner._decode_loop): a fixed trip count
+"""The on-device decode loop (`--decode-steps-per-call K`, step_programs.decode_loop): a fixed trip count
 XLA knows, and the same greedy tokens, texts and finish reasons as the step-by-step engine while
 rows finish part-way through a loop (stop token ids, min_tokens, stop strings, length limits) and
 the others go on. (test_engine_greedy checks loops against the oracle under continuous batching.)"""

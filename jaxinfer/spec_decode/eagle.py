@@ -150,7 +150,7 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
 
 def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *, cfg, kernels,
                     layers):
-    """The runner's forward that also writes the step's streams (`_forward_step`'s result)."""
+    """The runner's forward that also writes the step's streams (`step_programs.forward_step`'s result)."""
     logits, kv_cache, aux = forward_aux(params, cfg, input_ids(batch, last_tokens),
                                         batch.positions, kv_cache, batch.md, kernels,
                                         batch.logits_indices, batch.lora_slot, layers=layers)

@@ -12,7 +12,7 @@ iterations of
     accepted positions) -> the target's verify of each row's k + 1 tokens -> exact rejection
     sampling -> advance each row
 
-inside one `lax.fori_loop` of a fixed trip count (as runner._decode_loop: an exit on a device
+inside one `lax.fori_loop` of a fixed trip count (as step_programs.decode_loop: an exit on a device
 value would copy it to the host and wait for it every iteration). Every iteration's metadata
 (positions, slot mappings, ragged query starts, verify indices, catch-up positions) is computed
 on the device from per-row state; a row that emits a stop token id (past min_tokens) or reaches

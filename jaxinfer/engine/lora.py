@@ -43,7 +43,7 @@ class LoRAMixin:
         self.lora = LoRASlots(self.cfg, max_loras=args.max_loras, max_rank=args.max_lora_rank,
                               max_cpu_loras=args.max_cpu_loras or args.max_loras,
                               write=self._write_lora_slot)
-        self.scheduler.lora_slots = self.lora
+        self.scheduler.enable_lora(self.lora)
         for request in lora_modules(args.lora_modules):
             self.lora.register(request)
 

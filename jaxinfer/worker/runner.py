@@ -38,7 +38,7 @@ from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.lora.stacks import LORA, write_slot
 from jaxinfer.model.transformer import KVCache
-from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant)
+from jaxinfer.worker.sampler import SamplerOutput, SamplerVariant
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sharding import ShardingPlan
@@ -46,7 +46,7 @@ from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.step_programs import step_programs
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
-from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, sampler_variant)
+from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from jaxinfer.model.kernel_table import KernelTable
 
 log = logging.getLogger(__name__)

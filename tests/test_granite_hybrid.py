@@ -180,6 +180,13 @@ def test_refused_at_start(overrides, flag):
         LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
 
 
+def test_disaggregated_engine_refused_by_name():
+    cfg, params = _load(DENSE)
+    with pytest.raises(ConfigError, match="--disaggregate: handing over state-space"):
+        LLMEngine(cfg, params, None, _args(DENSE, 32, hybrid_kv_cache=False), num_blocks=32,
+                  role="prefill")
+
+
 def test_config_parsing():
     raw = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 32,
            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -32,7 +32,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
 from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
+from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
 from jaxinfer.engine.kv_blocks import params_dtype_name, with_compiled_peak
@@ -84,6 +84,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # blocks that no other sequence can free.
         groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
         if role is not None and groups.num_groups > 1:  # the hand-over copies one table
+            if any(isinstance(spec, FixedStateSpec) for spec in groups.specs):
+                raise ConfigError("--disaggregate: handing over state-space layers' states "
+                                  "is not built")
             raise ConfigError("a disaggregated engine takes one KV group: build it with "
                               "from_engine_args, which turns --hybrid-kv-cache off")
         need = groups.blocks_for_sequence(self.max_model_len, args.max_num_batched_tokens,

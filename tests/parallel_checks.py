@@ -280,7 +280,7 @@ def sampler_layout_checks(out: dict) -> None:
     tokens of the prompts of "llama/engine_tp1"."""
     from jaxinfer.parallel import sampling_logits
     from jaxinfer.bench.profile.hlo_collectives import collectives_in_control_flow
-    from jaxinfer.worker import runner as runner_module
+    from jaxinfer.worker.programs import shared_jit
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True)
@@ -288,7 +288,7 @@ def sampler_layout_checks(out: dict) -> None:
     # The default layout last, its compiled steps kept for spec_decode_checks.
     for layout, limit in (("rows", 0), ("replicated", default)):
         sampling_logits.REPLICATE_MAX_BYTES = limit
-        runner_module._jitted_fns.cache_clear()  # traced anew under this limit
+        shared_jit.cache_clear()  # traced anew under this limit
         try:
             llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, dtype="float32",
                       max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, block_size=4,
@@ -296,8 +296,9 @@ def sampler_layout_checks(out: dict) -> None:
             runner = llm.engine.runner
             runner.compiler.wait()  # (the decode loops compile in the background)
             found = {}
-            for kind, table in (("sample", runner._sample_exe), ("loop", runner._loop_exe),
-                                ("forward", runner._forward_exe)):
+            for kind, table in (("sample", runner.programs.compiled["sample"]),
+                                ("loop", runner.programs.compiled["decode loop"]),
+                                ("forward", runner.programs.compiled["forward"])):
                 for key, exe in table.items():
                     sites = collectives_in_control_flow(exe.as_text())
                     found[f"{kind} {key}"] = {
@@ -311,7 +312,7 @@ def sampler_layout_checks(out: dict) -> None:
         finally:
             sampling_logits.REPLICATE_MAX_BYTES = default
             if limit != default:
-                runner_module._jitted_fns.cache_clear()
+                shared_jit.cache_clear()
 
 
 def _compiled_once(fn, name: str, found: dict):
@@ -345,8 +346,7 @@ def spec_decode_checks(out: dict) -> None:
     greedy tokens of the prompts of "llama/engine_tp1". The engine flags are the sampler check's,
     so the forwards it compiled apply again (in one process, or through jax's persistent cache)."""
     from jaxinfer.parallel import sampling_logits
-    from jaxinfer.spec_decode import draft as draft_module
-    from jaxinfer.spec_decode import target_step
+    from jaxinfer.worker.programs import shared_jit
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = [SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True,
@@ -358,17 +358,16 @@ def spec_decode_checks(out: dict) -> None:
         sampling_logits.REPLICATE_MAX_BYTES = limit
         try:
             for method, extra in methods.items():
-                target_step.jitted_verify_step.cache_clear()  # traced anew under this limit
-                draft_module._jitted.cache_clear()
+                shared_jit.cache_clear()  # traced anew under this limit
                 llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, dtype="float32",
                           max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, block_size=4,
                           compilation_cache_dir=None, warmup=False, num_speculative_tokens=3,
                           speculative_min_acceptance=0.0, **extra)
-                step, found = llm.engine.runner.speculation, {}
-                step._verify = _compiled_once(step._verify, "verify", found)
-                if step.draft is not None:
-                    step.draft._loop = _compiled_once(step.draft._loop, "draft_loop", found)
-                    step.draft._catch_up = _compiled_once(step.draft._catch_up, "catch_up", found)
+                programs, found = llm.engine.runner.programs.jitted, {}
+                for program, name in (("verify", "verify"), ("draft propose", "draft_loop"),
+                                      ("draft catch-up", "catch_up")):
+                    if program in programs:
+                        programs[program] = _compiled_once(programs[program], name, found)
                 tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                        use_tqdm=False)]
                 m = llm.engine.spec.metrics
@@ -377,8 +376,7 @@ def spec_decode_checks(out: dict) -> None:
                                                   "draft_tokens": m.draft_tokens}
         finally:
             sampling_logits.REPLICATE_MAX_BYTES = default
-            target_step.jitted_verify_step.cache_clear()
-            draft_module._jitted.cache_clear()
+            shared_jit.cache_clear()
 
 
 def quant_shard_checks(out: dict) -> None:

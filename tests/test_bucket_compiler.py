@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.worker.bucket_compiler import BucketCompiler, step_shape
-from jaxinfer.worker.buckets import Buckets
+from jaxinfer.worker.bucket_compiler import BucketCompiler
+from jaxinfer.worker.buckets import Buckets, step_shape
 from test_engine_features import counting_compilations
 from test_engine_support import make_engine, prompt_ids, run_all
 
@@ -116,7 +116,7 @@ def test_a_prefill_engine_compiles_no_decode_bucket(monkeypatch):
     engine = role_engine(monkeypatch, "prefill")
     compiler = engine.runner.compiler
     assert compiler.num_units == 3 and compiler.ready_forwards == {(64, 16, 0), (32, 16, 0)}
-    assert not engine.runner._loop_exe
+    assert not engine.runner.programs.compiled["decode loop"]
 
 
 def test_the_background_compile_finishes_and_its_buckets_are_then_used():
@@ -194,7 +194,7 @@ def test_background_compiles_run_at_the_lowest_cpu_priority(monkeypatch):
 
     import pytest
 
-    from jaxinfer.worker import bucket_compiler
+    from jaxinfer.worker import compile_priority
     if not sys.platform.startswith("linux"):
         pytest.skip("thread priorities are set on Linux only")
     holding, release = threading.Event(), threading.Event()
@@ -202,14 +202,14 @@ def test_background_compiles_run_at_the_lowest_cpu_priority(monkeypatch):
     def held(self):  # the background thread stops before its first unit until released
         holding.set()
         release.wait(60)
-    monkeypatch.setattr(BucketCompiler, "_yield_to_steps", held)
+    monkeypatch.setattr(compile_priority.StepPacer, "wait_for_quiet", held)
     engine = make_engine(warmup=True, background_compile=True, **SHAPE)
     compiler = engine.runner.compiler
     try:
         assert holding.wait(60)
         nice = compiler._pool.submit(
             lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(60)
-        assert nice == bucket_compiler.BACKGROUND_NICE
+        assert nice == compile_priority.BACKGROUND_NICE
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < nice  # the steps'
     finally:
         release.set()
@@ -220,25 +220,26 @@ def test_background_lowering_waits_for_a_quiet_engine_but_not_forever(monkeypatc
     import threading
     import time
 
-    from jaxinfer.worker import bucket_compiler
+    from jaxinfer.worker import compile_priority
     monkeypatch.setattr(BucketCompiler, "compile_rest", lambda self, background, bar=None: None)
     compiler = make_engine(warmup=True, background_compile=True, **SHAPE).runner.compiler
-    monkeypatch.setattr(bucket_compiler, "QUIET_S", 0.3)
-    monkeypatch.setattr(bucket_compiler, "MAX_PAUSE_S", 1.5)
-    compiler.step_seen()  # a step just now: wait until QUIET_S has passed since it
+    monkeypatch.setattr(compile_priority, "QUIET_S", 0.3)
+    monkeypatch.setattr(compile_priority, "MAX_PAUSE_S", 1.5)
+    pacer = compiler.pacer
+    pacer.step_seen()  # a step just now: wait until QUIET_S has passed since it
     t0 = time.monotonic()
-    compiler._yield_to_steps()
+    pacer.wait_for_quiet()
     assert time.monotonic() - t0 >= 0.25
     stepping = threading.Event()
 
     def steps():  # an engine that never goes quiet
         while not stepping.is_set():
-            compiler.step_seen()
+            pacer.step_seen()
             time.sleep(0.01)
     threading.Thread(target=steps, daemon=True).start()
     try:
         t0 = time.monotonic()
-        compiler._yield_to_steps()  # gives up after MAX_PAUSE_S
+        pacer.wait_for_quiet()  # gives up after MAX_PAUSE_S
         assert time.monotonic() - t0 >= 1.5
     finally:
         stepping.set()

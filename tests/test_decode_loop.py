@@ -1,4 +1,4 @@
-"""The on-device decode loop (`--decode-steps-per-call K`, runner._decode_loop): a fixed trip count
+"""The on-device decode loop (`--decode-steps-per-call K`, step_programs.decode_loop): a fixed trip count
 XLA knows, and the same greedy tokens, texts and finish reasons as the step-by-step engine while
 rows finish part-way through a loop (stop token ids, min_tokens, stop strings, length limits) and
 the others go on. (test_engine_greedy checks loops against the oracle under continuous batching.)"""
@@ -34,9 +34,9 @@ def test_the_loop_has_a_trip_count_xla_knows():
         batch = compiler.padding_batch("decode", 8, BASE_SAMPLER)
     finally:
         compiler.stop()
-    hlo = runner._loop_fn.lower(runner.params, runner.kv_cache, runner.last_tokens, batch,
-                                np.zeros(8, np.int32), variant=BASE_SAMPLER,
-                                num_steps=K).compile().as_text()
+    hlo = runner.programs.jitted["decode loop"].lower(
+        runner.params, runner.kv_cache, runner.last_tokens, batch, np.zeros(8, np.int32),
+        variant=BASE_SAMPLER, num_steps=K).compile().as_text()
     module = parse(hlo)
     loops = [i for i in module.comps[module.entry] if i.opcode == "while"]
     assert len(loops) == 1

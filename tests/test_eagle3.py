@@ -147,15 +147,18 @@ def test_warmup_compiles_the_stream_writing_forward_and_the_spec_loop():
     e = tiny_engine(proposer, max_num_batched_tokens=16, background_compile=False)
     e.warmup(progress=False)
     buckets = e.runner.buckets
-    assert len(proposer.target_exe) == len(buckets.token_buckets) + len(buckets.decode_buckets)
-    assert not e.runner._forward_exe  # the runner's own forward is not compiled
+    programs = e.runner.programs
+    assert len(programs.compiled[proposer.forward_program]) == (len(buckets.token_buckets)
+                                                                + len(buckets.decode_buckets))
+    assert not programs.compiled["forward"]  # the runner's own forward is not compiled
     loop = e.runner.speculation.loop
     assert e.runner.spec_loop_buckets == buckets.decode_buckets == (8,)  # 8 sequences at most
-    assert sorted((s, v.advanced, g) for s, v, g in loop.exe) == [
+    assert sorted((s, v.advanced, g) for s, v, g in programs.compiled[loop.program]) == [
         (8, False, False), (8, False, True), (8, True, False), (8, True, True)]
     calls = []
-    jitted, proposer.target_fn = proposer.target_fn, lambda *a: calls.append(1) or jitted(*a)
-    loop_fn, loop.fn = loop.fn, lambda *a, **k: calls.append(2) or loop_fn(*a, **k)
+    jitted, loop_fn = programs.jitted[proposer.forward_program], programs.jitted[loop.program]
+    programs.jitted[proposer.forward_program] = lambda *a: calls.append(1) or jitted(*a)
+    programs.jitted[loop.program] = lambda *a, **k: calls.append(2) or loop_fn(*a, **k)
     for temperature in (0.0, 0.8):
         e.add_request(f"t{temperature}", prompt_ids(3, 20),
                       SamplingParams(temperature=temperature, max_tokens=12, seed=1))

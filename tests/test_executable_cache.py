@@ -63,8 +63,9 @@ def copy_of(engine, tmp_path):
 def test_warm_start_loads_every_step_and_keeps_greedy_tokens(cold, tmp_path):
     cache = cold.runner.executable_cache
     r = cold.runner
-    stored = len(r._forward_exe) + len(r._loop_exe) + len(r._sample_exe) + len(r._copy_exe)
-    assert len(r._sample_exe) == 3 * len(r.buckets.decode_buckets)  # 3 variants per sequence bucket
+    stored = sum(map(len, r.programs.compiled.values()))
+    # 3 variants per sequence bucket
+    assert len(r.programs.compiled["sample"]) == 3 * len(r.buckets.decode_buckets)
     assert cache.hits == 0 and cache.misses == stored
     assert len(list(cache.dir.glob("*.exe"))) == stored
     expected = greedy_tokens(cold)
@@ -91,9 +92,10 @@ def test_a_flag_that_shapes_the_step_misses(cold, tmp_path):
     other = make_engine(warmup=True, compilation_cache_dir=str(copy_of(cold, tmp_path)),
                         decode_steps_per_call=2)
     runner = other.runner
-    assert runner.executable_cache.hits == (len(runner._forward_exe) + len(runner._sample_exe)
-                                            + len(runner._copy_exe))
-    assert runner.executable_cache.misses == len(runner._loop_exe) > 0
+    compiled = runner.programs.compiled
+    assert runner.executable_cache.hits == (len(compiled["forward"]) + len(compiled["sample"])
+                                            + len(compiled["copy"]))
+    assert runner.executable_cache.misses == len(compiled["decode loop"]) > 0
 
 
 def test_key_covers_config_inputs_and_statics():

@@ -112,6 +112,21 @@ def test_dense_variant_matches_transformers():
     np.testing.assert_allclose(logits, golden["logits_2"], atol=1e-4, rtol=0)
 
 
+def test_start_decides_prefix_caching_and_the_block_size():
+    """From the flags' defaults (prefix caching on) and a block too small for the state, the
+    engine starts with prefix caching off and the smallest block that holds it, and generates
+    HF's greedy tokens."""
+    from jaxinfer import LLM
+    golden = np.load(MOE / "golden.npz")
+    llm = LLM(str(MOE), dtype="float32", block_size=4, max_model_len=32, num_blocks=32,
+              warmup=False, compilation_cache_dir=None, attention_backend="reference")
+    assert not llm.engine.args.enable_prefix_caching and llm.engine.args.block_size == BLOCK
+    expected = golden["greedy_tokens"].tolist()
+    out = llm.generate(golden["greedy_prompt"].tolist(), SamplingParams(
+        max_tokens=len(expected), temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+
+
 def test_state_in_the_attention_page():
     cfg = load_config(MOE)
     dims = cfg.family_options.mamba
@@ -163,6 +178,13 @@ def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)
     with pytest.raises(ConfigError, match=flag):
         LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
+
+
+def test_disaggregated_engine_refused_by_name():
+    cfg, params = _load(DENSE)
+    with pytest.raises(ConfigError, match="--disaggregate: handing over state-space"):
+        LLMEngine(cfg, params, None, _args(DENSE, 32, hybrid_kv_cache=False), num_blocks=32,
+                  role="prefill")
 
 
 def test_config_parsing():

@@ -188,15 +188,19 @@ def test_config_parsing():
 
 def test_a_state_no_page_holds_is_refused():
     """Qwen3-Next-80B's Gated DeltaNet state (2.1 MB) fits no attention page up to the largest
-    block size: refused as such, not with a block size the flag cannot take."""
-    from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
+    block size: the start-up decisions leave the block size alone (2048 is no --block-size),
+    and the engine refuses the state as such."""
+    from jaxinfer.engine.fixed_state import (refuse_what_fixed_state_lacks,
+                                             with_fixed_state_decided)
     cfg = config_from_dict({**RAW, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                             "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                             "num_attention_heads": 16, "head_dim": 256, "hidden_size": 2048})
     assert cfg.layer_kv_specs()[0].state_bytes == 4 * (3 * 8192 + 32 * 128 * 128)
+    args = with_fixed_state_decided(cfg, _args(8, block_size=16, enable_prefix_caching=True),
+                                    jnp.bfloat16)
+    assert args.block_size == 16 and not args.enable_prefix_caching
     with pytest.raises(ConfigError, match="does not hold it at any --block-size up to 256"):
-        refuse_what_fixed_state_lacks(KVCacheGroups.for_model(cfg), _args(8, block_size=256),
-                                      jnp.bfloat16)
+        refuse_what_fixed_state_lacks(KVCacheGroups.for_model(cfg), args, jnp.bfloat16)
 
 
 def test_pallas_kernels_through_the_layer():

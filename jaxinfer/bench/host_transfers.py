@@ -37,7 +37,7 @@ from jaxinfer.engine.weight_update import place_like
 from jaxinfer.model.config import load_config
 from jaxinfer.model.transformer import param_shapes
 from jaxinfer.sampling_params import MAX_STOP_TOKEN_IDS
-from jaxinfer.worker.runner import _sample_step
+from jaxinfer.worker.step_programs import sample_step
 from jaxinfer.worker.sampler import FULL_SAMPLER, SamplingTensors
 
 
@@ -102,7 +102,7 @@ def dispatch_section(busy_n: int, vocab: int) -> dict:
     logits = jax.random.normal(jax.random.key(0), (s, vocab), jnp.float32)
     emit = np.arange(s, dtype=np.int32)
     on_device = jax.device_put(np.full((s, length), -1, np.int32))
-    step = jax.jit(_sample_step, static_argnames=("variant",), donate_argnums=(1,))
+    step = jax.jit(sample_step, static_argnames=("variant",), donate_argnums=(1,))
     state = {"last": jnp.zeros(s, jnp.int32)}
 
     def sample(history):

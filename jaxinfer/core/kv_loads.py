@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.core.kv_cache import KVCacheManager
+from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.request import Sequence
 
 
@@ -77,3 +78,18 @@ class KVLoads:
             self.kv.loaded(self._pinned)
             self._pinned = []
         return out
+
+    @property
+    def host(self) -> HostTier:
+        """The host tier's slots (its size, how many are used)."""
+        return self.kv.host
+
+    @property
+    def host_hit_tokens(self) -> int:
+        """Prompt tokens found in the host tier past the device prefix match, so far."""
+        return self.kv.stats.host_hits
+
+    def offload_cached(self) -> KVTransfers | None:
+        """Every unreferenced cached device block to the host (before the device cache is
+        released, LLMEngine.sleep): the copies to run now; None when no block needs one."""
+        return self.take() if self.kv.offload_cached() else None

@@ -179,6 +179,10 @@ class Scheduler:
         policy asked each step and the proposer."""
         self.speculator = speculator
 
+    def enable_lora(self, slots) -> None:
+        """Admit a sequence only once its adapter has one of `slots` (core/lora_slots.py)."""
+        self.lora_slots = slots
+
     # ---- disaggregation: prompts handed from a prefill engine's scheduler to a decode engine's ----
     def hold_for_hand_over(self, seq: Sequence) -> tuple[str, list[int]]:
         """A prompt handed off: cache its full blocks and hold them under a new id (a fork) until

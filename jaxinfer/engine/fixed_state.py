@@ -1,13 +1,41 @@
-"""What an engine over fixed-state layers (FixedStateSpec: a Mamba-2 hybrid's state-space layers,
-Qwen3-Next's Gated DeltaNet) does not run yet, refused at start with the flag that asks for it
-(docs/feature_matrix.md), and the block size its state needs."""
+"""What an engine over fixed-state layers (FixedStateSpec: a Mamba-2 hybrid's state-space
+layers, Qwen3-Next's Gated DeltaNet) needs: the settings it decides itself (prefix caching off,
+a block whose page holds the state; `with_fixed_state_decided`, logged), and what it does not
+run yet, refused at start with the flag that asks for it (docs/feature_matrix.md)."""
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
 from jaxinfer.core.kv_cache.cache_config import MAX_BLOCK_SIZE
 from jaxinfer.errors import ConfigError
 from pallas_kernels.attention.kv_quant import is_fp8
+
+
+log = logging.getLogger(__name__)
+
+
+def with_fixed_state_decided(cfg, args, kv_dtype):
+    """`args` (EngineArgs) as a model with fixed-state layers runs them, each change logged, as
+    vLLM does for its Mamba layers: prefix caching off (a state block holds the state after the
+    last token its sequence wrote there, so a hit would resume from a wrong state), and a block
+    size whose attention page holds a layer's state (its smallest power of two, when smaller)."""
+    states = [s for s in cfg.layer_kv_specs() if isinstance(s, FixedStateSpec)]
+    if not states:
+        return args
+    changes = {}
+    if args.enable_prefix_caching:
+        changes["enable_prefix_caching"] = False
+    need = max(state.smallest_block_size(kv_dtype) for state in states)
+    # (A state no page up to MAX_BLOCK_SIZE holds is left to refuse_what_fixed_state_lacks.)
+    if not all(state.fits(args.block_size, kv_dtype) for state in states) and (
+            need <= MAX_BLOCK_SIZE):
+        changes["block_size"] = max(need, args.block_size)
+    if changes:
+        log.info("state-space layers: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return dataclasses.replace(args, **changes)
 
 
 def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None:

@@ -42,25 +42,15 @@ class KVTierMixin:
     host_kv: HostKVStore | None = None  # the host tier's bytes (None: --no-kv-offload)
 
     def _init_kv_tier(self) -> None:
-        host = self.scheduler.kv.host
-        if host is not None:
+        loads = self.scheduler.loads  # (None: no host tier)
+        if loads is not None:
+            host = loads.host
             self.host_kv = HostKVStore(host.num_slots, self.runner.kv_cache)
             log.info("host KV tier: pinning %.1f GiB of host memory",
                      host.num_slots * self.host_kv.block_bytes / GIB)
             seconds = self.host_kv.reserve()
             log.info("host KV tier: pinned in %.1f s", seconds)
             self._host_metrics = self.metrics.host_kv()
-
-    def _dispatch_kv(self, transfers) -> None:
-        """Apply `transfers` on the thread that dispatches steps (so in step order)."""
-        store, runner = self.host_kv, self.runner
-
-        def apply():
-            runner.replace_kv_cache(lambda cache: store.apply(cache, transfers))
-        if runner.launcher is not None:
-            runner.launcher.submit(apply)
-        else:
-            apply()
 
     def _move_kv(self, sched) -> None:
         """The step's host-tier copies, dispatched ahead of the step on the thread that dispatches
@@ -69,12 +59,12 @@ class KVTierMixin:
         if store is None:
             return
         if transfers:
-            self._dispatch_kv(transfers)
+            self.runner.update_kv_cache_in_step_order(
+                lambda cache: store.apply(cache, transfers))
         for seconds in store.take_copy_seconds():
             self._host_metrics.load_seconds.observe(seconds)
-        host = self.scheduler.kv.host
-        self._host_metrics.update(host.num_used_slots,
-                                  hit_tokens=self.scheduler.kv.stats.host_hits,
+        loads = self.scheduler.loads
+        self._host_metrics.update(loads.host.num_used_slots, hit_tokens=loads.host_hit_tokens,
                                   bytes_to_host=store.bytes_to_host,
                                   bytes_to_device=store.bytes_to_device)
 
@@ -83,9 +73,9 @@ class KVTierMixin:
         can free the device cache and a later prompt still finds its prefix (on the host)."""
         if self.host_kv is None:
             return
-        if self.scheduler.kv.offload_cached():
-            self.runner.replace_kv_cache(
-                lambda cache: self.host_kv.apply(cache, self.scheduler.loads.take()))
+        transfers = self.scheduler.loads.offload_cached()
+        if transfers is not None:
+            self.runner.replace_kv_cache(lambda cache: self.host_kv.apply(cache, transfers))
         self.host_kv.flush()  # (earlier offloads' device pieces too)
 
     def _drop_host_kv(self) -> None:

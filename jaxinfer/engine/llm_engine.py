@@ -17,7 +17,6 @@ many tokens it produced) or a penalty request needs its full token history on th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import random
@@ -28,17 +27,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer.model.config import ModelConfig, load_config
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
 from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
+from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
-from jaxinfer.engine.kv_blocks import (params_dtype_name, plan_kv_blocks,
-                                       with_compiled_peak, with_hybrid_kv_decided)
-from jaxinfer.engine.memory_preflight import refuse_if_it_cannot_fit
+from jaxinfer.engine.kv_blocks import params_dtype_name, with_compiled_peak
 from jaxinfer.engine.metrics import EngineMetrics, EngineStats
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.engine.startup import StartupTimes
@@ -49,23 +46,16 @@ from jaxinfer.core.request import Request, Sequence, SeqStatus, make_choice
 from jaxinfer.worker.runner import ModelRunner, StepHandle
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
-from jaxinfer.spec_decode.draft import draft_for_engine, share_blocks
 from jaxinfer.spec_decode.speculation import Speculation
-from jaxinfer.parallel.distributed import fewest_across_processes
 from jaxinfer.engine.training_loop import TrainingLoopMixin
 from jaxinfer.engine.kv_tier import KVTierMixin, host_tier_for
-from jaxinfer.engine.lora import LoRAMixin, with_lora_stacks
+from jaxinfer.engine.lora import LoRAMixin
 from jaxinfer.engine.kernels import engine_kernels
 from jaxinfer.structured.grammar import GrammarCompiler
-from jaxinfer.model.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.model.quant_scheme import resolve_quantization
-from jaxinfer.model.transformer import param_shapes
-from jaxinfer.parallel.sharding import (ShardingPlan, build_mesh, per_device_bytes,
-                                        validate_parallel_sizes)
+from jaxinfer.model.tokenizer import Tokenizer
+from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes
 
 log = logging.getLogger(__name__)
-
-_JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
 class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
@@ -94,6 +84,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # blocks that no other sequence can free.
         groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
         if role is not None and groups.num_groups > 1:  # the hand-over copies one table
+            if any(isinstance(spec, FixedStateSpec) for spec in groups.specs):
+                raise ConfigError("--disaggregate: handing over state-space layers' states "
+                                  "is not built")
             raise ConfigError("a disaggregated engine takes one KV group: build it with "
                               "from_engine_args, which turns --hybrid-kv-cache off")
         need = groups.blocks_for_sequence(self.max_model_len, args.max_num_batched_tokens,
@@ -162,7 +155,6 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.on_processed: Callable[[list[Sequence]], None] | None = None
         self._init_lora(plan)
 
-    # ---- construction from flags ------------------------------------------------------------
     def adopt_running(self, req: Request, seq: Sequence) -> None:
         """Take over a request whose sequence's KV blocks this engine's scheduler already holds
         (reserved with `Scheduler.reserve_hand_over`, filled by a disaggregated transfer): it runs
@@ -198,61 +190,16 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         the finished ones' blocks (a disaggregated prefill engine hands prompts over there)."""
         self.on_processed = callback
 
+    # ---- construction from flags (engine_from_args.py) -------------------------------------
     @classmethod
     def from_engine_args(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
                          mesh: Mesh | None = None, **parts) -> "LLMEngine":
         """`mesh`: this replica's sub-mesh (DataParallelEngine passes one per replica); default:
         the first --tensor-parallel-size devices. `parts`: `role`, `grammars`, `outputs_cls`
-        (see __init__)."""
-        from jaxinfer.model.fused_projections import fuse_for_serving
-        from jaxinfer.model.kernel_table import current_platform
-        from jaxinfer.model.weights import load_params
-        startup = StartupTimes()
-        # --compilation-cache-dir holds the executable cache (the runner's), not jax's persistent
-        # compilation cache: an executable jax loaded from its own cache serializes again without
-        # its kernels' code (XLA CPU: "Function ... not found" when the stored copy runs).
-        model_dir = args.model_path
-        with startup.phase("config"):
-            cfg = load_config(model_dir)
-            cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
-                args.quantization, cfg.quantization, args.load_format))
-            args = with_hybrid_kv_decided(cfg, args, parts.get("role"))
-        if mesh is None:
-            if args.data_parallel_size > 1:
-                raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "
-                                  "build the engine with jaxinfer.frontends.factory.create_engine")
-            validate_parallel_sizes(cfg, args.tensor_parallel_size, args.data_parallel_size,
-                                    jax.device_count(), args.expert_layout)
-            mesh = build_mesh(args.tensor_parallel_size)
-        plan = ShardingPlan(mesh, cfg, args.expert_layout)
-        with startup.phase("tokenizer"):
-            tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
-        dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-        shapes = param_shapes(cfg, dtype)
-        with startup.phase("memory_preflight"):  # what cannot fit is said before the weights load
-            preflight = refuse_if_it_cannot_fit(cfg, args, shapes, plan, dtype)
-        with startup.phase("weights"):
-            params = jax.block_until_ready(fuse_for_serving(
-                load_params(model_dir, cfg, dtype, args.load_format, seed=args.seed,
-                            shardings=plan.params(shapes)), current_platform(), cfg))
-            draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
-        with startup.phase("kv_plan_and_alloc"):
-            params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)
-            kv_plan = plan_kv_blocks(cfg, args, params, plan)
-            num_blocks = kv_plan.num_blocks
-            if draft is not None and args.num_blocks is None:
-                kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
-                num_blocks = share_blocks(num_blocks, draft, cfg, args.block_size, kv_dtype, plan,
-                                          KVCacheGroups.for_model(cfg, args.hybrid_kv_cache).num_slots)
-            num_blocks = fewest_across_processes(num_blocks)
-            engine = cls(cfg, params, tokenizer, args, num_blocks=num_blocks, metrics=metrics,
-                         plan=plan, draft=draft, **parts)
-            jax.block_until_ready(engine.runner.kv_cache)
-        engine.startup = startup
-        engine.memory_plan = {"preflight": preflight and preflight.as_dict(),
-                              "kv": kv_plan.as_dict(), "num_blocks": num_blocks}
-        engine.owns_weights = True  # loaded here: an update may free them
-        if args.warmup:
+        (see __init__). Loads and plans as engine_from_args.py says, then warms up (--warmup)."""
+        from jaxinfer.engine.engine_from_args import build_engine
+        engine = build_engine(cls, args, metrics, mesh, **parts)
+        if engine.args.warmup:
             engine.warmup()
         return engine
 

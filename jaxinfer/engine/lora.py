@@ -15,15 +15,19 @@ from jaxinfer.model.lora.peft import LoRAAdapter, adapter_from_tensors, check_lo
 from jaxinfer.model.lora.stacks import LORA, empty_stacks, slot_arrays
 
 
-def with_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
-    """`params` plus zeroed LoRA stacks when LoRA is enabled (unchanged if it has them or is off),
+def zeroed_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
+    """The LoRA stacks of --max-loras slots up to --max-lora-rank for `params`, zeroed and
     replicated over the replica's devices."""
+    dtype = params["embed"]["embedding"].dtype
+    return empty_stacks(cfg, params, args.max_loras, args.max_lora_rank, jnp.dtype(dtype),
+                        plan and plan.replicated, pow2=resolved_lora_impl(args) == "pallas")
+
+
+def with_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
+    """`params` plus zeroed LoRA stacks when LoRA is enabled (unchanged if it has them or is off)."""
     if not args.enable_lora or LORA in params:
         return params
-    dtype = params["embed"]["embedding"].dtype
-    stacks = empty_stacks(cfg, params, args.max_loras, args.max_lora_rank, jnp.dtype(dtype),
-                          plan and plan.replicated, pow2=resolved_lora_impl(args) == "pallas")
-    return {**params, LORA: stacks}
+    return {**params, LORA: zeroed_lora_stacks(cfg, params, args, plan)}
 
 
 class LoRAMixin:
@@ -33,11 +37,13 @@ class LoRAMixin:
         args = self.args
         if not args.enable_lora:
             return
-        self.runner.params = with_lora_stacks(self.cfg, self.runner.params, args, plan)
+        runner = self.runner
+        if not runner.has_lora:
+            runner.attach_lora_stacks(zeroed_lora_stacks(self.cfg, runner.params, args, plan))
         self.lora = LoRASlots(self.cfg, max_loras=args.max_loras, max_rank=args.max_lora_rank,
                               max_cpu_loras=args.max_cpu_loras or args.max_loras,
                               write=self._write_lora_slot)
-        self.scheduler.lora_slots = self.lora
+        self.scheduler.enable_lora(self.lora)
         for request in lora_modules(args.lora_modules):
             self.lora.register(request)
 

@@ -39,7 +39,7 @@ from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan, per_device_bytes, validate_parallel_sizes
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
+from jaxinfer.worker.step_inputs import StepBatch
 from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -85,17 +85,6 @@ def _catch_up(params, kv_cache, batch: StepBatch, *, cfg: ModelConfig, kernels: 
     return kv_cache
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(cfg: ModelConfig, kernels: KernelTable, block_size: int, k: int,
-            plan: ShardingPlan | None = None):
-    loop = jax.jit(functools.partial(_propose_loop, cfg=cfg, kernels=kernels,
-                                     block_size=block_size, k=k, plan=plan),
-                   static_argnames=("variant",), donate_argnums=(1,))
-    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=kernels),
-                       donate_argnums=(1,))
-    return loop, catch_up
-
-
 class DraftModel:
     """A loaded draft model; `attach` gives it its KV cache once the target's pool is sized.
     Under tensor parallelism it is split over the target's devices as the target is (its own
@@ -126,7 +115,11 @@ class DraftModel:
                                           num_heads=plan and plan.stored_kv_heads,
                                           sharding=plan and plan.kv_cache)
         kernels = shard_kernels(unsharded(runner.kernels), plan)  # the target's, on its own plan
-        self._loop, self._catch_up = _jitted(self.cfg, kernels, runner.block_size, self.k, plan)
+        runner.programs.add("draft propose", _propose_loop, static_argnames=("variant",),
+                            donate_argnums=(1,), cfg=self.cfg, kernels=kernels,
+                            block_size=runner.block_size, k=self.k, plan=plan)
+        runner.programs.add("draft catch-up", _catch_up, donate_argnums=(1,), cfg=self.cfg,
+                            kernels=kernels)
 
     def block_bytes(self, block_size: int, kv_dtype) -> int:
         """Bytes one block of its KV cache takes on one device."""
@@ -165,36 +158,17 @@ class DraftModel:
                 behind.append((entry, seen))
             seq.draft_computed = start + len(entry.proposal)
         self._run_catch_up(behind)
-        self.kv_cache, drafts, q = self._loop(self.params, self.kv_cache, first_ids, first_pos,
-                                              v.num_drafts, batch.md.group(0).block_tables,
-                                              batch.sampling, variant=variant)
+        self.kv_cache, drafts, q = runner.programs.run(
+            "draft propose", self.params, self.kv_cache, first_ids, first_pos, v.num_drafts,
+            batch.md.group(0).block_tables, batch.sampling, variant=variant)
         return dataclasses.replace(v, drafts=drafts), q
 
     def _run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
-        """Draft KV for each (row, first unseen position) up to the row's input token, in chunks of
-        at most the largest token bucket."""
-        runner = self.runner
-        cap = runner.buckets.token_buckets[-1]
-        pieces: list[ScheduledSeq] = []
-        for entry, seen in behind:
-            for lo in range(seen, entry.start, cap):
-                n = min(cap, entry.start - lo)
-                pieces.append(ScheduledSeq(entry.seq, lo, n, False, entry.block_ids))
-        chunk: list[ScheduledSeq] = []
-        used = 0
-        for piece in pieces + [None]:
-            if piece is None or used + piece.num_tokens > cap or len(chunk) == runner.buckets.max_num_seqs:
-                if chunk:
-                    t, s = runner.buckets.mixed_shape(used)
-                    batch = build_step_batch(chunk, 0, t, s, runner.sampling_table,
-                                             runner.block_size, runner.max_blocks,
-                                             runner.max_model_len, SamplerVariant())
-                    self.kv_cache = self._catch_up(self.params, self.kv_cache,
-                                                   dataclasses.replace(batch, sampling=None))
-                chunk, used = [], 0
-            if piece is not None:
-                chunk.append(piece)
-                used += piece.num_tokens
+        """Draft KV for each (row, first unseen position) up to the row's input token."""
+        spans = [(entry, seen, entry.start) for entry, seen in behind]
+        for _, batch in self.runner.catch_up_batches(spans):
+            self.kv_cache = self.runner.programs.run("draft catch-up", self.params, self.kv_cache,
+                                                     dataclasses.replace(batch, sampling=None))
 
 
 def draft_plan(cfg: ModelConfig, target: ShardingPlan, name: str) -> ShardingPlan:

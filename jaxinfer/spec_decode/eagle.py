@@ -26,7 +26,6 @@ vocabulary have probability 0.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +33,14 @@ import numpy as np
 
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
+from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.transformer import forward_aux
 from jaxinfer.spec_decode import eagle_head as head
 from jaxinfer.worker.bucket_compiler import forward_key
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors
-from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, input_ids
-from jaxinfer.model.kernel_table import KernelTable
+from jaxinfer.worker.step_inputs import StepBatch, all_greedy, input_ids
 from pallas_kernels.attention.kv_quant import is_fp8
 from pallas_kernels.attention.metadata import AttentionMetadata
 
@@ -152,7 +151,7 @@ def _chain(params, embed, kv, streams, first_ids, first_pos, num, block_tables,
 
 def _target_forward(params, kv_cache, last_tokens, batch: StepBatch, streams, *, cfg, kernels,
                     layers):
-    """The runner's forward that also writes the step's streams (`_forward_step`'s result)."""
+    """The runner's forward that also writes the step's streams (`step_programs.forward_step`'s result)."""
     logits, kv_cache, aux = forward_aux(params, cfg, input_ids(batch, last_tokens),
                                         batch.positions, kv_cache, batch.md, kernels,
                                         batch.logits_indices, batch.lora_slot, layers=layers)
@@ -168,25 +167,13 @@ def _copy_rows(streams, src, dst, block_size: int):
     return streams.at[d].set(streams[s], mode="drop")
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(cfg, target_cfg, kernels: KernelTable, head_kernels: KernelTable, block_size: int,
-            k: int):
-    chain = jax.jit(functools.partial(_chain, cfg=cfg, kernels=head_kernels,
-                                      block_size=block_size, k=k),
-                    static_argnames=("variant", "greedy_only"), donate_argnums=(2,))
-    catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, kernels=head_kernels),
-                       donate_argnums=(2,))
-    target = jax.jit(functools.partial(_target_forward, cfg=target_cfg, kernels=kernels,
-                                       layers=cfg.aux_layers), donate_argnums=(1, 4))
-    copy = jax.jit(functools.partial(_copy_rows, block_size=block_size), donate_argnums=(0,))
-    return chain, catch_up, target, copy
-
-
 class EagleProposer:
     """A loaded EAGLE-3 head (`cfg` an `eagle_head.Eagle3Config`) or DeepSeek MTP module
     (`mtp.MTPConfig`: the same interface, `layer`, `aux_layers`, `stream_width`, `fuse`,
     `step`); `attach` gives it its KV and stream caches once the pool is sized."""
     on_device = True
+    # The runner's ordinary steps run this program (its forward that writes the streams).
+    forward_program = "forward writing streams"
 
     def __init__(self, cfg, params: dict):
         self.cfg = cfg
@@ -196,9 +183,6 @@ class EagleProposer:
         self.kv_cache = None
         self.streams = None
         self.head_kernels: KernelTable | None = None  # the runner's, or unscaled over fp8 KV
-        # The stream-writing forward's executables per step bucket (forward_key), compiled at
-        # warm-up in place of the runner's own (bucket_compiler); else `target_fn` compiles.
-        self.target_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
 
     def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
         if runner.plan is not None and runner.plan.tp > 1:
@@ -219,8 +203,18 @@ class EagleProposer:
                                           self.cache_dtype(kv_dtype))
         self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
                                  target_embed.dtype)
-        self._chain, self._catch_up, self.target_fn, self._copy = _jitted(
-            self.cfg, runner.cfg, runner.kernels, head_kernels, runner.block_size, k)
+        # Its programs, in the runner's table: the stream-writing forward (compiled at warm-up
+        # per step bucket in place of the runner's own), the chain, catch-up and stream copy.
+        programs, kernels = runner.programs, runner.kernels
+        programs.add(self.forward_program, _target_forward, donate_argnums=(1, 4), cfg=runner.cfg,
+                     kernels=kernels, layers=self.cfg.aux_layers)
+        programs.add("eagle chain", _chain, static_argnames=("variant", "greedy_only"),
+                     donate_argnums=(2,), cfg=self.cfg, kernels=head_kernels,
+                     block_size=runner.block_size, k=k)
+        programs.add("eagle catch-up", _catch_up, donate_argnums=(2,), cfg=self.cfg,
+                     kernels=head_kernels)
+        programs.add("eagle stream copy", _copy_rows, donate_argnums=(0,),
+                     block_size=runner.block_size)
 
     def cache_dtype(self, kv_dtype):
         """The head's KV-cache dtype: the target's, except that over an fp8 cache the head keeps
@@ -242,9 +236,9 @@ class EagleProposer:
 
     def target_forward(self, runner, batch: StepBatch):
         """The runner's forward of an ordinary step, writing its streams. -> (logits, kv cache)"""
-        fn = self.target_exe.get(forward_key(batch), self.target_fn)
-        logits, kv, self.streams = fn(runner.params, runner.kv_cache, runner.last_tokens, batch,
-                                      self.streams)
+        logits, kv, self.streams = runner.programs.run(
+            self.forward_program, runner.params, runner.kv_cache, runner.last_tokens, batch,
+            self.streams, key=forward_key(batch))
         return logits, kv
 
     # ---- Proposer ---------------------------------------------------------------------------
@@ -272,8 +266,8 @@ class EagleProposer:
                 behind.append((entry, seen))
             seq.draft_computed = start
         self.run_catch_up(behind)
-        self.kv_cache, drafts, q = self._chain(
-            self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
+        self.kv_cache, drafts, q = self.runner.programs.run(
+            "eagle chain", self.params, self.embed, self.kv_cache, self.streams, first_ids, first_pos,
             v.num_drafts, batch.md.group(0).block_tables, batch.sampling, variant=variant,
             greedy_only=all_greedy(sched.scheduled))
         return dataclasses.replace(v, drafts=drafts), q
@@ -287,38 +281,20 @@ class EagleProposer:
         src = np.pad(src, (0, size - len(src)), constant_values=-1)
         dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
         self.kv_cache = copy_blocks(self.kv_cache, src, dst)
-        self.streams = self._copy(self.streams, src, dst)
+        self.streams = self.runner.programs.run("eagle stream copy", self.streams, src, dst)
 
     def run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
-        """Head KV at each row's positions seen .. start - 2, in chunks of at most the largest
-        token bucket; each position reads the token after it."""
-        runner = self.runner
-        cap = runner.buckets.token_buckets[-1]
-        pieces = [ScheduledSeq(e.seq, lo, min(cap, e.start - 1 - lo), False, e.block_ids)
-                  for e, seen in behind for lo in range(seen, e.start - 1, cap)]
-        chunk: list[ScheduledSeq] = []
-        used = 0
-        for piece in pieces + [None]:
-            if piece is None or used + piece.num_tokens > cap or (
-                    len(chunk) == runner.buckets.max_num_seqs):
-                if chunk:
-                    self._catch_up_chunk(chunk, used)
-                chunk, used = [], 0
-            if piece is not None:
-                chunk.append(piece)
-                used += piece.num_tokens
-
-    def _catch_up_chunk(self, chunk: list[ScheduledSeq], used: int) -> None:
-        runner = self.runner
-        t, s = runner.buckets.mixed_shape(used)
-        batch = build_step_batch(chunk, 0, t, s, runner.sampling_table, runner.block_size,
-                                 runner.max_blocks, runner.max_model_len, SamplerVariant())
-        ids = np.zeros(t, np.int32)
-        for piece, lo in zip(chunk, batch.md.query_start_loc):
-            ids[lo:lo + piece.num_tokens] = piece.seq.token_ids[
-                piece.start + 1:piece.start + 1 + piece.num_tokens]
-        self.kv_cache = self._catch_up(self.params, self.embed, self.kv_cache, self.streams, ids,
-                                       batch.positions, batch.md)
+        """Head KV at each row's positions seen .. start - 2; each position reads the token after
+        it."""
+        for chunk, batch in self.runner.catch_up_batches([(e, seen, e.start - 1)
+                                                          for e, seen in behind]):
+            ids = np.zeros(batch.token_ids.shape[0], np.int32)
+            for piece, lo in zip(chunk, batch.md.query_start_loc):
+                ids[lo:lo + piece.num_tokens] = piece.seq.token_ids[
+                    piece.start + 1:piece.start + 1 + piece.num_tokens]
+            self.kv_cache = self.runner.programs.run(
+                "eagle catch-up", self.params, self.embed, self.kv_cache, self.streams, ids,
+                batch.positions, batch.md)
 
 
 def load_eagle(model_dir: str, target_cfg, dtype) -> EagleProposer:

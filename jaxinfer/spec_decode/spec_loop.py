@@ -12,7 +12,7 @@ iterations of
     accepted positions) -> the target's verify of each row's k + 1 tokens -> exact rejection
     sampling -> advance each row
 
-inside one `lax.fori_loop` of a fixed trip count (as runner._decode_loop: an exit on a device
+inside one `lax.fori_loop` of a fixed trip count (as step_programs.decode_loop: an exit on a device
 value would copy it to the host and wait for it every iteration). Every iteration's metadata
 (positions, slot mappings, ragged query starts, verify indices, catch-up positions) is computed
 on the device from per-row state; a row that emits a stop token id (past min_tokens) or reaches
@@ -32,7 +32,6 @@ and per iteration the proposals made and accepted (metrics, acceptance gate).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import time
 
@@ -49,7 +48,7 @@ from jaxinfer.worker.bucket_compiler import shape_specs, variant_label
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import StepBatch, all_greedy, build_step_batch, sampler_variant
+from jaxinfer.worker.step_inputs import StepBatch, all_greedy, sampler_variant
 from jaxinfer.model.kernel_table import KernelTable
 from pallas_kernels.attention.backend import AttentionBackend
 from pallas_kernels.attention.metadata import AttentionMetadata
@@ -137,24 +136,11 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
     return kv_cache, last_tokens, head_kv, streams, out[10], (out[9], out[11], out[12])
 
 
-@functools.lru_cache(maxsize=None)
-def jitted_spec_loop(cfg, head_cfg, kernels: KernelTable, head_kernels: KernelTable,
-                     block_size: int, k: int, iterations: int, plan: ShardingPlan | None,
-                     layers: tuple[int, ...]):
-    """The compiled loop of a target and head (KV cache, last tokens, head KV and stream cache
-    donated), shared by every runner of them in the process; compiled per decode bucket and
-    sampler variant. Its ragged calls (the verify, the head's first step) send every row to the
+def _prefill_kernels_only(kernels: KernelTable) -> KernelTable:
+    """The loop's ragged calls (the verify, the head's first step) send every row to the
     backend's prefill kernel: their rows hold several tokens, so looking for one-token rows on
     the device (`split_mixed_steps`) would launch a decode kernel per layer for next to nothing
     (a row proposing nothing, at its limit, is the only one)."""
-    return jax.jit(functools.partial(_spec_loop, cfg=cfg, head_cfg=head_cfg,
-                                     kernels=_unsplit(kernels), head_kernels=_unsplit(head_kernels),
-                                     block_size=block_size, k=k, iterations=iterations,
-                                     plan=plan, layers=layers),
-                   static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 5, 6))
-
-
-def _unsplit(kernels: KernelTable) -> KernelTable:
     if isinstance(kernels.attention, AttentionBackend) and kernels.attention.split_mixed_steps:
         return dataclasses.replace(kernels, attention=dataclasses.replace(
             kernels.attention, split_mixed_steps=False))
@@ -182,22 +168,26 @@ class SpecLoopHandle(StepHandle):
 
 class SpecLoop:
     """The runner's side: builds a loop's inputs from a scheduled step and dispatches it."""
+    program = "spec loop"  # in the runner's table (KV cache, last tokens, head KV, streams donated)
 
     def __init__(self, runner, proposer, k: int, iterations: int):
+        """Adds the loop to `runner`'s programs; warm-up (worker/bucket_compiler.py) compiles it
+        per (rows, sampler variant, greedy only), a loop without one compiling through jit on its
+        first call."""
         self.proposer, self.k, self.iterations = proposer, k, iterations
-        self.fn = jitted_spec_loop(runner.cfg, proposer.cfg, runner.kernels,
-                                   proposer.head_kernels, runner.block_size, k, iterations,
-                                   runner.plan, tuple(proposer.aux_layers))
-        # Executables compiled at warm-up (worker/bucket_compiler.py), by (rows, sampler variant,
-        # greedy only); a loop without one compiles through jit on its first call.
-        self.exe: dict[tuple[int, SamplerVariant, bool], object] = {}
+        runner.programs.add(self.program, _spec_loop, static_argnames=("variant", "greedy_only"),
+                            donate_argnums=(1, 2, 5, 6), cfg=runner.cfg, head_cfg=proposer.cfg,
+                            kernels=_prefill_kernels_only(runner.kernels),
+                            head_kernels=_prefill_kernels_only(proposer.head_kernels),
+                            block_size=runner.block_size, k=k, iterations=iterations,
+                            plan=runner.plan, layers=tuple(proposer.aux_layers))
         self.dispatches = 0  # loops run (benchmarks, tests)
 
     def compile_specs(self, target_specs: tuple, batch: StepBatch,
                       variant: SamplerVariant) -> list[tuple[str, tuple, dict, tuple]]:
-        """(name, lowering arguments, static arguments, `exe` key) of the loop over `batch`'s rows
-        (an all-padding batch of `variant`), greedy-only and sampled. `target_specs`: the runner's
-        (params, KV cache, last tokens) as shape specs."""
+        """(name, lowering arguments, static arguments, key in the runner's table) of the loop
+        over `batch`'s rows (an all-padding batch of `variant`), greedy-only and sampled.
+        `target_specs`: the runner's (params, KV cache, last tokens) as shape specs."""
         p, s = self.proposer, batch.token_ids.shape[0]
         head = shape_specs((p.params, p.embed, p.kv_cache, p.streams))
         args = (*target_specs, *head, batch, jax.ShapeDtypeStruct((s, 3 + self.k), jnp.int32))
@@ -217,9 +207,7 @@ class SpecLoop:
                 for e in sched.decodes]
         s = runner.buckets.decode_shape(len(rows))
         variant = sampler_variant(rows)
-        batch = build_step_batch(rows, s, s, s, runner.sampling_table, runner.block_size,
-                                 runner.max_blocks, runner.max_model_len, variant,
-                                 kv_layout=runner.kv_groups.kv_layout)
+        batch = runner.step_batch(rows, s, s, s, variant, lora=False)
         state = np.zeros((s, 3 + k), np.int32)  # room, then the catch-up: pos, num, ids
         behind = []  # rows further behind than one iteration's catch-up: one host-built call
         for r, e in enumerate(sched.decodes):
@@ -235,11 +223,10 @@ class SpecLoop:
             seq.draft_computed = start  # at least; processing the loop sets where it ended
         p.run_catch_up(behind)
         greedy = all_greedy(rows)
-        exe = self.exe.get((s, variant, greedy))
-        fn = exe or functools.partial(self.fn, variant=variant, greedy_only=greedy)
-        kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = fn(
-            runner.params, runner.kv_cache, runner.last_tokens, p.params, p.embed, p.kv_cache,
-            p.streams, place_step_inputs(batch, runner.plan), state)
+        kv_cache, last_tokens, p.kv_cache, p.streams, out, extras = runner.programs.run(
+            self.program, runner.params, runner.kv_cache, runner.last_tokens, p.params, p.embed,
+            p.kv_cache, p.streams, place_step_inputs(batch, runner.plan), state,
+            key=(s, variant, greedy), variant=variant, greedy_only=greedy)
         self.dispatches += 1
         return kv_cache, last_tokens, SpecLoopHandle(sched, out, self.iterations * (k + 1),
                                                      extras)

@@ -35,8 +35,7 @@ class Speculation:
                          config.num_speculative_tokens)
         self.speculator = Speculator(config, proposer)
         scheduler.enable_speculation(self.speculator)
-        step = SpeculativeStep(runner.cfg, runner.kernels, config.num_speculative_tokens, draft,
-                               runner.plan)
+        step = SpeculativeStep(runner, config.num_speculative_tokens, draft)
         if loop_iterations is None:
             loop_iterations = AUTO_SPEC_LOOP_ITERATIONS
         if isinstance(draft, EagleProposer) and loop_iterations > 1:

@@ -37,8 +37,8 @@ from jaxinfer.spec_decode.eagle import write_streams
 from jaxinfer.worker.rejection_sampler import VerifyOutput, verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant
-from jaxinfer.worker.step_inputs import (StepBatch, all_greedy, build_step_batch, input_ids,
-                                         sampler_variant, store_emitted)
+from jaxinfer.worker.step_inputs import (StepBatch, all_greedy, input_ids, sampler_variant,
+                                         store_emitted)
 from jaxinfer.model.kernel_table import KernelTable
 
 
@@ -108,17 +108,6 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
     return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out, streams
 
 
-@functools.lru_cache(maxsize=None)
-def jitted_verify_step(cfg: ModelConfig, kernels: KernelTable,
-                       plan: ShardingPlan | None = None, layers: tuple[int, ...] = ()):
-    """The compiled verification step of a model (cache, last tokens and streams donated), shared
-    by every runner of that model and mesh in the process; compiled per token bucket and sampler
-    variant."""
-    return jax.jit(functools.partial(_verify_step, cfg=cfg, kernels=kernels, plan=plan,
-                                     layers=layers),
-                   static_argnames=("variant", "greedy_only"), donate_argnums=(1, 2, 6))
-
-
 def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
                        ) -> tuple[StepBatch, VerifyInputs, SamplerVariant]:
     """The step's padded arrays (a mixed bucket), with each row's sampling position moved back to
@@ -126,9 +115,7 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
     rows = sched.scheduled
     variant = sampler_variant(rows)
     t, s = runner.buckets.mixed_shape(sched.num_tokens)
-    batch = build_step_batch(rows, 0, t, s, runner.sampling_table, runner.block_size,
-                             runner.max_blocks, runner.max_model_len, variant,
-                             kv_layout=runner.kv_groups.kv_layout)
+    batch = runner.step_batch(rows, 0, t, s, variant, lora=False)
     num = np.zeros(s, np.int32)
     drafts = np.zeros((s, k_max), np.int32)
     for r, entry in enumerate(sched.decodes):
@@ -148,15 +135,17 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
 class SpeculativeStep:
     """The runner's part of speculative decoding: runs the steps that carry proposals."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelTable, num_speculative_tokens: int,
-                 draft=None, plan: ShardingPlan | None = None):
+    def __init__(self, runner, num_speculative_tokens: int, draft=None):
+        """Adds the verifying step to `runner`'s programs (compiled per token bucket and sampler
+        variant through jit; cache, last tokens and streams donated)."""
         self.k = num_speculative_tokens
         # spec_decode.draft.DraftModel or eagle.EagleProposer, or None (host-side proposals)
         self.draft = draft
         # An EAGLE-3 head reads the target's streams: every target step writes them.
         self.stream_writer = draft if getattr(draft, "aux_layers", None) else None
-        self._verify = jitted_verify_step(cfg, kernels, plan,
-                                          tuple(getattr(draft, "aux_layers", ())))
+        runner.programs.add("verify", _verify_step, static_argnames=("variant", "greedy_only"),
+                            donate_argnums=(1, 2, 6), cfg=runner.cfg, kernels=runner.kernels,
+                            plan=runner.plan, layers=tuple(getattr(draft, "aux_layers", ())))
         self.loop = None  # spec_loop.SpecLoop: runs the steps scheduled as loops
         self.single_steps = 0  # verifying steps run one per dispatch (benchmarks, tests)
 
@@ -171,8 +160,8 @@ class SpeculativeStep:
         if self.draft is not None:
             v, draft_probs = self.draft.propose(sched, batch, v, variant)
         writer = self.stream_writer
-        kv_cache, last_tokens, out, streams = self._verify(
-            runner.params, runner.kv_cache, runner.last_tokens, batch, v, draft_probs,
+        kv_cache, last_tokens, out, streams = runner.programs.run(
+            "verify", runner.params, runner.kv_cache, runner.last_tokens, batch, v, draft_probs,
             writer and writer.streams, variant=variant, greedy_only=all_greedy(sched.scheduled))
         if writer is not None:
             writer.streams = streams

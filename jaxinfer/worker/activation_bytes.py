@@ -15,7 +15,7 @@ from jaxinfer.worker.bucket_compiler import SAMPLE_VARIANTS, model_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.worker.kv import kv_block_shapes
-from jaxinfer.worker.runner import _jitted_fns
+from jaxinfer.worker.runner import step_programs
 from jaxinfer.worker.sampler import MASKED_SAMPLER
 from jaxinfer.worker.step_inputs import SamplingTable, build_step_batch
 from jaxinfer.model.kernel_table import KernelTable
@@ -56,7 +56,8 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
     cached = key and cache.load_figure(key)
     if cached is not None:
         return cached
-    forward_step, sample_step, _ = _jitted_fns(cfg, kernels, block_size, plan)
+    programs = step_programs(cfg, kernels, block_size, plan)
+    forward_step, sample_step = programs.jitted["forward"], programs.jitted["sample"]
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
     peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
                                                      model_inputs(batch)).compile())
@@ -74,8 +75,9 @@ def compiled_steps_peak_bytes(runner) -> tuple[int, int]:
     largest forward or decode loop plus the largest sampler, as a step runs one after the other."""
     from jaxinfer.worker.kv import activation_peak_bytes
     # Copies first: the background compiler adds to these tables meanwhile.
-    steps = [*runner._forward_exe.copy().values(), *runner._loop_exe.copy().values()]
-    samplers = list(runner._sample_exe.copy().values())
+    compiled = runner.programs.compiled
+    steps = [*compiled["forward"].copy().values(), *compiled["decode loop"].copy().values()]
+    samplers = list(compiled["sample"].copy().values())
     peak = (max(map(activation_peak_bytes, steps), default=0)
             + max(map(activation_peak_bytes, samplers), default=0))
     return peak, len(steps) + len(samplers)

@@ -4,7 +4,7 @@ reports ready, the rest on a background thread while it serves.
 A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's forward (T
 tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with the sampler of its S
 in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LOOP_VARIANTS. A unit
-is *ready* once all its parts are; only then does `step_shape` route steps to it. The first set is
+is *ready* once all its parts are; only then does `buckets.step_shape` route steps to it. The first set is
 the largest mixed bucket (every step fits it, so no step ever waits for a compile), the one of a
 short prompt (SHORT_PROMPT_TOKENS: a first request's prefill runs at its size), the smallest
 decode bucket (a lone request decodes at its own size from the start), and the block copies of
@@ -30,22 +30,15 @@ donate. Each part is first looked up in the executable cache (no tracing on a hi
 there once compiled. At most one compile per pool thread is queued at a time, so `stop()` (called
 at interpreter exit too) leaves only the compiles already running in XLA to finish.
 
-In the background, the compiles give way to the steps they run beside: on a CPU of two cores
-the first requests of a cold `serve` took 10x their steady time while the rest of the buckets
-compiled. Their XLA compiles run on threads at the lowest CPU priority (nice 19, Linux), and the
-lowering thread, which needs the GIL the steps need too, starts no new unit while the engine is
-stepping (a step within `QUIET_S`), for at most `MAX_PAUSE_S` per unit, so that a server under
-constant load still gets its buckets.
+In the background, the compiles give way to the steps they run beside (compile_priority.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -55,25 +48,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.worker.kv import copy_blocks
 from jaxinfer.worker.responsive_gil import responsive_gil
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.buckets import Buckets
+from jaxinfer.worker.compile_priority import CompileStopped, StepPacer, background_pool
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
-from jaxinfer.worker.step_inputs import StepBatch, build_step_batch
+from jaxinfer.worker.step_inputs import StepBatch
 
 log = logging.getLogger(__name__)
 
 SHORT_PROMPT_TOKENS = 32
-QUIET_S = 0.25
-MAX_PAUSE_S = 5.0
-BACKGROUND_NICE = 19
 
 LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
 # The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
 SAMPLE_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
-
-
 MAX_COMPILE_WORKERS = 8
 
 
@@ -99,29 +87,6 @@ def forward_key(batch: StepBatch) -> tuple[int, int, int]:
     return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
 
 
-def step_shape(buckets: Buckets, num_tokens: int, num_rows: int, pure_decode: bool,
-               ready: set[tuple[int, int, int]] | None) -> tuple[int, int, int]:
-    """(tokens, rows, decode rows) of the executable a step runs in: its own bucket when `ready` is
-    None (no background compile) or holds it, else the smallest ready bucket that fits (a decode
-    bucket before a mixed one); its own bucket when none fits (the step then compiles it)."""
-    if pure_decode:
-        own = (buckets.decode_shape(num_rows),) * 3
-    else:
-        t, s = buckets.mixed_shape(num_tokens)
-        own = (t, s, 0)
-    if ready is None or own in ready:
-        return own
-    if pure_decode:
-        for s in buckets.decode_buckets:
-            if s >= num_rows and (s, s, s) in ready:
-                return s, s, s
-    for t in buckets.token_buckets:
-        shape = (t, *buckets.mixed_shape(t)[1:], 0)
-        if t >= num_tokens and shape[1] >= num_rows and shape in ready:
-            return shape
-    return own
-
-
 @dataclasses.dataclass(frozen=True)
 class Unit:
     kind: str  # "mixed" | "decode" | "loop" | "spec"
@@ -130,18 +95,6 @@ class Unit:
     @property
     def name(self) -> str:
         return f"{self.kind} {self.size}"
-
-
-def _lowest_priority() -> None:
-    """Pool initializer: this thread, and those XLA starts from it, at BACKGROUND_NICE. Linux
-    only, where a thread id names one thread (elsewhere PRIO_PROCESS would name a process)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-
-
-class _Stopped(Exception):
-    """The compiler was stopped: submit nothing more."""
 
 
 def shape_specs(tree):
@@ -154,8 +107,7 @@ def shape_specs(tree):
 
 class BucketCompiler:
     def __init__(self, runner, max_workers: int | None = None):
-        """`runner`: the ModelRunner whose executable tables (`_forward_exe`, `_sample_exe`,
-        `_loop_exe`, `_copy_exe`) this fills."""
+        """`runner`: the ModelRunner whose program table (programs.py) this fills."""
         self.runner = runner
         b: Buckets = runner.buckets
         role = runner.compile_role
@@ -194,6 +146,7 @@ class BucketCompiler:
         self._specs = shape_specs((runner.params, runner.kv_cache, runner.last_tokens))
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
+        self._forward_program = "forward" if self._writer is None else self._writer.forward_program
         self._logits_sharding = None
         self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
         self._done = threading.Condition()
@@ -201,7 +154,8 @@ class BucketCompiler:
         self._num_failed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_step = 0.0  # time.monotonic() of the engine's last step (`step_seen`)
+        # The runner tells it of each step; background lowering waits for a quiet moment.
+        self.pacer = StepPacer(self._stop)
         workers = self._workers = max_workers or compile_workers()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxinfer-compile")
         self._slots = threading.Semaphore(workers)  # compiles submitted and not finished
@@ -219,10 +173,6 @@ class BucketCompiler:
     @property
     def num_units(self) -> int:
         return len(self.units)
-
-    def step_seen(self) -> None:
-        """The engine is building a step: background lowering waits for a quiet moment."""
-        self._last_step = time.monotonic()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every unit is ready (or stopped, or `timeout`): whether all are ready."""
@@ -257,7 +207,7 @@ class BucketCompiler:
         for f in futures:
             f.result()
         # The samplers take the forwards' logits: compiled for exactly their sharding.
-        first_forward = next(iter(self._forward()[1].values()))
+        first_forward = next(iter(self.runner.programs.compiled[self._forward_program].values()))
         self._logits_sharding = first_forward.output_shardings[0]
         for u in self.first:
             for f in self._sampler_parts(u):
@@ -284,7 +234,7 @@ class BucketCompiler:
             parts: list[Future] = []
             for u in self.rest:
                 if background:
-                    self._yield_to_steps()
+                    self.pacer.wait_for_quiet()
                 unit_parts = [self._submit(u), *self._sampler_parts(u)]
                 self._when_all(unit_parts, u, progress_bar)
                 parts += unit_parts
@@ -294,7 +244,7 @@ class BucketCompiler:
             try:
                 with responsive_gil():
                     run()
-            except _Stopped:
+            except CompileStopped:
                 pass
             except Exception:  # a bucket that fails to compile is not the engine's
                 log.exception("background compilation failed; larger buckets serve its steps")
@@ -303,9 +253,7 @@ class BucketCompiler:
                     self._done.notify_all()
 
         if background and self.rest:
-            first_pool, self._pool = self._pool, ThreadPoolExecutor(
-                max_workers=self._workers, thread_name_prefix="jaxinfer-compile-background",
-                initializer=_lowest_priority)
+            first_pool, self._pool = self._pool, background_pool(self._workers)
             first_pool.shutdown(wait=False)  # its compiles are all done
             self._thread = threading.Thread(target=background_run, name="jaxinfer-bucket-compiler",
                                             daemon=True)
@@ -314,13 +262,6 @@ class BucketCompiler:
             for f in run():
                 f.result()  # a failed compile raises here
             self.wait()
-
-    def _yield_to_steps(self) -> None:
-        """Wait while the engine steps (one within QUIET_S), for at most MAX_PAUSE_S."""
-        give_up = time.monotonic() + MAX_PAUSE_S
-        while time.monotonic() - self._last_step < QUIET_S and time.monotonic() < give_up:
-            if self._stop.wait(0.05):
-                raise _Stopped
 
     def _when_all(self, parts: list[Future], unit: Unit, progress_bar) -> None:
         left = [len(parts)]
@@ -415,28 +356,18 @@ class BucketCompiler:
         for name, args, static, key in self._sampler_specs(unit):
             f = self._samplers.get(key)
             if f is None:
-                f = self._samplers[key] = self._compile_or_load(
-                    name, self.runner._sample_fn, self.runner._sample_exe, args, static, key)
+                f = self._samplers[key] = self._compile_or_load(name, "sample", args, static, key)
             parts.append(f)
         return parts
 
-    def _forward(self) -> tuple:
-        """(function, executable table) of the forward: the runner's, or the stream-writing one of
-        an attached EAGLE-3 head (`EagleProposer.target_forward` runs its executables)."""
-        w = self._writer
-        return ((self.runner._forward_fn, self.runner._forward_exe) if w is None
-                else (w.target_fn, w.target_exe))
-
     def _submit(self, unit: Unit) -> Future:
         """The unit's forward (or its loops, as one future)."""
-        r = self.runner
         if unit.kind not in ("loop", "spec"):
             self._place_inputs(unit)
             (name, args, static, key), = self._step_specs(unit)
-            return self._compile_or_load(name, *self._forward(), args, static, key)
-        fn, table = ((r._loop_fn, r._loop_exe) if unit.kind == "loop"
-                     else (self._spec_loop.fn, self._spec_loop.exe))
-        loops = [self._compile_or_load(name, fn, table, args, static, key)
+            return self._compile_or_load(name, self._forward_program, args, static, key)
+        program = "decode loop" if unit.kind == "loop" else self._spec_loop.program
+        loops = [self._compile_or_load(name, program, args, static, key)
                  for name, args, static, key in self._step_specs(unit)]
         both: Future = Future()
 
@@ -462,10 +393,12 @@ class BucketCompiler:
             cache.has(r.cached_step_key(name, args, static))
             for name, args, static, _ in self._step_specs(unit) + self._sampler_specs(unit))
 
-    def _compile_or_load(self, name: str, fn, table: dict, args: tuple, static: dict,
+    def _compile_or_load(self, name: str, program: str, args: tuple, static: dict,
                          key) -> Future:
         """Load from the executable cache, else lower here and compile on the pool; the executable
-        goes into `table[key]`. A future of None."""
+        goes into the runner's table as `program`'s for `key`. A future of None."""
+        programs = self.runner.programs
+        table = programs.compiled[program]
         start = time.perf_counter()
         cache = self.runner.executable_cache
         cache_key = self.runner.cached_step_key(name, args, static)
@@ -477,8 +410,8 @@ class BucketCompiler:
             done.set_result(None)
             return done
         if self._stop.is_set():
-            raise _Stopped
-        lowered = fn.lower(*args, **static)
+            raise CompileStopped
+        lowered = programs.jitted[program].lower(*args, **static)
 
         def compile_part():
             try:
@@ -493,18 +426,18 @@ class BucketCompiler:
 
         while not self._slots.acquire(timeout=0.1):
             if self._stop.is_set():
-                raise _Stopped
+                raise CompileStopped
         try:
             return self._pool.submit(compile_part)
         except RuntimeError:  # the pool is shut down: stop() ran meanwhile
             self._slots.release()
-            raise _Stopped from None
+            raise CompileStopped from None
 
     def _compile_copies(self) -> list[Future]:
         """Every copy bucket's block copy (one executable each, like the steps)."""
         r = self.runner
         return [self._compile_or_load(
-                    f"copy {size}", copy_blocks, r._copy_exe,
+                    f"copy {size}", "copy",
                     (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {}, size)
                 for size in r.buckets.copy_buckets]
 
@@ -516,9 +449,7 @@ class BucketCompiler:
             t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
-        return build_step_batch([], nd, t, s, r.sampling_table, r.block_size, r.max_blocks,
-                                r.max_model_len, variant, r.has_lora if lora is None else lora,
-                                r.kv_groups.kv_layout)
+        return r.step_batch([], nd, t, s, variant, lora=lora)
 
     def _place_inputs(self, unit: Unit) -> None:
         """Place a padding batch of the unit's bucket in each sampler variant, as a step places its
@@ -526,7 +457,7 @@ class BucketCompiler:
         small one, before a step needs it."""
         for variant in SAMPLE_VARIANTS:
             if self._stop.is_set():
-                raise _Stopped
+                raise CompileStopped
             place_step_inputs(self._host_padding_batch(unit.kind, unit.size, variant),
                               self.runner.plan)
 

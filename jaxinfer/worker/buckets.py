@@ -71,3 +71,26 @@ class Buckets:
 
     def copy_shape(self, num_copies: int) -> int:
         return self._fit(self.copy_buckets, num_copies, "block copies")
+
+
+def step_shape(buckets: Buckets, num_tokens: int, num_rows: int, pure_decode: bool,
+               ready: set[tuple[int, int, int]] | None) -> tuple[int, int, int]:
+    """(tokens, rows, decode rows) of the executable a step runs in: its own bucket when `ready` is
+    None (no background compile) or holds it, else the smallest ready bucket that fits (a decode
+    bucket before a mixed one); its own bucket when none fits (the step then compiles it)."""
+    if pure_decode:
+        own = (buckets.decode_shape(num_rows),) * 3
+    else:
+        t, s = buckets.mixed_shape(num_tokens)
+        own = (t, s, 0)
+    if ready is None or own in ready:
+        return own
+    if pure_decode:
+        for s in buckets.decode_buckets:
+            if s >= num_rows and (s, s, s) in ready:
+                return s, s, s
+    for t in buckets.token_buckets:
+        shape = (t, *buckets.mixed_shape(t)[1:], 0)
+        if t >= num_tokens and shape[1] >= num_rows and shape in ready:
+            return shape
+    return own

@@ -9,10 +9,10 @@ executable cache.
 
 `execute` only dispatches: JAX returns before the device finishes, so the engine can schedule and
 build step N+1 while step N runs, and calls `StepHandle.result()` (which blocks) only when it needs
-the sampled tokens. When only decodes are running, `_decode_loop` runs `decode_steps_per_call`
-steps inside one loop of a fixed trip count on the device (the JAX counterpart of CUDA-graph
-replay), masking each sequence from the step after it hits EOS / a stop token id / its length
-limit.
+the sampled tokens. When only decodes are running, the decode loop runs `decode_steps_per_call`
+steps in one call (step_programs.py). Every compiled program, a proposer's too, sits in the
+runner's one table (`programs`, programs.py), and every step batch is built here
+(`step_batch`).
 """
 
 from __future__ import annotations
@@ -22,126 +22,34 @@ import functools
 import logging
 import time
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, BucketCompiler,
-                                             forward_key, model_inputs, step_shape)
-from jaxinfer.worker.buckets import Buckets
+                                             forward_key, model_inputs)
+from jaxinfer.worker.buckets import Buckets, step_shape
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
+from jaxinfer.worker.kv import allocate_kv_cache
 from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.fused_projections import is_fused
 from jaxinfer.model.lora.stacks import LORA, write_slot
-from jaxinfer.model.transformer import KVCache, forward
-from jaxinfer.worker.sampler import (SamplerOutput, SamplerVariant, SamplingTensors,
-                                     sample)
-from jaxinfer.core.scheduler import SchedulerOutput
+from jaxinfer.model.transformer import KVCache
+from jaxinfer.worker.sampler import SamplerOutput, SamplerVariant
+from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.kernels import shard_kernels
-from jaxinfer.parallel.sampling_logits import sample_in_layout
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
+from jaxinfer.worker.step_programs import step_programs
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
-from jaxinfer.worker.step_inputs import (SamplingTable, StepBatch, build_step_batch, input_ids,
-                                         sampler_variant, store_emitted)
+from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from jaxinfer.model.kernel_table import KernelTable
-from pallas_kernels.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
-
-
-def _forward_step(params, kv_cache, last_tokens, batch: StepBatch, *, cfg: ModelConfig,
-                  kernels: KernelTable, with_hidden: bool = False):
-    """The model part of a step: -> (logits of the sampled rows [S, V], updated KV cache), plus the
-    final hidden states [T, H] `with_hidden` (a step with prompt-logprob or pooling rows)."""
-    scope = "decode" if batch.md.num_decodes == batch.md.num_seqs else "prefill"
-    with jax.named_scope(scope):
-        return forward(params, cfg, input_ids(batch, last_tokens), batch.positions, kv_cache,
-                       batch.md, kernels, batch.logits_indices, return_hidden=with_hidden,
-                       lora_slot=batch.lora_slot)
-
-
-def _sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
-                 variant: SamplerVariant, plan: ShardingPlan | None = None):
-    """The sampling part of a step, a jit of its own: its shapes depend only on the sequence bucket,
-    so the forward (which holds the attention kernels, the costly part to compile) is compiled once
-    per step bucket rather than once per sampler variant. Under TP the logits are laid out so that
-    no collective runs inside the sampler's conditionals (parallel/sampling_logits.py)."""
-    with jax.named_scope("sample"):
-        out = sample_in_layout(functools.partial(sample, variant=variant), logits, sampling, plan)
-    return store_emitted(last_tokens, emit_slot, out.tokens), out
-
-
-def _decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
-                 cfg: ModelConfig, kernels: KernelTable, variant: SamplerVariant,
-                 num_steps: int, block_size: int, plan: ShardingPlan | None = None):
-    """num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
-    still sample (length limits). A row that samples a stop token id (past min_tokens) or reaches
-    its limit is masked from the next iteration on: a padding row (no KV write, nothing sampled
-    into last_tokens), its later tokens recorded as -1. The trip count is fixed, so XLA knows it
-    (the while's backend config `known_trip_count`) and the GPU runs the iterations back to back;
-    an exit on a device value (all rows finished) would make it copy the predicate to the host
-    and wait for it every iteration, exposing the next one's kernel launches."""
-    md0, t0 = batch.md, batch.sampling
-    s = md0.num_seqs
-    valid = md0.seq_lens > 0
-    slots = jnp.where(valid, batch.emit_slot, last_tokens.shape[0])
-    # Host-known inputs go into last_tokens first, so every iteration reads its input from there.
-    known = valid & (batch.input_slot < 0)
-    last_tokens = last_tokens.at[jnp.where(known, slots, last_tokens.shape[0])].set(
-        batch.token_ids, mode="drop")
-    rows = jnp.arange(s)
-    out_shape = jax.eval_shape(lambda lg: sample(lg, t0, variant),
-                               jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32))
-    record = jax.tree_util.tree_map(lambda a: jnp.zeros((num_steps, *a.shape), a.dtype), out_shape)
-
-    def body(i, carry):
-        kv, last, rec, done = carry
-        live = valid & ~done
-        pos = batch.positions + i
-        seq_lens = jnp.where(live, md0.seq_lens + i, 0)
-        blk = md0.block_tables[..., rows, pos // block_size]  # [S], or [G, S] with KV groups
-        slot_mapping = jnp.where(live, blk * block_size + pos % block_size, -1)
-        md = AttentionMetadata(slot_mapping, md0.query_start_loc, seq_lens, md0.block_tables,
-                               num_decodes=s, kv_layout=md0.kv_layout)
-        ids = last[jnp.minimum(slots, last.shape[0] - 1)]
-        with jax.named_scope("decode"):
-            logits, kv = forward(params, cfg, ids, pos, kv, md, kernels, batch.logits_indices,
-                                 lora_slot=batch.lora_slot)  # (T == S: one token a row)
-        t = dataclasses.replace(t0, out_pos=t0.out_pos + i)
-        with jax.named_scope("sample"):  # laid out as in _sample_step
-            out = sample_in_layout(functools.partial(sample, variant=variant), logits, t, plan)
-        last = last.at[jnp.where(live, slots, last.shape[0])].set(out.tokens, mode="drop")
-        hit_stop = jnp.any(out.tokens[:, None] == t.stop_ids, axis=-1) & (t.out_pos >= t.min_tokens)
-        out = out._replace(tokens=jnp.where(live, out.tokens, -1))
-        rec = jax.tree_util.tree_map(lambda r, o: r.at[i].set(o), rec, out)
-        return kv, last, rec, done | (live & (hit_stop | (i + 1 >= steps_allowed)))
-
-    init = (kv_cache, last_tokens, record, ~valid)
-    kv_cache, last_tokens, record, _ = jax.lax.fori_loop(0, num_steps, body, init)
-    return kv_cache, last_tokens, record
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_fns(cfg: ModelConfig, kernels: KernelTable, block_size: int,
-                plan: ShardingPlan | None = None):
-    """The jitted forward, sampler and decode loop of a model, shared by every runner of that model
-    and mesh in the process (so engines built one after another, e.g. in tests, reuse each other's
-    compilations; the plan, hence the mesh, is part of the key). The KV cache (forward, loop) and
-    the last-token array (sampler, loop) are donated."""
-    forward_step = jax.jit(functools.partial(_forward_step, cfg=cfg, kernels=kernels),
-                           static_argnames=("with_hidden",), donate_argnums=(1,))
-    sample_step = jax.jit(functools.partial(_sample_step, plan=plan), static_argnames=("variant",),
-                          donate_argnums=(1,))
-    loop = jax.jit(functools.partial(_decode_loop, cfg=cfg, kernels=kernels, block_size=block_size,
-                                     plan=plan),
-                   static_argnames=("variant", "num_steps"), donate_argnums=(1, 2))
-    return forward_step, sample_step, loop
 
 
 @dataclasses.dataclass
@@ -252,14 +160,8 @@ class ModelRunner:
         self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
         self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
-        self._forward_fn, self._sample_fn, self._loop_fn = _jitted_fns(cfg, kernels, block_size, plan)
-        # Compiled at warm-up: forward per (tokens, sequences, decodes) bucket; decode loop per
-        # (sequences in loop_buckets, sampler variant) at num_steps == decode_steps_per_call;
-        # sampler per (sequences, sampler variant).
-        self._forward_exe: dict[tuple[int, int, int], jax.stages.Compiled] = {}
-        self._loop_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
-        self._sample_exe: dict[tuple[int, SamplerVariant], jax.stages.Compiled] = {}
-        self._copy_exe: dict[int, jax.stages.Compiled] = {}  # per copy bucket
+        # Every compiled program of the runner, a proposer's too (programs.py).
+        self.programs = step_programs(cfg, kernels, block_size, plan)
         self.executable_cache = executable_cache
         self.num_dispatches = 0
         self.built_at: float | None = None  # when execute() finished building its step's arrays
@@ -281,6 +183,21 @@ class ModelRunner:
         """`update` takes the KV cache (donate it) and returns the one to run on: a disaggregated
         decode engine scatters the blocks that arrived from the prefill engine this way."""
         self.kv_cache = update(self.kv_cache)
+
+    def update_kv_cache_in_step_order(self, update: Callable[[KVCache], KVCache]) -> None:
+        """`replace_kv_cache`, queued behind the steps already dispatched (on the launcher thread,
+        if any): a step's host-tier copies go ahead of the step."""
+        self._in_step_order(lambda: self.replace_kv_cache(update), wait=False)
+
+    def _in_step_order(self, change: Callable[[], None], wait: bool) -> None:
+        """Run `change` to the device state on the thread that dispatches steps, after those
+        queued there (here, without a launcher); `wait`: until it has run."""
+        if self.launcher is None:
+            change()
+            return
+        done = self.launcher.submit(change)
+        if wait:
+            done.result()
 
     # ---- device memory between uses (LLMEngine.sleep / wake) --------------------------------
     def release_kv_cache(self) -> None:
@@ -307,15 +224,17 @@ class ModelRunner:
     def has_lora(self) -> bool:
         return LORA in self.params
 
+    def attach_lora_stacks(self, stacks: dict) -> None:
+        """Serve LoRA adapters from `stacks` (model/lora/stacks.py, every slot zeroed) beside the
+        weights; before warm-up, whose steps then carry each token's slot."""
+        self.params = {**self.params, LORA: stacks}
+
     def write_lora_slot(self, slot: int, arrays: dict) -> None:
         """Replace one slot of the LoRA stacks (slot_arrays' host tree) by a donated in-place
         update, queued behind the steps already dispatched (on the launcher thread, if any)."""
         def write():
             self.params = {**self.params, LORA: write_slot(self.params[LORA], slot, arrays)}
-        if self.launcher is not None:
-            self.launcher.submit(write).result()
-        else:
-            write()
+        self._in_step_order(write, wait=True)
 
     # ---- compilation ------------------------------------------------------------------------
     def cached_step_key(self, name: str, args: tuple, static: dict) -> str | None:
@@ -374,7 +293,43 @@ class ModelRunner:
         src = np.full(size, -1, np.int32)
         dst = np.full(size, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_cache = self._copy_exe.get(size, copy_blocks)(self.kv_cache, src, dst)
+        self.kv_cache = self.programs.run("copy", self.kv_cache, src, dst, key=size)
+
+    # ---- step batches: built here only (the proposers' and the compiler's too) --------------
+    def step_batch(self, rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,
+                   num_seqs: int, variant: SamplerVariant, *, lora: bool | None = None,
+                   grouped: bool = True) -> StepBatch:
+        """The padded host arrays of `rows` in a (tokens, rows, decode rows) bucket
+        (step_inputs.build_step_batch). `lora`: carry each token's LoRA slot (None: as the
+        runner's own steps do). `grouped`: one block table per KV group; False: the first group's
+        alone (a proposer's cache lives in those blocks)."""
+        return build_step_batch(rows, num_decode_rows, num_tokens, num_seqs, self.sampling_table,
+                                self.block_size, self.max_blocks, self.max_model_len, variant,
+                                self.has_lora if lora is None else lora,
+                                self.kv_groups.kv_layout if grouped else None)
+
+    def catch_up_batches(self, spans: list[tuple[ScheduledSeq, int, int]]
+                         ) -> Iterator[tuple[list[ScheduledSeq], StepBatch]]:
+        """A proposer's catch-up over positions the target computed: each (row, first, end)
+        span's positions first .. end - 1 as prompt-like pieces, packed into mixed-bucket batches
+        of at most the largest token bucket and max_num_seqs rows (first group's blocks, no LoRA).
+        -> (the batch's pieces, the batch)"""
+        cap = self.buckets.token_buckets[-1]
+        pieces = [ScheduledSeq(e.seq, lo, min(cap, end - lo), False, e.block_ids)
+                  for e, first, end in spans for lo in range(first, end, cap)]
+        chunk: list[ScheduledSeq] = []
+        used = 0
+        for piece in pieces + [None]:
+            if piece is None or used + piece.num_tokens > cap or (
+                    len(chunk) == self.buckets.max_num_seqs):
+                if chunk:
+                    t, s = self.buckets.mixed_shape(used)
+                    yield chunk, self.step_batch(chunk, 0, t, s, SamplerVariant(), lora=False,
+                                                 grouped=False)
+                chunk, used = [], 0
+            if piece is not None:
+                chunk.append(piece)
+                used += piece.num_tokens
 
     def build(self, sched: SchedulerOutput) -> tuple[StepBatch, SamplerVariant, bool]:
         """The padded host arrays of a step (also used by the host-overhead benchmark)."""
@@ -382,12 +337,10 @@ class ModelRunner:
         variant = sampler_variant(rows)
         compiler = self.compiler
         if compiler is not None:
-            compiler.step_seen()
+            compiler.pacer.step_seen()
         t, s, nd = step_shape(self.buckets, sched.num_tokens, len(rows), not sched.prefills,
                               compiler and compiler.ready_forwards)
-        batch = build_step_batch(rows, nd, t, s, self.sampling_table, self.block_size,
-                                 self.max_blocks, self.max_model_len, variant, self.has_lora,
-                                 self.kv_groups.kv_layout)
+        batch = self.step_batch(rows, nd, t, s, variant)
         # A loop runs only once compiled (else: one step; the scheduler's reserve is harmless).
         is_loop = sched.decode_steps > 1 and not sched.prefills and (
             compiler is None or (nd == s and s in compiler.ready_loops))
@@ -433,12 +386,10 @@ class ModelRunner:
         if allowed is None:
             return (*self._run_step(batch, variant, hidden_reads), 1)
         # The scheduler's `decode_steps`; compiled: decode_steps_per_call (a benchmark may lower it)
-        exe = (self._loop_exe.get((batch.md.num_seqs, variant))
-               if loop_steps == self.decode_steps_per_call else None)
-        args = (self.params, self.kv_cache, self.last_tokens, batch, allowed)
-        self.kv_cache, self.last_tokens, out = (
-            exe(*args) if exe is not None else
-            self._loop_fn(*args, variant=variant, num_steps=loop_steps))
+        key = (batch.md.num_seqs, variant) if loop_steps == self.decode_steps_per_call else None
+        self.kv_cache, self.last_tokens, out = self.programs.run(
+            "decode loop", self.params, self.kv_cache, self.last_tokens, batch, allowed, key=key,
+            variant=variant, num_steps=loop_steps)
         return out, None, loop_steps
 
     def set_async_launch(self, on: bool) -> None:
@@ -459,16 +410,15 @@ class ModelRunner:
         if writer is not None and hidden_reads is None:
             logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
         elif hidden_reads is None:
-            forward_step = self._forward_exe.get(forward_key(batch), self._forward_fn)
-            logits, self.kv_cache = forward_step(self.params, self.kv_cache, self.last_tokens,
-                                                 model_inputs(batch))
+            logits, self.kv_cache = self.programs.run(
+                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
+                key=forward_key(batch))
         else:
-            logits, self.kv_cache, hidden = self._forward_fn(
-                self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
+            logits, self.kv_cache, hidden = self.programs.run(
+                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
                 with_hidden=True)
             hidden_out = read_hidden(self.params, self.cfg, hidden, hidden_reads)
-        sample_step = self._sample_exe.get((batch.md.num_seqs, variant))
-        args = (logits, self.last_tokens, batch.sampling, batch.emit_slot)
-        self.last_tokens, out = (sample_step(*args) if sample_step is not None
-                                 else self._sample_fn(*args, variant=variant))
+        self.last_tokens, out = self.programs.run(
+            "sample", logits, self.last_tokens, batch.sampling, batch.emit_slot,
+            key=(batch.md.num_seqs, variant), variant=variant)
         return out, hidden_out

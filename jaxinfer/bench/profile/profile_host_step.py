@@ -110,7 +110,8 @@ def launch_variants(engine, variants: dict[str, dict], size: int = 256, reps: in
     runner = engine.runner
     batch = model_inputs(jax.device_put(runner.compiler.padding_batch("decode", size,
                                                                       BASE_SAMPLER)))
-    lowered = runner._forward_fn.lower(runner.params, runner.kv_cache, runner.last_tokens, batch)
+    lowered = runner.programs.jitted["forward"].lower(runner.params, runner.kv_cache,
+                                                      runner.last_tokens, batch)
     out = {}
     for name, options in variants.items():
         t0 = time.perf_counter()

@@ -216,7 +216,7 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
     tt, te = plan.token_tile, plan.expert_tile
     kp = weights_ref.shape[1]
     cols = [jax.lax.broadcasted_iota(jnp.int32, (tt, te), 1) + j * te
-            for j in range(plan.size_tiles)]
+            for j in range(plan.expert_tiles)]
     bias = [bias_ref[:, pl.ds(j * te, te)].astype(jnp.float32) for j in range(plan.expert_tiles)]
     r = jax.lax.broadcasted_iota(jnp.int32, (tt, tt), 0)
     lower = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (tt, tt), 1) < r, 1.0,
@@ -235,7 +235,7 @@ def _routing_kernel(logits_ref, bias_ref, weights_ref, experts_ref, rank_ref, si
         x = [jnp.where(cols[j] < num_experts,
                        logits_ref[rows, pl.ds(j * te, te)].astype(jnp.float32), -jnp.inf)
              for j in range(plan.expert_tiles)]
-        ids, picked, taken = _choose(spec, x, bias, cols[:plan.expert_tiles], num_experts)
+        ids, picked, taken = _choose(spec, x, bias, cols, num_experts)
         real = jax.lax.broadcasted_iota(jnp.int32, (tt, te), 0) + i * tt < tokens
         earlier = []
         for j in range(plan.expert_tiles):

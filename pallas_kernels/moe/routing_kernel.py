@@ -105,11 +105,13 @@ def shared_memory_bytes(tokens: int, experts: int) -> int:
     """Upper bound of the shared memory the kernel asks for: every (token tile, expert tile) pair
     runs two bf16 dots, lower[tt, tt] @ counts[tt, te] (token prefix) and counts[tt, te] @
     upper[te, te] (expert prefix), each operand counted as its own buffer, none reused (the
-    untiled kernel at 256 x 128 asked 288 KiB on an H100, exactly this sum). 64 x 256 (DeepSeek-V3
-    decode): 128 KiB."""
+    untiled kernel at 256 x 128 asked 288 KiB on an H100, exactly these operands' sum), plus one
+    f32 tile of scratch for a layout conversion or a cross-warp reduction (op-local, the largest
+    counted once). 64 x 256 (DeepSeek-V3 decode): 144 KiB."""
     plan = tile_plan(tokens, experts)
     tt, te = plan.token_tile, plan.expert_tile
-    return plan.token_tiles * plan.expert_tiles * 2 * (tt * tt + 2 * tt * te + te * te)
+    operands = plan.token_tiles * plan.expert_tiles * 2 * (tt * tt + 2 * tt * te + te * te)
+    return operands + tt * te * 4
 
 
 def fits(tokens: int, experts: int) -> bool:

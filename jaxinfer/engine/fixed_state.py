@@ -1,7 +1,7 @@
 """What an engine over fixed-state layers (FixedStateSpec: a Mamba-2 hybrid's state-space
-layers) needs: the settings it decides itself (prefix caching off, a block whose page holds the
-state; `with_fixed_state_decided`, logged), and what it does not run yet, refused at start with
-the flag that asks for it (docs/feature_matrix.md)."""
+layers, Qwen3-Next's Gated DeltaNet) needs: the settings it decides itself (prefix caching off,
+a block whose page holds the state; `with_fixed_state_decided`, logged), and what it does not
+run yet, refused at start with the flag that asks for it (docs/feature_matrix.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
+from jaxinfer.core.kv_cache.cache_config import MAX_BLOCK_SIZE
 from jaxinfer.errors import ConfigError
 from pallas_kernels.attention.kv_quant import is_fp8
 
@@ -28,7 +29,9 @@ def with_fixed_state_decided(cfg, args, kv_dtype):
     if args.enable_prefix_caching:
         changes["enable_prefix_caching"] = False
     need = max(state.smallest_block_size(kv_dtype) for state in states)
-    if not all(state.fits(args.block_size, kv_dtype) for state in states):
+    # (A state no page up to MAX_BLOCK_SIZE holds is left to refuse_what_fixed_state_lacks.)
+    if not all(state.fits(args.block_size, kv_dtype) for state in states) and (
+            need <= MAX_BLOCK_SIZE):
         changes["block_size"] = max(need, args.block_size)
     if changes:
         log.info("state-space layers: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
@@ -63,8 +66,16 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None
         raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: an fp8 KV cache beside "
                           f"state-space layers is not built (their states would share its "
                           f"pages); use the model dtype")
-    need = max(state.smallest_block_size(kv_dtype) for state in states)
-    if not all(state.fits(args.block_size, kv_dtype) for state in states):
+    if all(state.fits(args.block_size, kv_dtype) for state in states):
+        return
+    biggest = max(s.state_bytes for s in states)
+    if not all(state.fits(MAX_BLOCK_SIZE, kv_dtype) for state in states):
+        # (Qwen3-Next-80B's 2.1 MB Gated DeltaNet state needs 2048 tokens' pages in bf16.)
         raise ConfigError(f"--block-size {args.block_size}: a state-space layer's state "
-                          f"({max(s.state_bytes for s in states)} bytes) is stored in one "
-                          f"attention page, which holds it from --block-size {need} on")
+                          f"({biggest} bytes) is stored in one attention page, which does not "
+                          f"hold it at any --block-size up to {MAX_BLOCK_SIZE}; states spanning "
+                          f"several pages are not built")
+    need = max(state.smallest_block_size(kv_dtype) for state in states)
+    raise ConfigError(f"--block-size {args.block_size}: a state-space layer's state "
+                      f"({biggest} bytes) is stored in one attention page, which holds it "
+                      f"from --block-size {need} on")

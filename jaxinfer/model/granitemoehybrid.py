@@ -27,7 +27,8 @@ from jaxinfer.model.families import Family, Raw
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.mamba2 import Mamba2Dims, Mamba2Mixer
 from jaxinfer.model.norm_rope import apply_rope
-from jaxinfer.model.tensor_sources import Source, fused_down, fused_gate_up, plain
+from jaxinfer.model.tensor_sources import (Source, depthwise_conv_weight, fused_down,
+                                           fused_gate_up, plain)
 from jaxinfer.model.transformer import MLP, Attention, MoE
 
 # HF's GraniteMoeHybridConfig defaults (hub configs rely on some of them).
@@ -151,13 +152,6 @@ class GraniteMoE(nn.Module):
         return routed + MLP(self.cfg, self.dtype, self.kernels, name="shared_mlp")(x)
 
 
-def _conv_weight(ckpt, name: str) -> Source:
-    """HF's depthwise Conv1d weight [C, 1, W] as the mixer's [W, C]."""
-    c, _, w = ckpt.shape(name)
-    return Source((w, c), lambda idx: ckpt.read(name, (idx[1], slice(None), idx[0]))[:, 0].T,
-                  ckpt.dtypes[name])
-
-
 def _gate_or_up(ckpt, name: str, half: int) -> Source:
     """Gate (half 0) or up (half 1) of shared_mlp.input_linear [2F, H] as a kernel [H, F]."""
     two_f, h = ckpt.shape(name)
@@ -179,7 +173,7 @@ def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
     layer, part = f"layers_{m[1]}", m[2]
     if part.startswith("mamba.conv1d."):
         tensor = part.rsplit(".", 1)[1]
-        src = _conv_weight(ckpt, name) if tensor == "weight" else plain(ckpt, name, False)
+        src = depthwise_conv_weight(ckpt, name) if tensor == "weight" else plain(ckpt, name, False)
         return {(layer, "mamba", f"conv1d_{tensor}"): src}
     if part.startswith("shared_mlp."):
         mlp = (layer, "moe", "shared_mlp") if cfg.is_moe else (layer, "mlp")

@@ -187,6 +187,33 @@ def test_disaggregated_engine_refused_by_name():
                   role="prefill")
 
 
+@pytest.mark.parametrize("model_dir", [MOE, DENSE], ids=["moe", "dense"])
+def test_quantized_on_load(model_dir):
+    """--quantization int8 on the float checkpoint: the shared MLP's fused gate/up and its down
+    projection (read by the family's tensor_sources) become QuantLinear weights [out, in] that
+    dequantize to the checkpoint's, and the model runs."""
+    import dataclasses
+
+    from jaxinfer.model.quant import ops
+    cfg = dataclasses.replace(load_config(model_dir), quantization="int8")
+    params = load_params(model_dir, cfg, jnp.float32, progress=False)
+    dense = load_params(model_dir, load_config(model_dir), jnp.float32, progress=False)
+    layer = next(k for k in params if k.startswith("layers_") and (
+        "moe" in params[k] or "mlp" in params[k]))
+    path = ("moe", "shared_mlp") if cfg.is_moe else ("mlp",)
+    q_mlp, d_mlp = params[layer], dense[layer]
+    for key in path:
+        q_mlp, d_mlp = q_mlp[key], d_mlp[key]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        q, want = q_mlp[proj], np.asarray(d_mlp[proj]["kernel"]).T
+        got = np.asarray(ops.dequantize(q["weight"], q["weight_scale"], -1))
+        assert np.abs(got - want).max() <= np.abs(want).max() / 127, proj
+    golden = np.load(model_dir / "golden.npz")
+    logits = jax.jit(train_forward, static_argnums=1)(params, cfg,
+                                                      jnp.asarray(golden["prompt_1"])[None])[0]
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 def test_config_parsing():
     raw = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 32,
            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -191,8 +191,8 @@ def test_engine_at_the_default_block_size_with_a_state_over_two_pages():
         logits = train_forward(params, cfg, jnp.asarray(tokens)[None])[0]
         tokens.append(int(jnp.argmax(logits[-1])))
     expected = tokens[len(prompt):]
-    # A sequence of 28 tokens holds 2 attention blocks and the state's 2 pages: three of them
-    # and a fork need 16; 8 preempt.
+    # A sequence of 28 tokens holds 2 attention blocks and the state's 2 pages: the five
+    # (three, and a fork's two) need 20; 8 preempt.
     engine = LLMEngine(cfg, params, None, _args(MOE, 8, block_size=16), num_blocks=8)
     for i in range(3):
         engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=8, **GREEDY))

@@ -4,7 +4,7 @@ Everything follows from the per-token KV footprint 2 × L × H_kv × d_k × byte
 attention layer, every KV head), or L × (kv_lora_rank + rope dim) × bytes for multi-head latent
 attention (DeepSeek: one latent per token and layer, shared by every head; docs/MLA.md). A
 hybrid's state-space layers (Mamba-2, Gated DeltaNet) add one state per sequence, whatever its
-length, stored in an attention page (kv_specs.FixedStateSpec). Decode reads all
+length, over as many attention pages as it needs (kv_specs.FixedStateSpec). Decode reads all
 weights plus every sequence's whole KV cache once per step and produces one token per sequence,
 so its arithmetic intensity is small next to an accelerator's ridge point (peak FLOP/s ÷ memory
 bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds a step from below.

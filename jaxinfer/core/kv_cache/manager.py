@@ -236,9 +236,11 @@ class KVCacheManager(HostOffloadMixin):
                        first_query_pos: int | None = None) -> bool:
         """Give the request slots for ``num_new_tokens`` more tokens (a prefill chunk or a decode).
 
-        Allocates blocks on demand as tokens cross block boundaries. If the request's last block
-        is partly filled and shared with a fork, it is first copied into a fresh block
-        (copy-on-write) and the (src, dst) device copy is queued for take_pending_copies.
+        Allocates blocks on demand as tokens cross block boundaries, and a fixed state's pages
+        with the request's first tokens (kv_specs.FixedStateSpec.state_pages). If the request's
+        last block is partly filled and shared with a fork, it is first copied into a fresh
+        block (copy-on-write), as are a state's pages shared with a fork (every step writes
+        them); the (src, dst) device copies are queued for take_pending_copies.
 
         Returns True on success. Returns False, having changed nothing (but for skipping blocks
         no query can see any more, below), when the pool has too few free + evictable blocks:
@@ -388,7 +390,8 @@ class KVCacheManager(HostOffloadMixin):
         """Make ``child_id`` share every block of ``parent_id`` (reference counts +1, no copy).
 
         Needs no free block, so it always succeeds. The first append by either side into the
-        shared partly-filled last block copies that one block (see allocate_slots)."""
+        shared partly-filled last block copies that one block, and the first by either side
+        copies a fixed state's pages (see allocate_slots)."""
         if child_id in self._requests:
             raise ValueError(f"fork: child request {child_id!r} already exists")
         parent = self._requests.get(parent_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -28,7 +29,7 @@ from test_engine_support import assert_all_free, run_all
 
 MODEL = Path(__file__).parent / "fixtures" / "models" / "qwen3_next"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-BLOCK = 16  # the smallest power of two whose attention page holds a layer's state
+BLOCK = 4  # a layer's state spans three attention pages
 
 
 def _args(num_blocks: int, **overrides) -> EngineArgs:
@@ -51,10 +52,10 @@ def test_engine_matches_transformers():
     params = load_params(MODEL, cfg, jnp.float32, progress=False)
     golden = np.load(MODEL / "golden.npz")
     prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
-    # Per sequence of 21 tokens: 2 blocks of the attention group and, per state group (three:
-    # one Gated DeltaNet layer each), the block of its latest state and those a step writes.
-    # 5 such sequences need about 30; 14 preempt.
-    engine = LLMEngine(cfg, params, None, _args(14), num_blocks=14)
+    # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
+    # one Gated DeltaNet layer each), the 3 pages of its state. 5 such sequences need 75; 20
+    # preempt.
+    engine = LLMEngine(cfg, params, None, _args(20), num_blocks=20)
     for i in range(3):
         engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
     engine.add_request("fork", prompt, SamplingParams(n=2, max_tokens=len(expected), **GREEDY))
@@ -107,11 +108,11 @@ def test_state_in_the_attention_page():
     page = FullAttentionSpec(2, 32)
     state = FixedStateSpec(dims.state_bytes, page_of=page)
     assert cfg.layer_kv_specs() == (state, page, state, state)
-    assert not state.fits(8, jnp.float32) and state.smallest_block_size(jnp.float32) == BLOCK
-    assert state.smallest_block_size(jnp.bfloat16) == 2 * BLOCK
+    assert state.state_pages(BLOCK, jnp.float32) == 3 and state.state_pages(16, jnp.float32) == 1
+    assert state.state_pages(BLOCK, jnp.bfloat16) == 6
     groups = KVCacheGroups.for_model(cfg)
     assert groups.specs == (page, state, state, state) and groups.num_slots == 1
-    assert groups.tokens_held(32, BLOCK) == (2 + 3) * BLOCK
+    assert groups.tokens_held(32, BLOCK, jnp.float32) == (8 + 3 * 3) * BLOCK
 
 
 def test_memory_counts_the_state():
@@ -127,7 +128,7 @@ def test_memory_counts_the_state():
                            accelerator=ACCELERATORS["l4"], gpu_memory_utilization=0.9)
     page = 2 * 2 * 32 * 4  # K and V of 2 heads x 32, float32, per token
     assert report["kv_bytes_per_token"] == page  # the one attention layer
-    assert report["kv_bytes_per_sequence"] == 32 * page + 3 * BLOCK * page
+    assert report["kv_bytes_per_sequence"] == 32 * page + 3 * 3 * BLOCK * page
 
 
 def test_quantized_on_load():
@@ -153,7 +154,6 @@ def test_quantized_on_load():
 @pytest.mark.parametrize("overrides, flag", [
     (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
-    (dict(block_size=8), "--block-size 8"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg = load_config(MODEL)
@@ -186,21 +186,54 @@ def test_config_parsing():
             config_from_dict({**RAW, **bad})
 
 
-def test_a_state_no_page_holds_is_refused():
-    """Qwen3-Next-80B's Gated DeltaNet state (2.1 MB) fits no attention page up to the largest
-    block size: the start-up decisions leave the block size alone (2048 is no --block-size),
-    and the engine refuses the state as such."""
+# Qwen3-Next-80B-A3B-Instruct's config.json: the values the shapes read.
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True, "max_position_embeddings": 262144, "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+
+
+def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
+    """Qwen3-Next-80B's 2.1 MB Gated DeltaNet state spans 67 attention pages of 16 bfloat16
+    tokens: its shapes (no weights) pass the start-up decisions and refusals at the default
+    flags, and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
+    engine's pre-load check."""
+    from jaxinfer.cli import memory as cli_memory
     from jaxinfer.engine.fixed_state import (refuse_what_fixed_state_lacks,
                                              with_fixed_state_decided)
-    cfg = config_from_dict({**RAW, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                            "num_attention_heads": 16, "head_dim": 256, "hidden_size": 2048})
-    assert cfg.layer_kv_specs()[0].state_bytes == 4 * (3 * 8192 + 32 * 128 * 128)
-    args = with_fixed_state_decided(cfg, _args(8, block_size=16, enable_prefix_caching=True),
-                                    jnp.bfloat16)
+    cfg = config_from_dict(QWEN3_NEXT_80B)
+    state = cfg.layer_kv_specs()[0]
+    assert state.state_bytes == 4 * (3 * 8192 + 32 * 128 * 128)
+    assert state.state_pages(16, jnp.bfloat16) == 67
+    args = with_fixed_state_decided(cfg, EngineArgs(model=str(tmp_path)))
     assert args.block_size == 16 and not args.enable_prefix_caching
-    with pytest.raises(ConfigError, match="does not hold it at any --block-size up to 256"):
-        refuse_what_fixed_state_lacks(KVCacheGroups.for_model(cfg), args, jnp.bfloat16)
+    groups = KVCacheGroups.for_model(cfg)
+    refuse_what_fixed_state_lacks(groups, args, jnp.bfloat16)  # nothing refused
+    # 12 attention layers set num_slots: the 36 Gated DeltaNet layers make 3 state groups.
+    assert groups.num_slots == 12 and groups.state_pages(16, jnp.bfloat16) == (None, 67, 67, 67)
+    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 3 * 67
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
+    parser = argparse.ArgumentParser()
+    cli_memory.add_parser(parser.add_subparsers())
+    # (fp8 weights, the issue's target: 160 GB of bf16 weights would not fit an H200)
+    cli = parser.parse_args(["memory", "--model", str(tmp_path), "--accelerator", "h200",
+                             "--seq-len", "4096", "--batch", "8", "--quantization", "fp8",
+                             "--json"])
+    assert cli.func(cli) == 0
+    report = json.loads(capsys.readouterr().out)
+    token = 12 * 2 * 2 * 256 * 2  # K and V of 2 heads x 256 in 12 layers, bfloat16
+    assert report["kv_bytes_per_token"] == token
+    assert report["kv_bytes_per_sequence"] == (4096 + 3 * 67 * 16) * token
+    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 3 * 67) * 16 * token
+    assert report["engine_plan"]["fitting_model_len"] == 4096
 
 
 def test_pallas_kernels_through_the_layer():
@@ -226,7 +259,7 @@ def test_pallas_kernels_through_the_layer():
     def metadata(first, count, **kw):
         pos = np.concatenate([np.arange(f, f + c) for f, c in zip(first, count)])
         seq = np.repeat(np.arange(3), count)
-        slots = tables[:, seq, pos // BLOCK] * BLOCK + pos % BLOCK
+        slots = tables[:, seq, pos // 16] * 16 + pos % 16
         starts = np.concatenate([[0], np.cumsum(count)]).astype(np.int32)
         return pos, AttentionMetadata(jnp.asarray(slots), jnp.asarray(starts),
                                       jnp.asarray(first + count, jnp.int32), jnp.asarray(tables),
@@ -240,7 +273,7 @@ def test_pallas_kernels_through_the_layer():
     step = jax.jit(forward, static_argnames=("cfg", "kernels"))
     logits = {}
     for name, kernels in (("reference", REFERENCE_KERNELS), ("pallas", pallas)):
-        cache = allocate_kv_cache(cfg, 12, BLOCK, jnp.float32, num_slots=groups.num_slots)
+        cache = allocate_kv_cache(cfg, 12, 16, jnp.float32, num_slots=groups.num_slots)
         first, cache = step(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
                             kernels=kernels)
         second, _ = step(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),

@@ -9,7 +9,7 @@ Qwen3NextGatedDeltaNet).
     out_proj(RMSNorm_per_head(o) * weight * silu(z))
 
 The state a sequence carries between steps is the conv's last W-1 inputs and the recurrent
-state [Hv, K, V], both float32: a `FixedStateSpec` stored in the attention layers' page
+state [Hv, K, V], both float32: a `FixedStateSpec` over attention-sized pages
 (state_pages.py reads and writes it). The kernels are the table's `gdn` (ssm_kernels.py).
 """
 

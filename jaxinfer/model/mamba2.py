@@ -7,8 +7,8 @@ Mamba2Mixer, as GraniteMoeHybridMambaLayer runs it).
     out_proj(RMSNorm_groups(y * silu(z)) * weight)
 
 The state a sequence carries between steps is the conv's last W-1 inputs and the SSM state
-[H, P, N], both float32. The layer's KV spec is a `FixedStateSpec` stored in the attention
-layers' page (kv_specs.py; state_pages.py reads and writes it). Only the states of the step's
+[H, P, N], both float32. The layer's KV spec is a `FixedStateSpec` over attention-sized
+pages (kv_specs.py; state_pages.py reads and writes it). Only the states of the step's
 sequences are gathered: the kernels (the table's `mamba2`) run on a pool of one slot per
 sequence.
 """

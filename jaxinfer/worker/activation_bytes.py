@@ -33,7 +33,9 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
     aliased to its output, so a step's activations do not depend on the number of blocks
     (tests/test_memory_plan.py checks that on the CPU) -- from two blocks on: XLA simplifies the
     page gathers of a one-block cache, whose temp comes out smaller. The sampler is measured in
-    each variant the engine compiles (which is largest depends on XLA's choices). Costs four
+    each variant the engine compiles (which is largest depends on XLA's choices); their sum
+    bounds the fused step's (step_programs.fused_step), which frees the forward's activations
+    before it samples. Costs four
     compilations (the forward, three small samplers), unless `cache` holds the figure from an
     earlier start (same key parts as the executables: shapes, shardings, code, compiler)."""
     from jaxinfer.worker.kv import activation_peak_bytes
@@ -72,12 +74,15 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
 def compiled_steps_peak_bytes(runner) -> tuple[int, int]:
     """(peak, executables): the measured counterpart of `step_activation_bytes` over every step
     executable the runner holds now (the buckets compiled so far, at the real pool size): the
-    largest forward or decode loop plus the largest sampler, as a step runs one after the other."""
+    largest step (forward and sampler in one) or decode loop, or the largest forward plus the
+    largest sampler where they run one after the other (an EAGLE-3 head's steps)."""
     from jaxinfer.worker.kv import activation_peak_bytes
     # Copies first: the background compiler adds to these tables meanwhile.
     compiled = runner.programs.compiled
-    steps = [*compiled["forward"].copy().values(), *compiled["decode loop"].copy().values()]
+    whole = [*compiled["step"].copy().values(), *compiled["decode loop"].copy().values()]
+    forwards = list(compiled["forward"].copy().values())
     samplers = list(compiled["sample"].copy().values())
-    peak = (max(map(activation_peak_bytes, steps), default=0)
-            + max(map(activation_peak_bytes, samplers), default=0))
-    return peak, len(steps) + len(samplers)
+    peak = max(max(map(activation_peak_bytes, whole), default=0),
+               max(map(activation_peak_bytes, forwards), default=0)
+               + max(map(activation_peak_bytes, samplers), default=0))
+    return peak, len(whole) + len(forwards) + len(samplers)

@@ -1,9 +1,10 @@
 """Making the runner's step executables: the buckets the first requests need before the engine
 reports ready, the rest on a background thread while it serves.
 
-A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's forward (T
-tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with the sampler of its S
-in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LOOP_VARIANTS. A unit
+A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's step (T
+tokens, S = min(T, max_num_seqs) rows) or a decode bucket's, in every SAMPLE_VARIANTS variant (one
+executable each: its inputs' unpacking, forward and sampler, step_programs.fused_step); or a
+decode bucket's on-device loop in both LOOP_VARIANTS. A unit
 is *ready* once all its parts are; only then does `buckets.step_shape` route steps to it. The first set is
 the largest mixed bucket (every step fits it, so no step ever waits for a compile), the one of a
 short prompt (SHORT_PROMPT_TOKENS: a first request's prefill runs at its size), the smallest
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.responsive_gil import responsive_gil
-from jaxinfer.parallel.transfer import place_step_inputs
+from jaxinfer.parallel.transfer import packed_step_specs, place_step_inputs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.compile_priority import CompileStopped, StepPacer, background_pool
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
@@ -85,6 +86,11 @@ def model_inputs(batch: StepBatch) -> StepBatch:
 
 def forward_key(batch: StepBatch) -> tuple[int, int, int]:
     return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
+
+
+def fused_key(batch: StepBatch, variant: SamplerVariant) -> tuple:
+    """A fused step's key in the program table (step_programs.fused_step): bucket and variant."""
+    return (*forward_key(batch), variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +212,9 @@ class BucketCompiler:
         futures = [self._submit(u) for u in self.first] + self._compile_copies()
         for f in futures:
             f.result()
-        # The samplers take the forwards' logits: compiled for exactly their sharding.
-        first_forward = next(iter(self.runner.programs.compiled[self._forward_program].values()))
-        self._logits_sharding = first_forward.output_shardings[0]
+        if self._writer is not None:  # its samplers take the forwards' logits, as sharded
+            first = next(iter(self.runner.programs.compiled[self._forward_program].values()))
+            self._logits_sharding = first.output_shardings[0]
         for u in self.first:
             for f in self._sampler_parts(u):
                 f.result()
@@ -310,9 +316,10 @@ class BucketCompiler:
         return self.runner.buckets.mixed_shape(unit.size)[1] if unit.kind == "mixed" else unit.size
 
     def _sampler_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
-        """(name, args, static arguments, table key) of each sampler a forward unit needs; none
-        for a loop, which samples inside."""
-        if unit.kind in ("loop", "spec"):
+        """(name, args, static arguments, table key) of each sampler a forward unit needs with an
+        EAGLE-3 head's stream-writing forward; none else (a fused step or a loop samples
+        inside)."""
+        if unit.kind in ("loop", "spec") or self._writer is None:
             return []
         s = self._rows(unit)
         specs = []
@@ -326,27 +333,33 @@ class BucketCompiler:
         return specs
 
     def _step_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
-        """(name, args, static arguments, table key) of the unit's forward, or of its loops."""
+        """(name, args, static arguments, table key) of the unit's fused steps (one per sampler
+        variant), of its EAGLE-3 stream-writing forward, or of its loops."""
         r = self.runner
         params, kv, last = self._specs
         if unit.kind == "spec":  # its steps carry no LoRA inputs (SpecLoop.execute)
             return [spec for variant in LOOP_VARIANTS for spec in self._spec_loop.compile_specs(
                 self._specs, self.padding_batch("decode", unit.size, variant, lora=False), variant)]
-        if unit.kind != "loop":
+        w = self._writer
+        if unit.kind != "loop" and w is not None:
             batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
-            args, w = (params, kv, last, model_inputs(batch)), self._writer
-            if w is not None:
-                return [(f"{unit.name} streams {w.aux_layers}", (*args, shape_specs(w.streams)), {},
-                         forward_key(batch))]
-            return [(unit.name, args, {}, forward_key(batch))]
+            return [(f"{unit.name} streams {w.aux_layers}",
+                     (params, kv, last, model_inputs(batch), shape_specs(w.streams)), {},
+                     forward_key(batch))]
         specs = []
-        for variant in LOOP_VARIANTS:
-            batch = self.padding_batch("decode", unit.size, variant)
-            allowed = np.zeros(unit.size, np.int32)
-            specs.append((f"loop {unit.size} {variant_label(variant)}",
-                          (params, kv, last, batch, allowed),
-                          dict(variant=variant, num_steps=r.decode_steps_per_call),
-                          (unit.size, variant)))
+        for variant in LOOP_VARIANTS if unit.kind == "loop" else SAMPLE_VARIANTS:
+            batch = self._host_padding_batch(unit.kind if unit.kind != "loop" else "decode",
+                                             unit.size, variant)
+            packed, apart, packing = packed_step_specs(batch, r.plan)
+            name = f"{unit.name} {variant_label(variant)}"
+            if unit.kind == "loop":
+                specs.append((name, (params, kv, last, packed, apart,
+                                     np.zeros(unit.size, np.int32)),
+                              dict(packing=packing, variant=variant,
+                                   num_steps=r.decode_steps_per_call), (unit.size, variant)))
+            else:
+                specs.append((name, (params, kv, last, packed, apart),
+                              dict(packing=packing, variant=variant), fused_key(batch, variant)))
         return specs
 
     def _sampler_parts(self, unit: Unit) -> list[Future]:
@@ -360,30 +373,36 @@ class BucketCompiler:
             parts.append(f)
         return parts
 
+    def _program(self, unit: Unit) -> str:
+        """The program table entry the unit's `_step_specs` compile into."""
+        if unit.kind == "loop":
+            return "decode loop"
+        if unit.kind == "spec":
+            return self._spec_loop.program
+        return "step" if self._writer is None else self._forward_program
+
     def _submit(self, unit: Unit) -> Future:
-        """The unit's forward (or its loops, as one future)."""
-        if unit.kind not in ("loop", "spec"):
-            self._place_inputs(unit)
-            (name, args, static, key), = self._step_specs(unit)
-            return self._compile_or_load(name, self._forward_program, args, static, key)
-        program = "decode loop" if unit.kind == "loop" else self._spec_loop.program
-        loops = [self._compile_or_load(name, program, args, static, key)
+        """The unit's fused steps, forward or loops, as one future."""
+        if unit.kind == "spec" or (unit.kind != "loop" and self._writer is not None):
+            self._place_inputs(unit)  # these programs take placed batches (put_tree's unpacking)
+        program = self._program(unit)
+        parts = [self._compile_or_load(name, program, args, static, key)
                  for name, args, static, key in self._step_specs(unit)]
-        both: Future = Future()
+        every: Future = Future()
 
         def one_done(_):
-            if all(f.done() for f in loops) and not both.done():
-                errors = [f.exception() for f in loops if not f.cancelled() and f.exception()]
-                if any(f.cancelled() for f in loops):
-                    both.cancel()
+            if all(f.done() for f in parts) and not every.done():
+                errors = [f.exception() for f in parts if not f.cancelled() and f.exception()]
+                if any(f.cancelled() for f in parts):
+                    every.cancel()
                 elif errors:
-                    both.set_exception(errors[0])
+                    every.set_exception(errors[0])
                 else:
-                    both.set_result(None)
+                    every.set_result(None)
 
-        for f in loops:
+        for f in parts:
             f.add_done_callback(one_done)
-        return both
+        return every
 
     def _all_cached(self, unit: Unit) -> bool:
         """Whether the executable cache holds every part of the unit (a file check per part)."""
@@ -452,14 +471,16 @@ class BucketCompiler:
         return r.step_batch([], nd, t, s, variant, lora=lora)
 
     def _place_inputs(self, unit: Unit) -> None:
-        """Place a padding batch of the unit's bucket in each sampler variant, as a step places its
-        inputs: that compiles the unpacking jit of each layout (transfer.place_step_inputs), a
-        small one, before a step needs it."""
-        for variant in SAMPLE_VARIANTS:
+        """Place a padding batch of the unit's bucket in each sampler variant, as its steps place
+        their inputs: that compiles the unpacking jit of each layout (transfer.place_step_inputs),
+        a small one, before a step needs it. (A speculative loop's carry no LoRA inputs.)"""
+        spec = unit.kind == "spec"
+        for variant in LOOP_VARIANTS if spec else SAMPLE_VARIANTS:
             if self._stop.is_set():
                 raise CompileStopped
-            place_step_inputs(self._host_padding_batch(unit.kind, unit.size, variant),
-                              self.runner.plan)
+            batch = self._host_padding_batch("decode" if spec else unit.kind, unit.size, variant,
+                                             lora=False if spec else None)
+            place_step_inputs(batch, self.runner.plan)
 
     def padding_batch(self, kind: str, size: int, variant: SamplerVariant,
                       lora: bool | None = None) -> StepBatch:

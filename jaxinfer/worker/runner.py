@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, BucketCompiler,
-                                             forward_key, model_inputs)
+                                             fused_key, model_inputs)
 from jaxinfer.worker.buckets import Buckets, step_shape
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
@@ -42,7 +42,7 @@ from jaxinfer.worker.sampler import SamplerOutput, SamplerVariant
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sharding import ShardingPlan
-from jaxinfer.parallel.transfer import place_step_inputs
+from jaxinfer.parallel.transfer import pack_step_inputs, place_step_inputs
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.step_programs import step_programs
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
@@ -246,23 +246,31 @@ class ModelRunner:
                                                                                 key=str)), args)
 
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
-        """Every compilation warm-up makes (and the most a workload can cause): the forward of each
-        step bucket, the sampler of each sequence bucket x variant, the unpacking of the inputs
-        (transfer.place_step_inputs) of each step bucket x variant, the decode loop of each decode
-        bucket that runs loops x variant (and the speculative loop's), and the block copy of each copy
-        bucket."""
+        """Every compilation warm-up makes (and the most a workload can cause): the step of each
+        step bucket x variant (bucket_compiler.py; with an EAGLE-3 head, its forward per step
+        bucket, the sampler of each sequence bucket x variant and the unpacking of the inputs,
+        transfer.place_step_inputs, of each step bucket x variant instead), the decode loop of each
+        decode bucket that runs loops x variant (and the speculative loop's, with the unpacking
+        of its inputs), and the block copy of each copy bucket."""
         b = self.buckets
         shapes: list[tuple[str, int, SamplerVariant | None]] = []
-        shapes += [("mixed", t, None) for t in b.token_buckets]
-        shapes += [("decode", s, None) for s in b.decode_buckets]
-        seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets} | set(b.decode_buckets))
-        shapes += [("sample", s, v) for v in SAMPLE_VARIANTS for s in seq_buckets]
-        shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
-        shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
+        if self.speculation is None or self.speculation.stream_writer is None:
+            shapes += [("mixed", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
+            shapes += [("decode", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
+        else:
+            shapes += [("mixed", t, None) for t in b.token_buckets]
+            shapes += [("decode", s, None) for s in b.decode_buckets]
+            seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets}
+                                 | set(b.decode_buckets))
+            shapes += [("sample", s, v) for v in SAMPLE_VARIANTS for s in seq_buckets]
+            shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
+            shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
         shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in self.loop_buckets]
         if self.speculation and self.speculation.loop:  # greedy-only and sampled
             shapes += [("spec loop", s, v)
                        for v in LOOP_VARIANTS for s in self.spec_loop_buckets] * 2
+            shapes += [("spec loop inputs", s, v)
+                       for v in LOOP_VARIANTS for s in self.spec_loop_buckets]
         shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 
@@ -378,18 +386,18 @@ class ModelRunner:
 
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
                 allowed: np.ndarray | None, loop_steps: int, hidden_reads: HiddenReads | None):
-        """The device side of `execute`: the step's inputs onto the device, block copies, then the
-        step or (`allowed` given) the decode loop. -> (SamplerOutput, hidden-read arrays or
-        None, steps run)"""
-        batch = place_step_inputs(batch, self.plan)
+        """The device side of `execute`: block copies, then the step or (`allowed` given) the
+        decode loop, each with its inputs packed into one transfer. -> (SamplerOutput,
+        hidden-read arrays or None, steps run)"""
         self._apply_copies(copies)
         if allowed is None:
             return (*self._run_step(batch, variant, hidden_reads), 1)
         # The scheduler's `decode_steps`; compiled: decode_steps_per_call (a benchmark may lower it)
         key = (batch.md.num_seqs, variant) if loop_steps == self.decode_steps_per_call else None
+        packed, apart, packing = pack_step_inputs(batch, self.plan)
         self.kv_cache, self.last_tokens, out = self.programs.run(
-            "decode loop", self.params, self.kv_cache, self.last_tokens, batch, allowed, key=key,
-            variant=variant, num_steps=loop_steps)
+            "decode loop", self.params, self.kv_cache, self.last_tokens, packed, apart, allowed,
+            key=key, packing=packing, variant=variant, num_steps=loop_steps)
         return out, None, loop_steps
 
     def set_async_launch(self, on: bool) -> None:
@@ -402,17 +410,22 @@ class ModelRunner:
 
     def _run_step(self, batch: StepBatch, variant: SamplerVariant,
                   hidden_reads: HiddenReads | None = None):
-        """Forward (the warm-up's compiled executable of this bucket, else the jit) then sampling,
-        and the `hidden_reads` (prompt logprobs, pooling); all only dispatch. Updates the KV cache
-        and the last-token array in place (donated). -> (SamplerOutput, hidden-read arrays or None)"""
-        hidden_out = None
+        """The step's inputs onto the device and its programs, which only dispatch: an ordinary
+        step is one ("step", compiled per bucket and variant by warm-up, else the jit); one that
+        reads hidden states (prompt logprobs, pooling) or writes an EAGLE-3 head's streams runs
+        its forward, then the sampler. Updates the KV cache and the last-token array in place
+        (donated). -> (SamplerOutput, hidden-read arrays or None)"""
         writer = self.speculation and self.speculation.stream_writer  # an EAGLE-3 head's
-        if writer is not None and hidden_reads is None:
+        if writer is None and hidden_reads is None:
+            packed, apart, packing = pack_step_inputs(batch, self.plan)
+            self.kv_cache, self.last_tokens, out = self.programs.run(
+                "step", self.params, self.kv_cache, self.last_tokens, packed, apart,
+                key=fused_key(batch, variant), packing=packing, variant=variant)
+            return out, None
+        batch = place_step_inputs(batch, self.plan)
+        hidden_out = None
+        if hidden_reads is None:
             logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
-        elif hidden_reads is None:
-            logits, self.kv_cache = self.programs.run(
-                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
-                key=forward_key(batch))
         else:
             logits, self.kv_cache, hidden = self.programs.run(
                 "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),

@@ -1,4 +1,6 @@
-"""The runner's own programs: a step's forward, its sampling, and the on-device decode loop
+"""The runner's own programs: an ordinary step in one executable (`fused_step`: its inputs cut
+from one packed buffer, the forward, the sampling), the forward and the sampling apart (for the
+steps that read hidden states or write an EAGLE-3 head's streams), and the on-device decode loop
 (`--decode-steps-per-call`), with the block copy, in the table `step_programs` makes
 (programs.py).
 
@@ -19,6 +21,7 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.transformer import forward
 from jaxinfer.parallel.sampling_logits import sample_in_layout
+from jaxinfer.parallel.transfer import StepPacking, unpack_step_inputs
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.kv import copy_blocks
 from jaxinfer.worker.programs import ProgramTable
@@ -49,16 +52,40 @@ def sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
     return store_emitted(last_tokens, emit_slot, out.tokens), out
 
 
-def decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
-                 cfg: ModelConfig, kernels: KernelTable, variant: SamplerVariant,
-                 num_steps: int, block_size: int, plan: ShardingPlan | None = None):
-    """num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
+def fused_step(params, kv_cache, last_tokens, packed, apart, *, packing: StepPacking,
+               variant: SamplerVariant, cfg: ModelConfig, kernels: KernelTable,
+               plan: ShardingPlan | None = None):
+    """An ordinary step as one dispatch: the batch cut from `packed` (transfer.pack_step_inputs),
+    `forward_step`, then `sample_step`. -> (KV cache, last tokens, SamplerOutput). Compiled per
+    bucket and sampler variant, the forward once for each variant: the price of one dispatch
+    (each dispatch costs host time on the critical path of a small batch's step)."""
+    batch = unpack_step_inputs(packed, apart, packing, _replicated(plan))
+    logits, kv_cache = forward_step(params, kv_cache, last_tokens,
+                                    dataclasses.replace(batch, sampling=None), cfg=cfg,
+                                    kernels=kernels)
+    last_tokens, out = sample_step(logits, last_tokens, batch.sampling, batch.emit_slot,
+                                   variant=variant, plan=plan)
+    return kv_cache, last_tokens, out
+
+
+def _replicated(plan: ShardingPlan | None):
+    """The sharding of a step's inputs inside its program (None: left as placed)."""
+    return plan.replicated if plan is not None and plan.tp > 1 else None
+
+
+def decode_loop(params, kv_cache, last_tokens, packed, apart, steps_allowed, *,
+                packing: StepPacking, cfg: ModelConfig, kernels: KernelTable,
+                variant: SamplerVariant, num_steps: int, block_size: int,
+                plan: ShardingPlan | None = None):
+    """num_steps decode steps of a pure-decode batch, packed as `fused_step`'s (one dispatch
+    with its inputs). steps_allowed i32[S]: tokens each row may
     still sample (length limits). A row that samples a stop token id (past min_tokens) or reaches
     its limit is masked from the next iteration on: a padding row (no KV write, nothing sampled
     into last_tokens), its later tokens recorded as -1. The trip count is fixed, so XLA knows it
     (the while's backend config `known_trip_count`) and the GPU runs the iterations back to back;
     an exit on a device value (all rows finished) would make it copy the predicate to the host
     and wait for it every iteration, exposing the next one's kernel launches."""
+    batch = unpack_step_inputs(packed, apart, packing, _replicated(plan))
     md0, t0 = batch.md, batch.sampling
     s = md0.num_seqs
     valid = md0.seq_lens > 0
@@ -101,17 +128,20 @@ def decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, 
 
 def step_programs(cfg: ModelConfig, kernels: KernelTable, block_size: int,
                   plan: ShardingPlan | None = None) -> ProgramTable:
-    """A runner's table with its own programs: "forward", "sample", "decode loop" and "copy".
-    Warm-up compiles the forward per (tokens, sequences, decodes) bucket, the sampler per
-    (sequences, sampler variant), the decode loop per (sequences in loop_buckets, sampler variant)
-    at num_steps == decode_steps_per_call, the block copy per copy bucket. The KV cache (forward,
-    loop, copy) and the last-token array (sampler, loop) are donated."""
+    """A runner's table with its own programs: "step", "forward", "sample", "decode loop" and
+    "copy". Warm-up compiles the step per (tokens, sequences, decodes, sampler variant) (with an
+    EAGLE-3 head: its stream-writing forward per bucket and the sampler per (sequences, sampler
+    variant) instead), the decode loop per (sequences in loop_buckets, sampler variant) at
+    num_steps == decode_steps_per_call, the block copy per copy bucket. The KV cache (step,
+    forward, loop, copy) and the last-token array (step, sampler, loop) are donated."""
     programs = ProgramTable()
+    programs.add("step", fused_step, static_argnames=("packing", "variant"),
+                 donate_argnums=(1, 2), cfg=cfg, kernels=kernels, plan=plan)
     programs.add("forward", forward_step, static_argnames=("with_hidden",), donate_argnums=(1,),
                  cfg=cfg, kernels=kernels)
     programs.add("sample", sample_step, static_argnames=("variant",), donate_argnums=(1,),
                  plan=plan)
-    programs.add("decode loop", decode_loop, static_argnames=("variant", "num_steps"),
+    programs.add("decode loop", decode_loop, static_argnames=("packing", "variant", "num_steps"),
                  donate_argnums=(1, 2), cfg=cfg, kernels=kernels, block_size=block_size, plan=plan)
     programs.register("copy", copy_blocks)
     return programs

@@ -17,7 +17,8 @@ from jaxinfer.model.config import load_config
 from jaxinfer.model.experts import routed_experts, sorted_dispatch
 from jaxinfer.model.routing import Router, route, routing_spec, with_shared
 from pallas_kernels.moe.grouped_matmul_mosaic import padded_rows, tile_table
-from pallas_kernels.moe.routing_kernel import TOKEN_LIMIT, fused_route
+from pallas_kernels.moe.routing_kernel import (MAX_TOKENS, SHARED_MEMORY_BUDGET, TOKEN_LIMIT, fits,
+                                              fused_route, shared_memory_bytes)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 QWEN3_MOE = load_config(FIXTURES / "qwen3_moe")
@@ -56,18 +57,28 @@ def _bias(cfg, key):
 
 
 def _assert_same(cfg, logits, bias=None, shared=0):
-    weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg, shared), bias,
-                                                interpret=True)
-    ref_weights, ref_experts = with_shared(*route(cfg, logits, bias), cfg.num_experts, shared)
+    spec = routing_spec(cfg, shared)
+    # The grouped matmul's tile table is a function of the rows per expert: identical too.
+    rows = padded_rows(logits.shape[0] * (spec.k + shared), 64)
+
+    @jax.jit  # each side one compile: most of an interpreted test's time
+    def fused(logits, bias):
+        weights, experts, sizes, rank = fused_route(logits, spec, bias, interpret=True)
+        return weights, experts, sizes, rank, tile_table(sizes, rows, 64)
+
+    @jax.jit
+    def reference(logits, bias):
+        weights, experts = with_shared(*route(cfg, logits, bias), cfg.num_experts, shared)
+        sizes, _, rank = sorted_dispatch(experts, cfg.num_experts + shared)
+        return weights, experts, sizes, rank, tile_table(sizes, rows, 64)
+
+    weights, experts, sizes, rank, tiles = fused(logits, bias)
+    ref_weights, ref_experts, ref_sizes, ref_rank, ref_tiles = reference(logits, bias)
     np.testing.assert_array_equal(np.asarray(experts), np.asarray(ref_experts))
     np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_weights), rtol=2e-6, atol=1e-7)
-    ref_sizes, _, ref_rank = sorted_dispatch(ref_experts, cfg.num_experts + shared)
     np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
     np.testing.assert_array_equal(np.asarray(rank), np.asarray(ref_rank))
-    # The grouped matmul's tile table is a function of the rows per expert: identical too.
-    rows = padded_rows(rank.shape[0], 64)
-    np.testing.assert_array_equal(np.asarray(tile_table(sizes, rows, 64)),
-                                  np.asarray(tile_table(ref_sizes, rows, 64)))
+    np.testing.assert_array_equal(np.asarray(tiles), np.asarray(ref_tiles))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -148,3 +159,63 @@ def test_router_slot_hands_the_experts_an_identical_dispatch():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert Router(fused=True, interpret=True, max_tokens=8)(cfg, logits).dispatch is None
     assert Router()(cfg, logits).dispatch is None
+
+
+# DeepSeek families at their real expert counts (the kernel's tiles: 64 experts a tile).
+SHAPED = {
+    # DeepSeek-V2-Lite: greedy softmax top-6, unscaled.
+    "softmax_greedy": lambda e: _moe(V2, num_experts=e, num_experts_per_tok=6, n_group=1,
+                                     topk_group=1, norm_topk_prob=False,
+                                     routed_scaling_factor=1.0),
+    # DeepSeek-V2: group-limited greedy softmax (8 groups, the best 3), scaled.
+    "softmax_groups": lambda e: _moe(V2, num_experts=e, num_experts_per_tok=6, n_group=8,
+                                     topk_group=3, norm_topk_prob=False,
+                                     routed_scaling_factor=16.0),
+    # DeepSeek-V3: sigmoid + correction bias, the best 4 of 8 groups by top-2 sums, top-8.
+    "sigmoid_groups_bias": lambda e: _moe(V3, num_experts=e, num_experts_per_tok=8, n_group=8,
+                                          topk_group=4, routed_scaling_factor=2.5),
+}
+
+
+def _tied_logits(key, tokens, experts):
+    """Random logits whose even rows are rounded to halves: ties inside and across groups and
+    tiles, among the best too; odd rows continuous."""
+    x = jax.random.normal(key, (tokens, experts), jnp.float32) * 3.0
+    return jnp.where((jnp.arange(tokens) % 2 == 0)[:, None], jnp.round(x * 2.0) / 2.0, x)
+
+
+@pytest.mark.parametrize("tokens, experts, kind, shared", [
+    # Each routing function at each token count and expert count once (a Latin square).
+    (1, 64, "sigmoid_groups_bias", 0), (1, 128, "softmax_groups", 0),
+    (1, 256, "softmax_greedy", 0), (7, 64, "softmax_greedy", 2),
+    (7, 128, "sigmoid_groups_bias", 0), (7, 256, "softmax_groups", 0),
+    (64, 64, "softmax_groups", 0), (64, 128, "softmax_greedy", 0),
+    (64, 256, "sigmoid_groups_bias", 1),  # DeepSeek-V3 as served on one GPU
+    (37, 160, "softmax_groups", 2),  # DeepSeek-V2: a part tile, groups of 20 across tiles
+])
+def test_tiled_shapes_route_and_dispatch_as_the_reference(tokens, experts, kind, shared):
+    """Expert tiles (and at 64 tokens, the most the model sends) keep the reference's choice,
+    weights and dispatch, on ties too; the bias takes two values, so biased choices tie as well."""
+    cfg = SHAPED[kind](experts)
+    k1, k2 = jax.random.split(jax.random.key(tokens * 1000 + experts))
+    bias = None
+    if cfg.score_correction_bias:
+        bias = jnp.where(jax.random.bernoulli(k2, 0.5, (experts,)), 0.25, 0.0)
+    _assert_same(cfg, _tied_logits(k1, tokens, experts), bias, shared)
+
+
+def test_shared_memory_bound_holds_for_every_step_the_model_routes_fused():
+    """Every step the model sends to the kernel (up to MAX_TOKENS tokens, up to 256 experts:
+    DeepSeek-V3) fits the budget; past it the kernel refuses and the router sorts."""
+    assert shared_memory_bytes(64, 256) == 144 * 1024
+    for tokens in (1, 7, 16, 33, MAX_TOKENS):
+        for experts in (8, 60, 64, 128, 160, 256):
+            assert fits(tokens, experts)
+            assert shared_memory_bytes(tokens, experts) <= SHARED_MEMORY_BUDGET
+    assert not fits(2 * MAX_TOKENS, 256)
+    with pytest.raises(ValueError, match="SHARED_MEMORY_BUDGET"):
+        fused_route(jnp.zeros((2 * MAX_TOKENS, 256)), routing_spec(SHAPED["softmax_greedy"](256)),
+                    interpret=True)
+    cfg = SHAPED["softmax_greedy"](256)
+    logits = jnp.zeros((2 * MAX_TOKENS, 256))
+    assert Router(fused=True, interpret=True, max_tokens=TOKEN_LIMIT)(cfg, logits).dispatch is None

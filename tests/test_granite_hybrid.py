@@ -1,7 +1,7 @@
 """Granite 4.0-H (GraniteMoeHybridForCausalLM, a Mamba-2 hybrid: granitemoehybrid.py, mamba2.py)
 through the engine against HF transformers' goldens (tests/fixtures/make_golden_hybrid.py):
 greedy tokens under 3-token prefill chunks and preemption by recompute in a tiny pool, a fork
-(n = 2) whose state block is copied on write, a ragged batch of three prompts scored beside
+(n = 2) whose state pages are copied on write, a ragged batch of three prompts scored beside
 decoding rows (mixed prefill + decode steps), aborts that leave no block held; the state's
 place in the KV groups and the memory figures; what the engine refuses for such a model."""
 
@@ -27,7 +27,7 @@ from test_engine_support import assert_all_free, run_all
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 MOE, DENSE = FIXTURES / "granitemoehybrid", FIXTURES / "granitemoehybrid_dense"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-BLOCK = 8  # the smallest power of two whose attention page holds a layer's state
+BLOCK = 4  # a layer's state spans two attention pages
 
 
 def _load(model_dir: Path):
@@ -54,9 +54,9 @@ def test_engine_matches_transformers():
     cfg, params = _load(MOE)
     golden = np.load(MOE / "golden.npz")
     prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
-    # Per sequence of 21 tokens: 3 blocks of the attention group and, per state group (three:
-    # one Mamba-2 layer each, as the one attention layer sets num_slots), the block of its
-    # latest state and those a step writes. 4 such sequences need about 36; 16 preempt.
+    # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
+    # one Mamba-2 layer each, as the one attention layer sets num_slots), the 2 pages of its
+    # state. 5 such sequences need 60; 16 preempt.
     engine = LLMEngine(cfg, params, None, _args(MOE, 16), num_blocks=16)
     for i in range(3):
         engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
@@ -112,15 +112,14 @@ def test_dense_variant_matches_transformers():
     np.testing.assert_allclose(logits, golden["logits_2"], atol=1e-4, rtol=0)
 
 
-def test_start_decides_prefix_caching_and_the_block_size():
-    """From the flags' defaults (prefix caching on) and a block too small for the state, the
-    engine starts with prefix caching off and the smallest block that holds it, and generates
-    HF's greedy tokens."""
+def test_start_turns_prefix_caching_off():
+    """From the flags' defaults (prefix caching on, block size 16), the engine starts with
+    prefix caching off and the default block, and generates HF's greedy tokens."""
     from jaxinfer import LLM
     golden = np.load(MOE / "golden.npz")
-    llm = LLM(str(MOE), dtype="float32", block_size=4, max_model_len=32, num_blocks=32,
+    llm = LLM(str(MOE), dtype="float32", max_model_len=32, num_blocks=32,
               warmup=False, compilation_cache_dir=None, attention_backend="reference")
-    assert not llm.engine.args.enable_prefix_caching and llm.engine.args.block_size == BLOCK
+    assert not llm.engine.args.enable_prefix_caching and llm.engine.args.block_size == 16
     expected = golden["greedy_tokens"].tolist()
     out = llm.generate(golden["greedy_prompt"].tolist(), SamplingParams(
         max_tokens=len(expected), temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -139,17 +138,18 @@ def test_state_in_the_attention_page():
                      FixedStateSpec(dims.state_bytes, page_of=page))
     state = specs[0]
     assert state.page_bytes(BLOCK, jnp.float32) == page.page_bytes(BLOCK, jnp.float32)
-    assert not state.fits(4, jnp.float32) and state.fits(8, jnp.float32)
-    assert state.smallest_block_size(jnp.float32) == 8
-    assert state.smallest_block_size(jnp.bfloat16) == 16  # half the page, the same state
+    assert state.state_pages(BLOCK, jnp.float32) == 2 and state.state_pages(8, jnp.float32) == 1
+    assert state.state_pages(8, jnp.bfloat16) == 2  # half the page, the same state
     groups = KVCacheGroups.for_model(cfg)
     assert groups.specs == (page, state, state, state) and groups.num_slots == 1
-    # A sequence's KV at 32 tokens: 4 attention blocks, one block of each state group.
-    assert groups.tokens_held(32, BLOCK) == (4 + 3) * BLOCK
-    # The planner's block is one attention page (num_slots = 1); while a 16-token chunk runs, a
-    # state group holds the block before it and the two it spans (the engine's sizing floor).
+    assert groups.state_pages(BLOCK, jnp.float32) == (None, 2, 2, 2)
+    # A sequence's KV at 32 tokens: 8 attention blocks, each state group its state's 2 pages.
+    assert groups.tokens_held(32, BLOCK, jnp.float32) == (8 + 3 * 2) * BLOCK
+    # The planner's block is one attention page (num_slots = 1); a state's pages are held
+    # whatever the chunk (the engine's sizing floor).
     assert groups.page_bytes(BLOCK, jnp.float32) == BLOCK * 2 * 2 * 16 * 4
-    assert groups.blocks_for_sequence(32, 16, BLOCK) == 4 + 3 * 3
+    assert groups.blocks_for_sequence(32, 16, BLOCK, jnp.float32) == 8 + 3 * 2
+    assert groups.table_width(4, BLOCK, jnp.float32) == 2  # the pages beyond the tokens' one
 
 
 def test_memory_counts_the_state():
@@ -163,14 +163,101 @@ def test_memory_counts_the_state():
                            accelerator=ACCELERATORS["l4"], gpu_memory_utilization=0.9)
     page = 2 * 2 * 16 * 4  # K and V of 2 heads x 16, float32, per token
     assert report["kv_bytes_per_token"] == page  # the one attention layer
-    # 32 tokens of the attention layer plus each Mamba-2 layer's state page (padded).
-    assert report["kv_bytes_per_sequence"] == 32 * page + 3 * BLOCK * page
+    # 32 tokens of the attention layer plus each Mamba-2 layer's 2 state pages (padded).
+    assert report["kv_bytes_per_sequence"] == 32 * page + 3 * 2 * BLOCK * page
+
+
+# The mixer shapes of test_pallas_kernels_through_the_mixer: a 5632-byte state, float32 pages
+# of 256 bytes a token.
+SMALL = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+    "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16,
+    "num_local_experts": 0, "shared_intermediate_size": 64, "torch_dtype": "float32"}
+
+
+def test_engine_at_the_default_block_size_with_a_state_over_two_pages():
+    """At --block-size 16 a state of 5632 bytes spans two 4096-byte pages: greedy tokens
+    through 3-token chunks, preemption and a fork equal the dense forward's (fresh states over
+    the whole sequence each token), and every block comes back."""
+    from jaxinfer.model.transformer import init_params
+    cfg = config_from_dict(SMALL)
+    assert cfg.layer_kv_specs()[0].state_pages(16, jnp.float32) == 2
+    params = init_params(cfg, jax.random.key(1), jnp.float32, std=0.2)
+    prompt = np.random.default_rng(1).integers(0, 64, 20).tolist()
+    tokens = list(prompt)
+    for _ in range(8):
+        logits = train_forward(params, cfg, jnp.asarray(tokens)[None])[0]
+        tokens.append(int(jnp.argmax(logits[-1])))
+    expected = tokens[len(prompt):]
+    # A sequence of 28 tokens holds 2 attention blocks and the state's 2 pages: the five
+    # (three, and a fork's two) need 20; 8 preempt.
+    engine = LLMEngine(cfg, params, None, _args(MOE, 8, block_size=16), num_blocks=8)
+    for i in range(3):
+        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=8, **GREEDY))
+    engine.add_request("fork", prompt, SamplingParams(n=2, max_tokens=8, **GREEDY))
+    results = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for i in range(3):
+        assert results[f"g{i}"][0][0] == expected, i
+    assert results["fork"][0][0] == results["fork"][1][0] == expected
+    assert_all_free(engine)
+
+
+# Granite 4.0-H-Tiny's config.json: the values the shapes read (4 attention layers in 40).
+GRANITE_4_H_TINY = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100352,
+    "hidden_size": 1536, "intermediate_size": 512, "num_hidden_layers": 40,
+    "num_attention_heads": 12, "num_key_value_heads": 4,
+    "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+    "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+    "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256, "num_local_experts": 64,
+    "num_experts_per_tok": 6, "shared_intermediate_size": 1024,
+    "position_embedding_type": "nope", "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16"}
+
+
+def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
+    """Granite 4.0-H-Tiny's 1.6 MB Mamba-2 state spans 50 attention pages of 16 bfloat16
+    tokens: its shapes (no weights) pass the start-up decisions and refusals at the default
+    flags, and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
+    engine's pre-load check."""
+    import argparse
+    import json
+
+    from jaxinfer.cli import memory as cli_memory
+    from jaxinfer.engine.fixed_state import (refuse_what_fixed_state_lacks,
+                                             with_fixed_state_decided)
+    cfg = config_from_dict(GRANITE_4_H_TINY)
+    state = cfg.layer_kv_specs()[0]
+    assert state.state_bytes == 4 * (3 * (3072 + 2 * 128) + 48 * 64 * 128)
+    assert state.state_pages(16, jnp.bfloat16) == 50
+    args = with_fixed_state_decided(cfg, EngineArgs(model=str(tmp_path)))
+    assert args.block_size == 16 and not args.enable_prefix_caching
+    groups = KVCacheGroups.for_model(cfg)
+    refuse_what_fixed_state_lacks(groups, args, jnp.bfloat16)  # nothing refused
+    # 4 attention layers set num_slots: the 36 Mamba-2 layers make 9 state groups.
+    assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (50,) * 9
+    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 50
+
+    (tmp_path / "config.json").write_text(json.dumps(GRANITE_4_H_TINY))
+    parser = argparse.ArgumentParser()
+    cli_memory.add_parser(parser.add_subparsers())
+    cli = parser.parse_args(["memory", "--model", str(tmp_path), "--accelerator", "h200",
+                             "--seq-len", "4096", "--batch", "8", "--json"])
+    assert cli.func(cli) == 0
+    report = json.loads(capsys.readouterr().out)
+    token = 4 * 2 * 4 * 128 * 2  # K and V of 4 heads x 128 in 4 layers, bfloat16
+    assert report["kv_bytes_per_token"] == token
+    assert report["kv_bytes_per_sequence"] == (4096 + 9 * 50 * 16) * token
+    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 9 * 50) * 16 * token
+    assert report["engine_plan"]["fitting_model_len"] == 4096
 
 
 @pytest.mark.parametrize("overrides, flag", [
     (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
-    (dict(block_size=4), "--block-size 4"),
     (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
     (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),
 ])
@@ -178,6 +265,40 @@ def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)
     with pytest.raises(ConfigError, match=flag):
         LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
+
+
+def test_disaggregated_engine_refused_by_name():
+    cfg, params = _load(DENSE)
+    with pytest.raises(ConfigError, match="--disaggregate: handing over state-space"):
+        LLMEngine(cfg, params, None, _args(DENSE, 32, hybrid_kv_cache=False), num_blocks=32,
+                  role="prefill")
+
+
+@pytest.mark.parametrize("model_dir", [MOE, DENSE], ids=["moe", "dense"])
+def test_quantized_on_load(model_dir):
+    """--quantization int8 on the float checkpoint: the shared MLP's fused gate/up and its down
+    projection (read by the family's tensor_sources) become QuantLinear weights [out, in] that
+    dequantize to the checkpoint's, and the model runs."""
+    import dataclasses
+
+    from jaxinfer.model.quant import ops
+    cfg = dataclasses.replace(load_config(model_dir), quantization="int8")
+    params = load_params(model_dir, cfg, jnp.float32, progress=False)
+    dense = load_params(model_dir, load_config(model_dir), jnp.float32, progress=False)
+    layer = next(k for k in params if k.startswith("layers_") and (
+        "moe" in params[k] or "mlp" in params[k]))
+    path = ("moe", "shared_mlp") if cfg.is_moe else ("mlp",)
+    q_mlp, d_mlp = params[layer], dense[layer]
+    for key in path:
+        q_mlp, d_mlp = q_mlp[key], d_mlp[key]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        q, want = q_mlp[proj], np.asarray(d_mlp[proj]["kernel"]).T
+        got = np.asarray(ops.dequantize(q["weight"], q["weight_scale"], -1))
+        assert np.abs(got - want).max() <= np.abs(want).max() / 127, proj
+    golden = np.load(model_dir / "golden.npz")
+    logits = jax.jit(train_forward, static_argnums=1)(params, cfg,
+                                                      jnp.asarray(golden["prompt_1"])[None])[0]
+    assert np.isfinite(np.asarray(logits)).all()
 
 
 def test_config_parsing():
@@ -217,11 +338,12 @@ def test_pallas_kernels_through_the_mixer():
         "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
         "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16,
         "num_local_experts": 0, "shared_intermediate_size": 64, "torch_dtype": "float32"})
-    block = cfg.layer_kv_specs()[0].smallest_block_size(jnp.float32)
+    block = 16  # the state spans both of a sequence's pages
+    assert cfg.layer_kv_specs()[0].state_pages(block, jnp.float32) == 2
     params = init_params(cfg, jax.random.key(0), jnp.float32, std=0.2)
     groups = KVCacheGroups.for_model(cfg)
     lengths = np.array([5, 20, 1])
-    # Sequence s of group g on blocks 2 (g * 3 + s) and the next.
+    # Sequence s of group g on blocks 2 (g * 3 + s) and the next (the state group: its pages).
     tables = np.arange(2 * 3 * groups.num_groups, dtype=np.int32).reshape(groups.num_groups, 3, 2)
 
     def metadata(first, count, **kw):

@@ -46,9 +46,8 @@ def test_what_each_kind_frees():
     # A query at 13 sees its chunk, keys 8..13: blocks 0 and 1 (the finished chunk) are out.
     assert chunked.first_needed_block(13, BS) == 2
     assert chunked.first_needed_block(8, BS) == 2 and chunked.first_needed_block(7, BS) == 0
-    # A query at 13 needs the state after token 12, kept in block 3 (tokens 12-15).
-    assert state.first_needed_block(13, BS) == 3 and state.first_needed_block(12, BS) == 2
-    assert state.first_needed_block(0, BS) == 0
+    # A state's pages are held from the first token to the end.
+    assert state.first_needed_block(13, BS) == state.first_needed_block(0, BS) == 0
     assert [s.keeps_every_block for s in (full, mla, window, chunked, state)] == \
         [True, True, False, False, False]
 
@@ -61,8 +60,13 @@ def test_blocks_for_sequence_per_kind():
         == (64 + 32) // BS + 1
     assert ChunkedLocalAttentionSpec(1, 1, attention_chunk=32).blocks_for_sequence(n, chunk, BS) \
         == (64 + 32) // BS + 1
-    assert FixedStateSpec(8).blocks_for_sequence(n, chunk, BS) == 64 // BS + 1
-    assert FixedStateSpec(8).blocks_for_sequence(3, chunk, BS) == 1  # never above every block
+    # A fixed state: its pages, whatever the length (alone, its page is the state).
+    assert FixedStateSpec(8).blocks_for_sequence(n, chunk, BS) == 1
+    beside = FixedStateSpec(100, page_of=FullAttentionSpec(1, 1))  # 2 x 4 x 2 = 16 B a page
+    assert beside.blocks_for_sequence(n, chunk, BS, jnp.bfloat16) == 7
+    assert beside.blocks_for_sequence(3, chunk, BS, jnp.float32) == 4
+    with pytest.raises(ValueError, match="dtype"):
+        beside.blocks_for_sequence(n, chunk, BS)
 
 
 def _cached_prompt(specs, num_blocks: int = 6):
@@ -106,10 +110,6 @@ FULL = FullAttentionSpec(1, 1)
     ([FULL, ChunkedLocalAttentionSpec(1, 1, attention_chunk=16)], [0, 1, 2, 3], 6),
     ([FULL, ChunkedLocalAttentionSpec(1, 1, attention_chunk=16)], [5], 5),
     ([FULL, ChunkedLocalAttentionSpec(1, 1, attention_chunk=16)], [0, 1, 2, 3, 4, 5], 4),
-    # A fixed state: a resume at n reads only block n - 1 (the state after it).
-    ([FixedStateSpec(64)], [0, 1, 2, 3, 4], 6),
-    ([FixedStateSpec(64)], [4, 5], 4),
-    ([FixedStateSpec(64)], [0, 2, 3, 4, 5], 2),
 ])
 def test_prefix_match_needs_the_blocks_the_spec_reads(specs, missing, resume):
     mgr, prompt = _cached_prompt(specs)
@@ -139,15 +139,31 @@ def test_freeing_follows_the_spec_as_a_request_grows():
     mgr.free("r")
     assert mgr.num_free_blocks == 64
 
-    state = KVCacheManager(8, BS, groups=KVCacheGroups.from_layer_specs([FixedStateSpec(64)]))
-    assert state.allocate_slots("r", 16) and state.num_held_blocks("r") == 4
-    # A step from 16 on needs the state after token 15 (block 3) and writes block 4.
-    assert state.allocate_slots("r", 1) and state.num_held_blocks("r") == 2
-    assert state.get_block_tables("r")[0][:3] == [0, 0, 0]
-    # A sequence far longer than the pool: never more than those two blocks.
+    # A state of 3 pages beside full attention: its pages from the first token, then only
+    # the attention blocks grow, past what the pool could give every token of both groups.
+    spec = FixedStateSpec(40, page_of=FullAttentionSpec(1, 1))  # 2 x 4 x 2 = 16 B a page
+    groups = KVCacheGroups.from_layer_specs([FULL, spec])
+    state = KVCacheManager(32, BS, enable_prefix_caching=False, groups=groups,
+                           kv_dtype=jnp.bfloat16)
+    assert state.allocate_slots("r", 1) and state.num_held_blocks("r") == 1 + 3
+    pages = state.get_block_tables("r")[1]
+    assert state.allocate_slots("r", 15) and state.num_held_blocks("r") == 4 + 3
     for _ in range(60):
-        assert state.allocate_slots("r", 1) and state.num_held_blocks("r") <= 2
-    assert state.num_tokens("r") == 77
+        assert state.allocate_slots("r", 1)
+    assert state.get_block_tables("r")[1] == pages and state.num_held_blocks("r") == 19 + 3
+    # A fork shares the pages until either side writes: that side copies all three, the
+    # other then writes its own in place.
+    state.fork("r", "f")
+    assert state.num_held_blocks("f") == 22 and state.num_free_blocks == 10
+    assert state.allocate_slots("f", 1)
+    copies = state.take_pending_copies()
+    assert sorted(src for src, _ in copies) == sorted(pages)
+    assert [dst for _, dst in copies] == state.get_block_tables("f")[1] != pages
+    assert state.allocate_slots("r", 1) and not state.take_pending_copies()
+    assert state.get_block_tables("r")[1] == pages
+    state.free("r")
+    state.free("f")
+    assert state.num_free_blocks == 32
 
 
 def test_layers_with_equal_specs_form_groups():

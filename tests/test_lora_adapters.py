@@ -29,7 +29,7 @@ from lora_support import merged, random_adapter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 # (mixtral_fused and qwen3_moe_fused differ from these only in how their experts are stored)
-FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next"]
 LLAMA = FIXTURES / "llama"
 
 

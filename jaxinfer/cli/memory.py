@@ -3,8 +3,8 @@
 Everything follows from the per-token KV footprint 2 × L × H_kv × d_k × bytes (K and V, every
 attention layer, every KV head), or L × (kv_lora_rank + rope dim) × bytes for multi-head latent
 attention (DeepSeek: one latent per token and layer, shared by every head; docs/MLA.md). A
-hybrid's state-space layers (Mamba-2) add one state per sequence, whatever its length, stored in
-an attention page (kv_specs.FixedStateSpec). Decode reads all
+hybrid's state-space layers (Mamba-2, Gated DeltaNet) add one state per sequence, whatever its
+length, over as many attention pages as it needs (kv_specs.FixedStateSpec). Decode reads all
 weights plus every sequence's whole KV cache once per step and produces one token per sequence,
 so its arithmetic intensity is small next to an accelerator's ridge point (peak FLOP/s ÷ memory
 bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds a step from below.
@@ -88,8 +88,9 @@ class ModelShape:
     mla_latent: int = 0
     mla_value: int = 0
     # Per layer whether it is a state-space layer (a fixed state per sequence, no K/V per
-    # token); () none is.
+    # token); () none is. `state_bytes`: the float32 state of each such layer.
     state_layers: tuple[bool, ...] = ()
+    state_bytes: int = 0
 
     @property
     def attention_layers(self) -> int:
@@ -116,24 +117,25 @@ class ModelShape:
         return sum(min(seq_len, w or seq_len) for w in self.layer_windows) / (
             len(self.layer_windows) * seq_len)
 
-    def kv_pool_fraction(self, seq_len: int, block_size: int) -> float:
+    def kv_pool_fraction(self, seq_len: int, block_size: int, kv_dtype) -> float:
         """What the block pool holds for one sequence of `seq_len` tokens with the hybrid KV
         allocator (kv_groups.py: windowed layers keep their window's blocks, a state-space
-        layer the block of its latest state, an attention page; every KV group pads to the
-        same number of layers), over the attention layers' K and V of every token."""
+        layer the attention pages its state spans in a cache of `kv_dtype`; every KV group pads
+        to the same number of layers), over the attention layers' K and V of every token."""
         if not self.layer_windows and not self.state_layers:
             return 1.0
-        groups = KVCacheGroups.from_layer_specs(self._unit_specs())
-        return groups.tokens_held(seq_len, block_size) * groups.num_slots / (
+        groups = KVCacheGroups.from_layer_specs(self.layer_specs())
+        return groups.tokens_held(seq_len, block_size, kv_dtype) * groups.num_slots / (
             self.attention_layers * seq_len)
 
-    def _unit_specs(self) -> list:
-        """Each layer's spec over one unit attention page (only the layout is asked)."""
-        unit = FullAttentionSpec(1, 1)
+    def layer_specs(self) -> list:
+        """Each layer's KV-cache spec (model/kv_specs.py)."""
+        page = FullAttentionSpec(self.num_kv_heads, self.head_dim)
         windows = self.layer_windows or (None,) * self.num_layers
         states = self.state_layers or (False,) * self.num_layers
-        return [FixedStateSpec(1, page_of=unit) if state else
-                unit if window is None else SlidingWindowSpec(1, 1, sliding_window=window)
+        return [FixedStateSpec(self.state_bytes, page_of=page) if state else
+                page if window is None else
+                SlidingWindowSpec(self.num_kv_heads, self.head_dim, sliding_window=window)
                 for window, state in zip(windows, states)]
 
 
@@ -169,7 +171,8 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, weights,
                           params - inactive, dtype, quant, cfg.max_position_embeddings,
                           cfg.layer_windows, *mla,
-                          state_layers=tuple(s is not None for s in cfg.layer_states))
+                          state_layers=tuple(s is not None for s in cfg.layer_states),
+                          state_bytes=max((s or 0 for s in cfg.layer_states), default=0))
     if args.quantization:
         raise ConfigError("--quantization needs --model (without it, give the quantized size as "
                           "--weight-bytes)")
@@ -223,12 +226,13 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
                   accelerator: Accelerator, gpu_memory_utilization: float,
                   kv_host_gib: float = 16.0) -> dict:
     """All figures of `jaxinfer memory` as a JSON-ready dict (bytes, tokens, FLOP, seconds)."""
-    kv_bytes = jnp.dtype(resolve_kv_cache_dtype(kv_dtype, shape.weight_dtype)).itemsize
+    cache_dtype = resolve_kv_cache_dtype(kv_dtype, shape.weight_dtype)
+    kv_bytes = jnp.dtype(cache_dtype).itemsize
     per_token = shape.kv_bytes_per_token(kv_bytes)
     usable = int(gpu_memory_utilization * accelerator.memory_bytes) - shape.weight_bytes
     kv_room = max(usable, 0)
     tokens_fit = kv_room // per_token  # all-global tokens (the pool's blocks)
-    pool_fraction = shape.kv_pool_fraction(seq_len, block_size)
+    pool_fraction = shape.kv_pool_fraction(seq_len, block_size, cache_dtype)
     pool_per_seq = round(per_token * seq_len * pool_fraction)
     report = {
         "model": dataclasses.asdict(shape),
@@ -261,11 +265,16 @@ def memory_report(shape: ModelShape, *, kv_dtype: str, seq_len: int, batch: int,
     # is QK^T and PV over the context (ModelShape.attention_flops_per_context_token).
     flops = batch * (2 * shape.active_params
                      + shape.attention_flops_per_context_token() * seq_len)
-    # A state-space layer reads and writes its state's page (an attention layer's, padded)
-    # once per sequence and step.
-    state_page = kv_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_bytes) * block_size
+    # A state-space layer reads and writes its state's pages (attention pages, the last one
+    # padded) once per sequence and step.
+    state_pages = 0
+    if shape.state_bytes:
+        spec = FixedStateSpec(shape.state_bytes,
+                              page_of=FullAttentionSpec(shape.num_kv_heads, shape.head_dim))
+        state_pages = (spec.state_pages(block_size, cache_dtype)
+                       * spec.page_bytes(block_size, cache_dtype))
     bytes_read = (shape.weight_bytes + batch * seq_len * report["kv_read_bytes_per_token"]
-                  + batch * sum(shape.state_layers) * 2 * state_page)
+                  + batch * sum(shape.state_layers) * 2 * state_pages)
     intensity = flops / bytes_read
     roofline = {"flops_per_step": flops, "bytes_per_step": bytes_read,
                 "arithmetic_intensity": intensity}

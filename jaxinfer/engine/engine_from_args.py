@@ -60,8 +60,7 @@ def build_engine(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
     with startup.phase("tokenizer"):
         tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
     dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-    args = with_fixed_state_decided(cfg, args, resolve_kv_cache_dtype(args.kv_cache_dtype,
-                                                                      jnp.dtype(dtype).name))
+    args = with_fixed_state_decided(cfg, args)
     shapes = param_shapes(cfg, dtype)
     with startup.phase("memory_preflight"):  # what cannot fit is said before the weights load
         preflight = refuse_if_it_cannot_fit(cfg, args, shapes, plan, dtype)

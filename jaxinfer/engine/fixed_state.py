@@ -1,7 +1,8 @@
 """What an engine over fixed-state layers (FixedStateSpec: a Mamba-2 hybrid's state-space
-layers) needs: the settings it decides itself (prefix caching off, a block whose page holds the
-state; `with_fixed_state_decided`, logged), and what it does not run yet, refused at start with
-the flag that asks for it (docs/feature_matrix.md)."""
+layers, Qwen3-Next's Gated DeltaNet) needs: the setting it decides itself (prefix caching off;
+`with_fixed_state_decided`, logged), and what it does not run yet, refused at start with the
+flag that asks for it (docs/feature_matrix.md). A state spans as many attention pages as it
+needs (kv_specs.FixedStateSpec.state_pages), so every --block-size holds it."""
 
 from __future__ import annotations
 
@@ -16,23 +17,16 @@ from pallas_kernels.attention.kv_quant import is_fp8
 log = logging.getLogger(__name__)
 
 
-def with_fixed_state_decided(cfg, args, kv_dtype):
-    """`args` (EngineArgs) as a model with fixed-state layers runs them, each change logged, as
-    vLLM does for its Mamba layers: prefix caching off (a state block holds the state after the
-    last token its sequence wrote there, so a hit would resume from a wrong state), and a block
-    size whose attention page holds a layer's state (its smallest power of two, when smaller)."""
-    states = [s for s in cfg.layer_kv_specs() if isinstance(s, FixedStateSpec)]
-    if not states:
+def with_fixed_state_decided(cfg, args):
+    """`args` (EngineArgs) as a model with fixed-state layers runs them, the change logged, as
+    vLLM does for its Mamba layers: prefix caching off (a state's pages hold the state after
+    its sequence's last token, not one per block, so a hit would have no state to resume
+    from)."""
+    if not args.enable_prefix_caching or not any(
+            isinstance(s, FixedStateSpec) for s in cfg.layer_kv_specs()):
         return args
-    changes = {}
-    if args.enable_prefix_caching:
-        changes["enable_prefix_caching"] = False
-    need = max(state.smallest_block_size(kv_dtype) for state in states)
-    if not all(state.fits(args.block_size, kv_dtype) for state in states):
-        changes["block_size"] = max(need, args.block_size)
-    if changes:
-        log.info("state-space layers: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
-    return dataclasses.replace(args, **changes)
+    log.info("state-space layers: enable_prefix_caching=False")
+    return dataclasses.replace(args, enable_prefix_caching=False)
 
 
 def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None:
@@ -45,8 +39,8 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None
         raise ConfigError("--kv-offload: the host tier keeps prefix-cache blocks, and prefix "
                           "caching of state-space layers' states is not built")
     if args.enable_prefix_caching:
-        # A state group's block holds the state after the last token its sequence wrote there,
-        # not after the block's last token: a prefix hit would resume from a wrong state.
+        # A state's pages hold its sequence's latest state, none for a block's last token: a
+        # prefix hit would have no state to resume from.
         raise ConfigError("--enable-prefix-caching: prefix caching of state-space layers' "
                           "states is not built; pass --no-enable-prefix-caching for this model")
     spec = args.spec_config()
@@ -63,8 +57,9 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None
         raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: an fp8 KV cache beside "
                           f"state-space layers is not built (their states would share its "
                           f"pages); use the model dtype")
-    need = max(state.smallest_block_size(kv_dtype) for state in states)
-    if not all(state.fits(args.block_size, kv_dtype) for state in states):
-        raise ConfigError(f"--block-size {args.block_size}: a state-space layer's state "
-                          f"({max(s.state_bytes for s in states)} bytes) is stored in one "
-                          f"attention page, which holds it from --block-size {need} on")
+    page = groups.page_spec.page_bytes(args.block_size, kv_dtype)
+    if any(state.state_pages(args.block_size, kv_dtype) * page % 4 for state in states):
+        # The states are float32 words laid over the pages (model/state_pages.py).
+        raise ConfigError(f"--block-size {args.block_size}: a state-space layer's pages "
+                          f"({page} bytes each) do not end on a 4-byte word; use an even "
+                          f"block size")

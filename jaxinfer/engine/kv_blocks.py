@@ -48,7 +48,8 @@ def plan_kv_blocks(cfg: ModelConfig, args: EngineArgs, params,
     # A block holds kv_heads_per_device heads on each device.
     device_cfg = dataclasses.replace(cfg, num_kv_heads=plan.kv_heads_per_device) if plan else cfg
     if cache.num_blocks is None and platform == "cpu" and device_memory_override() is None:
-        per_seq = groups.blocks_for_sequence(max_len, args.max_num_batched_tokens, args.block_size)
+        per_seq = groups.blocks_for_sequence(max_len, args.max_num_batched_tokens, args.block_size,
+                                             kv_dtype)
         blocks = max(min(4096, args.max_num_seqs * per_seq), per_seq)
         log.info("KV cache: %d blocks (CPU default; pass --num-blocks to change)", blocks)
         cache = dataclasses.replace(cache, num_blocks=blocks)

@@ -32,7 +32,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
 from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
-from jaxinfer.core.kv_cache import KVCacheGroups, KVCacheManager
+from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups, KVCacheManager
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.worker.kv.kv_scales import kv_cache_kernels
 from jaxinfer.engine.kv_blocks import params_dtype_name, with_compiled_peak
@@ -84,10 +84,15 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # blocks that no other sequence can free.
         groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
         if role is not None and groups.num_groups > 1:  # the hand-over copies one table
+            if any(isinstance(spec, FixedStateSpec) for spec in groups.specs):
+                raise ConfigError("--disaggregate: handing over state-space layers' states "
+                                  "is not built")
             raise ConfigError("a disaggregated engine takes one KV group: build it with "
                               "from_engine_args, which turns --hybrid-kv-cache off")
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
+        refuse_what_fixed_state_lacks(groups, args, kv_dtype)
         need = groups.blocks_for_sequence(self.max_model_len, args.max_num_batched_tokens,
-                                          args.block_size)
+                                          args.block_size, kv_dtype)
         if num_blocks < need:
             raise ConfigError(
                 f"the KV cache ({num_blocks} blocks x {args.block_size} tokens) cannot hold one "
@@ -99,11 +104,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
         loop_steps, loop_max_seqs = args.decode_loop()
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
-        refuse_what_fixed_state_lacks(groups, args, kv_dtype)
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, groups,
-                           host_tier_for(cfg, args, kv_dtype, groups)),
+                           host_tier_for(cfg, args, kv_dtype, groups), kv_dtype),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,

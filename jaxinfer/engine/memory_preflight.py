@@ -126,7 +126,7 @@ def preflight(cfg: ModelConfig, args: EngineArgs, param_shapes, plan: ShardingPl
     chunk = args.max_num_batched_tokens
 
     def sequence_bytes(n: int) -> int:
-        return groups.blocks_for_sequence(n, chunk, args.block_size) * block_bytes
+        return groups.blocks_for_sequence(n, chunk, args.block_size, kv_dtype) * block_bytes
 
     max_len = args.max_model_len or cfg.max_position_embeddings
     out = Preflight(device_bytes, args.gpu_memory_utilization, weights,

@@ -75,6 +75,9 @@ class ModelConfig:
     attn_sinks: bool = False
     layer_windows: tuple[int | None, ...] = ()
     local_rope: RopeConfig | None = None
+    # Qwen3-Next's gated attention (qwen3_next.py): q_proj gives each head's query and an output
+    # gate, twice num_heads x head_dim wide (what LoRA's q_proj shapes follow).
+    attn_output_gate: bool = False
     # Rope over the first rotary_dim dims of each head only (HF's partial_rotary_factor; the rest
     # pass through); None: the whole head.
     rotary_dim: int | None = None

@@ -247,7 +247,8 @@ class Family:
     - attention / moe: the flax modules its layers run instead of transformer.py's `Attention`
       and `MoE` (same constructor and call; None: the shared ones);
     - state_layer: the flax module its fixed-state layers run (ModelConfig.layer_states: a
-      Mamba-2 mixer), constructed (cfg, kernels, dtype, layer=) and called as `Attention`;
+      Mamba-2 mixer, a Gated DeltaNet), constructed (cfg, kernels, dtype, layer=) and called as
+      `Attention`; state_layer_name: its name in a layer (HF's module name);
     - tensor_sources(ckpt, name, cfg) -> {param path: Source} for checkpoint tensors stored in a
       layout of its own ({}: skip the tensor; None: the shared loader maps it);
     - rename(name) -> name: its checkpoint names spelled as the shared loader's (weights.hf_name);
@@ -257,6 +258,7 @@ class Family:
     attention: Any = None
     moe: Any = None
     state_layer: Any = None
+    state_layer_name: str = "mamba"
     tensor_sources: Callable | None = None
     rename: Callable[[str], str] | None = None
     writable: bool = True
@@ -285,6 +287,7 @@ MODULES: dict[str, str] = {
     "Glm4MoeForCausalLM": "jaxinfer.model.glm4_moe",
     "Llama4ForCausalLM": "jaxinfer.model.llama4",
     "GraniteMoeHybridForCausalLM": "jaxinfer.model.granitemoehybrid",
+    "Qwen3NextForCausalLM": "jaxinfer.model.qwen3_next",
 }
 
 SUPPORTED_ARCHITECTURES = (*FAMILIES, *MODULES)

@@ -19,6 +19,7 @@ import re
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.families import Family, Raw, required
+from jaxinfer.model.rope import partial_rotary_dim
 
 # HF's Glm4MoeConfig defaults (hub configs rely on some of them).
 DEFAULTS = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944,
@@ -39,19 +40,6 @@ def normalize(raw: Raw) -> Raw:
     return raw
 
 
-def _rotary_dim(raw: Raw) -> int:
-    """HF's default rope turns int(head_dim * partial_rotary_factor) dims (transformers 5 keeps
-    the factor in rope_parameters, older configs at the top level)."""
-    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
-    params = raw.get("rope_parameters") or {}
-    factor = float(params.get("partial_rotary_factor", raw["partial_rotary_factor"]))
-    dim = int(head_dim * factor)
-    if not 0 < dim <= head_dim or dim % 2:
-        raise ConfigError(f"config.json: partial_rotary_factor={factor} turns {dim} of "
-                          f"head_dim={head_dim} dims; an even number in 2..head_dim is needed")
-    return dim
-
-
 def fields(raw: Raw, layers: int) -> dict:
     experts = int(required(raw, "n_routed_experts"))
     n_group, topk_group = int(raw["n_group"]), int(raw["topk_group"])
@@ -61,7 +49,7 @@ def fields(raw: Raw, layers: int) -> dict:
                           f"must be in 1..n_group")
     dense = int(raw["first_k_dense_replace"])
     return dict(qkv_bias=bool(raw["attention_bias"]), qk_norm=bool(raw["use_qk_norm"]),
-                rotary_dim=_rotary_dim(raw), num_experts=experts,
+                rotary_dim=partial_rotary_dim(raw), num_experts=experts,
                 num_experts_per_tok=int(raw["num_experts_per_tok"]),
                 moe_intermediate_size=int(raw["moe_intermediate_size"]),
                 moe_layers=tuple(i >= dense for i in range(layers)),

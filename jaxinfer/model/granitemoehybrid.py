@@ -27,7 +27,8 @@ from jaxinfer.model.families import Family, Raw
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.mamba2 import Mamba2Dims, Mamba2Mixer
 from jaxinfer.model.norm_rope import apply_rope
-from jaxinfer.model.tensor_sources import Source, fused_down, fused_gate_up, plain
+from jaxinfer.model.tensor_sources import (Source, depthwise_conv_weight, fused_down,
+                                           fused_gate_up, plain)
 from jaxinfer.model.transformer import MLP, Attention, MoE
 
 # HF's GraniteMoeHybridConfig defaults (hub configs rely on some of them).
@@ -151,22 +152,19 @@ class GraniteMoE(nn.Module):
         return routed + MLP(self.cfg, self.dtype, self.kernels, name="shared_mlp")(x)
 
 
-def _conv_weight(ckpt, name: str) -> Source:
-    """HF's depthwise Conv1d weight [C, 1, W] as the mixer's [W, C]."""
-    c, _, w = ckpt.shape(name)
-    return Source((w, c), lambda idx: ckpt.read(name, (idx[1], slice(None), idx[0]))[:, 0].T,
-                  ckpt.dtypes[name])
-
-
-def _gate_or_up(ckpt, name: str, half: int) -> Source:
-    """Gate (half 0) or up (half 1) of shared_mlp.input_linear [2F, H] as a kernel [H, F]."""
+def _gate_or_up(ckpt, name: str, half: int, kernel: bool) -> Source:
+    """Gate (half 0) or up (half 1) of shared_mlp.input_linear [2F, H]: as a Dense kernel
+    [H, F], or (`kernel` False: a QuantLinear's, quantized on load) a weight [F, H]."""
     two_f, h = ckpt.shape(name)
     f = two_f // 2
 
     def read(idx):
+        if not kernel:
+            rows = range(*idx[0].indices(f))
+            return ckpt.read(name, (slice(half * f + rows.start, half * f + rows.stop), idx[1]))
         cols = range(*idx[1].indices(f))
         return ckpt.read(name, (slice(half * f + cols.start, half * f + cols.stop), idx[0])).T
-    return Source((h, f), read, ckpt.dtypes[name])
+    return Source((h, f) if kernel else (f, h), read, ckpt.dtypes[name])
 
 
 def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
@@ -179,14 +177,17 @@ def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
     layer, part = f"layers_{m[1]}", m[2]
     if part.startswith("mamba.conv1d."):
         tensor = part.rsplit(".", 1)[1]
-        src = _conv_weight(ckpt, name) if tensor == "weight" else plain(ckpt, name, False)
+        src = depthwise_conv_weight(ckpt, name) if tensor == "weight" else plain(ckpt, name, False)
         return {(layer, "mamba", f"conv1d_{tensor}"): src}
     if part.startswith("shared_mlp."):
         mlp = (layer, "moe", "shared_mlp") if cfg.is_moe else (layer, "mlp")
+        # Under --quantization the MLP's projections are QuantLinear weights [out, in].
+        kernel = not cfg.quantization
+        leaf = "kernel" if kernel else "weight"
         if m[4] == "output":
-            return {(*mlp, "down_proj", "kernel"): plain(ckpt, name, True)}
-        return {(*mlp, "gate_proj", "kernel"): _gate_or_up(ckpt, name, 0),
-                (*mlp, "up_proj", "kernel"): _gate_or_up(ckpt, name, 1)}
+            return {(*mlp, "down_proj", leaf): plain(ckpt, name, kernel)}
+        return {(*mlp, "gate_proj", leaf): _gate_or_up(ckpt, name, 0, kernel),
+                (*mlp, "up_proj", leaf): _gate_or_up(ckpt, name, 1, kernel)}
     experts = (layer, "moe", "experts")
     if m[5] == "router.layer":
         return {(*experts, "router"): plain(ckpt, name, True)}

@@ -28,7 +28,7 @@ from jaxinfer.model.gemm_rows import gemm_rows, plain_rows
 from jaxinfer.model.lora.delta import LoraDelta
 from jaxinfer.model.quant.ops import QuantizedMatmul
 from jaxinfer.model.routing import Router
-from jaxinfer.model.ssm_kernels import Mamba2Kernels
+from jaxinfer.model.ssm_kernels import GatedDeltaNetKernels, Mamba2Kernels
 from pallas_kernels.attention.backend import REFERENCE, get_backend, registered
 from pallas_kernels.attention.reference import causal_attention_reference
 from pallas_kernels.norm.reference import add_rms_norm_reference
@@ -97,6 +97,8 @@ class KernelTable:
     lora_delta: LoraDelta = LoraDelta()
     # Mamba-2's conv1d and SSD scan (model/ssm_kernels.py): the Pallas kernels on a GPU.
     mamba2: Mamba2Kernels = Mamba2Kernels()
+    # Gated DeltaNet's conv1d and delta rule (model/ssm_kernels.py): the Pallas kernels on a GPU.
+    gdn: GatedDeltaNetKernels = GatedDeltaNetKernels()
 
     @property
     def name(self) -> str:
@@ -151,7 +153,8 @@ def resolve_kernels(platform: Platform, *, attention: str = "auto", moe: str = "
     if platform.gpu:
         from pallas_kernels.norm.rms_norm import add_rms_norm_triton
         table = dataclasses.replace(table, add_rms_norm=add_rms_norm_triton, gemm_rows=gemm_rows,
-                                    routing=Router(fused=True), mamba2=Mamba2Kernels(pallas=True))
+                                    routing=Router(fused=True), mamba2=Mamba2Kernels(pallas=True),
+                                    gdn=GatedDeltaNetKernels(pallas=True))
     if platform.hopper and name == "mosaic":
         from pallas_kernels.attention.latent_decode_mosaic import MosaicLatentDecode
         table = dataclasses.replace(table, latent_decode=MosaicLatentDecode)

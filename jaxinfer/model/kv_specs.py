@@ -10,16 +10,17 @@ freeing and prefix-matching rules of its ``single_type_kv_cache_manager.py`` fol
   ``attention_chunk`` tokens (Llama 4's local layers); blocks of finished chunks are freed.
 - ``MLAAttentionSpec``: one latent per token shared by every head, K and V at once (DeepSeek;
   the V array is empty); keeps every block.
-- ``FixedStateSpec``: a state of fixed size per sequence (state-space layers), its page the
-  state after a block's last token; only the block of the latest state is kept. Beside
-  attention layers its page is theirs, the state padded into it (``page_of``).
+- ``FixedStateSpec``: a state of fixed size per sequence (state-space layers), split over a
+  fixed number of blocks a sequence holds from start to end (``state_pages``). Beside
+  attention layers its page is theirs (``page_of``), the state spanning as many as it needs.
 
 Every spec answers the same questions, so nothing above it asks which kind a layer is:
 ``page_bytes`` (bytes per block per layer), ``first_needed_block`` (blocks before it can be
 freed), ``keeps_every_block`` (the prefix cache's leaf-first order and the host tier need it),
-``blocks_for_sequence`` (sizing) and, for attention, ``stored_widths`` (the K and V arrays'
-widths; the copies between caches carry them side by side, model/kv_block_rows.py). A prefix match resuming at
-block n needs exactly blocks [first_needed_block(n * block_size), n), which is how
+``blocks_for_sequence`` (sizing), ``state_pages`` (blocks held whatever the length) and, for
+attention, ``stored_widths`` (the K and V arrays' widths; the copies between caches carry them
+side by side, model/kv_block_rows.py). A prefix match resuming at block n needs exactly blocks
+[first_needed_block(n * block_size), n), which is how
 ``prefix_cache.PrefixCache.match`` reads these specs.
 
 The model's layers get their specs from ``ModelConfig.layer_kv_specs`` (config.py), the one
@@ -74,10 +75,17 @@ class KVCacheSpec(abc.ABC):
         it can be freed (and a prefix match need not find them)."""
         return 0
 
-    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
+    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int,
+                            dtype=None) -> int:
         """The most blocks one sequence of `num_tokens` holds at once when its prompt is computed
-        in chunks of at most `chunk` tokens (blocks are freed only before a chunk starts)."""
+        in chunks of at most `chunk` tokens (blocks are freed only before a chunk starts), in a
+        cache of element type `dtype` (only a fixed state's page count depends on it)."""
         return _cdiv(num_tokens, block_size)
+
+    def state_pages(self, block_size: int, dtype) -> int | None:
+        """The blocks a sequence holds in this layer's group from its first token on, whatever
+        its length (a fixed state's); None where blocks come with the tokens."""
+        return None
 
     def keeping_every_block(self) -> KVCacheSpec:
         """This layer's spec with every block kept (--no-hybrid-kv-cache; its kernel still
@@ -161,7 +169,8 @@ class SlidingWindowSpec(FullAttentionSpec):
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         return max(first_query_pos - self.sliding_window + 1, 0) // block_size
 
-    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
+    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int,
+                            dtype=None) -> int:
         # The window plus the chunk computed at once, and one block for alignment.
         held = _cdiv(min(chunk, num_tokens) + self.sliding_window, block_size) + 1
         return min(_cdiv(num_tokens, block_size), held)
@@ -191,7 +200,8 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         return first_query_pos // self.attention_chunk * self.attention_chunk // block_size
 
-    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
+    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int,
+                            dtype=None) -> int:
         # A computed chunk reaches back at most one attention chunk, and one block for alignment.
         held = _cdiv(min(chunk, num_tokens) + self.attention_chunk, block_size) + 1
         return min(_cdiv(num_tokens, block_size), held)
@@ -223,15 +233,14 @@ class MLAAttentionSpec(AttentionSpec):
 @dataclasses.dataclass(frozen=True)
 class FixedStateSpec(KVCacheSpec):
     """A state of `state_bytes` per layer and sequence, whatever its length (a state-space
-    layer's convolution and SSM state): a block's page is the state after that block's last
-    token. A query needs only the state before it, so every earlier block is freed (a sequence
-    holds the block of the state before a step and those the step writes), and a prefix match
-    needs only the block it resumes after.
-    Alone, its page does not grow with block_size, so it shares a pool only with specs of equal
-    page_bytes (KVCacheGroups refuses others). With `page_of` (a hybrid model's attention spec)
-    the state is stored in a page of that spec's size, padded, as vLLM's hybrid allocator pads
-    its Mamba pages: the pages are then equal at every block size, and the state must fit
-    (`fits`: the block size decides)."""
+    layer's convolution and SSM state). A sequence holds `state_pages` blocks of its group from its
+    first token to its end, the state split over them in table order and updated in place
+    (state_pages.py), so no block is freed while it runs and a prefix match has nothing to
+    resume from (prefix caching of states is refused, engine/fixed_state.py).
+    Alone, its page is the state (one block a sequence), so it shares a pool only with specs of
+    equal page_bytes (KVCacheGroups refuses others). With `page_of` (a hybrid model's attention
+    spec) its page is that spec's, whatever the block size: a state bigger than a page spans
+    several (vLLM's hybrid allocator instead grows the attention block to the state's size)."""
     state_bytes: int
     page_of: AttentionSpec | None = None
     rank: ClassVar[int] = 3
@@ -250,23 +259,12 @@ class FixedStateSpec(KVCacheSpec):
             return self.page_of.page_bytes(block_size, dtype)
         return self.state_bytes
 
-    def fits(self, block_size: int, dtype) -> bool:
-        """Whether the state fits one page (in whole 4-byte words: a state is float32)."""
-        page = self.page_bytes(block_size, dtype)
-        return page % 4 == 0 and self.state_bytes <= page
+    def state_pages(self, block_size: int, dtype) -> int:
+        """The blocks one sequence's state spans in a cache of element type `dtype`."""
+        if dtype is None and self.page_of is not None:
+            raise ValueError("a fixed state's pages depend on the cache dtype: pass `dtype`")
+        return _cdiv(self.state_bytes, self.page_bytes(block_size, dtype))
 
-    def smallest_block_size(self, dtype) -> int:
-        """The smallest power-of-two block size whose page holds the state (1 without
-        `page_of`: the page is the state)."""
-        size = 1
-        while self.page_of is not None and not self.fits(size, dtype):
-            size *= 2
-        return size
-
-    def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
-        return max(first_query_pos - 1, 0) // block_size
-
-    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
-        # The state before the chunk and the blocks the chunk writes.
-        held = _cdiv(min(chunk, num_tokens), block_size) + 1
-        return min(_cdiv(num_tokens, block_size), held)
+    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int,
+                            dtype=None) -> int:
+        return self.state_pages(block_size, dtype) if num_tokens > 0 else 0

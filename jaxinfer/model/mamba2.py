@@ -7,15 +7,9 @@ Mamba2Mixer, as GraniteMoeHybridMambaLayer runs it).
     out_proj(RMSNorm_groups(y * silu(z)) * weight)
 
 The state a sequence carries between steps is the conv's last W-1 inputs and the SSM state
-[H, P, N], both float32. The layer's KV spec is a `FixedStateSpec` stored in the attention
-layers' page (kv_specs.py): the page of block b of this layer's cache array pair (K and V,
-[heads, blocks, block_size, width] each) holds, bit-cast to float32 words, the state after the
-last token the sequence wrote into block b. A step reads the state after the token before its
-first (block (ctx - 1) // block_size of the layer's group table; zeros for a sequence with no
-context) and writes the state after its last token into the block of that token, so chunked
-prefill carries the state across chunks, a decode updates its block in place, and the KV
-manager frees the earlier blocks (FixedStateSpec.first_needed_block). Only the states of the
-step's sequences are gathered: the kernels (the table's `mamba2`) run on a pool of one slot per
+[H, P, N], both float32. The layer's KV spec is a `FixedStateSpec` over attention-sized
+pages (kv_specs.py; state_pages.py reads and writes it). Only the states of the step's
+sequences are gathered: the kernels (the table's `mamba2`) run on a pool of one slot per
 sequence.
 """
 
@@ -30,6 +24,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.quant.layers import linear
+from jaxinfer.model.state_pages import dense_batch, paged_batch, state_words, write_states
 from pallas_kernels.ssm.reference import mamba2_dt
 
 _F32 = jnp.float32
@@ -58,17 +53,15 @@ class Mamba2Dims:
         return self.inner + 2 * self.groups * self.state_dim
 
     @property
-    def conv_words(self) -> int:
-        return (self.conv_width - 1) * self.conv_dim
-
-    @property
-    def ssm_words(self) -> int:
-        return self.heads * self.head_dim * self.state_dim
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The conv state [W-1, C] and the SSM state [H, P, N] (state_pages.py's order)."""
+        return ((self.conv_width - 1, self.conv_dim),
+                (self.heads, self.head_dim, self.state_dim))
 
     @property
     def state_bytes(self) -> int:
         """The float32 state one sequence carries (FixedStateSpec.state_bytes)."""
-        return 4 * (self.conv_words + self.ssm_words)
+        return 4 * state_words(self.state_shapes)
 
 
 class GatedRMSNorm(nn.Module):
@@ -99,11 +92,10 @@ class Mamba2Mixer(nn.Module):
         cfg, dims = self.cfg, self.cfg.family_options.mamba
         lead, width = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, width)
-        if kv is None:
-            batch = _dense_batch(lead, dims)
-        else:
-            batch = _paged_batch(md, kv, dims)
-        cu, slots, has_init, conv0, ssm0 = batch[:5]
+        batch = (dense_batch(lead, dims.state_shapes) if kv is None
+                 else paged_batch(md, kv, dims.state_shapes))
+        cu, slots, has_init = batch.cu_seqlens, batch.slots, batch.has_initial_state
+        conv0, ssm0 = batch.pools
         dense = linear(cfg, self.dtype, self.kernels)
         i, c, h = dims.inner, dims.conv_dim, dims.heads
         proj = dense(i + c + h, use_bias=dims.proj_bias, name="in_proj")(x)
@@ -127,85 +119,5 @@ class Mamba2Mixer(nn.Module):
                           decode=decode)
         y = GatedRMSNorm(cfg.rms_norm_eps, g, name="norm")(y.reshape(t, i), z)
         out = dense(width, use_bias=dims.proj_bias, name="out_proj")(y.astype(x.dtype))
-        new_kv = None if kv is None else write_states(kv, batch[5], conv1, ssm1)
+        new_kv = None if kv is None else write_states(kv, batch.destinations, (conv1, ssm1))
         return out.reshape(*lead, width), new_kv
-
-
-def _dense_batch(lead: tuple[int, ...], dims: Mamba2Dims):
-    """Rows of x [B, L, H] as B fresh sequences of L tokens, each in its own pool slot."""
-    rows, length = (1, lead[0]) if len(lead) == 1 else lead
-    cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
-    slots = jnp.arange(rows, dtype=jnp.int32)
-    conv = jnp.zeros((rows, dims.conv_width - 1, dims.conv_dim), _F32)
-    ssm = jnp.zeros((rows, dims.heads, dims.head_dim, dims.state_dim), _F32)
-    return cu, slots, jnp.zeros((rows,), bool), conv, ssm
-
-
-def _paged_batch(md, kv, dims: Mamba2Dims):
-    """(cu_seqlens, slots, has_initial_state, conv pool, SSM pool, destination blocks) of a
-    paged step: sequence s reads its state from the block before its first new token and
-    writes it into the block of its last (a padding sequence, or a finished row of a decode
-    loop, has no tokens: slot -1, its destination out of range)."""
-    cu = md.query_start_loc.astype(jnp.int32)
-    seq_lens = md.seq_lens.astype(jnp.int32)
-    s = seq_lens.shape[0]
-    num_blocks, block_size = kv[0].shape[1], kv[0].shape[2]
-    q = cu[1:] - cu[:-1]
-    live = (q > 0) & (seq_lens > 0)
-    ctx = seq_lens - q
-    rows = jnp.arange(s)
-    src = md.block_tables[rows, jnp.maximum(ctx - 1, 0) // block_size]
-    dst = jnp.where(live, md.block_tables[rows, jnp.maximum(seq_lens - 1, 0) // block_size],
-                    num_blocks)
-    has_init = live & (ctx > 0)
-    conv, ssm = read_states(kv, src, dims)
-    keep = has_init[:, None]
-    conv = jnp.where(keep[..., None], conv, 0.0)
-    ssm = jnp.where(keep[..., None, None], ssm, 0.0)
-    slots = jnp.where(live, rows, -1).astype(jnp.int32)
-    return cu, slots, has_init, conv, ssm, dst
-
-
-def _words(page: jax.Array) -> jax.Array:
-    """[S, E] elements of the cache dtype -> [S, E * itemsize / 4] float32 words (bit-cast)."""
-    if page.dtype == _F32:
-        return page
-    ratio = 4 // page.dtype.itemsize
-    return jax.lax.bitcast_convert_type(page.reshape(page.shape[0], -1, ratio), _F32)
-
-
-def _elements(words: jax.Array, dtype) -> jax.Array:
-    if jnp.dtype(dtype) == _F32:
-        return words
-    return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
-
-
-def read_states(kv, blocks: jax.Array, dims: Mamba2Dims) -> tuple[jax.Array, jax.Array]:
-    """The states in pages `blocks` [S] of the cache array pair kv: conv [S, W-1, C] and SSM
-    [S, H, P, N], float32."""
-    pages = jnp.concatenate([jnp.moveaxis(a[:, blocks], 1, 0).reshape(blocks.shape[0], -1)
-                             for a in kv], axis=-1)
-    words = _words(pages)
-    s = blocks.shape[0]
-    conv = words[:, :dims.conv_words].reshape(s, dims.conv_width - 1, dims.conv_dim)
-    ssm = words[:, dims.conv_words:dims.conv_words + dims.ssm_words]
-    return conv, ssm.reshape(s, dims.heads, dims.head_dim, dims.state_dim)
-
-
-def write_states(kv, blocks: jax.Array, conv: jax.Array, ssm: jax.Array):
-    """kv with the states (conv [S, W-1, C], SSM [S, H, P, N]) written into pages `blocks`
-    [S] (out of range: not written), the rest of each page zero."""
-    s = blocks.shape[0]
-    dtype = kv[0].dtype
-    sizes = [a[:, 0].size for a in kv]  # elements of one page of each array
-    total_words = sum(sizes) * jnp.dtype(dtype).itemsize // 4
-    words = jnp.concatenate([conv.reshape(s, -1).astype(_F32), ssm.reshape(s, -1).astype(_F32)],
-                            axis=-1)
-    words = jnp.pad(words, ((0, 0), (0, total_words - words.shape[1])))
-    pages = jnp.split(_elements(words, dtype), [sizes[0]], axis=-1)
-    out = []
-    for a, page in zip(kv, pages):
-        heads, _, block_size, width = a.shape
-        rows = jnp.moveaxis(page.reshape(s, heads, block_size, width), 0, 1)
-        out.append(a.at[:, blocks].set(rows, mode="drop"))
-    return tuple(out)

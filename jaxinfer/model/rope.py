@@ -93,6 +93,19 @@ def parse_rope(raw: dict[str, Any], params: dict[str, Any] | None = None,
                       truncate=truncate, attention_factor=float(attention))
 
 
+def partial_rotary_dim(raw: dict[str, Any]) -> int:
+    """HF's default rope turns int(head_dim * partial_rotary_factor) dims (transformers 5 keeps
+    the factor in rope_parameters, older configs at the top level)."""
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    params = raw.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", raw["partial_rotary_factor"]))
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ConfigError(f"config.json: partial_rotary_factor={factor} turns {dim} of "
+                          f"head_dim={head_dim} dims; an even number in 2..head_dim is needed")
+    return dim
+
+
 def _factor(params: dict[str, Any], rope_type: str) -> float:
     if params.get("factor") is None:
         raise ConfigError(f"config.json: rope_scaling.factor is required for rope_type "

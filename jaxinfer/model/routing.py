@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
-from pallas_kernels.moe.routing_kernel import (MAX_CELLS, MAX_TOKENS, TOKEN_LIMIT, RoutingSpec,
-                                              fused_route)
+from pallas_kernels.moe.routing_kernel import MAX_TOKENS, RoutingSpec, fits, fused_route
 
 
 def route(cfg: ModelConfig, logits: jax.Array,
@@ -104,8 +103,8 @@ class Routed(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Router:
     """The kernel table's routing slot: with `fused`, the Pallas kernel for steps of at most
-    `max_tokens` (at most TOKEN_LIMIT) tokens whose tokens x experts fit one program (MAX_CELLS;
-    `interpret`: its interpreter, CPU tests, with no such bound), `route` above; else `route`.
+    `max_tokens` tokens whose tokens x routed experts fit one program's shared memory (`fits`:
+    its tiles' bound, which the interpreter, `interpret`, CPU tests, keeps too); else `route`.
     `shared`: always-on experts stored after the routed ones (`with_shared`)."""
     fused: bool = False
     interpret: bool = False
@@ -114,8 +113,7 @@ class Router:
     def __call__(self, cfg: ModelConfig, logits: jax.Array,
                  score_bias: jax.Array | None = None, shared: int = 0) -> Routed:
         t, e = logits.shape
-        if (not self.fused or t > min(self.max_tokens, TOKEN_LIMIT)
-                or (not self.interpret and t * (e + shared) > MAX_CELLS)):
+        if not self.fused or t > self.max_tokens or not fits(t, e):
             weights, experts = route(cfg, logits, score_bias)
             return Routed(*with_shared(weights, experts, cfg.num_experts, shared), None)
         weights, experts, sizes, rank = fused_route(logits, routing_spec(cfg, shared), score_bias,

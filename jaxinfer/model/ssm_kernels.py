@@ -1,5 +1,6 @@
-"""The kernel table's slot for Mamba-2's layers (kernel_table.KernelTable.mamba2): the causal
-conv1d and the SSD scan over a ragged batch, as the Triton-lowered Pallas kernels
+"""The kernel table's slots for the fixed-state layers: Mamba-2's (KernelTable.mamba2: the
+causal conv1d and the SSD scan) and Gated DeltaNet's (KernelTable.gdn: the causal conv1d and
+the gated delta rule), over a ragged batch, as the Triton-lowered Pallas kernels
 (pallas_kernels/ssm: GPU) or their jnp references (elsewhere), one call shape for both.
 
 Every call takes a state pool and the batch of pallas_kernels/ssm/batch.py (cu_seqlens, slots,
@@ -15,9 +16,9 @@ from pallas_kernels.ssm import reference
 
 
 @dataclasses.dataclass(frozen=True)
-class Mamba2Kernels:
+class CausalConvKernels:
     """`pallas`: the Pallas kernels (`interpret` runs them in the interpreter: CPU tests);
-    else the references (the conv's windowed sum, SSD's chunked form)."""
+    else the references (the conv's windowed sum, the scans' chunked forms)."""
     pallas: bool = False
     interpret: bool = False
 
@@ -36,6 +37,11 @@ class Mamba2Kernels:
         return reference.causal_conv1d_reference(x, weight, bias, pool, cu_seqlens, slots,
                                                  has_initial_state)
 
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Kernels(CausalConvKernels):
+    """The conv and Mamba-2's SSD scan."""
+
     def ssd(self, x, dt, a, b, c, d, pool, cu_seqlens, slots, has_initial_state, *,
             chunk_size: int, decode: bool = False):
         """The SSM: x [T, H, P], dt [T, H] (after softplus), a, d [H], b, c [T, G, N],
@@ -50,3 +56,24 @@ class Mamba2Kernels:
             return reference.ssd_decode_reference(x, dt, a, b, c, pool, slots, d=d)
         return reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu_seqlens, slots,
                                                has_initial_state, d=d, chunk_size=chunk_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetKernels(CausalConvKernels):
+    """The conv and Gated DeltaNet's delta rule (q and k L2-normalised inside, as HF passes
+    use_qk_l2norm_in_kernel=True)."""
+
+    def delta_rule(self, q, k, v, g, beta, pool, cu_seqlens, slots, has_initial_state, *,
+                   chunk_size: int, decode: bool = False):
+        """q, k [T, Hk, K], v [T, Hv, V], g (the log decay) and beta [T, Hv] float32, pool
+        [n, Hv, K, V] float32 -> (o [T, Hv, V], the pool)."""
+        if self.pallas:
+            from pallas_kernels.ssm.gated_deltanet import gdn_decode, gdn_prefill
+            if decode:
+                return gdn_decode(q, k, v, g, beta, pool, slots, interpret=self.interpret)
+            return gdn_prefill(q, k, v, g, beta, pool, cu_seqlens, slots, has_initial_state,
+                               chunk_size=chunk_size, interpret=self.interpret)
+        if decode:
+            return reference.gdn_decode_reference(q, k, v, g, beta, pool, slots)
+        return reference.gdn_chunked_reference(q, k, v, g, beta, pool, cu_seqlens, slots,
+                                               has_initial_state, chunk_size=chunk_size)

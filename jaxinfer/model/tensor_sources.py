@@ -184,3 +184,10 @@ def interleaved(src: Source, half: int) -> Source:
         both = src.read((*idx[:-1], slice(2 * cols.start, 2 * cols.stop)))
         return both[..., half::2]
     return Source((*lead, two_f // 2), read, src.dtype)
+
+
+def depthwise_conv_weight(ckpt: Checkpoint, name: str) -> Source:
+    """HF's depthwise Conv1d weight [C, 1, W] as the mixer's [W, C]."""
+    c, _, w = ckpt.shape(name)
+    return Source((w, c), lambda idx: ckpt.read(name, (idx[1], slice(None), idx[0]))[:, 0].T,
+                  ckpt.dtypes[name])

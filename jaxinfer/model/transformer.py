@@ -207,7 +207,8 @@ def _attention(cfg: ModelConfig, spec: KVCacheSpec, kernels: KernelTable,
         return MLAttention(cfg, kernels, dtype, name="attn")
     family = families.family(cfg.architecture)
     if isinstance(spec, FixedStateSpec) and family.state_layer is not None:
-        return family.state_layer(cfg, kernels, dtype, layer=layer, name="mamba")
+        return family.state_layer(cfg, kernels, dtype, layer=layer,
+                                  name=family.state_layer_name)
     module = family.attention or Attention
     if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
         return module(cfg, kernels, dtype, spec.window, layer=layer, name="attn")

@@ -41,8 +41,8 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
     from jaxinfer.worker.kv import activation_peak_bytes
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
-    max_blocks = -(-max_model_len // block_size)
     groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
+    max_blocks = groups.table_width(max_model_len, block_size, kv_dtype)
     batches = {v: build_step_batch([], 0, t, s, SamplingTable(max_num_seqs, cfg.vocab_size),
                                    block_size, max_blocks, max_model_len, v,
                                    kv_layout=groups.kv_layout) for v in SAMPLE_VARIANTS}

@@ -141,7 +141,6 @@ class ModelRunner:
         self.kernels = kernels = shard_kernels(kernels, plan)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
         self.decode_steps_per_call = decode_steps_per_call
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens,
                                     lone_sequence=is_fused(params))
@@ -153,6 +152,7 @@ class ModelRunner:
         self.launcher: StepLauncher | None = None  # set_async_launch
         # The KV manager's layer groups (None: one table, one cache array per layer).
         self.kv_groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
+        self.max_blocks = self.kv_groups.table_width(max_model_len, block_size, kv_dtype)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_slots=self.kv_groups.num_slots,
                                           num_heads=plan and plan.stored_kv_heads,

@@ -215,13 +215,19 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     logits_indices[:n] = qsl[1:n + 1] - 1
     num_groups = 1 + max(g for _, g in kv_layout) if kv_layout else 1
     block_tables = np.zeros((num_groups, num_seqs, max_blocks), i32)
-    if n:  # every group's table of a row has the same length
-        counts = np.fromiter((len(ts[0]) for ts in tables), i32, n)
-        table_row = np.repeat(np.arange(n), counts)
-        table_col = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        for g in range(num_groups):
-            block_tables[g, table_row, table_col] = np.fromiter(
-                itertools.chain.from_iterable(ts[g] for ts in tables), i32, table_col.size)
+    # The groups that grow with the tokens share their tables' length; a fixed state's group
+    # holds its state's pages whatever the length (kv_specs.FixedStateSpec).
+    lengths = {}
+    for g in range(num_groups if n else 0):
+        counts = np.fromiter((len(ts[g]) for ts in tables), i32, n)
+        key = counts.tobytes()
+        if key not in lengths:
+            table_row = np.repeat(np.arange(n), counts)
+            lengths[key] = (table_row, np.arange(int(counts.sum()))
+                            - np.repeat(np.cumsum(counts) - counts, counts))
+        table_row, table_col = lengths[key]
+        block_tables[g, table_row, table_col] = np.fromiter(
+            itertools.chain.from_iterable(ts[g] for ts in tables), i32, table_col.size)
     token_row = np.repeat(np.arange(n), q_lens)
     blk = block_tables[:, token_row, positions[:t] // block_size]
     slot_mapping = np.full((num_groups, num_tokens), -1, i32)

@@ -121,11 +121,25 @@ class KVCacheGroups:
             return None
         return tuple(zip(self.layer_slot, self.layer_group))
 
-    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
+    def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int,
+                            dtype=None) -> int:
         """The most blocks one sequence of `num_tokens` holds at once when its prompt is computed
         in chunks of at most `chunk` tokens, summed over the groups (KVCacheSpec's rule each:
-        a windowed group holds its window plus the chunk and one block for alignment)."""
-        return sum(spec.blocks_for_sequence(num_tokens, chunk, block_size) for spec in self.specs)
+        a windowed group holds its window plus the chunk and one block for alignment, a fixed
+        state's group the pages of its state in a cache of `dtype`)."""
+        return sum(spec.blocks_for_sequence(num_tokens, chunk, block_size, dtype)
+                   for spec in self.specs)
+
+    def table_width(self, max_model_len: int, block_size: int, dtype) -> int:
+        """A block table's columns: a sequence's blocks at `max_model_len`, or a fixed state's
+        pages where more."""
+        return max([-(-max_model_len // block_size)] + [
+            n for n in self.state_pages(block_size, dtype) if n is not None])
+
+    def state_pages(self, block_size: int, dtype) -> tuple[int | None, ...]:
+        """Per group the blocks a sequence holds from its first token on (a fixed state's
+        pages), None for groups whose blocks come with the tokens (KVCacheManager's tables)."""
+        return tuple(spec.state_pages(block_size, dtype) for spec in self.specs)
 
     @property
     def num_groups(self) -> int:
@@ -145,12 +159,16 @@ class KVCacheGroups:
         blocks before it can go (the group's spec decides; 0 for groups keeping every block)."""
         return self.specs[group].first_needed_block(first_query_pos, block_size)
 
-    def tokens_held(self, num_tokens: int, block_size: int) -> int:
+    def tokens_held(self, num_tokens: int, block_size: int, dtype=None) -> int:
         """Block-tokens (pages x block_size, over all groups) one sequence of `num_tokens` tokens
-        holds once its out-of-window blocks are freed, its next query at `num_tokens`."""
+        holds once its out-of-window blocks are freed, its next query at `num_tokens` (a fixed
+        state's group: its state's pages in a cache of `dtype`)."""
         total_blocks = -(-num_tokens // block_size)
         held = 0
-        for g in range(self.num_groups):
+        for g, spec in enumerate(self.specs):
+            if spec.state_pages(block_size, dtype) is not None:
+                held += spec.blocks_for_sequence(num_tokens, num_tokens, block_size, dtype)
+                continue
             held += total_blocks - min(self.first_needed_block(g, num_tokens, block_size),
                                        total_blocks)
         return held * block_size

@@ -90,9 +90,11 @@ class KVCacheManager(HostOffloadMixin):
     Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 groups: KVCacheGroups | None = None, host_tier: HostTier | None = None):
+                 groups: KVCacheGroups | None = None, host_tier: HostTier | None = None,
+                 kv_dtype=None):
         """`host_tier`: the host pool's bookkeeping (host_tier.py), or None: an evicted block's
-        KV is gone. Needs prefix caching and one KV group."""
+        KV is gone. Needs prefix caching and one KV group. `kv_dtype`: the cache's element type,
+        which sets how many blocks a fixed state spans (kv_specs.FixedStateSpec)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if host_tier is not None and not enable_prefix_caching:
@@ -102,8 +104,17 @@ class KVCacheManager(HostOffloadMixin):
         # Which layers share a table (one full-attention group unless the model has windows).
         self.groups = groups or KVCacheGroups.full_attention(1)
         self._num_groups = self.groups.num_groups
-        self._partial = [g for g, spec in enumerate(self.groups.specs)  # groups that free blocks
-                          if not spec.keeps_every_block]
+        # Groups of a fixed state: a sequence holds its state's pages there from its first
+        # token to its end (group -> pages); the others grow with the tokens.
+        self._state_pages = {g: n for g, n in enumerate(self.groups.state_pages(block_size,
+                                                                              kv_dtype))
+                             if n is not None}
+        if self._state_pages and enable_prefix_caching:
+            # (A state's pages hold its latest state, none per block for a match to resume.)
+            raise ValueError("prefix caching of fixed states is not built")
+        self._growing = [g for g in range(self.groups.num_groups) if g not in self._state_pages]
+        self._partial = [g for g in self._growing  # groups that free blocks
+                         if not self.groups.specs[g].keeps_every_block]
         if host_tier is not None and self._num_groups > 1:
             raise ValueError("a host KV tier needs a model with one KV group (no sliding windows)")
         self.pool = BlockPool(num_blocks)
@@ -225,9 +236,11 @@ class KVCacheManager(HostOffloadMixin):
                        first_query_pos: int | None = None) -> bool:
         """Give the request slots for ``num_new_tokens`` more tokens (a prefill chunk or a decode).
 
-        Allocates blocks on demand as tokens cross block boundaries. If the request's last block
-        is partly filled and shared with a fork, it is first copied into a fresh block
-        (copy-on-write) and the (src, dst) device copy is queued for take_pending_copies.
+        Allocates blocks on demand as tokens cross block boundaries, and a fixed state's pages
+        with the request's first tokens (kv_specs.FixedStateSpec.state_pages). If the request's
+        last block is partly filled and shared with a fork, it is first copied into a fresh
+        block (copy-on-write), as are a state's pages shared with a fork (every step writes
+        them); the (src, dst) device copies are queued for take_pending_copies.
 
         Returns True on success. Returns False, having changed nothing (but for skipping blocks
         no query can see any more, below), when the pool has too few free + evictable blocks:
@@ -252,32 +265,44 @@ class KVCacheManager(HostOffloadMixin):
         tables = req.tables
         old_tokens = req.num_tokens
         new_tokens = old_tokens + num_new_tokens
-        num_new_blocks = (new_tokens + bs - 1) // bs - len(tables[0])
+        num_new_blocks = (new_tokens + bs - 1) // bs - (old_tokens + bs - 1) // bs
         pool = self.pool
-        cow = ([g for g, t in enumerate(tables) if pool.ref_counts[t[-1]] > 1]
-               if old_tokens % bs else ())
-        if num_new_blocks == 0 and not cow:  # the common decode step: room in place
+        # Copy-on-write: a growing group's partly filled last block, or a state's pages, shared
+        # with a fork (a state is updated in place by every step, so a shared one always is).
+        cow = ([(g, len(t) - 1) for g in self._growing
+                if pool.ref_counts[(t := tables[g])[-1]] > 1] if old_tokens % bs else [])
+        state_new = 0  # the pages of states the request takes now (its first tokens)
+        for g, n in self._state_pages.items():
+            t = tables[g]
+            if not t:
+                state_new += n
+            elif pool.ref_counts[t[0]] > 1:
+                cow.extend((g, i) for i in range(n))
+        if num_new_blocks == 0 and not cow and not state_new:  # a decode step: room in place
             req.num_tokens = new_tokens
             return True
         if self._partial:
             self._skip_unneeded(req, old_tokens if first_query_pos is None
                                 else min(first_query_pos, old_tokens))
-        if num_new_blocks * len(tables) + len(cow) > pool.num_free_blocks:
+        if num_new_blocks * len(self._growing) + state_new + len(cow) > pool.num_free_blocks:
             if registered_here:
                 del self._requests[request_id]  # leave no trace of a request we registered
             return False
-        for g in cow:
+        for g, i in cow:
             blocks = tables[g]
-            src = blocks[-1]
+            src = blocks[i]
             (dst,) = pool.allocate(1)
             pool.decref(src)  # still held by the fork that shares it (count was > 1)
-            blocks[-1] = dst
+            blocks[i] = dst
             # If src is itself waiting to be filled by a copy, copy from that copy's source: all
             # copies of a step read the cache before any writes (see device_cache.copy_blocks).
             self._pending_copies[dst] = self._pending_copies.get(src, src)
         if num_new_blocks > 0:
-            for blocks in tables:
-                blocks.extend(pool.allocate(num_new_blocks))
+            for g in self._growing:
+                tables[g].extend(pool.allocate(num_new_blocks))
+        for g, n in self._state_pages.items():
+            if not tables[g]:
+                tables[g].extend(pool.allocate(n))
         req.num_tokens = new_tokens
         return True
 
@@ -304,7 +329,8 @@ class KVCacheManager(HostOffloadMixin):
         if num_tokens < 0 or keep < cached:
             raise ValueError(f"truncate({request_id!r}, {num_tokens}): below the request's "
                              f"{req.num_cached_blocks} cached blocks")
-        for g, blocks in enumerate(req.tables):
+        for g in self._growing:  # (a state's pages hold no tokens)
+            blocks = req.tables[g]
             while len(blocks) > keep:
                 b = blocks.pop()
                 if len(blocks) >= req.skipped[g]:
@@ -364,7 +390,8 @@ class KVCacheManager(HostOffloadMixin):
         """Make ``child_id`` share every block of ``parent_id`` (reference counts +1, no copy).
 
         Needs no free block, so it always succeeds. The first append by either side into the
-        shared partly-filled last block copies that one block (see allocate_slots)."""
+        shared partly-filled last block copies that one block, and the first by either side
+        copies a fixed state's pages (see allocate_slots)."""
         if child_id in self._requests:
             raise ValueError(f"fork: child request {child_id!r} already exists")
         parent = self._requests.get(parent_id)
@@ -409,8 +436,12 @@ class KVCacheManager(HostOffloadMixin):
             for b in reversed(tables[0][skipped[0]:]):
                 release(b)
             return True
-        for i in range(len(tables[0]) - 1, -1, -1):  # last block first, every group at once
-            for table, k in zip(tables, skipped):
+        for g in self._state_pages:
+            for b in tables[g]:
+                release(b)
+        growing = [(tables[g], skipped[g]) for g in self._growing]
+        for i in range((len(growing[0][0]) if growing else 0) - 1, -1, -1):
+            for table, k in growing:  # last block first, every group at once
                 if i >= k:
                     release(table[i])
         return True

@@ -84,15 +84,17 @@ class LoRAAdapter:
 def projection_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     """(in, out) features of a projection of a layer."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    return {"q_proj": (h, cfg.num_heads * d), "k_proj": (h, cfg.num_kv_heads * d),
+    q_width = (2 if cfg.attn_output_gate else 1) * cfg.num_heads * d  # (+ the heads' gates)
+    return {"q_proj": (h, q_width), "k_proj": (h, cfg.num_kv_heads * d),
             "v_proj": (h, cfg.num_kv_heads * d), "o_proj": (cfg.num_heads * d, h),
             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}[proj]
 
 
 def layer_projections(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     """The projections of `layer` an adapter may target (a MoE layer's experts are not, nor MLA's
-    latent projections: model/mla.py)."""
-    attn = () if cfg.mla else ATTN_PROJS
+    latent projections: model/mla.py, nor a state-space layer's: ModelConfig.layer_states)."""
+    state = bool(cfg.layer_states) and cfg.layer_states[layer] is not None
+    attn = () if cfg.mla or state else ATTN_PROJS
     return attn if cfg.layer_is_moe(layer) else attn + MLP_PROJS
 
 

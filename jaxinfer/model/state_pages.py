@@ -1,0 +1,128 @@
+"""A fixed-state layer's states in the paged cache (kv_specs.FixedStateSpec), for every such
+layer (mamba2.py's Mamba-2 mixer, qwen3_next.py's Gated DeltaNet): the states a step's
+sequences start from, gathered into a pool of one slot per sequence, and the states they end
+with, written back.
+
+A sequence's first n blocks of the layer's group table (n = FixedStateSpec.state_pages, held
+from its first token to its end) hold, bit-cast to float32 words and laid end to end over the
+n pages of the layer's cache array pair (K's page, then V's, of each block in turn; [heads,
+blocks, block_size, width] each), the layer's states (a conv state and a recurrent state, in
+the order `shapes` gives) after the sequence's last computed token, the rest zero. A step
+reads them (zeros for a sequence with no context) and writes the new ones over them, so
+chunked prefill carries the state across chunks and a decode updates it in place; a fork's
+shared pages are copied before either side writes (KVCacheManager's copy-on-write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+Shapes = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBatch:
+    """A step's sequences as the ssm kernels take them (pallas_kernels/ssm/batch.py): cu_seqlens
+    [S + 1], slots [S] (-1: no tokens), has_initial_state [S], each state's pool [S, *shape]
+    (zeros where a sequence starts fresh), and the pages [S, n] each writes its final states
+    over (out of range: none; None on the dense path, which keeps no states)."""
+    cu_seqlens: jax.Array
+    slots: jax.Array
+    has_initial_state: jax.Array
+    pools: tuple[jax.Array, ...]
+    destinations: jax.Array | None = None
+
+
+def state_words(shapes: Shapes) -> int:
+    """float32 words of the states of `shapes`."""
+    return sum(math.prod(s) for s in shapes)
+
+
+def dense_batch(lead: tuple[int, ...], shapes: Shapes) -> StateBatch:
+    """Rows of x [B, L, H] (or [L, H]) as B fresh sequences of L tokens, each in its own slot."""
+    rows, length = (1, lead[0]) if len(lead) == 1 else lead
+    return StateBatch(jnp.arange(rows + 1, dtype=jnp.int32) * length,
+                      jnp.arange(rows, dtype=jnp.int32), jnp.zeros((rows,), bool),
+                      tuple(jnp.zeros((rows, *s), _F32) for s in shapes))
+
+
+def paged_batch(md, kv, shapes: Shapes) -> StateBatch:
+    """The batch of a paged step (md: AttentionMetadata of the layer's group): sequence s reads
+    its states from its state's pages and writes them back there (a padding sequence, or a
+    finished row of a decode loop, has no tokens: slot -1, its pages out of range)."""
+    cu = md.query_start_loc.astype(jnp.int32)
+    seq_lens = md.seq_lens.astype(jnp.int32)
+    s = seq_lens.shape[0]
+    num_blocks = kv[0].shape[1]
+    pages = md.block_tables[:, :state_pages(kv, shapes)]
+    q = cu[1:] - cu[:-1]
+    live = (q > 0) & (seq_lens > 0)
+    has_init = live & (seq_lens - q > 0)
+    pools = tuple(jnp.where(has_init.reshape((s,) + (1,) * (p.ndim - 1)), p, 0.0)
+                  for p in read_states(kv, pages, shapes))
+    slots = jnp.where(live, jnp.arange(s), -1).astype(jnp.int32)
+    return StateBatch(cu, slots, has_init, pools, jnp.where(live[:, None], pages, num_blocks))
+
+
+def state_pages(kv, shapes: Shapes) -> int:
+    """The pages of the cache array pair kv that the states of `shapes` span
+    (FixedStateSpec.state_pages for this cache)."""
+    page_bytes = sum(a[:, 0].size for a in kv) * kv[0].dtype.itemsize
+    return -(-state_words(shapes) * 4 // page_bytes)
+
+
+def _words(page: jax.Array) -> jax.Array:
+    """[S, E] elements of the cache dtype -> [S, E * itemsize / 4] float32 words (bit-cast)."""
+    if page.dtype == _F32:
+        return page
+    ratio = 4 // page.dtype.itemsize
+    return jax.lax.bitcast_convert_type(page.reshape(page.shape[0], -1, ratio), _F32)
+
+
+def _elements(words: jax.Array, dtype) -> jax.Array:
+    if jnp.dtype(dtype) == _F32:
+        return words
+    return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
+
+
+def _page_rows(kv, blocks: jax.Array) -> jax.Array:
+    """[S, n * E]: the pages `blocks` [S, n] of the cache array pair kv end to end (each
+    block's K page, then its V page)."""
+    s, n = blocks.shape
+    return jnp.concatenate([jnp.moveaxis(a[:, blocks], (1, 2), (0, 1)).reshape(s, n, -1)
+                            for a in kv], axis=-1).reshape(s, -1)
+
+
+def read_states(kv, blocks: jax.Array, shapes: Shapes) -> tuple[jax.Array, ...]:
+    """The states in pages `blocks` [S, n] of the cache array pair kv: one float32
+    [S, *shape] per entry of `shapes`."""
+    words = _words(_page_rows(kv, blocks))
+    s, start, out = blocks.shape[0], 0, []
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(words[:, start:start + size].reshape(s, *shape))
+        start += size
+    return tuple(out)
+
+
+def write_states(kv, blocks: jax.Array, states: tuple[jax.Array, ...]):
+    """kv with `states` (each [S, ...], in `read_states`' order) written over pages `blocks`
+    [S, n] (out of range: not written), the rest of the pages zero."""
+    s, n = blocks.shape
+    dtype = kv[0].dtype
+    sizes = [a[:, 0].size for a in kv]  # elements of one page of each array
+    total_words = n * sum(sizes) * jnp.dtype(dtype).itemsize // 4
+    words = jnp.concatenate([x.reshape(s, -1).astype(_F32) for x in states], axis=-1)
+    words = jnp.pad(words, ((0, 0), (0, total_words - words.shape[1])))
+    pages = jnp.split(_elements(words, dtype).reshape(s, n, -1), [sizes[0]], axis=-1)
+    out = []
+    for a, page in zip(kv, pages):
+        heads, _, block_size, width = a.shape
+        rows = jnp.moveaxis(page.reshape(s, n, heads, block_size, width), (0, 1), (1, 2))
+        out.append(a.at[:, blocks].set(rows, mode="drop"))
+    return tuple(out)

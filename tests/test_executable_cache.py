@@ -64,9 +64,8 @@ def test_warm_start_loads_every_step_and_keeps_greedy_tokens(cold, tmp_path):
     cache = cold.runner.executable_cache
     r = cold.runner
     stored = sum(map(len, r.programs.compiled.values()))
-    # 3 variants per step bucket
-    assert len(r.programs.compiled["step"]) == 3 * (len(r.buckets.decode_buckets)
-                                                    + len(r.buckets.token_buckets))
+    # 3 variants per sequence bucket
+    assert len(r.programs.compiled["packed sample"]) == 3 * len(r.buckets.decode_buckets)
     assert cache.hits == 0 and cache.misses == stored
     assert len(list(cache.dir.glob("*.exe"))) == stored
     expected = greedy_tokens(cold)
@@ -89,12 +88,13 @@ def test_warm_start_loads_every_step_and_keeps_greedy_tokens(cold, tmp_path):
 
 def test_a_flag_that_shapes_the_step_misses(cold, tmp_path):
     # decode_steps_per_call is a static argument of the decode loop: its loops miss, the
-    # steps (which it does not shape) still load.
+    # forwards and samplers (which it does not shape) still load.
     other = make_engine(warmup=True, compilation_cache_dir=str(copy_of(cold, tmp_path)),
                         decode_steps_per_call=2)
     runner = other.runner
     compiled = runner.programs.compiled
-    assert runner.executable_cache.hits == len(compiled["step"]) + len(compiled["copy"])
+    assert runner.executable_cache.hits == (len(compiled["packed forward"])
+                                            + len(compiled["packed sample"]) + len(compiled["copy"]))
     assert runner.executable_cache.misses == len(compiled["decode loop"]) > 0
 
 

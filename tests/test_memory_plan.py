@@ -167,8 +167,7 @@ def test_jaxinfer_memory_shows_the_engines_own_check(capsys):
 
 def test_the_probe_covers_every_compiled_bucket():
     """After warm-up at the real pool size, the planned figure (largest mixed forward + the
-    largest sampler variant) is at least what every compiled step (forward and sampler in one)
-    and loop measure;
+    largest sampler variant) is at least what every compiled forward, loop and sampler measure;
     warm-up runs as many compiles at once as the plan kept autotune room for."""
     from jaxinfer.engine.kv_blocks import with_compiled_peak
     from test_engine_support import make_engine

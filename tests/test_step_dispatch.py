@@ -1,5 +1,7 @@
-"""An ordinary step is one dispatch: its inputs' unpacking, forward and sampling run as one
-compiled program (step_programs.fused_step), the on-device decode loop likewise."""
+"""An ordinary step is two dispatches: its forward cuts its inputs from the one packed buffer and
+hands the sampler's on (step_programs.packed_forward, packed_sample), with no unpacking call of
+its own; the on-device decode loop is one. And warm-up compiles the forward once per bucket, no
+more often than before the packed buffer went into the programs."""
 
 from __future__ import annotations
 
@@ -9,9 +11,19 @@ from jaxinfer.structured import StructuredOutputsParams
 from test_engine_support import assert_all_free, make_engine, prompt_ids, run_all
 
 
-def test_an_ordinary_step_dispatches_one_compiled_program(monkeypatch):
+def test_an_ordinary_step_dispatches_two_compiled_programs(monkeypatch):
     engine = make_engine(warmup=True, decode_steps_per_call=3)
     runner, programs = engine.runner, engine.runner.programs
+    # The forward (the costly compile) once per step bucket, as before (3 here: mixed 16 and 32,
+    # decode 8); the sampler once per row count and variant; no other table holds a forward.
+    compiled = {name: len(table) for name, table in programs.compiled.items()}
+    buckets = runner.buckets
+    assert compiled["packed forward"] == len(buckets.token_buckets) + len(buckets.decode_buckets)
+    assert compiled["packed forward"] == 3
+    assert compiled["packed sample"] == 3 * len(buckets.decode_buckets)
+    assert compiled["decode loop"] == 2 * len(runner.loop_buckets)
+    assert {name for name, n in compiled.items() if n} == {
+        "packed forward", "packed sample", "decode loop", "copy"}, compiled
     calls: list[tuple[str, bool]] = []  # (program, whether warm-up compiled the one it ran)
     run = programs.run
 
@@ -50,9 +62,8 @@ def test_an_ordinary_step_dispatches_one_compiled_program(monkeypatch):
         engine.add_request(f"loop{i}", prompt_ids(80 + i, 5), SamplingParams(max_tokens=12))
     finished |= set(run_all(engine))
     assert finished == {f"r{i}" for i in range(len(kinds))} | {"loop0", "loop1"}
-    assert per_step and all(len(step) == 1 for step in per_step), per_step
-    names = {step[0][0] for step in per_step}
-    assert names == {"step", "decode loop"}, names
-    # Each ordinary step ran the executable warm-up compiled for its bucket and variant.
-    assert all(compiled for (name, compiled), in per_step if name == "step"), per_step
+    names = [tuple(name for name, _ in step) for step in per_step]
+    assert set(names) == {("packed forward", "packed sample"), ("decode loop",)}, per_step
+    # Each step ran the executables warm-up compiled for its bucket and variant.
+    assert all(compiled for step in per_step for _, compiled in step), per_step
     assert_all_free(engine)

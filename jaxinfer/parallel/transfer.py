@@ -9,11 +9,14 @@ back into the leaves on the device with one jitted call, whose outputs are then 
 arguments for the step. (On the CPU, at batch 1: 0.62 ms for `jax.device_put` of the 17 leaves,
 0.24 ms packed; issue 26 measured 1.9 ms for the former on the H200.)
 
-An ordinary step goes further (`pack_step_inputs`): its one executable (step_programs.fused_step,
-compiled per bucket and sampler variant) takes the packed buffer itself and cuts it inside
-(`unpack_step_inputs`), so the step is one dispatch, not an unpacking call, a forward and a
-sampler. `put_tree` stays for the programs that take a batch of placed arrays (the decode loop,
-the speculative steps, a step that reads its hidden states).
+An ordinary step goes further (`pack_split_step_inputs`): its forward program takes the packed
+buffer itself and cuts its own inputs from the front (`unpack_model_inputs`), handing the rest of
+the buffer, the sampler's inputs, on to the sampler program, which cuts those
+(`unpack_sampling_inputs`): two dispatches, not an unpacking call, a forward and a sampler. The
+two stay apart so that the forward, the costly compile, is compiled once per bucket and the
+sampler once per row count and sampler variant, as their layouts vary. The decode loop takes one
+packed buffer too (`pack_step_inputs`). `put_tree` stays for the programs that take a batch of
+placed arrays (the speculative steps, an EAGLE-3 head's steps).
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ import numpy as np
 Layout = tuple[tuple[int, tuple[int, ...], str], ...]
 
 
-def pack(leaves: list[np.ndarray]) -> tuple[np.ndarray, Layout]:
-    """4-byte leaves -> one int32 buffer and the layout that cuts it back."""
+def pack(leaves: list[np.ndarray], size: int = 0) -> tuple[np.ndarray, Layout]:
+    """4-byte leaves -> one int32 buffer (zero-padded to `size` int32s if longer) and the layout
+    that cuts it back."""
     layout, offset = [], 0
     for leaf in leaves:
         if leaf.dtype.itemsize != 4:
             raise TypeError(f"pack takes 4-byte arrays; got {leaf.dtype}")
         layout.append((offset, leaf.shape, leaf.dtype.name))
         offset += leaf.size
-    buf = np.empty(offset, np.int32)
+    buf = np.empty(max(offset, size), np.int32)
+    buf[offset:] = 0
     for (start, _, _), leaf in zip(layout, leaves):
         buf[start:start + leaf.size] = leaf.reshape(-1).view(np.int32)
     return buf, tuple(layout)
@@ -79,11 +84,21 @@ def put_tree(tree, sharding: jax.sharding.Sharding | None):
 
 @dataclasses.dataclass(frozen=True)
 class StepPacking:
-    """How a fused step's program cuts its packed buffer back into the StepBatch: the batch's
-    tree (its _APART sampling fields None) and each leaf's place. Static: one per bucket and
-    sampler variant, a part of the executable's key."""
+    """How a program cuts its packed buffer back into its inputs: their tree (the _APART
+    sampling fields None) and each leaf's place. Static, a part of the executable's key."""
     treedef: jax.tree_util.PyTreeDef
     layout: Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPacking:
+    """An ordinary step's packed buffer, read by two programs: the forward's inputs at its front
+    (`model`: the StepBatch but its sampling and emit_slot), then the sampler's (`sample`:
+    (SamplingTensors but the _APART fields, emit_slot), offsets from the tail's start). The tail
+    is zero-padded to one length per row count in every sampler variant (the largest variant's),
+    so the forward, which hands the tail on uncut, has one signature per bucket."""
+    model: StepPacking
+    sample: StepPacking
 
 
 # Step inputs placed apart from the packed buffer: large (a [S, max_model_len] token history, a
@@ -104,7 +119,7 @@ def place_step_inputs(batch, plan):
     the dispatch, on its own device."""
     if _on_non_default_device(plan):
         return batch
-    sharding = None if plan is None or plan.tp == 1 else plan.replicated
+    sharding = _replicated(plan)
     batch, apart = _split_apart(batch, host_only=True)
     batch = put_tree(batch, sharding)
     if apart:
@@ -141,39 +156,119 @@ def _packed(batch):
     return buf, apart, StepPacking(treedef, layout)
 
 
-def pack_step_inputs(batch, plan):
-    """A fused step's inputs: -> (one int32 buffer of every host array but the _APART ones,
-    those by name, the StepPacking). Both placed as `place_step_inputs` places its arrays: one
-    transfer for the buffer (per device under TP), the _APART ones apart; left numpy on a
+def _placed(buf, apart, plan):
+    """The packed buffer and the _APART arrays placed as `place_step_inputs` places its arrays:
+    one transfer for the buffer (per device under TP), the _APART ones apart; left numpy on a
     one-device replica off the default device (its dispatch places them there)."""
-    buf, apart, packing = _packed(batch)
     if _on_non_default_device(plan):
-        return buf, apart, packing
-    sharding = None if plan is None or plan.tp == 1 else plan.replicated
-    return *jax.device_put((buf, apart), sharding), packing
+        return buf, apart
+    return jax.device_put((buf, apart), _replicated(plan))
+
+
+def _replicated(plan):
+    return None if plan is None or plan.tp == 1 else plan.replicated
+
+
+def _specs(buf, apart, plan):
+    """Shape-and-sharding specs of what `_placed` gives (device arrays keep their own)."""
+    def spec(a):
+        where = a.sharding if isinstance(a, jax.Array) and a.committed else (
+            None if isinstance(a, jax.Array) else _replicated(plan))
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+    return spec(buf), jax.tree_util.tree_map(spec, apart)
+
+
+def pack_step_inputs(batch, plan):
+    """A decode loop's inputs: -> (one int32 buffer of every host array but the _APART ones,
+    those by name, the StepPacking), placed (`_placed`)."""
+    buf, apart, packing = _packed(batch)
+    return *_placed(buf, apart, plan), packing
 
 
 def packed_step_specs(batch, plan):
-    """What `pack_step_inputs` gives for `batch`, as shape-and-sharding specs to lower a fused
-    step against (device arrays keep their own sharding)."""
+    """What `pack_step_inputs` gives for `batch`, as shape-and-sharding specs to lower against."""
     buf, apart, packing = _packed(batch)
-    sharding = None if plan is None or plan.tp == 1 else plan.replicated
+    return *_specs(buf, apart, plan), packing
 
-    def spec(a):
-        where = a.sharding if isinstance(a, jax.Array) and a.committed else (
-            None if isinstance(a, jax.Array) else sharding)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
-    return spec(buf), jax.tree_util.tree_map(spec, apart), packing
+
+def _split_packed(batch, tail: int):
+    """-> (host int32 buffer: the forward's inputs, then the sampler's padded to `tail` int32s;
+    the _APART arrays by name; SplitPacking), nothing placed."""
+    rest, apart = _split_apart(batch, host_only=False)
+    model, model_tree = jax.tree_util.tree_flatten(
+        dataclasses.replace(rest, sampling=None, emit_slot=None))
+    sample, sample_tree = jax.tree_util.tree_flatten((rest.sampling, rest.emit_slot))
+    if not all(isinstance(leaf, np.ndarray) for leaf in model + sample):
+        raise TypeError("pack_split_step_inputs takes a batch of host arrays")
+    model_size = sum(leaf.size for leaf in model)
+    if sum(leaf.size for leaf in sample) > tail:
+        raise ValueError(f"the sampler's inputs exceed the step's tail of {tail} int32s")
+    buf, layout = pack(model + sample, model_size + tail)
+    sample_layout = tuple((offset - model_size, shape, dtype)
+                          for offset, shape, dtype in layout[len(model):])
+    return buf, apart, SplitPacking(StepPacking(model_tree, layout[:len(model)]),
+                                    StepPacking(sample_tree, sample_layout))
+
+
+def sampling_inputs_size(batch) -> int:
+    """How many int32s the sampler's inputs of `batch` take in a split-packed buffer."""
+    rest, _ = _split_apart(batch, host_only=False)
+    return sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves((rest.sampling,
+                                                                     rest.emit_slot)))
+
+
+def pack_split_step_inputs(batch, plan, tail: int):
+    """An ordinary step's inputs: -> (one int32 buffer, the forward's inputs then the sampler's
+    padded to `tail` int32s; the _APART arrays by name; the SplitPacking), placed (`_placed`)."""
+    buf, apart, packing = _split_packed(batch, tail)
+    return *_placed(buf, apart, plan), packing
+
+
+def split_step_specs(batch, plan, tail: int):
+    """What `pack_split_step_inputs` gives for `batch` as specs to lower the forward against, and
+    the sampler's: -> (buffer spec, _APART specs, SplitPacking, tail spec)."""
+    buf, apart, packing = _split_packed(batch, tail)
+    buf_spec, apart_specs = _specs(buf, apart, plan)
+    tail_spec = jax.ShapeDtypeStruct((tail,), jnp.int32, sharding=buf_spec.sharding)
+    return buf_spec, apart_specs, packing, tail_spec
+
+
+def _constrained(leaves, sharding):
+    """Each array's sharding inside a program (replicated under TP; left to XLA, the partitioner
+    may split an input and gather it back)."""
+    if sharding is None:
+        return leaves
+    return [jax.lax.with_sharding_constraint(leaf, sharding) for leaf in leaves]
 
 
 def unpack_step_inputs(buf: jax.Array, apart: dict, packing: StepPacking,
                        sharding: jax.sharding.Sharding | None = None):
-    """Inside a fused step: the StepBatch `pack_step_inputs` packed. `sharding`: each array's
-    (replicated under TP; left to XLA, the partitioner may split an input and gather it back)."""
-    leaves = unpack(buf, packing.layout)
-    if sharding is not None:
-        leaves = [jax.lax.with_sharding_constraint(leaf, sharding) for leaf in leaves]
-    batch = jax.tree_util.tree_unflatten(packing.treedef, leaves)
+    """Inside a decode loop: the StepBatch `pack_step_inputs` packed."""
+    batch = jax.tree_util.tree_unflatten(packing.treedef,
+                                         _constrained(unpack(buf, packing.layout), sharding))
     if apart:
         batch = dataclasses.replace(batch, sampling=dataclasses.replace(batch.sampling, **apart))
     return batch
+
+
+def unpack_model_inputs(buf: jax.Array, packing: StepPacking,
+                        sharding: jax.sharding.Sharding | None = None):
+    """Inside an ordinary step's forward: -> (its StepBatch, no sampling or emit_slot; the
+    buffer's tail, the sampler's inputs, uncut)."""
+    offset, shape, _ = packing.layout[-1]
+    end = offset + int(np.prod(shape, dtype=np.int64))
+    batch = jax.tree_util.tree_unflatten(packing.treedef,
+                                         _constrained(unpack(buf, packing.layout), sharding))
+    tail, = _constrained([buf[end:]], sharding)
+    return batch, tail
+
+
+def unpack_sampling_inputs(tail: jax.Array, apart: dict, packing: StepPacking,
+                           sharding: jax.sharding.Sharding | None = None):
+    """Inside an ordinary step's sampler: -> (SamplingTensors, emit_slot) from the tail the
+    forward handed on and the _APART arrays."""
+    sampling, emit_slot = jax.tree_util.tree_unflatten(
+        packing.treedef, _constrained(unpack(tail, packing.layout), sharding))
+    if apart:
+        sampling = dataclasses.replace(sampling, **apart)
+    return sampling, emit_slot

@@ -1,10 +1,11 @@
 """Making the runner's step executables: the buckets the first requests need before the engine
 reports ready, the rest on a background thread while it serves.
 
-A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's step (T
-tokens, S = min(T, max_num_seqs) rows) or a decode bucket's, in every SAMPLE_VARIANTS variant (one
-executable each: its inputs' unpacking, forward and sampler, step_programs.fused_step); or a
-decode bucket's on-device loop in both LOOP_VARIANTS. A unit
+A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's forward (T
+tokens, S = min(T, max_num_seqs) rows) or a decode bucket's, with the sampler of its S rows in
+every SAMPLE_VARIANTS variant (compiled once per S, shared between units; both take the step's one
+packed buffer, step_programs.packed_forward and packed_sample); or a decode bucket's on-device
+loop in both LOOP_VARIANTS. A unit
 is *ready* once all its parts are; only then does `buckets.step_shape` route steps to it. The first set is
 the largest mixed bucket (every step fits it, so no step ever waits for a compile), the one of a
 short prompt (SHORT_PROMPT_TOKENS: a first request's prefill runs at its size), the smallest
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.responsive_gil import responsive_gil
-from jaxinfer.parallel.transfer import packed_step_specs, place_step_inputs
+from jaxinfer.parallel.transfer import packed_step_specs, place_step_inputs, split_step_specs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.compile_priority import CompileStopped, StepPacer, background_pool
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
@@ -86,11 +87,6 @@ def model_inputs(batch: StepBatch) -> StepBatch:
 
 def forward_key(batch: StepBatch) -> tuple[int, int, int]:
     return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
-
-
-def fused_key(batch: StepBatch, variant: SamplerVariant) -> tuple:
-    """A fused step's key in the program table (step_programs.fused_step): bucket and variant."""
-    return (*forward_key(batch), variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +148,10 @@ class BucketCompiler:
         self._specs = shape_specs((runner.params, runner.kv_cache, runner.last_tokens))
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
-        self._forward_program = "forward" if self._writer is None else self._writer.forward_program
-        self._logits_sharding = None
+        self._forward_program = ("packed forward" if self._writer is None
+                                 else self._writer.forward_program)
+        self._sample_program = "packed sample" if self._writer is None else "sample"
+        self._logits_sharding = self._tail_sharding = None
         self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
         self._done = threading.Condition()
         self._num_ready = 0
@@ -212,9 +210,12 @@ class BucketCompiler:
         futures = [self._submit(u) for u in self.first] + self._compile_copies()
         for f in futures:
             f.result()
-        if self._writer is not None:  # its samplers take the forwards' logits, as sharded
-            first = next(iter(self.runner.programs.compiled[self._forward_program].values()))
-            self._logits_sharding = first.output_shardings[0]
+        # The samplers take the forwards' logits (and packed inputs' tail): compiled for exactly
+        # their sharding.
+        first = next(iter(self.runner.programs.compiled[self._forward_program].values()))
+        self._logits_sharding = first.output_shardings[0]
+        if self._writer is None:
+            self._tail_sharding = first.output_shardings[2]
         for u in self.first:
             for f in self._sampler_parts(u):
                 f.result()
@@ -316,50 +317,57 @@ class BucketCompiler:
         return self.runner.buckets.mixed_shape(unit.size)[1] if unit.kind == "mixed" else unit.size
 
     def _sampler_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
-        """(name, args, static arguments, table key) of each sampler a forward unit needs with an
-        EAGLE-3 head's stream-writing forward; none else (a fused step or a loop samples
-        inside)."""
-        if unit.kind in ("loop", "spec") or self._writer is None:
+        """(name, args, static arguments, table key) of each sampler a forward unit needs; none
+        for a loop, which samples inside."""
+        if unit.kind in ("loop", "spec"):
             return []
         s = self._rows(unit)
+        logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
+                                      sharding=self._logits_sharding)
+        last = self._specs[2]
         specs = []
         for variant in SAMPLE_VARIANTS:
-            batch = self.padding_batch("decode", s, variant)
-            logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
-                                          sharding=self._logits_sharding)
-            specs.append((f"sample {s} {variant_label(variant)}",
-                          (logits, self._specs[2], batch.sampling, batch.emit_slot),
-                          dict(variant=variant), (s, variant)))
+            name = f"sample {s} {variant_label(variant)}"
+            if self._writer is not None:
+                batch = self.padding_batch("decode", s, variant)
+                specs.append((name, (logits, last, batch.sampling, batch.emit_slot),
+                              dict(variant=variant), (s, variant)))
+                continue
+            _, apart, packing, tail = split_step_specs(
+                self._host_padding_batch("decode", s, variant), self.runner.plan,
+                self.runner.sampling_tail(s))
+            tail = jax.ShapeDtypeStruct(tail.shape, tail.dtype, sharding=self._tail_sharding)
+            specs.append((name, (logits, last, tail, apart),
+                          dict(packing=packing.sample, variant=variant), (s, variant)))
         return specs
 
     def _step_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
-        """(name, args, static arguments, table key) of the unit's fused steps (one per sampler
-        variant), of its EAGLE-3 stream-writing forward, or of its loops."""
+        """(name, args, static arguments, table key) of the unit's forward, or of its loops."""
         r = self.runner
         params, kv, last = self._specs
         if unit.kind == "spec":  # its steps carry no LoRA inputs (SpecLoop.execute)
             return [spec for variant in LOOP_VARIANTS for spec in self._spec_loop.compile_specs(
                 self._specs, self.padding_batch("decode", unit.size, variant, lora=False), variant)]
-        w = self._writer
-        if unit.kind != "loop" and w is not None:
-            batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
-            return [(f"{unit.name} streams {w.aux_layers}",
-                     (params, kv, last, model_inputs(batch), shape_specs(w.streams)), {},
+        if unit.kind != "loop":
+            w = self._writer
+            if w is not None:
+                batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
+                return [(f"{unit.name} streams {w.aux_layers}",
+                         (params, kv, last, model_inputs(batch), shape_specs(w.streams)), {},
+                         forward_key(batch))]
+            batch = self._host_padding_batch(unit.kind, unit.size, BASE_SAMPLER)
+            packed, _, packing, _ = split_step_specs(batch, r.plan,
+                                                     r.sampling_tail(batch.md.num_seqs))
+            return [(unit.name, (params, kv, last, packed), dict(packing=packing.model),
                      forward_key(batch))]
         specs = []
-        for variant in LOOP_VARIANTS if unit.kind == "loop" else SAMPLE_VARIANTS:
-            batch = self._host_padding_batch(unit.kind if unit.kind != "loop" else "decode",
-                                             unit.size, variant)
+        for variant in LOOP_VARIANTS:
+            batch = self._host_padding_batch("decode", unit.size, variant)
             packed, apart, packing = packed_step_specs(batch, r.plan)
-            name = f"{unit.name} {variant_label(variant)}"
-            if unit.kind == "loop":
-                specs.append((name, (params, kv, last, packed, apart,
-                                     np.zeros(unit.size, np.int32)),
-                              dict(packing=packing, variant=variant,
-                                   num_steps=r.decode_steps_per_call), (unit.size, variant)))
-            else:
-                specs.append((name, (params, kv, last, packed, apart),
-                              dict(packing=packing, variant=variant), fused_key(batch, variant)))
+            specs.append((f"{unit.name} {variant_label(variant)}",
+                          (params, kv, last, packed, apart, np.zeros(unit.size, np.int32)),
+                          dict(packing=packing, variant=variant,
+                               num_steps=r.decode_steps_per_call), (unit.size, variant)))
         return specs
 
     def _sampler_parts(self, unit: Unit) -> list[Future]:
@@ -369,7 +377,8 @@ class BucketCompiler:
         for name, args, static, key in self._sampler_specs(unit):
             f = self._samplers.get(key)
             if f is None:
-                f = self._samplers[key] = self._compile_or_load(name, "sample", args, static, key)
+                f = self._samplers[key] = self._compile_or_load(name, self._sample_program, args,
+                                                                static, key)
             parts.append(f)
         return parts
 
@@ -379,10 +388,10 @@ class BucketCompiler:
             return "decode loop"
         if unit.kind == "spec":
             return self._spec_loop.program
-        return "step" if self._writer is None else self._forward_program
+        return self._forward_program
 
     def _submit(self, unit: Unit) -> Future:
-        """The unit's fused steps, forward or loops, as one future."""
+        """The unit's forward or loops, as one future."""
         if unit.kind == "spec" or (unit.kind != "loop" and self._writer is not None):
             self._place_inputs(unit)  # these programs take placed batches (put_tree's unpacking)
         program = self._program(unit)

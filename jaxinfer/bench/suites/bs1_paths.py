@@ -13,8 +13,8 @@ median of RUNS):
            anchor: engine_llama8b_bs1_fp8w_h200.json);
   packed   single steps, the inputs in one packed transfer (transfer.place_step_inputs), then
            forward and sampler apart: three dispatches, as the engine did before issue 65;
-  fused    single steps as the engine runs them: one packed transfer, one program
-           (step_programs.fused_step);
+  inside   single steps as the engine runs them: one packed transfer, cut inside the forward
+           and the sampler (step_programs.packed_forward, packed_sample): two dispatches;
   default  the engine's default: at batch 1 the on-device decode loop (8 steps per call, fixed trip
            count), packed inputs.
 `probe_<path>`: profile/engine_host_probe over 32 single steps on each single-step path (host
@@ -43,7 +43,7 @@ from jaxinfer.bench.profile.engine_host_probe import LaunchTimer, probe_host
 from jaxinfer.paths import REPO_ROOT
 
 
-PATHS = ("old", "packed", "fused", "default")
+PATHS = ("old", "packed", "inside", "default")
 RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 ms): min and median
 
 
@@ -117,7 +117,7 @@ def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) ->
                 runner.__dict__.pop("_run_step", None)  # the method again
             save(metrics)
         for n in batches:  # a few streams at once: single steps against the default loop
-            for path in ("fused", "default"):
+            for path in ("inside", "default"):
                 engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
                 runs = [batch_tpot(engine, [prompt() for _ in range(n)], out_len)
                         for _ in range(2)]

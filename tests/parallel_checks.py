@@ -296,9 +296,9 @@ def sampler_layout_checks(out: dict) -> None:
             runner = llm.engine.runner
             runner.compiler.wait()  # (the decode loops compile in the background)
             found = {}
-            for kind, table in (("sample", runner.programs.compiled["sample"]),
+            for kind, table in (("sample", runner.programs.compiled["packed sample"]),
                                 ("loop", runner.programs.compiled["decode loop"]),
-                                ("forward", runner.programs.compiled["forward"])):
+                                ("forward", runner.programs.compiled["packed forward"])):
                 for key, exe in table.items():
                     sites = collectives_in_control_flow(exe.as_text())
                     found[f"{kind} {key}"] = {

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.worker.bucket_compiler import BucketCompiler
+from jaxinfer.parallel.transfer import pack_step_inputs
 from jaxinfer.worker.sampler import BASE_SAMPLER
 from test_engine_greedy import WORKLOAD, oracle
 from test_engine_support import assert_all_free, make_engine, run_all, tiny_tokenizer
@@ -29,14 +29,11 @@ def test_the_loop_has_a_trip_count_xla_knows():
     """The loop's while (the one the entry computation runs) carries `known_trip_count` = K in its
     backend config: on the GPU its iterations then run without reading a predicate back."""
     runner = make_engine(decode_steps_per_call=K).runner
-    compiler = BucketCompiler(runner)
-    try:
-        batch = compiler.padding_batch("decode", 8, BASE_SAMPLER)
-    finally:
-        compiler.stop()
+    packed, apart, packing = pack_step_inputs(runner.step_batch([], 8, 8, 8, BASE_SAMPLER),
+                                              runner.plan)
     hlo = runner.programs.jitted["decode loop"].lower(
-        runner.params, runner.kv_cache, runner.last_tokens, batch, np.zeros(8, np.int32),
-        variant=BASE_SAMPLER, num_steps=K).compile().as_text()
+        runner.params, runner.kv_cache, runner.last_tokens, packed, apart, np.zeros(8, np.int32),
+        packing=packing, variant=BASE_SAMPLER, num_steps=K).compile().as_text()
     module = parse(hlo)
     loops = [i for i in module.comps[module.entry] if i.opcode == "while"]
     assert len(loops) == 1

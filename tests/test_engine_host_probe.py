@@ -55,12 +55,12 @@ def test_steady_batch1_steps_compile_nothing_and_sync_nothing(quantization):
 def test_the_probe_sees_a_retrace_and_an_implicit_copy(monkeypatch):
     engine = fused_engine("fp8")
     runner = engine.runner
-    sample, x = runner.programs.jitted["sample"], jax.device_put(np.ones(1, np.float32))
+    sample, x = runner.programs.jitted["packed sample"], jax.device_put(np.ones(1, np.float32))
 
     def retracing(*args, **kwargs):
         jax.jit(lambda v: v + 1)(x)  # a new function per call: traced and compiled every step
         return sample(*args, **kwargs)
-    monkeypatch.setitem(runner.programs.jitted, "sample", retracing)
+    monkeypatch.setitem(runner.programs.jitted, "packed sample", retracing)
     probe = probe_host(engine, [prompt_ids(6, 9)], steps=STEPS, replays=1)
     assert probe["implicit_transfer"] is None
     assert probe["traces"] >= STEPS and probe["compiles"] >= STEPS
@@ -69,6 +69,6 @@ def test_the_probe_sees_a_retrace_and_an_implicit_copy(monkeypatch):
     def copying(*args, **kwargs):
         jax.jit(jnp.negative)(np.ones(1, np.float32))  # numpy into a jit: an implicit copy
         return sample(*args, **kwargs)
-    monkeypatch.setitem(runner.programs.jitted, "sample", copying)
+    monkeypatch.setitem(runner.programs.jitted, "packed sample", copying)
     probe = probe_host(engine, [prompt_ids(7, 9)], steps=STEPS, replays=1)
     assert "host-to-device" in probe["implicit_transfer"]

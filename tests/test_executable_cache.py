@@ -65,7 +65,7 @@ def test_warm_start_loads_every_step_and_keeps_greedy_tokens(cold, tmp_path):
     r = cold.runner
     stored = sum(map(len, r.programs.compiled.values()))
     # 3 variants per sequence bucket
-    assert len(r.programs.compiled["sample"]) == 3 * len(r.buckets.decode_buckets)
+    assert len(r.programs.compiled["packed sample"]) == 3 * len(r.buckets.decode_buckets)
     assert cache.hits == 0 and cache.misses == stored
     assert len(list(cache.dir.glob("*.exe"))) == stored
     expected = greedy_tokens(cold)
@@ -93,8 +93,8 @@ def test_a_flag_that_shapes_the_step_misses(cold, tmp_path):
                         decode_steps_per_call=2)
     runner = other.runner
     compiled = runner.programs.compiled
-    assert runner.executable_cache.hits == (len(compiled["forward"]) + len(compiled["sample"])
-                                            + len(compiled["copy"]))
+    assert runner.executable_cache.hits == (len(compiled["packed forward"])
+                                            + len(compiled["packed sample"]) + len(compiled["copy"]))
     assert runner.executable_cache.misses == len(compiled["decode loop"]) > 0
 
 

@@ -11,7 +11,8 @@ from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sharding import ShardingPlan
-from jaxinfer.worker.bucket_compiler import SAMPLE_VARIANTS, model_inputs
+from jaxinfer.parallel.transfer import sampling_inputs_size, split_step_specs
+from jaxinfer.worker.bucket_compiler import SAMPLE_VARIANTS
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.worker.kv import kv_block_shapes
@@ -33,7 +34,8 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
     aliased to its output, so a step's activations do not depend on the number of blocks
     (tests/test_memory_plan.py checks that on the CPU) -- from two blocks on: XLA simplifies the
     page gathers of a one-block cache, whose temp comes out smaller. The sampler is measured in
-    each variant the engine compiles (which is largest depends on XLA's choices). Costs four
+    each variant the engine compiles (which is largest depends on XLA's choices); both as the
+    engine runs them, on the packed inputs (step_programs.packed_forward, packed_sample). Costs four
     compilations (the forward, three small samplers), unless `cache` holds the figure from an
     earlier start (same key parts as the executables: shapes, shardings, code, compiler)."""
     from jaxinfer.worker.kv import activation_peak_bytes
@@ -57,13 +59,17 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
     if cached is not None:
         return cached
     programs = step_programs(cfg, kernels, block_size, plan)
-    forward_step, sample_step = programs.jitted["forward"], programs.jitted["sample"]
+    forward, sampler = programs.jitted["packed forward"], programs.jitted["packed sample"]
+    tail = max(map(sampling_inputs_size, batches.values()))  # as ModelRunner.sampling_tail
+    packed = {v: split_step_specs(b, plan, tail) for v, b in batches.items()}
+    buf, _, packing, _ = packed[MASKED_SAMPLER]
     logits = jax.ShapeDtypeStruct((s, cfg.vocab_size), jnp.float32)
-    peak = (activation_peak_bytes(forward_step.lower(params, kv, last,
-                                                     model_inputs(batch)).compile())
-            + max(activation_peak_bytes(sample_step.lower(logits, last, b.sampling, b.emit_slot,
-                                                          variant=v).compile())
-                  for v, b in batches.items()))
+    peak = (activation_peak_bytes(forward.lower(params, kv, last, buf,
+                                                packing=packing.model).compile())
+            + max(activation_peak_bytes(sampler.lower(logits, last, tail_spec, apart,
+                                                      packing=packing.sample,
+                                                      variant=v).compile())
+                  for v, (_, apart, packing, tail_spec) in packed.items()))
     if key:
         cache.store_figure(key, peak)
     return peak
@@ -76,8 +82,9 @@ def compiled_steps_peak_bytes(runner) -> tuple[int, int]:
     from jaxinfer.worker.kv import activation_peak_bytes
     # Copies first: the background compiler adds to these tables meanwhile.
     compiled = runner.programs.compiled
-    steps = [*compiled["forward"].copy().values(), *compiled["decode loop"].copy().values()]
-    samplers = list(compiled["sample"].copy().values())
+    steps = [*compiled["packed forward"].copy().values(), *compiled["forward"].copy().values(),
+             *compiled["decode loop"].copy().values()]
+    samplers = [*compiled["packed sample"].copy().values(), *compiled["sample"].copy().values()]
     peak = (max(map(activation_peak_bytes, steps), default=0)
             + max(map(activation_peak_bytes, samplers), default=0))
     return peak, len(steps) + len(samplers)

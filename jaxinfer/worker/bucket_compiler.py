@@ -2,8 +2,10 @@
 reports ready, the rest on a background thread while it serves.
 
 A *unit* is what must be compiled before a bucket can take a step: a mixed bucket's forward (T
-tokens, S = min(T, max_num_seqs) rows) or a decode bucket's forward, each with the sampler of its S
-in every SAMPLE_VARIANTS variant; or a decode bucket's on-device loop in both LOOP_VARIANTS. A unit
+tokens, S = min(T, max_num_seqs) rows) or a decode bucket's, with the sampler of its S rows in
+every SAMPLE_VARIANTS variant (compiled once per S, shared between units; both take the step's one
+packed buffer, step_programs.packed_forward and packed_sample); or a decode bucket's on-device
+loop in both LOOP_VARIANTS. A unit
 is *ready* once all its parts are; only then does `buckets.step_shape` route steps to it. The first set is
 the largest mixed bucket (every step fits it, so no step ever waits for a compile), the one of a
 short prompt (SHORT_PROMPT_TOKENS: a first request's prefill runs at its size), the smallest
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.worker.responsive_gil import responsive_gil
-from jaxinfer.parallel.transfer import place_step_inputs
+from jaxinfer.parallel.transfer import packed_step_specs, place_step_inputs, split_step_specs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.compile_priority import CompileStopped, StepPacer, background_pool
 from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
@@ -146,8 +148,10 @@ class BucketCompiler:
         self._specs = shape_specs((runner.params, runner.kv_cache, runner.last_tokens))
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
-        self._forward_program = "forward" if self._writer is None else self._writer.forward_program
-        self._logits_sharding = None
+        self._forward_program = ("packed forward" if self._writer is None
+                                 else self._writer.forward_program)
+        self._sample_program = "packed sample" if self._writer is None else "sample"
+        self._logits_sharding = self._tail_sharding = None
         self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
         self._done = threading.Condition()
         self._num_ready = 0
@@ -206,9 +210,12 @@ class BucketCompiler:
         futures = [self._submit(u) for u in self.first] + self._compile_copies()
         for f in futures:
             f.result()
-        # The samplers take the forwards' logits: compiled for exactly their sharding.
-        first_forward = next(iter(self.runner.programs.compiled[self._forward_program].values()))
-        self._logits_sharding = first_forward.output_shardings[0]
+        # The samplers take the forwards' logits (and packed inputs' tail): compiled for exactly
+        # their sharding.
+        first = next(iter(self.runner.programs.compiled[self._forward_program].values()))
+        self._logits_sharding = first.output_shardings[0]
+        if self._writer is None:
+            self._tail_sharding = first.output_shardings[2]
         for u in self.first:
             for f in self._sampler_parts(u):
                 f.result()
@@ -315,14 +322,23 @@ class BucketCompiler:
         if unit.kind in ("loop", "spec"):
             return []
         s = self._rows(unit)
+        logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
+                                      sharding=self._logits_sharding)
+        last = self._specs[2]
         specs = []
         for variant in SAMPLE_VARIANTS:
-            batch = self.padding_batch("decode", s, variant)
-            logits = jax.ShapeDtypeStruct((s, self.runner.cfg.vocab_size), jnp.float32,
-                                          sharding=self._logits_sharding)
-            specs.append((f"sample {s} {variant_label(variant)}",
-                          (logits, self._specs[2], batch.sampling, batch.emit_slot),
-                          dict(variant=variant), (s, variant)))
+            name = f"sample {s} {variant_label(variant)}"
+            if self._writer is not None:
+                batch = self.padding_batch("decode", s, variant)
+                specs.append((name, (logits, last, batch.sampling, batch.emit_slot),
+                              dict(variant=variant), (s, variant)))
+                continue
+            _, apart, packing, tail = split_step_specs(
+                self._host_padding_batch("decode", s, variant), self.runner.plan,
+                self.runner.sampling_tail(s))
+            tail = jax.ShapeDtypeStruct(tail.shape, tail.dtype, sharding=self._tail_sharding)
+            specs.append((name, (logits, last, tail, apart),
+                          dict(packing=packing.sample, variant=variant), (s, variant)))
         return specs
 
     def _step_specs(self, unit: Unit) -> list[tuple[str, tuple, dict, tuple]]:
@@ -333,20 +349,25 @@ class BucketCompiler:
             return [spec for variant in LOOP_VARIANTS for spec in self._spec_loop.compile_specs(
                 self._specs, self.padding_batch("decode", unit.size, variant, lora=False), variant)]
         if unit.kind != "loop":
-            batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
-            args, w = (params, kv, last, model_inputs(batch)), self._writer
+            w = self._writer
             if w is not None:
-                return [(f"{unit.name} streams {w.aux_layers}", (*args, shape_specs(w.streams)), {},
+                batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
+                return [(f"{unit.name} streams {w.aux_layers}",
+                         (params, kv, last, model_inputs(batch), shape_specs(w.streams)), {},
                          forward_key(batch))]
-            return [(unit.name, args, {}, forward_key(batch))]
+            batch = self._host_padding_batch(unit.kind, unit.size, BASE_SAMPLER)
+            packed, _, packing, _ = split_step_specs(batch, r.plan,
+                                                     r.sampling_tail(batch.md.num_seqs))
+            return [(unit.name, (params, kv, last, packed), dict(packing=packing.model),
+                     forward_key(batch))]
         specs = []
         for variant in LOOP_VARIANTS:
-            batch = self.padding_batch("decode", unit.size, variant)
-            allowed = np.zeros(unit.size, np.int32)
-            specs.append((f"loop {unit.size} {variant_label(variant)}",
-                          (params, kv, last, batch, allowed),
-                          dict(variant=variant, num_steps=r.decode_steps_per_call),
-                          (unit.size, variant)))
+            batch = self._host_padding_batch("decode", unit.size, variant)
+            packed, apart, packing = packed_step_specs(batch, r.plan)
+            specs.append((f"{unit.name} {variant_label(variant)}",
+                          (params, kv, last, packed, apart, np.zeros(unit.size, np.int32)),
+                          dict(packing=packing, variant=variant,
+                               num_steps=r.decode_steps_per_call), (unit.size, variant)))
         return specs
 
     def _sampler_parts(self, unit: Unit) -> list[Future]:
@@ -356,34 +377,41 @@ class BucketCompiler:
         for name, args, static, key in self._sampler_specs(unit):
             f = self._samplers.get(key)
             if f is None:
-                f = self._samplers[key] = self._compile_or_load(name, "sample", args, static, key)
+                f = self._samplers[key] = self._compile_or_load(name, self._sample_program, args,
+                                                                static, key)
             parts.append(f)
         return parts
 
+    def _program(self, unit: Unit) -> str:
+        """The program table entry the unit's `_step_specs` compile into."""
+        if unit.kind == "loop":
+            return "decode loop"
+        if unit.kind == "spec":
+            return self._spec_loop.program
+        return self._forward_program
+
     def _submit(self, unit: Unit) -> Future:
-        """The unit's forward (or its loops, as one future)."""
-        if unit.kind not in ("loop", "spec"):
-            self._place_inputs(unit)
-            (name, args, static, key), = self._step_specs(unit)
-            return self._compile_or_load(name, self._forward_program, args, static, key)
-        program = "decode loop" if unit.kind == "loop" else self._spec_loop.program
-        loops = [self._compile_or_load(name, program, args, static, key)
+        """The unit's forward or loops, as one future."""
+        if unit.kind == "spec" or (unit.kind != "loop" and self._writer is not None):
+            self._place_inputs(unit)  # these programs take placed batches (put_tree's unpacking)
+        program = self._program(unit)
+        parts = [self._compile_or_load(name, program, args, static, key)
                  for name, args, static, key in self._step_specs(unit)]
-        both: Future = Future()
+        every: Future = Future()
 
         def one_done(_):
-            if all(f.done() for f in loops) and not both.done():
-                errors = [f.exception() for f in loops if not f.cancelled() and f.exception()]
-                if any(f.cancelled() for f in loops):
-                    both.cancel()
+            if all(f.done() for f in parts) and not every.done():
+                errors = [f.exception() for f in parts if not f.cancelled() and f.exception()]
+                if any(f.cancelled() for f in parts):
+                    every.cancel()
                 elif errors:
-                    both.set_exception(errors[0])
+                    every.set_exception(errors[0])
                 else:
-                    both.set_result(None)
+                    every.set_result(None)
 
-        for f in loops:
+        for f in parts:
             f.add_done_callback(one_done)
-        return both
+        return every
 
     def _all_cached(self, unit: Unit) -> bool:
         """Whether the executable cache holds every part of the unit (a file check per part)."""
@@ -452,14 +480,16 @@ class BucketCompiler:
         return r.step_batch([], nd, t, s, variant, lora=lora)
 
     def _place_inputs(self, unit: Unit) -> None:
-        """Place a padding batch of the unit's bucket in each sampler variant, as a step places its
-        inputs: that compiles the unpacking jit of each layout (transfer.place_step_inputs), a
-        small one, before a step needs it."""
-        for variant in SAMPLE_VARIANTS:
+        """Place a padding batch of the unit's bucket in each sampler variant, as its steps place
+        their inputs: that compiles the unpacking jit of each layout (transfer.place_step_inputs),
+        a small one, before a step needs it. (A speculative loop's carry no LoRA inputs.)"""
+        spec = unit.kind == "spec"
+        for variant in LOOP_VARIANTS if spec else SAMPLE_VARIANTS:
             if self._stop.is_set():
                 raise CompileStopped
-            place_step_inputs(self._host_padding_batch(unit.kind, unit.size, variant),
-                              self.runner.plan)
+            batch = self._host_padding_batch("decode" if spec else unit.kind, unit.size, variant,
+                                             lora=False if spec else None)
+            place_step_inputs(batch, self.runner.plan)
 
     def padding_batch(self, kind: str, size: int, variant: SamplerVariant,
                       lora: bool | None = None) -> StepBatch:

@@ -42,7 +42,8 @@ from jaxinfer.worker.sampler import SamplerOutput, SamplerVariant
 from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sharding import ShardingPlan
-from jaxinfer.parallel.transfer import place_step_inputs
+from jaxinfer.parallel.transfer import (pack_split_step_inputs, pack_step_inputs,
+                                        place_step_inputs, sampling_inputs_size)
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.step_programs import step_programs
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
@@ -159,6 +160,7 @@ class ModelRunner:
                                           sharding=plan and plan.kv_cache)
         self._kv_spec = None  # the released cache's layout while asleep
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
+        self._sampling_tails: dict[int, int] = {}  # rows -> sampling_tail
         self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
         # Every compiled program of the runner, a proposer's too (programs.py).
         self.programs = step_programs(cfg, kernels, block_size, plan)
@@ -247,22 +249,25 @@ class ModelRunner:
 
     def warmup_shapes(self) -> list[tuple[str, int, SamplerVariant | None]]:
         """Every compilation warm-up makes (and the most a workload can cause): the forward of each
-        step bucket, the sampler of each sequence bucket x variant, the unpacking of the inputs
-        (transfer.place_step_inputs) of each step bucket x variant, the decode loop of each decode
-        bucket that runs loops x variant (and the speculative loop's), and the block copy of each copy
-        bucket."""
+        step bucket, the sampler of each sequence bucket x variant (with an EAGLE-3 head, the
+        unpacking of the inputs, transfer.place_step_inputs, of each step bucket x variant too),
+        the decode loop of each decode bucket that runs loops x variant (and the speculative
+        loop's, with the unpacking of its inputs), and the block copy of each copy bucket."""
         b = self.buckets
         shapes: list[tuple[str, int, SamplerVariant | None]] = []
         shapes += [("mixed", t, None) for t in b.token_buckets]
         shapes += [("decode", s, None) for s in b.decode_buckets]
         seq_buckets = sorted({b.mixed_shape(t)[1] for t in b.token_buckets} | set(b.decode_buckets))
         shapes += [("sample", s, v) for v in SAMPLE_VARIANTS for s in seq_buckets]
-        shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
-        shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
+        if self.speculation and self.speculation.stream_writer:
+            shapes += [("mixed inputs", t, v) for v in SAMPLE_VARIANTS for t in b.token_buckets]
+            shapes += [("decode inputs", s, v) for v in SAMPLE_VARIANTS for s in b.decode_buckets]
         shapes += [("loop", s, v) for v in LOOP_VARIANTS for s in self.loop_buckets]
         if self.speculation and self.speculation.loop:  # greedy-only and sampled
             shapes += [("spec loop", s, v)
                        for v in LOOP_VARIANTS for s in self.spec_loop_buckets] * 2
+            shapes += [("spec loop inputs", s, v)
+                       for v in LOOP_VARIANTS for s in self.spec_loop_buckets]
         shapes += [("copy", c, None) for c in b.copy_buckets]
         return shapes
 
@@ -378,18 +383,18 @@ class ModelRunner:
 
     def _launch(self, batch: StepBatch, variant: SamplerVariant, copies: list[tuple[int, int]],
                 allowed: np.ndarray | None, loop_steps: int, hidden_reads: HiddenReads | None):
-        """The device side of `execute`: the step's inputs onto the device, block copies, then the
-        step or (`allowed` given) the decode loop. -> (SamplerOutput, hidden-read arrays or
-        None, steps run)"""
-        batch = place_step_inputs(batch, self.plan)
+        """The device side of `execute`: block copies, then the step or (`allowed` given) the
+        decode loop, each with its inputs packed into one transfer. -> (SamplerOutput,
+        hidden-read arrays or None, steps run)"""
         self._apply_copies(copies)
         if allowed is None:
             return (*self._run_step(batch, variant, hidden_reads), 1)
         # The scheduler's `decode_steps`; compiled: decode_steps_per_call (a benchmark may lower it)
         key = (batch.md.num_seqs, variant) if loop_steps == self.decode_steps_per_call else None
+        packed, apart, packing = pack_step_inputs(batch, self.plan)
         self.kv_cache, self.last_tokens, out = self.programs.run(
-            "decode loop", self.params, self.kv_cache, self.last_tokens, batch, allowed, key=key,
-            variant=variant, num_steps=loop_steps)
+            "decode loop", self.params, self.kv_cache, self.last_tokens, packed, apart, allowed,
+            key=key, packing=packing, variant=variant, num_steps=loop_steps)
         return out, None, loop_steps
 
     def set_async_launch(self, on: bool) -> None:
@@ -402,17 +407,17 @@ class ModelRunner:
 
     def _run_step(self, batch: StepBatch, variant: SamplerVariant,
                   hidden_reads: HiddenReads | None = None):
-        """Forward (the warm-up's compiled executable of this bucket, else the jit) then sampling,
-        and the `hidden_reads` (prompt logprobs, pooling); all only dispatch. Updates the KV cache
-        and the last-token array in place (donated). -> (SamplerOutput, hidden-read arrays or None)"""
-        hidden_out = None
+        """The step's inputs onto the device, its forward (the warm-up's compiled executable of
+        this bucket, else the jit), then sampling, and the `hidden_reads` (prompt logprobs,
+        pooling); all only dispatch. Updates the KV cache and the last-token array in place
+        (donated). -> (SamplerOutput, hidden-read arrays or None)"""
         writer = self.speculation and self.speculation.stream_writer  # an EAGLE-3 head's
-        if writer is not None and hidden_reads is None:
+        if writer is None:
+            return self._run_packed_step(batch, variant, hidden_reads)
+        batch = place_step_inputs(batch, self.plan)
+        hidden_out = None
+        if hidden_reads is None:
             logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
-        elif hidden_reads is None:
-            logits, self.kv_cache = self.programs.run(
-                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
-                key=forward_key(batch))
         else:
             logits, self.kv_cache, hidden = self.programs.run(
                 "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
@@ -422,3 +427,35 @@ class ModelRunner:
             "sample", logits, self.last_tokens, batch.sampling, batch.emit_slot,
             key=(batch.md.num_seqs, variant), variant=variant)
         return out, hidden_out
+
+    def _run_packed_step(self, batch: StepBatch, variant: SamplerVariant,
+                         hidden_reads: HiddenReads | None):
+        """A step without an EAGLE-3 head: one transfer of its packed inputs, the packed forward
+        (compiled per bucket), which hands the sampler's inputs on, then the packed sampler
+        (compiled per row count and variant). -> (SamplerOutput, hidden-read arrays or None)"""
+        s = batch.md.num_seqs
+        packed, apart, packing = pack_split_step_inputs(batch, self.plan, self.sampling_tail(s))
+        hidden_out = None
+        if hidden_reads is None:
+            logits, self.kv_cache, tail = self.programs.run(
+                "packed forward", self.params, self.kv_cache, self.last_tokens, packed,
+                key=forward_key(batch), packing=packing.model)
+        else:
+            logits, self.kv_cache, tail, hidden = self.programs.run(
+                "packed forward", self.params, self.kv_cache, self.last_tokens, packed,
+                packing=packing.model, with_hidden=True)
+            hidden_out = read_hidden(self.params, self.cfg, hidden, hidden_reads)
+        self.last_tokens, out = self.programs.run(
+            "packed sample", logits, self.last_tokens, tail, apart, key=(s, variant),
+            packing=packing.sample, variant=variant)
+        return out, hidden_out
+
+    def sampling_tail(self, num_seqs: int) -> int:
+        """The int32s a packed step's sampler inputs are padded to at `num_seqs` rows: the
+        largest sampler variant's (transfer.SplitPacking)."""
+        tail = self._sampling_tails.get(num_seqs)
+        if tail is None:
+            tail = self._sampling_tails[num_seqs] = max(
+                sampling_inputs_size(self.step_batch([], num_seqs, num_seqs, num_seqs, v))
+                for v in SAMPLE_VARIANTS)
+        return tail

@@ -1,4 +1,6 @@
-"""The runner's own programs: a step's forward, its sampling, and the on-device decode loop
+"""The runner's own programs: an ordinary step's forward and sampler on its one packed buffer
+(`packed_forward`, `packed_sample`), the forward and the sampler on placed arrays (an EAGLE-3
+head's steps), and the on-device decode loop
 (`--decode-steps-per-call`), with the block copy, in the table `step_programs` makes
 (programs.py).
 
@@ -19,6 +21,8 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.transformer import forward
 from jaxinfer.parallel.sampling_logits import sample_in_layout
+from jaxinfer.parallel.transfer import (StepPacking, unpack_model_inputs, unpack_sampling_inputs,
+                                        unpack_step_inputs)
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.worker.kv import copy_blocks
 from jaxinfer.worker.programs import ProgramTable
@@ -49,16 +53,45 @@ def sample_step(logits, last_tokens, sampling: SamplingTensors, emit_slot, *,
     return store_emitted(last_tokens, emit_slot, out.tokens), out
 
 
-def decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, *,
-                 cfg: ModelConfig, kernels: KernelTable, variant: SamplerVariant,
-                 num_steps: int, block_size: int, plan: ShardingPlan | None = None):
-    """num_steps decode steps of a pure-decode batch. steps_allowed i32[S]: tokens each row may
+def packed_forward(params, kv_cache, last_tokens, packed, *, packing: StepPacking,
+                   cfg: ModelConfig, kernels: KernelTable, plan: ShardingPlan | None = None,
+                   with_hidden: bool = False):
+    """An ordinary step's forward on its packed buffer (transfer.pack_split_step_inputs): its
+    inputs cut from the front, `forward_step`. -> (logits, KV cache, the buffer's tail: the
+    sampler's inputs, uncut[, hidden states]). One signature per bucket in every sampler variant:
+    compiled once per bucket."""
+    batch, tail = unpack_model_inputs(packed, packing, _replicated(plan))
+    logits, kv_cache, *hidden = forward_step(params, kv_cache, last_tokens, batch, cfg=cfg,
+                                             kernels=kernels, with_hidden=with_hidden)
+    return (logits, kv_cache, tail, *hidden)
+
+
+def packed_sample(logits, last_tokens, tail, apart, *, packing: StepPacking,
+                  variant: SamplerVariant, plan: ShardingPlan | None = None):
+    """An ordinary step's sampler on the tail `packed_forward` handed on and the _APART arrays:
+    `sample_step`. Compiled per row count and sampler variant."""
+    sampling, emit_slot = unpack_sampling_inputs(tail, apart, packing, _replicated(plan))
+    return sample_step(logits, last_tokens, sampling, emit_slot, variant=variant, plan=plan)
+
+
+def _replicated(plan: ShardingPlan | None):
+    """The sharding of a step's inputs inside its program (None: left as placed)."""
+    return plan.replicated if plan is not None and plan.tp > 1 else None
+
+
+def decode_loop(params, kv_cache, last_tokens, packed, apart, steps_allowed, *,
+                packing: StepPacking, cfg: ModelConfig, kernels: KernelTable,
+                variant: SamplerVariant, num_steps: int, block_size: int,
+                plan: ShardingPlan | None = None):
+    """num_steps decode steps of a pure-decode batch, its inputs in one packed buffer
+    (transfer.pack_step_inputs: one dispatch with its inputs). steps_allowed i32[S]: tokens each row may
     still sample (length limits). A row that samples a stop token id (past min_tokens) or reaches
     its limit is masked from the next iteration on: a padding row (no KV write, nothing sampled
     into last_tokens), its later tokens recorded as -1. The trip count is fixed, so XLA knows it
     (the while's backend config `known_trip_count`) and the GPU runs the iterations back to back;
     an exit on a device value (all rows finished) would make it copy the predicate to the host
     and wait for it every iteration, exposing the next one's kernel launches."""
+    batch = unpack_step_inputs(packed, apart, packing, _replicated(plan))
     md0, t0 = batch.md, batch.sampling
     s = md0.num_seqs
     valid = md0.seq_lens > 0
@@ -101,17 +134,23 @@ def decode_loop(params, kv_cache, last_tokens, batch: StepBatch, steps_allowed, 
 
 def step_programs(cfg: ModelConfig, kernels: KernelTable, block_size: int,
                   plan: ShardingPlan | None = None) -> ProgramTable:
-    """A runner's table with its own programs: "forward", "sample", "decode loop" and "copy".
-    Warm-up compiles the forward per (tokens, sequences, decodes) bucket, the sampler per
-    (sequences, sampler variant), the decode loop per (sequences in loop_buckets, sampler variant)
-    at num_steps == decode_steps_per_call, the block copy per copy bucket. The KV cache (forward,
-    loop, copy) and the last-token array (sampler, loop) are donated."""
+    """A runner's table with its own programs: "packed forward", "packed sample", "forward",
+    "sample", "decode loop" and "copy". Warm-up compiles the packed forward per (tokens,
+    sequences, decodes) bucket and the packed sampler per (sequences, sampler variant) (with an
+    EAGLE-3 head: its stream-writing forward and "sample" instead), the decode loop per
+    (sequences in loop_buckets, sampler variant) at num_steps == decode_steps_per_call, the block
+    copy per copy bucket. The KV cache (forwards, loop, copy) and the last-token array (samplers,
+    loop) are donated."""
     programs = ProgramTable()
+    programs.add("packed forward", packed_forward, static_argnames=("packing", "with_hidden"),
+                 donate_argnums=(1,), cfg=cfg, kernels=kernels, plan=plan)
+    programs.add("packed sample", packed_sample, static_argnames=("packing", "variant"),
+                 donate_argnums=(1,), plan=plan)
     programs.add("forward", forward_step, static_argnames=("with_hidden",), donate_argnums=(1,),
                  cfg=cfg, kernels=kernels)
     programs.add("sample", sample_step, static_argnames=("variant",), donate_argnums=(1,),
                  plan=plan)
-    programs.add("decode loop", decode_loop, static_argnames=("variant", "num_steps"),
+    programs.add("decode loop", decode_loop, static_argnames=("packing", "variant", "num_steps"),
                  donate_argnums=(1, 2), cfg=cfg, kernels=kernels, block_size=block_size, plan=plan)
     programs.register("copy", copy_blocks)
     return programs

@@ -12,9 +12,9 @@ What it reports, per step:
   other phases say where its time goes;
 - `launch_cpu_ms`: this thread's CPU time in the launch phase (the inputs' device_put and the
   executables' dispatch): a dispatch that spends its wall time busy (kernel launches, argument
-  handling) rather than blocked shows here; `dispatch_ms` / `dispatch_cpu_ms`: the last step's
-  forward + sampler dispatched `replays` more times back to back after the steps (no device_put,
-  no scheduling), its host cost alone;
+  handling) rather than blocked shows here; `dispatch_ms` / `dispatch_cpu_ms`: the last step
+  dispatched `replays` more times back to back after the steps (its inputs' transfer and its
+  program; no scheduling, no building), its host cost alone;
 - `compiles`, `traces` (jax.monitoring events) and `python_dispatches`: jit calls that missed the
   C++ fast path (a re-trace, or arguments the fast path refuses), each costing Python work;
 - `implicit_transfer`: the steps run under `jax.transfer_guard("disallow")`, so an implicit
@@ -99,10 +99,8 @@ class LaunchTimer:
 
 
 def _replay(runner, batch, variant, n: int) -> tuple[float, float]:
-    """(wall ms, thread CPU ms) per dispatch of a step's forward + sampler, `n` back to back on
-    the placed inputs; waits for them after timing."""
-    from jaxinfer.parallel.transfer import place_step_inputs
-    batch = place_step_inputs(batch, runner.plan)
+    """(wall ms, thread CPU ms) per dispatch of a step (its inputs' transfer and its program),
+    `n` back to back on the built host arrays; waits for them after timing."""
     runner._run_step(batch, variant)  # (the first after a step may wait on its donation)
     jax.block_until_ready(runner.last_tokens)
     t0, c0 = time.perf_counter(), time.thread_time()

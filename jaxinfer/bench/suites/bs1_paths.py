@@ -9,12 +9,16 @@ weights (`--quantization fp8` by default), the engine's default flags otherwise.
 paths, each `bs1` of bench_engine_llama8b (512-token prompt, `--out-len` greedy tokens; best and
 median of RUNS):
   old      single steps, the step's inputs placed by `jax.device_put` of the StepBatch (one copy
-           per array), as the engine did before (the anchor: engine_llama8b_bs1_fp8w_h200.json);
-  packed   single steps, the inputs in one packed transfer (transfer.place_step_inputs);
+           per array), forward and sampler apart, as the engine did before issue 26 (the
+           anchor: engine_llama8b_bs1_fp8w_h200.json);
+  packed   single steps, the inputs in one packed transfer (transfer.place_step_inputs), then
+           forward and sampler apart: three dispatches, as the engine did before issue 65;
+  inside   single steps as the engine runs them: one packed transfer, cut inside the forward
+           and the sampler (step_programs.packed_forward, packed_sample): two dispatches;
   default  the engine's default: at batch 1 the on-device decode loop (8 steps per call, fixed trip
            count), packed inputs.
-`probe_old` / `probe_packed`: profile/engine_host_probe over 32 single steps on each placement path
-(host phases per step, dispatch cost, compiles). Record engine_bs1_paths_<gpu>; a short table last.
+`probe_<path>`: profile/engine_host_probe over 32 single steps on each single-step path (host
+phases per step, dispatch cost, compiles). Record engine_bs1_paths_<gpu>; a short table last.
 """
 
 from __future__ import annotations
@@ -33,18 +37,33 @@ from jaxinfer.bench.presets import LLAMA3_8B
 from jaxinfer.bench.suites.llama8b import bs1
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.worker import runner as runner_module
+from jaxinfer.parallel.transfer import place_step_inputs
+from jaxinfer.worker.bucket_compiler import model_inputs
 from jaxinfer.bench.profile.engine_host_probe import LaunchTimer, probe_host
 from jaxinfer.paths import REPO_ROOT
 
 
-PATHS = ("old", "packed", "default")
+PATHS = ("old", "packed", "inside", "default")
 RUNS = 4  # the H200 host is noisy (single-step runs of one path spread 3.9-5.1 ms): min and median
 
 
 def tree_put(batch, plan):
     """The placement before the packed transfer: one host-to-device copy per array."""
     return jax.device_put(batch)
+
+
+def split_step(runner, place):
+    """A replacement for the runner's `_run_step`: the step as dispatched before it was one
+    program, its inputs placed by `place`, then the forward, then the sampler."""
+    def run_step(batch, variant, hidden_reads=None):
+        batch = place(batch, runner.plan)
+        logits, runner.kv_cache = runner.programs.run(
+            "forward", runner.params, runner.kv_cache, runner.last_tokens, model_inputs(batch))
+        runner.last_tokens, out = runner.programs.run(
+            "sample", logits, runner.last_tokens, batch.sampling, batch.emit_slot,
+            variant=variant)
+        return out, None
+    return run_step
 
 
 def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) -> dict:
@@ -77,10 +96,12 @@ def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) ->
         engine.scheduler.decode_steps_per_call = 1
         bs1(engine, prompt(), 16)
         metrics["engine_ready_s"] = round(time.perf_counter() - t0, 1)
-        placement = runner_module.place_step_inputs
+        runner = engine.runner
         for path in PATHS:
             engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
-            runner_module.place_step_inputs = tree_put if path == "old" else placement
+            if path in ("old", "packed"):
+                runner._run_step = split_step(runner, tree_put if path == "old"
+                                              else place_step_inputs)
             try:
                 with LaunchTimer(engine.runner) as launches:
                     runs = [bs1(engine, prompt(), out_len) for _ in range(RUNS)]
@@ -93,10 +114,10 @@ def run(tiny: bool, quantization: str | None, out_len: int, save, batches=()) ->
                 if path != "default":
                     metrics[f"probe_{path}"] = probe_host(engine, [prompt()], steps=32)
             finally:
-                runner_module.place_step_inputs = placement
+                runner.__dict__.pop("_run_step", None)  # the method again
             save(metrics)
         for n in batches:  # a few streams at once: single steps against the default loop
-            for path in ("packed", "default"):
+            for path in ("inside", "default"):
                 engine.scheduler.decode_steps_per_call = loop_steps if path == "default" else 1
                 runs = [batch_tpot(engine, [prompt() for _ in range(n)], out_len)
                         for _ in range(2)]

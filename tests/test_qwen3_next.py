@@ -24,80 +24,24 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.model.weights import load_params
-from jaxinfer.sampling_params import SamplingParams
-from test_engine_support import assert_all_free, run_all
+from hybrid_support import assert_engine_matches_goldens, hybrid_args
 
 MODEL = Path(__file__).parent / "fixtures" / "models" / "qwen3_next"
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK = 4  # a layer's state spans three attention pages
 
 
 def _args(num_blocks: int, **overrides) -> EngineArgs:
-    args = dict(model=str(MODEL), max_model_len=32, block_size=BLOCK, num_blocks=num_blocks,
-                max_num_seqs=4, max_num_batched_tokens=16, long_prefill_chunk=3,
-                compilation_cache_dir=None, warmup=False, dtype="float32",
-                background_compile=False, attention_backend="reference",
-                enable_prefix_caching=False)
-    return EngineArgs(**{**args, **overrides})
-
-
-def _prompt_logprobs(golden, i: int) -> np.ndarray:
-    prompt = golden[f"prompt_{i}"]
-    want = np.asarray(jax.nn.log_softmax(golden[f"logits_{i}"], axis=-1))
-    return want[np.arange(len(prompt) - 1), prompt[1:]]
+    return hybrid_args(MODEL, num_blocks, **{"block_size": BLOCK, **overrides})
 
 
 def test_engine_matches_transformers():
     cfg = load_config(MODEL)
     params = load_params(MODEL, cfg, jnp.float32, progress=False)
-    golden = np.load(MODEL / "golden.npz")
-    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
     # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
     # one Gated DeltaNet layer each), the 3 pages of its state. 5 such sequences need 75; 20
-    # preempt.
+    # preempt. (The 29-token scored prompt crosses a 16-token step boundary.)
     engine = LLMEngine(cfg, params, None, _args(20), num_blocks=20)
-    for i in range(3):
-        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
-    engine.add_request("fork", prompt, SamplingParams(n=2, max_tokens=len(expected), **GREEDY))
-    results = run_all(engine)
-    assert engine.scheduler.num_preemptions > 0
-    for i in range(3):
-        assert results[f"g{i}"][0][0] == expected, i
-    assert results["fork"][0][0] == results["fork"][1][0] == expected
-    assert_all_free(engine)
-
-    # A ragged batch: prompts of 1, 7 and 29 tokens scored in 3-token chunks (the 29-token one
-    # across the 16-token block boundary) while a greedy run decodes beside them.
-    engine.add_request("decode", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
-    engine.step()
-    for i in range(3):
-        engine.add_request(f"p{i}", golden[f"prompt_{i}"].tolist(),
-                           SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY))
-    scored, firsts = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.prompt_logprobs and out.request_id not in scored:
-                scored[out.request_id] = [e.logprob for e in out.prompt_logprobs[1:]]
-            if out.finished:
-                firsts[out.request_id] = out.outputs[0].token_ids
-    assert firsts["decode"] == expected
-    for i in range(3):
-        assert firsts[f"p{i}"] == [int(np.argmax(golden[f"logits_{i}"][-1]))], i
-        np.testing.assert_allclose(scored.get(f"p{i}", []), _prompt_logprobs(golden, i),
-                                   atol=1e-4, rtol=0)
-    assert_all_free(engine)
-
-    # Aborts mid-prefill and mid-decode give every block back.
-    for i in range(3):
-        engine.add_request(f"a{i}", golden["prompt_2"].tolist(),
-                           SamplingParams(max_tokens=3, **GREEDY))
-    for _ in range(4):
-        engine.step()
-    for i in range(3):
-        engine.abort(f"a{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_all_free(engine)
+    assert_engine_matches_goldens(engine, np.load(MODEL / "golden.npz"))
 
 
 def test_state_in_the_attention_page():

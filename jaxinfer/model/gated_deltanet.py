@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.quant.layers import linear
-from jaxinfer.model.state_pages import dense_batch, paged_batch, state_words, write_states
+from jaxinfer.model.state_pages import state_words, step_states
 from pallas_kernels.ssm.reference import gdn_gating
 
 _F32 = jnp.float32
@@ -94,8 +94,7 @@ class GatedDeltaNet(nn.Module):
         cfg, dims = self.cfg, self.cfg.family_options.gdn
         lead, width = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, width)
-        batch = (dense_batch(lead, dims.state_shapes) if kv is None
-                 else paged_batch(md, kv, dims.state_shapes))
+        batch = step_states(lead, kv, md, dims.state_shapes)
         conv0, state0 = batch.pools
         t, hk, hv, kd, vd = (x.shape[0], dims.key_heads, dims.value_heads, dims.key_dim,
                              dims.value_dim)
@@ -108,21 +107,17 @@ class GatedDeltaNet(nn.Module):
         ba = dense(2 * hv, use_bias=False, name="in_proj_ba")(x).reshape(t, hk, 2 * rep)
         b, a = ba[..., :rep].reshape(t, hv), ba[..., rep:].reshape(t, hv)
         mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
-        # A pure-decode step (one token a sequence, no padding rows) runs the one-token kernels.
-        decode = kv is not None and md.num_decodes == md.num_seqs == t
         conv_w = self.param("conv1d_weight", nn.initializers.lecun_normal(),
                             (dims.conv_width, dims.conv_dim), self.dtype)
         kernels = self.kernels.gdn
-        ragged = (batch.cu_seqlens, batch.slots, batch.has_initial_state)
-        mixed, conv1 = kernels.conv(mixed, conv_w, None, conv0, *ragged, decode=decode)
+        mixed, conv1 = kernels.conv(mixed, conv_w, None, conv0, *batch.ragged, decode=batch.decode)
         q, k, v = jnp.split(mixed, [dims.key_width, 2 * dims.key_width], axis=-1)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), self.dtype)
         g, beta = gdn_gating(a, b, a_log, dt_bias)
         o, state1 = kernels.delta_rule(q.reshape(t, hk, kd), k.reshape(t, hk, kd),
-                                       v.reshape(t, hv, vd), g, beta, state0, *ragged,
-                                       chunk_size=dims.chunk_size, decode=decode)
+                                       v.reshape(t, hv, vd), g, beta, state0, *batch.ragged,
+                                       chunk_size=dims.chunk_size, decode=batch.decode)
         o = GatedHeadNorm(cfg.rms_norm_eps, name="norm")(o, z.reshape(t, hv, vd))
         out = dense(width, use_bias=False, name="out_proj")(o.reshape(t, dims.value_width))
-        new_kv = None if kv is None else write_states(kv, batch.destinations, (conv1, state1))
-        return out.reshape(*lead, width), new_kv
+        return out.reshape(*lead, width), batch.written(kv, (conv1, state1))

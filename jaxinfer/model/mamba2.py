@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.quant.layers import linear
-from jaxinfer.model.state_pages import dense_batch, paged_batch, state_words, write_states
+from jaxinfer.model.state_pages import state_words, step_states
 from pallas_kernels.ssm.reference import mamba2_dt
 
 _F32 = jnp.float32
@@ -92,22 +92,18 @@ class Mamba2Mixer(nn.Module):
         cfg, dims = self.cfg, self.cfg.family_options.mamba
         lead, width = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, width)
-        batch = (dense_batch(lead, dims.state_shapes) if kv is None
-                 else paged_batch(md, kv, dims.state_shapes))
-        cu, slots, has_init = batch.cu_seqlens, batch.slots, batch.has_initial_state
+        batch = step_states(lead, kv, md, dims.state_shapes)
         conv0, ssm0 = batch.pools
         dense = linear(cfg, self.dtype, self.kernels)
         i, c, h = dims.inner, dims.conv_dim, dims.heads
         proj = dense(i + c + h, use_bias=dims.proj_bias, name="in_proj")(x)
         z, xbc, dt = jnp.split(proj, [i, i + c], axis=-1)
-        # A pure-decode step (one token a sequence, no padding rows) runs the one-token kernels.
-        decode = kv is not None and md.num_decodes == md.num_seqs == x.shape[0]
         conv_w = self.param("conv1d_weight", nn.initializers.lecun_normal(),
                             (dims.conv_width, c), self.dtype)
         conv_b = (self.param("conv1d_bias", nn.initializers.zeros, (c,), self.dtype)
                   if dims.conv_bias else None)
         ssm = self.kernels.mamba2
-        xbc, conv1 = ssm.conv(xbc, conv_w, conv_b, conv0, cu, slots, has_init, decode=decode)
+        xbc, conv1 = ssm.conv(xbc, conv_w, conv_b, conv0, *batch.ragged, decode=batch.decode)
         xs, b, cm = jnp.split(xbc, [i, i + dims.groups * dims.state_dim], axis=-1)
         t, g, n = x.shape[0], dims.groups, dims.state_dim
         dt_bias = self.param("dt_bias", nn.initializers.ones, (h,), self.dtype)
@@ -115,9 +111,8 @@ class Mamba2Mixer(nn.Module):
         d = self.param("D", nn.initializers.ones, (h,), self.dtype)
         y, ssm1 = ssm.ssd(xs.reshape(t, h, dims.head_dim), mamba2_dt(dt, dt_bias, dims.dt_limit),
                           -jnp.exp(a_log.astype(_F32)), b.reshape(t, g, n), cm.reshape(t, g, n),
-                          d, ssm0, cu, slots, has_init, chunk_size=dims.chunk_size,
-                          decode=decode)
+                          d, ssm0, *batch.ragged, chunk_size=dims.chunk_size,
+                          decode=batch.decode)
         y = GatedRMSNorm(cfg.rms_norm_eps, g, name="norm")(y.reshape(t, i), z)
         out = dense(width, use_bias=dims.proj_bias, name="out_proj")(y.astype(x.dtype))
-        new_kv = None if kv is None else write_states(kv, batch.destinations, (conv1, ssm1))
-        return out.reshape(*lead, width), new_kv
+        return out.reshape(*lead, width), batch.written(kv, (conv1, ssm1))

@@ -30,12 +30,33 @@ class StateBatch:
     """A step's sequences as the ssm kernels take them (pallas_kernels/ssm/batch.py): cu_seqlens
     [S + 1], slots [S] (-1: no tokens), has_initial_state [S], each state's pool [S, *shape]
     (zeros where a sequence starts fresh), and the pages [S, n] each writes its final states
-    over (out of range: none; None on the dense path, which keeps no states)."""
+    over (out of range: none; None on the dense path, which keeps no states). `decode`: a
+    pure-decode step (one token a sequence, no padding rows), which runs the one-token kernels."""
     cu_seqlens: jax.Array
     slots: jax.Array
     has_initial_state: jax.Array
     pools: tuple[jax.Array, ...]
     destinations: jax.Array | None = None
+    decode: bool = False
+
+    @property
+    def ragged(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(cu_seqlens, slots, has_initial_state), the kernels' ragged arguments."""
+        return self.cu_seqlens, self.slots, self.has_initial_state
+
+    def written(self, kv, states: tuple[jax.Array, ...]):
+        """The layer's cache pair with the step's final `states` over their pages (None on the
+        dense path)."""
+        return None if self.destinations is None else write_states(kv, self.destinations, states)
+
+
+def step_states(lead: tuple[int, ...], kv, md, shapes: Shapes) -> StateBatch:
+    """A fixed-state layer's batch for x of leading shape `lead`: `dense_batch` without a cache
+    (kv None), else `paged_batch` of the step's tokens."""
+    if kv is None:
+        return dense_batch(lead, shapes)
+    batch = paged_batch(md, kv, shapes)
+    return dataclasses.replace(batch, decode=md.num_decodes == md.num_seqs == math.prod(lead))
 
 
 def state_words(shapes: Shapes) -> int:

@@ -36,7 +36,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.transformer import forward_aux
 from jaxinfer.spec_decode import eagle_head as head
-from jaxinfer.worker.bucket_compiler import forward_key
+from jaxinfer.worker.programs import forward_key
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.rejection_sampler import expand_positions, propose_tokens
 from jaxinfer.worker.sampler import SamplerVariant, SamplingTensors

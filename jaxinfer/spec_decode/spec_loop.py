@@ -44,7 +44,7 @@ from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.spec_decode.eagle import CatchUp, _chain, ragged, slots
 from jaxinfer.spec_decode.target_step import verify_forward
-from jaxinfer.worker.bucket_compiler import shape_specs, variant_label
+from jaxinfer.worker.programs import shape_specs, variant_label
 from jaxinfer.worker.rejection_sampler import verify
 from jaxinfer.worker.runner import StepHandle
 from jaxinfer.worker.sampler import SamplerVariant

@@ -12,7 +12,7 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.parallel.kernels import shard_kernels
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import sampling_inputs_size, split_step_specs
-from jaxinfer.worker.bucket_compiler import SAMPLE_VARIANTS
+from jaxinfer.worker.programs import SAMPLE_VARIANTS
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.worker.kv import kv_block_shapes

@@ -54,16 +54,15 @@ from jaxinfer.worker.responsive_gil import responsive_gil
 from jaxinfer.parallel.transfer import packed_step_specs, place_step_inputs, split_step_specs
 from jaxinfer.worker.buckets import Buckets
 from jaxinfer.worker.compile_priority import CompileStopped, StepPacer, background_pool
-from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
+from jaxinfer.worker.programs import (LOOP_VARIANTS, SAMPLE_VARIANTS, forward_key, model_inputs,
+                                      shape_specs, variant_label)
+from jaxinfer.worker.sampler import BASE_SAMPLER, SamplerVariant
 from jaxinfer.worker.step_inputs import StepBatch
 
 log = logging.getLogger(__name__)
 
 SHORT_PROMPT_TOKENS = 32
 
-LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
-# The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
-SAMPLE_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
 MAX_COMPILE_WORKERS = 8
 
 
@@ -71,22 +70,6 @@ def compile_workers() -> int:
     """How many XLA compiles the bucket compiler runs at once (the planner keeps room for as
     many GPU autotunes, kv/compile_scratch.py)."""
     return min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
-
-
-def variant_label(variant: SamplerVariant | None) -> str:
-    if variant is None:
-        return ""
-    return "masked" if variant.masked else "full" if variant.advanced else "base"
-
-
-def model_inputs(batch: StepBatch) -> StepBatch:
-    """The batch without its sampling tensors, whose pytree differs per sampler variant: the
-    forward neither needs them nor should be compiled once per variant."""
-    return dataclasses.replace(batch, sampling=None)
-
-
-def forward_key(batch: StepBatch) -> tuple[int, int, int]:
-    return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +80,6 @@ class Unit:
     @property
     def name(self) -> str:
         return f"{self.kind} {self.size}"
-
-
-def shape_specs(tree):
-    """Shapes, dtypes and shardings of live arrays; an uncommitted array's spec names no sharding,
-    so the executable's outputs stay uncommitted too (jit keys later calls on that)."""
-    return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                       sharding=a.sharding if a.committed else None), tree)
 
 
 class BucketCompiler:

@@ -7,15 +7,49 @@ A program is a plain function with its static configuration bound (model config,
 mesh plan, ...), jitted once per process for that configuration (`shared_jit`): engines built one
 after another, e.g. in tests, reuse each other's compilations. Its executables are kept by the
 program's name and a bucket key (bucket_compiler.py fills them); a call for which none was
-compiled runs the jitted function, which compiles on first use as before warm-up had them.
+compiled runs the jitted function, which compiles on first use as before warm-up had them. The
+keys' pieces (sampler variants, a forward's shape) are here too, for the compiler and its callers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Hashable
 
 import jax
+
+from jaxinfer.worker.sampler import BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant
+from jaxinfer.worker.step_inputs import StepBatch
+
+# The keys executables are compiled and found under: sampler variants, forward shapes.
+LOOP_VARIANTS = (BASE_SAMPLER, FULL_SAMPLER)
+# The decode loop never runs constrained rows (each needs a fresh bitmask from the host per token).
+SAMPLE_VARIANTS = (*LOOP_VARIANTS, MASKED_SAMPLER)
+
+
+def variant_label(variant: SamplerVariant | None) -> str:
+    if variant is None:
+        return ""
+    return "masked" if variant.masked else "full" if variant.advanced else "base"
+
+
+def model_inputs(batch: StepBatch) -> StepBatch:
+    """The batch without its sampling tensors, whose pytree differs per sampler variant: the
+    forward neither needs them nor should be compiled once per variant."""
+    return dataclasses.replace(batch, sampling=None)
+
+
+def forward_key(batch: StepBatch) -> tuple[int, int, int]:
+    return batch.token_ids.shape[0], batch.md.num_seqs, batch.md.num_decodes
+
+
+def shape_specs(tree):
+    """Shapes, dtypes and shardings of live arrays; an uncommitted array's spec names no sharding,
+    so the executable's outputs stay uncommitted too (jit keys later calls on that)."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=a.sharding if a.committed else None), tree)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.worker.bucket_compiler import (LOOP_VARIANTS, SAMPLE_VARIANTS, BucketCompiler,
-                                             forward_key, model_inputs)
+from jaxinfer.worker.bucket_compiler import BucketCompiler
 from jaxinfer.worker.buckets import Buckets, step_shape
 from jaxinfer.worker.executable_cache import ExecutableCache, step_key
 from jaxinfer.model.config import ModelConfig
@@ -46,6 +45,7 @@ from jaxinfer.parallel.transfer import (pack_split_step_inputs, pack_step_inputs
                                         place_step_inputs, sampling_inputs_size)
 from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.step_programs import step_programs
+from jaxinfer.worker.programs import LOOP_VARIANTS, SAMPLE_VARIANTS, forward_key, model_inputs
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
 from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from jaxinfer.model.kernel_table import KernelTable

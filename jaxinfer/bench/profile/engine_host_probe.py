@@ -32,7 +32,7 @@ import time
 import jax
 
 from jaxinfer.engine.metrics import EngineStats
-from jaxinfer.worker.bucket_compiler import forward_key
+from jaxinfer.worker.programs import forward_key
 from jaxinfer.bench.profile.trace_engine_step import single_steps, start_decoding, stop_requests
 
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compiles",

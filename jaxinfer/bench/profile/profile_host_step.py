@@ -105,7 +105,7 @@ def launch_variants(engine, variants: dict[str, dict], size: int = 256, reps: in
 
     import jax
 
-    from jaxinfer.worker.bucket_compiler import model_inputs
+    from jaxinfer.worker.programs import model_inputs
     from jaxinfer.worker.sampler import BASE_SAMPLER
     runner = engine.runner
     batch = model_inputs(jax.device_put(runner.compiler.padding_batch("decode", size,

@@ -38,7 +38,7 @@ from jaxinfer.bench.suites.llama8b import bs1
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.transfer import place_step_inputs
-from jaxinfer.worker.bucket_compiler import model_inputs
+from jaxinfer.worker.programs import model_inputs
 from jaxinfer.bench.profile.engine_host_probe import LaunchTimer, probe_host
 from jaxinfer.paths import REPO_ROOT
 

@@ -123,16 +123,17 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def engine_flags(args) -> list[str]:
-    """The model and engine flags every section's engine gets."""
+    """The model and engine flags every section's engine gets (`args.model` already resolved)."""
     flags = ["--decode-steps-per-call", str(args.decode_steps_per_call)]
     if args.preset:
         preset = presets.PRESETS[args.preset]
         flags += ["--load-format", preset.flags["load_format"], "--dtype", preset.flags["dtype"]]
-        args.model = args.model or str(preset.model_dir(args.preset))
     return ["--model", args.model, *flags] if args.model else flags
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.preset and not args.model:
+        args.model = str(presets.PRESETS[args.preset].model_dir(args.preset))
     model = engine_flags(args)
     metrics = {**offline(args, model), **served(args, model)}
     print(json.dumps(metrics, indent=1))

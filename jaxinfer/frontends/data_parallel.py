@@ -18,7 +18,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.core.outputs import RequestOutput
-from jaxinfer.errors import RequestFailedError
+from jaxinfer.errors import InvalidRequestError, RequestFailedError
 from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
@@ -57,7 +57,6 @@ class DataParallelEngine(EngineClient):
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, *, final_output_only: bool = False,
                     lora_request=None):
-        from jaxinfer.errors import InvalidRequestError
         if request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
@@ -115,7 +114,6 @@ class DataParallelEngine(EngineClient):
         return request
 
     def remove_lora(self, name: str) -> None:
-        from jaxinfer.errors import InvalidRequestError
         lora_id = next((r.lora_int_id for r in self.list_loras() if r.lora_name == name), None)
         users = [rid for rid, req in self.requests.items() if lora_id and req.lora_id == lora_id]
         if users:  # (a replica's own check would leave the others without it)

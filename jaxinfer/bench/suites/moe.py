@@ -111,6 +111,12 @@ def metrics(parts: dict) -> dict:
             if isinstance(row, dict):
                 for impl, t in row["us"].items():
                     out[f"{model}_{phase}_{impl}_us"] = t
+    for case, row in (parts.get("routing") or {}).items():
+        if isinstance(row, dict) and "fused_us" in row:
+            out[f"routing_{case}_fused_us"] = row["fused_us"]
+            out[f"routing_{case}_unfused_us"] = row["unfused_us"]
+            out[f"routing_{case}_fused_speedup"] = row["speedup"]
+            out[f"routing_{case}_dispatch_identical"] = row["dispatch_identical"]
     return out
 
 

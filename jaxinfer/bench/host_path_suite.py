@@ -76,7 +76,7 @@ def offline(args, model: list[str]) -> dict:
 
 
 def served(args, model: list[str]) -> dict:
-    serve = subprocess.Popen([str(Path(sys.executable).with_name("jaxinfer")), "serve", *model, "--port",
+    serve = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli.main", "serve", *model, "--port",
                               str(args.port), "--engine-core", args.engine_core,
                               *args.serve_args.split()])
     url = f"http://127.0.0.1:{args.port}"

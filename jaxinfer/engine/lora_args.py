@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.model.kernel_table import current_platform, lora_impl
 from jaxinfer.model.lora.delta import LORA_IMPLS
+
+log = logging.getLogger(__name__)
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +79,6 @@ def check_lora_args(args) -> None:
     if args.lora_impl not in ("auto", *LORA_IMPLS):
         raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from auto, "
                           f"{', '.join(LORA_IMPLS)}")
-    if args.lora_impl == "pallas" and args.tensor_parallel_size > 1:
-        raise ConfigError("--lora-impl pallas does not combine with tensor parallelism yet "
-                          "(the kernels are not partitioned); use --lora-impl xla")
     names = [r.lora_name for r in lora_modules(args.lora_modules)]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules names {names} are not unique")
@@ -87,3 +88,15 @@ def resolved_lora_impl(args) -> str:
     """--lora-impl with "auto" decided as the engine's kernel table decides it
     (kernel_table.lora_impl)."""
     return lora_impl(current_platform(), args.lora_impl, args.tensor_parallel_size)
+
+
+def with_lora_impl_decided(args):
+    """`args` (EngineArgs) with --lora-impl as the kernel table runs it where that differs from
+    the flag (--lora-impl pallas under tensor parallelism runs the XLA path: the Pallas kernels
+    are not partitioned), logged once at start."""
+    if not args.enable_lora or args.lora_impl in ("auto", resolved_lora_impl(args)):
+        return args
+    impl = resolved_lora_impl(args)
+    log.info("--lora-impl %s runs as %s: the Pallas LoRA kernels are not partitioned "
+             "(--tensor-parallel-size %d)", args.lora_impl, impl, args.tensor_parallel_size)
+    return dataclasses.replace(args, lora_impl=impl)

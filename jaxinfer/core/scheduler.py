@@ -193,16 +193,26 @@ class Scheduler:
         return holder, list(self.kv.get_block_ids(holder))
 
     def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[int]] | None:
-        """Blocks for a sequence arriving from a prefill engine (its prompt + first token), after
-        matching the prompt against the prefix cache; not counted in the hit-rate stats (the
-        prefill side's lookup is the request's). (prompt tokens already cached, block ids), or None
-        when the pool cannot hold it now. `add_running` starts it once its KV has landed."""
+        """Its adapter's slot and blocks for a sequence arriving from a prefill engine (prompt +
+        first token), after matching the prompt in the prefix cache (not counted in the hit-rate
+        stats: the prefill side's lookup is the request's). (prompt tokens cached, block ids), or
+        None when the slots or the pool cannot hold it now; InvalidRequestError when its adapter
+        cannot be loaded. `add_running` starts it once its KV has landed."""
+        if self.lora_slots is not None and not self.lora_slots.acquire(seq):
+            return None
         prompt_len = seq.prompt_len
-        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False)
+        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False,
+                                             namespace=self._cache_namespace(seq))
         if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
-            self.kv.free(seq.seq_id)
+            self.drop_hand_over(seq)
             return None
         return cached, list(self.kv.get_block_ids(seq.seq_id))
+
+    def drop_hand_over(self, seq: Sequence) -> None:
+        """Give back what `reserve_hand_over` took for `seq`, if anything."""
+        self.kv.free(seq.seq_id)
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq)
 
     def free_blocks(self, seq_id: str) -> None:
         """Give back the blocks held under `seq_id` (a hold or reservation that ended)."""

@@ -65,10 +65,19 @@ def loras(tmp_path_factory) -> dict[str, LoRARequest]:
             for i in (1, 2, 3)}
 
 
-def tokens(e, loras, names=ADAPTERS) -> dict[str, list[int]]:
-    for i, (prompt, name) in enumerate(zip(PROMPTS, names)):
+def tokens(e, loras) -> dict[str, list[int]]:
+    for i, (prompt, name) in enumerate(zip(PROMPTS, ADAPTERS)):
         e.add_request(f"r{i}", prompt, GREEDY, lora_request=loras.get(name))
     return {rid: out[0][0] for rid, out in run_all(e).items()}
+
+
+@pytest.fixture(scope="module")
+def plain(loras) -> tuple[dict, dict]:
+    """A plain engine's greedy tokens: with the rows' adapters, and all on the base model."""
+    e = engine()
+    expected, base = tokens(e, loras), tokens(e, {})
+    assert base != expected  # the adapters change their rows
+    return expected, base
 
 
 def assert_nothing_held(d: DisaggregatedEngine) -> None:
@@ -77,10 +86,8 @@ def assert_nothing_held(d: DisaggregatedEngine) -> None:
         assert_all_free(side)
 
 
-def test_adapters_hand_over_and_equal_a_plain_engine(disagg, loras):
-    plain = engine()
-    expected, base = tokens(plain, loras), tokens(plain, {})
-    assert base != expected  # the adapters change their rows
+def test_adapters_hand_over_and_equal_a_plain_engine(disagg, loras, plain):
+    expected, base = plain
     assert tokens(disagg, loras) == expected
     # The same prompts on the base model: the decode side's prefix cache holds the adapters'
     # blocks under their own namespaces, never matched by the base model's hand-overs.
@@ -107,7 +114,7 @@ def test_admin_calls_reach_both_sides(disagg, loras):
     assert_nothing_held(disagg)
 
 
-def test_an_adapter_the_decode_side_cannot_read_fails_in_transit(disagg, loras, tmp_path):
+def test_an_adapter_the_decode_side_cannot_read_fails_in_transit(disagg, plain, tmp_path):
     cfg, _ = tiny_model()
     doomed = LoRARequest("doomed", 9, str(save_adapter(random_adapter(cfg, 4, 9), cfg,
                                                        tmp_path / "doomed")))
@@ -121,5 +128,5 @@ def test_an_adapter_the_decode_side_cannot_read_fails_in_transit(disagg, loras, 
     assert "doomed" not in out  # (no finish: its failure is its report)
     failed = disagg.take_failed()
     assert [rid for rid, _ in failed] == ["doomed"] and "no longer be read" in str(failed[0][1])
-    assert out["fine"][0][0] == tokens(engine(), {}, [None, None, None])["r2"]
+    assert out["fine"][0][0] == plain[1]["r2"]
     assert_nothing_held(disagg)

@@ -90,9 +90,9 @@ def with_lora_impl_decided(args):
     """`args` (EngineArgs) with --lora-impl as the kernel table runs it where that differs from
     the flag (--lora-impl pallas under tensor parallelism runs the XLA path: the Pallas kernels
     are not partitioned), logged once at start."""
-    if not args.enable_lora or args.lora_impl in ("auto", resolved_lora_impl(args)):
-        return args
     impl = resolved_lora_impl(args)
+    if not args.enable_lora or args.lora_impl in ("auto", impl):
+        return args
     log.info("--lora-impl %s runs as %s: the Pallas LoRA kernels are not partitioned "
              "(--tensor-parallel-size %d)", args.lora_impl, impl, args.tensor_parallel_size)
     return dataclasses.replace(args, lora_impl=impl)

@@ -1,6 +1,7 @@
 """LoRA in the engine: a mixed batch of 4 adapters + the base model gives each row the tokens it
 gets alone (and the adapter's tokens those of the base model with it merged), slots reused LRU,
-`update_lora` in place without compiling, prefix-cache isolation between adapters, refusals."""
+`update_lora` in place without compiling, prefix-cache isolation between adapters, refusals;
+`--lora-impl pallas` under tensor parallelism decided to the XLA path, logged."""
 
 from __future__ import annotations
 

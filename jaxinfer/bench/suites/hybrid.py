@@ -12,11 +12,12 @@ bf16) through the engine against rooflines from the HBM rate measured in the sam
 Sections (each in its own process under a deadline, in this order; the record is written after
 each, so a run cut short keeps what it measured; `--deadline-s` bounds the whole call):
   plan     (config only, no weights) `<m>_max_concurrent_128k` for qwen3_next_80b_fp8,
-           granite4h_tiny and llama8b (Llama-3-8B, bf16): the engine's pool at the default
-           --gpu-memory-utilization over one 131,072-token sequence's blocks, its attention pages
-           plus each state-space layer's fixed state (hybrid_plan.py; `<m>_plan_*`: the figures
-           behind it). The device's size is the engine's (JAX's allocator limit), or
-           `--device-memory SIZE` (how a CPU gives it).
+           granite4h_tiny and llama8b (Llama-3-8B, bf16): the pool the engine's planner sizes
+           at the default --gpu-memory-utilization (activations at their pre-load floor) over one
+           131,072-token sequence's blocks, its attention pages plus each state-space layer's
+           fixed state (hybrid_plan.py; `<m>_plan_*`: the figures behind it). The device's
+           size is the engine's (JAX's allocator limit), or `--device-memory SIZE` (how a CPU
+           gives it).
   ssm      the recurrent kernels (jaxinfer/bench/kernel_ssm.py, its own anchors):
            `gdn_prefill_frac_of_matmul` and `ssd_prefill_frac_of_matmul` (8 x 1024-token prefill
            TF/s over the same-run bf16 matmul ceiling), `gdn_decode_frac_of_hbm`,
@@ -99,10 +100,10 @@ def emit(**metrics) -> None:
 
 def decode_read_bytes(cfg, params, context: float) -> dict:
     """Bytes one batch-1 decode step reads at `context` tokens: {"weights", "kv", "state"}.
-    Weights as the param tree stores them (quantized values and scales), less the input embedding
-    table (one row is read; all of it where it is the tied head) and the routed experts a token
-    is not sent to; K and V of each attention layer over `context`; each state-space layer's
-    state once."""
+    Weights as the param tree `params` (arrays or their shapes, as loaded) stores them (quantized
+    values and their scales), less the input embedding table (one row is read; all of it where
+    it is the tied head) and the routed experts a token is not sent to; K and V of each attention
+    layer over `context`; each state-space layer's state once."""
     import jax
     import numpy as np
     weights = 0.0
@@ -128,6 +129,7 @@ def engine_section(name: str, output_len: int) -> None:
     from jaxinfer.bench.timed_window import TimedWindow, fresh_prompts
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.model.transformer import param_shapes
     from jaxinfer.worker.kv import MemoryPlanError
 
     w = workload(output_len)
@@ -163,7 +165,8 @@ def engine_section(name: str, output_len: int) -> None:
     for _ in range(2):
         times = run_requests(engine, prompts(1), w["out"])["arrivals"]["q0"]
         tpots.append(1e3 * (times[-1] - times[0]) / (len(times) - 1))
-    read = decode_read_bytes(cfg, engine.runner.params, w["prompt"] + w["out"] / 2)
+    # (the tree as loaded: on a GPU the engine serves fused projections, the same bytes renamed)
+    read = decode_read_bytes(cfg, param_shapes(cfg), w["prompt"] + w["out"] / 2)
     total = sum(read.values())
     emit(**{f"{name}_bs1_tpot_ms": round(min(tpots), 3),
             f"{name}_bs1_tpot_runs_ms": [round(t, 3) for t in tpots],

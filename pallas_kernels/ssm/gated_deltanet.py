@@ -35,6 +35,7 @@ Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,10 @@ from pallas_kernels.ssm.reference import L2NORM_EPS
 def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
     return pltriton.dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a,
                         trans_b=trans_b).astype(jnp.float32)
+
+
+def _total(terms):
+    return functools.reduce(operator.add, terms)
 
 
 def unit_lower_inverse(lower: jax.Array) -> jax.Array:
@@ -84,29 +89,66 @@ def _chunk_decay(g, chunk):
     return gc, jnp.exp(jnp.where(r >= c, gc[:, None] - gc[None, :], -jnp.inf))
 
 
+SUB = 16  # rows of the UT transform's diagonal blocks (Triton's smallest dot side)
+
+
+def _block_lower_inverse(a: dict, nb: int) -> dict:
+    """(I + A)^-1 of a strictly lower-triangular matrix given as SUB x SUB blocks a[i, j] (i >= j):
+    the diagonal blocks by forward substitution, then block forward substitution
+    T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's solve_tril). float32 dots (IEEE) throughout:
+    T's entries feed every row of w and u."""
+    inv = {}
+    for i in range(nb):
+        inv[i, i] = unit_lower_inverse(a[i, i])
+        for j in range(i):
+            acc = _total(pltriton.dot(a[i, m], inv[m, j]) for m in range(j, i))
+            inv[i, j] = -pltriton.dot(inv[i, i], acc)
+    return inv
+
+
 def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: int, l2: bool):
-    """One (chunk, value head): the UT transform T and w = T (beta exp(gc) k), u = T (beta v)."""
+    """One (chunk, value head): the UT transform T in SUB-row blocks, then w = T (beta exp(gc) k),
+    u = T (beta v), block row by block row. Blocks keep the triangular solve off 64 x 64 register
+    tensors (a row loop over those costs more than all the matmuls)."""
     row0, n = chunks_ref[pl.program_id(0), 0], chunks_ref[pl.program_id(0), 1]
     dtype = k_ref.dtype
-    ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
+    nb, sub = chunk // SUB, lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    r = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    c = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
     @pl.when(n > 0)
     def _():
-        load = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
-        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                          other=0)
-        k = _normed(load2(k_ref), l2)
-        v = load2(v_ref).astype(jnp.float32)
-        beta = load(b_ref).astype(jnp.float32)
-        gc, decay = _chunk_decay(load(g_ref).astype(jnp.float32), chunk)
-        r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-        c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-        lower = jnp.where(r > c, beta[:, None] * _dot(k, k, dtype, trans_b=True) * decay, 0.0)
-        tmat = unit_lower_inverse(lower)
-        store = lambda ref, x: pltriton.store(ref.at[pl.ds(row0, chunk), :], x.astype(ref.dtype),
-                                              mask=ok[:, None])
-        store(u_ref, _dot(tmat, beta[:, None] * v, dtype))
-        store(w_ref, _dot(tmat, (beta * jnp.exp(gc))[:, None] * k, dtype))
+        ks, bvs, betas, gcs = [], [], [], []
+        base = jnp.float32(0.0)
+        for i in range(nb):
+            ok = i * SUB + sub < n
+            at = pl.ds(row0 + i * SUB, SUB)
+            ks.append(_normed(pltriton.load(k_ref.at[at, :], mask=ok[:, None], other=0), l2))
+            beta = pltriton.load(b_ref.at[at], mask=ok, other=0).astype(jnp.float32)
+            bvs.append(beta[:, None] * pltriton.load(v_ref.at[at, :], mask=ok[:, None],
+                                                      other=0).astype(jnp.float32))
+            g = pltriton.load(g_ref.at[at], mask=ok, other=0).astype(jnp.float32)
+            gc = base + jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+            base = base + jnp.sum(g)
+            betas.append(beta)
+            gcs.append(gc)
+        a = {}
+        for i in range(nb):
+            for j in range(i + 1):
+                diff = gcs[i][:, None] - gcs[j][None, :]
+                if i == j:
+                    diff = jnp.where(r > c, diff, -jnp.inf)
+                a[i, j] = (betas[i][:, None] * _dot(ks[i], ks[j], dtype, trans_b=True)
+                           * jnp.exp(diff))
+        inv = _block_lower_inverse(a, nb)
+        bks = [(betas[j] * jnp.exp(gcs[j]))[:, None] * ks[j] for j in range(nb)]
+        for i in range(nb):
+            ok = (i * SUB + sub < n)[:, None]
+            at = pl.ds(row0 + i * SUB, SUB)
+            u = _total(_dot(inv[i, j], bvs[j], dtype) for j in range(i + 1))
+            w = _total(_dot(inv[i, j], bks[j], dtype) for j in range(i + 1))
+            pltriton.store(u_ref.at[at, :], u.astype(u_ref.dtype), mask=ok)
+            pltriton.store(w_ref.at[at, :], w.astype(w_ref.dtype), mask=ok)
 
 
 def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_out_ref, *,

@@ -43,9 +43,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, live_tokens,
-                                      sequence_table, slot_table)
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
+                                      live_tokens, sequence_table, slot_table)
 from pallas_kernels.ssm.reference import L2NORM_EPS
+
+PREFILL_VARIANTS = ("split", "fused")
 
 
 def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -81,11 +83,18 @@ def _normed(x, l2: bool, scale: float = 1.0):
     return x * scale if scale != 1.0 else x
 
 
+def _chunk_cumsum(g, chunk):
+    """gc = the cumsum of g within the chunk (a masked reduction: Triton has no scan here)."""
+    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+
+
 def _chunk_decay(g, chunk):
     """gc = the cumsum of g within the chunk, and D_ij = exp(gc_i - gc_j) for i >= j, else 0."""
     r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    gc = jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+    gc = _chunk_cumsum(g, chunk)
     return gc, jnp.exp(jnp.where(r >= c, gc[:, None] - gc[None, :], -jnp.inf))
 
 
@@ -186,6 +195,60 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
 
 
+def _h_kernel(info_ref, k_ref, w_ref, u_ref, g_ref, h_ref, vn_ref, hc_ref, h_out_ref, *,
+              chunk: int, l2: bool):
+    """The split form's serial pass, one (sequence, value head, V block): per chunk in order,
+    the state before it to hc (row first_chunk + j, in the matmul dtype the output pass reads),
+    v' = u - w S to vn, then the state update. Two matmuls per step on the serial path."""
+    s = pl.program_id(0)
+    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src, c0 = info_ref[s, 4], info_ref[s, 5]
+    dtype = k_ref.dtype
+    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(j, h):
+            row0 = start + j * chunk
+            ok = j * chunk + rows < length
+            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                              other=0)
+            hc_ref[c0 + j] = h.astype(hc_ref.dtype)
+            v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
+            pltriton.store(vn_ref.at[pl.ds(row0, chunk), :], v_new.astype(vn_ref.dtype),
+                           mask=ok[:, None])
+            g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            gc = _chunk_cumsum(g.astype(jnp.float32), chunk)
+            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
+            k = _normed(load2(k_ref), l2) * jnp.exp(last - gc)[:, None]
+            return h * jnp.exp(last) + _dot(k, v_new, dtype, trans_a=True)
+
+        h0 = h_ref[src].astype(jnp.float32)
+        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+
+def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, o_ref, *, chunk: int, l2: bool):
+    """The split form's output, one (chunk, value head, V block), every chunk at once:
+    o = (q exp(gc)) S_before + (q k^T * D) v'."""
+    i = pl.program_id(0)
+    row0, n = chunks_ref[i, 0], chunks_ref[i, 1]
+    kd, dtype = q_ref.shape[-1], q_ref.dtype
+
+    @pl.when(n > 0)
+    def _():
+        ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
+        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                          other=0)
+        q = _normed(load2(q_ref), l2, kd ** -0.5)
+        k = _normed(load2(k_ref), l2)
+        g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+        gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
+        o = (_dot(q * jnp.exp(gc)[:, None], hc_ref[i], dtype)
+             + _dot(_dot(q, k, dtype, trans_b=True) * decay, load2(vn_ref), dtype))
+        pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype), mask=ok[:, None])
+
+
 def _check_gdn(q, k, v, g, beta, state_pool, block_v):
     t, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
@@ -208,13 +271,17 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
                 src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
-                num_warps: int = 4, interpret: bool = False):
+                variant: str = "split", num_warps: int = 4, num_stages: int = 1,
+                interpret: bool = False):
     """The chunked gated delta rule over a ragged batch (module docstring). Returns
     (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
-    final state in its slot). chunk_size: a power of two >= 16."""
+    final state in its slot). chunk_size: a power of two >= 16. variant: "split" or "fused"
+    (PREFILL_VARIANTS); block_v: the V block of the serial pass."""
+    if variant not in PREFILL_VARIANTS:
+        raise ValueError(f"variant={variant!r}: one of {PREFILL_VARIANTS}")
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     t, vd = q.shape[0], v.shape[2]
-    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
+    check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
     cu = cu_seqlens.astype(jnp.int32)
@@ -222,8 +289,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     chunks = chunk_table(cu, slots, t, chunk_size)
     pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))
     q, k, v, g = pad(q), pad(k), pad(v), pad(g.astype(jnp.float32))
-    n, rep, tp = state_pool.shape[0], hv // hk, t + chunk_size
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    rep, tp = hv // hk, t + chunk_size
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # WY: every chunk of every head at once (the UT transform is off the serial path).
     key_spec = pl.BlockSpec((tp, None, kd), lambda i, h: (0, h // rep, 0))
     head_spec = lambda d: pl.BlockSpec((tp, None, d), lambda i, h: (0, h, 0))
@@ -240,26 +307,80 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
         interpret=interpret,
         name="gdn_prefill_wy",
     )(chunks, k, v, g, pad(beta.astype(jnp.float32)))
-    # The state pass: each sequence's chunks in order.
+    state_args = (q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chunk_size, bv,
+                  use_qk_l2norm, params, interpret)
+    o, pool = (_split_state_pass if variant == "split" else _fused_state_pass)(*state_args)
+    live = live_tokens(cu, slots, t)[:, None, None]
+    return jnp.where(live, o[:t], 0).astype(v.dtype), pool
+
+
+def _fused_state_pass(q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chunk, bv, l2,
+                      params, interpret):
+    """One kernel: each sequence's chunks in order, the output computed on the serial path."""
+    del cu, slots, t, chunks
+    tp, hk, kd = q.shape
+    n, hv, _, vd = state_pool.shape
+    rep = hv // hk
     qk_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
     w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
     v_spec = pl.BlockSpec((tp, None, bv), lambda i, h, j: (0, h, j))
     state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
-    o, pool = pl.pallas_call(
-        functools.partial(_state_kernel, chunk=chunk_size, l2=use_qk_l2norm),
-        grid=(s, hv, vd // bv),
-        in_specs=[pl.BlockSpec((s, 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec, w_spec, v_spec,
-                  pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
+    return pl.pallas_call(
+        functools.partial(_state_kernel, chunk=chunk, l2=l2),
+        grid=(info.shape[0], hv, vd // bv),
+        in_specs=[pl.BlockSpec((info.shape[0], 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec,
+                  w_spec, v_spec, pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
         out_specs=[v_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), v.dtype),
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={6: 1},
         compiler_params=params,
         interpret=interpret,
         name="gdn_prefill_state",
     )(info, q, k, w, u, g, state_pool)
-    live = live_tokens(cu, slots, t)[:, None, None]
-    return jnp.where(live, o[:t], 0).astype(v.dtype), pool
+
+
+def _split_state_pass(q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chunk, bv, l2,
+                      params, interpret):
+    """fla's split: the serial pass keeps only v' = u - w S and the state update (two matmuls a
+    step), writing each chunk's incoming state and v'; then every chunk's output at once."""
+    tp, hk, kd = q.shape
+    n, hv, _, vd = state_pool.shape
+    rep, s, nc = hv // hk, info.shape[0], chunks.shape[0]
+    table = jnp.concatenate([info, first_chunks(cu, slots, chunk)[:, None]], axis=1)
+    key_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
+    w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
+    gate_spec = pl.BlockSpec((tp, None), lambda i, h, j: (0, h))
+    v_spec = lambda b: pl.BlockSpec((tp, None, b), lambda i, h, j: (0, h, j))
+    hc_spec = lambda b: pl.BlockSpec((nc, None, kd, b), lambda i, h, j: (0, h, 0, j))
+    state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
+    vn, hc, pool = pl.pallas_call(
+        functools.partial(_h_kernel, chunk=chunk, l2=l2),
+        grid=(s, hv, vd // bv),
+        in_specs=[pl.BlockSpec((s, 6), lambda i, h, j: (0, 0)), key_spec, w_spec, v_spec(bv),
+                  gate_spec, state_spec],
+        out_specs=[v_spec(bv), hc_spec(bv), state_spec],
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
+                   jax.ShapeDtypeStruct((nc, hv, kd, vd), q.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={5: 2},
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_h",
+    )(table, k, w, u, g, state_pool)
+    bo = min(vd, 128)  # the output pass holds no state: whole rows of V where they fit
+    o = pl.pallas_call(
+        functools.partial(_o_kernel, chunk=chunk, l2=l2),
+        grid=(nc, hv, vd // bo),
+        in_specs=[pl.BlockSpec((nc, 2), lambda i, h, j: (0, 0)), key_spec, key_spec, gate_spec,
+                  v_spec(bo), hc_spec(bo)],
+        out_specs=v_spec(bo),
+        out_shape=jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_o",
+    )(chunks, q, k, g, vn, hc)
+    return o, pool
 
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h_out_ref, *,

@@ -2,7 +2,7 @@
 over a ragged batch and a one-token decode, both updating the state pool in place.
 
     gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
-                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64)
+                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64, variant="split")
         -> (o [T, Hv, V], state_pool)
     gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm=True,
                block_v=64) -> (o [S, Hv, V], state_pool)
@@ -14,15 +14,20 @@ h // (Hv // Hk): no repeated copy of q/k is made), g [T, Hv] the log decay (<= 0
 `batch.py`. use_qk_l2norm: q and k L2-normalised in the kernel (HF passes True). q is scaled by
 K^-1/2. The references are `reference.gdn_chunked_reference` / `gdn_decode_reference`.
 
-Prefill, two kernels (fla's split: the UT transform off the serial path). Per chunk of
-`chunk_size` tokens, the WY form: gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j),
-T = (I + strictly-lower(beta_i k_i.k_j D))^-1 (the UT transform, by forward substitution in
-registers), u = T (beta v), w = T (beta exp(gc) k); then v' = u - w S,
+Prefill (fla's split of chunk_gated_delta_rule). Per chunk of `chunk_size` tokens, the WY form:
+gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j), T = (I + strictly-lower(beta_i k_i.k_j D))^-1
+(the UT transform), u = T (beta v), w = T (beta exp(gc) k); then v' = u - w S,
 o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^T v'.
   1. `_wy_kernel`, grid (chunk, Hv): w and u of every chunk of every sequence at once (chunks
-     from `batch.chunk_table`; they never cross sequences), written to HBM in k's / v's dtype;
-  2. `_state_kernel`, grid (S, Hv, V / block_v): a program walks its sequence's chunks in order
-     with its [K, block_v] slice of the state in registers (all of step 2 factorises over V).
+     from `batch.chunk_table`; they never cross sequences), T by 16-row blocks (forward
+     substitution on the diagonal blocks, 16 x 16 float32 dots for the rest: fla's solve_tril),
+     written to HBM in k's / v's dtype;
+  2. variant "split" (default): `_h_kernel`, grid (S, Hv, V / block_v), walks a sequence's
+     chunks in order with its [K, block_v] slice of the state in registers, doing only v' and
+     the state update and writing each chunk's incoming state (in q's dtype) and v'; then
+     `_o_kernel`, grid (chunk, Hv, V / 128), every chunk's output at once.
+     Variant "fused": `_state_kernel` computes the output on the serial walk (one kernel, no
+     per-chunk states in HBM, but five matmuls a step on the serial path).
 Rows past a sequence's end load as k = v = beta = g = 0, which is the identity step, so a partial
 last chunk needs no other masking. Matmul operands are cast to q's dtype (bf16 in serving, as fla
 does), accumulating in float32; the state stays float32.

@@ -2,7 +2,8 @@
 batch and a one-token decode, both updating the state pool in place.
 
     ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
-                src_slots=None, chunk_size=64, block_p=64) -> (y [T, H, P], state_pool)
+                src_slots=None, chunk_size=64, block_p=64, variant="split")
+        -> (y [T, H, P], state_pool)
     ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None, block_p=64)
         -> (y [S, H, P], state_pool)
 
@@ -13,11 +14,15 @@ h // (H // G)), d [H] or None (the skip y += D x), state_pool [num_slots, H, P, 
 mamba_ssm layout); the ragged batch of `batch.py`. The gated RMSNorm with z is the caller's.
 The references are `reference.ssd_chunked_reference` / `ssd_decode_reference`.
 
-Prefill: grid (S, H, P / block_p); a program walks its sequence's chunks, its [block_p, N] slice
-of the state in registers. Per chunk: cs = cumsum(dt a); L = exp(cs_i - cs_j) (i >= j);
+Prefill. Per chunk: cs = cumsum(dt a); L = exp(cs_i - cs_j) (i >= j);
 y = ((C B^T) * L * dt_j) x + exp(cs) (C S^T) + D x;
 S <- exp(cs_last) S + (x dt exp(cs_last - cs))^T B. Rows past a sequence's end load as dt = 0,
 x = B = 0: the identity step. Matmul operands in x's dtype, float32 accumulation and state.
+Variant "split" (default, mamba_ssm's split of the work): `_h_kernel`, grid (S, H, P / block_p),
+walks a sequence's chunks with its [block_p, N] slice of the state in registers, doing only the
+state update and writing each chunk's incoming state (x's dtype) to HBM; `_o_kernel`, grid
+(chunk, H, P / 128), then computes every chunk's y at once. Variant "fused": one kernel, grid
+(S, H, P / block_p), computing y on the serial walk.
 Decode: grid (S, H, P / block_p): `reference.ssd_step` on the slot.
 
 Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill's packed batch;

@@ -245,12 +245,14 @@ def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, o_ref, *, chunk: 
         ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
         load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
                                           other=0)
-        q = _normed(load2(q_ref), l2, kd ** -0.5)
-        k = _normed(load2(k_ref), l2)
         g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
         gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
-        o = (_dot(q * jnp.exp(gc)[:, None], hc_ref[i], dtype)
-             + _dot(_dot(q, k, dtype, trans_b=True) * decay, load2(vn_ref), dtype))
+        # Operands go to the matmul dtype as soon as they are made: float32 [chunk, K] tiles
+        # held across the dots would spill.
+        q = _normed(load2(q_ref), l2, kd ** -0.5)
+        qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
+        scores = _dot(q, _normed(load2(k_ref), l2).astype(dtype), dtype, trans_b=True) * decay
+        o = _dot(qg, hc_ref[i], dtype) + _dot(scores, load2(vn_ref), dtype)
         pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype), mask=ok[:, None])
 
 

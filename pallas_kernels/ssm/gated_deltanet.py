@@ -167,7 +167,8 @@ def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: i
 
 def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_out_ref, *,
                   chunk: int, l2: bool):
-    """One (sequence, value head, V block): the chunks in order, the state in registers."""
+    """The fused variant, one (sequence, value head, V block): the chunks in order, the state in
+    registers, the output on the serial walk."""
     s = pl.program_id(0)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
@@ -182,18 +183,20 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
             ok = j * chunk + rows < length
             load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
                                               other=0)
-            q = _normed(load2(q_ref), l2, kd ** -0.5)
-            k = _normed(load2(k_ref), l2)
             g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
             gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
+            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
+            # Operands in the matmul dtype as soon as they are made (no float32 [chunk, K]
+            # tile held across the step's five matmuls).
+            q = _normed(load2(q_ref), l2, kd ** -0.5)
+            qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
+            k = _normed(load2(k_ref), l2)
+            kg, k = (k * jnp.exp(last - gc)[:, None]).astype(dtype), k.astype(dtype)
             v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
-            o = (_dot(q * jnp.exp(gc)[:, None], h, dtype)
-                 + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype))
+            o = _dot(qg, h, dtype) + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype)
             pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype),
                            mask=ok[:, None])
-            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
-            return (h * jnp.exp(last)
-                    + _dot(k * jnp.exp(last - gc)[:, None], v_new, dtype, trans_a=True))
+            return h * jnp.exp(last) + _dot(kg, v_new, dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))

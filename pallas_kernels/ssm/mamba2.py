@@ -50,15 +50,23 @@ def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
                         trans_b=trans_b).astype(jnp.float32)
 
 
+def _chunk_cumsum(dt, a, chunk):
+    """cs = the cumsum of dt a within the chunk (a masked reduction: Triton has no scan here)."""
+    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return jnp.sum(jnp.where(r >= col, (dt * a)[None, :], 0.0), axis=1)
+
+
 def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref,
                     *, chunk: int):
+    """The fused variant, one (sequence, head, P block): the chunks in order, the state in
+    registers. Tiles stay in the input dtype (float32 copies of B and C held across the step's
+    four matmuls would spill)."""
     s, head = pl.program_id(0), pl.program_id(1)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
     a, skip = a_ref[head], d_ref[head]
     dtype = x_ref.dtype
-    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
     @pl.when(slot >= 0)
@@ -67,30 +75,25 @@ def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, 
             row0 = start + j * chunk
             ok = j * chunk + rows < length
             load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                              other=0).astype(jnp.float32)
+                                              other=0)
             x, b, c = load2(x_ref), load2(b_ref), load2(c_ref)
-            dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk)], mask=ok, other=0).astype(jnp.float32)
-            cs = jnp.sum(jnp.where(r >= col, (dt * a)[None, :], 0.0), axis=1)  # cumsum
+            dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            cs = _chunk_cumsum(dt, a, chunk)
+            r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+            col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
             decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
             scores = _dot(c, b, dtype, trans_b=True) * decay * dt[None, :]
             y = (_dot(scores, x, dtype) + jnp.exp(cs)[:, None] * _dot(c, h, dtype, trans_b=True)
-                 + skip * x)
+                 + skip * x.astype(jnp.float32))
             pltriton.store(y_ref.at[pl.ds(row0, chunk), :], y.astype(y_ref.dtype),
                            mask=ok[:, None])
             last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
-            return (h * jnp.exp(last)
-                    + _dot(x * (dt * jnp.exp(last - cs))[:, None], b, dtype, trans_a=True))
+            xs = x.astype(jnp.float32) * (dt * jnp.exp(last - cs))[:, None]
+            return h * jnp.exp(last) + _dot(xs, b, dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
-
-
-def _chunk_cumsum(dt, a, chunk):
-    """cs = the cumsum of dt a within the chunk (a masked reduction: Triton has no scan here)."""
-    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    return jnp.sum(jnp.where(r >= col, (dt * a)[None, :], 0.0), axis=1)
 
 
 def _h_kernel(info_ref, a_ref, x_ref, dt_ref, b_ref, h_ref, hc_ref, h_out_ref, *, chunk: int):

@@ -67,10 +67,13 @@ SSD_PREFILL = {
     "fused_bp32": dict(variant="fused", block_p=32),
 }
 CONV_PREFILL = {"bt32": dict(block_t=32), "bt64": dict(block_t=64)}
+# Decode: fla's fused_recurrent runs [K, 8]-column tiles on one warp (the K reduction stays in
+# the warp); the small-tile configs try that shape at Triton's 16-column floor.
 GDN_DECODE = {"bv64": dict(block_v=64), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
-              "bv128_w8": dict(block_v=128, num_warps=8)}
+              "bv128_w8": dict(block_v=128, num_warps=8), "bv16_w1": dict(block_v=16, num_warps=1),
+              "bv32_w2": dict(block_v=32, num_warps=2)}
 SSD_DECODE = {"bp64": dict(block_p=64), "bp32": dict(block_p=32),
-              "bp64_w8": dict(block_p=64, num_warps=8)}
+              "bp64_w8": dict(block_p=64, num_warps=8), "bp16_w1": dict(block_p=16, num_warps=1)}
 DECODE_CALLS = 16
 TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=2, p=16, g=1, n=16),
             conv=dict(c=32, w=4), prefill={"b2x40": [40, 24]}, decode=(2,))

@@ -132,18 +132,22 @@ def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: i
 
     @pl.when(n > 0)
     def _():
-        ks, bvs, betas, gcs = [], [], [], []
+        # Per block: k, beta v and beta exp(gc) k kept in the matmul dtype (they only feed
+        # matmuls; twelve float32 [16, K] tiles would spill).
+        ks, bvs, bks, betas, gcs = [], [], [], [], []
         base = jnp.float32(0.0)
         for i in range(nb):
             ok = i * SUB + sub < n
             at = pl.ds(row0 + i * SUB, SUB)
-            ks.append(_normed(pltriton.load(k_ref.at[at, :], mask=ok[:, None], other=0), l2))
             beta = pltriton.load(b_ref.at[at], mask=ok, other=0).astype(jnp.float32)
-            bvs.append(beta[:, None] * pltriton.load(v_ref.at[at, :], mask=ok[:, None],
-                                                      other=0).astype(jnp.float32))
             g = pltriton.load(g_ref.at[at], mask=ok, other=0).astype(jnp.float32)
             gc = base + jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
             base = base + jnp.sum(g)
+            k = _normed(pltriton.load(k_ref.at[at, :], mask=ok[:, None], other=0), l2)
+            ks.append(k.astype(dtype))
+            bks.append(((beta * jnp.exp(gc))[:, None] * k).astype(dtype))
+            v = pltriton.load(v_ref.at[at, :], mask=ok[:, None], other=0).astype(jnp.float32)
+            bvs.append((beta[:, None] * v).astype(dtype))
             betas.append(beta)
             gcs.append(gc)
         a = {}
@@ -155,7 +159,6 @@ def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: i
                 a[i, j] = (betas[i][:, None] * _dot(ks[i], ks[j], dtype, trans_b=True)
                            * jnp.exp(diff))
         inv = _block_lower_inverse(a, nb)
-        bks = [(betas[j] * jnp.exp(gcs[j]))[:, None] * ks[j] for j in range(nb)]
         for i in range(nb):
             ok = (i * SUB + sub < n)[:, None]
             at = pl.ds(row0 + i * SUB, SUB)

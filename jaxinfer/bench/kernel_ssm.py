@@ -55,16 +55,14 @@ GDN_PREFILL = {
     "split_bv32": dict(variant="split", block_v=32),
     "split_bv64_stages2": dict(variant="split", block_v=64, num_stages=2),
     "split_bv64_w8": dict(variant="split", block_v=64, num_warps=8),
-    "fused_bv64": dict(variant="fused", block_v=64),
-    "fused_bv32": dict(variant="fused", block_v=32),
+    "fused_bv64": dict(variant="fused", block_v=64),  # the first record's kernel, restyled
 }
 SSD_PREFILL = {
     "split_bp64": dict(variant="split", block_p=64),
     "split_bp32": dict(variant="split", block_p=32),
     "split_bp64_stages2": dict(variant="split", block_p=64, num_stages=2),
     "split_bp64_chunk128_w8": dict(variant="split", block_p=64, chunk_size=128, num_warps=8),
-    "fused_bp64": dict(variant="fused", block_p=64),
-    "fused_bp32": dict(variant="fused", block_p=32),
+    "fused_bp64": dict(variant="fused", block_p=64),  # the first record's kernel, restyled
 }
 CONV_PREFILL = {"bt32": dict(block_t=32), "bt64": dict(block_t=64)}
 # Decode: fla's fused_recurrent runs [K, 8]-column tiles on one warp (the K reduction stays in

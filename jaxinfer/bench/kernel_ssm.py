@@ -3,7 +3,7 @@ prefill against the same-run bf16 matmul ceiling, their decode steps and the cau
 the same-run HBM read ceiling (jaxinfer/bench/anchors.py), every kernel variant and block size of
 the sweep below timed in the one run, with a table of them printed before the metrics.
 
-    jaxinfer bench kernels --only ssm [--save [DIR]]
+    jaxinfer bench kernels --only ssm [--save [DIR]] [-- --no-sweep]
     JAX_PLATFORMS=cpu python -m jaxinfer.bench.kernel_ssm --tiny     # CPU smoke run (interpreter)
 
 Shapes: Gated DeltaNet as Qwen3-Next-80B-A3B (16 key heads, 32 value heads, K = V = 128), SSD as
@@ -72,6 +72,8 @@ GDN_DECODE = {"bv64": dict(block_v=64), "bv32": dict(block_v=32), "bv128": dict(
               "bv32_w2": dict(block_v=32, num_warps=2)}
 SSD_DECODE = {"bp64": dict(block_p=64), "bp32": dict(block_p=32),
               "bp64_w8": dict(block_p=64, num_warps=8), "bp16_w1": dict(block_p=16, num_warps=1)}
+SWEEPS = dict(gdn_prefill=GDN_PREFILL, ssd_prefill=SSD_PREFILL, conv_prefill=CONV_PREFILL,
+              gdn_decode=GDN_DECODE, ssd_decode=SSD_DECODE)
 DECODE_CALLS = 16
 TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=2, p=16, g=1, n=16),
             conv=dict(c=32, w=4), prefill={"b2x40": [40, 24]}, decode=(2,))
@@ -131,14 +133,14 @@ def loop_time(fn, pool, *inputs, calls: int = DECODE_CALLS) -> float:
     return anchors.queued_time(lambda p: f(p, *inputs), jnp.copy(pool)) / calls
 
 
-def check(m, tiny, interpret):
+def check(m, tiny, interpret, cfg):
     """Each kernel against its reference on two short sequences of the real head shapes."""
     gs, ss, cs = (TINY["gdn"], TINY["ssd"], TINY["conv"]) if tiny else (GDN, SSD, CONV)
     cu, slots, init = ragged([100, 37])
     t = 137
     ins, pool = gdn_args(t, 2, **gs)
     want = reference.gdn_chunked_reference(*ins, pool, cu, slots, init)
-    for i, (name, kw) in enumerate(GDN_PREFILL.items()):
+    for i, (name, kw) in enumerate(cfg["gdn_prefill"].items()):
         tail = "" if i == 0 else f"_{name}"
         try:
             got = gated_deltanet.gdn_prefill(*ins, pool, cu, slots, init, interpret=interpret,
@@ -155,7 +157,7 @@ def check(m, tiny, interpret):
     (x, dt, a, b, c), pool = ssd_args(t, 2, **ss)
     d = jnp.ones((ss["h"],))
     want = reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu, slots, init, d=d)
-    for i, (name, kw) in enumerate(SSD_PREFILL.items()):
+    for i, (name, kw) in enumerate(cfg["ssd_prefill"].items()):
         tail = "" if i == 0 else f"_{name}"
         try:
             got = mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d,
@@ -202,7 +204,7 @@ def default_rate(m, prefix, configs, unit):
         m[f"{prefix}_{unit}"] = m[key]
 
 
-def prefill_cases(m, tiny, interpret, table):
+def prefill_cases(m, tiny, interpret, table, cfg):
     gs, ss, cs = (TINY["gdn"], TINY["ssd"], TINY["conv"]) if tiny else (GDN, SSD, CONV)
     cases = TINY["prefill"] if tiny else PREFILL
     hbm = m["read_tbps"] * 1e12
@@ -210,7 +212,7 @@ def prefill_cases(m, tiny, interpret, table):
         cu, slots, init = ragged(lens)
         t, s = sum(lens), len(lens)
         ins, pool = gdn_args(t, s, **gs)
-        secs = sweep(m, f"gdn_prefill_{case}", GDN_PREFILL, lambda **kw: pool_time(
+        secs = sweep(m, f"gdn_prefill_{case}", cfg["gdn_prefill"], lambda **kw: pool_time(
             lambda p, ins, cu, slots, init: gated_deltanet.gdn_prefill(
                 *ins, p, cu, slots, init, interpret=interpret, **kw), pool, ins, cu, slots, init))
         flops = gated_deltanet.gdn_prefill_flops(lens, gs["hv"], gs["kd"], gs["vd"])
@@ -220,7 +222,7 @@ def prefill_cases(m, tiny, interpret, table):
             table.append(("gdn_prefill", case, name, sec, f"{tf} TF/s"))
         default_rate(m, f"gdn_prefill_{case}", GDN_PREFILL, "tflops")
         (x, dt, a, b, c), pool = ssd_args(t, s, **ss)
-        secs = sweep(m, f"ssd_prefill_{case}", SSD_PREFILL, lambda **kw: pool_time(
+        secs = sweep(m, f"ssd_prefill_{case}", cfg["ssd_prefill"], lambda **kw: pool_time(
             lambda p, ins, cu, slots, init: mamba2.ssd_prefill(
                 *ins, p, cu, slots, init, interpret=interpret, **kw),
             pool, (x, dt, a, b, c), cu, slots, init))
@@ -233,7 +235,7 @@ def prefill_cases(m, tiny, interpret, table):
         xc = jax.random.normal(jax.random.key(1), (t, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
         st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
-        secs = sweep(m, f"conv1d_prefill_{case}", CONV_PREFILL, lambda **kw: pool_time(
+        secs = sweep(m, f"conv1d_prefill_{case}", cfg["conv_prefill"], lambda **kw: pool_time(
             lambda p, xc, w, cu, slots, init: conv1d.causal_conv1d(
                 xc, w, None, p, cu, slots, init, interpret=interpret, **kw),
             st, xc, w, cu, slots, init))
@@ -244,7 +246,7 @@ def prefill_cases(m, tiny, interpret, table):
         default_rate(m, f"conv1d_prefill_{case}", CONV_PREFILL, "frac_of_hbm")
 
 
-def decode_cases(m, tiny, interpret, table):
+def decode_cases(m, tiny, interpret, table, cfg):
     gs, ss, cs = (TINY["gdn"], TINY["ssd"], TINY["conv"]) if tiny else (GDN, SSD, CONV)
     hbm = m["read_tbps"] * 1e12
     loop_time_ = functools.partial(loop_time, calls=2 if tiny else DECODE_CALLS)
@@ -253,7 +255,7 @@ def decode_cases(m, tiny, interpret, table):
         ins, pool = gdn_args(s, s, **gs)
         gdn_step = lambda p, ins, slots, **kw: gated_deltanet.gdn_decode(
             *ins, p, slots, interpret=interpret, **kw)
-        secs = sweep(m, f"gdn_decode_b{s}", GDN_DECODE,
+        secs = sweep(m, f"gdn_decode_b{s}", cfg["gdn_decode"],
                      lambda **kw: loop_time_(functools.partial(gdn_step, **kw), pool, ins, slots))
         m[f"gdn_decode_b{s}_call_us"] = round(pool_time(gdn_step, pool, ins, slots) * 1e6, 2)
         for name, sec in secs.items():
@@ -264,7 +266,7 @@ def decode_cases(m, tiny, interpret, table):
         (x, dt, a, b, c), pool = ssd_args(s, s, **ss)
         ssd_step = lambda p, ins, slots, **kw: mamba2.ssd_decode(
             *ins, p, slots, interpret=interpret, **kw)
-        secs = sweep(m, f"ssd_decode_b{s}", SSD_DECODE, lambda **kw: loop_time_(
+        secs = sweep(m, f"ssd_decode_b{s}", cfg["ssd_decode"], lambda **kw: loop_time_(
             functools.partial(ssd_step, **kw), pool, (x, dt, a, b, c), slots))
         m[f"ssd_decode_b{s}_call_us"] = round(
             pool_time(ssd_step, pool, (x, dt, a, b, c), slots) * 1e6, 2)
@@ -294,19 +296,21 @@ def print_table(table, m) -> None:
         print(f"FAILED {key}: {m[key]}")
 
 
-def run(tiny: bool) -> dict:
+def run(tiny: bool, sweep: bool = True) -> dict:
+    """The record's metrics; sweep=False times only each table's default (first) config."""
     interpret = jax.default_backend() == "cpu"
+    cfg = {k: v if sweep else dict(list(v.items())[:1]) for k, v in SWEEPS.items()}
     rates = anchors.measure(tiny=tiny)
     m = {k: rates[k] for k in ("matmul_tflops", "matmul_shape", "read_tbps", "read_kernel")}
-    check(m, tiny, interpret)
+    check(m, tiny, interpret, cfg)
     table = []
-    prefill_cases(m, tiny, interpret, table)
-    decode_cases(m, tiny, interpret, table)
+    prefill_cases(m, tiny, interpret, table, cfg)
+    decode_cases(m, tiny, interpret, table, cfg)
     print_table(table, m)
     if not tiny:
         peak = rates["matmul_tflops"] * 1e12
-        for name, configs in (("gdn", GDN_PREFILL), ("ssd", SSD_PREFILL)):
-            tf = {c: m[k] for c in configs if (k := f"{name}_prefill_b8x1024_{c}_tflops") in m}
+        for name in ("gdn", "ssd"):
+            tf = {c: m[k] for c in cfg[f"{name}_prefill"] if (k := f"{name}_prefill_b8x1024_{c}_tflops") in m}
             if f"{name}_prefill_b8x1024_tflops" in m:
                 m[f"{name}_prefill_frac_of_matmul"] = round(
                     m[f"{name}_prefill_b8x1024_tflops"] * 1e12 / peak, 3)
@@ -322,16 +326,16 @@ def run(tiny: bool) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="time only each kernel's default config")
     results_io.add_save_arg(ap, "ssm_kernels_<gpu>")
     a = ap.parse_args(argv)
-    m = run(a.tiny)
+    m = run(a.tiny, sweep=not a.no_sweep)
     if a.save:
-        sweeps = dict(gdn_prefill=GDN_PREFILL, ssd_prefill=SSD_PREFILL, conv_prefill=CONV_PREFILL,
-                      gdn_decode=GDN_DECODE, ssd_decode=SSD_DECODE, decode_calls=DECODE_CALLS)
         results_io.save(a.save, a.name or f"ssm_kernels_{results_io.device_slug()}",
-                        config=dict(tiny=a.tiny, gdn=GDN, ssd=SSD, conv=CONV,
-                                    prefill={k: len(v) for k, v in PREFILL.items()},
-                                    sweeps=sweeps),
+                        config=dict(tiny=a.tiny, sweep=not a.no_sweep, gdn=GDN, ssd=SSD,
+                                    conv=CONV, prefill={k: len(v) for k, v in PREFILL.items()},
+                                    sweeps=SWEEPS, decode_calls=DECODE_CALLS),
                         metrics=m)
     print(json.dumps(m, indent=1))
 

@@ -190,6 +190,7 @@ def sweep(m, prefix, configs, time_one):
             secs[name] = time_one(**kw)
         except Exception as e:  # noqa: BLE001 - recorded, the other configs still run
             m[f"{prefix}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"FAILED {prefix}_{name}: {m[f'{prefix}_{name}_error']}", flush=True)
             continue
         m[f"{prefix}_{name}_us"] = round(secs[name] * 1e6, 2)
         if i == 0:
@@ -219,7 +220,7 @@ def prefill_cases(m, tiny, interpret, table, cfg):
         for name, sec in secs.items():
             tf = round(flops / sec / 1e12, 2)
             m[f"gdn_prefill_{case}_{name}_tflops"] = tf
-            table.append(("gdn_prefill", case, name, sec, f"{tf} TF/s"))
+            add_row(table, ("gdn_prefill", case, name, sec, f"{tf} TF/s"))
         default_rate(m, f"gdn_prefill_{case}", GDN_PREFILL, "tflops")
         (x, dt, a, b, c), pool = ssd_args(t, s, **ss)
         secs = sweep(m, f"ssd_prefill_{case}", cfg["ssd_prefill"], lambda **kw: pool_time(
@@ -230,7 +231,7 @@ def prefill_cases(m, tiny, interpret, table, cfg):
         for name, sec in secs.items():
             tf = round(flops / sec / 1e12, 2)
             m[f"ssd_prefill_{case}_{name}_tflops"] = tf
-            table.append(("ssd_prefill", case, name, sec, f"{tf} TF/s"))
+            add_row(table, ("ssd_prefill", case, name, sec, f"{tf} TF/s"))
         default_rate(m, f"ssd_prefill_{case}", SSD_PREFILL, "tflops")
         xc = jax.random.normal(jax.random.key(1), (t, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
@@ -242,7 +243,7 @@ def prefill_cases(m, tiny, interpret, table, cfg):
         for name, sec in secs.items():
             frac = round(2 * xc.nbytes / sec / hbm, 3)
             m[f"conv1d_prefill_{case}_{name}_frac_of_hbm"] = frac
-            table.append(("conv1d_prefill", case, name, sec, f"{frac} of HBM"))
+            add_row(table, ("conv1d_prefill", case, name, sec, f"{frac} of HBM"))
         default_rate(m, f"conv1d_prefill_{case}", CONV_PREFILL, "frac_of_hbm")
 
 
@@ -261,7 +262,7 @@ def decode_cases(m, tiny, interpret, table, cfg):
         for name, sec in secs.items():
             frac = round(2 * pool.nbytes / sec / hbm, 3)
             m[f"gdn_decode_b{s}_{name}_frac_of_hbm"] = frac
-            table.append(("gdn_decode", f"b{s}", name, sec, f"{frac} of HBM"))
+            add_row(table, ("gdn_decode", f"b{s}", name, sec, f"{frac} of HBM"))
         default_rate(m, f"gdn_decode_b{s}", GDN_DECODE, "frac_of_hbm")
         (x, dt, a, b, c), pool = ssd_args(s, s, **ss)
         ssd_step = lambda p, ins, slots, **kw: mamba2.ssd_decode(
@@ -273,7 +274,7 @@ def decode_cases(m, tiny, interpret, table, cfg):
         for name, sec in secs.items():
             frac = round(2 * pool.nbytes / sec / hbm, 3)
             m[f"ssd_decode_b{s}_{name}_frac_of_hbm"] = frac
-            table.append(("ssd_decode", f"b{s}", name, sec, f"{frac} of HBM"))
+            add_row(table, ("ssd_decode", f"b{s}", name, sec, f"{frac} of HBM"))
         default_rate(m, f"ssd_decode_b{s}", SSD_DECODE, "frac_of_hbm")
         xc = jax.random.normal(jax.random.key(1), (s, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
@@ -283,15 +284,29 @@ def decode_cases(m, tiny, interpret, table, cfg):
         sec = loop_time_(conv_step, st, xc, w, slots)
         m[f"conv1d_update_b{s}_us"] = round(sec * 1e6, 2)
         m[f"conv1d_update_b{s}_call_us"] = round(pool_time(conv_step, st, xc, w, slots) * 1e6, 2)
-        table.append(("conv1d_update", f"b{s}", "default", sec, ""))
+        add_row(table, ("conv1d_update", f"b{s}", "default", sec, ""))
+
+
+TABLE_HEADER = f"{'kernel':<16}{'case':<10}{'config':<26}{'us':>10}  rate"
+
+
+def table_line(kernel, case, name, sec, rate) -> str:
+    return f"{kernel:<16}{case:<10}{name:<26}{sec * 1e6:>10.1f}  {rate}"
+
+
+def add_row(table, row) -> None:
+    """Keeps the row for the final table and prints it now (flushed): a run cut short by its
+    time limit still shows what it measured."""
+    table.append(row)
+    print(table_line(*row), flush=True)
 
 
 def print_table(table, m) -> None:
     """One line per (kernel, case, config): microseconds per call and the rate; then the configs
     that failed."""
-    print(f"{'kernel':<16}{'case':<10}{'config':<26}{'us':>10}  rate")
-    for kernel, case, name, sec, rate in table:
-        print(f"{kernel:<16}{case:<10}{name:<26}{sec * 1e6:>10.1f}  {rate}")
+    print(TABLE_HEADER)
+    for row in table:
+        print(table_line(*row))
     for key in (k for k in m if k.endswith("_error")):
         print(f"FAILED {key}: {m[key]}")
 
@@ -304,6 +319,7 @@ def run(tiny: bool, sweep: bool = True) -> dict:
     m = {k: rates[k] for k in ("matmul_tflops", "matmul_shape", "read_tbps", "read_kernel")}
     check(m, tiny, interpret, cfg)
     table = []
+    print(TABLE_HEADER, flush=True)
     prefill_cases(m, tiny, interpret, table, cfg)
     decode_cases(m, tiny, interpret, table, cfg)
     print_table(table, m)

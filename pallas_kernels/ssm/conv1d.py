@@ -46,8 +46,9 @@ def _prefill_kernel(table_ref, info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_
     sequence's first adds the history's terms and writes the sequence's final inputs to its
     slot: the only program that reads the source slot also writes the destination, so no
     other block can see a half-written state."""
-    i = pl.program_id(0)
-    row0, n, s, writer = table_ref[i, 0], table_ref[i, 1], table_ref[i, 2], table_ref[i, 3]
+    blk = pl.program_id(0)
+    row0, n, s, writer = (table_ref[blk, 0], table_ref[blk, 1], table_ref[blk, 2],
+                          table_ref[blk, 3])
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
     width = w_ref.shape[0]

@@ -53,6 +53,7 @@ DECODE = (1, 64)
 GDN_PREFILL = {
     "split_bv64": dict(variant="split", block_v=64),
     "split_bv32": dict(variant="split", block_v=32),
+    "split_bv16": dict(variant="split", block_v=16),  # 256 state-pass programs for one prompt
     "split_bv64_stages2": dict(variant="split", block_v=64, num_stages=2),
     "split_bv64_w8": dict(variant="split", block_v=64, num_warps=8),
     "fused_bv64": dict(variant="fused", block_v=64),  # the first record's kernel, restyled
@@ -60,6 +61,7 @@ GDN_PREFILL = {
 SSD_PREFILL = {
     "split_bp64": dict(variant="split", block_p=64),
     "split_bp32": dict(variant="split", block_p=32),
+    "split_bp16": dict(variant="split", block_p=16),  # 1024 state-pass programs for one prompt
     "split_bp64_stages2": dict(variant="split", block_p=64, num_stages=2),
     "split_bp64_chunk128_w8": dict(variant="split", block_p=64, chunk_size=128, num_warps=8),
     "fused_bp64": dict(variant="fused", block_p=64),  # the first record's kernel, restyled

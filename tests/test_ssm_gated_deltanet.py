@@ -229,6 +229,10 @@ def test_unit_lower_inverse_is_the_inverse():
     lower = np.tril(rng.normal(size=(16, 16)), -1).astype(np.float32) * 0.3
     inv = jax.jit(gdn.unit_lower_inverse)(jnp.asarray(lower))
     np.testing.assert_allclose(np.asarray(inv) @ (np.eye(16) + lower), np.eye(16), atol=1e-5)
+    other = np.tril(rng.normal(size=(16, 16)), -1).astype(np.float32) * 0.3
+    both = jax.jit(gdn.unit_lower_inverse)(jnp.asarray(lower), jnp.asarray(other))
+    for m, inv in zip((lower, other), both):  # one shared loop, each its own inverse
+        np.testing.assert_allclose(np.asarray(inv) @ (np.eye(16) + m), np.eye(16), atol=1e-5)
 
 
 def test_flops_count_real_rows():

@@ -64,21 +64,27 @@ def _total(terms):
     return functools.reduce(operator.add, terms)
 
 
-def unit_lower_inverse(lower: jax.Array) -> jax.Array:
-    """(I + lower)^-1 for a strictly lower-triangular float32 [n, n], row by row (forward
+def unit_lower_inverse(*lowers: jax.Array) -> jax.Array | tuple:
+    """(I + lower)^-1 for each strictly lower-triangular float32 [n, n], row by row (forward
     substitution: row i = e_i - lower[i] @ rows < i), with selects and reductions only (Triton
-    cannot index a register tensor). HF's torch_chunk_gated_delta_rule row loop, exactly."""
-    n = lower.shape[0]
+    cannot index a register tensor). HF's torch_chunk_gated_delta_rule row loop, exactly. Several
+    matrices share one loop, so their independent steps overlap. One matrix in, one out."""
+    n = lowers[0].shape[0]
     r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     cols = lax.broadcasted_iota(jnp.int32, (n,), 0)
 
-    def row(i, t):
-        li = jnp.sum(jnp.where(r == i, lower, 0.0), axis=0)       # lower[i, :] along the columns
-        new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(li[:, None] * t, axis=0)
-        return jnp.where(r == i, new[None, :], t)
+    def row(i, ts):
+        out = []
+        for lower, t in zip(lowers, ts):
+            li = jnp.sum(jnp.where(r == i, lower, 0.0), axis=0)   # lower[i, :] along the columns
+            new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(li[:, None] * t, axis=0)
+            out.append(jnp.where(r == i, new[None, :], t))
+        return tuple(out)
 
-    return lax.fori_loop(1, n, row, (r == c).astype(jnp.float32))
+    eye = (r == c).astype(jnp.float32)
+    inv = lax.fori_loop(1, n, row, tuple(eye for _ in lowers))
+    return inv[0] if len(lowers) == 1 else inv
 
 
 def _normed(x, l2: bool, scale: float = 1.0):
@@ -108,12 +114,13 @@ SUB = 16  # rows of the UT transform's diagonal blocks (Triton's smallest dot si
 
 def _block_lower_inverse(a: dict, nb: int) -> dict:
     """(I + A)^-1 of a strictly lower-triangular matrix given as SUB x SUB blocks a[i, j] (i >= j):
-    the diagonal blocks by forward substitution, then block forward substitution
+    the diagonal blocks by forward substitution (all in one loop), then block forward substitution
     T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's solve_tril). float32 dots (IEEE) throughout:
     T's entries feed every row of w and u."""
-    inv = {}
+    diag = unit_lower_inverse(*(a[i, i] for i in range(nb)))
+    diag = diag if nb > 1 else (diag,)
+    inv = {(i, i): diag[i] for i in range(nb)}
     for i in range(nb):
-        inv[i, i] = unit_lower_inverse(a[i, i])
         for j in range(i):
             acc = _total(pltriton.dot(a[i, m], inv[m, j]) for m in range(j, i))
             inv[i, j] = -pltriton.dot(inv[i, i], acc)

@@ -327,17 +327,18 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
         interpret=interpret,
         name="gdn_prefill_wy",
     )(chunks, k, v, g, pad(beta.astype(jnp.float32)))
-    state_args = (q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chunk_size, bv,
-                  use_qk_l2norm, params, interpret)
-    o, pool = (_split_state_pass if variant == "split" else _fused_state_pass)(*state_args)
+    common = dict(chunk=chunk_size, bv=bv, l2=use_qk_l2norm, params=params, interpret=interpret)
+    if variant == "split":
+        info = jnp.concatenate([info, first_chunks(cu, slots, chunk_size)[:, None]], axis=1)
+        o, pool = _split_state_pass(q, k, w, u, g, state_pool, info, chunks, **common)
+    else:
+        o, pool = _fused_state_pass(q, k, w, u, g, state_pool, info, **common)
     live = live_tokens(cu, slots, t)[:, None, None]
     return jnp.where(live, o[:t], 0).astype(v.dtype), pool
 
 
-def _fused_state_pass(q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chunk, bv, l2,
-                      params, interpret):
+def _fused_state_pass(q, k, w, u, g, state_pool, info, *, chunk, bv, l2, params, interpret):
     """One kernel: each sequence's chunks in order, the output computed on the serial path."""
-    del cu, slots, t, chunks
     tp, hk, kd = q.shape
     n, hv, _, vd = state_pool.shape
     rep = hv // hk
@@ -360,14 +361,14 @@ def _fused_state_pass(q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chu
     )(info, q, k, w, u, g, state_pool)
 
 
-def _split_state_pass(q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chunk, bv, l2,
-                      params, interpret):
+def _split_state_pass(q, k, w, u, g, state_pool, info, chunks, *, chunk, bv, l2, params,
+                      interpret):
     """fla's split: the serial pass keeps only v' = u - w S and the state update (two matmuls a
-    step), writing each chunk's incoming state and v'; then every chunk's output at once."""
+    step), writing each chunk's incoming state and v'; then every chunk's output at once. info:
+    `sequence_table` rows with each sequence's first chunk (`first_chunks`) appended."""
     tp, hk, kd = q.shape
     n, hv, _, vd = state_pool.shape
     rep, s, nc = hv // hk, info.shape[0], chunks.shape[0]
-    table = jnp.concatenate([info, first_chunks(cu, slots, chunk)[:, None]], axis=1)
     key_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
     w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
     gate_spec = pl.BlockSpec((tp, None), lambda i, h, j: (0, h))
@@ -387,7 +388,7 @@ def _split_state_pass(q, k, w, u, g, state_pool, cu, slots, t, info, chunks, chu
         compiler_params=params,
         interpret=interpret,
         name="gdn_prefill_h",
-    )(table, k, w, u, g, state_pool)
+    )(info, k, w, u, g, state_pool)
     bo = min(vd, 128)  # the output pass holds no state: whole rows of V where they fit
     o = pl.pallas_call(
         functools.partial(_o_kernel, chunk=chunk, l2=l2),

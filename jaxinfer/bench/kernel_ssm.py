@@ -1,8 +1,9 @@
 """The recurrent-layer kernels (pallas_kernels/ssm) on the GPU: Gated DeltaNet and Mamba-2 SSD
 prefill against the same-run bf16 matmul ceiling, their decode steps and the causal conv1d against
-the same-run HBM read ceiling (jaxinfer/bench/anchors.py).
+the same-run HBM read ceiling (jaxinfer/bench/anchors.py), every kernel variant and block size of
+the sweep below timed in the one run, with a table of them printed before the metrics.
 
-    jaxinfer bench kernels --only ssm [--save [DIR]] [-- --sweep]
+    jaxinfer bench kernels --only ssm [--save [DIR]] [-- --no-sweep]
     JAX_PLATFORMS=cpu python -m jaxinfer.bench.kernel_ssm --tiny     # CPU smoke run (interpreter)
 
 Shapes: Gated DeltaNet as Qwen3-Next-80B-A3B (16 key heads, 32 value heads, K = V = 128), SSD as
@@ -12,19 +13,27 @@ q, k, v: 8192 channels), bf16 inputs, float32 states, chunk 64. Prefill batches:
 Decode: `b1` and `b64` (one token per sequence).
 
 First each kernel is checked against its jnp reference (pallas_kernels/ssm/reference.py) on a
-small batch of the real head shapes (`*_rel_err`). Then per-call times, queued back to back with
-the state pool donated (as the engine must call them, or XLA copies the pool before each call):
-  gdn_prefill_{case}_us, _tflops (useful FLOPs: `gated_deltanet.gdn_prefill_flops`), and
-  gdn_prefill_frac_of_matmul (b8x1024's TF/s over the matmul ceiling); ssd_prefill_* the same
-  (`mamba2.ssd_prefill_flops`); {gdn,ssd}_decode_b{S}_us and _frac_of_hbm (the state read and
-  written, over the read ceiling, b64); conv1d_prefill_{case}_us / conv1d_update_b64_us with
-  _frac_of_hbm (x read, y written). --sweep also times block_v / block_p 32 and 128 beside the
-  default 64 (`gdn_prefill_b8x1024_bv{n}_us`, ...). Record: ssm_kernels_<gpu>.json.
+small batch of the real head shapes (`*_rel_err`, every prefill variant: `*_rel_err_{config}`).
+Then per-call times with the state pool donated (as the engine must call them, or XLA copies
+the pool before each call). Prefill calls are queued back to back, one jit call each:
+  gdn_prefill_{case}_{config}_us, _tflops for each config of GDN_PREFILL (useful FLOPs:
+  `gated_deltanet.gdn_prefill_flops`); gdn_prefill_{case}_us / _tflops the default config's (the
+  first), gdn_prefill_frac_of_matmul (b8x1024's TF/s over the matmul ceiling), and
+  gdn_prefill_best (the fastest config at b8x1024) with gdn_prefill_best_frac_of_matmul;
+  ssd_prefill_* the same over SSD_PREFILL (`mamba2.ssd_prefill_flops`); conv1d_prefill_{case}_us
+  (default config) and _{config}_us over CONV_PREFILL, _frac_of_hbm (x read, y written).
+Decode steps are microseconds, less than a jit call's host dispatch, so they are timed as
+DECODE_CALLS calls inside one jit (the engine's decode step is one jit too):
+  {gdn,ssd}_decode_b{S}_us / _{config}_us (per call) and _frac_of_hbm (the state read and
+  written, over the read ceiling); `{gdn,ssd}_decode_frac_of_hbm` is b64's;
+  *_decode_b{S}_call_us: one jit call per step, queued (the record before the sweep timed this);
+  conv1d_update_b{S}_us the same way. Record: ssm_kernels_<gpu>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -37,8 +46,37 @@ from pallas_kernels.ssm import conv1d, gated_deltanet, mamba2, reference
 GDN = dict(hk=16, hv=32, kd=128, vd=128)
 SSD = dict(h=128, p=64, g=8, n=128)
 CONV = dict(c=2 * 16 * 128 + 32 * 128, w=4)
-PREFILL = {"b1x8192": [8192], "b8x1024": [1024] * 8}
+PREFILL = {"b8x1024": [1024] * 8, "b1x8192": [8192]}  # the goal case first
 DECODE = (1, 64)
+# name -> keyword arguments; the first of each is the kernel's default, whose times keep the
+# record's plain keys.
+GDN_PREFILL = {
+    "split_bv64": dict(variant="split", block_v=64),
+    "split_bv32": dict(variant="split", block_v=32),
+    "split_bv16": dict(variant="split", block_v=16),  # 256 state-pass programs for one prompt
+    "split_bv64_stages2": dict(variant="split", block_v=64, num_stages=2),
+    "split_bv64_w8": dict(variant="split", block_v=64, num_warps=8),
+    "fused_bv64": dict(variant="fused", block_v=64),  # the first record's kernel, restyled
+}
+SSD_PREFILL = {
+    "split_bp64": dict(variant="split", block_p=64),
+    "split_bp32": dict(variant="split", block_p=32),
+    "split_bp16": dict(variant="split", block_p=16),  # 1024 state-pass programs for one prompt
+    "split_bp64_stages2": dict(variant="split", block_p=64, num_stages=2),
+    "split_bp64_chunk128_w8": dict(variant="split", block_p=64, chunk_size=128, num_warps=8),
+    "fused_bp64": dict(variant="fused", block_p=64),  # the first record's kernel, restyled
+}
+CONV_PREFILL = {"bt32": dict(block_t=32), "bt64": dict(block_t=64)}
+# Decode: fla's fused_recurrent runs [K, 8]-column tiles on one warp (the K reduction stays in
+# the warp); the small-tile configs try that shape at Triton's 16-column floor.
+GDN_DECODE = {"bv64": dict(block_v=64), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
+              "bv128_w8": dict(block_v=128, num_warps=8), "bv16_w1": dict(block_v=16, num_warps=1),
+              "bv32_w2": dict(block_v=32, num_warps=2)}
+SSD_DECODE = {"bp64": dict(block_p=64), "bp32": dict(block_p=32),
+              "bp64_w8": dict(block_p=64, num_warps=8), "bp16_w1": dict(block_p=16, num_warps=1)}
+SWEEPS = dict(gdn_prefill=GDN_PREFILL, ssd_prefill=SSD_PREFILL, conv_prefill=CONV_PREFILL,
+              gdn_decode=GDN_DECODE, ssd_decode=SSD_DECODE)
+DECODE_CALLS = 16
 TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=2, p=16, g=1, n=16),
             conv=dict(c=32, w=4), prefill={"b2x40": [40, 24]}, decode=(2,))
 
@@ -79,31 +117,58 @@ def rel_err(got, want) -> float:
 def pool_time(fn, pool, *inputs) -> float:
     """Seconds per call of fn(pool, *inputs) -> (out, pool), the pool donated and fed back. The
     inputs are arguments, not closed over: XLA would fold megabytes of constants into the program
-    (an 8192-token prefill's compile did not finish)."""
+    (an 8192-token prefill's compile did not finish). The pool is copied first, so the caller's
+    stays valid for the next config."""
     f = jax.jit(fn, donate_argnums=0)
-    return anchors.queued_time(lambda st: f(st[1], *inputs), (None, pool))
+    return anchors.queued_time(lambda st: f(st[1], *inputs), (None, jnp.copy(pool)))
 
 
-def check(m, tiny, interpret):
+def loop_time(fn, pool, *inputs, calls: int = DECODE_CALLS) -> float:
+    """Seconds per call of fn(pool, *inputs) -> (out, pool) when `calls` of them run in one jit
+    (unrolled: an XLA while loop would add its own per-step sync), the pool donated."""
+    def many(p, *ins):
+        for _ in range(calls):
+            p = fn(p, *ins)[1]
+        return p
+
+    f = jax.jit(many, donate_argnums=0)
+    return anchors.queued_time(lambda p: f(p, *inputs), jnp.copy(pool)) / calls
+
+
+def check(m, tiny, interpret, cfg):
     """Each kernel against its reference on two short sequences of the real head shapes."""
     gs, ss, cs = (TINY["gdn"], TINY["ssd"], TINY["conv"]) if tiny else (GDN, SSD, CONV)
     cu, slots, init = ragged([100, 37])
     t = 137
     ins, pool = gdn_args(t, 2, **gs)
-    got = gated_deltanet.gdn_prefill(*ins, pool, cu, slots, init, interpret=interpret)
     want = reference.gdn_chunked_reference(*ins, pool, cu, slots, init)
-    m["gdn_prefill_rel_err"] = rel_err(got[0], want[0])
-    m["gdn_prefill_state_rel_err"] = rel_err(got[1], want[1])
+    for i, (name, kw) in enumerate(cfg["gdn_prefill"].items()):
+        tail = "" if i == 0 else f"_{name}"
+        try:
+            got = gated_deltanet.gdn_prefill(*ins, pool, cu, slots, init, interpret=interpret,
+                                             **kw)
+        except Exception as e:  # noqa: BLE001 - recorded; sweep() records its timing's failure
+            m[f"gdn_prefill_rel_err{tail}_error"] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        m[f"gdn_prefill_rel_err{tail}"] = rel_err(got[0], want[0])
+        m[f"gdn_prefill_state_rel_err{tail}"] = rel_err(got[1], want[1])
     dec = tuple(x[:2] for x in ins)
     m["gdn_decode_rel_err"] = rel_err(
         gated_deltanet.gdn_decode(*dec, pool, slots, interpret=interpret)[0],
         reference.gdn_decode_reference(*dec, pool, slots)[0])
     (x, dt, a, b, c), pool = ssd_args(t, 2, **ss)
     d = jnp.ones((ss["h"],))
-    got = mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d, interpret=interpret)
     want = reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu, slots, init, d=d)
-    m["ssd_prefill_rel_err"] = rel_err(got[0], want[0])
-    m["ssd_prefill_state_rel_err"] = rel_err(got[1], want[1])
+    for i, (name, kw) in enumerate(cfg["ssd_prefill"].items()):
+        tail = "" if i == 0 else f"_{name}"
+        try:
+            got = mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d,
+                                     interpret=interpret, **kw)
+        except Exception as e:  # noqa: BLE001 - recorded; sweep() records its timing's failure
+            m[f"ssd_prefill_rel_err{tail}_error"] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        m[f"ssd_prefill_rel_err{tail}"] = rel_err(got[0], want[0])
+        m[f"ssd_prefill_state_rel_err{tail}"] = rel_err(got[1], want[1])
     m["ssd_decode_rel_err"] = rel_err(
         mamba2.ssd_decode(x[:2], dt[:2], a, b[:2], c[:2], pool, slots, d=d,
                           interpret=interpret)[0],
@@ -116,79 +181,179 @@ def check(m, tiny, interpret):
         reference.causal_conv1d_reference(xc, w, None, st, cu, slots, init)[0])
 
 
-def run(tiny: bool, sweep: bool) -> dict:
-    interpret = jax.default_backend() == "cpu"
-    rates = anchors.measure(tiny=tiny)
-    m = {k: rates[k] for k in ("matmul_tflops", "matmul_shape", "read_tbps", "read_kernel")}
-    check(m, tiny, interpret)
+def sweep(m, prefix, configs, time_one):
+    """Times time_one(**kw) for every config: m[{prefix}_{name}_us], and the first's as
+    m[{prefix}_us]. A config that fails (a Triton compile out of resources, say) is recorded as
+    m[{prefix}_{name}_error] and the sweep goes on: one GPU call must decide them all. Returns
+    {name: seconds} of those that ran."""
+    secs = {}
+    for i, (name, kw) in enumerate(configs.items()):
+        try:
+            secs[name] = time_one(**kw)
+        except Exception as e:  # noqa: BLE001 - recorded, the other configs still run
+            m[f"{prefix}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"FAILED {prefix}_{name}: {m[f'{prefix}_{name}_error']}", flush=True)
+            continue
+        m[f"{prefix}_{name}_us"] = round(secs[name] * 1e6, 2)
+        if i == 0:
+            m[f"{prefix}_us"] = m[f"{prefix}_{name}_us"]
+    return secs
+
+
+def default_rate(m, prefix, configs, unit):
+    """m[{prefix}_{unit}] = the default (first) config's, when it ran."""
+    key = f"{prefix}_{next(iter(configs))}_{unit}"
+    if key in m:
+        m[f"{prefix}_{unit}"] = m[key]
+
+
+def prefill_cases(m, tiny, interpret, table, cfg):
     gs, ss, cs = (TINY["gdn"], TINY["ssd"], TINY["conv"]) if tiny else (GDN, SSD, CONV)
-    cases, decodes = (TINY["prefill"], TINY["decode"]) if tiny else (PREFILL, DECODE)
-    blocks = (32, 64, 128) if sweep and not tiny else (64,)
-    peak, hbm = rates["matmul_tflops"] * 1e12, rates["read_tbps"] * 1e12
+    cases = TINY["prefill"] if tiny else PREFILL
+    hbm = m["read_tbps"] * 1e12
     for case, lens in cases.items():
         cu, slots, init = ragged(lens)
         t, s = sum(lens), len(lens)
         ins, pool = gdn_args(t, s, **gs)
-        for bv in blocks:
-            sec = pool_time(lambda p, ins, cu, slots, init, bv=bv: gated_deltanet.gdn_prefill(
-                *ins, p, cu, slots, init, block_v=bv, interpret=interpret),
-                pool, ins, cu, slots, init)
-            key = f"gdn_prefill_{case}" + ("" if bv == 64 else f"_bv{bv}")
-            m[f"{key}_us"] = round(sec * 1e6, 1)
+        secs = sweep(m, f"gdn_prefill_{case}", cfg["gdn_prefill"], lambda **kw: pool_time(
+            lambda p, ins, cu, slots, init: gated_deltanet.gdn_prefill(
+                *ins, p, cu, slots, init, interpret=interpret, **kw), pool, ins, cu, slots, init))
         flops = gated_deltanet.gdn_prefill_flops(lens, gs["hv"], gs["kd"], gs["vd"])
-        m[f"gdn_prefill_{case}_tflops"] = round(flops / m[f"gdn_prefill_{case}_us"] / 1e6, 2)
+        for name, sec in secs.items():
+            tf = round(flops / sec / 1e12, 2)
+            m[f"gdn_prefill_{case}_{name}_tflops"] = tf
+            add_row(table, ("gdn_prefill", case, name, sec, f"{tf} TF/s"))
+        default_rate(m, f"gdn_prefill_{case}", GDN_PREFILL, "tflops")
         (x, dt, a, b, c), pool = ssd_args(t, s, **ss)
-        for bp in blocks:
-            sec = pool_time(lambda p, ins, cu, slots, init, bp=bp: mamba2.ssd_prefill(
-                *ins, p, cu, slots, init, block_p=bp, interpret=interpret),
-                pool, (x, dt, a, b, c), cu, slots, init)
-            m[f"ssd_prefill_{case}" + ("" if bp == 64 else f"_bp{bp}") + "_us"] = round(sec * 1e6, 1)
+        secs = sweep(m, f"ssd_prefill_{case}", cfg["ssd_prefill"], lambda **kw: pool_time(
+            lambda p, ins, cu, slots, init: mamba2.ssd_prefill(
+                *ins, p, cu, slots, init, interpret=interpret, **kw),
+            pool, (x, dt, a, b, c), cu, slots, init))
         flops = mamba2.ssd_prefill_flops(lens, ss["h"], ss["p"], ss["n"])
-        m[f"ssd_prefill_{case}_tflops"] = round(flops / m[f"ssd_prefill_{case}_us"] / 1e6, 2)
+        for name, sec in secs.items():
+            tf = round(flops / sec / 1e12, 2)
+            m[f"ssd_prefill_{case}_{name}_tflops"] = tf
+            add_row(table, ("ssd_prefill", case, name, sec, f"{tf} TF/s"))
+        default_rate(m, f"ssd_prefill_{case}", SSD_PREFILL, "tflops")
         xc = jax.random.normal(jax.random.key(1), (t, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
         st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
-        sec = pool_time(lambda p, xc, w, cu, slots, init: conv1d.causal_conv1d(
-            xc, w, None, p, cu, slots, init, interpret=interpret), st, xc, w, cu, slots, init)
-        m[f"conv1d_prefill_{case}_us"] = round(sec * 1e6, 1)
-        m[f"conv1d_prefill_{case}_frac_of_hbm"] = round(2 * xc.nbytes / sec / hbm, 3)
-    for s in decodes:
+        secs = sweep(m, f"conv1d_prefill_{case}", cfg["conv_prefill"], lambda **kw: pool_time(
+            lambda p, xc, w, cu, slots, init: conv1d.causal_conv1d(
+                xc, w, None, p, cu, slots, init, interpret=interpret, **kw),
+            st, xc, w, cu, slots, init))
+        for name, sec in secs.items():
+            frac = round(2 * xc.nbytes / sec / hbm, 3)
+            m[f"conv1d_prefill_{case}_{name}_frac_of_hbm"] = frac
+            add_row(table, ("conv1d_prefill", case, name, sec, f"{frac} of HBM"))
+        default_rate(m, f"conv1d_prefill_{case}", CONV_PREFILL, "frac_of_hbm")
+
+
+def decode_cases(m, tiny, interpret, table, cfg):
+    gs, ss, cs = (TINY["gdn"], TINY["ssd"], TINY["conv"]) if tiny else (GDN, SSD, CONV)
+    hbm = m["read_tbps"] * 1e12
+    loop_time_ = functools.partial(loop_time, calls=2 if tiny else DECODE_CALLS)
+    for s in TINY["decode"] if tiny else DECODE:
         slots = jnp.arange(s, dtype=jnp.int32)
         ins, pool = gdn_args(s, s, **gs)
-        sec = pool_time(lambda p, ins, slots: gated_deltanet.gdn_decode(
-            *ins, p, slots, interpret=interpret), pool, ins, slots)
-        m[f"gdn_decode_b{s}_us"] = round(sec * 1e6, 2)
-        m[f"gdn_decode_b{s}_frac_of_hbm"] = round(2 * pool.nbytes / sec / hbm, 3)
+        gdn_step = lambda p, ins, slots, **kw: gated_deltanet.gdn_decode(
+            *ins, p, slots, interpret=interpret, **kw)
+        secs = sweep(m, f"gdn_decode_b{s}", cfg["gdn_decode"],
+                     lambda **kw: loop_time_(functools.partial(gdn_step, **kw), pool, ins, slots))
+        m[f"gdn_decode_b{s}_call_us"] = round(pool_time(gdn_step, pool, ins, slots) * 1e6, 2)
+        for name, sec in secs.items():
+            frac = round(2 * pool.nbytes / sec / hbm, 3)
+            m[f"gdn_decode_b{s}_{name}_frac_of_hbm"] = frac
+            add_row(table, ("gdn_decode", f"b{s}", name, sec, f"{frac} of HBM"))
+        default_rate(m, f"gdn_decode_b{s}", GDN_DECODE, "frac_of_hbm")
         (x, dt, a, b, c), pool = ssd_args(s, s, **ss)
-        sec = pool_time(lambda p, ins, slots: mamba2.ssd_decode(
-            *ins, p, slots, interpret=interpret), pool, (x, dt, a, b, c), slots)
-        m[f"ssd_decode_b{s}_us"] = round(sec * 1e6, 2)
-        m[f"ssd_decode_b{s}_frac_of_hbm"] = round(2 * pool.nbytes / sec / hbm, 3)
+        ssd_step = lambda p, ins, slots, **kw: mamba2.ssd_decode(
+            *ins, p, slots, interpret=interpret, **kw)
+        secs = sweep(m, f"ssd_decode_b{s}", cfg["ssd_decode"], lambda **kw: loop_time_(
+            functools.partial(ssd_step, **kw), pool, (x, dt, a, b, c), slots))
+        m[f"ssd_decode_b{s}_call_us"] = round(
+            pool_time(ssd_step, pool, (x, dt, a, b, c), slots) * 1e6, 2)
+        for name, sec in secs.items():
+            frac = round(2 * pool.nbytes / sec / hbm, 3)
+            m[f"ssd_decode_b{s}_{name}_frac_of_hbm"] = frac
+            add_row(table, ("ssd_decode", f"b{s}", name, sec, f"{frac} of HBM"))
+        default_rate(m, f"ssd_decode_b{s}", SSD_DECODE, "frac_of_hbm")
         xc = jax.random.normal(jax.random.key(1), (s, cs["c"]), jnp.bfloat16)
         w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
         st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
-        sec = pool_time(lambda p, xc, w, slots: conv1d.causal_conv1d_update(
-            xc, w, None, p, slots, interpret=interpret), st, xc, w, slots)
+        conv_step = lambda p, xc, w, slots: conv1d.causal_conv1d_update(
+            xc, w, None, p, slots, interpret=interpret)
+        sec = loop_time_(conv_step, st, xc, w, slots)
         m[f"conv1d_update_b{s}_us"] = round(sec * 1e6, 2)
+        m[f"conv1d_update_b{s}_call_us"] = round(pool_time(conv_step, st, xc, w, slots) * 1e6, 2)
+        add_row(table, ("conv1d_update", f"b{s}", "default", sec, ""))
+
+
+TABLE_HEADER = f"{'kernel':<16}{'case':<10}{'config':<26}{'us':>10}  rate"
+
+
+def table_line(kernel, case, name, sec, rate) -> str:
+    return f"{kernel:<16}{case:<10}{name:<26}{sec * 1e6:>10.1f}  {rate}"
+
+
+def add_row(table, row) -> None:
+    """Keeps the row for the final table and prints it now (flushed): a run cut short by its
+    time limit still shows what it measured."""
+    table.append(row)
+    print(table_line(*row), flush=True)
+
+
+def print_table(table, m) -> None:
+    """One line per (kernel, case, config): microseconds per call and the rate; then the configs
+    that failed."""
+    print(TABLE_HEADER)
+    for row in table:
+        print(table_line(*row))
+    for key in (k for k in m if k.endswith("_error")):
+        print(f"FAILED {key}: {m[key]}")
+
+
+def run(tiny: bool, sweep: bool = True) -> dict:
+    """The record's metrics; sweep=False times only each table's default (first) config."""
+    interpret = jax.default_backend() == "cpu"
+    cfg = {k: v if sweep else dict(list(v.items())[:1]) for k, v in SWEEPS.items()}
+    rates = anchors.measure(tiny=tiny)
+    m = {k: rates[k] for k in ("matmul_tflops", "matmul_shape", "read_tbps", "read_kernel")}
+    check(m, tiny, interpret, cfg)
+    table = []
+    print(TABLE_HEADER, flush=True)
+    prefill_cases(m, tiny, interpret, table, cfg)
+    decode_cases(m, tiny, interpret, table, cfg)
+    print_table(table, m)
     if not tiny:
+        peak = rates["matmul_tflops"] * 1e12
         for name in ("gdn", "ssd"):
-            m[f"{name}_prefill_frac_of_matmul"] = round(
-                m[f"{name}_prefill_b8x1024_tflops"] * 1e12 / peak, 3)
-            m[f"{name}_decode_frac_of_hbm"] = m[f"{name}_decode_b64_frac_of_hbm"]
+            tf = {c: m[k] for c in cfg[f"{name}_prefill"] if (k := f"{name}_prefill_b8x1024_{c}_tflops") in m}
+            if f"{name}_prefill_b8x1024_tflops" in m:
+                m[f"{name}_prefill_frac_of_matmul"] = round(
+                    m[f"{name}_prefill_b8x1024_tflops"] * 1e12 / peak, 3)
+            if tf:
+                best = max(tf, key=tf.get)
+                m[f"{name}_prefill_best"] = best
+                m[f"{name}_prefill_best_frac_of_matmul"] = round(tf[best] * 1e12 / peak, 3)
+            if f"{name}_decode_b64_frac_of_hbm" in m:
+                m[f"{name}_decode_frac_of_hbm"] = m[f"{name}_decode_b64_frac_of_hbm"]
     return m
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
-    ap.add_argument("--sweep", action="store_true", help="also block_v / block_p 32 and 128")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="time only each kernel's default config")
     results_io.add_save_arg(ap, "ssm_kernels_<gpu>")
     a = ap.parse_args(argv)
-    m = run(a.tiny, a.sweep)
+    m = run(a.tiny, sweep=not a.no_sweep)
     if a.save:
         results_io.save(a.save, a.name or f"ssm_kernels_{results_io.device_slug()}",
-                        config=dict(tiny=a.tiny, sweep=a.sweep, gdn=GDN, ssd=SSD, conv=CONV,
-                                    prefill={k: len(v) for k, v in PREFILL.items()}),
+                        config=dict(tiny=a.tiny, sweep=not a.no_sweep, gdn=GDN, ssd=SSD,
+                                    conv=CONV, prefill={k: len(v) for k, v in PREFILL.items()},
+                                    sweeps=SWEEPS, decode_calls=DECODE_CALLS),
                         metrics=m)
     print(json.dumps(m, indent=1))
 

@@ -84,6 +84,18 @@ def sequence_table(cu_seqlens: jax.Array, slots: jax.Array, has_initial_state: j
                             slot_table(slots, has_initial_state, src_slots)], axis=1)
 
 
+def _chunk_counts(cu_seqlens: jax.Array, slots: jax.Array, chunk: int) -> jax.Array:
+    lens = jnp.where(slots >= 0, cu_seqlens[1:] - cu_seqlens[:-1], 0)
+    return (lens + chunk - 1) // chunk
+
+
+def first_chunks(cu_seqlens: jax.Array, slots: jax.Array, chunk: int) -> jax.Array:
+    """i32[S]: the row of `chunk_table` holding each sequence's first chunk (where its chunks
+    would start, for a sequence with none)."""
+    n = _chunk_counts(cu_seqlens.astype(jnp.int32), slots, chunk)
+    return (jnp.cumsum(n) - n).astype(jnp.int32)
+
+
 def chunk_table(cu_seqlens: jax.Array, slots: jax.Array, num_tokens: int, chunk: int) -> jax.Array:
     """i32[NC, 2] rows (first packed row, rows) of every chunk of every live sequence: a
     sequence's tokens cut into `chunk`-row pieces from its first token (a chunk never crosses
@@ -92,11 +104,15 @@ def chunk_table(cu_seqlens: jax.Array, slots: jax.Array, num_tokens: int, chunk:
     partial chunk)."""
     s = slots.shape[0]
     cu = cu_seqlens.astype(jnp.int32)
-    lens = jnp.where(slots >= 0, cu[1:] - cu[:-1], 0)
-    n = (lens + chunk - 1) // chunk
+    n = _chunk_counts(cu, slots, chunk)
     ends = jnp.cumsum(n)
-    i = jnp.arange(-(-num_tokens // chunk) + s, dtype=jnp.int32)
+    i = jnp.arange(num_chunks(num_tokens, s, chunk), dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), s - 1)
     row0 = cu[seq] + (i - (ends[seq] - n[seq])) * chunk
     rows = jnp.where(i < ends[-1], jnp.clip(cu[seq + 1] - row0, 0, chunk), 0)
     return jnp.stack([row0, rows], axis=1).astype(jnp.int32)
+
+
+def num_chunks(num_tokens: int, num_seqs: int, chunk: int) -> int:
+    """NC, the rows of `chunk_table`: enough for any batch of these sizes."""
+    return -(-num_tokens // chunk) + num_seqs

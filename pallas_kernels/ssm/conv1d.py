@@ -16,9 +16,10 @@ first token taken from its conv state; the sequence's last W-1 inputs (its state
 has fewer tokens) go back to its slot in place. The references are
 `reference.causal_conv1d_reference` / `causal_conv1d_update_reference`.
 
-Prefill: grid (S, C / block_c); a program walks its sequence in blocks of block_t rows, reading
-each tap's rows as one shifted load of x (x is padded by W-1 rows in front so the first
-sequence's shifted loads stay in bounds); the first block adds the history's terms.
+Prefill: grid (row blocks, C / block_c), every block_t-row block of every sequence at once
+(`batch.chunk_table`), each tap's rows one shifted load of x (x is padded by W-1 rows in front
+so the first sequence's shifted loads stay in bounds); a sequence's first block adds the
+history's terms and writes its conv state.
 """
 
 from __future__ import annotations
@@ -31,59 +32,70 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
-                                      slot_table)
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, live_tokens,
+                                      sequence_table, slot_table)
 
 
 def _activate(y, activation):
     return y * jax.nn.sigmoid(y) if activation == "silu" else y
 
 
-def _prefill_kernel(info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *, block_t: int,
-                    activation):
-    s = pl.program_id(0)
+def _prefill_kernel(table_ref, info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *,
+                    block_t: int, activation):
+    """One (block of rows of one sequence, channel block). The block whose first row is its
+    sequence's first adds the history's terms and writes the sequence's final inputs to its
+    slot: the only program that reads the source slot also writes the destination, so no
+    other block can see a half-written state."""
+    blk = pl.program_id(0)
+    row0, n, s, writer = (table_ref[blk, 0], table_ref[blk, 1], table_ref[blk, 2],
+                          table_ref[blk, 3])
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
     width = w_ref.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+    first = row0 == start
+    hist = [jnp.where(init > 0, st_ref[src, m, :].astype(jnp.float32), 0.0)
+            for m in range(width - 1)]
 
-    @pl.when(slot >= 0)
+    @pl.when(n > 0)
     def _():
-        weights = [w_ref[i, :].astype(jnp.float32) for i in range(width)]
-        hist = [jnp.where(init > 0, st_ref[src, m, :].astype(jnp.float32), 0.0)
-                for m in range(width - 1)]
-        bias = b_ref[...].astype(jnp.float32)
+        ok = rows < n
+        acc = jnp.zeros((block_t, b_ref.shape[0]), jnp.float32) + b_ref[...].astype(jnp.float32)
+        for i in range(width):  # tap i reads position row - (W-1) + i: padded row row0+row+i
+            wi = w_ref[i, :].astype(jnp.float32)
+            seen = ok & ((row0 - start) + rows - (width - 1) + i >= 0)
+            xi = pltriton.load(x_ref.at[pl.ds(row0 + i, block_t), :], mask=seen[:, None],
+                               other=0)
+            acc = acc + wi[None, :] * xi.astype(jnp.float32)
+            for m in range(i, width - 1):  # before the sequence: history row m = row + i
+                at = (rows == m - i) & ok & first
+                acc = acc + jnp.where(at[:, None], (wi * hist[m])[None, :], 0.0)
+        pltriton.store(y_ref.at[pl.ds(row0, block_t), :],
+                       _activate(acc, activation).astype(y_ref.dtype), mask=ok[:, None])
 
-        def block(j, first: bool):
-            j0 = j * block_t
-            ok = j0 + rows < length
-            acc = jnp.zeros((block_t, bias.shape[0]), jnp.float32) + bias[None, :]
-            for i in range(width):  # tap i reads position row - (W-1) + i, padded row start+row+i
-                seen = ok & (j0 + rows - (width - 1) + i >= 0)
-                xi = pltriton.load(x_ref.at[pl.ds(start + j0 + i, block_t), :],
-                                   mask=seen[:, None], other=0)
-                acc = acc + weights[i][None, :] * xi.astype(jnp.float32)
-                if first:  # positions before the sequence: history row m = row + i
-                    for m in range(i, width - 1):
-                        at = (rows == m - i) & ok
-                        acc = acc + jnp.where(at[:, None], (weights[i] * hist[m])[None, :], 0.0)
-            pltriton.store(y_ref.at[pl.ds(start + j0, block_t), :],
-                           _activate(acc, activation).astype(y_ref.dtype), mask=ok[:, None])
-
-        @pl.when(length > 0)
-        def _():
-            block(0, True)
-
-        def later(j, carry):
-            block(j, False)
-            return carry
-
-        lax.fori_loop(1, pl.cdiv(length, block_t), later, 0)
+    @pl.when((writer > 0) & (slot >= 0))
+    def _():
         for m in range(width - 1):  # position length - (W-1) + m of the history-extended input
             x_row = x_ref[start + length + m, :].astype(jnp.float32)
             old = sum(jnp.where(length + m == mm, hist[mm], 0.0) for mm in range(width - 1))
             new = jnp.where(length + m >= width - 1, x_row, old)
             st_out_ref[slot, m, :] = new.astype(st_out_ref.dtype)
+
+
+def _block_table(cu, slots, num_tokens: int, block_t: int) -> jax.Array:
+    """i32[NC + S, 4] rows (first packed row, rows, sequence, writes the state): the row blocks
+    of `chunk_table`, then one row-less program per sequence that writes the state of a live
+    sequence with no tokens (its history, moved to its slot)."""
+    s = slots.shape[0]
+    chunks = chunk_table(cu, slots, num_tokens, block_t)
+    seq = jnp.minimum(jnp.searchsorted(cu[1:], chunks[:, 0], side="right",
+                                       method="compare_all"), s - 1).astype(jnp.int32)
+    first = (chunks[:, 1] > 0) & (chunks[:, 0] == cu[seq])
+    empty = (cu[1:] == cu[:-1]) & (slots >= 0)
+    blocks = jnp.stack([chunks[:, 0], chunks[:, 1], seq, first.astype(jnp.int32)], axis=1)
+    idle = jnp.stack([cu[:-1], jnp.zeros((s,), jnp.int32), jnp.arange(s, dtype=jnp.int32),
+                      empty.astype(jnp.int32)], axis=1)
+    return jnp.concatenate([blocks, idle]).astype(jnp.int32)
 
 
 def _check_conv(x, weight, bias, conv_state, block_c):
@@ -117,12 +129,16 @@ def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_st
     s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     cu = cu_seqlens.astype(jnp.int32)
     info = sequence_table(cu, slots, has_initial_state, src_slots)
+    if block_t & (block_t - 1) or block_t < max(16, w - 1):
+        raise ValueError(f"block_t={block_t} must be a power of two >= 16 and >= W-1={w - 1}")
+    table = _block_table(cu, slots, t, block_t)
     xp = jnp.pad(x, ((w - 1, block_t), (0, 0)))
     n = conv_state.shape[0]
     y, pool = pl.pallas_call(
         functools.partial(_prefill_kernel, block_t=block_t, activation=activation),
-        grid=(s, c // bc),
-        in_specs=[pl.BlockSpec((s, 5), lambda i, j: (0, 0)),
+        grid=(table.shape[0], c // bc),
+        in_specs=[pl.BlockSpec(table.shape, lambda i, j: (0, 0)),
+                  pl.BlockSpec((s, 5), lambda i, j: (0, 0)),
                   pl.BlockSpec((xp.shape[0], bc), lambda i, j: (0, j)),
                   pl.BlockSpec((w, bc), lambda i, j: (0, j)),
                   pl.BlockSpec((bc,), lambda i, j: (j,)),
@@ -131,11 +147,11 @@ def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_st
                    pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j))],
         out_shape=[jax.ShapeDtypeStruct((t + block_t, c), x.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
-        input_output_aliases={4: 1},
+        input_output_aliases={5: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="causal_conv1d",
-    )(info, xp, weight, bias, conv_state)
+    )(table, info, xp, weight, bias, conv_state)
     return jnp.where(live_tokens(cu, slots, t)[:, None], y[:t], 0).astype(x.dtype), pool
 
 

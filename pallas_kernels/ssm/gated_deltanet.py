@@ -2,7 +2,7 @@
 over a ragged batch and a one-token decode, both updating the state pool in place.
 
     gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
-                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64)
+                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64, variant="split")
         -> (o [T, Hv, V], state_pool)
     gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm=True,
                block_v=64) -> (o [S, Hv, V], state_pool)
@@ -14,15 +14,20 @@ h // (Hv // Hk): no repeated copy of q/k is made), g [T, Hv] the log decay (<= 0
 `batch.py`. use_qk_l2norm: q and k L2-normalised in the kernel (HF passes True). q is scaled by
 K^-1/2. The references are `reference.gdn_chunked_reference` / `gdn_decode_reference`.
 
-Prefill, two kernels (fla's split: the UT transform off the serial path). Per chunk of
-`chunk_size` tokens, the WY form: gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j),
-T = (I + strictly-lower(beta_i k_i.k_j D))^-1 (the UT transform, by forward substitution in
-registers), u = T (beta v), w = T (beta exp(gc) k); then v' = u - w S,
+Prefill (fla's split of chunk_gated_delta_rule). Per chunk of `chunk_size` tokens, the WY form:
+gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j), T = (I + strictly-lower(beta_i k_i.k_j D))^-1
+(the UT transform), u = T (beta v), w = T (beta exp(gc) k); then v' = u - w S,
 o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^T v'.
   1. `_wy_kernel`, grid (chunk, Hv): w and u of every chunk of every sequence at once (chunks
-     from `batch.chunk_table`; they never cross sequences), written to HBM in k's / v's dtype;
-  2. `_state_kernel`, grid (S, Hv, V / block_v): a program walks its sequence's chunks in order
-     with its [K, block_v] slice of the state in registers (all of step 2 factorises over V).
+     from `batch.chunk_table`; they never cross sequences), T by 16-row blocks (forward
+     substitution on the diagonal blocks, 16 x 16 float32 dots for the rest: fla's solve_tril),
+     written to HBM in k's / v's dtype;
+  2. variant "split" (default): `_h_kernel`, grid (S, Hv, V / block_v), walks a sequence's
+     chunks in order with its [K, block_v] slice of the state in registers, doing only v' and
+     the state update and writing each chunk's incoming state (in q's dtype) and v'; then
+     `_o_kernel`, grid (chunk, Hv, V / 128), every chunk's output at once.
+     Variant "fused": `_state_kernel` computes the output on the serial walk (one kernel, no
+     per-chunk states in HBM, but five matmuls a step on the serial path).
 Rows past a sequence's end load as k = v = beta = g = 0, which is the identity step, so a partial
 last chunk needs no other masking. Matmul operands are cast to q's dtype (bf16 in serving, as fla
 does), accumulating in float32; the state stays float32.
@@ -35,6 +40,7 @@ Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +48,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, live_tokens,
-                                      sequence_table, slot_table)
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
+                                      live_tokens, sequence_table, slot_table)
 from pallas_kernels.ssm.reference import L2NORM_EPS
+
+PREFILL_VARIANTS = ("split", "fused")
 
 
 def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -52,21 +60,31 @@ def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
                         trans_b=trans_b).astype(jnp.float32)
 
 
-def unit_lower_inverse(lower: jax.Array) -> jax.Array:
-    """(I + lower)^-1 for a strictly lower-triangular float32 [n, n], row by row (forward
+def _total(terms):
+    return functools.reduce(operator.add, terms)
+
+
+def unit_lower_inverse(*lowers: jax.Array) -> jax.Array | tuple:
+    """(I + lower)^-1 for each strictly lower-triangular float32 [n, n], row by row (forward
     substitution: row i = e_i - lower[i] @ rows < i), with selects and reductions only (Triton
-    cannot index a register tensor). HF's torch_chunk_gated_delta_rule row loop, exactly."""
-    n = lower.shape[0]
+    cannot index a register tensor). HF's torch_chunk_gated_delta_rule row loop, exactly. Several
+    matrices share one loop, so their independent steps overlap. One matrix in, one out."""
+    n = lowers[0].shape[0]
     r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     cols = lax.broadcasted_iota(jnp.int32, (n,), 0)
 
-    def row(i, t):
-        li = jnp.sum(jnp.where(r == i, lower, 0.0), axis=0)       # lower[i, :] along the columns
-        new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(li[:, None] * t, axis=0)
-        return jnp.where(r == i, new[None, :], t)
+    def row(i, ts):
+        out = []
+        for lower, t in zip(lowers, ts):
+            li = jnp.sum(jnp.where(r == i, lower, 0.0), axis=0)   # lower[i, :] along the columns
+            new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(li[:, None] * t, axis=0)
+            out.append(jnp.where(r == i, new[None, :], t))
+        return tuple(out)
 
-    return lax.fori_loop(1, n, row, (r == c).astype(jnp.float32))
+    eye = (r == c).astype(jnp.float32)
+    inv = lax.fori_loop(1, n, row, tuple(eye for _ in lowers))
+    return inv[0] if len(lowers) == 1 else inv
 
 
 def _normed(x, l2: bool, scale: float = 1.0):
@@ -76,42 +94,91 @@ def _normed(x, l2: bool, scale: float = 1.0):
     return x * scale if scale != 1.0 else x
 
 
+def _chunk_cumsum(g, chunk):
+    """gc = the cumsum of g within the chunk (a masked reduction: Triton has no scan here)."""
+    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+
+
 def _chunk_decay(g, chunk):
     """gc = the cumsum of g within the chunk, and D_ij = exp(gc_i - gc_j) for i >= j, else 0."""
     r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    gc = jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+    gc = _chunk_cumsum(g, chunk)
     return gc, jnp.exp(jnp.where(r >= c, gc[:, None] - gc[None, :], -jnp.inf))
 
 
+SUB = 16  # rows of the UT transform's diagonal blocks (Triton's smallest dot side)
+
+
+def _block_lower_inverse(a: dict, nb: int) -> dict:
+    """(I + A)^-1 of a strictly lower-triangular matrix given as SUB x SUB blocks a[i, j] (i >= j):
+    the diagonal blocks by forward substitution (all in one loop), then block forward substitution
+    T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's solve_tril). float32 dots (IEEE) throughout:
+    T's entries feed every row of w and u."""
+    diag = unit_lower_inverse(*(a[i, i] for i in range(nb)))
+    diag = diag if nb > 1 else (diag,)
+    inv = {(i, i): diag[i] for i in range(nb)}
+    for i in range(nb):
+        for j in range(i):
+            acc = _total(pltriton.dot(a[i, m], inv[m, j]) for m in range(j, i))
+            inv[i, j] = -pltriton.dot(inv[i, i], acc)
+    return inv
+
+
 def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: int, l2: bool):
-    """One (chunk, value head): the UT transform T and w = T (beta exp(gc) k), u = T (beta v)."""
+    """One (chunk, value head): the UT transform T in SUB-row blocks, then w = T (beta exp(gc) k),
+    u = T (beta v), block row by block row. Blocks keep the triangular solve off 64 x 64 register
+    tensors (a row loop over those costs more than all the matmuls)."""
     row0, n = chunks_ref[pl.program_id(0), 0], chunks_ref[pl.program_id(0), 1]
     dtype = k_ref.dtype
-    ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
+    nb, sub = chunk // SUB, lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    r = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    c = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
     @pl.when(n > 0)
     def _():
-        load = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
-        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                          other=0)
-        k = _normed(load2(k_ref), l2)
-        v = load2(v_ref).astype(jnp.float32)
-        beta = load(b_ref).astype(jnp.float32)
-        gc, decay = _chunk_decay(load(g_ref).astype(jnp.float32), chunk)
-        r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-        c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-        lower = jnp.where(r > c, beta[:, None] * _dot(k, k, dtype, trans_b=True) * decay, 0.0)
-        tmat = unit_lower_inverse(lower)
-        store = lambda ref, x: pltriton.store(ref.at[pl.ds(row0, chunk), :], x.astype(ref.dtype),
-                                              mask=ok[:, None])
-        store(u_ref, _dot(tmat, beta[:, None] * v, dtype))
-        store(w_ref, _dot(tmat, (beta * jnp.exp(gc))[:, None] * k, dtype))
+        # Per block: k, beta v and beta exp(gc) k kept in the matmul dtype (they only feed
+        # matmuls; twelve float32 [16, K] tiles would spill).
+        ks, bvs, bks, betas, gcs = [], [], [], [], []
+        base = jnp.float32(0.0)
+        for i in range(nb):
+            ok = i * SUB + sub < n
+            at = pl.ds(row0 + i * SUB, SUB)
+            beta = pltriton.load(b_ref.at[at], mask=ok, other=0).astype(jnp.float32)
+            g = pltriton.load(g_ref.at[at], mask=ok, other=0).astype(jnp.float32)
+            gc = base + jnp.sum(jnp.where(r >= c, g[None, :], 0.0), axis=1)
+            base = base + jnp.sum(g)
+            k = _normed(pltriton.load(k_ref.at[at, :], mask=ok[:, None], other=0), l2)
+            ks.append(k.astype(dtype))
+            bks.append(((beta * jnp.exp(gc))[:, None] * k).astype(dtype))
+            v = pltriton.load(v_ref.at[at, :], mask=ok[:, None], other=0).astype(jnp.float32)
+            bvs.append((beta[:, None] * v).astype(dtype))
+            betas.append(beta)
+            gcs.append(gc)
+        a = {}
+        for i in range(nb):
+            for j in range(i + 1):
+                diff = gcs[i][:, None] - gcs[j][None, :]
+                if i == j:
+                    diff = jnp.where(r > c, diff, -jnp.inf)
+                a[i, j] = (betas[i][:, None] * _dot(ks[i], ks[j], dtype, trans_b=True)
+                           * jnp.exp(diff))
+        inv = _block_lower_inverse(a, nb)
+        for i in range(nb):
+            ok = (i * SUB + sub < n)[:, None]
+            at = pl.ds(row0 + i * SUB, SUB)
+            u = _total(_dot(inv[i, j], bvs[j], dtype) for j in range(i + 1))
+            w = _total(_dot(inv[i, j], bks[j], dtype) for j in range(i + 1))
+            pltriton.store(u_ref.at[at, :], u.astype(u_ref.dtype), mask=ok)
+            pltriton.store(w_ref.at[at, :], w.astype(w_ref.dtype), mask=ok)
 
 
 def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_out_ref, *,
                   chunk: int, l2: bool):
-    """One (sequence, value head, V block): the chunks in order, the state in registers."""
+    """The fused variant, one (sequence, value head, V block): the chunks in order, the state in
+    registers, the output on the serial walk."""
     s = pl.program_id(0)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
@@ -126,22 +193,80 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
             ok = j * chunk + rows < length
             load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
                                               other=0)
-            q = _normed(load2(q_ref), l2, kd ** -0.5)
-            k = _normed(load2(k_ref), l2)
             g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
             gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
+            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
+            # Operands in the matmul dtype as soon as they are made (no float32 [chunk, K]
+            # tile held across the step's five matmuls).
+            q = _normed(load2(q_ref), l2, kd ** -0.5)
+            qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
+            k = _normed(load2(k_ref), l2)
+            kg, k = (k * jnp.exp(last - gc)[:, None]).astype(dtype), k.astype(dtype)
             v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
-            o = (_dot(q * jnp.exp(gc)[:, None], h, dtype)
-                 + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype))
+            o = _dot(qg, h, dtype) + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype)
             pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype),
                            mask=ok[:, None])
-            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
-            return (h * jnp.exp(last)
-                    + _dot(k * jnp.exp(last - gc)[:, None], v_new, dtype, trans_a=True))
+            return h * jnp.exp(last) + _dot(kg, v_new, dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+
+def _h_kernel(info_ref, k_ref, w_ref, u_ref, g_ref, h_ref, vn_ref, hc_ref, h_out_ref, *,
+              chunk: int, l2: bool):
+    """The split form's serial pass, one (sequence, value head, V block): per chunk in order,
+    the state before it to hc (row first_chunk + j, in the matmul dtype the output pass reads),
+    v' = u - w S to vn, then the state update. Two matmuls per step on the serial path."""
+    s = pl.program_id(0)
+    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
+    src, c0 = info_ref[s, 4], info_ref[s, 5]
+    dtype = k_ref.dtype
+    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(j, h):
+            row0 = start + j * chunk
+            ok = j * chunk + rows < length
+            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                              other=0)
+            hc_ref[c0 + j] = h.astype(hc_ref.dtype)
+            v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
+            pltriton.store(vn_ref.at[pl.ds(row0, chunk), :], v_new.astype(vn_ref.dtype),
+                           mask=ok[:, None])
+            g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            gc = _chunk_cumsum(g.astype(jnp.float32), chunk)
+            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
+            k = _normed(load2(k_ref), l2) * jnp.exp(last - gc)[:, None]
+            return h * jnp.exp(last) + _dot(k, v_new, dtype, trans_a=True)
+
+        h0 = h_ref[src].astype(jnp.float32)
+        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+
+def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, o_ref, *, chunk: int, l2: bool):
+    """The split form's output, one (chunk, value head, V block), every chunk at once:
+    o = (q exp(gc)) S_before + (q k^T * D) v'."""
+    i = pl.program_id(0)
+    row0, n = chunks_ref[i, 0], chunks_ref[i, 1]
+    kd, dtype = q_ref.shape[-1], q_ref.dtype
+
+    @pl.when(n > 0)
+    def _():
+        ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
+        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
+                                          other=0)
+        g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+        gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
+        # Operands go to the matmul dtype as soon as they are made: float32 [chunk, K] tiles
+        # held across the dots would spill.
+        q = _normed(load2(q_ref), l2, kd ** -0.5)
+        qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
+        scores = _dot(q, _normed(load2(k_ref), l2).astype(dtype), dtype, trans_b=True) * decay
+        o = _dot(qg, hc_ref[i], dtype) + _dot(scores, load2(vn_ref), dtype)
+        pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype), mask=ok[:, None])
 
 
 def _check_gdn(q, k, v, g, beta, state_pool, block_v):
@@ -166,13 +291,17 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
                 src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
-                num_warps: int = 4, interpret: bool = False):
+                variant: str = "split", num_warps: int = 4, num_stages: int = 1,
+                interpret: bool = False):
     """The chunked gated delta rule over a ragged batch (module docstring). Returns
     (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
-    final state in its slot). chunk_size: a power of two >= 16."""
+    final state in its slot). chunk_size: a power of two >= 16. variant: "split" or "fused"
+    (PREFILL_VARIANTS); block_v: the V block of the serial pass."""
+    if variant not in PREFILL_VARIANTS:
+        raise ValueError(f"variant={variant!r}: one of {PREFILL_VARIANTS}")
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     t, vd = q.shape[0], v.shape[2]
-    s = check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
+    check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
     cu = cu_seqlens.astype(jnp.int32)
@@ -180,8 +309,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     chunks = chunk_table(cu, slots, t, chunk_size)
     pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))
     q, k, v, g = pad(q), pad(k), pad(v), pad(g.astype(jnp.float32))
-    n, rep, tp = state_pool.shape[0], hv // hk, t + chunk_size
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    rep, tp = hv // hk, t + chunk_size
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # WY: every chunk of every head at once (the UT transform is off the serial path).
     key_spec = pl.BlockSpec((tp, None, kd), lambda i, h: (0, h // rep, 0))
     head_spec = lambda d: pl.BlockSpec((tp, None, d), lambda i, h: (0, h, 0))
@@ -198,26 +327,81 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
         interpret=interpret,
         name="gdn_prefill_wy",
     )(chunks, k, v, g, pad(beta.astype(jnp.float32)))
-    # The state pass: each sequence's chunks in order.
+    common = dict(chunk=chunk_size, bv=bv, l2=use_qk_l2norm, params=params, interpret=interpret)
+    if variant == "split":
+        info = jnp.concatenate([info, first_chunks(cu, slots, chunk_size)[:, None]], axis=1)
+        o, pool = _split_state_pass(q, k, w, u, g, state_pool, info, chunks, **common)
+    else:
+        o, pool = _fused_state_pass(q, k, w, u, g, state_pool, info, **common)
+    live = live_tokens(cu, slots, t)[:, None, None]
+    return jnp.where(live, o[:t], 0).astype(v.dtype), pool
+
+
+def _fused_state_pass(q, k, w, u, g, state_pool, info, *, chunk, bv, l2, params, interpret):
+    """One kernel: each sequence's chunks in order, the output computed on the serial path."""
+    tp, hk, kd = q.shape
+    n, hv, _, vd = state_pool.shape
+    rep = hv // hk
     qk_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
     w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
     v_spec = pl.BlockSpec((tp, None, bv), lambda i, h, j: (0, h, j))
     state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
-    o, pool = pl.pallas_call(
-        functools.partial(_state_kernel, chunk=chunk_size, l2=use_qk_l2norm),
-        grid=(s, hv, vd // bv),
-        in_specs=[pl.BlockSpec((s, 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec, w_spec, v_spec,
-                  pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
+    return pl.pallas_call(
+        functools.partial(_state_kernel, chunk=chunk, l2=l2),
+        grid=(info.shape[0], hv, vd // bv),
+        in_specs=[pl.BlockSpec((info.shape[0], 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec,
+                  w_spec, v_spec, pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
         out_specs=[v_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), v.dtype),
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={6: 1},
         compiler_params=params,
         interpret=interpret,
         name="gdn_prefill_state",
     )(info, q, k, w, u, g, state_pool)
-    live = live_tokens(cu, slots, t)[:, None, None]
-    return jnp.where(live, o[:t], 0).astype(v.dtype), pool
+
+
+def _split_state_pass(q, k, w, u, g, state_pool, info, chunks, *, chunk, bv, l2, params,
+                      interpret):
+    """fla's split: the serial pass keeps only v' = u - w S and the state update (two matmuls a
+    step), writing each chunk's incoming state and v'; then every chunk's output at once. info:
+    `sequence_table` rows with each sequence's first chunk (`first_chunks`) appended."""
+    tp, hk, kd = q.shape
+    n, hv, _, vd = state_pool.shape
+    rep, s, nc = hv // hk, info.shape[0], chunks.shape[0]
+    key_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
+    w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
+    gate_spec = pl.BlockSpec((tp, None), lambda i, h, j: (0, h))
+    v_spec = lambda b: pl.BlockSpec((tp, None, b), lambda i, h, j: (0, h, j))
+    hc_spec = lambda b: pl.BlockSpec((nc, None, kd, b), lambda i, h, j: (0, h, 0, j))
+    state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
+    vn, hc, pool = pl.pallas_call(
+        functools.partial(_h_kernel, chunk=chunk, l2=l2),
+        grid=(s, hv, vd // bv),
+        in_specs=[pl.BlockSpec((s, 6), lambda i, h, j: (0, 0)), key_spec, w_spec, v_spec(bv),
+                  gate_spec, state_spec],
+        out_specs=[v_spec(bv), hc_spec(bv), state_spec],
+        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
+                   jax.ShapeDtypeStruct((nc, hv, kd, vd), q.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={5: 2},
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_h",
+    )(info, k, w, u, g, state_pool)
+    bo = min(vd, 128)  # the output pass holds no state: whole rows of V where they fit
+    o = pl.pallas_call(
+        functools.partial(_o_kernel, chunk=chunk, l2=l2),
+        grid=(nc, hv, vd // bo),
+        in_specs=[pl.BlockSpec((nc, 2), lambda i, h, j: (0, 0)), key_spec, key_spec, gate_spec,
+                  v_spec(bo), hc_spec(bo)],
+        out_specs=v_spec(bo),
+        out_shape=jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_prefill_o",
+    )(chunks, q, k, g, vn, hc)
+    return o, pool
 
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h_ref, o_ref, h_out_ref, *,

@@ -19,7 +19,7 @@ def counted_norm(x, residual, weight, *, eps):
 
 def with_counted_norm(args):
     """The engine's resolved table with `counted_norm` in its norm slot (what a GPU's has)."""
-    return dataclasses.replace(kernels.engine_kernels(args), add_rms_norm=counted_norm)
+    return dataclasses.replace(kernels.engine_kernels(args.create_engine_config()), add_rms_norm=counted_norm)
 
 
 def install(monkeypatch=None) -> None:

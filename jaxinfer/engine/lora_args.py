@@ -83,7 +83,8 @@ def check_lora_args(args) -> None:
         raise ConfigError(f"--lora-modules names {names} are not unique")
 
 
-def resolved_lora_impl(args) -> str:
+def resolved_lora_impl(config) -> str:
     """--lora-impl with "auto" decided as the engine's kernel table decides it
-    (kernel_table.lora_impl)."""
-    return lora_impl(current_platform(), args.lora_impl, args.tensor_parallel_size)
+    (kernel_table.lora_impl), for an EngineConfig."""
+    return lora_impl(current_platform(), config.lora.lora_impl,
+                     config.parallel.tensor_parallel_size)

@@ -210,7 +210,7 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     if norm == "xla":  # the engine's kernel table with the jnp norm (no flag picks it: patched)
         from jaxinfer.engine import kernels, kv_blocks, llm_engine
         with_xla_norm = lambda args: dataclasses.replace(  # noqa: E731
-            kernels.engine_kernels(args), add_rms_norm=add_rms_norm_reference)
+            kernels.engine_kernels(args.create_engine_config()), add_rms_norm=add_rms_norm_reference)
         llm_engine.engine_kernels = kv_blocks.engine_kernels = with_xla_norm
     with tempfile.TemporaryDirectory() as work:
         if tiny:

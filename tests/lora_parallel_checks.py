@@ -1,5 +1,5 @@
 """The LoRA part of tests/parallel_checks.py (run there on 8 CPU devices): one adapter and the base
-model in one batch, greedy tokens under TP = 2 against one device."""
+model in one batch, greedy tokens under TP = 2 (asking for --lora-impl pallas) against one device."""
 
 from __future__ import annotations
 
@@ -28,9 +28,13 @@ def lora_checks(out: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = save_adapter(random_adapter(cfg, 4, 5, scale=0.5), cfg, Path(tmp) / "a")
         lora = LoRARequest("a", 1, str(path))
-        for name, sizes in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2}),
+        # tp2 asks for the Pallas kernels, which a TP engine runs as the XLA path
+        # (lora_args.with_lora_impl_decided).
+        for name, sizes in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2, "lora_impl": "pallas"}),
                             ("dp2", {"data_parallel_size": 2})):
             llm = LLM(str(model), **sizes, **kw)
+            if name == "tp2":
+                out["lora/tp2_impl"] = llm.engine.config.lora.lora_impl
             # dp2: requests go to the less loaded replica, ties to the first: each replica gets
             # an adapter row, then a base row
             outs = llm.generate(prompts * 2, params, use_tqdm=False,

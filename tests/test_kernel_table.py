@@ -93,6 +93,8 @@ def test_gpu_tables_take_the_kernels_their_platform_supports():
     assert forced.routed_experts.impl == "padded" and forced.quantized_matmul.impl == "dequant"
     assert forced.lora_delta.impl == "xla"
     assert resolve_kernels(HOPPER, tensor_parallel=2).lora_delta.impl == "xla"
+    # The kernels are not partitioned: under TP the flag's pallas runs as xla too.
+    assert resolve_kernels(HOPPER, lora="pallas", tensor_parallel=2).lora_delta.impl == "xla"
     with pytest.raises(ValueError, match="--attention-backend 'nope'"):
         resolve_kernels(CPU, attention="nope")
 

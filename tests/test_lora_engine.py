@@ -1,14 +1,19 @@
 """LoRA in the engine: a mixed batch of 4 adapters + the base model gives each row the tokens it
 gets alone (and the adapter's tokens those of the base model with it merged), slots reused LRU,
-`update_lora` in place without compiling, prefix-cache isolation between adapters, refusals."""
+`update_lora` in place without compiling, prefix-cache isolation between adapters, refusals;
+`--lora-impl pallas` under tensor parallelism decided to the XLA path, logged."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import numpy as np
 import pytest
 
 from jaxinfer import LLM, LoRARequest, SamplingParams
+from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.lora_args import with_lora_impl_decided
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.model.lora.peft import LoRAAdapterError, peft_tensors, save_adapter
 from lora_support import merged, random_adapter
@@ -114,3 +119,12 @@ def test_lora_refusals_change_nothing(llm, adapters, tmp_path):
     with pytest.raises(InvalidRequestError) as e:
         make_engine().add_request("r", PROMPTS[0], GREEDY, lora_request=adapters["a1"][1])
     assert e.value.param == "model"
+
+
+def test_pallas_lora_under_tensor_parallelism_runs_the_xla_path_logged(caplog):
+    args = EngineArgs(enable_lora=True, lora_impl="pallas", tensor_parallel_size=2)  # no refusal
+    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.lora_args"):
+        assert with_lora_impl_decided(args).lora_impl == "xla"
+    assert "not partitioned" in caplog.text
+    one = EngineArgs(enable_lora=True, lora_impl="pallas")
+    assert with_lora_impl_decided(one) is one  # the kernels run where nothing splits them

@@ -113,6 +113,7 @@ def test_lora_tp2_and_dp2_equal_single_device(cache_lora_run):
     replicas (lora_parallel_checks.py)."""
     checks = cache_lora_run
     assert checks["lora/tp2"] == checks["lora/dp2"] == checks["lora/tp1"]
+    assert checks["lora/tp2_impl"] == "xla"  # --lora-impl pallas under TP runs the XLA path
     assert checks["lora/tp1"][2] == checks["lora/base"]
     assert checks["lora/dp2_replicas"] == [True, True]  # each replica served the adapter
     *loaded, new_id = checks["lora/dp2_loaded"]

@@ -169,3 +169,31 @@ def test_dummy_weights_have_real_shapes():
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), dummy) == \
         jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), real)
     assert sum(x.size for x in jax.tree_util.tree_leaves(real)) == cfg.num_params()
+
+
+def test_dummy_weights_quantized_on_load_never_hold_the_unquantized_tree(monkeypatch):
+    """--load-format dummy --quantization fp8 makes each bf16 weight only when it is quantized
+    and deletes it after (an 80B model's bf16 weights outgrow the card its FP8 ones fit): at most
+    one unquantized weight at a time, and the weights are init_params' own, quantized."""
+    import dataclasses
+
+    from jaxinfer.model import transformer
+    from jaxinfer.model.quant.ops import quantize
+    cfg = dataclasses.replace(load_config(FIXTURES / "qwen3_moe"), quantization="fp8")
+    made, alive = [], []
+    real = transformer._normal
+
+    def counted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        alive.append({i for i, x in enumerate(made) if not x.is_deleted()})
+        return made[-1]
+
+    monkeypatch.setattr(transformer, "_normal", counted)
+    params = load_params(None, cfg, jnp.bfloat16, load_format="dummy")
+    quantized = {i for i, x in enumerate(made) if x.is_deleted()}  # deleted once quantized
+    assert len(quantized) > 5 and max(len(a & quantized) for a in alive) == 1
+    base = transformer.init_params(dataclasses.replace(cfg, quantization=None),
+                                   jax.random.key(0), jnp.bfloat16)
+    proj = params["layers_0"]["attn"]["q_proj"]
+    want, scale = quantize(base["layers_0"]["attn"]["q_proj"]["kernel"].T, "fp8")
+    assert jnp.array_equal(proj["weight"].astype(jnp.float32), want.astype(jnp.float32))

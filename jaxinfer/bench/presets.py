@@ -57,6 +57,40 @@ DEEPSEEK_V2_LITE = {
 }
 
 
+# Qwen3-Next-80B-A3B's config.json (Gated DeltaNet 3 : 1 gated attention, 512 experts top 10 and
+# a shared expert).
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 262144,
+    "rope_theta": 10000000, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+# ibm-granite/granite-4.0-h-tiny's config.json (Mamba-2 with attention in layers 5, 15, 25 and
+# 35, NoPE; 64 experts top 6 beside a shared MLP).
+GRANITE_4_H_TINY = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "vocab_size": 100352, "hidden_size": 1536, "intermediate_size": 512,
+    "shared_intermediate_size": 1024, "num_hidden_layers": 40, "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+    "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+    "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+    "mamba_proj_bias": False, "num_local_experts": 64, "num_experts_per_tok": 6,
+    "position_embedding_type": "nope", "attention_multiplier": 0.0078125,
+    "embedding_multiplier": 12, "residual_multiplier": 0.22, "logits_scaling": 6,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "max_position_embeddings": 131072,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 100257,
+    "eos_token_id": 100257,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     description: str

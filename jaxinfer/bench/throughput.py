@@ -13,7 +13,7 @@ host path's split over the engine-core and server processes (host_path.py); --st
 compares constrained with unconstrained decoding (structured_cost.py); --prefill-burst times
 decoding streams beside a burst of long prompts with the ITL target off and on (prefill_burst.py).
 --suite NAME runs one of the model and feature suites instead (jaxinfer/bench/suites/: moe,
-multi-gpu, families, mla, kv-tiers, lora, spec-decode, research-loop, disagg, embeddings), its
+multi-gpu, families, mla, hybrid, kv-tiers, lora, spec-decode, research-loop, disagg, embeddings), its
 own flags after `--`.
 
     jaxinfer bench throughput --model DIR --input-len 128 --output-len 128 --num-prompts 64

@@ -31,15 +31,15 @@ sequences free their blocks, newly full blocks enter the prefix cache).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import time
 from typing import Callable, Iterable
 
 from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
-from jaxinfer.core.kv_loads import KVLoads, KVTransfers
+from jaxinfer.core.kv_loads import KVLoads
 from jaxinfer.core.request import Request, Sequence, SeqStatus
+from jaxinfer.core.scheduler_output import ScheduledSeq, SchedulerOutput
 
 PROMPT_INDEX_SEP = "#"
 
@@ -49,52 +49,6 @@ def prompt_index(request_id: str) -> int:
     admission order's round-robin key."""
     _, sep, tail = request_id.rpartition(PROMPT_INDEX_SEP)
     return int(tail) if sep and tail.isascii() and tail.isdigit() else 0
-
-
-@dataclasses.dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int        # num_computed before this step: position of the first new token
-    num_tokens: int   # new tokens computed this step
-    emits: bool       # its sampled token is kept (the step reaches the end of its known tokens)
-    # Its physical KV block ids in logical order (its block-table row), set once the step is
-    # scheduled: the KV manager's own list, to read before the scheduler runs again.
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    # With several KV groups (a model with sliding windows): every group's row, block_ids first.
-    group_block_ids: list[list[int]] | None = None
-    # Speculative decoding: tokens proposed after the decode's input (num_tokens = 1 + len), which
-    # the step verifies (jaxinfer/spec_decode/); placeholders when the device proposes them.
-    proposal: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    decodes: list[ScheduledSeq]   # exactly one new token each
-    prefills: list[ScheduledSeq]  # several new tokens each
-    preempted: list[Sequence]
-    # > 1: run this many decode steps on the device in one call (pure-decode steps only).
-    decode_steps: int = 1
-    # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
-    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # Some row computes prompt tokens of a request that reads their hidden states (prompt
-    # logprobs, pooling: worker/hidden_reads.py).
-    reads_hidden: bool = False
-    num_proposed: int = 0  # proposed tokens over all decodes (speculative decoding)
-    # > 1: its decodes run this many verifying iterations on the device (spec_decode/spec_loop.py)
-    spec_iterations: int = 1
-    # The host KV tier's copies, made before anything else of the step (also with no rows).
-    kv_transfers: KVTransfers | None = None
-
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + self.num_proposed + sum(s.num_tokens for s in self.prefills)
-
-    def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
 
 
 class Scheduler:
@@ -193,16 +147,26 @@ class Scheduler:
         return holder, list(self.kv.get_block_ids(holder))
 
     def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[int]] | None:
-        """Blocks for a sequence arriving from a prefill engine (its prompt + first token), after
-        matching the prompt against the prefix cache; not counted in the hit-rate stats (the
-        prefill side's lookup is the request's). (prompt tokens already cached, block ids), or None
-        when the pool cannot hold it now. `add_running` starts it once its KV has landed."""
+        """Its adapter's slot and blocks for a sequence arriving from a prefill engine (prompt +
+        first token), after matching the prompt in the prefix cache (not counted in the hit-rate
+        stats: the prefill side's lookup is the request's). (prompt tokens cached, block ids), or
+        None when the slots or the pool cannot hold it now; InvalidRequestError when its adapter
+        cannot be loaded. `add_running` starts it once its KV has landed."""
+        if self.lora_slots is not None and not self.lora_slots.acquire(seq):
+            return None
         prompt_len = seq.prompt_len
-        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False)
+        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False,
+                                             namespace=self._cache_namespace(seq))
         if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
-            self.kv.free(seq.seq_id)
+            self.drop_hand_over(seq)
             return None
         return cached, list(self.kv.get_block_ids(seq.seq_id))
+
+    def drop_hand_over(self, seq: Sequence) -> None:
+        """Give back what `reserve_hand_over` took for `seq`, if anything."""
+        self.kv.free(seq.seq_id)
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq)
 
     def free_blocks(self, seq_id: str) -> None:
         """Give back the blocks held under `seq_id` (a hold or reservation that ended)."""

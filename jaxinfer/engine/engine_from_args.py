@@ -17,6 +17,7 @@ from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.fixed_state import with_fixed_state_decided
 from jaxinfer.engine.kv_blocks import params_dtype_name, plan_kv_blocks, with_hybrid_kv_decided
 from jaxinfer.engine.lora import with_lora_stacks
+from jaxinfer.engine.lora_args import with_lora_impl_decided
 from jaxinfer.engine.memory_preflight import refuse_if_it_cannot_fit
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.startup import StartupTimes
@@ -49,6 +50,7 @@ def build_engine(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
         cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
             args.quantization, cfg.quantization, args.load_format))
         args = with_hybrid_kv_decided(cfg, args, parts.get("role"))
+        args = with_lora_impl_decided(args)
     if mesh is None:
         if args.data_parallel_size > 1:
             raise ConfigError("--data-parallel-size > 1 needs the data-parallel front end: "

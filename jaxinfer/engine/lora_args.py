@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.model.kernel_table import current_platform, lora_impl
 from jaxinfer.model.lora.delta import LORA_IMPLS
+
+log = logging.getLogger(__name__)
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,18 +70,11 @@ def check_lora_args(args) -> None:
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise ConfigError(f"--max-cpu-loras {args.max_cpu_loras}: must be >= --max-loras "
                           f"({args.max_loras})")
-    if args.spec_config() is not None:
-        raise ConfigError("--enable-lora does not combine with speculative decoding yet")
-    if args.disaggregate:
-        raise ConfigError("--enable-lora does not combine with --disaggregate yet")
     if (args.num_processes or 1) > 1:
         raise ConfigError("--enable-lora does not combine with several processes yet")
     if args.lora_impl not in ("auto", *LORA_IMPLS):
         raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from auto, "
                           f"{', '.join(LORA_IMPLS)}")
-    if args.lora_impl == "pallas" and args.tensor_parallel_size > 1:
-        raise ConfigError("--lora-impl pallas does not combine with tensor parallelism yet "
-                          "(the kernels are not partitioned); use --lora-impl xla")
     names = [r.lora_name for r in lora_modules(args.lora_modules)]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules names {names} are not unique")
@@ -88,3 +85,15 @@ def resolved_lora_impl(config) -> str:
     (kernel_table.lora_impl), for an EngineConfig."""
     return lora_impl(current_platform(), config.lora.lora_impl,
                      config.parallel.tensor_parallel_size)
+
+
+def with_lora_impl_decided(args):
+    """`args` (EngineArgs) with --lora-impl as the kernel table runs it where that differs from
+    the flag (--lora-impl pallas under tensor parallelism runs the XLA path: the Pallas kernels
+    are not partitioned), logged once at start."""
+    impl = lora_impl(current_platform(), args.lora_impl, args.tensor_parallel_size)
+    if not args.enable_lora or args.lora_impl in ("auto", impl):
+        return args
+    log.info("--lora-impl %s runs as %s: the Pallas LoRA kernels are not partitioned "
+             "(--tensor-parallel-size %d)", args.lora_impl, impl, args.tensor_parallel_size)
+    return dataclasses.replace(args, lora_impl=impl)

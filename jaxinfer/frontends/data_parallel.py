@@ -19,11 +19,12 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.errors import InvalidRequestError, RequestFailedError
+from jaxinfer.frontends.lora_fan_out import LoRAFanOut
 from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
 
-class DataParallelEngine(EngineClient):
+class DataParallelEngine(LoRAFanOut, EngineClient):
     def __init__(self, replicas: list[LLMEngine]):
         self.replicas = replicas
         first = replicas[0]
@@ -98,34 +99,9 @@ class DataParallelEngine(EngineClient):
         for r in self.replicas:
             r.wake()
 
-    # ---- LoRA adapters: registered in every replica under one id --------------------------------
-    # Each change is made on the first replica, which checks it and raises changing nothing, then
-    # on the others, which accept what the first did (the same files, the same ids).
-    def list_loras(self) -> list:
-        return self.replicas[0].list_loras()
-
-    def add_lora(self, lora_request) -> None:
-        for r in self.replicas:
-            r.add_lora(lora_request)
-
-    def load_lora_adapter(self, name: str, path: str):
-        request = self.replicas[0].load_lora_adapter(name, path)
-        for r in self.replicas[1:]:
-            r.add_lora(request)
-        return request
-
-    def remove_lora(self, name: str) -> None:
-        lora_id = next((r.lora_int_id for r in self.list_loras() if r.lora_name == name), None)
-        users = [rid for rid, req in self.requests.items() if lora_id and req.lora_id == lora_id]
-        if users:  # (a replica's own check would leave the others without it)
-            raise InvalidRequestError(f"LoRA adapter '{name}' is in use by {len(users)} "
-                                      f"unfinished request(s)", "lora_name")
-        for r in self.replicas:
-            r.remove_lora(name)
-
-    def update_lora(self, name: str, params: dict) -> None:
-        for r in self.replicas:
-            r.update_lora(name, params)
+    @property
+    def lora_engines(self) -> list[LLMEngine]:
+        return self.replicas
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

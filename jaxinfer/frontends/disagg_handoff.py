@@ -72,6 +72,7 @@ def continuation(tokenizer: Tokenizer | None, src: Request, src_seq: Sequence) -
                   src.arrival_time, weight_version=src.weight_version,
                   final_output_only=src.final_output_only)
     req.stop_ids_row, req.stop_id_set = src.stop_ids_row, src.stop_id_set
+    req.lora_id = src.lora_id  # registered on both sides under this id (lora_fan_out.py)
     for name in ("first_scheduled_time", "first_token_time", "last_token_time",
                  "num_cached_tokens", "prompt_logprobs"):
         setattr(req, name, getattr(src, name))

@@ -6,7 +6,8 @@ A request's path:
    samples the first token, which is reported to the client at once;
 2. when that step is processed (the `on_processed` hook, before the prefill scheduler frees the
    sequence), the prompt's full blocks enter the prefill prefix cache and a fork (`holder`) keeps
-   the blocks; the hand-over waits for decode room: a free sequence slot and blocks in the decode
+   the blocks; the hand-over waits for decode room: a free sequence slot, its LoRA adapter's slot
+   (adapters are registered on both sides under one id: lora_fan_out.py) and blocks in the decode
    pool (admission against both pools). The decode side first matches the prompt against its own
    prefix cache: blocks it already holds are not moved;
 3. the remaining blocks are gathered on the prefill devices and copied to the decode devices
@@ -42,6 +43,7 @@ from jaxinfer.engine.output_processor import make_request_output
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.core.request import Sequence
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
+from jaxinfer.frontends.lora_fan_out import LoRAFanOut
 from jaxinfer.frontends.merged_metrics import MergedMetrics
 from jaxinfer.sampling_params import SamplingParams
 
@@ -80,7 +82,7 @@ class DriverStats:
                 **{f"{p}_count": n for p, n in sorted(self.counts.items()) if p != "steps"}}
 
 
-class DisaggregatedEngine(EngineClient):
+class DisaggregatedEngine(LoRAFanOut, EngineClient):
     def __init__(self, prefill: LLMEngine, decode: LLMEngine):
         self.prefill, self.decode = prefill, decode
         self.config, self.cfg, self.tokenizer = decode.config, decode.cfg, decode.tokenizer
@@ -101,6 +103,7 @@ class DisaggregatedEngine(EngineClient):
         self._transit: dict[str, Handoff] = {}            # request id -> its hand-over
         self._waiting: collections.deque[Handoff] = collections.deque()  # for decode room
         self._in_flight: list[Handoff] = []               # copies dispatched, in order
+        self._failed: list[tuple[str, RequestFailedError]] = []  # failed between the engines
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxinfer-disagg")
         self.driver = DriverStats()
 
@@ -144,25 +147,30 @@ class DisaggregatedEngine(EngineClient):
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, *, final_output_only: bool = False,
                     lora_request=None):
-        if lora_request is not None:  # (--enable-lora refuses --disaggregate)
-            raise InvalidRequestError("LoRA adapters are not served disaggregated", "model")
         if request_id in self._transit or request_id in self.decode.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: a disaggregated engine (--disaggregate) "
                                       f"serves n = 1 only", param="n")
+        if lora_request is not None:  # the decode side continues it on the same adapter
+            self.add_lora(lora_request)
         req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time,
-                                       final_output_only=final_output_only)
+                                       final_output_only=final_output_only,
+                                       lora_request=lora_request)
         limit_to_first_token(req)
         return req
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         if request_id in self.prefill.requests:
             return self.prefill.abort(request_id, reason)
-        h = self._transit.pop(request_id, None)
+        h = self._transit.get(request_id)
         if h is None:
             return self.decode.abort(request_id, reason)
+        return self._abort_in_transit(h, reason)
+
+    def _abort_in_transit(self, h: Handoff, reason: str) -> RequestOutput:
+        del self._transit[h.request_id]
         self._release(h)
         h.sync_reported()
         self.decode.outputs.finish(h.seq, reason, None)
@@ -177,10 +185,11 @@ class DisaggregatedEngine(EngineClient):
         if h in self._in_flight:
             self._in_flight.remove(h)
         self.prefill.scheduler.free_blocks(h.holder)
-        self.decode.scheduler.free_blocks(h.seq.seq_id)
+        self.decode.scheduler.drop_hand_over(h.seq)
 
     def take_failed(self) -> list[tuple[str, RequestFailedError]]:
-        return self.prefill.take_failed() + self.decode.take_failed()
+        failed, self._failed = self._failed, []
+        return failed + self.prefill.take_failed() + self.decode.take_failed()
 
     # ---- the research loop: both engines alike ------------------------------------------------
     @property
@@ -214,6 +223,10 @@ class DisaggregatedEngine(EngineClient):
         return self.prefill.num_waiting + len(self._waiting) + self.decode.num_waiting
 
     @property
+    def lora_engines(self) -> list[LLMEngine]:
+        return [self.prefill, self.decode]
+
+    @property
     def requests(self) -> dict:
         return {**self.prefill.requests, **{rid: h.request for rid, h in self._transit.items()},
                 **self.decode.requests}
@@ -234,16 +247,16 @@ class DisaggregatedEngine(EngineClient):
         self._start_transfers()
 
     def _reserve_decode(self, h: Handoff) -> bool:
-        """Admission on the decode side: a sequence slot and blocks for the prompt + the first
-        token, after matching the prompt against the decode prefix cache (not counted in its
-        hit-rate metrics: the prefill side's lookup is the request's). The decode side's own
+        """Admission on the decode side: a sequence slot, its adapter's slot and blocks for the
+        prompt + the first token, after matching the prompt against the decode prefix cache (not
+        counted in its hit-rate metrics: the prefill side's lookup is the request's). Its own
         waiting (preempted) sequences go first: reserved blocks cannot be preempted until their
         sequence runs, so taking them ahead of a preempted one could leave it waiting forever."""
         sched = self.decode.scheduler
         if sched.num_waiting or (sched.num_running + len(self._in_flight)
                                  >= self.decode.config.scheduler.max_num_seqs):
             return False
-        reserved = sched.reserve_hand_over(h.seq)
+        reserved = sched.reserve_hand_over(h.seq)  # (a failed adapter load: _start_transfers)
         if reserved is None:
             return False
         cached, h.dst_blocks = reserved
@@ -254,7 +267,12 @@ class DisaggregatedEngine(EngineClient):
         """Dispatch the waiting hand-overs' copies, in order, while the decode side has room."""
         while self._waiting and len(self._in_flight) < MAX_IN_FLIGHT:
             h = self._waiting[0]
-            if not self._reserve_decode(h):
+            try:
+                reserved = self._reserve_decode(h)
+            except InvalidRequestError as e:  # its adapter can no longer be read: it fails
+                self._fail_in_transit(h, e)
+                continue
+            if not reserved:
                 return
             self._waiting.popleft()
             last = -(-h.seq.prompt_len // self.block_size)
@@ -263,6 +281,15 @@ class DisaggregatedEngine(EngineClient):
             h.started = time.perf_counter()
             self._in_flight.append(h)
             self.transfer_metrics.blocks_skipped.inc(h.first_block)
+
+    def _fail_in_transit(self, h: Handoff, error: Exception) -> None:
+        """Abort a request between the engines (finish reason "error"), for `take_failed` (its
+        prefill output, if not reported yet, is not: `_reported`)."""
+        self._abort_in_transit(h, "error")
+        failure = RequestFailedError(f"the engine failed this request: {error!r}",
+                                     (h.request_id,))
+        failure.__cause__ = error
+        self._failed.append((h.request_id, failure))
 
     def _land(self, wait: bool = False) -> None:
         """Scatter every landed copy into the decode cache and pass its sequence to the decode
@@ -314,9 +341,13 @@ class DisaggregatedEngine(EngineClient):
 
     def _reported(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """Prefill outputs as the client sees them: a handed-off request is still running (and one
-        that reports only its final output reports nothing yet)."""
+        that reports only its final output reports nothing yet); one that failed in transit
+        reports its failure (`take_failed`), not a finish."""
+        failed = {rid for rid, _ in self._failed}
         reported = []
         for out in outs:
+            if out.request_id in failed:
+                continue
             if out.request_id in self._transit:
                 if self._transit[out.request_id].request.final_output_only:
                     continue

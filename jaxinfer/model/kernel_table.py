@@ -128,10 +128,14 @@ def attention_name(platform: Platform, flag: str = "auto") -> str:
 
 def lora_impl(platform: Platform, flag: str = "auto", tensor_parallel: int = 1) -> str:
     """--lora-impl with "auto" decided: the Triton kernels on a GPU (lora_h200.json: faster than
-    xla on all three workloads) unless tensor parallelism splits the weights they read."""
+    xla on all three workloads) unless tensor parallelism splits the weights they read. Under
+    tensor parallelism it is xla whatever the flag: the kernels are not partitioned, and the
+    XLA path is sharded with the projections it adds to."""
+    if tensor_parallel > 1:
+        return "xla"
     if flag != "auto":
         return flag
-    return "pallas" if platform.gpu and tensor_parallel == 1 else "xla"
+    return "pallas" if platform.gpu else "xla"
 
 
 def resolve_kernels(platform: Platform, *, attention: str = "auto", moe: str = "auto",

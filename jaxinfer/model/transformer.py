@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -414,7 +415,22 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float
     so an 8B model never needs host memory (`--load-format dummy`). `shardings` (a pytree of
     Shardings like the params): each leaf is generated directly into its shards."""
     shapes = param_shapes(cfg, dtype)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    makers = _leaf_makers(cfg, shapes, rng, std, shardings)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes),
+                                        [make() for make in makers.values()])
+
+
+def dummy_leaf_makers(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float = 0.02,
+                      shardings=None) -> dict[tuple[str, ...], Callable[[], jax.Array]]:
+    """init_params' leaves, not yet made: per param path (its keys) the call that makes that leaf
+    as init_params does. Quantizing dummy weights on load makes and quantizes them one at a time,
+    so the unquantized tree never exists whole (an FP8 model fits a device its bf16 form does
+    not: Qwen3-Next-80B on an H200)."""
+    return _leaf_makers(cfg, param_shapes(cfg, dtype), rng, std, shardings)
+
+
+def _leaf_makers(cfg, shapes, rng, std, shardings) -> dict[tuple[str, ...], Callable]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(rng, len(leaves))
     places = (jax.tree_util.tree_leaves(shardings) if shardings is not None
               else [None] * len(leaves))
@@ -427,8 +443,8 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.bfloat16, std: float
             return jnp.zeros(leaf.shape, leaf.dtype, device=place)
         return _normal(key, leaf.shape, leaf.dtype, std, place)
 
-    return jax.tree_util.tree_unflatten(
-        treedef, [make(p, l, k, s) for (p, l), k, s in zip(leaves, keys, places)])
+    return {tuple(k.key for k in path): functools.partial(make, path, leaf, key, place)
+            for (path, leaf), key, place in zip(leaves, keys, places)}
 
 
 def _normal(key, shape, dtype, std, sharding=None):

@@ -36,7 +36,8 @@ from jaxinfer.model.tensor_sources import (EXPERT, EXPERT_PARAM, FUSED, GPT_OSS_
                                            PACKED, QUANTIZED_DTYPES, Checkpoint, Source,
                                            fused_down, fused_gate_up, interleaved, mxfp4_experts,
                                            plain, stacked_as_stored, stacked_experts, stored)
-from jaxinfer.model.transformer import Params, init_params, param_shapes
+from jaxinfer.model.transformer import (Params, dummy_leaf_makers, init_params,
+                                        param_shapes)
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 ORBAX_SUBDIR = "orbax"
@@ -329,6 +330,14 @@ def load_orbax(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, shar
             raise CheckpointError(f"orbax checkpoint '{path}' does not match the config: {e}") from None
 
 
+class _MadeWhenTaken(dict):
+    """Param path -> the call that makes the leaf; `pop` makes it. quantize_unquantized pops one
+    weight at a time and deletes it once quantized, so at most one unquantized weight exists."""
+
+    def pop(self, key):
+        return super().pop(key)()
+
+
 def _quantized_from_unquantized(model_dir, cfg: ModelConfig, dtype, load_format: str, seed: int,
                                 shardings) -> Params:
     """Dummy or orbax weights (always unquantized) loaded as such, then quantized on the device
@@ -346,12 +355,12 @@ def _quantized_from_unquantized(model_dir, cfg: ModelConfig, dtype, load_format:
             base_key = quant_loading.unquantized_key(key, quantized)
             _set(base_shardings, base_key,
                  quant_loading.transposed_sharding(sh, 2) if base_key != key else sh)
-    if load_format == "dummy":
-        params = init_params(base_cfg, jax.random.key(seed), dtype, shardings=base_shardings)
+    if load_format == "dummy":  # each leaf made as quantize_unquantized takes it
+        source = _MadeWhenTaken(dummy_leaf_makers(base_cfg, jax.random.key(seed), dtype,
+                                                  shardings=base_shardings))
     else:
-        params = load_orbax(model_dir, base_cfg, dtype, base_shardings)
-    flat = quant_loading.quantize_unquantized(_flat_paths(params), expected, cfg.quantization,
-                                              flat_shardings)
+        source = _flat_paths(load_orbax(model_dir, base_cfg, dtype, base_shardings))
+    flat = quant_loading.quantize_unquantized(source, expected, cfg.quantization, flat_shardings)
     out: dict = {}
     for key, leaf in flat.items():
         _set(out, key, leaf)

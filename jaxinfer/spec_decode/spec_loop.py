@@ -65,7 +65,8 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
                variant: SamplerVariant, plan: ShardingPlan | None, layers: tuple[int, ...],
                greedy_only: bool = False):
     """`batch`: the rows as one-token decodes (positions: each row's input position, token_ids
-    its input token, sampling.out_pos that token's output index). rows i32[S, 3 + k] (one host
+    its input token, sampling.out_pos that token's output index, lora_slot its adapter's slot or
+    None: the target verifies with it; the head proposes without). rows i32[S, 3 + k] (one host
     array, one transfer): the tokens each row may still add (0: padding), then the head catch-up
     owed before its first chain (`CatchUp`: pos, num, ids). -> (kv cache, last tokens, head KV,
     streams, packed SamplerOutput [N (k + 1), S], (draft_computed i32[S], proposed i32[N, S],
@@ -105,8 +106,9 @@ def _spec_loop(params, kv_cache, last_tokens, head_params, embed, head_kv, strea
         md = AttentionMetadata(slots(tables, r, vpos, owned, block_size), qsl,
                                jnp.where(live, pos + n + 1, 0), tables, kv_layout=md0.kv_layout)
         vidx = jnp.minimum(qsl[:-1, None] + jnp.minimum(jk.T, n[:, None]), s * k1 - 1)
+        lora = None if batch.lora_slot is None else jnp.where(owned, batch.lora_slot[rr], 0)
         kv, out, strm = verify_forward(params, kv, strm, jnp.where(owned, ids, 0), vpos, md, vidx,
-                                       t, drafts, n, q, cfg=cfg, kernels=kernels,
+                                       t, drafts, n, q, lora, cfg=cfg, kernels=kernels,
                                        variant=variant, plan=plan, layers=layers,
                                        greedy_only=greedy_only)
         # 3. each live row advances by what it emitted: its tokens go to the record packed
@@ -207,7 +209,7 @@ class SpecLoop:
                 for e in sched.decodes]
         s = runner.buckets.decode_shape(len(rows))
         variant = sampler_variant(rows)
-        batch = runner.step_batch(rows, s, s, s, variant, lora=False)
+        batch = runner.step_batch(rows, s, s, s, variant)  # LoRA slots as the runner's steps
         state = np.zeros((s, 3 + k), np.int32)  # room, then the catch-up: pos, num, ids
         behind = []  # rows further behind than one iteration's catch-up: one host-built call
         for r, e in enumerate(sched.decodes):

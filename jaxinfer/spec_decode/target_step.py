@@ -64,13 +64,15 @@ def _verify_rows(logits, inputs, *, variant: SamplerVariant, greedy_only: bool) 
 
 
 def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices, sampling,
-                   drafts, num_drafts, draft_probs, *, cfg: ModelConfig,
+                   drafts, num_drafts, draft_probs, lora_slot=None, *, cfg: ModelConfig,
                    kernels: KernelTable, variant: SamplerVariant,
                    plan: ShardingPlan | None = None, layers: tuple[int, ...] = (),
                    greedy_only: bool = False):
     """The target's forward over ragged rows of k + 1 tokens (input token, then the proposals;
     `ids` already holds them) and the rejection sampler at `verify_indices` i32[S, K + 1]
-    (`greedy_only`: every row is greedy, `rejection_sampler.verify`'s fast path).
+    (`greedy_only`: every row is greedy, `rejection_sampler.verify`'s fast path). `lora_slot`
+    i32[T] (None: no LoRA): each token's adapter slot, so a row is verified by the model it
+    would decode with.
     `layers` (an EAGLE-3 head's): the residual streams entering them are written into `streams`
     at the step's slots, from the same pass. -> (kv cache, VerifyOutput [K + 1, S], streams)"""
     s, k1 = verify_indices.shape
@@ -78,11 +80,11 @@ def verify_forward(params, kv_cache, streams, ids, positions, md, verify_indices
         if layers:
             logits, kv_cache, aux = forward_aux(params, cfg, ids, positions, kv_cache, md,
                                                 kernels, verify_indices.reshape(-1),
-                                                layers=layers)
+                                                lora_slot, layers=layers)
             streams = write_streams(streams, aux, md.group(0).slot_mapping)
         else:
             logits, kv_cache = forward(params, cfg, ids, positions, kv_cache, md, kernels,
-                                       verify_indices.reshape(-1))
+                                       verify_indices.reshape(-1), lora_slot=lora_slot)
     with jax.named_scope("sample"):
         # Under TP each row's k + 1 logits are made whole on one device first, as the sampler's
         # are (parallel/sampling_logits.py): verification's conditionals (penalties, truncation,
@@ -102,8 +104,8 @@ def _verify_step(params, kv_cache, last_tokens, batch: StepBatch, v: VerifyInput
     ids = ids.at[v.draft_index.reshape(-1)].set(v.drafts.reshape(-1), mode="drop")
     kv_cache, out, streams = verify_forward(
         params, kv_cache, streams, ids, batch.positions, batch.md, v.verify_indices,
-        batch.sampling, v.drafts, v.num_drafts, draft_probs, cfg=cfg, kernels=kernels,
-        variant=variant, plan=plan, layers=layers, greedy_only=greedy_only)
+        batch.sampling, v.drafts, v.num_drafts, draft_probs, batch.lora_slot, cfg=cfg,
+        kernels=kernels, variant=variant, plan=plan, layers=layers, greedy_only=greedy_only)
     emitted = jnp.take_along_axis(out.sampled.tokens, out.num_accepted[None, :], axis=0)[0]
     return kv_cache, store_emitted(last_tokens, batch.emit_slot, emitted), out, streams
 
@@ -115,7 +117,7 @@ def build_verify_batch(runner, sched: SchedulerOutput, k_max: int
     rows = sched.scheduled
     variant = sampler_variant(rows)
     t, s = runner.buckets.mixed_shape(sched.num_tokens)
-    batch = runner.step_batch(rows, 0, t, s, variant, lora=False)
+    batch = runner.step_batch(rows, 0, t, s, variant)  # LoRA slots as the runner's steps
     num = np.zeros(s, np.int32)
     drafts = np.zeros((s, k_max), np.int32)
     for r, entry in enumerate(sched.decodes):

@@ -320,9 +320,9 @@ class BucketCompiler:
         """(name, args, static arguments, table key) of the unit's forward, or of its loops."""
         r = self.runner
         params, kv, last = self._specs
-        if unit.kind == "spec":  # its steps carry no LoRA inputs (SpecLoop.execute)
+        if unit.kind == "spec":
             return [spec for variant in LOOP_VARIANTS for spec in self._spec_loop.compile_specs(
-                self._specs, self.padding_batch("decode", unit.size, variant, lora=False), variant)]
+                self._specs, self.padding_batch("decode", unit.size, variant), variant)]
         if unit.kind != "loop":
             w = self._writer
             if w is not None:
@@ -444,33 +444,31 @@ class BucketCompiler:
                     (self._specs[1], *[jax.ShapeDtypeStruct((size,), jnp.int32)] * 2), {}, size)
                 for size in r.buckets.copy_buckets]
 
-    def _host_padding_batch(self, kind: str, size: int, variant: SamplerVariant,
-                            lora: bool | None = None) -> StepBatch:
-        """`lora`: whether the batch carries LoRA inputs (None: as the runner's steps do)."""
+    def _host_padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
+        """An all-padding batch of a bucket as host arrays, with LoRA inputs where the runner's
+        steps carry them (the speculative loop's too)."""
         r = self.runner
         if kind == "mixed":
             t, s, nd = size, r.buckets.mixed_shape(size)[1], 0
         else:
             t = s = nd = size
-        return r.step_batch([], nd, t, s, variant, lora=lora)
+        return r.step_batch([], nd, t, s, variant)
 
     def _place_inputs(self, unit: Unit) -> None:
         """Place a padding batch of the unit's bucket in each sampler variant, as its steps place
         their inputs: that compiles the unpacking jit of each layout (transfer.place_step_inputs),
-        a small one, before a step needs it. (A speculative loop's carry no LoRA inputs.)"""
+        a small one, before a step needs it."""
         spec = unit.kind == "spec"
         for variant in LOOP_VARIANTS if spec else SAMPLE_VARIANTS:
             if self._stop.is_set():
                 raise CompileStopped
-            batch = self._host_padding_batch("decode" if spec else unit.kind, unit.size, variant,
-                                             lora=False if spec else None)
+            batch = self._host_padding_batch("decode" if spec else unit.kind, unit.size, variant)
             place_step_inputs(batch, self.runner.plan)
 
-    def padding_batch(self, kind: str, size: int, variant: SamplerVariant,
-                      lora: bool | None = None) -> StepBatch:
+    def padding_batch(self, kind: str, size: int, variant: SamplerVariant) -> StepBatch:
         """An all-padding batch of a bucket (running it writes no KV)."""
         r = self.runner
-        batch = self._host_padding_batch(kind, size, variant, lora)
+        batch = self._host_padding_batch(kind, size, variant)
         plan = r.plan
         if plan is None or plan.tp == 1:
             return batch

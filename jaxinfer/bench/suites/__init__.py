@@ -1,10 +1,11 @@
 """The model and feature suites of the `jaxinfer bench` drivers, `jaxinfer bench DRIVER --suite
 NAME [-- ITS OWN FLAGS]`: multi-section GPU harnesses (Llama-3-8B at batch 1 and under load, MoE,
-multi-GPU, model families, MLA, quantization, KV tiers, LoRA, speculative decoding, the research
-loop, disaggregation, embeddings, the first minute, the soak), each one module whose `main(argv)`
-runs its sections (most in a process of their own, under a deadline) and saves its record under
-the record name and metric keys the project's documents cite. Each has a CPU mode at tiny sizes
-(`BENCH_TINY_SHAPES=1`, or its `--tiny`) that produces the same keys."""
+multi-GPU, model families, MLA, hybrid state-space models, quantization, KV tiers, LoRA,
+speculative decoding, the research loop, disaggregation, embeddings, the first minute, the soak),
+each one module whose `main(argv)` runs its sections (most in a process of their own, under a
+deadline) and saves its record under the record name and metric keys the project's documents
+cite. Each has a CPU mode at tiny sizes (`BENCH_TINY_SHAPES=1`, or its `--tiny`) that produces
+the same keys."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ SUITES = {
                                                   "and expert parallel"),
     "families": Suite("families", "throughput", "families_<gpu>: Gemma 3 and gpt-oss shapes"),
     "mla": Suite("mla", "throughput", "mla_<gpu>: DeepSeek-V2-Lite's latent attention"),
+    "hybrid": Suite("hybrid", "throughput", "hybrid_<gpu>: Qwen3-Next-80B (FP8) and Granite "
+                                            "4.0-H-Tiny, 128k sequences held, SSM kernels"),
     "kv-tiers": Suite("kv_tiers", "throughput", "kv_tiers_<gpu>: the host-memory KV tier"),
     "lora": Suite("lora", "throughput", "lora_<gpu>: multi-adapter LoRA against the base model"),
     "spec-decode": Suite("spec_decode", "throughput", "spec_decode_<gpu>: EAGLE-3 and draft models"),

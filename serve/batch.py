@@ -45,7 +45,7 @@ class EngineView:
     def of(cls, engine) -> "EngineView":
         loras = {r.lora_name: r for r in engine.list_loras()}
         return cls(engine.tokenizer, engine.cfg, engine.max_model_len, engine.model_name,
-                   engine.args.served_model_names, engine.grammars, loras)
+                   engine.config.model.served_model_names, engine.grammars, loras)
 
 
 class FinishedGroup:

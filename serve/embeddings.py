@@ -113,7 +113,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     if cfg is None:
         raise APIError(400, f"{engine.model_name} is served for generation; start the server with "
                             "--task embed to serve /v1/embeddings", "model")
-    check_embedding_engine(engine.args)
+    check_embedding_engine(engine.config)
     body = await read_json_body(request)
     req = await off_loop(parse_embedding, body, engine, request.app[LIMITS], cfg)
     check_capacity(request.app, len(req.prompts))

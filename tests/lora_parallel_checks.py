@@ -34,7 +34,7 @@ def lora_checks(out: dict) -> None:
                             ("dp2", {"data_parallel_size": 2})):
             llm = LLM(str(model), **sizes, **kw)
             if name == "tp2":
-                out["lora/tp2_impl"] = llm.engine.args.lora_impl
+                out["lora/tp2_impl"] = llm.engine.config.lora.lora_impl
             # dp2: requests go to the less loaded replica, ties to the first: each replica gets
             # an adapter row, then a base row
             outs = llm.generate(prompts * 2, params, use_tqdm=False,

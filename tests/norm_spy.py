@@ -17,9 +17,9 @@ def counted_norm(x, residual, weight, *, eps):
     return add_rms_norm_triton(x, residual, weight, eps=eps, interpret=True)
 
 
-def with_counted_norm(args):
+def with_counted_norm(config):
     """The engine's resolved table with `counted_norm` in its norm slot (what a GPU's has)."""
-    return dataclasses.replace(kernels.engine_kernels(args), add_rms_norm=counted_norm)
+    return dataclasses.replace(kernels.engine_kernels(config), add_rms_norm=counted_norm)
 
 
 def install(monkeypatch=None) -> None:

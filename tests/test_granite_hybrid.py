@@ -65,7 +65,8 @@ def test_start_turns_prefix_caching_off():
     golden = np.load(MOE / "golden.npz")
     llm = LLM(str(MOE), dtype="float32", max_model_len=32, num_blocks=32,
               warmup=False, compilation_cache_dir=None, attention_backend="reference")
-    assert not llm.engine.args.enable_prefix_caching and llm.engine.args.block_size == 16
+    cache = llm.engine.config.cache
+    assert not cache.enable_prefix_caching and cache.block_size == 16
     expected = golden["greedy_tokens"].tolist()
     out = llm.generate(golden["greedy_prompt"].tolist(), SamplingParams(
         max_tokens=len(expected), temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -186,7 +187,7 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     args = with_fixed_state_decided(cfg, EngineArgs(model=str(tmp_path)))
     assert args.block_size == 16 and not args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
-    refuse_what_fixed_state_lacks(groups, args, jnp.bfloat16)  # nothing refused
+    refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
     # 4 attention layers set num_slots: the 36 Mamba-2 layers make 9 state groups.
     assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (50,) * 9
     assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 50

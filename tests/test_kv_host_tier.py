@@ -71,17 +71,17 @@ def test_host_lru_evicts_a_slot_with_its_piece_but_not_a_pinned_sibling():
 
 
 def test_offload_takes_one_kv_group_and_any_page():
-    args = SimpleNamespace(kv_offload=True, kv_host_gib=1.0, block_size=BS)
+    cache = SimpleNamespace(kv_offload=True, kv_host_gib=1.0, block_size=BS)
     windowed = KVCacheGroups.from_layer_windows([None, 8])
     gemma = SimpleNamespace(architecture="Gemma3ForCausalLM", mla=None)
     # (from_engine_args turns --hybrid-kv-cache off first: tests/test_kv_copies.py)
     with pytest.raises(ConfigError, match="--kv-offload.*--no-hybrid-kv-cache"):
-        host_tier_for(gemma, args, jnp.bfloat16, windowed)
+        host_tier_for(gemma, cache, jnp.bfloat16, windowed)
     with pytest.raises(ValueError, match="one KV group"):
         KVCacheManager(8, BS, groups=windowed, host_tier=HostTier(4))
     deepseek = SimpleNamespace(architecture="DeepseekV3ForCausalLM")
     latent = KVCacheGroups.full_attention(2, MLAAttentionSpec(576, 512))
-    assert host_tier_for(deepseek, args, jnp.bfloat16, latent).num_slots == (
+    assert host_tier_for(deepseek, cache, jnp.bfloat16, latent).num_slots == (
         GIB // latent.page_bytes(BS, jnp.bfloat16))
 
 

@@ -175,12 +175,12 @@ def test_the_probe_covers_every_compiled_bucket():
     engine.memory_plan = {"kv": {"compile_workers": 1}}
     engine.warmup(progress=False)
     assert engine.runner.compiler._pool._max_workers == 1
-    a, r = engine.args, engine.runner
+    c, r = engine.config, engine.runner
     planned = step_activation_bytes(engine.cfg, r.params, REFERENCE_KERNELS,
-                                    kv_dtype=r.kv_cache[0][0].dtype, block_size=a.block_size,
+                                    kv_dtype=r.kv_cache[0][0].dtype, block_size=c.cache.block_size,
                                     max_model_len=engine.max_model_len,
-                                    max_num_seqs=a.max_num_seqs,
-                                    max_num_batched_tokens=a.max_num_batched_tokens)
+                                    max_num_seqs=c.scheduler.max_num_seqs,
+                                    max_num_batched_tokens=c.scheduler.max_num_batched_tokens)
     plan = with_compiled_peak({"kv": {"activation_bytes": planned}}, r)
     assert plan["compiled_executables"] >= 3
     assert 0 < plan["compiled_peak_bytes"] <= planned

@@ -73,8 +73,8 @@ def throughput(args: argparse.Namespace) -> dict:
     print(f"Engine steps: {st.steps}, host (schedule + build + dispatch) {st.host_ms_per_step:.3f} "
           f"ms/step, overlapped dispatches that found the device idle: {st.idle_dispatches}")
     if args.profile:
-        batch = fresh_prompts(vocab, min(args.num_prompts, engine.args.max_num_seqs), args.input_len,
-                              seed=2, low=0)
+        batch = fresh_prompts(vocab, min(args.num_prompts, engine.config.scheduler.max_num_seqs),
+                              args.input_len, seed=2, low=0)
         result["profile"] = engine_profile.profile_engine(engine, batch, args.profile,
                                                           args.profile_decode_steps)
     return result

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 from jaxinfer import paths
 from jaxinfer.errors import ConfigError
 from jaxinfer.core.kv_cache import CacheConfig, add_cache_arguments
 from jaxinfer.disagg.args import add_disagg_arguments, check_disagg_args
+from jaxinfer.engine.config import (AUTO_DECODE_STEPS, AUTO_LOOP_MAX_SEQS, EngineConfig,
+                                    ModelSettings, cut)
 from jaxinfer.engine.itl_target import (AUTO_FACTOR, MAX_STEPS_WITHOUT_PROMPTS, check_itl_target,
                                         parse_itl_target)
 from jaxinfer.engine.lora_args import add_lora_arguments, check_lora_args
-from jaxinfer.model.hub import is_hub_id, resolve_model
 from jaxinfer.model.quant_scheme import QUANTIZATIONS
 from jaxinfer.parallel.sharding import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from jaxinfer.spec_decode.config import (SpeculativeConfig, add_speculative_arguments,
@@ -25,13 +25,6 @@ from jaxinfer.spec_decode.config import (SpeculativeConfig, add_speculative_argu
 
 DEFAULT_MODEL = str(paths.DEFAULT_MODEL)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-# The on-device decode loop's default: this many steps per call while at most AUTO_LOOP_MAX_SEQS
-# sequences decode (the launch-bound regime). A request that arrives meanwhile waits for at most
-# one loop before its prefill (the scheduler starts no loop while one waits).
-AUTO_DECODE_STEPS = 8
-AUTO_LOOP_MAX_SEQS = 8
 
 
 def default_compilation_cache_dir() -> str:
@@ -185,30 +178,23 @@ class EngineArgs:
             disable_by_batch_size=self.speculative_disable_by_batch_size,
             config_json=self.speculative_config, min_acceptance=self.speculative_min_acceptance)
 
+    def create_engine_config(self) -> EngineConfig:
+        """These settings cut into the parts the engine reads (engine/config.py)."""
+        return EngineConfig.from_args(self)
+
     def decode_loop(self) -> tuple[int, int]:
-        """(steps per call, most decoding sequences) of the on-device decode loop; 1 step: none.
-        The automatic loop stays off with speculative decoding, whose verify steps serve the same
-        few-sequence regime and never run in a loop."""
-        steps = self.decode_steps_per_call
-        if steps is None:
-            steps = AUTO_DECODE_STEPS if self.spec_config() is None else 1
-            default_seqs = AUTO_LOOP_MAX_SEQS
-        else:
-            default_seqs = self.max_num_seqs
-        seqs = self.decode_loop_max_seqs
-        return steps, min(self.max_num_seqs, default_seqs if seqs is None else seqs)
+        return self.create_engine_config().decode_loop()
+
+    def _model_settings(self) -> ModelSettings:
+        return cut(self, ModelSettings)
 
     @property
     def model_path(self) -> str:
-        """--model as a directory: a hub id resolves to its snapshot in the local HF cache."""
-        return resolve_model(self.model)
+        return self._model_settings().model_path
 
     @property
     def served_model_names(self) -> list[str]:
-        names = self.served_model_name
-        if not names:  # a hub id is its own name; a directory is named by its last part
-            return [self.model if is_hub_id(self.model) else Path(self.model).name]
-        return [names] if isinstance(names, str) else list(names)
+        return self._model_settings().served_model_names
 
     @property
     def model_name(self) -> str:
@@ -247,7 +233,7 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0,
                        help="seed of the generator that seeds requests without their own seed")
         add_cache_arguments(parser)
-        s = parser.add_argument_group("scheduler and runner")
+        s = parser.add_argument_group("scheduler")
         s.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
                        help="most sequences in one step")
         s.add_argument("--max-num-batched-tokens", type=int,
@@ -267,20 +253,6 @@ class EngineArgs:
                             "time of a step of the running decodes alone; 'off' (default: auto "
                             "for `serve`, off otherwise)"
                        % (MAX_STEPS_WITHOUT_PROMPTS + 1, AUTO_FACTOR))
-        s.add_argument("--attention-backend", default="auto", choices=available_backends())
-        s.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
-                       help="the MoE experts' grouped matmul: auto (per step shape: the Mosaic "
-                            "kernel on Hopper, else XLA's padded einsum or ragged_dot), xla (auto "
-                            "without the kernel) or one forced (benchmarks, bisection)")
-        s.add_argument("--quant-impl", default="auto", choices=QUANT_IMPLS,
-                       help="FP8 weights' matmul: auto (per step rows: weight-only below 128, "
-                            "W8A8 on FP8 tensor cores above), fp8 (W8A8) or dequant (weight-only)")
-        s.add_argument("--no-warmup", dest="warmup", action="store_false",
-                       help="do not compile every step bucket at start-up")
-        s.add_argument("--no-background-compile", dest="background_compile",
-                       action="store_false",
-                       help="compile every step bucket before ready (default: ready once the "
-                            "first buckets are compiled, the rest compiling in the background)")
         s.add_argument("--decode-steps-per-call", type=int, default=None,
                        help="decode steps run on the device per host round trip when only "
                             "decodes run and no request waits (an on-device loop of that many "
@@ -303,11 +275,27 @@ class EngineArgs:
                        help="dispatch steps from a thread of their own, overlapping jax's and "
                             "XLA's dispatch cost with output processing (a failed dispatch then "
                             "fails the engine, not only the step's requests)")
-        s.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
+        k = parser.add_argument_group("kernels and compilation")
+        k.add_argument("--attention-backend", default="auto", choices=available_backends())
+        k.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
+                       help="the MoE experts' grouped matmul: auto (per step shape: the Mosaic "
+                            "kernel on Hopper, else XLA's padded einsum or ragged_dot), xla (auto "
+                            "without the kernel) or one forced (benchmarks, bisection)")
+        k.add_argument("--quant-impl", default="auto", choices=QUANT_IMPLS,
+                       help="FP8 weights' matmul: auto (per step rows: weight-only below 128, "
+                            "W8A8 on FP8 tensor cores above), fp8 (W8A8) or dequant (weight-only)")
+        k.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="do not compile every step bucket at start-up")
+        k.add_argument("--no-background-compile", dest="background_compile",
+                       action="store_false",
+                       help="compile every step bucket before ready (default: ready once the "
+                            "first buckets are compiled, the rest compiling in the background)")
+        k.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
                        help="where compiled steps are kept for the next start ('' disables)")
-        s.add_argument("--profile-dir", default=None,
+        o = parser.add_argument_group("observability")
+        o.add_argument("--profile-dir", default=None,
                        help="write a jax.profiler trace of --profile-steps steps here")
-        s.add_argument("--profile-steps", type=int, default=5)
+        o.add_argument("--profile-steps", type=int, default=5)
         add_parallel_arguments(parser)
         add_speculative_arguments(parser)
         add_disagg_arguments(parser)

@@ -72,7 +72,8 @@ def build_engine(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
                         shardings=plan.params(shapes)), current_platform(), cfg))
         draft = draft_for_engine(args, cfg, tokenizer, dtype, plan)
     with startup.phase("kv_plan_and_alloc"):
-        params = with_lora_stacks(cfg, params, args, plan)  # (planned with the weights)
+        # (planned with the weights)
+        params = with_lora_stacks(cfg, params, args.create_engine_config(), plan)
         kv_plan = plan_kv_blocks(cfg, args, params, plan)
         num_blocks = kv_plan.num_blocks
         if draft is not None and args.num_blocks is None:

@@ -29,37 +29,38 @@ def with_fixed_state_decided(cfg, args):
     return dataclasses.replace(args, enable_prefix_caching=False)
 
 
-def refuse_what_fixed_state_lacks(groups: KVCacheGroups, args, kv_dtype) -> None:
-    """ConfigError naming the flag when the model has fixed-state layers and `args` (EngineArgs)
+def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> None:
+    """ConfigError naming the flag when the model has fixed-state layers and `config` (EngineConfig)
     ask for what they do not support; none for a model without them."""
+    cache = config.cache
     states = [spec for spec in groups.specs if isinstance(spec, FixedStateSpec)]
     if not states:
         return
-    if args.kv_offload:
+    if cache.kv_offload:
         raise ConfigError("--kv-offload: the host tier keeps prefix-cache blocks, and prefix "
                           "caching of state-space layers' states is not built")
-    if args.enable_prefix_caching:
+    if cache.enable_prefix_caching:
         # A state's pages hold its sequence's latest state, none for a block's last token: a
         # prefix hit would have no state to resume from.
         raise ConfigError("--enable-prefix-caching: prefix caching of state-space layers' "
                           "states is not built; pass --no-enable-prefix-caching for this model")
-    spec = args.spec_config()
+    spec = config.speculative
     if spec is not None:
         raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "
                           f"state-space layers is not built (a rejected token would need the "
                           f"state rolled back)")
-    if args.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("--tensor-parallel-size > 1: state-space layers' states are not "
                           "sharded over devices yet")
     if is_fp8(kv_dtype):
         # The fp8 scales are calibrated per layer from the attention's K and V, which a
         # state-space layer has none of.
-        raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: an fp8 KV cache beside "
+        raise ConfigError(f"--kv-cache-dtype {cache.kv_cache_dtype}: an fp8 KV cache beside "
                           f"state-space layers is not built (their states would share its "
                           f"pages); use the model dtype")
-    page = groups.page_spec.page_bytes(args.block_size, kv_dtype)
-    if any(state.state_pages(args.block_size, kv_dtype) * page % 4 for state in states):
+    page = groups.page_spec.page_bytes(cache.block_size, kv_dtype)
+    if any(state.state_pages(cache.block_size, kv_dtype) * page % 4 for state in states):
         # The states are float32 words laid over the pages (model/state_pages.py).
-        raise ConfigError(f"--block-size {args.block_size}: a state-space layer's pages "
+        raise ConfigError(f"--block-size {cache.block_size}: a state-space layer's pages "
                           f"({page} bytes each) do not end on a 4-byte word; use an even "
                           f"block size")

@@ -168,18 +168,19 @@ class ItlTarget:
         self._steps_without_prompts = 0
 
     @classmethod
-    def for_engine(cls, args, buckets) -> "ItlTarget":
-        """From EngineArgs. A multi-process engine runs the same schedule on every process, which
-        times measured on each would break: "auto" is off there, and a target an error."""
+    def for_engine(cls, scheduler, buckets) -> "ItlTarget":
+        """From the engine's SchedulerConfig. A multi-process engine runs the same schedule on
+        every process, which times measured on each would break: "auto" is off there, and a
+        target an error."""
         import jax
-        target = args.itl_target_ms
+        target = scheduler.itl_target_ms
         if target is not None and jax.process_count() > 1:
             if target != AUTO:
                 raise ConfigError(f"--itl-target-ms {target}: a multi-process engine schedules "
                                   f"every step alike on each process; step times measured on "
                                   f"each would differ (use --max-step-tokens-while-decoding)")
             target = None
-        return cls(target, args.max_step_tokens_while_decoding, buckets)
+        return cls(target, scheduler.max_step_tokens_while_decoding, buckets)
 
     def step_done(self, handle, num_running: int) -> int | None:
         """Record a processed step (runner.StepHandle); the cap for the steps to come, for its

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.model.kernel_table import KernelTable, current_platform, resolve_kernels
 
 
-def engine_kernels(args) -> KernelTable:
-    """The kernel table of an engine built from `args` (EngineArgs), before the KV-cache dtype's
+def engine_kernels(config: EngineConfig) -> KernelTable:
+    """The kernel table of an engine of `config`, before the KV-cache dtype's
     and tensor parallelism's wrappers (kv_scales.kv_cache_kernels, parallel.kernels)."""
-    return resolve_kernels(current_platform(), attention=args.attention_backend,
-                           moe=args.moe_impl, quant=args.quant_impl, lora=args.lora_impl,
-                           tensor_parallel=args.tensor_parallel_size)
+    kernels = config.compilation
+    return resolve_kernels(current_platform(), attention=kernels.attention_backend,
+                           moe=kernels.moe_impl, quant=kernels.quant_impl,
+                           lora=config.lora.lora_impl,
+                           tensor_parallel=config.parallel.tensor_parallel_size)

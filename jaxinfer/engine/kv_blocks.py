@@ -56,7 +56,7 @@ def plan_kv_blocks(cfg: ModelConfig, args: EngineArgs, params,
     if cache.num_blocks is not None:
         return plan_kv_cache(device_cfg, cache, weight_bytes=0, model_dtype=model_dtype)
     activations = step_activation_bytes(
-        cfg, params, kv_cache_kernels(engine_kernels(args), kv_dtype, cfg),
+        cfg, params, kv_cache_kernels(engine_kernels(args.create_engine_config()), kv_dtype, cfg),
         kv_dtype=kv_dtype,
         block_size=args.block_size, max_model_len=max_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, plan=plan, kv_groups=groups,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from jaxinfer.core.kv_cache.cache_config import CacheConfig
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.errors import ConfigError
 from jaxinfer.worker.kv.host_store import HostKVStore
@@ -16,7 +17,7 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def host_tier_for(cfg, args, kv_dtype, groups) -> HostTier | None:
+def host_tier_for(cfg, cache: CacheConfig, kv_dtype, groups) -> HostTier | None:
     """The host tier's bookkeeping for --kv-offload (None when off): as many blocks as
     --kv-host-gib holds, a block being every layer's K and V of all the replica's heads.
 
@@ -27,14 +28,14 @@ def host_tier_for(cfg, args, kv_dtype, groups) -> HostTier | None:
     offloaded: a block loaded from the host holds another block's, which lowers acceptance and
     never changes outputs (verification is exact), as a device prefix hit on a block computed
     without speculation does."""
-    if not args.kv_offload:
+    if not cache.kv_offload:
         return None
     if groups.num_groups > 1:
         raise ConfigError(f"--kv-offload takes one KV group ({cfg.architecture} has "
                           f"{groups.num_groups}): pass --no-hybrid-kv-cache")
-    slots = int(args.kv_host_gib * GIB // groups.page_bytes(args.block_size, kv_dtype))
-    log.info("host KV tier: %d blocks (%.1f GiB, %d tokens of prefix)", slots, args.kv_host_gib,
-             slots * args.block_size)
+    slots = int(cache.kv_host_gib * GIB // groups.page_bytes(cache.block_size, kv_dtype))
+    log.info("host KV tier: %d blocks (%.1f GiB, %d tokens of prefix)", slots, cache.kv_host_gib,
+             slots * cache.block_size)
     return HostTier(max(slots, 1))
 
 

@@ -75,61 +75,66 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         over several engines passes `role` (a disaggregated pair's "prefill" | "decode": what
         warm-up compiles first), `grammars` (one compiled-grammar cache for all its engines) and
         `outputs_cls` (the prefill engine's hand-off output processor)."""
-        self.cfg, self.tokenizer, self.args = cfg, tokenizer, args
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.config = config = args.create_engine_config()
+        cache, sched = config.cache, config.scheduler
+        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {cfg.max_position_embeddings}")
         # A sequence may grow to max_model_len tokens; in a smaller pool it would wait forever for
         # blocks that no other sequence can free.
-        groups = KVCacheGroups.for_model(cfg, args.hybrid_kv_cache)
+        groups = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache)
         if role is not None and groups.num_groups > 1:  # the hand-over copies one table
             if any(isinstance(spec, FixedStateSpec) for spec in groups.specs):
                 raise ConfigError("--disaggregate: handing over state-space layers' states "
                                   "is not built")
             raise ConfigError("a disaggregated engine takes one KV group: build it with "
                               "from_engine_args, which turns --hybrid-kv-cache off")
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, params_dtype_name(params))
-        refuse_what_fixed_state_lacks(groups, args, kv_dtype)
-        need = groups.blocks_for_sequence(self.max_model_len, args.max_num_batched_tokens,
-                                          args.block_size, kv_dtype)
+        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, params_dtype_name(params))
+        refuse_what_fixed_state_lacks(groups, config, kv_dtype)
+        need = groups.blocks_for_sequence(self.max_model_len, sched.max_num_batched_tokens,
+                                          cache.block_size, kv_dtype)
         if num_blocks < need:
             raise ConfigError(
-                f"the KV cache ({num_blocks} blocks x {args.block_size} tokens) cannot hold one "
+                f"the KV cache ({num_blocks} blocks x {cache.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={self.max_model_len} tokens ({need} blocks over "
                 f"{groups.num_groups} KV group(s)): raise --num-blocks (or "
                 f"--gpu-memory-utilization) or lower --max-model-len")
-        self.model_name, self.metrics = args.model_name, metrics or EngineMetrics(args.model_name)
+        self.model_name = config.model.model_name
+        self.metrics = metrics or EngineMetrics(self.model_name)
         self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
-        loop_steps, loop_max_seqs = args.decode_loop()
+        loop_steps, loop_max_seqs = config.decode_loop()
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, groups,
-                           host_tier_for(cfg, args, kv_dtype, groups), kv_dtype),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            long_prefill_chunk=args.long_prefill_chunk, max_model_len=self.max_model_len,
+            KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, groups,
+                           host_tier_for(cfg, cache, kv_dtype, groups), kv_dtype),
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            long_prefill_chunk=sched.long_prefill_chunk, max_model_len=self.max_model_len,
             decode_steps_per_call=loop_steps, decode_loop_max_seqs=loop_max_seqs,
-            max_step_tokens_while_decoding=args.max_step_tokens_while_decoding,
+            max_step_tokens_while_decoding=sched.max_step_tokens_while_decoding,
             make_choice=functools.partial(make_choice, tokenizer))
-        kernels = kv_cache_kernels(engine_kernels(args), kv_dtype, cfg, params,
-                                   scales=args.kv_cache_scales, tokenizer=tokenizer,
-                                   model_dir=None if args.load_format == "dummy" else args.model_path)
+        kernels = kv_cache_kernels(engine_kernels(config), kv_dtype, cfg, params,
+                                   scales=cache.kv_cache_scales, tokenizer=tokenizer,
+                                   model_dir=None if config.model.load_format == "dummy"
+                                   else config.model.model_path)
         self.runner = ModelRunner(
             cfg, params, kernels, num_blocks=num_blocks,
-            block_size=args.block_size, max_model_len=self.max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=cache.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             kv_dtype=kv_dtype, decode_steps_per_call=loop_steps,
             decode_loop_max_seqs=loop_max_seqs, plan=plan,
-            executable_cache=ExecutableCache.under(args.compilation_cache_dir), compile_role=role,
+            executable_cache=ExecutableCache.under(config.compilation.compilation_cache_dir),
+            compile_role=role,
             kv_groups=groups)
-        self.runner.set_async_launch(args.async_launch)
+        self.runner.set_async_launch(sched.async_launch)
         # Sets the scheduler's cap on a decoding step's tokens after every step (itl_target.py).
-        self.itl = ItlTarget.for_engine(args, self.runner.buckets)
+        self.itl = ItlTarget.for_engine(sched, self.runner.buckets)
         self._init_kv_tier()
-        self.metrics.set_cache_config(args.block_size, jnp.dtype(kv_dtype).name, num_blocks,
-                                      groups.page_bytes(args.block_size, kv_dtype))
+        self.metrics.set_cache_config(cache.block_size, jnp.dtype(kv_dtype).name, num_blocks,
+                                      groups.page_bytes(cache.block_size, kv_dtype))
         self.outputs = outputs_cls(self.metrics, self.max_model_len, self.eos_token_ids)
         self.grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -137,19 +142,20 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # see emit_token_deltas.
         self.make_output: Callable[..., object] = make_request_output
         self._text_tokenizer = tokenizer
-        self._rng = random.Random(args.seed)
+        self._rng = random.Random(config.model.seed)
         self._inflight: StepHandle | None = None
-        self._profiling_left = args.profile_steps if args.profile_dir else 0
+        observe = config.observability
+        self._profiling_left = observe.profile_steps if observe.profile_dir else 0
         self.stats = EngineStats()
         self._preempt_seen = 0
         # Requests failed by the engine itself (see `_fail`), for the caller to report: (id, error).
         self._failed: list[tuple[str, RequestFailedError]] = []
         self.asleep = False
         self.startup = StartupTimes()  # from_engine_args fills the phases before warm-up
-        spec = args.spec_config()
+        spec = config.speculative
         self.spec = spec and Speculation(spec, self.scheduler, self.runner,
                                          self.metrics.spec_decode(spec.num_speculative_tokens), draft,
-                                         args.spec_loop_iterations)
+                                         sched.spec_loop_iterations)
         # Called with each processed step's live sequences before the scheduler frees the finished
         # ones' blocks (jaxinfer/disagg hands prompts over to a decode engine there).
         self.on_processed: Callable[[list[Sequence]], None] | None = None
@@ -199,7 +205,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         (see __init__). Loads and plans as engine_from_args.py says, then warms up (--warmup)."""
         from jaxinfer.engine.engine_from_args import build_engine
         engine = build_engine(cls, args, metrics, mesh, **parts)
-        if engine.args.warmup:
+        if engine.config.compilation.warmup:
             engine.warmup()
         return engine
 
@@ -207,7 +213,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         with self.startup.compiling(), self.startup.phase("warmup"):
             # (as many compiles at once as the memory plan kept autotune room for)
             workers = (self.memory_plan.get("kv") or {}).get("compile_workers")
-            seconds = self.runner.warmup(progress, workers, background=self.args.background_compile)
+            seconds = self.runner.warmup(
+                progress, workers, background=self.config.compilation.background_compile)
         self.metrics.track_compiler(self.runner.compiler)
         cache = self.runner.executable_cache
         if cache is not None:
@@ -229,8 +236,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
         params.validate(self.cfg.vocab_size)
-        if params.n > self.args.max_num_seqs:  # the choices decode side by side, one slot each
-            raise InvalidRequestError(f"n={params.n} exceeds --max-num-seqs {self.args.max_num_seqs}",
+        if params.n > (most := self.config.scheduler.max_num_seqs):  # side by side, a slot each
+            raise InvalidRequestError(f"n={params.n} exceeds --max-num-seqs {most}",
                                       param="n")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none",
@@ -375,7 +382,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # A hand-over hook (disaggregation) queues its KV copy ahead of the next step, not behind.
         # A decode loop overlaps the next step like a single step does (its tokens are counted as
         # pending); a speculative step (also several tokens a row) does not.
-        if (not self.args.async_scheduling or (h.is_loop and h.loop_row_steps is None)
+        if (not self.config.scheduler.async_scheduling or (h.is_loop and h.loop_row_steps is None)
                 or self.on_processed is not None):
             return True
         if self.spec is not None and self.spec.active(len(self.scheduler.running),
@@ -474,11 +481,12 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
     def _maybe_profile(self) -> None:
         if not self._profiling_left:
             return
-        if self._profiling_left == self.args.profile_steps:
-            jax.profiler.start_trace(self.args.profile_dir)
+        observe = self.config.observability
+        if self._profiling_left == observe.profile_steps:
+            jax.profiler.start_trace(observe.profile_dir)
         self._profiling_left -= 1
         if self._profiling_left == 0:
             jax.block_until_ready(self.runner.kv_cache)
             jax.profiler.stop_trace()
-            log.info("wrote a profiler trace of %d steps to %s", self.args.profile_steps,
-                     self.args.profile_dir)
+            log.info("wrote a profiler trace of %d steps to %s", observe.profile_steps,
+                     observe.profile_dir)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.core.lora_slots import LoRASlots
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.lora_args import lora_modules, resolved_lora_impl
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.lora_request import LoRARequest
@@ -15,36 +16,37 @@ from jaxinfer.model.lora.peft import LoRAAdapter, adapter_from_tensors, check_lo
 from jaxinfer.model.lora.stacks import LORA, empty_stacks, slot_arrays
 
 
-def zeroed_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
+def zeroed_lora_stacks(cfg, params: dict, config: EngineConfig, plan=None) -> dict:
     """The LoRA stacks of --max-loras slots up to --max-lora-rank for `params`, zeroed and
     replicated over the replica's devices."""
     dtype = params["embed"]["embedding"].dtype
-    return empty_stacks(cfg, params, args.max_loras, args.max_lora_rank, jnp.dtype(dtype),
-                        plan and plan.replicated, pow2=resolved_lora_impl(args) == "pallas")
+    lora = config.lora
+    return empty_stacks(cfg, params, lora.max_loras, lora.max_lora_rank, jnp.dtype(dtype),
+                        plan and plan.replicated, pow2=resolved_lora_impl(config) == "pallas")
 
 
-def with_lora_stacks(cfg, params: dict, args, plan=None) -> dict:
+def with_lora_stacks(cfg, params: dict, config: EngineConfig, plan=None) -> dict:
     """`params` plus zeroed LoRA stacks when LoRA is enabled (unchanged if it has them or is off)."""
-    if not args.enable_lora or LORA in params:
+    if not config.lora.enable_lora or LORA in params:
         return params
-    return {**params, LORA: zeroed_lora_stacks(cfg, params, args, plan)}
+    return {**params, LORA: zeroed_lora_stacks(cfg, params, config, plan)}
 
 
 class LoRAMixin:
     lora: LoRASlots | None = None
 
     def _init_lora(self, plan=None) -> None:
-        args = self.args
-        if not args.enable_lora:
+        lora = self.config.lora
+        if not lora.enable_lora:
             return
         runner = self.runner
         if not runner.has_lora:
-            runner.attach_lora_stacks(zeroed_lora_stacks(self.cfg, runner.params, args, plan))
-        self.lora = LoRASlots(self.cfg, max_loras=args.max_loras, max_rank=args.max_lora_rank,
-                              max_cpu_loras=args.max_cpu_loras or args.max_loras,
+            runner.attach_lora_stacks(zeroed_lora_stacks(self.cfg, runner.params, self.config, plan))
+        self.lora = LoRASlots(self.cfg, max_loras=lora.max_loras, max_rank=lora.max_lora_rank,
+                              max_cpu_loras=lora.max_cpu_loras or lora.max_loras,
                               write=self._write_lora_slot)
         self.scheduler.enable_lora(self.lora)
-        for request in lora_modules(args.lora_modules):
+        for request in lora_modules(lora.lora_modules):
             self.lora.register(request)
 
     def _fail_lora_admissions(self) -> None:
@@ -78,7 +80,7 @@ class LoRAMixin:
         /v1/load_lora_adapter). Raises InvalidRequestError / LoRAAdapterError, changing nothing."""
         if self.lora is None:
             raise InvalidRequestError("LoRA is not enabled: start with --enable-lora", "lora_name")
-        if check_lora_name(name) in self.args.served_model_names:
+        if check_lora_name(name) in self.config.model.served_model_names:
             raise InvalidRequestError(f"lora_name '{name}' is the base model's name", "lora_name")
         if self.lora.id_of(name) is not None:
             raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.",

@@ -80,17 +80,18 @@ def check_lora_args(args) -> None:
         raise ConfigError(f"--lora-modules names {names} are not unique")
 
 
-def resolved_lora_impl(args) -> str:
+def resolved_lora_impl(config) -> str:
     """--lora-impl with "auto" decided as the engine's kernel table decides it
-    (kernel_table.lora_impl)."""
-    return lora_impl(current_platform(), args.lora_impl, args.tensor_parallel_size)
+    (kernel_table.lora_impl), for an EngineConfig."""
+    return lora_impl(current_platform(), config.lora.lora_impl,
+                     config.parallel.tensor_parallel_size)
 
 
 def with_lora_impl_decided(args):
     """`args` (EngineArgs) with --lora-impl as the kernel table runs it where that differs from
     the flag (--lora-impl pallas under tensor parallelism runs the XLA path: the Pallas kernels
     are not partitioned), logged once at start."""
-    impl = resolved_lora_impl(args)
+    impl = lora_impl(current_platform(), args.lora_impl, args.tensor_parallel_size)
     if not args.enable_lora or args.lora_impl in ("auto", impl):
         return args
     log.info("--lora-impl %s runs as %s: the Pallas LoRA kernels are not partitioned "

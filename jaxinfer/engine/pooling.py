@@ -68,11 +68,11 @@ def pooling_config(model_dir: str | Path | None) -> PoolingConfig:
     return PoolingConfig(method, normalize, pooling_path is not None, matryoshka)
 
 
-def check_embedding_engine(args) -> None:
+def check_embedding_engine(config) -> None:
     """Embedding requests need every prefill step to read its hidden states; a speculative step
     (target verification, jaxinfer/spec_decode/) does not, so an engine that speculates embeds
     nothing (an error rather than an embedding silently missing)."""
-    if args.spec_config() is not None:
+    if config.speculative is not None:
         raise InvalidRequestError("embeddings are not served by an engine with speculative decoding "
                                   "(--speculative-*)", param="model")
 

@@ -17,7 +17,7 @@ from jaxinfer.errors import InvalidRequestError, RequestFailedError
 from jaxinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.args import EngineArgs
+    from jaxinfer.engine.config import EngineConfig
     from jaxinfer.engine.startup import StartupTimes
     from jaxinfer.model.config import ModelConfig
     from jaxinfer.model.tokenizer import Tokenizer
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 
 class EngineClient(abc.ABC):
-    # What the server and LLM read: the flags, the model, its limits, the shared grammar cache,
+    # What the server and LLM read: the settings, the model, its limits, the shared grammar cache,
     # the Prometheus metrics (`.registry`), the KV pool's size over every engine.
-    args: EngineArgs
+    config: EngineConfig
     cfg: ModelConfig
     tokenizer: Tokenizer | None
     max_model_len: int

@@ -18,6 +18,7 @@ or its death, stops their replay too.
 
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import json
 import logging
@@ -49,21 +50,21 @@ class AsyncEngine:
         """Load the model and tokenizer (no compilation yet), or wrap a ready `engine`."""
         if engine is None:
             args = args or EngineArgs()
-            warm = args.warmup
-            args.warmup = False  # compiled in start(), off the event loop
-            engine = create_engine(args)
-            args.warmup = warm
+            self._warmup = args.warmup
+            engine = create_engine(dataclasses.replace(args, warmup=False))  # start() compiles
+        else:
+            self._warmup = engine.config.compilation.warmup
         self._leader: StreamLeader | None = None
         if jax.process_count() > 1:  # every other process replays this engine's request stream
             engine = self._leader = StreamLeader(engine)
         self.engine: EngineClient = engine
-        self.args = engine.args
+        self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_config = engine.cfg
         self.grammars = engine.grammars  # the server compiles structured-output grammars off the loop
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
-        self.served_model_names = engine.args.served_model_names
+        self.served_model_names = engine.config.model.served_model_names
         # The LoRA adapters requests may name as their `model` (a copy for the event loop's side,
         # updated when a load or unload has run on the engine thread).
         self.lora_requests: dict[str, LoRARequest] = {
@@ -89,7 +90,7 @@ class AsyncEngine:
         """Compile every step bucket (in a thread) and start the background loop."""
         self._loop = asyncio.get_running_loop()
         self.dead = asyncio.Event()
-        if self.args.warmup:
+        if self._warmup:
             await asyncio.to_thread(self.engine.warmup, True)
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()

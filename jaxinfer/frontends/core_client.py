@@ -17,6 +17,7 @@ with EngineDeadError and sets `dead`: the server exits non-zero (serve/app.py), 
 
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import itertools
 import json
@@ -27,6 +28,7 @@ from typing import AsyncIterator
 
 from jaxinfer.core.outputs import RequestOutput
 from jaxinfer.engine.args import EngineArgs
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.startup import STARTUP_LOG_PREFIX
 from jaxinfer.errors import InvalidRequestError, RequestFailedError
 from jaxinfer.frontends.async_engine import EngineDeadError
@@ -48,9 +50,7 @@ class CoreProcessEngine:
         have loaded the model (no compilation: that is `start`). Raises ConfigError when a core
         fails to load."""
         warm = args.warmup
-        args.warmup = False  # compiled in start(), as AsyncEngine does
-        self.cores = CoreProcesses(args)
-        args.warmup = warm
+        self.cores = CoreProcesses(dataclasses.replace(args, warmup=False))  # start() compiles
         self._warmup = warm
         try:  # (while the cores load the weights)
             self.tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
@@ -59,13 +59,14 @@ class CoreProcessEngine:
             self.cores.close(timeout_s=0)
             raise
         info = infos[0]
-        self.args: EngineArgs = info["args"]
-        self.args.warmup = warm
-        self.args.data_parallel_size = self.cores.num
+        config: EngineConfig = info["config"]
+        self.config = dataclasses.replace(
+            config, compilation=dataclasses.replace(config.compilation, warmup=warm),
+            parallel=dataclasses.replace(config.parallel, data_parallel_size=self.cores.num))
         self.model_config = info["cfg"]
         self.max_model_len: int = info["max_model_len"]
         self.model_name: str = info["model_name"]
-        self.served_model_names = self.args.served_model_names
+        self.served_model_names = self.config.model.served_model_names
         self.num_total_blocks: int = sum(i["num_total_blocks"] for i in infos)
         self.eos_token_ids = tuple(info["eos_token_ids"])
         self.lora_requests: dict[str, LoRARequest] = {r.lora_name: r for r in info["loras"]}

@@ -28,7 +28,7 @@ class DataParallelEngine(LoRAFanOut, EngineClient):
     def __init__(self, replicas: list[LLMEngine]):
         self.replicas = replicas
         first = replicas[0]
-        self.args, self.cfg, self.tokenizer = first.args, first.cfg, first.tokenizer
+        self.config, self.cfg, self.tokenizer = first.config, first.cfg, first.tokenizer
         self.max_model_len, self.model_name = first.max_model_len, first.model_name
         self.num_total_blocks = sum(r.num_total_blocks for r in replicas)
         self.startup = first.startup
@@ -53,7 +53,8 @@ class DataParallelEngine(LoRAFanOut, EngineClient):
 
     # ---- requests -----------------------------------------------------------------------------
     def _load(self, replica: LLMEngine) -> float:
-        return len(replica.requests) / replica.args.max_num_seqs + replica.scheduler.kv_cache_stats()[0]
+        most = replica.config.scheduler.max_num_seqs
+        return len(replica.requests) / most + replica.scheduler.kv_cache_stats()[0]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, *, final_output_only: bool = False,

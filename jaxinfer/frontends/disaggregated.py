@@ -85,7 +85,7 @@ class DriverStats:
 class DisaggregatedEngine(LoRAFanOut, EngineClient):
     def __init__(self, prefill: LLMEngine, decode: LLMEngine):
         self.prefill, self.decode = prefill, decode
-        self.args, self.cfg, self.tokenizer = decode.args, decode.cfg, decode.tokenizer
+        self.config, self.cfg, self.tokenizer = decode.config, decode.cfg, decode.tokenizer
         if prefill.grammars is not decode.grammars or not isinstance(prefill.outputs,
                                                                     HandoffOutputProcessor):
             raise ConfigError("the disaggregated engines share one grammar cache and the prefill "
@@ -94,7 +94,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         self.max_model_len, self.model_name = decode.max_model_len, decode.model_name
         self.num_total_blocks = prefill.num_total_blocks + decode.num_total_blocks
         self.startup = prefill.startup
-        self.block_size = decode.args.block_size
+        self.block_size = decode.config.cache.block_size
         prefill.hand_processed_steps_to(self._hand_over)
         self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
                                    decode.runner.max_blocks)
@@ -254,7 +254,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         sequence runs, so taking them ahead of a preempted one could leave it waiting forever."""
         sched = self.decode.scheduler
         if sched.num_waiting or (sched.num_running + len(self._in_flight)
-                                 >= self.decode.args.max_num_seqs):
+                                 >= self.decode.config.scheduler.max_num_seqs):
             return False
         reserved = sched.reserve_hand_over(h.seq)  # (a failed adapter load: _start_transfers)
         if reserved is None:

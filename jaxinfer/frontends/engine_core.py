@@ -86,7 +86,7 @@ class EngineCore:
     def describe(self) -> dict:
         """What the server process needs of the loaded engine."""
         e = self.engine
-        return dict(args=e.args, cfg=e.cfg, max_model_len=e.max_model_len, model_name=e.model_name,
+        return dict(config=e.config, cfg=e.cfg, max_model_len=e.max_model_len, model_name=e.model_name,
                     num_total_blocks=e.num_total_blocks, loras=e.list_loras(),
                     startup=None if e.startup is None else e.startup.as_dict(),
                     eos_token_ids=e.eos_token_ids)

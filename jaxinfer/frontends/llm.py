@@ -93,8 +93,8 @@ class LLM:
         """One float32 embedding per prompt: the final hidden states pooled ("last", "mean" or
         "cls"), truncated to `dimensions` (Matryoshka models only) and L2-normalized. Defaults:
         the model's sentence-transformers configuration, else last-token pooling, normalized."""
-        check_embedding_engine(self.engine.args)
-        cfg = pooling_config(self.engine.args.model)
+        check_embedding_engine(self.engine.config)
+        cfg = pooling_config(self.engine.config.model.model)
         check_dimensions(cfg, dimensions, self.engine.cfg.hidden_size)
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling or cfg.method)
         outs = self.generate(prompts, params, use_tqdm)

@@ -209,8 +209,8 @@ def engine_bs1(tiny: bool, out_len: int, save, norm: str = "kernel",
     from jaxinfer.bench.profile.trace_engine_step import profile_decode_steps
     if norm == "xla":  # the engine's kernel table with the jnp norm (no flag picks it: patched)
         from jaxinfer.engine import kernels, kv_blocks, llm_engine
-        with_xla_norm = lambda args: dataclasses.replace(  # noqa: E731
-            kernels.engine_kernels(args), add_rms_norm=add_rms_norm_reference)
+        with_xla_norm = lambda config: dataclasses.replace(  # noqa: E731
+            kernels.engine_kernels(config), add_rms_norm=add_rms_norm_reference)
         llm_engine.engine_kernels = kv_blocks.engine_kernels = with_xla_norm
     with tempfile.TemporaryDirectory() as work:
         if tiny:

@@ -192,7 +192,7 @@ def long_sequence_kv(engine, long: int, prompt: list[int]) -> None:
 
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.worker.kv.planner import kv_bytes_per_block
-    cfg, kv, block = engine.cfg, engine.scheduler.kv, engine.args.block_size
+    cfg, kv, block = engine.cfg, engine.scheduler.kv, engine.config.cache.block_size
     block_bytes = kv_bytes_per_block(cfg, block, jnp.bfloat16, kv.groups.num_slots)
     used0 = kv.pool.num_used_blocks
     engine.add_request("long", prompt, SamplingParams(max_tokens=3, ignore_eos=True))

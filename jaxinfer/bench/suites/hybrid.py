@@ -182,7 +182,8 @@ def engine_section(name: str, output_len: int) -> None:
     n_out = sum(len(t) for t in run["arrivals"].values())
     kv_dtype = jax.tree_util.tree_leaves(engine.runner.kv_cache)[0].dtype
     per_seq = engine.scheduler.kv.groups.blocks_for_sequence(
-        SEQ_128K, engine.args.max_num_batched_tokens, engine.args.block_size, kv_dtype)
+        SEQ_128K, engine.config.scheduler.max_num_batched_tokens, engine.config.cache.block_size,
+        kv_dtype)
     emit(**{f"{name}_c64_out_tok_s": round(n_out / (run["end"] - run["start"]), 1),
             f"{name}_c64_prefix_hit_rate": window.prefix_hit_rate,
             f"{name}_c64_buckets_compiling": window.compiling,

@@ -1,0 +1,147 @@
+"""Prefix caching of state-space layers' states (core/kv_cache/state_snapshots.py) through the
+engine, for both hybrid families (Granite 4.0-H's Mamba-2, Qwen3-Next's Gated DeltaNet) in
+float32: a request sharing a prefix with an earlier one resumes from the state snapshot at the
+hit's last block and gives HF's greedy token and logprob (and the tokens and logprobs of the
+same engine without prefix caching), whether the hit spans the earlier request's prefill chunks
+or its decoded tokens; the golden walk (preemption by recompute, a fork, prompt logprobs,
+aborts) with prefix caching on; no block is held after aborts of requests that hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.model.config import load_config
+from jaxinfer.model.weights import load_params
+from jaxinfer.sampling_params import SamplingParams
+from hybrid_support import GREEDY, assert_engine_matches_goldens, hybrid_args
+from test_engine_support import assert_all_free
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+FAMILIES = {"granite": FIXTURES / "granitemoehybrid", "qwen3_next": FIXTURES / "qwen3_next"}
+BLOCK = 4  # a state spans two (Granite) or three (Qwen3-Next) pages of 4 float32 tokens
+_LOADED: dict = {}
+
+
+def _model(name: str):
+    if name not in _LOADED:
+        cfg = load_config(FAMILIES[name])
+        _LOADED[name] = cfg, load_params(FAMILIES[name], cfg, jnp.float32, progress=False)
+    return _LOADED[name]
+
+
+def _engine(name: str, num_blocks: int, caching: bool = True) -> LLMEngine:
+    cfg, params = _model(name)
+    args = hybrid_args(FAMILIES[name], num_blocks, block_size=BLOCK,
+                       enable_prefix_caching=caching)
+    return LLMEngine(cfg, params, None, args, num_blocks=num_blocks)
+
+
+def _run(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int):
+    """(token ids, their logprobs, prompt tokens served from the prefix cache) of one request
+    run alone to its end."""
+    engine.add_request(request_id, prompt,
+                       SamplingParams(max_tokens=max_tokens, logprobs=0, **GREEDY))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    choice = final.outputs[0]
+    return list(choice.token_ids), [e.logprob for e in choice.logprobs], final.num_cached_tokens
+
+
+def _golden_next(golden, i: int) -> tuple[int, float]:
+    """HF's greedy token after prompt i and its logprob."""
+    last = np.asarray(jax.nn.log_softmax(golden[f"logits_{i}"][-1]))
+    return int(np.argmax(last)), float(last.max())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hits_resume_from_the_snapshot(name):
+    golden = np.load(FAMILIES[name] / "golden.npz")
+    engine, plain = _engine(name, 64), _engine(name, 64, caching=False)
+    long_prompt = golden["prompt_2"].tolist()  # 29 tokens: ten 3-token chunks
+    token, logprob = _golden_next(golden, 2)
+    assert _run(engine, "first", long_prompt, 1)[:2] == ([token], [pytest.approx(logprob, abs=1e-4)])
+
+    # The same prompt again: resumes at its last block boundary, past nine chunk boundaries of
+    # the first run; HF's token and logprob.
+    tokens, logprobs, cached = _run(engine, "again", long_prompt, 1)
+    assert cached == 28
+    assert tokens == [token] and logprobs == [pytest.approx(logprob, abs=1e-4)]
+
+    # A prompt that leaves the first one mid-chunk (at 14: the chunks were cut at 12) and goes on
+    # differently: the hit is the last boundary before the divergence, and every token and
+    # logprob is the engine's without prefix caching.
+    other = long_prompt[:14] + long_prompt[::-1][:9]
+    tokens, logprobs, cached = _run(engine, "branch", other, 6)
+    assert cached == 12
+    want_tokens, want_logprobs, none = _run(plain, "branch", other, 6)
+    assert none == 0 and tokens == want_tokens
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+
+    # Decoded tokens are snapshotted too: HF's greedy run, asked again from its 11th token on.
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    assert _run(engine, "decode", prompt, len(expected))[0] == expected
+    tokens, logprobs, cached = _run(engine, "turn", prompt + expected[:11], len(expected) - 11)
+    assert cached == 12 and tokens == expected[11:]
+    want_tokens, want_logprobs, _ = _run(plain, "turn", prompt + expected[:11],
+                                         len(expected) - 11)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+    assert_all_free(engine)
+
+
+def test_a_hit_without_its_snapshot_is_wrong(monkeypatch):
+    """Sanity check that the parity above depends on the snapshots: the same hit resuming
+    from state pages that were not filled from the snapshot gives another logprob."""
+    golden = np.load(FAMILIES["granite"] / "golden.npz")
+    engine = _engine("granite", 64)
+    long_prompt = golden["prompt_2"].tolist()
+    _run(engine, "first", long_prompt, 1)
+    monkeypatch.setattr(StateSnapshotMixin, "_copy_resumed_state", lambda self, req, g: None)
+    _, logprobs, cached = _run(engine, "again", long_prompt, 1)
+    assert cached == 28
+    assert abs(logprobs[0] - _golden_next(golden, 2)[1]) > 1e-3
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_golden_walk_with_prefix_caching(name):
+    """The families' golden walk (hybrid_support) with prefix caching on: the preempted greedy
+    runs come back through hits on their own snapshots; every block is free after it."""
+    engine = _engine(name, 16 if name == "granite" else 20)
+    assert_engine_matches_goldens(engine, np.load(FAMILIES[name] / "golden.npz"))
+    assert engine.scheduler.kv.stats.hits > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_aborted_hits_leave_no_block_held(name):
+    golden = np.load(FAMILIES[name] / "golden.npz")
+    engine = _engine(name, 64)
+    kv = engine.scheduler.kv
+    long_prompt = golden["prompt_2"].tolist()
+    _run(engine, "first", long_prompt, 1)
+    free_before = kv.num_free_blocks
+    # Two hits aborted mid-prefill and mid-decode, one aborted while it waits for admission.
+    for i in range(2):
+        engine.add_request(f"hit{i}", long_prompt[:22] + [i], SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    engine.abort("hit0")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("waiting", long_prompt, SamplingParams(max_tokens=2, **GREEDY))
+    engine.abort("hit1")
+    engine.abort("waiting")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kv.stats.hits >= 2 * 20
+    assert kv.num_free_blocks == free_before == engine.num_total_blocks
+    assert not kv.request_ids() and sum(kv.pool.ref_counts) == 0
+    assert_all_free(engine)

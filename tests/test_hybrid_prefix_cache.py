@@ -21,7 +21,7 @@ from jaxinfer.model.config import load_config
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
 from hybrid_support import GREEDY, assert_engine_matches_goldens, hybrid_args
-from test_engine_support import assert_all_free
+from test_engine_support import assert_all_free, run_all
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = {"granite": FIXTURES / "granitemoehybrid", "qwen3_next": FIXTURES / "qwen3_next"}
@@ -112,13 +112,38 @@ def test_a_hit_without_its_snapshot_is_wrong(monkeypatch):
     assert abs(logprobs[0] - _golden_next(golden, 2)[1]) > 1e-3
 
 
+@pytest.mark.parametrize("name, num_blocks", [("granite", 24), ("qwen3_next", 33)])
+def test_preempted_request_resumes_from_its_snapshot(name, num_blocks, monkeypatch):
+    """Three greedy runs in a pool that holds two: the newest is preempted by recompute and,
+    re-admitted, resumes from the snapshot of its own decoded tokens; HF's tokens for all."""
+    golden = np.load(FAMILIES[name] / "golden.npz")
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    engine = _engine(name, num_blocks)
+    kv, lookups = engine.scheduler.kv, []
+    match = kv.get_computed_blocks
+
+    def logged(request_id, token_ids, *args, **kwargs):
+        lookups.append((len(token_ids), match(request_id, token_ids, *args, **kwargs)))
+        return lookups[-1][1]
+
+    monkeypatch.setattr(kv, "get_computed_blocks", logged)
+    for i in range(3):
+        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    results = run_all(engine)
+    assert engine.scheduler.num_preemptions == 1
+    length, cached = lookups[-1]  # the re-admission, with the tokens it had decoded
+    assert length > len(prompt) and cached == (length - 1) // BLOCK * BLOCK > 0
+    for i in range(3):
+        assert results[f"g{i}"][0][0] == expected, i
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_golden_walk_with_prefix_caching(name):
-    """The families' golden walk (hybrid_support) with prefix caching on: the preempted greedy
-    runs come back through hits on their own snapshots; every block is free after it."""
+    """The families' golden walk (hybrid_support: preemption, a fork, prompt logprobs beside
+    decodes, aborts) with prefix caching on: HF's tokens and logprobs, every block free after."""
     engine = _engine(name, 16 if name == "granite" else 20)
     assert_engine_matches_goldens(engine, np.load(FAMILIES[name] / "golden.npz"))
-    assert engine.scheduler.kv.stats.hits > 0
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -141,7 +166,7 @@ def test_aborted_hits_leave_no_block_held(name):
     engine.abort("waiting")
     while engine.has_unfinished_requests():
         engine.step()
-    assert kv.stats.hits >= 2 * 20
+    assert kv.stats.hits == 2 * 12  # (the first run snapshotted its 12th and 24th tokens)
     assert kv.num_free_blocks == free_before == engine.num_total_blocks
     assert not kv.request_ids() and sum(kv.pool.ref_counts) == 0
     assert_all_free(engine)

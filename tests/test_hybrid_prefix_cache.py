@@ -21,7 +21,7 @@ from jaxinfer.model.config import load_config
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
 from hybrid_support import GREEDY, assert_engine_matches_goldens, hybrid_args
-from test_engine_support import assert_all_free, run_all
+from test_engine_support import assert_all_free
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = {"granite": FIXTURES / "granitemoehybrid", "qwen3_next": FIXTURES / "qwen3_next"}
@@ -87,11 +87,12 @@ def test_hits_resume_from_the_snapshot(name):
     assert none == 0 and tokens == want_tokens
     np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
 
-    # Decoded tokens are snapshotted too: HF's greedy run, asked again from its 11th token on.
+    # A next turn: HF's greedy run, asked again from its 11th token on, resumes at its prompt's
+    # last block boundary (decodes take no snapshots) and computes the decoded tokens again.
     prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
     assert _run(engine, "decode", prompt, len(expected))[0] == expected
     tokens, logprobs, cached = _run(engine, "turn", prompt + expected[:11], len(expected) - 11)
-    assert cached == 12 and tokens == expected[11:]
+    assert cached == 4 and tokens == expected[11:]
     want_tokens, want_logprobs, _ = _run(plain, "turn", prompt + expected[:11],
                                          len(expected) - 11)
     assert tokens == want_tokens
@@ -112,29 +113,37 @@ def test_a_hit_without_its_snapshot_is_wrong(monkeypatch):
     assert abs(logprobs[0] - _golden_next(golden, 2)[1]) > 1e-3
 
 
-@pytest.mark.parametrize("name, num_blocks", [("granite", 24), ("qwen3_next", 33)])
-def test_preempted_request_resumes_from_its_snapshot(name, num_blocks, monkeypatch):
-    """Three greedy runs in a pool that holds two: the newest is preempted by recompute and,
-    re-admitted, resumes from the snapshot of its own decoded tokens; HF's tokens for all."""
+@pytest.mark.parametrize("name", FAMILIES)
+def test_preempted_request_resumes_from_its_snapshot(name, monkeypatch):
+    """A request preempted by recompute mid-decode (the scheduler's own preemption, called
+    between steps: one the pool forces comes only once every evictable block, snapshots
+    included, is gone) resumes from the snapshot of its prompt, and its tokens and logprobs are
+    the engine's without prefix caching."""
     golden = np.load(FAMILIES[name] / "golden.npz")
-    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
-    engine = _engine(name, num_blocks)
-    kv, lookups = engine.scheduler.kv, []
-    match = kv.get_computed_blocks
+    prompt = golden["prompt_2"].tolist()
+    engine = _engine(name, 64)
+    scheduler, lookups = engine.scheduler, []
+    match = scheduler.kv.get_computed_blocks
 
     def logged(request_id, token_ids, *args, **kwargs):
         lookups.append((len(token_ids), match(request_id, token_ids, *args, **kwargs)))
         return lookups[-1][1]
 
-    monkeypatch.setattr(kv, "get_computed_blocks", logged)
-    for i in range(3):
-        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
-    results = run_all(engine)
-    assert engine.scheduler.num_preemptions == 1
+    monkeypatch.setattr(scheduler.kv, "get_computed_blocks", logged)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=3, logprobs=0, **GREEDY))
+    while not any(len(s.token_ids) > len(prompt) for s in scheduler.running):
+        engine.step()
+    scheduler._preempt(scheduler.running[0])
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((out for out in engine.step() if out.finished), final)
+    assert scheduler.num_preemptions == 1
     length, cached = lookups[-1]  # the re-admission, with the tokens it had decoded
-    assert length > len(prompt) and cached == (length - 1) // BLOCK * BLOCK > 0
-    for i in range(3):
-        assert results[f"g{i}"][0][0] == expected, i
+    assert len(lookups) == 2 and length > len(prompt) and cached == 28
+    want_tokens, want_logprobs, _ = _run(_engine(name, 64, caching=False), "r", prompt, 3)
+    assert list(final.outputs[0].token_ids) == want_tokens
+    np.testing.assert_allclose([e.logprob for e in final.outputs[0].logprobs], want_logprobs,
+                               atol=1e-4, rtol=0)
     assert_all_free(engine)
 
 

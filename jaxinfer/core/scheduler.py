@@ -414,8 +414,9 @@ class Scheduler:
             grouped = kv.groups.num_groups > 1
             snapshot = kv.snapshot_state if kv.snapshots_states else None
             for entry in out.scheduled:
-                if snapshot is not None:  # (its copies must be among this step's)
-                    snapshot(entry.seq.seq_id, entry.start)
+                if snapshot is not None and (entry.num_tokens > 1  # prompt rows, not decodes
+                                             or entry.start < entry.seq.prompt_len):
+                    snapshot(entry.seq.seq_id, entry.start)  # (copies among this step's)
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
                 if grouped:
                     entry.group_block_ids = get_tables(entry.seq.seq_id)

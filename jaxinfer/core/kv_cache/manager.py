@@ -361,27 +361,17 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
         if cache is None:
             return 0
         req = self._requests[request_id]
-        bs = self.block_size
+        if req.snapshot is not None:  # a state snapshot whose node an earlier call inserted
+            self._settle_snapshot(req)
+        bs, states = self.block_size, self._state_pages
         num_full = num_computed_tokens // bs
         first = req.num_cached_blocks
         if num_full <= first:
-            if req.snapshot is not None:  # (its node may have come with an earlier call)
-                self._settle_snapshot(req)
             return 0
         if num_computed_tokens > req.num_tokens or num_computed_tokens > len(token_ids):
             raise ValueError(
                 f"cache_blocks({request_id!r}): num_computed_tokens={num_computed_tokens} exceeds "
                 f"the request's {req.num_tokens} allocated tokens or its {len(token_ids)} token ids")
-        inserted = self._insert_blocks(req, token_ids, first, num_full)
-        if req.snapshot is not None:
-            self._settle_snapshot(req)
-        return inserted
-
-    def _insert_blocks(self, req: _RequestBlocks, token_ids: Sequence[int], first: int,
-                       num_full: int) -> int:
-        """cache_blocks' insertion of blocks [first, num_full) (a fixed state's snapshots are
-        registered apart: state_snapshots.py)."""
-        bs, cache, states = self.block_size, self.prefix_cache, self._state_pages
         tables, skipped, pool, node = req.tables, req.skipped, self.pool, req.cache_node
         for i in range(first, num_full):
             # (A state's table holds its pages, no token's block.)

@@ -3,8 +3,10 @@ manager's side. Mixed into KVCacheManager.
 
 A sequence's state pages hold its state after its last computed token and are updated in place,
 so a prefix hit needs a copy of the state as it was at the hit's last block boundary: a
-*snapshot*. The manager takes one whenever a scheduled step of a sequence starts on a block
-boundary k * block_size (k > 0) and prefix-cache node k has none yet: it allocates
+*snapshot*. The scheduler asks for one for each row of known tokens it schedules (a prompt's
+chunks, a recompute's; not decodes: a snapshot is the whole state, ~1 us of host bookkeeping per
+block). If the row starts on a block boundary k * block_size (k > 0) and prefix-cache node k has
+none yet, the manager allocates
 ``state_pages`` fresh blocks per fixed-state group and queues the device copies of the
 sequence's state pages into them. The copies run at the start of that step, before it writes
 any state (take_pending_copies' contract), so they read the state after token k * block_size
@@ -20,7 +22,7 @@ its state pages (allocate_slots), which start as copies of them.
 Steps start on block boundaries because ``aligned_chunk`` cuts a prompt's chunks there: a chunk
 of at least a block ends on a boundary, and the chunk that would pass the prompt's last boundary
 before its final token ends on it (vLLM's mamba "align" mode), so an identical prompt resumes
-there. Decodes cross a boundary every block_size tokens.
+there, and a conversation's next turn at its previous prompt's last boundary.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ class StateSnapshotMixin:
         return num_new
 
     def snapshot_state(self, request_id: Hashable, start: int) -> None:
-        """A step of the request was scheduled from token `start`: if that is a block boundary
-        whose prefix-cache node lacks a snapshot, take one (module docstring). Nothing when the
-        request holds one not yet registered, or the pool has no room for it (a snapshot is an
-        optimization, never a reason to preempt)."""
+        """A step of the request's known tokens was scheduled from token `start` (a prompt
+        chunk, not a decode): if that is a block boundary whose prefix-cache node lacks a
+        snapshot, take one (module docstring). Nothing when the request holds one not yet
+        registered, or the pool has no room for it (a snapshot is an optimization, never a
+        reason to preempt)."""
         bs = self.block_size
         req = self._requests.get(request_id)
         if start == 0 or start % bs or req is None or req.snapshot is not None:

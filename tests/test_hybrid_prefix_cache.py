@@ -179,3 +179,42 @@ def test_aborted_hits_leave_no_block_held(name):
     assert kv.num_free_blocks == free_before == engine.num_total_blocks
     assert not kv.request_ids() and sum(kv.pool.ref_counts) == 0
     assert_all_free(engine)
+
+
+def test_snapshot_bookkeeping():
+    """The manager alone: chunks cut on boundaries; a snapshot is copied from the state pages of
+    the step that starts on a boundary, registered once its node is cached, read by a hit's
+    fresh state pages, whole or gone under eviction; nothing held after frees."""
+    from jaxinfer.core.kv_cache import FixedStateSpec, FullAttentionSpec, KVCacheGroups
+    from jaxinfer.core.kv_cache.manager import KVCacheManager
+    page = FullAttentionSpec(1, 2)  # 4 float32 tokens x (K + V) x 2 = 64 bytes a page
+    groups = KVCacheGroups.from_layer_specs([page, FixedStateSpec(100, page_of=page)])
+    mgr = KVCacheManager(14, BLOCK, True, groups, kv_dtype=jnp.float32)
+    assert mgr.snapshots_states and groups.state_pages(BLOCK, jnp.float32) == (None, 2)
+    assert [mgr.aligned_chunk(*a, 13) for a in [(0, 6), (4, 3), (10, 3), (12, 1)]] == [4, 3, 2, 1]
+    tokens = list(range(13))
+    assert mgr.get_computed_blocks("a", tokens) == 0 and mgr.allocate_slots("a", 8)
+    state = list(mgr.get_block_tables("a")[1])
+    mgr.take_pending_copies()
+    mgr.cache_blocks("a", tokens, 8)
+    assert mgr.allocate_slots("a", 4)
+    mgr.snapshot_state("a", 8)
+    copies = mgr.take_pending_copies()
+    assert [src for src, _ in copies] == state
+    snapshot = tuple(dst for _, dst in copies)
+    mgr.cache_blocks("a", tokens, 12)  # node 2 (tokens 0..7) gets the snapshot
+    mgr.snapshot_state("a", 8)  # node 2 has one: none taken
+    assert not mgr.take_pending_copies() and mgr.num_cached_blocks == 3 + 2
+
+    assert mgr.get_computed_blocks("b", tokens[:10] + [99]) == 8 and mgr.allocate_slots("b", 3)
+    fresh = mgr.get_block_tables("b")[1]
+    assert mgr.take_pending_copies() == list(zip(snapshot, fresh))
+    mgr.free("a")
+    mgr.free("b")
+    assert mgr.num_free_blocks == 14 and sum(mgr.pool.ref_counts) == 0
+    # 9 uncached blocks free, 5 evictable (3 of tokens, the snapshot's 2): taking 12 (10 of
+    # tokens, 2 of state) evicts 3, and a snapshot losing one block loses both.
+    assert mgr.allocate_slots("c", 40)
+    assert all(mgr.cache_node_of(b) is None for b in snapshot)
+    mgr.free("c")
+    assert mgr.num_free_blocks == 14 and sum(mgr.pool.ref_counts) == 0

@@ -58,15 +58,15 @@ def test_dense_variant_matches_transformers():
     np.testing.assert_allclose(logits, golden["logits_2"], atol=1e-4, rtol=0)
 
 
-def test_start_turns_prefix_caching_off():
-    """From the flags' defaults (prefix caching on, block size 16), the engine starts with
-    prefix caching off and the default block, and generates HF's greedy tokens."""
+def test_starts_at_the_default_flags():
+    """From the flags' defaults (prefix caching on, block size 16), the engine keeps them and
+    generates HF's greedy tokens."""
     from jaxinfer import LLM
     golden = np.load(MOE / "golden.npz")
     llm = LLM(str(MOE), dtype="float32", max_model_len=32, num_blocks=32,
               warmup=False, compilation_cache_dir=None, attention_backend="reference")
     cache = llm.engine.config.cache
-    assert not cache.enable_prefix_caching and cache.block_size == 16
+    assert cache.enable_prefix_caching and cache.block_size == 16
     expected = golden["greedy_tokens"].tolist()
     out = llm.generate(golden["greedy_prompt"].tolist(), SamplingParams(
         max_tokens=len(expected), temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -171,21 +171,20 @@ GRANITE_4_H_TINY = {
 
 def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     """Granite 4.0-H-Tiny's 1.6 MB Mamba-2 state spans 50 attention pages of 16 bfloat16
-    tokens: its shapes (no weights) pass the start-up decisions and refusals at the default
-    flags, and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
+    tokens: its shapes (no weights) pass the start-up refusals at the default flags (prefix caching
+    on), and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
     engine's pre-load check."""
     import argparse
     import json
 
     from jaxinfer.cli import memory as cli_memory
-    from jaxinfer.engine.fixed_state import (refuse_what_fixed_state_lacks,
-                                             with_fixed_state_decided)
+    from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
     cfg = config_from_dict(GRANITE_4_H_TINY)
     state = cfg.layer_kv_specs()[0]
     assert state.state_bytes == 4 * (3 * (3072 + 2 * 128) + 48 * 64 * 128)
     assert state.state_pages(16, jnp.bfloat16) == 50
-    args = with_fixed_state_decided(cfg, EngineArgs(model=str(tmp_path)))
-    assert args.block_size == 16 and not args.enable_prefix_caching
+    args = EngineArgs(model=str(tmp_path))
+    assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
     refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
     # 4 attention layers set num_slots: the 36 Mamba-2 layers make 9 state groups.
@@ -207,7 +206,6 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
     (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
     (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),

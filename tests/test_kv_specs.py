@@ -46,8 +46,9 @@ def test_what_each_kind_frees():
     # A query at 13 sees its chunk, keys 8..13: blocks 0 and 1 (the finished chunk) are out.
     assert chunked.first_needed_block(13, BS) == 2
     assert chunked.first_needed_block(8, BS) == 2 and chunked.first_needed_block(7, BS) == 0
-    # A state's pages are held from the first token to the end.
-    assert state.first_needed_block(13, BS) == state.first_needed_block(0, BS) == 0
+    # A state's prefix-cache entries are snapshots: resuming at token 12 (block 3) needs the
+    # state after block 2 only.
+    assert state.first_needed_block(12, BS) == 2 and state.first_needed_block(0, BS) == 0
     assert [s.keeps_every_block for s in (full, mla, window, chunked, state)] == \
         [True, True, False, False, False]
 

@@ -96,7 +96,6 @@ def test_quantized_on_load():
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
 ])
 def test_refused_at_start(overrides, flag):
@@ -146,18 +145,17 @@ QWEN3_NEXT_80B = {
 
 def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
     """Qwen3-Next-80B's 2.1 MB Gated DeltaNet state spans 67 attention pages of 16 bfloat16
-    tokens: its shapes (no weights) pass the start-up decisions and refusals at the default
-    flags, and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
+    tokens: its shapes (no weights) pass the start-up refusals at the default flags (prefix caching
+    on), and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
     engine's pre-load check."""
     from jaxinfer.cli import memory as cli_memory
-    from jaxinfer.engine.fixed_state import (refuse_what_fixed_state_lacks,
-                                             with_fixed_state_decided)
+    from jaxinfer.engine.fixed_state import refuse_what_fixed_state_lacks
     cfg = config_from_dict(QWEN3_NEXT_80B)
     state = cfg.layer_kv_specs()[0]
     assert state.state_bytes == 4 * (3 * 8192 + 32 * 128 * 128)
     assert state.state_pages(16, jnp.bfloat16) == 67
-    args = with_fixed_state_decided(cfg, EngineArgs(model=str(tmp_path)))
-    assert args.block_size == 16 and not args.enable_prefix_caching
+    args = EngineArgs(model=str(tmp_path))
+    assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
     refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
     # 12 attention layers set num_slots: the 36 Gated DeltaNet layers make 3 state groups.

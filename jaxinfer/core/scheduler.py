@@ -351,7 +351,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
+            n = self._chunk_size(seq, budget)
             if self.grow(seq, seq.num_computed + n):
                 prefills.append(self._chunk(seq, n))
                 seq.scheduled_in = step
@@ -385,7 +385,7 @@ class Scheduler:
                     namespace=self._cache_namespace(seq))
                 if self.loads is not None:  # host hits come back with this step
                     self.loads.start(seq, min(budget, self.long_prefill_chunk))
-            n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
+            n = self._chunk_size(seq, budget)
             if not self.grow(seq, seq.num_computed + n):
                 self.kv.free(seq.seq_id, admitted=False)  # the prefix back; again next step
                 seq.num_computed = 0
@@ -412,7 +412,11 @@ class Scheduler:
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
             get_block_ids, get_tables = kv.get_block_ids, kv.get_block_tables
             grouped = kv.groups.num_groups > 1
+            snapshot = kv.snapshot_state if kv.snapshots_states else None
             for entry in out.scheduled:
+                if snapshot is not None and (entry.num_tokens > 1  # prompt rows, not decodes
+                                             or entry.start < entry.seq.prompt_len):
+                    snapshot(entry.seq.seq_id, entry.start)  # (copies among this step's)
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
                 if grouped:
                     entry.group_block_ids = get_tables(entry.seq.seq_id)
@@ -434,6 +438,11 @@ class Scheduler:
         for entry, n in zip(decodes, row_steps):
             entry.seq.num_pending += int(n) - 1
             entry.seq.num_computed += int(n) - 1
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """The tokens of `seq`'s next prefill chunk, cut where the KV manager snapshots states."""
+        n = min(seq.num_to_compute, budget, self.long_prefill_chunk)
+        return self.kv.aligned_chunk(seq.num_computed, n, seq.num_tokens)
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed

@@ -14,7 +14,6 @@ from jax.sharding import Mesh
 from jaxinfer.core.kv_cache import KVCacheGroups
 from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.fixed_state import with_fixed_state_decided
 from jaxinfer.engine.kv_blocks import params_dtype_name, plan_kv_blocks, with_hybrid_kv_decided
 from jaxinfer.engine.lora import with_lora_stacks
 from jaxinfer.engine.lora_args import with_lora_impl_decided
@@ -62,7 +61,6 @@ def build_engine(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
     with startup.phase("tokenizer"):
         tokenizer = load_tokenizer(args.model_path, args.tokenizer, args.chat_template)
     dtype = _JNP_DTYPES.get(cfg.dtype if args.dtype == "auto" else args.dtype, jnp.bfloat16)
-    args = with_fixed_state_decided(cfg, args)
     shapes = param_shapes(cfg, dtype)
     with startup.phase("memory_preflight"):  # what cannot fit is said before the weights load
         preflight = refuse_if_it_cannot_fit(cfg, args, shapes, plan, dtype)

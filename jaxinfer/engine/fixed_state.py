@@ -1,32 +1,14 @@
 """What an engine over fixed-state layers (FixedStateSpec: a Mamba-2 hybrid's state-space
-layers, Qwen3-Next's Gated DeltaNet) needs: the setting it decides itself (prefix caching off;
-`with_fixed_state_decided`, logged), and what it does not run yet, refused at start with the
-flag that asks for it (docs/feature_matrix.md). A state spans as many attention pages as it
-needs (kv_specs.FixedStateSpec.state_pages), so every --block-size holds it."""
+layers, Qwen3-Next's Gated DeltaNet) does not run yet, refused at start with the flag that asks
+for it (docs/feature_matrix.md). A state spans as many attention pages as it needs
+(kv_specs.FixedStateSpec.state_pages), so every --block-size holds it; prefix caching keeps
+snapshots of it (core/kv_cache/state_snapshots.py)."""
 
 from __future__ import annotations
-
-import dataclasses
-import logging
 
 from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
 from jaxinfer.errors import ConfigError
 from pallas_kernels.attention.kv_quant import is_fp8
-
-
-log = logging.getLogger(__name__)
-
-
-def with_fixed_state_decided(cfg, args):
-    """`args` (EngineArgs) as a model with fixed-state layers runs them, the change logged, as
-    vLLM does for its Mamba layers: prefix caching off (a state's pages hold the state after
-    its sequence's last token, not one per block, so a hit would have no state to resume
-    from)."""
-    if not args.enable_prefix_caching or not any(
-            isinstance(s, FixedStateSpec) for s in cfg.layer_kv_specs()):
-        return args
-    log.info("state-space layers: enable_prefix_caching=False")
-    return dataclasses.replace(args, enable_prefix_caching=False)
 
 
 def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> None:
@@ -37,13 +19,9 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> No
     if not states:
         return
     if cache.kv_offload:
-        raise ConfigError("--kv-offload: the host tier keeps prefix-cache blocks, and prefix "
-                          "caching of state-space layers' states is not built")
-    if cache.enable_prefix_caching:
-        # A state's pages hold its sequence's latest state, none for a block's last token: a
-        # prefix hit would have no state to resume from.
-        raise ConfigError("--enable-prefix-caching: prefix caching of state-space layers' "
-                          "states is not built; pass --no-enable-prefix-caching for this model")
+        # A state-space layer's group stays apart even without --hybrid-kv-cache.
+        raise ConfigError("--kv-offload: the host tier holds the blocks of one KV group, and "
+                          "a model with state-space layers has a group of their states")
     spec = config.speculative
     if spec is not None:
         raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "

@@ -235,8 +235,10 @@ class FixedStateSpec(KVCacheSpec):
     """A state of `state_bytes` per layer and sequence, whatever its length (a state-space
     layer's convolution and SSM state). A sequence holds `state_pages` blocks of its group from its
     first token to its end, the state split over them in table order and updated in place
-    (state_pages.py), so no block is freed while it runs and a prefix match has nothing to
-    resume from (prefix caching of states is refused, engine/fixed_state.py).
+    (state_pages.py), so no block is freed while it runs. Its prefix-cache entries are
+    snapshots: the state after a block's last token, copied into `state_pages` blocks of their
+    own (KVCacheManager), so a match resuming at block n needs block n - 1's snapshot only
+    (`first_needed_block`).
     Alone, its page is the state (one block a sequence), so it shares a pool only with specs of
     equal page_bytes (KVCacheGroups refuses others). With `page_of` (a hybrid model's attention
     spec) its page is that spec's, whatever the block size: a state bigger than a page spans
@@ -264,6 +266,10 @@ class FixedStateSpec(KVCacheSpec):
         if dtype is None and self.page_of is not None:
             raise ValueError("a fixed state's pages depend on the cache dtype: pass `dtype`")
         return _cdiv(self.state_bytes, self.page_bytes(block_size, dtype))
+
+    def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
+        # A query at a block boundary resumes from the snapshot of the block before it.
+        return max(first_query_pos // block_size - 1, 0)
 
     def blocks_for_sequence(self, num_tokens: int, chunk: int, block_size: int,
                             dtype=None) -> int:

@@ -291,14 +291,18 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------------------------
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
-        """The step's copy-on-write block copies, before it writes any KV."""
-        if not copies:
-            return
-        size = self.buckets.copy_shape(len(copies))
-        src = np.full(size, -1, np.int32)
-        dst = np.full(size, -1, np.int32)
-        src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_cache = self.programs.run("copy", self.kv_cache, src, dst, key=size)
+        """The step's block copies (copy-on-write, a fixed state's snapshots), before it writes
+        any KV; more than the largest bucket in several calls, in the order queued (a block
+        freed and taken again within one schedule is read by the earlier copies before the
+        later ones write it)."""
+        top = self.buckets.copy_buckets[-1]
+        for i in range(0, len(copies), top):
+            part = copies[i:i + top]
+            size = self.buckets.copy_shape(len(part))
+            src = np.full(size, -1, np.int32)
+            dst = np.full(size, -1, np.int32)
+            src[:len(part)], dst[:len(part)] = zip(*part)
+            self.kv_cache = self.programs.run("copy", self.kv_cache, src, dst, key=size)
 
     # ---- step batches: built here only (the proposers' and the compiler's too) --------------
     def step_batch(self, rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,

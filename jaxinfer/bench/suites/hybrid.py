@@ -37,8 +37,7 @@ each, so a run cut short keeps what it measured; `--deadline-s` bounds the whole
                      output) and each state-space layer's state (read; the same bytes written
                      back are `<m>_bs1_state_write_gb`, not in the roofline);
            c64       64 fresh random prompts at once, 512 / `--output-len`: `<m>_c64_out_tok_s`
-                     and `<m>_c64_prefix_hit_rate` (~0: hybrids run without prefix caching, and
-                     no timed prompt was seen before);
+                     and `<m>_c64_prefix_hit_rate` (~0: no timed prompt was seen before);
            `<m>_engine_max_concurrent_128k`: the running engine's pool (measured activations)
            over one 128k sequence's blocks, beside the plan section's pre-load figure.
            Qwen3-Next-80B's 81 GB of FP8 weights need an H200: where the engine's pre-load check

@@ -28,7 +28,6 @@ def max_concurrent(config: dict, seq_len: int = SEQ_128K, quantization: str | No
     from jaxinfer.core.kv_cache import KVCacheGroups
     from jaxinfer.core.kv_cache.cache_config import resolve_kv_cache_dtype
     from jaxinfer.engine.args import EngineArgs
-    from jaxinfer.engine.fixed_state import with_fixed_state_decided
     from jaxinfer.engine.kv_blocks import with_hybrid_kv_decided
     from jaxinfer.engine.memory_preflight import preflight
     from jaxinfer.model.config import config_from_dict
@@ -38,7 +37,7 @@ def max_concurrent(config: dict, seq_len: int = SEQ_128K, quantization: str | No
 
     cfg = dataclasses.replace(config_from_dict(config), quantization=quantization)
     args = EngineArgs(model="(config only)", max_model_len=seq_len, quantization=quantization)
-    args = with_fixed_state_decided(cfg, with_hybrid_kv_decided(cfg, args))
+    args = with_hybrid_kv_decided(cfg, args)
     dtype = jnp.bfloat16
     figures = preflight(cfg, args, param_shapes(cfg, dtype), None, dtype,
                         device_bytes=device_memory_bytes())

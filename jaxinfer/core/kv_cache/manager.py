@@ -42,6 +42,7 @@ from jaxinfer.core.kv_cache.host_offload import HostOffloadMixin
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, _Node
+from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
 
 # num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
 _NEVER_CACHE = sys.maxsize
@@ -68,7 +69,7 @@ class PrefixCacheStats:
 
 class _RequestBlocks:
     __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family",
-                 "counted")
+                 "counted", "snapshot", "resume")
 
     def __init__(self, tables: list[list[int]], skipped: list[int], num_tokens: int,
                  num_cached_blocks: int, cache_node, family: set[_RequestBlocks] | None = None):
@@ -82,9 +83,13 @@ class _RequestBlocks:
         self.family = family
         # What its prefix lookup added to `stats`, [queries, hits], while it can be taken back.
         self.counted: list[int] | None = None
+        # A fixed state's snapshot taken, not yet registered: (block k, group -> its blocks);
+        # the matched snapshots the state pages start from, group -> blocks (state_snapshots.py).
+        self.snapshot: tuple[int, dict[int, list[int]]] | None = None
+        self.resume: dict[int, tuple[int, ...]] | None = None
 
 
-class KVCacheManager(HostOffloadMixin):
+class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
     """Block tables for every live request over one pool of ``num_blocks`` blocks.
 
     Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
@@ -109,9 +114,6 @@ class KVCacheManager(HostOffloadMixin):
         self._state_pages = {g: n for g, n in enumerate(self.groups.state_pages(block_size,
                                                                               kv_dtype))
                              if n is not None}
-        if self._state_pages and enable_prefix_caching:
-            # (A state's pages hold its latest state, none per block for a match to resume.)
-            raise ValueError("prefix caching of fixed states is not built")
         self._growing = [g for g in range(self.groups.num_groups) if g not in self._state_pages]
         self._partial = [g for g in self._growing  # groups that free blocks
                          if not self.groups.specs[g].keeps_every_block]
@@ -129,6 +131,7 @@ class KVCacheManager(HostOffloadMixin):
         # Pending copy-on-write device copies, dst block -> src block (see take_pending_copies).
         self._pending_copies: dict[int, int] = {}
         self._init_host_offload()
+        self._init_state_snapshots()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -211,11 +214,12 @@ class KVCacheManager(HostOffloadMixin):
             return 0
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         tables, node, n = cache.match(token_ids, max_blocks, namespace)
+        resume = self._matched_states(tables, n)
         incref = self.pool.incref
         skipped = []
         for table in tables:
             k = 0
-            while k < n and table[k] == _ABSENT:  # before a window: placeholders
+            while k < len(table) and table[k] == _ABSENT:  # before a window: placeholders
                 table[k] = SKIPPED_BLOCK
                 k += 1
             skipped.append(k)
@@ -223,6 +227,7 @@ class KVCacheManager(HostOffloadMixin):
                 incref(b)
         num_computed = n * self.block_size
         self._requests[request_id] = _RequestBlocks(tables, skipped, num_computed, n, node)
+        self._requests[request_id].resume = resume
         if not count:
             return num_computed
         self.stats.requests += 1
@@ -303,6 +308,7 @@ class KVCacheManager(HostOffloadMixin):
         for g, n in self._state_pages.items():
             if not tables[g]:
                 tables[g].extend(pool.allocate(n))
+                self._copy_resumed_state(req, g)
         req.num_tokens = new_tokens
         return True
 
@@ -355,7 +361,9 @@ class KVCacheManager(HostOffloadMixin):
         if cache is None:
             return 0
         req = self._requests[request_id]
-        bs = self.block_size
+        if req.snapshot is not None:  # a state snapshot whose node an earlier call inserted
+            self._settle_snapshot(req)
+        bs, states = self.block_size, self._state_pages
         num_full = num_computed_tokens // bs
         first = req.num_cached_blocks
         if num_full <= first:
@@ -366,7 +374,9 @@ class KVCacheManager(HostOffloadMixin):
                 f"the request's {req.num_tokens} allocated tokens or its {len(token_ids)} token ids")
         tables, skipped, pool, node = req.tables, req.skipped, self.pool, req.cache_node
         for i in range(first, num_full):
-            own = [t[i] if i >= k else _ABSENT for t, k in zip(tables, skipped)]
+            # (A state's table holds its pages, no token's block.)
+            own = [t[i] if i >= k and g not in states else _ABSENT
+                   for g, (t, k) in enumerate(zip(tables, skipped))]
             node = cache.insert(node, tuple(token_ids[i * bs:(i + 1) * bs]), own)
             for g, b in enumerate(own):
                 cached = node.block_ids[g]
@@ -430,6 +440,8 @@ class KVCacheManager(HostOffloadMixin):
             self._write_through(req.cache_node)
         if req.family is not None:
             req.family.discard(req)
+        if req.snapshot is not None or req.resume is not None:
+            self._drop_state_holds(req)
         release = self._release
         tables, skipped = req.tables, req.skipped
         if len(tables) == 1:
@@ -459,6 +471,8 @@ class KVCacheManager(HostOffloadMixin):
         before that step writes any KV. Destinations are distinct; a source may repeat."""
         copies = [(src, dst) for dst, src in self._pending_copies.items()]
         self._pending_copies.clear()
+        if self._copy_sources:  # (read by these copies: free to go once they are taken)
+            self._release_copy_sources()
         return copies
 
     def reset_prefix_cache(self, keep_host: bool = False) -> int:

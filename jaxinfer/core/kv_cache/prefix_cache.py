@@ -33,13 +33,26 @@ from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 _ABSENT = -1  # a group's entry in a node whose block was never cached or was evicted
 
 
+def _entry_blocks(block_ids: list) -> list[int]:
+    """The blocks a node's entries name (a snapshot's tuple spread out)."""
+    out = []
+    for entry in block_ids:
+        if isinstance(entry, tuple):
+            out.extend(entry)
+        elif entry != _ABSENT:
+            out.append(entry)
+    return out
+
+
 class _Node:
     __slots__ = ("key", "block_ids", "parent", "children", "digest")
 
     def __init__(self, key: tuple[int, ...] | None, block_ids: list[int], parent: _Node | None,
                  digest: bytes | None = None):
         self.key = key
-        self.block_ids = block_ids  # per KV group: the block holding this prefix's last block
+        # Per KV group: the block holding this prefix's last block; for a fixed-state group the
+        # tuple of blocks of the state snapshot after it (attach_snapshot).
+        self.block_ids = block_ids
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.digest = digest  # the host tier's chained name of the prefix (None: no host tier)
@@ -56,8 +69,9 @@ class PrefixCache:
     With several KV groups (kv_groups.py) a node holds one block per group. Groups whose spec
     keeps every block (full attention, MLA) keep the leaf-first order above. Another group's
     entry may be missing anywhere (its block left the window or chunk of the request that held
-    it and was evicted, or was freed before it could be cached): a match only needs, per such
-    group, the blocks a query at the resume point still reads (``match``)."""
+    it and was evicted, or was freed before it could be cached; a fixed state's snapshot is taken
+    only at some blocks): a match only needs, per such group, the blocks a query at the resume
+    point still reads (``match``)."""
 
     def __init__(self, pool: BlockPool, block_size: int,
                  groups: KVCacheGroups = KVCacheGroups.full_attention(1), digests: bool = False):
@@ -163,9 +177,26 @@ class PrefixCache:
                 self.pool.mark_cached(b)
         return node
 
+    def attach_snapshot(self, node: _Node, g: int, blocks: Sequence[int]) -> bool:
+        """Register the held blocks of a fixed-state group g's snapshot (the state after
+        ``node``'s last token) at ``node``; False, changing nothing, when it has one already."""
+        if node.block_ids[g] != _ABSENT:
+            return False
+        node.block_ids[g] = tuple(blocks)
+        for b in blocks:
+            self._node_of_block[b] = (node, g)
+            self.pool.mark_cached(b)
+        return True
+
     def _on_evict(self, block_id: int) -> None:
         node, g = self._node_of_block.pop(block_id)
+        entry = node.block_ids[g]
         node.block_ids[g] = _ABSENT
+        if isinstance(entry, tuple):  # a snapshot is whole or gone: its other blocks go free
+            for b in entry:
+                if b != block_id:
+                    del self._node_of_block[b]
+                    self.pool.uncache(b)
         if self.specs[g].keeps_every_block:
             # A full group's block goes leaf first; without it nothing at or below the node can
             # be matched, so the other groups' blocks there are dropped too.
@@ -183,18 +214,16 @@ class PrefixCache:
         the full groups' blocks of its prefix, and those are gone) and cut its children off."""
         stack = list(node.children.values())
         node.children.clear()
-        for g, b in enumerate(node.block_ids):
-            if b != _ABSENT:
-                node.block_ids[g] = _ABSENT
-                del self._node_of_block[b]
-                self.pool.uncache(b)
+        for b in _entry_blocks(node.block_ids):
+            del self._node_of_block[b]
+            self.pool.uncache(b)
+        node.block_ids[:] = [_ABSENT] * len(node.block_ids)
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            for b in n.block_ids:
-                if b != _ABSENT:
-                    del self._node_of_block[b]
-                    self.pool.uncache(b)
+            for b in _entry_blocks(n.block_ids):
+                del self._node_of_block[b]
+                self.pool.uncache(b)
 
     def _prune(self, node: _Node) -> None:
         """Remove ``node`` and empty ancestors that hold no block and have no children."""

@@ -9,7 +9,8 @@ per-request block tables, prefix matching, forks with copy-on-write; the schedul
 from jaxinfer.core.kv_cache.block_pool import BlockPool, OutOfBlocksError
 from jaxinfer.core.kv_cache.cache_config import CacheConfig, add_cache_arguments, resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
-from jaxinfer.core.kv_cache.manager import KVCacheManager, PrefixCacheStats
+from jaxinfer.core.kv_cache.manager import KVCacheManager
+from jaxinfer.core.kv_cache.prefix_cache import PrefixCacheStats
 from jaxinfer.model.kv_specs import (AttentionSpec, ChunkedLocalAttentionSpec, FixedStateSpec,
                                      FullAttentionSpec, KVCacheSpec, MLAAttentionSpec,
                                      SlidingWindowSpec)

@@ -33,7 +33,6 @@ slot -1 and padding block-table entries are never read (pallas_kernels/attention
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Hashable, Sequence
 
@@ -41,30 +40,13 @@ from jaxinfer.core.kv_cache.block_pool import BlockPool
 from jaxinfer.core.kv_cache.host_offload import HostOffloadMixin
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
-from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, _Node
+from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, PrefixCacheStats, _Node
 from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
 
 # num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
 _NEVER_CACHE = sys.maxsize
 # The table entry of a skipped block (out of its group's window, no longer held).
 SKIPPED_BLOCK = 0
-
-
-@dataclasses.dataclass
-class PrefixCacheStats:
-    """Monotonic counters for metrics, in tokens like vLLM's ``prefix_cache_queries/hits``."""
-    requests: int = 0  # get_computed_blocks calls with caching on
-    queries: int = 0   # prompt tokens looked up
-    hits: int = 0      # of those, tokens found cached
-    host_hits: int = 0  # of those, tokens found in the host tier past the device match
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def host_hit_rate(self) -> float:
-        return self.host_hits / self.queries if self.queries else 0.0
 
 
 class _RequestBlocks:

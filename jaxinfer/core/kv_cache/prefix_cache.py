@@ -23,6 +23,8 @@ own, so the same tokens under another namespace never match: their KV differs.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, Hashable, Sequence
 
 from jaxinfer.core.kv_cache.block_pool import BlockPool
@@ -42,6 +44,23 @@ def _entry_blocks(block_ids: list) -> list[int]:
         elif entry != _ABSENT:
             out.append(entry)
     return out
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Monotonic counters for metrics, in tokens like vLLM's ``prefix_cache_queries/hits``."""
+    requests: int = 0  # get_computed_blocks calls with caching on
+    queries: int = 0   # prompt tokens looked up
+    hits: int = 0      # of those, tokens found cached
+    host_hits: int = 0  # of those, tokens found in the host tier past the device match
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hits / self.queries if self.queries else 0.0
 
 
 class _Node:

@@ -87,7 +87,7 @@ def _engine_attr(name: str) -> property:
 class StreamLeader(EngineClient):
     """Process 0's front end: its engine, recording the calls that change the request stream."""
 
-    args, cfg, tokenizer = _engine_attr("args"), _engine_attr("cfg"), _engine_attr("tokenizer")
+    config, cfg, tokenizer = _engine_attr("config"), _engine_attr("cfg"), _engine_attr("tokenizer")
     max_model_len, model_name = _engine_attr("max_model_len"), _engine_attr("model_name")
     grammars, metrics = _engine_attr("grammars"), _engine_attr("metrics")
     num_total_blocks, startup = _engine_attr("num_total_blocks"), _engine_attr("startup")

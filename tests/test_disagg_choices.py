@@ -136,3 +136,38 @@ def _land_first(d: DisaggregatedEngine, land) -> None:
         d._in_flight[0].buffer.block_until_ready()
         land()
         d._in_flight.append(held)
+
+
+@pytest.mark.parametrize("end", ["abort", "prefill_failure"])
+def test_a_request_with_choices_on_both_sides_ends_leaking_nothing(disagg, plain, end):
+    """Choice 0 handed off while choice 1 is still on the prefill side (its hand-off held back
+    here: choices forked together hand off in one step otherwise), then the request aborted (both
+    choices reported aborted) or failed by the prefill side (the hand-over dropped)."""
+    outputs = disagg.prefill.outputs
+    finish = outputs.finish
+
+    def hold_back_choice_1(seq, reason, stop_reason):
+        if seq.index != 1:
+            finish(seq, reason, stop_reason)
+    outputs.finish = hold_back_choice_1
+    try:
+        disagg.add_request(end, PROMPTS["greedy"], PARAMS["greedy"])
+        for _ in range(20):
+            disagg.step()
+            t = disagg._transit.get(end)
+            if t is not None and t.handoffs:
+                break
+        else:
+            raise AssertionError("choice 0 never handed off")
+    finally:
+        del outputs.finish
+    assert t.request is None and end in disagg.prefill.requests
+    if end == "abort":
+        out = disagg.abort(end)
+        assert out.finished and sorted((c.index, c.finish_reason) for c in out.outputs) == [
+            (0, "abort"), (1, "abort")]
+    else:
+        disagg.prefill._fail(end, RuntimeError("a row failed"))
+        assert run_all(disagg) == {}
+        assert [rid for rid, _ in disagg.take_failed()] == [end]
+    assert_nothing_held(disagg)

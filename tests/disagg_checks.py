@@ -24,7 +24,7 @@ from prometheus_client import generate_latest  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.frontends.async_engine import AsyncEngine  # noqa: E402
-from jaxinfer.errors import ConfigError, InvalidRequestError  # noqa: E402
+from jaxinfer.errors import ConfigError  # noqa: E402
 
 MODEL = str(HERE / "fixtures" / "models" / "llama")
 # A small pool (24 blocks of 4 = 96 tokens) under 4 sequences of up to 64 tokens: both sides
@@ -126,11 +126,11 @@ def parity_checks(out: dict) -> None:
     # one cancelled mid-stream (a client disconnect).
     out["async"] = asyncio.run(_through_async_engine(engine, prompts[0], params[0]))
     out["after_async_kv"] = [kv_state(engine.prefill), kv_state(engine.decode)]
-    try:
-        engine.add_request("n2", prompts[0], SamplingParams(n=2, max_tokens=4))
-        out["n2"] = None
-    except InvalidRequestError as e:
-        out["n2"] = [str(e), e.param]
+    # n = 2: the prompt computed once on the prefill devices, each choice handed over.
+    n2 = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)
+    out["n2"] = {name: [c.token_ids for c in e.generate([prompts[1]], n2, use_tqdm=False)[0].outputs]
+                 for name, e in (("colocated", colocated), ("disagg", llm))}
+    out["after_n2_kv"] = [kv_state(engine.prefill), kv_state(engine.decode)]
 
 
 async def _through_async_engine(engine, prompt, params) -> dict:

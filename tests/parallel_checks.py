@@ -338,34 +338,56 @@ def _compiled_once(fn, name: str, found: dict):
     return call
 
 
+def _spec_llm(model_dir, tp: int, **extra):
+    return LLM(str(model_dir), tensor_parallel_size=tp, dtype="float32", max_num_seqs=4,
+               max_num_batched_tokens=16, num_blocks=64, block_size=4, compilation_cache_dir=None,
+               warmup=False, speculative_min_acceptance=0.0, **extra)
+
+
+def _head_kv_diff(one, two) -> float:
+    """The largest difference between two engines' EAGLE-3 / MTP head KV caches (K and V)."""
+    a, b = (jax.tree_util.tree_leaves(e.engine.spec.speculator.proposer.kv_cache)
+            for e in (one, two))
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max(initial=0)) for x, y in zip(a, b))
+
+
 def spec_decode_checks(out: dict) -> None:
-    """Speculative decoding at TP = 2, n-gram and a draft model (the llama fixture proposing for
-    itself, split over the same two devices), per sampler layout as in `sampler_layout_checks`:
-    the collectives inside a conditional or while loop of each verification step, draft loop and
-    draft catch-up that ran (one request asks for logprobs: the full sampler variant), and the
-    greedy tokens of the prompts of "llama/engine_tp1". The engine flags are the sampler check's,
-    so the forwards it compiled apply again (in one process, or through jax's persistent cache)."""
+    """Speculative decoding at TP = 2, n-gram, a draft model (the llama fixture proposing for
+    itself, split over the same two devices) and an EAGLE-3 head (random, replicated over them),
+    per sampler layout as in `sampler_layout_checks`: the collectives inside a conditional or
+    while loop of each verification step, draft loop, draft catch-up and speculative loop that
+    ran (one request asks for logprobs: the full sampler variant), and the greedy tokens of the
+    prompts of "llama/engine_tp1"; the head's KV cache against the same head's on one device.
+    The engine flags are the sampler check's, so the forwards it compiled apply again (in one
+    process, or through jax's persistent cache)."""
     from jaxinfer.parallel import sampling_logits
+    from jaxinfer.spec_decode import eagle_head
     from jaxinfer.worker.programs import shared_jit
+    from test_eagle3 import random_head
     lg = np.load(FIXTURES / "llama" / "golden.npz")
     prompts = [lg["greedy_prompt"].tolist(), lg["prompt_1"].tolist()]
     params = [SamplingParams(max_tokens=len(lg["greedy_tokens"]), temperature=0, ignore_eos=True,
                              logprobs=n) for n in (None, 2)]
+    head_dir = tempfile.mkdtemp(prefix="eagle_tp_")
+    head_cfg, head_params = random_head(load_config(FIXTURES / "llama"))
+    eagle_head.save_head(head_params, head_cfg,
+                         json.loads((FIXTURES / "llama" / "config.json").read_text()), head_dir)
     methods = {"ngram": dict(speculative_method="ngram"),
-               "draft": dict(speculative_model=str(FIXTURES / "llama"))}
+               "draft": dict(speculative_model=str(FIXTURES / "llama")),
+               "eagle3": dict(speculative_method="eagle3", speculative_model=head_dir)}
+    one_device = _spec_llm(FIXTURES / "llama", 1, num_speculative_tokens=3, **methods["eagle3"])
+    one_device.generate(prompts, params, use_tqdm=False)
     default = sampling_logits.REPLICATE_MAX_BYTES
     for layout, limit in (("replicated", default), ("rows", 0)):
         sampling_logits.REPLICATE_MAX_BYTES = limit
         try:
             for method, extra in methods.items():
                 shared_jit.cache_clear()  # traced anew under this limit
-                llm = LLM(str(FIXTURES / "llama"), tensor_parallel_size=2, dtype="float32",
-                          max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, block_size=4,
-                          compilation_cache_dir=None, warmup=False, num_speculative_tokens=3,
-                          speculative_min_acceptance=0.0, **extra)
+                llm = _spec_llm(FIXTURES / "llama", 2, num_speculative_tokens=3, **extra)
                 programs, found = llm.engine.runner.programs.jitted, {}
                 for program, name in (("verify", "verify"), ("draft propose", "draft_loop"),
-                                      ("draft catch-up", "catch_up")):
+                                      ("draft catch-up", "catch_up"), ("spec loop", "spec_loop"),
+                                      ("eagle catch-up", "catch_up")):
                     if program in programs:
                         programs[program] = _compiled_once(programs[program], name, found)
                 tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
@@ -374,9 +396,28 @@ def spec_decode_checks(out: dict) -> None:
                 out[f"spec/{method}/{layout}"] = {"sites": found, "tokens": tokens,
                                                   "drafts": m.drafts, "accepted": m.accepted,
                                                   "draft_tokens": m.draft_tokens}
+                if method == "eagle3":
+                    out[f"spec/{method}/{layout}"]["head_kv_diff"] = _head_kv_diff(one_device, llm)
         finally:
             sampling_logits.REPLICATE_MAX_BYTES = default
             shared_jit.cache_clear()
+
+
+def mtp_checks(out: dict) -> None:
+    """DeepSeek-V3's MTP module (tests/test_mtp.py's fixture) proposing at TP = 2 and on one
+    device: the greedy tokens of each and the largest difference between their module's KV."""
+    from test_mtp import _with_mtp_module
+    model = _with_mtp_module(Path(tempfile.mkdtemp(prefix="mtp_tp_")) / "dsv3_mtp")
+    golden = np.load(model / "golden.npz")
+    params = SamplingParams(max_tokens=len(golden["greedy_tokens"]), temperature=0,
+                            ignore_eos=True)
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    llms = [_spec_llm(model, tp, speculative_config=spec) for tp in (1, 2)]
+    tokens = [llm.generate([golden["greedy_prompt"].tolist()], params,
+                           use_tqdm=False)[0].outputs[0].token_ids for llm in llms]
+    out["spec/mtp"] = {"tokens": tokens, "golden": golden["greedy_tokens"].tolist(),
+                       "drafts": [llm.engine.spec.metrics.drafts for llm in llms],
+                       "head_kv_diff": _head_kv_diff(*llms)}
 
 
 def quant_shard_checks(out: dict) -> None:
@@ -401,7 +442,7 @@ def quant_shard_checks(out: dict) -> None:
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
     checks = (model_checks, shard_checks, engine_checks, llama_tp1_checks, sampler_layout_checks,
-              spec_decode_checks, executable_cache_checks, lora_checks, quant_shard_checks)
+              spec_decode_checks, mtp_checks, executable_cache_checks, lora_checks, quant_shard_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
     else:  # (engine_checks runs it)

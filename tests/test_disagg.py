@@ -123,8 +123,14 @@ def test_behind_the_server(run):
                    "server_metrics") == 1
 
 
+def test_n_choices_hand_over_each(run):
+    n2 = run["n2"]
+    assert n2["disagg"] == n2["colocated"] and n2["colocated"][0] != n2["colocated"][1]
+    assert all(len(t) == 6 for t in n2["disagg"])
+    assert [state["requests"] for state in run["after_n2_kv"]] == [[], []]
+
+
 def test_refusals_name_the_flag(run):
-    assert run["n2"][1] == "n" and "--disaggregate" in run["n2"][0]
     r = run["refusals"]
     assert r["dp2"].startswith("--data-parallel-size 2")
     assert r["tp2"].startswith("--tensor-parallel-size 2")

@@ -36,7 +36,8 @@ TIMEOUT_S = 600
 # sampler's engines compiled.
 PARTS = {"models": ["model_checks"],
          "engine": ["shard_checks", "engine_checks"],
-         "sampler_spec": ["llama_tp1_checks", "sampler_layout_checks", "spec_decode_checks"],
+         "sampler_spec": ["llama_tp1_checks", "sampler_layout_checks", "spec_decode_checks",
+                          "mtp_checks"],
          "cache_lora": ["executable_cache_checks", "lora_checks", "quant_shard_checks"]}
 models, engine, sampler_spec, cache_lora = (pytest.mark.part(name) for name in PARTS)
 
@@ -267,25 +268,39 @@ def test_tp2_sampler_has_no_collective_inside_control_flow(sampler_spec_run, lay
 
 @sampler_spec
 @pytest.mark.parametrize("layout", ["replicated", "rows"])
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
 def test_tp2_speculation_has_no_collective_inside_a_conditional(sampler_spec_run, method, layout):
-    """Speculative decoding at TP = 2 (n-gram; a draft model split over the target's devices):
-    no collective inside a conditional of the verification steps, draft loops and draft
-    catch-ups (the draft loop's while body holds its forward's all-reduces, as the decode
-    loop's does), and greedy tokens as on one device without speculation, in either layout."""
+    """Speculative decoding at TP = 2 (n-gram; a draft model split over the target's devices;
+    an EAGLE-3 head replicated over them): no collective inside a conditional of the
+    verification steps, draft loops, catch-ups and speculative loops (a loop's while body holds
+    its forwards' all-reduces, as the decode loop's does), and greedy tokens as on one device
+    without speculation, in either layout; the head's KV as the same head's on one device."""
     got = sampler_spec_run[f"spec/{method}/{layout}"]
     sites = got["sites"]
     names = {k.split()[0] for k in sites}
-    assert names == ({"verify", "draft_loop", "catch_up"} if method == "draft" else {"verify"})
+    assert names == {"draft": {"verify", "draft_loop", "catch_up"}, "ngram": {"verify"},
+                     "eagle3": {"spec_loop", "catch_up"}}[method]
     assert any(k.endswith(" full") for k in sites)  # the variant with the conditionals ran
     for step, found in sites.items():
         assert found["conditional"] == [], step
-        if not step.startswith("draft_loop"):
+        if not step.startswith(("draft_loop", "spec_loop")):
             assert found["while"] == [], step
     assert got["tokens"] == sampler_spec_run["llama/engine_tp1"]
     assert got["drafts"] > 0
     if method == "draft":  # the target proposing for itself: every proposal accepted
         assert got["accepted"] == got["draft_tokens"] > 0
+    if method == "eagle3":
+        assert got["head_kv_diff"] < 1e-4
+
+
+@sampler_spec
+def test_tp2_mtp_speculation_equals_one_device(sampler_spec_run):
+    """DeepSeek-V3's MTP module replicated over a TP = 2 mesh: the greedy tokens of the run on
+    one device (HF's), the module's KV as on one device."""
+    got = sampler_spec_run["spec/mtp"]
+    assert got["tokens"] == [got["golden"], got["golden"]]
+    assert min(got["drafts"]) > 0
+    assert got["head_kv_diff"] < 1e-4
 
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 48,

@@ -262,6 +262,7 @@ class Scheduler:
             p.status = SeqStatus.FINISHED
             for i in range(request.params.n):
                 child = self.make_choice(request, i, p.num_computed)
+                child.max_output = p.max_output  # (a disaggregated prefill engine's: one token)
                 self.kv.fork(p.seq_id, child.seq_id)
                 self._acquire_lora(child)  # (the adapter's slot is still its: no load)
                 self._start_running(child)

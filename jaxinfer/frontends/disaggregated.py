@@ -13,8 +13,11 @@ A request's path:
 3. the remaining blocks are gathered on the prefill devices and copied to the decode devices
    (transfer.py), queued before the prefill engine's next step, whose compute the copy overlaps;
 4. at a later `step()`, a landed copy is scattered into the decode cache, the prefill holder is
-   freed (the blocks stay in the prefill prefix cache, evictable) and the sequence joins the decode
-   scheduler as running (preemptible from then on) with the first token as its next input.
+   freed (the blocks stay in the prefill prefix cache, evictable) and, once every copy of its
+   request has landed, the sequence joins the decode scheduler as running (preemptible from then
+   on) with the first token as its next input. A request with n > 1 is computed once and forked
+   on the prefill side as on one engine; each choice is handed over (`Transit`: one `Handoff` a
+   choice), one whose first token finished it is carried over finished.
    Preemption on either side is the engines' own (recompute: a decode-side victim recomputes on
    the decode devices).
 
@@ -32,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jaxinfer.frontends.disagg_handoff import (HANDOFF, Handoff, HandoffOutputProcessor, continuation,
-                                     limit_to_first_token)
+from jaxinfer.frontends.disagg_handoff import (HANDOFF, Handoff, HandoffOutputProcessor, Transit,
+                                               limit_to_first_token)
 from jaxinfer.disagg.transfer import KVTransfer
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
@@ -100,7 +103,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
                                    decode.runner.max_blocks)
         self.metrics = MergedMetrics([prefill.metrics, decode.metrics])
         self.transfer_metrics = KVTransferMetrics(self.model_name, self.metrics.registry)
-        self._transit: dict[str, Handoff] = {}            # request id -> its hand-over
+        self._transit: dict[str, Transit] = {}            # request id -> its hand-overs
         self._waiting: collections.deque[Handoff] = collections.deque()  # for decode room
         self._in_flight: list[Handoff] = []               # copies dispatched, in order
         self._failed: list[tuple[str, RequestFailedError]] = []  # failed between the engines
@@ -150,9 +153,6 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         if request_id in self._transit or request_id in self.decode.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
-        if params.n != 1:
-            raise InvalidRequestError(f"n={params.n}: a disaggregated engine (--disaggregate) "
-                                      f"serves n = 1 only", param="n")
         if lora_request is not None:  # the decode side continues it on the same adapter
             self.add_lora(lora_request)
         req = self.prefill.add_request(request_id, prompt, params, priority, arrival_time,
@@ -162,30 +162,50 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         return req
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        t = self._transit.get(request_id)
         if request_id in self.prefill.requests:
+            if t is not None:  # n > 1: choices handed off while others are still computed
+                self._drop(t)
+                for h in t.handoffs:  # reported running so far: aborted with the others
+                    h.src_seq.finish_reason, h.src_seq.finish_reported = reason, False
+                    h.src_seq.output.finish()
             return self.prefill.abort(request_id, reason)
-        h = self._transit.get(request_id)
-        if h is None:
+        if t is None:
             return self.decode.abort(request_id, reason)
-        return self._abort_in_transit(h, reason)
+        if t.request is None:  # the prefill side failed or aborted its other choices
+            self._drop(t)
+            return None
+        return self._abort_in_transit(t, reason)
 
-    def _abort_in_transit(self, h: Handoff, reason: str) -> RequestOutput:
-        del self._transit[h.request_id]
-        self._release(h)
-        h.sync_reported()
-        self.decode.outputs.finish(h.seq, reason, None)
-        out = make_request_output(h.request)
-        h.request.detach()
+    def _abort_in_transit(self, t: Transit, reason: str) -> RequestOutput:
+        self._drop(t)
+        t.sync_reported()
+        for seq in t.request.choices:
+            if seq.finish_reason is None:
+                self.decode.outputs.finish(seq, reason, None)
+        out = make_request_output(t.request)
+        t.request.detach()
         return out
 
-    def _release(self, h: Handoff) -> None:
-        """Drop a hand-over that will not complete: both sides' blocks back to their pools."""
-        if h in self._waiting:
-            self._waiting.remove(h)
-        if h in self._in_flight:
-            self._in_flight.remove(h)
-        self.prefill.scheduler.free_blocks(h.holder)
-        self.decode.scheduler.drop_hand_over(h.seq)
+    def _drop(self, t: Transit) -> None:
+        """Drop a request's hand-overs that will not complete: both sides' blocks back to their
+        pools."""
+        del self._transit[t.request_id]
+        for h in t.handoffs:
+            if h in self._waiting:
+                self._waiting.remove(h)
+            if h in self._in_flight:
+                self._in_flight.remove(h)
+            self.prefill.scheduler.free_blocks(h.holder)
+            if h.seq is not None:
+                self.decode.scheduler.drop_hand_over(h.seq)
+
+    def _drop_orphans(self) -> None:
+        """Hand-overs of requests the prefill side dropped (a failed row, update_weights) before
+        their other choices left it: never continued."""
+        for t in [t for t in self._transit.values() if t.request is None
+                  and t.request_id not in self.prefill.requests]:
+            self._drop(t)
 
     def take_failed(self) -> list[tuple[str, RequestFailedError]]:
         failed, self._failed = self._failed, []
@@ -201,14 +221,15 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
 
     def update_weights(self, params) -> list[RequestOutput]:
         """Both engines take the new weights; every request in flight is aborted (see
-        LLMEngine.update_weights), those between the engines too (finishing the prefill
+        LLMEngine.update_weights), those between the engines too: first (an n > 1 request's
+        choices handed off are reported with its others), then again (finishing the prefill
         engine's in-flight step may hand some over)."""
-        outs = self._reported(self.prefill.update_weights(params)) + self._abort_transit()
-        return outs + self.decode.update_weights(params)
+        outs = self._abort_transit() + self._reported(self.prefill.update_weights(params))
+        return outs + self._abort_transit() + self.decode.update_weights(params)
 
     def sleep(self) -> list[RequestOutput]:
-        outs = self._reported(self.prefill.sleep()) + self._abort_transit()
-        return outs + self.decode.sleep()
+        outs = self._abort_transit() + self._reported(self.prefill.sleep())
+        return outs + self._abort_transit() + self.decode.sleep()
 
     def wake(self) -> None:
         self.prefill.wake()
@@ -228,22 +249,28 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
 
     @property
     def requests(self) -> dict:
-        return {**self.prefill.requests, **{rid: h.request for rid, h in self._transit.items()},
-                **self.decode.requests}
+        return {**self.prefill.requests, **{rid: t.request for rid, t in self._transit.items()
+                                            if t.request is not None}, **self.decode.requests}
 
     # ---- the hand-over ------------------------------------------------------------------------
     def _hand_over(self, seqs: list[Sequence]) -> None:
         """The prefill engine's processed step: hold the blocks of each sequence handed off (after
-        caching its prompt's full blocks) and start the copies the decode side has room for,
-        before the prefill engine dispatches its next step."""
+        caching its prompt's full blocks); once every choice of its request has left the prefill
+        side, queue the request's copies, and start those the decode side has room for, before
+        the prefill engine dispatches its next step."""
         for seq in seqs:
-            if seq.finish_reason != HANDOFF:
-                continue
-            holder, blocks = self.prefill.scheduler.hold_for_hand_over(seq)
-            req, dseq = continuation(self.tokenizer, seq.request, seq)
-            h = Handoff(seq, req, dseq, holder, blocks)
-            self._transit[req.request_id] = h
-            self._waiting.append(h)
+            if seq.finish_reason == HANDOFF:
+                req = seq.request
+                holder, blocks = self.prefill.scheduler.hold_for_hand_over(seq)
+                t = self._transit.get(req.request_id)
+                if t is None:
+                    t = self._transit[req.request_id] = Transit(req)
+                t.handoffs.append(Handoff(t, seq, holder, blocks))
+        for seq in seqs:  # (after the step's hand-overs: a request's choices finish together)
+            t = self._transit.get(seq.request.request_id)
+            if t is not None and t.request is None and seq.request.finished:
+                t.continue_on(self.tokenizer)
+                self._waiting.extend(t.handoffs)
         self._start_transfers()
 
     def _reserve_decode(self, h: Handoff) -> bool:
@@ -253,7 +280,9 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         waiting (preempted) sequences go first: reserved blocks cannot be preempted until their
         sequence runs, so taking them ahead of a preempted one could leave it waiting forever."""
         sched = self.decode.scheduler
-        if sched.num_waiting or (sched.num_running + len(self._in_flight)
+        reserved = sum(x.dst_blocks is not None for t in self._transit.values()
+                       for x in t.handoffs)  # in flight, or landed before the request's others
+        if sched.num_waiting or (sched.num_running + reserved
                                  >= self.decode.config.scheduler.max_num_seqs):
             return False
         reserved = sched.reserve_hand_over(h.seq)  # (a failed adapter load: _start_transfers)
@@ -285,15 +314,16 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
     def _fail_in_transit(self, h: Handoff, error: Exception) -> None:
         """Abort a request between the engines (finish reason "error"), for `take_failed` (its
         prefill output, if not reported yet, is not: `_reported`)."""
-        self._abort_in_transit(h, "error")
-        failure = RequestFailedError(f"the engine failed this request: {error!r}",
-                                     (h.request_id,))
+        rid = h.transit.request_id
+        self._abort_in_transit(h.transit, "error")
+        failure = RequestFailedError(f"the engine failed this request: {error!r}", (rid,))
         failure.__cause__ = error
-        self._failed.append((h.request_id, failure))
+        self._failed.append((rid, failure))
 
     def _land(self, wait: bool = False) -> None:
-        """Scatter every landed copy into the decode cache and pass its sequence to the decode
-        scheduler; `wait`: block for the oldest copy first (nothing else to do)."""
+        """Scatter every landed copy into the decode cache; pass a request whose copies have all
+        landed to the decode scheduler; `wait`: block for the oldest copy first (nothing else to
+        do)."""
         if wait and self._in_flight:
             self._in_flight[0].buffer.block_until_ready()
         m = self.transfer_metrics
@@ -305,10 +335,14 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
             self.decode.runner.replace_kv_cache(
                 lambda cache: self.transfer.receive(cache, h.buffer, h.dst_blocks[h.first_block:last]))
             self._in_flight.remove(h)
-            del self._transit[h.request_id]
             self.prefill.scheduler.free_blocks(h.holder)
-            h.sync_reported()
-            self.decode.adopt_running(h.request, h.seq)
+            h.landed = True
+            t = h.transit
+            if all(x.landed for x in t.handoffs):
+                del self._transit[t.request_id]
+                t.sync_reported()
+                for x in t.handoffs:
+                    self.decode.adopt_running(t.request, x.seq)
 
     # ---- steps --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -316,6 +350,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         last step is done or nothing else can go on (then it waits for that step); step the
         decode engine, or, with nothing to decode, wait for the oldest copy in flight."""
         clock = self.driver.clock()
+        self._drop_orphans()
         self._land()
         self._start_transfers()
         clock("hand_over")
@@ -348,12 +383,14 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         for out in outs:
             if out.request_id in failed:
                 continue
-            if out.request_id in self._transit:
-                if self._transit[out.request_id].request.final_output_only:
+            t = self._transit.get(out.request_id)
+            if t is not None:
+                if t.src.final_output_only:
                     continue
                 out.finished = False
                 for choice in out.outputs:
-                    choice.finish_reason = None
+                    if choice.finish_reason == HANDOFF:
+                        choice.finish_reason = None
             reported.append(out)
         return reported
 

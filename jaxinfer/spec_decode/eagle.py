@@ -35,6 +35,7 @@ from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.transformer import forward_aux
+from jaxinfer.parallel.kernels import unsharded
 from jaxinfer.spec_decode import eagle_head as head
 from jaxinfer.worker.programs import forward_key
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
@@ -185,24 +186,28 @@ class EagleProposer:
         self.head_kernels: KernelTable | None = None  # the runner's, or unscaled over fp8 KV
 
     def attach(self, runner, num_blocks: int, kv_dtype, k: int) -> None:
-        if runner.plan is not None and runner.plan.tp > 1:
-            raise ConfigError("--speculative-config methods eagle3 and mtp do not run under "
-                              "tensor parallelism yet")
         if not runner.kv_groups.specs[0].keeps_every_block:  # its blocks would be freed
             raise ConfigError("--speculative-config methods eagle3 and mtp need a target with a "
                               "full-attention layer, or --no-hybrid-kv-cache: they keep their KV "
                               "in the first group's blocks")
         self.runner, self.k = runner, k
-        target_embed = runner.params["embed"]["embedding"]
+        # Under tensor parallelism the head runs whole on every device of the replica's mesh:
+        # its weights, KV and stream caches replicated (one layer beside the target's), the
+        # target's streams arriving replicated (the residual stream is, between layers), so
+        # its step is the one-device step and needs no kernel of the target's sharded table.
+        replicated = runner.plan.replicated if runner.plan is not None else None
+        if replicated is not None:
+            self.params = jax.device_put(self.params, replicated)
+        target_embed = runner.params["embed"]["embedding"]  # vocabulary-sharded under TP
         self.embed = self.params.get("embed", target_embed)
-        head_kernels = runner.kernels
+        head_kernels = unsharded(runner.kernels)
         if is_fp8(kv_dtype):  # the head's cache in the model's dtype, read without scales
             head_kernels = dataclasses.replace(head_kernels, attention=head_kernels.attention.inner)
         self.head_kernels = head_kernels
         self.kv_cache = allocate_kv_cache(self.cfg.layer, num_blocks, runner.block_size,
-                                          self.cache_dtype(kv_dtype))
+                                          self.cache_dtype(kv_dtype), sharding=replicated)
         self.streams = jnp.zeros((num_blocks * runner.block_size, self.cfg.stream_width),
-                                 target_embed.dtype)
+                                 target_embed.dtype, device=replicated)
         # Its programs, in the runner's table: the stream-writing forward (compiled at warm-up
         # per step bucket in place of the runner's own), the chain, catch-up and stream copy.
         programs, kernels = runner.programs, runner.kernels

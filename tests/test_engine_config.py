@@ -73,3 +73,14 @@ def test_engine_and_front_ends_read_the_parts():
                     and isinstance(node.value, ast.Name) and node.value.id == "self"):
                 found.append(f"{path.name}:{node.lineno}")
     assert found == []
+
+
+def test_kernel_overrides_parse_but_stay_out_of_the_help():
+    """--moe-impl, --quant-impl and --lora-impl force one kernel for benchmarks and bisection:
+    accepted, not listed among the user's flags."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    text = parser.format_help()
+    flags = ["--moe-impl", "xla", "--quant-impl", "dequant", "--lora-impl", "xla"]
+    assert not [f for f in flags[::2] if f"  {f} " in text]  # (named in a description only)
+    args = EngineArgs.from_cli_args(parser.parse_args(flags))
+    assert (args.moe_impl, args.quant_impl, args.lora_impl) == ("xla", "dequant", "xla")

@@ -275,15 +275,15 @@ class EngineArgs:
                        help="dispatch steps from a thread of their own, overlapping jax's and "
                             "XLA's dispatch cost with output processing (a failed dispatch then "
                             "fails the engine, not only the step's requests)")
-        k = parser.add_argument_group("kernels and compilation")
+        k = parser.add_argument_group(
+            "kernels and compilation", "(--moe-impl, --quant-impl and --lora-impl force one kernel: "
+            "for benchmarks and bisection, docs/kernels/)")
         k.add_argument("--attention-backend", default="auto", choices=available_backends())
-        k.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
-                       help="the MoE experts' grouped matmul: auto (per step shape: the Mosaic "
-                            "kernel on Hopper, else XLA's padded einsum or ragged_dot), xla (auto "
-                            "without the kernel) or one forced (benchmarks, bisection)")
-        k.add_argument("--quant-impl", default="auto", choices=QUANT_IMPLS,
-                       help="FP8 weights' matmul: auto (per step rows: weight-only below 128, "
-                            "W8A8 on FP8 tensor cores above), fp8 (W8A8) or dequant (weight-only)")
+        # Kernel overrides for benchmarks and bisection, accepted but kept out of --help (the
+        # kernel table picks per platform and shape; docs/kernels/grouped_matmul.md,
+        # docs/quantization.md, docs/lora.md say what each forces).
+        k.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS, help=argparse.SUPPRESS)
+        k.add_argument("--quant-impl", default="auto", choices=QUANT_IMPLS, help=argparse.SUPPRESS)
         k.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="do not compile every step bucket at start-up")
         k.add_argument("--no-background-compile", dest="background_compile",

@@ -30,11 +30,11 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras); others are read "
                         "from their files again when needed")
+    # The LoRA matmuls: xla (every slot's weights) or pallas (the slot-grouped Triton kernels);
+    # auto picks pallas on a GPU without tensor parallelism (docs/lora.md). A benchmark's and
+    # bisection's override, kept out of --help like --moe-impl.
     g.add_argument("--lora-impl", default="auto", choices=("auto", *LORA_IMPLS),
-                   help="the LoRA matmuls: xla (every slot's weights, no sorting) or pallas (the "
-                        "slot-grouped Triton kernels of pallas_kernels/lora: reads only the "
-                        "slots a step uses); auto (default): pallas on a GPU without tensor "
-                        "parallelism (measured faster: docs/lora.md), else xla")
+                   help=argparse.SUPPRESS)
 
 
 def lora_modules(specs) -> list[LoRARequest]:

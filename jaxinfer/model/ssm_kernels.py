@@ -50,8 +50,11 @@ class Mamba2Kernels(CausalConvKernels):
             from pallas_kernels.ssm.mamba2 import ssd_decode, ssd_prefill
             if decode:
                 return ssd_decode(x, dt, a, b, c, pool, slots, d=d, interpret=self.interpret)
+            # The kernel's chunk is its own tiling (the default, timed in ssm_kernels_<gpu>.json);
+            # a checkpoint's mamba_chunk_size (Granite: 256) is its training kernel's, and
+            # 256 x 256 float32 tiles would not fit a GPU's registers.
             return ssd_prefill(x, dt, a, b, c, pool, cu_seqlens, slots, has_initial_state, d=d,
-                               chunk_size=chunk_size, interpret=self.interpret)
+                               interpret=self.interpret)
         if decode:
             return reference.ssd_decode_reference(x, dt, a, b, c, pool, slots, d=d)
         return reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu_seqlens, slots,

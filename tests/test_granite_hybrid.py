@@ -87,6 +87,8 @@ def test_state_in_the_attention_page():
     assert state.page_bytes(BLOCK, jnp.float32) == page.page_bytes(BLOCK, jnp.float32)
     assert state.state_pages(BLOCK, jnp.float32) == 2 and state.state_pages(8, jnp.float32) == 1
     assert state.state_pages(8, jnp.bfloat16) == 2  # half the page, the same state
+    # fp8: a quarter of the float32 page, each 4-byte word stored in 6 bytes (state_pages.py).
+    assert state.state_pages(BLOCK, jnp.float8_e4m3fn) == -(-dims.state_bytes * 6 // 4 // 256)
     groups = KVCacheGroups.for_model(cfg)
     assert groups.specs == (page, state, state, state) and groups.num_slots == 1
     assert groups.state_pages(BLOCK, jnp.float32) == (None, 2, 2, 2)
@@ -207,13 +209,60 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides, flag", [
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
-    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
     (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)
     with pytest.raises(ConfigError, match=flag):
         LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32])
+def test_states_read_back_bit_exact_from_fp8_and_float32_caches(dtype):
+    """Any float32 bits (NaNs and infinities too) written over a sequence's state pages read back
+    unchanged, in table order over shuffled blocks; in an fp8 cache no stored byte is an fp8 NaN
+    or infinity (an attention kernel's masked read of a stale one would give 0 x NaN)."""
+    from jaxinfer.model.state_pages import read_states, state_pages, write_states
+    shapes = ((3, 5), (2, 4, 4))
+    kv = tuple(jnp.zeros((2, 8, BLOCK, 8), dtype) for _ in range(2))
+    n = state_pages(kv, shapes)
+    fp8 = jnp.dtype(dtype).itemsize == 1
+    assert n == -(-47 * (6 if fp8 else 4) // (2 * 2 * BLOCK * 8 * jnp.dtype(dtype).itemsize))
+    bits = np.random.default_rng(0).integers(0, 2 ** 32, (2, 47), dtype=np.uint64)
+    words = bits.astype(np.uint32).view(np.float32)
+    states = (jnp.asarray(words[:, :15].reshape(2, 3, 5)),
+              jnp.asarray(words[:, 15:].reshape(2, 2, 4, 4)))
+    blocks = jnp.asarray(np.random.default_rng(1).permutation(8)[:2 * n].reshape(2, n), jnp.int32)
+    written = jax.jit(write_states)(kv, blocks, states)
+    back = jax.jit(read_states, static_argnums=2)(written, blocks, shapes)
+    for want, got in zip(states, back):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.asarray(want).view(np.uint32))
+    if fp8:
+        assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in written)
+
+
+def test_fp8_kv_cache_ranks_the_goldens_greedy_tokens_first():
+    """--kv-cache-dtype fp8: the attention layer's K and V in fp8 with its calibrated scales (the
+    Mamba-2 layers' 1.0, unread), the states over the fp8 pages; teacher-forced through the
+    engine, HF's greedy continuation is its top-1 at >= 14 of 16 positions (as
+    test_kv_fp8.py judges an fp8 cache), and every block comes back."""
+    cfg, params = _load(DENSE)
+    golden = np.load(DENSE / "golden.npz")
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    engine = LLMEngine(cfg, params, None, _args(DENSE, 64, kv_cache_dtype="fp8"), num_blocks=64)
+    assert engine.runner.kv_cache[0][0].dtype == jnp.float8_e4m3fn
+    attention = engine.runner.kernels.attention
+    assert [attention.k_scales[i] for i, s in enumerate(cfg.layer_states) if s] == [1.0] * 3
+    engine.add_request("s", prompt + expected, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    scored = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            scored = scored or out.prompt_logprobs
+    picked = scored[len(prompt):]
+    assert [lp.token_id for lp in picked] == expected
+    assert sum(lp.rank == 1 for lp in picked) >= 14
+    assert_all_free(engine)
 
 
 def test_disaggregated_engine_refused_by_name():

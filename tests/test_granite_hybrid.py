@@ -265,11 +265,43 @@ def test_fp8_kv_cache_ranks_the_goldens_greedy_tokens_first():
     assert_all_free(engine)
 
 
-def test_disaggregated_engine_refused_by_name():
+def test_disaggregated_engine_hands_the_states_over():
+    """A prefill and a decode engine on one device: the hand-over copies the attention group's
+    prompt blocks and each Mamba-2 layer's state pages (every KV group's table), and the decode
+    side continues with HF's greedy tokens, a chunked prompt and a one-block one alike, and
+    after a prefill-side prefix hit; no block is left held on either side."""
+    from jaxinfer.disagg.args import role_args
+    from jaxinfer.frontends.disagg_handoff import HandoffOutputProcessor
+    from jaxinfer.frontends.disaggregated import DisaggregatedEngine
+    from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
     cfg, params = _load(DENSE)
-    with pytest.raises(ConfigError, match="--disaggregate: handing over state-space"):
-        LLMEngine(cfg, params, None, _args(DENSE, 32, hybrid_kv_cache=False), num_blocks=32,
-                  role="prefill")
+    golden = np.load(DENSE / "golden.npz")
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    args = _args(DENSE, 32, hybrid_kv_cache=False, enable_prefix_caching=True)
+
+    def engine(role, **parts):
+        return LLMEngine(cfg, params, None, role_args(args, role), num_blocks=32, role=role,
+                         plan=ShardingPlan(build_mesh(1), cfg), **parts)
+
+    prefill = engine("prefill", outputs_cls=HandoffOutputProcessor)
+    disagg = DisaggregatedEngine(prefill, engine("decode", grammars=prefill.grammars))
+    assert disagg.decode.scheduler.kv.groups.num_groups == 4  # attention + 3 state groups
+    disagg.add_request("long", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    disagg.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
+    results = run_all(disagg)
+    assert results["long"][0][0] == expected
+    plain = LLMEngine(cfg, params, None, _args(DENSE, 32), num_blocks=32)
+    plain.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
+    assert results["short"][0][0] == run_all(plain)["short"][0][0]
+    # Again: a prefix hit on the prefill side (its state from a snapshot), none on the decode's.
+    disagg.add_request("again", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    assert run_all(disagg)["again"][0][0] == expected
+    assert disagg.prefill.scheduler.kv.stats.hits > 0
+    assert disagg.transfer_metrics.transfers._value.get() == 3
+    assert disagg.transfer_metrics.blocks_skipped._value.get() == 0
+    assert not disagg.requests and not disagg._transit
+    for side in (disagg.prefill, disagg.decode):
+        assert_all_free(side)
 
 
 @pytest.mark.parametrize("model_dir", [MOE, DENSE], ids=["moe", "dense"])

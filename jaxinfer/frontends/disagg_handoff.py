@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 
+from jaxinfer.core.kv_cache import FixedStateSpec
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.core.request import Request, Sequence, make_choice
 from jaxinfer.model.tokenizer import Tokenizer
@@ -49,15 +50,24 @@ class Handoff:
     request: Request      # the decode side's request
     seq: Sequence         # ... and its sequence
     holder: str           # prefill KV manager id holding the prompt blocks
-    src_blocks: list[int]
+    src_tables: list[list[int]]  # one per KV group (Scheduler.hold_for_hand_over)
     first_block: int = 0  # blocks before it: already in the decode side's prefix cache
-    dst_blocks: list[int] | None = None   # set once the decode side reserved them
+    dst_tables: list[list[int]] | None = None   # set once the decode side reserved them
     buffer: jax.Array | None = None       # in flight to the decode devices
     started: float = 0.0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def moved(self, tables: list[list[int]], specs, block_size: int) -> list[int]:
+        """The block ids the copy moves, of `tables` (src_tables or dst_tables, in one order):
+        an attention group's blocks of the prompt from `first_block`, a state-space layer's
+        group its state's pages, whole (`specs`: the groups' KV-cache specs)."""
+        last = -(-self.seq.prompt_len // block_size)
+        return [block for table, spec in zip(tables, specs, strict=True)
+                for block in (table if isinstance(spec, FixedStateSpec)
+                              else table[self.first_block:last])]
 
     def sync_reported(self) -> None:
         """Carry over what the prefill side already reported (its outputs are made after the

@@ -96,8 +96,10 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         self.startup = prefill.startup
         self.block_size = decode.config.cache.block_size
         prefill.hand_processed_steps_to(self._hand_over)
+        self._specs = decode.scheduler.kv.groups.specs
+        # A copy moves a table's worth of each group's blocks at most.
         self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
-                                   decode.runner.max_blocks)
+                                   decode.runner.max_blocks * len(self._specs))
         self.metrics = MergedMetrics([prefill.metrics, decode.metrics])
         self.transfer_metrics = KVTransferMetrics(self.model_name, self.metrics.registry)
         self._transit: dict[str, Handoff] = {}            # request id -> its hand-over
@@ -239,9 +241,9 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         for seq in seqs:
             if seq.finish_reason != HANDOFF:
                 continue
-            holder, blocks = self.prefill.scheduler.hold_for_hand_over(seq)
+            holder, tables = self.prefill.scheduler.hold_for_hand_over(seq)
             req, dseq = continuation(self.tokenizer, seq.request, seq)
-            h = Handoff(seq, req, dseq, holder, blocks)
+            h = Handoff(seq, req, dseq, holder, tables)
             self._transit[req.request_id] = h
             self._waiting.append(h)
         self._start_transfers()
@@ -259,7 +261,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         reserved = sched.reserve_hand_over(h.seq)  # (a failed adapter load: _start_transfers)
         if reserved is None:
             return False
-        cached, h.dst_blocks = reserved
+        cached, h.dst_tables = reserved
         h.first_block = cached // self.block_size
         return True
 
@@ -275,9 +277,8 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
             if not reserved:
                 return
             self._waiting.popleft()
-            last = -(-h.seq.prompt_len // self.block_size)
             h.buffer = self.transfer.send(self.prefill.runner.kv_cache,
-                                          h.src_blocks[h.first_block:last])
+                                          h.moved(h.src_tables, self._specs, self.block_size))
             h.started = time.perf_counter()
             self._in_flight.append(h)
             self.transfer_metrics.blocks_skipped.inc(h.first_block)
@@ -301,9 +302,9 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
             m.transfer_seconds.observe(time.perf_counter() - h.started)
             m.transfer_bytes.inc(h.buffer.nbytes)
             m.transfers.inc()
-            last = -(-h.seq.prompt_len // self.block_size)
+            blocks = h.moved(h.dst_tables, self._specs, self.block_size)
             self.decode.runner.replace_kv_cache(
-                lambda cache: self.transfer.receive(cache, h.buffer, h.dst_blocks[h.first_block:last]))
+                lambda cache: self.transfer.receive(cache, h.buffer, blocks))
             self._in_flight.remove(h)
             del self._transit[h.request_id]
             self.prefill.scheduler.free_blocks(h.holder)

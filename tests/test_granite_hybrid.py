@@ -86,7 +86,7 @@ def test_state_in_the_attention_page():
     state = specs[0]
     assert state.page_bytes(BLOCK, jnp.float32) == page.page_bytes(BLOCK, jnp.float32)
     assert state.state_pages(BLOCK, jnp.float32) == 2 and state.state_pages(8, jnp.float32) == 1
-    assert state.state_pages(8, jnp.bfloat16) == 2  # half the page, the same state
+    assert state.state_pages(8, jnp.bfloat16) == 3  # half the page, 6 bytes a state word
     # fp8: a quarter of the float32 page, each 4-byte word stored in 6 bytes (state_pages.py).
     assert state.state_pages(BLOCK, jnp.float8_e4m3fn) == -(-dims.state_bytes * 6 // 4 // 256)
     groups = KVCacheGroups.for_model(cfg)
@@ -172,7 +172,7 @@ GRANITE_4_H_TINY = {
 
 
 def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
-    """Granite 4.0-H-Tiny's 1.6 MB Mamba-2 state spans 50 attention pages of 16 bfloat16
+    """Granite 4.0-H-Tiny's 1.6 MB Mamba-2 state spans 74 attention pages of 16 bfloat16
     tokens: its shapes (no weights) pass the start-up refusals at the default flags (prefix caching
     on), and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
     engine's pre-load check."""
@@ -184,14 +184,14 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     cfg = config_from_dict(GRANITE_4_H_TINY)
     state = cfg.layer_kv_specs()[0]
     assert state.state_bytes == 4 * (3 * (3072 + 2 * 128) + 48 * 64 * 128)
-    assert state.state_pages(16, jnp.bfloat16) == 50
+    assert state.state_pages(16, jnp.bfloat16) == 74
     args = EngineArgs(model=str(tmp_path))
     assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
     refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
     # 4 attention layers set num_slots: the 36 Mamba-2 layers make 9 state groups.
-    assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (50,) * 9
-    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 50
+    assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (74,) * 9
+    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 74
 
     (tmp_path / "config.json").write_text(json.dumps(GRANITE_4_H_TINY))
     parser = argparse.ArgumentParser()
@@ -202,8 +202,8 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     token = 4 * 2 * 4 * 128 * 2  # K and V of 4 heads x 128 in 4 layers, bfloat16
     assert report["kv_bytes_per_token"] == token
-    assert report["kv_bytes_per_sequence"] == (4096 + 9 * 50 * 16) * token
-    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 9 * 50) * 16 * token
+    assert report["kv_bytes_per_sequence"] == (4096 + 9 * 74 * 16) * token
+    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 9 * 74) * 16 * token
     assert report["engine_plan"]["fitting_model_len"] == 4096
 
 
@@ -217,17 +217,18 @@ def test_refused_at_start(overrides, flag):
         LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32])
-def test_states_read_back_bit_exact_from_fp8_and_float32_caches(dtype):
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16,
+                                   jnp.float32])
+def test_states_read_back_bit_exact_from_every_cache_dtype(dtype):
     """Any float32 bits (NaNs and infinities too) written over a sequence's state pages read back
-    unchanged, in table order over shuffled blocks; in an fp8 cache no stored byte is an fp8 NaN
-    or infinity (an attention kernel's masked read of a stale one would give 0 x NaN)."""
+    unchanged, in table order over shuffled blocks; in a narrower cache no stored element is a
+    NaN or infinity (an attention kernel's masked read of a stale one would give 0 x NaN)."""
     from jaxinfer.model.state_pages import read_states, state_pages, write_states
     shapes = ((3, 5), (2, 4, 4))
     kv = tuple(jnp.zeros((2, 8, BLOCK, 8), dtype) for _ in range(2))
     n = state_pages(kv, shapes)
-    fp8 = jnp.dtype(dtype).itemsize == 1
-    assert n == -(-47 * (6 if fp8 else 4) // (2 * 2 * BLOCK * 8 * jnp.dtype(dtype).itemsize))
+    narrow = jnp.dtype(dtype).itemsize < 4
+    assert n == -(-47 * (6 if narrow else 4) // (2 * 2 * BLOCK * 8 * jnp.dtype(dtype).itemsize))
     bits = np.random.default_rng(0).integers(0, 2 ** 32, (2, 47), dtype=np.uint64)
     words = bits.astype(np.uint32).view(np.float32)
     states = (jnp.asarray(words[:, :15].reshape(2, 3, 5)),
@@ -238,8 +239,30 @@ def test_states_read_back_bit_exact_from_fp8_and_float32_caches(dtype):
     for want, got in zip(states, back):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
                                       np.asarray(want).view(np.uint32))
-    if fp8:
+    if narrow:
         assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in written)
+
+
+def test_bfloat16_engine_reuses_state_pages_for_attention():
+    """A bfloat16 model (its cache bfloat16) in a pool small enough to preempt: attention blocks
+    that held states before keep stale state elements past a sequence's last token, which the
+    attention reads masked; every greedy run's first token is the float32 engine's (a raw float32
+    word's low half may be a bfloat16 NaN: 0 x NaN gave token 0). (Later tokens may differ
+    at near-ties of the two dtypes.)"""
+    cfg = load_config(DENSE)
+    prompt = np.load(DENSE / "golden.npz")["greedy_prompt"].tolist() * 3
+    firsts = {}
+    for dtype in ("float32", "bfloat16"):
+        params = load_params(DENSE, cfg, jnp.dtype(dtype), progress=False)
+        engine = LLMEngine(cfg, params, None, _args(DENSE, 40, dtype=dtype), num_blocks=40)
+        for round_ in range(2):
+            for i in range(4):
+                engine.add_request(f"{round_}.{i}", prompt[:5 + 3 * i],
+                                   SamplingParams(max_tokens=8, **GREEDY))
+            firsts[dtype] = {rid: out[0][0][0] for rid, out in run_all(engine).items()}
+        assert engine.scheduler.num_preemptions > 0
+        assert_all_free(engine)
+    assert firsts["bfloat16"] == firsts["float32"]
 
 
 def test_fp8_kv_cache_ranks_the_goldens_greedy_tokens_first():

@@ -45,16 +45,17 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-# A float32 state word in a cache of 1-byte (fp8) elements takes 6 of them, 6 bits each: every
-# byte then stands for a finite fp8 value, so an attention kernel that reads a stale state byte
-# at a masked position (p = 0) multiplies it to 0, never 0 x NaN (state_pages.py).
-FP8_BYTES_PER_STATE_WORD = 6
+# A float32 state word in a cache of narrower elements takes 6 bytes of them (six fp8 elements
+# of 6 bits, three 16-bit ones of 12): every element then stands for a finite value, so an
+# attention kernel that reads a stale state element at a masked position (p = 0) multiplies it
+# to 0, never 0 x NaN (state_pages.py).
+NARROW_BYTES_PER_STATE_WORD = 6
 
 
 def stored_state_bytes(state_bytes: int, dtype) -> int:
     """The cache bytes that a float32 state of `state_bytes` takes in a cache of `dtype`."""
-    if dtype is not None and _itemsize(dtype) == 1:
-        return state_bytes // 4 * FP8_BYTES_PER_STATE_WORD
+    if dtype is not None and _itemsize(dtype) < 4:
+        return state_bytes // 4 * NARROW_BYTES_PER_STATE_WORD
     return state_bytes
 
 

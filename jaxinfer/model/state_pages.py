@@ -8,9 +8,10 @@ from its first token to its end) hold, as float32 words laid end to end over the
 n pages of the layer's cache array pair (K's page, then V's, of each block in turn; [heads,
 blocks, block_size, width] each), the layer's states (a conv state and a recurrent state, in
 the order `shapes` gives) after the sequence's last computed token, the rest zero. A word is
-the bits of one float32 element, or of two 16-bit ones; in an fp8 cache, six bytes of 6 bits
-(kv_specs.stored_state_bytes), since an fp8 byte may be NaN: an attention layer that later gets
-the block reads its stale bytes at masked positions, and 0 x NaN would reach its output. A step
+one float32 element; in a 16-bit or fp8 cache, six bytes of elements that each hold a few of
+its bits and stand for a finite value (`_fields`, kv_specs.stored_state_bytes): an attention
+layer that later gets the block reads its stale elements at masked positions, and a raw word's
+bits may be a NaN or infinity there (0 x NaN reaches its output). A step
 reads them (zeros for a sequence with no context) and writes the new ones over them, so
 chunked prefill carries the state across chunks and a decode updates it in place; a fork's
 shared pages are copied before either side writes (KVCacheManager's copy-on-write).
@@ -103,7 +104,13 @@ def state_pages(kv, shapes: Shapes) -> int:
     return -(-stored_state_bytes(state_words(shapes) * 4, dtype) // page_bytes)
 
 
-_SIX_BITS = tuple(range(0, 32, 6))  # a word's 6-bit fields in an fp8 cache, low first
+def _fields(dtype) -> tuple[int, int, int]:
+    """(bits, fields, marker) of a float32 word in elements of a narrower `dtype`: `fields`
+    elements of `bits` each, low first, ORed with `marker`. 16-bit: 12 bits with bit 13 set, an
+    exponent field of 64-95 (bfloat16) or 8-11 (float16): normal and finite. 8-bit: 6 bits, below
+    0x40: finite in e4m3fn and e5m2."""
+    bits = 6 * dtype.itemsize
+    return bits, -(-32 // bits), 0x2000 if dtype.itemsize == 2 else 0
 
 
 def _words(elements: jax.Array, num_words: int) -> jax.Array:
@@ -111,30 +118,28 @@ def _words(elements: jax.Array, num_words: int) -> jax.Array:
     s, dtype = elements.shape[0], elements.dtype
     if dtype == _F32:
         return elements[:, :num_words]
-    if dtype.itemsize == 1:
-        fields = jax.lax.bitcast_convert_type(elements[:, :num_words * len(_SIX_BITS)], jnp.uint8)
-        fields = fields.reshape(s, num_words, len(_SIX_BITS)).astype(jnp.uint32)
-        word = sum(fields[..., i] << shift for i, shift in enumerate(_SIX_BITS))
-        return jax.lax.bitcast_convert_type(word, _F32)
-    ratio = 4 // dtype.itemsize
-    pairs = elements[:, :num_words * ratio].reshape(s, num_words, ratio)
-    return jax.lax.bitcast_convert_type(pairs, _F32)
+    bits, fields, _ = _fields(dtype)
+    uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    parts = jax.lax.bitcast_convert_type(elements[:, :num_words * fields], uint)
+    parts = parts.reshape(s, num_words, fields).astype(jnp.uint32) & ((1 << bits) - 1)
+    word = sum(parts[..., i] << (i * bits) for i in range(fields))
+    return jax.lax.bitcast_convert_type(word, _F32)
 
 
 def _elements(words: jax.Array, dtype, num_elements: int) -> jax.Array:
     """float32 words [S, W] as [S, num_elements] cache elements of `dtype`, zeros after them
-    (`_words` reads them back). In a 1-byte cache each word is six bytes of 6 bits, so no byte
-    is an fp8 NaN or infinity."""
+    (`_words` reads them back); in a narrower cache each word as `_fields` gives."""
     dtype = jnp.dtype(dtype)
     s = words.shape[0]
     if dtype == _F32:
         out = words
-    elif dtype.itemsize == 1:
-        bits = jax.lax.bitcast_convert_type(words, jnp.uint32)
-        fields = jnp.stack([(bits >> shift) & 63 for shift in _SIX_BITS], axis=-1)
-        out = jax.lax.bitcast_convert_type(fields.astype(jnp.uint8), dtype).reshape(s, -1)
     else:
-        out = jax.lax.bitcast_convert_type(words, dtype).reshape(s, -1)
+        bits, fields, marker = _fields(dtype)
+        uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        word = jax.lax.bitcast_convert_type(words, jnp.uint32)
+        parts = jnp.stack([(word >> (i * bits)) & ((1 << bits) - 1) | marker
+                           for i in range(fields)], axis=-1)
+        out = jax.lax.bitcast_convert_type(parts.astype(uint), dtype).reshape(s, -1)
     return jnp.pad(out, ((0, 0), (0, num_elements - out.shape[1])))
 
 

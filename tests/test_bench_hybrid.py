@@ -23,15 +23,15 @@ ATTENTION_BLOCKS_128K = 131072 // 16
 
 
 def test_plan_counts_128k_sequences_on_a_141_gb_device(monkeypatch):
-    """A 128k sequence holds 8192 attention blocks, plus 67 pages of each of Qwen3-Next's 3
-    Gated DeltaNet state groups or 50 of each of Granite's 9 Mamba-2 ones; the pool is the
+    """A 128k sequence holds 8192 attention blocks, plus 101 pages of each of Qwen3-Next's 3
+    Gated DeltaNet state groups or 74 of each of Granite's 9 Mamba-2 ones; the pool is the
     planner's: 0.9 x device - weights - activation floor - compile scratch, in whole blocks."""
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.memory_preflight import preflight
     monkeypatch.setenv("JAXINFER_DEVICE_MEMORY", "141GB")
     out = plan_section(hybrid.PLAN_MODELS)
-    assert out["qwen3_next_80b_fp8_plan_sequence_blocks"] == ATTENTION_BLOCKS_128K + 3 * 67
-    assert out["granite4h_tiny_plan_sequence_blocks"] == ATTENTION_BLOCKS_128K + 9 * 50
+    assert out["qwen3_next_80b_fp8_plan_sequence_blocks"] == ATTENTION_BLOCKS_128K + 3 * 101
+    assert out["granite4h_tiny_plan_sequence_blocks"] == ATTENTION_BLOCKS_128K + 9 * 74
     assert out["llama8b_plan_sequence_blocks"] == ATTENTION_BLOCKS_128K
     for name in hybrid.PLAN_MODELS:
         assert out[f"{name}_max_concurrent_128k"] == (out[f"{name}_plan_pool_blocks"]

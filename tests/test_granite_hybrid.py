@@ -86,7 +86,9 @@ def test_state_in_the_attention_page():
     state = specs[0]
     assert state.page_bytes(BLOCK, jnp.float32) == page.page_bytes(BLOCK, jnp.float32)
     assert state.state_pages(BLOCK, jnp.float32) == 2 and state.state_pages(8, jnp.float32) == 1
-    assert state.state_pages(8, jnp.bfloat16) == 2  # half the page, the same state
+    assert state.state_pages(8, jnp.bfloat16) == 3  # half the page, 6 bytes a state word
+    # fp8: a quarter of the float32 page, each 4-byte word stored in 6 bytes (state_pages.py).
+    assert state.state_pages(BLOCK, jnp.float8_e4m3fn) == -(-dims.state_bytes * 6 // 4 // 256)
     groups = KVCacheGroups.for_model(cfg)
     assert groups.specs == (page, state, state, state) and groups.num_slots == 1
     assert groups.state_pages(BLOCK, jnp.float32) == (None, 2, 2, 2)
@@ -170,7 +172,7 @@ GRANITE_4_H_TINY = {
 
 
 def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
-    """Granite 4.0-H-Tiny's 1.6 MB Mamba-2 state spans 50 attention pages of 16 bfloat16
+    """Granite 4.0-H-Tiny's 1.6 MB Mamba-2 state spans 74 attention pages of 16 bfloat16
     tokens: its shapes (no weights) pass the start-up refusals at the default flags (prefix caching
     on), and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
     engine's pre-load check."""
@@ -182,14 +184,14 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     cfg = config_from_dict(GRANITE_4_H_TINY)
     state = cfg.layer_kv_specs()[0]
     assert state.state_bytes == 4 * (3 * (3072 + 2 * 128) + 48 * 64 * 128)
-    assert state.state_pages(16, jnp.bfloat16) == 50
+    assert state.state_pages(16, jnp.bfloat16) == 74
     args = EngineArgs(model=str(tmp_path))
     assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
     refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
     # 4 attention layers set num_slots: the 36 Mamba-2 layers make 9 state groups.
-    assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (50,) * 9
-    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 50
+    assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (74,) * 9
+    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 74
 
     (tmp_path / "config.json").write_text(json.dumps(GRANITE_4_H_TINY))
     parser = argparse.ArgumentParser()
@@ -200,14 +202,13 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     token = 4 * 2 * 4 * 128 * 2  # K and V of 4 heads x 128 in 4 layers, bfloat16
     assert report["kv_bytes_per_token"] == token
-    assert report["kv_bytes_per_sequence"] == (4096 + 9 * 50 * 16) * token
-    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 9 * 50) * 16 * token
+    assert report["kv_bytes_per_sequence"] == (4096 + 9 * 74 * 16) * token
+    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 9 * 74) * 16 * token
     assert report["engine_plan"]["fitting_model_len"] == 4096
 
 
 @pytest.mark.parametrize("overrides, flag", [
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
-    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
     (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),
 ])
 def test_refused_at_start(overrides, flag):
@@ -216,11 +217,114 @@ def test_refused_at_start(overrides, flag):
         LLMEngine(cfg, params, None, _args(DENSE, 32, **overrides), num_blocks=32)
 
 
-def test_disaggregated_engine_refused_by_name():
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16,
+                                   jnp.float32])
+def test_states_read_back_bit_exact_from_every_cache_dtype(dtype):
+    """Any float32 bits (NaNs and infinities too) written over a sequence's state pages read back
+    unchanged, in table order over shuffled blocks; in a narrower cache no stored element is a
+    NaN or infinity (an attention kernel's masked read of a stale one would give 0 x NaN)."""
+    from jaxinfer.model.state_pages import read_states, state_pages, write_states
+    shapes = ((3, 5), (2, 4, 4))
+    kv = tuple(jnp.zeros((2, 8, BLOCK, 8), dtype) for _ in range(2))
+    n = state_pages(kv, shapes)
+    narrow = jnp.dtype(dtype).itemsize < 4
+    assert n == -(-47 * (6 if narrow else 4) // (2 * 2 * BLOCK * 8 * jnp.dtype(dtype).itemsize))
+    bits = np.random.default_rng(0).integers(0, 2 ** 32, (2, 47), dtype=np.uint64)
+    words = bits.astype(np.uint32).view(np.float32)
+    states = (jnp.asarray(words[:, :15].reshape(2, 3, 5)),
+              jnp.asarray(words[:, 15:].reshape(2, 2, 4, 4)))
+    blocks = jnp.asarray(np.random.default_rng(1).permutation(8)[:2 * n].reshape(2, n), jnp.int32)
+    written = jax.jit(write_states)(kv, blocks, states)
+    back = jax.jit(read_states, static_argnums=2)(written, blocks, shapes)
+    for want, got in zip(states, back):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.asarray(want).view(np.uint32))
+    if narrow:
+        assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in written)
+
+
+def test_bfloat16_engine_reuses_state_pages_for_attention():
+    """A bfloat16 model (its cache bfloat16) in a pool small enough to preempt: attention blocks
+    that held states before keep stale state elements past a sequence's last token, which the
+    attention reads masked; every greedy run's first token is the float32 engine's (a raw float32
+    word's low half may be a bfloat16 NaN: 0 x NaN gave token 0). (Later tokens may differ
+    at near-ties of the two dtypes.)"""
+    cfg = load_config(DENSE)
+    prompt = np.load(DENSE / "golden.npz")["greedy_prompt"].tolist() * 3
+    firsts = {}
+    for dtype in ("float32", "bfloat16"):
+        params = load_params(DENSE, cfg, jnp.dtype(dtype), progress=False)
+        engine = LLMEngine(cfg, params, None, _args(DENSE, 40, dtype=dtype), num_blocks=40)
+        for round_ in range(2):
+            for i in range(4):
+                engine.add_request(f"{round_}.{i}", prompt[:5 + 3 * i],
+                                   SamplingParams(max_tokens=8, **GREEDY))
+            firsts[dtype] = {rid: out[0][0][0] for rid, out in run_all(engine).items()}
+        assert engine.scheduler.num_preemptions > 0
+        assert_all_free(engine)
+    assert firsts["bfloat16"] == firsts["float32"]
+
+
+def test_fp8_kv_cache_ranks_the_goldens_greedy_tokens_first():
+    """--kv-cache-dtype fp8: the attention layer's K and V in fp8 with its calibrated scales (the
+    Mamba-2 layers' 1.0, unread), the states over the fp8 pages; teacher-forced through the
+    engine, HF's greedy continuation is its top-1 at >= 14 of 16 positions (as
+    test_kv_fp8.py judges an fp8 cache), and every block comes back."""
     cfg, params = _load(DENSE)
-    with pytest.raises(ConfigError, match="--disaggregate: handing over state-space"):
-        LLMEngine(cfg, params, None, _args(DENSE, 32, hybrid_kv_cache=False), num_blocks=32,
-                  role="prefill")
+    golden = np.load(DENSE / "golden.npz")
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    engine = LLMEngine(cfg, params, None, _args(DENSE, 64, kv_cache_dtype="fp8"), num_blocks=64)
+    assert engine.runner.kv_cache[0][0].dtype == jnp.float8_e4m3fn
+    attention = engine.runner.kernels.attention
+    assert [attention.k_scales[i] for i, s in enumerate(cfg.layer_states) if s] == [1.0] * 3
+    engine.add_request("s", prompt + expected, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    scored = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            scored = scored or out.prompt_logprobs
+    picked = scored[len(prompt):]
+    assert [lp.token_id for lp in picked] == expected
+    assert sum(lp.rank == 1 for lp in picked) >= 14
+    assert_all_free(engine)
+
+
+def test_disaggregated_engine_hands_the_states_over():
+    """A prefill and a decode engine on one device: the hand-over copies the attention group's
+    prompt blocks and each Mamba-2 layer's state pages (every KV group's table), and the decode
+    side continues with HF's greedy tokens, a chunked prompt and a one-block one alike, and
+    after a prefill-side prefix hit; no block is left held on either side."""
+    from jaxinfer.disagg.args import role_args
+    from jaxinfer.frontends.disagg_handoff import HandoffOutputProcessor
+    from jaxinfer.frontends.disaggregated import DisaggregatedEngine
+    from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
+    cfg, params = _load(DENSE)
+    golden = np.load(DENSE / "golden.npz")
+    prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
+    args = _args(DENSE, 32, hybrid_kv_cache=False, enable_prefix_caching=True)
+
+    def engine(role, **parts):
+        return LLMEngine(cfg, params, None, role_args(args, role), num_blocks=32, role=role,
+                         plan=ShardingPlan(build_mesh(1), cfg), **parts)
+
+    prefill = engine("prefill", outputs_cls=HandoffOutputProcessor)
+    disagg = DisaggregatedEngine(prefill, engine("decode", grammars=prefill.grammars))
+    assert disagg.decode.scheduler.kv.groups.num_groups == 4  # attention + 3 state groups
+    disagg.add_request("long", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    disagg.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
+    results = run_all(disagg)
+    assert results["long"][0][0] == expected
+    plain = LLMEngine(cfg, params, None, _args(DENSE, 32), num_blocks=32)
+    plain.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
+    assert results["short"][0][0] == run_all(plain)["short"][0][0]
+    # Again: a prefix hit on the prefill side (its state from a snapshot), none on the decode's.
+    disagg.add_request("again", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
+    assert run_all(disagg)["again"][0][0] == expected
+    assert disagg.prefill.scheduler.kv.stats.hits > 0
+    assert disagg.transfer_metrics.transfers._value.get() == 3
+    assert disagg.transfer_metrics.blocks_skipped._value.get() == 0
+    assert not disagg.requests and not disagg._transit
+    for side in (disagg.prefill, disagg.decode):
+        assert_all_free(side)
 
 
 @pytest.mark.parametrize("model_dir", [MOE, DENSE], ids=["moe", "dense"])

@@ -28,9 +28,11 @@ def test_page_bytes_per_kind():
         == 16 * 2 * 8 * 128
     # DeepSeek: one 576-wide latent per token, no V (half of a K/V pair of that width).
     assert MLAAttentionSpec(576, 512).page_bytes(16, jnp.bfloat16) == 16 * 576 * 2
-    # A fixed state is the same bytes whatever the block size and dtype.
-    assert FixedStateSpec(1 << 20).page_bytes(16, jnp.bfloat16) == 1 << 20
+    # A fixed state is the same bytes whatever the block size; a float32 word takes 6 bytes of a
+    # narrower cache (kv_specs.stored_state_bytes).
+    assert FixedStateSpec(1 << 20).page_bytes(16, jnp.bfloat16) == 3 << 19
     assert FixedStateSpec(1 << 20).page_bytes(256, jnp.float32) == 1 << 20
+    assert FixedStateSpec(1 << 20).state_pages(16, jnp.bfloat16) == 1
 
 
 def test_what_each_kind_frees():
@@ -64,7 +66,8 @@ def test_blocks_for_sequence_per_kind():
     # A fixed state: its pages, whatever the length (alone, its page is the state).
     assert FixedStateSpec(8).blocks_for_sequence(n, chunk, BS) == 1
     beside = FixedStateSpec(100, page_of=FullAttentionSpec(1, 1))  # 2 x 4 x 2 = 16 B a page
-    assert beside.blocks_for_sequence(n, chunk, BS, jnp.bfloat16) == 7
+    # bfloat16: 25 words of 6 bytes each (kv_specs.stored_state_bytes) over 16-byte pages.
+    assert beside.blocks_for_sequence(n, chunk, BS, jnp.bfloat16) == 10
     assert beside.blocks_for_sequence(3, chunk, BS, jnp.float32) == 4
     with pytest.raises(ValueError, match="dtype"):
         beside.blocks_for_sequence(n, chunk, BS)
@@ -142,7 +145,8 @@ def test_freeing_follows_the_spec_as_a_request_grows():
 
     # A state of 3 pages beside full attention: its pages from the first token, then only
     # the attention blocks grow, past what the pool could give every token of both groups.
-    spec = FixedStateSpec(40, page_of=FullAttentionSpec(1, 1))  # 2 x 4 x 2 = 16 B a page
+    # 8 words, 48 bf16 bytes (kv_specs.stored_state_bytes) over pages of 2 x 4 x 2 = 16 B.
+    spec = FixedStateSpec(32, page_of=FullAttentionSpec(1, 1))
     groups = KVCacheGroups.from_layer_specs([FULL, spec])
     state = KVCacheManager(32, BS, enable_prefix_caching=False, groups=groups,
                            kv_dtype=jnp.bfloat16)

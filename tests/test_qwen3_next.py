@@ -53,7 +53,7 @@ def test_state_in_the_attention_page():
     state = FixedStateSpec(dims.state_bytes, page_of=page)
     assert cfg.layer_kv_specs() == (state, page, state, state)
     assert state.state_pages(BLOCK, jnp.float32) == 3 and state.state_pages(16, jnp.float32) == 1
-    assert state.state_pages(BLOCK, jnp.bfloat16) == 6
+    assert state.state_pages(BLOCK, jnp.bfloat16) == 9
     groups = KVCacheGroups.for_model(cfg)
     assert groups.specs == (page, state, state, state) and groups.num_slots == 1
     assert groups.tokens_held(32, BLOCK, jnp.float32) == (8 + 3 * 3) * BLOCK
@@ -144,7 +144,7 @@ QWEN3_NEXT_80B = {
 
 
 def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
-    """Qwen3-Next-80B's 2.1 MB Gated DeltaNet state spans 67 attention pages of 16 bfloat16
+    """Qwen3-Next-80B's 2.1 MB Gated DeltaNet state spans 101 attention pages of 16 bfloat16
     tokens: its shapes (no weights) pass the start-up refusals at the default flags (prefix caching
     on), and `jaxinfer memory` counts each sequence's state pages, in its figures and in the
     engine's pre-load check."""
@@ -153,14 +153,14 @@ def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
     cfg = config_from_dict(QWEN3_NEXT_80B)
     state = cfg.layer_kv_specs()[0]
     assert state.state_bytes == 4 * (3 * 8192 + 32 * 128 * 128)
-    assert state.state_pages(16, jnp.bfloat16) == 67
+    assert state.state_pages(16, jnp.bfloat16) == 101
     args = EngineArgs(model=str(tmp_path))
     assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
     refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
     # 12 attention layers set num_slots: the 36 Gated DeltaNet layers make 3 state groups.
-    assert groups.num_slots == 12 and groups.state_pages(16, jnp.bfloat16) == (None, 67, 67, 67)
-    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 3 * 67
+    assert groups.num_slots == 12 and groups.state_pages(16, jnp.bfloat16) == (None, 101, 101, 101)
+    assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 3 * 101
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
     parser = argparse.ArgumentParser()
@@ -173,8 +173,8 @@ def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     token = 12 * 2 * 2 * 256 * 2  # K and V of 2 heads x 256 in 12 layers, bfloat16
     assert report["kv_bytes_per_token"] == token
-    assert report["kv_bytes_per_sequence"] == (4096 + 3 * 67 * 16) * token
-    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 3 * 67) * 16 * token
+    assert report["kv_bytes_per_sequence"] == (4096 + 3 * 101 * 16) * token
+    assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 3 * 101) * 16 * token
     assert report["engine_plan"]["fitting_model_len"] == 4096
 
 

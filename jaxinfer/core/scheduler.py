@@ -36,7 +36,7 @@ import itertools
 import time
 from typing import Callable, Iterable
 
-from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
+from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheManager, PrefixCacheStats
 from jaxinfer.core.kv_loads import KVLoads
 from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.core.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -138,29 +138,34 @@ class Scheduler:
         self.lora_slots = slots
 
     # ---- disaggregation: prompts handed from a prefill engine's scheduler to a decode engine's ----
-    def hold_for_hand_over(self, seq: Sequence) -> tuple[str, list[int]]:
+    def hold_for_hand_over(self, seq: Sequence) -> tuple[str, list[list[int]]]:
         """A prompt handed off: cache its full blocks and hold them under a new id (a fork) until
-        the copy lands, whatever this scheduler does with `seq`. The holder id and its block ids."""
+        the copy lands, whatever this scheduler does with `seq`. The holder id and its block
+        tables (one per KV group: a state-space layer's group holds its state's pages)."""
         self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.prompt_len)
         holder = f"{seq.seq_id}#transfer"
         self.kv.fork(seq.seq_id, holder)
-        return holder, list(self.kv.get_block_ids(holder))
+        return holder, [list(t) for t in self.kv.get_block_tables(holder)]
 
-    def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[int]] | None:
+    def reserve_hand_over(self, seq: Sequence) -> tuple[int, list[list[int]]] | None:
         """Its adapter's slot and blocks for a sequence arriving from a prefill engine (prompt +
         first token), after matching the prompt in the prefix cache (not counted in the hit-rate
-        stats: the prefill side's lookup is the request's). (prompt tokens cached, block ids), or
-        None when the slots or the pool cannot hold it now; InvalidRequestError when its adapter
-        cannot be loaded. `add_running` starts it once its KV has landed."""
+        stats: the prefill side's lookup is the request's). (prompt tokens cached, block tables
+        as `hold_for_hand_over`'s), or None when the slots or the pool cannot hold it now;
+        InvalidRequestError when its adapter cannot be loaded. `add_running` starts it once its
+        KV has landed. A model with state-space layers matches nothing: a hit would resume from
+        the snapshot pages of the prefix cache, and the hand-over brings the state whole."""
         if self.lora_slots is not None and not self.lora_slots.acquire(seq):
             return None
         prompt_len = seq.prompt_len
-        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len], count=False,
+        states = any(isinstance(spec, FixedStateSpec) for spec in self.kv.groups.specs)
+        cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len],
+                                             match=not states, count=False,
                                              namespace=self._cache_namespace(seq))
         if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
             self.drop_hand_over(seq)
             return None
-        return cached, list(self.kv.get_block_ids(seq.seq_id))
+        return cached, [list(t) for t in self.kv.get_block_tables(seq.seq_id)]
 
     def drop_hand_over(self, seq: Sequence) -> None:
         """Give back what `reserve_hand_over` took for `seq`, if anything."""

@@ -2,13 +2,13 @@
 layers, Qwen3-Next's Gated DeltaNet) does not run yet, refused at start with the flag that asks
 for it (docs/feature_matrix.md). A state spans as many attention pages as it needs
 (kv_specs.FixedStateSpec.state_pages), so every --block-size holds it; prefix caching keeps
-snapshots of it (core/kv_cache/state_snapshots.py)."""
+snapshots of it (core/kv_cache/state_snapshots.py); in an fp8 cache its float32 words are the
+pages' bytes (state_pages.py)."""
 
 from __future__ import annotations
 
 from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
 from jaxinfer.errors import ConfigError
-from pallas_kernels.attention.kv_quant import is_fp8
 
 
 def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> None:
@@ -30,12 +30,6 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> No
     if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("--tensor-parallel-size > 1: state-space layers' states are not "
                           "sharded over devices yet")
-    if is_fp8(kv_dtype):
-        # The fp8 scales are calibrated per layer from the attention's K and V, which a
-        # state-space layer has none of.
-        raise ConfigError(f"--kv-cache-dtype {cache.kv_cache_dtype}: an fp8 KV cache beside "
-                          f"state-space layers is not built (their states would share its "
-                          f"pages); use the model dtype")
     page = groups.page_spec.page_bytes(cache.block_size, kv_dtype)
     if any(state.state_pages(cache.block_size, kv_dtype) * page % 4 for state in states):
         # The states are float32 words laid over the pages (model/state_pages.py).

@@ -99,7 +99,8 @@ def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs,
     windows still apply in the kernels) where a feature needs whole prefix blocks, logged:
     - the host tier (--kv-offload): a host block is one prefix block of every layer, and a
       windowed group's block of an old prefix may be gone;
-    - a disaggregated engine (`role`): the hand-over carries one block table per request;
+    - a disaggregated engine (`role`): the hand-over carries one attention group's blocks per
+      request (and a state-space layer's group's state pages, which stays apart);
     - a draft model or an EAGLE-3 head over a target whose every group is windowed (a Mistral
       with `sliding_window`): the drafter keeps its KV in the first group's blocks, which would
       leave with the window."""
@@ -110,7 +111,7 @@ def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs,
     if args.kv_offload and groups.num_groups > 1:
         why = "the host tier (--kv-offload) keeps whole prefix blocks"
     elif role is not None and groups.num_groups > 1:
-        why = "the disaggregated hand-over carries one block table per request"
+        why = "the disaggregated hand-over carries one attention group's blocks per request"
     elif (spec is not None and spec.method != "ngram"
           and not groups.specs[0].keeps_every_block):
         why = (f"the {spec.method} drafter keeps its KV in the target's blocks and no target "

@@ -85,10 +85,10 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         # A sequence may grow to max_model_len tokens; in a smaller pool it would wait forever for
         # blocks that no other sequence can free.
         groups = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache)
-        if role is not None and groups.num_groups > 1:  # the hand-over copies one table
-            if any(isinstance(spec, FixedStateSpec) for spec in groups.specs):
-                raise ConfigError("--disaggregate: handing over state-space layers' states "
-                                  "is not built")
+        # The hand-over copies the attention group's prompt blocks and each state-space layer's
+        # state pages (frontends/disagg_handoff.py `Handoff.moved`), not a windowed group's.
+        if role is not None and sum(not isinstance(spec, FixedStateSpec)
+                                    for spec in groups.specs) > 1:
             raise ConfigError("a disaggregated engine takes one KV group: build it with "
                               "from_engine_args, which turns --hybrid-kv-cache off")
         kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, params_dtype_name(params))

@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 
+from jaxinfer.core.kv_cache import FixedStateSpec
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.core.request import Request, Sequence, SeqStatus, make_choice
 from jaxinfer.model.tokenizer import Tokenizer
@@ -59,10 +60,10 @@ class Handoff:
     transit: Transit
     src_seq: Sequence     # the prefill side's sequence (its request is detached once reported)
     holder: str           # prefill KV manager id holding the prompt blocks
-    src_blocks: list[int]
+    src_tables: list[list[int]]  # one per KV group (Scheduler.hold_for_hand_over)
     seq: Sequence | None = None  # the decode side's, once its request's continuation is built
     first_block: int = 0  # blocks before it: already in the decode side's prefix cache
-    dst_blocks: list[int] | None = None   # set once the decode side reserved them
+    dst_tables: list[list[int]] | None = None   # set once the decode side reserved them
     buffer: jax.Array | None = None       # in flight to the decode devices
     started: float = 0.0
     landed: bool = False
@@ -86,6 +87,15 @@ class Transit:
         self.request = continuation(tokenizer, self.src)
         for h in self.handoffs:
             h.seq = self.request.choices[h.src_seq.index]
+
+    def moved(self, tables: list[list[int]], specs, block_size: int) -> list[int]:
+        """The block ids the copy moves, of `tables` (src_tables or dst_tables, in one order):
+        an attention group's blocks of the prompt from `first_block`, a state-space layer's
+        group its state's pages, whole (`specs`: the groups' KV-cache specs)."""
+        last = -(-self.seq.prompt_len // block_size)
+        return [block for table, spec in zip(tables, specs, strict=True)
+                for block in (table if isinstance(spec, FixedStateSpec)
+                              else table[self.first_block:last])]
 
     def sync_reported(self) -> None:
         """Carry over what the prefill side already reported (its outputs are made after the

@@ -99,8 +99,10 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         self.startup = prefill.startup
         self.block_size = decode.config.cache.block_size
         prefill.hand_processed_steps_to(self._hand_over)
+        self._specs = decode.scheduler.kv.groups.specs
+        # A copy moves a table's worth of each group's blocks at most.
         self.transfer = KVTransfer(prefill.runner.plan, decode.runner.plan,
-                                   decode.runner.max_blocks)
+                                   decode.runner.max_blocks * len(self._specs))
         self.metrics = MergedMetrics([prefill.metrics, decode.metrics])
         self.transfer_metrics = KVTransferMetrics(self.model_name, self.metrics.registry)
         self._transit: dict[str, Transit] = {}            # request id -> its hand-overs
@@ -261,11 +263,11 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         for seq in seqs:
             if seq.finish_reason == HANDOFF:
                 req = seq.request
-                holder, blocks = self.prefill.scheduler.hold_for_hand_over(seq)
+                holder, tables = self.prefill.scheduler.hold_for_hand_over(seq)
                 t = self._transit.get(req.request_id)
                 if t is None:
                     t = self._transit[req.request_id] = Transit(req)
-                t.handoffs.append(Handoff(t, seq, holder, blocks))
+                t.handoffs.append(Handoff(t, seq, holder, tables))
         for seq in seqs:  # (after the step's hand-overs: a request's choices finish together)
             t = self._transit.get(seq.request.request_id)
             if t is not None and t.request is None and seq.request.finished:
@@ -280,7 +282,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         waiting (preempted) sequences go first: reserved blocks cannot be preempted until their
         sequence runs, so taking them ahead of a preempted one could leave it waiting forever."""
         sched = self.decode.scheduler
-        reserved = sum(x.dst_blocks is not None for t in self._transit.values()
+        reserved = sum(x.dst_tables is not None for t in self._transit.values()
                        for x in t.handoffs)  # in flight, or landed before the request's others
         if sched.num_waiting or (sched.num_running + reserved
                                  >= self.decode.config.scheduler.max_num_seqs):
@@ -288,7 +290,7 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
         reserved = sched.reserve_hand_over(h.seq)  # (a failed adapter load: _start_transfers)
         if reserved is None:
             return False
-        cached, h.dst_blocks = reserved
+        cached, h.dst_tables = reserved
         h.first_block = cached // self.block_size
         return True
 
@@ -304,9 +306,8 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
             if not reserved:
                 return
             self._waiting.popleft()
-            last = -(-h.seq.prompt_len // self.block_size)
             h.buffer = self.transfer.send(self.prefill.runner.kv_cache,
-                                          h.src_blocks[h.first_block:last])
+                                          h.moved(h.src_tables, self._specs, self.block_size))
             h.started = time.perf_counter()
             self._in_flight.append(h)
             self.transfer_metrics.blocks_skipped.inc(h.first_block)
@@ -331,9 +332,9 @@ class DisaggregatedEngine(LoRAFanOut, EngineClient):
             m.transfer_seconds.observe(time.perf_counter() - h.started)
             m.transfer_bytes.inc(h.buffer.nbytes)
             m.transfers.inc()
-            last = -(-h.seq.prompt_len // self.block_size)
+            blocks = h.moved(h.dst_tables, self._specs, self.block_size)
             self.decode.runner.replace_kv_cache(
-                lambda cache: self.transfer.receive(cache, h.buffer, h.dst_blocks[h.first_block:last]))
+                lambda cache: self.transfer.receive(cache, h.buffer, blocks))
             self._in_flight.remove(h)
             self.prefill.scheduler.free_blocks(h.holder)
             h.landed = True

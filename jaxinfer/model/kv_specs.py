@@ -45,6 +45,20 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
+# A float32 state word in a cache of narrower elements takes 6 bytes of them (six fp8 elements
+# of 6 bits, three 16-bit ones of 12): every element then stands for a finite value, so an
+# attention kernel that reads a stale state element at a masked position (p = 0) multiplies it
+# to 0, never 0 x NaN (state_pages.py).
+NARROW_BYTES_PER_STATE_WORD = 6
+
+
+def stored_state_bytes(state_bytes: int, dtype) -> int:
+    """The cache bytes that a float32 state of `state_bytes` takes in a cache of `dtype`."""
+    if dtype is not None and _itemsize(dtype) < 4:
+        return state_bytes // 4 * NARROW_BYTES_PER_STATE_WORD
+    return state_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec(abc.ABC):
     """What one layer keeps per block. Subclasses set the rules; equal specs share a group."""
@@ -259,13 +273,14 @@ class FixedStateSpec(KVCacheSpec):
     def page_bytes(self, block_size: int, dtype) -> int:
         if self.page_of is not None:
             return self.page_of.page_bytes(block_size, dtype)
-        return self.state_bytes
+        return stored_state_bytes(self.state_bytes, dtype)
 
     def state_pages(self, block_size: int, dtype) -> int:
         """The blocks one sequence's state spans in a cache of element type `dtype`."""
         if dtype is None and self.page_of is not None:
             raise ValueError("a fixed state's pages depend on the cache dtype: pass `dtype`")
-        return _cdiv(self.state_bytes, self.page_bytes(block_size, dtype))
+        return _cdiv(stored_state_bytes(self.state_bytes, dtype),
+                     self.page_bytes(block_size, dtype))
 
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         # A query at a block boundary resumes from the snapshot of the block before it.

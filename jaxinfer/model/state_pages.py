@@ -4,10 +4,14 @@ sequences start from, gathered into a pool of one slot per sequence, and the sta
 with, written back.
 
 A sequence's first n blocks of the layer's group table (n = FixedStateSpec.state_pages, held
-from its first token to its end) hold, bit-cast to float32 words and laid end to end over the
+from its first token to its end) hold, as float32 words laid end to end over the
 n pages of the layer's cache array pair (K's page, then V's, of each block in turn; [heads,
 blocks, block_size, width] each), the layer's states (a conv state and a recurrent state, in
-the order `shapes` gives) after the sequence's last computed token, the rest zero. A step
+the order `shapes` gives) after the sequence's last computed token, the rest zero. A word is
+one float32 element; in a 16-bit or fp8 cache, six bytes of elements that each hold a few of
+its bits and stand for a finite value (`_fields`, kv_specs.stored_state_bytes): an attention
+layer that later gets the block reads its stale elements at masked positions, and a raw word's
+bits may be a NaN or infinity there (0 x NaN reaches its output). A step
 reads them (zeros for a sequence with no context) and writes the new ones over them, so
 chunked prefill carries the state across chunks and a decode updates it in place; a fork's
 shared pages are copied before either side writes (KVCacheManager's copy-on-write).
@@ -20,6 +24,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.model.kv_specs import stored_state_bytes
 
 _F32 = jnp.float32
 Shapes = tuple[tuple[int, ...], ...]
@@ -93,22 +99,48 @@ def paged_batch(md, kv, shapes: Shapes) -> StateBatch:
 def state_pages(kv, shapes: Shapes) -> int:
     """The pages of the cache array pair kv that the states of `shapes` span
     (FixedStateSpec.state_pages for this cache)."""
-    page_bytes = sum(a[:, 0].size for a in kv) * kv[0].dtype.itemsize
-    return -(-state_words(shapes) * 4 // page_bytes)
+    dtype = kv[0].dtype
+    page_bytes = sum(a[:, 0].size for a in kv) * dtype.itemsize
+    return -(-stored_state_bytes(state_words(shapes) * 4, dtype) // page_bytes)
 
 
-def _words(page: jax.Array) -> jax.Array:
-    """[S, E] elements of the cache dtype -> [S, E * itemsize / 4] float32 words (bit-cast)."""
-    if page.dtype == _F32:
-        return page
-    ratio = 4 // page.dtype.itemsize
-    return jax.lax.bitcast_convert_type(page.reshape(page.shape[0], -1, ratio), _F32)
+def _fields(dtype) -> tuple[int, int, int]:
+    """(bits, fields, marker) of a float32 word in elements of a narrower `dtype`: `fields`
+    elements of `bits` each, low first, ORed with `marker`. 16-bit: 12 bits with bit 13 set, an
+    exponent field of 64-95 (bfloat16) or 8-11 (float16): normal and finite. 8-bit: 6 bits, below
+    0x40: finite in e4m3fn and e5m2."""
+    bits = 6 * dtype.itemsize
+    return bits, -(-32 // bits), 0x2000 if dtype.itemsize == 2 else 0
 
 
-def _elements(words: jax.Array, dtype) -> jax.Array:
-    if jnp.dtype(dtype) == _F32:
-        return words
-    return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
+def _words(elements: jax.Array, num_words: int) -> jax.Array:
+    """The first `num_words` float32 words stored in [S, E] cache elements (bit-exact)."""
+    s, dtype = elements.shape[0], elements.dtype
+    if dtype == _F32:
+        return elements[:, :num_words]
+    bits, fields, _ = _fields(dtype)
+    uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    parts = jax.lax.bitcast_convert_type(elements[:, :num_words * fields], uint)
+    parts = parts.reshape(s, num_words, fields).astype(jnp.uint32) & ((1 << bits) - 1)
+    word = sum(parts[..., i] << (i * bits) for i in range(fields))
+    return jax.lax.bitcast_convert_type(word, _F32)
+
+
+def _elements(words: jax.Array, dtype, num_elements: int) -> jax.Array:
+    """float32 words [S, W] as [S, num_elements] cache elements of `dtype`, zeros after them
+    (`_words` reads them back); in a narrower cache each word as `_fields` gives."""
+    dtype = jnp.dtype(dtype)
+    s = words.shape[0]
+    if dtype == _F32:
+        out = words
+    else:
+        bits, fields, marker = _fields(dtype)
+        uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        word = jax.lax.bitcast_convert_type(words, jnp.uint32)
+        parts = jnp.stack([(word >> (i * bits)) & ((1 << bits) - 1) | marker
+                           for i in range(fields)], axis=-1)
+        out = jax.lax.bitcast_convert_type(parts.astype(uint), dtype).reshape(s, -1)
+    return jnp.pad(out, ((0, 0), (0, num_elements - out.shape[1])))
 
 
 def _page_rows(kv, blocks: jax.Array) -> jax.Array:
@@ -122,7 +154,7 @@ def _page_rows(kv, blocks: jax.Array) -> jax.Array:
 def read_states(kv, blocks: jax.Array, shapes: Shapes) -> tuple[jax.Array, ...]:
     """The states in pages `blocks` [S, n] of the cache array pair kv: one float32
     [S, *shape] per entry of `shapes`."""
-    words = _words(_page_rows(kv, blocks))
+    words = _words(_page_rows(kv, blocks), state_words(shapes))
     s, start, out = blocks.shape[0], 0, []
     for shape in shapes:
         size = math.prod(shape)
@@ -135,12 +167,10 @@ def write_states(kv, blocks: jax.Array, states: tuple[jax.Array, ...]):
     """kv with `states` (each [S, ...], in `read_states`' order) written over pages `blocks`
     [S, n] (out of range: not written), the rest of the pages zero."""
     s, n = blocks.shape
-    dtype = kv[0].dtype
     sizes = [a[:, 0].size for a in kv]  # elements of one page of each array
-    total_words = n * sum(sizes) * jnp.dtype(dtype).itemsize // 4
     words = jnp.concatenate([x.reshape(s, -1).astype(_F32) for x in states], axis=-1)
-    words = jnp.pad(words, ((0, 0), (0, total_words - words.shape[1])))
-    pages = jnp.split(_elements(words, dtype).reshape(s, n, -1), [sizes[0]], axis=-1)
+    elements = _elements(words, kv[0].dtype, n * sum(sizes))
+    pages = jnp.split(elements.reshape(s, n, -1), [sizes[0]], axis=-1)
     out = []
     for a, page in zip(kv, pages):
         heads, _, block_size, width = a.shape

@@ -11,6 +11,9 @@ Where they come from (`--kv-cache-scales`):
 - `auto` (default): the checkpoint's tensors when it has them, else `calibrate`.
 - a number: that scale for every layer's K and V (1.0: values stored as they are).
 
+A state-space layer (kv_specs.FixedStateSpec) has no K or V: its scales are 1.0 and unused, its
+float32 state laid over the fp8 pages as raw bytes (model/state_pages.py).
+
 An MLA latent cache (DeepSeek) has one scale per layer for the whole 576-wide latent ([c, rope
 key]; the values are its first columns, so the v scale is the k scale): calibrated over |c| and
 the rope key's pair norms; from a checkpoint, its k_scale.
@@ -32,6 +35,7 @@ from jaxinfer.core.kv_cache.cache_config import SCALE_MODES, check_scales_flag
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
+from jaxinfer.model.kv_specs import FixedStateSpec
 from pallas_kernels.attention.kv_quant import FP8KVAttention, fp8_max, is_fp8
 
 log = logging.getLogger(__name__)
@@ -39,8 +43,17 @@ log = logging.getLogger(__name__)
 CALIBRATION_TOKENS = 512
 
 
-def checkpoint_kv_scales(model_dir: str | Path, num_layers: int):
-    """(k scales, v scales) from the checkpoint's safetensors, or None when it has none."""
+def state_layers(cfg: ModelConfig) -> frozenset[int]:
+    """The layers that keep no K or V: state-space layers, whose states lie over the cache's
+    pages as raw bytes (model/state_pages.py); their scales are 1.0, never read."""
+    return frozenset(i for i, spec in enumerate(cfg.layer_kv_specs())
+                     if isinstance(spec, FixedStateSpec))
+
+
+def checkpoint_kv_scales(model_dir: str | Path, num_layers: int,
+                         states: frozenset[int] = frozenset()):
+    """(k scales, v scales) from the checkpoint's safetensors (1.0 for the layers in `states`),
+    or None when it has none."""
     from safetensors import safe_open
     found: dict[str, float] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
@@ -59,8 +72,8 @@ def checkpoint_kv_scales(model_dir: str | Path, num_layers: int):
         raise ConfigError(f"--kv-cache-scales checkpoint: '{model_dir}' has KV scales but none "
                           f"for layer {i} ({kind}_scale)")
 
-    return (tuple(scale(i, "k") for i in range(num_layers)),
-            tuple(scale(i, "v") for i in range(num_layers)))
+    return (tuple(1.0 if i in states else scale(i, "k") for i in range(num_layers)),
+            tuple(1.0 if i in states else scale(i, "v") for i in range(num_layers)))
 
 
 def calibration_tokens(tokenizer, vocab_size: int, max_tokens: int) -> np.ndarray:
@@ -105,6 +118,9 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
         _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
         out = []
         for i, spec in enumerate(cfg.layer_kv_specs()):
+            if isinstance(spec, FixedStateSpec):
+                out.append((0.0, 0.0))  # no K or V: scale 1.0
+                continue
             attn = state["intermediates"][f"layers_{i}"]["attn"]  # Attention sows k and v
             if spec.values_in_keys:  # MLAttention sows c and the rope key: K and V at once
                 amax = _latent_amax(attn["c"][0], attn["k_pe"][0])
@@ -128,7 +144,8 @@ def resolve_kv_scales(mode: str, cfg: ModelConfig, params, *, model_dir: str | N
         unit = (float(mode),) * cfg.num_layers
         return unit, unit, f"--kv-cache-scales {mode}"
     if mode in ("auto", "checkpoint"):
-        given = checkpoint_kv_scales(model_dir, cfg.num_layers) if model_dir else None
+        given = (checkpoint_kv_scales(model_dir, cfg.num_layers, state_layers(cfg))
+                 if model_dir else None)
         if given is not None:
             return *given, "checkpoint"
         if mode == "checkpoint":
@@ -159,6 +176,7 @@ def kv_cache_kernels(kernels: KernelTable, kv_dtype, cfg: ModelConfig, params=No
                                      tokenizer=tokenizer, kv_dtype=kv_dtype)
     specs = cfg.layer_kv_specs()
     # A layer whose values are read out of its keys (the MLA latent): one scale, the k scale.
-    v = tuple(k_i if spec.values_in_keys else v_i for k_i, v_i, spec in zip(k, v, specs))
+    v = tuple(k_i if getattr(spec, "values_in_keys", False) else v_i
+              for k_i, v_i, spec in zip(k, v, specs))
     log.info("fp8 KV cache scales (%s): k %s, v %s", source, k, v)
     return dataclasses.replace(kernels, attention=FP8KVAttention(kernels.attention, k, v))

@@ -68,6 +68,15 @@ class Handoff:
     started: float = 0.0
     landed: bool = False
 
+    def moved(self, tables: list[list[int]], specs, block_size: int) -> list[int]:
+        """The block ids the copy moves, of `tables` (src_tables or dst_tables, in one order):
+        an attention group's blocks of the prompt from `first_block`, a state-space layer's
+        group its state's pages, whole (`specs`: the groups' KV-cache specs)."""
+        last = -(-self.seq.prompt_len // block_size)
+        return [block for table, spec in zip(tables, specs, strict=True)
+                for block in (table if isinstance(spec, FixedStateSpec)
+                              else table[self.first_block:last])]
+
 
 @dataclasses.dataclass(eq=False)
 class Transit:
@@ -87,15 +96,6 @@ class Transit:
         self.request = continuation(tokenizer, self.src)
         for h in self.handoffs:
             h.seq = self.request.choices[h.src_seq.index]
-
-    def moved(self, tables: list[list[int]], specs, block_size: int) -> list[int]:
-        """The block ids the copy moves, of `tables` (src_tables or dst_tables, in one order):
-        an attention group's blocks of the prompt from `first_block`, a state-space layer's
-        group its state's pages, whole (`specs`: the groups' KV-cache specs)."""
-        last = -(-self.seq.prompt_len // block_size)
-        return [block for table, spec in zip(tables, specs, strict=True)
-                for block in (table if isinstance(spec, FixedStateSpec)
-                              else table[self.first_block:last])]
 
     def sync_reported(self) -> None:
         """Carry over what the prefill side already reported (its outputs are made after the

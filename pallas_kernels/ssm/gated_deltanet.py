@@ -48,16 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.ssm.tiles import chunk_rows, dot
 from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
                                       live_tokens, sequence_table, slot_table)
 from pallas_kernels.ssm.reference import L2NORM_EPS
 
 PREFILL_VARIANTS = ("split", "fused")
-
-
-def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
-    return pltriton.dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a,
-                        trans_b=trans_b).astype(jnp.float32)
 
 
 def _total(terms):
@@ -163,14 +159,14 @@ def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: i
                 diff = gcs[i][:, None] - gcs[j][None, :]
                 if i == j:
                     diff = jnp.where(r > c, diff, -jnp.inf)
-                a[i, j] = (betas[i][:, None] * _dot(ks[i], ks[j], dtype, trans_b=True)
+                a[i, j] = (betas[i][:, None] * dot(ks[i], ks[j], dtype, trans_b=True)
                            * jnp.exp(diff))
         inv = _block_lower_inverse(a, nb)
         for i in range(nb):
             ok = (i * SUB + sub < n)[:, None]
             at = pl.ds(row0 + i * SUB, SUB)
-            u = _total(_dot(inv[i, j], bvs[j], dtype) for j in range(i + 1))
-            w = _total(_dot(inv[i, j], bks[j], dtype) for j in range(i + 1))
+            u = _total(dot(inv[i, j], bvs[j], dtype) for j in range(i + 1))
+            w = _total(dot(inv[i, j], bks[j], dtype) for j in range(i + 1))
             pltriton.store(u_ref.at[at, :], u.astype(u_ref.dtype), mask=ok)
             pltriton.store(w_ref.at[at, :], w.astype(w_ref.dtype), mask=ok)
 
@@ -191,9 +187,8 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
         def step(j, h):
             row0 = start + j * chunk
             ok = j * chunk + rows < length
-            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                              other=0)
-            g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            load2 = lambda ref: chunk_rows(ref, row0, ok)
+            g = chunk_rows(g_ref, row0, ok)
             gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
             last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
             # Operands in the matmul dtype as soon as they are made (no float32 [chunk, K]
@@ -202,11 +197,11 @@ def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_o
             qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
             k = _normed(load2(k_ref), l2)
             kg, k = (k * jnp.exp(last - gc)[:, None]).astype(dtype), k.astype(dtype)
-            v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
-            o = _dot(qg, h, dtype) + _dot(_dot(q, k, dtype, trans_b=True) * decay, v_new, dtype)
+            v_new = load2(u_ref).astype(jnp.float32) - dot(load2(w_ref), h, dtype)
+            o = dot(qg, h, dtype) + dot(dot(q, k, dtype, trans_b=True) * decay, v_new, dtype)
             pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype),
                            mask=ok[:, None])
-            return h * jnp.exp(last) + _dot(kg, v_new, dtype, trans_a=True)
+            return h * jnp.exp(last) + dot(kg, v_new, dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
@@ -229,17 +224,16 @@ def _h_kernel(info_ref, k_ref, w_ref, u_ref, g_ref, h_ref, vn_ref, hc_ref, h_out
         def step(j, h):
             row0 = start + j * chunk
             ok = j * chunk + rows < length
-            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                              other=0)
+            load2 = lambda ref: chunk_rows(ref, row0, ok)
             hc_ref[c0 + j] = h.astype(hc_ref.dtype)
-            v_new = load2(u_ref).astype(jnp.float32) - _dot(load2(w_ref), h, dtype)
+            v_new = load2(u_ref).astype(jnp.float32) - dot(load2(w_ref), h, dtype)
             pltriton.store(vn_ref.at[pl.ds(row0, chunk), :], v_new.astype(vn_ref.dtype),
                            mask=ok[:, None])
-            g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            g = chunk_rows(g_ref, row0, ok)
             gc = _chunk_cumsum(g.astype(jnp.float32), chunk)
             last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
             k = _normed(load2(k_ref), l2) * jnp.exp(last - gc)[:, None]
-            return h * jnp.exp(last) + _dot(k, v_new, dtype, trans_a=True)
+            return h * jnp.exp(last) + dot(k, v_new, dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
@@ -256,16 +250,15 @@ def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, o_ref, *, chunk: 
     @pl.when(n > 0)
     def _():
         ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
-        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                          other=0)
-        g = pltriton.load(g_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+        load2 = lambda ref: chunk_rows(ref, row0, ok)
+        g = chunk_rows(g_ref, row0, ok)
         gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
         # Operands go to the matmul dtype as soon as they are made: float32 [chunk, K] tiles
         # held across the dots would spill.
         q = _normed(load2(q_ref), l2, kd ** -0.5)
         qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
-        scores = _dot(q, _normed(load2(k_ref), l2).astype(dtype), dtype, trans_b=True) * decay
-        o = _dot(qg, hc_ref[i], dtype) + _dot(scores, load2(vn_ref), dtype)
+        scores = dot(q, _normed(load2(k_ref), l2).astype(dtype), dtype, trans_b=True) * decay
+        o = dot(qg, hc_ref[i], dtype) + dot(scores, load2(vn_ref), dtype)
         pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype), mask=ok[:, None])
 
 

@@ -39,15 +39,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.ssm.tiles import chunk_rows, dot
 from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
                                       live_tokens, sequence_table, slot_table)
 
 PREFILL_VARIANTS = ("split", "fused")
-
-
-def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
-    return pltriton.dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a,
-                        trans_b=trans_b).astype(jnp.float32)
 
 
 def _chunk_cumsum(dt, a, chunk):
@@ -74,22 +70,21 @@ def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, 
         def step(j, h):
             row0 = start + j * chunk
             ok = j * chunk + rows < length
-            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                              other=0)
+            load2 = lambda ref: chunk_rows(ref, row0, ok)
             x, b, c = load2(x_ref), load2(b_ref), load2(c_ref)
-            dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            dt = chunk_rows(dt_ref, row0, ok)
             cs = _chunk_cumsum(dt, a, chunk)
             r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
             col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
             decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
-            scores = _dot(c, b, dtype, trans_b=True) * decay * dt[None, :]
-            y = (_dot(scores, x, dtype) + jnp.exp(cs)[:, None] * _dot(c, h, dtype, trans_b=True)
+            scores = dot(c, b, dtype, trans_b=True) * decay * dt[None, :]
+            y = (dot(scores, x, dtype) + jnp.exp(cs)[:, None] * dot(c, h, dtype, trans_b=True)
                  + skip * x.astype(jnp.float32))
             pltriton.store(y_ref.at[pl.ds(row0, chunk), :], y.astype(y_ref.dtype),
                            mask=ok[:, None])
             last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
             xs = x.astype(jnp.float32) * (dt * jnp.exp(last - cs))[:, None]
-            return h * jnp.exp(last) + _dot(xs, b, dtype, trans_a=True)
+            return h * jnp.exp(last) + dot(xs, b, dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
@@ -112,13 +107,12 @@ def _h_kernel(info_ref, a_ref, x_ref, dt_ref, b_ref, h_ref, hc_ref, h_out_ref, *
             row0 = start + j * chunk
             ok = j * chunk + rows < length
             hc_ref[c0 + j] = h.astype(hc_ref.dtype)
-            load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                              other=0)
-            dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+            load2 = lambda ref: chunk_rows(ref, row0, ok)
+            dt = chunk_rows(dt_ref, row0, ok)
             cs = _chunk_cumsum(dt, a, chunk)
             last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
             xs = load2(x_ref).astype(jnp.float32) * (dt * jnp.exp(last - cs))[:, None]
-            return h * jnp.exp(last) + _dot(xs, load2(b_ref), dtype, trans_a=True)
+            return h * jnp.exp(last) + dot(xs, load2(b_ref), dtype, trans_a=True)
 
         h0 = h_ref[src].astype(jnp.float32)
         h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
@@ -136,16 +130,15 @@ def _o_kernel(chunks_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, hc_ref, y_r
     @pl.when(n > 0)
     def _():
         ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
-        load2 = lambda ref: pltriton.load(ref.at[pl.ds(row0, chunk), :], mask=ok[:, None],
-                                          other=0)
+        load2 = lambda ref: chunk_rows(ref, row0, ok)
         x, c = load2(x_ref), load2(c_ref)
-        dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk)], mask=ok, other=0)
+        dt = chunk_rows(dt_ref, row0, ok)
         cs = _chunk_cumsum(dt, a_ref[head], chunk)
         r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
         col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
         decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
-        scores = _dot(c, load2(b_ref), dtype, trans_b=True) * decay * dt[None, :]
-        y = (_dot(scores, x, dtype) + jnp.exp(cs)[:, None] * _dot(c, hc_ref[i], dtype, trans_b=True)
+        scores = dot(c, load2(b_ref), dtype, trans_b=True) * decay * dt[None, :]
+        y = (dot(scores, x, dtype) + jnp.exp(cs)[:, None] * dot(c, hc_ref[i], dtype, trans_b=True)
              + d_ref[head] * x.astype(jnp.float32))
         pltriton.store(y_ref.at[pl.ds(row0, chunk), :], y.astype(y_ref.dtype), mask=ok[:, None])
 

@@ -4,7 +4,8 @@ kernels, and what it records about itself.
 
 `EngineArgs` (engine/args.py) stays the flat form users and the command line write;
 `EngineArgs.create_engine_config()` cuts it into these frozen parts once, and the engine and its
-pieces read only the part they need. Each part's fields carry the EngineArgs names, so a flag is
+pieces read only the part they need. The parts carry no defaults of their own: EngineArgs's are
+the only ones. Each part's fields carry the EngineArgs names, so a flag is
 found under one name everywhere (`tests/test_engine_config.py` checks that every EngineArgs
 field lands in exactly one part, and that no part grows past MAX_FIELDS).
 """
@@ -31,14 +32,14 @@ AUTO_LOOP_MAX_SEQS = 8
 class ModelSettings:
     """Which checkpoint, read how, and what clients call it."""
     model: str
-    load_format: str = "auto"
-    dtype: str = "auto"
-    quantization: str | None = None
-    max_model_len: int | None = None
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    served_model_name: str | list[str] | None = None
-    seed: int = 0
+    load_format: str
+    dtype: str
+    quantization: str | None
+    max_model_len: int | None
+    tokenizer: str | None
+    chat_template: str | None
+    served_model_name: str | list[str] | None
+    seed: int
 
     @property
     def model_path(self) -> str:
@@ -60,16 +61,16 @@ class ModelSettings:
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """What one step holds and how steps follow each other."""
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_chunk: int = 512
-    max_step_tokens_while_decoding: int | None = None
-    itl_target_ms: float | str | None = None
-    decode_steps_per_call: int | None = None
-    decode_loop_max_seqs: int | None = None
-    spec_loop_iterations: int | None = None
-    async_scheduling: bool = True
-    async_launch: bool = False
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_chunk: int
+    max_step_tokens_while_decoding: int | None
+    itl_target_ms: float | str | None
+    decode_steps_per_call: int | None
+    decode_loop_max_seqs: int | None
+    spec_loop_iterations: int | None
+    async_scheduling: bool
+    async_launch: bool
 
     def decode_loop(self, speculative: bool) -> tuple[int, int]:
         """(steps per call, most decoding sequences) of the on-device decode loop; 1 step: none.
@@ -88,46 +89,46 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """The devices and processes one engine spans (jaxinfer/parallel/, jaxinfer/disagg/)."""
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    expert_layout: str = "ep"
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    disaggregate: bool = False
-    prefill_tensor_parallel_size: int = 1
-    decode_tensor_parallel_size: int = 1
-    prefill_devices: str | list[int] | None = None
-    decode_devices: str | list[int] | None = None
+    tensor_parallel_size: int
+    data_parallel_size: int
+    expert_layout: str
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    disaggregate: bool
+    prefill_tensor_parallel_size: int
+    decode_tensor_parallel_size: int
+    prefill_devices: str | list[int] | None
+    decode_devices: str | list[int] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters (docs/lora.md)."""
-    enable_lora: bool = False
-    lora_modules: list | None = None
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    lora_impl: str = "auto"
-    max_cpu_loras: int | None = None
+    enable_lora: bool
+    lora_modules: list | None
+    max_loras: int
+    max_lora_rank: int
+    lora_impl: str
+    max_cpu_loras: int | None
 
 
 @dataclasses.dataclass(frozen=True)
 class CompilationConfig:
     """Which kernels fill the kernel table's slots, and when and where steps are compiled."""
-    attention_backend: str = "auto"
-    moe_impl: str = "auto"
-    quant_impl: str = "auto"
-    warmup: bool = True
-    background_compile: bool = True
-    compilation_cache_dir: str | None = None
+    attention_backend: str
+    moe_impl: str
+    quant_impl: str
+    warmup: bool
+    background_compile: bool
+    compilation_cache_dir: str | None
 
 
 @dataclasses.dataclass(frozen=True)
 class ObservabilityConfig:
     """What the engine records about itself beyond its metrics."""
-    profile_dir: str | None = None
-    profile_steps: int = 5
+    profile_dir: str | None
+    profile_steps: int
 
 
 # The parts cut from EngineArgs by field name; speculation is read from its own flags instead

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.disagg.args import role_args
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.frontends.disagg_handoff import HandoffOutputProcessor
 from jaxinfer.frontends.disaggregated import DisaggregatedEngine
-from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
 from jaxinfer.sampling_params import SamplingParams
-from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
-                                 tiny_model, tiny_tokenizer)
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free,
+                                 one_device_disaggregated, prompt_ids, run_all, tiny_model,
+                                 tiny_tokenizer)
 
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 
@@ -35,25 +33,20 @@ PARAMS = {"greedy": SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eo
                                      ignore_eos=True)}
 
 
-def engine(role: str | None = None, **parts) -> LLMEngine:
-    """A plain engine, or a disaggregated role's on a one-device mesh (the transfer's plans)."""
+def plain_engine() -> LLMEngine:
     cfg, params = tiny_model()
-    args = EngineArgs(**ARGS)
-    if role is None:
-        return LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=NUM_BLOCKS)
-    return LLMEngine(cfg, params, tiny_tokenizer(), role_args(args, role), num_blocks=NUM_BLOCKS,
-                     role=role, plan=ShardingPlan(build_mesh(1), cfg), **parts)
+    return LLMEngine(cfg, params, tiny_tokenizer(), EngineArgs(**ARGS), num_blocks=NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def disagg() -> DisaggregatedEngine:
-    prefill = engine("prefill", outputs_cls=HandoffOutputProcessor)
-    return DisaggregatedEngine(prefill, engine("decode", grammars=prefill.grammars))
+    cfg, params = tiny_model()
+    return one_device_disaggregated(cfg, params, tiny_tokenizer(), EngineArgs(**ARGS), NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def plain() -> LLMEngine:
-    return engine()
+    return plain_engine()
 
 
 def run(e, requests: dict) -> dict:

@@ -69,6 +69,22 @@ def make_engine(*, num_blocks: int = NUM_BLOCKS, warmup: bool = False, role: str
     return engine
 
 
+
+def one_device_disaggregated(cfg, params, tokenizer, args: EngineArgs, num_blocks: int):
+    """A DisaggregatedEngine whose prefill and decode engines share the one CPU device, each on a
+    one-device mesh (the transfer's plans), built as from_engine_args builds the pair."""
+    from jaxinfer.disagg.args import role_args
+    from jaxinfer.frontends.disagg_handoff import HandoffOutputProcessor
+    from jaxinfer.frontends.disaggregated import DisaggregatedEngine
+    from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
+
+    def engine(role: str, **parts) -> LLMEngine:
+        return LLMEngine(cfg, params, tokenizer, role_args(args, role), num_blocks=num_blocks,
+                         role=role, plan=ShardingPlan(build_mesh(1), cfg), **parts)
+
+    prefill = engine("prefill", outputs_cls=HandoffOutputProcessor)
+    return DisaggregatedEngine(prefill, engine("decode", grammars=prefill.grammars))
+
 PROMPT_DRAW = 4096  # tokens drawn per seed: one shape, so one compile (modules call this at import)
 
 

@@ -293,21 +293,12 @@ def test_disaggregated_engine_hands_the_states_over():
     prompt blocks and each Mamba-2 layer's state pages (every KV group's table), and the decode
     side continues with HF's greedy tokens, a chunked prompt and a one-block one alike, and
     after a prefill-side prefix hit; no block is left held on either side."""
-    from jaxinfer.disagg.args import role_args
-    from jaxinfer.frontends.disagg_handoff import HandoffOutputProcessor
-    from jaxinfer.frontends.disaggregated import DisaggregatedEngine
-    from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
+    from test_engine_support import one_device_disaggregated
     cfg, params = _load(DENSE)
     golden = np.load(DENSE / "golden.npz")
     prompt, expected = golden["greedy_prompt"].tolist(), golden["greedy_tokens"].tolist()
     args = _args(DENSE, 32, hybrid_kv_cache=False, enable_prefix_caching=True)
-
-    def engine(role, **parts):
-        return LLMEngine(cfg, params, None, role_args(args, role), num_blocks=32, role=role,
-                         plan=ShardingPlan(build_mesh(1), cfg), **parts)
-
-    prefill = engine("prefill", outputs_cls=HandoffOutputProcessor)
-    disagg = DisaggregatedEngine(prefill, engine("decode", grammars=prefill.grammars))
+    disagg = one_device_disaggregated(cfg, params, None, args, 32)
     assert disagg.decode.scheduler.kv.groups.num_groups == 4  # attention + 3 state groups
     disagg.add_request("long", prompt, SamplingParams(max_tokens=len(expected), **GREEDY))
     disagg.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))

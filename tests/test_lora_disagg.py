@@ -15,18 +15,16 @@ import os
 import pytest
 
 from jaxinfer import LoRARequest
-from jaxinfer.disagg.args import role_args
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.frontends.disagg_handoff import HandoffOutputProcessor
 from jaxinfer.frontends.disaggregated import DisaggregatedEngine
 from jaxinfer.model.lora.peft import save_adapter
-from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
 from jaxinfer.sampling_params import SamplingParams
 from lora_support import random_adapter
-from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free, prompt_ids, run_all,
-                                 tiny_model, tiny_tokenizer)
+from test_engine_support import (BLOCK, MAX_LEN, NUM_BLOCKS, assert_all_free,
+                                 one_device_disaggregated, prompt_ids, run_all, tiny_model,
+                                 tiny_tokenizer)
 
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 
@@ -40,20 +38,15 @@ ADAPTERS = ["a1", "a2", None, "a1"]  # each row's adapter (None: the base model)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def engine(role: str | None = None, **parts) -> LLMEngine:
-    """A plain engine, or a disaggregated role's on a one-device mesh (the transfer's plans)."""
+def plain_engine() -> LLMEngine:
     cfg, params = tiny_model()
-    args = EngineArgs(**ARGS)
-    if role is None:
-        return LLMEngine(cfg, params, tiny_tokenizer(), args, num_blocks=NUM_BLOCKS)
-    return LLMEngine(cfg, params, tiny_tokenizer(), role_args(args, role), num_blocks=NUM_BLOCKS,
-                     role=role, plan=ShardingPlan(build_mesh(1), cfg), **parts)
+    return LLMEngine(cfg, params, tiny_tokenizer(), EngineArgs(**ARGS), num_blocks=NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def disagg() -> DisaggregatedEngine:
-    prefill = engine("prefill", outputs_cls=HandoffOutputProcessor)
-    return DisaggregatedEngine(prefill, engine("decode", grammars=prefill.grammars))
+    cfg, params = tiny_model()
+    return one_device_disaggregated(cfg, params, tiny_tokenizer(), EngineArgs(**ARGS), NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def tokens(e, loras) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def plain(loras) -> tuple[dict, dict]:
     """A plain engine's greedy tokens: with the rows' adapters, and all on the base model."""
-    e = engine()
+    e = plain_engine()
     expected, base = tokens(e, loras), tokens(e, {})
     assert base != expected  # the adapters change their rows
     return expected, base

@@ -135,12 +135,14 @@ def run(args: argparse.Namespace) -> int:
     if args.preset and not args.model:
         args.model = str(presets.PRESETS[args.preset].model_dir(args.preset))
     model = engine_flags(args)
-    metrics = {**offline(args, model), **served(args, model)}
-    print(json.dumps(metrics, indent=1))
-    if args.output_json:
-        common.write_json(args.output_json, metrics)
-    if args.save:
-        results_io.save(args.save, args.name or f"host_path_{results_io.device_slug()}",
-                        config={**common.record_config(args)}, metrics=common.numeric(metrics))
+    metrics: dict = {}
+    for section in (offline, served):  # written after each: a run cut short keeps what it has
+        metrics.update(section(args, model))
+        print(json.dumps(metrics, indent=1), flush=True)
+        if args.output_json:
+            common.write_json(args.output_json, metrics)
+        if args.save:
+            results_io.save(args.save, args.name or f"host_path_{results_io.device_slug()}",
+                            config={**common.record_config(args)}, metrics=common.numeric(metrics))
     return 0
 

@@ -115,6 +115,22 @@ def plain(ckpt: Checkpoint, name: str, transpose: bool) -> Source:
     return Source(shape[::-1], lambda idx: ckpt.read(name, (idx[1], idx[0])).T, ckpt.dtypes[name])
 
 
+def row_block(ckpt: Checkpoint, name: str, start: int, size: int, kernel: bool) -> Source:
+    """Rows start .. start + size of a tensor stored [out, ...] (a fused linear's part): as a
+    Flax kernel [in, size] (`kernel`), else as stored [size, ...] (a quantized linear's weight,
+    its scales, a bias)."""
+    shape = ckpt.shape(name)
+
+    def read(idx: Index) -> np.ndarray:
+        out_idx = idx[-1] if kernel else idx[0]
+        r = _bounds(out_idx, size)
+        rows = slice(start + r.start, start + r.stop)
+        if kernel:
+            return ckpt.read(name, (rows, idx[0])).T
+        return ckpt.read(name, (rows, *idx[1:]))
+    return Source((shape[1], size) if kernel else (size, *shape[1:]), read, ckpt.dtypes[name])
+
+
 def stacked_experts(ckpt: Checkpoint, names: list[str]) -> Source:
     """Per-expert [out, in] tensors stacked into [E, in, out]."""
     out_dim, in_dim = ckpt.shape(names[0])

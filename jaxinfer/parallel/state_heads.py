@@ -7,8 +7,9 @@ KV heads like every attention layer's. So each device lays the states of its hea
 the conv channels, its heads' recurrent or SSM states) over its own shard of the state's pages, in
 the layout a one-device run has for a model of its share of the heads: no page is gathered, and a
 state's pages stay whole blocks for the scheduler, the prefix cache's snapshots and copy-on-write,
-which copy every device's shard of a block. The share is 1/tp of the state and of each page (tp
-divides the KV heads, or each device stores one), so it spans no more pages than on one device.
+which copy every device's shard of a block. A device's share is 1/tp of the state and at least
+1/tp of each page (1/tp where tp divides the KV heads, a whole head's where each device stores
+one), so it spans no more pages than the scheduler holds for the state (FixedStateSpec.state_pages).
 
 The mixer's projections around the step are sharded by their params (sharding.py: in-projections
 column-parallel by head, out_proj row-parallel); the step sees single-device shapes, so the Pallas

@@ -6,15 +6,22 @@ Per family, one TP = 2 engine (float32, 4-token blocks, 3-token prefill chunks, 
 a 29-token prompt through ten chunks, the same prompt again (a prefix-cache hit resuming from the
 state snapshot at token 28), a 5-token prompt decoding 4 tokens; the test compares them with HF's
 goldens, which one device gives (tests/test_hybrid_prefix_cache.py). And the collectives of the
-engine's compiled forwards, which must move no cache page (the states are not gathered)."""
+engine's compiled forwards, which must move no cache page (the states are not gathered); and
+the disaggregated hand-over refusing prefill and decode TP sizes that differ (the pages' layout
+depends on it)."""
 
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.profile.hlo_collectives import COLLECTIVES
 from jaxinfer.bench.profile.hlo_text import parse
+from jaxinfer.disagg.transfer import KVTransfer
+from jaxinfer.errors import ConfigError
+from jaxinfer.model.config import load_config
+from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "models"
 HYBRIDS = ["granitemoehybrid", "qwen3_next"]
@@ -42,6 +49,17 @@ def _collectives(llm) -> dict[str, int]:
     return most
 
 
+def _handover_refusal(model_dir: Path) -> str | None:
+    cfg = load_config(model_dir)
+    devices = jax.devices()
+    try:
+        KVTransfer(ShardingPlan(build_mesh(1, devices=devices[:1]), cfg),
+                   ShardingPlan(build_mesh(2, devices=devices[1:3]), cfg), 4)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def hybrid_checks(out: dict) -> None:
     # Warm-up compiles every forward bucket ahead, keeping the executables whose HLO is read.
     kw = dict(dtype="float32", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=MAX_ROWS,
@@ -55,4 +73,5 @@ def hybrid_checks(out: dict) -> None:
         out[f"hybrid/{fam}"] = {
             "chunked": _run(llm, long_prompt, 1), "hit": _run(llm, long_prompt, 1),
             "decoded": _run(llm, golden["greedy_prompt"].tolist(), 4),
-            "collectives": _collectives(llm)}
+            "collectives": _collectives(llm),
+            "handover_refusal": _handover_refusal(FIXTURES / fam)}

@@ -160,7 +160,8 @@ def test_hybrid_families_at_tp2_equal_single_device(models_run, family):
     token and logprob, which one device gives (test_hybrid_prefix_cache.py), after a prompt
     prefilled in chunks and again from the prefix cache; HF's greedy tokens decoding. No collective
     of the forwards moves more than a [rows, hidden] activation, and the only gathers are
-    Mamba-2's B and C ([rows, groups x state]), so no state page is gathered."""
+    Mamba-2's B and C ([rows, groups x state]), so no state page is gathered. A disaggregated
+    hand-over between TP sizes that differ is refused (the pages' layout depends on it)."""
     golden = np.load(FIXTURES / family / "golden.npz")
     run = models_run[f"hybrid/{family}"]
     logits = golden["logits_2"][-1].astype(np.float64)
@@ -178,6 +179,8 @@ def test_hybrid_families_at_tp2_equal_single_device(models_run, family):
     assert set(collectives) <= {"all-reduce", "all-gather"}, collectives
     assert collectives["all-reduce"] <= rows * cfg.hidden_size
     assert collectives.get("all-gather", 0) <= gathered
+    assert "--decode-tensor-parallel-size 2: a model with state-space layers needs the prefill " \
+           "side's size (1)" in run["handover_refusal"]
 
 
 @pytest.mark.parametrize("family, layout", [("gemma2", "tp"), ("gemma3", "tp"), ("gpt_oss", "tp"),

@@ -28,7 +28,8 @@ from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.mamba2 import Mamba2Dims, Mamba2Mixer
 from jaxinfer.model.norm_rope import apply_rope
 from jaxinfer.model.tensor_sources import (Source, depthwise_conv_weight, fused_down,
-                                           fused_gate_up, plain, row_block)
+                                           fused_gate_up, plain, row_block,
+                                           scale_rows)
 from jaxinfer.model.transformer import MLP, Attention, MoE
 
 # HF's GraniteMoeHybridConfig defaults (hub configs rely on some of them).
@@ -46,7 +47,7 @@ DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
 # layer_types as hub configs spell them, and as transformers 5 rewrites them.
 MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(mamba\.conv1d\.(weight|bias)|"
-                    r"mamba\.in_proj\.(?:weight|bias|weight_scale)|"
+                    r"mamba\.in_proj\.(?:weight|bias|weight_scale(?:_inv)?)|"
                     r"shared_mlp\.(input|output)_linear\.weight|"
                     r"block_sparse_moe\.(input_linear|output_linear|router\.layer)\.weight)")
 
@@ -169,10 +170,15 @@ def _in_projections(ckpt, name: str, layer: str, tensor: str, cfg: ModelConfig) 
     """mamba.in_proj's weight [z | x | B | C | dt, H] (or its bias, or its scales) as the mixer's
     parts (Mamba2Dims.in_projections)."""
     kernel = tensor == "weight" and not cfg.quantization
-    leaf = "kernel" if kernel else tensor
+    parts = cfg.family_options.mamba.in_projections
+    rows = sum(size for _, size in parts)
     out, start = {}, 0
-    for part, size in cfg.family_options.mamba.in_projections:
-        out[(layer, "mamba", part, leaf)] = row_block(ckpt, name, start, size, kernel)
+    for part, size in parts:
+        if tensor.startswith("weight_scale"):  # (weight_scale_inv: a multiplier all the same)
+            out[(layer, "mamba", part, "weight_scale")] = scale_rows(ckpt, name, start, size, rows)
+        else:
+            leaf = "kernel" if kernel else tensor
+            out[(layer, "mamba", part, leaf)] = row_block(ckpt, name, start, size, kernel)
         start += size
     return out
 
@@ -180,7 +186,8 @@ def _in_projections(ckpt, name: str, layer: str, tensor: str, cfg: ModelConfig) 
 def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
     """The tensors stored in layouts of their own: the conv weight, the mixer's fused in_proj,
     the shared MLP's fused gate/up, the experts' fused stacks and the router ({param path:
-    Source}); None for the names the shared loader maps (the mixer's out_proj and A_log, D, dt_bias, norm)."""
+    Source}); None for the names the shared loader maps (the mixer's out_proj and A_log, D,
+    dt_bias, norm)."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return None

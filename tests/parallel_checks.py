@@ -35,6 +35,7 @@ from jaxinfer.core.kv_cache import KVCacheGroups  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.model.config import load_config  # noqa: E402
 from lora_parallel_checks import lora_checks  # noqa: E402
+from hybrid_parallel_checks import hybrid_checks  # noqa: E402
 from jaxinfer.model.transformer import forward, init_params, param_shapes  # noqa: E402
 from jaxinfer.model.weights import load_params, save_orbax  # noqa: E402
 from jaxinfer.parallel.kernels import shard_kernels  # noqa: E402
@@ -441,8 +442,9 @@ def quant_shard_checks(out: dict) -> None:
 
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
-    checks = (model_checks, shard_checks, engine_checks, llama_tp1_checks, sampler_layout_checks,
-              spec_decode_checks, mtp_checks, executable_cache_checks, lora_checks, quant_shard_checks)
+    checks = (model_checks, hybrid_checks, shard_checks, engine_checks, llama_tp1_checks,
+              sampler_layout_checks, spec_decode_checks, mtp_checks, executable_cache_checks,
+              lora_checks, quant_shard_checks)
     if sys.argv[1:]:  # only the checks named (python tests/parallel_checks.py sampler_layout_checks)
         checks = [c for c in checks if c.__name__ in sys.argv[1:]]
     else:  # (engine_checks runs it)

@@ -345,6 +345,48 @@ def test_quantized_on_load(model_dir):
     assert np.isfinite(np.asarray(logits)).all()
 
 
+def test_in_proj_parts_and_their_scales_from_a_quantized_checkpoint(tmp_path):
+    """mamba.in_proj [z | x | B | C | dt, H] is read as the mixer's five parts (so a column split
+    over devices gives each its heads' rows), with its scales per tensor, per channel, or per
+    block of rows; blocks a part's rows would cut are refused."""
+    import dataclasses
+
+    from safetensors.numpy import save_file
+
+    from jaxinfer.errors import CheckpointError
+    from jaxinfer.model import granitemoehybrid
+    from jaxinfer.model.tensor_sources import Checkpoint
+    cfg = dataclasses.replace(load_config(MOE), quantization="fp8")
+    parts = cfg.family_options.mamba.in_projections  # 64, 64, 8, 8, 4 rows
+    rows = sum(size for _, size in parts)
+    rng = np.random.default_rng(0)
+    name = "model.layers.0.mamba.in_proj.weight"
+    weight = rng.random((rows, 8), np.float32)
+    scales = {"per_tensor": np.ones((1,), np.float32), "channel": rng.random((rows, 1), np.float32),
+              "block4": rng.random((rows // 4, 2), np.float32),
+              "block16": rng.random((-(-rows // 16), 2), np.float32)}
+    want = {"per_tensor": lambda s, n: scales["per_tensor"],
+            "channel": lambda s, n: scales["channel"][s:s + n],
+            "block4": lambda s, n: scales["block4"][s // 4:(s + n) // 4]}
+
+    def sources(kind, tensor):
+        path = tmp_path / f"{kind}.safetensors"
+        save_file({name: weight, name + "_scale_inv": scales[kind]}, str(path))
+        return granitemoehybrid.tensor_sources(Checkpoint([path]), f"{name}{tensor}", cfg)
+
+    for kind in want:
+        weights, got, start = sources(kind, ""), sources(kind, "_scale_inv"), 0
+        for part, size in parts:
+            key = ("layers_0", "mamba", part)
+            np.testing.assert_array_equal(weights[(*key, "weight")].read_all(),
+                                          weight[start:start + size])
+            np.testing.assert_array_equal(got[(*key, "weight_scale")].read_all(),
+                                          want[kind](start, size))
+            start += size
+    with pytest.raises(CheckpointError, match="16-row scale blocks do not split at rows 128 .. 136"):
+        sources("block16", "_scale_inv")
+
+
 def test_config_parsing():
     raw = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 32,
            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

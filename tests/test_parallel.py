@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.model.config import config_from_dict
+from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.parallel.distributed import distributed_settings
 from jaxinfer.parallel.sharding import validate_parallel_sizes
 
@@ -34,7 +34,7 @@ TIMEOUT_S = 600
 # engine on one device in its own part (llama_tp1_checks; engine_checks runs it). The sampler
 # and speculation checks share a part: the speculating engines reuse the TP = 2 forwards the
 # sampler's engines compiled.
-PARTS = {"models": ["model_checks"],
+PARTS = {"models": ["model_checks", "hybrid_checks"],
          "engine": ["shard_checks", "engine_checks"],
          "sampler_spec": ["llama_tp1_checks", "sampler_layout_checks", "spec_decode_checks",
                           "mtp_checks"],
@@ -150,6 +150,37 @@ def test_tp_greedy_tokens_equal_single_device(models_run, family, tp):
     golden = np.load(FIXTURES / family / "golden.npz")["greedy_tokens"]
     got = models_run[f"{family}/tp{tp}"]["tokens"]
     assert got == golden[:len(got)].tolist()  # TP = 1 gives the golden tokens (test_hf_parity)
+
+
+@models
+@pytest.mark.parametrize("family", ["granitemoehybrid", "qwen3_next"])
+def test_hybrid_families_at_tp2_equal_single_device(models_run, family):
+    """Granite 4.0-H (Mamba-2) and Qwen3-Next (Gated DeltaNet) at TP = 2, each device keeping its
+    state-space heads' states in its shard of the pages (tests/hybrid_parallel_checks.py): HF's
+    token and logprob, which one device gives (test_hybrid_prefix_cache.py), after a prompt
+    prefilled in chunks and again from the prefix cache; HF's greedy tokens decoding. No collective
+    of the forwards moves more than a [rows, hidden] activation, and the only gathers are
+    Mamba-2's B and C ([rows, groups x state]), so no state page is gathered. A disaggregated
+    hand-over between TP sizes that differ is refused (the pages' layout depends on it)."""
+    golden = np.load(FIXTURES / family / "golden.npz")
+    run = models_run[f"hybrid/{family}"]
+    logits = golden["logits_2"][-1].astype(np.float64)
+    logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    for name in ("chunked", "hit"):
+        assert run[name]["tokens"] == [int(logprobs.argmax())], name
+        assert run[name]["logprobs"] == pytest.approx([logprobs.max()], abs=1e-4), name
+    assert run["hit"]["cached"] == 28
+    assert run["decoded"]["tokens"] == golden["greedy_tokens"][:4].tolist()
+    cfg = load_config(FIXTURES / family)
+    rows = 16  # hybrid_parallel_checks.MAX_ROWS
+    mamba = getattr(cfg.family_options, "mamba", None)
+    gathered = rows * mamba.groups * mamba.state_dim if mamba else 0
+    collectives = run["collectives"]
+    assert set(collectives) <= {"all-reduce", "all-gather"}, collectives
+    assert collectives["all-reduce"] <= rows * cfg.hidden_size
+    assert collectives.get("all-gather", 0) <= gathered
+    assert "--decode-tensor-parallel-size 2: a model with state-space layers needs the prefill " \
+           "side's size (1)" in run["handover_refusal"]
 
 
 @pytest.mark.parametrize("family, layout", [("gemma2", "tp"), ("gemma3", "tp"), ("gpt_oss", "tp"),
@@ -337,6 +368,36 @@ def test_sizes_the_model_cannot_split_are_refused(change, tp, layout, message):
         validate_parallel_sizes(cfg, tp, 1, 8, layout)
     validate_parallel_sizes(config_from_dict(BASE), 2, 4, 8)  # 6 heads / 2, KV 2 / 2: fine
     validate_parallel_sizes(config_from_dict({**BASE, **MOE}), 4, 1, 8, "ep")  # 8 experts / 4
+
+
+QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_hidden_layers": 4, "intermediate_size": 64, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "num_experts": 0}
+GRANITE_H = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64,
+             "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
+             "shared_intermediate_size": 64, "num_local_experts": 0, "mamba_expand": 1,
+             "mamba_n_heads": 6, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_state": 4}
+
+
+@pytest.mark.parametrize("raw, tp, message", [
+    (QWEN3_NEXT, 4, "--tensor-parallel-size 4: does not divide the model's 2 Gated DeltaNet key "
+                    "heads"),
+    (GRANITE_H, 4, "--tensor-parallel-size 4: does not divide the model's 6 Mamba-2 heads"),
+    (GRANITE_H | {"mamba_d_state": 3}, 2, "does not divide the Mamba-2 B and C channels"),
+    (GRANITE_H | {"mamba_n_groups": 3}, 2, "neither divides nor is a multiple of the model's 3 "
+                                          "Mamba-2 groups"),
+])
+def test_state_heads_the_devices_cannot_split_are_refused(raw, tp, message):
+    """A hybrid's state-space heads split over tp devices like attention heads (whole key heads,
+    Mamba-2 heads, equal shares of B and C); sizes that do not divide are refused by flag."""
+    with pytest.raises(ConfigError, match=message):
+        validate_parallel_sizes(config_from_dict(raw), tp, 1, 8)
+    validate_parallel_sizes(config_from_dict(QWEN3_NEXT), 2, 1, 8)
+    # Two devices share Granite's one group of B and C.
+    validate_parallel_sizes(config_from_dict(GRANITE_H), 2, 1, 8)
 
 
 class _Flags:

@@ -1,8 +1,9 @@
 """The causal depthwise conv1d (pallas_kernels/ssm/conv1d.py): the kernels in Pallas' interpreter
 against the jnp references on random ragged batches (sequences shorter than the kernel width,
 padding tokens and sequences, fresh and continued conv states, widths 2-4, with and without bias
-and SiLU), the windowed reference against the token-by-token definition, the conv state carried
-across prefill chunks and into decode, other slots left bit-identical, CUDA lowering."""
+and SiLU, channel counts off the block), the windowed reference against the token-by-token
+definition, the conv state carried across prefill chunks and into decode, other slots left
+bit-identical, CUDA lowering."""
 
 from __future__ import annotations
 
@@ -166,3 +167,21 @@ def test_kernels_lower_for_cuda():
     text = lower_for_cuda(conv1d.causal_conv1d_update, sd((s, c), bf), sd((width, c), bf),
                           sd((c,), bf), sd((n, width - 1, c), bf), sd((s,), i32))
     assert "causal_conv1d_update" in text
+
+
+def test_channels_off_the_block_take_a_smaller_block():
+    """48 channels (a device's share of a conv whose channels split over tensor-parallel devices
+    need not be a multiple of the block): the block drops to 16, the largest power of two
+    dividing them, and prefill and decode give the references'."""
+    t, cu, slots, init = batch(7, [9, 1])
+    x, w, b, state = (a[..., :48] for a in inputs(7, t))
+    y, new = prefill(x, w, b, state, cu, slots, init)
+    y_ref, s_ref = reference.causal_conv1d_reference(x, w, b, state, cu, slots, init)
+    assert_close(y, y_ref, 1e-5)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(s_ref))
+    one = x[:2]
+    decode_slots = jnp.array([0, 3], jnp.int32)
+    y, new = update(one, w, b, state, decode_slots)
+    y_ref, s_ref = reference.causal_conv1d_update_reference(one, w, b, state, decode_slots)
+    assert_close(y, y_ref, 1e-5)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(s_ref))

@@ -3,7 +3,8 @@ layers, Qwen3-Next's Gated DeltaNet) does not run yet, refused at start with the
 for it (docs/feature_matrix.md). A state spans as many attention pages as it needs
 (kv_specs.FixedStateSpec.state_pages), so every --block-size holds it; prefix caching keeps
 snapshots of it (core/kv_cache/state_snapshots.py); in an fp8 cache its float32 words are the
-pages' bytes (state_pages.py)."""
+pages' bytes (state_pages.py); under tensor parallelism each device keeps its heads' states in its
+shard of the pages (parallel/state_heads.py)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,6 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> No
         raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "
                           f"state-space layers is not built (a rejected token would need the "
                           f"state rolled back)")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ConfigError("--tensor-parallel-size > 1: state-space layers' states are not "
-                          "sharded over devices yet")
     page = groups.page_spec.page_bytes(cache.block_size, kv_dtype)
     if any(state.state_pages(cache.block_size, kv_dtype) * page % 4 for state in states):
         # The states are float32 words laid over the pages (model/state_pages.py).

@@ -1,5 +1,6 @@
 """Projections that read the same input, stored as one matrix: q/k/v as `qkv_proj`, gate/up as
-`gate_up_proj` (output features concatenated in that order).
+`gate_up_proj`, a Mamba-2 mixer's z/x/B/C/dt as `in_proj` (output features concatenated in that
+order).
 
 At decode batch sizes each projection is a matrix-vector product bound by reading its weight, and
 one wide matmul streams the weights faster than three or two narrow ones: the narrow k/v reads are
@@ -7,7 +8,7 @@ too short to reach full bandwidth, and every matmul pays a launch and a tail (ba
 benchmarks/RESULTS.md). Checkpoints, initialisation and tensor-parallel sharding keep the separate
 projections; `fuse_projections` rewrites a loaded tree and the model runs whichever layout its
 params have (`project`). A tree split over several devices stays unfused: a column split of the
-fused matrix would not give each device its own heads' q, k and v.
+fused matrix would not give each device its own heads' q, k and v (or z, x and dt).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from jaxinfer.model.shared_experts import fuse_shared_experts, stackable
 
 # module name in a layer -> (fused projection, the projections it replaces, in output order)
 GROUPS = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+          "mlp": ("gate_up_proj", ("gate_proj", "up_proj")),
+          "mamba": ("in_proj", ("in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c", "in_proj_dt"))}
 
 
 def _out_axis(leaf: str) -> int:

@@ -16,6 +16,7 @@ state [Hv, K, V], both float32: a `FixedStateSpec` over attention-sized pages
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -66,6 +67,14 @@ class GatedDeltaNetDims:
         """The float32 state one sequence carries (FixedStateSpec.state_bytes)."""
         return 4 * state_words(self.state_shapes)
 
+    def tp_refusal(self, tp: int) -> str | None:
+        """Why the layer's heads cannot be split over tp devices (None: they can): each device
+        takes whole key heads and their value heads."""
+        if self.key_heads % tp:
+            return (f"does not divide the model's {self.key_heads} Gated DeltaNet key heads "
+                    f"(linear_num_key_heads)")
+        return None
+
 
 class GatedHeadNorm(nn.Module):
     """HF's Qwen3NextRMSNormGated: each head's o RMS-normalised (float32), times the weight
@@ -94,30 +103,48 @@ class GatedDeltaNet(nn.Module):
         cfg, dims = self.cfg, self.cfg.family_options.gdn
         lead, width = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, width)
-        batch = step_states(lead, kv, md, dims.state_shapes)
-        conv0, state0 = batch.pools
         t, hk, hv, kd, vd = (x.shape[0], dims.key_heads, dims.value_heads, dims.key_dim,
                              dims.value_dim)
         rep = hv // hk
         dense = linear(cfg, self.dtype, self.kernels)
-        # HF's layout: grouped by key head, each its q, k and its value heads' v and z (b, a).
+        # HF's layout: grouped by key head, each its q, k and its value heads' v and z (b, a);
+        # so a column split over devices gives each its key heads' and their value heads' parts.
         qkvz = dense(2 * dims.key_width + 2 * dims.value_width, use_bias=False,
                      name="in_proj_qkvz")(x).reshape(t, hk, 2 * kd + 2 * rep * vd)
         q, k, v, z = jnp.split(qkvz, [kd, 2 * kd, 2 * kd + rep * vd], axis=-1)
         ba = dense(2 * hv, use_bias=False, name="in_proj_ba")(x).reshape(t, hk, 2 * rep)
         b, a = ba[..., :rep].reshape(t, hv), ba[..., rep:].reshape(t, hv)
-        mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
         conv_w = self.param("conv1d_weight", nn.initializers.lecun_normal(),
                             (dims.conv_width, dims.conv_dim), self.dtype)
-        kernels = self.kernels.gdn
-        mixed, conv1 = kernels.conv(mixed, conv_w, None, conv0, *batch.ragged, decode=batch.decode)
-        q, k, v = jnp.split(mixed, [dims.key_width, 2 * dims.key_width], axis=-1)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), self.dtype)
         g, beta = gdn_gating(a, b, a_log, dt_bias)
-        o, state1 = kernels.delta_rule(q.reshape(t, hk, kd), k.reshape(t, hk, kd),
-                                       v.reshape(t, hv, vd), g, beta, state0, *batch.ragged,
-                                       chunk_size=dims.chunk_size, decode=batch.decode)
+        step = functools.partial(_delta_rule_step, self.kernels.gdn, dims.chunk_size, lead)
+        o, kv = self.kernels.state_heads.run(
+            step, (q, k, v.reshape(t, hv, vd), g, beta, conv_w, kv, md),
+            axes=(1, 1, 1, 1, 1, None, 0, None), out_axes=(1, 0))
         o = GatedHeadNorm(cfg.rms_norm_eps, name="norm")(o, z.reshape(t, hv, vd))
         out = dense(width, use_bias=False, name="out_proj")(o.reshape(t, dims.value_width))
-        return out.reshape(*lead, width), batch.written(kv, (conv1, state1))
+        return out.reshape(*lead, width), kv
+
+
+def _delta_rule_step(kernels, chunk_size: int, lead, heads, q, k, v, g, beta, conv_w, kv, md):
+    """The layer's step on the heads of `heads` (ssm_kernels.StateHeads): q, k [T, hk, K], v
+    [T, hv, V], g, beta [T, hv] of its heads, the whole conv weight [W, C] -> (o [T, hv, V], kv
+    with the final states over their pages; None on the dense path)."""
+    t, hk, kd = q.shape
+    hv, vd = v.shape[1:]
+    conv_width = conv_w.shape[0]
+    mixed = jnp.concatenate([x.reshape(t, -1) for x in (q, k, v)], axis=-1)
+    key_width = hk * kd * heads.count  # the whole conv's q (and k) channels
+    # Its heads' channels of the conv's q, k and v parts.
+    weight = jnp.concatenate([heads.own(w, 1) for w in jnp.split(
+        conv_w, [key_width, 2 * key_width], axis=1)], axis=-1)
+    batch = step_states(lead, kv, md, ((conv_width - 1, mixed.shape[1]), (hv, kd, vd)))
+    conv0, state0 = batch.pools
+    mixed, conv1 = kernels.conv(mixed, weight, None, conv0, *batch.ragged, decode=batch.decode)
+    q, k, v = jnp.split(mixed, [hk * kd, 2 * hk * kd], axis=-1)
+    o, state1 = kernels.delta_rule(q.reshape(t, hk, kd), k.reshape(t, hk, kd),
+                                   v.reshape(t, hv, vd), g, beta, state0, *batch.ragged,
+                                   chunk_size=chunk_size, decode=batch.decode)
+    return o, batch.written(kv, (conv1, state1))

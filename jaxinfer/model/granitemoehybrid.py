@@ -28,7 +28,8 @@ from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.mamba2 import Mamba2Dims, Mamba2Mixer
 from jaxinfer.model.norm_rope import apply_rope
 from jaxinfer.model.tensor_sources import (Source, depthwise_conv_weight, fused_down,
-                                           fused_gate_up, plain)
+                                           fused_gate_up, plain, row_block,
+                                           scale_rows)
 from jaxinfer.model.transformer import MLP, Attention, MoE
 
 # HF's GraniteMoeHybridConfig defaults (hub configs rely on some of them).
@@ -46,6 +47,7 @@ DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
 # layer_types as hub configs spell them, and as transformers 5 rewrites them.
 MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(mamba\.conv1d\.(weight|bias)|"
+                    r"mamba\.in_proj\.(?:weight|bias|weight_scale(?:_inv)?)|"
                     r"shared_mlp\.(input|output)_linear\.weight|"
                     r"block_sparse_moe\.(input_linear|output_linear|router\.layer)\.weight)")
 
@@ -55,6 +57,11 @@ class GraniteHybridOptions:
     """`ModelConfig.family_options` of a Granite 4.0-H model."""
     mamba: Mamba2Dims
     rope: bool  # position_embedding_type "rope"; else the attention layers turn none (NoPE)
+
+    @property
+    def state_dims(self) -> Mamba2Dims:
+        """The state-space layers' dims (their tp_refusal: parallel/sharding.py)."""
+        return self.mamba
 
 
 def normalize(raw: Raw) -> Raw:
@@ -155,26 +162,38 @@ class GraniteMoE(nn.Module):
 def _gate_or_up(ckpt, name: str, half: int, kernel: bool) -> Source:
     """Gate (half 0) or up (half 1) of shared_mlp.input_linear [2F, H]: as a Dense kernel
     [H, F], or (`kernel` False: a QuantLinear's, quantized on load) a weight [F, H]."""
-    two_f, h = ckpt.shape(name)
-    f = two_f // 2
+    f = ckpt.shape(name)[0] // 2
+    return row_block(ckpt, name, half * f, f, kernel)
 
-    def read(idx):
-        if not kernel:
-            rows = range(*idx[0].indices(f))
-            return ckpt.read(name, (slice(half * f + rows.start, half * f + rows.stop), idx[1]))
-        cols = range(*idx[1].indices(f))
-        return ckpt.read(name, (slice(half * f + cols.start, half * f + cols.stop), idx[0])).T
-    return Source((h, f) if kernel else (f, h), read, ckpt.dtypes[name])
+
+def _in_projections(ckpt, name: str, layer: str, tensor: str, cfg: ModelConfig) -> dict:
+    """mamba.in_proj's weight [z | x | B | C | dt, H] (or its bias, or its scales) as the mixer's
+    parts (Mamba2Dims.in_projections)."""
+    kernel = tensor == "weight" and not cfg.quantization
+    parts = cfg.family_options.mamba.in_projections
+    rows = sum(size for _, size in parts)
+    out, start = {}, 0
+    for part, size in parts:
+        if tensor.startswith("weight_scale"):  # (weight_scale_inv: a multiplier all the same)
+            out[(layer, "mamba", part, "weight_scale")] = scale_rows(ckpt, name, start, size, rows)
+        else:
+            leaf = "kernel" if kernel else tensor
+            out[(layer, "mamba", part, leaf)] = row_block(ckpt, name, start, size, kernel)
+        start += size
+    return out
 
 
 def tensor_sources(ckpt, name: str, cfg: ModelConfig) -> dict | None:
-    """The tensors stored in layouts of their own: the conv weight, the shared MLP's fused
-    gate/up, the experts' fused stacks and the router ({param path: Source}); None for the
-    names the shared loader maps (the mixer's projections and A_log, D, dt_bias, norm)."""
+    """The tensors stored in layouts of their own: the conv weight, the mixer's fused in_proj,
+    the shared MLP's fused gate/up, the experts' fused stacks and the router ({param path:
+    Source}); None for the names the shared loader maps (the mixer's out_proj and A_log, D,
+    dt_bias, norm)."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return None
     layer, part = f"layers_{m[1]}", m[2]
+    if part.startswith("mamba.in_proj."):
+        return _in_projections(ckpt, name, layer, part.rsplit(".", 1)[1], cfg)
     if part.startswith("mamba.conv1d."):
         tensor = part.rsplit(".", 1)[1]
         src = depthwise_conv_weight(ckpt, name) if tensor == "weight" else plain(ckpt, name, False)

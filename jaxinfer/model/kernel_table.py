@@ -9,10 +9,10 @@ limit, `MosaicLatentDecode` past its shapes, the LoRA kernels' `supported`), so 
 runs where the kernel applies.
 
 Wrappers replace only the slots they wrap (`dataclasses.replace`): tensor parallelism
-(parallel/attention.py: `attention` under shard_map, `routed_experts` over the mesh) and the FP8 KV
-cache (worker/kv/kv_scales.py: `attention` with per-layer scales) keep every other slot, the norm
-kernel included. The table is a static argument of every jitted step, so it is part of every
-compile-cache key.
+(parallel/kernels.py: `attention` under shard_map, `routed_experts` over the mesh, `state_heads`
+per device) and the FP8 KV cache (worker/kv/kv_scales.py: `attention` with per-layer scales) keep
+every other slot, the norm kernel included. The table is a static argument of every jitted step, so
+it is part of every compile-cache key.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jaxinfer.model.gemm_rows import gemm_rows, plain_rows
 from jaxinfer.model.lora.delta import LoraDelta
 from jaxinfer.model.quant.ops import QuantizedMatmul
 from jaxinfer.model.routing import Router
-from jaxinfer.model.ssm_kernels import GatedDeltaNetKernels, Mamba2Kernels
+from jaxinfer.model.ssm_kernels import GatedDeltaNetKernels, Mamba2Kernels, StateHeads
 from pallas_kernels.attention.backend import REFERENCE, get_backend, registered
 from pallas_kernels.attention.reference import causal_attention_reference
 from pallas_kernels.norm.reference import add_rms_norm_reference
@@ -99,6 +99,9 @@ class KernelTable:
     mamba2: Mamba2Kernels = Mamba2Kernels()
     # Gated DeltaNet's conv1d and delta rule (model/ssm_kernels.py): the Pallas kernels on a GPU.
     gdn: GatedDeltaNetKernels = GatedDeltaNetKernels()
+    # Where the fixed-state layers' heads run: `StateHeads` on one device, `ShardedStateHeads`
+    # per device over a mesh (parallel/state_heads.py).
+    state_heads: StateHeads = StateHeads()
 
     @property
     def name(self) -> str:

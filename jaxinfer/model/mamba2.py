@@ -1,7 +1,7 @@
 """Mamba-2's mixer on the paged cache: a shared layer of the Mamba-2 hybrids (HF's
 Mamba2Mixer, as GraniteMoeHybridMambaLayer runs it).
 
-    in_proj(x) -> gate z [I], xBC [C = I + 2 G N], dt [H]
+    in_proj(x) -> gate z [I], xBC [C = I + 2 G N], dt [H] (params in_proj_z, _x, _b, _c, _dt)
     xBC -> causal depthwise conv (width W) + SiLU -> x [H, P], B, C [G, N]
     y = SSD(x, softplus(dt + dt_bias) clamped to dt_limit, A = -exp(A_log), B, C) + D x
     out_proj(RMSNorm_groups(y * silu(z)) * weight)
@@ -16,12 +16,14 @@ sequence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.fused_projections import project
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.quant.layers import linear
 from jaxinfer.model.state_pages import state_words, step_states
@@ -63,6 +65,29 @@ class Mamba2Dims:
         """The float32 state one sequence carries (FixedStateSpec.state_bytes)."""
         return 4 * state_words(self.state_shapes)
 
+    @property
+    def in_projections(self) -> tuple[tuple[str, int], ...]:
+        """in_proj's parts (name, features) in HF's order: z, x, B, C, dt. Kept apart (fused as
+        in_proj on one GPU: fused_projections.py) so that a column split over devices gives
+        each its heads' z, x and dt and an equal share of B's and C's channels."""
+        i, gn = self.inner, self.groups * self.state_dim
+        return (("in_proj_z", i), ("in_proj_x", i), ("in_proj_b", gn), ("in_proj_c", gn),
+                ("in_proj_dt", self.heads))
+
+    def tp_refusal(self, tp: int) -> str | None:
+        """Why the layer's heads cannot be split over tp devices (None: they can): each device
+        takes whole heads, an equal share of B's and C's channels, and whole groups or a share
+        of one group's heads."""
+        if self.heads % tp:
+            return f"does not divide the model's {self.heads} Mamba-2 heads (mamba_n_heads)"
+        if self.groups * self.state_dim % tp:
+            return (f"does not divide the Mamba-2 B and C channels (mamba_n_groups x "
+                    f"mamba_d_state = {self.groups * self.state_dim})")
+        if self.groups % tp and tp % self.groups:
+            return (f"neither divides nor is a multiple of the model's {self.groups} Mamba-2 "
+                    f"groups (mamba_n_groups)")
+        return None
+
 
 class GatedRMSNorm(nn.Module):
     """HF's MambaRMSNormGated (norm_before_gate=False): y * silu(z), RMS-normalised over each
@@ -92,27 +117,53 @@ class Mamba2Mixer(nn.Module):
         cfg, dims = self.cfg, self.cfg.family_options.mamba
         lead, width = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, width)
-        batch = step_states(lead, kv, md, dims.state_shapes)
-        conv0, ssm0 = batch.pools
-        dense = linear(cfg, self.dtype, self.kernels)
-        i, c, h = dims.inner, dims.conv_dim, dims.heads
-        proj = dense(i + c + h, use_bias=dims.proj_bias, name="in_proj")(x)
-        z, xbc, dt = jnp.split(proj, [i, i + c], axis=-1)
+        dense = functools.partial(linear(cfg, self.dtype, self.kernels), use_bias=dims.proj_bias)
+        z, xs, b, c, dt = project(self, dense, x, dims.in_projections, "in_proj")
+        h = dims.heads
         conv_w = self.param("conv1d_weight", nn.initializers.lecun_normal(),
-                            (dims.conv_width, c), self.dtype)
-        conv_b = (self.param("conv1d_bias", nn.initializers.zeros, (c,), self.dtype)
+                            (dims.conv_width, dims.conv_dim), self.dtype)
+        conv_b = (self.param("conv1d_bias", nn.initializers.zeros, (dims.conv_dim,), self.dtype)
                   if dims.conv_bias else None)
-        ssm = self.kernels.mamba2
-        xbc, conv1 = ssm.conv(xbc, conv_w, conv_b, conv0, *batch.ragged, decode=batch.decode)
-        xs, b, cm = jnp.split(xbc, [i, i + dims.groups * dims.state_dim], axis=-1)
-        t, g, n = x.shape[0], dims.groups, dims.state_dim
         dt_bias = self.param("dt_bias", nn.initializers.ones, (h,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (h,), self.dtype)
         d = self.param("D", nn.initializers.ones, (h,), self.dtype)
-        y, ssm1 = ssm.ssd(xs.reshape(t, h, dims.head_dim), mamba2_dt(dt, dt_bias, dims.dt_limit),
-                          -jnp.exp(a_log.astype(_F32)), b.reshape(t, g, n), cm.reshape(t, g, n),
-                          d, ssm0, *batch.ragged, chunk_size=dims.chunk_size,
-                          decode=batch.decode)
-        y = GatedRMSNorm(cfg.rms_norm_eps, g, name="norm")(y.reshape(t, i), z)
-        out = dense(width, use_bias=dims.proj_bias, name="out_proj")(y.astype(x.dtype))
-        return out.reshape(*lead, width), batch.written(kv, (conv1, ssm1))
+        step = functools.partial(_ssd_step, self.kernels.mamba2, dims, lead)
+        y, kv = self.kernels.state_heads.run(
+            step, (xs, b, c, dt, dt_bias, a_log, d, conv_w, conv_b, kv, md),
+            axes=(1, 1, 1, 1, 0, 0, 0, None, None, 0, None), out_axes=(1, 0))
+        y = GatedRMSNorm(cfg.rms_norm_eps, dims.groups, name="norm")(y, z)
+        out = dense(width, name="out_proj")(y.astype(x.dtype))
+        return out.reshape(*lead, width), kv
+
+
+def _ssd_step(kernels, dims: Mamba2Dims, lead, heads, xs, b, c, dt, dt_bias, a_log, d, conv_w,
+              conv_b, kv, md):
+    """The layer's step on the heads of `heads` (ssm_kernels.StateHeads): xs [T, h P], b, c
+    [T, its share of G N], dt [T, h], dt_bias, a_log, d [h] of its heads, the whole conv weight
+    [W, C] and bias [C] -> (y [T, h P], kv with the final states over their pages; None on the
+    dense path)."""
+    t, local_heads = dt.shape
+    p, n = dims.head_dim, dims.state_dim
+
+    def own(conv, axis):  # its channels of the conv's x, B and C parts
+        i, gn = dims.inner, dims.groups * n
+        return jnp.concatenate([heads.own(part, axis) for part in jnp.split(
+            conv, [i, i + gn], axis=axis)], axis=axis)
+
+    xbc = jnp.concatenate([xs, b, c], axis=-1)
+    weight, bias = own(conv_w, 1), None if conv_b is None else own(conv_b, 0)
+    batch = step_states(lead, kv, md, ((dims.conv_width - 1, xbc.shape[1]),
+                                       (local_heads, p, n)))
+    conv0, ssm0 = batch.pools
+    xbc, conv1 = kernels.conv(xbc, weight, bias, conv0, *batch.ragged, decode=batch.decode)
+    xs, b, c = jnp.split(xbc, [xs.shape[1], xs.shape[1] + b.shape[1]], axis=-1)
+    # Each device convolves its share of B's and C's channels (and keeps their conv state); its
+    # heads read whole groups: those of its heads, or the one group they share with other devices.
+    per_group = dims.heads // dims.groups
+    first, count = heads.index() * local_heads // per_group, max(local_heads // per_group, 1)
+    b, c = (jax.lax.dynamic_slice_in_dim(heads.gather(m, 1).reshape(t, dims.groups, n), first,
+                                         count, axis=1) for m in (b, c))
+    y, ssm1 = kernels.ssd(xs.reshape(t, local_heads, p), mamba2_dt(dt, dt_bias, dims.dt_limit),
+                          -jnp.exp(a_log.astype(_F32)), b, c, d, ssm0, *batch.ragged,
+                          chunk_size=dims.chunk_size, decode=batch.decode)
+    return y.reshape(t, local_heads * p), batch.written(kv, (conv1, ssm1))

@@ -57,6 +57,11 @@ class Qwen3NextOptions:
     gdn: GatedDeltaNetDims
     shared_expert_intermediate_size: int
 
+    @property
+    def state_dims(self) -> GatedDeltaNetDims:
+        """The state-space layers' dims (their tp_refusal: parallel/sharding.py)."""
+        return self.gdn
+
 
 def normalize(raw: Raw) -> Raw:
     """HF's defaults (transformers 5 may write the experts' count as num_local_experts)."""

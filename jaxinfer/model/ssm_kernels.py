@@ -6,6 +6,10 @@ the gated delta rule), over a ragged batch, as the Triton-lowered Pallas kernels
 Every call takes a state pool and the batch of pallas_kernels/ssm/batch.py (cu_seqlens, slots,
 has_initial_state) and returns (output, the pool with each live sequence's final state); a
 step of one token per sequence (`decode`) takes the one-token forms.
+
+`StateHeads` is where a layer's state-space heads live: all on this device here; under tensor
+parallelism (parallel/state_heads.py) split over the devices, each keeping its heads' states in
+its head shard of the cache pages.
 """
 
 from __future__ import annotations
@@ -13,6 +17,35 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.ssm import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class StateHeads:
+    """A fixed-state layer's per-device step (its states read from the cache, the conv and the
+    scan, its states written back) over every head, on this device. `run(step, args, axes,
+    out_axes)` calls step(self, *args); axes (per argument, as out_axes per output) name the axis
+    its heads or channels lie along (None: not split), which ShardedStateHeads splits over tp."""
+
+    @property
+    def count(self) -> int:
+        """The devices the heads are split over."""
+        return 1
+
+    def index(self):
+        """This device's place among them (its heads: the index-th of `count` equal parts)."""
+        return 0
+
+    def gather(self, x, axis: int):
+        """x whole, from every device's part along `axis`."""
+        return x
+
+    def own(self, x, axis: int):
+        """This device's part along `axis` of x, which every device holds whole."""
+        return x
+
+    def run(self, step, args: tuple, axes: tuple, out_axes: tuple):
+        del axes, out_axes
+        return step(self, *args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ buffers).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +114,36 @@ def plain(ckpt: Checkpoint, name: str, transpose: bool) -> Source:
     if not transpose:
         return Source(shape, lambda idx: ckpt.read(name, tuple(idx)), ckpt.dtypes[name])
     return Source(shape[::-1], lambda idx: ckpt.read(name, (idx[1], idx[0])).T, ckpt.dtypes[name])
+
+
+def row_block(ckpt: Checkpoint, name: str, start: int, size: int, kernel: bool) -> Source:
+    """Rows start .. start + size of a tensor stored [out, ...] (a fused linear's part): as a
+    Flax kernel [in, size] (`kernel`), else as stored [size, ...] (a quantized linear's weight,
+    its scales, a bias)."""
+    shape = ckpt.shape(name)
+
+    def read(idx: Index) -> np.ndarray:
+        out_idx = idx[-1] if kernel else idx[0]
+        r = _bounds(out_idx, size)
+        rows = slice(start + r.start, start + r.stop)
+        if kernel:
+            return ckpt.read(name, (rows, idx[0])).T
+        return ckpt.read(name, (rows, *idx[1:]))
+    return Source((shape[1], size) if kernel else (size, *shape[1:]), read, ckpt.dtypes[name])
+
+
+def scale_rows(ckpt: Checkpoint, name: str, start: int, size: int, out_rows: int) -> Source:
+    """The scales of rows start .. start + size of a quantized linear of `out_rows` outputs whose
+    scales `name` are per tensor (every part takes them whole), per channel ([out] or [out, 1]),
+    or per block of rows ([out / b, in / b']: the part's blocks; its rows must start on a block)."""
+    shape = ckpt.shape(name)
+    if math.prod(shape) == 1:
+        return plain(ckpt, name, False)
+    block = 1 << max(0, math.ceil(math.log2(out_rows / shape[0])))
+    if start % block or (size % block and start + size != out_rows):
+        raise CheckpointError(f"'{name}' {list(shape)}: its {block}-row scale blocks do not "
+                              f"split at rows {start} .. {start + size} of {out_rows}")
+    return row_block(ckpt, name, start // block, -(-size // block), False)
 
 
 def stacked_experts(ckpt: Checkpoint, names: list[str]) -> Source:

@@ -4,7 +4,8 @@ One `jax.sharding.Mesh` with axes ``("dp", "tp")`` is built from `--data-paralle
 `--tensor-parallel-size`; each data-parallel replica runs on its row of the mesh (a sub-mesh with
 ``dp`` = 1), so everything below names only the ``tp`` axis:
 
-- parameters: `param_spec` (q/k/v, gate/up column-sharded; o/down row-sharded; embedding and
+- parameters: `param_spec` (q/k/v, gate/up and the state-space mixers' in-projections
+  column-sharded; o/down and the mixers' out_proj row-sharded; embedding and
   lm_head over the vocabulary; MoE experts by `expert_layout`: whole experts over tp (expert
   parallelism) or tensor-parallel inside each expert, over their intermediate size; norms, routers
   and row-parallel biases replicated);
@@ -15,8 +16,10 @@ One `jax.sharding.Mesh` with axes ``("dp", "tp")`` is built from `--data-paralle
 
 The model code never names a mesh: XLA's SPMD partitioner follows these specs and inserts the
 all-reduces after the row-parallel matmuls. Only the kernels, per-device code, run under
-`shard_map`: attention (jaxinfer/parallel/attention.py, `attention_specs`) and the routed experts
-(jaxinfer/parallel/experts.py, `expert_specs`).
+`shard_map`: attention (jaxinfer/parallel/attention.py, `attention_specs`), the routed experts
+(jaxinfer/parallel/experts.py, `expert_specs`) and the fixed-state layers' steps over their
+state-space heads (jaxinfer/parallel/state_heads.py), whose states stay in each device's head
+shard of the cache pages.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ DP, TP = "dp", "tp"
 
 # Param-path leaf owner -> how its kernel [in, out] is split over tp ("col": out, "row": in).
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-           "q_b_proj", "kv_b_proj")  # MLA's per-head up-projections (out = heads x dims)
-_ROW = ("o_proj", "down_proj")
+           "q_b_proj", "kv_b_proj",  # MLA's per-head up-projections (out = heads x dims)
+           # the fixed-state layers' in-projections, each laid out by head (state_heads.py)
+           "in_proj_qkvz", "in_proj_ba", "in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c",
+           "in_proj_dt")
+_ROW = ("o_proj", "down_proj", "out_proj")
 # How MoE experts split over tp: "ep" whole experts per device, "tp" every expert's intermediate
 # size (jaxinfer/parallel/experts.py).
 EXPERT_LAYOUTS = ("ep", "tp")
@@ -78,6 +84,9 @@ def validate_parallel_sizes(cfg: ModelConfig, tp: int, dp: int, num_devices: int
         refuse("tensor-parallel-size", tp, f"does not divide the model's expert intermediate size "
                                            f"{cfg.moe_intermediate_size} (--expert-layout ep "
                                            f"splits whole experts instead)")
+    states = getattr(cfg.family_options, "state_dims", None)  # a hybrid's state-space layers
+    if states is not None and (why := states.tp_refusal(tp)):
+        refuse("tensor-parallel-size", tp, why)
     if cfg.is_moe and expert_layout == "ep" and cfg.num_experts % tp:
         refuse("tensor-parallel-size", tp, f"does not divide the model's {cfg.num_experts} "
                                            f"experts (--expert-layout ep)")

@@ -107,9 +107,11 @@ def _check_conv(x, weight, bias, conv_state, block_c):
         raise ValueError(f"bias {bias.shape} must be [C={c}]")
     if conv_state.shape[1:] != (w - 1, c):
         raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, W-1={w - 1}, C={c}]")
-    bc = min(block_c, c)
-    if bc & (bc - 1) or c % bc:
-        raise ValueError(f"block_c={bc} must be a power of two dividing C={c}")
+    if block_c & (block_c - 1):
+        raise ValueError(f"block_c={block_c} must be a power of two")
+    # The largest power of two up to block_c dividing C (a device's share of the channels under
+    # tensor parallelism, e.g. 3328 / 4 = 832, takes 64).
+    bc = min(block_c, c & -c)
     return w, c, bc, (jnp.zeros((c,), jnp.float32) if bias is None else bias)
 
 

@@ -2,8 +2,9 @@
 layers, Qwen3-Next's Gated DeltaNet) does not run yet, refused at start with the flag that asks
 for it (docs/feature_matrix.md). A state spans as many attention pages as it needs
 (kv_specs.FixedStateSpec.state_pages), so every --block-size holds it; prefix caching keeps
-snapshots of it (core/kv_cache/state_snapshots.py); in an fp8 cache its float32 words are the
-pages' bytes (state_pages.py)."""
+snapshots of it (core/kv_cache/state_snapshots.py). In a 16-bit or fp8 cache a
+float32 word is packed into several elements, laid over the pages element by element
+(state_pages.py), so no page needs to end on a word (--block-size 1 with an fp8 cache)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,3 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> No
     if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("--tensor-parallel-size > 1: state-space layers' states are not "
                           "sharded over devices yet")
-    page = groups.page_spec.page_bytes(cache.block_size, kv_dtype)
-    if any(state.state_pages(cache.block_size, kv_dtype) * page % 4 for state in states):
-        # The states are float32 words laid over the pages (model/state_pages.py).
-        raise ConfigError(f"--block-size {cache.block_size}: a state-space layer's pages "
-                          f"({page} bytes each) do not end on a 4-byte word; use an even "
-                          f"block size")

@@ -2,7 +2,8 @@
 layers, Qwen3-Next's Gated DeltaNet) does not run yet, refused at start with the flag that asks
 for it (docs/feature_matrix.md). A state spans as many attention pages as it needs
 (kv_specs.FixedStateSpec.state_pages), so every --block-size holds it; prefix caching keeps
-snapshots of it (core/kv_cache/state_snapshots.py). In a 16-bit or fp8 cache a
+snapshots of it (core/kv_cache/state_snapshots.py), which the host tier (--kv-offload) carries
+with their prefix (core/kv_cache/host_offload.py). In a 16-bit or fp8 cache a
 float32 word is packed into several elements, laid over the pages element by element
 (state_pages.py), so no page needs to end on a word (--block-size 1 with an fp8 cache)."""
 
@@ -12,17 +13,12 @@ from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups
 from jaxinfer.errors import ConfigError
 
 
-def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config, kv_dtype) -> None:
+def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config) -> None:
     """ConfigError naming the flag when the model has fixed-state layers and `config` (EngineConfig)
     ask for what they do not support; none for a model without them."""
-    cache = config.cache
     states = [spec for spec in groups.specs if isinstance(spec, FixedStateSpec)]
     if not states:
         return
-    if cache.kv_offload:
-        # A state-space layer's group stays apart even without --hybrid-kv-cache.
-        raise ConfigError("--kv-offload: the host tier holds the blocks of one KV group, and "
-                          "a model with state-space layers has a group of their states")
     spec = config.speculative
     if spec is not None:
         raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "

@@ -188,7 +188,7 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
     args = EngineArgs(model=str(tmp_path))
     assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
-    refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
+    refuse_what_fixed_state_lacks(groups, args.create_engine_config())  # nothing refused
     # 4 attention layers set num_slots: the 36 Mamba-2 layers make 9 state groups.
     assert groups.num_slots == 4 and groups.state_pages(16, jnp.bfloat16) == (None,) + (74,) * 9
     assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 9 * 74
@@ -209,7 +209,6 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides, flag", [
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
-    (dict(kv_offload=True, enable_prefix_caching=True), "--kv-offload"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)

@@ -157,7 +157,7 @@ def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
     args = EngineArgs(model=str(tmp_path))
     assert args.block_size == 16 and args.enable_prefix_caching
     groups = KVCacheGroups.for_model(cfg)
-    refuse_what_fixed_state_lacks(groups, args.create_engine_config(), jnp.bfloat16)  # nothing refused
+    refuse_what_fixed_state_lacks(groups, args.create_engine_config())  # nothing refused
     # 12 attention layers set num_slots: the 36 Gated DeltaNet layers make 3 state groups.
     assert groups.num_slots == 12 and groups.state_pages(16, jnp.bfloat16) == (None, 101, 101, 101)
     assert groups.blocks_for_sequence(4096, 2048, 16, jnp.bfloat16) == 256 + 3 * 101

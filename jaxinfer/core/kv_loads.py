@@ -2,10 +2,11 @@
 
 At admission the scheduler matches a prompt against the device prefix cache and then, past that
 match, against the host tier (`KVCacheManager.match_host`): host hits get fresh device blocks,
-counted as computed and entered in the device prefix cache at once, and the sequence is scheduled
-in the same step as any other admission. The step's `KVTransfers.loads` copy the host pieces to
-the device and scatter them into those blocks ahead of the step's forward (worker/kv/host_store.py),
-so the device runs copy, scatter and forward in that order.
+counted as computed and entered in the device prefix cache at once (with state-space layers, the
+snapshot after the last of them is loaded into the sequence's state pages), and the sequence is
+scheduled in the same step as any other admission. The step's `KVTransfers.loads` copy the host
+pieces to the device and scatter them into those blocks ahead of the step's forward
+(worker/kv/host_store.py), so the device runs copy, scatter and forward in that order.
 
 Why the copy is not waited for in a state of its own, as the first design did: on the H200 (jax
 0.11.2) a pinned-host -> device copy lands only once the compute dispatched before it has run
@@ -59,16 +60,14 @@ class KVLoads:
         pairs = self.kv.match_host(seq.seq_id, seq.token_ids, chunk_tokens)
         if not pairs:
             return
-        bs = self.kv.block_size
-        slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]
-        first = seq.num_computed // bs
-        seq.num_computed += len(blocks) * bs
+        seq.num_computed = self.kv.num_tokens(seq.seq_id)
         self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
         # A block the cache already had replaced ours in the table: skip its scatter.
-        table = self.kv.get_block_ids(seq.seq_id)
-        self._next.loads.append(
-            (slots, [b if table[first + i] == b else -1 for i, b in enumerate(blocks)]))
-        self._pinned += slots
+        held = {b for table in self.kv.get_block_tables(seq.seq_id) for b in table}
+        slots = [s for s, _ in pairs]
+        self._next.loads.append((slots, [b if b in held else -1 for _, b in pairs]))
+        # Unpinned last first (`take`): the prefix's head becomes the host's most recently used.
+        self._pinned += slots[::-1]
 
     def take(self) -> KVTransfers:
         """The transfers for the step being scheduled (the manager's offloads included)."""

@@ -108,7 +108,7 @@ def with_hybrid_kv_decided(cfg: ModelConfig, args: EngineArgs,
         return args
     groups = KVCacheGroups.for_model(cfg)
     spec = args.spec_config()
-    if args.kv_offload and groups.num_groups > 1:
+    if args.kv_offload and groups.frees_token_blocks:
         why = "the host tier (--kv-offload) keeps whole prefix blocks"
     elif role is not None and groups.num_groups > 1:
         why = "the disaggregated hand-over carries one attention group's blocks per request"

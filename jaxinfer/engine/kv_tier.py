@@ -21,18 +21,18 @@ def host_tier_for(cfg, cache: CacheConfig, kv_dtype, groups) -> HostTier | None:
     """The host tier's bookkeeping for --kv-offload (None when off): as many blocks as
     --kv-host-gib holds, a block being every layer's K and V of all the replica's heads.
 
-    One KV group only (from_engine_args turns --hybrid-kv-cache off for the tier: a prefix node
-    of several groups holds one block per group, some of them freed out of a window). A draft
-    model's or
-    EAGLE-3 head's state over the target's block ids (its KV, the stream cache) is not
-    offloaded: a block loaded from the host holds another block's, which lowers acceptance and
-    never changes outputs (verification is exact), as a device prefix hit on a block computed
-    without speculation does."""
+    No group that frees blocks (from_engine_args turns --hybrid-kv-cache off for the tier: a
+    prefix node holds one block per group, and a windowed group's may be freed); state-space
+    layers' groups are carried as their prefix nodes' snapshots (core/kv_cache/host_offload.py).
+    A draft model's or EAGLE-3 head's state over the target's block ids (its KV, the stream
+    cache) is not offloaded: a block loaded from the host holds
+    another block's, which lowers acceptance and never changes outputs (verification is exact),
+    as a device prefix hit on a block computed without speculation does."""
     if not cache.kv_offload:
         return None
-    if groups.num_groups > 1:
-        raise ConfigError(f"--kv-offload takes one KV group ({cfg.architecture} has "
-                          f"{groups.num_groups}): pass --no-hybrid-kv-cache")
+    if groups.frees_token_blocks:
+        raise ConfigError(f"--kv-offload keeps whole prefix blocks ({cfg.architecture}'s KV "
+                          f"groups free blocks out of a window): pass --no-hybrid-kv-cache")
     slots = int(cache.kv_host_gib * GIB // groups.page_bytes(cache.block_size, kv_dtype))
     log.info("host KV tier: %d blocks (%.1f GiB, %d tokens of prefix)", slots, cache.kv_host_gib,
              slots * cache.block_size)

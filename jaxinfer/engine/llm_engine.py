@@ -92,7 +92,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             raise ConfigError("a disaggregated engine takes one KV group: build it with "
                               "from_engine_args, which turns --hybrid-kv-cache off")
         kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, params_dtype_name(params))
-        refuse_what_fixed_state_lacks(groups, config, kv_dtype)
+        refuse_what_fixed_state_lacks(groups, config)
         need = groups.blocks_for_sequence(self.max_model_len, sched.max_num_batched_tokens,
                                           cache.block_size, kv_dtype)
         if num_blocks < need:

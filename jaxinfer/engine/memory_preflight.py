@@ -149,10 +149,8 @@ def refuse_if_it_cannot_fit(cfg: ModelConfig, args: EngineArgs, param_shapes,
     (--num-blocks skips the memory figures: the engine checks that count against a sequence).
     First what a model of state-space layers cannot run (engine/fixed_state.py), before any
     weight loads."""
-    first = jax.tree_util.tree_leaves(param_shapes)[0].dtype
     refuse_what_fixed_state_lacks(KVCacheGroups.for_model(cfg, args.hybrid_kv_cache),
-                                  args.create_engine_config(),
-                                  resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(first).name))
+                                  args.create_engine_config())
     if args.num_blocks is not None:
         return None
     figures = preflight(cfg, args, param_shapes, plan, dtype)

@@ -16,6 +16,10 @@ indexed by the slot numbers handed out here, as device block ids index the devic
 
 A slot is *pinned* while a copy back to the device has been planned from it and has not landed,
 so an offload in a later step cannot take the slot over meanwhile; pinned slots are never evicted.
+
+A state-space layer's snapshot (core/kv_cache/state_snapshots.py) is several blocks, named by
+`state_key`s under the digest of the prefix it follows, and kept as a *bundle*: whole or gone, as
+on the device (evicting one of its slots evicts the others; it is pinned and loaded as a whole).
 """
 
 from __future__ import annotations
@@ -54,6 +58,19 @@ def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, np.int64).tobytes()).digest()
 
 
+def block_key(digest: bytes, group: int) -> bytes:
+    """The host name of KV group `group`'s block of the prefix of `digest` (the digest itself
+    for the first group: the only one but beside fixed states' groups)."""
+    return digest if group == 0 else hashlib.sha256(b"%s group %d" % (digest, group)).digest()
+
+
+def state_keys(digest: bytes, group: int, num_blocks: int) -> list[bytes]:
+    """The host names of the `num_blocks` blocks of KV group `group`'s state snapshot after the
+    prefix of `digest` (the state after its last token)."""
+    return [hashlib.sha256(b"%s state %d %d" % (digest, group, i)).digest()
+            for i in range(num_blocks)]
+
+
 @dataclasses.dataclass
 class HostTierStats:
     """Monotonic counters (blocks), for metrics and benchmarks."""
@@ -82,6 +99,8 @@ class HostTier:
         self._piece_of = [-1] * num_slots
         self._pieces: dict[int, list[int]] = {}
         self._next_piece = 0
+        # Each slot's bundle (a state snapshot's slots, evicted together), None for a lone block.
+        self._bundle_of: list[tuple[int, ...] | None] = [None] * num_slots
         self.stats = HostTierStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -98,22 +117,40 @@ class HostTier:
 
     def match(self, parent: bytes, token_ids: Sequence[int], first_block: int, max_blocks: int,
               block_size: int) -> list[int]:
-        """Slots of the longest run of host blocks continuing a prefix: block i (from
-        `first_block`, below `max_blocks`) of `token_ids` under the chain starting at `parent`
-        (the digest of the blocks before `first_block`). Touches them as most recently used,
-        last block first (the head of a prefix is evicted last: without it the rest is
-        unreachable)."""
-        slots = []
+        """Slots of the longest run of host blocks continuing a prefix (`run`), touched as most
+        recently used, last block first (`touch`)."""
+        slots = [slot for _, (slot,) in self.run(parent, token_ids, first_block, max_blocks,
+                                                  block_size)]
+        self.touch(slots[::-1])
+        return slots
+
+    def run(self, parent: bytes, token_ids: Sequence[int], first_block: int, max_blocks: int,
+            block_size: int, num_groups: int = 1) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(digest, slot of each of the first `num_groups` groups' blocks: `block_key`) of the
+        longest run of host blocks continuing a prefix: block i (from `first_block`, below
+        `max_blocks`) of `token_ids` under the chain starting at `parent` (the digest of the
+        blocks before `first_block`)."""
+        out = []
         for i in range(first_block, max_blocks):
             parent = block_digest(parent, token_ids[i * block_size:(i + 1) * block_size])
-            slot = self._slot_of.get(parent)
-            if slot is None:
+            slots = tuple(self._slot_of.get(block_key(parent, g)) for g in range(num_groups))
+            if None in slots:
                 break
-            slots.append(slot)
-        for slot in reversed(slots):
+            out.append((parent, slots))
+        return out
+
+    def touch(self, slots: Sequence[int]) -> None:
+        """These slots become the most recently used, the last one most (a match touches a
+        prefix's blocks last first: its head is evicted last, without it the rest is
+        unreachable)."""
+        for slot in slots:
             if slot in self._lru:
                 self._lru.move_to_end(slot)
-        return slots
+
+    def bundle(self, keys: Sequence[bytes]) -> list[int] | None:
+        """The slots of the bundle named `keys` (`state_keys`), None unless the host has it."""
+        slots = [self._slot_of.get(k) for k in keys]
+        return None if None in slots else slots
 
     # ---- pins (a planned copy back to the device) ----------------------------------------
     def pin(self, slots: Sequence[int]) -> None:
@@ -158,6 +195,22 @@ class HostTier:
         self.stats.offloaded_blocks += 1
         return slot
 
+    def store_bundle(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Slots to copy the blocks named `keys` into, kept whole or not at all (`store` each);
+        None when the host has them already (touched) or cannot make room for all of them (the
+        bundle is dropped, as without a host tier)."""
+        held = [k in self._slot_of for k in keys]
+        if all(held):
+            self.touch(self.bundle(keys))
+            return None
+        # (The LRU's head is older than any slot stored here, so room for all is found first.)
+        if any(held) or len(keys) > len(self._free) + len(self._lru):
+            return None
+        slots = [self.store(k) for k in keys]
+        for s in slots:
+            self._bundle_of[s] = tuple(slots)
+        return slots
+
     def group(self, slots: Sequence[int]) -> None:
         """These slots' blocks are copied as one host piece: evicted together from now on."""
         pid, self._next_piece = self._next_piece, self._next_piece + 1
@@ -167,14 +220,21 @@ class HostTier:
 
     def _evict_piece(self, victim: int) -> None:
         """Drop `victim` (taken off the LRU; its slot is reused by the caller) and the other
-        unpinned slots of its piece (to the free list)."""
-        pid = self._piece_of[victim]
-        siblings = self._pieces.pop(pid, []) if pid >= 0 else []
-        for s in [victim] + [t for t in siblings if t != victim and self._piece_of[t] == pid]:
+        unpinned slots of its piece and of its bundle, and of theirs in turn (to the free
+        list). A pinned slot (a load in flight) stays; a bundle is pinned whole."""
+        doomed, todo = {victim}, [victim]
+        while todo:
+            s = todo.pop()
+            pid = self._piece_of[s]
+            kin = [t for t in self._pieces.pop(pid, []) if self._piece_of[t] == pid]
+            for t in kin + list(self._bundle_of[s] or ()):
+                if t not in doomed and t in self._lru:
+                    doomed.add(t)
+                    todo.append(t)
+        for s in doomed:
             self._piece_of[s] = -1
+            self._bundle_of[s] = None
             if s != victim:
-                if s not in self._lru:  # pinned (a load in flight): it stays
-                    continue
                 del self._lru[s]
                 self._free.append(s)
             del self._slot_of[self._digest_of[s]]
@@ -191,4 +251,5 @@ class HostTier:
         self._slot_of.clear()
         self._lru.clear()
         self._piece_of = [-1] * self.num_slots
+        self._bundle_of = [None] * self.num_slots
         self._pieces.clear()

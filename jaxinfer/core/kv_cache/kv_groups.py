@@ -146,6 +146,14 @@ class KVCacheGroups:
         return len(self.specs)
 
     @property
+    def frees_token_blocks(self) -> bool:
+        """Whether a group whose blocks come with the tokens (not a fixed state's) frees some (a
+        window, a chunk): a prefix node's entry there may be gone, so the node's blocks are no
+        whole prefix block (the host tier needs whole ones)."""
+        return any(not spec.keeps_every_block and n is None
+                   for spec, n in zip(self.specs, self.state_pages(1, "float32")))
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_group)
 

@@ -80,8 +80,9 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
                  groups: KVCacheGroups | None = None, host_tier: HostTier | None = None,
                  kv_dtype=None):
         """`host_tier`: the host pool's bookkeeping (host_tier.py), or None: an evicted block's
-        KV is gone. Needs prefix caching and one KV group. `kv_dtype`: the cache's element type,
-        which sets how many blocks a fixed state spans (kv_specs.FixedStateSpec)."""
+        KV is gone. Needs prefix caching and no group that frees blocks (a window).
+        `kv_dtype`: the cache's element type, which sets how many blocks a fixed state spans
+        (kv_specs.FixedStateSpec)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if host_tier is not None and not enable_prefix_caching:
@@ -99,8 +100,9 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
         self._growing = [g for g in range(self.groups.num_groups) if g not in self._state_pages]
         self._partial = [g for g in self._growing  # groups that free blocks
                          if not self.groups.specs[g].keeps_every_block]
-        if host_tier is not None and self._num_groups > 1:
-            raise ValueError("a host KV tier needs a model with one KV group (no sliding windows)")
+        if host_tier is not None and self._partial:
+            raise ValueError("a host KV tier needs whole prefix blocks: one KV group (no sliding "
+                             "windows), or groups keeping every block beside fixed states'")
         self.pool = BlockPool(num_blocks)
         self.host = host_tier
         self.prefix_cache = (PrefixCache(self.pool, block_size, self.groups,

@@ -104,10 +104,11 @@ class PrefixCache:
         self.root = self._new_root(None)
         self._roots: dict[Hashable, _Node] = {None: self.root}
         self._node_of_block: dict[int, tuple[_Node, int]] = {}
-        # Called with the node and block of each full group's block the pool evicts (its KV still
-        # intact until the step that reuses the block): the host tier copies it out. Set by
-        # KVCacheManager, which allows a host tier only for one-group models.
-        self.on_drop: Callable[[_Node, int], None] | None = None
+        # Called with the node, group and entry (a block, or a snapshot's tuple) of every entry
+        # the tree drops for an eviction (their KV still intact until the step that reuses the
+        # blocks): the host tier copies them out. Set by KVCacheManager, which allows a host
+        # tier only where no group frees blocks out of a window.
+        self.on_drop: Callable[[_Node, int, int | tuple[int, ...]], None] | None = None
         pool.on_evict = self._on_evict
 
     def _new_root(self, namespace: Hashable) -> _Node:
@@ -121,6 +122,10 @@ class PrefixCache:
     def node_of(self, block_id: int) -> _Node | None:
         entry = self._node_of_block.get(block_id)
         return None if entry is None else entry[0]
+
+    def entry_of(self, block_id: int) -> tuple[_Node, int] | None:
+        """The node and group whose entry holds the cached block (None: not cached)."""
+        return self._node_of_block.get(block_id)
 
     def root_of(self, namespace: Hashable = None) -> _Node:
         root = self._roots.get(namespace)
@@ -161,6 +166,19 @@ class PrefixCache:
             first = spec.first_needed_block(n * bs, bs)
             blocks.append([_ABSENT] * first + [path[i + 1].block_ids[g] for i in range(first, n)])
         return blocks, path[n], n
+
+    def cached_run(self, node: _Node, token_ids: Sequence[int], first_block: int,
+                   max_blocks: int) -> list[_Node]:
+        """The nodes continuing ``token_ids`` below ``node`` (the node of its first
+        ``first_block`` blocks), below ``max_blocks``, while the full groups' blocks are cached:
+        what a match left for want of another group's entry."""
+        bs, out = self.block_size, []
+        for i in range(first_block, max_blocks):
+            node = node.children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
+            if node is None or any(node.block_ids[g] == _ABSENT for g in self._full):
+                break
+            out.append(node)
+        return out
 
     def _resume(self, path: list[_Node], g: int, n: int) -> int:
         """The largest m <= n whose blocks [first(m), m) of group g are all cached."""
@@ -211,6 +229,8 @@ class PrefixCache:
         node, g = self._node_of_block.pop(block_id)
         entry = node.block_ids[g]
         node.block_ids[g] = _ABSENT
+        if self.on_drop is not None:
+            self.on_drop(node, g, entry)
         if isinstance(entry, tuple):  # a snapshot is whole or gone: its other blocks go free
             for b in entry:
                 if b != block_id:
@@ -224,25 +244,23 @@ class PrefixCache:
                     raise RuntimeError(f"prefix cache: evicting block {block_id}, which still has "
                                        f"cached children (leaf-first invariant broken)")
             self._drop_subtree(node)
-            if self.on_drop is not None:
-                self.on_drop(node, block_id)
         self._prune(node)
 
     def _drop_subtree(self, node: _Node) -> None:
         """Uncache every block at or below ``node`` (none is held: a holder of a block also holds
         the full groups' blocks of its prefix, and those are gone) and cut its children off."""
-        stack = list(node.children.values())
-        node.children.clear()
-        for b in _entry_blocks(node.block_ids):
-            del self._node_of_block[b]
-            self.pool.uncache(b)
-        node.block_ids[:] = [_ABSENT] * len(node.block_ids)
+        stack = [node]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
+            for g, entry in enumerate(n.block_ids):
+                if entry != _ABSENT and self.on_drop is not None:
+                    self.on_drop(n, g, entry)
             for b in _entry_blocks(n.block_ids):
                 del self._node_of_block[b]
                 self.pool.uncache(b)
+        node.children.clear()
+        node.block_ids[:] = [_ABSENT] * len(node.block_ids)
 
     def _prune(self, node: _Node) -> None:
         """Remove ``node`` and empty ancestors that hold no block and have no children."""

@@ -109,12 +109,18 @@ class StateSnapshotMixin:
         snapshots go back."""
         if req.snapshot is not None:
             self._settle_snapshot(req)
-        held = list(req.snapshot[1].values()) if req.snapshot is not None else []
-        held += (req.resume or {}).values()
-        for blocks in held:
+        for blocks in req.snapshot[1].values() if req.snapshot is not None else ():
             for b in blocks:
                 self._release(b)
-        req.snapshot = req.resume = None
+        req.snapshot = None
+        self._drop_resume(req)
+
+    def _drop_resume(self, req) -> None:
+        """Let the matched snapshots go (the request ends, or resumes from a host hit's)."""
+        for blocks in (req.resume or {}).values():
+            for b in blocks:
+                self._release(b)
+        req.resume = None
 
     def _matched_states(self, tables: list, n: int) -> dict[int, tuple[int, ...]] | None:
         """A match of n blocks (PrefixCache.match's tables): each fixed-state group's entry, node

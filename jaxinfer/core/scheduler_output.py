@@ -22,6 +22,10 @@ class ScheduledSeq:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     # With several KV groups (a model with sliding windows): every group's row, block_ids first.
     group_block_ids: list[list[int]] | None = None
+    # KVCacheManager.table_version of those rows: the runner's persistent copy of its slot's row
+    # (worker/block_table.py) takes only the appended blocks while it is unchanged. None: the
+    # row is built from the lists alone.
+    table_version: int | None = None
     # Speculative decoding: tokens proposed after the decode's input (num_tokens = 1 + len), which
     # the step verifies (jaxinfer/spec_decode/); placeholders when the device proposes them.
     proposal: list[int] = dataclasses.field(default_factory=list)

@@ -315,10 +315,10 @@ class Scheduler:
                 continue
             if budget == 0 or num_tokens >= seq.token_limit:
                 continue
-            proposal = spec.propose(seq, budget) if spec is not None else []
+            proposal = spec.propose(seq, budget) if spec is not None else ()
             if proposal and not kv.allocate_slots(  # proposals never preempt anyone
                     seq.seq_id, max(start + 1 + len(proposal) - kv.num_tokens(seq.seq_id), 0)):
-                proposal = []
+                proposal = ()
             need = start + 1 - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):
                 victim = max((s for s in self.running if s.scheduled_in != step),

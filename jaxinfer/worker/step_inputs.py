@@ -215,6 +215,7 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     positions = np.zeros(num_tokens, i32)
     if t == n:  # one token a row (decodes): its position is its start
         positions[:n] = seq_lens[:n]
+        token_row = np.arange(n)
     else:
         q = np.asarray(q_lens, i32)
         positions[:t] = np.repeat(seq_lens[:n] - qsl[:n], q) + np.arange(t, dtype=i32)
@@ -234,8 +235,6 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     else:
         block_tables = np.zeros((num_groups, num_seqs, max_blocks), i32)
     _fill_tables(block_tables, [rows[r] for r in loose], loose, kv_layout is not None)
-    if t == n:
-        token_row = np.arange(n)
     blk = block_tables[:, token_row, positions[:t] // block_size]
     slot_mapping = np.full((num_groups, num_tokens), -1, i32)
     slot_mapping[:, :t] = blk * block_size + positions[:t] % block_size

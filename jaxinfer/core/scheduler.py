@@ -315,10 +315,10 @@ class Scheduler:
                 continue
             if budget == 0 or num_tokens >= seq.token_limit:
                 continue
-            proposal = spec.propose(seq, budget) if spec is not None else []
+            proposal = spec.propose(seq, budget) if spec is not None else ()
             if proposal and not kv.allocate_slots(  # proposals never preempt anyone
                     seq.seq_id, max(start + 1 + len(proposal) - kv.num_tokens(seq.seq_id), 0)):
-                proposal = []
+                proposal = ()
             need = start + 1 - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):
                 victim = max((s for s in self.running if s.scheduled_in != step),
@@ -416,7 +416,8 @@ class Scheduler:
         elif spec is not None and num_proposed and not prefills:
             out.spec_iterations = spec.loop_iterations(self, decodes)
         if out:  # (copies only arise for sequences scheduled here; otherwise they stay queued)
-            get_block_ids, get_tables = kv.get_block_ids, kv.get_block_tables
+            get_block_ids, get_tables, version = (kv.get_block_ids, kv.get_block_tables,
+                                                  kv.table_version)
             grouped = kv.groups.num_groups > 1
             snapshot = kv.snapshot_state if kv.snapshots_states else None
             for entry in out.scheduled:
@@ -424,6 +425,7 @@ class Scheduler:
                                              or entry.start < entry.seq.prompt_len):
                     snapshot(entry.seq.seq_id, entry.start)  # (copies among this step's)
                 entry.block_ids = get_block_ids(entry.seq.seq_id)
+                entry.table_version = version(entry.seq.seq_id)
                 if grouped:
                     entry.group_block_ids = get_tables(entry.seq.seq_id)
                 req = entry.seq.request

@@ -5,6 +5,7 @@ is the model this follows)."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 from jaxinfer.core.kv_loads import KVTransfers
@@ -18,13 +19,18 @@ class ScheduledSeq:
     num_tokens: int   # new tokens computed this step
     emits: bool       # its sampled token is kept (the step reaches the end of its known tokens)
     # Its physical KV block ids in logical order (its block-table row), set once the step is
-    # scheduled: the KV manager's own list, to read before the scheduler runs again.
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    # scheduled: the KV manager's own list, to read before the scheduler runs again. (Defaults are
+    # tuples: a list per row per step is garbage-collector work, see docs/engine.md.)
+    block_ids: collections.abc.Sequence[int] = ()
     # With several KV groups (a model with sliding windows): every group's row, block_ids first.
     group_block_ids: list[list[int]] | None = None
+    # KVCacheManager.table_version of those rows: the runner's persistent copy of its slot's row
+    # (worker/block_table.py) takes only the appended blocks while it is unchanged. None: the
+    # row is built from the lists alone.
+    table_version: int | None = None
     # Speculative decoding: tokens proposed after the decode's input (num_tokens = 1 + len), which
     # the step verifies (jaxinfer/spec_decode/); placeholders when the device proposes them.
-    proposal: list[int] = dataclasses.field(default_factory=list)
+    proposal: collections.abc.Sequence[int] = ()
 
 
 @dataclasses.dataclass

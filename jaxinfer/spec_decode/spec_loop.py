@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxinfer.core.scheduler import SchedulerOutput
 from jaxinfer.parallel.sharding import ShardingPlan
 from jaxinfer.parallel.transfer import place_step_inputs
 from jaxinfer.spec_decode.eagle import CatchUp, _chain, ragged, slots
@@ -205,8 +205,7 @@ class SpecLoop:
         KV cache and last tokens, for the runner to keep, and the loop's handle."""
         p, k = self.proposer, self.k
         p.copy_blocks(sched.block_copies)
-        rows = [ScheduledSeq(e.seq, e.start, 1, e.emits, e.block_ids, e.group_block_ids)
-                for e in sched.decodes]
+        rows = [dataclasses.replace(e, num_tokens=1, proposal=[]) for e in sched.decodes]
         s = runner.buckets.decode_shape(len(rows))
         variant = sampler_variant(rows)
         batch = runner.step_batch(rows, s, s, s, variant)  # LoRA slots as the runner's steps

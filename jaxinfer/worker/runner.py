@@ -47,6 +47,7 @@ from jaxinfer.worker.launcher import LaunchedState, StepLauncher
 from jaxinfer.worker.step_programs import step_programs
 from jaxinfer.worker.programs import LOOP_VARIANTS, SAMPLE_VARIANTS, forward_key, model_inputs
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
+from jaxinfer.worker.block_table import BlockTable
 from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
 from jaxinfer.model.kernel_table import KernelTable
 
@@ -162,6 +163,9 @@ class ModelRunner:
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=plan and plan.replicated)
         self._sampling_tails: dict[int, int] = {}  # rows -> sampling_tail
         self.sampling_table = SamplingTable(max_num_seqs, cfg.vocab_size, plan and plan.replicated)
+        self.block_table = BlockTable(max_num_seqs, self.kv_groups.num_groups, self.max_blocks, [
+            g for g, pages in enumerate(self.kv_groups.state_pages(block_size, kv_dtype))
+            if pages is None])
         # Every compiled program of the runner, a proposer's too (programs.py).
         self.programs = step_programs(cfg, kernels, block_size, plan)
         self.executable_cache = executable_cache
@@ -315,7 +319,7 @@ class ModelRunner:
         return build_step_batch(rows, num_decode_rows, num_tokens, num_seqs, self.sampling_table,
                                 self.block_size, self.max_blocks, self.max_model_len, variant,
                                 self.has_lora if lora is None else lora,
-                                self.kv_groups.kv_layout if grouped else None)
+                                self.kv_groups.kv_layout if grouped else None, self.block_table)
 
     def catch_up_batches(self, spans: list[tuple[ScheduledSeq, int, int]]
                          ) -> Iterator[tuple[list[ScheduledSeq], StepBatch]]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.errors import RequestFailedError
+from jaxinfer.worker.block_table import BlockTable
 from jaxinfer.worker.sampler import (BASE_SAMPLER, FULL_SAMPLER, MASKED_SAMPLER, SamplerVariant,
                                      SamplingTensors)
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_STOP_TOKEN_IDS
@@ -148,12 +149,15 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
                      num_seqs: int, table: SamplingTable,
                      block_size: int, max_blocks: int, max_model_len: int,
                      variant: SamplerVariant, lora: bool = False,
-                     kv_layout: tuple[tuple[int, int], ...] | None = None) -> StepBatch:
+                     kv_layout: tuple[tuple[int, int], ...] | None = None,
+                     blocks: BlockTable | None = None) -> StepBatch:
     """rows: decodes first, each with its block ids. num_decode_rows: the static decode count
     (T == S == num_decode_rows for a pure-decode bucket, 0 for a mixed step). Returns numpy
     arrays (the caller device_puts). `lora`: the batch carries each token's LoRA slot.
     `kv_layout` (KVCacheGroups.kv_layout): one block table and slot mapping per KV group, from
-    each row's `group_block_ids`.
+    each row's `group_block_ids`. `blocks`: the slots' persistent block tables, brought up to
+    date and gathered (rows without a slot there are built from their lists); None: every row
+    from its lists.
 
     The per-row work is plain list appends; every array is then made by a few vectorized numpy
     operations (this runs every step: 256 rows must cost well under a millisecond)."""
@@ -161,24 +165,27 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     n = len(rows)
     toks: list[int] = []
     in_slot: list[int] = []
-    pos: list[int] = []
+    starts: list[int] = []
     q_lens: list[int] = []
-    ends: list[int] = []
     emit: list[int] = []
-    tables: list[list[int]] = []
+    block_rows: list[int] = []
+    loose: list[int] = []  # the rows built from their lists
     table_rows: list[int] = []
     row_of = table.row_of
-    for entry in rows:
+    block_row = blocks.row_of if blocks is not None else None
+    pad_row = blocks.pad if blocks is not None else -1
+    for r, entry in enumerate(rows):
         seq, start, k = entry.seq, entry.start, entry.num_tokens
         try:  # (free when nothing raises) a row that cannot be built fails its own request only
-            tables.append(entry.group_block_ids if kv_layout else (entry.block_ids,))
+            b = block_row(entry) if block_row is not None else pad_row
+            if b == pad_row:
+                loose.append(r)
+            block_rows.append(b)
             table_rows.append(row_of(seq))
         except Exception as e:
             rid = seq.request.request_id
             raise RequestFailedError(f"building request {rid}'s step: {e!r}", (rid,)) from e
-        end = start + k
         if k == 1:
-            pos.append(start)
             if start < len(seq.token_ids):
                 toks.append(seq.token_ids[start])
                 in_slot.append(-1)
@@ -186,12 +193,11 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
                 toks.append(0)
                 in_slot.append(seq.slot)
         else:
-            toks.extend(seq.token_ids[start:end])
+            toks.extend(seq.token_ids[start:start + k])
             toks.extend(entry.proposal)  # a speculative decode: its input token, then these
             in_slot.extend([-1] * k)
-            pos.extend(range(start, end))
+        starts.append(start)
         q_lens.append(k)
-        ends.append(end)
         emit.append(seq.slot if entry.emits else -1)
     t = len(toks)
 
@@ -202,11 +208,19 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
 
     token_ids = padded(toks, num_tokens, 0)
     input_slot = padded(in_slot, num_tokens, -1)
-    positions = padded(pos, num_tokens, 0)
-    seq_lens = padded(ends, num_seqs, 0)
+    seq_lens = padded(starts, num_seqs, 0)  # (+ q_lens below: each row's end)
     emit_slot = padded(emit, num_seqs, -1)
     qsl = np.zeros(num_seqs + 1, i32)
     np.cumsum(q_lens, out=qsl[1:n + 1])
+    positions = np.zeros(num_tokens, i32)
+    if t == n:  # one token a row (decodes): its position is its start
+        positions[:n] = seq_lens[:n]
+        token_row = np.arange(n)
+    else:
+        q = np.asarray(q_lens, i32)
+        positions[:t] = np.repeat(seq_lens[:n] - qsl[:n], q) + np.arange(t, dtype=i32)
+        token_row = np.repeat(np.arange(n), q)
+    seq_lens[:n] += qsl[1:n + 1] - qsl[:n]
     if num_decode_rows:  # pure-decode bucket: padding rows are one-token decodes too
         qsl[n + 1:] = np.arange(n + 1, num_seqs + 1)
     else:
@@ -214,21 +228,13 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
     logits_indices = np.zeros(num_seqs, i32)
     logits_indices[:n] = qsl[1:n + 1] - 1
     num_groups = 1 + max(g for _, g in kv_layout) if kv_layout else 1
-    block_tables = np.zeros((num_groups, num_seqs, max_blocks), i32)
-    # The groups that grow with the tokens share their tables' length; a fixed state's group
-    # holds its state's pages whatever the length (kv_specs.FixedStateSpec).
-    lengths = {}
-    for g in range(num_groups if n else 0):
-        counts = np.fromiter((len(ts[g]) for ts in tables), i32, n)
-        key = counts.tobytes()
-        if key not in lengths:
-            table_row = np.repeat(np.arange(n), counts)
-            lengths[key] = (table_row, np.arange(int(counts.sum()))
-                            - np.repeat(np.cumsum(counts) - counts, counts))
-        table_row, table_col = lengths[key]
-        block_tables[g, table_row, table_col] = np.fromiter(
-            itertools.chain.from_iterable(ts[g] for ts in tables), i32, table_col.size)
-    token_row = np.repeat(np.arange(n), q_lens)
+    if blocks is not None:
+        gather = np.full(num_seqs, blocks.pad, np.intp)
+        gather[:n] = block_rows
+        block_tables = blocks.rows[:num_groups, gather, :max_blocks]
+    else:
+        block_tables = np.zeros((num_groups, num_seqs, max_blocks), i32)
+    _fill_tables(block_tables, [rows[r] for r in loose], loose, kv_layout is not None)
     blk = block_tables[:, token_row, positions[:t] // block_size]
     slot_mapping = np.full((num_groups, num_tokens), -1, i32)
     slot_mapping[:, :t] = blk * block_size + positions[:t] % block_size
@@ -244,6 +250,26 @@ def build_step_batch(rows: list[ScheduledSeq], num_decode_rows: int, num_tokens:
         lora_slot[:t] = np.repeat([entry.seq.lora_slot for entry in rows], q_lens)
     return StepBatch(token_ids, input_slot, positions, md, logits_indices, emit_slot, sampling,
                      lora_slot)
+
+
+def _fill_tables(block_tables: np.ndarray, entries: list[ScheduledSeq], at: list[int],
+                 grouped: bool) -> None:
+    """Rows `at` of `block_tables` [groups, S, width] (zeros) from `entries`' lists."""
+    n = len(entries)
+    tables = [e.group_block_ids if grouped else (e.block_ids,) for e in entries]
+    at = np.asarray(at, np.intp)
+    # The groups that grow with the tokens share their tables' length; a fixed state's group
+    # holds its state's pages whatever the length (kv_specs.FixedStateSpec).
+    lengths = {}
+    for g in range(block_tables.shape[0] if n else 0):
+        counts = np.fromiter((len(ts[g]) for ts in tables), np.int32, n)
+        key = counts.tobytes()
+        if key not in lengths:
+            lengths[key] = (np.repeat(at, counts), np.arange(int(counts.sum()))
+                            - np.repeat(np.cumsum(counts) - counts, counts))
+        table_row, table_col = lengths[key]
+        block_tables[g, table_row, table_col] = np.fromiter(
+            itertools.chain.from_iterable(ts[g] for ts in tables), np.int32, table_col.size)
 
 
 def sampling_tensors(rows: list[ScheduledSeq], table_rows: np.ndarray, seq_lens: np.ndarray,

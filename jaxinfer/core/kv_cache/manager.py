@@ -33,6 +33,7 @@ slot -1 and padding block-table entries are never read (pallas_kernels/attention
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Hashable, Sequence
 
@@ -47,11 +48,13 @@ from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
 _NEVER_CACHE = sys.maxsize
 # The table entry of a skipped block (out of its group's window, no longer held).
 SKIPPED_BLOCK = 0
+# Versions of request tables (table_version), unique across requests and managers.
+_TABLE_VERSIONS = itertools.count()
 
 
 class _RequestBlocks:
     __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family",
-                 "counted", "snapshot", "resume")
+                 "counted", "snapshot", "resume", "version")
 
     def __init__(self, tables: list[list[int]], skipped: list[int], num_tokens: int,
                  num_cached_blocks: int, cache_node, family: set[_RequestBlocks] | None = None):
@@ -69,6 +72,11 @@ class _RequestBlocks:
         # the matched snapshots the state pages start from, group -> blocks (state_snapshots.py).
         self.snapshot: tuple[int, dict[int, list[int]]] | None = None
         self.resume: dict[int, tuple[int, ...]] | None = None
+        self.version = next(_TABLE_VERSIONS)
+
+    def edited(self) -> None:
+        """An entry was replaced or dropped (not appended): the tables' next version."""
+        self.version = next(_TABLE_VERSIONS)
 
 
 class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
@@ -100,6 +108,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
         self._growing = [g for g in range(self.groups.num_groups) if g not in self._state_pages]
         self._partial = [g for g in self._growing  # groups that free blocks
                          if not self.groups.specs[g].keeps_every_block]
+        self._one_table = self._growing == [0] and not self._partial  # one full-attention group
         if host_tier is not None and self._partial:
             raise ValueError("a host KV tier needs whole prefix blocks: one KV group (no sliding "
                              "windows), or groups keeping every block beside fixed states'")
@@ -157,6 +166,12 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
         """Every group's table (same length; a windowed group's skipped entries read
         SKIPPED_BLOCK). The manager's own lists, as get_block_ids."""
         return self._requests[request_id].tables
+
+    def table_version(self, request_id: Hashable) -> int:
+        """Its tables' version: unchanged while they only grow by appends to the growing groups
+        (a copy then takes just the new tail: worker/block_table.py); new after any other change,
+        and for every registration (a preempted request back, a fork)."""
+        return self._requests[request_id].version
 
     def num_held_blocks(self, request_id: Hashable) -> int:
         """Blocks the request holds over all groups (skipped entries excluded)."""
@@ -241,9 +256,14 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
         scheduled again), so the new blocks can reuse them; `first_query_pos` instead when slots
         are reserved ahead for a device loop whose first query comes earlier (a decode loop's
         first step: the blocks it reads must not be handed to another sequence of the loop)."""
+        req = self._requests.get(request_id)
+        if (req is not None and self._one_table  # a decode with room in its own last block, first
+                and 0 < num_new_tokens <= -req.num_tokens % self.block_size
+                and self.pool.ref_counts[req.tables[0][-1]] == 1):
+            req.num_tokens += num_new_tokens
+            return True
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
-        req = self._requests.get(request_id)
         registered_here = req is None
         if registered_here:
             req = self._new_request(self.prefix_cache.root if self.prefix_cache else None)
@@ -293,6 +313,8 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
             if not tables[g]:
                 tables[g].extend(pool.allocate(n))
                 self._copy_resumed_state(req, g)
+        if cow or state_new:
+            req.edited()
         req.num_tokens = new_tokens
         return True
 
@@ -302,6 +324,8 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
         for g in self._partial:
             table = req.tables[g]
             end = min(first_needed(g, first_query_pos, self.block_size), len(table))
+            if end > req.skipped[g]:
+                req.edited()
             for i in range(req.skipped[g], end):
                 self._release(table[i])
                 table[i] = SKIPPED_BLOCK
@@ -321,6 +345,8 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
                              f"{req.num_cached_blocks} cached blocks")
         for g in self._growing:  # (a state's pages hold no tokens)
             blocks = req.tables[g]
+            if len(blocks) > keep:  # (appends may bring the length back: not a shorter copy)
+                req.edited()
             while len(blocks) > keep:
                 b = blocks.pop()
                 if len(blocks) >= req.skipped[g]:
@@ -374,6 +400,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
                     if len(table) > i >= holder.skipped[g] and table[i] == b:
                         pool.incref(cached)
                         table[i] = cached
+                        holder.edited()
                         self._release(b)
         req.num_cached_blocks = num_full
         req.cache_node = node

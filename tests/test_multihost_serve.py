@@ -1,8 +1,10 @@
 """`jaxinfer serve` across two processes (jaxinfer/frontends/multihost.py): the same command on
 both, joined through jax.distributed on localhost with TP = 2 over one CPU device each (gloo).
 Process 0 serves HTTP; process 1 binds no port and replays process 0's request stream. Concurrent
-greedy completions (one aborted mid-stream by its client) equal a single-process run's, and
-SIGINT to process 0 stops both with status 0.
+greedy completions (one aborted mid-stream by its client) equal a single-process run's; so do
+completions on a LoRA adapter given at start and on one loaded through /v1/load_lora_adapter,
+sharing one slot (both processes swap it at the same step); a bad adapter is refused with a 400
+and the processes serve on; unloading works. SIGINT to process 0 stops both with status 0.
 
 The two server processes are started by a module fixture, which conftest.py's grouping keeps on
 one xdist worker.
@@ -24,6 +26,9 @@ import aiohttp
 import numpy as np
 import pytest
 
+from jaxinfer.model.config import load_config
+from jaxinfer.model.lora.peft import save_adapter
+from lora_support import random_adapter
 from server_harness import FIXTURE, free_port, make_tiny_model_dir, wait_healthy
 
 pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its group first (conftest.py)
@@ -31,7 +36,8 @@ pytestmark = pytest.mark.slow  # minutes on the CI machine: xdist starts its gro
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_FLAGS = ["--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                 "--block-size", "16", "--max-model-len", "256",
-                "--no-warmup", "--compilation-cache-dir", "", "--seed", "0"]
+                "--no-warmup", "--compilation-cache-dir", "", "--seed", "0",
+                "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
 MAX_TOKENS = 12
 LONG = 200  # the request its client leaves mid-stream
 TIMEOUT_S = 120  # (processes that disagree hang in a collective)
@@ -44,7 +50,12 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
-    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("multihost") / "model")
+    root = tmp_path_factory.mktemp("multihost")
+    model_dir = make_tiny_model_dir(root / "model")
+    cfg = load_config(model_dir)
+    # "a" is served from the start, "b" is loaded through the admin route
+    adapters = {name: save_adapter(random_adapter(cfg, 4, seed, scale=0.5), cfg, root / name)
+                for seed, name in ((1, "a"), (2, "b"))}
     port, coordinator = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            # Optimization level 0: compile-bound tiny programs, as in tests/conftest.py.
@@ -54,11 +65,12 @@ def two_servers(tmp_path_factory):
         [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(model_dir),
          "--port", str(port), "--shutdown-grace", "0", *ENGINE_FLAGS,
          "--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
-         "--num-processes", "2", "--process-id", str(i)],
+         "--num-processes", "2", "--process-id", str(i),
+         "--lora-modules", f"a={adapters['a']}", "--allow-runtime-lora-updating"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     try:
-        yield model_dir, f"http://127.0.0.1:{port}", procs
+        yield model_dir, adapters, f"http://127.0.0.1:{port}", procs
     finally:
         for p in procs:
             if p.poll() is None:
@@ -66,24 +78,29 @@ def two_servers(tmp_path_factory):
                 p.wait()
 
 
-def _reference(model_dir: Path) -> list[tuple[list[int], str]]:
-    """One process, one device: each prompt's greedy token ids and their text."""
-    from jaxinfer import LLM, SamplingParams
-    flags = dict(zip(ENGINE_FLAGS[0::2], ENGINE_FLAGS[1::2]))
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=int(flags["--max-num-seqs"]),
-              max_num_batched_tokens=64, block_size=16, max_model_len=256,
-              warmup=False, compilation_cache_dir=None, seed=0)
-    outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                   ignore_eos=True), use_tqdm=False)
+def _reference(model_dir: Path, adapters: dict[str, Path]) -> list[tuple[list[int], str]]:
+    """One process, one device: each prompt's greedy token ids and their text, then the first
+    prompt's on adapter "a" and the second's on adapter "b"."""
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+              block_size=16, max_model_len=256, warmup=False, compilation_cache_dir=None, seed=0,
+              enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = _prompts()
+    loras = [LoRARequest(name, i, str(adapters[name])) for i, name in enumerate("ab", 1)]
+    outs = llm.generate([*prompts, *prompts[:2]], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False,
+        lora_request=[None] * len(prompts) + loras)
     return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
 
 
 async def _complete(s: aiohttp.ClientSession, url: str, prompt, stream: bool,
-                    max_tokens: int = MAX_TOKENS, leave_after: int | None = None):
-    """(text, completion tokens) of a greedy completion; with `leave_after`, the client closes
-    the connection after that many streamed chunks."""
+                    max_tokens: int = MAX_TOKENS, leave_after: int | None = None,
+                    model: str | None = None):
+    """(text, completion tokens) of a greedy completion (on the LoRA adapter `model` names);
+    with `leave_after`, the client closes the connection after that many streamed chunks."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {}),
+            **({"model": model} if model else {})}
     async with s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         if not stream:
@@ -105,10 +122,32 @@ async def _complete(s: aiohttp.ClientSession, url: str, prompt, stream: bool,
                 return text, None
 
 
+async def _post(s: aiohttp.ClientSession, url: str, path: str, body: dict) -> tuple[int, str]:
+    async with s.post(url + path, json=body) as r:
+        return r.status, await r.text()
+
+
+async def _lora_scenario(s: aiohttp.ClientSession, url: str, adapters: dict[str, Path],
+                         prompts: list) -> dict:
+    """Load "b" beside "a" (one slot: requests of the two take turns in it), refuse a bad adapter,
+    unload "b"; "a" again after that."""
+    got = {"load": await _post(s, url, "/v1/load_lora_adapter",
+                               {"lora_name": "b", "lora_path": str(adapters["b"])}),
+           "bad": await _post(s, url, "/v1/load_lora_adapter",
+                              {"lora_name": "c", "lora_path": str(adapters["a"].parent / "nope")})}
+    got["ab"] = await asyncio.gather(_complete(s, url, prompts[0], stream=True, model="a"),
+                                     _complete(s, url, prompts[1], stream=False, model="b"))
+    got["unload"] = await _post(s, url, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    got["unloaded"] = (await _post(s, url, "/v1/completions",
+                                   {"prompt": prompts[1], "max_tokens": 2, "model": "b"}))[0]
+    got["a_again"] = await _complete(s, url, prompts[0], stream=False, model="a")
+    return got
+
+
 def test_two_process_server_replays_requests_and_stops_cleanly(two_servers):
-    model_dir, url, (leader, follower) = two_servers
+    model_dir, adapters, url, (leader, follower) = two_servers
     t0 = time.monotonic()
-    reference = _reference(model_dir)  # while the servers start
+    *reference, ref_a, ref_b = _reference(model_dir, adapters)  # while the servers start
     prompts = _prompts()
 
     def alive():
@@ -125,12 +164,21 @@ def test_two_process_server_replays_requests_and_stops_cleanly(two_servers):
                 _complete(s, url, prompts[2], stream=True))
             # After the abort both processes still agree: a request that runs after it.
             again = await _complete(s, url, prompts[0], stream=True)
-        return [first[0], first[1], first[3]], again, first[2]
+            lora = await _lora_scenario(s, url, adapters, prompts)
+        return [first[0], first[1], first[3]], again, first[2], lora
 
-    got, again, left = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
+    got, again, left, lora = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
     assert got == [(text, len(ids)) for ids, text in reference]
     assert again == got[0]
     assert left[1] is None and left[0]  # streamed a little, then its client left
+    assert lora["load"] == (200, "Success: LoRA adapter 'b' added successfully."), lora["load"]
+    assert lora["bad"][0] == 400 and "lora_path" in lora["bad"][1], lora["bad"]
+    want_a, want_b = [(ref[1], len(ref[0])) for ref in (ref_a, ref_b)]
+    assert lora["ab"] == [want_a, want_b]
+    assert want_a != got[0] and want_b != got[1]  # the adapters change the tokens
+    assert lora["unload"] == (200, "Success: LoRA adapter 'b' removed successfully.")
+    assert lora["unloaded"] == 404
+    assert lora["a_again"] == want_a
     leader.send_signal(signal.SIGINT)
     out = {}
     for name, p in (("leader", leader), ("follower", follower)):

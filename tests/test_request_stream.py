@@ -8,6 +8,7 @@ import pytest
 
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.frontends import multihost as rs
+from jaxinfer.lora_request import LoRARequest
 
 
 class FakeStore:
@@ -35,21 +36,43 @@ class FakeStore:
 
 class FakeEngine:
     """Records the calls that reach it; "bad" prompts fail validation, "grammar" ones fail after
-    drawing a seed, as a grammar that does not compile does."""
+    drawing a seed, as a grammar that does not compile does. LoRA adapters at a path "bad" fail
+    to load (on whichever process reads them)."""
 
-    def __init__(self):
+    def __init__(self, unreadable: str = "bad"):
         self.calls, self.requests, self._rng = [], set(), random.Random(0)
         self.tokenizer = "tok"
+        self.loras: dict[str, LoRARequest] = {}
+        self.unreadable = unreadable
 
     def add_request(self, rid, prompt, params, priority=0, arrival_time=None, *,
-                    final_output_only=False):
+                    final_output_only=False, lora_request=None):
         if prompt == "bad":
             raise InvalidRequestError("bad prompt", param="prompt")
         seed = self._rng.getrandbits(32)
         if prompt == "grammar":
             raise InvalidRequestError("bad grammar", param="response_format")
         self.requests.add(rid)
-        self.calls.append(("add", rid, prompt, params, priority, seed))
+        self.calls.append(("add", rid, prompt, params, priority, seed, lora_request))
+
+    def load_lora_adapter(self, name, path):
+        request = LoRARequest(name, len(self.loras) + 1, path)
+        self.add_lora(request)
+        return request
+
+    def add_lora(self, request):
+        if request.lora_path == self.unreadable:
+            raise InvalidRequestError("no adapter there", param="lora_path")
+        self.loras[request.lora_name] = request
+        self.calls.append(("add_lora", request))
+
+    def remove_lora(self, name):
+        if self.loras.pop(name, None) is None:
+            raise InvalidRequestError("unknown adapter", param="lora_name")
+        self.calls.append(("remove_lora", name))
+
+    def list_loras(self):
+        return list(self.loras.values())
 
     def abort(self, rid, reason="abort"):
         if rid not in self.requests:
@@ -90,6 +113,37 @@ def test_follower_replays_what_the_leader_did():
     assert follow_engine.calls == lead_engine.calls
     assert [c[0] for c in lead_engine.calls] == ["add", "step", "step", "add", "abort", "step",
                                                  "step"]
+
+
+def test_lora_adapters_reach_followers_between_the_same_steps():
+    store, lead_engine, follow_engine = FakeStore(), FakeEngine(), FakeEngine()
+    leader = rs.StreamLeader(lead_engine, client=store, num_processes=2)
+    a = leader.load_lora_adapter("a", "/a")
+    leader.add_request("r", [1], {}, lora_request=a)
+    leader.step()
+    with pytest.raises(InvalidRequestError):
+        leader.load_lora_adapter("x", "bad")  # refused on process 0: never sent
+    with pytest.raises(InvalidRequestError):
+        leader.remove_lora("nope")
+    leader.remove_lora("a")
+    leader.step()
+    with pytest.raises(ConfigError, match="update_lora is not supported"):
+        leader.update_lora("a", {})
+    assert leader.list_loras() == []
+    leader.publish_stop()
+    assert rs.follow(follow_engine, client=store, process_id=1) == 0
+    assert follow_engine.calls == lead_engine.calls
+    assert [c[0] for c in lead_engine.calls] == ["add_lora", "add", "step", "remove_lora", "step"]
+
+
+def test_a_follower_that_cannot_load_an_adapter_leaves():
+    store = FakeStore()
+    leader = rs.StreamLeader(FakeEngine(), client=store, num_processes=2)
+    leader.load_lora_adapter("a", "/only/on/process0")
+    leader.step()
+    leader.publish_stop()
+    with pytest.raises(RuntimeError, match="every process must read '/only/on/process0'"):
+        rs.follow(FakeEngine(unreadable="/only/on/process0"), client=store, process_id=1)
 
 
 def test_a_dead_leader_stops_followers_with_status_1():

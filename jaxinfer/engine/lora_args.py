@@ -70,8 +70,6 @@ def check_lora_args(args) -> None:
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise ConfigError(f"--max-cpu-loras {args.max_cpu_loras}: must be >= --max-loras "
                           f"({args.max_loras})")
-    if (args.num_processes or 1) > 1:
-        raise ConfigError("--enable-lora does not combine with several processes yet")
     if args.lora_impl not in ("auto", *LORA_IMPLS):
         raise ConfigError(f"--lora-impl {args.lora_impl!r}: choose from auto, "
                           f"{', '.join(LORA_IMPLS)}")

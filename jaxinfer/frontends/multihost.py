@@ -3,7 +3,9 @@
 A multi-process engine is SPMD: every process runs the same scheduler over the same requests in the
 same order and dispatches the same step (parallel/distributed.py). Only process 0 receives HTTP, so
 its engine calls are recorded and shipped to the others. `StreamLeader` wraps process 0's engine:
-`add_request`, `abort`, `sleep` and `wake` run on the engine and, when they succeed, are recorded;
+`add_request`, `abort`, `sleep`, `wake` and the LoRA adapter loads and unloads run on the engine
+and, when they succeed, are recorded (an adapter is read and checked on process 0 first; the others
+register the same LoRARequest, so each must read its path, as each reads the model's files);
 `step()` first publishes the events recorded since the previous step under that step's key (an
 empty list too: a follower must know that step n adds nothing), then steps. `follow()` is every
 other process's loop: read step n's events, apply them to its own engine, step, discard the
@@ -131,15 +133,13 @@ class StreamLeader(EngineClient):
     # ---- recorded calls -----------------------------------------------------------------------
     def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, *,
                     final_output_only: bool = False, lora_request=None):
-        if lora_request is not None:  # (--enable-lora refuses several processes)
-            from jaxinfer.errors import InvalidRequestError
-            raise InvalidRequestError("LoRA adapters are not served by multi-process runs", "model")
         # as the engine got them (what is reported, final_output_only, is process 0's alone)
-        event = _encode(("add", request_id, prompt, params, priority))
+        event = _encode(("add", request_id, prompt, params, priority, lora_request))
         before = _rng_state(self._engine)
         try:
             req = self._engine.add_request(request_id, prompt, params, priority, arrival_time,
-                                           final_output_only=final_output_only)
+                                           final_output_only=final_output_only,
+                                           lora_request=lora_request)
         except Exception:
             # A failure after the request's seed was drawn (a grammar that does not compile):
             # followers replay it, and fail it too, so that their seed sources stay in step.
@@ -166,6 +166,26 @@ class StreamLeader(EngineClient):
 
     def update_weights(self, params):
         raise ConfigError("update_weights is not supported by a multi-process server: the other "
+                          "processes would need the new weights too (run the training loop with "
+                          "LLM(...) on every process instead)")
+
+    # An adapter is checked and registered on process 0's engine first (raising there, nothing
+    # recorded); the other processes then register the same request, under the same id, before
+    # the same step, so every process loads it into the same slot when the same step admits it.
+    def list_loras(self) -> list:
+        return self._engine.list_loras()
+
+    def load_lora_adapter(self, name: str, path: str):
+        request = self._engine.load_lora_adapter(name, path)
+        self._pending.append(_encode(("add_lora", request)))
+        return request
+
+    def remove_lora(self, name: str) -> None:
+        self._engine.remove_lora(name)
+        self._pending.append(_encode(("remove_lora", name)))
+
+    def update_lora(self, name: str, params: dict) -> None:
+        raise ConfigError("update_lora is not supported by a multi-process server: the other "
                           "processes would need the new weights too (run the training loop with "
                           "LLM(...) on every process instead)")
 
@@ -243,11 +263,20 @@ class StreamLeader(EngineClient):
 def _apply(engine, event: tuple) -> None:
     kind = event[0]
     if kind == "add":
-        _, request_id, prompt, params, priority = event
+        _, request_id, prompt, params, priority, lora_request = event
         try:
-            engine.add_request(request_id, prompt, params, priority)
+            engine.add_request(request_id, prompt, params, priority, lora_request=lora_request)
         except Exception as e:  # the leader raised it too (to its client)
             log.debug("replayed request %s failed as on process 0: %r", request_id, e)
+    elif kind == "add_lora":
+        request = event[1]
+        try:
+            engine.add_lora(request)
+        except Exception as e:  # serving on without it would dispatch steps process 0 does not
+            raise RuntimeError(f"LoRA adapter '{request.lora_name}' was loaded on process 0 but "
+                               f"not here (every process must read {request.lora_path!r})") from e
+    elif kind == "remove_lora":
+        engine.remove_lora(event[1])
     elif kind == "abort":
         engine.abort(event[1], event[2])
     elif kind == "sleep":

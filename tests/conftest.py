@@ -3,6 +3,8 @@ tiny model, the demo model, the tiny model with LoRA), and how xdist groups the 
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -19,7 +21,17 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS"), "--xla_cpu_enable_concurrency_optimized_scheduler=false",
     "--xla_backend_optimization_level=0"]))
 
-import jax  # noqa: E402 - after JAX_PLATFORMS and XLA_FLAGS are set
+# jax's persistent compilation cache, one per run in a fresh directory: the two xdist workers
+# and the subprocesses they start (which inherit the variable) build the same tiny engines, and a
+# program one of them compiled is loaded by the others (4 engine files, run twice: 36 s of CPU
+# the first time, 10 s the second). Every program is kept, however fast its compile: most of the
+# suite's programs take well under the default second. A run that names its own directory keeps it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
+    os.environ["JAXINFER_TESTS_OWN_XLA_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+import jax  # noqa: E402 - after JAX_PLATFORMS, XLA_FLAGS and the cache are set
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -203,12 +215,16 @@ def without_jax_persistent_cache():
         compilation_cache.reset_cache()
 
 
-# No jax persistent compilation cache in the test run: each process compiles its own programs. (Its
-# writes segfaulted in XLA CPU's serialize() in full `-n 2` runs; most likely the mappings limit
-# that `release_executables` below keeps the workers under.)
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set above
         config.option.loadscopereorder = False
+
+
+def pytest_unconfigure(config):
+    """The run's own compilation cache goes with it (the controller's, after its workers')."""
+    own = os.environ.get("JAXINFER_TESTS_OWN_XLA_CACHE")
+    if own and not hasattr(config, "workerinput"):
+        shutil.rmtree(own, ignore_errors=True)
 
 
 # XLA CPU maps each executable's code into memory regions of its own. A worker that kept every

@@ -11,7 +11,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.model.config import config_from_dict, load_config
@@ -69,13 +68,14 @@ def test_state_pages_not_ending_on_a_word():
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, n).tolist() for n in (20, 7, 1)]
     results = {}
-    for dtype in ("auto", "bfloat16", "fp8"):
+    # (A bf16 page always ends on a word, 4 x block x heads x head_dim bytes: fp8 is the case.)
+    for dtype in ("auto", "fp8"):
         for block in (1, 16):
             args = hybrid_args(Path("odd"), 300, block_size=block, kv_cache_dtype=dtype,
                                kv_cache_scales="1.0" if dtype == "fp8" else "auto")
             engine = LLMEngine(cfg, params, None, args, num_blocks=300)
             results[dtype, block] = _greedy(engine, prompts, 8)
-    for dtype in ("auto", "bfloat16", "fp8"):
+    for dtype in ("auto", "fp8"):
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(results[dtype, 1],
                                                                     results[dtype, 16]):
             assert tokens == want_tokens, dtype
@@ -86,25 +86,13 @@ def test_state_pages_not_ending_on_a_word():
         np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_golden_walk_at_block_size_one(kv_cache_dtype):
-    """Granite 4.0-H's fixture at block size 1 (its float32 state over 8 one-token pages, 12 in
-    fp8): float32 through the golden walk (preemption, a fork, prompt logprobs beside decodes,
-    aborts) gives HF's tokens and logprobs; an fp8 cache gives the fp8 engine's at block size 16."""
+def test_golden_walk_at_block_size_one():
+    """Granite 4.0-H's fixture at block size 1 (its float32 state over 8 one-token pages) through
+    the golden walk (preemption, a fork, prompt logprobs beside decodes, aborts) gives HF's tokens
+    and logprobs. (An fp8 cache at block size 1: test_state_pages_not_ending_on_a_word.)"""
     model_dir = FIXTURES / "granitemoehybrid"
     cfg = load_config(model_dir)
     params = load_params(model_dir, cfg, jnp.float32, progress=False)
-    golden = np.load(model_dir / "golden.npz")
-    if kv_cache_dtype == "auto":
-        args = hybrid_args(model_dir, 64, block_size=1)
-        assert_engine_matches_goldens(LLMEngine(cfg, params, None, args, num_blocks=64), golden)
-        return
-    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
-    results = []
-    for block in (1, 16):
-        args = hybrid_args(model_dir, 200, block_size=block, kv_cache_dtype="fp8",
-                           max_model_len=40)
-        results.append(_greedy(LLMEngine(cfg, params, None, args, num_blocks=200), prompts, 6))
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*results):
-        assert tokens == want_tokens
-        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5, rtol=0)
+    args = hybrid_args(model_dir, 64, block_size=1)
+    assert_engine_matches_goldens(LLMEngine(cfg, params, None, args, num_blocks=64),
+                                  np.load(model_dir / "golden.npz"))

@@ -6,35 +6,26 @@ Per family, one TP = 2 engine (float32, 4-token blocks, 3-token prefill chunks, 
 a 29-token prompt through ten chunks, the same prompt again (a prefix-cache hit resuming from the
 state snapshot at token 28), a 5-token prompt decoding 4 tokens; the test compares them with HF's
 goldens, which one device gives (tests/test_hybrid_prefix_cache.py). And the collectives of the
-engine's compiled forwards, which must move no cache page (the states are not gathered); and
-the disaggregated hand-over refusing prefill and decode TP sizes that differ (the pages' layout
-depends on it)."""
+engine's compiled forwards, which must move no cache page (the states are not gathered). And
+disaggregated pairs handing the states' pages over from TP = 1 to TP = 2 and back (a page's
+layout is the same at every TP size: model/state_pages.py), against one device: the long prompt
+prefilled in chunks and the short one, decoding 4 tokens each."""
 
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.profile.hlo_collectives import COLLECTIVES
 from jaxinfer.bench.profile.hlo_text import parse
-from jaxinfer.disagg.transfer import KVTransfer
-from jaxinfer.errors import ConfigError
-from jaxinfer.model.config import load_config
-from jaxinfer.parallel.sharding import ShardingPlan, build_mesh
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "models"
 HYBRIDS = ["granitemoehybrid", "qwen3_next"]
+# The (prefill, decode) TP sizes each family's states are handed over between. Both directions
+# run the same page layout code; the reverse runs on one family only (a TP = 2 prefill engine
+# compiles for some seconds).
+HANDOVERS = {"granitemoehybrid": ((1, 2), (2, 1)), "qwen3_next": ((1, 2),)}
 MAX_ROWS = 16  # the engine's --max-num-batched-tokens: its largest forward
-
-
-def _run(llm, prompt: list[int], max_tokens: int) -> dict:
-    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                ignore_eos=True, logprobs=0),
-                       use_tqdm=False)[0]
-    return {"tokens": list(out.outputs[0].token_ids),
-            "logprobs": [e.logprob for e in out.outputs[0].logprobs],
-            "cached": out.num_cached_tokens}
 
 
 def _collectives(llm) -> dict[str, int]:
@@ -49,15 +40,23 @@ def _collectives(llm) -> dict[str, int]:
     return most
 
 
-def _handover_refusal(model_dir: Path) -> str | None:
-    cfg = load_config(model_dir)
-    devices = jax.devices()
-    try:
-        KVTransfer(ShardingPlan(build_mesh(1, devices=devices[:1]), cfg),
-                   ShardingPlan(build_mesh(2, devices=devices[1:3]), cfg), 4)
-    except ConfigError as e:
-        return str(e)
-    return None
+def _run(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                ignore_eos=True, logprobs=0), use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+             "logprobs": [e.logprob for e in o.outputs[0].logprobs]} for o in outs]
+
+
+def _handed_over(model_dir: Path, prompts: list[list[int]], kw: dict, pairs) -> dict:
+    """One device's greedy tokens and logprobs, and those of disaggregated pairs whose prefill and
+    decode TP sizes (`pairs`) differ (prefill on the first devices, decode on the next)."""
+    kw = {**kw, "warmup": False}
+    out = {"one_device": _run(LLM(str(model_dir), **kw), prompts, 4)}
+    for prefill_tp, decode_tp in pairs:
+        llm = LLM(str(model_dir), disaggregate=True, prefill_tensor_parallel_size=prefill_tp,
+                  decode_tensor_parallel_size=decode_tp, **kw)
+        out[f"tp{prefill_tp}_to_tp{decode_tp}"] = _run(llm, prompts, 4)
+    return out
 
 
 def hybrid_checks(out: dict) -> None:
@@ -69,9 +68,9 @@ def hybrid_checks(out: dict) -> None:
     for fam in HYBRIDS:
         golden = np.load(FIXTURES / fam / "golden.npz")
         llm = LLM(str(FIXTURES / fam), tensor_parallel_size=2, **kw)
-        long_prompt = golden["prompt_2"].tolist()
+        long_prompt, short_prompt = golden["prompt_2"].tolist(), golden["greedy_prompt"].tolist()
         out[f"hybrid/{fam}"] = {
-            "chunked": _run(llm, long_prompt, 1), "hit": _run(llm, long_prompt, 1),
-            "decoded": _run(llm, golden["greedy_prompt"].tolist(), 4),
-            "collectives": _collectives(llm),
-            "handover_refusal": _handover_refusal(FIXTURES / fam)}
+            "chunked": _run(llm, [long_prompt], 1)[0], "hit": _run(llm, [long_prompt], 1)[0],
+            "decoded": _run(llm, [short_prompt], 4)[0], "collectives": _collectives(llm),
+            "handed_over": _handed_over(FIXTURES / fam, [long_prompt, short_prompt], kw,
+                                        HANDOVERS[fam])}

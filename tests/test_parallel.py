@@ -160,8 +160,9 @@ def test_hybrid_families_at_tp2_equal_single_device(models_run, family):
     token and logprob, which one device gives (test_hybrid_prefix_cache.py), after a prompt
     prefilled in chunks and again from the prefix cache; HF's greedy tokens decoding. No collective
     of the forwards moves more than a [rows, hidden] activation, and the only gathers are
-    Mamba-2's B and C ([rows, groups x state]), so no state page is gathered. A disaggregated
-    hand-over between TP sizes that differ is refused (the pages' layout depends on it)."""
+    Mamba-2's B and C ([rows, groups x state]), so no state page is gathered. Disaggregated pairs
+    handing the states' pages over from TP = 1 to TP = 2 (and on Granite from TP = 2 to TP = 1)
+    give one device's tokens and logprobs (a page's layout does not depend on the TP size)."""
     golden = np.load(FIXTURES / family / "golden.npz")
     run = models_run[f"hybrid/{family}"]
     logits = golden["logits_2"][-1].astype(np.float64)
@@ -179,8 +180,14 @@ def test_hybrid_families_at_tp2_equal_single_device(models_run, family):
     assert set(collectives) <= {"all-reduce", "all-gather"}, collectives
     assert collectives["all-reduce"] <= rows * cfg.hidden_size
     assert collectives.get("all-gather", 0) <= gathered
-    assert "--decode-tensor-parallel-size 2: a model with state-space layers needs the prefill " \
-           "side's size (1)" in run["handover_refusal"]
+    pairs = {k: v for k, v in run["handed_over"].items() if k != "one_device"}
+    one_device = run["handed_over"]["one_device"]
+    assert one_device[1]["tokens"] == golden["greedy_tokens"][:4].tolist()
+    assert "tp1_to_tp2" in pairs
+    for pair, got in pairs.items():
+        for want, row in zip(one_device, got, strict=True):
+            assert row["tokens"] == want["tokens"], pair
+            assert row["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), pair
 
 
 @pytest.mark.parametrize("family, layout", [("gemma2", "tp"), ("gemma3", "tp"), ("gpt_oss", "tp"),

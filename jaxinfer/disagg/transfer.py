@@ -49,13 +49,6 @@ class KVTransfer:
                 f"--decode-tensor-parallel-size {dst.tp}: the decode cache would store "
                 f"{dst.stored_kv_heads} KV heads and the prefill cache {src.stored_kv_heads} "
                 f"(--prefill-tensor-parallel-size {src.tp}); both must store the same heads")
-        if src.tp != dst.tp and any(state is not None for state in src.cfg.layer_states):
-            # Each device lays its heads' states over its shard of the pages
-            # (parallel/state_heads.py): a page's words are laid out per tensor-parallel size.
-            raise ConfigError(
-                f"--decode-tensor-parallel-size {dst.tp}: a model with state-space layers needs "
-                f"the prefill side's size ({src.tp}); their states' pages are laid out per "
-                f"tensor-parallel size")
         self.max_blocks = max_blocks
         self._gather, self._scatter, self._dst_sharding = _jitted(src, dst)
 

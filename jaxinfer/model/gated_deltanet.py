@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.quant.layers import linear
-from jaxinfer.model.state_pages import state_words, step_states
+from jaxinfer.model.state_pages import StateShape, state_words, step_states
 from pallas_kernels.ssm.reference import gdn_gating
 
 _F32 = jnp.float32
@@ -57,10 +57,12 @@ class GatedDeltaNetDims:
         return 2 * self.key_width + self.value_width
 
     @property
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The conv state [W-1, C] and the recurrent state [Hv, K, V] (state_pages.py's order)."""
-        return ((self.conv_width - 1, self.conv_dim),
-                (self.value_heads, self.key_dim, self.value_dim))
+    def state_shapes(self) -> tuple[StateShape, StateShape]:
+        """The conv state [W-1, C] (its channels q, k and v) and the recurrent state [Hv, K, V]
+        (state_pages.py's order)."""
+        return (StateShape((self.conv_width - 1, self.conv_dim), 1,
+                           (self.key_width, self.key_width, self.value_width)),
+                StateShape((self.value_heads, self.key_dim, self.value_dim)))
 
     @property
     def state_bytes(self) -> int:
@@ -119,7 +121,7 @@ class GatedDeltaNet(nn.Module):
         dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), self.dtype)
         g, beta = gdn_gating(a, b, a_log, dt_bias)
-        step = functools.partial(_delta_rule_step, self.kernels.gdn, dims.chunk_size, lead)
+        step = functools.partial(_delta_rule_step, self.kernels.gdn, dims, lead)
         o, kv = self.kernels.state_heads.run(
             step, (q, k, v.reshape(t, hv, vd), g, beta, conv_w, kv, md),
             axes=(1, 1, 1, 1, 1, None, 0, None), out_axes=(1, 0))
@@ -128,23 +130,22 @@ class GatedDeltaNet(nn.Module):
         return out.reshape(*lead, width), kv
 
 
-def _delta_rule_step(kernels, chunk_size: int, lead, heads, q, k, v, g, beta, conv_w, kv, md):
+def _delta_rule_step(kernels, dims: GatedDeltaNetDims, lead, heads, q, k, v, g, beta, conv_w,
+                     kv, md):
     """The layer's step on the heads of `heads` (ssm_kernels.StateHeads): q, k [T, hk, K], v
     [T, hv, V], g, beta [T, hv] of its heads, the whole conv weight [W, C] -> (o [T, hv, V], kv
     with the final states over their pages; None on the dense path)."""
     t, hk, kd = q.shape
     hv, vd = v.shape[1:]
-    conv_width = conv_w.shape[0]
     mixed = jnp.concatenate([x.reshape(t, -1) for x in (q, k, v)], axis=-1)
-    key_width = hk * kd * heads.count  # the whole conv's q (and k) channels
     # Its heads' channels of the conv's q, k and v parts.
     weight = jnp.concatenate([heads.own(w, 1) for w in jnp.split(
-        conv_w, [key_width, 2 * key_width], axis=1)], axis=-1)
-    batch = step_states(lead, kv, md, ((conv_width - 1, mixed.shape[1]), (hv, kd, vd)))
+        conv_w, [dims.key_width, 2 * dims.key_width], axis=1)], axis=-1)
+    batch = step_states(lead, kv, md, tuple(s.split(heads.count) for s in dims.state_shapes))
     conv0, state0 = batch.pools
     mixed, conv1 = kernels.conv(mixed, weight, None, conv0, *batch.ragged, decode=batch.decode)
     q, k, v = jnp.split(mixed, [hk * kd, 2 * hk * kd], axis=-1)
     o, state1 = kernels.delta_rule(q.reshape(t, hk, kd), k.reshape(t, hk, kd),
                                    v.reshape(t, hv, vd), g, beta, state0, *batch.ragged,
-                                   chunk_size=chunk_size, decode=batch.decode)
+                                   chunk_size=dims.chunk_size, decode=batch.decode)
     return o, batch.written(kv, (conv1, state1))

@@ -26,7 +26,7 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.kernel_table import KernelTable
 from jaxinfer.model.quant.layers import linear
-from jaxinfer.model.state_pages import state_words, step_states
+from jaxinfer.model.state_pages import StateShape, state_words, step_states
 from pallas_kernels.ssm.reference import mamba2_dt
 
 _F32 = jnp.float32
@@ -55,10 +55,12 @@ class Mamba2Dims:
         return self.inner + 2 * self.groups * self.state_dim
 
     @property
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The conv state [W-1, C] and the SSM state [H, P, N] (state_pages.py's order)."""
-        return ((self.conv_width - 1, self.conv_dim),
-                (self.heads, self.head_dim, self.state_dim))
+    def state_shapes(self) -> tuple[StateShape, StateShape]:
+        """The conv state [W-1, C] (its channels x, B and C) and the SSM state [H, P, N]
+        (state_pages.py's order)."""
+        gn = self.groups * self.state_dim
+        return (StateShape((self.conv_width - 1, self.conv_dim), 1, (self.inner, gn, gn)),
+                StateShape((self.heads, self.head_dim, self.state_dim)))
 
     @property
     def state_bytes(self) -> int:
@@ -152,8 +154,7 @@ def _ssd_step(kernels, dims: Mamba2Dims, lead, heads, xs, b, c, dt, dt_bias, a_l
 
     xbc = jnp.concatenate([xs, b, c], axis=-1)
     weight, bias = own(conv_w, 1), None if conv_b is None else own(conv_b, 0)
-    batch = step_states(lead, kv, md, ((dims.conv_width - 1, xbc.shape[1]),
-                                       (local_heads, p, n)))
+    batch = step_states(lead, kv, md, tuple(s.split(heads.count) for s in dims.state_shapes))
     conv0, ssm0 = batch.pools
     xbc, conv1 = kernels.conv(xbc, weight, bias, conv0, *batch.ragged, decode=batch.decode)
     xs, b, c = jnp.split(xbc, [xs.shape[1], xs.shape[1] + b.shape[1]], axis=-1)

@@ -3,9 +3,10 @@ layer's step on its own state-space heads under `shard_map`, keeping their state
 of the cache pages.
 
 A state lives in the pages of the layer's cache arrays (model/state_pages.py), which are split over
-KV heads like every attention layer's. So each device lays the states of its heads (its share of
-the conv channels, its heads' recurrent or SSM states) over its own shard of the state's pages, in
-the layout a one-device run has for a model of its share of the heads: no page is gathered, and a
+KV heads like every attention layer's, in shares by KV head. So each device lays the states of its
+heads (its share of the conv channels, its heads' recurrent or SSM states) over its own shard of
+the state's pages, as the shares of its heads, in the layout the pages have at every TP size: no
+page is gathered, the disaggregated hand-over copies pages between TP sizes as they are, and a
 state's pages stay whole blocks for the scheduler, the prefix cache's snapshots and copy-on-write,
 which copy every device's shard of a block. A device's share is 1/tp of the state and at least
 1/tp of each page (1/tp where tp divides the KV heads, a whole head's where each device stores

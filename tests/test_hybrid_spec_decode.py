@@ -22,6 +22,9 @@ from test_engine_support import assert_all_free
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 FAMILIES = {"granite": FIXTURES / "granitemoehybrid", "qwen3_next": FIXTURES / "qwen3_next"}
 BLOCK, MAX_TOKENS = 4, 20
+LATE = 10  # a step that dispatches with a verifying step in flight
+NUM_BLOCKS = 40  # small enough to preempt (the runs without speculation too)
+ROOMY = 128  # no preemption: nothing waits, so every decode may speculate
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_min_acceptance=0.0)
 _LOADED: dict = {}
 
@@ -36,17 +39,18 @@ def _engine(name: str, num_blocks: int, **spec) -> LLMEngine:
     return LLMEngine(cfg, params, None, args, num_blocks=num_blocks)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], abort_after: int | None = None) -> dict:
+def _run(engine: LLMEngine, prompts: list[list[int]], late: int | None = None) -> dict:
     """{request id: (tokens, logprobs)} of the greedy runs of `prompts`, all at once; with
-    `abort_after`, one more request is aborted after that many steps."""
+    `late`, one more request arrives after that many steps (a verifying step in flight, as
+    speculation turns off while it waits) and is aborted three steps later."""
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, logprobs=0, **GREEDY))
-    if abort_after is not None:
-        engine.add_request("aborted", prompts[0][::-1], SamplingParams(max_tokens=30, **GREEDY))
     out, steps = {}, 0
     while engine.has_unfinished_requests():
         steps += 1
-        if steps == abort_after:
+        if steps == late:
+            engine.add_request("aborted", prompts[0][::-1], SamplingParams(max_tokens=30, **GREEDY))
+        if late is not None and steps == late + 3:
             engine.abort("aborted")
         for o in engine.step():
             if o.finished and o.request_id != "aborted":
@@ -94,10 +98,10 @@ PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13] * 4 + [11], [20, 21, 22, 23] * 3]
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_rejected_proposals_roll_the_state_back(name):
     """Accepted and rejected proposals, a pool small enough to preempt, an abort mid-run."""
-    want = _run(_engine(name, 128), PROMPTS)
-    spec = _engine(name, 40, **SPEC)
+    want = _run(_engine(name, NUM_BLOCKS), PROMPTS)
+    spec = _engine(name, NUM_BLOCKS, **SPEC)
     spec.spec.speculator.proposer = _Scripted(PROMPTS, want)
-    _assert_same(_run(spec, PROMPTS, abort_after=6), want)
+    _assert_same(_run(spec, PROMPTS, late=LATE), want)
     m = spec.spec.metrics
     assert 0 < m.accepted < m.draft_tokens
     assert spec.scheduler.num_preemptions > 0
@@ -106,10 +110,11 @@ def test_rejected_proposals_roll_the_state_back(name):
 def test_ngram_on_granite_equals_no_speculation():
     """Real n-gram proposals: prompts that repeat the model's own continuation, so some are
     accepted and some rejected."""
-    first = _run(_engine("granite", 128), PROMPTS)
+    plain = _engine("granite", ROOMY)
+    first = _run(plain, PROMPTS)
     prompts = [p + first[f"r{i}"][0][:8] + p for i, p in enumerate(PROMPTS)]
-    want = _run(_engine("granite", 128), prompts)
-    spec = _engine("granite", 128, **SPEC)
+    want = _run(plain, prompts)
+    spec = _engine("granite", ROOMY, **SPEC)
     _assert_same(_run(spec, prompts), want)
     m = spec.spec.metrics
     assert 0 < m.accepted < m.draft_tokens
@@ -121,12 +126,12 @@ def test_draft_model_on_qwen3_next_equals_no_speculation():
     from jaxinfer.spec_decode.draft import DraftModel
     cfg = load_config(FIXTURES / "llama")
     draft = DraftModel(cfg, load_params(FIXTURES / "llama", cfg, jnp.float32, progress=False))
-    want = _run(_engine("qwen3_next", 128), PROMPTS)
+    want = _run(_engine("qwen3_next", ROOMY), PROMPTS[:2])
     cfg, params = _LOADED["qwen3_next"]
-    args = hybrid_args(FAMILIES["qwen3_next"], 128, block_size=BLOCK, enable_prefix_caching=True,
+    args = hybrid_args(FAMILIES["qwen3_next"], ROOMY, block_size=BLOCK, enable_prefix_caching=True,
                        max_model_len=64, speculative_model="draft", num_speculative_tokens=3,
                        speculative_min_acceptance=0.0)
-    spec = LLMEngine(cfg, params, None, args, num_blocks=128, draft=draft)
-    _assert_same(_run(spec, PROMPTS), want)
+    spec = LLMEngine(cfg, params, None, args, num_blocks=ROOMY, draft=draft)
+    _assert_same(_run(spec, PROMPTS[:2]), want)
     m = spec.spec.metrics
     assert m.draft_tokens > m.accepted

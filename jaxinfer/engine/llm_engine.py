@@ -385,9 +385,9 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         if (not self.config.scheduler.async_scheduling or (h.is_loop and h.loop_row_steps is None)
                 or self.on_processed is not None):
             return True
-        if self.spec is not None and (h.sched.num_proposed or self.spec.active(
-                len(self.scheduler.running), self.scheduler.num_waiting)):
-            return True  # (a verifying step's token counts are known once it is processed)
+        if self.spec is not None and self.spec.active(len(self.scheduler.running),
+                                                      self.scheduler.num_waiting):
+            return True
         # Penalties read the token history, a grammar's bitmask needs its matcher up to date.
         return any((s.request.params.uses_penalties or s.grammar is not None) and s.num_pending
                    for s in self.scheduler.running)

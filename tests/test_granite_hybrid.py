@@ -213,7 +213,8 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
+    (dict(speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'),
+     "--speculative-method mtp: .* ngram and draft_model methods only"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)

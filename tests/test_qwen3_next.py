@@ -96,7 +96,8 @@ def test_quantized_on_load():
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
+    (dict(speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'),
+     "--speculative-method mtp: .* ngram and draft_model methods only"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg = load_config(MODEL)

@@ -209,6 +209,13 @@ class Scheduler:
                 if seq.speculated:  # slots of rejected proposals go back (never cached)
                     seq.speculated = False
                     kv.truncate(seq.seq_id, seq.num_computed)
+                    # A fixed state past a rejected proposal is rolled back to the step's start:
+                    # its accepted tokens are recomputed (state_rollback.py); a draft model's KV
+                    # stays valid up to the last accepted input, not up to its next start.
+                    kept = kv.settle_verify(seq.seq_id, seq.num_computed)
+                    if kept < seq.num_computed:
+                        seq.draft_computed = min(seq.draft_computed, seq.num_computed)
+                        seq.num_computed = kept
                 kv.cache_blocks(seq.seq_id, seq.token_ids,
                                 min(seq.num_computed, len(seq.token_ids)))
 
@@ -304,6 +311,7 @@ class Scheduler:
         else:
             spec = None
         num_proposed = 0
+        rolls_back = spec is not None and kv.rolls_back_states
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -318,6 +326,9 @@ class Scheduler:
             proposal = spec.propose(seq, budget) if spec is not None else ()
             if proposal and not kv.allocate_slots(  # proposals never preempt anyone
                     seq.seq_id, max(start + 1 + len(proposal) - kv.num_tokens(seq.seq_id), 0)):
+                proposal = ()
+            if proposal and rolls_back and not kv.snapshot_for_verify(
+                    seq.seq_id, start, start + 1 + len(proposal)):
                 proposal = ()
             need = start + 1 - kv.num_tokens(seq.seq_id)
             while need > 0 and not kv.allocate_slots(seq.seq_id, need):

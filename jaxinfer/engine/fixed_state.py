@@ -7,7 +7,8 @@ with their prefix (core/kv_cache/host_offload.py). In a 16-bit or fp8 cache a
 float32 word is packed into several elements, laid over the pages element by element
 (state_pages.py), so no page needs to end on a word (--block-size 1 with an fp8 cache).
 Under tensor parallelism each device keeps its heads' states in its shard of the pages
-(parallel/state_heads.py)."""
+(parallel/state_heads.py). Speculative decoding (n-gram, draft model) rolls a state back past a
+rejected proposal from a copy taken before the verifying step (core/kv_cache/state_rollback.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config) -> None:
     if not states:
         return
     spec = config.speculative
-    if spec is not None:
+    if spec is not None and spec.method in ("eagle3", "mtp"):
         raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "
-                          f"state-space layers is not built (a rejected token would need the "
-                          f"state rolled back)")
+                          f"state-space layers is built for the ngram and draft_model methods "
+                          f"only (a state is rolled back between host-driven verifying steps; "
+                          f"an EAGLE-3 / MTP head's hidden-state catch-up and on-device loop "
+                          f"are not built over it)")

@@ -138,12 +138,8 @@ class DraftModel:
         """Catch up, then propose for the step's speculating rows. -> (VerifyInputs with the
         device's proposals, q f32[S, K, V])"""
         runner = self.runner
-        if sched.block_copies:
-            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.block_copies))
-            size = runner.buckets.copy_shape(len(src))
-            self.kv_cache = copy_blocks(self.kv_cache, np.pad(src, (0, size - len(src)),
-                                                              constant_values=-1),
-                                        np.pad(dst, (0, size - len(dst)), constant_values=-1))
+        for src, dst in runner.copy_batches(sched.block_copies or []):
+            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
         s = batch.md.num_seqs
         first_ids = np.zeros(s, np.int32)
         first_pos = np.zeros(s, np.int32)

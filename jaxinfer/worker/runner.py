@@ -299,6 +299,11 @@ class ModelRunner:
         any KV; more than the largest bucket in several calls, in the order queued (a block
         freed and taken again within one schedule is read by the earlier copies before the
         later ones write it)."""
+        for src, dst in self.copy_batches(copies):
+            self.kv_cache = self.programs.run("copy", self.kv_cache, src, dst, key=len(src))
+
+    def copy_batches(self, copies: list[tuple[int, int]]):
+        """`copies` as padded (src, dst) arrays (-1: none) of copy buckets, in the order queued."""
         top = self.buckets.copy_buckets[-1]
         for i in range(0, len(copies), top):
             part = copies[i:i + top]
@@ -306,7 +311,7 @@ class ModelRunner:
             src = np.full(size, -1, np.int32)
             dst = np.full(size, -1, np.int32)
             src[:len(part)], dst[:len(part)] = zip(*part)
-            self.kv_cache = self.programs.run("copy", self.kv_cache, src, dst, key=size)
+            yield src, dst
 
     # ---- step batches: built here only (the proposers' and the compiler's too) --------------
     def step_batch(self, rows: list[ScheduledSeq], num_decode_rows: int, num_tokens: int,

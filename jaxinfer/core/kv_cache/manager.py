@@ -42,6 +42,7 @@ from jaxinfer.core.kv_cache.host_offload import HostOffloadMixin
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, PrefixCacheStats, _Node
+from jaxinfer.core.kv_cache.state_rollback import StateRollbackMixin
 from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
 
 # num_cached_blocks of a request that must insert nothing more (see reset_prefix_cache).
@@ -54,7 +55,7 @@ _TABLE_VERSIONS = itertools.count()
 
 class _RequestBlocks:
     __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family",
-                 "counted", "snapshot", "resume", "version")
+                 "counted", "snapshot", "resume", "verify", "version")
 
     def __init__(self, tables: list[list[int]], skipped: list[int], num_tokens: int,
                  num_cached_blocks: int, cache_node, family: set[_RequestBlocks] | None = None):
@@ -72,6 +73,9 @@ class _RequestBlocks:
         # the matched snapshots the state pages start from, group -> blocks (state_snapshots.py).
         self.snapshot: tuple[int, dict[int, list[int]]] | None = None
         self.resume: dict[int, tuple[int, ...]] | None = None
+        # A verifying step's copy of the state: (start, end, group -> spare blocks)
+        # (state_rollback.py).
+        self.verify: tuple[int, int, dict[int, list[int]]] | None = None
         self.version = next(_TABLE_VERSIONS)
 
     def edited(self) -> None:
@@ -79,7 +83,7 @@ class _RequestBlocks:
         self.version = next(_TABLE_VERSIONS)
 
 
-class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
+class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
     """Block tables for every live request over one pool of ``num_blocks`` blocks.
 
     Request ids are any hashable values. All methods are host-side and O(blocks touched)."""
@@ -453,6 +457,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin):
             req.family.discard(req)
         if req.snapshot is not None or req.resume is not None:
             self._drop_state_holds(req)
+        self._drop_verify_hold(req)
         release = self._release
         tables, skipped = req.tables, req.skipped
         if len(tables) == 1:

@@ -200,26 +200,14 @@ def _split_packed(batch, tail: int):
     sample, sample_tree = jax.tree_util.tree_flatten((rest.sampling, rest.emit_slot))
     if not all(isinstance(leaf, np.ndarray) for leaf in model + sample):
         raise TypeError("pack_split_step_inputs takes a batch of host arrays")
+    model_size = sum(leaf.size for leaf in model)
     if sum(leaf.size for leaf in sample) > tail:
         raise ValueError(f"the sampler's inputs exceed the step's tail of {tail} int32s")
-    front, model_layout = pack(model)
-    back, sample_layout = pack(sample, tail)
-    front = np.concatenate([front, np.zeros(_tail_start(model_layout) - front.size, np.int32)])
-    return (np.concatenate([front, back]), apart,
-            SplitPacking(StepPacking(model_tree, model_layout),
-                         StepPacking(sample_tree, sample_layout)))
-
-
-# The tail starts on a 256-byte boundary: XLA:GPU may hand the forward's output `buf[start:]` on
-# as a view of the input buffer, and the sampler's executable refuses an input buffer that is not
-# 256-byte aligned ("Input buffer ... is not 256-byte aligned").
-_TAIL_ALIGN = 64  # int32s
-
-
-def _tail_start(model_layout: Layout) -> int:
-    end = max((offset + int(np.prod(shape, dtype=np.int64)) for offset, shape, _ in model_layout),
-              default=0)
-    return -(-end // _TAIL_ALIGN) * _TAIL_ALIGN
+    buf, layout = pack(model + sample, model_size + tail)
+    sample_layout = tuple((offset - model_size, shape, dtype)
+                          for offset, shape, dtype in layout[len(model):])
+    return buf, apart, SplitPacking(StepPacking(model_tree, layout[:len(model)]),
+                                    StepPacking(sample_tree, sample_layout))
 
 
 def sampling_inputs_size(batch) -> int:
@@ -267,9 +255,11 @@ def unpack_model_inputs(buf: jax.Array, packing: StepPacking,
                         sharding: jax.sharding.Sharding | None = None):
     """Inside an ordinary step's forward: -> (its StepBatch, no sampling or emit_slot; the
     buffer's tail, the sampler's inputs, uncut)."""
+    offset, shape, _ = packing.layout[-1]
+    end = offset + int(np.prod(shape, dtype=np.int64))
     batch = jax.tree_util.tree_unflatten(packing.treedef,
                                          _constrained(unpack(buf, packing.layout), sharding))
-    tail, = _constrained([buf[_tail_start(packing.layout):]], sharding)
+    tail, = _constrained([buf[end:]], sharding)
     return batch, tail
 
 

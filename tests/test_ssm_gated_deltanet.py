@@ -28,12 +28,12 @@ CHUNK = 16
 NUM_SLOTS = 8
 
 
-@functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "block_v", "variant", "chunk"))
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "block_v", "chunk"))
 def prefill(q, k, v, g, beta, pool, cu, slots, init, src_slots=None, use_qk_l2norm=True,
-            block_v=16, variant="split", chunk=CHUNK):
+            block_v=16, chunk=CHUNK):
     return gdn.gdn_prefill(q, k, v, g, beta, pool, cu, slots, init, src_slots=src_slots,
                            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk, block_v=block_v,
-                           variant=variant, interpret=True)
+                           interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",))
@@ -74,17 +74,15 @@ def test_chunked_reference_is_the_recurrence(l2):
     assert not np.asarray(o1[live:]).any(), "padding tokens must come out zero"
 
 
-@pytest.mark.parametrize("variant", gdn.PREFILL_VARIANTS)
 @pytest.mark.parametrize("seed, hk, hv, vd, block_v, l2", [
     (1, 2, 4, 32, 16, True),   # GQA 2, two V blocks
     (2, 4, 4, 16, 16, False),  # no GQA, no L2 norm
     (3, 1, 2, 32, 32, True),   # one V block
 ])
-def test_prefill_matches_reference(seed, hk, hv, vd, block_v, l2, variant):
+def test_prefill_matches_reference(seed, hk, hv, vd, block_v, l2):
     t, cu, slots, init = batch(seed, LENS)
     q, k, v, g, beta, pool = inputs(seed, t, hk=hk, hv=hv, vd=vd)
-    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, use_qk_l2norm=l2, block_v=block_v,
-                     variant=variant)
+    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, use_qk_l2norm=l2, block_v=block_v)
     o_ref, p_ref = reference.gdn_recurrent_reference(q, k, v, g, beta, pool, cu, slots, init,
                                                      use_qk_l2norm=l2)
     assert_close(o, o_ref, 2e-5)
@@ -97,39 +95,35 @@ def test_prefill_matches_reference(seed, hk, hv, vd, block_v, l2, variant):
     (11, [150, 0, 1, 64, 40], 64),  # the serving chunk: four 16-row blocks of the UT transform
     (12, [70, 33, 1], 32),
 ])
-@pytest.mark.parametrize("variant", gdn.PREFILL_VARIANTS)
-def test_prefill_long_chunks_match_reference(seed, lens, chunk, variant):
+def test_prefill_long_chunks_match_reference(seed, lens, chunk):
     t, cu, slots, init = batch(seed, lens)
     q, k, v, g, beta, pool = inputs(seed, t)
-    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, variant=variant, chunk=chunk)
+    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, chunk=chunk)
     o_ref, p_ref = reference.gdn_recurrent_reference(q, k, v, g, beta, pool, cu, slots, init)
     assert_close(o, o_ref, 2e-5)
     assert_close(new, p_ref, 2e-5)
     assert_other_slots_untouched(pool, new, slots)
 
 
-@pytest.mark.parametrize("variant", gdn.PREFILL_VARIANTS)
-def test_prefill_bf16_inputs(variant):
+def test_prefill_bf16_inputs():
     t, cu, slots, init = batch(4, [40, 3, 18])
     q, k, v, g, beta, pool = inputs(4, t, dtype=jnp.bfloat16)
-    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, variant=variant)
+    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init)
     o_ref, p_ref = reference.gdn_recurrent_reference(q, k, v, g, beta, pool, cu, slots, init)
     assert o.dtype == jnp.bfloat16
     assert_close(o, o_ref, 3e-2)  # matmul operands in bf16, as fla's
     assert_close(new, p_ref, 3e-2)
 
 
-@pytest.mark.parametrize("variant", gdn.PREFILL_VARIANTS)
-def test_prefill_in_two_chunks_equals_one(variant):
+def test_prefill_in_two_chunks_equals_one():
     lens = [37, 20, 1, 9]
     t, cu, slots, init = batch(5, lens, extra=0, dead=0)
     q, k, v, g, beta, pool = inputs(5, t)
-    o_all, p_all = prefill(q, k, v, g, beta, pool, cu, slots, init, variant=variant)
+    o_all, p_all = prefill(q, k, v, g, beta, pool, cu, slots, init)
     idx1, cu1, idx2, cu2 = split_batch(cu, [19, 16, 0, 4])  # mid-chunk, on a chunk, empty first
     parts = lambda idx: [x[idx] for x in (q, k, v, g, beta)]
-    o1, p1 = prefill(*parts(idx1), pool, jnp.asarray(cu1), slots, init, variant=variant)
-    o2, p2 = prefill(*parts(idx2), p1, jnp.asarray(cu2), slots, jnp.ones_like(init),
-                     variant=variant)
+    o1, p1 = prefill(*parts(idx1), pool, jnp.asarray(cu1), slots, init)
+    o2, p2 = prefill(*parts(idx2), p1, jnp.asarray(cu2), slots, jnp.ones_like(init))
     assert_close(o1, o_all[idx1], 2e-5)
     assert_close(o2, o_all[idx2], 2e-5)
     assert_close(p2, p_all, 2e-5)
@@ -266,8 +260,6 @@ def test_kernels_lower_for_cuda():
             sd((s,), bool))
     text = lower_for_cuda(gdn.gdn_prefill, *args)
     assert all(name in text for name in ("gdn_prefill_wy", "gdn_prefill_h", "gdn_prefill_o"))
-    text = lower_for_cuda(functools.partial(gdn.gdn_prefill, variant="fused"), *args)
-    assert "gdn_prefill_wy" in text and "gdn_prefill_state" in text
     text = lower_for_cuda(gdn.gdn_decode, sd((s, hk, d), bf), sd((s, hk, d), bf),
                           sd((s, hv, d), bf), sd((s, hv), f32), sd((s, hv), f32),
                           sd((n, hv, d, d), f32), sd((s,), i32))

@@ -28,11 +28,10 @@ NUM_SLOTS = 8
 LENS = [37, 0, 1, 16, 9, 5]  # several chunks, empty, decode-sized, one exact chunk, a dead row
 
 
-@functools.partial(jax.jit, static_argnames=("block_p", "variant", "chunk"))
-def prefill(x, dt, a, b, c, pool, cu, slots, init, d, src_slots=None, block_p=16,
-            variant="split", chunk=CHUNK):
+@functools.partial(jax.jit, static_argnames=("block_p", "chunk"))
+def prefill(x, dt, a, b, c, pool, cu, slots, init, d, src_slots=None, block_p=16, chunk=CHUNK):
     return mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d, src_slots=src_slots,
-                              chunk_size=chunk, block_p=block_p, variant=variant, interpret=True)
+                              chunk_size=chunk, block_p=block_p, interpret=True)
 
 
 @jax.jit
@@ -81,17 +80,16 @@ def test_chunked_reference_is_the_recurrence(with_d):
     assert not np.asarray(y1[int(cu[-1]):]).any(), "padding tokens must come out zero"
 
 
-@pytest.mark.parametrize("variant", mamba2.PREFILL_VARIANTS)
 @pytest.mark.parametrize("seed, h, g, p, block_p, lens, chunk", [
     (1, 4, 2, 32, 16, LENS, CHUNK),  # two groups, two P blocks
     (2, 4, 1, 16, 16, LENS, CHUNK),  # one group shared by every head
     (3, 2, 2, 32, 32, LENS, CHUNK),  # a group per head, one P block
     (4, 4, 2, 32, 16, [150, 0, 1, 64, 40], 64),  # the serving chunk
 ])
-def test_prefill_matches_reference(seed, h, g, p, block_p, lens, chunk, variant):
+def test_prefill_matches_reference(seed, h, g, p, block_p, lens, chunk):
     t, cu, slots, init = batch(seed, lens)
     tokens, a, d, pool = inputs(seed, t, h=h, g=g, p=p)
-    y, new = run(functools.partial(prefill, block_p=block_p, variant=variant, chunk=chunk),
+    y, new = run(functools.partial(prefill, block_p=block_p, chunk=chunk),
                  tokens, a, pool, cu, slots, init, d=d)
     y_ref, p_ref = run(reference.ssd_recurrent_reference, tokens, a, pool, cu, slots, init, d=d)
     assert_close(y, y_ref, 2e-5)
@@ -100,24 +98,21 @@ def test_prefill_matches_reference(seed, h, g, p, block_p, lens, chunk, variant)
     assert not np.asarray(y[int(cu[-1]):]).any()
 
 
-@pytest.mark.parametrize("variant", mamba2.PREFILL_VARIANTS)
-def test_prefill_bf16_inputs(variant):
+def test_prefill_bf16_inputs():
     t, cu, slots, init = batch(4, [40, 3, 18])
     tokens, a, d, pool = inputs(4, t, dtype=jnp.bfloat16)
-    y, new = run(functools.partial(prefill, variant=variant), tokens, a, pool, cu, slots, init,
-                 d=d)
+    y, new = run(prefill, tokens, a, pool, cu, slots, init, d=d)
     y_ref, p_ref = run(reference.ssd_recurrent_reference, tokens, a, pool, cu, slots, init, d=d)
     assert y.dtype == jnp.bfloat16
     assert_close(y, y_ref, 3e-2)
     assert_close(new, p_ref, 3e-2)
 
 
-@pytest.mark.parametrize("variant", mamba2.PREFILL_VARIANTS)
-def test_prefill_in_two_chunks_equals_one(variant):
+def test_prefill_in_two_chunks_equals_one():
     lens = [37, 20, 1, 9]
     t, cu, slots, init = batch(5, lens, extra=0, dead=0)
     tokens, a, d, pool = inputs(5, t)
-    fn = functools.partial(prefill, variant=variant)
+    fn = prefill
     y_all, p_all = run(fn, tokens, a, pool, cu, slots, init, d=d)
     idx1, cu1, idx2, cu2 = split_batch(cu, [19, 16, 0, 4])
     y1, p1 = run(fn, rows_of(tokens, idx1), a, pool, jnp.asarray(cu1), slots, init, d=d)
@@ -216,9 +211,6 @@ def test_kernels_lower_for_cuda():
             sd((t, g, ds), bf), sd((n, h, p, ds), f32), sd((s + 1,), i32), sd((s,), i32),
             sd((s,), bool))
     text = lower_for_cuda(functools.partial(mamba2.ssd_prefill, d=jnp.ones((h,))), *args)
-    assert "ssd_prefill_h" in text and "ssd_prefill_o" in text
-    text = lower_for_cuda(functools.partial(mamba2.ssd_prefill, d=jnp.ones((h,)),
-                                            variant="fused"), *args)
     assert "ssd_prefill" in text
     text = lower_for_cuda(mamba2.ssd_decode, sd((s, h, p), bf), sd((s, h), f32), sd((h,), f32),
                           sd((s, g, ds), bf), sd((s, g, ds), bf), sd((n, h, p, ds), f32),

@@ -1,6 +1,6 @@
 """The recurrent-layer kernels (pallas_kernels/ssm) on the GPU: Gated DeltaNet and Mamba-2 SSD
 prefill against the same-run bf16 matmul ceiling, their decode steps and the causal conv1d against
-the same-run HBM read ceiling (jaxinfer/bench/anchors.py), every kernel variant and block size of
+the same-run HBM read ceiling (jaxinfer/bench/anchors.py), every block size, stage and warp count of
 the sweep below timed in the one run, with a table of them printed before the metrics.
 
     jaxinfer bench kernels --only ssm [--save [DIR]] [-- --no-sweep]
@@ -13,7 +13,7 @@ q, k, v: 8192 channels), bf16 inputs, float32 states, chunk 64. Prefill batches:
 Decode: `b1` and `b64` (one token per sequence).
 
 First each kernel is checked against its jnp reference (pallas_kernels/ssm/reference.py) on a
-small batch of the real head shapes (`*_rel_err`, every prefill variant: `*_rel_err_{config}`).
+small batch of the real head shapes (`*_rel_err`, every prefill config: `*_rel_err_{config}`).
 Then per-call times with the state pool donated (as the engine must call them, or XLA copies
 the pool before each call). Prefill calls are queued back to back, one jit call each:
   gdn_prefill_{case}_{config}_us, _tflops for each config of GDN_PREFILL (useful FLOPs:
@@ -50,21 +50,22 @@ PREFILL = {"b8x1024": [1024] * 8, "b1x8192": [8192]}  # the goal case first
 DECODE = (1, 64)
 # name -> keyword arguments; the first of each is the kernel's default, whose times keep the
 # record's plain keys.
+# The prefill variants' sweep (ssm_kernels_h100.json) chose GDN's split form and SSD's fused one;
+# these tune what is left.
 GDN_PREFILL = {
-    "split_bv64": dict(variant="split", block_v=64),
-    "split_bv32": dict(variant="split", block_v=32),
-    "split_bv16": dict(variant="split", block_v=16),  # 256 state-pass programs for one prompt
-    "split_bv64_stages2": dict(variant="split", block_v=64, num_stages=2),
-    "split_bv64_w8": dict(variant="split", block_v=64, num_warps=8),
-    "fused_bv64": dict(variant="fused", block_v=64),  # the first record's kernel, restyled
+    "bv64_stages2": dict(block_v=64, num_stages=2),
+    "bv64": dict(block_v=64, num_stages=1),
+    "bv32_stages2": dict(block_v=32, num_stages=2),
+    "bv16_stages2": dict(block_v=16, num_stages=2),  # 256 state-pass programs for one prompt
+    "bv64_stages3": dict(block_v=64, num_stages=3),
+    "bv64_stages2_w8": dict(block_v=64, num_stages=2, num_warps=8),
 }
 SSD_PREFILL = {
-    "split_bp64": dict(variant="split", block_p=64),
-    "split_bp32": dict(variant="split", block_p=32),
-    "split_bp16": dict(variant="split", block_p=16),  # 1024 state-pass programs for one prompt
-    "split_bp64_stages2": dict(variant="split", block_p=64, num_stages=2),
-    "split_bp64_chunk128_w8": dict(variant="split", block_p=64, chunk_size=128, num_warps=8),
-    "fused_bp64": dict(variant="fused", block_p=64),  # the first record's kernel, restyled
+    "bp64": dict(block_p=64),
+    "bp32": dict(block_p=32),
+    "bp16": dict(block_p=16),  # 1024 serial-walk programs for one prompt
+    "bp64_stages2": dict(block_p=64, num_stages=2),
+    "bp64_w8": dict(block_p=64, num_warps=8),
 }
 CONV_PREFILL = {"bt32": dict(block_t=32), "bt64": dict(block_t=64)}
 # Decode: fla's fused_recurrent runs [K, 8]-column tiles on one warp (the K reduction stays in

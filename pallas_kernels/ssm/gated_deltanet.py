@@ -2,7 +2,7 @@
 over a ragged batch and a one-token decode, both updating the state pool in place.
 
     gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
-                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64, variant="split")
+                src_slots=None, use_qk_l2norm=True, chunk_size=64, block_v=64, num_stages=2)
         -> (o [T, Hv, V], state_pool)
     gdn_decode(q, k, v, g, beta, state_pool, slots, *, src_slots=None, use_qk_l2norm=True,
                block_v=64) -> (o [S, Hv, V], state_pool)
@@ -22,12 +22,13 @@ o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^
      from `batch.chunk_table`; they never cross sequences), T by 16-row blocks (forward
      substitution on the diagonal blocks, 16 x 16 float32 dots for the rest: fla's solve_tril),
      written to HBM in k's / v's dtype;
-  2. variant "split" (default): `_h_kernel`, grid (S, Hv, V / block_v), walks a sequence's
-     chunks in order with its [K, block_v] slice of the state in registers, doing only v' and
-     the state update and writing each chunk's incoming state (in q's dtype) and v'; then
-     `_o_kernel`, grid (chunk, Hv, V / 128), every chunk's output at once.
-     Variant "fused": `_state_kernel` computes the output on the serial walk (one kernel, no
-     per-chunk states in HBM, but five matmuls a step on the serial path).
+  2. `_h_kernel`, grid (S, Hv, V / block_v), walks a sequence's chunks in order with its
+     [K, block_v] slice of the state in registers, doing only v' and the state update (two
+     matmuls a step) and writing each chunk's incoming state (in q's dtype) and v'; then
+     `_o_kernel`, grid (chunk, Hv, V / 128), every chunk's output at once. This split beat
+     computing the output on the serial walk (one kernel, five matmuls a step) on an H100:
+     48.5 vs 46.0 TF/s at 8 x 1024 tokens, 38.9 vs 24.1 at 1 x 8192, with block_v 64 and
+     num_stages 2 the fastest of the sweep (benchmarks/results/ssm_kernels_h100.json).
 Rows past a sequence's end load as k = v = beta = g = 0, which is the identity step, so a partial
 last chunk needs no other masking. Matmul operands are cast to q's dtype (bf16 in serving, as fla
 does), accumulating in float32; the state stays float32.
@@ -52,9 +53,6 @@ from pallas_kernels.ssm.tiles import chunk_rows, dot
 from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
                                       live_tokens, sequence_table, slot_table)
 from pallas_kernels.ssm.reference import L2NORM_EPS
-
-PREFILL_VARIANTS = ("split", "fused")
-
 
 def _total(terms):
     return functools.reduce(operator.add, terms)
@@ -171,46 +169,9 @@ def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: i
             pltriton.store(w_ref.at[at, :], w.astype(w_ref.dtype), mask=ok)
 
 
-def _state_kernel(info_ref, q_ref, k_ref, w_ref, u_ref, g_ref, h_ref, o_ref, h_out_ref, *,
-                  chunk: int, l2: bool):
-    """The fused variant, one (sequence, value head, V block): the chunks in order, the state in
-    registers, the output on the serial walk."""
-    s = pl.program_id(0)
-    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
-    src = info_ref[s, 4]
-    kd = q_ref.shape[-1]
-    dtype = q_ref.dtype
-    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-
-    @pl.when(slot >= 0)
-    def _():
-        def step(j, h):
-            row0 = start + j * chunk
-            ok = j * chunk + rows < length
-            load2 = lambda ref: chunk_rows(ref, row0, ok)
-            g = chunk_rows(g_ref, row0, ok)
-            gc, decay = _chunk_decay(g.astype(jnp.float32), chunk)
-            last = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0))
-            # Operands in the matmul dtype as soon as they are made (no float32 [chunk, K]
-            # tile held across the step's five matmuls).
-            q = _normed(load2(q_ref), l2, kd ** -0.5)
-            qg, q = (q * jnp.exp(gc)[:, None]).astype(dtype), q.astype(dtype)
-            k = _normed(load2(k_ref), l2)
-            kg, k = (k * jnp.exp(last - gc)[:, None]).astype(dtype), k.astype(dtype)
-            v_new = load2(u_ref).astype(jnp.float32) - dot(load2(w_ref), h, dtype)
-            o = dot(qg, h, dtype) + dot(dot(q, k, dtype, trans_b=True) * decay, v_new, dtype)
-            pltriton.store(o_ref.at[pl.ds(row0, chunk), :], o.astype(o_ref.dtype),
-                           mask=ok[:, None])
-            return h * jnp.exp(last) + dot(kg, v_new, dtype, trans_a=True)
-
-        h0 = h_ref[src].astype(jnp.float32)
-        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
-        h_out_ref[slot] = h.astype(h_out_ref.dtype)
-
-
 def _h_kernel(info_ref, k_ref, w_ref, u_ref, g_ref, h_ref, vn_ref, hc_ref, h_out_ref, *,
               chunk: int, l2: bool):
-    """The split form's serial pass, one (sequence, value head, V block): per chunk in order,
+    """The serial pass, one (sequence, value head, V block): per chunk in order,
     the state before it to hc (row first_chunk + j, in the matmul dtype the output pass reads),
     v' = u - w S to vn, then the state update. Two matmuls per step on the serial path."""
     s = pl.program_id(0)
@@ -241,7 +202,7 @@ def _h_kernel(info_ref, k_ref, w_ref, u_ref, g_ref, h_ref, vn_ref, hc_ref, h_out
 
 
 def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, o_ref, *, chunk: int, l2: bool):
-    """The split form's output, one (chunk, value head, V block), every chunk at once:
+    """The output, one (chunk, value head, V block), every chunk at once:
     o = (q exp(gc)) S_before + (q k^T * D) v'."""
     i = pl.program_id(0)
     row0, n = chunks_ref[i, 0], chunks_ref[i, 1]
@@ -284,14 +245,12 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
                 src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
-                variant: str = "split", num_warps: int = 4, num_stages: int = 1,
-                interpret: bool = False):
+                num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """The chunked gated delta rule over a ragged batch (module docstring). Returns
     (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
-    final state in its slot). chunk_size: a power of two >= 16. variant: "split" or "fused"
-    (PREFILL_VARIANTS); block_v: the V block of the serial pass."""
-    if variant not in PREFILL_VARIANTS:
-        raise ValueError(f"variant={variant!r}: one of {PREFILL_VARIANTS}")
+    final state in its slot). chunk_size: a power of two >= 16; block_v: the V block of the serial
+    pass; num_warps, num_stages: Triton's, for all three kernels (defaults: the H100 sweep's
+    fastest)."""
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     t, vd = q.shape[0], v.shape[2]
     check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
@@ -321,41 +280,13 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
         name="gdn_prefill_wy",
     )(chunks, k, v, g, pad(beta.astype(jnp.float32)))
     common = dict(chunk=chunk_size, bv=bv, l2=use_qk_l2norm, params=params, interpret=interpret)
-    if variant == "split":
-        info = jnp.concatenate([info, first_chunks(cu, slots, chunk_size)[:, None]], axis=1)
-        o, pool = _split_state_pass(q, k, w, u, g, state_pool, info, chunks, **common)
-    else:
-        o, pool = _fused_state_pass(q, k, w, u, g, state_pool, info, **common)
+    info = jnp.concatenate([info, first_chunks(cu, slots, chunk_size)[:, None]], axis=1)
+    o, pool = _state_pass(q, k, w, u, g, state_pool, info, chunks, **common)
     live = live_tokens(cu, slots, t)[:, None, None]
     return jnp.where(live, o[:t], 0).astype(v.dtype), pool
 
 
-def _fused_state_pass(q, k, w, u, g, state_pool, info, *, chunk, bv, l2, params, interpret):
-    """One kernel: each sequence's chunks in order, the output computed on the serial path."""
-    tp, hk, kd = q.shape
-    n, hv, _, vd = state_pool.shape
-    rep = hv // hk
-    qk_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h // rep, 0))
-    w_spec = pl.BlockSpec((tp, None, kd), lambda i, h, j: (0, h, 0))
-    v_spec = pl.BlockSpec((tp, None, bv), lambda i, h, j: (0, h, j))
-    state_spec = pl.BlockSpec((n, None, kd, bv), lambda i, h, j: (0, h, 0, j))
-    return pl.pallas_call(
-        functools.partial(_state_kernel, chunk=chunk, l2=l2),
-        grid=(info.shape[0], hv, vd // bv),
-        in_specs=[pl.BlockSpec((info.shape[0], 5), lambda i, h, j: (0, 0)), qk_spec, qk_spec,
-                  w_spec, v_spec, pl.BlockSpec((tp, None), lambda i, h, j: (0, h)), state_spec],
-        out_specs=[v_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
-        input_output_aliases={6: 1},
-        compiler_params=params,
-        interpret=interpret,
-        name="gdn_prefill_state",
-    )(info, q, k, w, u, g, state_pool)
-
-
-def _split_state_pass(q, k, w, u, g, state_pool, info, chunks, *, chunk, bv, l2, params,
-                      interpret):
+def _state_pass(q, k, w, u, g, state_pool, info, chunks, *, chunk, bv, l2, params, interpret):
     """fla's split: the serial pass keeps only v' = u - w S and the state update (two matmuls a
     step), writing each chunk's incoming state and v'; then every chunk's output at once. info:
     `sequence_table` rows with each sequence's first chunk (`first_chunks`) appended."""

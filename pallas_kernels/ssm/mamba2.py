@@ -2,7 +2,7 @@
 batch and a one-token decode, both updating the state pool in place.
 
     ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
-                src_slots=None, chunk_size=64, block_p=64, variant="split")
+                src_slots=None, chunk_size=64, block_p=64)
         -> (y [T, H, P], state_pool)
     ssd_decode(x, dt, a, b, c, state_pool, slots, *, d=None, src_slots=None, block_p=64)
         -> (y [S, H, P], state_pool)
@@ -18,11 +18,11 @@ Prefill. Per chunk: cs = cumsum(dt a); L = exp(cs_i - cs_j) (i >= j);
 y = ((C B^T) * L * dt_j) x + exp(cs) (C S^T) + D x;
 S <- exp(cs_last) S + (x dt exp(cs_last - cs))^T B. Rows past a sequence's end load as dt = 0,
 x = B = 0: the identity step. Matmul operands in x's dtype, float32 accumulation and state.
-Variant "split" (default, mamba_ssm's split of the work): `_h_kernel`, grid (S, H, P / block_p),
-walks a sequence's chunks with its [block_p, N] slice of the state in registers, doing only the
-state update and writing each chunk's incoming state (x's dtype) to HBM; `_o_kernel`, grid
-(chunk, H, P / 128), then computes every chunk's y at once. Variant "fused": one kernel, grid
-(S, H, P / block_p), computing y on the serial walk.
+One kernel, grid (S, H, P / block_p), walks a sequence's chunks with its [block_p, N] slice of
+the state in registers, computing y on the serial walk. This beat mamba_ssm's split of the work
+(a state-update-only serial pass writing each chunk's incoming state to HBM, then every chunk's
+y at once) on an H100: 91.1 vs 73.9 TF/s at 8 x 1024 tokens, 69.1 vs 67.7 at 1 x 8192, the
+split at its best (block_p 64, num_stages 2; benchmarks/results/ssm_kernels_h100.json).
 Decode: grid (S, H, P / block_p): `reference.ssd_step` on the slot.
 
 Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill's packed batch;
@@ -40,10 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ssm.tiles import chunk_rows, dot
-from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
-                                      live_tokens, sequence_table, slot_table)
-
-PREFILL_VARIANTS = ("split", "fused")
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
+                                      slot_table)
 
 
 def _chunk_cumsum(dt, a, chunk):
@@ -55,9 +53,8 @@ def _chunk_cumsum(dt, a, chunk):
 
 def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref,
                     *, chunk: int):
-    """The fused variant, one (sequence, head, P block): the chunks in order, the state in
-    registers. Tiles stay in the input dtype (float32 copies of B and C held across the step's
-    four matmuls would spill)."""
+    """One (sequence, head, P block): the chunks in order, the state in registers. Tiles stay in
+    the input dtype (float32 copies of B and C held across the step's four matmuls would spill)."""
     s, head = pl.program_id(0), pl.program_id(1)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
@@ -91,58 +88,6 @@ def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, 
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
 
 
-def _h_kernel(info_ref, a_ref, x_ref, dt_ref, b_ref, h_ref, hc_ref, h_out_ref, *, chunk: int):
-    """The split form's serial pass, one (sequence, head, P block): per chunk in order, the state
-    before it to hc (row first_chunk + j, in x's dtype as the output pass multiplies it), then
-    S <- exp(cs_last) S + (x dt exp(cs_last - cs))^T B: one matmul a step."""
-    s, head = pl.program_id(0), pl.program_id(1)
-    start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
-    src, c0 = info_ref[s, 4], info_ref[s, 5]
-    a, dtype = a_ref[head], x_ref.dtype
-    rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-
-    @pl.when(slot >= 0)
-    def _():
-        def step(j, h):
-            row0 = start + j * chunk
-            ok = j * chunk + rows < length
-            hc_ref[c0 + j] = h.astype(hc_ref.dtype)
-            load2 = lambda ref: chunk_rows(ref, row0, ok)
-            dt = chunk_rows(dt_ref, row0, ok)
-            cs = _chunk_cumsum(dt, a, chunk)
-            last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
-            xs = load2(x_ref).astype(jnp.float32) * (dt * jnp.exp(last - cs))[:, None]
-            return h * jnp.exp(last) + dot(xs, load2(b_ref), dtype, trans_a=True)
-
-        h0 = h_ref[src].astype(jnp.float32)
-        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
-        h_out_ref[slot] = h.astype(h_out_ref.dtype)
-
-
-def _o_kernel(chunks_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, hc_ref, y_ref, *,
-              chunk: int):
-    """The split form's output, one (chunk, head, P block), every chunk at once:
-    y = ((C B^T) * L * dt_j) x + exp(cs) (C S_before^T) + D x."""
-    i, head = pl.program_id(0), pl.program_id(1)
-    row0, n = chunks_ref[i, 0], chunks_ref[i, 1]
-    dtype = x_ref.dtype
-
-    @pl.when(n > 0)
-    def _():
-        ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < n
-        load2 = lambda ref: chunk_rows(ref, row0, ok)
-        x, c = load2(x_ref), load2(c_ref)
-        dt = chunk_rows(dt_ref, row0, ok)
-        cs = _chunk_cumsum(dt, a_ref[head], chunk)
-        r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-        col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-        decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
-        scores = dot(c, load2(b_ref), dtype, trans_b=True) * decay * dt[None, :]
-        y = (dot(scores, x, dtype) + jnp.exp(cs)[:, None] * dot(c, hc_ref[i], dtype, trans_b=True)
-             + d_ref[head] * x.astype(jnp.float32))
-        pltriton.store(y_ref.at[pl.ds(row0, chunk), :], y.astype(y_ref.dtype), mask=ok[:, None])
-
-
 def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
     t, h, p = x.shape
     g, n = b.shape[1], b.shape[2]
@@ -165,14 +110,11 @@ def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
 
 
 def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
-                src_slots=None, chunk_size: int = 64, block_p: int = 64, variant: str = "split",
-                num_warps: int = 4, num_stages: int = 1, interpret: bool = False):
+                src_slots=None, chunk_size: int = 64, block_p: int = 64, num_warps: int = 4,
+                num_stages: int = 1, interpret: bool = False):
     """The chunked SSD scan over a ragged batch (module docstring). Returns (y [T, H, P] in x's
     dtype, zeros on padding/dead rows; state_pool with each live sequence's final state in its
-    slot). chunk_size: a power of two >= 16. variant: "split" or "fused" (PREFILL_VARIANTS);
-    block_p: the P block of the serial pass."""
-    if variant not in PREFILL_VARIANTS:
-        raise ValueError(f"variant={variant!r}: one of {PREFILL_VARIANTS}")
+    slot). chunk_size: a power of two >= 16; block_p: the P block."""
     h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
     t = x.shape[0]
     check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
@@ -182,20 +124,15 @@ def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state
     info = sequence_table(cu, slots, has_initial_state, src_slots)
     pad = lambda v: jnp.pad(v, ((0, chunk_size),) + ((0, 0),) * (v.ndim - 1))
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    args = (info, a.astype(jnp.float32), skip, pad(x), pad(dt.astype(jnp.float32)), pad(b),
-            pad(c), state_pool)
-    if variant == "split":
-        y, pool = _split_prefill(*args, cu=cu, slots=slots, t=t, chunk=chunk_size, bp=bp,
-                                 params=params, interpret=interpret)
-    else:
-        y, pool = _fused_prefill(*args, chunk=chunk_size, bp=bp, params=params,
-                                 interpret=interpret)
+    y, pool = _prefill_call(info, a.astype(jnp.float32), skip, pad(x), pad(dt.astype(jnp.float32)),
+                            pad(b), pad(c), state_pool, chunk=chunk_size, bp=bp, params=params,
+                            interpret=interpret)
     live = live_tokens(cu, slots, t)[:, None, None]
     return jnp.where(live, y[:t], 0).astype(x.dtype), pool
 
 
-def _fused_prefill(info, a, skip, x, dt, b, c, state_pool, *, chunk, bp, params, interpret):
-    """One kernel: each sequence's chunks in order, the output computed on the serial path."""
+def _prefill_call(info, a, skip, x, dt, b, c, state_pool, *, chunk, bp, params, interpret):
+    """Each sequence's chunks in order, the output computed on the serial path."""
     s, (tp, h, p), (g, n) = info.shape[0], x.shape, b.shape[1:]
     slots_n, rep = state_pool.shape[0], h // g
     x_spec = pl.BlockSpec((tp, None, bp), lambda i, hh, j: (0, hh, j))
@@ -216,48 +153,6 @@ def _fused_prefill(info, a, skip, x, dt, b, c, state_pool, *, chunk, bp, params,
         interpret=interpret,
         name="ssd_prefill",
     )(info, a, skip, x, dt, b, c, state_pool)
-
-
-def _split_prefill(info, a, skip, x, dt, b, c, state_pool, *, cu, slots, t, chunk, bp, params,
-                   interpret):
-    """mamba_ssm's split: the serial pass keeps only the state update (one matmul a step),
-    writing each chunk's incoming state; then every chunk's output at once."""
-    s, (tp, h, p), (g, n) = info.shape[0], x.shape, b.shape[1:]
-    slots_n, rep = state_pool.shape[0], h // g
-    chunks = chunk_table(cu, slots, t, chunk)
-    nc = chunks.shape[0]
-    table = jnp.concatenate([info, first_chunks(cu, slots, chunk)[:, None]], axis=1)
-    x_spec = lambda bb: pl.BlockSpec((tp, None, bb), lambda i, hh, j: (0, hh, j))
-    bc_spec = pl.BlockSpec((tp, None, n), lambda i, hh, j: (0, hh // rep, 0))
-    dt_spec = pl.BlockSpec((tp, None), lambda i, hh, j: (0, hh))
-    hc_spec = lambda bb: pl.BlockSpec((nc, None, bb, n), lambda i, hh, j: (0, hh, j, 0))
-    state_spec = pl.BlockSpec((slots_n, None, bp, n), lambda i, hh, j: (0, hh, j, 0))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, hh, j: (0,) * len(shape))
-    hc, pool = pl.pallas_call(
-        functools.partial(_h_kernel, chunk=chunk),
-        grid=(s, h, p // bp),
-        in_specs=[whole((s, 6)), whole((h,)), x_spec(bp), dt_spec, bc_spec, state_spec],
-        out_specs=[hc_spec(bp), state_spec],
-        out_shape=[jax.ShapeDtypeStruct((nc, h, p, n), x.dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
-        input_output_aliases={5: 1},
-        compiler_params=params,
-        interpret=interpret,
-        name="ssd_prefill_h",
-    )(table, a, x, dt, b, state_pool)
-    bo = min(p, 128)  # the output pass holds no state: whole rows of P where they fit
-    y = pl.pallas_call(
-        functools.partial(_o_kernel, chunk=chunk),
-        grid=(nc, h, p // bo),
-        in_specs=[whole((nc, 2)), whole((h,)), whole((h,)), x_spec(bo), dt_spec, bc_spec,
-                  bc_spec, hc_spec(bo)],
-        out_specs=x_spec(bo),
-        out_shape=jax.ShapeDtypeStruct((tp, h, p), x.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="ssd_prefill_o",
-    )(chunks, a, skip, x, dt, b, c, hc)
-    return y, pool
 
 
 def _decode_kernel(slot_ref, a_ref, d_ref, dt_ref, x_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref):

@@ -30,15 +30,13 @@ def untouched(before, after):
     np.testing.assert_array_equal(np.asarray(after)[others], np.asarray(before)[others])
 
 
-@pytest.mark.parametrize("variant", gated_deltanet.PREFILL_VARIANTS)
 @pytest.mark.parametrize("block_v", [32, 64, 128])
-def test_gdn_prefill(block_v, variant):
+def test_gdn_prefill(block_v):
     t, cu, slots, init = batch()
     ins, pool = gdn_args(t, 8, **GDN)
     want = reference.gdn_chunked_reference(*ins, pool, cu, slots, init)
     before = np.asarray(pool)
-    run = jax.jit(lambda p: gated_deltanet.gdn_prefill(*ins, p, cu, slots, init, block_v=block_v,
-                                                          variant=variant),
+    run = jax.jit(lambda p: gated_deltanet.gdn_prefill(*ins, p, cu, slots, init, block_v=block_v),
                   donate_argnums=0)
     o, new = run(pool)
     assert rel_err(o, want[0]) < 2e-2 and rel_err(new, want[1]) < 2e-2
@@ -55,16 +53,15 @@ def test_gdn_decode():
     untouched(before, new)
 
 
-@pytest.mark.parametrize("variant", mamba2.PREFILL_VARIANTS)
 @pytest.mark.parametrize("block_p", [32, 64])
-def test_ssd_prefill(block_p, variant):
+def test_ssd_prefill(block_p):
     t, cu, slots, init = batch()
     (x, dt, a, b, c), pool = ssd_args(t, 8, **SSD)
     d = jnp.linspace(0.0, 1.0, SSD["h"])
     want = reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu, slots, init, d=d)
     before = np.asarray(pool)
     run = jax.jit(lambda p: mamba2.ssd_prefill(x, dt, a, b, c, p, cu, slots, init, d=d,
-                                               block_p=block_p, variant=variant),
+                                               block_p=block_p),
                   donate_argnums=0)
     y, new = run(pool)
     assert rel_err(y, want[0]) < 2e-2 and rel_err(new, want[1]) < 2e-2

@@ -67,3 +67,46 @@ def test_an_ordinary_step_dispatches_two_compiled_programs(monkeypatch):
     # Each step ran the executables warm-up compiled for its bucket and variant.
     assert all(compiled for step in per_step for _, compiled in step), per_step
     assert_all_free(engine)
+
+
+def test_placed_steps_as_a_gpu_runs_them_equal_the_packed_ones(monkeypatch):
+    """On a GPU the runner runs an ordinary step placed (place_step_inputs, "forward",
+    "sample"; runner.packed_steps): warm-up compiles those programs per bucket, every step runs
+    them, and the tokens and logprobs are the packed steps'."""
+    from jaxinfer.model.kernel_table import Platform
+    from jaxinfer.worker import runner as runner_module
+
+    def greedy(engine):
+        for i in range(3):
+            engine.add_request(f"r{i}", prompt_ids(90 + i, 4 + 5 * i),
+                               SamplingParams(max_tokens=6, temperature=0.0, logprobs=1))
+        outs = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    c = o.outputs[0]
+                    outs[o.request_id] = (list(c.token_ids), [e.logprob for e in c.logprobs])
+        assert_all_free(engine)
+        return outs
+
+    packed = greedy(make_engine(warmup=True, decode_steps_per_call=1))
+    monkeypatch.setattr(runner_module, "current_platform", lambda: Platform("gpu", (9, 0)))
+    engine = make_engine(warmup=True, decode_steps_per_call=1)
+    assert not engine.runner.packed_steps
+    compiled = {name: len(t) for name, t in engine.runner.programs.compiled.items() if len(t)}
+    assert "packed forward" not in compiled and "packed sample" not in compiled, compiled
+    assert compiled["forward"] == 3 and compiled["sample"] > 0, compiled
+    calls = []
+    run = engine.runner.programs.run
+
+    def spy_run(name, *args, key=None, **static):
+        calls.append((name, key is not None and key in engine.runner.programs.compiled[name]))
+        return run(name, *args, key=key, **static)
+
+    monkeypatch.setattr(engine.runner.programs, "run", spy_run)
+    placed = greedy(engine)
+    assert {name for name, _ in calls} == {"forward", "sample"} and all(c for _, c in calls)
+    assert placed.keys() == packed.keys()
+    for rid, (tokens, logprobs) in packed.items():
+        assert placed[rid][0] == tokens
+        assert max(abs(a - b) for a, b in zip(placed[rid][1], logprobs)) < 1e-5

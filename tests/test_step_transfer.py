@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.parallel.transfer import pack, put_tree, unpack
+from jaxinfer.parallel.transfer import ALIGN, pack, packed_size, put_tree, unpack
 
 
 def _leaves(rng) -> list[np.ndarray]:
@@ -34,7 +34,9 @@ def _bits(a) -> np.ndarray:
 def test_pack_then_unpack_gives_every_leaf_bit_for_bit(seed):
     leaves = _leaves(np.random.default_rng(seed))
     buf, layout = pack(leaves)
-    assert buf.dtype == np.int32 and buf.size == sum(leaf.size for leaf in leaves)
+    assert buf.dtype == np.int32 and buf.size == packed_size(leaves)
+    # each leaf on a 256-byte boundary: a Mosaic GPU kernel given a view into the buffer needs it
+    assert all(offset % ALIGN == 0 for offset, _, _ in layout) and ALIGN * 4 == 256
     for got in (unpack(jnp.asarray(buf), layout), jax.jit(lambda b: unpack(b, layout))(buf)):
         for want, leaf in zip(leaves, got):
             assert leaf.shape == want.shape and leaf.dtype == want.dtype

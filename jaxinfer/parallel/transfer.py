@@ -32,19 +32,38 @@ import numpy as np
 Layout = tuple[tuple[int, tuple[int, ...], str], ...]
 
 
+# Every leaf starts on a 256-byte boundary. Inside a program that takes the packed buffer, XLA:GPU
+# hands a leaf's slice to a kernel as a view into the buffer, and a Mosaic GPU kernel refuses an
+# operand that is not 256-byte aligned ("Input buffer 4 is not 256-byte aligned": every packed
+# step failed so on an H100).
+ALIGN = 64  # int32s
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def packed_size(leaves) -> int:
+    """The int32s `pack` takes for `leaves` (each leaf's start aligned, the end too)."""
+    return sum(_aligned(int(np.size(leaf))) for leaf in leaves)
+
+
 def pack(leaves: list[np.ndarray], size: int = 0) -> tuple[np.ndarray, Layout]:
-    """4-byte leaves -> one int32 buffer (zero-padded to `size` int32s if longer) and the layout
-    that cuts it back."""
+    """4-byte leaves -> one int32 buffer (zero-padded to `size` int32s if longer), each leaf at
+    an ALIGN boundary, and the layout that cuts it back."""
     layout, offset = [], 0
     for leaf in leaves:
         if leaf.dtype.itemsize != 4:
             raise TypeError(f"pack takes 4-byte arrays; got {leaf.dtype}")
         layout.append((offset, leaf.shape, leaf.dtype.name))
-        offset += leaf.size
+        offset += _aligned(leaf.size)
     buf = np.empty(max(offset, size), np.int32)
-    buf[offset:] = 0
+    end = 0
     for (start, _, _), leaf in zip(layout, leaves):
-        buf[start:start + leaf.size] = leaf.reshape(-1).view(np.int32)
+        buf[end:start] = 0
+        end = start + leaf.size
+        buf[start:end] = leaf.reshape(-1).view(np.int32)
+    buf[end:] = 0
     return buf, tuple(layout)
 
 
@@ -200,8 +219,8 @@ def _split_packed(batch, tail: int):
     sample, sample_tree = jax.tree_util.tree_flatten((rest.sampling, rest.emit_slot))
     if not all(isinstance(leaf, np.ndarray) for leaf in model + sample):
         raise TypeError("pack_split_step_inputs takes a batch of host arrays")
-    model_size = sum(leaf.size for leaf in model)
-    if sum(leaf.size for leaf in sample) > tail:
+    model_size = packed_size(model)
+    if packed_size(sample) > tail:
         raise ValueError(f"the sampler's inputs exceed the step's tail of {tail} int32s")
     buf, layout = pack(model + sample, model_size + tail)
     sample_layout = tuple((offset - model_size, shape, dtype)
@@ -213,8 +232,7 @@ def _split_packed(batch, tail: int):
 def sampling_inputs_size(batch) -> int:
     """How many int32s the sampler's inputs of `batch` take in a split-packed buffer."""
     rest, _ = _split_apart(batch, host_only=False)
-    return sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves((rest.sampling,
-                                                                     rest.emit_slot)))
+    return packed_size(jax.tree_util.tree_leaves((rest.sampling, rest.emit_slot)))
 
 
 def pack_split_step_inputs(batch, plan, tail: int):
@@ -256,7 +274,7 @@ def unpack_model_inputs(buf: jax.Array, packing: StepPacking,
     """Inside an ordinary step's forward: -> (its StepBatch, no sampling or emit_slot; the
     buffer's tail, the sampler's inputs, uncut)."""
     offset, shape, _ = packing.layout[-1]
-    end = offset + int(np.prod(shape, dtype=np.int64))
+    end = _aligned(offset + int(np.prod(shape, dtype=np.int64)))
     batch = jax.tree_util.tree_unflatten(packing.treedef,
                                          _constrained(unpack(buf, packing.layout), sharding))
     tail, = _constrained([buf[end:]], sharding)

@@ -33,7 +33,6 @@ slot -1 and padding block-table entries are never read (pallas_kernels/attention
 
 from __future__ import annotations
 
-import itertools
 import sys
 from typing import Hashable, Sequence
 
@@ -42,6 +41,7 @@ from jaxinfer.core.kv_cache.host_offload import HostOffloadMixin
 from jaxinfer.core.kv_cache.host_tier import HostTier
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
 from jaxinfer.core.kv_cache.prefix_cache import _ABSENT, PrefixCache, PrefixCacheStats, _Node
+from jaxinfer.core.kv_cache.request_blocks import RequestBlocks
 from jaxinfer.core.kv_cache.state_rollback import StateRollbackMixin
 from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
 
@@ -49,40 +49,6 @@ from jaxinfer.core.kv_cache.state_snapshots import StateSnapshotMixin
 _NEVER_CACHE = sys.maxsize
 # The table entry of a skipped block (out of its group's window, no longer held).
 SKIPPED_BLOCK = 0
-# Versions of request tables (table_version), unique across requests and managers.
-_TABLE_VERSIONS = itertools.count()
-
-
-class _RequestBlocks:
-    __slots__ = ("tables", "skipped", "num_tokens", "num_cached_blocks", "cache_node", "family",
-                 "counted", "snapshot", "resume", "verify", "version")
-
-    def __init__(self, tables: list[list[int]], skipped: list[int], num_tokens: int,
-                 num_cached_blocks: int, cache_node, family: set[_RequestBlocks] | None = None):
-        self.tables = tables                  # per group: physical blocks, logical order
-        self.skipped = skipped                # per group: leading entries no longer held
-        self.num_tokens = num_tokens          # tokens with a slot (computed or scheduled)
-        self.num_cached_blocks = num_cached_blocks  # leading blocks registered in the prefix cache
-        self.cache_node = cache_node          # tree node of the last of those (root if none)
-        # Live requests related by fork (shared set), None if never forked: the only other
-        # holders of this request's uncached blocks, which a dedup must update too.
-        self.family = family
-        # What its prefix lookup added to `stats`, [queries, hits], while it can be taken back.
-        self.counted: list[int] | None = None
-        # A fixed state's snapshot taken, not yet registered: (block k, group -> its blocks);
-        # the matched snapshots the state pages start from, group -> blocks (state_snapshots.py).
-        self.snapshot: tuple[int, dict[int, list[int]]] | None = None
-        self.resume: dict[int, tuple[int, ...]] | None = None
-        # A verifying step's copy of the state: (start, end, group -> spare blocks)
-        # (state_rollback.py).
-        self.verify: tuple[int, int, dict[int, list[int]]] | None = None
-        self.version = next(_TABLE_VERSIONS)
-
-    def edited(self) -> None:
-        """An entry was replaced or dropped (not appended): the tables' next version."""
-        self.version = next(_TABLE_VERSIONS)
-
-
 class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
     """Block tables for every live request over one pool of ``num_blocks`` blocks.
 
@@ -124,7 +90,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
         if host_tier is not None:
             self.prefix_cache.on_drop = self._offload
         self.stats = PrefixCacheStats()
-        self._requests: dict[Hashable, _RequestBlocks] = {}
+        self._requests: dict[Hashable, RequestBlocks] = {}
         # Pending copy-on-write device copies, dst block -> src block (see take_pending_copies).
         self._pending_copies: dict[int, int] = {}
         self._init_host_offload()
@@ -182,9 +148,9 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
         req = self._requests[request_id]
         return sum(len(t) - k for t, k in zip(req.tables, req.skipped))
 
-    def _new_request(self, node) -> _RequestBlocks:
+    def _new_request(self, node) -> RequestBlocks:
         g = self._num_groups
-        return _RequestBlocks([[] for _ in range(g)], [0] * g, 0, 0, node)
+        return RequestBlocks([[] for _ in range(g)], [0] * g, 0, 0, node)
 
     # ---- admission -----------------------------------------------------------------------
     def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int],
@@ -229,7 +195,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
             for b in table[k:]:
                 incref(b)
         num_computed = n * self.block_size
-        self._requests[request_id] = _RequestBlocks(tables, skipped, num_computed, n, node)
+        self._requests[request_id] = RequestBlocks(tables, skipped, num_computed, n, node)
         self._requests[request_id].resume = resume
         if not count:
             return num_computed
@@ -322,7 +288,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
         req.num_tokens = new_tokens
         return True
 
-    def _skip_unneeded(self, req: _RequestBlocks, first_query_pos: int) -> None:
+    def _skip_unneeded(self, req: RequestBlocks, first_query_pos: int) -> None:
         """Release each freeing group's blocks that no query at `first_query_pos` or later reads."""
         first_needed = self.groups.first_needed_block
         for g in self._partial:
@@ -428,7 +394,7 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
                 incref(b)
         if parent.family is None:
             parent.family = {parent}
-        child = _RequestBlocks([list(t) for t in parent.tables], list(parent.skipped),
+        child = RequestBlocks([list(t) for t in parent.tables], list(parent.skipped),
                                parent.num_tokens, parent.num_cached_blocks, parent.cache_node,
                                parent.family)
         parent.family.add(child)

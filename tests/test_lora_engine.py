@@ -103,6 +103,8 @@ def test_prefix_cache_never_serves_one_adapters_blocks_to_another(llm, adapters)
 
 def test_lora_refusals_change_nothing(llm, adapters, tmp_path):
     engine = llm.engine
+    if "a1" not in [r.lora_name for r in engine.list_loras()]:  # run alone: no earlier test's
+        engine.add_lora(adapters["a1"][1])
     with pytest.raises(LoRAAdapterError) as e:
         llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("x", 30, str(tmp_path)))
     assert e.value.param == "lora_path"

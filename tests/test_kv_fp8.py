@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 from jaxinfer.core.kv_cache import CacheConfig
 from jaxinfer.worker.kv import allocate_kv_cache, copy_blocks
 from jaxinfer.worker.kv.kv_scales import (calibrate_kv_scales, calibration_tokens,
-                                              checkpoint_kv_scales, resolve_kv_scales)
+                                              checkpoint_kv_scales, resolve_kv_scales,
+                                              rope_key_amax)
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.transformer import forward
 from jaxinfer.sampling_params import SamplingParams
@@ -234,3 +235,20 @@ def test_calibration_reads_fused_and_split_projections_alike():
     tokens = calibration_tokens(tiny_tokenizer(), cfg.vocab_size, 48)
     assert calibrate_kv_scales(cfg, fuse_projections(params), tokens) == \
         calibrate_kv_scales(cfg, params, tokens)
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(8, 8), (8, 4), (7, 4), (6, 0)])
+def test_rope_key_bound_covers_every_rotation_under_partial_rotary(head_dim, rotary_dim):
+    """The calibrated K maximum bounds the key at every position: the rotated part's pairs are
+    (j, j + rotary_dim / 2), not (j, j + head_dim / 2), and an odd or unrotated tail counts as is."""
+    rng = np.random.default_rng(head_dim + rotary_dim)
+    x = rng.standard_normal((5, 3, head_dim)).astype(np.float32)
+    half = rotary_dim // 2
+    angles = np.linspace(0.0, 2 * np.pi, 64)[:, None, None, None]
+    rotated = np.concatenate([x[..., :half] * np.cos(angles) - x[..., half:2 * half] * np.sin(angles),
+                              x[..., half:2 * half] * np.cos(angles) + x[..., :half] * np.sin(angles),
+                              np.broadcast_to(x[..., 2 * half:], (64, *x.shape[:-1], head_dim - 2 * half))],
+                             axis=-1)
+    got = float(rope_key_amax(jnp.asarray(x), rotary_dim))
+    assert np.abs(rotated).max() <= got * (1 + 1e-6)
+    assert got <= np.abs(rotated).max() * (1 + 2e-3)  # tight: the bound is reached

@@ -94,17 +94,19 @@ def _pow2_scale(amax: float, dtype) -> float:
     return float(2.0 ** math.ceil(math.log2(amax / fp8_max(dtype))))
 
 
-def _rope_pair_amax(x: jax.Array) -> jax.Array:
-    """The largest (x_j, x_j+half) pair norm of a rotate-half RoPE key: what any rotation keeps,
-    so the largest |value| the key can take at any position."""
+def rope_key_amax(x: jax.Array, rotary_dim: int) -> jax.Array:
+    """The largest |value| a rotate-half RoPE key can take at any position: over its first
+    `rotary_dim` dims the largest (x_j, x_j+rotary_dim/2) pair norm, which any rotation keeps;
+    past them (partial rotary) the values as they are."""
     x = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    return jnp.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).max()
+    half = rotary_dim // 2
+    amax = jnp.sqrt(x[..., :half] ** 2 + x[..., half:2 * half] ** 2).max(initial=0.0)
+    return jnp.maximum(amax, jnp.abs(x[..., 2 * half:]).max(initial=0.0))
 
 
 def _latent_amax(c: jax.Array, k_pe: jax.Array) -> jax.Array:
     """An MLA latent's largest |value| at any position: |c| and the rope key's pair norms."""
-    return jnp.maximum(jnp.abs(c.astype(jnp.float32)).max(), _rope_pair_amax(k_pe))
+    return jnp.maximum(jnp.abs(c.astype(jnp.float32)).max(), rope_key_amax(k_pe, k_pe.shape[-1]))
 
 
 def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.float8_e4m3fn):
@@ -126,7 +128,7 @@ def calibrate_kv_scales(cfg: ModelConfig, params, tokens: np.ndarray, dtype=jnp.
                 amax = _latent_amax(attn["c"][0], attn["k_pe"][0])
                 out.append((amax, amax))
                 continue
-            k_amax = _rope_pair_amax(attn["k"][0])
+            k_amax = rope_key_amax(attn["k"][0], cfg.rope_head_dim)
             v_amax = jnp.abs(attn["v"][0].astype(jnp.float32)).max()
             out.append((k_amax, v_amax))
         return out

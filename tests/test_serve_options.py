@@ -147,3 +147,17 @@ def test_chat_template_kwargs_with_any_name_never_break_the_server(server):
         status, out = _post(server.urls["main"], "/v1/chat/completions",
                             {**body, "chat_template_kwargs": kwargs})
         assert status == 400 and out["error"]["message"]
+
+
+def test_serve_streams_each_token_as_its_step_ends_by_default():
+    """`jaxinfer serve` runs no on-device decode loop unless told (a loop hands its 8 tokens
+    over together); offline commands keep the automatic loop."""
+    parser = build_parser()
+
+    def loop(argv):
+        args = EngineArgs.from_cli_args(parser.parse_args(argv))
+        return args.create_engine_config().scheduler.decode_loop(speculative=False)
+
+    assert loop(["serve"])[0] == 1
+    assert loop(["serve", "--decode-steps-per-call", "8"])[0] == 8
+    assert loop(["generate", "--prompt", "x"])[0] > 1

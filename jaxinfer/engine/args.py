@@ -257,7 +257,8 @@ class EngineArgs:
                        help="decode steps run on the device per host round trip when only "
                             "decodes run and no request waits (an on-device loop of that many "
                             "steps; a sequence that finishes inside it stops there, the others "
-                            "go on); 1: no loop (default: %d while at most "
+                            "go on); 1: no loop (default: 1 for `serve`, whose streams get each "
+                            "token as its step ends; otherwise %d while at most "
                             "--decode-loop-max-seqs sequences decode, else 1)" % AUTO_DECODE_STEPS)
         s.add_argument("--decode-loop-max-seqs", type=int, default=None,
                        help="most decoding sequences a decode loop runs for (default: %d with "

@@ -72,7 +72,8 @@ class EngineArgs:
     # steps per call, no limit with a given number.
     decode_loop_max_seqs: int | None = None
     # Verifying iterations per on-device loop of an EAGLE-3 / MTP head while at most
-    # decode_loop_max_seqs sequences decode (spec_decode/spec_loop.py); None: automatic; 1: none.
+    # decode_loop_max_seqs sequences decode (spec_decode/spec_loop.py); None: automatic (none
+    # over state-space layers); 1: none.
     spec_loop_iterations: int | None = None
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)  # "" or None: no executable cache
@@ -269,7 +270,7 @@ class EngineArgs:
                        help="with an EAGLE-3 / MTP head: verifying iterations (head catch-up, "
                             "k proposals, verify) per on-device loop while only decodes run, "
                             "all speculate and at most --decode-loop-max-seqs do; 1: none "
-                            "(default: 4)")
+                            "(default: 4; none over state-space layers)")
         s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                        help="wait for each step's tokens before scheduling the next")
         s.add_argument("--async-launch", action="store_true",

@@ -7,8 +7,10 @@ with their prefix (core/kv_cache/host_offload.py). In a 16-bit or fp8 cache a
 float32 word is packed into several elements, laid over the pages element by element
 (state_pages.py), so no page needs to end on a word (--block-size 1 with an fp8 cache).
 Under tensor parallelism each device keeps its heads' states in its shard of the pages
-(parallel/state_heads.py). Speculative decoding (n-gram, draft model) rolls a state back past a
-rejected proposal from a copy taken before the verifying step (core/kv_cache/state_rollback.py)."""
+(parallel/state_heads.py). Speculative decoding (n-gram, draft model, EAGLE-3, MTP) rolls a
+state back past a rejected proposal from a copy taken before the verifying step
+(core/kv_cache/state_rollback.py), between host-driven verifying steps: an EAGLE-3 / MTP head's
+on-device loop (spec_decode/spec_loop.py) stays off (spec_decode/speculation.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,12 @@ from jaxinfer.errors import ConfigError
 def refuse_what_fixed_state_lacks(groups: KVCacheGroups, config) -> None:
     """ConfigError naming the flag when the model has fixed-state layers and `config` (EngineConfig)
     ask for what they do not support; none for a model without them."""
-    states = [spec for spec in groups.specs if isinstance(spec, FixedStateSpec)]
-    if not states:
+    if not any(isinstance(spec, FixedStateSpec) for spec in groups.specs):
         return
-    spec = config.speculative
-    if spec is not None and spec.method in ("eagle3", "mtp"):
-        raise ConfigError(f"--speculative-method {spec.method}: speculative decoding over "
-                          f"state-space layers is built for the ngram and draft_model methods "
-                          f"only (a state is rolled back between host-driven verifying steps; "
-                          f"an EAGLE-3 / MTP head's hidden-state catch-up and on-device loop "
-                          f"are not built over it)")
+    spec, loop = config.speculative, config.scheduler.spec_loop_iterations
+    if spec is not None and spec.method in ("eagle3", "mtp") and loop is not None and loop > 1:
+        raise ConfigError(f"--spec-loop-iterations {loop}: an on-device speculative loop over "
+                          f"state-space layers is not built (it verifies several times per call, "
+                          f"with no host step between to roll a state back past a rejected "
+                          f"proposal); leave it out or pass 1: {spec.method} speculation runs "
+                          f"host-driven verifying steps")

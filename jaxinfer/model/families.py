@@ -239,6 +239,30 @@ def _gpt_oss(raw: Raw, layers: int) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class MTPLayout:
+    """Where a checkpoint keeps its multi-token-prediction module (spec_decode/mtp.py runs it)
+    and how the families' modules differ; the defaults are DeepSeek-V3's (vLLM's deepseek_mtp).
+
+    - prefix: the module's tensors' prefix (`{layers}`: num_hidden_layers, the checkpoint layer
+      DeepSeek stores it as);
+    - own: {checkpoint name under prefix: role}, the roles `enorm`, `hnorm` (the embedding's and
+      the target hidden state's norms) and `eh_proj` (the [H, 2 H] projection of their concat);
+    - layer: its decoder layer's tensors' prefix under prefix; norm, head: its final norm's and
+      LM head's weights under prefix (head None: the target's `lm_head.weight`);
+    - masks_position_0: the embedding is zero at position 0 (DeepSeek's, as vLLM masks it);
+    - chains_normed: a draft chain's next step reads this step's output after the module's
+      final norm (Qwen3-Next's, vLLM's qwen3_next_mtp), else before it (DeepSeek's)."""
+    prefix: str = "model.layers.{layers}."
+    own: tuple[tuple[str, str], ...] = (("enorm", "enorm"), ("hnorm", "hnorm"),
+                                        ("eh_proj", "eh_proj"))
+    layer: str = ""
+    norm: str = "shared_head.norm.weight"
+    head: str | None = "shared_head.head.weight"
+    masks_position_0: bool = True
+    chains_normed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """What a family declares.
 
@@ -252,7 +276,8 @@ class Family:
     - tensor_sources(ckpt, name, cfg) -> {param path: Source} for checkpoint tensors stored in a
       layout of its own ({}: skip the tensor; None: the shared loader maps it);
     - rename(name) -> name: its checkpoint names spelled as the shared loader's (weights.hf_name);
-    - writable: whether weights.save_safetensors writes its checkpoints in HF's names."""
+    - writable: whether weights.save_safetensors writes its checkpoints in HF's names;
+    - mtp: its multi-token-prediction module's layout (`MTPLayout`; DeepSeek's by default)."""
     fields: Callable[[Raw, int], dict]
     normalize: Callable[[Raw], Raw] = _silu_only
     attention: Any = None
@@ -262,6 +287,7 @@ class Family:
     tensor_sources: Callable | None = None
     rename: Callable[[str], str] | None = None
     writable: bool = True
+    mtp: MTPLayout = MTPLayout()
 
 
 FAMILIES: dict[str, Family] = {

@@ -9,9 +9,11 @@ query and an output gate, q and k are RMSNormed per head, RoPE turns the first
 partial_rotary_factor of each head, and the heads' output is times sigmoid(gate) before o_proj.
 The MLP is Qwen3-MoE's (decoder_sparse_step, mlp_only_layers; softmax, top-k, renormalised with
 norm_topk_prob) plus a shared expert (shared_expert_intermediate_size wide) times
-sigmoid(shared_expert_gate(x)). The checkpoint's multi-token-prediction module (mtp.*) is not
-loaded, as HF's model does not (speculative decoding over fixed-state layers is refused:
-engine/fixed_state.py).
+sigmoid(shared_expert_gate(x)). The checkpoint's multi-token-prediction module (mtp.*: fc over
+[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)], one full-attention layer `layers.0`, norm,
+the target's LM head; `MTP` below) is not part of the model, as in HF's; it is read by
+`--speculative-config '{"method": "mtp", ...}'` (spec_decode/mtp.py), whose verifying steps roll
+the Gated DeltaNet states back past a rejected proposal (core/kv_cache/state_rollback.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.model.families import FAMILIES, Family, Raw
+from jaxinfer.model.families import FAMILIES, Family, MTPLayout, Raw
 from jaxinfer.model.fused_projections import project
 from jaxinfer.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope
@@ -49,6 +51,12 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(linear_attn\.conv1d\.weight|"
                     r"mlp\.shared_expert\.(gate|up|down)_proj\.(weight|weight_scale(?:_inv)?)|"
                     r"mlp\.shared_expert_gate\.weight)")
 _MTP = re.compile(r"mtp\..*")
+# The MTP module as vLLM's qwen3_next_mtp reads it: no mask at position 0, and a draft chain's
+# next step reads the module's output after its final norm.
+MTP = MTPLayout(prefix="mtp.", own=(("pre_fc_norm_embedding", "enorm"),
+                                    ("pre_fc_norm_hidden", "hnorm"), ("fc", "eh_proj")),
+                layer="layers.0.", norm="norm.weight", head=None, masks_position_0=False,
+                chains_normed=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +120,8 @@ def fields(raw: Raw, layers: int) -> dict:
     return dict(qwen3.fields(raw, layers), norm_offset=True, attn_output_gate=True,
                 rotary_dim=partial_rotary_dim(raw),
                 layer_states=tuple(dims.state_bytes if s else None for s in state),
+                # vLLM's default: hub configs do not say (load_mtp finds out).
+                mtp_layers=int(raw.get("num_nextn_predict_layers", 1) or 0),
                 family_options=Qwen3NextOptions(dims,
                                                 int(raw["shared_expert_intermediate_size"])))
 
@@ -160,8 +170,8 @@ class Qwen3NextMoE(MoE):
 
 def tensor_sources(ckpt, name: str, cfg) -> dict | None:
     """The tensors stored in layouts or places of their own: the conv weight, the shared
-    expert and its gate ({param path: Source}), the multi-token-prediction module ({}: not
-    loaded); None for the names the shared loader maps."""
+    expert and its gate ({param path: Source}), the multi-token-prediction module ({}: not the
+    model's; spec_decode/mtp.py reads it); None for the names the shared loader maps."""
     if _MTP.fullmatch(name):
         return {}
     m = _LAYER.fullmatch(name)
@@ -183,4 +193,4 @@ def tensor_sources(ckpt, name: str, cfg) -> dict | None:
 
 FAMILY = Family(fields, normalize, attention=Qwen3NextAttention, moe=Qwen3NextMoE,
                 state_layer=GatedDeltaNet, state_layer_name="linear_attn",
-                tensor_sources=tensor_sources, writable=False)
+                tensor_sources=tensor_sources, writable=False, mtp=MTP)

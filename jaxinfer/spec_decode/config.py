@@ -5,8 +5,9 @@
     --speculative-config '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 5}'
                                             (an EAGLE-3 head in vLLM's / SGLang's HF format)
     --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
-                                            (DeepSeek-V3's multi-token-prediction module, from
-                                             the target's checkpoint; vLLM's "deepseek_mtp" too)
+                                            (DeepSeek-V3's or Qwen3-Next's multi-token-prediction
+                                             module, from the target's checkpoint; vLLM's
+                                             "deepseek_mtp" and "qwen3_next_mtp" too)
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_max": 4, "disable_by_batch_size": 16}'
 
@@ -27,7 +28,7 @@ from jaxinfer.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 # Other names of a method (vLLM's older spelling).
-_ALIASES = {"deepseek_mtp": "mtp"}
+_ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
 # Running sequences above which steps stop speculating (docs/spec_decode.md: the crossover).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 # Acceptance rate under which speculation pauses: below it a verifying step (k + 1 positions per
@@ -136,7 +137,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-method", default=None, choices=METHODS,
                    help="propose tokens by n-gram prompt lookup, with a draft model, with an "
                         "EAGLE-3 head (eagle3: --speculative-model is the head's directory) or "
-                        "with the checkpoint's DeepSeek MTP module (mtp)")
+                        "with the checkpoint's DeepSeek-V3 / Qwen3-Next MTP module (mtp)")
     g.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="draft model directory (same tokenizer as the target); implies "
                         "--speculative-method draft_model")

@@ -278,15 +278,12 @@ class EagleProposer:
         return dataclasses.replace(v, drafts=drafts), q
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """A step's copy-on-write block copies, in the head's KV and stream caches too."""
-        if not copies:
-            return
-        src, dst = (np.asarray(x, np.int32) for x in zip(*copies))
-        size = self.runner.buckets.copy_shape(len(src))
-        src = np.pad(src, (0, size - len(src)), constant_values=-1)
-        dst = np.pad(dst, (0, size - len(dst)), constant_values=-1)
-        self.kv_cache = copy_blocks(self.kv_cache, src, dst)
-        self.streams = self.runner.programs.run("eagle stream copy", self.streams, src, dst)
+        """A step's block copies, in the head's KV and stream caches too, in the runner's copy
+        buckets (a hybrid's state snapshots are many: copies of its state pages here are never
+        read, the head's blocks being the first group's)."""
+        for src, dst in self.runner.copy_batches(copies or []):
+            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+            self.streams = self.runner.programs.run("eagle stream copy", self.streams, src, dst)
 
     def run_catch_up(self, behind: list[tuple[ScheduledSeq, int]]) -> None:
         """Head KV at each row's positions seen .. start - 2; each position reads the token after

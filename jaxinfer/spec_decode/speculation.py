@@ -5,6 +5,8 @@ verification step's token count is known only once it is processed)."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from jaxinfer.errors import ConfigError
@@ -16,6 +18,8 @@ from jaxinfer.spec_decode.proposer import Speculator
 from jaxinfer.spec_decode.spec_loop import AUTO_SPEC_LOOP_ITERATIONS, SpecLoop, SpecLoopHandle
 from jaxinfer.spec_decode.target_step import SpeculativeStep
 
+log = logging.getLogger(__name__)
+
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, scheduler, runner, metrics: SpecDecodeMetrics,
@@ -23,7 +27,8 @@ class Speculation:
         """`draft`: a loaded `spec_decode.draft.DraftModel` (method draft_model) or
         `spec_decode.eagle.EagleProposer` (eagle3, mtp), else None. `loop_iterations`: verifying
         iterations per on-device loop of an EagleProposer (spec_loop.py; None:
-        AUTO_SPEC_LOOP_ITERATIONS; 1: none)."""
+        AUTO_SPEC_LOOP_ITERATIONS, or none over state-space layers, whose states roll back
+        between host-driven verifying steps; 1: none)."""
         self.config = config
         if config.method in ("draft_model", "eagle3", "mtp") and draft is None:
             raise ConfigError("--speculative-model: no draft model was loaded (build the engine "
@@ -38,6 +43,10 @@ class Speculation:
         step = SpeculativeStep(runner, config.num_speculative_tokens, draft)
         if loop_iterations is None:
             loop_iterations = AUTO_SPEC_LOOP_ITERATIONS
+            if isinstance(draft, EagleProposer) and scheduler.kv.rolls_back_states:
+                log.info("speculative decoding over state-space layers: host-driven verifying "
+                         "steps (no on-device loop: a state rolls back between steps)")
+                loop_iterations = 1
         if isinstance(draft, EagleProposer) and loop_iterations > 1:
             step.loop = SpecLoop(runner, draft, config.num_speculative_tokens, loop_iterations)
             self.speculator.iterations = loop_iterations

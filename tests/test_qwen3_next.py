@@ -95,17 +95,6 @@ def test_quantized_on_load():
     assert np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize("overrides, flag", [
-    (dict(speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'),
-     "--speculative-method mtp: .* ngram and draft_model methods only"),
-])
-def test_refused_at_start(overrides, flag):
-    cfg = load_config(MODEL)
-    params = load_params(MODEL, cfg, jnp.float32, progress=False)
-    with pytest.raises(ConfigError, match=flag):
-        LLMEngine(cfg, params, None, _args(32, **overrides), num_blocks=32)
-
-
 RAW = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 64,
        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
        "num_hidden_layers": 4, "intermediate_size": 64, "linear_num_key_heads": 2,

@@ -55,7 +55,8 @@ WINDOWED = ["gemma2", "gemma3", "gpt_oss"]
 # (TP size, expert layout, the families checked so): see model_checks.
 # MLA families (one latent KV head: every device keeps the whole latent cache).
 MLA = ["deepseek_v2", "deepseek_v3"]
-MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED + ["deepseek_v3"]), (4, "tp", ["qwen2", "qwen3_moe"]),
+# TP sizes over the fixtures' 2 KV heads (KV heads replicated) are the widened models' TP = 8.
+MODEL_LAYOUTS = [(2, "tp", FAMILIES + WINDOWED + ["deepseek_v3"]),
                  (2, "ep", ["qwen3_moe", "gpt_oss", "deepseek_v2"]), (4, "ep", ["mixtral"])]
 WIDE_FAMILIES = ["llama", "qwen2", "qwen3_moe"]
 BLOCK, NUM_BLOCKS, STEPS = 4, 16, 8
@@ -105,12 +106,12 @@ def greedy(cfg, params, plan, prompt, steps: int) -> tuple[list[int], np.ndarray
 def model_checks(out: dict) -> None:
     """Greedy tokens, weights loaded straight into their shards (TP = 1's are the fixtures' golden
     tokens, which tests/test_hf_parity.py checks): TP = 2 on every family (the windowed Gemma 2/3
-    and gpt-oss too; not mistral and qwen3, see FAMILIES); TP = 4 (> the fixtures' 2 KV heads:
-    replicated KV) on the families whose parameters hold every kind a dense or MoE layer has
-    (qwen2: biases, tied embeddings; qwen3_moe: q/k norms, experts, a dense layer); the MoE
-    families with experts split over the devices (expert layout "ep") at 2 and 4 devices (gpt-oss
-    at 2). TP = 1 and 8 on llama, qwen2 and qwen3_moe widened to 8 query heads (random weights
-    generated sharded)."""
+    and gpt-oss too; not mistral and qwen3, see FAMILIES); the MoE families with experts split
+    over the devices (expert layout "ep") at 2 and 4 devices (gpt-oss at 2). TP = 1 and 8 on
+    llama, qwen2 and qwen3_moe widened to 8 query heads (random weights generated sharded): TP = 8
+    > their 2 KV heads (replicated KV), on the families whose parameters hold every kind a dense
+    or MoE layer has (qwen2: biases, tied embeddings; qwen3_moe: q/k norms, experts, a dense
+    layer)."""
     for fam in FAMILIES + WINDOWED + MLA:
         cfg = load_config(FIXTURES / fam)
         prompt = np.load(FIXTURES / fam / "golden.npz")["greedy_prompt"]

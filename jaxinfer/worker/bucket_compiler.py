@@ -124,7 +124,7 @@ class BucketCompiler:
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
         # The runner's ordinary steps: packed (two programs on one buffer) or placed.
-        self._packed = self._writer is None and runner.packed_steps
+        self._packed = self._writer is None
         self._forward_program = ("packed forward" if self._packed else
                                  "forward" if self._writer is None
                                  else self._writer.forward_program)

@@ -49,7 +49,7 @@ from jaxinfer.worker.programs import LOOP_VARIANTS, SAMPLE_VARIANTS, forward_key
 from jaxinfer.worker.hidden_reads import HiddenReads, gather_hidden_reads, read_hidden
 from jaxinfer.worker.block_table import BlockTable
 from jaxinfer.worker.step_inputs import SamplingTable, StepBatch, build_step_batch, sampler_variant
-from jaxinfer.model.kernel_table import KernelTable, current_platform
+from jaxinfer.model.kernel_table import KernelTable
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +141,6 @@ class ModelRunner:
         self.plan = plan
         self.compile_role = compile_role
         self.kernels = kernels = shard_kernels(kernels, plan)
-        # An ordinary step as two programs on one packed buffer (packed_forward, packed_sample)
-        # only off GPUs: on an H100 every such step failed in jit_packed_sample ("Input buffer 4
-        # is not 256-byte aligned", its three arguments aligned; 2026-12-07), where the placed
-        # step (place_step_inputs, forward, sample) ran the demo model to the CPU's tokens.
-        self.packed_steps = not current_platform().gpu
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.decode_steps_per_call = decode_steps_per_call
@@ -430,7 +425,7 @@ class ModelRunner:
         pooling); all only dispatch. Updates the KV cache and the last-token array in place
         (donated). -> (SamplerOutput, hidden-read arrays or None)"""
         writer = self.speculation and self.speculation.stream_writer  # an EAGLE-3 head's
-        if writer is None and self.packed_steps:
+        if writer is None:
             return self._run_packed_step(batch, variant, hidden_reads)
         batch = place_step_inputs(batch, self.plan)
         hidden_out = None

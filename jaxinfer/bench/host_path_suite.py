@@ -9,7 +9,9 @@
 - big_body_itl_p99_delta_ms: bench/big_body.py against the same server.
 
 Every section runs with --decode-steps-per-call 1 unless told (the host's cost per step, and a
-stream that gets every token as its step ends, not in the on-device loop's bursts). --preset
+stream that gets every token as its step ends, not in the on-device loop's bursts), and compiles
+every step bucket before it is ready (--no-background-compile): a bucket compiling beside a timed
+run took the host's CPU and GIL (an H100 run at f96f5c2 timed 24 ms of host per batch-1 step so). --preset
 llama8b: the Llama-3-8B shape with dummy bf16 weights and a generated tokenizer (bench/presets.py).
 
     jaxinfer bench host-path --preset llama8b [--engine-core in-process] --save [--name host_path_h200]
@@ -72,7 +74,9 @@ def offline(args, model: list[str]) -> dict:
             "offline_bs1_ms_per_token": 1e3 * bs1["elapsed_time"] / args.output_len,  # prefill in
             "c256_host_ms_per_step": batched["host_ms_per_step"],
             "offline_c256_out_tok_s": batched["output_tokens_per_second"],
-            "offline_c256_prefix_hit_rate": batched.get("prefix_hit_rate")}
+            "offline_c256_prefix_hit_rate": batched.get("prefix_hit_rate"),
+            "offline_buckets_compiling": max(bs1.get("buckets_compiling") or 0,
+                                             batched.get("buckets_compiling") or 0)}
 
 
 def served(args, model: list[str]) -> dict:
@@ -124,7 +128,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def engine_flags(args) -> list[str]:
     """The model and engine flags every section's engine gets (`args.model` already resolved)."""
-    flags = ["--decode-steps-per-call", str(args.decode_steps_per_call)]
+    flags = ["--decode-steps-per-call", str(args.decode_steps_per_call), "--no-background-compile"]
     if args.preset:
         preset = presets.PRESETS[args.preset]
         flags += ["--load-format", preset.flags["load_format"], "--dtype", preset.flags["dtype"]]

@@ -168,6 +168,25 @@ def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
     assert report["engine_plan"]["fitting_model_len"] == 4096
 
 
+def test_param_shapes_are_traced_once_per_config_and_dtype():
+    """`jaxinfer memory` and the planners ask for a model's param shapes several times (the 80B
+    model's trace above: seconds each): the second ask of a (config, dtype) is the first's
+    answer, in containers of its own, equal to a fresh trace."""
+    from jaxinfer.model import transformer
+    cfg = config_from_dict({**RAW, "vocab_size": 96})  # a config no other test traces
+    traced = transformer._traced_param_shapes
+    misses = traced.cache_info().misses
+    first = transformer.param_shapes(cfg, jnp.float32)
+    first["embed"]["embedding"] = None  # the caller's own dict
+    second = transformer.param_shapes(cfg, "float32")
+    assert traced.cache_info().misses == misses + 1
+    fresh = traced.__wrapped__(cfg, jnp.dtype(jnp.float32))
+    assert second["embed"]["embedding"] == jax.ShapeDtypeStruct((96, 64), jnp.float32)
+    assert jax.tree_util.tree_structure(second) == jax.tree_util.tree_structure(fresh)
+    assert jax.tree_util.tree_leaves(second) == jax.tree_util.tree_leaves(fresh)
+    assert transformer.param_shapes(cfg) != second  # bfloat16: a trace of its own
+
+
 def test_pallas_kernels_through_the_layer():
     """The table's Pallas kernels (interpreted) in the Gated DeltaNet layers give the
     references' logits: a ragged prefill of 5, 20 and 1 tokens, then a pure-decode step (the

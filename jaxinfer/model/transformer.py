@@ -403,7 +403,15 @@ def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array,
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
-    """The parameter pytree's shapes and dtypes, derived from the modules themselves."""
+    """The parameter pytree's shapes and dtypes, derived from the modules themselves. Traced once
+    per (config, dtype) in a process: a large model's trace takes seconds (Qwen3-Next-80B's
+    ~4 s on a CPU), and `jaxinfer memory`, the planners and the weight loaders each ask again.
+    Each call gets its own containers (the leaves are immutable)."""
+    return jax.tree_util.tree_map(lambda leaf: leaf, _traced_param_shapes(cfg, jnp.dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_param_shapes(cfg: ModelConfig, dtype: jnp.dtype) -> Params:
     model = Transformer(cfg, REFERENCE_KERNELS, dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]

@@ -59,7 +59,8 @@ def test_dense_variant_matches_transformers():
     cfg, params = _load(DENSE)
     assert not cfg.is_moe and cfg.family_options.rope and not cfg.tie_word_embeddings
     golden = np.load(DENSE / "golden.npz")
-    logits = train_forward(params, cfg, jnp.asarray(golden["prompt_2"])[None])[0]
+    logits = jax.jit(train_forward, static_argnums=1)(params, cfg,
+                                                      jnp.asarray(golden["prompt_2"])[None])[0]
     np.testing.assert_allclose(logits, golden["logits_2"], atol=1e-4, rtol=0)
 
 
@@ -253,16 +254,18 @@ def test_state_pages_layout_is_the_same_at_every_tp_size(dtype):
     assert state_shares(2, SHARED_STATES) == 2
     states = _random_states(2, 2)
     blocks = jnp.asarray([[5, 1, 6], [2, 7, 0]], jnp.int32)
-    whole = write_states(kv, blocks, states, SHARED_STATES)
+    write = jax.jit(write_states, static_argnums=3)
+    read = jax.jit(read_states, static_argnums=2)
+    whole = write(kv, blocks, states, SHARED_STATES)
     halves = tuple(s.split(2) for s in SHARED_STATES)
     (conv, ssm), shards = states, []
     for i in range(2):
         own = (jnp.concatenate([conv[:, :, i:i + 1], conv[:, :, 2 + 2 * i:4 + 2 * i]], axis=2),
                ssm[:, i:i + 1])
         shard = tuple(a[i:i + 1] for a in whole)
-        for want, got in zip(own, read_states(shard, blocks, halves)):
+        for want, got in zip(own, read(shard, blocks, halves)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        shards.append(write_states(tuple(a[i:i + 1] for a in kv), blocks, own, halves))
+        shards.append(write(tuple(a[i:i + 1] for a in kv), blocks, own, halves))
     for a, b0, b1 in zip(whole, *shards):
         np.testing.assert_array_equal(np.asarray(a, np.float32),
                                       np.concatenate([b0, b1]).astype(np.float32))
@@ -337,7 +340,8 @@ def test_disaggregated_engine_hands_the_states_over():
     disagg.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
     results = run_all(disagg)
     assert results["long"][0][0] == expected
-    plain = LLMEngine(cfg, params, None, _args(DENSE, 32), num_blocks=32)
+    # (the pool of the bfloat16 test's float32 engine: the same compiled steps)
+    plain = LLMEngine(cfg, params, None, _args(DENSE, 40), num_blocks=40)
     plain.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
     assert results["short"][0][0] == run_all(plain)["short"][0][0]
     # Again: a prefix hit on the prefill side (its state from a snapshot), none on the decode's.
@@ -480,12 +484,13 @@ def test_pallas_kernels_through_the_mixer():
     logits = {}
     pallas = dataclasses.replace(REFERENCE_KERNELS, mamba2=Mamba2Kernels(pallas=True,
                                                                          interpret=True))
+    step = jax.jit(forward, static_argnums=(1, 6))  # (eagerly, each op compiles on its own)
     for name, kernels in (("reference", REFERENCE_KERNELS), ("pallas", pallas)):
         cache = allocate_kv_cache(cfg, 12, block, jnp.float32, num_slots=groups.num_slots)
-        first, cache = forward(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
-                               kernels)
-        second, _ = forward(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
-                            jnp.asarray(decode_pos), cache, decode, kernels)
+        first, cache = step(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
+                            kernels)
+        second, _ = step(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
+                         jnp.asarray(decode_pos), cache, decode, kernels)
         logits[name] = (first, second)
     for ref, got in zip(logits["reference"], logits["pallas"]):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

@@ -44,12 +44,16 @@ def _args(model_dir: Path, num_blocks: int, **overrides) -> EngineArgs:
     return hybrid_args(model_dir, num_blocks, **{"block_size": BLOCK, **overrides})
 
 
-def test_engine_matches_transformers():
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix_caching"])
+def test_engine_matches_transformers(caching):
+    """The golden walk, with prefix caching off and on (the state snapshots:
+    test_hybrid_prefix_cache.py); one pool, so the two engines share their compiled steps."""
     cfg, params = _load(MOE)
     # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
     # one Mamba-2 layer each, as the one attention layer sets num_slots), the 2 pages of its
     # state. 5 such sequences need 60; 16 preempt.
-    engine = LLMEngine(cfg, params, None, _args(MOE, 16), num_blocks=16)
+    engine = LLMEngine(cfg, params, None, _args(MOE, 16, enable_prefix_caching=caching),
+                       num_blocks=16)
     assert_engine_matches_goldens(engine, np.load(MOE / "golden.npz"))
 
 

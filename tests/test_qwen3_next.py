@@ -34,13 +34,16 @@ def _args(num_blocks: int, **overrides) -> EngineArgs:
     return hybrid_args(MODEL, num_blocks, **{"block_size": BLOCK, **overrides})
 
 
-def test_engine_matches_transformers():
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix_caching"])
+def test_engine_matches_transformers(caching):
+    """The golden walk, with prefix caching off and on (the state snapshots:
+    test_hybrid_prefix_cache.py); one pool, so the two engines share their compiled steps."""
     cfg = load_config(MODEL)
     params = load_params(MODEL, cfg, jnp.float32, progress=False)
     # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
     # one Gated DeltaNet layer each), the 3 pages of its state. 5 such sequences need 75; 20
     # preempt. (The 29-token scored prompt crosses a 16-token step boundary.)
-    engine = LLMEngine(cfg, params, None, _args(20), num_blocks=20)
+    engine = LLMEngine(cfg, params, None, _args(20, enable_prefix_caching=caching), num_blocks=20)
     assert_engine_matches_goldens(engine, np.load(MODEL / "golden.npz"))
 
 

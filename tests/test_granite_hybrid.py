@@ -24,7 +24,8 @@ from jaxinfer.model.state_pages import (StateShape, read_states, state_pages, st
 from jaxinfer.model.transformer import train_forward
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
-from hybrid_support import GREEDY, assert_engine_matches_goldens, hybrid_args
+from hybrid_support import (GREEDY, assert_engine_matches_goldens, assert_same_tree, hybrid_args,
+                            reference_param_shapes)
 from test_engine_support import assert_all_free, run_all
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -134,6 +135,17 @@ SMALL = {
     "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
     "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16,
     "num_local_experts": 0, "shared_intermediate_size": 64, "torch_dtype": "float32"}
+
+
+def test_param_shapes_are_the_reference_inits():
+    """param_shapes traces the Mamba-2 scans as zeros of their shapes: the tree of an init
+    through the reference kernels all the same, plain and fp8."""
+    import dataclasses
+
+    from jaxinfer.model.transformer import param_shapes
+    cfg = config_from_dict({**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
+    for model in (cfg, dataclasses.replace(cfg, quantization="fp8")):
+        assert_same_tree(param_shapes(model), reference_param_shapes(model, jnp.bfloat16))
 
 
 def test_engine_at_the_default_block_size_with_a_state_over_two_pages():

@@ -38,6 +38,7 @@ from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FixedStateSpec,
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
 from jaxinfer.model.shared_experts import stacked_shared
+from jaxinfer.model.ssm_kernels import ShapeOnlyGatedDeltaNetKernels, ShapeOnlyMamba2Kernels
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
 
@@ -410,9 +411,15 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
     return jax.tree_util.tree_map(lambda leaf: leaf, _traced_param_shapes(cfg, jnp.dtype(dtype)))
 
 
+# The reference kernels, the state-space layers' scans as zeros of their shapes (no parameters of
+# their own): half of a hybrid's trace was their chunked references.
+SHAPE_KERNELS = dataclasses.replace(REFERENCE_KERNELS, mamba2=ShapeOnlyMamba2Kernels(),
+                                    gdn=ShapeOnlyGatedDeltaNetKernels())
+
+
 @functools.lru_cache(maxsize=16)
 def _traced_param_shapes(cfg: ModelConfig, dtype: jnp.dtype) -> Params:
-    model = Transformer(cfg, REFERENCE_KERNELS, dtype)
+    model = Transformer(cfg, SHAPE_KERNELS, dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 

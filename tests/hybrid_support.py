@@ -1,12 +1,14 @@
 """What the hybrid families' engine tests share (test_granite_hybrid.py, test_qwen3_next.py): the
-engine flags of a tiny hybrid, and the walk of an engine against HF's goldens
-(tests/fixtures/make_golden_hybrid.py)."""
+engine flags of a tiny hybrid, the walk of an engine against HF's goldens
+(tests/fixtures/make_golden_hybrid.py), and the param tree of an init through the reference
+kernels."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.args import EngineArgs
@@ -77,3 +79,16 @@ def assert_engine_matches_goldens(engine, golden) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_free(engine)
+
+
+def reference_param_shapes(cfg, dtype):
+    """The param tree's shapes as the model's init through the reference kernels makes them."""
+    from jaxinfer.model.kernel_table import REFERENCE_KERNELS
+    from jaxinfer.model.transformer import Transformer
+    model, tokens = Transformer(cfg, REFERENCE_KERNELS, dtype), jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
+
+
+def assert_same_tree(got, want) -> None:
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert jax.tree_util.tree_leaves(got) == jax.tree_util.tree_leaves(want)

@@ -1,5 +1,6 @@
-"""What the recurrent-layer kernel tests (test_ssm_*.py) share: splitting a ragged batch into
-two chunks of prefill, the untouched-slots check, and lowering a Triton kernel for CUDA here."""
+"""What the recurrent-layer kernel tests (test_ssm_*.py) share: random inputs, splitting a ragged
+batch into two chunks of prefill, the untouched-slots check, and lowering a Triton kernel for CUDA
+here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from unittest import mock
 import jax
 import numpy as np
 from jax._src.pallas.triton import gpu_info
+
+
+def normal(rng: np.random.Generator, shape, dtype=np.float32) -> jax.Array:
+    """Standard normal float32 values drawn on the host, as `dtype` (jax.random compiles a
+    program per shape: most of these tests' time, eagerly)."""
+    return jax.numpy.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
 
 
 def split_batch(cu_seqlens, cuts) -> tuple:

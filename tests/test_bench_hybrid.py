@@ -106,4 +106,4 @@ def test_suite_at_a_cpus_size_writes_every_sections_keys(tmp_path, monkeypatch):
     for kind in ("gdn", "ssd"):
         # (interpreted kernels: a fraction that rounds to 0 on a CPU)
         assert m[f"{kind}_prefill_frac_of_matmul"] >= 0 and m[f"{kind}_prefill_rel_err"] < 1e-2
-    assert record["config"]["workload"] == {"prompt": 24, "out": 8, "seqs": 4}
+    assert record["config"]["workload"] == {"prompt": 24, "out": 8, "seqs": 4, "step": 32}

@@ -15,6 +15,9 @@ from jaxinfer.spec_decode import eagle_train as train
 from test_eagle3 import random_head
 from test_engine_support import tiny_model
 
+# (eagerly, each op of the target's forward compiles on its own)
+_forward_aux = jax.jit(forward_aux, static_argnums=1, static_argnames="layers")
+
 
 def test_tiny_training_run_lowers_its_loss():
     target_cfg, target_params = tiny_model()
@@ -42,8 +45,8 @@ def test_ttt_steps_equal_the_served_chain():
     cfg, hp = random_head(target_cfg, std=0.2)
     embed = target_params["embed"]["embedding"]
     tokens = jax.random.randint(jax.random.key(2), (1, 10), 2, target_cfg.vocab_size)
-    _, _, aux = forward_aux(target_params, target_cfg, tokens, None, None, None,
-                            layers=cfg.aux_layers)
+    _, _, aux = _forward_aux(target_params, target_cfg, tokens, None, None, None,
+                             layers=cfg.aux_layers)
     k, n = 3, tokens.shape[1]
     keys, values, outs = [], [], []
     hidden = head.fuse(hp, aux)
@@ -100,8 +103,8 @@ def test_served_proposals_equal_the_dense_head():
     out = run_all(e)["a"][0][0]
     tokens = jnp.asarray([prompt_ids(3, 9) + out])
     embed = target_params["embed"]["embedding"]
-    _, _, aux = forward_aux(target_params, target_cfg, tokens, None, None, None,
-                            layers=cfg.aux_layers)
+    _, _, aux = _forward_aux(target_params, target_cfg, tokens, None, None, None,
+                             layers=cfg.aux_layers)
     keys, values, best = [], [], []
     hidden = head.fuse(hp, aux)
     pos = jnp.arange(tokens.shape[1])[None]

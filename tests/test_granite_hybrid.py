@@ -24,7 +24,8 @@ from jaxinfer.model.state_pages import (StateShape, read_states, state_pages, st
 from jaxinfer.model.transformer import train_forward
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
-from hybrid_support import GREEDY, assert_engine_matches_goldens, hybrid_args
+from hybrid_support import (GREEDY, assert_engine_matches_goldens, assert_same_tree, hybrid_args,
+                            reference_param_shapes)
 from test_engine_support import assert_all_free, run_all
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -44,12 +45,16 @@ def _args(model_dir: Path, num_blocks: int, **overrides) -> EngineArgs:
     return hybrid_args(model_dir, num_blocks, **{"block_size": BLOCK, **overrides})
 
 
-def test_engine_matches_transformers():
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix_caching"])
+def test_engine_matches_transformers(caching):
+    """The golden walk, with prefix caching off and on (the state snapshots:
+    test_hybrid_prefix_cache.py); one pool, so the two engines share their compiled steps."""
     cfg, params = _load(MOE)
     # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
     # one Mamba-2 layer each, as the one attention layer sets num_slots), the 2 pages of its
     # state. 5 such sequences need 60; 16 preempt.
-    engine = LLMEngine(cfg, params, None, _args(MOE, 16), num_blocks=16)
+    engine = LLMEngine(cfg, params, None, _args(MOE, 16, enable_prefix_caching=caching),
+                       num_blocks=16)
     assert_engine_matches_goldens(engine, np.load(MOE / "golden.npz"))
 
 
@@ -59,7 +64,8 @@ def test_dense_variant_matches_transformers():
     cfg, params = _load(DENSE)
     assert not cfg.is_moe and cfg.family_options.rope and not cfg.tie_word_embeddings
     golden = np.load(DENSE / "golden.npz")
-    logits = train_forward(params, cfg, jnp.asarray(golden["prompt_2"])[None])[0]
+    logits = jax.jit(train_forward, static_argnums=1)(params, cfg,
+                                                      jnp.asarray(golden["prompt_2"])[None])[0]
     np.testing.assert_allclose(logits, golden["logits_2"], atol=1e-4, rtol=0)
 
 
@@ -129,6 +135,17 @@ SMALL = {
     "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
     "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16,
     "num_local_experts": 0, "shared_intermediate_size": 64, "torch_dtype": "float32"}
+
+
+def test_param_shapes_are_the_reference_inits():
+    """param_shapes traces the Mamba-2 scans as zeros of their shapes: the tree of an init
+    through the reference kernels all the same, plain and fp8."""
+    import dataclasses
+
+    from jaxinfer.model.transformer import param_shapes
+    cfg = config_from_dict({**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
+    for model in (cfg, dataclasses.replace(cfg, quantization="fp8")):
+        assert_same_tree(param_shapes(model), reference_param_shapes(model, jnp.bfloat16))
 
 
 def test_engine_at_the_default_block_size_with_a_state_over_two_pages():
@@ -213,8 +230,9 @@ def test_granite_4_h_tiny_starts_at_the_default_block_size(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, flag", [
+    # (MTP runs over state-space layers now, test_hybrid_mtp.py; Granite has no MTP module)
     (dict(speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'),
-     "--speculative-method mtp: .* ngram and draft_model methods only"),
+     "--speculative-model: no draft model was loaded"),
 ])
 def test_refused_at_start(overrides, flag):
     cfg, params = _load(DENSE)
@@ -253,16 +271,18 @@ def test_state_pages_layout_is_the_same_at_every_tp_size(dtype):
     assert state_shares(2, SHARED_STATES) == 2
     states = _random_states(2, 2)
     blocks = jnp.asarray([[5, 1, 6], [2, 7, 0]], jnp.int32)
-    whole = write_states(kv, blocks, states, SHARED_STATES)
+    write = jax.jit(write_states, static_argnums=3)
+    read = jax.jit(read_states, static_argnums=2)
+    whole = write(kv, blocks, states, SHARED_STATES)
     halves = tuple(s.split(2) for s in SHARED_STATES)
     (conv, ssm), shards = states, []
     for i in range(2):
         own = (jnp.concatenate([conv[:, :, i:i + 1], conv[:, :, 2 + 2 * i:4 + 2 * i]], axis=2),
                ssm[:, i:i + 1])
         shard = tuple(a[i:i + 1] for a in whole)
-        for want, got in zip(own, read_states(shard, blocks, halves)):
+        for want, got in zip(own, read(shard, blocks, halves)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        shards.append(write_states(tuple(a[i:i + 1] for a in kv), blocks, own, halves))
+        shards.append(write(tuple(a[i:i + 1] for a in kv), blocks, own, halves))
     for a, b0, b1 in zip(whole, *shards):
         np.testing.assert_array_equal(np.asarray(a, np.float32),
                                       np.concatenate([b0, b1]).astype(np.float32))
@@ -337,7 +357,8 @@ def test_disaggregated_engine_hands_the_states_over():
     disagg.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
     results = run_all(disagg)
     assert results["long"][0][0] == expected
-    plain = LLMEngine(cfg, params, None, _args(DENSE, 32), num_blocks=32)
+    # (the pool of the bfloat16 test's float32 engine: the same compiled steps)
+    plain = LLMEngine(cfg, params, None, _args(DENSE, 40), num_blocks=40)
     plain.add_request("short", prompt[:3], SamplingParams(max_tokens=6, **GREEDY))
     assert results["short"][0][0] == run_all(plain)["short"][0][0]
     # Again: a prefix hit on the prefill side (its state from a snapshot), none on the decode's.
@@ -480,12 +501,13 @@ def test_pallas_kernels_through_the_mixer():
     logits = {}
     pallas = dataclasses.replace(REFERENCE_KERNELS, mamba2=Mamba2Kernels(pallas=True,
                                                                          interpret=True))
+    step = jax.jit(forward, static_argnums=(1, 6))  # (eagerly, each op compiles on its own)
     for name, kernels in (("reference", REFERENCE_KERNELS), ("pallas", pallas)):
         cache = allocate_kv_cache(cfg, 12, block, jnp.float32, num_slots=groups.num_slots)
-        first, cache = forward(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
-                               kernels)
-        second, _ = forward(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
-                            jnp.asarray(decode_pos), cache, decode, kernels)
+        first, cache = step(params, cfg, tokens, jnp.asarray(prefill_pos), cache, prefill,
+                            kernels)
+        second, _ = step(params, cfg, jnp.asarray([1, 2, 3], jnp.int32),
+                         jnp.asarray(decode_pos), cache, decode, kernels)
         logits[name] = (first, second)
     for ref, got in zip(logits["reference"], logits["pallas"]):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
 import jax.numpy as jnp
 from prometheus_client import generate_latest
 from safetensors.numpy import save_file
@@ -143,7 +144,8 @@ def test_calibrated_scales_are_the_smallest_powers_of_two_that_hold_the_cache():
     cache = allocate_kv_cache(cfg, -(-t // 4), 4, jnp.float32)
     md = AttentionMetadata(jnp.arange(t, dtype=jnp.int32), jnp.asarray([0, t], jnp.int32),
                            jnp.asarray([t], jnp.int32), jnp.arange(-(-t // 4), dtype=jnp.int32)[None])
-    _, cache = forward(params, cfg, jnp.asarray(tokens), jnp.arange(t), cache, md)
+    _, cache = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray(tokens),
+                                                  jnp.arange(t), cache, md)
     for (k, v), ks, vs in zip(cache, k_scales, v_scales):
         assert ks == 2.0 ** round(np.log2(ks)) and vs == 2.0 ** round(np.log2(vs))
         assert float(jnp.abs(k).max()) <= 448 * ks

@@ -24,7 +24,8 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import config_from_dict, load_config
 from jaxinfer.model.weights import load_params
-from hybrid_support import assert_engine_matches_goldens, hybrid_args
+from hybrid_support import (assert_engine_matches_goldens, assert_same_tree, hybrid_args,
+                            reference_param_shapes)
 
 MODEL = Path(__file__).parent / "fixtures" / "models" / "qwen3_next"
 BLOCK = 4  # a layer's state spans three attention pages
@@ -34,13 +35,16 @@ def _args(num_blocks: int, **overrides) -> EngineArgs:
     return hybrid_args(MODEL, num_blocks, **{"block_size": BLOCK, **overrides})
 
 
-def test_engine_matches_transformers():
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix_caching"])
+def test_engine_matches_transformers(caching):
+    """The golden walk, with prefix caching off and on (the state snapshots:
+    test_hybrid_prefix_cache.py); one pool, so the two engines share their compiled steps."""
     cfg = load_config(MODEL)
     params = load_params(MODEL, cfg, jnp.float32, progress=False)
     # Per sequence of 21 tokens: 6 blocks of the attention group and, per state group (three:
     # one Gated DeltaNet layer each), the 3 pages of its state. 5 such sequences need 75; 20
     # preempt. (The 29-token scored prompt crosses a 16-token step boundary.)
-    engine = LLMEngine(cfg, params, None, _args(20), num_blocks=20)
+    engine = LLMEngine(cfg, params, None, _args(20, enable_prefix_caching=caching), num_blocks=20)
     assert_engine_matches_goldens(engine, np.load(MODEL / "golden.npz"))
 
 
@@ -166,6 +170,25 @@ def test_qwen3_next_80b_starts_at_the_default_block_size(tmp_path, capsys):
     assert report["kv_bytes_per_sequence"] == (4096 + 3 * 101 * 16) * token
     assert report["engine_plan"]["sequence_kv_bytes"] == (256 + 3 * 101) * 16 * token
     assert report["engine_plan"]["fitting_model_len"] == 4096
+
+
+def test_param_shapes_are_traced_once_per_config_and_dtype():
+    """`jaxinfer memory` and the planners ask for a model's param shapes several times (the 80B
+    model's trace above: seconds each): the second ask of a (config, dtype) is the first's
+    answer, in containers of its own, the tree of an init through the reference kernels (the
+    trace's Gated DeltaNet scans are zeros of their shapes)."""
+    from jaxinfer.model import transformer
+    cfg = config_from_dict({**RAW, "vocab_size": 96})  # a config no other test traces
+    traced = transformer._traced_param_shapes
+    misses = traced.cache_info().misses
+    first = transformer.param_shapes(cfg, jnp.float32)
+    first["embed"]["embedding"] = None  # the caller's own dict
+    second = transformer.param_shapes(cfg, "float32")
+    assert traced.cache_info().misses == misses + 1
+    assert second["embed"]["embedding"] == jax.ShapeDtypeStruct((96, 64), jnp.float32)
+    assert_same_tree(second, reference_param_shapes(cfg, jnp.float32))
+    fp8 = dataclasses.replace(cfg, quantization="fp8")
+    assert_same_tree(transformer.param_shapes(fp8), reference_param_shapes(fp8, jnp.bfloat16))
 
 
 def test_pallas_kernels_through_the_layer():

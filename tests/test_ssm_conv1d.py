@@ -16,7 +16,7 @@ import pytest
 
 from pallas_kernels.common.testing import random_ragged_batch
 from pallas_kernels.ssm import conv1d
-from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda,
+from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda, normal,
                          split_batch)
 
 import kernel_references as reference
@@ -41,10 +41,9 @@ def update(x, w, b, state, slots, src_slots=None):
 
 
 def inputs(seed, t, width=4, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
-    return (normal(ks[0], (t, CHANNELS)), normal(ks[1], (width, CHANNELS)),
-            normal(ks[2], (CHANNELS,)), normal(ks[3], (NUM_SLOTS, width - 1, CHANNELS)))
+    rng = np.random.default_rng(seed)
+    return (normal(rng, (t, CHANNELS), dtype), normal(rng, (width, CHANNELS), dtype),
+            normal(rng, (CHANNELS,), dtype), normal(rng, (NUM_SLOTS, width - 1, CHANNELS), dtype))
 
 
 def batch(seed, lens, *, extra=3, dead=1):

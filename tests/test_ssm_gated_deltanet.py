@@ -17,7 +17,7 @@ from pallas_kernels.common.testing import random_ragged_batch
 from pallas_kernels.ssm import gated_deltanet as gdn
 from pallas_kernels.ssm.batch import chunk_table, first_chunks, live_tokens
 from pallas_kernels.ssm.reference import gdn_gating
-from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda,
+from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda, normal,
                          split_batch)
 
 import kernel_references as reference
@@ -43,14 +43,15 @@ def decode(q, k, v, g, beta, pool, slots, src_slots=None, block_v=16):
 
 
 def inputs(seed, t, *, hk=2, hv=4, kd=16, vd=32, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(ks[0], (t, hk, kd), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (t, hk, kd), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (t, hv, vd), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (t, hk, kd), dtype)
+    k = normal(rng, (t, hk, kd), dtype)
+    v = normal(rng, (t, hv, vd), dtype)
     # HF's gating with A in [1, 8]: per-token decays from ~0.9 down to strong forgetting.
-    g, beta = gdn_gating(jax.random.normal(ks[3], (t, hv)), jax.random.normal(ks[4], (t, hv)),
-                         jnp.log(jnp.linspace(1.0, 8.0, hv)), jnp.ones((hv,)))
-    pool = jax.random.normal(ks[5], (NUM_SLOTS, hv, kd, vd), jnp.float32)
+    g, beta = jax.jit(gdn_gating)(normal(rng, (t, hv)), normal(rng, (t, hv)),
+                                  np.log(np.linspace(1.0, 8.0, hv, dtype=np.float32)),
+                                  np.ones((hv,), np.float32))
+    pool = normal(rng, (NUM_SLOTS, hv, kd, vd))
     return q, k, v, g, beta, pool
 
 

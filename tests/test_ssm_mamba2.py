@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.common.testing import random_ragged_batch
 from pallas_kernels.ssm import mamba2
 from pallas_kernels.ssm.reference import mamba2_dt
-from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda,
+from ssm_support import (assert_close, assert_other_slots_untouched, lower_for_cuda, normal,
                          split_batch)
 
 import kernel_references as reference
@@ -42,14 +42,15 @@ def decode(x, dt, a, b, c, pool, slots, d, src_slots=None):
 
 def inputs(seed, t, *, h=4, g=2, p=32, n=16, dtype=jnp.float32):
     """Per-token tensors (x, dt, b, c), the per-head a and d, and a random state pool."""
-    ks = jax.random.split(jax.random.key(seed), 6)
-    x = jax.random.normal(ks[0], (t, h, p), jnp.float32).astype(dtype)
-    dt = mamba2_dt(jax.random.normal(ks[1], (t, h)) - 1.0, jnp.zeros((h,)), (0.0, 4.0))
-    b = jax.random.normal(ks[2], (t, g, n), jnp.float32).astype(dtype)
-    c = jax.random.normal(ks[3], (t, g, n), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    x = normal(rng, (t, h, p), dtype)
+    dt = jax.jit(mamba2_dt, static_argnums=2)(normal(rng, (t, h)) - 1.0,
+                                              np.zeros((h,), np.float32), (0.0, 4.0))
+    b = normal(rng, (t, g, n), dtype)
+    c = normal(rng, (t, g, n), dtype)
     a = -jnp.linspace(0.5, 6.0, h)
     d = jnp.linspace(0.0, 1.0, h)
-    pool = jax.random.normal(ks[5], (NUM_SLOTS, h, p, n), jnp.float32)
+    pool = normal(rng, (NUM_SLOTS, h, p, n))
     return (x, dt, b, c), a, d, pool
 
 

@@ -88,31 +88,56 @@ def ragged(lens):
     return cu, jnp.arange(s, dtype=jnp.int32), jnp.ones((s,), bool)
 
 
+# Inputs are drawn on the host: made by jax.random, each shape's program compiles first (seconds
+# of a CPU run each, longer than the interpreted kernels they feed).
+def normal(rng, shape, dtype, scale=1.0):
+    return jnp.asarray((rng.standard_normal(shape, np.float32) * scale).astype(dtype))
+
+
 def gdn_args(t, s, hk, hv, kd, vd, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(ks[0], (t, hk, kd), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (t, hk, kd), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (t, hv, vd), jnp.bfloat16)
-    g, beta = reference.gdn_gating(jax.random.normal(ks[3], (t, hv)),
-                                   jax.random.normal(ks[4], (t, hv)),
-                                   jnp.log(jnp.linspace(1.0, 16.0, hv)), jnp.ones((hv,)))
-    pool = jax.random.normal(ks[5], (s, hv, kd, vd), jnp.float32) * 0.1
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (t, hk, kd), jnp.bfloat16)
+    k = normal(rng, (t, hk, kd), jnp.bfloat16)
+    v = normal(rng, (t, hv, vd), jnp.bfloat16)
+    g, beta = jax.jit(reference.gdn_gating)(normal(rng, (t, hv), np.float32),
+                                            normal(rng, (t, hv), np.float32),
+                                            np.log(np.linspace(1.0, 16.0, hv, dtype=np.float32)),
+                                            np.ones((hv,), np.float32))
+    pool = normal(rng, (s, hv, kd, vd), np.float32, 0.1)
     return (q, k, v, g, beta), pool
 
 
 def ssd_args(t, s, h, p, g, n, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    x = jax.random.normal(ks[0], (t, h, p), jnp.bfloat16)
-    dt = reference.mamba2_dt(jax.random.normal(ks[1], (t, h)) - 2.0, jnp.zeros((h,)))
-    b = jax.random.normal(ks[2], (t, g, n), jnp.bfloat16)
-    c = jax.random.normal(ks[3], (t, g, n), jnp.bfloat16)
-    pool = jax.random.normal(ks[4], (s, h, p, n), jnp.float32) * 0.1
-    return (x, dt, -jnp.linspace(1.0, 16.0, h), b, c), pool
+    rng = np.random.default_rng(seed)
+    x = normal(rng, (t, h, p), jnp.bfloat16)
+    dt = jax.jit(reference.mamba2_dt)(normal(rng, (t, h), np.float32, 1.0) - 2.0,
+                                      np.zeros((h,), np.float32))
+    b = normal(rng, (t, g, n), jnp.bfloat16)
+    c = normal(rng, (t, g, n), jnp.bfloat16)
+    pool = normal(rng, (s, h, p, n), np.float32, 0.1)
+    return (x, dt, -jnp.asarray(np.linspace(1.0, 16.0, h, dtype=np.float32)), b, c), pool
+
+
+def conv_args(t, s, c, w, random_state):
+    """x [t, c] and weight [w, c] bf16, and the state [s, w - 1, c]: random, or zeros."""
+    rng = np.random.default_rng(1)
+    x, weight = normal(rng, (t, c), jnp.bfloat16), normal(rng, (w, c), jnp.bfloat16)
+    return x, weight, normal(rng, (s, w - 1, c), jnp.bfloat16, 1.0 if random_state else 0.0)
+
+
+def jitted(fn, **static):
+    """fn with `static` keyword arguments bound, jitted (the check's calls: one compile each)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
+@jax.jit
+def _rel_err(got, want):
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    return jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
 
 
 def rel_err(got, want) -> float:
-    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
-    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    return float(_rel_err(got, want))
 
 
 def pool_time(fn, pool, *inputs) -> float:
@@ -142,44 +167,44 @@ def check(m, tiny, interpret, cfg):
     cu, slots, init = ragged([100, 37])
     t = 137
     ins, pool = gdn_args(t, 2, **gs)
-    want = reference.gdn_chunked_reference(*ins, pool, cu, slots, init)
+    want = jax.jit(reference.gdn_chunked_reference)(*ins, pool, cu, slots, init)
     for i, (name, kw) in enumerate(cfg["gdn_prefill"].items()):
         tail = "" if i == 0 else f"_{name}"
         try:
-            got = gated_deltanet.gdn_prefill(*ins, pool, cu, slots, init, interpret=interpret,
-                                             **kw)
+            got = jitted(gated_deltanet.gdn_prefill, interpret=interpret, **kw)(
+                *ins, pool, cu, slots, init)
         except Exception as e:  # noqa: BLE001 - recorded; sweep() records its timing's failure
             m[f"gdn_prefill_rel_err{tail}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         m[f"gdn_prefill_rel_err{tail}"] = rel_err(got[0], want[0])
         m[f"gdn_prefill_state_rel_err{tail}"] = rel_err(got[1], want[1])
-    dec = tuple(x[:2] for x in ins)
+    first_two = lambda fn, **kw: jax.jit(lambda ins, *rest: fn(*(x[:2] for x in ins), *rest,
+                                                                **kw)[0])
     m["gdn_decode_rel_err"] = rel_err(
-        gated_deltanet.gdn_decode(*dec, pool, slots, interpret=interpret)[0],
-        reference.gdn_decode_reference(*dec, pool, slots)[0])
+        first_two(gated_deltanet.gdn_decode, interpret=interpret)(ins, pool, slots),
+        first_two(reference.gdn_decode_reference)(ins, pool, slots))
     (x, dt, a, b, c), pool = ssd_args(t, 2, **ss)
     d = jnp.ones((ss["h"],))
-    want = reference.ssd_chunked_reference(x, dt, a, b, c, pool, cu, slots, init, d=d)
+    want = jitted(reference.ssd_chunked_reference, d=d)(x, dt, a, b, c, pool, cu, slots, init)
     for i, (name, kw) in enumerate(cfg["ssd_prefill"].items()):
         tail = "" if i == 0 else f"_{name}"
         try:
-            got = mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d,
-                                     interpret=interpret, **kw)
+            got = jitted(mamba2.ssd_prefill, d=d, interpret=interpret, **kw)(
+                x, dt, a, b, c, pool, cu, slots, init)
         except Exception as e:  # noqa: BLE001 - recorded; sweep() records its timing's failure
             m[f"ssd_prefill_rel_err{tail}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         m[f"ssd_prefill_rel_err{tail}"] = rel_err(got[0], want[0])
         m[f"ssd_prefill_state_rel_err{tail}"] = rel_err(got[1], want[1])
+    ssd_decode = lambda fn, **kw: jax.jit(lambda x, dt, b, c, a, pool, slots: fn(
+        x[:2], dt[:2], a, b[:2], c[:2], pool, slots, d=d, **kw)[0])
     m["ssd_decode_rel_err"] = rel_err(
-        mamba2.ssd_decode(x[:2], dt[:2], a, b[:2], c[:2], pool, slots, d=d,
-                          interpret=interpret)[0],
-        reference.ssd_decode_reference(x[:2], dt[:2], a, b[:2], c[:2], pool, slots, d=d)[0])
-    xc = jax.random.normal(jax.random.key(1), (t, cs["c"]), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
-    st = jax.random.normal(jax.random.key(3), (2, cs["w"] - 1, cs["c"]), jnp.bfloat16)
+        ssd_decode(mamba2.ssd_decode, interpret=interpret)(x, dt, b, c, a, pool, slots),
+        ssd_decode(reference.ssd_decode_reference)(x, dt, b, c, a, pool, slots))
+    xc, w, st = conv_args(t, 2, cs["c"], cs["w"], True)
     m["conv1d_rel_err"] = rel_err(
-        conv1d.causal_conv1d(xc, w, None, st, cu, slots, init, interpret=interpret)[0],
-        reference.causal_conv1d_reference(xc, w, None, st, cu, slots, init)[0])
+        jitted(conv1d.causal_conv1d, interpret=interpret)(xc, w, None, st, cu, slots, init)[0],
+        jax.jit(reference.causal_conv1d_reference)(xc, w, None, st, cu, slots, init)[0])
 
 
 def sweep(m, prefix, configs, time_one):
@@ -236,9 +261,7 @@ def prefill_cases(m, tiny, interpret, table, cfg):
             m[f"ssd_prefill_{case}_{name}_tflops"] = tf
             add_row(table, ("ssd_prefill", case, name, sec, f"{tf} TF/s"))
         default_rate(m, f"ssd_prefill_{case}", SSD_PREFILL, "tflops")
-        xc = jax.random.normal(jax.random.key(1), (t, cs["c"]), jnp.bfloat16)
-        w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
-        st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
+        xc, w, st = conv_args(t, s, cs["c"], cs["w"], False)
         secs = sweep(m, f"conv1d_prefill_{case}", cfg["conv_prefill"], lambda **kw: pool_time(
             lambda p, xc, w, cu, slots, init: conv1d.causal_conv1d(
                 xc, w, None, p, cu, slots, init, interpret=interpret, **kw),
@@ -279,9 +302,7 @@ def decode_cases(m, tiny, interpret, table, cfg):
             m[f"ssd_decode_b{s}_{name}_frac_of_hbm"] = frac
             add_row(table, ("ssd_decode", f"b{s}", name, sec, f"{frac} of HBM"))
         default_rate(m, f"ssd_decode_b{s}", SSD_DECODE, "frac_of_hbm")
-        xc = jax.random.normal(jax.random.key(1), (s, cs["c"]), jnp.bfloat16)
-        w = jax.random.normal(jax.random.key(2), (cs["w"], cs["c"]), jnp.bfloat16)
-        st = jnp.zeros((s, cs["w"] - 1, cs["c"]), jnp.bfloat16)
+        xc, w, st = conv_args(s, s, cs["c"], cs["w"], False)
         conv_step = lambda p, xc, w, slots: conv1d.causal_conv1d_update(
             xc, w, None, p, slots, interpret=interpret)
         sec = loop_time_(conv_step, st, xc, w, slots)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_kernels.ssm import reference
 
 
@@ -113,3 +115,28 @@ class GatedDeltaNetKernels(CausalConvKernels):
             return reference.gdn_decode_reference(q, k, v, g, beta, pool, slots)
         return reference.gdn_chunked_reference(q, k, v, g, beta, pool, cu_seqlens, slots,
                                                has_initial_state, chunk_size=chunk_size)
+
+
+# Kernels of the outputs' shapes and dtypes only (zeros, the pools as given): tracing a model's
+# parameter shapes (transformer.param_shapes) runs every layer's step, and the references'
+# chunked scans took half of a hybrid's trace (seconds for Qwen3-Next-80B). They create no
+# parameters, so the tree is the same.
+def _zero_conv(self, x, weight, bias, pool, *ragged, decode: bool = False):
+    return jnp.zeros_like(x), pool
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeOnlyMamba2Kernels(Mamba2Kernels):
+    conv = _zero_conv
+
+    def ssd(self, x, dt, a, b, c, d, pool, *ragged, chunk_size: int, decode: bool = False):
+        return jnp.zeros_like(x), pool
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeOnlyGatedDeltaNetKernels(GatedDeltaNetKernels):
+    conv = _zero_conv
+
+    def delta_rule(self, q, k, v, g, beta, pool, *ragged, chunk_size: int,
+                   decode: bool = False):
+        return jnp.zeros_like(v), pool

@@ -38,6 +38,7 @@ from jaxinfer.model.kv_specs import (ChunkedLocalAttentionSpec, FixedStateSpec,
 from jaxinfer.model.mla import MLAttention
 from jaxinfer.model.norm_rope import RMSNorm, apply_rope, rope_tables
 from jaxinfer.model.shared_experts import stacked_shared
+from jaxinfer.model.ssm_kernels import ShapeOnlyGatedDeltaNetKernels, ShapeOnlyMamba2Kernels
 from pallas_kernels.attention.metadata import AttentionMetadata
 from pallas_kernels.moe.grouped_matmul import ClampedSwiGLU
 
@@ -403,8 +404,22 @@ def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array,
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
-    """The parameter pytree's shapes and dtypes, derived from the modules themselves."""
-    model = Transformer(cfg, REFERENCE_KERNELS, dtype)
+    """The parameter pytree's shapes and dtypes, derived from the modules themselves. Traced once
+    per (config, dtype) in a process: a large model's trace takes seconds (Qwen3-Next-80B's
+    ~4 s on a CPU), and `jaxinfer memory`, the planners and the weight loaders each ask again.
+    Each call gets its own containers (the leaves are immutable)."""
+    return jax.tree_util.tree_map(lambda leaf: leaf, _traced_param_shapes(cfg, jnp.dtype(dtype)))
+
+
+# The reference kernels, the state-space layers' scans as zeros of their shapes (no parameters of
+# their own): half of a hybrid's trace was their chunked references.
+SHAPE_KERNELS = dataclasses.replace(REFERENCE_KERNELS, mamba2=ShapeOnlyMamba2Kernels(),
+                                    gdn=ShapeOnlyGatedDeltaNetKernels())
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_param_shapes(cfg: ModelConfig, dtype: jnp.dtype) -> Params:
+    model = Transformer(cfg, SHAPE_KERNELS, dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 

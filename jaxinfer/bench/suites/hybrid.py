@@ -88,9 +88,10 @@ ROUTED_EXPERT_LEAVES = {"w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale"
 
 
 def workload(output_len: int) -> dict:
-    if TINY:
-        return dict(prompt=24, out=8, seqs=4)
-    return dict(prompt=512, out=output_len, seqs=64)
+    """Per run: prompt and output tokens, sequences at once; `step`: --max-num-batched-tokens."""
+    if TINY:  # (32-token steps: every prefill chunk runs in one compiled shape)
+        return dict(prompt=24, out=8, seqs=4, step=32)
+    return dict(prompt=512, out=output_len, seqs=64, step=2048)
 
 
 def emit(**metrics) -> None:
@@ -142,7 +143,7 @@ def engine_section(name: str, output_len: int) -> None:
     try:
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(work), load_format="dummy", dtype="bfloat16", quantization=quantization,
-            max_num_seqs=w["seqs"], max_num_batched_tokens=2048,
+            max_num_seqs=w["seqs"], max_num_batched_tokens=w["step"],
             max_model_len=w["prompt"] + w["out"] + 16, gpu_memory_utilization=0.9, warmup=False,
             compilation_cache_dir=None))
     except MemoryPlanError as e:  # e.g. Qwen3-Next-80B's FP8 weights on an 80 GB card

@@ -88,7 +88,8 @@ def test_every_record_names_a_jaxinfer_bench_command_that_exists():
         assert command.startswith("jaxinfer bench "), (name, command)
         words = shlex.split(re.split(r" (?:--|\(|;|<)(?: |$)", command)[0])
         driver = words[2]
-        assert driver in {"serve", "throughput", "latency", "startup", "kernels"}, (name, driver)
+        assert driver in {"serve", "throughput", "latency", "startup", "kernels", "memory-plan",
+                          "host-path"}, (name, driver)
         if "--suite" in words:
             suite = words[words.index("--suite") + 1]
             assert SUITES[suite].driver == driver, (name, suite)

@@ -123,12 +123,9 @@ class BucketCompiler:
         self._specs = shape_specs((runner.params, runner.kv_cache, runner.last_tokens))
         # An EAGLE-3 head's: the ordinary steps run its stream-writing forward instead.
         self._writer = runner.speculation and runner.speculation.stream_writer
-        # The runner's ordinary steps: packed (two programs on one buffer) or placed.
-        self._packed = self._writer is None
-        self._forward_program = ("packed forward" if self._packed else
-                                 "forward" if self._writer is None
+        self._forward_program = ("packed forward" if self._writer is None
                                  else self._writer.forward_program)
-        self._sample_program = "packed sample" if self._packed else "sample"
+        self._sample_program = "packed sample" if self._writer is None else "sample"
         self._logits_sharding = self._tail_sharding = None
         self._samplers: dict[tuple[int, SamplerVariant], Future] = {}
         self._done = threading.Condition()
@@ -192,7 +189,7 @@ class BucketCompiler:
         # their sharding.
         first = next(iter(self.runner.programs.compiled[self._forward_program].values()))
         self._logits_sharding = first.output_shardings[0]
-        if self._packed:
+        if self._writer is None:
             self._tail_sharding = first.output_shardings[2]
         for u in self.first:
             for f in self._sampler_parts(u):
@@ -306,7 +303,7 @@ class BucketCompiler:
         specs = []
         for variant in SAMPLE_VARIANTS:
             name = f"sample {s} {variant_label(variant)}"
-            if not self._packed:
+            if self._writer is not None:
                 batch = self.padding_batch("decode", s, variant)
                 specs.append((name, (logits, last, batch.sampling, batch.emit_slot),
                               dict(variant=variant), (s, variant)))
@@ -332,10 +329,6 @@ class BucketCompiler:
                 batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
                 return [(f"{unit.name} streams {w.aux_layers}",
                          (params, kv, last, model_inputs(batch), shape_specs(w.streams)), {},
-                         forward_key(batch))]
-            if not self._packed:
-                batch = self.padding_batch(unit.kind, unit.size, BASE_SAMPLER)
-                return [(unit.name, (params, kv, last, model_inputs(batch)), {},
                          forward_key(batch))]
             batch = self._host_padding_batch(unit.kind, unit.size, BASE_SAMPLER)
             packed, _, packing, _ = split_step_specs(batch, r.plan,
@@ -374,7 +367,7 @@ class BucketCompiler:
 
     def _submit(self, unit: Unit) -> Future:
         """The unit's forward or loops, as one future."""
-        if unit.kind == "spec" or (unit.kind != "loop" and not self._packed):
+        if unit.kind == "spec" or (unit.kind != "loop" and self._writer is not None):
             self._place_inputs(unit)  # these programs take placed batches (put_tree's unpacking)
         program = self._program(unit)
         parts = [self._compile_or_load(name, program, args, static, key)

@@ -30,15 +30,9 @@ class StateRollbackMixin:
         for `settle_verify`. False (nothing taken) when the pool has no room: the row must not
         speculate (a proposal never preempts anyone)."""
         req = self._requests[request_id]
-        pool, copies = self.pool, self._pending_copies
-        if req.verify is not None or pool.num_free_blocks < sum(self._state_pages.values()):
+        taken = None if req.verify is not None else self._copy_state_pages(req)
+        if taken is None:
             return False
-        taken = {}
-        for g, n in self._state_pages.items():
-            blocks = pool.allocate(n)
-            for src, dst in zip(req.tables[g], blocks):
-                copies[dst] = copies.get(src, src)  # (a copy into src this step: its source)
-            taken[g] = blocks
         req.verify = (start, end, taken)
         return True
 

@@ -69,17 +69,26 @@ class StateSnapshotMixin:
         node = self._node_at(req, k)
         if node is not None and all(node.block_ids[g] != _ABSENT for g in self._state_pages):
             return
-        pool, copies = self.pool, self._pending_copies
-        if any(not req.tables[g] for g in self._state_pages) or (
-                pool.num_free_blocks < sum(self._state_pages.values())):
+        if any(not req.tables[g] for g in self._state_pages):
             return
+        taken = self._copy_state_pages(req)
+        if taken is not None:
+            req.snapshot = (k, taken)
+
+    def _copy_state_pages(self, req) -> dict[int, list[int]] | None:
+        """Fresh blocks per state group with the request's state pages queued to be copied into
+        them at the start of the step, before it writes any state (take_pending_copies); None,
+        nothing taken, when the pool lacks the room."""
+        pool, copies = self.pool, self._pending_copies
+        if pool.num_free_blocks < sum(self._state_pages.values()):
+            return None
         taken = {}
         for g, n in self._state_pages.items():
             blocks = pool.allocate(n)
             for src, dst in zip(req.tables[g], blocks):
                 copies[dst] = copies.get(src, src)  # (a copy into src this step: its source)
             taken[g] = blocks
-        req.snapshot = (k, taken)
+        return taken
 
     def _node_at(self, req, k: int):
         """The request's prefix-cache node of its first k blocks, None while it has not cached

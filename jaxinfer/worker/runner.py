@@ -429,12 +429,8 @@ class ModelRunner:
             return self._run_packed_step(batch, variant, hidden_reads)
         batch = place_step_inputs(batch, self.plan)
         hidden_out = None
-        if hidden_reads is None and writer is not None:
+        if hidden_reads is None:
             logits, self.kv_cache = writer.target_forward(self, model_inputs(batch))
-        elif hidden_reads is None:
-            logits, self.kv_cache = self.programs.run(
-                "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),
-                key=forward_key(batch))
         else:
             logits, self.kv_cache, hidden = self.programs.run(
                 "forward", self.params, self.kv_cache, self.last_tokens, model_inputs(batch),

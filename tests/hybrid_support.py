@@ -81,6 +81,14 @@ def assert_engine_matches_goldens(engine, golden) -> None:
     assert_all_free(engine)
 
 
+def assert_same_outputs(got: dict, want: dict) -> None:
+    """{request id: (tokens, logprobs)}: the same tokens, logprobs to 1e-5."""
+    assert got.keys() == want.keys()
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        np.testing.assert_allclose(got[rid][1], logprobs, atol=1e-5, rtol=0)
+
+
 def reference_param_shapes(cfg, dtype):
     """The param tree's shapes as the model's init through the reference kernels makes them."""
     from jaxinfer.model.kernel_table import REFERENCE_KERNELS

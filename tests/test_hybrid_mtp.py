@@ -28,7 +28,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode.eagle import EagleProposer
 from jaxinfer.spec_decode.mtp import load_mtp
 from jaxinfer.worker.kv import allocate_kv_cache
-from hybrid_support import GREEDY, hybrid_args
+from hybrid_support import GREEDY, assert_same_outputs, hybrid_args
 from pallas_kernels.attention.metadata import AttentionMetadata
 from test_eagle3 import random_head
 from test_engine_support import assert_all_free
@@ -66,13 +66,6 @@ def _run(engine: LLMEngine) -> dict:
                 out[o.request_id] = list(c.token_ids), np.array([e.logprob for e in c.logprobs])
     assert_all_free(engine)
     return out
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid, (tokens, logprobs) in want.items():
-        assert got[rid][0] == tokens, rid
-        np.testing.assert_allclose(got[rid][1], logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +179,7 @@ def test_mtp_greedy_equals_the_target_alone(target, want, mtp_dir, monkeypatch):
                      for n, a in zip(num_drafts, num_accepted))
         record(num_drafts, num_accepted)
     monkeypatch.setattr(engine.spec.metrics, "record", spy)
-    _assert_same(_run(engine), want)
+    assert_same_outputs(_run(engine), want)
     assert kinds == {"all", "some", "none"}, kinds
     monkeypatch.undo()
 
@@ -209,7 +202,7 @@ def test_mtp_greedy_equals_the_target_alone(target, want, mtp_dir, monkeypatch):
     monkeypatch.setattr(kv, "settle_verify", keep_the_state)
     unrolled = _run(engine)
     with pytest.raises(AssertionError):
-        _assert_same(unrolled, want)
+        assert_same_outputs(unrolled, want)
 
 
 def test_eagle3_head_over_gated_deltanet_equals_the_target_alone(target, want):
@@ -221,7 +214,7 @@ def test_eagle3_head_over_gated_deltanet_equals_the_target_alone(target, want):
     engine = LLMEngine(cfg, params, None, _args(speculative_config=spec), num_blocks=NUM_BLOCKS,
                        draft=EagleProposer(head_cfg, head_params))
     assert engine.spec.step.loop is None
-    _assert_same(_run(engine), want)
+    assert_same_outputs(_run(engine), want)
     m = engine.spec.metrics
     assert m.draft_tokens > m.accepted
 

@@ -16,7 +16,7 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.model.config import load_config
 from jaxinfer.model.weights import load_params
 from jaxinfer.sampling_params import SamplingParams
-from hybrid_support import GREEDY, hybrid_args
+from hybrid_support import GREEDY, assert_same_outputs, hybrid_args
 from test_engine_support import assert_all_free
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -74,13 +74,6 @@ def _run(engine: LLMEngine, prompts: list[list[int]], late: int | None = None) -
     return out
 
 
-def _assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid, (tokens, logprobs) in want.items():
-        assert got[rid][0] == tokens, rid
-        np.testing.assert_allclose(got[rid][1], logprobs, atol=1e-5, rtol=0)
-
-
 class _Scripted:
     """A host proposer that knows each request's greedy continuation (the run without
     speculation) and proposes it, its second token wrong every other time: proposals are
@@ -115,7 +108,7 @@ def test_rejected_proposals_roll_the_state_back(name):
     want = _plain(name, PROMPTS)
     spec = _engine(name, NUM_BLOCKS, **SPEC)
     spec.spec.speculator.proposer = _Scripted(PROMPTS, want)
-    _assert_same(_run(spec, PROMPTS, late=LATE), want)
+    assert_same_outputs(_run(spec, PROMPTS, late=LATE), want)
     m = spec.spec.metrics
     assert 0 < m.accepted < m.draft_tokens
     assert spec.scheduler.num_preemptions > 0
@@ -128,7 +121,7 @@ def test_ngram_on_granite_equals_no_speculation():
     prompts = [p + first[f"r{i}"][0][:8] + p for i, p in enumerate(PROMPTS)]
     want = _plain("granite", prompts)
     spec = _engine("granite", ROOMY, **SPEC)
-    _assert_same(_run(spec, prompts), want)
+    assert_same_outputs(_run(spec, prompts), want)
     m = spec.spec.metrics
     assert 0 < m.accepted < m.draft_tokens
 
@@ -145,6 +138,6 @@ def test_draft_model_on_qwen3_next_equals_no_speculation():
                        max_model_len=64, speculative_model="draft", num_speculative_tokens=3,
                        speculative_min_acceptance=0.0)
     spec = LLMEngine(cfg, params, None, args, num_blocks=ROOMY, draft=draft)
-    _assert_same(_run(spec, PROMPTS[:2]), want)
+    assert_same_outputs(_run(spec, PROMPTS[:2]), want)
     m = spec.spec.metrics
     assert m.draft_tokens > m.accepted

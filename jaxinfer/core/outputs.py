@@ -7,8 +7,43 @@ order.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from collections.abc import Sequence
+
+
+class IdsSoFar(collections.abc.Sequence):
+    """`ids[start:n]` of a list that only grows, `n` its length when the view was made: a choice's
+    token_ids as of one output, without copying them (a stream may read an output after later
+    ones were made)."""
+
+    __slots__ = ("_ids", "_start", "_n")
+
+    def __init__(self, ids: list[int], start: int = 0):
+        self._ids, self._start, self._n = ids, start, len(ids) - start
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[self._start:self._start + self._n][index]
+        if not -self._n <= index < self._n:
+            raise IndexError("token index out of range")
+        return self._ids[self._start + index % self._n]
+
+    def __iter__(self):
+        return iter(self._ids[self._start:self._start + self._n])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (IdsSoFar, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"IdsSoFar({list(self)!r})"
 
 
 @dataclasses.dataclass
@@ -23,7 +58,7 @@ class TokenLogprob:
 class CompletionOutput:
     index: int                      # choice index (0..n-1)
     text: str                       # all text generated so far (stop strings removed unless included)
-    token_ids: list[int]            # all generated ids so far
+    token_ids: Sequence[int]        # all generated ids so far (an IdsSoFar view from the engine)
     new_text: str                   # text since the previous RequestOutput of this choice
     new_token_ids: list[int]        # ids since the previous RequestOutput of this choice
     # One per new token when logprobs was requested. From the engine: LogprobsView sequences

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from jaxinfer.engine.metrics import EngineMetrics, observe_many
-from jaxinfer.core.outputs import CompletionOutput, RequestOutput
+from jaxinfer.core.outputs import CompletionOutput, IdsSoFar, RequestOutput
 from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.worker.hidden_reads import record as record_hidden_reads
 from jaxinfer.worker.runner import StepHandle
@@ -148,7 +148,8 @@ class OutputProcessor:
 
 
 def make_request_output(req: Request, full: bool = False) -> RequestOutput:
-    """The request's output since its previous one (`full`: every choice, whole text)."""
+    """The request's output since its previous one (`full`: every choice, whole text). A
+    streamed output's `token_ids` is a view, not a copy: copying them made each output O(length)."""
     outs = []
     for i, seq in enumerate(req.choices):
         if seq is None:
@@ -159,8 +160,9 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
             continue  # nothing new since the previous output
         new_text = seq.output.take_new_text()
         lps = seq.logprobs  # views: no per-token objects unless a caller reads them
+        ids = seq.token_ids[seq.prompt_len:] if full else IdsSoFar(seq.token_ids, seq.prompt_len)
         outs.append(CompletionOutput(
-            index=i, text=seq.output.emitted_text, token_ids=seq.token_ids[seq.prompt_len:],
+            index=i, text=seq.output.emitted_text, token_ids=ids,
             new_text=new_text, new_token_ids=seq.new_token_ids,
             new_logprobs=None if lps is None else lps.view(seq.num_logprobs_reported),
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,

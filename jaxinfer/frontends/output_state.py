@@ -14,47 +14,13 @@ unless include_stop_str_in_output, stop strings count only past min_tokens.
 from __future__ import annotations
 
 import functools
-
-import collections.abc
 import pickle
 
-from jaxinfer.core.outputs import CompletionOutput, RequestOutput
+from jaxinfer.core.outputs import CompletionOutput, IdsSoFar, RequestOutput
 from jaxinfer.core.sampled_logprobs import SampledLogprobs
 from jaxinfer.core.stop_checker import OutputText
 from jaxinfer.frontends.core_messages import ChoiceDelta, CoreOutput
 from jaxinfer.sampling_params import SamplingParams
-
-
-class IdsSoFar(collections.abc.Sequence):
-    """The first `n` ids of a list that only grows: a choice's token_ids as of one output."""
-
-    __slots__ = ("_ids", "_n")
-
-    def __init__(self, ids: list[int]):
-        self._ids, self._n = ids, len(ids)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self._ids[:self._n][index]
-        if not -self._n <= index < self._n:
-            raise IndexError("token index out of range")
-        return self._ids[index % self._n]
-
-    def __iter__(self):
-        return iter(self._ids[:self._n])
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, (IdsSoFar, list, tuple)):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"IdsSoFar({list(self)!r})"
 
 
 class ChoiceState:

@@ -207,6 +207,8 @@ def ssm_section() -> None:
 
 
 def run_section(name: str, output_len: int) -> None:
+    # (first: a section that dies midway still names the machine its record belongs to)
+    emit(machine=results_io.machine(), device_slug=results_io.device_slug())
     if name == "plan":
         from jaxinfer.bench.suites.hybrid_plan import plan_section
         from jaxinfer.worker.kv import MemoryPlanError
@@ -221,7 +223,6 @@ def run_section(name: str, output_len: int) -> None:
         ssm_section()
     else:
         engine_section(name, output_len)
-    emit(machine=results_io.machine(), device_slug=results_io.device_slug())
 
 
 def run_child(name: str, args: argparse.Namespace, limit: float) -> tuple[dict, str | None]:

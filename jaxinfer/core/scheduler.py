@@ -443,7 +443,7 @@ class Scheduler:
                 if req.reads_prompt_hidden and entry.start < req.num_prompt_tokens - (
                         req.params.pooling is None):
                     out.reads_hidden = True
-            out.block_copies = kv.take_pending_copies()
+            out.block_copies, out.state_copies = kv.take_pending_copies_by_kind()
         if self.loads is not None:
             out.kv_transfers = self.loads.take()
         return out

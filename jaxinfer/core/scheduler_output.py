@@ -40,8 +40,11 @@ class SchedulerOutput:
     preempted: list[Sequence]
     # > 1: run this many decode steps on the device in one call (pure-decode steps only).
     decode_steps: int = 1
-    # Copy-on-write (src, dst) block copies the device performs before this step writes any KV.
+    # (src, dst) block copies the device performs before this step writes any KV or state:
+    # attention pages' copy-on-write, and state pages' (snapshots, prefix hits, rollbacks;
+    # only the target's own caches hold state pages).
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Some row computes prompt tokens of a request that reads their hidden states (prompt
     # logprobs, pooling: worker/hidden_reads.py).
     reads_hidden: bool = False
@@ -50,6 +53,11 @@ class SchedulerOutput:
     spec_iterations: int = 1
     # The host KV tier's copies, made before anything else of the step (also with no rows).
     kv_transfers: KVTransfers | None = None
+
+    @property
+    def device_copies(self) -> list[tuple[int, int]]:
+        """Every copy the target's caches take."""
+        return self.block_copies + self.state_copies if self.state_copies else self.block_copies
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:

@@ -278,9 +278,8 @@ class EagleProposer:
         return dataclasses.replace(v, drafts=drafts), q
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """A step's block copies, in the head's KV and stream caches too, in the runner's copy
-        buckets (a hybrid's state snapshots are many: copies of its state pages here are never
-        read, the head's blocks being the first group's)."""
+        """A step's attention-page copies in the head's KV and stream caches, in the runner's copy
+        buckets (the step's state-page copies are the target's alone)."""
         for src, dst in self.runner.copy_batches(copies or []):
             self.kv_cache = copy_blocks(self.kv_cache, src, dst)
             self.streams = self.runner.programs.run("eagle stream copy", self.streams, src, dst)

@@ -370,7 +370,7 @@ class ModelRunner:
         arrays are built."""
         self.built_at = None
         if sched.num_proposed:
-            self._apply_copies(sched.block_copies)
+            self._apply_copies(sched.device_copies)
             self.num_dispatches += 1
             self.kv_cache, self.last_tokens, handle = self.speculation.execute(self, sched)
             return handle
@@ -382,7 +382,7 @@ class ModelRunner:
                 allowed[r] = min(entry.seq.loop_steps_allowed(), sched.decode_steps)
         hidden_reads = (gather_hidden_reads(sched.scheduled)
                        if sched.reads_hidden and not is_loop else None)
-        launch = functools.partial(self._launch, batch, variant, sched.block_copies, allowed,
+        launch = functools.partial(self._launch, batch, variant, sched.device_copies, allowed,
                                    sched.decode_steps, hidden_reads)
         self.built_at = time.perf_counter()  # (the engine's host-time split)
         self.num_dispatches += 1

@@ -91,8 +91,11 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
             self.prefix_cache.on_drop = self._offload
         self.stats = PrefixCacheStats()
         self._requests: dict[Hashable, RequestBlocks] = {}
-        # Pending copy-on-write device copies, dst block -> src block (see take_pending_copies).
+        # Pending device copies, dst block -> src block (take_pending_copies): of attention
+        # pages (copy-on-write) and of state pages (snapshots, prefix hits, rollbacks), apart
+        # because a speculative head or draft model holds pages of the first group only.
         self._pending_copies: dict[int, int] = {}
+        self._pending_state_copies: dict[int, int] = {}
         self._init_host_offload()
         self._init_state_snapshots()
 
@@ -443,19 +446,31 @@ class KVCacheManager(HostOffloadMixin, StateSnapshotMixin, StateRollbackMixin):
     def _release(self, block_id: int) -> None:
         self.pool.decref(block_id)
         # A block freed before its pending copy ran will be reallocated: the copy must not land.
-        if self._pending_copies and self.pool.ref_counts[block_id] == 0:
-            self._pending_copies.pop(block_id, None)
+        if self.pool.ref_counts[block_id] == 0:
+            if self._pending_copies:
+                self._pending_copies.pop(block_id, None)
+            if self._pending_state_copies:
+                self._pending_state_copies.pop(block_id, None)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write (src, dst) block copies queued since the last call, and clear them.
+        """Every (src, dst) block copy queued since the last call, pages' then states', and clear
+        them (take_pending_copies_by_kind)."""
+        pages, states = self.take_pending_copies_by_kind()
+        return pages + states
+
+    def take_pending_copies_by_kind(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(attention pages' copy-on-write copies, state pages' copies) queued since the last
+        call, as (src, dst) pairs, and clear them.
 
         The runner performs them (device_cache.copy_blocks) at the start of the next step,
         before that step writes any KV. Destinations are distinct; a source may repeat."""
-        copies = [(src, dst) for dst, src in self._pending_copies.items()]
+        pages = [(src, dst) for dst, src in self._pending_copies.items()]
+        states = [(src, dst) for dst, src in self._pending_state_copies.items()]
         self._pending_copies.clear()
+        self._pending_state_copies.clear()
         if self._copy_sources:  # (read by these copies: free to go once they are taken)
             self._release_copy_sources()
-        return copies
+        return pages, states
 
     def reset_prefix_cache(self, keep_host: bool = False) -> int:
         """Forget every cached prefix (e.g. after loading new weights). Unreferenced cached blocks

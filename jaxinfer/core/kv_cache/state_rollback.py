@@ -49,7 +49,7 @@ class StateRollbackMixin:
         if num_computed >= end:
             self._drop_verify(taken)
             return num_computed
-        copies = self._pending_copies
+        copies = self._pending_state_copies
         for g, blocks in taken.items():
             for src, dst in zip(blocks, req.tables[g]):
                 copies[dst] = src

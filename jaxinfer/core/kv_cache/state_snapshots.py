@@ -79,7 +79,7 @@ class StateSnapshotMixin:
         """Fresh blocks per state group with the request's state pages queued to be copied into
         them at the start of the step, before it writes any state (take_pending_copies); None,
         nothing taken, when the pool lacks the room."""
-        pool, copies = self.pool, self._pending_copies
+        pool, copies = self.pool, self._pending_state_copies
         if pool.num_free_blocks < sum(self._state_pages.values()):
             return None
         taken = {}
@@ -149,7 +149,7 @@ class StateSnapshotMixin:
         if not req.resume or g not in req.resume:
             return
         blocks = req.resume.pop(g)
-        copies = self._pending_copies
+        copies = self._pending_state_copies
         for src, dst in zip(blocks, req.tables[g]):
             copies[dst] = copies.get(src, src)
         self._copy_sources.extend(blocks)

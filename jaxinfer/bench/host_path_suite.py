@@ -71,6 +71,8 @@ def offline(args, model: list[str]) -> dict:
                           str(args.input_len), "--output-len", str(args.output_len)], args.timeout)
     bs1, batched = run(1), run(args.concurrency)
     return {"bs1_host_ms_per_step": bs1["host_ms_per_step"],
+            "bs1_host_breakdown_ms": bs1.get("host_breakdown_ms"),
+            "c256_host_breakdown_ms": batched.get("host_breakdown_ms"),
             "offline_bs1_ms_per_token": 1e3 * bs1["elapsed_time"] / args.output_len,  # prefill in
             "c256_host_ms_per_step": batched["host_ms_per_step"],
             "offline_c256_out_tok_s": batched["output_tokens_per_second"],
@@ -87,10 +89,12 @@ def served(args, model: list[str]) -> dict:
     try:
         _wait_healthy(url, serve, args.timeout)
         out = {}
-        for conc, prompts in ((1, 16), (args.concurrency, 2 * args.concurrency)):
+        # A seed per run: the c = 1 run's prompts would otherwise open the next run's list, and
+        # the server's prefix cache would skip their prefill (`served_c256_prefix_hit_rate`).
+        for seed, (conc, prompts) in enumerate(((1, 16), (args.concurrency, 2 * args.concurrency))):
             with tempfile.TemporaryDirectory() as tmp:
                 stdout, stderr, code = common.child([
-                    *BENCH, "serve", "--base-url", url, "--dataset-name", "random",
+                    *BENCH, "serve", "--base-url", url, "--dataset-name", "random", "--seed", str(seed),
                     "--num-prompts", str(prompts), "--max-concurrency", str(conc),
                     "--random-input-len", str(args.input_len), "--random-output-len",
                     str(args.output_len), "--ignore-eos", "--num-warmups", str(min(conc, 16)),

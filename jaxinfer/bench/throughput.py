@@ -62,6 +62,7 @@ def throughput(args: argparse.Namespace) -> dict:
                   num_output_tokens=n_out, requests_per_second=len(outs) / elapsed,
                   tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
                   steps=st.steps, host_ms_per_step=st.host_ms_per_step,
+                  host_breakdown_ms=st.breakdown_ms(),
                   overlapped_dispatches_device_already_idle=st.idle_dispatches,
                   sync_gap_ms=st.sync_gap_ms, platform=jax.devices()[0].platform,
                   **window.figures())

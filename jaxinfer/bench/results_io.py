@@ -100,8 +100,10 @@ def invocation() -> str:
         return "jaxinfer"
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.origin and Path(spec.origin).resolve() == Path(sys.argv[0]).resolve():
-        # `python -m jaxinfer.bench.cli` is the installed `jaxinfer bench` run from a checkout
-        return "jaxinfer bench" if spec.name == "jaxinfer.bench.cli" else f"python -m {spec.name}"
+        # `python -m jaxinfer.bench.cli` is the installed `jaxinfer bench` run from a checkout,
+        # `python -m jaxinfer.cli.main` the installed `jaxinfer`
+        installed = {"jaxinfer.bench.cli": "jaxinfer bench", "jaxinfer.cli.main": "jaxinfer"}
+        return installed.get(spec.name, f"python -m {spec.name}")
     return Path(sys.argv[0]).as_posix()
 
 

@@ -42,6 +42,12 @@ class IdsSoFar(collections.abc.Sequence):
 
     __hash__ = None
 
+    def __add__(self, other) -> list[int]:  # (`prompt + out.token_ids` as with a list)
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + list(self)
+
     def __repr__(self) -> str:
         return f"IdsSoFar({list(self)!r})"
 

@@ -148,8 +148,9 @@ class OutputProcessor:
 
 
 def make_request_output(req: Request, full: bool = False) -> RequestOutput:
-    """The request's output since its previous one (`full`: every choice, whole text). A
-    streamed output's `token_ids` is a view, not a copy: copying them made each output O(length)."""
+    """The request's output since its previous one (`full`: every choice, whole text). An
+    unfinished choice's `token_ids` is a view, not a copy: copying them made each streamed output
+    O(length)."""
     outs = []
     for i, seq in enumerate(req.choices):
         if seq is None:
@@ -160,7 +161,9 @@ def make_request_output(req: Request, full: bool = False) -> RequestOutput:
             continue  # nothing new since the previous output
         new_text = seq.output.take_new_text()
         lps = seq.logprobs  # views: no per-token objects unless a caller reads them
-        ids = seq.token_ids[seq.prompt_len:] if full else IdsSoFar(seq.token_ids, seq.prompt_len)
+        # (a choice's last output, which LLM.generate returns, holds a list: copied once)
+        ids = (seq.token_ids[seq.prompt_len:] if full or seq.finish_reason is not None
+               else IdsSoFar(seq.token_ids, seq.prompt_len))
         outs.append(CompletionOutput(
             index=i, text=seq.output.emitted_text, token_ids=ids,
             new_text=new_text, new_token_ids=seq.new_token_ids,

@@ -70,9 +70,9 @@ def offline(args, model: list[str]) -> dict:
         return _json_out([*BENCH, "throughput", *model, "--num-prompts", str(n), "--input-len",
                           str(args.input_len), "--output-len", str(args.output_len)], args.timeout)
     bs1, batched = run(1), run(args.concurrency)
-    return {"bs1_host_ms_per_step": bs1["host_ms_per_step"],
-            "bs1_host_breakdown_ms": bs1.get("host_breakdown_ms"),
-            "c256_host_breakdown_ms": batched.get("host_breakdown_ms"),
+    phases = {f"{run}_host_{phase}_ms": ms for run, out in (("bs1", bs1), ("c256", batched))
+              for phase, ms in (out.get("host_breakdown_ms") or {}).items()}
+    return {"bs1_host_ms_per_step": bs1["host_ms_per_step"], **phases,
             "offline_bs1_ms_per_token": 1e3 * bs1["elapsed_time"] / args.output_len,  # prefill in
             "c256_host_ms_per_step": batched["host_ms_per_step"],
             "offline_c256_out_tok_s": batched["output_tokens_per_second"],

@@ -21,7 +21,7 @@ import signal
 from aiohttp import web
 
 from serve import chat, completions, info
-from serve.app_keys import (ALLOW_LORA_UPDATES, BODY_TIMEOUT, CREATED, ENGINE, MAX_JSON_ITEMS,
+from serve.app_keys import (ALLOW_LORA_UPDATES, BODY_TIMEOUT, CREATED, ENGINE,
                             MAX_REQUEST_BYTES, MAX_WAITING, OWNS_ENGINE, SHUTDOWN_GRACE)
 from serve.auth import make_auth_middleware
 from serve.choices import now
@@ -31,7 +31,7 @@ from serve.embeddings import EMBEDDINGS, add_embedding_args, create_embedding, e
 from serve.engine_requests import LIFECYCLE, Lifecycle
 from serve.errors import error_middleware
 from serve.http_metrics import SERVER_METRICS, ServerMetrics, get_metrics, make_metrics_middleware
-from serve.json_body import give_large_buffers_back, max_json_items
+from serve.json_body import BODY_PARSER, BodyParser, give_large_buffers_back, max_json_items
 from serve.lora_routes import add_lora_routes, add_lora_server_args
 from serve.limits import LIMITS, RequestLimits, add_limit_args, check_limit_args
 from serve.reasoning.request import REASONING_PARSER, add_reasoning_args, parser_from_args
@@ -151,6 +151,10 @@ async def _stop_engine(app: web.Application) -> None:
         await app[ENGINE].shutdown(grace_s=app[SHUTDOWN_GRACE])
 
 
+async def _close_body_parser(app: web.Application) -> None:
+    app[BODY_PARSER].close()
+
+
 def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> web.Application:
     """The application for `engine`. With owns_engine=False the caller starts and shuts the engine
     down itself (several apps over one engine, as in tests)."""
@@ -172,7 +176,8 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app[EMBEDDINGS] = embeddings_config(args, engine.config.model.model)
     app[RESPONSE_STORE] = ResponseStore.from_args(args)
     app[BODY_TIMEOUT] = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
-    app[MAX_JSON_ITEMS] = max_json_items(limits.max_prompts_per_request, engine.max_model_len)
+    app[BODY_PARSER] = BodyParser(max_json_items(limits.max_prompts_per_request,
+                                                 engine.max_model_len))
     app[OWNS_ENGINE] = owns_engine
     app[LIFECYCLE] = Lifecycle()
     app[CREATED] = now()
@@ -193,6 +198,7 @@ def create_app(engine, args: argparse.Namespace, owns_engine: bool = True) -> we
     app.router.add_post("/detokenize", info.detokenize)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_engine)
+    app.on_cleanup.append(_close_body_parser)
     return app
 
 

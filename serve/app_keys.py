@@ -20,5 +20,4 @@ SHUTDOWN_GRACE: web.AppKey[float] = web.AppKey("shutdown_grace")      # --shutdo
 OWNS_ENGINE: web.AppKey[bool] = web.AppKey("owns_engine")  # the app shuts the engine down
 CREATED: web.AppKey[int] = web.AppKey("created")  # unix time, the models' `created`
 BODY_TIMEOUT: web.AppKey[float] = web.AppKey("body_timeout")          # --body-timeout, seconds
-MAX_JSON_ITEMS: web.AppKey[int] = web.AppKey("max_json_items")  # the most values a valid body holds
 ALLOW_LORA_UPDATES: web.AppKey[bool] = web.AppKey("allow_lora_updates")  # --allow-runtime-lora-updating

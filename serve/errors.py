@@ -39,6 +39,9 @@ class APIError(Exception):
         self.param = param
         self.headers = headers or {}
 
+    def __reduce__(self):  # (raised in the body-parsing helper process, re-raised here)
+        return APIError, (self.status, self.message, self.param, self.headers)
+
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)

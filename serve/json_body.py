@@ -5,6 +5,9 @@
 - Parsing runs in a worker thread (`off_loop`), so a 30 MB body never blocks the event loop; and a
   cheap byte count first refuses bodies with more JSON values than any valid request carries (one C
   call of json.loads on millions of values holds the GIL for a second).
+- A body of LARGE_BODY_BYTES or more is parsed in a helper process (`BodyParser`): json.loads
+  holds the GIL for its whole call even in a thread (33 ms for 30 MB on a CI core, longer on a
+  GPU host's), and every stream this process feeds stalls with it.
 - Nesting deeper than MAX_JSON_DEPTH, integers of thousands of digits and invalid UTF-8 are 400s
   (json.loads raises RecursionError and ValueError for those, which would otherwise be 500s).
 """
@@ -16,6 +19,10 @@ import ctypes
 import functools
 import json
 import logging
+import multiprocessing
+import pickle
+import threading
+from multiprocessing.connection import Connection
 from typing import Any, Callable, TypeVar
 
 from aiohttp import web
@@ -26,6 +33,9 @@ from serve.errors import APIError, bad_request
 MAX_JSON_DEPTH = 32
 # Values that are not token ids or prompts: a generous allowance for every other field.
 EXTRA_JSON_ITEMS = 65536
+# From this size a body is parsed in the helper process: below it json.loads takes ~1 ms, less
+# than the round trip to another process costs.
+LARGE_BODY_BYTES = 1 << 20
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -101,3 +111,80 @@ def parse_json_object(raw: bytes, max_items: int) -> dict[str, Any]:
             and _depth_exceeds(body, MAX_JSON_DEPTH)):
         raise bad_request(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
     return body
+
+
+class BodyParser:
+    """The app's body parser: `parse_json_object` in a worker thread, or for a body of
+    LARGE_BODY_BYTES or more in a helper process (started at the first such body). Only the bytes
+    go there, over a pipe, and the parsed object comes back pickled: unpickling holds this
+    process's GIL a few ms where parsing held it for tens. (Not a ProcessPoolExecutor: its queue
+    keeps the last pickled call alive, 30 MB of RSS after a 30 MB body.) A helper that died is
+    replaced, and that body parsed here."""
+
+    def __init__(self, max_items: int):
+        self.max_items = max_items
+        self.helper_parses = 0  # bodies the helper parsed
+        self._lock = threading.Lock()  # one body in the helper at a time
+        self._helper: tuple[multiprocessing.Process, Connection] | None = None
+
+    async def parse(self, raw: bytes) -> dict[str, Any]:
+        if len(raw) < LARGE_BODY_BYTES:
+            return await off_loop(parse_json_object, raw, self.max_items)
+        return await off_loop(self._in_helper, raw)
+
+    def _in_helper(self, raw: bytes) -> dict[str, Any]:
+        with self._lock:
+            try:
+                if self._helper is None:
+                    # spawn: a fork would copy this process's threads' locks mid-use
+                    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+                    proc = multiprocessing.get_context("spawn").Process(
+                        target=_helper_loop, args=(theirs, self.max_items), daemon=True,
+                        name="jaxinfer-body-parser")
+                    proc.start()
+                    theirs.close()
+                    self._helper = proc, ours
+                conn = self._helper[1]
+                conn.send_bytes(raw)
+                ok, value = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                logger.warning("the body-parsing helper process died; starting another next time")
+                self._close_helper()
+                return parse_json_object(raw, self.max_items)
+        self.helper_parses += 1
+        if not ok:
+            raise value
+        return value
+
+    def _close_helper(self) -> None:
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            proc, conn = helper
+            conn.close()  # (its loop ends at EOF)
+            proc.join(timeout=1)
+            if proc.is_alive():
+                proc.kill()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_helper()
+
+
+def _helper_loop(conn: Connection, max_items: int) -> None:
+    """The helper process: parse each body it is sent, answer (True, object) or (False, the
+    APIError), until the server closes the pipe."""
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except EOFError:
+            return
+        try:
+            answer = (True, parse_json_object(raw, max_items))
+        except APIError as e:
+            answer = (False, e)
+        del raw
+        conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+        del answer
+
+
+BODY_PARSER: web.AppKey[BodyParser] = web.AppKey("body_parser")

@@ -12,10 +12,10 @@ from aiohttp import web
 
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
-from serve.app_keys import BODY_TIMEOUT, MAX_JSON_ITEMS
+from serve.app_keys import BODY_TIMEOUT
 from serve.choices import new_response_id
 from serve.errors import APIError, bad_request
-from serve.json_body import off_loop, parse_json_object, read_body
+from serve.json_body import BODY_PARSER, read_body
 from serve.limits import RequestLimits, check_sequence_count, check_stop, check_strings, check_text_length
 from serve.request_fields import EXTENSION_FIELDS, SAMPLING_FIELDS, check_fields
 from serve.reasoning.request import ReasoningRequest, constrain_answer_only, reasoning_request
@@ -69,7 +69,7 @@ class GenerationRequest:
 async def read_json_body(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object (read within --body-timeout, parsed off the event loop)."""
     raw = await read_body(request, request.app[BODY_TIMEOUT])
-    return await off_loop(parse_json_object, raw, request.app[MAX_JSON_ITEMS])
+    return await request.app[BODY_PARSER].parse(raw)
 
 
 def check_model(body: dict, served_names: list[str]) -> None:

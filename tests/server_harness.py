@@ -85,6 +85,7 @@ class ServerThread:
         self.app_args = app_args
         self.loop = asyncio.new_event_loop()
         self.urls: dict[str, str] = {}
+        self.apps: dict = {}  # name -> its aiohttp Application
         self.engine = None
         self._servers = []
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
@@ -104,7 +105,8 @@ class ServerThread:
         self.engine = create_server_engine(self.engine_args, self.engine_core)
         await self.engine.start()
         for name, args in self.app_args.items():
-            server = server_for(create_app(self.engine, args, owns_engine=False), args)
+            self.apps[name] = create_app(self.engine, args, owns_engine=False)
+            server = server_for(self.apps[name], args)
             await server.start()
             self._servers.append(server)
             self.urls[name] = f"http://127.0.0.1:{server.port}"

@@ -227,3 +227,21 @@ def test_refusals(target):
     assert _args(speculative_config=MTP).spec_config().method == "mtp"
     with pytest.raises(ConfigError, match="has no mtp.pre_fc_norm_embedding tensor"):
         load_mtp(str(FIXTURE), cfg, jnp.float32)
+
+
+def test_a_gpu_keeps_the_automatic_decode_loop_off(target, monkeypatch):
+    """fixed_state.decode_loop_steps: over state-space layers on a GPU the automatic on-device
+    decode loop stays off (its compile asked for the pool's size again on an H100); an explicit
+    --decode-steps-per-call keeps its loop, and a CPU keeps the automatic one."""
+    import jaxinfer.engine.llm_engine as llm_engine
+    from jaxinfer.model.kernel_table import Platform
+    cfg, params = target
+
+    def loop_steps(**overrides) -> int:
+        engine = LLMEngine(cfg, params, None, _args(**overrides), num_blocks=NUM_BLOCKS)
+        return engine.scheduler.decode_steps_per_call
+
+    assert loop_steps() == 8  # this CPU
+    monkeypatch.setattr(llm_engine, "current_platform", lambda: Platform("gpu", (9, 0)))
+    assert loop_steps() == 1
+    assert loop_steps(decode_steps_per_call=4) == 4

@@ -97,3 +97,27 @@ class RequestOutput:
     # An embedding request's pooled hidden state (SamplingParams.pooling), once it has finished:
     # raw (not normalized), float32 values as Python floats.
     embedding: list[float] | None = None
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: each choice's deltas joined (text, ids,
+    logprobs), everything cumulative (text, token_ids, usage, finish) from `later`. A streaming
+    consumer that fell behind sends one event for both (vLLM's RequestOutputCollector)."""
+    choices = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        before = choices.get(c.index)
+        if before is not None:
+            c = dataclasses.replace(
+                c, new_text=before.new_text + c.new_text,
+                new_token_ids=[*before.new_token_ids, *c.new_token_ids],
+                new_logprobs=_joined(before.new_logprobs, c.new_logprobs))
+        choices[c.index] = c
+    return dataclasses.replace(later, outputs=[choices[i] for i in sorted(choices)])
+
+
+def _joined(a: Sequence | None, b: Sequence | None) -> Sequence | None:
+    if a is None or b is None:
+        return b if a is None else a
+    follows = getattr(a, "followed_by", None)
+    joined = follows(b) if follows is not None else None
+    return joined if joined is not None else [*a, *b]

@@ -81,6 +81,14 @@ class LogprobsView(collections.abc.Sequence):
     def __iter__(self):
         return map(self._entry, range(self._start, self._stop))
 
+    def followed_by(self, other) -> LogprobsView | None:
+        """This view and `other`, the entries right after it in the same store, as one view; None
+        for anything else."""
+        if isinstance(other, LogprobsView) and other._store is self._store \
+                and other._start == self._stop:
+            return LogprobsView(self._store, self._start, other._stop)
+        return None
+
     def __eq__(self, other) -> bool:
         if isinstance(other, (LogprobsView, list, tuple)):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))

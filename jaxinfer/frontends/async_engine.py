@@ -31,6 +31,7 @@ import jax
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.frontends.factory import create_engine
 from jaxinfer.frontends.multihost import StreamLeader
+from jaxinfer.frontends.output_stream import OutputStream
 from jaxinfer.engine.args import EngineArgs
 from jaxinfer.errors import JaxinferError, RequestFailedError
 from jaxinfer.core.outputs import RequestOutput
@@ -74,7 +75,7 @@ class AsyncEngine:
         self.is_ready = False
         self.errored: BaseException | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -188,7 +189,7 @@ class AsyncEngine:
             self._set_unadded(request_id, None)
             raise EngineDeadError("the engine loop has died") from self.errored
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputStream()
         added: asyncio.Future = loop.create_future()
 
         def add():
@@ -235,7 +236,7 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _abort_now(self, request_id: str, notify: bool, only: asyncio.Queue | None = None) -> None:
+    def _abort_now(self, request_id: str, notify: bool, only: OutputStream | None = None) -> None:
         entry = self._streams.get(request_id)
         if only is not None and (entry is None or entry[1] is not only):
             return

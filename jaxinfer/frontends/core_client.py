@@ -36,6 +36,7 @@ from jaxinfer.frontends.core_messages import Call, CoreOutputs
 from jaxinfer.frontends.core_processes import POLL_MS, CoreProcesses
 from jaxinfer.frontends.merged_metrics import merge_expositions
 from jaxinfer.frontends.output_state import RequestState
+from jaxinfer.frontends.output_stream import OutputStream
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.model.tokenizer import load_tokenizer
 from jaxinfer.sampling_params import SamplingParams
@@ -84,8 +85,8 @@ class CoreProcessEngine:
         self._call_ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         # add call id -> (request id, state, stream, flags) until the core's verdict
-        self._adding: dict[int, tuple[str, RequestState, asyncio.Queue, list]] = {}
-        self._streams: dict[str, tuple[RequestState, asyncio.Queue]] = {}
+        self._adding: dict[int, tuple[str, RequestState, OutputStream, list]] = {}
+        self._streams: dict[str, tuple[RequestState, OutputStream]] = {}
         self._unadded: dict[str, int] = {}  # request id -> sequences sent, not yet accepted
         self._owner: dict[str, int] = {}  # request id -> its core, while it runs there
         self._load = [0] * self.cores.num  # requests per core (a new one goes to the least loaded)
@@ -172,7 +173,7 @@ class CoreProcessEngine:
                                       param="request_id")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         state = RequestState(request_id, prompt_ids, params, self.tokenizer, self.eos_token_ids)
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputStream()
         flags: list[str] = []  # "closed", "aborted": what happened while the add was on its way
         call_id = next(self._call_ids)
         added = self._loop.create_future()

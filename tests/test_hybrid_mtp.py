@@ -230,7 +230,7 @@ def test_refusals(target):
 
 
 def test_a_gpu_keeps_the_automatic_decode_loop_off(target, monkeypatch):
-    """fixed_state.decode_loop_steps: over state-space layers on a GPU the automatic on-device
+    """fixed_state.automatic_decode_loop: over state-space layers on a GPU the automatic on-device
     decode loop stays off (its compile asked for the pool's size again on an H100); an explicit
     --decode-steps-per-call keeps its loop, and a CPU keeps the automatic one."""
     import jaxinfer.engine.llm_engine as llm_engine

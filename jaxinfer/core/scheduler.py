@@ -36,7 +36,7 @@ import itertools
 import time
 from typing import Callable, Iterable
 
-from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheManager, PrefixCacheStats
+from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
 from jaxinfer.core.kv_loads import KVLoads
 from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.core.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -158,9 +158,8 @@ class Scheduler:
         if self.lora_slots is not None and not self.lora_slots.acquire(seq):
             return None
         prompt_len = seq.prompt_len
-        states = any(isinstance(spec, FixedStateSpec) for spec in self.kv.groups.specs)
         cached = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids[:prompt_len],
-                                             match=not states, count=False,
+                                             match=not self.kv.groups.has_fixed_state, count=False,
                                              namespace=self._cache_namespace(seq))
         if not self.kv.allocate_slots(seq.seq_id, prompt_len + 1 - cached):
             self.drop_hand_over(seq)

@@ -72,13 +72,14 @@ class SchedulerConfig:
     async_scheduling: bool
     async_launch: bool
 
-    def decode_loop(self, speculative: bool) -> tuple[int, int]:
+    def decode_loop(self, speculative: bool, auto: bool = True) -> tuple[int, int]:
         """(steps per call, most decoding sequences) of the on-device decode loop; 1 step: none.
         The automatic loop stays off with speculative decoding, whose verify steps serve the same
-        few-sequence regime and never run in a loop."""
+        few-sequence regime and never run in a loop, and where the engine says (`auto` False:
+        engine/fixed_state.py `automatic_decode_loop`)."""
         steps = self.decode_steps_per_call
         if steps is None:
-            steps = 1 if speculative else AUTO_DECODE_STEPS
+            steps = AUTO_DECODE_STEPS if auto and not speculative else 1
             default_seqs = AUTO_LOOP_MAX_SEQS
         else:
             default_seqs = self.max_num_seqs
@@ -159,5 +160,5 @@ class EngineConfig:
         parts = {name: cut(args, part) for name, part in FLAT_PARTS.items()}
         return cls(**parts, speculative=args.spec_config())
 
-    def decode_loop(self) -> tuple[int, int]:
-        return self.scheduler.decode_loop(self.speculative is not None)
+    def decode_loop(self, auto: bool = True) -> tuple[int, int]:
+        return self.scheduler.decode_loop(self.speculative is not None, auto)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernel_table import current_platform
 from jaxinfer.engine.args import EngineArgs
-from jaxinfer.engine.fixed_state import decode_loop_steps, refuse_what_fixed_state_lacks
+from jaxinfer.engine.fixed_state import automatic_decode_loop, refuse_what_fixed_state_lacks
 from jaxinfer.engine.itl_target import ItlTarget
 from jaxinfer.errors import ConfigError, InvalidRequestError, RequestFailedError
 from jaxinfer.core.kv_cache import FixedStateSpec, KVCacheGroups, KVCacheManager
@@ -107,8 +107,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         self.metrics.weight_bytes.set(per_device_bytes(params))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else cfg.eos_token_ids
         self.num_total_blocks = num_blocks
-        loop_steps, loop_max_seqs = config.decode_loop()
-        loop_steps = decode_loop_steps(groups, config, loop_steps, current_platform().gpu)
+        loop_steps, loop_max_seqs = config.decode_loop(
+            automatic_decode_loop(groups, config, current_platform().gpu))
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, groups,
                            host_tier_for(cfg, cache, kv_dtype, groups), kv_dtype),

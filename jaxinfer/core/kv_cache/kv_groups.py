@@ -27,7 +27,7 @@ import dataclasses
 from typing import Sequence
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.kv_specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from jaxinfer.model.kv_specs import FixedStateSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 # The page shape `from_layer_windows` gives its specs: only the layout is asked of those groups.
 _LAYOUT_ONLY = FullAttentionSpec(1, 1)
@@ -156,6 +156,11 @@ class KVCacheGroups:
     @property
     def num_layers(self) -> int:
         return len(self.layer_group)
+
+    @property
+    def has_fixed_state(self) -> bool:
+        """Whether some group is a state-space layer's fixed state (FixedStateSpec)."""
+        return any(isinstance(spec, FixedStateSpec) for spec in self.specs)
 
     @property
     def is_hybrid(self) -> bool:

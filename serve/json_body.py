@@ -136,14 +136,7 @@ class BodyParser:
         with self._lock:
             try:
                 if self._helper is None:
-                    # spawn: a fork would copy this process's threads' locks mid-use
-                    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-                    proc = multiprocessing.get_context("spawn").Process(
-                        target=_helper_loop, args=(theirs, self.max_items), daemon=True,
-                        name="jaxinfer-body-parser")
-                    proc.start()
-                    theirs.close()
-                    self._helper = proc, ours
+                    self._helper = self._start_helper()
                 conn = self._helper[1]
                 conn.send_bytes(raw)
                 ok, value = pickle.loads(conn.recv_bytes())
@@ -155,6 +148,15 @@ class BodyParser:
         if not ok:
             raise value
         return value
+
+    def _start_helper(self) -> tuple[multiprocessing.Process, Connection]:
+        ctx = multiprocessing.get_context("spawn")  # a fork would copy our threads' locks mid-use
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_helper_loop, args=(theirs, self.max_items), daemon=True,
+                           name="jaxinfer-body-parser")
+        proc.start()
+        theirs.close()
+        return proc, ours
 
     def _close_helper(self) -> None:
         helper, self._helper = self._helper, None

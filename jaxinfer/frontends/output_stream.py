@@ -22,8 +22,9 @@ class OutputStream:
         self._queue.put_nowait(item)
 
     async def get(self) -> RequestOutput | BaseException:
-        item, self._held = (self._held, None) if self._held is not None else (
-            await self._queue.get(), None)
+        item, self._held = self._held, None
+        if item is None:
+            item = await self._queue.get()
         while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
             following = self._queue.get_nowait()
             if not isinstance(following, RequestOutput):

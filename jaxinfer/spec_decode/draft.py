@@ -138,7 +138,7 @@ class DraftModel:
         """Catch up, then propose for the step's speculating rows. -> (VerifyInputs with the
         device's proposals, q f32[S, K, V])"""
         runner = self.runner
-        for src, dst in runner.copy_batches(sched.block_copies or []):
+        for src, dst in runner.copy_batches(sched.block_copies):
             self.kv_cache = copy_blocks(self.kv_cache, src, dst)
         s = batch.md.num_seqs
         first_ids = np.zeros(s, np.int32)

@@ -280,7 +280,7 @@ class EagleProposer:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """A step's attention-page copies in the head's KV and stream caches, in the runner's copy
         buckets (the step's state-page copies are the target's alone)."""
-        for src, dst in self.runner.copy_batches(copies or []):
+        for src, dst in self.runner.copy_batches(copies):
             self.kv_cache = copy_blocks(self.kv_cache, src, dst)
             self.streams = self.runner.programs.run("eagle stream copy", self.streams, src, dst)
 

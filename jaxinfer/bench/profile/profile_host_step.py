@@ -62,14 +62,17 @@ def profile_host_steps(engine, prompts: list[list[int]], steps: int = 20, top: i
 
 
 def launch_costs(engine, sizes: tuple[int, ...] = (8, 256), reps: int = 20) -> dict:
-    """Host milliseconds (median of `reps`) to dispatch one all-padding decode step of each
-    bucket size through the runner (forward + sampler), with its inputs as host numpy arrays (as
-    the engine passes them) and already on the device, and of `jax.device_put` of those inputs
-    (waited for). Run with no request in flight: the steps write no KV and emit no token."""
+    """Host milliseconds (median of `reps`) of one all-padding decode step of each bucket size:
+    `launch_ms` the runner's whole launch (pack, transfer, forward and sampler dispatched), and its
+    parts: `pack_ms` the host inputs into one buffer (transfer._split_packed), `place_ms` that
+    buffer's transfer (waited for), `dispatch_ms` the two programs' calls on placed inputs. Run
+    with no request in flight: the steps write no KV and emit no token."""
     import statistics
 
     import jax
 
+    from jaxinfer.parallel import transfer
+    from jaxinfer.worker.programs import forward_key
     from jaxinfer.worker.sampler import BASE_SAMPLER
     runner = engine.runner
     out = {}
@@ -87,12 +90,23 @@ def launch_costs(engine, sizes: tuple[int, ...] = (8, 256), reps: int = 20) -> d
     for size in sizes:
         if size not in runner.buckets.decode_buckets:
             continue
-        batch = runner.compiler.padding_batch("decode", size, BASE_SAMPLER)
-        on_device = jax.device_put(batch)
+        batch = runner.step_batch([], size, size, size, BASE_SAMPLER)  # all padding
+        tail = runner.sampling_tail(size)
+        placed, apart, packing = transfer.pack_split_step_inputs(batch, runner.plan, tail)
+
+        def dispatch():
+            logits, runner.kv_cache, rest = runner.programs.run(
+                "packed forward", runner.params, runner.kv_cache, runner.last_tokens, placed,
+                key=forward_key(batch), packing=packing.model)
+            runner.last_tokens, _ = runner.programs.run(
+                "packed sample", logits, runner.last_tokens, rest, apart,
+                key=(size, BASE_SAMPLER), packing=packing.sample, variant=BASE_SAMPLER)
         out[f"decode{size}"] = dict(
-            launch_host_inputs_ms=median_ms(lambda: runner._run_step(batch, BASE_SAMPLER)),
-            launch_device_inputs_ms=median_ms(lambda: runner._run_step(on_device, BASE_SAMPLER)),
-            device_put_inputs_ms=median_ms(lambda: jax.block_until_ready(jax.device_put(batch))))
+            launch_ms=median_ms(lambda: runner._run_step(batch, BASE_SAMPLER)),
+            pack_ms=median_ms(lambda: transfer._split_packed(batch, tail)),
+            place_ms=median_ms(lambda: jax.block_until_ready(
+                transfer.pack_split_step_inputs(batch, runner.plan, tail)[0])),
+            dispatch_ms=median_ms(dispatch))
     return out
 
 

@@ -72,3 +72,15 @@ def test_the_probe_sees_a_retrace_and_an_implicit_copy(monkeypatch):
     monkeypatch.setitem(runner.programs.jitted, "packed sample", copying)
     probe = probe_host(engine, [prompt_ids(7, 9)], steps=STEPS, replays=1)
     assert "host-to-device" in probe["implicit_transfer"]
+
+
+def test_launch_costs_split_the_launch_of_each_decode_bucket():
+    from jaxinfer.bench.profile.profile_host_step import launch_costs
+    engine = fused_engine(None)
+    sizes = tuple(engine.runner.buckets.decode_buckets[:2])
+    costs = launch_costs(engine, sizes, reps=3)
+    assert sorted(costs) == sorted(f"decode{s}" for s in sizes)
+    for parts in costs.values():
+        assert set(parts) == {"launch_ms", "pack_ms", "place_ms", "dispatch_ms"}
+        assert all(ms > 0 for ms in parts.values())
+    assert not engine.has_unfinished_requests()

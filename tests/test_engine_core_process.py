@@ -116,6 +116,8 @@ def test_data_parallel_replicas_are_core_processes_of_their_own(tmp_path):
     generated = [_sample(text, "jaxinfer:generation_tokens_total") for text in per_core]
     assert all(g > 0 for g in generated) and sum(generated) == 60, generated
     assert _sample(merged, "jaxinfer:generation_tokens_total") == 60
+    steps = [_sample(text, "jaxinfer:engine_steps_total") for text in per_core]
+    assert all(n > 0 for n in steps) and _sample(merged, "jaxinfer:engine_steps_total") == sum(steps)
     assert blocks == 2 * tiny_engine_args(model_dir).num_blocks
 
 

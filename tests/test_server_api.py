@@ -251,6 +251,12 @@ def test_metrics_count_what_was_sent(server, client):
     assert delta("jaxinfer:e2e_request_latency_seconds_count") == 3
     assert delta("jaxinfer:time_to_first_token_seconds_count") == 3
     assert delta("jaxinfer:http_requests_total", handler="/v1/completions", status="200") == 3
+    # The engine core's step loop: 3 requests of 4 tokens, one at a time, take >= 4 steps each.
+    steps = delta("jaxinfer:engine_steps_total", stage="dispatched")
+    assert steps >= 12 and 0 < delta("jaxinfer:engine_steps_total", stage="processed") <= steps
+    phases = {p: delta("jaxinfer:engine_step_host_seconds_total", phase=p)
+              for p in ("schedule", "build", "launch", "wait", "process")}
+    assert all(v >= 0 for v in phases.values()) and phases["launch"] > 0, phases
     for name in ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting",
                  "jaxinfer:kv_cache_usage_perc",
                  "jaxinfer:prefix_cache_queries_total", "jaxinfer:prefix_cache_hits_total",

@@ -21,6 +21,7 @@ import functools
 import logging
 import random
 import time
+import weakref
 from typing import Callable
 
 import jax
@@ -149,6 +150,8 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         observe = config.observability
         self._profiling_left = observe.profile_steps if observe.profile_dir else 0
         self.stats = EngineStats()
+        engine = weakref.ref(self)  # (the metrics may outlive the engine)
+        self.metrics.track_stats(lambda: getattr(engine(), "stats", None))
         self._preempt_seen = 0
         # Requests failed by the engine itself (see `_fail`), for the caller to report: (id, error).
         self._failed: list[tuple[str, RequestFailedError]] = []

@@ -8,7 +8,10 @@ uses a fresh registry, so pass `REGISTRY` explicitly to publish there.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
 
@@ -74,6 +77,7 @@ class EngineMetrics:
                                       "Step buckets compiled and in use (the rest compiling)")
         self.total_buckets = gauge("jaxinfer:total_buckets", "Step buckets of the engine")
         self._prefix_seen = (0, 0)
+        self._stats_of: Callable[[], EngineStats] | None = None
         self._spec_decode: SpecDecodeMetrics | None = None
         self._host_kv: HostKVMetrics | None = None
 
@@ -101,6 +105,31 @@ class EngineMetrics:
         self.compiled_buckets.set_function(lambda: compiler.num_ready)
         self.total_buckets.set_function(lambda: compiler.num_units)
 
+    def track_stats(self, stats_of: Callable[[], "EngineStats | None"]) -> None:
+        """Export the step loop's host timing (`stats_of()`, read at every scrape: benchmarks
+        replace an engine's EngineStats; None: none now) as counters: steps dispatched and processed, and the host
+        seconds of each phase. An engine rebuilt on these metrics takes the export over."""
+        if self._stats_of is None:
+            self.registry.register(_StepPhases(self))
+        self._stats_of = stats_of
+
+    def step_phase_families(self) -> list:
+        s = self._stats_of()
+        if s is None:
+            return []
+        steps = CounterMetricFamily("jaxinfer:engine_steps", "Engine steps by stage: dispatched to "
+                                    "the device, processed (their tokens taken)",
+                                    labels=["model_name", "stage"])
+        steps.add_metric([self.model_name, "dispatched"], s.steps)
+        steps.add_metric([self.model_name, "processed"], s.processed)
+        seconds = CounterMetricFamily(
+            "jaxinfer:engine_step_host_seconds", "Host seconds of the step loop by phase: schedule, "
+            "build and launch before a step reaches the device; wait (blocked on its tokens) and "
+            "process (its outputs) after", labels=["model_name", "phase"])
+        for phase in ("schedule", "build", "launch", "wait", "process"):
+            seconds.add_metric([self.model_name, phase], getattr(s, f"{phase}_s"))
+        return [steps, seconds]
+
     def request_success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
 
@@ -112,6 +141,16 @@ class EngineMetrics:
         if hits > h0:
             self.prefix_cache_hits.inc(hits - h0)
         self._prefix_seen = (queries, hits)
+
+
+class _StepPhases:
+    """A registry's view of EngineMetrics.step_phase_families (a custom collector)."""
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        return self.metrics.step_phase_families()
 
 
 def observe_many(histogram, amount: float, count: int) -> None:

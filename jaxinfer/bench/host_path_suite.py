@@ -130,9 +130,12 @@ def _bench_serve(args, url: str, seed: int, conc: int, prompts: int) -> dict:
 
 
 def _scrape(url: str) -> dict[tuple[str, str], float]:
-    """The server's /metrics samples: (name, the label that is not model_name) -> value."""
+    return samples(urllib.request.urlopen(url + "/metrics", timeout=30).read().decode())
+
+
+def samples(text: str) -> dict[tuple[str, str], float]:
+    """A /metrics text's samples: (name, its labels but model_name as k=v,...) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     return {(s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
                               if k != "model_name")): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}

@@ -84,3 +84,17 @@ def test_launch_costs_split_the_launch_of_each_decode_bucket():
         assert set(parts) == {"launch_ms", "pack_ms", "place_ms", "dispatch_ms"}
         assert all(ms > 0 for ms in parts.values())
     assert not engine.has_unfinished_requests()
+
+
+def test_command_buffer_variants_become_per_variant_keys_and_skip_errors():
+    from jaxinfer.bench.profile.command_buffers import metrics_of, table
+    probe = {"step_ms": 5.5, "host": {}, "host_ms": 3.0, "launch_cpu_ms": 2.6,
+             "dispatch_ms": 2.9, "dispatch_cpu_ms": 2.9, "compiles": 0}
+    results = {"off": {"bs1_tpot_ms": 7.7, "bs1": probe, "c64": dict(probe, step_ms=11.0),
+                       "launch": {"decode8": {"pack_ms": 0.1, "dispatch_ms": 6.5}}},
+               "min1": {"error": "timed out after 150 s"}}
+    m = metrics_of(results)
+    assert m["off_bs1_tpot_ms"] == 7.7 and m["off_c64_step_ms"] == 11.0
+    assert m["off_bs1_dispatch_cpu_ms"] == 2.9 and m["off_decode8_dispatch_ms"] == 6.5
+    assert not any(k.startswith("min1") for k in m)
+    assert "timed out" in table(results).splitlines()[-1]

@@ -11,7 +11,8 @@
   offline figures;
 - big_body_itl_p99_delta_ms: bench/big_body.py against the same server.
 
-Every section runs with --decode-steps-per-call 1 unless told (the host's cost per step, and a
+The server runs with --itl-target-ms off (as offline; SERVED_ITL_TARGET says why). Every section
+runs with --decode-steps-per-call 1 unless told (the host's cost per step, and a
 stream that gets every token as its step ends, not in the on-device loop's bursts), and compiles
 every step bucket before it is ready (--no-background-compile): a bucket compiling beside a timed
 run took the host's CPU and GIL (an H100 run at f96f5c2 timed 24 ms of host per batch-1 step so). --preset
@@ -35,6 +36,11 @@ from jaxinfer.bench import common, presets, results_io
 from jaxinfer.bench.big_body import big_body
 
 BENCH = [sys.executable, "-m", "jaxinfer.bench.cli"]
+# The served runs schedule as the offline ones do. `serve`'s default ITL target ("auto") caps the
+# prompt tokens of a step that decodes, so c = 256's prompts were admitted a few at a time (an
+# H100 run at 31ba4d7: 107 tokens a step against ~220 offline); the ratio would then measure that
+# policy, not the host path. --serve-args "--itl-target-ms auto" measures it.
+SERVED_ITL_TARGET = "off"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -87,7 +93,7 @@ def offline(args, model: list[str]) -> dict:
 def served(args, model: list[str]) -> dict:
     serve = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli.main", "serve", *model, "--port",
                               str(args.port), "--engine-core", args.engine_core,
-                              *args.serve_args.split()])
+                              "--itl-target-ms", SERVED_ITL_TARGET, *args.serve_args.split()])
     url = f"http://127.0.0.1:{args.port}"
     try:
         _wait_healthy(url, serve, args.timeout)
@@ -194,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
             common.write_json(args.output_json, metrics)
         if args.save:
             results_io.save(args.save, args.name or f"host_path_{results_io.device_slug()}",
-                            config={**common.record_config(args)}, metrics=common.numeric(metrics))
+                            config={**common.record_config(args),
+                                    "served_itl_target_ms": SERVED_ITL_TARGET},
+                            metrics=common.numeric(metrics))
     return 0
 

@@ -77,7 +77,7 @@ class EngineMetrics:
                                       "Step buckets compiled and in use (the rest compiling)")
         self.total_buckets = gauge("jaxinfer:total_buckets", "Step buckets of the engine")
         self._prefix_seen = (0, 0)
-        self._stats_of: Callable[[], EngineStats] | None = None
+        self._stats_of: Callable[[], EngineStats | None] | None = None
         self._spec_decode: SpecDecodeMetrics | None = None
         self._host_kv: HostKVMetrics | None = None
 
@@ -106,9 +106,10 @@ class EngineMetrics:
         self.total_buckets.set_function(lambda: compiler.num_units)
 
     def track_stats(self, stats_of: Callable[[], "EngineStats | None"]) -> None:
-        """Export the step loop's host timing (`stats_of()`, read at every scrape: benchmarks
-        replace an engine's EngineStats; None: none now) as counters: steps dispatched and processed, and the host
-        seconds of each phase. An engine rebuilt on these metrics takes the export over."""
+        """Export the step loop's host timing as counters: steps dispatched and processed, and
+        the host seconds of each phase. `stats_of()` is read at every scrape (benchmarks replace
+        an engine's EngineStats; None: no engine now). An engine rebuilt on these metrics takes
+        the export over."""
         if self._stats_of is None:
             self.registry.register(_StepPhases(self))
         self._stats_of = stats_of

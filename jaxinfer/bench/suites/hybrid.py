@@ -83,7 +83,9 @@ TINY_OVERRIDES = {
                                shared_expert_intermediate_size=128, vocab_size=512),
 }
 SECTIONS = ("plan", "ssm", "granite4h_tiny", "qwen3_next_80b_fp8")
-LIMITS = {"plan": 90, "ssm": 150, "granite4h_tiny": 200, "qwen3_next_80b_fp8": 330}
+# Seconds per section. Granite's 40 layers compile lazily in the first requests: an H100 run at
+# 31ba4d7 was still compiling 139 s after ready (61 s) when its 200 s ran out.
+LIMITS = {"plan": 90, "ssm": 150, "granite4h_tiny": 360, "qwen3_next_80b_fp8": 330}
 ROUTED_EXPERT_LEAVES = {"w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale", "w_down_scale"}
 
 

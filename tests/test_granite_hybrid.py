@@ -450,3 +450,21 @@ def test_pallas_kernels_through_the_mixer():
         logits[name] = (first, second)
     for ref, got in zip(logits["reference"], logits["pallas"]):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_block_tables_padded_to_a_gpus_width_keep_the_goldens(monkeypatch):
+    """A GPU's kernel table pads a block table's width to 64 columns (KernelTable.table_columns:
+    each row and group sliced out of it then starts 256-byte aligned, as Mosaic GPU requires);
+    the state pages and attention blocks read through the wider tables give the same walk."""
+    import dataclasses
+
+    from jaxinfer.engine import kernels, kv_blocks, llm_engine
+
+    def padded(config):
+        return dataclasses.replace(kernels.engine_kernels(config), table_columns=64)
+    for module in (llm_engine, kv_blocks):
+        monkeypatch.setattr(module, "engine_kernels", padded)
+    cfg, params = _load(MOE)
+    engine = LLMEngine(cfg, params, None, _args(MOE, 16), num_blocks=16)
+    assert engine.runner.max_blocks == 64
+    assert_engine_matches_goldens(engine, np.load(MOE / "golden.npz"))

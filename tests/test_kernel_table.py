@@ -83,6 +83,9 @@ def test_gpu_tables_take_the_kernels_their_platform_supports():
         assert table.lora_delta == LoraDelta("pallas", interpret=False)
         assert table.routing == Router(fused=True, interpret=False)
     assert hopper.latent_decode is MosaicLatentDecode and ampere.latent_decode is None
+    # Block tables 256-byte wide per row on a GPU (Mosaic GPU's operand alignment).
+    assert hopper.table_columns == ampere.table_columns == 64
+    assert REFERENCE_KERNELS.table_columns == 1
     assert hopper.routed_experts == RoutedExperts("auto", gpu=True, hopper=True)
     assert ampere.quantized_matmul == QuantizedMatmul("auto", (8, 0))
     # The flags win over "auto"; the reference attention keeps the GPU's other kernels.

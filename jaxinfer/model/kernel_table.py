@@ -102,6 +102,10 @@ class KernelTable:
     # Where the fixed-state layers' heads run: `StateHeads` on one device, `ShardedStateHeads`
     # per device over a mesh (parallel/state_heads.py).
     state_heads: StateHeads = StateHeads()
+    # Columns a block table's width is a multiple of. On a GPU 64 (256 bytes): every row and group
+    # a step slices out of the table (a mixed step's prefill rows, a KV group's table) is handed
+    # to the kernels as a view, and Mosaic GPU refuses an operand not 256-byte aligned at launch.
+    table_columns: int = 1
 
     @property
     def name(self) -> str:
@@ -161,7 +165,7 @@ def resolve_kernels(platform: Platform, *, attention: str = "auto", moe: str = "
         from pallas_kernels.norm.rms_norm import add_rms_norm_triton
         table = dataclasses.replace(table, add_rms_norm=add_rms_norm_triton, gemm_rows=gemm_rows,
                                     routing=Router(fused=True), mamba2=Mamba2Kernels(pallas=True),
-                                    gdn=GatedDeltaNetKernels(pallas=True))
+                                    gdn=GatedDeltaNetKernels(pallas=True), table_columns=64)
     if platform.hopper and name == "mosaic":
         from pallas_kernels.attention.latent_decode_mosaic import MosaicLatentDecode
         table = dataclasses.replace(table, latent_decode=MosaicLatentDecode)

@@ -42,7 +42,7 @@ def step_activation_bytes(cfg: ModelConfig, params, kernels: KernelTable, *, kv_
     buckets = Buckets.make(max_num_seqs, max_num_batched_tokens)
     t, s = buckets.mixed_shape(buckets.token_buckets[-1])
     groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
-    max_blocks = groups.table_width(max_model_len, block_size, kv_dtype)
+    max_blocks = groups.table_width(max_model_len, block_size, kv_dtype, kernels.table_columns)
     batches = {v: build_step_batch([], 0, t, s, SamplingTable(max_num_seqs, cfg.vocab_size),
                                    block_size, max_blocks, max_model_len, v,
                                    kv_layout=groups.kv_layout) for v in SAMPLE_VARIANTS}

@@ -154,7 +154,8 @@ class ModelRunner:
         self.launcher: StepLauncher | None = None  # set_async_launch
         # The KV manager's layer groups (None: one table, one cache array per layer).
         self.kv_groups = kv_groups or KVCacheGroups.for_model(cfg, hybrid=False)
-        self.max_blocks = self.kv_groups.table_width(max_model_len, block_size, kv_dtype)
+        self.max_blocks = self.kv_groups.table_width(max_model_len, block_size, kv_dtype,
+                                                     kernels.table_columns)
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype,
                                           num_slots=self.kv_groups.num_slots,
                                           num_heads=plan and plan.stored_kv_heads,

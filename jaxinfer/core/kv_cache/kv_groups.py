@@ -130,11 +130,12 @@ class KVCacheGroups:
         return sum(spec.blocks_for_sequence(num_tokens, chunk, block_size, dtype)
                    for spec in self.specs)
 
-    def table_width(self, max_model_len: int, block_size: int, dtype) -> int:
+    def table_width(self, max_model_len: int, block_size: int, dtype, multiple: int = 1) -> int:
         """A block table's columns: a sequence's blocks at `max_model_len`, or a fixed state's
-        pages where more."""
-        return max([-(-max_model_len // block_size)] + [
+        pages where more, rounded up to a `multiple` (KernelTable.table_columns)."""
+        width = max([-(-max_model_len // block_size)] + [
             n for n in self.state_pages(block_size, dtype) if n is not None])
+        return -(-width // multiple) * multiple
 
     def state_pages(self, block_size: int, dtype) -> tuple[int | None, ...]:
         """Per group the blocks a sequence holds from its first token on (a fixed state's

@@ -105,6 +105,8 @@ def test_state_in_the_attention_page():
     assert groups.page_bytes(BLOCK, jnp.float32) == BLOCK * 2 * 2 * 16 * 4
     assert groups.blocks_for_sequence(32, 16, BLOCK, jnp.float32) == 8 + 3 * 2
     assert groups.table_width(4, BLOCK, jnp.float32) == 2  # the pages beyond the tokens' one
+    assert groups.table_width(4, BLOCK, jnp.float32, 64) == 64  # a GPU's rows: 256 bytes
+    assert groups.table_width(64 * BLOCK + 1, BLOCK, jnp.float32, 64) == 128
 
 
 def test_memory_counts_the_state():

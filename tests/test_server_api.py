@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 
+from jaxinfer.engine.metrics import STEP_PHASES
 from server_harness import MAX_MODEL_LEN, MODEL, NO_EOS, metric, metric_delta, scrape, wait_pool_free
 
 # ---- the official openai client ------------------------------------------------------------------
@@ -255,7 +256,7 @@ def test_metrics_count_what_was_sent(server, client):
     steps = delta("jaxinfer:engine_steps_total", stage="dispatched")
     assert steps >= 12 and 0 < delta("jaxinfer:engine_steps_total", stage="processed") <= steps
     phases = {p: delta("jaxinfer:engine_step_host_seconds_total", phase=p)
-              for p in ("schedule", "build", "launch", "wait", "process")}
+              for p in STEP_PHASES}
     assert all(v >= 0 for v in phases.values()) and phases["launch"] > 0, phases
     for name in ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting",
                  "jaxinfer:kv_cache_usage_perc",

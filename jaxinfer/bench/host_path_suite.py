@@ -6,9 +6,9 @@
 - served_c1_itl_p50_ms, served_c1_tpot_ms, served_c256_out_tok_s: `jaxinfer serve` (its engine
   core in a process of its own; --engine-core in-process to compare) under `jaxinfer bench serve`
   at concurrency 1 and --concurrency;
-- served_<run>_core_*: the engine core's own step loop over each served run, from the server's
-  /metrics (steps, tokens per step, step period, host ms per step by phase), to set beside the
-  offline figures;
+- served_<run>_core_*: the engine core's own step loop over each served run (`jaxinfer bench
+  serve`'s server_* keys, from the server's /metrics: steps, tokens per step, step period, host
+  ms per step by phase), to set beside the offline figures;
 - big_body_itl_p99_delta_ms: bench/big_body.py against the same server.
 
 The server runs with --itl-target-ms off (as offline; SERVED_ITL_TARGET says why). Every section
@@ -97,20 +97,18 @@ def served(args, model: list[str]) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     try:
         _wait_healthy(url, serve, args.timeout)
-        out, core = {}, {}
+        out = {}
         # A seed per run: the c = 1 run's prompts would otherwise open the next run's list, and
         # the server's prefix cache would skip their prefill (`served_c256_prefix_hit_rate`).
         for seed, (conc, prompts) in enumerate(((1, 16), (args.concurrency, 2 * args.concurrency))):
-            _bench_serve(args, url, seed + 100, conc, min(conc, 16))  # warm-up, outside the deltas
-            before = _scrape(url)
             out[conc] = _bench_serve(args, url, seed, conc, prompts)
-            core[conc] = core_steps(before, _scrape(url), out[conc]["duration"])
         figures = {"served_c1_itl_p50_ms": out[1]["median_itl_ms"],
                    "served_c1_tpot_ms": out[1]["median_tpot_ms"],
                    "served_c256_out_tok_s": out[args.concurrency]["output_throughput"],
                    "served_c256_prefix_hit_rate": out[args.concurrency].get("prefix_hit_rate")}
-        for run, conc in (("c1", 1), ("c256", args.concurrency)):
-            figures.update({f"served_{run}_core_{key}": v for key, v in core[conc].items()})
+        for run, conc in (("c1", 1), ("c256", args.concurrency)):  # (bench serve's server_*)
+            figures.update({f"served_{run}_core_{key[len('server_'):]}": v
+                            for key, v in out[conc].items() if key.startswith("server_")})
         model_name = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
         bb = big_body(url, model_name, 8, args.output_len, args.body_mb)
         figures["big_body_itl_p99_delta_ms"] = bb["big_body_itl_p99_delta_ms"]
@@ -121,49 +119,18 @@ def served(args, model: list[str]) -> dict:
 
 
 def _bench_serve(args, url: str, seed: int, conc: int, prompts: int) -> dict:
-    """One `jaxinfer bench serve` run (no warm-up of its own) -> its result file's figures."""
+    """One `jaxinfer bench serve` run -> its result file's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         stdout, stderr, code = common.child([
             *BENCH, "serve", "--base-url", url, "--dataset-name", "random", "--seed", str(seed),
             "--num-prompts", str(prompts), "--max-concurrency", str(conc),
             "--random-input-len", str(args.input_len), "--random-output-len",
-            str(args.output_len), "--ignore-eos", "--save-result", "--result-dir", tmp,
-            "--result-filename", "r.json"], args.timeout)
+            str(args.output_len), "--ignore-eos", "--num-warmups", str(min(conc, 16)),
+            "--save-result", "--result-dir", tmp, "--result-filename", "r.json"], args.timeout)
         if code != 0:
             raise RuntimeError(f"bench serve at concurrency {conc} failed ({code}):\n"
                                f"{stdout[-2000:]}\n{stderr[-3000:]}")
         return json.loads((Path(tmp) / "r.json").read_text())
-
-
-def _scrape(url: str) -> dict[tuple[str, str], float]:
-    return samples(urllib.request.urlopen(url + "/metrics", timeout=30).read().decode())
-
-
-def samples(text: str) -> dict[tuple[str, str], float]:
-    """A /metrics text's samples: (name, its labels but model_name as k=v,...) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-    return {(s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def core_steps(before: dict, after: dict, duration_s: float) -> dict:
-    """The engine core's step loop over a served run, from its /metrics counters: steps
-    dispatched, generated tokens per step, the mean step period (the run's duration over its
-    steps), and the host ms per dispatched step of each phase (`host_ms`: schedule + build +
-    launch, as `*_host_ms_per_step` offline)."""
-    def delta(name: str, label: str = "") -> float:
-        return after.get((name, label), 0.0) - before.get((name, label), 0.0)
-    steps = delta("jaxinfer:engine_steps_total", "stage=dispatched")
-    if steps <= 0:
-        return {}
-    phases = {p: 1e3 * delta("jaxinfer:engine_step_host_seconds_total", f"phase={p}") / steps
-              for p in ("schedule", "build", "launch", "wait", "process")}
-    return {"steps": steps,
-            "tokens_per_step": delta("jaxinfer:generation_tokens_total") / steps,
-            "step_period_ms": 1e3 * duration_s / steps,
-            "host_ms": phases["schedule"] + phases["build"] + phases["launch"],
-            **{f"{p}_ms": ms for p, ms in phases.items()}}
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:

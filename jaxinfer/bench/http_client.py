@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import aiohttp
@@ -16,6 +17,7 @@ import numpy as np
 
 from jaxinfer.bench.datasets import BenchRequest
 from jaxinfer.bench.serving_metrics import RequestResult
+from jaxinfer.engine.metrics import STEP_PHASES
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, model: str, chat: bool,
@@ -125,24 +127,56 @@ async def fetch_model_info(base_url: str, headers: dict, wait_s: float = 0.0) ->
                 await asyncio.sleep(0.5)
 
 
+# /metrics counters read around a timed run: summed over their labels, but for the step loop's
+# (EngineMetrics.track_stats), kept per `label` value as `<name>.<value>`.
+_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "compiled_buckets",
+             "total_buckets", "generation_tokens_total")
+_PER_LABEL = {"engine_steps_total": "stage", "engine_step_host_seconds_total": "phase"}
+
+
 async def fetch_server_counters(base_url: str, headers: dict) -> dict[str, float]:
-    """From the server's /metrics: the prefix cache's counters (prompt tokens looked up, of those
-    found: jaxinfer's and vLLM's `<prefix>:prefix_cache_{queries,hits}_total`) and jaxinfer's step
-    buckets (`compiled_buckets`, `total_buckets`); the keys the server exposes."""
-    names = ("prefix_cache_queries_total", "prefix_cache_hits_total", "compiled_buckets",
-             "total_buckets")
-    totals: dict[str, float] = {}
+    """From the server's /metrics, `server_counters` of its text ({} if it has none)."""
     async with aiohttp.ClientSession(headers=headers) as session:
         async with session.get(f"{base_url}/metrics") as resp:
             if resp.status != 200:
-                return totals
-            text = await resp.text()
+                return {}
+            return server_counters(await resp.text())
+
+
+def server_counters(text: str) -> dict[str, float]:
+    """The prefix cache's counters (prompt tokens looked up, of those found: jaxinfer's and vLLM's
+    `<prefix>:prefix_cache_{queries,hits}_total`), jaxinfer's step buckets (`compiled_buckets`,
+    `total_buckets`), generated tokens, and the engine's step loop (`engine_steps_total.<stage>`,
+    `engine_step_host_seconds_total.<phase>`); the keys the server exposes."""
+    totals: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         short = name.split("{")[0].rpartition(":")[2]
-        if short in names and not line.startswith("#"):
-            totals[short] = totals.get(short, 0.0) + float(value.split()[0])
+        if line.startswith("#") or (short not in _COUNTERS and short not in _PER_LABEL):
+            continue
+        if short in _PER_LABEL:
+            label = re.search(rf'{_PER_LABEL[short]}="([^"]*)"', name)
+            short = f"{short}.{label.group(1) if label else ''}"
+        totals[short] = totals.get(short, 0.0) + float(value.split()[0])
     return totals
+
+
+def engine_steps(before: dict, after: dict, duration_s: float) -> dict[str, float]:
+    """The server engine's step loop over a run, from two `server_counters`: steps dispatched,
+    generated tokens per step, the mean step period (the run's duration over its steps), and the
+    host ms per dispatched step of each phase (`host_ms`: schedule + build + launch, as offline
+    `host_ms_per_step`). {} from a server without these counters."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    steps = delta("engine_steps_total.dispatched")
+    if steps <= 0:
+        return {}
+    phases = {p: 1e3 * delta(f"engine_step_host_seconds_total.{p}") / steps for p in STEP_PHASES}
+    return {"steps": steps,
+            "tokens_per_step": delta("generation_tokens_total") / steps,
+            "step_period_ms": 1e3 * duration_s / steps,
+            "host_ms": phases["schedule"] + phases["build"] + phases["launch"],
+            **{f"{p}_ms": ms for p, ms in phases.items()}}
 
 
 def prefix_hit_rate(before: dict, after: dict) -> float | None:

@@ -283,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
         after = asyncio.run(http_client.fetch_server_counters(base_url, headers))
         metrics["prefix_hit_rate"] = http_client.prefix_hit_rate(before, after)
         metrics["buckets_compiling"] = http_client.buckets_compiling(before)  # at the run's start
+        metrics.update({f"server_{k}": v for k, v in
+                        http_client.engine_steps(before, after, duration).items()})
         serving_metrics.print_result(metrics)
         rows.append(metrics)
         if args.save_result:

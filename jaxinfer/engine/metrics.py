@@ -16,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily
 from jaxinfer.spec_decode.metrics import SpecDecodeMetrics
 
 REGISTRY = CollectorRegistry()
+# EngineStats' host phases of a step: before it reaches the device, then after.
+STEP_PHASES = ("schedule", "build", "launch", "wait", "process")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -127,7 +129,7 @@ class EngineMetrics:
             "jaxinfer:engine_step_host_seconds", "Host seconds of the step loop by phase: schedule, "
             "build and launch before a step reaches the device; wait (blocked on its tokens) and "
             "process (its outputs) after", labels=["model_name", "phase"])
-        for phase in ("schedule", "build", "launch", "wait", "process"):
+        for phase in STEP_PHASES:
             seconds.add_metric([self.model_name, phase], getattr(s, f"{phase}_s"))
         return [steps, seconds]
 

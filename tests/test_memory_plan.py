@@ -146,23 +146,33 @@ def test_compiles_at_once_are_bounded_by_the_scratch_share():
         plan_compiles(params, device_bytes=2**40, platform="cpu", **kw)) == CompilePlan(8, 0)
 
 
-def test_jaxinfer_memory_shows_the_engines_own_check(capsys):
+def test_jaxinfer_memory_shows_the_engines_own_check(capsys, monkeypatch):
     """`jaxinfer memory --model` reports the same pre-load figures the engine refuses with, on
-    JAX's 0.75 share of the accelerator."""
+    the card's memory (the engine gives JAX's allocator --gpu-memory-utilization of it), or on
+    the allocator's share where XLA_CLIENT_MEM_FRACTION sets a smaller one."""
     import json
     from jaxinfer.cli.main import build_parser
+    from jaxinfer.worker.kv.planner import MEM_FRACTION_ENVS
+    for name in MEM_FRACTION_ENVS:
+        monkeypatch.delenv(name, raising=False)
     parser = build_parser()
-    args = parser.parse_args(["memory", "--model", str(DEMO), "--accelerator", "1",
-                              "--seq-len", "1024", "--batch", "4", "--json"])
+    argv = ["memory", "--model", str(DEMO), "--accelerator", "1", "--seq-len", "1024",
+            "--batch", "4", "--json"]
+    args = parser.parse_args(argv)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.75")
     assert args.func(args) == 0
     plan = json.loads(capsys.readouterr().out)["engine_plan"]
-    assert plan["device_bytes"] == int(0.75 * 2**30) and plan["fits"]
+    assert plan["device_bytes"] == int(0.75 * 2**30 / 0.9) and plan["allocator_fraction"] == 0.75
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+    assert args.func(args) == 0
+    plan = json.loads(capsys.readouterr().out)["engine_plan"]
+    assert plan["device_bytes"] == 2**30 and plan["fits"]
     assert plan["compile_scratch_bytes"] >= 8 * REDZONE_BYTES  # one compile's redzones at least
     cfg = load_config(DEMO)
     args = EngineArgs(model=str(DEMO), max_model_len=1024, max_num_seqs=4)
     same = preflight(cfg, args, param_shapes(cfg, jnp.bfloat16), None, jnp.bfloat16,
                      device_bytes=plan["device_bytes"], platform="gpu", workers=8)
-    assert {**same.as_dict(), "allocator_fraction": 0.75} == plan
+    assert {**same.as_dict(), "allocator_fraction": 0.9} == plan
 
 
 def test_the_probe_covers_every_compiled_bucket():

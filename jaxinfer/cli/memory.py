@@ -13,6 +13,7 @@ bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds a step from be
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import dataclasses
 import json
@@ -330,7 +331,8 @@ def format_report(r: dict) -> str:
         lines.append(
             f"engine (one device, as `jaxinfer serve` checks before loading): "
             f"{p['gpu_memory_utilization']:g} × {format_bytes(p['device_bytes'])} (JAX's "
-            f"{p['allocator_fraction']:g} of the card) − {format_bytes(p['weight_bytes'])} weights − "
+            f"allocator: {p['allocator_fraction']:g} of the card) − "
+            f"{format_bytes(p['weight_bytes'])} weights − "
             f"≥ {format_bytes(p['activation_floor_bytes'])} activations − "
             f"{format_bytes(p['compile_scratch_bytes'])} compile scratch = "
             f"{format_bytes(p['room_bytes'])} for the KV cache; one sequence of "
@@ -340,38 +342,37 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-# JAX's allocator takes this share of a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION): the
-# "device memory" the engine's planner sees (memory_stats()['bytes_limit']).
-JAX_DEFAULT_MEM_FRACTION = 0.75
-
-
 def engine_plan(args: argparse.Namespace, accelerator: Accelerator) -> dict | None:
     """The engine's own pre-load check (engine/memory_preflight.py) for --model on the
     accelerator, one sequence of --seq-len and --batch sequences per step: weights, one sequence's
     KV, the activations' floor and the GPU compile scratch (of the most concurrent compiles, as
-    on a host of 8 cores or more) against the allocator's share of the card
-    (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75). None without --model."""
+    on a host of 8 cores or more) against --gpu-memory-utilization of the card, which the engine
+    gives JAX's allocator unless XLA_CLIENT_MEM_FRACTION set a share (planner.py). None without
+    --model."""
     if not args.model:
         return None
-    import os
-
     from jaxinfer.engine.args import EngineArgs
     from jaxinfer.engine.memory_preflight import preflight
     from jaxinfer.model.config import load_config
     from jaxinfer.model.hub import resolve_model
     from jaxinfer.model.transformer import param_shapes
     from jaxinfer.worker.bucket_compiler import MAX_COMPILE_WORKERS
+    from jaxinfer.worker.kv.planner import MEM_FRACTION_ENVS, allocator_fraction, usable_card_bytes
     cfg = load_config(resolve_model(args.model))
     cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
         args.quantization, cfg.quantization, "safetensors"))
     dtype = jnp.dtype(KV_CACHE_DTYPES[args.dtype or cfg.dtype])
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_MEM_FRACTION))
+    claimed = not any(os.environ.get(n) for n in MEM_FRACTION_ENVS)  # the engine would set it
+    fraction = args.gpu_memory_utilization if claimed else allocator_fraction()
+    card = accelerator.memory_bytes
     engine_args = EngineArgs(model=args.model, max_model_len=args.seq_len,
                              max_num_seqs=args.batch, block_size=args.block_size,
                              kv_cache_dtype=args.kv_cache_dtype,
                              gpu_memory_utilization=args.gpu_memory_utilization)
     figures = preflight(cfg, engine_args, param_shapes(cfg, dtype), None, dtype,
-                        device_bytes=int(fraction * accelerator.memory_bytes), platform="gpu",
+                        device_bytes=usable_card_bytes(card, int(fraction * card),
+                                                       args.gpu_memory_utilization),
+                        platform="gpu",
                         workers=MAX_COMPILE_WORKERS)
     return {**figures.as_dict(), "allocator_fraction": fraction}
 

@@ -39,6 +39,8 @@ def build_engine(cls, args: EngineArgs, metrics: EngineMetrics | None = None,
     from jaxinfer.model.fused_projections import fuse_for_serving
     from jaxinfer.model.kernel_table import current_platform
     from jaxinfer.model.weights import load_params
+    from jaxinfer.worker.kv.planner import claim_allocator_share
+    claim_allocator_share(args.gpu_memory_utilization)  # before anything starts JAX
     startup = StartupTimes()
     # --compilation-cache-dir holds the executable cache (the runner's), not jax's persistent
     # compilation cache: an executable jax loaded from its own cache serializes again without

@@ -62,7 +62,7 @@ def plan_kv_blocks(cfg: ModelConfig, args: EngineArgs, params,
         max_num_batched_tokens=args.max_num_batched_tokens, plan=plan, kv_groups=groups,
         cache=ExecutableCache.under(args.compilation_cache_dir))
     devices = plan.mesh.devices.flat if plan else jax.local_devices()[:1]
-    device_bytes = device_memory_bytes()
+    device_bytes = device_memory_bytes(cache.gpu_memory_utilization)
     compiles = plan_compiles(
         params, vocab_size=cfg.vocab_size, max_rows=args.max_num_batched_tokens,
         max_logit_rows=min(args.max_num_seqs, args.max_num_batched_tokens),

@@ -105,7 +105,7 @@ def preflight(cfg: ModelConfig, args: EngineArgs, param_shapes, plan: ShardingPl
     if device_bytes is None:
         if platform == "cpu" and device_memory_override() is None:
             return None
-        device_bytes = device_memory_bytes()
+        device_bytes = device_memory_bytes(args.gpu_memory_utilization)
     shardings = plan.params(param_shapes) if plan else None
     weights = (sharded_nbytes(param_shapes, shardings) if shardings is not None
                else sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize

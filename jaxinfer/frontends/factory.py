@@ -21,6 +21,8 @@ def create_engine(args: EngineArgs):
     from jaxinfer.model.config import load_config
     from jaxinfer.parallel.distributed import initialize_distributed
     from jaxinfer.parallel.sharding import validate_parallel_sizes
+    from jaxinfer.worker.kv.planner import claim_allocator_share
+    claim_allocator_share(args.gpu_memory_utilization)  # before anything starts JAX
     if initialize_distributed(args) and args.background_compile:
         # A step runs in the smallest *compiled* bucket that fits: with buckets compiling in the
         # background that depends on each process's compile timing, and the processes must

@@ -40,7 +40,7 @@ def max_concurrent(config: dict, seq_len: int = SEQ_128K, quantization: str | No
     args = with_hybrid_kv_decided(cfg, args)
     dtype = jnp.bfloat16
     figures = preflight(cfg, args, param_shapes(cfg, dtype), None, dtype,
-                        device_bytes=device_memory_bytes())
+                        device_bytes=device_memory_bytes(args.gpu_memory_utilization))
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, "bfloat16")
     pool = plan_kv_cache(cfg, args.cache_config(), weight_bytes=figures.weight_bytes,
                          activation_bytes=figures.activation_floor_bytes,

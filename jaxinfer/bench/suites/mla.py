@@ -242,7 +242,7 @@ def engine_metrics(w: dict, rate: float, full: bool = True) -> dict:
                                                                    prompts(1, w["prompt"]))
         except Exception as e:
             metrics["dsv2lite_bs1_profile_error"] = repr(e)[:400]
-        budget = 0.9 * device_memory_bytes()
+        budget = 0.9 * device_memory_bytes(0.9)
         weights = tree_nbytes(engine.runner.params)
         activations = budget - weights - engine.num_total_blocks * kv_bytes_per_block(
             cfg, BLOCK, jnp.bfloat16)

@@ -7,10 +7,13 @@
                       × the layers' page (kv_specs.py: block_size × 2 × num_kv_heads × head_dim
                       × dtype bytes for attention, block_size × latent width × dtype bytes for MLA)
 
-"Device memory" is what JAX's allocator may use (``memory_stats()['bytes_limit']``). With JAX's
-default preallocation that is 75% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), so the engine's GPU
-entry point should raise that fraction (e.g. to 0.95) before JAX starts if it wants most of the
-card. The activation peak is measured, not guessed: compile the step for the largest bucket and
+"Device memory" is the card's, as vLLM's flag means (``device_memory_bytes``): JAX's allocator
+limit (``memory_stats()['bytes_limit']``) over the share of the card it was given. JAX gives its
+allocator 75% of a GPU unless XLA_CLIENT_MEM_FRACTION says otherwise, so every engine entry point
+first calls ``claim_allocator_share(--gpu-memory-utilization)``: while nobody set the share and JAX
+has not started, the allocator takes that share of the card. Where it holds less (a share set by
+the user, or JAX already started), the figure shrinks so that the budget stays within the
+allocator's limit. The activation peak is measured, not guessed: compile the step for the largest bucket and
 pass ``activation_peak_bytes(compiled)``; the KV cache is donated to the step, so its size does not
 change that figure and a two-block cache serves for the measurement (activation_bytes.py). The
 compile scratch is what XLA's GPU autotuner allocates while the buckets compile beside the cache
@@ -21,6 +24,7 @@ compile scratch is what XLA's GPU autotuner allocates while the buckets compile 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from typing import Any
@@ -32,6 +36,8 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import ConfigError, JaxinferError
 from jaxinfer.core.kv_cache.cache_config import CacheConfig, resolve_kv_cache_dtype
 from jaxinfer.core.kv_cache.kv_groups import KVCacheGroups
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEVICE_MEMORY_ENV = "JAXINFER_DEVICE_MEMORY"
@@ -103,9 +109,45 @@ def device_memory_override() -> int | None:
     return parse_size(text, DEVICE_MEMORY_ENV) if text else None
 
 
-def device_memory_bytes(device: jax.Device | None = None) -> int:
-    """Bytes JAX's allocator may use on the device ($JAXINFER_DEVICE_MEMORY when set). CPU reports
-    none: MemoryPlanError."""
+# JAX's GPU allocator takes this share of the card unless one of these variables sets it (the
+# second is the older name; jaxlib refuses both at once).
+JAX_DEFAULT_MEM_FRACTION = 0.75
+MEM_FRACTION_ENVS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def allocator_fraction() -> float:
+    """The share of a GPU JAX's allocator takes (or took, if it has started)."""
+    for name in MEM_FRACTION_ENVS:
+        if os.environ.get(name):
+            return float(os.environ[name])
+    return JAX_DEFAULT_MEM_FRACTION
+
+
+def claim_allocator_share(utilization: float) -> bool:
+    """Give JAX's GPU allocator `utilization` of the card before JAX starts, where nobody set its
+    share: JAX's default (75%) would leave a sixth of what --gpu-memory-utilization 0.9 asks for
+    unused. True when this call set it."""
+    from jax._src import xla_bridge  # (no public way to ask whether the backends started)
+    if any(os.environ.get(n) for n in MEM_FRACTION_ENVS) or xla_bridge.backends_are_initialized():
+        return False
+    os.environ[MEM_FRACTION_ENVS[0]] = f"{utilization:g}"
+    log.info("JAX's GPU allocator takes %g of the card (--gpu-memory-utilization; %s overrides)",
+             utilization, MEM_FRACTION_ENVS[0])
+    return True
+
+
+def usable_card_bytes(card_bytes: int, allocator_bytes: int, utilization: float) -> int:
+    """The device figure the plans take `utilization` of: the card's memory, or less where JAX's
+    allocator holds less than that share of it (the plan must stay within the allocator)."""
+    if allocator_bytes >= int(utilization * card_bytes):
+        return card_bytes
+    return int(allocator_bytes / utilization)
+
+
+def device_memory_bytes(utilization: float = 1.0, device: jax.Device | None = None) -> int:
+    """The card's memory as the plans count it (usable_card_bytes: its `utilization` share stays
+    within JAX's allocator), or $JAXINFER_DEVICE_MEMORY when set. CPU reports none:
+    MemoryPlanError."""
     override = device_memory_override()
     if override is not None:
         return override
@@ -114,7 +156,15 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
     if not stats or "bytes_limit" not in stats:
         raise MemoryPlanError(f"device {device} ({device.platform}) does not report its memory, so "
                               f"the KV cache cannot be sized automatically; pass --num-blocks")
-    return int(stats["bytes_limit"])
+    limit = int(stats["bytes_limit"])
+    card = int(limit / allocator_fraction())
+    usable = usable_card_bytes(card, limit, utilization)
+    if usable < card - (1 << 20):  # (not a rounding difference)
+        log.warning("JAX's allocator holds %s, %g of the card (set by %s, or JAX started before "
+                    "the engine): less than --gpu-memory-utilization %g of it, so the plan takes "
+                    "the allocator's %s", format_bytes(limit), allocator_fraction(),
+                    " or ".join(MEM_FRACTION_ENVS), utilization, format_bytes(limit))
+    return usable
 
 
 def largest_free_block_bytes(devices) -> int | None:
@@ -183,11 +233,12 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
                   compile_workers: int | None = None) -> KVCachePlan:
     """Number of blocks for this model and cache config (see the module docstring for the formula).
 
-    ``device_bytes`` defaults to device_memory_bytes(); ``model_dtype`` (for --kv-cache-dtype auto)
-    defaults to the config's dtype. ``contiguous_bytes``: the allocator's largest free region
-    (largest_free_block_bytes); the cache's arrays are each one allocation, so free memory in
-    smaller holes cannot hold them: the cache then stays within that region (less the
-    activations, the compile scratch and CONTIGUOUS_SLACK). Raises MemoryPlanError naming the flags
+    ``device_bytes`` defaults to device_memory_bytes(--gpu-memory-utilization); ``model_dtype``
+    (for --kv-cache-dtype auto) defaults to the config's dtype. ``contiguous_bytes``: the
+    allocator's largest free region (largest_free_block_bytes); the cache's arrays are each one
+    allocation, so free memory in smaller holes cannot hold them: the cache then stays within that
+    region (less the activations, the compile scratch and CONTIGUOUS_SLACK). Raises
+    MemoryPlanError naming the flags
     to change when not even one block fits."""
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
     groups = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache)
@@ -195,7 +246,7 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
     if cache.num_blocks is not None:
         return KVCachePlan(cache.num_blocks, cache.block_size, kv_dtype, block_bytes)
     if device_bytes is None:
-        device_bytes = device_memory_bytes()
+        device_bytes = device_memory_bytes(cache.gpu_memory_utilization)
     reserved = activation_bytes + compile_scratch_bytes
     budget = int(cache.gpu_memory_utilization * device_bytes) - weight_bytes - reserved
     num_blocks = budget // block_bytes if budget > 0 else 0

@@ -1,7 +1,7 @@
 """`jaxinfer bench memory-plan`: does the default --gpu-memory-utilization run out of memory?
 
     jaxinfer bench memory-plan [--models llama8b,llama8b_fp8,qwen3_30b_a3b,gpt_oss_20b]
-                               [--concurrency 256] [--save [DIR]]
+                               [--concurrency 256] [--save [DIR]] [--merge RECORD.json]
 
 For each model shape (random weights, `--load-format dummy`), in its own process: build the engine
 at the default utilization with every bucket compiled before ready (no background compile, an
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save is not None:  # (this process never starts jax: it would take the GPU's memory)
         kind = next((v for k, v in metrics.items() if k.endswith("_device_kind")), "unknown")
         results_io.save(args.save, args.name or f"memory_plan_{results_io.kind_slug(kind)}",
-                        config=common.record_config(args), metrics=metrics)
+                        config=common.record_config(args), metrics=metrics, merge=args.merge)
     return 1 if metrics["any_oom"] else 0
 
 
@@ -156,6 +156,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=240, help="seconds per model's process")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     common.add_record_args(p, "memory_plan_<gpu>")
+    results_io.add_merge_arg(p)  # (a run of some --models into the record of all)
     p.set_defaults(func=run)
 
 

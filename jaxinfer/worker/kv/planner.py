@@ -238,8 +238,7 @@ def plan_kv_cache(cfg: ModelConfig, cache: CacheConfig, *, weight_bytes: int,
     allocator's largest free region (largest_free_block_bytes); the cache's arrays are each one
     allocation, so free memory in smaller holes cannot hold them: the cache then stays within that
     region (less the activations, the compile scratch and CONTIGUOUS_SLACK). Raises
-    MemoryPlanError naming the flags
-    to change when not even one block fits."""
+    MemoryPlanError naming the flags to change when not even one block fits."""
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_dtype or cfg.dtype)
     groups = KVCacheGroups.for_model(cfg, cache.hybrid_kv_cache)
     block_bytes = groups.page_bytes(cache.block_size, kv_dtype)

@@ -49,9 +49,12 @@ OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 def _device_memory() -> dict:
     import jax
+
+    from jaxinfer.worker.kv.planner import allocator_fraction
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     return {"device_kind": getattr(device, "device_kind", device.platform),
+            "allocator_fraction": allocator_fraction(),
             **{k: int(stats[k]) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit",
                                           "largest_free_block_bytes") if k in stats}}
 

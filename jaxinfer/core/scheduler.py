@@ -457,6 +457,21 @@ class Scheduler:
             entry.seq.num_pending += int(n) - 1
             entry.seq.num_computed += int(n) - 1
 
+    @staticmethod
+    def tokens_arrived(counts: Iterable[tuple[Sequence, int, int]]) -> None:
+        """Per processed row (`OutputProcessor.take_counts`): `arrived` of its pending tokens are
+        known now, and each of `accepted` proposals makes the token before it computed."""
+        for seq, arrived, accepted in counts:
+            seq.num_pending -= arrived
+            seq.num_computed += accepted
+
+    @staticmethod
+    def unschedule(scheduled: Iterable[ScheduledSeq]) -> None:
+        """A step that could not be dispatched: its rows as if it had never been scheduled."""
+        for entry in scheduled:
+            entry.seq.num_computed = entry.start
+            entry.seq.num_pending -= entry.emits
+
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """The tokens of `seq`'s next prefill chunk, cut where the KV manager snapshots states."""
         n = min(seq.num_to_compute, budget, self.long_prefill_chunk)

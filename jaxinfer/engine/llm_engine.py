@@ -345,10 +345,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         state = jax.tree_util.tree_leaves((self.runner.kv_cache, self.runner.last_tokens))
         if any(a.is_deleted() for a in state if hasattr(a, "is_deleted")):
             raise error
-        for entry in sched.scheduled:
-            entry.seq.num_computed = entry.start
-            if entry.emits:
-                entry.seq.num_pending -= 1
+        self.scheduler.unschedule(sched.scheduled)
         culprits = getattr(error, "request_ids", ()) or tuple(dict.fromkeys(
             e.seq.request.request_id for e in sched.scheduled))
         for rid in culprits:
@@ -441,6 +438,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
         requests whose rows failed are failed. Raises only when the step's results are lost."""
         t0 = time.perf_counter()
         touched, seqs = self.outputs.process(handle)
+        self.scheduler.tokens_arrived(self.outputs.take_counts())
         if self.spec is not None:
             self.spec.record(handle)
         if self.on_processed is not None:

@@ -29,6 +29,14 @@ class OutputProcessor:
         self.failed: list[tuple[str, BaseException]] = []
         # The step's inter-token gaps (seconds -> tokens), observed once per distinct gap.
         self._gaps: dict[float, int] = {}
+        # Per row: (sequence, pending tokens that arrived, proposals accepted), for the scheduler,
+        # which alone writes num_pending and num_computed (Scheduler.tokens_arrived).
+        self._counts: list[tuple[Sequence, int, int]] = []
+
+    def take_counts(self) -> list[tuple[Sequence, int, int]]:
+        """The rows' token counts since the previous call (see `_counts`)."""
+        counts, self._counts = self._counts, []
+        return counts
 
     def take_failed(self) -> list[tuple[str, BaseException]]:
         """The requests whose results could not be applied since the previous call."""
@@ -69,7 +77,7 @@ class OutputProcessor:
 
     def _process_row(self, seq: Sequence, entry, r: int, res, tokens, logprobs, steps: int,
                      now: float, touched: dict[str, Request], row_steps) -> int:
-        num_new_tokens = 0
+        num_new_tokens = arrived = accepted = 0
         if entry.emits:
             # A decode loop counted each of its row's steps as pending when it was dispatched
             # (Scheduler.loop_dispatched); a speculative step counts its first token only.
@@ -78,9 +86,9 @@ class OutputProcessor:
                 if tokens[j][r] < 0:  # past the row's last token (finished, or rejected)
                     break
                 if j == 0 or loop_steps is not None:
-                    seq.num_pending -= 1
+                    arrived += 1
                 else:  # an accepted proposal: the previous token was this position's input
-                    seq.num_computed += 1
+                    accepted += 1
                 store = seq.logprobs
                 if store is not None and logprobs is not None:
                     k = store.k
@@ -95,7 +103,8 @@ class OutputProcessor:
                 if seq.finish_reason is not None:
                     break
             if loop_steps is not None:  # the steps after the row finished: never coming
-                seq.num_pending -= loop_steps - num_new_tokens
+                arrived = loop_steps
+            self._counts.append((seq, arrived, accepted))
         return num_new_tokens
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:

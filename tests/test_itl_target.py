@@ -119,6 +119,23 @@ def test_auto_targets_twice_the_decodes_alone():
     assert target.cap(1024) == 2048  # slower decode steps, a larger budget (one doubling up)
 
 
+def test_auto_counts_the_waiting_sequences_in_the_batch_they_will_make():
+    """A burst of short requests is admitted at the pace of the batch it makes (host_path_h100's
+    served c = 256 ran half-full steps when only the running decodes counted); a few long
+    prompts beside many streams barely move the target."""
+    target = ItlTarget(AUTO, None, BUCKETS, max_num_seqs=256)
+    linear(target.model, [8, 64, 128, 256, 512, 1024], base_ms=10, per_token_ms=0.05)
+    assert target.target_seconds(8) == pytest.approx(2 * 10.4 * MS)
+    assert target.target_seconds(8, num_waiting=248) == pytest.approx(2 * 22.8 * MS)
+    assert target.target_seconds(8, num_waiting=10_000) == target.target_seconds(8, 248)
+    assert target.cap(8, num_waiting=248) > target.cap(8)
+    assert target.target_seconds(64, num_waiting=4) == pytest.approx(2 * 13.4 * MS)
+    # Past a doubling of the largest step measured the curve is unknown: the target stops there.
+    short = ItlTarget(AUTO, None, BUCKETS)
+    linear(short.model, [8, 16], base_ms=10, per_token_ms=0.02)
+    assert short.target_seconds(8, num_waiting=500) == pytest.approx(2 * short.model.predict(32))
+
+
 def test_where_no_prompt_step_fits_prompts_run_in_a_duty_cycle_and_never_starve():
     target = ItlTarget(20.0, None, BUCKETS)
     for _ in range(3):

@@ -11,7 +11,7 @@
   ms per step by phase), to set beside the offline figures;
 - big_body_itl_p99_delta_ms: bench/big_body.py against the same server.
 
-The server runs with --itl-target-ms off (as offline; SERVED_ITL_TARGET says why). Every section
+The server runs with `serve`'s own ITL target ("auto", SERVED_ITL_TARGET says why). Every section
 runs with --decode-steps-per-call 1 unless told (the host's cost per step, and a
 stream that gets every token as its step ends, not in the on-device loop's bursts), and compiles
 every step bucket before it is ready (--no-background-compile): a bucket compiling beside a timed
@@ -36,11 +36,11 @@ from jaxinfer.bench import common, presets, results_io
 from jaxinfer.bench.big_body import big_body
 
 BENCH = [sys.executable, "-m", "jaxinfer.bench.cli"]
-# The served runs schedule as the offline ones do. `serve`'s default ITL target ("auto") caps the
-# prompt tokens of a step that decodes, so c = 256's prompts were admitted a few at a time (an
-# H100 run at 31ba4d7: 107 tokens a step against ~220 offline); the ratio would then measure that
-# policy, not the host path. --serve-args "--itl-target-ms auto" measures it.
-SERVED_ITL_TARGET = "off"
+# The served runs measure `serve` as users start it: its default ITL target. (Until "auto" counted
+# the waiting requests (itl_target.py), it admitted c = 256's prompts a few at a time: an H100 run
+# at 31ba4d7 had 107 tokens a step against ~220 offline; 468bd1b ran the server with it off.)
+# --serve-args "--itl-target-ms off" schedules as offline does.
+SERVED_ITL_TARGET = "auto"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

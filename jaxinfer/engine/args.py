@@ -251,8 +251,9 @@ class EngineArgs:
                             "decodes carries only the prompt tokens that keep it under this "
                             "many ms, from step times measured as the engine runs (a long prompt "
                             "still advances, at least one step in %d); 'auto': %g x the measured "
-                            "time of a step of the running decodes alone; 'off' (default: auto "
-                            "for `serve`, off otherwise)"
+                            "time of a step of decodes alone, of the batch the running and "
+                            "waiting requests make; 'off' (default: auto for `serve`, off "
+                            "otherwise)"
                        % (MAX_STEPS_WITHOUT_PROMPTS + 1, AUTO_FACTOR))
         s.add_argument("--decode-steps-per-call", type=int, default=None,
                        help="decode steps run on the device per host round trip when only "

@@ -12,8 +12,12 @@ MAX_STEPS_WITHOUT_PROMPTS + 1 (a duty cycle that keeps the steps' mean within th
 `StepTimeModel` is the measurement (step seconds vs scheduled tokens); `ItlTarget` turns a target
 into the largest token count predicted to fit it, rounded down to the runner's token bucket when
 it reaches one (a step is padded to its bucket: a cap on a bucket fills it, one past it pays for
-the next). "auto" targets AUTO_FACTOR x the predicted time of a step of the running sequences'
-decodes alone.
+the next). "auto" targets AUTO_FACTOR x the predicted time of a step of decodes alone, of the
+batch the running and waiting sequences make (at most max_num_seqs): the gap the streams will
+have once the waiting ones run. Counting only the running ones throttled a burst of short
+requests into a trickle of admissions: the batch stayed half full, about a quarter of the
+throughput lost at saturation (host_path_h100.json's served c = 256). A few long prompts beside
+many streams barely move it, so a prefill burst is still held to the streams' gap.
 """
 
 from __future__ import annotations
@@ -158,8 +162,9 @@ class ItlTarget:
     none), lowered to what fits `target` (ms, AUTO, or None: off) by the measured step times."""
 
     def __init__(self, target: float | str | None, static_cap: int | None, buckets,
-                 model: StepTimeModel | None = None):
+                 model: StepTimeModel | None = None, max_num_seqs: int | None = None):
         self.target = check_itl_target(target)
+        self.max_num_seqs = max_num_seqs
         self.static_cap = static_cap
         self.buckets = buckets
         self.model = model or StepTimeModel()
@@ -180,11 +185,13 @@ class ItlTarget:
                                   f"every step alike on each process; step times measured on "
                                   f"each would differ (use --max-step-tokens-while-decoding)")
             target = None
-        return cls(target, scheduler.max_step_tokens_while_decoding, buckets)
+        return cls(target, scheduler.max_step_tokens_while_decoding, buckets,
+                   max_num_seqs=scheduler.max_num_seqs)
 
-    def step_done(self, handle, num_running: int) -> int | None:
+    def step_done(self, handle, num_running: int, num_waiting: int = 0) -> int | None:
         """Record a processed step (runner.StepHandle); the cap for the steps to come, for its
-        decodes (or, when it had none, the `num_running` sequences)."""
+        decodes (or, when it had none, the `num_running` sequences) with `num_waiting` more to
+        admit."""
         ready = handle.ready_time
         if ready is not None:
             # The device starts a step once it is dispatched and the previous one is done, so
@@ -198,19 +205,26 @@ class ItlTarget:
                 self._shapes_seen.add(shape)
             elif not handle.is_loop:  # (a decode loop's time is several steps')
                 self.model.observe(handle.sched.num_tokens, ready - start)
-        return self.cap(len(handle.sched.decodes) or num_running)
+        return self.cap(len(handle.sched.decodes) or num_running, num_waiting)
 
-    def target_seconds(self, num_decodes: int) -> float | None:
+    def target_seconds(self, num_decodes: int, num_waiting: int = 0) -> float | None:
         if self.target is None:
             return None
         if self.target != AUTO:
             return self.target / 1e3
-        idle = self.model.predict(max(num_decodes, 1))
+        batch = num_decodes + num_waiting
+        if self.max_num_seqs is not None:
+            batch = min(batch, self.max_num_seqs)
+        xs, _ = self.model.curve()
+        if xs:  # a doubling past the largest step measured at most: the curve reaches that far
+            batch = min(batch, max(num_decodes, int(2 * xs[-1])))
+        idle = self.model.predict(max(batch, 1))
         return None if idle is None else AUTO_FACTOR * idle
 
-    def cap(self, num_decodes: int) -> int | None:
-        """Most tokens of a step with `num_decodes` decodes (0: no prompt tokens)."""
-        target = self.target_seconds(num_decodes) if num_decodes else None
+    def cap(self, num_decodes: int, num_waiting: int = 0) -> int | None:
+        """Most tokens of a step with `num_decodes` decodes (0: no prompt tokens), `num_waiting`
+        sequences waiting to be admitted."""
+        target = self.target_seconds(num_decodes, num_waiting) if num_decodes else None
         if target is None:
             return self.static_cap
         fit = self.model.tokens_within(target) or 0

@@ -24,12 +24,13 @@ def write_record(directory, name, metrics):
 def test_a_placeholder_renders_its_records_figure(tmp_path):
     write_record(tmp_path, "load_qwen2.5-0.5b_cpu", {"orbax_s": 3.2341, "frac": 0.9262,
                                                      "steps": {"fused": {"step_ms": 4.16666}},
-                                                     "tok_s": 15366.4})
+                                                     "tok_s": 15366.4, "peak": 66670038528})
     template = ("**{{load_qwen2.5-0.5b_cpu:orbax_s|.2f}} s**, {{load_qwen2.5-0.5b_cpu:frac|%.1f}} %, "
                 "{{load_qwen2.5-0.5b_cpu:steps.fused.step_ms|.3f}} ms, "
-                "{{load_qwen2.5-0.5b_cpu:tok_s|,.0f}} tok/s, {not a placeholder}")
+                "{{load_qwen2.5-0.5b_cpu:tok_s|,.0f}} tok/s, {{load_qwen2.5-0.5b_cpu:peak|GB.1f}} GB, "
+                "{not a placeholder}")
     assert results_md.render(template, tmp_path) == (
-        "**3.23 s**, 92.6 %, 4.167 ms, 15,366 tok/s, {not a placeholder}")
+        "**3.23 s**, 92.6 %, 4.167 ms, 15,366 tok/s, 66.7 GB, {not a placeholder}")
 
 
 def test_a_placeholder_naming_a_missing_metric_says_which(tmp_path):

@@ -1,7 +1,8 @@
 """benchmarks/RESULTS.md, generated from the records: benchmarks/RESULTS.in.md is the page as
 written, each figure taken from a record a placeholder `{{RECORD:KEY|FORMAT}}` that renders that
 record's metric (KEY: a metric key, or a dotted path into a nested one) with the Python FORMAT spec;
-a FORMAT starting with `%` renders the value times 100 (a fraction as a percentage). A table or
+a FORMAT starting with `%` renders the value times 100 (a fraction as a percentage), one starting
+with `GB` the value over 1e9 (bytes as GB). A table or
 sentence then cannot disagree with its record: re-running a benchmark and regenerating the page
 updates every figure it cites.
 
@@ -20,7 +21,8 @@ from jaxinfer.bench import results_io
 
 TEMPLATE = results_io.RESULTS_DIR.parent / "RESULTS.in.md"
 PAGE = results_io.RESULTS_DIR.parent / "RESULTS.md"
-PLACEHOLDER = re.compile(r"\{\{([\w.+-]+):([\w.]+)\|(%?)([^}]*)\}\}")
+PLACEHOLDER = re.compile(r"\{\{([\w.+-]+):([\w.]+)\|(%|GB)?([^}]*)\}\}")
+SCALES = {"%": 100, "GB": 1e-9}
 
 
 def metric(record: dict, path: str):
@@ -38,11 +40,11 @@ def render(template: str, records_dir: Path | None = None) -> str:
     records: dict[str, dict] = {}
 
     def figure(m: re.Match) -> str:
-        name, path, percent, spec = m.groups()
+        name, path, scale, spec = m.groups()
         if name not in records:
             records[name] = results_io.load(name, records_dir)
         value = metric(records[name], path)
-        return format(value * 100 if percent else value, spec)
+        return format(value * SCALES[scale] if scale else value, spec)
 
     return PLACEHOLDER.sub(figure, template)
 

@@ -96,8 +96,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV-cache block (default 16; 32 also common)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the device memory JAX may allocate that the engine uses for "
-                        "weights, activations and the KV cache together (default 0.9)")
+                   help="fraction of the GPU's memory the engine uses for weights, activations "
+                        "and the KV cache together; JAX's allocator is given that share unless "
+                        "XLA_CLIENT_MEM_FRACTION sets one (default 0.9)")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="number of KV-cache blocks; overrides the memory planner")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],

@@ -15,18 +15,17 @@ Every step (vLLM V1's policy, chunked prefill always on):
    prompt index, arrival): lower `priority` value first, then round-robin across requests. A
    request of several prompts names each `<id>#<i>` (serve/engine_requests.py, `prompt_index`):
    its prompt i waits behind every other request's prompts of a lower index, so one request's 32
-   long prompts admitted one after another cannot hold up a request that arrives after them (its
-   prompt 0 goes next); a request of one prompt is FCFS, as before. (vLLM's FCFS queue has no such
-   rule: each prompt there is a request of its own.)
+   long prompts cannot hold up a request that arrives after them; one prompt is FCFS.
 
 The scheduler never looks at token *values*, so the engine can schedule step N+1 while step N's
 sampled tokens are still on the device (see llm_engine.py). Sequences whose known + in-flight tokens
 already reach their limit are not scheduled again: they finish when their last token is processed.
 
 The scheduler owns the `KVCacheManager` and is the only caller of it: the runner gets each
-scheduled sequence's block ids and the step's copy-on-write block copies as plain data in the
-`SchedulerOutput`, and the engine hands every processed step back (`update_from_output`: finished
-sequences free their blocks, newly full blocks enter the prefix cache).
+scheduled sequence's block ids and the step's block copies as plain data in the `SchedulerOutput`,
+and the engine hands every processed step back (`tokens_arrived`, then `update_from_output`:
+finished sequences free their blocks, newly full blocks enter the prefix cache). It alone writes
+a sequence's progress (`num_computed`, `num_pending`: tests/test_scheduler_ownership.py).
 """
 
 from __future__ import annotations

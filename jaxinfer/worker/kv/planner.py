@@ -13,11 +13,12 @@ allocator 75% of a GPU unless XLA_CLIENT_MEM_FRACTION says otherwise, so every e
 first calls ``claim_allocator_share(--gpu-memory-utilization)``: while nobody set the share and JAX
 has not started, the allocator takes that share of the card. Where it holds less (a share set by
 the user, or JAX already started), the figure shrinks so that the budget stays within the
-allocator's limit. The activation peak is measured, not guessed: compile the step for the largest bucket and
-pass ``activation_peak_bytes(compiled)``; the KV cache is donated to the step, so its size does not
-change that figure and a two-block cache serves for the measurement (activation_bytes.py). The
-compile scratch is what XLA's GPU autotuner allocates while the buckets compile beside the cache
-(compile_scratch.py). ``--num-blocks`` skips all of this. ``JAXINFER_DEVICE_MEMORY`` (a size:
+allocator's limit. The activation peak is measured, not guessed: compile the step for the
+largest bucket and pass ``activation_peak_bytes(compiled)``; the KV cache is donated to the step,
+so its size does not change that figure and a two-block cache serves for the measurement
+(activation_bytes.py). The compile scratch is what XLA's GPU autotuner allocates while the
+buckets compile beside the cache (compile_scratch.py). ``--num-blocks`` skips all of this.
+``JAXINFER_DEVICE_MEMORY`` (a size:
 80GB, 16GiB, bytes) stands in for the device's figure, e.g. to plan on a CPU as on a GPU in tests.
 """
 

@@ -18,8 +18,8 @@ largest bucket and pass ``activation_peak_bytes(compiled)``; the KV cache is don
 so its size does not change that figure and a two-block cache serves for the measurement
 (activation_bytes.py). The compile scratch is what XLA's GPU autotuner allocates while the
 buckets compile beside the cache (compile_scratch.py). ``--num-blocks`` skips all of this.
-``JAXINFER_DEVICE_MEMORY`` (a size:
-80GB, 16GiB, bytes) stands in for the device's figure, e.g. to plan on a CPU as on a GPU in tests.
+``JAXINFER_DEVICE_MEMORY`` (a size: 80GB, 16GiB, bytes) stands in for the device's figure, e.g.
+to plan on a CPU as on a GPU in tests.
 """
 
 from __future__ import annotations

@@ -119,3 +119,21 @@ def test_a_short_request_beside_a_prefill_burst_keeps_its_pace():
     idle, busy = min(idles), min(busys)
     print(f"short request: {idles} s alone, {busys} s beside the burst")
     assert busy <= 3 * idle, (busy, idle)
+
+
+def test_the_itl_target_counts_waiting_requests_that_decode_after_one_chunk():
+    """`auto`'s batch to come (itl_target.py): the waiting sequences whose prompt one chunk
+    computes, at most the free slots; long prompts (a prefill burst) and aborted ones do not
+    count."""
+    engine = make_engine(long_prefill_chunk=16)
+    sched = engine.scheduler
+    assert sched.num_waiting_to_decode() == 0
+    for i in range(3):
+        engine.add_request(f"short{i}", prompt_ids(i, 12), greedy(4))
+    engine.add_request("long", prompt_ids(9, 40), greedy(4))
+    assert sched.num_waiting == 4 and sched.num_waiting_to_decode() == 3
+    engine.abort("short0")
+    assert sched.num_waiting_to_decode() == 2
+    for i in range(10):  # more than the 8 slots
+        engine.add_request(f"more{i}", prompt_ids(20 + i, 8), greedy(4))
+    assert sched.num_waiting_to_decode() == 8

@@ -98,6 +98,17 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def num_waiting_to_decode(self) -> int:
+        """Waiting sequences, as many as free slots, whose tokens one prefill chunk computes: each
+        decodes from the step after its admission (the ITL target's batch to come)."""
+        limit, n = self.max_num_seqs - len(self.running), 0
+        for *_, seq in self._waiting if limit > 0 else ():
+            if seq.status is SeqStatus.WAITING and seq.num_tokens <= self.long_prefill_chunk:
+                n += 1
+                if n == limit:
+                    break
+        return n
+
     def kv_cache_stats(self) -> tuple[float, int, int, PrefixCacheStats]:
         """(fraction of the KV blocks held by live sequences, blocks in use, all blocks,
         prefix-cache counters)."""

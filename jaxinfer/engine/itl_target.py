@@ -13,11 +13,12 @@ MAX_STEPS_WITHOUT_PROMPTS + 1 (a duty cycle that keeps the steps' mean within th
 into the largest token count predicted to fit it, rounded down to the runner's token bucket when
 it reaches one (a step is padded to its bucket: a cap on a bucket fills it, one past it pays for
 the next). "auto" targets AUTO_FACTOR x the predicted time of a step of decodes alone, of the
-batch the running and waiting sequences make (at most max_num_seqs): the gap the streams will
-have once the waiting ones run. Counting only the running ones throttled a burst of short
-requests into a trickle of admissions: the batch stayed half full, about a quarter of the
-throughput lost at saturation (host_path_h100.json's served c = 256). A few long prompts beside
-many streams barely move it, so a prefill burst is still held to the streams' gap.
+batch the running sequences and the waiting ones that decode right after one prompt chunk make
+(at most max_num_seqs; Scheduler.num_waiting_to_decode): the gap the streams will have once
+those run. Counting only the running ones throttled a burst of short requests into a trickle of
+admissions: the batch stayed half full, about a quarter of the throughput lost at saturation
+(host_path_h100.json's served c = 256). Long prompts are not counted (they prefill for many
+steps first), so a prefill burst is still held to the streams' gap.
 """
 
 from __future__ import annotations

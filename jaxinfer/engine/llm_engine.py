@@ -445,7 +445,7 @@ class LLMEngine(TrainingLoopMixin, LoRAMixin, KVTierMixin, EngineClient):
             self.on_processed(seqs)
         self.scheduler.update_from_output(seqs)
         self.scheduler.max_step_tokens_while_decoding = self.itl.step_done(
-            handle, len(self.scheduler.running), self.scheduler.num_waiting)
+            handle, len(self.scheduler.running), self.scheduler.num_waiting_to_decode())
         for rid, error in self.outputs.take_failed():
             self._fail(rid, error)
         self.stats.record_process(time.perf_counter() - t0, handle.wait_s)

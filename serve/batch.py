@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import IO
 
 from jaxinfer.core.outputs import RequestOutput
-from jaxinfer.core.scheduler import PROMPT_INDEX_SEP
+from jaxinfer.core.waiting_queue import PROMPT_INDEX_SEP
 from jaxinfer.engine.protocol import EngineClient
 from jaxinfer.errors import InvalidRequestError, TokenizerError
 from serve.batch_file import BatchLine, output_line

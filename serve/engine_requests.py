@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from jaxinfer.core.outputs import RequestOutput
-from jaxinfer.core.scheduler import PROMPT_INDEX_SEP
+from jaxinfer.core.waiting_queue import PROMPT_INDEX_SEP
 from jaxinfer.sampling_params import SamplingParams
 from serve.app_keys import ENGINE, MAX_WAITING
 from serve.errors import APIError

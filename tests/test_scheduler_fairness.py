@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxinfer.core.scheduler import prompt_index
+from jaxinfer.core.waiting_queue import prompt_index
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.worker.runner import StepHandle, StepResult
 from test_engine_support import make_engine, prompt_ids

@@ -12,10 +12,8 @@ Every step (vLLM V1's policy, chunked prefill always on):
    all (at least a quarter of that; 0: none), a cap the engine's ITL target may set every step;
 3. then, if nothing was preempted, waiting sequences are admitted while the budget,
    `max_num_seqs` and free blocks (after the prefix-cache match) allow, in the order (priority,
-   prompt index, arrival): lower `priority` value first, then round-robin across requests. A
-   request of several prompts names each `<id>#<i>` (serve/engine_requests.py, `prompt_index`):
-   its prompt i waits behind every other request's prompts of a lower index, so one request's 32
-   long prompts cannot hold up a request that arrives after them; one prompt is FCFS.
+   prompt index, arrival): lower `priority` value first, then round-robin across the prompts of
+   many-prompt requests, then FCFS (core/waiting_queue.py).
 
 The scheduler never looks at token *values*, so the engine can schedule step N+1 while step N's
 sampled tokens are still on the device (see llm_engine.py). Sequences whose known + in-flight tokens
@@ -30,7 +28,6 @@ a sequence's progress (`num_computed`, `num_pending`: tests/test_scheduler_owner
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from typing import Callable, Iterable
@@ -39,16 +36,7 @@ from jaxinfer.core.kv_cache import KVCacheManager, PrefixCacheStats
 from jaxinfer.core.kv_loads import KVLoads
 from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.core.scheduler_output import ScheduledSeq, SchedulerOutput
-
-PROMPT_INDEX_SEP = "#"
-
-
-def prompt_index(request_id: str) -> int:
-    """i of a request id `<id>#<i>` (prompt i of a request of several prompts), else 0: the
-    admission order's round-robin key."""
-    _, sep, tail = request_id.rpartition(PROMPT_INDEX_SEP)
-    return int(tail) if sep and tail.isascii() and tail.isdigit() else 0
-
+from jaxinfer.core.waiting_queue import WaitingQueue
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, *, max_num_seqs: int,
@@ -66,12 +54,7 @@ class Scheduler:
         self.max_step_tokens_while_decoding = max_step_tokens_while_decoding
         # Builds choice `index` of a request (n > 1 fork), given the tokens already computed.
         self.make_choice = make_choice
-        # Heap of (priority, prompt index, order, seq); preempted sequences go in front (index -1,
-        # order < 0).
-        self._waiting: list[tuple[int, int, int, Sequence]] = []
-        self._num_waiting = 0
-        self._front = itertools.count(-1, -1)
-        self._back = itertools.count()
+        self._waiting = WaitingQueue(long_prefill_chunk)
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._admit_counter = itertools.count()
@@ -92,7 +75,7 @@ class Scheduler:
     # ---- queues ---------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -101,13 +84,7 @@ class Scheduler:
     def num_waiting_to_decode(self) -> int:
         """Waiting sequences, as many as free slots, whose tokens one prefill chunk computes: each
         decodes from the step after its admission (the ITL target's batch to come)."""
-        limit, n = self.max_num_seqs - len(self.running), 0
-        for *_, seq in self._waiting if limit > 0 else ():
-            if seq.status is SeqStatus.WAITING and seq.num_tokens <= self.long_prefill_chunk:
-                n += 1
-                if n == limit:
-                    break
-        return n
+        return max(0, min(self._waiting.num_short, self.max_num_seqs - len(self.running)))
 
     def kv_cache_stats(self) -> tuple[float, int, int, PrefixCacheStats]:
         """(fraction of the KV blocks held by live sequences, blocks in use, all blocks,
@@ -127,9 +104,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self._priorities_used |= seq.request.priority != 0
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.request.priority, prompt_index(seq.request.request_id),
-                                       next(self._back), seq))
-        self._num_waiting += 1
+        self._waiting.push(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Start a sequence whose KV blocks the manager already holds (a disaggregated hand-over,
@@ -188,21 +163,14 @@ class Scheduler:
 
     def _requeue_front(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.request.priority, -1, next(self._front), seq))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> Sequence | None:
-        # Finished (aborted) entries are dropped lazily.
-        while self._waiting and self._waiting[0][3].status is not SeqStatus.WAITING:
-            heapq.heappop(self._waiting)
-        return self._waiting[0][3] if self._waiting else None
+        self._waiting.push_front(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Finished or aborted: free the blocks and the slot now (the same step)."""
         if seq.status is SeqStatus.RUNNING:
             self._stop_running(seq)
         elif seq.status is SeqStatus.WAITING:
-            self._num_waiting -= 1
+            self._waiting.discard(seq)
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.seq_id)
 
@@ -397,7 +365,7 @@ class Scheduler:
         # 3. admissions (priority, round-robin across requests, FCFS), only when nothing had to be
         # preempted.
         while not preempted and budget > 0:
-            seq = self._peek_waiting()
+            seq = self._waiting.peek()
             if seq is None or seq.num_pending:  # a preempted seq whose last token is in flight
                 break
             if self._slots_reserved + self._slot_cost(seq) > self.max_num_seqs:
@@ -418,8 +386,7 @@ class Scheduler:
                 if self.lora_slots is not None:
                     self.lora_slots.release(seq)
                 break
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+            self._waiting.pop()
             self._start_running(seq)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = time.monotonic()

@@ -13,7 +13,6 @@ bandwidth): decode is memory-bound, and bytes ÷ bandwidth bounds a step from be
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import dataclasses
 import json
@@ -357,13 +356,12 @@ def engine_plan(args: argparse.Namespace, accelerator: Accelerator) -> dict | No
     from jaxinfer.model.hub import resolve_model
     from jaxinfer.model.transformer import param_shapes
     from jaxinfer.worker.bucket_compiler import MAX_COMPILE_WORKERS
-    from jaxinfer.worker.kv.planner import MEM_FRACTION_ENVS, allocator_fraction, usable_card_bytes
+    from jaxinfer.worker.kv.planner import allocator_fraction, usable_card_bytes
     cfg = load_config(resolve_model(args.model))
     cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
         args.quantization, cfg.quantization, "safetensors"))
     dtype = jnp.dtype(KV_CACHE_DTYPES[args.dtype or cfg.dtype])
-    claimed = not any(os.environ.get(n) for n in MEM_FRACTION_ENVS)  # the engine would set it
-    fraction = args.gpu_memory_utilization if claimed else allocator_fraction()
+    fraction = allocator_fraction(unset=args.gpu_memory_utilization)  # as the engine claims it
     card = accelerator.memory_bytes
     engine_args = EngineArgs(model=args.model, max_model_len=args.seq_len,
                              max_num_seqs=args.batch, block_size=args.block_size,

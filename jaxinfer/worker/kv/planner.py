@@ -116,12 +116,13 @@ JAX_DEFAULT_MEM_FRACTION = 0.75
 MEM_FRACTION_ENVS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
-def allocator_fraction() -> float:
-    """The share of a GPU JAX's allocator takes (or took, if it has started)."""
+def allocator_fraction(unset: float = JAX_DEFAULT_MEM_FRACTION) -> float:
+    """The share of a GPU JAX's allocator takes (or took, if it has started): the variables', else
+    `unset` (JAX's default; an engine about to start claims --gpu-memory-utilization)."""
     for name in MEM_FRACTION_ENVS:
         if os.environ.get(name):
             return float(os.environ[name])
-    return JAX_DEFAULT_MEM_FRACTION
+    return unset
 
 
 def claim_allocator_share(utilization: float) -> bool:
@@ -129,7 +130,7 @@ def claim_allocator_share(utilization: float) -> bool:
     share: JAX's default (75%) would leave a sixth of what --gpu-memory-utilization 0.9 asks for
     unused. True when this call set it."""
     from jax._src import xla_bridge  # (no public way to ask whether the backends started)
-    if any(os.environ.get(n) for n in MEM_FRACTION_ENVS) or xla_bridge.backends_are_initialized():
+    if allocator_fraction(unset=0.0) or xla_bridge.backends_are_initialized():
         return False
     os.environ[MEM_FRACTION_ENVS[0]] = f"{utilization:g}"
     log.info("JAX's GPU allocator takes %g of the card (--gpu-memory-utilization; %s overrides)",

@@ -17,7 +17,9 @@ small batch of the real head shapes (`*_rel_err`, every prefill config: `*_rel_e
 Then per-call times with the state pool donated (as the engine must call them, or XLA copies
 the pool before each call). Prefill calls are queued back to back, one jit call each:
   gdn_prefill_{case}_{config}_us, _tflops for each config of GDN_PREFILL (useful FLOPs:
-  `gated_deltanet.gdn_prefill_flops`); gdn_prefill_{case}_us / _tflops the default config's (the
+  `gated_deltanet.gdn_prefill_flops` at chunk 64 for every config, so a config's TF/s is the
+  same work over its time); gdn_prefill_{case}_kernels_us: the default config's device time per
+  kernel (jax's profiler); gdn_prefill_{case}_us / _tflops the default config's (the
   first), gdn_prefill_frac_of_matmul (b8x1024's TF/s over the matmul ceiling), and
   gdn_prefill_best (the fastest config at b8x1024) with gdn_prefill_best_frac_of_matmul;
   ssd_prefill_* the same over SSD_PREFILL (`mamba2.ssd_prefill_flops`); conv1d_prefill_{case}_us
@@ -59,13 +61,22 @@ GDN_PREFILL = {
     "bv16_stages2": dict(block_v=16, num_stages=2),  # 256 state-pass programs for one prompt
     "bv64_stages3": dict(block_v=64, num_stages=3),
     "bv64_stages2_w8": dict(block_v=64, num_stages=2, num_warps=8),
+    "c32_bv64_stages2": dict(chunk_size=32, block_v=64, num_stages=2),
 }
 SSD_PREFILL = {
     "bp64": dict(block_p=64),
     "bp32": dict(block_p=32),
     "bp16": dict(block_p=16),  # 1024 serial-walk programs for one prompt
     "bp64_stages2": dict(block_p=64, num_stages=2),
+    "bp64_stages3": dict(block_p=64, num_stages=3),
     "bp64_w8": dict(block_p=64, num_warps=8),
+    "c32_bp64": dict(chunk_size=32, block_p=64),
+    # heads of a group walked together, C B^T made once for them
+    "hb2_bp32": dict(heads_per_program=2, block_p=32),
+    "hb2_bp32_stages2": dict(heads_per_program=2, block_p=32, num_stages=2),
+    "hb2_bp64_w8": dict(heads_per_program=2, block_p=64, num_warps=8),
+    "hb4_bp16": dict(heads_per_program=4, block_p=16),
+    "hb4_bp32_w8": dict(heads_per_program=4, block_p=32, num_warps=8),
 }
 CONV_PREFILL = {"bt32": dict(block_t=32), "bt64": dict(block_t=64)}
 # Decode: fla's fused_recurrent runs [K, 8]-column tiles on one warp (the K reduction stays in
@@ -78,7 +89,7 @@ SSD_DECODE = {"bp64": dict(block_p=64), "bp32": dict(block_p=32),
 SWEEPS = dict(gdn_prefill=GDN_PREFILL, ssd_prefill=SSD_PREFILL, conv_prefill=CONV_PREFILL,
               gdn_decode=GDN_DECODE, ssd_decode=SSD_DECODE)
 DECODE_CALLS = 16
-TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=2, p=16, g=1, n=16),
+TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=4, p=16, g=1, n=16),
             conv=dict(c=32, w=4), prefill={"b2x40": [40, 24]}, decode=(2,))
 
 
@@ -147,6 +158,27 @@ def pool_time(fn, pool, *inputs) -> float:
     stays valid for the next config."""
     f = jax.jit(fn, donate_argnums=0)
     return anchors.queued_time(lambda st: f(st[1], *inputs), (None, jnp.copy(pool)))
+
+
+def kernel_split(fn, pool, *inputs, calls: int = 5) -> dict:
+    """{kernel name: device µs per call} of fn(pool, *inputs) -> (out, pool), from jax's profiler
+    (CUPTI) around `calls` queued calls after a warm-up: which of a prefill's kernels (and XLA's
+    pads and selects around them) takes the time. GPU only."""
+    import tempfile
+
+    from jaxinfer.bench.profile.trace_decode import device_events
+    f = jax.jit(fn, donate_argnums=0)
+    p = jax.block_until_ready(f(jnp.copy(pool), *inputs)[1])
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                p = f(p, *inputs)[1]
+            jax.block_until_ready(p)
+        events = device_events(d)
+    split: dict[str, float] = {}
+    for name, start, end in events:
+        split[name[:48]] = split.get(name[:48], 0.0) + (end - start) / 1e3 / calls
+    return {k: round(v, 1) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
 
 
 def loop_time(fn, pool, *inputs, calls: int = DECODE_CALLS) -> float:
@@ -226,6 +258,16 @@ def sweep(m, prefix, configs, time_one):
     return secs
 
 
+def traced(fn, pool, *inputs) -> dict:
+    """kernel_split's figures, or the error that stopped it (the sweep goes on)."""
+    try:
+        split = kernel_split(fn, pool, *inputs)
+    except Exception as e:  # noqa: BLE001 - recorded; the timings do not depend on it
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    print(f"kernels: {split}", flush=True)
+    return split
+
+
 def default_rate(m, prefix, configs, unit):
     """m[{prefix}_{unit}] = the default (first) config's, when it ran."""
     key = f"{prefix}_{next(iter(configs))}_{unit}"
@@ -244,6 +286,9 @@ def prefill_cases(m, tiny, interpret, table, cfg):
         secs = sweep(m, f"gdn_prefill_{case}", cfg["gdn_prefill"], lambda **kw: pool_time(
             lambda p, ins, cu, slots, init: gated_deltanet.gdn_prefill(
                 *ins, p, cu, slots, init, interpret=interpret, **kw), pool, ins, cu, slots, init))
+        if not interpret:
+            m[f"gdn_prefill_{case}_kernels_us"] = traced(lambda p, ins, cu, slots, init: (
+                gated_deltanet.gdn_prefill(*ins, p, cu, slots, init)), pool, ins, cu, slots, init)
         flops = gated_deltanet.gdn_prefill_flops(lens, gs["hv"], gs["kd"], gs["vd"])
         for name, sec in secs.items():
             tf = round(flops / sec / 1e12, 2)
@@ -255,6 +300,10 @@ def prefill_cases(m, tiny, interpret, table, cfg):
             lambda p, ins, cu, slots, init: mamba2.ssd_prefill(
                 *ins, p, cu, slots, init, interpret=interpret, **kw),
             pool, (x, dt, a, b, c), cu, slots, init))
+        if not interpret:
+            m[f"ssd_prefill_{case}_kernels_us"] = traced(lambda p, ins, cu, slots, init: (
+                mamba2.ssd_prefill(*ins, p, cu, slots, init)), pool, (x, dt, a, b, c), cu, slots,
+                init)
         flops = mamba2.ssd_prefill_flops(lens, ss["h"], ss["p"], ss["n"])
         for name, sec in secs.items():
             tf = round(flops / sec / 1e12, 2)

@@ -25,23 +25,12 @@ import time
 
 from jaxinfer.bench import common, presets, results_io
 
-GPT_OSS_20B = {
-    "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
-    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-    "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
-    "vocab_size": 201088, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
-    "layer_types": ["sliding_attention", "full_attention"] * 12, "attention_bias": True,
-    "swiglu_limit": 7.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "original_max_position_embeddings": 4096, "truncate": False},
-    "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002,
-}
 # name -> (config.json, engine flags beside the defaults)
 MODELS = {
     "llama8b": (presets.LLAMA3_8B, {}),
     "llama8b_fp8": (presets.LLAMA3_8B, {"quantization": "fp8"}),
     "qwen3_30b_a3b": (presets.QWEN3_30B_A3B, {}),
-    "gpt_oss_20b": (GPT_OSS_20B, {}),
+    "gpt_oss_20b": (presets.GPT_OSS_20B, {}),
 }
 RESULT_PREFIX = "memory-plan result: "
 OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")

@@ -57,6 +57,17 @@ DEEPSEEK_V2_LITE = {
 }
 
 
+# openai/gpt-oss-20b's config.json (32 experts top 4, sliding and full attention alternating).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5,
+    "vocab_size": 201088, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002,
+}
 # Qwen3-Next-80B-A3B's config.json (Gated DeltaNet 3 : 1 gated attention, 512 experts top 10 and
 # a shared expert).
 QWEN3_NEXT_80B_A3B = {
@@ -134,6 +145,11 @@ PRESETS = {
                                             "output_len": 256, "max_num_seqs": 64,
                                             "max_num_batched_tokens": 2048, "max_model_len": 1024,
                                             "background_compile": False}),
+    # families_<gpu>.json's gpt-oss section: batch 1 (`bench latency --batch-size 1`) and c = 64
+    "gpt_oss_20b": Preset("gpt-oss-20b shape (32 experts, top 4), 64 x 512 / 256",
+                          GPT_OSS_20B, {**_ENGINE, "num_prompts": 64, "input_len": 512,
+                                        "output_len": 256, "max_num_seqs": 64,
+                                        "max_model_len": 2048}),
     "mixtral_8x7b": Preset("Mixtral-8x7B shape (8 experts, top 2), 64 x 512 / 256",
                            MIXTRAL_8X7B, {**_ENGINE, "num_prompts": 64, "input_len": 512,
                                           "output_len": 256, "max_num_seqs": 64,

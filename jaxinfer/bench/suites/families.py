@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxinfer.bench import results_io
+from jaxinfer.bench import presets, results_io
 from jaxinfer.paths import REPO_ROOT
 
 RESULT = "RESULT "
@@ -61,21 +61,11 @@ GEMMA3_27B = {
     "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "bos_token_id": 2,
     "eos_token_id": 1,
 }
-GPTOSS_20B = {
-    "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
-    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
-    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "truncate": False, "original_max_position_embeddings": 4096},
-    "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5,
-    "vocab_size": 201088, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002,
-}
 # CPU check: the same families at toy sizes (windows still shorter than the prompts).
 TINY_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       query_pre_attn_scalar=16, sliding_window=8, vocab_size=512)
-MODELS = {"gemma3_27b": GEMMA3_27B, "gptoss_20b": GPTOSS_20B}
+MODELS = {"gemma3_27b": GEMMA3_27B, "gptoss_20b": presets.GPT_OSS_20B}
 
 
 def workload() -> dict:

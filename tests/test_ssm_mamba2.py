@@ -28,12 +28,10 @@ NUM_SLOTS = 8
 LENS = [37, 0, 1, 16, 9, 5]  # several chunks, empty, decode-sized, one exact chunk, a dead row
 
 
-@functools.partial(jax.jit, static_argnames=("block_p", "chunk", "heads"))
-def prefill(x, dt, a, b, c, pool, cu, slots, init, d, src_slots=None, block_p=16, chunk=CHUNK,
-            heads=1):
+@functools.partial(jax.jit, static_argnames=("block_p", "chunk"))
+def prefill(x, dt, a, b, c, pool, cu, slots, init, d, src_slots=None, block_p=16, chunk=CHUNK):
     return mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, d=d, src_slots=src_slots,
-                              chunk_size=chunk, block_p=block_p, heads_per_program=heads,
-                              interpret=True)
+                              chunk_size=chunk, block_p=block_p, interpret=True)
 
 
 @jax.jit
@@ -83,18 +81,16 @@ def test_chunked_reference_is_the_recurrence(with_d):
     assert not np.asarray(y1[int(cu[-1]):]).any(), "padding tokens must come out zero"
 
 
-@pytest.mark.parametrize("seed, h, g, p, block_p, lens, chunk, heads", [
-    (1, 4, 2, 32, 16, LENS, CHUNK, 1),  # two groups, two P blocks
-    (2, 4, 1, 16, 16, LENS, CHUNK, 1),  # one group shared by every head
-    (3, 2, 2, 32, 32, LENS, CHUNK, 1),  # a group per head, one P block
-    (4, 4, 2, 32, 16, [150, 0, 1, 64, 40], 64, 1),  # the serving chunk
-    (5, 8, 2, 32, 16, LENS, CHUNK, 2),  # two heads a program: C B^T shared, two P blocks
-    (6, 8, 1, 16, 16, [70, 3, 0, 16], CHUNK, 4),  # four heads a program, one group
+@pytest.mark.parametrize("seed, h, g, p, block_p, lens, chunk", [
+    (1, 4, 2, 32, 16, LENS, CHUNK),  # two groups, two P blocks
+    (2, 4, 1, 16, 16, LENS, CHUNK),  # one group shared by every head
+    (3, 2, 2, 32, 32, LENS, CHUNK),  # a group per head, one P block
+    (4, 4, 2, 32, 16, [150, 0, 1, 64, 40], 64),  # the serving chunk
 ])
-def test_prefill_matches_reference(seed, h, g, p, block_p, lens, chunk, heads):
+def test_prefill_matches_reference(seed, h, g, p, block_p, lens, chunk):
     t, cu, slots, init = batch(seed, lens)
     tokens, a, d, pool = inputs(seed, t, h=h, g=g, p=p)
-    y, new = run(functools.partial(prefill, block_p=block_p, chunk=chunk, heads=heads),
+    y, new = run(functools.partial(prefill, block_p=block_p, chunk=chunk),
                  tokens, a, pool, cu, slots, init, d=d)
     y_ref, p_ref = run(reference.ssd_recurrent_reference, tokens, a, pool, cu, slots, init, d=d)
     assert_close(y, y_ref, 2e-5)
@@ -200,9 +196,6 @@ def test_bad_shapes_are_named():
     (x, dt, b, c), a, d, pool = inputs(0, t)
     with pytest.raises(ValueError, match="dt"):
         mamba2.ssd_prefill(x, dt[:, :1], a, b, c, pool, cu, slots, init, interpret=True)
-    with pytest.raises(ValueError, match="heads_per_program"):
-        mamba2.ssd_prefill(x, dt, a, b, c, pool, cu, slots, init, heads_per_program=3,
-                           interpret=True)
     with pytest.raises(ValueError, match="b "):
         mamba2.ssd_prefill(x, dt, a, b[:, :, :8], c, pool, cu, slots, init, interpret=True)
     with pytest.raises(ValueError, match="state_pool"):
@@ -218,10 +211,8 @@ def test_kernels_lower_for_cuda():
     args = (sd((t, h, p), bf), sd((t, h), f32), sd((h,), f32), sd((t, g, ds), bf),
             sd((t, g, ds), bf), sd((n, h, p, ds), f32), sd((s + 1,), i32), sd((s,), i32),
             sd((s,), bool))
-    for heads in (1, 2):
-        text = lower_for_cuda(functools.partial(mamba2.ssd_prefill, d=jnp.ones((h,)),
-                                                heads_per_program=heads), *args)
-        assert "ssd_prefill" in text
+    text = lower_for_cuda(functools.partial(mamba2.ssd_prefill, d=jnp.ones((h,))), *args)
+    assert "ssd_prefill" in text
     text = lower_for_cuda(mamba2.ssd_decode, sd((s, h, p), bf), sd((s, h), f32), sd((h,), f32),
                           sd((s, g, ds), bf), sd((s, g, ds), bf), sd((n, h, p, ds), f32),
                           sd((s,), i32))

@@ -53,30 +53,22 @@ DECODE = (1, 64)
 # name -> keyword arguments; the first of each is the kernel's default, whose times keep the
 # record's plain keys.
 # The prefill variants' sweep (ssm_kernels_h100.json) chose GDN's split form and SSD's fused one;
-# these tune what is left.
+# these tune what is left. Left out after losing on the H100 (1a18fab's record): 8 warps, block
+# 16 at 8 x 1024, and SSD programs walking 2 or 4 heads of a group (C B^T shared; 0.4-0.7x).
 GDN_PREFILL = {
     "bv64_stages2": dict(block_v=64, num_stages=2),
-    "bv64": dict(block_v=64, num_stages=1),
     "bv32_stages2": dict(block_v=32, num_stages=2),
-    "bv16_stages2": dict(block_v=16, num_stages=2),  # 256 state-pass programs for one prompt
-    "bv64_stages3": dict(block_v=64, num_stages=3),
-    "bv64_stages2_w8": dict(block_v=64, num_stages=2, num_warps=8),
     "c32_bv64_stages2": dict(chunk_size=32, block_v=64, num_stages=2),
+    "c32_bv32_stages2": dict(chunk_size=32, block_v=32, num_stages=2),
+    "c32_bv16_stages2": dict(chunk_size=32, block_v=16, num_stages=2),  # one prompt: 256 walks
+    "c32_bv64_stages3": dict(chunk_size=32, block_v=64, num_stages=3),
 }
 SSD_PREFILL = {
     "bp64": dict(block_p=64),
-    "bp32": dict(block_p=32),
-    "bp16": dict(block_p=16),  # 1024 serial-walk programs for one prompt
     "bp64_stages2": dict(block_p=64, num_stages=2),
     "bp64_stages3": dict(block_p=64, num_stages=3),
-    "bp64_w8": dict(block_p=64, num_warps=8),
-    "c32_bp64": dict(chunk_size=32, block_p=64),
-    # heads of a group walked together, C B^T made once for them
-    "hb2_bp32": dict(heads_per_program=2, block_p=32),
-    "hb2_bp32_stages2": dict(heads_per_program=2, block_p=32, num_stages=2),
-    "hb2_bp64_w8": dict(heads_per_program=2, block_p=64, num_warps=8),
-    "hb4_bp16": dict(heads_per_program=4, block_p=16),
-    "hb4_bp32_w8": dict(heads_per_program=4, block_p=32, num_warps=8),
+    "bp32_stages2": dict(block_p=32, num_stages=2),
+    "c32_bp64_stages2": dict(chunk_size=32, block_p=64, num_stages=2),
 }
 CONV_PREFILL = {"bt32": dict(block_t=32), "bt64": dict(block_t=64)}
 # Decode: fla's fused_recurrent runs [K, 8]-column tiles on one warp (the K reduction stays in

@@ -17,9 +17,9 @@ has fewer tokens) go back to its slot in place. The references are
 `reference.causal_conv1d_reference` / `causal_conv1d_update_reference`.
 
 Prefill: grid (row blocks, C / block_c), every block_t-row block of every sequence at once
-(`batch.chunk_table`), each tap's rows one shifted load of x (x is padded by W-1 rows in front
-so the first sequence's shifted loads stay in bounds); a sequence's first block adds the
-history's terms and writes its conv state.
+(`batch.chunk_table`), each tap's rows one shifted load of x, masked outside the sequence's rows
+(`_padded`: the interpreter's copy of x has zero rows around it instead); a sequence's first
+block adds the history's terms and writes its conv state.
 """
 
 from __future__ import annotations
@@ -32,20 +32,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, live_tokens,
-                                      sequence_table, slot_table)
+from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, sequence_table,
+                                      slot_table)
 
 
 def _activate(y, activation):
     return y * jax.nn.sigmoid(y) if activation == "silu" else y
 
 
-def _prefill_kernel(table_ref, info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *,
-                    block_t: int, activation):
+def _prefill_kernel(table_ref, info_ref, x_ref, w_ref, b_ref, st_ref, _zeros_ref, y_ref,
+                    st_out_ref, *, block_t: int, activation, front: int):
     """One (block of rows of one sequence, channel block). The block whose first row is its
     sequence's first adds the history's terms and writes the sequence's final inputs to its
     slot: the only program that reads the source slot also writes the destination, so no
-    other block can see a half-written state."""
+    other block can see a half-written state. x's row r is packed row r - front (front: the
+    zero rows in front of x, `_padded`)."""
     blk = pl.program_id(0)
     row0, n, s, writer = (table_ref[blk, 0], table_ref[blk, 1], table_ref[blk, 2],
                           table_ref[blk, 3])
@@ -61,11 +62,11 @@ def _prefill_kernel(table_ref, info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_
     def _():
         ok = rows < n
         acc = jnp.zeros((block_t, b_ref.shape[0]), jnp.float32) + b_ref[...].astype(jnp.float32)
-        for i in range(width):  # tap i reads position row - (W-1) + i: padded row row0+row+i
+        for i in range(width):  # tap i reads position row - (W-1) + i
             wi = w_ref[i, :].astype(jnp.float32)
             seen = ok & ((row0 - start) + rows - (width - 1) + i >= 0)
-            xi = pltriton.load(x_ref.at[pl.ds(row0 + i, block_t), :], mask=seen[:, None],
-                               other=0)
+            xi = pltriton.load(x_ref.at[pl.ds(row0 + i - (width - 1) + front, block_t), :],
+                               mask=seen[:, None], other=0)
             acc = acc + wi[None, :] * xi.astype(jnp.float32)
             for m in range(i, width - 1):  # before the sequence: history row m = row + i
                 at = (rows == m - i) & ok & first
@@ -76,7 +77,9 @@ def _prefill_kernel(table_ref, info_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_
     @pl.when((writer > 0) & (slot >= 0))
     def _():
         for m in range(width - 1):  # position length - (W-1) + m of the history-extended input
-            x_row = x_ref[start + length + m, :].astype(jnp.float32)
+            # (a row before the sequence is not used: the clamp only keeps the read in x)
+            at = jnp.maximum(start + length + m - (width - 1) + front, 0)
+            x_row = x_ref[at, :].astype(jnp.float32)
             old = sum(jnp.where(length + m == mm, hist[mm], 0.0) for mm in range(width - 1))
             new = jnp.where(length + m >= width - 1, x_row, old)
             st_out_ref[slot, m, :] = new.astype(st_out_ref.dtype)
@@ -134,27 +137,41 @@ def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_initial_st
     if block_t & (block_t - 1) or block_t < max(16, w - 1):
         raise ValueError(f"block_t={block_t} must be a power of two >= 16 and >= W-1={w - 1}")
     table = _block_table(cu, slots, t, block_t)
-    xp = jnp.pad(x, ((w - 1, block_t), (0, 0)))
+    xp, front = _padded(x, w, block_t, interpret)
+    rows = xp.shape[0] - front
     n = conv_state.shape[0]
     y, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, block_t=block_t, activation=activation),
+        functools.partial(_prefill_kernel, block_t=block_t, activation=activation, front=front),
         grid=(table.shape[0], c // bc),
         in_specs=[pl.BlockSpec(table.shape, lambda i, j: (0, 0)),
                   pl.BlockSpec((s, 5), lambda i, j: (0, 0)),
                   pl.BlockSpec((xp.shape[0], bc), lambda i, j: (0, j)),
                   pl.BlockSpec((w, bc), lambda i, j: (0, j)),
                   pl.BlockSpec((bc,), lambda i, j: (j,)),
-                  pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j))],
-        out_specs=[pl.BlockSpec((t + block_t, bc), lambda i, j: (0, j)),
+                  pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j)),
+                  pl.BlockSpec((rows, bc), lambda i, j: (0, j))],
+        out_specs=[pl.BlockSpec((rows, bc), lambda i, j: (0, j)),
                    pl.BlockSpec((n, w - 1, bc), lambda i, j: (0, 0, j))],
-        out_shape=[jax.ShapeDtypeStruct((t + block_t, c), x.dtype),
+        out_shape=[jax.ShapeDtypeStruct((rows, c), x.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
-        input_output_aliases={5: 1},
+        # y starts as zeros (a write-only fill) and the kernel writes the live sequences' rows:
+        # padding rows stay zero without a select over all of y.
+        input_output_aliases={5: 1, 6: 0},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="causal_conv1d",
-    )(table, info, xp, weight, bias, conv_state)
-    return jnp.where(live_tokens(cu, slots, t)[:, None], y[:t], 0).astype(x.dtype), pool
+    )(table, info, xp, weight, bias, conv_state, jnp.zeros((rows, c), x.dtype))
+    return y[:t], pool
+
+
+def _padded(x, width: int, block_t: int, interpret: bool):
+    """(x as the kernel reads it, the zero rows in front of it). On the GPU the taps' loads are
+    masked outside a sequence's rows, so x goes in as it is. Pallas' interpreter clamps a load's
+    window to the array (its rows would shift), so there x gets W-1 zero rows in front (the first
+    sequence's earliest tap) and block_t behind (a last block's window)."""
+    if not interpret:
+        return x, 0
+    return jnp.pad(x, ((width - 1, block_t), (0, 0))), width - 1
 
 
 def _update_kernel(slot_ref, x_ref, w_ref, b_ref, st_ref, y_ref, st_out_ref, *, activation):

@@ -49,9 +49,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.tiles import chunk_rows, dot
+from pallas_kernels.ssm.tiles import chunk_rows, dot, rows_past_end
 from pallas_kernels.ssm.batch import (check_ragged, check_sources, chunk_table, first_chunks,
-                                      live_tokens, sequence_table, slot_table)
+                                      sequence_table, slot_table)
 from pallas_kernels.ssm.reference import L2NORM_EPS
 
 def _total(terms):
@@ -201,7 +201,8 @@ def _h_kernel(info_ref, k_ref, w_ref, u_ref, g_ref, h_ref, vn_ref, hc_ref, h_out
         h_out_ref[slot] = h.astype(h_out_ref.dtype)
 
 
-def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, o_ref, *, chunk: int, l2: bool):
+def _o_kernel(chunks_ref, q_ref, k_ref, g_ref, vn_ref, hc_ref, _zeros_ref, o_ref, *, chunk: int,
+              l2: bool):
     """The output, one (chunk, value head, V block), every chunk at once:
     o = (q exp(gc)) S_before + (q k^T * D) v'."""
     i = pl.program_id(0)
@@ -259,9 +260,9 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     cu = cu_seqlens.astype(jnp.int32)
     info = sequence_table(cu, slots, has_initial_state, src_slots)
     chunks = chunk_table(cu, slots, t, chunk_size)
-    pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))
+    pad = lambda x: rows_past_end(x, chunk_size, interpret)
     q, k, v, g = pad(q), pad(k), pad(v), pad(g.astype(jnp.float32))
-    rep, tp = hv // hk, t + chunk_size
+    rep, tp = hv // hk, q.shape[0]
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # WY: every chunk of every head at once (the UT transform is off the serial path).
     key_spec = pl.BlockSpec((tp, None, kd), lambda i, h: (0, h // rep, 0))
@@ -282,8 +283,7 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     common = dict(chunk=chunk_size, bv=bv, l2=use_qk_l2norm, params=params, interpret=interpret)
     info = jnp.concatenate([info, first_chunks(cu, slots, chunk_size)[:, None]], axis=1)
     o, pool = _state_pass(q, k, w, u, g, state_pool, info, chunks, **common)
-    live = live_tokens(cu, slots, t)[:, None, None]
-    return jnp.where(live, o[:t], 0).astype(v.dtype), pool
+    return o[:t], pool
 
 
 def _state_pass(q, k, w, u, g, state_pool, info, chunks, *, chunk, bv, l2, params, interpret):
@@ -314,17 +314,20 @@ def _state_pass(q, k, w, u, g, state_pool, info, chunks, *, chunk, bv, l2, param
         name="gdn_prefill_h",
     )(info, k, w, u, g, state_pool)
     bo = min(vd, 128)  # the output pass holds no state: whole rows of V where they fit
+    # The output starts as zeros (a write-only fill) and the kernel writes the live chunks' rows:
+    # padding tokens and padding sequences' rows stay zero without a select over all of it.
     o = pl.pallas_call(
         functools.partial(_o_kernel, chunk=chunk, l2=l2),
         grid=(nc, hv, vd // bo),
         in_specs=[pl.BlockSpec((nc, 2), lambda i, h, j: (0, 0)), key_spec, key_spec, gate_spec,
-                  v_spec(bo), hc_spec(bo)],
+                  v_spec(bo), hc_spec(bo), v_spec(bo)],
         out_specs=v_spec(bo),
         out_shape=jax.ShapeDtypeStruct((tp, hv, vd), u.dtype),
+        input_output_aliases={6: 0},
         compiler_params=params,
         interpret=interpret,
         name="gdn_prefill_o",
-    )(chunks, q, k, g, vn, hc)
+    )(chunks, q, k, g, vn, hc, jnp.zeros((tp, hv, vd), u.dtype))
     return o, pool
 
 

@@ -39,9 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ssm.tiles import chunk_rows, dot
-from pallas_kernels.ssm.batch import (check_ragged, check_sources, live_tokens, sequence_table,
-                                      slot_table)
+from pallas_kernels.ssm.tiles import chunk_rows, dot, rows_past_end
+from pallas_kernels.ssm.batch import check_ragged, check_sources, sequence_table, slot_table
 
 
 def _chunk_cumsum(dt, a, chunk):
@@ -52,48 +51,52 @@ def _chunk_cumsum(dt, a, chunk):
 
 
 def _prefill_kernel(info_ref, a_ref, d_ref, x_ref, dt_ref, b_ref, c_ref, h_ref, y_ref, h_out_ref,
-                    *, chunk: int, heads: int):
-    """One (sequence, `heads` heads of one group, P block): the chunks in order, each head's state
-    in registers. C B^T is the group's: made once a chunk for all its heads. Tiles stay in the
-    input dtype (float32 copies of B and C held across the step's matmuls would spill)."""
-    s, head0 = pl.program_id(0), pl.program_id(1) * heads
+                    *, chunk: int):
+    """One (sequence, head, P block): the chunks in order, the state in registers. Tiles stay in
+    the input dtype (float32 copies of B and C held across the step's four matmuls would spill).
+    A padding sequence's program (and the one for the padding tokens past the last sequence)
+    writes zeros over its rows."""
+    s, head = pl.program_id(0), pl.program_id(1)
     start, length, slot, init = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2], info_ref[s, 3]
     src = info_ref[s, 4]
-    a = [a_ref[head0 + i] for i in range(heads)]
-    skip = [d_ref[head0 + i] for i in range(heads)]
+    a, skip = a_ref[head], d_ref[head]
     dtype = x_ref.dtype
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-    r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
 
     @pl.when(slot >= 0)
     def _():
-        def step(j, hs):
+        def step(j, h):
             row0 = start + j * chunk
             ok = j * chunk + rows < length
-            b, c = chunk_rows(b_ref, row0, ok), chunk_rows(c_ref, row0, ok)
-            cb = dot(c, b, dtype, trans_b=True)
-            out = []
-            for i in range(heads):
-                x = pltriton.load(x_ref.at[pl.ds(row0, chunk), jnp.int32(i), :], mask=ok[:, None], other=0)
-                dt = pltriton.load(dt_ref.at[pl.ds(row0, chunk), jnp.int32(i)], mask=ok, other=0)
-                cs = _chunk_cumsum(dt, a[i], chunk)
-                decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
-                y = (dot(cb * decay * dt[None, :], x, dtype)
-                     + jnp.exp(cs)[:, None] * dot(c, hs[i], dtype, trans_b=True)
-                     + skip[i] * x.astype(jnp.float32))
-                pltriton.store(y_ref.at[pl.ds(row0, chunk), jnp.int32(i), :], y.astype(y_ref.dtype),
-                               mask=ok[:, None])
-                last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
-                xs = x.astype(jnp.float32) * (dt * jnp.exp(last - cs))[:, None]
-                out.append(hs[i] * jnp.exp(last) + dot(xs, b, dtype, trans_a=True))
-            return tuple(out)
+            load2 = lambda ref: chunk_rows(ref, row0, ok)
+            x, b, c = load2(x_ref), load2(b_ref), load2(c_ref)
+            dt = chunk_rows(dt_ref, row0, ok)
+            cs = _chunk_cumsum(dt, a, chunk)
+            r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+            col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+            decay = jnp.exp(jnp.where(r >= col, cs[:, None] - cs[None, :], -jnp.inf))
+            scores = dot(c, b, dtype, trans_b=True) * decay * dt[None, :]
+            y = (dot(scores, x, dtype) + jnp.exp(cs)[:, None] * dot(c, h, dtype, trans_b=True)
+                 + skip * x.astype(jnp.float32))
+            pltriton.store(y_ref.at[pl.ds(row0, chunk), :], y.astype(y_ref.dtype),
+                           mask=ok[:, None])
+            last = jnp.sum(jnp.where(rows == chunk - 1, cs, 0.0))
+            xs = x.astype(jnp.float32) * (dt * jnp.exp(last - cs))[:, None]
+            return h * jnp.exp(last) + dot(xs, b, dtype, trans_a=True)
 
-        h0 = tuple(jnp.where(init > 0, h_ref[src, i].astype(jnp.float32), 0.0)
-                   for i in range(heads))
-        hs = lax.fori_loop(0, pl.cdiv(length, chunk), step, h0)
-        for i in range(heads):
-            h_out_ref[slot, i] = hs[i].astype(h_out_ref.dtype)
+        h0 = h_ref[src].astype(jnp.float32)
+        h = lax.fori_loop(0, pl.cdiv(length, chunk), step, jnp.where(init > 0, h0, 0.0))
+        h_out_ref[slot] = h.astype(h_out_ref.dtype)
+
+    @pl.when(slot < 0)
+    def _():
+        def zero(j, carry):
+            ok = j * chunk + rows < length
+            pltriton.store(y_ref.at[pl.ds(start + j * chunk, chunk), :],
+                           jnp.zeros((chunk, y_ref.shape[-1]), y_ref.dtype), mask=ok[:, None])
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(length, chunk), zero, 0)
 
 
 def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
@@ -118,47 +121,42 @@ def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
 
 
 def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
-                src_slots=None, chunk_size: int = 64, block_p: int = 64,
-                heads_per_program: int = 1, num_warps: int = 4, num_stages: int = 1,
-                interpret: bool = False):
+                src_slots=None, chunk_size: int = 64, block_p: int = 64, num_warps: int = 4,
+                num_stages: int = 1, interpret: bool = False):
     """The chunked SSD scan over a ragged batch (module docstring). Returns (y [T, H, P] in x's
     dtype, zeros on padding/dead rows; state_pool with each live sequence's final state in its
-    slot). chunk_size: a power of two >= 16; block_p: the P block; heads_per_program: heads of
-    one group walked together, sharing C B^T (a power of two dividing H / G)."""
+    slot). chunk_size: a power of two >= 16; block_p: the P block."""
     h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
     t = x.shape[0]
     check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
-    hb = heads_per_program
-    if hb < 1 or hb & (hb - 1) or (h // g) % hb:
-        raise ValueError(f"heads_per_program={hb} must be a power of two dividing the heads of a "
-                         f"group ({h // g})")
     cu = cu_seqlens.astype(jnp.int32)
-    info = sequence_table(cu, slots, has_initial_state, src_slots)
-    pad = lambda v: jnp.pad(v, ((0, chunk_size),) + ((0, 0),) * (v.ndim - 1))
+    # One more program row: the padding tokens past the last sequence, zeroed like a padding
+    # sequence's, so every output row is written once by the kernel (no select after it).
+    tail = jnp.stack([cu[-1], t - cu[-1], -1, 0, 0])[None].astype(jnp.int32)
+    info = jnp.concatenate([sequence_table(cu, slots, has_initial_state, src_slots), tail])
+    pad = lambda v: rows_past_end(v, chunk_size, interpret)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     y, pool = _prefill_call(info, a.astype(jnp.float32), skip, pad(x), pad(dt.astype(jnp.float32)),
-                            pad(b), pad(c), state_pool, chunk=chunk_size, bp=bp, hb=hb,
-                            params=params, interpret=interpret)
-    live = live_tokens(cu, slots, t)[:, None, None]
-    return jnp.where(live, y[:t], 0).astype(x.dtype), pool
+                            pad(b), pad(c), state_pool, chunk=chunk_size, bp=bp, params=params,
+                            interpret=interpret)
+    return y[:t], pool
 
 
-def _prefill_call(info, a, skip, x, dt, b, c, state_pool, *, chunk, bp, hb, params, interpret):
-    """Each sequence's chunks in order, the output computed on the serial path; grid (sequence,
-    block of hb heads, P block)."""
+def _prefill_call(info, a, skip, x, dt, b, c, state_pool, *, chunk, bp, params, interpret):
+    """Each sequence's chunks in order, the output computed on the serial path."""
     s, (tp, h, p), (g, n) = info.shape[0], x.shape, b.shape[1:]
     slots_n, rep = state_pool.shape[0], h // g
-    x_spec = pl.BlockSpec((tp, hb, bp), lambda i, hh, j: (0, hh, j))
-    bc_spec = pl.BlockSpec((tp, None, n), lambda i, hh, j: (0, hh * hb // rep, 0))
-    state_spec = pl.BlockSpec((slots_n, hb, bp, n), lambda i, hh, j: (0, hh, j, 0))
+    x_spec = pl.BlockSpec((tp, None, bp), lambda i, hh, j: (0, hh, j))
+    bc_spec = pl.BlockSpec((tp, None, n), lambda i, hh, j: (0, hh // rep, 0))
+    state_spec = pl.BlockSpec((slots_n, None, bp, n), lambda i, hh, j: (0, hh, j, 0))
     whole = lambda shape: pl.BlockSpec(shape, lambda i, hh, j: (0,) * len(shape))
     return pl.pallas_call(
-        functools.partial(_prefill_kernel, chunk=chunk, heads=hb),
-        grid=(s, h // hb, p // bp),
+        functools.partial(_prefill_kernel, chunk=chunk),
+        grid=(s, h, p // bp),
         in_specs=[whole((s, 5)), whole((h,)), whole((h,)), x_spec,
-                  pl.BlockSpec((tp, hb), lambda i, hh, j: (0, hh)), bc_spec, bc_spec,
+                  pl.BlockSpec((tp, None), lambda i, hh, j: (0, hh)), bc_spec, bc_spec,
                   state_spec],
         out_specs=[x_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct((tp, h, p), x.dtype),

@@ -3,6 +3,7 @@ sequence's rows loaded with the rows past its end as zeros, and the tensor-core 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -21,3 +22,13 @@ def chunk_rows(ref, row0, ok):
     if len(ref.shape) == 1:
         return pltriton.load(ref.at[pl.ds(row0, n)], mask=ok, other=0)
     return pltriton.load(ref.at[pl.ds(row0, n), :], mask=ok[:, None], other=0)
+
+
+def rows_past_end(x: jax.Array, chunk: int, interpret: bool) -> jax.Array:
+    """x as the kernels read it: a last chunk's window runs up to chunk - 1 rows past the end of
+    the packed rows. On the GPU its loads and stores are masked there, so x goes in as it is (a
+    padded copy cost as much as a fifth of a prefill call). Pallas' interpreter clamps a window
+    to the array instead (its rows would shift), so there x gets `chunk` zero rows."""
+    if not interpret:
+        return x
+    return jnp.pad(x, ((0, chunk),) + ((0, 0),) * (x.ndim - 1))

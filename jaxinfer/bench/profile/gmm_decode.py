@@ -1,0 +1,130 @@
+"""The routed experts' grouped matmul at decode on one model's expert shape: each tiling of TILINGS
+timed on the rows a step of `--tokens` tokens routes, beside a plain read of the bytes it streams
+(the same run's ceiling). It answers which tiling streams a shape whose K and N are not multiples
+of 128 (gpt-oss-20b: K = N = 2880, so the warp-specialised tilings narrow to the one-warpgroup
+kernel's 64-column blocks: `grouped_matmul._fit`).
+
+    python -m jaxinfer.bench.profile.gmm_decode [--shape gpt_oss_20b] [--tokens 1 64] [--json F]
+
+One call is one plain grouped matmul (a gate, up or down projection: one weight stack [E, K, N],
+bf16). The timed jit runs ROUTINGS calls, each on another random routing, so a call's experts are
+not the previous call's (L2 holds 50 MB; four gpt-oss experts are 66 MB). Reported per tiling and
+token count: µs per call, the streamed experts' bytes over that time (TB/s) and over the read
+ceiling, and the output's error against `jax.lax.ragged_dot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.bench import anchors
+from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
+from pallas_kernels.moe import grouped_matmul as gm
+from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
+from pallas_kernels.moe.grouped_matmul_ws import WsConfig
+
+SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "qwen3_30b_a3b": (128, 2048, 768, 8)}  # E, K, N, k
+# name -> config; 4 fields: the one-warpgroup kernel, more: the warp-specialised one. The first
+# is what `moe_experts` runs on gpt-oss today.
+TILINGS = {
+    "wg_n64_s4": (64, 64, 64, 4),
+    "wg_n64_s8": (64, 64, 64, 8),
+    "wg_n64_s12": (64, 64, 64, 12),
+    "wg_n64_k32_s12": (64, 64, 32, 12),
+    "wg_n192_s4": (64, 192, 64, 4),
+    "wg_n192_s6": (64, 192, 64, 6),
+    "ws_m_n64_s8": (128, 64, 64, 8, "m"),
+    "ws_m_n192_s4": (128, 192, 64, 4, "m"),
+    "ws_m_n192_s3_chain": (128, 192, 64, 3, "m", True),
+}
+ROUTINGS = 8
+
+
+def make_config(fields: tuple):
+    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
+
+
+def routings(experts: int, k: int, hidden: int, tokens: int, count: int):
+    """`count` (x sorted by expert [tokens * k, K], group sizes) of distinct random routings."""
+    out = []
+    for i in range(count):
+        key_x, key_r = jax.random.split(jax.random.key(100 + i))
+        chosen = jnp.argsort(jax.random.uniform(key_r, (tokens, experts)), axis=1)[:, :k]
+        flat = chosen.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        x = jax.random.normal(key_x, (tokens, hidden), jnp.bfloat16)
+        out.append((x[order // k], jnp.bincount(flat, length=experts).astype(jnp.int32)))
+    return out
+
+
+def run(shape: str, token_counts, tilings=TILINGS) -> dict:
+    experts, k_dim, n_dim, top_k = SHAPES[shape]
+    w = (jax.random.normal(jax.random.key(0), (experts, k_dim, n_dim), jnp.float32)
+         * k_dim ** -0.5).astype(jnp.bfloat16)
+    read = max(anchors.read_rates(256 << 20).values())
+    res: dict = {"shape": shape, "experts_k_n_topk": SHAPES[shape], "read_tbps": read / 1e12}
+    for tokens in token_counts:
+        cases = routings(experts, top_k, k_dim, tokens, ROUTINGS)
+        touched = [int(jnp.sum(s > 0)) for _, s in cases]
+        nbytes = sum(touched) / len(touched) * k_dim * n_dim * 2
+        calls, errs = {}, {}
+        for name, fields in tilings.items():
+            cfg = make_config(fields)
+            try:
+                xs, sizes = cases[0]
+                got = gm.gmm(xs, (w,), sizes, cfg)
+                ref = jax.lax.ragged_dot(xs.astype(jnp.float32), w.astype(jnp.float32), sizes)
+                errs[name] = round(rel_err(got[:int(sizes.sum())], ref[:int(sizes.sum())]), 5)
+            except Exception as e:  # noqa: BLE001 - recorded; the other tilings still run
+                errs[name] = f"{type(e).__name__}: {e}"[:200]
+                continue
+            many = jax.jit(lambda cases, w, cfg=cfg: [gm.gmm(x, (w,), s, cfg) for x, s in cases])
+            calls[name] = (many, (cases, w))
+        secs = bench_interleaved(calls, reps=5, inner=5)
+        row = {}
+        for name in tilings:
+            if name not in secs:
+                row[name] = {"error": errs[name]}
+                continue
+            us = secs[name] / ROUTINGS * 1e6
+            tbps = nbytes / (us * 1e-6) / 1e12
+            row[name] = {"us": round(us, 1), "tbps": round(tbps, 3),
+                         "frac_of_read": round(tbps * 1e12 / read, 3), "rel_err": errs[name]}
+        res[f"t{tokens}"] = {"rows": tokens * top_k, "experts_touched": sum(touched) / len(touched),
+                             "bytes_per_call": nbytes, "tilings": row}
+    return res
+
+
+def print_table(res: dict) -> None:
+    print(f"{res['shape']}: read ceiling {res['read_tbps']:.2f} TB/s")
+    print(f"{'tokens':>6}  {'tiling':<22}{'us':>8}{'TB/s':>8}{'of read':>9}  err")
+    for key, case in res.items():
+        if not key.startswith("t") or not isinstance(case, dict):
+            continue
+        for name, r in case["tilings"].items():
+            if "error" in r:
+                print(f"{key[1:]:>6}  {name:<22}  FAILED {r['error']}")
+            else:
+                print(f"{key[1:]:>6}  {name:<22}{r['us']:>8}{r['tbps']:>8}{r['frac_of_read']:>9}"
+                      f"  {r['rel_err']}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="gpt_oss_20b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--json", default=None, help="write the figures here")
+    a = ap.parse_args(argv)
+    res = run(a.shape, a.tokens)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print_table(res)
+
+
+if __name__ == "__main__":
+    main()

@@ -56,15 +56,15 @@ DECODE = (1, 64)
 # these tune what is left. Left out after losing on the H100 (1a18fab's record): 8 warps, block
 # 16 at 8 x 1024, and SSD programs walking 2 or 4 heads of a group (C B^T shared; 0.4-0.7x).
 GDN_PREFILL = {
-    "bv64_stages2": dict(block_v=64, num_stages=2),
-    "bv32_stages2": dict(block_v=32, num_stages=2),
     "c32_bv64_stages2": dict(chunk_size=32, block_v=64, num_stages=2),
+    "bv64_stages2": dict(chunk_size=64, block_v=64, num_stages=2),
     "c32_bv32_stages2": dict(chunk_size=32, block_v=32, num_stages=2),
     "c32_bv16_stages2": dict(chunk_size=32, block_v=16, num_stages=2),  # one prompt: 256 walks
     "c32_bv64_stages3": dict(chunk_size=32, block_v=64, num_stages=3),
 }
 SSD_PREFILL = {
-    "bp64": dict(block_p=64),
+    "bp64": dict(block_p=64),  # stages by batch: mamba2.default_stages
+    "bp64_stages1": dict(block_p=64, num_stages=1),
     "bp64_stages2": dict(block_p=64, num_stages=2),
     "bp64_stages3": dict(block_p=64, num_stages=3),
     "bp32_stages2": dict(block_p=32, num_stages=2),

@@ -27,8 +27,10 @@ o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^
      matmuls a step) and writing each chunk's incoming state (in q's dtype) and v'; then
      `_o_kernel`, grid (chunk, Hv, V / 128), every chunk's output at once. This split beat
      computing the output on the serial walk (one kernel, five matmuls a step) on an H100:
-     48.5 vs 46.0 TF/s at 8 x 1024 tokens, 38.9 vs 24.1 at 1 x 8192, with block_v 64 and
-     num_stages 2 the fastest of the sweep (benchmarks/results/ssm_kernels_h100.json).
+     48.5 vs 46.0 TF/s at 8 x 1024 tokens, 38.9 vs 24.1 at 1 x 8192 (1a18fab's record). The
+     default tiling is the sweep's fastest (benchmarks/results/ssm_kernels_h100.json): chunks
+     of 32 (a two-block UT transform, twice the walk's steps), block_v 64, num_stages 2: 762 us
+     against 872 at chunk 64 for 8 x 1024 tokens.
 Rows past a sequence's end load as k = v = beta = g = 0, which is the identity step, so a partial
 last chunk needs no other masking. Matmul operands are cast to q's dtype (bf16 in serving, as fla
 does), accumulating in float32; the state stays float32.
@@ -245,13 +247,13 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
-                src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 64, block_v: int = 64,
+                src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 32, block_v: int = 64,
                 num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """The chunked gated delta rule over a ragged batch (module docstring). Returns
     (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
-    final state in its slot). chunk_size: a power of two >= 16; block_v: the V block of the serial
-    pass; num_warps, num_stages: Triton's, for all three kernels (defaults: the H100 sweep's
-    fastest)."""
+    final state in its slot). chunk_size: a power of two >= 16 (the result is the same at any
+    chunk, to rounding); block_v: the V block of the serial pass; num_warps, num_stages:
+    Triton's, for all three kernels (defaults: the H100 sweep's fastest)."""
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     t, vd = q.shape[0], v.shape[2]
     check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)

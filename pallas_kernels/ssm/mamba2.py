@@ -22,7 +22,11 @@ One kernel, grid (S, H, P / block_p), walks a sequence's chunks with its [block_
 the state in registers, computing y on the serial walk. This beat mamba_ssm's split of the work
 (a state-update-only serial pass writing each chunk's incoming state to HBM, then every chunk's
 y at once) on an H100: 91.1 vs 73.9 TF/s at 8 x 1024 tokens, 69.1 vs 67.7 at 1 x 8192, the
-split at its best (block_p 64, num_stages 2; benchmarks/results/ssm_kernels_h100.json).
+split at its best (block_p 64, num_stages 2; c3db3f4's record). So did one program per head
+against programs walking 2 or 4 heads of a group that share C B^T (0.4-0.7x, 1a18fab's).
+x, B and C go in as they are (no padded copy: `tiles.rows_past_end`), and padding rows are
+zeroed by programs of their own, not by a select over y: that took the call from 657 to 426 us
+at 8 x 1024 tokens, 385 with `default_stages` (benchmarks/results/ssm_kernels_h100.json).
 Decode: grid (S, H, P / block_p): `reference.ssd_step` on the slot.
 
 Mixed prefill/decode steps: decode rows are sequences of length 1 in the prefill's packed batch;
@@ -122,10 +126,11 @@ def _check_ssd(x, dt, a, b, c, d, state_pool, block_p):
 
 def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state=None, *, d=None,
                 src_slots=None, chunk_size: int = 64, block_p: int = 64, num_warps: int = 4,
-                num_stages: int = 1, interpret: bool = False):
+                num_stages: int | None = None, interpret: bool = False):
     """The chunked SSD scan over a ragged batch (module docstring). Returns (y [T, H, P] in x's
     dtype, zeros on padding/dead rows; state_pool with each live sequence's final state in its
-    slot). chunk_size: a power of two >= 16; block_p: the P block."""
+    slot). chunk_size: a power of two >= 16; block_p: the P block; num_stages: Triton's software
+    pipelining of the chunk walk's loads (None: `default_stages`)."""
     h, p, g, n, bp, skip = _check_ssd(x, dt, a, b, c, d, state_pool, block_p)
     t = x.shape[0]
     check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
@@ -137,11 +142,19 @@ def ssd_prefill(x, dt, a, b, c, state_pool, cu_seqlens, slots, has_initial_state
     tail = jnp.stack([cu[-1], t - cu[-1], -1, 0, 0])[None].astype(jnp.int32)
     info = jnp.concatenate([sequence_table(cu, slots, has_initial_state, src_slots), tail])
     pad = lambda v: rows_past_end(v, chunk_size, interpret)
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = pltriton.CompilerParams(num_warps=num_warps,
+                                     num_stages=num_stages or default_stages(slots.shape[0]))
     y, pool = _prefill_call(info, a.astype(jnp.float32), skip, pad(x), pad(dt.astype(jnp.float32)),
                             pad(b), pad(c), state_pool, chunk=chunk_size, bp=bp, params=params,
                             interpret=interpret)
     return y[:t], pool
+
+
+def default_stages(num_seqs: int) -> int:
+    """The walk's pipelining depth, by the H100 sweep (ssm_kernels_h100.json): 2 stages for a
+    batch of prompts (8 x 1024 tokens: 385 us against 426 with 1 and 503 with 3), 3 for a lone
+    one, whose 128 programs each walk many chunks (1 x 8192: 466 us against 698 with 2)."""
+    return 3 if num_seqs == 1 else 2
 
 
 def _prefill_call(info, a, skip, x, dt, b, c, state_pool, *, chunk, bp, params, interpret):

@@ -69,10 +69,6 @@ INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
     # The one-warpgroup kernel: SwiGLU over several CTAs, and one stack with rows < block_m.
     (203, 128, 128, 6, 190, "random", GmmConfig(64, 128, 32, 3, num_ctas=2), True),
     (40, 128, 64, 7, 37, "random", GmmConfig(64, 64, 64, 2, num_ctas=2), False),
-    # K cut in 3 parts summed after the call (decode: more units than tiles x N blocks); rows of
-    # one group across two tiles, and a CTA with several units.
-    (20, 192, 128, 5, 12, "random", GmmConfig(64, 64, 32, 2, num_ctas=3, k_splits=3), False),
-    (136, 128, 64, 3, 130, "hot", GmmConfig(64, 64, 32, 2, num_ctas=2, k_splits=2), False),
     # The warp-specialised kernel: consumers split by M (a group's rows may fall in one consumer's
     # half only) and by N (one hot group).
     (301, 128, 128, 6, 290, "random", WsConfig(128, 128, 64, 3, "m", num_ctas=3), True),
@@ -205,10 +201,6 @@ def test_config_and_inputs_are_checked():
         GmmConfig(64, 128, 64, 6).check(2)
     with pytest.raises(ValueError, match="registers"):
         GmmConfig(128, 128, 64, 2).check(2)
-    with pytest.raises(ValueError, match="k_splits"):
-        GmmConfig(64, 64, 64, 2, k_splits=2).check(2)  # the fused SwiGLU needs whole sums
-    with pytest.raises(ValueError, match="k_splits"):
-        GmmConfig(k_splits=0)
     with pytest.raises(ValueError, match="split"):
         WsConfig(split="k")
     with pytest.raises(ValueError, match="block_m"):

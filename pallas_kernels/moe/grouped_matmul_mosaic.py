@@ -43,43 +43,30 @@ from pallas_kernels.common.device_info import SMEM_LIMIT
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
     """block_m: rows per tile (wgmma's M: 64 or 128); block_n: output columns per unit; block_k:
-    the K step of the TMA ring; stages: ring depth; num_ctas: persistent CTAs (0 = one per SM);
-    k_splits: parts K is cut into, each a unit of its own writing a float32 partial product that
-    XLA sums after the call (plain calls only: the SwiGLU epilogue needs whole sums). A decode
-    step's few tiles make too few units to keep every SM streaming; splitting K makes more."""
+    the K step of the TMA ring; stages: ring depth; num_ctas: persistent CTAs (0 = one per SM)."""
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     num_ctas: int = 0
-    k_splits: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m={self.block_m}: must be 64 or 128")
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n={self.block_n}: must be 64, 128, 192 or 256")
-        if self.k_splits < 1:
-            raise ValueError(f"k_splits={self.k_splits}: must be at least 1")
         check_ring(self)
 
     def smem_bytes(self, num_weights: int) -> int:
-        """The ring and the output's staging tile (float32 partial products with split K)."""
-        return ring_smem_bytes(self, num_weights) + (
-            2 * self.block_m * self.block_n if self.k_splits > 1 else 0)
+        return ring_smem_bytes(self, num_weights)
 
     def check(self, num_weights: int, weight_itemsize: int = 2) -> None:
         if weight_itemsize != 2:
             raise ValueError(f"{self}: the one-warpgroup kernel takes 16-bit weights")
-        if self.smem_bytes(num_weights) > SMEM_LIMIT:
-            raise ValueError(f"{self} needs {self.smem_bytes(num_weights)} bytes of shared "
-                             f"memory with {num_weights} weight stack(s); the limit is {SMEM_LIMIT}")
+        check_smem(self, num_weights)
         if num_weights * self.block_m * self.block_n > 128 * 128:
             raise ValueError(f"{self}: {num_weights} float32 accumulator(s) of block_m x block_n "
                              f"exceed one warpgroup's registers (at most 128 x 128 in all)")
-        if self.k_splits > 1 and num_weights != 1:
-            raise ValueError(f"{self}: k_splits > 1 takes one weight stack (the fused SwiGLU "
-                             f"needs whole sums)")
 
 
 def check_ring(cfg) -> None:
@@ -192,14 +179,10 @@ def plan(x, weights, group_sizes, cfg, table, weight_dtype=None):
     CTAs. Returns (x, table, n, units, num_ctas)."""
     _, n = check_inputs(x, weights, group_sizes, cfg.block_k, cfg.block_n, weight_dtype)
     cfg.check(len(weights), jnp.dtype(weight_dtype or x.dtype).itemsize)
-    splits = getattr(cfg, "k_splits", 1)
-    if (x.shape[1] // cfg.block_k) % splits:
-        raise ValueError(f"K={x.shape[1]}: its {x.shape[1] // cfg.block_k} steps of block_k="
-                         f"{cfg.block_k} do not split into k_splits={splits} equal parts")
     x, rows = pad_rows(x, cfg.block_m)
     if table is None:
         table = tile_table(group_sizes, rows, cfg.block_m)
-    units = table.shape[0] * (n // cfg.block_n) * splits
+    units = table.shape[0] * (n // cfg.block_n)
     return x, table, n, units, min(units, cfg.num_ctas or num_sms())
 
 
@@ -228,22 +211,17 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
     cfg = config
     m, k = x.shape
     x, table, n, units, num_ctas = plan(x, weights, group_sizes, cfg, table)
-    bm, bn, bk, splits = cfg.block_m, cfg.block_n, cfg.block_k, cfg.k_splits
-    nb, steps, rows = n // bn, k // bk // cfg.k_splits, x.shape[0]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    nb = n // bn
     fused = len(weights) == 2
-    dtype = x.dtype if splits == 1 else jnp.float32  # split K: float32 partial products
+    dtype = x.dtype
 
     def body(table_ref, x_ref, *refs):
         w_refs, o_ref = refs[:-1], refs[-1]
 
         @plgpu.nd_loop((units,), collective_axes="cta")
         def _unit(loop_info):
-            # unit = (tile, N block, K part), K part fastest
-            idx = loop_info.index[0]
-            part = lax.rem(idx, jnp.int32(splits))
-            ni, group, row0, load0, n_rows = unit_of(table_ref, lax.div(idx, jnp.int32(splits)),
-                                                     nb)
-            k0 = part * steps
+            ni, group, row0, load0, n_rows = unit_of(table_ref, loop_info.index[0], nb)
 
             @pl.when(n_rows > 0)
             def _():
@@ -253,10 +231,9 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
                             plgpu.wgmma(acc, x_smem, w)
 
                     plgpu.emit_pipeline(
-                        step, grid=(steps,),
-                        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, k0 + kk),
-                                                  delay_release=1)]
-                        + [plgpu.BlockSpec((bk, bn), lambda kk: (k0 + kk, ni), delay_release=1)]
+                        step, grid=(k // bk,),
+                        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1)]
+                        + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1)]
                         * len(w_refs),
                         max_concurrent_steps=cfg.stages,
                     )(x_ref.at[pl.ds(load0, bm)], *(w.at[group] for w in w_refs))
@@ -268,27 +245,23 @@ def grouped_matmul_mosaic(x: jax.Array, weights: tuple[jax.Array, ...], group_si
                 def store(o_smem):
                     o_smem[...] = out.astype(dtype)
                     plgpu.commit_smem()
-                    store_rows(o_smem, o_ref, row0 - load0, part * rows + row0, n_rows, bm,
-                               pl.ds(ni * bn, bn))
+                    store_rows(o_smem, o_ref, row0 - load0, row0, n_rows, bm, pl.ds(ni * bn, bn))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(store, plgpu.SMEM((bm, bn), dtype))
 
-    out = launch(body, x, weights, table, m, n, num_ctas, "grouped_matmul", interpret,
-                 out_dtype=dtype, copies=splits)
-    return out if splits == 1 else out.sum(axis=0).astype(x.dtype)
+    return launch(body, x, weights, table, m, n, num_ctas, "grouped_matmul", interpret)
 
 
 def launch(body, x, weights, table, m: int, n: int, num_ctas: int, name: str, interpret: bool,
-           scales: tuple = (), out_dtype=None, copies: int = 1, **threads) -> jax.Array:
+           scales: tuple = (), out_dtype=None, **threads) -> jax.Array:
     """Run either kernel's body(table, x, *weights, *scales, out) on `num_ctas` persistent CTAs
     (`threads`: the warp-specialised kernel's warpgroups); the output (in `out_dtype`, default x's)
-    has its rows past m (padding) cut. copies > 1: the output holds that many [rows, n] parts
-    one after another (split K's partial products), returned as [copies, m, n]."""
+    has its rows past m (padding) cut."""
     rows = x.shape[0]
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((copies * rows, n), out_dtype or x.dtype),
+        out_type=jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype),
         grid=(num_ctas,),
         grid_names=("cta",),
         kernel_name=name + ("_fp8" if scales else "") + ("_swiglu" if len(weights) == 2 else ""),
@@ -297,6 +270,4 @@ def launch(body, x, weights, table, m: int, n: int, num_ctas: int, name: str, in
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         **threads,
     )(table, x, *weights, *scales)
-    if copies > 1:
-        return out.reshape(copies, rows, n)[:, :m]
     return out[:m] if rows > m else out

@@ -28,27 +28,24 @@ from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
 from pallas_kernels.moe.grouped_matmul_ws import WsConfig
 
 SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "qwen3_30b_a3b": (128, 2048, 768, 8)}  # E, K, N, k
-# name -> config fields (`make_config`). The first is what `moe_experts` ran on gpt-oss before
-# split K; the H100 (ac61c62) put every unsplit tiling at 0.41-0.47 of the read rate at batch 1.
+# name -> config; 4 fields: the one-warpgroup kernel, more: the warp-specialised one. The first
+# is what `moe_experts` runs on gpt-oss today.
 TILINGS = {
     "wg_n64_s4": (64, 64, 64, 4),
     "wg_n64_s8": (64, 64, 64, 8),
+    "wg_n64_s12": (64, 64, 64, 12),
+    "wg_n64_k32_s12": (64, 64, 32, 12),
     "wg_n192_s4": (64, 192, 64, 4),
+    "wg_n192_s6": (64, 192, 64, 6),
+    "ws_m_n64_s8": (128, 64, 64, 8, "m"),
     "ws_m_n192_s4": (128, 192, 64, 4, "m"),
-    # K in parts (fields 5, 6: num_ctas, k_splits), float32 partials summed after the call
-    "wg_n64_s8_k3": (64, 64, 64, 8, 0, 3),
-    "wg_n64_s8_k5": (64, 64, 64, 8, 0, 5),
-    "wg_n64_s4_k9": (64, 64, 64, 4, 0, 9),
-    "wg_n192_s4_k3": (64, 192, 64, 4, 0, 3),
-    "wg_n192_s4_k5": (64, 192, 64, 4, 0, 5),
-    "wg_n192_s4_k9": (64, 192, 64, 4, 0, 9),
+    "ws_m_n192_s3_chain": (128, 192, 64, 3, "m", True),
 }
 ROUTINGS = 8
 
 
 def make_config(fields: tuple):
-    """A split name ("m" / "n") as the fifth field makes a WsConfig, else a GmmConfig."""
-    return WsConfig(*fields) if isinstance(fields[4:5] and fields[4], str) else GmmConfig(*fields)
+    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
 
 
 def routings(experts: int, k: int, hidden: int, tokens: int, count: int):

@@ -19,7 +19,7 @@ from jaxinfer.bench.suites import SUITES, suite_argv
 # checkpoints/ training runs). Each still carries the command that wrote it.
 HISTORICAL = {"fp8_gemv_h200", "fp8_matmul_h200", "fp8_matmul_h200_xquant_in_kernel",
               "startup_demo-target_h200", "research_loop_probes_h200", "grpo_demo_cpu",
-              "train_demo_h200", "step_paths_h100", "command_buffers_h100"}
+              "train_demo_h200", "step_paths_h100", "command_buffers_h100", "gmm_decode_h100"}
 
 
 def driver_argv(name: str) -> list[str]:

@@ -72,6 +72,7 @@ INTERPRET_CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
     # The warp-specialised kernel: consumers split by M (a group's rows may fall in one consumer's
     # half only) and by N (one hot group).
     (301, 128, 128, 6, 290, "random", WsConfig(128, 128, 64, 3, "m", num_ctas=3), True),
+    (40, 128, 192, 5, 37, "random", WsConfig(128, 192, 64, 2, "m", num_ctas=2), False),
     (136, 128, 256, 4, 136, "hot", WsConfig(64, 256, 32, 3, "n", num_ctas=2), True),
     # One ring across each CTA's units: CTAs with several units, one unit and none.
     (300, 128, 128, 6, 297, "random", WsConfig(128, 128, 64, 2, "m", True, num_ctas=2), False),
@@ -163,6 +164,10 @@ def test_dispatch_choice_and_config():
     assert [c.split for c in decode + prefill] == ["n", "n", "m", "m"]
     assert gm._fit(WsConfig(64, 256, 64, 4, "n"), 768 + 128).block_n == 128
     assert gm._fit(WsConfig(128, 128, 64, 4, "m"), 768 + 64) == GmmConfig(128, 64, 64, 4)
+    # gpt-oss's N = 2880 at decode: the consumers split 128-row windows of 192 columns (plain
+    # calls); a fused SwiGLU's two accumulators would not fit those registers.
+    assert gm._fit(WsConfig(64, 128, 64, 4, "n"), 2880) == WsConfig(128, 192, 64, 4, "m")
+    assert gm._fit(WsConfig(64, 128, 64, 4, "n"), 2880, stacks=2) == GmmConfig(64, 64, 64, 4)
     assert gm.mosaic_supports(2048, 768, jnp.bfloat16)
     assert not gm.mosaic_supports(2048, 768, jnp.float32)
     assert not gm.mosaic_supports(2048, 100, jnp.bfloat16)
@@ -247,3 +252,20 @@ def test_bench_counts_the_rows_the_kernel_computes(block_m, split):
                     want += block_m // 2 * (int(lo < block_m // 2) + int(hi > block_m // 2))
         config = WsConfig(block_m, 128, 64, 3, split)
         assert computed_rows(jnp.asarray(sizes, jnp.int32), rows, config) == want
+
+
+def test_gpt_oss_decode_lowers_for_cuda_on_the_wide_tiling():
+    """gpt-oss-20b at batch 1 (N = 2880, not a multiple of 128): gate, up and down as plain
+    calls on `_fit`'s 192-column warp-specialised tiling, lowered for an H100."""
+    tokens, experts, h, f, top_k = 1, 32, 2880, 2880, 4
+    s = jax.ShapeDtypeStruct
+    weights = (s((experts, h, f), jnp.bfloat16),) * 2 + (s((experts, f, h), jnp.bfloat16),)
+    biases = (s((experts, f), jnp.bfloat16),) * 2
+
+    def layer(x, ws, sizes, biases):
+        return gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl="mosaic",
+                              glu=gm.ClampedSwiGLU(), biases=biases)
+
+    text = _lower_for_cuda(layer, s((tokens * top_k, h), jnp.bfloat16), weights,
+                           s((experts,), jnp.int32), biases)
+    assert "grouped_matmul_ws" in text and "stablehlo.custom_call @mosaic_gpu" in text

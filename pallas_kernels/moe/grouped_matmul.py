@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.grouped_matmul_mosaic import (GmmConfig, grouped_matmul_mosaic, padded_rows,
                                                       tile_table)
+from pallas_kernels.common.device_info import SMEM_LIMIT
 from pallas_kernels.moe.grouped_matmul_ws import FP8, FP8_COMPUTE, WsConfig, grouped_matmul_ws
 
 IMPLS = ("mosaic", "padded", "ragged")
@@ -75,14 +76,22 @@ def mosaic_configs(rows: int, num_groups: int, fp8: bool = False) -> tuple[Confi
     return WsConfig(128, 128, 64, 3, "m"), WsConfig(128, 128, 64, 4, "m")
 
 
-def _fit(config: Config, n: int) -> Config:
-    """The config narrowed where its block_n does not divide N: for the warp-specialised kernel
-    128 when its consumers split N, else the one-warpgroup kernel on the same rows with 64-column
-    blocks (N is a multiple of 64: `mosaic_supports`)."""
+def _fit(config: Config, n: int, stacks: int = 1) -> Config:
+    """The config for N where its block_n does not divide N (`stacks`: the call's weight stacks).
+    A decode tiling (consumers splitting N) takes 128 columns where they divide N; else, for a
+    plain call where 192 do (gpt-oss: N = 2880), the warp-specialised kernel with the consumers
+    splitting 128-row windows: on the H100 it streamed gpt-oss's expert calls in 43.7 us at
+    batch 1 and 197 at 64 tokens, against 58.7 and 219 for the one-warpgroup kernel's 64-column
+    blocks (gmm_decode_h100.json), which remain for every other case (N is a multiple of 64:
+    `mosaic_supports`)."""
     if n % config.block_n == 0:
         return config
-    if isinstance(config, WsConfig) and config.split == "n" and n % 128 == 0:
-        return dataclasses.replace(config, block_n=128)
+    if isinstance(config, WsConfig) and config.split == "n":
+        if n % 128 == 0:
+            return dataclasses.replace(config, block_n=128)
+        wide = WsConfig(128, 192, config.block_k, config.stages, "m")
+        if n % 192 == 0 and stacks == 1 and wide.smem_bytes(1) <= SMEM_LIMIT:
+            return wide
     return GmmConfig(config.block_m, 64, config.block_k, config.stages)
 
 
@@ -215,11 +224,12 @@ def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None, glu=N
     w_gate, w_up, w_down = weights
     e, h, f = w_gate.shape
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e, fp8=scales is not None)
-    up_cfg, down_cfg = _fit(up_cfg, f), _fit(down_cfg, h)
+    plain = glu is not None or biases is not None  # gate and up as calls of their own
+    up_cfg, down_cfg = _fit(up_cfg, f, 1 if plain else 2), _fit(down_cfg, h)
     table = None
     if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
         table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
-    if glu is not None or biases is not None:
+    if plain:
         # Another activation or biases (gpt-oss): the kernel's SwiGLU epilogue does not apply, so
         # gate and up run as plain grouped matmuls and the activation runs in XLA between them.
         gid = jnp.minimum(_row_groups(group_sizes, x.shape[0])[0], e - 1)

@@ -4,7 +4,7 @@ timed on the rows a step of `--tokens` tokens routes, beside a plain read of the
 of 128 (gpt-oss-20b: K = N = 2880, so the warp-specialised tilings narrow to the one-warpgroup
 kernel's 64-column blocks: `grouped_matmul._fit`).
 
-    python -m jaxinfer.bench.profile.gmm_decode [--shape gpt_oss_20b] [--tokens 1 64] [--json F]
+    python -m jaxinfer.bench.profile.gmm_decode [--shape gpt_oss_20b] [--tokens 1 64] [--save]
 
 One call is one plain grouped matmul (a gate, up or down projection: one weight stack [E, K, N],
 bf16). The timed jit runs ROUTINGS calls, each on another random routing, so a call's experts are
@@ -21,31 +21,42 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.bench import anchors
+from jaxinfer.bench import anchors, results_io
 from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
 from pallas_kernels.moe import grouped_matmul as gm
 from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
 from pallas_kernels.moe.grouped_matmul_ws import WsConfig
 
 SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "qwen3_30b_a3b": (128, 2048, 768, 8)}  # E, K, N, k
-# name -> config; 4 fields: the one-warpgroup kernel, more: the warp-specialised one. The first
-# is what `moe_experts` runs on gpt-oss today.
+# name -> config fields (`make_config`). The first is what `moe_experts` ran on gpt-oss before
+# `grouped_matmul._fit` took the warp-specialised n192 tiling at decode. Dropped after losing on
+# the H100 (gmm_decode_h100.json, whose run also timed K split into 3, 5 and 9 parts: slower):
+# stages 12, block_k 32, 6 stages at n192, split-m n64, a chained ring.
 TILINGS = {
     "wg_n64_s4": (64, 64, 64, 4),
     "wg_n64_s8": (64, 64, 64, 8),
-    "wg_n64_s12": (64, 64, 64, 12),
-    "wg_n64_k32_s12": (64, 64, 32, 12),
     "wg_n192_s4": (64, 192, 64, 4),
-    "wg_n192_s6": (64, 192, 64, 6),
-    "ws_m_n64_s8": (128, 64, 64, 8, "m"),
     "ws_m_n192_s4": (128, 192, 64, 4, "m"),
-    "ws_m_n192_s3_chain": (128, 192, 64, 3, "m", True),
 }
 ROUTINGS = 8
 
 
 def make_config(fields: tuple):
-    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
+    """A split name ("m" / "n") as the fifth field makes a WsConfig, else a GmmConfig."""
+    return WsConfig(*fields) if isinstance(fields[4:5] and fields[4], str) else GmmConfig(*fields)
+
+
+def flat_metrics(res: dict) -> dict:
+    """The record's metrics: {shape}_t{tokens}_{tiling}_us / _frac_of_read / _rel_err, and the
+    read ceiling."""
+    m = {"read_tbps": round(res["read_tbps"], 3)}
+    for key, case in res.items():
+        if not (key.startswith("t") and isinstance(case, dict)):
+            continue
+        for name, r in case["tilings"].items():
+            for field, value in r.items():
+                m[f"{res['shape']}_{key}_{name}_{field}"] = value
+    return m
 
 
 def routings(experts: int, k: int, hidden: int, tokens: int, count: int):
@@ -118,11 +129,17 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", default="gpt_oss_20b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--json", default=None, help="write the figures here")
+    results_io.add_save_arg(ap, "gmm_decode_<gpu>")
     a = ap.parse_args(argv)
     res = run(a.shape, a.tokens)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+    if a.save:
+        results_io.save(a.save, a.name or f"gmm_decode_{results_io.device_slug()}",
+                        config=dict(shape=a.shape, experts_k_n_topk=SHAPES[a.shape],
+                                    tokens=a.tokens, routings=ROUTINGS, tilings=TILINGS),
+                        metrics=flat_metrics(res))
     print_table(res)
 
 

@@ -39,18 +39,18 @@ def _stack(rng, shape):
     return quantize(w, "fp8", axis=-2)
 
 
-# The e4m3 path of each consumer split (N: each consumer widens its half of the panel; M) and of
-# the ring across a CTA's units, SwiGLU; one stack through `moe_experts`' down projection in the
-# model test below.
+# The e4m3 path of each consumer split (N: each consumer widens its half of the panel; M), CTAs
+# with several units, SwiGLU; one stack through `moe_experts`' down projection in the model test
+# below.
 CASES = [  # rows, K, N, groups, rows to split, kind, config, fused
     (203, 128, 128, 6, 190, "random", WsConfig(64, 128, 32, 3, "n", num_ctas=2), True),
-    (136, 128, 128, 4, 133, "hot", WsConfig(128, 128, 64, 2, "m", True, num_ctas=3), True),
-    (200, 256, 256, 5, 197, "random", WsConfig(64, 256, 32, 4, "n", True, num_ctas=3), True),
+    (136, 128, 128, 4, 133, "hot", WsConfig(128, 128, 64, 2, "m", num_ctas=3), True),
+    (200, 256, 256, 5, 197, "random", WsConfig(64, 256, 32, 4, "n", num_ctas=3), True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}g{c[3]}{c[5]}"
-                         f"-{c[6].split}{'-chain' if c[6].chain else ''}"
+                         f"-{c[6].split}"
                          f"{'-swiglu' if c[7] else ''}")
 def test_fp8_kernel_interpreted_matches_dequantized_reference(case):
     rows, k, n, groups, split, kind, config, fused = case

@@ -12,8 +12,7 @@ both the decode weight stream and the compute-bound prefill tiles run faster on 
     takes block_m / 2 rows, sharing the weight panel; block_m 128) or along N (`split="n"`: each
     takes block_n / 2 columns of the same block_m rows, sharing the x window; block_m 64 keeps
     less of each window past a group's end);
-  - persistent CTAs (one per SM) walk the (tile, N block) work units; with `chain` one ring runs
-    across a CTA's units (`pipeline_state`);
+  - persistent CTAs (one per SM) walk the (tile, N block) work units;
   - each consumer stages its part of the output in shared memory and TMA-stores exactly its rows
     of the tile (`store_rows`), waiting for the previous unit's stores only when it reuses the
     buffer.
@@ -70,15 +69,12 @@ FP8_COMPUTE = jnp.float16  # what an e4m3 weight is widened to, and the dtype x 
 class WsConfig:
     """block_m x block_n: the CTA tile; split: how the two consumers share it ("m": block_m / 2
     rows each, "n": block_n / 2 columns each); block_k: the K step of the TMA ring; stages: ring
-    depth; chain: one ring across a CTA's units (the producer fetches the next unit's panels while
-    the consumers finish this one; K / block_k must be a multiple of stages); num_ctas: persistent
-    CTAs (0 = one per SM)."""
+    depth; num_ctas: persistent CTAs (0 = one per SM)."""
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     split: str = "m"
-    chain: bool = False
     num_ctas: int = 0
 
     def __post_init__(self):
@@ -162,23 +158,13 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
         else in_transforms
     wide_transforms = _tma_transforms(wn, FP8_COMPUTE)
 
-    if cfg.chain:
-        if (k // bk) % cfg.stages:
-            raise ValueError(f"{cfg}: chain needs K / block_k = {k // bk} to be a multiple of "
-                             f"stages")
-        # The used tiles are the table's first ones; their count rides in an extra last row, so
-        # the units walked are exactly the used ones (each CTA's last one ends its chain).
-        used = jnp.sum(table[:, 3] > 0, dtype=jnp.int32)
-        table = jnp.concatenate([table, jnp.stack([used, 0, 0, 0]).astype(jnp.int32)[None]])
-    nt = units // nb
-
-    def pipeline(body, context, state=None):
+    def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // bk,), memory_registers=_PRODUCER_REGISTERS,
             in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=in_transforms)]
             + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=w_transforms)] * nw,
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.stages,
-            compute_context=context, pipeline_state=state)
+            compute_context=context)
 
     def ignore(*_, **__):
         return None
@@ -193,9 +179,7 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
             rows_of_wg = pl.ds(wg * wm, wm) if cfg.split == "m" else slice(None)
             cols_of_wg = slice(None) if cfg.split == "m" else pl.ds(wg * wn, wn)
 
-            grid = (table_ref[nt, 0] * nb,) if cfg.chain else (units,)
-
-            @plgpu.nd_loop(grid, collective_axes="cta")
+            @plgpu.nd_loop((units,), collective_axes="cta")
             def _unit(loop_info):
                 ni, group, row0, load0, n_rows = unit_of(table_ref, loop_info.index[0], nb)
 
@@ -251,23 +235,12 @@ def grouped_matmul_ws(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
                     store_rows(o_smem.at[wg], o_ref, lo - first, load0 + lo, hi - lo, wm,
                                pl.ds(col0, wn))
 
-                def run(state=None):
-                    pipeline(mma, epilogue, state)(
+                @pl.when(n_rows > 0)
+                def _():
+                    pipeline(mma, epilogue)(
                         x_ref.at[pl.ds(load0, bm)],
                         *(w.at[group, :, pl.ds(ni * bn, bn)] for w in w_refs),
                         allocations=pipeline_allocs)
-
-                if not cfg.chain:
-                    pl.when(n_rows > 0)(run)
-                    return
-                # A chain starts the ring (prologue loads) at the CTA's first unit and drains it
-                # at its last; a CTA with a single unit runs a plain pipeline.
-                i, steps = loop_info.local_index, loop_info.num_local_steps
-                state = jnp.where(i == 0, plgpu.PipelinePipeline.START,
-                                  jnp.where(i == steps - 1, plgpu.PipelinePipeline.STOP,
-                                            plgpu.PipelinePipeline.STEADY)).astype(jnp.int32)
-                pl.when(steps == 1)(run)
-                pl.when(steps > 1)(lambda: run(state))
 
             pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
 

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 
 CASES = [(GmmConfig(64, 128, 64, 4), True), (WsConfig(128, 128, 64, 3, "m"), True),
          (WsConfig(64, 256, 32, 3, "n"), True), (WsConfig(128, 256, 64, 2, "m"), False),
-         (WsConfig(64, 256, 64, 4, "n"), False), (WsConfig(128, 128, 64, 4, "m", True), True),
-         (WsConfig(64, 256, 64, 4, "n", True), False)]  # (config, fused SwiGLU)
+         (WsConfig(64, 256, 64, 4, "n"), False),
+         (WsConfig(128, 192, 64, 4, "m"), False)]  # (config, fused SwiGLU)
 
 
 def _rel(out, ref) -> float:

@@ -20,12 +20,11 @@ PHASE_TOKENS = {"decode": 8, "prefill": 64} if TINY else {"decode": 64, "prefill
 # (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
 # the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
 SWEEP = {
-    "decode": ([(64, 128, 64, 4), (64, 128, 64, 4, "n", True)],
-               [(64, 128, 64, 6), (64, 256, 64, 4, "n", True)]),
-    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 4, "m", True), (128, 128, 64, 3, "m")],
-                [(128, 128, 64, 6), (128, 128, 64, 4, "m", True), (128, 256, 64, 3, "m")]),
+    "decode": ([(64, 128, 64, 4)], [(64, 128, 64, 6)]),
+    "prefill": ([(64, 128, 64, 4), (128, 128, 64, 3, "m")],
+                [(128, 128, 64, 6), (128, 256, 64, 3, "m")]),
 }
-# mosaic_2 at prefill: the dispatched gate/up, down on 128 x 256 tiles (half the units of K = 768
+# mosaic_1 at prefill: the dispatched gate/up, down on 128 x 256 tiles (half the units of K = 768
 # each, so half the per-unit ring fill and epilogue; docs/kernels/grouped_matmul.md).
 # e4m3 tilings timed beside `fp8_mosaic`: half the bytes per panel, so deeper rings fit, and at
 # prefill consumers that split N (each widens only its half of the panel).
@@ -43,7 +42,7 @@ def make_config(fields: tuple):
 
 def config_fields(config) -> tuple:
     """The inverse of `make_config` (num_ctas left at its default)."""
-    return dataclasses.astuple(config)[:6 if hasattr(config, "split") else 4]
+    return dataclasses.astuple(config)[:5 if hasattr(config, "split") else 4]
 
 
 def computed_rows(group_sizes, rows: int, config) -> int:

@@ -81,7 +81,7 @@ SSD_DECODE = {"bp64": dict(block_p=64), "bp32": dict(block_p=32),
 SWEEPS = dict(gdn_prefill=GDN_PREFILL, ssd_prefill=SSD_PREFILL, conv_prefill=CONV_PREFILL,
               gdn_decode=GDN_DECODE, ssd_decode=SSD_DECODE)
 DECODE_CALLS = 16
-TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=4, p=16, g=1, n=16),
+TINY = dict(gdn=dict(hk=1, hv=2, kd=16, vd=16), ssd=dict(h=2, p=16, g=1, n=16),
             conv=dict(c=32, w=4), prefill={"b2x40": [40, 24]}, decode=(2,))
 
 

@@ -53,7 +53,7 @@ DECODE = (1, 64)
 # name -> keyword arguments; the first of each is the kernel's default, whose times keep the
 # record's plain keys.
 # The prefill variants' sweep (ssm_kernels_h100.json) chose GDN's split form and SSD's fused one;
-# these tune what is left. Left out after losing on the H100 (1a18fab's record): 8 warps, block
+# these tune what is left. Left out after losing on the H100 (a run at 1a18fab): 8 warps, block
 # 16 at 8 x 1024, and SSD programs walking 2 or 4 heads of a group (C B^T shared; 0.4-0.7x).
 GDN_PREFILL = {
     "c32_bv64_stages2": dict(chunk_size=32, block_v=64, num_stages=2),
@@ -277,12 +277,12 @@ def prefill_cases(m, tiny, interpret, table, cfg):
         cu, slots, init = ragged(lens)
         t, s = sum(lens), len(lens)
         ins, pool = gdn_args(t, s, **gs)
+        gdn = lambda p, ins, cu, slots, init, **kw: gated_deltanet.gdn_prefill(
+            *ins, p, cu, slots, init, interpret=interpret, **kw)
         secs = sweep(m, f"gdn_prefill_{case}", cfg["gdn_prefill"], lambda **kw: pool_time(
-            lambda p, ins, cu, slots, init: gated_deltanet.gdn_prefill(
-                *ins, p, cu, slots, init, interpret=interpret, **kw), pool, ins, cu, slots, init))
+            functools.partial(gdn, **kw), pool, ins, cu, slots, init))
         if not interpret:
-            m[f"gdn_prefill_{case}_kernels_us"] = traced(lambda p, ins, cu, slots, init: (
-                gated_deltanet.gdn_prefill(*ins, p, cu, slots, init)), pool, ins, cu, slots, init)
+            m[f"gdn_prefill_{case}_kernels_us"] = traced(gdn, pool, ins, cu, slots, init)
         flops = gated_deltanet.gdn_prefill_flops(lens, gs["hv"], gs["kd"], gs["vd"])
         for name, sec in secs.items():
             tf = round(flops / sec / 1e12, 2)
@@ -290,14 +290,13 @@ def prefill_cases(m, tiny, interpret, table, cfg):
             add_row(table, ("gdn_prefill", case, name, sec, f"{tf} TF/s"))
         default_rate(m, f"gdn_prefill_{case}", GDN_PREFILL, "tflops")
         (x, dt, a, b, c), pool = ssd_args(t, s, **ss)
+        ssd = lambda p, ins, cu, slots, init, **kw: mamba2.ssd_prefill(
+            *ins, p, cu, slots, init, interpret=interpret, **kw)
         secs = sweep(m, f"ssd_prefill_{case}", cfg["ssd_prefill"], lambda **kw: pool_time(
-            lambda p, ins, cu, slots, init: mamba2.ssd_prefill(
-                *ins, p, cu, slots, init, interpret=interpret, **kw),
-            pool, (x, dt, a, b, c), cu, slots, init))
+            functools.partial(ssd, **kw), pool, (x, dt, a, b, c), cu, slots, init))
         if not interpret:
-            m[f"ssd_prefill_{case}_kernels_us"] = traced(lambda p, ins, cu, slots, init: (
-                mamba2.ssd_prefill(*ins, p, cu, slots, init)), pool, (x, dt, a, b, c), cu, slots,
-                init)
+            m[f"ssd_prefill_{case}_kernels_us"] = traced(ssd, pool, (x, dt, a, b, c), cu, slots,
+                                                         init)
         flops = mamba2.ssd_prefill_flops(lens, ss["h"], ss["p"], ss["n"])
         for name, sec in secs.items():
             tf = round(flops / sec / 1e12, 2)

@@ -38,6 +38,7 @@ from jaxinfer.core.request import Request, Sequence, SeqStatus
 from jaxinfer.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxinfer.core.waiting_queue import WaitingQueue
 
+
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, long_prefill_chunk: int, max_model_len: int,

@@ -76,6 +76,12 @@ def mosaic_configs(rows: int, num_groups: int, fp8: bool = False) -> tuple[Confi
     return WsConfig(128, 128, 64, 3, "m"), WsConfig(128, 128, 64, 4, "m")
 
 
+def config_from_fields(fields: tuple) -> Config:
+    """A tiling written as a tuple (the benchmarks' sweeps): 4 fields make a GmmConfig (the
+    one-warpgroup kernel), 5 (the consumers' split last) a WsConfig."""
+    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
+
+
 def _fit(config: Config, n: int, stacks: int = 1) -> Config:
     """The config for N where its block_n does not divide N (`stacks`: the call's weight stacks).
     A decode tiling (consumers splitting N) takes 128 columns where they divide N; else, for a

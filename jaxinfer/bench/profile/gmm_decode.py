@@ -24,14 +24,11 @@ import jax.numpy as jnp
 from jaxinfer.bench import anchors, results_io
 from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
 from pallas_kernels.moe import grouped_matmul as gm
-from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
-from pallas_kernels.moe.grouped_matmul_ws import WsConfig
 
 SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "qwen3_30b_a3b": (128, 2048, 768, 8)}  # E, K, N, k
-# name -> config fields (`make_config`). The first is what `moe_experts` ran on gpt-oss before
-# `grouped_matmul._fit` took the warp-specialised n192 tiling at decode. Dropped after losing on
-# the H100 (gmm_decode_h100.json, whose run also timed K split into 3, 5 and 9 parts: slower):
-# stages 12, block_k 32, 6 stages at n192, split-m n64, a chained ring.
+# name -> config fields (`grouped_matmul.config_from_fields`). The first is the 64-column
+# one-warpgroup tiling `_fit` falls back to; the last, what it gives gpt-oss's decode calls.
+# gmm_decode_h100.json also holds tilings that lost there (K split into parts among them).
 TILINGS = {
     "wg_n64_s4": (64, 64, 64, 4),
     "wg_n64_s8": (64, 64, 64, 8),
@@ -39,11 +36,6 @@ TILINGS = {
     "ws_m_n192_s4": (128, 192, 64, 4, "m"),
 }
 ROUTINGS = 8
-
-
-def make_config(fields: tuple):
-    """A split name ("m" / "n") as the fifth field makes a WsConfig, else a GmmConfig."""
-    return WsConfig(*fields) if isinstance(fields[4:5] and fields[4], str) else GmmConfig(*fields)
 
 
 def flat_metrics(res: dict) -> dict:
@@ -84,7 +76,7 @@ def run(shape: str, token_counts, tilings=TILINGS) -> dict:
         nbytes = sum(touched) / len(touched) * k_dim * n_dim * 2
         calls, errs = {}, {}
         for name, fields in tilings.items():
-            cfg = make_config(fields)
+            cfg = gm.config_from_fields(fields)
             try:
                 xs, sizes = cases[0]
                 got = gm.gmm(xs, (w,), sizes, cfg)

@@ -17,8 +17,7 @@ SHAPES = {  # experts, hidden, expert intermediate, top-k
 }
 PHASE_TOKENS = {"decode": 8, "prefill": 64} if TINY else {"decode": 64, "prefill": 2048}
 # Tilings timed per phase beside `mosaic` (what `moe_experts` runs: `mosaic_configs`' pair):
-# (gate/up fused, down) candidates; 4 fields make a GmmConfig (one-warpgroup kernel), 5 or 6 (with
-# the consumers' split, and whether one ring runs across units) a WsConfig (warp-specialised).
+# (gate/up fused, down) candidates as `grouped_matmul.config_from_fields` reads them.
 SWEEP = {
     "decode": ([(64, 128, 64, 4)], [(64, 128, 64, 6)]),
     "prefill": ([(64, 128, 64, 4), (128, 128, 64, 3, "m")],
@@ -33,15 +32,9 @@ FP8_SWEEP = {
     "prefill": ([(64, 256, 64, 3, "n")], [(64, 256, 64, 4, "n")]),
 }
 
-def make_config(fields: tuple):
-    from pallas_kernels.moe.grouped_matmul_mosaic import GmmConfig
-    from pallas_kernels.moe.grouped_matmul_ws import WsConfig
-
-    return WsConfig(*fields) if len(fields) > 4 else GmmConfig(*fields)
-
 
 def config_fields(config) -> tuple:
-    """The inverse of `make_config` (num_ctas left at its default)."""
+    """The inverse of `grouped_matmul.config_from_fields` (num_ctas left at its default)."""
     return dataclasses.astuple(config)[:5 if hasattr(config, "split") else 4]
 
 
@@ -101,8 +94,8 @@ def fp8_case(ws, tokens: int, phase: str, sweep: bool, baselines) -> tuple:
 
     def pair(up, down):
         def f(x, ws, ss, sizes):
-            h = gm.gmm(x.astype(jnp.float16), ws[:2], sizes, make_config(up), scales=ss[:2])
-            return gm.gmm(h, ws[2:], sizes, make_config(down), scales=ss[2:], out_dtype=x.dtype)
+            h = gm.gmm(x.astype(jnp.float16), ws[:2], sizes, gm.config_from_fields(up), scales=ss[:2])
+            return gm.gmm(h, ws[2:], sizes, gm.config_from_fields(down), scales=ss[2:], out_dtype=x.dtype)
         return jax.jit(f)
 
     def impl_call(impl):
@@ -141,17 +134,17 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
     save(res)
 
     def time_parts(xs, ws, sizes, up, down):
-        h = gm.gmm(xs, ws[:2], sizes, make_config(up))
+        h = gm.gmm(xs, ws[:2], sizes, gm.config_from_fields(up))
         parts = bench_interleaved({
-            "up": (functools.partial(gm.gmm, config=make_config(up)), (xs, ws[:2], sizes)),
-            "down": (functools.partial(gm.gmm, config=make_config(down)), (h, ws[2:], sizes))},
+            "up": (functools.partial(gm.gmm, config=gm.config_from_fields(up)), (xs, ws[:2], sizes)),
+            "down": (functools.partial(gm.gmm, config=gm.config_from_fields(down)), (h, ws[2:], sizes))},
             reps=3, inner=10)
         return {k: round(v * 1e6, 1) for k, v in parts.items()}
 
     def time_fp8_parts(xs, wq, sq, sizes, up, down):
         x16 = xs.astype(jnp.float16)
-        up_f = functools.partial(gm.gmm, config=make_config(up), scales=sq[:2])
-        down_f = functools.partial(gm.gmm, config=make_config(down), scales=sq[2:],
+        up_f = functools.partial(gm.gmm, config=gm.config_from_fields(up), scales=sq[:2])
+        down_f = functools.partial(gm.gmm, config=gm.config_from_fields(down), scales=sq[2:],
                                    out_dtype=xs.dtype)
         h = up_f(x16, wq[:2], sizes)
         parts = bench_interleaved({"up": (up_f, (x16, wq[:2], sizes)),
@@ -160,8 +153,8 @@ def kernel_section(deadline: float, models=tuple(SHAPES), sweep: bool = True,
 
     def mosaic_pair(up, down):
         def f(x, ws, sizes):
-            h = gm.gmm(x, ws[:2], sizes, make_config(up))
-            return gm.gmm(h, ws[2:], sizes, make_config(down))
+            h = gm.gmm(x, ws[:2], sizes, gm.config_from_fields(up))
+            return gm.gmm(h, ws[2:], sizes, gm.config_from_fields(down))
         return jax.jit(f)
 
     for model in models:

@@ -27,7 +27,7 @@ o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^
      matmuls a step) and writing each chunk's incoming state (in q's dtype) and v'; then
      `_o_kernel`, grid (chunk, Hv, V / 128), every chunk's output at once. This split beat
      computing the output on the serial walk (one kernel, five matmuls a step) on an H100:
-     48.5 vs 46.0 TF/s at 8 x 1024 tokens, 38.9 vs 24.1 at 1 x 8192 (1a18fab's record). The
+     48.5 vs 46.0 TF/s at 8 x 1024 tokens, 38.9 vs 24.1 at 1 x 8192 (c3db3f4's record). The
      default tiling is the sweep's fastest (benchmarks/results/ssm_kernels_h100.json): chunks
      of 32 (a two-block UT transform, twice the walk's steps), block_v 64, num_stages 2: 762 us
      against 872 at chunk 64 for 8 x 1024 tokens.

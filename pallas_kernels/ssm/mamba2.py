@@ -23,7 +23,7 @@ the state in registers, computing y on the serial walk. This beat mamba_ssm's sp
 (a state-update-only serial pass writing each chunk's incoming state to HBM, then every chunk's
 y at once) on an H100: 91.1 vs 73.9 TF/s at 8 x 1024 tokens, 69.1 vs 67.7 at 1 x 8192, the
 split at its best (block_p 64, num_stages 2; c3db3f4's record). So did one program per head
-against programs walking 2 or 4 heads of a group that share C B^T (0.4-0.7x, 1a18fab's).
+against programs walking 2 or 4 heads of a group that share C B^T (0.4-0.7x, H100, 1a18fab).
 x, B and C go in as they are (no padded copy: `tiles.rows_past_end`), and padding rows are
 zeroed by programs of their own, not by a select over y: that took the call from 657 to 426 us
 at 8 x 1024 tokens, 385 with `default_stages` (benchmarks/results/ssm_kernels_h100.json).

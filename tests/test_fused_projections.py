@@ -27,8 +27,10 @@ FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
 
 @pytest.mark.parametrize("family, quantization", [
-    ("llama", None), ("qwen2", None), ("qwen3", None), ("qwen3_moe", None), ("llama", "fp8")])
+    ("llama", None), ("qwen2", None), ("qwen3", None), ("qwen3_moe", None), ("llama", "fp8"),
+    ("gpt_oss", None), ("gpt_oss", "fp8")])
 def test_fused_weights_give_the_separate_projections_logits(family, quantization):
+    """Biased experts (gpt-oss) also get their gate/up stacks, scales and biases fused."""
     cfg = dataclasses.replace(load_config(FIXTURES / family), quantization=quantization)
     params = load_params(FIXTURES / family, cfg, jnp.float32, progress=False)
     fused = fuse_projections(params)
@@ -39,6 +41,17 @@ def test_fused_weights_give_the_separate_projections_logits(family, quantization
         parts = [np.asarray(attn[p][leaf]) for p in ("q_proj", "k_proj", "v_proj")]
         np.testing.assert_array_equal(np.asarray(value), np.concatenate(parts, axis=axis))
     assert ("gate_up_proj" in fused["layers_0"].get("mlp", {})) == ("mlp" in params["layers_0"])
+    moe = fused["layers_0"].get("moe", {})
+    assert ("w_gate_up" in moe) == (family == "gpt_oss")
+    if family == "gpt_oss":
+        separate = params["layers_0"]["moe"]
+        names = [("w_gate_up", "w_gate", "w_up"), ("gate_up_bias", "gate_bias", "up_bias")]
+        if quantization:
+            names.append(("w_gate_up_scale", "w_gate_scale", "w_up_scale"))
+        for name, gate, up in names:
+            assert gate not in moe and up not in moe
+            np.testing.assert_array_equal(np.asarray(moe[name]), np.concatenate(
+                [np.asarray(separate[gate]), np.asarray(separate[up])], axis=-1))
     assert jax.tree.structure(fuse_projections(fused)) == jax.tree.structure(fused)
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 11)), jnp.int32)
     np.testing.assert_allclose(np.asarray(train_forward(fused, cfg, tokens)),

@@ -97,6 +97,8 @@ def test_mosaic_interpreted_matches_reference(case):
 
 
 def test_moe_experts_every_impl_matches_reference():
+    """Every path, with gate and up as two stacks or as one [E, H, 2F]; 8-bit stacks fused with
+    their scales concatenated (the kernel hands those to XLA) give the two-stack result."""
     rng = np.random.default_rng(7)
     tokens, top_k, groups, h, f = 24, 2, 8, 128, 64
     rows = tokens * top_k
@@ -105,16 +107,28 @@ def test_moe_experts_every_impl_matches_reference():
     x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal(s) * s[1] ** -0.5, jnp.bfloat16)
                for s in [(groups, h, f), (groups, h, f), (groups, f, h)])
+    fused = (jnp.concatenate(ws[:2], axis=-1), ws[2])
     ref = gm.moe_experts_reference(x, ws, sizes)
+    np.testing.assert_array_equal(np.asarray(gm.moe_experts_reference(x, fused, sizes)),
+                                  np.asarray(ref))
     for impl in gm.IMPLS:
-        out = gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl=impl,
-                             interpret=impl == "mosaic")
-        assert _rel(out[:used], ref[:used]) < 1e-2, impl
+        for w in (ws, fused):
+            out = gm.moe_experts(x, w, sizes, max_group_size=tokens, impl=impl,
+                                 interpret=impl == "mosaic")
+            assert _rel(out[:used], ref[:used]) < 1e-2, (impl, len(w))
+    q = tuple(w.astype(gm.FP8) for w in ws)
+    scales = tuple(jnp.asarray(rng.uniform(0.5, 2, (groups, w.shape[2])), jnp.float32) for w in q)
+    two = gm.moe_experts(x, q, sizes, impl="ragged", scales=scales)
+    one = gm.moe_experts(x, (jnp.concatenate(q[:2], axis=-1), q[2]), sizes, impl="mosaic",
+                         gpu=True, hopper=True,
+                         scales=(jnp.concatenate(scales[:2], axis=-1), scales[2]))
+    assert _rel(one[:used], two[:used]) < 1e-2
 
 
 def test_gpt_oss_experts_every_impl_matches_a_float32_oracle():
-    """Biases and the clamped SwiGLU (gpt-oss) on every path; the kernel runs gate and up as two
-    plain grouped matmuls then. The oracle: each row's expert in float32, one at a time."""
+    """Biases and the clamped SwiGLU (gpt-oss) on every path, with gate and up as two stacks or
+    fused as one [E, H, 2F] (the layout one GPU serves); the kernel runs them as plain grouped
+    matmuls then. The oracle: each row's expert in float32, one at a time."""
     rng = np.random.default_rng(8)
     tokens, top_k, groups, h, f = 24, 2, 8, 128, 64
     rows = tokens * top_k
@@ -133,10 +147,12 @@ def test_gpt_oss_experts_every_impl_matches_a_float32_oracle():
     gate, up = np.minimum(gate, 1.5), np.clip(up, -1.5, 1.5)
     act = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
     ref = np.einsum("rf,rfh->rh", act, wf[2][gid])
+    fused = (jnp.concatenate(ws[:2], axis=-1), ws[2]), (jnp.concatenate(biases, axis=-1),)
     for impl in gm.IMPLS:
-        out = gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl=impl,
-                             interpret=impl == "mosaic", glu=glu, biases=biases)
-        assert _rel(out[:used], ref) < 2e-2, impl
+        for w, b in ((ws, biases), fused):
+            out = gm.moe_experts(x, w, sizes, max_group_size=tokens, impl=impl,
+                                 interpret=impl == "mosaic", glu=glu, biases=b)
+            assert _rel(out[:used], ref) < 2e-2, (impl, len(w))
 
 
 def test_dispatch_choice_and_config():
@@ -251,13 +267,18 @@ def test_bench_counts_the_rows_the_kernel_computes(block_m, split):
         assert computed_rows(jnp.asarray(sizes, jnp.int32), rows, config) == want
 
 
-def test_gpt_oss_decode_lowers_for_cuda_on_the_wide_tiling():
-    """gpt-oss-20b at batch 1 (N = 2880, not a multiple of 128): gate, up and down as plain
-    calls on `_fit`'s 192-column warp-specialised tiling, lowered for an H100."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpt_oss_decode_lowers_for_cuda_on_the_wide_tiling(fused):
+    """gpt-oss-20b at batch 1 (N = 2880, not a multiple of 128), lowered for an H100: gate, up
+    and down as plain calls on `_fit`'s 192-column warp-specialised tiling, or gate and up as one
+    call on their fused stack (N = 5760, a multiple of 128: the decode tiling) then down."""
     tokens, experts, h, f, top_k = 1, 32, 2880, 2880, 4
     s = jax.ShapeDtypeStruct
     weights = (s((experts, h, f), jnp.bfloat16),) * 2 + (s((experts, f, h), jnp.bfloat16),)
     biases = (s((experts, f), jnp.bfloat16),) * 2
+    if fused:
+        weights = (s((experts, h, 2 * f), jnp.bfloat16), weights[2])
+        biases = (s((experts, 2 * f), jnp.bfloat16),)
 
     def layer(x, ws, sizes, biases):
         return gm.moe_experts(x, ws, sizes, max_group_size=tokens, impl="mosaic",

@@ -1,6 +1,8 @@
 """Projections that read the same input, stored as one matrix: q/k/v as `qkv_proj`, gate/up as
 `gate_up_proj`, a Mamba-2 mixer's z/x/B/C/dt as `in_proj` (output features concatenated in that
-order).
+order), and biased experts' gate/up stacks as `w_gate_up` [E, H, 2F] (gpt-oss: the grouped
+matmul's SwiGLU epilogue lacks their activation, so gate and up run as plain calls, and one call
+twice as wide streams the same bytes with one launch and twice the work units of each).
 
 At decode batch sizes each projection is a matrix-vector product bound by reading its weight, and
 one wide matmul streams the weights faster than three or two narrow ones: the narrow k/v reads are
@@ -20,12 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.model.quant.layers import scale_name
 from jaxinfer.model.shared_experts import fuse_shared_experts, stackable
 
 # module name in a layer -> (fused projection, the projections it replaces, in output order)
 GROUPS = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
           "mlp": ("gate_up_proj", ("gate_proj", "up_proj")),
           "mamba": ("in_proj", ("in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c", "in_proj_dt"))}
+
+# A biased MoE layer's fused leaf -> the leaves it replaces, concatenated on their last axis.
+EXPERT_GROUPS = {"w_gate_up": ("w_gate", "w_up"),
+                 scale_name("w_gate_up"): (scale_name("w_gate"), scale_name("w_up")),
+                 "gate_up_bias": ("gate_bias", "up_bias")}
 
 
 def _out_axis(leaf: str) -> int:
@@ -44,16 +52,29 @@ def _concat(parts: list, axis: int, donate: bool):
     return out
 
 
+def _fuse_expert_gate_up(moe: dict, donate: bool) -> dict:
+    """A biased MoE layer's params with gate and up (stacks, scales, biases) fused."""
+    if "gate_bias" not in moe or "w_gate" not in moe:
+        return moe
+    moe = dict(moe)
+    for fused, parts in EXPERT_GROUPS.items():
+        if all(p in moe for p in parts):
+            moe[fused] = _concat([moe.pop(p) for p in parts], -1, donate)
+    return moe
+
+
 def fuse_projections(params: dict, *, donate: bool = False) -> dict:
-    """`params` with every layer's q/k/v and gate/up projections fused (a new tree; other leaves
-    are shared). Already fused or absent groups (MoE layers have no gate/up) are left as they are.
-    `donate`: delete the separate projections' device buffers once fused, so the peak memory stays
-    one layer's projections above the model's."""
+    """`params` with every layer's q/k/v and gate/up projections fused, and its biased experts'
+    gate/up stacks (a new tree; other leaves are shared). Already fused or absent groups are
+    left as they are. `donate`: delete the separate projections' device buffers once fused, so
+    the peak memory stays one layer's projections above the model's."""
     out = dict(params)
     for name, layer in params.items():
         if not name.startswith("layers_"):
             continue
         layer = dict(layer)
+        if "moe" in layer:
+            layer["moe"] = _fuse_expert_gate_up(layer["moe"], donate)
         for module, (fused, parts) in GROUPS.items():
             sub = layer.get(module)
             if sub is None or not all(p in sub for p in parts):
@@ -68,21 +89,25 @@ def fuse_projections(params: dict, *, donate: bool = False) -> dict:
 
 
 def is_fused(params: dict) -> bool:
-    return any(fused in layer.get(module, {}) for name, layer in params.items()
-               if name.startswith("layers_") for module, (fused, _) in GROUPS.items())
+    fused = [(module, name) for module, (name, _) in GROUPS.items()] + [("moe", "w_gate_up")]
+    return any(name in layer.get(module, {}) for key, layer in params.items()
+               if key.startswith("layers_") for module, name in fused)
 
 
 def fuse_for_serving(params: dict, platform, cfg=None) -> dict:
     """The tree an engine serves on `platform` (kernel_table.Platform): fused (the loaded buffers
-    donated) when every leaf lives on one GPU, where the fused matmuls are measured faster, and
-    the shared experts stored in the expert stacks (shared_experts.py: one grouped call); else
+    donated) when every leaf lives on one GPU, where the fused q/k/v and gate/up matmuls are
+    measured faster (gpt-oss's fused expert stack is not yet timed end to end:
+    docs/kernels/grouped_matmul.md), and the shared experts stored in the expert stacks
+    (shared_experts.py: one grouped call); else
     as loaded (a tree sharded over several devices; the CPU, where XLA's matmuls have no such
     tail). `cfg`: the model's config, whose family may run an MoE layer of its own that reads
     only the checkpoint's layout (shared_experts.stackable)."""
     devices = {d for leaf in jax.tree.leaves(params) for d in leaf.sharding.device_set}
     if len(devices) == 1 and platform.gpu:
-        fused = fuse_projections(params, donate=True)
-        return fuse_shared_experts(fused, donate=True) if stackable(cfg) else fused
+        if stackable(cfg):
+            params = fuse_shared_experts(params, donate=True)
+        return fuse_projections(params, donate=True)
     return params
 
 

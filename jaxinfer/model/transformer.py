@@ -184,8 +184,11 @@ class MoE(nn.Module):
         if cfg.expert_bias:
             f = cfg.moe_intermediate_size
             zeros = nn.initializers.zeros
-            extra["biases"] = (self.param("gate_bias", zeros, (e, f), self.dtype),
-                               self.param("up_bias", zeros, (e, f), self.dtype))
+            if self.has_variable("params", "gate_up_bias"):  # beside a fused gate/up stack
+                extra["biases"] = (self.param("gate_up_bias", zeros, (e, 2 * f), self.dtype),)
+            else:
+                extra["biases"] = (self.param("gate_bias", zeros, (e, f), self.dtype),
+                                   self.param("up_bias", zeros, (e, f), self.dtype))
             b_down = self.param("down_bias", zeros, (e, h), self.dtype)
         if cfg.swiglu_clamp:
             extra["glu"] = ClampedSwiGLU(*cfg.swiglu_clamp)

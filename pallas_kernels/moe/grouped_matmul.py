@@ -11,7 +11,8 @@ same without the Mosaic kernel, or one of the implementations:
   - "mosaic": the Hopper kernels: gate/up fused with SwiGLU in one call, then down; the
     warp-specialised kernel (`grouped_matmul_ws`) with tilings picked by rows per step
     (`mosaic_configs`), the one-warpgroup kernel (`grouped_matmul_mosaic`) where N does not fit
-    those tilings.
+    those tilings. gpt-oss's experts (biases, a clamped activation the epilogue lacks) run gate
+    and up as one plain call on their fused stack [E, H, 2F], the activation in XLA, then down.
   - "padded": a dense einsum over groups padded to a static capacity. The capacity bound is exact:
     a token routes to k *distinct* experts, so no group holds more rows than there are tokens, and
     with few tokens (decode) the padded compute is cheaper than the weight read it rides on.
@@ -175,11 +176,24 @@ def gmm_reference(x, stacks, group_sizes):
 
 
 def moe_experts_reference(x, weights, group_sizes):
-    """The expert MLP in float32 through `grouped_matmul_reference`."""
-    w_gate, w_up, w_down = weights
-    h = _silu_glu(grouped_matmul_reference(x, w_gate, group_sizes),
-                  grouped_matmul_reference(x, w_up, group_sizes), jnp.float32)
-    return grouped_matmul_reference(h, w_down, group_sizes).astype(x.dtype)
+    """The expert MLP in float32 through `grouped_matmul_reference` (either layout of
+    `moe_experts`' weights)."""
+    def mm(a, i):
+        return grouped_matmul_reference(a, weights[i], group_sizes)
+
+    return _glu_mlp(x, mm, weights, _silu_glu, None, lambda y, b: y, jnp.float32).astype(x.dtype)
+
+
+def _glu_mlp(x, mm, weights, glu, biases, add_bias, dtype):
+    """down(glu(x @ gate + b_gate, x @ up + b_up)) through `mm(a, i)`, stack i's grouped matmul:
+    gate and up from one call where `weights` hold them as one stack (`moe_experts`), else one
+    call each; `add_bias(y, b)` adds a bias (None: none) to a stack's output; `dtype`: glu's."""
+    b = biases or (None, None)
+    if len(weights) == 2:
+        gate, up = jnp.split(add_bias(mm(x, 0), b[0]), 2, axis=-1)
+    else:
+        gate, up = add_bias(mm(x, 0), b[0]), add_bias(mm(x, 1), b[1])
+    return mm(glu(gate, up, dtype), len(weights) - 1)
 
 
 def _ragged(x, weights, group_sizes, scales=None, glu=_silu_glu, biases=None):
@@ -195,10 +209,8 @@ def _ragged(x, weights, group_sizes, scales=None, glu=_silu_glu, biases=None):
                                preferred_element_type=jnp.float32)
         return (y * scales[i][gid]).astype(a.dtype)
 
-    b = biases or (None, None)
-    h = glu(_with_bias(mm(x, 0), b[0], gid, x.dtype), _with_bias(mm(x, 1), b[1], gid, x.dtype),
-            x.dtype)
-    return mm(h, 2)
+    return _glu_mlp(x, mm, weights, glu, biases, lambda y, b: _with_bias(y, b, gid, x.dtype),
+                    x.dtype)
 
 
 def _padded(x, weights, group_sizes, capacity: int, scales=None, glu=_silu_glu, biases=None):
@@ -217,34 +229,40 @@ def _padded(x, weights, group_sizes, capacity: int, scales=None, glu=_silu_glu, 
                        preferred_element_type=jnp.float32)
         return (y * scales[i][:, None, :]).astype(a.dtype)
 
-    gate, up = mm(xp, 0), mm(xp, 1)
-    if biases is not None:  # [E, F] per group: broadcast over the capacity slots
-        gate = (gate + biases[0][:, None, :].astype(gate.dtype)).astype(x.dtype)
-        up = (up + biases[1][:, None, :].astype(up.dtype)).astype(x.dtype)
-    yp = mm(glu(gate, up, x.dtype), 2)
+    def add_bias(y, b):  # [E, N] per group: broadcast over the capacity slots
+        return y if b is None else (y + b[:, None, :].astype(y.dtype)).astype(x.dtype)
+
+    yp = _glu_mlp(xp, mm, weights, glu, biases, add_bias, x.dtype)
     return yp.at[gid, slot].get(mode="fill", fill_value=0)
+
+
+def _plain_gate_up(weights, glu, biases) -> bool:
+    """Whether the kernel's SwiGLU epilogue does not apply: another activation or biases
+    (gpt-oss), or gate and up in one stack. Gate and up then run as plain grouped matmuls (one on
+    a fused stack) and the activation in XLA between them and down."""
+    return glu is not None or biases is not None or len(weights) == 2
 
 
 def _mosaic(x, weights, group_sizes, interpret: bool = False, scales=None, glu=None,
             biases=None):
-    w_gate, w_up, w_down = weights
-    e, h, f = w_gate.shape
+    e, n_up, h = weights[0].shape[0], weights[0].shape[2], weights[-1].shape[2]
     up_cfg, down_cfg = mosaic_configs(x.shape[0], e, fp8=scales is not None)
-    plain = glu is not None or biases is not None  # gate and up as calls of their own
-    up_cfg, down_cfg = _fit(up_cfg, f, 1 if plain else 2), _fit(down_cfg, h)
+    plain = _plain_gate_up(weights, glu, biases)
+    up_cfg, down_cfg = _fit(up_cfg, n_up, 1 if plain else 2), _fit(down_cfg, h)
     table = None
     if up_cfg.block_m == down_cfg.block_m:  # both calls cut the rows alike: one table for both
         table = tile_table(group_sizes, padded_rows(x.shape[0], up_cfg.block_m), up_cfg.block_m)
     if plain:
-        # Another activation or biases (gpt-oss): the kernel's SwiGLU epilogue does not apply, so
-        # gate and up run as plain grouped matmuls and the activation runs in XLA between them.
         gid = jnp.minimum(_row_groups(group_sizes, x.shape[0])[0], e - 1)
-        b = biases or (None, None)
-        gate = _with_bias(gmm(x, (w_gate,), group_sizes, up_cfg, interpret, table), b[0], gid,
-                          x.dtype)
-        up = _with_bias(gmm(x, (w_up,), group_sizes, up_cfg, interpret, table), b[1], gid, x.dtype)
-        y = (glu or _silu_glu)(gate, up, x.dtype)
-        return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
+
+        def mm(a, i):
+            last = i == len(weights) - 1
+            return gmm(a, (weights[i],), group_sizes, down_cfg if last else up_cfg, interpret,
+                       table)
+
+        return _glu_mlp(x, mm, weights, glu or _silu_glu, biases,
+                        lambda y, b: _with_bias(y, b, gid, x.dtype), x.dtype)
+    w_gate, w_up, w_down = weights
     if scales is None:
         y = gmm(x, (w_gate, w_up), group_sizes, up_cfg, interpret, table)
         return gmm(y, (w_down,), group_sizes, down_cfg, interpret, table)
@@ -291,28 +309,28 @@ def pick_impl(rows: int, num_groups: int, capacity: int, *, gpu: bool, kernel: b
     return "padded" if padding <= PADDED_MAX_FACTOR * rows else "ragged"
 
 
-def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array],
-                group_sizes: jax.Array, *, max_group_size: int | None = None,
-                impl: str = "auto", interpret: bool = False,
-                scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                glu: Callable | None = None,
-                biases: tuple[jax.Array, jax.Array] | None = None, gpu: bool | None = None,
+def moe_experts(x_sorted: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
+                max_group_size: int | None = None, impl: str = "auto", interpret: bool = False,
+                scales: tuple[jax.Array, ...] | None = None, glu: Callable | None = None,
+                biases: tuple[jax.Array, ...] | None = None, gpu: bool | None = None,
                 hopper: bool | None = None) -> jax.Array:
     """x_sorted [M, H] rows sorted by expert; weights (w_gate [E, H, F], w_up [E, H, F], w_down
-    [E, F, H]); group_sizes int32[E] (sum <= M). max_group_size: a static bound on any group's rows
-    (the step's token count; default M). impl: one of CHOICES (`choose_impl`). interpret: run
-    the Mosaic kernel in its interpreter (CPU tests). scales: float32 [E, out] per stack when the
-    weights are 8-bit (w = q * scale). glu: the gated activation `glu(gate, up, dtype)` (default
-    SwiGLU; `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it. gpu, hopper:
-    the device's kind (`choose_impl`). Returns
-    [M, H] in x's dtype; rows past sum(group_sizes) are undefined."""
+    [E, F, H]), or (w_gate_up [E, H, 2F], w_down) with gate and up as one stack (the layout one
+    GPU serves gpt-oss's experts in: jaxinfer/model/fused_projections.py); group_sizes int32[E]
+    (sum <= M). max_group_size: a static bound on any group's rows (the step's token count;
+    default M). impl: one of CHOICES (`choose_impl`). interpret: run the Mosaic kernel in its
+    interpreter (CPU tests). scales: float32 [E, out] per stack when the weights are 8-bit
+    (w = q * scale). glu: the gated activation `glu(gate, up, dtype)` (default SwiGLU;
+    `ClampedSwiGLU` for gpt-oss); biases: (gate, up) [E, F] added before it ((gate_up,) [E, 2F]
+    with a fused stack). gpu, hopper: the device's kind (`choose_impl`). Returns [M, H] in x's
+    dtype; rows past sum(group_sizes) are undefined."""
     m = x_sorted.shape[0]
     capacity = min(m, max_group_size or m)
     impl = choose_impl(m, weights[0].shape, capacity, x_sorted.dtype, weights[0].dtype, impl,
                        gpu=gpu, hopper=hopper)
-    if impl == "mosaic" and scales is not None and (glu is not None or biases is not None):
-        # The kernel's plain (unfused) calls take 16-bit stacks only: 8-bit gpt-oss experts
-        # take the XLA paths.
+    if impl == "mosaic" and scales is not None and _plain_gate_up(weights, glu, biases):
+        # The kernel's plain calls take 16-bit stacks only: 8-bit gpt-oss experts take the XLA
+        # paths.
         impl = pick_impl(m, weights[0].shape[0], capacity, gpu=True, kernel=False)
     if impl == "mosaic":
         if scales is not None and jnp.dtype(weights[0].dtype) != jnp.dtype(FP8):

@@ -1,16 +1,18 @@
-"""The routed experts' grouped matmul at decode on one model's expert shape: each tiling of TILINGS
+"""The routed experts' grouped matmul at decode on a model's expert shapes: each tiling of TILINGS
 timed on the rows a step of `--tokens` tokens routes, beside a plain read of the bytes it streams
 (the same run's ceiling). It answers which tiling streams a shape whose K and N are not multiples
 of 128 (gpt-oss-20b: K = N = 2880, so the warp-specialised tilings narrow to the one-warpgroup
 kernel's 64-column blocks: `grouped_matmul._fit`).
 
-    python -m jaxinfer.bench.profile.gmm_decode [--shape gpt_oss_20b] [--tokens 1 64] [--save]
+    python -m jaxinfer.bench.profile.gmm_decode [--shape gpt_oss_20b ...] [--tokens 1 64] [--save]
 
-One call is one plain grouped matmul (a gate, up or down projection: one weight stack [E, K, N],
-bf16). The timed jit runs ROUTINGS calls, each on another random routing, so a call's experts are
-not the previous call's (L2 holds 50 MB; four gpt-oss experts are 66 MB). Reported per tiling and
-token count: µs per call, the streamed experts' bytes over that time (TB/s) and over the read
-ceiling, and the output's error against `jax.lax.ragged_dot`.
+One call is one plain grouped matmul (one weight stack [E, K, N], bf16): a gate, up or down
+projection, or gate and up as one stack twice as wide (`gpt_oss_20b_gate_up`: the layout one GPU
+serves gpt-oss in, one call where the separate stacks take two). The timed jit runs ROUTINGS
+calls, each on another random routing, so a call's experts are not the previous call's (L2 holds
+50 MB; four gpt-oss experts are 66 MB). Reported per shape, tiling and token count: µs per call,
+the streamed experts' bytes over that time (TB/s) and over the read ceiling, and the output's
+error against `jax.lax.ragged_dot`.
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ from jaxinfer.bench import anchors, results_io
 from jaxinfer.bench.kernel_prefill import bench_interleaved, rel_err
 from pallas_kernels.moe import grouped_matmul as gm
 
-SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "qwen3_30b_a3b": (128, 2048, 768, 8)}  # E, K, N, k
-# name -> config fields (`grouped_matmul.config_from_fields`). The first is the 64-column
-# one-warpgroup tiling `_fit` falls back to; the last, what it gives gpt-oss's decode calls.
-# gmm_decode_h100.json also holds tilings that lost there (K split into parts among them).
+SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "gpt_oss_20b_gate_up": (32, 2880, 5760, 4),
+          "qwen3_30b_a3b": (128, 2048, 768, 8)}  # E, K, N, k
+# name -> config fields (`grouped_matmul.config_from_fields`), each timed where its block_n
+# divides N. The first is the 64-column one-warpgroup tiling `_fit` falls back to; ws_m_n192,
+# what it gives gpt-oss's decode calls at N = 2880; ws_n_n128, the decode tiling, which N = 5760
+# keeps. gmm_decode_h100.json also holds tilings that lost there (K split into parts among them).
 TILINGS = {
     "wg_n64_s4": (64, 64, 64, 4),
     "wg_n64_s8": (64, 64, 64, 8),
     "wg_n192_s4": (64, 192, 64, 4),
     "ws_m_n192_s4": (128, 192, 64, 4, "m"),
+    "ws_n_n128_s4": (64, 128, 64, 4, "n"),
 }
 ROUTINGS = 8
 
@@ -64,11 +69,12 @@ def routings(experts: int, k: int, hidden: int, tokens: int, count: int):
     return out
 
 
-def run(shape: str, token_counts, tilings=TILINGS) -> dict:
+def run(shape: str, token_counts, read: float, tilings=TILINGS) -> dict:
+    """Each tiling at each token count on `shape`, against `read` (the read ceiling, bytes/s)."""
     experts, k_dim, n_dim, top_k = SHAPES[shape]
+    tilings = {name: fields for name, fields in tilings.items() if n_dim % fields[1] == 0}
     w = (jax.random.normal(jax.random.key(0), (experts, k_dim, n_dim), jnp.float32)
          * k_dim ** -0.5).astype(jnp.bfloat16)
-    read = max(anchors.read_rates(256 << 20).values())
     res: dict = {"shape": shape, "experts_k_n_topk": SHAPES[shape], "read_tbps": read / 1e12}
     for tokens in token_counts:
         cases = routings(experts, top_k, k_dim, tokens, ROUTINGS)
@@ -118,21 +124,25 @@ def print_table(res: dict) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="gpt_oss_20b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", nargs="+", default=["gpt_oss_20b", "gpt_oss_20b_gate_up"],
+                    choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--json", default=None, help="write the figures here")
     results_io.add_save_arg(ap, "gmm_decode_<gpu>")
     a = ap.parse_args(argv)
-    res = run(a.shape, a.tokens)
+    read = max(anchors.read_rates(256 << 20).values())
+    results = [run(shape, a.tokens, read) for shape in a.shape]
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(results, f, indent=1)
     if a.save:
+        metrics = {k: v for res in results for k, v in flat_metrics(res).items()}
         results_io.save(a.save, a.name or f"gmm_decode_{results_io.device_slug()}",
-                        config=dict(shape=a.shape, experts_k_n_topk=SHAPES[a.shape],
-                                    tokens=a.tokens, routings=ROUTINGS, tilings=TILINGS),
-                        metrics=flat_metrics(res))
-    print_table(res)
+                        config=dict(shapes={s: SHAPES[s] for s in a.shape}, tokens=a.tokens,
+                                    routings=ROUTINGS, tilings=TILINGS),
+                        metrics=metrics)
+    for res in results:
+        print_table(res)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from jaxinfer.model.gemm_rows import Dense
 from jaxinfer.model.quant.ops import STORAGE, QuantizedMatmul
 
 EXPERT_PROJS = ("w_gate", "w_up", "w_down")
+FUSED_EXPERT_PROJS = ("w_gate_up", "w_down")  # gate and up as one stack (fused_projections.py)
 
 
 def scale_name(weight: str) -> str:
@@ -58,15 +59,18 @@ def linear(cfg: ModelConfig, dtype, kernels) -> functools.partial:
 
 
 def expert_weights(module: nn.Module, cfg: ModelConfig, dtype) -> tuple[tuple, tuple | None]:
-    """Declare the expert stacks (w_gate, w_up [E, H, F]; w_down [E, F, H]) on `module`; returns
-    (weights, scales): scales [E, out] float32 per stack under quantization, else None."""
+    """Declare the expert stacks (w_gate, w_up [E, H, F]; w_down [E, F, H]) on `module`, or
+    (w_gate_up [E, H, 2F], w_down) where its params hold gate and up fused; returns (weights,
+    scales): scales [E, out] float32 per stack under quantization, else None."""
     e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    shapes = {"w_gate": (e, h, f), "w_up": (e, h, f), "w_down": (e, f, h)}
+    shapes = {"w_gate": (e, h, f), "w_up": (e, h, f), "w_gate_up": (e, h, 2 * f),
+              "w_down": (e, f, h)}
+    names = FUSED_EXPERT_PROJS if module.has_variable("params", "w_gate_up") else EXPERT_PROJS
     if not cfg.quantization:
         init = nn.initializers.lecun_normal()
-        return tuple(module.param(n, init, shapes[n], dtype) for n in EXPERT_PROJS), None
+        return tuple(module.param(n, init, shapes[n], dtype) for n in names), None
     storage = STORAGE[cfg.quantization]
-    weights = tuple(module.param(n, nn.initializers.zeros, shapes[n], storage) for n in EXPERT_PROJS)
+    weights = tuple(module.param(n, nn.initializers.zeros, shapes[n], storage) for n in names)
     scales = tuple(module.param(scale_name(n), nn.initializers.ones, (e, shapes[n][2]), jnp.float32)
-                   for n in EXPERT_PROJS)
+                   for n in names)
     return weights, scales

@@ -111,8 +111,10 @@ SUB = 16  # rows of the UT transform's diagonal blocks (Triton's smallest dot si
 def _block_lower_inverse(a: dict, nb: int) -> dict:
     """(I + A)^-1 of a strictly lower-triangular matrix given as SUB x SUB blocks a[i, j] (i >= j):
     the diagonal blocks by forward substitution (all in one loop), then block forward substitution
-    T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's solve_tril). float32 dots (IEEE) throughout:
-    T's entries feed every row of w and u."""
+    T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's solve_tril) as dots of float32 operands at
+    Triton's default precision for them, TF32 (10-bit mantissas: errors of bf16's order, the
+    dtype w and u are stored in when serving). Not so the diagonal blocks: as dots (the product
+    form, docs/kernels/ssm.md) their powers of A cancel, which TF32 does not survive."""
     diag = unit_lower_inverse(*(a[i, i] for i in range(nb)))
     diag = diag if nb > 1 else (diag,)
     inv = {(i, i): diag[i] for i in range(nb)}

@@ -28,12 +28,12 @@ CHUNK = 16
 NUM_SLOTS = 8
 
 
-@functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "block_v", "chunk"))
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "block_v", "chunk", "ut_solve"))
 def prefill(q, k, v, g, beta, pool, cu, slots, init, src_slots=None, use_qk_l2norm=True,
-            block_v=16, chunk=CHUNK):
+            block_v=16, chunk=CHUNK, ut_solve="rows"):
     return gdn.gdn_prefill(q, k, v, g, beta, pool, cu, slots, init, src_slots=src_slots,
                            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk, block_v=block_v,
-                           interpret=True)
+                           ut_solve=ut_solve, interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",))
@@ -92,14 +92,16 @@ def test_prefill_matches_reference(seed, hk, hv, vd, block_v, l2):
     assert not np.asarray(o[int(cu[-1]):]).any()
 
 
-@pytest.mark.parametrize("seed, lens, chunk", [
-    (11, [150, 0, 1, 64, 40], 64),  # the serving chunk: four 16-row blocks of the UT transform
-    (12, [70, 33, 1], 32),
+@pytest.mark.parametrize("seed, lens, chunk, ut_solve", [
+    (11, [150, 0, 1, 64, 40], 64, "rows"),  # four 16-row blocks of the UT transform
+    (12, [70, 33, 1], 32, "rows"),  # the default chunk
+    (13, [150, 0, 1, 64, 40], 64, "doubling"),  # the diagonal blocks inverted by dots
+    (14, [70, 33, 1], 32, "doubling"),
 ])
-def test_prefill_long_chunks_match_reference(seed, lens, chunk):
+def test_prefill_long_chunks_match_reference(seed, lens, chunk, ut_solve):
     t, cu, slots, init = batch(seed, lens)
     q, k, v, g, beta, pool = inputs(seed, t)
-    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, chunk=chunk)
+    o, new = prefill(q, k, v, g, beta, pool, cu, slots, init, chunk=chunk, ut_solve=ut_solve)
     o_ref, p_ref = reference.gdn_recurrent_reference(q, k, v, g, beta, pool, cu, slots, init)
     assert_close(o, o_ref, 2e-5)
     assert_close(new, p_ref, 2e-5)
@@ -228,6 +230,12 @@ def test_unit_lower_inverse_is_the_inverse():
     both = jax.jit(gdn.unit_lower_inverse)(jnp.asarray(lower), jnp.asarray(other))
     for m, inv in zip((lower, other), both):  # one shared loop, each its own inverse
         np.testing.assert_allclose(np.asarray(inv) @ (np.eye(16) + m), np.eye(16), atol=1e-5)
+    # By doubling, at float32's precision: random blocks, and correlated keys' (A near 1 below
+    # the diagonal: powers in the thousands that cancel to an inverse of entries <= 1).
+    correlated = np.tril(np.full((16, 16), 0.99, np.float32), -1)
+    for m, atol in ((lower, 1e-5), (other, 1e-5), (correlated, 1e-3)):
+        inv = jax.jit(gdn.unit_lower_inverse_by_doubling)(jnp.asarray(m))
+        np.testing.assert_allclose(np.asarray(inv), np.linalg.inv(np.eye(16) + m), atol=atol)
 
 
 def test_flops_count_real_rows():
@@ -249,6 +257,8 @@ def test_bad_shapes_are_named():
         gdn.gdn_prefill(q, k, v, g, beta, pool, cu[:1], slots, init, interpret=True)
     with pytest.raises(ValueError, match="chunk_size"):
         gdn.gdn_prefill(q, k, v, g, beta, pool, cu, slots, init, chunk_size=24, interpret=True)
+    with pytest.raises(ValueError, match="ut_solve='lu'"):
+        gdn.gdn_prefill(q, k, v, g, beta, pool, cu, slots, init, ut_solve="lu", interpret=True)
 
 
 def test_kernels_lower_for_cuda():
@@ -259,8 +269,9 @@ def test_kernels_lower_for_cuda():
     args = (sd((t, hk, d), bf), sd((t, hk, d), bf), sd((t, hv, d), bf), sd((t, hv), f32),
             sd((t, hv), f32), sd((n, hv, d, d), f32), sd((s + 1,), i32), sd((s,), i32),
             sd((s,), bool))
-    text = lower_for_cuda(gdn.gdn_prefill, *args)
-    assert all(name in text for name in ("gdn_prefill_wy", "gdn_prefill_h", "gdn_prefill_o"))
+    for ut_solve in gdn.UT_SOLVES:  # (doubling: 3xTF32 dots, which only the GPU lowers)
+        text = lower_for_cuda(functools.partial(gdn.gdn_prefill, ut_solve=ut_solve), *args)
+        assert all(name in text for name in ("gdn_prefill_wy", "gdn_prefill_h", "gdn_prefill_o"))
     text = lower_for_cuda(gdn.gdn_decode, sd((s, hk, d), bf), sd((s, hk, d), bf),
                           sd((s, hv, d), bf), sd((s, hv), f32), sd((s, hv), f32),
                           sd((n, hv, d, d), f32), sd((s,), i32))

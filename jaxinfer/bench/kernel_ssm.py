@@ -61,6 +61,11 @@ GDN_PREFILL = {
     "c32_bv32_stages2": dict(chunk_size=32, block_v=32, num_stages=2),
     "c32_bv16_stages2": dict(chunk_size=32, block_v=16, num_stages=2),  # one prompt: 256 walks
     "c32_bv64_stages3": dict(chunk_size=32, block_v=64, num_stages=3),
+    # The UT transform's diagonal blocks inverted by 3xTF32 dots (`ut_solve`), at the default
+    # chunk and at 64, whose four diagonal blocks the row loop makes costlier.
+    "c32_bv64_stages2_doubling": dict(chunk_size=32, block_v=64, num_stages=2,
+                                      ut_solve="doubling"),
+    "bv64_stages2_doubling": dict(chunk_size=64, block_v=64, num_stages=2, ut_solve="doubling"),
 }
 SSD_PREFILL = {
     "bp64": dict(block_p=64),  # stages by batch: mamba2.default_stages

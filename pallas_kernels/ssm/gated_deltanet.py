@@ -20,8 +20,8 @@ gc = cumsum(g), D = exp(gc_i - gc_j) (i >= j), T = (I + strictly-lower(beta_i k_
 o = (q exp(gc)) S + (q k^T * D) v', S <- exp(gc_last) S + (k exp(gc_last - gc))^T v'.
   1. `_wy_kernel`, grid (chunk, Hv): w and u of every chunk of every sequence at once (chunks
      from `batch.chunk_table`; they never cross sequences), T by 16-row blocks (forward
-     substitution on the diagonal blocks, 16 x 16 float32 dots for the rest: fla's solve_tril),
-     written to HBM in k's / v's dtype;
+     substitution on the diagonal blocks, or dots with `ut_solve="doubling"`; 16 x 16 float32
+     dots for the rest: fla's solve_tril), written to HBM in k's / v's dtype;
   2. `_h_kernel`, grid (S, Hv, V / block_v), walks a sequence's chunks in order with its
      [K, block_v] slice of the state in registers, doing only v' and the state update (two
      matmuls a step) and writing each chunk's incoming state (in q's dtype) and v'; then
@@ -83,6 +83,27 @@ def unit_lower_inverse(*lowers: jax.Array) -> jax.Array | tuple:
     return inv[0] if len(lowers) == 1 else inv
 
 
+def unit_lower_inverse_by_doubling(lower: jax.Array, precision=None) -> jax.Array:
+    """(I + lower)^-1 for a strictly lower-triangular float32 [n, n], n a power of two, by dots:
+    lower^n = 0, so sum_{p < n} (-lower)^p factors as (I - lower)(I + lower^2)(I + lower^4)...
+    (I + lower^(n/2)), log2(n) - 1 squarings and as many products (6 dots at n = 16) where
+    `unit_lower_inverse` takes n - 1 serial row steps. The powers cancel, so the dots need
+    float32's precision: `precision` 3xTF32 on the GPU (docs/kernels/ssm.md gives the errors)."""
+    n = lower.shape[0]
+    eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0)
+           == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(jnp.float32)
+    inv, power = eye - lower, lower
+    for _ in range(n.bit_length() - 2):
+        power = pltriton.dot(power, power, precision=precision)
+        inv = inv + pltriton.dot(inv, power, precision=precision)
+    return inv
+
+
+# How the WY pass inverts the UT transform's diagonal blocks: "rows" (`unit_lower_inverse`),
+# "doubling" (`unit_lower_inverse_by_doubling`, 3xTF32 dots).
+UT_SOLVES = ("rows", "doubling")
+
+
 def _normed(x, l2: bool, scale: float = 1.0):
     x = x.astype(jnp.float32)
     if l2:
@@ -108,15 +129,21 @@ def _chunk_decay(g, chunk):
 SUB = 16  # rows of the UT transform's diagonal blocks (Triton's smallest dot side)
 
 
-def _block_lower_inverse(a: dict, nb: int) -> dict:
+def _block_lower_inverse(a: dict, nb: int, ut_solve: str, interpret: bool) -> dict:
     """(I + A)^-1 of a strictly lower-triangular matrix given as SUB x SUB blocks a[i, j] (i >= j):
-    the diagonal blocks by forward substitution (all in one loop), then block forward substitution
+    the diagonal blocks as `ut_solve` says (by forward substitution all in one loop, or by
+    doubling: 3xTF32 dots, IEEE in the interpreter, which lacks 3xTF32), then block substitution
     T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's solve_tril) as dots of float32 operands at
     Triton's default precision for them, TF32 (10-bit mantissas: errors of bf16's order, the
     dtype w and u are stored in when serving). Not so the diagonal blocks: as dots (the product
     form, docs/kernels/ssm.md) their powers of A cancel, which TF32 does not survive."""
-    diag = unit_lower_inverse(*(a[i, i] for i in range(nb)))
-    diag = diag if nb > 1 else (diag,)
+    if ut_solve == "doubling":
+        precision = (lax.DotAlgorithmPreset.F32_F32_F32 if interpret
+                     else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+        diag = tuple(unit_lower_inverse_by_doubling(a[i, i], precision) for i in range(nb))
+    else:
+        diag = unit_lower_inverse(*(a[i, i] for i in range(nb)))
+        diag = diag if nb > 1 else (diag,)
     inv = {(i, i): diag[i] for i in range(nb)}
     for i in range(nb):
         for j in range(i):
@@ -125,7 +152,8 @@ def _block_lower_inverse(a: dict, nb: int) -> dict:
     return inv
 
 
-def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: int, l2: bool):
+def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: int, l2: bool,
+               ut_solve: str, interpret: bool):
     """One (chunk, value head): the UT transform T in SUB-row blocks, then w = T (beta exp(gc) k),
     u = T (beta v), block row by block row. Blocks keep the triangular solve off 64 x 64 register
     tensors (a row loop over those costs more than all the matmuls)."""
@@ -163,7 +191,7 @@ def _wy_kernel(chunks_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, chunk: i
                     diff = jnp.where(r > c, diff, -jnp.inf)
                 a[i, j] = (betas[i][:, None] * dot(ks[i], ks[j], dtype, trans_b=True)
                            * jnp.exp(diff))
-        inv = _block_lower_inverse(a, nb)
+        inv = _block_lower_inverse(a, nb, ut_solve, interpret)
         for i in range(nb):
             ok = (i * SUB + sub < n)[:, None]
             at = pl.ds(row0 + i * SUB, SUB)
@@ -250,17 +278,21 @@ def _check_gdn(q, k, v, g, beta, state_pool, block_v):
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_state=None, *,
                 src_slots=None, use_qk_l2norm: bool = True, chunk_size: int = 32, block_v: int = 64,
-                num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                num_warps: int = 4, num_stages: int = 2, ut_solve: str = "rows",
+                interpret: bool = False):
     """The chunked gated delta rule over a ragged batch (module docstring). Returns
     (o [T, Hv, V] in v's dtype, zeros on padding/dead rows; state_pool with each live sequence's
     final state in its slot). chunk_size: a power of two >= 16 (the result is the same at any
     chunk, to rounding); block_v: the V block of the serial pass; num_warps, num_stages:
-    Triton's, for all three kernels (defaults: the H100 sweep's fastest)."""
+    Triton's, for all three kernels (defaults: the H100 sweep's fastest); ut_solve: one of
+    UT_SOLVES ("doubling" is not yet timed: `jaxinfer bench kernels --only ssm` sweeps it)."""
     hk, hv, kd, bv = _check_gdn(q, k, v, g, beta, state_pool, block_v)
     t, vd = q.shape[0], v.shape[2]
     check_ragged(t, cu_seqlens, slots, has_initial_state, src_slots)
     if chunk_size & (chunk_size - 1) or chunk_size < 16:
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= 16")
+    if ut_solve not in UT_SOLVES:
+        raise ValueError(f"ut_solve={ut_solve!r}: expected one of {', '.join(UT_SOLVES)}")
     cu = cu_seqlens.astype(jnp.int32)
     info = sequence_table(cu, slots, has_initial_state, src_slots)
     chunks = chunk_table(cu, slots, t, chunk_size)
@@ -273,7 +305,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, has_initial_sta
     head_spec = lambda d: pl.BlockSpec((tp, None, d), lambda i, h: (0, h, 0))
     gate_spec = pl.BlockSpec((tp, None), lambda i, h: (0, h))
     w, u = pl.pallas_call(
-        functools.partial(_wy_kernel, chunk=chunk_size, l2=use_qk_l2norm),
+        functools.partial(_wy_kernel, chunk=chunk_size, l2=use_qk_l2norm, ut_solve=ut_solve,
+                          interpret=interpret),
         grid=(chunks.shape[0], hv),
         in_specs=[pl.BlockSpec(chunks.shape, lambda i, h: (0, 0)), key_spec, head_spec(vd),
                   gate_spec, gate_spec],

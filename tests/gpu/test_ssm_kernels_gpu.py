@@ -30,13 +30,22 @@ def untouched(before, after):
     np.testing.assert_array_equal(np.asarray(after)[others], np.asarray(before)[others])
 
 
-@pytest.mark.parametrize("block_v", [32, 64, 128])
-def test_gdn_prefill(block_v):
+@pytest.mark.parametrize("block_v, ut_solve, correlated", [
+    (32, "rows", False), (64, "rows", False), (128, "rows", False), (64, "doubling", False),
+    (64, "rows", True), (64, "doubling", True)])
+def test_gdn_prefill(block_v, ut_solve, correlated):
+    """`correlated`: every key near one vector and beta near 1, so the UT transform's blocks
+    are near 1 below the diagonal, where the doubling's powers cancel most."""
     t, cu, slots, init = batch()
     ins, pool = gdn_args(t, 8, **GDN)
+    if correlated:
+        q, k, v, g, beta = ins
+        k = (k[:1] + 0.01 * k).astype(k.dtype)
+        ins = (q, k, v, g, jnp.full_like(beta, 0.99))
     want = reference.gdn_chunked_reference(*ins, pool, cu, slots, init)
     before = np.asarray(pool)
-    run = jax.jit(lambda p: gated_deltanet.gdn_prefill(*ins, p, cu, slots, init, block_v=block_v),
+    run = jax.jit(lambda p: gated_deltanet.gdn_prefill(*ins, p, cu, slots, init, block_v=block_v,
+                                                       ut_solve=ut_solve),
                   donate_argnums=0)
     o, new = run(pool)
     assert rel_err(o, want[0]) < 2e-2 and rel_err(new, want[1]) < 2e-2

@@ -32,13 +32,16 @@ SHAPES = {"gpt_oss_20b": (32, 2880, 2880, 4), "gpt_oss_20b_gate_up": (32, 2880, 
 # name -> config fields (`grouped_matmul.config_from_fields`), each timed where its block_n
 # divides N. The first is the 64-column one-warpgroup tiling `_fit` falls back to; ws_m_n192,
 # what it gives gpt-oss's decode calls at N = 2880; ws_n_n128, the decode tiling, which N = 5760
-# keeps. gmm_decode_h100.json also holds tilings that lost there (K split into parts among them).
+# keeps; ws_m_n64, three times the units of ws_m_n192 on the same kernel (a batch-1 call's 4
+# experts make 60 units of 192 columns at N = 2880, for 132 SMs). gmm_decode_h100.json also
+# holds tilings that lost there (K split into parts among them).
 TILINGS = {
     "wg_n64_s4": (64, 64, 64, 4),
     "wg_n64_s8": (64, 64, 64, 8),
     "wg_n192_s4": (64, 192, 64, 4),
     "ws_m_n192_s4": (128, 192, 64, 4, "m"),
     "ws_n_n128_s4": (64, 128, 64, 4, "n"),
+    "ws_m_n64_s4": (128, 64, 64, 4, "m"),
 }
 ROUTINGS = 8
 

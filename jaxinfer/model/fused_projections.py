@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model.quant.layers import scale_name
+from jaxinfer.model.quant.layers import EXPERT_PROJS, FUSED_EXPERT_PROJS, scale_name
 from jaxinfer.model.shared_experts import fuse_shared_experts, stackable
 
 # module name in a layer -> (fused projection, the projections it replaces, in output order)
@@ -31,8 +31,9 @@ GROUPS = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
           "mamba": ("in_proj", ("in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c", "in_proj_dt"))}
 
 # A biased MoE layer's fused leaf -> the leaves it replaces, concatenated on their last axis.
-EXPERT_GROUPS = {"w_gate_up": ("w_gate", "w_up"),
-                 scale_name("w_gate_up"): (scale_name("w_gate"), scale_name("w_up")),
+_GATE_UP, _PARTS = FUSED_EXPERT_PROJS[0], EXPERT_PROJS[:2]
+EXPERT_GROUPS = {_GATE_UP: _PARTS,
+                 scale_name(_GATE_UP): tuple(scale_name(p) for p in _PARTS),
                  "gate_up_bias": ("gate_bias", "up_bias")}
 
 
@@ -54,7 +55,7 @@ def _concat(parts: list, axis: int, donate: bool):
 
 def _fuse_expert_gate_up(moe: dict, donate: bool) -> dict:
     """A biased MoE layer's params with gate and up (stacks, scales, biases) fused."""
-    if "gate_bias" not in moe or "w_gate" not in moe:
+    if "gate_bias" not in moe or _PARTS[0] not in moe:
         return moe
     moe = dict(moe)
     for fused, parts in EXPERT_GROUPS.items():
@@ -89,7 +90,7 @@ def fuse_projections(params: dict, *, donate: bool = False) -> dict:
 
 
 def is_fused(params: dict) -> bool:
-    fused = [(module, name) for module, (name, _) in GROUPS.items()] + [("moe", "w_gate_up")]
+    fused = [(module, name) for module, (name, _) in GROUPS.items()] + [("moe", _GATE_UP)]
     return any(name in layer.get(module, {}) for key, layer in params.items()
                if key.startswith("layers_") for module, name in fused)
 
